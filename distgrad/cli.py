@@ -1,0 +1,225 @@
+"""Command-line front ends: ``distgrad`` (run, demo, experiments, stage) and ``distgrad-stage``.
+
+Thin by design: parse, build a validated configuration, call the Python API,
+map errors to exit codes:
+
+====  ==========================================================
+0     success
+1     a stage failed (computation error, a stage of the launcher failed)
+2     usage or configuration error (bad flag, experiment, endpoint, --init)
+3     the peer did not answer in time, or fell silent mid-run
+4     the peer refused us (error reply: mismatched experiment, bad step...)
+130   stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM
+====  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+# BLAS pools are sized when numpy loads: pin them before anything imports it
+# (an explicit setting in the environment wins).
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+              "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+from .errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
+                     ProtocolError, StageError)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, Interrupted):
+        return 128 + error.signum
+    if isinstance(error, ConfigError):
+        return EXIT_USAGE
+    if isinstance(error, PeerTimeout):
+        return EXIT_TIMEOUT
+    if isinstance(error, (PeerRejected, ProtocolError)):
+        return EXIT_REJECTED
+    return EXIT_FAILED
+
+
+def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None:
+    if experiment_required:
+        p.add_argument("--experiment", required=True, metavar="NAME_OR_PATH",
+                       help="built-in experiment name or path to an experiment TOML file")
+    p.add_argument("--init", metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="override initial parameter values; a value fills the whole parameter")
+    p.add_argument("--steps", type=int, metavar="N", help="training steps (default: the experiment's)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed for initialisation and data (default: the experiment's)")
+    p.add_argument("--summary", type=Path, metavar="PATH", help="write the run summary JSON here")
+    p.add_argument("--trace", type=Path, metavar="PATH", help="write one JSON line per step here")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="longest wait for the peer: a reply (driver) or the next request mid-run (server); default 5")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
+        "drives the training loop (--connect). Exit codes: 0 ok, 1 stage failed, 2 usage, "
+        "3 peer timeout, 4 peer refused, 130/143 stopped by SIGINT/SIGTERM."))
+    p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
+    _common_flags(p, experiment_required=True)
+    p.add_argument("--bind", metavar="ENDPOINT", help="serve on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
+    p.add_argument("--connect", metavar="ENDPOINT", help="drive training against the stage serving here")
+    p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
+    p.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here once listening")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distgrad", description="Train one model g(f(x)) across a process boundary.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run an experiment: every stage as its own local process")
+    run.add_argument("experiment", metavar="NAME_OR_PATH")
+    _common_flags(run, experiment_required=False)
+    run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    run.add_argument("--in-process", action="store_true",
+                     help="run all stages in this one process (the reference the wire must match)")
+    demo = sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes")
+    demo.add_argument("--steps", type=int, metavar="N")
+    demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub.add_parser("experiments", help="list the built-in experiments")
+    stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
+    stage.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+
+
+def _run_stage(args: argparse.Namespace) -> int:
+    from .daemon import StageOptions, StopFlag, drive_first_stage, serve_last_stage
+    from .experiment import load_experiment, parse_init_overrides
+    from .transport import DEFAULT_TIMEOUT_S
+
+    exp = load_experiment(args.experiment)
+    if (args.bind is None) == (args.connect is None):
+        raise ConfigError("give exactly one of --bind (serving stage) or --connect (driving stage)")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    opts = StageOptions(exp, args.stage, exp.seed if args.seed is None else args.seed,
+                        parse_init_overrides(args.init), args.steps, args.summary, args.trace,
+                        DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout)
+    exp.stage_index(args.stage)
+    stop = StopFlag().install()
+    if args.bind is not None:
+        if args.stage != exp.stage_names[-1]:
+            raise ConfigError(f"--bind is for the serving stage {exp.stage_names[-1]!r}, not {args.stage!r}")
+        serve_last_stage(opts, args.bind, stop, args.keep_serving, args.ready_file)
+    else:
+        if args.stage != exp.stage_names[0]:
+            raise ConfigError(f"--connect is for the driving stage {exp.stage_names[0]!r}, not {args.stage!r}")
+        if args.keep_serving or args.ready_file:
+            raise ConfigError("--keep-serving and --ready-file are for the serving stage")
+        drive_first_stage(opts, args.connect, stop)
+    return EXIT_OK
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    from .daemon import StopFlag
+    from .experiment import load_experiment, parse_init_overrides
+    from .inprocess import train_in_process
+    from .launcher import run_local
+
+    exp = load_experiment(args.experiment)
+    if args.in_process or len(exp.stages) == 1:
+        summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
+                                   args.summary, args.trace)
+    else:
+        stop = StopFlag().install()
+        summary = run_local(args.experiment, steps=args.steps, seed=args.seed, init=args.init,
+                            summary_path=args.summary, trace_path=args.trace, transport=args.transport,
+                            timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check)
+    _print_result(summary)
+    return EXIT_OK
+
+
+def _print_result(summary: dict) -> None:
+    print(f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s "
+          f"({summary.get('mode', 'two-process')}), final loss {summary['final_loss']:.6g}")
+    for stage, params in summary["params"].items():
+        for name, value in params.items():
+            text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
+            print(f"  {stage}.{name} = {text}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .daemon import StopFlag
+    from .launcher import run_local
+
+    stop = StopFlag().install()
+    print("distgrad demo: the seed's reverse accumulation, f and g in two processes over ZeroMQ", flush=True)
+    summary = run_local("seed-reverse", steps=args.steps, transport=args.transport, log_level=args.log_level,
+                        check_stop=stop.check)
+    f_w, g_w = summary["params"]["f"]["fW"][0], summary["params"]["g"]["gW"][0]
+    print(f"final fW = {f_w:.8f}  gW = {g_w:.8f}  loss = {summary['final_loss']:.8g}  "
+          f"({summary['steps']} steps, {summary['elapsed_s']:.2f} s)")
+    if (f_w > 0) == (g_w > 0) and abs(abs(f_w) - 1) < 0.05 and abs(abs(g_w) - 1) < 0.05:
+        print(f"both weights reached {'+1' if f_w > 0 else '-1'} with the same sign, so g(f(x)) = x, as the seed says")
+        return EXIT_OK
+    print("the weights did not converge to +-1 together (try more --steps)")
+    return EXIT_FAILED
+
+
+def _list_experiments() -> int:
+    from .experiment import builtin_names, load_experiment
+
+    for name in builtin_names():
+        exp = load_experiment(name)
+        print(f"{name:18s} {len(exp.stages)} stage(s), {exp.steps} steps: "
+              f"{' '.join(str(exp.raw.get('description', '')).split())[:90]}")
+    return EXIT_OK
+
+
+def _guarded(fn, args: argparse.Namespace) -> int:
+    log = logging.getLogger("distgrad")
+    try:
+        return fn(args)
+    except Interrupted as e:
+        log.warning("%s; stopped cleanly", e)
+        return _exit_code(e)
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        return 130
+    except DistgradError as e:
+        log.error("%s", e)
+        return _exit_code(e)
+
+
+def stage_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``distgrad-stage``."""
+    args = build_stage_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    return _guarded(_run_stage, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``distgrad``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["stage"]:
+        args = build_stage_parser("distgrad stage").parse_args(argv[1:])
+        _setup_logging(args.log_level)
+        return _guarded(_run_stage, args)
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "log_level", "INFO"))
+    commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments()}
+    return _guarded(commands[args.command], args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

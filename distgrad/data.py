@@ -1,0 +1,102 @@
+"""Data sources. Each stage asks only for its own part.
+
+A source answers, for a 1-based step number, the features (the first stage's
+input) and the targets (the label owner's part). Batches are a pure function
+of the step, so the data position is just the step counter: a stage that
+resumes at step ``k`` sees exactly the batch it would have seen.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConfigError
+from .nn import DTYPE, Shape
+
+
+class DataSource(abc.ABC):
+    feature_shape: Shape
+    target_shape: Shape
+    target_dtype: np.dtype = np.dtype(DTYPE)
+
+    @abc.abstractmethod
+    def features(self, step: int) -> np.ndarray:
+        """float32 array of ``feature_shape`` for 1-based ``step``."""
+
+    @abc.abstractmethod
+    def targets(self, step: int) -> np.ndarray:
+        """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
+
+
+class Ramp(DataSource):
+    """The seed's data: ``x = float32(start + delta * i)`` with ``i = step - 1``, target ``x``.
+
+    ``x`` is computed in double precision and then cast, as the seed feeds a
+    Python float to a float32 placeholder. Unbatched: shape ``(size,)``.
+    """
+
+    def __init__(self, start: float = 1.0, delta: float = -0.1, size: int = 1) -> None:
+        self.start, self.delta = float(start), float(delta)
+        self.feature_shape = self.target_shape = (int(size),)
+
+    def features(self, step: int) -> np.ndarray:
+        return np.full(self.feature_shape, self.start + self.delta * (step - 1), DTYPE)
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.features(step)
+
+
+class SyntheticRegression(DataSource):
+    """Seeded regression data from a fixed random teacher ``tanh(X @ A) @ B + noise``.
+
+    ``samples`` rows of ``features`` inputs and ``outputs`` targets; batches of
+    ``batch`` rows walk a per-epoch permutation drawn from the data seed.
+    Every stage regenerates the same arrays from the seed, so nothing about
+    them crosses the wire; the features stay with the first stage and the
+    targets with the label owner.
+    """
+
+    def __init__(self, seed: int, samples: int = 1024, features: int = 4, outputs: int = 1,
+                 hidden: int = 8, batch: int = 32, noise: float = 0.01) -> None:
+        if batch < 1 or samples < batch:
+            raise ConfigError(f"synthetic_regression needs 1 <= batch <= samples, got batch={batch}, samples={samples}")
+        rng = np.random.default_rng([seed, 7])
+        self.x = rng.normal(size=(samples, features)).astype(DTYPE)
+        a = rng.normal(size=(features, hidden)) / np.sqrt(features)
+        b = rng.normal(size=(hidden, outputs)) / np.sqrt(hidden)
+        y = np.tanh(self.x.astype(np.float64) @ a) @ b + noise * rng.normal(size=(samples, outputs))
+        self.y = y.astype(DTYPE)
+        self.seed, self.batch = seed, batch
+        self.batches_per_epoch = samples // batch
+        self.feature_shape, self.target_shape = (batch, features), (batch, outputs)
+        self._epoch, self._order = -1, np.arange(0)
+
+    def _rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step - 1, self.batches_per_epoch)
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.x))
+            self._epoch = epoch
+        return self._order[index * self.batch:(index + 1) * self.batch]
+
+    def features(self, step: int) -> np.ndarray:
+        return self.x[self._rows(step)]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.y[self._rows(step)]
+
+
+def build_data(spec: Mapping[str, Any], seed: int) -> DataSource:
+    """Build the data source named by an experiment's ``[data]`` table."""
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    try:
+        if kind == "ramp":
+            return Ramp(**spec)
+        if kind == "synthetic_regression":
+            return SyntheticRegression(seed=int(spec.pop("seed", seed)), **spec)
+    except TypeError as e:
+        raise ConfigError(f"invalid options for data kind {kind!r}: {sorted(spec)} ({e})") from e
+    raise ConfigError(f"unknown data kind {kind!r}: use ramp or synthetic_regression")

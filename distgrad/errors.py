@@ -1,0 +1,57 @@
+"""One exception hierarchy for distgrad.
+
+Every error a user can act on is a ``DistgradError``; each also subclasses the
+builtin it means, so callers that catch ``ValueError`` or ``TimeoutError``
+keep working.
+"""
+
+from __future__ import annotations
+
+
+class DistgradError(Exception):
+    """Base of every error distgrad raises on purpose."""
+
+
+class ConfigError(DistgradError, ValueError):
+    """An experiment file, a command-line value or an override is invalid."""
+
+
+class ProtocolError(DistgradError, ValueError):
+    """A message broke the wire protocol.
+
+    ``code`` is the short machine-readable name sent back in an error reply
+    (see docs/protocol.md); the message says what was wrong and what was
+    expected.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.args[0]}"
+
+
+class PeerTimeout(DistgradError, TimeoutError):
+    """The peer did not answer within the configured time."""
+
+
+class PeerRejected(DistgradError, RuntimeError):
+    """The peer answered with an error reply (code and message included)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"peer replied with error {code}: {message}")
+        self.code = code
+        self.peer_message = message
+
+
+class StageError(DistgradError, RuntimeError):
+    """A stage failed while computing a step; the cause is chained."""
+
+
+class Interrupted(DistgradError):
+    """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum

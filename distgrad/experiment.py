@@ -1,0 +1,223 @@
+"""Experiment files: what each stage runs, on what data, from what seed.
+
+An experiment is a TOML file that every stage reads (see the built-ins in
+``distgrad/experiments/``). Top-level keys: ``name``, ``description``,
+``steps``, ``seed``, ``labels`` (``"last"``: the label owner is the last
+stage, the default; ``"first"``: the targets travel downstream with the
+activations), ``allow_nonfinite`` (default false), a ``[data]`` table and one
+``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
+of layer tables), ``optimizer`` and, on the last stage only, ``loss``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .data import DataSource, build_data
+from .errors import ConfigError
+from .losses import Loss, build_loss
+from .nn import Sequential, Shape, build_model
+from .optim import Optimizer, build_optimizer
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+BUILTIN_DIR = Path(__file__).parent / "experiments"
+_TOP_KEYS = {"name", "description", "steps", "seed", "labels", "allow_nonfinite", "data", "stages"}
+_STAGE_KEYS = {"name", "model", "optimizer", "loss"}
+
+
+def builtin_names() -> list[str]:
+    """Names of the experiments shipped with distgrad."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    model: list[dict[str, Any]]
+    optimizer: dict[str, Any]
+    loss: Any = None
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A validated experiment. ``raw`` is the parsed file; ``fingerprint`` its hash."""
+
+    name: str
+    steps: int
+    seed: int
+    labels: str
+    allow_nonfinite: bool
+    data: dict[str, Any]
+    stages: list[StageSpec]
+    raw: dict[str, Any] = field(repr=False)
+    fingerprint: str = ""
+    source: str = ""
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    @property
+    def labels_travel(self) -> bool:
+        """True when the targets cross the wire with the activations."""
+        return self.labels == "first" and len(self.stages) > 1
+
+    def stage_index(self, name: str) -> int:
+        for i, spec in enumerate(self.stages):
+            if spec.name == name:
+                return i
+        raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {self.stage_names}")
+
+    def build_data(self, seed: int | None = None) -> DataSource:
+        return build_data(self.data, self.seed if seed is None else seed)
+
+    def input_shapes(self, data: DataSource, seed: int | None = None) -> list[Shape]:
+        """The input shape of every stage, in order, with the output shape of the last appended."""
+        shapes = [data.feature_shape]
+        for spec in self.stages:
+            shapes.append(build_model(spec.model, self.seed if seed is None else seed).output_shape(shapes[-1]))
+        return shapes
+
+    def all_param_names(self, seed: int | None = None) -> set[str]:
+        names: set[str] = set()
+        for spec in self.stages:
+            names.update(build_model(spec.model, self.seed if seed is None else seed).params)
+        return names
+
+
+def _fail(source: str, message: str) -> ConfigError:
+    return ConfigError(f"experiment {source}: {message}")
+
+
+def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experiment:
+    """Validate a parsed experiment table and return an ``Experiment``."""
+    raw = dict(raw)
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise _fail(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail(source, "'name' must be a non-empty string")
+    steps, seed = raw.get("steps", 100), raw.get("seed", 0)
+    if not isinstance(steps, int) or steps < 1:
+        raise _fail(source, f"'steps' must be a positive integer, got {steps!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise _fail(source, f"'seed' must be a non-negative integer, got {seed!r}")
+    labels = raw.get("labels", "last")
+    if labels not in ("last", "first"):
+        raise _fail(source, f"'labels' must be 'last' or 'first', got {labels!r}")
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        raise _fail(source, "needs a [data] table")
+    stage_tables = raw.get("stages")
+    if not isinstance(stage_tables, list) or not stage_tables:
+        raise _fail(source, "needs at least one [[stages]] table")
+    stages = []
+    for i, table in enumerate(stage_tables):
+        if not isinstance(table, dict):
+            raise _fail(source, f"stage {i} is not a table")
+        unknown = set(table) - _STAGE_KEYS
+        if unknown:
+            raise _fail(source, f"stage {i} has unknown keys {sorted(unknown)}; allowed: {sorted(_STAGE_KEYS)}")
+        last = i == len(stage_tables) - 1
+        if not isinstance(table.get("name"), str) or not table["name"]:
+            raise _fail(source, f"stage {i} needs a 'name'")
+        if not isinstance(table.get("model"), list):
+            raise _fail(source, f"stage {table['name']!r} needs a 'model' list of layers")
+        if last != ("loss" in table):
+            raise _fail(source, f"stage {table['name']!r}: exactly the last stage has a 'loss'")
+        stages.append(StageSpec(table["name"], list(table["model"]), dict(table.get("optimizer", {})),
+                                table.get("loss")))
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise _fail(source, f"stage names must be unique, got {names}")
+    canonical = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+    exp = Experiment(name, steps, seed, labels, bool(raw.get("allow_nonfinite", False)), data, stages,
+                     raw, hashlib.sha256(canonical.encode()).hexdigest(), source)
+    # Build everything once so a bad file fails here, naming itself, not mid-run.
+    try:
+        data_source = exp.build_data()
+        shapes = exp.input_shapes(data_source)
+        loss = build_loss(stages[-1].loss)
+        loss.target_shape(shapes[-1])
+        for spec in stages:
+            build_optimizer(spec.optimizer)
+        Sequential([layer for spec in stages for layer in build_model(spec.model, seed).layers])
+    except ConfigError as e:
+        raise _fail(source, str(e)) from e
+    return exp
+
+
+def load_experiment(name_or_path: str | Path) -> Experiment:
+    """Load a built-in experiment by name, or an experiment file by path.
+
+    Raises ``ConfigError`` naming the file and the problem.
+    """
+    path = Path(name_or_path)
+    if not path.is_file():
+        builtin = BUILTIN_DIR / f"{name_or_path}.toml"
+        if not builtin.is_file():
+            raise ConfigError(f"no experiment file {str(name_or_path)!r} and no built-in of that name; "
+                              f"built-ins: {', '.join(builtin_names())}")
+        path = builtin
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read experiment {path}: {e}") from e
+    return parse_experiment(raw, str(path))
+
+
+def parse_init_overrides(text: str | None) -> dict[str, float]:
+    """Parse ``NAME=VALUE[,NAME=VALUE]`` into ``{name: value}``."""
+    overrides: dict[str, float] = {}
+    if not text:
+        return overrides
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"invalid --init item {item!r}: expected NAME=VALUE")
+        try:
+            overrides[name] = float(value)
+        except ValueError as e:
+            raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not a number") from e
+        if not np.isfinite(overrides[name]):
+            raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not finite")
+    return overrides
+
+
+def check_init_overrides(exp: Experiment, overrides: Mapping[str, float]) -> None:
+    """Raise ``ConfigError`` if an override names no parameter of the experiment."""
+    known = exp.all_param_names()
+    unknown = set(overrides) - known
+    if unknown:
+        raise ConfigError(f"--init names unknown parameters {sorted(unknown)}; "
+                          f"experiment {exp.name!r} has {sorted(known)}")
+
+
+def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
+                      overrides: Mapping[str, float]) -> tuple[Sequential, Optimizer, Loss | None]:
+    """Model, optimizer and (last stage only) loss for one stage, with ``--init`` applied.
+
+    An override fills every element of the named parameter.
+    """
+    check_init_overrides(exp, overrides)
+    index = exp.stage_index(stage_name)
+    spec = exp.stages[index]
+    model = build_model(spec.model, seed)
+    for name, value in overrides.items():
+        if name in model.params:
+            model.params[name][...] = value
+    loss = build_loss(spec.loss) if index == len(exp.stages) - 1 else None
+    return model, build_optimizer(spec.optimizer), loss

@@ -1,0 +1,169 @@
+"""Local launcher: every stage of an experiment as its own OS process on this machine.
+
+The serving stage starts first, binds a free tcp port on 127.0.0.1 (or an
+ipc path) and reports the endpoint it got through a ready file; then the
+driving stage connects to it. Output of both is streamed with a ``[name]``
+prefix. If one stage fails the other is stopped; on Ctrl-C both are; every
+child is reaped with a deadline and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from .errors import ConfigError, StageError
+from .experiment import load_experiment
+from .transport import DEFAULT_TIMEOUT_S
+from .records import merge_summaries, merge_traces, read_json, write_json
+
+READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
+STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
+WAIT_TICK_S = 0.05
+
+THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                   "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
+
+
+def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with every BLAS pool pinned to one thread.
+
+    Two stages on two cores must not fight over them, and a fixed thread
+    count keeps every process's float32 results identical.
+    """
+    env = dict(os.environ if base is None else base)
+    for name in THREAD_ENV_VARS:
+        env[name] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class _Child:
+    """One stage process whose output is streamed with a prefix."""
+
+    def __init__(self, name: str, argv: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
+        self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
+        self._thread.start()
+
+    def _pump(self, out: IO[str], lock: threading.Lock) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with lock:
+                out.write(f"[{self.name}] {line}")
+                out.flush()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after ``STOP_GRACE_S``; tolerates a process already gone."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+        self.proc.wait(STOP_GRACE_S)
+        self._thread.join(STOP_GRACE_S)
+
+
+def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "distgrad.cli", "stage", name, "--experiment", experiment, *flags]
+
+
+def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | None = None,
+              init: str | None = None, summary_path: str | Path | None = None,
+              trace_path: str | Path | None = None, transport: str = "tcp",
+              timeout_s: float | None = None, log_level: str = "INFO",
+              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run a two-stage experiment as two local processes; return the merged summary.
+
+    ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
+    ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
+    merged files. Raises ``ConfigError`` for a bad experiment and
+    ``StageError`` naming the stage and its exit code when a stage fails.
+    ``check_stop`` is called while waiting; whatever it raises stops both stages.
+    """
+    out = out or sys.stdout
+    exp = load_experiment(experiment)
+    if len(exp.stages) != 2:
+        raise ConfigError(f"'distgrad run' launches two-stage experiments as processes; {exp.name!r} has "
+                          f"{len(exp.stages)} stage(s): use --in-process")
+    if transport not in ("tcp", "ipc"):
+        raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
+    first, last = exp.stage_names
+    lock = threading.Lock()
+    children: list[_Child] = []
+    with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
+        tmp = Path(tmp_name)
+        bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{last}.sock"
+        flags = ["--log-level", log_level]
+        for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
+            if value is not None:
+                flags += [option, str(value)]
+        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in (first, last)}
+
+        def outputs(name: str) -> list[str]:
+            summary, trace = files[name]
+            return ["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
+
+        ready = tmp / "ready"
+        try:
+            server = _Child(last, _stage_argv(last, str(experiment), [
+                "--bind", bind, "--ready-file", str(ready), *flags, *outputs(last)]), out, lock)
+            children.append(server)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not ready.exists():
+                check_stop()
+                if server.proc.poll() is not None:
+                    raise StageError(f"stage {last} exited with code {server.proc.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise StageError(f"stage {last} did not bind {bind} within {READY_TIMEOUT_S:g} s")
+                time.sleep(WAIT_TICK_S)
+            endpoint = ready.read_text().strip()
+            driver = _Child(first, _stage_argv(first, str(experiment), [
+                "--connect", endpoint, *flags, *outputs(first)]), out, lock)
+            children.append(driver)
+            _wait_all(children, check_stop)
+        finally:
+            for child in reversed(children):
+                child.stop()
+        summary = merge_summaries([read_json(files[first][0]), read_json(files[last][0])])
+        summary.update(mode="two-process", transport=transport)
+        if summary_path is not None:
+            write_json(summary_path, summary)
+        if trace_path is not None:
+            merge_traces([files[first][1], files[last][1]], trace_path)
+    return summary
+
+
+def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
+    """Wait until every child exits 0; raise ``StageError`` as soon as one fails.
+
+    Once one stage has finished, the others get ``STOP_GRACE_S`` plus the
+    stage timeout to follow (the server exits after the driver's bye).
+    """
+    first_done: float | None = None
+    while True:
+        check_stop()
+        codes = [child.proc.poll() for child in children]
+        for child, code in zip(children, codes):
+            if code not in (None, 0):
+                raise StageError(f"stage {child.name} failed with exit code {code}")
+        if all(code == 0 for code in codes):
+            return
+        if any(code == 0 for code in codes):
+            first_done = first_done or time.monotonic()
+            if time.monotonic() - first_done > STOP_GRACE_S + DEFAULT_TIMEOUT_S:
+                late = [c.name for c, code in zip(children, codes) if code is None]
+                raise StageError(f"stage(s) {late} still running long after the others finished")
+        time.sleep(WAIT_TICK_S)

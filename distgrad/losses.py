@@ -1,0 +1,91 @@
+"""Losses for the last stage: value and gradient with respect to the prediction.
+
+``forward_backward(pred, target)`` returns ``(loss, dpred)``: ``loss`` is a
+float32 scalar, ``dpred`` has the shape of ``pred``. Everything is float32;
+targets are float32 except for ``SoftmaxCrossEntropy`` (int64 class ids).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConfigError
+from .nn import DTYPE, Shape
+
+
+class Loss(abc.ABC):
+    target_dtype: np.dtype = np.dtype(DTYPE)
+
+    def target_shape(self, pred_shape: Shape) -> Shape:
+        """The target shape that goes with a prediction of ``pred_shape``."""
+        return pred_shape
+
+    @abc.abstractmethod
+    def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        """Return ``(loss, d(loss)/d(pred))``."""
+
+
+class SumSquaredError(Loss):
+    """``sum((pred - target)**2)``: the seed's ``tf.square(output - y)`` over its one element.
+
+    The gradient is ``(pred - target) * 2``, TensorFlow's Square gradient.
+    """
+
+    def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        diff = pred - target
+        return DTYPE(np.sum(diff * diff, dtype=DTYPE)), diff * DTYPE(2)
+
+
+class MeanSquaredError(Loss):
+    """``mean((pred - target)**2)`` over every element."""
+
+    def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        diff = pred - target
+        loss = DTYPE(np.mean(diff * diff, dtype=DTYPE))
+        return loss, diff * DTYPE(2.0 / diff.size)
+
+
+class SoftmaxCrossEntropy(Loss):
+    """Mean over the batch of ``-log softmax(logits)[label]``.
+
+    ``pred`` is ``(batch, classes)`` logits, ``target`` is ``(batch,)`` int64
+    class ids in ``[0, classes)``.
+    """
+
+    target_dtype = np.dtype(np.int64)
+
+    def target_shape(self, pred_shape: Shape) -> Shape:
+        if len(pred_shape) != 2:
+            raise ConfigError(f"softmax cross-entropy takes (batch, classes) logits, got {pred_shape}")
+        return (pred_shape[0],)
+
+    def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        batch, classes = pred.shape
+        if target.min(initial=0) < 0 or target.max(initial=0) >= classes:
+            raise ValueError(f"class ids must lie in [0, {classes}), got {target.min()}..{target.max()}")
+        shifted = pred - pred.max(axis=1, keepdims=True)
+        log_norm = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        log_prob = shifted - log_norm
+        rows = np.arange(batch)
+        loss = DTYPE(-log_prob[rows, target].mean(dtype=DTYPE))
+        dpred = np.exp(log_prob)
+        dpred[rows, target] -= DTYPE(1)
+        return loss, dpred / DTYPE(batch)
+
+
+_LOSSES: dict[str, type[Loss]] = {
+    "sum_squared_error": SumSquaredError,
+    "mean_squared_error": MeanSquaredError,
+    "softmax_cross_entropy": SoftmaxCrossEntropy,
+}
+
+
+def build_loss(spec: Any) -> Loss:
+    """Build a loss from its experiment name (or a table with ``type``)."""
+    name = spec.get("type") if isinstance(spec, Mapping) else spec
+    if name not in _LOSSES:
+        raise ConfigError(f"unknown loss {name!r}: use one of {sorted(_LOSSES)}")
+    return _LOSSES[name]()

@@ -1,0 +1,284 @@
+"""Numpy layers with forward and backward side by side.
+
+Contract shared by every layer:
+
+* ``forward(x)`` takes a float32 array and returns ``(y, cache)``; the cache
+  holds what ``backward`` needs, so several micro-batches can be in flight.
+* ``backward(cache, dy)`` returns ``(dx, grads)``: ``dx`` is d(loss)/d(x) with
+  the shape of ``x`` (what a stage sends upstream) and ``grads`` maps each
+  parameter name to d(loss)/d(param). Inputs are never modified (they may be
+  read-only views of received frames).
+* ``output_shape(shape)`` checks an input shape and returns the output shape,
+  raising ``ConfigError`` on a mismatch, so a stage knows what to expect from
+  its peer before any data moves.
+
+All math is float32. The order of operations inside ``backward`` follows
+TensorFlow 1's gradient functions where an experiment reproduces TF output.
+No I/O, no logging.
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+DTYPE = np.float32
+Shape = tuple[int, ...]
+Grads = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------- initialisers
+
+def param_rng(seed: int, param_name: str) -> np.random.Generator:
+    """The generator that initialises one parameter.
+
+    It depends only on the run's seed and the parameter's name, so a parameter
+    gets the same initial value whichever process or stage builds it.
+    """
+    return np.random.default_rng([seed, zlib.crc32(param_name.encode())])
+
+
+def truncated_normal(rng: np.random.Generator, shape: Shape, stddev: float = 0.01,
+                     mean: float = 0.0) -> np.ndarray:
+    """Normal samples, redrawing any more than two stddevs from the mean (TF's rule)."""
+    out = rng.normal(mean, stddev, size=shape)
+    bad = np.abs(out - mean) > 2 * stddev
+    while bad.any():
+        out[bad] = rng.normal(mean, stddev, size=int(bad.sum()))
+        bad = np.abs(out - mean) > 2 * stddev
+    return out.astype(DTYPE)
+
+
+def glorot_uniform(rng: np.random.Generator, shape: Shape) -> np.ndarray:
+    """Uniform on +-sqrt(6 / (fan_in + fan_out)) for a (fan_in, fan_out) matrix."""
+    fan_in, fan_out = shape[0], shape[-1]
+    limit = np.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=shape).astype(DTYPE)
+
+
+def make_initialiser(spec: Any) -> Callable[[np.random.Generator, Shape], np.ndarray]:
+    """Build an initialiser from an experiment value.
+
+    ``spec`` is a name (``"truncated_normal"``, ``"glorot_uniform"``,
+    ``"zeros"``), a number (a constant fill) or a table with ``kind`` and
+    options (``{kind = "truncated_normal", stddev = 0.1}``).
+    """
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        value = float(spec)
+        return lambda rng, shape: np.full(shape, value, DTYPE)
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, Mapping) or "kind" not in spec:
+        raise ConfigError(f"invalid initialiser {spec!r}: give a name, a number or a table with 'kind'")
+    options = {k: v for k, v in spec.items() if k != "kind"}
+    kind = spec["kind"]
+    if kind == "truncated_normal":
+        try:
+            stddev = float(options.pop("stddev", 0.01))
+            mean = float(options.pop("mean", 0.0))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"truncated_normal stddev and mean must be numbers ({e})") from e
+        if not (stddev > 0 and np.isfinite(stddev)):
+            raise ConfigError(f"invalid truncated_normal stddev: {stddev}")
+        if not np.isfinite(mean):
+            raise ConfigError(f"invalid truncated_normal mean: {mean}")
+        init = lambda rng, shape: truncated_normal(rng, shape, stddev, mean)  # noqa: E731
+    elif kind == "glorot_uniform":
+        init = glorot_uniform
+    elif kind == "zeros":
+        init = lambda rng, shape: np.zeros(shape, DTYPE)  # noqa: E731
+    else:
+        raise ConfigError(f"unknown initialiser kind {kind!r}: use truncated_normal, glorot_uniform or zeros")
+    if options:
+        raise ConfigError(f"unknown options for initialiser {kind!r}: {sorted(options)}")
+    return init
+
+
+# ---------------------------------------------------------------------- layers
+
+class Layer(abc.ABC):
+    """Base class; a layer with no parameters keeps ``params`` empty."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, np.ndarray] = {}
+
+    @abc.abstractmethod
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        """Return ``(y, cache)``."""
+
+    @abc.abstractmethod
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        """Return ``(dx, grads)`` for the cache of one ``forward`` call."""
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return shape
+
+
+class Scale(Layer):
+    """Element-wise weight: ``y = x * w`` with ``w`` of shape ``(size,)``.
+
+    ``x`` is ``(size,)`` or ``(batch, size)``; a batched gradient is summed
+    over the batch. This is the seed's ``tf.multiply(x, w)``.
+    """
+
+    def __init__(self, name: str, size: int, init: Any, seed: int) -> None:
+        super().__init__()
+        if size < 1:
+            raise ConfigError(f"scale layer {name!r}: size must be >= 1, got {size}")
+        self.name = name
+        self.params[name] = make_initialiser(init)(param_rng(seed, name), (size,))
+
+    def output_shape(self, shape: Shape) -> Shape:
+        size = self.params[self.name].shape[0]
+        if len(shape) not in (1, 2) or shape[-1] != size:
+            raise ConfigError(f"scale layer {self.name!r} takes (size,) or (batch, {size}), got {shape}")
+        return shape
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return x * self.params[self.name], x
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        x, w = cache, self.params[self.name]
+        dw = x * dy
+        if dw.ndim > w.ndim:
+            dw = dw.sum(axis=0)
+        return dy * w, {self.name: dw}
+
+
+class Dense(Layer):
+    """Affine map ``y = x @ W + b``; ``x`` is ``(batch, n_in)``, ``W`` is ``(n_in, n_out)``.
+
+    Parameters are named ``NAME.W`` and ``NAME.b``.
+    """
+
+    def __init__(self, name: str, n_in: int, n_out: int, init: Any, seed: int,
+                 bias_init: Any = "zeros") -> None:
+        super().__init__()
+        if n_in < 1 or n_out < 1:
+            raise ConfigError(f"dense layer {name!r}: sizes must be >= 1, got {n_in}->{n_out}")
+        self.name, self.n_in, self.n_out = name, n_in, n_out
+        self.w_name, self.b_name = f"{name}.W", f"{name}.b"
+        self.params[self.w_name] = make_initialiser(init)(param_rng(seed, self.w_name), (n_in, n_out))
+        self.params[self.b_name] = make_initialiser(bias_init)(param_rng(seed, self.b_name), (n_out,))
+
+    def output_shape(self, shape: Shape) -> Shape:
+        if len(shape) != 2 or shape[1] != self.n_in:
+            raise ConfigError(f"dense layer {self.name!r} takes (batch, {self.n_in}), got {shape}")
+        return (shape[0], self.n_out)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return x @ self.params[self.w_name] + self.params[self.b_name], x
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        x = cache
+        grads = {self.w_name: x.T @ dy, self.b_name: dy.sum(axis=0)}
+        return dy @ self.params[self.w_name].T, grads
+
+
+class ReLU(Layer):
+    """``y = max(x, 0)``; the gradient at 0 is 0 (as in TF)."""
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return np.maximum(x, DTYPE(0)), x
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        return dy * (cache > 0), {}
+
+
+class Tanh(Layer):
+    """``y = tanh(x)``; ``dx = dy * (1 - y**2)``."""
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        y = np.tanh(x)
+        return y, y
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        y = cache
+        return dy * (DTYPE(1) - y * y), {}
+
+
+class Sigmoid(Layer):
+    """``y = 1 / (1 + exp(-x))``, computed as ``(1 + tanh(x/2)) / 2`` so it never overflows."""
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        y = DTYPE(0.5) * (DTYPE(1) + np.tanh(DTYPE(0.5) * x))
+        return y, y
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        y = cache
+        return dy * y * (DTYPE(1) - y), {}
+
+
+class Sequential(Layer):
+    """Layers applied in order; parameter names must be unique."""
+
+    def __init__(self, layers: Sequence[Layer]) -> None:
+        super().__init__()
+        self.layers = list(layers)
+        for layer in self.layers:
+            for name, value in layer.params.items():
+                if name in self.params:
+                    raise ConfigError(f"parameter name {name!r} is used twice")
+                self.params[name] = value
+
+    def output_shape(self, shape: Shape) -> Shape:
+        for layer in self.layers:
+            shape = layer.output_shape(shape)
+        return shape
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        caches = []
+        for layer in self.layers:
+            x, cache = layer.forward(x)
+            caches.append(cache)
+        return x, caches
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        grads: Grads = {}
+        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+            dy, layer_grads = layer.backward(layer_cache, dy)
+            grads.update(layer_grads)
+        return dy, grads
+
+
+# -------------------------------------------------------------------- builders
+
+_ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
+
+
+def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
+    """Build one layer from an experiment table such as ``{type = "dense", name = "h", in = 4, out = 8}``."""
+    spec = dict(spec)
+    kind = spec.pop("type", None)
+    try:
+        if kind == "scale":
+            layer: Layer = Scale(spec.pop("name"), int(spec.pop("size", 1)),
+                                 spec.pop("init", "truncated_normal"), seed)
+        elif kind == "dense":
+            layer = Dense(spec.pop("name"), int(spec.pop("in")), int(spec.pop("out")),
+                          spec.pop("init", "glorot_uniform"), seed, spec.pop("bias_init", "zeros"))
+        elif kind in _ACTIVATIONS:
+            layer = _ACTIVATIONS[kind]()
+        else:
+            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh or sigmoid")
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"layer {kind!r} needs the key {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"layer {kind!r}: invalid value ({e})") from e
+    if spec:
+        raise ConfigError(f"unknown keys for layer {kind!r}: {sorted(spec)}")
+    return layer
+
+
+def build_model(specs: Sequence[Mapping[str, Any]], seed: int) -> Sequential:
+    """Build a ``Sequential`` from a list of layer tables."""
+    if not specs:
+        raise ConfigError("a stage's model needs at least one layer")
+    return Sequential([build_layer(s, seed) for s in specs])

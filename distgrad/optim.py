@@ -1,0 +1,136 @@
+"""Optimisers, in order of increasing complexity: SGD, then Adam.
+
+Both update parameters in place, in float32, from ``grads`` keyed like
+``params``. ``state_dict`` / ``load_state_dict`` carry everything the next
+step depends on (for checkpoints); optimiser state never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConfigError
+
+F32 = np.float32
+
+
+def _f32(value: float) -> np.float32:
+    with np.errstate(over="ignore"):
+        return F32(value)
+
+
+def _check_positive(name: str, value: float) -> None:
+    # Also checked as the float32 actually used: 1e-50 is 0 and 1e40 is inf there.
+    if not (value > 0 and np.isfinite(value) and 0 < _f32(value) < np.inf):
+        raise ConfigError(f"Invalid {name}: {value}")
+
+
+class Optimizer(abc.ABC):
+    @abc.abstractmethod
+    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
+        """Apply one update to every parameter that has a gradient."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next step depends on, as numpy arrays and numbers."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+
+class SGD(Optimizer):
+    """``w -= g * lr`` (TensorFlow's ApplyGradientDescent)."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        _check_positive("learning rate", lr)
+        self.lr = F32(lr)
+
+    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
+        for name, g in grads.items():
+            params[name] -= g * self.lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+class Adam(Optimizer):
+    """Adam as TensorFlow 1's ApplyAdam kernel computes it, in float32.
+
+    Per step, with the beta powers starting at ``beta1`` and ``beta2``::
+
+        alpha = lr * sqrt(1 - beta2_power) / (1 - beta1_power)
+        m += (g - m) * (1 - beta1)
+        v += (g * g - v) * (1 - beta2)
+        w -= (m * alpha) / (sqrt(v) + epsilon)
+        beta1_power *= beta1; beta2_power *= beta2
+
+    Every constant is cast to float32 before use, so ``1 - beta1`` is
+    ``float32(1) - float32(0.9)``. The beta powers are shared by all the
+    parameters of one optimiser, as in TF1's ``AdamOptimizer``.
+    """
+
+    def __init__(self, lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8) -> None:
+        _check_positive("learning rate", lr)
+        _check_positive("epsilon", epsilon)
+        for name, beta in (("beta1", beta1), ("beta2", beta2)):
+            if not (0 <= beta < 1 and _f32(beta) < 1):  # 0.99999999 is 1 in float32
+                raise ConfigError(f"Invalid {name}: {beta} (must be in [0, 1) as a float32)")
+        self.lr, self.beta1, self.beta2, self.epsilon = F32(lr), F32(beta1), F32(beta2), F32(epsilon)
+        self.one = F32(1)
+        self.beta1_power, self.beta2_power = self.beta1, self.beta2
+        self.m: dict[str, np.ndarray] = {}
+        self.v: dict[str, np.ndarray] = {}
+
+    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
+        one = self.one
+        alpha = self.lr * np.sqrt(one - self.beta2_power) / (one - self.beta1_power)
+        for name, g in grads.items():
+            w = params[name]
+            m = self.m.setdefault(name, np.zeros_like(w))
+            v = self.v.setdefault(name, np.zeros_like(w))
+            m += (g - m) * (one - self.beta1)
+            v += (g * g - v) * (one - self.beta2)
+            w -= (m * alpha) / (np.sqrt(v) + self.epsilon)
+        self.beta1_power = self.beta1_power * self.beta1
+        self.beta2_power = self.beta2_power * self.beta2
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "beta1_power": np.array(self.beta1_power, F32),
+            "beta2_power": np.array(self.beta2_power, F32),
+            "m": {k: v.copy() for k, v in self.m.items()},
+            "v": {k: v.copy() for k, v in self.v.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.beta1_power = F32(state["beta1_power"])
+        self.beta2_power = F32(state["beta2_power"])
+        self.m = {k: np.array(v, F32) for k, v in state["m"].items()}
+        self.v = {k: np.array(v, F32) for k, v in state["v"].items()}
+
+
+def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
+    """Build an optimiser from an experiment table such as ``{type = "adam", lr = 0.1}``."""
+    spec = dict(spec)
+    kind = spec.pop("type", "adam")
+    classes: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}
+    if kind not in classes:
+        raise ConfigError(f"unknown optimizer {kind!r}: use adam or sgd")
+    options = {}
+    for k, v in spec.items():
+        try:
+            options[k] = float(v)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number") from e
+    try:
+        return classes[kind](**options)
+    except TypeError as e:
+        raise ConfigError(f"invalid options for optimizer {kind!r}: {sorted(spec)} ({e})") from e

@@ -1,0 +1,98 @@
+"""Output files other tools read: the summary JSON and the per-step trace.
+
+Float32 values are written as JSON numbers through Python floats, which
+represent every float32 exactly, so ``np.float32(value)`` read back is
+bit-for-bit the value that was written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any, Iterable, Mapping
+
+import numpy as np
+
+
+def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """``{name: nested list}`` for JSON."""
+    return {name: np.asarray(value).tolist() for name, value in arrays.items()}
+
+
+def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+class TraceWriter:
+    """Writes one JSON line per step; a no-op when ``path`` is None."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self._file: IO[str] | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
+              params: Mapping[str, np.ndarray]) -> None:
+        if self._file is None:
+            return
+        line: dict[str, Any] = {"step": step, "grads": to_lists(grads), "params": to_lists(params)}
+        if loss is not None:
+            line["loss"] = float(loss)
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One summary from per-stage summaries: ``params`` joined, every other field
+    from the first summary that has it (pass the driving stage's first)."""
+    merged: dict[str, Any] = {"params": {}}
+    for summary in summaries:
+        for key, value in summary.items():
+            if key == "params":
+                merged["params"].update(value)
+            elif key != "stage":
+                merged.setdefault(key, value)
+    return merged
+
+
+def merge_traces(paths: Iterable[str | Path], out: str | Path) -> None:
+    """Join per-stage traces line by line on ``step``: one line per step with every stage's values."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        for line in read_trace(path):
+            entry = by_step.setdefault(line["step"], {"step": line["step"], "grads": {}, "params": {}})
+            entry["grads"].update(line.get("grads", {}))
+            entry["params"].update(line.get("params", {}))
+            if "loss" in line:
+                entry["loss"] = line["loss"]
+    with open(out, "w", encoding="utf-8") as f:
+        for step in sorted(by_step):
+            f.write(json.dumps(by_step[step], separators=(",", ":")) + "\n")

@@ -1,0 +1,91 @@
+"""One stage's step: forward, backward, optimiser, and the shapes it expects.
+
+A ``Stage`` is pure computation over numpy arrays; the daemons feed it from
+the wire and the in-process path feeds it directly, so both run the very same
+operations in the same order. That is what makes two-process training
+bit-for-bit equal to one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import StageError
+from .experiment import Experiment, build_stage_parts
+from .losses import Loss
+from .nn import Grads, Sequential, Shape
+from .optim import Optimizer
+
+
+class Stage:
+    """A model slice with its own optimiser; the last stage also owns the loss.
+
+    ``input_shape`` / ``output_shape`` are the per-step array shapes (float32)
+    this stage takes and produces; ``step`` counts applied updates.
+    """
+
+    def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
+                 input_shape: Shape) -> None:
+        self.name, self.model, self.optimizer, self.loss = name, model, optimizer, loss
+        self.input_shape = input_shape
+        self.output_shape = model.output_shape(input_shape)
+        self.target_shape = loss.target_shape(self.output_shape) if loss else None
+        self.target_dtype = loss.target_dtype if loss else None
+        self.step = 0
+
+    @classmethod
+    def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
+                        init: Mapping[str, float] | None = None) -> "Stage":
+        """Build stage ``name`` of ``exp``; raises ``ConfigError`` on a bad name or override."""
+        seed = exp.seed if seed is None else seed
+        model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
+        shapes = exp.input_shapes(exp.build_data(seed), seed)
+        return cls(name, model, optimizer, loss, shapes[exp.stage_index(name)])
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        return self.model.params
+
+    @property
+    def is_last(self) -> bool:
+        return self.loss is not None
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        """Activations for ``x`` and the cache ``backward`` needs."""
+        try:
+            return self.model.forward(x)
+        except (ValueError, ArithmeticError) as e:
+            raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
+
+    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        """d(loss)/d(input) and the parameter gradients, from d(loss)/d(output)."""
+        try:
+            return self.model.backward(cache, dy)
+        except (ValueError, ArithmeticError) as e:
+            raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
+
+    def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        """Loss value and d(loss)/d(y); last stage only."""
+        assert self.loss is not None, f"stage {self.name} has no loss"
+        try:
+            return self.loss.forward_backward(y, target)
+        except (ValueError, ArithmeticError) as e:
+            raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
+
+    def apply(self, grads: Grads) -> None:
+        """One optimiser update; counts the step."""
+        self.optimizer.step(self.model.params, grads)
+        self.step += 1
+
+    def train_last(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
+        """A whole step on the last stage: forward, loss, backward, update.
+
+        Returns ``(loss, dx, grads)``; ``dx`` is what travels upstream.
+        """
+        y, cache = self.forward(x)
+        loss, dy = self.loss_backward(y, target)
+        dx, grads = self.backward(cache, dy)
+        self.apply(grads)
+        return loss, dx, grads

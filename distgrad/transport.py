@@ -1,0 +1,148 @@
+"""ZeroMQ sockets: bind and connect, bounded waits, frames out and in.
+
+The serving side binds a ROUTER (it can answer any peer, including one that
+sends garbage, and later several clients); the driving side connects a
+DEALER. Every receive goes through ``poll`` with a deadline, in ticks short
+enough to notice a stop request. Sockets close with a bounded LINGER.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from . import wire
+from .errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError
+
+log = logging.getLogger("distgrad.transport")
+
+DEFAULT_TIMEOUT_S = 5.0       # how long a request waits for its reply
+POLL_TICK_S = 0.1             # longest a loop waits before checking for a stop request
+LINGER_MS = 200               # how long close() may spend flushing unsent messages
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zero-copy bookkeeping
+IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
+
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
+
+StopCheck = Callable[[], None]
+
+
+def check_endpoint(endpoint: str, bind: bool) -> str:
+    """Return ``endpoint`` if it is a usable tcp:// or ipc:// address, else raise ``ConfigError``.
+
+    ``tcp://HOST:*`` (any free port) is allowed only for binding.
+    """
+    if not _ENDPOINT.match(endpoint):
+        raise ConfigError(f"invalid endpoint {endpoint!r}: use tcp://HOST:PORT or ipc:///path/to/socket")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rsplit(":", 1)[1]
+        if port == "*" and not bind:
+            raise ConfigError(f"cannot connect to {endpoint!r}: a port wildcard is only for --bind")
+        if port != "*" and not 0 < int(port) < 65536:
+            raise ConfigError(f"invalid port in endpoint {endpoint!r}")
+    elif len(endpoint) - len("ipc://") > IPC_PATH_MAX:
+        raise ConfigError(f"ipc path in {endpoint!r} is longer than {IPC_PATH_MAX} characters")
+    return endpoint
+
+
+def _configure(sock: zmq.Socket, max_message_bytes: int | None) -> None:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if max_message_bytes is not None:
+        # ZeroMQ drops the connection of a peer that sends a bigger frame, before we allocate it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> None:
+    """Send one multipart message; large tensor frames leave without a copy."""
+    parts = [*envelope, *frames]
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        flags = zmq.SNDMORE if i < last else 0
+        big = memoryview(part).nbytes >= ZERO_COPY_MIN_BYTES
+        sock.send(part, flags, copy=not big)
+
+
+def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
+    """The next multipart message, or None if none arrives within ``timeout_s``."""
+    if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        return sock.recv_multipart(copy=False)
+    return None
+
+
+class Server:
+    """A bound ROUTER that receives requests and sends replies to their sender."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None) -> None:
+        check_endpoint(endpoint, bind=True)
+        self.sock = ctx.socket(zmq.ROUTER)
+        _configure(self.sock, max_message_bytes)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self.sock.close(0)
+            raise ConfigError(f"cannot bind {endpoint}: {e}") from e
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame]] | None:
+        """``(envelope, frames)`` of the next request, or None after ``timeout_s``.
+
+        The envelope is the peer's routing id, plus the empty delimiter a REQ
+        peer adds; replies must carry it back.
+        """
+        parts = poll_frames(self.sock, timeout_s)
+        if parts is None:
+            return None
+        split = 2 if len(parts) > 1 and len(parts[1]) == 0 else 1
+        return [p.bytes for p in parts[:split]], parts[split:]
+
+    def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
+        send_frames(self.sock, wire.encode(msg), envelope)
+
+    def close(self) -> None:
+        self.sock.close(LINGER_MS)
+
+
+class Client:
+    """A connected DEALER that sends a request and waits, bounded, for the matching reply."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
+                 max_reply_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES) -> None:
+        self.endpoint = check_endpoint(endpoint, bind=False)
+        self.max_reply_bytes = max_reply_bytes
+        self.sock = ctx.socket(zmq.DEALER)
+        _configure(self.sock, max_message_bytes)
+        self.sock.connect(endpoint)
+
+    def request(self, msg: wire.Message, timeout_s: float, check_stop: StopCheck | None = None) -> wire.Message:
+        """Send ``msg`` and return the reply that echoes its run, step and micro-batch.
+
+        Replies to earlier requests are dropped. Raises ``PeerTimeout`` naming
+        the endpoint when nothing matching arrives within ``timeout_s``,
+        ``PeerRejected`` for an error reply, ``ProtocolError`` for a malformed one.
+        """
+        send_frames(self.sock, wire.encode(msg))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if check_stop is not None:
+                check_stop()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {msg.describe()} "
+                                  f"(is the serving stage running and reachable there?)")
+            frames = poll_frames(self.sock, min(left, POLL_TICK_S))
+            if frames is None:
+                continue
+            reply = wire.decode(frames, self.max_reply_bytes)
+            if reply.type == wire.ERROR and (reply.step, reply.mb) in ((msg.step, msg.mb), (0, 0)):
+                raise PeerRejected(str(reply.body.get("code", "?")), str(reply.body.get("message", "")))
+            if (reply.run, reply.step, reply.mb) == (msg.run, msg.step, msg.mb):
+                return reply
+            log.debug("dropping stale reply %s while waiting for %s", reply.describe(), msg.describe())
+
+    def close(self) -> None:
+        self.sock.close(LINGER_MS)
+

@@ -1,0 +1,192 @@
+"""The wire format: a msgpack header frame, then one raw frame per tensor.
+
+See docs/protocol.md for the specification. ``encode`` turns a ``Message``
+into frames for ``send_multipart``; ``decode`` validates frames received from
+the network and raises ``ProtocolError`` (with a code from ``ErrorCode``)
+before anything else looks at them. Nothing received is ever unpickled or
+evaluated: the header is msgpack with size limits, tensors are raw bytes read
+with ``np.frombuffer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
+MAX_TENSORS = 64                      # tensors in one message
+MAX_NDIM = 8
+DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
+
+# Message types. "ping"/"pong" (heartbeats) and "checkpoint" are reserved for
+# the liveness and resume work; receivers reject them as unsupported for now.
+HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
+MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE})
+RESERVED_TYPES = frozenset({"ping", "pong", "checkpoint"})
+
+# Tensor dtypes on the wire, always little-endian.
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+}
+
+
+class ErrorCode:
+    """Codes carried by error replies (``body.code``)."""
+
+    MALFORMED = "malformed"            # not a decodable distgrad message
+    VERSION = "version"                # unsupported protocol version
+    TYPE = "type"                      # unknown or unexpected message type
+    TENSOR = "tensor"                  # frame count, dtype, shape or byte length wrong
+    NONFINITE = "nonfinite"            # NaN or Inf where the experiment forbids them
+    MISMATCH = "mismatch"              # handshake: experiment, seed or shapes differ
+    RUN = "run"                        # unknown run id / no handshake yet / busy with another run
+    STEP = "step"                      # out-of-order step
+    STAGE = "stage"                    # the stage failed computing the step
+
+
+@dataclass
+class Message:
+    """One protocol message. ``tensors`` keeps insertion order (frame order)."""
+
+    type: str
+    run: str = ""
+    step: int = 0
+    mb: int = 0
+    mbs: int = 1
+    body: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"{self.type} run={self.run or '-'} step={self.step} mb={self.mb}/{self.mbs}"
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the header bytes, then each tensor's C-contiguous array.
+
+    Arrays are passed as themselves (buffer protocol), so the transport can
+    send them without a copy. Raises ``ValueError`` for a dtype the wire does
+    not carry.
+    """
+    specs, frames = [], []
+    for name, array in msg.tensors.items():
+        array = np.ascontiguousarray(array)
+        wire_name = array.dtype.name
+        if wire_name not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
+        if array.dtype.byteorder == ">":
+            array = array.astype(DTYPES[wire_name])
+        specs.append([name, wire_name, list(array.shape)])
+        frames.append(array)
+    header = {"v": PROTOCOL_VERSION, "type": msg.type, "run": msg.run, "step": msg.step,
+              "mb": msg.mb, "mbs": msg.mbs, "body": msg.body, "tensors": specs}
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _nbytes(frame: Any) -> int:
+    return memoryview(frame).nbytes
+
+
+def _buffer(frame: Any) -> Any:
+    # zmq.Frame (copy=False receive) exposes .buffer; bytes and memoryviews are buffers already.
+    return getattr(frame, "buffer", frame)
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Message:
+    """Validate and decode one message's frames (no routing envelope).
+
+    Tensors are read-only views of the received buffers: no copy. Raises
+    ``ProtocolError`` naming what is wrong; nothing is decoded past the first
+    problem, and the sum of tensor sizes may not exceed ``max_tensor_bytes``.
+    """
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+    header_size = _nbytes(frames[0])
+    if header_size > HEADER_MAX_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            bytes(_buffer(frames[0])), raw=False, strict_map_key=True, use_list=True,
+            max_str_len=HEADER_MAX_BYTES, max_bin_len=HEADER_MAX_BYTES,
+            max_array_len=4096, max_map_len=256, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.VERSION, f"protocol version {version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    msg_type = header.get("type")
+    if msg_type not in MESSAGE_TYPES:
+        known = sorted(MESSAGE_TYPES)
+        what = "reserved but not supported yet" if msg_type in RESERVED_TYPES else "unknown"
+        raise ProtocolError(ErrorCode.TYPE, f"message type {msg_type!r} is {what}; known types: {known}")
+    run, step, mb, mbs, body = (header.get(k) for k in ("run", "step", "mb", "mbs", "body"))
+    if not isinstance(run, str) or len(run) > 128:
+        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be a string of at most 128 characters, got {run!r}")
+    if not (_is_int(step) and _is_int(mb) and _is_int(mbs, 1) and mb < mbs):
+        raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={step!r} mb={mb!r} mbs={mbs!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, f"'body' must be a map, got {type(body).__name__}")
+    specs = header.get("tensors")
+    if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"'tensors' must be a list of at most {MAX_TENSORS} entries")
+    if len(frames) != 1 + len(specs):
+        raise ProtocolError(ErrorCode.TENSOR, f"header declares {len(specs)} tensors but {len(frames) - 1} tensor frames arrived")
+    tensors: dict[str, np.ndarray] = {}
+    total = 0
+    for spec, frame in zip(specs, frames[1:]):
+        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+                and isinstance(spec[2], list)):
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {spec!r:.200}")
+        name, dtype_name, shape = spec
+        if name in tensors:
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r} is declared twice")
+        if dtype_name not in DTYPES:
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        if len(shape) > MAX_NDIM or not all(_is_int(d) for d in shape):
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: shape {shape!r:.200} must be at most {MAX_NDIM} non-negative integers")
+        dtype = DTYPES[dtype_name]
+        expected = dtype.itemsize * int(np.prod(shape, dtype=object))
+        total += expected
+        if total > max_tensor_bytes:
+            raise ProtocolError(ErrorCode.TENSOR, f"tensors declare {total} bytes; this stage accepts at most {max_tensor_bytes}")
+        got = _nbytes(frame)
+        if got != expected:
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
+        tensors[name] = np.frombuffer(_buffer(frame), dtype=dtype).reshape(shape)
+    return Message(msg_type, run, step, mb, mbs, body, tensors)
+
+
+def expect_tensors(msg: Message, expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                   allow_nonfinite: bool = False) -> None:
+    """Check that ``msg`` carries exactly the named tensors with these shapes and dtypes.
+
+    Float tensors must be finite unless ``allow_nonfinite``. Raises ``ProtocolError``.
+    """
+    if set(msg.tensors) != set(expected):
+        raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry tensors {sorted(expected)}, got {sorted(msg.tensors)}")
+    for name, (shape, dtype) in expected.items():
+        array = msg.tensors[name]
+        if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: expected {np.dtype(dtype).name}{tuple(shape)}, "
+                                                  f"got {array.dtype.name}{array.shape}")
+        if not allow_nonfinite and array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this experiment forbids")
+
+
+def error_message(run: str, step: int, code: str, text: str, mb: int = 0, mbs: int = 1) -> Message:
+    """An error reply echoing the request's run, step and micro-batch."""
+    return Message(ERROR, run, step, mb, mbs, {"code": code, "message": text})
