@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, StageError
-from .experiment import load_experiment
+from .experiment import check_init_overrides, load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
 from .records import merge_summaries, merge_traces, read_json, write_json
 
@@ -98,6 +98,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     if len(exp.stages) != 2:
         raise ConfigError(f"'distgrad run' launches two-stage experiments as processes; {exp.name!r} has "
                           f"{len(exp.stages)} stage(s): use --in-process")
+    check_init_overrides(exp, parse_init_overrides(init))
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     first, last = exp.stage_names

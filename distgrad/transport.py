@@ -91,12 +91,12 @@ class Server:
         """``(envelope, frames)`` of the next request, or None after ``timeout_s``.
 
         The envelope is the peer's routing id, plus the empty delimiter a REQ
-        peer adds; replies must carry it back.
+        peer puts before its frames; replies must carry it back.
         """
         parts = poll_frames(self.sock, timeout_s)
         if parts is None:
             return None
-        split = 2 if len(parts) > 1 and len(parts[1]) == 0 else 1
+        split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
         return [p.bytes for p in parts[:split]], parts[split:]
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:

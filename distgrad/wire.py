@@ -78,7 +78,7 @@ def encode(msg: Message) -> list[Any]:
     """
     specs, frames = [], []
     for name, array in msg.tensors.items():
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
         wire_name = array.dtype.name
         if wire_name not in DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
@@ -166,7 +166,7 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
         got = _nbytes(frame)
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
-        tensors[name] = np.frombuffer(_buffer(frame), dtype=dtype).reshape(shape)
+        tensors[name] = np.frombuffer(memoryview(_buffer(frame)).toreadonly(), dtype=dtype).reshape(shape)
     return Message(msg_type, run, step, mb, mbs, body, tensors)
 
 

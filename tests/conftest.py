@@ -1,0 +1,121 @@
+"""Fixtures for tests that start real stage processes over real sockets.
+
+Every process is started through ``StageProcess``, which always stops it
+(SIGTERM, then SIGKILL after a grace period) and reaps it; every wait has a
+deadline; every ZeroMQ socket made by a test is closed with linger 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import pytest
+import zmq
+
+from distgrad.launcher import pinned_env
+
+CLI = [sys.executable, "-m", "distgrad.cli"]
+STAGE_CLI = [*CLI, "stage"]
+BIN = Path(sys.executable).parent
+PROCESS_DEADLINE_S = 60.0
+
+
+def run_cli(args: Sequence[str], timeout: float = PROCESS_DEADLINE_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``distgrad ARGS`` to completion (bounded) and return the result with text output."""
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=pinned_env(), cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+class StageProcess:
+    """A ``distgrad-stage`` process whose output goes to a log file; always stopped on exit."""
+
+    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([*STAGE_CLI, *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=pinned_env())
+
+    @property
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def wait(self, timeout: float = PROCESS_DEADLINE_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"stage process did not exit within {timeout} s; output:\n{self.output}")
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> "StageProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for_file(path: Path, proc: StageProcess, timeout: float = 30.0) -> str:
+    """Contents of ``path`` once it exists; fails if ``proc`` exits or time runs out first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.proc.poll() is not None:
+            pytest.fail(f"process exited with {proc.proc.returncode} before writing {path}:\n{proc.output}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} not written within {timeout} s:\n{proc.output}")
+        time.sleep(0.02)
+    return path.read_text().strip()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path):
+    """Start a serving stage bound to a free port; yields ``(process, endpoint)`` via a factory."""
+    started: list[StageProcess] = []
+
+    def start(experiment: str, *extra: str, stage: str = "g", bind: str = "tcp://127.0.0.1:*",
+              name: str = "g") -> tuple[StageProcess, str]:
+        ready = tmp_path / f"{name}.ready"
+        proc = StageProcess([stage, "--experiment", experiment, "--bind", bind, "--ready-file", ready, *extra],
+                            tmp_path / f"{name}.log")
+        started.append(proc)
+        return proc, wait_for_file(ready, proc)
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context]:
+    """A private context; every socket it made is closed with linger 0 afterwards."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+

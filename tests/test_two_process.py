@@ -1,0 +1,228 @@
+"""Two real stage processes over real sockets end bitwise equal to one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from distgrad.launcher import pinned_env
+
+from conftest import BIN, CLI, StageProcess, read_json, read_lines, run_cli, wait_for_file
+
+LABELS_AT_F = """
+name = "labels-at-f"
+steps = 40
+seed = 3
+labels = "first"
+[data]
+kind = "synthetic_regression"
+samples = 256
+features = 3
+outputs = 2
+batch = 16
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "a", in = 3, out = 8 }, { type = "relu" }]
+optimizer = { type = "adam", lr = 0.01 }
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "b", in = 8, out = 2 }, { type = "sigmoid" }]
+optimizer = { type = "sgd", lr = 0.1 }
+loss = "sum_squared_error"
+"""
+
+
+def _in_process(tmp_path, experiment, *extra):
+    summary = tmp_path / "inproc.json"
+    trace = tmp_path / "inproc.trace.jsonl"
+    result = run_cli(["run", experiment, "--in-process", "--summary", summary, "--trace", trace, *extra])
+    assert result.returncode == 0, result.stderr
+    return read_json(summary), read_lines(trace)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.parametrize("experiment", ["seed-reverse", "tanh-regression"])
+def test_launcher_run_is_bitwise_equal_to_in_process(tmp_path, experiment, transport):
+    reference, reference_trace = _in_process(tmp_path, experiment)
+    summary_path, trace_path = tmp_path / "run.json", tmp_path / "run.trace.jsonl"
+    result = run_cli(["run", experiment, "--transport", transport, "--summary", summary_path, "--trace", trace_path])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = read_json(summary_path)
+    assert summary["mode"] == "two-process" and summary["transport"] == transport
+    assert set(summary["params"]) == {"f", "g"}
+    # JSON floats hold float32 values exactly, so == is a bitwise comparison here.
+    assert summary["params"] == reference["params"]
+    assert summary["final_loss"] == reference["final_loss"]
+    assert summary["steps"] == reference["steps"]
+    assert summary["elapsed_s"] > 0 and summary["experiment"] == experiment
+    trace = read_lines(trace_path)
+    assert trace == reference_trace
+    assert "activation_grad" in trace[0]["grads"] and "loss" in trace[0]
+
+
+def test_labels_travelling_with_the_activations(tmp_path):
+    exp = tmp_path / "labels-at-f.toml"
+    exp.write_text(LABELS_AT_F)
+    reference, _ = _in_process(tmp_path, str(exp))
+    summary_path = tmp_path / "run.json"
+    result = run_cli(["run", exp, "--summary", summary_path])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(summary_path)["params"] == reference["params"]
+
+
+def test_stages_started_by_hand_write_summary_and_trace(tmp_path):
+    """The two commands a user types in two terminals, on 127.0.0.1."""
+    reference, reference_trace = _in_process(tmp_path, "seed-reverse", "--steps", "200", "--init", "fW=0.01,gW=-0.02")
+    ready = tmp_path / "ready"
+    common = ["--experiment", "seed-reverse", "--steps", "200", "--init", "fW=0.01,gW=-0.02"]
+    g_args = ["g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+              "--summary", tmp_path / "g.json", "--trace", tmp_path / "g.jsonl", *common]
+    with StageProcess(g_args, tmp_path / "g.log") as g:
+        endpoint = wait_for_file(ready, g)
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        f = StageProcess(["f", "--connect", endpoint, "--summary", tmp_path / "f.json",
+                          "--trace", tmp_path / "f.jsonl", *common], tmp_path / "f.log")
+        with f:
+            assert f.wait() == 0, f.output
+        assert g.wait() == 0, g.output          # one run by default: g exits after the bye
+    f_summary, g_summary = read_json(tmp_path / "f.json"), read_json(tmp_path / "g.json")
+    assert f_summary["params"] == {"f": reference["params"]["f"]}
+    assert g_summary["params"] == {"g": reference["params"]["g"]}
+    for s in (f_summary, g_summary):
+        assert s["experiment"] == "seed-reverse" and s["steps"] == 200 and s["status"] == "completed"
+        assert s["final_loss"] == reference["final_loss"]
+    f_trace, g_trace = read_lines(tmp_path / "f.jsonl"), read_lines(tmp_path / "g.jsonl")
+    assert len(f_trace) == len(g_trace) == 200
+    for f_line, g_line, ref in zip(f_trace, g_trace, reference_trace):
+        assert set(f_line["params"]) == {"fW"} and set(g_line["params"]) == {"gW"}
+        assert f_line["params"]["fW"] == ref["params"]["fW"] and g_line["params"]["gW"] == ref["params"]["gW"]
+        assert g_line["grads"]["activation_grad"] == ref["grads"]["activation_grad"]
+
+
+def test_console_scripts_are_installed():
+    assert (BIN / "distgrad").exists() and (BIN / "distgrad-stage").exists()
+
+
+def test_driver_without_a_server_exits_3_naming_the_endpoint(tmp_path):
+    endpoint = "tcp://127.0.0.1:9"      # discard port: nothing listens there
+    started = time.monotonic()
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1"],
+                      tmp_path / "f.log") as f:
+        code = f.wait(20)
+    assert code == 3
+    assert endpoint in f.output and "no reply" in f.output
+    assert time.monotonic() - started < 15
+
+
+def test_server_abandons_a_silent_client_and_exits_3(start_server, tmp_path, zmq_ctx):
+    g, endpoint = start_server("seed-reverse", "--timeout", "1")
+    from distgrad import wire
+    from distgrad.experiment import load_experiment
+    from distgrad.transport import Client
+
+    exp = load_experiment("seed-reverse")
+    client = Client(zmq_ctx, endpoint)
+    hello = wire.Message(wire.HELLO, "r1", 0, body={
+        "role": "f", "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": exp.seed,
+        "activation": {"shape": [1], "dtype": "float32"}, "labels_travel": False, "steps": 10})
+    assert client.request(hello, 5).type == wire.WELCOME
+    assert g.wait(20) == 3                 # client went silent: a clear error, not a hang
+    assert "silent" in g.output
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_stop_a_serving_stage_cleanly(start_server, signum, code):
+    g, _ = start_server("seed-reverse")
+    g.signal(signum)
+    assert g.wait(10) == code
+    assert "stopped cleanly" in g.output
+
+
+def test_sigterm_stops_the_driver_mid_run(start_server, tmp_path):
+    g, endpoint = start_server("seed-reverse", "--timeout", "2", "--summary", tmp_path / "g.json")
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", "100000"],
+                      tmp_path / "f.log") as f:
+        deadline = time.monotonic() + 20
+        while "step 10000/" not in f.output:
+            assert time.monotonic() < deadline and f.proc.poll() is None, f.output
+            time.sleep(0.05)
+        f.signal(signal.SIGTERM)
+        assert f.wait(10) == 143
+    assert g.wait(20) == 3                # the server notices its client is gone
+    assert read_json(tmp_path / "g.json")["status"] == "abandoned"
+
+
+def test_keep_serving_runs_one_run_after_another(start_server, tmp_path):
+    g, endpoint = start_server("seed-reverse", "--keep-serving", "--summary", tmp_path / "g.json")
+    summaries = []
+    for i in range(2):
+        with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", "50",
+                           "--summary", tmp_path / f"f{i}.json"], tmp_path / f"f{i}.log") as f:
+            assert f.wait() == 0, f.output
+        summaries.append(read_json(tmp_path / f"f{i}.json"))
+    assert summaries[0]["params"] == summaries[1]["params"]   # each run starts from the initial state
+    assert summaries[0]["run_id"] != summaries[1]["run_id"]
+    assert g.proc.poll() is None                             # still serving
+    g.signal(signal.SIGTERM)
+    assert g.wait(10) == 143
+
+
+def test_launcher_checks_the_configuration_before_starting_stages():
+    result = run_cli(["run", "seed-reverse", "--init", "nope=1"])
+    assert result.returncode == 2
+    assert "unknown parameters ['nope']" in result.stderr
+    assert "[g]" not in result.stdout
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _copy_builtin(tmp_path, name):
+    from distgrad.experiment import BUILTIN_DIR
+
+    path = tmp_path / f"{name}-{tmp_path.name}.toml"
+    path.write_text((BUILTIN_DIR / f"{name}.toml").read_text())
+    return path
+
+
+def test_launcher_stops_the_other_stage_when_one_fails(tmp_path):
+    # Weights so large that g's output overflows: f refuses the non-finite gradient (exit 4).
+    exp = _copy_builtin(tmp_path, "seed-reverse")
+    result = run_cli(["run", exp, "--init", "fW=1e30,gW=1e30"])
+    assert result.returncode == 1
+    assert "stage f failed with exit code 4" in result.stderr
+    assert "NaN or Inf" in result.stdout
+    assert _processes_mentioning(str(exp)) == []
+
+
+def test_ctrl_c_on_the_launcher_leaves_no_process_behind(tmp_path):
+    exp = _copy_builtin(tmp_path, "seed-reverse")
+    launcher = subprocess.Popen([*CLI, "run", str(exp), "--steps", "1000000"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=pinned_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        for line in launcher.stdout:
+            if "connected to stage" in line or time.monotonic() > deadline:
+                break
+        time.sleep(0.5)
+        os.killpg(launcher.pid, signal.SIGINT)      # what Ctrl-C in a terminal does
+        assert launcher.wait(15) == 130
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(5)
+    time.sleep(0.2)
+    assert _processes_mentioning(str(exp)) == []

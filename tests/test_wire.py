@@ -1,0 +1,533 @@
+"""Unit tests of the wire codec (distgrad.wire): no sockets, no stages."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from distgrad import wire
+from distgrad.errors import ProtocolError
+from distgrad.wire import ErrorCode, Message
+
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPE_NAMES = sorted(wire.DTYPES)
+
+
+# ------------------------------------------------------------------ helpers
+
+def header(**fields) -> dict:
+    """A valid forward header with no tensors; keyword fields override, ``...`` deletes a field."""
+    h = {"v": 1, "type": "forward", "run": "r1", "step": 1, "mb": 0, "mbs": 1, "body": {}, "tensors": []}
+    for key, value in fields.items():
+        if value is ...:
+            del h[key]
+        else:
+            h[key] = value
+    return h
+
+
+def frames_of(h: dict, *tensor_frames: bytes) -> list[bytes]:
+    return [msgpack.packb(h, use_bin_type=True), *tensor_frames]
+
+
+def as_bytes(frames) -> list[bytes]:
+    # memoryview(...).tobytes(), not bytes(...): bytes() of a 0-d integer array calls __index__.
+    return [memoryview(f).tobytes() for f in frames]
+
+
+def roundtrip(msg: Message) -> Message:
+    return wire.decode(as_bytes(wire.encode(msg)))
+
+
+def refused(frames, code: str, max_tensor_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        wire.decode(frames, max_tensor_bytes)
+    assert info.value.code == code, str(info.value)
+    return info.value
+
+
+def nested_list(depth: int) -> bytes:
+    """msgpack bytes of a list nested ``depth`` deep (deeper than msgpack-python will pack)."""
+    return b"\x91" * depth + b"\x00"
+
+
+def raw_map(entries: dict[str, bytes]) -> bytes:
+    """A msgpack map whose values are given as already-packed bytes."""
+    assert len(entries) < 16
+    out = bytes([0x80 | len(entries)])
+    for key, packed in entries.items():
+        out += msgpack.packb(key) + packed
+    return out
+
+
+def assert_same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.shape == b.shape
+    assert a.dtype.name == b.dtype.name
+    assert a.astype(a.dtype.newbyteorder("<")).tobytes() == b.astype(b.dtype.newbyteorder("<")).tobytes()
+
+
+# ------------------------------------------------------------------ round trips
+
+SHAPES = [(), (1,), (5,), (0,), (0, 3), (3, 0), (2, 3), (2, 3, 4), (1, 1, 1, 1, 1, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_roundtrip_every_dtype_and_shape(dtype, shape):
+    rng = np.random.default_rng(0)
+    array = (rng.standard_normal(shape) * 1000).astype(dtype)
+    msg = Message(wire.FORWARD, "run-a", 3, 1, 4, {"k": [1, "x"]}, {"t": array})
+    frames = wire.encode(msg)
+    assert len(frames) == 2
+    assert msgpack.unpackb(frames[0])["tensors"] == [["t", dtype, list(shape)]]
+    got = roundtrip(msg)
+    assert (got.type, got.run, got.step, got.mb, got.mbs, got.body) == (wire.FORWARD, "run-a", 3, 1, 4, {"k": [1, "x"]})
+    out = got.tensors["t"]
+    assert out.shape == shape and out.dtype == wire.DTYPES[dtype]
+    assert out.tobytes() == array.tobytes()
+    assert not out.flags.writeable
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_special_float_and_extreme_int_values_are_bitwise_equal(dtype):
+    if dtype.startswith("float"):
+        array = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).tiny / 2], dtype)
+    else:
+        array = np.array([np.iinfo(dtype).min, -1, 0, 1, np.iinfo(dtype).max], dtype)
+    out = roundtrip(Message(wire.BACKWARD, tensors={"x": array})).tensors["x"]
+    assert out.tobytes() == array.tobytes()
+
+
+@pytest.mark.parametrize("make", [bytes, bytearray, lambda b: memoryview(bytearray(b))],
+                         ids=["bytes", "bytearray", "memoryview"])
+def test_decoded_tensors_are_read_only_views_of_the_frame(make):
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    header_frame, tensor_frame = as_bytes(wire.encode(Message(wire.FORWARD, tensors={"a": array})))
+    buf = make(tensor_frame)
+    out = wire.decode([header_frame, buf]).tensors["a"]
+    assert np.array_equal(out, array)
+    assert not out.flags.writeable
+    with pytest.raises(ValueError):
+        out[0, 0] = 1.0
+    if not isinstance(buf, bytes):
+        assert np.shares_memory(out, np.frombuffer(buf, np.uint8))
+        memoryview(buf)[:4] = np.float32(42).tobytes()    # a write to the frame shows through: no copy
+        assert out[0, 0] == 42
+
+
+def test_encode_passes_contiguous_little_endian_arrays_without_copy():
+    array = np.arange(6, dtype="<f8").reshape(2, 3)
+    frames = wire.encode(Message(wire.FORWARD, tensors={"a": array}))
+    assert isinstance(frames[0], bytes)
+    assert np.shares_memory(frames[1], array)
+
+
+def test_big_endian_input_is_sent_little_endian():
+    array = np.arange(6, dtype=">i4").reshape(2, 3) - 3
+    frames = wire.encode(Message(wire.FORWARD, tensors={"a": array}))
+    assert msgpack.unpackb(frames[0])["tensors"] == [["a", "int32", [2, 3]]]
+    assert memoryview(frames[1]).tobytes() == array.astype("<i4").tobytes()
+    out = wire.decode(as_bytes(frames)).tensors["a"]
+    assert out.dtype == np.dtype("<i4") and np.array_equal(out, array)
+
+
+def test_non_contiguous_input_is_sent_in_c_order():
+    base = np.arange(24, dtype=np.float64).reshape(4, 6)
+    for array in (base[:, ::2], base.T, np.asfortranarray(base)):
+        out = roundtrip(Message(wire.FORWARD, tensors={"a": array})).tensors["a"]
+        assert np.array_equal(out, array) and out.flags.c_contiguous
+
+
+def test_tensor_order_is_frame_order():
+    tensors = {name: np.full((2,), i, np.int64) for i, name in enumerate(["z", "a", "m", "b"])}
+    got = roundtrip(Message(wire.FORWARD, tensors=tensors))
+    assert list(got.tensors) == ["z", "a", "m", "b"]
+    assert [int(t[0]) for t in got.tensors.values()] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bool", "complex64", "uint8", "int8", "object", "U3"])
+def test_encode_refuses_dtypes_the_wire_does_not_carry(dtype):
+    with pytest.raises(ValueError, match="cannot be sent"):
+        wire.encode(Message(wire.FORWARD, tensors={"a": np.zeros(2, dtype)}))
+
+
+# ------------------------------------------------------------------ property: any valid message survives
+
+SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+           | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20))
+BODY_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+@st.composite
+def tensors(draw):
+    names = draw(st.lists(st.text(max_size=8), max_size=4, unique=True))
+    out = {}
+    for name in names:
+        dtype = np.dtype(draw(st.sampled_from(DTYPE_NAMES)))
+        shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=3))
+        out[name] = draw(hnp.arrays(dtype, shape))
+    return out
+
+
+@st.composite
+def messages(draw):
+    mbs = draw(st.integers(1, 2**32))
+    return Message(
+        type=draw(st.sampled_from(sorted(wire.MESSAGE_TYPES))),
+        run=draw(st.text(max_size=128)),
+        step=draw(st.integers(0, 2**64 - 1)),
+        mb=draw(st.integers(0, mbs - 1)),
+        mbs=mbs,
+        body=draw(st.dictionaries(st.text(max_size=12), BODY_VALUES, max_size=5)),
+        tensors=draw(tensors()),
+    )
+
+
+@FAST
+@given(messages())
+def test_any_valid_message_survives_encode_bytes_decode(msg):
+    got = roundtrip(msg)
+    assert (got.type, got.run, got.step, got.mb, got.mbs) == (msg.type, msg.run, msg.step, msg.mb, msg.mbs)
+    assert got.body == msg.body
+    assert list(got.tensors) == list(msg.tensors)
+    for name, array in msg.tensors.items():
+        assert_same(got.tensors[name], array)
+        assert not got.tensors[name].flags.writeable
+
+
+@FAST
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=5))
+def test_random_frames_decode_or_raise_protocol_error(frames):
+    try:
+        wire.decode(frames)
+    except ProtocolError as e:
+        assert e.code in {ErrorCode.MALFORMED, ErrorCode.VERSION, ErrorCode.TYPE, ErrorCode.TENSOR}
+
+
+@FAST
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=4), st.integers(0, 200), st.binary(max_size=8))
+def test_corrupted_valid_header_decodes_or_raises_protocol_error(tensor_frames, cut, junk):
+    # Closer to the real thing than pure noise: a valid header, truncated or extended, with random frames.
+    packed = msgpack.packb(header(tensors=[["a", "float32", [2]], ["b", "int64", []]]))
+    try:
+        wire.decode([packed[:cut] + junk, *tensor_frames])
+    except ProtocolError:
+        pass
+
+
+# ------------------------------------------------------------------ validation: each error and its code
+
+def test_empty_message():
+    assert "empty" in str(refused([], ErrorCode.MALFORMED))
+
+
+def test_header_size_limit():
+    base = len(msgpack.packb(header(body={"pad": ""})))
+    pad_to_limit = wire.HEADER_MAX_BYTES - base - 2     # str8 -> str16 adds 2 bytes of length
+    at_limit = msgpack.packb(header(body={"pad": "x" * pad_to_limit}))
+    assert len(at_limit) == wire.HEADER_MAX_BYTES
+    assert wire.decode([at_limit]).body["pad"] == "x" * pad_to_limit
+    over = msgpack.packb(header(body={"pad": "x" * (pad_to_limit + 1)}))
+    assert "limit" in str(refused([over], ErrorCode.MALFORMED))
+    refused([b"\x00" * (wire.HEADER_MAX_BYTES + 1)], ErrorCode.MALFORMED)
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\xff\xfe garbage", b"\x85\xa1v",                        # empty, never-used byte, noise
+    msgpack.packb(header())[:-3],                                            # truncated
+    msgpack.packb(header()) + b"\x00",                                       # trailing data
+    msgpack.packb({1: 2}),                                                   # non-string map key
+    msgpack.packb(header(body={"k": msgpack.ExtType(1, b"x")})),            # ext types are refused
+    nested_list(5000),                                                       # deeper than the unpacker's stack
+], ids=["empty", "c1", "noise", "cut-map", "truncated", "trailing", "int-key", "ext", "deep"])
+def test_undecodable_header(frame):
+    assert "msgpack" in str(refused([frame], ErrorCode.MALFORMED))
+
+
+@pytest.mark.parametrize("value", [[1, 2], 5, "hello", None, b"bytes"], ids=repr)
+def test_header_not_a_map(value):
+    assert "map" in str(refused([msgpack.packb(value, use_bin_type=True)], ErrorCode.MALFORMED))
+
+
+@pytest.mark.parametrize("version", [2, 0, -1, "1", None, ..., 1.5])
+def test_wrong_version(version):
+    refused(frames_of(header(v=version)), ErrorCode.VERSION)
+
+
+@pytest.mark.parametrize("msg_type", ["nope", "", "FORWARD", None, 3, ..., b"forward"])
+def test_unknown_type(msg_type):
+    assert "unknown" in str(refused(frames_of(header(type=msg_type)), ErrorCode.TYPE))
+
+
+@pytest.mark.parametrize("msg_type", sorted(wire.RESERVED_TYPES))
+def test_reserved_type(msg_type):
+    assert "reserved" in str(refused(frames_of(header(type=msg_type)), ErrorCode.TYPE))
+
+
+@pytest.mark.parametrize("run", [5, None, b"run", ["r"], "x" * 129, ...], ids=repr)
+def test_bad_run(run):
+    refused(frames_of(header(run=run)), ErrorCode.MALFORMED)
+
+
+def test_run_limit_is_128_characters_not_bytes():
+    assert wire.decode(frames_of(header(run="x" * 128))).run == "x" * 128
+    assert wire.decode(frames_of(header(run="é" * 128))).run == "é" * 128   # 256 UTF-8 bytes
+
+
+@pytest.mark.parametrize("fields", [
+    {"step": -1}, {"step": True}, {"step": 1.0}, {"step": None}, {"step": "1"}, {"step": ...},
+    {"mb": -1}, {"mb": True}, {"mb": ...},
+    {"mbs": 0}, {"mbs": -1}, {"mbs": False}, {"mbs": True}, {"mbs": 1.0}, {"mbs": ...},
+    {"mb": 1, "mbs": 1}, {"mb": 3, "mbs": 2},
+], ids=repr)
+def test_bad_step_mb_mbs(fields):
+    refused(frames_of(header(**fields)), ErrorCode.MALFORMED)
+
+
+def test_step_mb_mbs_limits_accepted():
+    got = wire.decode(frames_of(header(step=2**64 - 1, mb=6, mbs=7)))
+    assert (got.step, got.mb, got.mbs) == (2**64 - 1, 6, 7)
+    assert wire.decode(frames_of(header(step=0))).step == 0
+
+
+@pytest.mark.parametrize("body", [[], None, "x", 1, ...], ids=repr)
+def test_body_not_a_map(body):
+    assert "body" in str(refused(frames_of(header(body=body)), ErrorCode.MALFORMED))
+
+
+@pytest.mark.parametrize("specs", [{}, None, "a", 1, ...], ids=repr)
+def test_tensors_not_a_list(specs):
+    refused(frames_of(header(tensors=specs)), ErrorCode.MALFORMED)
+
+
+def test_too_many_tensors():
+    n = wire.MAX_TENSORS
+    ok = [[f"t{i}", "int32", []] for i in range(n)]
+    assert len(wire.decode(frames_of(header(tensors=ok), *[b"\0" * 4] * n)).tensors) == n
+    over = ok + [["extra", "int32", []]]
+    refused(frames_of(header(tensors=over), *[b"\0" * 4] * (n + 1)), ErrorCode.MALFORMED)
+
+
+@pytest.mark.parametrize("declared,sent", [(1, 0), (2, 1), (0, 1), (1, 2), (2, 4)])
+def test_frame_count_mismatch(declared, sent):
+    specs = [[f"t{i}", "int32", []] for i in range(declared)]
+    assert "frames" in str(refused(frames_of(header(tensors=specs), *[b"\0" * 4] * sent), ErrorCode.TENSOR))
+
+
+@pytest.mark.parametrize("spec", [
+    "a", ["a", "float32"], ["a", "float32", [1], 0], [1, "float32", [1]], [None, "float32", [1]],
+    ["a", "float32", 1], ["a", "float32", {"0": 1}], ["a", "float32", None], {"name": "a"},
+], ids=repr)
+def test_bad_tensor_entry(spec):
+    refused(frames_of(header(tensors=[spec]), b"\0" * 4), ErrorCode.MALFORMED)
+
+
+def test_duplicate_tensor_name():
+    specs = [["a", "int32", []], ["a", "int32", []]]
+    assert "twice" in str(refused(frames_of(header(tensors=specs), b"\0" * 4, b"\0" * 4), ErrorCode.TENSOR))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "object", "<f4", "f4", "Float32", "bool", "uint8", "", None, 4])
+def test_unknown_dtype(dtype):
+    refused(frames_of(header(tensors=[["a", dtype, [1]]]), b"\0" * 4), ErrorCode.TENSOR)
+
+
+@pytest.mark.parametrize("shape", [[-1], [2, -1], [1.0], [True], ["2"], [None], [[1]], [1] * (wire.MAX_NDIM + 1)],
+                         ids=repr)
+def test_bad_shape(shape):
+    refused(frames_of(header(tensors=[["a", "int32", shape]]), b"\0" * 4), ErrorCode.TENSOR)
+
+
+def test_max_ndim_accepted():
+    shape = [1] * wire.MAX_NDIM
+    assert wire.decode(frames_of(header(tensors=[["a", "int32", shape]]), b"\0" * 4)).tensors["a"].shape == tuple(shape)
+
+
+def test_huge_declared_shape_rejected_without_allocating():
+    tracemalloc.start()
+    try:
+        err = refused(frames_of(header(tensors=[["a", "float64", [2**40, 2**40]]]), b""), ErrorCode.TENSOR)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "at most" in str(err)
+    assert peak < 1 << 20
+
+
+def test_max_tensor_bytes_counts_all_tensors():
+    specs = [["a", "float32", [4]], ["b", "int64", [2]]]        # 16 + 16 bytes
+    frames = frames_of(header(tensors=specs), b"\0" * 16, b"\0" * 16)
+    assert set(wire.decode(frames, max_tensor_bytes=32).tensors) == {"a", "b"}
+    refused(frames, ErrorCode.TENSOR, max_tensor_bytes=31)
+    refused(frames, ErrorCode.TENSOR, max_tensor_bytes=15)    # the first tensor alone is too big
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -8, 4096])
+def test_byte_length_mismatch(delta):
+    frames = frames_of(header(tensors=[["a", "float64", [2, 3]]]), b"\0" * (48 + delta))
+    assert "bytes" in str(refused(frames, ErrorCode.TENSOR))
+
+
+def test_zero_size_tensor_needs_an_empty_frame():
+    assert wire.decode(frames_of(header(tensors=[["a", "float32", [0, 3]]]), b"")).tensors["a"].shape == (0, 3)
+    refused(frames_of(header(tensors=[["a", "float32", [0, 3]]]), b"\0"), ErrorCode.TENSOR)
+
+
+@pytest.mark.parametrize("fields,code", [
+    ({"v": 2, "type": "nope"}, ErrorCode.VERSION),
+    ({"type": "nope", "run": 5}, ErrorCode.TYPE),
+    ({"run": 5, "step": -1}, ErrorCode.MALFORMED),
+    ({"body": [], "tensors": [["a", "float16", [1]]]}, ErrorCode.MALFORMED),
+], ids=["version-before-type", "type-before-run", "run-before-step", "body-before-tensors"])
+def test_first_problem_wins(fields, code):
+    refused(frames_of(header(**fields)), code)
+
+
+def test_error_str_carries_code():
+    err = refused(frames_of(header(v=2)), ErrorCode.VERSION)
+    assert str(err).startswith("version: ") and isinstance(err, ValueError)
+
+
+# ------------------------------------------------------------------ known holes in decode (see the report)
+# Each of these escapes decode() as something other than ProtocolError, which serve_last_stage does not
+# catch: one such message stops the serving stage. Remove the xfail marker once wire.decode is fixed.
+
+BUG = pytest.mark.xfail(strict=True, raises=(TypeError, ValueError, RecursionError), reason="decode lets a non-ProtocolError escape; see the wire.py bug report")
+
+
+@BUG
+@pytest.mark.parametrize("msg_type", [[1], {"a": 1}], ids=["list", "map"])
+def test_unhashable_type_is_a_protocol_error(msg_type):
+    refused(frames_of(header(type=msg_type)), ErrorCode.TYPE)
+
+
+@BUG
+@pytest.mark.parametrize("dtype", [["float32"], {"a": 1}], ids=["list", "map"])
+def test_unhashable_dtype_is_a_protocol_error(dtype):
+    refused(frames_of(header(tensors=[["a", dtype, [1]]]), b"\0" * 4), ErrorCode.TENSOR)
+
+
+@BUG
+@pytest.mark.parametrize("shape", [[0, 2**62], [0, 2**63], [0, 2**64 - 1], [0, 2**40, 2**40]], ids=str)
+def test_zero_size_shape_with_huge_dim_is_a_protocol_error(shape):
+    refused(frames_of(header(tensors=[["a", "float32", shape]]), b""), ErrorCode.TENSOR)
+
+
+@BUG
+@pytest.mark.parametrize("field", ["v", "run"])
+def test_deeply_nested_value_is_a_protocol_error(field):
+    # 1020 levels (+1 for the header map): within the msgpack unpacker's stack of 1024 containers,
+    # too deep for repr() in the error message, which raises RecursionError.
+    entries = {k: msgpack.packb(v) for k, v in header().items()}
+    entries[field] = nested_list(1020)
+    with pytest.raises(ProtocolError):
+        wire.decode([raw_map(entries)])
+
+
+@pytest.mark.xfail(strict=True, reason="v=true / v=1.0 compare equal to 1 in Python; see the report")
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_version_must_be_the_integer_1(version):
+    refused(frames_of(header(v=version)), ErrorCode.VERSION)
+
+
+# ------------------------------------------------------------------ expect_tensors
+
+SPECS = {"activation": ((2, 3), np.dtype(np.float32)), "target": ((2,), np.dtype(np.int64))}
+
+
+def fwd(**tensors) -> Message:
+    return Message(wire.FORWARD, "r", 1, tensors=tensors)
+
+
+def good(**overrides) -> Message:
+    t = {"activation": np.zeros((2, 3), np.float32), "target": np.zeros(2, np.int64)}
+    t.update(overrides)
+    return fwd(**{k: v for k, v in t.items() if v is not None})
+
+
+def test_expect_tensors_accepts_exact_match():
+    wire.expect_tensors(good(), SPECS)
+    wire.expect_tensors(roundtrip(good()), SPECS)
+
+
+@pytest.mark.parametrize("msg", [
+    good(target=None), good(activation=None), good(extra=np.zeros(1, np.float32)), fwd(),
+], ids=["missing-target", "missing-activation", "extra", "none"])
+def test_expect_tensors_wrong_names(msg):
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(msg, SPECS)
+    assert info.value.code == ErrorCode.TENSOR
+
+
+@pytest.mark.parametrize("msg", [
+    good(activation=np.zeros((3, 2), np.float32)), good(activation=np.zeros((6,), np.float32)),
+    good(activation=np.zeros((2, 3, 1), np.float32)), good(target=np.zeros((), np.int64)),
+], ids=["transposed", "flat", "extra-dim", "scalar"])
+def test_expect_tensors_wrong_shape(msg):
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(msg, SPECS)
+    assert info.value.code == ErrorCode.TENSOR
+
+
+@pytest.mark.parametrize("msg", [
+    good(activation=np.zeros((2, 3), np.float64)), good(activation=np.zeros((2, 3), np.int32)),
+    good(target=np.zeros(2, np.int32)), good(target=np.zeros(2, np.float32)),
+], ids=["f64-for-f32", "i32-for-f32", "i32-for-i64", "f32-for-i64"])
+def test_expect_tensors_wrong_dtype(msg):
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(msg, SPECS)
+    assert info.value.code == ErrorCode.TENSOR
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_expect_tensors_nonfinite(bad):
+    activation = np.zeros((2, 3), np.float32)
+    activation[1, 2] = bad
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(good(activation=activation), SPECS)
+    assert info.value.code == ErrorCode.NONFINITE
+    wire.expect_tensors(good(activation=activation), SPECS, allow_nonfinite=True)
+
+
+def test_expect_tensors_checks_shape_before_finiteness():
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(good(activation=np.full((3, 3), np.nan, np.float32)), SPECS)
+    assert info.value.code == ErrorCode.TENSOR
+
+
+def test_expect_tensors_does_not_check_int_finiteness():
+    specs = {"i32": ((3,), np.int32), "i64": ((3,), np.int64)}
+    msg = fwd(i32=np.array([np.iinfo(np.int32).min, 0, np.iinfo(np.int32).max], np.int32),
+              i64=np.array([np.iinfo(np.int64).min, -1, np.iinfo(np.int64).max], np.int64))
+    wire.expect_tensors(msg, specs)
+
+
+def test_expect_tensors_accepts_zero_size_float():
+    wire.expect_tensors(fwd(a=np.zeros((0, 3), np.float64)), {"a": ((0, 3), np.float64)})
+
+
+# ------------------------------------------------------------------ error_message
+
+def test_error_message_echoes_ids():
+    msg = wire.error_message("run-7", 12, ErrorCode.STEP, "expected step 11", mb=2, mbs=3)
+    assert (msg.type, msg.run, msg.step, msg.mb, msg.mbs) == (wire.ERROR, "run-7", 12, 2, 3)
+    assert msg.body == {"code": "step", "message": "expected step 11"} and msg.tensors == {}
+    got = roundtrip(msg)
+    assert (got.type, got.run, got.step, got.mb, got.mbs, got.body) == (wire.ERROR, "run-7", 12, 2, 3, msg.body)
+
+
+def test_error_message_defaults():
+    msg = wire.error_message("", 0, ErrorCode.MALFORMED, "empty message")
+    assert (msg.type, msg.run, msg.step, msg.mb, msg.mbs) == (wire.ERROR, "", 0, 0, 1)
+    assert msg.body["code"] == "malformed"
+
+
+def test_describe():
+    assert Message(wire.FORWARD, "", 3, 1, 2).describe() == "forward run=- step=3 mb=1/2"
