@@ -85,7 +85,11 @@ _LOSSES: dict[str, type[Loss]] = {
 
 def build_loss(spec: Any) -> Loss:
     """Build a loss from its experiment name (or a table with ``type``)."""
-    name = spec.get("type") if isinstance(spec, Mapping) else spec
+    if isinstance(spec, Mapping):
+        if set(spec) - {"type"}:
+            raise ConfigError(f"unknown loss keys {sorted(set(spec) - {'type'})}: a loss table has only 'type'")
+        spec = spec.get("type")
+    name = spec if isinstance(spec, str) else repr(spec)
     if name not in _LOSSES:
         raise ConfigError(f"unknown loss {name!r}: use one of {sorted(_LOSSES)}")
     return _LOSSES[name]()

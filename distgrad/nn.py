@@ -251,16 +251,22 @@ class Sequential(Layer):
 _ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
 
 
+def _size(kind: str, key: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"layer {kind!r}: {key!r} must be a whole number, got {value!r}")
+    return value
+
+
 def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
     """Build one layer from an experiment table such as ``{type = "dense", name = "h", in = 4, out = 8}``."""
     spec = dict(spec)
     kind = spec.pop("type", None)
     try:
         if kind == "scale":
-            layer: Layer = Scale(spec.pop("name"), int(spec.pop("size", 1)),
+            layer: Layer = Scale(spec.pop("name"), _size(kind, "size", spec.pop("size", 1)),
                                  spec.pop("init", "truncated_normal"), seed)
         elif kind == "dense":
-            layer = Dense(spec.pop("name"), int(spec.pop("in")), int(spec.pop("out")),
+            layer = Dense(spec.pop("name"), _size(kind, "in", spec.pop("in")), _size(kind, "out", spec.pop("out")),
                           spec.pop("init", "glorot_uniform"), seed, spec.pop("bias_init", "zeros"))
         elif kind in _ACTIVATIONS:
             layer = _ACTIVATIONS[kind]()

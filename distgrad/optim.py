@@ -127,6 +127,8 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
     options = {}
     for k, v in spec.items():
         try:
+            if isinstance(v, bool):
+                raise TypeError("a boolean is not a number")
             options[k] = float(v)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number") from e
