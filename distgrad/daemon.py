@@ -156,6 +156,7 @@ class LastStageServer:
         if self.run is not None:
             if self.run.run_id != msg.run:
                 raise ProtocolError(ErrorCode.RUN, f"busy with run {self.run.run_id}; cannot start run {msg.run!r}")
+            self.run.last_seen = now
         else:
             if self.finished is not None:       # --keep-serving: every run starts from the initial state
                 self.stage = self._new_stage()
@@ -248,14 +249,14 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
             stop.check()
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
+            abandoned = logic.check_silence(now)
+            if abandoned is not None:
+                message = (f"client of run {abandoned['run_id']} silent for more than {opts.timeout_s:g} s "
+                           f"after step {abandoned['steps']}; run abandoned")
+                if not keep_serving:
+                    raise PeerTimeout(message)
+                log.warning("%s; waiting for the next run", message)
             if request is None:
-                abandoned = logic.check_silence(now)
-                if abandoned is not None:
-                    message = (f"client of run {abandoned['run_id']} silent for more than {opts.timeout_s:g} s "
-                               f"after step {abandoned['steps']}; run abandoned")
-                    if not keep_serving:
-                        raise PeerTimeout(message)
-                    log.warning("%s; waiting for the next run", message)
                 continue
             envelope, frames = request
             msg: Message | None = None

@@ -10,6 +10,7 @@ with ``np.frombuffer``.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -22,6 +23,7 @@ PROTOCOL_VERSION = 1
 HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8
+MAX_DIM = 2**31 - 1                   # largest extent of one dimension
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 
 # Message types. "ping"/"pong" (heartbeats) and "checkpoint" are reserved for
@@ -37,6 +39,10 @@ DTYPES: dict[str, np.dtype] = {
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
 }
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 class ErrorCode:
@@ -108,9 +114,25 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     """Validate and decode one message's frames (no routing envelope).
 
     Tensors are read-only views of the received buffers: no copy. Raises
-    ``ProtocolError`` naming what is wrong; nothing is decoded past the first
-    problem, and the sum of tensor sizes may not exceed ``max_tensor_bytes``.
+    ``ProtocolError`` naming what is wrong, and nothing else, whatever the
+    bytes; nothing is decoded past the first problem, and the sum of tensor
+    sizes may not exceed ``max_tensor_bytes``.
     """
+    try:
+        return _decode(frames, max_tensor_bytes)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        # A backstop: hostile input must never escape as anything but a protocol error.
+        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {_show(str(e))}") from e
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for error messages about hostile values."""
+    return _REPR.repr(value)
+
+
+def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
     header_size = _nbytes(frames[0])
@@ -126,18 +148,18 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.VERSION, f"protocol version {version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    if not _is_int(version) or version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.VERSION, f"protocol version {_show(version)} is not supported; this side speaks {PROTOCOL_VERSION}")
     msg_type = header.get("type")
-    if msg_type not in MESSAGE_TYPES:
+    if not isinstance(msg_type, str) or msg_type not in MESSAGE_TYPES:
         known = sorted(MESSAGE_TYPES)
-        what = "reserved but not supported yet" if msg_type in RESERVED_TYPES else "unknown"
-        raise ProtocolError(ErrorCode.TYPE, f"message type {msg_type!r} is {what}; known types: {known}")
+        what = "reserved but not supported yet" if isinstance(msg_type, str) and msg_type in RESERVED_TYPES else "unknown"
+        raise ProtocolError(ErrorCode.TYPE, f"message type {_show(msg_type)} is {what}; known types: {known}")
     run, step, mb, mbs, body = (header.get(k) for k in ("run", "step", "mb", "mbs", "body"))
     if not isinstance(run, str) or len(run) > 128:
-        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be a string of at most 128 characters, got {run!r}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be a string of at most 128 characters, got {_show(run)}")
     if not (_is_int(step) and _is_int(mb) and _is_int(mbs, 1) and mb < mbs):
-        raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={step!r} mb={mb!r} mbs={mbs!r}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={_show(step)} mb={_show(mb)} mbs={_show(mbs)}")
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"'body' must be a map, got {type(body).__name__}")
     specs = header.get("tensors")
@@ -150,14 +172,15 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     for spec, frame in zip(specs, frames[1:]):
         if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
                 and isinstance(spec[2], list)):
-            raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {spec!r:.200}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {_show(spec)}")
         name, dtype_name, shape = spec
         if name in tensors:
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r} is declared twice")
-        if dtype_name not in DTYPES:
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
-        if len(shape) > MAX_NDIM or not all(_is_int(d) for d in shape):
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: shape {shape!r:.200} must be at most {MAX_NDIM} non-negative integers")
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)} is declared twice")
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)}: dtype {_show(dtype_name)} is not one of {sorted(DTYPES)}")
+        if len(shape) > MAX_NDIM or not all(_is_int(d) and d <= MAX_DIM for d in shape):
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)}: shape {_show(shape)} must be at most "
+                                                  f"{MAX_NDIM} integers in [0, {MAX_DIM}]")
         dtype = DTYPES[dtype_name]
         expected = dtype.itemsize * int(np.prod(shape, dtype=object))
         total += expected
