@@ -60,6 +60,14 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--trace", type=Path, metavar="PATH", help="write one JSON line per step here")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="longest wait for the peer: a reply (driver) or the next request mid-run (server); default 5")
+    p.add_argument("--liveness", type=float, metavar="SECONDS",
+                   help="a peer silent this long is reported lost (default 10); also the ZMTP heartbeat timeout")
+    p.add_argument("--peer-deadline", type=float, metavar="SECONDS",
+                   help="how long to wait for a lost peer to come back before exiting 3 (default 60)")
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints here (and on SIGTERM)")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint every K steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (a fresh start if there is none)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -72,6 +80,12 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     _common_flags(p, experiment_required=True)
     p.add_argument("--bind", metavar="ENDPOINT", help="serve on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="drive training against the stage serving here")
+    p.add_argument("--curve-secret", type=Path, metavar="FILE",
+                   help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
+    p.add_argument("--allow", type=Path, metavar="DIR",
+                   help="serving stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
+    p.add_argument("--server-key", type=Path, metavar="FILE",
+                   help="driving stage with CURVE: the serving stage's public key file")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
     p.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here once listening")
     return p
@@ -84,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("experiment", metavar="NAME_OR_PATH")
     _common_flags(run, experiment_required=False)
     run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    run.add_argument("--secure", action="store_true",
+                     help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
     run.add_argument("--in-process", action="store_true",
                      help="run all stages in this one process (the reference the wire must match)")
     demo = sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes")
@@ -91,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("experiments", help="list the built-in experiments")
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
+    keygen.add_argument("directory", type=Path)
+    keygen.add_argument("name")
+    ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
+    ping.add_argument("endpoint")
+    ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
+    ping.add_argument("--curve-secret", type=Path, metavar="FILE")
+    ping.add_argument("--server-key", type=Path, metavar="FILE")
     stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
     stage.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -101,7 +125,11 @@ def _setup_logging(level: str) -> None:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from .daemon import StageOptions, StopFlag, drive_first_stage, serve_last_stage
+    import zmq
+
+    from .keys import CurveServer
+    from .daemon import (DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag,
+                         drive_first_stage, serve_last_stage)
     from .experiment import load_experiment, parse_init_overrides
     from .transport import DEFAULT_TIMEOUT_S
 
@@ -110,24 +138,51 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("give exactly one of --bind (serving stage) or --connect (driving stage)")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    opts = StageOptions(exp, args.stage, exp.seed if args.seed is None else args.seed,
-                        parse_init_overrides(args.init), args.steps, args.summary, args.trace,
-                        DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout)
+    opts = StageOptions(
+        exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
+        args.steps, args.summary, args.trace,
+        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
     exp.stage_index(args.stage)
+    serving = args.bind is not None
+    if serving and args.stage != exp.stage_names[-1]:
+        raise ConfigError(f"--bind is for the serving stage {exp.stage_names[-1]!r}, not {args.stage!r}")
+    if not serving and args.stage != exp.stage_names[0]:
+        raise ConfigError(f"--connect is for the driving stage {exp.stage_names[0]!r}, not {args.stage!r}")
+    if not serving and (args.keep_serving or args.ready_file or args.allow):
+        raise ConfigError("--keep-serving, --ready-file and --allow are for the serving stage")
+    if serving and args.server_key:
+        raise ConfigError("--server-key is for the driving stage")
+    ctx = zmq.Context.instance()
+    security = _curve(args, serving, ctx)
+    opts.security = security
     stop = StopFlag().install()
-    if args.bind is not None:
-        if args.stage != exp.stage_names[-1]:
-            raise ConfigError(f"--bind is for the serving stage {exp.stage_names[-1]!r}, not {args.stage!r}")
-        serve_last_stage(opts, args.bind, stop, args.keep_serving, args.ready_file)
-    else:
-        if args.stage != exp.stage_names[0]:
-            raise ConfigError(f"--connect is for the driving stage {exp.stage_names[0]!r}, not {args.stage!r}")
-        if args.keep_serving or args.ready_file:
-            raise ConfigError("--keep-serving and --ready-file are for the serving stage")
-        drive_first_stage(opts, args.connect, stop)
+    try:
+        if serving:
+            serve_last_stage(opts, args.bind, stop, args.keep_serving, args.ready_file, ctx)
+        else:
+            drive_first_stage(opts, args.connect, stop, ctx)
+    finally:
+        if isinstance(security, CurveServer):
+            security.stop()
     return EXIT_OK
+
+
+def _curve(args: argparse.Namespace, serving: bool, ctx: "zmq.Context") -> "CurveServer | CurveClient | None":
+    """CURVE settings from the key flags, or None for plaintext."""
+    from .keys import CurveClient, CurveServer
+
+    needed = ["--curve-secret", "--allow" if serving else "--server-key"]
+    given = [args.curve_secret, args.allow if serving else args.server_key]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ConfigError(f"CURVE needs {' and '.join(needed)} together")
+    if serving:
+        return CurveServer(ctx, args.curve_secret, args.allow)
+    return CurveClient(args.curve_secret, args.server_key)
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
@@ -144,9 +199,25 @@ def _run_experiment(args: argparse.Namespace) -> int:
         stop = StopFlag().install()
         summary = run_local(args.experiment, steps=args.steps, seed=args.seed, init=args.init,
                             summary_path=args.summary, trace_path=args.trace, transport=args.transport,
-                            timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check)
+                            timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
+                            stage_flags=_passthrough(args), secure=args.secure)
     _print_result(summary)
     return EXIT_OK
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    """The reliability flags of ``distgrad run``, to hand to every stage as they are.
+
+    Both stages may share one checkpoint directory: file names carry the stage.
+    """
+    flags = []
+    for option in ("liveness", "peer_deadline", "checkpoint_dir", "checkpoint_every"):
+        value = getattr(args, option)
+        if value is not None:
+            flags += [f"--{option.replace('_', '-')}", str(value)]
+    if args.resume:
+        flags.append("--resume")
+    return flags
 
 
 def _print_result(summary: dict) -> None:
@@ -186,6 +257,31 @@ def _list_experiments() -> int:
     return EXIT_OK
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from .keys import keygen
+
+    public, secret = keygen(args.directory, args.name)
+    print(f"public key {public}\nsecret key {secret} (keep it private; mode 0600)")
+    return EXIT_OK
+
+
+def _ping(args: argparse.Namespace) -> int:
+    import zmq
+
+    from . import wire
+    from .transport import Client
+
+    ctx = zmq.Context.instance()
+    security = _curve(args, serving=False, ctx=ctx) if (args.curve_secret or args.server_key) else None
+    client = Client(ctx, args.endpoint, security=security)
+    try:
+        pong = client.request(wire.Message(wire.PING, "", 0), args.timeout)
+    finally:
+        client.close(linger_ms=0)
+    print(" ".join(f"{key}={value}" for key, value in sorted(pong.body.items())))
+    return EXIT_OK
+
+
 def _guarded(fn, args: argparse.Namespace) -> int:
     log = logging.getLogger("distgrad")
     try:
@@ -217,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded(_run_stage, args)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
-    commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments()}
+    commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
+                "keygen": _keygen, "ping": _ping}
     return _guarded(commands[args.command], args)
 
 

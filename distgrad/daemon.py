@@ -1,21 +1,27 @@
 """Stage daemons: the serving loop of the last stage and the driving loop of the first.
 
-``serve_last_stage`` binds and answers: a ``hello`` opens a run, each
-``forward`` runs the loss, backward and update once and returns the gradient
-with respect to the activations, ``bye`` closes the run and writes the
-summary. ``drive_first_stage`` owns the data and the step counter: it
-connects, shakes hands, and for every step sends the activations and applies
-the gradient that comes back.
+``serve_last_stage`` binds and answers: a ``hello`` opens (or resumes) a run,
+each ``forward`` runs the loss, backward and update exactly once and returns
+the gradient with respect to the activations, ``bye`` closes the run and
+writes the summary. ``drive_first_stage`` owns the data and the step counter:
+it connects, shakes hands, and for every step sends the activations and
+applies the gradient that comes back.
 
-Invalid input never changes state: a message is fully validated before the
-stage computes anything, and a failed step is answered with an error reply.
-Signal handlers only set a flag (``StopFlag``); the loops check it at least
-every ``transport.POLL_TICK_S``.
+Reliability (docs/reliability.md): a repeated forward gets the cached reply
+and no second update; the driver retries a timed-out request on a fresh
+socket until ``peer_deadline_s``; on every (re)connect both stages roll back
+to the newest step they both hold (a checkpoint, their live state, or the
+initial state at step 0), so a run interrupted anywhere ends with the
+parameters of an uninterrupted one. Invalid input never changes state: a
+message is fully validated before the stage computes anything. Signal
+handlers only set a flag (``StopFlag``); the loops check it at least every
+``transport.POLL_TICK_S``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 import uuid
@@ -27,15 +33,19 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, Interrupted, PeerTimeout, ProtocolError, StageError
+from .checkpoint import CheckpointStore
+from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import Experiment
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage
-from .transport import DEFAULT_TIMEOUT_S, POLL_TICK_S, Client, Server
+from .transport import DEFAULT_TIMEOUT_S, POLL_TICK_S, Client, Server, SocketSecurity
 from .wire import ErrorCode, Message
 
-PROGRESS_UPDATES = 10          # progress lines per run on the driving stage
+PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
+DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
+DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
+RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
 
 
 class StopFlag:
@@ -69,6 +79,23 @@ class StageOptions:
     summary_path: Path | None = None
     trace_path: Path | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    liveness_s: float = DEFAULT_LIVENESS_S
+    peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0          # 0: only on SIGTERM/SIGINT (when a directory is given)
+    resume: bool = False
+    security: SocketSecurity | None = None
+
+    def __post_init__(self) -> None:
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
 
 
 def _tensor_specs(stage: Stage, exp: Experiment) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -85,23 +112,122 @@ def _frame_limit(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple
     return max([wire.HEADER_MAX_BYTES, *sizes]), sum(sizes)
 
 
+class StageState:
+    """A stage with its run id, checkpoints and trace: what rolls back together.
+
+    Step 0 (the initial state) is always held: it is rebuilt from the seed and
+    the ``--init`` overrides, which a restart repeats.
+    """
+
+    def __init__(self, opts: StageOptions) -> None:
+        self.opts = opts
+        self.stage = self._fresh()
+        self.run_id = ""
+        self.store = (CheckpointStore(opts.checkpoint_dir, opts.stage, opts.experiment.fingerprint)
+                      if opts.checkpoint_dir is not None else None)
+        self.trace: TraceWriter | None = None
+        self.log = logging.getLogger(f"distgrad.{opts.stage}")
+
+    def _fresh(self) -> Stage:
+        return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
+
+    def resume_latest(self) -> bool:
+        """Load the newest valid checkpoint; False (fresh start) when there is none."""
+        ckpt = self.store.latest() if self.store is not None else None
+        if ckpt is None:
+            return False
+        self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
+        self.run_id = ckpt.run
+        self.log.info("resumed run %s at step %d from %s", ckpt.run, ckpt.step, ckpt.path)
+        return True
+
+    def begin(self, run_id: str) -> None:
+        """Start ``run_id`` from the initial state; its checkpoints replace any other run's."""
+        if self.stage.step != 0:
+            self.stage = self._fresh()
+        self.run_id = run_id
+        if self.store is not None:
+            self.store.discard_other_runs(run_id)
+            self.save()
+        self.open_trace(append=False)
+
+    def open_trace(self, append: bool) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        self.trace = TraceWriter(self.opts.trace_path, append=append and self.opts.trace_path is not None
+                                 and self.opts.trace_path.exists())
+        if append:
+            self.trace.rollback(self.stage.step)
+
+    def held(self) -> list[int]:
+        """Steps this stage can return to: 0, its checkpoints of this run, its live step."""
+        steps = {0, self.stage.step}
+        if self.store is not None and self.run_id:
+            steps.update(self.store.steps(self.run_id))
+        return sorted(steps)
+
+    def rollback(self, step: int) -> None:
+        """Return to the state after ``step`` (one of ``held()``)."""
+        if step == self.stage.step:
+            return
+        if step == 0:
+            self.stage = self._fresh()
+        else:
+            ckpt = self.store.at(self.run_id, step) if self.store is not None else None
+            if ckpt is None:
+                raise StageError(f"stage {self.opts.stage}: cannot roll back to step {step}: no checkpoint of it")
+            self.stage.load_state_arrays(ckpt.arrays, step)
+        self.log.warning("rolled back to step %d", step)
+        if self.trace is not None:
+            self.trace.rollback(step)
+
+    def after_step(self) -> None:
+        every = self.opts.checkpoint_every
+        if every and self.stage.step % every == 0:
+            self.save()
+
+    def save(self) -> None:
+        if self.store is not None and self.run_id:
+            if self.trace is not None:
+                self.trace.flush()          # the trace then holds every step the checkpoint has
+            self.store.save(self.run_id, self.stage.step, self.stage.state_arrays(), {"seed": self.opts.seed})
+
+    def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
+        summary = {
+            "experiment": self.opts.experiment.name,
+            "stage": self.opts.stage,
+            "run_id": self.run_id,
+            "status": status,
+            "steps": self.stage.step,
+            "seed": self.opts.seed,
+            "final_loss": loss,
+            "elapsed_s": time.perf_counter() - started,
+            **extra,
+            "params": {self.opts.stage: to_lists(self.stage.params)},
+        }
+        if self.opts.summary_path is not None:
+            write_json(self.opts.summary_path, summary)
+        return summary
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
+
+def common_step(ours: list[int], theirs: Any) -> int:
+    """The newest step both sides hold; raises ``ProtocolError`` for a malformed list."""
+    if not isinstance(theirs, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in theirs):
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello 'held' must be a list of steps, got {theirs!r:.100}")
+    both = set(ours) & set(theirs)
+    return max(both) if both else 0
+
+
 # ------------------------------------------------------------------ the server
-
-@dataclass
-class _Run:
-    run_id: str
-    stage: Stage
-    trace: TraceWriter
-    started: float
-    last_seen: float
-    loss: float | None = None
-    cached: tuple[int, int, Message] | None = None   # (step, mb, reply) of the last applied forward
-
 
 class LastStageServer:
     """Protocol logic of the serving (last) stage, free of sockets so tests can call it.
 
-    ``handle(msg)`` returns the reply and raises ``ProtocolError`` for a
+    ``handle(msg, now)`` returns the reply and raises ``ProtocolError`` for a
     message that must be refused; a refused message changes nothing.
     """
 
@@ -114,30 +240,52 @@ class LastStageServer:
             raise ConfigError(f"experiment {self.exp.name!r} has {len(self.exp.stages)} stages; "
                               f"the stage daemons run two-stage experiments (run one-stage ones with 'distgrad run')")
         self.upstream = self.exp.stage_names[-2]
-        self.stage = self._new_stage()       # built now so a bad configuration fails at start
-        self.specs = _tensor_specs(self.stage, self.exp)
+        self.state = StageState(opts)
+        self.log = self.state.log
+        self.specs = _tensor_specs(self.state.stage, self.exp)
         self.max_frame_bytes, self.max_tensor_bytes = _frame_limit(self.specs)
         self.data = self.exp.build_data(opts.seed)   # this stage reads only the targets
-        self.run: _Run | None = None
-        self.finished: dict[str, Any] | None = None   # summary of the last finished run
+        self.active = False                 # a run is open (possibly resumed from a checkpoint)
+        self.last_seen = -math.inf          # when the open run's client last spoke
+        self.lost_since: float | None = None
+        self.started = time.perf_counter()
+        self.loss: float | None = None
+        self.cached: tuple[int, Message] | None = None   # (step, reply) of the last applied forward
+        self.finished: dict[str, Any] | None = None       # summary of the last completed run
+        if opts.resume and self.state.resume_latest():
+            self.active = True
+            self.state.open_trace(append=True)
 
-    def _new_stage(self) -> Stage:
-        return Stage.from_experiment(self.exp, self.opts.stage, self.opts.seed, self.opts.init)
+    @property
+    def stage(self) -> Stage:
+        return self.state.stage
+
+    def live(self, now: float) -> bool:
+        return self.active and now - self.last_seen <= self.opts.liveness_s
 
     def handle(self, msg: Message, now: float) -> Message:
+        if msg.type == wire.PING:
+            return Message(wire.PONG, msg.run, msg.step, body={
+                "stage": self.opts.stage, "experiment": self.exp.name, "run": self.state.run_id if self.active else "",
+                "step": self.stage.step, "client_live": self.live(now)})
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
-        run = self.run
-        if run is None or msg.run != run.run_id:
-            expected = f"run {run.run_id}" if run else "a hello first"
+        if not self.active or msg.run != self.state.run_id:
+            expected = f"run {self.state.run_id}" if self.active else "a hello first"
             raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
-        run.last_seen = now
         if msg.type == wire.FORWARD:
-            return self._forward(run, msg)
-        if msg.type == wire.BYE:
-            self.finished = self._close_run("completed")
-            return Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
-        raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+            reply = self._forward(msg)
+        elif msg.type == wire.BYE:
+            reply = self._bye(msg)
+        else:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        self._seen(now)
+        return reply
+
+    def _seen(self, now: float) -> None:
+        if self.lost_since is not None:
+            self.log.info("client of run %s is back", self.state.run_id)
+        self.last_seen, self.lost_since = now, None
 
     def _hello(self, msg: Message, now: float) -> Message:
         body = msg.body
@@ -153,70 +301,72 @@ class LastStageServer:
             if body.get(key) != value:
                 raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={body.get(key)!r}, this stage expects {value!r}"
                                     + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
-        if self.run is not None:
-            if self.run.run_id != msg.run:
-                raise ProtocolError(ErrorCode.RUN, f"busy with run {self.run.run_id}; cannot start run {msg.run!r}")
-            self.run.last_seen = now
+        if self.active and msg.run == self.state.run_id:
+            common = common_step(self.state.held(), body.get("held"))
+            self.state.rollback(common)
+            if self.cached is not None and self.cached[0] != self.stage.step:
+                self.cached = None
+        elif self.live(now):
+            raise ProtocolError(ErrorCode.RUN, f"busy with run {self.state.run_id} (its client is live); "
+                                               f"cannot start run {msg.run!r}")
         else:
-            if self.finished is not None:       # --keep-serving: every run starts from the initial state
-                self.stage = self._new_stage()
-                self.finished = None
-            self.run = _Run(msg.run, self.stage, TraceWriter(self.opts.trace_path), now, now)
+            common_step([0], body.get("held"))           # validates the list
+            if self.active:
+                self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
+            self.state.begin(msg.run)
+            self.active, self.finished, self.cached, self.loss = True, None, None, None
+            self.started = time.perf_counter()
+            self.log.info("run %s started by %s", msg.run, body.get("role"))
+        self._seen(now)
         return Message(wire.WELCOME, msg.run, msg.step,
-                       body={"stage": self.opts.stage, "next_step": self.run.stage.step + 1})
+                       body={"stage": self.opts.stage, "next_step": self.stage.step + 1})
 
-    def _forward(self, run: _Run, msg: Message) -> Message:
-        stage = run.stage
-        if run.cached is not None and (msg.step, msg.mb) == run.cached[:2]:
-            return run.cached[2]                  # a repeated request: same reply, no second update
+    def _forward(self, msg: Message) -> Message:
+        stage = self.stage
+        if self.cached is not None and msg.step == self.cached[0] and msg.mb == 0:
+            return self.cached[1]              # a repeated request: same reply, no second update
         if msg.step != stage.step + 1 or msg.mbs != 1 or msg.mb != 0:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                                 f"expected step {stage.step + 1} micro-batch 0/1")
         wire.expect_tensors(msg, self.specs, self.exp.allow_nonfinite)
         x = msg.tensors["activation"]
-        target = msg.tensors["target"] if "target" in msg.tensors else self._targets(msg.step)
+        target = msg.tensors["target"] if "target" in msg.tensors else self.data.targets(msg.step)
         try:
             loss, dx, grads = stage.train_last(x, target)
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
-        run.loss = float(loss)
-        if run.trace.enabled:
-            run.trace.write(msg.step, loss, dict(grads, activation_grad=dx), stage.params)
-        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body={"loss": run.loss},
+        self.loss = float(loss)
+        trace = self.state.trace
+        if trace is not None and trace.enabled:
+            trace.write(msg.step, loss, dict(grads, activation_grad=dx), stage.params)
+        self.state.after_step()
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body={"loss": self.loss},
                         tensors={"activation_grad": dx})
-        run.cached = (msg.step, msg.mb, reply)
+        self.cached = (msg.step, reply)
         return reply
 
-    def _targets(self, step: int) -> np.ndarray:
-        return self.data.targets(step)
+    def _bye(self, msg: Message) -> Message:
+        steps = msg.body.get("steps")
+        if steps != self.stage.step:
+            raise ProtocolError(ErrorCode.STEP, f"bye after {steps!r} steps, but this stage has applied {self.stage.step}")
+        self.state.save()
+        self.finished = self.close_run("completed")
+        return Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
 
-    def check_silence(self, now: float) -> dict[str, Any] | None:
-        """Abandon the current run if its client has been silent longer than the timeout.
+    def check_liveness(self, now: float) -> float | None:
+        """Note a lost client; return for how long it has been lost (None while it is live)."""
+        if not self.active or self.live(now):
+            return None
+        if self.lost_since is None:
+            self.lost_since = now
+            self.log.warning("client of run %s silent for more than %g s; keeping its state at step %d and "
+                             "waiting for it (or a new run)", self.state.run_id, self.opts.liveness_s, self.stage.step)
+        return now - self.lost_since
 
-        Returns the abandoned run's summary, or None.
-        """
-        if self.run is not None and now - self.run.last_seen > self.opts.timeout_s:
-            return self._close_run("abandoned")
-        return None
-
-    def _close_run(self, status: str) -> dict[str, Any]:
-        run = self.run
-        assert run is not None
-        run.trace.close()
-        self.run = None
-        summary = {
-            "experiment": self.exp.name,
-            "stage": self.opts.stage,
-            "run_id": run.run_id,
-            "status": status,
-            "steps": run.stage.step,
-            "seed": self.opts.seed,
-            "final_loss": run.loss,
-            "elapsed_s": time.monotonic() - run.started,
-            "params": {self.opts.stage: to_lists(run.stage.params)},
-        }
-        if self.opts.summary_path is not None:
-            write_json(self.opts.summary_path, summary)
+    def close_run(self, status: str) -> dict[str, Any]:
+        summary = self.state.summary(status, self.started, self.loss)
+        self.state.close()
+        self.active, self.cached = False, None
         return summary
 
 
@@ -228,17 +378,18 @@ def _refusal(msg: Message | None, error: ProtocolError) -> Message:
 
 
 def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: bool = False,
-                     ready_file: Path | None = None, ctx: zmq.Context | None = None) -> dict[str, Any]:
+                     ready_file: Path | None = None, ctx: zmq.Context | None = None) -> dict[str, Any] | None:
     """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
 
     Writes the bound endpoint to ``ready_file`` once listening (for launchers).
     Returns the last run's summary. Raises ``PeerTimeout`` when a run's client
-    falls silent (unless ``keep_serving``) and ``Interrupted`` on a signal.
+    stays lost for ``opts.peer_deadline_s`` (unless ``keep_serving``) and
+    ``Interrupted`` on a signal, after saving a checkpoint.
     """
-    log = logging.getLogger(f"distgrad.{opts.stage}")
     logic = LastStageServer(opts)
+    log = logic.log
     ctx = ctx or zmq.Context.instance()
-    server = Server(ctx, bind, logic.max_frame_bytes)
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
     try:
         log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
         if ready_file is not None:
@@ -249,13 +400,10 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
             stop.check()
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
-            abandoned = logic.check_silence(now)
-            if abandoned is not None:
-                message = (f"client of run {abandoned['run_id']} silent for more than {opts.timeout_s:g} s "
-                           f"after step {abandoned['steps']}; run abandoned")
-                if not keep_serving:
-                    raise PeerTimeout(message)
-                log.warning("%s; waiting for the next run", message)
+            lost_for = logic.check_liveness(now)
+            if lost_for is not None and lost_for > opts.peer_deadline_s and not keep_serving:
+                raise PeerTimeout(f"client of run {logic.state.run_id} lost for more than "
+                                  f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
             if request is None:
                 continue
             envelope, frames = request
@@ -268,92 +416,160 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
                 server.reply(envelope, _refusal(msg, e))
                 continue
             server.reply(envelope, reply)
-            if msg.type == wire.HELLO:
-                log.info("run %s started by %s", msg.run, msg.body.get("role"))
-            elif msg.type == wire.BYE and logic.finished is not None:
+            if msg.type == wire.BYE and logic.finished is not None:
                 log.info("run %s completed: %d steps, final loss %s", msg.run, logic.finished["steps"],
                          logic.finished["final_loss"])
                 if not keep_serving:
                     return logic.finished
     finally:
-        if logic.run is not None:
-            logic._close_run("interrupted")
+        if logic.active:
+            logic.state.save()
+            logic.close_run("interrupted")
         server.close()
 
 
 # ------------------------------------------------------------------ the driver
 
+class _Driver:
+    """The first stage's loop: handshake, steps, bye, with retries and rollbacks."""
+
+    def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context) -> None:
+        exp = opts.experiment
+        if exp.stage_index(opts.stage) != 0 or len(exp.stages) != 2:
+            raise ConfigError(f"the driving stage is {exp.stage_names[0]!r} of a two-stage experiment; "
+                              f"{exp.name!r} has stages {exp.stage_names}")
+        self.opts, self.exp, self.connect, self.stop, self.ctx = opts, exp, connect, stop, ctx
+        self.steps = exp.steps if opts.steps is None else opts.steps
+        self.state = StageState(opts)
+        self.log = self.state.log
+        self.data = exp.build_data(opts.seed)
+        self.target_dtype = build_loss(exp.stages[-1].loss).target_dtype
+        self.reply_specs = {"activation_grad": (self.state.stage.output_shape, np.dtype(np.float32))}
+        self.max_frame, self.max_tensor = _frame_limit(self.reply_specs)
+        self.client = self._new_client()
+        self.loss: float | None = None
+
+    def _new_client(self) -> Client:
+        return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s, self.opts.security)
+
+    def exchange(self, msg: Message) -> Message:
+        """``request`` with retries on fresh sockets until ``peer_deadline_s`` (the Lazy Pirate pattern).
+
+        Requests are idempotent on the server (a repeated forward gets its
+        cached reply), so resending is always safe.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            try:
+                return self.client.request(msg, self.opts.timeout_s, self.stop.check)
+            except PeerTimeout as e:
+                if time.monotonic() + pause > deadline:
+                    raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
+                self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
+                                 self.connect, self.opts.timeout_s, deadline - time.monotonic())
+            except PeerRejected as e:
+                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
+                    raise
+                self.log.warning("%s; retrying", e.peer_message)
+            self.client.close(linger_ms=0)
+            self._sleep(pause)
+            pause = min(pause * 2, RETRY_BACKOFF_S[1])
+            self.client = self._new_client()
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.stop.check()
+            time.sleep(min(POLL_TICK_S, max(0.0, end - time.monotonic())))
+
+    def handshake(self) -> None:
+        """Hello/welcome; afterwards both stages stand at the newest step they both hold."""
+        stage = self.state.stage
+        hello = Message(wire.HELLO, self.state.run_id, 0, body={
+            "role": self.opts.stage, "experiment": self.exp.name, "fingerprint": self.exp.fingerprint,
+            "seed": self.opts.seed, "activation": {"shape": list(stage.output_shape), "dtype": "float32"},
+            "labels_travel": self.exp.labels_travel, "steps": self.steps, "step": stage.step,
+            "held": self.state.held()})
+        welcome = self.exchange(hello)
+        next_step = welcome.body.get("next_step")
+        if welcome.type != wire.WELCOME or not isinstance(next_step, int) or next_step - 1 not in self.state.held():
+            raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {self.state.held()}, "
+                                               f"got {welcome.describe()} {welcome.body}")
+        self.state.rollback(next_step - 1)
+        self.log.info("run %s: connected to stage %s at %s; at step %d of %d", self.state.run_id,
+                      welcome.body.get("stage"), self.connect, self.state.stage.step, self.steps)
+
+    def step_once(self) -> None:
+        stage = self.state.stage
+        step = stage.step + 1
+        y, cache = stage.forward(self.data.features(step))
+        tensors = {"activation": y}
+        if self.exp.labels_travel:
+            tensors["target"] = np.asarray(self.data.targets(step), self.target_dtype)
+        reply = self.exchange(Message(wire.FORWARD, self.state.run_id, step, tensors=tensors))
+        if reply.type != wire.BACKWARD:
+            raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
+        wire.expect_tensors(reply, self.reply_specs, self.exp.allow_nonfinite)
+        self.loss = float(reply.body.get("loss", float("nan")))
+        _, grads = stage.backward(cache, reply.tensors["activation_grad"])
+        stage.apply(grads)
+        trace = self.state.trace
+        if trace is not None and trace.enabled:
+            trace.write(step, self.loss, grads, stage.params)
+        self.state.after_step()
+
+    def run(self) -> dict[str, Any]:
+        state = self.state
+        if not (self.opts.resume and state.resume_latest()):
+            state.begin(uuid.uuid4().hex)
+        else:
+            state.open_trace(append=True)
+        started = time.perf_counter()
+        try:
+            self._run()
+        except Interrupted:
+            state.save()
+            raise
+        finally:
+            state.close()
+            self.client.close()
+        return state.summary("completed", started, self.loss, endpoint=self.connect)
+
+    def _run(self) -> None:
+        self.handshake()
+        every = max(1, self.steps // PROGRESS_UPDATES)
+        last_report, last_step = time.perf_counter(), self.state.stage.step
+        while True:
+            stage = self.state.stage
+            try:
+                if stage.step >= self.steps:
+                    self.state.save()
+                    self.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
+                    return
+                self.step_once()
+            except PeerRejected as e:
+                if e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                    raise
+                # The server restarted or lost our run: agree on a step again.
+                self.log.warning("%s; shaking hands again", e.peer_message)
+                self.handshake()
+                continue
+            step = self.state.stage.step
+            if step % every == 0 or step == self.steps:
+                now = time.perf_counter()
+                rate = (step - last_step) / (now - last_report) if now > last_report else float("nan")
+                last_report, last_step = now, step
+                self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, self.loss, rate)
+
+
 def drive_first_stage(opts: StageOptions, connect: str, stop: StopFlag,
                       ctx: zmq.Context | None = None) -> dict[str, Any]:
     """Train ``opts.steps`` steps against the serving stage at ``connect``; return the summary.
 
-    Raises ``PeerTimeout`` naming the endpoint when a reply does not come
-    within ``opts.timeout_s``, ``PeerRejected`` when the server refuses a
-    message, ``Interrupted`` on a signal.
+    Retries an unanswered request on a fresh socket until ``opts.peer_deadline_s``
+    and then raises ``PeerTimeout`` naming the endpoint; raises
+    ``PeerRejected`` when the server refuses a message for good (e.g. another
+    experiment), ``Interrupted`` on a signal, after saving a checkpoint.
     """
-    exp = opts.experiment
-    log = logging.getLogger(f"distgrad.{opts.stage}")
-    if exp.stage_index(opts.stage) != 0 or len(exp.stages) != 2:
-        raise ConfigError(f"the driving stage is {exp.stage_names[0]!r} of a two-stage experiment; "
-                          f"{exp.name!r} has stages {exp.stage_names}")
-    steps = exp.steps if opts.steps is None else opts.steps
-    stage = Stage.from_experiment(exp, opts.stage, opts.seed, opts.init)
-    data = exp.build_data(opts.seed)
-    target_dtype = build_loss(exp.stages[-1].loss).target_dtype
-    reply_specs = {"activation_grad": (stage.output_shape, np.dtype(np.float32))}
-    max_frame, max_tensor = _frame_limit(reply_specs)
-    run_id = uuid.uuid4().hex
-    ctx = ctx or zmq.Context.instance()
-    client = Client(ctx, connect, max_frame, max_tensor)
-    trace = TraceWriter(opts.trace_path)
-    loss: float | None = None
-    try:
-        hello = Message(wire.HELLO, run_id, 0, body={
-            "role": opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": opts.seed,
-            "activation": {"shape": list(stage.output_shape), "dtype": "float32"},
-            "labels_travel": exp.labels_travel, "steps": steps})
-        welcome = client.request(hello, opts.timeout_s, stop.check)
-        if welcome.type != wire.WELCOME or welcome.body.get("next_step") != 1:
-            raise ProtocolError(ErrorCode.RUN, f"expected a welcome at step 1, got {welcome.describe()} {welcome.body}")
-        log.info("run %s: connected to stage %s at %s; %d steps", run_id, welcome.body.get("stage"), connect, steps)
-        every = max(1, steps // PROGRESS_UPDATES)
-        started = last_report = time.perf_counter()
-        for step in range(1, steps + 1):
-            y, cache = stage.forward(data.features(step))
-            tensors = {"activation": y}
-            if exp.labels_travel:
-                tensors["target"] = np.asarray(data.targets(step), target_dtype)
-            reply = client.request(Message(wire.FORWARD, run_id, step, tensors=tensors), opts.timeout_s, stop.check)
-            if reply.type != wire.BACKWARD:
-                raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
-            wire.expect_tensors(reply, reply_specs, exp.allow_nonfinite)
-            loss = float(reply.body.get("loss", float("nan")))
-            dx, grads = stage.backward(cache, reply.tensors["activation_grad"])
-            stage.apply(grads)
-            if trace.enabled:
-                trace.write(step, loss, grads, stage.params)
-            if step % every == 0 or step == steps:
-                now = time.perf_counter()
-                rate = every / (now - last_report) if step % every == 0 else float("nan")
-                last_report = now
-                log.info("step %d/%d loss %.6g (%.0f steps/s)", step, steps, loss, rate)
-        elapsed = time.perf_counter() - started
-        client.request(Message(wire.BYE, run_id, steps + 1, body={"steps": steps}), opts.timeout_s, stop.check)
-    finally:
-        trace.close()
-        client.close()
-    summary = {
-        "experiment": exp.name,
-        "stage": opts.stage,
-        "run_id": run_id,
-        "status": "completed",
-        "steps": steps,
-        "seed": opts.seed,
-        "final_loss": loss,
-        "elapsed_s": elapsed,
-        "endpoint": connect,
-        "params": {opts.stage: to_lists(stage.params)},
-    }
-    if opts.summary_path is not None:
-        write_json(opts.summary_path, summary)
-    return summary
+    return _Driver(opts, connect, stop, ctx or zmq.Context.instance()).run()

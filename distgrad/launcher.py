@@ -22,6 +22,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from .errors import ConfigError, StageError
 from .experiment import check_init_overrides, load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
+from .keys import keygen
 from .records import merge_summaries, merge_traces, read_json, write_json
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -84,7 +85,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
               init: str | None = None, summary_path: str | Path | None = None,
               trace_path: str | Path | None = None, transport: str = "tcp",
               timeout_s: float | None = None, log_level: str = "INFO",
-              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None) -> dict[str, Any]:
+              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
+              stage_flags: Sequence[str] = (), secure: bool = False) -> dict[str, Any]:
     """Run a two-stage experiment as two local processes; return the merged summary.
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
@@ -92,6 +94,9 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     merged files. Raises ``ConfigError`` for a bad experiment and
     ``StageError`` naming the stage and its exit code when a stage fails.
     ``check_stop`` is called while waiting; whatever it raises stops both stages.
+    ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``).
+    With ``secure``, fresh CURVE key pairs are made for this run and the
+    serving stage accepts only the driving stage's key.
     """
     out = out or sys.stdout
     exp = load_experiment(experiment)
@@ -107,11 +112,18 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
         tmp = Path(tmp_name)
         bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{last}.sock"
-        flags = ["--log-level", log_level]
+        flags = ["--log-level", log_level, *stage_flags]
         for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
             if value is not None:
                 flags += [option, str(value)]
         files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in (first, last)}
+
+        server_flags, client_flags = [], []
+        if secure:
+            server_public, server_secret = keygen(tmp / "keys", last)
+            _, client_secret = keygen(tmp / "keys" / "allowed", first)
+            server_flags = ["--curve-secret", str(server_secret), "--allow", str(tmp / "keys" / "allowed")]
+            client_flags = ["--curve-secret", str(client_secret), "--server-key", str(server_public)]
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
@@ -120,7 +132,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
         ready = tmp / "ready"
         try:
             server = _Child(last, _stage_argv(last, str(experiment), [
-                "--bind", bind, "--ready-file", str(ready), *flags, *outputs(last)]), out, lock)
+                "--bind", bind, "--ready-file", str(ready), *flags, *server_flags, *outputs(last)]), out, lock)
             children.append(server)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not ready.exists():
@@ -132,7 +144,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 time.sleep(WAIT_TICK_S)
             endpoint = ready.read_text().strip()
             driver = _Child(first, _stage_argv(first, str(experiment), [
-                "--connect", endpoint, *flags, *outputs(first)]), out, lock)
+                "--connect", endpoint, *flags, *client_flags, *outputs(first)]), out, lock)
             children.append(driver)
             _wait_all(children, check_stop)
         finally:

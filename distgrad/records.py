@@ -8,6 +8,7 @@ bit-for-bit the value that was written.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping
 
@@ -34,11 +35,31 @@ def read_json(path: str | Path) -> dict[str, Any]:
 class TraceWriter:
     """Writes one JSON line per step; a no-op when ``path`` is None."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, append: bool = False) -> None:
         self._file: IO[str] | None = None
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def flush(self) -> None:
+        """Make every line written so far durable (called before a checkpoint is saved)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def rollback(self, step: int) -> None:
+        """Drop the lines of steps after ``step`` (a rollback to that step's state).
+
+        A torn last line, left by a crash, is dropped too.
+        """
+        if self._file is None or self.path is None:
+            return
+        self._file.close()
+        kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+        self._file = open(self.path, "a", encoding="utf-8")
 
     @property
     def enabled(self) -> bool:
@@ -65,9 +86,19 @@ class TraceWriter:
         self.close()
 
 
-def read_trace(path: str | Path) -> list[dict[str, Any]]:
+def read_trace(path: str | Path, tolerate_torn: bool = False) -> list[dict[str, Any]]:
+    """The lines of a trace file; with ``tolerate_torn``, lines that do not parse are skipped."""
+    lines = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for text in f:
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                if not tolerate_torn:
+                    raise
+    return lines
 
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -79,6 +79,45 @@ class Stage:
         self.optimizer.step(self.model.params, grads)
         self.step += 1
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Everything the next step depends on, as named arrays (for checkpoints).
+
+        Data needs no position of its own: batches are a pure function of the
+        step, and no random numbers are drawn after initialisation.
+        """
+        arrays = {f"param/{name}": value for name, value in self.params.items()}
+        for key, value in self.optimizer.state_dict().items():
+            if isinstance(value, Mapping):
+                arrays.update({f"opt/{key}/{name}": v for name, v in value.items()})
+            else:
+                arrays[f"opt/{key}"] = np.asarray(value)
+        return arrays
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
+        """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
+        names = {k.split("/", 1)[1] for k in arrays if k.startswith("param/")}
+        if names != set(self.params):
+            raise ValueError(f"stage {self.name}: checkpoint has parameters {sorted(names)}, "
+                             f"the model has {sorted(self.params)}")
+        for name, value in self.params.items():
+            saved = arrays[f"param/{name}"]
+            if saved.shape != value.shape:
+                raise ValueError(f"stage {self.name}: checkpoint {name} has shape {saved.shape}, model {value.shape}")
+            value[...] = saved
+        state: dict[str, Any] = {}
+        for key, value in arrays.items():
+            parts = key.split("/", 2)
+            if parts[0] != "opt":
+                continue
+            if len(parts) == 3:
+                state.setdefault(parts[1], {})[parts[2]] = value
+            else:
+                state[parts[1]] = value
+        for nested in ("m", "v"):
+            state.setdefault(nested, {})
+        self.optimizer.load_state_dict(state)
+        self.step = step
+
     def train_last(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
         """A whole step on the last stage: forward, loss, backward, update.
 

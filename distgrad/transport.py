@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import zmq
 
@@ -25,6 +25,7 @@ POLL_TICK_S = 0.1             # longest a loop waits before checking for a stop 
 LINGER_MS = 200               # how long close() may spend flushing unsent messages
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zero-copy bookkeeping
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
+HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -49,11 +50,25 @@ def check_endpoint(endpoint: str, bind: bool) -> str:
     return endpoint
 
 
-def _configure(sock: zmq.Socket, max_message_bytes: int | None) -> None:
+class SocketSecurity(Protocol):
+    """Something that secures a socket before it binds or connects (see ``distgrad.keys``)."""
+
+    def apply(self, sock: zmq.Socket) -> None: ...
+
+
+def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: float,
+               security: SocketSecurity | None) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     if max_message_bytes is not None:
         # ZeroMQ drops the connection of a peer that sends a bigger frame, before we allocate it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    # ZMTP heartbeats run in ZeroMQ's I/O thread, even while this process computes: a peer
+    # whose connection stops answering them is disconnected after liveness_s.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(liveness_s * 1000 / HEARTBEATS_PER_LIVENESS)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(liveness_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(liveness_s * 1000))
+    if security is not None:
+        security.apply(sock)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> None:
@@ -76,10 +91,11 @@ def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
 class Server:
     """A bound ROUTER that receives requests and sends replies to their sender."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
+                 liveness_s: float = 10.0, security: SocketSecurity | None = None) -> None:
         check_endpoint(endpoint, bind=True)
         self.sock = ctx.socket(zmq.ROUTER)
-        _configure(self.sock, max_message_bytes)
+        _configure(self.sock, max_message_bytes, liveness_s, security)
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -102,19 +118,20 @@ class Server:
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)
 
-    def close(self) -> None:
-        self.sock.close(LINGER_MS)
+    def close(self, linger_ms: int = LINGER_MS) -> None:
+        self.sock.close(linger_ms)
 
 
 class Client:
     """A connected DEALER that sends a request and waits, bounded, for the matching reply."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
-                 max_reply_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES) -> None:
+                 max_reply_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES, liveness_s: float = 10.0,
+                 security: SocketSecurity | None = None) -> None:
         self.endpoint = check_endpoint(endpoint, bind=False)
         self.max_reply_bytes = max_reply_bytes
         self.sock = ctx.socket(zmq.DEALER)
-        _configure(self.sock, max_message_bytes)
+        _configure(self.sock, max_message_bytes, liveness_s, security)
         self.sock.connect(endpoint)
 
     def request(self, msg: wire.Message, timeout_s: float, check_stop: StopCheck | None = None) -> wire.Message:
@@ -143,6 +160,6 @@ class Client:
                 return reply
             log.debug("dropping stale reply %s while waiting for %s", reply.describe(), msg.describe())
 
-    def close(self) -> None:
-        self.sock.close(LINGER_MS)
+    def close(self, linger_ms: int = LINGER_MS) -> None:
+        self.sock.close(linger_ms)
 

@@ -26,11 +26,11 @@ MAX_NDIM = 8
 MAX_DIM = 2**31 - 1                   # largest extent of one dimension
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 
-# Message types. "ping"/"pong" (heartbeats) and "checkpoint" are reserved for
-# the liveness and resume work; receivers reject them as unsupported for now.
+# Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
-MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE})
-RESERVED_TYPES = frozenset({"ping", "pong", "checkpoint"})
+PING, PONG = "ping", "pong"
+MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG})
+RESERVED_TYPES = frozenset({"checkpoint"})
 
 # Tensor dtypes on the wire, always little-endian.
 DTYPES: dict[str, np.dtype] = {

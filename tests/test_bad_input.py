@@ -13,7 +13,7 @@ from distgrad.stage import Stage
 from distgrad.transport import Client
 from distgrad.wire import ErrorCode, Message
 
-from conftest import StageProcess, read_json, run_cli
+from conftest import StageProcess, hello_message, read_json, run_cli
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -31,10 +31,7 @@ def _header(**fields) -> bytes:
 
 
 def _hello(exp, run: str, **changes) -> Message:
-    body = {"role": "f", "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": exp.seed,
-            "activation": {"shape": [1], "dtype": "float32"}, "labels_travel": False, "steps": 30}
-    body.update(changes)
-    return Message(wire.HELLO, run, 0, body=body)
+    return hello_message(exp, run, **changes)
 
 
 UNDECODABLE = [
@@ -123,7 +120,10 @@ def test_bad_forwards_mid_run_change_nothing(start_server, tmp_path, zmq_ctx):
         np.testing.assert_array_equal(again.tensors["activation_grad"], reply.tensors["activation_grad"])
         _, grads = f.backward(cache, reply.tensors["activation_grad"].copy())
         f.apply(grads)
-    client.request(Message(wire.BYE, "run-1", steps + 1), 5)
+    with pytest.raises(Exception) as info:                 # a bye must agree on the steps applied
+        client.request(Message(wire.BYE, "run-1", steps + 1, body={"steps": steps - 1}), 5)
+    assert info.value.code == ErrorCode.STEP
+    client.request(Message(wire.BYE, "run-1", steps + 1, body={"steps": steps}), 5)
     assert g.wait() == 0, g.output
     ref = tmp_path / "ref.json"
     assert run_cli(["run", "seed-reverse", "--in-process", "--steps", steps, "--summary", ref]).returncode == 0

@@ -12,7 +12,7 @@ import pytest
 
 from distgrad.launcher import pinned_env
 
-from conftest import BIN, CLI, StageProcess, read_json, read_lines, run_cli, wait_for_file
+from conftest import BIN, CLI, hello_message, StageProcess, read_json, read_lines, run_cli, wait_for_file
 
 LABELS_AT_F = """
 name = "labels-at-f"
@@ -111,28 +111,27 @@ def test_console_scripts_are_installed():
 def test_driver_without_a_server_exits_3_naming_the_endpoint(tmp_path):
     endpoint = "tcp://127.0.0.1:9"      # discard port: nothing listens there
     started = time.monotonic()
-    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1"],
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1",
+                       "--peer-deadline", "2"],
                       tmp_path / "f.log") as f:
         code = f.wait(20)
     assert code == 3
-    assert endpoint in f.output and "no reply" in f.output
+    assert endpoint in f.output and "no reply" in f.output and "gave up after retrying for 2 s" in f.output
     assert time.monotonic() - started < 15
 
 
-def test_server_abandons_a_silent_client_and_exits_3(start_server, tmp_path, zmq_ctx):
-    g, endpoint = start_server("seed-reverse", "--timeout", "1")
+def test_server_gives_up_on_a_lost_client_and_exits_3(start_server, tmp_path, zmq_ctx):
+    g, endpoint = start_server("seed-reverse", "--liveness", "1", "--peer-deadline", "1")
     from distgrad import wire
     from distgrad.experiment import load_experiment
     from distgrad.transport import Client
 
-    exp = load_experiment("seed-reverse")
     client = Client(zmq_ctx, endpoint)
-    hello = wire.Message(wire.HELLO, "r1", 0, body={
-        "role": "f", "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": exp.seed,
-        "activation": {"shape": [1], "dtype": "float32"}, "labels_travel": False, "steps": 10})
-    assert client.request(hello, 5).type == wire.WELCOME
+    assert client.request(hello_message(load_experiment("seed-reverse"), "r1"), 5).type == wire.WELCOME
+    started = time.monotonic()
     assert g.wait(20) == 3                 # client went silent: a clear error, not a hang
-    assert "silent" in g.output
+    assert time.monotonic() - started < 6
+    assert "silent for more than 1 s" in g.output and "giving up" in g.output
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -144,7 +143,8 @@ def test_signals_stop_a_serving_stage_cleanly(start_server, signum, code):
 
 
 def test_sigterm_stops_the_driver_mid_run(start_server, tmp_path):
-    g, endpoint = start_server("seed-reverse", "--timeout", "2", "--summary", tmp_path / "g.json")
+    g, endpoint = start_server("seed-reverse", "--liveness", "1", "--peer-deadline", "1",
+                               "--summary", tmp_path / "g.json")
     with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", "20000"],
                       tmp_path / "f.log") as f:
         deadline = time.monotonic() + 20
@@ -154,7 +154,7 @@ def test_sigterm_stops_the_driver_mid_run(start_server, tmp_path):
         f.signal(signal.SIGTERM)
         assert f.wait(10) == 143
     assert g.wait(20) == 3                # the server notices its client is gone
-    assert read_json(tmp_path / "g.json")["status"] == "abandoned"
+    assert read_json(tmp_path / "g.json")["status"] == "interrupted"
 
 
 def test_keep_serving_runs_one_run_after_another(start_server, tmp_path):

@@ -1,0 +1,177 @@
+"""Kill either stage at any moment, restart it with the same command: bitwise the same result.
+
+Every test runs real stage processes with checkpoints every few steps and
+compares the final parameters with an uninterrupted in-process run.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import StageProcess, read_json, read_lines, run_cli
+
+CHECKPOINT_EVERY = "25"
+FAULT_TESTS = {"seed-reverse": "900", "tanh-regression": "1200"}
+
+
+def _free_tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _reference(tmp_path: Path, experiment: str, steps: str) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_cli(["run", experiment, "--in-process", "--steps", steps, "--summary", path])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)["params"]
+
+
+class Pair:
+    """The two stages of one run, each restartable with its original command line."""
+
+    def __init__(self, tmp_path: Path, experiment: str, steps: str, endpoint: str) -> None:
+        self.tmp = tmp_path
+        common = ["--experiment", experiment, "--steps", steps, "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "1", "--peer-deadline", "30"]
+        self.args = {
+            "g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
+            "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace", tmp_path / "f.jsonl", *common],
+        }
+        self.procs: dict[str, StageProcess] = {}
+        self.starts = {"f": 0, "g": 0}
+
+    def start(self, name: str) -> None:
+        self.starts[name] += 1
+        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
+
+    def step(self) -> int:
+        """Steps f has applied, from its trace (rolled back on resume)."""
+        path = self.tmp / "f.jsonl"
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return 0
+        return len(lines)
+
+    def wait_for_step(self, target: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step() < target:
+            assert time.monotonic() < deadline, f"stuck below step {target}:\n{self.logs()}"
+            for proc in self.procs.values():
+                assert proc.proc.poll() is None, f"a stage exited early:\n{self.logs()}"
+            time.sleep(0.002)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def finish(self) -> tuple[dict, dict]:
+        for name in ("f", "g"):
+            code = self.procs[name].wait(60)
+            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+        return read_json(self.tmp / "f.json"), read_json(self.tmp / "g.json")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def pair_factory(tmp_path):
+    pairs: list[Pair] = []
+
+    def make(experiment: str, steps: str, endpoint: str | None = None) -> Pair:
+        pair = Pair(tmp_path, experiment, steps, endpoint or f"ipc://{tmp_path}/g.sock")
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for pair in pairs:
+        pair.stop()
+
+
+def _assert_bitwise(tmp_path, pair: Pair, experiment: str, steps: str) -> None:
+    f_summary, g_summary = pair.finish()
+    reference = _reference(tmp_path, experiment, steps)
+    assert f_summary["params"]["f"] == reference["f"]
+    assert g_summary["params"]["g"] == reference["g"]
+    assert f_summary["steps"] == g_summary["steps"] == int(steps)
+    trace = read_lines(tmp_path / "f.jsonl")
+    assert [line["step"] for line in trace] == list(range(1, int(steps) + 1))   # no lost or doubled step
+
+
+@pytest.mark.parametrize("experiment", sorted(FAULT_TESTS))
+@pytest.mark.parametrize("victim", ["g", "f"])
+def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pair_factory, tmp_path, experiment, victim):
+    steps = FAULT_TESTS[experiment]
+    endpoint = _free_tcp_endpoint() if victim == "g" else None
+    pair = pair_factory(experiment, steps, endpoint)
+    pair.start("g")
+    pair.start("f")
+    total = int(steps)
+    for fraction in (0.15, 0.45, 0.75):
+        pair.wait_for_step(int(total * fraction))
+        pair.procs[victim].signal(signal.SIGKILL)
+        pair.procs[victim].wait(10)
+        pair.start(victim)                       # the same command line
+    _assert_bitwise(tmp_path, pair, experiment, steps)
+    assert pair.starts[victim] == 4
+
+
+def test_sigterm_then_resume(pair_factory, tmp_path):
+    steps = FAULT_TESTS["seed-reverse"]
+    pair = pair_factory("seed-reverse", steps)
+    pair.start("g")
+    pair.start("f")
+    pair.wait_for_step(300)
+    pair.procs["f"].signal(signal.SIGTERM)
+    assert pair.procs["f"].wait(10) == 143
+    pair.wait_for_step(0)
+    pair.procs["g"].signal(signal.SIGTERM)
+    assert pair.procs["g"].wait(10) == 143
+    assert "resumed" not in pair.logs()
+    pair.start("g")
+    pair.start("f")
+    _assert_bitwise(tmp_path, pair, "seed-reverse", steps)
+    assert "resumed run" in pair.logs()
+
+
+def test_server_restarted_while_the_driver_waits(pair_factory, tmp_path):
+    steps = FAULT_TESTS["seed-reverse"]
+    pair = pair_factory("seed-reverse", steps)
+    pair.start("g")
+    pair.start("f")
+    pair.wait_for_step(200)
+    pair.procs["g"].signal(signal.SIGKILL)
+    pair.procs["g"].wait(10)
+    time.sleep(2.5)                              # f times out and keeps retrying meanwhile
+    assert pair.procs["f"].proc.poll() is None
+    pair.start("g")
+    _assert_bitwise(tmp_path, pair, "seed-reverse", steps)
+    assert "reconnecting" in pair.logs()
+
+
+def test_driver_restarted_without_checkpoints_starts_over_and_still_matches(pair_factory, tmp_path):
+    """With no checkpoint directory both sides can only return to step 0; the result is still exact."""
+    steps = "600"
+    endpoint = f"ipc://{tmp_path}/plain.sock"
+    g_args = ["g", "--experiment", "seed-reverse", "--bind", endpoint, "--steps", steps,
+              "--summary", tmp_path / "g.json", "--liveness", "1"]
+    f_args = ["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", steps,
+              "--summary", tmp_path / "f.json", "--timeout", "1", "--peer-deadline", "30"]
+    with StageProcess(g_args, tmp_path / "g.log") as g:
+        with StageProcess(f_args, tmp_path / "f1.log") as f:
+            time.sleep(0.15)
+            f.signal(signal.SIGKILL)
+            f.wait(10)
+        with StageProcess(f_args, tmp_path / "f2.log") as f:
+            assert f.wait(60) == 0, f.output + g.output
+        assert g.wait(30) == 0, g.output
+    reference = _reference(tmp_path, "seed-reverse", steps)
+    assert read_json(tmp_path / "f.json")["params"]["f"] == reference["f"]
+    assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
