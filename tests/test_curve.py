@@ -1,0 +1,97 @@
+"""CURVE between real stage processes: only the allowed client is heard at all."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import zmq
+
+from distgrad import wire
+from distgrad.experiment import load_experiment
+from distgrad.keys import apply_curve_client, keygen
+
+from conftest import StageProcess, hello_message, read_json, run_cli
+
+NO_REPLY_MS = 1500
+
+
+@pytest.fixture
+def keys(tmp_path):
+    server_public, server_secret = keygen(tmp_path / "server", "g")
+    _, client_secret = keygen(tmp_path / "clients", "f")
+    _, stranger_secret = keygen(tmp_path / "strangers", "eve")
+    other_public, _ = keygen(tmp_path / "other", "mallory")
+    return {"server_public": server_public, "server_secret": server_secret, "allow": tmp_path / "clients",
+            "client_secret": client_secret, "stranger_secret": stranger_secret, "other_public": other_public}
+
+
+def _secure_server(start_server, tmp_path, keys):
+    return start_server("seed-reverse", "--curve-secret", keys["server_secret"], "--allow", keys["allow"],
+                        "--summary", tmp_path / "g.json")
+
+
+def _sends_hello_and_hears_nothing(ctx, endpoint, configure) -> None:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    configure(sock)
+    sock.connect(endpoint)
+    sock.send_multipart(wire.encode(hello_message(load_experiment("seed-reverse"), "intruder")))
+    assert sock.poll(NO_REPLY_MS) == 0, "an unauthorised client got a reply"
+    sock.close(0)
+
+
+def test_only_the_allowed_client_is_heard_and_trains(start_server, tmp_path, keys, zmq_ctx):
+    g, endpoint = _secure_server(start_server, tmp_path, keys)
+    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: None)                       # plaintext
+    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: apply_curve_client(
+        s, keys["stranger_secret"], keys["server_public"]))                                   # unknown key
+    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: apply_curve_client(
+        s, keys["client_secret"], keys["other_public"]))                                      # wrong server key
+    assert "run intruder" not in g.output and g.proc.poll() is None
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", tmp_path / "f.json",
+                       "--curve-secret", keys["client_secret"], "--server-key", keys["server_public"]],
+                      tmp_path / "f.log") as f:
+        assert f.wait() == 0, f.output
+    assert g.wait() == 0, g.output
+    reference = tmp_path / "reference.json"
+    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert read_json(tmp_path / "g.json")["params"]["g"] == read_json(reference)["params"]["g"]
+    assert read_json(tmp_path / "f.json")["params"]["f"] == read_json(reference)["params"]["f"]
+
+
+def test_a_plaintext_driver_against_a_secure_server_times_out(start_server, tmp_path, keys):
+    g, endpoint = _secure_server(start_server, tmp_path, keys)
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1",
+                       "--peer-deadline", "1"], tmp_path / "f.log") as f:
+        assert f.wait(20) == 3
+    assert g.proc.poll() is None
+
+
+def test_launcher_secure_run_is_bitwise_equal(tmp_path):
+    summary, reference = tmp_path / "s.json", tmp_path / "r.json"
+    result = run_cli(["run", "seed-reverse", "--secure", "--summary", summary])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert read_json(summary)["params"] == read_json(reference)["params"]
+
+
+def test_keygen_cli_writes_0600_files_and_group_readable_secrets_are_refused(tmp_path):
+    result = run_cli(["keygen", tmp_path / "k", "g"])
+    assert result.returncode == 0, result.stderr
+    for name in ("g.key", "g.key_secret"):
+        assert os.stat(tmp_path / "k" / name).st_mode & 0o777 == 0o600
+    assert run_cli(["keygen", tmp_path / "k", "g"]).returncode == 2                      # no overwrite
+    os.chmod(tmp_path / "k" / "g.key_secret", 0o640)
+    keygen(tmp_path / "allow", "f")
+    result = run_cli(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*",
+                      "--curve-secret", tmp_path / "k" / "g.key_secret", "--allow", tmp_path / "allow"])
+    assert result.returncode == 2 and "chmod 600" in result.stderr
+
+
+def test_ping_answers_with_the_servers_state(start_server, tmp_path):
+    _, endpoint = start_server("seed-reverse")
+    result = run_cli(["ping", endpoint])
+    assert result.returncode == 0, result.stderr
+    assert "stage=g" in result.stdout and "experiment=seed-reverse" in result.stdout
+    assert run_cli(["ping", "tcp://127.0.0.1:9", "--timeout", "0.5"]).returncode == 3
