@@ -528,8 +528,8 @@ class _Driver:
         started = time.perf_counter()
         try:
             self._run()
-        except Interrupted:
-            state.save()
+        except (Interrupted, PeerTimeout):
+            state.save()            # between steps the state is consistent: a restart continues here
             raise
         finally:
             state.close()

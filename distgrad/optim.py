@@ -88,19 +88,42 @@ class Adam(Optimizer):
         self.beta1_power, self.beta2_power = self.beta1, self.beta2
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}
+        self._buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
         one = self.one
         alpha = self.lr * np.sqrt(one - self.beta2_power) / (one - self.beta1_power)
+        c1, c2 = one - self.beta1, one - self.beta2
         for name, g in grads.items():
             w = params[name]
-            m = self.m.setdefault(name, np.zeros_like(w))
-            v = self.v.setdefault(name, np.zeros_like(w))
-            m += (g - m) * (one - self.beta1)
-            v += (g * g - v) * (one - self.beta2)
-            w -= (m * alpha) / (np.sqrt(v) + self.epsilon)
+            m = self.m.get(name)
+            if m is None:
+                m = self.m[name] = np.zeros_like(w)
+                self.v[name] = np.zeros_like(w)
+            v = self.v[name]
+            t, u = self._scratch(name, w)
+            # The same float32 operations in the same order as the formulas above,
+            # written into reused buffers so a step allocates nothing.
+            np.subtract(g, m, out=t)
+            t *= c1
+            m += t
+            np.multiply(g, g, out=t)
+            t -= v
+            t *= c2
+            v += t
+            np.multiply(m, alpha, out=t)
+            np.sqrt(v, out=u)
+            u += self.epsilon
+            t /= u
+            w -= t
         self.beta1_power = self.beta1_power * self.beta1
         self.beta2_power = self.beta2_power * self.beta2
+
+    def _scratch(self, name: str, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pair = self._buffers.get(name)
+        if pair is None or pair[0].shape != like.shape:
+            pair = self._buffers[name] = (np.empty_like(like), np.empty_like(like))
+        return pair
 
     def state_dict(self) -> dict[str, Any]:
         return {
