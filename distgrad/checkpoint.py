@@ -4,8 +4,8 @@ File format (no pickle anywhere)::
 
     b"DGCKPT1\\n" | uint32 little-endian header length | msgpack header | payload
 
-The header holds ``stage``, ``run``, ``step``, ``fingerprint``, ``meta`` and the
-SHA-256 of the payload; the payload is an uncompressed ``.npz`` of named
+The header holds ``stage``, ``run``, ``step``, ``fingerprint``, ``meta`` and a
+SHA-256 over those fields and the payload; the payload is an uncompressed ``.npz`` of named
 float32 arrays, read back with ``allow_pickle=False``. A file is written to a
 temporary name, fsynced, renamed into place and its directory fsynced, so a
 crash leaves either the old set of files or the new one. A torn or corrupt
@@ -52,6 +52,13 @@ class Checkpoint:
     path: Path
 
 
+def _digest(fields: Mapping[str, Any], payload: bytes) -> str:
+    """SHA-256 over the header fields and the payload: a flipped bit anywhere is caught."""
+    digest = hashlib.sha256(msgpack.packb(dict(sorted(fields.items()))))
+    digest.update(payload)
+    return digest.hexdigest()
+
+
 def _path(directory: Path, stage: str, step: int) -> Path:
     return directory / f"{stage}-{step:09d}.ckpt"
 
@@ -71,8 +78,8 @@ def save(directory: Path, stage: str, run: str, step: int, fingerprint: str,
     buffer = io.BytesIO()
     np.savez(buffer, **{name: np.asarray(a) for name, a in arrays.items()})
     payload = buffer.getvalue()
-    header = msgpack.packb({"stage": stage, "run": run, "step": step, "fingerprint": fingerprint,
-                            "meta": dict(meta or {}), "sha256": hashlib.sha256(payload).hexdigest()})
+    fields = {"stage": stage, "run": run, "step": step, "fingerprint": fingerprint, "meta": dict(meta or {})}
+    header = msgpack.packb(dict(fields, sha256=_digest(fields, payload)))
     path = _path(directory, stage, step)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -101,7 +108,8 @@ def load(path: Path) -> Checkpoint:
     try:
         header = msgpack.unpackb(data[start:start + size], raw=False)
         payload = data[start + size:]
-        if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta")}
+        if _digest(fields, payload) != header["sha256"]:
             raise CheckpointError(f"{path} fails its checksum (torn or corrupt)")
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
@@ -128,10 +136,13 @@ def steps_on_disk(directory: Path, stage: str) -> list[int]:
 class CheckpointStore:
     """The checkpoints of one stage in one directory, for one experiment."""
 
-    def __init__(self, directory: Path, stage: str, fingerprint: str) -> None:
+    def __init__(self, directory: Path, stage: str, fingerprint: str, match: Mapping[str, Any] | None = None) -> None:
+        """Checkpoints count only if their stage, experiment fingerprint and the ``match``
+        items of their meta (e.g. seed, --init overrides) are these."""
         if directory.exists() and not directory.is_dir():
             raise ConfigError(f"--checkpoint-dir {directory} exists and is not a directory")
         self.directory, self.stage, self.fingerprint = directory, stage, fingerprint
+        self.match = dict(match or {})
 
     def save(self, run: str, step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Path:
         return save(self.directory, self.stage, run, step, self.fingerprint, arrays, meta)
@@ -151,6 +162,10 @@ class CheckpointStore:
                 continue
             if ckpt.stage != self.stage or ckpt.fingerprint != self.fingerprint:
                 log.warning("skipping checkpoint %s: it belongs to another stage or experiment", path)
+                continue
+            if any(ckpt.meta.get(key) != value for key, value in self.match.items()):
+                log.warning("skipping checkpoint %s: made with other settings %s", path,
+                            {k: ckpt.meta.get(k) for k in self.match})
                 continue
             if run is None or ckpt.run == run:
                 found.append(ckpt)

@@ -59,7 +59,7 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--summary", type=Path, metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--trace", type=Path, metavar="PATH", help="write one JSON line per step here")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="longest wait for the peer: a reply (driver) or the next request mid-run (server); default 5")
+                   help="driving stage: how long to wait for one reply before reconnecting and resending (default 5)")
     p.add_argument("--liveness", type=float, metavar="SECONDS",
                    help="a peer silent this long is reported lost (default 10); also the ZMTP heartbeat timeout")
     p.add_argument("--peer-deadline", type=float, metavar="SECONDS",

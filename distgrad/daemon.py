@@ -123,7 +123,10 @@ class StageState:
         self.opts = opts
         self.stage = self._fresh()
         self.run_id = ""
-        self.store = (CheckpointStore(opts.checkpoint_dir, opts.stage, opts.experiment.fingerprint)
+        self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
+        # A checkpoint is only valid for the same starting point: seed and --init overrides.
+        self.meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+        self.store = (CheckpointStore(opts.checkpoint_dir, opts.stage, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
         self.log = logging.getLogger(f"distgrad.{opts.stage}")
@@ -136,16 +139,22 @@ class StageState:
         ckpt = self.store.latest() if self.store is not None else None
         if ckpt is None:
             return False
-        self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
-        self.run_id = ckpt.run
+        self._load(ckpt)
+        self.run_id, self.owner = ckpt.run, ckpt.meta.get("owner", "")
         self.log.info("resumed run %s at step %d from %s", ckpt.run, ckpt.step, ckpt.path)
         return True
 
-    def begin(self, run_id: str) -> None:
+    def _load(self, ckpt: Any) -> None:
+        try:
+            self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
+
+    def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state; its checkpoints replace any other run's."""
         if self.stage.step != 0:
             self.stage = self._fresh()
-        self.run_id = run_id
+        self.run_id, self.owner = run_id, owner
         if self.store is not None:
             self.store.discard_other_runs(run_id)
             self.save()
@@ -176,7 +185,7 @@ class StageState:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
                 raise StageError(f"stage {self.opts.stage}: cannot roll back to step {step}: no checkpoint of it")
-            self.stage.load_state_arrays(ckpt.arrays, step)
+            self._load(ckpt)
         self.log.warning("rolled back to step %d", step)
         if self.trace is not None:
             self.trace.rollback(step)
@@ -190,7 +199,7 @@ class StageState:
         if self.store is not None and self.run_id:
             if self.trace is not None:
                 self.trace.flush()          # the trace then holds every step the checkpoint has
-            self.store.save(self.run_id, self.stage.step, self.stage.state_arrays(), {"seed": self.opts.seed})
+            self.store.save(self.run_id, self.stage.step, self.stage.state_arrays(), dict(self.meta, owner=self.owner))
 
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
         summary = {
@@ -217,7 +226,7 @@ class StageState:
 def common_step(ours: list[int], theirs: Any) -> int:
     """The newest step both sides hold; raises ``ProtocolError`` for a malformed list."""
     if not isinstance(theirs, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in theirs):
-        raise ProtocolError(ErrorCode.MALFORMED, f"hello 'held' must be a list of steps, got {theirs!r:.100}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello 'held' must be a list of steps, got {wire.show(theirs)}")
     both = set(ours) & set(theirs)
     return max(both) if both else 0
 
@@ -252,8 +261,10 @@ class LastStageServer:
         self.loss: float | None = None
         self.cached: tuple[int, Message] | None = None   # (step, reply) of the last applied forward
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
+        self.bye_reply: Message | None = None
         if opts.resume and self.state.resume_latest():
             self.active = True
+            self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
             self.state.open_trace(append=True)
 
     @property
@@ -263,16 +274,24 @@ class LastStageServer:
     def live(self, now: float) -> bool:
         return self.active and now - self.last_seen <= self.opts.liveness_s
 
-    def handle(self, msg: Message, now: float) -> Message:
+    def handle(self, msg: Message, now: float, peer_key: str = "") -> Message:
+        """The reply to ``msg`` from the peer authenticated as ``peer_key`` ("" in plaintext).
+
+        With CURVE, a run belongs to the key that opened it: other keys may
+        not drive, rewind or end it.
+        """
         if msg.type == wire.PING:
             return Message(wire.PONG, msg.run, msg.step, body={
                 "stage": self.opts.stage, "experiment": self.exp.name, "run": self.state.run_id if self.active else "",
                 "step": self.stage.step, "client_live": self.live(now)})
+        if msg.type == wire.BYE and self.finished is not None and msg.run == self.finished["run_id"]:
+            return self.bye_reply                 # a repeated bye for the run that just completed
         if msg.type == wire.HELLO:
-            return self._hello(msg, now)
+            return self._hello(msg, now, peer_key)
         if not self.active or msg.run != self.state.run_id:
             expected = f"run {self.state.run_id}" if self.active else "a hello first"
             raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+        self._check_owner(peer_key)
         if msg.type == wire.FORWARD:
             reply = self._forward(msg)
         elif msg.type == wire.BYE:
@@ -282,12 +301,16 @@ class LastStageServer:
         self._seen(now)
         return reply
 
+    def _check_owner(self, peer_key: str) -> None:
+        if self.state.owner and peer_key != self.state.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+
     def _seen(self, now: float) -> None:
         if self.lost_since is not None:
             self.log.info("client of run %s is back", self.state.run_id)
         self.last_seen, self.lost_since = now, None
 
-    def _hello(self, msg: Message, now: float) -> Message:
+    def _hello(self, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
         expected = {
             "role": self.upstream,
@@ -299,9 +322,11 @@ class LastStageServer:
         }
         for key, value in expected.items():
             if body.get(key) != value:
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={body.get(key)!r}, this stage expects {value!r}"
+                raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
+                                                        f"this stage expects {value!r}"
                                     + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
         if self.active and msg.run == self.state.run_id:
+            self._check_owner(peer_key)
             common = common_step(self.state.held(), body.get("held"))
             self.state.rollback(common)
             if self.cached is not None and self.cached[0] != self.stage.step:
@@ -313,7 +338,7 @@ class LastStageServer:
             common_step([0], body.get("held"))           # validates the list
             if self.active:
                 self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
-            self.state.begin(msg.run)
+            self.state.begin(msg.run, owner=peer_key)
             self.active, self.finished, self.cached, self.loss = True, None, None, None
             self.started = time.perf_counter()
             self.log.info("run %s started by %s", msg.run, body.get("role"))
@@ -347,11 +372,12 @@ class LastStageServer:
 
     def _bye(self, msg: Message) -> Message:
         steps = msg.body.get("steps")
-        if steps != self.stage.step:
-            raise ProtocolError(ErrorCode.STEP, f"bye after {steps!r} steps, but this stage has applied {self.stage.step}")
+        if steps != self.stage.step or isinstance(steps, bool):
+            raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but this stage has applied {self.stage.step}")
         self.state.save()
         self.finished = self.close_run("completed")
-        return Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
+        self.bye_reply = Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
+        return self.bye_reply
 
     def check_liveness(self, now: float) -> float | None:
         """Note a lost client; return for how long it has been lost (None while it is live)."""
@@ -406,11 +432,11 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
                                   f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
             if request is None:
                 continue
-            envelope, frames = request
+            envelope, frames, peer_key = request
             msg: Message | None = None
             try:
                 msg = wire.decode(frames, logic.max_tensor_bytes)
-                reply = logic.handle(msg, now)
+                reply = logic.handle(msg, now, peer_key)
             except ProtocolError as e:
                 log.warning("refused %s: %s", msg.describe() if msg else "an undecodable message", e)
                 server.reply(envelope, _refusal(msg, e))
@@ -493,7 +519,8 @@ class _Driver:
             "held": self.state.held()})
         welcome = self.exchange(hello)
         next_step = welcome.body.get("next_step")
-        if welcome.type != wire.WELCOME or not isinstance(next_step, int) or next_step - 1 not in self.state.held():
+        if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
+                or next_step - 1 not in self.state.held()):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {self.state.held()}, "
                                                f"got {welcome.describe()} {welcome.body}")
         self.state.rollback(next_step - 1)
@@ -511,7 +538,10 @@ class _Driver:
         if reply.type != wire.BACKWARD:
             raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
         wire.expect_tensors(reply, self.reply_specs, self.exp.allow_nonfinite)
-        self.loss = float(reply.body.get("loss", float("nan")))
+        loss = reply.body.get("loss")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+            raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
+        self.loss = float(loss)
         _, grads = stage.backward(cache, reply.tensors["activation_grad"])
         stage.apply(grads)
         trace = self.state.trace

@@ -57,8 +57,12 @@ class TraceWriter:
             return
         self._file.close()
         kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
-        with open(self.path, "w", encoding="utf-8") as f:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:       # replaced atomically: a crash keeps the old file
             f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
 
     @property

@@ -103,17 +103,22 @@ class Server:
             raise ConfigError(f"cannot bind {endpoint}: {e}") from e
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame]] | None:
-        """``(envelope, frames)`` of the next request, or None after ``timeout_s``.
+    def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame], str] | None:
+        """``(envelope, frames, peer_key)`` of the next request, or None after ``timeout_s``.
 
         The envelope is the peer's routing id, plus the empty delimiter a REQ
-        peer puts before its frames; replies must carry it back.
+        peer puts before its frames; replies must carry it back. ``peer_key``
+        is the CURVE public key the peer authenticated with ("" in plaintext).
         """
         parts = poll_frames(self.sock, timeout_s)
         if parts is None:
             return None
         split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
-        return [p.bytes for p in parts[:split]], parts[split:]
+        try:
+            peer_key = parts[0].get("User-Id")       # set by the ZAP authenticator
+        except zmq.ZMQError:
+            peer_key = ""
+        return [p.bytes for p in parts[:split]], parts[split:], peer_key
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)

@@ -10,6 +10,7 @@ with ``np.frombuffer``.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -24,6 +25,8 @@ HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8
 MAX_DIM = 2**31 - 1                   # largest extent of one dimension
+ERROR_TEXT_MAX = 1000                 # error replies are cut to this many characters
+RUN_ID = re.compile(r"[A-Za-z0-9_.-]{0,128}")   # printable, so it is safe in log lines
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
@@ -124,10 +127,10 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
         raise
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         # A backstop: hostile input must never escape as anything but a protocol error.
-        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {_show(str(e))}") from e
+        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {show(str(e))}") from e
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A bounded repr for error messages about hostile values."""
     return _REPR.repr(value)
 
@@ -149,17 +152,18 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
     version = header.get("v")
     if not _is_int(version) or version != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.VERSION, f"protocol version {_show(version)} is not supported; this side speaks {PROTOCOL_VERSION}")
+        raise ProtocolError(ErrorCode.VERSION, f"protocol version {show(version)} is not supported; this side speaks {PROTOCOL_VERSION}")
     msg_type = header.get("type")
     if not isinstance(msg_type, str) or msg_type not in MESSAGE_TYPES:
         known = sorted(MESSAGE_TYPES)
         what = "reserved but not supported yet" if isinstance(msg_type, str) and msg_type in RESERVED_TYPES else "unknown"
-        raise ProtocolError(ErrorCode.TYPE, f"message type {_show(msg_type)} is {what}; known types: {known}")
+        raise ProtocolError(ErrorCode.TYPE, f"message type {show(msg_type)} is {what}; known types: {known}")
     run, step, mb, mbs, body = (header.get(k) for k in ("run", "step", "mb", "mbs", "body"))
-    if not isinstance(run, str) or len(run) > 128:
-        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be a string of at most 128 characters, got {_show(run)}")
+    if not isinstance(run, str) or not RUN_ID.fullmatch(run):
+        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be at most 128 characters from [A-Za-z0-9_.-], "
+                                                 f"got {show(run)}")
     if not (_is_int(step) and _is_int(mb) and _is_int(mbs, 1) and mb < mbs):
-        raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={_show(step)} mb={_show(mb)} mbs={_show(mbs)}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={show(step)} mb={show(mb)} mbs={show(mbs)}")
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"'body' must be a map, got {type(body).__name__}")
     specs = header.get("tensors")
@@ -172,14 +176,14 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
     for spec, frame in zip(specs, frames[1:]):
         if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
                 and isinstance(spec[2], list)):
-            raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {_show(spec)}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {show(spec)}")
         name, dtype_name, shape = spec
         if name in tensors:
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)} is declared twice")
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)} is declared twice")
         if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)}: dtype {_show(dtype_name)} is not one of {sorted(DTYPES)}")
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)}: dtype {show(dtype_name)} is not one of {sorted(DTYPES)}")
         if len(shape) > MAX_NDIM or not all(_is_int(d) and d <= MAX_DIM for d in shape):
-            raise ProtocolError(ErrorCode.TENSOR, f"tensor {_show(name)}: shape {_show(shape)} must be at most "
+            raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)}: shape {show(shape)} must be at most "
                                                   f"{MAX_NDIM} integers in [0, {MAX_DIM}]")
         dtype = DTYPES[dtype_name]
         expected = dtype.itemsize * int(np.prod(shape, dtype=object))
@@ -211,5 +215,7 @@ def expect_tensors(msg: Message, expected: Mapping[str, tuple[tuple[int, ...], n
 
 
 def error_message(run: str, step: int, code: str, text: str, mb: int = 0, mbs: int = 1) -> Message:
-    """An error reply echoing the request's run, step and micro-batch."""
+    """An error reply echoing the request's run, step and micro-batch (text cut to ``ERROR_TEXT_MAX``)."""
+    if len(text) > ERROR_TEXT_MAX:
+        text = text[:ERROR_TEXT_MAX - 3] + "..."
     return Message(ERROR, run, step, mb, mbs, {"code": code, "message": text})

@@ -96,3 +96,17 @@ def test_stage_state_round_trip_continues_bitwise():
     assert restored.step == g.step == 10
     for name in g.params:
         np.testing.assert_array_equal(restored.params[name], g.params[name])
+
+
+def test_checkpoints_made_with_another_seed_or_init_are_not_used(tmp_path):
+    CheckpointStore(tmp_path / "ckpt", "g", "fp", {"seed": 1}).save("run", 5, _arrays(5.0), {"seed": 1})
+    assert CheckpointStore(tmp_path / "ckpt", "g", "fp", {"seed": 2}).latest() is None
+    assert CheckpointStore(tmp_path / "ckpt", "g", "fp", {"seed": 1}).latest().step == 5
+
+
+def test_a_flipped_header_bit_is_caught(tmp_path):
+    path = _store(tmp_path).save("abcdef", 12, _arrays(1.0), {})
+    data = path.read_bytes().replace(b"abcdef", b"abcdeg", 1)
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.load(path)

@@ -95,3 +95,22 @@ def test_ping_answers_with_the_servers_state(start_server, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "stage=g" in result.stdout and "experiment=seed-reverse" in result.stdout
     assert run_cli(["ping", "tcp://127.0.0.1:9", "--timeout", "0.5"]).returncode == 3
+
+
+def test_a_run_belongs_to_the_key_that_opened_it(start_server, tmp_path, keys, zmq_ctx):
+    from distgrad.keys import CurveClient
+    from distgrad.transport import Client
+
+    _, second_secret = keygen(keys["allow"], "f2")          # a second allowed client
+    g, endpoint = _secure_server(start_server, tmp_path, keys)
+    exp = load_experiment("seed-reverse")
+    owner = Client(zmq_ctx, endpoint, security=CurveClient(keys["client_secret"], keys["server_public"]))
+    other = Client(zmq_ctx, endpoint, security=CurveClient(second_secret, keys["server_public"]))
+    assert owner.request(hello_message(exp, "run-a"), 5).type == wire.WELCOME
+    for msg in (hello_message(exp, "run-a"),
+                wire.Message(wire.BYE, "run-a", 1, body={"steps": 0})):
+        with pytest.raises(Exception) as info:
+            other.request(msg, 5)
+        assert info.value.code == wire.ErrorCode.RUN
+    assert owner.request(wire.Message(wire.BYE, "run-a", 1, body={"steps": 0}), 5).type == wire.BYE
+    assert g.wait() == 0
