@@ -88,6 +88,30 @@ class SyntheticRegression(DataSource):
         return self.y[self._rows(step)]
 
 
+class SyntheticClassification(SyntheticRegression):
+    """Seeded classification data: ``classes`` Gaussian blobs in ``features`` dimensions.
+
+    Targets are int64 class ids ``(batch,)``; batching as in ``SyntheticRegression``.
+    """
+
+    target_dtype = np.dtype(np.int64)
+
+    def __init__(self, seed: int, samples: int = 1024, features: int = 784, classes: int = 10,
+                 batch: int = 32, spread: float = 1.0) -> None:
+        if batch < 1 or samples < batch:
+            raise ConfigError(f"synthetic_classification needs 1 <= batch <= samples, got batch={batch}, samples={samples}")
+        if classes < 2:
+            raise ConfigError(f"synthetic_classification needs at least 2 classes, got {classes}")
+        rng = np.random.default_rng([seed, 13])
+        centres = rng.normal(size=(classes, features))
+        self.y = rng.integers(0, classes, size=samples).astype(np.int64)
+        self.x = (centres[self.y] + spread * rng.normal(size=(samples, features))).astype(DTYPE)
+        self.seed, self.batch = seed, batch
+        self.batches_per_epoch = samples // batch
+        self.feature_shape, self.target_shape = (batch, features), (batch,)
+        self._epoch, self._order = -1, np.arange(0)
+
+
 def build_data(spec: Mapping[str, Any], seed: int) -> DataSource:
     """Build the data source named by an experiment's ``[data]`` table."""
     spec = dict(spec)
@@ -97,6 +121,8 @@ def build_data(spec: Mapping[str, Any], seed: int) -> DataSource:
             return Ramp(**spec)
         if kind == "synthetic_regression":
             return SyntheticRegression(seed=int(spec.pop("seed", seed)), **spec)
+        if kind == "synthetic_classification":
+            return SyntheticClassification(seed=int(spec.pop("seed", seed)), **spec)
     except TypeError as e:
         raise ConfigError(f"invalid options for data kind {kind!r}: {sorted(spec)} ({e})") from e
-    raise ConfigError(f"unknown data kind {kind!r}: use ramp or synthetic_regression")
+    raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression or synthetic_classification")

@@ -200,7 +200,7 @@ values = st.recursive(leaves, lambda c: st.one_of(st.lists(c, max_size=4),
                                                   st.dictionaries(st.text(max_size=6), c, max_size=4)),
                       max_leaves=12)
 # anything msgpack packs, including maps with non-string keys (refused: strict_map_key)
-deep = st.builds(Deep, st.one_of(st.integers(2, DEEP_MAX), st.integers(960, 1030)))
+deep = st.builds(Deep, st.one_of(st.integers(2, DEEP_MAX), st.integers(980, 1030), st.sampled_from([1000, 1020])))
 any_values = st.one_of(values, st.dictionaries(st.one_of(ints, st.binary(max_size=4)), leaves, min_size=1, max_size=3),
                        deep)
 not_ints = st.one_of(st.booleans(), st.floats(), st.none(), st.text(max_size=3), st.lists(st.integers(0, 3), max_size=2),
@@ -252,11 +252,12 @@ def forwards(draw, runs) -> Template:
 
 @st.composite
 def nonfinite_tensors(draw, runs) -> Template:
-    """NaN and Inf activations: right shape and dtype, or also wrong in some other way."""
-    step = draw(st.one_of(st.just(Ref("next")), st.just(Ref("next")), steps_any))
-    dtype, shape = draw(st.one_of(st.just(("float32", list(ACT_SHAPE))), st.sampled_from(
-        [("float64", list(ACT_SHAPE)), ("int32", list(ACT_SHAPE)), ("float32", [2]), ("float32", []),
-         ("float32", [1, 1])])))
+    """NaN and Inf activations: mostly for the next step with the right shape and dtype."""
+    step = draw(st.sampled_from(["next", "next", "next", "other"]))
+    step = Ref("next") if step == "next" else draw(steps_any)
+    dtype, shape = draw(st.sampled_from([("float32", list(ACT_SHAPE))] * 4 + [
+        ("float64", list(ACT_SHAPE)), ("int32", list(ACT_SHAPE)), ("float32", [2]), ("float32", []),
+        ("float32", [1, 1])]))
     count = math.prod(shape)
     vals = draw(st.lists(st.one_of(nonfinite, finite_f32), min_size=count, max_size=count))
     if count:
@@ -339,7 +340,8 @@ hello_changes = st.one_of(
     _hello_change("steps", any_values),
     _hello_change("step", any_values),
     st.tuples(st.text(max_size=8), any_values),                               # an unknown body key
-    st.tuples(st.sampled_from(["role", "held", "fingerprint", "zz"]), deep),
+    st.tuples(st.sampled_from(["role", "held", "fingerprint", "seed", "activation", "zz"]), deep),
+    st.tuples(st.sampled_from(["role", "held"]), deep),
     st.tuples(st.sampled_from(["role", "experiment", "fingerprint", "held", "zz"]), long_values),
 )
 
@@ -351,6 +353,17 @@ def hellos(draw, runs) -> Template:
     body.update(draw(st.lists(hello_changes, max_size=3)))
     return Template("hello", header(type="hello", run=draw(runs), step=draw(st.one_of(st.just(0), steps_any)),
                                     body=body))
+
+
+@st.composite
+def deeply_nested(draw, runs) -> Template:
+    """A hello (or bye) whose checked value is nested around msgpack's limit of about 1024."""
+    value = draw(deep)
+    if draw(st.booleans()):
+        return Template("bye", header(type="bye", run=draw(runs), step=draw(steps_any), body={"steps": value}))
+    body = dict(REFERENCE_HELLO)
+    body[draw(st.sampled_from([*HELLO_CHECKED, "held"]))] = value
+    return Template("hello", header(type="hello", run=draw(runs), step=0, body=body))
 
 
 @st.composite
@@ -440,7 +453,8 @@ def with_delimiter(template: Template) -> Template:
 def hostile(runs) -> st.SearchStrategy[Template]:
     base = st.one_of(
         garbage(), msgpack_junk(), truncated(runs), huge_shapes(runs), wrong_dtypes(runs), frame_counts(runs),
-        nonfinite_tensors(runs), bad_tensors(runs), forwards(runs), hellos(runs), byes(runs), other_types(runs),
+        nonfinite_tensors(runs), bad_tensors(runs), forwards(runs), hellos(runs), deeply_nested(runs), byes(runs),
+        other_types(runs),
         random_bodies(runs), mutated_headers(runs), long_strings(runs), huge_frames(runs))
     bare_delimiters = st.sampled_from([Template("empty", b""), Template("empty", b"", delimiter=True),
                                        Template("empty", b"", (b"",), delimiter=True)])
@@ -488,6 +502,7 @@ class Model:
     cached: int | None = None                   # step of the cached backward
     cached_reply: tuple[Any, bytes] | None = None
     seen: tuple[float, float] = (-math.inf, -math.inf)   # when the open run's last accepted request arrived
+    finished: tuple[tuple[str, int, int, int], int] | None = None   # (ids, steps) of the last bye, until a new run
     tally: Counter = field(default_factory=Counter)
 
     # effects
@@ -496,6 +511,7 @@ class Model:
 
     def _open(self, reply: Message, t0: float, t1: float) -> None:
         self.open_run, self.steps, self.cached, self.cached_reply = reply.run, 0, None, None
+        self.finished = None
         self._seen(reply, t0, t1)
 
     def _rollback(self, common: int) -> Callable:
@@ -518,6 +534,7 @@ class Model:
 
     def _close(self, reply: Message, t0: float, t1: float) -> None:
         self.open_run, self.cached, self.cached_reply = None, None, None
+        self.finished = ((reply.run, reply.step, reply.mb, reply.mbs), reply.body["steps"])
 
     def live(self, t0: float, t1: float) -> set[bool]:
         """Whether the server may find the open run's client live for a request in [t0, t1]."""
@@ -542,6 +559,11 @@ class Model:
             return [Outcome(wire.PONG, ok)]
         if msg.type == wire.HELLO:
             return self._expect_hello(msg, t0, t1, err, ok)
+        if msg.type == wire.BYE and self.finished is not None and msg.run == self.finished[0][0]:
+            # A repeated bye for the run that just completed: the server now answers it with the
+            # same bye reply (ids of the first bye), so a driver may resend it; it had answered `run`.
+            ids, steps = self.finished
+            return [Outcome(wire.BYE, ids, steps=steps), err(ErrorCode.RUN)]
         if self.open_run is None or msg.run != self.open_run:
             return [err(ErrorCode.RUN)]
         if msg.type == wire.FORWARD:
@@ -683,6 +705,7 @@ class Link:
         """
         frames = template.frames(self.model)
         what = f"{template.kind} message {describe_frames(frames)}"
+        assert self.proc.proc.poll() is None, f"the server is dead (exit {self.proc.proc.returncode})"
         if any(len(f) > MAX_FRAME for f in frames):
             sock = None                 # ZeroMQ drops the sender: never the legitimate client's socket
             self._over_size(frames, what)

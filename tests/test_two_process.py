@@ -37,12 +37,13 @@ loss = "sum_squared_error"
 """
 
 
-def _in_process(tmp_path, experiment, *extra):
+def _in_process(tmp_path, experiment, *extra, trace=True):
     summary = tmp_path / "inproc.json"
-    trace = tmp_path / "inproc.trace.jsonl"
-    result = run_cli(["run", experiment, "--in-process", "--summary", summary, "--trace", trace, *extra])
+    trace_path = tmp_path / "inproc.trace.jsonl"
+    result = run_cli(["run", experiment, "--in-process", "--summary", summary,
+                      *(["--trace", trace_path] if trace else []), *extra])
     assert result.returncode == 0, result.stderr
-    return read_json(summary), read_lines(trace)
+    return read_json(summary), read_lines(trace_path) if trace else None
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
@@ -68,7 +69,7 @@ def test_launcher_run_is_bitwise_equal_to_in_process(tmp_path, experiment, trans
 def test_labels_travelling_with_the_activations(tmp_path):
     exp = tmp_path / "labels-at-f.toml"
     exp.write_text(LABELS_AT_F)
-    reference, _ = _in_process(tmp_path, str(exp))
+    reference, _ = _in_process(tmp_path, str(exp), trace=False)
     summary_path = tmp_path / "run.json"
     result = run_cli(["run", exp, "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -226,3 +227,17 @@ def test_ctrl_c_on_the_launcher_leaves_no_process_behind(tmp_path):
             launcher.wait(5)
     time.sleep(0.2)
     assert _processes_mentioning(str(exp)) == []
+
+
+@pytest.mark.parametrize("labels", ["last", "first"])
+def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
+    from distgrad.experiment import BUILTIN_DIR
+
+    exp = tmp_path / "mlp.toml"
+    exp.write_text((BUILTIN_DIR / "mlp-classify.toml").read_text().replace('labels = "last"', f'labels = "{labels}"'))
+    reference, _ = _in_process(tmp_path, str(exp), "--steps", "40", trace=False)
+    summary_path = tmp_path / "run.json"
+    result = run_cli(["run", exp, "--steps", "40", "--summary", summary_path])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = read_json(summary_path)
+    assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
