@@ -71,6 +71,13 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _pipeline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="split each batch into M micro-batches, one update per batch (default 1)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                   help="micro-batches in flight: all (gpipe) or two (1f1b, the default); same result either way")
+
+
 def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
@@ -78,6 +85,7 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
         "3 peer timeout, 4 peer refused, 130/143 stopped by SIGINT/SIGTERM."))
     p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
     _common_flags(p, experiment_required=True)
+    _pipeline_flags(p)
     p.add_argument("--bind", metavar="ENDPOINT", help="serve on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="drive training against the stage serving here")
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
@@ -97,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment: every stage as its own local process")
     run.add_argument("experiment", metavar="NAME_OR_PATH")
     _common_flags(run, experiment_required=False)
+    _pipeline_flags(run)
     run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     run.add_argument("--secure", action="store_true",
                      help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
@@ -144,7 +153,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
+        micro_batches=args.micro_batches, schedule=args.schedule)
     exp.stage_index(args.stage)
     serving = args.bind is not None
     if serving and args.stage != exp.stage_names[-1]:
@@ -155,6 +165,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("--keep-serving, --ready-file and --allow are for the serving stage")
     if serving and args.server_key:
         raise ConfigError("--server-key is for the driving stage")
+    if serving and (args.micro_batches != 1 or args.schedule != "1f1b"):
+        raise ConfigError("--micro-batches and --schedule are for the driving stage (the server follows its hello)")
     ctx = zmq.Context.instance()
     security = _curve(args, serving, ctx)
     opts.security = security
@@ -194,13 +206,14 @@ def _run_experiment(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment)
     if args.in_process or len(exp.stages) == 1:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
-                                   args.summary, args.trace)
+                                   args.summary, args.trace, args.micro_batches)
     else:
         stop = StopFlag().install()
         summary = run_local(args.experiment, steps=args.steps, seed=args.seed, init=args.init,
                             summary_path=args.summary, trace_path=args.trace, transport=args.transport,
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
-                            stage_flags=_passthrough(args), secure=args.secure)
+                            stage_flags=_passthrough(args), secure=args.secure,
+                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule])
     _print_result(summary)
     return EXIT_OK
 

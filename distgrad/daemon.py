@@ -38,7 +38,7 @@ from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, Protoco
 from .experiment import Experiment
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
-from .stage import Stage
+from .stage import Stage, check_micro_batches, combine_losses, micro_batch
 from .transport import DEFAULT_TIMEOUT_S, POLL_TICK_S, Client, Server, SocketSecurity
 from .wire import ErrorCode, Message
 
@@ -46,6 +46,7 @@ PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
 DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
+SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: two
 
 
 class StopFlag:
@@ -85,6 +86,8 @@ class StageOptions:
     checkpoint_every: int = 0          # 0: only on SIGTERM/SIGINT (when a directory is given)
     resume: bool = False
     security: SocketSecurity | None = None
+    micro_batches: int = 1             # driving stage: micro-batches per step
+    schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
 
     def __post_init__(self) -> None:
         if self.resume and self.checkpoint_dir is None:
@@ -93,16 +96,22 @@ class StageOptions:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
 
 
-def _tensor_specs(stage: Stage, exp: Experiment) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """The tensors a forward to ``stage`` must carry."""
-    specs = {"activation": (stage.input_shape, np.dtype(np.float32))}
+def _micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
+    return shape if count == 1 else (shape[0] // count, *shape[1:])
+
+
+def _tensor_specs(stage: Stage, exp: Experiment, micro_batches: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The tensors a forward of one micro-batch to ``stage`` must carry."""
+    specs = {"activation": (_micro_shape(stage.input_shape, micro_batches), np.dtype(np.float32))}
     if exp.labels_travel and stage.is_last:
-        specs["target"] = (stage.target_shape, stage.target_dtype)
+        specs["target"] = (_micro_shape(stage.target_shape, micro_batches), stage.target_dtype)
     return specs
 
 
@@ -251,15 +260,20 @@ class LastStageServer:
         self.upstream = self.exp.stage_names[-2]
         self.state = StageState(opts)
         self.log = self.state.log
-        self.specs = _tensor_specs(self.state.stage, self.exp)
+        self.specs = _tensor_specs(self.state.stage, self.exp, 1)
         self.max_frame_bytes, self.max_tensor_bytes = _frame_limit(self.specs)
+        self.mbs = 1                        # micro-batches per step, as the run's hello said
         self.data = self.exp.build_data(opts.seed)   # this stage reads only the targets
         self.active = False                 # a run is open (possibly resumed from a checkpoint)
         self.last_seen = -math.inf          # when the open run's client last spoke
         self.lost_since: float | None = None
         self.started = time.perf_counter()
         self.loss: float | None = None
-        self.cached: tuple[int, Message] | None = None   # (step, reply) of the last applied forward
+        # Replies by (step, mb) for the step in progress and the last applied one: a repeated
+        # forward gets its reply again and causes no second update.
+        self.cached: dict[tuple[int, int], Message] = {}
+        self.mb_losses: list[np.float32] = []
+        self.sent_back: list[np.ndarray] = []      # the step's activation gradients, for the trace
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_reply: Message | None = None
         if opts.resume and self.state.resume_latest():
@@ -325,12 +339,18 @@ class LastStageServer:
                 raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                         f"this stage expects {value!r}"
                                     + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+        mbs = body.get("micro_batches", 1)
+        shape = self.stage.input_shape
+        if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
+                len(shape) < 2 or shape[0] % mbs)):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
+                                                    f"shape {shape} do not split into that many equal parts")
         if self.active and msg.run == self.state.run_id:
             self._check_owner(peer_key)
             common = common_step(self.state.held(), body.get("held"))
+            before = self.stage.step
             self.state.rollback(common)
-            if self.cached is not None and self.cached[0] != self.stage.step:
-                self.cached = None
+            self.cached = {} if common != before else {k: v for k, v in self.cached.items() if k[0] <= common}
         elif self.live(now):
             raise ProtocolError(ErrorCode.RUN, f"busy with run {self.state.run_id} (its client is live); "
                                                f"cannot start run {msg.run!r}")
@@ -339,35 +359,61 @@ class LastStageServer:
             if self.active:
                 self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
             self.state.begin(msg.run, owner=peer_key)
-            self.active, self.finished, self.cached, self.loss = True, None, None, None
+            self.active, self.finished, self.cached, self.loss = True, None, {}, None
             self.started = time.perf_counter()
             self.log.info("run %s started by %s", msg.run, body.get("role"))
+        self.mbs = mbs
+        self.specs = _tensor_specs(self.stage, self.exp, mbs)
+        self.stage.accumulator.reset()          # a step in progress starts again from its first micro-batch
+        self.mb_losses, self.sent_back = [], []
         self._seen(now)
         return Message(wire.WELCOME, msg.run, msg.step,
                        body={"stage": self.opts.stage, "next_step": self.stage.step + 1})
 
     def _forward(self, msg: Message) -> Message:
         stage = self.stage
-        if self.cached is not None and msg.step == self.cached[0] and msg.mb == 0:
-            return self.cached[1]              # a repeated request: same reply, no second update
-        if msg.step != stage.step + 1 or msg.mbs != 1 or msg.mb != 0:
+        key = (msg.step, msg.mb)
+        cached = self.cached.get(key)
+        if cached is not None:
+            return cached                      # a repeated request: same reply, no second update
+        done = stage.accumulator.count
+        if msg.step != stage.step + 1 or msg.mbs != self.mbs or msg.mb != done:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
-                                                f"expected step {stage.step + 1} micro-batch 0/1")
+                                                f"expected step {stage.step + 1} micro-batch {done}/{self.mbs}")
         wire.expect_tensors(msg, self.specs, self.exp.allow_nonfinite)
         x = msg.tensors["activation"]
-        target = msg.tensors["target"] if "target" in msg.tensors else self.data.targets(msg.step)
+        target = msg.tensors.get("target")
+        if target is None:
+            target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
         try:
-            loss, dx, grads = stage.train_last(x, target)
+            mb_loss, dx, grads = stage.loss_micro_batch(x, target)
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
-        self.loss = float(loss)
+        if msg.mb == 0:
+            self.cached = {}                   # the previous step is complete on both sides
+        stage.accumulator.add(grads, msg.mb, msg.mbs)
+        self.mb_losses.append(mb_loss)
         trace = self.state.trace
-        if trace is not None and trace.enabled:
-            trace.write(msg.step, loss, dict(grads, activation_grad=dx), stage.params)
-        self.state.after_step()
-        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body={"loss": self.loss},
+        tracing = trace is not None and trace.enabled
+        if tracing:
+            self.sent_back.append(dx)
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body={"loss": float(mb_loss)},
                         tensors={"activation_grad": dx})
-        self.cached = (msg.step, reply)
+        self.cached[key] = reply
+        if msg.mb == msg.mbs - 1:
+            assert stage.loss is not None
+            scale = stage.loss.micro_batch_scale(msg.mbs)
+            applied = stage.accumulator.take(scale)
+            if tracing:
+                traced = {k: v.copy() for k, v in applied.items()}
+            stage.apply(applied)
+            loss = combine_losses(self.mb_losses, scale)
+            self.loss, self.mb_losses = float(loss), []
+            if tracing:
+                traced["activation_grad"] = np.concatenate(self.sent_back) if msg.mbs > 1 else dx
+                trace.write(msg.step, loss, traced, stage.params)
+                self.sent_back = []
+            self.state.after_step()
         return reply
 
     def _bye(self, msg: Message) -> Message:
@@ -392,7 +438,7 @@ class LastStageServer:
     def close_run(self, status: str) -> dict[str, Any]:
         summary = self.state.summary(status, self.started, self.loss)
         self.state.close()
-        self.active, self.cached = False, None
+        self.active, self.cached = False, {}
         return summary
 
 
@@ -469,39 +515,73 @@ class _Driver:
         self.state = StageState(opts)
         self.log = self.state.log
         self.data = exp.build_data(opts.seed)
-        self.target_dtype = build_loss(exp.stages[-1].loss).target_dtype
-        self.reply_specs = {"activation_grad": (self.state.stage.output_shape, np.dtype(np.float32))}
+        loss = build_loss(exp.stages[-1].loss)
+        self.target_dtype = loss.target_dtype
+        check_micro_batches(exp, opts.micro_batches, self.data.feature_shape)
+        self.scale = loss.micro_batch_scale(opts.micro_batches)
+        self.reply_specs = {"activation_grad": (_micro_shape(self.state.stage.output_shape, opts.micro_batches),
+                                                np.dtype(np.float32))}
         self.max_frame, self.max_tensor = _frame_limit(self.reply_specs)
         self.client = self._new_client()
+        self.arrived: dict[tuple[int, int], Message] = {}
         self.loss: float | None = None
 
     def _new_client(self) -> Client:
         return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s, self.opts.security)
 
     def exchange(self, msg: Message) -> Message:
-        """``request`` with retries on fresh sockets until ``peer_deadline_s`` (the Lazy Pirate pattern).
+        """Send ``msg`` and return its reply, with the retries of ``_await``.
 
-        Requests are idempotent on the server (a repeated forward gets its
-        cached reply), so resending is always safe.
+        A hello refused because the server is busy with another live run is
+        retried too, until ``peer_deadline_s``.
         """
         deadline = time.monotonic() + self.opts.peer_deadline_s
         pause = RETRY_BACKOFF_S[0]
         while True:
+            key = (msg.step, msg.mb)
+            self.client.send(msg)
             try:
-                return self.client.request(msg, self.opts.timeout_s, self.stop.check)
+                return self._await({key: msg}, key)
+            except PeerRejected as e:
+                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
+                    raise
+                self.log.warning("%s; retrying", e.peer_message)
+            self._reconnect(pause)
+            pause = min(pause * 2, RETRY_BACKOFF_S[1])
+
+    def _await(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int]) -> Message:
+        """The reply to ``pending[key]``; replies to other pending requests are kept for later.
+
+        After each ``timeout_s`` without it, reconnect on a fresh socket and
+        resend every pending request in order (the Lazy Pirate pattern), until
+        ``peer_deadline_s``. Requests are idempotent on the server (a repeated
+        forward gets its cached reply), so resending is always safe.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            reply = self.arrived.pop(key, None)
+            if reply is not None:
+                return reply
+            try:
+                reply = self.client.wait(self.state.run_id, pending.keys(), self.opts.timeout_s, self.stop.check,
+                                         pending[key].describe())
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
                     raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
                 self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
                                  self.connect, self.opts.timeout_s, deadline - time.monotonic())
-            except PeerRejected as e:
-                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
-                    raise
-                self.log.warning("%s; retrying", e.peer_message)
-            self.client.close(linger_ms=0)
-            self._sleep(pause)
-            pause = min(pause * 2, RETRY_BACKOFF_S[1])
-            self.client = self._new_client()
+                self._reconnect(pause)
+                pause = min(pause * 2, RETRY_BACKOFF_S[1])
+                for request_key in sorted(pending):
+                    self.client.send(pending[request_key])
+                continue
+            self.arrived[(reply.step, reply.mb)] = reply
+
+    def _reconnect(self, pause: float) -> None:
+        self.client.close(linger_ms=0)
+        self._sleep(pause)
+        self.client = self._new_client()
 
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -516,7 +596,7 @@ class _Driver:
             "role": self.opts.stage, "experiment": self.exp.name, "fingerprint": self.exp.fingerprint,
             "seed": self.opts.seed, "activation": {"shape": list(stage.output_shape), "dtype": "float32"},
             "labels_travel": self.exp.labels_travel, "steps": self.steps, "step": stage.step,
-            "held": self.state.held()})
+            "held": self.state.held(), "micro_batches": self.opts.micro_batches})
         welcome = self.exchange(hello)
         next_step = welcome.body.get("next_step")
         if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
@@ -524,29 +604,61 @@ class _Driver:
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {self.state.held()}, "
                                                f"got {welcome.describe()} {welcome.body}")
         self.state.rollback(next_step - 1)
+        self.state.stage.accumulator.reset()
         self.log.info("run %s: connected to stage %s at %s; at step %d of %d", self.state.run_id,
                       welcome.body.get("stage"), self.connect, self.state.stage.step, self.steps)
 
     def step_once(self) -> None:
-        stage = self.state.stage
+        """One step: every micro-batch's forward and backward, then one update.
+
+        Up to ``window`` micro-batches are in flight (all of them for gpipe,
+        two for 1f1b), so this stage computes micro-batch i+1 while the server
+        works on i. Gradients are summed in micro-batch order whatever the
+        schedule, which is the order the in-process path uses.
+        """
+        stage, count = self.state.stage, self.opts.micro_batches
         step = stage.step + 1
-        y, cache = stage.forward(self.data.features(step))
-        tensors = {"activation": y}
-        if self.exp.labels_travel:
-            tensors["target"] = np.asarray(self.data.targets(step), self.target_dtype)
-        reply = self.exchange(Message(wire.FORWARD, self.state.run_id, step, tensors=tensors))
-        if reply.type != wire.BACKWARD:
-            raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
-        wire.expect_tensors(reply, self.reply_specs, self.exp.allow_nonfinite)
-        loss = reply.body.get("loss")
-        if not isinstance(loss, (int, float)) or isinstance(loss, bool):
-            raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
-        self.loss = float(loss)
-        _, grads = stage.backward(cache, reply.tensors["activation_grad"])
-        stage.apply(grads)
+        features = self.data.features(step)
+        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
+        window = count if self.opts.schedule == "gpipe" else min(count, 2)
+        pending: dict[tuple[int, int], Message] = {}
+        caches: dict[int, Any] = {}
+        losses: list[np.float32] = []
+        self.arrived.clear()
+
+        def send(i: int) -> None:
+            y, caches[i] = stage.forward(micro_batch(features, i, count))
+            tensors = {"activation": y}
+            if targets is not None:
+                tensors["target"] = micro_batch(targets, i, count)
+            msg = Message(wire.FORWARD, self.state.run_id, step, i, count, tensors=tensors)
+            pending[(step, i)] = msg
+            self.client.send(msg)
+
+        for i in range(window):
+            send(i)
+        for i in range(count):
+            reply = self._await(pending, (step, i))
+            del pending[(step, i)]
+            if reply.type != wire.BACKWARD:
+                raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
+            wire.expect_tensors(reply, self.reply_specs, self.exp.allow_nonfinite)
+            loss = reply.body.get("loss")
+            if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+                raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
+            losses.append(np.float32(loss))
+            _, grads = stage.backward(caches.pop(i), reply.tensors["activation_grad"])
+            stage.accumulator.add(grads, i, count)
+            if i + window < count:
+                send(i + window)
+        grads = stage.accumulator.take(self.scale)
         trace = self.state.trace
         if trace is not None and trace.enabled:
-            trace.write(step, self.loss, grads, stage.params)
+            grads_seen = {k: v.copy() for k, v in grads.items()}
+        stage.apply(grads)
+        self.loss = float(combine_losses(losses, self.scale))
+        if trace is not None and trace.enabled:
+            trace.write(step, self.loss, grads_seen, stage.params)
         self.state.after_step()
 
     def run(self) -> dict[str, Any]:
@@ -564,7 +676,8 @@ class _Driver:
         finally:
             state.close()
             self.client.close()
-        return state.summary("completed", started, self.loss, endpoint=self.connect)
+        return state.summary("completed", started, self.loss, endpoint=self.connect,
+                             micro_batches=self.opts.micro_batches, schedule=self.opts.schedule)
 
     def _run(self) -> None:
         self.handshake()

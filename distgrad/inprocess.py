@@ -13,54 +13,74 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .experiment import Experiment, check_init_overrides
 from .records import TraceWriter, to_lists, write_json
-from .stage import Stage
+from .stage import Stage, check_micro_batches, combine_losses, micro_batch
 
 log = logging.getLogger("distgrad.inprocess")
 
 
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
-                     trace_path: str | Path | None = None) -> dict[str, Any]:
+                     trace_path: str | Path | None = None, micro_batches: int = 1) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
-    The summary has ``experiment``, ``steps``, ``final_loss``, ``elapsed_s``
-    and ``params`` (``{stage: {param: values}}``); it is also written to
-    ``summary_path`` when given, and one trace line per step to ``trace_path``.
+    With ``micro_batches`` M, each batch is split into M equal micro-batches
+    whose gradients every stage sums in order 0..M-1 before one update, as
+    the pipelined schedules do. The summary has ``experiment``, ``steps``,
+    ``final_loss``, ``elapsed_s`` and ``params`` (``{stage: {param: values}}``);
+    it is also written to ``summary_path`` when given, and one trace line per
+    step to ``trace_path``.
     """
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     check_init_overrides(exp, init or {})
     stages = [Stage.from_experiment(exp, spec.name, seed, init) for spec in exp.stages]
     data = exp.build_data(seed)
+    check_micro_batches(exp, micro_batches, data.feature_shape)
     *upstream, last = stages
+    assert last.loss is not None
+    scale = last.loss.micro_batch_scale(micro_batches)
     loss = None
     log_every = max(1, steps // 10)
     started = time.perf_counter()
     with TraceWriter(trace_path) as trace:
         for step in range(1, steps + 1):
-            x, caches = data.features(step), []
-            for stage in upstream:
-                x, cache = stage.forward(x)
-                caches.append(cache)
-            loss, dx, last_grads = last.train_last(x, data.targets(step))
-            step_grads = [last_grads]
-            if trace.enabled:
-                step_grads[0] = dict(last_grads, activation_grad=dx) if upstream else last_grads
-            for stage, cache in zip(reversed(upstream), reversed(caches)):
-                dx, grads = stage.backward(cache, dx)
+            features, targets = data.features(step), data.targets(step)
+            losses, sent_back = [], []
+            for i in range(micro_batches):
+                x, caches = micro_batch(features, i, micro_batches), []
+                for stage in upstream:
+                    x, cache = stage.forward(x)
+                    caches.append(cache)
+                mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches))
+                last.accumulator.add(grads, i, micro_batches)
+                losses.append(mb_loss)
+                if trace.enabled and upstream:
+                    sent_back.append(dx)
+                for stage, cache in zip(reversed(upstream), reversed(caches)):
+                    dx, grads = stage.backward(cache, dx)
+                    stage.accumulator.add(grads, i, micro_batches)
+            loss = combine_losses(losses, scale)
+            applied = {}
+            for stage in reversed(stages):
+                grads = stage.accumulator.take(scale)
+                if trace.enabled:
+                    applied.update({k: v.copy() for k, v in grads.items()})
                 stage.apply(grads)
-                step_grads.append(grads)
             if trace.enabled:
-                trace.write(step, loss, {k: v for g in reversed(step_grads) for k, v in g.items()},
-                            {k: v for s in stages for k, v in s.params.items()})
+                if sent_back:
+                    applied["activation_grad"] = np.concatenate(sent_back) if micro_batches > 1 else sent_back[0]
+                trace.write(step, loss, applied, {k: v for s in stages for k, v in s.params.items()})
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
     summary = {
         "experiment": exp.name,
         "steps": steps,
         "seed": seed,
+        "micro_batches": micro_batches,
         "final_loss": float(loss) if loss is not None else None,
         "elapsed_s": time.perf_counter() - started,
         "mode": "in-process",

@@ -86,7 +86,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
               trace_path: str | Path | None = None, transport: str = "tcp",
               timeout_s: float | None = None, log_level: str = "INFO",
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
-              stage_flags: Sequence[str] = (), secure: bool = False) -> dict[str, Any]:
+              stage_flags: Sequence[str] = (), secure: bool = False,
+              driver_flags: Sequence[str] = ()) -> dict[str, Any]:
     """Run a two-stage experiment as two local processes; return the merged summary.
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
@@ -94,7 +95,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     merged files. Raises ``ConfigError`` for a bad experiment and
     ``StageError`` naming the stage and its exit code when a stage fails.
     ``check_stop`` is called while waiting; whatever it raises stops both stages.
-    ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``).
+    ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
+    ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``).
     With ``secure``, fresh CURVE key pairs are made for this run and the
     serving stage accepts only the driving stage's key.
     """
@@ -144,7 +146,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 time.sleep(WAIT_TICK_S)
             endpoint = ready.read_text().strip()
             driver = _Child(first, _stage_argv(first, str(experiment), [
-                "--connect", endpoint, *flags, *client_flags, *outputs(first)]), out, lock)
+                "--connect", endpoint, *flags, *driver_flags, *client_flags, *outputs(first)]), out, lock)
             children.append(driver)
             _wait_all(children, check_stop)
         finally:

@@ -18,6 +18,12 @@ from .nn import DTYPE, Shape
 
 class Loss(abc.ABC):
     target_dtype: np.dtype = np.dtype(DTYPE)
+    reduction: str = "mean"      # "sum" or "mean" over the batch: how micro-batch gradients combine
+
+    def micro_batch_scale(self, count: int) -> np.float32:
+        """Factor applied to the sum of ``count`` micro-batch gradients (and losses) so
+        that, in exact arithmetic, it equals the whole batch's gradient."""
+        return DTYPE(1) if self.reduction == "sum" else DTYPE(1) / DTYPE(count)
 
     def target_shape(self, pred_shape: Shape) -> Shape:
         """The target shape that goes with a prediction of ``pred_shape``."""
@@ -33,6 +39,8 @@ class SumSquaredError(Loss):
 
     The gradient is ``(pred - target) * 2``, TensorFlow's Square gradient.
     """
+
+    reduction = "sum"
 
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         diff = pred - target

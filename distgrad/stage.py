@@ -12,11 +12,88 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import StageError
+from .errors import ConfigError, StageError
 from .experiment import Experiment, build_stage_parts
 from .losses import Loss
 from .nn import Grads, Sequential, Shape
 from .optim import Optimizer
+
+
+class GradAccumulator:
+    """Sums the gradients of a step's micro-batches in a fixed order (0, 1, ...).
+
+    Buffers are reused from step to step. With one micro-batch the gradients
+    pass through untouched, so an unsplit step computes exactly what it would
+    without this class.
+    """
+
+    def __init__(self) -> None:
+        self._sum: Grads = {}
+        self._single: Grads | None = None
+        self._count = 0
+
+    def add(self, grads: Grads, index: int, count: int) -> None:
+        """Add micro-batch ``index`` of ``count``; ``index`` must follow the previous one."""
+        if index != self._count:
+            raise ValueError(f"micro-batch {index} accumulated out of order (expected {self._count})")
+        self._count += 1
+        if count == 1:
+            self._single = grads
+            return
+        for name, g in grads.items():
+            if index == 0:
+                buffer = self._sum.get(name)
+                if buffer is None or buffer.shape != g.shape:
+                    buffer = self._sum[name] = np.empty_like(g)
+                np.copyto(buffer, g)
+            else:
+                self._sum[name] += g
+
+    def take(self, scale: np.float32) -> Grads:
+        """The accumulated gradients times ``scale`` (skipped when it is 1); resets the count."""
+        count, self._count = self._count, 0
+        if self._single is not None:
+            grads, self._single = self._single, None
+            return grads
+        if count == 0:
+            raise ValueError("no micro-batch was accumulated")
+        if scale != 1:
+            for buffer in self._sum.values():
+                buffer *= scale
+        return self._sum
+
+    def reset(self) -> None:
+        """Forget a partly accumulated step (a rollback)."""
+        self._count, self._single = 0, None
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
+    """A step's loss from its micro-batch losses: summed in order, times ``scale``."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total * scale if len(losses) > 1 else total
+
+
+def check_micro_batches(exp: Experiment, count: int, batch_shape: tuple[int, ...]) -> None:
+    """Raise ``ConfigError`` unless a batch of ``batch_shape`` splits into ``count`` equal micro-batches."""
+    if count < 1:
+        raise ConfigError(f"--micro-batches must be >= 1, got {count}")
+    if count > 1 and (len(batch_shape) < 2 or batch_shape[0] % count):
+        raise ConfigError(f"experiment {exp.name!r} has batches of shape {batch_shape}: "
+                          f"they do not split into {count} equal micro-batches")
+
+
+def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
+    """Rows ``[index*n, (index+1)*n)`` of a batch of ``count*n`` rows (a view)."""
+    if count == 1:
+        return array
+    n = array.shape[0] // count
+    return array[index * n:(index + 1) * n]
 
 
 class Stage:
@@ -34,6 +111,7 @@ class Stage:
         self.target_shape = loss.target_shape(self.output_shape) if loss else None
         self.target_dtype = loss.target_dtype if loss else None
         self.step = 0
+        self.accumulator = GradAccumulator()
 
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
@@ -123,8 +201,13 @@ class Stage:
 
         Returns ``(loss, dx, grads)``; ``dx`` is what travels upstream.
         """
+        loss, dx, grads = self.loss_micro_batch(x, target)
+        self.apply(grads)
+        return loss, dx, grads
+
+    def loss_micro_batch(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
+        """Forward, loss and backward of one micro-batch on the last stage, without an update."""
         y, cache = self.forward(x)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
-        self.apply(grads)
         return loss, dx, grads

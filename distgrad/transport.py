@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import zmq
 
@@ -139,31 +139,41 @@ class Client:
         _configure(self.sock, max_message_bytes, liveness_s, security)
         self.sock.connect(endpoint)
 
-    def request(self, msg: wire.Message, timeout_s: float, check_stop: StopCheck | None = None) -> wire.Message:
-        """Send ``msg`` and return the reply that echoes its run, step and micro-batch.
-
-        Replies to earlier requests are dropped. Raises ``PeerTimeout`` naming
-        the endpoint when nothing matching arrives within ``timeout_s``,
-        ``PeerRejected`` for an error reply, ``ProtocolError`` for a malformed one.
-        """
+    def send(self, msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg))
+
+    def wait(self, run: str, keys: Collection[tuple[int, int]], timeout_s: float,
+             check_stop: StopCheck | None = None, what: str = "a request") -> wire.Message:
+        """The first reply for ``run`` whose ``(step, mb)`` is one of ``keys``.
+
+        Other replies (to earlier requests) are dropped. Raises ``PeerTimeout``
+        naming the endpoint when none arrives within ``timeout_s``,
+        ``PeerRejected`` for an error reply to one of ``keys`` (or to an
+        undecodable request), ``ProtocolError`` for a malformed reply.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             if check_stop is not None:
                 check_stop()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {msg.describe()} "
+                raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what} "
                                   f"(is the serving stage running and reachable there?)")
             frames = poll_frames(self.sock, min(left, POLL_TICK_S))
             if frames is None:
                 continue
             reply = wire.decode(frames, self.max_reply_bytes)
-            if reply.type == wire.ERROR and (reply.step, reply.mb) in ((msg.step, msg.mb), (0, 0)):
+            key = (reply.step, reply.mb)
+            if reply.type == wire.ERROR and (key in keys or key == (0, 0)):
                 raise PeerRejected(str(reply.body.get("code", "?")), str(reply.body.get("message", "")))
-            if (reply.run, reply.step, reply.mb) == (msg.run, msg.step, msg.mb):
+            if reply.run == run and key in keys:
                 return reply
-            log.debug("dropping stale reply %s while waiting for %s", reply.describe(), msg.describe())
+            log.debug("dropping stale reply %s while waiting for %s", reply.describe(), what)
+
+    def request(self, msg: wire.Message, timeout_s: float, check_stop: StopCheck | None = None) -> wire.Message:
+        """Send ``msg`` and return the reply that echoes its run, step and micro-batch (see ``wait``)."""
+        self.send(msg)
+        return self.wait(msg.run, {(msg.step, msg.mb)}, timeout_s, check_stop, msg.describe())
 
     def close(self, linger_ms: int = LINGER_MS) -> None:
         self.sock.close(linger_ms)

@@ -7,6 +7,13 @@ deadline; every ZeroMQ socket made by a test is closed with linger 0.
 
 from __future__ import annotations
 
+import os
+
+# Pin BLAS pools before numpy loads, as the launcher does for every stage, so any
+# reference computed in this process uses the same kernels as the stage processes.
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
 import json
 import signal
 import subprocess

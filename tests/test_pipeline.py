@@ -1,0 +1,98 @@
+"""Micro-batch pipelining: every schedule ends bitwise equal to the in-process accumulation."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+from distgrad.experiment import load_experiment
+from distgrad.inprocess import train_in_process
+from distgrad.stage import GradAccumulator
+
+from conftest import read_json, read_lines, run_cli
+from test_faults import Pair, _free_tcp_endpoint
+
+
+def _run(tmp_path, name, *args):
+    path = tmp_path / f"{name}.json"
+    result = run_cli(["run", *map(str, args), "--summary", path])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_json(path)
+
+
+@pytest.mark.parametrize("experiment,steps", [("tanh-regression", 120), ("mlp-classify", 25)])
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_every_schedule_equals_the_in_process_accumulation(tmp_path, experiment, steps, micro_batches):
+    reference = _run(tmp_path, "inproc", experiment, "--in-process", "--steps", steps,
+                     "--micro-batches", micro_batches)
+    for schedule in ("gpipe", "1f1b"):
+        summary = _run(tmp_path, schedule, experiment, "--steps", steps, "--micro-batches", micro_batches,
+                       "--schedule", schedule)
+        assert summary["params"] == reference["params"], schedule
+        assert summary["final_loss"] == reference["final_loss"]
+        assert summary["micro_batches"] == micro_batches and summary["schedule"] == schedule
+    unsplit = _run(tmp_path, "unsplit", experiment, "--in-process", "--steps", steps)
+    assert unsplit["params"] != reference["params"]        # splitting is a different (documented) sum order
+
+
+def test_pipelined_trace_matches_in_process(tmp_path):
+    args = ["tanh-regression", "--steps", "30", "--micro-batches", "4"]
+    run_cli(["run", *args, "--in-process", "--trace", tmp_path / "a.jsonl"])
+    result = run_cli(["run", *args, "--schedule", "gpipe", "--trace", tmp_path / "b.jsonl"])
+    assert result.returncode == 0, result.stderr
+    a, b = read_lines(tmp_path / "a.jsonl"), read_lines(tmp_path / "b.jsonl")
+    assert a == b and len(a) == 30
+    assert np.array(a[0]["grads"]["activation_grad"]).shape == (32, 32)    # all micro-batches, in order
+
+
+def test_labels_travel_per_micro_batch(tmp_path):
+    from test_two_process import LABELS_AT_F
+
+    exp = tmp_path / "labels.toml"
+    exp.write_text(LABELS_AT_F)
+    reference = _run(tmp_path, "inproc", exp, "--in-process", "--micro-batches", 4)
+    assert _run(tmp_path, "piped", exp, "--micro-batches", 4, "--schedule", "gpipe")["params"] == reference["params"]
+
+
+def test_micro_batches_must_divide_the_batch(tmp_path):
+    for args in (["seed-reverse", "--micro-batches", "2"], ["tanh-regression", "--micro-batches", "5"],
+                 ["tanh-regression", "--micro-batches", "0"]):
+        result = run_cli(["run", *args, "--in-process"])
+        assert result.returncode == 2 and "micro-batch" in result.stderr, result.stderr
+
+
+def test_server_killed_mid_pipeline_resumes_bitwise(tmp_path):
+    steps = "600"
+    pair = Pair(tmp_path, "tanh-regression", steps, _free_tcp_endpoint())
+    for name in ("f",):
+        pair.args[name] += ["--micro-batches", "4", "--schedule", "gpipe"]
+    try:
+        pair.start("g")
+        pair.start("f")
+        for target in (150, 400):
+            pair.wait_for_step(target)
+            pair.procs["g"].signal(signal.SIGKILL)
+            pair.procs["g"].wait(10)
+            pair.start("g")
+        f_summary, g_summary = pair.finish()
+    finally:
+        pair.stop()
+    reference = train_in_process(load_experiment("tanh-regression"), steps=int(steps), micro_batches=4)
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert g_summary["params"]["g"] == reference["params"]["g"]
+
+
+def test_accumulator_sums_in_order_and_passes_a_single_batch_through():
+    acc = GradAccumulator()
+    one = {"w": np.ones(3, np.float32)}
+    acc.add(one, 0, 1)
+    assert acc.take(np.float32(1)) is one
+    parts = [{"w": np.full(3, v, np.float32)} for v in (0.1, 0.2, 0.3)]
+    for i, part in enumerate(parts):
+        acc.add(part, i, 3)
+    expected = ((parts[0]["w"] + parts[1]["w"]) + parts[2]["w"]) * np.float32(0.5)
+    np.testing.assert_array_equal(acc.take(np.float32(0.5))["w"], expected)
+    with pytest.raises(ValueError, match="out of order"):
+        acc.add(parts[1], 1, 3)
