@@ -232,6 +232,17 @@ class StageState:
             self.trace.close()
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal in value and in type at every level (so ``False`` is not ``0`` and ``1.0`` is not ``1``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def common_step(ours: list[int], theirs: Any) -> int:
     """The newest step both sides hold; raises ``ProtocolError`` for a malformed list."""
     if not isinstance(theirs, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in theirs):
@@ -335,7 +346,7 @@ class LastStageServer:
             "labels_travel": self.exp.labels_travel,
         }
         for key, value in expected.items():
-            if body.get(key) != value:
+            if not _same(body.get(key), value):
                 raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                         f"this stage expects {value!r}"
                                     + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
@@ -418,7 +429,7 @@ class LastStageServer:
 
     def _bye(self, msg: Message) -> Message:
         steps = msg.body.get("steps")
-        if steps != self.stage.step or isinstance(steps, bool):
+        if not _same(steps, self.stage.step):
             raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but this stage has applied {self.stage.step}")
         self.state.save()
         self.finished = self.close_run("completed")
@@ -565,7 +576,7 @@ class _Driver:
                 return reply
             try:
                 reply = self.client.wait(self.state.run_id, pending.keys(), self.opts.timeout_s, self.stop.check,
-                                         pending[key].describe())
+                                         pending[key].describe)
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
                     raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e

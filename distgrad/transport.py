@@ -74,11 +74,13 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: floa
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> None:
     """Send one multipart message; large tensor frames leave without a copy."""
     parts = [*envelope, *frames]
+    sizes = [memoryview(part).nbytes for part in parts]
+    if max(sizes) < ZERO_COPY_MIN_BYTES:
+        sock.send_multipart(parts, copy=True)    # one call: the common small-message case
+        return
     last = len(parts) - 1
-    for i, part in enumerate(parts):
-        flags = zmq.SNDMORE if i < last else 0
-        big = memoryview(part).nbytes >= ZERO_COPY_MIN_BYTES
-        sock.send(part, flags, copy=not big)
+    for i, (part, size) in enumerate(zip(parts, sizes)):
+        sock.send(part, zmq.SNDMORE if i < last else 0, copy=size < ZERO_COPY_MIN_BYTES)
 
 
 def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
@@ -102,6 +104,7 @@ class Server:
             self.sock.close(0)
             raise ConfigError(f"cannot bind {endpoint}: {e}") from e
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.authenticated = security is not None
 
     def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame], str] | None:
         """``(envelope, frames, peer_key)`` of the next request, or None after ``timeout_s``.
@@ -114,10 +117,12 @@ class Server:
         if parts is None:
             return None
         split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
-        try:
-            peer_key = parts[0].get("User-Id")       # set by the ZAP authenticator
-        except zmq.ZMQError:
-            peer_key = ""
+        peer_key = ""
+        if self.authenticated:
+            try:
+                peer_key = parts[0].get("User-Id")   # set by the ZAP authenticator
+            except zmq.ZMQError:
+                pass
         return [p.bytes for p in parts[:split]], parts[split:], peer_key
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
@@ -143,7 +148,7 @@ class Client:
         send_frames(self.sock, wire.encode(msg))
 
     def wait(self, run: str, keys: Collection[tuple[int, int]], timeout_s: float,
-             check_stop: StopCheck | None = None, what: str = "a request") -> wire.Message:
+             check_stop: StopCheck | None = None, what: Callable[[], str] = lambda: "a request") -> wire.Message:
         """The first reply for ``run`` whose ``(step, mb)`` is one of ``keys``.
 
         Other replies (to earlier requests) are dropped. Raises ``PeerTimeout``
@@ -157,7 +162,7 @@ class Client:
                 check_stop()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what} "
+                raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"(is the serving stage running and reachable there?)")
             frames = poll_frames(self.sock, min(left, POLL_TICK_S))
             if frames is None:
@@ -168,12 +173,12 @@ class Client:
                 raise PeerRejected(str(reply.body.get("code", "?")), str(reply.body.get("message", "")))
             if reply.run == run and key in keys:
                 return reply
-            log.debug("dropping stale reply %s while waiting for %s", reply.describe(), what)
+            log.debug("dropping stale reply %s while waiting for %s", reply.describe(), what())
 
     def request(self, msg: wire.Message, timeout_s: float, check_stop: StopCheck | None = None) -> wire.Message:
         """Send ``msg`` and return the reply that echoes its run, step and micro-batch (see ``wait``)."""
         self.send(msg)
-        return self.wait(msg.run, {(msg.step, msg.mb)}, timeout_s, check_stop, msg.describe())
+        return self.wait(msg.run, {(msg.step, msg.mb)}, timeout_s, check_stop, msg.describe)
 
     def close(self, linger_ms: int = LINGER_MS) -> None:
         self.sock.close(linger_ms)

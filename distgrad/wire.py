@@ -186,14 +186,18 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)}: shape {show(shape)} must be at most "
                                                   f"{MAX_NDIM} integers in [0, {MAX_DIM}]")
         dtype = DTYPES[dtype_name]
-        expected = dtype.itemsize * int(np.prod(shape, dtype=object))
+        expected = dtype.itemsize
+        for extent in shape:            # Python ints: exact for any declared size, and cheap
+            expected *= extent
         total += expected
         if total > max_tensor_bytes:
             raise ProtocolError(ErrorCode.TENSOR, f"tensors declare {total} bytes; this stage accepts at most {max_tensor_bytes}")
         got = _nbytes(frame)
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
-        tensors[name] = np.frombuffer(memoryview(_buffer(frame)).toreadonly(), dtype=dtype).reshape(shape)
+        array = np.frombuffer(_buffer(frame), dtype=dtype).reshape(shape)
+        array.flags.writeable = False       # a view of the received frame: never written to
+        tensors[name] = array
     return Message(msg_type, run, step, mb, mbs, body, tensors)
 
 
