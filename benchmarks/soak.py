@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:          # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from distgrad.launcher import pinned_env  # noqa: E402
+from distgrad.launcher import pinned_env, stop_process  # noqa: E402
 
 READY_TIMEOUT_S = 30.0       # the serving stage must write its ready file within this
 STOP_GRACE_S = 5.0           # after SIGTERM, how long a stage may take before SIGKILL
@@ -77,19 +77,8 @@ class _Stage:
         self.killed = False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if stop_process(self.proc, STOP_GRACE_S):
             self.killed = True
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:   # SIGKILLed and still not reaped: nothing more we can do
-            pass
         self._log.close()
 
     def tail(self, lines: int = 15) -> str:

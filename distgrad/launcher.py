@@ -46,6 +46,27 @@ def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> bool:
+    """SIGTERM, then SIGKILL after ``grace_s``, then reap (bounded); tolerates a process already gone.
+
+    Returns True if the process had to be signalled (it was still running).
+    """
+    if proc.poll() is not None:
+        return False
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:       # SIGKILLed and still not reaped: nothing more to do
+        pass
+    return True
+
+
 class _Child:
     """One stage process whose output is streamed with a prefix."""
 
@@ -64,16 +85,7 @@ class _Child:
                 out.flush()
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after ``STOP_GRACE_S``; tolerates a process already gone."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
-        self.proc.wait(STOP_GRACE_S)
+        stop_process(self.proc)
         self._thread.join(STOP_GRACE_S)
 
 

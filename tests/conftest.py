@@ -15,7 +15,6 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Iterator, Sequence
 import pytest
 import zmq
 
-from distgrad.launcher import pinned_env
+from distgrad.launcher import pinned_env, stop_process
 
 CLI = [sys.executable, "-m", "distgrad.cli"]
 STAGE_CLI = [*CLI, "stage"]
@@ -65,13 +64,7 @@ class StageProcess:
             self.proc.send_signal(signum)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self._log.close()
 
     def __enter__(self) -> "StageProcess":
