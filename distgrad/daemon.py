@@ -658,7 +658,7 @@ class _Driver:
             if not isinstance(loss, (int, float)) or isinstance(loss, bool):
                 raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
             losses.append(np.float32(loss))
-            _, grads = stage.backward(caches.pop(i), reply.tensors["activation_grad"])
+            _, grads = stage.backward(caches.pop(i), reply.tensors["activation_grad"], need_dx=False)
             stage.accumulator.add(grads, i, count)
             if i + window < count:
                 send(i + window)

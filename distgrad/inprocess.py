@@ -61,7 +61,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                 if trace.enabled and upstream:
                     sent_back.append(dx)
                 for stage, cache in zip(reversed(upstream), reversed(caches)):
-                    dx, grads = stage.backward(cache, dx)
+                    dx, grads = stage.backward(cache, dx, need_dx=stage is not stages[0])
                     stage.accumulator.add(grads, i, micro_batches)
             loss = combine_losses(losses, scale)
             applied = {}

@@ -4,9 +4,11 @@ Contract shared by every layer:
 
 * ``forward(x)`` takes a float32 array and returns ``(y, cache)``; the cache
   holds what ``backward`` needs, so several micro-batches can be in flight.
-* ``backward(cache, dy)`` returns ``(dx, grads)``: ``dx`` is d(loss)/d(x) with
-  the shape of ``x`` (what a stage sends upstream) and ``grads`` maps each
-  parameter name to d(loss)/d(param). Inputs are never modified (they may be
+* ``backward(cache, dy, need_dx=True)`` returns ``(dx, grads)``: ``dx`` is
+  d(loss)/d(x) with the shape of ``x`` (what a stage sends upstream), or None
+  when ``need_dx`` is false (the first stage's input needs no gradient, and
+  for a wide first layer that product is half the backward's work); ``grads``
+  maps each parameter name to d(loss)/d(param). Inputs are never modified (they may be
   read-only views of received frames).
 * ``output_shape(shape)`` checks an input shape and returns the output shape,
   raising ``ConfigError`` on a mismatch, so a stage knows what to expect from
@@ -112,8 +114,8 @@ class Layer(abc.ABC):
         """Return ``(y, cache)``."""
 
     @abc.abstractmethod
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        """Return ``(dx, grads)`` for the cache of one ``forward`` call."""
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        """Return ``(dx, grads)`` for the cache of one ``forward`` call (``dx`` None unless ``need_dx``)."""
 
     def output_shape(self, shape: Shape) -> Shape:
         return shape
@@ -142,12 +144,12 @@ class Scale(Layer):
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
         return x * self.params[self.name], x
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         x, w = cache, self.params[self.name]
         dw = x * dy
         if dw.ndim > w.ndim:
             dw = dw.sum(axis=0)
-        return dy * w, {self.name: dw}
+        return (dy * w if need_dx else None), {self.name: dw}
 
 
 class Dense(Layer):
@@ -174,10 +176,10 @@ class Dense(Layer):
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
         return x @ self.params[self.w_name] + self.params[self.b_name], x
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         x = cache
         grads = {self.w_name: x.T @ dy, self.b_name: dy.sum(axis=0)}
-        return dy @ self.params[self.w_name].T, grads
+        return (dy @ self.params[self.w_name].T if need_dx else None), grads
 
 
 class ReLU(Layer):
@@ -186,8 +188,8 @@ class ReLU(Layer):
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
         return np.maximum(x, DTYPE(0)), x
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        return dy * (cache > 0), {}
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        return (dy * (cache > 0) if need_dx else None), {}
 
 
 class Tanh(Layer):
@@ -197,9 +199,9 @@ class Tanh(Layer):
         y = np.tanh(x)
         return y, y
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         y = cache
-        return dy * (DTYPE(1) - y * y), {}
+        return (dy * (DTYPE(1) - y * y) if need_dx else None), {}
 
 
 class Sigmoid(Layer):
@@ -209,9 +211,9 @@ class Sigmoid(Layer):
         y = DTYPE(0.5) * (DTYPE(1) + np.tanh(DTYPE(0.5) * x))
         return y, y
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         y = cache
-        return dy * y * (DTYPE(1) - y), {}
+        return (dy * y * (DTYPE(1) - y) if need_dx else None), {}
 
 
 class Sequential(Layer):
@@ -238,10 +240,11 @@ class Sequential(Layer):
             caches.append(cache)
         return x, caches
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         grads: Grads = {}
-        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
-            dy, layer_grads = layer.backward(layer_cache, dy)
+        last = len(self.layers) - 1
+        for depth, (layer, layer_cache) in enumerate(zip(reversed(self.layers), reversed(cache))):
+            dy, layer_grads = layer.backward(layer_cache, dy, need_dx or depth < last)
             grads.update(layer_grads)
         return dy, grads
 

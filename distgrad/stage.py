@@ -137,10 +137,10 @@ class Stage:
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
 
-    def backward(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        """d(loss)/d(input) and the parameter gradients, from d(loss)/d(output)."""
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output)."""
         try:
-            return self.model.backward(cache, dy)
+            return self.model.backward(cache, dy, need_dx)
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
