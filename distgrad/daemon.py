@@ -495,7 +495,8 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
                 msg = wire.decode(frames, logic.max_tensor_bytes)
                 reply = logic.handle(msg, now, peer_key)
             except ProtocolError as e:
-                log.warning("refused %s: %s", msg.describe() if msg else "an undecodable message", e)
+                log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                            wire.ERROR_TEXT_MAX, e)
                 server.reply(envelope, _refusal(msg, e))
                 continue
             server.reply(envelope, reply)

@@ -193,7 +193,10 @@ class Stage:
                 state[parts[1]] = value
         for nested in ("m", "v"):
             state.setdefault(nested, {})
-        self.optimizer.load_state_dict(state)
+        try:
+            self.optimizer.load_state_dict(state)
+        except KeyError as e:
+            raise ValueError(f"stage {self.name}: checkpoint lacks optimizer state {e.args[0]!r}") from e
         self.step = step
 
     def train_last(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
