@@ -236,6 +236,9 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def _print_result(summary: dict) -> None:
     print(f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s "
           f"({summary.get('mode', 'two-process')}), final loss {summary['final_loss']:.6g}")
+    if "test_accuracy" in summary:
+        print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
+              f"(test loss {summary['test_loss']:.6g})")
     for stage, params in summary["params"].items():
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."

@@ -36,6 +36,7 @@ from . import wire
 from .checkpoint import CheckpointStore
 from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import Experiment
+from .inprocess import evaluation_fields
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage, check_micro_batches, combine_losses, micro_batch
@@ -271,10 +272,14 @@ class LastStageServer:
         self.upstream = self.exp.stage_names[-2]
         self.state = StageState(opts)
         self.log = self.state.log
-        self.specs = _tensor_specs(self.state.stage, self.exp, 1)
-        self.max_frame_bytes, self.max_tensor_bytes = _frame_limit(self.specs)
-        self.mbs = 1                        # micro-batches per step, as the run's hello said
         self.data = self.exp.build_data(opts.seed)   # this stage reads only the targets
+        self.specs = _tensor_specs(self.state.stage, self.exp, 1)
+        rows = len(self.data.test_rows)
+        self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in self.specs.items()}
+        # The largest message this stage accepts: a whole batch, or the held-out rows to evaluate.
+        self.max_frame_bytes, self.max_tensor_bytes = (max(a, b) for a, b in zip(
+            _frame_limit(self.specs), _frame_limit(self.eval_specs)))
+        self.mbs = 1                        # micro-batches per step, as the run's hello said
         self.active = False                 # a run is open (possibly resumed from a checkpoint)
         self.last_seen = -math.inf          # when the open run's client last spoke
         self.lost_since: float | None = None
@@ -287,6 +292,7 @@ class LastStageServer:
         self.sent_back: list[np.ndarray] = []      # the step's activation gradients, for the trace
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_reply: Message | None = None
+        self.evaluation: dict[str, Any] | None = None
         if opts.resume and self.state.resume_latest():
             self.active = True
             self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
@@ -319,6 +325,8 @@ class LastStageServer:
         self._check_owner(peer_key)
         if msg.type == wire.FORWARD:
             reply = self._forward(msg)
+        elif msg.type == wire.EVALUATE:
+            reply = self._evaluate(msg)
         elif msg.type == wire.BYE:
             reply = self._bye(msg)
         else:
@@ -370,7 +378,7 @@ class LastStageServer:
             if self.active:
                 self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
             self.state.begin(msg.run, owner=peer_key)
-            self.active, self.finished, self.cached, self.loss = True, None, {}, None
+            self.active, self.finished, self.cached, self.loss, self.evaluation = True, None, {}, None, None
             self.started = time.perf_counter()
             self.log.info("run %s started by %s", msg.run, body.get("role"))
         self.mbs = mbs
@@ -427,6 +435,20 @@ class LastStageServer:
             self.state.after_step()
         return reply
 
+    def _evaluate(self, msg: Message) -> Message:
+        """Forward only on the held-out rows; changes no state."""
+        if not len(self.data.test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
+        target = msg.tensors.get("target")
+        try:
+            result = self.stage.evaluate_last(msg.tensors["activation"],
+                                              self.data.test_targets() if target is None else target)
+        except StageError as e:
+            raise ProtocolError(ErrorCode.STAGE, str(e)) from e
+        self.evaluation = result
+        return Message(wire.EVALUATION, msg.run, msg.step, body=result)
+
     def _bye(self, msg: Message) -> Message:
         steps = msg.body.get("steps")
         if not _same(steps, self.stage.step):
@@ -447,7 +469,7 @@ class LastStageServer:
         return now - self.lost_since
 
     def close_run(self, status: str) -> dict[str, Any]:
-        summary = self.state.summary(status, self.started, self.loss)
+        summary = self.state.summary(status, self.started, self.loss, **evaluation_fields(self.evaluation))
         self.state.close()
         self.active, self.cached = False, {}
         return summary
@@ -537,6 +559,7 @@ class _Driver:
         self.client = self._new_client()
         self.arrived: dict[tuple[int, int], Message] = {}
         self.loss: float | None = None
+        self.evaluation: dict[str, Any] | None = None
 
     def _new_client(self) -> Client:
         return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s, self.opts.security)
@@ -673,6 +696,21 @@ class _Driver:
             trace.write(step, self.loss, grads_seen, stage.params)
         self.state.after_step()
 
+    def evaluate(self) -> None:
+        """Held-out rows forward through both stages; the label owner scores them."""
+        y, _ = self.state.stage.forward(self.data.test_features())
+        tensors = {"activation": y}
+        if self.exp.labels_travel:
+            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
+        reply = self.exchange(Message(wire.EVALUATE, self.state.run_id, self.state.stage.step + 1, tensors=tensors))
+        body = reply.body
+        if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
+            raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
+        self.evaluation = body
+        fields = evaluation_fields(body)
+        self.log.info("test loss %.6g%s", body["loss"],
+                      f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else "")
+
     def run(self) -> dict[str, Any]:
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
@@ -689,7 +727,8 @@ class _Driver:
             state.close()
             self.client.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
-                             micro_batches=self.opts.micro_batches, schedule=self.opts.schedule)
+                             micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
+                             **evaluation_fields(self.evaluation))
 
     def _run(self) -> None:
         self.handshake()
@@ -700,6 +739,8 @@ class _Driver:
             try:
                 if stage.step >= self.steps:
                     self.state.save()
+                    if len(self.data.test_rows):
+                        self.evaluate()
                     self.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
                     return
                 self.step_once()

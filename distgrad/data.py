@@ -9,6 +9,7 @@ resumes at step ``k`` sees exactly the batch it would have seen.
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -21,6 +22,7 @@ class DataSource(abc.ABC):
     feature_shape: Shape
     target_shape: Shape
     target_dtype: np.dtype = np.dtype(DTYPE)
+    test_rows: np.ndarray = np.arange(0)      # held-out rows for evaluation; none unless the source has them
 
     @abc.abstractmethod
     def features(self, step: int) -> np.ndarray:
@@ -112,7 +114,144 @@ class SyntheticClassification(SyntheticRegression):
         self._epoch, self._order = -1, np.arange(0)
 
 
-def build_data(spec: Mapping[str, Any], seed: int) -> DataSource:
+class ArrayFile(DataSource):
+    """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
+
+    Each stage reads only its own part: the first stage the feature values,
+    the label owner the labels (a stage that needs only the number of
+    feature columns reads just the array header). Rows are shuffled once by
+    ``split_seed``; the first ``test_fraction`` of them are held out for
+    evaluation; training batches walk a per-epoch permutation of the rest.
+
+    * ``npz``: ``path``, ``features`` and ``labels`` name members of one file.
+    * ``npy``: ``features`` and ``labels`` are paths of two files.
+    * ``csv``: ``path``; ``features`` a list of column indices or header
+      names, ``labels`` one column; ``header = true`` when the first line
+      names the columns.
+
+    Paths are relative to the experiment file. Features become float32 times
+    ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
+    ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``).
+    """
+
+    def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
+                 feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
+                 features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None) -> None:
+        if kind not in ("npz", "npy", "csv"):
+            raise ConfigError(f"unknown file data kind {kind!r}")
+        if label_dtype not in ("int64", "float32"):
+            raise ConfigError(f"label_dtype must be int64 or float32, got {label_dtype!r}")
+        if not 0 <= test_fraction < 1:
+            raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
+        self.path = base_dir / path if path is not None else None
+        self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
+        self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
+        self.target_dtype = np.dtype(label_dtype)
+        self.seed = seed if split_seed is None else int(split_seed)
+        rows, width = self._feature_geometry()
+        self.rows = rows
+        order = np.random.default_rng([self.seed, 17]).permutation(rows)
+        n_test = int(round(rows * self.test_fraction))
+        self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
+        if not 1 <= self.batch <= len(self.train_rows):
+            raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
+        self.batches_per_epoch = len(self.train_rows) // self.batch
+        self.feature_shape = (self.batch, width)
+        self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
+        self._features: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self._epoch, self._order = -1, np.arange(0)
+
+    # -- reading, each part only when it is asked for
+    def _file(self, ref: Any) -> Path:
+        path = self.path if self.kind != "npy" else self.base_dir / str(ref)
+        if path is None or not path.is_file():
+            raise ConfigError(f"data file {path} not found")
+        return path
+
+    def _feature_geometry(self) -> tuple[int, int]:
+        if self.kind == "npz":
+            with np.load(self._file(None)) as npz, npz.zip.open(f"{self.feature_ref}.npy") as member:
+                version = np.lib.format.read_magic(member)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape = read_header(member)[0]
+        elif self.kind == "npy":
+            shape = np.load(self._file(self.feature_ref), mmap_mode="r").shape
+        else:
+            columns = self._csv_columns(self.feature_ref)
+            shape = (len(self._read_csv([0 if isinstance(self.label_ref, str) else self.label_ref])), len(columns))
+        if len(shape) < 2:
+            raise ConfigError(f"features must be a 2-D array (rows, columns), got shape {shape}")
+        return int(shape[0]), int(np.prod(shape[1:]))
+
+    def _csv_columns(self, ref: Any) -> list[int]:
+        refs = ref if isinstance(ref, list) else [ref]
+        if all(isinstance(r, int) for r in refs):
+            return refs
+        if not self.header:
+            raise ConfigError("csv columns given by name need header = true")
+        with open(self._file(None), encoding="utf-8") as f:
+            names = [n.strip() for n in f.readline().split(",")]
+        try:
+            return [names.index(r) if isinstance(r, str) else r for r in refs]
+        except ValueError as e:
+            raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
+
+    def _read_csv(self, columns: list[int]) -> np.ndarray:
+        return np.loadtxt(self._file(None), delimiter=",", skiprows=int(self.header), usecols=columns,
+                          ndmin=2, dtype=np.float64)
+
+    def _all_features(self) -> np.ndarray:
+        if self._features is None:
+            if self.kind == "npz":
+                with np.load(self._file(None)) as npz:
+                    raw = npz[self.feature_ref]
+            elif self.kind == "npy":
+                raw = np.load(self._file(self.feature_ref))
+            else:
+                raw = self._read_csv(self._csv_columns(self.feature_ref))
+            self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
+        return self._features
+
+    def _all_labels(self) -> np.ndarray:
+        if self._labels is None:
+            if self.kind == "npz":
+                with np.load(self._file(None)) as npz:
+                    raw = npz[self.label_ref]
+            elif self.kind == "npy":
+                raw = np.load(self._file(self.label_ref))
+            else:
+                raw = self._read_csv(self._csv_columns(self.label_ref))[:, 0]
+            raw = np.asarray(raw).reshape(len(raw))
+            if len(raw) != self.rows:
+                raise ConfigError(f"{len(raw)} labels for {self.rows} rows of features")
+            self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
+        return self._labels
+
+    # -- the DataSource contract
+    def _rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step - 1, self.batches_per_epoch)
+        if epoch != self._epoch:
+            self._order = self.train_rows[np.random.default_rng([self.seed, 19, epoch]).permutation(len(self.train_rows))]
+            self._epoch = epoch
+        return self._order[index * self.batch:(index + 1) * self.batch]
+
+    def features(self, step: int) -> np.ndarray:
+        return self._all_features()[self._rows(step)]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self._all_labels()[self._rows(step)]
+
+    def test_features(self) -> np.ndarray:
+        return self._all_features()[self.test_rows]
+
+    def test_targets(self) -> np.ndarray:
+        return self._all_labels()[self.test_rows]
+
+
+def build_data(spec: Mapping[str, Any], seed: int, base_dir: Path | None = None) -> DataSource:
     """Build the data source named by an experiment's ``[data]`` table."""
     spec = dict(spec)
     kind = spec.pop("kind", None)
@@ -123,6 +262,9 @@ def build_data(spec: Mapping[str, Any], seed: int) -> DataSource:
             return SyntheticRegression(seed=int(spec.pop("seed", seed)), **spec)
         if kind == "synthetic_classification":
             return SyntheticClassification(seed=int(spec.pop("seed", seed)), **spec)
+        if kind in ("npz", "npy", "csv"):
+            return ArrayFile(kind, base_dir or Path.cwd(), seed, **spec)
     except TypeError as e:
         raise ConfigError(f"invalid options for data kind {kind!r}: {sorted(spec)} ({e})") from e
-    raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression or synthetic_classification")
+    raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression, synthetic_classification, "
+                      f"npz, npy or csv")

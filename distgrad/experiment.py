@@ -80,7 +80,8 @@ class Experiment:
         raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {self.stage_names}")
 
     def build_data(self, seed: int | None = None) -> DataSource:
-        return build_data(self.data, self.seed if seed is None else seed)
+        base = Path(self.source).parent if self.source and Path(self.source).is_file() else Path.cwd()
+        return build_data(self.data, self.seed if seed is None else seed, base)
 
     def input_shapes(self, data: DataSource, seed: int | None = None) -> list[Shape]:
         """The input shape of every stage, in order, with the output shape of the last appended."""

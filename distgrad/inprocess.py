@@ -22,6 +22,21 @@ from .stage import Stage, check_micro_batches, combine_losses, micro_batch
 log = logging.getLogger("distgrad.inprocess")
 
 
+def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Summary fields for a held-out evaluation: ``test_loss`` and, when classifying, ``test_accuracy``."""
+    if evaluation is None:
+        return {}
+    fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
+    if evaluation.get("correct") is not None:
+        fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
+    return fields
+
+
+def _accuracy_text(evaluation: Mapping[str, Any]) -> str:
+    fields = evaluation_fields(evaluation)
+    return f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else ""
+
+
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1) -> dict[str, Any]:
@@ -76,6 +91,13 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                 trace.write(step, loss, applied, {k: v for s in stages for k, v in s.params.items()})
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
+    evaluation = None
+    if len(data.test_rows):
+        x = data.test_features()
+        for stage in upstream:
+            x, _ = stage.forward(x)
+        evaluation = last.evaluate_last(x, data.test_targets())
+        log.info("test loss %.6g%s", evaluation["loss"], _accuracy_text(evaluation))
     summary = {
         "experiment": exp.name,
         "steps": steps,
@@ -84,6 +106,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         "final_loss": float(loss) if loss is not None else None,
         "elapsed_s": time.perf_counter() - started,
         "mode": "in-process",
+        **evaluation_fields(evaluation),
         "params": {s.name: to_lists(s.params) for s in stages},
     }
     if summary_path is not None:

@@ -33,6 +33,10 @@ class Loss(abc.ABC):
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Return ``(loss, d(loss)/d(pred))``."""
 
+    def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
+        """How many predictions are right, for losses that classify; None otherwise."""
+        return None
+
 
 class SumSquaredError(Loss):
     """``sum((pred - target)**2)``: the seed's ``tf.square(output - y)`` over its one element.
@@ -82,6 +86,9 @@ class SoftmaxCrossEntropy(Loss):
         dpred = np.exp(log_prob)
         dpred[rows, target] -= DTYPE(1)
         return loss, dpred / DTYPE(batch)
+
+    def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
+        return int((pred.argmax(axis=1) == target).sum())
 
 
 _LOSSES: dict[str, type[Loss]] = {

@@ -208,6 +208,13 @@ class Stage:
         self.apply(grads)
         return loss, dx, grads
 
+    def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
+        """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``."""
+        assert self.loss is not None, f"stage {self.name} has no loss"
+        y, _ = self.forward(x)
+        loss, _ = self.loss_backward(y, target)
+        return {"loss": float(loss), "correct": self.loss.correct(y, target), "count": int(len(x))}
+
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
         """Forward, loss and backward of one micro-batch on the last stage, without an update."""
         y, cache = self.forward(x)

@@ -32,7 +32,8 @@ DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per messag
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
 PING, PONG = "ping", "pong"
-MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG})
+EVALUATE, EVALUATION = "evaluate", "evaluation"
+MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
 # Tensor dtypes on the wire, always little-endian.

@@ -1,0 +1,108 @@
+"""Data from files: each stage reads only its own part; the digits built-in learns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distgrad.errors import ConfigError
+from distgrad.experiment import load_experiment
+
+from conftest import read_json, run_cli
+
+FILE_EXPERIMENT = """
+name = "from-files"
+steps = 60
+seed = 1
+[data]
+{data}
+batch = 16
+test_fraction = 0.25
+[[stages]]
+name = "f"
+model = [{{ type = "dense", name = "a", in = 5, out = 8 }}, {{ type = "tanh" }}]
+optimizer = {{ type = "adam", lr = 0.01 }}
+[[stages]]
+name = "g"
+model = [{{ type = "dense", name = "b", in = 8, out = 3 }}]
+optimizer = {{ type = "adam", lr = 0.01 }}
+loss = "softmax_cross_entropy"
+"""
+
+
+@pytest.fixture
+def files(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5)
+    np.savez(tmp_path / "d.npz", feats=x, labs=y)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    header = "p,q,r,s,t,label"
+    np.savetxt(tmp_path / "d.csv", np.column_stack([x, y]), delimiter=",", header=header, comments="", fmt="%.9g")
+    return tmp_path
+
+
+DATA_SPECS = {
+    "npz": 'kind = "npz"\npath = "d.npz"\nfeatures = "feats"\nlabels = "labs"',
+    "npy": 'kind = "npy"\nfeatures = "x.npy"\nlabels = "y.npy"',
+    "csv": 'kind = "csv"\npath = "d.csv"\nheader = true\nfeatures = ["p", "q", "r", "s", "t"]\nlabels = "label"',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DATA_SPECS))
+def test_file_sources_train_bitwise_equal_over_two_processes(files, kind):
+    exp = files / f"{kind}.toml"
+    exp.write_text(FILE_EXPERIMENT.format(data=DATA_SPECS[kind]))
+    results = {}
+    for mode, extra in (("inproc", ["--in-process"]), ("two", [])):
+        path = files / f"{kind}-{mode}.json"
+        result = run_cli(["run", exp, "--summary", path, *extra])
+        assert result.returncode == 0, result.stdout + result.stderr
+        results[mode] = read_json(path)
+    assert results["two"]["params"] == results["inproc"]["params"]
+    assert results["two"]["test_accuracy"] == results["inproc"]["test_accuracy"]
+    assert results["two"]["test_count"] == 30
+
+
+def test_all_three_formats_hold_the_same_rows(files):
+    batches = []
+    for kind in sorted(DATA_SPECS):
+        exp_path = files / f"{kind}.toml"
+        exp_path.write_text(FILE_EXPERIMENT.format(data=DATA_SPECS[kind]))
+        data = load_experiment(exp_path).build_data()
+        batches.append((data.features(3), data.targets(3), data.test_targets()))
+    for other in batches[1:]:
+        for a, b in zip(batches[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_each_stage_reads_only_its_own_part():
+    exp = load_experiment("digits")
+    at_f, at_g = exp.build_data(), exp.build_data()
+    at_f.features(1), at_f.test_features()
+    at_g.targets(1), at_g.test_targets()
+    assert at_f._labels is None          # the data owner never read a label
+    assert at_g._features is None        # the label owner never read a pixel
+
+
+def test_bad_file_settings_are_refused(files):
+    for data, needle in [('kind = "npz"\npath = "missing.npz"\nfeatures = "a"\nlabels = "b"', "not found"),
+                         ('kind = "csv"\npath = "d.csv"\nfeatures = ["nope"]\nlabels = "label"\nheader = true',
+                          "column not found")]:
+        exp = files / "bad.toml"
+        exp.write_text(FILE_EXPERIMENT.format(data=data))
+        with pytest.raises(ConfigError, match=needle):
+            load_experiment(exp)
+
+
+def test_digits_reaches_95_percent_with_labels_only_at_g(tmp_path):
+    summary, reference = tmp_path / "s.json", tmp_path / "r.json"
+    result = run_cli(["run", "digits", "--summary", summary])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "test accuracy" in result.stdout
+    two = read_json(summary)
+    assert two["test_accuracy"] >= 0.95, two["test_accuracy"]
+    assert run_cli(["run", "digits", "--in-process", "--summary", reference]).returncode == 0
+    assert two["params"] == read_json(reference)["params"]
+    assert two["test_accuracy"] == read_json(reference)["test_accuracy"]
