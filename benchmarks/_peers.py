@@ -53,7 +53,8 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 ZERO_COPY_MIN_BYTES = 64 * 1024   # as distgrad.transport: copy below, zero-copy at and above
-IDLE_EXIT_S = 120.0               # a server with no request for this long exits by itself
+IDLE_EXIT_S = 1800.0              # a server with no request for this long exits by itself
+REPLY_TIMEOUT_S = 30.0            # a client waiting longer than this for a reply fails
 WARMUP_S = 0.1                    # round trips before the timed ones start
 
 
@@ -121,6 +122,7 @@ def raw_client(endpoint: str, size: int, seconds: float) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(REPLY_TIMEOUT_S * 1000))     # zmq.Again instead of a hang
     sock.connect(endpoint)
     payload = np.ones(size, np.uint8)
     copy = size < ZERO_COPY_MIN_BYTES
@@ -192,7 +194,7 @@ def wire_client(endpoint: str, size: int, seconds: float) -> None:
     def round_trip() -> None:
         step[0] += 1
         msg = wire.Message(wire.FORWARD, run, step[0], 0, 1, tensors={"activation": activation})
-        reply = client.request(msg, 30.0)
+        reply = client.request(msg, REPLY_TIMEOUT_S)
         wire.expect_tensors(reply, expected)
 
     try:

@@ -327,7 +327,7 @@ class Runner:
         self.live: list[Proc] = []
         self.seq = 0
         self.failures: list[dict[str, str]] = []
-        self.servers: dict[tuple[str, str], str] = {}
+        self.servers: dict[tuple[str, str], tuple[Proc, str]] = {}
 
     # -- plumbing
 
@@ -374,12 +374,18 @@ class Runner:
 
     def server(self, role: str, transport: str) -> str:
         key = (role, transport)
-        if key not in self.servers:
+        known = self.servers.get(key)
+        if known is not None and known[0].proc.poll() is not None:
+            say(f"{role} over {transport} exited with code {known[0].proc.returncode}; starting it again")
+            known[0].stop()
+            known = None
+        if known is None:
             ready = self.workdir / f"{role}-{transport}.ready"
+            ready.unlink(missing_ok=True)
             proc = self.spawn(f"{role}-{transport}", [sys.executable, str(HERE / "_peers.py"), role, str(ready),
                                                       self.bind_endpoint(transport, f"{role}-{transport}")])
-            self.servers[key] = self.wait_ready(proc, ready)
-        return self.servers[key]
+            known = self.servers[key] = (proc, self.wait_ready(proc, ready))
+        return known[1]
 
     def round_trip(self, role: str, transport: str, size: int, seconds: float) -> dict[str, Any]:
         endpoint = self.server(f"{role}-server", transport)

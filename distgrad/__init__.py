@@ -16,6 +16,8 @@ _EXPORTS = {
     "train_in_process": "distgrad.inprocess",
     "run_local": "distgrad.launcher",
     "Stage": "distgrad.stage",
+    "serve_stage": "distgrad.api",
+    "drive_stage": "distgrad.api",
 }
 
 __all__ = sorted(_EXPORTS)

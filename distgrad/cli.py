@@ -71,6 +71,13 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _watch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics", type=Path, metavar="PATH",
+                   help="driving stage: one JSON line per step (loss, wall time, bytes, compute and wait times)")
+    p.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
+                   help="driving stage: a progress bar in a terminal (auto), log lines otherwise")
+
+
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=1, metavar="M",
                    help="split each batch into M micro-batches, one update per batch (default 1)")
@@ -86,6 +93,7 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
     _common_flags(p, experiment_required=True)
     _pipeline_flags(p)
+    _watch_flags(p)
     p.add_argument("--bind", metavar="ENDPOINT", help="serve on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="drive training against the stage serving here")
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
@@ -106,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("experiment", metavar="NAME_OR_PATH")
     _common_flags(run, experiment_required=False)
     _pipeline_flags(run)
+    _watch_flags(run)
     run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     run.add_argument("--secure", action="store_true",
                      help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
@@ -119,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
     keygen.add_argument("directory", type=Path)
     keygen.add_argument("name")
+    plot = sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs matplotlib)")
+    plot.add_argument("metrics", type=Path)
+    plot.add_argument("--out", type=Path, default=Path("loss.png"))
     ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
     ping.add_argument("endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
@@ -154,7 +166,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
-        micro_batches=args.micro_batches, schedule=args.schedule)
+        micro_batches=args.micro_batches, schedule=args.schedule, metrics_path=args.metrics,
+        progress=_progress_mode(args.progress))
     exp.stage_index(args.stage)
     serving = args.bind is not None
     if serving and args.stage != exp.stage_names[-1]:
@@ -165,8 +178,9 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("--keep-serving, --ready-file and --allow are for the serving stage")
     if serving and args.server_key:
         raise ConfigError("--server-key is for the driving stage")
-    if serving and (args.micro_batches != 1 or args.schedule != "1f1b"):
-        raise ConfigError("--micro-batches and --schedule are for the driving stage (the server follows its hello)")
+    if serving and (args.micro_batches != 1 or args.schedule != "1f1b" or args.metrics):
+        raise ConfigError("--micro-batches, --schedule and --metrics are for the driving stage "
+                          "(the server follows its hello)")
     ctx = zmq.Context.instance()
     security = _curve(args, serving, ctx)
     opts.security = security
@@ -213,9 +227,18 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             summary_path=args.summary, trace_path=args.trace, transport=args.transport,
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
                             stage_flags=_passthrough(args), secure=args.secure,
-                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule])
+                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
+                                          *(["--metrics", str(args.metrics)] if args.metrics else [])],
+                            progress_bar=_progress_mode(args.progress) == "bar")
     _print_result(summary)
     return EXIT_OK
+
+
+def _progress_mode(choice: str) -> str:
+    """``auto`` is a bar when stderr is a terminal, else plain log lines."""
+    if choice != "auto":
+        return choice
+    return "bar" if sys.stderr.isatty() else "off"
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
@@ -252,7 +275,7 @@ def _demo(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     print("distgrad demo: the seed's reverse accumulation, f and g in two processes over ZeroMQ", flush=True)
     summary = run_local("seed-reverse", steps=args.steps, transport=args.transport, log_level=args.log_level,
-                        check_stop=stop.check)
+                        check_stop=stop.check, progress_bar=sys.stdout.isatty())
     f_w, g_w = summary["params"]["f"]["fW"][0], summary["params"]["g"]["gW"][0]
     print(f"final fW = {f_w:.8f}  gW = {g_w:.8f}  loss = {summary['final_loss']:.8g}  "
           f"({summary['steps']} steps, {summary['elapsed_s']:.2f} s)")
@@ -278,6 +301,13 @@ def _keygen(args: argparse.Namespace) -> int:
 
     public, secret = keygen(args.directory, args.name)
     print(f"public key {public}\nsecret key {secret} (keep it private; mode 0600)")
+    return EXIT_OK
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.metrics, args.out)}")
     return EXIT_OK
 
 
@@ -330,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
     commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
-                "keygen": _keygen, "ping": _ping}
+                "keygen": _keygen, "ping": _ping, "plot": _plot}
     return _guarded(commands[args.command], args)
 
 

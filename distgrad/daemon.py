@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import zmq
@@ -40,7 +40,8 @@ from .inprocess import evaluation_fields
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage, check_micro_batches, combine_losses, micro_batch
-from .transport import DEFAULT_TIMEOUT_S, POLL_TICK_S, Client, Server, SocketSecurity
+from .progress import MetricsWriter, Progress
+from .transport import DEFAULT_TIMEOUT_S, POLL_TICK_S, Client, Server, SocketSecurity, Traffic
 from .wire import ErrorCode, Message
 
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
@@ -89,6 +90,8 @@ class StageOptions:
     security: SocketSecurity | None = None
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
+    metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
 
     def __post_init__(self) -> None:
         if self.resume and self.checkpoint_dir is None:
@@ -404,6 +407,7 @@ class LastStageServer:
         target = msg.tensors.get("target")
         if target is None:
             target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
+        started = time.perf_counter()
         try:
             mb_loss, dx, grads = stage.loss_micro_batch(x, target)
         except StageError as e:
@@ -416,7 +420,8 @@ class LastStageServer:
         tracing = trace is not None and trace.enabled
         if tracing:
             self.sent_back.append(dx)
-        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body={"loss": float(mb_loss)},
+        body = {"loss": float(mb_loss)}
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body,
                         tensors={"activation_grad": dx})
         self.cached[key] = reply
         if msg.mb == msg.mbs - 1:
@@ -433,6 +438,7 @@ class LastStageServer:
                 trace.write(msg.step, loss, traced, stage.params)
                 self.sent_back = []
             self.state.after_step()
+        body["compute_s"] = time.perf_counter() - started     # for the driver's metrics
         return reply
 
     def _evaluate(self, msg: Message) -> Message:
@@ -483,10 +489,12 @@ def _refusal(msg: Message | None, error: ProtocolError) -> Message:
 
 
 def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: bool = False,
-                     ready_file: Path | None = None, ctx: zmq.Context | None = None) -> dict[str, Any] | None:
+                     ready_file: Path | None = None, ctx: zmq.Context | None = None,
+                     on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
 
-    Writes the bound endpoint to ``ready_file`` once listening (for launchers).
+    Writes the bound endpoint to ``ready_file`` once listening (for launchers)
+    and passes it to ``on_ready`` (for callers in this process).
     Returns the last run's summary. Raises ``PeerTimeout`` when a run's client
     stays lost for ``opts.peer_deadline_s`` (unless ``keep_serving``) and
     ``Interrupted`` on a signal, after saving a checkpoint.
@@ -501,6 +509,8 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
             tmp = ready_file.with_name(ready_file.name + ".tmp")
             tmp.write_text(server.endpoint)
             tmp.replace(ready_file)
+        if on_ready is not None:
+            on_ready(server.endpoint)
         while True:
             stop.check()
             request = server.receive(POLL_TICK_S)
@@ -556,13 +566,18 @@ class _Driver:
         self.reply_specs = {"activation_grad": (_micro_shape(self.state.stage.output_shape, opts.micro_batches),
                                                 np.dtype(np.float32))}
         self.max_frame, self.max_tensor = _frame_limit(self.reply_specs)
+        self.traffic = Traffic()
+        self.metrics = MetricsWriter(opts.metrics_path)
+        self.progress = Progress(opts.progress, self.steps)
+        self.g_compute_s = 0.0
         self.client = self._new_client()
         self.arrived: dict[tuple[int, int], Message] = {}
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
 
     def _new_client(self) -> Client:
-        return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s, self.opts.security)
+        return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s,
+                      self.opts.security, self.traffic)
 
     def exchange(self, msg: Message) -> Message:
         """Send ``msg`` and return its reply, with the retries of ``_await``.
@@ -682,6 +697,9 @@ class _Driver:
             if not isinstance(loss, (int, float)) or isinstance(loss, bool):
                 raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
             losses.append(np.float32(loss))
+            compute = reply.body.get("compute_s")
+            if isinstance(compute, float):
+                self.g_compute_s += compute
             _, grads = stage.backward(caches.pop(i), reply.tensors["activation_grad"], need_dx=False)
             stage.accumulator.add(grads, i, count)
             if i + window < count:
@@ -711,6 +729,15 @@ class _Driver:
         self.log.info("test loss %.6g%s", body["loss"],
                       f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else "")
 
+    def _record(self, step: int, started: float, step_started: float, wait_before: float,
+                g_before: float) -> None:
+        now = time.perf_counter()
+        wait = self.traffic.wait_s - wait_before
+        self.metrics.write({
+            "step": step, "loss": self.loss, "wall_s": now - started, "step_s": now - step_started,
+            "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+            "f_compute_s": now - step_started - wait, "f_wait_s": wait, "g_compute_s": self.g_compute_s - g_before})
+
     def run(self) -> dict[str, Any]:
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
@@ -726,6 +753,8 @@ class _Driver:
         finally:
             state.close()
             self.client.close()
+            self.metrics.close()
+            self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
                              **evaluation_fields(self.evaluation))
@@ -733,9 +762,11 @@ class _Driver:
     def _run(self) -> None:
         self.handshake()
         every = max(1, self.steps // PROGRESS_UPDATES)
-        last_report, last_step = time.perf_counter(), self.state.stage.step
+        started = last_report = time.perf_counter()
+        last_step = self.state.stage.step
         while True:
             stage = self.state.stage
+            step_started, wait_before, g_before = time.perf_counter(), self.traffic.wait_s, self.g_compute_s
             try:
                 if stage.step >= self.steps:
                     self.state.save()
@@ -752,7 +783,10 @@ class _Driver:
                 self.handshake()
                 continue
             step = self.state.stage.step
-            if step % every == 0 or step == self.steps:
+            if self.metrics.enabled:
+                self._record(step, started, step_started, wait_before, g_before)
+            self.progress.update(step, self.loss, force=step == self.steps)
+            if self.opts.progress != "bar" and (step % every == 0 or step == self.steps):
                 now = time.perf_counter()
                 rate = (step - last_step) / (now - last_report) if now > last_report else float("nan")
                 last_report, last_step = now, step

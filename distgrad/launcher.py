@@ -9,6 +9,7 @@ child is reaped with a deadline and nothing is left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from .errors import ConfigError, StageError
 from .experiment import check_init_overrides, load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
+from .progress import PROGRESS_PREFIX, render_bar
 from .records import merge_summaries, merge_traces, read_json, write_json
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -67,11 +69,41 @@ def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> bool:
     return True
 
 
+class _BarLine:
+    """The driving stage's ``progress`` lines drawn as one bar at the bottom of a terminal."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out, self.text = out, ""
+
+    def draw(self, payload: str) -> None:
+        try:
+            p = json.loads(payload)
+            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"), float(p["rate"]))
+        except (ValueError, KeyError, TypeError):
+            return
+        self.redraw()
+
+    def redraw(self) -> None:
+        if self.text:
+            self.out.write("\r" + self.text + "\x1b[K")
+            self.out.flush()
+
+    def clear(self) -> None:
+        if self.text:
+            self.out.write("\r\x1b[K")
+
+    def close(self) -> None:
+        if self.text:
+            self.out.write("\n")
+            self.out.flush()
+
+
 class _Child:
     """One stage process whose output is streamed with a prefix."""
 
-    def __init__(self, name: str, argv: Sequence[str], out: IO[str], lock: threading.Lock) -> None:
-        self.name = name
+    def __init__(self, name: str, argv: Sequence[str], out: IO[str], lock: threading.Lock,
+                 bar: "_BarLine | None" = None) -> None:
+        self.name, self.bar = name, bar
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
         self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
@@ -81,7 +113,14 @@ class _Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with lock:
+                if self.bar is not None and line.startswith(PROGRESS_PREFIX):
+                    self.bar.draw(line[len(PROGRESS_PREFIX):])
+                    continue
+                if self.bar is not None:
+                    self.bar.clear()
                 out.write(f"[{self.name}] {line}")
+                if self.bar is not None:
+                    self.bar.redraw()
                 out.flush()
 
     def stop(self) -> None:
@@ -99,7 +138,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
               timeout_s: float | None = None, log_level: str = "INFO",
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
-              driver_flags: Sequence[str] = ()) -> dict[str, Any]:
+              driver_flags: Sequence[str] = (), progress_bar: bool = False) -> dict[str, Any]:
     """Run a two-stage experiment as two local processes; return the merged summary.
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
@@ -109,6 +148,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     ``check_stop`` is called while waiting; whatever it raises stops both stages.
     ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
     ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``).
+    With ``progress_bar``, the driving stage's progress is drawn as a bar on ``out``.
     With ``secure``, fresh CURVE key pairs are made for this run and the
     serving stage accepts only the driving stage's key.
     """
@@ -157,13 +197,18 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                     raise StageError(f"stage {last} did not bind {bind} within {READY_TIMEOUT_S:g} s")
                 time.sleep(WAIT_TICK_S)
             endpoint = ready.read_text().strip()
+            bar = _BarLine(out) if progress_bar else None
             driver = _Child(first, _stage_argv(first, str(experiment), [
-                "--connect", endpoint, *flags, *driver_flags, *client_flags, *outputs(first)]), out, lock)
+                "--connect", endpoint, *flags, *driver_flags, "--progress", "lines" if bar else "off",
+                *client_flags, *outputs(first)]), out, lock, bar)
             children.append(driver)
             _wait_all(children, check_stop)
         finally:
             for child in reversed(children):
                 child.stop()
+            for child in children:
+                if child.bar is not None:
+                    child.bar.close()
         summary = merge_summaries([read_json(files[first][0]), read_json(files[last][0])])
         summary.update(mode="two-process", transport=transport)
         if summary_path is not None:

@@ -71,16 +71,25 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: floa
         security.apply(sock)
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> None:
-    """Send one multipart message; large tensor frames leave without a copy."""
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
+    """Send one multipart message; large tensor frames leave without a copy. Returns the bytes sent."""
     parts = [*envelope, *frames]
     sizes = [memoryview(part).nbytes for part in parts]
     if max(sizes) < ZERO_COPY_MIN_BYTES:
         sock.send_multipart(parts, copy=True)    # one call: the common small-message case
-        return
+        return sum(sizes)
     last = len(parts) - 1
     for i, (part, size) in enumerate(zip(parts, sizes)):
         sock.send(part, zmq.SNDMORE if i < last else 0, copy=size < ZERO_COPY_MIN_BYTES)
+    return sum(sizes)
+
+
+class Traffic:
+    """Counters a driver keeps across its sockets: bytes each way, seconds spent waiting."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+        self.wait_s = 0.0
 
 
 def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
@@ -137,15 +146,16 @@ class Client:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
                  max_reply_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES, liveness_s: float = 10.0,
-                 security: SocketSecurity | None = None) -> None:
+                 security: SocketSecurity | None = None, traffic: Traffic | None = None) -> None:
         self.endpoint = check_endpoint(endpoint, bind=False)
+        self.traffic = traffic or Traffic()
         self.max_reply_bytes = max_reply_bytes
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock, max_message_bytes, liveness_s, security)
         self.sock.connect(endpoint)
 
     def send(self, msg: wire.Message) -> None:
-        send_frames(self.sock, wire.encode(msg))
+        self.traffic.sent += send_frames(self.sock, wire.encode(msg))
 
     def wait(self, run: str, keys: Collection[tuple[int, int]], timeout_s: float,
              check_stop: StopCheck | None = None, what: Callable[[], str] = lambda: "a request") -> wire.Message:
@@ -164,9 +174,12 @@ class Client:
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"(is the serving stage running and reachable there?)")
+            waited = time.perf_counter()
             frames = poll_frames(self.sock, min(left, POLL_TICK_S))
+            self.traffic.wait_s += time.perf_counter() - waited
             if frames is None:
                 continue
+            self.traffic.received += sum(len(frame) for frame in frames)
             reply = wire.decode(frames, self.max_reply_bytes)
             key = (reply.step, reply.mb)
             if reply.type == wire.ERROR and (key in keys or key == (0, 0)):

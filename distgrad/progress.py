@@ -1,0 +1,86 @@
+"""Watching a run: a progress bar for terminals, metrics lines for files.
+
+The driving stage reports every step to a ``Progress``. In a terminal it
+draws a one-line bar (step, loss, steps/s, ETA) at most ``REDRAW_S`` apart;
+elsewhere the periodic log lines serve. Under the launcher the stage emits
+``progress`` lines that the launcher turns into the bar on its own terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+REDRAW_S = 0.1           # shortest time between two redraws of the bar
+BAR_WIDTH = 24
+PROGRESS_PREFIX = "progress "
+
+
+def render_bar(step: int, steps: int, loss: float | None, rate: float) -> str:
+    """``[#####-----] 450/900 loss 1.2e-03 2300 steps/s ETA 0.2 s``."""
+    done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
+    eta = (steps - step) / rate if rate > 0 else float("nan")
+    loss_text = f"{loss:.4g}" if loss is not None else "-"
+    return (f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text} "
+            f"{rate:.0f} steps/s ETA {eta:.1f} s")
+
+
+class Progress:
+    """Reports steps as a bar (``mode="bar"``), as ``progress`` lines (``"lines"``) or not at all."""
+
+    def __init__(self, mode: str, steps: int, stream: IO[str] | None = None) -> None:
+        if mode not in ("bar", "lines", "off"):
+            raise ValueError(f"unknown progress mode {mode!r}")
+        self.mode, self.steps, self.stream = mode, steps, stream or sys.stderr
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.first_step: int | None = None
+
+    def update(self, step: int, loss: float | None, force: bool = False) -> None:
+        if self.mode == "off":
+            return
+        now = time.perf_counter()
+        if self.first_step is None:
+            self.first_step, self.started = step - 1, now
+        if not force and now - self.last_draw < REDRAW_S:
+            return
+        self.last_draw = now
+        elapsed = now - self.started
+        rate = (step - self.first_step) / elapsed if elapsed > 0 else 0.0
+        if self.mode == "bar":
+            self.stream.write("\r" + render_bar(step, self.steps, loss, rate) + "\x1b[K")
+        else:
+            self.stream.write(PROGRESS_PREFIX + json.dumps({"step": step, "steps": self.steps, "loss": loss,
+                                                            "rate": rate}) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.mode == "bar" and self.last_draw:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class MetricsWriter:
+    """One JSON line per step: step, loss, wall time, bytes, compute and wait times (seconds)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
