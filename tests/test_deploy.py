@@ -1,0 +1,836 @@
+"""The files under deploy/ run command lines that the real CLI accepts.
+
+Every ``distgrad`` and ``distgrad-stage`` command line is taken out of:
+
+- deploy/Dockerfile: ENTRYPOINT + CMD, and the HEALTHCHECK;
+- deploy/compose.yaml: each service's entrypoint + command, and its health check
+  (its own, or the one it inherits from the image);
+- deploy/k8s/*.yaml: each container's command + args (resolved against the
+  image's ENTRYPOINT and CMD as Kubernetes does), and its probes;
+- deploy/systemd/*.service: ExecStart, with the specifiers resolved for the
+  instance ``seed-reverse`` and the variables taken from the example
+  environment file and from what systemd sets (STATE_DIRECTORY, CREDENTIALS_DIRECTORY);
+- deploy/README.md: the command lines in its shell code blocks.
+
+Each is parsed by ``distgrad.cli.build_stage_parser()`` or
+``distgrad.cli.build_parser()``, and every option must be spelled exactly as
+the parser names it (argparse alone would accept a prefix, so a flag renamed
+to a longer name would slip through). Then come the checks the CLI makes only
+at run time (one of --bind/--connect, and the right one for the stage; CURVE
+flags all or none; --resume needs --checkpoint-dir; valid endpoints), and the
+checks that the pieces of one deployment fit: the experiment resolves (a
+built-in name, or a ConfigMap file mounted at that path) and is the same on
+both stages, f connects to the port g binds, both checkpoint with the same K
+and resume, both use CURVE, health checks ping the serving stage with keys it
+can accept, and every file a command names is mounted in its container.
+
+YAML needs PyYAML; without it the YAML tests are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+import pytest
+
+from distgrad import cli
+from distgrad.errors import ConfigError
+from distgrad.experiment import Experiment, load_experiment, parse_experiment, parse_init_overrides
+from distgrad.transport import check_endpoint
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
+COMPOSE = DEPLOY / "compose.yaml"
+K8S = DEPLOY / "k8s"
+SYSTEMD = DEPLOY / "systemd"
+ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
+README = DEPLOY / "README.md"
+INSTANCE = "seed-reverse"            # the systemd instance the units are checked with
+IMAGE = "distgrad-stage"             # the image built from deploy/Dockerfile
+PROGRAMS = {"distgrad", "distgrad-stage"}
+PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key")
+WRITTEN = ("checkpoint_dir", "summary", "trace", "ready_file")
+KEYS = ("curve_secret", "allow", "server_key")
+
+
+def _yaml():
+    return pytest.importorskip("yaml", reason="PyYAML is needed to parse the compose file and the manifests")
+
+
+# ------------------------------------------------------------------ command lines and their context
+
+@dataclass(frozen=True)
+class Mount:
+    target: str
+    read_only: bool
+    kind: str            # bind, volume, tmpfs; or the Kubernetes volume type
+    source: str = ""     # host path, volume, claim, ConfigMap or Secret name
+
+
+@dataclass
+class Command:
+    where: str                      # file and place, for messages
+    argv: list[str]
+    group: str                      # the deployment it belongs to: compose, k8s, systemd, ...
+    container: str = ""             # commands with the same container run side by side
+    mounts: list[Mount] | None = None           # None: runs on a host, not in a container
+    experiments: dict[str, str] = field(default_factory=dict)  # absolute path -> TOML text mounted there
+    env: dict[str, str] = field(default_factory=dict)          # systemd: the variables it was expanded with
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def program(self) -> str:
+        return PurePosixPath(self.argv[0]).name
+
+    def __str__(self) -> str:
+        return f"{self.where}: `{shlex.join(self.argv)}`"
+
+
+@dataclass
+class Parsed:
+    cmd: Command
+    ns: argparse.Namespace
+    kind: str                       # "stage" or the distgrad subcommand
+    exp: Experiment | None = None
+    serving: bool = False
+
+
+def _all_options(parser: argparse.ArgumentParser, args: list[str]) -> set[str]:
+    options = {s for action in parser._actions for s in action.option_strings}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            command = next((a for a in args if not a.startswith("-")), None)
+            if command in action.choices:
+                options |= _all_options(action.choices[command], [])
+    return options
+
+
+def parse(cmd: Command) -> Parsed:
+    """Parse ``cmd`` with the real CLI parser; fail naming the command if it is refused."""
+    assert cmd.program in PROGRAMS, f"{cmd} is not a distgrad command"
+    args = cmd.argv[1:]
+    if cmd.program == "distgrad-stage":
+        parser, kind = cli.build_stage_parser(), "stage"
+    elif args[:1] == ["stage"]:
+        parser, kind, args = cli.build_stage_parser("distgrad stage"), "stage", args[1:]
+    else:
+        parser, kind = cli.build_parser(), None
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ns = parser.parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"the CLI refuses {cmd} (exit {e.code}):\n{err.getvalue()}")
+    known = _all_options(parser, args)
+    for token in args:
+        if token == "--":
+            break
+        if token.startswith("--") and token.split("=", 1)[0] not in known:
+            pytest.fail(f"{cmd}: {token.split('=', 1)[0]} is not an option of the CLI, only a prefix of one")
+    return Parsed(cmd, ns, kind or ns.command)
+
+
+def _mount_of(cmd: Command, path: str) -> Mount | None:
+    best = None
+    for m in cmd.mounts or []:
+        target = m.target.rstrip("/") or "/"
+        if (path == target or path.startswith(target + "/")) and (best is None or len(target) > len(best.target)):
+            best = m
+    return best
+
+
+def _endpoint_port(endpoint: str) -> tuple[str, str]:
+    match = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint)
+    assert match, f"not a tcp endpoint: {endpoint}"
+    return match.group(1), match.group(2)
+
+
+def resolve_experiment(cmd: Command, name_or_path: str) -> Experiment:
+    if name_or_path.startswith("/"):
+        assert name_or_path in cmd.experiments, \
+            f"{cmd}: no experiment file is mounted at {name_or_path} (mounted: {sorted(cmd.experiments)})"
+        return parse_experiment(tomllib.loads(cmd.experiments[name_or_path]), name_or_path)
+    assert "/" not in name_or_path, f"{cmd}: relative experiment path {name_or_path!r} depends on the working directory"
+    try:
+        return load_experiment(name_or_path)
+    except ConfigError as e:
+        pytest.fail(f"{cmd}: {e}")
+
+
+def check_stage(p: Parsed) -> None:
+    """What distgrad-stage checks before it starts (cli._run_stage, cli._curve), and more."""
+    cmd, ns = p.cmd, p.ns
+    p.exp = exp = resolve_experiment(cmd, ns.experiment)
+    assert ns.stage in exp.stage_names, f"{cmd}: {exp.name} has no stage {ns.stage!r}"
+    p.serving = ns.stage == exp.stage_names[-1]
+    if p.serving:
+        assert ns.bind and not ns.connect, f"{cmd}: the serving stage {ns.stage} needs --bind and no --connect"
+        assert not ns.server_key, f"{cmd}: --server-key is for the driving stage"
+        assert ns.micro_batches == 1 and ns.schedule == "1f1b" and not getattr(ns, "metrics", None), \
+            f"{cmd}: --micro-batches, --schedule and --metrics are for the driving stage"
+    else:
+        assert ns.stage == exp.stage_names[0], f"{cmd}: {ns.stage} is neither the first nor the last stage"
+        assert ns.connect and not ns.bind, f"{cmd}: the driving stage {ns.stage} needs --connect and no --bind"
+        assert not (ns.keep_serving or ns.ready_file or ns.allow), f"{cmd}: serving-stage flags on the driver"
+    endpoint = ns.bind or ns.connect
+    try:
+        check_endpoint(endpoint, bind=p.serving)
+        parse_init_overrides(ns.init)
+    except ConfigError as e:
+        pytest.fail(f"{cmd}: {e}")
+    curve = [ns.curve_secret, ns.allow if p.serving else ns.server_key]
+    assert all(curve) or not any(curve), f"{cmd}: CURVE needs --curve-secret and --allow/--server-key together"
+    if ns.resume or ns.checkpoint_every:
+        assert ns.checkpoint_dir, f"{cmd}: --resume and --checkpoint-every need --checkpoint-dir"
+    if ns.steps is not None:
+        assert ns.steps >= 1, f"{cmd}: --steps must be >= 1"
+
+
+def check_ping(p: Parsed) -> None:
+    cmd, ns = p.cmd, p.ns
+    try:
+        check_endpoint(ns.endpoint, bind=False)
+    except ConfigError as e:
+        pytest.fail(f"{cmd}: {e}")
+    assert bool(ns.curve_secret) == bool(ns.server_key), f"{cmd}: ping needs --curve-secret and --server-key together"
+    assert ns.timeout > 0
+
+
+def check_paths(p: Parsed) -> None:
+    """Every file a containerised command names is on a mount of its container: keys read-only, output writable."""
+    cmd = p.cmd
+    if cmd.mounts is None:
+        return
+    names = [f for f in PATH_FLAGS if getattr(p.ns, f, None) is not None]
+    if p.kind == "stage" and str(p.ns.experiment).startswith("/"):
+        names.append("experiment")
+    for flag in names:
+        path = str(getattr(p.ns, flag))
+        assert path.startswith("/"), f"{cmd}: --{flag.replace('_', '-')} {path} is relative"
+        mount = _mount_of(cmd, path)
+        assert mount is not None, f"{cmd}: --{flag.replace('_', '-')} {path} is on no mount of the container"
+        if flag in WRITTEN:
+            assert not mount.read_only and mount.kind not in ("configMap", "secret", "tmpfs"), \
+                f"{cmd}: --{flag.replace('_', '-')} {path} must be on a writable, persistent volume"
+        elif flag in KEYS or flag == "experiment":
+            assert mount.read_only, f"{cmd}: --{flag.replace('_', '-')} {path} should be mounted read-only"
+
+
+def check_command(cmd: Command) -> Parsed:
+    p = parse(cmd)
+    if p.kind == "stage":
+        check_stage(p)
+    elif p.kind == "ping":
+        check_ping(p)
+    check_paths(p)
+    return p
+
+
+def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, Parsed]:
+    """The two stages of one deployment fit together; its pings reach the serving stage."""
+    stages = [p for p in parsed if p.kind == "stage"]
+    servers = [p for p in stages if p.serving]
+    drivers = [p for p in stages if not p.serving]
+    assert len(servers) == 1 and len(drivers) == 1, \
+        f"{group}: expected one serving and one driving stage, got {[str(p.cmd) for p in stages]}"
+    g, f = servers[0], drivers[0]
+    assert g.exp.fingerprint == f.exp.fingerprint, f"{group}: the stages read different experiments"
+    for p in (g, f):
+        ns = p.ns
+        assert ns.checkpoint_dir and ns.resume and ns.checkpoint_every, \
+            f"{p.cmd}: a deployed stage needs --checkpoint-dir, --checkpoint-every and --resume"
+        assert ns.curve_secret, f"{p.cmd}: a deployed stage should use CURVE"
+    for option in ("checkpoint_every", "seed"):
+        assert getattr(g.ns, option) == getattr(f.ns, option), f"{group}: the stages differ in --{option.replace('_', '-')}"
+    _, bind_port = _endpoint_port(g.ns.bind)
+    _, connect_port = _endpoint_port(f.ns.connect)
+    assert bind_port != "*", f"{g.cmd}: a deployed g needs a fixed port"
+    assert connect_port == bind_port, f"{f.cmd}: connects to port {connect_port}, but g binds {bind_port}"
+    for p in parsed:
+        if p.kind != "ping":
+            continue
+        host, port = _endpoint_port(p.ns.endpoint)
+        assert port == bind_port, f"{p.cmd}: pings port {port}, but g binds {bind_port}"
+        if p.cmd.container:
+            assert p.cmd.container == g.cmd.container, f"{p.cmd}: a health check must run beside the serving stage"
+            assert host in ("127.0.0.1", "localhost"), f"{p.cmd}: ping the stage in the same container on loopback"
+        if g.ns.curve_secret:
+            assert p.ns.curve_secret, f"{p.cmd}: g uses CURVE, so a plaintext ping times out (exit 3) like a dead g"
+    return g, f
+
+
+# ------------------------------------------------------------------ Dockerfile
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` in order, with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if buf and stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    assert not buf, f"{path}: a continuation line runs off the end"
+    return out
+
+
+def _exec_or_shell(text: str) -> list[str]:
+    if text.startswith("["):
+        value = json.loads(text)
+        assert isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return value
+    return ["/bin/sh", "-c", text]
+
+
+@dataclass
+class Image:
+    entrypoint: list[str]
+    cmd: list[str]
+    healthcheck: list[str] | None
+    user: str
+    instructions: list[tuple[str, str]]
+
+
+def image() -> Image:
+    entrypoint, cmd, health, user = [], [], None, "root"
+    instructions = dockerfile_instructions()
+    assert [w for w, _ in instructions].count("FROM") == 1, "expected a single-stage Dockerfile"
+    for word, rest in instructions:
+        if word == "ENTRYPOINT":
+            entrypoint = _exec_or_shell(rest)   # (it would also drop a CMD inherited from the base image)
+        elif word == "CMD":
+            cmd = _exec_or_shell(rest)
+        elif word == "USER":
+            user = rest
+        elif word == "HEALTHCHECK":
+            if rest.upper() == "NONE":
+                health = None
+                continue
+            options = re.match(r"((?:--[a-z-]+=\S+\s+)*)CMD\s+(.*)", rest, re.S)
+            assert options, f"Dockerfile: cannot read HEALTHCHECK {rest!r}"
+            health = _exec_or_shell(options.group(2).strip())
+    return Image(entrypoint, cmd, health, user, instructions)
+
+
+def test_dockerfile_builds_a_non_root_stage_image_without_secrets():
+    img = image()
+    words = [w for w, _ in img.instructions]
+    assert img.instructions[0] == ("FROM", "python:3.11-slim")
+    assert img.entrypoint == ["distgrad-stage"]
+    assert any(w == "RUN" and re.search(r"\bpip install \.(\s|$)", r) for w, r in img.instructions)
+    user = img.user.split(":")[0]
+    assert user not in ("root", "0", ""), f"the image runs as {img.user}"
+    # Nothing but the package sources goes in: no keys, checkpoints or experiment files of a user.
+    for word, rest in img.instructions:
+        if word in ("COPY", "ADD"):
+            sources = [s for s in shlex.split(rest) if not s.startswith("--")][:-1]
+            assert set(sources) <= {"pyproject.toml", "README.md", "distgrad"}, f"{word} {rest}"
+        if word in ("ENV", "ARG"):
+            assert not re.search(r"secret|password|token|key", rest, re.I), f"{word} {rest}"
+    assert "ADD" not in words
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["distgrad-stage"] == "distgrad.cli:stage_main" and scripts["distgrad"] == "distgrad.cli:main"
+
+
+def test_dockerfile_command_lines_are_accepted_by_the_cli():
+    img = image()
+    stage = check_command(Command("Dockerfile ENTRYPOINT + CMD", img.entrypoint + img.cmd, "dockerfile"))
+    assert stage.kind == "stage" and stage.serving, "the image's default command should be a serving g"
+    assert img.healthcheck is not None, "the Dockerfile has no HEALTHCHECK"
+    health = check_command(Command("Dockerfile HEALTHCHECK", img.healthcheck, "dockerfile"))
+    assert health.kind == "ping"
+    assert _endpoint_port(health.ns.endpoint)[1] == _endpoint_port(stage.ns.bind)[1]
+
+
+# ------------------------------------------------------------------ compose
+
+_COMPOSE_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def compose_interpolate(text: str, where: str) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        if m.group(2) and m.group(2).endswith("-"):
+            return m.group(3)
+        pytest.fail(f"{where}: set no plausible value for {m.group(0)}: give it a default (${{VAR:-value}})")
+    return _COMPOSE_VAR.sub(sub, text)
+
+
+def _compose_words(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    words = shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    return [compose_interpolate(w, where) for w in words]
+
+
+def _compose_mounts(service: dict) -> list[Mount]:
+    mounts = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            parts = volume.split(":")
+            source, target = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
+            options = parts[2].split(",") if len(parts) > 2 else []
+            kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+            mounts.append(Mount(target, "ro" in options, kind, source))
+        else:
+            mounts.append(Mount(volume["target"], bool(volume.get("read_only")), volume.get("type", "volume"),
+                                str(volume.get("source", ""))))
+    tmpfs = service.get("tmpfs", [])
+    for target in [tmpfs] if isinstance(tmpfs, str) else tmpfs:
+        mounts.append(Mount(target.split(":")[0], False, "tmpfs"))
+    return mounts
+
+
+def compose_commands() -> tuple[list[Command], dict]:
+    yaml = _yaml()
+    doc = yaml.safe_load(COMPOSE.read_text())
+    img = image()
+    commands = []
+    for name, service in doc["services"].items():
+        where = f"compose.yaml services.{name}"
+        build = service.get("build", {})
+        assert isinstance(build, dict) and build.get("dockerfile") == "deploy/Dockerfile", f"{where}: build it from deploy/Dockerfile"
+        assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+        entrypoint = _compose_words(service["entrypoint"], where) if "entrypoint" in service else img.entrypoint
+        command = _compose_words(service["command"], where) if "command" in service else (
+            [] if "entrypoint" in service else img.cmd)
+        mounts = _compose_mounts(service)
+        commands.append(Command(f"{where}.command", entrypoint + command, "compose", name, mounts))
+        health = service.get("healthcheck", {})
+        if health.get("disable") or health.get("test") in (["NONE"], "NONE"):
+            continue
+        test = health.get("test")
+        if test is None:
+            argv = img.healthcheck
+            assert argv is not None
+            where_h = f"{where} (the image's HEALTHCHECK)"
+        elif isinstance(test, str) or test[0] == "CMD-SHELL":
+            argv = shlex.split(test if isinstance(test, str) else test[1])
+            where_h = f"{where}.healthcheck"
+        else:
+            assert test[0] == "CMD", f"{where}.healthcheck.test: {test}"
+            argv = _compose_words(test[1:], where)
+            where_h = f"{where}.healthcheck"
+        commands.append(Command(where_h, argv, "compose", name, mounts))
+    return commands, doc
+
+
+def test_compose_command_lines_are_accepted_by_the_cli():
+    commands, doc = compose_commands()
+    for cmd in commands:
+        assert cmd.program in PROGRAMS, f"{cmd}: every service and health check should run distgrad"
+    parsed = [check_command(c) for c in commands]
+    g, f = check_deployment(parsed, "compose.yaml")
+    assert len(parsed) == 3, [str(c) for c in commands]   # g, f and g's health check
+    host, port = _endpoint_port(f.ns.connect)
+    assert host == g.cmd.container, f"{f.cmd}: connect to the serving service by its name, {g.cmd.container}"
+    assert [p.cmd.container for p in parsed if p.kind == "ping"] == [g.cmd.container]
+    services = doc["services"]
+    depends = services[f.cmd.container].get("depends_on", {})
+    assert g.cmd.container in depends, "f should depend on g"
+    if isinstance(depends, dict):
+        assert depends[g.cmd.container].get("condition") in ("service_healthy", "service_started")
+    for p in (g, f):
+        assert str(services[p.cmd.container].get("restart", "")).startswith("on-failure"), \
+            f"{p.cmd.container}: a stage that exits non-zero should be restarted (and resume)"
+    # f's container sees only its own key pair and g's public key file, never g's secret key.
+    g_secret = _mount_of(g.cmd, str(g.ns.curve_secret))
+    assert g_secret.source not in {m.source for m in f.cmd.mounts}, f"f mounts g's key directory {g_secret.source}"
+    assert _mount_of(f.cmd, str(f.ns.server_key)).target == str(f.ns.server_key), \
+        "mount only g's public key file into f, not the directory that holds g's secret key"
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+def k8s_docs() -> list[tuple[str, dict]]:
+    yaml = _yaml()
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+def _pod_spec(doc: dict) -> dict | None:
+    kind = doc.get("kind")
+    if kind == "Pod":
+        return doc["spec"]
+    if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        return doc["spec"]["template"]["spec"]
+    if kind == "CronJob":
+        return doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return None
+
+
+def _k8s_expand(words: list[Any], container: dict, where: str) -> list[str]:
+    env = {e["name"]: e.get("value", "") for e in container.get("env", []) if "value" in e}
+    out = []
+    for word in map(str, words):
+        def sub(m: re.Match) -> str:
+            assert m.group(1) in env, f"{where}: $({m.group(1)}) is not set in the container's env"
+            return env[m.group(1)]
+        out.append(re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, word).replace("$$", "$"))
+    return out
+
+
+def _install_copies(script: str) -> dict[str, str]:
+    """``{destination: source}`` of the ``install [-m MODE] SRC DST`` lines of an init container's script."""
+    copies = {}
+    for line in script.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["install"] and "-d" not in words:
+            files = [w for i, w in enumerate(words[1:], 1) if not w.startswith("-") and words[i - 1] not in ("-m", "-o", "-g")]
+            assert len(files) == 2, line
+            copies[files[1]] = files[0]
+    return copies
+
+
+@dataclass
+class Workload:
+    file: str
+    doc: dict
+    pod: dict
+    commands: list[Command]
+    init_copies: dict[str, str]          # files the init containers put in place: destination -> source
+    init_mounts: list[Mount]
+
+
+def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
+    docs = k8s_docs()
+    img = image()
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for _, d in docs if d.get("kind") == "ConfigMap"}
+    workloads = []
+    for file, doc in docs:
+        pod = _pod_spec(doc)
+        if pod is None:
+            continue
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        init_copies, init_mounts, commands = {}, [], []
+        for section in ("initContainers", "containers"):
+            for c in pod.get(section, []):
+                where = f"k8s/{file} {doc['kind']}/{doc['metadata']['name']} {section}[{c['name']}]"
+                mounts, experiments = [], {}
+                for vm in c.get("volumeMounts", []):
+                    volume = volumes[vm["name"]]
+                    kind = next(k for k in volume if k != "name")
+                    source = volume[kind].get("name") or volume[kind].get("secretName") or volume[kind].get("claimName") or ""
+                    mounts.append(Mount(vm["mountPath"], bool(vm.get("readOnly")), kind, source))
+                    if kind == "configMap":
+                        assert source in config_maps, f"{where}: no ConfigMap {source} in k8s/"
+                        data = config_maps[source]
+                        items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
+                        for item in items:
+                            experiments[f"{vm['mountPath'].rstrip('/')}/{item['path']}"] = data[item["key"]]
+                uses_image = c["image"].split(":")[0].rsplit("/", 1)[-1] == IMAGE
+                if "command" in c:
+                    argv = _k8s_expand(c["command"] + c.get("args", []), c, where)
+                else:
+                    assert uses_image, f"{where}: no command, and not the distgrad-stage image"
+                    argv = img.entrypoint + (_k8s_expand(c["args"], c, where) if "args" in c else img.cmd)
+                if section == "initContainers" and PurePosixPath(argv[0]).name not in PROGRAMS:
+                    assert argv[:2] in (["sh", "-c"], ["/bin/sh", "-c"]), f"{where}: unexpected init command {argv}"
+                    assert "distgrad" not in argv[2], f"{where}: a distgrad command inside a script is not checked"
+                    init_copies.update(_install_copies(argv[2]))
+                    init_mounts += mounts
+                    continue
+                container = f"{doc['metadata']['name']}/{c['name']}"
+                commands.append(Command(where, argv, "k8s", container, mounts, experiments, extra={"spec": c}))
+                for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                    if probe in c:
+                        assert "exec" in c[probe], f"{where}.{probe}: expected an exec probe running distgrad ping"
+                        commands.append(Command(f"{where}.{probe}", _k8s_expand(c[probe]["exec"]["command"], c, where),
+                                                "k8s", container, mounts, experiments, extra={"probe": probe}))
+        workloads.append(Workload(file, doc, pod, commands, init_copies, init_mounts))
+    return workloads, docs
+
+
+def test_k8s_command_lines_are_accepted_by_the_cli():
+    workloads, docs = k8s_workloads()
+    commands = [c for w in workloads for c in w.commands]
+    for cmd in commands:
+        assert cmd.program in PROGRAMS, f"{cmd}: every container and probe should run distgrad"
+    parsed = [check_command(c) for c in commands]
+    pings = [p for p in parsed if p.kind == "ping"]
+    g, f = check_deployment(parsed, "k8s")
+    assert len(parsed) == 4 and len(pings) == 2, [str(c) for c in commands]  # g, f, g's liveness and readiness
+    assert any(p.cmd.extra.get("probe") == "livenessProbe" for p in pings), "g needs a liveness probe"
+    assert g.ns.keep_serving, f"{g.cmd}: in a Deployment g must --keep-serving, or it exits after a run and is restarted"
+
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in docs if "metadata" in d}
+    g_load = next(w for w in workloads if g.cmd in w.commands)
+    f_load = next(w for w in workloads if f.cmd in w.commands)
+    assert g_load.doc["kind"] == "Deployment" and g_load.doc["spec"].get("replicas") == 1
+    assert g_load.doc["spec"].get("strategy", {}).get("type") == "Recreate", "never two g pods on one checkpoint claim"
+    assert f_load.doc["kind"] == "Job" and f_load.pod.get("restartPolicy") in ("Never", "OnFailure")
+
+    # f connects to a Service that selects g's pod and forwards to the port g binds.
+    host, port = _endpoint_port(f.ns.connect)
+    service = by_name.get(("Service", host))
+    assert service is not None, f"{f.cmd}: no Service named {host}"
+    labels = g_load.doc["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items(), f"Service {host} does not select g's pod"
+    ports = [sp for sp in service["spec"]["ports"] if str(sp["port"]) == port]
+    assert ports, f"Service {host} has no port {port}"
+    target = ports[0].get("targetPort", ports[0]["port"])
+    container_ports = {cp.get("name"): cp["containerPort"] for cp in g.cmd.extra["spec"].get("ports", [])}
+    target = container_ports.get(target, target)
+    assert str(target) == _endpoint_port(g.ns.bind)[1], f"Service {host} forwards to {target}, g binds {g.ns.bind}"
+
+    for load, p in ((g_load, g), (f_load, f)):
+        security = load.pod.get("securityContext", {})
+        assert security.get("runAsNonRoot") and security.get("runAsUser", 0) != 0, f"{p.cmd}: run as non-root"
+        for volume in load.pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"].get("defaultMode") == 0o400, f"{load.file}: secret volume defaultMode 0400"
+            if "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                assert ("PersistentVolumeClaim", claim) in by_name, f"{load.file}: no PVC {claim} in k8s/"
+        # distgrad reads keys only from files an init container copied (as the pod's user, mode 0600):
+        # a Secret volume's files are root's, or group-readable under an fsGroup, and either way refused.
+        for flag in KEYS:
+            path = getattr(p.ns, flag)
+            if path is None:
+                continue
+            mount = _mount_of(p.cmd, str(path))
+            assert mount.kind != "secret", f"{p.cmd}: --{flag.replace('_', '-')} reads the Secret volume directly"
+            if flag == "allow":
+                assert any(PurePosixPath(d).parent == PurePosixPath(path) and d.endswith(".key") for d in load.init_copies), \
+                    f"{p.cmd}: the init container puts no client key in {path}"
+            else:
+                assert str(path) in load.init_copies, f"{p.cmd}: the init container does not put {path} in place"
+        secret_names = {m.source for m in load.init_mounts if m.kind == "secret"}
+        for source in load.init_copies.values():
+            mount = next(m for m in load.init_mounts if source.startswith(m.target.rstrip("/") + "/"))
+            assert mount.kind == "secret"
+            secret = by_name.get(("Secret", mount.source))
+            assert secret is not None and secret.get("type") == "Opaque", f"{load.file}: no Opaque Secret {mount.source}"
+            key = source[len(mount.target.rstrip("/")) + 1:]
+            assert key in secret.get("stringData", {}), f"Secret {mount.source} has no {key}"
+        assert secret_names, f"{load.file}: no Secret is mounted for the keys"
+
+    # g's probes ping with g's own key pair, whose public key is therefore in g's --allow directory.
+    for p in pings:
+        assert p.ns.curve_secret == g.ns.curve_secret, f"{p.cmd}: ping with g's own key pair"
+        server_key_source = g_load.init_copies[str(p.ns.server_key)]
+        allowed = {src for dst, src in g_load.init_copies.items() if PurePosixPath(dst).parent == PurePosixPath(g.ns.allow)}
+        assert server_key_source in allowed, f"{p.cmd}: its key is not in g's --allow directory, so g would not answer"
+
+    kustomization = next(d for _, d in docs if d.get("kind") == "Kustomization")
+    listed = set(kustomization["resources"])
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == files - {"secret.yaml"}, "kustomization.yaml should list every manifest but the Secret template"
+
+
+def test_k8s_configmap_holds_the_builtin_experiment():
+    docs = k8s_docs()
+    maps = [d for _, d in docs if d.get("kind") == "ConfigMap"]
+    assert maps, "no ConfigMap in k8s/"
+    found = False
+    for cm in maps:
+        for key, text in cm.get("data", {}).items():
+            if key.endswith(".toml"):
+                exp = parse_experiment(tomllib.loads(text), f"ConfigMap {cm['metadata']['name']}/{key}")
+                found = True
+                if exp.name == "seed-reverse":
+                    # A copy of the built-in: a stage given the name and one given this file interoperate.
+                    assert exp.fingerprint == load_experiment("seed-reverse").fingerprint, \
+                        f"{key} differs from distgrad/experiments/seed-reverse.toml"
+    assert found
+
+
+# ------------------------------------------------------------------ systemd
+
+def read_env_file(path: Path = ENV_EXAMPLE) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()), f"{path.name}: bad line {line!r}"
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def read_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current, buf = None, ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("#", ";")) or (not stripped and not buf):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        if buf.startswith("[") and buf.endswith("]"):
+            current = buf[1:-1]
+            sections.setdefault(current, [])
+        else:
+            key, sep, value = buf.partition("=")
+            assert sep and current, f"{path.name}: cannot read {buf!r}"
+            sections[current].append((key.strip(), value.strip()))
+        buf = ""
+    return sections
+
+
+def _specifiers(text: str, unit: str) -> str:
+    instance = INSTANCE
+    values = {"i": instance, "I": instance.replace("-", "/"), "S": "/var/lib", "%": "%",
+              "n": unit, "N": unit.removesuffix(".service"), "p": unit.split("@")[0],
+              "d": f"/run/credentials/{unit}"}
+    def sub(m: re.Match) -> str:
+        assert m.group(1) in values, f"{unit}: specifier %{m.group(1)} not known to this test"
+        return values[m.group(1)]
+    return re.sub(r"%(.)", sub, text)
+
+
+def systemd_units() -> list[tuple[Path, str, dict[str, list[tuple[str, str]]]]]:
+    units = sorted(SYSTEMD.glob("*@.service"))
+    assert {u.name for u in units} >= {"distgrad-g@.service", "distgrad-f@.service"}
+    return [(u, u.name.replace("@.", f"@{INSTANCE}."), read_unit(u)) for u in units]
+
+
+def systemd_command(path: Path, unit: str, sections: dict) -> Command:
+    service = sections["Service"]
+    values = {}
+    for key, value in service:
+        values.setdefault(key, []).append(value)
+    exec_start = values.get("ExecStart", [])
+    assert len(exec_start) == 1, f"{path.name}: expected one ExecStart"
+    line = _specifiers(exec_start[0], unit).lstrip("@-:+!")
+    env = {}
+    for env_file in values.get("EnvironmentFile", []):
+        name = _specifiers(env_file.lstrip("-"), unit)
+        assert name.startswith("/etc/distgrad/") and name.endswith(".env"), name
+        env.update(read_env_file())     # the example stands for /etc/distgrad/INSTANCE.env
+    for assignment in values.get("Environment", []):
+        for word in shlex.split(assignment):
+            key, _, value = word.partition("=")
+            env.setdefault(key, _specifiers(value, unit))
+    state = [_specifiers(v, unit) for v in " ".join(values.get("StateDirectory", [])).split()]
+    if state:
+        env["STATE_DIRECTORY"] = ":".join(f"/var/lib/{s}" for s in state)
+    if "LoadCredential" in values or "SetCredential" in values:
+        env["CREDENTIALS_DIRECTORY"] = f"/run/credentials/{unit}"
+    argv = []
+    for word in shlex.split(line):
+        whole = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if whole:
+            assert whole.group(1) in env, f"{path.name}: ${whole.group(1)} is set nowhere (it would expand to nothing)"
+            argv += env[whole.group(1)].split()
+            continue
+        def sub(m: re.Match) -> str:
+            assert m.group(1) in env, f"{path.name}: ${{{m.group(1)}}} is set nowhere (it would expand to nothing)"
+            return env[m.group(1)]
+        word = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", sub, word)
+        assert "$" not in word, f"{path.name}: cannot expand {word!r}"
+        argv.append(word)
+    return Command(f"systemd/{path.name} ExecStart (as {unit})", argv, "systemd", env=env,
+                   extra={"values": values})
+
+
+def test_systemd_units_are_unprivileged_restartable_templates():
+    for path, unit, sections in systemd_units():
+        values = dict(sections["Service"])
+        assert values.get("Restart") == "on-failure", f"{path.name}: Restart=on-failure"
+        assert values.get("DynamicUser") == "yes" or values.get("User") not in (None, "", "root", "0"), \
+            f"{path.name}: run as an unprivileged user"
+        assert values.get("StateDirectory"), f"{path.name}: keep checkpoints in a StateDirectory"
+        assert "143" in values.get("SuccessExitStatus", "").split(), f"{path.name}: SIGTERM exits 143, a clean stop"
+        assert "2" in values.get("RestartPreventExitStatus", "").split(), f"{path.name}: do not restart on usage errors"
+        exec_start = values["ExecStart"]
+        assert re.match(r"/usr/local/bin/distgrad-stage \S+ --experiment %i\b", exec_start), exec_start
+        assert "WantedBy" in dict(sections.get("Install", []))
+
+
+def test_systemd_command_lines_are_accepted_by_the_cli():
+    parsed = []
+    for path, unit, sections in systemd_units():
+        cmd = systemd_command(path, unit, sections)
+        assert cmd.program == "distgrad-stage" and cmd.argv[0].startswith("/"), f"{cmd}: an absolute path to distgrad-stage"
+        p = check_command(cmd)
+        assert p.kind == "stage" and p.ns.experiment == INSTANCE, f"{cmd}: the instance name is the experiment"
+        env, values = cmd.env, cmd.extra["values"]
+        for flag in WRITTEN:
+            value = getattr(p.ns, flag)
+            if value is not None:
+                assert str(value).startswith(env["STATE_DIRECTORY"] + "/"), f"{cmd}: --{flag} outside the StateDirectory"
+        credentials = {c.split(":", 1)[0]: c.split(":", 1)[1] for c in values.get("LoadCredential", [])}
+        secret = PurePosixPath(str(p.ns.curve_secret))
+        assert str(secret.parent) == env.get("CREDENTIALS_DIRECTORY") and secret.name in credentials, \
+            f"{cmd}: read the secret key from a LoadCredential= credential (mode 0400, owned by the service)"
+        for flag in ("allow", "server_key"):
+            value = getattr(p.ns, flag)
+            if value is not None:
+                assert str(value).startswith("/etc/distgrad/"), f"{cmd}: --{flag} {value}"
+        parsed.append(p)
+    check_deployment(parsed, "systemd")
+
+
+def test_env_example_sets_every_variable_the_units_use():
+    env = read_env_file()
+    used = set()
+    for path, unit, sections in systemd_units():
+        text = dict(sections["Service"])["ExecStart"]
+        used |= set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text))
+    assert used - {"STATE_DIRECTORY", "CREDENTIALS_DIRECTORY"} <= env.keys()
+    check_endpoint(env["DISTGRAD_BIND"], bind=True)
+    check_endpoint(env["DISTGRAD_CONNECT"], bind=False)
+
+
+# ------------------------------------------------------------------ README
+
+def readme_commands() -> Iterator[Command]:
+    in_block, buf, start = False, "", 0
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_block = not in_block and line.strip("`").strip() in ("sh", "bash", "console", "shell")
+            continue
+        if not in_block:
+            continue
+        if not buf:
+            start = number
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        words = shlex.split(buf + line, comments=True)
+        buf = ""
+        while words[:1] in (["$"], ["sudo"]):
+            words = words[1:]
+        if words and words[0] in PROGRAMS:
+            yield Command(f"deploy/README.md line {start}", words, "readme")
+
+
+def test_readme_command_lines_are_accepted_by_the_cli():
+    commands = list(readme_commands())
+    assert len(commands) >= 4, [str(c) for c in commands]
+    for cmd in commands:
+        check_command(cmd)

@@ -1,0 +1,78 @@
+"""Every command in the README runs as written (``make`` targets are run by .ci/run).
+
+Shell blocks run in order in a scratch directory; a serving ``distgrad-stage``
+starts in the background and the commands after it run against it. The port
+5555 and the placeholder G_ADDR are replaced by a free loopback port.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distgrad.launcher import pinned_env, stop_process
+
+from conftest import BIN
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+INLINE_RUN = re.compile(r"`(distgrad run [^`<>]*?)`")
+
+
+def _commands(block: str) -> list[list[str]]:
+    joined = block.replace("\\\n", " ")
+    return [argv for argv in (shlex.split(line, comments=True) for line in joined.splitlines()) if argv]
+
+
+def _blocks() -> list[list[list[str]]]:
+    text = README.read_text()
+    blocks = [_commands(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
+    inline = [argv for argv in map(shlex.split, INLINE_RUN.findall(text))
+              if not any(re.fullmatch(r"[A-Z_]+", token) for token in argv)]    # generic forms: NAME, M
+    return blocks + [[argv] for argv in inline]
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+BLOCKS = _blocks()
+
+
+def test_the_readme_has_the_commands_this_test_expects():
+    flat = [" ".join(argv) for block in BLOCKS for argv in block]
+    assert any(c.startswith("make demo") for c in flat) and any(c.startswith("make test") for c in flat)
+    assert sum(c.startswith("distgrad-stage g") for c in flat) >= 3
+    assert any("seed-simple" in c for c in flat) and any(c.startswith("distgrad plot") for c in flat)
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: " | ".join(" ".join(a[:3]) for a in BLOCKS[i]))
+def test_readme_block_runs(tmp_path, index):
+    port = _free_port()
+    background: list[subprocess.Popen] = []
+    try:
+        for argv in BLOCKS[index]:
+            if argv[0] == "make":
+                continue                            # .ci/run runs the make targets
+            argv = [a.replace("5555", port).replace("G_ADDR", "127.0.0.1") for a in argv]
+            assert argv[0] in ("distgrad", "distgrad-stage"), argv
+            argv[0] = str(BIN / argv[0])
+            if argv[1:3] == ["g", "--experiment"] or (argv[1] == "g" and "--bind" in argv):
+                log = open(tmp_path / f"g{len(background)}.log", "w")
+                background.append(subprocess.Popen(argv, cwd=tmp_path, env=pinned_env(), stdout=log,
+                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                continue
+            result = subprocess.run(argv, cwd=tmp_path, env=pinned_env(), capture_output=True, text=True,
+                                    timeout=120, stdin=subprocess.DEVNULL)
+            assert result.returncode == 0, f"{' '.join(argv)}\n{result.stdout}\n{result.stderr}"
+        for proc in background:
+            assert proc.wait(60) == 0, (tmp_path / "g0.log").read_text()
+    finally:
+        for proc in background:
+            stop_process(proc)
