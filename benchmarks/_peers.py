@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import json
 import os
 import sys
@@ -46,7 +47,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if importlib.util.find_spec("distgrad") is None:   # bench.py puts its snapshot of distgrad on PYTHONPATH
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -288,7 +289,9 @@ def blas_core() -> dict:
 def info() -> None:
     import platform
 
-    _emit({"numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+    import distgrad
+
+    _emit({"distgrad": os.path.dirname(distgrad.__file__), "numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
            "python": platform.python_version(), "blas": blas_core(),
            "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                                   "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}})

@@ -35,10 +35,12 @@ are still reported); 2 usage; 130 / 143 stopped by SIGINT / SIGTERM.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -139,7 +141,7 @@ class Proc:
         self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")
         try:
             self.proc = subprocess.Popen(argv, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=ROOT)
+                                         env=env, cwd=runner.src)
         except BaseException:
             self._out.close()
             self._err.close()
@@ -316,9 +318,9 @@ class Variant:
 
 
 class Runner:
-    def __init__(self, workdir: Path, env: dict[str, str], torch_python: str | None, repeats: int,
+    def __init__(self, workdir: Path, src: Path, env: dict[str, str], torch_python: str | None, repeats: int,
                  target_s: float) -> None:
-        self.workdir, self.env, self.torch_python = workdir, env, torch_python
+        self.workdir, self.src, self.env, self.torch_python = workdir, src, env, torch_python
         self.repeats, self.target_s = repeats, target_s
         self.logdir = workdir / "logs"
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -993,6 +995,36 @@ def find_torch(option: str | None, env: dict[str, str]) -> tuple[str | None, str
                   f"{TORCH_VENV_PYTHON.parent}/pip install torch numpy`")
 
 
+SNAPSHOT_TRIES = 5
+SNAPSHOT_RETRY_S = 5.0
+
+
+def snapshot_distgrad(dest: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Copy distgrad/ to ``dest/distgrad`` and check that it imports; every process then runs this copy.
+
+    The package is edited while benchmarks run: a run measures one version of
+    it from start to end, and a copy caught mid-edit (it does not import) is
+    taken again after a pause.
+    """
+    error = ""
+    for attempt in range(SNAPSHOT_TRIES):
+        shutil.rmtree(dest / "distgrad", ignore_errors=True)
+        shutil.copytree(ROOT / "distgrad", dest / "distgrad", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        check = subprocess.run([sys.executable, "-c", "import distgrad.cli, distgrad.daemon, distgrad.inprocess, "
+                                "distgrad.launcher; print(distgrad.__file__)"], cwd=dest, env=env,
+                               capture_output=True, text=True, timeout=60)
+        if check.returncode == 0 and check.stdout.strip().startswith(str(dest)):
+            digest = hashlib.sha256()
+            for path in sorted((dest / "distgrad").rglob("*")):
+                if path.is_file():
+                    digest.update(str(path.relative_to(dest)).encode() + b"\0" + path.read_bytes())
+            return {"path": str(dest / "distgrad"), "sha256": digest.hexdigest(), "attempts": attempt + 1}
+        error = (check.stdout + check.stderr).strip().splitlines()[-1:] or ["imported from elsewhere"]
+        say(f"the copy of distgrad/ does not import ({error[0]}); copying again in {SNAPSHOT_RETRY_S:g} s")
+        time.sleep(SNAPSHOT_RETRY_S)
+    raise BenchError(f"no importable copy of distgrad/ after {SNAPSHOT_TRIES} tries: {error}")
+
+
 def machine_info(runner: Runner) -> dict[str, Any]:
     info: dict[str, Any] = {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
                             "uname": f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -1043,15 +1075,22 @@ def main(argv: list[str] | None = None) -> int:
         for name in BLAS_OVERRIDES:
             base.pop(name, None)
     env = pinned_env(base)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     started = time.monotonic()
     results: dict[str, Any] = {}
     transports = ["tcp", "ipc"]
     with tempfile.TemporaryDirectory(prefix="distgrad-bench-") as tmp_name:
-        workdir = args.workdir or Path(tmp_name)
+        workdir = (args.workdir or Path(tmp_name)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
+        src = workdir / "src"
+        src.mkdir(exist_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+        try:
+            snapshot = snapshot_distgrad(src, env)
+        except BenchError as e:
+            say(f"FAILED: {e}")
+            return 1
         torch_python, torch_note = find_torch(args.torch_python, env) if "B" in sections else (None, "not run")
-        runner = Runner(workdir, env, torch_python, repeats, target_s)
+        runner = Runner(workdir, src, env, torch_python, repeats, target_s)
         code = 0
         try:
             results["meta"] = {
@@ -1059,7 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "quick": args.quick, "repeats": repeats, "target_s": target_s, "sections": sorted(sections),
                 "blas_env": "inherited" if args.inherit_blas_env else f"{', '.join(BLAS_OVERRIDES)} removed",
-                "torch": torch_note, "machine": machine_info(runner),
+                "torch": torch_note, "distgrad_snapshot": snapshot, "machine": machine_info(runner),
             }
             say(f"{'quick' if args.quick else 'full'} run: {repeats} repeat(s), ~{target_s:g} s per measurement; "
                 f"torch: {torch_note}")

@@ -14,7 +14,9 @@ from typing import Any
 
 import zmq
 
-from .daemon import StageOptions, StopFlag, drive_first_stage, serve_last_stage
+from .daemon import StageOptions, StopFlag
+from .driver import drive_first_stage
+from .server import serve_last_stage
 from .errors import DistgradError, StageError
 from .experiment import Experiment, load_experiment
 

@@ -27,10 +27,15 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Sequence  # noqa: E402
 
 from .errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
-                     ProtocolError, StageError)
+                     ProtocolError)
+
+if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
+    import zmq
+
+    from .keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -149,8 +154,9 @@ def _run_stage(args: argparse.Namespace) -> int:
     import zmq
 
     from .keys import CurveServer
-    from .daemon import (DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag,
-                         drive_first_stage, serve_last_stage)
+    from .daemon import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    from .driver import drive_first_stage
+    from .server import serve_last_stage
     from .experiment import load_experiment, parse_init_overrides
     from .transport import DEFAULT_TIMEOUT_S
 
@@ -196,7 +202,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _curve(args: argparse.Namespace, serving: bool, ctx: "zmq.Context") -> "CurveServer | CurveClient | None":
+def _curve(args: argparse.Namespace, serving: bool, ctx: zmq.Context) -> CurveServer | CurveClient | None:
     """CURVE settings from the key flags, or None for plaintext."""
     from .keys import CurveClient, CurveServer
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Protocol, Sequence
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError
+from .errors import ConfigError, PeerRejected, PeerTimeout
 
 log = logging.getLogger("distgrad.transport")
 

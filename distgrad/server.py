@@ -1,0 +1,318 @@
+"""The serving (last) stage: ``serve_last_stage`` binds and answers.
+
+A ``hello`` opens (or resumes) a run, each ``forward`` runs the loss, backward
+and update exactly once and returns the gradient with respect to the
+activations, ``evaluate`` scores held-out rows, ``bye`` closes the run and
+writes the summary. Invalid input never changes state: a message is fully
+validated before the stage computes anything.
+"""
+
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from . import wire
+from .errors import ConfigError, PeerTimeout, ProtocolError, StageError
+from .inprocess import evaluation_fields
+from .stage import Stage, combine_losses, micro_batch
+from .transport import POLL_TICK_S, Server
+from .wire import ErrorCode, Message
+
+from .daemon import (StageOptions, StageState, StopFlag, common_step, frame_limit, same_exactly,
+                     tensor_specs)
+
+
+class LastStageServer:
+    """Protocol logic of the serving (last) stage, free of sockets so tests can call it.
+
+    ``handle(msg, now)`` returns the reply and raises ``ProtocolError`` for a
+    message that must be refused; a refused message changes nothing.
+    """
+
+    def __init__(self, opts: StageOptions) -> None:
+        self.opts, self.exp = opts, opts.experiment
+        if self.exp.stage_index(opts.stage) != len(self.exp.stages) - 1:
+            raise ConfigError(f"stage {opts.stage!r} is not the last stage of {self.exp.name!r}; "
+                              f"serve {self.exp.stage_names[-1]!r} instead")
+        if len(self.exp.stages) != 2:
+            raise ConfigError(f"experiment {self.exp.name!r} has {len(self.exp.stages)} stages; "
+                              f"the stage daemons run two-stage experiments (run one-stage ones with 'distgrad run')")
+        self.upstream = self.exp.stage_names[-2]
+        self.state = StageState(opts)
+        self.log = self.state.log
+        self.data = self.exp.build_data(opts.seed)   # this stage reads only the targets
+        self.specs = tensor_specs(self.state.stage, self.exp, 1)
+        rows = len(self.data.test_rows)
+        self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in self.specs.items()}
+        # The largest message this stage accepts: a whole batch, or the held-out rows to evaluate.
+        self.max_frame_bytes, self.max_tensor_bytes = (max(a, b) for a, b in zip(
+            frame_limit(self.specs), frame_limit(self.eval_specs)))
+        self.mbs = 1                        # micro-batches per step, as the run's hello said
+        self.active = False                 # a run is open (possibly resumed from a checkpoint)
+        self.last_seen = -math.inf          # when the open run's client last spoke
+        self.lost_since: float | None = None
+        self.started = time.perf_counter()
+        self.loss: float | None = None
+        # Replies by (step, mb) for the step in progress and the last applied one: a repeated
+        # forward gets its reply again and causes no second update.
+        self.cached: dict[tuple[int, int], Message] = {}
+        self.mb_losses: list[np.float32] = []
+        self.sent_back: list[np.ndarray] = []      # the step's activation gradients, for the trace
+        self.finished: dict[str, Any] | None = None       # summary of the last completed run
+        self.bye_reply: Message | None = None
+        self.evaluation: dict[str, Any] | None = None
+        if opts.resume and self.state.resume_latest():
+            self.active = True
+            self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
+            self.state.open_trace(append=True)
+
+    @property
+    def stage(self) -> Stage:
+        return self.state.stage
+
+    def live(self, now: float) -> bool:
+        return self.active and now - self.last_seen <= self.opts.liveness_s
+
+    def handle(self, msg: Message, now: float, peer_key: str = "") -> Message:
+        """The reply to ``msg`` from the peer authenticated as ``peer_key`` ("" in plaintext).
+
+        With CURVE, a run belongs to the key that opened it: other keys may
+        not drive, rewind or end it.
+        """
+        if msg.type == wire.PING:
+            return Message(wire.PONG, msg.run, msg.step, body={
+                "stage": self.opts.stage, "experiment": self.exp.name, "run": self.state.run_id if self.active else "",
+                "step": self.stage.step, "client_live": self.live(now)})
+        if msg.type == wire.BYE and self.finished is not None and msg.run == self.finished["run_id"]:
+            return self.bye_reply                 # a repeated bye for the run that just completed
+        if msg.type == wire.HELLO:
+            return self._hello(msg, now, peer_key)
+        if not self.active or msg.run != self.state.run_id:
+            expected = f"run {self.state.run_id}" if self.active else "a hello first"
+            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+        self._check_owner(peer_key)
+        if msg.type == wire.FORWARD:
+            reply = self._forward(msg)
+        elif msg.type == wire.EVALUATE:
+            reply = self._evaluate(msg)
+        elif msg.type == wire.BYE:
+            reply = self._bye(msg)
+        else:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        self._seen(now)
+        return reply
+
+    def _check_owner(self, peer_key: str) -> None:
+        if self.state.owner and peer_key != self.state.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+
+    def _seen(self, now: float) -> None:
+        if self.lost_since is not None:
+            self.log.info("client of run %s is back", self.state.run_id)
+        self.last_seen, self.lost_since = now, None
+
+    def _hello(self, msg: Message, now: float, peer_key: str) -> Message:
+        body = msg.body
+        expected = {
+            "role": self.upstream,
+            "experiment": self.exp.name,
+            "fingerprint": self.exp.fingerprint,
+            "seed": self.opts.seed,
+            "activation": {"shape": list(self.stage.input_shape), "dtype": "float32"},
+            "labels_travel": self.exp.labels_travel,
+        }
+        for key, value in expected.items():
+            if not same_exactly(body.get(key), value):
+                raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
+                                                        f"this stage expects {value!r}"
+                                    + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+        mbs = body.get("micro_batches", 1)
+        shape = self.stage.input_shape
+        if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
+                len(shape) < 2 or shape[0] % mbs)):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
+                                                    f"shape {shape} do not split into that many equal parts")
+        if self.active and msg.run == self.state.run_id:
+            self._check_owner(peer_key)
+            common = common_step(self.state.held(), body.get("held"))
+            before = self.stage.step
+            self.state.rollback(common)
+            self.cached = {} if common != before else {k: v for k, v in self.cached.items() if k[0] <= common}
+        elif self.live(now):
+            raise ProtocolError(ErrorCode.RUN, f"busy with run {self.state.run_id} (its client is live); "
+                                               f"cannot start run {msg.run!r}")
+        else:
+            common_step([0], body.get("held"))           # validates the list
+            if self.active:
+                self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
+            self.state.begin(msg.run, owner=peer_key)
+            self.active, self.finished, self.cached, self.loss, self.evaluation = True, None, {}, None, None
+            self.started = time.perf_counter()
+            self.log.info("run %s started by %s", msg.run, body.get("role"))
+        self.mbs = mbs
+        self.specs = tensor_specs(self.stage, self.exp, mbs)
+        self.stage.accumulator.reset()          # a step in progress starts again from its first micro-batch
+        self.mb_losses, self.sent_back = [], []
+        self._seen(now)
+        return Message(wire.WELCOME, msg.run, msg.step,
+                       body={"stage": self.opts.stage, "next_step": self.stage.step + 1})
+
+    def _forward(self, msg: Message) -> Message:
+        stage = self.stage
+        key = (msg.step, msg.mb)
+        cached = self.cached.get(key)
+        if cached is not None:
+            return cached                      # a repeated request: same reply, no second update
+        done = stage.accumulator.count
+        if msg.step != stage.step + 1 or msg.mbs != self.mbs or msg.mb != done:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
+                                                f"expected step {stage.step + 1} micro-batch {done}/{self.mbs}")
+        wire.expect_tensors(msg, self.specs, self.exp.allow_nonfinite)
+        x = msg.tensors["activation"]
+        target = msg.tensors.get("target")
+        if target is None:
+            target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
+        started = time.perf_counter()
+        try:
+            mb_loss, dx, grads = stage.loss_micro_batch(x, target)
+        except StageError as e:
+            raise ProtocolError(ErrorCode.STAGE, str(e)) from e
+        if msg.mb == 0:
+            self.cached = {}                   # the previous step is complete on both sides
+        stage.accumulator.add(grads, msg.mb, msg.mbs)
+        self.mb_losses.append(mb_loss)
+        trace = self.state.trace
+        tracing = trace is not None and trace.enabled
+        if tracing:
+            self.sent_back.append(dx)
+        body = {"loss": float(mb_loss)}
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body,
+                        tensors={"activation_grad": dx})
+        self.cached[key] = reply
+        if msg.mb == msg.mbs - 1:
+            assert stage.loss is not None
+            scale = stage.loss.micro_batch_scale(msg.mbs)
+            applied = stage.accumulator.take(scale)
+            if tracing:
+                traced = {k: v.copy() for k, v in applied.items()}
+            stage.apply(applied)
+            loss = combine_losses(self.mb_losses, scale)
+            self.loss, self.mb_losses = float(loss), []
+            if tracing:
+                traced["activation_grad"] = np.concatenate(self.sent_back) if msg.mbs > 1 else dx
+                trace.write(msg.step, loss, traced, stage.params)
+                self.sent_back = []
+            self.state.after_step()
+        body["compute_s"] = time.perf_counter() - started     # for the driver's metrics
+        return reply
+
+    def _evaluate(self, msg: Message) -> Message:
+        """Forward only on the held-out rows; changes no state."""
+        if not len(self.data.test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
+        target = msg.tensors.get("target")
+        try:
+            result = self.stage.evaluate_last(msg.tensors["activation"],
+                                              self.data.test_targets() if target is None else target)
+        except StageError as e:
+            raise ProtocolError(ErrorCode.STAGE, str(e)) from e
+        self.evaluation = result
+        return Message(wire.EVALUATION, msg.run, msg.step, body=result)
+
+    def _bye(self, msg: Message) -> Message:
+        steps = msg.body.get("steps")
+        if not same_exactly(steps, self.stage.step):
+            raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but this stage has applied {self.stage.step}")
+        self.state.save()
+        self.finished = self.close_run("completed")
+        self.bye_reply = Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
+        return self.bye_reply
+
+    def check_liveness(self, now: float) -> float | None:
+        """Note a lost client; return for how long it has been lost (None while it is live)."""
+        if not self.active or self.live(now):
+            return None
+        if self.lost_since is None:
+            self.lost_since = now
+            self.log.warning("client of run %s silent for more than %g s; keeping its state at step %d and "
+                             "waiting for it (or a new run)", self.state.run_id, self.opts.liveness_s, self.stage.step)
+        return now - self.lost_since
+
+    def close_run(self, status: str) -> dict[str, Any]:
+        summary = self.state.summary(status, self.started, self.loss, **evaluation_fields(self.evaluation))
+        self.state.close()
+        self.active, self.cached = False, {}
+        return summary
+
+
+def _refusal(msg: Message | None, error: ProtocolError) -> Message:
+    """The error reply to a refused message, echoing its ids when it could be decoded."""
+    if msg is None:
+        return wire.error_message("", 0, error.code, str(error.args[0]))
+    return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
+
+
+def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: bool = False,
+                     ready_file: Path | None = None, ctx: zmq.Context | None = None,
+                     on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
+
+    Writes the bound endpoint to ``ready_file`` once listening (for launchers)
+    and passes it to ``on_ready`` (for callers in this process).
+    Returns the last run's summary. Raises ``PeerTimeout`` when a run's client
+    stays lost for ``opts.peer_deadline_s`` (unless ``keep_serving``) and
+    ``Interrupted`` on a signal, after saving a checkpoint.
+    """
+    logic = LastStageServer(opts)
+    log = logic.log
+    ctx = ctx or zmq.Context.instance()
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
+    try:
+        log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
+        if ready_file is not None:
+            tmp = ready_file.with_name(ready_file.name + ".tmp")
+            tmp.write_text(server.endpoint)
+            tmp.replace(ready_file)
+        if on_ready is not None:
+            on_ready(server.endpoint)
+        while True:
+            stop.check()
+            request = server.receive(POLL_TICK_S)
+            now = time.monotonic()
+            lost_for = logic.check_liveness(now)
+            if lost_for is not None and lost_for > opts.peer_deadline_s and not keep_serving:
+                raise PeerTimeout(f"client of run {logic.state.run_id} lost for more than "
+                                  f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
+            if request is None:
+                continue
+            envelope, frames, peer_key = request
+            msg: Message | None = None
+            try:
+                msg = wire.decode(frames, logic.max_tensor_bytes)
+                reply = logic.handle(msg, now, peer_key)
+            except ProtocolError as e:
+                log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                            wire.ERROR_TEXT_MAX, e)
+                server.reply(envelope, _refusal(msg, e))
+                continue
+            server.reply(envelope, reply)
+            if msg.type == wire.BYE and logic.finished is not None:
+                log.info("run %s completed: %d steps, final loss %s", msg.run, logic.finished["steps"],
+                         logic.finished["final_loss"])
+                if not keep_serving:
+                    return logic.finished
+    finally:
+        if logic.active:
+            logic.state.save()
+            logic.close_run("interrupted")
+        server.close()
+
+
