@@ -26,6 +26,7 @@ LINGER_MS = 200               # how long close() may spend flushing unsent messa
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zero-copy bookkeeping
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
+SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -59,6 +60,7 @@ class SocketSecurity(Protocol):
 def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: float,
                security: SocketSecurity | None) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     if max_message_bytes is not None:
         # ZeroMQ drops the connection of a peer that sends a bigger frame, before we allocate it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -155,7 +157,12 @@ class Client:
         self.sock.connect(endpoint)
 
     def send(self, msg: wire.Message) -> None:
-        self.traffic.sent += send_frames(self.sock, wire.encode(msg))
+        """Queue ``msg``; if no connection takes it within ``SEND_TIMEOUT_MS`` it is dropped,
+        and the wait for its reply times out like any lost message."""
+        try:
+            self.traffic.sent += send_frames(self.sock, wire.encode(msg))
+        except zmq.Again:
+            log.debug("no connection to %s took %s; it will be resent", self.endpoint, msg.describe())
 
     def wait(self, run: str, keys: Collection[tuple[int, int]], timeout_s: float,
              check_stop: StopCheck | None = None, what: Callable[[], str] = lambda: "a request") -> wire.Message:

@@ -34,9 +34,13 @@ def _secure_server(start_server, tmp_path, keys):
 def _sends_hello_and_hears_nothing(ctx, endpoint, configure) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, NO_REPLY_MS)     # a refused handshake may leave no pipe to send on
     configure(sock)
     sock.connect(endpoint)
-    sock.send_multipart(wire.encode(hello_message(load_experiment("seed-reverse"), "intruder")))
+    try:
+        sock.send_multipart(wire.encode(hello_message(load_experiment("seed-reverse"), "intruder")))
+    except zmq.Again:
+        pass                                        # refused before the message could even leave
     assert sock.poll(NO_REPLY_MS) == 0, "an unauthorised client got a reply"
     sock.close(0)
 
@@ -60,11 +64,15 @@ def test_only_the_allowed_client_is_heard_and_trains(start_server, tmp_path, key
     assert read_json(tmp_path / "f.json")["params"]["f"] == read_json(reference)["params"]["f"]
 
 
-def test_a_plaintext_driver_against_a_secure_server_times_out(start_server, tmp_path, keys):
+@pytest.mark.parametrize("who", ["plaintext", "unknown key", "wrong server key"])
+def test_a_refused_driver_exits_3_within_its_deadline(start_server, tmp_path, keys, who):
     g, endpoint = _secure_server(start_server, tmp_path, keys)
+    flags = {"plaintext": [],
+             "unknown key": ["--curve-secret", keys["stranger_secret"], "--server-key", keys["server_public"]],
+             "wrong server key": ["--curve-secret", keys["client_secret"], "--server-key", keys["other_public"]]}[who]
     with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1",
-                       "--peer-deadline", "1"], tmp_path / "f.log") as f:
-        assert f.wait(20) == 3
+                       "--peer-deadline", "2", *flags], tmp_path / "f.log") as f:
+        assert f.wait(20) == 3, f.output
     assert g.proc.poll() is None
 
 
