@@ -216,7 +216,7 @@ def inprocess(experiment: str, steps: int) -> None:
     _emit({"steps": summary["steps"], "elapsed_s": summary["elapsed_s"]})
 
 
-def _median_time(fn, min_s: float = 0.15, repeats: int = 5) -> float:
+def _median_time(fn, min_s: float = 0.5, repeats: int = 7) -> float:
     fn()
     n, t = 1, 0.0
     while True:                       # calls per sample so that one sample takes about min_s/repeats

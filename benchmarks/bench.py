@@ -562,16 +562,18 @@ class Runner:
 def memory_stats(samples: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """The f-stage's memory during its training loop, from samples taken with its last progress line.
 
-    The loop is the part between its 10% progress line and its final one
+    The loop is the part between its 10% progress line (step 2 at least) and its final one
     (start-up before, the summary write after). ``loop_hwm_kib`` is VmHWM at
     the last sample of the loop: the peak up to the end of the loop, start-up
-    included. Growth compares the second half of the loop with the first:
-    ``growth_max_kib`` their largest RSS, ``growth_floor_kib`` their smallest
-    (what stays allocated between steps' transient buffers: a leak raises it).
+    included. ``growth_hwm_kib`` is how much that peak rose after the 10% mark:
+    every step reaches the same transient peak, so it stays flat unless memory
+    accumulates. ``growth_rss_kib`` compares the largest sampled RSS of the
+    second half of the loop with the first (sampling may miss transients).
     """
     final_hwm = max((s["hwm_kib"] for s in samples if s.get("hwm_kib")), default=None)
     in_loop = [s for s in samples if 0 < s["step"] < steps and s.get("rss_kib")]
-    loop = [s for s in in_loop if s["step"] >= max(1, steps // 10)]
+    # Step 1 allocates the optimiser's state only at its end, so the peak settles from step 2 on.
+    loop = [s for s in in_loop if s["step"] >= max(2, steps // 10)]
     if len(loop) < 2:
         return {"samples": len(samples), "loop_samples": len(loop), "final_hwm_kib": final_hwm}
     half = (loop[0]["step"] + loop[-1]["step"]) / 2
@@ -579,8 +581,8 @@ def memory_stats(samples: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     second = [s["rss_kib"] for s in loop if s["step"] > half] or [loop[-1]["rss_kib"]]
     return {"samples": len(samples), "loop_samples": len(loop), "final_hwm_kib": final_hwm,
             "loop_hwm_kib": in_loop[-1]["hwm_kib"], "loop_max_rss_kib": max(first + second),
-            "loop_min_rss_kib": min(first + second), "growth_max_kib": max(second) - max(first),
-            "growth_floor_kib": min(second) - min(first)}
+            "loop_min_rss_kib": min(first + second), "growth_hwm_kib": in_loop[-1]["hwm_kib"] - loop[0]["hwm_kib"],
+            "growth_rss_kib": max(second) - max(first), "loop_steps": [loop[0]["step"], loop[-1]["step"]]}
 
 
 def fmt_time(t: float | None) -> str:
@@ -810,8 +812,8 @@ def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: i
             stats[sched] = {
                 "loop_hwm_kib": median([x["loop_hwm_kib"] for x in mems]),
                 "loop_max_rss_kib": median([x["loop_max_rss_kib"] for x in mems]),
-                "growth_max_kib": max((x["growth_max_kib"] for x in mems), default=None),
-                "growth_floor_kib": max((x["growth_floor_kib"] for x in mems), default=None),
+                "growth_hwm_kib": max((x["growth_hwm_kib"] for x in mems), default=None),
+                "growth_rss_kib": max((x["growth_rss_kib"] for x in mems), default=None),
                 "final_hwm_kib": median([x["final_hwm_kib"] for x in mems if x.get("final_hwm_kib")]),
                 "runs": len(mems),
             }
@@ -827,61 +829,101 @@ def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: i
 
 # ---------------------------------------------------------------- targets
 
+def all_memory(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every distgrad pair run's f-stage memory figures (B and C)."""
+    out = []
+    for section in (results.get("model", {}).values(), [results.get("balanced", {})],
+                    [results.get("memory", {}).get("wide", {})]):
+        for block in section:
+            for run in block.get("runs", {}).values():
+                out += [s["memory"] for s in run.get("samples", []) if s.get("memory", {}).get("loop_samples")]
+    return out
+
+
 def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, Any]]:
+    """Every figure next to its target; ``limited_by`` says what bounds it, with the figures that show it."""
     rows: list[dict[str, Any]] = []
 
     def add(name: str, figure: float | None, target: str, ok: bool | None, limit: str) -> None:
         rows.append({"target": name, "figure": figure, "wanted": target,
                      "met": None if figure is None else ok, "limited_by": limit})
 
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x * 100:.0f}%"
+
     mp = results.get("message_path", {})
     for size in (4, 4 * KIB):
         for tr in transports:
-            r = mp.get(str(size), {}).get(tr, {}).get("distgrad_over_raw")
-            add(f"small message {fmt_size(size)} {tr}: distgrad step / raw round trip", r, "<= 1.3x",
-                r is not None and r <= 1.3, "latency: per-message Python work (framing, validation, step logic)")
+            r = mp.get(str(size), {}).get(tr, {})
+            x = r.get("distgrad_over_raw")
+            add(f"small message {fmt_size(size)} {tr}: distgrad step / raw round trip", x, "<= 1.3x",
+                x is not None and x <= 1.3,
+                f"latency: the wire path alone is {fmt_ratio(r.get('wire_over_raw'))} raw "
+                f"({fmt_time(r.get('wire_rt_s'))} vs {fmt_time(r.get('raw_rt_s'))}); compute "
+                f"{fmt_time(mp.get(str(size), {}).get('inprocess_step_s'))}")
     for size in (4 * MIB, 64 * MIB):
         for tr in transports:
-            r = mp.get(str(size), {}).get(tr, {}).get("distgrad_share_of_raw_bytes_per_s")
-            add(f"large message {fmt_size(size)} {tr}: distgrad bytes/s / raw bytes/s", r, ">= 0.85",
-                r is not None and r >= 0.85, "bandwidth plus the scale model's element-wise compute (memory bound)")
+            r = mp.get(str(size), {}).get(tr, {})
+            x = r.get("distgrad_share_of_raw_bytes_per_s")
+            ip, raw = mp.get(str(size), {}).get("inprocess_step_s"), r.get("raw_rt_s")
+            ceiling = ratio(raw, (ip + raw) if ip is not None and raw is not None else None)
+            add(f"large message {fmt_size(size)} {tr}: distgrad bytes/s / raw bytes/s", x, ">= 0.85",
+                x is not None and x >= 0.85,
+                f"compute on the critical path: the model's own step is {fmt_time(ip)} vs raw {fmt_time(raw)}, so "
+                f"even a free transport gets {pct(ceiling)}; wire path alone {pct(r.get('wire_share_of_raw_bytes_per_s'))}"
+                f"; step / (compute + raw) {fmt_ratio(r.get('distgrad_over_lockstep_ideal'))}")
     model = results.get("model", {})
-    b32 = model.get("32", {}).get("ratios", {})
-    r = b32.get("unpipelined_over_bare")
-    add("mlp batch 32: unpipelined / bare raw-frame numpy split", r, ">= 1.0", r is not None and r >= 1.0,
-        "latency + per-step framework work")
-    r = b32.get("unpipelined_over_torch_gloo")
-    add("mlp batch 32: unpipelined / torch gloo split", r, ">= 2.0", r is not None and r >= 2.0,
-        "torch's per-op dispatch and gloo's send/recv latency vs distgrad's")
+    b32 = model.get("32", {})
+    sps = b32.get("steps_per_s", {})
+    bare_vs_ideal = ratio(sps.get("bare"), b32.get("lockstep_ideal_steps_per_s"))
+    x = b32.get("ratios", {}).get("unpipelined_over_bare")
+    add("mlp batch 32: unpipelined / bare raw-frame numpy split", x, ">= 1.0", x is not None and x >= 1.0,
+        f"latency: {fmt_time(ratio(1, sps.get('unpipelined')))} vs {fmt_time(ratio(1, sps.get('bare')))} per step; "
+        f"distgrad's framing, validation and step logic vs none")
+    x = b32.get("ratios", {}).get("unpipelined_over_torch_gloo")
+    add("mlp batch 32: unpipelined / torch gloo split", x, ">= 2.0", x is not None and x >= 2.0,
+        f"latency: torch gloo {fmt_time(ratio(1, sps.get('torch_gloo')))} per step vs distgrad "
+        f"{fmt_time(ratio(1, sps.get('unpipelined')))}" if sps.get("torch_gloo") else "torch not available")
     for batch in ("1", "32"):
-        r = model.get(batch, {}).get("ratios", {}).get("unpipelined_over_lockstep_ideal")
-        add(f"mlp batch {batch}: unpipelined / lockstep ideal (in-process + one raw round trip)", r, ">= 0.85",
-            r is not None and r >= 0.85, "latency: the cost of a distgrad step over a raw round trip")
-    bal = results.get("balanced", {}).get("ratios", {})
-    for key in sorted(k for k in bal if k.endswith("_over_unpipelined")):
-        m = int(key.split("_m")[1].split("_")[0])
-        if m >= 4:
-            r = bal[key]
-            add(f"balanced split batch 256, {key.split('_over')[0]}: pipelined / unpipelined", r, ">= 1.6x",
-                r is not None and r >= 1.6, "compute: small micro-batch matmuls, the pipeline bubble, updates")
-    r = model.get("256", {}).get("ratios", {}).get("best_pipelined_over_inprocess")
-    add("mlp batch 256: best pipelined / in-process (one thread)", r, ">= 1.0", r is not None and r >= 1.0,
-        "compute: an unbalanced split (f does almost all the work) cannot overlap")
-    best_bal = max((v for k, v in bal.items() if k.endswith("_over_inprocess") and "_m" in k and v), default=None)
-    add("balanced split batch 256: best pipelined / in-process (one thread)", best_bal, ">= 1.0",
-        best_bal is not None and best_bal >= 1.0, "compute: two cores at best, minus the bubble and splitting cost")
-    mem = results.get("memory", {})
-    for name in ("wide", "mlp"):
-        section = mem.get(name, {})
-        diff, expected = section.get("gpipe_minus_1f1b_loop_hwm_kib"), section.get("expected_gpipe_minus_1f1b_kib")
-        scheds = section.get("schedules", {})
-        floor = max((s["growth_floor_kib"] for s in scheds.values() if s.get("growth_floor_kib") is not None),
-                    default=None)
-        bounded = diff is not None and expected is not None and (diff >= 0.5 * expected if name == "wide" else True)
-        add(f"memory {name} M=8 batch 256: f-stage loop VmHWM, gpipe - 1f1b (KiB)", diff,
-            f"~{expected} (6 more micro-batches in flight)" + ("" if name == "wide" else ", informative"),
-            bounded and floor is not None and floor <= 2048,
-            f"schedule window; RSS floor growth over the loop {floor} KiB (wanted <= 2048)")
+        b = model.get(batch, {})
+        x = b.get("ratios", {}).get("unpipelined_over_lockstep_ideal")
+        add(f"mlp batch {batch}: unpipelined / lockstep ideal (in-process + one raw round trip)", x, ">= 0.85",
+            x is not None and x >= 0.85,
+            f"latency: {fmt_time(b.get('unpipelined_minus_lockstep_ideal_s'))} per step over the ideal; the bare "
+            f"split reaches {fmt_ratio(ratio(b.get('steps_per_s', {}).get('bare'), b.get('lockstep_ideal_steps_per_s')))}"
+            f" of it")
+    bal = results.get("balanced", {})
+    est = bal.get("compute_only_estimates", {})
+    for key in sorted(k for k in bal.get("ratios", {}) if k.endswith("_over_unpipelined")):
+        m = key.split("_m")[1].split("_")[0]
+        if int(m) >= 4:
+            x = bal["ratios"][key]
+            e = est.get(m, {})
+            add(f"balanced split batch 256, {key.split('_over')[0]}: pipelined / unpipelined", x, ">= 1.6x",
+                x is not None and x >= 1.6,
+                f"compute: split into {m}, the stages' compute costs {fmt_ratio(e.get('split_compute_over_unsplit'))} "
+                f"the unsplit batch; isolated compute alone allows {fmt_ratio(e.get('compute_only_speedup_estimate'))}")
+    x = model.get("256", {}).get("ratios", {}).get("best_pipelined_over_inprocess")
+    add("mlp batch 256: best pipelined / in-process (one thread)", x, ">= 1.0", x is not None and x >= 1.0,
+        "compute: f holds almost all of it (784x256 vs 256x10), nothing to overlap")
+    best = max((v for k, v in bal.get("ratios", {}).items() if k.endswith("_over_inprocess") and "_m" in k and v),
+               default=None)
+    add("balanced split batch 256: best pipelined / in-process (one thread)", best, ">= 1.0",
+        best is not None and best >= 1.0,
+        f"compute: unpipelined is {fmt_ratio(bal.get('ratios', {}).get('unpipelined_over_inprocess'))} in-process; "
+        f"pipelining does not pay back its splitting cost")
+    wide = results.get("memory", {}).get("wide", {})
+    diff, expected = wide.get("gpipe_minus_1f1b_loop_hwm_kib"), wide.get("expected_gpipe_minus_1f1b_kib")
+    add("memory, wide split M=8 batch 256: f-stage peak (VmHWM) gpipe - 1f1b, KiB", diff,
+        f"~{expected} (6 more micro-batches in flight)", diff is not None and expected is not None
+        and 0.5 * expected <= diff <= 2 * expected,
+        "the schedule's window: gpipe keeps 8 micro-batches' activations, 1f1b 2")
+    mems = all_memory(results)
+    growth = max((m["growth_hwm_kib"] for m in mems), default=None)
+    add("memory, every distgrad run of B and C: largest f-stage VmHWM rise after 10% of the loop, KiB", growth,
+        "<= 2048 (no growth over steps)", growth is not None and growth <= 2048,
+        f"{len(mems)} runs of {min((m['loop_steps'][1] for m in mems), default=0)} to "
+        f"{max((m['loop_steps'][1] for m in mems), default=0)} steps; buffers are per step")
     return rows
 
 
@@ -949,13 +991,13 @@ def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
     mem = results.get("memory")
     if mem:
         print("\nC. f-stage memory, M=8, batch 256 (KiB)", file=out)
-        rows = [["model", "schedule", "loop VmHWM", "loop max RSS", "growth (max)", "growth (floor)",
+        rows = [["model", "schedule", "loop VmHWM", "loop max RSS", "VmHWM growth", "RSS growth",
                  "final VmHWM"]]
         for name in ("mlp", "wide"):
             for sched, s in mem.get(name, {}).get("schedules", {}).items():
                 rows.append([name, sched, *[str(s.get(k)) if s.get(k) is not None else "-"
-                                            for k in ("loop_hwm_kib", "loop_max_rss_kib", "growth_max_kib",
-                                                      "growth_floor_kib", "final_hwm_kib")]])
+                                            for k in ("loop_hwm_kib", "loop_max_rss_kib", "growth_hwm_kib",
+                                                      "growth_rss_kib", "final_hwm_kib")]])
         print(table(rows), file=out)
         for name in ("mlp", "wide"):
             s = mem.get(name, {})
@@ -1112,7 +1154,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        ["1f1b"] if args.quick else ["1f1b", "gpipe"])
             if "C" in sections:
                 results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
-                                                   8 if args.quick else 20)
+                                                   8 if args.quick else 30)
         except KeyboardInterrupt:
             say("interrupted (SIGINT); children stopped")
             code = 130
