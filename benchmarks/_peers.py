@@ -291,7 +291,8 @@ def info() -> None:
 
     import distgrad
 
-    _emit({"distgrad": os.path.dirname(distgrad.__file__), "numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+    _emit({"distgrad": os.path.dirname(distgrad.__file__), "numpy": np.__version__, "pyzmq": zmq.__version__,
+           "libzmq": zmq.zmq_version(),
            "python": platform.python_version(), "blas": blas_core(),
            "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                                   "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}})

@@ -6,8 +6,8 @@ ReLU on f; Dense HIDDEN->CLASSES + softmax cross-entropy on g; float32 Adam on
 each side) written as directly as it can be: two processes, a DEALER and a
 ROUTER, one raw frame each way per step with a 1-byte header, lockstep, no
 validation, no step ids, no retries. It is the floor a framework can be held
-to; it does not compute the gradient with respect to f's input (nothing needs
-it), which distgrad's Dense layer does.
+to. Like distgrad's driving stage, it does not compute the gradient with
+respect to f's input (nothing needs it).
 
     _raw_split.py g READY_FILE ENDPOINT BATCH HIDDEN
     _raw_split.py f ENDPOINT BATCH HIDDEN STEPS    # prints {"steps", "elapsed_s"}

@@ -582,7 +582,8 @@ def memory_stats(samples: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     return {"samples": len(samples), "loop_samples": len(loop), "final_hwm_kib": final_hwm,
             "loop_hwm_kib": in_loop[-1]["hwm_kib"], "loop_max_rss_kib": max(first + second),
             "loop_min_rss_kib": min(first + second), "growth_hwm_kib": in_loop[-1]["hwm_kib"] - loop[0]["hwm_kib"],
-            "growth_rss_kib": max(second) - max(first), "loop_steps": [loop[0]["step"], loop[-1]["step"]]}
+            "growth_rss_kib": max(second) - max(first), "loop_steps": [loop[0]["step"], loop[-1]["step"]],
+            "steps": steps}
 
 
 def fmt_time(t: float | None) -> str:
@@ -621,15 +622,16 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
         extra = 3.0 * size / 4 / 1e6          # start-up and the summary of N parameters take ~3 s per million
         variants: dict[str, Variant] = {}
         for tr in transports:
-            variants[f"raw-{tr}"] = Variant(f"raw-{tr}", lambda s, tr=tr: runner.round_trip("raw", tr, size, s),
-                                            timed=True)
-            variants[f"wire-{tr}"] = Variant(f"wire-{tr}", lambda s, tr=tr: runner.round_trip("wire", tr, size, s),
-                                             timed=True)
+            for role in ("raw", "wire"):
+                variants[f"{role}-{tr}"] = Variant(
+                    f"{role}-{tr}", lambda s, role=role, tr=tr, size=size: runner.round_trip(role, tr, size, s),
+                    timed=True)
             variants[f"distgrad-{tr}"] = Variant(
-                f"distgrad-{tr}", lambda n, tr=tr: runner.distgrad_pair(exp, int(n), tr, expected_s=n * est_dg,
-                                                     extra_s=extra),
+                f"distgrad-{tr}", lambda n, tr=tr, exp=exp, est=est_dg, extra=extra: runner.distgrad_pair(
+                    exp, int(n), tr, expected_s=n * est, extra_s=extra),
                 est_s=est_dg, min_steps=12 if size >= 64 * MIB else 5)
-        variants["inprocess"] = Variant("inprocess", lambda n: runner.inprocess_api(exp, int(n), n * est_ip + extra),
+        variants["inprocess"] = Variant("inprocess", lambda n, exp=exp, est=est_ip, extra=extra: runner.inprocess_api(
+            exp, int(n), n * est + extra),
                                         est_s=est_ip, min_steps=5)
         runner.interleave(f"A {fmt_size(size)}", list(variants.values()))
         inproc = variants["inprocess"].t
@@ -675,14 +677,17 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
         est = EST_MLP[batch]
         frame = batch * HIDDEN * 4
         variants: dict[str, Variant] = {
-            "unpipelined": Variant("unpipelined", lambda n: runner.distgrad_pair(exp, int(n), expected_s=n * est),
-                                   est_s=est),
-            "inprocess": Variant("inprocess", lambda n: runner.inprocess_cli(exp, int(n), n * est), est_s=est / 2),
-            "bare": Variant("bare", lambda n: runner.bare_pair(batch, int(n), n * est), est_s=est),
-            "raw_rt": Variant("raw_rt", lambda s: runner.round_trip("raw", "tcp", frame, s), timed=True),
+            "unpipelined": Variant("unpipelined", lambda n, exp=exp, est=est: runner.distgrad_pair(
+                exp, int(n), expected_s=n * est), est_s=est),
+            "inprocess": Variant("inprocess", lambda n, exp=exp, est=est: runner.inprocess_cli(exp, int(n), n * est),
+                                 est_s=est / 2),
+            "bare": Variant("bare", lambda n, batch=batch, est=est: runner.bare_pair(batch, int(n), n * est),
+                            est_s=est),
+            "raw_rt": Variant("raw_rt", lambda s, frame=frame: runner.round_trip("raw", "tcp", frame, s), timed=True),
         }
         if torch_ok:
-            variants["torch_gloo"] = Variant("torch_gloo", lambda n: runner.torch_pair(batch, int(n), n * est),
+            variants["torch_gloo"] = Variant("torch_gloo", lambda n, batch=batch, est=est: runner.torch_pair(
+                batch, int(n), n * est),
                                              est_s=est)
         for m in micro_batches:
             if batch % m or batch == 1:
@@ -690,8 +695,8 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
             for sched in schedules:
                 flags = ("--micro-batches", m, "--schedule", sched)
                 variants[f"{sched}_m{m}"] = Variant(
-                    f"{sched}_m{m}", lambda n, flags=flags: runner.distgrad_pair(exp, int(n), driver_flags=flags,
-                                                                                 expected_s=n * est), est_s=est)
+                    f"{sched}_m{m}", lambda n, flags=flags, exp=exp, est=est: runner.distgrad_pair(
+                        exp, int(n), driver_flags=flags, expected_s=n * est), est_s=est)
         runner.interleave(f"B mlp batch {batch}", list(variants.values()))
         t = {k: v.t for k, v in variants.items()}
         sps = {k: (1 / x if x else None) for k, x in t.items()}
@@ -870,12 +875,12 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
             add(f"large message {fmt_size(size)} {tr}: distgrad bytes/s / raw bytes/s", x, ">= 0.85",
                 x is not None and x >= 0.85,
                 f"compute on the critical path: the model's own step is {fmt_time(ip)} vs raw {fmt_time(raw)}, so "
-                f"even a free transport gets {pct(ceiling)}; wire path alone {pct(r.get('wire_share_of_raw_bytes_per_s'))}"
-                f"; step / (compute + raw) {fmt_ratio(r.get('distgrad_over_lockstep_ideal'))}")
+                f"even a free transport gets {pct(ceiling)}; wire path alone "
+                f"{pct(r.get('wire_share_of_raw_bytes_per_s'))}; step / (compute + raw) "
+                f"{fmt_ratio(r.get('distgrad_over_lockstep_ideal'))}")
     model = results.get("model", {})
     b32 = model.get("32", {})
     sps = b32.get("steps_per_s", {})
-    bare_vs_ideal = ratio(sps.get("bare"), b32.get("lockstep_ideal_steps_per_s"))
     x = b32.get("ratios", {}).get("unpipelined_over_bare")
     add("mlp batch 32: unpipelined / bare raw-frame numpy split", x, ">= 1.0", x is not None and x >= 1.0,
         f"latency: {fmt_time(ratio(1, sps.get('unpipelined')))} vs {fmt_time(ratio(1, sps.get('bare')))} per step; "
@@ -890,8 +895,8 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
         add(f"mlp batch {batch}: unpipelined / lockstep ideal (in-process + one raw round trip)", x, ">= 0.85",
             x is not None and x >= 0.85,
             f"latency: {fmt_time(b.get('unpipelined_minus_lockstep_ideal_s'))} per step over the ideal; the bare "
-            f"split reaches {fmt_ratio(ratio(b.get('steps_per_s', {}).get('bare'), b.get('lockstep_ideal_steps_per_s')))}"
-            f" of it")
+            f"split reaches "
+            f"{fmt_ratio(ratio(b.get('steps_per_s', {}).get('bare'), b.get('lockstep_ideal_steps_per_s')))} of it")
     bal = results.get("balanced", {})
     est = bal.get("compute_only_estimates", {})
     for key in sorted(k for k in bal.get("ratios", {}) if k.endswith("_over_unpipelined")):
@@ -922,8 +927,8 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
     growth = max((m["growth_hwm_kib"] for m in mems), default=None)
     add("memory, every distgrad run of B and C: largest f-stage VmHWM rise after 10% of the loop, KiB", growth,
         "<= 2048 (no growth over steps)", growth is not None and growth <= 2048,
-        f"{len(mems)} runs of {min((m['loop_steps'][1] for m in mems), default=0)} to "
-        f"{max((m['loop_steps'][1] for m in mems), default=0)} steps; buffers are per step")
+        f"{len(mems)} runs of {min((m['steps'] for m in mems), default=0)} to "
+        f"{max((m['steps'] for m in mems), default=0)} steps; buffers are per step")
     return rows
 
 
