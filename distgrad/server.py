@@ -67,6 +67,7 @@ class LastStageServer:
         self.sent_back: list[np.ndarray] = []      # the step's activation gradients, for the trace
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_reply: Message | None = None
+        self.closing = False                # a bye was answered; finish_run completes the run
         self.evaluation: dict[str, Any] | None = None
         if opts.resume and self.state.resume_latest():
             self.active = True
@@ -231,10 +232,18 @@ class LastStageServer:
         steps = msg.body.get("steps")
         if not same_exactly(steps, self.stage.step):
             raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but this stage has applied {self.stage.step}")
-        self.state.save()
-        self.finished = self.close_run("completed")
-        self.bye_reply = Message(wire.BYE, msg.run, msg.step, body={"steps": self.finished["steps"]})
+        # The checkpoint and the summary (slow for a big model) are written by
+        # ``finish_run`` after this reply has left, so the driver never waits for them.
+        self.closing = True
+        self.bye_reply = Message(wire.BYE, msg.run, msg.step, body={"steps": self.stage.step})
         return self.bye_reply
+
+    def finish_run(self) -> None:
+        """Complete the run a ``bye`` closed: final checkpoint and summary."""
+        if self.closing:
+            self.closing = False
+            self.state.save()
+            self.finished = self.close_run("completed")
 
     def check_liveness(self, now: float) -> float | None:
         """Note a lost client; return for how long it has been lost (None while it is live)."""
@@ -304,6 +313,7 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
                 server.reply(envelope, _refusal(msg, e))
                 continue
             server.reply(envelope, reply)
+            logic.finish_run()
             if msg.type == wire.BYE and logic.finished is not None:
                 log.info("run %s completed: %d steps, final loss %s", msg.run, logic.finished["steps"],
                          logic.finished["final_loss"])

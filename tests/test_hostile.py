@@ -57,6 +57,20 @@ from distgrad.wire import ErrorCode, Message
 
 from conftest import StageProcess, hello_message, read_json, run_cli
 
+
+def summary_of(path, run: str, timeout: float = 10.0) -> dict:
+    """The serving stage's summary of ``run``: it is written just after the bye is answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            summary = read_json(path)
+            if summary.get("run_id") == run:
+                return summary
+        except (FileNotFoundError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"no summary of run {run} in {path}"
+        time.sleep(0.02)
+
 EXP = load_experiment("seed-reverse")
 assert not EXP.labels_travel and not EXP.allow_nonfinite   # the model below assumes both
 ACT_SHAPE = tuple(Stage.from_experiment(EXP, "g").input_shape)
@@ -862,7 +876,8 @@ def test_live_stage_survives_hostile_messages(start_server, tmp_path, zmq_ctx):
     with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", f_json],
                       tmp_path / "f.log") as f:
         assert f.wait() == 0, f.output
-    f_summary, g_summary = read_json(f_json), read_json(g_json)
+    f_summary = read_json(f_json)
+    g_summary = summary_of(g_json, f_summary["run_id"])
     assert g_summary["run_id"] == f_summary["run_id"] and g_summary["status"] == "completed"
     assert g_summary["steps"] == f_summary["steps"] == EXP.steps
     assert f_summary["params"]["f"] == params["f"]
@@ -929,7 +944,7 @@ def test_hostile_messages_between_the_steps_of_a_run_change_nothing(start_server
                     legit(Message(wire.BYE, run, model.steps + 1, body={"steps": model.steps}))
                 except Exception:
                     pass
-        summary = read_json(g_json)
+        summary = summary_of(g_json, run)
         assert summary["run_id"] == run and summary["steps"] == IN_RUN_STEPS
         assert summary["params"]["g"] == params["g"]
         assert {k: v.tolist() for k, v in f.params.items()} == params["f"]
