@@ -203,27 +203,26 @@ class ArrayFile(DataSource):
         return np.loadtxt(self._file(None), delimiter=",", skiprows=int(self.header), usecols=columns,
                           ndmin=2, dtype=np.float64)
 
+    def _read_part(self, ref: Any) -> np.ndarray:
+        """One part (features or labels) from the file(s), and nothing else."""
+        if self.kind == "npz":
+            with np.load(self._file(None)) as npz:
+                return npz[ref]
+        if self.kind == "npy":
+            return np.load(self._file(ref))
+        return self._read_csv(self._csv_columns(ref))
+
     def _all_features(self) -> np.ndarray:
         if self._features is None:
-            if self.kind == "npz":
-                with np.load(self._file(None)) as npz:
-                    raw = npz[self.feature_ref]
-            elif self.kind == "npy":
-                raw = np.load(self._file(self.feature_ref))
-            else:
-                raw = self._read_csv(self._csv_columns(self.feature_ref))
+            raw = self._read_part(self.feature_ref)
             self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
         return self._features
 
     def _all_labels(self) -> np.ndarray:
         if self._labels is None:
-            if self.kind == "npz":
-                with np.load(self._file(None)) as npz:
-                    raw = npz[self.label_ref]
-            elif self.kind == "npy":
-                raw = np.load(self._file(self.label_ref))
-            else:
-                raw = self._read_csv(self._csv_columns(self.label_ref))[:, 0]
+            raw = self._read_part(self.label_ref)
+            if self.kind == "csv":
+                raw = raw[:, 0]
             raw = np.asarray(raw).reshape(len(raw))
             if len(raw) != self.rows:
                 raise ConfigError(f"{len(raw)} labels for {self.rows} rows of features")
