@@ -6,7 +6,10 @@ An experiment is a TOML file that every stage reads (see the built-ins in
 stage, the default; ``"first"``: the targets travel downstream with the
 activations), ``allow_nonfinite`` (default false), a ``[data]`` table and one
 ``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
-of layer tables), ``optimizer`` and, on the last stage only, ``loss``.
+of layer tables), ``optimizer``, on the last stage only, ``loss``, and
+optionally ``framework`` (``"numpy"``, the default, or ``"torch"``: the same
+layers, initial values and optimizer settings computed by PyTorch, see
+``distgrad.torch_stage``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 BUILTIN_DIR = Path(__file__).parent / "experiments"
 _TOP_KEYS = {"name", "description", "steps", "seed", "labels", "allow_nonfinite", "data", "stages"}
-_STAGE_KEYS = {"name", "model", "optimizer", "loss"}
+_STAGE_KEYS = {"name", "model", "optimizer", "loss", "framework"}
+FRAMEWORKS = ("numpy", "torch")   # what a stage computes with; torch needs the distgrad[torch] extra
 
 
 def builtin_names() -> list[str]:
@@ -47,6 +51,7 @@ class StageSpec:
     model: list[dict[str, Any]]
     optimizer: dict[str, Any]
     loss: Any = None
+    framework: str = "numpy"
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,12 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
             raise _fail(source, f"stage {table['name']!r} needs a 'model' list of layers")
         if last != ("loss" in table):
             raise _fail(source, f"stage {table['name']!r}: exactly the last stage has a 'loss'")
+        framework = table.get("framework", "numpy")
+        if framework not in FRAMEWORKS:
+            raise _fail(source, f"stage {table['name']!r}: 'framework' must be one of {list(FRAMEWORKS)}, "
+                                f"got {framework!r}")
         stages.append(StageSpec(table["name"], list(table["model"]), dict(table.get("optimizer", {})),
-                                table.get("loss")))
+                                table.get("loss"), framework))
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise _fail(source, f"stage names must be unique, got {names}")

@@ -116,8 +116,15 @@ class Stage:
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
                         init: Mapping[str, float] | None = None) -> "Stage":
-        """Build stage ``name`` of ``exp``; raises ``ConfigError`` on a bad name or override."""
+        """Build stage ``name`` of ``exp``; raises ``ConfigError`` on a bad name or override.
+
+        A stage whose ``framework`` is ``"torch"`` is a ``distgrad.torch_stage.TorchStage``
+        with the same interface.
+        """
         seed = exp.seed if seed is None else seed
+        if exp.stages[exp.stage_index(name)].framework == "torch":
+            from .torch_stage import TorchStage    # imports torch only when a stage asks for it
+            return TorchStage.from_experiment(exp, name, seed, init)
         model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
         shapes = exp.input_shapes(exp.build_data(seed), seed)
         return cls(name, model, optimizer, loss, shapes[exp.stage_index(name)])
