@@ -16,7 +16,7 @@ import zmq
 
 from .daemon import StageOptions, StopFlag
 from .driver import drive_first_stage
-from .server import serve_last_stage
+from .server import serve
 from .errors import DistgradError, StageError
 from .experiment import Experiment, load_experiment
 
@@ -48,16 +48,16 @@ class ServedStage:
             self.endpoint = endpoint
             self._ready.set()
 
-        def serve() -> None:
+        def run() -> None:
             try:
-                self.summary = serve_last_stage(opts, bind, self._stop, keep_serving, ctx=self._ctx, on_ready=ready)
+                self.summary = serve(opts, bind, self._stop, keep_serving=keep_serving, ctx=self._ctx, on_ready=ready)
             except DistgradError as e:
                 if self._stop.signum is None:
                     self.error = e
             finally:
                 self._ready.set()
 
-        self._thread = threading.Thread(target=serve, name=f"distgrad-{opts.stage}", daemon=True)
+        self._thread = threading.Thread(target=run, name=f"distgrad-{opts.stage}", daemon=True)
 
     def __enter__(self) -> "ServedStage":
         self._thread.start()

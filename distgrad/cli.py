@@ -93,20 +93,20 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
 def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
-        "drives the training loop (--connect). Exit codes: 0 ok, 1 stage failed, 2 usage, "
+        "drives the training loop (--connect); a middle stage does both. Exit codes: 0 ok, 1 stage failed, 2 usage, "
         "3 peer timeout, 4 peer refused, 130/143 stopped by SIGINT/SIGTERM."))
     p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
     _common_flags(p, experiment_required=True)
     _pipeline_flags(p)
     _watch_flags(p)
-    p.add_argument("--bind", metavar="ENDPOINT", help="serve on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
-    p.add_argument("--connect", metavar="ENDPOINT", help="drive training against the stage serving here")
+    p.add_argument("--bind", metavar="ENDPOINT", help="serve the stage above on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
+    p.add_argument("--connect", metavar="ENDPOINT", help="connect to the stage below, serving here")
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
                    help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
     p.add_argument("--allow", type=Path, metavar="DIR",
-                   help="serving stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
+                   help="serving or middle stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
     p.add_argument("--server-key", type=Path, metavar="FILE",
-                   help="driving stage with CURVE: the serving stage's public key file")
+                   help="driving or middle stage with CURVE: the public key file of the stage below")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
     p.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here once listening")
     return p
@@ -156,13 +156,22 @@ def _run_stage(args: argparse.Namespace) -> int:
     from .keys import CurveServer
     from .daemon import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from .driver import drive_first_stage
-    from .server import serve_last_stage
+    from .server import serve
     from .experiment import load_experiment, parse_init_overrides
     from .transport import DEFAULT_TIMEOUT_S
 
     exp = load_experiment(args.experiment)
-    if (args.bind is None) == (args.connect is None):
-        raise ConfigError("give exactly one of --bind (serving stage) or --connect (driving stage)")
+    index = exp.stage_index(args.stage)
+    first, last = index == 0, index == len(exp.stages) - 1
+    role = "driving" if first else "serving" if last else "middle"
+    needs = {"driving": (False, True), "serving": (True, False), "middle": (True, True)}[role]
+    if (args.bind is not None, args.connect is not None) != needs:
+        usage = {"driving": "--connect ENDPOINT (it drives the stage below)",
+                 "serving": "--bind ENDPOINT (it serves the stage above)",
+                 "middle": "--bind ENDPOINT and --connect ENDPOINT (it serves the stage above and "
+                           "connects to the stage below)"}[role]
+        raise ConfigError(f"stage {args.stage!r} is the {role} stage of {exp.name!r} (stages {exp.stage_names}): "
+                          f"give {usage}")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     opts = StageOptions(
@@ -174,47 +183,49 @@ def _run_stage(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=args.micro_batches, schedule=args.schedule, metrics_path=args.metrics,
         progress=_progress_mode(args.progress))
-    exp.stage_index(args.stage)
     serving = args.bind is not None
-    if serving and args.stage != exp.stage_names[-1]:
-        raise ConfigError(f"--bind is for the serving stage {exp.stage_names[-1]!r}, not {args.stage!r}")
-    if not serving and args.stage != exp.stage_names[0]:
-        raise ConfigError(f"--connect is for the driving stage {exp.stage_names[0]!r}, not {args.stage!r}")
     if not serving and (args.keep_serving or args.ready_file or args.allow):
-        raise ConfigError("--keep-serving, --ready-file and --allow are for the serving stage")
-    if serving and args.server_key:
-        raise ConfigError("--server-key is for the driving stage")
+        raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
+    if not args.connect and args.server_key:
+        raise ConfigError("--server-key is for a stage that connects (--connect)")
     if serving and (args.micro_batches != 1 or args.schedule != "1f1b" or args.metrics):
         raise ConfigError("--micro-batches, --schedule and --metrics are for the driving stage "
-                          "(the server follows its hello)")
+                          "(the others follow its hello)")
     ctx = zmq.Context.instance()
-    security = _curve(args, serving, ctx)
-    opts.security = security
+    upstream, downstream = _curve(args, role, ctx)
+    opts.security = upstream if serving else downstream
+    opts.downstream_security = downstream
     stop = StopFlag().install()
     try:
         if serving:
-            serve_last_stage(opts, args.bind, stop, args.keep_serving, args.ready_file, ctx)
+            serve(opts, args.bind, stop, args.connect, args.keep_serving, args.ready_file, ctx)
         else:
             drive_first_stage(opts, args.connect, stop, ctx)
     finally:
-        if isinstance(security, CurveServer):
-            security.stop()
+        if isinstance(upstream, CurveServer):
+            upstream.stop()
     return EXIT_OK
 
 
-def _curve(args: argparse.Namespace, serving: bool, ctx: zmq.Context) -> CurveServer | CurveClient | None:
-    """CURVE settings from the key flags, or None for plaintext."""
+def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[CurveServer | None, CurveClient | None]:
+    """CURVE settings from the key flags: (for the socket serving upstream, for the one connecting
+    downstream), None where a stage has no such socket or runs in plaintext.
+
+    A middle stage uses its one key pair on both sockets.
+    """
     from .keys import CurveClient, CurveServer
 
-    needed = ["--curve-secret", "--allow" if serving else "--server-key"]
-    given = [args.curve_secret, args.allow if serving else args.server_key]
-    if not any(given):
-        return None
-    if not all(given):
+    needed = {"serving": ["--curve-secret", "--allow"], "driving": ["--curve-secret", "--server-key"],
+              "middle": ["--curve-secret", "--allow", "--server-key"]}[role]
+    given = {"--curve-secret": args.curve_secret, "--allow": getattr(args, "allow", None),
+             "--server-key": args.server_key}
+    if not any(given[flag] for flag in needed):
+        return None, None
+    if not all(given[flag] for flag in needed):
         raise ConfigError(f"CURVE needs {' and '.join(needed)} together")
-    if serving:
-        return CurveServer(ctx, args.curve_secret, args.allow)
-    return CurveClient(args.curve_secret, args.server_key)
+    server = CurveServer(ctx, args.curve_secret, args.allow) if role != "driving" else None
+    client = CurveClient(args.curve_secret, args.server_key) if role != "serving" else None
+    return server, client
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
@@ -324,7 +335,7 @@ def _ping(args: argparse.Namespace) -> int:
     from .transport import Client
 
     ctx = zmq.Context.instance()
-    security = _curve(args, serving=False, ctx=ctx) if (args.curve_secret or args.server_key) else None
+    security = _curve(args, "driving", ctx)[1] if (args.curve_secret or args.server_key) else None
     client = Client(ctx, args.endpoint, security=security)
     try:
         pong = client.request(wire.Message(wire.PING, "", 0), args.timeout)

@@ -26,6 +26,7 @@ from . import wire
 from .checkpoint import CheckpointStore
 from .errors import ConfigError, Interrupted, ProtocolError, StageError
 from .experiment import Experiment
+from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity
@@ -75,6 +76,7 @@ class StageOptions:
     checkpoint_every: int = 0          # 0: only on SIGTERM/SIGINT (when a directory is given)
     resume: bool = False
     security: SocketSecurity | None = None
+    downstream_security: SocketSecurity | None = None   # middle stage: for its connection to the stage below
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
@@ -98,11 +100,20 @@ def micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
     return shape if count == 1 else (shape[0] // count, *shape[1:])
 
 
-def tensor_specs(stage: Stage, exp: Experiment, micro_batches: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """The tensors a forward of one micro-batch to ``stage`` must carry."""
+def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
+    if not exp.labels_travel:
+        return None
+    loss = build_loss(exp.stages[-1].loss)
+    return loss.target_shape(exp.input_shapes(exp.build_data(seed), seed)[-1]), loss.target_dtype
+
+
+def tensor_specs(stage: Stage, target: tuple[tuple[int, ...], np.dtype] | None,
+                 micro_batches: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The tensors a forward of one micro-batch to ``stage`` must carry (``target``: see ``target_spec``)."""
     specs = {"activation": (micro_shape(stage.input_shape, micro_batches), np.dtype(np.float32))}
-    if exp.labels_travel and stage.is_last:
-        specs["target"] = (micro_shape(stage.target_shape, micro_batches), stage.target_dtype)
+    if target is not None:
+        specs["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
     return specs
 
 

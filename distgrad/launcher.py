@@ -1,10 +1,12 @@
 """Local launcher: every stage of an experiment as its own OS process on this machine.
 
-The serving stage starts first, binds a free tcp port on 127.0.0.1 (or an
-ipc path) and reports the endpoint it got through a ready file; then the
-driving stage connects to it. Output of both is streamed with a ``[name]``
-prefix. If one stage fails the other is stopped; on Ctrl-C both are; every
-child is reaped with a deadline and nothing is left behind.
+The last stage starts first, binds a free tcp port on 127.0.0.1 (or an ipc
+path) and reports the endpoint it got through a ready file; each middle
+stage, from the bottom up, binds its own and connects to the one below;
+then the driving stage connects to the top. Output of every stage is
+streamed with a ``[name]`` prefix. If one stage fails the others are
+stopped; on Ctrl-C all are; every child is reaped with a deadline and
+nothing is left behind.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
               driver_flags: Sequence[str] = (), progress_bar: bool = False) -> dict[str, Any]:
-    """Run a two-stage experiment as two local processes; return the merged summary.
+    """Run an experiment as one local process per stage; return the merged summary.
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
     ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
@@ -149,58 +151,48 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
     ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``).
     With ``progress_bar``, the driving stage's progress is drawn as a bar on ``out``.
-    With ``secure``, fresh CURVE key pairs are made for this run and the
-    serving stage accepts only the driving stage's key.
+    With ``secure``, fresh CURVE key pairs are made for this run and each
+    serving stage accepts only the key of the stage above it.
     """
     out = out or sys.stdout
     exp = load_experiment(experiment)
-    if len(exp.stages) != 2:
-        raise ConfigError(f"'distgrad run' launches two-stage experiments as processes; {exp.name!r} has "
-                          f"{len(exp.stages)} stage(s): use --in-process")
+    if len(exp.stages) < 2:
+        raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
+                          f"use --in-process")
     check_init_overrides(exp, parse_init_overrides(init))
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
-    first, last = exp.stage_names
+    names = exp.stage_names
     lock = threading.Lock()
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
         tmp = Path(tmp_name)
-        bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{last}.sock"
         flags = ["--log-level", log_level, *stage_flags]
         for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
             if value is not None:
                 flags += [option, str(value)]
-        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in (first, last)}
-
-        server_flags, client_flags = [], []
-        if secure:
-            server_public, server_secret = keygen(tmp / "keys", last)
-            _, client_secret = keygen(tmp / "keys" / "allowed", first)
-            server_flags = ["--curve-secret", str(server_secret), "--allow", str(tmp / "keys" / "allowed")]
-            client_flags = ["--curve-secret", str(client_secret), "--server-key", str(server_public)]
+        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in names}
+        curve = _curve_flags(tmp / "keys", names) if secure else {name: [] for name in names}
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
             return ["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
 
-        ready = tmp / "ready"
         try:
-            server = _Child(last, _stage_argv(last, str(experiment), [
-                "--bind", bind, "--ready-file", str(ready), *flags, *server_flags, *outputs(last)]), out, lock)
-            children.append(server)
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not ready.exists():
-                check_stop()
-                if server.proc.poll() is not None:
-                    raise StageError(f"stage {last} exited with code {server.proc.returncode} before it was ready")
-                if time.monotonic() > deadline:
-                    raise StageError(f"stage {last} did not bind {bind} within {READY_TIMEOUT_S:g} s")
-                time.sleep(WAIT_TICK_S)
-            endpoint = ready.read_text().strip()
+            # Serving stages from the last one up, each connecting to the one below it.
+            below: list[str] = []
+            for name in reversed(names[1:]):
+                bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
+                ready = tmp / f"{name}.ready"
+                child = _Child(name, _stage_argv(name, str(experiment), [
+                    "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
+                    *flags, *curve[name], *outputs(name)]), out, lock)
+                children.append(child)
+                below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
-            driver = _Child(first, _stage_argv(first, str(experiment), [
-                "--connect", endpoint, *flags, *driver_flags, "--progress", "lines" if bar else "off",
-                *client_flags, *outputs(first)]), out, lock, bar)
+            driver = _Child(names[0], _stage_argv(names[0], str(experiment), [
+                "--connect", below[0], *flags, *driver_flags, "--progress", "lines" if bar else "off",
+                *curve[names[0]], *outputs(names[0])]), out, lock, bar)
             children.append(driver)
             _wait_all(children, check_stop)
         finally:
@@ -209,13 +201,43 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
             for child in children:
                 if child.bar is not None:
                     child.bar.close()
-        summary = merge_summaries([read_json(files[first][0]), read_json(files[last][0])])
-        summary.update(mode="two-process", transport=transport)
+        summary = merge_summaries([read_json(files[name][0]) for name in names])
+        summary.update(mode="two-process" if len(names) == 2 else f"{len(names)}-process", transport=transport)
         if summary_path is not None:
             write_json(summary_path, summary)
         if trace_path is not None:
-            merge_traces([files[first][1], files[last][1]], trace_path)
+            merge_traces([files[name][1] for name in names], trace_path)
     return summary
+
+
+def _curve_flags(directory: Path, names: Sequence[str]) -> dict[str, list[str]]:
+    """Fresh CURVE key pairs for a chain: each serving stage accepts only the key of the stage above it."""
+    keys = []
+    for i, name in enumerate(names):
+        # A stage's pair is made in the allow directory of the stage below it (the last one's anywhere).
+        where = directory / f"allowed-by-{names[i + 1]}" if i + 1 < len(names) else directory
+        keys.append(keygen(where, name))
+    flags = {}
+    for i, name in enumerate(names):
+        flags[name] = ["--curve-secret", str(keys[i][1])]
+        if i > 0:
+            flags[name] += ["--allow", str(directory / f"allowed-by-{name}")]
+        if i + 1 < len(names):
+            flags[name] += ["--server-key", str(keys[i + 1][0])]
+    return flags
+
+
+def _wait_ready(child: _Child, ready: Path, bind: str, check_stop: Callable[[], None]) -> str:
+    """The endpoint a serving stage reports in its ready file; raises ``StageError`` if it exits or is late."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        check_stop()
+        if child.proc.poll() is not None:
+            raise StageError(f"stage {child.name} exited with code {child.proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise StageError(f"stage {child.name} did not bind {bind} within {READY_TIMEOUT_S:g} s")
+        time.sleep(WAIT_TICK_S)
+    return ready.read_text().strip()
 
 
 def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:

@@ -1,10 +1,13 @@
-"""The serving (last) stage: ``serve_last_stage`` binds and answers.
+"""A serving stage: ``serve_stage`` binds and answers the stage above it.
 
-A ``hello`` opens (or resumes) a run, each ``forward`` runs the loss, backward
-and update exactly once and returns the gradient with respect to the
-activations, ``evaluate`` scores held-out rows, ``bye`` closes the run and
-writes the summary. Invalid input never changes state: a message is fully
-validated before the stage computes anything.
+The last stage computes the loss itself; a middle stage passes every request
+on to the stage below it (``link.DownstreamLink``) and its own backward on up.
+A ``hello`` opens (or resumes) a run, each ``forward`` runs the forward,
+backward and update exactly once and returns the gradient with respect to
+the activations, ``evaluate`` scores held-out rows, ``bye`` closes the run
+and writes the summary. Invalid input never changes state: a message is
+fully validated before the stage computes anything, and a refusal from
+below is passed up before this stage updates anything.
 """
 
 
@@ -19,36 +22,51 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerTimeout, ProtocolError, StageError
+from .errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .inprocess import evaluation_fields
+from .losses import build_loss
+from .link import DownstreamLink, check_backward, check_evaluation
 from .stage import Stage, combine_losses, micro_batch
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message
 
-from .daemon import (StageOptions, StageState, StopFlag, common_step, frame_limit, same_exactly,
-                     tensor_specs)
+from .daemon import (StageOptions, StageState, StopFlag, common_step, frame_limit, micro_shape, same_exactly,
+                     target_spec, tensor_specs)
 
 
-class LastStageServer:
-    """Protocol logic of the serving (last) stage, free of sockets so tests can call it.
+class StageServer:
+    """Protocol logic of a serving stage, free of its own socket so tests can call it.
 
-    ``handle(msg, now)`` returns the reply and raises ``ProtocolError`` for a
-    message that must be refused; a refused message changes nothing.
+    A middle stage ``connect``s to the stage below (the last stage gives
+    None); ``stop`` and ``ctx`` serve that connection. ``handle(msg, now)`` returns the reply and raises
+    ``ProtocolError`` for a message that must be refused (a refusal from
+    below comes up with its code); a refused message changes nothing. A
+    stage below that stays silent past ``peer_deadline_s`` raises
+    ``PeerTimeout``.
     """
 
-    def __init__(self, opts: StageOptions) -> None:
+    def __init__(self, opts: StageOptions, connect: str | None = None, stop: StopFlag | None = None,
+                 ctx: zmq.Context | None = None) -> None:
         self.opts, self.exp = opts, opts.experiment
-        if self.exp.stage_index(opts.stage) != len(self.exp.stages) - 1:
-            raise ConfigError(f"stage {opts.stage!r} is not the last stage of {self.exp.name!r}; "
-                              f"serve {self.exp.stage_names[-1]!r} instead")
-        if len(self.exp.stages) != 2:
-            raise ConfigError(f"experiment {self.exp.name!r} has {len(self.exp.stages)} stages; "
-                              f"the stage daemons run two-stage experiments (run one-stage ones with 'distgrad run')")
-        self.upstream = self.exp.stage_names[-2]
+        index, count = self.exp.stage_index(opts.stage), len(self.exp.stages)
+        if index == 0:
+            raise ConfigError(f"stage {opts.stage!r} is the first stage of {self.exp.name!r}: it drives "
+                              f"(--connect), it does not serve")
+        if (connect is None) != (index == count - 1):
+            raise ConfigError(f"stage {opts.stage!r} is {'the last' if index == count - 1 else 'a middle'} stage of "
+                              f"{self.exp.name!r} (stages {self.exp.stage_names}): "
+                              + ("it serves (--bind) and connects to nothing" if index == count - 1
+                                 else f"it serves (--bind) and connects (--connect) to {self.exp.stage_names[index + 1]!r}"))
+        self.upstream = self.exp.stage_names[index - 1]
         self.state = StageState(opts)
         self.log = self.state.log
-        self.data = self.exp.build_data(opts.seed)   # this stage reads only the targets
-        self.specs = tensor_specs(self.state.stage, self.exp, 1)
+        self.data = self.exp.build_data(opts.seed)   # the last stage reads only the targets; a middle one nothing
+        self.target = target_spec(self.exp, opts.seed)
+        self.final_loss = build_loss(self.exp.stages[-1].loss)     # how micro-batch gradients combine
+        self.link = None if connect is None else DownstreamLink(
+            opts, connect, stop or StopFlag(), ctx or zmq.Context.instance(), opts.downstream_security,
+            self._reply_specs(1))
+        self.specs = tensor_specs(self.state.stage, self.target, 1)
         rows = len(self.data.test_rows)
         self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in self.specs.items()}
         # The largest message this stage accepts: a whole batch, or the held-out rows to evaluate.
@@ -142,7 +160,7 @@ class LastStageServer:
                                                     f"shape {shape} do not split into that many equal parts")
         if self.active and msg.run == self.state.run_id:
             self._check_owner(peer_key)
-            common = common_step(self.state.held(), body.get("held"))
+            common = self._agree(msg, self.state.held(), body.get("held"), mbs)
             before = self.stage.step
             self.state.rollback(common)
             self.cached = {} if common != before else {k: v for k, v in self.cached.items() if k[0] <= common}
@@ -150,7 +168,7 @@ class LastStageServer:
             raise ProtocolError(ErrorCode.RUN, f"busy with run {self.state.run_id} (its client is live); "
                                                f"cannot start run {msg.run!r}")
         else:
-            common_step([0], body.get("held"))           # validates the list
+            self._agree(msg, [0], body.get("held"), mbs)
             if self.active:
                 self.log.warning("run %s replaces run %s, whose client is gone", msg.run, self.state.run_id)
             self.state.begin(msg.run, owner=peer_key)
@@ -158,12 +176,56 @@ class LastStageServer:
             self.started = time.perf_counter()
             self.log.info("run %s started by %s", msg.run, body.get("role"))
         self.mbs = mbs
-        self.specs = tensor_specs(self.stage, self.exp, mbs)
+        self.specs = tensor_specs(self.stage, self.target, mbs)
         self.stage.accumulator.reset()          # a step in progress starts again from its first micro-batch
         self.mb_losses, self.sent_back = [], []
         self._seen(now)
         return Message(wire.WELCOME, msg.run, msg.step,
                        body={"stage": self.opts.stage, "next_step": self.stage.step + 1})
+
+    def _agree(self, msg: Message, ours: list[int], theirs: Any, mbs: int) -> int:
+        """The step this stage and every stage above and below it hold (``ours``: this stage's).
+
+        A middle stage asks the stage below with the steps both sides above
+        hold; nothing changes here until it has agreed.
+        """
+        common = common_step(ours, theirs)           # also validates ``theirs``
+        if self.link is None:
+            return common
+        both = sorted(set(ours) & set(theirs)) or [0]
+        steps = msg.body.get("steps")
+        self.link.set_reply_specs(self._reply_specs(mbs))
+        try:
+            return self.link.handshake(self.exp, self.opts.seed, self.stage.output_shape, msg.run, both,
+                                       steps if isinstance(steps, int) and not isinstance(steps, bool) else 0, mbs)
+        except PeerRejected as e:
+            raise self._refused_below(e, msg) from e
+
+    def _reply_specs(self, mbs: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {"activation_grad": (micro_shape(self.stage.output_shape, mbs), np.dtype(np.float32))}
+
+    def _refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
+        """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
+        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
+        return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
+
+    def _through(self, msg: Message, x: np.ndarray) -> tuple[np.float32, np.ndarray, dict[str, np.ndarray]]:
+        """A middle stage's micro-batch: forward, the stage below's reply, backward (no update)."""
+        assert self.link is not None
+        y, cache = self.stage.forward(x)
+        tensors = {"activation": y}
+        if "target" in msg.tensors:
+            tensors["target"] = msg.tensors["target"]
+        down = Message(wire.FORWARD, msg.run, msg.step, msg.mb, msg.mbs, tensors=tensors)
+        key = (msg.step, msg.mb)
+        self.link.send(down)
+        try:
+            reply = self.link.await_reply({key: down}, key)
+        except PeerRejected as e:
+            raise self._refused_below(e, msg) from e
+        loss, dy = check_backward(reply, msg.step, self.link.reply_specs, self.exp.allow_nonfinite)
+        dx, grads = self.stage.backward(cache, dy)
+        return loss, dx, grads
 
     def _forward(self, msg: Message) -> Message:
         stage = self.stage
@@ -177,12 +239,15 @@ class LastStageServer:
                                                 f"expected step {stage.step + 1} micro-batch {done}/{self.mbs}")
         wire.expect_tensors(msg, self.specs, self.exp.allow_nonfinite)
         x = msg.tensors["activation"]
-        target = msg.tensors.get("target")
-        if target is None:
-            target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
         started = time.perf_counter()
         try:
-            mb_loss, dx, grads = stage.loss_micro_batch(x, target)
+            if self.link is None:
+                target = msg.tensors.get("target")
+                if target is None:
+                    target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
+                mb_loss, dx, grads = stage.loss_micro_batch(x, target)
+            else:
+                mb_loss, dx, grads = self._through(msg, x)
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
         if msg.mb == 0:
@@ -191,15 +256,14 @@ class LastStageServer:
         self.mb_losses.append(mb_loss)
         trace = self.state.trace
         tracing = trace is not None and trace.enabled
-        if tracing:
+        if tracing and self.link is None:       # the merged trace has the last stage's activation gradient
             self.sent_back.append(dx)
         body = {"loss": float(mb_loss)}
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body,
                         tensors={"activation_grad": dx})
         self.cached[key] = reply
         if msg.mb == msg.mbs - 1:
-            assert stage.loss is not None
-            scale = stage.loss.micro_batch_scale(msg.mbs)
+            scale = self.final_loss.micro_batch_scale(msg.mbs)
             applied = stage.accumulator.take(scale)
             if tracing:
                 traced = {k: v.copy() for k, v in applied.items()}
@@ -207,11 +271,12 @@ class LastStageServer:
             loss = combine_losses(self.mb_losses, scale)
             self.loss, self.mb_losses = float(loss), []
             if tracing:
-                traced["activation_grad"] = np.concatenate(self.sent_back) if msg.mbs > 1 else dx
+                if self.link is None:
+                    traced["activation_grad"] = np.concatenate(self.sent_back) if msg.mbs > 1 else dx
                 trace.write(msg.step, loss, traced, stage.params)
                 self.sent_back = []
             self.state.after_step()
-        body["compute_s"] = time.perf_counter() - started     # for the driver's metrics
+        body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and those below
         return reply
 
     def _evaluate(self, msg: Message) -> Message:
@@ -221,8 +286,17 @@ class LastStageServer:
         wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
         target = msg.tensors.get("target")
         try:
-            result = self.stage.evaluate_last(msg.tensors["activation"],
-                                              self.data.test_targets() if target is None else target)
+            if self.link is None:
+                result = self.stage.evaluate_last(msg.tensors["activation"],
+                                                  self.data.test_targets() if target is None else target)
+            else:
+                y, _ = self.stage.forward(msg.tensors["activation"])
+                tensors = {"activation": y, **({"target": target} if target is not None else {})}
+                try:
+                    result = check_evaluation(self.link.exchange(
+                        Message(wire.EVALUATE, msg.run, msg.step, tensors=tensors)))
+                except PeerRejected as e:
+                    raise self._refused_below(e, msg) from e
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
         self.evaluation = result
@@ -232,6 +306,11 @@ class LastStageServer:
         steps = msg.body.get("steps")
         if not same_exactly(steps, self.stage.step):
             raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but this stage has applied {self.stage.step}")
+        if self.link is not None:
+            try:
+                self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": self.stage.step}))
+            except PeerRejected as e:
+                raise self._refused_below(e, msg) from e
         # The checkpoint and the summary (slow for a big model) are written by
         # ``finish_run`` after this reply has left, so the driver never waits for them.
         self.closing = True
@@ -269,20 +348,23 @@ def _refusal(msg: Message | None, error: ProtocolError) -> Message:
     return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
 
 
-def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: bool = False,
-                     ready_file: Path | None = None, ctx: zmq.Context | None = None,
-                     on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = None, keep_serving: bool = False,
+          ready_file: Path | None = None, ctx: zmq.Context | None = None,
+          on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
 
-    Writes the bound endpoint to ``ready_file`` once listening (for launchers)
-    and passes it to ``on_ready`` (for callers in this process).
-    Returns the last run's summary. Raises ``PeerTimeout`` when a run's client
-    stays lost for ``opts.peer_deadline_s`` (unless ``keep_serving``) and
-    ``Interrupted`` on a signal, after saving a checkpoint.
+    The last stage gives no ``connect``; a middle stage connects to the stage
+    below it there (with ``opts.downstream_security``). Writes the bound
+    endpoint to ``ready_file`` once listening (for launchers) and passes it to
+    ``on_ready`` (for callers in this process). Returns the last run's
+    summary. Raises ``PeerTimeout`` when a run's client stays lost for
+    ``opts.peer_deadline_s`` (unless ``keep_serving``) or the stage below
+    stays silent that long, and ``Interrupted`` on a signal, after saving a
+    checkpoint.
     """
-    logic = LastStageServer(opts)
-    log = logic.log
     ctx = ctx or zmq.Context.instance()
+    logic = StageServer(opts, connect, stop, ctx)
+    log = logic.log
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
     try:
         log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
@@ -324,5 +406,7 @@ def serve_last_stage(opts: StageOptions, bind: str, stop: StopFlag, keep_serving
             logic.state.save()
             logic.close_run("interrupted")
         server.close()
+        if logic.link is not None:
+            logic.link.close(linger_ms=0)
 
 

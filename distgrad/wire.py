@@ -28,6 +28,7 @@ MAX_DIM = 2**31 - 1                   # largest extent of one dimension
 ERROR_TEXT_MAX = 1000                 # error replies are cut to this many characters
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{0,128}")   # printable, so it is safe in log lines
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
+ALIGN_BYTES = 16                      # received tensors at other addresses are copied (see decode)
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
@@ -117,7 +118,8 @@ def _is_int(value: Any, low: int = 0) -> bool:
 def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Message:
     """Validate and decode one message's frames (no routing envelope).
 
-    Tensors are read-only views of the received buffers: no copy. Raises
+    Tensors are read-only views of the received buffers: no copy, unless a
+    buffer is not ``ALIGN_BYTES``-aligned (then one copy). Raises
     ``ProtocolError`` naming what is wrong, and nothing else, whatever the
     bytes; nothing is decoded past the first problem, and the sum of tensor
     sizes may not exceed ``max_tensor_bytes``.
@@ -197,7 +199,12 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
         array = np.frombuffer(_buffer(frame), dtype=dtype).reshape(shape)
-        array.flags.writeable = False       # a view of the received frame: never written to
+        if array.ctypes.data % ALIGN_BYTES:
+            # ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes
+            # another code path (with other rounding) for misaligned data, so such a tensor is
+            # copied: results must not depend on where a frame happened to land.
+            array = array.copy()
+        array.flags.writeable = False       # a view of the received frame (or its copy): never written to
         tensors[name] = array
     return Message(msg_type, run, step, mb, mbs, body, tensors)
 

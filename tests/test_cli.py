@@ -12,11 +12,11 @@ from conftest import run_cli
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["stage", "g", "--experiment", "seed-reverse"], "exactly one of --bind"),
+    (["stage", "g", "--experiment", "seed-reverse"], "is the serving stage of 'seed-reverse' (stages ['f', 'g']): give --bind"),
     (["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:1", "--connect", "tcp://127.0.0.1:1"],
-     "exactly one of --bind"),
-    (["stage", "f", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*"], "--bind is for the serving stage"),
-    (["stage", "g", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:5"], "--connect is for the driving"),
+     "is the serving stage"),
+    (["stage", "f", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*"], "is the driving stage"),
+    (["stage", "g", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:5"], "give --bind ENDPOINT"),
     (["stage", "f", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:*"], "port wildcard"),
     (["stage", "f", "--experiment", "seed-reverse", "--connect", "http://example"], "invalid endpoint"),
     (["stage", "h", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:5"], "has no stage 'h'"),

@@ -1,0 +1,174 @@
+"""A stage's connection to the stage below it: requests, bounded waits, retries, the handshake.
+
+The first stage drives its chain through a ``DownstreamLink``; a middle stage
+passes what it receives on through one. Every wait is bounded by
+``timeout_s``; an unanswered request is resent on a fresh socket (the Lazy
+Pirate pattern) until ``peer_deadline_s``, which is safe because the stage
+below answers a repeated request from its cache without a second update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import zmq
+
+from . import wire
+from .errors import PeerRejected, PeerTimeout, ProtocolError
+from .experiment import Experiment
+from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
+from .wire import ErrorCode, Message
+
+from .daemon import RETRY_BACKOFF_S, StageOptions, StopFlag, frame_limit
+
+Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+
+class DownstreamLink:
+    """Requests from one stage to the stage serving at ``connect``.
+
+    ``reply_specs`` are the tensors a backward reply must carry (one
+    micro-batch's activation gradient); they bound what this side accepts.
+    Replies to other pending requests that arrive while waiting for one are
+    kept until asked for.
+    """
+
+    def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context,
+                 security: SocketSecurity | None, reply_specs: Specs, traffic: Traffic | None = None) -> None:
+        self.opts, self.connect, self.stop, self.ctx, self.security = opts, connect, stop, ctx, security
+        self.reply_specs = dict(reply_specs)
+        # An evaluation reply carries no tensors, so a backward reply is the biggest one.
+        self.max_frame, self.max_tensor = frame_limit(self.reply_specs)
+        self.traffic = traffic or Traffic()
+        self.log = logging.getLogger(f"distgrad.{opts.stage}")
+        self.arrived: dict[tuple[int, int], Message] = {}
+        self.run_id = ""
+        self.client = self._new_client()
+
+    def set_reply_specs(self, reply_specs: Specs) -> None:
+        """Expect other backward tensors (the micro-batch count changed); reconnects if limits grow."""
+        self.reply_specs = dict(reply_specs)
+        limits = frame_limit(self.reply_specs)
+        if limits != (self.max_frame, self.max_tensor):
+            self.max_frame, self.max_tensor = limits
+            self.client.close(linger_ms=0)
+            self.client = self._new_client()
+
+    def _new_client(self) -> Client:
+        return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s,
+                      self.security, self.traffic)
+
+    def send(self, msg: Message) -> None:
+        self.client.send(msg)
+
+    def exchange(self, msg: Message) -> Message:
+        """Send ``msg`` and return its reply, with the retries of ``await_reply``.
+
+        A hello refused because the stage below is busy with another live run
+        is retried too, until ``peer_deadline_s``.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            key = (msg.step, msg.mb)
+            self.client.send(msg)
+            try:
+                return self.await_reply({key: msg}, key)
+            except PeerRejected as e:
+                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
+                    raise
+                self.log.warning("%s; retrying", e.peer_message)
+            self._reconnect(pause)
+            pause = min(pause * 2, RETRY_BACKOFF_S[1])
+
+    def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int]) -> Message:
+        """The reply to ``pending[key]``; replies to other pending requests are kept for later.
+
+        After each ``timeout_s`` without it, reconnect on a fresh socket and
+        resend every pending request in order, until ``peer_deadline_s``; then
+        raise ``PeerTimeout`` naming the endpoint. Raises ``PeerRejected`` for
+        an error reply, ``ProtocolError`` for a malformed one.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            reply = self.arrived.pop(key, None)
+            if reply is not None:
+                return reply
+            try:
+                reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.stop.check,
+                                         pending[key].describe)
+            except PeerTimeout as e:
+                if time.monotonic() + pause > deadline:
+                    raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
+                self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
+                                 self.connect, self.opts.timeout_s, deadline - time.monotonic())
+                self._reconnect(pause)
+                pause = min(pause * 2, RETRY_BACKOFF_S[1])
+                for request_key in sorted(pending):
+                    self.client.send(pending[request_key])
+                continue
+            self.arrived[(reply.step, reply.mb)] = reply
+
+    def _reconnect(self, pause: float) -> None:
+        self.client.close(linger_ms=0)
+        end = time.monotonic() + pause
+        while time.monotonic() < end:
+            self.stop.check()
+            time.sleep(min(POLL_TICK_S, max(0.0, end - time.monotonic())))
+        self.client = self._new_client()
+
+    def handshake(self, exp: Experiment, seed: int, output_shape: tuple[int, ...], run_id: str,
+                  held: list[int], steps: int, micro_batches: int) -> int:
+        """Hello/welcome for ``run_id``; returns the step the stage below stands at (one of ``held``).
+
+        ``held`` are the steps this side (and everything above it) can return
+        to; the stage below picks the newest one it holds too.
+        """
+        self.run_id = run_id
+        self.arrived.clear()
+        hello = Message(wire.HELLO, run_id, 0, body={
+            "role": self.opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint,
+            "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
+            "labels_travel": exp.labels_travel, "steps": steps, "step": max(held),
+            "held": held, "micro_batches": micro_batches})
+        welcome = self.exchange(hello)
+        next_step = welcome.body.get("next_step")
+        if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
+                or next_step - 1 not in held):
+            raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
+                                               f"got {welcome.describe()} {wire.show(welcome.body)}")
+        self.log.info("run %s: connected to stage %s at %s; at step %d", run_id,
+                      wire.show(welcome.body.get("stage")), self.connect, next_step - 1)
+        return next_step - 1
+
+    def close(self, linger_ms: int | None = None) -> None:
+        if linger_ms is None:
+            self.client.close()
+        else:
+            self.client.close(linger_ms)
+
+
+def check_backward(reply: Message, step: int, specs: Specs, allow_nonfinite: bool) -> tuple[np.float32, np.ndarray]:
+    """``(loss, activation_grad)`` of a backward reply; raises ``ProtocolError`` if it is not one."""
+    if reply.type != wire.BACKWARD:
+        raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
+    wire.expect_tensors(reply, specs, allow_nonfinite)
+    loss = reply.body.get("loss")
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
+    return np.float32(loss), reply.tensors["activation_grad"]
+
+
+def check_evaluation(reply: Message) -> dict[str, Any]:
+    """The body of an evaluation reply; raises ``ProtocolError`` if it is not one."""
+    body = reply.body
+    if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
+        raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
+    correct = body.get("correct")
+    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)):
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}")
+    return {"loss": body["loss"], "correct": correct, "count": body["count"]}
