@@ -1,0 +1,186 @@
+"""Chains of three and four stages: one process per stage, bitwise equal to the composed model.
+
+A middle stage serves the stage above it and connects to the stage below;
+these tests run real processes over tcp and ipc, kill a middle stage and
+restart it, and check every stage's parameters against ``--in-process``.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import StageProcess, read_json, read_lines, run_cli
+
+CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
+
+
+def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
+    path = tmp_path / f"reference-{experiment}.json"
+    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)["params"]
+
+
+@pytest.mark.parametrize("experiment,transport,flags", [
+    ("chain-regression", "tcp", []),
+    ("chain-regression", "ipc", ["--micro-batches", "4", "--schedule", "gpipe"]),
+    ("chain4-classify", "tcp", ["--micro-batches", "2", "--schedule", "1f1b"]),
+    ("chain4-classify", "ipc", []),
+])
+def test_chain_run_equals_the_composed_model_in_one_process(tmp_path, experiment, transport, flags):
+    summary_path = tmp_path / "run.json"
+    result = run_cli(["run", experiment, "--transport", transport, "--summary", summary_path, "--steps", "60", *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = read_json(summary_path)
+    assert sorted(summary["params"]) == sorted(CHAINS[experiment])
+    assert summary["params"] == _reference(tmp_path, experiment, "--steps", "60", *flags[:2])
+    assert summary["mode"] == f"{len(CHAINS[experiment])}-process"
+    for name in CHAINS[experiment]:
+        assert f"[{name}]" in result.stdout
+
+
+def test_secure_chain_equals_the_composed_model(tmp_path):
+    summary_path = tmp_path / "run.json"
+    result = run_cli(["run", "chain-regression", "--secure", "--summary", summary_path, "--steps", "40"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(summary_path)["params"] == _reference(tmp_path, "chain-regression", "--steps", "40")
+
+
+def test_chain_trace_equals_the_in_process_trace(tmp_path):
+    run_cli(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
+    run_cli(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
+    assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
+
+
+def _free_tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Chain:
+    """Every stage of one chain run as its own process, each restartable with its original command line."""
+
+    def __init__(self, tmp_path: Path, experiment: str, steps: int, endpoints: dict[str, str],
+                 resume: bool = True) -> None:
+        self.tmp, self.names = tmp_path, CHAINS[experiment]
+        common = ["--experiment", experiment, "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", "20", "--timeout", "1", "--peer-deadline", "30", "--liveness", "3"]
+        if resume:
+            common.append("--resume")
+        self.args = {}
+        for i, name in enumerate(self.names):
+            bind = ["--bind", endpoints[name]] if i > 0 else []
+            connect = ["--connect", endpoints[self.names[i + 1]]] if i + 1 < len(self.names) else []
+            self.args[name] = [name, *bind, *connect, "--summary", tmp_path / f"{name}.json", *common]
+        self.args[self.names[0]] += ["--trace", tmp_path / "trace.jsonl"]
+        self.procs: dict[str, StageProcess] = {}
+        self.starts = dict.fromkeys(self.names, 0)
+
+    def start(self, name: str) -> None:
+        self.starts[name] += 1
+        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
+
+    def start_all(self) -> None:
+        for name in reversed(self.names):
+            self.start(name)
+
+    def step(self) -> int:
+        try:
+            return len((self.tmp / "trace.jsonl").read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def wait_for_step(self, target: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step() < target:
+            assert time.monotonic() < deadline, f"stuck below step {target}:\n{self.logs()}"
+            for proc in self.procs.values():
+                assert proc.proc.poll() is None, f"a stage exited early:\n{self.logs()}"
+            time.sleep(0.002)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def finish(self) -> dict[str, dict]:
+        for name in self.names:
+            code = self.procs[name].wait(60)
+            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+        return {name: read_json(self.tmp / f"{name}.json") for name in self.names}
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def chains():
+    made: list[Chain] = []
+
+    def make(*args, **kwargs) -> Chain:
+        made.append(Chain(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for chain in made:
+        chain.stop()
+
+
+@pytest.mark.parametrize("experiment,victim,transport,resume", [
+    ("chain-regression", "m", "tcp", True),
+    ("chain4-classify", "m1", "ipc", True),
+    ("chain4-classify", "m2", "tcp", False),       # restarted from scratch: every stage goes back to step 0
+])
+def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, chains, experiment, victim, transport,
+                                                                   resume):
+    steps = 300
+    names = CHAINS[experiment]
+    endpoints = {name: _free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/{name}.sock"
+                 for name in names[1:]}
+    chain = chains(tmp_path, experiment, steps, endpoints, resume=resume)
+    chain.start_all()
+    for fraction in (0.2, 0.6):
+        chain.wait_for_step(int(steps * fraction))
+        chain.procs[victim].signal(signal.SIGKILL)
+        chain.procs[victim].wait(10)
+        chain.start(victim)                          # the same command line
+    summaries = chain.finish()
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))
+    for name in names:
+        assert summaries[name]["params"][name] == reference[name], name
+        assert summaries[name]["steps"] == steps
+    steps_traced = [line["step"] for line in read_lines(tmp_path / "trace.jsonl")]
+    assert steps_traced == list(range(1, steps + 1))     # no lost or doubled step
+    assert chain.starts[victim] == 3
+    if resume:
+        assert "resumed run" in chain.logs()
+
+
+def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_server):
+    """g runs another seed than f and m: the mismatch found by g comes up through m, exit 4."""
+    _, g_endpoint = start_server("chain-regression", "--seed", "7", name="g")
+    m, m_endpoint = start_server("chain-regression", "--connect", g_endpoint, stage="m", name="m")
+    result = run_cli(["stage", "f", "--experiment", "chain-regression", "--connect", m_endpoint, "--timeout", "2",
+                      "--peer-deadline", "5"])
+    assert result.returncode == 4, result.stderr
+    assert "stage g refused hello" in result.stderr and "seed" in result.stderr
+    assert m.proc.poll() is None                      # the middle stage keeps serving
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["m", "--bind", "tcp://127.0.0.1:*"], "is the middle stage of 'chain-regression'"),
+    (["m", "--connect", "tcp://127.0.0.1:5"], "give --bind ENDPOINT and --connect ENDPOINT"),
+    (["m", "--bind", "tcp://127.0.0.1:*", "--connect", "tcp://127.0.0.1:5", "--micro-batches", "2"],
+     "are for the driving stage"),
+    (["m", "--bind", "tcp://127.0.0.1:*", "--connect", "tcp://127.0.0.1:5", "--curve-secret", "x"],
+     "CURVE needs --curve-secret and --allow and --server-key together"),
+])
+def test_middle_stage_usage_errors_exit_2(args, needle):
+    result = run_cli(["stage", *args, "--experiment", "chain-regression"])
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
