@@ -28,6 +28,14 @@ class DataSource(abc.ABC):
     def features(self, step: int) -> np.ndarray:
         """float32 array of ``feature_shape`` for 1-based ``step``."""
 
+    def shard(self, index: int, count: int) -> None:
+        """Keep only data owner ``index``'s share of ``count``: every ``count``-th training row.
+
+        Held-out rows stay shared, so every owner is scored on the same rows.
+        Raises ``ConfigError`` for a source without rows to share out.
+        """
+        raise ConfigError(f"{type(self).__name__} data cannot be split between {count} data owners")
+
     @abc.abstractmethod
     def targets(self, step: int) -> np.ndarray:
         """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
@@ -72,14 +80,18 @@ class SyntheticRegression(DataSource):
         y = np.tanh(self.x.astype(np.float64) @ a) @ b + noise * rng.normal(size=(samples, outputs))
         self.y = y.astype(DTYPE)
         self.seed, self.batch = seed, batch
+        self.train_rows = np.arange(samples)
         self.batches_per_epoch = samples // batch
         self.feature_shape, self.target_shape = (batch, features), (batch, outputs)
         self._epoch, self._order = -1, np.arange(0)
 
+    def shard(self, index: int, count: int) -> None:
+        _keep_shard(self, index, count)
+
     def _rows(self, step: int) -> np.ndarray:
         epoch, index = divmod(step - 1, self.batches_per_epoch)
         if epoch != self._epoch:
-            self._order = np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.x))
+            self._order = self.train_rows[np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.train_rows))]
             self._epoch = epoch
         return self._order[index * self.batch:(index + 1) * self.batch]
 
@@ -109,6 +121,7 @@ class SyntheticClassification(SyntheticRegression):
         self.y = rng.integers(0, classes, size=samples).astype(np.int64)
         self.x = (centres[self.y] + spread * rng.normal(size=(samples, features))).astype(DTYPE)
         self.seed, self.batch = seed, batch
+        self.train_rows = np.arange(samples)
         self.batches_per_epoch = samples // batch
         self.feature_shape, self.target_shape = (batch, features), (batch,)
         self._epoch, self._order = -1, np.arange(0)
@@ -230,6 +243,9 @@ class ArrayFile(DataSource):
         return self._labels
 
     # -- the DataSource contract
+    def shard(self, index: int, count: int) -> None:
+        _keep_shard(self, index, count)
+
     def _rows(self, step: int) -> np.ndarray:
         epoch, index = divmod(step - 1, self.batches_per_epoch)
         if epoch != self._epoch:
@@ -248,6 +264,18 @@ class ArrayFile(DataSource):
 
     def test_targets(self) -> np.ndarray:
         return self._all_labels()[self.test_rows]
+
+
+def _keep_shard(source: Any, index: int, count: int) -> None:
+    """``shard`` for sources that batch over ``train_rows``."""
+    if not 0 <= index < count:
+        raise ConfigError(f"data owner {index} does not exist: there are {count} (0 to {count - 1})")
+    rows = source.train_rows[index::count]
+    if len(rows) < source.batch:
+        raise ConfigError(f"data owner {index} of {count} gets {len(rows)} training rows, fewer than a batch "
+                          f"of {source.batch}")
+    source.train_rows, source.batches_per_epoch = rows, len(rows) // source.batch
+    source._epoch = -1
 
 
 def build_data(spec: Mapping[str, Any], seed: int, base_dir: Path | None = None) -> DataSource:

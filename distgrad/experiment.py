@@ -4,7 +4,8 @@ An experiment is a TOML file that every stage reads (see the built-ins in
 ``distgrad/experiments/``). Top-level keys: ``name``, ``description``,
 ``steps``, ``seed``, ``labels`` (``"last"``: the label owner is the last
 stage, the default; ``"first"``: the targets travel downstream with the
-activations), ``allow_nonfinite`` (default false), a ``[data]`` table and one
+activations), ``allow_nonfinite`` (default false), ``[clients]`` (several data owners, see
+``Clients``), a ``[data]`` table and one
 ``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
 of layer tables), ``optimizer``, on the last stage only, ``loss``, and
 optionally ``framework`` (``"numpy"``, the default, or ``"torch"``: the same
@@ -35,7 +36,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 BUILTIN_DIR = Path(__file__).parent / "experiments"
-_TOP_KEYS = {"name", "description", "steps", "seed", "labels", "allow_nonfinite", "data", "stages"}
+_TOP_KEYS = {"name", "description", "steps", "seed", "labels", "allow_nonfinite", "data", "stages", "clients"}
+CLIENT_MODES = ("separate", "splitfed")
 _STAGE_KEYS = {"name", "model", "optimizer", "loss", "framework"}
 FRAMEWORKS = ("numpy", "torch")   # what a stage computes with; torch needs the distgrad[torch] extra
 
@@ -55,6 +57,21 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class Clients:
+    """Several data owners, each running the first stage on its own shard (``[clients]``).
+
+    ``mode`` "separate": each keeps its own first-stage parameters (vanilla
+    split learning); "splitfed": their parameters are averaged every
+    ``average_every`` steps. The serving stage takes one update per client
+    per step, in client order (docs/topologies.md).
+    """
+
+    count: int = 1
+    mode: str = "separate"
+    average_every: int = 0
+
+
+@dataclass(frozen=True)
 class Experiment:
     """A validated experiment. ``raw`` is the parsed file; ``fingerprint`` its hash."""
 
@@ -68,6 +85,12 @@ class Experiment:
     raw: dict[str, Any] = field(repr=False)
     fingerprint: str = ""
     source: str = ""
+    clients: Clients = Clients()
+
+    @property
+    def federated(self) -> bool:
+        """True when several data owners share the serving stage."""
+        return self.clients.count > 1
 
     @property
     def stage_names(self) -> list[str]:
@@ -84,9 +107,13 @@ class Experiment:
                 return i
         raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {self.stage_names}")
 
-    def build_data(self, seed: int | None = None) -> DataSource:
+    def build_data(self, seed: int | None = None, client: int | None = None) -> DataSource:
+        """The data source; with ``client``, only that data owner's shard of the training rows."""
         base = Path(self.source).parent if self.source and Path(self.source).is_file() else Path.cwd()
-        return build_data(self.data, self.seed if seed is None else seed, base)
+        data = build_data(self.data, self.seed if seed is None else seed, base)
+        if client is not None and self.federated:
+            data.shard(client, self.clients.count)
+        return data
 
     def input_shapes(self, data: DataSource, seed: int | None = None) -> list[Shape]:
         """The input shape of every stage, in order, with the output shape of the last appended."""
@@ -152,13 +179,16 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise _fail(source, f"stage names must be unique, got {names}")
+    clients = _parse_clients(source, raw.get("clients", {}), len(stages))
     canonical = json.dumps(raw, sort_keys=True, separators=(",", ":"))
     exp = Experiment(name, steps, seed, labels, bool(raw.get("allow_nonfinite", False)), data, stages,
-                     raw, hashlib.sha256(canonical.encode()).hexdigest(), source)
+                     raw, hashlib.sha256(canonical.encode()).hexdigest(), source, clients)
     # Build everything once so a bad file fails here, naming itself, not mid-run.
     try:
         data_source = exp.build_data()
         shapes = exp.input_shapes(data_source)
+        for client in range(clients.count if exp.federated else 0):
+            exp.build_data(client=client)
         loss = build_loss(stages[-1].loss)
         loss.target_shape(shapes[-1])
         for spec in stages:
@@ -167,6 +197,27 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     except ConfigError as e:
         raise _fail(source, str(e)) from e
     return exp
+
+
+def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
+    if not isinstance(table, dict):
+        raise _fail(source, "'clients' must be a table")
+    unknown = set(table) - {"count", "mode", "average_every"}
+    if unknown:
+        raise _fail(source, f"[clients] has unknown keys {sorted(unknown)}; allowed: average_every, count, mode")
+    count, mode = table.get("count", 1), table.get("mode", "separate")
+    every = table.get("average_every", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+        raise _fail(source, f"[clients] count must be an integer from 1 to 64, got {count!r}")
+    if mode not in CLIENT_MODES:
+        raise _fail(source, f"[clients] mode must be one of {list(CLIENT_MODES)}, got {mode!r}")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0 or (mode == "splitfed") != (every > 0):
+        raise _fail(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
+                            f"(and absent otherwise), got {every!r}")
+    if count > 1 and stage_count != 2:
+        raise _fail(source, f"several clients share one serving stage: the experiment needs exactly two "
+                            f"stages, it has {stage_count}")
+    return Clients(count, mode, every)
 
 
 def load_experiment(name_or_path: str | Path) -> Experiment:

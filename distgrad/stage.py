@@ -79,6 +79,27 @@ def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
     return total * scale if len(losses) > 1 else total
 
 
+def average_parameters(params: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The element-wise mean of several stages' parameters (SplitFed averaging), in float32.
+
+    Summed in list order (client 0 first), then divided by the count: the
+    one order every party uses, so the result is the same bit for bit.
+    """
+    count = np.float32(len(params))
+    mean = {}
+    for name in params[0]:
+        total = params[0][name].copy()
+        for other in params[1:]:
+            total += other[name]
+        mean[name] = total / count
+    return mean
+
+
+def client_stage_name(stage: str, client: int | None) -> str:
+    """How one data owner's copy of ``stage`` is named in summaries, logs and checkpoints (``f@2``)."""
+    return stage if client is None else f"{stage}@{client}"
+
+
 def check_micro_batches(exp: Experiment, count: int, batch_shape: tuple[int, ...]) -> None:
     """Raise ``ConfigError`` unless a batch of ``batch_shape`` splits into ``count`` equal micro-batches."""
     if count < 1:
