@@ -107,6 +107,8 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
                    help="serving or middle stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
     p.add_argument("--server-key", type=Path, metavar="FILE",
                    help="driving or middle stage with CURVE: the public key file of the stage below")
+    p.add_argument("--client", type=int, metavar="K",
+                   help="first stage of an experiment with [clients]: this is data owner K (0, 1, ...)")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
     p.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here once listening")
     return p
@@ -182,7 +184,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=args.micro_batches, schedule=args.schedule, metrics_path=args.metrics,
-        progress=_progress_mode(args.progress))
+        progress=_progress_mode(args.progress), client=args.client)
     serving = args.bind is not None
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
@@ -276,6 +278,9 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def _print_result(summary: dict) -> None:
     print(f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s "
           f"({summary.get('mode', 'two-process')}), final loss {summary['final_loss']:.6g}")
+    for client in summary.get("clients", []):
+        accuracy = f", test accuracy {client['test_accuracy']:.4f}" if "test_accuracy" in client else ""
+        print(f"  client {client['client']}: final loss {client['final_loss']:.6g}{accuracy}")
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")

@@ -28,7 +28,7 @@ from .errors import ConfigError, Interrupted, ProtocolError, StageError
 from .experiment import Experiment
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
-from .stage import Stage
+from .stage import Stage, client_stage_name
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity
 from .wire import ErrorCode
 
@@ -81,6 +81,12 @@ class StageOptions:
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
+    client: int | None = None          # driving stage of an experiment with [clients]: which data owner
+
+    @property
+    def instance(self) -> str:
+        """This process's name in logs, checkpoints and summaries: the stage, or ``f@2`` for client 2."""
+        return client_stage_name(self.stage, self.client)
 
     def __post_init__(self) -> None:
         if self.resume and self.checkpoint_dir is None:
@@ -91,6 +97,17 @@ class StageOptions:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        exp = self.experiment
+        if exp.federated and exp.stage_index(self.stage) == 0:
+            if self.client is None or not 0 <= self.client < exp.clients.count:
+                raise ConfigError(f"experiment {exp.name!r} has {exp.clients.count} clients: give --client 0 to "
+                                  f"{exp.clients.count - 1} (which data owner this is)")
+        elif self.client is not None:
+            raise ConfigError(f"--client is for the first stage of an experiment with [clients]; "
+                              f"{exp.name!r} stage {self.stage!r} is not one")
+        if exp.federated and exp.stage_index(self.stage) > 0 and (self.checkpoint_dir is not None or self.resume):
+            raise ConfigError("a serving stage with several clients keeps no checkpoints (yet): drop "
+                              "--checkpoint-dir/--resume there; the clients can still use them")
         for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
@@ -137,10 +154,10 @@ class StageState:
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
         # A checkpoint is only valid for the same starting point: seed and --init overrides.
         self.meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
-        self.store = (CheckpointStore(opts.checkpoint_dir, opts.stage, opts.experiment.fingerprint, self.meta)
+        self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
-        self.log = logging.getLogger(f"distgrad.{opts.stage}")
+        self.log = logging.getLogger(f"distgrad.{opts.instance}")
 
     def _fresh(self) -> Stage:
         return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
@@ -215,7 +232,7 @@ class StageState:
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
         summary = {
             "experiment": self.opts.experiment.name,
-            "stage": self.opts.stage,
+            "stage": self.opts.instance,
             "run_id": self.run_id,
             "status": status,
             "steps": self.stage.step,
@@ -223,7 +240,7 @@ class StageState:
             "final_loss": loss,
             "elapsed_s": time.perf_counter() - started,
             **extra,
-            "params": {self.opts.stage: to_lists(self.stage.params)},
+            "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if self.opts.summary_path is not None:
             write_json(self.opts.summary_path, summary)

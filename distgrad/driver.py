@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout
+from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
 from .inprocess import evaluation_fields
 from .losses import build_loss
 from .stage import check_micro_batches, combine_losses, micro_batch
@@ -42,7 +42,8 @@ class _Driver:
         self.steps = exp.steps if opts.steps is None else opts.steps
         self.state = StageState(opts)
         self.log = self.state.log
-        self.data = exp.build_data(opts.seed)
+        self.data = exp.build_data(opts.seed, client=opts.client)
+        self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
         loss = build_loss(exp.stages[-1].loss)
         self.target_dtype = loss.target_dtype
         check_micro_batches(exp, opts.micro_batches, self.data.feature_shape)
@@ -53,16 +54,26 @@ class _Driver:
         self.metrics = MetricsWriter(opts.metrics_path)
         self.progress = Progress(opts.progress, self.steps)
         self.g_compute_s = 0.0
-        self.link = DownstreamLink(opts, connect, stop, ctx, opts.security, self.reply_specs, self.traffic)
+        params = self.state.stage.params
+        self.link = DownstreamLink(opts, connect, stop, ctx, opts.security, self.reply_specs, self.traffic,
+                                   {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
 
     def handshake(self) -> None:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
         stage = self.state.stage
+        held = self.state.held()
         common = self.link.handshake(self.exp, self.opts.seed, stage.output_shape, self.state.run_id,
-                                     self.state.held(), self.steps, self.opts.micro_batches)
-        self.state.rollback(common)
+                                     held, self.steps, self.opts.micro_batches, self.opts.client)
+        if common in held:
+            self.state.rollback(common)
+        else:
+            # Dropped by the serving stage of several clients: go on from here at its next step.
+            self.log.warning("this client was dropped; it rejoins at step %d with its parameters of step %d "
+                             "(steps %d to %d are skipped)", common + 1, self.state.stage.step,
+                             self.state.stage.step + 1, common)
+            self.state.stage.step = common
         self.state.stage.accumulator.reset()
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
 
@@ -113,9 +124,22 @@ class _Driver:
             grads_seen = {k: v.copy() for k, v in grads.items()}
         stage.apply(grads)
         self.loss = float(combine_losses(losses, self.scale))
+        if self.average_every and step % self.average_every == 0:
+            self._average(step)
         if trace is not None and trace.enabled:
             trace.write(step, self.loss, grads_seen, stage.params)
         self.state.after_step()
+
+    def _average(self, step: int) -> None:
+        """SplitFed: send this client's parameters, take the mean of every client's in their place."""
+        params = self.state.stage.params
+        reply = self.link.exchange(Message(wire.AVERAGE, self.state.run_id, step, tensors=params))
+        if reply.type != wire.AVERAGE:
+            raise ProtocolError(ErrorCode.TYPE, f"expected an average reply to step {step}, got {reply.type!r}")
+        wire.expect_tensors(reply, {name: (value.shape, value.dtype) for name, value in params.items()},
+                            self.exp.allow_nonfinite)
+        for name, value in params.items():
+            value[...] = reply.tensors[name]
 
     def evaluate(self) -> None:
         """Held-out rows forward through both stages; the label owner scores them."""

@@ -27,6 +27,7 @@ from .experiment import check_init_overrides, load_experiment, parse_init_overri
 from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
 from .progress import PROGRESS_PREFIX, render_bar
+from .stage import client_stage_name
 from .records import merge_summaries, merge_traces, read_json, write_json
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -163,6 +164,9 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
+    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
+    # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
+    processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
     lock = threading.Lock()
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
@@ -171,8 +175,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
         for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
             if value is not None:
                 flags += [option, str(value)]
-        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in names}
-        curve = _curve_flags(tmp / "keys", names) if secure else {name: [] for name in names}
+        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
+        curve = _curve_flags(tmp / "keys", names, processes) if secure else {name: [] for name in processes}
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
@@ -190,10 +194,15 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 children.append(child)
                 below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
-            driver = _Child(names[0], _stage_argv(names[0], str(experiment), [
-                "--connect", below[0], *flags, *driver_flags, "--progress", "lines" if bar else "off",
-                *curve[names[0]], *outputs(names[0])]), out, lock, bar)
-            children.append(driver)
+            for client in clients:
+                # With several clients, client 0 draws the bar and the others log their progress.
+                label = names[0] if client is None else client_stage_name(names[0], client)
+                client_flags = [] if client is None else ["--client", str(client)]
+                shown = bar if client in (None, 0) else None
+                driver = _Child(label, _stage_argv(names[0], str(experiment), [
+                    "--connect", below[0], *client_flags, *flags, *driver_flags,
+                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label)]), out, lock, shown)
+                children.append(driver)
             _wait_all(children, check_stop)
         finally:
             for child in reversed(children):
@@ -201,29 +210,40 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
             for child in children:
                 if child.bar is not None:
                     child.bar.close()
-        summary = merge_summaries([read_json(files[name][0]) for name in names])
-        summary.update(mode="two-process" if len(names) == 2 else f"{len(names)}-process", transport=transport)
+        summaries = [read_json(files[name][0]) for name in processes]
+        summary = merge_summaries(summaries)
+        summary.update(mode="two-process" if len(processes) == 2 else f"{len(processes)}-process", transport=transport)
+        if exp.federated:
+            summary["clients"] = summaries[-1].get("clients", [])
+            summary["final_loss"] = summaries[-1].get("final_loss")
         if summary_path is not None:
             write_json(summary_path, summary)
         if trace_path is not None:
-            merge_traces([files[name][1] for name in names], trace_path)
+            merge_traces([files[name][1] for name in processes], trace_path)
     return summary
 
 
-def _curve_flags(directory: Path, names: Sequence[str]) -> dict[str, list[str]]:
-    """Fresh CURVE key pairs for a chain: each serving stage accepts only the key of the stage above it."""
-    keys = []
+def _curve_flags(directory: Path, names: Sequence[str], processes: Sequence[str]) -> dict[str, list[str]]:
+    """Fresh CURVE key pairs: each serving stage accepts only the keys of the stage above it.
+
+    ``processes`` are the first stage's processes (one per client) followed by
+    ``names[1:]``; every process gets its own key pair.
+    """
+    firsts = processes[:len(processes) - len(names) + 1]
+    keys: dict[str, tuple[Path, Path]] = {}
     for i, name in enumerate(names):
         # A stage's pair is made in the allow directory of the stage below it (the last one's anywhere).
         where = directory / f"allowed-by-{names[i + 1]}" if i + 1 < len(names) else directory
-        keys.append(keygen(where, name))
+        for process in (firsts if i == 0 else [name]):
+            keys[process] = keygen(where, process)
     flags = {}
-    for i, name in enumerate(names):
-        flags[name] = ["--curve-secret", str(keys[i][1])]
+    for process in processes:
+        i = 0 if process in firsts else names.index(process)
+        flags[process] = ["--curve-secret", str(keys[process][1])]
         if i > 0:
-            flags[name] += ["--allow", str(directory / f"allowed-by-{name}")]
+            flags[process] += ["--allow", str(directory / f"allowed-by-{process}")]
         if i + 1 < len(names):
-            flags[name] += ["--server-key", str(keys[i + 1][0])]
+            flags[process] += ["--server-key", str(keys[names[i + 1]][0])]
     return flags
 
 

@@ -37,11 +37,14 @@ class DownstreamLink:
     """
 
     def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context,
-                 security: SocketSecurity | None, reply_specs: Specs, traffic: Traffic | None = None) -> None:
+                 security: SocketSecurity | None, reply_specs: Specs, traffic: Traffic | None = None,
+                 other_replies: Specs | None = None) -> None:
         self.opts, self.connect, self.stop, self.ctx, self.security = opts, connect, stop, ctx, security
         self.reply_specs = dict(reply_specs)
-        # An evaluation reply carries no tensors, so a backward reply is the biggest one.
-        self.max_frame, self.max_tensor = frame_limit(self.reply_specs)
+        # The biggest reply is a backward one (an evaluation carries no tensors), or one of
+        # ``other_replies`` (a SplitFed average: the first stage's parameters).
+        self.other_limits = frame_limit(other_replies) if other_replies else (0, 0)
+        self.max_frame, self.max_tensor = self._limits()
         self.traffic = traffic or Traffic()
         self.log = logging.getLogger(f"distgrad.{opts.stage}")
         self.arrived: dict[tuple[int, int], Message] = {}
@@ -51,11 +54,15 @@ class DownstreamLink:
     def set_reply_specs(self, reply_specs: Specs) -> None:
         """Expect other backward tensors (the micro-batch count changed); reconnects if limits grow."""
         self.reply_specs = dict(reply_specs)
-        limits = frame_limit(self.reply_specs)
+        limits = self._limits()
         if limits != (self.max_frame, self.max_tensor):
             self.max_frame, self.max_tensor = limits
             self.client.close(linger_ms=0)
             self.client = self._new_client()
+
+    def _limits(self) -> tuple[int, int]:
+        frame, tensor = frame_limit(self.reply_specs)
+        return max(frame, self.other_limits[0]), max(tensor, self.other_limits[1])
 
     def _new_client(self) -> Client:
         return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s,
@@ -122,11 +129,13 @@ class DownstreamLink:
         self.client = self._new_client()
 
     def handshake(self, exp: Experiment, seed: int, output_shape: tuple[int, ...], run_id: str,
-                  held: list[int], steps: int, micro_batches: int) -> int:
+                  held: list[int], steps: int, micro_batches: int, client: int | None = None) -> int:
         """Hello/welcome for ``run_id``; returns the step the stage below stands at (one of ``held``).
 
         ``held`` are the steps this side (and everything above it) can return
-        to; the stage below picks the newest one it holds too.
+        to; the stage below picks the newest one it holds too. A ``client`` of
+        a stage serving several may instead be told a later step: the steps
+        it missed after being dropped.
         """
         self.run_id = run_id
         self.arrived.clear()
@@ -134,11 +143,12 @@ class DownstreamLink:
             "role": self.opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint,
             "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
             "labels_travel": exp.labels_travel, "steps": steps, "step": max(held),
-            "held": held, "micro_batches": micro_batches})
+            "held": held, "micro_batches": micro_batches,
+            **({"client": client} if client is not None else {})})
         welcome = self.exchange(hello)
         next_step = welcome.body.get("next_step")
         if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
-                or next_step - 1 not in held):
+                or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
         self.log.info("run %s: connected to stage %s at %s; at step %d", run_id,

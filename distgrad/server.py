@@ -13,6 +13,7 @@ below is passed up before this stage updates anything.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import zmq
 
 from . import wire
 from .errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError, StageError
+from .experiment import Experiment
 from .inprocess import evaluation_fields
 from .losses import build_loss
 from .link import DownstreamLink, check_backward, check_evaluation
@@ -139,25 +141,7 @@ class StageServer:
 
     def _hello(self, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
-        expected = {
-            "role": self.upstream,
-            "experiment": self.exp.name,
-            "fingerprint": self.exp.fingerprint,
-            "seed": self.opts.seed,
-            "activation": {"shape": list(self.stage.input_shape), "dtype": "float32"},
-            "labels_travel": self.exp.labels_travel,
-        }
-        for key, value in expected.items():
-            if not same_exactly(body.get(key), value):
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
-                                                        f"this stage expects {value!r}"
-                                    + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
-        mbs = body.get("micro_batches", 1)
-        shape = self.stage.input_shape
-        if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
-                len(shape) < 2 or shape[0] % mbs)):
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
-                                                    f"shape {shape} do not split into that many equal parts")
+        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape)
         if self.active and msg.run == self.state.run_id:
             self._check_owner(peer_key)
             common = self._agree(msg, self.state.held(), body.get("held"), mbs)
@@ -341,7 +325,45 @@ class StageServer:
         return summary
 
 
-def _refusal(msg: Message | None, error: ProtocolError) -> Message:
+def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
+                input_shape: tuple[int, ...]) -> int:
+    """Check that a hello comes from stage ``upstream`` of the same experiment, seed and shapes;
+    return the micro-batch count it asks for. Raises ``ProtocolError`` (``MISMATCH``)."""
+    expected = {
+        "role": upstream,
+        "experiment": exp.name,
+        "fingerprint": exp.fingerprint,
+        "seed": seed,
+        "activation": {"shape": list(input_shape), "dtype": "float32"},
+        "labels_travel": exp.labels_travel,
+    }
+    for key, value in expected.items():
+        if not same_exactly(body.get(key), value):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
+                                                    f"this stage expects {value!r}"
+                                + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+    mbs = body.get("micro_batches", 1)
+    if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
+            len(input_shape) < 2 or input_shape[0] % mbs)):
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
+                                                f"shape {input_shape} do not split into that many equal parts")
+    return mbs
+
+
+def announce(server: Server, opts: StageOptions, ready_file: Path | None,
+             on_ready: Callable[[str], None] | None) -> None:
+    """Log the bound endpoint, write it to ``ready_file`` (atomically) and pass it to ``on_ready``."""
+    server_log = logging.getLogger(f"distgrad.{opts.stage}")
+    server_log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(server.endpoint)
+        tmp.replace(ready_file)
+    if on_ready is not None:
+        on_ready(server.endpoint)
+
+
+def refusal(msg: Message | None, error: ProtocolError) -> Message:
     """The error reply to a refused message, echoing its ids when it could be decoded."""
     if msg is None:
         return wire.error_message("", 0, error.code, str(error.args[0]))
@@ -363,17 +385,14 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
     checkpoint.
     """
     ctx = ctx or zmq.Context.instance()
+    if opts.experiment.federated:
+        from .federation import serve_clients
+        return serve_clients(opts, bind, stop, keep_serving, ready_file, ctx, on_ready)
     logic = StageServer(opts, connect, stop, ctx)
     log = logic.log
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
     try:
-        log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
-        if ready_file is not None:
-            tmp = ready_file.with_name(ready_file.name + ".tmp")
-            tmp.write_text(server.endpoint)
-            tmp.replace(ready_file)
-        if on_ready is not None:
-            on_ready(server.endpoint)
+        announce(server, opts, ready_file, on_ready)
         while True:
             stop.check()
             request = server.receive(POLL_TICK_S)
@@ -392,7 +411,7 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
             except ProtocolError as e:
                 log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
                             wire.ERROR_TEXT_MAX, e)
-                server.reply(envelope, _refusal(msg, e))
+                server.reply(envelope, refusal(msg, e))
                 continue
             server.reply(envelope, reply)
             logic.finish_run()

@@ -34,7 +34,9 @@ ALIGN_BYTES = 16                      # received tensors at other addresses are 
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
 PING, PONG = "ping", "pong"
 EVALUATE, EVALUATION = "evaluate", "evaluation"
-MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION})
+AVERAGE = "average"                   # SplitFed: a client's first-stage parameters, and the reply: their mean
+MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION,
+                           AVERAGE})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
 # Tensor dtypes on the wire, always little-endian.
