@@ -32,7 +32,7 @@ from .errors import ConfigError, DistgradError
 MAGIC = b"DGCKPT1\n"
 KEEP_LAST = 3                      # checkpoints kept per stage (at least two must survive a torn write)
 HEADER_MAX_BYTES = 1 << 20
-_NAME = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)-(?P<step>\d{9})\.ckpt$")
+_NAME = re.compile(r"^(?P<stage>[A-Za-z0-9_.@-]+)-(?P<step>\d{9})\.ckpt$")   # f@2: client 2 of stage f
 
 log = logging.getLogger("distgrad.checkpoint")
 

@@ -46,7 +46,7 @@ class DownstreamLink:
         self.other_limits = frame_limit(other_replies) if other_replies else (0, 0)
         self.max_frame, self.max_tensor = self._limits()
         self.traffic = traffic or Traffic()
-        self.log = logging.getLogger(f"distgrad.{opts.stage}")
+        self.log = logging.getLogger(f"distgrad.{opts.instance}")
         self.arrived: dict[tuple[int, int], Message] = {}
         self.run_id = ""
         self.client = self._new_client()

@@ -1,0 +1,189 @@
+"""Several data owners against one label owner: reproducible order, drops and rejoins.
+
+Real processes over real sockets: three first-stage clients, each on its own
+shard, and one serving stage that takes their steps in client order. The
+results must equal ``--in-process`` bit for bit, whatever order the clients
+start in; a client that dies is dropped and the others go on; it rejoins.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import StageProcess, read_json, read_lines, run_cli
+
+CLIENTS = ["f@0", "f@1", "f@2"]
+
+
+def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)
+
+
+@pytest.mark.parametrize("experiment,transport,flags", [
+    ("digits-clients", "tcp", ["--steps", "60"]),
+    ("digits-splitfed", "ipc", ["--steps", "40", "--micro-batches", "2"]),
+])
+def test_three_clients_equal_the_in_process_order(tmp_path, experiment, transport, flags):
+    path = tmp_path / "run.json"
+    result = run_cli(["run", experiment, "--transport", transport, "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    assert sorted(summary["params"]) == [*CLIENTS, "g"]
+    assert summary["params"] == reference["params"]
+    assert summary["params"]["f@0"] != summary["params"]["f@1"] or experiment == "digits-splitfed"
+    for ours, theirs in zip(summary["clients"], reference["clients"]):
+        assert ours["status"] == "completed"
+        for key in ("client", "final_loss", "test_loss", "test_accuracy"):
+            assert ours[key] == theirs[key], key
+    for client in range(3):
+        assert f"client {client}: final loss" in result.stdout
+
+
+def test_splitfed_clients_hold_the_same_parameters_after_an_average(tmp_path):
+    summary = _reference(tmp_path, "digits-splitfed", "--steps", "20")
+    assert summary["params"]["f@0"] == summary["params"]["f@1"] == summary["params"]["f@2"]
+    separate = _reference(tmp_path, "digits-splitfed", "--steps", "21")
+    assert separate["params"]["f@0"] != separate["params"]["f@1"]      # one step after it they differ
+
+
+def _free_tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Clients:
+    """A serving stage and three clients of one run, each a process with its own log."""
+
+    def __init__(self, tmp_path: Path, experiment: str, steps: int, endpoint: str, *flags: str) -> None:
+        self.tmp = tmp_path
+        common = ["--experiment", experiment, "--steps", str(steps), *flags]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
+        for c, name in enumerate(CLIENTS):
+            self.args[name] = ["f", "--client", str(c), "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
+                               "--trace", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / "ckpt",
+                               "--checkpoint-every", "10", "--resume", *common]
+        self.procs: dict[str, StageProcess] = {}
+        self.starts = dict.fromkeys(self.args, 0)
+
+    def start(self, name: str) -> None:
+        self.starts[name] += 1
+        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
+
+    def steps(self, name: str) -> int:
+        try:
+            return len((self.tmp / f"{name}.jsonl").read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def wait_until(self, condition, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.logs()}"
+            time.sleep(0.01)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def finish(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.wait(60)
+            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def clients():
+    made: list[Clients] = []
+
+    def make(*args) -> Clients:
+        made.append(Clients(*args))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.stop()
+
+
+def test_the_order_does_not_depend_on_who_comes_first(tmp_path, clients):
+    """Client 2 starts first and client 0 last, well apart: still the in-process result."""
+    run = clients(tmp_path, "digits-clients", 30, f"ipc://{tmp_path}/g.sock", "--timeout", "2")
+    run.start("g")
+    for name in reversed(CLIENTS):
+        run.start(name)
+        time.sleep(0.5)
+    run.finish()
+    reference = _reference(tmp_path, "digits-clients", "--steps", "30")["params"]
+    for name in [*CLIENTS, "g"]:
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
+
+
+def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, clients):
+    steps = 400
+    run = clients(tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
+                  "--peer-deadline", "30")
+    run.start("g")
+    for name in CLIENTS:
+        run.start(name)
+    run.wait_until(lambda: run.steps("f@1") >= 40, "client 1 to reach step 40")
+    run.procs["f@1"].signal(signal.SIGKILL)
+    run.procs["f@1"].wait(10)
+    run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1")
+    at_drop = run.steps("f@0")
+    run.wait_until(lambda: run.steps("f@0") >= at_drop + 20 and run.steps("f@2") >= at_drop + 20,
+                   "clients 0 and 2 to go on without client 1")
+    run.start("f@1")                                       # the same command line: --resume
+    run.finish()
+    g_log = run.logs()
+    assert "client 1 rejoins" in g_log and "resumed run" in g_log and "this client was dropped" in g_log
+    summary = read_json(tmp_path / "g.json")
+    assert [c["status"] for c in summary["clients"]] == ["completed"] * 3
+    assert [c["steps"] for c in summary["clients"]] == [steps] * 3
+    rejoined = [line["step"] for line in read_lines(tmp_path / "f@1.jsonl")]
+    assert rejoined == sorted(set(rejoined)) and rejoined[-1] == steps        # skipped steps, none twice
+    assert len(rejoined) < steps
+    for name in ("f@0", "f@2"):
+        assert [line["step"] for line in read_lines(tmp_path / f"{name}.jsonl")] == list(range(1, steps + 1))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["f", "--connect", "tcp://127.0.0.1:5"], "give --client 0 to 2"),
+    (["f", "--client", "3", "--connect", "tcp://127.0.0.1:5"], "give --client 0 to 2"),
+    (["g", "--client", "1", "--bind", "tcp://127.0.0.1:*"], "--client is for the first stage"),
+    (["g", "--bind", "tcp://127.0.0.1:*", "--checkpoint-dir", "ck"], "keeps no checkpoints"),
+])
+def test_client_usage_errors_exit_2(args, needle):
+    result = run_cli(["stage", *args, "--experiment", "digits-clients"])
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+
+
+def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_server, zmq_ctx):
+    from distgrad import wire
+    from distgrad.experiment import load_experiment
+    from distgrad.transport import Client
+    from distgrad.errors import PeerRejected
+    from conftest import hello_message
+
+    _, endpoint = start_server("digits-clients")
+    exp = load_experiment("digits-clients")
+    client = Client(zmq_ctx, endpoint)
+    try:
+        for bad in (7, -1, "0", None):
+            with pytest.raises(PeerRejected, match="client"):
+                client.request(hello_message(exp, "r1", client=bad, micro_batches=1), 5.0)
+        ping = client.request(wire.Message(wire.PING, "", 0), 5.0)
+        assert ping.body["phase"] == "joining"
+    finally:
+        client.close(linger_ms=0)
