@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -82,6 +82,9 @@ class StageOptions:
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
+    # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
+    # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
+    stage_factory: Callable[[], Stage] | None = None
 
     @property
     def instance(self) -> str:
@@ -160,6 +163,8 @@ class StageState:
         self.log = logging.getLogger(f"distgrad.{opts.instance}")
 
     def _fresh(self) -> Stage:
+        if self.opts.stage_factory is not None:
+            return self.opts.stage_factory()
         return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
 
     def resume_latest(self) -> bool:

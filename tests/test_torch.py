@@ -300,8 +300,8 @@ class Head(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(a)))
 
 
-def test_a_hand_written_module_is_a_stage(tmp_path):
-    exp = load_experiment(_tanh(tmp_path, "numpy", "torch", ADAM, steps=15))
+def _head_stage(exp) -> TorchStage:
+    """tanh-regression's g as a hand-written module, starting from the experiment's initial values."""
     initial = Stage.from_experiment(exp, "g").params
     head = Head()
     with torch.no_grad():
@@ -311,8 +311,28 @@ def test_a_hand_written_module_is_a_stage(tmp_path):
     # The experiment's adam table as a torch stage reads it: the float32 values the numpy Adam uses.
     optimizer = torch.optim.Adam(head.parameters(), lr=float(np.float32(0.01)),
                                  betas=(float(np.float32(0.9)), float(np.float32(0.999))), eps=float(np.float32(1e-8)))
+    return TorchStage.from_module("g", head, optimizer, Stage.from_experiment(exp, "f").output_shape,
+                                  loss="mean_squared_error")
+
+
+def test_a_hand_written_module_serves_over_the_wire(tmp_path):
+    """The Python API takes a stage factory: a numpy f drives a hand-written torch g over a real socket."""
+    from distgrad.api import drive_stage, serve_stage
+
+    exp = load_experiment(_tanh(tmp_path, "numpy", "torch", ADAM, steps=15))
+    with serve_stage(exp, stage_factory=lambda: _head_stage(exp)) as g:
+        f_summary = drive_stage(exp, g.endpoint)
+        g_summary = g.wait()
+    reference = train_in_process(exp)["params"]
+    assert f_summary["params"]["f"] == reference["f"]
+    assert np.array_equal(np.array(g_summary["params"]["g"]["hidden.weight"], np.float32).T,
+                          np.array(reference["g"]["g1.W"], np.float32))
+
+
+def test_a_hand_written_module_is_a_stage(tmp_path):
+    exp = load_experiment(_tanh(tmp_path, "numpy", "torch", ADAM, steps=15))
     f = Stage.from_experiment(exp, "f")
-    g = TorchStage.from_module("g", head, optimizer, f.output_shape, loss="mean_squared_error")
+    g = _head_stage(exp)
     assert sorted(g.params) == ["hidden.bias", "hidden.weight", "out.bias", "out.weight"]
     assert (g.output_shape, g.target_shape, g.is_last) == ((32, 1), (32, 1), True)
     data = exp.build_data()
@@ -328,7 +348,7 @@ def test_a_hand_written_module_is_a_stage(tmp_path):
     with pytest.raises(ConfigError, match="does not take input of shape"):
         TorchStage.from_module("g", other, torch.optim.SGD(other.parameters(), lr=0.1), (32, 7))
     with pytest.raises(ConfigError, match="not a parameter of the module"):
-        TorchStage.from_module("g", Head(), optimizer, (32, 32))
+        TorchStage.from_module("g", Head(), g.optimizer, (32, 32))
 
 
 def test_without_torch_a_torch_stage_says_how_to_install_it(monkeypatch, tmp_path):
