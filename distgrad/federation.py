@@ -37,7 +37,7 @@ from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message
 
 from .daemon import StageOptions, StageState, StopFlag, common_step, frame_limit, target_spec, tensor_specs
-from .server import announce, check_hello, refusal
+from .server import announce, check_hello, decode_and_handle
 
 Envelope = list[bytes]
 Reply = tuple[Envelope, Message]
@@ -414,14 +414,9 @@ def serve_clients(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: b
                                   f"{logic.round}; giving up")
             if request is not None:
                 envelope, frames, peer_key = request
-                msg: Message | None = None
-                try:
-                    msg = wire.decode(frames, logic.max_tensor_bytes)
-                    replies += logic.handle(envelope, msg, now, peer_key)
-                except ProtocolError as e:
-                    log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                                wire.ERROR_TEXT_MAX, e)
-                    replies.append((envelope, refusal(msg, e)))
+                _, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
+                                                       lambda m: logic.handle(envelope, m, now, peer_key), log)
+                replies += [(envelope, answer)] if refused else answer
             for envelope, reply in replies:
                 server.reply(envelope, reply)
             if logic.complete():

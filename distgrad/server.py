@@ -363,6 +363,19 @@ def announce(server: Server, opts: StageOptions, ready_file: Path | None,
         on_ready(server.endpoint)
 
 
+def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable[[Message], Any],
+                      log: logging.Logger) -> tuple[Message | None, Any, bool]:
+    """``(msg, handle(msg), False)`` for a request, or ``(msg or None, error reply, True)`` when
+    it cannot be decoded or ``handle`` refuses it (raises ``ProtocolError``); refusals are logged."""
+    msg: Message | None = None
+    try:
+        msg = wire.decode(frames, max_tensor_bytes)
+        return msg, handle(msg), False
+    except ProtocolError as e:
+        log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message", wire.ERROR_TEXT_MAX, e)
+        return msg, refusal(msg, e), True
+
+
 def refusal(msg: Message | None, error: ProtocolError) -> Message:
     """The error reply to a refused message, echoing its ids when it could be decoded."""
     if msg is None:
@@ -404,16 +417,11 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
             if request is None:
                 continue
             envelope, frames, peer_key = request
-            msg: Message | None = None
-            try:
-                msg = wire.decode(frames, logic.max_tensor_bytes)
-                reply = logic.handle(msg, now, peer_key)
-            except ProtocolError as e:
-                log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                            wire.ERROR_TEXT_MAX, e)
-                server.reply(envelope, refusal(msg, e))
-                continue
+            msg, reply, refused = decode_and_handle(frames, logic.max_tensor_bytes,
+                                                    lambda m: logic.handle(m, now, peer_key), log)
             server.reply(envelope, reply)
+            if refused:
+                continue
             logic.finish_run()
             if msg.type == wire.BYE and logic.finished is not None:
                 log.info("run %s completed: %d steps, final loss %s", msg.run, logic.finished["steps"],

@@ -126,9 +126,13 @@ class Stage:
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
-        self.name, self.model, self.optimizer, self.loss = name, model, optimizer, loss
-        self.input_shape = input_shape
-        self.output_shape = model.output_shape(input_shape)
+        self.model = model
+        self._setup(name, optimizer, loss, input_shape, model.output_shape(input_shape))
+
+    def _setup(self, name: str, optimizer: Any, loss: Loss | None, input_shape: Shape, output_shape: Shape) -> None:
+        """What every stage holds, whatever computes it: names, shapes, step counter, accumulator."""
+        self.name, self.optimizer, self.loss = name, optimizer, loss
+        self.input_shape, self.output_shape = tuple(input_shape), tuple(output_shape)
         self.target_shape = loss.target_shape(self.output_shape) if loss else None
         self.target_dtype = loss.target_dtype if loss else None
         self.step = 0
@@ -199,12 +203,17 @@ class Stage:
                 arrays[f"opt/{key}"] = np.asarray(value)
         return arrays
 
-    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
-        """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
+    def _saved_param_names(self, arrays: Mapping[str, np.ndarray]) -> set[str]:
+        """The parameter names in checkpoint ``arrays``; ``ValueError`` unless they are this stage's."""
         names = {k.split("/", 1)[1] for k in arrays if k.startswith("param/")}
         if names != set(self.params):
             raise ValueError(f"stage {self.name}: checkpoint has parameters {sorted(names)}, "
                              f"the model has {sorted(self.params)}")
+        return names
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
+        """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
+        self._saved_param_names(arrays)
         for name, value in self.params.items():
             saved = arrays[f"param/{name}"]
             if saved.shape != value.shape:

@@ -77,7 +77,7 @@ from .experiment import Experiment, build_stage_parts
 from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, build_loss
 from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from .optim import SGD, Adam, Optimizer
-from .stage import GradAccumulator, Stage
+from .stage import Stage
 
 try:
     import torch
@@ -202,8 +202,8 @@ class TorchStage(Stage):
 
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
                  input_shape: Shape, params: Sequence[_Param]) -> None:
-        # Stage.__init__ is not called: it builds around a numpy Sequential. The bookkeeping it sets up
-        # (shapes, step, accumulator) is set up here the same way.
+        # Stage.__init__ is not called: it builds around a numpy Sequential. The bookkeeping every
+        # stage holds (shapes, step, accumulator) comes from Stage._setup.
         self.name, self.module, self.optimizer, self.loss = name, module, optimizer, loss
         self._params = list(params)
         for p in self._params:
@@ -221,12 +221,8 @@ class TorchStage(Stage):
             if type(loss) not in _TORCH_LOSSES:
                 raise ConfigError(f"stage {name}: loss {type(loss).__name__} has no torch version")
             self._loss_fn = _TORCH_LOSSES[type(loss)]
-        self.input_shape = tuple(input_shape)
-        self.output_shape = self._probe_output_shape()
-        self.target_shape = loss.target_shape(self.output_shape) if loss else None
-        self.target_dtype = loss.target_dtype if loss else None
-        self.step = 0
-        self.accumulator = GradAccumulator()
+        self.input_shape = tuple(input_shape)        # the probe below needs it
+        self._setup(name, optimizer, loss, input_shape, self._probe_output_shape())
 
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
@@ -380,10 +376,7 @@ class TorchStage(Stage):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
         """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
-        names = {k.split("/", 1)[1] for k in arrays if k.startswith("param/")}
-        if names != set(self._by_name):
-            raise ValueError(f"stage {self.name}: checkpoint has parameters {sorted(names)}, "
-                             f"the model has {sorted(self._by_name)}")
+        names = self._saved_param_names(arrays)
         current = self.params
         for name in names:
             saved = np.asarray(arrays[f"param/{name}"], np.float32)

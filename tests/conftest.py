@@ -74,6 +74,66 @@ class StageProcess:
         self.stop()
 
 
+class StageGroup:
+    """The stage processes of one run, each restartable with its command line ``args[name]``.
+
+    Every wait has a deadline; ``stop`` stops every process (the ``stage_group`` fixture calls it).
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.args: dict[str, list] = {}
+        self.procs: dict[str, StageProcess] = {}
+        self.starts: dict[str, int] = {}
+
+    def start(self, name: str) -> None:
+        self.starts[name] = self.starts.get(name, 0) + 1
+        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
+
+    def lines(self, trace: str) -> int:
+        """Lines (steps) in the trace file ``tmp_path/trace`` so far."""
+        try:
+            return len((self.tmp / trace).read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def wait_until(self, condition, what: str, timeout: float = 30.0, all_running: bool = True) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.logs()}"
+            if all_running:
+                for proc in self.procs.values():
+                    assert proc.proc.poll() is None, f"a stage exited early:\n{self.logs()}"
+            time.sleep(0.002)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def wait_all(self, timeout: float = 60.0) -> None:
+        """Wait for every process to exit, and fail unless each exits 0."""
+        for name, proc in self.procs.items():
+            code = proc.wait(timeout)
+            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def stage_group():
+    """A factory ``stage_group(GroupClass, *args)``; every group made is stopped afterwards."""
+    made: list[StageGroup] = []
+
+    def make(cls: type, *args, **kwargs) -> StageGroup:
+        made.append(cls(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.stop()
+
+
 def wait_for_file(path: Path, proc: StageProcess, timeout: float = 30.0) -> str:
     """Contents of ``path`` once it exists; fails if ``proc`` exits or time runs out first."""
     deadline = time.monotonic() + timeout

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
@@ -63,72 +62,33 @@ def _free_tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-class Chain:
+class Chain(StageGroup):
     """Every stage of one chain run as its own process, each restartable with its original command line."""
 
     def __init__(self, tmp_path: Path, experiment: str, steps: int, endpoints: dict[str, str],
                  resume: bool = True) -> None:
-        self.tmp, self.names = tmp_path, CHAINS[experiment]
+        super().__init__(tmp_path)
+        self.names = CHAINS[experiment]
         common = ["--experiment", experiment, "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
                   "--checkpoint-every", "20", "--timeout", "1", "--peer-deadline", "30", "--liveness", "3"]
         if resume:
             common.append("--resume")
-        self.args = {}
         for i, name in enumerate(self.names):
             bind = ["--bind", endpoints[name]] if i > 0 else []
             connect = ["--connect", endpoints[self.names[i + 1]]] if i + 1 < len(self.names) else []
             self.args[name] = [name, *bind, *connect, "--summary", tmp_path / f"{name}.json", *common]
         self.args[self.names[0]] += ["--trace", tmp_path / "trace.jsonl"]
-        self.procs: dict[str, StageProcess] = {}
-        self.starts = dict.fromkeys(self.names, 0)
-
-    def start(self, name: str) -> None:
-        self.starts[name] += 1
-        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
 
     def start_all(self) -> None:
         for name in reversed(self.names):
             self.start(name)
 
-    def step(self) -> int:
-        try:
-            return len((self.tmp / "trace.jsonl").read_text().splitlines())
-        except FileNotFoundError:
-            return 0
-
-    def wait_for_step(self, target: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.step() < target:
-            assert time.monotonic() < deadline, f"stuck below step {target}:\n{self.logs()}"
-            for proc in self.procs.values():
-                assert proc.proc.poll() is None, f"a stage exited early:\n{self.logs()}"
-            time.sleep(0.002)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+    def wait_for_step(self, target: int) -> None:
+        self.wait_until(lambda: self.lines("trace.jsonl") >= target, f"step {target}")
 
     def finish(self) -> dict[str, dict]:
-        for name in self.names:
-            code = self.procs[name].wait(60)
-            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+        self.wait_all()
         return {name: read_json(self.tmp / f"{name}.json") for name in self.names}
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
-
-
-@pytest.fixture
-def chains():
-    made: list[Chain] = []
-
-    def make(*args, **kwargs) -> Chain:
-        made.append(Chain(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for chain in made:
-        chain.stop()
 
 
 @pytest.mark.parametrize("experiment,victim,transport,resume", [
@@ -136,13 +96,13 @@ def chains():
     ("chain4-classify", "m1", "ipc", True),
     ("chain4-classify", "m2", "tcp", False),       # restarted from scratch: every stage goes back to step 0
 ])
-def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, chains, experiment, victim, transport,
+def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stage_group, experiment, victim, transport,
                                                                    resume):
     steps = 300
     names = CHAINS[experiment]
     endpoints = {name: _free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/{name}.sock"
                  for name in names[1:]}
-    chain = chains(tmp_path, experiment, steps, endpoints, resume=resume)
+    chain = stage_group(Chain, tmp_path, experiment, steps, endpoints, resume=resume)
     chain.start_all()
     for fraction in (0.2, 0.6):
         chain.wait_for_step(int(steps * fraction))

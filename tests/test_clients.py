@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli
 
 CLIENTS = ["f@0", "f@1", "f@2"]
 
@@ -60,78 +60,38 @@ def _free_tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-class Clients:
+class Clients(StageGroup):
     """A serving stage and three clients of one run, each a process with its own log."""
 
     def __init__(self, tmp_path: Path, experiment: str, steps: int, endpoint: str, *flags: str) -> None:
-        self.tmp = tmp_path
+        super().__init__(tmp_path)
         common = ["--experiment", experiment, "--steps", str(steps), *flags]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
         for c, name in enumerate(CLIENTS):
             self.args[name] = ["f", "--client", str(c), "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
                                "--trace", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / "ckpt",
                                "--checkpoint-every", "10", "--resume", *common]
-        self.procs: dict[str, StageProcess] = {}
-        self.starts = dict.fromkeys(self.args, 0)
-
-    def start(self, name: str) -> None:
-        self.starts[name] += 1
-        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
 
     def steps(self, name: str) -> int:
-        try:
-            return len((self.tmp / f"{name}.jsonl").read_text().splitlines())
-        except FileNotFoundError:
-            return 0
-
-    def wait_until(self, condition, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.logs()}"
-            time.sleep(0.01)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
-
-    def finish(self) -> None:
-        for name, proc in self.procs.items():
-            code = proc.wait(60)
-            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
+        return self.lines(f"{name}.jsonl")
 
 
-@pytest.fixture
-def clients():
-    made: list[Clients] = []
-
-    def make(*args) -> Clients:
-        made.append(Clients(*args))
-        return made[-1]
-
-    yield make
-    for group in made:
-        group.stop()
-
-
-def test_the_order_does_not_depend_on_who_comes_first(tmp_path, clients):
+def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
     """Client 2 starts first and client 0 last, well apart: still the in-process result."""
-    run = clients(tmp_path, "digits-clients", 30, f"ipc://{tmp_path}/g.sock", "--timeout", "2")
+    run = stage_group(Clients, tmp_path, "digits-clients", 30, f"ipc://{tmp_path}/g.sock", "--timeout", "2")
     run.start("g")
     for name in reversed(CLIENTS):
         run.start(name)
         time.sleep(0.5)
-    run.finish()
+    run.wait_all()
     reference = _reference(tmp_path, "digits-clients", "--steps", "30")["params"]
     for name in [*CLIENTS, "g"]:
         assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
 
 
-def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, clients):
+def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stage_group):
     steps = 400
-    run = clients(tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
+    run = stage_group(Clients, tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
                   "--peer-deadline", "30")
     run.start("g")
     for name in CLIENTS:
@@ -139,12 +99,12 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, clie
     run.wait_until(lambda: run.steps("f@1") >= 40, "client 1 to reach step 40")
     run.procs["f@1"].signal(signal.SIGKILL)
     run.procs["f@1"].wait(10)
-    run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1")
+    run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1", all_running=False)
     at_drop = run.steps("f@0")
     run.wait_until(lambda: run.steps("f@0") >= at_drop + 20 and run.steps("f@2") >= at_drop + 20,
-                   "clients 0 and 2 to go on without client 1")
+                   "clients 0 and 2 to go on without client 1", all_running=False)
     run.start("f@1")                                       # the same command line: --resume
-    run.finish()
+    run.wait_all()
     g_log = run.logs()
     assert "client 1 rejoins" in g_log and "resumed run" in g_log and "this client was dropped" in g_log
     summary = read_json(tmp_path / "g.json")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, read_lines, run_cli
+from conftest import StageGroup, StageProcess, read_json, read_lines, run_cli
 
 CHECKPOINT_EVERY = "25"
 FAULT_TESTS = {"seed-reverse": "900", "tanh-regression": "1200"}
@@ -32,67 +32,33 @@ def _reference(tmp_path: Path, experiment: str, steps: str) -> dict:
     return read_json(path)["params"]
 
 
-class Pair:
+class Pair(StageGroup):
     """The two stages of one run, each restartable with its original command line."""
 
     def __init__(self, tmp_path: Path, experiment: str, steps: str, endpoint: str) -> None:
-        self.tmp = tmp_path
+        super().__init__(tmp_path)
         common = ["--experiment", experiment, "--steps", steps, "--checkpoint-dir", tmp_path / "ckpt",
                   "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "1", "--peer-deadline", "30"]
         self.args = {
             "g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
             "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace", tmp_path / "f.jsonl", *common],
         }
-        self.procs: dict[str, StageProcess] = {}
-        self.starts = {"f": 0, "g": 0}
-
-    def start(self, name: str) -> None:
-        self.starts[name] += 1
-        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
-
-    def step(self) -> int:
-        """Steps f has applied, from its trace (rolled back on resume)."""
-        path = self.tmp / "f.jsonl"
-        try:
-            lines = path.read_text().splitlines()
-        except FileNotFoundError:
-            return 0
-        return len(lines)
 
     def wait_for_step(self, target: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.step() < target:
-            assert time.monotonic() < deadline, f"stuck below step {target}:\n{self.logs()}"
-            for proc in self.procs.values():
-                assert proc.proc.poll() is None, f"a stage exited early:\n{self.logs()}"
-            time.sleep(0.002)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+        """Until f has applied ``target`` steps (its trace is rolled back on resume)."""
+        self.wait_until(lambda: self.lines("f.jsonl") >= target, f"step {target}", timeout)
 
     def finish(self) -> tuple[dict, dict]:
-        for name in ("f", "g"):
-            code = self.procs[name].wait(60)
-            assert code == 0, f"{name} exited {code}:\n{self.logs()}"
+        self.wait_all()
         return read_json(self.tmp / "f.json"), read_json(self.tmp / "g.json")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
 
 
 @pytest.fixture
-def pair_factory(tmp_path):
-    pairs: list[Pair] = []
-
+def pair_factory(tmp_path, stage_group):
     def make(experiment: str, steps: str, endpoint: str | None = None) -> Pair:
-        pair = Pair(tmp_path, experiment, steps, endpoint or f"ipc://{tmp_path}/g.sock")
-        pairs.append(pair)
-        return pair
+        return stage_group(Pair, tmp_path, experiment, steps, endpoint or f"ipc://{tmp_path}/g.sock")
 
-    yield make
-    for pair in pairs:
-        pair.stop()
+    return make
 
 
 def _assert_bitwise(tmp_path, pair: Pair, experiment: str, steps: str) -> None:
