@@ -174,7 +174,9 @@ class Dense(Layer):
         return (shape[0], self.n_out)
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        return x @ self.params[self.w_name] + self.params[self.b_name], x
+        y = x @ self.params[self.w_name]
+        y += self.params[self.b_name]      # the same float32 addition as ``+ b``, without a second array
+        return y, x
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         x = cache
