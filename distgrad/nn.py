@@ -184,6 +184,20 @@ class Dense(Layer):
         return (dy @ self.params[self.w_name].T if need_dx else None), grads
 
 
+class Identity(Layer):
+    """``y = x``: no parameters and no arithmetic (the benchmark's "trivial compute").
+
+    ``forward`` returns ``x`` itself and ``backward`` returns ``dy`` itself,
+    without a copy; like every layer, it never writes to either.
+    """
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return x, None
+
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        return (dy if need_dx else None), {}
+
+
 class ReLU(Layer):
     """``y = max(x, 0)``; the gradient at 0 is 0 (as in TF)."""
 
@@ -253,7 +267,7 @@ class Sequential(Layer):
 
 # -------------------------------------------------------------------- builders
 
-_ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
+_ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid, "identity": Identity}
 
 
 def _size(kind: str, key: str, value: Any) -> int:
@@ -276,7 +290,7 @@ def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
         elif kind in _ACTIVATIONS:
             layer = _ACTIVATIONS[kind]()
         else:
-            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh or sigmoid")
+            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh, sigmoid or identity")
     except ConfigError:
         raise
     except KeyError as e:
