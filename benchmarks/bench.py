@@ -11,9 +11,9 @@ A. the message path, activation sizes 4 B .. 64 MiB (the gradient coming back
    at >= 64 KiB), distgrad's wire path alone (``transport.Client.request``
    against ``transport.Server`` + ``wire.decode``/``encode``, no model), a
    real distgrad step (``distgrad-stage g`` / ``distgrad-stage f`` on a
-   generated experiment: one ``scale`` layer of N = bytes/4 on each side, SGD,
-   sum of squared errors) and the same model trained in one process (its
-   compute alone);
+   generated experiment with trivial compute: an ``identity`` layer on each
+   side over N = bytes/4 floats, sum of squared errors, no parameters to
+   update) and the same model trained in one process (its compute alone);
 B. the mlp-classify split (Dense 784->256 + ReLU | Dense 256->10 + softmax CE)
    at batch 1, 32 and 256: distgrad unpipelined, pipelined (1f1b and gpipe,
    M = 2, 4, 8), in one process, a bare raw-frame numpy split, a torch gloo
@@ -75,6 +75,9 @@ TORCH_VENV_PYTHON = Path("/tmp/distgrad-torch/bin/python")
 BLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 BALANCED = {"f": [("dense", 784, 1024), ("relu",)],
             "g": [("dense", 1024, 784), ("relu",), ("dense", 784, 10)], "batch": 256}
+# The same split at a 4x bigger batch: its micro-batches at M = 4 have the 256 rows of the batch-256
+# split's whole batch, so splitting does not make numpy's matmuls less efficient (see performance.md).
+BALANCED_BIG_BATCH = 1024
 WIDE = {"f": [("dense", 784, 8192), ("relu",)], "g": [("dense", 8192, 10)], "batch": 256}
 
 # Initial guesses of seconds per step (or round trip); after a variant's first
@@ -260,13 +263,21 @@ loss = "softmax_cross_entropy"
 '''
 
 
-def scale_toml(size_bytes: int) -> str:
-    """Trivial compute: one ``scale`` layer of N = bytes/4 on each stage, SGD, sum of squared errors.
+def trivial_toml(size_bytes: int) -> str:
+    """Trivial compute over N = bytes/4 floats: an ``identity`` layer on each stage, sum of squared errors.
 
-    The ramp's delta is 0 (x = 1 every step) so a long run stays finite.
+    No stage has a parameter, so no optimiser runs, and the identity layers
+    pass arrays through without touching them. What remains per step is the
+    least a split step does to its data: f makes its batch (the activation
+    sent), g its target, the loss and its gradient (the array sent back), and
+    both validate what they receive. (The earlier "trivial" model, one ``scale`` layer of N
+    weights on each stage with SGD, spent a dozen element-wise passes over N
+    floats per step on its weights, which made the large-message figures
+    measure numpy, not the transport.) The ramp's delta is 0 (x = 1 every
+    step), so the loss is 0 and every run stays finite.
     """
     n = max(1, size_bytes // 4)
-    return f'''name = "bench-scale-{size_bytes}"
+    return f'''name = "bench-trivial-{size_bytes}"
 steps = 100
 seed = 0
 labels = "last"
@@ -279,12 +290,12 @@ size = {n}
 
 [[stages]]
 name = "f"
-model = [{{ type = "scale", name = "fW", size = {n} }}]
+model = [{{ type = "identity" }}]
 optimizer = {{ type = "sgd", lr = 0.01 }}
 
 [[stages]]
 name = "g"
-model = [{{ type = "scale", name = "gW", size = {n} }}]
+model = [{{ type = "identity" }}]
 optimizer = {{ type = "sgd", lr = 0.01 }}
 loss = "sum_squared_error"
 '''
@@ -617,7 +628,7 @@ def summarise(v: Variant) -> dict[str, Any]:
 def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in sizes:
-        exp = runner.write_experiment(f"scale-{size}", scale_toml(size))
+        exp = runner.write_experiment(f"trivial-{size}", trivial_toml(size))
         est_dg, est_ip = EST_DISTGRAD_SCALE[size], EST_INPROC_SCALE[size]
         extra = 3.0 * size / 4 / 1e6          # start-up and the summary of N parameters take ~3 s per million
         variants: dict[str, Variant] = {}
@@ -725,9 +736,10 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
     return out
 
 
-def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[str]) -> dict[str, Any]:
-    batch = BALANCED["batch"]
-    exp = runner.write_experiment("balanced-b256", mlp_toml("balanced-b256", BALANCED["f"], BALANCED["g"], batch))
+def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[str],
+                     batch: int = BALANCED["batch"]) -> dict[str, Any]:
+    name = f"balanced-b{batch}"
+    exp = runner.write_experiment(name, mlp_toml(name, BALANCED["f"], BALANCED["g"], batch))
     compute = {}
     for m in [1, *micro_batches]:
         try:
@@ -740,7 +752,7 @@ def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[s
         say(f"balanced split, isolated compute per batch: f {fmt_time(c['f_forward_backward_s'])}, "
             f"g {fmt_time(c['g_forward_loss_backward_s'])}, updates {fmt_time(c['f_update_s'])} / "
             f"{fmt_time(c['g_update_s'])}")
-    est = 0.02
+    est = 0.02 * batch / 256
     variants: dict[str, Variant] = {
         "unpipelined": Variant("unpipelined", lambda n: runner.distgrad_pair(exp, int(n), expected_s=n * est),
                                est_s=est),
@@ -752,7 +764,7 @@ def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[s
             variants[f"{sched}_m{m}"] = Variant(
                 f"{sched}_m{m}", lambda n, flags=flags: runner.distgrad_pair(exp, int(n), driver_flags=flags,
                                                                              expected_s=n * est), est_s=est)
-    runner.interleave("B balanced batch 256", list(variants.values()))
+    runner.interleave(f"B balanced batch {batch}", list(variants.values()))
     sps = {k: (1 / v.t if v.t else None) for k, v in variants.items()}
     ceilings = {}
     if 1 in compute:
@@ -837,7 +849,7 @@ def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: i
 def all_memory(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every distgrad pair run's f-stage memory figures (B and C)."""
     out = []
-    for section in (results.get("model", {}).values(), [results.get("balanced", {})],
+    for section in (results.get("model", {}).values(), [results.get("balanced", {}), results.get("balanced_big_batch", {})],
                     [results.get("memory", {}).get("wide", {})]):
         for block in section:
             for run in block.get("runs", {}).values():
@@ -897,17 +909,20 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
             f"latency: {fmt_time(b.get('unpipelined_minus_lockstep_ideal_s'))} per step over the ideal; the bare "
             f"split reaches "
             f"{fmt_ratio(ratio(b.get('steps_per_s', {}).get('bare'), b.get('lockstep_ideal_steps_per_s')))} of it")
-    bal = results.get("balanced", {})
-    est = bal.get("compute_only_estimates", {})
-    for key in sorted(k for k in bal.get("ratios", {}) if k.endswith("_over_unpipelined")):
-        m = key.split("_m")[1].split("_")[0]
-        if int(m) >= 4:
-            x = bal["ratios"][key]
-            e = est.get(m, {})
-            add(f"balanced split batch 256, {key.split('_over')[0]}: pipelined / unpipelined", x, ">= 1.6x",
-                x is not None and x >= 1.6,
-                f"compute: split into {m}, the stages' compute costs {fmt_ratio(e.get('split_compute_over_unsplit'))} "
-                f"the unsplit batch; isolated compute alone allows {fmt_ratio(e.get('compute_only_speedup_estimate'))}")
+    for bal in (results.get("balanced", {}), results.get("balanced_big_batch", {})):
+        est = bal.get("compute_only_estimates", {})
+        batch = bal.get("model", {}).get("batch", BALANCED["batch"])
+        for key in sorted(k for k in bal.get("ratios", {}) if k.endswith("_over_unpipelined")):
+            m = key.split("_m")[1].split("_")[0]
+            if int(m) >= 4:
+                x = bal["ratios"][key]
+                e = est.get(m, {})
+                add(f"balanced split batch {batch}, {key.split('_over')[0]}: pipelined / unpipelined", x, ">= 1.6x",
+                    x is not None and x >= 1.6,
+                    f"compute: split into {m}, the stages' compute costs "
+                    f"{fmt_ratio(e.get('split_compute_over_unsplit'))} the unsplit batch; isolated compute alone "
+                    f"allows {fmt_ratio(e.get('compute_only_speedup_estimate'))}; two stages overlapping perfectly "
+                    f"allow at most 2M/(M+1) = {fmt_ratio(2 * int(m) / (int(m) + 1))}")
     x = model.get("256", {}).get("ratios", {}).get("best_pipelined_over_inprocess")
     add("mlp batch 256: best pipelined / in-process (one thread)", x, ">= 1.0", x is not None and x >= 1.0,
         "compute: f holds almost all of it (784x256 vs 256x10), nothing to overlap")
@@ -980,9 +995,11 @@ def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
             rows.append([rk.replace("_over_", " / "), *[fmt_ratio(b["ratios"].get(rk)) for b in model.values()]])
         rows.append(["best pipelined", *[b["best_pipelined"] or "-" for b in model.values()]])
         print(table(rows), file=out)
-    bal = results.get("balanced")
-    if bal:
-        print(f"\nB'. Balanced split at batch 256 ({bal['model']['f']} | {bal['model']['g']}), steps/s", file=out)
+    for bal in (results.get("balanced"), results.get("balanced_big_batch")):
+        if not bal:
+            continue
+        print(f"\nB'. Balanced split at batch {bal['model']['batch']} ({bal['model']['f']} | {bal['model']['g']}), "
+              f"steps/s", file=out)
         rows = [["variant", "steps/s", "/ unpipelined", "/ in-process"]]
         for k, x in bal["steps_per_s"].items():
             rows.append([k, fmt_rate(x), fmt_ratio(ratio(x, bal["steps_per_s"].get("unpipelined"))),
@@ -1157,6 +1174,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  torch_python is not None)
                 results["balanced"] = balanced_section(runner, [4] if args.quick else [4, 8],
                                                        ["1f1b"] if args.quick else ["1f1b", "gpipe"])
+                if not args.quick:
+                    results["balanced_big_batch"] = balanced_section(runner, [4, 8], ["1f1b", "gpipe"],
+                                                                     BALANCED_BIG_BATCH)
             if "C" in sections:
                 results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
                                                    8 if args.quick else 30)

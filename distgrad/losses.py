@@ -46,9 +46,18 @@ class SumSquaredError(Loss):
 
     reduction = "sum"
 
+    def __init__(self) -> None:
+        self._square: np.ndarray | None = None     # reused for diff * diff (never returned)
+
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         diff = pred - target
-        return DTYPE(np.sum(diff * diff, dtype=DTYPE)), diff * DTYPE(2)
+        square = self._square
+        if square is None or square.shape != diff.shape or square.dtype != diff.dtype:
+            square = self._square = np.empty_like(diff)
+        np.multiply(diff, diff, out=square)
+        loss = DTYPE(np.add.reduce(square, axis=None, dtype=DTYPE))    # what np.sum(diff * diff, dtype=DTYPE) does
+        diff *= DTYPE(2)                        # diff is this call's own array: the gradient, in place
+        return loss, diff
 
 
 class MeanSquaredError(Loss):
@@ -81,11 +90,21 @@ class SoftmaxCrossEntropy(Loss):
         shifted = pred - pred.max(axis=1, keepdims=True)
         log_norm = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         log_prob = shifted - log_norm
-        rows = np.arange(batch)
-        loss = DTYPE(-log_prob[rows, target].mean(dtype=DTYPE))
+        rows = self._rows(batch)
+        picked = log_prob[rows, target]
+        # picked.mean(dtype=DTYPE) without np.mean's Python layer: the float32 sum divided by
+        # the count as an intp, then cast back, exactly as numpy's _mean does it.
+        loss = DTYPE(-DTYPE(np.add.reduce(picked, axis=None, dtype=DTYPE) / np.intp(picked.size)))
         dpred = np.exp(log_prob)
         dpred[rows, target] -= DTYPE(1)
-        return loss, dpred / DTYPE(batch)
+        dpred /= DTYPE(batch)                   # dpred is this call's own array
+        return loss, dpred
+
+    def _rows(self, batch: int) -> np.ndarray:
+        rows = self.__dict__.get("_row_ids")
+        if rows is None or len(rows) != batch:
+            rows = self._row_ids = np.arange(batch)
+        return rows
 
     def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
         return int((pred.argmax(axis=1) == target).sum())

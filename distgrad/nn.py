@@ -174,12 +174,28 @@ class Dense(Layer):
         return (shape[0], self.n_out)
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        return x @ self.params[self.w_name] + self.params[self.b_name], x
+        y = x @ self.params[self.w_name]
+        y += self.params[self.b_name]      # the same float32 addition as ``+ b``, without a second array
+        return y, x
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         x = cache
         grads = {self.w_name: x.T @ dy, self.b_name: dy.sum(axis=0)}
         return (dy @ self.params[self.w_name].T if need_dx else None), grads
+
+
+class Identity(Layer):
+    """``y = x``: no parameters and no arithmetic (the benchmark's "trivial compute").
+
+    ``forward`` returns ``x`` itself and ``backward`` returns ``dy`` itself,
+    without a copy; like every layer, it never writes to either.
+    """
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return x, None
+
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        return (dy if need_dx else None), {}
 
 
 class ReLU(Layer):
@@ -251,7 +267,7 @@ class Sequential(Layer):
 
 # -------------------------------------------------------------------- builders
 
-_ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
+_ACTIVATIONS: dict[str, type[Layer]] = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid, "identity": Identity}
 
 
 def _size(kind: str, key: str, value: Any) -> int:
@@ -274,7 +290,7 @@ def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
         elif kind in _ACTIVATIONS:
             layer = _ACTIVATIONS[kind]()
         else:
-            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh or sigmoid")
+            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh, sigmoid or identity")
     except ConfigError:
         raise
     except KeyError as e:

@@ -13,6 +13,7 @@ import re
 import time
 from typing import Any, Callable, Collection, Protocol, Sequence
 
+import numpy as np
 import zmq
 
 from . import wire
@@ -73,17 +74,27 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: floa
         security.apply(sock)
 
 
+# The Cython socket methods, called directly: pyzmq's Python-level wrappers (``Socket.poll``
+# builds a Poller per call, ``send`` and ``recv_multipart`` add a layer per frame) cost
+# several microseconds per message, which is a visible part of a small round trip.
+_BackendSocket = zmq.Socket.__mro__[1]
+_send = _BackendSocket.send
+_recv = _BackendSocket.recv
+_get = _BackendSocket.get
+_zmq_poll = zmq.zmq_poll
+_SNDMORE, _RCVMORE, _POLLIN = zmq.SNDMORE, zmq.RCVMORE, zmq.POLLIN
+
+
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
     """Send one multipart message; large tensor frames leave without a copy. Returns the bytes sent."""
-    parts = [*envelope, *frames]
-    sizes = [memoryview(part).nbytes for part in parts]
-    if max(sizes) < ZERO_COPY_MIN_BYTES:
-        sock.send_multipart(parts, copy=True)    # one call: the common small-message case
-        return sum(sizes)
+    parts = [*envelope, *frames] if envelope else frames
     last = len(parts) - 1
-    for i, (part, size) in enumerate(zip(parts, sizes)):
-        sock.send(part, zmq.SNDMORE if i < last else 0, copy=size < ZERO_COPY_MIN_BYTES)
-    return sum(sizes)
+    total = 0
+    for i, part in enumerate(parts):
+        size = part.nbytes if type(part) is np.ndarray else memoryview(part).nbytes
+        total += size
+        _send(sock, part, _SNDMORE if i < last else 0, size < ZERO_COPY_MIN_BYTES, False)
+    return total
 
 
 class Traffic:
@@ -96,9 +107,12 @@ class Traffic:
 
 def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
     """The next multipart message, or None if none arrives within ``timeout_s``."""
-    if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-        return sock.recv_multipart(copy=False)
-    return None
+    if not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
+        return None
+    parts = [_recv(sock, 0, False)]
+    while _get(sock, _RCVMORE):
+        parts.append(_recv(sock, 0, False))
+    return parts
 
 
 class Server:
@@ -173,6 +187,7 @@ class Client:
         ``PeerRejected`` for an error reply to one of ``keys`` (or to an
         undecodable request), ``ProtocolError`` for a malformed reply.
         """
+        traffic, sock, clock = self.traffic, self.sock, time.perf_counter
         deadline = time.monotonic() + timeout_s
         while True:
             if check_stop is not None:
@@ -181,12 +196,13 @@ class Client:
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"(is the serving stage running and reachable there?)")
-            waited = time.perf_counter()
-            frames = poll_frames(self.sock, min(left, POLL_TICK_S))
-            self.traffic.wait_s += time.perf_counter() - waited
+            waited = clock()
+            frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S)
+            traffic.wait_s += clock() - waited
             if frames is None:
                 continue
-            self.traffic.received += sum(len(frame) for frame in frames)
+            for frame in frames:
+                traffic.received += len(frame)
             reply = wire.decode(frames, self.max_reply_bytes)
             key = (reply.step, reply.mb)
             if reply.type == wire.ERROR and (key in keys or key == (0, 0)):

@@ -48,6 +48,12 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
+# Little-endian (native here) dtypes to their wire names; any other dtype takes the slow path in encode.
+_WIRE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+_frombuffer_nd = np.ndarray
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
@@ -91,17 +97,19 @@ def encode(msg: Message) -> list[Any]:
     """
     specs, frames = [], []
     for name, array in msg.tensors.items():
-        array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
-        wire_name = array.dtype.name
-        if wire_name not in DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
-        if array.dtype.byteorder == ">":
-            array = array.astype(DTYPES[wire_name])
+        if type(array) is not np.ndarray or not array.flags.c_contiguous:
+            array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
+        wire_name = _WIRE_NAMES.get(array.dtype)  # a dict lookup: ``dtype.name`` costs microseconds
+        if wire_name is None:
+            wire_name = array.dtype.name
+            if wire_name not in DTYPES:
+                raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
+            array = array.astype(DTYPES[wire_name])      # big-endian: the wire is little-endian
         specs.append([name, wire_name, list(array.shape)])
         frames.append(array)
     header = {"v": PROTOCOL_VERSION, "type": msg.type, "run": msg.run, "step": msg.step,
               "mb": msg.mb, "mbs": msg.mbs, "body": msg.body, "tensors": specs}
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    return [_packb(header, use_bin_type=True), *frames]
 
 
 def _nbytes(frame: Any) -> int:
@@ -140,75 +148,99 @@ def show(value: Any) -> str:
     return _REPR.repr(value)
 
 
+_UNPACK_LIMITS = dict(raw=False, strict_map_key=True, use_list=True, max_str_len=HEADER_MAX_BYTES,
+                      max_bin_len=HEADER_MAX_BYTES, max_array_len=4096, max_map_len=256, max_ext_len=0)
+_RUNS_SEEN: set[str] = set()      # run ids that passed RUN_ID (a run's messages skip the regex)
+_RUNS_SEEN_MAX = 64
+
+
 def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
+    # The checks below are the specification's, in its order; they test exact types
+    # (``type(x) is int`` is False for bools, as msgpack's True is not the integer 1).
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
-    header_size = _nbytes(frames[0])
+    first = _buffer(frames[0])
+    header_size = _nbytes(first)
     if header_size > HEADER_MAX_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
     try:
-        header = msgpack.unpackb(
-            bytes(_buffer(frames[0])), raw=False, strict_map_key=True, use_list=True,
-            max_str_len=HEADER_MAX_BYTES, max_bin_len=HEADER_MAX_BYTES,
-            max_array_len=4096, max_map_len=256, max_ext_len=0)
+        header = _unpackb(first, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
-    version = header.get("v")
-    if not _is_int(version) or version != PROTOCOL_VERSION:
+    get = header.get
+    version = get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION, f"protocol version {show(version)} is not supported; this side speaks {PROTOCOL_VERSION}")
-    msg_type = header.get("type")
-    if not isinstance(msg_type, str) or msg_type not in MESSAGE_TYPES:
+    msg_type = get("type")
+    if type(msg_type) is not str or msg_type not in MESSAGE_TYPES:
         known = sorted(MESSAGE_TYPES)
         what = "reserved but not supported yet" if isinstance(msg_type, str) and msg_type in RESERVED_TYPES else "unknown"
         raise ProtocolError(ErrorCode.TYPE, f"message type {show(msg_type)} is {what}; known types: {known}")
-    run, step, mb, mbs, body = (header.get(k) for k in ("run", "step", "mb", "mbs", "body"))
-    if not isinstance(run, str) or not RUN_ID.fullmatch(run):
+    run = get("run")
+    if type(run) is not str or (run not in _RUNS_SEEN and not _valid_run(run)):
         raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be at most 128 characters from [A-Za-z0-9_.-], "
                                                  f"got {show(run)}")
-    if not (_is_int(step) and _is_int(mb) and _is_int(mbs, 1) and mb < mbs):
+    step, mb, mbs = get("step"), get("mb"), get("mbs")
+    if not (type(step) is int and type(mb) is int and type(mbs) is int and step >= 0 and 0 <= mb < mbs):
         raise ProtocolError(ErrorCode.MALFORMED, f"need integers step >= 0 and 0 <= mb < mbs, got step={show(step)} mb={show(mb)} mbs={show(mbs)}")
-    if not isinstance(body, dict):
+    body = get("body")
+    if type(body) is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, f"'body' must be a map, got {type(body).__name__}")
-    specs = header.get("tensors")
-    if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
+    specs = get("tensors")
+    if type(specs) is not list or len(specs) > MAX_TENSORS:
         raise ProtocolError(ErrorCode.MALFORMED, f"'tensors' must be a list of at most {MAX_TENSORS} entries")
     if len(frames) != 1 + len(specs):
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {len(specs)} tensors but {len(frames) - 1} tensor frames arrived")
     tensors: dict[str, np.ndarray] = {}
     total = 0
-    for spec, frame in zip(specs, frames[1:]):
-        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-                and isinstance(spec[2], list)):
+    for i, spec in enumerate(specs):
+        if not (type(spec) is list and len(spec) == 3 and type(spec[0]) is str and type(spec[2]) is list):
             raise ProtocolError(ErrorCode.MALFORMED, f"tensor entry must be [name, dtype, shape], got {show(spec)}")
         name, dtype_name, shape = spec
         if name in tensors:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)} is declared twice")
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)}: dtype {show(dtype_name)} is not one of {sorted(DTYPES)}")
-        if len(shape) > MAX_NDIM or not all(_is_int(d) and d <= MAX_DIM for d in shape):
+        expected = dtype.itemsize
+        if len(shape) > MAX_NDIM:
+            expected = -1
+        else:
+            for extent in shape:        # Python ints: exact for any declared size, and cheap
+                if type(extent) is not int or not 0 <= extent <= MAX_DIM:
+                    expected = -1
+                    break
+                expected *= extent
+        if expected < 0:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {show(name)}: shape {show(shape)} must be at most "
                                                   f"{MAX_NDIM} integers in [0, {MAX_DIM}]")
-        dtype = DTYPES[dtype_name]
-        expected = dtype.itemsize
-        for extent in shape:            # Python ints: exact for any declared size, and cheap
-            expected *= extent
         total += expected
         if total > max_tensor_bytes:
             raise ProtocolError(ErrorCode.TENSOR, f"tensors declare {total} bytes; this stage accepts at most {max_tensor_bytes}")
-        got = _nbytes(frame)
+        buffer = _buffer(frames[i + 1])
+        got = _nbytes(buffer)
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
-        array = np.frombuffer(_buffer(frame), dtype=dtype).reshape(shape)
+        array = _frombuffer_nd(shape, dtype, buffer)    # a view of the received frame, no copy
         if array.ctypes.data % ALIGN_BYTES:
             # ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes
             # another code path (with other rounding) for misaligned data, so such a tensor is
             # copied: results must not depend on where a frame happened to land.
             array = array.copy()
-        array.flags.writeable = False       # a view of the received frame (or its copy): never written to
+        array.flags.writeable = False                   # never written to
         tensors[name] = array
     return Message(msg_type, run, step, mb, mbs, body, tensors)
+
+
+def _valid_run(run: str) -> bool:
+    if not RUN_ID.fullmatch(run):
+        return False
+    if len(_RUNS_SEEN) >= _RUNS_SEEN_MAX:
+        _RUNS_SEEN.clear()
+    _RUNS_SEEN.add(run)
+    return True
 
 
 def expect_tensors(msg: Message, expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
@@ -217,15 +249,42 @@ def expect_tensors(msg: Message, expected: Mapping[str, tuple[tuple[int, ...], n
 
     Float tensors must be finite unless ``allow_nonfinite``. Raises ``ProtocolError``.
     """
-    if set(msg.tensors) != set(expected):
-        raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry tensors {sorted(expected)}, got {sorted(msg.tensors)}")
+    tensors = msg.tensors
+    if tensors.keys() != expected.keys() and set(tensors) != set(expected):
+        raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry tensors {sorted(expected)}, got {sorted(tensors)}")
     for name, (shape, dtype) in expected.items():
-        array = msg.tensors[name]
-        if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+        array = tensors[name]
+        # The fast comparison first (a tuple shape and a dtype object, as the stages pass them);
+        # the general one only when it fails.
+        if (array.shape != shape or array.dtype != dtype) and (
+                array.shape != tuple(shape) or array.dtype != np.dtype(dtype)):
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: expected {np.dtype(dtype).name}{tuple(shape)}, "
                                                   f"got {array.dtype.name}{array.shape}")
-        if not allow_nonfinite and array.dtype.kind == "f" and not np.isfinite(array).all():
+        if not allow_nonfinite and array.dtype.kind == "f" and not all_finite(array):
             raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this experiment forbids")
+
+
+_FINITE_CHUNK = 1 << 18     # elements; bigger arrays are checked in pieces of this many
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every element of a float array is finite (neither NaN nor +-Inf).
+
+    A big array is checked in pieces into one small reused mask: one
+    ``isfinite`` over 16 M floats would allocate (and page-fault) a 16 MB
+    temporary, which costs more than the check itself.
+    """
+    if array.size <= 4 * _FINITE_CHUNK:
+        return bool(np.isfinite(array).all())
+    flat = array.reshape(-1)
+    mask = np.empty(_FINITE_CHUNK, bool)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        piece = flat[start:start + _FINITE_CHUNK]
+        out = mask[:piece.size]
+        np.isfinite(piece, out=out)
+        if not out.all():
+            return False
+    return True
 
 
 def error_message(run: str, step: int, code: str, text: str, mb: int = 0, mbs: int = 1) -> Message:

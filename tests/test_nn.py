@@ -513,3 +513,14 @@ def test_nested_sequential():
 def test_layers_without_parameters_have_empty_params():
     for layer in (ReLU(), Tanh(), Sigmoid(), Sequential([ReLU(), Tanh()])):
         assert layer.params == {}
+
+
+def test_identity_passes_arrays_through_without_copy_or_parameters():
+    layer = nn.build_layer({"type": "identity"}, seed=0)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x.flags.writeable = False                    # as a received frame
+    y, cache = layer.forward(x)
+    dx, grads = layer.backward(cache, y)
+    assert y is x and dx is x and grads == {} and layer.params == {}
+    assert layer.backward(cache, y, need_dx=False) == (None, {})
+    assert layer.output_shape((2, 3)) == (2, 3)

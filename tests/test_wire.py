@@ -526,3 +526,57 @@ def test_error_message_defaults():
 
 def test_describe():
     assert Message(wire.FORWARD, "", 3, 1, 2).describe() == "forward run=- step=3 mb=1/2"
+
+
+# ------------------------------------------------------------------ fast paths (hot-path work)
+
+@pytest.mark.parametrize("where", [0, wire._FINITE_CHUNK - 1, wire._FINITE_CHUNK, -1])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_big_arrays_are_checked_in_pieces_to_the_last_element(where, bad):
+    a = np.ones((5 * wire._FINITE_CHUNK + 3,), np.float32)
+    assert wire.all_finite(a)
+    a[where] = bad
+    assert not wire.all_finite(a)
+    assert not wire.all_finite(a.reshape(-1, 1))
+
+
+def test_all_finite_agrees_with_numpy_on_small_arrays():
+    for a in (np.zeros((0,), np.float32), np.array(3e38, np.float32), np.full((3, 2), 3e38, np.float32),
+              np.array([1.0, np.nan]), np.array([-np.inf], np.float32)):
+        assert wire.all_finite(a) == bool(np.isfinite(a).all())
+
+
+def test_expect_tensors_accepts_list_shapes_and_dtype_classes():
+    msg = Message(wire.FORWARD, tensors={"a": np.zeros((2, 3), np.float32)})
+    wire.expect_tensors(msg, {"a": ([2, 3], np.float32)})
+    with pytest.raises(ProtocolError):
+        wire.expect_tensors(msg, {"a": ([3, 2], np.float32)})
+    with pytest.raises(ProtocolError):
+        wire.expect_tensors(msg, {"a": ((2, 3), np.float64)})
+
+
+def test_a_valid_run_id_seen_before_is_accepted_and_an_invalid_one_never():
+    for _ in range(3):
+        assert wire.decode(frames_of(header(run="run-1.ok"))).run == "run-1.ok"
+        refused(frames_of(header(run="run 1")), ErrorCode.MALFORMED)
+    for i in range(3 * wire._RUNS_SEEN_MAX):                # the cache of seen ids stays bounded
+        wire.decode(frames_of(header(run=f"r{i}")))
+    assert len(wire._RUNS_SEEN) <= wire._RUNS_SEEN_MAX
+
+
+def test_tensors_decoded_from_writable_buffers_are_read_only_views():
+    payload = bytearray(np.arange(4, dtype="<f4").tobytes())
+    h = header(tensors=[["x", "float32", [2, 2]]])
+    msg = wire.decode([msgpack.packb(h, use_bin_type=True), payload])
+    x = msg.tensors["x"]
+    assert not x.flags.writeable and x.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    payload[0:4] = np.float32(9).tobytes()       # a view, not a copy
+    assert x[0, 0] == 9
+
+
+def test_encode_accepts_subclasses_and_scalars():
+    frames = wire.encode(Message(wire.FORWARD, tensors={"m": np.ma.masked_array([1.0, 2.0], dtype=np.float32),
+                                                         "s": np.float32(2), "l": [1, 2]}))
+    msg = wire.decode(as_bytes(frames))
+    assert type(msg.tensors["m"]) is np.ndarray and msg.tensors["m"].tolist() == [1.0, 2.0]
+    assert msg.tensors["s"].shape == () and msg.tensors["l"].dtype == np.int64

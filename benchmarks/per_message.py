@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Per-call costs of distgrad's hot path, in one process, without sockets between processes.
+
+    .venv/bin/python benchmarks/per_message.py [--repeats 7] [--json PATH]
+
+Each figure is the best of ``--repeats`` timed batches (timeit's rule: the
+minimum is the least disturbed by other load), timed in this thread's CPU
+time (``time.thread_time``, so time other processes take is not counted), in
+microseconds per call:
+
+- ``encode`` / ``decode`` of a ``forward`` (one float32 activation) and of a
+  ``backward`` reply (with ``loss`` and ``compute_s``), at 4 B and 32 KiB;
+- ``expect_tensors`` (shape, dtype, finiteness) at 4 B, 32 KiB and 4 MiB;
+- ``g handles a forward``: ``wire.decode`` + ``LastStageServer.handle`` +
+  ``wire.encode`` of the reply, for seed-reverse (one float) and
+  mlp-classify (batch 32), i.e. everything the serving stage does per
+  message except the socket calls;
+- ``transport round trip``: ``send_frames`` / ``poll_frames`` both ways over
+  ``inproc://`` against the same calls in bare pyzmq (``send_multipart`` /
+  ``recv_multipart``), 4 B;
+- optimiser updates: Adam and SGD on one float, Adam on 784x256 + 256.
+
+Not part of the test suite; bench.py measures the two-process figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if importlib.util.find_spec("distgrad") is None:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from distgrad import transport, wire  # noqa: E402
+from distgrad.daemon import StageOptions  # noqa: E402
+from distgrad.experiment import load_experiment  # noqa: E402
+from distgrad.optim import SGD, Adam  # noqa: E402
+from distgrad.server import LastStageServer  # noqa: E402
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+def best_us(fn, repeats: int, min_batch_s: float = 0.02) -> float:
+    number = 1
+    while True:
+        t = timeit.timeit(fn, number=number, timer=time.thread_time)
+        if t >= min_batch_s:
+            break
+        number *= 2
+    return min(timeit.repeat(fn, number=number, repeat=repeats, timer=time.thread_time)) / number * 1e6
+
+
+def codec(repeats: int) -> dict[str, float]:
+    out = {}
+    for size in (4, 32 * 1024):
+        x = np.ones(size // 4, np.float32)
+        fwd = wire.Message(wire.FORWARD, RUN, 12345, 0, 1, tensors={"activation": x})
+        bwd = wire.Message(wire.BACKWARD, RUN, 12345, 0, 1, body={"loss": 0.25, "compute_s": 1.5e-5},
+                           tensors={"activation_grad": x})
+        ff, bf = ([memoryview(f).tobytes() for f in wire.encode(m)] for m in (fwd, bwd))
+        out[f"encode forward {size} B"] = best_us(lambda: wire.encode(fwd), repeats)
+        out[f"encode backward {size} B"] = best_us(lambda: wire.encode(bwd), repeats)
+        out[f"decode forward {size} B"] = best_us(lambda: wire.decode(ff), repeats)
+        out[f"decode backward {size} B"] = best_us(lambda: wire.decode(bf), repeats)
+    for size in (4, 32 * 1024, 4 * 1024 * 1024):
+        x = np.ones(size // 4, np.float32)
+        msg = wire.Message(wire.FORWARD, RUN, 1, tensors={"activation": x})
+        spec = {"activation": ((size // 4,), np.dtype(np.float32))}
+        out[f"expect_tensors {size} B"] = best_us(lambda: wire.expect_tensors(msg, spec), repeats)
+    return out
+
+
+def g_handles(name: str, repeats: int) -> float:
+    """decode + handle + encode of one forward, averaged over many consecutive steps."""
+    exp = load_experiment(name)
+    logic = LastStageServer(StageOptions(experiment=exp, stage=exp.stage_names[-1], seed=exp.seed))
+    f_shape = logic.stage.input_shape
+    hello = wire.Message(wire.HELLO, RUN, 0, body={
+        "role": exp.stage_names[0], "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": exp.seed,
+        "activation": {"shape": list(f_shape), "dtype": "float32"}, "labels_travel": exp.labels_travel,
+        "steps": 10**9, "step": 0, "held": [0], "micro_batches": 1})
+    logic.handle(hello, time.monotonic())
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=f_shape).astype(np.float32) * np.float32(0.1)
+    batch = 256
+    step = [0]
+
+    def prepare() -> list[list[bytes]]:
+        out = []
+        for _ in range(batch):
+            step[0] += 1
+            m = wire.Message(wire.FORWARD, RUN, step[0], 0, 1, tensors={"activation": x})
+            out.append([memoryview(f).tobytes() for f in wire.encode(m)])
+        return out
+
+    samples = []
+    for _ in range(repeats * 3):
+        msgs = prepare()
+        t0 = time.thread_time()
+        for frames in msgs:
+            msg = wire.decode(frames, logic.max_tensor_bytes)
+            wire.encode(logic.handle(msg, 0.0))
+        samples.append((time.thread_time() - t0) / batch * 1e6)
+    return min(samples)
+
+
+def round_trips(repeats: int) -> dict[str, float]:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
+    b.bind("inproc://per-message")
+    a.connect("inproc://per-message")
+    x = np.ones(1, np.float32)
+    ff = wire.encode(wire.Message(wire.FORWARD, RUN, 1, tensors={"activation": x}))
+    bf = wire.encode(wire.Message(wire.BACKWARD, RUN, 1, body={"loss": 0.5}, tensors={"activation_grad": x}))
+
+    def distgrad_rt() -> None:
+        transport.send_frames(a, ff)
+        parts = transport.poll_frames(b, 1.0)
+        transport.send_frames(b, bf, [parts[0].bytes])
+        transport.poll_frames(a, 1.0)
+
+    def raw_rt() -> None:
+        a.send_multipart(ff)
+        b.poll(1000, zmq.POLLIN)
+        parts = b.recv_multipart(copy=False)
+        b.send_multipart([parts[0].bytes, *bf])
+        a.poll(1000, zmq.POLLIN)
+        a.recv_multipart(copy=False)
+
+    try:
+        return {"transport round trip inproc 4 B": best_us(distgrad_rt, repeats),
+                "bare pyzmq round trip inproc 4 B (poll + recv)": best_us(raw_rt, repeats)}
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+
+
+def optimisers(repeats: int) -> dict[str, float]:
+    out = {}
+    p, g = {"w": np.ones(1, np.float32)}, {"w": np.full(1, 0.1, np.float32)}
+    adam, sgd = Adam(), SGD()
+    out["Adam step, 1 float"] = best_us(lambda: adam.step(p, g), repeats)
+    out["SGD step, 1 float"] = best_us(lambda: sgd.step(p, g), repeats)
+    p = {"W": np.ones((784, 256), np.float32), "b": np.ones(256, np.float32)}
+    g = {k: np.full_like(v, 0.1) for k, v in p.items()}
+    adam = Adam()
+    out["Adam step, 784x256 + 256"] = best_us(lambda: adam.step(p, g), repeats)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    results: dict[str, float] = {}
+    results.update(codec(args.repeats))
+    for name in ("seed-reverse", "mlp-classify"):
+        results[f"g handles a forward ({name})"] = g_handles(name, args.repeats)
+    results.update(round_trips(args.repeats))
+    results.update(optimisers(args.repeats))
+    width = max(map(len, results))
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:8.2f} µs")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
