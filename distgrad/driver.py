@@ -70,8 +70,8 @@ class _Driver:
             self.state.rollback(common)
         else:
             # Dropped by the serving stage of several clients: go on from here at its next step.
-            self.log.warning("this client was dropped; it rejoins at step %d with its parameters of step %d "
-                             "(steps %d to %d are skipped)", common + 1, self.state.stage.step,
+            self.log.warning("the serving stage goes on with this client at step %d; it has parameters of step "
+                             "%d (steps %d to %d are skipped)", common + 1, self.state.stage.step,
                              self.state.stage.step + 1, common)
             self.state.stage.step = common
         self.state.stage.accumulator.reset()

@@ -180,7 +180,7 @@ class ClientsServer:
             client.active, client.step = True, 0
             next_step = 1
         else:
-            client.joining, client.cached = True, {}
+            client.active, client.joining, client.cached = False, True, {}
             client.step = self.round                   # it takes part from the next step that starts
             next_step = self.round + 1
             self.log.warning("client %d rejoins (run %s); it takes part again from step %d", index, msg.run, next_step)
@@ -207,6 +207,9 @@ class ClientsServer:
     def _average(self, client: _Client, envelope: Envelope, msg: Message) -> list[Reply]:
         if client.averaged is not None and client.averaged.step == msg.step:
             return [(envelope, client.averaged)]
+        if not client.active:
+            raise ProtocolError(ErrorCode.RUN, f"client {client.index} does not take part in this average "
+                                               f"(it was dropped or is rejoining); say hello again")
         if self.exp.clients.mode != "splitfed" or msg.step != client.step or msg.step % self.exp.clients.average_every:
             raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {client.index} is at step "
                                                 f"{client.step}; this run averages every "
@@ -307,9 +310,12 @@ class ClientsServer:
         try:
             mb_loss, dx, grads = stage.loss_micro_batch(msg.tensors["activation"], target)
         except StageError as e:
-            # The stage's own computation failed: nothing was applied; the client hears why.
+            # The stage's own computation failed: nothing was applied; the client hears why and
+            # is dropped, so the others go on (it may say hello again).
             self.stage.accumulator.reset()
-            client.losses = []
+            client.losses, client.active = [], False
+            self.turn += 1
+            self.log.warning("client %d dropped: %s", client.index, e)
             return client.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e), msg.mb, msg.mbs)
         if msg.mb == 0:
             client.cached = {k: v for k, v in client.cached.items() if k[0] == msg.step - 1}

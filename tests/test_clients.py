@@ -106,7 +106,7 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stag
     run.start("f@1")                                       # the same command line: --resume
     run.wait_all()
     g_log = run.logs()
-    assert "client 1 rejoins" in g_log and "resumed run" in g_log and "this client was dropped" in g_log
+    assert "client 1 rejoins" in g_log and "resumed run" in g_log and "the serving stage goes on with this client" in g_log
     summary = read_json(tmp_path / "g.json")
     assert [c["status"] for c in summary["clients"]] == ["completed"] * 3
     assert [c["steps"] for c in summary["clients"]] == [steps] * 3
@@ -147,3 +147,25 @@ def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_serve
         assert ping.body["phase"] == "joining"
     finally:
         client.close(linger_ms=0)
+
+
+def test_a_client_back_with_a_new_run_waits_for_the_next_step_without_stalling_the_others():
+    """No sockets: ClientsServer's hello rules. Client 1 comes back with a fresh run id after
+    its liveness ran out but before the stage dropped it: it joins at the next step, and the
+    step in progress goes on without it."""
+    from distgrad import wire
+    from distgrad.daemon import StageOptions
+    from distgrad.experiment import load_experiment
+    from distgrad.federation import ClientsServer
+    from conftest import hello_message
+
+    exp = load_experiment("digits-clients")
+    server = ClientsServer(StageOptions(exp, "g", exp.seed, liveness_s=1.0))
+    for c in range(3):
+        server.handle([b"peer%d" % c], hello_message(exp, f"run{c}", client=c, micro_batches=1), 0.0)
+    assert (server.phase, server.round) == ("steps", 1)
+    (_, welcome), = [r for r in server.handle([b"new"], hello_message(exp, "fresh1", client=1, micro_batches=1), 5.0)
+                     if r[1].type == wire.WELCOME]
+    assert welcome.body["next_step"] == 2
+    assert not server.clients[1].active and server.clients[1].joining
+    assert server.order == [0, 1, 2]            # its turn in step 1 is skipped, not waited for
