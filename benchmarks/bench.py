@@ -926,6 +926,7 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
     x = model.get("256", {}).get("ratios", {}).get("best_pipelined_over_inprocess")
     add("mlp batch 256: best pipelined / in-process (one thread)", x, ">= 1.0", x is not None and x >= 1.0,
         "compute: f holds almost all of it (784x256 vs 256x10), nothing to overlap")
+    bal = results.get("balanced", {})      # batch 256, not the batch-1024 run the loop above ended on
     best = max((v for k, v in bal.get("ratios", {}).items() if k.endswith("_over_inprocess") and "_m" in k and v),
                default=None)
     add("balanced split batch 256: best pipelined / in-process (one thread)", best, ">= 1.0",
