@@ -69,6 +69,10 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
                    help="a peer silent this long is reported lost (default 10); also the ZMTP heartbeat timeout")
     p.add_argument("--peer-deadline", type=float, metavar="SECONDS",
                    help="how long to wait for a lost peer to come back before exiting 3 (default 60)")
+    p.add_argument("--spin-us", type=float, metavar="MICROSECONDS",
+                   help="wait for a message by checking without sleeping for this long before blocking: "
+                        "a faster answer to small messages for a busy core while waiting (default 0, off; "
+                        "see docs/performance.md)")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints here (and on SIGTERM)")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint every K steps")
     p.add_argument("--resume", action="store_true",
@@ -184,7 +188,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=args.micro_batches, schedule=args.schedule, metrics_path=args.metrics,
-        progress=_progress_mode(args.progress), client=args.client)
+        progress=_progress_mode(args.progress), client=args.client,
+        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6)
     serving = args.bind is not None
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
@@ -266,7 +271,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     Both stages may share one checkpoint directory: file names carry the stage.
     """
     flags = []
-    for option in ("liveness", "peer_deadline", "checkpoint_dir", "checkpoint_every"):
+    for option in ("liveness", "peer_deadline", "spin_us", "checkpoint_dir", "checkpoint_every"):
         value = getattr(args, option)
         if value is not None:
             flags += [f"--{option.replace('_', '-')}", str(value)]

@@ -29,7 +29,7 @@ from .experiment import Experiment
 from .losses import build_loss
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage, client_stage_name
-from .transport import DEFAULT_TIMEOUT_S, SocketSecurity
+from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
 from .wire import ErrorCode
 
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
@@ -82,6 +82,7 @@ class StageOptions:
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
+    spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None
@@ -98,6 +99,7 @@ class StageOptions:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        check_spin(self.spin_s)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         exp = self.experiment
@@ -155,6 +157,7 @@ class StageState:
         self.stage = self._fresh()
         self.run_id = ""
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
+        self.cpu_started = time.process_time()   # CPU time of this process when the run began here
         # A checkpoint is only valid for the same starting point: seed and --init overrides.
         self.meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
         self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
@@ -188,6 +191,7 @@ class StageState:
         if self.stage.step != 0:
             self.stage = self._fresh()
         self.run_id, self.owner = run_id, owner
+        self.cpu_started = time.process_time()
         if self.store is not None:
             self.store.discard_other_runs(run_id)
             self.save()
@@ -244,6 +248,7 @@ class StageState:
             "seed": self.opts.seed,
             "final_loss": loss,
             "elapsed_s": time.perf_counter() - started,
+            "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }

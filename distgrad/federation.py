@@ -406,7 +406,7 @@ def serve_clients(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: b
     logic = ClientsServer(opts)
     log = logic.log
     ctx = ctx or zmq.Context.instance()
-    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
     status = "interrupted"
     try:
         announce(server, opts, ready_file, on_ready)

@@ -66,7 +66,7 @@ class DownstreamLink:
 
     def _new_client(self) -> Client:
         return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s,
-                      self.security, self.traffic)
+                      self.security, self.traffic, self.opts.spin_s)
 
     def send(self, msg: Message) -> None:
         self.client.send(msg)

@@ -5,7 +5,10 @@ on to the stage below it (``link.DownstreamLink``) and its own backward on up.
 A ``hello`` opens (or resumes) a run, each ``forward`` runs the forward,
 backward and update exactly once and returns the gradient with respect to
 the activations, ``evaluate`` scores held-out rows, ``bye`` closes the run
-and writes the summary. Invalid input never changes state: a message is
+and writes the summary. A step's optimiser update runs after the reply to
+its last micro-batch has left (``StageServer.settle``), so the stage above
+computes its own backward and update meanwhile; nothing reads this stage's
+state before the update has run. Invalid input never changes state: a message is
 fully validated before the stage computes anything, and a refusal from
 below is passed up before this stage updates anything.
 """
@@ -44,7 +47,9 @@ class StageServer:
     ``ProtocolError`` for a message that must be refused (a refusal from
     below comes up with its code); a refused message changes nothing. A
     stage below that stays silent past ``peer_deadline_s`` raises
-    ``PeerTimeout``.
+    ``PeerTimeout``. The caller sends each reply and then calls ``settle``,
+    which applies an update ``handle`` deferred (``handle`` itself settles
+    first, so a caller that never calls ``settle`` sees the same results).
     """
 
     def __init__(self, opts: StageOptions, connect: str | None = None, stop: StopFlag | None = None,
@@ -89,6 +94,7 @@ class StageServer:
         self.bye_reply: Message | None = None
         self.closing = False                # a bye was answered; finish_run completes the run
         self.evaluation: dict[str, Any] | None = None
+        self.deferred: Callable[[], None] | None = None   # the update of a step whose last reply is on its way
         if opts.resume and self.state.resume_latest():
             self.active = True
             self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
@@ -107,6 +113,7 @@ class StageServer:
         With CURVE, a run belongs to the key that opened it: other keys may
         not drive, rewind or end it.
         """
+        self.settle()
         if msg.type == wire.PING:
             return Message(wire.PONG, msg.run, msg.step, body={
                 "stage": self.opts.stage, "experiment": self.exp.name, "run": self.state.run_id if self.active else "",
@@ -246,22 +253,34 @@ class StageServer:
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body,
                         tensors={"activation_grad": dx})
         self.cached[key] = reply
-        if msg.mb == msg.mbs - 1:
-            scale = self.final_loss.micro_batch_scale(msg.mbs)
-            applied = stage.accumulator.take(scale)
-            if tracing:
-                traced = {k: v.copy() for k, v in applied.items()}
-            stage.apply(applied)
-            loss = combine_losses(self.mb_losses, scale)
-            self.loss, self.mb_losses = float(loss), []
-            if tracing:
-                if self.link is None:
-                    traced["activation_grad"] = np.concatenate(self.sent_back) if msg.mbs > 1 else dx
-                trace.write(msg.step, loss, traced, stage.params)
-                self.sent_back = []
-            self.state.after_step()
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and those below
+        if msg.mb == msg.mbs - 1:
+            self.deferred = lambda: self._update(msg.step, msg.mbs, dx)
         return reply
+
+    def _update(self, step: int, mbs: int, last_dx: np.ndarray) -> None:
+        """The optimiser update of ``step`` from its accumulated micro-batch gradients; trace; checkpoint."""
+        stage, trace = self.stage, self.state.trace
+        tracing = trace is not None and trace.enabled
+        scale = self.final_loss.micro_batch_scale(mbs)
+        applied = stage.accumulator.take(scale)
+        if tracing:
+            traced = {k: v.copy() for k, v in applied.items()}
+        stage.apply(applied)
+        loss = combine_losses(self.mb_losses, scale)
+        self.loss, self.mb_losses = float(loss), []
+        if tracing:
+            if self.link is None:
+                traced["activation_grad"] = np.concatenate(self.sent_back) if mbs > 1 else last_dx
+            trace.write(step, loss, traced, stage.params)
+            self.sent_back = []
+        self.state.after_step()
+
+    def settle(self) -> None:
+        """Run the update ``handle`` deferred until its reply had been sent, if any."""
+        update, self.deferred = self.deferred, None
+        if update is not None:
+            update()
 
     def _evaluate(self, msg: Message) -> Message:
         """Forward only on the held-out rows; changes no state."""
@@ -303,6 +322,7 @@ class StageServer:
 
     def finish_run(self) -> None:
         """Complete the run a ``bye`` closed: final checkpoint and summary."""
+        self.settle()
         if self.closing:
             self.closing = False
             self.state.save()
@@ -319,6 +339,7 @@ class StageServer:
         return now - self.lost_since
 
     def close_run(self, status: str) -> dict[str, Any]:
+        self.settle()
         summary = self.state.summary(status, self.started, self.loss, **evaluation_fields(self.evaluation))
         self.state.close()
         self.active, self.cached = False, {}
@@ -403,7 +424,7 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
         return serve_clients(opts, bind, stop, keep_serving, ready_file, ctx, on_ready)
     logic = StageServer(opts, connect, stop, ctx)
     log = logic.log
-    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security)
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
     try:
         announce(server, opts, ready_file, on_ready)
         while True:
@@ -420,6 +441,7 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
             msg, reply, refused = decode_and_handle(frames, logic.max_tensor_bytes,
                                                     lambda m: logic.handle(m, now, peer_key), log)
             server.reply(envelope, reply)
+            logic.settle()
             if refused:
                 continue
             logic.finish_run()
@@ -429,6 +451,7 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
                 if not keep_serving:
                     return logic.finished
     finally:
+        logic.settle()
         if logic.active:
             logic.state.save()
             logic.close_run("interrupted")

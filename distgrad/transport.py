@@ -4,6 +4,10 @@ The serving side binds a ROUTER (it can answer any peer, including one that
 sends garbage, and later several clients); the driving side connects a
 DEALER. Every receive goes through ``poll`` with a deadline, in ticks short
 enough to notice a stop request. Sockets close with a bounded LINGER.
+A socket may first spin (check for a message without sleeping) for a few
+microseconds before it blocks: a process that is already running answers
+sooner than one the kernel has to wake, at the cost of a busy core while
+it spins (``--spin-us``; off by default).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zer
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
+MAX_SPIN_S = 0.1              # the longest spin-before-block a socket accepts
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -82,7 +87,7 @@ _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
 _zmq_poll = zmq.zmq_poll
-_SNDMORE, _RCVMORE, _POLLIN = zmq.SNDMORE, zmq.RCVMORE, zmq.POLLIN
+_SNDMORE, _RCVMORE, _POLLIN, _EVENTS = zmq.SNDMORE, zmq.RCVMORE, zmq.POLLIN, zmq.EVENTS
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
@@ -105,9 +110,31 @@ class Traffic:
         self.wait_s = 0.0
 
 
-def poll_frames(sock: zmq.Socket, timeout_s: float) -> list[zmq.Frame] | None:
-    """The next multipart message, or None if none arrives within ``timeout_s``."""
-    if not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
+def check_spin(spin_s: float) -> float:
+    """``spin_s`` if it is a usable spin-before-block time in seconds, else raise ``ConfigError``."""
+    if not 0 <= spin_s <= MAX_SPIN_S:
+        raise ConfigError(f"the spin-before-block time (--spin-us) must be between 0 and "
+                          f"{MAX_SPIN_S * 1e6:.0f} microseconds, got {spin_s * 1e6:g}")
+    return spin_s
+
+
+def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list[zmq.Frame] | None:
+    """The next multipart message, or None if none arrives within ``timeout_s``.
+
+    With ``spin_s`` > 0, first checks for a message without sleeping for up
+    to that long (it counts towards ``timeout_s``), then blocks in ``poll``.
+    """
+    if spin_s > 0:
+        clock = time.perf_counter
+        started = clock()
+        end = started + min(spin_s, timeout_s)
+        while not _get(sock, _EVENTS) & _POLLIN:
+            if clock() >= end:
+                timeout_s -= clock() - started
+                if timeout_s <= 0 or not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
+                    return None
+                break
+    elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
         return None
     parts = [_recv(sock, 0, False)]
     while _get(sock, _RCVMORE):
@@ -119,8 +146,9 @@ class Server:
     """A bound ROUTER that receives requests and sends replies to their sender."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
-                 liveness_s: float = 10.0, security: SocketSecurity | None = None) -> None:
+                 liveness_s: float = 10.0, security: SocketSecurity | None = None, spin_s: float = 0.0) -> None:
         check_endpoint(endpoint, bind=True)
+        self.spin_s = check_spin(spin_s)
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock, max_message_bytes, liveness_s, security)
         try:
@@ -138,7 +166,7 @@ class Server:
         peer puts before its frames; replies must carry it back. ``peer_key``
         is the CURVE public key the peer authenticated with ("" in plaintext).
         """
-        parts = poll_frames(self.sock, timeout_s)
+        parts = poll_frames(self.sock, timeout_s, self.spin_s)
         if parts is None:
             return None
         split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
@@ -162,8 +190,10 @@ class Client:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_message_bytes: int | None = None,
                  max_reply_bytes: int = wire.DEFAULT_MAX_TENSOR_BYTES, liveness_s: float = 10.0,
-                 security: SocketSecurity | None = None, traffic: Traffic | None = None) -> None:
+                 security: SocketSecurity | None = None, traffic: Traffic | None = None,
+                 spin_s: float = 0.0) -> None:
         self.endpoint = check_endpoint(endpoint, bind=False)
+        self.spin_s = check_spin(spin_s)
         self.traffic = traffic or Traffic()
         self.max_reply_bytes = max_reply_bytes
         self.sock = ctx.socket(zmq.DEALER)
@@ -187,7 +217,7 @@ class Client:
         ``PeerRejected`` for an error reply to one of ``keys`` (or to an
         undecodable request), ``ProtocolError`` for a malformed reply.
         """
-        traffic, sock, clock = self.traffic, self.sock, time.perf_counter
+        traffic, sock, clock, spin_s = self.traffic, self.sock, time.perf_counter, self.spin_s
         deadline = time.monotonic() + timeout_s
         while True:
             if check_stop is not None:
@@ -197,7 +227,7 @@ class Client:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"(is the serving stage running and reachable there?)")
             waited = clock()
-            frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S)
+            frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
             traffic.wait_s += clock() - waited
             if frames is None:
                 continue

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from distgrad.launcher import pinned_env
 
@@ -241,3 +242,42 @@ def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_spin_before_block_changes_nothing_but_latency(tmp_path, transport):
+    reference, _ = _in_process(tmp_path, "tanh-regression", trace=False)
+    summary_path = tmp_path / "spin.json"
+    result = run_cli(["run", "tanh-regression", "--transport", transport, "--spin-us", "300",
+                      "--summary", summary_path])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = read_json(summary_path)
+    assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
+
+
+@pytest.mark.parametrize("value", ["-1", "200000", "nan"])
+def test_spin_time_out_of_range_is_a_usage_error(value):
+    result = run_cli(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*",
+                      "--spin-us", value])
+    assert result.returncode == 2 and "--spin-us" in result.stderr, result.stderr
+
+
+def test_a_spinning_wait_is_still_bounded_and_still_receives(zmq_ctx):
+    from distgrad.transport import poll_frames
+
+    a, b = zmq_ctx.socket(zmq.PAIR), zmq_ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin-test")
+        b.connect("inproc://spin-test")
+        started = time.monotonic()
+        assert poll_frames(b, 0.05, spin_s=0.02) is None          # spins 20 ms, then blocks for the rest
+        assert 0.04 <= time.monotonic() - started < 1.0
+        started = time.monotonic()
+        assert poll_frames(b, 0.01, spin_s=0.05) is None          # the spin counts towards the timeout
+        assert time.monotonic() - started < 0.5
+        a.send_multipart([b"head", b"tail"])
+        frames = poll_frames(b, 1.0, spin_s=0.05)
+        assert [bytes(f) for f in frames] == [b"head", b"tail"]
+    finally:
+        a.close(0)
+        b.close(0)
