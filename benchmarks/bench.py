@@ -66,6 +66,8 @@ QUICK_SIZES = [4, 256 * KIB, 4 * MIB]
 BATCHES = [1, 32, 256]
 MICRO_BATCHES = [2, 4, 8]
 HIDDEN = 256                           # mlp-classify's activation width
+SPIN_US = 200                          # --spin-us for the spin-before-block variants
+SPIN_SIZES_MAX = 4 * KIB               # message sizes that get a spin variant (the small-message target)
 READY_TIMEOUT_S = 60.0                 # a server must write its ready file within this
 STOP_GRACE_S = 3.0                     # after SIGTERM, before SIGKILL
 TICK_S = 0.05                          # polling interval while a measured process runs
@@ -211,7 +213,7 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise BenchError(f"no summary at {path}")
     if path.stat().st_size <= BIG_SUMMARY_BYTES:
         data = json.loads(path.read_text())
-        return {"steps": data["steps"], "elapsed_s": data["elapsed_s"]}
+        return {"steps": data["steps"], "elapsed_s": data["elapsed_s"], "cpu_s": data.get("cpu_s")}
     text = path.read_bytes()
     found = {key: re.search(rb'"%s":\s*([0-9.eE+-]+)' % key.encode(), text) for key in ("steps", "elapsed_s")}
     if not all(found.values()):
@@ -410,25 +412,32 @@ class Runner:
     # -- distgrad
 
     def distgrad_pair(self, experiment: Path, steps: int, transport: str = "tcp", driver_flags: tuple = (),
-                      expected_s: float = 5.0, extra_s: float = 0.0) -> dict[str, Any]:
+                      expected_s: float = 5.0, extra_s: float = 0.0, stage_flags: tuple = (),
+                      cpu: bool = False) -> dict[str, Any]:
         """One run of the two stage processes; the driver's summary gives ``elapsed_s``.
+
+        ``stage_flags`` go to both stages. With ``cpu``, g writes a summary too
+        (cheap only for a small g) and ``cores`` is the CPU time both processes
+        used (every thread) over the driver's elapsed time.
 
         The f-stage's VmRSS / VmHWM are sampled every tick together with the last
         progress line it logged, so the training loop's part can be told apart
         from start-up and the summary write.
         """
-        tag = f"{experiment.stem}-{transport}-{'-'.join(map(str, driver_flags)) or 'm1'}"
+        tag = f"{experiment.stem}-{transport}-{'-'.join(map(str, driver_flags + stage_flags)) or 'm1'}"
         ready, summary = self.workdir / f"{tag}.ready", self.workdir / f"{tag}.f.json"
-        ready.unlink(missing_ok=True)
-        summary.unlink(missing_ok=True)
+        g_summary = self.workdir / f"{tag}.g.json"
+        for path in (ready, summary, g_summary):
+            path.unlink(missing_ok=True)
         stage = [sys.executable, "-m", "distgrad.cli", "stage"]
-        common = ["--experiment", str(experiment), "--steps", str(steps), "--timeout", "60"]
+        common = ["--experiment", str(experiment), "--steps", str(steps), "--timeout", "60", *map(str, stage_flags)]
         deadline = time.monotonic() + STARTUP_ALLOWANCE_S + 5 * expected_s + extra_s
         g = f = None
         samples: list[dict[str, Any]] = []
         try:
             g = self.spawn(f"g-{tag}", [*stage, "g", *common, "--bind", self.bind_endpoint(transport, tag),
-                                        "--ready-file", str(ready), "--log-level", "WARNING"])
+                                        "--ready-file", str(ready), "--log-level", "WARNING",
+                                        *(["--summary", str(g_summary)] if cpu else [])])
             endpoint = self.wait_ready(g, ready)
             f = self.spawn(f"f-{tag}", [*stage, "f", *common, "--connect", endpoint, *map(str, driver_flags),
                                         "--summary", str(summary), "--log-level", "INFO"])
@@ -459,11 +468,16 @@ class Runner:
             if code != 0:
                 raise BenchError(f"g-stage exited with code {code}\n{g.tail()}")
             result = read_summary(summary)
+            if cpu:
+                g_cpu = read_summary(g_summary).get("cpu_s")
+                if result.get("cpu_s") is not None and g_cpu is not None:
+                    result["cores"] = (result["cpu_s"] + g_cpu) / result["elapsed_s"]
         finally:
             for proc in (f, g):
                 if proc is not None:
                     proc.stop()
             summary.unlink(missing_ok=True)
+            g_summary.unlink(missing_ok=True)
         result["t"] = result["elapsed_s"] / result["steps"]
         result["memory"] = memory_stats(samples, steps)
         # Between the driver's first and last progress lines: no handshake, first step or bye.
@@ -597,6 +611,11 @@ def memory_stats(samples: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             "steps": steps}
 
 
+def cores(v: Variant) -> float | None:
+    """CPU time of both stage processes over the run's wall time (median over the repeats)."""
+    return median([s["cores"] for s in v.samples if s.get("cores") is not None])
+
+
 def fmt_time(t: float | None) -> str:
     if t is None:
         return "-"
@@ -637,10 +656,16 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
                 variants[f"{role}-{tr}"] = Variant(
                     f"{role}-{tr}", lambda s, role=role, tr=tr, size=size: runner.round_trip(role, tr, size, s),
                     timed=True)
+            small = size <= SPIN_SIZES_MAX
             variants[f"distgrad-{tr}"] = Variant(
-                f"distgrad-{tr}", lambda n, tr=tr, exp=exp, est=est_dg, extra=extra: runner.distgrad_pair(
-                    exp, int(n), tr, expected_s=n * est, extra_s=extra),
+                f"distgrad-{tr}", lambda n, tr=tr, exp=exp, est=est_dg, extra=extra, small=small: runner.distgrad_pair(
+                    exp, int(n), tr, expected_s=n * est, extra_s=extra, cpu=small),
                 est_s=est_dg, min_steps=12 if size >= 64 * MIB else 5)
+            if small:
+                variants[f"spin-{tr}"] = Variant(
+                    f"spin-{tr}", lambda n, tr=tr, exp=exp, est=est_dg: runner.distgrad_pair(
+                        exp, int(n), tr, expected_s=n * est, stage_flags=("--spin-us", SPIN_US), cpu=True),
+                    est_s=est_dg, min_steps=5)
         variants["inprocess"] = Variant("inprocess", lambda n, exp=exp, est=est_ip, extra=extra: runner.inprocess_api(
             exp, int(n), n * est + extra),
                                         est_s=est_ip, min_steps=5)
@@ -658,6 +683,11 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
                 "distgrad": summarise(variants[f"distgrad-{tr}"]),
             }
             fig["distgrad_over_lockstep_ideal"] = ratio(dg, fig["lockstep_ideal_s"])
+            if f"spin-{tr}" in variants:
+                spin = variants[f"spin-{tr}"].t
+                fig.update({"spin_us": SPIN_US, "spin_step_s": spin, "spin_over_raw": ratio(spin, raw),
+                            "cores": cores(variants[f"distgrad-{tr}"]), "spin_cores": cores(variants[f"spin-{tr}"]),
+                            "spin": summarise(variants[f"spin-{tr}"])})
             # The same runs timed between the driver's first and last progress lines (no handshake,
             # no first step, no bye): the steady state, for comparison with elapsed_s / steps.
             fig["distgrad_steady_step_s"] = median([x["steady_t"] for x in variants[f"distgrad-{tr}"].samples
@@ -689,7 +719,9 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
         frame = batch * HIDDEN * 4
         variants: dict[str, Variant] = {
             "unpipelined": Variant("unpipelined", lambda n, exp=exp, est=est: runner.distgrad_pair(
-                exp, int(n), expected_s=n * est), est_s=est),
+                exp, int(n), expected_s=n * est, cpu=True), est_s=est),
+            "unpipelined_spin": Variant("unpipelined_spin", lambda n, exp=exp, est=est: runner.distgrad_pair(
+                exp, int(n), expected_s=n * est, stage_flags=("--spin-us", SPIN_US), cpu=True), est_s=est),
             "inprocess": Variant("inprocess", lambda n, exp=exp, est=est: runner.inprocess_cli(exp, int(n), n * est),
                                  est_s=est / 2),
             "bare": Variant("bare", lambda n, batch=batch, est=est: runner.bare_pair(batch, int(n), n * est),
@@ -721,10 +753,16 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
             "unpipelined_minus_lockstep_ideal_s": (t["unpipelined"] - ideal_t) if t["unpipelined"] and ideal_t
             else None,
             "best_pipelined": best,
+            "cores": {"unpipelined": cores(variants["unpipelined"]),
+                      "unpipelined_spin": cores(variants["unpipelined_spin"])},
             "ratios": {
                 "unpipelined_over_bare": ratio(sps["unpipelined"], sps["bare"]),
                 "unpipelined_over_torch_gloo": ratio(sps["unpipelined"], sps.get("torch_gloo")),
                 "unpipelined_over_lockstep_ideal": ratio(sps["unpipelined"], 1 / ideal_t if ideal_t else None),
+                "unpipelined_spin_over_lockstep_ideal": ratio(sps["unpipelined_spin"],
+                                                              1 / ideal_t if ideal_t else None),
+                "unpipelined_spin_over_bare": ratio(sps["unpipelined_spin"], sps["bare"]),
+                "unpipelined_spin_over_torch_gloo": ratio(sps["unpipelined_spin"], sps.get("torch_gloo")),
                 "unpipelined_over_inprocess": ratio(sps["unpipelined"], sps["inprocess"]),
                 "best_pipelined_over_unpipelined": ratio(pipelined.get(best), sps["unpipelined"]) if best else None,
                 "best_pipelined_over_inprocess": ratio(pipelined.get(best), sps["inprocess"]) if best else None,
@@ -878,6 +916,13 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
                 f"latency: the wire path alone is {fmt_ratio(r.get('wire_over_raw'))} raw "
                 f"({fmt_time(r.get('wire_rt_s'))} vs {fmt_time(r.get('raw_rt_s'))}); compute "
                 f"{fmt_time(mp.get(str(size), {}).get('inprocess_step_s'))}")
+            x = r.get("spin_over_raw")
+            if x is not None:
+                add(f"small message {fmt_size(size)} {tr} with --spin-us {r['spin_us']}: distgrad step / raw round trip",
+                    x, "<= 1.3x", x <= 1.3,
+                    f"latency; CPU: both stage processes busy {fmt_ratio(r.get('spin_cores'))} cores with the spin "
+                    f"vs {fmt_ratio(r.get('cores'))} without ({fmt_time(r.get('spin_step_s'))} vs "
+                    f"{fmt_time(r.get('distgrad_step_s'))} per step)")
     for size in (4 * MIB, 64 * MIB):
         for tr in transports:
             r = mp.get(str(size), {}).get(tr, {})
@@ -901,6 +946,11 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
     add("mlp batch 32: unpipelined / torch gloo split", x, ">= 2.0", x is not None and x >= 2.0,
         f"latency: torch gloo {fmt_time(ratio(1, sps.get('torch_gloo')))} per step vs distgrad "
         f"{fmt_time(ratio(1, sps.get('unpipelined')))}" if sps.get("torch_gloo") else "torch not available")
+    x = b32.get("ratios", {}).get("unpipelined_spin_over_bare")
+    add(f"mlp batch 32 with --spin-us {SPIN_US}: unpipelined / bare raw-frame numpy split", x, ">= 1.0",
+        x is not None and x >= 1.0,
+        f"latency; CPU: {fmt_ratio(b32.get('cores', {}).get('unpipelined_spin'))} cores busy with the spin vs "
+        f"{fmt_ratio(b32.get('cores', {}).get('unpipelined'))} without")
     for batch in ("1", "32"):
         b = model.get(batch, {})
         x = b.get("ratios", {}).get("unpipelined_over_lockstep_ideal")
@@ -909,6 +959,11 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
             f"latency: {fmt_time(b.get('unpipelined_minus_lockstep_ideal_s'))} per step over the ideal; the bare "
             f"split reaches "
             f"{fmt_ratio(ratio(b.get('steps_per_s', {}).get('bare'), b.get('lockstep_ideal_steps_per_s')))} of it")
+        x = b.get("ratios", {}).get("unpipelined_spin_over_lockstep_ideal")
+        add(f"mlp batch {batch} with --spin-us {SPIN_US}: unpipelined / lockstep ideal", x, ">= 0.85",
+            x is not None and x >= 0.85,
+            f"latency; CPU: {fmt_ratio(b.get('cores', {}).get('unpipelined_spin'))} cores busy with the spin vs "
+            f"{fmt_ratio(b.get('cores', {}).get('unpipelined'))} without")
     for bal in (results.get("balanced", {}), results.get("balanced_big_batch", {})):
         est = bal.get("compute_only_estimates", {})
         batch = bal.get("model", {}).get("batch", BALANCED["batch"])
@@ -963,7 +1018,8 @@ def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
     if mp:
         print("\nA. Message path (per step: activation down, gradient of the same size back)", file=out)
         rows = [["size", "tr", "raw rt", "wire rt", "distgrad step", "(steady)", "in-proc step", "dg/raw",
-                 "wire/raw", "dg/(inproc+raw)", "raw MB/s", "dg MB/s", "dg share", "wire share"]]
+                 "wire/raw", "dg/(inproc+raw)", "raw MB/s", "dg MB/s", "dg share", "wire share",
+                 f"spin {SPIN_US}us step", "spin/raw", "cores (spin)"]]
         for size, row in mp.items():
             for tr in transports:
                 r = row.get(tr, {})
@@ -978,7 +1034,11 @@ def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
                              f"{r['distgrad_share_of_raw_bytes_per_s'] * 100:.0f}%"
                              if big and r.get("distgrad_share_of_raw_bytes_per_s") else "",
                              f"{r['wire_share_of_raw_bytes_per_s'] * 100:.0f}%"
-                             if big and r.get("wire_share_of_raw_bytes_per_s") else ""])
+                             if big and r.get("wire_share_of_raw_bytes_per_s") else "",
+                             fmt_time(r.get("spin_step_s")) if "spin_step_s" in r else "",
+                             fmt_ratio(r.get("spin_over_raw")) if "spin_step_s" in r else "",
+                             f"{fmt_ratio(r.get('cores'))} ({fmt_ratio(r.get('spin_cores'))})"
+                             if "spin_step_s" in r else ""])
         print(table(rows), file=out)
     model = results.get("model")
     if model:
@@ -992,8 +1052,12 @@ def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
         rows.append(["raw rt (frame)", *[f"{fmt_time(b['raw_rt_s'])} ({fmt_size(b['frame_bytes'])})"
                                          for b in model.values()]])
         for rk in ("unpipelined_over_bare", "unpipelined_over_torch_gloo", "unpipelined_over_lockstep_ideal",
+                   "unpipelined_spin_over_bare", "unpipelined_spin_over_torch_gloo",
+                   "unpipelined_spin_over_lockstep_ideal",
                    "unpipelined_over_inprocess", "best_pipelined_over_unpipelined", "best_pipelined_over_inprocess"):
             rows.append([rk.replace("_over_", " / "), *[fmt_ratio(b["ratios"].get(rk)) for b in model.values()]])
+        for ck in ("unpipelined", "unpipelined_spin"):
+            rows.append([f"cores busy, {ck}", *[fmt_ratio(b.get("cores", {}).get(ck)) for b in model.values()]])
         rows.append(["best pipelined", *[b["best_pipelined"] or "-" for b in model.values()]])
         print(table(rows), file=out)
     for bal in (results.get("balanced"), results.get("balanced_big_batch")):
