@@ -1005,7 +1005,12 @@ def targets(results: dict[str, Any], transports: list[str]) -> list[dict[str, An
 
 # ---------------------------------------------------------------- output
 
-def table(rows: list[list[str]]) -> str:
+def format_table(rows: list[list[str]], markdown: bool = False) -> str:
+    """Aligned plain-text columns, or a Markdown table."""
+    if markdown:
+        lines = ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+        lines.insert(1, "|" + "---|" * len(rows[0]))
+        return "\n".join(lines)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
@@ -1013,7 +1018,11 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict[str, Any], transports: list[str], out: TextIO) -> None:
+def report(results: dict[str, Any], transports: list[str], out: TextIO, markdown: bool = False) -> None:
+    """Print every section's table and the targets (as Markdown with ``markdown``)."""
+    def table(rows: list[list[str]]) -> str:
+        return format_table(rows, markdown)
+
     mp = results.get("message_path")
     if mp:
         print("\nA. Message path (per step: activation down, gradient of the same size back)", file=out)
@@ -1191,7 +1200,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE from the environment (default: removed in "
                         "the children, so numpy runs its native kernel)")
     p.add_argument("--workdir", type=Path, help="keep logs and generated experiments here (default: a temp dir)")
+    p.add_argument("--report", type=Path, metavar="JSON",
+                   help="measure nothing: print the tables of an earlier run's --json file")
+    p.add_argument("--markdown", action="store_true", help="with --report: Markdown tables (for docs/performance.md)")
     args = p.parse_args(argv)
+    if args.report:
+        results = json.loads(args.report.read_text())
+        report(results, ["tcp", "ipc"], sys.stdout, args.markdown)
+        return 0
     repeats = args.repeats or (1 if args.quick else 3)
     target_s = args.target_s or (0.4 if args.quick else 1.2)
     sections = set(args.sections.upper().split(","))
