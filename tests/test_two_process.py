@@ -281,3 +281,37 @@ def test_a_spinning_wait_is_still_bounded_and_still_receives(zmq_ctx):
     finally:
         a.close(0)
         b.close(0)
+
+
+def test_the_update_after_the_last_reply_is_seen_by_every_later_message(start_server, zmq_ctx):
+    """g replies to a step's last micro-batch before applying its update; whatever comes next
+    (a ping, a repeated forward, the next step) finds the step applied exactly once."""
+    import numpy as np
+
+    from distgrad import wire
+    from distgrad.experiment import load_experiment
+    from distgrad.transport import Client
+
+    exp = load_experiment("tanh-regression")
+    g, endpoint = start_server("tanh-regression")
+    client = Client(zmq_ctx, endpoint)
+    run = "reply-first"
+    shape = (exp.build_data(exp.seed).feature_shape[0] // 2, 32)
+    try:
+        assert client.request(hello_message(exp, run, micro_batches=2), 5.0).type == wire.WELCOME
+
+        def forward(step, mb):
+            activation = np.full(shape, 0.1 * step + 0.01 * mb, np.float32)
+            return client.request(wire.Message(wire.FORWARD, run, step, mb, 2, tensors={"activation": activation}), 5.0)
+
+        forward(1, 0)
+        last = forward(1, 1)
+        assert client.request(wire.Message(wire.PING, "", 0), 5.0).body["step"] == 1
+        again = forward(1, 1)                             # a repeat: the cached reply, no second update
+        assert np.array_equal(again.tensors["activation_grad"], last.tensors["activation_grad"])
+        assert client.request(wire.Message(wire.PING, "", 0), 5.0).body["step"] == 1
+        forward(2, 0)
+        forward(2, 1)
+        assert client.request(wire.Message(wire.PING, "", 0), 5.0).body["step"] == 2
+    finally:
+        client.close(linger_ms=0)
