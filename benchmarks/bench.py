@@ -215,10 +215,12 @@ def read_summary(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
         return {"steps": data["steps"], "elapsed_s": data["elapsed_s"], "cpu_s": data.get("cpu_s")}
     text = path.read_bytes()
-    found = {key: re.search(rb'"%s":\s*([0-9.eE+-]+)' % key.encode(), text) for key in ("steps", "elapsed_s")}
-    if not all(found.values()):
+    found = {key: re.search(rb'"%s":\s*([0-9.eE+-]+)' % key.encode(), text)
+             for key in ("steps", "elapsed_s", "cpu_s")}
+    if not (found["steps"] and found["elapsed_s"]):
         raise BenchError(f"summary {path} has no steps / elapsed_s")
-    return {"steps": int(found["steps"].group(1)), "elapsed_s": float(found["elapsed_s"].group(1))}
+    return {"steps": int(found["steps"].group(1)), "elapsed_s": float(found["elapsed_s"].group(1)),
+            "cpu_s": float(found["cpu_s"].group(1)) if found["cpu_s"] else None}
 
 
 # ---------------------------------------------------------------- experiments

@@ -240,8 +240,11 @@ def _run_experiment(args: argparse.Namespace) -> int:
     from .experiment import load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
+    from .transport import check_spin
 
     exp = load_experiment(args.experiment)
+    if args.spin_us is not None:
+        check_spin(args.spin_us * 1e-6)          # before any stage starts, so a bad value exits 2
     if args.in_process or len(exp.stages) == 1:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches)

@@ -85,7 +85,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     assert last.loss is not None
     scale = last.loss.micro_batch_scale(micro_batches)
     losses: list[float | None] = [None] * len(clients)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, client in enumerate(clients):
             losses[c] = float(_step([client, last], data[c].features(step), data[c].targets(step), micro_batches,
@@ -106,7 +106,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
-        "final_loss": losses[-1], "elapsed_s": time.perf_counter() - started, "mode": "in-process",
+        "final_loss": losses[-1], "elapsed_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started, "mode": "in-process",
         "clients": per_client,
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
@@ -145,7 +146,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     scale = last.loss.micro_batch_scale(micro_batches)
     loss = None
     log_every = max(1, steps // 10)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with TraceWriter(trace_path) as trace:
         for step in range(1, steps + 1):
             loss, applied = _step(stages, data.features(step), data.targets(step), micro_batches, scale,
@@ -168,6 +169,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         "micro_batches": micro_batches,
         "final_loss": float(loss) if loss is not None else None,
         "elapsed_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
         "mode": "in-process",
         **evaluation_fields(evaluation),
         "params": {s.name: to_lists(s.params) for s in stages},

@@ -7,7 +7,10 @@ enough to notice a stop request. Sockets close with a bounded LINGER.
 A socket may first spin (check for a message without sleeping) for a few
 microseconds before it blocks: a process that is already running answers
 sooner than one the kernel has to wake, at the cost of a busy core while
-it spins (``--spin-us``; off by default).
+it spins (``--spin-us``; off by default). It spins once per wait: a
+client at the start of each ``wait``, a server on its first receive after
+a message; the ticks after that block at once. The spinning thread holds
+the GIL, so other Python threads of the process wait for it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zer
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
-MAX_SPIN_S = 0.1              # the longest spin-before-block a socket accepts
+MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (well below a tick)
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -149,6 +152,7 @@ class Server:
                  liveness_s: float = 10.0, security: SocketSecurity | None = None, spin_s: float = 0.0) -> None:
         check_endpoint(endpoint, bind=True)
         self.spin_s = check_spin(spin_s)
+        self._spin_next = False       # spin on the first receive after a message only
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock, max_message_bytes, liveness_s, security)
         try:
@@ -166,7 +170,8 @@ class Server:
         peer puts before its frames; replies must carry it back. ``peer_key``
         is the CURVE public key the peer authenticated with ("" in plaintext).
         """
-        parts = poll_frames(self.sock, timeout_s, self.spin_s)
+        parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+        self._spin_next = parts is not None
         if parts is None:
             return None
         split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
@@ -228,6 +233,7 @@ class Client:
                                   f"(is the serving stage running and reachable there?)")
             waited = clock()
             frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
+            spin_s = 0.0                    # only the first tick spins
             traffic.wait_s += clock() - waited
             if frames is None:
                 continue

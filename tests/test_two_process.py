@@ -255,11 +255,25 @@ def test_spin_before_block_changes_nothing_but_latency(tmp_path, transport):
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
 
 
-@pytest.mark.parametrize("value", ["-1", "200000", "nan"])
-def test_spin_time_out_of_range_is_a_usage_error(value):
-    result = run_cli(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*",
-                      "--spin-us", value])
+@pytest.mark.parametrize("value", ["-1", "20000", "nan"])
+@pytest.mark.parametrize("command", [["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*"],
+                                     ["run", "seed-reverse"], ["run", "tanh-regression", "--in-process"]])
+def test_spin_time_out_of_range_is_a_usage_error(command, value):
+    result = run_cli([*command, "--spin-us", value])
     assert result.returncode == 2 and "--spin-us" in result.stderr, result.stderr
+
+
+def test_an_idle_serving_stage_does_not_spin(start_server):
+    """The spin runs once per wait (after a message), not on every tick of an idle loop."""
+    g, _ = start_server("seed-reverse", "--spin-us", "10000")
+
+    def cpu_s() -> float:
+        fields = Path(f"/proc/{g.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+    before = cpu_s()
+    time.sleep(2.0)
+    assert cpu_s() - before < 0.1        # a spin on each 0.1 s tick would use 0.2 s of it, a busy loop 2 s
 
 
 def test_a_spinning_wait_is_still_bounded_and_still_receives(zmq_ctx):
