@@ -10,6 +10,11 @@ Contract shared by every layer:
   for a wide first layer that product is half the backward's work); ``grads``
   maps each parameter name to d(loss)/d(param). Inputs are never modified (they may be
   read-only views of received frames).
+* ``backward_deferred(cache, dy)`` returns ``(dx, grads_later)``: the same
+  ``dx`` now, and a function that computes the same ``grads`` when called
+  (a serving stage sends ``dx`` upstream first). ``cache`` and ``dy`` must
+  stay unchanged until then; layers without parameters compute everything
+  at once.
 * ``output_shape(shape)`` checks an input shape and returns the output shape,
   raising ``ConfigError`` on a mismatch, so a stage knows what to expect from
   its peer before any data moves.
@@ -117,6 +122,12 @@ class Layer(abc.ABC):
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """Return ``(dx, grads)`` for the cache of one ``forward`` call (``dx`` None unless ``need_dx``)."""
 
+    def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
+        """``dx`` now and the parameter gradients when the returned function is called."""
+        dx, grads = self.backward(cache, dy)
+        assert dx is not None
+        return dx, lambda: grads
+
     def output_shape(self, shape: Shape) -> Shape:
         return shape
 
@@ -182,6 +193,10 @@ class Dense(Layer):
         x = cache
         grads = {self.w_name: x.T @ dy, self.b_name: dy.sum(axis=0)}
         return (dy @ self.params[self.w_name].T if need_dx else None), grads
+
+    def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
+        x, w_name, b_name = cache, self.w_name, self.b_name
+        return dy @ self.params[w_name].T, lambda: {w_name: x.T @ dy, b_name: dy.sum(axis=0)}
 
 
 class Identity(Layer):
@@ -262,6 +277,19 @@ class Sequential(Layer):
         for depth, (layer, layer_cache) in enumerate(zip(reversed(self.layers), reversed(cache))):
             dy, layer_grads = layer.backward(layer_cache, dy, need_dx or depth < last)
             grads.update(layer_grads)
+        return dy, grads
+
+    def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
+        later = []
+        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+            dy, layer_later = layer.backward_deferred(layer_cache, dy)
+            later.append(layer_later)
+
+        def grads() -> Grads:
+            out: Grads = {}
+            for layer_later in later:          # the order ``backward`` fills its dict in
+                out.update(layer_later())
+            return out
         return dy, grads
 
 

@@ -5,10 +5,11 @@ on to the stage below it (``link.DownstreamLink``) and its own backward on up.
 A ``hello`` opens (or resumes) a run, each ``forward`` runs the forward,
 backward and update exactly once and returns the gradient with respect to
 the activations, ``evaluate`` scores held-out rows, ``bye`` closes the run
-and writes the summary. A step's optimiser update runs after the reply to
-its last micro-batch has left (``StageServer.settle``), so the stage above
-computes its own backward and update meanwhile; nothing reads this stage's
-state before the update has run. Invalid input never changes state: a message is
+and writes the summary. A micro-batch's parameter gradients, and a step's
+optimiser update, are computed after the reply carrying the activation
+gradient has left (``StageServer.settle``), so the stage above computes its
+own backward and update meanwhile; nothing reads this stage's state before
+they have run. Invalid input never changes state: a message is
 fully validated before the stage computes anything, and a refusal from
 below is passed up before this stage updates anything.
 """
@@ -48,7 +49,7 @@ class StageServer:
     below comes up with its code); a refused message changes nothing. A
     stage below that stays silent past ``peer_deadline_s`` raises
     ``PeerTimeout``. The caller sends each reply and then calls ``settle``,
-    which applies an update ``handle`` deferred (``handle`` itself settles
+    which computes what ``handle`` deferred (``handle`` itself settles
     first, so a caller that never calls ``settle`` sees the same results).
     """
 
@@ -94,7 +95,7 @@ class StageServer:
         self.bye_reply: Message | None = None
         self.closing = False                # a bye was answered; finish_run completes the run
         self.evaluation: dict[str, Any] | None = None
-        self.deferred: Callable[[], None] | None = None   # the update of a step whose last reply is on its way
+        self.deferred: Callable[[], None] | None = None   # gradients (and update) of a micro-batch already answered
         if opts.resume and self.state.resume_latest():
             self.active = True
             self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
@@ -200,8 +201,10 @@ class StageServer:
         below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
         return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
 
-    def _through(self, msg: Message, x: np.ndarray) -> tuple[np.float32, np.ndarray, dict[str, np.ndarray]]:
-        """A middle stage's micro-batch: forward, the stage below's reply, backward (no update)."""
+    def _through(self, msg: Message, x: np.ndarray
+                 ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
+        """A middle stage's micro-batch: forward, the stage below's reply, the backward's activation
+        gradient, and a function computing its parameter gradients (no update)."""
         assert self.link is not None
         y, cache = self.stage.forward(x)
         tensors = {"activation": y}
@@ -215,8 +218,8 @@ class StageServer:
         except PeerRejected as e:
             raise self._refused_below(e, msg) from e
         loss, dy = check_backward(reply, msg.step, self.link.reply_specs, self.exp.allow_nonfinite)
-        dx, grads = self.stage.backward(cache, dy)
-        return loss, dx, grads
+        dx, grads_later = self.stage.backward_deferred(cache, dy)
+        return loss, dx, grads_later
 
     def _forward(self, msg: Message) -> Message:
         stage = self.stage
@@ -236,14 +239,13 @@ class StageServer:
                 target = msg.tensors.get("target")
                 if target is None:
                     target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
-                mb_loss, dx, grads = stage.loss_micro_batch(x, target)
+                mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target)
             else:
-                mb_loss, dx, grads = self._through(msg, x)
+                mb_loss, dx, grads_later = self._through(msg, x)
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
         if msg.mb == 0:
             self.cached = {}                   # the previous step is complete on both sides
-        stage.accumulator.add(grads, msg.mb, msg.mbs)
         self.mb_losses.append(mb_loss)
         trace = self.state.trace
         tracing = trace is not None and trace.enabled
@@ -254,9 +256,15 @@ class StageServer:
                         tensors={"activation_grad": dx})
         self.cached[key] = reply
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and those below
-        if msg.mb == msg.mbs - 1:
-            self.deferred = lambda: self._update(msg.step, msg.mbs, dx)
+        self.deferred = lambda: self._accumulate(msg.step, msg.mb, msg.mbs, grads_later, dx)
         return reply
+
+    def _accumulate(self, step: int, mb: int, mbs: int, grads_later: Callable[[], dict[str, np.ndarray]],
+                    dx: np.ndarray) -> None:
+        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update."""
+        self.stage.accumulator.add(grads_later(), mb, mbs)
+        if mb == mbs - 1:
+            self._update(step, mbs, dx)
 
     def _update(self, step: int, mbs: int, last_dx: np.ndarray) -> None:
         """The optimiser update of ``step`` from its accumulated micro-batch gradients; trace; checkpoint."""
@@ -277,7 +285,7 @@ class StageServer:
         self.state.after_step()
 
     def settle(self) -> None:
-        """Run the update ``handle`` deferred until its reply had been sent, if any."""
+        """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything."""
         update, self.deferred = self.deferred, None
         if update is not None:
             update()

@@ -8,7 +8,7 @@ bit-for-bit equal to one process.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -176,6 +176,14 @@ class Stage:
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
+    def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
+        """d(loss)/d(input) now; the parameter gradients (the same as ``backward``'s) when the returned
+        function is called, which a serving stage does after sending d(loss)/d(input) upstream."""
+        try:
+            return self.model.backward_deferred(cache, dy)
+        except (ValueError, ArithmeticError) as e:
+            raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
+
     def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Loss value and d(loss)/d(y); last stage only."""
         assert self.loss is not None, f"stage {self.name} has no loss"
@@ -258,3 +266,11 @@ class Stage:
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
         return loss, dx, grads
+
+    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray
+                                  ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
+        """``loss_micro_batch`` with the parameter gradients computed when the returned function is called."""
+        y, cache = self.forward(x)
+        loss, dy = self.loss_backward(y, target)
+        dx, grads_later = self.backward_deferred(cache, dy)
+        return loss, dx, grads_later

@@ -314,6 +314,17 @@ class TorchStage(Stage):
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
+    def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
+        """Everything at once: autograd computes the input and parameter gradients in one pass."""
+        dx, grads = self.backward(cache, dy)
+        assert dx is not None
+        return dx, lambda: grads
+
+    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray
+                                  ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
+        loss, dx, grads = self.loss_micro_batch(x, target)
+        return loss, dx, lambda: grads
+
     def _loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
         assert self.loss is not None and self._loss_fn is not None, f"stage {self.name} has no loss"
         return self._loss_fn(y_t, _tensor(target, self.loss.target_dtype))

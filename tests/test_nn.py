@@ -524,3 +524,21 @@ def test_identity_passes_arrays_through_without_copy_or_parameters():
     assert y is x and dx is x and grads == {} and layer.params == {}
     assert layer.backward(cache, y, need_dx=False) == (None, {})
     assert layer.output_shape((2, 3)) == (2, 3)
+
+
+def test_deferred_backward_gives_the_same_bits_later():
+    """What a serving stage uses: dx first, parameter gradients afterwards, bitwise equal to backward."""
+    from distgrad.nn import Identity
+
+    rng = np.random.default_rng(RNG_SEED)
+    model = Sequential([Scale("s", 6, 1.5, seed=1), Dense("h", 6, 8, "glorot_uniform", seed=1), ReLU(), Tanh(),
+                        Dense("o", 8, 3, "glorot_uniform", seed=1), Identity(), Sigmoid()])
+    x = rng.normal(size=(5, 6)).astype(np.float32)
+    dy = rng.normal(size=(5, 3)).astype(np.float32)
+    y, cache = model.forward(x)
+    dx, grads = model.backward(cache, dy)
+    dx_now, grads_later = model.backward_deferred(cache, dy)
+    assert dx_now.tobytes() == dx.tobytes()
+    later = grads_later()
+    assert list(later) == list(grads)
+    assert all(later[name].tobytes() == grads[name].tobytes() for name in grads)
