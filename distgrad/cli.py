@@ -70,9 +70,9 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--peer-deadline", type=float, metavar="SECONDS",
                    help="how long to wait for a lost peer to come back before exiting 3 (default 60)")
     p.add_argument("--spin-us", type=float, metavar="MICROSECONDS",
-                   help="wait for a message by checking without sleeping for this long before blocking: "
-                        "a faster answer to small messages for a busy core while waiting (default 0, off; "
-                        "see docs/performance.md)")
+                   help="at the start of each wait for a message, check for it without sleeping for this "
+                        "long (0 to 10000) before blocking: a faster answer to small messages for a busy core "
+                        "while waiting (default 0, off; see docs/performance.md)")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints here (and on SIGTERM)")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint every K steps")
     p.add_argument("--resume", action="store_true",
