@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .checkpoint import CheckpointStore
 from .errors import ConfigError, Interrupted, ProtocolError, StageError
 from .experiment import Experiment
 from .losses import build_loss
-from .records import TraceWriter, to_lists, write_json
+from .records import TraceWriter, check_trace_filter, to_lists, write_json
 from .stage import Stage, client_stage_name
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
 from .wire import ErrorCode
@@ -69,6 +69,8 @@ class StageOptions:
     steps: int | None = None
     summary_path: Path | None = None
     trace_path: Path | None = None
+    trace_params: AbstractSet[str] | None = None   # names kept in the trace (None: all)
+    trace_every: int = 1               # trace the steps that are multiples of this, and the last
     timeout_s: float = DEFAULT_TIMEOUT_S
     liveness_s: float = DEFAULT_LIVENESS_S
     peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
@@ -100,6 +102,11 @@ class StageOptions:
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
+        if self.trace_params is not None or self.trace_every != 1:
+            # A stage built in code (stage_factory) may name its parameters as it likes.
+            known = (self.trace_params if self.stage_factory is not None
+                     else self.experiment.all_param_names(self.seed))
+            check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         exp = self.experiment
@@ -200,8 +207,10 @@ class StageState:
     def open_trace(self, append: bool) -> None:
         if self.trace is not None:
             self.trace.close()
-        self.trace = TraceWriter(self.opts.trace_path, append=append and self.opts.trace_path is not None
-                                 and self.opts.trace_path.exists())
+        opts = self.opts
+        self.trace = TraceWriter(opts.trace_path, append=append and opts.trace_path is not None
+                                 and opts.trace_path.exists(), params=opts.trace_params, every=opts.trace_every,
+                                 last_step=opts.experiment.steps if opts.steps is None else opts.steps)
         if append:
             self.trace.rollback(self.stage.step)
 

@@ -120,13 +120,13 @@ class _Driver:
                 send(i + window)
         grads = stage.accumulator.take(self.scale)
         trace = self.state.trace
-        if trace is not None and trace.enabled:
+        if trace is not None and trace.wants(step):
             grads_seen = {k: v.copy() for k, v in grads.items()}
         stage.apply(grads)
         self.loss = float(combine_losses(losses, self.scale))
         if self.average_every and step % self.average_every == 0:
             self._average(step)
-        if trace is not None and trace.enabled:
+        if trace is not None and trace.wants(step):
             trace.write(step, self.loss, grads_seen, stage.params)
         self.state.after_step()
 
@@ -211,7 +211,7 @@ class _Driver:
             if self.metrics.enabled:
                 self._record(step, started, step_started, wait_before, g_before)
             self.progress.update(step, self.loss, force=step == self.steps)
-            if self.opts.progress != "bar" and (step % every == 0 or step == self.steps):
+            if self.opts.progress == "off" and (step % every == 0 or step == self.steps):
                 now = time.perf_counter()
                 rate = (step - last_step) / (now - last_report) if now > last_report else float("nan")
                 last_report, last_step = now, step

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
 from .errors import ConfigError
 from .experiment import Experiment, check_init_overrides
-from .records import TraceWriter, to_lists, write_json
+from .records import TraceWriter, check_trace_filter, to_lists, write_json
 from .stage import (Stage, average_parameters, check_micro_batches, client_stage_name, combine_losses,
                     micro_batch)
 
@@ -119,7 +119,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
 
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
-                     trace_path: str | Path | None = None, micro_batches: int = 1) -> dict[str, Any]:
+                     trace_path: str | Path | None = None, micro_batches: int = 1,
+                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -127,13 +128,15 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     the pipelined schedules do. The summary has ``experiment``, ``steps``,
     ``final_loss``, ``elapsed_s`` and ``params`` (``{stage: {param: values}}``);
     it is also written to ``summary_path`` when given, and one trace line per
-    step to ``trace_path``. With several clients (``[clients]``) the summary
+    traced step to ``trace_path`` (``trace_params``, ``trace_every``: see
+    ``records.TraceWriter``). With several clients (``[clients]``) the summary
     has one parameter set per client (``f@0``, ``f@1``, ...) and a
     ``clients`` list with each one's loss and evaluation.
     """
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     check_init_overrides(exp, init or {})
+    check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
     if exp.federated:
         if trace_path is not None:
             raise ConfigError("traces are not written for runs with several clients; use --summary or --metrics")
@@ -147,11 +150,11 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     loss = None
     log_every = max(1, steps // 10)
     started, cpu_started = time.perf_counter(), time.process_time()
-    with TraceWriter(trace_path) as trace:
+    with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         for step in range(1, steps + 1):
             loss, applied = _step(stages, data.features(step), data.targets(step), micro_batches, scale,
-                                  trace.enabled)
-            if trace.enabled:
+                                  trace.wants(step))
+            if trace.wants(step):
                 trace.write(step, loss, applied, {k: v for s in stages for k, v in s.params.items()})
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)

@@ -81,7 +81,9 @@ class _BarLine:
     def draw(self, payload: str) -> None:
         try:
             p = json.loads(payload)
-            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"), float(p["rate"]))
+            rate = p.get("rate")
+            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
+                                   None if rate is None else float(rate))
         except (ValueError, KeyError, TypeError):
             return
         self.redraw()

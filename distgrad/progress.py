@@ -19,13 +19,19 @@ BAR_WIDTH = 24
 PROGRESS_PREFIX = "progress "
 
 
-def render_bar(step: int, steps: int, loss: float | None, rate: float) -> str:
-    """``[#####-----] 450/900 loss 1.2e-03 2300 steps/s ETA 0.2 s``."""
+def render_bar(step: int, steps: int, loss: float | None, rate: float | None) -> str:
+    """``[#####-----] 450/900 loss 1.2e-03 2300 steps/s ETA 0.2 s``.
+
+    ``rate`` (steps/s) is None or not positive before it can be measured
+    (the first step seen): the bar then shows ``- steps/s ETA -``.
+    """
     done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
-    eta = (steps - step) / rate if rate > 0 else float("nan")
     loss_text = f"{loss:.4g}" if loss is not None else "-"
-    return (f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text} "
-            f"{rate:.0f} steps/s ETA {eta:.1f} s")
+    if rate is not None and rate > 0:
+        speed = f"{rate:.0f} steps/s ETA {(steps - step) / rate:.1f} s"
+    else:
+        speed = "- steps/s ETA -"
+    return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text} {speed}"
 
 
 class Progress:
@@ -49,7 +55,7 @@ class Progress:
             return
         self.last_draw = now
         elapsed = now - self.started
-        rate = (step - self.first_step) / elapsed if elapsed > 0 else 0.0
+        rate = (step - self.first_step) / elapsed if elapsed > 0 else None
         if self.mode == "bar":
             self.stream.write("\r" + render_bar(step, self.steps, loss, rate) + "\x1b[K")
         else:

@@ -8,11 +8,18 @@ bit-for-bit the value that was written.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
-from typing import IO, Any, Iterable, Mapping
+from typing import IO, AbstractSet, Any, Iterable, Mapping
 
 import numpy as np
+
+from .errors import ConfigError
+
+TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
+
+log = logging.getLogger("distgrad.trace")
 
 
 def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -32,12 +39,49 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-class TraceWriter:
-    """Writes one JSON line per step; a no-op when ``path`` is None."""
+def check_trace_filter(names: AbstractSet[str] | None, every: int, known: AbstractSet[str],
+                       tracing: bool) -> None:
+    """Validate ``--trace-params`` / ``--trace-every``; raises ``ConfigError`` naming the bad value.
 
-    def __init__(self, path: str | Path | None, append: bool = False) -> None:
+    ``known`` is every parameter name of the experiment (any stage: each stage
+    keeps the names it owns); ``activation_grad`` is always a valid name.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"--trace-every must be an integer >= 1, got {every!r}")
+    if (names is not None or every != 1) and not tracing:
+        raise ConfigError("--trace-params and --trace-every need --trace PATH")
+    if names is not None:
+        valid = set(known) | {"activation_grad"}
+        unknown = sorted(set(names) - valid)
+        if unknown or not names:
+            raise ConfigError(f"--trace-params: unknown name(s) {', '.join(unknown) or '(none given)'}; "
+                              f"the experiment's are {', '.join(sorted(valid))}")
+
+
+def parse_trace_params(text: str | None) -> frozenset[str] | None:
+    """``"w1,b1"`` -> ``{"w1", "b1"}``; None (every parameter) when not given."""
+    if text is None:
+        return None
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+class TraceWriter:
+    """Writes one JSON line per traced step; a no-op when ``path`` is None.
+
+    ``params`` keeps only these names in a line's ``grads`` and ``params``
+    (None: all); ``every`` traces the steps that are multiples of it, and
+    ``last_step`` too. A line's size is about 21 bytes per float32 value, for
+    each parameter and its gradient: a full trace of a large model is large,
+    and the first line over ``TRACE_WARN_BYTES`` logs one warning.
+    """
+
+    def __init__(self, path: str | Path | None, append: bool = False, params: AbstractSet[str] | None = None,
+                 every: int = 1, last_step: int | None = None) -> None:
         self._file: IO[str] | None = None
         self.path = Path(path) if path is not None else None
+        self.names = frozenset(params) if params is not None else None
+        self.every, self.last_step = every, last_step
+        self._warned = False
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a" if append else "w", encoding="utf-8")
@@ -69,14 +113,27 @@ class TraceWriter:
     def enabled(self) -> bool:
         return self._file is not None
 
+    def wants(self, step: int) -> bool:
+        """Whether ``write(step, ...)`` writes a line: callers copy what they trace only then."""
+        return self._file is not None and (step % self.every == 0 or step == self.last_step)
+
+    def _kept(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return to_lists({k: v for k, v in arrays.items() if self.names is None or k in self.names})
+
     def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
               params: Mapping[str, np.ndarray]) -> None:
-        if self._file is None:
+        if not self.wants(step):
             return
-        line: dict[str, Any] = {"step": step, "grads": to_lists(grads), "params": to_lists(params)}
+        assert self._file is not None
+        line: dict[str, Any] = {"step": step, "grads": self._kept(grads), "params": self._kept(params)}
         if loss is not None:
             line["loss"] = float(loss)
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        if len(text) > TRACE_WARN_BYTES and not self._warned:
+            self._warned = True
+            log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
+                        "--trace-params NAME,... and --trace-every K make it smaller", self.path, len(text) / 1e6)
+        self._file.write(text)
 
     def close(self) -> None:
         if self._file is not None:

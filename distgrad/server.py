@@ -248,7 +248,7 @@ class StageServer:
             self.cached = {}                   # the previous step is complete on both sides
         self.mb_losses.append(mb_loss)
         trace = self.state.trace
-        tracing = trace is not None and trace.enabled
+        tracing = trace is not None and trace.wants(msg.step)
         if tracing and self.link is None:       # the merged trace has the last stage's activation gradient
             self.sent_back.append(dx)
         body = {"loss": float(mb_loss)}
@@ -269,7 +269,7 @@ class StageServer:
     def _update(self, step: int, mbs: int, last_dx: np.ndarray) -> None:
         """The optimiser update of ``step`` from its accumulated micro-batch gradients; trace; checkpoint."""
         stage, trace = self.stage, self.state.trace
-        tracing = trace is not None and trace.enabled
+        tracing = trace is not None and trace.wants(step)
         scale = self.final_loss.micro_batch_scale(mbs)
         applied = stage.accumulator.take(scale)
         if tracing:

@@ -27,6 +27,20 @@ import zmq
 from distgrad.launcher import pinned_env, stop_process
 
 CLI = [sys.executable, "-m", "distgrad.cli"]
+REQUIRE_VARIABLE = "DISTGRAD_REQUIRE"     # comma-separated modules whose absence fails the run instead of skipping
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where the environment promises optional modules (CI installs torch), a missing one is an error:
+    without this its tests would be skipped and the run would still pass."""
+    import importlib
+
+    for name in filter(None, (n.strip() for n in os.environ.get(REQUIRE_VARIABLE, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # ImportError, or a broken install raising anything else
+            pytest.exit(f"{REQUIRE_VARIABLE} names {name!r} but it cannot be imported "
+                        f"({type(e).__name__}: {e}); its tests would be skipped", returncode=3)
 STAGE_CLI = [*CLI, "stage"]
 BIN = Path(sys.executable).parent
 PROCESS_DEADLINE_S = 60.0

@@ -60,6 +60,8 @@ def test_readme_block_runs(tmp_path, index):
         for argv in BLOCKS[index]:
             if argv[0] == "make":
                 continue                            # .ci/run runs the make targets
+            if argv[0] in (".", "source"):
+                continue                            # the activation: test_activating_the_venv_puts_the_commands_on_the_path
             argv = [a.replace("5555", port).replace("G_ADDR", "127.0.0.1") for a in argv]
             assert argv[0] in ("distgrad", "distgrad-stage"), argv
             argv[0] = str(BIN / argv[0])
@@ -76,3 +78,17 @@ def test_readme_block_runs(tmp_path, index):
     finally:
         for proc in background:
             stop_process(proc)
+
+
+def test_activating_the_venv_puts_the_commands_on_the_path(tmp_path):
+    """After ``make demo`` the README's hand-run commands need ``.venv/bin`` on the PATH: it says how."""
+    flat = [" ".join(argv) for block in BLOCKS for argv in block]
+    activate = next(c for c in flat if c.split()[0] in (".", "source"))
+    assert activate.split()[1] == ".venv/bin/activate"
+    quickstart = README.read_text().split("## Concepts")[0]
+    assert ". .venv/bin/activate" in quickstart                     # before the first hand-run command
+    env = dict(pinned_env(), PATH="/usr/bin:/bin")                  # a shell that has not activated anything
+    script = f". {BIN / 'activate'} && command -v distgrad-stage && command -v distgrad"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(BIN / "distgrad-stage"), str(BIN / "distgrad")]

@@ -33,7 +33,8 @@ from distgrad.stage import Stage
 
 from conftest import read_json, read_lines, run_cli
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
+                                               "CI installs it and sets DISTGRAD_REQUIRE=torch")
 
 from distgrad.torch_stage import TorchStage  # noqa: E402  (imports torch)
 

@@ -82,3 +82,72 @@ def test_log_level_controls_the_output():
     assert quiet.returncode == 0 and "INFO" not in quiet.stdout + quiet.stderr
     chatty = run_cli(["run", "seed-reverse", "--steps", "50", "--log-level", "DEBUG"])
     assert chatty.returncode == 0 and "INFO" in chatty.stdout
+
+
+# --- Issue 12: a trace a user can afford, output a user can read ---------------------------------------------
+
+@pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "two-process"])
+def test_trace_params_and_every_keep_the_named_values_of_every_kth_step(tmp_path, mode):
+    full, narrow = tmp_path / "full.jsonl", tmp_path / "narrow.jsonl"
+    args = ["run", "tanh-regression", "--steps", "10", *mode]
+    assert run_cli([*args, "--trace", full]).returncode == 0
+    result = run_cli([*args, "--trace", narrow, "--trace-params", "f1.b,g2.W,activation_grad", "--trace-every", "4"])
+    assert result.returncode == 0, result.stderr
+    lines, reference = read_lines(narrow), {line["step"]: line for line in read_lines(full)}
+    assert [line["step"] for line in lines] == [4, 8, 10]                  # every 4th, and the last
+    for line in lines:
+        wanted = {"f1.b", "g2.W"}
+        assert set(line["params"]) == wanted
+        assert set(line["grads"]) == wanted | {"activation_grad"}
+        for kind in ("params", "grads"):
+            for name, value in line[kind].items():
+                assert value == reference[line["step"]][kind][name]      # bitwise the full trace's values
+        assert line["loss"] == reference[line["step"]]["loss"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--trace-params", "nope"], "unknown name(s) nope"),
+    (["--trace-every", "0"], "--trace-every must be an integer >= 1"),
+])
+@pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "two-process"])
+def test_bad_trace_filters_exit_2_before_anything_runs(tmp_path, flags, message, mode):
+    result = run_cli(["run", "tanh-regression", "--steps", "5", "--trace", tmp_path / "t.jsonl", *flags, *mode])
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    no_trace = run_cli(["run", "tanh-regression", "--steps", "5", "--trace-every", "3", *mode])
+    assert no_trace.returncode == 2 and "need --trace PATH" in no_trace.stderr
+
+
+def test_a_large_trace_warns_once_and_the_help_says_what_it_costs(tmp_path):
+    result = run_cli(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "t.jsonl"])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("MB a step") == 1 and "--trace-params" in result.stderr
+    small = run_cli(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "s.jsonl",
+                     "--trace-params", "g1.b"])
+    assert small.returncode == 0 and "MB a step" not in small.stderr
+    help_text = " ".join(run_cli(["stage", "--help"]).stdout.split())
+    assert "8.7 MB a step" in help_text and "--trace-every" in help_text
+
+
+def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress_lines(start_server):
+    from distgrad.progress import render_bar
+
+    assert "nan" not in render_bar(1, 10, None, None) and "- steps/s ETA -" in render_bar(1, 10, 0.5, None)
+    _, endpoint = start_server("seed-reverse", "--keep-serving")
+    result = run_cli(["stage", "f", "--experiment", "seed-reverse", "--connect", endpoint, "--progress", "lines"])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert "progress {" in out and "nan" not in out.lower()
+    assert "step 90/900" not in out                     # one kind of line per step, not both
+
+
+def test_experiments_lists_every_description_whole():
+    from distgrad.experiment import builtin_names, load_experiment
+
+    result = run_cli(["experiments"])
+    assert result.returncode == 0
+    listed = result.stdout.split()
+    for name in builtin_names():
+        words = str(load_experiment(name).raw.get("description", "")).split()
+        start = listed.index(f"{name}:")
+        assert listed[start + 5:start + 5 + len(words)] == words, name     # after "NAME: K stage(s), N steps"
