@@ -177,7 +177,7 @@ class StageState:
         ckpt = self.store.latest() if self.store is not None else None
         if ckpt is None:
             return False
-        if ckpt.meta.get("finished") is True:
+        if is_finished(ckpt, self.opts):
             self.log.info("run %s finished at step %d; not resuming it", ckpt.run, ckpt.step)
             return False
         self._load(ckpt)
@@ -280,13 +280,20 @@ def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
     return lock_stage(opts.checkpoint_dir, opts.instance) if opts.checkpoint_dir is not None else None
 
 
+def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
+    """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
+    experiment's): a larger ``--steps`` continues the run instead."""
+    steps = opts.experiment.steps if opts.steps is None else opts.steps
+    return ckpt.meta.get("finished") is True and ckpt.step >= steps
+
+
 def finished_run(opts: StageOptions) -> Checkpoint | None:
     """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
     if not opts.resume or opts.checkpoint_dir is None:
         return None
     meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
     ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
-    return ckpt if ckpt is not None and ckpt.meta.get("finished") is True else None
+    return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
 
 
 def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:

@@ -167,7 +167,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
     # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
     processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
-    done = _finished(exp, clients, seed, init, stage_flags)
+    done = _finished(exp, clients, steps, seed, init, stage_flags)
     if done is not None:
         out.write(f"run {done['run_id']} finished at step {done['steps']}; nothing to do "
                   f"(start without --resume for a new run)\n")
@@ -228,7 +228,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     return summary
 
 
-def _finished(exp: Any, clients: Sequence[int | None], seed: int | None, init: str | None,
+def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: int | None, init: str | None,
               stage_flags: Sequence[str]) -> dict[str, Any] | None:
     """With ``--resume --checkpoint-dir DIR`` in ``stage_flags``: when every stage that keeps
     checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
@@ -244,7 +244,7 @@ def _finished(exp: Any, clients: Sequence[int | None], seed: int | None, init: s
     if not exp.federated:               # the serving stage of several clients keeps no checkpoints
         stages += [(name, None) for name in exp.stage_names[1:]]
     for name, client in stages:
-        opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, checkpoint_dir=directory,
+        opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
                             resume=True, client=client)
         ckpt = finished_run(opts)
         if ckpt is None:

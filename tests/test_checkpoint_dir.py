@@ -165,3 +165,15 @@ def test_the_python_api_returns_a_finished_runs_summary(tmp_path):
     again = drive_stage("seed-reverse", "tcp://127.0.0.1:9", checkpoint_dir=ck, steps=60, resume=True)
     assert again["status"] == "finished" and again["steps"] == 60
     assert again["params"] == first["params"] and again["final_loss"] == first["final_loss"]
+
+
+def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
+    ck = tmp_path / "ckpt"
+    common = ["run", "seed-reverse", "--checkpoint-dir", ck, "--checkpoint-every", "25", "--resume"]
+    assert run_cli([*common, "--steps", "60"]).returncode == 0
+    more = run_cli([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
+    assert more.returncode == 0, more.stderr
+    reference = run_cli(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
+    assert reference.returncode == 0, reference.stderr
+    assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
+    assert read_json(tmp_path / "more.json")["steps"] == 120
