@@ -10,16 +10,25 @@ float32 arrays, read back with ``allow_pickle=False``. A file is written to a
 temporary name, fsynced, renamed into place and its directory fsynced, so a
 crash leaves either the old set of files or the new one. A torn or corrupt
 file fails its checksum and the previous checkpoint is used.
+
+Files are named ``STAGE-RUN-STEPSTEPSTEP.ckpt`` (the run id, or a hash of it
+when it is not plain letters and digits), so several runs share a directory:
+a save prunes only its own run's older files and never another run's. A stage
+process holds ``DIR/.STAGE.lock`` (``lock_stage``) for its whole life, so two
+processes of one stage never share a directory.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import io
 import logging
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,12 +36,16 @@ from typing import Any, Mapping
 import msgpack
 import numpy as np
 
-from .errors import ConfigError, DistgradError
+from .errors import CheckpointWriteError, ConfigError, DistgradError
 
 MAGIC = b"DGCKPT1\n"
-KEEP_LAST = 3                      # checkpoints kept per stage (at least two must survive a torn write)
+KEEP_LAST = 3                      # checkpoints kept per stage and run (at least two must survive a torn write)
 HEADER_MAX_BYTES = 1 << 20
-_NAME = re.compile(r"^(?P<stage>[A-Za-z0-9_.@-]+)-(?P<step>\d{9})\.ckpt$")   # f@2: client 2 of stage f
+RUN_TOKEN_MAX = 64                 # a longer run id, or one with other characters, is named by its hash
+_STAGE = r"(?P<stage>[A-Za-z0-9_.@-]+)"                                      # f@2: client 2 of stage f
+_NAME = re.compile(rf"^{_STAGE}-(?P<run>[A-Za-z0-9]{{1,{RUN_TOKEN_MAX}}})-(?P<step>\d{{9}})\.ckpt$")
+_OLD_NAME = re.compile(rf"^{_STAGE}-(?P<step>\d{{9}})\.ckpt$")            # before run ids were in names
+_TMP = re.compile(r"^\.(?P<name>.+\.ckpt)\.(?P<pid>\d+)\.tmp$")              # a save's temporary file
 
 log = logging.getLogger("distgrad.checkpoint")
 
@@ -50,6 +63,7 @@ class Checkpoint:
     arrays: dict[str, np.ndarray]
     meta: dict[str, Any]
     path: Path
+    saved_ns: int | None = None     # wall clock of the save (None in files older than this field)
 
 
 def _digest(fields: Mapping[str, Any], payload: bytes) -> str:
@@ -59,8 +73,24 @@ def _digest(fields: Mapping[str, Any], payload: bytes) -> str:
     return digest.hexdigest()
 
 
-def _path(directory: Path, stage: str, step: int) -> Path:
-    return directory / f"{stage}-{step:09d}.ckpt"
+def run_token(run: str) -> str:
+    """The run as it appears in file names: itself when plain letters and digits, else a hash of it
+    (a serving stage's run id comes from the network and must not make a path)."""
+    if re.fullmatch(rf"[A-Za-z0-9]{{1,{RUN_TOKEN_MAX}}}", run):
+        return run
+    return "h" + hashlib.sha256(run.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _path(directory: Path, stage: str, run: str, step: int) -> Path:
+    return directory / f"{stage}-{run_token(run)}-{step:09d}.ckpt"
+
+
+def _parse(name: str) -> tuple[str, str | None, int] | None:
+    """(stage, run token or None for an old-format name, step) of a checkpoint file name."""
+    match = _NAME.match(name) or _OLD_NAME.match(name)
+    if match is None:
+        return None
+    return match["stage"], match.groupdict().get("run"), int(match["step"])
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -73,23 +103,38 @@ def _fsync_dir(directory: Path) -> None:
 
 def save(directory: Path, stage: str, run: str, step: int, fingerprint: str,
          arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> Path:
-    """Write one checkpoint atomically and prune all but the newest ``KEEP_LAST``; return its path."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write one checkpoint atomically and prune all but the newest ``KEEP_LAST`` of this stage's
+    ``run`` (never another run's files); return its path.
+
+    Raises ``CheckpointWriteError`` naming the directory and the cause when it
+    cannot be written (disk full, read-only); the temporary file is removed.
+    """
     buffer = io.BytesIO()
     np.savez(buffer, **{name: np.asarray(a) for name, a in arrays.items()})
     payload = buffer.getvalue()
-    fields = {"stage": stage, "run": run, "step": step, "fingerprint": fingerprint, "meta": dict(meta or {})}
+    fields = {"stage": stage, "run": run, "step": step, "fingerprint": fingerprint, "meta": dict(meta or {}),
+              "saved_ns": time.time_ns()}           # which run was written last (see ``latest``)
     header = msgpack.packb(dict(fields, sha256=_digest(fields, payload)))
-    path = _path(directory, stage, step)
+    path = _path(directory, stage, run, step)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(directory)
-    for old in steps_on_disk(directory, stage)[:-KEEP_LAST]:
-        _path(directory, stage, old).unlink(missing_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise CheckpointWriteError(f"cannot write checkpoint {path.name} of stage {stage} in --checkpoint-dir "
+                                   f"{directory}: {e.strerror or e}") from e
+    token = run_token(run)
+    for old in [s for s, r in _files(directory, stage) if r == token][:-KEEP_LAST]:
+        _path(directory, stage, run, old).unlink(missing_ok=True)
     return path
 
 
@@ -108,29 +153,121 @@ def load(path: Path) -> Checkpoint:
     try:
         header = msgpack.unpackb(data[start:start + size], raw=False)
         payload = data[start + size:]
-        fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta")}
+        # ``saved_ns`` is absent from files written before it existed.
+        fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns") if k in header}
         if _digest(fields, payload) != header["sha256"]:
             raise CheckpointError(f"{path} fails its checksum (torn or corrupt)")
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
+        saved = header.get("saved_ns")
         return Checkpoint(header["stage"], header["run"], int(header["step"]), header["fingerprint"],
-                          arrays, dict(header["meta"]), path)
+                          arrays, dict(header["meta"]), path, saved if isinstance(saved, int) else None)
     except CheckpointError:
         raise
     except Exception as e:  # msgpack/numpy raise many types on corrupt bytes
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from e
 
 
-def steps_on_disk(directory: Path, stage: str) -> list[int]:
-    """Steps of this stage's checkpoint files, oldest first (not yet verified)."""
+def _files(directory: Path, stage: str) -> list[tuple[int, str | None]]:
+    """(step, run token or None for an old-format name) of this stage's checkpoint files, by step."""
     if not directory.is_dir():
         return []
-    steps = []
+    found = []
     for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match and match["stage"] == stage:
-            steps.append(int(match["step"]))
-    return sorted(steps)
+        parsed = _parse(entry.name)
+        if parsed is not None and parsed[0] == stage:
+            found.append((parsed[2], parsed[1]))
+    return sorted(found, key=lambda item: (item[0], item[1] or ""))
+
+
+def steps_on_disk(directory: Path, stage: str) -> list[int]:
+    """Steps of this stage's checkpoint files of every run, oldest first (not yet verified)."""
+    return [step for step, _ in _files(directory, stage)]
+
+
+class StageLock:
+    """``DIR/.STAGE.lock``, held (``flock``, exclusive) by the one process running the stage there.
+
+    The kernel drops the lock when the process dies, even by SIGKILL, so a
+    stage restarted at once gets it back.
+    """
+
+    def __init__(self, directory: Path, stage: str, fd: int) -> None:
+        self.directory, self.stage, self.path, self._fd = directory, stage, directory / f".{stage}.lock", fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)          # closing the descriptor drops the lock
+            self._fd = -1
+
+    def __enter__(self) -> "StageLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_stage(directory: Path, stage: str) -> StageLock:
+    """Take ``DIR/.STAGE.lock`` before anything else reads or writes this stage's files there.
+
+    Raises ``ConfigError`` (exit 2) naming the directory and the OS reason when it
+    cannot be created or written, and naming the pid of the holder when another
+    process runs this stage there. Once held, removes this stage's temporary
+    files left by a crash (``.STAGE-...ckpt.PID.tmp``), and nothing else.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--checkpoint-dir {directory} exists and is not a directory")
+    path = directory / f".{stage}.lock"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):     # a read-only mount says so here, even to root
+            raise OSError(errno.EROFS if _read_only(directory) else errno.EACCES,
+                          os.strerror(errno.EROFS if _read_only(directory) else errno.EACCES))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = _read_pid(fd)
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ConfigError(f"--checkpoint-dir {directory}: cannot lock {path}: {e.strerror or e}") from e
+        raise ConfigError(f"--checkpoint-dir {directory} is in use: stage {stage} is already running there "
+                          f"(pid {holder or '?'} holds {path}); two processes of one stage would fight over its "
+                          f"run. Stop that process first, or give this one another directory") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from e
+    lock = StageLock(directory, stage, fd)
+    _remove_stale_temporaries(directory, stage)
+    return lock
+
+
+def _read_only(directory: Path) -> bool:
+    return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return text if text.isdigit() else ""
+
+
+def _remove_stale_temporaries(directory: Path, stage: str) -> None:
+    """Delete this stage's ``.NAME.ckpt.PID.tmp`` files: only its lock holder writes them, so they are a
+    crash's leftovers. Other stages' temporaries and files of any other shape stay."""
+    for entry in directory.iterdir():
+        match = _TMP.match(entry.name)
+        parsed = _parse(match["name"]) if match else None
+        if parsed is not None and parsed[0] == stage:
+            log.info("removing %s, left by a crash of stage %s", entry, stage)
+            entry.unlink(missing_ok=True)
 
 
 class CheckpointStore:
@@ -153,12 +290,19 @@ class CheckpointStore:
         Corrupt files are reported and skipped, so the previous one serves.
         """
         found = []
-        for step in steps_on_disk(self.directory, self.stage):
-            path = _path(self.directory, self.stage, step)
+        wanted = None if run is None else run_token(run)
+        for step, token in _files(self.directory, self.stage):
+            if token is not None and wanted is not None and token != wanted:
+                continue                    # another run's file: not even read
+            path = (self.directory / f"{self.stage}-{step:09d}.ckpt" if token is None
+                    else self.directory / f"{self.stage}-{token}-{step:09d}.ckpt")
             try:
                 ckpt = load(path)
             except CheckpointError as e:
                 log.warning("skipping checkpoint: %s", e)
+                continue
+            if ckpt.step != step or (token is not None and run_token(ckpt.run) != token):
+                log.warning("skipping checkpoint %s: its name does not match its header", path)
                 continue
             if ckpt.stage != self.stage or ckpt.fingerprint != self.fingerprint:
                 log.warning("skipping checkpoint %s: it belongs to another stage or experiment", path)
@@ -172,9 +316,20 @@ class CheckpointStore:
         return found
 
     def latest(self) -> Checkpoint | None:
-        """The newest valid checkpoint, or None."""
-        valid = self.valid()
-        return valid[-1] if valid else None
+        """The newest valid checkpoint of the run written most recently, or None.
+
+        Several runs with these settings may share the directory (other runs'
+        files are never deleted); the one a stage resumes is the one it saved
+        last, whatever the step numbers of the others.
+        """
+        newest: dict[str, Checkpoint] = {}
+        written: dict[str, int] = {}
+        for ckpt in self.valid():
+            newest[ckpt.run] = ckpt                  # valid() is by step: the last is the run's newest
+            written[ckpt.run] = max(written.get(ckpt.run, 0), _written_ns(ckpt))
+        if not newest:
+            return None
+        return newest[max(newest, key=lambda run: (written[run], newest[run].step))]
 
     def steps(self, run: str) -> list[int]:
         return [c.step for c in self.valid(run)]
@@ -185,8 +340,13 @@ class CheckpointStore:
                 return ckpt
         return None
 
-    def discard_other_runs(self, run: str) -> None:
-        """Delete this stage's checkpoints that belong to another run (a new run owns the directory)."""
-        for ckpt in self.valid():
-            if ckpt.run != run:
-                ckpt.path.unlink(missing_ok=True)
+
+
+def _written_ns(ckpt: Checkpoint) -> int:
+    """When a checkpoint was saved: its header's ``saved_ns``, else (older files) the file's mtime."""
+    if ckpt.saved_ns is not None:
+        return ckpt.saved_ns
+    try:
+        return ckpt.path.stat().st_mtime_ns
+    except OSError:
+        return 0

@@ -23,8 +23,8 @@ from typing import AbstractSet, Any, Callable, Mapping
 import numpy as np
 
 from . import wire
-from .checkpoint import CheckpointStore
-from .errors import ConfigError, Interrupted, ProtocolError, StageError
+from .checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
+from .errors import CheckpointWriteError, ConfigError, Interrupted, ProtocolError, StageError
 from .experiment import Experiment
 from .losses import build_loss
 from .records import TraceWriter, check_trace_filter, to_lists, write_json
@@ -170,6 +170,7 @@ class StageState:
         self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
+        self.write_failed = False       # a checkpoint could not be written: no more attempts
         self.log = logging.getLogger(f"distgrad.{opts.instance}")
 
     def _fresh(self) -> Stage:
@@ -178,9 +179,13 @@ class StageState:
         return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
 
     def resume_latest(self) -> bool:
-        """Load the newest valid checkpoint; False (fresh start) when there is none."""
+        """Load the newest valid checkpoint of the run saved last; False (fresh start) when there is
+        none, or when that run is finished (a serving stage then waits for a new run)."""
         ckpt = self.store.latest() if self.store is not None else None
         if ckpt is None:
+            return False
+        if is_finished(ckpt, self.opts):
+            self.log.info("run %s finished at step %d; not resuming it", ckpt.run, ckpt.step)
             return False
         self._load(ckpt)
         self.run_id, self.owner = ckpt.run, ckpt.meta.get("owner", "")
@@ -194,13 +199,12 @@ class StageState:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
 
     def begin(self, run_id: str, owner: str = "") -> None:
-        """Start ``run_id`` from the initial state; its checkpoints replace any other run's."""
+        """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
         if self.stage.step != 0:
             self.stage = self._fresh()
         self.run_id, self.owner = run_id, owner
         self.cpu_started = time.process_time()
         if self.store is not None:
-            self.store.discard_other_runs(run_id)
             self.save()
         self.open_trace(append=False)
 
@@ -241,11 +245,20 @@ class StageState:
         if every and self.stage.step % every == 0:
             self.save()
 
-    def save(self) -> None:
-        if self.store is not None and self.run_id:
+    def save(self, final_loss: float | None = None, finished: bool = False) -> None:
+        """Checkpoint the live state; ``finished`` marks the completed run's last one (``--resume``
+        then has nothing to do). Raises ``CheckpointWriteError`` (and every later save is skipped)."""
+        if self.store is not None and self.run_id and not self.write_failed:
             if self.trace is not None:
                 self.trace.flush()          # the trace then holds every step the checkpoint has
-            self.store.save(self.run_id, self.stage.step, self.stage.state_arrays(), dict(self.meta, owner=self.owner))
+            meta = dict(self.meta, owner=self.owner)
+            if finished:
+                meta.update(finished=True, final_loss=final_loss)
+            try:
+                self.store.save(self.run_id, self.stage.step, self.stage.state_arrays(), meta)
+            except CheckpointWriteError:
+                self.write_failed = True    # the exit save must not report it a second time
+                raise
 
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
         summary = {
@@ -268,6 +281,38 @@ class StageState:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
+    """Hold ``DIR/.INSTANCE.lock`` for this stage process (None without ``--checkpoint-dir``);
+    raises ``ConfigError`` when the directory is unwritable or another process runs the stage there."""
+    return lock_stage(opts.checkpoint_dir, opts.instance) if opts.checkpoint_dir is not None else None
+
+
+def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
+    """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
+    experiment's): a larger ``--steps`` continues the run instead."""
+    steps = opts.experiment.steps if opts.steps is None else opts.steps
+    return ckpt.meta.get("finished") is True and ckpt.step >= steps
+
+
+def finished_run(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+    if not opts.resume or opts.checkpoint_dir is None:
+        return None
+    meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+    return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
+
+
+def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
+    """Log that the run is finished; return its summary from its final checkpoint (no file is written)."""
+    logging.getLogger(f"distgrad.{opts.instance}").info(
+        "run %s finished at step %d; nothing to do (start without --resume for a new run)", ckpt.run, ckpt.step)
+    params = {name[len("param/"):]: value for name, value in ckpt.arrays.items() if name.startswith("param/")}
+    return {"experiment": opts.experiment.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
+            "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
+            "params": {opts.instance: to_lists(params)}}
 
 
 def same_exactly(a: Any, b: Any) -> bool:

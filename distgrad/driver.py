@@ -27,7 +27,8 @@ from .link import DownstreamLink, check_backward, check_evaluation
 from .transport import Traffic
 from .wire import ErrorCode, Message
 
-from .daemon import PROGRESS_UPDATES, StageOptions, StageState, StopFlag, micro_shape
+from .daemon import (PROGRESS_UPDATES, StageOptions, StageState, StopFlag, finished_run, lock_checkpoint_dir,
+                     micro_shape, nothing_to_do)
 
 
 class _Driver:
@@ -198,6 +199,7 @@ class _Driver:
                     if len(self.data.test_rows):
                         self.evaluate()
                     self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
+                    self.state.save(self.loss, finished=True)     # a rerun with --resume has nothing to do
                     return
                 self.step_once()
             except PeerRejected as e:
@@ -226,5 +228,17 @@ def drive_first_stage(opts: StageOptions, connect: str, stop: StopFlag,
     and then raises ``PeerTimeout`` naming the endpoint; raises
     ``PeerRejected`` when the server refuses a message for good (e.g. another
     experiment), ``Interrupted`` on a signal, after saving a checkpoint.
+    With ``--checkpoint-dir``, holds the stage's lock there for the whole run
+    (``ConfigError`` if another process holds it); with ``--resume`` and a
+    finished run there, returns that run's summary at once, connecting to
+    nothing and writing no file.
     """
-    return _Driver(opts, connect, stop, ctx or zmq.Context.instance()).run()
+    lock = lock_checkpoint_dir(opts)
+    try:
+        done = finished_run(opts)
+        if done is not None:
+            return nothing_to_do(opts, done)
+        return _Driver(opts, connect, stop, ctx or zmq.Context.instance()).run()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -49,6 +49,10 @@ class StageError(DistgradError, RuntimeError):
     """A stage failed while computing a step; the cause is chained."""
 
 
+class CheckpointWriteError(DistgradError, OSError):
+    """A checkpoint could not be written (disk full, read-only directory); names the directory and cause."""
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 

@@ -169,6 +169,11 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
     # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
     processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
+    done = _finished(exp, clients, steps, seed, init, stage_flags)
+    if done is not None:
+        out.write(f"run {done['run_id']} finished at step {done['steps']}; nothing to do "
+                  f"(start without --resume for a new run)\n")
+        return done
     lock = threading.Lock()
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
@@ -222,6 +227,34 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
             write_json(summary_path, summary)
         if trace_path is not None:
             merge_traces([files[name][1] for name in processes], trace_path)
+    return summary
+
+
+def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: int | None, init: str | None,
+              stage_flags: Sequence[str]) -> dict[str, Any] | None:
+    """With ``--resume --checkpoint-dir DIR`` in ``stage_flags``: when every stage that keeps
+    checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
+    from .daemon import StageOptions, finished_run, nothing_to_do
+
+    flags = list(stage_flags)
+    if "--resume" not in flags or "--checkpoint-dir" not in flags[:-1]:
+        return None
+    directory = Path(flags[flags.index("--checkpoint-dir") + 1])
+    overrides = parse_init_overrides(init)
+    summaries = []
+    stages = [(exp.stage_names[0], client) for client in clients]
+    if not exp.federated:               # the serving stage of several clients keeps no checkpoints
+        stages += [(name, None) for name in exp.stage_names[1:]]
+    for name, client in stages:
+        opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
+                            resume=True, client=client)
+        ckpt = finished_run(opts)
+        if ckpt is None:
+            return None
+        summaries.append(nothing_to_do(opts, ckpt))
+    summary = merge_summaries(summaries)
+    losses = [s["final_loss"] for s in summaries if isinstance(s.get("final_loss"), float)]
+    summary.update(mode="finished earlier", final_loss=losses[0] if losses else float("nan"))
     return summary
 
 

@@ -36,8 +36,8 @@ from .stage import Stage, combine_losses, micro_batch
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message
 
-from .daemon import (StageOptions, StageState, StopFlag, common_step, frame_limit, micro_shape, same_exactly,
-                     target_spec, tensor_specs)
+from .daemon import (StageOptions, StageState, StopFlag, common_step, finished_run, frame_limit,
+                     lock_checkpoint_dir, micro_shape, nothing_to_do, same_exactly, target_spec, tensor_specs)
 
 
 class StageServer:
@@ -333,7 +333,7 @@ class StageServer:
         self.settle()
         if self.closing:
             self.closing = False
-            self.state.save()
+            self.state.save(self.loss, finished=True)      # a rerun with --resume has nothing to do
             self.finished = self.close_run("completed")
 
     def check_liveness(self, now: float) -> float | None:
@@ -424,12 +424,28 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
     summary. Raises ``PeerTimeout`` when a run's client stays lost for
     ``opts.peer_deadline_s`` (unless ``keep_serving``) or the stage below
     stays silent that long, and ``Interrupted`` on a signal, after saving a
-    checkpoint.
+    checkpoint. With ``--checkpoint-dir``, holds the stage's lock there while
+    serving (``ConfigError`` if another process holds it); with ``--resume``
+    and a finished run there, returns that run's summary at once without
+    binding (with ``keep_serving``, serves new runs instead).
     """
     ctx = ctx or zmq.Context.instance()
     if opts.experiment.federated:
         from .federation import serve_clients
         return serve_clients(opts, bind, stop, keep_serving, ready_file, ctx, on_ready)
+    lock = lock_checkpoint_dir(opts)
+    try:
+        done = finished_run(opts)
+        if done is not None and not keep_serving:
+            return nothing_to_do(opts, done)
+        return _serve(opts, bind, stop, connect, keep_serving, ready_file, ctx, on_ready)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
+           ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = StageServer(opts, connect, stop, ctx)
     log = logic.log
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
@@ -459,12 +475,14 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
                 if not keep_serving:
                     return logic.finished
     finally:
-        logic.settle()
-        if logic.active:
-            logic.state.save()
-            logic.close_run("interrupted")
-        server.close()
-        if logic.link is not None:
-            logic.link.close(linger_ms=0)
+        try:
+            logic.settle()
+            if logic.active:
+                logic.state.save()          # skipped once a save has failed: that error is the one reported
+                logic.close_run("interrupted")
+        finally:
+            server.close()
+            if logic.link is not None:
+                logic.link.close(linger_ms=0)
 
 

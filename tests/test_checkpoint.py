@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 import pytest
 
 from distgrad import checkpoint
 from distgrad.checkpoint import CheckpointError, CheckpointStore
+from distgrad.errors import CheckpointWriteError, ConfigError
 from distgrad.experiment import load_experiment
 from distgrad.stage import Stage
 
@@ -65,8 +69,8 @@ def test_checkpoints_of_another_experiment_or_run_are_not_used(tmp_path):
     assert store.latest() is None
     store.save("old-run", 30, _arrays(3.0), {})
     store.save("new-run", 0, _arrays(0.0), {})
-    store.discard_other_runs("new-run")
-    assert [c.run for c in store.valid()] == ["new-run"]
+    assert [c.run for c in store.valid("new-run")] == ["new-run"]
+    assert [c.run for c in store.valid()] == ["new-run", "old-run"]     # the other run's file is kept
 
 
 def test_no_temporary_files_are_left_and_nothing_is_pickled(tmp_path):
@@ -110,3 +114,77 @@ def test_a_flipped_header_bit_is_caught(tmp_path):
     path.write_bytes(data)
     with pytest.raises(CheckpointError, match="checksum"):
         checkpoint.load(path)
+
+
+def test_a_run_never_prunes_or_overwrites_another_runs_checkpoints(tmp_path):
+    store = _store(tmp_path)
+    for step in range(0, 1001, 50):
+        store.save("first", step, _arrays(step), {})
+    for step in (0, 50, 100, 150):
+        store.save("second", step, _arrays(-step), {})
+    assert store.steps("first") == [900, 950, 1000]         # another run's newest, untouched
+    assert store.steps("second") == [50, 100, 150]          # and this run keeps its own newest
+    ckpt = store.at("second", 50)
+    np.testing.assert_array_equal(ckpt.arrays["param/w"], _arrays(-50)["param/w"])   # not overwritten
+
+
+def test_resume_takes_the_run_written_last_whatever_the_steps_of_others(tmp_path):
+    store = _store(tmp_path)
+    for step in (800, 900, 1000):
+        store.save("older", step, _arrays(step), {})
+    store.save("newer", 0, _arrays(0.0), {})
+    store.save("newer", 50, _arrays(50.0), {})
+    latest = store.latest()
+    assert (latest.run, latest.step) == ("newer", 50)
+    store.save("older", 1050, _arrays(1050.0), {})
+    assert (store.latest().run, store.latest().step) == ("older", 1050)
+
+
+def test_a_run_id_from_the_network_never_makes_a_path(tmp_path):
+    store = _store(tmp_path)
+    path = store.save("../../x y", 5, _arrays(1.0), {})
+    assert path.parent == tmp_path / "ckpt" and "/" not in path.name[:-5] and ".." not in path.name
+    assert store.at("../../x y", 5).run == "../../x y"
+
+
+def test_old_format_names_are_still_read(tmp_path):
+    store = _store(tmp_path)
+    path = store.save("run", 20, _arrays(2.0), {})
+    path.rename(path.with_name("g-000000020.ckpt"))
+    assert (store.latest().run, store.latest().step) == ("run", 20)
+
+
+def test_a_second_process_of_a_stage_cannot_lock_its_directory(tmp_path):
+    directory = tmp_path / "ckpt"
+    with checkpoint.lock_stage(directory, "f"):
+        with pytest.raises(ConfigError, match=rf"{directory}.*stage f is already running.*pid {os.getpid()}"):
+            checkpoint.lock_stage(directory, "f")
+        checkpoint.lock_stage(directory, "g").release()           # another stage: its own lock
+        checkpoint.lock_stage(directory, "f@1").release()
+    checkpoint.lock_stage(directory, "f").release()               # free again once released
+
+
+def test_the_lock_removes_only_this_stages_leftover_temporary_files(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    stale = [".f-abc-000000050.ckpt.123.tmp", ".f-000000050.ckpt.77.tmp"]
+    kept = [".g-abc-000000050.ckpt.123.tmp", ".f@1-abc-000000050.ckpt.5.tmp", ".f-abc-000000050.ckpt.tmp",
+            "notes.tmp", ".f-abc-000000050.ckpt.123.tmp.bak", "f-abc-000000050.ckpt"]
+    for name in stale + kept:
+        (directory / name).write_bytes(b"x")
+    checkpoint.lock_stage(directory, "f").release()
+    assert sorted(p.name for p in directory.iterdir()) == sorted(kept + [".f.lock"])
+
+
+def test_a_failed_save_leaves_no_file_and_names_the_directory(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    store.save("run", 1, _arrays(1.0), {})
+
+    def full(fd, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    with pytest.raises(CheckpointWriteError, match=rf"{tmp_path / 'ckpt'}.*No space left on device"):
+        store.save("run", 2, _arrays(2.0), {})
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["g-run-000000001.ckpt"]

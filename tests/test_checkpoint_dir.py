@@ -1,0 +1,179 @@
+"""One checkpoint directory, several runs and processes: nothing is lost, shared or left behind.
+
+Real stage processes (issue 12): another run's checkpoints are never deleted;
+a second process of a running stage is refused; an unwritable or full
+directory is a clear error; a finished run is not run again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import StageProcess, read_json, run_cli
+
+from test_faults import Pair
+
+
+def _ckpts(directory: Path) -> dict[str, float]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if p.name.endswith(".ckpt")}
+
+
+def test_a_second_run_keeps_the_first_runs_checkpoints_and_resumes_its_own(tmp_path, stage_group):
+    ck = tmp_path / "ckpt"
+    first = run_cli(["run", "tanh-regression", "--seed", "7", "--steps", "400", "--checkpoint-dir", ck,
+                     "--checkpoint-every", "50"])
+    assert first.returncode == 0, first.stderr
+    first_files = _ckpts(ck)
+    assert len(first_files) == 6                   # f and g: the newest three each
+    pair = stage_group(Pair, tmp_path, "tanh-regression", "1200", f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    pair.wait_for_step(300)
+    pair.procs["f"].proc.kill()
+    pair.procs["f"].wait()
+    pair.start("f")
+    pair.wait_all()
+    for name, mtime in first_files.items():        # neither deleted nor overwritten
+        assert _ckpts(ck).get(name) == mtime, name
+    restarted = pair.procs["f"].output
+    assert "resumed run" in restarted and "no resume" not in restarted, restarted
+    reference = read_json(tmp_path / "f.json")
+    assert reference["steps"] == 1200
+    ours = [n for n in _ckpts(ck) if n.startswith(f"f-{reference['run_id']}-")]
+    assert len(ours) == 3, sorted(_ckpts(ck))      # the run keeps its own newest
+
+
+def test_a_second_driver_of_a_running_stage_is_refused(tmp_path, stage_group):
+    pair = stage_group(Pair, tmp_path, "tanh-regression", "3000", f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    pair.wait_for_step(50)
+    for name in ("f", "g"):
+        with StageProcess(pair.args[name], tmp_path / f"second-{name}.log") as second:
+            assert second.wait(30) == 2, second.output
+            holder = pair.procs[name].proc.pid
+            assert f"{tmp_path / 'ckpt'}" in second.output and f"stage {name} is already running" in second.output
+            assert f"pid {holder}" in second.output and "Traceback" not in second.output
+    pair.wait_all()
+    assert "rolled back" not in pair.procs["g"].output
+
+
+@contextmanager
+def _tmpfs(path: Path, options: str):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (read-only or small) needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("stage", ["f", "g"])
+def test_a_read_only_checkpoint_directory_is_a_configuration_error_at_start(tmp_path, stage):
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        flag = ["--connect", "tcp://127.0.0.1:9"] if stage == "f" else ["--bind", "tcp://127.0.0.1:*"]
+        with StageProcess([stage, "--experiment", "seed-reverse", *flag, "--checkpoint-dir", ro, "--resume",
+                           "--peer-deadline", "2"], tmp_path / "stage.log") as proc:
+            assert proc.wait(30) == 2, proc.output
+            assert f"--checkpoint-dir {ro} is not writable: Read-only file system" in proc.output
+            assert "Traceback" not in proc.output
+
+
+@pytest.mark.parametrize("victim", ["f", "g"])
+def test_a_full_disk_mid_run_is_one_clear_error_and_leaves_no_partial_file(tmp_path, victim):
+    # mlp-classify's f and g checkpoints are 2.4 and 0.03 MiB: the first fits, a second one does not.
+    size = "4m" if victim == "f" else "96k"
+    with _tmpfs(tmp_path / "small", f"size={size}") as small:
+        dirs = {"f": tmp_path / "ck", "g": tmp_path / "ck"}
+        dirs[victim] = small
+        ready = tmp_path / "g.ready"
+        common = ["--experiment", "mlp-classify", "--steps", "200", "--checkpoint-every", "1", "--peer-deadline", "3",
+                  "--liveness", "1", "--timeout", "1"]
+        g = StageProcess(["g", "--bind", f"ipc://{tmp_path}/g.sock", "--ready-file", ready, "--checkpoint-dir",
+                          dirs["g"], *common], tmp_path / "g.log")
+        f = StageProcess(["f", "--connect", f"ipc://{tmp_path}/g.sock", "--checkpoint-dir", dirs["f"], *common],
+                         tmp_path / "f.log")
+        try:
+            proc = {"f": f, "g": g}[victim]
+            assert proc.wait(60) == 1, proc.output
+            assert proc.output.count("cannot write checkpoint") == 1, proc.output
+            assert f"in --checkpoint-dir {small}: No space left on device" in proc.output
+            assert "Traceback" not in proc.output
+            assert not [p.name for p in small.iterdir() if p.name.endswith(".tmp")]
+        finally:
+            f.stop()
+            g.stop()
+
+
+def _outputs(tmp_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in tmp_path.glob("out.*")}
+
+
+def test_rerunning_a_finished_run_with_resume_does_nothing_and_touches_nothing(tmp_path):
+    ck = tmp_path / "ckpt"
+    args = ["run", "seed-reverse", "--steps", "100", "--checkpoint-dir", ck, "--checkpoint-every", "50", "--resume",
+            "--summary", tmp_path / "out.summary.json", "--trace", tmp_path / "out.trace.jsonl",
+            "--metrics", tmp_path / "out.metrics.jsonl"]
+    first = run_cli(args)
+    assert first.returncode == 0, first.stderr
+    before, files = _outputs(tmp_path), _ckpts(ck)
+    assert len(before) == 3
+    again = run_cli(args, timeout=30)
+    assert again.returncode == 0, again.stderr
+    assert "finished at step 100; nothing to do (start without --resume for a new run)" in again.stdout + again.stderr
+    assert _outputs(tmp_path) == before and _ckpts(ck) == files
+    old_run = read_json(tmp_path / "out.summary.json")["run_id"]
+    fresh = run_cli([a for a in args if a != "--resume"])     # told to: a new run
+    assert fresh.returncode == 0, fresh.stderr
+    assert read_json(tmp_path / "out.summary.json")["run_id"] != old_run
+
+
+def test_each_stage_alone_says_a_finished_run_is_finished_without_connecting_or_binding(tmp_path, stage_group):
+    pair = stage_group(Pair, tmp_path, "seed-reverse", "200", f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    pair.wait_all()
+    summaries = {name: (tmp_path / f"{name}.json").read_bytes() for name in ("f", "g")}
+    (tmp_path / "g.sock").unlink(missing_ok=True)
+    for name in ("f", "g"):
+        started = time.monotonic()
+        with StageProcess(pair.args[name], tmp_path / f"again-{name}.log") as again:
+            assert again.wait(30) == 0, again.output
+            assert "finished at step 200; nothing to do" in again.output
+        assert time.monotonic() - started < 15
+        assert not (tmp_path / "g.sock").exists()          # g did not bind
+    assert {name: (tmp_path / f"{name}.json").read_bytes() for name in ("f", "g")} == summaries
+
+
+def test_the_python_api_returns_a_finished_runs_summary(tmp_path):
+    from distgrad.api import drive_stage, serve_stage
+
+    ck = tmp_path / "ckpt"
+    with serve_stage("seed-reverse", checkpoint_dir=ck, steps=60) as g:
+        first = drive_stage("seed-reverse", g.endpoint, checkpoint_dir=ck, steps=60)
+        g.wait(30)
+    again = drive_stage("seed-reverse", "tcp://127.0.0.1:9", checkpoint_dir=ck, steps=60, resume=True)
+    assert again["status"] == "finished" and again["steps"] == 60
+    assert again["params"] == first["params"] and again["final_loss"] == first["final_loss"]
+
+
+def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
+    ck = tmp_path / "ckpt"
+    common = ["run", "seed-reverse", "--checkpoint-dir", ck, "--checkpoint-every", "25", "--resume"]
+    assert run_cli([*common, "--steps", "60"]).returncode == 0
+    more = run_cli([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
+    assert more.returncode == 0, more.stderr
+    reference = run_cli(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
+    assert reference.returncode == 0, reference.stderr
+    assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
+    assert read_json(tmp_path / "more.json")["steps"] == 120
