@@ -254,7 +254,7 @@ def test_micro_batches_and_resume_from_a_checkpoint_with_torch_stages(tmp_path):
     path = _tanh(tmp_path, "numpy", "torch", ADAM, steps=20)      # one torch import per launch: keeps it fast
     checkpoints = ["--micro-batches", "4", "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "5"]
     _run_two_processes(path, *checkpoints, "--steps", "10")
-    assert max(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("g-")) == "g-000000010.ckpt"
+    assert max(p.name[-14:] for p in (tmp_path / "ck").glob("g-*.ckpt")) == "000000010.ckpt"   # g-RUN-STEP.ckpt
     resumed, trace = _run_two_processes(path, *checkpoints, "--resume")
     assert resumed["steps"] == 20 and [line["step"] for line in trace] == list(range(11, 21))
     exp = load_experiment(path)
