@@ -167,7 +167,9 @@ class StageState:
 
     def _fresh(self) -> Stage:
         if self.opts.stage_factory is not None:
-            return self.opts.stage_factory()
+            stage = self.opts.stage_factory()
+            stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+            return stage
         return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
 
     def resume_latest(self) -> bool:

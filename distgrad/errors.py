@@ -49,6 +49,14 @@ class StageError(DistgradError, RuntimeError):
     """A stage failed while computing a step; the cause is chained."""
 
 
+class NonFiniteError(StageError):
+    """A stage's own loss or gradient is NaN or +-Inf (the experiment forbids them).
+
+    Raised before anything of the step is applied or checkpointed; the
+    message names the stage, the step and the tensor. Exit code 1.
+    """
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 

@@ -51,16 +51,24 @@ def _step(stages: list[Stage], features: np.ndarray, targets: np.ndarray, micro_
             x, cache = stage.forward(x)
             caches.append(cache)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches))
+        last.check_finite("loss", mb_loss)
+        if upstream:
+            last.check_finite("activation_grad", dx)
         last.accumulator.add(grads, i, micro_batches)
         losses.append(mb_loss)
         if tracing and upstream:
             sent_back.append(dx)
         for stage, cache in zip(reversed(upstream), reversed(caches)):
             dx, grads = stage.backward(cache, dx, need_dx=stage is not stages[0])
+            if stage is not stages[0]:
+                stage.check_finite("activation_grad", dx)
             stage.accumulator.add(grads, i, micro_batches)
+    # Every stage's gradients are checked before any stage is updated.
+    taken = [(stage, stage.accumulator.take(scale)) for stage in reversed(stages)]
+    for stage, grads in taken:
+        stage.check_grads(grads)
     applied = {}
-    for stage in reversed(stages):
-        grads = stage.accumulator.take(scale)
+    for stage, grads in taken:
         if tracing:
             applied.update({k: v.copy() for k, v in grads.items()})
         stage.apply(grads)
