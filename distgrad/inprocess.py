@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import ConfigError
-from .experiment import Experiment, check_init_overrides
+from .experiment import Experiment, check_run_settings
 from .records import TraceWriter, to_lists, write_json
 from .stage import (Stage, average_parameters, check_micro_batches, client_stage_name, combine_losses,
                     micro_batch)
@@ -139,9 +139,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     has one parameter set per client (``f@0``, ``f@1``, ...) and a
     ``clients`` list with each one's loss and evaluation.
     """
+    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
-    check_init_overrides(exp, init or {})
     if exp.federated:
         if trace_path is not None:
             raise ConfigError("traces are not written for runs with several clients; use --summary or --metrics")
