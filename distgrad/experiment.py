@@ -256,13 +256,13 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_init_overrides(exp, init or {})
     if checkpoint_every is not None and (not _whole(checkpoint_every) or checkpoint_every < 0):
         raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
-    if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
-        raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
-                          "and --resume (or run the stages as processes)")
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
     if resume and checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir")
+    if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
+        raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
+                          "and --resume (or run the stages as processes)")
 
 
 def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
