@@ -5,7 +5,7 @@ map errors to exit codes:
 
 ====  ==========================================================
 0     success
-1     a stage failed (computation error, a stage of the launcher failed)
+1     a stage failed (computation error, a NaN/Inf loss or gradient on any stage, a stage of the launcher failed)
 2     usage or configuration error (bad flag, experiment, endpoint, --init)
 3     the peer did not answer in time, or fell silent mid-run
 4     the peer refused us (error reply: mismatched experiment, bad step...)

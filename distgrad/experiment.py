@@ -4,7 +4,10 @@ An experiment is a TOML file that every stage reads (see the built-ins in
 ``distgrad/experiments/``). Top-level keys: ``name``, ``description``,
 ``steps``, ``seed``, ``labels`` (``"last"``: the label owner is the last
 stage, the default; ``"first"``: the targets travel downstream with the
-activations), ``allow_nonfinite`` (default false), ``[clients]`` (several data owners, see
+activations), ``allow_nonfinite`` (default false: NaN/Inf tensors are refused on
+the wire and a stage's own non-finite loss or gradient ends the run, exit 1,
+before anything of that step is applied; true: both are accepted and trained
+through), ``[clients]`` (several data owners, see
 ``Clients``), a ``[data]`` table and one
 ``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
 of layer tables), ``optimizer``, on the last stage only, ``loss``, and

@@ -242,3 +242,33 @@ def test_init_nan_in_an_experiment_file_is_refused_like_the_flag():
     stages[0]["model"] = [dict(stages[0]["model"][0], init=float("nan"))]
     with pytest.raises(Exception, match="not a finite float32 number"):
         parse_experiment(dict(raw, stages=stages))
+
+
+def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeypatch):
+    """federation.ClientsServer: the failing client hears nonfinite_step (its driver exits 1), nothing is
+    applied, and the other clients' steps go on."""
+    from distgrad.federation import ClientsServer
+
+    exp = load_experiment("digits-clients")
+    server = ClientsServer(StageOptions(exp, "g", exp.seed))
+    for c in range(exp.clients.count):
+        server.handle([b"peer%d" % c], hello_message(exp, f"run{c}", client=c, micro_batches=1), 0.0)
+    real = Stage.loss_micro_batch
+
+    def nan_loss_for_client_0(self, x, target):
+        loss, dx, grads = real(self, x, target)
+        return (np.float32(np.nan) if server.turn == 0 else loss), dx, grads
+
+    monkeypatch.setattr(Stage, "loss_micro_batch", nan_loss_for_client_0)
+    before = {k: v.copy() for k, v in server.stage.params.items()}
+    firsts = [Stage.from_experiment(exp, "f") for _ in range(exp.clients.count)]
+    data = [exp.build_data(client=c) for c in range(exp.clients.count)]
+    y0, _ = firsts[0].forward(data[0].features(1))
+    (_, refused), = server.handle([b"peer0"], Message(wire.FORWARD, "run0", 1, tensors={"activation": y0}), 0.0)
+    assert refused.type == wire.ERROR and refused.body["code"] == ErrorCode.NONFINITE_STEP
+    assert "stage g: non-finite loss at step 1" in refused.body["message"]
+    assert all(np.array_equal(before[k], v) for k, v in server.stage.params.items())
+    assert not server.clients[0].active
+    y1, _ = firsts[1].forward(data[1].features(1))
+    (_, reply), = server.handle([b"peer1"], Message(wire.FORWARD, "run1", 1, tensors={"activation": y1}), 0.0)
+    assert reply.type == wire.BACKWARD and server.stage.step == 1
