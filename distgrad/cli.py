@@ -5,7 +5,7 @@ map errors to exit codes:
 
 ====  ==========================================================
 0     success
-1     a stage failed (computation error, a stage of the launcher failed)
+1     a stage failed (computation error, a NaN/Inf loss or gradient on any stage, a stage of the launcher failed)
 2     usage or configuration error (bad flag, experiment, endpoint, --init)
 3     the peer did not answer in time, or fell silent mid-run
 4     the peer refused us (error reply: mismatched experiment, bad step...)
@@ -250,16 +250,21 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 def _run_experiment(args: argparse.Namespace) -> int:
     from .daemon import StopFlag
-    from .experiment import load_experiment, parse_init_overrides
+    from .experiment import check_run_settings, load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
     from .records import check_trace_filter, parse_trace_params
     from .transport import check_spin
 
     exp = load_experiment(args.experiment)
+    in_process = args.in_process or len(exp.stages) == 1
+    # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
+    check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
+                       init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process)
     if args.spin_us is not None:
-        check_spin(args.spin_us * 1e-6)          # before any stage starts, so a bad value exits 2
-    if args.in_process or len(exp.stages) == 1:
+        check_spin(args.spin_us * 1e-6)
+    if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
                                    parse_trace_params(args.trace_params), args.trace_every)

@@ -25,7 +25,7 @@ import numpy as np
 from . import wire
 from .checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from .errors import CheckpointWriteError, ConfigError, Interrupted, ProtocolError, StageError
-from .experiment import Experiment
+from .experiment import Experiment, check_run_settings
 from .losses import build_loss
 from .records import TraceWriter, check_trace_filter, to_lists, write_json
 from .stage import Stage, client_stage_name
@@ -95,6 +95,9 @@ class StageOptions:
         return client_stage_name(self.stage, self.client)
 
     def __post_init__(self) -> None:
+        check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
+                           init=self.init, checkpoint_dir=self.checkpoint_dir,
+                           checkpoint_every=self.checkpoint_every, resume=self.resume)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:
@@ -175,7 +178,9 @@ class StageState:
 
     def _fresh(self) -> Stage:
         if self.opts.stage_factory is not None:
-            return self.opts.stage_factory()
+            stage = self.opts.stage_factory()
+            stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+            return stage
         return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
 
     def resume_latest(self) -> bool:

@@ -9,6 +9,7 @@ resumes at step ``k`` sees exactly the batch it would have seen.
 from __future__ import annotations
 
 import abc
+import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -278,20 +279,57 @@ def _keep_shard(source: Any, index: int, count: int) -> None:
     source._epoch = -1
 
 
+_KINDS: dict[str, type[DataSource]] = {"ramp": Ramp, "synthetic_regression": SyntheticRegression,
+                                       "synthetic_classification": SyntheticClassification,
+                                       "npz": ArrayFile, "npy": ArrayFile, "csv": ArrayFile}
+_INTERNAL = {"self", "kind", "base_dir"}     # constructor arguments that no experiment gives
+
+
+def _check_option(kind: str, name: str, value: Any, annotation: str) -> None:
+    """Raise ``ConfigError`` unless ``value`` fits the constructor's annotation (a real number for a float)."""
+    allowed = {part.strip() for part in str(annotation).split("|")}
+    if "Any" in allowed or (value is None and "None" in allowed):
+        return
+    if isinstance(value, bool):
+        ok = "bool" in allowed
+    elif isinstance(value, int):
+        ok = bool(allowed & {"int", "float"})
+    elif isinstance(value, float):
+        ok = "float" in allowed and bool(np.isfinite(value))
+    else:
+        ok = isinstance(value, str) and "str" in allowed
+    if not ok:
+        wanted = " or ".join(sorted(allowed - {"None"})).replace("float", "real number").replace("int", "whole number").replace("str", "string")
+        raise ConfigError(f"data kind {kind!r}: {name!r} must be a {wanted}, got {value!r}")
+
+
 def build_data(spec: Mapping[str, Any], seed: int, base_dir: Path | None = None) -> DataSource:
-    """Build the data source named by an experiment's ``[data]`` table."""
+    """Build the data source named by an experiment's ``[data]`` table.
+
+    Raises ``ConfigError`` for an unknown kind or option (listing the valid
+    ones) or a value of the wrong type (a string or boolean for a number).
+    """
     spec = dict(spec)
     kind = spec.pop("kind", None)
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression, synthetic_classification, "
+                          f"npz, npy or csv")
+    parameters = inspect.signature(_KINDS[kind].__init__).parameters
+    internal = _INTERNAL | ({"seed"} if _KINDS[kind] is ArrayFile else set())     # files take split_seed
+    valid = [name for name in parameters if name not in internal]
+    unknown = sorted(set(spec) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for data kind {kind!r}; valid options: "
+                          f"{', '.join(['kind', *valid])}")
+    for name, value in spec.items():
+        _check_option(kind, name, value, parameters[name].annotation)
     try:
         if kind == "ramp":
             return Ramp(**spec)
         if kind == "synthetic_regression":
-            return SyntheticRegression(seed=int(spec.pop("seed", seed)), **spec)
+            return SyntheticRegression(seed=spec.pop("seed", seed), **spec)
         if kind == "synthetic_classification":
-            return SyntheticClassification(seed=int(spec.pop("seed", seed)), **spec)
-        if kind in ("npz", "npy", "csv"):
-            return ArrayFile(kind, base_dir or Path.cwd(), seed, **spec)
+            return SyntheticClassification(seed=spec.pop("seed", seed), **spec)
+        return ArrayFile(kind, base_dir or Path.cwd(), seed, **spec)
     except TypeError as e:
         raise ConfigError(f"invalid options for data kind {kind!r}: {sorted(spec)} ({e})") from e
-    raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression, synthetic_classification, "
-                      f"npz, npy or csv")

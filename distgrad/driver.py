@@ -18,12 +18,12 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
+from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .inprocess import evaluation_fields
 from .losses import build_loss
 from .stage import check_micro_batches, combine_losses, micro_batch
 from .progress import MetricsWriter, Progress
-from .link import DownstreamLink, check_backward, check_evaluation
+from .link import DownstreamLink, check_evaluation, check_reply
 from .transport import Traffic
 from .wire import ErrorCode, Message
 
@@ -110,7 +110,8 @@ class _Driver:
         for i in range(count):
             reply = self.link.await_reply(pending, (step, i))
             del pending[(step, i)]
-            loss, dy = check_backward(reply, step, self.reply_specs, self.exp.allow_nonfinite)
+            loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
+                                   self.exp.stage_names[1])
             losses.append(loss)
             compute = reply.body.get("compute_s")
             if isinstance(compute, float):
@@ -120,6 +121,7 @@ class _Driver:
             if i + window < count:
                 send(i + window)
         grads = stage.accumulator.take(self.scale)
+        stage.check_grads(grads)
         trace = self.state.trace
         if trace is not None and trace.wants(step):
             grads_seen = {k: v.copy() for k, v in grads.items()}
@@ -175,6 +177,12 @@ class _Driver:
             self._run()
         except (Interrupted, PeerTimeout):
             state.save()            # between steps the state is consistent: a restart continues here
+            raise
+        except PeerRejected as e:
+            if e.code == ErrorCode.NONFINITE_STEP:
+                # A stage below found a non-finite loss or gradient and applied nothing: a stage
+                # failed (exit 1); this stage sent nothing wrong, so it is no refusal (exit 4).
+                raise StageError(e.peer_message) from e
             raise
         finally:
             state.close()

@@ -53,6 +53,14 @@ class CheckpointWriteError(DistgradError, OSError):
     """A checkpoint could not be written (disk full, read-only directory); names the directory and cause."""
 
 
+class NonFiniteError(StageError):
+    """A stage's own loss or gradient is NaN or +-Inf (the experiment forbids them).
+
+    Raised before anything of the step is applied or checkpointed; the
+    message names the stage, the step and the tensor. Exit code 1.
+    """
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 

@@ -4,7 +4,10 @@ An experiment is a TOML file that every stage reads (see the built-ins in
 ``distgrad/experiments/``). Top-level keys: ``name``, ``description``,
 ``steps``, ``seed``, ``labels`` (``"last"``: the label owner is the last
 stage, the default; ``"first"``: the targets travel downstream with the
-activations), ``allow_nonfinite`` (default false), ``[clients]`` (several data owners, see
+activations), ``allow_nonfinite`` (default false: NaN/Inf tensors are refused on
+the wire and a stage's own non-finite loss or gradient ends the run, exit 1,
+before anything of that step is applied; true: both are accepted and trained
+through), ``[clients]`` (several data owners, see
 ``Clients``), a ``[data]`` table and one
 ``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
 of layer tables), ``optimizer``, on the last stage only, ``loss``, and
@@ -142,11 +145,16 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise _fail(source, "'name' must be a non-empty string")
+    if not isinstance(raw.get("description", ""), str):
+        raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
     steps, seed = raw.get("steps", 100), raw.get("seed", 0)
-    if not isinstance(steps, int) or steps < 1:
+    if not _whole(steps) or steps < 1:
         raise _fail(source, f"'steps' must be a positive integer, got {steps!r}")
-    if not isinstance(seed, int) or seed < 0:
+    if not _whole(seed) or seed < 0:
         raise _fail(source, f"'seed' must be a non-negative integer, got {seed!r}")
+    allow_nonfinite = raw.get("allow_nonfinite", False)
+    if not isinstance(allow_nonfinite, bool):
+        raise _fail(source, f"'allow_nonfinite' must be true or false, got {allow_nonfinite!r}")
     labels = raw.get("labels", "last")
     if labels not in ("last", "first"):
         raise _fail(source, f"'labels' must be 'last' or 'first', got {labels!r}")
@@ -168,6 +176,9 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
             raise _fail(source, f"stage {i} needs a 'name'")
         if not isinstance(table.get("model"), list):
             raise _fail(source, f"stage {table['name']!r} needs a 'model' list of layers")
+        if not isinstance(table.get("optimizer", {}), dict):
+            raise _fail(source, f"stage {table['name']!r}: 'optimizer' must be a table such as "
+                                f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
         if last != ("loss" in table):
             raise _fail(source, f"stage {table['name']!r}: exactly the last stage has a 'loss'")
         framework = table.get("framework", "numpy")
@@ -181,7 +192,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         raise _fail(source, f"stage names must be unique, got {names}")
     clients = _parse_clients(source, raw.get("clients", {}), len(stages))
     canonical = json.dumps(raw, sort_keys=True, separators=(",", ":"))
-    exp = Experiment(name, steps, seed, labels, bool(raw.get("allow_nonfinite", False)), data, stages,
+    exp = Experiment(name, steps, seed, labels, allow_nonfinite, data, stages,
                      raw, hashlib.sha256(canonical.encode()).hexdigest(), source, clients)
     # Build everything once so a bad file fails here, naming itself, not mid-run.
     try:
@@ -189,14 +200,72 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         shapes = exp.input_shapes(data_source)
         for client in range(clients.count if exp.federated else 0):
             exp.build_data(client=client)
-        loss = build_loss(stages[-1].loss)
-        loss.target_shape(shapes[-1])
+        check_targets(exp, data_source, shapes[-1])
         for spec in stages:
             build_optimizer(spec.optimizer)
         Sequential([layer for spec in stages for layer in build_model(spec.model, seed).layers])
     except ConfigError as e:
         raise _fail(source, str(e)) from e
     return exp
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> None:
+    """Raise ``ConfigError`` unless the data's targets fit the loss of the last stage's output.
+
+    A prediction of 2 columns against 1 target column would broadcast in the
+    loss and train silently; the shapes and dtypes must match exactly.
+    """
+    loss = build_loss(exp.stages[-1].loss)
+    expected = tuple(loss.target_shape(tuple(output_shape)))
+    loss_name = exp.stages[-1].loss if isinstance(exp.stages[-1].loss, str) else exp.stages[-1].loss.get("type")
+    last = exp.stages[-1].name
+    if np.dtype(data.target_dtype) != loss.target_dtype:
+        raise ConfigError(f"{loss_name} needs {loss.target_dtype} targets, but the data gives "
+                          f"{np.dtype(data.target_dtype)} targets"
+                          + (" (set label_dtype in [data])" if "label_dtype" in exp.data else ""))
+    if tuple(data.target_shape) != expected:
+        raise ConfigError(f"the last stage {last!r} outputs shape {tuple(output_shape)}, so {loss_name} needs "
+                          f"targets of shape {expected}, but the data gives targets of shape "
+                          f"{tuple(data.target_shape)}")
+
+
+def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
+                       init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
+                       checkpoint_every: Any = None, resume: bool = False, in_process: bool = False) -> None:
+    """The settings of one run, checked once before any process or step starts (every path calls it:
+    ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
+
+    ``None`` means the experiment's value or the default. Raises ``ConfigError``
+    naming the bad value: ``steps`` below 1, a negative ``seed``,
+    ``micro_batches`` that do not divide the batch, unknown ``init`` names,
+    ``checkpoint_every`` or ``resume`` without ``checkpoint_dir``, and with
+    ``in_process`` (which keeps no checkpoints) any checkpoint setting.
+    """
+    if steps is not None and (not _whole(steps) or steps < 1):
+        raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
+    if seed is not None and (not _whole(seed) or seed < 0):
+        raise ConfigError(f"--seed must be an integer >= 0, got {seed!r}")
+    if not _whole(micro_batches) or micro_batches < 1:
+        raise ConfigError(f"--micro-batches must be an integer >= 1, got {micro_batches!r}")
+    if micro_batches > 1:
+        batch_shape = exp.build_data(exp.seed if seed is None else seed).feature_shape
+        if len(batch_shape) < 2 or batch_shape[0] % micro_batches:
+            raise ConfigError(f"experiment {exp.name!r} has batches of shape {batch_shape}: "
+                              f"they do not split into {micro_batches} equal micro-batches")
+    check_init_overrides(exp, init or {})
+    if checkpoint_every is not None and (not _whole(checkpoint_every) or checkpoint_every < 0):
+        raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
+    if resume and checkpoint_dir is None:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
+        raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
+                          "and --resume (or run the stages as processes)")
 
 
 def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
@@ -253,7 +322,9 @@ def parse_init_overrides(text: str | None) -> dict[str, float]:
             overrides[name] = float(value)
         except ValueError as e:
             raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not a number") from e
-        if not np.isfinite(overrides[name]):
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(overrides[name])))     # 1e40 is inf in float32
+        if not finite:
             raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not finite")
     return overrides
 

@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerTimeout, ProtocolError, StageError
+from .errors import ConfigError, NonFiniteError, PeerTimeout, ProtocolError, StageError
 from .experiment import build_stage_parts
 from .inprocess import evaluation_fields
 from .stage import average_parameters, client_stage_name, combine_losses, micro_batch
@@ -309,25 +309,37 @@ class ClientsServer:
         started = time.perf_counter()
         try:
             mb_loss, dx, grads = stage.loss_micro_batch(msg.tensors["activation"], target)
+            stage.check_finite("loss", mb_loss, msg.step)
+            stage.check_finite("activation_grad", dx, msg.step)
+            applied = None
+            if msg.mb == msg.mbs - 1:
+                assert stage.loss is not None
+                scale = stage.loss.micro_batch_scale(msg.mbs)
+                stage.accumulator.add(grads, msg.mb, msg.mbs)
+                applied = stage.accumulator.take(scale)
+                stage.check_grads(applied)
         except StageError as e:
-            # The stage's own computation failed: nothing was applied; the client hears why and
-            # is dropped, so the others go on (it may say hello again).
+            # The stage's own computation failed (or gave a NaN/Inf): nothing was applied; the
+            # client hears why and is dropped, so the others go on (it may say hello again).
             self.stage.accumulator.reset()
             client.losses, client.active = [], False
             self.turn += 1
-            self.log.warning("client %d dropped: %s", client.index, e)
-            return client.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e), msg.mb, msg.mbs)
+            code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
+            if code == ErrorCode.NONFINITE_STEP:
+                self.log.error("client %d dropped: %s", client.index, e)
+            else:
+                self.log.warning("client %d dropped: %s", client.index, e)
+            return client.envelope, wire.error_message(msg.run, msg.step, code, str(e), msg.mb, msg.mbs)
         if msg.mb == 0:
             client.cached = {k: v for k, v in client.cached.items() if k[0] == msg.step - 1}
-        stage.accumulator.add(grads, msg.mb, msg.mbs)
+        if applied is None:
+            stage.accumulator.add(grads, msg.mb, msg.mbs)
         client.losses.append(mb_loss)
         body = {"loss": float(mb_loss)}
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors={"activation_grad": dx})
         client.cached[(msg.step, msg.mb)] = reply
-        if msg.mb == msg.mbs - 1:
-            assert stage.loss is not None
-            scale = stage.loss.micro_batch_scale(msg.mbs)
-            stage.apply(stage.accumulator.take(scale))
+        if applied is not None:
+            stage.apply(applied)
             client.loss = self.loss = float(combine_losses(client.losses, scale))
             client.losses, client.step = [], msg.step
             self.turn += 1

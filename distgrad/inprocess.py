@@ -16,7 +16,7 @@ from typing import AbstractSet, Any, Mapping
 import numpy as np
 
 from .errors import ConfigError
-from .experiment import Experiment, check_init_overrides
+from .experiment import Experiment, check_run_settings
 from .records import TraceWriter, check_trace_filter, to_lists, write_json
 from .stage import (Stage, average_parameters, check_micro_batches, client_stage_name, combine_losses,
                     micro_batch)
@@ -51,16 +51,24 @@ def _step(stages: list[Stage], features: np.ndarray, targets: np.ndarray, micro_
             x, cache = stage.forward(x)
             caches.append(cache)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches))
+        last.check_finite("loss", mb_loss)
+        if upstream:
+            last.check_finite("activation_grad", dx)
         last.accumulator.add(grads, i, micro_batches)
         losses.append(mb_loss)
         if tracing and upstream:
             sent_back.append(dx)
         for stage, cache in zip(reversed(upstream), reversed(caches)):
             dx, grads = stage.backward(cache, dx, need_dx=stage is not stages[0])
+            if stage is not stages[0]:
+                stage.check_finite("activation_grad", dx)
             stage.accumulator.add(grads, i, micro_batches)
+    # Every stage's gradients are checked before any stage is updated.
+    taken = [(stage, stage.accumulator.take(scale)) for stage in reversed(stages)]
+    for stage, grads in taken:
+        stage.check_grads(grads)
     applied = {}
-    for stage in reversed(stages):
-        grads = stage.accumulator.take(scale)
+    for stage, grads in taken:
         if tracing:
             applied.update({k: v.copy() for k, v in grads.items()})
         stage.apply(grads)
@@ -133,9 +141,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     has one parameter set per client (``f@0``, ``f@1``, ...) and a
     ``clients`` list with each one's loss and evaluation.
     """
+    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
-    check_init_overrides(exp, init or {})
     check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
     if exp.federated:
         if trace_path is not None:

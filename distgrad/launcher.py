@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, StageError
-from .experiment import check_init_overrides, load_experiment, parse_init_overrides
+from .experiment import check_run_settings, load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
 from .progress import PROGRESS_PREFIX, render_bar
@@ -162,7 +162,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     if len(exp.stages) < 2:
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
-    check_init_overrides(exp, parse_init_overrides(init))
+    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names

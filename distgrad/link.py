@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import PeerRejected, PeerTimeout, ProtocolError
+from .errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from .experiment import Experiment
 from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from .wire import ErrorCode, Message
@@ -171,6 +171,23 @@ def check_backward(reply: Message, step: int, specs: Specs, allow_nonfinite: boo
     if not isinstance(loss, (int, float)) or isinstance(loss, bool):
         raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
     return np.float32(loss), reply.tensors["activation_grad"]
+
+
+def check_reply(reply: Message, step: int, specs: Specs, allow_nonfinite: bool,
+                below: str) -> tuple[np.float32, np.ndarray]:
+    """``check_backward`` for the reply of stage ``below``; a NaN or Inf in it raises ``NonFiniteError``
+    (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong."""
+    try:
+        loss, dy = check_backward(reply, step, specs, allow_nonfinite)
+    except ProtocolError as e:
+        if e.code != ErrorCode.NONFINITE:
+            raise
+        raise NonFiniteError(f"stage {below}: non-finite activation_grad at step {step} in its reply; "
+                             f"nothing of this step was applied here") from e
+    if not allow_nonfinite and not np.isfinite(loss):
+        raise NonFiniteError(f"stage {below}: non-finite loss at step {step} in its reply; "
+                             f"nothing of this step was applied here")
+    return loss, dy
 
 
 def check_evaluation(reply: Message) -> dict[str, Any]:

@@ -77,6 +77,10 @@ def make_initialiser(spec: Any) -> Callable[[np.random.Generator, Shape], np.nda
     """
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         value = float(spec)
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(DTYPE(value)))      # 1e40 is inf in float32
+        if not finite:
+            raise ConfigError(f"invalid initial value {spec!r}: not a finite float32 number")
         return lambda rng, shape: np.full(shape, value, DTYPE)
     if isinstance(spec, str):
         spec = {"kind": spec}
@@ -85,11 +89,11 @@ def make_initialiser(spec: Any) -> Callable[[np.random.Generator, Shape], np.nda
     options = {k: v for k, v in spec.items() if k != "kind"}
     kind = spec["kind"]
     if kind == "truncated_normal":
-        try:
-            stddev = float(options.pop("stddev", 0.01))
-            mean = float(options.pop("mean", 0.0))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"truncated_normal stddev and mean must be numbers ({e})") from e
+        stddev, mean = options.pop("stddev", 0.01), options.pop("mean", 0.0)
+        for value in (stddev, mean):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"truncated_normal stddev and mean must be numbers, got {value!r}")
+        stddev, mean = float(stddev), float(mean)
         if not (stddev > 0 and np.isfinite(stddev)):
             raise ConfigError(f"invalid truncated_normal stddev: {stddev}")
         if not np.isfinite(mean):
@@ -102,7 +106,8 @@ def make_initialiser(spec: Any) -> Callable[[np.random.Generator, Shape], np.nda
     else:
         raise ConfigError(f"unknown initialiser kind {kind!r}: use truncated_normal, glorot_uniform or zeros")
     if options:
-        raise ConfigError(f"unknown options for initialiser {kind!r}: {sorted(options)}")
+        valid = {"truncated_normal": "kind, mean, stddev"}.get(kind, "kind")
+        raise ConfigError(f"unknown options for initialiser {kind!r}: {sorted(options)}; valid options: {valid}")
     return init
 
 
@@ -304,10 +309,27 @@ def _size(kind: str, key: str, value: Any) -> int:
     return value
 
 
+_LAYER_KEYS = {"scale": ("type", "name", "size", "init"), "dense": ("type", "name", "in", "out", "init", "bias_init"),
+               **{kind: ("type",) for kind in _ACTIVATIONS}}
+
+
 def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
-    """Build one layer from an experiment table such as ``{type = "dense", name = "h", in = 4, out = 8}``."""
+    """Build one layer from an experiment table such as ``{type = "dense", name = "h", in = 4, out = 8}``.
+
+    Raises ``ConfigError`` for an unknown type or key (listing the valid ones) or a bad value.
+    """
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"a layer must be a table such as {{ type = \"tanh\" }}, got {spec!r}")
     spec = dict(spec)
     kind = spec.pop("type", None)
+    if not isinstance(kind, str) or kind not in _LAYER_KEYS:
+        raise ConfigError(f"unknown layer type {kind!r}: use {', '.join(_LAYER_KEYS)}")
+    if kind in _LAYER_KEYS:
+        unknown = sorted(set(spec) - set(_LAYER_KEYS[kind]))
+        if unknown:
+            raise ConfigError(f"unknown keys for layer {kind!r}: {unknown}; valid keys: {', '.join(_LAYER_KEYS[kind])}")
+        if "name" in _LAYER_KEYS[kind] and "name" in spec and (not isinstance(spec["name"], str) or not spec["name"]):
+            raise ConfigError(f"layer {kind!r}: 'name' must be a non-empty string, got {spec['name']!r}")
     try:
         if kind == "scale":
             layer: Layer = Scale(spec.pop("name"), _size(kind, "size", spec.pop("size", 1)),
@@ -318,7 +340,7 @@ def build_layer(spec: Mapping[str, Any], seed: int) -> Layer:
         elif kind in _ACTIVATIONS:
             layer = _ACTIVATIONS[kind]()
         else:
-            raise ConfigError(f"unknown layer type {kind!r}: use scale, dense, relu, tanh, sigmoid or identity")
+            raise ConfigError(f"unknown layer type {kind!r}: use {', '.join(_LAYER_KEYS)}")
     except ConfigError:
         raise
     except KeyError as e:

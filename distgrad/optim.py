@@ -8,6 +8,7 @@ step depends on (for checkpoints); optimiser state never crosses the wire.
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any, Mapping
 
 import numpy as np
@@ -140,22 +141,29 @@ class Adam(Optimizer):
         self.v = {k: np.array(v, F32) for k, v in state["v"].items()}
 
 
+def _option_names(cls: type[Optimizer]) -> list[str]:
+    return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+
+
 def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
-    """Build an optimiser from an experiment table such as ``{type = "adam", lr = 0.1}``."""
+    """Build an optimiser from an experiment table such as ``{type = "adam", lr = 0.1}``.
+
+    Raises ``ConfigError`` for an unknown type or option (listing the valid
+    ones) and for a value that is not a real number (a string or a boolean).
+    """
     spec = dict(spec)
     kind = spec.pop("type", "adam")
     classes: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}
-    if kind not in classes:
+    if not isinstance(kind, str) or kind not in classes:
         raise ConfigError(f"unknown optimizer {kind!r}: use adam or sgd")
+    valid = _option_names(classes[kind])
+    unknown = sorted(set(spec) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for optimizer {kind!r}; valid options: "
+                          f"{', '.join(['type', *valid])}")
     options = {}
     for k, v in spec.items():
-        try:
-            if isinstance(v, bool):
-                raise TypeError("a boolean is not a number")
-            options[k] = float(v)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number") from e
-    try:
-        return classes[kind](**options)
-    except TypeError as e:
-        raise ConfigError(f"invalid options for optimizer {kind!r}: {sorted(spec)} ({e})") from e
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number")
+        options[k] = float(v)
+    return classes[kind](**options)

@@ -27,11 +27,11 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError, StageError
+from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import Experiment
 from .inprocess import evaluation_fields
 from .losses import build_loss
-from .link import DownstreamLink, check_backward, check_evaluation
+from .link import DownstreamLink, check_evaluation, check_reply
 from .stage import Stage, combine_losses, micro_batch
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message
@@ -96,6 +96,10 @@ class StageServer:
         self.closing = False                # a bye was answered; finish_run completes the run
         self.evaluation: dict[str, Any] | None = None
         self.deferred: Callable[[], None] | None = None   # gradients (and update) of a micro-batch already answered
+        # A non-finite loss or gradient of this stage (or reported from below): the run ends once the
+        # stage above has been told (``failure_told``); nothing of that step is applied.
+        self.failure: NonFiniteError | None = None
+        self.failure_told = False
         if opts.resume and self.state.resume_latest():
             self.active = True
             self.last_seen = time.monotonic()      # its client gets a full liveness window to come back
@@ -115,6 +119,9 @@ class StageServer:
         not drive, rewind or end it.
         """
         self.settle()
+        if self.failure is not None and msg.type != wire.PING:
+            self.failure_told = True
+            raise ProtocolError(ErrorCode.NONFINITE_STEP, str(self.failure))
         if msg.type == wire.PING:
             return Message(wire.PONG, msg.run, msg.step, body={
                 "stage": self.opts.stage, "experiment": self.exp.name, "run": self.state.run_id if self.active else "",
@@ -216,8 +223,11 @@ class StageServer:
         try:
             reply = self.link.await_reply({key: down}, key)
         except PeerRejected as e:
+            if e.code == ErrorCode.NONFINITE_STEP:
+                raise NonFiniteError(e.peer_message) from e
             raise self._refused_below(e, msg) from e
-        loss, dy = check_backward(reply, msg.step, self.link.reply_specs, self.exp.allow_nonfinite)
+        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
+        loss, dy = check_reply(reply, msg.step, self.link.reply_specs, self.exp.allow_nonfinite, below)
         dx, grads_later = self.stage.backward_deferred(cache, dy)
         return loss, dx, grads_later
 
@@ -240,8 +250,14 @@ class StageServer:
                 if target is None:
                     target = micro_batch(self.data.targets(msg.step), msg.mb, msg.mbs)
                 mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target)
+                stage.check_finite("loss", mb_loss)
             else:
                 mb_loss, dx, grads_later = self._through(msg, x)
+            stage.check_finite("activation_grad", dx)
+        except NonFiniteError as e:
+            self._fail(e)
+            self.failure_told = True
+            raise ProtocolError(ErrorCode.NONFINITE_STEP, str(e)) from e
         except StageError as e:
             raise ProtocolError(ErrorCode.STAGE, str(e)) from e
         if msg.mb == 0:
@@ -272,6 +288,7 @@ class StageServer:
         tracing = trace is not None and trace.wants(step)
         scale = self.final_loss.micro_batch_scale(mbs)
         applied = stage.accumulator.take(scale)
+        stage.check_grads(applied)
         if tracing:
             traced = {k: v.copy() for k, v in applied.items()}
         stage.apply(applied)
@@ -288,7 +305,28 @@ class StageServer:
         """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything."""
         update, self.deferred = self.deferred, None
         if update is not None:
-            update()
+            try:
+                update()
+            except NonFiniteError as e:
+                self._fail(e)       # told to the stage above in reply to its next message
+
+    def _fail(self, e: NonFiniteError) -> None:
+        """Note a non-finite loss or gradient: the step in progress is dropped, nothing applied."""
+        self.log.error("%s", e)
+        self.failure = e
+        self.stage.accumulator.reset()
+        self.mb_losses, self.sent_back, self.deferred = [], [], None
+
+    def end_failed_run(self) -> NonFiniteError | None:
+        """Once the stage above has been told of a failure: close the run ("failed", no checkpoint
+        written) and return the failure; None while there is none to end."""
+        failure = self.failure
+        if failure is None or not self.failure_told:
+            return None
+        self.failure, self.failure_told = None, False
+        if self.active:
+            self.close_run("failed")
+        return failure
 
     def _evaluate(self, msg: Message) -> Message:
         """Forward only on the held-out rows; changes no state."""
@@ -401,7 +439,9 @@ def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable
         msg = wire.decode(frames, max_tensor_bytes)
         return msg, handle(msg), False
     except ProtocolError as e:
-        log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message", wire.ERROR_TEXT_MAX, e)
+        if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
+            log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                        wire.ERROR_TEXT_MAX, e)
         return msg, refusal(msg, e), True
 
 
@@ -466,6 +506,12 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                                                     lambda m: logic.handle(m, now, peer_key), log)
             server.reply(envelope, reply)
             logic.settle()
+            failure = logic.end_failed_run()
+            if failure is not None:
+                if not keep_serving:
+                    raise failure
+                log.error("run %s failed; waiting for the next run", msg.run if msg else "?")
+                continue
             if refused:
                 continue
             logic.finish_run()
@@ -477,9 +523,11 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
     finally:
         try:
             logic.settle()
-            if logic.active:
+            if logic.active and logic.failure is None:
                 logic.state.save()          # skipped once a save has failed: that error is the one reported
                 logic.close_run("interrupted")
+            elif logic.active:
+                logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
         finally:
             server.close()
             if logic.link is not None:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import ConfigError, StageError
+from .errors import ConfigError, NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts
 from .losses import Loss
 from .nn import Grads, Sequential, Shape
@@ -122,7 +122,12 @@ class Stage:
 
     ``input_shape`` / ``output_shape`` are the per-step array shapes (float32)
     this stage takes and produces; ``step`` counts applied updates.
+    Unless ``allow_nonfinite`` (the experiment's flag), every caller checks
+    the loss, the activation gradient and the parameter gradients with
+    ``check_finite`` / ``check_grads`` before replying or applying anything.
     """
+
+    allow_nonfinite = False
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
@@ -149,14 +154,29 @@ class Stage:
         seed = exp.seed if seed is None else seed
         if exp.stages[exp.stage_index(name)].framework == "torch":
             from .torch_stage import TorchStage    # imports torch only when a stage asks for it
-            return TorchStage.from_experiment(exp, name, seed, init)
-        model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
-        shapes = exp.input_shapes(exp.build_data(seed), seed)
-        return cls(name, model, optimizer, loss, shapes[exp.stage_index(name)])
+            stage: Stage = TorchStage.from_experiment(exp, name, seed, init)
+        else:
+            model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
+            shapes = exp.input_shapes(exp.build_data(seed), seed)
+            stage = cls(name, model, optimizer, loss, shapes[exp.stage_index(name)])
+        stage.allow_nonfinite = exp.allow_nonfinite
+        return stage
 
     @property
     def params(self) -> dict[str, np.ndarray]:
         return self.model.params
+
+    def check_finite(self, tensor: str, value: Any, step: int | None = None) -> None:
+        """Raise ``NonFiniteError`` naming this stage, ``step`` (default: the one in progress) and
+        ``tensor`` if ``value`` holds a NaN or +-Inf; nothing unless the experiment forbids them."""
+        if not self.allow_nonfinite and not np.isfinite(value).all():
+            raise NonFiniteError(f"stage {self.name}: non-finite {tensor} at step "
+                                 f"{self.step + 1 if step is None else step}; nothing of this step was applied")
+
+    def check_grads(self, grads: Grads) -> None:
+        """``check_finite`` on every parameter gradient of a step, before its update."""
+        for name, g in grads.items():
+            self.check_finite(f"gradient of {name}", g)
 
     @property
     def is_last(self) -> bool:

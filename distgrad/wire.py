@@ -70,6 +70,7 @@ class ErrorCode:
     RUN = "run"                        # unknown run id / no handshake yet / busy with another run
     STEP = "step"                      # out-of-order step
     STAGE = "stage"                    # the stage failed computing the step
+    NONFINITE_STEP = "nonfinite_step"  # the stage's own loss or gradient is NaN/Inf: nothing applied, the run ends
 
 
 @dataclass

@@ -201,12 +201,13 @@ def _copy_builtin(tmp_path, name):
 
 
 def test_launcher_stops_the_other_stage_when_one_fails(tmp_path):
-    # Weights so large that g's output overflows: f refuses the non-finite gradient (exit 4).
+    # Weights so large that g's loss overflows: g finds it non-finite and fails (exit 1, issue 12.3),
+    # f reports g's failure (exit 1, not 4: it sent nothing wrong).
     exp = _copy_builtin(tmp_path, "seed-reverse")
     result = run_cli(["run", exp, "--init", "fW=1e30,gW=1e30"])
     assert result.returncode == 1
-    assert "stage f failed with exit code 4" in result.stderr
-    assert "NaN or Inf" in result.stdout
+    assert "failed with exit code 1" in result.stderr
+    assert "stage g: non-finite loss at step 1" in result.stdout
     assert _processes_mentioning(str(exp)) == []
 
 

@@ -1,0 +1,160 @@
+"""Configuration errors are exit 2 with the reason, before anything starts, on every path (issue 12: 2, 8, 11).
+
+Paths: ``distgrad run``, ``distgrad run --in-process``, ``distgrad-stage``
+for each stage, and the Python API.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distgrad.daemon import StageOptions
+from distgrad.errors import ConfigError
+from distgrad.experiment import BUILTIN_DIR, load_experiment
+from distgrad.inprocess import train_in_process
+from distgrad.launcher import run_local
+
+from conftest import run_cli
+
+TANH = (BUILTIN_DIR / "tanh-regression.toml").read_text()
+
+
+def _variant(tmp_path: Path, old: str, new: str, name: str = "variant.toml") -> Path:
+    assert old in TANH
+    path = tmp_path / name
+    path.write_text(TANH.replace(old, new))
+    return path
+
+
+def _paths(experiment: Path | str) -> list[list]:
+    """The command lines of every path: run, run --in-process, and each stage by hand."""
+    return [["run", experiment], ["run", experiment, "--in-process"],
+            ["stage", "g", "--experiment", experiment, "--bind", "tcp://127.0.0.1:*"],
+            ["stage", "f", "--experiment", experiment, "--connect", "tcp://127.0.0.1:9"]]
+
+
+def _assert_usage_error(args: list, *needles: str) -> None:
+    result = run_cli([*args, "--peer-deadline", "1"], timeout=30)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "Traceback" not in out
+    assert "[g]" not in out and "[f]" not in out, f"a stage was started:\n{out}"
+    for needle in needles:
+        assert needle in out, out
+
+
+# -- point 2: targets against the last stage's output
+
+@pytest.mark.parametrize("old,new,output,targets", [
+    ("in = 16, out = 1 }", "in = 16, out = 2 }", "(32, 2)", "(32, 1)"),      # broadcast silently before
+    ("outputs = 1", "outputs = 2", "(32, 1)", "(32, 2)"),                    # numpy error at step 1 before
+])
+def test_targets_that_do_not_fit_the_last_output_exit_2_naming_both_shapes(tmp_path, old, new, output, targets):
+    experiment = _variant(tmp_path, old, new)
+    for args in _paths(experiment):
+        _assert_usage_error(args, output, targets)
+    with pytest.raises(ConfigError, match=r"outputs shape .* targets of shape"):
+        load_experiment(experiment)
+
+
+# -- point 8: tracebacks and late failures
+
+@pytest.mark.parametrize("args", [["run", "tanh-regression", "--steps", "0", "--in-process"],
+                                  ["run", "tanh-regression", "--steps", "0"],
+                                  ["run", "seed-simple", "--steps", "0"],
+                                  ["run", "tanh-regression", "--seed", "-1"]])
+def test_bad_steps_or_seed_exit_2_with_the_reason_before_any_stage_starts(args):
+    _assert_usage_error(args, "--steps" if "--steps" in args else "--seed")
+
+
+def test_micro_batches_that_do_not_divide_the_batch_exit_2_before_g_starts():
+    _assert_usage_error(["run", "mlp-classify", "--micro-batches", "5"], "do not split into 5")
+
+
+def test_float_labels_with_softmax_cross_entropy_exit_2(tmp_path):
+    (tmp_path / "d.csv").write_text("".join(f"{i % 3},{i * 0.1},{i % 2}\n" for i in range(40)))
+    path = tmp_path / "float-labels.toml"
+    path.write_text('''name = "float-labels"
+[data]
+kind = "csv"
+path = "d.csv"
+features = [0, 1]
+labels = 2
+label_dtype = "float32"
+batch = 4
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "f1", in = 2, out = 4 }]
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 4, out = 2 }]
+loss = "softmax_cross_entropy"
+''')
+    for args in _paths(path):
+        _assert_usage_error(args, "softmax_cross_entropy needs int64 targets", "float32", "label_dtype")
+
+
+def test_python_api_checks_the_run_settings_before_starting():
+    exp = load_experiment("tanh-regression")
+    for call in (lambda: train_in_process(exp, steps=0), lambda: run_local("tanh-regression", steps=0),
+                 lambda: StageOptions(exp, "f", exp.seed, steps=0),
+                 lambda: train_in_process(load_experiment("mlp-classify"), micro_batches=5),
+                 lambda: StageOptions(exp, "f", exp.seed, checkpoint_every=10)):
+        with pytest.raises(ConfigError):
+            call()
+
+
+# -- point 11: ignored flags, strings for numbers, unknown keys
+
+def test_checkpoint_every_without_a_directory_exits_2_on_every_path():
+    for args in _paths("tanh-regression"):
+        _assert_usage_error([*args, "--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint-dir")
+
+
+def test_in_process_refuses_checkpoint_flags_it_would_ignore(tmp_path):
+    """Documented: --in-process keeps no checkpoints, so it refuses the flags rather than ignore them."""
+    _assert_usage_error(["run", "tanh-regression", "--in-process", "--checkpoint-dir", tmp_path,
+                         "--checkpoint-every", "10"], "--in-process keeps no checkpoints")
+
+
+@pytest.mark.parametrize("old,new,needles", [
+    ("lr = 0.01 }", 'lr = "0.01" }', ["'0.01' is not a number"]),
+    ("lr = 0.01 }", "lr = true }", ["True is not a number"]),
+    ("lr = 0.01 }", "learning_rate = 0.01 }", ["'learning_rate'", "valid options: type, lr, beta1, beta2, epsilon"]),
+    ('type = "adam", lr = 0.01 }', 'type = "sgd", lr = 0.01, beta1 = 0.9 }', ["'beta1'", "valid options: type, lr"]),
+    ('in = 4, out = 32 }', 'in = 4, out = 32, activation = "tanh" }', ["'activation'", "valid keys: type, name, in, out"]),
+    ('{ type = "tanh" },', '{ type = "tanh", slope = 1 },', ["'slope'", "valid keys: type"]),
+    ("noise = 0.01", 'noise = "0.01"', ["'noise' must be a real number"]),
+    ("batch = 32", "batch = true", ["'batch' must be a whole number"]),
+    ("batch = 32", "batch = 32\nbatch_size = 32", ["'batch_size'", "valid options: kind, seed, samples"]),
+    ('loss = "mean_squared_error"', 'loss = { type = "mean_squared_error", reduction = "sum" }', ["only 'type'"]),
+    ("steps = 300", "steps = true", ["'steps' must be a positive integer"]),
+    ("seed = 0", 'seed = "0"', ["'seed' must be a non-negative integer"]),
+    ("seed = 0", "seed = 0\nallow_nonfinite = \"false\"", ["'allow_nonfinite' must be true or false"]),
+    ("seed = 0", "seed = 0\nlearning_rate = 0.1", ["'learning_rate'", "allowed:"]),
+    ('name = "g"', 'name = "g"\nlr = 0.1', ["'lr'", "allowed:"]),
+    ('in = 4, out = 32 }', 'in = 4, out = 32, init = nan }', ["not a finite float32 number"]),
+    ('in = 4, out = 32 }', 'in = 4, out = 32, init = inf }', ["not a finite float32 number"]),
+])
+def test_experiment_values_are_type_checked_and_unknown_keys_list_the_valid_ones(tmp_path, old, new, needles):
+    experiment = _variant(tmp_path, old, new)
+    with pytest.raises(ConfigError) as error:
+        load_experiment(experiment)
+    for needle in needles:
+        assert needle in str(error.value)
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ("lr = 0.01 }", 'lr = "0.01" }', "is not a number"),
+    ("lr = 0.01 }", "learning_rate = 0.01 }", "valid options"),
+])
+def test_bad_optimizer_options_exit_2_on_every_path(tmp_path, old, new, needle):
+    for args in _paths(_variant(tmp_path, old, new)):
+        _assert_usage_error(args, needle)
+
+
+def test_every_builtin_still_loads():
+    for path in BUILTIN_DIR.glob("*.toml"):
+        assert load_experiment(path).name
