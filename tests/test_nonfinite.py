@@ -69,8 +69,9 @@ def _nan_step(text: str) -> int:
 
 
 def _checkpoint_steps(directory: Path, stage: str) -> list[int]:
-    return sorted(int(m.group(1)) for p in directory.iterdir()
-                  if (m := re.fullmatch(rf"{stage}-0*(\d+)\.ckpt", p.name)))
+    from distgrad.checkpoint import steps_on_disk
+
+    return steps_on_disk(directory, stage)
 
 
 def test_nan_label_in_process_exits_1_naming_stage_step_and_tensor(tmp_path):
