@@ -16,7 +16,10 @@ the GIL, so other Python threads of the process wait for it.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import re
+import socket
 import time
 from typing import Any, Callable, Collection, Protocol, Sequence
 
@@ -24,7 +27,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerRejected, PeerTimeout
+from .errors import ConfigError, PeerRejected, PeerTimeout, TooManyFrames
 
 log = logging.getLogger("distgrad.transport")
 
@@ -36,6 +39,10 @@ IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
 MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (well below a tick)
+# The most frames a valid message has: routing id and empty delimiter, header, one per tensor.
+# ZeroMQ limits the size of a frame (MAXMSGSIZE) but not their number, so poll_frames does.
+MAX_FRAMES = 2 + 1 + wire.MAX_TENSORS
+FLOOD_LOG_INTERVAL_S = 10.0   # a server logs messages with too many frames once per this, with a count
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -140,9 +147,52 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list
     elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
         return None
     parts = [_recv(sock, 0, False)]
-    while _get(sock, _RCVMORE):
+    for _ in _MORE_FRAMES:
+        if not _get(sock, _RCVMORE):
+            return parts
         parts.append(_recv(sock, 0, False))
-    return parts
+    if not _get(sock, _RCVMORE):
+        return parts
+    # A flood: ZeroMQ hands over a multipart message only whole, so its frames are all in
+    # ZeroMQ's queue already; read them out as plain bytes, kept by nobody (an empty frame
+    # makes no object at all), so this process holds no more than MAX_FRAMES of them.
+    count = len(parts)
+    while _get(sock, _RCVMORE):
+        _recv(sock, 0, True)
+        count += 1
+    raise TooManyFrames(parts[0], count, MAX_FRAMES)
+
+
+_MORE_FRAMES = range(MAX_FRAMES - 1)
+
+
+def shut_connection(frame: zmq.Frame) -> bool:
+    """Shut down the TCP or IPC connection ``frame`` came in on; ZeroMQ then drops that peer
+    (it may connect again). Returns False when the connection is already gone.
+
+    ZeroMQ has no call to close one peer of a ROUTER: this shuts down the
+    socket ZeroMQ reads that peer from (the frame's source descriptor), after
+    checking that it is still a connected socket with the frame's peer address.
+    """
+    try:
+        fd = frame.get(zmq.SRCFD)
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return False
+    try:
+        conn = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        peer = conn.getpeername()
+        if conn.family in (socket.AF_INET, socket.AF_INET6) and peer[0] != address:
+            return False            # the descriptor now belongs to another connection
+        conn.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.close()                # closes our duplicate only
 
 
 class Server:
@@ -162,6 +212,7 @@ class Server:
             raise ConfigError(f"cannot bind {endpoint}: {e}") from e
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.authenticated = security is not None
+        self.floods, self._flood_logged = 0, -math.inf    # messages with too many frames not yet logged
 
     def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame], str] | None:
         """``(envelope, frames, peer_key)`` of the next request, or None after ``timeout_s``.
@@ -170,7 +221,11 @@ class Server:
         peer puts before its frames; replies must carry it back. ``peer_key``
         is the CURVE public key the peer authenticated with ("" in plaintext).
         """
-        parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+        try:
+            parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+        except TooManyFrames as e:
+            self._flooded(e)
+            return None
         self._spin_next = parts is not None
         if parts is None:
             return None
@@ -182,6 +237,17 @@ class Server:
             except zmq.ZMQError:
                 pass
         return [p.bytes for p in parts[:split]], parts[split:], peer_key
+
+    def _flooded(self, e: TooManyFrames) -> None:
+        """Drop the connection a message of too many frames came in on; log it, bounded in rate."""
+        dropped = shut_connection(e.first)
+        self.floods += 1
+        now = time.monotonic()
+        if now - self._flood_logged >= FLOOD_LOG_INTERVAL_S:
+            log.warning("discarded %d message(s) with too many frames (the last: %d frames, the limit is %d); "
+                        "%s", self.floods, e.frames, MAX_FRAMES,
+                        "dropped the connection it came in on" if dropped else "its connection was already gone")
+            self.floods, self._flood_logged = 0, now
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)
