@@ -144,7 +144,8 @@ class ClientsServer:
 
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
-        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape)
+        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape,
+                          self.opts.stage)
         index = body.get("client")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "

@@ -18,7 +18,7 @@ import zmq
 
 from . import wire
 from .errors import PeerRejected, PeerTimeout, ProtocolError
-from .experiment import Experiment
+from .experiment import Experiment, fingerprint_parts
 from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from .wire import ErrorCode, Message
 
@@ -141,6 +141,7 @@ class DownstreamLink:
         self.arrived.clear()
         hello = Message(wire.HELLO, run_id, 0, body={
             "role": self.opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint,
+            "parts": fingerprint_parts(exp),
             "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
             "labels_travel": exp.labels_travel, "steps": steps, "step": max(held),
             "held": held, "micro_batches": micro_batches,

@@ -196,7 +196,7 @@ class Template:
 
 def header(type: Any = "forward", run: Any = "x", step: Any = 1, mb: Any = 0, mbs: Any = 1,
            body: Any = None, tensors: Any = None, **extra: Any) -> dict:
-    h = {"v": 1, "type": type, "run": run, "step": step, "mb": mb, "mbs": mbs,
+    h = {"v": wire.PROTOCOL_VERSION, "type": type, "run": run, "step": step, "mb": mb, "mbs": mbs,
          "body": {} if body is None else body, "tensors": [] if tensors is None else tensors}
     h.update(extra)
     return h
