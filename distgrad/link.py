@@ -152,8 +152,9 @@ class DownstreamLink:
                 or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
-        self.log.info("run %s: connected to stage %s at %s; at step %d", run_id,
-                      wire.show(welcome.body.get("stage")), self.connect, next_step - 1)
+        self.log.info("run %s: connected to stage %s at %s (%s); at step %d", run_id,
+                      wire.show(welcome.body.get("stage")), self.connect,
+                      "CURVE: the link is encrypted" if self.security is not None else "plaintext", next_step - 1)
         return next_step - 1
 
     def close(self, linger_ms: int | None = None) -> None:

@@ -433,7 +433,9 @@ def announce(server: Server, opts: StageOptions, ready_file: Path | None,
              on_ready: Callable[[str], None] | None) -> None:
     """Log the bound endpoint, write it to ``ready_file`` (atomically) and pass it to ``on_ready``."""
     server_log = logging.getLogger(f"distgrad.{opts.stage}")
-    server_log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
+    server_log.info("stage %s of %s serving on %s (%s)", opts.stage, opts.experiment.name, server.endpoint,
+                    "CURVE: the link is encrypted, and only allowed client keys are accepted" if server.authenticated
+                    else "plaintext: not encrypted, any client accepted")
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         tmp.write_text(server.endpoint)
