@@ -32,6 +32,18 @@ class ProtocolError(DistgradError, ValueError):
         return f"{self.code}: {self.args[0]}"
 
 
+class TooManyFrames(ProtocolError):
+    """A message had more frames than any valid one; the rest of it was read and discarded.
+
+    ``first`` is its first frame (the routing id on a server), ``frames``
+    how many it had in all.
+    """
+
+    def __init__(self, first: object, frames: int, limit: int) -> None:
+        super().__init__("malformed", f"a message of {frames} frames; no valid message has more than {limit}")
+        self.first, self.frames = first, frames
+
+
 class PeerTimeout(DistgradError, TimeoutError):
     """The peer did not answer within the configured time."""
 

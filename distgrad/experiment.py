@@ -353,3 +353,37 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
             model.params[name][...] = value
     loss = build_loss(spec.loss) if index == len(exp.stages) - 1 else None
     return model, build_optimizer(spec.optimizer), loss
+
+
+PART_VALUE_MAX = 64       # a top-level string longer than this is described by its digest
+PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept per part: enough to tell two files apart
+MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
+
+
+def fingerprint_parts(exp: Experiment) -> dict[str, Any]:
+    """The experiment file in named parts, so two stages can say where their files differ.
+
+    Top-level scalars (``steps``, ``seed``, ``labels``, ...) by value, tables
+    (``data``, ``clients``) and the ``description`` by a digest, and each stage's ``model``,
+    ``optimizer``, ``loss``, ``framework`` by a digest under ``"stage NAME
+    KEY"``; an experiment of more stages than fit in ``MAX_PARTS`` names its
+    stages as one part, ``"stages"``. Equal fingerprints give equal parts.
+    """
+    def digest(value: Any) -> str:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:PART_DIGEST_HEX]
+
+    raw = exp.raw
+    parts: dict[str, Any] = {}
+    for key in sorted(k for k in raw if k != "stages"):
+        value = raw[key]
+        small = isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= PART_VALUE_MAX
+                                                          and key != "description")
+        parts[key] = value if small else digest(value)
+    per_stage = [(f"stage {table['name']} {key}", digest(table[key]))
+                 for table in raw["stages"] for key in sorted(table) if key != "name"]
+    if len(parts) + len(per_stage) <= MAX_PARTS:
+        parts.update(per_stage)
+    else:
+        parts["stages"] = digest(raw["stages"])
+    return parts

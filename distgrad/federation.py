@@ -144,7 +144,8 @@ class ClientsServer:
 
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
-        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape)
+        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape,
+                          self.opts.stage)
         index = body.get("client")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
@@ -259,6 +260,10 @@ class ClientsServer:
             elif self.phase == "steps":
                 client = self._current()
                 if client is None:
+                    if not any(c.active or c.joining for c in self.clients):
+                        # Nobody takes part: the next step waits for a hello (``tick`` bounds the wait)
+                        # rather than running the remaining steps with no one.
+                        return replies
                     if self.exp.clients.mode == "splitfed" and self.round % self.exp.clients.average_every == 0:
                         self.phase = "averaging"
                     else:
@@ -372,24 +377,40 @@ class ClientsServer:
         if self.phase == "averaging":
             waiting_for += [self.clients[i] for i in self.order
                             if self.clients[i].active and self.clients[i].average is None]
+        if self.phase == "done":
+            waiting_for += [c for c in self.clients if c.active and not c.finished]   # its evaluation and bye
         dropped = False
         for client in waiting_for:
-            if now - client.last_seen > self.opts.liveness_s:
+            if now - client.last_seen <= self.opts.liveness_s:
+                continue
+            if self.phase == "done":
+                self.log.warning("client %d silent for more than %g s after the last step, without a bye; "
+                                 "dropped (the run ends without it)", client.index, self.opts.liveness_s)
+            else:
                 self.log.warning("client %d silent for more than %g s at step %d; dropped (the others go on; "
                                  "it may say hello again)", client.index, self.opts.liveness_s, self.round)
-                client.active = False
-                if current is client:
-                    self.stage.accumulator.reset()
-                    client.losses = []
-                dropped = True
-        if self.phase in ("steps", "averaging") and not any(c.active or c.joining for c in self.clients):
+            client.active = False
+            if current is client:
+                self.stage.accumulator.reset()
+                client.losses = []
+            dropped = True
+        if self.lost():
             self.lost_since = self.lost_since or now
         else:
             self.lost_since = None
         return self._advance(now) if dropped else []
 
+    def lost(self) -> bool:
+        """Every client is lost: none takes part in the steps, or after the last one none said bye
+        and none is left to say it."""
+        if self.phase == "joining":
+            return False
+        if self.phase == "done":
+            return not any(c.finished or c.active for c in self.clients)
+        return not any(c.active or c.joining for c in self.clients)
+
     def complete(self) -> bool:
-        """Every step is done and every client still taking part has said bye."""
+        """Every step is done and every client still taking part has said bye (one at least)."""
         return self.phase == "done" and all(c.finished or not c.active for c in self.clients) and any(
             c.finished for c in self.clients)
 
@@ -408,8 +429,11 @@ def serve_clients(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: b
                   on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Serve the clients of one run on ``bind`` until every step is done and they said bye.
 
-    Returns the summary (with a ``clients`` list). Raises ``PeerTimeout``
-    when every client has been lost for ``opts.peer_deadline_s`` and
+    Returns the summary (with a ``clients`` list) once every step is done and
+    each client has said bye or been dropped (silent for ``opts.liveness_s``
+    when this stage waited for it), one bye at least. Raises ``PeerTimeout``
+    (summary status ``lost``) when every client has been lost for
+    ``opts.peer_deadline_s``, before or after the last step, and
     ``Interrupted`` on a signal. ``keep_serving`` is not supported: one
     process serves one run of several clients.
     """
@@ -428,8 +452,9 @@ def serve_clients(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: b
             now = time.monotonic()
             replies = logic.tick(now)
             if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s:
-                raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s at step "
-                                  f"{logic.round}; giving up")
+                status = "lost"
+                when = "after the last step, none having said bye" if logic.phase == "done" else f"at step {logic.round}"
+                raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s {when}; giving up")
             if request is not None:
                 envelope, frames, peer_key = request
                 _, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
@@ -439,9 +464,10 @@ def serve_clients(opts: StageOptions, bind: str, stop: StopFlag, keep_serving: b
                 server.reply(envelope, reply)
             if logic.complete():
                 status = "completed"
-                log.info("run completed: %d steps, clients %s", logic.steps,
-                         [client_stage_name(opts.experiment.stage_names[0], c.index) for c in logic.clients
-                          if c.finished])
+                first = opts.experiment.stage_names[0]
+                log.info("run completed: %d steps, clients %s said bye, clients %s were dropped", logic.steps,
+                         [client_stage_name(first, c.index) for c in logic.clients if c.finished],
+                         [client_stage_name(first, c.index) for c in logic.clients if not c.finished])
                 return logic.summary(status)
     finally:
         if status != "completed":

@@ -10,6 +10,7 @@ Every failure a user can fix raises ``ConfigError`` naming the file.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import ConfigError
+from .transport import RefusalLog
+
+log = logging.getLogger("distgrad.keys")
 
 # Not starting with "." because zmq.auth loads the allow directory with glob("*.key"), which skips dotfiles.
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
@@ -126,8 +130,9 @@ class CurveServer:
         if not allowed:
             raise ConfigError(f"client key directory {allow_dir} holds no *.key files: "
                               f"copy each allowed client's NAME.key there")
-        for path in allowed:
-            load_public(path)  # zmq.auth would only log a bad file and then reject everyone
+        self.allowed = frozenset(load_public(path) for path in allowed)
+        self.allow_dir = allow_dir
+        self.refusals = RefusalLog(log)
         self._auth: ThreadAuthenticator | None = ThreadAuthenticator(ctx)
         try:
             self._auth.start()
@@ -135,7 +140,19 @@ class CurveServer:
             self.stop()
             hint = "this context already has one; share a single CurveServer" if e.errno == zmq.EADDRINUSE else str(e)
             raise ConfigError(f"cannot start the CURVE authenticator: {hint}") from e
-        self._auth.configure_curve(domain="*", location=str(allow_dir))
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """The ZAP decision for a client's public key (Z85), in the authenticator's thread.
+
+        A refused key is logged at WARNING (a public key: never a secret), at
+        most once per key per ``REFUSAL_LOG_INTERVAL_S``, with a count.
+        """
+        if client_key in self.allowed:
+            return True
+        shown = client_key.decode("ascii", "replace")
+        self.refusals.note(shown, "refused a CURVE client: its public key %s is not in %s", shown, self.allow_dir)
+        return False
 
     def apply(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a CURVE server with this key pair; call before ``bind``.

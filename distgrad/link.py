@@ -18,7 +18,7 @@ import zmq
 
 from . import wire
 from .errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from .experiment import Experiment
+from .experiment import Experiment, fingerprint_parts
 from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from .wire import ErrorCode, Message
 
@@ -141,6 +141,7 @@ class DownstreamLink:
         self.arrived.clear()
         hello = Message(wire.HELLO, run_id, 0, body={
             "role": self.opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint,
+            "parts": fingerprint_parts(exp),
             "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
             "labels_travel": exp.labels_travel, "steps": steps, "step": max(held),
             "held": held, "micro_batches": micro_batches,
@@ -151,8 +152,9 @@ class DownstreamLink:
                 or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
-        self.log.info("run %s: connected to stage %s at %s; at step %d", run_id,
-                      wire.show(welcome.body.get("stage")), self.connect, next_step - 1)
+        self.log.info("run %s: connected to stage %s at %s (%s); at step %d", run_id,
+                      wire.show(welcome.body.get("stage")), self.connect,
+                      "CURVE: the link is encrypted" if self.security is not None else "plaintext", next_step - 1)
         return next_step - 1
 
     def close(self, linger_ms: int | None = None) -> None:

@@ -28,7 +28,7 @@ import zmq
 
 from . import wire
 from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
-from .experiment import Experiment
+from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment, fingerprint_parts
 from .inprocess import evaluation_fields
 from .losses import build_loss
 from .link import DownstreamLink, check_evaluation, check_reply
@@ -156,7 +156,7 @@ class StageServer:
 
     def _hello(self, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
-        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape)
+        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
         if self.active and msg.run == self.state.run_id:
             self._check_owner(peer_key)
             common = self._agree(msg, self.state.held(), body.get("held"), mbs)
@@ -393,9 +393,11 @@ class StageServer:
 
 
 def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
-                input_shape: tuple[int, ...]) -> int:
+                input_shape: tuple[int, ...], here: str = "this stage") -> int:
     """Check that a hello comes from stage ``upstream`` of the same experiment, seed and shapes;
-    return the micro-batch count it asks for. Raises ``ProtocolError`` (``MISMATCH``)."""
+    return the micro-batch count it asks for. Raises ``ProtocolError``: ``MISMATCH`` (for a
+    fingerprint, naming the parts of the experiment that differ; ``here`` is this stage's
+    name), or ``MALFORMED`` for ``parts`` that are not a valid list of parts."""
     expected = {
         "role": upstream,
         "experiment": exp.name,
@@ -405,10 +407,14 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
         "labels_travel": exp.labels_travel,
     }
     for key, value in expected.items():
+        if key == "fingerprint" and isinstance(body.get(key), str) and body[key] != value:
+            raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), fingerprint_parts(exp),
+                                                                  upstream, here))
         if not same_exactly(body.get(key), value):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                     f"this stage expects {value!r}"
                                 + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+    check_parts(body.get("parts"))
     mbs = body.get("micro_batches", 1)
     if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
             len(input_shape) < 2 or input_shape[0] % mbs)):
@@ -417,11 +423,57 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
     return mbs
 
 
+PART_NAME_MAX = 200             # characters in the name of one part of an experiment
+PARTS_SHOWN = 8                 # differing parts named in one refusal; the rest are counted
+
+
+def check_parts(parts: Any) -> dict[str, Any]:
+    """``parts`` if it is a hello's valid ``parts`` map (see ``fingerprint_parts``), else raise
+    ``ProtocolError`` (``MALFORMED``)."""
+    if type(parts) is not dict or len(parts) > MAX_PARTS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts={wire.show(parts)}; expected a map of at "
+                                                 f"most {MAX_PARTS} experiment parts")
+    for name, value in parts.items():
+        if (type(name) is not str or len(name) > PART_NAME_MAX or type(value) not in (bool, int, float, str)
+                or (type(value) is str and len(value) > PART_VALUE_MAX)):
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts entry {wire.show(name)}: "
+                                                     f"{wire.show(value)}; expected a name of at most "
+                                                     f"{PART_NAME_MAX} characters and a number, boolean or "
+                                                     f"string of at most {PART_VALUE_MAX} characters")
+    return parts
+
+
+def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str) -> str:
+    """The refusal of a hello whose fingerprint differs, naming the parts that differ."""
+    check_parts(theirs)
+    lines = []
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        mine, other = ours.get(name, _ABSENT), theirs.get(name, _ABSENT)
+        if same_exactly(mine, other):
+            continue
+        if mine is _ABSENT or other is _ABSENT:
+            lines.append(f"{name} (only {they if mine is _ABSENT else we} has it)")
+        elif name.startswith("stage ") or name in _DIGESTED:
+            lines.append(name)          # a digest: its value says nothing to a reader
+        else:
+            lines.append(f"{name} ({they} has {wire.show(other)}, {we} has {wire.show(mine)})")
+    shown = "; ".join(lines[:PARTS_SHOWN]) + (f"; and {len(lines) - PARTS_SHOWN} more" if len(lines) > PARTS_SHOWN
+                                              else "")
+    return (f"the experiment of stage {they} differs from stage {we}'s in: {shown or 'nothing it names'} "
+            f"(both stages must load the same experiment file)")
+
+
+_ABSENT = object()
+_DIGESTED = ("data", "clients", "stages", "description")   # parts sent as digests, like every "stage NAME KEY"
+
+
 def announce(server: Server, opts: StageOptions, ready_file: Path | None,
              on_ready: Callable[[str], None] | None) -> None:
     """Log the bound endpoint, write it to ``ready_file`` (atomically) and pass it to ``on_ready``."""
     server_log = logging.getLogger(f"distgrad.{opts.stage}")
-    server_log.info("stage %s of %s serving on %s", opts.stage, opts.experiment.name, server.endpoint)
+    server_log.info("stage %s of %s serving on %s (%s)", opts.stage, opts.experiment.name, server.endpoint,
+                    "CURVE: the link is encrypted, and only allowed client keys are accepted" if server.authenticated
+                    else "plaintext: not encrypted, any client accepted")
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         tmp.write_text(server.endpoint)

@@ -15,16 +15,22 @@ the GIL, so other Python threads of the process wait for it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
+import os
 import re
+import socket
+import threading
 import time
+import uuid
 from typing import Any, Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import zmq
 
 from . import wire
-from .errors import ConfigError, PeerRejected, PeerTimeout
+from .errors import ConfigError, PeerRejected, PeerTimeout, TooManyFrames
 
 log = logging.getLogger("distgrad.transport")
 
@@ -36,6 +42,14 @@ IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
 MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (well below a tick)
+# The most frames a valid message has: routing id and empty delimiter, header, one per tensor.
+# ZeroMQ limits the size of a frame (MAXMSGSIZE) but not their number, so poll_frames does.
+MAX_FRAMES = 2 + 1 + wire.MAX_TENSORS
+FLOOD_LOG_INTERVAL_S = 10.0   # a server logs messages with too many frames once per this, with a count
+REFUSAL_LOG_INTERVAL_S = 60.0  # a refused key or failed handshake of one kind is logged once per this
+REFUSAL_LOG_KEYS = 32         # distinct keys logged per interval; refusals of others are only counted
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)|ipc://.+)$")
 
@@ -105,6 +119,94 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[byte
     return total
 
 
+class RefusalLog:
+    """WARNING lines about refused peers, bounded in rate under a flood: one line per distinct
+    key per ``interval_s`` (saying how many refusals it stands for), and at most ``max_keys``
+    keys per interval; refusals past that are counted in the next line. Thread-safe."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+                 max_keys: int = REFUSAL_LOG_KEYS) -> None:
+        self.log, self.interval_s, self.max_keys = log, interval_s, max_keys
+        self._lock = threading.Lock()
+        self._window = -math.inf
+        self._counts: dict[str, int] = {}   # refusals per key not yet logged, this interval
+        self._unlogged = 0                  # refusals of keys over max_keys, not yet logged
+
+    def note(self, key: str, text: str, *args: Any) -> None:
+        """Count a refusal of ``key``; log ``text % args`` if ``key`` is not logged this interval."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window >= self.interval_s:
+                self._window, self._counts = now, {}
+            if key in self._counts:
+                self._counts[key] += 1
+                return
+            if len(self._counts) >= self.max_keys:
+                self._unlogged += 1
+                return
+            self._counts[key] = 0
+            unlogged, self._unlogged = self._unlogged, 0
+        more = f" (and {unlogged} refusals of other keys not logged)" if unlogged else ""
+        self.log.warning(text + " [logged once per %g s per key]%s", *args, self.interval_s, more)
+
+
+def describe_handshake_failure(event: int, value: int, server: bool) -> str:
+    """What a ZMTP handshake failure event (``zmq.EVENT_HANDSHAKE_FAILED_*``) means, in words,
+    on the ``server``'s side or the client's."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the CURVE server refused this client's key (ZAP status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "security mechanism mismatch: one side uses CURVE and the other does not"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            return "CURVE cryptographic error: the client was given another server key than this server's"
+        return f"ZMTP protocol error 0x{value:x}"
+    if server:
+        return "the peer closed the connection during the handshake (a plaintext client, or one given another server key)"
+    return "the server closed the connection during the handshake (a wrong --server-key, or a server without CURVE)"
+
+
+class HandshakeWatch:
+    """Logs the failed ZMTP handshakes of a bound socket (a plaintext client against a CURVE
+    stage, a client with the wrong server key) at WARNING, bounded by ``RefusalLog``.
+
+    A thread reads the socket's monitor; ``close`` stops it. Refused CURVE keys are logged by
+    the ZAP handler, which knows the key (``keys.CurveServer``), so they are skipped here.
+    """
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, endpoint: str) -> None:
+        self.sock, self.endpoint = sock, endpoint
+        self.refusals = RefusalLog(log)
+        address = f"inproc://distgrad-handshakes-{uuid.uuid4().hex}"
+        sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._pair = ctx.socket(zmq.PAIR)          # used by the thread alone until close() joins it
+        self._pair.connect(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distgrad-handshakes", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while not self._stop.is_set():
+            if not self._pair.poll(int(POLL_TICK_S * 1000)):
+                continue
+            try:
+                event = recv_monitor_message(self._pair, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            what = describe_handshake_failure(event["event"], event["value"], server=True)
+            self.refusals.note(what, "a peer failed the handshake on %s: %s", self.endpoint, what)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * POLL_TICK_S + 1.0)
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._pair.close(0)
+
+
 class Traffic:
     """Counters a driver keeps across its sockets: bytes each way, seconds spent waiting."""
 
@@ -140,9 +242,65 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list
     elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
         return None
     parts = [_recv(sock, 0, False)]
-    while _get(sock, _RCVMORE):
+    for _ in _MORE_FRAMES:
+        if not _get(sock, _RCVMORE):
+            return parts
         parts.append(_recv(sock, 0, False))
-    return parts
+    if not _get(sock, _RCVMORE):
+        return parts
+    # A flood: ZeroMQ hands over a multipart message only whole, so its frames are all in
+    # ZeroMQ's queue already; read them out as plain bytes, kept by nobody (an empty frame
+    # makes no object at all), so this process holds no more than MAX_FRAMES of them.
+    count = len(parts)
+    while _get(sock, _RCVMORE):
+        _recv(sock, 0, True)
+        count += 1
+    raise TooManyFrames(parts[0], count, MAX_FRAMES)
+
+
+_MORE_FRAMES = range(MAX_FRAMES - 1)
+
+
+def release_free_memory() -> None:
+    """Give the memory ZeroMQ freed after a flood back to the system (glibc's ``malloc_trim``).
+
+    libzmq queues about 64 bytes per frame in small blocks; glibc keeps them
+    after they are freed, so without this a 6-million-frame message would
+    leave the process hundreds of MB bigger. Does nothing without glibc.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def shut_connection(frame: zmq.Frame) -> bool:
+    """Shut down the TCP or IPC connection ``frame`` came in on; ZeroMQ then drops that peer
+    (it may connect again). Returns False when the connection is already gone.
+
+    ZeroMQ has no call to close one peer of a ROUTER: this shuts down the
+    socket ZeroMQ reads that peer from (the frame's source descriptor), after
+    checking that it is still a connected socket with the frame's peer address.
+    """
+    try:
+        fd = frame.get(zmq.SRCFD)
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return False
+    try:
+        conn = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        peer = conn.getpeername()
+        if conn.family in (socket.AF_INET, socket.AF_INET6) and peer[0] != address:
+            return False            # the descriptor now belongs to another connection
+        conn.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.close()                # closes our duplicate only
 
 
 class Server:
@@ -162,6 +320,8 @@ class Server:
             raise ConfigError(f"cannot bind {endpoint}: {e}") from e
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.authenticated = security is not None
+        self.handshakes = HandshakeWatch(ctx, self.sock, self.endpoint)
+        self.floods, self._flood_logged = 0, -math.inf    # messages with too many frames not yet logged
 
     def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame], str] | None:
         """``(envelope, frames, peer_key)`` of the next request, or None after ``timeout_s``.
@@ -170,7 +330,11 @@ class Server:
         peer puts before its frames; replies must carry it back. ``peer_key``
         is the CURVE public key the peer authenticated with ("" in plaintext).
         """
-        parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+        try:
+            parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+        except TooManyFrames as e:
+            self._flooded(e)
+            return None
         self._spin_next = parts is not None
         if parts is None:
             return None
@@ -183,10 +347,23 @@ class Server:
                 pass
         return [p.bytes for p in parts[:split]], parts[split:], peer_key
 
+    def _flooded(self, e: TooManyFrames) -> None:
+        """Drop the connection a message of too many frames came in on; log it, bounded in rate."""
+        dropped = shut_connection(e.first)
+        release_free_memory()
+        self.floods += 1
+        now = time.monotonic()
+        if now - self._flood_logged >= FLOOD_LOG_INTERVAL_S:
+            log.warning("discarded %d message(s) with too many frames (the last: %d frames, the limit is %d); "
+                        "%s", self.floods, e.frames, MAX_FRAMES,
+                        "dropped the connection it came in on" if dropped else "its connection was already gone")
+            self.floods, self._flood_logged = 0, now
+
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)
 
     def close(self, linger_ms: int = LINGER_MS) -> None:
+        self.handshakes.close()
         self.sock.close(linger_ms)
 
 
@@ -203,7 +380,31 @@ class Client:
         self.max_reply_bytes = max_reply_bytes
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock, max_message_bytes, liveness_s, security)
+        self.curve = security is not None
+        self.handshake_failure = ""          # the last failed handshake with the server, in words
+        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILURES)
         self.sock.connect(endpoint)
+
+    def check_handshake(self) -> str:
+        """The last failed handshake with the server, in words ("" if none failed so far)."""
+        from zmq.utils.monitor import recv_monitor_message
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            self.handshake_failure = describe_handshake_failure(event["event"], event["value"], server=False)
+        return self.handshake_failure
+
+    def unreachable_hint(self) -> str:
+        """Why a serving stage may not answer, for a timeout's message."""
+        failure = self.check_handshake()
+        if failure:
+            return (f"the CURVE handshake with it failed: {failure}; check --server-key, that this client's "
+                    f"public key is in the stage's --allow directory, and that both sides use CURVE or neither")
+        if self.curve:
+            return ("is the serving stage running and reachable there? If it is, a CURVE handshake may have "
+                    "failed: a wrong --server-key, this client's key not in the stage's --allow, or the stage "
+                    "without CURVE")
+        return ("is the serving stage running and reachable there? If it uses CURVE, this plaintext client "
+                "cannot talk to it")
 
     def send(self, msg: wire.Message) -> None:
         """Queue ``msg``; if no connection takes it within ``SEND_TIMEOUT_MS`` it is dropped,
@@ -230,7 +431,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
-                                  f"(is the serving stage running and reachable there?)")
+                                  f"({self.unreachable_hint()})")
             waited = clock()
             frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
             spin_s = 0.0                    # only the first tick spins
@@ -253,5 +454,10 @@ class Client:
         return self.wait(msg.run, {(msg.step, msg.mb)}, timeout_s, check_stop, msg.describe)
 
     def close(self, linger_ms: int = LINGER_MS) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         self.sock.close(linger_ms)
 

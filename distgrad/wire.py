@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2                  # 2: the hello names the experiment's parts (see docs/protocol.md)
 HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8

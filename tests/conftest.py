@@ -189,10 +189,12 @@ def zmq_ctx() -> Iterator[zmq.Context]:
 def hello_message(exp, run: str, **changes):
     """A valid hello from a fresh driving stage of ``exp``; ``changes`` replace body fields."""
     from distgrad import wire
+    from distgrad.experiment import fingerprint_parts
     from distgrad.stage import Stage
 
     first = Stage.from_experiment(exp, exp.stage_names[0])
-    body = {"role": first.name, "experiment": exp.name, "fingerprint": exp.fingerprint, "seed": exp.seed,
+    body = {"role": first.name, "experiment": exp.name, "fingerprint": exp.fingerprint,
+            "parts": fingerprint_parts(exp), "seed": exp.seed,
             "activation": {"shape": list(first.output_shape), "dtype": "float32"},
             "labels_travel": exp.labels_travel, "steps": exp.steps, "step": 0, "held": [0]}
     body.update(changes)

@@ -25,7 +25,7 @@ def _raw_request(sock: zmq.Socket, frames: list) -> Message:
 
 
 def _header(**fields) -> bytes:
-    header = {"v": 1, "type": "forward", "run": "x", "step": 1, "mb": 0, "mbs": 1, "body": {}, "tensors": []}
+    header = {"v": wire.PROTOCOL_VERSION, "type": "forward", "run": "x", "step": 1, "mb": 0, "mbs": 1, "body": {}, "tensors": []}
     header.update(fields)
     return msgpack.packb(header)
 

@@ -169,3 +169,60 @@ def test_a_client_back_with_a_new_run_waits_for_the_next_step_without_stalling_t
     assert welcome.body["next_step"] == 2
     assert not server.clients[1].active and server.clients[1].joining
     assert server.order == [0, 1, 2]            # its turn in step 1 is skipped, not waited for
+
+
+def _raw_clients_to_the_end(exp, steps: int, endpoint: str, ctx, byes: set[int]) -> None:
+    """Three raw protocol clients (zero activations) run every step; only those in ``byes`` say bye,
+    the others fall silent after their last step, as if killed between it and their bye."""
+    import numpy as np
+
+    from distgrad import wire
+    from distgrad.transport import Client
+    from conftest import hello_message
+
+    clients = [Client(ctx, endpoint) for _ in range(3)]
+    runs = [f"raw{c}" for c in range(3)]
+    try:
+        for c, client in enumerate(clients):
+            client.send(hello_message(exp, runs[c], client=c, micro_batches=1, steps=steps))
+        for c, client in enumerate(clients):
+            assert client.wait(runs[c], {(0, 0)}, 10.0).type == wire.WELCOME
+        shape = tuple(hello_message(exp, "r").body["activation"]["shape"])
+        for step in range(1, steps + 1):
+            for c, client in enumerate(clients):      # each waits for its own reply: turns come in order anyway
+                client.send(wire.Message(wire.FORWARD, runs[c], step, 0, 1,
+                                         tensors={"activation": np.zeros(shape, np.float32)}))
+            for c, client in enumerate(clients):
+                assert client.wait(runs[c], {(step, 0)}, 10.0).type == wire.BACKWARD
+        for c in sorted(byes):
+            reply = clients[c].request(wire.Message(wire.BYE, runs[c], steps, body={"steps": steps}), 10.0)
+            assert reply.type == wire.BYE
+    finally:
+        for client in clients:
+            client.close(linger_ms=0)
+
+
+@pytest.mark.parametrize("byes,code,status", [({0, 1}, 0, "completed"), (set(), 3, "lost")])
+def test_a_client_silent_between_its_last_step_and_its_bye_is_dropped_and_g_exits(
+        tmp_path, start_server, zmq_ctx, byes, code, status):
+    """Issue 12.4: client 2 (or every client) stops after its last step without a bye. g drops it
+    after --liveness and exits: 0 when some client said bye, else 3 after --peer-deadline more."""
+    from distgrad.experiment import load_experiment
+
+    exp = load_experiment("digits-clients")
+    summary_path = tmp_path / "g.json"
+    proc, endpoint = start_server("digits-clients", "--steps", "3", "--liveness", "1", "--peer-deadline", "1",
+                                  "--summary", summary_path)
+    _raw_clients_to_the_end(exp, 3, endpoint, zmq_ctx, byes)
+    started = time.monotonic()
+    assert proc.wait(timeout=15) == code, proc.output
+    assert time.monotonic() - started < 8, proc.output
+    assert "client 2 silent for more than 1 s after the last step, without a bye; dropped" in proc.output
+    summary = read_json(summary_path)
+    assert summary["status"] == status
+    assert [c["status"] for c in summary["clients"]] == [
+        "completed" if c in byes else "dropped" for c in range(3)]
+    if byes:
+        assert "clients ['f@0', 'f@1'] said bye, clients ['f@2'] were dropped" in proc.output
+    else:
+        assert "every client lost for more than 1 s after the last step" in proc.output

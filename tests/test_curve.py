@@ -6,6 +6,7 @@ import os
 
 import pytest
 import zmq
+import zmq.auth
 
 from distgrad import wire
 from distgrad.experiment import load_experiment
@@ -74,12 +75,63 @@ def test_a_refused_driver_exits_3_within_its_deadline(start_server, tmp_path, ke
                        "--peer-deadline", "2", *flags], tmp_path / "f.log") as f:
         assert f.wait(20) == 3, f.output
     assert g.proc.poll() is None
+    # Issue 12.9: both sides say why, at the levels an operator sees by default; no secret is shown.
+    # Which failure each side sees first depends on timing: either reason is right.
+    closed = {"driver": "the server closed the connection during the handshake",
+              "stage": "the peer closed the connection during the handshake"}
+    driver_says = {"plaintext": ["security mechanism mismatch", closed["driver"]],
+                   "unknown key": ["the CURVE server refused this client's key"],
+                   "wrong server key": [closed["driver"]]}[who]
+    assert any(f"the CURVE handshake with it failed: {reason}" in f.output for reason in driver_says), f.output
+    assert "is the serving stage running" not in f.output, f.output
+    if who == "unknown key":
+        stage_says = [f"WARNING distgrad.keys: refused a CURVE client: its public key "
+                      f"{keys_public(keys['stranger_secret'])} is not in"]
+    else:
+        stage_says = [f"WARNING distgrad.transport: a peer failed the handshake on {endpoint}: {reason}" for reason in
+                      {"plaintext": ["security mechanism mismatch", closed["stage"]],
+                       "wrong server key": ["CURVE cryptographic error", closed["stage"]]}[who]]
+    assert any(line in g.output for line in stage_says), g.output
+    assert all(g.output.count(line) <= 1 for line in stage_says), g.output   # retries within the interval: one line
+    for secret in (keys["server_secret"], keys["client_secret"], keys["stranger_secret"]):
+        secret_key = zmq.auth.load_certificate(secret)[1].decode()
+        assert secret_key not in g.output + f.output
+
+
+def keys_public(secret_file) -> str:
+    return zmq.auth.load_certificate(secret_file)[0].decode()
+
+
+def test_a_flood_of_refused_keys_is_logged_in_bounded_lines(tmp_path):
+    """Issue 12.9: one line per distinct key per interval, at most REFUSAL_LOG_KEYS keys, the rest counted."""
+    import logging
+
+    from distgrad.transport import RefusalLog
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("distgrad.test-refusals")
+    log.addHandler(Keep())
+    refusals = RefusalLog(log, interval_s=60.0, max_keys=3)
+    for i in range(1000):
+        refusals.note(f"k{i % 10}", "refused %s", f"k{i % 10}")
+    assert records == [f"refused k{i} [logged once per 60 s per key]" for i in range(3)]
+    refusals._window -= 61                                    # the next interval
+    refusals.note("k0", "refused %s", "k0")
+    assert records[-1] == "refused k0 [logged once per 60 s per key] (and 700 refusals of other keys not logged)"
 
 
 def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     summary, reference = tmp_path / "s.json", tmp_path / "r.json"
     result = run_cli(["run", "seed-reverse", "--secure", "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "INFO distgrad.g: stage g of seed-reverse serving on" in result.stdout
+    assert "(CURVE: the link is encrypted, and only allowed client keys are accepted)" in result.stdout
+    assert "(CURVE: the link is encrypted); at step 0" in result.stdout, result.stdout
     assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
     assert read_json(summary)["params"] == read_json(reference)["params"]
 

@@ -10,9 +10,10 @@ errors*):
   message (``wire.decode`` accepts it, so it also fits the header limits):
   an ``error`` with the code the protocol prescribes, or the ``welcome`` /
   ``pong`` / ``backward`` / ``bye`` a message that happens to be valid gets.
-  The only message without a reply is one with a frame over the stage's
-  ``ZMQ_MAXMSGSIZE``: ZeroMQ drops that connection (we see the disconnect on
-  a socket monitor, and make a new socket);
+  The only messages without a reply are one with a frame over the stage's
+  ``ZMQ_MAXMSGSIZE`` (ZeroMQ drops that connection) and one with more frames
+  than any valid message (``transport.MAX_FRAMES``: the stage drops that
+  connection); we see the disconnect on a socket monitor, and make a new socket;
 - "exactly one" is checked with a barrier after every message: a ``ping``
   whose ``pong`` must be the very next reply on the connection. The pong also
   reports the server's open run and step, which must equal the model's, so
@@ -52,7 +53,7 @@ from distgrad import wire
 from distgrad.errors import PeerRejected, ProtocolError
 from distgrad.experiment import load_experiment
 from distgrad.stage import Stage
-from distgrad.transport import Client
+from distgrad.transport import MAX_FRAMES, Client
 from distgrad.wire import ErrorCode, Message
 
 from conftest import StageProcess, hello_message, read_json, run_cli
@@ -195,7 +196,7 @@ class Template:
 
 def header(type: Any = "forward", run: Any = "x", step: Any = 1, mb: Any = 0, mbs: Any = 1,
            body: Any = None, tensors: Any = None, **extra: Any) -> dict:
-    h = {"v": 1, "type": type, "run": run, "step": step, "mb": mb, "mbs": mbs,
+    h = {"v": wire.PROTOCOL_VERSION, "type": type, "run": run, "step": step, "mb": mb, "mbs": mbs,
          "body": {} if body is None else body, "tensors": [] if tensors is None else tensors}
     h.update(extra)
     return h
@@ -722,8 +723,8 @@ class Link:
         frames = template.frames(self.model)
         what = f"{template.kind} message {describe_frames(frames)}"
         assert self.proc.proc.poll() is None, f"the server is dead (exit {self.proc.proc.returncode})"
-        if any(len(f) > MAX_FRAME for f in frames):
-            sock = None                 # ZeroMQ drops the sender: never the legitimate client's socket
+        if any(len(f) > MAX_FRAME for f in frames) or len(frames) + 1 > MAX_FRAMES:   # + 1: the routing id
+            sock = None                 # the sender is dropped: never the legitimate client's socket
             self._over_size(frames, what)
         elif not self._exchange(frames, sock or self.sock, protect, what):
             return
@@ -989,3 +990,44 @@ def test_hostile_values_that_once_broke_the_server_get_bounded_error_replies(sta
         link.probe(template)
     assert link.model.tally["bye"] == 1
     link.close()
+
+
+FLOOD_FRAMES = 1_000_000          # empty frames in one message: about 2 MB on the wire
+FLOOD_RSS_GROWTH_KIB = 16 * 1024  # what the stage may keep afterwards (before the fix, 2 million frames left 125 MB)
+
+
+def test_a_message_of_a_million_empty_frames_is_discarded_and_its_connection_dropped(start_server, tmp_path, zmq_ctx):
+    """Issue 12.6: ZeroMQ limits a frame's size, not the number of frames. The stage reads at most
+    MAX_FRAMES of a message, discards the rest without keeping them, logs it once, drops the
+    connection, keeps no memory for it, and a legitimate run afterwards is still exact."""
+    g_json = tmp_path / "g.json"
+    g, endpoint = start_server("seed-reverse", "--keep-serving", "--summary", g_json)
+    pinger = Client(zmq_ctx, endpoint)
+    assert pinger.request(Message(wire.PING, "", 0), 10.0).type == wire.PONG
+    rss_before = vm_rss_kib(g.proc.pid)
+    attacker = zmq_ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.SNDHWM, 0)
+    monitor = attacker.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    attacker.connect(endpoint)
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+    for _ in range(FLOOD_FRAMES - 1):
+        attacker.send(b"", zmq.SNDMORE)
+    attacker.send(b"")
+    assert monitor.poll(60_000), "the stage did not drop the flooding connection"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    assert pinger.request(Message(wire.PING, "", 0), 10.0).type == wire.PONG
+    rss_after = vm_rss_kib(g.proc.pid)
+    line = f"too many frames (the last: {FLOOD_FRAMES + 1} frames, the limit is {MAX_FRAMES})"
+    assert line in g.output and g.output.count("too many frames") == 1, g.output[-2000:]
+    assert rss_after - rss_before < FLOOD_RSS_GROWTH_KIB, f"VmRSS grew from {rss_before} to {rss_after} KiB"
+    attacker.close(0)
+    pinger.close(0)
+
+    params = reference(tmp_path)
+    f_json = tmp_path / "f.json"
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", f_json],
+                      tmp_path / "f.log") as f:
+        assert f.wait() == 0, f.output
+    f_summary = read_json(f_json)
+    g_summary = summary_of(g_json, f_summary["run_id"])
+    assert f_summary["params"]["f"] == params["f"] and g_summary["params"]["g"] == params["g"]
