@@ -17,18 +17,17 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import wire
-from .errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
-from .inprocess import evaluation_fields
-from .losses import build_loss
-from .stage import check_micro_batches, combine_losses, micro_batch
-from .progress import MetricsWriter, Progress
+from . import handshake, wire
+from .errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from .engine import StepRecord
 from .link import DownstreamLink, check_evaluation, check_reply
+from .options import PROGRESS_UPDATES, StageOptions, StopFlag
+from .progress import MetricsWriter, Progress
+from .records import evaluation_fields
+from .stage import backward_specs, micro_batch
+from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from .transport import Traffic
 from .wire import ErrorCode, Message
-
-from .daemon import (PROGRESS_UPDATES, StageOptions, StageState, StopFlag, finished_run, lock_checkpoint_dir,
-                     micro_shape, nothing_to_do)
 
 
 class _Driver:
@@ -36,27 +35,22 @@ class _Driver:
 
     def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context) -> None:
         exp = opts.experiment
-        if exp.stage_index(opts.stage) != 0 or len(exp.stages) < 2:
-            raise ConfigError(f"the driving stage is the first stage {exp.stage_names[0]!r} of an experiment with "
-                              f"two or more stages; {exp.name!r} has stages {exp.stage_names}")
+        exp.check_role(opts.stage, binds=False, connects=True)
         self.opts, self.exp, self.connect, self.stop = opts, exp, connect, stop
-        self.steps = exp.steps if opts.steps is None else opts.steps
+        self.steps = opts.total_steps
         self.state = StageState(opts)
         self.log = self.state.log
         self.data = exp.build_data(opts.seed, client=opts.client)
         self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
-        loss = build_loss(exp.stages[-1].loss)
-        self.target_dtype = loss.target_dtype
-        check_micro_batches(exp, opts.micro_batches, self.data.feature_shape)
-        self.scale = loss.micro_batch_scale(opts.micro_batches)
-        self.reply_specs = {"activation_grad": (micro_shape(self.state.stage.output_shape, opts.micro_batches),
-                                                np.dtype(np.float32))}
+        self.target_dtype = exp.final_loss.target_dtype
+        self.reply_specs = backward_specs(self.state.stage, opts.micro_batches)
         self.traffic = Traffic()
         self.metrics = MetricsWriter(opts.metrics_path)
         self.progress = Progress(opts.progress, self.steps)
         self.g_compute_s = 0.0
         params = self.state.stage.params
-        self.link = DownstreamLink(opts, connect, stop, ctx, opts.security, self.reply_specs, self.traffic,
+        self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
+                                   self.traffic,
                                    {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
@@ -65,8 +59,9 @@ class _Driver:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
         stage = self.state.stage
         held = self.state.held()
-        common = self.link.handshake(self.exp, self.opts.seed, stage.output_shape, self.state.run_id,
-                                     held, self.steps, self.opts.micro_batches, self.opts.client)
+        common = self.link.handshake(handshake.hello(
+            self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
+            self.opts.micro_batches, self.opts.client), self.opts.client)
         if common in held:
             self.state.rollback(common)
         else:
@@ -75,7 +70,7 @@ class _Driver:
                              "%d (steps %d to %d are skipped)", common + 1, self.state.stage.step,
                              self.state.stage.step + 1, common)
             self.state.stage.step = common
-        self.state.stage.accumulator.reset()
+        self.state.engine.reset()
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
 
     def step_once(self) -> None:
@@ -86,14 +81,13 @@ class _Driver:
         works on i. Gradients are summed in micro-batch order whatever the
         schedule, which is the order the in-process path uses.
         """
-        stage, count = self.state.stage, self.opts.micro_batches
+        stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
         step = stage.step + 1
         features = self.data.features(step)
         targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
         window = count if self.opts.schedule == "gpipe" else min(count, 2)
         pending: dict[tuple[int, int], Message] = {}
         caches: dict[int, Any] = {}
-        losses: list[np.float32] = []
         self.link.arrived.clear()
 
         def send(i: int) -> None:
@@ -112,26 +106,15 @@ class _Driver:
             del pending[(step, i)]
             loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
                                    self.exp.stage_names[1])
-            losses.append(loss)
             compute = reply.body.get("compute_s")
             if isinstance(compute, float):
                 self.g_compute_s += compute
             _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
-            stage.accumulator.add(grads, i, count)
+            engine.add(i, count, grads, loss)
             if i + window < count:
                 send(i + window)
-        grads = stage.accumulator.take(self.scale)
-        stage.check_grads(grads)
-        trace = self.state.trace
-        if trace is not None and trace.wants(step):
-            grads_seen = {k: v.copy() for k, v in grads.items()}
-        stage.apply(grads)
-        self.loss = float(combine_losses(losses, self.scale))
-        if self.average_every and step % self.average_every == 0:
-            self._average(step)
-        if trace is not None and trace.wants(step):
-            trace.write(step, self.loss, grads_seen, stage.params)
-        self.state.after_step()
+        averaging = self.average_every and step % self.average_every == 0
+        self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
 
     def _average(self, step: int) -> None:
         """SplitFed: send this client's parameters, take the mean of every client's in their place."""
@@ -157,14 +140,22 @@ class _Driver:
         self.log.info("test loss %.6g%s", body["loss"],
                       f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else "")
 
-    def _record(self, step: int, started: float, step_started: float, wait_before: float,
-                g_before: float) -> None:
-        now = time.perf_counter()
-        wait = self.traffic.wait_s - wait_before
-        self.metrics.write({
-            "step": step, "loss": self.loss, "wall_s": now - started, "step_s": now - step_started,
-            "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
-            "f_compute_s": now - step_started - wait, "f_wait_s": wait, "g_compute_s": self.g_compute_s - g_before})
+    def _observe(self, record: StepRecord) -> None:
+        """After each applied step (a step engine observer): its metrics line, the bar or a log line."""
+        step, now = record.step, time.perf_counter()
+        if self.metrics.enabled:
+            wait = self.traffic.wait_s - self.wait_before
+            self.metrics.write({
+                "step": step, "loss": self.loss if record.loss is None else record.loss,
+                "wall_s": now - self.started, "step_s": now - self.step_started,
+                "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+                "f_compute_s": now - self.step_started - wait, "f_wait_s": wait,
+                "g_compute_s": self.g_compute_s - self.g_before})
+        self.progress.update(step, record.loss, force=step == self.steps)
+        if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
+            rate = (step - self.last_step) / (now - self.last_report) if now > self.last_report else float("nan")
+            self.last_report, self.last_step = now, step
+            self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, record.loss, rate)
 
     def run(self) -> dict[str, Any]:
         state = self.state
@@ -195,19 +186,21 @@ class _Driver:
 
     def _run(self) -> None:
         self.handshake()
-        every = max(1, self.steps // PROGRESS_UPDATES)
-        started = last_report = time.perf_counter()
-        last_step = self.state.stage.step
+        self.report_every = max(1, self.steps // PROGRESS_UPDATES)
+        self.started = self.last_report = time.perf_counter()
+        self.last_step = self.state.stage.step
+        self.state.engine.observers.append(self._observe)
         while True:
             stage = self.state.stage
-            step_started, wait_before, g_before = time.perf_counter(), self.traffic.wait_s, self.g_compute_s
+            self.step_started, self.wait_before, self.g_before = (time.perf_counter(), self.traffic.wait_s,
+                                                                  self.g_compute_s)
             try:
                 if stage.step >= self.steps:
                     self.state.save()
                     if len(self.data.test_rows):
                         self.evaluate()
                     self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
-                    self.state.save(self.loss, finished=True)     # a rerun with --resume has nothing to do
+                    self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
                     return
                 self.step_once()
             except PeerRejected as e:
@@ -216,16 +209,6 @@ class _Driver:
                 # The server restarted or lost our run: agree on a step again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
                 self.handshake()
-                continue
-            step = self.state.stage.step
-            if self.metrics.enabled:
-                self._record(step, started, step_started, wait_before, g_before)
-            self.progress.update(step, self.loss, force=step == self.steps)
-            if self.opts.progress == "off" and (step % every == 0 or step == self.steps):
-                now = time.perf_counter()
-                rate = (step - last_step) / (now - last_report) if now > last_report else float("nan")
-                last_report, last_step = now, step
-                self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, self.loss, rate)
 
 
 def drive_first_stage(opts: StageOptions, connect: str, stop: StopFlag,

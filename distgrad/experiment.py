@@ -89,6 +89,8 @@ class Experiment:
     fingerprint: str = ""
     source: str = ""
     clients: Clients = Clients()
+    # Values derived from the fields above, computed once (see ``input_shapes``, ``final_loss``).
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def federated(self) -> bool:
@@ -118,18 +120,64 @@ class Experiment:
             data.shard(client, self.clients.count)
         return data
 
-    def input_shapes(self, data: DataSource, seed: int | None = None) -> list[Shape]:
-        """The input shape of every stage, in order, with the output shape of the last appended."""
-        shapes = [data.feature_shape]
-        for spec in self.stages:
-            shapes.append(build_model(spec.model, self.seed if seed is None else seed).output_shape(shapes[-1]))
-        return shapes
+    def input_shapes(self, seed: int | None = None) -> list[Shape]:
+        """The input shape of every stage, in order, with the output shape of the last appended.
+
+        Computed once per seed (it builds the data source and every model) and then remembered.
+        """
+        seed = self.seed if seed is None else seed
+        shapes = self._derived.get(("shapes", seed))
+        if shapes is None:
+            shapes = [self.build_data(seed).feature_shape]
+            for spec in self.stages:
+                shapes.append(build_model(spec.model, seed).output_shape(shapes[-1]))
+            self._derived[("shapes", seed)] = shapes
+        return list(shapes)
+
+    @property
+    def final_loss(self) -> Loss:
+        """The last stage's loss (it also says how micro-batch gradients combine: ``micro_batch_scale``)."""
+        loss = self._derived.get("final_loss")
+        if loss is None:
+            loss = self._derived["final_loss"] = build_loss(self.stages[-1].loss)
+        return loss
+
+    def role(self, stage: str) -> str:
+        """``"driving"`` (the first stage), ``"serving"`` (the last) or ``"middle"``; raises
+        ``ConfigError`` for a name the experiment does not have."""
+        index = self.stage_index(stage)
+        return "driving" if index == 0 else "serving" if index == len(self.stages) - 1 else "middle"
+
+    def check_role(self, stage: str, binds: bool, connects: bool) -> str:
+        """The one check that a stage is run with the endpoints its place needs; returns its role.
+
+        The first stage drives (``--connect``), the last serves (``--bind``), a
+        middle stage does both. Raises ``ConfigError`` naming what to give.
+        """
+        role = self.role(stage)
+        if len(self.stages) < 2:
+            raise ConfigError(f"experiment {self.name!r} has one stage: run it with 'distgrad run "
+                              f"{self.name} --in-process'")
+        needs = {"driving": (False, True), "serving": (True, False), "middle": (True, True)}[role]
+        if (binds, connects) != needs:
+            usage = {"driving": "--connect ENDPOINT (it drives the stage below)",
+                     "serving": "--bind ENDPOINT (it serves the stage above)",
+                     "middle": "--bind ENDPOINT and --connect ENDPOINT (it serves the stage above and "
+                               "connects to the stage below)"}[role]
+            raise ConfigError(f"stage {stage!r} is the {role} stage of {self.name!r} (stages "
+                              f"{self.stage_names}): give {usage}")
+        return role
 
     def all_param_names(self, seed: int | None = None) -> set[str]:
         names: set[str] = set()
         for spec in self.stages:
             names.update(build_model(spec.model, self.seed if seed is None else seed).params)
         return names
+
+
+def client_stage_name(stage: str, client: int | None) -> str:
+    """How one data owner's copy of ``stage`` is named in summaries, logs and checkpoints (``f@2``)."""
+    return stage if client is None else f"{stage}@{client}"
 
 
 def _fail(source: str, message: str) -> ConfigError:
@@ -197,7 +245,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     # Build everything once so a bad file fails here, naming itself, not mid-run.
     try:
         data_source = exp.build_data()
-        shapes = exp.input_shapes(data_source)
+        shapes = exp.input_shapes()
         for client in range(clients.count if exp.federated else 0):
             exp.build_data(client=client)
         check_targets(exp, data_source, shapes[-1])
@@ -219,7 +267,7 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
     A prediction of 2 columns against 1 target column would broadcast in the
     loss and train silently; the shapes and dtypes must match exactly.
     """
-    loss = build_loss(exp.stages[-1].loss)
+    loss = exp.final_loss
     expected = tuple(loss.target_shape(tuple(output_shape)))
     loss_name = exp.stages[-1].loss if isinstance(exp.stages[-1].loss, str) else exp.stages[-1].loss.get("type")
     last = exp.stages[-1].name

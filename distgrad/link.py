@@ -11,20 +11,33 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import zmq
 
 from . import wire
 from .errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from .experiment import Experiment, fingerprint_parts
 from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
-from .wire import ErrorCode, Message
+from .wire import ErrorCode, Message, frame_limit
 
-from .daemon import RETRY_BACKOFF_S, StageOptions, StopFlag, frame_limit
+RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """The bounds of one connection: who this side is (``name``, in logs and hellos) and, in seconds,
+    how long one reply may take, how long a silent peer is still live, how long to retry before
+    giving up, and how long to spin before blocking."""
+
+    name: str
+    timeout_s: float
+    liveness_s: float
+    peer_deadline_s: float
+    spin_s: float = 0.0
 
 
 class DownstreamLink:
@@ -36,17 +49,17 @@ class DownstreamLink:
     kept until asked for.
     """
 
-    def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context,
+    def __init__(self, settings: LinkSettings, connect: str, check_stop: Callable[[], None], ctx: zmq.Context,
                  security: SocketSecurity | None, reply_specs: Specs, traffic: Traffic | None = None,
                  other_replies: Specs | None = None) -> None:
-        self.opts, self.connect, self.stop, self.ctx, self.security = opts, connect, stop, ctx, security
+        self.opts, self.connect, self.check_stop, self.ctx, self.security = settings, connect, check_stop, ctx, security
         self.reply_specs = dict(reply_specs)
         # The biggest reply is a backward one (an evaluation carries no tensors), or one of
         # ``other_replies`` (a SplitFed average: the first stage's parameters).
         self.other_limits = frame_limit(other_replies) if other_replies else (0, 0)
         self.max_frame, self.max_tensor = self._limits()
         self.traffic = traffic or Traffic()
-        self.log = logging.getLogger(f"distgrad.{opts.instance}")
+        self.log = logging.getLogger(f"distgrad.{settings.name}")
         self.arrived: dict[tuple[int, int], Message] = {}
         self.run_id = ""
         self.client = self._new_client()
@@ -106,7 +119,7 @@ class DownstreamLink:
             if reply is not None:
                 return reply
             try:
-                reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.stop.check,
+                reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.check_stop,
                                          pending[key].describe)
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
@@ -124,35 +137,24 @@ class DownstreamLink:
         self.client.close(linger_ms=0)
         end = time.monotonic() + pause
         while time.monotonic() < end:
-            self.stop.check()
+            self.check_stop()
             time.sleep(min(POLL_TICK_S, max(0.0, end - time.monotonic())))
         self.client = self._new_client()
 
-    def handshake(self, exp: Experiment, seed: int, output_shape: tuple[int, ...], run_id: str,
-                  held: list[int], steps: int, micro_batches: int, client: int | None = None) -> int:
-        """Hello/welcome for ``run_id``; returns the step the stage below stands at (one of ``held``).
-
-        ``held`` are the steps this side (and everything above it) can return
-        to; the stage below picks the newest one it holds too. A ``client`` of
-        a stage serving several may instead be told a later step: the steps
-        it missed after being dropped.
-        """
-        self.run_id = run_id
+    def handshake(self, hello: Message, client: int | None = None) -> int:
+        """Send ``hello`` (``handshake.hello``) and return the step the stage below stands at: one of the
+        hello's ``held`` steps, or for a ``client`` of a stage serving several, possibly a later step
+        (the steps it missed after being dropped). Raises ``ProtocolError`` for another answer."""
+        self.run_id = hello.run
         self.arrived.clear()
-        hello = Message(wire.HELLO, run_id, 0, body={
-            "role": self.opts.stage, "experiment": exp.name, "fingerprint": exp.fingerprint,
-            "parts": fingerprint_parts(exp),
-            "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
-            "labels_travel": exp.labels_travel, "steps": steps, "step": max(held),
-            "held": held, "micro_batches": micro_batches,
-            **({"client": client} if client is not None else {})})
         welcome = self.exchange(hello)
+        held = hello.body["held"]
         next_step = welcome.body.get("next_step")
         if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
                 or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
-        self.log.info("run %s: connected to stage %s at %s (%s); at step %d", run_id,
+        self.log.info("run %s: connected to stage %s at %s (%s); at step %d", hello.run,
                       wire.show(welcome.body.get("stage")), self.connect,
                       "CURVE: the link is encrypted" if self.security is not None else "plaintext", next_step - 1)
         return next_step - 1

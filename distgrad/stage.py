@@ -8,75 +8,16 @@ bit-for-bit equal to one process.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import ConfigError, NonFiniteError, StageError
+from .errors import NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts
 from .losses import Loss
 from .nn import Grads, Sequential, Shape
 from .optim import Optimizer
-
-
-class GradAccumulator:
-    """Sums the gradients of a step's micro-batches in a fixed order (0, 1, ...).
-
-    Buffers are reused from step to step. With one micro-batch the gradients
-    pass through untouched, so an unsplit step computes exactly what it would
-    without this class.
-    """
-
-    def __init__(self) -> None:
-        self._sum: Grads = {}
-        self._single: Grads | None = None
-        self._count = 0
-
-    def add(self, grads: Grads, index: int, count: int) -> None:
-        """Add micro-batch ``index`` of ``count``; ``index`` must follow the previous one."""
-        if index != self._count:
-            raise ValueError(f"micro-batch {index} accumulated out of order (expected {self._count})")
-        self._count += 1
-        if count == 1:
-            self._single = grads
-            return
-        for name, g in grads.items():
-            if index == 0:
-                buffer = self._sum.get(name)
-                if buffer is None or buffer.shape != g.shape:
-                    buffer = self._sum[name] = np.empty_like(g)
-                np.copyto(buffer, g)
-            else:
-                self._sum[name] += g
-
-    def take(self, scale: np.float32) -> Grads:
-        """The accumulated gradients times ``scale`` (skipped when it is 1); resets the count."""
-        count, self._count = self._count, 0
-        if self._single is not None:
-            grads, self._single = self._single, None
-            return grads
-        if count == 0:
-            raise ValueError("no micro-batch was accumulated")
-        if scale != 1:
-            for buffer in self._sum.values():
-                buffer *= scale
-        return self._sum
-
-    def reset(self) -> None:
-        """Forget a partly accumulated step (a rollback)."""
-        self._count, self._single = 0, None
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-
-def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
-    """A step's loss from its micro-batch losses: summed in order, times ``scale``."""
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
-    return total * scale if len(losses) > 1 else total
 
 
 def average_parameters(params: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -95,26 +36,46 @@ def average_parameters(params: list[Mapping[str, np.ndarray]]) -> dict[str, np.n
     return mean
 
 
-def client_stage_name(stage: str, client: int | None) -> str:
-    """How one data owner's copy of ``stage`` is named in summaries, logs and checkpoints (``f@2``)."""
-    return stage if client is None else f"{stage}@{client}"
-
-
-def check_micro_batches(exp: Experiment, count: int, batch_shape: tuple[int, ...]) -> None:
-    """Raise ``ConfigError`` unless a batch of ``batch_shape`` splits into ``count`` equal micro-batches."""
-    if count < 1:
-        raise ConfigError(f"--micro-batches must be >= 1, got {count}")
-    if count > 1 and (len(batch_shape) < 2 or batch_shape[0] % count):
-        raise ConfigError(f"experiment {exp.name!r} has batches of shape {batch_shape}: "
-                          f"they do not split into {count} equal micro-batches")
-
-
 def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
     """Rows ``[index*n, (index+1)*n)`` of a batch of ``count*n`` rows (a view)."""
     if count == 1:
         return array
     n = array.shape[0] // count
     return array[index * n:(index + 1) * n]
+
+
+def micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """The shape of one of ``count`` micro-batches of a batch of ``shape``."""
+    return shape if count == 1 else (shape[0] // count, *shape[1:])
+
+
+TensorSpecs = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
+    if not exp.labels_travel:
+        return None
+    loss = exp.final_loss
+    return loss.target_shape(exp.input_shapes(seed)[-1]), loss.target_dtype
+
+
+def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int) -> TensorSpecs:
+    """The tensors a forward of one micro-batch to ``stage`` must carry (``target``: see ``target_spec``)."""
+    specs = {"activation": (micro_shape(stage.input_shape, micro_batches), np.dtype(np.float32))}
+    if target is not None:
+        specs["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
+    return specs
+
+
+def backward_specs(stage: "Stage", micro_batches: int) -> TensorSpecs:
+    """The tensors a backward reply to ``stage``'s forward of one micro-batch must carry."""
+    return {"activation_grad": (micro_shape(stage.output_shape, micro_batches), np.dtype(np.float32))}
+
+
+# Stages computed by another framework, built by ``module:function(exp, name, seed, init)``; looked up by
+# name, so this module does not import them (``torch_stage`` imports this one).
+FRAMEWORK_BUILDERS = {"torch": "distgrad.torch_stage:build_stage"}
 
 
 class Stage:
@@ -135,13 +96,12 @@ class Stage:
         self._setup(name, optimizer, loss, input_shape, model.output_shape(input_shape))
 
     def _setup(self, name: str, optimizer: Any, loss: Loss | None, input_shape: Shape, output_shape: Shape) -> None:
-        """What every stage holds, whatever computes it: names, shapes, step counter, accumulator."""
+        """What every stage holds, whatever computes it: names, shapes, step counter."""
         self.name, self.optimizer, self.loss = name, optimizer, loss
         self.input_shape, self.output_shape = tuple(input_shape), tuple(output_shape)
         self.target_shape = loss.target_shape(self.output_shape) if loss else None
         self.target_dtype = loss.target_dtype if loss else None
         self.step = 0
-        self.accumulator = GradAccumulator()
 
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
@@ -152,13 +112,14 @@ class Stage:
         with the same interface.
         """
         seed = exp.seed if seed is None else seed
-        if exp.stages[exp.stage_index(name)].framework == "torch":
-            from .torch_stage import TorchStage    # imports torch only when a stage asks for it
-            stage: Stage = TorchStage.from_experiment(exp, name, seed, init)
+        framework = exp.stages[exp.stage_index(name)].framework
+        if framework in FRAMEWORK_BUILDERS:
+            module, function = FRAMEWORK_BUILDERS[framework].split(":")
+            # imported only when a stage asks for it (torch is an optional extra)
+            stage: Stage = getattr(importlib.import_module(module), function)(exp, name, seed, init)
         else:
             model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
-            shapes = exp.input_shapes(exp.build_data(seed), seed)
-            stage = cls(name, model, optimizer, loss, shapes[exp.stage_index(name)])
+            stage = cls(name, model, optimizer, loss, exp.input_shapes(seed)[exp.stage_index(name)])
         stage.allow_nonfinite = exp.allow_nonfinite
         return stage
 

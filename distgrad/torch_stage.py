@@ -193,7 +193,7 @@ class TorchStage(Stage):
 
     Same contract as ``Stage``: numpy float32 in and out, ``params`` maps
     names to live numpy views of the parameters, ``backward`` returns numpy
-    gradients keyed like ``params`` (the numpy ``GradAccumulator`` sums
+    gradients keyed like ``params`` (``engine.GradAccumulator`` sums
     micro-batches), ``apply`` makes one optimizer step. ``loss`` is the
     distgrad ``Loss`` whose definition the torch loss computes (its
     reduction decides how micro-batches combine); None except on the last
@@ -203,7 +203,7 @@ class TorchStage(Stage):
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
                  input_shape: Shape, params: Sequence[_Param]) -> None:
         # Stage.__init__ is not called: it builds around a numpy Sequential. The bookkeeping every
-        # stage holds (shapes, step, accumulator) comes from Stage._setup.
+        # stage holds (shapes, step) comes from Stage._setup.
         self.name, self.module, self.optimizer, self.loss = name, module, optimizer, loss
         self._params = list(params)
         for p in self._params:
@@ -238,9 +238,8 @@ class TorchStage(Stage):
             module, names = _torch_layer(layer)
             params += [_Param(dg_name, getattr(module, attr), transposed) for dg_name, attr, transposed in names]
             modules.append(module)
-        shapes = exp.input_shapes(exp.build_data(seed), seed)
         return cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
-                   shapes[exp.stage_index(name)], params)
+                   exp.input_shapes(seed)[exp.stage_index(name)], params)
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -411,3 +410,11 @@ class TorchStage(Stage):
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.step = step
+
+
+def build_stage(exp: Experiment, name: str, seed: int | None = None,
+                init: Mapping[str, float] | None = None) -> TorchStage:
+    """The builder ``Stage.from_experiment`` calls for a stage with ``framework = "torch"``."""
+    stage = TorchStage.from_experiment(exp, name, seed, init)
+    stage.allow_nonfinite = exp.allow_nonfinite
+    return stage

@@ -293,3 +293,9 @@ def error_message(run: str, step: int, code: str, text: str, mb: int = 0, mbs: i
     if len(text) > ERROR_TEXT_MAX:
         text = text[:ERROR_TEXT_MAX - 3] + "..."
     return Message(ERROR, run, step, mb, mbs, {"code": code, "message": text})
+
+
+def frame_limit(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[int, int]:
+    """(largest frame ZeroMQ may accept, total tensor bytes) for messages carrying these tensors."""
+    sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs.values()]
+    return max([HEADER_MAX_BYTES, *sizes]), sum(sizes)

@@ -1,0 +1,124 @@
+"""The handshake: the hello a stage sends the stage below it, and the checks that stage makes.
+
+A hello names the run, the experiment (its fingerprint and the parts it is
+made of, so a mismatch can name what differs), the seed, the activation shape,
+where the labels live, the micro-batch count and the steps the sender can
+return to (``held``). The stage below answers with the newest step both hold
+(``common_step``). See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import wire
+from .errors import ProtocolError
+from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment, fingerprint_parts
+from .wire import ErrorCode, Message
+
+
+def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], run_id: str, held: list[int],
+          steps: int, micro_batches: int, client: int | None = None) -> Message:
+    """The hello stage ``role`` sends for ``run_id``; ``held`` are the steps it (and every stage above it)
+    can return to; ``client`` is which data owner it is, for a stage serving several."""
+    return Message(wire.HELLO, run_id, 0, body={
+        "role": role, "experiment": exp.name, "fingerprint": exp.fingerprint, "parts": fingerprint_parts(exp),
+        "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
+        "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
+        "micro_batches": micro_batches, **({"client": client} if client is not None else {})})
+
+
+def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
+                input_shape: tuple[int, ...], here: str = "this stage") -> int:
+    """Check that a hello comes from stage ``upstream`` of the same experiment, seed and shapes;
+    return the micro-batch count it asks for. Raises ``ProtocolError``: ``MISMATCH`` (for a
+    fingerprint, naming the parts of the experiment that differ; ``here`` is this stage's
+    name), or ``MALFORMED`` for ``parts`` that are not a valid list of parts."""
+    expected = {
+        "role": upstream,
+        "experiment": exp.name,
+        "fingerprint": exp.fingerprint,
+        "seed": seed,
+        "activation": {"shape": list(input_shape), "dtype": "float32"},
+        "labels_travel": exp.labels_travel,
+    }
+    for key, value in expected.items():
+        if key == "fingerprint" and isinstance(body.get(key), str) and body[key] != value:
+            raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), fingerprint_parts(exp),
+                                                                  upstream, here))
+        if not same_exactly(body.get(key), value):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
+                                                    f"this stage expects {value!r}"
+                                + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+    check_parts(body.get("parts"))
+    mbs = body.get("micro_batches", 1)
+    if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
+            len(input_shape) < 2 or input_shape[0] % mbs)):
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
+                                                f"shape {input_shape} do not split into that many equal parts")
+    return mbs
+
+
+PART_NAME_MAX = 200             # characters in the name of one part of an experiment
+PARTS_SHOWN = 8                 # differing parts named in one refusal; the rest are counted
+
+
+def check_parts(parts: Any) -> dict[str, Any]:
+    """``parts`` if it is a hello's valid ``parts`` map (see ``fingerprint_parts``), else raise
+    ``ProtocolError`` (``MALFORMED``)."""
+    if type(parts) is not dict or len(parts) > MAX_PARTS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts={wire.show(parts)}; expected a map of at "
+                                                 f"most {MAX_PARTS} experiment parts")
+    for name, value in parts.items():
+        if (type(name) is not str or len(name) > PART_NAME_MAX or type(value) not in (bool, int, float, str)
+                or (type(value) is str and len(value) > PART_VALUE_MAX)):
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts entry {wire.show(name)}: "
+                                                     f"{wire.show(value)}; expected a name of at most "
+                                                     f"{PART_NAME_MAX} characters and a number, boolean or "
+                                                     f"string of at most {PART_VALUE_MAX} characters")
+    return parts
+
+
+def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str) -> str:
+    """The refusal of a hello whose fingerprint differs, naming the parts that differ."""
+    check_parts(theirs)
+    lines = []
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        mine, other = ours.get(name, _ABSENT), theirs.get(name, _ABSENT)
+        if same_exactly(mine, other):
+            continue
+        if mine is _ABSENT or other is _ABSENT:
+            lines.append(f"{name} (only {they if mine is _ABSENT else we} has it)")
+        elif name.startswith("stage ") or name in _DIGESTED:
+            lines.append(name)          # a digest: its value says nothing to a reader
+        else:
+            lines.append(f"{name} ({they} has {wire.show(other)}, {we} has {wire.show(mine)})")
+    shown = "; ".join(lines[:PARTS_SHOWN]) + (f"; and {len(lines) - PARTS_SHOWN} more" if len(lines) > PARTS_SHOWN
+                                              else "")
+    return (f"the experiment of stage {they} differs from stage {we}'s in: {shown or 'nothing it names'} "
+            f"(both stages must load the same experiment file)")
+
+
+_ABSENT = object()
+_DIGESTED = ("data", "clients", "stages", "description")   # parts sent as digests, like every "stage NAME KEY"
+
+
+def same_exactly(a: Any, b: Any) -> bool:
+    """Equal in value and in type at every level (so ``False`` is not ``0`` and ``1.0`` is not ``1``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_exactly(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_exactly(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def common_step(ours: list[int], theirs: Any) -> int:
+    """The newest step both sides hold; raises ``ProtocolError`` for a malformed list."""
+    if not isinstance(theirs, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in theirs):
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello 'held' must be a list of steps, got {wire.show(theirs)}")
+    both = set(ours) & set(theirs)
+    return max(both) if both else 0
+
+

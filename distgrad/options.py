@@ -1,0 +1,126 @@
+"""What a stage process is told: ``StageOptions`` (the command line, validated) and ``StopFlag``.
+
+Signal handlers only set a flag (``StopFlag``); the loops check it at least
+every ``transport.POLL_TICK_S``.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AbstractSet, Any, Callable, Mapping
+
+from .errors import ConfigError, Interrupted
+from .experiment import Experiment, check_run_settings, client_stage_name
+from .link import LinkSettings
+from .records import check_trace_filter
+from .stage import Stage
+from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
+
+PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
+DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
+DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
+SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: two
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; ``check()`` raises ``Interrupted`` once set."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> "StopFlag":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+
+@dataclass
+class StageOptions:
+    """What both daemons take from the command line (see ``distgrad-stage --help``)."""
+
+    experiment: Experiment
+    stage: str
+    seed: int
+    init: Mapping[str, float] = field(default_factory=dict)
+    steps: int | None = None
+    summary_path: Path | None = None
+    trace_path: Path | None = None
+    trace_params: AbstractSet[str] | None = None   # names kept in the trace (None: all)
+    trace_every: int = 1               # trace the steps that are multiples of this, and the last
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    liveness_s: float = DEFAULT_LIVENESS_S
+    peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0          # 0: only on SIGTERM/SIGINT (when a directory is given)
+    resume: bool = False
+    security: SocketSecurity | None = None
+    downstream_security: SocketSecurity | None = None   # middle stage: for its connection to the stage below
+    micro_batches: int = 1             # driving stage: micro-batches per step
+    schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
+    metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
+    client: int | None = None          # driving stage of an experiment with [clients]: which data owner
+    spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
+    # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
+    # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
+    stage_factory: Callable[[], Stage] | None = None
+
+    @property
+    def role(self) -> str:
+        """``"driving"``, ``"serving"`` or ``"middle"`` (``Experiment.role``)."""
+        return self.experiment.role(self.stage)
+
+    @property
+    def total_steps(self) -> int:
+        """The steps of the run: ``--steps``, else the experiment's."""
+        return self.experiment.steps if self.steps is None else self.steps
+
+    @property
+    def link(self) -> LinkSettings:
+        """The bounds of this stage's connection to the stage below."""
+        return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
+
+    @property
+    def instance(self) -> str:
+        """This process's name in logs, checkpoints and summaries: the stage, or ``f@2`` for client 2."""
+        return client_stage_name(self.stage, self.client)
+
+    def __post_init__(self) -> None:
+        check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
+                           init=self.init, checkpoint_dir=self.checkpoint_dir,
+                           checkpoint_every=self.checkpoint_every, resume=self.resume)
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        check_spin(self.spin_s)
+        if self.trace_params is not None or self.trace_every != 1:
+            # A stage built in code (stage_factory) may name its parameters as it likes.
+            known = (self.trace_params if self.stage_factory is not None
+                     else self.experiment.all_param_names(self.seed))
+            check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        exp = self.experiment
+        exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
+        if exp.federated and exp.stage_index(self.stage) == 0:
+            if self.client is None or not 0 <= self.client < exp.clients.count:
+                raise ConfigError(f"experiment {exp.name!r} has {exp.clients.count} clients: give --client 0 to "
+                                  f"{exp.clients.count - 1} (which data owner this is)")
+        elif self.client is not None:
+            raise ConfigError(f"--client is for the first stage of an experiment with [clients]; "
+                              f"{exp.name!r} stage {self.stage!r} is not one")
+        for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")

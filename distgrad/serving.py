@@ -1,0 +1,900 @@
+"""The serving stage: ``serve`` binds and answers the stage above it, one driver or several data owners.
+
+The last stage computes the loss itself; a middle stage passes every request
+on to the stage below it (``link.DownstreamLink``) and its own backward on up.
+One implementation serves one peer (a two-stage run, a chain) and the data
+owners of an experiment with ``[clients]``: a ``Peer`` per data owner, each
+with an explicit ``PeerStatus``.
+
+Every step of the run (a *round*) the peers taking part send their forwards,
+in any order; this stage takes them in peer order (0, 1, ...), each peer's
+micro-batches in order and then its update through the stage's
+``StepEngine``. A request that arrives before its turn waits, unanswered,
+until its turn comes, so the run is reproducible and bitwise equal to
+``train_in_process``. The reply carrying the activation gradient leaves
+first; the micro-batch's parameter gradients and the step's update run after
+it (``settle``), so the stage above computes meanwhile. Nothing reads this
+stage's state before they have run, and invalid input never changes state.
+
+With one peer, a hello of the same run rolls both sides back to the newest
+step they both hold; a hello of a new run replaces a run whose peer is gone.
+With several, a peer this stage waits for that stays silent for
+``liveness_s`` is dropped (the others go on) and may say hello again: it
+takes part from the next round. With ``mode = "splitfed"``, after every
+``average_every`` rounds each peer sends its parameters and gets back the
+mean of all of them. Checkpoints are taken at the end of a round.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from . import wire
+from .engine import StepRecord
+from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
+from .experiment import build_stage_parts, client_stage_name
+from .handshake import check_hello, common_step, hello, same_exactly
+from .link import DownstreamLink, check_evaluation, check_reply
+from .options import StageOptions, StopFlag
+from .records import evaluation_fields
+from .stage import TensorSpecs, average_parameters, backward_specs, forward_specs, micro_batch, target_spec
+from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
+from .transport import POLL_TICK_S, Server
+from .wire import ErrorCode, Message, frame_limit
+
+Envelope = list[bytes]
+Reply = tuple[Envelope, Message]
+
+
+class PeerStatus(enum.Enum):
+    """Where one peer (a driving stage, or one data owner) stands in the run."""
+
+    ABSENT = "absent"          # has not said hello in this run
+    ACTIVE = "active"          # takes part in the rounds
+    REJOINING = "rejoining"    # said hello again after being dropped: takes part from the next round
+    DROPPED = "dropped"        # silent when awaited, or its step failed; may say hello again
+    FINISHED = "finished"      # said bye
+
+
+class Phase(enum.Enum):
+    """Where the run stands: waiting for its peers, in a round, averaging (SplitFed), or done."""
+
+    JOINING = "joining"
+    ROUND = "round"
+    AVERAGING = "averaging"
+    DONE = "done"
+
+
+@dataclass
+class Peer:
+    """What the serving stage knows of one peer."""
+
+    index: int
+    status: PeerStatus = PeerStatus.ABSENT
+    run: str = ""
+    owner: str = ""                   # CURVE key it said hello with ("" in plaintext)
+    step: int = 0                     # its steps completed here
+    mbs: int = 1
+    specs: dict = field(default_factory=dict)
+    last_seen: float = -math.inf      # its last message, or the last reply to it
+    envelope: Envelope = field(default_factory=list)
+    waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
+    cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its last two steps
+    average: Message | None = None    # its parameters for the averaging in progress
+    averaged: Message | None = None   # the reply to its last averaging
+    evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us
+    loss: float | None = None
+    evaluation: dict[str, Any] | None = None
+    failure: NonFiniteError | None = None   # its step failed after the reply: told on its next message
+
+    def taking_part(self) -> bool:
+        return self.status in (PeerStatus.ACTIVE, PeerStatus.REJOINING)
+
+    def live(self, now: float, liveness_s: float) -> bool:
+        return self.taking_part() and now - self.last_seen <= liveness_s
+
+
+class ServingStage:
+    """Protocol logic of a serving stage, free of its own socket so tests can call it.
+
+    ``handle(envelope, msg, now, peer_key)`` returns the replies to send now
+    (to this peer or, when its message completed a turn, to others) and
+    raises ``ProtocolError`` for a message that must be refused; a refused
+    message changes nothing. The caller sends the replies and then calls
+    ``settle``, which runs what ``handle`` deferred (``handle`` settles
+    first, so a caller that never calls it sees the same results). ``tick(now)``
+    drops or reports a silent peer. A middle stage ``connect``s to the stage
+    below (``link``); a stage below that stays silent past ``peer_deadline_s``
+    raises ``PeerTimeout``.
+    """
+
+    def __init__(self, opts: StageOptions, connect: str | None = None, stop: StopFlag | None = None,
+                 ctx: zmq.Context | None = None) -> None:
+        self.opts, self.exp = opts, opts.experiment
+        self.exp.check_role(opts.stage, binds=True, connects=connect is not None)
+        self.upstream = self.exp.stage_names[self.exp.stage_index(opts.stage) - 1]
+        self.count = self.exp.clients.count
+        self.shared = self.count > 1                 # several data owners share this stage
+        # With several peers this stage runs its own steps; one peer says when its run ends (bye).
+        self.steps: int | None = opts.total_steps if self.shared else None
+        self.state = StageState(opts, checkpoint_each_step=False)
+        self.log = self.state.log
+        self.engine = self.state.engine
+        # The last stage reads only the targets (a shard per data owner); a middle one nothing.
+        self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None) for c in range(self.count)]
+        self.target = target_spec(self.exp, opts.seed)
+        self.link = None if connect is None else DownstreamLink(
+            opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
+            backward_specs(self.stage, 1))
+        single = forward_specs(self.stage, self.target, 1)
+        rows = len(self.data[0].test_rows)
+        self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
+        limits = [frame_limit(single), frame_limit(self.eval_specs)]
+        self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
+        if self.exp.clients.mode == "splitfed":
+            first_model, _, _ = build_stage_parts(self.exp, self.upstream, opts.seed, opts.init)
+            self.param_specs = {name: (value.shape, value.dtype) for name, value in first_model.params.items()}
+            limits.append(frame_limit(self.param_specs))
+        # The largest message this stage accepts: a whole batch, the held-out rows, or SplitFed parameters.
+        self.max_frame_bytes = max(limit[0] for limit in limits)
+        self.max_tensor_bytes = max(limit[1] for limit in limits)
+        self.peers = [Peer(c) for c in range(self.count)]
+        self.now = time.monotonic()                        # the time of the latest message or tick
+        self._new_run(start_round=1)
+        self.finished: dict[str, Any] | None = None       # summary of the last completed run
+        self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
+        self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
+        if opts.resume and self.state.resume_latest():
+            self._resumed(time.monotonic())
+
+    # -- the run
+    @property
+    def stage(self):
+        return self.state.stage
+
+    def _new_run(self, start_round: int, fresh: bool = True) -> None:
+        """Wait for the peers of a run whose first round is ``start_round``; ``fresh``: a new run (not
+        the same one going on after a rollback)."""
+        self.phase = Phase.JOINING
+        self.round = start_round - 1        # the round in progress (while joining: the last one done)
+        self.order: list[int] = []          # the peers taking part in it, in turn order
+        self.turn = 0                       # index into ``order``
+        self.first_hello: float | None = None
+        self.lost_since: float | None = None
+        self.closing = False                # its last bye was answered; ``finish_run`` completes it
+        self.failure = False                # one peer's run failed (non-finite): it ends once told
+        if fresh:
+            self.started = time.perf_counter()
+            self.loss: float | None = None
+            self.active = False             # a run is open (possibly resumed from a checkpoint)
+        self.state.extra_meta = self._checkpoint_meta
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds (steps of the run) this stage has completed."""
+        return self.round if self.phase is Phase.JOINING else self.round - 1
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the stage: every peer's run and step (several peers)."""
+        if not self.shared:
+            return {}
+        return {"peers": [{"run": p.run, "owner": p.owner, "step": p.step, "loss": p.loss} for p in self.peers]}
+
+    def _resumed(self, now: float) -> None:
+        """After ``resume_latest``: the run continues after the checkpoint's round."""
+        ckpt_step = self.stage.step if not self.shared else self._resumed_round()
+        self._new_run(start_round=ckpt_step + 1)
+        self.active = True
+        self.now = now
+        if not self.shared:
+            peer = self.peers[0]
+            peer.run, peer.owner, peer.step = self.state.run_id, self.state.owner, ckpt_step
+            peer.status, peer.last_seen = PeerStatus.ACTIVE, now     # a full liveness window to come back
+            self._start_round()
+
+    def _resumed_round(self) -> int:
+        saved = self.state.resumed_meta.get("peers", [])
+        for peer, entry in zip(self.peers, saved):
+            peer.run, peer.owner, peer.loss = entry.get("run", ""), entry.get("owner", ""), entry.get("loss")
+        return self.state.resumed_step
+
+    def live(self, now: float) -> bool:
+        return any(p.live(now, self.opts.liveness_s) for p in self.peers)
+
+    # -- messages
+    def handle(self, envelope: Envelope, msg: Message, now: float, peer_key: str = "") -> list[Reply]:
+        """The replies to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext).
+
+        With CURVE, a peer's run belongs to the key that opened it: other keys
+        may not drive, rewind or end it.
+        """
+        self.now = now
+        earlier = self.settle()
+        if msg.type == wire.PING:
+            return earlier + [(envelope, self._pong(msg, now))]
+        if msg.type == wire.HELLO:
+            return earlier + [(envelope, self._hello(envelope, msg, now, peer_key))] + self._advance(now)
+        if msg.type == wire.BYE and msg.run in self.bye_replies:
+            return earlier + [(envelope, self.bye_replies[msg.run])]    # a repeated bye of a completed run
+        peer = self._peer_of(msg)
+        if peer.owner and peer_key != peer.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if peer.failure is not None:
+            failure, peer.failure = peer.failure, None
+            self._failed(peer)
+            raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
+        if msg.type == wire.FORWARD:
+            replies = self._forward(peer, envelope, msg)
+        elif msg.type == wire.AVERAGE:
+            replies = self._average(peer, envelope, msg)
+        elif msg.type == wire.EVALUATE:
+            replies = self._evaluate(peer, envelope, msg)
+        elif msg.type == wire.BYE:
+            replies = self._bye(peer, envelope, msg)
+        else:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        if peer.status is not PeerStatus.DROPPED or not self.shared:
+            self._seen(peer, now)
+        peer.envelope = envelope
+        return earlier + replies + self._advance(now)
+
+    def _pong(self, msg: Message, now: float) -> Message:
+        run = self.peers[0].run if self.active and not self.shared else ""
+        return Message(wire.PONG, msg.run, msg.step, body={
+            "stage": self.opts.stage, "experiment": self.exp.name, "run": run,
+            "step": self.stage.step if not self.shared else min(self.rounds_done, self.steps or 0),
+            "client_live": self.live(now), "phase": self.phase.value,
+            "clients_active": sum(p.taking_part() for p in self.peers)})
+
+    def _peer_of(self, msg: Message) -> Peer:
+        """The peer whose run ``msg`` belongs to; ``ProtocolError`` (``RUN``) when none said hello for it."""
+        for peer in self.peers:
+            if peer.run == msg.run and self.active and peer.status is not PeerStatus.ABSENT:
+                return peer
+        expected = f"run {self.peers[0].run}" if self.active and not self.shared else "a hello first"
+        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+
+    def _seen(self, peer: Peer, now: float) -> None:
+        if self.lost_since is not None and not self.shared:
+            self.log.info("client of run %s is back", peer.run)
+            self.lost_since = None
+        peer.last_seen = now
+
+    def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
+        body = msg.body
+        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
+        index = body.get("client", 0 if not self.shared else None)
+        if self.shared and (not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
+                                                    f"clients 0 to {self.count - 1} (give --client)")
+        if not self.shared and index != 0:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment "
+                                                    f"{self.exp.name!r} has no [clients]")
+        held = body.get("held")
+        common_step([0], held)                          # validates the list
+        peer = self.peers[index]
+        if peer.owner and peer.run == msg.run and peer_key != peer.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if self.shared:
+            next_step = self._hello_shared(peer, msg, mbs, now, peer_key)
+        else:
+            next_step = self._hello_single(peer, msg, mbs, now, peer_key)
+        peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs)
+        peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
+        self._seen(peer, now)
+        peer.envelope = envelope
+        if self.first_hello is None:
+            self.first_hello = now
+        self.log.info("%s said hello (run %s, %d micro-batches): next step %d", self._name(peer), msg.run, mbs,
+                      next_step)
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": next_step})
+
+    def _hello_single(self, peer: Peer, msg: Message, mbs: int, now: float, peer_key: str) -> int:
+        """One peer: its run again (both roll back to the newest step all hold), or a new run."""
+        if self.active and msg.run == peer.run:
+            common = self._agree(msg, self.state.held(), msg.body.get("held"), mbs)
+            before = self.stage.step
+            self.state.rollback(common)
+            peer.cached = {} if common != before else {k: v for k, v in peer.cached.items() if k[0] <= common}
+        elif self.live(now):
+            raise ProtocolError(ErrorCode.RUN, f"busy with run {peer.run} (its client is live); "
+                                               f"cannot start run {msg.run!r}")
+        else:
+            self._agree(msg, [0], msg.body.get("held"), mbs)
+            if self.active:
+                self.log.warning("run %s replaces run %s, whose client is gone", msg.run, peer.run)
+            self.state.begin(msg.run, owner=peer_key)
+            self.finished, peer.cached, peer.evaluation, peer.loss = None, {}, None, None
+            self.bye_replies = {}
+            peer.run, peer.owner = msg.run, peer_key
+            self.log.info("run %s started by %s", msg.run, msg.body.get("role"))
+        common = self.stage.step
+        self._new_run(start_round=common + 1, fresh=not (self.active and msg.run == peer.run))
+        self.active = True
+        peer.status, peer.step = PeerStatus.ACTIVE, common
+        self.engine.reset()                     # a step in progress starts again from its first micro-batch
+        return common + 1
+
+    def _hello_shared(self, peer: Peer, msg: Message, mbs: int, now: float, peer_key: str) -> int:
+        """One of several peers: it joins the run, or rejoins it from the next round."""
+        if self.phase is Phase.DONE:
+            raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; client {peer.index} cannot "
+                                               f"join now")
+        if peer.live(now, self.opts.liveness_s) and peer.run != msg.run:
+            raise ProtocolError(ErrorCode.RUN, f"busy: client {peer.index} is live in run {peer.run}; "
+                                               f"cannot start run {msg.run!r}")
+        if not self.active:
+            self.active = True
+            if not self.state.run_id:
+                self.state.begin(uuid.uuid4().hex)     # this stage's name for the run; each peer has its own
+        same_run = peer.run == msg.run
+        peer.run, peer.owner = msg.run, peer.owner if same_run else peer_key
+        if self.phase is Phase.JOINING:
+            start = self.round              # the round before the first (0, or the resumed checkpoint's)
+            if start not in msg.body["held"]:
+                self.log.warning("client %d does not hold step %d, where this stage resumes; it goes on from "
+                                 "there with the parameters it has", peer.index, start)
+            peer.status, peer.step, peer.cached = PeerStatus.ACTIVE, start, {}
+            return start + 1
+        if same_run and peer.status is PeerStatus.ACTIVE:
+            # Still taking part: it continues where this stage has it; a turn of its in progress
+            # starts again from its first micro-batch.
+            if self._current() is peer:
+                self.engine.reset()
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] <= peer.step}
+            return peer.step + 1
+        peer.status, peer.cached = PeerStatus.REJOINING, {}
+        peer.step = self.round                  # it takes part from the next round that starts
+        self.log.warning("client %d rejoins (run %s); it takes part again from step %d", peer.index, msg.run,
+                         self.round + 1)
+        return self.round + 1
+
+    def _agree(self, msg: Message, ours: list[int], theirs: Any, mbs: int) -> int:
+        """The step this stage and every stage above and below it hold (``ours``: this stage's).
+
+        A middle stage asks the stage below with the steps both sides above
+        hold; nothing changes here until it has agreed.
+        """
+        common = common_step(ours, theirs)           # also validates ``theirs``
+        if self.link is None:
+            return common
+        both = sorted(set(ours) & set(theirs)) or [0]
+        steps = msg.body.get("steps")
+        self.link.set_reply_specs(backward_specs(self.stage, mbs))
+        try:
+            return self.link.handshake(hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape,
+                                             msg.run, both, steps if isinstance(steps, int)
+                                             and not isinstance(steps, bool) else 0, mbs))
+        except PeerRejected as e:
+            raise self._refused_below(e, msg) from e
+
+    def _refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
+        """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
+        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
+        return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
+
+    def _forward(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        key = (msg.step, msg.mb)
+        cached = peer.cached.get(key)
+        if cached is not None:
+            return [(envelope, cached)]                 # a repeated request: same reply, no second update
+        if peer.status is PeerStatus.DROPPED:
+            raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
+                                               f"{self.opts.liveness_s:g} s when its turn came); say hello again")
+        expected = self.engine.done if self._current() is peer else 0
+        expected += len(peer.waiting)
+        if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
+                                                f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
+        wire.expect_tensors(msg, peer.specs, self.exp.allow_nonfinite)
+        peer.waiting[key] = msg                         # answered in its turn (``_advance``)
+        return []
+
+    def _average(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        if peer.averaged is not None and peer.averaged.step == msg.step:
+            return [(envelope, peer.averaged)]
+        if peer.status is not PeerStatus.ACTIVE:
+            raise ProtocolError(ErrorCode.RUN, f"client {peer.index} does not take part in this average "
+                                               f"(it was dropped or is rejoining); say hello again")
+        every = self.exp.clients.average_every
+        if self.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
+            raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
+                                                f"{peer.step}; this run averages every {every or 'never'} steps")
+        wire.expect_tensors(msg, self.param_specs, self.exp.allow_nonfinite)
+        peer.average = msg
+        return []
+
+    def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        if not len(self.data[peer.index].test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
+        if peer.evaluation is not None and self.shared:
+            return [(envelope, Message(wire.EVALUATION, msg.run, msg.step, body=peer.evaluation))]
+        peer.evaluate = msg                            # answered once no other peer can change this stage
+        return []
+
+    def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        steps = msg.body.get("steps")
+        if not same_exactly(steps, peer.step):
+            raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but {self._name(peer)} "
+                                                f"has {peer.step} here")
+        if self.link is not None:
+            try:
+                self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step}))
+            except PeerRejected as e:
+                raise self._refused_below(e, msg) from e
+        if peer.status is not PeerStatus.FINISHED:
+            self.log.info("%s finished after %d steps", self._name(peer), peer.step)
+        peer.status = PeerStatus.FINISHED
+        reply = Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step})
+        self.bye_replies[msg.run] = reply
+        # The checkpoint and the summary (slow for a big model) are written by ``finish_run``
+        # after this reply has left, so the driver never waits for them.
+        self.closing = self.complete()
+        return [(envelope, reply)]
+
+    # -- the turn order
+    def _name(self, peer: Peer) -> str:
+        return f"client {peer.index}" if self.shared else f"client of run {peer.run}"
+
+    def _current(self) -> Peer | None:
+        if self.phase is not Phase.ROUND or self.turn >= len(self.order):
+            return None
+        return self.peers[self.order[self.turn]]
+
+    def _start_round(self) -> None:
+        """The next round, or the end of the run after the last."""
+        self.round += 1
+        if self.steps is not None and self.round > self.steps:
+            self.phase = Phase.DONE
+            self.log.info("every step is done; answering evaluations and byes")
+            return
+        for peer in self.peers:
+            if peer.status is PeerStatus.REJOINING:
+                peer.status = PeerStatus.ACTIVE
+        self.order = [p.index for p in self.peers if p.status is PeerStatus.ACTIVE]
+        self.turn, self.phase = 0, Phase.ROUND
+
+    def _advance(self, now: float) -> list[Reply]:
+        """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
+        replies: list[Reply] = []
+        while self.deferred is None:        # a reply's gradients and update come before any later work
+            if self.phase is Phase.JOINING:
+                present = [p for p in self.peers if p.status is PeerStatus.ACTIVE]
+                waited = self.first_hello is not None and now - self.first_hello > self.opts.peer_deadline_s
+                if len(present) < self.count and not (present and waited):
+                    break
+                if len(present) < self.count:
+                    self.log.warning("starting with clients %s: the others did not say hello within %g s",
+                                     [p.index for p in present], self.opts.peer_deadline_s)
+                self._start_round()
+            elif self.phase is Phase.ROUND:
+                peer = self._current()
+                if peer is None:
+                    if not any(p.taking_part() for p in self.peers):
+                        break               # nobody takes part: wait for a hello (``tick`` bounds it)
+                    self._end_round()
+                    continue
+                if peer.status is not PeerStatus.ACTIVE:
+                    self.turn += 1
+                    continue
+                msg = peer.waiting.pop((self.round, self.engine.done), None)
+                if msg is None:
+                    break
+                replies.append(self._compute(peer, msg, now))
+            elif self.phase is Phase.AVERAGING:
+                taking_part = [self.peers[i] for i in self.order if self.peers[i].status is PeerStatus.ACTIVE]
+                if any(p.average is None for p in taking_part):
+                    break
+                if taking_part:
+                    mean = average_parameters([p.average.tensors for p in taking_part])
+                    for p in taking_part:
+                        p.averaged = Message(wire.AVERAGE, p.run, self.round, tensors=mean)
+                        p.average, p.last_seen = None, now
+                        replies.append((p.envelope, p.averaged))
+                self._start_round()
+            else:
+                break
+        for peer in self.peers:
+            if peer.evaluate is not None and self._settled_for(peer):
+                replies.append((peer.envelope, self._evaluation(peer)))
+        return replies
+
+    def _settled_for(self, peer: Peer) -> bool:
+        """No other peer can still change this stage's parameters: ``peer``'s evaluation is final."""
+        return self.phase is Phase.DONE or not self.shared
+
+    def _end_round(self) -> None:
+        """Every peer of the round had its turn: checkpoint, then average (SplitFed) or start the next."""
+        self.state.after_step(self.round)
+        every = self.exp.clients.average_every
+        if self.exp.clients.mode == "splitfed" and self.round % every == 0:
+            self.phase = Phase.AVERAGING
+        else:
+            self._start_round()
+
+    def _compute(self, peer: Peer, msg: Message, now: float) -> Reply:
+        """One micro-batch of ``peer``'s turn: its reply now, its gradients (and the update after the
+        last) deferred until the reply has left."""
+        stage = self.stage
+        started = time.perf_counter()
+        x = msg.tensors["activation"]
+        try:
+            if self.link is None:
+                target = msg.tensors.get("target")
+                if target is None:
+                    target = micro_batch(self.data[peer.index].targets(msg.step), msg.mb, msg.mbs)
+                mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target)
+                stage.check_finite("loss", mb_loss, msg.step)
+            else:
+                mb_loss, dx, grads_later = self._through(msg, x)
+            stage.check_finite("activation_grad", dx, msg.step)
+        except NonFiniteError as e:
+            self.log.error("%s", e)
+            self._failed(peer)
+            return peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.NONFINITE_STEP, str(e),
+                                                     msg.mb, msg.mbs)
+        except StageError as e:
+            if not self.shared:
+                raise ProtocolError(ErrorCode.STAGE, str(e)) from e
+            self.log.warning("client %d dropped: %s", peer.index, e)
+            self._drop(peer)
+            return peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e), msg.mb, msg.mbs)
+        except ProtocolError:
+            peer.waiting.clear()            # refused from below: the peer sends again after its handshake
+            raise
+        if msg.mb == 0:
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] == msg.step - 1}
+        body = {"loss": float(mb_loss)}
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors={"activation_grad": dx})
+        peer.cached[(msg.step, msg.mb)] = reply
+        body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
+        peer.last_seen = now
+        self.deferred = lambda: self._accumulate(peer, msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
+        return peer.envelope, reply
+
+    def _through(self, msg: Message, x: np.ndarray
+                 ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
+        """A middle stage's micro-batch: forward, the stage below's reply, the backward's activation
+        gradient, and a function computing its parameter gradients (no update)."""
+        assert self.link is not None
+        y, cache = self.stage.forward(x)
+        tensors = {"activation": y}
+        if "target" in msg.tensors:
+            tensors["target"] = msg.tensors["target"]
+        down = Message(wire.FORWARD, msg.run, msg.step, msg.mb, msg.mbs, tensors=tensors)
+        key = (msg.step, msg.mb)
+        self.link.send(down)
+        try:
+            reply = self.link.await_reply({key: down}, key)
+        except PeerRejected as e:
+            if e.code == ErrorCode.NONFINITE_STEP:
+                raise NonFiniteError(e.peer_message) from e
+            raise self._refused_below(e, msg) from e
+        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
+        loss, dy = check_reply(reply, msg.step, self.link.reply_specs, self.exp.allow_nonfinite, below)
+        dx, grads_later = self.stage.backward_deferred(cache, dy)
+        return loss, dx, grads_later
+
+    def _accumulate(self, peer: Peer, step: int, mb: int, mbs: int,
+                    grads_later: Callable[[], dict[str, np.ndarray]], loss: np.float32, dx: np.ndarray) -> None:
+        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update."""
+        self.engine.add(mb, mbs, grads_later(), loss, dx)
+        if mb < mbs - 1:
+            return
+        peer.loss = self.loss = self.engine.update(step, mbs, client=peer.index if self.shared else None)
+        peer.step = step
+        self.turn += 1
+
+    def settle(self) -> list[Reply]:
+        """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything,
+        and return the replies of the work that then became possible (send them, then settle again).
+
+        A non-finite gradient there applies nothing; the peer hears of it in
+        reply to its next message (with several peers, it is dropped)."""
+        work, self.deferred = self.deferred, None
+        if work is None:
+            return []
+        current = self._current()
+        try:
+            work()
+        except NonFiniteError as e:
+            self.log.error("%s", e)
+            self.engine.reset()
+            if current is not None:
+                current.failure = e
+                if self.shared:
+                    self._drop(current)
+        return self._advance(self.now)
+
+    def _failed(self, peer: Peer) -> None:
+        """``peer``'s step gave a non-finite loss or gradient: nothing of it applied. One peer: the run
+        fails (``failure``); several: that peer is dropped and the others go on."""
+        self.engine.reset()
+        peer.waiting.clear()
+        if self.shared:
+            self._drop(peer)
+        else:
+            self.failure = True
+
+    def _drop(self, peer: Peer) -> None:
+        if self._current() is peer:
+            self.engine.reset()
+            self.turn += 1
+        peer.status, peer.waiting = PeerStatus.DROPPED, {}
+
+    def _evaluation(self, peer: Peer) -> Message:
+        """Forward only on the held-out rows; changes no state."""
+        msg = peer.evaluate
+        assert msg is not None
+        peer.evaluate = None
+        target = msg.tensors.get("target")
+        try:
+            if self.link is None:
+                data = self.data[peer.index]
+                result = self.stage.evaluate_last(msg.tensors["activation"],
+                                                  data.test_targets() if target is None else target)
+            else:
+                y, _ = self.stage.forward(msg.tensors["activation"])
+                tensors = {"activation": y, **({"target": target} if target is not None else {})}
+                try:
+                    result = check_evaluation(self.link.exchange(
+                        Message(wire.EVALUATE, msg.run, msg.step, tensors=tensors)))
+                except PeerRejected as e:
+                    return wire.error_message(msg.run, msg.step, e.code, str(self._refused_below(e, msg)))
+        except StageError as e:
+            return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
+        peer.evaluation = result
+        return Message(wire.EVALUATION, msg.run, msg.step, body=result)
+
+    # -- liveness and the end of the run
+    def tick(self, now: float) -> list[Reply]:
+        """Report (one peer) or drop (several) a peer this stage waits for that has been silent for
+        ``liveness_s``; return the replies that unblocks."""
+        self.now = now
+        if not self.active:
+            return []
+        if self.phase is Phase.JOINING:
+            return self._advance(now)         # the first round may start without a late peer
+        waiting_for = []
+        current = self._current()
+        if current is not None and current.status is PeerStatus.ACTIVE:
+            waiting_for.append(current)
+        if self.phase is Phase.AVERAGING:
+            waiting_for += [self.peers[i] for i in self.order
+                            if self.peers[i].status is PeerStatus.ACTIVE and self.peers[i].average is None]
+        if self.phase is Phase.DONE or not self.shared:
+            waiting_for += [p for p in self.peers if p.status is PeerStatus.ACTIVE and p not in waiting_for]
+        dropped = False
+        for peer in waiting_for:
+            if now - peer.last_seen <= self.opts.liveness_s:
+                continue
+            if not self.shared:
+                if self.lost_since is None:
+                    self.lost_since = now
+                    self.log.warning("client of run %s silent for more than %g s; keeping its state at step %d "
+                                     "and waiting for it (or a new run)", peer.run, self.opts.liveness_s,
+                                     self.stage.step)
+                continue
+            if self.phase is Phase.DONE:
+                self.log.warning("client %d silent for more than %g s after the last step, without a bye; "
+                                 "dropped (the run ends without it)", peer.index, self.opts.liveness_s)
+            else:
+                self.log.warning("client %d silent for more than %g s at step %d; dropped (the others go on; "
+                                 "it may say hello again)", peer.index, self.opts.liveness_s, self.round)
+            self._drop(peer)
+            dropped = True
+        if self.shared:
+            self.lost_since = (self.lost_since or now) if self.lost() else None
+        if dropped:
+            self.closing = self.complete()
+            return self._advance(now)
+        return []
+
+    def lost(self) -> bool:
+        """Every peer is lost: none takes part, or after the last round none said bye and none is left."""
+        if not self.active or self.phase is Phase.JOINING:
+            return False
+        if not self.shared:
+            return self.lost_since is not None
+        if self.phase is Phase.DONE:
+            return not any(p.status in (PeerStatus.FINISHED, PeerStatus.ACTIVE) for p in self.peers)
+        return not any(p.taking_part() for p in self.peers)
+
+    def complete(self) -> bool:
+        """The run is over: its rounds are done (several peers) and every peer still taking part has said
+        bye, one at least."""
+        if self.shared and self.phase is not Phase.DONE:
+            return False
+        return (all(p.status is not PeerStatus.ACTIVE for p in self.peers)
+                and any(p.status is PeerStatus.FINISHED for p in self.peers))
+
+    def finish_run(self) -> dict[str, Any] | None:
+        """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
+        self.settle()
+        if not self.closing:
+            return None
+        self.closing = False
+        last = self.rounds_done if self.shared else self.stage.step
+        self.state.save(last, final_loss=self.loss, finished=True)   # a rerun with --resume has nothing to do
+        self.finished = self.close_run("completed")
+        return self.finished
+
+    def end_failed_run(self) -> bool:
+        """One peer whose step failed has been told: close its run ("failed", no checkpoint written)."""
+        if not self.failure:
+            return False
+        self.failure = False
+        if self.active:
+            self.close_run("failed")
+        return True
+
+    def at_round_boundary(self) -> bool:
+        """Between rounds: the live state is a whole step of the run (what a checkpoint may hold)."""
+        return not self.shared or (self.phase in (Phase.JOINING, Phase.DONE) or (
+            self.phase is Phase.ROUND and self.turn == 0 and self.engine.done == 0))
+
+    def close_run(self, status: str) -> dict[str, Any]:
+        self.settle()
+        extra: dict[str, Any] = {}
+        if self.shared:
+            extra = {"clients": [{"client": p.index, "run_id": p.run, "steps": p.step, "final_loss": p.loss,
+                                  "status": "completed" if p.status is PeerStatus.FINISHED else "dropped",
+                                  **evaluation_fields(p.evaluation)} for p in self.peers],
+                     "rounds": min(self.rounds_done, self.steps or 0)}
+        else:
+            extra = evaluation_fields(self.peers[0].evaluation)
+        summary = self.state.summary(status, self.started, self.loss, **extra)
+        self.state.close()
+        self.active = False
+        for peer in self.peers:
+            peer.cached = {}
+        return summary
+
+
+def announce(server: Server, opts: StageOptions, ready_file: Path | None,
+             on_ready: Callable[[str], None] | None) -> None:
+    """Log the bound endpoint, write it to ``ready_file`` (atomically) and pass it to ``on_ready``."""
+    server_log = logging.getLogger(f"distgrad.{opts.stage}")
+    server_log.info("stage %s of %s serving on %s (%s)", opts.stage, opts.experiment.name, server.endpoint,
+                    "CURVE: the link is encrypted, and only allowed client keys are accepted" if server.authenticated
+                    else "plaintext: not encrypted, any client accepted")
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(server.endpoint)
+        tmp.replace(ready_file)
+    if on_ready is not None:
+        on_ready(server.endpoint)
+
+
+def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable[[Message], Any],
+                      log: logging.Logger) -> tuple[Message | None, Any, bool]:
+    """``(msg, handle(msg), False)`` for a request, or ``(msg or None, error reply, True)`` when
+    it cannot be decoded or ``handle`` refuses it (raises ``ProtocolError``); refusals are logged."""
+    msg: Message | None = None
+    try:
+        msg = wire.decode(frames, max_tensor_bytes)
+        return msg, handle(msg), False
+    except ProtocolError as e:
+        if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
+            log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                        wire.ERROR_TEXT_MAX, e)
+        return msg, refusal(msg, e), True
+
+
+def refusal(msg: Message | None, error: ProtocolError) -> Message:
+    """The error reply to a refused message, echoing its ids when it could be decoded."""
+    if msg is None:
+        return wire.error_message("", 0, error.code, str(error.args[0]))
+    return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
+
+
+def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = None, keep_serving: bool = False,
+          ready_file: Path | None = None, ctx: zmq.Context | None = None,
+          on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
+
+    The last stage gives no ``connect``; a middle stage connects to the stage
+    below it there (with ``opts.downstream_security``). Writes the bound
+    endpoint to ``ready_file`` once listening (for launchers) and passes it to
+    ``on_ready`` (for callers in this process). Returns the last run's
+    summary. Raises ``PeerTimeout`` when the run's peers stay lost for
+    ``opts.peer_deadline_s`` (unless ``keep_serving``) or the stage below
+    stays silent that long, ``NonFiniteError`` when a peer's step failed (one
+    peer, unless ``keep_serving``), and ``Interrupted`` on a signal, after
+    saving a checkpoint. With ``--checkpoint-dir``, holds the stage's lock
+    there while serving (``ConfigError`` if another process holds it); with
+    ``--resume`` and a finished run there, returns that run's summary at once
+    without binding (with ``keep_serving``, serves new runs instead).
+    """
+    if keep_serving and opts.experiment.federated:
+        raise ConfigError("--keep-serving is not supported for a serving stage with several clients")
+    ctx = ctx or zmq.Context.instance()
+    lock = lock_checkpoint_dir(opts)
+    try:
+        done = finished_run(opts)
+        if done is not None and not keep_serving:
+            return nothing_to_do(opts, done)
+        return _serve(opts, bind, stop, connect, keep_serving, ready_file, ctx, on_ready)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
+           ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
+    logic = ServingStage(opts, connect, stop, ctx)
+    log = logic.log
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
+    status = "interrupted"
+    try:
+        announce(server, opts, ready_file, on_ready)
+        while True:
+            stop.check()
+            request = server.receive(POLL_TICK_S)
+            now = time.monotonic()
+            replies = logic.tick(now)
+            if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
+                status = "lost"
+                if logic.shared:
+                    when = ("after the last step, none having said bye" if logic.phase is Phase.DONE
+                            else f"at step {logic.round}")
+                    raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s {when}; giving up")
+                raise PeerTimeout(f"client of run {logic.state.run_id} lost for more than "
+                                  f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
+            if request is not None:
+                envelope, frames, peer_key = request
+                msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
+                                                         lambda m: logic.handle(envelope, m, now, peer_key), log)
+                replies += [(envelope, answer)] if refused else answer
+            while replies:                  # each reply leaves before the work it defers is done
+                for envelope, reply in replies:
+                    server.reply(envelope, reply)
+                replies = logic.settle()
+            if logic.end_failed_run():
+                status = "failed"
+                if not keep_serving:
+                    raise NonFiniteError(f"stage {opts.stage}: the run ended on a non-finite loss or gradient "
+                                         f"(see above); nothing of that step was applied")
+                log.error("the run failed; waiting for the next run")
+                continue
+            finished = logic.finish_run()
+            if finished is not None:
+                status = "completed"
+                if logic.shared:
+                    first = opts.experiment.stage_names[0]
+                    log.info("run completed: %d steps, clients %s said bye, clients %s were dropped",
+                             finished.get("rounds", 0),
+                             [client_stage_name(first, p.index) for p in logic.peers if p.status is PeerStatus.FINISHED],
+                             [client_stage_name(first, p.index) for p in logic.peers
+                              if p.status is not PeerStatus.FINISHED])
+                else:
+                    log.info("run %s completed: %d steps, final loss %s", finished["run_id"], finished["steps"],
+                             finished["final_loss"])
+                if not keep_serving:
+                    return finished
+    finally:
+        try:
+            logic.settle()
+            if logic.active and status != "failed":
+                if logic.at_round_boundary():
+                    logic.state.save(logic.rounds_done if logic.shared else None)   # skipped once a save failed
+                else:
+                    log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
+                logic.close_run(status)
+            elif logic.active:
+                logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
+        finally:
+            server.close()
+            if logic.link is not None:
+                logic.link.close(linger_ms=0)
