@@ -35,6 +35,7 @@ import pytest
 import zmq
 
 from distgrad.launcher import pinned_env, stop_process
+from handshake import hello_message  # noqa: F401  (the tests import it from here)
 
 CLI = [sys.executable, "-m", "distgrad.cli"]
 REQUIRE_VARIABLE = "DISTGRAD_REQUIRE"     # comma-separated modules whose absence fails the run instead of skipping
@@ -348,21 +349,6 @@ def zmq_ctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-def hello_message(exp, run: str, **changes):
-    """A valid hello from a fresh driving stage of ``exp``; ``changes`` replace body fields."""
-    from distgrad import wire
-    from distgrad.experiment import fingerprint_parts
-    from distgrad.stage import Stage
-
-    first = Stage.from_experiment(exp, exp.stage_names[0])
-    body = {"role": first.name, "experiment": exp.name, "fingerprint": exp.fingerprint,
-            "parts": fingerprint_parts(exp), "seed": exp.seed,
-            "activation": {"shape": list(first.output_shape), "dtype": "float32"},
-            "labels_travel": exp.labels_travel, "steps": exp.steps, "step": 0, "held": [0]}
-    body.update(changes)
-    return wire.Message(wire.HELLO, run, 0, body=body)
 
 
 def read_json(path: Path) -> dict:
