@@ -69,6 +69,7 @@ PROCESS_NAMES = frozenset({
 # Modules every test of which is an integration test, whether or not a name above shows it.
 INTEGRATION_MODULES = frozenset({
     "test_api",             # runs the README's Python example (processes, sockets)
+    "test_benchmarks",      # runs every script in benchmarks/
     "test_netns",           # network namespaces and stage processes, through module fixtures
     "test_readme",          # runs the README's commands
     "test_soak",            # two stage processes through benchmarks/soak.py
