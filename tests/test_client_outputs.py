@@ -182,3 +182,23 @@ def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_
         assert set(theirs) == CLIENT_FIELDS and theirs["run_id"] is None
         assert {k: v for k, v in ours.items() if k != "run_id"} == {k: v for k, v in theirs.items() if k != "run_id"}
     assert summary["params"] == in_process["params"]
+
+
+def test_merge_client_summaries_takes_the_serving_stages_view_of_status_and_rounds():
+    def client(k: int, steps: int) -> dict:
+        return {"experiment": "x", "stage": f"f@{k}", "run_id": f"r{k}", "status": "completed", "steps": steps,
+                "seed": 3, "final_loss": 0.5 + k, "elapsed_s": 1.0 + k, "cpu_s": 0.1, "micro_batches": 2,
+                "endpoint": "tcp://127.0.0.1:1", "schedule": "1f1b", "params": {f"f@{k}": {"w": [k]}}}
+
+    serving = {"experiment": "x", "stage": "g", "run_id": "g-run", "status": "completed", "steps": 19, "rounds": 10,
+               "final_loss": 9.0, "elapsed_s": 2.5, "cpu_s": 0.3, "params": {"g": {"v": [1]}},
+               "clients": [{"client": 0, "status": "completed"}, {"client": 1, "status": "dropped"}]}
+    merged = records.merge_client_summaries([client(0, 10), client(1, 9)], serving, mode="3-process", transport="ipc")
+    assert set(merged) == RUN_FIELDS
+    assert (merged["steps"], merged["elapsed_s"], merged["status"], merged["micro_batches"]) == (10, 2.5, "completed", 2)
+    assert merged["cpu_s"] == {"f@0": 0.1, "f@1": 0.1, "g": 0.3} and sorted(merged["params"]) == ["f@0", "f@1", "g"]
+    assert merged["clients"] == [
+        {"client": 0, "run_id": "r0", "steps": 10, "final_loss": 0.5, "status": "completed"},
+        {"client": 1, "run_id": "r1", "steps": 9, "final_loss": 1.5, "status": "dropped"}]
+    earlier = records.merge_client_summaries([client(0, 10), client(1, 10)], None, mode="finished earlier")
+    assert earlier["steps"] == 10 and earlier["status"] == "completed" and "transport" not in earlier
