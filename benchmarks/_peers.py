@@ -24,10 +24,11 @@ one thread) and prints at most one JSON line on stdout:
     ``distgrad.train_in_process`` through the Python API (no summary file, so
     a 64 MiB model does not spend its time writing JSON); prints
     ``{"steps", "elapsed_s"}``.
-``stage-compute EXPERIMENT MICRO_BATCHES``
+``stage-compute EXPERIMENT MICRO_BATCHES [MIN_S]``
     Times, in isolation, one micro-batch's forward+backward of the first stage
     and forward+loss+backward of the last stage, and each stage's optimiser
-    update; prints seconds per call (medians).
+    update, each for about MIN_S seconds (default 0.5); prints seconds per
+    call (medians).
 ``info``
     numpy version and the BLAS core and thread count it actually runs.
 
@@ -236,7 +237,7 @@ def _median_time(fn, min_s: float = 0.5, repeats: int = 7) -> float:
     return float(np.median(samples))
 
 
-def stage_compute(experiment: str, micro_batches: int) -> None:
+def stage_compute(experiment: str, micro_batches: int, min_s: float = 0.5) -> None:
     from distgrad.experiment import load_experiment
     from distgrad.stage import Stage, micro_batch
 
@@ -252,11 +253,11 @@ def stage_compute(experiment: str, micro_batches: int) -> None:
     g_grads = {k: np.zeros_like(v) for k, v in g.params.items()}
     _emit({
         "micro_batches": micro_batches, "rows": int(x.shape[0]),
-        "f_forward_backward_s": _median_time(lambda: f.backward(f.forward(x)[1], da)),
-        "g_forward_loss_backward_s": _median_time(lambda: g.loss_micro_batch(a, y)),
-        "f_update_s": _median_time(lambda: f.optimizer.step(f.params, f_grads)),
-        "g_update_s": _median_time(lambda: g.optimizer.step(g.params, g_grads)),
-        "f_data_s": _median_time(lambda: data.features(2)),
+        "f_forward_backward_s": _median_time(lambda: f.backward(f.forward(x)[1], da), min_s),
+        "g_forward_loss_backward_s": _median_time(lambda: g.loss_micro_batch(a, y), min_s),
+        "f_update_s": _median_time(lambda: f.optimizer.step(f.params, f_grads), min_s),
+        "g_update_s": _median_time(lambda: g.optimizer.step(g.params, g_grads), min_s),
+        "f_data_s": _median_time(lambda: data.features(2), min_s),
     })
 
 
@@ -311,7 +312,7 @@ def main(argv: list[str]) -> int:
     elif role == "inprocess":
         inprocess(args[0], int(args[1]))
     elif role == "stage-compute":
-        stage_compute(args[0], int(args[1]))
+        stage_compute(args[0], int(args[1]), *(float(a) for a in args[2:3]))
     elif role == "info":
         info()
     else:

@@ -66,6 +66,7 @@ QUICK_SIZES = [4, 256 * KIB, 4 * MIB]
 BATCHES = [1, 32, 256]
 MICRO_BATCHES = [2, 4, 8]
 HIDDEN = 256                           # mlp-classify's activation width
+COMPUTE_MIN_S = 0.5                    # how long _peers.py stage-compute times each call
 SPIN_US = 1000                         # --spin-us for the spin-before-block variants
 SPIN_SIZES_MAX = 4 * KIB               # message sizes that get a spin variant (the small-message target)
 READY_TIMEOUT_S = 60.0                 # a server must write its ready file within this
@@ -81,6 +82,11 @@ BALANCED = {"f": [("dense", 784, 1024), ("relu",)],
 # split's whole batch, so splitting does not make numpy's matmuls less efficient (see performance.md).
 BALANCED_BIG_BATCH = 1024
 WIDE = {"f": [("dense", 784, 8192), ("relu",)], "g": [("dense", 8192, 10)], "batch": 256}
+# --smoke: every variant of every section once, at sizes that take seconds in all (tests/test_benchmarks.py).
+SMOKE = {"target_s": 0.01, "sizes": [4], "transports": ["tcp"], "batches": [32], "micro_batches": [2],
+         "schedules": ["1f1b"], "balanced_batch": 8, "memory_steps": 3, "compute_min_s": 0.01,
+         "balanced": {"f": [("dense", 784, 32), ("relu",)], "g": [("dense", 32, 16), ("relu",), ("dense", 16, 10)]},
+         "wide": {"f": [("dense", 784, 32), ("relu",)], "g": [("dense", 32, 10)], "batch": 16}}
 
 # Initial guesses of seconds per step (or round trip); after a variant's first
 # measurement its own last figure is used to size the next one.
@@ -337,6 +343,7 @@ class Runner:
                  target_s: float) -> None:
         self.workdir, self.src, self.env, self.torch_python = workdir, src, env, torch_python
         self.repeats, self.target_s = repeats, target_s
+        self.compute_min_s = COMPUTE_MIN_S
         self.logdir = workdir / "logs"
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.expdir = workdir / "experiments"
@@ -513,7 +520,7 @@ class Runner:
     def stage_compute(self, experiment: Path, micro_batches: int) -> dict[str, Any]:
         return self.run_json(f"compute-{experiment.stem}-m{micro_batches}",
                              [sys.executable, str(HERE / "_peers.py"), "stage-compute", str(experiment),
-                              str(micro_batches)], STARTUP_ALLOWANCE_S + 30)
+                              str(micro_batches), str(self.compute_min_s)], STARTUP_ALLOWANCE_S + 30)
 
     # -- the other implementations of the same split
 
@@ -776,10 +783,16 @@ def model_section(runner: Runner, batches: list[int], micro_batches: list[int], 
     return out
 
 
+def describe_layers(layers: list[tuple]) -> str:
+    """``[("dense", 784, 1024), ("relu",)]`` -> ``"Dense 784->1024 + ReLU"``."""
+    return " + ".join(f"Dense {layer[1]}->{layer[2]}" if layer[0] == "dense" else layer[0].capitalize().replace(
+        "Relu", "ReLU") for layer in layers)
+
+
 def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[str],
-                     batch: int = BALANCED["batch"]) -> dict[str, Any]:
+                     batch: int = BALANCED["batch"], spec: dict[str, Any] = BALANCED) -> dict[str, Any]:
     name = f"balanced-b{batch}"
-    exp = runner.write_experiment(name, mlp_toml(name, BALANCED["f"], BALANCED["g"], batch))
+    exp = runner.write_experiment(name, mlp_toml(name, spec["f"], spec["g"], batch))
     compute = {}
     for m in [1, *micro_batches]:
         try:
@@ -821,8 +834,7 @@ def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[s
                                                                                   + c1["g_forward_loss_backward_s"]),
                                     "compute_only_speedup_estimate": unsplit / piped}
     return {
-        "model": {"f": "Dense 784->1024 + ReLU", "g": "Dense 1024->784 + ReLU + Dense 784->10, softmax CE",
-                  "batch": batch},
+        "model": {"f": describe_layers(spec["f"]), "g": f"{describe_layers(spec['g'])}, softmax CE", "batch": batch},
         "stage_compute": {str(k): v for k, v in compute.items()},
         "compute_only_estimates": ceilings,
         "steps_per_s": sps,
@@ -839,16 +851,17 @@ def balanced_section(runner: Runner, micro_batches: list[int], schedules: list[s
 
 # ---------------------------------------------------------------- C. memory
 
-def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: int) -> dict[str, Any]:
+def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: int,
+                   wide: dict[str, Any] = WIDE) -> dict[str, Any]:
     """1f1b vs gpipe at M = 8, batch 256: the mlp runs of B, plus a wide split whose activations dominate."""
     m = 8
-    batch = WIDE["batch"]
-    width = WIDE["f"][0][2]
-    exp = runner.write_experiment("wide-b256", mlp_toml("wide-b256", WIDE["f"], WIDE["g"], batch))
+    batch = wide["batch"]
+    width = wide["f"][0][2]
+    exp = runner.write_experiment("wide-b256", mlp_toml("wide-b256", wide["f"], wide["g"], batch))
     variants = {sched: Variant(sched, lambda n, sched=sched: runner.distgrad_pair(
         exp, int(n), driver_flags=("--micro-batches", m, "--schedule", sched), expected_s=n * 0.15),
         est_s=0.15, min_steps=steps, max_steps=steps) for sched in ("1f1b", "gpipe")}
-    runner.interleave("C wide batch 256 M=8", list(variants.values()), repeats)
+    runner.interleave(f"C wide batch {batch} M=8", list(variants.values()), repeats)
     per_mb = (batch // m) * width * 4
     result: dict[str, Any] = {
         "wide": {
@@ -865,7 +878,7 @@ def memory_section(runner: Runner, model: dict[str, Any], repeats: int, steps: i
                                 for s in ("1f1b", "gpipe")})):
         stats = {}
         for sched, samples in runs.items():
-            mems = [s["memory"] for s in samples if s.get("memory", {}).get("loop_samples")]
+            mems = [s["memory"] for s in samples if "loop_hwm_kib" in s.get("memory", {})]   # >= 2 loop samples
             stats[sched] = {
                 "loop_hwm_kib": median([x["loop_hwm_kib"] for x in mems]),
                 "loop_max_rss_kib": median([x["loop_max_rss_kib"] for x in mems]),
@@ -893,7 +906,7 @@ def all_memory(results: dict[str, Any]) -> list[dict[str, Any]]:
                     [results.get("memory", {}).get("wide", {})]):
         for block in section:
             for run in block.get("runs", {}).values():
-                out += [s["memory"] for s in run.get("samples", []) if s.get("memory", {}).get("loop_samples")]
+                out += [s["memory"] for s in run.get("samples", []) if "loop_hwm_kib" in s.get("memory", {})]
     return out
 
 
@@ -1191,6 +1204,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="distgrad benchmarks: message path, model, pipelining, memory.")
     p.add_argument("--json", type=Path, metavar="PATH", help="write every figure, sample and ratio here")
     p.add_argument("--quick", action="store_true", help="a reduced set for a smoke check (under ~2 minutes)")
+    p.add_argument("--smoke", action="store_true",
+                   help="every variant once at tiny sizes, tcp only, to check the script runs (seconds; the "
+                        "figures mean nothing)")
     p.add_argument("--repeats", type=int, help="repeats per variant (default 3, quick 1)")
     p.add_argument("--target-s", type=float, help="seconds per measurement (default 1.2, quick 0.4)")
     p.add_argument("--sections", default="A,B,C", help="comma-separated subset of A (message path), B (model, "
@@ -1210,8 +1226,10 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(args.report.read_text())
         report(results, ["tcp", "ipc"], sys.stdout, args.markdown)
         return 0
-    repeats = args.repeats or (1 if args.quick else 3)
-    target_s = args.target_s or (0.4 if args.quick else 1.2)
+    if args.smoke and args.quick:
+        p.error("--smoke and --quick exclude each other")
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
+    target_s = args.target_s or (SMOKE["target_s"] if args.smoke else 0.4 if args.quick else 1.2)
     sections = set(args.sections.upper().split(","))
     if repeats < 1 or not target_s > 0 or not sections <= {"A", "B", "C"}:
         p.error("--repeats must be >= 1, --target-s > 0, --sections a subset of A,B,C")
@@ -1224,7 +1242,8 @@ def main(argv: list[str] | None = None) -> int:
     env = pinned_env(base)
     started = time.monotonic()
     results: dict[str, Any] = {}
-    transports = ["tcp", "ipc"]
+    transports = SMOKE["transports"] if args.smoke else ["tcp", "ipc"]
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     with tempfile.TemporaryDirectory(prefix="distgrad-bench-") as tmp_name:
         workdir = (args.workdir or Path(tmp_name)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -1238,20 +1257,28 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         torch_python, torch_note = find_torch(args.torch_python, env) if "B" in sections else (None, "not run")
         runner = Runner(workdir, src, env, torch_python, repeats, target_s)
+        if args.smoke:
+            runner.compute_min_s = SMOKE["compute_min_s"]
         code = 0
         try:
             results["meta"] = {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
                 "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "quick": args.quick, "repeats": repeats, "target_s": target_s, "sections": sorted(sections),
+                "quick": args.quick, "smoke": args.smoke, "repeats": repeats, "target_s": target_s, "sections": sorted(sections),
                 "blas_env": "inherited" if args.inherit_blas_env else f"{', '.join(BLAS_OVERRIDES)} removed",
                 "torch": torch_note, "distgrad_snapshot": snapshot, "machine": machine_info(runner),
             }
-            say(f"{'quick' if args.quick else 'full'} run: {repeats} repeat(s), ~{target_s:g} s per measurement; "
+            say(f"{mode} run: {repeats} repeat(s), ~{target_s:g} s per measurement; "
                 f"torch: {torch_note}")
             if "A" in sections:
-                results["message_path"] = message_path(runner, QUICK_SIZES if args.quick else SIZES, transports)
-            if "B" in sections:
+                results["message_path"] = message_path(
+                    runner, SMOKE["sizes"] if args.smoke else QUICK_SIZES if args.quick else SIZES, transports)
+            if "B" in sections and args.smoke:
+                results["model"] = model_section(runner, SMOKE["batches"], SMOKE["micro_batches"],
+                                                 SMOKE["schedules"], torch_python is not None)
+                results["balanced"] = balanced_section(runner, SMOKE["micro_batches"], SMOKE["schedules"],
+                                                       SMOKE["balanced_batch"], SMOKE["balanced"])
+            elif "B" in sections:
                 results["model"] = model_section(runner, [32] if args.quick else BATCHES,
                                                  [4] if args.quick else MICRO_BATCHES, ["1f1b", "gpipe"],
                                                  torch_python is not None)
@@ -1261,8 +1288,12 @@ def main(argv: list[str] | None = None) -> int:
                     results["balanced_big_batch"] = balanced_section(runner, [4, 8], ["1f1b", "gpipe"],
                                                                      BALANCED_BIG_BATCH)
             if "C" in sections:
-                results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
-                                                   8 if args.quick else 30)
+                if args.smoke:
+                    results["memory"] = memory_section(runner, results.get("model", {}), 1, SMOKE["memory_steps"],
+                                                       SMOKE["wide"])
+                else:
+                    results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
+                                                       8 if args.quick else 30)
         except KeyboardInterrupt:
             say("interrupted (SIGINT); children stopped")
             code = 130
@@ -1276,7 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
         results["runtime_s"] = round(time.monotonic() - started, 1)
         results.setdefault("meta", {})["loadavg_end"] = os.getloadavg()
     report(results, transports, sys.stdout)
-    print(f"\n{'quick' if args.quick else 'full'} run took {results['runtime_s']:.0f} s; "
+    print(f"\n{mode} run took {results['runtime_s']:.0f} s; "
           f"{len(runner.failures)} failed measurement(s)", flush=True)
     for failure in runner.failures:
         print(f"FAILED {failure['group']} {failure['variant']} (repeat {failure['repeat']}):\n{failure['error']}")

@@ -273,11 +273,11 @@ def _run_experiment(args: argparse.Namespace) -> int:
                            exp.all_param_names(args.seed), args.trace is not None)
         stop = StopFlag().install()
         summary = run_local(args.experiment, steps=args.steps, seed=args.seed, init=args.init,
-                            summary_path=args.summary, trace_path=args.trace, transport=args.transport,
+                            summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
+                            transport=args.transport,
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
                             stage_flags=_passthrough(args), secure=args.secure,
-                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
-                                          *(["--metrics", str(args.metrics)] if args.metrics else [])],
+                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule],
                             progress_bar=_progress_mode(args.progress) == "bar")
     _print_result(summary)
     return EXIT_OK
@@ -308,11 +308,18 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def _print_result(summary: dict) -> None:
-    print(f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s "
-          f"({summary.get('mode', 'two-process')}), final loss {summary['final_loss']:.6g}")
+    """The run's headline, each client's line (several clients) or the test scores, and the parameters."""
+    head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
+           f"({summary.get('mode', 'two-process')})"
+    if "clients" in summary:        # several clients: no loss belongs to the whole run
+        print(f"{head}, {len(summary['clients'])} clients")
+    else:
+        print(f"{head}, final loss {summary['final_loss']:.6g}")
     for client in summary.get("clients", []):
         accuracy = f", test accuracy {client['test_accuracy']:.4f}" if "test_accuracy" in client else ""
-        print(f"  client {client['client']}: final loss {client['final_loss']:.6g}{accuracy}")
+        loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
+        status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
+        print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")

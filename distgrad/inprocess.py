@@ -107,15 +107,17 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     per_client = []
     for c, client in enumerate(clients):
-        entry: dict[str, Any] = {"client": c, "final_loss": losses[c]}
+        # The shape of the launcher's merged summary (records.merge_client_summaries); no run ids in one process.
+        entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
+                                 "status": "completed"}
         if len(data[c].test_rows):
             x, _ = client.forward(data[c].test_features())
             entry.update(evaluation_fields(last.evaluate_last(x, data[c].test_targets())))
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
-        "final_loss": losses[-1], "elapsed_s": time.perf_counter() - started,
-        "cpu_s": time.process_time() - cpu_started, "mode": "in-process",
+        "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+        "status": "completed", "mode": "in-process", "transport": None,
         "clients": per_client,
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
@@ -139,7 +141,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     traced step to ``trace_path`` (``trace_params``, ``trace_every``: see
     ``records.TraceWriter``). With several clients (``[clients]``) the summary
     has one parameter set per client (``f@0``, ``f@1``, ...) and a
-    ``clients`` list with each one's loss and evaluation.
+    ``clients`` list with each one's loss and evaluation, and no top-level
+    ``final_loss``: the shape ``distgrad run`` merges.
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
     steps = exp.steps if steps is None else steps
@@ -147,7 +150,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
     if exp.federated:
         if trace_path is not None:
-            raise ConfigError("traces are not written for runs with several clients; use --summary or --metrics")
+            raise ConfigError("--in-process writes no trace for runs with several clients; use --summary")
         return _train_federated(exp, steps, seed, init, summary_path, micro_batches)
     stages = [Stage.from_experiment(exp, spec.name, seed, init) for spec in exp.stages]
     data = exp.build_data(seed)

@@ -28,7 +28,7 @@ from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
 from .progress import PROGRESS_PREFIX, render_bar
 from .stage import client_stage_name
-from .records import merge_summaries, merge_traces, read_json, write_json
+from .records import merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json, write_json
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
@@ -139,7 +139,8 @@ def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
 
 def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | None = None,
               init: str | None = None, summary_path: str | Path | None = None,
-              trace_path: str | Path | None = None, transport: str = "tcp",
+              trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
+              transport: str = "tcp",
               timeout_s: float | None = None, log_level: str = "INFO",
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
@@ -148,11 +149,15 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
     ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
-    merged files. Raises ``ConfigError`` for a bad experiment and
+    merged files, ``metrics_path`` the driving stage's metrics (with several
+    clients: every client's, merged when the run ends, each line with its
+    ``client``). With several clients the summary's top level holds only what
+    is true of the whole run and each client's results are in ``clients``
+    (``records.merge_client_summaries``). Raises ``ConfigError`` for a bad experiment and
     ``StageError`` naming the stage and its exit code when a stage fails.
     ``check_stop`` is called while waiting; whatever it raises stops both stages.
     ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
-    ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``).
+    ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``; not ``--metrics``).
     With ``progress_bar``, the driving stage's progress is drawn as a bar on ``out``.
     With ``secure``, fresh CURVE key pairs are made for this run and each
     serving stage accepts only the key of the stage above it.
@@ -171,7 +176,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
     done = _finished(exp, clients, steps, seed, init, stage_flags)
     if done is not None:
-        out.write(f"run {done['run_id']} finished at step {done['steps']}; nothing to do "
+        runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
+        out.write(f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
                   f"(start without --resume for a new run)\n")
         return done
     lock = threading.Lock()
@@ -183,6 +189,10 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
             if value is not None:
                 flags += [option, str(value)]
         files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
+        drivers = processes[:len(clients)]
+        # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
+        metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in drivers} if exp.federated
+                   else {name: Path(metrics_path) for name in drivers}) if metrics_path is not None else {}
         curve = _curve_flags(tmp / "keys", names, processes) if secure else {name: [] for name in processes}
 
         def outputs(name: str) -> list[str]:
@@ -208,7 +218,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 shown = bar if client in (None, 0) else None
                 driver = _Child(label, _stage_argv(names[0], str(experiment), [
                     "--connect", below[0], *client_flags, *flags, *driver_flags,
-                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label)]), out, lock, shown)
+                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label),
+                    *(["--metrics", str(metrics[label])] if label in metrics else [])]), out, lock, shown)
                 children.append(driver)
             _wait_all(children, check_stop)
         finally:
@@ -218,15 +229,18 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 if child.bar is not None:
                     child.bar.close()
         summaries = [read_json(files[name][0]) for name in processes]
-        summary = merge_summaries(summaries)
-        summary.update(mode="two-process" if len(processes) == 2 else f"{len(processes)}-process", transport=transport)
+        mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
         if exp.federated:
-            summary["clients"] = summaries[-1].get("clients", [])
-            summary["final_loss"] = summaries[-1].get("final_loss")
+            summary = merge_client_summaries(summaries[:-1], summaries[-1], mode=mode, transport=transport)
+        else:
+            summary = merge_summaries(summaries)
+            summary.update(mode=mode, transport=transport)
         if summary_path is not None:
             write_json(summary_path, summary)
         if trace_path is not None:
-            merge_traces([files[name][1] for name in processes], trace_path)
+            merge_traces([files[name][1] for name in processes], trace_path, [*clients, *[None] * len(names[1:])])
+        if exp.federated and metrics_path is not None:
+            merge_metrics([metrics[name] for name in drivers], metrics_path, clients)
     return summary
 
 
@@ -252,6 +266,8 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
         if ckpt is None:
             return None
         summaries.append(nothing_to_do(opts, ckpt))
+    if exp.federated:
+        return merge_client_summaries(summaries, None, mode="finished earlier")
     summary = merge_summaries(summaries)
     losses = [s["final_loss"] for s in summaries if isinstance(s.get("final_loss"), float)]
     summary.update(mode="finished earlier", final_loss=losses[0] if losses else float("nan"))

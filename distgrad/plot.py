@@ -1,4 +1,5 @@
-"""``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG.
+"""``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
+when the file is the merged metrics of several clients).
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -27,9 +28,30 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def plot_metrics(path: Path, out: Path) -> Path:
-    """Draw loss per step and steps/s per step from ``path`` into the PNG ``out``; return ``out``."""
-    records = read_metrics(path)
+def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``{client: (steps, loss, wall_s)}`` per client in client order; ``{None: ...}`` without clients."""
+    by_client: dict[int | None, list[dict]] = {}
+    for record in records:
+        by_client.setdefault(record.get("client"), []).append(record)
+    curves = {}
+    for client in sorted(by_client, key=lambda c: -1 if c is None else c):
+        rows = sorted(by_client[client], key=lambda r: r["step"])
+        curves[client] = (np.array([r["step"] for r in rows], float),
+                          np.array([np.nan if r.get("loss") is None else r["loss"] for r in rows], float),
+                          np.array([r["wall_s"] for r in rows], float))
+    return curves
+
+
+def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Steps per second over a window of ``SMOOTH_STEPS`` steps (fewer for a short run)."""
+    window = min(SMOOTH_STEPS, len(steps) - 1) or 1
+    rate = window / np.maximum(wall[window:] - wall[:-window], 1e-12) if len(steps) > 1 else np.array([])
+    return steps[window:], rate, window
+
+
+def draw_metrics(records: list[dict], title: str):
+    """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
+    records carry ``client`` (the merged metrics of several clients, labelled), else one."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -38,22 +60,38 @@ def plot_metrics(path: Path, out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
-    steps = np.array([r["step"] for r in records], float)
-    loss = np.array([np.nan if r.get("loss") is None else r["loss"] for r in records], float)
-    wall = np.array([r["wall_s"] for r in records], float)
-    window = min(SMOOTH_STEPS, len(steps) - 1) or 1
-    rate_steps = steps[window:]
-    rate = window / np.maximum(wall[window:] - wall[:-window], 1e-12) if len(steps) > 1 else np.array([])
+    curves = _curves(records)
     fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax_loss.plot(steps, loss, lw=1)
-    if np.nanmin(loss) > 0:
+    window, positive = 1, True
+    for client, (steps, loss, wall) in curves.items():
+        label = None if client is None else f"client {client}"
+        ax_loss.plot(steps, loss, lw=1, label=label)
+        rate_steps, rate, window = _rate(steps, wall)
+        ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
+        positive = positive and bool(np.nanmin(loss) > 0)
+    if positive:
         ax_loss.set_yscale("log")
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title(f"{path.name}: {int(steps[-1])} steps in {wall[-1]:.2f} s")
-    ax_rate.plot(rate_steps, rate, lw=1, color="tab:orange")
+    last_step = max(int(steps[-1]) for steps, _, _ in curves.values())
+    wall_s = max(float(wall[-1]) for _, _, wall in curves.values())
+    clients = "" if None in curves else f", {len(curves)} clients"
+    ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
+    if None not in curves:
+        ax_loss.legend(loc="upper right")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(path: Path, out: Path) -> Path:
+    """Draw loss per step and steps/s per step from ``path`` into the PNG ``out``; return ``out``.
+
+    A metrics file of several clients (lines with ``client``) gets one line per client.
+    """
+    fig = draw_metrics(read_metrics(path), path.name)
+    import matplotlib.pyplot as plt
+
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -11,11 +11,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import IO, AbstractSet, Any, Iterable, Mapping
+from typing import IO, AbstractSet, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, StageError
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
 
@@ -178,16 +178,112 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def merge_traces(paths: Iterable[str | Path], out: str | Path) -> None:
-    """Join per-stage traces line by line on ``step``: one line per step with every stage's values."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for path in paths:
-        for line in read_trace(path):
-            entry = by_step.setdefault(line["step"], {"step": line["step"], "grads": {}, "params": {}})
+def _read_part(path: str | Path, what: str) -> list[dict[str, Any]]:
+    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one."""
+    try:
+        return read_trace(path)
+    except FileNotFoundError as e:
+        raise StageError(f"no {what} file {path}: the stage that should have written it wrote none") from e
+    except json.JSONDecodeError as e:
+        raise StageError(f"{what} file {path} is not JSON lines: {e}") from e
+
+
+def _client_of(line: Mapping[str, Any], client: int | None, path: str | Path) -> int | None:
+    """The client a line belongs to: its own ``client`` key, else the client whose file it is."""
+    said = line.get("client", client)
+    if client is not None and said != client:
+        raise StageError(f"{path}: a line of client {said} in the file of client {client}")
+    return said
+
+
+def _by_step_and_client(key: tuple[int, int | None]) -> tuple[int, int]:
+    return key[0], -1 if key[1] is None else key[1]
+
+
+def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]]) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+
+
+def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:
+    """Join the clients' metrics files (``paths[k]`` is client ``clients[k]``'s) into ``out``:
+    each line gains ``"client": K``, sorted by step then client. Raises ``StageError`` for a
+    missing or unreadable file."""
+    merged = []
+    for path, client in zip(paths, clients, strict=True):
+        for line in _read_part(path, "metrics"):
+            merged.append({**line, "client": _client_of(line, client, path)})
+    merged.sort(key=lambda line: (line["step"], line["client"]))
+    _write_lines(out, merged)
+
+
+def merge_traces(paths: Sequence[str | Path], out: str | Path,
+                 clients: Sequence[int | None] | None = None) -> None:
+    """Join per-process traces on (step, client): one line per step with every stage's values.
+
+    ``clients[k]`` is the client whose lines ``paths[k]`` holds (None: lines of no client, or
+    lines that say theirs in a ``client`` key, as the serving stage of several clients writes).
+    Two stages or a chain give one line per step, as each stage's; several clients give one line
+    per (step, client) with ``client``, that client's values and the serving stage's after its
+    turn. Sorted by step then client. Raises ``StageError`` for a missing file.
+    """
+    clients = [None] * len(paths) if clients is None else clients
+    merged: dict[tuple[int, int | None], dict[str, Any]] = {}
+    for path, client in zip(paths, clients, strict=True):
+        for line in _read_part(path, "trace"):
+            who = _client_of(line, client, path)
+            entry = merged.get((line["step"], who))
+            if entry is None:
+                entry = merged[line["step"], who] = {"step": line["step"]}
+                if who is not None:
+                    entry["client"] = who
+                entry.update(grads={}, params={})
             entry["grads"].update(line.get("grads", {}))
             entry["params"].update(line.get("params", {}))
             if "loss" in line:
                 entry["loss"] = line["loss"]
-    with open(out, "w", encoding="utf-8") as f:
-        for step in sorted(by_step):
-            f.write(json.dumps(by_step[step], separators=(",", ":")) + "\n")
+    _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)))
+
+
+CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count")
+
+
+def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mapping[str, Any] | None,
+                           **run: Any) -> dict[str, Any]:
+    """One summary of a run with several clients from each client's summary (in client order)
+    and the serving stage's (None when it wrote none, e.g. a run finished earlier).
+
+    The top level holds only what is true of the whole run: ``experiment``, ``steps`` (rounds),
+    ``seed``, ``micro_batches``, ``elapsed_s`` (the longest process's), ``cpu_s`` and ``params``
+    (``{process: ...}``), ``status`` (the serving stage's, else the clients' if they agree), then
+    ``run`` (e.g. ``mode``, ``transport``). Each client's ``run_id``, ``steps``, ``final_loss``,
+    ``status`` and evaluation are in ``clients``, one entry per client; the serving stage's view
+    of a client's status (``dropped``) wins over the client's own.
+    """
+    first = clients[0]
+    seen = {entry.get("client"): entry for entry in (serving or {}).get("clients", [])}
+    per_client = []
+    for k, summary in enumerate(clients):
+        entry: dict[str, Any] = {"client": k}
+        entry.update({key: summary[key] for key in CLIENT_SUMMARY_FIELDS if key in summary})
+        if "status" in seen.get(k, {}):
+            entry["status"] = seen[k]["status"]
+        per_client.append(entry)
+    statuses = {entry.get("status") for entry in per_client}
+    parts = [*clients, *([serving] if serving is not None else [])]
+    merged = merge_summaries(parts)
+    return {
+        "experiment": first["experiment"],
+        "steps": serving.get("rounds", serving["steps"]) if serving is not None else max(
+            entry.get("steps", 0) for entry in per_client),
+        "seed": first.get("seed"),
+        "micro_batches": first.get("micro_batches", 1),
+        "elapsed_s": max(part.get("elapsed_s", 0.0) for part in parts),
+        "cpu_s": merged.get("cpu_s", {}),
+        "status": serving["status"] if serving is not None else statuses.pop() if len(statuses) == 1 else "mixed",
+        **run,
+        "clients": per_client,
+        "params": merged["params"],
+    }

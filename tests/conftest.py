@@ -3,6 +3,12 @@
 Every process is started through ``StageProcess``, which always stops it
 (SIGTERM, then SIGKILL after a grace period) and reaps it; every wait has a
 deadline; every ZeroMQ socket made by a test is closed with linger 0.
+
+Markers: a test that starts a process or opens a socket is marked
+``integration`` here, at collection (see ``integration_reason``), so that
+``pytest -m "not integration"`` runs the pure unit tests alone. The rule is
+kept true at run time: a test not marked ``integration`` that starts a
+process or makes a socket fails, naming what it did (``_forbid_processes_and_sockets``).
 """
 
 from __future__ import annotations
@@ -14,17 +20,22 @@ import os
 for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
+import contextlib
+import inspect
 import json
+import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import pytest
 import zmq
 
 from distgrad.launcher import pinned_env, stop_process
+from handshake import hello_message  # noqa: F401  (the tests import it from here)
 
 CLI = [sys.executable, "-m", "distgrad.cli"]
 REQUIRE_VARIABLE = "DISTGRAD_REQUIRE"     # comma-separated modules whose absence fails the run instead of skipping
@@ -41,6 +52,161 @@ def pytest_configure(config: pytest.Config) -> None:
         except Exception as e:  # ImportError, or a broken install raising anything else
             pytest.exit(f"{REQUIRE_VARIABLE} names {name!r} but it cannot be imported "
                         f"({type(e).__name__}: {e}); its tests would be skipped", returncode=3)
+
+
+# ---------------------------------------------------------------- the integration marker
+
+# Fixtures that start processes or make sockets (directly or through a factory the test calls).
+PROCESS_FIXTURES = frozenset({"start_server", "stage_group", "zmq_ctx"})
+# Names whose use in a test, or in a function, class or fixture of tests/ that it uses, means it
+# starts a process or opens a socket. Erring on the side of integration costs only speed.
+PROCESS_NAMES = frozenset({
+    "run_cli", "StageProcess", "StageGroup", "wait_for_file", "CLI", "STAGE_CLI", "BIN",      # conftest helpers
+    "subprocess", "Popen", "pty", "multiprocessing", "fork",                                   # processes
+    "run_local", "soak", "serve", "serve_stage", "drive_stage",                                # distgrad's
+    "zmq", "socket", "Client", "Server", "bind_to_random_port",                                # sockets
+})
+# Modules every test of which is an integration test, whether or not a name above shows it.
+INTEGRATION_MODULES = frozenset({
+    "test_api",             # runs the README's Python example (processes, sockets)
+    "test_benchmarks",      # runs every script in benchmarks/
+    "test_netns",           # network namespaces and stage processes, through module fixtures
+    "test_readme",          # runs the README's commands
+    "test_soak",            # two stage processes through benchmarks/soak.py
+})
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    yield from code.co_freevars
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
+
+
+def _is_test_code(obj: Any) -> bool:
+    """A function or class defined in a module of tests/ (a test module or this conftest)."""
+    module = getattr(obj, "__module__", "") or ""
+    return (inspect.isfunction(obj) or inspect.isclass(obj)) and (module == "conftest" or module.startswith("test_"))
+
+
+def _uses_process_names(obj: Any, seen: set[int]) -> str | None:
+    """The first process or socket name ``obj`` uses, following the functions and classes of tests/
+    that it names (helpers, base classes); None when it uses none."""
+    if id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    if inspect.isclass(obj):
+        parts = [getattr(m, "__func__", getattr(m, "fget", m)) for m in vars(obj).values()]
+        parts += [b for b in obj.__bases__ if _is_test_code(b)]
+        return next(filter(None, (_uses_process_names(x, seen) for x in parts)), None)
+    code = getattr(inspect.unwrap(obj), "__code__", None) if callable(obj) else None
+    if code is None:
+        return None
+    module = sys.modules.get(obj.__module__)
+    for name in _code_names(code):
+        if name in PROCESS_NAMES:
+            return name
+        helper = getattr(module, name, None)
+        if _is_test_code(helper):
+            found = _uses_process_names(helper, seen)
+            if found:
+                return f"{name} -> {found}"
+    return None
+
+
+def integration_reason(item: pytest.Item) -> str | None:
+    """Why ``item`` is an integration test (it starts a process or opens a socket), or None.
+
+    In order: it is in ``INTEGRATION_MODULES``; it uses a fixture of
+    ``PROCESS_FIXTURES``; it, or a fixture it uses, names one of
+    ``PROCESS_NAMES`` (directly or through a function or class of tests/ that it names).
+    """
+    module = getattr(item, "module", None)
+    name = getattr(module, "__name__", "")
+    if name in INTEGRATION_MODULES:
+        return f"module {name}"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & PROCESS_FIXTURES:
+        return f"fixture {sorted(fixtures & PROCESS_FIXTURES)[0]}"
+    seen: set[int] = set()
+    function = getattr(item, "function", None)
+    if function is not None:
+        found = _uses_process_names(function, seen)
+        if found:
+            return f"calls {found}"
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for fixture in sorted(fixtures):
+        for fixturedef in defs.get(fixture, ()):
+            found = _uses_process_names(fixturedef.func, seen) if _is_test_code(fixturedef.func) else None
+            if found:
+                return f"fixture {fixture} -> {found}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = integration_reason(item)
+        if reason is not None and item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.integration(reason=reason))
+
+
+def _forbidden(item: pytest.Item, what: str):
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(f"{item.nodeid} is not marked integration but {what}: use a fixture of "
+                    f"conftest.PROCESS_FIXTURES or a helper of conftest.PROCESS_NAMES, or add its module to "
+                    f"conftest.INTEGRATION_MODULES", pytrace=False)
+    return refuse
+
+
+# What a test not marked ``integration`` may not call: (owner, attribute, what calling it does).
+FORBIDDEN_CALLS = (
+    (subprocess.Popen, "__init__", "starts a process (subprocess.Popen)"),   # subprocess.run, check_output, ...
+    (os, "fork", "forks (os.fork)"),                                         # multiprocessing
+    (os, "posix_spawn", "starts a process (os.posix_spawn)"),
+    (socket.socket, "__init__", "opens a socket (socket.socket)"),
+    (zmq.Context, "socket", "opens a ZeroMQ socket (zmq.Context.socket)"),
+)
+
+
+@contextlib.contextmanager
+def _forbid_processes_and_sockets(item: pytest.Item) -> Iterator[None]:
+    """While ``item`` runs, starting a process or making a socket fails it (pytest.fail is a
+    BaseException: an ``except Exception`` in the code under test does not hide it)."""
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        for owner, name, what in FORBIDDEN_CALLS:
+            if hasattr(owner, name):
+                monkeypatch.setattr(owner, name, _forbidden(item, what))
+        yield
+    finally:
+        monkeypatch.undo()
+
+
+def _guard(item: pytest.Item):
+    return contextlib.nullcontext() if item.get_closest_marker("integration") else _forbid_processes_and_sockets(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _guard(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _guard(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    with _guard(item):
+        yield
+
+
+# ---------------------------------------------------------------- processes
+
 STAGE_CLI = [*CLI, "stage"]
 BIN = Path(sys.executable).parent
 PROCESS_DEADLINE_S = 60.0
@@ -184,21 +350,6 @@ def zmq_ctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-def hello_message(exp, run: str, **changes):
-    """A valid hello from a fresh driving stage of ``exp``; ``changes`` replace body fields."""
-    from distgrad import wire
-    from distgrad.experiment import fingerprint_parts
-    from distgrad.stage import Stage
-
-    first = Stage.from_experiment(exp, exp.stage_names[0])
-    body = {"role": first.name, "experiment": exp.name, "fingerprint": exp.fingerprint,
-            "parts": fingerprint_parts(exp), "seed": exp.seed,
-            "activation": {"shape": list(first.output_shape), "dtype": "float32"},
-            "labels_travel": exp.labels_travel, "steps": exp.steps, "step": 0, "held": [0]}
-    body.update(changes)
-    return wire.Message(wire.HELLO, run, 0, body=body)
 
 
 def read_json(path: Path) -> dict:

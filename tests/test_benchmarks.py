@@ -1,0 +1,128 @@
+"""Every script in benchmarks/ runs, at its smallest settings, against today's distgrad.
+
+Smoke tests, not measurements: each runs the script as a process (exit 0,
+the output keys it promises), so a refactor that breaks a benchmark fails
+here rather than on the day someone needs the figures. The helper scripts
+run through bench.py (``_peers.py``, ``_raw_split.py``) or directly
+(``_torch_split.py``, only when torch is installed). All integration tests
+(conftest.INTEGRATION_MODULES).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distgrad.launcher import pinned_env
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPT_DEADLINE_S = 60.0          # each script's smallest run takes seconds; this only bounds a hang
+
+
+def run_script(name: str, *args: object, timeout: float = SCRIPT_DEADLINE_S,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / name), *map(str, args)], capture_output=True,
+                            text=True, timeout=timeout, env=env or pinned_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, f"{name} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+# Each script in benchmarks/ and the test that runs it; a new script must be added here.
+SMOKE_TESTS = {
+    "bench.py": "test_bench_smoke_runs_every_section",
+    "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
+    "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
+    "_torch_split.py": "test_torch_split",
+    "per_message.py": "test_per_message",
+    "soak.py": "test_soak",
+    "zero_copy_threshold.py": "test_zero_copy_threshold",
+}
+
+
+def test_every_script_has_a_smoke_test():
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(SMOKE_TESTS)
+    assert all(name in globals() for name in SMOKE_TESTS.values())
+
+
+def test_bench_smoke_runs_every_section(tmp_path):
+    """bench.py --smoke: A, B (with _peers.py and _raw_split.py) and C once at tiny sizes; then --report."""
+    out = tmp_path / "bench.json"
+    result = run_script("bench.py", "--smoke", "--torch-python", "none", "--json", out, "--workdir", tmp_path / "w")
+    assert "smoke run took" in result.stdout and "0 failed measurement(s)" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["failures"] == [] and figures["meta"]["smoke"] is True
+    assert "error" not in figures["meta"]["machine"]["children"]            # _peers.py info
+    tcp = figures["message_path"]["4"]["tcp"]
+    for key in ("raw_rt_s", "wire_rt_s", "distgrad_step_s", "spin_step_s"):      # _peers.py raw/wire peers
+        assert tcp[key] > 0, key
+    assert figures["message_path"]["4"]["inprocess_step_s"] > 0                  # _peers.py inprocess
+    model = figures["model"]["32"]["steps_per_s"]
+    for key in ("unpipelined", "unpipelined_spin", "inprocess", "bare", "1f1b_m2"):   # bare: _raw_split.py
+        assert model[key] > 0, key
+    balanced = figures["balanced"]
+    assert set(balanced["stage_compute"]) == {"1", "2"}                          # _peers.py stage-compute
+    assert all(balanced["steps_per_s"][k] > 0 for k in ("unpipelined", "inprocess", "1f1b_m2"))
+    assert set(figures["memory"]["wide"]["runs"]) == {"1f1b", "gpipe"}
+    assert figures["targets"]
+
+    report = run_script("bench.py", "--report", out, "--markdown")
+    assert "A. Message path" in report.stdout and "Targets" in report.stdout
+
+
+def test_per_message(tmp_path):
+    out = tmp_path / "per_message.json"
+    run_script("per_message.py", "--repeats", "1", "--json", out)
+    figures = json.loads(out.read_text())
+    for key in ("encode forward 4 B", "decode backward 32768 B", "expect_tensors 4194304 B",
+                "g handles a forward (seed-reverse)", "g handles a forward (mlp-classify)",
+                "transport round trip inproc 4 B", "Adam step, 784x256 + 256"):
+        assert figures[key] > 0, key
+
+
+def test_soak(tmp_path):
+    out = tmp_path / "soak.json"
+    run_script("soak.py", "--steps", "200", "--interval-s", "0.05", "--deadline-s", "50",
+               "--max-growth-pct", "1000", "--json", out, "--workdir", tmp_path / "w")
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"f", "g"}, result.keys()
+    assert result["samples"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_zero_copy_threshold(tmp_path, transport):
+    out = tmp_path / "zc.json"
+    run_script("zero_copy_threshold.py", "--transport", transport, "--rounds", "5", "--repeats", "1",
+               "--sizes", "4096,65536", "--json", out)
+    sizes = json.loads(out.read_text())["sizes"]
+    assert set(sizes) == {"4096", "65536"}
+    assert all(v["copy_us"] > 0 and v["zero_copy_us"] > 0 for v in sizes.values())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed: _torch_split.py (bench.py's gloo split) not run "
+                           "(pip install 'distgrad[torch]')")
+def test_torch_split(tmp_path):
+    """Both ranks of _torch_split.py over gloo on 127.0.0.1, a few steps; rank 0 prints the timing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(pinned_env(), GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=str(BENCHMARKS))
+    argv = [sys.executable, str(BENCHMARKS / "_torch_split.py")]
+    g = subprocess.Popen([*argv, "1", str(port), "8", "16", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        f = run_script("_torch_split.py", 0, port, 8, 16, 4, env=env)
+        assert g.wait(SCRIPT_DEADLINE_S) == 0, g.stderr.read()
+    finally:
+        if g.poll() is None:
+            g.kill()
+            g.wait(10)
+    line = json.loads(f.stdout.strip().splitlines()[-1])
+    assert line["steps"] > 0 and line["elapsed_s"] > 0
