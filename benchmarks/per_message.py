@@ -11,8 +11,8 @@ microseconds per call:
 - ``encode`` / ``decode`` of a ``forward`` (one float32 activation) and of a
   ``backward`` reply (with ``loss`` and ``compute_s``), at 4 B and 32 KiB;
 - ``expect_tensors`` (shape, dtype, finiteness) at 4 B, 32 KiB and 4 MiB;
-- ``g handles a forward``: ``wire.decode`` + ``StageServer.handle`` +
-  ``wire.encode`` of the reply + ``StageServer.settle`` (the gradients and
+- ``g handles a forward``: ``wire.decode`` + ``ServingStage.handle`` +
+  ``wire.encode`` of the reply + ``ServingStage.settle`` (the gradients and
   update it defers until the reply is sent), for seed-reverse (one float)
   and mlp-classify (batch 32), i.e. everything the serving stage does per
   message except the socket calls;
@@ -45,17 +45,17 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from distgrad import transport, wire  # noqa: E402
-from distgrad.daemon import StageOptions  # noqa: E402
+from distgrad.options import StageOptions  # noqa: E402
 from distgrad.experiment import load_experiment  # noqa: E402
 from distgrad.optim import SGD, Adam  # noqa: E402
 from handshake import hello_message  # noqa: E402
 
 try:
     # The serving stage's protocol logic without its socket: handle(msg, now) -> reply, then settle().
-    from distgrad.server import StageServer  # noqa: E402
+    from distgrad.serving import ServingStage  # noqa: E402
 except ImportError as e:  # renamed or moved by a refactor: say so rather than fail somewhere below
     raise SystemExit(f"per_message.py: cannot import the serving stage's message handler "
-                     f"distgrad.server.StageServer ({e}); it was renamed or moved: update this import") from e
+                     f"distgrad.serving.ServingStage ({e}); it was renamed or moved: update this import") from e
 
 RUN = "0123456789abcdef0123456789abcdef"
 
@@ -90,12 +90,15 @@ def codec(repeats: int) -> dict[str, float]:
     return out
 
 
+PEER = [b"peer"]       # the envelope of the one peer
+
+
 def g_handles(name: str, repeats: int) -> float:
     """decode + handle + encode of one forward, averaged over many consecutive steps."""
     exp = load_experiment(name)
-    logic = StageServer(StageOptions(experiment=exp, stage=exp.stage_names[-1], seed=exp.seed))
+    logic = ServingStage(StageOptions(experiment=exp, stage=exp.stage_names[-1], seed=exp.seed))
     f_shape = logic.stage.input_shape
-    welcome = logic.handle(hello_message(exp, RUN, steps=10**9, micro_batches=1), time.monotonic())
+    (_, welcome), = logic.handle(PEER, hello_message(exp, RUN, steps=10**9, micro_batches=1), time.monotonic())
     if welcome.type != wire.WELCOME:
         raise SystemExit(f"per_message.py: {name}: the serving stage answered the hello with {welcome.describe()}")
     rng = np.random.default_rng(0)
@@ -117,7 +120,8 @@ def g_handles(name: str, repeats: int) -> float:
         t0 = time.thread_time()
         for frames in msgs:
             msg = wire.decode(frames, logic.max_tensor_bytes)
-            wire.encode(logic.handle(msg, 0.0))
+            for _, reply in logic.handle(PEER, msg, 0.0):
+                wire.encode(reply)
             logic.settle()
         samples.append((time.thread_time() - t0) / batch * 1e6)
     return min(samples)

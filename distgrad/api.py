@@ -14,9 +14,9 @@ from typing import Any
 
 import zmq
 
-from .daemon import StageOptions, StopFlag
+from .options import StageOptions, StopFlag
 from .driver import drive_first_stage
-from .server import serve
+from .serving import serve
 from .errors import DistgradError, StageError
 from .experiment import Experiment, load_experiment
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 
+from .threads import pin_blas_threads
+
 # BLAS pools are sized when numpy loads: pin them before anything imports it
 # (an explicit setting in the environment wins).
-for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-              "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS"):
-    os.environ.setdefault(_name, "1")
+pin_blas_threads()
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -172,27 +172,15 @@ def _run_stage(args: argparse.Namespace) -> int:
     import zmq
 
     from .keys import CurveServer
-    from .daemon import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from .driver import drive_first_stage
-    from .server import serve
+    from .serving import serve
     from .experiment import load_experiment, parse_init_overrides
     from .records import parse_trace_params
     from .transport import DEFAULT_TIMEOUT_S
 
     exp = load_experiment(args.experiment)
-    index = exp.stage_index(args.stage)
-    first, last = index == 0, index == len(exp.stages) - 1
-    role = "driving" if first else "serving" if last else "middle"
-    needs = {"driving": (False, True), "serving": (True, False), "middle": (True, True)}[role]
-    if (args.bind is not None, args.connect is not None) != needs:
-        usage = {"driving": "--connect ENDPOINT (it drives the stage below)",
-                 "serving": "--bind ENDPOINT (it serves the stage above)",
-                 "middle": "--bind ENDPOINT and --connect ENDPOINT (it serves the stage above and "
-                           "connects to the stage below)"}[role]
-        raise ConfigError(f"stage {args.stage!r} is the {role} stage of {exp.name!r} (stages {exp.stage_names}): "
-                          f"give {usage}")
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     opts = StageOptions(
         exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
         args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
@@ -249,7 +237,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
-    from .daemon import StopFlag
+    from .options import StopFlag
     from .experiment import check_run_settings, load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
@@ -330,7 +318,7 @@ def _print_result(summary: dict) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .daemon import StopFlag
+    from .options import StopFlag
     from .launcher import run_local
 
     stop = StopFlag().install()

@@ -165,8 +165,8 @@ class StepEngine:
         except Exception:
             self.reset()
             raise
-        tracing = self.trace is not None and self.trace.wants(step)
-        traced = {name: g.copy() for name, g in grads.items()} if tracing else None
+        traced = ({name: g.copy() for name, g in grads.items()}
+                  if self.trace is not None and self.trace.wants(step) else None)
         stage.apply(grads)
         loss = float(combine_losses(self._losses, scale)) if self._losses else None
         sent, self._losses, self._sent = self._sent, [], []
@@ -177,7 +177,8 @@ class StepEngine:
                 traced["activation_grad"] = np.concatenate(sent) if len(sent) > 1 else sent[0]
             extra = {} if client is None else {"client": client}
             self.trace.write(step, loss, traced, stage.params, **extra)
-        record = StepRecord(step, loss, client)
-        for observer in self.observers:
-            observer(record)
+        if self.observers:
+            record = StepRecord(step, loss, client)
+            for observer in self.observers:
+                observer(record)
         return loss

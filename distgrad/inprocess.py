@@ -15,23 +15,13 @@ from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
-from .errors import ConfigError
-from .experiment import Experiment, check_run_settings
-from .records import TraceWriter, check_trace_filter, to_lists, write_json
-from .stage import (Stage, average_parameters, check_micro_batches, client_stage_name, combine_losses,
-                    micro_batch)
+from .engine import StepEngine
+from .experiment import Experiment, check_run_settings, client_stage_name
+from .nn import Grads
+from .records import TraceWriter, check_trace_filter, evaluation_fields, to_lists, write_json
+from .stage import Stage, average_parameters, micro_batch
 
 log = logging.getLogger("distgrad.inprocess")
-
-
-def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Summary fields for a held-out evaluation: ``test_loss`` and, when classifying, ``test_accuracy``."""
-    if evaluation is None:
-        return {}
-    fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
-    if evaluation.get("correct") is not None:
-        fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
-    return fields
 
 
 def _accuracy_text(evaluation: Mapping[str, Any]) -> str:
@@ -39,46 +29,80 @@ def _accuracy_text(evaluation: Mapping[str, Any]) -> str:
     return f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else ""
 
 
-def _step(stages: list[Stage], features: np.ndarray, targets: np.ndarray, micro_batches: int,
-          scale: np.float32, tracing: bool) -> tuple[np.float32, dict[str, np.ndarray]]:
-    """One step through ``stages`` in the protocol's order; returns the loss and (when
-    ``tracing``) copies of the applied gradients with the last stage's activation gradient."""
-    *upstream, last = stages
-    losses, sent_back = [], []
+class _TraceLines:
+    """The in-process trace: every stage's engine writes its part of a step (``part``); ``flush`` writes
+    one line per step, and per client with several, as ``distgrad run`` merges the stages' files."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+        self.pending: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def part(self, snapshot: bool) -> "_TracePart":
+        """A sink for one stage's engine; ``snapshot``: copy its parameters now (a stage that later
+        turns change), else read them at ``flush`` (after a SplitFed average, as a driving stage does)."""
+        return _TracePart(self, snapshot)
+
+    def flush(self) -> None:
+        for (step, client), line in sorted(self.pending.items()):
+            self.writer.write(step, line["loss"], line["grads"], line["params"],
+                              client=None if client < 0 else client)
+        self.pending = {}
+
+
+class _TracePart:
+    def __init__(self, lines: _TraceLines, snapshot: bool) -> None:
+        self.lines, self.snapshot = lines, snapshot
+
+    def wants(self, step: int) -> bool:
+        return self.lines.writer.wants(step)
+
+    def write(self, step: int, loss: float | None, grads: Grads, params: Grads, client: int | None = None) -> None:
+        line = self.lines.pending.setdefault((step, -1 if client is None else client),
+                                             {"loss": None, "grads": {}, "params": {}})
+        line["grads"].update(grads)
+        line["params"].update({k: v.copy() for k, v in params.items()} if self.snapshot else params)
+        if loss is not None:
+            line["loss"] = loss
+
+
+def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool) -> list[StepEngine]:
+    """A step engine per stage, each writing its part of the trace; the last sends ``activation_grad``."""
+    scale = exp.final_loss.micro_batch_scale
+    return [StepEngine(stage, scale, lines.part(snapshot=shared_last and stage is stages[-1]),
+                       trace_sent=stage is stages[-1] and len(stages) > 1) for stage in stages]
+
+
+def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,
+          client: int | None = None) -> float | None:
+    """One step through the stages of ``engines`` in the protocol's order: every micro-batch forward and
+    back, then the updates from the last stage up (the order the stages apply them over the wire);
+    returns the step's loss."""
+    *upstream, last = [engine.stage for engine in engines]
     for i in range(micro_batches):
         x, caches = micro_batch(features, i, micro_batches), []
         for stage in upstream:
             x, cache = stage.forward(x)
             caches.append(cache)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches))
-        last.check_finite("loss", mb_loss)
+        last.check_finite("loss", mb_loss, step)
         if upstream:
-            last.check_finite("activation_grad", dx)
-        last.accumulator.add(grads, i, micro_batches)
-        losses.append(mb_loss)
-        if tracing and upstream:
-            sent_back.append(dx)
-        for stage, cache in zip(reversed(upstream), reversed(caches)):
-            dx, grads = stage.backward(cache, dx, need_dx=stage is not stages[0])
-            if stage is not stages[0]:
-                stage.check_finite("activation_grad", dx)
-            stage.accumulator.add(grads, i, micro_batches)
-    # Every stage's gradients are checked before any stage is updated.
-    taken = [(stage, stage.accumulator.take(scale)) for stage in reversed(stages)]
-    for stage, grads in taken:
-        stage.check_grads(grads)
-    applied = {}
-    for stage, grads in taken:
-        if tracing:
-            applied.update({k: v.copy() for k, v in grads.items()})
-        stage.apply(grads)
-    if sent_back:
-        applied["activation_grad"] = np.concatenate(sent_back) if micro_batches > 1 else sent_back[0]
-    return combine_losses(losses, scale), applied
+            last.check_finite("activation_grad", dx, step)
+        engines[-1].add(i, micro_batches, grads, mb_loss, dx)
+        for engine, stage, cache in zip(reversed(engines[:-1]), reversed(upstream), reversed(caches)):
+            first = stage is upstream[0]
+            dx, grads = stage.backward(cache, dx, need_dx=not first)
+            if not first:
+                stage.check_finite("activation_grad", dx, step)
+            engine.add(i, micro_batches, grads)
+    loss = None
+    for engine in reversed(engines):
+        done = engine.update(step, micro_batches, client=client)
+        loss = done if engine is engines[-1] else loss
+    return loss
 
 
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
-                     summary_path: str | Path | None, micro_batches: int) -> dict[str, Any]:
+                     summary_path: str | Path | None, micro_batches: int, lines: _TraceLines) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -88,21 +112,20 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     first_name, last_name = exp.stage_names
     clients = [Stage.from_experiment(exp, first_name, seed, init) for _ in range(exp.clients.count)]
     last = Stage.from_experiment(exp, last_name, seed, init)
+    last_engine = _engines([clients[0], last], exp, lines, shared_last=True)[1]
+    pairs = [[_engines([client, last], exp, lines, shared_last=True)[0], last_engine] for client in clients]
     data = [exp.build_data(seed, client=c) for c in range(exp.clients.count)]
-    check_micro_batches(exp, micro_batches, data[0].feature_shape)
-    assert last.loss is not None
-    scale = last.loss.micro_batch_scale(micro_batches)
     losses: list[float | None] = [None] * len(clients)
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
-        for c, client in enumerate(clients):
-            losses[c] = float(_step([client, last], data[c].features(step), data[c].targets(step), micro_batches,
-                                    scale, False)[0])
+        for c, engines in enumerate(pairs):
+            losses[c] = _step(engines, step, data[c].features(step), data[c].targets(step), micro_batches, c)
         if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
             mean = average_parameters([client.params for client in clients])
             for client in clients:
                 for name, value in mean.items():
                     client.params[name][...] = value
+        lines.flush()
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     per_client = []
@@ -148,25 +171,20 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
-    if exp.federated:
-        if trace_path is not None:
-            raise ConfigError("--in-process writes no trace for runs with several clients; use --summary")
-        return _train_federated(exp, steps, seed, init, summary_path, micro_batches)
-    stages = [Stage.from_experiment(exp, spec.name, seed, init) for spec in exp.stages]
-    data = exp.build_data(seed)
-    check_micro_batches(exp, micro_batches, data.feature_shape)
-    *upstream, last = stages
-    assert last.loss is not None
-    scale = last.loss.micro_batch_scale(micro_batches)
-    loss = None
-    log_every = max(1, steps // 10)
-    started, cpu_started = time.perf_counter(), time.process_time()
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
+        lines = _TraceLines(trace)
+        if exp.federated:
+            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines)
+        stages = [Stage.from_experiment(exp, spec.name, seed, init) for spec in exp.stages]
+        engines = _engines(stages, exp, lines, shared_last=False)
+        data = exp.build_data(seed)
+        *upstream, last = stages
+        loss = None
+        log_every = max(1, steps // 10)
+        started, cpu_started = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
-            loss, applied = _step(stages, data.features(step), data.targets(step), micro_batches, scale,
-                                  trace.wants(step))
-            if trace.wants(step):
-                trace.write(step, loss, applied, {k: v for s in stages for k, v in s.params.items()})
+            loss = _step(engines, step, data.features(step), data.targets(step), micro_batches)
+            lines.flush()
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
     evaluation = None

@@ -23,19 +23,17 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, StageError
-from .experiment import check_run_settings, load_experiment, parse_init_overrides
+from .experiment import check_run_settings, client_stage_name, load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
 from .progress import PROGRESS_PREFIX, render_bar
-from .stage import client_stage_name
+from .threads import pin_blas_threads
 from .records import merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json, write_json
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
 WAIT_TICK_S = 0.05
 
-THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-                   "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
 
 
 def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -45,8 +43,7 @@ def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     count keeps every process's float32 results identical.
     """
     env = dict(os.environ if base is None else base)
-    for name in THREAD_ENV_VARS:
-        env[name] = "1"
+    pin_blas_threads(env, override=True)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -248,7 +245,8 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
               stage_flags: Sequence[str]) -> dict[str, Any] | None:
     """With ``--resume --checkpoint-dir DIR`` in ``stage_flags``: when every stage that keeps
     checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
-    from .daemon import StageOptions, finished_run, nothing_to_do
+    from .options import StageOptions
+    from .stage_state import finished_run, nothing_to_do
 
     flags = list(stage_flags)
     if "--resume" not in flags or "--checkpoint-dir" not in flags[:-1]:

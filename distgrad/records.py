@@ -27,6 +27,16 @@ def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
     return {name: np.asarray(value).tolist() for name, value in arrays.items()}
 
 
+def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Summary fields for a held-out evaluation: ``test_loss`` and, when classifying, ``test_accuracy``."""
+    if evaluation is None:
+        return {}
+    fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
+    if evaluation.get("correct") is not None:
+        fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
+    return fields
+
+
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,11 +131,14 @@ class TraceWriter:
         return to_lists({k: v for k, v in arrays.items() if self.names is None or k in self.names})
 
     def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
-              params: Mapping[str, np.ndarray]) -> None:
+              params: Mapping[str, np.ndarray], client: int | None = None) -> None:
+        """One line for ``step`` (of ``client``'s turn, for a stage serving several) if it is traced."""
         if not self.wants(step):
             return
         assert self._file is not None
         line: dict[str, Any] = {"step": step, "grads": self._kept(grads), "params": self._kept(params)}
+        if client is not None:
+            line["client"] = client
         if loss is not None:
             line["loss"] = float(loss)
         text = json.dumps(line, separators=(",", ":")) + "\n"

@@ -40,7 +40,6 @@ import numpy as np
 import zmq
 
 from . import wire
-from .engine import StepRecord
 from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import build_stage_parts, client_stage_name
 from .handshake import check_hello, common_step, hello, same_exactly
@@ -89,7 +88,7 @@ class Peer:
     last_seen: float = -math.inf      # its last message, or the last reply to it
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
-    cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its last two steps
+    cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its step in progress
     average: Message | None = None    # its parameters for the averaging in progress
     averaged: Message | None = None   # the reply to its last averaging
     evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us
@@ -150,12 +149,14 @@ class ServingStage:
         self.max_tensor_bytes = max(limit[1] for limit in limits)
         self.peers = [Peer(c) for c in range(self.count)]
         self.now = time.monotonic()                        # the time of the latest message or tick
+        self.evaluating = False                            # some peer's evaluation waits (``_advance``)
         self._new_run(start_round=1)
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
         self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
         if opts.resume and self.state.resume_latest():
             self._resumed(time.monotonic())
+            self.state.open_trace(append=True)
 
     # -- the run
     @property
@@ -172,7 +173,7 @@ class ServingStage:
         self.first_hello: float | None = None
         self.lost_since: float | None = None
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
-        self.failure = False                # one peer's run failed (non-finite): it ends once told
+        self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
             self.started = time.perf_counter()
             self.loss: float | None = None
@@ -200,6 +201,7 @@ class ServingStage:
             peer = self.peers[0]
             peer.run, peer.owner, peer.step = self.state.run_id, self.state.owner, ckpt_step
             peer.status, peer.last_seen = PeerStatus.ACTIVE, now     # a full liveness window to come back
+            peer.specs = forward_specs(self.stage, self.target, peer.mbs)   # until its hello says otherwise
             self._start_round()
 
     def _resumed_round(self) -> int:
@@ -231,7 +233,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if peer.failure is not None:
             failure, peer.failure = peer.failure, None
-            self._failed(peer)
+            self._failed(peer, failure)
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
         if msg.type == wire.FORWARD:
             replies = self._forward(peer, envelope, msg)
@@ -280,8 +282,6 @@ class ServingStage:
         if not self.shared and index != 0:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment "
                                                     f"{self.exp.name!r} has no [clients]")
-        held = body.get("held")
-        common_step([0], held)                          # validates the list
         peer = self.peers[index]
         if peer.owner and peer.run == msg.run and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
@@ -333,6 +333,7 @@ class ServingStage:
         if peer.live(now, self.opts.liveness_s) and peer.run != msg.run:
             raise ProtocolError(ErrorCode.RUN, f"busy: client {peer.index} is live in run {peer.run}; "
                                                f"cannot start run {msg.run!r}")
+        common_step([0], msg.body.get("held"))         # validates the list
         if not self.active:
             self.active = True
             if not self.state.run_id:
@@ -391,8 +392,8 @@ class ServingStage:
         if peer.status is PeerStatus.DROPPED:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
-        expected = self.engine.done if self._current() is peer else 0
-        expected += len(peer.waiting)
+        in_turn = self.phase is Phase.ROUND and self.turn < len(self.order) and self.order[self.turn] == peer.index
+        expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                                 f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
@@ -421,6 +422,7 @@ class ServingStage:
         if peer.evaluation is not None and self.shared:
             return [(envelope, Message(wire.EVALUATION, msg.run, msg.step, body=peer.evaluation))]
         peer.evaluate = msg                            # answered once no other peer can change this stage
+        self.evaluating = True
         return []
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
@@ -459,17 +461,34 @@ class ServingStage:
             self.phase = Phase.DONE
             self.log.info("every step is done; answering evaluations and byes")
             return
-        for peer in self.peers:
-            if peer.status is PeerStatus.REJOINING:
-                peer.status = PeerStatus.ACTIVE
-        self.order = [p.index for p in self.peers if p.status is PeerStatus.ACTIVE]
+        if self.shared:
+            for peer in self.peers:
+                if peer.status is PeerStatus.REJOINING:
+                    peer.status = PeerStatus.ACTIVE
+            self.order = [p.index for p in self.peers if p.status is PeerStatus.ACTIVE]
+        else:
+            self.order = [0] if self.peers[0].status is PeerStatus.ACTIVE else []
         self.turn, self.phase = 0, Phase.ROUND
 
     def _advance(self, now: float) -> list[Reply]:
         """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
         replies: list[Reply] = []
         while self.deferred is None:        # a reply's gradients and update come before any later work
-            if self.phase is Phase.JOINING:
+            if self.phase is Phase.ROUND:       # the hot path first
+                if self.turn < len(self.order):
+                    peer = self.peers[self.order[self.turn]]
+                    if peer.status is not PeerStatus.ACTIVE:
+                        self.turn += 1
+                        continue
+                    msg = peer.waiting.pop((self.round, self.engine.done), None)
+                    if msg is None:
+                        break
+                    replies.append(self._compute(peer, msg, now))
+                    continue
+                if not any(p.taking_part() for p in self.peers):
+                    break                   # nobody takes part: wait for a hello (``tick`` bounds it)
+                self._end_round()
+            elif self.phase is Phase.JOINING:
                 present = [p for p in self.peers if p.status is PeerStatus.ACTIVE]
                 waited = self.first_hello is not None and now - self.first_hello > self.opts.peer_deadline_s
                 if len(present) < self.count and not (present and waited):
@@ -478,20 +497,6 @@ class ServingStage:
                     self.log.warning("starting with clients %s: the others did not say hello within %g s",
                                      [p.index for p in present], self.opts.peer_deadline_s)
                 self._start_round()
-            elif self.phase is Phase.ROUND:
-                peer = self._current()
-                if peer is None:
-                    if not any(p.taking_part() for p in self.peers):
-                        break               # nobody takes part: wait for a hello (``tick`` bounds it)
-                    self._end_round()
-                    continue
-                if peer.status is not PeerStatus.ACTIVE:
-                    self.turn += 1
-                    continue
-                msg = peer.waiting.pop((self.round, self.engine.done), None)
-                if msg is None:
-                    break
-                replies.append(self._compute(peer, msg, now))
             elif self.phase is Phase.AVERAGING:
                 taking_part = [self.peers[i] for i in self.order if self.peers[i].status is PeerStatus.ACTIVE]
                 if any(p.average is None for p in taking_part):
@@ -505,9 +510,11 @@ class ServingStage:
                 self._start_round()
             else:
                 break
-        for peer in self.peers:
-            if peer.evaluate is not None and self._settled_for(peer):
-                replies.append((peer.envelope, self._evaluation(peer)))
+        if self.evaluating:
+            for peer in self.peers:
+                if peer.evaluate is not None and self._settled_for(peer):
+                    replies.append((peer.envelope, self._evaluation(peer)))
+            self.evaluating = any(peer.evaluate is not None for peer in self.peers)
         return replies
 
     def _settled_for(self, peer: Peer) -> bool:
@@ -541,7 +548,9 @@ class ServingStage:
             stage.check_finite("activation_grad", dx, msg.step)
         except NonFiniteError as e:
             self.log.error("%s", e)
-            self._failed(peer)
+            self._failed(peer, e)
+            if not self.shared:
+                raise ProtocolError(ErrorCode.NONFINITE_STEP, str(e)) from e
             return peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.NONFINITE_STEP, str(e),
                                                      msg.mb, msg.mbs)
         except StageError as e:
@@ -554,7 +563,7 @@ class ServingStage:
             peer.waiting.clear()            # refused from below: the peer sends again after its handshake
             raise
         if msg.mb == 0:
-            peer.cached = {k: v for k, v in peer.cached.items() if k[0] == msg.step - 1}
+            peer.cached = {}                # the peer holds every reply of its previous step
         body = {"loss": float(mb_loss)}
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors={"activation_grad": dx})
         peer.cached[(msg.step, msg.mb)] = reply
@@ -617,7 +626,7 @@ class ServingStage:
                     self._drop(current)
         return self._advance(self.now)
 
-    def _failed(self, peer: Peer) -> None:
+    def _failed(self, peer: Peer, error: NonFiniteError) -> None:
         """``peer``'s step gave a non-finite loss or gradient: nothing of it applied. One peer: the run
         fails (``failure``); several: that peer is dropped and the others go on."""
         self.engine.reset()
@@ -625,7 +634,7 @@ class ServingStage:
         if self.shared:
             self._drop(peer)
         else:
-            self.failure = True
+            self.failure = error
 
     def _drop(self, peer: Peer) -> None:
         if self._current() is peer:
@@ -730,14 +739,13 @@ class ServingStage:
         self.finished = self.close_run("completed")
         return self.finished
 
-    def end_failed_run(self) -> bool:
-        """One peer whose step failed has been told: close its run ("failed", no checkpoint written)."""
-        if not self.failure:
-            return False
-        self.failure = False
-        if self.active:
+    def end_failed_run(self) -> NonFiniteError | None:
+        """Once the one peer whose step failed has been told: close its run ("failed", no checkpoint
+        written) and return the failure; None while there is none."""
+        failure, self.failure = self.failure, None
+        if failure is not None and self.active:
             self.close_run("failed")
-        return True
+        return failure
 
     def at_round_boundary(self) -> bool:
         """Between rounds: the live state is a whole step of the run (what a checkpoint may hold)."""
@@ -845,8 +853,8 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
             now = time.monotonic()
             replies = logic.tick(now)
             if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
-                status = "lost"
                 if logic.shared:
+                    status = "lost"
                     when = ("after the last step, none having said bye" if logic.phase is Phase.DONE
                             else f"at step {logic.round}")
                     raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s {when}; giving up")
@@ -861,12 +869,13 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                 for envelope, reply in replies:
                     server.reply(envelope, reply)
                 replies = logic.settle()
-            if logic.end_failed_run():
+            failure = logic.end_failed_run()
+            if failure is not None:
                 status = "failed"
                 if not keep_serving:
-                    raise NonFiniteError(f"stage {opts.stage}: the run ended on a non-finite loss or gradient "
-                                         f"(see above); nothing of that step was applied")
+                    raise failure
                 log.error("the run failed; waiting for the next run")
+                status = "interrupted"
                 continue
             finished = logic.finish_run()
             if finished is not None:
@@ -886,7 +895,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
     finally:
         try:
             logic.settle()
-            if logic.active and status != "failed":
+            if logic.active and logic.failure is None:
                 if logic.at_round_boundary():
                     logic.state.save(logic.rounds_done if logic.shared else None)   # skipped once a save failed
                 else:

@@ -225,15 +225,6 @@ class Stage:
             raise ValueError(f"stage {self.name}: checkpoint lacks optimizer state {e.args[0]!r}") from e
         self.step = step
 
-    def train_last(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
-        """A whole step on the last stage: forward, loss, backward, update.
-
-        Returns ``(loss, dx, grads)``; ``dx`` is what travels upstream.
-        """
-        loss, dx, grads = self.loss_micro_batch(x, target)
-        self.apply(grads)
-        return loss, dx, grads
-
     def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
         """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``."""
         assert self.loss is not None, f"stage {self.name} has no loss"

@@ -17,8 +17,9 @@ import os
 
 # Pin BLAS pools before numpy loads, as the launcher does for every stage, so any
 # reference computed in this process uses the same kernels as the stage processes.
-for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_name, "1")
+from distgrad.threads import pin_blas_threads  # noqa: E402  (imports neither numpy nor the package's API)
+
+pin_blas_threads()
 
 import contextlib
 import inspect
@@ -359,3 +360,16 @@ def read_json(path: Path) -> dict:
 def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
+
+def train_last_step(stage, x, target):
+    """One whole step of a last stage outside any runner: forward, loss, backward, and the update
+    through a step engine (the one update path). Returns ``(loss, dx, grads)``."""
+    import numpy as np
+
+    from distgrad.engine import StepEngine
+
+    loss, dx, grads = stage.loss_micro_batch(x, target)
+    engine = StepEngine(stage, lambda micro_batches: np.float32(1))
+    engine.add(0, 1, grads, loss)
+    engine.update(stage.step + 1, 1)
+    return loss, dx, grads

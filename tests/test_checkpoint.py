@@ -14,6 +14,8 @@ from distgrad.errors import CheckpointWriteError, ConfigError
 from distgrad.experiment import load_experiment
 from distgrad.stage import Stage
 
+from conftest import train_last_step
+
 
 def _store(tmp_path, stage="g"):
     return CheckpointStore(tmp_path / "ckpt", stage, "fp")
@@ -89,7 +91,7 @@ def test_stage_state_round_trip_continues_bitwise():
 
     def step(stage, i):
         x, _ = f.forward(data.features(i))
-        stage.train_last(x, data.targets(i))
+        train_last_step(stage, x, data.targets(i))
 
     for i in range(1, 6):
         step(g, i)

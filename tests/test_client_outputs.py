@@ -24,10 +24,6 @@ CLIENTS = 3
 RUN_FIELDS = {"experiment", "steps", "seed", "mode", "transport", "micro_batches", "elapsed_s", "cpu_s", "params",
               "status", "clients"}
 CLIENT_FIELDS = {"client", "run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count"}
-NEEDS_SERVING_TRACE = pytest.mark.xfail(strict=False, reason="needs the one serving stage (issue 13): "
-                                                             "g writes one trace line per client turn")
-
-
 def _write_lines(path: Path, lines: list[dict]) -> Path:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
@@ -95,7 +91,6 @@ def test_plot_of_a_two_stage_metrics_file_has_one_unlabelled_line(tmp_path):
 
 # --- trace -------------------------------------------------------------------------------------
 
-@NEEDS_SERVING_TRACE
 def test_splitfed_trace_is_one_line_per_step_and_client_with_both_stages_values(tmp_path):
     trace, summary = tmp_path / "t.jsonl", tmp_path / "s.json"
     result = run_cli(["run", "digits-splitfed", "--steps", STEPS, "--trace", trace, "--summary", summary])
@@ -202,3 +197,16 @@ def test_merge_client_summaries_takes_the_serving_stages_view_of_status_and_roun
         {"client": 1, "run_id": "r1", "steps": 9, "final_loss": 1.5, "status": "dropped"}]
     earlier = records.merge_client_summaries([client(0, 10), client(1, 10)], None, mode="finished earlier")
     assert earlier["steps"] == 10 and earlier["status"] == "completed" and "transport" not in earlier
+
+
+@pytest.mark.parametrize("experiment", ["digits-clients", "digits-splitfed"])
+def test_clients_trace_over_the_wire_equals_the_in_process_trace(tmp_path, experiment):
+    """The serving stage writes a line per client turn; merged with the clients' lines, the trace is the
+    in-process reference's, bit for bit (SplitFed: each client's parameters after the average)."""
+    wire_trace, local_trace = tmp_path / "wire.jsonl", tmp_path / "local.jsonl"
+    flags = ["--steps", STEPS, "--micro-batches", "2"]
+    result = run_cli(["run", experiment, *flags, "--trace", wire_trace])
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_cli(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_lines(wire_trace) == read_lines(local_trace)

@@ -121,7 +121,7 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stag
     (["f", "--connect", "tcp://127.0.0.1:5"], "give --client 0 to 2"),
     (["f", "--client", "3", "--connect", "tcp://127.0.0.1:5"], "give --client 0 to 2"),
     (["g", "--client", "1", "--bind", "tcp://127.0.0.1:*"], "--client is for the first stage"),
-    (["g", "--bind", "tcp://127.0.0.1:*", "--checkpoint-dir", "ck"], "keeps no checkpoints"),
+    (["g", "--bind", "tcp://127.0.0.1:*", "--keep-serving"], "--keep-serving is not supported"),
 ])
 def test_client_usage_errors_exit_2(args, needle):
     result = run_cli(["stage", *args, "--experiment", "digits-clients"])
@@ -150,24 +150,24 @@ def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_serve
 
 
 def test_a_client_back_with_a_new_run_waits_for_the_next_step_without_stalling_the_others():
-    """No sockets: ClientsServer's hello rules. Client 1 comes back with a fresh run id after
+    """No sockets: the serving stage's hello rules. Client 1 comes back with a fresh run id after
     its liveness ran out but before the stage dropped it: it joins at the next step, and the
     step in progress goes on without it."""
     from distgrad import wire
-    from distgrad.daemon import StageOptions
     from distgrad.experiment import load_experiment
-    from distgrad.federation import ClientsServer
+    from distgrad.options import StageOptions
+    from distgrad.serving import Phase, PeerStatus, ServingStage
     from conftest import hello_message
 
     exp = load_experiment("digits-clients")
-    server = ClientsServer(StageOptions(exp, "g", exp.seed, liveness_s=1.0))
+    server = ServingStage(StageOptions(exp, "g", exp.seed, liveness_s=1.0))
     for c in range(3):
         server.handle([b"peer%d" % c], hello_message(exp, f"run{c}", client=c, micro_batches=1), 0.0)
-    assert (server.phase, server.round) == ("steps", 1)
+    assert (server.phase, server.round) == (Phase.ROUND, 1)
     (_, welcome), = [r for r in server.handle([b"new"], hello_message(exp, "fresh1", client=1, micro_batches=1), 5.0)
                      if r[1].type == wire.WELCOME]
     assert welcome.body["next_step"] == 2
-    assert not server.clients[1].active and server.clients[1].joining
+    assert server.peers[1].status is PeerStatus.REJOINING
     assert server.order == [0, 1, 2]            # its turn in step 1 is skipped, not waited for
 
 
@@ -226,3 +226,26 @@ def test_a_client_silent_between_its_last_step_and_its_bye_is_dropped_and_g_exit
         assert "clients ['f@0', 'f@1'] said bye, clients ['f@2'] were dropped" in proc.output
     else:
         assert "every client lost for more than 1 s after the last step" in proc.output
+
+
+@pytest.mark.parametrize("experiment", ["digits-clients", "digits-splitfed"])
+def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_group, experiment):
+    """kill -9 of the serving stage of three clients mid-run, restarted with the same command line
+    (--checkpoint-dir, --resume): every client's and the label owner's parameters are bitwise those of
+    the uninterrupted run. The clients retry meanwhile and roll back to the round it resumes at."""
+    steps = 60
+    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "1",
+                      "--peer-deadline", "30")
+    run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
+    run.start("g")
+    for name in CLIENTS:
+        run.start(name)
+    run.wait_until(lambda: run.steps("f@0") >= 25, "client 0 to reach step 25")
+    run.procs["g"].signal(signal.SIGKILL)
+    run.procs["g"].wait(10)
+    run.start("g")                                          # the same command line
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
+    for name in [*CLIENTS, "g"]:
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name

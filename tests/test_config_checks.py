@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distgrad.daemon import StageOptions
+from distgrad.options import StageOptions
 from distgrad.errors import ConfigError
 from distgrad.experiment import BUILTIN_DIR, load_experiment
 from distgrad.inprocess import train_in_process

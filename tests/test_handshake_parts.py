@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from distgrad import wire
-from distgrad.daemon import StageOptions
+from distgrad.options import StageOptions
 from distgrad.errors import ProtocolError
 from distgrad.experiment import MAX_PARTS, fingerprint_parts, load_experiment, parse_experiment
-from distgrad.federation import ClientsServer
-from distgrad.server import StageServer, check_hello
+from distgrad.handshake import check_hello
+from distgrad.serving import ServingStage
 from distgrad.stage import Stage
 from distgrad.wire import ErrorCode
 
@@ -72,15 +72,15 @@ def test_each_kind_of_part_is_named(change, needle):
 
 def test_a_middle_stage_and_a_stage_of_several_clients_name_the_parts_too():
     g_exp, m_exp = _variant("chain4-classify", lambda raw: raw["stages"][2]["optimizer"].update(lr=0.5))
-    server = StageServer(StageOptions(g_exp, "g", g_exp.seed))
+    server = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
     first = Stage.from_experiment(g_exp, "m2")
     hello = hello_message(g_exp, "r", role="m2", fingerprint=m_exp.fingerprint, parts=fingerprint_parts(m_exp),
                           activation={"shape": list(first.output_shape), "dtype": "float32"})
     with pytest.raises(ProtocolError, match="stage m2 differs from stage g's in: stage m2 optimizer"):
-        server.handle(hello, 0.0)
+        server.handle([b"peer"], hello, 0.0)
 
     g_exp, f_exp = _variant("digits-clients", lambda raw: raw.update(steps=7))
-    clients = ClientsServer(StageOptions(g_exp, "g", g_exp.seed))
+    clients = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
     hello = hello_message(g_exp, "r", client=0, fingerprint=f_exp.fingerprint, parts=fingerprint_parts(f_exp))
     with pytest.raises(ProtocolError, match=r"in: steps \(f has 7, g has 300\)"):
         clients.handle([b"peer"], hello, 0.0)

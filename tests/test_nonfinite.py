@@ -16,14 +16,16 @@ import zmq
 
 from distgrad import wire
 from distgrad.api import drive_stage
-from distgrad.daemon import StageOptions
+from distgrad.options import StageOptions
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.engine import StepEngine
 from distgrad.inprocess import _step, train_in_process
-from distgrad.server import StageServer
+from distgrad.serving import PeerStatus, ServingStage
 from distgrad.stage import Stage
 from distgrad.wire import ErrorCode, Message
 
+from handshake import only_reply
 from conftest import StageProcess, hello_message, read_json, run_cli, wait_for_file
 
 BATCH = 8
@@ -135,8 +137,8 @@ def test_allow_nonfinite_trains_through_a_nan_label(tmp_path):
     assert np.isnan(summary["final_loss"])
 
 
-def _server(exp) -> StageServer:
-    return StageServer(StageOptions(exp, exp.stage_names[-1], exp.seed))
+def _server(exp) -> ServingStage:
+    return ServingStage(StageOptions(exp, exp.stage_names[-1], exp.seed))
 
 
 def _forward(exp, run: str, step: int) -> Message:
@@ -149,13 +151,13 @@ def test_serving_stage_refuses_with_nonfinite_step_and_changes_nothing(tmp_path)
     exp = load_experiment(_nan_labels_experiment(tmp_path))
     step = _nan_step(str(pytest.raises(NonFiniteError, train_in_process, exp).value))
     server = _server(exp)
-    server.handle(hello_message(exp, "r"), 0.0)
+    server.handle([b"p"], hello_message(exp, "r"), 0.0)
     for s in range(1, step):
-        server.handle(_forward(exp, "r", s), 0.0)
+        server.handle([b"p"], _forward(exp, "r", s), 0.0)
         server.settle()
     before = {k: v.copy() for k, v in server.stage.params.items()}
     with pytest.raises(ProtocolError) as refused:
-        server.handle(_forward(exp, "r", step), 0.0)
+        server.handle([b"p"], _forward(exp, "r", step), 0.0)
     assert refused.value.code == ErrorCode.NONFINITE_STEP
     server.settle()
     assert server.stage.step == step - 1
@@ -167,7 +169,7 @@ def test_deferred_nan_gradient_is_not_applied_and_is_told_on_the_next_message(mo
     """The serving stage computes weight gradients after its reply: a NaN there is caught before the update."""
     exp = load_experiment("tanh-regression")
     server = _server(exp)
-    server.handle(hello_message(exp, "r"), 0.0)
+    server.handle([b"p"], hello_message(exp, "r"), 0.0)
     real = Stage.loss_micro_batch_deferred
 
     def nan_grads(self, x, target):
@@ -176,13 +178,13 @@ def test_deferred_nan_gradient_is_not_applied_and_is_told_on_the_next_message(mo
 
     monkeypatch.setattr(Stage, "loss_micro_batch_deferred", nan_grads)
     before = {k: v.copy() for k, v in server.stage.params.items()}
-    reply = server.handle(_forward(exp, "r", 1), 0.0)
+    reply = only_reply(server.handle([b"p"], _forward(exp, "r", 1), 0.0))
     assert reply.type == wire.BACKWARD
     server.settle()
     assert server.stage.step == 0
     assert all(np.array_equal(before[k], v) for k, v in server.stage.params.items())
     with pytest.raises(ProtocolError, match="stage g: non-finite gradient of g2.W at step 1") as told:
-        server.handle(_forward(exp, "r", 2), 0.0)
+        server.handle([b"p"], _forward(exp, "r", 2), 0.0)
     assert told.value.code == ErrorCode.NONFINITE_STEP
 
 
@@ -199,7 +201,8 @@ def test_nan_activation_gradient_in_process_changes_no_stage(monkeypatch):
     monkeypatch.setattr(Stage, "backward", nan_dx)
     data = exp.build_data()
     with pytest.raises(NonFiniteError, match="stage g: non-finite activation_grad at step 1"):
-        _step(stages, data.features(1), data.targets(1), 1, np.float32(1), False)
+        _step([StepEngine(s, exp.final_loss.micro_batch_scale) for s in stages], 1, data.features(1),
+              data.targets(1), 1)
     for stage, params in zip(stages, before):
         assert stage.step == 0 and all(np.array_equal(params[k], v) for k, v in stage.params.items())
 
@@ -246,21 +249,19 @@ def test_init_nan_in_an_experiment_file_is_refused_like_the_flag():
 
 
 def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeypatch):
-    """federation.ClientsServer: the failing client hears nonfinite_step (its driver exits 1), nothing is
+    """The serving stage of several clients: the failing client hears nonfinite_step (its driver exits 1), nothing is
     applied, and the other clients' steps go on."""
-    from distgrad.federation import ClientsServer
-
     exp = load_experiment("digits-clients")
-    server = ClientsServer(StageOptions(exp, "g", exp.seed))
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
     for c in range(exp.clients.count):
         server.handle([b"peer%d" % c], hello_message(exp, f"run{c}", client=c, micro_batches=1), 0.0)
-    real = Stage.loss_micro_batch
+    real = Stage.loss_micro_batch_deferred
 
     def nan_loss_for_client_0(self, x, target):
-        loss, dx, grads = real(self, x, target)
-        return (np.float32(np.nan) if server.turn == 0 else loss), dx, grads
+        loss, dx, grads_later = real(self, x, target)
+        return (np.float32(np.nan) if server.turn == 0 else loss), dx, grads_later
 
-    monkeypatch.setattr(Stage, "loss_micro_batch", nan_loss_for_client_0)
+    monkeypatch.setattr(Stage, "loss_micro_batch_deferred", nan_loss_for_client_0)
     before = {k: v.copy() for k, v in server.stage.params.items()}
     firsts = [Stage.from_experiment(exp, "f") for _ in range(exp.clients.count)]
     data = [exp.build_data(client=c) for c in range(exp.clients.count)]
@@ -269,7 +270,8 @@ def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeyp
     assert refused.type == wire.ERROR and refused.body["code"] == ErrorCode.NONFINITE_STEP
     assert "stage g: non-finite loss at step 1" in refused.body["message"]
     assert all(np.array_equal(before[k], v) for k, v in server.stage.params.items())
-    assert not server.clients[0].active
+    assert server.peers[0].status is PeerStatus.DROPPED
     y1, _ = firsts[1].forward(data[1].features(1))
     (_, reply), = server.handle([b"peer1"], Message(wire.FORWARD, "run1", 1, tensors={"activation": y1}), 0.0)
+    server.settle()
     assert reply.type == wire.BACKWARD and server.stage.step == 1

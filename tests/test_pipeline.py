@@ -9,7 +9,7 @@ import pytest
 
 from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
-from distgrad.stage import GradAccumulator
+from distgrad.engine import GradAccumulator
 
 from conftest import read_json, read_lines, run_cli
 from test_faults import Pair, _free_tcp_endpoint

@@ -31,7 +31,7 @@ from distgrad.inprocess import train_in_process
 from distgrad.nn import build_model
 from distgrad.stage import Stage
 
-from conftest import read_json, read_lines, run_cli
+from conftest import read_json, read_lines, run_cli, train_last_step
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
@@ -272,7 +272,7 @@ def test_state_arrays_round_trip_through_a_checkpoint_file(tmp_path):
     trained, fresh = TorchStage.from_experiment(exp, "g"), TorchStage.from_experiment(exp, "g")
 
     def step(stage, i):
-        stage.train_last(upstream.forward(data.features(i))[0], data.targets(i))
+        train_last_step(stage, upstream.forward(data.features(i))[0], data.targets(i))
 
     for i in range(1, 4):
         step(trained, i)
@@ -339,7 +339,7 @@ def test_a_hand_written_module_is_a_stage(tmp_path):
     data = exp.build_data()
     for step in range(1, 16):                   # the order every path uses: forward down, backward up
         activation, cache = f.forward(data.features(step))
-        _, dx, _ = g.train_last(activation, data.targets(step))
+        _, dx, _ = train_last_step(g, activation, data.targets(step))
         f.apply(f.backward(cache, dx, need_dx=False)[1])
     reference = train_in_process(exp)["params"]
     assert np.array_equal(g.params["hidden.weight"].T, np.array(reference["g"]["g1.W"], np.float32))

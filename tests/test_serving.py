@@ -1,0 +1,191 @@
+"""The serving stage's message handling, without sockets: ``ServingStage.handle`` and ``settle``.
+
+Hello, forward (with its deferred update), repeats, past and future steps,
+bye, evaluate, ping and refusals, for one peer and for several; what a
+refused message leaves behind (nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distgrad import wire
+from distgrad.errors import ProtocolError
+from distgrad.experiment import load_experiment
+from distgrad.options import StageOptions
+from distgrad.serving import PeerStatus, Phase, ServingStage
+from distgrad.stage import Stage
+from distgrad.wire import ErrorCode, Message
+
+from handshake import hello_message, only_reply
+
+PEER = [b"peer"]
+
+
+def _serving(name: str, **options) -> tuple[ServingStage, object]:
+    exp = load_experiment(name)
+    return ServingStage(StageOptions(exp, exp.stage_names[-1], exp.seed, **options)), exp
+
+
+def _activation(exp, step: int, client: int | None = None) -> np.ndarray:
+    f = Stage.from_experiment(exp, exp.stage_names[0])
+    return f.forward(exp.build_data(client=client).features(step))[0]
+
+
+def _forward(exp, run: str, step: int, client: int | None = None) -> Message:
+    return Message(wire.FORWARD, run, step, tensors={"activation": _activation(exp, step, client)})
+
+
+def _params(server: ServingStage) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in server.stage.params.items()}
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_hello_opens_the_run_at_step_one():
+    server, exp = _serving("tanh-regression")
+    welcome = only_reply(server.handle(PEER, hello_message(exp, "r"), 0.0))
+    assert welcome.type == wire.WELCOME and welcome.body == {"stage": "g", "next_step": 1}
+    assert server.phase is Phase.ROUND and server.peers[0].status is PeerStatus.ACTIVE
+
+
+def test_a_forward_is_answered_before_its_update_and_updated_once():
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    before = _params(server)
+    reply = only_reply(server.handle(PEER, _forward(exp, "r", 1), 0.0))
+    assert reply.type == wire.BACKWARD and reply.tensors["activation_grad"].shape == server.stage.input_shape
+    assert server.stage.step == 0 and _same(before, server.stage.params)     # the update waits for settle
+    assert server.settle() == []
+    assert server.stage.step == 1 and not _same(before, server.stage.params)
+    after = _params(server)
+    again = only_reply(server.handle(PEER, _forward(exp, "r", 1), 0.0))      # a repeat: the same reply
+    server.settle()
+    assert again is reply and server.stage.step == 1 and _same(after, server.stage.params)
+
+
+@pytest.mark.parametrize("step", [1, 4, 9])
+def test_past_and_future_steps_are_refused_and_change_nothing(step):
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    for s in (1, 2, 3):
+        server.handle(PEER, _forward(exp, "r", s), 0.0)
+        server.settle()
+    server.peers[0].cached.clear()                 # step 1 is past and no longer cached
+    before = _params(server)
+    expected_refusal = step != 4
+    if expected_refusal:
+        with pytest.raises(ProtocolError) as refused:
+            server.handle(PEER, _forward(exp, "r", step), 0.0)
+        assert refused.value.code == ErrorCode.STEP
+        assert server.stage.step == 3 and _same(before, server.stage.params)
+    else:
+        assert only_reply(server.handle(PEER, _forward(exp, "r", step), 0.0)).type == wire.BACKWARD
+
+
+def test_refusals_for_another_run_bad_tensors_and_types_change_nothing():
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    before = _params(server)
+    cases = [
+        (_forward(exp, "other", 1), ErrorCode.RUN),
+        (Message(wire.FORWARD, "r", 1, tensors={"activation": np.zeros((3, 3), np.float32)}), ErrorCode.TENSOR),
+        (Message(wire.WELCOME, "r", 1), ErrorCode.TYPE),
+        (Message(wire.BYE, "r", 1, body={"steps": 5}), ErrorCode.STEP),
+    ]
+    for msg, code in cases:
+        with pytest.raises(ProtocolError) as refused:
+            server.handle(PEER, msg, 0.0)
+        assert refused.value.code == code, msg.describe()
+    assert server.stage.step == 0 and _same(before, server.stage.params)
+    assert only_reply(server.handle(PEER, _forward(exp, "r", 1), 0.0)).type == wire.BACKWARD
+
+
+def test_a_hello_of_a_new_run_while_the_client_is_live_is_busy():
+    server, exp = _serving("tanh-regression", liveness_s=5.0)
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    with pytest.raises(ProtocolError, match="busy") as refused:
+        server.handle([b"other"], hello_message(exp, "s"), 1.0)
+    assert refused.value.code == ErrorCode.RUN
+    welcome = only_reply(server.handle([b"other"], hello_message(exp, "s"), 10.0))   # the first one is gone
+    assert welcome.body["next_step"] == 1 and server.peers[0].run == "s"
+
+
+def test_a_hello_of_the_same_run_rolls_back_to_the_newest_step_both_hold():
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    start = _params(server)
+    for s in (1, 2):
+        server.handle(PEER, _forward(exp, "r", s), 0.0)
+        server.settle()
+    welcome = only_reply(server.handle(PEER, hello_message(exp, "r", held=[0, 1]), 0.0))
+    assert welcome.body["next_step"] == 1                 # no checkpoints here: back to the initial state
+    assert server.stage.step == 0 and _same(start, server.stage.params)
+
+
+def test_bye_completes_the_run_and_a_repeated_bye_is_answered_again():
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    server.handle(PEER, _forward(exp, "r", 1), 0.0)
+    server.settle()
+    bye = only_reply(server.handle(PEER, Message(wire.BYE, "r", 2, body={"steps": 1}), 0.0))
+    assert bye.type == wire.BYE and bye.body == {"steps": 1}
+    summary = server.finish_run()
+    assert summary["status"] == "completed" and summary["steps"] == 1 and isinstance(summary["final_loss"], float)
+    assert only_reply(server.handle(PEER, Message(wire.BYE, "r", 2, body={"steps": 1}), 0.0)) is bye
+
+
+def test_evaluate_scores_the_held_out_rows_and_changes_nothing():
+    server, exp = _serving("digits")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    f = Stage.from_experiment(exp, "f")
+    rows = exp.build_data().test_features()
+    before = _params(server)
+    evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", 1,
+                                                        tensors={"activation": f.forward(rows)[0]}), 0.0))
+    assert evaluation.type == wire.EVALUATION and evaluation.body["count"] == len(rows)
+    assert 0 <= evaluation.body["correct"] <= len(rows) and _same(before, server.stage.params)
+
+
+def test_ping_says_where_the_stage_stands():
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    pong = only_reply(server.handle(PEER, Message(wire.PING, "", 0), 0.5))
+    assert pong.type == wire.PONG
+    assert {k: pong.body[k] for k in ("stage", "run", "step", "client_live")} == {
+        "stage": "g", "run": "r", "step": 0, "client_live": True}
+
+
+def test_several_clients_are_answered_in_client_order_whatever_order_they_send_in():
+    server, exp = _serving("digits-clients")
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
+    assert server.phase is Phase.ROUND and server.order == [0, 1, 2]
+    assert server.handle(peers[2], _forward(exp, "run2", 1, client=2), 0.0) == []      # not its turn yet
+    assert server.handle(peers[1], _forward(exp, "run1", 1, client=1), 0.0) == []
+    answered = server.handle(peers[0], _forward(exp, "run0", 1, client=0), 0.0)
+    assert [envelope for envelope, _ in answered] == [peers[0]]
+    while True:                        # each reply leaves before its update; then the next turn's work
+        more = server.settle()
+        if not more:
+            break
+        answered += more
+    assert [envelope for envelope, _ in answered] == peers
+    assert all(reply.type == wire.BACKWARD and reply.step == 1 for _, reply in answered)
+    assert server.round == 2 and server.stage.step == 3                 # three updates, one per client
+
+
+def test_a_hello_naming_no_client_or_another_index_is_refused():
+    server, exp = _serving("digits-clients")
+    for client in (None, 3, True):
+        hello = hello_message(exp, "r", **({} if client is None else {"client": client}))
+        with pytest.raises(ProtocolError, match="give --client") as refused:
+            server.handle(PEER, hello, 0.0)
+        assert refused.value.code == ErrorCode.MISMATCH
+    single, exp = _serving("tanh-regression")
+    with pytest.raises(ProtocolError, match="has no \\[clients\\]"):
+        single.handle(PEER, hello_message(exp, "r", client=1), 0.0)
