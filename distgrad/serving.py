@@ -485,7 +485,7 @@ class ServingStage:
                         break
                     replies.append(self._compute(peer, msg, now))
                     continue
-                if not any(p.taking_part() for p in self.peers):
+                if not self.order and not any(p.taking_part() for p in self.peers):
                     break                   # nobody takes part: wait for a hello (``tick`` bounds it)
                 self._end_round()
             elif self.phase is Phase.JOINING:
@@ -614,16 +614,15 @@ class ServingStage:
         work, self.deferred = self.deferred, None
         if work is None:
             return []
-        current = self._current()
         try:
             work()
         except NonFiniteError as e:
             self.log.error("%s", e)
             self.engine.reset()
-            if current is not None:
-                current.failure = e
-                if self.shared:
-                    self._drop(current)
+            peer = self.peers[self.order[self.turn]]      # whose turn it was: the update did not end it
+            peer.failure = e
+            if self.shared:
+                self._drop(peer)
         return self._advance(self.now)
 
     def _failed(self, peer: Peer, error: NonFiniteError) -> None:
