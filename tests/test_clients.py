@@ -75,6 +75,15 @@ class Clients(StageGroup):
     def steps(self, name: str) -> int:
         return self.lines(f"{name}.jsonl")
 
+    def start_all_then_kill(self, name: str, when: str, at_step: int) -> None:
+        """Start the serving stage and every client; SIGKILL ``name`` once client ``when`` reached ``at_step``."""
+        self.start("g")
+        for client in CLIENTS:
+            self.start(client)
+        self.wait_until(lambda: self.steps(when) >= at_step, f"{when} to reach step {at_step}")
+        self.procs[name].signal(signal.SIGKILL)
+        self.procs[name].wait(10)
+
 
 def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
     """Client 2 starts first and client 0 last, well apart: still the in-process result."""
@@ -93,12 +102,7 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stag
     steps = 400
     run = stage_group(Clients, tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
                   "--peer-deadline", "30")
-    run.start("g")
-    for name in CLIENTS:
-        run.start(name)
-    run.wait_until(lambda: run.steps("f@1") >= 40, "client 1 to reach step 40")
-    run.procs["f@1"].signal(signal.SIGKILL)
-    run.procs["f@1"].wait(10)
+    run.start_all_then_kill("f@1", when="f@1", at_step=40)
     run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1", all_running=False)
     at_drop = run.steps("f@0")
     run.wait_until(lambda: run.steps("f@0") >= at_drop + 20 and run.steps("f@2") >= at_drop + 20,
@@ -237,12 +241,7 @@ def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_gr
     run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "1",
                       "--peer-deadline", "30")
     run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
-    run.start("g")
-    for name in CLIENTS:
-        run.start(name)
-    run.wait_until(lambda: run.steps("f@0") >= 25, "client 0 to reach step 25")
-    run.procs["g"].signal(signal.SIGKILL)
-    run.procs["g"].wait(10)
+    run.start_all_then_kill("g", when="f@0", at_step=25)
     run.start("g")                                          # the same command line
     run.wait_all()
     assert "resumed run" in run.logs()

@@ -789,6 +789,18 @@ def vm_rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS line")
 
 
+def legitimate_run(tmp_path: Path, endpoint: str, g_json: Path) -> tuple[dict, dict, dict]:
+    """A normal seed-reverse run against the stage at ``endpoint``: (f's summary, g's summary of that run,
+    the in-process reference parameters)."""
+    params = reference(tmp_path)
+    f_json = tmp_path / "f.json"
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", f_json],
+                      tmp_path / "f.log") as f:
+        assert f.wait() == 0, f.output
+    f_summary = read_json(f_json)
+    return f_summary, summary_of(g_json, f_summary["run_id"]), params
+
+
 def reference(tmp_path: Path, *extra: str) -> dict:
     path = tmp_path / "ref.json"
     done = run_cli(["run", "seed-reverse", "--in-process", *extra, "--summary", path])
@@ -872,13 +884,7 @@ def test_live_stage_survives_hostile_messages(start_server, tmp_path, zmq_ctx):
     link.close()
 
     # A legitimate run now (a hostile run may still be open: it is displaced after --liveness).
-    params = reference(tmp_path)
-    f_json = tmp_path / "f.json"
-    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", f_json],
-                      tmp_path / "f.log") as f:
-        assert f.wait() == 0, f.output
-    f_summary = read_json(f_json)
-    g_summary = summary_of(g_json, f_summary["run_id"])
+    f_summary, g_summary, params = legitimate_run(tmp_path, endpoint, g_json)
     assert g_summary["run_id"] == f_summary["run_id"] and g_summary["status"] == "completed"
     assert g_summary["steps"] == f_summary["steps"] == EXP.steps
     assert f_summary["params"]["f"] == params["f"]
@@ -1023,11 +1029,5 @@ def test_a_message_of_a_million_empty_frames_is_discarded_and_its_connection_dro
     attacker.close(0)
     pinger.close(0)
 
-    params = reference(tmp_path)
-    f_json = tmp_path / "f.json"
-    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", f_json],
-                      tmp_path / "f.log") as f:
-        assert f.wait() == 0, f.output
-    f_summary = read_json(f_json)
-    g_summary = summary_of(g_json, f_summary["run_id"])
+    f_summary, g_summary, params = legitimate_run(tmp_path, endpoint, g_json)
     assert f_summary["params"]["f"] == params["f"] and g_summary["params"]["g"] == params["g"]
