@@ -154,6 +154,7 @@ class ServingStage:
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
         self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
+        self.deferred_peer: Peer | None = None             # whose micro-batch that is
         if opts.resume and self.state.resume_latest():
             self._resumed(time.monotonic())
             self.state.open_trace(append=True)
@@ -211,7 +212,7 @@ class ServingStage:
         return self.state.resumed_step
 
     def live(self, now: float) -> bool:
-        return any(p.live(now, self.opts.liveness_s) for p in self.peers)
+        return self.active and any(p.live(now, self.opts.liveness_s) for p in self.peers)
 
     # -- messages
     def handle(self, envelope: Envelope, msg: Message, now: float, peer_key: str = "") -> list[Reply]:
@@ -283,8 +284,9 @@ class ServingStage:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment "
                                                     f"{self.exp.name!r} has no [clients]")
         peer = self.peers[index]
-        if peer.owner and peer.run == msg.run and peer_key != peer.owner:
-            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if peer.owner and peer_key != peer.owner and (self.shared or peer.run == msg.run):
+            raise ProtocolError(ErrorCode.RUN, f"{self._name(peer)} said hello with another client key before"
+                                if self.shared else "this run belongs to another client key")
         if self.shared:
             next_step = self._hello_shared(peer, msg, mbs, now, peer_key)
         else:
@@ -301,7 +303,8 @@ class ServingStage:
 
     def _hello_single(self, peer: Peer, msg: Message, mbs: int, now: float, peer_key: str) -> int:
         """One peer: its run again (both roll back to the newest step all hold), or a new run."""
-        if self.active and msg.run == peer.run:
+        same_run = self.active and msg.run == peer.run
+        if same_run:
             common = self._agree(msg, self.state.held(), msg.body.get("held"), mbs)
             before = self.stage.step
             self.state.rollback(common)
@@ -319,7 +322,7 @@ class ServingStage:
             peer.run, peer.owner = msg.run, peer_key
             self.log.info("run %s started by %s", msg.run, msg.body.get("role"))
         common = self.stage.step
-        self._new_run(start_round=common + 1, fresh=not (self.active and msg.run == peer.run))
+        self._new_run(start_round=common + 1, fresh=not same_run)
         self.active = True
         peer.status, peer.step = PeerStatus.ACTIVE, common
         self.engine.reset()                     # a step in progress starts again from its first micro-batch
@@ -392,6 +395,10 @@ class ServingStage:
         if peer.status is PeerStatus.DROPPED:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
+        if key in peer.waiting:
+            wire.expect_tensors(msg, peer.specs, self.exp.allow_nonfinite)
+            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
+            return []
         in_turn = self.phase is Phase.ROUND and self.turn < len(self.order) and self.order[self.turn] == peer.index
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
@@ -485,8 +492,8 @@ class ServingStage:
                         break
                     replies.append(self._compute(peer, msg, now))
                     continue
-                if not self.order and not any(p.taking_part() for p in self.peers):
-                    break                   # nobody takes part: wait for a hello (``tick`` bounds it)
+                if not any(p.taking_part() for p in self.peers):
+                    break                   # nobody takes part (any more): wait for a hello or the bye's end
                 self._end_round()
             elif self.phase is Phase.JOINING:
                 present = [p for p in self.peers if p.status is PeerStatus.ACTIVE]
@@ -570,6 +577,7 @@ class ServingStage:
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
         peer.last_seen = now
         self.deferred = lambda: self._accumulate(peer, msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
+        self.deferred_peer = peer
         return peer.envelope, reply
 
     def _through(self, msg: Message, x: np.ndarray
@@ -618,21 +626,22 @@ class ServingStage:
             work()
         except NonFiniteError as e:
             self.log.error("%s", e)
-            self.engine.reset()
-            peer = self.peers[self.order[self.turn]]      # whose turn it was: the update did not end it
+            peer = self.deferred_peer          # whose micro-batch it was: its turn did not end
             peer.failure = e
             if self.shared:
                 self._drop(peer)
+            else:
+                self.engine.reset()
         return self._advance(self.now)
 
     def _failed(self, peer: Peer, error: NonFiniteError) -> None:
         """``peer``'s step gave a non-finite loss or gradient: nothing of it applied. One peer: the run
         fails (``failure``); several: that peer is dropped and the others go on."""
-        self.engine.reset()
         peer.waiting.clear()
         if self.shared:
-            self._drop(peer)
+            self._drop(peer)                # resets the engine only if it was this peer's turn
         else:
+            self.engine.reset()
             self.failure = error
 
     def _drop(self, peer: Peer) -> None:
@@ -766,6 +775,8 @@ class ServingStage:
         self.active = False
         for peer in self.peers:
             peer.cached = {}
+            if peer.taking_part():
+                peer.status = PeerStatus.ABSENT     # the run is over: nobody takes part in it any more
         return summary
 
 
@@ -838,6 +849,14 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
             lock.release()
 
 
+def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
+    """Send ``replies``, then run the work they deferred, and send what that work answered, until none."""
+    while replies:                      # each reply leaves before the work it defers is done
+        for envelope, reply in replies:
+            server.reply(envelope, reply)
+        replies = logic.settle()
+
+
 def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
@@ -859,15 +878,12 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s {when}; giving up")
                 raise PeerTimeout(f"client of run {logic.state.run_id} lost for more than "
                                   f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
+            _send_and_settle(server, logic, replies)       # what a dropped peer unblocked leaves first
             if request is not None:
                 envelope, frames, peer_key = request
                 msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
                                                          lambda m: logic.handle(envelope, m, now, peer_key), log)
-                replies += [(envelope, answer)] if refused else answer
-            while replies:                  # each reply leaves before the work it defers is done
-                for envelope, reply in replies:
-                    server.reply(envelope, reply)
-                replies = logic.settle()
+                _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
             failure = logic.end_failed_run()
             if failure is not None:
                 status = "failed"

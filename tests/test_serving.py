@@ -189,3 +189,61 @@ def test_a_hello_naming_no_client_or_another_index_is_refused():
     single, exp = _serving("tanh-regression")
     with pytest.raises(ProtocolError, match="has no \\[clients\\]"):
         single.handle(PEER, hello_message(exp, "r", client=1), 0.0)
+
+
+def test_a_bye_leaves_the_finished_checkpoint_newest(tmp_path):
+    from distgrad.checkpoint import steps_on_disk
+    from distgrad.stage_state import finished_run
+
+    server, exp = _serving("tanh-regression", checkpoint_dir=tmp_path, checkpoint_every=1)
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    for s in (1, 2):
+        server.handle(PEER, _forward(exp, "r", s), 0.0)
+        server.settle()
+    server.handle(PEER, Message(wire.BYE, "r", 3, body={"steps": 2}), 0.0)
+    server.settle()
+    server.finish_run()
+    assert steps_on_disk(tmp_path, "g") == [0, 1, 2]          # no step the run never took
+    opts = StageOptions(exp, "g", exp.seed, steps=2, checkpoint_dir=tmp_path, resume=True)
+    assert finished_run(opts) is not None
+
+
+def test_a_new_run_after_a_gone_client_starts_its_own_loss_and_clock():
+    server, exp = _serving("tanh-regression", liveness_s=1.0)
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    server.handle(PEER, _forward(exp, "r", 1), 0.0)
+    server.settle()
+    assert server.loss is not None
+    server.handle(PEER, hello_message(exp, "s"), 10.0)
+    assert server.loss is None and server.peers[0].run == "s" and server.stage.step == 0
+
+
+def test_a_forward_resent_while_it_waits_for_its_turn_still_waits():
+    server, exp = _serving("digits-clients")
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
+    forward = _forward(exp, "run1", 1, client=1)
+    assert server.handle(peers[1], forward, 0.0) == []
+    assert server.handle(peers[1], forward, 0.5) == []          # the link's resend: no refusal, still queued
+    assert list(server.peers[1].waiting) == [(1, 0)]
+
+
+def test_a_client_slot_stays_with_the_key_that_opened_it():
+    server, exp = _serving("digits-clients", liveness_s=1.0)
+    server.handle([b"c0"], hello_message(exp, "run0", client=0), 0.0, peer_key="A")
+    with pytest.raises(ProtocolError, match="another client key") as refused:
+        server.handle([b"x"], hello_message(exp, "other", client=0), 100.0, peer_key="B")
+    assert refused.value.code == ErrorCode.RUN and server.peers[0].owner == "A"
+
+
+def test_after_a_failed_run_a_new_run_is_not_busy(monkeypatch):
+    server, exp = _serving("tanh-regression", liveness_s=60.0)
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    monkeypatch.setattr(Stage, "check_finite", lambda self, tensor, value, step=None: (_ for _ in ()).throw(
+        __import__("distgrad.errors", fromlist=["NonFiniteError"]).NonFiniteError("injected")))
+    with pytest.raises(ProtocolError):
+        server.handle(PEER, _forward(exp, "r", 1), 1.0)
+    assert server.end_failed_run() is not None
+    monkeypatch.undo()
+    assert only_reply(server.handle(PEER, hello_message(exp, "new"), 2.0)).type == wire.WELCOME
