@@ -245,7 +245,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     from .transport import check_spin
 
     exp = load_experiment(args.experiment)
-    in_process = args.in_process or len(exp.stages) == 1
+    in_process = args.in_process or len(exp.stage_names) == 1
     # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
@@ -341,7 +341,7 @@ def _list_experiments() -> int:
     width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
     for name in builtin_names():
         exp = load_experiment(name)
-        print(f"{name}: {len(exp.stages)} stage(s), {exp.steps} steps")
+        print(f"{name}: {len(exp.stage_names)} stage(s), {exp.steps} steps")
         description = " ".join(str(exp.raw.get("description", "")).split())
         for line in textwrap.wrap(description, width=width - 4, break_long_words=False, break_on_hyphens=False):
             print("    " + line)

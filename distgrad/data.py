@@ -20,8 +20,9 @@ from .nn import DTYPE, Shape
 
 
 class DataSource(abc.ABC):
-    feature_shape: Shape
+    feature_shape: Shape | None                # None: this party's data holds no features
     target_shape: Shape
+    has_labels: bool = True                   # False: this party's data holds no labels
     target_dtype: np.dtype = np.dtype(DTYPE)
     test_rows: np.ndarray = np.arange(0)      # held-out rows for evaluation; none unless the source has them
 
@@ -60,7 +61,44 @@ class Ramp(DataSource):
         return self.features(step)
 
 
-class SyntheticRegression(DataSource):
+class RowBatches(DataSource):
+    """A source of numbered rows walked in batches: ``train_rows`` (shuffled afresh every epoch),
+    ``batch`` rows a step, ``seed`` for the shuffles; the last partial batch of an epoch is left out."""
+
+    train_rows: np.ndarray
+    batch: int
+    batches_per_epoch: int
+    seed: int
+    _epoch: int = -1
+    _order: np.ndarray = np.arange(0)
+
+    _ORDER_KEY = 11        # the stream of per-epoch shuffles, apart from the data's own draws
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The training rows of 0-based ``epoch`` in the order its batches take them: a permutation drawn
+        from the seed and the epoch alone, so every party computes the same one."""
+        return self.train_rows[np.random.default_rng([self.seed, self._ORDER_KEY, epoch]).permutation(len(self.train_rows))]
+
+    def _rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step - 1, self.batches_per_epoch)
+        if epoch != self._epoch:
+            self._order = self.epoch_order(epoch)
+            self._epoch = epoch
+        return self._order[index * self.batch:(index + 1) * self.batch]
+
+    def shard(self, index: int, count: int) -> None:
+        """Keep every ``count``-th training row, from row ``index`` (see ``DataSource.shard``)."""
+        if not 0 <= index < count:
+            raise ConfigError(f"data owner {index} does not exist: there are {count} (0 to {count - 1})")
+        rows = self.train_rows[index::count]
+        if len(rows) < self.batch:
+            raise ConfigError(f"data owner {index} of {count} gets {len(rows)} training rows, fewer than a batch "
+                              f"of {self.batch}")
+        self.train_rows, self.batches_per_epoch = rows, len(rows) // self.batch
+        self._epoch = -1
+
+
+class SyntheticRegression(RowBatches):
     """Seeded regression data from a fixed random teacher ``tanh(X @ A) @ B + noise``.
 
     ``samples`` rows of ``features`` inputs and ``outputs`` targets; batches of
@@ -85,16 +123,6 @@ class SyntheticRegression(DataSource):
         self.batches_per_epoch = samples // batch
         self.feature_shape, self.target_shape = (batch, features), (batch, outputs)
         self._epoch, self._order = -1, np.arange(0)
-
-    def shard(self, index: int, count: int) -> None:
-        _keep_shard(self, index, count)
-
-    def _rows(self, step: int) -> np.ndarray:
-        epoch, index = divmod(step - 1, self.batches_per_epoch)
-        if epoch != self._epoch:
-            self._order = self.train_rows[np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.train_rows))]
-            self._epoch = epoch
-        return self._order[index * self.batch:(index + 1) * self.batch]
 
     def features(self, step: int) -> np.ndarray:
         return self.x[self._rows(step)]
@@ -128,7 +156,7 @@ class SyntheticClassification(SyntheticRegression):
         self._epoch, self._order = -1, np.arange(0)
 
 
-class ArrayFile(DataSource):
+class ArrayFile(RowBatches):
     """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
 
     Each stage reads only its own part: the first stage the feature values,
@@ -145,7 +173,11 @@ class ArrayFile(DataSource):
 
     Paths are relative to the experiment file. Features become float32 times
     ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
-    ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``).
+    ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``). In a party's
+    stage file ``features`` or ``labels`` is None (absent) when the party
+    does not hold that part; the row count then comes from the part it holds
+    (``feature_shape`` is None without features, ``has_labels`` False without
+    labels), so the split and the shuffles are the same on every side.
     """
 
     def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
@@ -159,7 +191,10 @@ class ArrayFile(DataSource):
             raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")
         self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
         self.path = base_dir / path if path is not None else None
+        if features is None and labels is None:
+            raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
         self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
+        self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
         self.seed = seed if split_seed is None else int(split_seed)
@@ -171,7 +206,7 @@ class ArrayFile(DataSource):
         if not 1 <= self.batch <= len(self.train_rows):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch
-        self.feature_shape = (self.batch, width)
+        self.feature_shape = (self.batch, width) if features is not None else None
         self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
         self._features: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -185,6 +220,9 @@ class ArrayFile(DataSource):
         return path
 
     def _feature_geometry(self) -> tuple[int, int]:
+        """Rows and feature columns (0 without features), reading only array headers where it can."""
+        if self.feature_ref is None:
+            return len(self._all_labels_raw()), 0
         if self.kind == "npz":
             with np.load(self._file(None)) as npz, npz.zip.open(f"{self.feature_ref}.npy") as member:
                 version = np.lib.format.read_magic(member)
@@ -195,7 +233,7 @@ class ArrayFile(DataSource):
             shape = np.load(self._file(self.feature_ref), mmap_mode="r").shape
         else:
             columns = self._csv_columns(self.feature_ref)
-            shape = (len(self._read_csv([0 if isinstance(self.label_ref, str) else self.label_ref])), len(columns))
+            shape = (len(self._read_csv(columns[:1])), len(columns))
         if len(shape) < 2:
             raise ConfigError(f"features must be a 2-D array (rows, columns), got shape {shape}")
         return int(shape[0]), int(np.prod(shape[1:]))
@@ -227,32 +265,32 @@ class ArrayFile(DataSource):
         return self._read_csv(self._csv_columns(ref))
 
     def _all_features(self) -> np.ndarray:
+        if self.feature_ref is None:
+            raise ConfigError("this party's data holds no features (give 'features' in its [data])")
         if self._features is None:
             raw = self._read_part(self.feature_ref)
             self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
         return self._features
 
+    def _all_labels_raw(self) -> np.ndarray:
+        if self.label_ref is None:
+            raise ConfigError("this party's data holds no labels (give 'labels' in its [data])")
+        raw = self._read_part(self.label_ref)
+        if self.kind == "csv":
+            raw = raw[:, 0]
+        return np.asarray(raw).reshape(len(raw))
+
     def _all_labels(self) -> np.ndarray:
         if self._labels is None:
-            raw = self._read_part(self.label_ref)
-            if self.kind == "csv":
-                raw = raw[:, 0]
-            raw = np.asarray(raw).reshape(len(raw))
+            raw = self._all_labels_raw()
             if len(raw) != self.rows:
                 raise ConfigError(f"{len(raw)} labels for {self.rows} rows of features")
             self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
         return self._labels
 
     # -- the DataSource contract
-    def shard(self, index: int, count: int) -> None:
-        _keep_shard(self, index, count)
 
-    def _rows(self, step: int) -> np.ndarray:
-        epoch, index = divmod(step - 1, self.batches_per_epoch)
-        if epoch != self._epoch:
-            self._order = self.train_rows[np.random.default_rng([self.seed, 19, epoch]).permutation(len(self.train_rows))]
-            self._epoch = epoch
-        return self._order[index * self.batch:(index + 1) * self.batch]
+    _ORDER_KEY = 19
 
     def features(self, step: int) -> np.ndarray:
         return self._all_features()[self._rows(step)]
@@ -265,18 +303,6 @@ class ArrayFile(DataSource):
 
     def test_targets(self) -> np.ndarray:
         return self._all_labels()[self.test_rows]
-
-
-def _keep_shard(source: Any, index: int, count: int) -> None:
-    """``shard`` for sources that batch over ``train_rows``."""
-    if not 0 <= index < count:
-        raise ConfigError(f"data owner {index} does not exist: there are {count} (0 to {count - 1})")
-    rows = source.train_rows[index::count]
-    if len(rows) < source.batch:
-        raise ConfigError(f"data owner {index} of {count} gets {len(rows)} training rows, fewer than a batch "
-                          f"of {source.batch}")
-    source.train_rows, source.batches_per_epoch = rows, len(rows) // source.batch
-    source._epoch = -1
 
 
 _KINDS: dict[str, type[DataSource]] = {"ramp": Ramp, "synthetic_regression": SyntheticRegression,

@@ -40,9 +40,9 @@ class _Driver:
         self.steps = opts.total_steps
         self.state = StageState(opts)
         self.log = self.state.log
-        self.data = exp.build_data(opts.seed, client=opts.client)
+        self.data = exp.build_data(opts.seed, client=opts.client, stage=opts.stage)
         self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
-        self.target_dtype = exp.final_loss.target_dtype
+        self.target_dtype = self.data.target_dtype
         self.reply_specs = backward_specs(self.state.stage, opts.micro_batches)
         self.traffic = Traffic()
         self.metrics = MetricsWriter(opts.metrics_path)

@@ -1,19 +1,22 @@
-"""Experiment files: what each stage runs, on what data, from what seed.
+"""Experiment and stage files: what each stage runs, on what data, and what the stages agree on.
 
-An experiment is a TOML file that every stage reads (see the built-ins in
-``distgrad/experiments/``). Top-level keys: ``name``, ``description``,
-``steps``, ``seed``, ``labels`` (``"last"``: the label owner is the last
-stage, the default; ``"first"``: the targets travel downstream with the
-activations), ``allow_nonfinite`` (default false: NaN/Inf tensors are refused on
-the wire and a stage's own non-finite loss or gradient ends the run, exit 1,
-before anything of that step is applied; true: both are accepted and trained
-through), ``[clients]`` (several data owners, see
-``Clients``), a ``[data]`` table and one
-``[[stages]]`` table per stage in order, each with ``name``, ``model`` (a list
-of layer tables), ``optimizer``, on the last stage only, ``loss``, and
-optionally ``framework`` (``"numpy"``, the default, or ``"torch"``: the same
-layers, initial values and optimizer settings computed by PyTorch, see
-``distgrad.torch_stage``).
+Two forms, one ``Experiment``:
+
+* a **combined experiment** (the built-ins in ``distgrad/experiments/``):
+  one TOML file every stage reads, with top-level keys, a ``[data]`` table
+  and one ``[[stages]]`` table per stage in order;
+* a **stage file** per party: an ``[interface]`` table (what the parties
+  agree on: the stages' names in order, the activation shape and dtype at
+  each cut, the batch, the steps or epochs, the seed of the sample order,
+  where the labels are), a ``[stage]`` table (this party's model, optimiser
+  and, on the label owner, loss) and this party's own ``[data]``. No party
+  needs another's model, optimiser or data file; ``distgrad split`` writes
+  the stage files of a combined experiment.
+
+Either way the stages compare only the interface (``interface_parts``) in
+their handshake; each stage's checkpoints are tied to its own file
+(``fingerprint``). Every key, its type, default and meaning is in
+``distgrad.schema``, from which docs/stage-files.md is generated.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import schema
 from .data import DataSource, build_data
 from .errors import ConfigError
 from .losses import Loss, build_loss
-from .nn import Sequential, Shape, build_model
+from .nn import DTYPE, Sequential, Shape, build_model
 from .optim import Optimizer, build_optimizer
 
 if sys.version_info >= (3, 11):
@@ -39,10 +43,11 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 BUILTIN_DIR = Path(__file__).parent / "experiments"
-_TOP_KEYS = {"name", "description", "steps", "seed", "labels", "allow_nonfinite", "data", "stages", "clients"}
 CLIENT_MODES = ("separate", "splitfed")
-_STAGE_KEYS = {"name", "model", "optimizer", "loss", "framework"}
 FRAMEWORKS = ("numpy", "torch")   # what a stage computes with; torch needs the distgrad[torch] extra
+REDUCTIONS = ("mean", "sum")      # how the loss reduces a batch's rows: how micro-batch gradients combine
+WIRE_DTYPES = ("float32",)
+FILE_KINDS = ("npz", "npy", "csv")        # what an activation may be on the wire
 
 
 def builtin_names() -> list[str]:
@@ -52,11 +57,37 @@ def builtin_names() -> list[str]:
 
 @dataclass(frozen=True)
 class StageSpec:
+    """One stage's own part: what it computes, how it learns, and (stage files) its own data.
+
+    ``model`` is a list of layer tables (numpy layers, or the same computed by
+    torch with ``framework = "torch"``); ``module`` instead names a factory
+    ``"package.module:function"`` returning a ``torch.nn.Module`` (called with
+    ``module_args`` as keyword arguments; the import path is resolved in
+    ``base_dir``, the folder of the file that declared it, first), with
+    ``optimizer`` and ``loss`` given by torch names. ``device`` is where a
+    torch stage computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``output`` is
+    the per-row output shape a module stage of a combined experiment declares.
+    ``data`` is the stage file's ``[data]`` table (None: the experiment's);
+    ``seed`` the seed of this stage's initial values (None: the run's).
+    """
+
     name: str
-    model: list[dict[str, Any]]
+    model: list[dict[str, Any]] | None
     optimizer: dict[str, Any]
     loss: Any = None
     framework: str = "numpy"
+    module: str | None = None
+    module_args: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    output: tuple[int, ...] | None = None
+    data: dict[str, Any] | None = None
+    seed: int | None = None
+    base_dir: Path = field(default_factory=Path.cwd, compare=False)
+    source: str = ""
+
+    def init_seed(self, run_seed: int) -> int:
+        """The seed this stage's initial values are drawn from."""
+        return run_seed if self.seed is None else self.seed
 
 
 @dataclass(frozen=True)
@@ -76,7 +107,15 @@ class Clients:
 
 @dataclass(frozen=True)
 class Experiment:
-    """A validated experiment. ``raw`` is the parsed file; ``fingerprint`` its hash."""
+    """A validated experiment or (one or several parties') stage files.
+
+    ``stages`` are the stages this process knows (all of a combined
+    experiment; a stage file's one); ``stage_names`` are all of the run's, in
+    order. ``cuts[i]`` is the shape of the float32 activation stage ``i``
+    sends stage ``i+1`` for a whole batch. ``fingerprint`` identifies the
+    file(s) (checkpoints are tied to it); ``interface_fingerprint`` what the
+    stages must agree on (the handshake compares it).
+    """
 
     name: str
     steps: int
@@ -89,7 +128,15 @@ class Experiment:
     fingerprint: str = ""
     source: str = ""
     clients: Clients = Clients()
-    # Values derived from the fields above, computed once (see ``input_shapes``, ``final_loss``).
+    stage_names: list[str] = field(default_factory=list)
+    cuts: tuple[Shape, ...] = ()
+    batch: int | None = None
+    reduction: str = "mean"
+    micro_batches: int = 1
+    eval_every: int = 0
+    epochs: int | None = None
+    description: str = ""
+    # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -98,55 +145,93 @@ class Experiment:
         return self.clients.count > 1
 
     @property
-    def stage_names(self) -> list[str]:
-        return [s.name for s in self.stages]
-
-    @property
     def labels_travel(self) -> bool:
         """True when the targets cross the wire with the activations."""
-        return self.labels == "first" and len(self.stages) > 1
+        return self.labels == "first" and len(self.stage_names) > 1
+
+    @property
+    def label_owner(self) -> str:
+        """The stage holding the labels: the first when they travel, else the last."""
+        return self.stage_names[0] if self.labels_travel else self.stage_names[-1]
 
     def stage_index(self, name: str) -> int:
-        for i, spec in enumerate(self.stages):
-            if spec.name == name:
-                return i
-        raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {self.stage_names}")
+        if name in self.stage_names:
+            return self.stage_names.index(name)
+        raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {list(self.stage_names)}")
 
-    def build_data(self, seed: int | None = None, client: int | None = None) -> DataSource:
-        """The data source; with ``client``, only that data owner's shard of the training rows."""
-        base = Path(self.source).parent if self.source and Path(self.source).is_file() else Path.cwd()
-        data = build_data(self.data, self.seed if seed is None else seed, base)
+    def spec(self, name: str) -> StageSpec:
+        """The stage's own part; ``ConfigError`` when this experiment's files do not define it."""
+        self.stage_index(name)
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        files = ", ".join(sorted({s.source for s in self.stages})) or self.source
+        raise ConfigError(f"stage {name!r} of {self.name!r} is another party's: {files} defines only "
+                          f"{[s.name for s in self.stages]}; run stage {name!r} with its own stage file")
+
+    def has_stage(self, name: str) -> bool:
+        return any(spec.name == name for spec in self.stages)
+
+    def build_data(self, seed: int | None = None, client: int | None = None, stage: str | None = None
+                   ) -> DataSource:
+        """The data source of ``stage`` (default: the first stage this experiment defines); with ``client``,
+        only that data owner's shard of the training rows. Raises ``ConfigError`` for a stage without data."""
+        spec = self.spec(stage) if stage is not None else self.stages[0]
+        table = self.data if spec.data is None else spec.data
+        if not table:
+            raise ConfigError(f"stage {spec.name!r} of {self.name!r} has no [data]")
+        data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
         return data
 
-    def input_shapes(self, seed: int | None = None) -> list[Shape]:
-        """The input shape of every stage, in order, with the output shape of the last appended.
+    def input_shape(self, name: str, seed: int | None = None) -> Shape:
+        """The per-step shape of what stage ``name`` receives: its data's features (first stage), else
+        the activation at the cut above it."""
+        index = self.stage_index(name)
+        if index > 0:
+            return self.cuts[index - 1]
+        key = ("features", self.seed if seed is None else seed)
+        if key not in self._derived:
+            shape = self.build_data(seed, stage=name).feature_shape
+            if shape is None:
+                raise ConfigError(f"the first stage {name!r} needs features in its [data]")
+            self._derived[key] = tuple(shape)
+        return self._derived[key]
 
-        Computed once per seed (it builds the data source and every model) and then remembered.
-        """
-        seed = self.seed if seed is None else seed
-        shapes = self._derived.get(("shapes", seed))
-        if shapes is None:
-            shapes = [self.build_data(seed).feature_shape]
-            for spec in self.stages:
-                shapes.append(build_model(spec.model, seed).output_shape(shapes[-1]))
-            self._derived[("shapes", seed)] = shapes
-        return list(shapes)
+    def output_shape(self, name: str, seed: int | None = None) -> Shape:
+        """The per-step shape stage ``name`` produces: the cut below it, or the last stage's prediction
+        (from its model; ``ConfigError`` for a module stage, whose shape only building it tells)."""
+        index = self.stage_index(name)
+        if index < len(self.stage_names) - 1:
+            return self.cuts[index]
+        spec = self.spec(name)
+        if spec.model is None:
+            raise ConfigError(f"stage {name!r} is a torch module: build it to learn its output shape")
+        key = ("output", self.seed if seed is None else seed)
+        if key not in self._derived:
+            self._derived[key] = build_model(spec.model, spec.init_seed(self.seed if seed is None else seed)
+                                             ).output_shape(self.input_shape(name, seed))
+        return self._derived[key]
 
     @property
     def final_loss(self) -> Loss:
-        """The last stage's loss (it also says how micro-batch gradients combine: ``micro_batch_scale``)."""
+        """The last stage's loss (its file must define the last stage)."""
         loss = self._derived.get("final_loss")
         if loss is None:
-            loss = self._derived["final_loss"] = build_loss(self.stages[-1].loss)
+            loss = self._derived["final_loss"] = build_loss(self.spec(self.stage_names[-1]).loss)
         return loss
+
+    def micro_batch_scale(self, count: int) -> np.float32:
+        """The float32 factor on the sum of ``count`` micro-batch gradients (and losses): 1 for a loss that
+        sums over rows, 1/count for one that averages them (``Loss.micro_batch_scale``)."""
+        return DTYPE(1) if self.reduction == "sum" else DTYPE(1) / DTYPE(count)
 
     def role(self, stage: str) -> str:
         """``"driving"`` (the first stage), ``"serving"`` (the last) or ``"middle"``; raises
         ``ConfigError`` for a name the experiment does not have."""
         index = self.stage_index(stage)
-        return "driving" if index == 0 else "serving" if index == len(self.stages) - 1 else "middle"
+        return "driving" if index == 0 else "serving" if index == len(self.stage_names) - 1 else "middle"
 
     def check_role(self, stage: str, binds: bool, connects: bool) -> str:
         """The one check that a stage is run with the endpoints its place needs; returns its role.
@@ -155,7 +240,8 @@ class Experiment:
         middle stage does both. Raises ``ConfigError`` naming what to give.
         """
         role = self.role(stage)
-        if len(self.stages) < 2:
+        self.spec(stage)
+        if len(self.stage_names) < 2:
             raise ConfigError(f"experiment {self.name!r} has one stage: run it with 'distgrad run "
                               f"{self.name} --in-process'")
         needs = {"driving": (False, True), "serving": (True, False), "middle": (True, True)}[role]
@@ -165,14 +251,56 @@ class Experiment:
                      "middle": "--bind ENDPOINT and --connect ENDPOINT (it serves the stage above and "
                                "connects to the stage below)"}[role]
             raise ConfigError(f"stage {stage!r} is the {role} stage of {self.name!r} (stages "
-                              f"{self.stage_names}): give {usage}")
+                              f"{list(self.stage_names)}): give {usage}")
         return role
 
     def all_param_names(self, seed: int | None = None) -> set[str]:
+        """The parameter names of the numpy-layer stages this experiment defines (a module stage's are
+        its module's, known once it is built)."""
         names: set[str] = set()
         for spec in self.stages:
-            names.update(build_model(spec.model, self.seed if seed is None else seed).params)
+            if spec.model is not None:
+                names.update(build_model(spec.model, spec.init_seed(self.seed if seed is None else seed)).params)
         return names
+
+    def interface_parts(self) -> dict[str, Any]:
+        """What the stages must agree on, by name: numbers, booleans and short strings (see
+        ``handshake.check_parts``); equal interfaces give equal parts. Built once."""
+        parts = self._derived.get("parts")
+        if parts is None:
+            parts = {"name": self.name, "stages": ",".join(self.stage_names),
+                     "batch": 0 if self.batch is None else self.batch,
+                     **{f"activation {i + 1}": "x".join(map(str, shape)) + " float32"
+                        for i, shape in enumerate(self.cuts)},
+                     "steps": self.steps, "seed": self.seed, "labels": self.labels, "reduction": self.reduction,
+                     "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
+                     "clients mode": self.clients.mode, "clients average_every": self.clients.average_every}
+            parts.update(self._order_parts())
+            self._derived["parts"] = parts
+        return dict(parts)
+
+    def _order_parts(self) -> dict[str, Any]:
+        """The sample order as this party computes it: row counts and a digest of the rows of the first
+        epoch and of the held-out rows, so two parties that would walk their rows differently are told
+        before any step."""
+        for spec in self.stages:
+            table = self.data if spec.data is None else spec.data
+            if table:
+                data = self.build_data(stage=spec.name)
+                rows = getattr(data, "train_rows", None)
+                if rows is None:
+                    return {}
+                digest = hashlib.sha256(np.asarray(data.test_rows, np.int64).tobytes())
+                digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
+                                         np.int64).tobytes())
+                return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
+                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX]}
+        return {}
+
+    @property
+    def interface_fingerprint(self) -> str:
+        """A digest of ``interface_parts``: equal for stages that can train together."""
+        return _digest(self.interface_parts(), 64)
 
 
 def client_stage_name(stage: str, client: int | None) -> str:
@@ -184,77 +312,323 @@ def _fail(source: str, message: str) -> ConfigError:
     return ConfigError(f"experiment {source}: {message}")
 
 
-def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experiment:
-    """Validate a parsed experiment table and return an ``Experiment``."""
-    raw = dict(raw)
-    unknown = set(raw) - _TOP_KEYS
+def _digest(value: Any, hex_digits: int) -> str:
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:hex_digits]
+
+
+def _base_dir(source: str) -> Path:
+    return Path(source).parent if source and Path(source).is_file() else Path.cwd()
+
+
+def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -> StageSpec:
+    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table."""
+    where = "[stage]" if party else f"stage {index}"
+    if not isinstance(table, dict):
+        raise _fail(source, f"{where} is not a table")
+    allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    unknown = set(table) - set(allowed)
     if unknown:
-        raise _fail(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        raise _fail(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    name = table.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail(source, f"{where} needs a 'name'")
+    has_model, module = "model" in table, table.get("module")
+    if has_model == (module is not None):
+        raise _fail(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
+                            f"(\"package.module:factory\" returning a torch.nn.Module), not both")
+    if has_model and not isinstance(table["model"], list):
+        raise _fail(source, f"stage {name!r} needs a 'model' list of layers")
+    if module is not None and (not isinstance(module, str) or module.count(":") != 1
+                               or not all(module.split(":"))):
+        raise _fail(source, f"stage {name!r}: 'module' must be \"package.module:factory\", got {module!r}")
+    if not isinstance(table.get("module_args", {}), dict) or ("module_args" in table and module is None):
+        raise _fail(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
+    if not isinstance(table.get("optimizer", {}), dict):
+        raise _fail(source, f"stage {name!r}: 'optimizer' must be a table such as "
+                            f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
+    if last != ("loss" in table):
+        raise _fail(source, f"stage {name!r}: exactly the last stage has a 'loss'")
+    framework = table.get("framework", "torch" if module is not None else "numpy")
+    if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
+        raise _fail(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
+                            f"torch), got {framework!r}")
+    device = table.get("device", "cpu")
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
+            device.startswith("cuda:") and device[5:].isdigit())):
+        raise _fail(source, f"stage {name!r}: 'device' must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r}")
+    if device != "cpu" and framework != "torch":
+        raise _fail(source, f"stage {name!r}: 'device' {device!r} needs framework = \"torch\"")
+    output = table.get("output")
+    if output is not None and (module is None or not _shape_list(output)):
+        raise _fail(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
+                            f"of positive whole numbers, got {output!r}")
+    seed = table.get("seed")
+    if seed is not None and (not _whole(seed) or seed < 0):
+        raise _fail(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
+    return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
+                     table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
+                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source)
+
+
+def _shape_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_whole(v) and v > 0 for v in value)
+
+
+def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
+    eval_every, allow_nonfinite."""
+    out: dict[str, Any] = {}
+    if "steps" in raw and "epochs" in raw:
+        raise _fail(source, f"{where}give 'steps' or 'epochs', not both")
+    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0)):
+        if key in raw and (not _whole(raw[key]) or raw[key] < low):
+            kind = "a positive integer" if low else "a non-negative integer"
+            raise _fail(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}")
+    out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
+               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0))
+    out["allow_nonfinite"] = raw.get("allow_nonfinite", False)
+    if not isinstance(out["allow_nonfinite"], bool):
+        raise _fail(source, f"{where}'allow_nonfinite' must be true or false, got {out['allow_nonfinite']!r}")
+    out["labels"] = raw.get("labels", "last")
+    if out["labels"] not in ("last", "first"):
+        raise _fail(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
+    if "reduction" in raw and raw["reduction"] not in REDUCTIONS:
+        raise _fail(source, f"{where}'reduction' must be one of {list(REDUCTIONS)}, got {raw['reduction']!r}")
+    out["reduction"] = raw.get("reduction")
+    if not isinstance(raw.get("description", ""), str):
+        raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
+    return out
+
+
+def _loss_reduction(spec: StageSpec) -> str:
+    """How the last stage's loss reduces rows: a distgrad loss's own, or a torch loss's ``reduction``."""
+    if spec.module is not None and isinstance(spec.loss, Mapping):
+        reduction = spec.loss.get("reduction", "mean")
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"stage {spec.name!r}: a torch loss's 'reduction' must be one of {list(REDUCTIONS)}, "
+                              f"got {reduction!r}")
+        return reduction
+    return build_loss(spec.loss).reduction
+
+
+def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experiment:
+    """Validate a parsed experiment or stage-file table and return an ``Experiment``.
+
+    Everything that can be built is built once here, so a bad file fails
+    now, naming itself and the problem (``ConfigError``), not mid-run.
+    """
+    raw = dict(raw)
+    if "interface" in raw or "stage" in raw:
+        return _parse_stage_file(raw, source)
+    unknown = set(raw) - set(schema.TOP_KEYS)
+    if unknown:
+        raise _fail(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(schema.TOP_KEYS)} "
+                            f"(a stage file has [interface], [stage] and [data] instead)")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise _fail(source, "'name' must be a non-empty string")
-    if not isinstance(raw.get("description", ""), str):
-        raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
-    steps, seed = raw.get("steps", 100), raw.get("seed", 0)
-    if not _whole(steps) or steps < 1:
-        raise _fail(source, f"'steps' must be a positive integer, got {steps!r}")
-    if not _whole(seed) or seed < 0:
-        raise _fail(source, f"'seed' must be a non-negative integer, got {seed!r}")
-    allow_nonfinite = raw.get("allow_nonfinite", False)
-    if not isinstance(allow_nonfinite, bool):
-        raise _fail(source, f"'allow_nonfinite' must be true or false, got {allow_nonfinite!r}")
-    labels = raw.get("labels", "last")
-    if labels not in ("last", "first"):
-        raise _fail(source, f"'labels' must be 'last' or 'first', got {labels!r}")
+    settings = _scalars(source, raw, "")
     data = raw.get("data")
     if not isinstance(data, dict):
         raise _fail(source, "needs a [data] table")
     stage_tables = raw.get("stages")
     if not isinstance(stage_tables, list) or not stage_tables:
         raise _fail(source, "needs at least one [[stages]] table")
-    stages = []
-    for i, table in enumerate(stage_tables):
-        if not isinstance(table, dict):
-            raise _fail(source, f"stage {i} is not a table")
-        unknown = set(table) - _STAGE_KEYS
-        if unknown:
-            raise _fail(source, f"stage {i} has unknown keys {sorted(unknown)}; allowed: {sorted(_STAGE_KEYS)}")
-        last = i == len(stage_tables) - 1
-        if not isinstance(table.get("name"), str) or not table["name"]:
-            raise _fail(source, f"stage {i} needs a 'name'")
-        if not isinstance(table.get("model"), list):
-            raise _fail(source, f"stage {table['name']!r} needs a 'model' list of layers")
-        if not isinstance(table.get("optimizer", {}), dict):
-            raise _fail(source, f"stage {table['name']!r}: 'optimizer' must be a table such as "
-                                f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
-        if last != ("loss" in table):
-            raise _fail(source, f"stage {table['name']!r}: exactly the last stage has a 'loss'")
-        framework = table.get("framework", "numpy")
-        if framework not in FRAMEWORKS:
-            raise _fail(source, f"stage {table['name']!r}: 'framework' must be one of {list(FRAMEWORKS)}, "
-                                f"got {framework!r}")
-        stages.append(StageSpec(table["name"], list(table["model"]), dict(table.get("optimizer", {})),
-                                table.get("loss"), framework))
+    stages = [_parse_stage(source, table, i, i == len(stage_tables) - 1, party=False)
+              for i, table in enumerate(stage_tables)]
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise _fail(source, f"stage names must be unique, got {names}")
     clients = _parse_clients(source, raw.get("clients", {}), len(stages))
-    canonical = json.dumps(raw, sort_keys=True, separators=(",", ":"))
-    exp = Experiment(name, steps, seed, labels, allow_nonfinite, data, stages,
-                     raw, hashlib.sha256(canonical.encode()).hexdigest(), source, clients)
-    # Build everything once so a bad file fails here, naming itself, not mid-run.
     try:
-        data_source = exp.build_data()
-        shapes = exp.input_shapes()
-        for client in range(clients.count if exp.federated else 0):
-            exp.build_data(client=client)
-        check_targets(exp, data_source, shapes[-1])
-        for spec in stages:
-            build_optimizer(spec.optimizer)
-        Sequential([layer for spec in stages for layer in build_model(spec.model, seed).layers])
+        reduction = _loss_reduction(stages[-1])
+        if settings["reduction"] not in (None, reduction):
+            raise ConfigError(f"'reduction' is {settings['reduction']!r} but the loss reduces rows by {reduction}")
+        seed = settings["seed"]
+        source_data = build_data(data, seed, _base_dir(source))
+        batch = getattr(source_data, "batch", None)
+        cuts, shape = [], tuple(source_data.feature_shape)
+        for spec in stages[:-1]:
+            if spec.model is not None:
+                shape = build_model(spec.model, seed).output_shape(shape)
+            elif spec.output is not None:
+                shape = (batch, *spec.output) if batch is not None else spec.output
+            else:
+                raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
+                                  f"per-row output shape, e.g. output = [64]")
+            cuts.append(tuple(shape))
+        steps = _steps(settings, source_data)
     except ConfigError as e:
         raise _fail(source, str(e)) from e
+    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
+                     raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
+                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                     raw.get("description", ""))
+    _check_built(exp, source)
     return exp
+
+
+def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
+    """``steps``, or ``epochs`` times the batches in one epoch of the data's training rows."""
+    if settings["epochs"] is None:
+        return 100 if settings["steps"] is None else settings["steps"]
+    per_epoch = getattr(data, "batches_per_epoch", None)
+    if per_epoch is None:
+        raise ConfigError(f"'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
+                          f"give 'steps'")
+    return settings["epochs"] * per_epoch
+
+
+def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
+    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``."""
+    unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
+    if unknown:
+        raise _fail(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
+                            f"{sorted(schema.STAGE_FILE_KEYS)}")
+    iface = raw.get("interface")
+    if not isinstance(iface, dict):
+        raise _fail(source, "a stage file needs an [interface] table (what the parties agree on)")
+    unknown = set(iface) - set(schema.INTERFACE_KEYS)
+    if unknown:
+        raise _fail(source, f"[interface] has unknown keys {sorted(unknown)}; allowed: "
+                            f"{sorted(schema.INTERFACE_KEYS)}")
+    name = iface.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail(source, "[interface] 'name' must be a non-empty string")
+    names = iface.get("stages")
+    if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) and n for n in names)
+            or len(set(names)) != len(names)):
+        raise _fail(source, f"[interface] 'stages' must list the stages' unique names in order, at least two, "
+                            f"got {names!r}")
+    settings = _scalars(source, iface, "[interface] ")
+    batch = iface.get("batch")
+    if batch is not None and (not _whole(batch) or batch < 1):
+        raise _fail(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
+    cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
+    clients = _parse_clients(source, iface.get("clients", {}), len(names))
+    spec = _parse_stage(source, raw.get("stage"), 0, False, party=True) if "stage" in raw else None
+    if spec is None:
+        raise _fail(source, "a stage file needs a [stage] table (this party's model)")
+    if spec.name not in names:
+        raise _fail(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
+    last = spec.name == names[-1]
+    if last != (spec.loss is not None):
+        raise _fail(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
+    data = raw.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise _fail(source, "[data] must be a table")
+    if data and data.get("kind") in FILE_KINDS:
+        data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
+    spec = StageSpec(**{**spec.__dict__, "data": data or {}})
+    try:
+        if last:
+            reduction = _loss_reduction(spec)
+            if settings["reduction"] not in (None, reduction):
+                raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
+                                  f"reduces rows by {reduction}")
+        else:
+            reduction = settings["reduction"] or "mean"
+        source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
+        if source_data is not None and getattr(source_data, "batch", None) != batch:
+            raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
+                              f"interface 'batch' is {batch}")
+        if source_data is None and settings["epochs"] is not None:
+            raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
+                              "epoch; give 'steps'")
+        steps = _steps(settings, source_data)
+    except ConfigError as e:
+        raise _fail(source, str(e)) from e
+    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
+                     raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
+                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                     raw.get("description", ""))
+    _check_built(exp, source)
+    return exp
+
+
+def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
+    """``activation``: one table (two stages) or a list of one per cut, each ``{ shape = [...], dtype =
+    "float32" }`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape`` alone when
+    the interface has no batch)."""
+    tables = value if isinstance(value, list) else [value]
+    if len(tables) != stage_count - 1 or not all(isinstance(t, dict) for t in tables):
+        raise _fail(source, f"[interface] 'activation' must be {stage_count - 1} table(s) "
+                            f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
+                            f"{value!r}")
+    cuts = []
+    for table in tables:
+        unknown = set(table) - {"shape", "dtype"}
+        if unknown or not _shape_list(table.get("shape")):
+            raise _fail(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
+                                f"numbers (per row), and optionally 'dtype'")
+        if table.get("dtype", "float32") not in WIRE_DTYPES:
+            raise _fail(source, f"[interface] activation dtype must be one of {list(WIRE_DTYPES)}, got "
+                                f"{table['dtype']!r}")
+        cuts.append(tuple(table["shape"]) if batch is None else (batch, *table["shape"]))
+    return tuple(cuts)
+
+
+def _check_built(exp: Experiment, source: str) -> None:
+    """Build what this experiment's files define once, so a bad one fails here: every data source (and
+    shard), the numpy models against their input shapes and cuts, the optimisers, and the targets
+    against the last stage's prediction."""
+    try:
+        exp.interface_parts()
+        for spec in exp.stages:
+            first, last = spec.name == exp.stage_names[0], spec.name == exp.stage_names[-1]
+            if spec.data is not None or first or spec.name == exp.label_owner:
+                data = exp.build_data(stage=spec.name)
+                for client in range(exp.clients.count if exp.federated and first else 0):
+                    exp.build_data(client=client, stage=spec.name)
+                if first and data.feature_shape is None:
+                    raise ConfigError(f"the first stage {spec.name!r} needs features in its [data]")
+                if spec.name == exp.label_owner and not data.has_labels:
+                    raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
+            if spec.model is None:
+                continue
+            model = build_model(spec.model, spec.init_seed(exp.seed))
+            shape = model.output_shape(exp.input_shape(spec.name))
+            if not last and tuple(shape) != exp.output_shape(spec.name):
+                raise ConfigError(f"stage {spec.name!r} outputs shape {tuple(shape)}, but the interface says "
+                                  f"the activation it sends is {exp.output_shape(spec.name)}")
+            build_optimizer(spec.optimizer)
+            if last and exp.has_stage(exp.label_owner):
+                check_targets(exp, exp.build_data(stage=exp.label_owner), shape)
+        numpy_stages = [s for s in exp.stages if s.model is not None]
+        Sequential([layer for s in numpy_stages for layer in build_model(s.model, s.init_seed(exp.seed)).layers])
+    except ConfigError as e:
+        raise _fail(source, str(e)) from e
+
+
+def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
+    """Several parties' stage files as one experiment (for ``distgrad run A.toml B.toml`` and the in-process
+    reference): their interfaces must agree, each stage defined once. Raises ``ConfigError`` naming the
+    first interface field that differs."""
+    first = parts[0]
+    seen: dict[str, str] = {}
+    for exp in parts:
+        if exp.data or exp.raw.get("stages") is not None:
+            raise ConfigError(f"{exp.source} is a combined experiment; give it alone, or only stage files")
+        ours, theirs = first.interface_parts(), exp.interface_parts()
+        for key in [*ours, *(k for k in theirs if k not in ours)]:
+            if ours.get(key) != theirs.get(key):
+                raise ConfigError(f"the stage files disagree on the interface: {key}: {first.source} has "
+                                  f"{ours.get(key)!r}, {exp.source} has {theirs.get(key)!r}")
+        for spec in exp.stages:
+            if spec.name in seen:
+                raise ConfigError(f"stage {spec.name!r} is defined by both {seen[spec.name]} and {exp.source}")
+            seen[spec.name] = exp.source
+    missing = [n for n in first.stage_names if n not in seen]
+    if missing:
+        raise ConfigError(f"no stage file defines {missing}; the interface's stages are {list(first.stage_names)}")
+    order = {name: i for i, name in enumerate(first.stage_names)}
+    stages = sorted((s for exp in parts for s in exp.stages), key=lambda s: order[s.name])
+    raw = {"stage files": [exp.raw for exp in parts]}
+    return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
+                      _digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
+                      first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
+                      first.epochs, first.description)
 
 
 def _whole(value: Any) -> bool:
@@ -269,12 +643,12 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
     """
     loss = exp.final_loss
     expected = tuple(loss.target_shape(tuple(output_shape)))
-    loss_name = exp.stages[-1].loss if isinstance(exp.stages[-1].loss, str) else exp.stages[-1].loss.get("type")
-    last = exp.stages[-1].name
+    last = exp.stage_names[-1]
+    spec = exp.spec(last)
+    loss_name = spec.loss if isinstance(spec.loss, str) else spec.loss.get("type")
     if np.dtype(data.target_dtype) != loss.target_dtype:
         raise ConfigError(f"{loss_name} needs {loss.target_dtype} targets, but the data gives "
-                          f"{np.dtype(data.target_dtype)} targets"
-                          + (" (set label_dtype in [data])" if "label_dtype" in exp.data else ""))
+                          f"{np.dtype(data.target_dtype)} targets (set label_dtype in [data])")
     if tuple(data.target_shape) != expected:
         raise ConfigError(f"the last stage {last!r} outputs shape {tuple(output_shape)}, so {loss_name} needs "
                           f"targets of shape {expected}, but the data gives targets of shape "
@@ -299,11 +673,9 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
         raise ConfigError(f"--seed must be an integer >= 0, got {seed!r}")
     if not _whole(micro_batches) or micro_batches < 1:
         raise ConfigError(f"--micro-batches must be an integer >= 1, got {micro_batches!r}")
-    if micro_batches > 1:
-        batch_shape = exp.build_data(exp.seed if seed is None else seed).feature_shape
-        if len(batch_shape) < 2 or batch_shape[0] % micro_batches:
-            raise ConfigError(f"experiment {exp.name!r} has batches of shape {batch_shape}: "
-                              f"they do not split into {micro_batches} equal micro-batches")
+    if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
+        raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
+                          f"they do not split into {micro_batches} equal micro-batches")
     check_init_overrides(exp, init or {})
     if checkpoint_every is not None and (not _whole(checkpoint_every) or checkpoint_every < 0):
         raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
@@ -337,11 +709,17 @@ def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
     return Clients(count, mode, every)
 
 
-def load_experiment(name_or_path: str | Path) -> Experiment:
-    """Load a built-in experiment by name, or an experiment file by path.
+def load_experiment(name_or_path: str | Path | Sequence[str | Path]) -> Experiment:
+    """Load a built-in experiment by name, an experiment or stage file by path, or (a list) several
+    parties' stage files as one experiment (``combine_stage_files``).
 
     Raises ``ConfigError`` naming the file and the problem.
     """
+    if not isinstance(name_or_path, (str, Path)):
+        paths = list(name_or_path)
+        if len(paths) == 1:
+            return load_experiment(paths[0])
+        return combine_stage_files([load_experiment(path) for path in paths])
     path = Path(name_or_path)
     if not path.is_file():
         builtin = BUILTIN_DIR / f"{name_or_path}.toml"
@@ -388,50 +766,23 @@ def check_init_overrides(exp: Experiment, overrides: Mapping[str, float]) -> Non
 
 def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
                       overrides: Mapping[str, float]) -> tuple[Sequential, Optimizer, Loss | None]:
-    """Model, optimizer and (last stage only) loss for one stage, with ``--init`` applied.
+    """Model, optimizer and (last stage only) loss of a numpy-layer stage, with ``--init`` applied.
 
-    An override fills every element of the named parameter.
+    An override fills every element of the named parameter. The stage's own
+    ``seed``, when its file gives one, replaces ``seed`` for the initial values.
     """
     check_init_overrides(exp, overrides)
-    index = exp.stage_index(stage_name)
-    spec = exp.stages[index]
-    model = build_model(spec.model, seed)
+    spec = exp.spec(stage_name)
+    if spec.model is None:
+        raise ConfigError(f"stage {stage_name!r} is a torch module ({spec.module}), not a list of layers")
+    model = build_model(spec.model, spec.init_seed(seed))
     for name, value in overrides.items():
         if name in model.params:
             model.params[name][...] = value
-    loss = build_loss(spec.loss) if index == len(exp.stages) - 1 else None
+    loss = build_loss(spec.loss) if stage_name == exp.stage_names[-1] else None
     return model, build_optimizer(spec.optimizer), loss
 
 
-PART_VALUE_MAX = 64       # a top-level string longer than this is described by its digest
-PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept per part: enough to tell two files apart
+PART_VALUE_MAX = 64       # a part's string value is at most this long
+PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
 MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
-
-
-def fingerprint_parts(exp: Experiment) -> dict[str, Any]:
-    """The experiment file in named parts, so two stages can say where their files differ.
-
-    Top-level scalars (``steps``, ``seed``, ``labels``, ...) by value, tables
-    (``data``, ``clients``) and the ``description`` by a digest, and each stage's ``model``,
-    ``optimizer``, ``loss``, ``framework`` by a digest under ``"stage NAME
-    KEY"``; an experiment of more stages than fit in ``MAX_PARTS`` names its
-    stages as one part, ``"stages"``. Equal fingerprints give equal parts.
-    """
-    def digest(value: Any) -> str:
-        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:PART_DIGEST_HEX]
-
-    raw = exp.raw
-    parts: dict[str, Any] = {}
-    for key in sorted(k for k in raw if k != "stages"):
-        value = raw[key]
-        small = isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= PART_VALUE_MAX
-                                                          and key != "description")
-        parts[key] = value if small else digest(value)
-    per_stage = [(f"stage {table['name']} {key}", digest(table[key]))
-                 for table in raw["stages"] for key in sorted(table) if key != "name"]
-    if len(parts) + len(per_stage) <= MAX_PARTS:
-        parts.update(per_stage)
-    else:
-        parts["stages"] = digest(raw["stages"])
-    return parts

@@ -1,7 +1,8 @@
 """The handshake: the hello a stage sends the stage below it, and the checks that stage makes.
 
-A hello names the run, the experiment (its fingerprint and the parts it is
-made of, so a mismatch can name what differs), the seed, the activation shape,
+A hello names the run, the interface the stages agree on (its fingerprint
+and its fields, ``Experiment.interface_parts``, so a mismatch can name the
+field that differs and both values), the seed, the activation shape,
 where the labels live, the micro-batch count and the steps the sender can
 return to (``held``). The stage below answers with the newest step both hold
 (``common_step``). See docs/protocol.md.
@@ -13,7 +14,7 @@ from typing import Any
 
 from . import wire
 from .errors import ProtocolError
-from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment, fingerprint_parts
+from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment
 from .wire import ErrorCode, Message
 
 
@@ -22,7 +23,7 @@ def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], 
     """The hello stage ``role`` sends for ``run_id``; ``held`` are the steps it (and every stage above it)
     can return to; ``client`` is which data owner it is, for a stage serving several."""
     return Message(wire.HELLO, run_id, 0, body={
-        "role": role, "experiment": exp.name, "fingerprint": exp.fingerprint, "parts": fingerprint_parts(exp),
+        "role": role, "experiment": exp.name, "fingerprint": exp.interface_fingerprint, "parts": exp.interface_parts(),
         "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
         "micro_batches": micro_batches, **({"client": client} if client is not None else {})})
@@ -30,26 +31,25 @@ def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], 
 
 def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
                 input_shape: tuple[int, ...], here: str = "this stage") -> int:
-    """Check that a hello comes from stage ``upstream`` of the same experiment, seed and shapes;
+    """Check that a hello comes from stage ``upstream`` of the same interface, seed and shapes;
     return the micro-batch count it asks for. Raises ``ProtocolError``: ``MISMATCH`` (for a
-    fingerprint, naming the parts of the experiment that differ; ``here`` is this stage's
-    name), or ``MALFORMED`` for ``parts`` that are not a valid list of parts."""
+    fingerprint, naming the interface fields that differ with both values; ``here`` is this
+    stage's name), or ``MALFORMED`` for ``parts`` that are not a valid map of fields."""
     expected = {
         "role": upstream,
         "experiment": exp.name,
-        "fingerprint": exp.fingerprint,
+        "fingerprint": exp.interface_fingerprint,
         "seed": seed,
         "activation": {"shape": list(input_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel,
     }
     for key, value in expected.items():
         if key == "fingerprint" and isinstance(body.get(key), str) and body[key] != value:
-            raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), fingerprint_parts(exp),
+            raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), exp.interface_parts(),
                                                                   upstream, here))
         if not same_exactly(body.get(key), value):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
-                                                    f"this stage expects {value!r}"
-                                + (" (both stages must load the same experiment file)" if key == "fingerprint" else ""))
+                                                    f"this stage expects {value!r}")
     check_parts(body.get("parts"))
     mbs = body.get("micro_batches", 1)
     if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
@@ -59,16 +59,16 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
     return mbs
 
 
-PART_NAME_MAX = 200             # characters in the name of one part of an experiment
+PART_NAME_MAX = 200             # characters in the name of one interface field
 PARTS_SHOWN = 8                 # differing parts named in one refusal; the rest are counted
 
 
 def check_parts(parts: Any) -> dict[str, Any]:
-    """``parts`` if it is a hello's valid ``parts`` map (see ``fingerprint_parts``), else raise
+    """``parts`` if it is a hello's valid ``parts`` map (see ``Experiment.interface_parts``), else raise
     ``ProtocolError`` (``MALFORMED``)."""
     if type(parts) is not dict or len(parts) > MAX_PARTS:
         raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts={wire.show(parts)}; expected a map of at "
-                                                 f"most {MAX_PARTS} experiment parts")
+                                                 f"most {MAX_PARTS} interface fields")
     for name, value in parts.items():
         if (type(name) is not str or len(name) > PART_NAME_MAX or type(value) not in (bool, int, float, str)
                 or (type(value) is str and len(value) > PART_VALUE_MAX)):
@@ -80,27 +80,23 @@ def check_parts(parts: Any) -> dict[str, Any]:
 
 
 def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str) -> str:
-    """The refusal of a hello whose fingerprint differs, naming the parts that differ."""
+    """The refusal of a hello whose interface differs: each differing field with both values
+    (``batch: f has 32, g has 64``)."""
     check_parts(theirs)
     lines = []
     for name in [*ours, *(n for n in theirs if n not in ours)]:
         mine, other = ours.get(name, _ABSENT), theirs.get(name, _ABSENT)
         if same_exactly(mine, other):
             continue
-        if mine is _ABSENT or other is _ABSENT:
-            lines.append(f"{name} (only {they if mine is _ABSENT else we} has it)")
-        elif name.startswith("stage ") or name in _DIGESTED:
-            lines.append(name)          # a digest: its value says nothing to a reader
-        else:
-            lines.append(f"{name} ({they} has {wire.show(other)}, {we} has {wire.show(mine)})")
+        show = lambda value: "nothing" if value is _ABSENT else wire.show(value)  # noqa: E731
+        lines.append(f"{name}: {they} has {show(other)}, {we} has {show(mine)}")
     shown = "; ".join(lines[:PARTS_SHOWN]) + (f"; and {len(lines) - PARTS_SHOWN} more" if len(lines) > PARTS_SHOWN
                                               else "")
-    return (f"the experiment of stage {they} differs from stage {we}'s in: {shown or 'nothing it names'} "
-            f"(both stages must load the same experiment file)")
+    return (f"the interface of stage {they} differs from stage {we}'s: {shown or 'in nothing it names'} "
+            f"(the parties' stage files must agree on the interface)")
 
 
 _ABSENT = object()
-_DIGESTED = ("data", "clients", "stages", "description")   # parts sent as digests, like every "stage NAME KEY"
 
 
 def same_exactly(a: Any, b: Any) -> bool:

@@ -67,7 +67,7 @@ class _TracePart:
 
 def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool) -> list[StepEngine]:
     """A step engine per stage, each writing its part of the trace; the last sends ``activation_grad``."""
-    scale = exp.final_loss.micro_batch_scale
+    scale = exp.micro_batch_scale
     return [StepEngine(stage, scale, lines.part(snapshot=shared_last and stage is stages[-1]),
                        trace_sent=stage is stages[-1] and len(stages) > 1) for stage in stages]
 
@@ -114,12 +114,13 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     last = Stage.from_experiment(exp, last_name, seed, init)
     last_engine = _engines([clients[0], last], exp, lines, shared_last=True)[1]
     pairs = [[_engines([client, last], exp, lines, shared_last=True)[0], last_engine] for client in clients]
-    data = [exp.build_data(seed, client=c) for c in range(exp.clients.count)]
+    data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
+    labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
     losses: list[float | None] = [None] * len(clients)
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
-            losses[c] = _step(engines, step, data[c].features(step), data[c].targets(step), micro_batches, c)
+            losses[c] = _step(engines, step, data[c].features(step), labels[c].targets(step), micro_batches, c)
         if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
             mean = average_parameters([client.params for client in clients])
             for client in clients:
@@ -135,7 +136,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                                  "status": "completed"}
         if len(data[c].test_rows):
             x, _ = client.forward(data[c].test_features())
-            entry.update(evaluation_fields(last.evaluate_last(x, data[c].test_targets())))
+            entry.update(evaluation_fields(last.evaluate_last(x, labels[c].test_targets())))
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
@@ -175,15 +176,16 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         lines = _TraceLines(trace)
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines)
-        stages = [Stage.from_experiment(exp, spec.name, seed, init) for spec in exp.stages]
+        stages = [Stage.from_experiment(exp, name, seed, init) for name in exp.stage_names]
         engines = _engines(stages, exp, lines, shared_last=False)
-        data = exp.build_data(seed)
+        data = exp.build_data(seed, stage=exp.stage_names[0])
+        labels = exp.build_data(seed, stage=exp.label_owner)
         *upstream, last = stages
         loss = None
         log_every = max(1, steps // 10)
         started, cpu_started = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
-            loss = _step(engines, step, data.features(step), data.targets(step), micro_batches)
+            loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
             lines.flush()
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
@@ -192,7 +194,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         x = data.test_features()
         for stage in upstream:
             x, _ = stage.forward(x)
-        evaluation = last.evaluate_last(x, data.test_targets())
+        evaluation = last.evaluate_last(x, labels.test_targets())
         log.info("test loss %.6g%s", evaluation["loss"], _accuracy_text(evaluation))
     summary = {
         "experiment": exp.name,

@@ -161,7 +161,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     """
     out = out or sys.stdout
     exp = load_experiment(experiment)
-    if len(exp.stages) < 2:
+    if len(exp.stage_names) < 2:
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
     check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))

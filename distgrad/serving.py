@@ -129,14 +129,17 @@ class ServingStage:
         self.state = StageState(opts, checkpoint_each_step=False)
         self.log = self.state.log
         self.engine = self.state.engine
-        # The last stage reads only the targets (a shard per data owner); a middle one nothing.
-        self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None) for c in range(self.count)]
+        # The last stage reads only the targets (a shard per data owner); a middle one only how many rows are
+        # held out (its stage file may hold no data: it then evaluates nothing).
+        holds_data = self.exp.spec(opts.stage).data != {}
+        self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None, stage=opts.stage)
+                     for c in range(self.count)] if holds_data else []
         self.target = target_spec(self.exp, opts.seed)
         self.link = None if connect is None else DownstreamLink(
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
             backward_specs(self.stage, 1))
         single = forward_specs(self.stage, self.target, 1)
-        rows = len(self.data[0].test_rows)
+        rows = len(self.data[0].test_rows) if self.data else 0
         self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
         limits = [frame_limit(single), frame_limit(self.eval_specs)]
         self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
@@ -423,8 +426,10 @@ class ServingStage:
         return []
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        if not len(self.data[peer.index].test_rows):
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        if not self.data or not len(self.data[peer.index].test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate"
+                                                + ("" if self.data else f" at stage {self.opts.stage} (its file "
+                                                                        f"has no [data])"))
         wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
         if peer.evaluation is not None and self.shared:
             return [(envelope, Message(wire.EVALUATION, msg.run, msg.step, body=peer.evaluation))]

@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import NonFiniteError, StageError
-from .experiment import Experiment, build_stage_parts
+from .errors import ConfigError, NonFiniteError, StageError
+from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
 from .nn import Grads, Sequential, Shape
 from .optim import Optimizer
@@ -56,8 +56,11 @@ def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] 
     """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
     if not exp.labels_travel:
         return None
-    loss = exp.final_loss
-    return loss.target_shape(exp.input_shapes(seed)[-1]), loss.target_dtype
+    if exp.has_stage(exp.stage_names[-1]):
+        loss = exp.final_loss
+        return loss.target_shape(exp.output_shape(exp.stage_names[-1], seed)), loss.target_dtype
+    data = exp.build_data(seed, stage=exp.stage_names[0])      # the data owner, who sends them
+    return tuple(data.target_shape), np.dtype(data.target_dtype)
 
 
 def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int) -> TensorSpecs:
@@ -76,6 +79,19 @@ def backward_specs(stage: "Stage", micro_batches: int) -> TensorSpecs:
 # Stages computed by another framework, built by ``module:function(exp, name, seed, init)``; looked up by
 # name, so this module does not import them (``torch_stage`` imports this one).
 FRAMEWORK_BUILDERS = {"torch": "distgrad.torch_stage:build_stage"}
+
+
+def check_cut(exp: Experiment, stage: "Stage", seed: int) -> None:
+    """Raise ``ConfigError`` unless a built stage produces what the interface says crosses its cut
+    (on the last stage: what its loss needs of the label owner's targets)."""
+    name = stage.name
+    if name != exp.stage_names[-1]:
+        expected = exp.output_shape(name, seed)
+        if tuple(stage.output_shape) != tuple(expected):
+            raise ConfigError(f"stage {name!r} outputs shape {tuple(stage.output_shape)}, but the interface says "
+                              f"the activation it sends is {tuple(expected)}")
+    elif exp.has_stage(exp.label_owner) and exp.spec(exp.label_owner).data != {}:
+        check_targets(exp, exp.build_data(seed, stage=exp.label_owner), stage.output_shape)
 
 
 class Stage:
@@ -112,14 +128,15 @@ class Stage:
         with the same interface.
         """
         seed = exp.seed if seed is None else seed
-        framework = exp.stages[exp.stage_index(name)].framework
+        framework = exp.spec(name).framework
         if framework in FRAMEWORK_BUILDERS:
             module, function = FRAMEWORK_BUILDERS[framework].split(":")
             # imported only when a stage asks for it (torch is an optional extra)
             stage: Stage = getattr(importlib.import_module(module), function)(exp, name, seed, init)
         else:
             model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
-            stage = cls(name, model, optimizer, loss, exp.input_shapes(seed)[exp.stage_index(name)])
+            stage = cls(name, model, optimizer, loss, exp.input_shape(name, seed))
+        check_cut(exp, stage, seed)
         stage.allow_nonfinite = exp.allow_nonfinite
         return stage
 

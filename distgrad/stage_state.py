@@ -32,7 +32,7 @@ class StageState:
         """``checkpoint_each_step``: the engine's every update is a step of the run (checkpointed every
         ``--checkpoint-every``); a stage serving several clients checkpoints at the end of a round instead."""
         self.opts = opts
-        self.engine = StepEngine(self._fresh(), opts.experiment.final_loss.micro_batch_scale,
+        self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
                                  trace_sent=opts.role == "serving")
         if checkpoint_each_step:
             self.engine.observers.append(lambda record: self.after_step(record.step))

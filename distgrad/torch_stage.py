@@ -239,7 +239,7 @@ class TorchStage(Stage):
             params += [_Param(dg_name, getattr(module, attr), transposed) for dg_name, attr, transposed in names]
             modules.append(module)
         return cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
-                   exp.input_shapes(seed)[exp.stage_index(name)], params)
+                   exp.input_shape(name, seed), params)
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,

@@ -15,8 +15,7 @@ from distgrad.experiment import Experiment
 def hello_message(exp: Experiment, run: str, **changes: Any) -> wire.Message:
     """A valid hello from a fresh driving stage of ``exp`` (``handshake.hello``, the one the driver
     sends); ``changes`` replace body fields."""
-    shapes = exp.input_shapes()
-    message = handshake.hello(exp, exp.stage_names[0], exp.seed, tuple(shapes[1]), run, [0], exp.steps, 1)
+    message = handshake.hello(exp, exp.stage_names[0], exp.seed, exp.cuts[0], run, [0], exp.steps, 1)
     message.body.update(changes)
     return message
 

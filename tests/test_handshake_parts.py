@@ -1,9 +1,9 @@
-"""A hello whose experiment differs is refused naming the parts that differ (issue 12.10).
+"""A hello whose interface differs is refused naming each field that differs with both values
+(issues 12.10 and 14.1); what is private to a party (its model, optimiser, data) is not compared.
 
-The hello carries ``parts`` (``experiment.fingerprint_parts``): top-level
-values and per-stage digests. The receiver names every differing part, with
-both values where the part is a value, and validates ``parts`` like every
-wire field.
+The hello carries ``parts`` (``Experiment.interface_parts``). The receiver
+names every differing field as ``batch: f has 32, g has 64`` and validates
+``parts`` like every wire field.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from distgrad import wire
 from distgrad.options import StageOptions
 from distgrad.errors import ProtocolError
-from distgrad.experiment import MAX_PARTS, fingerprint_parts, load_experiment, parse_experiment
+from distgrad.experiment import MAX_PARTS, load_experiment, parse_experiment
 from distgrad.handshake import check_hello
 from distgrad.serving import ServingStage
 from distgrad.stage import Stage
@@ -40,7 +40,7 @@ def _steps_and_f_model(raw: dict) -> None:
 
 def _refusal(ours, theirs, **changes) -> ProtocolError:
     first = Stage.from_experiment(ours, ours.stage_names[-2])
-    body = hello_message(ours, "r", fingerprint=theirs.fingerprint, parts=fingerprint_parts(theirs),
+    body = hello_message(ours, "r", fingerprint=theirs.interface_fingerprint, parts=theirs.interface_parts(),
                          role=first.name, activation={"shape": list(first.output_shape), "dtype": "float32"},
                          **changes).body
     with pytest.raises(ProtocolError) as info:
@@ -48,41 +48,67 @@ def _refusal(ours, theirs, **changes) -> ProtocolError:
     return info.value
 
 
-def test_a_differing_experiment_is_refused_naming_each_part_and_both_values():
+def test_a_differing_interface_is_refused_naming_each_field_and_both_values():
     g_exp, f_exp = _variant("seed-reverse", _steps_and_f_model)
     error = _refusal(g_exp, f_exp)
     assert error.code == ErrorCode.MISMATCH
-    assert "the experiment of stage f differs from stage g's in: steps (f has 200, g has 900); stage f model" \
-        in str(error)
-    assert "stage g" not in str(error).split("in:")[1].replace("stage g's", "")     # g's own stage is the same
+    assert "the interface of stage f differs from stage g's: steps: f has 200, g has 900 (" in str(error)
+    assert "model" not in str(error)            # f's model is f's own business
 
 
 @pytest.mark.parametrize("change,needle", [
-    (lambda raw: raw.update(seed=5), "seed (f has 5, g has 0)"),
-    (lambda raw: raw.update(labels="first"), "labels (f has 'first', g has 'last')"),
-    (lambda raw: raw["data"].update(delta=-0.2), "in: data ("),
-    (lambda raw: raw["stages"][1].update(loss="mean_squared_error"), "in: stage g loss ("),
-    (lambda raw: raw["stages"][1]["optimizer"].update(lr=0.2), "in: stage g optimizer ("),
-    (lambda raw: raw.update(description="another"), "in: description ("),
+    (lambda raw: raw.update(seed=5), "seed: f has 5, g has 0"),
+    (lambda raw: raw.update(labels="first"), "labels: f has 'first', g has 'last'"),
+    (lambda raw: raw["stages"][1].update(loss="mean_squared_error"), "reduction: f has 'mean', g has 'sum'"),
+    (lambda raw: raw["data"].update(batch=64), "batch: f has 64, g has 32"),
+    (lambda raw: raw["data"].update(test_fraction=0.25), "held-out rows: f has 449, g has 359"),
+    (lambda raw: raw["stages"][0]["model"][0].update(out=32) or raw["stages"][1]["model"][0].update(**{"in": 32}),
+     "activation 1: f has '32x32 float32', g has '32x64 float32'"),
 ])
-def test_each_kind_of_part_is_named(change, needle):
-    g_exp, f_exp = _variant("seed-reverse", change)
+def test_each_interface_field_is_named_with_both_values(change, needle):
+    name = "seed-reverse" if "batch" not in needle and "rows" not in needle and "activation" not in needle \
+        else "digits"
+    g_exp, f_exp = _variant(name, change)
+    if "activation" in needle:
+        ours = g_exp
+        body = hello_message(ours, "r", fingerprint=f_exp.interface_fingerprint, parts=f_exp.interface_parts()).body
+        with pytest.raises(ProtocolError) as info:
+            check_hello(body, "f", ours, ours.seed, ours.cuts[0], "g")
+        assert needle in str(info.value)
+        return
     assert needle in str(_refusal(g_exp, f_exp))
 
 
-def test_a_middle_stage_and_a_stage_of_several_clients_name_the_parts_too():
-    g_exp, m_exp = _variant("chain4-classify", lambda raw: raw["stages"][2]["optimizer"].update(lr=0.5))
+@pytest.mark.parametrize("change", [
+    lambda raw: raw["data"].update(delta=-0.2),
+    lambda raw: raw["stages"][0]["optimizer"].update(lr=0.2),
+    lambda raw: raw["stages"][1]["optimizer"].update(lr=0.2),
+    lambda raw: raw["stages"][0]["model"][0]["init"].update(stddev=0.5),
+    lambda raw: raw.update(description="another"),
+])
+def test_what_is_private_to_a_party_is_not_compared(change):
+    g_exp, f_exp = _variant("seed-reverse", change)
+    assert f_exp.interface_parts() == g_exp.interface_parts()
+    first = Stage.from_experiment(g_exp, "f")
+    body = hello_message(g_exp, "r", fingerprint=f_exp.interface_fingerprint, parts=f_exp.interface_parts()).body
+    assert check_hello(body, "f", g_exp, g_exp.seed, first.output_shape, "g") == 1
+
+
+def test_a_middle_stage_and_a_stage_of_several_clients_name_the_fields_too():
+    g_exp, m_exp = _variant("chain4-classify", lambda raw: raw.update(steps=9))
     server = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
     first = Stage.from_experiment(g_exp, "m2")
-    hello = hello_message(g_exp, "r", role="m2", fingerprint=m_exp.fingerprint, parts=fingerprint_parts(m_exp),
+    hello = hello_message(g_exp, "r", role="m2", fingerprint=m_exp.interface_fingerprint,
+                          parts=m_exp.interface_parts(),
                           activation={"shape": list(first.output_shape), "dtype": "float32"})
-    with pytest.raises(ProtocolError, match="stage m2 differs from stage g's in: stage m2 optimizer"):
+    with pytest.raises(ProtocolError, match="stage m2 differs from stage g's: steps: m2 has 9, g has 150"):
         server.handle([b"peer"], hello, 0.0)
 
     g_exp, f_exp = _variant("digits-clients", lambda raw: raw.update(steps=7))
     clients = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
-    hello = hello_message(g_exp, "r", client=0, fingerprint=f_exp.fingerprint, parts=fingerprint_parts(f_exp))
-    with pytest.raises(ProtocolError, match=r"in: steps \(f has 7, g has 300\)"):
+    hello = hello_message(g_exp, "r", client=0, fingerprint=f_exp.interface_fingerprint,
+                          parts=f_exp.interface_parts())
+    with pytest.raises(ProtocolError, match=r"steps: f has 7, g has 300"):
         clients.handle([b"peer"], hello, 0.0)
 
 
@@ -98,18 +124,20 @@ def test_parts_are_validated_whether_or_not_the_fingerprint_matches(parts):
     assert info.value.code == ErrorCode.MALFORMED
     other = parse_experiment({**exp.raw, "steps": 3})
     with pytest.raises(ProtocolError) as info:
-        check_hello(hello_message(exp, "r", parts=parts, fingerprint=other.fingerprint).body, "f", exp, exp.seed,
+        check_hello(hello_message(exp, "r", parts=parts, fingerprint=other.interface_fingerprint).body, "f", exp,
+                    exp.seed,
                     shape, "g")
     assert info.value.code == ErrorCode.MALFORMED and len(str(info.value)) <= wire.ERROR_TEXT_MAX
 
 
-def test_many_differing_parts_are_counted_not_all_listed():
-    g_exp, f_exp = _variant("chain4-classify", lambda raw: [s.update(framework="numpy") or s["optimizer"].update(lr=0.9)
-                                                        for s in raw["stages"]]
-                            + [raw.update(steps=1, seed=1, description="d")])
+def test_many_differing_fields_are_counted_not_all_listed():
+    g_exp, f_exp = _variant("digits", lambda raw: raw.update(steps=1, seed=1, labels="first", allow_nonfinite=True,
+                                                             clients={"count": 2, "mode": "splitfed",
+                                                                      "average_every": 3}, name="other")
+                            or raw["data"].update(batch=16, test_fraction=0.5))
     text = str(_refusal(g_exp, f_exp))
-    assert "stage f framework (only m2 has it)" in text and "stage g framework" not in text
-    assert text.count(";") == 8 and "and 3 more" in text, text
+    assert "name: f has 'other', g has 'digits'" in text
+    assert text.count(";") == 8 and "more" in text, text
 
 
 def test_stages_with_different_experiment_files_say_which_fields_differ(tmp_path: Path, start_server):
@@ -120,5 +148,5 @@ def test_stages_with_different_experiment_files_say_which_fields_differ(tmp_path
     g, endpoint = start_server(str(Path(load_experiment("seed-reverse").source)))
     result = run_cli(["stage", "f", "--experiment", mine, "--connect", endpoint, "--peer-deadline", "10"])
     assert result.returncode == 4, result.stderr
-    assert "differs from stage g's in: steps (f has 300, g has 900); stage f model" in result.stderr
-    assert "differs from stage g's in: steps (f has 300, g has 900); stage f model" in g.output
+    assert "differs from stage g's: steps: f has 300, g has 900 (" in result.stderr
+    assert "differs from stage g's: steps: f has 300, g has 900 (" in g.output

@@ -1,0 +1,114 @@
+"""The keys of experiment and stage files: for each, its type, default and meaning.
+
+The parser (``distgrad.experiment``) accepts exactly these keys, and the
+format reference (docs/stage-files.md, written by ``distgrad.reference``) is
+generated from these tables, so the two cannot drift apart. Each entry is
+``key: (type, default, meaning)``; a default of ``None`` means "required" or
+"absent" as the meaning says.
+"""
+
+from __future__ import annotations
+
+Key = tuple[str, str, str]
+
+# Keys shared by a combined experiment's top level and a stage file's [interface].
+_SHARED: dict[str, Key] = {
+    "steps": ("integer >= 1", "100",
+              "training steps (one batch each); give 'steps' or 'epochs', not both. '--steps' overrides it"),
+    "epochs": ("integer >= 1", "absent",
+               "train this many passes over the training rows instead: steps = epochs x (training rows // batch); "
+               "the rows of each epoch are a fresh seeded shuffle every party computes alike, and the last "
+               "partial batch of an epoch is left out"),
+    "seed": ("integer >= 0", "0",
+             "seed of the sample order (the train/held-out split and each epoch's shuffle) and of the initial "
+             "values (unless a stage gives its own 'seed'); '--seed' overrides it"),
+    "labels": ('"last" | "first"', '"last"',
+               "who holds the labels: the last stage (nothing but activations and gradients cross the wire), or "
+               "the first, which sends each batch's targets downstream with its activations"),
+    "reduction": ('"mean" | "sum"', "the loss's",
+                  "how the last stage's loss reduces a batch's rows, which decides how micro-batch gradients "
+                  "combine (summed, times 1/M for 'mean'); the label owner checks it against its loss"),
+    "micro_batches": ("integer >= 1", "1",
+                      "micro-batches per step (the batch must divide evenly); '--micro-batches' overrides it"),
+    "eval_every": ("integer >= 0", "0",
+                   "every K steps, evaluate the held-out rows forward-only through every stage: loss and accuracy "
+                   "go to the progress line, the metrics file, the plot and TensorBoard (0: only at the end)"),
+    "allow_nonfinite": ("boolean", "false",
+                        "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
+                        "gradient ends the run before anything of that step is applied)"),
+    "clients": ("table", "absent",
+                "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
+                "average_every (splitfed: average the first stage's parameters every K steps)"),
+    "description": ("string", '""', "free text, shown by 'distgrad experiments'"),
+}
+
+# A combined experiment: every stage in one file.
+TOP_KEYS: dict[str, Key] = {
+    "name": ("string", None, "the experiment's name (required)"),
+    **_SHARED,
+    "data": ("table", None, "the data every stage reads its own part of (required): see [data]"),
+    "stages": ("array of tables", None, "one [[stages]] table per stage, in order (required)"),
+}
+
+# A stage file: one party's stage.
+STAGE_FILE_KEYS: dict[str, Key] = {
+    "description": _SHARED["description"],
+    "interface": ("table", None, "what every party's file must say alike (required): see [interface]"),
+    "stage": ("table", None, "this party's stage (required): see [stage]"),
+    "data": ("table", "absent",
+             "this party's own data: the data owner's features, the label owner's labels (see [data]); a "
+             "middle stage has none"),
+}
+
+INTERFACE_KEYS: dict[str, Key] = {
+    "name": ("string", None, "the run's name; every party must give the same (required)"),
+    "stages": ("array of strings", None, "every stage's name, in order from the data owner to the label owner "
+                                         "(required, at least two)"),
+    "batch": ("integer >= 1", "absent",
+              "rows per step; absent for unbatched data (the seed's ramp). Each party's [data] must batch alike"),
+    "activation": ("table, or array of tables", None,
+                   "what crosses each cut (required): { shape = [per-row shape], dtype = \"float32\" }, one table "
+                   "per cut from the top (a single table for two stages); the tensor of a step is "
+                   "(batch, *shape)"),
+    **_SHARED,
+}
+
+_STAGE_COMMON: dict[str, Key] = {
+    "name": ("string", None, "the stage's name (required)"),
+    "model": ("array of layer tables", None,
+              "the stage's layers, in order (see Layers); give 'model' or 'module'"),
+    "module": ('string "package.module:factory"', "absent",
+               "a function returning a torch.nn.Module, imported from the folder of this file first, then "
+               "sys.path; the stage is then computed by torch (framework \"torch\")"),
+    "module_args": ("table", "{}", "keyword arguments for the 'module' factory"),
+    "optimizer": ("table", '{ type = "adam" }',
+                  "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
+                  "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 }"),
+    "loss": ("string or table", None,
+             "the last stage's loss, and only the last stage's (see Losses); for a 'module', also a torch.nn loss "
+             "class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }"),
+    "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
+                  "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
+    "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
+               "where a torch stage computes; tensors cross the wire from host memory"),
+}
+
+COMBINED_STAGE_KEYS: dict[str, Key] = {
+    **_STAGE_COMMON,
+    "output": ("array of integers", "absent",
+               "a 'module' stage before the last: its per-row output shape (a stage file's interface says it)"),
+}
+
+STAGE_KEYS: dict[str, Key] = {
+    **_STAGE_COMMON,
+    "seed": ("integer >= 0", "the interface's seed", "seed of this stage's initial values, private to its party"),
+}
+
+TABLES: list[tuple[str, dict[str, Key], str]] = [
+    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins)."),
+    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order."),
+    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's."),
+    ("Stage file: [interface]", INTERFACE_KEYS,
+     "What the parties agree on; the handshake compares it field by field and names the one that differs."),
+    ("Stage file: [stage]", STAGE_KEYS, "This party's stage."),
+]
