@@ -100,8 +100,9 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
-                   help="split each batch into M micro-batches, one update per batch (default 1)")
+    p.add_argument("--micro-batches", type=int, metavar="M",
+                   help="split each batch into M micro-batches, one update per batch (default: the experiment's "
+                        "micro_batches, else 1)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
                    help="micro-batches in flight: all (gpipe) or two (1f1b, the default); same result either way")
 
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distgrad", description="Train one model g(f(x)) across a process boundary.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an experiment: every stage as its own local process")
-    run.add_argument("experiment", metavar="NAME_OR_PATH")
+    run.add_argument("experiment", metavar="NAME_OR_PATH", nargs="+",
+                     help="a built-in name or experiment file, or every party's stage file (f.toml g.toml)")
     _common_flags(run, experiment_required=False)
     _pipeline_flags(run)
     _watch_flags(run)
@@ -148,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("experiments", help="list the built-in experiments")
+    split = sub.add_parser("split", help="write one stage file per party (OUTDIR/STAGE.toml) from a combined experiment")
+    split.add_argument("experiment", metavar="NAME_OR_PATH")
+    split.add_argument("outdir", type=Path, metavar="OUTDIR")
+    split.add_argument("--force", action="store_true", help="overwrite stage files already in OUTDIR")
     keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
     keygen.add_argument("directory", type=Path)
     keygen.add_argument("name")
@@ -188,7 +194,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
-        micro_batches=args.micro_batches, schedule=args.schedule, metrics_path=args.metrics,
+        micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
+        schedule=args.schedule, metrics_path=args.metrics,
         progress=_progress_mode(args.progress), client=args.client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6)
     serving = args.bind is not None
@@ -196,7 +203,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
-    if serving and (args.micro_batches != 1 or args.schedule != "1f1b" or args.metrics):
+    if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.metrics):
         raise ConfigError("--micro-batches, --schedule and --metrics are for the driving stage "
                           "(the others follow its hello)")
     ctx = zmq.Context.instance()
@@ -245,6 +252,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
     from .transport import check_spin
 
     exp = load_experiment(args.experiment)
+    experiment = args.experiment[0] if len(args.experiment) == 1 else args.experiment
+    if args.micro_batches is None:
+        args.micro_batches = exp.micro_batches
     in_process = args.in_process or len(exp.stage_names) == 1
     # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
@@ -260,7 +270,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         check_trace_filter(parse_trace_params(args.trace_params), args.trace_every,
                            exp.all_param_names(args.seed), args.trace is not None)
         stop = StopFlag().install()
-        summary = run_local(args.experiment, steps=args.steps, seed=args.seed, init=args.init,
+        summary = run_local(experiment, steps=args.steps, seed=args.seed, init=args.init,
                             summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
                             transport=args.transport,
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
@@ -348,6 +358,16 @@ def _list_experiments() -> int:
     return EXIT_OK
 
 
+def _split(args: argparse.Namespace) -> int:
+    from .experiment import load_experiment
+    from .split import split_experiment
+
+    exp = load_experiment(args.experiment)
+    for path in split_experiment(exp, args.outdir, args.force):
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from .keys import keygen
 
@@ -416,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
     commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
+                "split": _split,
                 "keygen": _keygen, "ping": _ping, "plot": _plot}
     return _guarded(commands[args.command], args)
 

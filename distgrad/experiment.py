@@ -299,8 +299,19 @@ class Experiment:
 
     @property
     def interface_fingerprint(self) -> str:
-        """A digest of ``interface_parts``: equal for stages that can train together."""
-        return _digest(self.interface_parts(), 64)
+        """A digest of ``interface_parts`` (``interface_digest``)."""
+        return interface_digest(self.interface_parts())
+
+
+DATA_PARTS = ("rows", "held-out rows", "sample order")   # what only a party holding data can tell
+
+
+def interface_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """The interface fields two parties disagree on, in order; a field of ``DATA_PARTS`` counts only when
+    both have it (a party without data cannot tell its rows)."""
+    keys = [*ours, *(k for k in theirs if k not in ours)]
+    return [k for k in keys if not (k in DATA_PARTS and (k not in ours or k not in theirs))
+            and (k not in ours or k not in theirs or type(ours[k]) is not type(theirs[k]) or ours[k] != theirs[k])]
 
 
 def client_stage_name(stage: str, client: int | None) -> str:
@@ -310,6 +321,11 @@ def client_stage_name(stage: str, client: int | None) -> str:
 
 def _fail(source: str, message: str) -> ConfigError:
     return ConfigError(f"experiment {source}: {message}")
+
+
+def interface_digest(parts: Mapping[str, Any]) -> str:
+    """The fingerprint of an interface's fields: equal fields, equal fingerprint."""
+    return _digest(dict(parts), 64)
 
 
 def _digest(value: Any, hex_digits: int) -> str:
@@ -347,7 +363,7 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if not isinstance(table.get("optimizer", {}), dict):
         raise _fail(source, f"stage {name!r}: 'optimizer' must be a table such as "
                             f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
-    if last != ("loss" in table):
+    if not party and last != ("loss" in table):
         raise _fail(source, f"stage {name!r}: exactly the last stage has a 'loss'")
     framework = table.get("framework", "torch" if module is not None else "numpy")
     if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
@@ -577,7 +593,11 @@ def _check_built(exp: Experiment, source: str) -> None:
         exp.interface_parts()
         for spec in exp.stages:
             first, last = spec.name == exp.stage_names[0], spec.name == exp.stage_names[-1]
-            if spec.data is not None or first or spec.name == exp.label_owner:
+            holds_data = bool(exp.data if spec.data is None else spec.data)
+            if not holds_data and (first or spec.name == exp.label_owner):
+                raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
+                                  f"{'features' if first else 'labels'}")
+            if holds_data:
                 data = exp.build_data(stage=spec.name)
                 for client in range(exp.clients.count if exp.federated and first else 0):
                     exp.build_data(client=client, stage=spec.name)
@@ -611,8 +631,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
         if exp.data or exp.raw.get("stages") is not None:
             raise ConfigError(f"{exp.source} is a combined experiment; give it alone, or only stage files")
         ours, theirs = first.interface_parts(), exp.interface_parts()
-        for key in [*ours, *(k for k in theirs if k not in ours)]:
-            if ours.get(key) != theirs.get(key):
+        for key in interface_differences(ours, theirs):
                 raise ConfigError(f"the stage files disagree on the interface: {key}: {first.source} has "
                                   f"{ours.get(key)!r}, {exp.source} has {theirs.get(key)!r}")
         for spec in exp.stages:

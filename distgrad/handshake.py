@@ -14,7 +14,7 @@ from typing import Any
 
 from . import wire
 from .errors import ProtocolError
-from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment
+from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment, interface_differences, interface_digest
 from .wire import ErrorCode, Message
 
 
@@ -45,8 +45,11 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
     }
     for key, value in expected.items():
         if key == "fingerprint" and isinstance(body.get(key), str) and body[key] != value:
-            raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), exp.interface_parts(),
-                                                                  upstream, here))
+            if interface_differences(exp.interface_parts(), check_parts(body.get("parts"))) or \
+                    body[key] != interface_digest(body["parts"]):
+                raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), exp.interface_parts(),
+                                                                      upstream, here))
+            continue                    # the same interface; one side cannot tell its rows (no data)
         if not same_exactly(body.get(key), value):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                     f"this stage expects {value!r}")
@@ -84,10 +87,8 @@ def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str) -> str:
     (``batch: f has 32, g has 64``)."""
     check_parts(theirs)
     lines = []
-    for name in [*ours, *(n for n in theirs if n not in ours)]:
+    for name in interface_differences(ours, theirs) or ["fingerprint"]:
         mine, other = ours.get(name, _ABSENT), theirs.get(name, _ABSENT)
-        if same_exactly(mine, other):
-            continue
         show = lambda value: "nothing" if value is _ABSENT else wire.show(value)  # noqa: E731
         lines.append(f"{name}: {they} has {show(other)}, {we} has {show(mine)}")
     shown = "; ".join(lines[:PARTS_SHOWN]) + (f"; and {len(lines) - PARTS_SHOWN} more" if len(lines) > PARTS_SHOWN

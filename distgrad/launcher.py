@@ -130,11 +130,18 @@ class _Child:
         self._thread.join(STOP_GRACE_S)
 
 
+def _stage_source(exp: Any, name: str, experiment: str | Path | Sequence[str | Path]) -> str:
+    """The file (or built-in name) stage ``name``'s process reads: its own stage file, else the experiment."""
+    if isinstance(experiment, (str, Path)):
+        return str(experiment)
+    return exp.spec(name).source
+
+
 def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "distgrad.cli", "stage", name, "--experiment", experiment, *flags]
 
 
-def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | None = None,
+def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | None = None, seed: int | None = None,
               init: str | None = None, summary_path: str | Path | None = None,
               trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
               transport: str = "tcp",
@@ -142,7 +149,8 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
               driver_flags: Sequence[str] = (), progress_bar: bool = False) -> dict[str, Any]:
-    """Run an experiment as one local process per stage; return the merged summary.
+    """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
+    return the merged summary. Each stage process reads only its own file.
 
     ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
     ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
@@ -168,6 +176,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
+    source = {name: _stage_source(exp, name, experiment) for name in names}
     clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
     # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
     processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
@@ -202,7 +211,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
             for name in reversed(names[1:]):
                 bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
                 ready = tmp / f"{name}.ready"
-                child = _Child(name, _stage_argv(name, str(experiment), [
+                child = _Child(name, _stage_argv(name, source[name], [
                     "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
                     *flags, *curve[name], *outputs(name)]), out, lock)
                 children.append(child)
@@ -213,7 +222,7 @@ def run_local(experiment: str | Path, *, steps: int | None = None, seed: int | N
                 label = names[0] if client is None else client_stage_name(names[0], client)
                 client_flags = [] if client is None else ["--client", str(client)]
                 shown = bar if client in (None, 0) else None
-                driver = _Child(label, _stage_argv(names[0], str(experiment), [
+                driver = _Child(label, _stage_argv(names[0], source[names[0]], [
                     "--connect", below[0], *client_flags, *flags, *driver_flags,
                     "--progress", "lines" if shown else "off", *curve[label], *outputs(label),
                     *(["--metrics", str(metrics[label])] if label in metrics else [])]), out, lock, shown)

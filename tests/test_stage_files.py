@@ -1,0 +1,175 @@
+"""Each party its own stage file (issue 14.1): only the interface in common.
+
+The data owner's host holds the features and its own model; the label
+owner's host holds the labels and its own model; they agree only on the
+``[interface]``. Trained by hand over tcp they end bitwise equal to the same
+stage files run in one process, and every mismatch of the interface is
+named with both values.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.errors import ConfigError
+from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.inprocess import train_in_process
+from distgrad.split import split_experiment, toml_document
+
+from conftest import StageProcess, read_json, run_cli
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROWS, FEATURES, CLASSES, BATCH = 240, 12, 3, 16
+
+
+def _interface(**changes) -> dict:
+    table = {"name": "two-parties", "stages": ["f", "g"], "batch": BATCH,
+             "activation": {"shape": [6], "dtype": "float32"}, "steps": 120, "seed": 3, "labels": "last",
+             "reduction": "mean"}
+    table.update(changes)
+    return table
+
+
+def _hosts(tmp_path: Path, f_interface: dict | None = None, g_interface: dict | None = None) -> tuple[Path, Path]:
+    """Two folders, as on two hosts: f's with features (npy) and f.toml, g's with labels (csv) and g.toml.
+    The models, optimisers, data kinds and initial seeds differ; only the interface is shared."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5)
+    f_host, g_host = tmp_path / "data-owner", tmp_path / "label-owner"
+    f_host.mkdir()
+    g_host.mkdir()
+    np.save(f_host / "pixels.npy", x)
+    (g_host / "labels.csv").write_text("id,label\n" + "".join(f"{i},{v}\n" for i, v in enumerate(y)))
+    f_doc = {"interface": f_interface or _interface(),
+             "stage": {"name": "f", "seed": 11,
+                       "model": [{"type": "dense", "name": "enc1", "in": FEATURES, "out": 10}, {"type": "tanh"},
+                                 {"type": "dense", "name": "enc2", "in": 10, "out": 6}],
+                       "optimizer": {"type": "sgd", "lr": 0.05}},
+             "data": {"kind": "npy", "features": "pixels.npy", "batch": BATCH, "test_fraction": 0.25}}
+    g_doc = {"interface": g_interface or _interface(),
+             "stage": {"name": "g",
+                       "model": [{"type": "relu"}, {"type": "dense", "name": "head", "in": 6, "out": CLASSES}],
+                       "optimizer": {"type": "adam", "lr": 0.02}, "loss": "softmax_cross_entropy"},
+             "data": {"kind": "csv", "path": "labels.csv", "header": True, "labels": "label", "batch": BATCH,
+                      "test_fraction": 0.25}}
+    (f_host / "f.toml").write_text(toml_document(f_doc))
+    (g_host / "g.toml").write_text(toml_document(g_doc))
+    return f_host / "f.toml", g_host / "g.toml"
+
+
+def test_two_parties_with_nothing_but_the_interface_in_common_train_by_hand_bitwise(tmp_path: Path):
+    f_file, g_file = _hosts(tmp_path)
+    assert not list(f_file.parent.glob("*.csv")) and not list(g_file.parent.glob("*.npy"))
+    f_exp, g_exp = load_experiment(f_file), load_experiment(g_file)
+    assert [s.name for s in f_exp.stages] == ["f"] and [s.name for s in g_exp.stages] == ["g"]
+    with pytest.raises(ConfigError, match="another party's"):
+        f_exp.spec("g")
+    ready = tmp_path / "g.ready"
+    with StageProcess(["g", "--experiment", g_file, "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                       "--summary", tmp_path / "g.json"], tmp_path / "g.log") as g:
+        from conftest import wait_for_file
+        endpoint = wait_for_file(ready, g)
+        # Each party runs in its own folder, as on its own host.
+        f = run_cli(["stage", "f", "--experiment", f_file, "--connect", endpoint, "--summary", tmp_path / "f.json"],
+                    cwd=f_file.parent)
+        assert f.returncode == 0, f.stderr
+        assert g.wait() == 0, g.output
+    reference = train_in_process(load_experiment([f_file, g_file]))
+    f_summary, g_summary = read_json(tmp_path / "f.json"), read_json(tmp_path / "g.json")
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert g_summary["params"]["g"] == reference["params"]["g"]
+    assert f_summary["test_accuracy"] == reference["test_accuracy"] > 0.6
+    # The launcher takes the parties' files as they are, each stage process reading only its own.
+    launched = run_cli(["run", f_file, g_file, "--summary", tmp_path / "run.json"])
+    assert launched.returncode == 0, launched.stderr
+    assert read_json(tmp_path / "run.json")["params"] == reference["params"]
+
+
+@pytest.mark.parametrize("field,f_value,g_value,needle", [
+    ("batch", 16, 8, "batch: f has 16, g has 8"),
+    ("steps", 120, 121, "steps: f has 120, g has 121"),
+    ("seed", 3, 4, "seed: f has 3, g has 4"),
+    ("reduction", "sum", "mean", "reduction: f has 'sum', g has 'mean'"),
+])
+def test_an_interface_mismatch_exits_4_naming_the_field_and_both_values(tmp_path: Path, field, f_value, g_value,
+                                                                        needle, start_server):
+    f_file, g_file = _hosts(tmp_path, _interface(**{field: f_value}), _interface(**{field: g_value}))
+    for path, value in ((f_file, f_value), (g_file, g_value)):
+        if field == "batch":            # a party's data batches as its interface says
+            path.write_text(path.read_text().replace(f"batch = {BATCH}", f"batch = {value}"))
+    if field == "reduction":
+        # the label owner's loss decides it: a 'sum' there would be refused when g's file loads
+        assert "reduction" in needle
+    g, endpoint = start_server(str(g_file))
+    f = run_cli(["stage", "f", "--experiment", f_file, "--connect", endpoint, "--peer-deadline", "5"])
+    assert f.returncode == 4, f.stderr
+    assert needle in f.stderr and needle in g.output
+
+
+def test_combining_stage_files_that_disagree_names_the_field(tmp_path: Path):
+    f_file, g_file = _hosts(tmp_path, _interface(steps=40), _interface(steps=50))
+    with pytest.raises(ConfigError, match="disagree on the interface: steps: .* has 40, .* has 50"):
+        load_experiment([f_file, g_file])
+    result = run_cli(["run", f_file, g_file, "--in-process"])
+    assert result.returncode == 2 and "steps" in result.stderr
+
+
+def test_a_party_without_its_part_of_the_data_is_told_at_load(tmp_path: Path):
+    f_file, g_file = _hosts(tmp_path)
+    raw = tomllib.loads(g_file.read_text())
+    raw["data"].pop("labels")
+    with pytest.raises(ConfigError, match="needs labels|no labels|needs 'features', 'labels'"):
+        parse_experiment(raw, str(g_file))
+    raw = tomllib.loads(f_file.read_text())
+    raw["stage"]["model"][-1]["out"] = 7
+    with pytest.raises(ConfigError, match=r"outputs shape \(16, 7\), but the interface says .* \(16, 6\)"):
+        parse_experiment(raw, str(f_file))
+    raw = tomllib.loads(f_file.read_text())
+    raw["stage"]["loss"] = "softmax_cross_entropy"
+    with pytest.raises(ConfigError, match="exactly the last stage"):
+        parse_experiment(raw, str(f_file))
+
+
+def test_epochs_count_the_batches_of_the_training_rows_on_every_side(tmp_path: Path):
+    interface = _interface(epochs=3)
+    interface.pop("steps")
+    f_file, g_file = _hosts(tmp_path, interface, interface)
+    f_exp, g_exp = load_experiment(f_file), load_experiment(g_file)
+    train_rows = ROWS - ROWS // 4
+    assert f_exp.steps == g_exp.steps == 3 * (train_rows // BATCH)
+    data = f_exp.build_data()
+    epochs = [data.epoch_order(e) for e in range(3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and not np.array_equal(epochs[0], epochs[1])
+    assert np.array_equal(g_exp.build_data().epoch_order(1), epochs[1])      # the same shuffle on each side
+
+
+def test_split_writes_files_that_train_bitwise_like_the_combined_experiment(tmp_path: Path):
+    result = run_cli(["split", "digits", tmp_path / "parties"])
+    assert result.returncode == 0, result.stderr
+    f_file, g_file = tmp_path / "parties" / "f.toml", tmp_path / "parties" / "g.toml"
+    f_raw, g_raw = tomllib.loads(f_file.read_text()), tomllib.loads(g_file.read_text())
+    assert f_raw["interface"] == g_raw["interface"]
+    assert "labels" not in f_raw["data"] and "features" not in g_raw["data"]
+    assert "loss" not in f_raw["stage"] and g_raw["stage"]["model"] != f_raw["stage"]["model"]
+    again = run_cli(["split", "digits", tmp_path / "parties"])
+    assert again.returncode == 2 and "already exist" in again.stderr
+    combined = train_in_process(load_experiment("digits"), steps=30)
+    parties = train_in_process(load_experiment([f_file, g_file]), steps=30)
+    assert parties["params"] == combined["params"] and parties["test_accuracy"] == combined["test_accuracy"]
+
+
+@pytest.mark.parametrize("name", ["seed-reverse", "chain-regression", "digits-clients", "mlp-classify"])
+def test_every_builtin_splits_into_files_with_its_interface(tmp_path: Path, name: str):
+    paths = split_experiment(load_experiment(name), tmp_path)
+    exp = load_experiment(name)
+    assert [p.stem for p in paths] == exp.stage_names
+    assert load_experiment(paths).interface_parts() == exp.interface_parts()
