@@ -127,6 +127,11 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p.add_argument("--client", type=int, metavar="K",
                    help="first stage of an experiment with [clients]: this is data owner K (0, 1, ...)")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
+    p.add_argument("--save", type=Path, metavar="PATH",
+                   help="when the run completes, write this stage's parameters here (npz for a numpy stage, a "
+                        "torch state_dict for a torch stage)")
+    p.add_argument("--load", type=Path, metavar="PATH",
+                   help="start from the parameters in this file (one --save wrote) instead of the initial values")
     p.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here once listening")
     return p
 
@@ -143,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     run.add_argument("--secure", action="store_true",
                      help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
+    run.add_argument("--save", type=Path, metavar="DIR",
+                     help="when the run completes, write each stage's parameters to DIR/STAGE.npz (numpy) or "
+                          "DIR/STAGE.pt (torch state_dict)")
+    run.add_argument("--load", type=Path, metavar="DIR",
+                     help="start each stage from DIR/STAGE.npz or DIR/STAGE.pt (what --save wrote)")
     run.add_argument("--in-process", action="store_true",
                      help="run all stages in this one process (the reference the wire must match)")
     demo = sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes")
@@ -197,7 +207,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
         schedule=args.schedule, metrics_path=args.metrics,
         progress=_progress_mode(args.progress), client=args.client,
-        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6)
+        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load)
     serving = args.bind is not None
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
@@ -265,7 +275,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
-                                   parse_trace_params(args.trace_params), args.trace_every)
+                                   parse_trace_params(args.trace_params), args.trace_every,
+                                   save_dir=args.save, load_dir=args.load)
     else:
         check_trace_filter(parse_trace_params(args.trace_params), args.trace_every,
                            exp.all_param_names(args.seed), args.trace is not None)
@@ -276,7 +287,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
                             stage_flags=_passthrough(args), secure=args.secure,
                             driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule],
-                            progress_bar=_progress_mode(args.progress) == "bar")
+                            progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
+                            load_dir=args.load)
     _print_result(summary)
     return EXIT_OK
 

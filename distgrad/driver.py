@@ -201,6 +201,7 @@ class _Driver:
                         self.evaluate()
                     self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
                     self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
+                    self.state.save_parameters()
                     return
                 self.step_once()
             except PeerRejected as e:

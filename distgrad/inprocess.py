@@ -19,7 +19,8 @@ from .engine import StepEngine
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .nn import Grads
 from .records import TraceWriter, check_trace_filter, evaluation_fields, to_lists, write_json
-from .stage import Stage, average_parameters, micro_batch
+from .stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
+                    parameters_file)
 
 log = logging.getLogger("distgrad.inprocess")
 
@@ -101,8 +102,39 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     return loss
 
 
+class _ParameterFiles:
+    """``--load`` / ``--save`` of every stage of an in-process run, named as ``distgrad run`` names them."""
+
+    def __init__(self, exp: Experiment, save_dir: str | Path | None, load_dir: str | Path | None,
+                 init: bool) -> None:
+        self.exp, self.save_dir, self.load_dir = exp, save_dir, load_dir
+        make_save_dir(save_dir)
+        for instance, stage in self._instances():
+            check_parameter_files(self._path(save_dir, instance, stage), self._path(load_dir, instance, stage), init)
+
+    def _instances(self) -> list[tuple[str, str]]:
+        first, *rest = self.exp.stage_names
+        clients = range(self.exp.clients.count) if self.exp.federated else [None]
+        return [(client_stage_name(first, c), first) for c in clients] + [(name, name) for name in rest]
+
+    def _path(self, directory: str | Path | None, instance: str, stage: str) -> Path | None:
+        return None if directory is None else parameters_file(directory, instance, self.exp, stage)
+
+    def loaded(self, built: Stage, stage: str, client: int | None = None) -> Stage:
+        path = self._path(self.load_dir, client_stage_name(stage, client), stage)
+        if path is not None:
+            built.load_parameters(path)
+        return built
+
+    def save(self, built: Stage, stage: str, client: int | None = None) -> None:
+        path = self._path(self.save_dir, client_stage_name(stage, client), stage)
+        if path is not None:
+            built.save_parameters(path)
+
+
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
-                     summary_path: str | Path | None, micro_batches: int, lines: _TraceLines) -> dict[str, Any]:
+                     summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
+                     files: _ParameterFiles) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -110,8 +142,9 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     steps each client's first-stage parameters become their mean.
     """
     first_name, last_name = exp.stage_names
-    clients = [Stage.from_experiment(exp, first_name, seed, init) for _ in range(exp.clients.count)]
-    last = Stage.from_experiment(exp, last_name, seed, init)
+    clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
+               for c in range(exp.clients.count)]
+    last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
     last_engine = _engines([clients[0], last], exp, lines, shared_last=True)[1]
     pairs = [[_engines([client, last], exp, lines, shared_last=True)[0], last_engine] for client in clients]
     data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
@@ -129,6 +162,9 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         lines.flush()
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
+    for c, client in enumerate(clients):
+        files.save(client, first_name, c)
+    files.save(last, last_name)
     per_client = []
     for c, client in enumerate(clients):
         # The shape of the launcher's merged summary (records.merge_client_summaries); no run ids in one process.
@@ -154,7 +190,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
-                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1) -> dict[str, Any]:
+                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
+                     save_dir: str | Path | None = None, load_dir: str | Path | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -166,17 +203,19 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``records.TraceWriter``). With several clients (``[clients]``) the summary
     has one parameter set per client (``f@0``, ``f@1``, ...) and a
     ``clients`` list with each one's loss and evaluation, and no top-level
-    ``final_loss``: the shape ``distgrad run`` merges.
+    ``final_loss``: the shape ``distgrad run`` merges. ``load_dir`` / ``save_dir``: each stage starts from /
+    ends by writing ``stage.parameters_file(DIR, ...)``, as the stage processes of ``distgrad run`` do.
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
+    files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:
-            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines)
-        stages = [Stage.from_experiment(exp, name, seed, init) for name in exp.stage_names]
+            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files)
+        stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
         engines = _engines(stages, exp, lines, shared_last=False)
         data = exp.build_data(seed, stage=exp.stage_names[0])
         labels = exp.build_data(seed, stage=exp.label_owner)
@@ -189,6 +228,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
             lines.flush()
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
+    for stage in stages:
+        files.save(stage, stage.name)
     evaluation = None
     if len(data.test_rows):
         x = data.test_features()

@@ -148,7 +148,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
               timeout_s: float | None = None, log_level: str = "INFO",
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
-              driver_flags: Sequence[str] = (), progress_bar: bool = False) -> dict[str, Any]:
+              driver_flags: Sequence[str] = (), progress_bar: bool = False,
+              save_dir: str | Path | None = None, load_dir: str | Path | None = None) -> dict[str, Any]:
     """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
     return the merged summary. Each stage process reads only its own file.
 
@@ -164,6 +165,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
     ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``; not ``--metrics``).
     With ``progress_bar``, the driving stage's progress is drawn as a bar on ``out``.
+    ``save_dir`` receives each stage's final parameters and ``load_dir`` gives
+    their initial values (``stage.parameters_file``: ``DIR/f.npz``, ``DIR/g.pt``, ...).
     With ``secure``, fresh CURVE key pairs are made for this run and each
     serving stage accepts only the key of the stage above it.
     """
@@ -180,7 +183,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
     # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
     processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
-    done = _finished(exp, clients, steps, seed, init, stage_flags)
+    files_of = _parameter_flags(exp, clients, save_dir, load_dir)
+    done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
         runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
         out.write(f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
@@ -213,7 +217,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 ready = tmp / f"{name}.ready"
                 child = _Child(name, _stage_argv(name, source[name], [
                     "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
-                    *flags, *curve[name], *outputs(name)]), out, lock)
+                    *flags, *curve[name], *outputs(name), *files_of[name]]), out, lock)
                 children.append(child)
                 below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
@@ -224,7 +228,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 shown = bar if client in (None, 0) else None
                 driver = _Child(label, _stage_argv(names[0], source[names[0]], [
                     "--connect", below[0], *client_flags, *flags, *driver_flags,
-                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label),
+                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label), *files_of[label],
                     *(["--metrics", str(metrics[label])] if label in metrics else [])]), out, lock, shown)
                 children.append(driver)
             _wait_all(children, check_stop)
@@ -250,11 +254,30 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     return summary
 
 
+def _parameter_flags(exp: Any, clients: Sequence[int | None], save_dir: str | Path | None,
+                     load_dir: str | Path | None) -> dict[str, list[str]]:
+    """``--save FILE`` / ``--load FILE`` for every stage process (``stage.parameters_file``); ``ConfigError``
+    before anything starts when a file to load is missing or the folder to save in cannot be written."""
+    from .stage import check_parameter_files, make_save_dir, parameters_file
+
+    processes = [(client_stage_name(exp.stage_names[0], c), exp.stage_names[0]) for c in clients]
+    processes += [(name, name) for name in exp.stage_names[1:]]
+    flags: dict[str, list[str]] = {}
+    make_save_dir(save_dir)
+    for instance, stage in processes:
+        save = parameters_file(save_dir, instance, exp, stage) if save_dir is not None else None
+        load = parameters_file(load_dir, instance, exp, stage) if load_dir is not None else None
+        check_parameter_files(save, load, False)
+        flags[instance] = [*(["--save", str(save)] if save else []), *(["--load", str(load)] if load else [])]
+    return flags
+
+
 def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: int | None, init: str | None,
-              stage_flags: Sequence[str]) -> dict[str, Any] | None:
+              stage_flags: Sequence[str], load_dir: str | Path | None = None) -> dict[str, Any] | None:
     """With ``--resume --checkpoint-dir DIR`` in ``stage_flags``: when every stage that keeps
     checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
     from .options import StageOptions
+    from .stage import parameters_file
     from .stage_state import finished_run, nothing_to_do
 
     flags = list(stage_flags)
@@ -267,8 +290,10 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     if not exp.federated:               # the serving stage of several clients keeps no checkpoints
         stages += [(name, None) for name in exp.stage_names[1:]]
     for name, client in stages:
+        instance = client_stage_name(name, client)
         opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
-                            resume=True, client=client)
+                            resume=True, client=client,
+                            load_path=parameters_file(load_dir, instance, exp, name) if load_dir else None)
         ckpt = finished_run(opts)
         if ckpt is None:
             return None

@@ -15,7 +15,7 @@ from .errors import ConfigError, Interrupted
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .link import LinkSettings
 from .records import check_trace_filter
-from .stage import Stage
+from .stage import Stage, check_parameter_files
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
 
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
@@ -70,6 +70,8 @@ class StageOptions:
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
     spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
+    save_path: Path | None = None      # write the final parameters here (--save)
+    load_path: Path | None = None      # start from the parameters in this file (--load)
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None
@@ -105,6 +107,7 @@ class StageOptions:
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
+        check_parameter_files(self.save_path, self.load_path, bool(self.init))
         if self.trace_params is not None or self.trace_every != 1:
             # A stage built in code (stage_factory) may name its parameters as it likes.
             known = (self.trace_params if self.stage_factory is not None

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import IO, AbstractSet, Any, Iterable, Mapping, Sequence
+from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -43,6 +43,23 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write a file through ``write(file)`` under a temporary name, fsync it and rename it into place, so
+    ``path`` is never seen half written; the temporary file is removed on failure. Raises ``OSError``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

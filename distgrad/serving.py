@@ -749,6 +749,7 @@ class ServingStage:
         self.closing = False
         last = self.rounds_done if self.shared else self.stage.step
         self.state.save(last, final_loss=self.loss, finished=True)   # a rerun with --resume has nothing to do
+        self.state.save_parameters()
         self.finished = self.close_run("completed")
         return self.finished
 

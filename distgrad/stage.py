@@ -9,6 +9,8 @@ bit-for-bit equal to one process.
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -18,6 +20,7 @@ from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
 from .nn import Grads, Sequential, Shape
 from .optim import Optimizer
+from .records import write_atomic
 
 
 def average_parameters(params: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -92,6 +95,50 @@ def check_cut(exp: Experiment, stage: "Stage", seed: int) -> None:
                               f"the activation it sends is {tuple(expected)}")
     elif exp.has_stage(exp.label_owner) and exp.spec(exp.label_owner).data != {}:
         check_targets(exp, exp.build_data(seed, stage=exp.label_owner), stage.output_shape)
+
+
+def check_saved_parameters(stage: str, path: str | Path, saved: Mapping[str, Any],
+                           shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``ConfigError`` unless ``saved`` has exactly the parameter names and shapes of ``shapes``."""
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    if missing or extra:
+        raise ConfigError(f"--load {path} does not fit stage {stage}: it lacks {missing} and has {extra} "
+                          f"(the stage has {sorted(shapes)})")
+    for name, shape in shapes.items():
+        if tuple(saved[name].shape) != tuple(shape):
+            raise ConfigError(f"--load {path} does not fit stage {stage}: {name} has shape "
+                              f"{tuple(saved[name].shape)}, the stage's is {tuple(shape)}")
+
+
+def make_save_dir(directory: str | Path | None) -> None:
+    """Create ``distgrad run --save DIR`` when it is missing; ``ConfigError`` when it cannot be."""
+    if directory is not None:
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--save {directory}: cannot create the folder: {e.strerror or e}") from e
+
+
+def parameters_file(directory: str | Path, instance: str, exp: Experiment, stage: str) -> Path:
+    """Where ``distgrad run --save DIR`` keeps a stage's parameters: ``DIR/INSTANCE.npz``, or ``.pt`` (a
+    torch ``state_dict``) for a torch stage."""
+    return Path(directory) / f"{instance}{'.pt' if exp.spec(stage).framework == 'torch' else '.npz'}"
+
+
+def check_parameter_files(save: Path | None, load: Path | None, init: bool) -> None:
+    """Raise ``ConfigError`` before anything starts for a ``--load`` file that is not there, a ``--save``
+    path whose folder cannot be written, or ``--load`` with ``--init`` (both set the initial values)."""
+    if load is not None:
+        if not Path(load).is_file():
+            raise ConfigError(f"--load {load}: no such file")
+        if init:
+            raise ConfigError("--load and --init both set initial values: give one of them")
+    if save is not None:
+        folder = Path(save).parent
+        if Path(save).is_dir():
+            raise ConfigError(f"--save {save} is a directory; give a file name")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--save {save}: the folder {folder} does not exist or is not writable")
 
 
 class Stage:
@@ -241,6 +288,29 @@ class Stage:
         except KeyError as e:
             raise ValueError(f"stage {self.name}: checkpoint lacks optimizer state {e.args[0]!r}") from e
         self.step = step
+
+    parameters_suffix = ".npz"      # what ``save_parameters`` writes: a numpy archive, one array per parameter
+
+    def save_parameters(self, path: str | Path) -> Path:
+        """Write this stage's parameters to ``path`` atomically: an ``.npz`` archive with one float32 array
+        per parameter name (``numpy.load`` reads it). Raises ``OSError`` when it cannot be written."""
+        arrays = {name: np.asarray(value) for name, value in self.params.items()}
+        return write_atomic(path, lambda f: np.savez(f, **arrays))
+
+    def load_parameters(self, path: str | Path) -> None:
+        """Set every parameter from a file ``save_parameters`` wrote (the initial values of a later run).
+
+        Raises ``ConfigError`` naming the file when it cannot be read, or when
+        its names or shapes are not exactly this stage's.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                saved = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError, EOFError) as e:
+            raise ConfigError(f"--load {path}: cannot read a parameters file of stage {self.name}: {e}") from e
+        check_saved_parameters(self.name, path, saved, {n: v.shape for n, v in self.params.items()})
+        for name, value in self.params.items():
+            value[...] = saved[name]
 
     def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
         """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``."""

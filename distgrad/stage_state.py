@@ -9,6 +9,7 @@ directory's lock for its whole life (``lock_checkpoint_dir``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Callable
@@ -42,7 +43,7 @@ class StageState:
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
         self.cpu_started = time.process_time()   # CPU time of this process when the run began here
         # A checkpoint is only valid for the same starting point: seed and --init overrides.
-        self.meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+        self.meta = start_meta(opts)
         self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
@@ -60,11 +61,27 @@ class StageState:
         self.engine.reset()
 
     def _fresh(self) -> Stage:
+        """The stage at step 0: built from its file and seed, then ``--load``'s values when given."""
         if self.opts.stage_factory is not None:
             stage = self.opts.stage_factory()
             stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
-            return stage
-        return Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
+        else:
+            stage = Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
+        if self.opts.load_path is not None:
+            stage.load_parameters(self.opts.load_path)
+        return stage
+
+    def save_parameters(self) -> None:
+        """With ``--save``: write the stage's final parameters (raises ``CheckpointWriteError``)."""
+        path = self.opts.save_path
+        if path is None:
+            return
+        try:
+            self.stage.save_parameters(path)
+        except OSError as e:
+            raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
+                                       f"{self.opts.instance}: {e.strerror or e}") from e
+        self.log.info("saved the parameters of step %d to %s", self.stage.step, path)
 
     def resume_latest(self) -> bool:
         """Load the newest valid checkpoint of the run saved last; False (fresh start) when there is
@@ -183,6 +200,14 @@ def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
     return lock_stage(opts.checkpoint_dir, opts.instance) if opts.checkpoint_dir is not None else None
 
 
+def start_meta(opts: StageOptions) -> dict[str, Any]:
+    """What a checkpoint is valid for: the same starting point (seed, ``--init``, ``--load``'s file)."""
+    meta: dict[str, Any] = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    if opts.load_path is not None:
+        meta["load"] = hashlib.sha256(opts.load_path.read_bytes()).hexdigest()[:16]
+    return meta
+
+
 def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
     """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
     experiment's): a larger ``--steps`` continues the run instead."""
@@ -193,7 +218,7 @@ def finished_run(opts: StageOptions) -> Checkpoint | None:
     """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
     if not opts.resume or opts.checkpoint_dir is None:
         return None
-    meta = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    meta = start_meta(opts)
     ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
     return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
 

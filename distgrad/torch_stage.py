@@ -67,6 +67,7 @@ exactly.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -77,7 +78,8 @@ from .experiment import Experiment, build_stage_parts
 from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, build_loss
 from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from .optim import SGD, Adam, Optimizer
-from .stage import Stage
+from .records import write_atomic
+from .stage import Stage, check_saved_parameters
 
 try:
     import torch
@@ -410,6 +412,27 @@ class TorchStage(Stage):
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.step = step
+
+    parameters_suffix = ".pt"      # what ``save_parameters`` writes: a torch ``state_dict``
+
+    def save_parameters(self, path: str | Path) -> Path:
+        """The module's ``state_dict`` (parameters and buffers, on the CPU) via ``torch.save``, atomically."""
+        state = {key: value.detach().cpu() for key, value in self.module.state_dict().items()}
+        return write_atomic(path, lambda f: torch.save(state, f))
+
+    def load_parameters(self, path: str | Path) -> None:
+        """A ``state_dict`` file, read with ``weights_only=True`` (tensors only, never arbitrary objects);
+        ``ConfigError`` naming the file when it cannot be read or does not fit the module exactly."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:      # torch raises many kinds for a missing, truncated or foreign file
+            raise ConfigError(f"--load {path}: cannot read a torch state_dict for stage {self.name}: {e}") from e
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ConfigError(f"--load {path}: not a state_dict of tensors")
+        check_saved_parameters(self.name, path, state,
+                               {k: tuple(v.shape) for k, v in self.module.state_dict().items()})
+        with torch.no_grad():
+            self.module.load_state_dict(state, strict=True)
 
 
 def build_stage(exp: Experiment, name: str, seed: int | None = None,

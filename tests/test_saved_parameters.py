@@ -1,0 +1,90 @@
+"""Keep and use the trained halves (issue 14.5): ``--save`` writes each stage's final parameters, ``--load``
+starts a later run from them, on every path (stage daemons, ``distgrad run``, in-process), bitwise alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.errors import ConfigError
+from distgrad.experiment import load_experiment
+from distgrad.inprocess import train_in_process
+from distgrad.stage import Stage
+
+from conftest import read_json, run_cli
+
+
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def test_save_then_load_continues_from_the_saved_halves_bitwise_on_every_path(tmp_path: Path):
+    first = run_cli(["run", "digits", "--steps", "20", "--save", tmp_path / "halves", "--summary",
+                     tmp_path / "first.json"])
+    assert first.returncode == 0, first.stderr
+    saved = {name: _arrays(tmp_path / "halves" / f"{name}.npz") for name in ("f", "g")}
+    summary = read_json(tmp_path / "first.json")
+    for name in ("f", "g"):
+        assert {k: v.tolist() for k, v in saved[name].items()} == summary["params"][name]
+        assert all(v.dtype == np.float32 for v in saved[name].values())
+    reference = train_in_process(load_experiment("digits"), steps=20, save_dir=tmp_path / "in-process")
+    for name in ("f", "g"):
+        again = _arrays(tmp_path / "in-process" / f"{name}.npz")
+        assert all(np.array_equal(again[k], saved[name][k]) for k in saved[name])
+    assert reference["params"] == summary["params"]
+    # A later run starts from the saved halves: the same as the in-process run that loads them.
+    later = run_cli(["run", "digits", "--steps", "10", "--load", tmp_path / "halves", "--summary",
+                     tmp_path / "later.json"])
+    assert later.returncode == 0, later.stderr
+    continued = train_in_process(load_experiment("digits"), steps=10, load_dir=tmp_path / "halves")
+    assert read_json(tmp_path / "later.json")["params"] == continued["params"]
+    fresh = train_in_process(load_experiment("digits"), steps=10)
+    assert continued["params"] != fresh["params"]
+    assert continued["test_loss"] < fresh["test_loss"]
+
+
+def test_a_loaded_stage_holds_exactly_the_saved_values(tmp_path: Path):
+    exp = load_experiment("mlp-classify")
+    trained = Stage.from_experiment(exp, "g")
+    for value in trained.params.values():
+        value += np.float32(0.25)
+    trained.save_parameters(tmp_path / "g.npz")
+    fresh = Stage.from_experiment(exp, "g")
+    fresh.load_parameters(tmp_path / "g.npz")
+    assert all(np.array_equal(fresh.params[k], trained.params[k]) for k in trained.params)
+
+
+def test_a_parameters_file_that_does_not_fit_is_a_configuration_error(tmp_path: Path):
+    exp = load_experiment("digits")
+    Stage.from_experiment(exp, "f").save_parameters(tmp_path / "f.npz")
+    with pytest.raises(ConfigError, match=r"does not fit stage g: it lacks \['g1.W', 'g1.b'\]"):
+        Stage.from_experiment(exp, "g").load_parameters(tmp_path / "f.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not an archive")
+    with pytest.raises(ConfigError, match="cannot read a parameters file"):
+        Stage.from_experiment(exp, "g").load_parameters(tmp_path / "junk.npz")
+    result = run_cli(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--load",
+                      tmp_path / "f.npz"])
+    assert result.returncode == 2 and "does not fit stage g" in result.stderr
+    missing = run_cli(["run", "digits", "--load", tmp_path / "nowhere"])
+    assert missing.returncode == 2 and "--load" in missing.stderr and "no such file" in missing.stderr
+    both = run_cli(["stage", "f", "--experiment", "digits", "--connect", "tcp://127.0.0.1:9", "--load",
+                    tmp_path / "f.npz", "--init", "f1.b=0"])
+    assert both.returncode == 2 and "--load and --init" in both.stderr
+
+
+def test_checkpoints_of_another_starting_file_are_not_resumed(tmp_path: Path):
+    """A checkpoint belongs to its starting point: resuming with another --load file starts afresh."""
+    exp = load_experiment("digits")
+    Stage.from_experiment(exp, "g").save_parameters(tmp_path / "a.npz")
+    moved = Stage.from_experiment(exp, "g")
+    for value in moved.params.values():
+        value += np.float32(1)
+    moved.save_parameters(tmp_path / "b.npz")
+    from distgrad.options import StageOptions
+    from distgrad.stage_state import start_meta
+    meta_a = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "a.npz"))
+    meta_b = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "b.npz"))
+    assert meta_a["load"] != meta_b["load"] and "load" not in start_meta(StageOptions(exp, "g", 0))
