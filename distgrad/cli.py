@@ -175,6 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     ping.add_argument("--curve-secret", type=Path, metavar="FILE")
     ping.add_argument("--server-key", type=Path, metavar="FILE")
+    predict = sub.add_parser("predict", help="forward only through live stages: the data owner sends the rows' "
+                             "activations, the label owner writes the predictions on its side")
+    predict.add_argument("experiment", metavar="NAME_OR_PATH", help="this party's stage file (or an experiment)")
+    predict.add_argument("--stage", help="which stage this process is (default: the one its stage file defines)")
+    predict.add_argument("--load", type=Path, metavar="PATH", required=True,
+                         help="the trained parameters of this stage (what --save wrote)")
+    predict.add_argument("--connect", metavar="ENDPOINT", help="data owner or middle stage: the stage below")
+    predict.add_argument("--bind", metavar="ENDPOINT", help="label owner or middle stage: serve the stage above")
+    predict.add_argument("--input", type=Path, metavar="FILE",
+                         help="data owner: the rows to predict (.npy, or .csv of numbers); default: its held-out rows")
+    predict.add_argument("--output", type=Path, metavar="FILE",
+                         help="label owner: write the predictions here (.csv with a row column, or .npy)")
+    predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
+    predict.add_argument("--curve-secret", type=Path, metavar="FILE")
+    predict.add_argument("--allow", type=Path, metavar="DIR")
+    predict.add_argument("--server-key", type=Path, metavar="FILE")
+    for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
+                       ("--liveness", "a peer silent this long is lost (default 10)"),
+                       ("--peer-deadline", "how long to wait for a peer before exiting 3 (default 60)")):
+        predict.add_argument(flag, type=float, metavar="SECONDS", help=what)
+    predict.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
     stage.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -370,6 +391,51 @@ def _list_experiments() -> int:
     return EXIT_OK
 
 
+def _predict(args: argparse.Namespace) -> int:
+    import zmq
+
+    from .experiment import load_experiment
+    from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    from .predict import read_rows, send_predictions, serve_predictions
+    from .transport import DEFAULT_TIMEOUT_S
+
+    exp = load_experiment(args.experiment)
+    stage = args.stage or (exp.stages[0].name if len(exp.stages) == 1 else None)
+    if stage is None:
+        raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
+    role = exp.check_role(stage, binds=args.bind is not None, connects=args.connect is not None)
+    if role != "driving" and args.input is not None:
+        raise ConfigError("--input is for the data owner (the first stage), which alone holds the rows")
+    opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
+                        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline)
+    ctx = zmq.Context.instance()
+    upstream, downstream = _curve(args, role, ctx)
+    opts.security = upstream if role != "driving" else downstream
+    opts.downstream_security = downstream
+    stop = StopFlag().install()
+    try:
+        if role == "driving":
+            if args.input is not None:
+                rows = read_rows(args.input, exp, stage)
+            else:
+                data = exp.build_data(opts.seed, stage=stage)
+                if not len(data.test_rows):
+                    raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
+                rows = data.test_features()
+            count = send_predictions(opts, args.connect, rows, stop, ctx)
+            print(f"sent {count} rows; the label owner holds their predictions")
+        else:
+            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx)
+            print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
+    finally:
+        from .keys import CurveServer
+        if isinstance(upstream, CurveServer):
+            upstream.stop()
+    return EXIT_OK
+
+
 def _split(args: argparse.Namespace) -> int:
     from .experiment import load_experiment
     from .split import split_experiment
@@ -448,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
     commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
-                "split": _split,
+                "split": _split, "predict": _predict,
                 "keygen": _keygen, "ping": _ping, "plot": _plot}
     return _guarded(commands[args.command], args)
 

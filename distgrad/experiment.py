@@ -136,6 +136,7 @@ class Experiment:
     eval_every: int = 0
     epochs: int | None = None
     description: str = ""
+    target: tuple[Shape, str] | None = None    # a whole batch's targets (shape, dtype) when they travel
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -272,6 +273,8 @@ class Experiment:
                      "batch": 0 if self.batch is None else self.batch,
                      **{f"activation {i + 1}": "x".join(map(str, shape)) + " float32"
                         for i, shape in enumerate(self.cuts)},
+                     **({"target": "x".join(map(str, self.target[0])) + " " + self.target[1]}
+                        if self.target is not None else {}),
                      "steps": self.steps, "seed": self.seed, "labels": self.labels, "reduction": self.reduction,
                      "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
                      "clients mode": self.clients.mode, "clients average_every": self.clients.average_every}
@@ -477,10 +480,12 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         steps = _steps(settings, source_data)
     except ConfigError as e:
         raise _fail(source, str(e)) from e
+    target = ((tuple(source_data.target_shape), np.dtype(source_data.target_dtype).name)
+              if settings["labels"] == "first" and len(stages) > 1 else None)
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""))
+                     raw.get("description", ""), target)
     _check_built(exp, source)
     return exp
 
@@ -522,6 +527,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     if batch is not None and (not _whole(batch) or batch < 1):
         raise _fail(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
     cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
+    target = _parse_target(source, iface.get("target"), settings["labels"], batch)
     clients = _parse_clients(source, iface.get("clients", {}), len(names))
     spec = _parse_stage(source, raw.get("stage"), 0, False, party=True) if "stage" in raw else None
     if spec is None:
@@ -558,7 +564,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""))
+                     raw.get("description", ""), target)
     _check_built(exp, source)
     return exp
 
@@ -585,6 +591,24 @@ def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) ->
     return tuple(cuts)
 
 
+TARGET_DTYPES = ("int64", "float32")
+
+
+def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tuple[Shape, str] | None:
+    """``target``: with ``labels = "first"``, the per-row shape and dtype of the targets that travel with the
+    activations, ``{ shape = [], dtype = "int64" }`` for class ids; absent otherwise."""
+    if labels != "first":
+        if value is not None:
+            raise _fail(source, "[interface] 'target' is for labels = \"first\" (targets that travel)")
+        return None
+    if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
+            or not (value.get("shape") == [] or _shape_list(value.get("shape"))):
+        raise _fail(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
+                            f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
+    shape = tuple(value["shape"])
+    return ((batch, *shape) if batch is not None else shape), value["dtype"]
+
+
 def _check_built(exp: Experiment, source: str) -> None:
     """Build what this experiment's files define once, so a bad one fails here: every data source (and
     shard), the numpy models against their input shapes and cuts, the optimisers, and the targets
@@ -605,6 +629,10 @@ def _check_built(exp: Experiment, source: str) -> None:
                     raise ConfigError(f"the first stage {spec.name!r} needs features in its [data]")
                 if spec.name == exp.label_owner and not data.has_labels:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
+                if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
+                                                         ) != exp.target:
+                    raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "
+                                      f"{(tuple(data.target_shape), np.dtype(data.target_dtype).name)}")
             if spec.model is None:
                 continue
             model = build_model(spec.model, spec.init_seed(exp.seed))
@@ -647,7 +675,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
     return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
                       _digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
-                      first.epochs, first.description)
+                      first.epochs, first.description, first.target)
 
 
 def _whole(value: Any) -> bool:

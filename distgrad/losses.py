@@ -37,6 +37,10 @@ class Loss(abc.ABC):
         """How many predictions are right, for losses that classify; None otherwise."""
         return None
 
+    def predict(self, pred: np.ndarray) -> np.ndarray:
+        """What the model predicts from the last stage's output: the output itself (regression)."""
+        return pred
+
 
 class SumSquaredError(Loss):
     """``sum((pred - target)**2)``: the seed's ``tf.square(output - y)`` over its one element.
@@ -108,6 +112,10 @@ class SoftmaxCrossEntropy(Loss):
 
     def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
         return int((pred.argmax(axis=1) == target).sum())
+
+    def predict(self, pred: np.ndarray) -> np.ndarray:
+        """The class ids (int64, ``(rows,)``): the largest logit's index, the lower one on a tie."""
+        return pred.argmax(axis=1).astype(np.int64)
 
 
 _LOSSES: dict[str, type[Loss]] = {

@@ -70,6 +70,9 @@ INTERFACE_KEYS: dict[str, Key] = {
                    "what crosses each cut (required): { shape = [per-row shape], dtype = \"float32\" }, one table "
                    "per cut from the top (a single table for two stages); the tensor of a step is "
                    "(batch, *shape)"),
+    "target": ("table", "absent",
+               "with labels = \"first\" (required then): the per-row shape and dtype of the targets that travel with "
+               "the activations, e.g. { shape = [], dtype = \"int64\" } for class ids"),
     **_SHARED,
 }
 

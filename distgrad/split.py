@@ -74,6 +74,9 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
     table["activation"] = activations[0] if len(activations) == 1 else activations
     table.update({"epochs": exp.epochs} if exp.epochs is not None else {"steps": exp.steps})
     table.update(seed=exp.seed, labels=exp.labels, reduction=exp.reduction)
+    if exp.target is not None:
+        shape, dtype = exp.target
+        table["target"] = {"shape": list(shape[1:] if exp.batch is not None else shape), "dtype": dtype}
     for key, default in (("micro_batches", 1), ("eval_every", 0), ("allow_nonfinite", False)):
         if raw.get(key, default) != default:
             table[key] = raw[key]

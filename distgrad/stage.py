@@ -57,13 +57,9 @@ TensorSpecs = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] | None:
     """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
-    if not exp.labels_travel:
+    if exp.target is None:
         return None
-    if exp.has_stage(exp.stage_names[-1]):
-        loss = exp.final_loss
-        return loss.target_shape(exp.output_shape(exp.stage_names[-1], seed)), loss.target_dtype
-    data = exp.build_data(seed, stage=exp.stage_names[0])      # the data owner, who sends them
-    return tuple(data.target_shape), np.dtype(data.target_dtype)
+    return exp.target[0], np.dtype(exp.target[1])
 
 
 def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int) -> TensorSpecs:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2                  # 2: the hello names the experiment's parts (see docs/protocol.md)
+PROTOCOL_VERSION = 3                  # 3: the hello carries the interface's fields; predict messages (docs/protocol.md)
 HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8
@@ -35,8 +35,9 @@ HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "
 PING, PONG = "ping", "pong"
 EVALUATE, EVALUATION = "evaluate", "evaluation"
 AVERAGE = "average"                   # SplitFed: a client's first-stage parameters, and the reply: their mean
+PREDICT, PREDICTED = "predict", "predicted"   # ``distgrad predict``: activations of new rows, and the bare ack
 MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION,
-                           AVERAGE})
+                           AVERAGE, PREDICT, PREDICTED})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
 # Tensor dtypes on the wire, always little-endian.

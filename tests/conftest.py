@@ -220,12 +220,13 @@ def run_cli(args: Sequence[str], timeout: float = PROCESS_DEADLINE_S, cwd: Path 
 
 
 class StageProcess:
-    """A ``distgrad-stage`` process whose output goes to a log file; always stopped on exit."""
+    """A ``distgrad-stage`` process (or, with ``distgrad=True``, ``distgrad ARGS``) whose output goes to a
+    log file; always stopped on exit."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, args: Sequence[str], log_path: Path, distgrad: bool = False) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([*STAGE_CLI, *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*(CLI if distgrad else STAGE_CLI), *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=pinned_env())
 
     @property

@@ -1,0 +1,151 @@
+"""``distgrad predict`` (issue 14.5): forward only through live stages, the predictions written at the
+label owner only; nothing but an acknowledgement travels back to the data owner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad import wire
+from distgrad.errors import ProtocolError
+from distgrad.experiment import load_experiment
+from distgrad.options import StageOptions
+from distgrad.predict import PredictionServer
+from distgrad.stage import Stage
+from distgrad.wire import ErrorCode, Message
+
+from conftest import StageProcess, read_json, run_cli, wait_for_file
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The digits experiment split into two parties' files and trained; their halves saved."""
+    root = tmp_path_factory.mktemp("predict")
+    assert run_cli(["split", "digits", root / "parties"]).returncode == 0
+    result = run_cli(["run", root / "parties" / "f.toml", root / "parties" / "g.toml", "--steps", "150",
+                      "--save", root / "halves", "--summary", root / "summary.json"])
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
+    """The predictions computed in one process from the saved halves."""
+    exp = load_experiment([root / "parties" / "f.toml", root / "parties" / "g.toml"])
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(root / "halves" / "f.npz")
+    g.load_parameters(root / "halves" / "g.npz")
+    return exp.final_loss.predict(g.forward(f.forward(rows)[0])[0])
+
+
+def _predict(root: Path, tmp_path: Path, output: Path, *f_extra) -> tuple[str, str]:
+    ready = tmp_path / "g.ready"
+    with StageProcess(["predict", root / "parties" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                       "--load", root / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
+                      distgrad=True) as g:
+        endpoint = wait_for_file(ready, g)
+        f = run_cli(["predict", root / "parties" / "f.toml", "--connect", endpoint, "--load",
+                     root / "halves" / "f.npz", *f_extra])
+        assert f.returncode == 0, f.stderr
+        assert g.wait() == 0, g.output
+        return f.stdout + f.stderr, g.output
+
+
+def test_the_label_owner_writes_the_predictions_of_the_held_out_rows(trained: Path, tmp_path: Path):
+    output = tmp_path / "predictions.csv"
+    f_output, g_output = _predict(trained, tmp_path, output)
+    table = np.loadtxt(output, delimiter=",", skiprows=1, dtype=np.int64)
+    exp = load_experiment(trained / "parties" / "g.toml")
+    labels = exp.build_data().test_targets()
+    assert np.array_equal(table[:, 0], np.arange(len(labels)))
+    rows = load_experiment(trained / "parties" / "f.toml").build_data().test_features()
+    assert np.array_equal(table[:, 1], _expected(trained, rows))
+    accuracy = float((table[:, 1] == labels).mean())
+    assert accuracy == read_json(trained / "summary.json")["test_accuracy"]
+    assert f"sent {len(labels)} rows" in f_output and "row,prediction" not in f_output
+    assert f"wrote {len(labels)} predictions" in g_output
+
+
+def test_new_rows_from_a_file_give_npy_predictions(trained: Path, tmp_path: Path):
+    rows = np.random.default_rng(1).integers(0, 17, size=(45, 64)).astype(np.float64)
+    np.savetxt(tmp_path / "rows.csv", rows, delimiter=",", fmt="%d")
+    output = tmp_path / "predictions.npy"
+    _predict(trained, tmp_path, output, "--input", tmp_path / "rows.csv")
+    predictions = np.load(output)
+    assert predictions.dtype == np.int64 and predictions.shape == (45,)
+    assert np.array_equal(predictions, _expected(trained, rows.astype(np.float32) * np.float32(0.0625)))
+
+
+def test_rows_of_the_wrong_width_are_a_configuration_error(trained: Path, tmp_path: Path):
+    np.save(tmp_path / "rows.npy", np.zeros((3, 10), np.float32))
+    result = run_cli(["predict", trained / "parties" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
+                      trained / "halves" / "f.npz", "--input", tmp_path / "rows.npy"])
+    assert result.returncode == 2 and "rows of shape (10,)" in result.stderr
+    result = run_cli(["predict", trained / "parties" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--load",
+                      trained / "halves" / "g.npz"])
+    assert result.returncode == 2 and "--output" in result.stderr
+
+
+def test_the_prediction_server_refuses_bad_input_and_keeps_its_state(trained: Path, tmp_path: Path):
+    exp = load_experiment(trained / "parties" / "g.toml")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
+                              tmp_path / "out.npy", None)
+    f_exp = load_experiment(trained / "parties" / "f.toml")
+    from distgrad import handshake
+    hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
+    with pytest.raises(ProtocolError, match="not a training run"):
+        server.handle(hello, 0.0)                       # a training hello
+    hello.body.update(purpose="predict", rows=40)
+    with pytest.raises(ProtocolError) as info:
+        server.handle(Message(wire.PREDICT, "run1", 1), 0.0)
+    assert info.value.code == ErrorCode.RUN
+    assert server.handle(hello, 0.0).type == wire.WELCOME
+    chunk = np.ones((32, 64), np.float32)
+    for bad in (np.ones((33, 64), np.float32), np.ones((32, 63), np.float32), np.ones((0, 64), np.float32),
+                chunk.astype(np.float64), np.full((32, 64), np.nan, np.float32)):
+        with pytest.raises(ProtocolError):
+            server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": bad}), 0.1)
+    assert server.session.chunks == {}
+    assert server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": chunk}), 0.2).body == {"rows": 32}
+    assert server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": chunk}), 0.3).body == {"rows": 32}
+    with pytest.raises(ProtocolError, match="missing chunks"):
+        server.handle(Message(wire.BYE, "run1", 3, body={"chunks": 2, "rows": 40}), 0.4)
+    assert not (tmp_path / "out.npy").exists()
+    server.handle(Message(wire.PREDICT, "run1", 2, tensors={"activation": chunk[:8]}), 0.5)
+    reply = server.handle(Message(wire.BYE, "run1", 3, body={"chunks": 2, "rows": 40}), 0.6)
+    assert reply.type == wire.BYE and not reply.tensors and np.load(tmp_path / "out.npy").shape == (40,)
+
+
+def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: Path):
+    parties = tmp_path / "parties"
+    assert run_cli(["split", "chain4-classify", parties]).returncode == 0
+    files = [parties / f"{name}.toml" for name in ("f", "m1", "m2", "g")]
+    trained = run_cli(["run", *files, "--steps", "20", "--save", tmp_path / "halves"])
+    assert trained.returncode == 0, trained.stderr
+    rows = np.random.default_rng(2).normal(size=(40, 64)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    procs, below = [], None
+    try:
+        for name in ("g", "m2", "m1"):
+            ready = tmp_path / f"{name}.ready"
+            args = ["predict", parties / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                    "--load", tmp_path / "halves" / f"{name}.npz"]
+            args += ["--output", tmp_path / "out.npy"] if below is None else ["--connect", below]
+            procs.append(StageProcess(args, tmp_path / f"{name}.log", distgrad=True))
+            below = wait_for_file(ready, procs[-1])
+        f = run_cli(["predict", parties / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
+                     "--input", tmp_path / "rows.npy"])
+        assert f.returncode == 0, f.stderr
+        assert all(p.wait() == 0 for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+    exp = load_experiment(files)
+    x = rows
+    for name in exp.stage_names:
+        stage = Stage.from_experiment(exp, name)
+        stage.load_parameters(tmp_path / "halves" / f"{name}.npz")
+        x = stage.forward(x)[0]
+    assert np.array_equal(np.load(tmp_path / "out.npy"), exp.final_loss.predict(x))
+    assert "passed on 40 rows" in procs[1].output
