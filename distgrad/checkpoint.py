@@ -6,7 +6,7 @@ File format (no pickle anywhere)::
 
 The header holds ``stage``, ``run``, ``step``, ``fingerprint``, ``meta`` and a
 SHA-256 over those fields and the payload; the payload is an uncompressed ``.npz`` of named
-float32 arrays, read back with ``allow_pickle=False``. A file is written to a
+arrays (float32, and the optimizer's int64 update count), read back with ``allow_pickle=False``. A file is written to a
 temporary name, fsynced, renamed into place and its directory fsynced, so a
 crash leaves either the old set of files or the new one. A torn or corrupt
 file fails its checksum and the previous checkpoint is used.

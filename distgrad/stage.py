@@ -242,7 +242,9 @@ class Stage:
         """Everything the next step depends on, as named arrays (for checkpoints).
 
         Data needs no position of its own: batches are a pure function of the
-        step, and no random numbers are drawn after initialisation.
+        step, and no random numbers are drawn after initialisation. The
+        optimizer's update count, which places its learning-rate schedule, is
+        ``opt/updates`` (int64).
         """
         arrays = {f"param/{name}": value for name, value in self.params.items()}
         for key, value in self.optimizer.state_dict().items():
@@ -261,7 +263,11 @@ class Stage:
         return names
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
-        """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
+        """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch.
+
+        A checkpoint without the optimizer's update count (``opt/updates``, written since
+        learning-rate schedules) resumes with ``step`` as the count.
+        """
         self._saved_param_names(arrays)
         for name, value in self.params.items():
             saved = arrays[f"param/{name}"]
@@ -279,6 +285,11 @@ class Stage:
                 state[parts[1]] = value
         for nested in ("m", "v"):
             state.setdefault(nested, {})
+        # Checkpoints written before learning-rate schedules have no update count. Their experiments had
+        # none (a schedule changes the fingerprint, so such a file is never resumed with one), so the count
+        # only has to be plausible: the step, which is this stage's update count unless it is the serving
+        # stage of several clients (one update per client per round) or a client skipped ahead.
+        state.setdefault("updates", step)
         try:
             self.optimizer.load_state_dict(state)
         except KeyError as e:

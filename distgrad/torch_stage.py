@@ -16,7 +16,9 @@ Two ways to get one:
   initial values of the numpy build for that seed and ``--init``, the
   optimizer table mapped to ``torch.optim.Adam(lr, betas, eps)`` or
   ``torch.optim.SGD(lr)`` (with the float32 values the numpy optimizer
-  uses: ``lr = 0.01`` is ``float32(0.01)``, as in every numpy stage), and
+  uses: ``lr = 0.01`` is ``float32(0.01)``, as in every numpy stage; with a
+  ``schedule``, each update's float32 rate from ``distgrad.schedules`` is
+  set on every param group before its ``step()``), and
   on the last stage the loss in torch with
   losses.py's definitions and reductions. Parameters keep their numpy names
   and layout (``NAME.W`` is ``(n_in, n_out)``), so summaries and traces of
@@ -79,6 +81,7 @@ from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError
 from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from .optim import SGD, Adam, Optimizer
 from .records import write_atomic
+from .schedules import Schedule
 from .stage import Stage, check_saved_parameters
 
 try:
@@ -90,6 +93,8 @@ except ImportError as e:
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # a count the user chose; torch honours them
 if not any(name in os.environ for name in THREAD_ENV_VARS):
     torch.set_num_threads(1)
+
+_UPDATES = "opt/updates"     # the checkpoint array of the update count (as a numpy stage's optimizer writes it)
 
 # What torch raises for bad shapes, dtypes and values; reported as the stage's StageError.
 _COMPUTE_ERRORS = (ValueError, ArithmeticError, RuntimeError, IndexError)
@@ -181,7 +186,10 @@ def _torch_layer(layer: Layer) -> tuple[nn.Module, list[tuple[str, str, bool]]]:
 
 
 def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer with ``optimizer``'s (validated, float32) hyperparameters."""
+    """The torch optimizer with ``optimizer``'s (validated, float32) hyperparameters.
+
+    Its ``lr`` is the rate of update 1; ``TorchStage.apply`` sets each later one from ``optimizer.schedule``.
+    """
     if isinstance(optimizer, Adam):
         return torch.optim.Adam(params, lr=float(optimizer.lr), betas=(float(optimizer.beta1), float(optimizer.beta2)),
                                 eps=float(optimizer.epsilon))
@@ -200,7 +208,15 @@ class TorchStage(Stage):
     distgrad ``Loss`` whose definition the torch loss computes (its
     reduction decides how micro-batches combine); None except on the last
     stage. Build one with ``from_experiment`` or ``from_module``.
+
+    ``schedule`` (set by ``from_experiment``; None for ``from_module``): the
+    float32 learning rate of update ``updates + 1``, set on every param
+    group before each ``optimizer.step()``. ``updates`` counts the applied
+    updates and is checkpointed as ``opt/updates``.
     """
+
+    schedule: Schedule | None = None
+    updates = 0
 
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
                  input_shape: Shape, params: Sequence[_Param]) -> None:
@@ -240,8 +256,10 @@ class TorchStage(Stage):
             module, names = _torch_layer(layer)
             params += [_Param(dg_name, getattr(module, attr), transposed) for dg_name, attr, transposed in names]
             modules.append(module)
-        return cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
-                   exp.input_shape(name, seed), params)
+        stage = cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
+                    exp.input_shape(name, seed), params)
+        stage.schedule = optimizer.schedule
+        return stage
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -372,6 +390,11 @@ class TorchStage(Stage):
         for name, g in grads.items():
             p = self._by_name[name]
             p.tensor.grad = p.from_numpy(g)
+        self.updates += 1
+        if self.schedule is not None:
+            lr = float(self.schedule(self.updates))     # a float32 value, exact as a Python float
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -379,6 +402,7 @@ class TorchStage(Stage):
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Parameters (``param/NAME``, distgrad layout) and optimizer state (``opt/KEY/NAME``, torch's layout)."""
         arrays = {f"param/{name}": value for name, value in self.params.items()}
+        arrays[_UPDATES] = np.array(self.updates, np.int64)
         names = {id(p.tensor): p.name for p in self._params}
         for tensor, state in self.optimizer.state.items():
             for key, value in state.items():
@@ -399,7 +423,7 @@ class TorchStage(Stage):
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in arrays.items():
             parts = key.split("/", 2)
-            if parts[0] != "opt":
+            if parts[0] != "opt" or key == _UPDATES:
                 continue
             p = self._by_name.get(parts[-1]) if len(parts) == 3 else None
             if p is None or id(p.tensor) not in index:
@@ -412,6 +436,8 @@ class TorchStage(Stage):
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.step = step
+        # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
+        self.updates = int(arrays[_UPDATES]) if _UPDATES in arrays else step
 
     parameters_suffix = ".pt"      # what ``save_parameters`` writes: a torch ``state_dict``
 

@@ -104,6 +104,23 @@ def test_stage_state_round_trip_continues_bitwise():
         np.testing.assert_array_equal(restored.params[name], g.params[name])
 
 
+def test_the_update_count_is_checkpointed_and_an_old_checkpoint_counts_its_step():
+    exp = load_experiment("tanh-regression")
+    data = exp.build_data()
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    for i in range(1, 6):
+        train_last_step(g, f.forward(data.features(i))[0], data.targets(i))
+    arrays = {k: v.copy() for k, v in g.state_arrays().items()}
+    assert arrays["opt/updates"] == 5 and arrays["opt/updates"].dtype == np.int64
+    arrays["opt/updates"] = np.array(3, np.int64)           # the saved count wins over the step
+    restored = Stage.from_experiment(exp, "g")
+    restored.load_state_arrays(arrays, 5)
+    assert restored.optimizer.updates == 3 and restored.step == 5
+    del arrays["opt/updates"]                                # written before schedules: the step is the count
+    restored.load_state_arrays(arrays, 5)
+    assert restored.optimizer.updates == 5
+
+
 def test_checkpoints_made_with_another_seed_or_init_are_not_used(tmp_path):
     CheckpointStore(tmp_path / "ckpt", "g", "fp", {"seed": 1}).save("run", 5, _arrays(5.0), {"seed": 1})
     assert CheckpointStore(tmp_path / "ckpt", "g", "fp", {"seed": 2}).latest() is None

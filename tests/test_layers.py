@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 LAYERS = [
     ("foundations", {"errors", "threads"}),
-    ("model math", {"nn", "losses", "optim"}),
+    ("model math", {"nn", "losses", "schedules", "optim"}),
     ("experiments and data", {"data", "experiment"}),
     ("wire, transport and files", {"wire", "transport", "keys", "handshake", "link", "records", "checkpoint",
                                    "progress"}),

@@ -110,12 +110,13 @@ def test_seed_simple_case_by_hand_formula_is_bitwise_the_layer_path():
 # --------------------------------------------------------------- TF1 oracle
 
 def oracle_adam(params0, grad_steps, lr=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
-                float64_constants=False):
+                float64_constants=False, lrs=None):
     """Straight-line TF1 ApplyAdam in float32, independent of distgrad.
 
     With ``float64_constants`` the ``1 - beta`` constants are computed in
     double and rounded once (``float32(1 - 0.9)``) instead of
-    ``float32(1) - float32(0.9)``: the variant TF1 does *not* use.
+    ``float32(1) - float32(0.9)``: the variant TF1 does *not* use. ``lrs``:
+    one float32 learning rate per step instead of ``lr``.
     """
     if float64_constants:
         one_minus_b1, one_minus_b2 = F32(1.0 - beta1), F32(1.0 - beta2)
@@ -127,8 +128,8 @@ def oracle_adam(params0, grad_steps, lr=0.001, beta1=0.9, beta2=0.999, epsilon=1
     v = {k: np.zeros_like(x) for k, x in w.items()}
     b1p, b2p = beta1, beta2
     history = []
-    for grads in grad_steps:
-        alpha = lr * np.sqrt(one - b2p) / (one - b1p)
+    for i, grads in enumerate(grad_steps):
+        alpha = (lr if lrs is None else lrs[i]) * np.sqrt(one - b2p) / (one - b1p)
         for k, g in grads.items():
             m[k] = m[k] + (g - m[k]) * one_minus_b1
             v[k] = v[k] + (g * g - v[k]) * one_minus_b2
@@ -266,8 +267,8 @@ def test_sgd_is_w_minus_g_times_lr_bitwise():
             expected[k] = expected[k] - g * F32(0.037)
             assert params[k].dtype == np.float32
             assert np.array_equal(params[k], expected[k])
-    assert SGD().state_dict() == {}
-    SGD().load_state_dict({})
+    assert opt.state_dict() == {"updates": 20}
+    assert SGD().state_dict() == {"updates": 0}
 
 
 def test_sgd_updates_in_place():
@@ -373,6 +374,7 @@ def test_adam_state_dict_survives_plain_conversion():
         a.step(pa, grads)
     state = a.state_dict()
     plain = {
+        "updates": float(state["updates"]),
         "beta1_power": float(state["beta1_power"]),
         "beta2_power": float(state["beta2_power"]),
         "m": {k: v.astype(np.float64).tolist() for k, v in state["m"].items()},
@@ -391,7 +393,7 @@ def test_adam_state_dict_survives_plain_conversion():
 
 def test_fresh_adam_state_dict():
     state = Adam().state_dict()
-    assert state["m"] == {} and state["v"] == {}
+    assert state["m"] == {} and state["v"] == {} and state["updates"] == 0
     assert state["beta1_power"] == F32(0.9) and state["beta2_power"] == F32(0.999)
 
 
@@ -427,3 +429,312 @@ def test_build_optimizer_does_not_modify_its_spec():
 def test_build_optimizer_rejects_bad_specs(spec, match):
     with pytest.raises(ConfigError, match=match):
         build_optimizer(spec)
+
+
+# -------------------------------------------------------------- schedules
+# Each schedule's float32 rates against a float64 oracle written here from the formulas (TensorFlow 1's,
+# with global_step = t - 1). The oracle gets the hyperparameters as the float32 values the schedule uses
+# (F32(0.003), F32(0.5), ...), as the Adam oracle does, so a difference measures only the float32
+# arithmetic. Tolerance: a float32 ulp is 2**-23 relative (at most; half an ulp per rounding).
+# * warm-up, exponential, piecewise: relative, (2 + |ln(rate / lr)| / 2) ulps. A rate is at most ~4
+#   roundings (half an ulp each) and one libm powf (< 1 ulp) away from exact, and exponential's exponent
+#   p = (t-1)/decay_steps is itself rounded (half an ulp, relative), an error r**p multiplies by
+#   |p ln r| = |ln(rate / lr)|; the decays below go down to about lr/1000, where that adds 3.5 ulps.
+# * cosine: absolute, 2 ulps of lr. Near the end of the decay 1 + cos(pi c) cancels: the float32
+#   cosine's own error (about an ulp of 1, with float32(pi)'s rounding) is a large relative error of a
+#   tiny rate, but stays an ulp or two of lr.
+# Largest errors seen below: exponential 2.8 ulps (of 5.5 allowed at lr/1000), cosine 0.95 ulps of lr.
+
+from distgrad.schedules import (Constant, CosineDecay, ExponentialDecay, PiecewiseConstant,  # noqa: E402
+                                Warmup, build_schedule)
+
+ULP = 2.0 ** -23
+
+
+def _assert_rates(schedule, oracle, steps: int, lr: float, absolute: bool = False) -> float:
+    """``schedule(t)`` for t = 1..steps against ``oracle(t)`` (float64); returns the largest error in ulps."""
+    worst = 0.0
+    for t in range(1, steps + 1):
+        got, want = schedule(t), oracle(t)
+        assert type(got) is np.float32, f"update {t}: {type(got)}"
+        if absolute:
+            error, allowed = abs(float(got) - want) / (lr * ULP), 2.0
+        else:
+            error, allowed = abs(float(got) - want) / (want * ULP), 2 + abs(math.log(want / lr)) / 2
+        assert error <= allowed, f"update {t}: {got!r} vs {want!r}: {error:.2f} ulps > {allowed:.2f}"
+        worst = max(worst, error)
+    return worst
+
+
+def f64(value: float) -> float:
+    """The float32 value the schedule uses, as a float64 for the oracle."""
+    return float(F32(value))
+
+
+def test_constant_schedule_is_lr_itself():
+    schedule = Constant(0.003)
+    assert all(schedule(t) == F32(0.003) and type(schedule(t)) is np.float32 for t in (1, 2, 1000, 2**30))
+
+
+@pytest.mark.parametrize("rate, decay_steps, steps", [(0.5, 100, 1000), (0.96, 7, 1000), (0.1, 250, 750)])
+@pytest.mark.parametrize("staircase", [False, True])
+def test_exponential_decay_against_float64(rate, decay_steps, steps, staircase):
+    lr, r = f64(0.003), f64(rate)
+
+    def oracle(t):
+        p = (t - 1) // decay_steps if staircase else (t - 1) / decay_steps
+        return lr * r ** p
+
+    _assert_rates(ExponentialDecay(0.003, rate, decay_steps, staircase), oracle, steps, lr)
+
+
+def test_staircase_holds_each_rate_for_decay_steps_updates():
+    smooth, stairs = ExponentialDecay(0.1, 0.5, 10), ExponentialDecay(0.1, 0.5, 10, staircase=True)
+    assert stairs(1) == F32(0.1) and stairs(10) == F32(0.1) and stairs(11) == F32(0.1) * F32(0.5)
+    for k in range(5):
+        stair = {stairs(t) for t in range(10 * k + 1, 10 * k + 11)}
+        assert stair == {smooth(10 * k + 1)}, f"stair {k}: {stair}"       # p is exactly k at t = 10k + 1
+        assert all(smooth(t) < stairs(t) for t in range(10 * k + 2, 10 * k + 11))
+    assert smooth(2) < smooth(1) and smooth(11) == stairs(11)
+
+
+def test_piecewise_constant_against_float64():
+    values = [0.1, 0.03, 0.007, 0.001]
+    schedule = PiecewiseConstant([5, 12, 13], values)
+
+    def oracle(t):
+        return f64(values[0 if t <= 5 else 1 if t <= 12 else 2 if t <= 13 else 3])
+
+    assert _assert_rates(schedule, oracle, 40, f64(0.1)) == 0.0          # no arithmetic: exact
+    assert [schedule(t) for t in (5, 6, 12, 13, 14)] == [F32(0.1), F32(0.03), F32(0.03), F32(0.007), F32(0.001)]
+    assert PiecewiseConstant([], [0.5])(7) == F32(0.5)
+
+
+@pytest.mark.parametrize("decay_steps, alpha, steps", [(800, 0.0, 1000), (100, 0.1, 150), (7, 0.5, 20)])
+def test_cosine_decay_against_float64(decay_steps, alpha, steps):
+    lr, a = f64(0.003), f64(alpha)
+
+    def oracle(t):
+        c = min(t - 1, decay_steps) / decay_steps
+        return lr * ((1 - a) * 0.5 * (1 + math.cos(math.pi * c)) + a)
+
+    schedule = CosineDecay(0.003, decay_steps, alpha)
+    _assert_rates(schedule, oracle, steps, lr, absolute=True)
+    assert schedule(1) == F32(0.003)
+    assert schedule(decay_steps + 1) == schedule(steps) == F32(0.003) * F32(alpha)   # cos(pi) is -1 in float32
+
+
+def test_warmup_then_decay_against_float64():
+    lr = f64(0.003)
+    schedule = Warmup(CosineDecay(0.003, 800), 50)
+
+    def oracle(t):
+        if t <= 50:
+            return lr * t / 50
+        return lr * 0.5 * (1 + math.cos(math.pi * min(t - 51, 800) / 800))
+
+    _assert_rates(schedule, oracle, 50, lr)
+    _assert_rates(schedule, oracle, 900, lr, absolute=True)
+    assert schedule(1) < schedule(2) < schedule(49) < schedule(50) == schedule(51) == F32(0.003) > schedule(52)
+    cosine = CosineDecay(0.003, 800)
+    assert all(schedule(50 + t) == cosine(t) for t in range(1, 900))      # the decay starts after the warm-up
+    warm_steps = Warmup(PiecewiseConstant([10], [0.5, 0.25]), 4)
+    assert [warm_steps(t) for t in (1, 4, 5, 14, 15)] == [F32(0.5) * F32(0.25), F32(0.5), F32(0.5), F32(0.5),
+                                                          F32(0.25)]
+    _assert_rates(Warmup(Constant(0.003), 37), lambda t: lr * min(t, 37) / 37, 60, lr)
+
+
+# Schedules in optimisers: the rate of update t is the one its arithmetic uses.
+
+SCHEDULES = {
+    "exponential": {"type": "exponential", "decay_rate": 0.5, "decay_steps": 7},
+    "staircase": {"type": "exponential", "decay_rate": 0.5, "decay_steps": 7, "staircase": True},
+    "piecewise": {"type": "piecewise", "boundaries": [5, 12], "values": [0.2, 0.05, 0.01]},
+    "cosine": {"type": "cosine", "decay_steps": 20, "alpha": 0.1},
+    "warmup-cosine": {"type": "cosine", "decay_steps": 20, "warmup_steps": 6},
+}
+
+
+def _table(kind: str, schedule: dict, lr: float = 0.2) -> dict:
+    return {"type": kind, "schedule": schedule, **({} if schedule["type"] == "piecewise" else {"lr": lr})}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_adam_applies_the_scheduled_rate(name):
+    params0, grad_steps = random_problem(9, steps=30)
+    opt = build_optimizer(_table("adam", SCHEDULES[name]))
+    rates = [opt.schedule(t) for t in range(1, 31)]
+    assert len(set(rates)) > 2, "the schedule should change the rate"
+    expected = oracle_adam(params0, grad_steps, lrs=rates)
+    params = {k: v.copy() for k, v in params0.items()}
+    for step, grads in enumerate(grad_steps):
+        assert opt.lr == rates[step] and opt.updates == step
+        opt.step(params, grads)
+        for k in params:
+            assert np.array_equal(params[k], expected[step][k]), f"{k} differs at update {step + 1}"
+
+
+def test_one_adam_update_by_hand_uses_the_rate_of_its_update():
+    opt = Adam(lr=ExponentialDecay(0.1, 0.5, 1))          # rates 0.1, 0.05, 0.025, ...
+    w, g = {"w": np.array([1.0], np.float32)}, np.array([0.5], np.float32)
+    for _ in range(2):
+        opt.step(w, {"w": g})
+    before, m, v = w["w"].copy(), opt.m["w"].copy(), opt.v["w"].copy()
+    b1p, b2p = opt.beta1_power, opt.beta2_power
+    opt.step(w, {"w": g})
+    one = F32(1)
+    lr3 = F32(0.1) * F32(0.5) ** F32(2)
+    assert lr3 == F32(0.025)
+    alpha = lr3 * np.sqrt(one - b2p) / (one - b1p)
+    m = m + (g - m) * (one - F32(0.9))
+    v = v + (g * g - v) * (one - F32(0.999))
+    np.testing.assert_array_equal(w["w"], before - (m * alpha) / (np.sqrt(v) + F32(1e-8)))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_sgd_applies_the_scheduled_rate_bitwise(name):
+    params0, grad_steps = random_problem(10, steps=30)
+    opt = build_optimizer(_table("sgd", SCHEDULES[name]))
+    params = {k: v.copy() for k, v in params0.items()}
+    expected = {k: v.copy() for k, v in params0.items()}
+    for t, grads in enumerate(grad_steps, start=1):
+        rate = opt.schedule(t)
+        opt.step(params, grads)
+        for k, g in grads.items():
+            expected[k] = expected[k] - g * rate
+            assert np.array_equal(params[k], expected[k]), f"{k} differs at update {t}"
+    assert opt.updates == 30 and opt.state_dict()["updates"] == 30
+
+
+@pytest.mark.parametrize("hyper", HYPERPARAMETERS[1:], ids=lambda h: ",".join(f"{k}={v}" for k, v in h.items()))
+def test_constant_schedule_is_the_old_optimizer_bitwise(hyper):
+    params0, grad_steps = random_problem(11, steps=40)
+    expected = oracle_adam(params0, grad_steps, **hyper)
+    constant = {"type": "adam", **hyper, "schedule": {"type": "constant"}}
+    for opt in (build_optimizer(constant), Adam(**{**hyper, "lr": Constant(hyper["lr"])})):
+        params = {k: v.copy() for k, v in params0.items()}
+        for grads in grad_steps:
+            opt.step(params, grads)
+        for k in params:
+            assert np.array_equal(params[k], expected[-1][k]), k
+    plain, scheduled = SGD(lr=0.037), build_optimizer({"type": "sgd", "lr": 0.037, "schedule": {"type": "constant"}})
+    a, b = ({k: v.copy() for k, v in params0.items()} for _ in range(2))
+    for grads in grad_steps:
+        plain.step(a, grads)
+        scheduled.step(b, grads)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_state_dict_round_trip_mid_schedule_is_bitwise(kind, name):
+    params0, grad_steps = random_problem(12, steps=24)
+    straight = build_optimizer(_table(kind, SCHEDULES[name]))
+    straight_params = {k: v.copy() for k, v in params0.items()}
+    for grads in grad_steps:
+        straight.step(straight_params, grads)
+
+    first = build_optimizer(_table(kind, SCHEDULES[name]))
+    params = {k: v.copy() for k, v in params0.items()}
+    for grads in grad_steps[:9]:                                     # mid-warm-up, mid-decay, past boundary 5
+        first.step(params, grads)
+    saved = copy.deepcopy(first.state_dict())
+    assert saved["updates"] == 9 and saved["updates"].dtype == np.int64
+    resumed = build_optimizer(_table(kind, SCHEDULES[name]))
+    resumed.load_state_dict(saved)
+    assert resumed.updates == 9 and resumed.lr == first.lr == first.schedule(10)
+    for grads in grad_steps[9:]:
+        resumed.step(params, grads)
+    for k in params:
+        assert np.array_equal(params[k], straight_params[k]), k
+    fresh = build_optimizer(_table(kind, SCHEDULES[name]))          # without the count the rates would restart
+    assert fresh.lr != resumed.schedule(10)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, math.nan, "3", True, [3]])
+def test_load_state_dict_rejects_a_bad_update_count(bad):
+    with pytest.raises(ValueError, match="update count"):
+        SGD().load_state_dict({"updates": bad})
+    with pytest.raises(KeyError, match="updates"):
+        SGD().load_state_dict({})
+
+
+def test_build_optimizer_with_a_schedule():
+    opt = build_optimizer({"type": "adam", "lr": 0.003, "beta1": 0.8,
+                           "schedule": {"type": "cosine", "decay_steps": 800, "alpha": 0.0, "warmup_steps": 50}})
+    assert isinstance(opt, Adam) and opt.beta1 == F32(0.8)
+    assert isinstance(opt.schedule, Warmup) and isinstance(opt.schedule.after, CosineDecay)
+    assert opt.lr == F32(0.003) * (F32(1) / F32(50)) and opt.schedule(50) == F32(0.003)
+    default_lr = build_optimizer({"type": "sgd", "schedule": {"type": "exponential", "decay_rate": 0.5,
+                                                                "decay_steps": 10}})
+    assert default_lr.lr == F32(0.01), "lr defaults to the optimizer's own default"
+    assert build_optimizer({"type": "sgd", "schedule": {"type": "piecewise", "boundaries": [3],
+                                                        "values": [1, 0.5]}}).schedule(4) == F32(0.5)
+    assert type(build_optimizer({"type": "sgd", "lr": 0.1, "schedule": {"type": "constant"}}).schedule) is Constant
+    spec = {"type": "adam", "schedule": {"type": "cosine", "decay_steps": 8, "warmup_steps": 2}}
+    build_optimizer(spec)
+    assert spec == {"type": "adam", "schedule": {"type": "cosine", "decay_steps": 8, "warmup_steps": 2}}
+
+
+@pytest.mark.parametrize("schedule, match", [
+    ("cosine", "'schedule' must be a table"),
+    ({"decay_steps": 5}, "unknown schedule type None: use constant, exponential, piecewise, cosine"),
+    ({"type": "linear"}, "unknown schedule type 'linear': use constant, exponential, piecewise, cosine"),
+    ({"type": "cosine", "decay_steps": 5, "decay_rate": 0.5}, r"unknown option\(s\) \['decay_rate'\] for "
+                                                             r"schedule 'cosine'; valid options: type, decay_steps"),
+    ({"type": "cosine"}, "schedule 'cosine' needs 'decay_steps'"),
+    ({"type": "exponential", "decay_steps": 5}, "needs 'decay_rate'"),
+    ({"type": "piecewise", "values": [0.1]}, "needs 'boundaries'"),
+    ({"type": "cosine", "decay_steps": 0}, "Invalid decay_steps: 0"),
+    ({"type": "cosine", "decay_steps": -5}, "Invalid decay_steps: -5"),
+    ({"type": "cosine", "decay_steps": 800.0}, "Invalid decay_steps: 800.0 .must be a whole number"),
+    ({"type": "cosine", "decay_steps": True}, "Invalid decay_steps: True"),
+    ({"type": "cosine", "decay_steps": "800"}, "Invalid decay_steps: '800'"),
+    ({"type": "cosine", "decay_steps": 8, "alpha": 1.5}, "Invalid alpha: 1.5"),
+    ({"type": "cosine", "decay_steps": 8, "alpha": -0.1}, "Invalid alpha: -0.1"),
+    ({"type": "cosine", "decay_steps": 8, "alpha": "none"}, "'alpha' for schedule 'cosine': 'none' is not a number"),
+    ({"type": "cosine", "decay_steps": 8, "warmup_steps": -1}, "Invalid warmup_steps: -1 .* >= 0"),
+    ({"type": "constant", "warmup_steps": 2.5}, "Invalid warmup_steps: 2.5"),
+    ({"type": "exponential", "decay_rate": 0, "decay_steps": 5}, "Invalid decay_rate: 0"),
+    ({"type": "exponential", "decay_rate": 1.5, "decay_steps": 5}, "Invalid decay_rate: 1.5"),
+    ({"type": "exponential", "decay_rate": math.nan, "decay_steps": 5}, "Invalid decay_rate: nan"),
+    ({"type": "exponential", "decay_rate": True, "decay_steps": 5}, "'decay_rate' .* True is not a number"),
+    ({"type": "exponential", "decay_rate": 0.5, "decay_steps": 5, "staircase": 1},
+     "'staircase' .* 1 is not true or false"),
+    ({"type": "piecewise", "boundaries": [10, 10], "values": [1, 2, 3]},
+     r"Invalid boundaries: \[10, 10\] .*strictly increasing"),
+    ({"type": "piecewise", "boundaries": [10, 5], "values": [1, 2, 3]}, r"Invalid boundaries: \[10, 5\]"),
+    ({"type": "piecewise", "boundaries": [0], "values": [1, 2]}, r"Invalid boundaries\[0\]: 0"),
+    ({"type": "piecewise", "boundaries": [-3], "values": [1, 2]}, r"Invalid boundaries\[0\]: -3"),
+    ({"type": "piecewise", "boundaries": [2.5], "values": [1, 2]}, r"Invalid boundaries\[0\]: 2.5"),
+    ({"type": "piecewise", "boundaries": [10, 20], "values": [1, 2]},
+     r"Invalid values: \[1, 2\] has 2 entries; 2 boundaries need 3"),
+    ({"type": "piecewise", "boundaries": [10], "values": [1, 2, 3]}, "has 3 entries; 1 boundaries need 2"),
+    ({"type": "piecewise", "boundaries": [10], "values": [1, -2]}, r"Invalid values\[1\]: -2"),
+    ({"type": "piecewise", "boundaries": [10], "values": [1, 1e-50]}, r"Invalid values\[1\]: 1e-50"),
+    ({"type": "piecewise", "boundaries": [10], "values": [1, "x"]}, r"'values\[1\]' .* 'x' is not a number"),
+    ({"type": "piecewise", "boundaries": 10, "values": [1, 2]}, "'boundaries' .* 10 is not a list"),
+    ({"type": "piecewise", "boundaries": [10], "values": 1}, "'values' .* 1 is not a list"),
+])
+def test_build_optimizer_rejects_bad_schedules(schedule, match):
+    spec = {"type": "sgd", "schedule": schedule}
+    with pytest.raises(ConfigError, match=match):
+        build_optimizer(spec)
+
+
+def test_a_piecewise_schedule_takes_no_lr():
+    with pytest.raises(ConfigError, match=r"piecewise schedule gives its rates in 'values'; remove 'lr' \(0.1\)"):
+        build_optimizer({"type": "adam", "lr": 0.1,
+                         "schedule": {"type": "piecewise", "boundaries": [3], "values": [0.1, 0.01]}})
+
+
+def test_the_optimizer_lr_of_a_schedule_is_still_checked():
+    with pytest.raises(ConfigError, match="Invalid learning rate: -0.1"):
+        build_optimizer({"type": "adam", "lr": -0.1, "schedule": {"type": "cosine", "decay_steps": 5}})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['warmup_steps'\] for optimizer 'adam'"):
+        build_optimizer({"type": "adam", "warmup_steps": 5})
+
+
+def test_build_schedule_alone():
+    assert type(build_schedule(None, 0.1)) is Constant
+    assert build_schedule({"type": "constant", "warmup_steps": 0}, 0.1)(1) == F32(0.1)

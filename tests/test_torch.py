@@ -289,6 +289,51 @@ def test_state_arrays_round_trip_through_a_checkpoint_file(tmp_path):
         fresh.load_state_arrays({"param/other": np.zeros(1, np.float32)}, 1)
 
 
+# An SGD and an Adam table with a learning-rate schedule (warm-up, then a decay) for torch stages.
+SGD_SCHEDULED = ('{ type = "sgd", lr = 0.05, schedule = { type = "exponential", decay_rate = 0.5, decay_steps = 10, '
+                 'warmup_steps = 5 } }')
+ADAM_SCHEDULED = '{ type = "adam", lr = 0.01, schedule = { type = "cosine", decay_steps = 6, warmup_steps = 2 } }'
+
+
+def test_torch_stages_follow_the_schedule_of_numpy_stages(tmp_path):
+    # SGD carries rounding differences along without amplifying them, so the tolerance of the mixed runs
+    # above holds; a torch stage that ignored the schedule would be off by far more (checked below).
+    numpy_run = train_in_process(load_experiment(_tanh(tmp_path, "numpy", "numpy", SGD_SCHEDULED)))
+    torch_run = train_in_process(load_experiment(_tanh(tmp_path, "torch", "torch", SGD_SCHEDULED)))
+    worst = _assert_params_close(torch_run["params"], numpy_run["params"], PARAM_RTOL, PARAM_ATOL)
+    constant = train_in_process(load_experiment(_tanh(tmp_path, "torch", "torch", SGD)))
+    unscheduled_by = np.abs(np.array(constant["params"]["g"]["g2.W"]) - np.array(torch_run["params"]["g"]["g2.W"]))
+    assert unscheduled_by.max() > 100 * worst
+
+
+def test_a_torch_stage_sets_each_scheduled_rate_and_resumes_it(tmp_path):
+    exp = load_experiment(_tanh(tmp_path, "numpy", "torch", ADAM_SCHEDULED))
+    data = exp.build_data()
+    upstream = Stage.from_experiment(exp, "f")
+    rates = [float(Stage.from_experiment(exp, "f").optimizer.schedule(t)) for t in range(1, 9)]   # same table
+    assert len(set(rates)) == 7                                            # update 2 ends the warm-up at lr, 3 is lr
+    trained, fresh, old = (TorchStage.from_experiment(exp, "g") for _ in range(3))
+    assert trained.optimizer.param_groups[0]["lr"] == rates[0]
+
+    def step(stage, i):
+        train_last_step(stage, upstream.forward(data.features(i))[0], data.targets(i))
+        assert stage.updates == i and all(group["lr"] == rates[i - 1] for group in stage.optimizer.param_groups)
+
+    for i in range(1, 5):
+        step(trained, i)
+    arrays = load_checkpoint(save_checkpoint(tmp_path / "ck", "g", "run", 4, exp.fingerprint,
+                                             trained.state_arrays())).arrays
+    assert arrays["opt/updates"] == 4
+    fresh.load_state_arrays(arrays, 4)
+    old.load_state_arrays({k: v for k, v in arrays.items() if k != "opt/updates"}, 4)   # from before schedules
+    assert fresh.updates == old.updates == 4
+    for i in range(5, 9):
+        for stage in (trained, fresh, old):
+            step(stage, i)
+    for name, value in trained.params.items():
+        assert np.array_equal(fresh.params[name], value) and np.array_equal(old.params[name], value), name
+
+
 class Head(torch.nn.Module):
     """tanh-regression's g, written by hand: Linear(32, 16), tanh, Linear(16, 1)."""
 

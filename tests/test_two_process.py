@@ -38,6 +38,32 @@ loss = "sum_squared_error"
 """
 
 
+# Learning-rate schedules on both stages, each changing within 40 steps (and within 20 -> 40, after a resume).
+SCHEDULED = """
+name = "scheduled"
+steps = 40
+seed = 3
+[data]
+kind = "synthetic_regression"
+samples = 256
+features = 3
+outputs = 2
+batch = 16
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "a", in = 3, out = 8 }, { type = "tanh" }]
+[stages.optimizer]
+type = "adam"
+lr = 0.02
+schedule = { type = "cosine", decay_steps = 30, alpha = 0.1, warmup_steps = 5 }
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "b", in = 8, out = 2 }]
+optimizer = { type = "sgd", schedule = { type = "piecewise", boundaries = [15, 25], values = [0.1, 0.03, 0.01] } }
+loss = "mean_squared_error"
+"""
+
+
 def _in_process(tmp_path, experiment, *extra, trace=True):
     summary = tmp_path / "inproc.json"
     trace_path = tmp_path / "inproc.trace.jsonl"
@@ -75,6 +101,32 @@ def test_labels_travelling_with_the_activations(tmp_path):
     result = run_cli(["run", exp, "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(summary_path)["params"] == reference["params"]
+
+
+def test_a_scheduled_run_is_bitwise_equal_to_in_process_and_resumes_mid_schedule(tmp_path):
+    from distgrad.checkpoint import load as load_checkpoint
+    from distgrad.experiment import load_experiment, parse_experiment
+    from distgrad.inprocess import train_in_process
+
+    path = tmp_path / "scheduled.toml"
+    path.write_text(SCHEDULED)
+    exp = load_experiment(path)
+    ck = tmp_path / "ck"
+    common = ["run", path, "--checkpoint-dir", ck, "--checkpoint-every", "10", "--resume"]
+    first = run_cli([*common, "--steps", "20", "--summary", tmp_path / "first.json"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert read_json(tmp_path / "first.json")["params"] == train_in_process(exp, steps=20)["params"]
+    for stage in ("f", "g"):
+        (newest,) = ck.glob(f"{stage}-*-000000020.ckpt")
+        assert load_checkpoint(newest).arrays["opt/updates"] == 20
+    more = run_cli([*common, "--steps", "40", "--summary", tmp_path / "more.json"])
+    assert more.returncode == 0, more.stdout + more.stderr
+    resumed, reference = read_json(tmp_path / "more.json"), train_in_process(exp)
+    assert resumed["steps"] == 40
+    assert resumed["params"] == reference["params"] and resumed["final_loss"] == reference["final_loss"]
+    unscheduled = train_in_process(parse_experiment(exp.raw | {"stages": [
+        {**stage, "optimizer": {"type": stage["optimizer"]["type"], "lr": 0.02}} for stage in exp.raw["stages"]]}))
+    assert unscheduled["params"] != reference["params"], "the schedules should change the run"
 
 
 def test_stages_started_by_hand_write_summary_and_trace(tmp_path):
