@@ -168,6 +168,9 @@ class Adam(Optimizer):
         self.v = {k: np.array(v, F32) for k, v in state["v"].items()}
 
 
+OPTIMIZERS: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}    # the optimizer table's ``type``
+
+
 def _option_names(cls: type[Optimizer]) -> list[str]:
     return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
 
@@ -213,7 +216,7 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
     """
     spec = dict(spec)
     kind = spec.pop("type", "adam")
-    classes: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}
+    classes = OPTIMIZERS
     if not isinstance(kind, str) or kind not in classes:
         raise ConfigError(f"unknown optimizer {kind!r}: use adam or sgd")
     valid = [*_option_names(classes[kind]), "schedule"]

@@ -14,7 +14,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
-from . import data, losses, nn, optim, schema
+from . import data, losses, nn, optim, schedules, schema
 
 HEADER = """# Experiment and stage files: the format reference
 
@@ -89,6 +89,12 @@ def render() -> str:
         out += [f"### type = \"{name}\"", "", _first_paragraph(cls), ""]
         out += _table(_signature_rows(cls.__init__, {"self"}))
         out.append("")
+    out += ["## Learning-rate schedules (`optimizer = { ..., schedule = { type = ... } }`)", "",
+            _first_paragraph(optim.build_optimizer).replace("``", "`"), "",
+            "| type | keys (each also takes `warmup_steps`) |", "| --- | --- |"]
+    out += [f"| `{kind}` | {', '.join(f'`{k}`' for k in keys) or '(none)'} |"
+            for kind, keys in schedules.SCHEDULE_OPTIONS.items()]
+    out.append("")
     out += ["## Losses (`loss = ...`, the last stage only)", "", "| name | what it computes |", "| --- | --- |"]
     out += [f"| `{name}` | {_cell(_first_paragraph(cls))} |" for name, cls in sorted(losses._LOSSES.items())]
     out.append("")

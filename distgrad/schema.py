@@ -78,8 +78,8 @@ INTERFACE_KEYS: dict[str, Key] = {
 
 _STAGE_COMMON: dict[str, Key] = {
     "name": ("string", None, "the stage's name (required)"),
-    "model": ("array of layer tables", None,
-              "the stage's layers, in order (see Layers); give 'model' or 'module'"),
+    "model": ("array of layer tables", "absent",
+              "the stage's layers, in order (see Layers); give 'model' or 'module', one of them"),
     "module": ('string "package.module:factory"', "absent",
                "a function returning a torch.nn.Module, imported from the folder of this file first, then "
                "sys.path; the stage is then computed by torch (framework \"torch\")"),
@@ -87,8 +87,8 @@ _STAGE_COMMON: dict[str, Key] = {
     "optimizer": ("table", '{ type = "adam" }',
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
                   "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 }"),
-    "loss": ("string or table", None,
-             "the last stage's loss, and only the last stage's (see Losses); for a 'module', also a torch.nn loss "
+    "loss": ("string or table", "absent",
+             "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn loss "
              "class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }"),
     "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
