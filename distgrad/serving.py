@@ -52,6 +52,7 @@ from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message, frame_limit
 
 Envelope = list[bytes]
+MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation
 Reply = tuple[Envelope, Message]
 
 
@@ -139,7 +140,9 @@ class ServingStage:
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
             backward_specs(self.stage, 1))
         single = forward_specs(self.stage, self.target, 1)
-        rows = len(self.data[0].test_rows) if self.data else 0
+        # A middle stage without data cannot tell how many rows are held out: it takes up to MAX_EVAL_ROWS
+        # and the stage below, which holds the labels, checks the count.
+        rows = len(self.data[0].test_rows) if self.data else MAX_EVAL_ROWS if self.link is not None else 0
         self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
         limits = [frame_limit(single), frame_limit(self.eval_specs)]
         self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
@@ -426,11 +429,16 @@ class ServingStage:
         return []
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        if not self.data or not len(self.data[peer.index].test_rows):
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate"
-                                                + ("" if self.data else f" at stage {self.opts.stage} (its file "
-                                                                        f"has no [data])"))
-        wire.expect_tensors(msg, self.eval_specs, self.exp.allow_nonfinite)
+        specs = self.eval_specs
+        if not self.data and self.link is not None:
+            activation = msg.tensors.get("activation")
+            rows = len(activation) if activation is not None and activation.ndim else 0
+            if not 1 <= rows <= MAX_EVAL_ROWS:
+                raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {MAX_EVAL_ROWS} rows, got {rows}")
+            specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in specs.items()}
+        elif not self.data or not len(self.data[peer.index].test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        wire.expect_tensors(msg, specs, self.exp.allow_nonfinite)
         if peer.evaluation is not None and self.shared:
             return [(envelope, Message(wire.EVALUATION, msg.run, msg.step, body=peer.evaluation))]
         peer.evaluate = msg                            # answered once no other peer can change this stage

@@ -173,3 +173,23 @@ def test_every_builtin_splits_into_files_with_its_interface(tmp_path: Path, name
     exp = load_experiment(name)
     assert [p.stem for p in paths] == exp.stage_names
     assert load_experiment(paths).interface_parts() == exp.interface_parts()
+
+
+def test_a_chain_of_stage_files_evaluates_through_a_middle_stage_without_data(tmp_path: Path):
+    digits = load_experiment("digits")
+    raw = {"name": "digits-chain", "steps": 30, "seed": 1, "data": dict(digits.data),
+           "stages": [{"name": "f", "model": [{"type": "dense", "name": "f1", "in": 64, "out": 32}, {"type": "tanh"}],
+                       "optimizer": {"type": "adam", "lr": 0.01}},
+                      {"name": "m", "model": [{"type": "dense", "name": "m1", "in": 32, "out": 16}, {"type": "relu"}],
+                       "optimizer": {"type": "adam", "lr": 0.01}},
+                      {"name": "g", "model": [{"type": "dense", "name": "g1", "in": 16, "out": 10}],
+                       "optimizer": {"type": "adam", "lr": 0.01}, "loss": "softmax_cross_entropy"}]}
+    raw["data"]["path"] = str(Path(digits.source).parent / raw["data"]["path"])
+    paths = split_experiment(parse_experiment(raw, str(tmp_path / "chain.toml")), tmp_path / "parties")
+    assert "data" not in tomllib.loads(paths[1].read_text())          # the middle party holds nothing
+    result = run_cli(["run", *paths, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stderr
+    reference = train_in_process(load_experiment(paths))
+    summary = read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"]
+    assert summary["test_accuracy"] == reference["test_accuracy"] and summary["test_count"] == 359
