@@ -13,13 +13,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 LAYERS = [
-    ("foundations", {"errors", "threads"}),
+    ("foundations", {"errors", "threads", "schema"}),
     ("model math", {"nn", "losses", "schedules", "optim"}),
-    ("experiments and data", {"data", "experiment"}),
+    ("experiments and data", {"data", "experiment", "split", "reference"}),
     ("wire, transport and files", {"wire", "transport", "keys", "handshake", "link", "records", "checkpoint",
                                    "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
-    ("stage processes", {"options", "stage_state", "serving", "driver"}),
+    ("stage processes", {"options", "stage_state", "serving", "driver", "predict"}),
     ("front ends", {"launcher", "api", "cli", "plot", "__init__"}),
 ]
 LAYER = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
