@@ -2,8 +2,12 @@
 
 Contract shared by every layer:
 
-* ``forward(x)`` takes a float32 array and returns ``(y, cache)``; the cache
-  holds what ``backward`` needs, so several micro-batches can be in flight.
+* ``forward(x, ctx=None)`` takes a float32 array and returns ``(y, cache)``;
+  the cache holds what ``backward`` needs, so several micro-batches can be
+  in flight. ``ctx`` (a ``ForwardContext``: training or not, the step and
+  the micro-batch) matters only to layers that behave differently in
+  training or draw random numbers (``Dropout``); None means training, step
+  0, micro-batch 0.
 * ``backward(cache, dy, need_dx=True)`` returns ``(dx, grads)``: ``dx`` is
   d(loss)/d(x) with the shape of ``x`` (what a stage sends upstream), or None
   when ``need_dx`` is false (the first stage's input needs no gradient, and
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -113,6 +118,28 @@ def make_initialiser(spec: Any) -> Callable[[np.random.Generator, Shape], np.nda
 
 # ---------------------------------------------------------------------- layers
 
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a forward pass may depend on besides its input and the parameters.
+
+    ``training``: False for an evaluation (dropout is then the identity);
+    ``step``: the 1-based step in progress (0 outside a run);
+    ``micro_batch``: the index of the micro-batch within the step. Raises
+    ``ValueError`` for a negative step or micro-batch.
+    """
+
+    training: bool = True
+    step: int = 0
+    micro_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or self.micro_batch < 0:
+            raise ValueError(f"step and micro-batch must be >= 0, got {self.step} and {self.micro_batch}")
+
+
+TRAINING = ForwardContext()                # what ``ctx=None`` means
+
+
 class Layer(abc.ABC):
     """Base class; a layer with no parameters keeps ``params`` empty."""
 
@@ -120,8 +147,8 @@ class Layer(abc.ABC):
         self.params: dict[str, np.ndarray] = {}
 
     @abc.abstractmethod
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Return ``(y, cache)``."""
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
+        """Return ``(y, cache)``; ``ctx`` None means ``TRAINING``."""
 
     @abc.abstractmethod
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
@@ -157,7 +184,7 @@ class Scale(Layer):
             raise ConfigError(f"scale layer {self.name!r} takes (size,) or (batch, {size}), got {shape}")
         return shape
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         return x * self.params[self.name], x
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
@@ -189,7 +216,7 @@ class Dense(Layer):
             raise ConfigError(f"dense layer {self.name!r} takes (batch, {self.n_in}), got {shape}")
         return (shape[0], self.n_out)
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         y = x @ self.params[self.w_name]
         y += self.params[self.b_name]      # the same float32 addition as ``+ b``, without a second array
         return y, x
@@ -211,7 +238,7 @@ class Identity(Layer):
     without a copy; like every layer, it never writes to either.
     """
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         return x, None
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
@@ -221,7 +248,7 @@ class Identity(Layer):
 class ReLU(Layer):
     """``y = max(x, 0)``; the gradient at 0 is 0 (as in TF)."""
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         return np.maximum(x, DTYPE(0)), x
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
@@ -231,7 +258,7 @@ class ReLU(Layer):
 class Tanh(Layer):
     """``y = tanh(x)``; ``dx = dy * (1 - y**2)``."""
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         y = np.tanh(x)
         return y, y
 
@@ -243,7 +270,7 @@ class Tanh(Layer):
 class Sigmoid(Layer):
     """``y = 1 / (1 + exp(-x))``, computed as ``(1 + tanh(x/2)) / 2`` so it never overflows."""
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         y = DTYPE(0.5) * (DTYPE(1) + np.tanh(DTYPE(0.5) * x))
         return y, y
 
@@ -269,10 +296,10 @@ class Sequential(Layer):
             shape = layer.output_shape(shape)
         return shape
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
         caches = []
         for layer in self.layers:
-            x, cache = layer.forward(x)
+            x, cache = layer.forward(x, ctx)
             caches.append(cache)
         return x, caches
 
