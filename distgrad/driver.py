@@ -91,7 +91,7 @@ class _Driver:
         self.link.arrived.clear()
 
         def send(i: int) -> None:
-            y, caches[i] = stage.forward(micro_batch(features, i, count))
+            y, caches[i] = stage.forward(micro_batch(features, i, count), i)
             tensors = {"activation": y}
             if targets is not None:
                 tensors["target"] = micro_batch(targets, i, count)
@@ -129,7 +129,7 @@ class _Driver:
 
     def evaluate(self) -> None:
         """Held-out rows forward through both stages; the label owner scores them."""
-        y, _ = self.state.stage.forward(self.data.test_features())
+        y, _ = self.state.stage.forward(self.data.test_features(), training=False)
         tensors = {"activation": y}
         if self.exp.labels_travel:
             tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)

@@ -82,9 +82,9 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     for i in range(micro_batches):
         x, caches = micro_batch(features, i, micro_batches), []
         for stage in upstream:
-            x, cache = stage.forward(x)
+            x, cache = stage.forward(x, i)
             caches.append(cache)
-        mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches))
+        mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
         last.check_finite("loss", mb_loss, step)
         if upstream:
             last.check_finite("activation_grad", dx, step)
@@ -171,7 +171,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
                                  "status": "completed"}
         if len(data[c].test_rows):
-            x, _ = client.forward(data[c].test_features())
+            x, _ = client.forward(data[c].test_features(), training=False)
             entry.update(evaluation_fields(last.evaluate_last(x, labels[c].test_targets())))
         per_client.append(entry)
     summary = {
@@ -234,7 +234,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     if len(data.test_rows):
         x = data.test_features()
         for stage in upstream:
-            x, _ = stage.forward(x)
+            x, _ = stage.forward(x, training=False)
         evaluation = last.evaluate_last(x, labels.test_targets())
         log.info("test loss %.6g%s", evaluation["loss"], _accuracy_text(evaluation))
     summary = {

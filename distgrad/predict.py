@@ -87,7 +87,7 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
         link.handshake(hello)
         acknowledged = 0
         for number, chunk in enumerate(chunks, start=1):
-            y, _ = stage.forward(chunk if exp.batch else chunk[0])
+            y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
             reply = link.exchange(Message(wire.PREDICT, run, number, tensors={"activation": y}))
             acknowledged += _acknowledged(reply, number, len(chunk))
         reply = link.exchange(Message(wire.BYE, run, len(chunks) + 1, body={"chunks": len(chunks),
@@ -176,7 +176,7 @@ class PredictionServer:
                                                   f"{self.exp.batch or 1} rows of shape {self.row_shape}")
         if not self.exp.allow_nonfinite and not np.isfinite(activation).all():
             raise ProtocolError(ErrorCode.NONFINITE, f"chunk {msg.step} holds NaN or Inf")
-        y, _ = self.stage.forward(activation)
+        y, _ = self.stage.forward(activation, training=False)
         if self.link is not None:
             reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, tensors={"activation": y}))
             _acknowledged(reply, msg.step, rows)

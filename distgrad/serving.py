@@ -561,7 +561,7 @@ class ServingStage:
                 target = msg.tensors.get("target")
                 if target is None:
                     target = micro_batch(self.data[peer.index].targets(msg.step), msg.mb, msg.mbs)
-                mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target)
+                mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target, msg.mb)
                 stage.check_finite("loss", mb_loss, msg.step)
             else:
                 mb_loss, dx, grads_later = self._through(msg, x)
@@ -598,7 +598,7 @@ class ServingStage:
         """A middle stage's micro-batch: forward, the stage below's reply, the backward's activation
         gradient, and a function computing its parameter gradients (no update)."""
         assert self.link is not None
-        y, cache = self.stage.forward(x)
+        y, cache = self.stage.forward(x, msg.mb)
         tensors = {"activation": y}
         if "target" in msg.tensors:
             tensors["target"] = msg.tensors["target"]
@@ -675,7 +675,7 @@ class ServingStage:
                 result = self.stage.evaluate_last(msg.tensors["activation"],
                                                   data.test_targets() if target is None else target)
             else:
-                y, _ = self.stage.forward(msg.tensors["activation"])
+                y, _ = self.stage.forward(msg.tensors["activation"], training=False)
                 tensors = {"activation": y, **({"target": target} if target is not None else {})}
                 try:
                     result = check_evaluation(self.link.exchange(

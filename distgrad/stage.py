@@ -18,7 +18,7 @@ import numpy as np
 from .errors import ConfigError, NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
-from .nn import Grads, Sequential, Shape
+from .nn import ForwardContext, Grads, Sequential, Shape
 from .optim import Optimizer
 from .records import write_atomic
 
@@ -148,6 +148,7 @@ class Stage:
     """
 
     allow_nonfinite = False
+    seed = 0        # the run's seed (``from_experiment`` sets it); a torch stage seeds its RNG from it
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
@@ -180,7 +181,7 @@ class Stage:
             model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
             stage = cls(name, model, optimizer, loss, exp.input_shape(name, seed))
         check_cut(exp, stage, seed)
-        stage.allow_nonfinite = exp.allow_nonfinite
+        stage.allow_nonfinite, stage.seed = exp.allow_nonfinite, seed
         return stage
 
     @property
@@ -203,10 +204,15 @@ class Stage:
     def is_last(self) -> bool:
         return self.loss is not None
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Activations for ``x`` and the cache ``backward`` needs."""
+    def forward(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[np.ndarray, Any]:
+        """Activations for ``x`` and the cache ``backward`` needs.
+
+        ``x`` is micro-batch ``mb`` of the step in progress (``step + 1``);
+        ``training`` is False for an evaluation. Both reach the layers as a
+        ``ForwardContext`` (dropout draws its mask from them).
+        """
         try:
-            return self.model.forward(x)
+            return self.model.forward(x, ForwardContext(training, self.step + 1, mb, self.name))
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
 
@@ -241,10 +247,11 @@ class Stage:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything the next step depends on, as named arrays (for checkpoints).
 
-        Data needs no position of its own: batches are a pure function of the
-        step, and no random numbers are drawn after initialisation. The
-        optimizer's update count, which places its learning-rate schedule, is
-        ``opt/updates`` (int64).
+        Data and dropout need no position of their own: batches are a pure
+        function of the step, and dropout masks of the run's seed, the step and
+        the micro-batch; no random number generator carries state across steps.
+        The optimizer's update count, which places its learning-rate schedule,
+        is ``opt/updates`` (int64).
         """
         arrays = {f"param/{name}": value for name, value in self.params.items()}
         for key, value in self.optimizer.state_dict().items():
@@ -322,21 +329,21 @@ class Stage:
     def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
         """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``."""
         assert self.loss is not None, f"stage {self.name} has no loss"
-        y, _ = self.forward(x)
+        y, _ = self.forward(x, training=False)
         loss, _ = self.loss_backward(y, target)
         return {"loss": float(loss), "correct": self.loss.correct(y, target), "count": int(len(x))}
 
-    def loss_micro_batch(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
-        """Forward, loss and backward of one micro-batch on the last stage, without an update."""
-        y, cache = self.forward(x)
+    def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
+        """Forward, loss and backward of micro-batch ``mb`` on the last stage, without an update."""
+        y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
         return loss, dx, grads
 
-    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray
+    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
         """``loss_micro_batch`` with the parameter gradients computed when the returned function is called."""
-        y, cache = self.forward(x)
+        y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads_later = self.backward_deferred(cache, dy)
         return loss, dx, grads_later

@@ -59,19 +59,24 @@ Threads: on import this module sets ``torch.set_num_threads(1)`` unless
 itself), so two stages on two cores do not fight; call
 ``torch.set_num_threads`` after importing it to choose another count.
 
-Modules run in whatever mode they are in (``train()`` by default). Layers
-that draw random numbers or keep running statistics (dropout, batch norm)
-make a run depend on more than its seed and step, which the rollback and
-resume machinery assumes; keep them out of a stage that has to resume
-exactly.
+Modules train in whatever mode they are in (``train()`` by default) and
+are evaluated in ``eval()`` mode (their mode restored after). Before each
+training forward, torch's RNG is seeded from (the run's seed, the stage's
+name, the step, the micro-batch), so dropout draws the same masks in one
+process or two and after a resume. Layers that keep running statistics
+(batch norm) still make a run depend on more than its seed and step, which
+the rollback and resume machinery assumes; keep them out of a stage that
+has to resume exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from pathlib import Path
+import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -292,10 +297,26 @@ class TorchStage(Stage):
     def params(self) -> dict[str, np.ndarray]:
         return {p.name: p.view(p.tensor) for p in self._params}
 
-    def _graph(self, x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    @contextlib.contextmanager
+    def _forward_mode(self, mb: int, training: bool) -> Iterator[None]:
+        """In training, torch's RNG seeded from (seed, stage name, step in progress, ``mb``), so dropout draws
+        the same masks in any process and after a resume; otherwise eval mode, the module's mode restored after."""
+        if training:
+            key = [self.seed, zlib.crc32(self.name.encode()), self.step + 1, mb]
+            torch.manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
+            yield
+            return
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was_training)
+
+    def _graph(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The input as a leaf that can take a gradient, and the module's output with its graph."""
         x_t = _tensor(x).requires_grad_()
-        with torch.enable_grad():
+        with torch.enable_grad(), self._forward_mode(mb, training):
             return x_t, self.module(x_t)
 
     def _gradients(self, out: torch.Tensor, d_out: torch.Tensor | None, x_t: torch.Tensor,
@@ -314,10 +335,11 @@ class TorchStage(Stage):
         dx = found[-1]
         return (dx.numpy() if dx is not None else np.zeros(x_t.shape, np.float32)), grads   # None: output ignores x
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Activations for ``x`` (float32 numpy) and the cache ``backward`` needs (the graph)."""
+    def forward(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[np.ndarray, Any]:
+        """Activations for ``x`` (float32 numpy), micro-batch ``mb`` of the step in progress, and the cache
+        ``backward`` needs (the graph); ``training`` False runs the module in eval mode."""
         try:
-            x_t, y_t = self._graph(x)
+            x_t, y_t = self._graph(x, mb, training)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
         return y_t.detach().numpy(), (x_t, y_t)
@@ -339,9 +361,9 @@ class TorchStage(Stage):
         assert dx is not None
         return dx, lambda: grads
 
-    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray
+    def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
-        loss, dx, grads = self.loss_micro_batch(x, target)
+        loss, dx, grads = self.loss_micro_batch(x, target, mb)
         return loss, dx, lambda: grads
 
     def _loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
@@ -359,10 +381,10 @@ class TorchStage(Stage):
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
         return np.float32(loss_t.item()), dy.numpy()
 
-    def loss_micro_batch(self, x: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
-        """Forward, loss and backward of one micro-batch on the last stage, in one torch graph, without an update."""
+    def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
+        """Forward, loss and backward of micro-batch ``mb`` on the last stage, in one torch graph, without an update."""
         try:
-            x_t, y_t = self._graph(x)
+            x_t, y_t = self._graph(x, mb)
             with torch.enable_grad():
                 loss_t = self._loss_value(y_t, target)
             dx, grads = self._gradients(loss_t, None, x_t, True)
@@ -372,10 +394,10 @@ class TorchStage(Stage):
         return np.float32(loss_t.item()), dx, grads
 
     def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
-        """Forward only, without a graph: ``{"loss", "correct" (None unless classifying), "count"}``."""
+        """Forward only, in eval mode, without a graph: ``{"loss", "correct" (None unless classifying), "count"}``."""
         assert self.loss is not None, f"stage {self.name} has no loss"
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._forward_mode(0, training=False):
                 y_t = self.module(_tensor(x))
                 loss_t = self._loss_value(y_t, target)
         except _COMPUTE_ERRORS as e:

@@ -62,21 +62,21 @@ def numerical_grad(f, array: np.ndarray, h: float = FD_STEP) -> np.ndarray:
     return grad
 
 
-def check_layer_gradients(layer: nn.Layer, x: np.ndarray, seed: int = 0) -> None:
+def check_layer_gradients(layer: nn.Layer, x: np.ndarray, seed: int = 0, ctx: nn.ForwardContext | None = None) -> None:
     """Check ``dx`` and every parameter gradient of ``layer`` at ``x`` by finite differences.
 
-    The scalar objective is ``sum(forward(x) * r)`` for a fixed random ``r``,
+    The scalar objective is ``sum(forward(x, ctx) * r)`` for a fixed random ``r``,
     so ``dy = r`` and every output element contributes with its own weight.
     """
     layer = as_float64(layer)
     x = np.array(x, dtype=np.float64)
-    y, cache = layer.forward(x)
+    y, cache = layer.forward(x, ctx)
     assert y.dtype == np.float64, "the check must really run in float64"
     assert y.shape == layer.output_shape(x.shape)
     r = np.random.default_rng(seed).normal(size=y.shape)
 
     def objective() -> float:
-        out, _ = layer.forward(x)
+        out, _ = layer.forward(x, ctx)
         return float(np.sum(out * r))
 
     dx, grads = layer.backward(cache, r.copy())

@@ -172,8 +172,8 @@ def test_deferred_nan_gradient_is_not_applied_and_is_told_on_the_next_message(mo
     server.handle([b"p"], hello_message(exp, "r"), 0.0)
     real = Stage.loss_micro_batch_deferred
 
-    def nan_grads(self, x, target):
-        loss, dx, later = real(self, x, target)
+    def nan_grads(self, x, target, mb=0):
+        loss, dx, later = real(self, x, target, mb)
         return loss, dx, lambda: {k: np.full_like(v, np.nan) for k, v in later().items()}
 
     monkeypatch.setattr(Stage, "loss_micro_batch_deferred", nan_grads)
@@ -257,8 +257,8 @@ def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeyp
         server.handle([b"peer%d" % c], hello_message(exp, f"run{c}", client=c, micro_batches=1), 0.0)
     real = Stage.loss_micro_batch_deferred
 
-    def nan_loss_for_client_0(self, x, target):
-        loss, dx, grads_later = real(self, x, target)
+    def nan_loss_for_client_0(self, x, target, mb=0):
+        loss, dx, grads_later = real(self, x, target, mb)
         return (np.float32(np.nan) if server.turn == 0 else loss), dx, grads_later
 
     monkeypatch.setattr(Stage, "loss_micro_batch_deferred", nan_loss_for_client_0)
