@@ -74,13 +74,18 @@ class _BarLine:
 
     def __init__(self, out: IO[str]) -> None:
         self.out, self.text = out, ""
+        self.test: dict[str, Any] = {}      # the latest evaluation a line carried, drawn until the next
 
     def draw(self, payload: str) -> None:
         try:
             p = json.loads(payload)
             rate = p.get("rate")
+            if p.get("test_loss") is not None:
+                accuracy = p.get("test_accuracy")
+                self.test = {"test_loss": float(p["test_loss"]),
+                             "test_accuracy": None if accuracy is None else float(accuracy)}
             self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
-                                   None if rate is None else float(rate))
+                                   None if rate is None else float(rate), self.test)
         except (ValueError, KeyError, TypeError):
             return
         self.redraw()

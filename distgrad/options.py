@@ -67,6 +67,7 @@ class StageOptions:
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
     spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
@@ -85,6 +86,12 @@ class StageOptions:
         return self.experiment.steps if self.steps is None else self.steps
 
     @property
+    def evaluate_every(self) -> int:
+        """Evaluate the held-out rows after every K-th step: ``--eval-every``, else the experiment's (0: only
+        after the last step)."""
+        return self.experiment.eval_every if self.eval_every is None else self.eval_every
+
+    @property
     def link(self) -> LinkSettings:
         """The bounds of this stage's connection to the stage below."""
         return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
@@ -97,7 +104,7 @@ class StageOptions:
     def __post_init__(self) -> None:
         check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
-                           checkpoint_every=self.checkpoint_every, resume=self.resume)
+                           checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:
