@@ -23,7 +23,7 @@ from . import handshake, wire
 from .errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .link import DownstreamLink, check_evaluation, check_reply
 from .options import PROGRESS_UPDATES, StageOptions, StopFlag
-from .progress import MetricsWriter, Progress
+from .progress import Progress, step_writers
 from .records import evaluation_entry, evaluation_fields
 from .stage import backward_specs, micro_batch
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -46,7 +46,7 @@ class _Driver:
         self.target_dtype = self.data.target_dtype
         self.reply_specs = backward_specs(self.state.stage, opts.micro_batches)
         self.traffic = Traffic()
-        self.metrics = MetricsWriter(opts.metrics_path)
+        self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
         self.progress = Progress(opts.progress, self.steps)
         self.eval_every = opts.evaluate_every
         self.holds_out = len(self.data.test_rows) > 0
@@ -155,11 +155,11 @@ class _Driver:
         return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
 
     def _after_step(self) -> None:
-        """After each applied step: the evaluation when it is due, then the step's metrics line (with the
-        evaluation's scores), the bar or a log line."""
+        """After each applied step: the evaluation when it is due, then the step's record (with the
+        evaluation's scores) to each step writer, the bar or a log line."""
         step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
         record = None
-        if self.metrics.enabled:
+        if self.writers:
             wait = self.traffic.wait_s - self.wait_before
             record = {
                 "step": step, "loss": loss,
@@ -171,7 +171,9 @@ class _Driver:
         if self._evaluation_due(step):
             test = {key: value for key, value in self.evaluate().items() if key != "step"}
         if record is not None:
-            self.metrics.write({**record, **test})
+            record.update(test)
+            for writer in self.writers:
+                writer.write(record)
         self.progress.update(step, loss, force=step == self.steps, test=test)
         if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
             rate = (step - self.last_step) / (now - self.last_report) if now > self.last_report else float("nan")
@@ -199,7 +201,8 @@ class _Driver:
         finally:
             state.close()
             self.link.close()
-            self.metrics.close()
+            for writer in self.writers:
+                writer.close()
             self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,

@@ -14,6 +14,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 from .errors import ConfigError, Interrupted
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .link import LinkSettings
+from .progress import check_tensorboard
 from .records import check_trace_filter
 from .stage import Stage
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
@@ -67,6 +68,7 @@ class StageOptions:
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
     eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
@@ -112,6 +114,8 @@ class StageOptions:
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
+        if self.tensorboard_dir is not None:
+            check_tensorboard()                    # ConfigError naming the extra to install
         if self.trace_params is not None or self.trace_every != 1:
             # A stage built in code (stage_factory) may name its parameters as it likes.
             known = (self.trace_params if self.stage_factory is not None

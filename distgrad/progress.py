@@ -1,10 +1,11 @@
-"""Watching a run: a progress bar for terminals, metrics lines for files.
+"""Watching a run: a progress bar for terminals; metrics lines and TensorBoard events for files.
 
 The driving stage reports every step to a ``Progress``. In a terminal it
 draws a one-line bar (step, loss, the latest held-out scores, steps/s, ETA)
 at most ``REDRAW_S`` apart; elsewhere the periodic log lines serve. Under the
 launcher the stage emits ``progress`` lines that the launcher turns into the
-bar on its own terminal.
+bar on its own terminal. Each step's record (a ``MetricsWriter`` line) goes
+to every *step writer* of the run, made in one place: ``step_writers``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 from typing import IO, Any, Mapping
+
+from .errors import ConfigError
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
 BAR_WIDTH = 24
@@ -107,3 +110,74 @@ class MetricsWriter:
             self._file.close()
             self._file = None
 
+
+
+TENSORBOARD_MISSING = "--tensorboard needs tensorboardX, an optional extra: pip install 'distgrad[tensorboard]'"
+
+
+def check_tensorboard() -> None:
+    """Raise ``ConfigError`` (exit 2) telling how to install the TensorBoard writer when it is missing."""
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(TENSORBOARD_MISSING) from e
+
+
+class TensorBoardWriter:
+    """TensorBoard event files in ``directory`` from the same records as ``MetricsWriter``.
+
+    Scalars, each at its step: ``train/loss``; ``test/loss`` and
+    ``test/accuracy`` at the steps that evaluated; ``speed/steps_per_s``
+    (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
+    previous record: the first counts the handshake too, and an evaluation's
+    traffic counts in the step after it). Written by tensorboardX, imported
+    only here; without it the constructor raises ``ConfigError``.
+    """
+
+    def __init__(self, directory: Path | None) -> None:
+        self._writer = None
+        self._bytes = 0
+        if directory is None:
+            return
+        check_tensorboard()
+        from tensorboardX import SummaryWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(logdir=str(directory))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step, add = record["step"], self._writer.add_scalar
+        if record.get("loss") is not None:
+            add("train/loss", record["loss"], step)
+        for key, tag in (("test_loss", "test/loss"), ("test_accuracy", "test/accuracy")):
+            if record.get(key) is not None:
+                add(tag, record[key], step)
+        if record.get("step_s", 0) > 0:
+            add("speed/steps_per_s", 1.0 / record["step_s"], step)
+        if "bytes_sent" in record:
+            total = record["bytes_sent"] + record["bytes_received"]
+            add("speed/bytes_per_step", total - self._bytes, step)
+            self._bytes = total
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> list[MetricsWriter | TensorBoardWriter]:
+    """Where each step's record goes: a metrics file, TensorBoard events, both or neither (only those
+    asked for). Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    writers = [MetricsWriter(metrics_path)]
+    try:
+        writers.append(TensorBoardWriter(tensorboard_dir))
+    except ConfigError:
+        writers[0].close()
+        raise
+    return [writer for writer in writers if writer.enabled]
