@@ -93,6 +93,13 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
 def _watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, metavar="PATH",
                    help="driving stage: one JSON line per step (loss, wall time, bytes, compute and wait times)")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="driving stage: write TensorBoard event files here: loss, held-out loss and accuracy, "
+                        "steps/s and bytes per step (needs pip install 'distgrad[tensorboard]')")
+    p.add_argument("--eval-every", type=int, metavar="K",
+                   help="driving stage: evaluate the held-out rows through every stage after every K-th step, "
+                        "into the progress line, the metrics and the summary's evaluations (default: the "
+                        "experiment's eval_every; 0: only after the last step)")
     p.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="driving stage: 'bar' draws a bar; 'lines' writes only machine-readable 'progress {json}' "
                         "lines (for a launcher); 'off' logs an INFO line every tenth of the run; 'auto' (default) "
@@ -226,17 +233,18 @@ def _run_stage(args: argparse.Namespace) -> int:
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
-        schedule=args.schedule, metrics_path=args.metrics,
-        progress=_progress_mode(args.progress), client=args.client,
+        schedule=args.schedule, metrics_path=args.metrics, tensorboard_dir=args.tensorboard,
+        eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load)
     serving = args.bind is not None
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
-    if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.metrics):
-        raise ConfigError("--micro-batches, --schedule and --metrics are for the driving stage "
-                          "(the others follow its hello)")
+    if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.metrics or args.tensorboard
+                    or args.eval_every is not None):
+        raise ConfigError("--micro-batches, --schedule, --metrics, --tensorboard and --eval-every are for the "
+                          "driving stage (the others follow its hello)")
     ctx = zmq.Context.instance()
     upstream, downstream = _curve(args, role, ctx)
     opts.security = upstream if serving else downstream
@@ -279,6 +287,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     from .experiment import check_run_settings, load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
+    from .progress import check_tensorboard
     from .records import check_trace_filter, parse_trace_params
     from .transport import check_spin
 
@@ -290,13 +299,19 @@ def _run_experiment(args: argparse.Namespace) -> int:
     # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process)
+                       checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,
+                       eval_every=args.eval_every)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
+    if args.tensorboard is not None:
+        if in_process:
+            raise ConfigError("--tensorboard is written by the driving stage of a run in processes; "
+                              "--in-process writes none (drop --in-process or --tensorboard)")
+        check_tensorboard()
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
-                                   parse_trace_params(args.trace_params), args.trace_every,
+                                   parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
                                    save_dir=args.save, load_dir=args.load)
     else:
         check_trace_filter(parse_trace_params(args.trace_params), args.trace_every,
@@ -304,10 +319,12 @@ def _run_experiment(args: argparse.Namespace) -> int:
         stop = StopFlag().install()
         summary = run_local(experiment, steps=args.steps, seed=args.seed, init=args.init,
                             summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
-                            transport=args.transport,
+                            tensorboard_dir=args.tensorboard, transport=args.transport,
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
                             stage_flags=_passthrough(args), secure=args.secure,
-                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule],
+                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
+                                          *(["--eval-every", str(args.eval_every)] if args.eval_every is not None
+                                            else [])],
                             progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
                             load_dir=args.load)
     _print_result(summary)

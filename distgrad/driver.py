@@ -4,7 +4,9 @@ It connects to the next stage (the last one, or a middle stage that passes
 everything on), shakes hands, and for every step sends the activations of
 each micro-batch and applies the gradients that come back, with retries on
 fresh sockets (``link.DownstreamLink``) and a rollback to a common step
-whenever a stage below has lost track.
+whenever a stage below has lost track. After every ``eval_every``-th step and
+the last it evaluates the held-out rows through every stage; each step's
+record (and its evaluation) goes to the metrics file and the progress line.
 """
 
 
@@ -19,11 +21,10 @@ import zmq
 
 from . import handshake, wire
 from .errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
-from .engine import StepRecord
 from .link import DownstreamLink, check_evaluation, check_reply
 from .options import PROGRESS_UPDATES, StageOptions, StopFlag
-from .progress import MetricsWriter, Progress
-from .records import evaluation_fields
+from .progress import Progress, step_writers
+from .records import evaluation_entry, evaluation_fields
 from .stage import backward_specs, micro_batch
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from .transport import Traffic
@@ -45,15 +46,18 @@ class _Driver:
         self.target_dtype = self.data.target_dtype
         self.reply_specs = backward_specs(self.state.stage, opts.micro_batches)
         self.traffic = Traffic()
-        self.metrics = MetricsWriter(opts.metrics_path)
+        self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
         self.progress = Progress(opts.progress, self.steps)
+        self.eval_every = opts.evaluate_every
+        self.holds_out = len(self.data.test_rows) > 0
         self.g_compute_s = 0.0
         params = self.state.stage.params
         self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
                                    self.traffic,
                                    {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
         self.loss: float | None = None
-        self.evaluation: dict[str, Any] | None = None
+        self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
+        self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
 
     def handshake(self) -> None:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
@@ -61,7 +65,7 @@ class _Driver:
         held = self.state.held()
         common = self.link.handshake(handshake.hello(
             self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
-            self.opts.micro_batches, self.opts.client), self.opts.client)
+            self.opts.micro_batches, self.opts.client, self.eval_every), self.opts.client)
         if common in held:
             self.state.rollback(common)
         else:
@@ -71,6 +75,8 @@ class _Driver:
                              self.state.stage.step + 1, common)
             self.state.stage.step = common
         self.state.engine.reset()
+        # Evaluations of steps rolled back are taken again when those steps are.
+        self.evaluations = [e for e in self.evaluations if e["step"] <= self.state.stage.step]
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
 
     def step_once(self) -> None:
@@ -127,35 +133,51 @@ class _Driver:
         for name, value in params.items():
             value[...] = reply.tensors[name]
 
-    def evaluate(self) -> None:
-        """Held-out rows forward through both stages; the label owner scores them."""
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out rows forward through every stage (changing none); the label owner scores them.
+        Returns and records ``records.evaluation_entry`` of the step this stage stands at."""
+        step = self.state.stage.step
         y, _ = self.state.stage.forward(self.data.test_features(), training=False)
         tensors = {"activation": y}
         if self.exp.labels_travel:
             tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
-        reply = self.link.exchange(Message(wire.EVALUATE, self.state.run_id, self.state.stage.step + 1,
-                                           tensors=tensors))
+        reply = self.link.exchange(Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors))
         body = self.evaluation = check_evaluation(reply)
-        fields = evaluation_fields(body)
-        self.log.info("test loss %.6g%s", body["loss"],
-                      f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else "")
+        entry = evaluation_entry(step, body)
+        self.evaluations.append(entry)
+        self.log.info("step %d: test loss %.6g%s", step, body["loss"],
+                      f", test accuracy {entry['test_accuracy']:.4f}" if "test_accuracy" in entry else "")
+        return entry
 
-    def _observe(self, record: StepRecord) -> None:
-        """After each applied step (a step engine observer): its metrics line, the bar or a log line."""
-        step, now = record.step, time.perf_counter()
-        if self.metrics.enabled:
+    def _evaluation_due(self, step: int) -> bool:
+        """Evaluate after ``step``: every ``eval_every``-th step and the last, when rows are held out."""
+        return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
+
+    def _after_step(self) -> None:
+        """After each applied step: the evaluation when it is due, then the step's record (with the
+        evaluation's scores) to each step writer, the bar or a log line."""
+        step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
+        record = None
+        if self.writers:
             wait = self.traffic.wait_s - self.wait_before
-            self.metrics.write({
-                "step": step, "loss": self.loss if record.loss is None else record.loss,
+            record = {
+                "step": step, "loss": loss,
                 "wall_s": now - self.started, "step_s": now - self.step_started,
                 "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
                 "f_compute_s": now - self.step_started - wait, "f_wait_s": wait,
-                "g_compute_s": self.g_compute_s - self.g_before})
-        self.progress.update(step, record.loss, force=step == self.steps)
+                "g_compute_s": self.g_compute_s - self.g_before}
+        test = {}
+        if self._evaluation_due(step):
+            test = {key: value for key, value in self.evaluate().items() if key != "step"}
+        if record is not None:
+            record.update(test)
+            for writer in self.writers:
+                writer.write(record)
+        self.progress.update(step, loss, force=step == self.steps, test=test)
         if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
             rate = (step - self.last_step) / (now - self.last_report) if now > self.last_report else float("nan")
             self.last_report, self.last_step = now, step
-            self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, record.loss, rate)
+            self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
 
     def run(self) -> dict[str, Any]:
         state = self.state
@@ -178,18 +200,19 @@ class _Driver:
         finally:
             state.close()
             self.link.close()
-            self.metrics.close()
+            for writer in self.writers:
+                writer.close()
             self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
-                             **evaluation_fields(self.evaluation))
+                             **evaluation_fields(self.evaluation),
+                             **({"evaluations": self.evaluations} if self.holds_out else {}))
 
     def _run(self) -> None:
         self.handshake()
         self.report_every = max(1, self.steps // PROGRESS_UPDATES)
         self.started = self.last_report = time.perf_counter()
         self.last_step = self.state.stage.step
-        self.state.engine.observers.append(self._observe)
         while True:
             stage = self.state.stage
             self.step_started, self.wait_before, self.g_before = (time.perf_counter(), self.traffic.wait_s,
@@ -197,13 +220,14 @@ class _Driver:
             try:
                 if stage.step >= self.steps:
                     self.state.save()
-                    if len(self.data.test_rows):
-                        self.evaluate()
+                    if self.holds_out and not (self.evaluations and self.evaluations[-1]["step"] == stage.step):
+                        self.evaluate()     # e.g. resumed after the last step, or its evaluation was refused
                     self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
                     self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
                     self.state.save_parameters()
                     return
                 self.step_once()
+                self._after_step()
             except PeerRejected as e:
                 if e.code not in (ErrorCode.RUN, ErrorCode.STEP):
                     raise

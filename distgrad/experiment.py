@@ -704,7 +704,8 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
 
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
-                       checkpoint_every: Any = None, resume: bool = False, in_process: bool = False) -> None:
+                       checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
+                       eval_every: Any = None) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -712,7 +713,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     naming the bad value: ``steps`` below 1, a negative ``seed``,
     ``micro_batches`` that do not divide the batch, unknown ``init`` names,
     ``checkpoint_every`` or ``resume`` without ``checkpoint_dir``, and with
-    ``in_process`` (which keeps no checkpoints) any checkpoint setting.
+    ``in_process`` (which keeps no checkpoints) any checkpoint setting; a
+    negative ``eval_every``.
     """
     if steps is not None and (not _whole(steps) or steps < 1):
         raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
@@ -724,6 +726,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
         raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
                           f"they do not split into {micro_batches} equal micro-batches")
     check_init_overrides(exp, init or {})
+    if eval_every is not None and (not _whole(eval_every) or eval_every < 0):
+        raise ConfigError(f"--eval-every must be an integer >= 0 (0: only after the last step), got {eval_every!r}")
     if checkpoint_every is not None and (not _whole(checkpoint_every) or checkpoint_every < 0):
         raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
     if checkpoint_every and checkpoint_dir is None:

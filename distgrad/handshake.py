@@ -19,14 +19,16 @@ from .wire import ErrorCode, Message
 
 
 def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], run_id: str, held: list[int],
-          steps: int, micro_batches: int, client: int | None = None) -> Message:
+          steps: int, micro_batches: int, client: int | None = None, eval_every: int = 0) -> Message:
     """The hello stage ``role`` sends for ``run_id``; ``held`` are the steps it (and every stage above it)
-    can return to; ``client`` is which data owner it is, for a stage serving several."""
+    can return to; ``client`` is which data owner it is, for a stage serving several; ``eval_every`` K > 0:
+    it evaluates the held-out rows after every K-th step (a stage serving several waits for it then)."""
     return Message(wire.HELLO, run_id, 0, body={
         "role": role, "experiment": exp.name, "fingerprint": exp.interface_fingerprint, "parts": exp.interface_parts(),
         "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
-        "micro_batches": micro_batches, **({"client": client} if client is not None else {})})
+        "micro_batches": micro_batches, **({"client": client} if client is not None else {}),
+        **({"eval_every": eval_every} if eval_every else {})})
 
 
 def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,

@@ -18,7 +18,7 @@ import numpy as np
 from .engine import StepEngine
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .nn import Grads
-from .records import TraceWriter, check_trace_filter, evaluation_fields, to_lists, write_json
+from .records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
 from .stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                     parameters_file)
 
@@ -132,14 +132,29 @@ class _ParameterFiles:
             built.save_parameters(path)
 
 
+def _evaluate(upstream: list[Stage], last: Stage, data, labels) -> dict[str, Any]:
+    """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``)."""
+    x = data.test_features()
+    for stage in upstream:
+        x, _ = stage.forward(x, training=False)
+    return last.evaluate_last(x, labels.test_targets())
+
+
+def _due(step: int, steps: int, eval_every: int) -> bool:
+    """Evaluate after ``step``: every ``eval_every``-th step and the last (as the driving stage does)."""
+    return (eval_every > 0 and step % eval_every == 0) or step == steps
+
+
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
-                     files: _ParameterFiles) -> dict[str, Any]:
+                     files: _ParameterFiles, eval_every: int) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
     update, its own update. With ``splitfed``, after every ``average_every``
-    steps each client's first-stage parameters become their mean.
+    steps each client's first-stage parameters become their mean. After
+    every ``eval_every``-th step (after the average) and the last, each
+    client holding out rows is scored with the serving stage of that step.
     """
     first_name, last_name = exp.stage_names
     clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
@@ -150,6 +165,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
     labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
     losses: list[float | None] = [None] * len(clients)
+    evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
+    scores: list[dict[str, Any] | None] = [None] * len(clients)
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
@@ -160,6 +177,11 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                 for name, value in mean.items():
                     client.params[name][...] = value
         lines.flush()
+        if _due(step, steps, eval_every):
+            for c, client in enumerate(clients):
+                if len(data[c].test_rows):
+                    scores[c] = _evaluate([client], last, data[c], labels[c])
+                    evaluations[c].append(evaluation_entry(step, scores[c]))
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     for c, client in enumerate(clients):
@@ -171,8 +193,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
                                  "status": "completed"}
         if len(data[c].test_rows):
-            x, _ = client.forward(data[c].test_features(), training=False)
-            entry.update(evaluation_fields(last.evaluate_last(x, labels[c].test_targets())))
+            entry.update(evaluation_fields(scores[c]), evaluations=evaluations[c])
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
@@ -191,7 +212,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
                      trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
-                     save_dir: str | Path | None = None, load_dir: str | Path | None = None) -> dict[str, Any]:
+                     eval_every: int | None = None, save_dir: str | Path | None = None,
+                     load_dir: str | Path | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -200,21 +222,28 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``final_loss``, ``elapsed_s`` and ``params`` (``{stage: {param: values}}``);
     it is also written to ``summary_path`` when given, and one trace line per
     traced step to ``trace_path`` (``trace_params``, ``trace_every``: see
-    ``records.TraceWriter``). With several clients (``[clients]``) the summary
-    has one parameter set per client (``f@0``, ``f@1``, ...) and a
-    ``clients`` list with each one's loss and evaluation, and no top-level
-    ``final_loss``: the shape ``distgrad run`` merges. ``load_dir`` / ``save_dir``: each stage starts from /
-    ends by writing ``stage.parameters_file(DIR, ...)``, as the stage processes of ``distgrad run`` do.
+    ``records.TraceWriter``). When the data holds out rows, they are
+    evaluated after every ``eval_every``-th step (None: the experiment's;
+    0: only the last) and the last: the summary's ``evaluations`` lists each
+    (``step``, ``test_loss``, ``test_accuracy``), and ``test_loss`` and
+    ``test_accuracy`` are the last one's. With several clients (``[clients]``)
+    the summary has one parameter set per client (``f@0``, ``f@1``, ...) and a
+    ``clients`` list with each one's loss and evaluations, and no top-level
+    ``final_loss``: the shape ``distgrad run`` merges. ``load_dir`` /
+    ``save_dir``: each stage starts from / ends by writing
+    ``stage.parameters_file(DIR, ...)``, as the stage processes of ``distgrad run`` do.
     """
-    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
+    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
+                       eval_every=eval_every)
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
+    eval_every = exp.eval_every if eval_every is None else eval_every
     check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
     files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:
-            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files)
+            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
         stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
         engines = _engines(stages, exp, lines, shared_last=False)
         data = exp.build_data(seed, stage=exp.stage_names[0])
@@ -222,21 +251,19 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         *upstream, last = stages
         loss = None
         log_every = max(1, steps // 10)
+        evaluation, evaluations = None, []
         started, cpu_started = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
             loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
             lines.flush()
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
+            if len(data.test_rows) and _due(step, steps, eval_every):
+                evaluation = _evaluate(upstream, last, data, labels)
+                evaluations.append(evaluation_entry(step, evaluation))
+                log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
     for stage in stages:
         files.save(stage, stage.name)
-    evaluation = None
-    if len(data.test_rows):
-        x = data.test_features()
-        for stage in upstream:
-            x, _ = stage.forward(x, training=False)
-        evaluation = last.evaluate_last(x, labels.test_targets())
-        log.info("test loss %.6g%s", evaluation["loss"], _accuracy_text(evaluation))
     summary = {
         "experiment": exp.name,
         "steps": steps,
@@ -247,6 +274,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         "cpu_s": time.process_time() - cpu_started,
         "mode": "in-process",
         **evaluation_fields(evaluation),
+        **({"evaluations": evaluations} if len(data.test_rows) else {}),
         "params": {s.name: to_lists(s.params) for s in stages},
     }
     if summary_path is not None:

@@ -74,13 +74,18 @@ class _BarLine:
 
     def __init__(self, out: IO[str]) -> None:
         self.out, self.text = out, ""
+        self.test: dict[str, Any] = {}      # the latest evaluation a line carried, drawn until the next
 
     def draw(self, payload: str) -> None:
         try:
             p = json.loads(payload)
             rate = p.get("rate")
+            if p.get("test_loss") is not None:
+                accuracy = p.get("test_accuracy")
+                self.test = {"test_loss": float(p["test_loss"]),
+                             "test_accuracy": None if accuracy is None else float(accuracy)}
             self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
-                                   None if rate is None else float(rate))
+                                   None if rate is None else float(rate), self.test)
         except (ValueError, KeyError, TypeError):
             return
         self.redraw()
@@ -144,7 +149,7 @@ def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
 def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | None = None, seed: int | None = None,
               init: str | None = None, summary_path: str | Path | None = None,
               trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
-              transport: str = "tcp",
+              tensorboard_dir: str | Path | None = None, transport: str = "tcp",
               timeout_s: float | None = None, log_level: str = "INFO",
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
@@ -157,7 +162,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
     merged files, ``metrics_path`` the driving stage's metrics (with several
     clients: every client's, merged when the run ends, each line with its
-    ``client``). With several clients the summary's top level holds only what
+    ``client``), ``tensorboard_dir`` the driving stage's TensorBoard event files (with
+    several clients, client K's in ``tensorboard_dir/f@K``: a run each in TensorBoard). With several clients the summary's top level holds only what
     is true of the whole run and each client's results are in ``clients``
     (``records.merge_client_summaries``). Raises ``ConfigError`` for a bad experiment and
     ``StageError`` naming the stage and its exit code when a stage fails.
@@ -203,6 +209,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
         metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in drivers} if exp.federated
                    else {name: Path(metrics_path) for name in drivers}) if metrics_path is not None else {}
+        boards = ({name: Path(tensorboard_dir) / name if exp.federated else Path(tensorboard_dir) for name in drivers}
+                  if tensorboard_dir is not None else {})
         curve = _curve_flags(tmp / "keys", names, processes) if secure else {name: [] for name in processes}
 
         def outputs(name: str) -> list[str]:
@@ -229,7 +237,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 driver = _Child(label, _stage_argv(names[0], source[names[0]], [
                     "--connect", below[0], *client_flags, *flags, *driver_flags,
                     "--progress", "lines" if shown else "off", *curve[label], *outputs(label), *files_of[label],
-                    *(["--metrics", str(metrics[label])] if label in metrics else [])]), out, lock, shown)
+                    *(["--metrics", str(metrics[label])] if label in metrics else []),
+                    *(["--tensorboard", str(boards[label])] if label in boards else [])]), out, lock, shown)
                 children.append(driver)
             _wait_all(children, check_stop)
         finally:

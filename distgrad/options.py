@@ -14,6 +14,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 from .errors import ConfigError, Interrupted
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .link import LinkSettings
+from .progress import check_tensorboard
 from .records import check_trace_filter
 from .stage import Stage, check_parameter_files
 from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
@@ -67,6 +68,8 @@ class StageOptions:
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
+    eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner
     spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
@@ -87,6 +90,12 @@ class StageOptions:
         return self.experiment.steps if self.steps is None else self.steps
 
     @property
+    def evaluate_every(self) -> int:
+        """Evaluate the held-out rows after every K-th step: ``--eval-every``, else the experiment's (0: only
+        after the last step)."""
+        return self.experiment.eval_every if self.eval_every is None else self.eval_every
+
+    @property
     def link(self) -> LinkSettings:
         """The bounds of this stage's connection to the stage below."""
         return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
@@ -99,7 +108,7 @@ class StageOptions:
     def __post_init__(self) -> None:
         check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
-                           checkpoint_every=self.checkpoint_every, resume=self.resume)
+                           checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:
@@ -108,6 +117,10 @@ class StageOptions:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
         check_parameter_files(self.save_path, self.load_path, bool(self.init))
+
+
+        if self.tensorboard_dir is not None:
+            check_tensorboard()                    # ConfigError naming the extra to install
         if self.trace_params is not None or self.trace_every != 1:
             # A stage built in code (stage_factory) may name its parameters as it likes.
             known = (self.trace_params if self.stage_factory is not None

@@ -1,5 +1,6 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
-when the file is the merged metrics of several clients).
+when the file is the merged metrics of several clients), with the held-out loss and accuracy at the steps
+that evaluated (``--eval-every``) when the file has them.
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -42,6 +43,17 @@ def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarra
     return curves
 
 
+def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarray, np.ndarray]]:
+    """``{client: (steps, values)}`` of ``key`` (``test_loss`` or ``test_accuracy``) on the lines that have
+    it, in step order; clients without any are left out."""
+    points: dict[int | None, list[tuple[int, float]]] = {}
+    for record in records:
+        if record.get(key) is not None:
+            points.setdefault(record.get("client"), []).append((record["step"], record[key]))
+    return {client: (np.array([p[0] for p in sorted(rows)], float), np.array([p[1] for p in sorted(rows)], float))
+            for client, rows in sorted(points.items(), key=lambda item: -1 if item[0] is None else item[0])}
+
+
 def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Steps per second over a window of ``SMOOTH_STEPS`` steps (fewer for a short run)."""
     window = min(SMOOTH_STEPS, len(steps) - 1) or 1
@@ -51,7 +63,9 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
 def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
-    records carry ``client`` (the merged metrics of several clients, labelled), else one."""
+    records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
+    ``test_loss`` add the held-out loss to the top panel (markers), and with ``test_accuracy`` a panel
+    of held-out accuracy between the two."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -61,11 +75,22 @@ def draw_metrics(records: list[dict], title: str):
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
-    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    test_loss, test_accuracy = _held_out(records, "test_loss"), _held_out(records, "test_accuracy")
+    if test_accuracy:
+        fig, (ax_loss, ax_accuracy, ax_rate) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    else:
+        fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
         label = None if client is None else f"client {client}"
-        ax_loss.plot(steps, loss, lw=1, label=label)
+        (line,) = ax_loss.plot(steps, loss, lw=1, label="training loss" if client is None else label)
+        if client in test_loss:
+            held_steps, held = test_loss[client]
+            ax_loss.plot(held_steps, held, "o--", lw=1, ms=4, color=line.get_color(),
+                         label="held-out loss" if client is None else f"{label} held-out")
+            positive = positive and bool(np.nanmin(held) > 0)
+        if client in test_accuracy:
+            ax_accuracy.plot(*test_accuracy[client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
         positive = positive and bool(np.nanmin(loss) > 0)
@@ -76,8 +101,10 @@ def draw_metrics(records: list[dict], title: str):
     wall_s = max(float(wall[-1]) for _, _, wall in curves.values())
     clients = "" if None in curves else f", {len(curves)} clients"
     ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
-    if None not in curves:
+    if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
+    if test_accuracy:
+        ax_accuracy.set_ylabel("held-out accuracy")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()

@@ -37,6 +37,12 @@ def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
     return fields
 
 
+def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """One entry of a summary's ``evaluations``: ``step``, ``test_loss`` and, when classifying, ``test_accuracy``."""
+    fields = evaluation_fields(evaluation)
+    return {"step": step, **{k: fields[k] for k in ("test_loss", "test_accuracy") if k in fields}}
+
+
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +283,8 @@ def merge_traces(paths: Sequence[str | Path], out: str | Path,
     _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)))
 
 
-CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count")
+CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count",
+                         "evaluations")
 
 
 def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mapping[str, Any] | None,

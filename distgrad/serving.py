@@ -22,7 +22,11 @@ With several, a peer this stage waits for that stays silent for
 ``liveness_s`` is dropped (the others go on) and may say hello again: it
 takes part from the next round. With ``mode = "splitfed"``, after every
 ``average_every`` rounds each peer sends its parameters and gets back the
-mean of all of them. Checkpoints are taken at the end of a round.
+mean of all of them. A peer whose hello asks for an evaluation every K steps
+(``eval_every``) is scored at the end of each K-th round, after the average,
+before the next round starts, so every peer's score is that of the same
+parameters as in ``train_in_process``. Checkpoints are taken at the end of a
+round.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Phase(enum.Enum):
     JOINING = "joining"
     ROUND = "round"
     AVERAGING = "averaging"
+    EVALUATING = "evaluating"      # between rounds: the peers due to evaluate are answered first
     DONE = "done"
 
 
@@ -85,6 +90,7 @@ class Peer:
     owner: str = ""                   # CURVE key it said hello with ("" in plaintext)
     step: int = 0                     # its steps completed here
     mbs: int = 1
+    eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
     specs: dict = field(default_factory=dict)
     last_seen: float = -math.inf      # its last message, or the last reply to it
     envelope: Envelope = field(default_factory=list)
@@ -93,6 +99,7 @@ class Peer:
     average: Message | None = None    # its parameters for the averaging in progress
     averaged: Message | None = None   # the reply to its last averaging
     evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us
+    evaluated: Message | None = None  # the reply to its last evaluation (a resent request gets it again)
     loss: float | None = None
     evaluation: dict[str, Any] | None = None
     failure: NonFiniteError | None = None   # its step failed after the reply: told on its next message
@@ -179,6 +186,7 @@ class ServingStage:
         self.turn = 0                       # index into ``order``
         self.first_hello: float | None = None
         self.lost_since: float | None = None
+        self.owed: set[int] = set()         # peers whose evaluation ends the round (phase EVALUATING)
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
         self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
@@ -190,7 +198,7 @@ class ServingStage:
     @property
     def rounds_done(self) -> int:
         """Rounds (steps of the run) this stage has completed."""
-        return self.round if self.phase is Phase.JOINING else self.round - 1
+        return self.round if self.phase in (Phase.JOINING, Phase.EVALUATING) else self.round - 1
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint keeps besides the stage: every peer's run and step (several peers)."""
@@ -282,6 +290,10 @@ class ServingStage:
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
         mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
+        eval_every = body.get("eval_every", 0)
+        if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
+                                                     f"integer >= 0")
         index = body.get("client", 0 if not self.shared else None)
         if self.shared and (not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
@@ -298,7 +310,9 @@ class ServingStage:
         else:
             next_step = self._hello_single(peer, msg, mbs, now, peer_key)
         peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs)
+        peer.eval_every = eval_every
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
+        self.owed.discard(peer.index)           # it starts again after the step it would have evaluated
         self._seen(peer, now)
         peer.envelope = envelope
         if self.first_hello is None:
@@ -323,7 +337,7 @@ class ServingStage:
             if self.active:
                 self.log.warning("run %s replaces run %s, whose client is gone", msg.run, peer.run)
             self.state.begin(msg.run, owner=peer_key)
-            self.finished, peer.cached, peer.evaluation, peer.loss = None, {}, None, None
+            self.finished, peer.cached, peer.evaluation, peer.evaluated, peer.loss = None, {}, None, None, None
             self.bye_replies = {}
             peer.run, peer.owner = msg.run, peer_key
             self.log.info("run %s started by %s", msg.run, msg.body.get("role"))
@@ -439,11 +453,20 @@ class ServingStage:
         elif not self.data or not len(self.data[peer.index].test_rows):
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
         wire.expect_tensors(msg, specs, self.exp.allow_nonfinite)
-        if peer.evaluation is not None and self.shared:
-            return [(envelope, Message(wire.EVALUATION, msg.run, msg.step, body=peer.evaluation))]
-        peer.evaluate = msg                            # answered once no other peer can change this stage
+        if self.shared and peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (
+                msg.run, msg.step):
+            return [(envelope, peer.evaluated)]           # resent: the same scores
+        # Several peers: answered at the end of its round when its hello's eval_every says it is due then
+        # (``_round_done``), else once every round is done.
+        peer.evaluate = msg
         self.evaluating = True
         return []
+
+    def _due(self, peer: Peer, step: int) -> bool:
+        """``peer`` (taking part) evaluates after step ``step``, before the next round (its ``eval_every``);
+        after the last step it evaluates once every round is done (phase DONE)."""
+        return (peer.status is PeerStatus.ACTIVE and step == peer.step and peer.eval_every > 0
+                and step % peer.eval_every == 0 and (self.steps is None or step < self.steps))
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         steps = msg.body.get("steps")
@@ -527,6 +550,16 @@ class ServingStage:
                         p.averaged = Message(wire.AVERAGE, p.run, self.round, tensors=mean)
                         p.average, p.last_seen = None, now
                         replies.append((p.envelope, p.averaged))
+                self._round_done()
+            elif self.phase is Phase.EVALUATING:
+                # In peer order; nothing changes this stage until every peer due has been answered.
+                for index in sorted(self.owed):
+                    peer = self.peers[index]
+                    if peer.evaluate is not None and peer.evaluate.step == self.round + 1:
+                        replies.append((peer.envelope, self._evaluation(peer)))
+                        self.owed.discard(index)
+                if self.owed:
+                    break
                 self._start_round()
             else:
                 break
@@ -548,7 +581,17 @@ class ServingStage:
         if self.exp.clients.mode == "splitfed" and self.round % every == 0:
             self.phase = Phase.AVERAGING
         else:
-            self._start_round()
+            self._round_done()
+
+    def _round_done(self) -> None:
+        """After a round (and its average): the peers due to evaluate after it are answered (phase
+        EVALUATING) before the next round starts."""
+        if self.shared:
+            self.owed = {i for i in self.order if self._due(self.peers[i], self.round)}
+            if self.owed:
+                self.phase = Phase.EVALUATING
+                return
+        self._start_round()
 
     def _compute(self, peer: Peer, msg: Message, now: float) -> Reply:
         """One micro-batch of ``peer``'s turn: its reply now, its gradients (and the update after the
@@ -662,6 +705,7 @@ class ServingStage:
             self.engine.reset()
             self.turn += 1
         peer.status, peer.waiting = PeerStatus.DROPPED, {}
+        self.owed.discard(peer.index)
 
     def _evaluation(self, peer: Peer) -> Message:
         """Forward only on the held-out rows; changes no state."""
@@ -685,7 +729,8 @@ class ServingStage:
         except StageError as e:
             return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
         peer.evaluation = result
-        return Message(wire.EVALUATION, msg.run, msg.step, body=result)
+        peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+        return peer.evaluated
 
     # -- liveness and the end of the run
     def tick(self, now: float) -> list[Reply]:
@@ -703,6 +748,8 @@ class ServingStage:
         if self.phase is Phase.AVERAGING:
             waiting_for += [self.peers[i] for i in self.order
                             if self.peers[i].status is PeerStatus.ACTIVE and self.peers[i].average is None]
+        if self.phase is Phase.EVALUATING:
+            waiting_for += [self.peers[i] for i in sorted(self.owed) if self.peers[i].status is PeerStatus.ACTIVE]
         if self.phase is Phase.DONE or not self.shared:
             waiting_for += [p for p in self.peers if p.status is PeerStatus.ACTIVE and p not in waiting_for]
         dropped = False
@@ -771,7 +818,7 @@ class ServingStage:
 
     def at_round_boundary(self) -> bool:
         """Between rounds: the live state is a whole step of the run (what a checkpoint may hold)."""
-        return not self.shared or (self.phase in (Phase.JOINING, Phase.DONE) or (
+        return not self.shared or (self.phase in (Phase.JOINING, Phase.EVALUATING, Phase.DONE) or (
             self.phase is Phase.ROUND and self.turn == 0 and self.engine.done == 0))
 
     def close_run(self, status: str) -> dict[str, Any]:

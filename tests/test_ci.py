@@ -38,3 +38,5 @@ def test_a_required_module_that_is_missing_fails_the_run(tmp_path):
 def test_ci_requires_the_optional_modules_it_installs():
     ci = (TESTS.parent / ".ci" / "run").read_text()
     assert "torch" in ci and "DISTGRAD_REQUIRE=torch" in ci
+    required = ci.split("DISTGRAD_REQUIRE=", 1)[1].split()[0].split(",")
+    assert "tensorboardX" in required and ".[tensorboard]" in ci        # the --tensorboard extra

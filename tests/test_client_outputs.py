@@ -23,7 +23,8 @@ CLIENTS = 3
 # Top-level fields of a several-clients summary: each is true of the whole run, none of one client.
 RUN_FIELDS = {"experiment", "steps", "seed", "mode", "transport", "micro_batches", "elapsed_s", "cpu_s", "params",
               "status", "clients"}
-CLIENT_FIELDS = {"client", "run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count"}
+CLIENT_FIELDS = {"client", "run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count",
+                 "evaluations"}
 def _write_lines(path: Path, lines: list[dict]) -> Path:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path

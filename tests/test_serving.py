@@ -247,3 +247,86 @@ def test_after_a_failed_run_a_new_run_is_not_busy(monkeypatch):
     assert server.end_failed_run() is not None
     monkeypatch.undo()
     assert only_reply(server.handle(PEER, hello_message(exp, "new"), 2.0)).type == wire.WELCOME
+
+
+# --- Evaluations during the run (eval_every) -------------------------------------------------------------------
+
+def _micro_forwards(exp, run: str, step: int, mbs: int, client: int | None = None) -> list[Message]:
+    x = _activation(exp, step, client)
+    rows = len(x) // mbs
+    return [Message(wire.FORWARD, run, step, i, mbs, tensors={"activation": x[i * rows:(i + 1) * rows]})
+            for i in range(mbs)]
+
+
+def _evaluate_message(exp, run: str, step: int, client: int | None = None) -> Message:
+    f = Stage.from_experiment(exp, exp.stage_names[0])
+    rows = exp.build_data(client=client).test_features()
+    return Message(wire.EVALUATE, run, step, tensors={"activation": f.forward(rows)[0]})
+
+
+def _settle_all(server: ServingStage, replies: list) -> list:
+    while True:
+        more = server.settle()
+        if not more:
+            return replies
+        replies += more
+
+
+def test_an_evaluation_between_steps_scores_the_step_just_applied_and_the_run_goes_on():
+    server, exp = _serving("digits")
+    server.handle(PEER, hello_message(exp, "r", micro_batches=2), 0.0)
+    for step in (1, 2):
+        for msg in _micro_forwards(exp, "r", step, 2):
+            assert only_reply(server.handle(PEER, msg, 0.0)).type == wire.BACKWARD
+    server.settle()                                                    # step 2's update
+    request = _evaluate_message(exp, "r", 3)
+    before = _params(server)
+    expected = server.stage.evaluate_last(request.tensors["activation"], exp.build_data().test_targets())
+    evaluation = only_reply(server.handle(PEER, request, 0.0))
+    assert server.stage.step == 2
+    assert evaluation.type == wire.EVALUATION and evaluation.step == 3 and evaluation.body == expected
+    assert _same(before, server.stage.params)
+    for msg in _micro_forwards(exp, "r", 3, 2):                         # step 3 is taken as usual
+        assert only_reply(server.handle(PEER, msg, 0.0)).type == wire.BACKWARD
+    server.settle()
+    assert server.stage.step == 3
+
+
+def test_several_clients_evaluate_at_the_end_of_their_round_however_late_the_request_comes():
+    server, exp = _serving("digits-clients")
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):         # client 1 evaluates every step; the others only at the end
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c, **({"eval_every": 1} if c == 1 else {})), 0.0)
+    for c in range(3):
+        _settle_all(server, server.handle(peers[c], _forward(exp, f"run{c}", 1, client=c), 0.0))
+    assert server.phase is Phase.EVALUATING and server.owed == {1} and server.rounds_done == 1
+    after_round = _params(server)
+    # Client 0 is already at step 2; client 1's evaluation request is late. The round waits for it.
+    assert _settle_all(server, server.handle(peers[0], _forward(exp, "run0", 2, client=0), 0.0)) == []
+    assert _same(after_round, server.stage.params)
+    request = _evaluate_message(exp, "run1", 2, client=1)
+    expected = server.stage.evaluate_last(request.tensors["activation"],
+                                          exp.build_data(client=1, stage="g").test_targets())
+    replies = server.handle(peers[1], request, 0.0)
+    assert [(envelope, reply.type) for envelope, reply in replies] == [(peers[1], wire.EVALUATION),
+                                                                       (peers[0], wire.BACKWARD)]
+    assert replies[0][1].body == expected and server.phase is Phase.ROUND and server.round == 2
+    _settle_all(server, [])
+    again = only_reply(server.handle(peers[1], request, 0.1))      # resent: the same scores, nothing waits
+    assert again.body == expected
+
+
+def test_a_client_silent_when_its_evaluation_is_due_is_dropped_and_the_round_goes_on():
+    server, exp = _serving("digits-clients", liveness_s=1.0)
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c, eval_every=1), 0.0)
+    for c in range(3):
+        _settle_all(server, server.handle(peers[c], _forward(exp, f"run{c}", 1, client=c), 0.0))
+    assert server.owed == {0, 1, 2}
+    for c in (0, 2):
+        assert only_reply(server.handle(peers[c], _evaluate_message(exp, f"run{c}", 2, client=c), 0.5)).type \
+            == wire.EVALUATION
+    assert server.phase is Phase.EVALUATING
+    server.tick(5.0)
+    assert server.peers[1].status is PeerStatus.DROPPED and server.phase is Phase.ROUND and server.round == 2
