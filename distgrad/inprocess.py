@@ -171,7 +171,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True)
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
-    check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
+    check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:

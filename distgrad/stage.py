@@ -52,11 +52,14 @@ def micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
 TensorSpecs = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
-def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] | None:
-    """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
+def target_spec(exp: Experiment, seed: int, stage: "Stage | None" = None) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype of a whole batch's targets when they travel downstream, else None (``stage``: this
+    process's built stage; on the last, its loss tells, which a module stage's file cannot without it)."""
     if not exp.labels_travel:
         return None
-    if exp.has_stage(exp.stage_names[-1]):
+    if stage is not None and stage.loss is not None:
+        return tuple(stage.target_shape), np.dtype(stage.target_dtype)
+    if exp.has_stage(exp.stage_names[-1]) and exp.spec(exp.stage_names[-1]).model is not None:
         loss = exp.final_loss
         return loss.target_shape(exp.output_shape(exp.stage_names[-1], seed)), loss.target_dtype
     data = exp.build_data(seed, stage=exp.stage_names[0])      # the data owner, who sends them
