@@ -527,7 +527,9 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
         raise _fail(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
     cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
     clients = _parse_clients(source, iface.get("clients", {}), len(names))
-    spec = _parse_stage(source, raw.get("stage"), 0, False, party=True) if "stage" in raw else None
+    table = raw.get("stage")
+    last = isinstance(table, dict) and table.get("name") == names[-1]
+    spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
     if spec is None:
         raise _fail(source, "a stage file needs a [stage] table (this party's model)")
     if spec.name not in names:
