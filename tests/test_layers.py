@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 LAYERS = [
     ("foundations", {"errors", "threads"}),
     ("model math", {"nn", "losses", "optim"}),
-    ("experiments and data", {"data", "experiment"}),
+    ("experiments and data", {"data", "experiment", "schema"}),
     ("wire, transport and files", {"wire", "transport", "keys", "handshake", "link", "records", "checkpoint",
                                    "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
