@@ -319,8 +319,9 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
 # ---------------------------------------------------------------- your own module
 
 def _inside(module: Any, folder: Path) -> bool:
-    origin = getattr(module, "__file__", None)
-    return origin is not None and Path(origin).resolve().is_relative_to(folder)
+    """True when ``module`` (a file, a package or a namespace package) was loaded from ``folder``."""
+    origins = [getattr(module, "__file__", None), *getattr(module, "__path__", [])]
+    return any(origin is not None and Path(origin).resolve().is_relative_to(folder) for origin in origins)
 
 
 def _import_module(path: str, base_dir: Path, where: str) -> Any:
@@ -681,7 +682,14 @@ def build_stage(exp: Experiment, name: str, seed: int | None = None,
     built in torch, or a ``module`` stage (``TorchStage.from_spec``), checked against the interface
     (``stage.check_cut``: ``ConfigError`` naming both shapes when its output is not the declared cut)."""
     seed = exp.seed if seed is None else seed
-    if exp.spec(name).module is None:
+    spec = exp.spec(name)
+    averaged = exp.clients.mode == "splitfed" and name == exp.stage_names[0]
+    if averaged and (spec.module is not None or spec.device != "cpu"):
+        # averaging writes the mean through the numpy views of ``params``, which a GPU stage has not
+        raise ConfigError(f"stage {name!r}: SplitFed averaging takes a layer-list stage on the CPU; "
+                          f"{'a module stage' if spec.module is not None else 'device ' + repr(spec.device)} "
+                          f"is not supported there yet")
+    if spec.module is None:
         stage = TorchStage.from_experiment(exp, name, seed, init)
     else:
         stage = TorchStage.from_spec(exp, name, seed, init)
