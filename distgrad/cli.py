@@ -314,8 +314,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
                                    parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
                                    save_dir=args.save, load_dir=args.load)
     else:
-        check_trace_filter(parse_trace_params(args.trace_params), args.trace_every,
-                           exp.all_param_names(args.seed), args.trace is not None)
+        trace_params = parse_trace_params(args.trace_params)
+        check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
+                           args.trace is not None)
         stop = StopFlag().install()
         summary = run_local(experiment, steps=args.steps, seed=args.seed, init=args.init,
                             summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,

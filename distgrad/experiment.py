@@ -22,18 +22,19 @@ their handshake; each stage's checkpoints are tied to its own file
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import numpy as np
 
 from . import schema
 from .data import DataSource, build_data
 from .errors import ConfigError
-from .losses import Loss, build_loss
+from .losses import Loss, build_loss, build_module_loss
 from .nn import DTYPE, Sequential, Shape, build_model
 from .optim import Optimizer, build_optimizer
 
@@ -44,10 +45,13 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 BUILTIN_DIR = Path(__file__).parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
+# A module stage's parameter names are its module's: ``function(exp, name, seed)`` builds it to tell them.
+# Looked up by name only when asked (``Experiment.all_param_names``): this module imports no torch.
+MODULE_PARAM_NAMES = "distgrad.torch_stage:module_param_names"
 FRAMEWORKS = ("numpy", "torch")   # what a stage computes with; torch needs the distgrad[torch] extra
 REDUCTIONS = ("mean", "sum")      # how the loss reduces a batch's rows: how micro-batch gradients combine
-WIRE_DTYPES = ("float32",)
-FILE_KINDS = ("npz", "npy", "csv")        # what an activation may be on the wire
+WIRE_DTYPES = ("float32",)        # what an activation may be on the wire
+FILE_KINDS = ("npz", "npy", "csv")  # data kinds read from files: a party names only the parts it holds
 
 
 def builtin_names() -> list[str]:
@@ -220,7 +224,7 @@ class Experiment:
         """The last stage's loss (its file must define the last stage)."""
         loss = self._derived.get("final_loss")
         if loss is None:
-            loss = self._derived["final_loss"] = build_loss(self.spec(self.stage_names[-1]).loss)
+            loss = self._derived["final_loss"] = stage_loss(self.spec(self.stage_names[-1]))
         return loss
 
     def micro_batch_scale(self, count: int) -> np.float32:
@@ -255,13 +259,26 @@ class Experiment:
                               f"{list(self.stage_names)}): give {usage}")
         return role
 
-    def all_param_names(self, seed: int | None = None) -> set[str]:
-        """The parameter names of the numpy-layer stages this experiment defines (a module stage's are
-        its module's, known once it is built)."""
+    def all_param_names(self, seed: int | None = None, modules: bool = False) -> set[str]:
+        """The parameter names of the layer-list stages this experiment defines; with ``modules``, also
+        those of its module stages (each module's ``named_parameters``, which only building it tells:
+        that imports torch and calls the factory)."""
+        seed = self.seed if seed is None else seed
         names: set[str] = set()
         for spec in self.stages:
             if spec.model is not None:
-                names.update(build_model(spec.model, spec.init_seed(self.seed if seed is None else seed)).params)
+                names.update(build_model(spec.model, spec.init_seed(seed)).params)
+            elif modules:
+                module, function = MODULE_PARAM_NAMES.split(":")
+                names.update(getattr(importlib.import_module(module), function)(self, spec.name, seed))
+        return names
+
+    def known_param_names(self, wanted: AbstractSet[str] | None, seed: int | None = None) -> set[str]:
+        """``all_param_names``, building the module stages only when ``wanted`` names one the layer-list
+        stages do not have (so checking ``--init`` or ``--trace-params`` imports torch only for them)."""
+        names = self.all_param_names(seed)
+        if wanted and set(wanted) - names and any(spec.module is not None for spec in self.stages):
+            names = self.all_param_names(seed, modules=True)
         return names
 
     def interface_parts(self) -> dict[str, Any]:
@@ -420,15 +437,18 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def stage_loss(spec: StageSpec) -> Loss:
+    """The last stage's loss as distgrad knows it: a distgrad loss, or for a module stage also a torch.nn loss
+    class (``losses.TorchLoss``: its targets, reduction and accuracy; torch computes it)."""
+    try:
+        return build_module_loss(spec.loss) if spec.module is not None else build_loss(spec.loss)
+    except ConfigError as e:
+        raise ConfigError(f"stage {spec.name!r}: {e}") from e
+
+
 def _loss_reduction(spec: StageSpec) -> str:
     """How the last stage's loss reduces rows: a distgrad loss's own, or a torch loss's ``reduction``."""
-    if spec.module is not None and isinstance(spec.loss, Mapping):
-        reduction = spec.loss.get("reduction", "mean")
-        if reduction not in REDUCTIONS:
-            raise ConfigError(f"stage {spec.name!r}: a torch loss's 'reduction' must be one of {list(REDUCTIONS)}, "
-                              f"got {reduction!r}")
-        return reduction
-    return build_loss(spec.loss).reduction
+    return stage_loss(spec).reduction
 
 
 def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experiment:
@@ -529,7 +549,9 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
     target = _parse_target(source, iface.get("target"), settings["labels"], batch)
     clients = _parse_clients(source, iface.get("clients", {}), len(names))
-    spec = _parse_stage(source, raw.get("stage"), 0, False, party=True) if "stage" in raw else None
+    table = raw.get("stage")
+    last = isinstance(table, dict) and table.get("name") == names[-1]
+    spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
     if spec is None:
         raise _fail(source, "a stage file needs a [stage] table (this party's model)")
     if spec.name not in names:
@@ -808,7 +830,7 @@ def parse_init_overrides(text: str | None) -> dict[str, float]:
 
 def check_init_overrides(exp: Experiment, overrides: Mapping[str, float]) -> None:
     """Raise ``ConfigError`` if an override names no parameter of the experiment."""
-    known = exp.all_param_names()
+    known = exp.known_param_names(set(overrides))
     unknown = set(overrides) - known
     if unknown:
         raise ConfigError(f"--init names unknown parameters {sorted(unknown)}; "

@@ -238,7 +238,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     eval_every = exp.eval_every if eval_every is None else eval_every
-    check_trace_filter(trace_params, trace_every, exp.all_param_names(seed), trace_path is not None)
+    check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
     files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)

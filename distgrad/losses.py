@@ -125,6 +125,47 @@ _LOSSES: dict[str, type[Loss]] = {
 }
 
 
+class TorchLoss(Loss):
+    """A ``torch.nn`` loss class that a module stage names, e.g. ``{ type = "CrossEntropyLoss" }``.
+
+    Torch computes it (``distgrad.torch_stage``); this object tells the rest
+    of distgrad what it needs to know: the targets' dtype and shape (int64
+    class ids ``(batch,)`` for ``CLASS_ID`` losses, float32 like the
+    prediction otherwise), the ``reduction`` ("mean" or "sum": how micro-batch
+    gradients combine) and, for class-id losses, how many predictions are
+    right. ``options`` are the class's keyword arguments.
+    """
+
+    CLASS_ID = ("CrossEntropyLoss", "NLLLoss")
+    ELEMENTWISE = ("MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BCELoss", "BCEWithLogitsLoss")
+
+    def __init__(self, type_name: str, options: Mapping[str, Any]) -> None:
+        if type_name not in self.CLASS_ID + self.ELEMENTWISE:
+            raise ConfigError(f"unknown loss {type_name!r}: a torch module stage takes a torch.nn loss class, one "
+                              f"of {sorted(self.CLASS_ID + self.ELEMENTWISE)}, or a distgrad loss, one of "
+                              f"{sorted(_LOSSES)}")
+        self.type, self.options = type_name, dict(options)
+        self.reduction = self.options.get("reduction", "mean")
+        if self.reduction not in ("mean", "sum"):
+            raise ConfigError(f"loss {type_name}: 'reduction' must be \"mean\" or \"sum\" (distgrad combines "
+                              f"micro-batches by it), got {self.reduction!r}")
+        self.classifies = type_name in self.CLASS_ID
+        self.target_dtype = np.dtype(np.int64) if self.classifies else np.dtype(DTYPE)
+
+    def target_shape(self, pred_shape: Shape) -> Shape:
+        if not self.classifies:
+            return pred_shape
+        if len(pred_shape) < 2:
+            raise ConfigError(f"{self.type} takes (batch, classes, ...) scores, got {pred_shape}")
+        return (pred_shape[0], *pred_shape[2:])
+
+    def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        raise NotImplementedError(f"{self.type} is computed by torch: only a torch stage uses it")
+
+    def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
+        return int((pred.argmax(axis=1) == target).sum()) if self.classifies else None
+
+
 def build_loss(spec: Any) -> Loss:
     """Build a loss from its experiment name (or a table with ``type``)."""
     if isinstance(spec, Mapping):
@@ -135,3 +176,15 @@ def build_loss(spec: Any) -> Loss:
     if name not in _LOSSES:
         raise ConfigError(f"unknown loss {name!r}: use one of {sorted(_LOSSES)}")
     return _LOSSES[name]()
+
+
+def build_module_loss(spec: Any) -> Loss:
+    """The loss of a torch module stage: a distgrad loss (its name, or a table with only ``type``), or a
+    ``torch.nn`` loss class with its keyword arguments (``TorchLoss``), e.g. ``{ type = "MSELoss",
+    reduction = "sum" }``. Raises ``ConfigError`` for an unknown name or a reduction other than mean/sum."""
+    name = spec.get("type") if isinstance(spec, Mapping) else spec
+    if isinstance(name, str) and name in _LOSSES:
+        return build_loss(spec)
+    if not isinstance(name, str):
+        raise ConfigError(f"a loss needs a 'type' (a torch.nn loss class or one of {sorted(_LOSSES)}), got {spec!r}")
+    return TorchLoss(name, {k: v for k, v in spec.items() if k != "type"} if isinstance(spec, Mapping) else {})

@@ -124,7 +124,7 @@ class StageOptions:
         if self.trace_params is not None or self.trace_every != 1:
             # A stage built in code (stage_factory) may name its parameters as it likes.
             known = (self.trace_params if self.stage_factory is not None
-                     else self.experiment.all_param_names(self.seed))
+                     else self.experiment.known_param_names(self.trace_params, self.seed))
             check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")

@@ -86,14 +86,18 @@ _STAGE_COMMON: dict[str, Key] = {
     "module_args": ("table", "{}", "keyword arguments for the 'module' factory"),
     "optimizer": ("table", '{ type = "adam" }',
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
-                  "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 }"),
+                  "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 } "
+                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values)"),
     "loss": ("string or table", "absent",
-             "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn loss "
-             "class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }"),
+             "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
+             "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
+             "NLLLoss (int64 class ids), MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss or BCEWithLogitsLoss "
+             "(float32 targets shaped like the output); reduction \"mean\" or \"sum\""),
     "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
     "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
-               "where a torch stage computes; tensors cross the wire from host memory"),
+               "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
+               "from host memory (copied to a GPU through pinned memory)"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

@@ -142,7 +142,7 @@ class ServingStage:
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None, stage=opts.stage)
                      for c in range(self.count)] if holds_data else []
-        self.target = target_spec(self.exp, opts.seed)
+        self.target = target_spec(self.exp)
         self.link = None if connect is None else DownstreamLink(
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
             backward_specs(self.stage, 1))

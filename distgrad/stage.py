@@ -55,8 +55,9 @@ def micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
 TensorSpecs = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
-def target_spec(exp: Experiment, seed: int) -> tuple[tuple[int, ...], np.dtype] | None:
-    """Shape and dtype of a whole batch's targets when they travel downstream, else None."""
+def target_spec(exp: Experiment) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype of a whole batch's targets when they travel downstream (the interface's ``target``),
+    else None."""
     if exp.target is None:
         return None
     return exp.target[0], np.dtype(exp.target[1])

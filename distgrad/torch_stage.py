@@ -4,10 +4,10 @@
 the in-process path, micro-batches, checkpoints and traces use it unchanged,
 and it speaks the same wire protocol: a torch f-stage trains against a numpy
 g-stage and the reverse. Arrays crossing its boundary are numpy float32 (the
-wire's type; class ids int64); inside, tensors are torch float32 on the CPU
-and autograd computes the gradients.
+wire's type; class ids int64) in host memory; inside, tensors are torch
+float32 on the stage's device and autograd computes the gradients.
 
-Two ways to get one:
+Three ways to get one:
 
 * ``framework = "torch"`` on an experiment stage (``Stage.from_experiment``
   then calls ``TorchStage.from_experiment``): the same layer list built in
@@ -23,9 +23,33 @@ Two ways to get one:
   losses.py's definitions and reductions. Parameters keep their numpy names
   and layout (``NAME.W`` is ``(n_in, n_out)``), so summaries and traces of
   either framework compare key by key.
+* ``module = "package.module:factory"`` on an experiment or stage-file stage
+  (``build_stage``): your own module, made by calling
+  ``factory(**module_args)`` after ``torch.manual_seed(stage seed)`` (so every
+  process, and the in-process reference, starts from the same values). The
+  import path is looked up in the folder of the file that names it first
+  (``mymodel.py`` or ``pkg/mod.py`` next to the stage file), then on
+  ``sys.path``. ``optimizer = { type = "Adam", lr = 0.001, ... }`` names a
+  ``torch.optim`` class and its keyword arguments (``"adam"``/``"sgd"``: the
+  distgrad tables, mapped as above); on the last stage ``loss`` is a
+  distgrad loss or a ``torch.nn`` loss class with its keyword arguments
+  (``losses.TorchLoss``: ``{ type = "CrossEntropyLoss" }`` takes int64
+  class ids, ``{ type = "MSELoss" }`` float32 targets shaped like the
+  output; reduction "mean" or "sum"). ``--init NAME=VALUE`` and parameter
+  names are the module's ``named_parameters``.
 * ``TorchStage.from_module(name, module, optimizer, input_shape, loss=None)``
-  for a module of your own; parameter names and layouts are those of
-  ``module.named_parameters()``.
+  for a module built in your own code; parameter names and layouts are
+  those of ``module.named_parameters()``.
+
+Devices. ``device = "cuda"`` (or ``"cuda:N"``) puts the module and the
+optimizer state on that GPU; a stage asking for CUDA where none is visible
+fails with a ``ConfigError``. Inputs arrive as numpy in host memory and are
+copied into pinned memory and moved with ``non_blocking=True``; outputs and
+gradients come back with ``.cpu().numpy()``; ``params`` are host copies on
+a GPU (live numpy views on the CPU). A GPU run equals a CPU run to float32
+tolerance, not bit for bit (other kernels); a GPU run in one process or two
+is bitwise only as far as the CUDA kernels are deterministic
+(``torch.use_deterministic_algorithms``).
 
 What is and is not bitwise. The numpy stages reproduce TensorFlow 1's Adam
 kernel bit for bit; ``torch.optim.Adam`` is another formula: it adds epsilon
@@ -63,16 +87,17 @@ Modules train in whatever mode they are in (``train()`` by default) and
 are evaluated in ``eval()`` mode (their mode restored after). Before each
 training forward, torch's RNG is seeded from (the run's seed, the stage's
 name, the step, the micro-batch), so dropout draws the same masks in one
-process or two and after a resume. Layers that keep running statistics
-(batch norm) still make a run depend on more than its seed and step, which
-the rollback and resume machinery assumes; keep them out of a stage that
-has to resume exactly.
+process or two and after a resume. Buffers (batch norm's running
+statistics) are part of a stage's state: its checkpoints hold them
+(``buffer/NAME``), so a resume is exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,13 +106,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .errors import ConfigError, StageError
-from .experiment import Experiment, build_stage_parts
-from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, build_loss
+from .experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
+from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
 from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
-from .optim import SGD, Adam, Optimizer
+from .optim import SGD, Adam, Optimizer, build_optimizer
 from .records import write_atomic
 from .schedules import Schedule
-from .stage import Stage, check_saved_parameters
+from .stage import Stage, check_cut, check_saved_parameters
 
 try:
     import torch
@@ -105,14 +130,46 @@ _UPDATES = "opt/updates"     # the checkpoint array of the update count (as a nu
 _COMPUTE_ERRORS = (ValueError, ArithmeticError, RuntimeError, IndexError)
 
 
-def _tensor(array: np.ndarray, dtype: np.dtype | type = np.float32) -> torch.Tensor:
-    """A copy of ``array`` as a CPU tensor of ``dtype``, in memory torch allocated.
+CPU = torch.device("cpu")
+
+
+def _tensor(array: np.ndarray, dtype: np.dtype | type = np.float32, device: torch.device = CPU) -> torch.Tensor:
+    """A copy of ``array`` as a tensor of ``dtype`` on ``device``, in memory torch allocated.
 
     Copied so that a matmul kernel sees the same alignment whether the array
     is a received frame or one of this process's arrays (MKL's results can
-    depend on it), and so that read-only frames can be used.
+    depend on it), and so that read-only frames can be used. For a GPU the
+    copy goes to pinned host memory, from which the transfer runs without
+    blocking this thread.
     """
-    return torch.tensor(np.asarray(array, dtype))
+    if device.type == "cpu":
+        return torch.tensor(np.asarray(array, dtype))
+    array = np.asarray(array, dtype)
+    pinned = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+    pinned.numpy()[...] = array
+    return pinned.to(device, non_blocking=True)
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` as numpy in host memory: a view of a CPU tensor, a copy of a GPU one."""
+    return tensor.detach().cpu().numpy()
+
+
+def torch_device(name: str, stage: str = "") -> torch.device:
+    """The torch device a stage's ``device`` names; ``ConfigError`` when it asks for CUDA that is not there."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = ("was built without CUDA" if torch.version.cuda is None
+                     else f"has CUDA {torch.version.cuda} but finds no GPU")
+            raise ConfigError(f"stage {stage!r}: device {name!r} asked for but no CUDA device is visible: torch "
+                              f"{torch.__version__} {build} (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES), "
+                              f"or set device = \"cpu\"")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"stage {stage!r}: device {name!r} asked for but {count} CUDA device(s) are visible "
+                              f"(cuda:0 to cuda:{count - 1})")
+    return device
 
 
 # ---------------------------------------------------------------- losses in torch
@@ -141,6 +198,33 @@ _TORCH_LOSSES: dict[type[Loss], Callable[[torch.Tensor, torch.Tensor], torch.Ten
     MeanSquaredError: _mean_squared_error,
     SoftmaxCrossEntropy: _softmax_cross_entropy,
 }
+_TENSOR_LOSS_OPTIONS = ("weight", "pos_weight")     # torch loss keyword arguments that are tensors
+
+
+def _torch_loss(loss: Loss, device: torch.device, stage: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The torch function computing ``loss``: losses.py's definitions, or the ``torch.nn`` class a
+    ``TorchLoss`` names, made with its keyword arguments (``ConfigError`` when they do not fit)."""
+    if type(loss) in _TORCH_LOSSES:
+        return _TORCH_LOSSES[type(loss)]
+    if not isinstance(loss, TorchLoss):
+        raise ConfigError(f"stage {stage}: loss {type(loss).__name__} has no torch version")
+    options = {k: torch.tensor(v, dtype=torch.float32, device=device) if k in _TENSOR_LOSS_OPTIONS and
+               isinstance(v, list) else v for k, v in loss.options.items()}
+    try:
+        module = getattr(nn, loss.type)(**options).to(device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"stage {stage}: torch.nn.{loss.type}(**{loss.options!r}) failed: {e}") from e
+    if not loss.classifies or "ignore_index" in loss.options:
+        return module
+
+    def class_id_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        classes = pred.shape[1]
+        # torch would skip the class id -100 (its default ignore_index) instead of failing
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
+            raise ValueError(f"class ids must lie in [0, {classes}), got {int(target.min())}..{int(target.max())}")
+        return module(pred, target)
+
+    return class_id_loss
 
 
 # ---------------------------------------------------------------- layers in torch
@@ -165,13 +249,17 @@ class _Param:
     transposed: bool = False
 
     def view(self, value: torch.Tensor) -> np.ndarray:
-        """``value`` (the parameter, its gradient or optimizer state) as numpy in distgrad's layout, sharing memory."""
-        array = value.detach().numpy()
+        """``value`` (the parameter, its gradient or optimizer state) as numpy in distgrad's layout, sharing
+        memory on the CPU (a host copy of a GPU tensor)."""
+        array = _host(value)
         return array.T if self.transposed else array
 
     def from_numpy(self, array: np.ndarray) -> torch.Tensor:
-        """A float32 tensor in torch's layout for a numpy array in distgrad's (sharing memory when it can)."""
-        return torch.from_numpy(np.ascontiguousarray(array.T if self.transposed else array, np.float32))
+        """A float32 tensor in torch's layout on the parameter's device for a numpy array in distgrad's
+        (sharing memory on the CPU when it can)."""
+        array = np.ascontiguousarray(array.T if self.transposed else array, np.float32)
+        device = self.tensor.device
+        return torch.from_numpy(array) if device.type == "cpu" else _tensor(array, np.float32, device)
 
 
 def _torch_layer(layer: Layer) -> tuple[nn.Module, list[tuple[str, str, bool]]]:
@@ -203,6 +291,124 @@ def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.
     raise ConfigError(f"optimizer {type(optimizer).__name__} has no torch version")
 
 
+_CLOSURE_OPTIMIZERS = ("LBFGS",)      # their step re-evaluates the model through a closure: not a split stage's
+
+
+def _torch_optimizer_classes() -> list[str]:
+    return sorted(name for name, value in vars(torch.optim).items() if isinstance(value, type)
+                  and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
+                  and name not in _CLOSURE_OPTIMIZERS)
+
+
+def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage: str) -> torch.optim.Optimizer:
+    """A module stage's optimizer: ``{ type = "Adam", lr = 0.001, ... }`` names a ``torch.optim`` class and
+    its keyword arguments (lists become tuples, for ``betas``); ``"adam"``/``"sgd"`` (the default
+    ``"adam"``) are distgrad's tables with their float32 values. ``ConfigError`` for an unknown class or
+    arguments the class rejects."""
+    table = dict(table)
+    kind = table.get("type", "adam")
+    try:
+        if kind in ("adam", "sgd"):
+            return _torch_optimizer(build_optimizer(table), params)
+        if kind in _CLOSURE_OPTIMIZERS:
+            raise ConfigError(f"torch.optim.{kind} re-evaluates the whole model through a closure at every step, "
+                              f"which a stage holding only its part cannot give; use another optimizer")
+        cls = getattr(torch.optim, kind, None) if isinstance(kind, str) else None
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(f"unknown optimizer {kind!r}: name a torch.optim class "
+                              f"({', '.join(_torch_optimizer_classes())}) or a distgrad one (adam, sgd)")
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k != "type"}
+        try:
+            return cls(params, **options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"torch.optim.{kind} rejects {options!r}: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"stage {stage!r}: {e}") from e
+
+
+# ---------------------------------------------------------------- your own module
+
+def _inside(module: Any, folder: Path) -> bool:
+    """True when ``module`` (a file, a package or a namespace package) was loaded from ``folder``."""
+    origins = [getattr(module, "__file__", None), *getattr(module, "__path__", [])]
+    return any(origin is not None and Path(origin).resolve().is_relative_to(folder) for origin in origins)
+
+
+def _import_module(path: str, base_dir: Path, where: str) -> Any:
+    """Import ``path`` ("pkg.mod"), from ``base_dir`` when it holds ``pkg`` (a ``.py`` or a folder), else
+    from ``sys.path``. A module of the same name already imported from elsewhere is replaced in
+    ``sys.modules`` (two stage files may each have their own ``model.py``)."""
+    top = path.split(".")[0]
+    folder = base_dir.resolve()
+    local = (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+    try:
+        if not local:
+            return importlib.import_module(path)
+        stale = [name for name, module in list(sys.modules.items())
+                 if (name == top or name.startswith(top + ".")) and not _inside(module, folder)]
+        for name in stale:
+            del sys.modules[name]
+        sys.path.insert(0, str(folder))
+        try:
+            return importlib.import_module(path)
+        finally:
+            sys.path.remove(str(folder))
+    except ModuleNotFoundError as e:
+        if e.name is not None and path != e.name and not path.startswith(e.name + "."):
+            raise ConfigError(f"{where}: importing {path!r} failed: it imports {e.name!r}, which is not installed "
+                              f"({e})") from e
+        raise ConfigError(f"{where}: no module {path!r}: put {path.replace('.', '/')}.py next to the file that "
+                          f"names it ({folder}), or install it or add its folder to PYTHONPATH") from e
+    except Exception as e:       # the user's module raised anything while being imported
+        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}") from e
+
+
+def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | None = None) -> nn.Module:
+    """The ``torch.nn.Module`` a stage's ``module = "pkg.mod:factory"`` makes, on the CPU, float32, with the
+    ``overrides`` (``--init``) that name its parameters applied.
+
+    The factory is called with ``module_args`` as keyword arguments after
+    ``torch.manual_seed(spec.init_seed(seed))`` (inside ``torch.random.fork_rng``:
+    the caller's random state is left as it was), so every process draws the
+    same initial values. Raises ``ConfigError`` naming the module path for an
+    import that fails, a missing or uncallable factory, a factory that raises
+    or returns something other than a module, or parameters other than float32.
+    """
+    assert spec.module is not None, f"stage {spec.name} has no module"
+    path, function = spec.module.split(":")
+    where = f"stage {spec.name!r} (module {spec.module!r})"
+    imported = _import_module(path, spec.base_dir, where)
+    factory = getattr(imported, function, None)
+    if not callable(factory):
+        public = sorted(n for n, v in vars(imported).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"{where}: {path} ({getattr(imported, '__file__', '?')}) has no function {function!r}"
+                          f"{'' if factory is None else ' (it is not callable)'}; its callables: {', '.join(public) or 'none'}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed(seed))
+        try:
+            module = factory(**spec.module_args)
+        except Exception as e:       # the user's factory raised anything
+            raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}") from e
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"{where}: {function} returned {type(module).__name__}, not a torch.nn.Module: return the "
+                          f"model itself (e.g. torch.nn.Sequential(...))")
+    for name, p in module.named_parameters():
+        if p.dtype != torch.float32:
+            raise ConfigError(f"{where}: parameter {name} is {p.dtype}; a torch stage computes in float32 (build "
+                              f"the module with the default dtype, or return module.float())")
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in (overrides or {}).items():
+            if name in params:
+                params[name].fill_(value)
+    return module
+
+
+def module_param_names(exp: Experiment, name: str, seed: int) -> list[str]:
+    """The parameter names of module stage ``name`` (``named_parameters``), by building its module."""
+    return [n for n, _ in build_module(exp.spec(name), seed).named_parameters()]
+
+
 class TorchStage(Stage):
     """A stage whose model is a ``torch.nn.Module`` updated by a ``torch.optim.Optimizer``.
 
@@ -212,38 +418,41 @@ class TorchStage(Stage):
     micro-batches), ``apply`` makes one optimizer step. ``loss`` is the
     distgrad ``Loss`` whose definition the torch loss computes (its
     reduction decides how micro-batches combine); None except on the last
-    stage. Build one with ``from_experiment`` or ``from_module``.
+    stage. ``device`` is where it computes (default: where the parameters
+    are); the module's buffers (``buffers``) are checkpointed with the
+    parameters. Build one with ``from_experiment``, ``from_spec`` or
+    ``from_module``.
 
-    ``schedule`` (set by ``from_experiment``; None for ``from_module``): the
-    float32 learning rate of update ``updates + 1``, set on every param
-    group before each ``optimizer.step()``. ``updates`` counts the applied
-    updates and is checkpointed as ``opt/updates``.
+    ``schedule`` (set by ``from_experiment``; None otherwise): the float32
+    learning rate of update ``updates + 1``, set on every param group before
+    each ``optimizer.step()``. ``updates`` counts the applied updates and is
+    checkpointed as ``opt/updates``.
     """
 
     schedule: Schedule | None = None
     updates = 0
 
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
-                 input_shape: Shape, params: Sequence[_Param]) -> None:
+                 input_shape: Shape, params: Sequence[_Param], device: torch.device | None = None) -> None:
         # Stage.__init__ is not called: it builds around a numpy Sequential. The bookkeeping every
         # stage holds (shapes, step) comes from Stage._setup.
         self.name, self.module, self.optimizer, self.loss = name, module, optimizer, loss
         self._params = list(params)
+        self.device = device or (self._params[0].tensor.device if self._params else CPU)
         for p in self._params:
-            if p.tensor.dtype != torch.float32 or p.tensor.device.type != "cpu":
+            if p.tensor.dtype != torch.float32 or p.tensor.device != self.device:
                 raise ConfigError(f"stage {name}: parameter {p.name} is {p.tensor.dtype} on {p.tensor.device}; "
-                                  f"a torch stage computes in float32 on the CPU")
+                                  f"a torch stage computes in float32, all on one device ({self.device})")
+        # Buffers that the module's state_dict holds (batch norm's running statistics): part of the state.
+        persistent = set(module.state_dict(keep_vars=True))
+        self.buffers = {n: b for n, b in module.named_buffers() if n in persistent}
         known = {id(p.tensor) for p in self._params}
         self._opt_params = [t for group in optimizer.param_groups for t in group["params"]]
         if any(id(t) not in known for t in self._opt_params):
             raise ConfigError(f"stage {name}: the optimizer updates a tensor that is not a parameter of the module")
         self._trainable = [p for p in self._params if p.tensor.requires_grad]
         self._by_name = {p.name: p for p in self._params}
-        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if loss is not None:
-            if type(loss) not in _TORCH_LOSSES:
-                raise ConfigError(f"stage {name}: loss {type(loss).__name__} has no torch version")
-            self._loss_fn = _TORCH_LOSSES[type(loss)]
+        self._loss_fn = _torch_loss(loss, self.device, name) if loss is not None else None
         self.input_shape = tuple(input_shape)        # the probe below needs it
         self._setup(name, optimizer, loss, input_shape, self._probe_output_shape())
 
@@ -256,28 +465,55 @@ class TorchStage(Stage):
         """
         seed = exp.seed if seed is None else seed
         model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
+        device = torch_device(exp.spec(name).device, name)
         modules, params = [], []
         for layer in model.layers:
             module, names = _torch_layer(layer)
+            module.to(device)
             params += [_Param(dg_name, getattr(module, attr), transposed) for dg_name, attr, transposed in names]
             modules.append(module)
         stage = cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
-                    exp.input_shape(name, seed), params)
+                    exp.input_shape(name, seed), params, device)
         stage.schedule = optimizer.schedule
         return stage
 
     @classmethod
+    def from_spec(cls, exp: Experiment, name: str, seed: int | None = None,
+                  init: Mapping[str, float] | None = None) -> "TorchStage":
+        """Module stage ``name`` of ``exp`` (``module = "pkg.mod:factory"``): the module (``build_module``)
+        on the stage's device, its optimizer (``module_optimizer``) and, on the last stage, its loss.
+
+        ``init`` may name the module's parameters and any other stage's.
+        Raises ``ConfigError`` as ``build_module`` does, and for an unknown
+        ``init`` name, optimizer or loss, or a module that does not take the
+        stage's input.
+        """
+        seed = exp.seed if seed is None else seed
+        spec = exp.spec(name)
+        init = dict(init or {})
+        device = torch_device(spec.device, name)
+        module = build_module(spec, seed, init)
+        others = set(init) - {n for n, _ in module.named_parameters()} - exp.all_param_names(seed)
+        if others:     # names neither this module nor a layer-list stage has: another module's, or a typo
+            check_init_overrides(exp, {k: init[k] for k in others})
+        module.to(device)
+        params = [_Param(n, p) for n, p in module.named_parameters()]
+        optimizer = module_optimizer(spec.optimizer, [p.tensor for p in params if p.tensor.requires_grad], name)
+        loss = stage_loss(spec) if name == exp.stage_names[-1] else None
+        return cls(name, module, optimizer, loss, exp.input_shape(name, seed), params, device)
+
+    @classmethod
     def from_module(cls, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
                     input_shape: Shape, loss: str | None = None) -> "TorchStage":
-        """A stage from your own float32 CPU ``module`` and an ``optimizer`` over its parameters.
+        """A stage from your own float32 ``module`` (on one device) and an ``optimizer`` over its parameters.
 
         ``input_shape`` is the per-step shape of what the stage receives (the
         output shape is found by one forward pass of zeros, in eval mode and
         without gradients). ``loss`` names the last stage's loss as an
         experiment does (``"softmax_cross_entropy"``, ...); None for other
-        stages. Raises ``ConfigError`` for another dtype or device, for an
-        optimizer over tensors the module does not own, an unknown loss, or a
-        module that does not take ``input_shape``.
+        stages. Raises ``ConfigError`` for another dtype or parameters on
+        several devices, for an optimizer over tensors the module does not
+        own, an unknown loss, or a module that does not take ``input_shape``.
         """
         params = [_Param(n, p) for n, p in module.named_parameters()]
         return cls(name, module, optimizer, build_loss(loss) if loss is not None else None, input_shape, params)
@@ -287,11 +523,16 @@ class TorchStage(Stage):
         self.module.eval()                  # no running statistics updated by the probe
         try:
             with torch.no_grad():
-                return tuple(self.module(torch.zeros(self.input_shape, dtype=torch.float32)).shape)
+                out = self.module(torch.zeros(self.input_shape, dtype=torch.float32, device=self.device))
         except _COMPUTE_ERRORS as e:
             raise ConfigError(f"stage {self.name}: the module does not take input of shape {self.input_shape}: {e}") from e
         finally:
             self.module.train(training)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            raise ConfigError(f"stage {self.name}: the module returns "
+                              f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}; a stage's "
+                              f"output is one float32 tensor")
+        return tuple(out.shape)
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -315,7 +556,7 @@ class TorchStage(Stage):
 
     def _graph(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The input as a leaf that can take a gradient, and the module's output with its graph."""
-        x_t = _tensor(x).requires_grad_()
+        x_t = _tensor(x, device=self.device).requires_grad_()
         with torch.enable_grad(), self._forward_mode(mb, training):
             return x_t, self.module(x_t)
 
@@ -333,7 +574,7 @@ class TorchStage(Stage):
         if not need_dx:
             return None, grads
         dx = found[-1]
-        return (dx.numpy() if dx is not None else np.zeros(x_t.shape, np.float32)), grads   # None: output ignores x
+        return (_host(dx) if dx is not None else np.zeros(x_t.shape, np.float32)), grads   # None: output ignores x
 
     def forward(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[np.ndarray, Any]:
         """Activations for ``x`` (float32 numpy), micro-batch ``mb`` of the step in progress, and the cache
@@ -342,7 +583,7 @@ class TorchStage(Stage):
             x_t, y_t = self._graph(x, mb, training)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
-        return y_t.detach().numpy(), (x_t, y_t)
+        return _host(y_t), (x_t, y_t)
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output).
@@ -351,7 +592,7 @@ class TorchStage(Stage):
         """
         x_t, y_t = cache
         try:
-            return self._gradients(y_t, _tensor(dy), x_t, need_dx)
+            return self._gradients(y_t, _tensor(dy, device=self.device), x_t, need_dx)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
@@ -368,18 +609,18 @@ class TorchStage(Stage):
 
     def _loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
         assert self.loss is not None and self._loss_fn is not None, f"stage {self.name} has no loss"
-        return self._loss_fn(y_t, _tensor(target, self.loss.target_dtype))
+        return self._loss_fn(y_t, _tensor(target, self.loss.target_dtype, self.device))
 
     def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Loss value and d(loss)/d(y), computed by torch; last stage only."""
         try:
-            y_t = _tensor(y).requires_grad_()
+            y_t = _tensor(y, device=self.device).requires_grad_()
             with torch.enable_grad():
                 loss_t = self._loss_value(y_t, target)
             (dy,) = torch.autograd.grad(loss_t, [y_t])
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
-        return np.float32(loss_t.item()), dy.numpy()
+        return np.float32(loss_t.item()), _host(dy)
 
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
         """Forward, loss and backward of micro-batch ``mb`` on the last stage, in one torch graph, without an update."""
@@ -398,11 +639,11 @@ class TorchStage(Stage):
         assert self.loss is not None, f"stage {self.name} has no loss"
         try:
             with torch.no_grad(), self._forward_mode(0, training=False):
-                y_t = self.module(_tensor(x))
+                y_t = self.module(_tensor(x, device=self.device))
                 loss_t = self._loss_value(y_t, target)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: evaluation failed after step {self.step}: {e}") from e
-        return {"loss": float(loss_t), "correct": self.loss.correct(y_t.numpy(), target), "count": int(len(x))}
+        return {"loss": float(loss_t), "correct": self.loss.correct(_host(y_t), target), "count": int(len(x))}
 
     def apply(self, grads: Grads) -> None:
         """One optimizer step from numpy ``grads`` keyed like ``params``; counts the step.
@@ -422,19 +663,35 @@ class TorchStage(Stage):
         self.step += 1
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Parameters (``param/NAME``, distgrad layout) and optimizer state (``opt/KEY/NAME``, torch's layout)."""
+        """Parameters (``param/NAME``, distgrad layout), buffers (``buffer/NAME``, their own dtype) and
+        optimizer state (``opt/KEY/NAME``, torch's layout), in host memory."""
         arrays = {f"param/{name}": value for name, value in self.params.items()}
         arrays[_UPDATES] = np.array(self.updates, np.int64)
+        arrays.update({f"buffer/{name}": _host(b).copy() for name, b in self.buffers.items()})
         names = {id(p.tensor): p.name for p in self._params}
         for tensor, state in self.optimizer.state.items():
             for key, value in state.items():
                 if value is not None:
-                    arrays[f"opt/{key}/{names[id(tensor)]}"] = torch.as_tensor(value).detach().numpy().copy()
+                    arrays[f"opt/{key}/{names[id(tensor)]}"] = _host(torch.as_tensor(value)).copy()
         return arrays
+
+    def _saved_buffers(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The buffers in checkpoint ``arrays``; ``ValueError`` unless they are this module's, alike in shape and dtype."""
+        saved = {k.split("/", 1)[1]: np.asarray(v) for k, v in arrays.items() if k.startswith("buffer/")}
+        if set(saved) != set(self.buffers):
+            raise ValueError(f"stage {self.name}: checkpoint has buffers {sorted(saved)}, the module has "
+                             f"{sorted(self.buffers)}")
+        for name, value in saved.items():
+            ours = self.buffers[name]
+            if tuple(value.shape) != tuple(ours.shape) or torch.from_numpy(np.empty(0, value.dtype)).dtype != ours.dtype:
+                raise ValueError(f"stage {self.name}: checkpoint buffer {name} is {value.dtype} {value.shape}, the "
+                                 f"module's {ours.dtype} {tuple(ours.shape)}")
+        return saved
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], step: int) -> None:
         """Restore what ``state_arrays`` returned, at ``step``; raises ``ValueError`` on a mismatch."""
         names = self._saved_param_names(arrays)
+        buffers = self._saved_buffers(arrays)
         current = self.params
         for name in names:
             saved = np.asarray(arrays[f"param/{name}"], np.float32)
@@ -456,6 +713,8 @@ class TorchStage(Stage):
             for name in names:
                 p = self._by_name[name]
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
+            for name, value in buffers.items():
+                self.buffers[name].copy_(torch.from_numpy(np.array(value)))
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.step = step
         # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
@@ -485,7 +744,21 @@ class TorchStage(Stage):
 
 def build_stage(exp: Experiment, name: str, seed: int | None = None,
                 init: Mapping[str, float] | None = None) -> TorchStage:
-    """The builder ``Stage.from_experiment`` calls for a stage with ``framework = "torch"``."""
-    stage = TorchStage.from_experiment(exp, name, seed, init)
+    """The builder ``Stage.from_experiment`` calls for a stage with ``framework = "torch"``: a layer list
+    built in torch, or a ``module`` stage (``TorchStage.from_spec``), checked against the interface
+    (``stage.check_cut``: ``ConfigError`` naming both shapes when its output is not the declared cut)."""
+    seed = exp.seed if seed is None else seed
+    spec = exp.spec(name)
+    averaged = exp.clients.mode == "splitfed" and name == exp.stage_names[0]
+    if averaged and (spec.module is not None or spec.device != "cpu"):
+        # averaging writes the mean through the numpy views of ``params``, which a GPU stage has not
+        raise ConfigError(f"stage {name!r}: SplitFed averaging takes a layer-list stage on the CPU; "
+                          f"{'a module stage' if spec.module is not None else 'device ' + repr(spec.device)} "
+                          f"is not supported there yet")
+    if spec.module is None:
+        stage = TorchStage.from_experiment(exp, name, seed, init)
+    else:
+        stage = TorchStage.from_spec(exp, name, seed, init)
+        check_cut(exp, stage, seed)
     stage.allow_nonfinite = exp.allow_nonfinite
     return stage
