@@ -404,3 +404,27 @@ def test_a_module_stage_on_cuda_trains_as_on_the_cpu(tmp_path):
     np.testing.assert_allclose(gpu["final_loss"], cpu["final_loss"], rtol=CUDA_RTOL)
     arrays = f.state_arrays()
     assert all(isinstance(v, np.ndarray) for v in arrays.values())
+
+
+def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
+    """``--save``: a module stage's file is its ``state_dict`` (``torch.load`` reads it, weights only); a
+    numpy stage's an npz. ``--load`` of both starts a later run, the same in one process or two."""
+    path = _experiment(tmp_path, f_args=", norm = true")
+    first = run_cli(["run", path, "--save", tmp_path / "halves", "--summary", tmp_path / "first.json"])
+    assert first.returncode == 0, first.stderr
+    state = torch.load(tmp_path / "halves" / "f.pt", weights_only=True)
+    assert {"norm.running_mean", "norm.running_var", "inp.weight"} <= set(state)
+    saved = read_json(tmp_path / "first.json")["params"]["f"]
+    assert state["inp.weight"].numpy().tolist() == saved["inp.weight"]
+    assert (tmp_path / "halves" / "g.npz").is_file()
+    later = run_cli(["run", path, "--load", tmp_path / "halves", "--steps", "5", "--summary",
+                     tmp_path / "later.json"])
+    assert later.returncode == 0, later.stderr
+    reference = train_in_process(load_experiment(path), steps=5, load_dir=tmp_path / "halves")
+    assert read_json(tmp_path / "later.json")["params"] == reference["params"]
+    stage = Stage.from_experiment(load_experiment(path), "f")
+    with pytest.raises(ConfigError, match="cannot read a torch state_dict for stage f"):
+        stage.load_parameters(tmp_path / "halves" / "g.npz")
+    torch.save({"inp.weight": torch.zeros(3)}, tmp_path / "wrong.pt")
+    with pytest.raises(ConfigError, match="does not fit stage f"):
+        stage.load_parameters(tmp_path / "wrong.pt")
