@@ -165,6 +165,10 @@ class TorchLoss(Loss):
     def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
         return int((pred.argmax(axis=1) == target).sum()) if self.classifies else None
 
+    def predict(self, pred: np.ndarray) -> np.ndarray:
+        """Class ids (int64, the largest score's index) for a class-id loss; else the output itself."""
+        return pred.argmax(axis=1).astype(np.int64) if self.classifies else pred
+
 
 def build_loss(spec: Any) -> Loss:
     """Build a loss from its experiment name (or a table with ``type``)."""

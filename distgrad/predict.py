@@ -181,7 +181,8 @@ class PredictionServer:
             reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, tensors={"activation": y}))
             _acknowledged(reply, msg.step, rows)
         else:
-            predictions = self.exp.final_loss.predict(y if batched else y[None])
+            assert self.stage.loss is not None            # the last stage: it owns the loss
+            predictions = self.stage.loss.predict(y if batched else y[None])
             session.chunks[msg.step] = np.array(predictions, copy=True)
         return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
 
