@@ -197,6 +197,9 @@ class ArrayFile(RowBatches):
         self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
+        if split_seed is not None and (isinstance(split_seed, bool) or not isinstance(split_seed, int)
+                                       or split_seed < 0):
+            raise ConfigError(f"split_seed must be a non-negative integer, got {split_seed!r}")
         self.seed = seed if split_seed is None else int(split_seed)
         rows, width = self._feature_geometry()
         self.rows = rows
@@ -224,11 +227,13 @@ class ArrayFile(RowBatches):
         if self.feature_ref is None:
             return len(self._all_labels_raw()), 0
         if self.kind == "npz":
-            with np.load(self._file(None)) as npz, npz.zip.open(f"{self.feature_ref}.npy") as member:
-                version = np.lib.format.read_magic(member)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape = read_header(member)[0]
+            with np.load(self._file(None)) as npz:
+                self._check_member(npz, self.feature_ref)
+                with npz.zip.open(f"{self.feature_ref}.npy") as member:
+                    version = np.lib.format.read_magic(member)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape = read_header(member)[0]
         elif self.kind == "npy":
             shape = np.load(self._file(self.feature_ref), mmap_mode="r").shape
         else:
@@ -237,6 +242,11 @@ class ArrayFile(RowBatches):
         if len(shape) < 2:
             raise ConfigError(f"features must be a 2-D array (rows, columns), got shape {shape}")
         return int(shape[0]), int(np.prod(shape[1:]))
+
+    def _check_member(self, npz: Any, ref: Any) -> None:
+        """``ConfigError`` unless ``ref`` names an array of the npz file, listing the ones it has."""
+        if not isinstance(ref, str) or ref not in npz.files:
+            raise ConfigError(f"{self.path} has no array {ref!r}; its arrays are {sorted(npz.files)}")
 
     def _csv_columns(self, ref: Any) -> list[int]:
         refs = ref if isinstance(ref, list) else [ref]
@@ -252,13 +262,19 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
 
     def _read_csv(self, columns: list[int]) -> np.ndarray:
-        return np.loadtxt(self._file(None), delimiter=",", skiprows=int(self.header), usecols=columns,
-                          ndmin=2, dtype=np.float64)
+        if not columns:
+            raise ConfigError(f"csv data {self.path}: name at least one column")
+        try:
+            return np.loadtxt(self._file(None), delimiter=",", skiprows=int(self.header), usecols=columns,
+                              ndmin=2, dtype=np.float64)
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"csv data {self.path}, columns {columns}: {e}") from e
 
     def _read_part(self, ref: Any) -> np.ndarray:
         """One part (features or labels) from the file(s), and nothing else."""
         if self.kind == "npz":
             with np.load(self._file(None)) as npz:
+                self._check_member(npz, ref)
                 return npz[ref]
         if self.kind == "npy":
             return np.load(self._file(ref))
@@ -275,6 +291,8 @@ class ArrayFile(RowBatches):
     def _all_labels_raw(self) -> np.ndarray:
         if self.label_ref is None:
             raise ConfigError("this party's data holds no labels (give 'labels' in its [data])")
+        if self.kind == "csv" and (isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str))):
+            raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
         raw = self._read_part(self.label_ref)
         if self.kind == "csv":
             raw = raw[:, 0]
