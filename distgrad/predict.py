@@ -47,6 +47,8 @@ class _Session:
     run: str
     chunks: dict[int, np.ndarray]
     last_seen: float
+    rows: int                     # the rows its hello announced: at most ``ceil(rows / batch)`` chunks
+    most_chunks: int
     done: bool = False
 
 
@@ -152,7 +154,8 @@ class PredictionServer:
                 now - self.session.last_seen <= self.opts.liveness_s:
             raise ProtocolError(ErrorCode.RUN, f"busy with prediction {self.session.run} (its sender is live)")
         if self.session is None or self.session.run != msg.run:
-            self.session = _Session(msg.run, {}, now)
+            batch = self.exp.batch or 1
+            self.session = _Session(msg.run, {}, now, rows, -(-rows // batch))
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1)
@@ -164,8 +167,9 @@ class PredictionServer:
     def _predict(self, session: _Session, msg: Message) -> Message:
         if session.done:
             raise ProtocolError(ErrorCode.STEP, f"prediction {session.run} is complete")
-        if not 1 <= msg.step <= MAX_CHUNKS or msg.mb != 0 or msg.mbs != 1:
-            raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{MAX_CHUNKS}")
+        if not 1 <= msg.step <= session.most_chunks or msg.mb != 0 or msg.mbs != 1:
+            raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
+                                                f"{session.rows} rows the hello announced)")
         activation = msg.tensors.get("activation")
         batched = self.exp.batch is not None
         rows = len(activation) if activation is not None and batched and activation.ndim else 1
@@ -188,8 +192,11 @@ class PredictionServer:
 
     def _bye(self, session: _Session, msg: Message) -> Message:
         chunks, rows = msg.body.get("chunks"), msg.body.get("rows")
-        if type(chunks) is not int or type(rows) is not int:
-            raise ProtocolError(ErrorCode.MALFORMED, f"bye has chunks={wire.show(chunks)}, rows={wire.show(rows)}")
+        if type(chunks) is not int or type(rows) is not int or not 1 <= chunks <= session.most_chunks \
+                or rows != session.rows:
+            raise ProtocolError(ErrorCode.MALFORMED, f"bye has chunks={wire.show(chunks)}, rows={wire.show(rows)}; "
+                                                     f"the hello announced {session.rows} rows in at most "
+                                                     f"{session.most_chunks} chunks")
         if self.link is not None:
             reply = self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"chunks": chunks, "rows": rows}))
             if reply.type != wire.BYE or reply.body.get("rows") != rows:

@@ -149,3 +149,25 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
         x = stage.forward(x)[0]
     assert np.array_equal(np.load(tmp_path / "out.npy"), exp.final_loss.predict(x))
     assert "passed on 40 rows" in procs[1].output
+
+
+def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp_path: Path):
+    exp = load_experiment(trained / "parties" / "g.toml")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
+                              tmp_path / "out.npy", None)
+    f_exp = load_experiment(trained / "parties" / "f.toml")
+    from distgrad import handshake
+    hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
+    for rows in (0, -1, 2**62, "5", None):
+        hello.body.update(purpose="predict", rows=rows)
+        with pytest.raises(ProtocolError):
+            server.handle(hello, 0.0)
+    hello.body.update(rows=40)
+    server.handle(hello, 0.0)
+    chunk = np.ones((32, 64), np.float32)
+    with pytest.raises(ProtocolError, match="out of range 1..2"):
+        server.handle(Message(wire.PREDICT, "run1", 3, tensors={"activation": chunk}), 0.1)
+    for body in ({"chunks": 2**62, "rows": 40}, {"chunks": 2, "rows": 2**62}, {"chunks": 0, "rows": 40}, {}):
+        with pytest.raises(ProtocolError):
+            server.handle(Message(wire.BYE, "run1", 3, body=body), 0.2)
+    assert server.session.chunks == {} and not (tmp_path / "out.npy").exists()
