@@ -65,7 +65,7 @@ def test_readme_block_runs(tmp_path, index):
             argv = [a.replace("5555", port).replace("G_ADDR", "127.0.0.1") for a in argv]
             assert argv[0] in ("distgrad", "distgrad-stage"), argv
             argv[0] = str(BIN / argv[0])
-            if argv[1:3] == ["g", "--experiment"] or (argv[1] == "g" and "--bind" in argv):
+            if argv[1:3] == ["g", "--experiment"] or (argv[1] in ("g", "predict") and "--bind" in argv):
                 log = open(tmp_path / f"g{len(background)}.log", "w")
                 background.append(subprocess.Popen(argv, cwd=tmp_path, env=pinned_env(), stdout=log,
                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
