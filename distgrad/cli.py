@@ -114,6 +114,15 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="micro-batches in flight: all (gpipe) or two (1f1b, the default); same result either way")
 
 
+def _curve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curve-secret", type=Path, metavar="FILE",
+                   help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
+    p.add_argument("--allow", type=Path, metavar="DIR",
+                   help="serving or middle stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
+    p.add_argument("--server-key", type=Path, metavar="FILE",
+                   help="driving or middle stage with CURVE: the public key file of the stage below")
+
+
 def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
@@ -125,12 +134,7 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     _watch_flags(p)
     p.add_argument("--bind", metavar="ENDPOINT", help="serve the stage above on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="connect to the stage below, serving here")
-    p.add_argument("--curve-secret", type=Path, metavar="FILE",
-                   help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
-    p.add_argument("--allow", type=Path, metavar="DIR",
-                   help="serving or middle stage with CURVE: accept only clients whose public keys (*.key) are in DIR")
-    p.add_argument("--server-key", type=Path, metavar="FILE",
-                   help="driving or middle stage with CURVE: the public key file of the stage below")
+    _curve_flags(p)
     p.add_argument("--client", type=int, metavar="K",
                    help="first stage of an experiment with [clients]: this is data owner K (0, 1, ...)")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
@@ -195,9 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv with a row column, or .npy)")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
-    predict.add_argument("--curve-secret", type=Path, metavar="FILE")
-    predict.add_argument("--allow", type=Path, metavar="DIR")
-    predict.add_argument("--server-key", type=Path, metavar="FILE")
+    _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
                        ("--liveness", "a peer silent this long is lost (default 10)"),
                        ("--peer-deadline", "how long to wait for a peer before exiting 3 (default 60)")):
