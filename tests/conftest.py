@@ -22,8 +22,11 @@ from distgrad.threads import pin_blas_threads  # noqa: E402  (imports neither nu
 pin_blas_threads()
 
 import contextlib
+import dataclasses
 import inspect
+import io
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -217,6 +220,43 @@ def run_cli(args: Sequence[str], timeout: float = PROCESS_DEADLINE_S, cwd: Path 
     """Run ``distgrad ARGS`` to completion (bounded) and return the result with text output."""
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env=pinned_env(), cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+@dataclasses.dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str          # what the command wrote there, then its log lines
+
+
+def run_main(args: Sequence[str]) -> CliResult:
+    """Run ``distgrad ARGS`` in this process (``distgrad.cli.main``), as ``run_cli`` would in a child.
+
+    For commands that end before anything starts (usage and configuration errors, listings): a
+    test that uses only this stays a unit test, so the guard fails it if the command starts a
+    process or opens a socket after all. Argparse's exit is returned as the code; the log records of
+    ``distgrad`` that pass the root logger's level (WARNING unless pytest sets another) follow in
+    ``stderr``, formatted as the CLI formats them; the logging setup is restored afterwards.
+    """
+    from distgrad.cli import LOG_FORMAT, main
+
+    out, err = io.StringIO(), io.StringIO()
+    root, log = logging.getLogger(), logging.getLogger("distgrad")
+    saved_handlers, saved_level = root.handlers[:], root.level    # the CLI's basicConfig may add one
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:      # argparse: usage errors, --help
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        log.removeHandler(handler)
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 class StageProcess:

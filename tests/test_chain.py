@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli, run_main
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
@@ -141,6 +141,6 @@ def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_serve
      "CURVE needs --curve-secret and --allow and --server-key together"),
 ])
 def test_middle_stage_usage_errors_exit_2(args, needle):
-    result = run_cli(["stage", *args, "--experiment", "chain-regression"])
+    result = run_main(["stage", *args, "--experiment", "chain-regression"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr

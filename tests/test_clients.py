@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli, run_main
 
 CLIENTS = ["f@0", "f@1", "f@2"]
 
@@ -128,7 +128,7 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stag
     (["g", "--bind", "tcp://127.0.0.1:*", "--keep-serving"], "--keep-serving is not supported"),
 ])
 def test_client_usage_errors_exit_2(args, needle):
-    result = run_cli(["stage", *args, "--experiment", "digits-clients"])
+    result = run_main(["stage", *args, "--experiment", "digits-clients"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
 

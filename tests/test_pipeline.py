@@ -11,7 +11,7 @@ from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.engine import GradAccumulator
 
-from conftest import read_json, read_lines, run_cli
+from conftest import read_json, read_lines, run_cli, run_main
 from test_faults import Pair, _free_tcp_endpoint
 
 
@@ -59,7 +59,7 @@ def test_labels_travel_per_micro_batch(tmp_path):
 def test_micro_batches_must_divide_the_batch(tmp_path):
     for args in (["seed-reverse", "--micro-batches", "2"], ["tanh-regression", "--micro-batches", "5"],
                  ["tanh-regression", "--micro-batches", "0"]):
-        result = run_cli(["run", *args, "--in-process"])
+        result = run_main(["run", *args, "--in-process"])
         assert result.returncode == 2 and "micro-batch" in result.stderr, result.stderr
 
 

@@ -13,7 +13,7 @@ import zmq
 
 from distgrad.launcher import pinned_env
 
-from conftest import BIN, CLI, hello_message, StageProcess, read_json, read_lines, run_cli, wait_for_file
+from conftest import BIN, CLI, hello_message, StageProcess, read_json, read_lines, run_cli, run_main, wait_for_file
 
 LABELS_AT_F = """
 name = "labels-at-f"
@@ -260,7 +260,7 @@ def test_spin_before_block_changes_nothing_but_latency(tmp_path, transport):
 @pytest.mark.parametrize("command", [["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*"],
                                      ["run", "seed-reverse"], ["run", "tanh-regression", "--in-process"]])
 def test_spin_time_out_of_range_is_a_usage_error(command, value):
-    result = run_cli([*command, "--spin-us", value])
+    result = run_main([*command, "--spin-us", value])
     assert result.returncode == 2 and "--spin-us" in result.stderr, result.stderr
 
 

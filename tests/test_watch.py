@@ -12,7 +12,7 @@ import pytest
 
 from distgrad.launcher import pinned_env
 
-from conftest import CLI, read_lines, run_cli
+from conftest import CLI, read_lines, run_cli, run_main
 
 
 def _run_on_a_terminal(args: list[str], timeout: float = 60.0) -> tuple[int, str]:
@@ -111,10 +111,10 @@ def test_trace_params_and_every_keep_the_named_values_of_every_kth_step(tmp_path
 ])
 @pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "two-process"])
 def test_bad_trace_filters_exit_2_before_anything_runs(tmp_path, flags, message, mode):
-    result = run_cli(["run", "tanh-regression", "--steps", "5", "--trace", tmp_path / "t.jsonl", *flags, *mode])
+    result = run_main(["run", "tanh-regression", "--steps", "5", "--trace", tmp_path / "t.jsonl", *flags, *mode])
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
-    no_trace = run_cli(["run", "tanh-regression", "--steps", "5", "--trace-every", "3", *mode])
+    no_trace = run_main(["run", "tanh-regression", "--steps", "5", "--trace-every", "3", *mode])
     assert no_trace.returncode == 2 and "need --trace PATH" in no_trace.stderr
 
 
@@ -144,7 +144,7 @@ def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress
 def test_experiments_lists_every_description_whole():
     from distgrad.experiment import builtin_names, load_experiment
 
-    result = run_cli(["experiments"])
+    result = run_main(["experiments"])
     assert result.returncode == 0
     listed = result.stdout.split()
     for name in builtin_names():
