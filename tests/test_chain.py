@@ -18,11 +18,18 @@ from conftest import StageGroup, read_json, read_lines, run_cli, run_main
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
 
+_references: dict[tuple[str, ...], dict] = {}
+
+
 def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
-    path = tmp_path / f"reference-{experiment}.json"
-    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
-    assert result.returncode == 0, result.stderr
-    return read_json(path)["params"]
+    """``distgrad run EXPERIMENT --in-process FLAGS`` params (memoised: several tests share one)."""
+    key = (experiment, *flags)
+    if key not in _references:
+        path = tmp_path / f"reference-{experiment}.json"
+        result = run_main(["run", experiment, "--in-process", "--summary", path, *flags])
+        assert result.returncode == 0, result.stderr
+        _references[key] = read_json(path)["params"]
+    return _references[key]
 
 
 @pytest.mark.parametrize("experiment,transport,flags", [
@@ -52,7 +59,7 @@ def test_secure_chain_equals_the_composed_model(tmp_path):
 
 def test_chain_trace_equals_the_in_process_trace(tmp_path):
     run_cli(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
-    run_cli(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
+    run_main(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
 
 

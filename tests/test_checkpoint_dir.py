@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, run_cli
+from conftest import StageProcess, read_json, run_cli, run_main
 
 from test_faults import Pair
 
@@ -173,7 +173,7 @@ def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
     assert run_cli([*common, "--steps", "60"]).returncode == 0
     more = run_cli([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
     assert more.returncode == 0, more.stderr
-    reference = run_cli(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
+    reference = run_main(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
     assert reference.returncode == 0, reference.stderr
     assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
     assert read_json(tmp_path / "more.json")["steps"] == 120

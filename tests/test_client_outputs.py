@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_json, read_lines, run_cli
+from conftest import read_json, read_lines, run_cli, run_main
 from distgrad.errors import DistgradError
 from distgrad import records
 
@@ -169,7 +169,7 @@ def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_
     assert "), final loss" not in result.stdout and "\ntest accuracy" not in result.stdout
 
     reference_path = tmp_path / "reference.json"
-    reference = run_cli(["run", "digits-clients", "--steps", STEPS, "--in-process", "--summary", reference_path])
+    reference = run_main(["run", "digits-clients", "--steps", STEPS, "--in-process", "--summary", reference_path])
     assert reference.returncode == 0, reference.stderr
     in_process = read_json(reference_path)
     assert set(in_process) == RUN_FIELDS and in_process["transport"] is None
@@ -207,6 +207,6 @@ def test_clients_trace_over_the_wire_equals_the_in_process_trace(tmp_path, exper
     flags = ["--steps", STEPS, "--micro-batches", "2"]
     result = run_cli(["run", experiment, *flags, "--trace", wire_trace])
     assert result.returncode == 0, result.stdout + result.stderr
-    result = run_cli(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
+    result = run_main(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_lines(wire_trace) == read_lines(local_trace)

@@ -22,7 +22,7 @@ CLIENTS = ["f@0", "f@1", "f@2"]
 
 def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
     path = tmp_path / "reference.json"
-    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
+    result = run_main(["run", experiment, "--in-process", "--summary", path, *flags])
     assert result.returncode == 0, result.stderr
     return read_json(path)
 

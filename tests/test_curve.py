@@ -12,7 +12,7 @@ from distgrad import wire
 from distgrad.experiment import load_experiment
 from distgrad.keys import apply_curve_client, keygen
 
-from conftest import StageProcess, hello_message, read_json, run_cli
+from conftest import StageProcess, hello_message, read_json, run_cli, run_main
 
 NO_REPLY_MS = 1500
 
@@ -60,7 +60,7 @@ def test_only_the_allowed_client_is_heard_and_trains(start_server, tmp_path, key
         assert f.wait() == 0, f.output
     assert g.wait() == 0, g.output
     reference = tmp_path / "reference.json"
-    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
     assert read_json(tmp_path / "g.json")["params"]["g"] == read_json(reference)["params"]["g"]
     assert read_json(tmp_path / "f.json")["params"]["f"] == read_json(reference)["params"]["f"]
 
@@ -132,7 +132,7 @@ def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     assert "INFO distgrad.g: stage g of seed-reverse serving on" in result.stdout
     assert "(CURVE: the link is encrypted, and only allowed client keys are accepted)" in result.stdout
     assert "(CURVE: the link is encrypted); at step 0" in result.stdout, result.stdout
-    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
     assert read_json(summary)["params"] == read_json(reference)["params"]
 
 

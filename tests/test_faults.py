@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, StageProcess, read_json, read_lines, run_cli
+from conftest import StageGroup, StageProcess, read_json, read_lines, run_main
 
 CHECKPOINT_EVERY = "25"
 FAULT_TESTS = {"seed-reverse": "900", "tanh-regression": "1200"}
@@ -25,11 +25,17 @@ def _free_tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+_references: dict[tuple[str, str], dict] = {}
+
+
 def _reference(tmp_path: Path, experiment: str, steps: str) -> dict:
-    path = tmp_path / "reference.json"
-    result = run_cli(["run", experiment, "--in-process", "--steps", steps, "--summary", path])
-    assert result.returncode == 0, result.stderr
-    return read_json(path)["params"]
+    """``distgrad run EXPERIMENT --in-process --steps STEPS`` params (memoised: several tests share one)."""
+    if (experiment, steps) not in _references:
+        path = tmp_path / "reference.json"
+        result = run_main(["run", experiment, "--in-process", "--steps", steps, "--summary", path])
+        assert result.returncode == 0, result.stderr
+        _references[experiment, steps] = read_json(path)["params"]
+    return _references[experiment, steps]
 
 
 class Pair(StageGroup):

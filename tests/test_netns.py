@@ -31,7 +31,7 @@ from typing import Sequence
 
 import pytest
 
-from conftest import CLI, read_json, read_lines, run_cli
+from conftest import CLI, read_json, read_lines, run_main
 from distgrad.launcher import pinned_env, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,7 +185,7 @@ def _reference(tmp_path: Path, experiment: str, steps: Sequence[str]) -> dict:
     key = (experiment, tuple(steps))
     if key not in _references:
         path = tmp_path / "reference.json"
-        result = run_cli(["run", experiment, "--in-process", *steps, "--summary", path])
+        result = run_main(["run", experiment, "--in-process", *steps, "--summary", path])
         assert result.returncode == 0, result.stderr
         _references[key] = read_json(path)["params"]
     return _references[key]

@@ -41,7 +41,7 @@ loss = "sum_squared_error"
 def _in_process(tmp_path, experiment, *extra, trace=True):
     summary = tmp_path / "inproc.json"
     trace_path = tmp_path / "inproc.trace.jsonl"
-    result = run_cli(["run", experiment, "--in-process", "--summary", summary,
+    result = run_main(["run", experiment, "--in-process", "--summary", summary,
                       *(["--trace", trace_path] if trace else []), *extra])
     assert result.returncode == 0, result.stderr
     return read_json(summary), read_lines(trace_path) if trace else None
