@@ -306,17 +306,33 @@ class StageGroup:
         self.args: dict[str, list] = {}
         self.procs: dict[str, StageProcess] = {}
         self.starts: dict[str, int] = {}
+        self._counted: dict[str, tuple[tuple[int, int], int, int]] = {}   # trace -> (file id, offset, lines)
 
     def start(self, name: str) -> None:
         self.starts[name] = self.starts.get(name, 0) + 1
         self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
 
     def lines(self, trace: str) -> int:
-        """Lines (steps) in the trace file ``tmp_path/trace`` so far."""
+        """Whole lines (steps) in the trace file ``tmp_path/trace`` so far.
+
+        Counted from where the last call stopped: waits poll this every few ms, and rereading a trace
+        of tens of MB each time took a core from the stages. A file replaced (a rollback on resume
+        writes a new one) or shortened is counted again from its start.
+        """
         try:
-            return len((self.tmp / trace).read_text().splitlines())
+            with open(self.tmp / trace, "rb") as f:
+                stat = os.fstat(f.fileno())
+                file_id = (stat.st_dev, stat.st_ino)
+                counted_id, offset, count = self._counted.get(trace, (file_id, 0, 0))
+                if counted_id != file_id or stat.st_size < offset:
+                    offset, count = 0, 0
+                f.seek(offset)
+                data = f.read()
         except FileNotFoundError:
             return 0
+        whole = data.rfind(b"\n") + 1              # a line still being written is counted once it ends
+        self._counted[trace] = (file_id, offset + whole, count + data.count(b"\n", 0, whole))
+        return self._counted[trace][2]
 
     def wait_until(self, condition, what: str, timeout: float = 30.0, all_running: bool = True) -> None:
         deadline = time.monotonic() + timeout
