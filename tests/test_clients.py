@@ -68,9 +68,10 @@ class Clients(StageGroup):
         common = ["--experiment", experiment, "--steps", str(steps), *flags]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
         for c, name in enumerate(CLIENTS):
+            # The traces count and order the steps; one small parameter keeps a line ~2 KB, not 160 KB.
             self.args[name] = ["f", "--client", str(c), "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
-                               "--trace", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / "ckpt",
-                               "--checkpoint-every", "10", "--resume", *common]
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", "f1.b",
+                               "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "10", "--resume", *common]
 
     def steps(self, name: str) -> int:
         return self.lines(f"{name}.jsonl")
@@ -99,7 +100,7 @@ def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
 
 
 def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stage_group):
-    steps = 400
+    steps = 800             # the others must not finish while client 1 restarts: ~2 s of steps to spare
     run = stage_group(Clients, tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
                   "--peer-deadline", "30")
     run.start_all_then_kill("f@1", when="f@1", at_step=40)
