@@ -121,7 +121,8 @@ def test_server_restarted_while_the_driver_waits(pair_factory, tmp_path):
     pair.wait_for_step(200)
     pair.procs["g"].signal(signal.SIGKILL)
     pair.procs["g"].wait(10)
-    time.sleep(2.5)                              # f times out and keeps retrying meanwhile
+    pair.wait_until(lambda: pair.procs["f"].output.count("reconnecting") >= 2,   # f times out and keeps retrying
+                    "f to retry twice", all_running=False)
     assert pair.procs["f"].proc.poll() is None
     pair.start("g")
     _assert_bitwise(tmp_path, pair, "seed-reverse", steps)
