@@ -24,12 +24,17 @@ def _run(tmp_path, name, *args):
     return read_json(path)
 
 
+# With two micro-batches both schedules keep both in flight (gpipe: all of them, 1f1b: two): the same
+# messages in the same order, so one of them stands for both.
+SCHEDULES = {2: ("1f1b",), 4: ("gpipe", "1f1b")}
+
+
 @pytest.mark.parametrize("experiment,steps", [("tanh-regression", 120), ("mlp-classify", 25)])
-@pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.parametrize("micro_batches", sorted(SCHEDULES))
 def test_every_schedule_equals_the_in_process_accumulation(tmp_path, experiment, steps, micro_batches):
     reference = _run(tmp_path, "inproc", experiment, "--in-process", "--steps", steps,
                      "--micro-batches", micro_batches)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES[micro_batches]:
         summary = _run(tmp_path, schedule, experiment, "--steps", steps, "--micro-batches", micro_batches,
                        "--schedule", schedule)
         assert summary["params"] == reference["params"], schedule
