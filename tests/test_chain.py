@@ -113,9 +113,9 @@ def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stag
     chain = stage_group(Chain, tmp_path, experiment, steps, endpoints, resume=resume)
     chain.start_all()
     for fraction in (0.2, 0.6):
-        chain.wait_for_step(int(steps * fraction))
+        chain.wait_for_step(int(steps * fraction) + 10)     # between two checkpoints (every 20): a rollback too
         chain.procs[victim].signal(signal.SIGKILL)
-        chain.procs[victim].wait(10)
+        assert chain.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
         chain.start(victim)                          # the same command line
     summaries = chain.finish()
     reference = _reference(tmp_path, experiment, "--steps", str(steps))

@@ -83,7 +83,7 @@ class Clients(StageGroup):
             self.start(client)
         self.wait_until(lambda: self.steps(when) >= at_step, f"{when} to reach step {at_step}")
         self.procs[name].signal(signal.SIGKILL)
-        self.procs[name].wait(10)
+        assert self.procs[name].wait(10) == -signal.SIGKILL, f"{name} ended before the kill"
 
 
 def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):

@@ -89,7 +89,7 @@ def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pa
     for fraction in (0.15, 0.45, 0.75):
         pair.wait_for_step(int(total * fraction))
         pair.procs[victim].signal(signal.SIGKILL)
-        pair.procs[victim].wait(10)
+        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
         pair.start(victim)                       # the same command line
     _assert_bitwise(tmp_path, pair, experiment, steps)
     assert pair.starts[victim] == 4
@@ -120,7 +120,7 @@ def test_server_restarted_while_the_driver_waits(pair_factory, tmp_path):
     pair.start("f")
     pair.wait_for_step(200)
     pair.procs["g"].signal(signal.SIGKILL)
-    pair.procs["g"].wait(10)
+    assert pair.procs["g"].wait(10) == -signal.SIGKILL, "the run ended before the kill"
     pair.wait_until(lambda: pair.procs["f"].output.count("reconnecting") >= 2,   # f times out and keeps retrying
                     "f to retry twice", all_running=False)
     assert pair.procs["f"].proc.poll() is None

@@ -81,7 +81,7 @@ def test_server_killed_mid_pipeline_resumes_bitwise(tmp_path):
         for target in (150, 400):
             pair.wait_for_step(target)
             pair.procs["g"].signal(signal.SIGKILL)
-            pair.procs["g"].wait(10)
+            assert pair.procs["g"].wait(10) == -signal.SIGKILL, "the run ended before the kill"
             pair.start("g")
         f_summary, g_summary = pair.finish()
     finally:
