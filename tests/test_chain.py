@@ -77,7 +77,7 @@ class Chain(StageGroup):
         super().__init__(tmp_path)
         self.names = CHAINS[experiment]
         common = ["--experiment", experiment, "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
-                  "--checkpoint-every", "20", "--timeout", "1", "--peer-deadline", "30", "--liveness", "3"]
+                  "--checkpoint-every", "20", "--timeout", "0.5", "--peer-deadline", "30", "--liveness", "3"]
         if resume:
             common.append("--resume")
         for i, name in enumerate(self.names):

@@ -239,7 +239,7 @@ def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_gr
     (--checkpoint-dir, --resume): every client's and the label owner's parameters are bitwise those of
     the uninterrupted run. The clients retry meanwhile and roll back to the round it resumes at."""
     steps = 60
-    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "1",
+    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
                       "--peer-deadline", "30")
     run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
     run.start_all_then_kill("g", when="f@0", at_step=25)

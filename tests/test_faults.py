@@ -44,7 +44,7 @@ class Pair(StageGroup):
     def __init__(self, tmp_path: Path, experiment: str, steps: str, endpoint: str) -> None:
         super().__init__(tmp_path)
         common = ["--experiment", experiment, "--steps", steps, "--checkpoint-dir", tmp_path / "ckpt",
-                  "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "1", "--peer-deadline", "30"]
+                  "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "0.5", "--peer-deadline", "30"]
         self.args = {
             "g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
             "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace", tmp_path / "f.jsonl", *common],
