@@ -29,12 +29,21 @@ def _write_lines(path: Path, lines: list[dict]) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def clients_run(tmp_path_factory):
+    """One ``distgrad run digits-clients`` writing both a metrics file and a summary, for the tests of each:
+    (its result, the metrics path, the summary path)."""
+    directory = tmp_path_factory.mktemp("clients-run")
+    metrics, summary = directory / "m.jsonl", directory / "s.json"
+    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics, "--summary", summary])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, metrics, summary
+
+
 # --- metrics -----------------------------------------------------------------------------------
 
-def test_clients_metrics_are_one_valid_file_with_one_line_per_step_and_client(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics])
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_clients_metrics_are_one_valid_file_with_one_line_per_step_and_client(clients_run):
+    _, metrics, _ = clients_run
     lines = read_lines(metrics)         # every line parses: one writer, not three at once
     assert [(line["step"], line["client"]) for line in lines] == [
         (step, client) for step in range(1, STEPS + 1) for client in range(CLIENTS)]
@@ -71,7 +80,7 @@ def test_plot_draws_one_loss_line_per_client(tmp_path):
     assert [len(line.get_xdata()) for line in ax_loss.get_lines()] == [30] * CLIENTS
     assert len(ax_rate.get_lines()) == CLIENTS
     png = tmp_path / "loss.png"
-    result = run_cli(["plot", metrics, "--out", png])
+    result = run_main(["plot", metrics, "--out", png])        # a process draws it in test_watch.py
     assert result.returncode == 0, result.stderr
     assert png.read_bytes().startswith(b"\x89PNG")
 
@@ -147,10 +156,8 @@ def test_merge_traces_refuses_a_missing_file_and_a_line_of_another_client(tmp_pa
 
 # --- summary -----------------------------------------------------------------------------------
 
-def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_client(tmp_path):
-    path = tmp_path / "s.json"
-    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--summary", path])
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_client(clients_run, tmp_path):
+    result, _, path = clients_run
     summary = read_json(path)
     assert set(summary) == RUN_FIELDS
     assert summary["steps"] == STEPS and summary["status"] == "completed" and summary["transport"] == "tcp"
