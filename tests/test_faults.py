@@ -136,15 +136,19 @@ def test_driver_restarted_without_checkpoints_starts_over_and_still_matches(pair
     g_args = ["g", "--experiment", "seed-reverse", "--bind", endpoint, "--steps", steps,
               "--summary", tmp_path / "g.json", "--liveness", "1"]
     f_args = ["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", steps,
-              "--summary", tmp_path / "f.json", "--timeout", "1", "--peer-deadline", "30"]
+              "--summary", tmp_path / "f.json", "--timeout", "1", "--peer-deadline", "30", "--progress", "lines"]
     with StageProcess(g_args, tmp_path / "g.log") as g:
         with StageProcess(f_args, tmp_path / "f1.log") as f:
-            time.sleep(0.15)
+            deadline = time.monotonic() + 30
+            while "progress {" not in f.output:          # it has taken a step: g holds its run
+                assert time.monotonic() < deadline and f.proc.poll() is None, f.output
+                time.sleep(0.002)
             f.signal(signal.SIGKILL)
-            f.wait(10)
+            assert f.wait(10) == -signal.SIGKILL, "the run ended before the kill"
         with StageProcess(f_args, tmp_path / "f2.log") as f:
             assert f.wait(60) == 0, f.output + g.output
         assert g.wait(30) == 0, g.output
+    assert "replaces run" in g.output                    # the new run took over the one at step > 0
     reference = _reference(tmp_path, "seed-reverse", steps)
     assert read_json(tmp_path / "f.json")["params"]["f"] == reference["f"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
