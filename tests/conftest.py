@@ -22,8 +22,11 @@ from distgrad.threads import pin_blas_threads  # noqa: E402  (imports neither nu
 pin_blas_threads()
 
 import contextlib
+import dataclasses
 import inspect
+import io
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -219,6 +222,43 @@ def run_cli(args: Sequence[str], timeout: float = PROCESS_DEADLINE_S, cwd: Path 
                           env=pinned_env(), cwd=cwd, stdin=subprocess.DEVNULL)
 
 
+@dataclasses.dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str          # what the command wrote there, then its log lines
+
+
+def run_main(args: Sequence[str]) -> CliResult:
+    """Run ``distgrad ARGS`` in this process (``distgrad.cli.main``), as ``run_cli`` would in a child.
+
+    For commands that end before anything starts (usage and configuration errors, listings): a
+    test that uses only this stays a unit test, so the guard fails it if the command starts a
+    process or opens a socket after all. Argparse's exit is returned as the code; the log records of
+    ``distgrad`` that pass the root logger's level (WARNING unless pytest sets another) follow in
+    ``stderr``, formatted as the CLI formats them; the logging setup is restored afterwards.
+    """
+    from distgrad.cli import LOG_FORMAT, main
+
+    out, err = io.StringIO(), io.StringIO()
+    root, log = logging.getLogger(), logging.getLogger("distgrad")
+    saved_handlers, saved_level = root.handlers[:], root.level    # the CLI's basicConfig may add one
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:      # argparse: usage errors, --help
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        log.removeHandler(handler)
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
 class StageProcess:
     """A ``distgrad-stage`` process (or, with ``distgrad=True``, ``distgrad ARGS``) whose output goes to a
     log file; always stopped on exit."""
@@ -267,17 +307,33 @@ class StageGroup:
         self.args: dict[str, list] = {}
         self.procs: dict[str, StageProcess] = {}
         self.starts: dict[str, int] = {}
+        self._counted: dict[str, tuple[tuple[int, int], int, int]] = {}   # trace -> (file id, offset, lines)
 
     def start(self, name: str) -> None:
         self.starts[name] = self.starts.get(name, 0) + 1
         self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
 
     def lines(self, trace: str) -> int:
-        """Lines (steps) in the trace file ``tmp_path/trace`` so far."""
+        """Whole lines (steps) in the trace file ``tmp_path/trace`` so far.
+
+        Counted from where the last call stopped: waits poll this every few ms, and rereading a trace
+        of tens of MB each time took a core from the stages. A file replaced (a rollback on resume
+        writes a new one) or shortened is counted again from its start.
+        """
         try:
-            return len((self.tmp / trace).read_text().splitlines())
+            with open(self.tmp / trace, "rb") as f:
+                stat = os.fstat(f.fileno())
+                file_id = (stat.st_dev, stat.st_ino)
+                counted_id, offset, count = self._counted.get(trace, (file_id, 0, 0))
+                if counted_id != file_id or stat.st_size < offset:
+                    offset, count = 0, 0
+                f.seek(offset)
+                data = f.read()
         except FileNotFoundError:
             return 0
+        whole = data.rfind(b"\n") + 1              # a line still being written is counted once it ends
+        self._counted[trace] = (file_id, offset + whole, count + data.count(b"\n", 0, whole))
+        return self._counted[trace][2]
 
     def wait_until(self, condition, what: str, timeout: float = 30.0, all_running: bool = True) -> None:
         deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ from distgrad.stage import Stage
 from distgrad.transport import Client
 from distgrad.wire import ErrorCode, Message
 
-from conftest import StageProcess, hello_message, read_json, run_cli
+from conftest import StageProcess, hello_message, read_json, run_cli, run_main
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -72,7 +72,7 @@ def test_undecodable_messages_get_error_replies_and_a_real_run_follows(start_ser
     assert _raw_request(req, [b"not msgpack \xc1"]).body["code"] == ErrorCode.MALFORMED
     # The daemon is still serving, and trains exactly as if nothing had happened.
     ref = tmp_path / "ref.json"
-    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", ref]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--summary", ref]).returncode == 0
     with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint], tmp_path / "f.log") as f:
         assert f.wait() == 0, f.output
     assert g.wait() == 0, g.output
@@ -126,7 +126,7 @@ def test_bad_forwards_mid_run_change_nothing(start_server, tmp_path, zmq_ctx):
     client.request(Message(wire.BYE, "run-1", steps + 1, body={"steps": steps}), 5)
     assert g.wait() == 0, g.output
     ref = tmp_path / "ref.json"
-    assert run_cli(["run", "seed-reverse", "--in-process", "--steps", steps, "--summary", ref]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--steps", steps, "--summary", ref]).returncode == 0
     reference = read_json(ref)["params"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
     assert {k: v.tolist() for k, v in f.params.items()} == reference["f"]

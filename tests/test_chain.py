@@ -13,16 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli, run_main
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
 
+_references: dict[tuple[str, ...], dict] = {}
+
+
 def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
-    path = tmp_path / f"reference-{experiment}.json"
-    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
-    assert result.returncode == 0, result.stderr
-    return read_json(path)["params"]
+    """``distgrad run EXPERIMENT --in-process FLAGS`` params (memoised: several tests share one)."""
+    key = (experiment, *flags)
+    if key not in _references:
+        path = tmp_path / f"reference-{experiment}.json"
+        result = run_main(["run", experiment, "--in-process", "--summary", path, *flags])
+        assert result.returncode == 0, result.stderr
+        _references[key] = read_json(path)["params"]
+    return _references[key]
 
 
 @pytest.mark.parametrize("experiment,transport,flags", [
@@ -52,7 +59,7 @@ def test_secure_chain_equals_the_composed_model(tmp_path):
 
 def test_chain_trace_equals_the_in_process_trace(tmp_path):
     run_cli(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
-    run_cli(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
+    run_main(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
 
 
@@ -70,14 +77,15 @@ class Chain(StageGroup):
         super().__init__(tmp_path)
         self.names = CHAINS[experiment]
         common = ["--experiment", experiment, "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
-                  "--checkpoint-every", "20", "--timeout", "1", "--peer-deadline", "30", "--liveness", "3"]
+                  "--checkpoint-every", "20", "--timeout", "0.5", "--peer-deadline", "30", "--liveness", "3"]
         if resume:
             common.append("--resume")
         for i, name in enumerate(self.names):
             bind = ["--bind", endpoints[name]] if i > 0 else []
             connect = ["--connect", endpoints[self.names[i + 1]]] if i + 1 < len(self.names) else []
             self.args[name] = [name, *bind, *connect, "--summary", tmp_path / f"{name}.json", *common]
-        self.args[self.names[0]] += ["--trace", tmp_path / "trace.jsonl"]
+        # The trace counts and orders the steps; one small parameter keeps a line short (all: 130 KB).
+        self.args[self.names[0]] += ["--trace", tmp_path / "trace.jsonl", "--trace-params", "f1.b"]
 
     def start_all(self) -> None:
         for name in reversed(self.names):
@@ -105,9 +113,9 @@ def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stag
     chain = stage_group(Chain, tmp_path, experiment, steps, endpoints, resume=resume)
     chain.start_all()
     for fraction in (0.2, 0.6):
-        chain.wait_for_step(int(steps * fraction))
+        chain.wait_for_step(int(steps * fraction) + 10)     # between two checkpoints (every 20): a rollback too
         chain.procs[victim].signal(signal.SIGKILL)
-        chain.procs[victim].wait(10)
+        assert chain.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
         chain.start(victim)                          # the same command line
     summaries = chain.finish()
     reference = _reference(tmp_path, experiment, "--steps", str(steps))
@@ -141,6 +149,6 @@ def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_serve
      "CURVE needs --curve-secret and --allow and --server-key together"),
 ])
 def test_middle_stage_usage_errors_exit_2(args, needle):
-    result = run_cli(["stage", *args, "--experiment", "chain-regression"])
+    result = run_main(["stage", *args, "--experiment", "chain-regression"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr

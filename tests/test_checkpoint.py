@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import numpy as np
@@ -12,6 +13,7 @@ from distgrad import checkpoint
 from distgrad.checkpoint import CheckpointError, CheckpointStore
 from distgrad.errors import CheckpointWriteError, ConfigError
 from distgrad.experiment import load_experiment
+from distgrad.records import TraceWriter, read_trace
 from distgrad.stage import Stage
 
 from conftest import train_last_step
@@ -207,3 +209,23 @@ def test_a_failed_save_leaves_no_file_and_names_the_directory(tmp_path, monkeypa
         store.save("run", 2, _arrays(2.0), {})
     monkeypatch.undo()
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["g-run-000000001.ckpt"]
+
+
+def test_a_trace_rolled_back_on_resume_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path):
+    """A stage killed while writing its trace may leave part of a line; on resume the trace goes back
+    to the checkpoint's step (later lines and the torn one dropped) and goes on from there."""
+    path = tmp_path / "f.jsonl"
+    values = {"w": np.array([1.5, -2.0], np.float32)}
+    with TraceWriter(path) as trace:
+        for step in (1, 2, 3):
+            trace.write(step, 0.5, values, values)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"step":4,"grads":{"w":[1.5,')              # the kill came mid-line
+    with pytest.raises(json.JSONDecodeError):
+        read_trace(path)
+    with TraceWriter(path, append=True) as resumed:
+        resumed.rollback(2)
+        resumed.write(3, 0.25, values, values)
+    lines = read_trace(path)
+    assert [line["step"] for line in lines] == [1, 2, 3] and lines[-1]["loss"] == 0.25
+    assert lines[0]["params"] == {"w": [1.5, -2.0]}

@@ -8,6 +8,7 @@ directory is a clear error; a finished run is not run again.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, run_cli
+from conftest import StageProcess, read_json, run_cli, run_main
 
 from test_faults import Pair
 
@@ -31,12 +32,12 @@ def test_a_second_run_keeps_the_first_runs_checkpoints_and_resumes_its_own(tmp_p
     assert first.returncode == 0, first.stderr
     first_files = _ckpts(ck)
     assert len(first_files) == 6                   # f and g: the newest three each
-    pair = stage_group(Pair, tmp_path, "tanh-regression", "1200", f"ipc://{tmp_path}/g.sock")
+    pair = stage_group(Pair, tmp_path, "tanh-regression", "600", f"ipc://{tmp_path}/g.sock")
     pair.start("g")
     pair.start("f")
     pair.wait_for_step(300)
     pair.procs["f"].proc.kill()
-    pair.procs["f"].wait()
+    assert pair.procs["f"].wait() == -signal.SIGKILL, "the run ended before the kill"
     pair.start("f")
     pair.wait_all()
     for name, mtime in first_files.items():        # neither deleted nor overwritten
@@ -44,7 +45,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoints_and_resumes_its_own(tmp_p
     restarted = pair.procs["f"].output
     assert "resumed run" in restarted and "no resume" not in restarted, restarted
     reference = read_json(tmp_path / "f.json")
-    assert reference["steps"] == 1200
+    assert reference["steps"] == 600
     ours = [n for n in _ckpts(ck) if n.startswith(f"f-{reference['run_id']}-")]
     assert len(ours) == 3, sorted(_ckpts(ck))      # the run keeps its own newest
 
@@ -173,7 +174,7 @@ def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
     assert run_cli([*common, "--steps", "60"]).returncode == 0
     more = run_cli([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
     assert more.returncode == 0, more.stderr
-    reference = run_cli(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
+    reference = run_main(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
     assert reference.returncode == 0, reference.stderr
     assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
     assert read_json(tmp_path / "more.json")["steps"] == 120

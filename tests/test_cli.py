@@ -1,14 +1,22 @@
-"""Command-line behaviour: usage errors are exit 2 with a message a user can act on."""
+"""Command-line behaviour: usage errors are exit 2 with a message a user can act on.
+
+The command lines run in this process (``conftest.run_main``); one test runs
+them as real processes, through both entry points, to show the code and
+message reach the shell.
+"""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
 from distgrad.cli import build_parser, build_stage_parser
 from distgrad.errors import ConfigError
+from distgrad.launcher import pinned_env
 from distgrad.experiment import builtin_names, load_experiment, parse_experiment, parse_init_overrides
 
-from conftest import run_cli
+from conftest import BIN, run_cli, run_main
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -28,13 +36,27 @@ from conftest import run_cli
     (["run", "seed-reverse", "--init", "xx=1"], "unknown parameters"),
 ])
 def test_usage_errors_exit_2_with_a_message(args, needle):
-    result = run_cli(args, timeout=30)
+    result = run_main(args)
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
 
 
+@pytest.mark.parametrize("command,args,needle", [
+    ("distgrad", ["run", "seed-reverse", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),   # argparse's
+    ("distgrad-stage", ["f", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*"], "is the driving stage"),
+])
+def test_a_usage_error_exits_2_from_a_real_process_without_a_traceback(command, args, needle):
+    if command == "distgrad":
+        result = run_cli(args, timeout=30)
+    else:
+        result = subprocess.run([str(BIN / command), *args], capture_output=True, text=True, timeout=30,
+                                env=pinned_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
 def test_experiments_lists_the_builtins():
-    result = run_cli(["experiments"])
+    result = run_main(["experiments"])
     assert result.returncode == 0
     for name in ("seed-simple", "seed-reverse", "tanh-regression"):
         assert name in result.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_json, read_lines, run_cli
+from conftest import read_json, read_lines, run_cli, run_main
 from distgrad.errors import DistgradError
 from distgrad import records
 
@@ -30,12 +30,21 @@ def _write_lines(path: Path, lines: list[dict]) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def clients_run(tmp_path_factory):
+    """One ``distgrad run digits-clients`` writing both a metrics file and a summary, for the tests of each:
+    (its result, the metrics path, the summary path)."""
+    directory = tmp_path_factory.mktemp("clients-run")
+    metrics, summary = directory / "m.jsonl", directory / "s.json"
+    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics, "--summary", summary])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, metrics, summary
+
+
 # --- metrics -----------------------------------------------------------------------------------
 
-def test_clients_metrics_are_one_valid_file_with_one_line_per_step_and_client(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics])
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_clients_metrics_are_one_valid_file_with_one_line_per_step_and_client(clients_run):
+    _, metrics, _ = clients_run
     lines = read_lines(metrics)         # every line parses: one writer, not three at once
     assert [(line["step"], line["client"]) for line in lines] == [
         (step, client) for step in range(1, STEPS + 1) for client in range(CLIENTS)]
@@ -72,7 +81,7 @@ def test_plot_draws_one_loss_line_per_client(tmp_path):
     assert [len(line.get_xdata()) for line in ax_loss.get_lines()] == [30] * CLIENTS
     assert len(ax_rate.get_lines()) == CLIENTS
     png = tmp_path / "loss.png"
-    result = run_cli(["plot", metrics, "--out", png])
+    result = run_main(["plot", metrics, "--out", png])        # a process draws it in test_watch.py
     assert result.returncode == 0, result.stderr
     assert png.read_bytes().startswith(b"\x89PNG")
 
@@ -148,10 +157,8 @@ def test_merge_traces_refuses_a_missing_file_and_a_line_of_another_client(tmp_pa
 
 # --- summary -----------------------------------------------------------------------------------
 
-def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_client(tmp_path):
-    path = tmp_path / "s.json"
-    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--summary", path])
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_client(clients_run, tmp_path):
+    result, _, path = clients_run
     summary = read_json(path)
     assert set(summary) == RUN_FIELDS
     assert summary["steps"] == STEPS and summary["status"] == "completed" and summary["transport"] == "tcp"
@@ -170,7 +177,7 @@ def test_clients_summary_has_a_section_per_client_and_no_top_level_field_of_one_
     assert "), final loss" not in result.stdout and "\ntest accuracy" not in result.stdout
 
     reference_path = tmp_path / "reference.json"
-    reference = run_cli(["run", "digits-clients", "--steps", STEPS, "--in-process", "--summary", reference_path])
+    reference = run_main(["run", "digits-clients", "--steps", STEPS, "--in-process", "--summary", reference_path])
     assert reference.returncode == 0, reference.stderr
     in_process = read_json(reference_path)
     assert set(in_process) == RUN_FIELDS and in_process["transport"] is None
@@ -208,6 +215,6 @@ def test_clients_trace_over_the_wire_equals_the_in_process_trace(tmp_path, exper
     flags = ["--steps", STEPS, "--micro-batches", "2"]
     result = run_cli(["run", experiment, *flags, "--trace", wire_trace])
     assert result.returncode == 0, result.stdout + result.stderr
-    result = run_cli(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
+    result = run_main(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_lines(wire_trace) == read_lines(local_trace)

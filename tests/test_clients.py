@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli
+from conftest import StageGroup, read_json, read_lines, run_cli, run_main
 
 CLIENTS = ["f@0", "f@1", "f@2"]
 
 
 def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
     path = tmp_path / "reference.json"
-    result = run_cli(["run", experiment, "--in-process", "--summary", path, *flags])
+    result = run_main(["run", experiment, "--in-process", "--summary", path, *flags])
     assert result.returncode == 0, result.stderr
     return read_json(path)
 
@@ -68,9 +68,10 @@ class Clients(StageGroup):
         common = ["--experiment", experiment, "--steps", str(steps), *flags]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
         for c, name in enumerate(CLIENTS):
+            # The traces count and order the steps; one small parameter keeps a line ~2 KB, not 160 KB.
             self.args[name] = ["f", "--client", str(c), "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
-                               "--trace", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / "ckpt",
-                               "--checkpoint-every", "10", "--resume", *common]
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", "f1.b",
+                               "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "10", "--resume", *common]
 
     def steps(self, name: str) -> int:
         return self.lines(f"{name}.jsonl")
@@ -82,7 +83,7 @@ class Clients(StageGroup):
             self.start(client)
         self.wait_until(lambda: self.steps(when) >= at_step, f"{when} to reach step {at_step}")
         self.procs[name].signal(signal.SIGKILL)
-        self.procs[name].wait(10)
+        assert self.procs[name].wait(10) == -signal.SIGKILL, f"{name} ended before the kill"
 
 
 def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
@@ -99,7 +100,7 @@ def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
 
 
 def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stage_group):
-    steps = 400
+    steps = 800             # the others must not finish while client 1 restarts: ~2 s of steps to spare
     run = stage_group(Clients, tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
                   "--peer-deadline", "30")
     run.start_all_then_kill("f@1", when="f@1", at_step=40)
@@ -128,7 +129,7 @@ def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stag
     (["g", "--bind", "tcp://127.0.0.1:*", "--keep-serving"], "--keep-serving is not supported"),
 ])
 def test_client_usage_errors_exit_2(args, needle):
-    result = run_cli(["stage", *args, "--experiment", "digits-clients"])
+    result = run_main(["stage", *args, "--experiment", "digits-clients"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
 
@@ -238,7 +239,7 @@ def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_gr
     (--checkpoint-dir, --resume): every client's and the label owner's parameters are bitwise those of
     the uninterrupted run. The clients retry meanwhile and roll back to the round it resumes at."""
     steps = 60
-    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "1",
+    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
                       "--peer-deadline", "30")
     run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
     run.start_all_then_kill("g", when="f@0", at_step=25)

@@ -1,7 +1,11 @@
 """Configuration errors are exit 2 with the reason, before anything starts, on every path (issue 12: 2, 8, 11).
 
 Paths: ``distgrad run``, ``distgrad run --in-process``, ``distgrad-stage``
-for each stage, and the Python API.
+for each stage, and the Python API. The command lines run in this process
+(``conftest.run_main``), as unit tests: the guard fails any of them that
+starts a process or opens a socket, so "before anything starts" is checked
+outright. That the exit code and message reach a real process is checked in
+test_cli.py.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from distgrad.experiment import BUILTIN_DIR, load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.launcher import run_local
 
-from conftest import run_cli
+from conftest import run_main
 
 TANH = (BUILTIN_DIR / "tanh-regression.toml").read_text()
 
@@ -36,7 +40,7 @@ def _paths(experiment: Path | str) -> list[list]:
 
 
 def _assert_usage_error(args: list, *needles: str) -> None:
-    result = run_cli([*args, "--peer-deadline", "1"], timeout=30)
+    result = run_main([*args, "--peer-deadline", "1"])
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     assert "Traceback" not in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -12,7 +13,7 @@ from distgrad import wire
 from distgrad.experiment import load_experiment
 from distgrad.keys import apply_curve_client, keygen
 
-from conftest import StageProcess, hello_message, read_json, run_cli
+from conftest import StageProcess, hello_message, read_json, run_cli, run_main
 
 NO_REPLY_MS = 1500
 
@@ -48,11 +49,11 @@ def _sends_hello_and_hears_nothing(ctx, endpoint, configure) -> None:
 
 def test_only_the_allowed_client_is_heard_and_trains(start_server, tmp_path, keys, zmq_ctx):
     g, endpoint = _secure_server(start_server, tmp_path, keys)
-    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: None)                       # plaintext
-    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: apply_curve_client(
-        s, keys["stranger_secret"], keys["server_public"]))                                   # unknown key
-    _sends_hello_and_hears_nothing(zmq_ctx, endpoint, lambda s: apply_curve_client(
-        s, keys["client_secret"], keys["other_public"]))                                      # wrong server key
+    intruders = [lambda s: None,                                                              # plaintext
+                 lambda s: apply_curve_client(s, keys["stranger_secret"], keys["server_public"]),   # unknown key
+                 lambda s: apply_curve_client(s, keys["client_secret"], keys["other_public"])]      # wrong server key
+    with ThreadPoolExecutor(len(intruders)) as pool:       # each waits NO_REPLY_MS for nothing: side by side
+        list(pool.map(lambda configure: _sends_hello_and_hears_nothing(zmq_ctx, endpoint, configure), intruders))
     assert "run intruder" not in g.output and g.proc.poll() is None
     with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--summary", tmp_path / "f.json",
                        "--curve-secret", keys["client_secret"], "--server-key", keys["server_public"]],
@@ -60,7 +61,7 @@ def test_only_the_allowed_client_is_heard_and_trains(start_server, tmp_path, key
         assert f.wait() == 0, f.output
     assert g.wait() == 0, g.output
     reference = tmp_path / "reference.json"
-    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
     assert read_json(tmp_path / "g.json")["params"]["g"] == read_json(reference)["params"]["g"]
     assert read_json(tmp_path / "f.json")["params"]["f"] == read_json(reference)["params"]["f"]
 
@@ -71,8 +72,8 @@ def test_a_refused_driver_exits_3_within_its_deadline(start_server, tmp_path, ke
     flags = {"plaintext": [],
              "unknown key": ["--curve-secret", keys["stranger_secret"], "--server-key", keys["server_public"]],
              "wrong server key": ["--curve-secret", keys["client_secret"], "--server-key", keys["other_public"]]}[who]
-    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "1",
-                       "--peer-deadline", "2", *flags], tmp_path / "f.log") as f:
+    with StageProcess(["f", "--experiment", "seed-reverse", "--connect", endpoint, "--timeout", "0.5",
+                       "--peer-deadline", "1", *flags], tmp_path / "f.log") as f:
         assert f.wait(20) == 3, f.output
     assert g.proc.poll() is None
     # Issue 12.9: both sides say why, at the levels an operator sees by default; no secret is shown.
@@ -132,7 +133,7 @@ def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     assert "INFO distgrad.g: stage g of seed-reverse serving on" in result.stdout
     assert "(CURVE: the link is encrypted, and only allowed client keys are accepted)" in result.stdout
     assert "(CURVE: the link is encrypted); at step 0" in result.stdout, result.stdout
-    assert run_cli(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
+    assert run_main(["run", "seed-reverse", "--in-process", "--summary", reference]).returncode == 0
     assert read_json(summary)["params"] == read_json(reference)["params"]
 
 

@@ -8,7 +8,7 @@ import pytest
 from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment
 
-from conftest import read_json, run_cli
+from conftest import read_json, run_cli, run_main
 
 FILE_EXPERIMENT = """
 name = "from-files"
@@ -55,9 +55,9 @@ def test_file_sources_train_bitwise_equal_over_two_processes(files, kind):
     exp = files / f"{kind}.toml"
     exp.write_text(FILE_EXPERIMENT.format(data=DATA_SPECS[kind]))
     results = {}
-    for mode, extra in (("inproc", ["--in-process"]), ("two", [])):
+    for mode, extra, run in (("inproc", ["--in-process"], run_main), ("two", [], run_cli)):
         path = files / f"{kind}-{mode}.json"
-        result = run_cli(["run", exp, "--summary", path, *extra])
+        result = run(["run", exp, "--summary", path, *extra])
         assert result.returncode == 0, result.stdout + result.stderr
         results[mode] = read_json(path)
     assert results["two"]["params"] == results["inproc"]["params"]
@@ -103,6 +103,6 @@ def test_digits_reaches_95_percent_with_labels_only_at_g(tmp_path):
     assert "test accuracy" in result.stdout
     two = read_json(summary)
     assert two["test_accuracy"] >= 0.95, two["test_accuracy"]
-    assert run_cli(["run", "digits", "--in-process", "--summary", reference]).returncode == 0
+    assert run_main(["run", "digits", "--in-process", "--summary", reference]).returncode == 0
     assert two["params"] == read_json(reference)["params"]
     assert two["test_accuracy"] == read_json(reference)["test_accuracy"]

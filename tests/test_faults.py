@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, StageProcess, read_json, read_lines, run_cli
+from conftest import StageGroup, StageProcess, read_json, read_lines, run_main
 
 CHECKPOINT_EVERY = "25"
 FAULT_TESTS = {"seed-reverse": "900", "tanh-regression": "1200"}
@@ -25,11 +25,17 @@ def _free_tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+_references: dict[tuple[str, str], dict] = {}
+
+
 def _reference(tmp_path: Path, experiment: str, steps: str) -> dict:
-    path = tmp_path / "reference.json"
-    result = run_cli(["run", experiment, "--in-process", "--steps", steps, "--summary", path])
-    assert result.returncode == 0, result.stderr
-    return read_json(path)["params"]
+    """``distgrad run EXPERIMENT --in-process --steps STEPS`` params (memoised: several tests share one)."""
+    if (experiment, steps) not in _references:
+        path = tmp_path / "reference.json"
+        result = run_main(["run", experiment, "--in-process", "--steps", steps, "--summary", path])
+        assert result.returncode == 0, result.stderr
+        _references[experiment, steps] = read_json(path)["params"]
+    return _references[experiment, steps]
 
 
 class Pair(StageGroup):
@@ -38,7 +44,7 @@ class Pair(StageGroup):
     def __init__(self, tmp_path: Path, experiment: str, steps: str, endpoint: str) -> None:
         super().__init__(tmp_path)
         common = ["--experiment", experiment, "--steps", steps, "--checkpoint-dir", tmp_path / "ckpt",
-                  "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "1", "--peer-deadline", "30"]
+                  "--checkpoint-every", CHECKPOINT_EVERY, "--resume", "--timeout", "0.5", "--peer-deadline", "30"]
         self.args = {
             "g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
             "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace", tmp_path / "f.jsonl", *common],
@@ -83,7 +89,7 @@ def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pa
     for fraction in (0.15, 0.45, 0.75):
         pair.wait_for_step(int(total * fraction))
         pair.procs[victim].signal(signal.SIGKILL)
-        pair.procs[victim].wait(10)
+        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
         pair.start(victim)                       # the same command line
     _assert_bitwise(tmp_path, pair, experiment, steps)
     assert pair.starts[victim] == 4
@@ -114,8 +120,9 @@ def test_server_restarted_while_the_driver_waits(pair_factory, tmp_path):
     pair.start("f")
     pair.wait_for_step(200)
     pair.procs["g"].signal(signal.SIGKILL)
-    pair.procs["g"].wait(10)
-    time.sleep(2.5)                              # f times out and keeps retrying meanwhile
+    assert pair.procs["g"].wait(10) == -signal.SIGKILL, "the run ended before the kill"
+    pair.wait_until(lambda: pair.procs["f"].output.count("reconnecting") >= 2,   # f times out and keeps retrying
+                    "f to retry twice", all_running=False)
     assert pair.procs["f"].proc.poll() is None
     pair.start("g")
     _assert_bitwise(tmp_path, pair, "seed-reverse", steps)
@@ -129,15 +136,19 @@ def test_driver_restarted_without_checkpoints_starts_over_and_still_matches(pair
     g_args = ["g", "--experiment", "seed-reverse", "--bind", endpoint, "--steps", steps,
               "--summary", tmp_path / "g.json", "--liveness", "1"]
     f_args = ["f", "--experiment", "seed-reverse", "--connect", endpoint, "--steps", steps,
-              "--summary", tmp_path / "f.json", "--timeout", "1", "--peer-deadline", "30"]
+              "--summary", tmp_path / "f.json", "--timeout", "1", "--peer-deadline", "30", "--progress", "lines"]
     with StageProcess(g_args, tmp_path / "g.log") as g:
         with StageProcess(f_args, tmp_path / "f1.log") as f:
-            time.sleep(0.15)
+            deadline = time.monotonic() + 30
+            while "progress {" not in f.output:          # it has taken a step: g holds its run
+                assert time.monotonic() < deadline and f.proc.poll() is None, f.output
+                time.sleep(0.002)
             f.signal(signal.SIGKILL)
-            f.wait(10)
+            assert f.wait(10) == -signal.SIGKILL, "the run ended before the kill"
         with StageProcess(f_args, tmp_path / "f2.log") as f:
             assert f.wait(60) == 0, f.output + g.output
         assert g.wait(30) == 0, g.output
+    assert "replaces run" in g.output                    # the new run took over the one at step > 0
     reference = _reference(tmp_path, "seed-reverse", steps)
     assert read_json(tmp_path / "f.json")["params"]["f"] == reference["f"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]

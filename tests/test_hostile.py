@@ -56,7 +56,7 @@ from distgrad.stage import Stage
 from distgrad.transport import MAX_FRAMES, Client
 from distgrad.wire import ErrorCode, Message
 
-from conftest import StageProcess, hello_message, read_json, run_cli
+from conftest import StageProcess, hello_message, read_json, run_main
 
 
 def summary_of(path, run: str, timeout: float = 10.0) -> dict:
@@ -803,7 +803,7 @@ def legitimate_run(tmp_path: Path, endpoint: str, g_json: Path) -> tuple[dict, d
 
 def reference(tmp_path: Path, *extra: str) -> dict:
     path = tmp_path / "ref.json"
-    done = run_cli(["run", "seed-reverse", "--in-process", *extra, "--summary", path])
+    done = run_main(["run", "seed-reverse", "--in-process", *extra, "--summary", path])
     assert done.returncode == 0, done.stderr
     return read_json(path)["params"]
 

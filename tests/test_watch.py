@@ -12,7 +12,7 @@ import pytest
 
 from distgrad.launcher import pinned_env
 
-from conftest import CLI, read_lines, run_cli
+from conftest import CLI, read_lines, run_cli, run_main
 
 
 def _run_on_a_terminal(args: list[str], timeout: float = 60.0) -> tuple[int, str]:
@@ -90,8 +90,9 @@ def test_log_level_controls_the_output():
 def test_trace_params_and_every_keep_the_named_values_of_every_kth_step(tmp_path, mode):
     full, narrow = tmp_path / "full.jsonl", tmp_path / "narrow.jsonl"
     args = ["run", "tanh-regression", "--steps", "10", *mode]
-    assert run_cli([*args, "--trace", full]).returncode == 0
-    result = run_cli([*args, "--trace", narrow, "--trace-params", "f1.b,g2.W,activation_grad", "--trace-every", "4"])
+    run = run_main if "--in-process" in mode else run_cli        # no stage process to start in-process
+    assert run([*args, "--trace", full]).returncode == 0
+    result = run([*args, "--trace", narrow, "--trace-params", "f1.b,g2.W,activation_grad", "--trace-every", "4"])
     assert result.returncode == 0, result.stderr
     lines, reference = read_lines(narrow), {line["step"]: line for line in read_lines(full)}
     assert [line["step"] for line in lines] == [4, 8, 10]                  # every 4th, and the last
@@ -111,19 +112,19 @@ def test_trace_params_and_every_keep_the_named_values_of_every_kth_step(tmp_path
 ])
 @pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "two-process"])
 def test_bad_trace_filters_exit_2_before_anything_runs(tmp_path, flags, message, mode):
-    result = run_cli(["run", "tanh-regression", "--steps", "5", "--trace", tmp_path / "t.jsonl", *flags, *mode])
+    result = run_main(["run", "tanh-regression", "--steps", "5", "--trace", tmp_path / "t.jsonl", *flags, *mode])
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
-    no_trace = run_cli(["run", "tanh-regression", "--steps", "5", "--trace-every", "3", *mode])
+    no_trace = run_main(["run", "tanh-regression", "--steps", "5", "--trace-every", "3", *mode])
     assert no_trace.returncode == 2 and "need --trace PATH" in no_trace.stderr
 
 
 def test_a_large_trace_warns_once_and_the_help_says_what_it_costs(tmp_path):
-    result = run_cli(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "t.jsonl"])
+    result = run_main(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "t.jsonl"])
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("MB a step") == 1 and "--trace-params" in result.stderr
-    small = run_cli(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "s.jsonl",
-                     "--trace-params", "g1.b"])
+    small = run_main(["run", "mlp-classify", "--steps", "2", "--in-process", "--trace", tmp_path / "s.jsonl",
+                      "--trace-params", "g1.b"])
     assert small.returncode == 0 and "MB a step" not in small.stderr
     help_text = " ".join(run_cli(["stage", "--help"]).stdout.split())
     assert "8.7 MB a step" in help_text and "--trace-every" in help_text
@@ -144,7 +145,7 @@ def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress
 def test_experiments_lists_every_description_whole():
     from distgrad.experiment import builtin_names, load_experiment
 
-    result = run_cli(["experiments"])
+    result = run_main(["experiments"])
     assert result.returncode == 0
     listed = result.stdout.split()
     for name in builtin_names():
