@@ -65,7 +65,7 @@ class _Driver:
         held = self.state.held()
         common = self.link.handshake(handshake.hello(
             self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
-            self.opts.micro_batches, self.opts.client, self.eval_every), self.opts.client)
+            self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0), self.opts.client)
         if common in held:
             self.state.rollback(common)
         else:

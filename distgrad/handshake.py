@@ -14,17 +14,25 @@ from typing import Any
 
 from . import wire
 from .errors import ProtocolError
-from .experiment import MAX_PARTS, PART_VALUE_MAX, Experiment, interface_differences, interface_digest
+from .experiment import DATA_PARTS, MAX_PARTS, PART_VALUE_MAX, Experiment, interface_differences, interface_digest
 from .wire import ErrorCode, Message
 
 
 def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], run_id: str, held: list[int],
-          steps: int, micro_batches: int, client: int | None = None, eval_every: int = 0) -> Message:
+          steps: int, micro_batches: int, client: int | None = None, eval_every: int = 0,
+          relayed: dict[str, Any] | None = None) -> Message:
     """The hello stage ``role`` sends for ``run_id``; ``held`` are the steps it (and every stage above it)
     can return to; ``client`` is which data owner it is, for a stage serving several; ``eval_every`` K > 0:
-    it evaluates the held-out rows after every K-th step (a stage serving several waits for it then)."""
+    it evaluates the held-out rows after every K-th step (a stage serving several waits for it then).
+    ``relayed``: the ``parts`` of the hello a middle stage accepted from above; the data fields it cannot
+    tell itself (``DATA_PARTS``, it holds no data) pass on from them, so the data owner's sample order
+    still meets the label owner's."""
+    parts = exp.interface_parts()
+    for key in DATA_PARTS:
+        if key not in parts and relayed is not None and key in relayed:
+            parts[key] = relayed[key]
     return Message(wire.HELLO, run_id, 0, body={
-        "role": role, "experiment": exp.name, "fingerprint": exp.interface_fingerprint, "parts": exp.interface_parts(),
+        "role": role, "experiment": exp.name, "fingerprint": interface_digest(parts), "parts": parts,
         "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
         "micro_batches": micro_batches, **({"client": client} if client is not None else {}),

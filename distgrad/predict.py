@@ -55,15 +55,17 @@ class _Session:
 def read_rows(path: Path, exp: Any, stage: str) -> np.ndarray:
     """New rows from ``path`` (``.npy``: an array of rows; ``.csv``: numbers, one row a line, no header), as
     float32 ``(rows, *features)`` scaled like the stage's training data (its ``feature_scale``)."""
-    try:
-        raw = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(
-            path, delimiter=",", ndmin=2, dtype=np.float64)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
     spec = exp.spec(stage)
     table = exp.data if spec.data is None else spec.data
     scale = np.float32(table.get("feature_scale", 1.0))
-    rows = np.asarray(raw).reshape(len(raw), -1).astype(np.float32) * scale
+    try:
+        raw = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(
+            path, delimiter=",", ndmin=2, dtype=np.float64)
+        if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
+            raise ValueError("expected a non-empty numeric array of rows")
+        rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
     width = exp.input_shape(stage)[1:] if exp.batch is not None else exp.input_shape(stage)
     if tuple(rows.shape[1:]) != tuple(width) or not len(rows):
         raise ConfigError(f"--input {path} has rows of shape {tuple(rows.shape[1:])} ({len(rows)} rows); stage "
@@ -158,7 +160,7 @@ class PredictionServer:
             self.session = _Session(msg.run, {}, now, rows, -(-rows // batch))
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
-                                      [0], 0, 1)
+                                      [0], 0, 1, relayed=body.get("parts"))
                 own.body.update(purpose="predict", rows=rows)
                 self.link.handshake(own)
             self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))

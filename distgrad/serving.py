@@ -56,7 +56,8 @@ from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message, frame_limit
 
 Envelope = list[bytes]
-MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation
+MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation,
+MAX_EVAL_BYTES = 1 << 27   # and at most this many bytes of them (128 MiB)
 Reply = tuple[Envelope, Message]
 
 
@@ -149,7 +150,10 @@ class ServingStage:
         single = forward_specs(self.stage, self.target, 1)
         # A middle stage without data cannot tell how many rows are held out: it takes up to MAX_EVAL_ROWS
         # and the stage below, which holds the labels, checks the count.
-        rows = len(self.data[0].test_rows) if self.data else MAX_EVAL_ROWS if self.link is not None else 0
+        row_bytes = 4 * int(np.prod(self.stage.input_shape[1:] or (1,)))
+        passed_on = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
+        rows = len(self.data[0].test_rows) if self.data else passed_on if self.link is not None else 0
+        self.eval_rows_max = passed_on
         self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
         limits = [frame_limit(single), frame_limit(self.eval_specs)]
         self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
@@ -290,6 +294,9 @@ class ServingStage:
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
         mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
+        if "purpose" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this stage "
+                                                    f"trains (start 'distgrad predict' on this side to predict)")
         eval_every = body.get("eval_every", 0)
         if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
             raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
@@ -398,7 +405,8 @@ class ServingStage:
         try:
             return self.link.handshake(hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape,
                                              msg.run, both, steps if isinstance(steps, int)
-                                             and not isinstance(steps, bool) else 0, mbs))
+                                             and not isinstance(steps, bool) else 0, mbs,
+                                             relayed=msg.body.get("parts")))
         except PeerRejected as e:
             raise self._refused_below(e, msg) from e
 
@@ -447,8 +455,9 @@ class ServingStage:
         if not self.data and self.link is not None:
             activation = msg.tensors.get("activation")
             rows = len(activation) if activation is not None and activation.ndim else 0
-            if not 1 <= rows <= MAX_EVAL_ROWS:
-                raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {MAX_EVAL_ROWS} rows, got {rows}")
+            if not 1 <= rows <= self.eval_rows_max:
+                raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {self.eval_rows_max} rows, got "
+                                                      f"{rows}")
             specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in specs.items()}
         elif not self.data or not len(self.data[peer.index].test_rows):
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")

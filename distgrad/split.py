@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -111,7 +112,7 @@ def _data_table(exp: Experiment, name: str, out_dir: Path) -> dict[str, Any] | N
     if not (first or owner):
         return None
     data = dict(exp.data)
-    base = Path(exp.source).parent if exp.source and Path(exp.source).is_file() else Path.cwd()
+    base = exp.spec(name).base_dir
 
     def moved(path: str) -> str:
         return os.path.relpath((base / path).resolve(), out_dir.resolve())
@@ -156,8 +157,25 @@ def stage_files(exp: Experiment, out_dir: Path) -> dict[str, str]:
     return texts
 
 
+def module_sources(exp: Experiment) -> dict[str, Path]:
+    """The files (a ``NAME.py`` or a package folder) of the module stages' code that sits next to the
+    experiment, by stage: a stage file written elsewhere needs them next to it (modules on ``sys.path`` are
+    found wherever the file is)."""
+    sources = {}
+    for spec in exp.stages:
+        if spec.module is None:
+            continue
+        top = spec.module.split(":")[0].split(".")[0]
+        for candidate in (spec.base_dir / f"{top}.py", spec.base_dir / top):
+            if candidate.exists():
+                sources[spec.name] = candidate
+                break
+    return sources
+
+
 def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> list[Path]:
-    """Write ``OUT_DIR/STAGE.toml`` for every stage of ``exp``; return the paths.
+    """Write ``OUT_DIR/STAGE.toml`` for every stage of ``exp``, and copy the code of its module stages that
+    sits next to the experiment (``module_sources``) into ``OUT_DIR``; return the stage files' paths.
 
     Existing files are left alone (``ConfigError`` naming them) unless
     ``force``. The written files are loaded back together and must give
@@ -167,9 +185,16 @@ def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = stage_files(exp, out_dir)
     paths = [out_dir / f"{name}.toml" for name in texts]
-    existing = [str(p) for p in paths if p.exists()]
+    code = {source: out_dir / source.name for source in module_sources(exp).values()
+            if source.resolve() != (out_dir / source.name).resolve()}
+    existing = [str(p) for p in [*paths, *code.values()] if p.exists()]
     if existing and not force:
         raise ConfigError(f"{', '.join(existing)} already exist(s); remove them or give --force")
+    for source, target in code.items():
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
     for path, text in zip(paths, texts.values()):
         path.write_text(text, encoding="utf-8")
     try:

@@ -319,7 +319,10 @@ class Stage:
         its names or shapes are not exactly this stage's.
         """
         try:
-            with np.load(path, allow_pickle=False) as archive:
+            archive = np.load(path, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError("not an npz archive of named arrays (what --save writes)")
+            with archive:
                 saved = {name: archive[name] for name in archive.files}
         except (OSError, ValueError, EOFError) as e:
             raise ConfigError(f"--load {path}: cannot read a parameters file of stage {self.name}: {e}") from e

@@ -145,3 +145,15 @@ def test_plot_draws_the_held_out_loss_and_accuracy_per_client(tmp_path):
                                for r in records if r["client"] == 0))
     png = plot_metrics(metrics, tmp_path / "plot.png")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_several_clients_holding_out_no_rows_never_wait_for_an_evaluation(tmp_path):
+    """``eval_every`` with no held-out rows: nothing to evaluate, so no client announces evaluations and the
+    serving stage of several clients does not wait for them (the run ends bitwise as in one process)."""
+    source = Path(load_experiment("digits-clients").source).read_text()
+    path = tmp_path / "clients.toml"
+    path.write_text(source.replace("test_fraction = 0.2", "test_fraction = 0.0").replace(
+        'path = "../datasets/digits.npz"', f'path = "{DIGITS_NPZ}"').replace("steps = 300", "steps = 12\neval_every = 5"))
+    reference, summary = _both(tmp_path, str(path), "--liveness", "3")
+    assert summary["params"] == reference["params"]
+    assert all(c["status"] == "completed" and "evaluations" not in c for c in summary["clients"])

@@ -171,3 +171,29 @@ def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp
         with pytest.raises(ProtocolError):
             server.handle(Message(wire.BYE, "run1", 3, body=body), 0.2)
     assert server.session.chunks == {} and not (tmp_path / "out.npy").exists()
+
+
+def test_a_training_stage_refuses_a_prediction_hello_and_stays_free(trained: Path):
+    from distgrad import handshake
+    from distgrad.serving import ServingStage
+    exp = load_experiment(trained / "parties" / "g.toml")
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    f_exp = load_experiment(trained / "parties" / "f.toml")
+    hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=5)
+    with pytest.raises(ProtocolError, match="this stage trains") as info:
+        server.handle([b"peer"], hello, 0.0)
+    assert info.value.code == ErrorCode.MISMATCH and not server.active
+
+
+@pytest.mark.parametrize("content", [np.float32(3.0), np.array(["a", "b"]), np.zeros((0, 64))], ids=["0-d", "strings",
+                                                                                                      "empty"])
+def test_unreadable_input_rows_are_a_configuration_error(trained: Path, tmp_path: Path, content):
+    from distgrad.errors import ConfigError
+    from distgrad.predict import read_rows
+    np.save(tmp_path / "rows.npy", content)
+    with pytest.raises(ConfigError, match="--input"):
+        read_rows(tmp_path / "rows.npy", load_experiment(trained / "parties" / "f.toml"), "f")
+    (tmp_path / "rows.csv").write_text("")
+    with pytest.raises(ConfigError, match="--input"):
+        read_rows(tmp_path / "rows.csv", load_experiment(trained / "parties" / "f.toml"), "f")

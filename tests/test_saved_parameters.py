@@ -88,3 +88,9 @@ def test_checkpoints_of_another_starting_file_are_not_resumed(tmp_path: Path):
     meta_a = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "a.npz"))
     meta_b = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "b.npz"))
     assert meta_a["load"] != meta_b["load"] and "load" not in start_meta(StageOptions(exp, "g", 0))
+
+
+def test_a_plain_npy_file_is_refused_as_parameters(tmp_path: Path):
+    np.save(tmp_path / "f.npy", np.zeros(3, np.float32))
+    with pytest.raises(ConfigError, match="not an npz archive"):
+        Stage.from_experiment(load_experiment("digits"), "f").load_parameters(tmp_path / "f.npy")

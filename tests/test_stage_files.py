@@ -193,3 +193,40 @@ def test_a_chain_of_stage_files_evaluates_through_a_middle_stage_without_data(tm
     summary = read_json(tmp_path / "run.json")
     assert summary["params"] == reference["params"]
     assert summary["test_accuracy"] == reference["test_accuracy"] and summary["test_count"] == 359
+
+
+def test_a_middle_stage_without_data_passes_the_sample_order_on(tmp_path: Path):
+    """f -> m -> g with a dataless m: g still compares its sample order with f's (relayed by m's hello)."""
+    digits = load_experiment("digits")
+    raw = {"name": "digits-chain", "steps": 5, "seed": 1, "data": dict(digits.data),
+           "stages": [{"name": "f", "model": [{"type": "dense", "name": "f1", "in": 64, "out": 16}],
+                       "optimizer": {"type": "sgd", "lr": 0.01}},
+                      {"name": "m", "model": [{"type": "relu"}], "optimizer": {"type": "sgd", "lr": 0.01}},
+                      {"name": "g", "model": [{"type": "dense", "name": "g1", "in": 16, "out": 10}],
+                       "optimizer": {"type": "sgd", "lr": 0.01}, "loss": "softmax_cross_entropy"}]}
+    raw["data"]["path"] = str(Path(digits.source).parent / raw["data"]["path"])
+    paths = split_experiment(parse_experiment(raw, str(tmp_path / "chain.toml")), tmp_path / "parties")
+    paths[2].write_text(paths[2].read_text().replace("test_fraction = 0.2", "test_fraction = 0.2\nsplit_seed = 7"))
+    with pytest.raises(ConfigError, match="sample order"):        # the launcher compares the files first
+        load_experiment(paths)
+    from conftest import wait_for_file
+    with StageProcess(["g", "--experiment", paths[2], "--bind", "tcp://127.0.0.1:*", "--ready-file",
+                       tmp_path / "g.ready"], tmp_path / "g.log") as g:
+        below = wait_for_file(tmp_path / "g.ready", g)
+        with StageProcess(["m", "--experiment", paths[1], "--bind", "tcp://127.0.0.1:*", "--connect", below,
+                           "--ready-file", tmp_path / "m.ready", "--peer-deadline", "3"], tmp_path / "m.log") as m:
+            top = wait_for_file(tmp_path / "m.ready", m)
+            f = run_cli(["stage", "f", "--experiment", paths[0], "--connect", top, "--peer-deadline", "3"])
+    assert f.returncode == 4, f.stderr
+    assert "sample order: m has 'c277" in f.stderr and "sample order: m has" in g.output
+
+
+def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
+    pytest.importorskip("torch", reason="a module stage is computed by torch (pip install 'distgrad[torch]')")
+    from distgrad.stage import Stage
+    paths = split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
+    assert (tmp_path / "digits_cnn_torch.py").is_file()
+    stage = Stage.from_experiment(load_experiment(paths[0]), "f")
+    assert stage.output_shape == (32, 256)
+    with pytest.raises(ConfigError, match="already exist"):
+        split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
