@@ -293,6 +293,7 @@ class Experiment:
                      **({"target": "x".join(map(str, self.target[0])) + " " + self.target[1]}
                         if self.target is not None else {}),
                      "steps": self.steps, "seed": self.seed, "labels": self.labels, "reduction": self.reduction,
+                     "micro_batches": self.micro_batches, "eval_every": self.eval_every,
                      "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
                      "clients mode": self.clients.mode, "clients average_every": self.clients.average_every}
             parts.update(self._order_parts())

@@ -45,7 +45,7 @@ def _hosts(tmp_path: Path, f_interface: dict | None = None, g_interface: dict | 
     x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5)
     f_host, g_host = tmp_path / "data-owner", tmp_path / "label-owner"
-    f_host.mkdir()
+    f_host.mkdir(parents=True)
     g_host.mkdir()
     np.save(f_host / "pixels.npy", x)
     (g_host / "labels.csv").write_text("id,label\n" + "".join(f"{i},{v}\n" for i, v in enumerate(y)))
@@ -230,3 +230,12 @@ def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
     assert stage.output_shape == (32, 256)
     with pytest.raises(ConfigError, match="already exist"):
         split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
+
+
+def test_stage_files_that_differ_in_their_micro_batches_or_eval_every_are_refused(tmp_path: Path):
+    """Whichever file comes first must not decide: the default micro-batches and evaluations are interface."""
+    for field, value in (("micro_batches", 4), ("eval_every", 5)):
+        f_file, g_file = _hosts(tmp_path / field, _interface(), _interface(**{field: value}))
+        for files in ([f_file, g_file], [g_file, f_file]):
+            with pytest.raises(ConfigError, match=f"disagree on the interface: {field}"):
+                load_experiment(files)
