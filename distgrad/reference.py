@@ -47,14 +47,15 @@ def _first_paragraph(obj: Any) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
-def _signature_rows(function: Callable[..., Any], skip: set[str]) -> list[tuple[str, str, str, str]]:
+def _signature_rows(function: Callable[..., Any], skip: set[str],
+                    meanings: dict[str, str]) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, parameter in inspect.signature(function).parameters.items():
         if name in skip or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         default = "required" if parameter.default is parameter.empty else repr(parameter.default)
         annotation = str(parameter.annotation).replace("'", "") if parameter.annotation is not parameter.empty else ""
-        rows.append((name, annotation, default, ""))
+        rows.append((name, annotation, default, meanings[name]))
     return rows
 
 
@@ -75,7 +76,7 @@ def render() -> str:
         title = "npz, npy, csv" if kind == "npz" else kind
         out += [f"### kind = {title}", "", _first_paragraph(cls), ""]
         skip = set(data._INTERNAL) | ({"seed"} if cls is data.ArrayFile else set())
-        out += _table(_signature_rows(cls.__init__, skip))
+        out += _table(_signature_rows(cls.__init__, skip, schema.DATA_OPTIONS))
         out.append("")
     out += ["## Layers (`model = [...]`)", "",
             "Each layer is a table with `type` and the keys below; parameters are named after the layer's "
@@ -83,14 +84,18 @@ def render() -> str:
     out += ["| type | keys |", "| --- | --- |"]
     out += [f"| `{kind}` | {', '.join(f'`{k}`' for k in keys if k != 'type') or '(none)'} |"
             for kind, keys in nn._LAYER_KEYS.items()]
+    out += ["", "| key | meaning |", "| --- | --- |"]
+    out += [f"| `{key}` | {_cell(meaning)} |" for key, meaning in schema.LAYER_KEYS.items()]
     out.append("")
     out += ["## Optimisers (`optimizer = { type = ... }`)", ""]
     for name, cls in optim.OPTIMIZERS.items():
         out += [f"### type = \"{name}\"", "", _first_paragraph(cls), ""]
-        out += _table(_signature_rows(cls.__init__, {"self"}))
+        out += _table(_signature_rows(cls.__init__, {"self"}, schema.OPTIMIZER_OPTIONS))
         out.append("")
     out += ["## Learning-rate schedules (`optimizer = { ..., schedule = { type = ... } }`)", "",
-            _first_paragraph(optim.build_optimizer).replace("``", "`"), "",
+            "The optimiser's `lr` becomes the first rate of a schedule, computed in float32 from the optimiser's "
+            "own update count (checkpointed, so a resumed run continues it). `warmup_steps = W` rises linearly "
+            "to the first rate over W updates first. The formulas: `distgrad.schedules`.", "",
             "| type | keys (each also takes `warmup_steps`) |", "| --- | --- |"]
     out += [f"| `{kind}` | {', '.join(f'`{k}`' for k in keys) or '(none)'} |"
             for kind, keys in schedules.SCHEDULE_OPTIONS.items()]

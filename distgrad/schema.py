@@ -119,3 +119,56 @@ TABLES: list[tuple[str, dict[str, Key], str]] = [
      "What the parties agree on; the handshake compares it field by field and names the one that differs."),
     ("Stage file: [stage]", STAGE_KEYS, "This party's stage."),
 ]
+
+# What each option of the registries means: the reference shows them next to each kind, layer and optimiser,
+# and tests/test_reference.py fails when a registry gains an option without a meaning here.
+DATA_OPTIONS: dict[str, str] = {
+    "start": "ramp: the first x (x = start + delta * (step - 1), computed in float64, then float32)",
+    "delta": "ramp: the change of x per step",
+    "size": "ramp: elements per step (unbatched)",
+    "seed": "synthetic kinds: the seed of the generated rows (default: the run's seed)",
+    "samples": "synthetic kinds: rows generated",
+    "features": "synthetic kinds: feature columns; file kinds: the features (an npz member, an npy path, csv "
+                "columns by index or header name). In a stage file, absent means this party does not hold them",
+    "outputs": "synthetic_regression: target columns",
+    "hidden": "synthetic_regression: width of the random teacher tanh(X A) B",
+    "batch": "rows a step; must equal the interface's batch in a stage file",
+    "noise": "synthetic_regression: standard deviation of the noise added to the targets",
+    "classes": "synthetic_classification: classes (Gaussian blobs)",
+    "spread": "synthetic_classification: standard deviation of each blob",
+    "test_fraction": "file kinds: the share of rows held out for evaluation (the first rows of a seeded shuffle)",
+    "feature_scale": "file kinds: features are float32 times this",
+    "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
+    "path": "npz and csv: the file (relative to the file that names it)",
+    "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
+              "this party does not hold them",
+    "header": "csv: the first line names the columns",
+    "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
+}
+
+LAYER_KEYS: dict[str, str] = {
+    "name": "names the parameters (NAME.W, NAME.b, ...) and, for dropout, its mask stream (default: dropoutK, "
+            "its position)",
+    "size": "scale, layernorm: the length of the last axis",
+    "init": "initial values: \"glorot_uniform\", \"truncated_normal\", \"zeros\", a number, or "
+            "{ kind = \"truncated_normal\", stddev = 0.1, mean = 0.0 }",
+    "bias_init": "initial bias (default \"zeros\")",
+    "in": "dense: input columns; conv2d: input channels",
+    "out": "dense: output columns; conv2d: output channels",
+    "kernel": "conv2d, maxpool2d: window size, an integer or [height, width]",
+    "stride": "conv2d: step of the window (default 1); maxpool2d: (default: the kernel)",
+    "padding": "conv2d: zeros added on each side (default 0); maxpool2d: 0 only",
+    "shape": "reshape: the per-row shape, e.g. [1, 8, 8] (images are NCHW)",
+    "rate": "dropout: the share of units dropped while training, in [0, 1); none at evaluation",
+    "vocab": "embedding: the number of ids (ids arrive as float32 whole numbers in [0, vocab))",
+    "dim": "embedding: the width of each id's vector",
+    "eps": "layernorm: added to the variance (default 1e-5)",
+}
+
+OPTIMIZER_OPTIONS: dict[str, str] = {
+    "lr": "the learning rate (float32), or the first rate of a schedule",
+    "beta1": "Adam: decay of the first moment",
+    "beta2": "Adam: decay of the second moment",
+    "epsilon": "Adam: added to sqrt(v), as TensorFlow 1's kernel does",
+    "schedule": "a learning-rate schedule table (see Learning-rate schedules)",
+}

@@ -60,3 +60,17 @@ def test_every_combined_key_is_one_the_parser_knows():
             parse_experiment(raw, exp.source)
         except (ConfigError, TypeError) as e:
             assert "unknown keys" not in str(e), (key, e)
+
+
+def test_every_option_of_the_registries_has_a_meaning():
+    import inspect
+
+    from distgrad import data, nn, optim
+    data_options = {name for cls in data._KINDS.values() for name in inspect.signature(cls.__init__).parameters
+                    if name not in data._INTERNAL}
+    assert data_options <= set(schema.DATA_OPTIONS), sorted(data_options - set(schema.DATA_OPTIONS))
+    layer_keys = {key for keys in nn._LAYER_KEYS.values() for key in keys if key != "type"}
+    assert layer_keys <= set(schema.LAYER_KEYS), sorted(layer_keys - set(schema.LAYER_KEYS))
+    optimizer_options = {name for cls in optim.OPTIMIZERS.values()
+                         for name in inspect.signature(cls.__init__).parameters if name != "self"}
+    assert optimizer_options <= set(schema.OPTIMIZER_OPTIONS)
