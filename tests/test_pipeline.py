@@ -29,7 +29,12 @@ def _run(tmp_path, name, *args):
 SCHEDULES = {2: ("1f1b",), 4: ("gpipe", "1f1b")}
 
 
-@pytest.mark.parametrize("experiment,steps", [("tanh-regression", 120), ("mlp-classify", 25)])
+@pytest.mark.parametrize("experiment,steps", [
+    ("tanh-regression", 120),
+    # The wide classifier repeats the same schedules on another model: in the slow set (-m slow), which
+    # keeps the default suite inside its five minutes; test_two_process checks the classifier unsplit.
+    pytest.param("mlp-classify", 25, marks=pytest.mark.slow),
+])
 @pytest.mark.parametrize("micro_batches", sorted(SCHEDULES))
 def test_every_schedule_equals_the_in_process_accumulation(tmp_path, experiment, steps, micro_batches):
     reference = _run(tmp_path, "inproc", experiment, "--in-process", "--steps", steps,
