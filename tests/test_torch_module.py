@@ -431,3 +431,13 @@ def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
     torch.save({"inp.weight": torch.zeros(3)}, tmp_path / "wrong.pt")
     with pytest.raises(ConfigError, match="does not fit stage f"):
         stage.load_parameters(tmp_path / "wrong.pt")
+
+
+def test_the_python_api_serves_and_drives_a_module_stage_bitwise():
+    """serve_stage / drive_stage build a module stage from its experiment as the daemons do."""
+    from distgrad.api import drive_stage, serve_stage
+    with serve_stage("digits-cnn-torch", steps=4) as g:
+        f = drive_stage("digits-cnn-torch", g.endpoint, steps=4)
+        served = g.wait()
+    reference = train_in_process(load_experiment("digits-cnn-torch"), steps=4)
+    assert f["params"]["f"] == reference["params"]["f"] and served["params"]["g"] == reference["params"]["g"]
