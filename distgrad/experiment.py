@@ -481,6 +481,9 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     if len(set(names)) != len(names):
         raise _fail(source, f"stage names must be unique, got {names}")
     clients = _parse_clients(source, raw.get("clients", {}), len(stages))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise _fail(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                            "([clients]) give 'steps'")
     try:
         reduction = _loss_reduction(stages[-1])
         if settings["reduction"] not in (None, reduction):
@@ -550,6 +553,9 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
     target = _parse_target(source, iface.get("target"), settings["labels"], batch)
     clients = _parse_clients(source, iface.get("clients", {}), len(names))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise _fail(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                            "([clients]) give 'steps'")
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
     spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None

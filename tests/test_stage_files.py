@@ -239,3 +239,13 @@ def test_stage_files_that_differ_in_their_micro_batches_or_eval_every_are_refuse
         for files in ([f_file, g_file], [g_file, f_file]):
             with pytest.raises(ConfigError, match=f"disagree on the interface: {field}"):
                 load_experiment(files)
+
+
+def test_epochs_with_several_data_owners_is_refused():
+    import copy
+    exp = load_experiment("digits-clients")
+    raw = copy.deepcopy(exp.raw)
+    raw.pop("steps")
+    raw["epochs"] = 2
+    with pytest.raises(ConfigError, match="with several data owners"):
+        parse_experiment(raw, exp.source)
