@@ -214,25 +214,18 @@ def test_float32_in_float32_out_and_close_to_float64(make, shape):
         np.testing.assert_allclose(grads32[name], grads64[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("make, shape", [(m, s) for _, m, s in float32_layers()],
-                         ids=[i for i, _, _ in float32_layers()])
-def test_inputs_are_not_modified(make, shape):
-    rng = np.random.default_rng(8)
-    layer = make()
-    x = away_from_zero(rng, shape).astype(np.float32)
-    dy = rng.normal(size=layer.output_shape(shape)).astype(np.float32)
+def check_inputs_untouched(layer: nn.Layer, x: np.ndarray, dy: np.ndarray) -> None:
+    """Forward and backward of ``layer`` on read-only ``x`` and ``dy`` (as received frames) change neither,
+    nor the parameters, nor the output; and a second backward from the same cache gives the same answer
+    (several micro-batches may be in flight, so backward must not consume the cache)."""
     x_copy, dy_copy = x.copy(), dy.copy()
     params_copy = {k: v.copy() for k, v in layer.params.items()}
     x.setflags(write=False)
     dy.setflags(write=False)
-
     y, cache = layer.forward(x)
     y_copy = y.copy()
     dx, grads = layer.backward(cache, dy)
-    # A second backward from the same cache gives the same answer (several
-    # micro-batches may be in flight, so backward must not consume the cache).
     dx2, grads2 = layer.backward(cache, dy)
-
     np.testing.assert_array_equal(x, x_copy)
     np.testing.assert_array_equal(dy, dy_copy)
     np.testing.assert_array_equal(y, y_copy)
@@ -241,6 +234,15 @@ def test_inputs_are_not_modified(make, shape):
         np.testing.assert_array_equal(grads[name], grads2[name])
     for name, value in params_copy.items():
         np.testing.assert_array_equal(layer.params[name], value)
+
+
+@pytest.mark.parametrize("make, shape", [(m, s) for _, m, s in float32_layers()],
+                         ids=[i for i, _, _ in float32_layers()])
+def test_inputs_are_not_modified(make, shape):
+    rng = np.random.default_rng(8)
+    layer = make()
+    x = away_from_zero(rng, shape).astype(np.float32)
+    check_inputs_untouched(layer, x, rng.normal(size=layer.output_shape(shape)).astype(np.float32))
 
 
 def test_interleaved_micro_batches():
