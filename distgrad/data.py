@@ -323,6 +323,43 @@ class ArrayFile(RowBatches):
         return self._all_labels()[self.test_rows]
 
 
+class ColumnView(DataSource):
+    """A feature party's columns of another source's features (a vertical experiment's ``columns``).
+
+    ``features``/``test_features`` keep only ``columns`` (indices into the
+    last axis, in the order given); everything else (rows, order, targets,
+    held-out rows) is the source's own, so every party walks the same rows.
+    """
+
+    def __init__(self, source: DataSource, columns: list[int]) -> None:
+        shape = source.feature_shape
+        if shape is None:
+            raise ConfigError("'columns' selects feature columns, but this data holds no features")
+        width = shape[-1]
+        if (not columns or len(set(columns)) != len(columns)
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < width for c in columns)):
+            raise ConfigError(f"'columns' must list distinct feature columns from 0 to {width - 1}, got {columns!r}")
+        self._source, self._columns = source, np.asarray(columns, np.intp)
+        self.feature_shape = (*shape[:-1], len(columns))
+        self.target_shape, self.target_dtype = source.target_shape, source.target_dtype
+        self.has_labels, self.test_rows = source.has_labels, source.test_rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)      # rows, batches, epoch_order, ...: the source's
+
+    def features(self, step: int) -> np.ndarray:
+        return np.ascontiguousarray(self._source.features(step)[..., self._columns])
+
+    def test_features(self) -> np.ndarray:
+        return np.ascontiguousarray(self._source.test_features()[..., self._columns])  # type: ignore[attr-defined]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
+
+    def shard(self, index: int, count: int) -> None:
+        self._source.shard(index, count)
+
+
 _KINDS: dict[str, type[DataSource]] = {"ramp": Ramp, "synthetic_regression": SyntheticRegression,
                                        "synthetic_classification": SyntheticClassification,
                                        "npz": ArrayFile, "npy": ArrayFile, "csv": ArrayFile}

@@ -30,6 +30,8 @@ from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_
 from .transport import Traffic
 from .wire import ErrorCode, Message
 
+PING_TIMEOUT_S = 1.0      # how long to wait for the stage below to say whom it waits for, after giving up on it
+
 
 class _Driver:
     """The first stage's loop: handshake, steps, bye, with retries and rollbacks."""
@@ -111,7 +113,7 @@ class _Driver:
             reply = self.link.await_reply(pending, (step, i))
             del pending[(step, i)]
             loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
-                                   self.exp.stage_names[1])
+                                   self.exp.downstream(self.opts.stage))
             compute = reply.body.get("compute_s")
             if isinstance(compute, float):
                 self.g_compute_s += compute
@@ -188,8 +190,15 @@ class _Driver:
         started = time.perf_counter()
         try:
             self._run()
-        except (Interrupted, PeerTimeout):
+        except Interrupted:
             state.save()            # between steps the state is consistent: a restart continues here
+            raise
+        except PeerTimeout as e:
+            state.save()
+            waiting_for = self._waiting_for()
+            if waiting_for:
+                raise PeerTimeout(f"{e}; stage {self.exp.downstream(self.opts.stage)} is waiting for "
+                                  f"{', '.join(waiting_for)} (a step needs every feature party)") from e
             raise
         except PeerRejected as e:
             if e.code == ErrorCode.NONFINITE_STEP:
@@ -207,6 +216,25 @@ class _Driver:
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}))
+
+    def _waiting_for(self) -> list[str]:
+        """The feature parties the stage below says it waits for (a vertical run), asked once after this
+        stage gave up on it; empty when it does not answer or waits for none."""
+        if not self.exp.vertical:
+            return []
+        try:
+            pong = self.link.client.request(Message(wire.PING, self.state.run_id, 0), PING_TIMEOUT_S)
+        except (PeerTimeout, PeerRejected, ProtocolError):
+            return []
+        names = pong.body.get("waiting_for")
+        return [name for name in names if isinstance(name, str)][:16] if isinstance(names, list) else []
+
+    def _owes_evaluation(self) -> bool:
+        """A feature party back in a vertical run at a step whose evaluation it has not taken: the stage
+        below waits for every party's held-out embeddings of that step before the next step."""
+        step = self.state.stage.step
+        return (self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
+                and not (self.evaluations and self.evaluations[-1]["step"] == step))
 
     def _run(self) -> None:
         self.handshake()
@@ -226,6 +254,9 @@ class _Driver:
                     self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
                     self.state.save_parameters()
                     return
+                if self._owes_evaluation():
+                    self.evaluate()
+                    continue
                 self.step_once()
                 self._after_step()
             except PeerRejected as e:

@@ -32,7 +32,8 @@ from typing import AbstractSet, Any, Mapping, Sequence
 import numpy as np
 
 from . import schema
-from .data import DataSource, build_data
+from .aggregate import AGGREGATES, combined_shape
+from .data import ColumnView, DataSource, build_data
 from .errors import ConfigError
 from .losses import Loss, build_loss, build_module_loss
 from .nn import DTYPE, Sequential, Shape, build_model
@@ -72,7 +73,8 @@ class StageSpec:
     torch stage computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``output`` is
     the per-row output shape a module stage of a combined experiment declares.
     ``data`` is the stage file's ``[data]`` table (None: the experiment's);
-    ``seed`` the seed of this stage's initial values (None: the run's).
+    ``seed`` the seed of this stage's initial values (None: the run's);
+    ``columns`` the feature columns it takes from its data (None: all).
     """
 
     name: str
@@ -88,6 +90,7 @@ class StageSpec:
     seed: int | None = None
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
     source: str = ""
+    columns: list[int] | None = None
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -141,8 +144,32 @@ class Experiment:
     epochs: int | None = None
     description: str = ""
     target: tuple[Shape, str] | None = None    # a whole batch's targets (shape, dtype) when they travel
+    aggregate: str | None = None               # vertical: how the last stage combines the parties' embeddings
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def vertical(self) -> bool:
+        """True when every stage but the last is a feature party feeding the last (``aggregate``)."""
+        return self.aggregate is not None
+
+    @property
+    def data_owners(self) -> list[str]:
+        """The stages that hold features and drive: the feature parties (vertical), else the first stage."""
+        return list(self.stage_names[:-1]) if self.vertical else [self.stage_names[0]]
+
+    def downstream(self, name: str) -> str:
+        """The stage ``name`` sends its activations to (the last one for a feature party)."""
+        index = self.stage_index(name)
+        return self.stage_names[-1] if self.vertical else self.stage_names[index + 1]
+
+    def upstream(self, name: str) -> list[str]:
+        """The stages that send ``name`` their activations: every feature party for the last stage of a
+        vertical experiment, else the one stage above (none for a data owner)."""
+        index = self.stage_index(name)
+        if name in self.data_owners:
+            return []
+        return self.data_owners if self.vertical else [self.stage_names[index - 1]]
 
     @property
     def federated(self) -> bool:
@@ -188,19 +215,22 @@ class Experiment:
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
-        return data
+        return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def input_shape(self, name: str, seed: int | None = None) -> Shape:
-        """The per-step shape of what stage ``name`` receives: its data's features (first stage), else
-        the activation at the cut above it."""
+        """The per-step shape of what stage ``name`` receives: its data's features (a data owner), the
+        parties' embeddings combined (the last stage of a vertical experiment), else the activation at the
+        cut above it."""
         index = self.stage_index(name)
-        if index > 0:
+        if self.vertical and index == len(self.stage_names) - 1:
+            return combined_shape(self.aggregate, self.cuts)    # type: ignore[arg-type]
+        if name not in self.data_owners:
             return self.cuts[index - 1]
         key = ("features", self.seed if seed is None else seed)
         if key not in self._derived:
             shape = self.build_data(seed, stage=name).feature_shape
             if shape is None:
-                raise ConfigError(f"the first stage {name!r} needs features in its [data]")
+                raise ConfigError(f"the data owner {name!r} needs features in its [data]")
             self._derived[key] = tuple(shape)
         return self._derived[key]
 
@@ -236,7 +266,9 @@ class Experiment:
         """``"driving"`` (the first stage), ``"serving"`` (the last) or ``"middle"``; raises
         ``ConfigError`` for a name the experiment does not have."""
         index = self.stage_index(stage)
-        return "driving" if index == 0 else "serving" if index == len(self.stage_names) - 1 else "middle"
+        if stage in self.data_owners:
+            return "driving"
+        return "serving" if index == len(self.stage_names) - 1 else "middle"
 
     def check_role(self, stage: str, binds: bool, connects: bool) -> str:
         """The one check that a stage is run with the endpoints its place needs; returns its role.
@@ -295,7 +327,8 @@ class Experiment:
                      "steps": self.steps, "seed": self.seed, "labels": self.labels, "reduction": self.reduction,
                      "micro_batches": self.micro_batches, "eval_every": self.eval_every,
                      "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
-                     "clients mode": self.clients.mode, "clients average_every": self.clients.average_every}
+                     "clients mode": self.clients.mode, "clients average_every": self.clients.average_every,
+                     **({"aggregate": self.aggregate} if self.vertical else {})}
             parts.update(self._order_parts())
             self._derived["parts"] = parts
         return dict(parts)
@@ -403,9 +436,16 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     seed = table.get("seed")
     if seed is not None and (not _whole(seed) or seed < 0):
         raise _fail(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
+    columns = table.get("columns")
+    if columns is not None and (not isinstance(columns, list) or not columns
+                                or not all(_whole(c) and c >= 0 for c in columns)
+                                or len(set(columns)) != len(columns)):
+        raise _fail(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
+                            f"got {columns!r}")
     return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
-                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source)
+                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
+                     list(columns) if columns is not None else None)
 
 
 def _shape_list(value: Any) -> bool:
@@ -436,6 +476,25 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(raw.get("description", ""), str):
         raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
     return out
+
+
+def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
+                     clients: Clients) -> str | None:
+    """``aggregate``: absent (a chain), or how the last stage combines its feature parties' embeddings."""
+    kind = raw.get("aggregate")
+    if kind is None:
+        return None
+    if kind not in AGGREGATES:
+        raise _fail(source, f"{where}'aggregate' must be one of {list(AGGREGATES)}, got {kind!r}")
+    if len(names) < 2:
+        raise _fail(source, f"{where}'aggregate' needs feature parties and a last stage: at least two stages")
+    if labels != "last":
+        raise _fail(source, f"{where}a vertical experiment ('aggregate') keeps the labels at its last stage: "
+                            f"labels = \"first\" is not supported")
+    if clients.count > 1:
+        raise _fail(source, f"{where}'aggregate' (feature parties) and [clients] (data owners of other rows) "
+                            f"cannot be combined")
+    return kind
 
 
 def stage_loss(spec: StageSpec) -> Loss:
@@ -484,6 +543,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     if settings["epochs"] is not None and clients.count > 1:
         raise _fail(source, "'epochs' counts passes over one data owner's rows; with several data owners "
                             "([clients]) give 'steps'")
+    aggregate = _parse_aggregate(source, raw, "", names, settings["labels"], clients)
     try:
         reduction = _loss_reduction(stages[-1])
         if settings["reduction"] not in (None, reduction):
@@ -493,6 +553,10 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         batch = getattr(source_data, "batch", None)
         cuts, shape = [], tuple(source_data.feature_shape)
         for spec in stages[:-1]:
+            if aggregate is not None:        # each feature party starts from its own columns
+                shape = tuple(source_data.feature_shape)
+            if spec.columns is not None:
+                shape = tuple(ColumnView(source_data, spec.columns).feature_shape)
             if spec.model is not None:
                 shape = build_model(spec.model, seed).output_shape(shape)
             elif spec.output is not None:
@@ -509,7 +573,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target)
+                     raw.get("description", ""), target, aggregate=aggregate)
     _check_built(exp, source)
     return exp
 
@@ -556,6 +620,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     if settings["epochs"] is not None and clients.count > 1:
         raise _fail(source, "'epochs' counts passes over one data owner's rows; with several data owners "
                             "([clients]) give 'steps'")
+    aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
     spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
@@ -593,7 +658,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target)
+                     raw.get("description", ""), target, aggregate=aggregate)
     _check_built(exp, source)
     return exp
 
@@ -644,8 +709,13 @@ def _check_built(exp: Experiment, source: str) -> None:
     against the last stage's prediction."""
     try:
         exp.interface_parts()
+        if exp.vertical:
+            exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
-            first, last = spec.name == exp.stage_names[0], spec.name == exp.stage_names[-1]
+            first, last = spec.name in exp.data_owners, spec.name == exp.stage_names[-1]
+            if spec.columns is not None and not first:
+                raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
+                                  f"this stage receives activations")
             holds_data = bool(exp.data if spec.data is None else spec.data)
             if not holds_data and (first or spec.name == exp.label_owner):
                 raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
@@ -655,7 +725,7 @@ def _check_built(exp: Experiment, source: str) -> None:
                 for client in range(exp.clients.count if exp.federated and first else 0):
                     exp.build_data(client=client, stage=spec.name)
                 if first and data.feature_shape is None:
-                    raise ConfigError(f"the first stage {spec.name!r} needs features in its [data]")
+                    raise ConfigError(f"the data owner {spec.name!r} needs features in its [data]")
                 if spec.name == exp.label_owner and not data.has_labels:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
                 if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
@@ -704,7 +774,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
     return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
                       _digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
-                      first.epochs, first.description, first.target)
+                      first.epochs, first.description, first.target, aggregate=first.aggregate)
 
 
 def _whole(value: Any) -> bool:

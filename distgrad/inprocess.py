@@ -15,6 +15,7 @@ from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
+from . import aggregate
 from .engine import StepEngine
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .nn import Grads
@@ -100,6 +101,37 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
         done = engine.update(step, micro_batches, client=client)
         loss = done if engine is engines[-1] else loss
     return loss
+
+
+def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment, step: int,
+                   features: list[np.ndarray], targets: np.ndarray, micro_batches: int) -> float | None:
+    """One step of a vertical experiment in the serving stage's order: per micro-batch, every party's
+    forward (party order), the combined input, the loss, and each party's backward of its own part of the
+    input's gradient; then the last stage's update and the parties'. Returns the step's loss."""
+    kind = exp.aggregate
+    widths = [cut[-1] for cut in exp.cuts]
+    stage = last.stage
+    for i in range(micro_batches):
+        outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
+        z = aggregate.combine(kind, [y for y, _ in outputs])
+        mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
+        stage.check_finite("loss", mb_loss, step)
+        stage.check_finite("activation_grad", dz, step)
+        last.add(i, micro_batches, grads, mb_loss, dz)
+        for engine, (_, cache), dy in zip(parties, outputs, aggregate.split(kind, dz, widths)):
+            _, party_grads = engine.stage.backward(cache, dy, need_dx=False)
+            engine.add(i, micro_batches, party_grads)
+    loss = last.update(step, micro_batches)
+    for engine in parties:
+        engine.update(step, micro_batches)
+    return loss
+
+
+def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels) -> dict[str, Any]:
+    """Every party's held-out rows forward, combined, scored by the last stage."""
+    z = aggregate.combine(exp.aggregate, [party.forward(d.test_features(), training=False)[0]
+                                          for party, d in zip(parties, data)])
+    return last.evaluate_last(z, labels.test_targets())
 
 
 class _ParameterFiles:
@@ -246,7 +278,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
         stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
         engines = _engines(stages, exp, lines, shared_last=False)
-        data = exp.build_data(seed, stage=exp.stage_names[0])
+        owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
+        data = owners[0]
         labels = exp.build_data(seed, stage=exp.label_owner)
         *upstream, last = stages
         loss = None
@@ -254,12 +287,17 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         evaluation, evaluations = None, []
         started, cpu_started = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
-            loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
+            if exp.vertical:
+                loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
+                                      labels.targets(step), micro_batches)
+            else:
+                loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
             lines.flush()
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
             if len(data.test_rows) and _due(step, steps, eval_every):
-                evaluation = _evaluate(upstream, last, data, labels)
+                evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels) if exp.vertical
+                              else _evaluate(upstream, last, data, labels))
                 evaluations.append(evaluation_entry(step, evaluation))
                 log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
     for stage in stages:

@@ -187,8 +187,10 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     names = exp.stage_names
     source = {name: _stage_source(exp, name, experiment) for name in names}
     clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
-    # Each process: the serving stages by name, the first stage once per client (f@0, f@1, ...).
-    processes = [client_stage_name(names[0], c) for c in clients] + names[1:]
+    # Each process: the data owners first (the first stage once per client, f@0, f@1, ..., or every feature
+    # party), then the serving stages by name.
+    drivers, serving = _driving_processes(exp, clients), [n for n in names if n not in exp.data_owners]
+    processes = [label for label, _, _ in drivers] + serving
     files_of = _parameter_flags(exp, clients, save_dir, load_dir)
     done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
@@ -205,13 +207,16 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
             if value is not None:
                 flags += [option, str(value)]
         files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
-        drivers = processes[:len(clients)]
+        labels = [label for label, _, _ in drivers]
         # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
-        metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in drivers} if exp.federated
-                   else {name: Path(metrics_path) for name in drivers}) if metrics_path is not None else {}
-        boards = ({name: Path(tensorboard_dir) / name if exp.federated else Path(tensorboard_dir) for name in drivers}
-                  if tensorboard_dir is not None else {})
-        curve = _curve_flags(tmp / "keys", names, processes) if secure else {name: [] for name in processes}
+        # Feature parties all learn the same losses and scores: the first one writes them.
+        metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in labels} if exp.federated
+                   else {labels[0]: Path(metrics_path)}) if metrics_path is not None else {}
+        boards = ({name: Path(tensorboard_dir) / name for name in labels} if exp.federated
+                  else {labels[0]: Path(tensorboard_dir)}) if tensorboard_dir is not None else {}
+        curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _ in drivers] +
+                              [(name, name) for name in serving])
+                 if secure else {name: [] for name in processes})
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
@@ -220,7 +225,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         try:
             # Serving stages from the last one up, each connecting to the one below it.
             below: list[str] = []
-            for name in reversed(names[1:]):
+            for name in reversed(serving):
                 bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
                 ready = tmp / f"{name}.ready"
                 child = _Child(name, _stage_argv(name, source[name], [
@@ -229,12 +234,11 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 children.append(child)
                 below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
-            for client in clients:
-                # With several clients, client 0 draws the bar and the others log their progress.
-                label = names[0] if client is None else client_stage_name(names[0], client)
+            for label, stage, client in drivers:
+                # The first data owner (client 0, the first party) draws the bar; the others log their progress.
                 client_flags = [] if client is None else ["--client", str(client)]
-                shown = bar if client in (None, 0) else None
-                driver = _Child(label, _stage_argv(names[0], source[names[0]], [
+                shown = bar if label == labels[0] else None
+                driver = _Child(label, _stage_argv(stage, source[stage], [
                     "--connect", below[0], *client_flags, *flags, *driver_flags,
                     "--progress", "lines" if shown else "off", *curve[label], *outputs(label), *files_of[label],
                     *(["--metrics", str(metrics[label])] if label in metrics else []),
@@ -257,10 +261,16 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         if summary_path is not None:
             write_json(summary_path, summary)
         if trace_path is not None:
-            merge_traces([files[name][1] for name in processes], trace_path, [*clients, *[None] * len(names[1:])])
+            merge_traces([files[name][1] for name in processes], trace_path,
+                         [*(client for _, _, client in drivers), *[None] * len(serving)])
         if exp.federated and metrics_path is not None:
-            merge_metrics([metrics[name] for name in drivers], metrics_path, clients)
+            merge_metrics([metrics[name] for name in labels], metrics_path, clients)
     return summary
+
+
+def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:
+    """``(process, stage, client)`` of every driving process: each data owner once per client."""
+    return [(client_stage_name(owner, c), owner, c) for owner in exp.data_owners for c in clients]
 
 
 def _parameter_flags(exp: Any, clients: Sequence[int | None], save_dir: str | Path | None,
@@ -269,8 +279,8 @@ def _parameter_flags(exp: Any, clients: Sequence[int | None], save_dir: str | Pa
     before anything starts when a file to load is missing or the folder to save in cannot be written."""
     from .stage import check_parameter_files, make_save_dir, parameters_file
 
-    processes = [(client_stage_name(exp.stage_names[0], c), exp.stage_names[0]) for c in clients]
-    processes += [(name, name) for name in exp.stage_names[1:]]
+    processes = [(label, stage) for label, stage, _ in _driving_processes(exp, clients)]
+    processes += [(name, name) for name in exp.stage_names if name not in exp.data_owners]
     flags: dict[str, list[str]] = {}
     make_save_dir(save_dir)
     for instance, stage in processes:
@@ -295,9 +305,9 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     directory = Path(flags[flags.index("--checkpoint-dir") + 1])
     overrides = parse_init_overrides(init)
     summaries = []
-    stages = [(exp.stage_names[0], client) for client in clients]
+    stages = [(stage, client) for _, stage, client in _driving_processes(exp, clients)]
     if not exp.federated:               # the serving stage of several clients keeps no checkpoints
-        stages += [(name, None) for name in exp.stage_names[1:]]
+        stages += [(name, None) for name in exp.stage_names if name not in exp.data_owners]
     for name, client in stages:
         instance = client_stage_name(name, client)
         opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
@@ -315,27 +325,26 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     return summary
 
 
-def _curve_flags(directory: Path, names: Sequence[str], processes: Sequence[str]) -> dict[str, list[str]]:
-    """Fresh CURVE key pairs: each serving stage accepts only the keys of the stage above it.
+def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
+    """Fresh CURVE key pairs: each serving stage accepts only the keys of the processes above it.
 
-    ``processes`` are the first stage's processes (one per client) followed by
-    ``names[1:]``; every process gets its own key pair.
+    ``processes`` are ``(process, stage)``: the data owners' processes (one per
+    client, or every feature party), then the serving stages (named as their
+    stage); every process gets its own key pair.
     """
-    firsts = processes[:len(processes) - len(names) + 1]
+    last = exp.stage_names[-1]
     keys: dict[str, tuple[Path, Path]] = {}
-    for i, name in enumerate(names):
-        # A stage's pair is made in the allow directory of the stage below it (the last one's anywhere).
-        where = directory / f"allowed-by-{names[i + 1]}" if i + 1 < len(names) else directory
-        for process in (firsts if i == 0 else [name]):
-            keys[process] = keygen(where, process)
+    for process, stage in processes:
+        # A process's pair is made in the allow directory of the stage below it (the last one's anywhere).
+        where = directory / f"allowed-by-{exp.downstream(stage)}" if stage != last else directory
+        keys[process] = keygen(where, process)
     flags = {}
-    for process in processes:
-        i = 0 if process in firsts else names.index(process)
+    for process, stage in processes:
         flags[process] = ["--curve-secret", str(keys[process][1])]
-        if i > 0:
+        if stage not in exp.data_owners:
             flags[process] += ["--allow", str(directory / f"allowed-by-{process}")]
-        if i + 1 < len(names):
-            flags[process] += ["--server-key", str(keys[names[i + 1]][0])]
+        if stage != last:
+            flags[process] += ["--server-key", str(keys[exp.downstream(stage)][0])]
     return flags
 
 

@@ -39,6 +39,11 @@ _SHARED: dict[str, Key] = {
     "clients": ("table", "absent",
                 "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
                 "average_every (splitfed: average the first stage's parameters every K steps)"),
+    "aggregate": ('"concat" | "sum" | "mean"', "absent",
+                  "vertical split learning: every stage but the last is a feature party holding its own columns of "
+                  "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
+                  "embeddings of a step before its own model: side by side in party order (concat), or their sum "
+                  "or mean; each party gets back exactly the gradient of its own embedding"),
     "description": ("string", '""', "free text, shown by 'distgrad experiments'"),
 }
 
@@ -68,8 +73,8 @@ INTERFACE_KEYS: dict[str, Key] = {
               "rows per step; absent for unbatched data (the seed's ramp). Each party's [data] must batch alike"),
     "activation": ("table, or array of tables", None,
                    "what crosses each cut (required): { shape = [per-row shape], dtype = \"float32\" }, one table "
-                   "per cut from the top (a single table for two stages); the tensor of a step is "
-                   "(batch, *shape)"),
+                   "per cut from the top (a single table for two stages; with 'aggregate', one per feature party, "
+                   "in party order); the tensor of a step is (batch, *shape)"),
     "target": ("table", "absent",
                "with labels = \"first\" (required then): the per-row shape and dtype of the targets that travel with "
                "the activations, e.g. { shape = [], dtype = \"int64\" } for class ids"),
@@ -95,6 +100,9 @@ _STAGE_COMMON: dict[str, Key] = {
              "(float32 targets shaped like the output); reduction \"mean\" or \"sum\""),
     "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
+    "columns": ("array of integers", "absent (every column)",
+                "the feature columns this stage takes from its data's features (indices into their last axis, in "
+                "this order): a feature party's own columns in a vertical experiment ('aggregate')"),
     "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),

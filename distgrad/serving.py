@@ -43,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from . import wire
+from . import aggregate, wire
 from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import build_stage_parts, client_stage_name
 from .handshake import check_hello, common_step, hello, same_exactly
@@ -68,6 +68,7 @@ class PeerStatus(enum.Enum):
     ACTIVE = "active"          # takes part in the rounds
     REJOINING = "rejoining"    # said hello again after being dropped: takes part from the next round
     DROPPED = "dropped"        # silent when awaited, or its step failed; may say hello again
+    STALE = "stale"            # a feature party whose run went back to an earlier step: says hello again
     FINISHED = "finished"      # said bye
 
 
@@ -130,8 +131,10 @@ class ServingStage:
                  ctx: zmq.Context | None = None) -> None:
         self.opts, self.exp = opts, opts.experiment
         self.exp.check_role(opts.stage, binds=True, connects=connect is not None)
-        self.upstream = self.exp.stage_names[self.exp.stage_index(opts.stage) - 1]
-        self.count = self.exp.clients.count
+        self.parties = self.exp.upstream(opts.stage)   # the stages above (a vertical experiment's parties)
+        self.upstream = self.parties[0]
+        self.vertical = self.exp.vertical and len(self.parties) > 1   # a step takes every party's embedding
+        self.count = len(self.parties) if self.vertical else self.exp.clients.count
         self.shared = self.count > 1                 # several data owners share this stage
         # With several peers this stage runs its own steps; one peer says when its run ends (bye).
         self.steps: int | None = opts.total_steps if self.shared else None
@@ -141,21 +144,28 @@ class ServingStage:
         # The last stage reads only the targets (a shard per data owner); a middle one only how many rows are
         # held out (its stage file may hold no data: it then evaluates nothing).
         holds_data = self.exp.spec(opts.stage).data != {}
-        self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None, stage=opts.stage)
-                     for c in range(self.count)] if holds_data else []
+        if holds_data and self.vertical:              # every party's rows are the same rows: one label source
+            self.data = [self.exp.build_data(opts.seed, stage=opts.stage)] * self.count
+        else:
+            self.data = [self.exp.build_data(opts.seed, client=c if self.shared else None, stage=opts.stage)
+                         for c in range(self.count)] if holds_data else []
+        # What each peer's forward carries: a party's own embedding (vertical), else this stage's input.
+        self.input_shapes = ([self.exp.cuts[self.exp.stage_index(name)] for name in self.parties] if self.vertical
+                             else [self.stage.input_shape] * self.count)
         self.target = target_spec(self.exp)
         self.link = None if connect is None else DownstreamLink(
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
             backward_specs(self.stage, 1))
-        single = forward_specs(self.stage, self.target, 1)
+        singles = [forward_specs(self.stage, self.target, 1, shape) for shape in self.input_shapes]
         # A middle stage without data cannot tell how many rows are held out: it takes up to MAX_EVAL_ROWS
         # and the stage below, which holds the labels, checks the count.
         row_bytes = 4 * int(np.prod(self.stage.input_shape[1:] or (1,)))
         passed_on = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
         rows = len(self.data[0].test_rows) if self.data else passed_on if self.link is not None else 0
         self.eval_rows_max = passed_on
-        self.eval_specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
-        limits = [frame_limit(single), frame_limit(self.eval_specs)]
+        self.eval_specs = [{name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
+                           for single in singles]     # per peer
+        limits = [frame_limit(single) for single in singles] + [frame_limit(specs) for specs in self.eval_specs]
         self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
         if self.exp.clients.mode == "splitfed":
             first_model, _, _ = build_stage_parts(self.exp, self.upstream, opts.seed, opts.init)
@@ -171,7 +181,8 @@ class ServingStage:
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
         self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
-        self.deferred_peer: Peer | None = None             # whose micro-batch that is
+        self.deferred_peers: list[Peer] = []               # whose micro-batch that is
+        self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
         if opts.resume and self.state.resume_latest():
             self._resumed(time.monotonic())
             self.state.open_trace(append=True)
@@ -189,6 +200,7 @@ class ServingStage:
         self.order: list[int] = []          # the peers taking part in it, in turn order
         self.turn = 0                       # index into ``order``
         self.first_hello: float | None = None
+        self.joined_at = self.now           # when this stage began waiting for its peers (vertical: all)
         self.lost_since: float | None = None
         self.owed: set[int] = set()         # peers whose evaluation ends the round (phase EVALUATING)
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
@@ -244,12 +256,17 @@ class ServingStage:
         if msg.type == wire.PING:
             return earlier + [(envelope, self._pong(msg, now))]
         if msg.type == wire.HELLO:
-            return earlier + [(envelope, self._hello(envelope, msg, now, peer_key))] + self._advance(now)
+            welcome = self._hello(envelope, msg, now, peer_key)
+            notices, self.notices = self.notices, []
+            return earlier + notices + [(envelope, welcome)] + self._advance(now)
         if msg.type == wire.BYE and msg.run in self.bye_replies:
             return earlier + [(envelope, self.bye_replies[msg.run])]    # a repeated bye of a completed run
         peer = self._peer_of(msg)
         if peer.owner and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
+            raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.round}: {self._name(peer)} must "
+                                               f"say hello again")
         if peer.failure is not None:
             failure, peer.failure = peer.failure, None
             self._failed(peer, failure)
@@ -275,7 +292,8 @@ class ServingStage:
             "stage": self.opts.stage, "experiment": self.exp.name, "run": run,
             "step": self.stage.step if not self.shared else min(self.rounds_done, self.steps or 0),
             "client_live": self.live(now), "phase": self.phase.value,
-            "clients_active": sum(p.taking_part() for p in self.peers)})
+            "clients_active": sum(p.taking_part() for p in self.peers),
+            **({"waiting_for": [self.parties[p.index] for p in self.missing_parties(now)]} if self.vertical else {})})
 
     def _peer_of(self, msg: Message) -> Peer:
         """The peer whose run ``msg`` belongs to; ``ProtocolError`` (``RUN``) when none said hello for it."""
@@ -293,7 +311,16 @@ class ServingStage:
 
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         body = msg.body
-        mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
+        if self.vertical:
+            role = body.get("role")
+            if role not in self.parties:
+                raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this stage serves the "
+                                                        f"feature parties {self.parties}")
+            index = self.parties.index(role)
+            mbs = check_hello(body, role, self.exp, self.opts.seed, self.input_shapes[index], self.opts.stage)
+        else:
+            mbs = check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape,
+                              self.opts.stage)
         if "purpose" in body:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this stage "
                                                     f"trains (start 'distgrad predict' on this side to predict)")
@@ -301,7 +328,11 @@ class ServingStage:
         if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
             raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
                                                      f"integer >= 0")
-        index = body.get("client", 0 if not self.shared else None)
+        if not self.vertical:
+            index = body.get("client", 0 if not self.shared else None)
+        elif "client" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
+                                                    f"parties of {self.exp.name!r} are told apart by their stage")
         if self.shared and (not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
                                                     f"clients 0 to {self.count - 1} (give --client)")
@@ -312,14 +343,17 @@ class ServingStage:
         if peer.owner and peer_key != peer.owner and (self.shared or peer.run == msg.run):
             raise ProtocolError(ErrorCode.RUN, f"{self._name(peer)} said hello with another client key before"
                                 if self.shared else "this run belongs to another client key")
-        if self.shared:
+        if self.vertical:
+            next_step = self._hello_party(peer, msg, mbs, eval_every, peer_key)
+        elif self.shared:
             next_step = self._hello_shared(peer, msg, mbs, now, peer_key)
         else:
             next_step = self._hello_single(peer, msg, mbs, now, peer_key)
-        peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs)
+        peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs, self.input_shapes[peer.index])
         peer.eval_every = eval_every
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
-        self.owed.discard(peer.index)           # it starts again after the step it would have evaluated
+        if not self.vertical:
+            self.owed.discard(peer.index)       # it starts again after the step it would have evaluated
         self._seen(peer, now)
         peer.envelope = envelope
         if self.first_hello is None:
@@ -390,6 +424,61 @@ class ServingStage:
                          self.round + 1)
         return self.round + 1
 
+    def _hello_party(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str) -> int:
+        """One feature party of a vertical experiment (re)joins: it goes on from the newest step it and this
+        stage both hold, no later than where this stage stands. When that is earlier, this stage rolls back
+        to it and every other party must say hello again (``STALE``), so all of them go on from one step."""
+        held = msg.body.get("held")
+        common_step([0], held)                          # validates the list
+        for other in self.peers:
+            if other is peer or other.status is not PeerStatus.ACTIVE:
+                continue
+            if other.mbs != mbs or other.eval_every != eval_every:
+                raise ProtocolError(ErrorCode.MISMATCH, f"{self._name(peer)} asks for {mbs} micro-batches and an "
+                                                        f"evaluation every {eval_every} steps, {self._name(other)} "
+                                                        f"for {other.mbs} and {other.eval_every}")
+        if self.phase is Phase.DONE:
+            raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; {self._name(peer)} cannot "
+                                               f"join now")
+        if not self.active:
+            self.active = True
+            if not self.state.run_id:
+                self.state.begin(uuid.uuid4().hex)     # this stage's name for the run; each party has its own
+        live = self.stage.step
+        both = set(self.state.held()) & set(held)
+        common = max([s for s in both if s <= live] or [0])
+        if common < live:
+            self._roll_back_parties(common, peer)
+        else:
+            # The round in progress goes on; the party's replies of it stay, so a micro-batch it sends
+            # again (it computes the same values) gets the same reply.
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] == common + 1}
+        if peer.run != msg.run:
+            peer.owner = peer_key
+        peer.run, peer.status, peer.step = msg.run, PeerStatus.ACTIVE, common
+        return common + 1
+
+    def _roll_back_parties(self, step: int, cause: Peer) -> None:
+        """Go back to ``step`` (a step this stage holds) because ``cause`` holds nothing later; every other
+        party taking part is told (its waiting forwards get an error reply) and must say hello again."""
+        self.log.warning("%s goes on from step %d: this stage and every other party go back to it",
+                         self._name(cause), step)
+        self.state.rollback(step)
+        self.engine.reset()
+        self._new_run(start_round=step + 1, fresh=False)
+        for other in self.peers:
+            other.cached = {}
+            if other is cause or other.status is not PeerStatus.ACTIVE:
+                continue
+            text = (f"{self._name(cause)} went back to step {step}; the run goes on from there: "
+                    f"say hello again")
+            self.notices += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text, m.mb, m.mbs))
+                             for m in other.waiting.values()]
+            if other.evaluate is not None:
+                m = other.evaluate
+                self.notices.append((other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text)))
+            other.status, other.waiting, other.evaluate = PeerStatus.STALE, {}, None
+
     def _agree(self, msg: Message, ours: list[int], theirs: Any, mbs: int) -> int:
         """The step this stage and every stage above and below it hold (``ours``: this stage's).
 
@@ -427,7 +516,7 @@ class ServingStage:
             wire.expect_tensors(msg, peer.specs, self.exp.allow_nonfinite)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
-        in_turn = self.phase is Phase.ROUND and self.turn < len(self.order) and self.order[self.turn] == peer.index
+        in_turn = peer in self._turn_peers()
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
@@ -451,7 +540,7 @@ class ServingStage:
         return []
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        specs = self.eval_specs
+        specs = self.eval_specs[peer.index]
         if not self.data and self.link is not None:
             activation = msg.tensors.get("activation")
             rows = len(activation) if activation is not None and activation.ndim else 0
@@ -499,12 +588,21 @@ class ServingStage:
 
     # -- the turn order
     def _name(self, peer: Peer) -> str:
+        if self.vertical:
+            return f"party {self.parties[peer.index]}"
         return f"client {peer.index}" if self.shared else f"client of run {peer.run}"
 
     def _current(self) -> Peer | None:
-        if self.phase is not Phase.ROUND or self.turn >= len(self.order):
-            return None
-        return self.peers[self.order[self.turn]]
+        """The one peer whose turn it is (none between rounds, nor in a vertical round: all take part)."""
+        turn = self._turn_peers()
+        return turn[0] if len(turn) == 1 and not self.vertical else None
+
+    def _turn_peers(self) -> list[Peer]:
+        """The peers whose micro-batches this stage takes now: one peer's turn, or every feature party of a
+        vertical round (whose embeddings combine)."""
+        if self.phase is not Phase.ROUND or self.turn >= (1 if self.vertical else len(self.order)):
+            return []
+        return [self.peers[i] for i in self.order] if self.vertical else [self.peers[self.order[self.turn]]]
 
     def _start_round(self) -> None:
         """The next round, or the end of the run after the last."""
@@ -513,7 +611,9 @@ class ServingStage:
             self.phase = Phase.DONE
             self.log.info("every step is done; answering evaluations and byes")
             return
-        if self.shared:
+        if self.vertical:
+            self.order = list(range(self.count))      # every party, every round
+        elif self.shared:
             for peer in self.peers:
                 if peer.status is PeerStatus.REJOINING:
                     peer.status = PeerStatus.ACTIVE
@@ -526,7 +626,16 @@ class ServingStage:
         """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
         replies: list[Reply] = []
         while self.deferred is None:        # a reply's gradients and update come before any later work
-            if self.phase is Phase.ROUND:       # the hot path first
+            if self.phase is Phase.ROUND and self.vertical:
+                if self.turn == 0:
+                    group = self._turn_peers()
+                    key = (self.round, self.engine.done)
+                    if any(p.status is not PeerStatus.ACTIVE or key not in p.waiting for p in group):
+                        break               # a step needs every party's embedding
+                    replies += self._compute_parties(group, [p.waiting.pop(key) for p in group], now)
+                    continue
+                self._end_round()
+            elif self.phase is Phase.ROUND:       # the hot path first
                 if self.turn < len(self.order):
                     peer = self.peers[self.order[self.turn]]
                     if peer.status is not PeerStatus.ACTIVE:
@@ -540,6 +649,10 @@ class ServingStage:
                 if not any(p.taking_part() for p in self.peers):
                     break                   # nobody takes part (any more): wait for a hello or the bye's end
                 self._end_round()
+            elif self.phase is Phase.JOINING and self.vertical:
+                if any(p.status is not PeerStatus.ACTIVE or p.step != self.round for p in self.peers):
+                    break                   # a step needs every party: no round starts without one
+                self._start_round()
             elif self.phase is Phase.JOINING:
                 present = [p for p in self.peers if p.status is PeerStatus.ACTIVE]
                 waited = self.first_hello is not None and now - self.first_hello > self.opts.peer_deadline_s
@@ -560,6 +673,13 @@ class ServingStage:
                         p.average, p.last_seen = None, now
                         replies.append((p.envelope, p.averaged))
                 self._round_done()
+            elif self.phase is Phase.EVALUATING and self.vertical:
+                group = [self.peers[i] for i in sorted(self.owed)]
+                if any(p.evaluate is None or p.evaluate.step != self.round + 1 for p in group):
+                    break                   # every party's held-out embeddings combine
+                replies += self._evaluation_parties(group)
+                self.owed = set()
+                self._start_round()
             elif self.phase is Phase.EVALUATING:
                 # In peer order; nothing changes this stage until every peer due has been answered.
                 for index in sorted(self.owed):
@@ -572,7 +692,13 @@ class ServingStage:
                 self._start_round()
             else:
                 break
-        if self.evaluating:
+        if self.evaluating and self.vertical:
+            # After the last round: once every party has sent its held-out embeddings of the last step.
+            if self.phase is Phase.DONE and all(p.evaluate is not None and p.evaluate.step == self.round
+                                                for p in self.peers):
+                replies += self._evaluation_parties(self.peers)
+            self.evaluating = any(peer.evaluate is not None for peer in self.peers)
+        elif self.evaluating:
             for peer in self.peers:
                 if peer.evaluate is not None and self._settled_for(peer):
                     replies.append((peer.envelope, self._evaluation(peer)))
@@ -641,9 +767,64 @@ class ServingStage:
         peer.cached[(msg.step, msg.mb)] = reply
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
         peer.last_seen = now
-        self.deferred = lambda: self._accumulate(peer, msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
-        self.deferred_peer = peer
+        self.deferred = lambda: self._accumulate([peer], msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
+        self.deferred_peers = [peer]
         return peer.envelope, reply
+
+    def _compute_parties(self, group: list[Peer], msgs: list[Message], now: float) -> list[Reply]:
+        """One micro-batch of a vertical round: the parties' embeddings combined (``aggregate``), the loss,
+        and each party's reply with the gradient of its own embedding; the gradients and the update are
+        deferred until the replies have left. A non-finite loss or gradient fails the run, applying nothing."""
+        stage, first = self.stage, msgs[0]
+        step, mb, mbs = first.step, first.mb, first.mbs
+        started = time.perf_counter()
+        try:
+            z = aggregate.combine(self.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            target = micro_batch(self.data[0].targets(step), mb, mbs)
+            mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
+            stage.check_finite("loss", mb_loss, step)
+            stage.check_finite("activation_grad", dz, step)
+        except (NonFiniteError, StageError) as e:
+            code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
+            self.log.error("%s", e)
+            self.engine.reset()
+            if isinstance(e, NonFiniteError):
+                self.failure = e
+            return [(p.envelope, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(group, msgs)]
+        parts = aggregate.split(self.exp.aggregate, dz, [shape[-1] for shape in self.input_shapes])
+        replies = []
+        body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}
+        for peer, msg, dy in zip(group, msgs, parts):
+            if mb == 0:
+                peer.cached = {}            # the party holds every reply of its previous step
+            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=dict(body), tensors={"activation_grad": dy})
+            peer.cached[(step, mb)] = reply
+            peer.last_seen = now
+            replies.append((peer.envelope, reply))
+        self.deferred = lambda: self._accumulate(group, step, mb, mbs, grads_later, mb_loss, dz)
+        self.deferred_peers = group
+        return replies
+
+    def _evaluation_parties(self, group: list[Peer]) -> list[Reply]:
+        """Every party's held-out embeddings combined and scored; the same scores go to each. Changes no
+        state but the parties' last evaluation."""
+        msgs = [p.evaluate for p in group]
+        try:
+            z = aggregate.combine(self.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            result = self.stage.evaluate_last(z, self.data[0].test_targets())
+        except StageError as e:
+            result = None
+            error = str(e)
+        replies = []
+        for peer, msg in zip(group, msgs):
+            peer.evaluate = None
+            if result is None:
+                replies.append((peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, error)))
+                continue
+            peer.evaluation = result
+            peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+            replies.append((peer.envelope, peer.evaluated))
+        return replies
 
     def _through(self, msg: Message, x: np.ndarray
                  ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
@@ -668,14 +849,17 @@ class ServingStage:
         dx, grads_later = self.stage.backward_deferred(cache, dy)
         return loss, dx, grads_later
 
-    def _accumulate(self, peer: Peer, step: int, mb: int, mbs: int,
+    def _accumulate(self, peers: list[Peer], step: int, mb: int, mbs: int,
                     grads_later: Callable[[], dict[str, np.ndarray]], loss: np.float32, dx: np.ndarray) -> None:
-        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update."""
+        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update
+        (``peers``: whose turn it is, every party of a vertical round)."""
         self.engine.add(mb, mbs, grads_later(), loss, dx)
         if mb < mbs - 1:
             return
-        peer.loss = self.loss = self.engine.update(step, mbs, client=peer.index if self.shared else None)
-        peer.step = step
+        client = peers[0].index if self.shared and not self.vertical else None
+        self.loss = self.engine.update(step, mbs, client=client)
+        for peer in peers:
+            peer.loss, peer.step = self.loss, step
         self.turn += 1
 
     def settle(self) -> list[Reply]:
@@ -691,19 +875,19 @@ class ServingStage:
             work()
         except NonFiniteError as e:
             self.log.error("%s", e)
-            peer = self.deferred_peer          # whose micro-batch it was: its turn did not end
-            peer.failure = e
-            if self.shared:
-                self._drop(peer)
-            else:
+            for peer in self.deferred_peers:   # whose micro-batch it was: its turn did not end
+                peer.failure = e
+                if self.shared and not self.vertical:
+                    self._drop(peer)
+            if not self.shared or self.vertical:
                 self.engine.reset()
         return self._advance(self.now)
 
     def _failed(self, peer: Peer, error: NonFiniteError) -> None:
-        """``peer``'s step gave a non-finite loss or gradient: nothing of it applied. One peer: the run
-        fails (``failure``); several: that peer is dropped and the others go on."""
+        """``peer``'s step gave a non-finite loss or gradient: nothing of it applied. One peer, or the parties
+        of a vertical run: the run fails (``failure``); several clients: that one is dropped, the others go on."""
         peer.waiting.clear()
-        if self.shared:
+        if self.shared and not self.vertical:
             self._drop(peer)                # resets the engine only if it was this peer's turn
         else:
             self.engine.reset()
@@ -748,6 +932,9 @@ class ServingStage:
         self.now = now
         if not self.active:
             return []
+        if self.vertical:
+            self._watch_parties(now)
+            return []
         if self.phase is Phase.JOINING:
             return self._advance(now)         # the first round may start without a late peer
         waiting_for = []
@@ -787,8 +974,51 @@ class ServingStage:
             return self._advance(now)
         return []
 
+    def missing_parties(self, now: float) -> list[Peer]:
+        """The feature parties a vertical run waits for that have been silent for ``liveness_s``: not
+        (back) in the run, or without their part of the micro-batch or evaluation in progress."""
+        since = lambda p: max(p.last_seen, self.joined_at)     # noqa: E731
+        if self.phase is Phase.DONE:
+            return []
+        if self.phase is Phase.ROUND:
+            key = (self.round, self.engine.done)
+            awaited = [p for p in self.peers if p.status is not PeerStatus.ACTIVE or key not in p.waiting]
+        elif self.phase is Phase.EVALUATING:
+            awaited = [self.peers[i] for i in sorted(self.owed) if self.peers[i].evaluate is None]
+        else:
+            awaited = [p for p in self.peers if p.status is not PeerStatus.ACTIVE or p.step != self.round]
+        return [p for p in awaited if now - since(p) > self.opts.liveness_s]
+
+    def _watch_parties(self, now: float) -> None:
+        """Vertical: log which silent party the run waits for (the others wait, nothing is dropped), and
+        when it is back; ``lost_since`` tells ``serve`` how long the run has been stuck."""
+        missing = self.missing_parties(now)
+        if missing and self.lost_since is None:
+            self.lost_since = now
+            self.log.warning("waiting for %s: silent for more than %g s at step %d; a step needs every party, "
+                             "the others wait (restart it with --resume to go on)",
+                             ", ".join(self._name(p) for p in missing), self.opts.liveness_s, self.round)
+        elif not missing and self.lost_since is not None:
+            self.lost_since = None
+            self.log.info("every party is back at step %d", self.round)
+
+    def lost_message(self) -> str:
+        """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
+        deadline = self.opts.peer_deadline_s
+        if self.vertical:
+            names = ", ".join(self._name(p) for p in self.missing_parties(self.now)) or "a party"
+            return (f"{names} silent for more than {self.opts.liveness_s + deadline:g} s at step {self.round}; "
+                    f"giving up (a step needs every feature party)")
+        if self.shared:
+            when = "after the last step, none having said bye" if self.phase is Phase.DONE else f"at step {self.round}"
+            return f"every client lost for more than {deadline:g} s {when}; giving up"
+        return (f"client of run {self.state.run_id} lost for more than {self.opts.liveness_s + deadline:g} s at step "
+                f"{self.stage.step}; giving up")
+
     def lost(self) -> bool:
         """Every peer is lost: none takes part, or after the last round none said bye and none is left."""
+        if self.vertical:
+            return self.active and self.lost_since is not None
         if not self.active or self.phase is Phase.JOINING:
             return False
         if not self.shared:
@@ -833,7 +1063,12 @@ class ServingStage:
     def close_run(self, status: str) -> dict[str, Any]:
         self.settle()
         extra: dict[str, Any] = {}
-        if self.shared:
+        if self.vertical:
+            extra = {"parties": [{"party": self.parties[p.index], "run_id": p.run, "steps": p.step,
+                                  "status": "completed" if p.status is PeerStatus.FINISHED else p.status.value}
+                                 for p in self.peers],
+                     "rounds": min(self.rounds_done, self.steps or 0), **evaluation_fields(self.peers[0].evaluation)}
+        elif self.shared:
             extra = {"clients": [{"client": p.index, "run_id": p.run, "steps": p.step, "final_loss": p.loss,
                                   "status": "completed" if p.status is PeerStatus.FINISHED else "dropped",
                                   **evaluation_fields(p.evaluation)} for p in self.peers],
@@ -905,8 +1140,8 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
     ``--resume`` and a finished run there, returns that run's summary at once
     without binding (with ``keep_serving``, serves new runs instead).
     """
-    if keep_serving and opts.experiment.federated:
-        raise ConfigError("--keep-serving is not supported for a serving stage with several clients")
+    if keep_serving and (opts.experiment.federated or opts.experiment.vertical):
+        raise ConfigError("--keep-serving is not supported for a serving stage with several clients or parties")
     ctx = ctx or zmq.Context.instance()
     lock = lock_checkpoint_dir(opts)
     try:
@@ -943,11 +1178,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
             if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
                 if logic.shared:
                     status = "lost"
-                    when = ("after the last step, none having said bye" if logic.phase is Phase.DONE
-                            else f"at step {logic.round}")
-                    raise PeerTimeout(f"every client lost for more than {opts.peer_deadline_s:g} s {when}; giving up")
-                raise PeerTimeout(f"client of run {logic.state.run_id} lost for more than "
-                                  f"{opts.liveness_s + opts.peer_deadline_s:g} s at step {logic.stage.step}; giving up")
+                raise PeerTimeout(logic.lost_message())
             _send_and_settle(server, logic, replies)       # what a dropped peer unblocked leaves first
             if request is not None:
                 envelope, frames, peer_key = request
@@ -965,7 +1196,9 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
             finished = logic.finish_run()
             if finished is not None:
                 status = "completed"
-                if logic.shared:
+                if logic.vertical:
+                    log.info("run completed: %d steps with parties %s", finished.get("rounds", 0), logic.parties)
+                elif logic.shared:
                     first = opts.experiment.stage_names[0]
                     log.info("run completed: %d steps, clients %s said bye, clients %s were dropped",
                              finished.get("rounds", 0),

@@ -63,9 +63,13 @@ def target_spec(exp: Experiment) -> tuple[tuple[int, ...], np.dtype] | None:
     return exp.target[0], np.dtype(exp.target[1])
 
 
-def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int) -> TensorSpecs:
-    """The tensors a forward of one micro-batch to ``stage`` must carry (``target``: see ``target_spec``)."""
-    specs = {"activation": (micro_shape(stage.input_shape, micro_batches), np.dtype(np.float32))}
+def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int,
+                  input_shape: tuple[int, ...] | None = None) -> TensorSpecs:
+    """The tensors a forward of one micro-batch to ``stage`` must carry (``target``: see ``target_spec``);
+    ``input_shape``: the whole batch's activation when it is not the stage's input (one feature party's
+    embedding, in a vertical experiment)."""
+    shape = stage.input_shape if input_shape is None else input_shape
+    specs = {"activation": (micro_shape(shape, micro_batches), np.dtype(np.float32))}
     if target is not None:
         specs["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
     return specs
