@@ -83,6 +83,8 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
             table[key] = raw[key]
     if "clients" in raw:
         table["clients"] = dict(raw["clients"])
+    if exp.aggregate is not None:
+        table["aggregate"] = exp.aggregate
     return table
 
 
@@ -97,6 +99,8 @@ def _stage_table(exp: Experiment, name: str) -> dict[str, Any]:
         table["model"] = list(spec.model or [])
         if spec.framework != "numpy":
             table["framework"] = spec.framework
+    if spec.columns is not None:
+        table["columns"] = list(spec.columns)
     if spec.device != "cpu":
         table["device"] = spec.device
     table["optimizer"] = dict(spec.optimizer)
@@ -108,7 +112,7 @@ def _stage_table(exp: Experiment, name: str) -> dict[str, Any]:
 def _data_table(exp: Experiment, name: str, out_dir: Path) -> dict[str, Any] | None:
     """Stage ``name``'s own part of the experiment's data, its paths relative to ``out_dir``; None for a
     stage that needs none."""
-    first, owner = name == exp.stage_names[0], name == exp.label_owner
+    first, owner = name in exp.data_owners, name == exp.label_owner
     if not (first or owner):
         return None
     data = dict(exp.data)

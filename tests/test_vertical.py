@@ -1,0 +1,247 @@
+"""Vertical split learning: feature parties holding other columns of the same rows, one label owner.
+
+The label owner combines the parties' embeddings (concat, sum, mean) and sends
+each party the gradient of its own. Runs over real processes and sockets end
+bitwise equal to the in-process reference, also through kill -9 and restart
+of a feature party and of the label owner; a party that stays away ends the
+run everywhere with exit 3, naming it.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import StageGroup, read_json, run_cli, run_main
+from distgrad import aggregate
+from distgrad.errors import ConfigError
+from distgrad.experiment import load_experiment, parse_experiment, tomllib
+from distgrad.inprocess import train_in_process
+
+PARTIES = ["a", "b", "c"]
+BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
+
+
+def _experiment(tmp_path: Path, aggregate_kind: str = "concat") -> Path:
+    """vertical-classify with another aggregation (sum and mean need equal widths: g takes 8 columns)."""
+    text = BUILTIN.read_text()
+    if aggregate_kind != "concat":
+        text = text.replace('aggregate = "concat"', f'aggregate = "{aggregate_kind}"').replace("in = 24", "in = 8")
+    path = tmp_path / f"vertical-{aggregate_kind}.toml"
+    path.write_text(text)
+    return path
+
+
+def _reference(tmp_path: Path, experiment: Path | str, *flags: str) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_main(["run", str(experiment), "--in-process", "--summary", path, *flags])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)
+
+
+# -- the math
+
+def test_aggregations_combine_and_split_as_documented():
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(4, w)).astype(np.float32) for w in (2, 3, 1)]
+    joined = aggregate.combine("concat", parts)
+    assert joined.dtype == np.float32 and np.array_equal(joined, np.hstack(parts))
+    grad = rng.normal(size=(4, 6)).astype(np.float32)
+    pieces = aggregate.split("concat", grad, [2, 3, 1])
+    assert [p.shape for p in pieces] == [(4, 2), (4, 3), (4, 1)] and all(p.flags.c_contiguous for p in pieces)
+    assert np.array_equal(np.hstack(pieces), grad)
+    same = [rng.normal(size=(4, 3)).astype(np.float32) for _ in range(3)]
+    assert np.array_equal(aggregate.combine("sum", same), (same[0] + same[1]) + same[2])
+    assert np.array_equal(aggregate.combine("mean", same), ((same[0] + same[1]) + same[2]) / np.float32(3))
+    g = rng.normal(size=(4, 3)).astype(np.float32)
+    assert all(np.array_equal(p, g) for p in aggregate.split("sum", g, [3, 3, 3]))
+    assert all(np.array_equal(p, g / np.float32(3)) for p in aggregate.split("mean", g, [3, 3, 3]))
+    assert aggregate.combined_shape("concat", [(32, 2), (32, 5)]) == (32, 7)
+    with pytest.raises(ConfigError, match="must be equal"):
+        aggregate.combined_shape("sum", [(32, 2), (32, 5)])
+
+
+def test_one_party_is_the_two_stage_split():
+    """A vertical experiment with one feature party is the plain f/g split, bit for bit."""
+    raw = {"name": "x", "steps": 30, "data": {"kind": "synthetic_classification", "samples": 256, "features": 6,
+                                              "classes": 3, "batch": 16},
+           "stages": [{"name": "f", "model": [{"type": "dense", "name": "f1", "in": 6, "out": 5}, {"type": "relu"}],
+                       "optimizer": {"type": "adam", "lr": 0.01}},
+                      {"name": "g", "model": [{"type": "dense", "name": "g1", "in": 5, "out": 3}],
+                       "optimizer": {"type": "adam", "lr": 0.01}, "loss": "softmax_cross_entropy"}]}
+    split = train_in_process(parse_experiment(raw), micro_batches=2)
+    for kind in aggregate.AGGREGATES:
+        vertical = train_in_process(parse_experiment({**raw, "aggregate": kind}), micro_batches=2)
+        assert vertical["params"] == split["params"], kind
+
+
+def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
+    """The parties' parameter gradients equal those of one model whose first layer is block-diagonal (the
+    parties' layers side by side), computed in float64 by finite differences of the loss."""
+    exp = load_experiment(BUILTIN)
+    assert exp.vertical and exp.data_owners == PARTIES and exp.input_shape("g") == (32, 24)
+    from distgrad.stage import Stage
+    stages = [Stage.from_experiment(exp, name) for name in exp.stage_names]
+    data = [exp.build_data(stage=name) for name in PARTIES]
+    x = [d.features(1) for d in data]
+    y = exp.build_data(stage="g").targets(1)
+    outs = [s.forward(xi) for s, xi in zip(stages[:3], x)]
+    z = aggregate.combine("concat", [o for o, _ in outs])
+    _, dz, _ = stages[3].loss_micro_batch(z, y)
+    grads = [s.backward(cache, dy, need_dx=False)[1] for s, (_, cache), dy in
+             zip(stages[:3], outs, aggregate.split("concat", dz, [8, 8, 8]))]
+
+    def loss_of(weights_b: np.ndarray) -> float:
+        h = [np.tanh(xi.astype(np.float64) @ s.params[f"{n}1.W"].astype(np.float64) + s.params[f"{n}1.b"])
+             for xi, s, n in zip(x, stages, PARTIES)]
+        h[1] = np.tanh(x[1].astype(np.float64) @ weights_b + stages[1].params["b1.b"])
+        logits = np.hstack(h) @ stages[3].params["g1.W"].astype(np.float64) + stages[3].params["g1.b"]
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(len(y)), y].mean())
+
+    w = stages[1].params["b1.W"].astype(np.float64)
+    eps, numeric = 1e-6, np.zeros_like(w)
+    for index in np.ndindex(w.shape):
+        up, down = w.copy(), w.copy()
+        up[index] += eps
+        down[index] -= eps
+        numeric[index] = (loss_of(up) - loss_of(down)) / (2 * eps)
+    np.testing.assert_allclose(grads[1]["b1.W"], numeric, rtol=2e-3, atol=2e-6)
+
+
+@pytest.mark.parametrize("raw_change,message", [
+    ({"labels": "first"}, "keeps the labels at its last stage"),
+    ({"clients": {"count": 2}}, "clients"),
+    ({"aggregate": "max"}, "'aggregate' must be one of"),
+])
+def test_a_bad_vertical_experiment_is_refused(raw_change, message):
+
+    raw = tomllib.loads(BUILTIN.read_text())
+    with pytest.raises(ConfigError, match=message):
+        parse_experiment({**raw, **raw_change})
+
+
+def test_bad_columns_are_refused():
+
+    raw = tomllib.loads(BUILTIN.read_text())
+    for columns, message in (([3, 12], "from 0 to 11"), ([1, 1], "distinct"), ([], "distinct")):
+        stages = [dict(raw["stages"][0], columns=columns), *raw["stages"][1:]]
+        with pytest.raises(ConfigError, match=message):
+            parse_experiment({**raw, "stages": stages})
+    stages = [*raw["stages"][:3], dict(raw["stages"][3], columns=[0])]
+    with pytest.raises(ConfigError, match="receives activations"):
+        parse_experiment({**raw, "stages": stages})
+    with pytest.raises(ConfigError, match="must be equal"):       # sum needs equal embeddings
+        wide = [dict(raw["stages"][0], model=[{"type": "dense", "name": "a1", "in": 4, "out": 9}]),
+                *raw["stages"][1:]]
+        parse_experiment({**raw, "aggregate": "sum", "stages": wide})
+
+
+# -- over the wire
+
+@pytest.mark.parametrize("kind,transport,micro_batches", [
+    ("concat", "tcp", 1), ("concat", "ipc", 2), ("sum", "tcp", 2), ("mean", "ipc", 1)])
+def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches):
+    experiment = _experiment(tmp_path, kind)
+    flags = ["--micro-batches", str(micro_batches)]
+    path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
+    result = run_cli(["run", experiment, "--transport", transport, "--summary", path, "--trace", trace, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    assert sorted(summary["params"]) == [*PARTIES, "g"]
+    assert summary["params"] == reference["params"]
+    assert summary["final_loss"] == reference["final_loss"]
+    assert [p["status"] for p in summary["parties"]] == ["completed"] * 3
+    lines = [line for line in map(__import__("json").loads, trace.read_text().splitlines())]
+    assert [line["step"] for line in lines] == list(range(1, 61))
+    assert {"a1.W", "b1.W", "c1.W", "g1.W"} <= set(lines[-1]["params"])
+
+
+def test_digits_halves_over_the_wire_with_evaluations(tmp_path):
+    """Two parties holding the left and right halves of each image: the held-out scores of every
+    evaluation equal the in-process ones (each party is told the same)."""
+    path = tmp_path / "run.json"
+    flags = ["--steps", "200", "--eval-every", "100"]
+    result = run_cli(["run", "digits-halves", "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, "digits-halves", *flags)
+    assert summary["params"] == reference["params"]
+    assert summary["evaluations"] == reference["evaluations"] and len(summary["evaluations"]) == 2
+    assert summary["test_accuracy"] == reference["test_accuracy"] > 0.8
+
+
+def test_the_parties_stage_files_train_bitwise(tmp_path):
+    """`distgrad split` gives each party a file of its own; run from them, the result is the same."""
+    assert run_main(["split", "vertical-classify", tmp_path / "files"]).returncode == 0
+    files = [tmp_path / "files" / f"{name}.toml" for name in [*PARTIES, "g"]]
+    text = files[1].read_text()
+    assert 'aggregate = "concat"' in text and "columns = [4, 5, 6, 7]" in text and "labels" not in text.split(
+        "[data]")[1]
+    path = tmp_path / "run.json"
+    result = run_cli(["run", *files, "--summary", path, "--steps", "30"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(path)["params"] == _reference(tmp_path, BUILTIN, "--steps", "30")["params"]
+
+
+class Parties(StageGroup):
+    """The label owner and three feature parties of one run, each a process with its own log."""
+
+    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str) -> None:
+        super().__init__(tmp_path)
+        common = ["--experiment", str(BUILTIN), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", "1", "--resume", *flags]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
+        for name in PARTIES:
+            self.args[name] = [name, "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", f"{name}1.b", *common]
+
+    def start_all_then_kill(self, name: str, at_step: int) -> None:
+        for who in ["g", *PARTIES]:
+            self.start(who)
+        self.wait_until(lambda: self.lines("a.jsonl") >= at_step, f"party a to reach step {at_step}")
+        self.procs[name].signal(signal.SIGKILL)
+        assert self.procs[name].wait(10) == -signal.SIGKILL, f"{name} ended before the kill"
+
+
+@pytest.mark.parametrize("killed,transport", [("b", "tcp"), ("g", "ipc")])
+def test_kill_9_and_restart_of_a_party_changes_nothing(tmp_path, stage_group, killed, transport):
+    """kill -9 of feature party b (or of the label owner g) mid-run; the others wait for it (g names the
+    party it waits for); restarted with the same command line (--resume) the run goes on, and every
+    stage ends bitwise equal to the uninterrupted in-process run."""
+    steps = 300
+    endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+    run = stage_group(Parties, tmp_path, steps, endpoint, "--timeout", "0.5", "--liveness", "0.5",
+                      "--peer-deadline", "30")
+    run.start_all_then_kill(killed, at_step=40)
+    if killed == "b":
+        run.wait_until(lambda: "waiting for party b" in run.logs(), "g to name party b", all_running=False)
+    run.start(killed)                                       # the same command line
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = _reference(tmp_path, BUILTIN, "--steps", str(steps))["params"]
+    for name in [*PARTIES, "g"]:
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
+
+
+def test_a_party_that_stays_away_ends_the_run_everywhere_naming_it(tmp_path, stage_group):
+    """c is killed and not restarted: after --peer-deadline every other stage exits 3 naming c."""
+    run = stage_group(Parties, tmp_path, 100000, f"ipc://{tmp_path}/g.sock", "--timeout", "0.3",
+                      "--liveness", "0.5", "--peer-deadline", "1.5")
+    run.start_all_then_kill("c", at_step=20)
+    for name in ["g", "a", "b"]:
+        assert run.procs[name].wait(20) == 3, f"{name}:\n{run.logs()}"
+    logs = {name: (tmp_path / f"{name}.1.log").read_text() for name in ["g", "a", "b"]}
+    assert "party c silent for more than" in logs["g"], logs["g"]
+    for name in ["a", "b"]:
+        assert "waiting for c" in logs[name], logs[name]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
