@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import csv
+import fnmatch
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,6 +14,13 @@ from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment
 
 from conftest import read_json, run_cli, run_main
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FILE_EXPERIMENT = """
 name = "from-files"
@@ -106,3 +118,16 @@ def test_digits_reaches_95_percent_with_labels_only_at_g(tmp_path):
     assert run_main(["run", "digits", "--in-process", "--summary", reference]).returncode == 0
     assert two["params"] == read_json(reference)["params"]
     assert two["test_accuracy"] == read_json(reference)["test_accuracy"]
+
+
+def test_the_breast_cancer_file_has_569_rows_of_30_features_and_a_binary_diagnosis():
+    with open(ROOT / "distgrad" / "datasets" / "breast_cancer.csv", newline="", encoding="utf-8") as f:
+        header, *rows = csv.reader(f)
+    assert len(header) == len(set(header)) == 32 and header[0] == "id" and header[-1] == "diagnosis"
+    assert len(rows) == 569 and {len(row) for row in rows} == {32}
+    assert len({row[0] for row in rows}) == 569
+    assert np.isfinite(np.array([row[1:-1] for row in rows], dtype=np.float64)).all()
+    diagnosis = [row[-1] for row in rows]
+    assert set(diagnosis) == {"0", "1"} and diagnosis.count("0") == 212     # 0 malignant, 1 benign
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["distgrad"]
+    assert any(fnmatch.fnmatch("datasets/breast_cancer.csv", pattern) for pattern in shipped)
