@@ -455,3 +455,12 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forget every residual (a fresh run)."""
         self._residual = {}
+
+
+def make_sender(codec: Codec) -> Codec | ErrorFeedback:
+    """What a sending stage encodes with: a fresh ``ErrorFeedback`` when ``codec.error_feedback``, else the codec.
+
+    Both have ``encode(x, tensor_name, step)`` and ``roundtrip(x, tensor_name,
+    step)``; only an ``ErrorFeedback`` has state to checkpoint.
+    """
+    return ErrorFeedback(codec) if codec.error_feedback else codec

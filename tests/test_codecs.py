@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from distgrad import wire
 from distgrad.codecs import (TENSOR_CODE, BFloat16Codec, Codec, ErrorFeedback, Float16Codec, Int8Codec, NoneCodec,
-                             TopKCodec, parse_codec)
+                             TopKCodec, make_sender, parse_codec)
 from distgrad.errors import CodecRangeError, ConfigError, ProtocolError
 
 ALL = ["none", "float16", "bfloat16", "int8", "topk:1", "topk:3", "topk:3+ef"]
@@ -359,6 +359,13 @@ def test_error_feedback_against_a_loop_and_through_a_checkpoint():
         assert_same_bits(restored.roundtrip(steps[step], "activation/mb0", step),
                          again.roundtrip(steps[step], "activation/mb0", step))
     assert_same_bits(restored.state_arrays()["activation/mb0"], residual)
+
+
+def test_make_sender_keeps_state_only_for_error_feedback():
+    assert make_sender(parse_codec("topk:2")) == parse_codec("topk:2")
+    sender = make_sender(parse_codec("topk:2+ef"))
+    assert isinstance(sender, ErrorFeedback) and sender.codec == parse_codec("topk:2+ef")
+    assert make_sender(parse_codec("topk:2+ef")) is not sender          # a fresh residual per sender
 
 
 def test_error_feedback_keeps_names_apart_and_a_failed_call_changes_nothing():
