@@ -183,7 +183,7 @@ EDGE_BITS = [
     0x80000000,     # -0.0
     0x7F7F7FFF,     # largest value that stays finite
     0x7F800000, 0xFF800000,                  # +-Inf
-    0x7FC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF,   # NaNs: quiet, payload only in the lower half, negative, signalling
+    0x7FC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF,  # NaN: quiet, low payload, negative, signalling
 ]
 
 
