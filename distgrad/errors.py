@@ -73,6 +73,20 @@ class NonFiniteError(StageError):
     """
 
 
+class CodecRangeError(DistgradError, ValueError):
+    """A tensor holds a value its wire codec cannot carry (``distgrad.codecs``).
+
+    A finite value beyond float16's or bfloat16's range (it would cross as
+    Inf), or NaN/Inf for ``int8`` and ``topk:K``. Raised by the sending side
+    before anything is sent; the message names the codec, the tensor and the
+    step, which are also kept as attributes.
+    """
+
+    def __init__(self, codec: str, tensor: str, step: int, message: str) -> None:
+        super().__init__(f"codec {codec}: tensor {tensor!r} at step {step}: {message}")
+        self.codec, self.tensor, self.step = codec, tensor, step
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 

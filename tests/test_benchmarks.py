@@ -41,6 +41,7 @@ SMOKE_TESTS = {
     "_torch_split.py": "test_torch_split",
     "per_message.py": "test_per_message",
     "soak.py": "test_soak",
+    "wan_link.py": "test_wan_link",
     "zero_copy_threshold.py": "test_zero_copy_threshold",
 }
 
@@ -92,6 +93,17 @@ def test_soak(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["stages"]) == {"f", "g"}, result.keys()
     assert result["samples"]
+
+
+def test_wan_link(tmp_path):
+    """--self-test: a round trip and a bulk transfer through the emulated link (tests/test_wan_link.py checks
+    the figures; here only that the script runs and reports them)."""
+    out = tmp_path / "wan.json"
+    run_script("wan_link.py", "--self-test", "--delay-ms", "2", "--rate-mbps", "80", "--bulk-kib", "256",
+               "--json", out)
+    figures = json.loads(out.read_text())
+    assert figures["rtt_s_min"] >= 0.004 and 0 < figures["bulk_bps"] <= 80e6
+    assert figures["stats"]["connections"] == 1
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])

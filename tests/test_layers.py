@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 LAYERS = [
     ("foundations", {"errors", "threads", "schema"}),
-    ("model math", {"nn", "losses", "schedules", "optim", "aggregate"}),
+    ("model math", {"nn", "losses", "schedules", "optim", "aggregate", "codecs"}),
     ("experiments and data", {"data", "experiment", "split", "reference"}),
     ("wire, transport and files", {"wire", "transport", "keys", "handshake", "link", "records", "checkpoint",
                                    "progress"}),
