@@ -79,6 +79,7 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
     number of rows the label owner acknowledged. Raises ``PeerTimeout``, ``PeerRejected``, ``ProtocolError``."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
+    _check_not_vertical(exp)
     state = StageState(opts)
     stage, log = state.stage, state.log
     link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, {})
@@ -103,6 +104,15 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
     finally:
         link.close()
         state.close()
+
+
+def _check_not_vertical(exp: Any) -> None:
+    """``distgrad predict`` sends one data owner's rows; a vertical experiment's label owner would need every
+    feature party's embedding of the same rows."""
+    if exp.vertical:
+        raise ConfigError(f"'distgrad predict' does not serve vertical experiments ({exp.name!r} combines "
+                          f"{len(exp.data_owners)} feature parties' embeddings) yet; score held-out rows with "
+                          f"eval_every / --eval-every during training instead")
 
 
 def _acknowledged(reply: Message, number: int, rows: int) -> int:
@@ -240,6 +250,7 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     ``opts.peer_deadline_s``; ``Interrupted`` on a signal."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
+    _check_not_vertical(exp)
     last = connect is None
     if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
         raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
