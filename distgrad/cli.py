@@ -1,4 +1,4 @@
-"""Command-line front ends: ``distgrad`` (run, demo, experiments, stage) and ``distgrad-stage``.
+"""Command-line front ends: ``distgrad`` (run, demo, experiments, stage, align, ...) and ``distgrad-stage``.
 
 Thin by design: parse, build a validated configuration, call the Python API,
 map errors to exit codes:
@@ -205,6 +205,32 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--peer-deadline", "how long to wait for a peer before exiting 3 (default 60)")):
         predict.add_argument(flag, type=float, metavar="SECONDS", help=what)
     predict.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    align = sub.add_parser("align", help="before training: align the parties' rows by an ID column, privately (each "
+                           "party learns only the IDs all parties hold)", description=(
+        "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
+        "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
+        "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID, 2 usage or "
+        "bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message, 130/143 stopped."))
+    align.add_argument("input", type=Path, metavar="INPUT.csv", help="this party's CSV file, with a header row")
+    align.add_argument("--id-column", required=True, metavar="NAME", help="the header name of the ID column")
+    align.add_argument("--out", type=Path, required=True, metavar="ALIGNED.csv",
+                       help="write this party's rows of the common IDs here, in the agreed order (same header and "
+                            "columns), once the alignment succeeded")
+    align.add_argument("--bind", metavar="ENDPOINT", help="the coordinator: serve the other parties here")
+    align.add_argument("--connect", metavar="ENDPOINT", help="another party: the coordinator's endpoint")
+    align.add_argument("--parties", type=int, metavar="N",
+                       help="how many parties align, the coordinator included (needed with --bind; checked when "
+                            "given with --connect)")
+    align.add_argument("--name", metavar="PARTY", help="this party's name in log lines and errors (default: "
+                       "'coordinator' for the coordinator, party-PID for the others)")
+    align.add_argument("--ready-file", type=Path, metavar="PATH", help="coordinator: write the bound endpoint here")
+    _curve_flags(align)
+    align.add_argument("--peer-deadline", type=float, metavar="SECONDS",
+                       help="give up on a peer silent this long, and (coordinator) on parties that have not all "
+                            "joined by then; exit 3 (default 60)")
+    align.add_argument("--liveness", type=float, metavar="SECONDS",
+                       help="ZMTP heartbeat timeout of the connections (default 10)")
+    align.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
     stage.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -456,6 +482,35 @@ def _predict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _align(args: argparse.Namespace) -> int:
+    import zmq
+
+    from .align import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, AlignOptions, align, read_table
+    from .keys import CurveServer
+    from .options import StopFlag
+
+    if args.bind is not None and args.server_key:
+        raise ConfigError("--server-key is for a party that connects (--connect)")
+    if args.connect is not None and args.allow:
+        raise ConfigError("--allow is for the coordinator (--bind)")
+    opts = AlignOptions(args.input, args.id_column, args.out, bind=args.bind, parties=args.parties,
+                        connect=args.connect, name=args.name, ready_file=args.ready_file,
+                        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
+                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness)
+    table = read_table(opts.input, opts.id_column)     # a bad file exits 2 before anything connects
+    ctx = zmq.Context.instance()
+    server, client = _curve(args, "serving" if args.bind is not None else "driving", ctx)
+    stop = StopFlag().install()
+    try:
+        result = align(opts, table, security=server or client, check_stop=stop.check, ctx=ctx)
+    finally:
+        if isinstance(server, CurveServer):
+            server.stop()
+    print(f"aligned {result.common} common IDs of this party's {result.rows} rows ({result.parties} parties) "
+          f"into {result.out}")
+    return EXIT_OK
+
+
 def _split(args: argparse.Namespace) -> int:
     from .experiment import load_experiment
     from .split import split_experiment
@@ -534,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
     commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
-                "split": _split, "predict": _predict,
+                "split": _split, "predict": _predict, "align": _align,
                 "keygen": _keygen, "ping": _ping, "plot": _plot}
     return _guarded(commands[args.command], args)
 

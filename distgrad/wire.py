@@ -36,8 +36,10 @@ PING, PONG = "ping", "pong"
 EVALUATE, EVALUATION = "evaluate", "evaluation"
 AVERAGE = "average"                   # SplitFed: a client's first-stage parameters, and the reply: their mean
 PREDICT, PREDICTED = "predict", "predicted"   # ``distgrad predict``: activations of new rows, and the bare ack
+# ``distgrad align`` (distgrad/align.py): a party's join, a list of encrypted IDs, positions in a list.
+ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS = "align_join", "align_values", "align_positions"
 MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION,
-                           AVERAGE, PREDICT, PREDICTED})
+                           AVERAGE, PREDICT, PREDICTED, ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
 # Tensor dtypes on the wire, always little-endian.

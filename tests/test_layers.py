@@ -19,7 +19,7 @@ LAYERS = [
     ("wire, transport and files", {"wire", "transport", "keys", "handshake", "link", "records", "checkpoint",
                                    "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
-    ("stage processes", {"options", "stage_state", "serving", "driver", "predict"}),
+    ("stage processes", {"options", "stage_state", "serving", "driver", "predict", "align"}),
     ("front ends", {"launcher", "api", "cli", "plot", "__init__"}),
 ]
 LAYER = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
