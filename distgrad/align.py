@@ -27,7 +27,9 @@ applied in, and equal values mean equal IDs.
    the common values in that order; those of ``L_0`` travel back through
    parties n-1 .. 1, each undoing its shuffle.
 3. Each party receives its positions, maps them to its rows through its
-   permutation and writes its aligned file.
+   permutation and writes its aligned file, its rows sorted by ID (the order
+   every party then trains in: all of them know the common IDs, so sorting
+   tells nobody anything new, and the file does not depend on the keys).
 
 The curve is libsodium's (through PyNaCl): ``crypto_core_ed25519_from_uniform``
 (Elligator 2) twice and ``crypto_core_ed25519_add`` hash an ID onto the
@@ -154,11 +156,16 @@ def read_table(path: Path, id_column: str) -> Table:
 
 
 def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
-    """Write ``table``'s header, then its rows ``rows`` in that order, to ``out``, atomically.
+    """Write ``table``'s header, then its rows ``rows`` in the agreed order, to ``out``, atomically.
 
+    The agreed order is ascending ID (Python's string order of the ID text),
+    which every party computes alike from the common IDs it now knows, so an
+    alignment of the same files is the same file whatever the protocol's
+    random keys and shuffles were (and a training run on it is reproducible).
     The file appears whole or not at all (a temporary file beside it, then a
     rename), with mode 0600: it holds the party's private columns.
     """
+    rows = sorted(rows, key=lambda i: table.rows[i][table.id_index])
     out = Path(out)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:

@@ -77,6 +77,7 @@ INTEGRATION_MODULES = frozenset({
     "test_netns",           # network namespaces and stage processes, through module fixtures
     "test_readme",          # runs the README's commands
     "test_soak",            # two stage processes through benchmarks/soak.py
+    "test_vertical_example",  # distgrad align and four stage processes, through the example's main
 })
 
 
