@@ -112,6 +112,10 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "micro_batches, else 1)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
                    help="micro-batches in flight: all (gpipe) or two (1f1b, the default); same result either way")
+    p.add_argument("--staleness", type=int, metavar="S",
+                   help="asynchronous pipelining: S steps in flight; the first stage's forward of step t uses its "
+                        "parameters after step t-1-S (default: the experiment's staleness, else 0: lockstep). A "
+                        "different, deterministic computation: equal to --in-process with the same S")
 
 
 def _curve_flags(p: argparse.ArgumentParser) -> None:
@@ -261,7 +265,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
-        schedule=args.schedule, metrics_path=args.metrics, tensorboard_dir=args.tensorboard,
+        schedule=args.schedule, staleness=args.staleness, metrics_path=args.metrics,
+        tensorboard_dir=args.tensorboard,
         eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load)
     serving = args.bind is not None
@@ -270,9 +275,9 @@ def _run_stage(args: argparse.Namespace) -> int:
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.metrics or args.tensorboard
-                    or args.eval_every is not None):
-        raise ConfigError("--micro-batches, --schedule, --metrics, --tensorboard and --eval-every are for the "
-                          "driving stage (the others follow its hello)")
+                    or args.eval_every is not None or args.staleness is not None):
+        raise ConfigError("--micro-batches, --schedule, --staleness, --metrics, --tensorboard and --eval-every are "
+                          "for the driving stage (the others follow its hello)")
     ctx = zmq.Context.instance()
     upstream, downstream = _curve(args, role, ctx)
     opts.security = upstream if serving else downstream
@@ -328,7 +333,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,
-                       eval_every=args.eval_every)
+                       eval_every=args.eval_every, staleness=args.staleness)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
     if args.tensorboard is not None:
@@ -340,7 +345,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
                                    parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
-                                   save_dir=args.save, load_dir=args.load)
+                                   save_dir=args.save, load_dir=args.load, staleness=args.staleness)
     else:
         trace_params = parse_trace_params(args.trace_params)
         check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
@@ -353,6 +358,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             stage_flags=_passthrough(args), secure=args.secure,
                             driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
                                           *(["--eval-every", str(args.eval_every)] if args.eval_every is not None
+                                            else []),
+                                          *(["--staleness", str(args.staleness)] if args.staleness is not None
                                             else [])],
                             progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
                             load_dir=args.load)

@@ -12,9 +12,10 @@ record (and its evaluation) goes to the metrics file and the progress line.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import zmq
@@ -30,6 +31,8 @@ from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_
 from .transport import Traffic
 from .wire import ErrorCode, Message
 
+BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
+EVALUATION_TYPES = frozenset({wire.EVALUATION})    # may share its step and micro-batch)
 PING_TIMEOUT_S = 1.0      # how long to wait for the stage below to say whom it waits for, after giving up on it
 
 
@@ -57,6 +60,11 @@ class _Driver:
         self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
                                    self.traffic,
                                    {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
+        self.staleness = opts.steps_in_flight
+        # Steps sent but not yet applied (staleness): step -> (parameter version of its forward, caches by
+        # micro-batch), and its requests still unanswered.
+        self.in_flight: dict[int, tuple[int, dict[int, Any]]] = {}
+        self.pending: dict[int, dict[tuple[int, int], Message]] = {}
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
@@ -67,7 +75,9 @@ class _Driver:
         held = self.state.held()
         common = self.link.handshake(handshake.hello(
             self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
-            self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0), self.opts.client)
+            self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0,
+            staleness=self.staleness), self.opts.client)
+        self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)
         else:
@@ -87,42 +97,121 @@ class _Driver:
         Up to ``window`` micro-batches are in flight (all of them for gpipe,
         two for 1f1b), so this stage computes micro-batch i+1 while the server
         works on i. Gradients are summed in micro-batch order whatever the
-        schedule, which is the order the in-process path uses.
+        schedule, which is the order the in-process path uses. With staleness
+        S > 0, ``_step_in_flight`` instead.
         """
+        if self.staleness:
+            self._step_in_flight()
+            return
         stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
         step = stage.step + 1
-        features = self.data.features(step)
-        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
+        batch = self._batch(step)
         window = count if self.opts.schedule == "gpipe" else min(count, 2)
         pending: dict[tuple[int, int], Message] = {}
         caches: dict[int, Any] = {}
         self.link.arrived.clear()
 
         def send(i: int) -> None:
-            y, caches[i] = stage.forward(micro_batch(features, i, count), i)
-            tensors = {"activation": y}
-            if targets is not None:
-                tensors["target"] = micro_batch(targets, i, count)
-            msg = Message(wire.FORWARD, self.state.run_id, step, i, count, tensors=tensors)
+            msg, caches[i] = self._forward(step, i, batch)
             pending[(step, i)] = msg
             self.link.send(msg)
 
         for i in range(window):
             send(i)
         for i in range(count):
-            reply = self.link.await_reply(pending, (step, i))
-            del pending[(step, i)]
-            loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
-                                   self.exp.downstream(self.opts.stage))
-            compute = reply.body.get("compute_s")
-            if isinstance(compute, float):
-                self.g_compute_s += compute
+            loss, dy = self._reply(pending, step, i)
             _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
             engine.add(i, count, grads, loss)
             if i + window < count:
                 send(i + window)
         averaging = self.average_every and step % self.average_every == 0
         self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
+
+    def _batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Step ``step``'s features, and its targets when they travel."""
+        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
+        return self.data.features(step), targets
+
+    def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None]) -> tuple[Message, Any]:
+        """Micro-batch ``i`` of step ``step`` forward through this stage: the message and the cache."""
+        features, targets = batch
+        count = self.opts.micro_batches
+        y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
+        tensors = {"activation": y}
+        if targets is not None:
+            tensors["target"] = micro_batch(targets, i, count)
+        return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
+
+    def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:
+        """The loss and activation gradient of micro-batch ``i`` of step ``step`` (one of ``pending``, which
+        loses it), with the stage below's compute time counted."""
+        # With steps in flight a reply of another type may share the key (an evaluation's): it waits its turn.
+        reply = self.link.await_reply(pending, (step, i), BACKWARD_TYPES if self.staleness else None)
+        del pending[(step, i)]
+        loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
+                               self.exp.downstream(self.opts.stage))
+        compute = reply.body.get("compute_s")
+        if isinstance(compute, float):
+            self.g_compute_s += compute
+        return loss, dy
+
+    def _step_in_flight(self) -> None:
+        """Staleness S: send the forward of step c+S+1 (c: the updates applied), then complete step c+1:
+        its replies, its backward with the parameters and activations of its forward, its update.
+
+        The forward of step t uses the parameters after update t-1-S, which
+        are the live ones when it is sent in order; after a (re)handshake the
+        steps c+1..c+S are sent again with theirs (``ParameterHistory``).
+        """
+        stage, engine, count, depth = self.state.stage, self.state.engine, self.opts.micro_batches, self.staleness
+        done = stage.step
+        for step in range(done + 1, min(done + depth + 1, self.steps) + 1):
+            if step not in self.in_flight:
+                self._send_in_flight(step)
+        step = done + 1
+        version, caches = self.in_flight[step]
+        pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
+        for i in range(count):
+            loss, dy = self._reply(pending, step, i)
+            del self.pending[step][(step, i)]
+            with self._as_of(version, step):
+                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+            engine.add(i, count, grads, loss)
+        del self.in_flight[step], self.pending[step]
+        self.state.history.before_update(stage)
+        self.loss = engine.update(step, count)
+
+    def _send_in_flight(self, step: int) -> None:
+        """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
+        version = step - 1 - self.staleness
+        batch, caches, pending = self._batch(step), {}, {}
+        with self._as_of(version, step):
+            for i in range(self.opts.micro_batches):
+                msg, caches[i] = self._forward(step, i, batch)
+                pending[(step, i)] = msg
+                self.link.send(msg)
+        self.in_flight[step] = (version, caches)
+        self.pending[step] = pending
+
+    @contextlib.contextmanager
+    def _as_of(self, version: int, step: int) -> Iterator[None]:
+        """The stage as it computed step ``step``'s forward: its parameters after update ``version`` in place
+        of the live ones, and its step counter at ``step - 1`` (dropout masks, messages); both restored after."""
+        stage = self.state.stage
+        live_step, params = stage.step, stage.params
+        old = self.state.history.at(version, stage)
+        saved = None if old is params else {name: value.copy() for name, value in params.items()}
+        try:
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = old[name]
+            stage.step = step - 1
+            yield
+        finally:
+            stage.step = live_step
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = saved[name]
 
     def _average(self, step: int) -> None:
         """SplitFed: send this client's parameters, take the mean of every client's in their place."""
@@ -143,7 +232,15 @@ class _Driver:
         tensors = {"activation": y}
         if self.exp.labels_travel:
             tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
-        reply = self.link.exchange(Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors))
+        msg = Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors)
+        if self.in_flight:
+            # Replies to the steps in flight may come first (one shares this step and micro-batch): kept.
+            pending = {key: request for requests in self.pending.values() for key, request in requests.items()}
+            pending[(msg.step, msg.mb)] = msg
+            self.link.send(msg)
+            reply = self.link.await_reply(pending, (msg.step, msg.mb), EVALUATION_TYPES)
+        else:
+            reply = self.link.exchange(msg)
         body = self.evaluation = check_evaluation(reply)
         entry = evaluation_entry(step, body)
         self.evaluations.append(entry)

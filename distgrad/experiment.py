@@ -145,6 +145,7 @@ class Experiment:
     description: str = ""
     target: tuple[Shape, str] | None = None    # a whole batch's targets (shape, dtype) when they travel
     aggregate: str | None = None               # vertical: how the last stage combines the parties' embeddings
+    staleness: int = 0                         # the first stage's steps in flight (asynchronous pipelining)
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -328,7 +329,8 @@ class Experiment:
                      "micro_batches": self.micro_batches, "eval_every": self.eval_every,
                      "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
                      "clients mode": self.clients.mode, "clients average_every": self.clients.average_every,
-                     **({"aggregate": self.aggregate} if self.vertical else {})}
+                     **({"aggregate": self.aggregate} if self.vertical else {}),
+                     **({"staleness": self.staleness} if self.staleness else {})}
             parts.update(self._order_parts())
             self._derived["parts"] = parts
         return dict(parts)
@@ -458,12 +460,14 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "steps" in raw and "epochs" in raw:
         raise _fail(source, f"{where}give 'steps' or 'epochs', not both")
-    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0)):
+    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0),
+                     ("staleness", 0)):
         if key in raw and (not _whole(raw[key]) or raw[key] < low):
             kind = "a positive integer" if low else "a non-negative integer"
             raise _fail(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}")
     out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
-               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0))
+               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
+               staleness=raw.get("staleness", 0))
     out["allow_nonfinite"] = raw.get("allow_nonfinite", False)
     if not isinstance(out["allow_nonfinite"], bool):
         raise _fail(source, f"{where}'allow_nonfinite' must be true or false, got {out['allow_nonfinite']!r}")
@@ -573,7 +577,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate)
+                     raw.get("description", ""), target, aggregate=aggregate, staleness=settings["staleness"])
     _check_built(exp, source)
     return exp
 
@@ -658,7 +662,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate)
+                     raw.get("description", ""), target, aggregate=aggregate, staleness=settings["staleness"])
     _check_built(exp, source)
     return exp
 
@@ -709,6 +713,7 @@ def _check_built(exp: Experiment, source: str) -> None:
     against the last stage's prediction."""
     try:
         exp.interface_parts()
+        check_staleness(exp, exp.staleness)
         if exp.vertical:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
@@ -774,7 +779,8 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
     return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
                       _digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
-                      first.epochs, first.description, first.target, aggregate=first.aggregate)
+                      first.epochs, first.description, first.target, aggregate=first.aggregate,
+                      staleness=first.staleness)
 
 
 def _whole(value: Any) -> bool:
@@ -804,7 +810,7 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
-                       eval_every: Any = None) -> None:
+                       eval_every: Any = None, staleness: Any = None) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -813,7 +819,9 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     ``micro_batches`` that do not divide the batch, unknown ``init`` names,
     ``checkpoint_every`` or ``resume`` without ``checkpoint_dir``, and with
     ``in_process`` (which keeps no checkpoints) any checkpoint setting; a
-    negative ``eval_every``.
+    negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
+    negative, or above 0 where it is not supported (several clients, vertical
+    parties, a first stage computing off the CPU).
     """
     if steps is not None and (not _whole(steps) or steps < 1):
         raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
@@ -825,6 +833,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
         raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
                           f"they do not split into {micro_batches} equal micro-batches")
     check_init_overrides(exp, init or {})
+    check_staleness(exp, exp.staleness if staleness is None else staleness)
     if eval_every is not None and (not _whole(eval_every) or eval_every < 0):
         raise ConfigError(f"--eval-every must be an integer >= 0 (0: only after the last step), got {eval_every!r}")
     if checkpoint_every is not None and (not _whole(checkpoint_every) or checkpoint_every < 0):
@@ -836,6 +845,27 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
         raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
                           "and --resume (or run the stages as processes)")
+
+
+MAX_STALENESS = 64     # steps in flight: each holds a copy of the first stage's parameters
+
+
+def check_staleness(exp: Experiment, staleness: Any) -> None:
+    """Raise ``ConfigError`` unless ``staleness`` S (steps in flight) is a whole number from 0 to
+    ``MAX_STALENESS`` that this experiment supports: two stages or a chain, with a first stage whose
+    parameters of an earlier step can be swapped back in for a backward (host memory)."""
+    if not _whole(staleness) or not 0 <= staleness <= MAX_STALENESS:
+        raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS}, got {staleness!r}")
+    if not staleness:
+        return
+    if exp.federated or exp.vertical:
+        raise ConfigError(f"staleness {staleness}: asynchronous pipelining is for two stages and chains; "
+                          f"experiment {exp.name!r} has {'[clients]' if exp.federated else 'feature parties'} "
+                          f"(use staleness = 0)")
+    first = exp.stage_names[0]
+    if exp.has_stage(first) and exp.spec(first).device != "cpu":
+        raise ConfigError(f"staleness {staleness}: the first stage {first!r} computes on {exp.spec(first).device}; "
+                          f"asynchronous pipelining keeps its earlier parameters in host memory (device = \"cpu\")")
 
 
 def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:

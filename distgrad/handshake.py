@@ -20,13 +20,14 @@ from .wire import ErrorCode, Message
 
 def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], run_id: str, held: list[int],
           steps: int, micro_batches: int, client: int | None = None, eval_every: int = 0,
-          relayed: dict[str, Any] | None = None) -> Message:
+          relayed: dict[str, Any] | None = None, staleness: int = 0) -> Message:
     """The hello stage ``role`` sends for ``run_id``; ``held`` are the steps it (and every stage above it)
     can return to; ``client`` is which data owner it is, for a stage serving several; ``eval_every`` K > 0:
     it evaluates the held-out rows after every K-th step (a stage serving several waits for it then).
     ``relayed``: the ``parts`` of the hello a middle stage accepted from above; the data fields it cannot
     tell itself (``DATA_PARTS``, it holds no data) pass on from them, so the data owner's sample order
-    still meets the label owner's."""
+    still meets the label owner's. ``staleness`` S > 0: the first stage keeps S steps in flight, so the
+    stages below keep their replies of the last S + 1 steps (a resent forward gets its reply again)."""
     parts = exp.interface_parts()
     for key in DATA_PARTS:
         if key not in parts and relayed is not None and key in relayed:
@@ -36,7 +37,8 @@ def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], 
         "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
         "micro_batches": micro_batches, **({"client": client} if client is not None else {}),
-        **({"eval_every": eval_every} if eval_every else {})})
+        **({"eval_every": eval_every} if eval_every else {}),
+        **({"staleness": staleness} if staleness else {})})
 
 
 def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,

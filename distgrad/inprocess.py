@@ -44,11 +44,14 @@ class _TraceLines:
         turns change), else read them at ``flush`` (after a SplitFed average, as a driving stage does)."""
         return _TracePart(self, snapshot)
 
-    def flush(self) -> None:
+    def flush(self, upto: int | None = None) -> None:
+        """Write the lines of every step (up to ``upto``: the steps every stage has applied)."""
         for (step, client), line in sorted(self.pending.items()):
+            if upto is not None and step > upto:
+                continue
             self.writer.write(step, line["loss"], line["grads"], line["params"],
                               client=None if client < 0 else client)
-        self.pending = {}
+            del self.pending[(step, client)]
 
 
 class _TracePart:
@@ -67,10 +70,12 @@ class _TracePart:
             line["loss"] = loss
 
 
-def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool) -> list[StepEngine]:
-    """A step engine per stage, each writing its part of the trace; the last sends ``activation_grad``."""
+def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool,
+             copied: bool = False) -> list[StepEngine]:
+    """A step engine per stage, each writing its part of the trace; the last sends ``activation_grad``.
+    ``copied``: every part copies its parameters when written (stages that run ahead of the line's flush)."""
     scale = exp.micro_batch_scale
-    return [StepEngine(stage, scale, lines.part(snapshot=shared_last and stage is stages[-1]),
+    return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1) for stage in stages]
 
 
@@ -101,6 +106,86 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
         done = engine.update(step, micro_batches, client=client)
         loss = done if engine is engines[-1] else loss
     return loss
+
+
+def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: np.ndarray,
+           micro_batches: int) -> tuple[float | None, list[np.ndarray]]:
+    """Step ``step`` through the stages below the first (``engines``), as they serve it: each micro-batch's
+    activations ``ys[i]`` forward, the loss, back to the first stage's activation gradient; then their
+    updates from the last up. Returns the step's loss and the activation gradients for the first stage."""
+    *middle, last = [engine.stage for engine in engines]
+    dys = []
+    for i, x in enumerate(ys):
+        caches = []
+        for stage in middle:
+            x, cache = stage.forward(x, i)
+            caches.append(cache)
+        mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
+        last.check_finite("loss", mb_loss, step)
+        last.check_finite("activation_grad", dx, step)
+        engines[-1].add(i, micro_batches, grads, mb_loss, dx)
+        for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
+            dx, grads = stage.backward(cache, dx)
+            stage.check_finite("activation_grad", dx, step)
+            engine.add(i, micro_batches, grads)
+        dys.append(dx)
+    loss = None
+    for engine in reversed(engines):
+        done = engine.update(step, micro_batches)
+        loss = done if engine is engines[-1] else loss
+    return loss, dys
+
+
+class _InFlight:
+    """The first stage with S steps in flight (staleness), as ``driver._Driver`` runs it: the forward of step
+    t with its parameters after update t-1-S, its backward of step t (with the parameters and activations of
+    that forward) and its update once the forward of step t+S has been sent. The stages below never are
+    stale: they take each step whole when its forward comes."""
+
+    def __init__(self, engine: StepEngine, below: list[StepEngine], staleness: int, micro_batches: int) -> None:
+        self.engine, self.below, self.depth, self.micro_batches = engine, below, staleness, micro_batches
+        self.history: dict[int, dict[str, np.ndarray]] = {}       # parameters after update u
+        self.sent: dict[int, tuple[int, list[Any], list[np.ndarray]]] = {}   # step -> (version, caches, dys)
+
+    def send(self, step: int, features: np.ndarray, targets: np.ndarray) -> float | None:
+        """Step ``step``'s forward (the live parameters are those after update step-1-S) and the stages
+        below it; returns the step's loss."""
+        stage, count = self.engine.stage, self.micro_batches
+        live = stage.step
+        stage.step = step - 1                     # dropout masks of step ``step``
+        try:
+            outputs = [stage.forward(micro_batch(features, i, count), i) for i in range(count)]
+        finally:
+            stage.step = live
+        loss, dys = _below(self.below, step, [y for y, _ in outputs], targets, count)
+        self.sent[step] = (step - 1 - self.depth, [cache for _, cache in outputs], dys)
+        return loss
+
+    def complete(self, step: int) -> None:
+        """Step ``step``'s backward with its forward's parameters, then its update."""
+        stage, count = self.engine.stage, self.micro_batches
+        version, caches, dys = self.sent.pop(step)
+        version = max(version, 0)
+        params = stage.params
+        saved = {name: value.copy() for name, value in params.items()} if version != stage.step else None
+        live = stage.step
+        try:
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = self.history[version][name]
+            stage.step = step - 1
+            for i in range(count):
+                _, grads = stage.backward(caches[i], dys[i], need_dx=False)
+                self.engine.add(i, count, grads)
+        finally:
+            stage.step = live
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = saved[name]
+        self.history[stage.step] = {name: value.copy() for name, value in params.items()}
+        for old in [u for u in self.history if u < stage.step + 1 - self.depth]:
+            del self.history[old]
+        self.engine.update(step, count)
 
 
 def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment, step: int,
@@ -245,7 +330,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                      trace_path: str | Path | None = None, micro_batches: int = 1,
                      trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
                      eval_every: int | None = None, save_dir: str | Path | None = None,
-                     load_dir: str | Path | None = None) -> dict[str, Any]:
+                     load_dir: str | Path | None = None, staleness: int | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -264,9 +349,14 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``final_loss``: the shape ``distgrad run`` merges. ``load_dir`` /
     ``save_dir``: each stage starts from / ends by writing
     ``stage.parameters_file(DIR, ...)``, as the stage processes of ``distgrad run`` do.
+    ``staleness`` S (None: the experiment's) keeps S steps of the first stage in
+    flight, in the order ``--staleness S`` runs them over the wire; an
+    evaluation after step t then scores the first stage after its update of
+    step t with the others after theirs of step min(t+S, steps).
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
-                       eval_every=eval_every)
+                       eval_every=eval_every, staleness=staleness)
+    staleness = exp.staleness if staleness is None else staleness
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
     eval_every = exp.eval_every if eval_every is None else eval_every
@@ -277,22 +367,34 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
         stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
-        engines = _engines(stages, exp, lines, shared_last=False)
+        # With steps in flight the stages below run ahead of the first: their trace parts are copied when
+        # written, and a step's line is written once the first stage has applied it.
+        engines = _engines(stages, exp, lines, shared_last=False, copied=bool(staleness))
+        in_flight = _InFlight(engines[0], engines[1:], staleness, micro_batches) if staleness else None
         owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
         data = owners[0]
         labels = exp.build_data(seed, stage=exp.label_owner)
         *upstream, last = stages
-        loss = None
+        loss, losses = None, {}
         log_every = max(1, steps // 10)
         evaluation, evaluations = None, []
         started, cpu_started = time.perf_counter(), time.process_time()
-        for step in range(1, steps + 1):
-            if exp.vertical:
+        for step in range(1, steps + 1 if in_flight is None else steps + staleness + 1):
+            if in_flight is not None:
+                # The forward of step t+S, then the backward and update of step t (as the driver does).
+                if step <= steps:
+                    losses[step] = in_flight.send(step, data.features(step), labels.targets(step))
+                step -= staleness
+                if step < 1:
+                    continue
+                in_flight.complete(step)
+                loss = losses.pop(step)
+            elif exp.vertical:
                 loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
                                       labels.targets(step), micro_batches)
             else:
                 loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
-            lines.flush()
+            lines.flush(upto=step)
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
             if len(data.test_rows) and _due(step, steps, eval_every):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 import zmq
@@ -60,7 +60,9 @@ class DownstreamLink:
         self.max_frame, self.max_tensor = self._limits()
         self.traffic = traffic or Traffic()
         self.log = logging.getLogger(f"distgrad.{settings.name}")
-        self.arrived: dict[tuple[int, int], Message] = {}
+        # Replies that came while waiting for another, by (step, micro-batch, type): with steps in flight
+        # (staleness) a forward's reply and an evaluation's may share a step and micro-batch.
+        self.arrived: dict[tuple[int, int, str], Message] = {}
         self.run_id = ""
         self.client = self._new_client()
 
@@ -84,8 +86,9 @@ class DownstreamLink:
     def send(self, msg: Message) -> None:
         self.client.send(msg)
 
-    def exchange(self, msg: Message) -> Message:
-        """Send ``msg`` and return its reply, with the retries of ``await_reply``.
+    def exchange(self, msg: Message, types: Collection[str] | None = None) -> Message:
+        """Send ``msg`` and return its reply (of one of ``types``, when given), with the retries of
+        ``await_reply``.
 
         A hello refused because the stage below is busy with another live run
         is retried too, until ``peer_deadline_s``.
@@ -96,7 +99,7 @@ class DownstreamLink:
             key = (msg.step, msg.mb)
             self.client.send(msg)
             try:
-                return self.await_reply({key: msg}, key)
+                return self.await_reply({key: msg}, key, types)
             except PeerRejected as e:
                 if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
                     raise
@@ -104,8 +107,10 @@ class DownstreamLink:
             self._reconnect(pause)
             pause = min(pause * 2, RETRY_BACKOFF_S[1])
 
-    def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int]) -> Message:
-        """The reply to ``pending[key]``; replies to other pending requests are kept for later.
+    def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int],
+                    types: Collection[str] | None = None) -> Message:
+        """The reply to ``pending[key]`` (of one of ``types``, or an error, when given); replies to other
+        pending requests, and of other types, are kept for later.
 
         After each ``timeout_s`` without it, reconnect on a fresh socket and
         resend every pending request in order, until ``peer_deadline_s``; then
@@ -115,7 +120,7 @@ class DownstreamLink:
         deadline = time.monotonic() + self.opts.peer_deadline_s
         pause = RETRY_BACKOFF_S[0]
         while True:
-            reply = self.arrived.pop(key, None)
+            reply = self._take(key, types)
             if reply is not None:
                 return reply
             try:
@@ -131,7 +136,14 @@ class DownstreamLink:
                 for request_key in sorted(pending):
                     self.client.send(pending[request_key])
                 continue
-            self.arrived[(reply.step, reply.mb)] = reply
+            self.arrived[(reply.step, reply.mb, reply.type)] = reply
+
+    def _take(self, key: tuple[int, int], types: Collection[str] | None) -> Message | None:
+        """An arrived reply to ``key`` of one of ``types`` (any, when None), removed from ``arrived``."""
+        for step, mb, kind in self.arrived:
+            if (step, mb) == key and (types is None or kind in types or kind == wire.ERROR):
+                return self.arrived.pop((step, mb, kind))
+        return None
 
     def _reconnect(self, pause: float) -> None:
         self.client.close(linger_ms=0)

@@ -67,6 +67,7 @@ class StageOptions:
     downstream_security: SocketSecurity | None = None   # middle stage: for its connection to the stage below
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
+    staleness: int | None = None       # driving stage: steps in flight (None: the experiment's; 0: lockstep)
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
     tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
     eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
@@ -90,6 +91,11 @@ class StageOptions:
         return self.experiment.steps if self.steps is None else self.steps
 
     @property
+    def steps_in_flight(self) -> int:
+        """The driving stage's staleness S: ``--staleness``, else the experiment's (0: lockstep)."""
+        return self.experiment.staleness if self.staleness is None else self.staleness
+
+    @property
     def evaluate_every(self) -> int:
         """Evaluate the held-out rows after every K-th step: ``--eval-every``, else the experiment's (0: only
         after the last step)."""
@@ -108,7 +114,8 @@ class StageOptions:
     def __post_init__(self) -> None:
         check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
-                           checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every)
+                           checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every,
+                           staleness=self.staleness)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:

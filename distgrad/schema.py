@@ -30,6 +30,11 @@ _SHARED: dict[str, Key] = {
                   "combine (summed, times 1/M for 'mean'); the label owner checks it against its loss"),
     "micro_batches": ("integer >= 1", "1",
                       "micro-batches per step (the batch must divide evenly); '--micro-batches' overrides it"),
+    "staleness": ("integer >= 0", "0",
+                  "asynchronous pipelining, by name: the first stage's forward of step t uses its parameters after "
+                  "its updates of steps 1..t-1-S, and it applies its update of step t once the forward of step t+S "
+                  "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
+                  "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it"),
     "eval_every": ("integer >= 0", "0",
                    "every K steps, evaluate the held-out rows forward-only through every stage: loss and accuracy "
                    "go to the progress line, the metrics file, the plot and TensorBoard (0: only at the end)"),

@@ -45,7 +45,7 @@ import zmq
 
 from . import aggregate, wire
 from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
-from .experiment import build_stage_parts, client_stage_name
+from .experiment import MAX_STALENESS, build_stage_parts, client_stage_name
 from .handshake import check_hello, common_step, hello, same_exactly
 from .link import DownstreamLink, check_evaluation, check_reply
 from .options import StageOptions, StopFlag
@@ -93,6 +93,7 @@ class Peer:
     step: int = 0                     # its steps completed here
     mbs: int = 1
     eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
+    staleness: int = 0                # steps it keeps in flight (its hello says): replies of as many are kept
     specs: dict = field(default_factory=dict)
     last_seen: float = -math.inf      # its last message, or the last reply to it
     envelope: Envelope = field(default_factory=list)
@@ -328,6 +329,13 @@ class ServingStage:
         if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
             raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
                                                      f"integer >= 0")
+        staleness = body.get("staleness", 0)
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has staleness={wire.show(staleness)}; expected an "
+                                                     f"integer from 0 to {MAX_STALENESS}")
+        if staleness and self.shared:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a stage serving several "
+                                                    f"clients or parties takes lockstep steps only")
         if not self.vertical:
             index = body.get("client", 0 if not self.shared else None)
         elif "client" in body:
@@ -350,7 +358,7 @@ class ServingStage:
         else:
             next_step = self._hello_single(peer, msg, mbs, now, peer_key)
         peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs, self.input_shapes[peer.index])
-        peer.eval_every = eval_every
+        peer.eval_every, peer.staleness = eval_every, staleness
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         if not self.vertical:
             self.owed.discard(peer.index)       # it starts again after the step it would have evaluated
@@ -495,7 +503,8 @@ class ServingStage:
             return self.link.handshake(hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape,
                                              msg.run, both, steps if isinstance(steps, int)
                                              and not isinstance(steps, bool) else 0, mbs,
-                                             relayed=msg.body.get("parts")))
+                                             relayed=msg.body.get("parts"),
+                                             staleness=msg.body.get("staleness", 0)))
         except PeerRejected as e:
             raise self._refused_below(e, msg) from e
 
@@ -761,7 +770,8 @@ class ServingStage:
             peer.waiting.clear()            # refused from below: the peer sends again after its handshake
             raise
         if msg.mb == 0:
-            peer.cached = {}                # the peer holds every reply of its previous step
+            # The peer holds every reply of its earlier steps but those still in flight (staleness).
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= msg.step - peer.staleness}
         body = {"loss": float(mb_loss)}
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors={"activation_grad": dx})
         peer.cached[(msg.step, msg.mb)] = reply

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from .engine import StepEngine
@@ -20,6 +22,54 @@ from .errors import CheckpointWriteError, ConfigError, StageError
 from .options import StageOptions
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage
+
+
+class ParameterHistory:
+    """A driving stage's parameters after each of its last ``depth`` updates (staleness S = ``depth``).
+
+    With S steps in flight, the forward of step t used the parameters after
+    update t-1-S, and its backward needs them again after later updates; after
+    a rollback the steps in flight are sent again with them. ``versions[u]``
+    are the parameters after update u, for u from ``step - S`` to ``step - 1``
+    (``step``'s own are the live ones). They roll back, and are checkpointed,
+    with the stage (``arrays``: ``history/U/NAME``).
+    """
+
+    PREFIX = "history/"
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.versions: dict[int, dict[str, np.ndarray]] = {}
+
+    def before_update(self, stage: Stage) -> None:
+        """Keep the live parameters (those after update ``stage.step``) before the next update changes them."""
+        if not self.depth:
+            return
+        self.versions[stage.step] = {name: value.copy() for name, value in stage.params.items()}
+        for old in [u for u in self.versions if u < stage.step + 1 - self.depth]:
+            del self.versions[old]
+
+    def at(self, version: int, stage: Stage) -> Mapping[str, np.ndarray]:
+        """The parameters after update ``version`` (those of step 0 for a version below 0); ``StageError``
+        when they are not kept."""
+        version = max(version, 0)
+        if version == stage.step:
+            return stage.params
+        if version not in self.versions:
+            raise StageError(f"stage {stage.name}: the parameters after update {version} are not kept "
+                             f"(at step {stage.step}, staleness {self.depth})")
+        return self.versions[version]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"{self.PREFIX}{u}/{name}": value for u, params in self.versions.items() for name, value in params.items()}
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The versions a checkpoint's ``arrays`` hold (none for a checkpoint without them)."""
+        self.versions = {}
+        for key, value in arrays.items():
+            if key.startswith(self.PREFIX):
+                version, name = key[len(self.PREFIX):].split("/", 1)
+                self.versions.setdefault(int(version), {})[name] = np.array(value)
 
 
 class StageState:
@@ -35,6 +85,8 @@ class StageState:
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
                                  trace_sent=opts.role == "serving")
+        # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
+        self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
         if checkpoint_each_step:
             self.engine.observers.append(lambda record: self.after_step(record.step))
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
@@ -104,11 +156,13 @@ class StageState:
             self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
         except ValueError as e:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
+        self.history.load(ckpt.arrays)
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
         if self.stage.step != 0:
             self.stage = self._fresh()
+        self.history.versions = {}
         self.run_id, self.owner = run_id, owner
         self.cpu_started = time.process_time()
         if self.store is not None:
@@ -139,6 +193,7 @@ class StageState:
             return
         if step == 0:
             self.stage = self._fresh()
+            self.history.versions = {}
         else:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
@@ -165,8 +220,8 @@ class StageState:
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             try:
-                self.store.save(self.run_id, self.stage.step if step is None else step, self.stage.state_arrays(),
-                                meta)
+                self.store.save(self.run_id, self.stage.step if step is None else step,
+                                {**self.stage.state_arrays(), **self.history.arrays()}, meta)
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise

@@ -20,7 +20,7 @@ LAYERS = [
                                    "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
     ("stage processes", {"options", "stage_state", "serving", "driver", "predict", "align"}),
-    ("front ends", {"launcher", "api", "cli", "plot", "__init__"}),
+    ("front ends", {"launcher", "api", "cli", "plot", "vertical_example", "__init__"}),
 ]
 LAYER = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
 

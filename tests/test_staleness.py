@@ -1,0 +1,114 @@
+"""Asynchronous pipelining by name (``staleness = S``): S steps of the first stage in flight.
+
+The forward of step t uses the first stage's parameters after its update of
+step t-1-S; its update of step t is applied once the forward of step t+S has
+been sent; its backward of step t uses the activations and parameters of step
+t's forward; the stages below are never stale. Runs over the wire equal the
+in-process reference bit for bit, through kill -9 and restart of either stage.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import StageGroup, read_json, read_lines, run_cli, run_main
+from distgrad.errors import ConfigError
+from distgrad.experiment import check_staleness, load_experiment
+from distgrad.inprocess import train_in_process
+from distgrad.records import to_lists
+from distgrad.stage import Stage
+
+
+def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_main(["run", experiment, "--in-process", "--summary", path, "--trace", tmp_path / "ref.jsonl",
+                       *flags])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)
+
+
+def test_staleness_zero_is_lockstep_and_more_changes_the_trajectory():
+    exp = load_experiment("tanh-regression")
+    lockstep = train_in_process(exp, steps=30)
+    assert train_in_process(exp, steps=30, staleness=0)["params"] == lockstep["params"]
+    one, two = (train_in_process(exp, steps=30, staleness=s)["params"] for s in (1, 2))
+    assert one != lockstep["params"] and two != one
+
+
+def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
+    """With S >= steps every forward uses the initial parameters, so g trains exactly as it would against a
+    first stage that never learns (an independent run with f's learning rate 0)."""
+    exp, steps = load_experiment("tanh-regression"), 20
+    stale = train_in_process(exp, steps=steps, staleness=steps)
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    features, targets = exp.build_data(stage="f"), exp.build_data(stage="g")
+    for step in range(1, steps + 1):          # g alone learns, from the initial f's activations
+        y, _ = f.forward(features.features(step))
+        _, _, grads = g.loss_micro_batch(y, targets.targets(step))
+        g.apply(grads)
+    assert stale["params"]["g"] == to_lists(g.params)
+    assert stale["params"]["f"] != to_lists(f.params)        # f did learn: its updates came after the forwards
+
+
+@pytest.mark.parametrize("experiment,flags", [
+    ("tanh-regression", ["--staleness", "1", "--micro-batches", "2", "--steps", "40"]),
+    ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc"]),
+    ("digits", ["--staleness", "2", "--steps", "120", "--eval-every", "50"]),
+])
+def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):
+    path, trace = tmp_path / "run.json", tmp_path / "run.jsonl"
+    result = run_cli(["run", experiment, "--summary", path, "--trace", trace, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    in_process = [f for f in flags if f not in ("--transport", "ipc")]
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *in_process)
+    assert summary["params"] == reference["params"]
+    assert summary["final_loss"] == reference["final_loss"]
+    assert summary.get("evaluations") == reference.get("evaluations")
+    assert read_lines(trace) == read_lines(tmp_path / "ref.jsonl")     # each stage's parameters after its step
+
+
+class StalePair(StageGroup):
+    def __init__(self, tmp_path: Path, steps: int, endpoint: str) -> None:
+        super().__init__(tmp_path)
+        common = ["--experiment", "tanh-regression", "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", "7", "--resume", "--timeout", "0.5", "--peer-deadline", "30"]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
+                     "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace",
+                           tmp_path / "f.jsonl", "--trace-params", "f1.b", "--staleness", "1", "--micro-batches",
+                           "2", *common]}
+
+
+def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, stage_group):
+    """kill -9 of f, then of g, mid-run with a step in flight; each restarted with its command line: both
+    stages' parameters and the trace (no step lost or doubled) equal the uninterrupted in-process run."""
+    steps = 900
+    pair = stage_group(StalePair, tmp_path, steps, f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    for victim, at in (("f", 150), ("g", 450)):
+        pair.wait_until(lambda: pair.lines("f.jsonl") >= at, f"f to reach step {at}")
+        pair.procs[victim].signal(signal.SIGKILL)
+        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
+        pair.start(victim)
+    pair.wait_all()
+    reference = _reference(tmp_path, "tanh-regression", "--steps", str(steps), "--staleness", "1",
+                           "--micro-batches", "2")["params"]
+    assert read_json(tmp_path / "f.json")["params"]["f"] == reference["f"]
+    assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
+    assert [line["step"] for line in read_lines(tmp_path / "f.jsonl")] == list(range(1, steps + 1))
+
+
+def test_where_staleness_is_not_supported_it_is_refused():
+    with pytest.raises(ConfigError, match="two stages and chains"):
+        check_staleness(load_experiment("digits-clients"), 1)
+    with pytest.raises(ConfigError, match="two stages and chains"):
+        check_staleness(load_experiment("digits-halves"), 1)
+    with pytest.raises(ConfigError, match="from 0 to 64"):
+        check_staleness(load_experiment("digits"), -1)
+    result = run_main(["run", "digits-clients", "--in-process", "--staleness", "1"])
+    assert result.returncode == 2 and "two stages and chains" in result.stderr
+    result = run_main(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--staleness", "1"])
+    assert result.returncode == 2 and "driving stage" in result.stderr
