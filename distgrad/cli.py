@@ -111,7 +111,11 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="split each batch into M micro-batches, one update per batch (default: the experiment's "
                         "micro_batches, else 1)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
-                   help="micro-batches in flight: all (gpipe) or two (1f1b, the default); same result either way")
+                   help="micro-batches in flight: all (gpipe) or --in-flight of them (1f1b, the default); same "
+                        "result either way")
+    p.add_argument("--in-flight", type=int, metavar="N",
+                   help="1f1b: micro-batches in flight at once, 1 to M (default 2, or M if fewer); the driving "
+                        "stage holds at most N micro-batches' forward caches; same result whatever N")
     p.add_argument("--staleness", type=int, metavar="S",
                    help="asynchronous pipelining: S steps in flight; the first stage's forward of step t uses its "
                         "parameters after step t-1-S (default: the experiment's staleness, else 0: lockstep). A "
@@ -257,6 +261,11 @@ def _run_stage(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
+    serving = args.bind is not None
+    if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
+                    or args.metrics or args.tensorboard or args.eval_every is not None or args.staleness is not None):
+        raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness, --metrics, --tensorboard and "
+                          "--eval-every are for the driving stage (the others follow its hello)")
     opts = StageOptions(
         exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
         args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
@@ -265,19 +274,14 @@ def _run_stage(args: argparse.Namespace) -> int:
         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
-        schedule=args.schedule, staleness=args.staleness, metrics_path=args.metrics,
+        schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness, metrics_path=args.metrics,
         tensorboard_dir=args.tensorboard,
         eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load)
-    serving = args.bind is not None
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
-    if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.metrics or args.tensorboard
-                    or args.eval_every is not None or args.staleness is not None):
-        raise ConfigError("--micro-batches, --schedule, --staleness, --metrics, --tensorboard and --eval-every are "
-                          "for the driving stage (the others follow its hello)")
     ctx = zmq.Context.instance()
     upstream, downstream = _curve(args, role, ctx)
     opts.security = upstream if serving else downstream
@@ -316,7 +320,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
-    from .options import StopFlag
+    from .options import StopFlag, check_in_flight
     from .experiment import check_run_settings, load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
@@ -334,6 +338,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,
                        eval_every=args.eval_every, staleness=args.staleness)
+    # Checked with --in-process too, although one process has nothing in flight: the same command line
+    # must be valid either way, and the result does not depend on it.
+    check_in_flight(args.in_flight, args.micro_batches, args.schedule)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
     if args.tensorboard is not None:
@@ -357,6 +364,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
                             stage_flags=_passthrough(args), secure=args.secure,
                             driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
+                                          *(["--in-flight", str(args.in_flight)] if args.in_flight is not None
+                                            else []),
                                           *(["--eval-every", str(args.eval_every)] if args.eval_every is not None
                                             else []),
                                           *(["--staleness", str(args.staleness)] if args.staleness is not None

@@ -94,11 +94,12 @@ class _Driver:
     def step_once(self) -> None:
         """One step: every micro-batch's forward and backward, then one update.
 
-        Up to ``window`` micro-batches are in flight (all of them for gpipe,
-        two for 1f1b), so this stage computes micro-batch i+1 while the server
-        works on i. Gradients are summed in micro-batch order whatever the
-        schedule, which is the order the in-process path uses. With staleness
-        S > 0, ``_step_in_flight`` instead.
+        Up to ``opts.window`` micro-batches are in flight (all of them for
+        gpipe, ``--in-flight`` for 1f1b, two by default), so this stage computes
+        micro-batch i+1 while the server works on i, and holds at most that
+        many forward caches. Gradients are summed in micro-batch order whatever
+        the schedule and window, which is the order the in-process path uses.
+        With staleness S > 0, ``_step_in_flight`` instead.
         """
         if self.staleness:
             self._step_in_flight()
@@ -106,7 +107,7 @@ class _Driver:
         stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
         step = stage.step + 1
         batch = self._batch(step)
-        window = count if self.opts.schedule == "gpipe" else min(count, 2)
+        window = self.opts.window
         pending: dict[tuple[int, int], Message] = {}
         caches: dict[int, Any] = {}
         self.link.arrived.clear()
@@ -311,6 +312,7 @@ class _Driver:
             self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
+                             in_flight=self.opts.window,
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}))
 

@@ -22,7 +22,23 @@ from .transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
 DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
-SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: two
+SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
+DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
+
+
+def check_in_flight(in_flight: Any, micro_batches: int, schedule: str) -> None:
+    """``--in-flight N`` (None: the default) for ``schedule`` with ``micro_batches`` M: an integer from 1 to M,
+    and only with 1f1b (gpipe keeps all M in flight). Raises ``ConfigError`` naming the bad value."""
+    if in_flight is None:
+        return
+    if schedule != "1f1b":
+        raise ConfigError(f"--in-flight is for the 1f1b schedule; {schedule} keeps all {micro_batches} "
+                          f"micro-batches in flight (drop --in-flight or use --schedule 1f1b)")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ConfigError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
+    if in_flight > micro_batches:
+        raise ConfigError(f"--in-flight {in_flight} is more than the {micro_batches} micro-batch(es) of a step: "
+                          f"give at most --micro-batches (or more micro-batches)")
 
 
 class StopFlag:
@@ -67,6 +83,7 @@ class StageOptions:
     downstream_security: SocketSecurity | None = None   # middle stage: for its connection to the stage below
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
+    in_flight: int | None = None       # driving stage, 1f1b: micro-batches in flight (None: DEFAULT_IN_FLIGHT)
     staleness: int | None = None       # driving stage: steps in flight (None: the experiment's; 0: lockstep)
     metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
     tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
@@ -102,6 +119,14 @@ class StageOptions:
         return self.experiment.eval_every if self.eval_every is None else self.eval_every
 
     @property
+    def window(self) -> int:
+        """Micro-batches the driving stage keeps in flight: all for gpipe, else ``--in-flight`` (default two),
+        never more than a step has. Its forward caches are held for at most this many at a time."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.micro_batches, DEFAULT_IN_FLIGHT if self.in_flight is None else self.in_flight)
+
+    @property
     def link(self) -> LinkSettings:
         """The bounds of this stage's connection to the stage below."""
         return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
@@ -135,6 +160,7 @@ class StageOptions:
             check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        check_in_flight(self.in_flight, self.micro_batches, self.schedule)
         exp = self.experiment
         exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
         if exp.federated and exp.stage_index(self.stage) == 0:

@@ -41,6 +41,7 @@ SMOKE_TESTS = {
     "_torch_split.py": "test_torch_split",
     "per_message.py": "test_per_message",
     "soak.py": "test_soak",
+    "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
     "zero_copy_threshold.py": "test_zero_copy_threshold",
 }
@@ -104,6 +105,21 @@ def test_wan_link(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["rtt_s_min"] >= 0.004 and 0 < figures["bulk_bps"] <= 80e6
     assert figures["stats"]["connections"] == 1
+
+
+def test_wan(tmp_path):
+    """--smoke: two tiny configurations through an emulated 1 ms link, each with steps/s, bytes per step and
+    a share of its bound; a codec row runs, or is skipped with its reason when distgrad-stage lacks the flag."""
+    out = tmp_path / "wan.json"
+    result = run_script("wan.py", "--smoke", "--json", out)
+    rows = json.loads(out.read_text())["links"]["smoke"]["rows"]
+    assert [row["label"] for row in rows] == ["lockstep", "1f1b M=2 N=1", "lockstep, int8"]
+    for row in rows[:2]:
+        r = row["result"]
+        assert r["steps_per_s"] > 0 and r["bytes_down"] > 32 * 1024 and r["bytes_up"] > 32 * 1024
+        assert 0 < r["share"] and r["bound_steps_per_s"] > 0
+    assert "result" in rows[2] or rows[2]["skipped"].startswith("skipped: distgrad-stage has no --activation-codec")
+    assert "0 failed run(s)" in result.stdout
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])

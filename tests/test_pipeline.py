@@ -68,6 +68,46 @@ def test_labels_travel_per_micro_batch(tmp_path):
     assert _run(tmp_path, "piped", exp, "--micro-batches", 4, "--schedule", "gpipe")["params"] == reference["params"]
 
 
+def test_in_flight_three_of_four_equals_the_in_process_accumulation(tmp_path):
+    """--in-flight N changes only how many micro-batches wait on the wire, not the sum's order."""
+    args = ["tanh-regression", "--steps", 40, "--micro-batches", 4]
+    reference = _run(tmp_path, "inproc", *args, "--in-process", "--in-flight", 3)
+    summary = _run(tmp_path, "n3", *args, "--in-flight", 3)
+    assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
+    assert summary["schedule"] == "1f1b" and summary["in_flight"] == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--micro-batches", "4", "--in-flight", "0"], "--in-flight must be an integer >= 1, got 0"),
+    (["--micro-batches", "4", "--in-flight", "5"], "--in-flight 5 is more than the 4 micro-batch(es)"),
+    (["--in-flight", "2"], "--in-flight 2 is more than the 1 micro-batch(es)"),
+    (["--micro-batches", "4", "--schedule", "gpipe", "--in-flight", "2"], "--in-flight is for the 1f1b schedule"),
+])
+def test_in_flight_is_checked_before_anything_starts(args, message):
+    for extra in ([], ["--in-process"]):
+        result = run_main(["run", "tanh-regression", *args, *extra])
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    result = run_main(["stage", "f", "--experiment", "tanh-regression", "--connect", "tcp://127.0.0.1:9", *args])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_in_flight_is_for_the_driving_stage():
+    result = run_main(["stage", "g", "--experiment", "tanh-regression", "--bind", "tcp://127.0.0.1:*",
+                       "--in-flight", "2"])
+    assert result.returncode == 2 and "--in-flight" in result.stderr and "driving stage" in result.stderr
+
+
+def test_in_flight_sets_the_window():
+    from distgrad.options import StageOptions
+
+    exp = load_experiment("tanh-regression")
+    window = {(schedule, m, n): StageOptions(exp, "f", 0, micro_batches=m, schedule=schedule, in_flight=n).window
+              for schedule, m, n in [("1f1b", 1, None), ("1f1b", 4, None), ("1f1b", 4, 1), ("1f1b", 4, 4),
+                                     ("gpipe", 4, None)]}
+    assert window == {("1f1b", 1, None): 1, ("1f1b", 4, None): 2, ("1f1b", 4, 1): 1, ("1f1b", 4, 4): 4,
+                      ("gpipe", 4, None): 4}
+
+
 def test_micro_batches_must_divide_the_batch(tmp_path):
     for args in (["seed-reverse", "--micro-batches", "2"], ["tanh-regression", "--micro-batches", "5"],
                  ["tanh-regression", "--micro-batches", "0"]):
