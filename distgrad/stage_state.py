@@ -20,6 +20,7 @@ from .errors import CheckpointWriteError, ConfigError, StageError
 from .options import StageOptions
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage
+from .wirecodec import Senders, without_codec_state
 
 
 class StageState:
@@ -34,7 +35,7 @@ class StageState:
         ``--checkpoint-every``); a stage serving several clients checkpoints at the end of a round instead."""
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
-                                 trace_sent=opts.role == "serving")
+                                 trace_sent=opts.role == "serving", senders=Senders(opts.experiment.codecs))
         if checkpoint_each_step:
             self.engine.observers.append(lambda record: self.after_step(record.step))
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
@@ -59,6 +60,11 @@ class StageState:
     def stage(self, stage: Stage) -> None:
         self.engine.stage = stage
         self.engine.reset()
+
+    @property
+    def senders(self) -> Senders:
+        """What this stage encodes its outgoing tensors with; its residuals roll back with the stage."""
+        return self.engine.senders
 
     def _fresh(self) -> Stage:
         """The stage at step 0: built from its file and seed, then ``--load``'s values when given."""
@@ -101,7 +107,8 @@ class StageState:
     def _load(self, ckpt: Any) -> None:
         self.engine.reset()
         try:
-            self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
+            self.stage.load_state_arrays(without_codec_state(ckpt.arrays), ckpt.step)
+            self.senders.load_state_arrays(ckpt.arrays)     # error-feedback residuals (none: zeros)
         except ValueError as e:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
 
@@ -109,6 +116,7 @@ class StageState:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
         if self.stage.step != 0:
             self.stage = self._fresh()
+        self.senders.reset()
         self.run_id, self.owner = run_id, owner
         self.cpu_started = time.process_time()
         if self.store is not None:
@@ -139,6 +147,7 @@ class StageState:
             return
         if step == 0:
             self.stage = self._fresh()
+            self.senders.reset()
         else:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
@@ -165,8 +174,8 @@ class StageState:
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             try:
-                self.store.save(self.run_id, self.stage.step if step is None else step, self.stage.state_arrays(),
-                                meta)
+                self.store.save(self.run_id, self.stage.step if step is None else step,
+                                {**self.stage.state_arrays(), **self.senders.state_arrays()}, meta)
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise
