@@ -45,14 +45,15 @@ class DownstreamLink:
     """Requests from one stage to the stage serving at ``connect``.
 
     ``reply_specs`` are the tensors a backward reply must carry (one
-    micro-batch's activation gradient, as its codec sends it); they bound
-    what this side accepts.
+    micro-batch's activation gradient, as its codec sends it; None: replies
+    carry no tensors, as in ``distgrad predict``); they bound what this side
+    accepts.
     Replies to other pending requests that arrive while waiting for one are
     kept until asked for.
     """
 
     def __init__(self, settings: LinkSettings, connect: str, check_stop: Callable[[], None], ctx: zmq.Context,
-                 security: SocketSecurity | None, reply_specs: Expected, traffic: Traffic | None = None,
+                 security: SocketSecurity | None, reply_specs: Expected | None, traffic: Traffic | None = None,
                  other_replies: Specs | None = None) -> None:
         self.opts, self.connect, self.check_stop, self.ctx, self.security = settings, connect, check_stop, ctx, security
         self.reply_specs = reply_specs
@@ -76,7 +77,7 @@ class DownstreamLink:
             self.client = self._new_client()
 
     def _limits(self) -> tuple[int, int]:
-        frame, tensor = frame_limit(self.reply_specs.specs)
+        frame, tensor = frame_limit(self.reply_specs.specs if self.reply_specs is not None else {})
         return max(frame, self.other_limits[0]), max(tensor, self.other_limits[1])
 
     def _new_client(self) -> Client:
