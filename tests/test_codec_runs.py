@@ -239,3 +239,19 @@ def test_a_float16_overflow_fails_the_run_naming_tensor_and_step(tmp_path):
     message = "stage g: codec float16: tensor 'activation_grad/mb0of1' at step 1"
     for stage in ("f", "g"):            # both name the tensor and the step (and both exit 1)
         assert any(line.startswith(f"[{stage}] ") and message in line for line in result.stdout.splitlines())
+
+
+def test_residuals_become_state_only_with_the_update():
+    """A step's residuals are pending until committed (the update) and forgotten when it is dropped, so a
+    micro-batch sent again after a rollback is encoded from the same residual."""
+    from distgrad.wirecodec import ACTIVATION, Senders
+
+    senders = Senders({ACTIVATION: parse_codec("topk:1+ef")})
+    x = np.array([[3.0, 1.0, 2.0]], np.float32)
+    first = senders.encode(ACTIVATION, x, "s", 1)
+    senders.discard()                                             # the step was dropped: same bits again
+    assert all(np.array_equal(first[k], v) for k, v in senders.encode(ACTIVATION, x, "s", 1).items())
+    assert senders.state_arrays() == {}
+    senders.commit()
+    np.testing.assert_array_equal(senders.state_arrays()["codec/s"], [[0.0, 1.0, 2.0]])
+    assert senders.roundtrip(ACTIVATION, x, "s", 2).tolist() == [[0.0, 0.0, 4.0]]   # 2 + residual 2 wins
