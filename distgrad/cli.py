@@ -122,6 +122,15 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "different, deterministic computation: equal to --in-process with the same S")
 
 
+def _codec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activation-codec", metavar="NAME",
+                   help="how activations cross the wire: none, float16, bfloat16, int8, topk:K or topk:K+ef "
+                        "(default: the experiment's activation_codec, else none); every stage must say the same")
+    p.add_argument("--gradient-codec", metavar="NAME",
+                   help="how activation gradients cross the wire back up: the same codecs (default: the "
+                        "experiment's gradient_codec, else none); every stage must say the same")
+
+
 def _curve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
                    help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
@@ -139,6 +148,7 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
     _common_flags(p, experiment_required=True)
     _pipeline_flags(p)
+    _codec_flags(p)
     _watch_flags(p)
     p.add_argument("--bind", metavar="ENDPOINT", help="serve the stage above on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="connect to the stage below, serving here")
@@ -163,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a built-in name or experiment file, or every party's stage file (f.toml g.toml)")
     _common_flags(run, experiment_required=False)
     _pipeline_flags(run)
+    _codec_flags(run)
     _watch_flags(run)
     run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     run.add_argument("--secure", action="store_true",
@@ -259,7 +270,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     from .records import parse_trace_params
     from .transport import DEFAULT_TIMEOUT_S
 
-    exp = load_experiment(args.experiment)
+    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
@@ -328,7 +339,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     from .records import check_trace_filter, parse_trace_params
     from .transport import check_spin
 
-    exp = load_experiment(args.experiment)
+    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     experiment = args.experiment[0] if len(args.experiment) == 1 else args.experiment
     if args.micro_batches is None:
         args.micro_batches = exp.micro_batches
@@ -371,7 +382,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
                                           *(["--staleness", str(args.staleness)] if args.staleness is not None
                                             else [])],
                             progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
-                            load_dir=args.load)
+                            load_dir=args.load, activation_codec=args.activation_codec,
+                            gradient_codec=args.gradient_codec)
     _print_result(summary)
     return EXIT_OK
 

@@ -30,6 +30,7 @@ from .stage import backward_specs, micro_batch
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from .transport import Traffic
 from .wire import ErrorCode, Message
+from .wirecodec import ACTIVATION, GRADIENT, stream_name
 
 BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
 EVALUATION_TYPES = frozenset({wire.EVALUATION})    # may share its step and micro-batch)
@@ -49,7 +50,7 @@ class _Driver:
         self.data = exp.build_data(opts.seed, client=opts.client, stage=opts.stage)
         self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
         self.target_dtype = self.data.target_dtype
-        self.reply_specs = backward_specs(self.state.stage, opts.micro_batches)
+        self.reply_specs = backward_specs(self.state.stage, opts.micro_batches, exp.codecs[GRADIENT])
         self.traffic = Traffic()
         self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
         self.progress = Progress(opts.progress, self.steps)
@@ -138,7 +139,8 @@ class _Driver:
         features, targets = batch
         count = self.opts.micro_batches
         y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
-        tensors = {"activation": y}
+        # This stage computes on with ``y`` itself; only what crosses is coded.
+        tensors = self.state.senders.message_tensors(ACTIVATION, y, stream_name(ACTIVATION, i, count), step)
         if targets is not None:
             tensors["target"] = micro_batch(targets, i, count)
         return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
@@ -230,7 +232,7 @@ class _Driver:
         Returns and records ``records.evaluation_entry`` of the step this stage stands at."""
         step = self.state.stage.step
         y, _ = self.state.stage.forward(self.data.test_features(), training=False)
-        tensors = {"activation": y}
+        tensors = self.state.senders.evaluation_tensors(y, step + 1)
         if self.exp.labels_travel:
             tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
         msg = Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors)

@@ -13,6 +13,11 @@ of one or several clients, a middle stage) feeds a stage's step through a
    the runner does between the update and the record (the SplitFed average),
    the trace line, and the observers (checkpoint, metrics, progress).
 
+The engine also holds what the stage encodes its outgoing tensors with
+(``senders``, ``distgrad.wirecodec``): the error-feedback residuals a step's
+sends computed become the stage's with its update, and are forgotten with a
+step that is dropped (``reset``), so they always match the parameters.
+
 What differs between the runners (where activations come from, where
 gradients go, whether the update comes after the reply) is when they call
 these, never what they compute: that is what makes every topology bitwise
@@ -28,6 +33,7 @@ import numpy as np
 
 from .nn import Grads
 from .stage import Stage
+from .wirecodec import Senders
 
 
 class GradAccumulator:
@@ -114,12 +120,14 @@ class StepEngine:
     micro-batch gradients (``Loss.micro_batch_scale``). ``trace`` receives a
     line per traced step; with ``trace_sent``, the activation gradients this
     stage sent up go in it as ``activation_grad`` (the last stage's, which is
-    what crossed the wire). ``observers`` see every applied update.
+    what crossed the wire, before its codec). ``observers`` see every applied
+    update. ``senders`` encode what the stage sends (default: no codec).
     """
 
     def __init__(self, stage: Stage, loss_scale: Callable[[int], np.float32], trace: TraceSink | None = None,
-                 trace_sent: bool = False) -> None:
+                 trace_sent: bool = False, senders: Senders | None = None) -> None:
         self.stage = stage
+        self.senders = senders if senders is not None else Senders({})
         self.loss_scale = loss_scale
         self.trace = trace
         self.trace_sent = trace_sent
@@ -137,6 +145,7 @@ class StepEngine:
         """Forget a partly accumulated step (a rollback, a dropped client, a failure)."""
         self._accumulator.reset()
         self._losses, self._sent = [], []
+        self.senders.discard()
 
     def add(self, mb: int, mbs: int, grads: Grads, loss: np.float32 | None = None,
             sent: np.ndarray | None = None) -> None:
@@ -168,6 +177,7 @@ class StepEngine:
         traced = ({name: g.copy() for name, g in grads.items()}
                   if self.trace is not None and self.trace.wants(step) else None)
         stage.apply(grads)
+        self.senders.commit()           # before the observers: a checkpoint holds the residuals of this step
         loss = float(combine_losses(self._losses, scale)) if self._losses else None
         sent, self._losses, self._sent = self._sent, [], []
         if between is not None:

@@ -21,6 +21,7 @@ their handshake; each stage's checkpoints are tied to its own file
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -33,6 +34,7 @@ import numpy as np
 
 from . import schema
 from .aggregate import AGGREGATES, combined_shape
+from .codecs import Codec, parse_codec
 from .data import ColumnView, DataSource, build_data
 from .errors import ConfigError
 from .losses import Loss, build_loss, build_module_loss
@@ -146,6 +148,8 @@ class Experiment:
     target: tuple[Shape, str] | None = None    # a whole batch's targets (shape, dtype) when they travel
     aggregate: str | None = None               # vertical: how the last stage combines the parties' embeddings
     staleness: int = 0                         # the first stage's steps in flight (asynchronous pipelining)
+    activation_codec: str = "none"             # how activations cross the wire (``distgrad.codecs``, canonical)
+    gradient_codec: str = "none"               # how activation gradients cross it
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -153,6 +157,26 @@ class Experiment:
     def vertical(self) -> bool:
         """True when every stage but the last is a feature party feeding the last (``aggregate``)."""
         return self.aggregate is not None
+
+    @property
+    def codecs(self) -> dict[str, Codec]:
+        """The wire codec of each direction: ``{"activation": ..., "activation_grad": ...}``
+        (``distgrad.wirecodec``)."""
+        return {"activation": parse_codec(self.activation_codec), "activation_grad": parse_codec(self.gradient_codec)}
+
+    def with_codecs(self, activation: str | None = None, gradient: str | None = None) -> "Experiment":
+        """This experiment with the codecs ``--activation-codec`` / ``--gradient-codec`` give (None: the
+        file's). The codecs are part of the interface, so a stage given other codecs than its peer is
+        refused at the handshake, naming the field; checkpoints of other codecs are not resumed (the
+        fingerprint changes). Raises ``ConfigError`` for a bad name or a cut the codec cannot carry."""
+        names = [self.activation_codec if activation is None else _codec_name(activation, "--activation-codec"),
+                 self.gradient_codec if gradient is None else _codec_name(gradient, "--gradient-codec")]
+        if names == [self.activation_codec, self.gradient_codec]:
+            return self
+        exp = dataclasses.replace(self, activation_codec=names[0], gradient_codec=names[1],
+                                  fingerprint=_digest({"file": self.fingerprint, "codecs": names}, 64), _derived={})
+        check_codecs(exp)
+        return exp
 
     @property
     def data_owners(self) -> list[str]:
@@ -330,7 +354,11 @@ class Experiment:
                      "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
                      "clients mode": self.clients.mode, "clients average_every": self.clients.average_every,
                      **({"aggregate": self.aggregate} if self.vertical else {}),
-                     **({"staleness": self.staleness} if self.staleness else {})}
+                     **({"staleness": self.staleness} if self.staleness else {}),
+
+                     # Only when set, so that experiments without codecs keep their fingerprints.
+                     **({"activation_codec": self.activation_codec} if self.activation_codec != "none" else {}),
+                     **({"gradient_codec": self.gradient_codec} if self.gradient_codec != "none" else {})}
             parts.update(self._order_parts())
             self._derived["parts"] = parts
         return dict(parts)
@@ -479,7 +507,33 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     out["reduction"] = raw.get("reduction")
     if not isinstance(raw.get("description", ""), str):
         raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
+    try:
+        for key in ("activation_codec", "gradient_codec"):
+            out[key] = _codec_name(raw.get(key, "none"), f"{where}'{key}'")
+    except ConfigError as e:
+        raise _fail(source, str(e)) from e
     return out
+
+
+def _codec_name(text: Any, where: str) -> str:
+    """The canonical name of the codec ``text`` names (``parse_codec``); ``ConfigError`` naming ``where``."""
+    try:
+        return parse_codec(text).name
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def check_codecs(exp: "Experiment") -> None:
+    """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
+    ``topk:K`` need an axis; ``K`` at most the entries of a row)."""
+    for direction, codec in exp.codecs.items():
+        key = "activation_codec" if direction == "activation" else "gradient_codec"
+        for i, cut in enumerate(exp.cuts):
+            try:
+                codec.check_shape(tuple(cut))
+            except ConfigError as e:
+                raise ConfigError(f"{key} {codec.name!r} cannot carry activation {i + 1} of shape {tuple(cut)}: "
+                                  f"{e}") from e
 
 
 def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
@@ -577,7 +631,9 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate, staleness=settings["staleness"])
+                     raw.get("description", ""), target, aggregate=aggregate,
+                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                     staleness=settings["staleness"])
     _check_built(exp, source)
     return exp
 
@@ -662,7 +718,9 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate, staleness=settings["staleness"])
+                     raw.get("description", ""), target, aggregate=aggregate,
+                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                     staleness=settings["staleness"])
     _check_built(exp, source)
     return exp
 
@@ -714,6 +772,7 @@ def _check_built(exp: Experiment, source: str) -> None:
     try:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
+        check_codecs(exp)
         if exp.vertical:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
@@ -780,6 +839,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
                       _digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
                       first.epochs, first.description, first.target, aggregate=first.aggregate,
+                      activation_codec=first.activation_codec, gradient_codec=first.gradient_codec,
                       staleness=first.staleness)
 
 
@@ -862,6 +922,10 @@ def check_staleness(exp: Experiment, staleness: Any) -> None:
         raise ConfigError(f"staleness {staleness}: asynchronous pipelining is for two stages and chains; "
                           f"experiment {exp.name!r} has {'[clients]' if exp.federated else 'feature parties'} "
                           f"(use staleness = 0)")
+    if any(codec.endswith("+ef") for codec in (exp.activation_codec, exp.gradient_codec)):
+        raise ConfigError(f"staleness {staleness}: a codec with error feedback (+ef) keeps what it dropped for the "
+                          f"next step, which steps in flight would send before it is known; use staleness = 0 "
+                          f"or a codec without +ef")
     first = exp.stage_names[0]
     if exp.has_stage(first) and exp.spec(first).device != "cpu":
         raise ConfigError(f"staleness {staleness}: the first stage {first!r} computes on {exp.spec(first).device}; "

@@ -3,7 +3,10 @@
 It drives the very ``Stage`` objects the daemons use, in the order the
 two-process protocol imposes (forward through every stage, the loss, then
 each stage's backward and update from the last to the first), with the same
-data and seeds. Tests assert that runs over the wire end bitwise equal to it.
+data and seeds. Wherever a tensor would cross the wire, the receiving stage
+computes with what the experiment's codec makes of it (``Senders.roundtrip``,
+with the sending stage's error feedback), exactly as over the wire. Tests
+assert that runs over the wire end bitwise equal to it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from . import aggregate
 from .engine import StepEngine
 from .experiment import Experiment, check_run_settings, client_stage_name
 from .nn import Grads
+from .codecs import Codec
 from .records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
 from .stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                     parameters_file)
+from .wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
 log = logging.getLogger("distgrad.inprocess")
 
@@ -72,40 +77,53 @@ class _TracePart:
 
 def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool,
              copied: bool = False) -> list[StepEngine]:
-    """A step engine per stage, each writing its part of the trace; the last sends ``activation_grad``.
-    ``copied``: every part copies its parameters when written (stages that run ahead of the line's flush)."""
+    """A step engine per stage, each writing its part of the trace and encoding what its stage sends (the
+    experiment's codecs); the last sends ``activation_grad``. ``copied``: every part copies its parameters
+    when written (stages that run ahead of the line's flush)."""
     scale = exp.micro_batch_scale
     return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
-                       trace_sent=stage is stages[-1] and len(stages) > 1) for stage in stages]
+                       trace_sent=stage is stages[-1] and len(stages) > 1, senders=Senders(exp.codecs))
+            for stage in stages]
 
 
 def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,
           client: int | None = None) -> float | None:
     """One step through the stages of ``engines`` in the protocol's order: every micro-batch forward and
     back, then the updates from the last stage up (the order the stages apply them over the wire);
-    returns the step's loss."""
+    returns the step's loss. Each tensor that would cross is coded where it would (``_cross``)."""
     *upstream, last = [engine.stage for engine in engines]
+    peer = "" if client is None else f"client{client}"      # the serving stage's name for the stream
     for i in range(micro_batches):
         x, caches = micro_batch(features, i, micro_batches), []
-        for stage in upstream:
-            x, cache = stage.forward(x, i)
+        for engine, stage in zip(engines, upstream):
+            y, cache = stage.forward(x, i)
             caches.append(cache)
+            x = _cross(engine, ACTIVATION, y, i, micro_batches, step)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
         last.check_finite("loss", mb_loss, step)
         if upstream:
             last.check_finite("activation_grad", dx, step)
         engines[-1].add(i, micro_batches, grads, mb_loss, dx)
+        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if upstream else dx
         for engine, stage, cache in zip(reversed(engines[:-1]), reversed(upstream), reversed(caches)):
             first = stage is upstream[0]
-            dx, grads = stage.backward(cache, dx, need_dx=not first)
+            dx, grads = stage.backward(cache, dy, need_dx=not first)
             if not first:
                 stage.check_finite("activation_grad", dx, step)
+                dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
             engine.add(i, micro_batches, grads)
     loss = None
     for engine in reversed(engines):
         done = engine.update(step, micro_batches, client=client)
         loss = done if engine is engines[-1] else loss
     return loss
+
+
+def _cross(engine: StepEngine, direction: str, x: np.ndarray, mb: int, micro_batches: int, step: int,
+           peer: str = "") -> np.ndarray:
+    """What the receiving stage computes with for ``x``, sent by ``engine``'s stage on the stream the stage
+    processes use (``stream_name``), with that stage's error feedback."""
+    return engine.senders.roundtrip(direction, x, stream_name(direction, mb, micro_batches, peer), step)
 
 
 def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: np.ndarray,
@@ -117,18 +135,21 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
     dys = []
     for i, x in enumerate(ys):
         caches = []
-        for stage in middle:
-            x, cache = stage.forward(x, i)
+        for engine, stage in zip(engines, middle):
+            y, cache = stage.forward(x, i)
             caches.append(cache)
+            x = _cross(engine, ACTIVATION, y, i, micro_batches, step)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
         last.check_finite("loss", mb_loss, step)
         last.check_finite("activation_grad", dx, step)
         engines[-1].add(i, micro_batches, grads, mb_loss, dx)
+        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step)
         for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
-            dx, grads = stage.backward(cache, dx)
+            dx, grads = stage.backward(cache, dy)
             stage.check_finite("activation_grad", dx, step)
             engine.add(i, micro_batches, grads)
-        dys.append(dx)
+            dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
+        dys.append(dy)
     loss = None
     for engine in reversed(engines):
         done = engine.update(step, micro_batches)
@@ -157,7 +178,8 @@ class _InFlight:
             outputs = [stage.forward(micro_batch(features, i, count), i) for i in range(count)]
         finally:
             stage.step = live
-        loss, dys = _below(self.below, step, [y for y, _ in outputs], targets, count)
+        sent = [_cross(self.engine, ACTIVATION, y, i, count, step) for i, (y, _) in enumerate(outputs)]
+        loss, dys = _below(self.below, step, sent, targets, count)
         self.sent[step] = (step - 1 - self.depth, [cache for _, cache in outputs], dys)
         return loss
 
@@ -196,14 +218,17 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     kind = exp.aggregate
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
+    names = exp.stage_names[:-1]
     for i in range(micro_batches):
         outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
-        z = aggregate.combine(kind, [y for y, _ in outputs])
+        z = aggregate.combine(kind, [_cross(engine, ACTIVATION, y, i, micro_batches, step)
+                                     for engine, (y, _) in zip(parties, outputs)])
         mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
         stage.check_finite("loss", mb_loss, step)
         stage.check_finite("activation_grad", dz, step)
         last.add(i, micro_batches, grads, mb_loss, dz)
-        for engine, (_, cache), dy in zip(parties, outputs, aggregate.split(kind, dz, widths)):
+        for engine, name, (_, cache), dy in zip(parties, names, outputs, aggregate.split(kind, dz, widths)):
+            dy = _cross(last, GRADIENT, dy, i, micro_batches, step, name)
             _, party_grads = engine.stage.backward(cache, dy, need_dx=False)
             engine.add(i, micro_batches, party_grads)
     loss = last.update(step, micro_batches)
@@ -212,9 +237,12 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     return loss
 
 
-def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels) -> dict[str, Any]:
-    """Every party's held-out rows forward, combined, scored by the last stage."""
-    z = aggregate.combine(exp.aggregate, [party.forward(d.test_features(), training=False)[0]
+def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
+                       step: int) -> dict[str, Any]:
+    """Every party's held-out rows forward (coded as they cross), combined, scored by the last stage."""
+    codec = exp.codecs[ACTIVATION]
+    z = aggregate.combine(exp.aggregate, [codec.roundtrip(party.forward(d.test_features(), training=False)[0],
+                                                          ACTIVATION, step + 1)
                                           for party, d in zip(parties, data)])
     return last.evaluate_last(z, labels.test_targets())
 
@@ -249,11 +277,14 @@ class _ParameterFiles:
             built.save_parameters(path)
 
 
-def _evaluate(upstream: list[Stage], last: Stage, data, labels) -> dict[str, Any]:
-    """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``)."""
+def _evaluate(upstream: list[Stage], last: Stage, data, labels, codec: Codec, step: int) -> dict[str, Any]:
+    """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
+    activation crosses with the activation ``codec`` (no error feedback: an evaluation changes nothing),
+    as the evaluation message after ``step`` carries it."""
     x = data.test_features()
     for stage in upstream:
         x, _ = stage.forward(x, training=False)
+        x = codec.roundtrip(x, ACTIVATION, step + 1)
     return last.evaluate_last(x, labels.test_targets())
 
 
@@ -297,7 +328,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if _due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = _evaluate([client], last, data[c], labels[c])
+                    scores[c] = _evaluate([client], last, data[c], labels[c], exp.codecs[ACTIVATION], step)
                     evaluations[c].append(evaluation_entry(step, scores[c]))
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
@@ -398,8 +429,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)
             if len(data.test_rows) and _due(step, steps, eval_every):
-                evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels) if exp.vertical
-                              else _evaluate(upstream, last, data, labels))
+                evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels, step) if exp.vertical
+                              else _evaluate(upstream, last, data, labels, exp.codecs[ACTIVATION], step))
                 evaluations.append(evaluation_entry(step, evaluation))
                 log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
     for stage in stages:

@@ -154,7 +154,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
               out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
               stage_flags: Sequence[str] = (), secure: bool = False,
               driver_flags: Sequence[str] = (), progress_bar: bool = False,
-              save_dir: str | Path | None = None, load_dir: str | Path | None = None) -> dict[str, Any]:
+              save_dir: str | Path | None = None, load_dir: str | Path | None = None,
+              activation_codec: str | None = None, gradient_codec: str | None = None) -> dict[str, Any]:
     """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
     return the merged summary. Each stage process reads only its own file.
 
@@ -174,10 +175,13 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     ``save_dir`` receives each stage's final parameters and ``load_dir`` gives
     their initial values (``stage.parameters_file``: ``DIR/f.npz``, ``DIR/g.pt``, ...).
     With ``secure``, fresh CURVE key pairs are made for this run and each
-    serving stage accepts only the key of the stage above it.
+    serving stage accepts only the key of the stage above it. ``activation_codec`` / ``gradient_codec``
+    override the experiment's wire codecs (``--activation-codec``, ``--gradient-codec`` of every stage).
     """
     out = out or sys.stdout
-    exp = load_experiment(experiment)
+    exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
+    stage_flags = [*stage_flags, *(["--activation-codec", activation_codec] if activation_codec is not None else []),
+                   *(["--gradient-codec", gradient_codec] if gradient_codec is not None else [])]
     if len(exp.stage_names) < 2:
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")

@@ -21,6 +21,7 @@ from . import wire
 from .errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from .transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from .wire import ErrorCode, Message, frame_limit
+from .wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
 
@@ -44,16 +45,18 @@ class DownstreamLink:
     """Requests from one stage to the stage serving at ``connect``.
 
     ``reply_specs`` are the tensors a backward reply must carry (one
-    micro-batch's activation gradient); they bound what this side accepts.
+    micro-batch's activation gradient, as its codec sends it; None: replies
+    carry no tensors, as in ``distgrad predict``); they bound what this side
+    accepts.
     Replies to other pending requests that arrive while waiting for one are
     kept until asked for.
     """
 
     def __init__(self, settings: LinkSettings, connect: str, check_stop: Callable[[], None], ctx: zmq.Context,
-                 security: SocketSecurity | None, reply_specs: Specs, traffic: Traffic | None = None,
+                 security: SocketSecurity | None, reply_specs: Expected | None, traffic: Traffic | None = None,
                  other_replies: Specs | None = None) -> None:
         self.opts, self.connect, self.check_stop, self.ctx, self.security = settings, connect, check_stop, ctx, security
-        self.reply_specs = dict(reply_specs)
+        self.reply_specs = reply_specs
         # The biggest reply is a backward one (an evaluation carries no tensors), or one of
         # ``other_replies`` (a SplitFed average: the first stage's parameters).
         self.other_limits = frame_limit(other_replies) if other_replies else (0, 0)
@@ -66,9 +69,9 @@ class DownstreamLink:
         self.run_id = ""
         self.client = self._new_client()
 
-    def set_reply_specs(self, reply_specs: Specs) -> None:
+    def set_reply_specs(self, reply_specs: Expected) -> None:
         """Expect other backward tensors (the micro-batch count changed); reconnects if limits grow."""
-        self.reply_specs = dict(reply_specs)
+        self.reply_specs = reply_specs
         limits = self._limits()
         if limits != (self.max_frame, self.max_tensor):
             self.max_frame, self.max_tensor = limits
@@ -76,7 +79,7 @@ class DownstreamLink:
             self.client = self._new_client()
 
     def _limits(self) -> tuple[int, int]:
-        frame, tensor = frame_limit(self.reply_specs)
+        frame, tensor = frame_limit(self.reply_specs.specs if self.reply_specs is not None else {})
         return max(frame, self.other_limits[0]), max(tensor, self.other_limits[1])
 
     def _new_client(self) -> Client:
@@ -178,18 +181,20 @@ class DownstreamLink:
             self.client.close(linger_ms)
 
 
-def check_backward(reply: Message, step: int, specs: Specs, allow_nonfinite: bool) -> tuple[np.float32, np.ndarray]:
-    """``(loss, activation_grad)`` of a backward reply; raises ``ProtocolError`` if it is not one."""
+def check_backward(reply: Message, step: int, specs: Expected, allow_nonfinite: bool
+                   ) -> tuple[np.float32, np.ndarray]:
+    """``(loss, activation_grad)`` of a backward reply, the gradient decoded with its codec; raises
+    ``ProtocolError`` if it is not one."""
     if reply.type != wire.BACKWARD:
         raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
-    wire.expect_tensors(reply, specs, allow_nonfinite)
+    dy = specs.receive(reply, allow_nonfinite)
     loss = reply.body.get("loss")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool):
         raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
-    return np.float32(loss), reply.tensors["activation_grad"]
+    return np.float32(loss), dy
 
 
-def check_reply(reply: Message, step: int, specs: Specs, allow_nonfinite: bool,
+def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: bool,
                 below: str) -> tuple[np.float32, np.ndarray]:
     """``check_backward`` for the reply of stage ``below``; a NaN or Inf in it raises ``NonFiniteError``
     (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong."""

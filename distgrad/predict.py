@@ -82,7 +82,7 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
     _check_not_vertical(exp)
     state = StageState(opts)
     stage, log = state.stage, state.log
-    link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, {})
+    link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
     run = uuid.uuid4().hex
     chunk_rows = exp.batch or 1
     chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
@@ -260,7 +260,7 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
     ctx = ctx or zmq.Context.instance()
-    link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, {}) if connect else None
+    link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
     logic = PredictionServer(opts, output, link)
     max_frame = 4 * int(np.prod(logic.stage.input_shape)) + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)

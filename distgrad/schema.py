@@ -49,6 +49,14 @@ _SHARED: dict[str, Key] = {
                   "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
                   "embeddings of a step before its own model: side by side in party order (concat), or their sum "
                   "or mean; each party gets back exactly the gradient of its own embedding"),
+    "activation_codec": ("string", '"none"',
+                         "how activations cross the wire: none (float32), float16, bfloat16, int8 (per row, with a "
+                         "float32 scale), topk:K (per row the K largest magnitudes) or topk:K+ef (with error feedback: "
+                         "the sender carries what it dropped into its next step); the sender computes with its own "
+                         "unrounded values. '--activation-codec' overrides it"),
+    "gradient_codec": ("string", '"none"',
+                       "how activation gradients cross the wire back up: the same codecs as 'activation_codec'. "
+                       "'--gradient-codec' overrides it"),
     "description": ("string", '""', "free text, shown by 'distgrad experiments'"),
 }
 

@@ -44,7 +44,7 @@ import numpy as np
 import zmq
 
 from . import aggregate, wire
-from .errors import ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
+from .errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError, StageError
 from .experiment import MAX_STALENESS, build_stage_parts, client_stage_name
 from .handshake import check_hello, common_step, hello, same_exactly
 from .link import DownstreamLink, check_evaluation, check_reply
@@ -54,6 +54,7 @@ from .stage import TensorSpecs, average_parameters, backward_specs, forward_spec
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message, frame_limit
+from .wirecodec import ACTIVATION, GRADIENT, Expected, stream_name
 
 Envelope = list[bytes]
 MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation,
@@ -94,7 +95,7 @@ class Peer:
     mbs: int = 1
     eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
     staleness: int = 0                # steps it keeps in flight (its hello says): replies of as many are kept
-    specs: dict = field(default_factory=dict)
+    specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)
     last_seen: float = -math.inf      # its last message, or the last reply to it
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
@@ -154,19 +155,20 @@ class ServingStage:
         self.input_shapes = ([self.exp.cuts[self.exp.stage_index(name)] for name in self.parties] if self.vertical
                              else [self.stage.input_shape] * self.count)
         self.target = target_spec(self.exp)
+        self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
-            backward_specs(self.stage, 1))
-        singles = [forward_specs(self.stage, self.target, 1, shape) for shape in self.input_shapes]
+            backward_specs(self.stage, 1, self.codecs[GRADIENT]))
+        singles = [self._forward_specs(1, index) for index in range(self.count)]
         # A middle stage without data cannot tell how many rows are held out: it takes up to MAX_EVAL_ROWS
         # and the stage below, which holds the labels, checks the count.
         row_bytes = 4 * int(np.prod(self.stage.input_shape[1:] or (1,)))
         passed_on = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
         rows = len(self.data[0].test_rows) if self.data else passed_on if self.link is not None else 0
         self.eval_rows_max = passed_on
-        self.eval_specs = [{name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in single.items()}
-                           for single in singles]     # per peer
-        limits = [frame_limit(single) for single in singles] + [frame_limit(specs) for specs in self.eval_specs]
+        self.eval_specs = [single.with_rows(rows) if rows else None for single in singles]    # per peer
+        limits = [frame_limit(single.specs) for single in singles] + [frame_limit(specs.specs)
+                                                                      for specs in self.eval_specs if specs]
         self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
         if self.exp.clients.mode == "splitfed":
             first_model, _, _ = build_stage_parts(self.exp, self.upstream, opts.seed, opts.init)
@@ -192,6 +194,25 @@ class ServingStage:
     @property
     def stage(self):
         return self.state.stage
+
+    def _forward_specs(self, mbs: int, index: int) -> Expected:
+        """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded."""
+        return forward_specs(self.stage, self.target, mbs, self.input_shapes[index], self.codecs[ACTIVATION])
+
+    def _stream(self, peer: Peer) -> str:
+        """Whose error-feedback streams a reply to ``peer`` belongs to: "" for the one peer, else its index or
+        its party name (each has its own residuals)."""
+        if self.vertical:
+            return self.parties[peer.index]
+        return f"client{peer.index}" if self.shared else ""
+
+    def _encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
+        """The message tensors of ``x`` sent on ``stream``; a value its codec cannot carry fails the step
+        (``NonFiniteError``: it would cross as Inf), naming the codec, the tensor and the step."""
+        try:
+            return self.state.senders.message_tensors(direction, x, stream, step)
+        except CodecRangeError as e:
+            raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
 
     def _new_run(self, start_round: int, fresh: bool = True) -> None:
         """Wait for the peers of a run whose first round is ``start_round``; ``fresh``: a new run (not
@@ -233,7 +254,7 @@ class ServingStage:
             peer = self.peers[0]
             peer.run, peer.owner, peer.step = self.state.run_id, self.state.owner, ckpt_step
             peer.status, peer.last_seen = PeerStatus.ACTIVE, now     # a full liveness window to come back
-            peer.specs = forward_specs(self.stage, self.target, peer.mbs)   # until its hello says otherwise
+            peer.specs = self._forward_specs(peer.mbs, peer.index)   # until its hello says otherwise
             self._start_round()
 
     def _resumed_round(self) -> int:
@@ -357,7 +378,7 @@ class ServingStage:
             next_step = self._hello_shared(peer, msg, mbs, now, peer_key)
         else:
             next_step = self._hello_single(peer, msg, mbs, now, peer_key)
-        peer.mbs, peer.specs = mbs, forward_specs(self.stage, self.target, mbs, self.input_shapes[peer.index])
+        peer.mbs, peer.specs = mbs, self._forward_specs(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         if not self.vertical:
@@ -498,7 +519,7 @@ class ServingStage:
             return common
         both = sorted(set(ours) & set(theirs)) or [0]
         steps = msg.body.get("steps")
-        self.link.set_reply_specs(backward_specs(self.stage, mbs))
+        self.link.set_reply_specs(backward_specs(self.stage, mbs, self.codecs[GRADIENT]))
         try:
             return self.link.handshake(hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape,
                                              msg.run, both, steps if isinstance(steps, int)
@@ -522,7 +543,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting:
-            wire.expect_tensors(msg, peer.specs, self.exp.allow_nonfinite)
+            peer.specs.receive(msg, self.exp.allow_nonfinite)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
         in_turn = peer in self._turn_peers()
@@ -530,7 +551,7 @@ class ServingStage:
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                                 f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
-        wire.expect_tensors(msg, peer.specs, self.exp.allow_nonfinite)
+        peer.specs.receive(msg, self.exp.allow_nonfinite)     # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``_advance``)
         return []
 
@@ -551,15 +572,17 @@ class ServingStage:
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         specs = self.eval_specs[peer.index]
         if not self.data and self.link is not None:
-            activation = msg.tensors.get("activation")
+            single = self._forward_specs(1, peer.index)
+            # The rows are the first axis of the coded activation's first part (the values, codes or bits).
+            activation = msg.tensors.get(next(iter(single.coded.specs)))
             rows = len(activation) if activation is not None and activation.ndim else 0
             if not 1 <= rows <= self.eval_rows_max:
                 raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {self.eval_rows_max} rows, got "
                                                       f"{rows}")
-            specs = {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in specs.items()}
-        elif not self.data or not len(self.data[peer.index].test_rows):
+            specs = single.with_rows(rows)
+        elif specs is None or not self.data or not len(self.data[peer.index].test_rows):
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
-        wire.expect_tensors(msg, specs, self.exp.allow_nonfinite)
+        specs.receive(msg, self.exp.allow_nonfinite)
         if self.shared and peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (
                 msg.run, msg.step):
             return [(envelope, peer.evaluated)]           # resent: the same scores
@@ -753,6 +776,7 @@ class ServingStage:
             else:
                 mb_loss, dx, grads_later = self._through(msg, x)
             stage.check_finite("activation_grad", dx, msg.step)
+            tensors = self._encode(GRADIENT, dx, stream_name(GRADIENT, msg.mb, msg.mbs, self._stream(peer)), msg.step)
         except NonFiniteError as e:
             self.log.error("%s", e)
             self._failed(peer, e)
@@ -773,7 +797,7 @@ class ServingStage:
             # The peer holds every reply of its earlier steps but those still in flight (staleness).
             peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= msg.step - peer.staleness}
         body = {"loss": float(mb_loss)}
-        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors={"activation_grad": dx})
+        reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors=tensors)
         peer.cached[(msg.step, msg.mb)] = reply
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
         peer.last_seen = now
@@ -794,6 +818,9 @@ class ServingStage:
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
+            parts = aggregate.split(self.exp.aggregate, dz, [shape[-1] for shape in self.input_shapes])
+            sent = [self._encode(GRADIENT, dy, stream_name(GRADIENT, mb, mbs, self._stream(peer)), step)
+                    for peer, dy in zip(group, parts)]
         except (NonFiniteError, StageError) as e:
             code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
             self.log.error("%s", e)
@@ -801,13 +828,12 @@ class ServingStage:
             if isinstance(e, NonFiniteError):
                 self.failure = e
             return [(p.envelope, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(group, msgs)]
-        parts = aggregate.split(self.exp.aggregate, dz, [shape[-1] for shape in self.input_shapes])
         replies = []
         body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}
-        for peer, msg, dy in zip(group, msgs, parts):
+        for peer, msg, tensors in zip(group, msgs, sent):
             if mb == 0:
                 peer.cached = {}            # the party holds every reply of its previous step
-            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=dict(body), tensors={"activation_grad": dy})
+            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=dict(body), tensors=tensors)
             peer.cached[(step, mb)] = reply
             peer.last_seen = now
             replies.append((peer.envelope, reply))
@@ -842,7 +868,7 @@ class ServingStage:
         gradient, and a function computing its parameter gradients (no update)."""
         assert self.link is not None
         y, cache = self.stage.forward(x, msg.mb)
-        tensors = {"activation": y}
+        tensors = self._encode(ACTIVATION, y, stream_name(ACTIVATION, msg.mb, msg.mbs), msg.step)
         if "target" in msg.tensors:
             tensors["target"] = msg.tensors["target"]
         down = Message(wire.FORWARD, msg.run, msg.step, msg.mb, msg.mbs, tensors=tensors)
@@ -923,13 +949,14 @@ class ServingStage:
                                                   data.test_targets() if target is None else target)
             else:
                 y, _ = self.stage.forward(msg.tensors["activation"], training=False)
-                tensors = {"activation": y, **({"target": target} if target is not None else {})}
+                tensors = {**self.state.senders.evaluation_tensors(y, msg.step),
+                           **({"target": target} if target is not None else {})}
                 try:
                     result = check_evaluation(self.link.exchange(
                         Message(wire.EVALUATE, msg.run, msg.step, tensors=tensors)))
                 except PeerRejected as e:
                     return wire.error_message(msg.run, msg.step, e.code, str(self._refused_below(e, msg)))
-        except StageError as e:
+        except (StageError, CodecRangeError) as e:
             return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
         peer.evaluation = result
         peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)

@@ -85,6 +85,9 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
         table["clients"] = dict(raw["clients"])
     if exp.aggregate is not None:
         table["aggregate"] = exp.aggregate
+    for key in ("activation_codec", "gradient_codec"):
+        if getattr(exp, key) != "none":
+            table[key] = getattr(exp, key)
     return table
 
 

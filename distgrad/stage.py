@@ -15,12 +15,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .codecs import Codec, NoneCodec
 from .errors import ConfigError, NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
 from .nn import ForwardContext, Grads, Sequential, Shape
 from .optim import Optimizer
 from .records import write_atomic
+from .wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
 
 
 def average_parameters(params: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -64,20 +66,22 @@ def target_spec(exp: Experiment) -> tuple[tuple[int, ...], np.dtype] | None:
 
 
 def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int,
-                  input_shape: tuple[int, ...] | None = None) -> TensorSpecs:
-    """The tensors a forward of one micro-batch to ``stage`` must carry (``target``: see ``target_spec``);
+                  input_shape: tuple[int, ...] | None = None, codec: Codec | None = None) -> Expected:
+    """What a forward of one micro-batch to ``stage`` must carry: its ``activation`` coded with ``codec``
+    (default ``none``) and, when they travel, the targets (``target``: see ``target_spec``);
     ``input_shape``: the whole batch's activation when it is not the stage's input (one feature party's
     embedding, in a vertical experiment)."""
     shape = stage.input_shape if input_shape is None else input_shape
-    specs = {"activation": (micro_shape(shape, micro_batches), np.dtype(np.float32))}
+    others = {}
     if target is not None:
-        specs["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
-    return specs
+        others["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
+    return Expected(WireTensor(ACTIVATION, micro_shape(shape, micro_batches), codec or NoneCodec()), others)
 
 
-def backward_specs(stage: "Stage", micro_batches: int) -> TensorSpecs:
-    """The tensors a backward reply to ``stage``'s forward of one micro-batch must carry."""
-    return {"activation_grad": (micro_shape(stage.output_shape, micro_batches), np.dtype(np.float32))}
+def backward_specs(stage: "Stage", micro_batches: int, codec: Codec | None = None) -> Expected:
+    """What a backward reply to ``stage``'s forward of one micro-batch must carry: its ``activation_grad``,
+    coded with ``codec`` (default ``none``)."""
+    return Expected(WireTensor(GRADIENT, micro_shape(stage.output_shape, micro_batches), codec or NoneCodec()))
 
 
 # Stages computed by another framework, built by ``module:function(exp, name, seed, init)``; looked up by

@@ -22,6 +22,7 @@ from .errors import CheckpointWriteError, ConfigError, StageError
 from .options import StageOptions
 from .records import TraceWriter, to_lists, write_json
 from .stage import Stage
+from .wirecodec import Senders, without_codec_state
 
 
 class ParameterHistory:
@@ -84,7 +85,7 @@ class StageState:
         ``--checkpoint-every``); a stage serving several clients checkpoints at the end of a round instead."""
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
-                                 trace_sent=opts.role == "serving")
+                                 trace_sent=opts.role == "serving", senders=Senders(opts.experiment.codecs))
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
         if checkpoint_each_step:
@@ -111,6 +112,11 @@ class StageState:
     def stage(self, stage: Stage) -> None:
         self.engine.stage = stage
         self.engine.reset()
+
+    @property
+    def senders(self) -> Senders:
+        """What this stage encodes its outgoing tensors with; its residuals roll back with the stage."""
+        return self.engine.senders
 
     def _fresh(self) -> Stage:
         """The stage at step 0: built from its file and seed, then ``--load``'s values when given."""
@@ -153,7 +159,8 @@ class StageState:
     def _load(self, ckpt: Any) -> None:
         self.engine.reset()
         try:
-            self.stage.load_state_arrays(ckpt.arrays, ckpt.step)
+            self.stage.load_state_arrays(without_codec_state(ckpt.arrays), ckpt.step)
+            self.senders.load_state_arrays(ckpt.arrays)     # error-feedback residuals (none: zeros)
         except ValueError as e:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
         self.history.load(ckpt.arrays)
@@ -163,6 +170,7 @@ class StageState:
         if self.stage.step != 0:
             self.stage = self._fresh()
         self.history.versions = {}
+        self.senders.reset()
         self.run_id, self.owner = run_id, owner
         self.cpu_started = time.process_time()
         if self.store is not None:
@@ -194,6 +202,7 @@ class StageState:
         if step == 0:
             self.stage = self._fresh()
             self.history.versions = {}
+            self.senders.reset()
         else:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
@@ -221,7 +230,8 @@ class StageState:
                 meta.update(finished=True, final_loss=final_loss)
             try:
                 self.store.save(self.run_id, self.stage.step if step is None else step,
-                                {**self.stage.state_arrays(), **self.history.arrays()}, meta)
+                                {**self.stage.state_arrays(), **self.senders.state_arrays(), **self.history.arrays()},
+                                meta)
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise

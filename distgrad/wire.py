@@ -20,7 +20,8 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3                  # 3: the hello carries the interface's fields; predict messages (docs/protocol.md)
+PROTOCOL_VERSION = 4                  # 4: wire codecs (float16, uint16, int8 tensors); 3: the hello carries the
+                                      # interface's fields; predict messages (docs/protocol.md)
 HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8
@@ -42,12 +43,16 @@ MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, 
                            AVERAGE, PREDICT, PREDICTED, ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
-# Tensor dtypes on the wire, always little-endian.
+# Tensor dtypes on the wire, always little-endian. float16, uint16 (bfloat16's bits) and int8 carry the
+# parts of a coded tensor (``distgrad.codecs``, ``distgrad.wirecodec``).
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "uint16": np.dtype("<u2"),
+    "int8": np.dtype("i1"),
 }
 
 

@@ -55,8 +55,10 @@ def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
 
 @pytest.mark.parametrize("experiment,flags", [
     ("tanh-regression", ["--staleness", "1", "--micro-batches", "2", "--steps", "40"]),
-    ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc"]),
-    ("digits", ["--staleness", "2", "--steps", "120", "--eval-every", "50"]),
+    ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc",
+                          "--activation-codec", "int8", "--gradient-codec", "float16"]),
+    ("digits", ["--staleness", "2", "--steps", "120", "--eval-every", "50", "--activation-codec", "bfloat16",
+                "--gradient-codec", "topk:4"]),
 ])
 def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):
     path, trace = tmp_path / "run.json", tmp_path / "run.jsonl"
@@ -74,7 +76,8 @@ class StalePair(StageGroup):
     def __init__(self, tmp_path: Path, steps: int, endpoint: str) -> None:
         super().__init__(tmp_path)
         common = ["--experiment", "tanh-regression", "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
-                  "--checkpoint-every", "7", "--resume", "--timeout", "0.5", "--peer-deadline", "30"]
+                  "--checkpoint-every", "7", "--resume", "--timeout", "0.5", "--peer-deadline", "30",
+                  "--activation-codec", "float16", "--gradient-codec", "topk:8"]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
                      "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", "--trace",
                            tmp_path / "f.jsonl", "--trace-params", "f1.b", "--staleness", "1", "--micro-batches",
@@ -82,8 +85,9 @@ class StalePair(StageGroup):
 
 
 def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, stage_group):
-    """kill -9 of f, then of g, mid-run with a step in flight; each restarted with its command line: both
-    stages' parameters and the trace (no step lost or doubled) equal the uninterrupted in-process run."""
+    """kill -9 of f, then of g, mid-run with a step in flight and both directions coded; each restarted with
+    its command line: both stages' parameters and the trace (no step lost or doubled) equal the
+    uninterrupted in-process run."""
     steps = 900
     pair = stage_group(StalePair, tmp_path, steps, f"ipc://{tmp_path}/g.sock")
     pair.start("g")
@@ -95,7 +99,8 @@ def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, s
         pair.start(victim)
     pair.wait_all()
     reference = _reference(tmp_path, "tanh-regression", "--steps", str(steps), "--staleness", "1",
-                           "--micro-batches", "2")["params"]
+                           "--micro-batches", "2", "--activation-codec", "float16", "--gradient-codec",
+                           "topk:8")["params"]
     assert read_json(tmp_path / "f.json")["params"]["f"] == reference["f"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
     assert [line["step"] for line in read_lines(tmp_path / "f.jsonl")] == list(range(1, steps + 1))
@@ -108,6 +113,8 @@ def test_where_staleness_is_not_supported_it_is_refused():
         check_staleness(load_experiment("digits-halves"), 1)
     with pytest.raises(ConfigError, match="from 0 to 64"):
         check_staleness(load_experiment("digits"), -1)
+    result = run_main(["run", "digits", "--in-process", "--staleness", "1", "--gradient-codec", "topk:4+ef"])
+    assert result.returncode == 2 and "error feedback" in result.stderr
     result = run_main(["run", "digits-clients", "--in-process", "--staleness", "1"])
     assert result.returncode == 2 and "two stages and chains" in result.stderr
     result = run_main(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--staleness", "1"])

@@ -99,7 +99,8 @@ def test_special_float_and_extreme_int_values_are_bitwise_equal(dtype):
     if dtype.startswith("float"):
         array = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).tiny / 2], dtype)
     else:
-        array = np.array([np.iinfo(dtype).min, -1, 0, 1, np.iinfo(dtype).max], dtype)
+        info = np.iinfo(dtype)      # unsigned (uint16) has no -1
+        array = np.array([info.min, *([-1] if info.min < 0 else []), 0, 1, info.max], dtype)
     out = roundtrip(Message(wire.BACKWARD, tensors={"x": array})).tensors["x"]
     assert out.tobytes() == array.tobytes()
 
@@ -151,7 +152,7 @@ def test_tensor_order_is_frame_order():
     assert [int(t[0]) for t in got.tensors.values()] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bool", "complex64", "uint8", "int8", "object", "U3"])
+@pytest.mark.parametrize("dtype", ["bool", "complex64", "uint8", "uint32", "int16", "object", "U3"])
 def test_encode_refuses_dtypes_the_wire_does_not_carry(dtype):
     with pytest.raises(ValueError, match="cannot be sent"):
         wire.encode(Message(wire.FORWARD, tensors={"a": np.zeros(2, dtype)}))
@@ -256,7 +257,7 @@ def test_header_not_a_map(value):
     assert "map" in str(refused([msgpack.packb(value, use_bin_type=True)], ErrorCode.MALFORMED))
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, 0, -1, "3", None, ..., 3.0])
+@pytest.mark.parametrize("version", [1, 2, 3, 5, 0, -1, "4", None, ..., 4.0])
 def test_wrong_version(version):
     refused(frames_of(header(v=version)), ErrorCode.VERSION)
 
