@@ -88,8 +88,12 @@ class _Driver:
                              self.state.stage.step + 1, common)
             self.state.stage.step = common
         self.state.engine.reset()
-        # Evaluations of steps rolled back are taken again when those steps are.
-        self.evaluations = [e for e in self.evaluations if e["step"] <= self.state.stage.step]
+        # Evaluations of steps rolled back are taken again when those steps are. A feature party evaluates
+        # a due step again after every handshake at it (``_owes_evaluation``): the label owner, resumed or
+        # rolled back to that step, waits for every party's held-out embeddings of it.
+        step = self.state.stage.step
+        again = self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
+        self.evaluations = [e for e in self.evaluations if e["step"] < step or (e["step"] == step and not again)]
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
 
     def step_once(self) -> None:

@@ -373,7 +373,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"{self._name(peer)} said hello with another client key before"
                                 if self.shared else "this run belongs to another client key")
         if self.vertical:
-            next_step = self._hello_party(peer, msg, mbs, eval_every, peer_key)
+            next_step = self._hello_party(peer, msg, mbs, eval_every, peer_key, now)
         elif self.shared:
             next_step = self._hello_shared(peer, msg, mbs, now, peer_key)
         else:
@@ -453,12 +453,18 @@ class ServingStage:
                          self.round + 1)
         return self.round + 1
 
-    def _hello_party(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str) -> int:
+    def _hello_party(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
         """One feature party of a vertical experiment (re)joins: it goes on from the newest step it and this
         stage both hold, no later than where this stage stands. When that is earlier, this stage rolls back
-        to it and every other party must say hello again (``STALE``), so all of them go on from one step."""
+        to it and every other party must say hello again (``STALE``), so all of them go on from one step.
+        After the last step only a party of the run holding it may come back (for its evaluation and bye)."""
         held = msg.body.get("held")
         common_step([0], held)                          # validates the list
+        if peer.run and peer.run != msg.run and peer.live(now, self.opts.liveness_s):
+            # Another process naming the same party (or one restarted without --resume too soon): it would
+            # take the live party's place and send every party back to its step.
+            raise ProtocolError(ErrorCode.RUN, f"busy: {self._name(peer)} is live in run {peer.run}; cannot "
+                                               f"start run {msg.run!r}")
         for other in self.peers:
             if other is peer or other.status is not PeerStatus.ACTIVE:
                 continue
@@ -466,7 +472,8 @@ class ServingStage:
                 raise ProtocolError(ErrorCode.MISMATCH, f"{self._name(peer)} asks for {mbs} micro-batches and an "
                                                         f"evaluation every {eval_every} steps, {self._name(other)} "
                                                         f"for {other.mbs} and {other.eval_every}")
-        if self.phase is Phase.DONE:
+        if self.phase is Phase.DONE and not (peer.run == msg.run and peer.status is not PeerStatus.FINISHED
+                                             and self.stage.step in held):
             raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; {self._name(peer)} cannot "
                                                f"join now")
         if not self.active:
@@ -684,7 +691,13 @@ class ServingStage:
             elif self.phase is Phase.JOINING and self.vertical:
                 if any(p.status is not PeerStatus.ACTIVE or p.step != self.round for p in self.peers):
                     break                   # a step needs every party: no round starts without one
-                self._start_round()
+                # Going on after a step whose evaluation is due (a resume or a rollback to it): every party
+                # evaluates it again after its hello (``driver._owes_evaluation``) before the next step.
+                self.order = list(range(self.count))
+                if self.round > 0:
+                    self._round_done()
+                else:
+                    self._start_round()
             elif self.phase is Phase.JOINING:
                 present = [p for p in self.peers if p.status is PeerStatus.ACTIVE]
                 waited = self.first_hello is not None and now - self.first_hello > self.opts.peer_deadline_s
@@ -1016,7 +1029,9 @@ class ServingStage:
         (back) in the run, or without their part of the micro-batch or evaluation in progress."""
         since = lambda p: max(p.last_seen, self.joined_at)     # noqa: E731
         if self.phase is Phase.DONE:
-            return []
+            # Every step is done: a party that has not said bye still owes its evaluation and bye.
+            awaited = [p for p in self.peers if p.status is not PeerStatus.FINISHED]
+            return [p for p in awaited if now - since(p) > self.opts.liveness_s]
         if self.phase is Phase.ROUND:
             key = (self.round, self.engine.done)
             awaited = [p for p in self.peers if p.status is not PeerStatus.ACTIVE or key not in p.waiting]

@@ -245,3 +245,109 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- the label owner's message handling, without sockets
+
+class _Party:
+    """A feature party of digits-halves as the label owner sees it: its hello, forwards and evaluations."""
+
+    def __init__(self, exp, name: str) -> None:
+        from distgrad.stage import Stage
+        self.exp, self.name, self.run, self.envelope = exp, name, f"run-{name}", [name.encode()]
+        self.stage, self.data = Stage.from_experiment(exp, name), exp.build_data(stage=name)
+
+    def hello(self, held: list[int], steps: int, eval_every: int = 0, run: str | None = None):
+        from distgrad import handshake
+        return handshake.hello(self.exp, self.name, self.exp.seed, self.stage.output_shape, run or self.run, held,
+                               steps, 1, None, eval_every)
+
+    def forward(self, step: int):
+        from distgrad import wire
+        return wire.Message(wire.FORWARD, self.run, step, tensors={"activation": self.stage.forward(
+            self.data.features(step))[0]})
+
+    def evaluate(self, step: int):
+        from distgrad import wire
+        y = self.stage.forward(self.data.test_features(), training=False)[0]
+        return wire.Message(wire.EVALUATE, self.run, step + 1, tensors={"activation": y})
+
+
+def _label_owner(tmp_path: Path, steps: int):
+    """digits-halves' label owner g (checkpoints every step) and its two parties, at time ``now``."""
+    import time
+    from distgrad.options import StageOptions
+    from distgrad.serving import ServingStage
+    exp = load_experiment("digits-halves")
+    g = ServingStage(StageOptions(exp, "g", exp.seed, steps=steps, checkpoint_dir=tmp_path / "g",
+                                  checkpoint_every=1, liveness_s=1.0, peer_deadline_s=2.0))
+    return g, [_Party(exp, name) for name in ("left", "right")], time.monotonic()
+
+
+def _replies(g, party: _Party, msg, now: float) -> list:
+    return [(envelope[0].decode(), reply.type, reply.step) for envelope, reply in g.handle(party.envelope, msg, now)]
+
+
+def test_a_rollback_to_a_step_due_for_evaluation_evaluates_it_again_before_going_on(tmp_path):
+    """Right comes back holding step 2 (evaluated every 2 steps) while g stands at step 4: g and left go
+    back to step 2, both parties evaluate it again after their hello, and the run goes on."""
+    g, (left, right), now = _label_owner(tmp_path, steps=10)
+    for party in (left, right):
+        _replies(g, party, party.hello([0], 10, eval_every=2), now)
+    for step in range(1, 5):
+        for party in (left, right):
+            _replies(g, party, party.forward(step), now)
+        g.settle()
+        if step % 2 == 0:
+            for party in (left, right):
+                _replies(g, party, party.evaluate(step), now)
+    assert g.stage.step == 4 and 2 in g.state.held()
+    _replies(g, right, right.hello([0, 1, 2], 10, eval_every=2), now)
+    _replies(g, left, left.hello([0, 1, 2, 3, 4], 10, eval_every=2), now)
+    assert g.stage.step == 2
+    assert _replies(g, left, left.evaluate(2), now) == []
+    assert _replies(g, right, right.evaluate(2), now) == [("left", "evaluation", 3), ("right", "evaluation", 3)]
+    assert _replies(g, left, left.forward(3), now) == []
+    assert _replies(g, right, right.forward(3), now) == [("left", "backward", 3), ("right", "backward", 3)]
+
+
+def test_a_party_back_after_the_last_step_gets_its_evaluation_and_says_bye(tmp_path):
+    """Right is killed after the last step, its evaluation answered, before its bye: restarted with
+    --resume it is welcomed after the last step, gets the same scores again and says bye; had it stayed
+    away, g would have named it after the liveness bound (so --peer-deadline ends the run) instead of
+    waiting for ever."""
+    from distgrad import wire
+    g, (left, right), now = _label_owner(tmp_path, steps=2)
+    for party in (left, right):
+        _replies(g, party, party.hello([0], 2), now)
+    for step in (1, 2):
+        for party in (left, right):
+            _replies(g, party, party.forward(step), now)
+        g.settle()
+    _replies(g, left, left.evaluate(2), now)
+    scores = g.handle(right.envelope, right.evaluate(2), now)[-1][1]
+    _replies(g, left, wire.Message(wire.BYE, left.run, 3, body={"steps": 2}), now)
+    g.tick(now + 5.0)
+    assert [p.index for p in g.missing_parties(now + 5.0)] == [1] and "party right silent" in g.lost_message()
+    assert _replies(g, right, right.hello([0, 1, 2], 2), now + 5.0) == [("right", "welcome", 0)]
+    again = g.handle(right.envelope, right.evaluate(2), now + 5.0)
+    assert again[-1][1].body == scores.body
+    assert _replies(g, right, wire.Message(wire.BYE, right.run, 3, body={"steps": 2}), now + 5.0) == [
+        ("right", "bye", 3)]
+    assert g.finish_run()["parties"][1]["status"] == "completed"
+
+
+def test_another_process_naming_a_live_party_is_refused_as_busy(tmp_path):
+    """A second process calling itself left (a fresh run) while left is live would send the whole run
+    back to step 0: it is refused as busy (and retries), as a second driver of a two-stage run is."""
+    from distgrad.errors import ProtocolError
+    g, (left, right), now = _label_owner(tmp_path, steps=10)
+    for party in (left, right):
+        _replies(g, party, party.hello([0], 10), now)
+    for step in (1, 2):
+        for party in (left, right):
+            _replies(g, party, party.forward(step), now)
+        g.settle()
+    with pytest.raises(ProtocolError, match="busy: party left is live"):
+        g.handle([b"other"], left.hello([0], 10, run="another-run"), now + 0.5)
+    assert g.stage.step == 2 and g.peers[0].run == left.run
