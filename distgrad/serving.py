@@ -460,6 +460,11 @@ class ServingStage:
         After the last step only a party of the run holding it may come back (for its evaluation and bye)."""
         held = msg.body.get("held")
         common_step([0], held)                          # validates the list
+        steps = msg.body.get("steps")
+        if not same_exactly(steps, self.steps):
+            # This stage counts the run's steps itself: a party that would stop elsewhere would stall the rest.
+            raise ProtocolError(ErrorCode.MISMATCH, f"{self._name(peer)} runs {wire.show(steps)} steps, this stage "
+                                                    f"{self.steps} (give every stage the same --steps)")
         if peer.run and peer.run != msg.run and peer.live(now, self.opts.liveness_s):
             # Another process naming the same party (or one restarted without --resume too soon): it would
             # take the live party's place and send every party back to its step.

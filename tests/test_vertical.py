@@ -351,3 +351,12 @@ def test_another_process_naming_a_live_party_is_refused_as_busy(tmp_path):
     with pytest.raises(ProtocolError, match="busy: party left is live"):
         g.handle([b"other"], left.hello([0], 10, run="another-run"), now + 0.5)
     assert g.stage.step == 2 and g.peers[0].run == left.run
+
+
+def test_a_party_running_other_steps_is_refused_at_hello(tmp_path):
+    """The label owner counts the run's steps itself: a party given another --steps would stall the others
+    at its end, so its hello is refused, naming both counts."""
+    from distgrad.errors import ProtocolError
+    g, (left, _), now = _label_owner(tmp_path, steps=10)
+    with pytest.raises(ProtocolError, match="party left runs 12 steps, this stage 10"):
+        g.handle(left.envelope, left.hello([0], 12), now)
