@@ -465,6 +465,11 @@ class ServingStage:
             # This stage counts the run's steps itself: a party that would stop elsewhere would stall the rest.
             raise ProtocolError(ErrorCode.MISMATCH, f"{self._name(peer)} runs {wire.show(steps)} steps, this stage "
                                                     f"{self.steps} (give every stage the same --steps)")
+        for other in self.peers:
+            if peer_key and other is not peer and other.owner == peer_key:
+                # With CURVE a key is one party: the key of party a cannot also take party b's place.
+                raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {self._name(other)}; it cannot "
+                                                   f"also be {self._name(peer)} (each party has its own key)")
         if peer.run and peer.run != msg.run and peer.live(now, self.opts.liveness_s):
             # Another process naming the same party (or one restarted without --resume too soon): it would
             # take the live party's place and send every party back to its step.

@@ -360,3 +360,15 @@ def test_a_party_running_other_steps_is_refused_at_hello(tmp_path):
     g, (left, _), now = _label_owner(tmp_path, steps=10)
     with pytest.raises(ProtocolError, match="party left runs 12 steps, this stage 10"):
         g.handle(left.envelope, left.hello([0], 12), now)
+
+
+def test_with_curve_one_key_is_one_party(tmp_path):
+    """The key that said hello as left cannot also take right's place (a party cannot stand in for another
+    with its own key); right's own key can."""
+    from distgrad.errors import ProtocolError
+    g, (left, right), now = _label_owner(tmp_path, steps=10)
+    g.handle(left.envelope, left.hello([0], 10), now, peer_key="key-of-left")
+    with pytest.raises(ProtocolError, match="said hello as party left; it cannot also be party right"):
+        g.handle(right.envelope, right.hello([0], 10), now, peer_key="key-of-left")
+    g.handle(right.envelope, right.hello([0], 10), now, peer_key="key-of-right")
+    assert [p.owner for p in g.peers] == ["key-of-left", "key-of-right"]
