@@ -493,6 +493,9 @@ class ServingStage:
         live = self.stage.step
         both = set(self.state.held()) & set(held)
         common = max([s for s in both if s <= live] or [0])
+        if peer.run and peer.run != msg.run:
+            self.log.warning("%s starts a new run (%s, holding steps %s) in place of run %s", self._name(peer),
+                             msg.run, held[-8:], peer.run)
         if common < live:
             self._roll_back_parties(common, peer)
         else:
