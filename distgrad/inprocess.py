@@ -91,31 +91,17 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     """One step through the stages of ``engines`` in the protocol's order: every micro-batch forward and
     back, then the updates from the last stage up (the order the stages apply them over the wire);
     returns the step's loss. Each tensor that would cross is coded where it would (``_cross``)."""
-    *upstream, last = [engine.stage for engine in engines]
-    peer = "" if client is None else f"client{client}"      # the serving stage's name for the stream
-    for i in range(micro_batches):
-        x, caches = micro_batch(features, i, micro_batches), []
-        for engine, stage in zip(engines, upstream):
-            y, cache = stage.forward(x, i)
-            caches.append(cache)
-            x = _cross(engine, ACTIVATION, y, i, micro_batches, step)
-        mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
-        last.check_finite("loss", mb_loss, step)
-        if upstream:
-            last.check_finite("activation_grad", dx, step)
-        engines[-1].add(i, micro_batches, grads, mb_loss, dx)
-        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if upstream else dx
-        for engine, stage, cache in zip(reversed(engines[:-1]), reversed(upstream), reversed(caches)):
-            first = stage is upstream[0]
-            dx, grads = stage.backward(cache, dy, need_dx=not first)
-            if not first:
-                stage.check_finite("activation_grad", dx, step)
-                dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
-            engine.add(i, micro_batches, grads)
-    loss = None
-    for engine in reversed(engines):
-        done = engine.update(step, micro_batches, client=client)
-        loss = done if engine is engines[-1] else loss
+    rows = [micro_batch(features, i, micro_batches) for i in range(micro_batches)]
+    if len(engines) == 1:
+        return _below(engines, step, rows, targets, micro_batches, client, above=False)[0]
+    first = engines[0]
+    outputs = [first.stage.forward(x, i) for i, x in enumerate(rows)]
+    sent = [_cross(first, ACTIVATION, y, i, micro_batches, step) for i, (y, _) in enumerate(outputs)]
+    loss, dys = _below(engines[1:], step, sent, targets, micro_batches, client)
+    for i, ((_, cache), dy) in enumerate(zip(outputs, dys)):
+        _, grads = first.stage.backward(cache, dy, need_dx=False)
+        first.add(i, micro_batches, grads)
+    first.update(step, micro_batches, client=client)
     return loss
 
 
@@ -126,12 +112,15 @@ def _cross(engine: StepEngine, direction: str, x: np.ndarray, mb: int, micro_bat
     return engine.senders.roundtrip(direction, x, stream_name(direction, mb, micro_batches, peer), step)
 
 
-def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: np.ndarray,
-           micro_batches: int) -> tuple[float | None, list[np.ndarray]]:
+def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: np.ndarray, micro_batches: int,
+           client: int | None = None, above: bool = True) -> tuple[float | None, list[np.ndarray]]:
     """Step ``step`` through the stages below the first (``engines``), as they serve it: each micro-batch's
-    activations ``ys[i]`` forward, the loss, back to the first stage's activation gradient; then their
-    updates from the last up. Returns the step's loss and the activation gradients for the first stage."""
+    input ``ys[i]`` forward, the loss, back to the activation gradient the stage above receives; then their
+    updates from the last up. Returns the step's loss and those gradients. ``client``: whose step it is,
+    when the last stage serves several data owners; ``above`` False: ``engines`` are a one-stage
+    experiment's, whose input gradient goes nowhere."""
     *middle, last = [engine.stage for engine in engines]
+    peer = "" if client is None else f"client{client}"      # the serving stage's name for the stream
     dys = []
     for i, x in enumerate(ys):
         caches = []
@@ -141,9 +130,10 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
             x = _cross(engine, ACTIVATION, y, i, micro_batches, step)
         mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
         last.check_finite("loss", mb_loss, step)
-        last.check_finite("activation_grad", dx, step)
+        if above or middle:
+            last.check_finite("activation_grad", dx, step)
         engines[-1].add(i, micro_batches, grads, mb_loss, dx)
-        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step)
+        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if above or middle else dx
         for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
             dx, grads = stage.backward(cache, dy)
             stage.check_finite("activation_grad", dx, step)
@@ -152,7 +142,7 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
         dys.append(dy)
     loss = None
     for engine in reversed(engines):
-        done = engine.update(step, micro_batches)
+        done = engine.update(step, micro_batches, client=client)
         loss = done if engine is engines[-1] else loss
     return loss, dys
 
