@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import handshake, wire
+from . import aggregate, handshake, wire
 from .errors import ConfigError, PeerTimeout, ProtocolError
 from .link import DownstreamLink
 from .options import StageOptions, StopFlag
@@ -50,6 +50,7 @@ class _Session:
     rows: int                     # the rows its hello announced: at most ``ceil(rows / batch)`` chunks
     most_chunks: int
     done: bool = False
+    bye: tuple[Any, Message] | None = None   # a feature party's bye, answered once every party's rows are in
 
 
 def read_rows(path: Path, exp: Any, stage: str) -> np.ndarray:
@@ -79,7 +80,6 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
     number of rows the label owner acknowledged. Raises ``PeerTimeout``, ``PeerRejected``, ``ProtocolError``."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
-    _check_not_vertical(exp)
     state = StageState(opts)
     stage, log = state.stage, state.log
     link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
@@ -106,15 +106,6 @@ def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: S
         state.close()
 
 
-def _check_not_vertical(exp: Any) -> None:
-    """``distgrad predict`` sends one data owner's rows; a vertical experiment's label owner would need every
-    feature party's embedding of the same rows."""
-    if exp.vertical:
-        raise ConfigError(f"'distgrad predict' does not serve vertical experiments ({exp.name!r} combines "
-                          f"{len(exp.data_owners)} feature parties' embeddings) yet; score held-out rows with "
-                          f"eval_every / --eval-every during training instead")
-
-
 def _acknowledged(reply: Message, number: int, rows: int) -> int:
     if reply.type != wire.PREDICTED or reply.step != number or reply.body.get("rows") != rows or reply.tensors:
         raise ProtocolError(ErrorCode.TYPE, f"expected the acknowledgement of chunk {number} ({rows} rows), got "
@@ -124,50 +115,84 @@ def _acknowledged(reply: Message, number: int, rows: int) -> int:
 
 class PredictionServer:
     """A serving stage of ``distgrad predict``: the label owner (writes ``output``) or a middle stage
-    (passes its activations on through ``link``). ``handle`` answers one message or raises
-    ``ProtocolError``; a refused message changes nothing."""
+    (passes its activations on through ``link``). ``handle`` answers one message (None: later, through
+    ``take_ready``) or raises ``ProtocolError``; a refused message changes nothing.
+
+    The label owner of a vertical experiment takes one prediction session per feature party (each its
+    own run id, all announcing the same rows): chunk n's predictions are made once every party's
+    embedding of it has arrived (``aggregate.combine``), and a party's bye is answered once every party's
+    rows are in and the file is written."""
 
     def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None) -> None:
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
         self.state = StageState(opts)
         self.stage, self.log = self.state.stage, self.state.log
-        index = self.exp.stage_index(opts.stage)
-        self.upstream = self.exp.stage_names[index - 1]
-        self.row_shape = tuple(self.stage.input_shape[1:] if self.exp.batch else self.stage.input_shape)
-        self.session: _Session | None = None
+        self.parties = self.exp.upstream(opts.stage)        # the stages that send here
+        self.upstream = self.parties[0]
+        self.vertical = self.exp.vertical and len(self.parties) > 1
+        shapes = ({name: self.exp.cuts[self.exp.stage_index(name)] for name in self.parties} if self.vertical
+                  else {self.upstream: self.stage.input_shape})
+        self.row_shapes = {name: tuple(shape[1:] if self.exp.batch else shape) for name, shape in shapes.items()}
+        self.sessions: dict[str, _Session] = {}              # by sending stage
+        self.predictions: dict[int, np.ndarray] = {}         # vertical: chunk -> its predictions
+        self.ready: list[tuple[Any, Message]] = []           # deferred replies (held byes) to send now
         self.written = 0
 
-    def handle(self, msg: Message, now: float) -> Message:
+    @property
+    def session(self) -> _Session | None:
+        """The prediction in progress (a vertical one's first party's)."""
+        return self.sessions.get(self.upstream)
+
+    def finished(self) -> bool:
+        """Every sender's prediction is complete (written, or passed on)."""
+        return bool(self.sessions) and len(self.sessions) == len(self.row_shapes) and all(
+            session.done for session in self.sessions.values())
+
+    def take_ready(self) -> list[tuple[Any, Message]]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
         if msg.type == wire.PING:
             return Message(wire.PONG, msg.run, msg.step, body={"stage": self.opts.stage, "purpose": "predict",
                                                                "experiment": self.exp.name})
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
-        session = self.session
-        if session is None or msg.run != session.run:
+        session = next((s for s in self.sessions.values() if s.run == msg.run), None)
+        if session is None:
             raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}: say hello first")
         session.last_seen = now
         if msg.type == wire.PREDICT:
             return self._predict(session, msg)
         if msg.type == wire.BYE:
-            return self._bye(session, msg)
+            return self._bye(session, msg, envelope)
         raise ProtocolError(ErrorCode.TYPE, f"a prediction stage does not accept {msg.type!r} messages")
 
     def _hello(self, msg: Message, now: float) -> Message:
         body = msg.body
-        handshake.check_hello(body, self.upstream, self.exp, self.opts.seed, self.stage.input_shape, self.opts.stage)
+        sender = body.get("role") if self.vertical else self.upstream
+        if sender not in self.row_shapes:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(sender)}; this stage serves the "
+                                                    f"feature parties {self.parties}")
+        shape = self.exp.cuts[self.exp.stage_index(sender)] if self.vertical else self.stage.input_shape
+        handshake.check_hello(body, sender, self.exp, self.opts.seed, shape, self.opts.stage)
         if body.get("purpose") != "predict":
             raise ProtocolError(ErrorCode.MISMATCH, "this stage serves predictions (distgrad predict), not a "
                                                     "training run")
         rows = body.get("rows")
         if type(rows) is not int or not 1 <= rows <= MAX_CHUNKS * (self.exp.batch or 1):
             raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}")
-        if self.session is not None and self.session.run != msg.run and not self.session.done and \
-                now - self.session.last_seen <= self.opts.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, f"busy with prediction {self.session.run} (its sender is live)")
-        if self.session is None or self.session.run != msg.run:
+        session = self.sessions.get(sender)
+        if session is not None and session.run != msg.run and not session.done and \
+                now - session.last_seen <= self.opts.liveness_s:
+            raise ProtocolError(ErrorCode.RUN, f"busy with prediction {session.run} (its sender is live)")
+        for other, theirs in self.sessions.items():
+            if other != sender and theirs.rows != rows:
+                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "
+                                                        f"{theirs.rows}: every party predicts the same rows")
+        if session is None or session.run != msg.run:
             batch = self.exp.batch or 1
-            self.session = _Session(msg.run, {}, now, rows, -(-rows // batch))
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch))
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
@@ -182,16 +207,23 @@ class PredictionServer:
         if not 1 <= msg.step <= session.most_chunks or msg.mb != 0 or msg.mbs != 1:
             raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
                                                 f"{session.rows} rows the hello announced)")
+        sender = next(name for name, s in self.sessions.items() if s is session)
+        row_shape = self.row_shapes[sender]
         activation = msg.tensors.get("activation")
         batched = self.exp.batch is not None
         rows = len(activation) if activation is not None and batched and activation.ndim else 1
-        expected = (rows, *self.row_shape) if batched else self.row_shape
+        expected = (rows, *row_shape) if batched else row_shape
         if (set(msg.tensors) != {"activation"} or activation.dtype != np.float32 or tuple(activation.shape) != expected
                 or not 1 <= rows <= (self.exp.batch or 1)):
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {msg.step} must carry one float32 'activation' of 1 to "
-                                                  f"{self.exp.batch or 1} rows of shape {self.row_shape}")
+                                                  f"{self.exp.batch or 1} rows of shape {row_shape}")
         if not self.exp.allow_nonfinite and not np.isfinite(activation).all():
             raise ProtocolError(ErrorCode.NONFINITE, f"chunk {msg.step} holds NaN or Inf")
+        if self.vertical:
+            if msg.step not in self.predictions:          # a chunk sent again after it was combined: done
+                session.chunks[msg.step] = np.array(activation, copy=True)
+                self._combine(msg.step)
+            return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
         y, _ = self.stage.forward(activation, training=False)
         if self.link is not None:
             reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, tensors={"activation": y}))
@@ -202,13 +234,29 @@ class PredictionServer:
             session.chunks[msg.step] = np.array(predictions, copy=True)
         return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
 
-    def _bye(self, session: _Session, msg: Message) -> Message:
+    def _combine(self, number: int) -> None:
+        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
+        parts = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
+        if any(part is None for part in parts) or number in self.predictions:
+            return
+        if len({len(part) for part in parts}) != 1:
+            raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
+                                                  f"rows; every party sends the same rows")
+        assert self.stage.loss is not None
+        y, _ = self.stage.forward(aggregate.combine(self.exp.aggregate, parts), training=False)
+        self.predictions[number] = np.array(self.stage.loss.predict(y), copy=True)
+        for name in self.parties:
+            del self.sessions[name].chunks[number]
+
+    def _bye(self, session: _Session, msg: Message, envelope: Any = None) -> Message | None:
         chunks, rows = msg.body.get("chunks"), msg.body.get("rows")
         if type(chunks) is not int or type(rows) is not int or not 1 <= chunks <= session.most_chunks \
                 or rows != session.rows:
             raise ProtocolError(ErrorCode.MALFORMED, f"bye has chunks={wire.show(chunks)}, rows={wire.show(rows)}; "
                                                      f"the hello announced {session.rows} rows in at most "
                                                      f"{session.most_chunks} chunks")
+        if self.vertical:
+            return self._bye_party(session, msg, envelope, chunks, rows)
         if self.link is not None:
             reply = self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"chunks": chunks, "rows": rows}))
             if reply.type != wire.BYE or reply.body.get("rows") != rows:
@@ -224,6 +272,31 @@ class PredictionServer:
                                                        for n in range(1, chunks + 1)]))
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
+
+    def _bye_party(self, session: _Session, msg: Message, envelope: Any, chunks: int, rows: int) -> Message | None:
+        """A feature party's bye: kept (its latest envelope) until every party's is in and every chunk
+        combined; then the file is written and every party's bye answered (``take_ready``)."""
+        reply = Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
+        if session.done:
+            return reply                               # a bye sent again after the file was written
+        missing = [n for n in range(1, chunks + 1) if n not in session.chunks and n not in self.predictions][:5]
+        if missing or any(n > chunks for n in session.chunks):
+            raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks, but chunks {missing} of this party are "
+                                                f"missing (or it sent more)")
+        session.bye = (envelope, msg)
+        senders = [self.sessions.get(name) for name in self.parties]
+        if any(s is None or s.bye is None for s in senders):
+            return None                                # answered when the last party's bye comes
+        if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
+            raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
+                                                f"({len(self.predictions)} of {chunks} combined)")
+        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in range(1, chunks + 1)]))
+        for s in senders:
+            s.done = True
+            bye_envelope, bye = s.bye
+            if bye_envelope is not None and s is not session:
+                self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
+        return reply
 
     def _write(self, predictions: np.ndarray) -> int:
         """Write the predictions to ``output`` (``.npy``, or ``.csv`` with a ``row`` column); returns rows."""
@@ -250,7 +323,6 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     ``opts.peer_deadline_s``; ``Interrupted`` on a signal."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
-    _check_not_vertical(exp)
     last = connect is None
     if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
         raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
@@ -262,7 +334,8 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
     logic = PredictionServer(opts, output, link)
-    max_frame = 4 * int(np.prod(logic.stage.input_shape)) + wire.HEADER_MAX_BYTES
+    max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
+        + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
     started = time.monotonic()
     try:
@@ -273,11 +346,15 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
             now = time.monotonic()
             if request is not None:
                 envelope, frames, _ = request
-                msg, answer, _ = decode_and_handle(frames, max_frame, lambda m: logic.handle(m, now), logic.log)
-                server.reply(envelope, answer)
-                if logic.session is not None and logic.session.done:
+                msg, answer, _ = decode_and_handle(frames, max_frame, lambda m: logic.handle(m, now, envelope),
+                                                   logic.log)
+                if answer is not None:
+                    server.reply(envelope, answer)
+                for held, reply in logic.take_ready():
+                    server.reply(held, reply)
+                if logic.finished():
                     return logic.written if last else int(msg.body.get("rows", 0)) if msg else 0
-            seen = logic.session.last_seen if logic.session is not None else started
+            seen = max((s.last_seen for s in logic.sessions.values()), default=started)
             if now - seen > opts.peer_deadline_s:
                 raise PeerTimeout(f"no prediction {'came' if logic.session is None else 'message came'} for "
                                   f"{opts.peer_deadline_s:g} s; giving up")

@@ -388,3 +388,33 @@ def test_with_curve_one_key_is_one_party(tmp_path):
         g.handle(right.envelope, right.hello([0], 10), now, peer_key="key-of-left")
     g.handle(right.envelope, right.hello([0], 10), now, peer_key="key-of-right")
     assert [p.owner for p in g.peers] == ["key-of-left", "key-of-right"]
+
+
+def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_path):
+    """`distgrad predict` with vertical parties: each party sends its embedding of the same held-out rows,
+    the label owner combines them and writes the predictions; they equal the in-process forward of the
+    saved stages, and each party's bye is answered once every party's rows are in."""
+    from conftest import StageProcess, wait_for_file
+    from distgrad.stage import Stage
+    saved = tmp_path / "saved"
+    result = run_main(["run", "digits-halves", "--in-process", "--steps", "60", "--save", saved])
+    assert result.returncode == 0, result.stderr
+    ready, output = tmp_path / "g.ready", tmp_path / "predictions.npy"
+    with StageProcess(["predict", "digits-halves", "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file",
+                       ready, "--load", saved / "g.npz", "--output", output], tmp_path / "g.log", distgrad=True) as g:
+        endpoint = wait_for_file(ready, g)
+        parties = [StageProcess(["predict", "digits-halves", "--stage", name, "--connect", endpoint, "--load",
+                                 saved / f"{name}.npz"], tmp_path / f"{name}.log", distgrad=True)
+                   for name in ("left", "right")]
+        for party in parties:
+            assert party.wait(30) == 0, party.output
+            party.stop()
+        assert g.wait(30) == 0, g.output
+    exp = load_experiment("digits-halves")
+    stages = {name: Stage.from_experiment(exp, name) for name in exp.stage_names}
+    for name, stage in stages.items():
+        stage.load_parameters(saved / f"{name}.npz")
+    z = aggregate.combine("concat", [stages[name].forward(exp.build_data(stage=name).test_features(),
+                                                          training=False)[0] for name in ("left", "right")])
+    expected = exp.final_loss.predict(stages["g"].forward(z, training=False)[0])
+    assert np.array_equal(np.load(output), expected) and len(expected) == 359
