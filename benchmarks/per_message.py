@@ -9,7 +9,9 @@ time (``time.thread_time``, so time other processes take is not counted), in
 microseconds per call:
 
 - ``encode`` / ``decode`` of a ``forward`` (one float32 activation) and of a
-  ``backward`` reply (with ``loss`` and ``compute_s``), at 4 B and 32 KiB;
+  ``backward`` reply (with ``loss`` and ``compute_s``), at 4 B and 32 KiB, and
+  a forward's ``decode`` + ``expect_tensors`` (its binary header's frames are
+  read against the receiver's ``FrameLayout`` there);
 - ``expect_tensors`` (shape, dtype, finiteness) at 4 B, 32 KiB and 4 MiB;
 - ``g handles a forward``: ``wire.decode`` + ``ServingStage.handle`` +
   ``wire.encode`` of the reply + ``ServingStage.settle`` (the gradients and
@@ -82,6 +84,11 @@ def codec(repeats: int) -> dict[str, float]:
         out[f"encode backward {size} B"] = best_us(lambda: wire.encode(bwd), repeats)
         out[f"decode forward {size} B"] = best_us(lambda: wire.decode(ff), repeats)
         out[f"decode backward {size} B"] = best_us(lambda: wire.decode(bf), repeats)
+        # What a receiver does with a forward: decode, then its tensors checked against its expectation
+        # (a binary header's frames are only read there).
+        layout = wire.FrameLayout({"activation": (x.shape, np.float32)})
+        out[f"decode + expect_tensors forward {size} B"] = best_us(
+            lambda: wire.expect_tensors(wire.decode(ff), layout), repeats)
     for size in (4, 32 * 1024, 4 * 1024 * 1024):
         x = np.ones(size // 4, np.float32)
         msg = wire.Message(wire.FORWARD, RUN, 1, tensors={"activation": x})

@@ -1,17 +1,25 @@
-"""The wire format: a msgpack header frame, then one raw frame per tensor.
+"""The wire format: a header frame, then one raw frame per tensor.
 
-See docs/protocol.md for the specification. ``encode`` turns a ``Message``
-into frames for ``send_multipart``; ``decode`` validates frames received from
-the network and raises ``ProtocolError`` (with a code from ``ErrorCode``)
-before anything else looks at them. Nothing received is ever unpickled or
-evaluated: the header is msgpack with size limits, tensors are raw bytes read
-with ``np.frombuffer``.
+See docs/protocol.md for the specification. Control messages (hello, error,
+bye, ...) have a self-describing msgpack header naming each tensor's dtype and
+shape. The hot path, ``forward`` and ``backward``, has a fixed-layout binary
+header (``BINARY_HEADER``: ids, loss, compute time, tensor count) and sends no
+tensor descriptions at all: the receiver knows them from the handshake and
+reads the frames against its per-step expectation (``FrameLayout``) in
+``expect_tensors``, which checks every frame's byte length first.
+
+``encode`` turns a ``Message`` into frames for ``send_multipart``; ``decode``
+validates frames received from the network and raises ``ProtocolError`` (with
+a code from ``ErrorCode``) before anything else looks at them. Nothing
+received is ever unpickled or evaluated: headers are msgpack with size limits
+or ``struct`` fields, tensors are raw bytes read with ``np.frombuffer``.
 """
 
 from __future__ import annotations
 
 import re
 import reprlib
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -20,8 +28,8 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 4                  # 4: wire codecs (float16, uint16, int8 tensors); 3: the hello carries the
-                                      # interface's fields; predict messages (docs/protocol.md)
+PROTOCOL_VERSION = 5                  # 5: binary forward/backward headers; 4: wire codecs (float16, uint16, int8
+                                      # tensors); 3: the hello carries the interface's fields (docs/protocol.md)
 HEADER_MAX_BYTES = 64 * 1024          # a header is small and fixed in shape
 MAX_TENSORS = 64                      # tensors in one message
 MAX_NDIM = 8
@@ -42,6 +50,16 @@ ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS = "align_join", "align_values", "align
 MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION,
                            AVERAGE, PREDICT, PREDICTED, ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS})
 RESERVED_TYPES = frozenset({"checkpoint"})
+
+# The binary header of the hot path's messages (docs/protocol.md, *Binary header*), little-endian:
+# magic, version, type, flags, tensor count, run id length, reserved (0), step, mb, mbs, loss, compute_s;
+# the run id's ASCII bytes follow. 0xC1 is the one byte msgpack never uses, so the first byte of a
+# header frame tells the two forms apart.
+BINARY_HEADER = struct.Struct("<BBBBBBHQIIdd")     # 40 bytes
+BINARY_MAGIC = 0xC1
+BINARY_TYPES: dict[str, int] = {FORWARD: 1, BACKWARD: 2}
+_BINARY_NAMES = {code: name for name, code in BINARY_TYPES.items()}
+RUN_ID_MAX = 128                       # characters (bytes) in a run id
 
 # Tensor dtypes on the wire, always little-endian. float16, uint16 (bfloat16's bits) and int8 carry the
 # parts of a coded tensor (``distgrad.codecs``, ``distgrad.wirecodec``).
@@ -83,7 +101,13 @@ class ErrorCode:
 
 @dataclass
 class Message:
-    """One protocol message. ``tensors`` keeps insertion order (frame order)."""
+    """One protocol message. ``tensors`` keeps insertion order (frame order).
+
+    A received ``forward`` or ``backward`` (binary header) arrives with its
+    tensor frames in ``frames`` and no ``tensors`` yet: the header does not
+    say what they hold, the receiver's expectation does (``expect_tensors``
+    reads them, checked, and sets ``frames`` back to None).
+    """
 
     type: str
     run: str = ""
@@ -92,6 +116,7 @@ class Message:
     mbs: int = 1
     body: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    frames: tuple[Any, ...] | None = None
 
     def describe(self) -> str:
         return f"{self.type} run={self.run or '-'} step={self.step} mb={self.mb}/{self.mbs}"
@@ -104,21 +129,62 @@ def encode(msg: Message) -> list[Any]:
     send them without a copy. Raises ``ValueError`` for a dtype the wire does
     not carry.
     """
+    if msg.frames is not None:
+        raise ValueError(f"{msg.describe()}: its tensor frames were never read (wire.expect_tensors)")
+    code = BINARY_TYPES.get(msg.type)
+    if code is not None:
+        return _encode_binary(msg, code)
     specs, frames = [], []
     for name, array in msg.tensors.items():
-        if type(array) is not np.ndarray or not array.flags.c_contiguous:
-            array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
-        wire_name = _WIRE_NAMES.get(array.dtype)  # a dict lookup: ``dtype.name`` costs microseconds
-        if wire_name is None:
-            wire_name = array.dtype.name
-            if wire_name not in DTYPES:
-                raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
-            array = array.astype(DTYPES[wire_name])      # big-endian: the wire is little-endian
+        array, wire_name = _wire_array(name, array)
         specs.append([name, wire_name, list(array.shape)])
         frames.append(array)
     header = {"v": PROTOCOL_VERSION, "type": msg.type, "run": msg.run, "step": msg.step,
               "mb": msg.mb, "mbs": msg.mbs, "body": msg.body, "tensors": specs}
     return [_packb(header, use_bin_type=True), *frames]
+
+
+def _wire_array(name: str, array: Any) -> tuple[np.ndarray, str]:
+    """``array`` as a C-contiguous little-endian array the wire carries, and its wire dtype name."""
+    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+        array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray makes them 1-d)
+    wire_name = _WIRE_NAMES.get(array.dtype)  # a dict lookup: ``dtype.name`` costs microseconds
+    if wire_name is None:
+        wire_name = array.dtype.name
+        if wire_name not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
+        array = array.astype(DTYPES[wire_name])      # big-endian: the wire is little-endian
+    return array, wire_name
+
+
+_BACKWARD_BODY = frozenset({"loss", "compute_s"})
+
+
+def _encode_binary(msg: Message, code: int) -> list[Any]:
+    """A forward's or backward's frames: ``BINARY_HEADER`` + run id, then the tensors, in order.
+
+    Raises ``ValueError`` for what the binary header cannot carry: a body
+    other than ``{}`` (forward) or ``loss`` and ``compute_s`` (backward), a
+    run id that is not ASCII or longer than ``RUN_ID_MAX``, ids out of range.
+    """
+    body = msg.body
+    if code == BINARY_TYPES[BACKWARD]:
+        if "loss" not in body or not body.keys() <= _BACKWARD_BODY:
+            raise ValueError(f"{msg.describe()}: a backward's body is loss and compute_s, got {sorted(body)}")
+        loss, compute_s = float(body["loss"]), float(body.get("compute_s", 0.0))
+    elif body:
+        raise ValueError(f"{msg.describe()}: a forward carries no body, got {sorted(body)}")
+    else:
+        loss = compute_s = 0.0
+    run = msg.run.encode("ascii")
+    if len(run) > RUN_ID_MAX or len(msg.tensors) > MAX_TENSORS:
+        raise ValueError(f"{msg.describe()}: run id over {RUN_ID_MAX} characters or over {MAX_TENSORS} tensors")
+    try:
+        header = BINARY_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, code, 0, len(msg.tensors), len(run), 0,
+                                    msg.step, msg.mb, msg.mbs, loss, compute_s)
+    except struct.error as e:
+        raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
+    return [header + run, *(_wire_array(name, array)[0] for name, array in msg.tensors.items())]
 
 
 def _nbytes(frame: Any) -> int:
@@ -170,6 +236,8 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
     first = _buffer(frames[0])
     header_size = _nbytes(first)
+    if header_size and first[0] == BINARY_MAGIC:
+        return _decode_binary(frames, first, header_size, max_tensor_bytes)
     if header_size > HEADER_MAX_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
     try:
@@ -243,6 +311,97 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
     return Message(msg_type, run, step, mb, mbs, body, tensors)
 
 
+_RUN_NAMES: dict[bytes, str] = {}     # run ids of binary headers that passed RUN_ID, by their bytes
+
+
+def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tensor_bytes: int) -> Message:
+    """A forward or backward with a binary header; its tensor frames are left for ``expect_tensors``."""
+    if header_size < BINARY_HEADER.size:
+        raise ProtocolError(ErrorCode.MALFORMED, f"binary header of {header_size} bytes; it has at least "
+                                                 f"{BINARY_HEADER.size}")
+    (_, version, code, flags, count, run_size, reserved, step, mb, mbs, loss,
+     compute_s) = BINARY_HEADER.unpack_from(first)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.VERSION, f"protocol version {version} is not supported; this side speaks "
+                                               f"{PROTOCOL_VERSION}")
+    msg_type = _BINARY_NAMES.get(code)
+    if msg_type is None:
+        raise ProtocolError(ErrorCode.TYPE, f"binary message type {code} is unknown; known: {_BINARY_NAMES}")
+    if flags or reserved:
+        raise ProtocolError(ErrorCode.MALFORMED, f"binary header has flags {flags} and reserved {reserved}; "
+                                                 f"both must be 0")
+    if header_size != BINARY_HEADER.size + run_size or run_size > RUN_ID_MAX:
+        raise ProtocolError(ErrorCode.MALFORMED, f"binary header of {header_size} bytes declares a run id of "
+                                                 f"{run_size} (at most {RUN_ID_MAX}) after {BINARY_HEADER.size}")
+    raw_run = bytes(first[BINARY_HEADER.size:])
+    run = _RUN_NAMES.get(raw_run)
+    if run is None:
+        run = raw_run.decode("latin-1")          # any byte decodes; RUN_ID then admits ASCII only
+        if not RUN_ID.fullmatch(run):
+            raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be at most 128 characters from "
+                                                     f"[A-Za-z0-9_.-], got {show(raw_run)}")
+        if len(_RUN_NAMES) >= _RUNS_SEEN_MAX:
+            _RUN_NAMES.clear()
+        _RUN_NAMES[raw_run] = run
+    if not 0 <= mb < mbs:
+        raise ProtocolError(ErrorCode.MALFORMED, f"need 0 <= mb < mbs, got mb={mb} mbs={mbs}")
+    if len(frames) != 1 + count or count > MAX_TENSORS:
+        raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
+                                              f"{len(frames) - 1} tensor frames arrived")
+    tensor_frames = tuple(_buffer(frame) for frame in frames[1:])
+    total = sum(_nbytes(frame) for frame in tensor_frames)
+    if total > max_tensor_bytes:
+        raise ProtocolError(ErrorCode.TENSOR, f"tensor frames hold {total} bytes; this stage accepts at most "
+                                              f"{max_tensor_bytes}")
+    body = {"loss": loss, "compute_s": compute_s} if msg_type == BACKWARD else {}
+    return Message(msg_type, run, step, mb, mbs, body, {}, tensor_frames)
+
+
+class FrameLayout:
+    """The tensors a binary-header message must carry, in frame order: each one's name, shape, dtype and
+    byte length. A receiver's per-step expectation, computed once (``wirecodec.Expected.layout``) and
+    checked against every message by ``read``."""
+
+    __slots__ = ("specs", "entries")
+
+    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+        """``specs``: ``{name: (shape, dtype)}`` in frame order; raises ``ValueError`` for a dtype the wire
+        does not carry."""
+        entries = []
+        for name, (shape, dtype) in specs.items():
+            shape, dtype = tuple(int(extent) for extent in shape), np.dtype(dtype)
+            if dtype not in _WIRE_NAMES:
+                raise ValueError(f"tensor {name!r}: dtype {dtype} is not carried; use one of {sorted(DTYPES)}")
+            size = dtype.itemsize
+            for extent in shape:
+                size *= extent
+            entries.append((name, shape, dtype, size))
+        self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {e[0]: (e[1], e[2]) for e in entries}
+        self.entries: tuple[tuple[str, tuple[int, ...], np.dtype, int], ...] = tuple(entries)
+
+    def read(self, msg: Message) -> dict[str, np.ndarray]:
+        """The tensors of ``msg.frames``: read-only views (copied once when misaligned, as in ``decode``).
+        Raises ``ProtocolError`` (``tensor``) for another frame count or a frame of another byte length;
+        changes nothing."""
+        frames = msg.frames or ()
+        entries = self.entries
+        if len(frames) != len(entries):
+            raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry {len(entries)} tensor frames "
+                                                  f"{list(self.specs)}, got {len(frames)}")
+        tensors = {}
+        for (name, shape, dtype, size), frame in zip(entries, frames):
+            got = _nbytes(frame)
+            if got != size:
+                raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {_WIRE_NAMES[dtype]}{shape} needs {size} "
+                                                      f"bytes, frame has {got}")
+            array = _frombuffer_nd(shape, dtype, frame)
+            if array.ctypes.data % ALIGN_BYTES:
+                array = array.copy()                    # see _decode: results must not depend on alignment
+            array.flags.writeable = False
+            tensors[name] = array
+        return tensors
+
+
 def _valid_run(run: str) -> bool:
     if not RUN_ID.fullmatch(run):
         return False
@@ -252,12 +411,26 @@ def _valid_run(run: str) -> bool:
     return True
 
 
-def expect_tensors(msg: Message, expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+def expect_tensors(msg: Message, expected: "Mapping[str, tuple[tuple[int, ...], np.dtype]] | FrameLayout",
                    allow_nonfinite: bool = False) -> None:
     """Check that ``msg`` carries exactly the named tensors with these shapes and dtypes.
 
-    Float tensors must be finite unless ``allow_nonfinite``. Raises ``ProtocolError``.
+    Float tensors must be finite unless ``allow_nonfinite``. Raises ``ProtocolError``. A binary-header
+    message's frames (``msg.frames``) are read here against ``expected`` (pass a ``FrameLayout`` to skip
+    building one); on success they become ``msg.tensors``, and a refused message is left unchanged.
     """
+    if msg.frames is not None:
+        layout = expected if isinstance(expected, FrameLayout) else FrameLayout(expected)
+        tensors = layout.read(msg)
+        if not allow_nonfinite:
+            for name, array in tensors.items():
+                if array.dtype.kind == "f" and not all_finite(array):
+                    raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this "
+                                                             f"experiment forbids")
+        msg.tensors, msg.frames = tensors, None
+        return
+    if isinstance(expected, FrameLayout):
+        expected = expected.specs
     tensors = msg.tensors
     if tensors.keys() != expected.keys() and set(tensors) != set(expected):
         raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry tensors {sorted(expected)}, got {sorted(tensors)}")

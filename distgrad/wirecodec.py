@@ -30,13 +30,14 @@ without error feedback: they change no state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 import numpy as np
 
 from .codecs import Codec, ErrorFeedback, NoneCodec, Parts
 from .errors import ConfigError, ProtocolError
-from .wire import ErrorCode, Message, all_finite, expect_tensors
+from .wire import ErrorCode, FrameLayout, Message, all_finite, expect_tensors
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
 DIRECTIONS = (ACTIVATION, GRADIENT)
@@ -101,10 +102,16 @@ class Expected:
         """Every message tensor with its shape and dtype (for ``wire.expect_tensors`` and frame limits)."""
         return {**self.coded.specs, **self.others}
 
+    @cached_property
+    def layout(self) -> FrameLayout:
+        """``specs`` with each frame's byte length, built once: what a binary-header message is read against."""
+        return FrameLayout(self.specs)
+
     def receive(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
-        """Check ``msg``'s tensors (``wire.expect_tensors``), then decode the coded one in place
-        (``WireTensor.unpack``) and return it. Raises ``ProtocolError``; ``msg`` is unchanged then."""
-        expect_tensors(msg, self.specs, allow_nonfinite)
+        """Check ``msg``'s tensors (``wire.expect_tensors``; a binary-header message's frames are read against
+        ``layout``), then decode the coded one in place (``WireTensor.unpack``) and return it. Raises
+        ``ProtocolError``; ``msg`` is unchanged then."""
+        expect_tensors(msg, self.layout, allow_nonfinite)
         return self.coded.unpack(msg, allow_nonfinite)
 
     def with_rows(self, rows: int) -> "Expected":

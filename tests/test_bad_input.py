@@ -30,6 +30,17 @@ def _header(**fields) -> bytes:
     return msgpack.packb(header)
 
 
+def _binary(version: int = wire.PROTOCOL_VERSION, code: int = 1, flags: int = 0, count: int = 0) -> bytes:
+    """A forward's binary header (docs/protocol.md, *Binary header*) for run "x", step 1."""
+    return wire.BINARY_HEADER.pack(0xC1, version, code, flags, count, 1, 0, 1, 0, 1, 0.0, 0.0) + b"x"
+
+
+def _read_grad(reply: Message, shape: tuple[int, ...]) -> np.ndarray:
+    """A backward reply's activation gradient, read against what this driver expects of it."""
+    wire.expect_tensors(reply, {"activation_grad": (shape, np.float32)})
+    return reply.tensors["activation_grad"]
+
+
 def _hello(exp, run: str, **changes) -> Message:
     return hello_message(exp, run, **changes)
 
@@ -43,6 +54,11 @@ UNDECODABLE = [
     ([_header(tensors=[["activation", "float32", [1]]])], ErrorCode.TENSOR),          # frame missing
     ([_header(tensors=[["activation", "float32", [1 << 40, 1 << 40]]]), b"1234"], ErrorCode.TENSOR),
     ([_header(step=-1)], ErrorCode.MALFORMED),
+    ([_binary(version=4), b"1234"], ErrorCode.VERSION),
+    ([_binary(code=9), b"1234"], ErrorCode.TYPE),
+    ([_binary(flags=1, count=1), b"1234"], ErrorCode.MALFORMED),
+    ([_binary(count=2), b"1234"], ErrorCode.TENSOR),                                  # a frame missing
+    ([_binary()[:-3]], ErrorCode.MALFORMED),                                           # cut short
 ]
 
 
@@ -61,7 +77,7 @@ def test_undecodable_messages_get_error_replies_and_a_real_run_follows(start_ser
         (_hello(exp, "r", fingerprint="0" * 64), ErrorCode.MISMATCH),
         (_hello(exp, "r", seed=7), ErrorCode.MISMATCH),
         (_hello(exp, "r", activation={"shape": [2], "dtype": "float32"}), ErrorCode.MISMATCH),
-        (Message(wire.BACKWARD, "r", 1), ErrorCode.RUN),
+        (Message(wire.BACKWARD, "r", 1, body={"loss": 0.0}), ErrorCode.RUN),
     ]:
         with pytest.raises(Exception) as info:
             client.request(msg, 5)
@@ -117,7 +133,7 @@ def test_bad_forwards_mid_run_change_nothing(start_server, tmp_path, zmq_ctx):
         # A repeat of the step just applied gets the same reply and no second update.
         again = client.request(Message(wire.FORWARD, "run-1", step, tensors={"activation": y}), 5)
         assert again.body == reply.body
-        np.testing.assert_array_equal(again.tensors["activation_grad"], reply.tensors["activation_grad"])
+        np.testing.assert_array_equal(_read_grad(again, y.shape), _read_grad(reply, y.shape))
         _, grads = f.backward(cache, reply.tensors["activation_grad"].copy())
         f.apply(grads)
     with pytest.raises(Exception) as info:                 # a bye must agree on the steps applied

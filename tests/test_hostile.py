@@ -588,6 +588,11 @@ class Model:
                 return [Outcome(wire.BACKWARD, (msg.run, self.cached, 0, 1), effect=Model._repeat)]
             if msg.step != self.steps + 1 or msg.mb != 0 or msg.mbs != 1:
                 return [err(ErrorCode.STEP)]
+            if msg.frames is not None:      # a binary header: its frames are read against what g expects
+                try:
+                    wire.expect_tensors(msg, {"activation": (ACT_SHAPE, np.dtype(np.float32))}, allow_nonfinite=True)
+                except ProtocolError:
+                    return [err(ErrorCode.TENSOR)]
             if set(msg.tensors) != {"activation"}:
                 return [err(ErrorCode.TENSOR)]
             x = msg.tensors["activation"]
@@ -666,6 +671,8 @@ def check_reply_form(reply: Message) -> None:
         assert reply.body.get("code") in ERROR_CODES, reply.body
         assert isinstance(reply.body.get("message"), str) and not reply.tensors
     elif reply.type == wire.BACKWARD:
+        assert reply.frames is not None and not reply.tensors, "a backward crosses with a binary header"
+        wire.expect_tensors(reply, {"activation_grad": (ACT_SHAPE, np.dtype(np.float32))}, allow_nonfinite=True)
         assert set(reply.tensors) == {"activation_grad"}, reply.tensors
         grad = reply.tensors["activation_grad"]
         assert grad.shape == ACT_SHAPE and grad.dtype == np.float32

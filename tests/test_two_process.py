@@ -383,7 +383,9 @@ def test_the_update_after_the_last_reply_is_seen_by_every_later_message(start_se
 
         def forward(step, mb):
             activation = np.full(shape, 0.1 * step + 0.01 * mb, np.float32)
-            return client.request(wire.Message(wire.FORWARD, run, step, mb, 2, tensors={"activation": activation}), 5.0)
+            reply = client.request(wire.Message(wire.FORWARD, run, step, mb, 2, tensors={"activation": activation}), 5.0)
+            wire.expect_tensors(reply, {"activation_grad": (shape, np.float32)})     # read as a driver does
+            return reply
 
         forward(1, 0)
         last = forward(1, 1)

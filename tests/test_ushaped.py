@@ -86,6 +86,11 @@ def _check_tensors(messages: list[wire.Message], allowed: dict[str, tuple[str, i
     """Each message carries only tensors named in ``allowed`` (type -> (name, width)), float32 rows of
     that width: never a target, an image (64 wide) or a prediction (10 wide)."""
     for msg in messages:
+        if msg.frames is not None:      # a binary header: read its frames as the receiver does, rows of that width
+            assert msg.type in allowed, msg.describe()
+            name, width = allowed[msg.type]
+            rows = sum(memoryview(frame).nbytes for frame in msg.frames) // (4 * width)
+            wire.expect_tensors(msg, {name: ((rows, width), np.float32)})      # one frame of exactly that
         for name, array in msg.tensors.items():
             assert name != "target", msg.describe()
             assert msg.type in allowed and name == allowed[msg.type][0], f"{msg.describe()} carries {name!r}"

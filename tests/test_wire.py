@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 import tracemalloc
 
 import msgpack
@@ -82,12 +84,12 @@ SHAPES = [(), (1,), (5,), (0,), (0, 3), (3, 0), (2, 3), (2, 3, 4), (1, 1, 1, 1, 
 def test_roundtrip_every_dtype_and_shape(dtype, shape):
     rng = np.random.default_rng(0)
     array = (rng.standard_normal(shape) * 1000).astype(dtype)
-    msg = Message(wire.FORWARD, "run-a", 3, 1, 4, {"k": [1, "x"]}, {"t": array})
+    msg = Message(wire.AVERAGE, "run-a", 3, 1, 4, {"k": [1, "x"]}, {"t": array})
     frames = wire.encode(msg)
     assert len(frames) == 2
     assert msgpack.unpackb(frames[0])["tensors"] == [["t", dtype, list(shape)]]
     got = roundtrip(msg)
-    assert (got.type, got.run, got.step, got.mb, got.mbs, got.body) == (wire.FORWARD, "run-a", 3, 1, 4, {"k": [1, "x"]})
+    assert (got.type, got.run, got.step, got.mb, got.mbs, got.body) == (wire.AVERAGE, "run-a", 3, 1, 4, {"k": [1, "x"]})
     out = got.tensors["t"]
     assert out.shape == shape and out.dtype == wire.DTYPES[dtype]
     assert out.tobytes() == array.tobytes()
@@ -101,7 +103,7 @@ def test_special_float_and_extreme_int_values_are_bitwise_equal(dtype):
     else:
         info = np.iinfo(dtype)      # unsigned (uint16) has no -1
         array = np.array([info.min, *([-1] if info.min < 0 else []), 0, 1, info.max], dtype)
-    out = roundtrip(Message(wire.BACKWARD, tensors={"x": array})).tensors["x"]
+    out = roundtrip(Message(wire.AVERAGE, tensors={"x": array})).tensors["x"]
     assert out.tobytes() == array.tobytes()
 
 
@@ -109,7 +111,7 @@ def test_special_float_and_extreme_int_values_are_bitwise_equal(dtype):
                          ids=["bytes", "bytearray", "memoryview"])
 def test_decoded_tensors_are_read_only_views_of_the_frame(make):
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    header_frame, tensor_frame = as_bytes(wire.encode(Message(wire.FORWARD, tensors={"a": array})))
+    header_frame, tensor_frame = as_bytes(wire.encode(Message(wire.AVERAGE, tensors={"a": array})))
     buf = make(tensor_frame)
     out = wire.decode([header_frame, buf]).tensors["a"]
     assert np.array_equal(out, array)
@@ -124,14 +126,14 @@ def test_decoded_tensors_are_read_only_views_of_the_frame(make):
 
 def test_encode_passes_contiguous_little_endian_arrays_without_copy():
     array = np.arange(6, dtype="<f8").reshape(2, 3)
-    frames = wire.encode(Message(wire.FORWARD, tensors={"a": array}))
+    frames = wire.encode(Message(wire.AVERAGE, tensors={"a": array}))
     assert isinstance(frames[0], bytes)
     assert np.shares_memory(frames[1], array)
 
 
 def test_big_endian_input_is_sent_little_endian():
     array = np.arange(6, dtype=">i4").reshape(2, 3) - 3
-    frames = wire.encode(Message(wire.FORWARD, tensors={"a": array}))
+    frames = wire.encode(Message(wire.AVERAGE, tensors={"a": array}))
     assert msgpack.unpackb(frames[0])["tensors"] == [["a", "int32", [2, 3]]]
     assert memoryview(frames[1]).tobytes() == array.astype("<i4").tobytes()
     out = wire.decode(as_bytes(frames)).tensors["a"]
@@ -141,13 +143,13 @@ def test_big_endian_input_is_sent_little_endian():
 def test_non_contiguous_input_is_sent_in_c_order():
     base = np.arange(24, dtype=np.float64).reshape(4, 6)
     for array in (base[:, ::2], base.T, np.asfortranarray(base)):
-        out = roundtrip(Message(wire.FORWARD, tensors={"a": array})).tensors["a"]
+        out = roundtrip(Message(wire.AVERAGE, tensors={"a": array})).tensors["a"]
         assert np.array_equal(out, array) and out.flags.c_contiguous
 
 
 def test_tensor_order_is_frame_order():
     tensors = {name: np.full((2,), i, np.int64) for i, name in enumerate(["z", "a", "m", "b"])}
-    got = roundtrip(Message(wire.FORWARD, tensors=tensors))
+    got = roundtrip(Message(wire.AVERAGE, tensors=tensors))
     assert list(got.tensors) == ["z", "a", "m", "b"]
     assert [int(t[0]) for t in got.tensors.values()] == [0, 1, 2, 3]
 
@@ -155,7 +157,7 @@ def test_tensor_order_is_frame_order():
 @pytest.mark.parametrize("dtype", ["bool", "complex64", "uint8", "uint32", "int16", "object", "U3"])
 def test_encode_refuses_dtypes_the_wire_does_not_carry(dtype):
     with pytest.raises(ValueError, match="cannot be sent"):
-        wire.encode(Message(wire.FORWARD, tensors={"a": np.zeros(2, dtype)}))
+        wire.encode(Message(wire.AVERAGE, tensors={"a": np.zeros(2, dtype)}))
 
 
 # ------------------------------------------------------------------ property: any valid message survives
@@ -181,7 +183,7 @@ def tensors(draw):
 def messages(draw):
     mbs = draw(st.integers(1, 2**32))
     return Message(
-        type=draw(st.sampled_from(sorted(wire.MESSAGE_TYPES))),
+        type=draw(st.sampled_from(sorted(wire.MESSAGE_TYPES - wire.BINARY_TYPES.keys()))),   # msgpack headers
         run=draw(st.from_regex(r"[A-Za-z0-9_.-]{0,128}", fullmatch=True)),
         step=draw(st.integers(0, 2**64 - 1)),
         mb=draw(st.integers(0, mbs - 1)),
@@ -241,7 +243,7 @@ def test_header_size_limit():
 
 
 @pytest.mark.parametrize("frame", [
-    b"", b"\xc1", b"\xff\xfe garbage", b"\x85\xa1v",                        # empty, never-used byte, noise
+    b"", b"\xc0\xc1", b"\xff\xfe garbage", b"\x85\xa1v",                    # empty, never-used byte, noise
     msgpack.packb(header())[:-3],                                            # truncated
     msgpack.packb(header()) + b"\x00",                                       # trailing data
     msgpack.packb({1: 2}),                                                   # non-string map key
@@ -257,7 +259,7 @@ def test_header_not_a_map(value):
     assert "map" in str(refused([msgpack.packb(value, use_bin_type=True)], ErrorCode.MALFORMED))
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 5, 0, -1, "4", None, ..., 4.0])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 6, 0, -1, "5", None, ..., 5.0])
 def test_wrong_version(version):
     refused(frames_of(header(v=version)), ErrorCode.VERSION)
 
@@ -548,7 +550,7 @@ def test_all_finite_agrees_with_numpy_on_small_arrays():
 
 
 def test_expect_tensors_accepts_list_shapes_and_dtype_classes():
-    msg = Message(wire.FORWARD, tensors={"a": np.zeros((2, 3), np.float32)})
+    msg = Message(wire.AVERAGE, tensors={"a": np.zeros((2, 3), np.float32)})
     wire.expect_tensors(msg, {"a": ([2, 3], np.float32)})
     with pytest.raises(ProtocolError):
         wire.expect_tensors(msg, {"a": ([3, 2], np.float32)})
@@ -576,8 +578,138 @@ def test_tensors_decoded_from_writable_buffers_are_read_only_views():
 
 
 def test_encode_accepts_subclasses_and_scalars():
-    frames = wire.encode(Message(wire.FORWARD, tensors={"m": np.ma.masked_array([1.0, 2.0], dtype=np.float32),
+    frames = wire.encode(Message(wire.AVERAGE, tensors={"m": np.ma.masked_array([1.0, 2.0], dtype=np.float32),
                                                          "s": np.float32(2), "l": [1, 2]}))
     msg = wire.decode(as_bytes(frames))
     assert type(msg.tensors["m"]) is np.ndarray and msg.tensors["m"].tolist() == [1.0, 2.0]
     assert msg.tensors["s"].shape == () and msg.tensors["l"].dtype == np.int64
+
+
+# ------------------------------------------------------------------ binary headers (forward, backward)
+
+def binary_header(code: int = 1, count: int = 1, run: bytes = b"r1", step: int = 1, mb: int = 0, mbs: int = 1,
+                  loss: float = 0.0, compute_s: float = 0.0, version: int = wire.PROTOCOL_VERSION, flags: int = 0,
+                  reserved: int = 0, run_size: int | None = None) -> bytes:
+    """A binary header packed field by field, as docs/protocol.md lays it out."""
+    return wire.BINARY_HEADER.pack(0xC1, version, code, flags, count, len(run) if run_size is None else run_size,
+                                   reserved, step, mb, mbs, loss, compute_s) + run
+
+
+ACT = wire.FrameLayout({"activation": ((2, 3), np.float32), "target": ((2,), np.int64)})
+
+
+def test_binary_forward_layout_byte_by_byte_and_its_tensors_read_against_the_expectation():
+    x, t = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([4, 5], np.int64)
+    frames = as_bytes(wire.encode(Message(wire.FORWARD, "run-7", 2**40 + 3, 1, 4, tensors={"activation": x, "target": t})))
+    assert frames[0] == binary_header(count=2, run=b"run-7", step=2**40 + 3, mb=1, mbs=4)
+    assert len(frames[0]) == 40 + 5 and frames[0][:6] == bytes([0xC1, 5, 1, 0, 2, 5])
+    msg = wire.decode(frames)
+    assert (msg.type, msg.run, msg.step, msg.mb, msg.mbs, msg.body, msg.tensors) == (
+        wire.FORWARD, "run-7", 2**40 + 3, 1, 4, {}, {})
+    wire.expect_tensors(msg, ACT)
+    assert msg.frames is None and list(msg.tensors) == ["activation", "target"]
+    assert_same(msg.tensors["activation"], x)
+    assert_same(msg.tensors["target"], t)
+    assert not msg.tensors["activation"].flags.writeable
+
+
+@pytest.mark.parametrize("loss", [0.1, float(np.float32(2.5e-3)), -0.0, math.inf, math.nan, 1e308])
+def test_binary_backward_carries_loss_and_compute_time_bit_for_bit(loss):
+    g = np.ones((2, 3), np.float32)
+    msg = wire.decode(as_bytes(wire.encode(Message(wire.BACKWARD, "r", 9, 0, 1, {"loss": loss, "compute_s": 1.5e-5},
+                                                   {"activation_grad": g}))))
+    assert struct.pack("<d", msg.body["loss"]) == struct.pack("<d", loss) and msg.body["compute_s"] == 1.5e-5
+    wire.expect_tensors(msg, {"activation_grad": ((2, 3), np.float32)}, allow_nonfinite=True)   # a mapping works too
+    assert_same(msg.tensors["activation_grad"], g)
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([binary_header(version=4), b"\0" * 24, b"\0" * 16], ErrorCode.VERSION),
+    ([binary_header(code=0), b"\0" * 24], ErrorCode.TYPE),
+    ([binary_header(code=3), b"\0" * 24], ErrorCode.TYPE),
+    ([binary_header(flags=1), b"\0" * 24], ErrorCode.MALFORMED),
+    ([binary_header(reserved=1), b"\0" * 24], ErrorCode.MALFORMED),
+    ([binary_header()[:39]], ErrorCode.MALFORMED),                             # shorter than the fixed part
+    ([binary_header(run_size=3), b"\0" * 24], ErrorCode.MALFORMED),             # run id length disagrees
+    ([binary_header(run=b"x" * 129), b"\0" * 24], ErrorCode.MALFORMED),         # run id too long
+    ([binary_header(run=b"a b"), b"\0" * 24], ErrorCode.MALFORMED),             # not a run id character
+    ([binary_header(run=b"\xe9"), b"\0" * 24], ErrorCode.MALFORMED),
+    ([binary_header(mb=1, mbs=1), b"\0" * 24], ErrorCode.MALFORMED),
+    ([binary_header(mbs=0), b"\0" * 24], ErrorCode.MALFORMED),
+    ([binary_header(count=2), b"\0" * 24], ErrorCode.TENSOR),                   # fewer frames than declared
+    ([binary_header(count=65, run=b""), *[b""] * 65], ErrorCode.TENSOR),        # over MAX_TENSORS
+], ids=["version", "type-0", "type-3", "flags", "reserved", "short", "run-size", "run-long", "run-char",
+        "run-latin1", "mb", "mbs", "count", "too-many"])
+def test_bad_binary_header_is_refused(frames, code):
+    refused(frames, code)
+
+
+def test_binary_frames_over_the_byte_limit_are_refused_before_anything_reads_them():
+    refused([binary_header(count=2), b"\0" * 24, b"\0" * 16], ErrorCode.TENSOR, max_tensor_bytes=39)
+    assert wire.decode([binary_header(count=2), b"\0" * 24, b"\0" * 16], max_tensor_bytes=40).frames
+
+
+@pytest.mark.parametrize("frames", [[b"\0" * 24], [b"\0" * 24, b"\0" * 8, b""], [b"\0" * 20, b"\0" * 16],
+                                    [b"\0" * 24, b"\0" * 17], [b"", b""]], ids=["count-1", "count-3", "short",
+                                                                              "long", "empty"])
+def test_binary_frames_that_do_not_fit_the_expectation_are_refused_and_change_nothing(frames):
+    msg = wire.decode([binary_header(count=len(frames)), *frames])
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(msg, ACT)
+    assert info.value.code == ErrorCode.TENSOR
+    assert msg.tensors == {} and len(msg.frames) == len(frames)
+
+
+def test_binary_nonfinite_tensor_is_refused_and_changes_nothing():
+    x = np.array([[0, np.nan, 0], [0, 0, 0]], np.float32)
+    msg = wire.decode(as_bytes(wire.encode(Message(wire.FORWARD, "r", 1, tensors={"activation": x,
+                                                                                   "target": np.zeros(2, np.int64)}))))
+    with pytest.raises(ProtocolError) as info:
+        wire.expect_tensors(msg, ACT)
+    assert info.value.code == ErrorCode.NONFINITE and msg.tensors == {} and msg.frames
+    wire.expect_tensors(msg, ACT, allow_nonfinite=True)
+    assert np.isnan(msg.tensors["activation"][0, 1])
+
+
+@pytest.mark.parametrize("msg", [
+    Message(wire.FORWARD, "r", 1, body={"loss": 1.0}),
+    Message(wire.BACKWARD, "r", 1, body={"compute_s": 1.0}),
+    Message(wire.BACKWARD, "r", 1, body={"loss": 1.0, "extra": 2}),
+    Message(wire.FORWARD, "r\u00e9", 1),
+    Message(wire.FORWARD, "r", 2**64),
+    Message(wire.FORWARD, "r", 1, 0, 2**32),
+], ids=["forward-body", "no-loss", "extra", "run", "step", "mbs"])
+def test_what_the_binary_header_cannot_carry_is_not_sent(msg):
+    with pytest.raises(ValueError):
+        wire.encode(msg)
+
+
+def test_an_unread_message_is_not_sent_again():
+    msg = wire.decode(as_bytes(wire.encode(Message(wire.FORWARD, "r", 1, tensors={"a": np.zeros(1, np.float32)}))))
+    with pytest.raises(ValueError, match="never read"):
+        wire.encode(msg)
+
+
+@FAST
+@given(st.sampled_from([wire.FORWARD, wire.BACKWARD]), st.from_regex(r"[A-Za-z0-9_.-]{0,128}", fullmatch=True),
+       st.integers(0, 2**64 - 1), st.integers(1, 2**32 - 1).flatmap(lambda n: st.tuples(st.integers(0, n - 1),
+                                                                                       st.just(n))),
+       st.floats(width=32), tensors())
+def test_any_binary_message_survives_encode_bytes_decode_read(kind, run, step, micro, loss, arrays):
+    body = {"loss": loss, "compute_s": 0.25} if kind == wire.BACKWARD else {}
+    got = roundtrip(Message(kind, run, step, *micro, body, arrays))
+    assert (got.type, got.run, got.step, (got.mb, got.mbs)) == (kind, run, step, micro)
+    assert struct.pack("<d", got.body.get("loss", 0.0)) == struct.pack("<d", body.get("loss", 0.0))
+    wire.expect_tensors(got, {name: (a.shape, a.dtype.newbyteorder("<")) for name, a in arrays.items()},
+                        allow_nonfinite=True)
+    for name, array in arrays.items():
+        assert_same(got.tensors[name], array)
+
+
+@FAST
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=40), max_size=3))
+def test_random_bytes_after_the_binary_magic_decode_or_raise_protocol_error(rest, tensor_frames):
+    try:
+        wire.decode([b"\xc1" + rest, *tensor_frames])
+    except ProtocolError as e:
+        assert e.code in {ErrorCode.MALFORMED, ErrorCode.VERSION, ErrorCode.TYPE, ErrorCode.TENSOR}
