@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli, run_main
+from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad.errors import ConfigError
 from distgrad.experiment import check_staleness, load_experiment
 from distgrad.inprocess import train_in_process
@@ -62,7 +62,7 @@ def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
 ])
 def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):
     path, trace = tmp_path / "run.json", tmp_path / "run.jsonl"
-    result = run_cli(["run", experiment, "--summary", path, "--trace", trace, *flags])
+    result = run_launcher(["run", experiment, "--summary", path, "--trace", trace, *flags])
     assert result.returncode == 0, result.stdout + result.stderr
     in_process = [f for f in flags if f not in ("--transport", "ipc")]
     summary, reference = read_json(path), _reference(tmp_path, experiment, *in_process)
