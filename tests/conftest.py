@@ -45,10 +45,29 @@ CLI = [sys.executable, "-m", "distgrad.cli"]
 REQUIRE_VARIABLE = "DISTGRAD_REQUIRE"     # comma-separated modules whose absence fails the run instead of skipping
 
 
+def _compile_the_sources_once() -> None:
+    """Byte-compile distgrad, benchmarks/ and tests/ in place, once per session, as a regular install would.
+
+    The package is installed editable, so its .pyc files are written by the first import, unless
+    PYTHONDONTWRITEBYTECODE is set (as on some CI and sandbox images): then each of the suite's several
+    hundred stage processes compiled the whole package from source again, about 0.1 s of CPU each.
+    Compiling skips files whose .pyc is current; processes only read them.
+    """
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for directory in (root / "distgrad", root / "benchmarks", root / "tests"):
+        if directory.is_dir():
+            compileall.compile_dir(directory, quiet=2, workers=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Where the environment promises optional modules (CI installs torch), a missing one is an error:
     without this its tests would be skipped and the run would still pass."""
     import importlib
+
+    if sys.dont_write_bytecode:
+        _compile_the_sources_once()
 
     for name in filter(None, (n.strip() for n in os.environ.get(REQUIRE_VARIABLE, "").split(","))):
         try:
@@ -65,7 +84,7 @@ PROCESS_FIXTURES = frozenset({"start_server", "stage_group", "zmq_ctx"})
 # Names whose use in a test, or in a function, class or fixture of tests/ that it uses, means it
 # starts a process or opens a socket. Erring on the side of integration costs only speed.
 PROCESS_NAMES = frozenset({
-    "run_cli", "StageProcess", "StageGroup", "wait_for_file", "CLI", "STAGE_CLI", "BIN",      # conftest helpers
+    "run_cli", "run_launcher", "StageProcess", "StageGroup", "wait_for_file", "CLI", "STAGE_CLI", "BIN",  # conftest
     "subprocess", "Popen", "pty", "multiprocessing", "fork",                                   # processes
     "run_local", "soak", "serve", "serve_stage", "drive_stage",                                # distgrad's
     "zmq", "socket", "Client", "Server", "bind_to_random_port",                                # sockets
@@ -258,6 +277,22 @@ def run_main(args: Sequence[str]) -> CliResult:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def run_launcher(args: Sequence[str]) -> CliResult:
+    """``distgrad run ARGS`` with the launcher in this process and each stage a real process, as ``run_cli``
+    would run it, less the launcher's own interpreter start (a third of a second before the first stage
+    starts). For tests of what crosses between stages; the launcher as a process (its signals, its
+    output) is tested through ``run_cli``. The launcher's SIGINT/SIGTERM handlers are undone afterwards.
+    Call it from the main thread (signal handlers can be set only there)."""
+    import signal
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run_main(args)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
 
 
 class StageProcess:

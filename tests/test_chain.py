@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli, run_main
+from conftest import StageGroup, read_json, read_lines, run_cli, run_launcher, run_main
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
@@ -40,7 +40,8 @@ def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
 ])
 def test_chain_run_equals_the_composed_model_in_one_process(tmp_path, experiment, transport, flags):
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", experiment, "--transport", transport, "--summary", summary_path, "--steps", "60", *flags])
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", summary_path, "--steps", "60",
+                           *flags])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert sorted(summary["params"]) == sorted(CHAINS[experiment])
@@ -52,13 +53,13 @@ def test_chain_run_equals_the_composed_model_in_one_process(tmp_path, experiment
 
 def test_secure_chain_equals_the_composed_model(tmp_path):
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", "chain-regression", "--secure", "--summary", summary_path, "--steps", "40"])
+    result = run_launcher(["run", "chain-regression", "--secure", "--summary", summary_path, "--steps", "40"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(summary_path)["params"] == _reference(tmp_path, "chain-regression", "--steps", "40")
 
 
 def test_chain_trace_equals_the_in_process_trace(tmp_path):
-    run_cli(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
+    run_launcher(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
     run_main(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
 

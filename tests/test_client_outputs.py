@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_json, read_lines, run_cli, run_main
+from conftest import read_json, read_lines, run_launcher, run_main
 from distgrad.errors import DistgradError
 from distgrad import records
 
@@ -36,7 +36,7 @@ def clients_run(tmp_path_factory):
     (its result, the metrics path, the summary path)."""
     directory = tmp_path_factory.mktemp("clients-run")
     metrics, summary = directory / "m.jsonl", directory / "s.json"
-    result = run_cli(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics, "--summary", summary])
+    result = run_launcher(["run", "digits-clients", "--steps", STEPS, "--metrics", metrics, "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     return result, metrics, summary
 
@@ -103,7 +103,7 @@ def test_plot_of_a_two_stage_metrics_file_has_one_unlabelled_line(tmp_path):
 
 def test_splitfed_trace_is_one_line_per_step_and_client_with_both_stages_values(tmp_path):
     trace, summary = tmp_path / "t.jsonl", tmp_path / "s.json"
-    result = run_cli(["run", "digits-splitfed", "--steps", STEPS, "--trace", trace, "--summary", summary])
+    result = run_launcher(["run", "digits-splitfed", "--steps", STEPS, "--trace", trace, "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     lines, params = read_lines(trace), read_json(summary)["params"]
     assert [(line["step"], line["client"]) for line in lines] == [
@@ -213,7 +213,7 @@ def test_clients_trace_over_the_wire_equals_the_in_process_trace(tmp_path, exper
     in-process reference's, bit for bit (SplitFed: each client's parameters after the average)."""
     wire_trace, local_trace = tmp_path / "wire.jsonl", tmp_path / "local.jsonl"
     flags = ["--steps", STEPS, "--micro-batches", "2"]
-    result = run_cli(["run", experiment, *flags, "--trace", wire_trace])
+    result = run_launcher(["run", experiment, *flags, "--trace", wire_trace])
     assert result.returncode == 0, result.stdout + result.stderr
     result = run_main(["run", experiment, *flags, "--trace", local_trace, "--in-process"])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli, run_main
+from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 
 CLIENTS = ["f@0", "f@1", "f@2"]
 
@@ -33,7 +33,7 @@ def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
 ])
 def test_three_clients_equal_the_in_process_order(tmp_path, experiment, transport, flags):
     path = tmp_path / "run.json"
-    result = run_cli(["run", experiment, "--transport", transport, "--summary", path, *flags])
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, *flags])
     assert result.returncode == 0, result.stdout + result.stderr
     summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
     assert sorted(summary["params"]) == [*CLIENTS, "g"]

@@ -12,7 +12,7 @@ import pytest
 from distgrad.experiment import BUILTIN_DIR, load_experiment
 from distgrad.inprocess import train_in_process
 
-from conftest import read_json, run_cli
+from conftest import read_json, run_launcher
 
 EXPERIMENT = "digits-cnn"
 MIN_ACCURACY = 0.97
@@ -31,7 +31,7 @@ def test_digits_cnn_learns_in_process(reference):
 
 def test_digits_cnn_over_two_processes_is_bitwise_the_in_process_run(tmp_path, reference):
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", EXPERIMENT, "--summary", summary_path])
+    result = run_launcher(["run", EXPERIMENT, "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["mode"] == "two-process"
@@ -53,7 +53,7 @@ def test_two_micro_batches_with_dropout_on_both_stages_are_bitwise_the_in_proces
     assert [layer["type"] for layer in exp.stages[0].model][-1] == "dropout"
     reference = train_in_process(exp, steps=MICRO_BATCH_STEPS, micro_batches=2)
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", path, "--steps", MICRO_BATCH_STEPS, "--micro-batches", 2, "--summary", summary_path])
+    result = run_launcher(["run", path, "--steps", MICRO_BATCH_STEPS, "--micro-batches", 2, "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["micro_batches"] == 2

@@ -21,7 +21,7 @@ from distgrad.serving import ServingStage
 from distgrad.stage import Stage
 from distgrad.wire import ErrorCode, Message
 
-from conftest import read_json, read_lines, run_cli, run_main
+from conftest import read_json, read_lines, run_cli, run_launcher, run_main
 from handshake import hello_message, only_reply
 from test_faults import Pair, _free_tcp_endpoint
 
@@ -36,7 +36,7 @@ PEER = [b"peer"]
 def _run(tmp_path, label, *args):
     """``distgrad run ARGS --summary``: stage processes, or with --in-process the reference in this process."""
     path = tmp_path / f"{label}.json"
-    run = run_main if "--in-process" in args else run_cli
+    run = run_main if "--in-process" in args else run_launcher
     result = run(["run", *map(str, args), "--summary", path])
     assert result.returncode == 0, result.stdout + result.stderr
     return read_json(path)

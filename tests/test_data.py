@@ -13,7 +13,7 @@ import pytest
 from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment
 
-from conftest import read_json, run_cli, run_main
+from conftest import read_json, run_cli, run_launcher, run_main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -110,7 +110,7 @@ def test_bad_file_settings_are_refused(files):
 
 def test_digits_reaches_95_percent_with_labels_only_at_g(tmp_path):
     summary, reference = tmp_path / "s.json", tmp_path / "r.json"
-    result = run_cli(["run", "digits", "--summary", summary])
+    result = run_launcher(["run", "digits", "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "test accuracy" in result.stdout
     two = read_json(summary)

@@ -15,7 +15,7 @@ from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.progress import PROGRESS_PREFIX, Progress, render_bar
 
-from conftest import read_json, read_lines, run_cli
+from conftest import read_json, read_lines, run_launcher
 
 DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 
@@ -51,7 +51,7 @@ def _both(tmp_path: Path, experiment: str, *flags: str, **settings) -> tuple[dic
     the flags saying what the settings say."""
     reference = json.loads(json.dumps(train_in_process(load_experiment(experiment), **settings)))
     run = tmp_path / "run.json"
-    result = run_cli(["run", experiment, "--summary", run, *flags])
+    result = run_launcher(["run", experiment, "--summary", run, *flags])
     assert result.returncode == 0, result.stdout + result.stderr
     return reference, read_json(run)
 

@@ -70,7 +70,7 @@ def summary_of(path, run: str, timeout: float = 10.0) -> dict:
         except (FileNotFoundError, ValueError):
             pass
         assert time.monotonic() < deadline, f"no summary of run {run} in {path}"
-        time.sleep(0.02)
+        time.sleep(0.002)          # waited for after each of test 2's runs: a 20 ms tick cost ~1.5 s in all
 
 EXP = load_experiment("seed-reverse")
 assert not EXP.labels_travel and not EXP.allow_nonfinite   # the model below assumes both
@@ -100,7 +100,7 @@ RUN_CHARS = string.ascii_letters + string.digits + "_.-"
 
 EXAMPLES_STANDALONE = 300
 EXAMPLES_IN_RUN = 150
-IN_RUN_STEPS = 40
+IN_RUN_STEPS = 20           # slots for the hostile messages of one run (up to 12); longer runs only repeat steps
 
 
 # ------------------------------------------------------------------ message templates

@@ -26,7 +26,7 @@ from distgrad.stage import Stage
 from distgrad.wire import ErrorCode, Message
 
 from handshake import only_reply
-from conftest import StageProcess, hello_message, read_json, run_cli, wait_for_file
+from conftest import StageProcess, hello_message, read_json, run_cli, run_main, wait_for_file
 
 BATCH = 8
 NAN_STEP_RE = re.compile(r"stage g: non-finite loss at step (\d+)")
@@ -77,7 +77,7 @@ def _checkpoint_steps(directory: Path, stage: str) -> list[int]:
 
 
 def test_nan_label_in_process_exits_1_naming_stage_step_and_tensor(tmp_path):
-    result = run_cli(["run", _nan_labels_experiment(tmp_path), "--in-process"])
+    result = run_main(["run", _nan_labels_experiment(tmp_path), "--in-process"])
     assert result.returncode == 1, result.stderr
     step = _nan_step(result.stderr)
     assert step >= 1 and "Traceback" not in result.stderr

@@ -11,14 +11,14 @@ from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.engine import GradAccumulator
 
-from conftest import read_json, read_lines, run_cli, run_main
+from conftest import read_json, read_lines, run_launcher, run_main
 from test_faults import Pair, _free_tcp_endpoint
 
 
 def _run(tmp_path, name, *args):
     """``distgrad run ARGS``: a launcher and its stage processes, or with --in-process the reference, here."""
     path = tmp_path / f"{name}.json"
-    run = run_main if "--in-process" in args else run_cli
+    run = run_main if "--in-process" in args else run_launcher
     result = run(["run", *map(str, args), "--summary", path])
     assert result.returncode == 0, result.stdout + result.stderr
     return read_json(path)
@@ -52,7 +52,7 @@ def test_every_schedule_equals_the_in_process_accumulation(tmp_path, experiment,
 def test_pipelined_trace_matches_in_process(tmp_path):
     args = ["tanh-regression", "--steps", "30", "--micro-batches", "4"]
     run_main(["run", *args, "--in-process", "--trace", tmp_path / "a.jsonl"])
-    result = run_cli(["run", *args, "--schedule", "gpipe", "--trace", tmp_path / "b.jsonl"])
+    result = run_launcher(["run", *args, "--schedule", "gpipe", "--trace", tmp_path / "b.jsonl"])
     assert result.returncode == 0, result.stderr
     a, b = read_lines(tmp_path / "a.jsonl"), read_lines(tmp_path / "b.jsonl")
     assert a == b and len(a) == 30

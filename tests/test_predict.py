@@ -16,7 +16,7 @@ from distgrad.predict import PredictionServer
 from distgrad.stage import Stage
 from distgrad.wire import ErrorCode, Message
 
-from conftest import StageProcess, read_json, run_cli, wait_for_file
+from conftest import StageProcess, read_json, run_cli, run_launcher, wait_for_file
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def trained(tmp_path_factory) -> Path:
     """The digits experiment split into two parties' files and trained; their halves saved."""
     root = tmp_path_factory.mktemp("predict")
     assert run_cli(["split", "digits", root / "parties"]).returncode == 0
-    result = run_cli(["run", root / "parties" / "f.toml", root / "parties" / "g.toml", "--steps", "150",
-                      "--save", root / "halves", "--summary", root / "summary.json"])
+    result = run_launcher(["run", root / "parties" / "f.toml", root / "parties" / "g.toml", "--steps", "150",
+                           "--save", root / "halves", "--summary", root / "summary.json"])
     assert result.returncode == 0, result.stderr
     return root
 
@@ -121,7 +121,7 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
     parties = tmp_path / "parties"
     assert run_cli(["split", "chain4-classify", parties]).returncode == 0
     files = [parties / f"{name}.toml" for name in ("f", "m1", "m2", "g")]
-    trained = run_cli(["run", *files, "--steps", "20", "--save", tmp_path / "halves"])
+    trained = run_launcher(["run", *files, "--steps", "20", "--save", tmp_path / "halves"])
     assert trained.returncode == 0, trained.stderr
     rows = np.random.default_rng(2).normal(size=(40, 64)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)

@@ -13,7 +13,7 @@ from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.stage import Stage
 
-from conftest import read_json, run_cli
+from conftest import read_json, run_cli, run_launcher
 
 
 def _arrays(path: Path) -> dict[str, np.ndarray]:
@@ -22,8 +22,8 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_save_then_load_continues_from_the_saved_halves_bitwise_on_every_path(tmp_path: Path):
-    first = run_cli(["run", "digits", "--steps", "20", "--save", tmp_path / "halves", "--summary",
-                     tmp_path / "first.json"])
+    first = run_launcher(["run", "digits", "--steps", "20", "--save", tmp_path / "halves", "--summary",
+                          tmp_path / "first.json"])
     assert first.returncode == 0, first.stderr
     saved = {name: _arrays(tmp_path / "halves" / f"{name}.npz") for name in ("f", "g")}
     summary = read_json(tmp_path / "first.json")
@@ -36,8 +36,8 @@ def test_save_then_load_continues_from_the_saved_halves_bitwise_on_every_path(tm
         assert all(np.array_equal(again[k], saved[name][k]) for k in saved[name])
     assert reference["params"] == summary["params"]
     # A later run starts from the saved halves: the same as the in-process run that loads them.
-    later = run_cli(["run", "digits", "--steps", "10", "--load", tmp_path / "halves", "--summary",
-                     tmp_path / "later.json"])
+    later = run_launcher(["run", "digits", "--steps", "10", "--load", tmp_path / "halves", "--summary",
+                          tmp_path / "later.json"])
     assert later.returncode == 0, later.stderr
     continued = train_in_process(load_experiment("digits"), steps=10, load_dir=tmp_path / "halves")
     assert read_json(tmp_path / "later.json")["params"] == continued["params"]

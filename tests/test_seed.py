@@ -8,7 +8,7 @@ import pytest
 from distgrad.experiment import load_experiment
 from distgrad.inprocess import train_in_process
 
-from conftest import read_lines, run_cli
+from conftest import read_lines, run_launcher
 
 F = np.float32
 
@@ -30,7 +30,7 @@ SEED_SIMPLE_W1 = "0.01723497"   # the initial value the first printed gradient i
 
 def test_seed_simple_cli_trace_matches_the_seed_printout(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    result = run_cli(["run", "seed-simple", "--init", f"w1={SEED_SIMPLE_W1}", "--trace", trace])
+    result = run_launcher(["run", "seed-simple", "--init", f"w1={SEED_SIMPLE_W1}", "--trace", trace])
     assert result.returncode == 0, result.stderr
     lines = read_lines(trace)
     assert [line["step"] for line in lines] == list(range(1, 41))

@@ -20,7 +20,7 @@ from distgrad.experiment import load_experiment, parse_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.split import split_experiment, toml_document
 
-from conftest import StageProcess, read_json, run_cli
+from conftest import StageProcess, read_json, run_cli, run_launcher, run_main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -89,7 +89,7 @@ def test_two_parties_with_nothing_but_the_interface_in_common_train_by_hand_bitw
     assert g_summary["params"]["g"] == reference["params"]["g"]
     assert f_summary["test_accuracy"] == reference["test_accuracy"] > 0.6
     # The launcher takes the parties' files as they are, each stage process reading only its own.
-    launched = run_cli(["run", f_file, g_file, "--summary", tmp_path / "run.json"])
+    launched = run_launcher(["run", f_file, g_file, "--summary", tmp_path / "run.json"])
     assert launched.returncode == 0, launched.stderr
     assert read_json(tmp_path / "run.json")["params"] == reference["params"]
 
@@ -119,7 +119,7 @@ def test_combining_stage_files_that_disagree_names_the_field(tmp_path: Path):
     f_file, g_file = _hosts(tmp_path, _interface(steps=40), _interface(steps=50))
     with pytest.raises(ConfigError, match="disagree on the interface: steps: .* has 40, .* has 50"):
         load_experiment([f_file, g_file])
-    result = run_cli(["run", f_file, g_file, "--in-process"])
+    result = run_main(["run", f_file, g_file, "--in-process"])
     assert result.returncode == 2 and "steps" in result.stderr
 
 
@@ -187,7 +187,7 @@ def test_a_chain_of_stage_files_evaluates_through_a_middle_stage_without_data(tm
     raw["data"]["path"] = str(Path(digits.source).parent / raw["data"]["path"])
     paths = split_experiment(parse_experiment(raw, str(tmp_path / "chain.toml")), tmp_path / "parties")
     assert "data" not in tomllib.loads(paths[1].read_text())          # the middle party holds nothing
-    result = run_cli(["run", *paths, "--summary", tmp_path / "run.json"])
+    result = run_launcher(["run", *paths, "--summary", tmp_path / "run.json"])
     assert result.returncode == 0, result.stderr
     reference = train_in_process(load_experiment(paths))
     summary = read_json(tmp_path / "run.json")

@@ -16,7 +16,7 @@ from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment
 from distgrad.options import StageOptions
 
-from conftest import read_json, run_cli
+from conftest import read_json, run_launcher
 
 INSTALL_HINT = "pip install 'distgrad[tensorboard]'"
 
@@ -48,8 +48,8 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 def test_the_event_file_has_every_scalar_at_its_steps(tmp_path):
     pytest.importorskip("tensorboardX", reason="tensorboardX is not installed (pip install 'distgrad[tensorboard]')")
     board, summary = tmp_path / "board", tmp_path / "s.json"
-    result = run_cli(["run", "digits", "--steps", "6", "--eval-every", "3", "--tensorboard", board,
-                      "--summary", summary])
+    result = run_launcher(["run", "digits", "--steps", "6", "--eval-every", "3", "--tensorboard", board,
+                           "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     scalars = _scalars(board)
     assert sorted(scalars) == ["speed/bytes_per_step", "speed/steps_per_s", "test/accuracy", "test/loss",

@@ -108,22 +108,33 @@ def _experiment(directory, *, steps=10, data=CLASSIFY, f_module="mymodel:encoder
 
 # ---------------------------------------------------------------- the built-in, through the launcher
 
+PROCESS_STEPS = 100
+
 def test_the_builtin_cnn_trains_in_two_processes_bitwise_as_in_one(tmp_path):
     """Issue 14: a user-written torch module, named by import path, trains in a daemon against a numpy
-    g-stage; the digits CNN reaches >= 97% held-out accuracy."""
+    g-stage; the digits CNN reaches >= 97% held-out accuracy.
+
+    Bitwise equality does not depend on the length of the run: the processes train the first
+    PROCESS_STEPS steps (and evaluate), equal bit for bit to the in-process run of as many steps;
+    the accuracy of the built-in's whole run (800 steps) is that of the in-process run, trained
+    here meanwhile."""
     summary_path = tmp_path / "run.json"
-    with ThreadPoolExecutor(1) as pool:      # the two processes run while this one trains the reference
-        launched = pool.submit(run_cli, ["run", "digits-cnn-torch", "--summary", summary_path, "--progress", "off"])
-        reference = train_in_process(load_experiment("digits-cnn-torch"))
+    exp = load_experiment("digits-cnn-torch")
+    with ThreadPoolExecutor(1) as pool:      # the two processes run while this one trains the references
+        launched = pool.submit(run_cli, ["run", "digits-cnn-torch", "--steps", PROCESS_STEPS, "--summary",
+                                         summary_path, "--progress", "off"])
+        reference = train_in_process(exp, steps=PROCESS_STEPS)
+        whole = train_in_process(exp)
         result = launched.result()
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
-    assert summary["mode"] == "two-process" and summary["steps"] == 800
+    assert summary["mode"] == "two-process" and summary["steps"] == PROCESS_STEPS
     assert set(summary["params"]["f"]) == {"1.weight", "1.bias"}        # the module's named_parameters
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
-    assert summary["test_accuracy"] == reference["test_accuracy"] >= 0.97
-    print(f"digits-cnn-torch: test accuracy {summary['test_accuracy']:.4f}, two processes "
-          f"{summary['elapsed_s']:.2f} s of training")
+    assert summary["test_accuracy"] == reference["test_accuracy"]       # the evaluation crossed the wire too
+    assert whole["steps"] == 800 and whole["test_accuracy"] >= 0.97
+    print(f"digits-cnn-torch: test accuracy {whole['test_accuracy']:.4f} after 800 steps; two processes "
+          f"{summary['elapsed_s']:.2f} s for {PROCESS_STEPS} steps")
 
 
 # ---------------------------------------------------------------- stage files, two daemons by hand

@@ -14,7 +14,8 @@ import zmq
 
 from distgrad.launcher import pinned_env
 
-from conftest import BIN, CLI, hello_message, StageProcess, read_json, read_lines, run_cli, run_main, wait_for_file
+from conftest import (BIN, CLI, StageProcess, hello_message, read_json, read_lines, run_cli, run_launcher, run_main,
+                      wait_for_file)
 
 LABELS_AT_F = """
 name = "labels-at-f"
@@ -85,8 +86,8 @@ def test_launcher_run_is_bitwise_equal_to_in_process(tmp_path, experiment, trans
     steps = TRACED_STEPS[experiment]
     reference, reference_trace = _in_process(tmp_path, experiment, *steps)
     summary_path, trace_path = tmp_path / "run.json", tmp_path / "run.trace.jsonl"
-    result = run_cli(["run", experiment, "--transport", transport, "--summary", summary_path, "--trace", trace_path,
-                      *steps])
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", summary_path, "--trace",
+                           trace_path, *steps])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["mode"] == "two-process" and summary["transport"] == transport
@@ -106,7 +107,7 @@ def test_labels_travelling_with_the_activations(tmp_path):
     exp.write_text(LABELS_AT_F)
     reference, _ = _in_process(tmp_path, str(exp), trace=False)
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", exp, "--summary", summary_path])
+    result = run_launcher(["run", exp, "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(summary_path)["params"] == reference["params"]
 
@@ -305,7 +306,7 @@ def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
     exp.write_text((BUILTIN_DIR / "mlp-classify.toml").read_text().replace('labels = "last"', f'labels = "{labels}"'))
     reference, _ = _in_process(tmp_path, str(exp), "--steps", "40", trace=False)
     summary_path = tmp_path / "run.json"
-    result = run_cli(["run", exp, "--steps", "40", "--summary", summary_path])
+    result = run_launcher(["run", exp, "--steps", "40", "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
@@ -315,8 +316,8 @@ def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
 def test_spin_before_block_changes_nothing_but_latency(tmp_path, transport):
     reference, _ = _in_process(tmp_path, "tanh-regression", trace=False)
     summary_path = tmp_path / "spin.json"
-    result = run_cli(["run", "tanh-regression", "--transport", transport, "--spin-us", "300",
-                      "--summary", summary_path])
+    result = run_launcher(["run", "tanh-regression", "--transport", transport, "--spin-us", "300",
+                           "--summary", summary_path])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary_path)
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli, run_main
+from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad import aggregate
 from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment, parse_experiment, tomllib
@@ -153,8 +153,8 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
     flags = ["--micro-batches", str(micro_batches)]
     path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
     extra = [str(tmp_path / e) if e in ("saved", "metrics.jsonl") else e for e in extra]
-    result = run_cli(["run", experiment, "--transport", transport, "--summary", path, "--trace", trace, *flags,
-                      *extra])
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, "--trace", trace, *flags,
+                           *extra])
     assert result.returncode == 0, result.stdout + result.stderr
     summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
     if "--save" in extra:
@@ -182,7 +182,7 @@ def test_digits_halves_over_the_wire_with_evaluations(tmp_path):
     evaluation equal the in-process ones (each party is told the same)."""
     path = tmp_path / "run.json"
     flags = ["--steps", "200", "--eval-every", "100"]
-    result = run_cli(["run", "digits-halves", "--summary", path, *flags])
+    result = run_launcher(["run", "digits-halves", "--summary", path, *flags])
     assert result.returncode == 0, result.stdout + result.stderr
     summary, reference = read_json(path), _reference(tmp_path, "digits-halves", *flags)
     assert summary["params"] == reference["params"]
@@ -198,7 +198,7 @@ def test_the_parties_stage_files_train_bitwise(tmp_path):
     assert 'aggregate = "concat"' in text and "columns = [4, 5, 6, 7]" in text and "labels" not in text.split(
         "[data]")[1]
     path = tmp_path / "run.json"
-    result = run_cli(["run", *files, "--summary", path, "--steps", "30"])
+    result = run_launcher(["run", *files, "--summary", path, "--steps", "30"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(path)["params"] == _reference(tmp_path, BUILTIN, "--steps", "30")["params"]
 
