@@ -52,6 +52,8 @@ def test_every_script_has_a_smoke_test():
     assert all(name in globals() for name in SMOKE_TESTS.values())
 
 
+# A benchmark run (the brief keeps those out of the default suite): `make test-all` or `-m slow` runs it.
+@pytest.mark.slow
 def test_bench_smoke_runs_every_section(tmp_path):
     """bench.py --smoke: A, B (with _peers.py and _raw_split.py) and C once at tiny sizes; then --report."""
     out = tmp_path / "bench.json"
@@ -77,6 +79,7 @@ def test_bench_smoke_runs_every_section(tmp_path):
     assert "A. Message path" in report.stdout and "Targets" in report.stdout
 
 
+@pytest.mark.slow
 def test_per_message(tmp_path):
     out = tmp_path / "per_message.json"
     run_script("per_message.py", "--repeats", "1", "--json", out)
@@ -87,6 +90,7 @@ def test_per_message(tmp_path):
         assert figures[key] > 0, key
 
 
+@pytest.mark.slow
 def test_soak(tmp_path):
     out = tmp_path / "soak.json"
     run_script("soak.py", "--steps", "200", "--interval-s", "0.05", "--deadline-s", "50",
@@ -107,6 +111,7 @@ def test_wan_link(tmp_path):
     assert figures["stats"]["connections"] == 1
 
 
+@pytest.mark.slow
 def test_wan(tmp_path):
     """--smoke: two tiny configurations through an emulated 1 ms link, each with steps/s, bytes per step and
     a share of its bound; a codec row runs, or is skipped with its reason when distgrad-stage lacks the flag."""
@@ -132,6 +137,7 @@ def test_zero_copy_threshold(tmp_path, transport):
     assert all(v["copy_us"] > 0 and v["zero_copy_us"] > 0 for v in sizes.values())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                     reason="torch is not installed: _torch_split.py (bench.py's gloo split) not run "
                            "(pip install 'distgrad[torch]')")

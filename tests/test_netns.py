@@ -280,11 +280,13 @@ def test_delayed_link_slows_every_step_and_changes_nothing(netns, tmp_path):
 
 
 # Bytes the relay sees per step (both directions, measured) and how far into the run to cut.
-CUT = {"seed-reverse": (150, 270), "tanh-regression": (100, 8600)}
+CUT = {"seed-reverse": (150, 165), "tanh-regression": (100, 8500)}   # protocol 5's binary headers
 CUT_AT_FRACTION = 0.4
 
 
-@pytest.mark.parametrize("experiment", sorted(CUT))
+# One reset path: tanh-regression's stays in the default suite, seed-reverse's (the same path, a smaller
+# model) runs with -m slow.
+@pytest.mark.parametrize("experiment", [pytest.param("seed-reverse", marks=pytest.mark.slow), "tanh-regression"])
 def test_connection_reset_mid_run_is_survived_bitwise(netns, tmp_path, experiment):
     total, bytes_per_step = CUT[experiment]
     steps = ["--steps", str(total)]

@@ -57,7 +57,7 @@ def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
     ("tanh-regression", ["--staleness", "1", "--micro-batches", "2", "--steps", "40"]),
     ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc",
                           "--activation-codec", "int8", "--gradient-codec", "float16"]),
-    ("digits", ["--staleness", "2", "--steps", "120", "--eval-every", "50", "--activation-codec", "bfloat16",
+    ("digits", ["--staleness", "2", "--steps", "60", "--eval-every", "25", "--activation-codec", "bfloat16",
                 "--gradient-codec", "topk:4"]),
 ])
 def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):

@@ -80,7 +80,8 @@ def test_bound_adds_one_micro_batch_of_compute_and_shares_it_over_stale_steps():
 
 def test_codec_and_staleness_rows_name_the_flags_they_need():
     row = wan.Config(wan.LOCKSTEP, "int8", 1)
-    assert row.shared_flags() == ["--activation-codec", "int8", "--gradient-codec", "int8", "--staleness", "1"]
+    assert row.shared_flags() == ["--activation-codec", "int8", "--gradient-codec", "int8"]   # both stages
+    assert row.driver_flags() == ["--staleness", "1"]                                          # the driver only
     assert row.missing({"--staleness"}) == ["--activation-codec", "--gradient-codec"]
     assert wan.Config(wan.Schedule("1f1b M=8 N=4", 8, in_flight=4)).missing({"--micro-batches", "--schedule"}) == \
         ["--in-flight"]
