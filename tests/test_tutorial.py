@@ -25,6 +25,11 @@ def _blocks() -> list[tuple[str, str, str]]:
     return [(lang, body.split("\n", 1)[0].strip(), body) for lang, body in BLOCK.findall(TUTORIAL.read_text())]
 
 
+# Five PyTorch processes (13 s): slow-marked to keep the default suite inside its five minutes. What the
+# tutorial does is in the default suite piece by piece: a user's module in a stage file trained by daemons
+# (test_torch_module.py), --save of a state_dict and --load (test_torch_module.py), distgrad predict
+# (test_predict.py). `make test-all` runs the tutorial as written.
+@pytest.mark.slow
 def test_the_tutorial_runs_as_written(tmp_path: Path):
     env = pinned_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"

@@ -298,7 +298,9 @@ def test_ctrl_c_on_the_launcher_leaves_no_process_behind(tmp_path):
     assert _processes_mentioning(str(exp)) == []
 
 
-@pytest.mark.parametrize("labels", ["last", "first"])
+# Integer labels at the last stage cross nothing and run in every digits test (test_cnn, test_readme,
+# test_vertical): that case is slow-marked; the labels that travel stay in the default suite.
+@pytest.mark.parametrize("labels", [pytest.param("last", marks=pytest.mark.slow), "first"])
 def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
     from distgrad.experiment import BUILTIN_DIR
 
