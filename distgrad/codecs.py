@@ -187,6 +187,14 @@ class Codec:
         raise NotImplementedError
 
 
+def _refuse_overflow(codec: str, x: np.ndarray, infinite: np.ndarray, tensor_name: str, step: int, why: str) -> None:
+    """Raise ``CodecRangeError`` naming the first finite entry of ``x`` whose code is infinite (``infinite``)."""
+    if infinite.any():
+        overflow = infinite & np.isfinite(x)
+        if overflow.any():
+            raise CodecRangeError(codec, tensor_name, step, f"{_first_bad(x, overflow)} {why}")
+
+
 def _first_bad(x: np.ndarray, bad: np.ndarray) -> str:
     """``x[i]`` at the first index where ``bad`` holds, for error messages."""
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
@@ -226,13 +234,9 @@ class Float16Codec(Codec):
     def _encode(self, x: np.ndarray, tensor_name: str, step: int) -> Parts:
         with np.errstate(over="ignore"):            # overflow is reported below, with the tensor's name
             half = x.astype(_F16)
-        overflow = np.isinf(half)
-        if overflow.any():
-            overflow &= np.isfinite(x)
-            if overflow.any():
-                raise CodecRangeError(self.name, tensor_name, step,
-                                      f"{_first_bad(x, overflow)} is beyond float16's range (|x| <= {FLOAT16_MAX:g}); "
-                                      f"use bfloat16, or a model whose activations and gradients stay smaller")
+        _refuse_overflow(self.name, x, np.isinf(half), tensor_name, step,
+                         f"is beyond float16's range (|x| <= {FLOAT16_MAX:g}); use bfloat16, or a model whose "
+                         f"activations and gradients stay smaller")
         return {"values": half}
 
     def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:
@@ -265,13 +269,8 @@ class BFloat16Codec(Codec):
         nan = np.isnan(x)
         if nan.any():
             rounded = np.where(nan, upper | np.uint32(0x0040), rounded)
-        overflow = (rounded & np.uint32(0x7FFF)) == np.uint32(0x7F80)
-        if overflow.any():
-            overflow &= np.isfinite(x)
-            if overflow.any():
-                raise CodecRangeError(self.name, tensor_name, step,
-                                      f"{_first_bad(x, overflow)} rounds to Inf in bfloat16 (|x| < 3.3961e38 "
-                                      f"is needed)")
+        _refuse_overflow(self.name, x, (rounded & np.uint32(0x7FFF)) == np.uint32(0x7F80), tensor_name, step,
+                         "rounds to Inf in bfloat16 (|x| < 3.3961e38 is needed)")
         return {"bits": rounded.astype(_U16)}
 
     def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -163,24 +163,23 @@ class Senders:
     def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> Parts:
         """The parts of float32 ``x`` sent on ``stream`` at ``step``. Raises ``CodecRangeError`` (nothing
         changes then) for a value the codec cannot carry."""
-        codec = self.codecs[direction]
-        if not codec.error_feedback:
-            return codec.encode(x, stream, step)
-        feedback = self._feedback(codec, stream)
-        parts = feedback.encode(x, stream, step)
-        self._pending[stream] = feedback.state_arrays()[stream]
-        return parts
+        return self._send(direction, x, stream, step, "encode")
 
     def roundtrip(self, direction: str, x: np.ndarray, stream: str, step: int) -> np.ndarray:
         """What the receiver computes with for ``x`` sent on ``stream`` (the in-process twin of ``encode``,
         with the same residuals)."""
+        return self._send(direction, x, stream, step, "roundtrip")
+
+    def _send(self, direction: str, x: np.ndarray, stream: str, step: int, how: str) -> Any:
+        """``encode`` or ``roundtrip`` (``how``) of the direction's codec, through the stream's error feedback
+        when it keeps one (its new residual pending until the step's update)."""
         codec = self.codecs[direction]
         if not codec.error_feedback:
-            return codec.roundtrip(x, stream, step)
+            return getattr(codec, how)(x, stream, step)
         feedback = self._feedback(codec, stream)
-        value = feedback.roundtrip(x, stream, step)
+        sent = getattr(feedback, how)(x, stream, step)
         self._pending[stream] = feedback.state_arrays()[stream]
-        return value
+        return sent
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
         """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``)."""
