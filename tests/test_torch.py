@@ -250,6 +250,11 @@ def test_every_layer_and_loss_matches_the_numpy_stage(loss):
     np.testing.assert_allclose(evaluated["loss"], expected["loss"], rtol=GRAD_RTOL)
 
 
+# Two launches of torch processes (8 s): slow-marked for the default suite's five minutes. A torch stage's
+# checkpoint arrays round-trip bitwise (test_state_arrays_round_trip_through_a_checkpoint_file, and with its
+# schedule, test_a_torch_stage_sets_each_scheduled_rate_and_resumes_it); resuming over processes is the
+# framework-free StageState path every numpy kill/resume test runs.
+@pytest.mark.slow
 def test_micro_batches_and_resume_from_a_checkpoint_with_torch_stages(tmp_path):
     path = _tanh(tmp_path, "numpy", "torch", ADAM, steps=20)      # one torch import per launch: keeps it fast
     checkpoints = ["--micro-batches", "4", "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "5"]
