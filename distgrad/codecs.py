@@ -37,6 +37,7 @@ anything is sent); wire arrays that no encoder could have produced are a
 
 from __future__ import annotations
 
+import abc
 import math
 import re
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def _tensor_error(message: str) -> ProtocolError:
     return ProtocolError(TENSOR_CODE, message)
 
 
-class Codec:
+class Codec(abc.ABC):
     """One wire codec. Subclasses fill in ``_specs``, ``_encode``, ``_decode`` (and ``_check_parts``).
 
     Every public method takes shapes as tuples of ints and float32 tensors;
@@ -174,17 +175,20 @@ class Codec:
         return self._decode(self.encode(x, tensor_name, step), x.shape)
 
     # -- for subclasses ----------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _specs(self, shape: Shape) -> WireSpecs:
-        raise NotImplementedError
+        """The parts a tensor of ``shape`` crosses as: ``{name: (shape, dtype)}``."""
 
+    @abc.abstractmethod
     def _encode(self, x: np.ndarray, tensor_name: str, step: int) -> Parts:
-        raise NotImplementedError
+        """The parts of float32 ``x`` (``CodecRangeError`` for a value the codec cannot carry)."""
 
     def _check_parts(self, parts: Mapping[str, np.ndarray], shape: Shape) -> None:
         """Raise ``ProtocolError`` for well-shaped parts that no encoder produces."""
 
+    @abc.abstractmethod
     def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:
-        raise NotImplementedError
+        """The float32 tensor of ``shape`` the receiver computes with."""
 
 
 def _refuse_overflow(codec: str, x: np.ndarray, infinite: np.ndarray, tensor_name: str, step: int, why: str) -> None:
