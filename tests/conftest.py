@@ -61,6 +61,22 @@ def _compile_the_sources_once() -> None:
             compileall.compile_dir(directory, quiet=2, workers=1)
 
 
+def _build_matplotlib_font_cache() -> None:
+    """Build matplotlib's font cache before any test runs, where matplotlib is installed.
+
+    On a machine where matplotlib never ran (an empty HOME, MPLCONFIGDIR or XDG_CACHE_HOME) its first
+    import scans the system fonts and runs ``fc-list`` in a subprocess; inside a unit test that draws a
+    plot, the guard below would take that for the test starting a process. Building the cache here, as
+    matplotlib's own first run would, keeps the plot tests unit tests on a fresh machine too.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401  (builds and saves the font cache on first import)
+    except ImportError:
+        pass
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Where the environment promises optional modules (CI installs torch), a missing one is an error:
     without this its tests would be skipped and the run would still pass."""
@@ -68,6 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if sys.dont_write_bytecode:
         _compile_the_sources_once()
+    _build_matplotlib_font_cache()
 
     for name in filter(None, (n.strip() for n in os.environ.get(REQUIRE_VARIABLE, "").split(","))):
         try:
