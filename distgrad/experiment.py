@@ -251,7 +251,7 @@ class Experiment:
             return combined_shape(self.aggregate, self.cuts)    # type: ignore[arg-type]
         if name not in self.data_owners:
             return self.cuts[index - 1]
-        key = ("features", self.seed if seed is None else seed)
+        key = ("features", name, self.seed if seed is None else seed)     # each data owner its own columns
         if key not in self._derived:
             shape = self.build_data(seed, stage=name).feature_shape
             if shape is None:

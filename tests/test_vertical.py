@@ -35,9 +35,9 @@ def _experiment(tmp_path: Path, aggregate_kind: str = "concat") -> Path:
     return path
 
 
-def _reference(tmp_path: Path, experiment: Path | str, *flags: str) -> dict:
+def _reference(tmp_path: Path, experiment: Path | str, *flags: str | Path) -> dict:
     path = tmp_path / "reference.json"
-    result = run_main(["run", str(experiment), "--in-process", "--summary", path, *flags])
+    result = run_main(["run", str(experiment), *flags, "--in-process", "--summary", path])
     assert result.returncode == 0, result.stderr
     return read_json(path)
 
@@ -201,6 +201,36 @@ def test_the_parties_stage_files_train_bitwise(tmp_path):
     result = run_launcher(["run", *files, "--summary", path, "--steps", "30"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(path)["params"] == _reference(tmp_path, BUILTIN, "--steps", "30")["params"]
+
+
+def _unequal_widths(tmp_path: Path, aggregate_kind: str) -> Path:
+    """vertical-classify with 13 columns held 5, 4 and 4 by the three parties (each embedding still 8 wide)."""
+    text = BUILTIN.read_text().replace("features = 12", "features = 13")
+    for party, (old, new) in zip(PARTIES, [("0, 1, 2, 3", "0, 1, 2, 3, 4"), ("4, 5, 6, 7", "5, 6, 7, 8"),
+                                           ("8, 9, 10, 11", "9, 10, 11, 12")]):
+        text = text.replace(f"columns = [{old}]", f"columns = [{new}]")
+        text = text.replace(f'name = "{party}1", in = 4', f'name = "{party}1", in = {len(new.split(","))}')
+    text = text.replace('aggregate = "concat"', f'aggregate = "{aggregate_kind}"').replace("in = 24", "in = 8")
+    path = tmp_path / f"unequal-{aggregate_kind}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_parties_of_unequal_widths_run_in_process_bitwise_as_over_processes(tmp_path, kind):
+    """Parties of 5, 4 and 4 columns, from the combined experiment and from each party's stage file: the
+    in-process run builds each party from its own columns (the feature shape is each party's own)."""
+    experiment = _unequal_widths(tmp_path, kind)
+    assert run_main(["split", experiment, tmp_path / "files"]).returncode == 0
+    files = [tmp_path / "files" / f"{name}.toml" for name in [*PARTIES, "g"]]
+    flags = ["--steps", "20"]
+    combined, from_files = _reference(tmp_path, experiment, *flags), _reference(tmp_path, files[0], *files[1:],
+                                                                                  *flags)
+    assert [len(combined["params"][p][f"{p}1.W"]) for p in PARTIES] == [5, 4, 4]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", *files, "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(path)["params"] == from_files["params"] == combined["params"]
 
 
 class Parties(StageGroup):
