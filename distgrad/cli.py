@@ -190,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("experiments", help="list the built-in experiments")
-    split = sub.add_parser("split", help="write one stage file per party (OUTDIR/STAGE.toml) from a combined experiment")
+    split = sub.add_parser("split", help="write each party's folder from a combined experiment: its stage file "
+                                             "OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz")
     split.add_argument("experiment", metavar="NAME_OR_PATH")
     split.add_argument("outdir", type=Path, metavar="OUTDIR")
-    split.add_argument("--force", action="store_true", help="overwrite stage files already in OUTDIR")
+    split.add_argument("--force", action="store_true", help="overwrite files already in OUTDIR")
     keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
     keygen.add_argument("directory", type=Path)
     keygen.add_argument("name")

@@ -306,6 +306,12 @@ class ArrayFile(RowBatches):
             self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
         return self._labels
 
+    def own_parts(self) -> dict[str, np.ndarray]:
+        """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
+        ``label_dtype``): ``"features"`` and/or ``"labels"``. ``distgrad split`` copies them to the party."""
+        parts = {"features": self._read_part(self.feature_ref)} if self.feature_ref is not None else {}
+        return {**parts, "labels": self._all_labels_raw()} if self.has_labels else parts
+
     # -- the DataSource contract
 
     _ORDER_KEY = 19

@@ -1,9 +1,9 @@
 """``distgrad split``: the per-party stage files of a combined experiment.
 
-Each stage gets a file holding the interface every party shares, its own
-``[stage]`` table, and only its own part of the data: the data owner the
-features, the label owner the labels (paths rewritten relative to the output
-folder), a middle stage none. Loading the written files back gives the same
+Each stage gets a folder of its own holding a file with the interface every
+party shares and its own ``[stage]`` table, and only its own part of the
+data, copied next to it: the data owner the features, the label owner the
+labels, a middle stage none. Loading the written files back gives the same
 interface as the experiment (checked before anything is written).
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
+from .data import build_data
 from .errors import ConfigError
 from .experiment import FILE_KINDS, Experiment, load_experiment
 
@@ -91,7 +93,8 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
     return table
 
 
-def _stage_table(exp: Experiment, name: str) -> dict[str, Any]:
+def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, Any]:
+    """Stage ``name``'s ``[stage]`` table; without ``columns`` when its data file holds only those columns."""
     spec = exp.spec(name)
     table: dict[str, Any] = {"name": name}
     if spec.module is not None:
@@ -102,7 +105,7 @@ def _stage_table(exp: Experiment, name: str) -> dict[str, Any]:
         table["model"] = list(spec.model or [])
         if spec.framework != "numpy":
             table["framework"] = spec.framework
-    if spec.columns is not None:
+    if spec.columns is not None and not columns_copied:
         table["columns"] = list(spec.columns)
     if spec.device != "cpu":
         table["device"] = spec.device
@@ -112,56 +115,59 @@ def _stage_table(exp: Experiment, name: str) -> dict[str, Any]:
     return table
 
 
-def _data_table(exp: Experiment, name: str, out_dir: Path) -> dict[str, Any] | None:
-    """Stage ``name``'s own part of the experiment's data, its paths relative to ``out_dir``; None for a
-    stage that needs none."""
+def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """Stage ``name``'s own ``[data]`` table and the arrays of its own data file (``NAME.npz``, written next to
+    its stage file); None for a stage that needs no data.
+
+    Data generated from the seed keeps the experiment's table and needs no
+    file: each party regenerates its part. Data read from files becomes an
+    npz of this party's parts of every row, as the experiment's file stores
+    them: the data owner's features (only its ``columns``, when it has
+    them), the label owner's labels, nothing else; ``feature_scale``,
+    ``label_dtype`` and the row split's settings stay, so every party
+    reads the same rows as before. With ``[clients]`` the data owners share
+    one stage file, so its data holds every owner's rows (each takes its
+    share at run time).
+    """
     first, owner = name in exp.data_owners, name == exp.label_owner
     if not (first or owner):
         return None
     data = dict(exp.data)
-    base = exp.spec(name).base_dir
-
-    def moved(path: str) -> str:
-        return os.path.relpath((base / path).resolve(), out_dir.resolve())
-
     if data.get("kind") not in FILE_KINDS:
-        return data                       # generated from the seed: each party regenerates its part
-    if not first:
-        for key in ("features", "feature_scale"):
-            data.pop(key, None)
-    if not owner:
-        for key in ("labels", "label_dtype"):
-            data.pop(key, None)
-    if data.get("kind") == "npy":
-        for key in ("features", "labels"):
-            if key in data:
-                data[key] = moved(str(data[key]))
-    elif "path" in data:
-        data["path"] = moved(str(data["path"]))
-    if data.get("kind") in ("npz", "csv"):
-        data.setdefault("features", "x") if first else None
-        data.setdefault("labels", "y") if owner else None
-    return data
+        return data, {}
+    held = {"features": first, "labels": owner}
+    source = build_data({**data, **{part: None for part, mine in held.items() if not mine}}, exp.seed,
+                        exp.spec(name).base_dir)
+    parts = source.own_parts()          # type: ignore[attr-defined]   # a file kind is an ArrayFile
+    columns = exp.spec(name).columns
+    if columns is not None and "features" in parts:
+        parts["features"] = parts["features"].reshape(len(parts["features"]), -1)[:, columns]
+    kept = ["batch", "test_fraction", "split_seed", *(["feature_scale"] if first else []),
+            *(["label_dtype"] if owner else [])]
+    table = {"kind": "npz", "path": f"{name}.npz", **{part: part for part in parts},
+             **{key: data[key] for key in kept if key in data}}
+    return table, parts
 
 
-def stage_files(exp: Experiment, out_dir: Path) -> dict[str, str]:
-    """``{stage name: stage file text}`` for ``exp`` written into ``out_dir``.
+def stage_files(exp: Experiment) -> dict[str, tuple[str, dict[str, np.ndarray]]]:
+    """``{stage name: (its stage file's text, the arrays of its data file, empty for none)}`` for ``exp``
+    (see ``party_data``); each file's paths are relative to the party's own folder.
 
-    Raises ``ConfigError`` for an experiment that is already stage files, or
-    (a bug) when the files would not load back to the same interface.
+    Raises ``ConfigError`` for an experiment that is already stage files.
     """
     if not exp.data:
         raise ConfigError(f"{exp.source} is already a stage file")
     interface = interface_table(exp)
     top = {"description": exp.description} if exp.description else {}
-    texts = {}
+    files = {}
     for name in exp.stage_names:
-        tables: dict[str, Any] = {"interface": interface, "stage": _stage_table(exp, name)}
-        data = _data_table(exp, name, out_dir)
-        if data is not None:
-            tables["data"] = data
-        texts[name] = toml_document(tables, top)
-    return texts
+        own = party_data(exp, name)
+        table, arrays = own if own is not None else (None, {})
+        tables: dict[str, Any] = {"interface": interface, "stage": _stage_table(exp, name, "features" in arrays)}
+        if table is not None:
+            tables["data"] = table
+        files[name] = (toml_document(tables, top), arrays)
+    return files
 
 
 def module_sources(exp: Experiment) -> dict[str, Path]:
@@ -181,28 +187,35 @@ def module_sources(exp: Experiment) -> dict[str, Path]:
 
 
 def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> list[Path]:
-    """Write ``OUT_DIR/STAGE.toml`` for every stage of ``exp``, and copy the code of its module stages that
-    sits next to the experiment (``module_sources``) into ``OUT_DIR``; return the stage files' paths.
+    """Give every stage of ``exp`` its own folder ``OUT_DIR/STAGE/``: its stage file ``STAGE.toml``, its own
+    data (``STAGE.npz``, see ``party_data``) and a copy of its module's code that sits next to the
+    experiment (``module_sources``); return the stage files' paths. A party's folder is all it needs:
+    copied to another host, it runs there.
 
     Existing files are left alone (``ConfigError`` naming them) unless
     ``force``. The written files are loaded back together and must give
     ``exp``'s interface; if they do not (a bug), they are removed and
     ``ConfigError`` says so.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    texts = stage_files(exp, out_dir)
-    paths = [out_dir / f"{name}.toml" for name in texts]
-    code = {source: out_dir / source.name for source in module_sources(exp).values()
-            if source.resolve() != (out_dir / source.name).resolve()}
-    existing = [str(p) for p in [*paths, *code.values()] if p.exists()]
+    files = stage_files(exp)
+    folders = {name: out_dir / name for name in files}
+    paths = [folders[name] / f"{name}.toml" for name in files]
+    data_files = {folders[name] / f"{name}.npz": arrays for name, (_, arrays) in files.items() if arrays}
+    code = {source: folders[name] / source.name for name, source in module_sources(exp).items()
+            if source.resolve() != (folders[name] / source.name).resolve()}
+    existing = [str(p) for p in [*paths, *data_files, *code.values()] if p.exists()]
     if existing and not force:
         raise ConfigError(f"{', '.join(existing)} already exist(s); remove them or give --force")
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
     for source, target in code.items():
         if source.is_dir():
             shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target)
-    for path, text in zip(paths, texts.values()):
+    for data_path, arrays in data_files.items():
+        np.savez(data_path, **arrays)
+    for path, (text, _) in zip(paths, files.values()):
         path.write_text(text, encoding="utf-8")
     try:
         combined = load_experiment(paths)
@@ -210,7 +223,7 @@ def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> lis
             raise ConfigError(f"their interface {combined.interface_parts()} differs from the experiment's "
                               f"{exp.interface_parts()}")
     except ConfigError as e:
-        for path in paths:
+        for path in [*paths, *data_files]:
             path.unlink(missing_ok=True)
         raise ConfigError(f"internal error: the stage files of {exp.name!r} do not load back: {e}") from e
     return paths

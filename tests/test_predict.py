@@ -24,15 +24,15 @@ def trained(tmp_path_factory) -> Path:
     """The digits experiment split into two parties' files and trained; their halves saved."""
     root = tmp_path_factory.mktemp("predict")
     assert run_cli(["split", "digits", root / "parties"]).returncode == 0
-    result = run_launcher(["run", root / "parties" / "f.toml", root / "parties" / "g.toml", "--steps", "150",
-                           "--save", root / "halves", "--summary", root / "summary.json"])
+    result = run_launcher(["run", root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml",
+                           "--steps", "150", "--save", root / "halves", "--summary", root / "summary.json"])
     assert result.returncode == 0, result.stderr
     return root
 
 
 def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
     """The predictions computed in one process from the saved halves."""
-    exp = load_experiment([root / "parties" / "f.toml", root / "parties" / "g.toml"])
+    exp = load_experiment([root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml"])
     f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
     f.load_parameters(root / "halves" / "f.npz")
     g.load_parameters(root / "halves" / "g.npz")
@@ -41,11 +41,11 @@ def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
 
 def _predict(root: Path, tmp_path: Path, output: Path, *f_extra) -> tuple[str, str]:
     ready = tmp_path / "g.ready"
-    with StageProcess(["predict", root / "parties" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
-                       "--load", root / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
+    with StageProcess(["predict", root / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file",
+                       ready, "--load", root / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
                       distgrad=True) as g:
         endpoint = wait_for_file(ready, g)
-        f = run_cli(["predict", root / "parties" / "f.toml", "--connect", endpoint, "--load",
+        f = run_cli(["predict", root / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
                      root / "halves" / "f.npz", *f_extra])
         assert f.returncode == 0, f.stderr
         assert g.wait() == 0, g.output
@@ -56,10 +56,10 @@ def test_the_label_owner_writes_the_predictions_of_the_held_out_rows(trained: Pa
     output = tmp_path / "predictions.csv"
     f_output, g_output = _predict(trained, tmp_path, output)
     table = np.loadtxt(output, delimiter=",", skiprows=1, dtype=np.int64)
-    exp = load_experiment(trained / "parties" / "g.toml")
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
     labels = exp.build_data().test_targets()
     assert np.array_equal(table[:, 0], np.arange(len(labels)))
-    rows = load_experiment(trained / "parties" / "f.toml").build_data().test_features()
+    rows = load_experiment(trained / "parties" / "f" / "f.toml").build_data().test_features()
     assert np.array_equal(table[:, 1], _expected(trained, rows))
     accuracy = float((table[:, 1] == labels).mean())
     assert accuracy == read_json(trained / "summary.json")["test_accuracy"]
@@ -79,19 +79,19 @@ def test_new_rows_from_a_file_give_npy_predictions(trained: Path, tmp_path: Path
 
 def test_rows_of_the_wrong_width_are_a_configuration_error(trained: Path, tmp_path: Path):
     np.save(tmp_path / "rows.npy", np.zeros((3, 10), np.float32))
-    result = run_cli(["predict", trained / "parties" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
+    result = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
                       trained / "halves" / "f.npz", "--input", tmp_path / "rows.npy"])
     assert result.returncode == 2 and "rows of shape (10,)" in result.stderr
-    result = run_cli(["predict", trained / "parties" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--load",
+    result = run_cli(["predict", trained / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--load",
                       trained / "halves" / "g.npz"])
     assert result.returncode == 2 and "--output" in result.stderr
 
 
 def test_the_prediction_server_refuses_bad_input_and_keeps_its_state(trained: Path, tmp_path: Path):
-    exp = load_experiment(trained / "parties" / "g.toml")
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
     server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
                               tmp_path / "out.npy", None)
-    f_exp = load_experiment(trained / "parties" / "f.toml")
+    f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
     from distgrad import handshake
     hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
     with pytest.raises(ProtocolError, match="not a training run"):
@@ -120,7 +120,7 @@ def test_the_prediction_server_refuses_bad_input_and_keeps_its_state(trained: Pa
 def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: Path):
     parties = tmp_path / "parties"
     assert run_cli(["split", "chain4-classify", parties]).returncode == 0
-    files = [parties / f"{name}.toml" for name in ("f", "m1", "m2", "g")]
+    files = [parties / name / f"{name}.toml" for name in ("f", "m1", "m2", "g")]
     trained = run_launcher(["run", *files, "--steps", "20", "--save", tmp_path / "halves"])
     assert trained.returncode == 0, trained.stderr
     rows = np.random.default_rng(2).normal(size=(40, 64)).astype(np.float32)
@@ -129,12 +129,12 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
     try:
         for name in ("g", "m2", "m1"):
             ready = tmp_path / f"{name}.ready"
-            args = ["predict", parties / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
                     "--load", tmp_path / "halves" / f"{name}.npz"]
             args += ["--output", tmp_path / "out.npy"] if below is None else ["--connect", below]
             procs.append(StageProcess(args, tmp_path / f"{name}.log", distgrad=True))
             below = wait_for_file(ready, procs[-1])
-        f = run_cli(["predict", parties / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
+        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
                      "--input", tmp_path / "rows.npy"])
         assert f.returncode == 0, f.stderr
         assert all(p.wait() == 0 for p in procs)
@@ -152,10 +152,10 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
 
 
 def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp_path: Path):
-    exp = load_experiment(trained / "parties" / "g.toml")
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
     server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
                               tmp_path / "out.npy", None)
-    f_exp = load_experiment(trained / "parties" / "f.toml")
+    f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
     from distgrad import handshake
     hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
     for rows in (0, -1, 2**62, "5", None):
@@ -176,9 +176,9 @@ def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp
 def test_a_training_stage_refuses_a_prediction_hello_and_stays_free(trained: Path):
     from distgrad import handshake
     from distgrad.serving import ServingStage
-    exp = load_experiment(trained / "parties" / "g.toml")
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
     server = ServingStage(StageOptions(exp, "g", exp.seed))
-    f_exp = load_experiment(trained / "parties" / "f.toml")
+    f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
     hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
     hello.body.update(purpose="predict", rows=5)
     with pytest.raises(ProtocolError, match="this stage trains") as info:
@@ -193,7 +193,7 @@ def test_unreadable_input_rows_are_a_configuration_error(trained: Path, tmp_path
     from distgrad.predict import read_rows
     np.save(tmp_path / "rows.npy", content)
     with pytest.raises(ConfigError, match="--input"):
-        read_rows(tmp_path / "rows.npy", load_experiment(trained / "parties" / "f.toml"), "f")
+        read_rows(tmp_path / "rows.npy", load_experiment(trained / "parties" / "f" / "f.toml"), "f")
     (tmp_path / "rows.csv").write_text("")
     with pytest.raises(ConfigError, match="--input"):
-        read_rows(tmp_path / "rows.csv", load_experiment(trained / "parties" / "f.toml"), "f")
+        read_rows(tmp_path / "rows.csv", load_experiment(trained / "parties" / "f" / "f.toml"), "f")

@@ -9,6 +9,7 @@ named with both values.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def test_epochs_count_the_batches_of_the_training_rows_on_every_side(tmp_path: P
 def test_split_writes_files_that_train_bitwise_like_the_combined_experiment(tmp_path: Path):
     result = run_cli(["split", "digits", tmp_path / "parties"])
     assert result.returncode == 0, result.stderr
-    f_file, g_file = tmp_path / "parties" / "f.toml", tmp_path / "parties" / "g.toml"
+    f_file, g_file = tmp_path / "parties" / "f" / "f.toml", tmp_path / "parties" / "g" / "g.toml"
     f_raw, g_raw = tomllib.loads(f_file.read_text()), tomllib.loads(g_file.read_text())
     assert f_raw["interface"] == g_raw["interface"]
     assert "labels" not in f_raw["data"] and "features" not in g_raw["data"]
@@ -164,6 +165,63 @@ def test_split_writes_files_that_train_bitwise_like_the_combined_experiment(tmp_
     assert again.returncode == 2 and "already exist" in again.stderr
     combined = train_in_process(load_experiment("digits"), steps=30)
     parties = train_in_process(load_experiment([f_file, g_file]), steps=30)
+    assert parties["params"] == combined["params"] and parties["test_accuracy"] == combined["test_accuracy"]
+
+
+def _csv_experiment(tmp_path: Path) -> Path:
+    """A combined experiment over one CSV file (a header, features by name, the labels one column)."""
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(ROWS, 4)).round(3), rng.integers(0, CLASSES, ROWS)
+    lines = ["a,b,c,d,label", *(",".join([*map(str, row), str(label)]) for row, label in zip(x, y))]
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "rows.csv").write_text("\n".join(lines) + "\n")
+    path = tmp_path / "source" / "csv-parties.toml"
+    path.write_text(toml_document({"data": {"kind": "csv", "path": "rows.csv", "header": True,
+                                            "features": ["d", "b", "a"], "labels": "label", "batch": BATCH,
+                                            "feature_scale": 0.5, "test_fraction": 0.25}},
+                                  {"name": "csv-parties", "steps": 20, "seed": 4}) + """
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "f1", in = 3, out = 6 }, { type = "tanh" }]
+optimizer = { type = "adam", lr = 0.01 }
+
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 6, out = 3 }]
+optimizer = { type = "adam", lr = 0.01 }
+loss = "softmax_cross_entropy"
+""")
+    return path
+
+
+@pytest.mark.parametrize("source", ["digits-halves", "csv"])
+def test_split_gives_each_party_a_folder_of_its_own_data_that_runs_wherever_it_is_copied(tmp_path: Path,
+                                                                                         source: str):
+    """Each party's folder holds its stage file and its own data only (a feature party only its columns, the
+    label owner only the labels), its paths relative to the file: moved elsewhere, the folders train bitwise
+    as the combined experiment."""
+    experiment = load_experiment(_csv_experiment(tmp_path) if source == "csv" else source)
+    paths = split_experiment(experiment, tmp_path / "parties")
+    names = experiment.stage_names
+    assert paths == [tmp_path / "parties" / name / f"{name}.toml" for name in names]
+    for name in names:
+        assert sorted(p.name for p in (tmp_path / "parties" / name).iterdir()) == [f"{name}.npz", f"{name}.toml"]
+        table = tomllib.loads(paths[names.index(name)].read_text())
+        assert table["data"]["path"] == f"{name}.npz" and "columns" not in table["stage"]
+        with np.load(tmp_path / "parties" / name / f"{name}.npz") as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        if name == names[-1]:
+            assert list(arrays) == ["labels"] and arrays["labels"].shape == (experiment.build_data(
+                stage=name).rows,)
+        else:
+            width = len(experiment.spec(name).columns or [0, 0, 0])
+            assert list(arrays) == ["features"] and arrays["features"].shape[1] == width
+    moved = []
+    for name, path in zip(names, paths):                 # each party's folder copied to its own "host"
+        (tmp_path / f"host-{name}").mkdir()
+        moved.append(Path(shutil.move(path.parent, tmp_path / f"host-{name}" / name)) / path.name)
+    combined = train_in_process(experiment, steps=20)
+    parties = train_in_process(load_experiment(moved), steps=20)
     assert parties["params"] == combined["params"] and parties["test_accuracy"] == combined["test_accuracy"]
 
 
@@ -225,7 +283,7 @@ def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
     pytest.importorskip("torch", reason="a module stage is computed by torch (pip install 'distgrad[torch]')")
     from distgrad.stage import Stage
     paths = split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
-    assert (tmp_path / "digits_cnn_torch.py").is_file()
+    assert (tmp_path / "f" / "digits_cnn_torch.py").is_file() and not (tmp_path / "g" / "digits_cnn_torch.py").exists()
     stage = Stage.from_experiment(load_experiment(paths[0]), "f")
     assert stage.output_shape == (32, 256)
     with pytest.raises(ConfigError, match="already exist"):

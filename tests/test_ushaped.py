@@ -102,8 +102,8 @@ def test_split_gives_the_data_owner_images_and_labels_and_the_server_nothing(tmp
     paths = split_experiment(load_experiment(EXPERIMENT), tmp_path)
     assert [p.stem for p in paths] == ["f", "body", "head"]
     f, body, head = (tomllib.loads(p.read_text()) for p in paths)
-    assert f["data"]["features"] == "pixels" and "labels" not in f["data"]
-    assert head["data"]["labels"] == "digit" and "features" not in head["data"]
+    assert f["data"]["features"] == "features" and "labels" not in f["data"]
+    assert head["data"]["labels"] == "labels" and "features" not in head["data"]
     assert "data" not in body and "loss" not in body["stage"] and head["stage"]["loss"] == "softmax_cross_entropy"
     assert load_experiment(paths).interface_parts() == load_experiment(EXPERIMENT).interface_parts()
 

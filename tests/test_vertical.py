@@ -193,7 +193,7 @@ def test_digits_halves_over_the_wire_with_evaluations(tmp_path):
 def test_the_parties_stage_files_train_bitwise(tmp_path):
     """`distgrad split` gives each party a file of its own; run from them, the result is the same."""
     assert run_main(["split", "vertical-classify", tmp_path / "files"]).returncode == 0
-    files = [tmp_path / "files" / f"{name}.toml" for name in [*PARTIES, "g"]]
+    files = [tmp_path / "files" / name / f"{name}.toml" for name in [*PARTIES, "g"]]
     text = files[1].read_text()
     assert 'aggregate = "concat"' in text and "columns = [4, 5, 6, 7]" in text and "labels" not in text.split(
         "[data]")[1]
@@ -222,7 +222,7 @@ def test_parties_of_unequal_widths_run_in_process_bitwise_as_over_processes(tmp_
     in-process run builds each party from its own columns (the feature shape is each party's own)."""
     experiment = _unequal_widths(tmp_path, kind)
     assert run_main(["split", experiment, tmp_path / "files"]).returncode == 0
-    files = [tmp_path / "files" / f"{name}.toml" for name in [*PARTIES, "g"]]
+    files = [tmp_path / "files" / name / f"{name}.toml" for name in [*PARTIES, "g"]]
     flags = ["--steps", "20"]
     combined, from_files = _reference(tmp_path, experiment, *flags), _reference(tmp_path, files[0], *files[1:],
                                                                                   *flags)
