@@ -150,6 +150,7 @@ class Experiment:
     staleness: int = 0                         # the first stage's steps in flight (asynchronous pipelining)
     activation_codec: str = "none"             # how activations cross the wire (``distgrad.codecs``, canonical)
     gradient_codec: str = "none"               # how activation gradients cross it
+    flag_origins: tuple[tuple[str, str], ...] = ()   # interface fields a command-line flag set, and the flag
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -173,8 +174,12 @@ class Experiment:
                  self.gradient_codec if gradient is None else _codec_name(gradient, "--gradient-codec")]
         if names == [self.activation_codec, self.gradient_codec]:
             return self
+        flags = [(field, flag) for field, flag, given in (("activation_codec", "--activation-codec", activation),
+                                                          ("gradient_codec", "--gradient-codec", gradient))
+                 if given is not None]
         exp = dataclasses.replace(self, activation_codec=names[0], gradient_codec=names[1],
-                                  fingerprint=_digest({"file": self.fingerprint, "codecs": names}, 64), _derived={})
+                                  fingerprint=_digest({"file": self.fingerprint, "codecs": names}, 64), _derived={},
+                                  flag_origins=(*self.flag_origins, *flags))
         check_codecs(exp)
         return exp
 
@@ -380,6 +385,15 @@ class Experiment:
                 return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
                         "sample order": digest.hexdigest()[:PART_DIGEST_HEX]}
         return {}
+
+    def interface_origins(self) -> dict[str, str]:
+        """Where this party's interface fields come from, for a refusal to name (the hello carries it):
+        ``"*"`` for every field its file sets (a built-in experiment's name, else the file's path as given,
+        a long one's tail), and each field a command-line flag set, the flag (``--gradient-codec``)."""
+        path = self.source if len(self.source) <= ORIGIN_MAX // 2 else "..." + self.source[3 - ORIGIN_MAX // 2:]
+        origin = (f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
+                  else f"{'experiment' if self.data else 'stage'} file {path}")
+        return {"*": origin[:ORIGIN_MAX], **dict(self.flag_origins)}
 
     @property
     def interface_fingerprint(self) -> str:
@@ -1030,3 +1044,4 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
 PART_VALUE_MAX = 64       # a part's string value is at most this long
 PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
 MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
+ORIGIN_MAX = 200          # characters of a hello's origin of interface fields (a flag, a file)

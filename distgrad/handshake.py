@@ -14,7 +14,8 @@ from typing import Any
 
 from . import wire
 from .errors import ProtocolError
-from .experiment import DATA_PARTS, MAX_PARTS, PART_VALUE_MAX, Experiment, interface_differences, interface_digest
+from .experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment, interface_differences,
+                         interface_digest)
 from .wire import ErrorCode, Message
 
 
@@ -34,6 +35,7 @@ def hello(exp: Experiment, role: str, seed: int, output_shape: tuple[int, ...], 
             parts[key] = relayed[key]
     return Message(wire.HELLO, run_id, 0, body={
         "role": role, "experiment": exp.name, "fingerprint": interface_digest(parts), "parts": parts,
+        "origins": exp.interface_origins(),
         "seed": seed, "activation": {"shape": list(output_shape), "dtype": "float32"},
         "labels_travel": exp.labels_travel, "steps": steps, "step": max(held), "held": held,
         "micro_batches": micro_batches, **({"client": client} if client is not None else {}),
@@ -45,8 +47,9 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
                 input_shape: tuple[int, ...], here: str = "this stage") -> int:
     """Check that a hello comes from stage ``upstream`` of the same interface, seed and shapes;
     return the micro-batch count it asks for. Raises ``ProtocolError``: ``MISMATCH`` (for a
-    fingerprint, naming the interface fields that differ with both values; ``here`` is this
-    stage's name), or ``MALFORMED`` for ``parts`` that are not a valid map of fields."""
+    fingerprint, naming the interface fields that differ with both values and where each side's
+    came from, its ``origins``; ``here`` is this stage's name), or ``MALFORMED`` for ``parts`` or
+    ``origins`` that are not a valid map."""
     expected = {
         "role": upstream,
         "experiment": exp.name,
@@ -59,13 +62,15 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
         if key == "fingerprint" and isinstance(body.get(key), str) and body[key] != value:
             if interface_differences(exp.interface_parts(), check_parts(body.get("parts"))) or \
                     body[key] != interface_digest(body["parts"]):
-                raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(body.get("parts"), exp.interface_parts(),
-                                                                      upstream, here))
+                raise ProtocolError(ErrorCode.MISMATCH, _parts_differ(
+                    body.get("parts"), exp.interface_parts(), upstream, here,
+                    (check_origins(body.get("origins", {})), exp.interface_origins())))
             continue                    # the same interface; one side cannot tell its rows (no data)
         if not same_exactly(body.get(key), value):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                     f"this stage expects {value!r}")
     check_parts(body.get("parts"))
+    check_origins(body.get("origins", {}))
     mbs = body.get("micro_batches", 1)
     if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (
             len(input_shape) < 2 or input_shape[0] % mbs)):
@@ -94,19 +99,40 @@ def check_parts(parts: Any) -> dict[str, Any]:
     return parts
 
 
-def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str) -> str:
-    """The refusal of a hello whose interface differs: each differing field with both values
-    (``batch: f has 32, g has 64``)."""
+def check_origins(origins: Any) -> dict[str, str]:
+    """``origins`` if it is a hello's valid ``origins`` map (``Experiment.interface_origins``: field name or
+    ``"*"`` to where its value came from), else raise ``ProtocolError`` (``MALFORMED``)."""
+    if type(origins) is not dict or len(origins) > MAX_PARTS + 1 or not all(
+            type(name) is str and len(name) <= PART_NAME_MAX and type(origin) is str and len(origin) <= ORIGIN_MAX
+            and origin.isprintable() for name, origin in origins.items()):
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has origins={wire.show(origins)}; expected a map of at "
+                                                 f"most {MAX_PARTS + 1} field names to printable strings of at "
+                                                 f"most {ORIGIN_MAX} characters")
+    return origins
+
+
+def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str,
+                  origins: tuple[dict[str, str], dict[str, str]]) -> str:
+    """The refusal of a hello whose interface differs: each differing field with both values, a value a
+    command-line flag set with the flag (``activation_codec: f has 'int8' (set by f's --activation-codec), g
+    has nothing``), then where each side's other values come from (``origins``: theirs, ours)."""
     check_parts(theirs)
-    lines = []
+    (their_origins, our_origins), lines = origins, []
+
+    def show(value: Any, side: str, side_origins: dict[str, str], name: str) -> str:
+        flag = f" (set by {side}'s {side_origins[name]})" if name in side_origins else ""
+        return ("nothing" if value is _ABSENT else wire.show(value)) + flag
+
     for name in interface_differences(ours, theirs) or ["fingerprint"]:
-        mine, other = ours.get(name, _ABSENT), theirs.get(name, _ABSENT)
-        show = lambda value: "nothing" if value is _ABSENT else wire.show(value)  # noqa: E731
-        lines.append(f"{name}: {they} has {show(other)}, {we} has {show(mine)}")
+        lines.append(f"{name}: {they} has {show(theirs.get(name, _ABSENT), they, their_origins, name)}, "
+                     f"{we} has {show(ours.get(name, _ABSENT), we, our_origins, name)}")
     shown = "; ".join(lines[:PARTS_SHOWN]) + (f"; and {len(lines) - PARTS_SHOWN} more" if len(lines) > PARTS_SHOWN
                                               else "")
+    files = " and ".join(f"{side}'s {side_origins['*']}" for side, side_origins in
+                         ((they, their_origins), (we, our_origins)) if "*" in side_origins)
+    where = f": values come from {files} where no flag is named" if files else ""
     return (f"the interface of stage {they} differs from stage {we}'s: {shown or 'in nothing it names'} "
-            f"(the parties' stage files must agree on the interface)")
+            f"(the parties must agree on the interface{where})")
 
 
 _ABSENT = object()

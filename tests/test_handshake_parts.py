@@ -150,3 +150,39 @@ def test_stages_with_different_experiment_files_say_which_fields_differ(tmp_path
     assert result.returncode == 4, result.stderr
     assert "differs from stage g's: steps: f has 300, g has 900 (" in result.stderr
     assert "differs from stage g's: steps: f has 300, g has 900 (" in g.output
+
+
+def test_a_refusal_says_where_each_side_s_value_came_from(tmp_path: Path):
+    """A value a command-line flag set is named with the flag; the others with the side's file (a stage file's
+    path as given, a built-in's name)."""
+    from distgrad.split import split_experiment
+    g_exp = load_experiment("tanh-regression").with_codecs("float16", None)
+    f_file = split_experiment(load_experiment("tanh-regression"), tmp_path / "parties")[0]
+    f_exp = load_experiment(f_file).with_codecs("int8", "bfloat16")
+    server = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
+    with pytest.raises(ProtocolError) as info:
+        server.handle([b"peer"], hello_message(f_exp, "r"), 0.0)
+    text = str(info.value)
+    assert ("activation_codec: f has 'int8' (set by f's --activation-codec), g has 'float16' (set by g's "
+            "--activation-codec); gradient_codec: f has 'bfloat16' (set by f's --gradient-codec), g has nothing "
+            "(the parties must agree on the interface: values come from f's stage file "
+            f"{f_file} and g's built-in experiment 'tanh-regression' where no flag is named)") in text
+
+
+@pytest.mark.parametrize("origins", [[], {"steps": 3}, {"*": "x" * 201}, {"*": "a\nb"}, {1: "x"}])
+def test_origins_are_validated(origins):
+    exp = load_experiment("seed-reverse")
+    shape = Stage.from_experiment(exp, "f").output_shape
+    with pytest.raises(ProtocolError) as info:
+        check_hello(hello_message(exp, "r", origins=origins).body, "f", exp, exp.seed, shape, "g")
+    assert info.value.code == ErrorCode.MALFORMED and "origins" in str(info.value)
+
+
+def test_stages_given_other_codecs_by_flag_say_so_on_both_sides(start_server):
+    g, endpoint = start_server("tanh-regression", "--activation-codec", "int8")
+    result = run_cli(["stage", "f", "--experiment", "tanh-regression", "--connect", endpoint, "--peer-deadline", "10"])
+    assert result.returncode == 4, result.stderr
+    needle = ("activation_codec: f has nothing, g has 'int8' (set by g's --activation-codec) (the parties must agree "
+              "on the interface: values come from f's built-in experiment 'tanh-regression' and g's built-in "
+              "experiment 'tanh-regression' where no flag is named)")
+    assert needle in result.stderr and needle in g.output
