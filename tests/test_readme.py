@@ -100,3 +100,16 @@ def test_activating_the_venv_puts_the_commands_on_the_path(tmp_path):
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(BIN / "distgrad-stage"), str(BIN / "distgrad")]
+
+
+def test_the_readme_and_the_security_page_say_a_stage_file_is_code():
+    """A stage or experiment file runs code and reads where it says: the README and docs/security.md say that it
+    is trusted like a Python script, that a party reads any file it did not write, and that only the interface
+    needs sending."""
+    security = (README.parent / "docs" / "security.md").read_text()
+    for text in (" ".join(README.read_text().split()), " ".join(security.split())):
+        assert "trusted like a Python script" in text
+        assert 'module = "os:system"' in text and "may point anywhere" in text
+        assert "read any file it did not write" in text or "Read any experiment or stage file you did not write" in text
+        assert "the only part" in text and "interface" in text
+    assert "## Experiment and stage files are code" in security
