@@ -4,7 +4,8 @@ Each stage gets a folder of its own holding a file with the interface every
 party shares and its own ``[stage]`` table, and only its own part of the
 data, copied next to it: the data owner the features, the label owner the
 labels, a middle stage none. Loading the written files back gives the same
-interface as the experiment (checked before anything is written).
+interface as the experiment (checked once they are written; on a failure
+they are removed).
 """
 
 from __future__ import annotations
