@@ -10,6 +10,7 @@ itself is checked here too: the counts inside it, and the counts restored after.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -49,7 +50,7 @@ def _assert_same_files(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("experiment, steps", [
     ("mlp-classify", 20),
-    pytest.param("digits-cnn-torch", 30, marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+    pytest.param("digits-cnn-torch", 8, marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                                                     reason="torch is not installed")),
 ])
 def test_in_process_with_two_threads_in_the_environment_equals_processes(tmp_path, experiment, steps):
@@ -93,7 +94,7 @@ def _counts() -> set[int]:
 def test_one_compute_thread_limits_every_pool_and_restores_it():
     """Inside, every pool loaded computes on one thread (torch's too when it is loaded, and as a
     decorator); leaving restores the counts found on entry."""
-    torch = sys.modules.get("torch")
+    torch = importlib.import_module("torch") if importlib.util.find_spec("torch") is not None else None
 
     @one_compute_thread()
     def counts_inside() -> set[int]:
