@@ -28,6 +28,7 @@ from .progress import Progress, step_writers
 from .records import evaluation_entry, evaluation_fields
 from .stage import backward_specs, micro_batch
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
+from .threads import one_compute_thread
 from .transport import Traffic
 from .wire import ErrorCode, Message
 from .wirecodec import ACTIVATION, GRADIENT, stream_name
@@ -372,6 +373,7 @@ class _Driver:
                 self.handshake()
 
 
+@one_compute_thread()
 def drive_first_stage(opts: StageOptions, connect: str, stop: StopFlag,
                       ctx: zmq.Context | None = None) -> dict[str, Any]:
     """Train ``opts.steps`` steps against the stage serving at ``connect``; return the summary.

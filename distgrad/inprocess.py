@@ -26,6 +26,7 @@ from .codecs import Codec
 from .records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
 from .stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                     parameters_file)
+from .threads import one_compute_thread
 from .wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
 log = logging.getLogger("distgrad.inprocess")
@@ -346,6 +347,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     return summary
 
 
+@one_compute_thread()
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,

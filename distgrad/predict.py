@@ -35,6 +35,7 @@ from .options import StageOptions, StopFlag
 from .records import write_atomic
 from .serving import announce, decode_and_handle
 from .stage_state import StageState
+from .threads import one_compute_thread
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message
 
@@ -74,6 +75,7 @@ def read_rows(path: Path, exp: Any, stage: str) -> np.ndarray:
     return rows
 
 
+@one_compute_thread()
 def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: StopFlag,
                      ctx: zmq.Context | None = None) -> int:
     """The data owner's side: forward ``rows`` in chunks through the stages below ``connect``; returns the
@@ -315,6 +317,7 @@ class PredictionServer:
         return len(predictions)
 
 
+@one_compute_thread()
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None) -> int:

@@ -52,6 +52,7 @@ from .options import StageOptions, StopFlag
 from .records import evaluation_fields
 from .stage import TensorSpecs, average_parameters, backward_specs, forward_specs, micro_batch, target_spec
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
+from .threads import one_compute_thread
 from .transport import POLL_TICK_S, Server
 from .wire import ErrorCode, Message, frame_limit
 from .wirecodec import ACTIVATION, GRADIENT, Expected, stream_name
@@ -1187,6 +1188,7 @@ def refusal(msg: Message | None, error: ProtocolError) -> Message:
     return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
 
 
+@one_compute_thread()
 def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = None, keep_serving: bool = False,
           ready_file: Path | None = None, ctx: zmq.Context | None = None,
           on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:

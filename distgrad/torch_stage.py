@@ -78,10 +78,11 @@ Bitwise: a run with the same frameworks in one process or in two (inputs are
 copied into memory torch allocated, so kernels see the same alignment either
 way), and a run resumed from checkpoints.
 
-Threads: on import this module sets ``torch.set_num_threads(1)`` unless
-``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` gives a count (torch reads those
-itself), so two stages on two cores do not fight; call
-``torch.set_num_threads`` after importing it to choose another count.
+Threads: a torch stage computes on one thread, whatever ``OMP_NUM_THREADS``
+or ``MKL_NUM_THREADS`` say, as every stage does (``distgrad.threads``): a
+thread count changes how torch splits a reduction, hence its rounding. On
+import this module sets ``torch.set_num_threads(1)``; a run's computation
+sets it again for its duration (``one_compute_thread``).
 
 Modules train in whatever mode they are in (``train()`` by default) and
 are evaluated in ``eval()`` mode (their mode restored after). Before each
@@ -96,7 +97,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import sys
 import zlib
 from dataclasses import dataclass
@@ -113,6 +113,7 @@ from .optim import SGD, Adam, Optimizer, build_optimizer
 from .records import write_atomic
 from .schedules import Schedule
 from .stage import Stage, check_cut, check_saved_parameters
+from .threads import one_torch_thread
 
 try:
     import torch
@@ -120,9 +121,7 @@ try:
 except ImportError as e:
     raise ConfigError("a stage with framework 'torch' needs PyTorch: pip install 'distgrad[torch]'") from e
 
-THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # a count the user chose; torch honours them
-if not any(name in os.environ for name in THREAD_ENV_VARS):
-    torch.set_num_threads(1)
+one_torch_thread(torch)     # imported inside a run's one_compute_thread, torch loaded after it began
 
 _UPDATES = "opt/updates"     # the checkpoint array of the update count (as a numpy stage's optimizer writes it)
 

@@ -87,6 +87,22 @@ def test_chains_and_feature_parties_code_every_cut_bitwise(tmp_path, experiment,
     assert _run(tmp_path, "run", *args)["params"] == _run(tmp_path, "inproc", *args, "--in-process")["params"]
 
 
+@pytest.mark.parametrize("experiment,activation,gradient", [
+    ("digits-clients", "int8", "topk:16+ef"),        # g keeps one residual stream per client
+    ("digits-splitfed", "topk:16+ef", "bfloat16"),   # each client's own residuals, across averaging
+])
+def test_several_clients_code_every_cut_bitwise(tmp_path, experiment, activation, gradient):
+    """With ``[clients]`` every client's cut is coded both ways, over processes as in one, client by client."""
+    args = [experiment, "--steps", 12, "--micro-batches", 2, *_codec_args(activation, gradient)]
+    summary, reference = _run(tmp_path, "run", *args), _run(tmp_path, "inproc", *args, "--in-process")
+    assert summary["params"] == reference["params"]
+    results = [[{k: c[k] for k in ("client", "final_loss", "evaluations")} for c in run["clients"]]
+               for run in (summary, reference)]
+    assert results[0] == results[1]                                 # each client's loss and evaluations
+    plain = _run(tmp_path, "plain", experiment, "--steps", 12, "--micro-batches", 2, "--in-process")
+    assert plain["params"] != reference["params"]                 # the codecs did change what was computed
+
+
 def test_kill_9_and_resume_with_error_feedback_is_bitwise(tmp_path, stage_group):
     """Residuals are stage state: checkpointed, restored on resume and on the rollback that follows."""
     steps, codec = "300", "topk:8+ef"

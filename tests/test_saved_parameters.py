@@ -75,19 +75,42 @@ def test_a_parameters_file_that_does_not_fit_is_a_configuration_error(tmp_path: 
     assert both.returncode == 2 and "--load and --init" in both.stderr
 
 
-def test_checkpoints_of_another_starting_file_are_not_resumed(tmp_path: Path):
-    """A checkpoint belongs to its starting point: resuming with another --load file starts afresh."""
+def _starting_files(directory: Path, shift: float) -> Path:
+    """``directory`` holding digits' f.npz and g.npz: the initial values plus ``shift``."""
     exp = load_experiment("digits")
-    Stage.from_experiment(exp, "g").save_parameters(tmp_path / "a.npz")
-    moved = Stage.from_experiment(exp, "g")
-    for value in moved.params.values():
-        value += np.float32(1)
-    moved.save_parameters(tmp_path / "b.npz")
-    from distgrad.options import StageOptions
-    from distgrad.stage_state import start_meta
-    meta_a = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "a.npz"))
-    meta_b = start_meta(StageOptions(exp, "g", 0, load_path=tmp_path / "b.npz"))
-    assert meta_a["load"] != meta_b["load"] and "load" not in start_meta(StageOptions(exp, "g", 0))
+    directory.mkdir()
+    for name in ("f", "g"):
+        stage = Stage.from_experiment(exp, name)
+        for value in stage.params.values():
+            value += np.float32(shift)
+        stage.save_parameters(directory / f"{name}.npz")
+    return directory
+
+
+def test_checkpoints_of_another_starting_file_are_not_resumed(tmp_path: Path):
+    """A checkpoint belongs to its starting point: resuming with another --load file starts afresh.
+
+    A run from files A stops after 4 of 8 steps, checkpointed. ``--resume --load B`` then trains 8
+    steps from B, equal to the in-process run from B, and logs why it skipped A's checkpoints;
+    ``--resume --load A`` continues A's run instead (equal to 8 steps from A in one go)."""
+    a, b = _starting_files(tmp_path / "a", 0.0), _starting_files(tmp_path / "b", 0.01)
+    checkpoints = tmp_path / "checkpoints"
+
+    def run(load: Path, steps: int, *extra: object) -> dict:
+        summary = tmp_path / f"summary-{load.name}-{steps}.json"
+        result = run_launcher(["run", "digits", "--steps", steps, "--load", load, "--checkpoint-dir", checkpoints,
+                               "--checkpoint-every", "2", "--summary", summary, "--log-level", "INFO", *extra])
+        assert result.returncode == 0, result.stderr
+        return {"params": read_json(summary)["params"], "output": result.stdout + result.stderr}
+
+    run(a, 4)                                   # the run from A, 4 of 8 steps, checkpointed
+    from_b = run(b, 8, "--resume")
+    assert "made with other settings" in from_b["output"]
+    assert from_b["params"] == train_in_process(load_experiment("digits"), steps=8, load_dir=b)["params"]
+    continued = run(a, 8, "--resume")
+    assert "resumed run" in continued["output"]
+    assert continued["params"] == train_in_process(load_experiment("digits"), steps=8, load_dir=a)["params"]
+    assert continued["params"] != from_b["params"]
 
 
 def test_a_plain_npy_file_is_refused_as_parameters(tmp_path: Path):

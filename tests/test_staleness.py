@@ -9,6 +9,8 @@ in-process reference bit for bit, through kill -9 and restart of either stage.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import signal
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 
 from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad.errors import ConfigError
-from distgrad.experiment import check_staleness, load_experiment
+from distgrad.experiment import BUILTIN_DIR, check_staleness, load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.records import to_lists
 from distgrad.stage import Stage
@@ -55,6 +57,8 @@ def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
 
 @pytest.mark.parametrize("experiment,flags", [
     ("tanh-regression", ["--staleness", "1", "--micro-batches", "2", "--steps", "40"]),
+    ("tanh-regression", ["--staleness", "1", "--steps", "40"]),                          # one micro-batch
+    ("tanh-regression", ["--staleness", "2", "--micro-batches", "4", "--steps", "40"]),   # no codec
     ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc",
                           "--activation-codec", "int8", "--gradient-codec", "float16"]),
     ("digits", ["--staleness", "2", "--steps", "60", "--eval-every", "25", "--activation-codec", "bfloat16",
@@ -119,3 +123,31 @@ def test_where_staleness_is_not_supported_it_is_refused():
     assert result.returncode == 2 and "two stages and chains" in result.stderr
     result = run_main(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--staleness", "1"])
     assert result.returncode == 2 and "driving stage" in result.stderr
+
+
+def test_a_first_stage_on_a_gpu_is_refused_before_any_cuda_is_touched(tmp_path, monkeypatch):
+    """Staleness keeps the first stage's earlier parameters in host memory: a first stage with
+    ``device = "cuda"`` is refused with that reason, as a flag and as the experiment's key, in one
+    process and through the launcher (exit 2, no stage started), with no GPU and without asking
+    torch about CUDA."""
+    torch = importlib.import_module("torch") if importlib.util.find_spec("torch") is not None else None
+    if torch is not None:
+        def touched(*args: object) -> None:
+            raise AssertionError("CUDA was asked about before the staleness setting was refused")
+        for name in ("is_available", "device_count", "init"):
+            monkeypatch.setattr(torch.cuda, name, touched)
+    text = (BUILTIN_DIR / "tanh-regression.toml").read_text()
+    text = text.replace('name = "f"\n', 'name = "f"\nframework = "torch"\ndevice = "cuda"\n')
+    assert 'device = "cuda"' in text
+    path = tmp_path / "gpu-first.toml"
+    path.write_text(text)
+    reason = ("the first stage 'f' computes on cuda; asynchronous pipelining keeps its earlier parameters in host "
+              "memory")
+    with pytest.raises(ConfigError, match=reason):
+        check_staleness(load_experiment(path), 1)
+    for args in (["--in-process"], []):
+        result = run_main(["run", path, "--staleness", "1", "--steps", "5", *args])
+        assert result.returncode == 2 and reason in result.stderr, result.stderr
+    (tmp_path / "keyed.toml").write_text(text.replace("seed = 0\n", "seed = 0\nstaleness = 1\n"))
+    with pytest.raises(ConfigError, match=reason):
+        load_experiment(tmp_path / "keyed.toml")

@@ -428,13 +428,25 @@ def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
     saved = read_json(tmp_path / "first.json")["params"]["f"]
     assert state["inp.weight"].numpy().tolist() == saved["inp.weight"]
     assert (tmp_path / "halves" / "g.npz").is_file()
-    # --load through the launcher equals --load in one process (tests/test_saved_parameters.py runs both
-    # paths for numpy stages): here the state_dict is checked to start the run, buffers included.
+    # The state_dict starts the stage, buffers included.
     stage = Stage.from_experiment(load_experiment(path), "f")
     stage.load_parameters(tmp_path / "halves" / "f.pt")
     assert stage.params["inp.weight"].tolist() == saved["inp.weight"]
     assert torch.equal(stage.module.state_dict()["norm.running_mean"], state["norm.running_mean"])
-    continued = train_in_process(load_experiment(path), steps=5, load_dir=tmp_path / "halves")
+    # --load over processes equals --load in one process: the same parameters and buffers at the end.
+    later = run_cli(["run", path, "--steps", "5", "--load", tmp_path / "halves", "--save", tmp_path / "procs",
+                     "--summary", tmp_path / "later.json"])
+    assert later.returncode == 0, later.stderr
+    continued = train_in_process(load_experiment(path), steps=5, load_dir=tmp_path / "halves",
+                                 save_dir=tmp_path / "in-process")
+    assert read_json(tmp_path / "later.json")["params"] == continued["params"]
+    over_processes, in_process = (torch.load(tmp_path / directory / "f.pt", weights_only=True)
+                                  for directory in ("procs", "in-process"))
+    assert over_processes.keys() == in_process.keys() == state.keys()
+    assert all(torch.equal(over_processes[k], in_process[k]) for k in state)
+    assert not torch.equal(over_processes["norm.running_mean"], state["norm.running_mean"])   # trained on
+    with np.load(tmp_path / "procs" / "g.npz") as procs_g, np.load(tmp_path / "in-process" / "g.npz") as one_g:
+        assert procs_g.files == one_g.files and all(np.array_equal(procs_g[k], one_g[k]) for k in one_g.files)
     fresh = train_in_process(load_experiment(path), steps=5)
     assert continued["params"]["f"] != fresh["params"]["f"]
     with pytest.raises(ConfigError, match="cannot read a torch state_dict for stage f"):
