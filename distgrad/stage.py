@@ -19,7 +19,8 @@ from .codecs import Codec, NoneCodec
 from .errors import ConfigError, NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
-from .nn import ForwardContext, Grads, Sequential, Shape
+from .nn import DTYPE, ForwardContext, Grads, Sequential, Shape
+from .npzfile import check_values, read_npz
 from .optim import Optimizer
 from .records import write_atomic
 from .wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
@@ -130,14 +131,36 @@ def parameters_file(directory: str | Path, instance: str, exp: Experiment, stage
     return Path(directory) / f"{instance}{'.pt' if exp.spec(stage).framework == 'torch' else '.npz'}"
 
 
+def read_parameters_npz(path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays of a numpy stage's ``--load`` file (what ``Stage.save_parameters`` writes), each float32
+    and finite; ``ConfigError`` naming the file, and the member at fault, for anything else
+    (``npzfile.read_npz``, ``npzfile.check_values``)."""
+    arrays = read_npz(path, "--load")
+    check_values("--load", path, arrays, np.dtype(DTYPE))
+    return arrays
+
+
+# Reads a ``--load`` file by its suffix, checking all that can be known without the stage (integrity,
+# value types, finiteness); looked up by name, so this module does not import torch.
+PARAMETER_READERS = {".pt": "distgrad.torch_stage:read_state_dict"}
+
+
 def check_parameter_files(save: Path | None, load: Path | None, init: bool) -> None:
-    """Raise ``ConfigError`` before anything starts for a ``--load`` file that is not there, a ``--save``
-    path whose folder cannot be written, or ``--load`` with ``--init`` (both set the initial values)."""
+    """Raise ``ConfigError`` before anything starts for a ``--load`` file that is not there or cannot be
+    used (damaged, values not finite or of another type: read whole by ``read_parameters_npz`` or, for a
+    ``.pt`` file, ``torch_stage.read_state_dict``), a ``--save`` path whose folder cannot be written, or
+    ``--load`` with ``--init`` (both set the initial values)."""
     if load is not None:
         if not Path(load).is_file():
             raise ConfigError(f"--load {load}: no such file")
         if init:
             raise ConfigError("--load and --init both set initial values: give one of them")
+        reader = PARAMETER_READERS.get(Path(load).suffix)
+        if reader is None:
+            read_parameters_npz(load)
+        else:
+            module, function = reader.split(":")
+            getattr(importlib.import_module(module), function)(load)
     if save is not None:
         folder = Path(save).parent
         if Path(save).is_dir():
@@ -323,17 +346,11 @@ class Stage:
     def load_parameters(self, path: str | Path) -> None:
         """Set every parameter from a file ``save_parameters`` wrote (the initial values of a later run).
 
-        Raises ``ConfigError`` naming the file when it cannot be read, or when
-        its names or shapes are not exactly this stage's.
+        Raises ``ConfigError`` naming the file (and the member) when it cannot
+        be read, when a value is not float32 or not finite (``read_parameters_npz``),
+        or when its names or shapes are not exactly this stage's.
         """
-        try:
-            archive = np.load(path, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise ValueError("not an npz archive of named arrays (what --save writes)")
-            with archive:
-                saved = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError, EOFError) as e:
-            raise ConfigError(f"--load {path}: cannot read a parameters file of stage {self.name}: {e}") from e
+        saved = read_parameters_npz(path)
         check_saved_parameters(self.name, path, saved, {n: v.shape for n, v in self.params.items()})
         for name, value in self.params.items():
             value[...] = saved[name]

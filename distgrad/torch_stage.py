@@ -111,6 +111,7 @@ from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError
 from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from .optim import SGD, Adam, Optimizer, build_optimizer
 from .records import write_atomic
+from .npzfile import member_error
 from .schedules import Schedule
 from .stage import Stage, check_cut, check_saved_parameters
 from .threads import one_torch_thread
@@ -727,18 +728,35 @@ class TorchStage(Stage):
         return write_atomic(path, lambda f: torch.save(state, f))
 
     def load_parameters(self, path: str | Path) -> None:
-        """A ``state_dict`` file, read with ``weights_only=True`` (tensors only, never arbitrary objects);
-        ``ConfigError`` naming the file when it cannot be read or does not fit the module exactly."""
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:      # torch raises many kinds for a missing, truncated or foreign file
-            raise ConfigError(f"--load {path}: cannot read a torch state_dict for stage {self.name}: {e}") from e
-        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ConfigError(f"--load {path}: not a state_dict of tensors")
-        check_saved_parameters(self.name, path, state,
-                               {k: tuple(v.shape) for k, v in self.module.state_dict().items()})
+        """A ``state_dict`` file (``read_state_dict``); ``ConfigError`` naming the file when it cannot be
+        read, and the entry when it does not fit the module exactly (names, shapes, dtypes: nothing is cast)."""
+        state = read_state_dict(path)
+        ours = self.module.state_dict()
+        check_saved_parameters(self.name, path, state, {k: tuple(v.shape) for k, v in ours.items()})
+        for key, value in state.items():
+            if value.dtype != ours[key].dtype:
+                raise member_error("--load", path, key, f"is {value.dtype}, stage {self.name}'s is "
+                                                        f"{ours[key].dtype} (values are never cast)")
         with torch.no_grad():
             self.module.load_state_dict(state, strict=True)
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a torch stage's ``--load`` file, read with ``weights_only=True`` (tensors only, never
+    arbitrary objects); ``ConfigError`` naming the file when it cannot be read or is not a ``state_dict``
+    of real-valued tensors, and the entry when one is complex or holds values that are not finite."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:      # torch raises many kinds for a missing, truncated or foreign file
+        raise ConfigError(f"--load {path}: cannot read a torch state_dict: {e}") from e
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--load {path}: not a state_dict of tensors")
+    for key, value in state.items():
+        if value.is_complex():
+            raise member_error("--load", path, key, f"is {value.dtype}: parameters are real")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise member_error("--load", path, key, "holds values that are not finite (Inf or NaN)")
+    return dict(state)
 
 
 def build_stage(exp: Experiment, name: str, seed: int | None = None,

@@ -63,7 +63,7 @@ def test_a_parameters_file_that_does_not_fit_is_a_configuration_error(tmp_path: 
     with pytest.raises(ConfigError, match=r"does not fit stage g: it lacks \['g1.W', 'g1.b'\]"):
         Stage.from_experiment(exp, "g").load_parameters(tmp_path / "f.npz")
     (tmp_path / "junk.npz").write_bytes(b"not an archive")
-    with pytest.raises(ConfigError, match="cannot read a parameters file"):
+    with pytest.raises(ConfigError, match="not a readable npz archive"):
         Stage.from_experiment(exp, "g").load_parameters(tmp_path / "junk.npz")
     result = run_cli(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--load",
                       tmp_path / "f.npz"])
@@ -117,3 +117,56 @@ def test_a_plain_npy_file_is_refused_as_parameters(tmp_path: Path):
     np.save(tmp_path / "f.npy", np.zeros(3, np.float32))
     with pytest.raises(ConfigError, match="not an npz archive"):
         Stage.from_experiment(load_experiment("digits"), "f").load_parameters(tmp_path / "f.npy")
+
+
+def _damaged_copies(saved: Path, into: Path) -> dict[str, Path]:
+    """Copies of a parameters folder whose ``f.npz`` is damaged one way each (``g.npz`` left intact)."""
+    arrays = _arrays(saved / "f.npz")
+    raw = (saved / "f.npz").read_bytes()
+    flipped = bytearray(raw)
+    flipped[len(raw) // 3] ^= 0x01                 # inside f1.W's data: its CRC-32 no longer matches
+    changes = {
+        "inf": lambda a: a["f1.W"].__setitem__((0, 0), np.inf),
+        "float64 1e300": lambda a: a.__setitem__("f1.W", np.full(a["f1.W"].shape, 1e300)),
+        "complex": lambda a: a.__setitem__("f1.W", a["f1.W"].astype(np.complex64) + 1j),
+        "int64": lambda a: a.__setitem__("f1.W", np.ones(a["f1.W"].shape, np.int64)),
+        "string": lambda a: a.__setitem__("f1.W", np.full(a["f1.W"].shape, "0.5")),
+        "object": lambda a: a.__setitem__("f1.W", np.array([object()] * 3, dtype=object)),
+    }
+    folders = {}
+    for name, change in {**changes, "cut short": None, "flipped bit": None}.items():
+        folder = into / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "g.npz").write_bytes((saved / "g.npz").read_bytes())
+        if change is not None:
+            copy = dict(arrays)
+            change(copy)
+            np.savez(folder / "f.npz", **copy)       # allow_pickle defaults to True on writing: a pickled member
+        else:
+            (folder / "f.npz").write_bytes(raw[:len(raw) // 2] if name == "cut short" else bytes(flipped))
+        folders[name] = folder
+    return folders
+
+
+def test_a_damaged_or_mistyped_parameters_file_is_refused_with_exit_2_naming_file_and_member(tmp_path: Path):
+    """Issue 21.11: a cut-short or bit-flipped archive, a string or object (pickled) member, a member of Inf
+    or float64 1e300, a complex or int64 member: each refused before any stage starts, over processes and
+    in one process, exit 2 naming the file and the member; nothing is cast, nothing trains."""
+    saved = tmp_path / "saved"
+    first = run_cli(["run", "digits", "--steps", "2", "--in-process", "--save", saved])
+    assert first.returncode == 0, first.stderr
+    for name, folder in _damaged_copies(saved, tmp_path).items():
+        before = (folder / "f.npz").read_bytes()
+        for mode in ([], ["--in-process"]):
+            result = run_cli(["run", "digits", "--steps", "2", "--load", folder, "--summary",
+                              tmp_path / "s.json", *mode])
+            assert result.returncode == 2, (name, mode, result.stderr)
+            assert f"--load {folder / 'f.npz'}" in result.stderr, (name, result.stderr)
+            if name != "cut short":                  # no member can be told from a file that is no archive
+                assert "'f1.W'" in result.stderr, (name, result.stderr)
+            assert "Traceback" not in result.stderr and "[f]" not in result.stderr, (name, result.stderr)
+            assert not (tmp_path / "s.json").exists()
+        assert (folder / "f.npz").read_bytes() == before
+    stage = Stage.from_experiment(load_experiment("digits"), "f")
+    with pytest.raises(ConfigError, match=r"member 'f1.W' is int64, the parameter is float32"):
+        stage.load_parameters(tmp_path / "int64" / "f.npz")

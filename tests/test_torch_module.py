@@ -449,11 +449,36 @@ def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
         assert procs_g.files == one_g.files and all(np.array_equal(procs_g[k], one_g[k]) for k in one_g.files)
     fresh = train_in_process(load_experiment(path), steps=5)
     assert continued["params"]["f"] != fresh["params"]["f"]
-    with pytest.raises(ConfigError, match="cannot read a torch state_dict for stage f"):
+    with pytest.raises(ConfigError, match="cannot read a torch state_dict"):
         stage.load_parameters(tmp_path / "halves" / "g.npz")
     torch.save({"inp.weight": torch.zeros(3)}, tmp_path / "wrong.pt")
     with pytest.raises(ConfigError, match="does not fit stage f"):
         stage.load_parameters(tmp_path / "wrong.pt")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda s: s["inp.weight"].fill_(float("inf")), "'inp.weight' holds values that are not finite"),
+    (lambda s: s.__setitem__("inp.weight", s["inp.weight"].to(torch.complex64)), "'inp.weight' is torch.complex64"),
+    (lambda s: s.__setitem__("inp.weight", s["inp.weight"].to(torch.float64)), "'inp.weight' is torch.float64"),
+    (lambda s: s.__setitem__("norm.num_batches_tracked", s["norm.num_batches_tracked"].float()),
+     "'norm.num_batches_tracked' is torch.float32"),
+])
+def test_a_mistyped_or_non_finite_state_dict_is_refused_naming_file_and_entry(tmp_path, change, needle):
+    """Issue 21.11 for torch stages: a state_dict entry of another dtype than the module's (nothing is
+    cast) or with values that are not finite is refused, exit 2 before any stage starts where it can be
+    known from the file alone, and at the stage's load otherwise."""
+    path = _experiment(tmp_path, f_args=", norm = true")
+    stage = Stage.from_experiment(load_experiment(path), "f")
+    stage.save_parameters(tmp_path / "good.pt")
+    state = torch.load(tmp_path / "good.pt", weights_only=True)
+    change(state)
+    (tmp_path / "bad").mkdir()
+    torch.save(state, tmp_path / "bad" / "f.pt")
+    with pytest.raises(ConfigError, match=needle):
+        stage.load_parameters(tmp_path / "bad" / "f.pt")
+    if "float" not in needle:           # known from the file alone: refused before the run starts
+        result = run_cli(["run", path, "--load", tmp_path / "bad", "--in-process"])
+        assert result.returncode == 2 and f"--load {tmp_path / 'bad' / 'f.pt'}" in result.stderr, result.stderr
 
 
 def test_the_python_api_serves_and_drives_a_module_stage_bitwise():
