@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Any, Mapping, Sequence
@@ -40,11 +39,7 @@ from .errors import ConfigError
 from .losses import Loss, build_loss, build_module_loss
 from .nn import DTYPE, Sequential, Shape, build_model
 from .optim import Optimizer, build_optimizer
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+from .tomlfile import read_toml
 
 BUILTIN_DIR = Path(__file__).parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -985,11 +980,7 @@ def load_experiment(name_or_path: str | Path | Sequence[str | Path]) -> Experime
             raise ConfigError(f"no experiment file {str(name_or_path)!r} and no built-in of that name; "
                               f"built-ins: {', '.join(builtin_names())}")
         path = builtin
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"cannot read experiment {path}: {e}") from e
-    return parse_experiment(raw, str(path))
+    return parse_experiment(read_toml(path, "experiment"), str(path))
 
 
 def parse_init_overrides(text: str | None) -> dict[str, float]:

@@ -162,3 +162,24 @@ def test_bad_optimizer_options_exit_2_on_every_path(tmp_path, old, new, needle):
 def test_every_builtin_still_loads():
     for path in BUILTIN_DIR.glob("*.toml"):
         assert load_experiment(path).name
+
+
+@pytest.mark.parametrize("text", ["a = " + "[" * 500 + "]" * 500, "a = " + "[" * 100_000,
+                                  "a = " + "{ b = " * 600 + "1" + " }" * 600,
+                                  "a = " + "[" * 33 + "]" * 33])
+def test_a_toml_file_nested_too_deeply_is_refused_with_exit_2(tmp_path: Path, text: str):
+    """Issue 21.12: arrays or tables nested deeper than tomlfile.MAX_DEPTH (32) levels are a configuration
+    error, exit 2 naming the file, never a RecursionError traceback."""
+    path = tmp_path / "deep.toml"
+    path.write_text(text + "\n")
+    for command in (["run", path], ["split", path, tmp_path / "parties"], ["stage", "f", "--experiment", path, "--bind", "tcp://127.0.0.1:*"]):
+        result = run_main(command)
+        assert result.returncode == 2, (command, result.stderr)
+        assert f"cannot read experiment {path}" in result.stderr and "nest deeper than 32" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_toml_nested_to_the_bound_is_read():
+    from distgrad.tomlfile import nesting_depth, tomllib
+    assert nesting_depth(tomllib.loads("a = " + "[" * 32 + "]" * 32)) == 33       # the document is a table
+    assert nesting_depth({"a": 1, "b": [1, {"c": []}]}) == 4 and nesting_depth(1.5) == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 LAYERS = [
-    ("foundations", {"errors", "threads", "schema", "npzfile"}),
+    ("foundations", {"errors", "threads", "schema", "npzfile", "tomlfile"}),
     ("model math", {"nn", "losses", "schedules", "optim", "aggregate", "codecs"}),
     ("experiments and data", {"data", "experiment", "split", "reference"}),
     ("wire, transport and files", {"wire", "wirecodec", "transport", "keys", "handshake", "link", "records",

@@ -18,7 +18,8 @@ import pytest
 from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad import aggregate
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment, tomllib
+from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.tomlfile import read_toml
 from distgrad.inprocess import train_in_process
 
 PARTIES = ["a", "b", "c"]
@@ -120,14 +121,14 @@ def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
 ])
 def test_a_bad_vertical_experiment_is_refused(raw_change, message):
 
-    raw = tomllib.loads(BUILTIN.read_text())
+    raw = read_toml(BUILTIN)
     with pytest.raises(ConfigError, match=message):
         parse_experiment({**raw, **raw_change})
 
 
 def test_bad_columns_are_refused():
 
-    raw = tomllib.loads(BUILTIN.read_text())
+    raw = read_toml(BUILTIN)
     for columns, message in (([3, 12], "from 0 to 11"), ([1, 1], "distinct"), ([], "distinct")):
         stages = [dict(raw["stages"][0], columns=columns), *raw["stages"][1:]]
         with pytest.raises(ConfigError, match=message):
