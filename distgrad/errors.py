@@ -35,13 +35,13 @@ class ProtocolError(DistgradError, ValueError):
 class TooManyFrames(ProtocolError):
     """A message had more frames than any valid one; the rest of it was read and discarded.
 
-    ``first`` is its first frame (the routing id on a server), ``frames``
-    how many it had in all.
+    ``kept`` are its first ``limit`` frames (on a server, the routing id
+    first), ``frames`` how many it had in all.
     """
 
-    def __init__(self, first: object, frames: int, limit: int) -> None:
+    def __init__(self, kept: list, frames: int, limit: int) -> None:
         super().__init__("malformed", f"a message of {frames} frames; no valid message has more than {limit}")
-        self.first, self.frames = first, frames
+        self.kept, self.frames = kept, frames
 
 
 class PeerTimeout(DistgradError, TimeoutError):

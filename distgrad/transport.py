@@ -18,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import re
-import socket
 import threading
 import time
 import uuid
@@ -255,10 +253,16 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list
     while _get(sock, _RCVMORE):
         _recv(sock, 0, True)
         count += 1
-    raise TooManyFrames(parts[0], count, MAX_FRAMES)
+    raise TooManyFrames(parts, count, MAX_FRAMES)
 
 
 _MORE_FRAMES = range(MAX_FRAMES - 1)
+
+
+def _envelope_size(parts: Sequence[zmq.Frame]) -> int:
+    """How many of a ROUTER's received frames are the envelope: the routing id, and the empty
+    delimiter a REQ peer sends when one follows it."""
+    return 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
 
 
 def release_free_memory() -> None:
@@ -272,35 +276,6 @@ def release_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def shut_connection(frame: zmq.Frame) -> bool:
-    """Shut down the TCP or IPC connection ``frame`` came in on; ZeroMQ then drops that peer
-    (it may connect again). Returns False when the connection is already gone.
-
-    ZeroMQ has no call to close one peer of a ROUTER: this shuts down the
-    socket ZeroMQ reads that peer from (the frame's source descriptor), after
-    checking that it is still a connected socket with the frame's peer address.
-    """
-    try:
-        fd = frame.get(zmq.SRCFD)
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return False
-    try:
-        conn = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        peer = conn.getpeername()
-        if conn.family in (socket.AF_INET, socket.AF_INET6) and peer[0] != address:
-            return False            # the descriptor now belongs to another connection
-        conn.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        conn.close()                # closes our duplicate only
 
 
 class Server:
@@ -338,7 +313,7 @@ class Server:
         self._spin_next = parts is not None
         if parts is None:
             return None
-        split = 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
+        split = _envelope_size(parts)
         peer_key = ""
         if self.authenticated:
             try:
@@ -348,15 +323,17 @@ class Server:
         return [p.bytes for p in parts[:split]], parts[split:], peer_key
 
     def _flooded(self, e: TooManyFrames) -> None:
-        """Drop the connection a message of too many frames came in on; log it, bounded in rate."""
-        dropped = shut_connection(e.first)
+        """Answer a message of too many frames with a ``malformed`` error (a ROUTER discards it when its
+        sender is gone or its queue is full) and log it, bounded in rate. No connection is dropped: ZeroMQ cannot name the
+        sender's, and its descriptor may already be another peer's (docs/protocol.md, *Size limits*)."""
+        envelope = [p.bytes for p in e.kept[:_envelope_size(e.kept)]]
         release_free_memory()
+        self.reply(envelope, wire.error_message("", 0, wire.ErrorCode.MALFORMED, str(e.args[0])))
         self.floods += 1
         now = time.monotonic()
         if now - self._flood_logged >= FLOOD_LOG_INTERVAL_S:
-            log.warning("discarded %d message(s) with too many frames (the last: %d frames, the limit is %d); "
-                        "%s", self.floods, e.frames, MAX_FRAMES,
-                        "dropped the connection it came in on" if dropped else "its connection was already gone")
+            log.warning("discarded %d message(s) with too many frames (the last: %d frames, the limit is %d) "
+                        "and answered each with a 'malformed' error", self.floods, e.frames, MAX_FRAMES)
             self.floods, self._flood_logged = 0, now
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:

@@ -10,10 +10,10 @@ errors*):
   message (``wire.decode`` accepts it, so it also fits the header limits):
   an ``error`` with the code the protocol prescribes, or the ``welcome`` /
   ``pong`` / ``backward`` / ``bye`` a message that happens to be valid gets.
-  The only messages without a reply are one with a frame over the stage's
-  ``ZMQ_MAXMSGSIZE`` (ZeroMQ drops that connection) and one with more frames
-  than any valid message (``transport.MAX_FRAMES``: the stage drops that
-  connection); we see the disconnect on a socket monitor, and make a new socket;
+  The only message without a reply is one with a frame over the stage's
+  ``ZMQ_MAXMSGSIZE`` (ZeroMQ drops that connection; we see the disconnect on
+  a socket monitor, and make a new socket); one with more frames than any
+  valid message (``transport.MAX_FRAMES``) gets a ``malformed`` error;
 - "exactly one" is checked with a barrier after every message: a ``ping``
   whose ``pong`` must be the very next reply on the connection. The pong also
   reports the server's open run and step, which must equal the model's, so
@@ -730,9 +730,11 @@ class Link:
         frames = template.frames(self.model)
         what = f"{template.kind} message {describe_frames(frames)}"
         assert self.proc.proc.poll() is None, f"the server is dead (exit {self.proc.proc.returncode})"
-        if any(len(f) > MAX_FRAME for f in frames) or len(frames) + 1 > MAX_FRAMES:   # + 1: the routing id
+        if any(len(f) > MAX_FRAME for f in frames):
             sock = None                 # the sender is dropped: never the legitimate client's socket
             self._over_size(frames, what)
+        elif len(frames) + 1 > MAX_FRAMES:      # + 1: the routing id
+            self._too_many(frames, sock or self.sock, what)
         elif not self._exchange(frames, sock or self.sock, protect, what):
             return
         self.kinds[template.kind] += 1
@@ -747,6 +749,15 @@ class Link:
         self.drops += 1
         self.close()
         self._connect()
+
+    def _too_many(self, frames: list[bytes], sock: zmq.Socket, what: str) -> None:
+        """A message of more frames than any valid one: discarded whole, answered with ``malformed``."""
+        sock.send_multipart(frames)
+        assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), f"no reply within {REPLY_TIMEOUT_S} s to {what}"
+        parts = sock.recv_multipart()
+        reply = wire.decode(parts[1:] if len(frames) >= 2 and frames[0] == b"" else parts)
+        assert (reply.type, reply.body["code"]) == (wire.ERROR, ErrorCode.MALFORMED), (reply.describe(), what)
+        assert f"a message of {len(frames) + 1} frames" in reply.body["message"], reply.body
 
     def _exchange(self, frames: list[bytes], sock: zmq.Socket, protect: bool, what: str) -> bool:
         delimiter = len(frames) >= 2 and frames[0] == b""     # the server keeps it in the envelope
@@ -993,6 +1004,9 @@ REGRESSIONS = [
     Template("bye", header(type="bye", run="r", step=1, body={"steps": Deep(1000)})),
     Template("bye", header(type="bye", run="r", step=1, body={"steps": "\x00" * 60000})),
     Template("bye", header(type="bye", run="r", step=1, body={"steps": 0})),
+    # more frames than any valid message, with and without a REQ delimiter: a malformed error, no drop
+    Template("too-many-frames", header(), (b"",) * MAX_FRAMES),
+    Template("too-many-frames", header(), (b"x",) * MAX_FRAMES, delimiter=True),
 ]
 
 
@@ -1009,10 +1023,11 @@ FLOOD_FRAMES = 1_000_000          # empty frames in one message: about 2 MB on t
 FLOOD_RSS_GROWTH_KIB = 16 * 1024  # what the stage may keep afterwards (before the fix, 2 million frames left 125 MB)
 
 
-def test_a_message_of_a_million_empty_frames_is_discarded_and_its_connection_dropped(start_server, tmp_path, zmq_ctx):
+def test_a_message_of_a_million_empty_frames_is_discarded_and_answered_malformed(start_server, tmp_path, zmq_ctx):
     """Issue 12.6: ZeroMQ limits a frame's size, not the number of frames. The stage reads at most
-    MAX_FRAMES of a message, discards the rest without keeping them, logs it once, drops the
-    connection, keeps no memory for it, and a legitimate run afterwards is still exact."""
+    MAX_FRAMES of a message, discards the rest without keeping them, logs it once, answers it with a
+    ``malformed`` error on the same connection (issue 21.14: it drops no connection), keeps no memory
+    for it, and a legitimate run afterwards is still exact."""
     g_json = tmp_path / "g.json"
     g, endpoint = start_server("seed-reverse", "--keep-serving", "--summary", g_json)
     pinger = Client(zmq_ctx, endpoint)
@@ -1026,8 +1041,12 @@ def test_a_message_of_a_million_empty_frames_is_discarded_and_its_connection_dro
     for _ in range(FLOOD_FRAMES - 1):
         attacker.send(b"", zmq.SNDMORE)
     attacker.send(b"")
-    assert monitor.poll(60_000), "the stage did not drop the flooding connection"
-    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    assert attacker.poll(60_000), "no reply to the flood"
+    delimiter, *reply = attacker.recv_multipart()          # the first empty frame was taken for a delimiter
+    error = wire.decode(reply)
+    assert delimiter == b"" and (error.type, error.body["code"]) == (wire.ERROR, ErrorCode.MALFORMED)
+    assert f"a message of {FLOOD_FRAMES + 1} frames" in error.body["message"]
+    assert not monitor.poll(0), "the stage dropped the connection"
     assert pinger.request(Message(wire.PING, "", 0), 10.0).type == wire.PONG
     rss_after = vm_rss_kib(g.proc.pid)
     line = f"too many frames (the last: {FLOOD_FRAMES + 1} frames, the limit is {MAX_FRAMES})"
@@ -1038,3 +1057,42 @@ def test_a_message_of_a_million_empty_frames_is_discarded_and_its_connection_dro
 
     f_summary, g_summary, params = legitimate_run(tmp_path, endpoint, g_json)
     assert f_summary["params"]["f"] == params["f"] and g_summary["params"]["g"] == params["g"]
+
+
+HOSTILE_FRAMES = 2_000_000        # issue 21.14: the flood that once cost another peer its connection
+PING_TIMEOUT_S = 20.0             # each ping's bound; the drain itself takes a few seconds
+
+
+def test_a_flood_whose_sender_disconnects_during_the_drain_costs_other_peers_only_time(start_server, zmq_ctx):
+    """Issue 21.14: a raw DEALER sends one message of 2 million empty frames and disconnects at once,
+    while `distgrad ping` processes connect one after another during the stage's drain: each is
+    answered. (The stage used to shut down the connection the flood came in on by its descriptor
+    after the drain, by then another peer's: a ping during the drain was never answered.)"""
+    import subprocess
+    from conftest import CLI, pinned_env
+
+    g, endpoint = start_server("seed-reverse", "--keep-serving")
+    attacker = zmq_ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.SNDHWM, 0)
+    monitor = attacker.get_monitor_socket(zmq.EVENT_CONNECTED)
+    attacker.connect(endpoint)
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+    for _ in range(HOSTILE_FRAMES - 1):
+        attacker.send(b"", zmq.SNDMORE)
+    attacker.send(b"")
+    attacker.disable_monitor()
+    monitor.close(0)
+    attacker.close(60_000)          # ZeroMQ sends the rest in the background, then disconnects
+    pings = []
+    deadline = time.monotonic() + 60
+    while "too many frames" not in g.output or len(pings) < 3:
+        assert time.monotonic() < deadline, f"the stage never logged the flood:\n{g.output[-2000:]}"
+        pings.append(subprocess.Popen([*CLI, "ping", endpoint, "--timeout", str(PING_TIMEOUT_S)], env=pinned_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL))
+        time.sleep(0.5)
+    for ping in pings:
+        out, err = ping.communicate(timeout=PING_TIMEOUT_S + 30)
+        assert ping.returncode == 0, f"a ping of {len(pings)} was not answered: {err}\n{g.output[-2000:]}"
+        assert "phase=" in out
+    assert g.proc.poll() is None
