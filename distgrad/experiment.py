@@ -493,7 +493,7 @@ def _shape_list(value: Any) -> bool:
 
 def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
-    eval_every, allow_nonfinite."""
+    eval_every, allow_nonfinite, codecs."""
     out: dict[str, Any] = {}
     if "steps" in raw and "epochs" in raw:
         raise _fail(source, f"{where}give 'steps' or 'epochs', not both")
@@ -514,14 +514,20 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if "reduction" in raw and raw["reduction"] not in REDUCTIONS:
         raise _fail(source, f"{where}'reduction' must be one of {list(REDUCTIONS)}, got {raw['reduction']!r}")
     out["reduction"] = raw.get("reduction")
-    if not isinstance(raw.get("description", ""), str):
-        raise _fail(source, f"'description' must be a string, got {raw['description']!r}")
     try:
         for key in ("activation_codec", "gradient_codec"):
             out[key] = _codec_name(raw.get(key, "none"), f"{where}'{key}'")
     except ConfigError as e:
         raise _fail(source, str(e)) from e
     return out
+
+
+def _description(source: str, raw: Mapping[str, Any]) -> str:
+    """The file's top-level ``description`` ("" when absent); ``ConfigError`` unless it is a string."""
+    text = raw.get("description", "")
+    if not isinstance(text, str):
+        raise _fail(source, f"'description' must be a string, got {text!r}")
+    return text
 
 
 def _codec_name(text: Any, where: str) -> str:
@@ -640,7 +646,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, _digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate,
+                     _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
                      staleness=settings["staleness"])
     _check_built(exp, source)
@@ -727,7 +733,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, _digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     raw.get("description", ""), target, aggregate=aggregate,
+                     _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
                      staleness=settings["staleness"])
     _check_built(exp, source)

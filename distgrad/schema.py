@@ -57,20 +57,23 @@ _SHARED: dict[str, Key] = {
     "gradient_codec": ("string", '"none"',
                        "how activation gradients cross the wire back up: the same codecs as 'activation_codec'. "
                        "'--gradient-codec' overrides it"),
-    "description": ("string", '""', "free text, shown by 'distgrad experiments'"),
 }
+
+# A file's free text: at the top level of either form (a stage file's [interface] has none).
+_DESCRIPTION: Key = ("string", '""', "free text, shown by 'distgrad experiments'")
 
 # A combined experiment: every stage in one file.
 TOP_KEYS: dict[str, Key] = {
     "name": ("string", None, "the experiment's name (required)"),
     **_SHARED,
+    "description": _DESCRIPTION,
     "data": ("table", None, "the data every stage reads its own part of (required): see [data]"),
     "stages": ("array of tables", None, "one [[stages]] table per stage, in order (required)"),
 }
 
 # A stage file: one party's stage.
 STAGE_FILE_KEYS: dict[str, Key] = {
-    "description": _SHARED["description"],
+    "description": _DESCRIPTION,
     "interface": ("table", None, "what every party's file must say alike (required): see [interface]"),
     "stage": ("table", None, "this party's stage (required): see [stage]"),
     "data": ("table", "absent",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -74,3 +76,139 @@ def test_every_option_of_the_registries_has_a_meaning():
     optimizer_options = {name for cls in optim.OPTIMIZERS.values()
                          for name in inspect.signature(cls.__init__).parameters if name != "self"}
     assert optimizer_options <= set(schema.OPTIMIZER_OPTIONS)
+
+
+# ---------------------------------------------------------------- every accepted key is read (issue 21.17)
+
+def _combined(name: str) -> tuple[dict, str]:
+    exp = load_experiment(name)
+    return copy.deepcopy(exp.raw), exp.source
+
+
+def _vertical_sum() -> tuple[dict, str]:
+    """vertical-classify with aggregate = "sum" (g then takes one embedding's 8 columns)."""
+    raw, source = _combined("vertical-classify")
+    raw["aggregate"] = "sum"
+    raw["stages"][-1]["model"][0]["in"] = 8
+    return raw, source
+
+
+def _stage_file(tmp_path: Path, name: str, stage: str) -> tuple[dict, str]:
+    from distgrad.tomlfile import read_toml
+    folder = tmp_path / f"{name}-parts"
+    if not folder.is_dir():
+        folder.mkdir()
+        for party, text in stage_files(load_experiment(name), folder).items():
+            (folder / f"{party}.toml").write_text(text)
+    return read_toml(folder / f"{stage}.toml"), str(folder / f"{stage}.toml")
+
+
+def _set(path: str, value: Any, drop: str | None = None) -> Callable[[dict], None]:
+    """A change of a raw file: set the key at ``path`` ("a.b", "stages.0.k") to ``value`` (and remove the
+    sibling key ``drop``)."""
+    def change(raw: dict) -> None:
+        *parents, key = path.split(".")
+        where: Any = raw
+        for part in parents:
+            where = where[int(part)] if isinstance(where, list) else where[part]
+        where[key] = value
+        if drop is not None:
+            where.pop(drop)
+    return change
+
+
+# For each shared key (a combined experiment's top level, a stage file's [interface]): a valid value other
+# than the one in the base file and the default.
+_SHARED_VALUES: dict[str, tuple[Any, str | None]] = {
+    "steps": (7, None), "epochs": (2, "steps"), "seed": (5, None), "reduction": ("sum", None),
+    "micro_batches": (2, None), "staleness": (1, None), "eval_every": (5, None), "allow_nonfinite": (True, None),
+    "activation_codec": ("float16", None), "gradient_codec": ("float16", None), "clients": ({"count": 2}, None),
+}
+_LAYERS = [{"type": "dense", "name": "f1", "in": 64, "out": 64, "init": "zeros"}, {"type": "relu"}]
+_STAGE_VALUES: dict[str, tuple[str, Any]] = {   # [[stages]] / [stage] keys: (built-in to change, new value)
+    "model": ("digits", _LAYERS), "optimizer": ("digits", {"type": "adam", "lr": 0.01}),
+    "module": ("digits-cnn-torch", "digits_cnn_torch:make_other"), "module_args": ("digits-cnn-torch", {"channels": 8}),
+    "framework": ("digits", "torch"), "device": ("digits-cnn-torch", "cuda"),
+    "output": ("digits-cnn-torch", [128]), "columns": ("vertical-classify", [3, 2, 1, 0]),
+}
+
+
+def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Callable[[dict], None]]]:
+    """For every (table, key) the parser accepts: a base file and a change of that key alone."""
+    digits, file_f, file_g = _combined("digits"), _stage_file(tmp_path, "digits", "f"), _stage_file(tmp_path, "digits", "g")
+    changes: dict = {}
+    for key, (value, drop) in _SHARED_VALUES.items():
+        changes[("top", key)] = (digits, _set(key, value, drop))
+        changes[("interface", key)] = (file_f, _set(f"interface.{key}", value, drop and f"{drop}"))
+    changes[("top", "labels")] = (digits, _set("labels", "first"))
+    changes[("top", "aggregate")] = (_vertical_sum(), _set("aggregate", "mean"))
+    changes[("top", "name")] = (digits, _set("name", "other"))
+    changes[("top", "description")] = (digits, _set("description", "other"))
+    changes[("top", "data")] = (digits, _set("data.test_fraction", 0.25))
+    changes[("top", "stages")] = (digits, _set("stages.0.name", "e"))
+    middle = _stage_file(tmp_path, "chain4-classify", "m1")          # labels = "first": the targets travel
+    changes[("interface", "labels")] = (middle, _set("interface.labels", "last", "target"))
+    changes[("interface", "target")] = (middle, _set("interface.target", {"shape": [1], "dtype": "float32"}))
+    changes[("interface", "batch")] = (middle, _set("interface.batch", 16))
+    changes[("interface", "name")] = (file_f, _set("interface.name", "other"))
+    changes[("interface", "activation")] = (file_f, _set("interface.activation", {"shape": [32], "dtype": "float32"}))
+    changes[("interface", "stages")] = (file_f, _set("interface.stages", ["f", "h"]))
+    changes[("interface", "aggregate")] = (_stage_file(tmp_path, "vertical-classify", "a"),
+                                           _set("interface.aggregate", "sum"))
+    for key, (name, value) in _STAGE_VALUES.items():
+        changes[("stages", key)] = (_combined(name), _set(f"stages.0.{key}", value))
+    changes[("stages", "name")] = (digits, _set("stages.0.name", "e"))
+    changes[("stages", "loss")] = (_combined("tanh-regression"), _set("stages.1.loss", "sum_squared_error"))
+    for key in ("model", "optimizer", "framework", "module", "module_args", "device", "columns"):
+        name = _STAGE_VALUES[key][0]
+        changes[("stage", key)] = (_stage_file(tmp_path, name, "a" if name == "vertical-classify" else "f"),
+                                   _set(f"stage.{key}", _STAGE_VALUES[key][1]))
+    changes[("stage", "name")] = (_stage_file(tmp_path, "vertical-classify", "a"), _set("stage.name", "b"))
+    changes[("stage", "loss")] = (_stage_file(tmp_path, "tanh-regression", "g"), _set("stage.loss", "sum_squared_error"))
+    changes[("stage", "seed")] = (file_f, _set("stage.seed", 3))
+    changes[("file", "description")] = (file_f, _set("description", "other"))
+    changes[("file", "data")] = (file_f, _set("data.test_fraction", 0.25))
+    changes[("file", "interface")] = (file_f, _set("interface.steps", 9))
+    changes[("file", "stage")] = (file_f, _set("stage.optimizer", {"type": "sgd", "lr": 0.1}))
+    return changes
+
+
+# Keys whose every other valid value contradicts another key of the base file: the parser must read them to
+# refuse the change, naming what it checked.
+_CHECKED_AGAINST_OTHERS = {("interface", "activation"): "the interface says the activation it sends is",
+                           ("stage", "loss"): "'reduction' is 'mean' but this stage's loss reduces rows by sum",
+                           ("stages", "output"): "dense layer 'g1' takes (batch, 256), got (32, 128)",
+                           ("top", "reduction"): "'reduction' is 'sum' but the loss reduces rows by mean"}
+
+_TABLES = {"top": schema.TOP_KEYS, "stages": schema.COMBINED_STAGE_KEYS, "file": schema.STAGE_FILE_KEYS,
+           "interface": schema.INTERFACE_KEYS, "stage": schema.STAGE_KEYS}
+
+
+def _observable(exp: Any) -> dict:
+    """What the parser made of a file, but the raw file itself and what is computed from it alone."""
+    import dataclasses
+
+    def fields(obj: Any, skip: set[str]) -> dict:
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
+    out = fields(exp, {"raw", "fingerprint", "source", "_derived", "stages"})
+    out["stages"] = [fields(spec, {"source", "base_dir"}) for spec in exp.stages]
+    return out
+
+
+def test_every_key_the_parser_accepts_changes_what_it_makes(tmp_path: Path):
+    """Issue 21.17: a key in the schema tables that no code reads must fail a test. For each key the parser
+    accepts (every entry of the schema's tables), a valid file and the same file with that key alone
+    changed must parse to experiments that differ beyond the raw text. A key added to a table needs an
+    entry in ``_changes`` that shows what it does."""
+    changes = _changes(tmp_path)
+    accepted = {(table, key) for table, keys in _TABLES.items() for key in keys}
+    assert accepted == set(changes), f"give each new key a change in _changes: {sorted(accepted ^ set(changes))}"
+    for (table, key), ((base, source), change) in sorted(changes.items()):
+        changed = copy.deepcopy(base)
+        change(changed)
+        if (table, key) in _CHECKED_AGAINST_OTHERS:
+            with pytest.raises(ConfigError, match=re.escape(_CHECKED_AGAINST_OTHERS[table, key])):
+                parse_experiment(changed, source)
+            continue
+        assert _observable(parse_experiment(changed, source)) != _observable(parse_experiment(base, source)), \
+            f"{table} key {key!r} is accepted but changing it changes nothing the parser makes"
