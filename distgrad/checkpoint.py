@@ -29,6 +29,7 @@ import os
 import re
 import struct
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +38,7 @@ import msgpack
 import numpy as np
 
 from .errors import CheckpointWriteError, ConfigError, DistgradError
+from .npzfile import object_members, write_npz
 
 MAGIC = b"DGCKPT1\n"
 KEEP_LAST = 3                      # checkpoints kept per stage and run (at least two must survive a torn write)
@@ -110,7 +112,7 @@ def save(directory: Path, stage: str, run: str, step: int, fingerprint: str,
     cannot be written (disk full, read-only); the temporary file is removed.
     """
     buffer = io.BytesIO()
-    np.savez(buffer, **{name: np.asarray(a) for name, a in arrays.items()})
+    write_npz(buffer, {name: np.asarray(a) for name, a in arrays.items()})
     payload = buffer.getvalue()
     fields = {"stage": stage, "run": run, "step": step, "fingerprint": fingerprint, "meta": dict(meta or {}),
               "saved_ns": time.time_ns()}           # which run was written last (see ``latest``)
@@ -138,8 +140,17 @@ def save(directory: Path, stage: str, run: str, step: int, fingerprint: str,
     return path
 
 
+def _pickled(path: Path, what: str) -> ConfigError:
+    """The refusal of a checkpoint that passes its checksum but holds pickled data: not a torn file to skip
+    (distgrad never writes one), so the stage stops (exit 2) and leaves every file as it is."""
+    return ConfigError(f"checkpoint {path} passes its checksum, but {what}: distgrad never writes or reads "
+                       f"pickled data. Nothing was loaded or changed; remove the file, or give another "
+                       f"--checkpoint-dir")
+
+
 def load(path: Path) -> Checkpoint:
-    """Read and verify one checkpoint; raises ``CheckpointError`` if it is torn or corrupt."""
+    """Read and verify one checkpoint; raises ``CheckpointError`` if it is torn or corrupt, and
+    ``ConfigError`` if it verifies but holds pickled data (``_pickled``)."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -157,12 +168,17 @@ def load(path: Path) -> Checkpoint:
         fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns") if k in header}
         if _digest(fields, payload) != header["sha256"]:
             raise CheckpointError(f"{path} fails its checksum (torn or corrupt)")
+        if not zipfile.is_zipfile(io.BytesIO(payload)):
+            raise _pickled(path, "its arrays are not an npz archive (a pickle?)")
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
+            objects = object_members(npz)
+            if objects:
+                raise _pickled(path, f"its arrays {objects} hold Python objects (pickled)")
             arrays = {name: npz[name] for name in npz.files}
         saved = header.get("saved_ns")
         return Checkpoint(header["stage"], header["run"], int(header["step"]), header["fingerprint"],
                           arrays, dict(header["meta"]), path, saved if isinstance(saved, int) else None)
-    except CheckpointError:
+    except (CheckpointError, ConfigError):
         raise
     except Exception as e:  # msgpack/numpy raise many types on corrupt bytes
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from e

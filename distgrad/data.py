@@ -227,7 +227,7 @@ class ArrayFile(RowBatches):
         if self.feature_ref is None:
             return len(self._all_labels_raw()), 0
         if self.kind == "npz":
-            with np.load(self._file(None)) as npz:
+            with np.load(self._file(None), allow_pickle=False) as npz:
                 self._check_member(npz, self.feature_ref)
                 with npz.zip.open(f"{self.feature_ref}.npy") as member:
                     version = np.lib.format.read_magic(member)
@@ -235,7 +235,7 @@ class ArrayFile(RowBatches):
                                    else np.lib.format.read_array_header_2_0)
                     shape = read_header(member)[0]
         elif self.kind == "npy":
-            shape = np.load(self._file(self.feature_ref), mmap_mode="r").shape
+            shape = np.load(self._file(self.feature_ref), mmap_mode="r", allow_pickle=False).shape
         else:
             columns = self._csv_columns(self.feature_ref)
             shape = (len(self._read_csv(columns[:1])), len(columns))
@@ -273,11 +273,11 @@ class ArrayFile(RowBatches):
     def _read_part(self, ref: Any) -> np.ndarray:
         """One part (features or labels) from the file(s), and nothing else."""
         if self.kind == "npz":
-            with np.load(self._file(None)) as npz:
+            with np.load(self._file(None), allow_pickle=False) as npz:
                 self._check_member(npz, ref)
                 return npz[ref]
         if self.kind == "npy":
-            return np.load(self._file(ref))
+            return np.load(self._file(ref), allow_pickle=False)
         return self._read_csv(self._csv_columns(ref))
 
     def _all_features(self) -> np.ndarray:

@@ -312,12 +312,14 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     stages = [(stage, client) for _, stage, client in _driving_processes(exp, clients)]
     if not exp.federated:               # the serving stage of several clients keeps no checkpoints
         stages += [(name, None) for name in exp.stage_names if name not in exp.data_owners]
-    for name, client in stages:
+    finished = []
+    for name, client in stages:         # every stage's checkpoints are read (a pickled one refused) before any starts
         instance = client_stage_name(name, client)
         opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
                             resume=True, client=client,
                             load_path=parameters_file(load_dir, instance, exp, name) if load_dir else None)
-        ckpt = finished_run(opts)
+        finished.append((opts, finished_run(opts)))
+    for opts, ckpt in finished:
         if ckpt is None:
             return None
         summaries.append(nothing_to_do(opts, ckpt))

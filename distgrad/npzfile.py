@@ -1,10 +1,12 @@
-"""Reading ``.npz`` archives a user hands us (``--load`` parameter files) and the rule for their values.
+"""``.npz`` archives: writing them without pickles, reading those a user hands us (``--load`` parameter
+files), and the rule for their values.
 
-An archive is read whole, every member decompressed and its CRC-32 checked,
-never unpickled (``allow_pickle=False``); a cut-short or bit-flipped file, a
-member that holds Python objects, or a file that is no archive at all is a
-``ConfigError`` naming the file (and the member, where one is at fault), never
-a traceback.
+Nothing is pickled: ``write_npz`` refuses an array of Python objects (which
+``numpy.savez`` would pickle), and every read uses ``allow_pickle=False``.
+``read_npz`` reads an archive whole, every member decompressed and its CRC-32
+checked; a cut-short or bit-flipped file, a member that holds Python objects,
+or a file that is no archive at all is a ``ConfigError`` naming the file (and
+the member, where one is at fault), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import zipfile
 import zlib
 from pathlib import Path
+from typing import IO, Mapping
 
 import numpy as np
 
@@ -21,6 +24,31 @@ from .errors import ConfigError
 # zip file", "Bad CRC-32"), zlib's error, EOFError for a cut-short member, ValueError for a bad ``.npy``
 # header or an object (pickled) member, OSError for what the file system says.
 _READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError)
+
+
+def write_npz(file: str | Path | IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
+    """``numpy.savez`` of ``arrays``, uncompressed; ``TypeError`` naming the array, before anything is
+    written, for one of Python objects (``savez`` would pickle it)."""
+    for name, array in arrays.items():
+        if array.dtype.hasobject:
+            raise TypeError(f"array {name!r} holds Python objects (dtype {array.dtype}); distgrad writes no "
+                            f"pickles: give numbers")
+    np.savez(file, **arrays)
+
+
+def object_members(archive: np.lib.npyio.NpzFile) -> list[str]:
+    """The members of an open archive whose dtype holds Python objects (pickled), read from their
+    ``.npy`` headers without loading them."""
+    found = []
+    names = set(archive.zip.namelist())
+    for name in archive.files:
+        with archive.zip.open(f"{name}.npy" if f"{name}.npy" in names else name) as member:
+            version = np.lib.format.read_magic(member)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            if read_header(member)[2].hasobject:
+                found.append(name)
+    return found
 
 
 def member_error(what: str, path: str | Path, member: str, reason: str) -> ConfigError:

@@ -20,7 +20,7 @@ from .errors import ConfigError, NonFiniteError, StageError
 from .experiment import Experiment, build_stage_parts, check_targets
 from .losses import Loss
 from .nn import DTYPE, ForwardContext, Grads, Sequential, Shape
-from .npzfile import check_values, read_npz
+from .npzfile import check_values, read_npz, write_npz
 from .optim import Optimizer
 from .records import write_atomic
 from .wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
@@ -341,7 +341,7 @@ class Stage:
         """Write this stage's parameters to ``path`` atomically: an ``.npz`` archive with one float32 array
         per parameter name (``numpy.load`` reads it). Raises ``OSError`` when it cannot be written."""
         arrays = {name: np.asarray(value) for name, value in self.params.items()}
-        return write_atomic(path, lambda f: np.savez(f, **arrays))
+        return write_atomic(path, lambda f: write_npz(f, arrays))
 
     def load_parameters(self, path: str | Path) -> None:
         """Set every parameter from a file ``save_parameters`` wrote (the initial values of a later run).

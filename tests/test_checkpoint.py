@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import errno
+import io
 import json
 import os
+import pickle
+import struct
+from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -16,7 +22,7 @@ from distgrad.experiment import load_experiment
 from distgrad.records import TraceWriter, read_trace
 from distgrad.stage import Stage
 
-from conftest import train_last_step
+from conftest import run_cli, train_last_step
 
 
 def _store(tmp_path, stage="g"):
@@ -77,12 +83,91 @@ def test_checkpoints_of_another_experiment_or_run_are_not_used(tmp_path):
     assert [c.run for c in store.valid()] == ["new-run", "old-run"]     # the other run's file is kept
 
 
+def _payload(path) -> tuple[dict, bytes]:
+    """A checkpoint file's header and its array payload."""
+    data = path.read_bytes()
+    (size,) = struct.unpack_from("<I", data, len(checkpoint.MAGIC))
+    start = len(checkpoint.MAGIC) + 4
+    return msgpack.unpackb(data[start:start + size]), data[start + size:]
+
+
+def _rewrite(path, payload: bytes) -> None:
+    """Replace a checkpoint's payload, with a checksum that verifies (it has no key: anyone can)."""
+    header, _ = _payload(path)
+    fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns")}
+    packed = msgpack.packb(dict(fields, sha256=checkpoint._digest(fields, payload)))
+    path.write_bytes(checkpoint.MAGIC + struct.pack("<I", len(packed)) + packed + payload)
+
+
 def test_no_temporary_files_are_left_and_nothing_is_pickled(tmp_path):
+    """Issue 21.17: the payload loads with allow_pickle=False, member by member, and the writer refuses an
+    array of Python objects (which numpy.savez would pickle) before writing anything."""
     store = _store(tmp_path)
     path = store.save("run", 1, _arrays(1.0), {})
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [path.name]
     assert path.read_bytes().startswith(checkpoint.MAGIC)
-    assert b"pickle" not in path.read_bytes()
+    with np.load(io.BytesIO(_payload(path)[1]), allow_pickle=False) as npz:
+        assert {name: npz[name].dtype for name in npz.files} == {"param/w": np.float32, "opt/beta1_power": np.float32}
+    with pytest.raises(TypeError, match="'param/x' holds Python objects"):
+        store.save("run", 2, {**_arrays(1.0), "param/x": np.array([object()], dtype=object)}, {})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [path.name]
+
+
+def test_every_numpy_read_and_write_of_the_package_refuses_pickles():
+    """Every np.load / np.save in distgrad passes allow_pickle=False; np.savez (which has no such flag in
+    numpy 1.x) is called only by npzfile.write_npz, which refuses object arrays."""
+    package = Path(checkpoint.__file__).parent
+    unsafe = []
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "np"):
+                continue
+            flag = {k.arg: k.value for k in node.keywords}.get("allow_pickle")
+            if node.func.attr in ("load", "save") and not (isinstance(flag, ast.Constant) and flag.value is False):
+                unsafe.append(f"{path.name}:{node.lineno} np.{node.func.attr}")
+            if node.func.attr.startswith("savez") and path.name != "npzfile.py":
+                unsafe.append(f"{path.name}:{node.lineno} np.{node.func.attr}")
+    assert not unsafe, unsafe
+
+
+def test_a_checkpoint_that_verifies_but_holds_pickles_is_refused_and_left_alone(tmp_path):
+    """Issue 21.17: a checkpoint whose checksum verifies but whose payload is a pickle, or an npz with an
+    object (pickled) member, is refused with a ConfigError naming the file, never loaded or skipped as
+    torn, and no file of the directory changes."""
+    store = _store(tmp_path)
+    store.save("run", 1, _arrays(1.0), {})
+    path = store.save("run", 2, _arrays(2.0), {})
+    with_objects = io.BytesIO()
+    np.savez(with_objects, **_arrays(2.0), **{"param/x": np.array([{"a": 1}], dtype=object)})
+    payloads = {"its arrays \\['param/x'\\] hold Python objects": with_objects.getvalue(),
+                "its arrays are not an npz archive": pickle.dumps(_arrays(2.0))}
+    for needle, payload in payloads.items():
+        _rewrite(path, payload)
+        before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+        with pytest.raises(ConfigError, match=f"checkpoint {path} passes its checksum, but {needle}"):
+            store.latest()
+        assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+
+
+def test_resuming_from_a_pickled_checkpoint_exits_2_before_any_stage_starts(tmp_path):
+    """Issue 21.17, end to end: `distgrad run --resume` over a checkpoint directory where one stage's newest
+    checkpoint verifies but holds an object member exits 2 naming it, and leaves every file as it was."""
+    folder = tmp_path / "ckpt"
+    first = run_cli(["run", "digits", "--steps", "2", "--checkpoint-dir", folder, "--checkpoint-every", "1"])
+    assert first.returncode == 0, first.stderr
+    newest = max(folder.glob("g-*.ckpt"))
+    with np.load(io.BytesIO(_payload(newest)[1]), allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    arrays["param/g1.W"] = arrays["param/g1.W"].astype(object)
+    payload = io.BytesIO()
+    np.savez(payload, **arrays)
+    _rewrite(newest, payload.getvalue())
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    result = run_cli(["run", "digits", "--steps", "4", "--checkpoint-dir", folder, "--resume"])
+    assert result.returncode == 2, result.stderr
+    assert f"checkpoint {newest} passes its checksum" in result.stderr and "[g]" not in result.stdout
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_stage_state_round_trip_continues_bitwise():
