@@ -160,7 +160,12 @@ def check_parameter_files(save: Path | None, load: Path | None, init: bool) -> N
             read_parameters_npz(load)
         else:
             module, function = reader.split(":")
-            getattr(importlib.import_module(module), function)(load)
+            try:
+                read = getattr(importlib.import_module(module), function)
+            except ModuleNotFoundError as e:
+                raise ConfigError(f"--load {load}: reading a {Path(load).suffix} file needs {e.name} "
+                                  f"(pip install 'distgrad[torch]')") from e
+            read(load)
     if save is not None:
         folder = Path(save).parent
         if Path(save).is_dir():
