@@ -21,6 +21,7 @@ import numpy as np
 
 from .data import build_data
 from .errors import ConfigError
+from .npzfile import write_npz
 from .experiment import FILE_KINDS, Experiment, load_experiment
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -215,7 +216,7 @@ def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> lis
         else:
             shutil.copy2(source, target)
     for data_path, arrays in data_files.items():
-        np.savez(data_path, **arrays)
+        write_npz(data_path, arrays)
     for path, (text, _) in zip(paths, files.values()):
         path.write_text(text, encoding="utf-8")
     try:

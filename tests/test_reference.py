@@ -12,7 +12,7 @@ import pytest
 from distgrad import reference, schema
 from distgrad.errors import ConfigError
 from distgrad.experiment import load_experiment, parse_experiment
-from distgrad.split import stage_files
+from distgrad.split import split_experiment
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "stage-files.md"
 
@@ -97,10 +97,9 @@ def _stage_file(tmp_path: Path, name: str, stage: str) -> tuple[dict, str]:
     from distgrad.tomlfile import read_toml
     folder = tmp_path / f"{name}-parts"
     if not folder.is_dir():
-        folder.mkdir()
-        for party, text in stage_files(load_experiment(name), folder).items():
-            (folder / f"{party}.toml").write_text(text)
-    return read_toml(folder / f"{stage}.toml"), str(folder / f"{stage}.toml")
+        split_experiment(load_experiment(name), folder)
+    path = folder / stage / f"{stage}.toml"
+    return read_toml(path), str(path)
 
 
 def _set(path: str, value: Any, drop: str | None = None) -> Callable[[dict], None]:
