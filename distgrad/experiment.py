@@ -382,8 +382,9 @@ class Experiment:
                 digest = hashlib.sha256(np.asarray(data.test_rows, np.int64).tobytes())
                 digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
                                          np.int64).tobytes())
+                ids = data.row_id_digest() if hasattr(data, "row_id_digest") else None
                 return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
-                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX]}
+                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX], **({"row ids": ids} if ids else {})}
         return {}
 
     def interface_origins(self) -> dict[str, str]:
@@ -401,7 +402,7 @@ class Experiment:
         return interface_digest(self.interface_parts())
 
 
-DATA_PARTS = ("rows", "held-out rows", "sample order")   # what only a party holding data can tell
+DATA_PARTS = ("rows", "held-out rows", "sample order", "row ids")   # what only a party holding data can tell
 
 
 def interface_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
