@@ -185,6 +185,14 @@ class CsvColumns:
         except ValueError as e:
             raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
 
+    def first_row(self) -> list[str]:
+        """The fields of the first non-blank line (the header when there is one); [] for an empty file."""
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                return next((row for row in csv.reader(f) if row), [])
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read {self.path}: {e}") from e
+
     def numbers(self, columns: list[int]) -> np.ndarray:
         """The ``columns`` as float64 ``(rows, len(columns))``; ``ConfigError`` for a field that is no number."""
         if not columns:
@@ -356,14 +364,26 @@ class ArrayFile(RowBatches):
                 raise ConfigError(f"id_column {self.id_ref!r} is also one of the {part}: the ID column holds "
                                   f"the rows' IDs, not data")
 
-    def row_id_digest(self) -> str | None:
-        """The digest of the rows' IDs in file order (``row_id_digest``); None without ``id_column``."""
+    def row_ids(self) -> list[str] | None:
+        """The rows' IDs in file order; None without ``id_column``."""
         if self.id_ref is None:
             return None
         ids = self._csv_file().ids(self.id_ref)
         if len(ids) != self.rows:
             raise ConfigError(f"csv data {self.path}: {len(ids)} IDs for {self.rows} rows")
-        return row_id_digest(ids)
+        return ids
+
+    def row_id_digest(self) -> str | None:
+        """The digest of the rows' IDs in file order (``row_id_digest``); None without ``id_column``."""
+        ids = self.row_ids()
+        return None if ids is None else row_id_digest(ids)
+
+    def id_name(self) -> str:
+        """The ID column's name: its header name, or ``id`` for a column given by index without a header."""
+        if isinstance(self.id_ref, str):
+            return self.id_ref
+        names = self._csv_file().first_row() if self.header else []
+        return names[self.id_ref] if isinstance(self.id_ref, int) and self.id_ref < len(names) else "id"
 
     def _read_part(self, ref: Any) -> np.ndarray:
         """One part (features or labels) from the file(s), and nothing else."""
