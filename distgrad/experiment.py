@@ -407,9 +407,13 @@ DATA_PARTS = ("rows", "held-out rows", "sample order", "row ids")   # what only 
 
 def interface_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
     """The interface fields two parties disagree on, in order; a field of ``DATA_PARTS`` counts only when
-    both have it (a party without data cannot tell its rows)."""
+    both have it (a party without data cannot tell its rows), except ``row ids``, which counts when both
+    hold data (both name their ID column, or neither)."""
     keys = [*ours, *(k for k in theirs if k not in ours)]
-    return [k for k in keys if not (k in DATA_PARTS and (k not in ours or k not in theirs))
+    both = {k for k in DATA_PARTS if k in ours and k in theirs}
+    if "sample order" in both:
+        both.add("row ids")
+    return [k for k in keys if not (k in DATA_PARTS and k not in both)
             and (k not in ours or k not in theirs or type(ours[k]) is not type(theirs[k]) or ours[k] != theirs[k])]
 
 

@@ -97,6 +97,15 @@ def test_files_of_other_ids_are_refused_before_any_stage_starts(tmp_path):
         assert "row ids" in result.stderr, result.stderr
 
 
+def test_an_id_column_named_by_one_party_only_is_refused(tmp_path):
+    """A party that names no ID column cannot be checked, so the other's check is not silently skipped."""
+    paths = two_parties(tmp_path)
+    paths[1].write_text(paths[1].read_text().replace('id_column = "person"\n', ""))
+    assert 'id_column' not in paths[1].read_text()
+    with pytest.raises(ConfigError, match="row ids: "):
+        load_experiment(paths)
+
+
 def test_files_of_other_ids_are_refused_at_the_handshake(tmp_path):
     paths = misaligned(tmp_path)
     with StageProcess(["g", "--experiment", paths[1], "--bind", "tcp://127.0.0.1:*", "--ready-file",
