@@ -217,17 +217,20 @@ class CsvColumns:
 
     def ids(self, ref: Any) -> list[str]:
         """The ID column ``ref`` (an index or a header name): one distinct, non-empty ID per row."""
-        column = self.indices(ref)[0]
-        ids = self.texts(column)
-        seen: dict[str, int] = {}
-        for row, key in enumerate(ids, start=1):
-            if key == "":
-                raise ConfigError(f"csv data {self.path}: data row {row} has an empty ID (id_column {ref!r})")
-            if key in seen:
-                raise ConfigError(f"csv data {self.path}: ID {key!r} is in data rows {seen[key]} and {row} "
-                                  f"(id_column {ref!r}); each ID must name one row")
-            seen[key] = row
-        return ids
+        return checked_ids(self.texts(self.indices(ref)[0]), f"csv data {self.path}", ref)
+
+
+def checked_ids(ids: list[str], where: str, ref: Any) -> list[str]:
+    """``ids`` if each is non-empty and names one row, else ``ConfigError`` naming ``where`` and the rows."""
+    seen: dict[str, int] = {}
+    for row, key in enumerate(ids, start=1):
+        if key == "":
+            raise ConfigError(f"{where}: data row {row} has an empty ID (id_column {ref!r})")
+        if key in seen:
+            raise ConfigError(f"{where}: ID {key!r} is in data rows {seen[key]} and {row} (id_column {ref!r}); "
+                              f"each ID must name one row")
+        seen[key] = row
+    return ids
 
 
 def row_id_digest(ids: list[str]) -> str:
@@ -253,11 +256,13 @@ class ArrayFile(RowBatches):
     * ``npy``: ``features`` and ``labels`` are paths of two files.
     * ``csv``: ``path``; ``features`` a list of column indices or header
       names, ``labels`` one column; ``header = true`` when the first line
-      names the columns; ``id_column`` (optional) the column of the rows'
-      IDs (index or header name), which is no feature or label: the
-      handshake compares a digest of the IDs (``row_id_digest``), so
-      parties whose files do not hold the same IDs in the same order are
-      refused before training.
+      names the columns.
+
+    ``id_column`` (optional; csv: a column by index or header name, npz: a
+    member of strings, as ``distgrad split`` writes it) holds the rows' IDs,
+    which are no feature or label: the handshake compares a digest of the
+    IDs (``row_id_digest``), so parties whose files do not hold the same IDs
+    in the same order are refused before training.
 
     Paths are relative to the experiment file. Features become float32 times
     ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
@@ -354,8 +359,14 @@ class ArrayFile(RowBatches):
 
     def _check_id_column(self) -> None:
         """``ConfigError`` unless ``id_column`` is one column of csv data, neither a feature nor the label."""
-        if self.kind != "csv":
-            raise ConfigError(f"id_column names a column of csv data; {self.kind} data has no ID column")
+        if self.kind == "npy":
+            raise ConfigError("id_column names a column of csv data or a member of an npz file; npy data has no "
+                              "ID column")
+        if self.kind == "npz":
+            if not isinstance(self.id_ref, str) or self.id_ref in (self.feature_ref, self.label_ref):
+                raise ConfigError(f"id_column of npz data names the member of the rows' IDs, not features or "
+                                  f"labels, got {self.id_ref!r}")
+            return
         if isinstance(self.id_ref, bool) or not isinstance(self.id_ref, (int, str)):
             raise ConfigError(f"id_column is one column, by index or header name, got {self.id_ref!r}")
         index = self._csv_columns(self.id_ref)[0]
@@ -368,7 +379,14 @@ class ArrayFile(RowBatches):
         """The rows' IDs in file order; None without ``id_column``."""
         if self.id_ref is None:
             return None
-        ids = self._csv_file().ids(self.id_ref)
+        if self.kind == "npz":
+            raw = np.asarray(self._read_part(self.id_ref))
+            if raw.ndim != 1 or raw.dtype.kind not in "Uiu":
+                raise ConfigError(f"{self.path}: member {self.id_ref!r} (id_column) must be a vector of strings or "
+                                  f"integers, got {raw.dtype} of shape {raw.shape}")
+            ids = checked_ids([str(key) for key in raw.tolist()], str(self.path), self.id_ref)
+        else:
+            ids = self._csv_file().ids(self.id_ref)
         if len(ids) != self.rows:
             raise ConfigError(f"csv data {self.path}: {len(ids)} IDs for {self.rows} rows")
         return ids
@@ -423,8 +441,12 @@ class ArrayFile(RowBatches):
 
     def own_parts(self) -> dict[str, np.ndarray]:
         """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
-        ``label_dtype``): ``"features"`` and/or ``"labels"``. ``distgrad split`` copies them to the party."""
+        ``label_dtype``): ``"features"`` and/or ``"labels"``, and ``"ids"`` (strings) with an ``id_column``.
+        ``distgrad split`` copies them to the party."""
         parts = {"features": self._read_part(self.feature_ref)} if self.feature_ref is not None else {}
+        ids = self.row_ids()
+        if ids is not None:
+            parts["ids"] = np.array(ids, dtype=str)
         return {**parts, "labels": self._all_labels_raw()} if self.has_labels else parts
 
     # -- the DataSource contract

@@ -65,22 +65,24 @@ def test_the_id_column_is_checked_and_digested(tmp_path):
     for change, message in cases:
         with pytest.raises(ConfigError, match=message):
             build_data({**spec, **change}, 0, tmp_path)
-    (tmp_path / "x.npz").write_bytes(b"")
-    with pytest.raises(ConfigError, match="npz data has no ID column"):
-        build_data({"kind": "npz", "path": "x.npz", "id_column": "person"}, 0, tmp_path)
+    with pytest.raises(ConfigError, match="npy data has no ID column"):
+        build_data({"kind": "npy", "features": "x.npy", "labels": "y.npy", "id_column": "person"}, 0, tmp_path)
+    with pytest.raises(ConfigError, match="names the member of the rows' IDs, not features or labels"):
+        build_data({"kind": "npz", "path": "x.npz", "features": "x", "id_column": "x"}, 0, tmp_path)
     write_rows(tmp_path / "d.csv", ids[:-1] + [ids[0]])
     with pytest.raises(ConfigError, match="ID 'p000' is in data rows 1 and 64"):
         build_data({**spec, "id_column": "person"}, 0, tmp_path).row_id_digest()
 
 
 def misaligned(tmp_path: Path) -> list[Path]:
-    """f's and g's stage files, g's rows the same but their IDs in another order."""
+    """f's and g's stage files (as distgrad split writes them: the IDs in each party's npz), g's rows the
+    same but their IDs in another order."""
     paths = two_parties(tmp_path, "misaligned")
-    ids = [f"p{n:03d}" for n in range(ROWS)]
-    write_rows(tmp_path / "g_rows.csv", ids[1:] + ids[:1])
-    text = paths[1].read_text()
-    assert "rows.csv" in text
-    paths[1].write_text(text.replace("rows.csv", "g_rows.csv"))
+    data = paths[1].parent / "g.npz"
+    with np.load(data) as npz:
+        parts = dict(npz)
+    parts["ids"] = np.roll(parts["ids"], 1)
+    np.savez(data, **parts)
     return paths
 
 
@@ -100,7 +102,7 @@ def test_files_of_other_ids_are_refused_before_any_stage_starts(tmp_path):
 def test_an_id_column_named_by_one_party_only_is_refused(tmp_path):
     """A party that names no ID column cannot be checked, so the other's check is not silently skipped."""
     paths = two_parties(tmp_path)
-    paths[1].write_text(paths[1].read_text().replace('id_column = "person"\n', ""))
+    paths[1].write_text(paths[1].read_text().replace('id_column = "ids"\n', ""))
     assert 'id_column' not in paths[1].read_text()
     with pytest.raises(ConfigError, match="row ids: "):
         load_experiment(paths)
