@@ -152,6 +152,26 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
     assert np.array_equal(np.load(tmp_path / "out.npy"), exp.final_loss.predict(x))
     assert "passed on 40 rows" in procs[1].output
 
+    # A data owner whose --input cannot be read: the middle stages pass its notice on, every stage stops.
+    np.save(tmp_path / "bad.npy", np.zeros((3, 10), np.float32))
+    procs, below = [], None
+    try:
+        for name in ("g", "m2", "m1"):
+            ready = tmp_path / f"{name}.ready2"
+            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                    "--load", tmp_path / "halves" / f"{name}.npz"]
+            args += ["--output", tmp_path / "out2.npy"] if below is None else ["--connect", below]
+            procs.append(StageProcess(args, tmp_path / f"{name}.2.log", distgrad=True))
+            below = wait_for_file(ready, procs[-1])
+        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
+                     "--input", tmp_path / "bad.npy"])
+        assert f.returncode == 2, f.stderr
+        assert [p.wait(15) for p in procs] == [1, 1, 1], "\n".join(p.output for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+    assert all("stage f stopped: --input" in p.output for p in procs)
+
 
 def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp_path: Path):
     exp = load_experiment(trained / "parties" / "g" / "g.toml")
