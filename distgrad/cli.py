@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="data owner: the --input CSV's ID column (a header name or a 0-based index; default: "
                               "its [data]'s id_column); its IDs are kept in the label owner's output")
     predict.add_argument("--output", type=Path, metavar="FILE",
-                         help="label owner: write the predictions here (.csv whose first column is the rows' IDs or numbers, or .npy)")
+                         help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
+                              "numbers, or .npy)")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),

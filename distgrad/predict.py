@@ -388,8 +388,8 @@ class PredictionServer:
             return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
         y, _ = self.stage.forward(activation, training=False)
         if self.link is not None:
-            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body={} if ids is None else {"ids": ids},
-                                               tensors={"activation": y}))
+            body = {} if ids is None else {"ids": ids}
+            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body, tensors={"activation": y}))
             _acknowledged(reply, msg.step, rows)
         else:
             assert self.stage.loss is not None            # the last stage: it owns the loss
@@ -458,9 +458,9 @@ class PredictionServer:
             if missing or extra or have != rows:
                 raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
-            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n])
-                                                       for n in range(1, chunks + 1)]),
-                                       session.id_name, [k for n in range(1, chunks + 1) for k in session.ids.get(n, [])])
+            numbers = range(1, chunks + 1)
+            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n]) for n in numbers]),
+                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])])
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
 
@@ -481,8 +481,9 @@ class PredictionServer:
         if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
-        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in range(1, chunks + 1)]),
-                                   session.id_name, [k for n in range(1, chunks + 1) for k in self.prediction_ids.get(n, [])])
+        numbers = range(1, chunks + 1)
+        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in numbers]),
+                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])])
         for s in senders:
             s.done = True
             bye_envelope, bye = s.bye
