@@ -26,10 +26,19 @@ applied in, and equal values mean equal IDs.
    values: that is the agreed order. For each list it finds the positions of
    the common values in that order; those of ``L_0`` travel back through
    parties n-1 .. 1, each undoing its shuffle.
-3. Each party receives its positions, maps them to its rows through its
-   permutation and writes its aligned file, its rows sorted by ID (the order
-   every party then trains in: all of them know the common IDs, so sorting
-   tells nobody anything new, and the file does not depend on the keys).
+3. Each party receives its positions and maps them to its rows through its
+   permutation: its rows of the common IDs, sorted by ID (the order every
+   party then trains in: all of them know the common IDs, so sorting tells
+   nobody anything new, and the file does not depend on the keys).
+4. Every party sends the coordinator the SHA-256 of its aligned ID list
+   (``aligned_digest``: the run id, then the IDs in the agreed order); the
+   coordinator compares them with its own and answers each party with its
+   digest, which the party compares with its own. Only then does any party
+   write its file. A party that encrypted a list in another order than it
+   was given, or undid its shuffle wrongly, leaves some party with other
+   rows, so the digests differ and every party exits non-zero, writing
+   nothing. The digest tells no party anything new: all of them know the
+   common IDs once the protocol succeeds.
 
 The curve is libsodium's (through PyNaCl): ``crypto_core_ed25519_from_uniform``
 (Elligator 2) twice and ``crypto_core_ed25519_add`` hash an ID onto the
@@ -70,6 +79,7 @@ MAX_PARTIES = 64
 CHUNK_IDS = 2048                          # IDs hashed or encrypted between two looks at the socket
 # Error codes of align's error messages (besides wire.ErrorCode's).
 ABORTED, TIMEOUT, MISMATCH, NO_COMMON = "aborted", "timeout", "mismatch", "no_common"
+DIGEST_DOMAIN = b"distgrad-align-ids-v1\x00"   # domain separation of the aligned IDs' digest
 
 # Timing constants.
 HEARTBEAT_INTERVAL_S = 1.0                # a busy or waiting side tells its peers it is alive this often
@@ -82,6 +92,14 @@ StopCheck = Callable[[], None]
 
 class NoCommonIds(DistgradError, RuntimeError):
     """The parties hold no ID in common: no party writes an aligned file (exit 1)."""
+
+
+class AlignmentDiffers(ProtocolError):
+    """The parties' aligned ID lists differ (a party did not follow the protocol): no party writes a file
+    (exit 4)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(MISMATCH, message)
 
 
 def _no_stop() -> None:
@@ -165,7 +183,7 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
     The file appears whole or not at all (a temporary file beside it, then a
     rename), with mode 0600: it holds the party's private columns.
     """
-    rows = sorted(rows, key=lambda i: table.rows[i][table.id_index])
+    rows = _agreed_rows(table, rows)
     out = Path(out)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
@@ -220,14 +238,40 @@ def encrypt(values: Sequence[bytes], key: bytes, tick: StopCheck = _no_stop) -> 
     from nacl.exceptions import CryptoError
 
     out: list[bytes] = []
-    try:
-        for start in range(0, len(values), CHUNK_IDS):
-            out.extend([crypto_scalarmult(key, u) for u in values[start:start + CHUNK_IDS]])
-            tick()
-    except CryptoError as e:
-        raise ProtocolError(wire.ErrorCode.TENSOR, f"value {len(out)} of a list is a low-order point, "
-                                                   f"not an encrypted ID") from e
+    for start in range(0, len(values), CHUNK_IDS):
+        for index in range(start, min(start + CHUNK_IDS, len(values))):
+            try:
+                out.append(crypto_scalarmult(key, values[index]))
+            except CryptoError as e:
+                raise ProtocolError(wire.ErrorCode.TENSOR, f"value {index} of a list of {len(values)} is a "
+                                                           f"low-order point, not an encrypted ID") from e
+        tick()
     return out
+
+
+def aligned_digest(run: str, ids: Sequence[str]) -> str:
+    """SHA-256 (hex) of this party's aligned ID list: the domain, the run id, the count, then each ID's
+    UTF-8 bytes with their length, in the order given (the agreed order: ascending ID). Equal digests mean
+    the same IDs in the same order; bound to the run, so one run's digest says nothing about another's."""
+    digest = hashlib.sha256(DIGEST_DOMAIN + run.encode("ascii") + len(ids).to_bytes(8, "little"))
+    for key in ids:
+        data = key.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def _agreed_rows(table: Table, rows: Sequence[int] | np.ndarray) -> list[int]:
+    """``rows`` of ``table`` in the agreed order: ascending ID (Python's string order of the ID text)."""
+    return sorted((int(i) for i in rows), key=lambda i: table.rows[i][table.id_index])
+
+
+def _digest_of(msg: wire.Message, who: str) -> str:
+    """The digest an ``align_digest`` message carries (64 lower-case hex digits)."""
+    digest = msg.body.get("digest")
+    if msg.tensors or type(digest) is not str or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
+        raise ProtocolError(wire.ErrorCode.MALFORMED, f"{who}: align_digest must carry 'digest', 64 hex digits, "
+                                                      f"got {wire.show(digest)}")
+    return digest
 
 
 def pack(values: Sequence[bytes]) -> np.ndarray:
@@ -505,9 +549,21 @@ def _coordinate(coord: _Coordinator, table: Table, out: Path) -> AlignResult:
         coord.wait_all()
         mapped = _positions_of(party.reply, len(table.rows), common, f"party {party.name}")
     for party in ring:
-        coord.order(party, _positions_message(coord.run, n, positions[party.index], final=True), wire.BYE)
+        coord.order(party, _positions_message(coord.run, n, positions[party.index], final=True), wire.ALIGN_DIGEST)
     coord.wait_all()
-    write_aligned(table, own_order[mapped], out)
+    rows = _agreed_rows(table, own_order[mapped])
+    digest = aligned_digest(coord.run, [table.rows[i][table.id_index] for i in rows])
+    differ = [p.name for p in ring if _digest_of(p.reply, f"party {p.name}") != digest]
+    if differ:
+        raise AlignmentDiffers(f"the aligned ID lists differ: {', '.join(differ)} ended with other IDs (or another "
+                               f"order) than {COORDINATOR_NAME} ({len(differ)} of {n - 1} parties). A party did "
+                               f"not follow the protocol (it reordered a list it encrypted, or undid its shuffle "
+                               f"wrongly); no party writes its file")
+    log.info("every party holds the same %d IDs in the same order (digest %s...)", common, digest[:16])
+    for party in ring:
+        coord.order(party, wire.Message(wire.ALIGN_DIGEST, coord.run, n + 1, body={"digest": digest}), wire.BYE)
+    coord.wait_all()
+    write_aligned(table, rows, out)
     return AlignResult(common, len(table.rows), n, out)
 
 
@@ -602,8 +658,18 @@ def _take_part(link: _Link, table: Table, out: Path, parties: int | None) -> Ali
             positions = _positions_of(msg, len(table.rows), None, "the coordinator")
             if len(positions) == 0:
                 raise ProtocolError(wire.ErrorCode.TENSOR, "the coordinator sent no positions: no common ID")
-            write_aligned(table, own_order[positions], out)
-            link.send(wire.Message(wire.BYE, link.run, n))
+            rows = _agreed_rows(table, own_order[positions])
+            digest = aligned_digest(link.run, [table.rows[i][table.id_index] for i in rows])
+            link.send(wire.Message(wire.ALIGN_DIGEST, link.run, n, body={"digest": digest}))
+            answer = link.receive("the coordinator's digest")
+            if answer.type != wire.ALIGN_DIGEST or answer.step != n + 1:
+                raise ProtocolError(wire.ErrorCode.TYPE, f"unexpected {answer.describe()} from the coordinator "
+                                                         f"while its digest was awaited")
+            if _digest_of(answer, "the coordinator") != digest:
+                raise AlignmentDiffers(f"the coordinator's aligned ID list differs from party {link.name}'s: a "
+                                       f"party did not follow the protocol; this party writes no file")
+            write_aligned(table, rows, out)
+            link.send(wire.Message(wire.BYE, link.run, n + 1))
             return AlignResult(len(positions), len(table.rows), n, out)
         else:
             raise ProtocolError(wire.ErrorCode.TYPE, f"unexpected {msg.describe()} from the coordinator after "

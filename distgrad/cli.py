@@ -215,9 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--connect", metavar="ENDPOINT", help="data owner or middle stage: the stage below")
     predict.add_argument("--bind", metavar="ENDPOINT", help="label owner or middle stage: serve the stage above")
     predict.add_argument("--input", type=Path, metavar="FILE",
-                         help="data owner: the rows to predict (.npy, or .csv of numbers); default: its held-out rows")
+                         help="data owner: the rows to predict (.npy, or .csv read as its csv [data] reads its "
+                              "file: header, features by name, id_column); default: its held-out rows")
+    predict.add_argument("--id-column", metavar="NAME_OR_INDEX",
+                         help="data owner: the --input CSV's ID column (a header name or a 0-based index; default: "
+                              "its [data]'s id_column); its IDs are kept in the label owner's output")
     predict.add_argument("--output", type=Path, metavar="FILE",
-                         help="label owner: write the predictions here (.csv with a row column, or .npy)")
+                         help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
+                              "numbers, or .npy)")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
@@ -471,7 +476,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     from .experiment import load_experiment
     from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
-    from .predict import read_rows, send_predictions, serve_predictions
+    from .predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
     from .transport import DEFAULT_TIMEOUT_S
 
     exp = load_experiment(args.experiment)
@@ -479,8 +484,11 @@ def _predict(args: argparse.Namespace) -> int:
     if stage is None:
         raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
     role = exp.check_role(stage, binds=args.bind is not None, connects=args.connect is not None)
-    if role != "driving" and args.input is not None:
-        raise ConfigError("--input is for the data owner (the first stage), which alone holds the rows")
+    if role != "driving" and (args.input is not None or args.id_column is not None):
+        raise ConfigError("--input and --id-column are for the data owner (the first stage), which alone holds "
+                          "the rows")
+    if args.id_column is not None and args.input is None:
+        raise ConfigError("--id-column names a column of the --input CSV: give --input FILE.csv")
     opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
                         timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
                         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
@@ -492,14 +500,18 @@ def _predict(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     try:
         if role == "driving":
-            if args.input is not None:
-                rows = read_rows(args.input, exp, stage)
-            else:
-                data = exp.build_data(opts.seed, stage=stage)
-                if not len(data.test_rows):
-                    raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
-                rows = data.test_features()
-            count = send_predictions(opts, args.connect, rows, stop, ctx)
+            try:
+                id_column = args.id_column
+                if id_column is not None and id_column.isdigit():
+                    id_column = int(id_column)
+                rows = (read_rows(args.input, exp, stage, id_column) if args.input is not None
+                        else held_out_rows(exp, stage, opts.seed))
+                count = send_predictions(opts, args.connect, rows, stop, ctx)
+            except (PeerRejected, PeerTimeout):
+                raise                       # the stage below refused us (it knows) or cannot be reached
+            except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
+                send_abort_notice(opts, args.connect, str(e), ctx)
+                raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
             count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx)

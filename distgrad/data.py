@@ -9,6 +9,8 @@ resumes at step ``k`` sees exactly the batch it would have seen.
 from __future__ import annotations
 
 import abc
+import csv
+import hashlib
 import inspect
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,6 +19,8 @@ import numpy as np
 
 from .errors import ConfigError
 from .nn import DTYPE, Shape
+
+ROW_ID_DIGEST_HEX = 16          # hex digits of the row IDs' SHA-256 a party tells the others
 
 
 class DataSource(abc.ABC):
@@ -156,6 +160,89 @@ class SyntheticClassification(SyntheticRegression):
         self._epoch, self._order = -1, np.arange(0)
 
 
+class CsvColumns:
+    """A CSV file read column by column: numbers (``numbers``) or text (``texts``), fields quoted with
+    ``"`` as the csv module writes them. ``header``: the first line names the columns, which may then be
+    given by name (``indices``)."""
+
+    def __init__(self, path: Path, header: bool) -> None:
+        self.path, self.header = path, header
+
+    def indices(self, ref: Any) -> list[int]:
+        """Column indices of ``ref``: an index or a header name, or a list of them."""
+        refs = ref if isinstance(ref, list) else [ref]
+        if all(isinstance(r, int) for r in refs):
+            return refs
+        if not self.header:
+            raise ConfigError("csv columns given by name need header = true")
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                names = [n.strip() for n in next(csv.reader(f), [])]
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read the header of {self.path}: {e}") from e
+        try:
+            return [names.index(r) if isinstance(r, str) else r for r in refs]
+        except ValueError as e:
+            raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
+
+    def first_row(self) -> list[str]:
+        """The fields of the first non-blank line (the header when there is one); [] for an empty file."""
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                return next((row for row in csv.reader(f) if row), [])
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read {self.path}: {e}") from e
+
+    def numbers(self, columns: list[int]) -> np.ndarray:
+        """The ``columns`` as float64 ``(rows, len(columns))``; ``ConfigError`` for a field that is no number."""
+        if not columns:
+            raise ConfigError(f"csv data {self.path}: name at least one column")
+        try:
+            return np.loadtxt(self.path, delimiter=",", skiprows=int(self.header), usecols=columns, ndmin=2,
+                              dtype=np.float64, quotechar='"')
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"csv data {self.path}, columns {columns}: {e}") from e
+
+    def texts(self, column: int) -> list[str]:
+        """Column ``column``'s fields as text, one per row (blank lines skipped)."""
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                rows = [row for row in csv.reader(f) if row][int(self.header):]
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read {self.path}: {e}") from e
+        short = next((i for i, row in enumerate(rows) if len(row) <= column), None)
+        if short is not None:
+            raise ConfigError(f"csv data {self.path}: data row {short + 1} has no column {column}")
+        return [row[column] for row in rows]
+
+    def ids(self, ref: Any) -> list[str]:
+        """The ID column ``ref`` (an index or a header name): one distinct, non-empty ID per row."""
+        return checked_ids(self.texts(self.indices(ref)[0]), f"csv data {self.path}", ref)
+
+
+def checked_ids(ids: list[str], where: str, ref: Any) -> list[str]:
+    """``ids`` if each is non-empty and names one row, else ``ConfigError`` naming ``where`` and the rows."""
+    seen: dict[str, int] = {}
+    for row, key in enumerate(ids, start=1):
+        if key == "":
+            raise ConfigError(f"{where}: data row {row} has an empty ID (id_column {ref!r})")
+        if key in seen:
+            raise ConfigError(f"{where}: ID {key!r} is in data rows {seen[key]} and {row} (id_column {ref!r}); "
+                              f"each ID must name one row")
+        seen[key] = row
+    return ids
+
+
+def row_id_digest(ids: list[str]) -> str:
+    """``ROW_ID_DIGEST_HEX`` hex digits of the SHA-256 of ``ids`` in order (each ID's UTF-8 bytes with their
+    length): equal for two parties whose files hold the same IDs in the same order."""
+    digest = hashlib.sha256(len(ids).to_bytes(8, "little"))
+    for key in ids:
+        data = key.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:ROW_ID_DIGEST_HEX]
+
+
 class ArrayFile(RowBatches):
     """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
 
@@ -171,6 +258,12 @@ class ArrayFile(RowBatches):
       names, ``labels`` one column; ``header = true`` when the first line
       names the columns.
 
+    ``id_column`` (optional; csv: a column by index or header name, npz: a
+    member of strings, as ``distgrad split`` writes it) holds the rows' IDs,
+    which are no feature or label: the handshake compares a digest of the
+    IDs (``row_id_digest``), so parties whose files do not hold the same IDs
+    in the same order are refused before training.
+
     Paths are relative to the experiment file. Features become float32 times
     ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
     ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``). In a party's
@@ -182,7 +275,8 @@ class ArrayFile(RowBatches):
 
     def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
                  feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
-                 features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None) -> None:
+                 features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None,
+                 id_column: int | str | None = None) -> None:
         if kind not in ("npz", "npy", "csv"):
             raise ConfigError(f"unknown file data kind {kind!r}")
         if label_dtype not in ("int64", "float32"):
@@ -194,6 +288,10 @@ class ArrayFile(RowBatches):
         if features is None and labels is None:
             raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
         self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
+        self.csv = CsvColumns(self.path, self.header) if kind == "csv" and self.path is not None else None
+        self.id_ref = id_column
+        if id_column is not None:
+            self._check_id_column()
         self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
@@ -248,27 +346,62 @@ class ArrayFile(RowBatches):
         if not isinstance(ref, str) or ref not in npz.files:
             raise ConfigError(f"{self.path} has no array {ref!r}; its arrays are {sorted(npz.files)}")
 
+    def _csv_file(self) -> CsvColumns:
+        self._file(None)
+        assert self.csv is not None
+        return self.csv
+
     def _csv_columns(self, ref: Any) -> list[int]:
-        refs = ref if isinstance(ref, list) else [ref]
-        if all(isinstance(r, int) for r in refs):
-            return refs
-        if not self.header:
-            raise ConfigError("csv columns given by name need header = true")
-        with open(self._file(None), encoding="utf-8") as f:
-            names = [n.strip() for n in f.readline().split(",")]
-        try:
-            return [names.index(r) if isinstance(r, str) else r for r in refs]
-        except ValueError as e:
-            raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
+        return self._csv_file().indices(ref)
 
     def _read_csv(self, columns: list[int]) -> np.ndarray:
-        if not columns:
-            raise ConfigError(f"csv data {self.path}: name at least one column")
-        try:
-            return np.loadtxt(self._file(None), delimiter=",", skiprows=int(self.header), usecols=columns,
-                              ndmin=2, dtype=np.float64)
-        except (ValueError, IndexError) as e:
-            raise ConfigError(f"csv data {self.path}, columns {columns}: {e}") from e
+        return self._csv_file().numbers(columns)
+
+    def _check_id_column(self) -> None:
+        """``ConfigError`` unless ``id_column`` is one column of csv data, neither a feature nor the label."""
+        if self.kind == "npy":
+            raise ConfigError("id_column names a column of csv data or a member of an npz file; npy data has no "
+                              "ID column")
+        if self.kind == "npz":
+            if not isinstance(self.id_ref, str) or self.id_ref in (self.feature_ref, self.label_ref):
+                raise ConfigError(f"id_column of npz data names the member of the rows' IDs, not features or "
+                                  f"labels, got {self.id_ref!r}")
+            return
+        if isinstance(self.id_ref, bool) or not isinstance(self.id_ref, (int, str)):
+            raise ConfigError(f"id_column is one column, by index or header name, got {self.id_ref!r}")
+        index = self._csv_columns(self.id_ref)[0]
+        for part, ref in (("features", self.feature_ref), ("labels", self.label_ref)):
+            if ref is not None and index in self._csv_columns(ref):
+                raise ConfigError(f"id_column {self.id_ref!r} is also one of the {part}: the ID column holds "
+                                  f"the rows' IDs, not data")
+
+    def row_ids(self) -> list[str] | None:
+        """The rows' IDs in file order; None without ``id_column``."""
+        if self.id_ref is None:
+            return None
+        if self.kind == "npz":
+            raw = np.asarray(self._read_part(self.id_ref))
+            if raw.ndim != 1 or raw.dtype.kind not in "Uiu":
+                raise ConfigError(f"{self.path}: member {self.id_ref!r} (id_column) must be a vector of strings or "
+                                  f"integers, got {raw.dtype} of shape {raw.shape}")
+            ids = checked_ids([str(key) for key in raw.tolist()], str(self.path), self.id_ref)
+        else:
+            ids = self._csv_file().ids(self.id_ref)
+        if len(ids) != self.rows:
+            raise ConfigError(f"csv data {self.path}: {len(ids)} IDs for {self.rows} rows")
+        return ids
+
+    def row_id_digest(self) -> str | None:
+        """The digest of the rows' IDs in file order (``row_id_digest``); None without ``id_column``."""
+        ids = self.row_ids()
+        return None if ids is None else row_id_digest(ids)
+
+    def id_name(self) -> str:
+        """The ID column's name: its header name, or ``id`` for a column given by index without a header."""
+        if isinstance(self.id_ref, str):
+            return self.id_ref
+        names = self._csv_file().first_row() if self.header else []
+        return names[self.id_ref] if isinstance(self.id_ref, int) and self.id_ref < len(names) else "id"
 
     def _read_part(self, ref: Any) -> np.ndarray:
         """One part (features or labels) from the file(s), and nothing else."""
@@ -308,8 +441,12 @@ class ArrayFile(RowBatches):
 
     def own_parts(self) -> dict[str, np.ndarray]:
         """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
-        ``label_dtype``): ``"features"`` and/or ``"labels"``. ``distgrad split`` copies them to the party."""
+        ``label_dtype``): ``"features"`` and/or ``"labels"``, and ``"ids"`` (strings) with an ``id_column``.
+        ``distgrad split`` copies them to the party."""
         parts = {"features": self._read_part(self.feature_ref)} if self.feature_ref is not None else {}
+        ids = self.row_ids()
+        if ids is not None:
+            parts["ids"] = np.array(ids, dtype=str)
         return {**parts, "labels": self._all_labels_raw()} if self.has_labels else parts
 
     # -- the DataSource contract

@@ -377,8 +377,9 @@ class Experiment:
                 digest = hashlib.sha256(np.asarray(data.test_rows, np.int64).tobytes())
                 digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
                                          np.int64).tobytes())
+                ids = data.row_id_digest() if hasattr(data, "row_id_digest") else None
                 return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
-                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX]}
+                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX], **({"row ids": ids} if ids else {})}
         return {}
 
     def interface_origins(self) -> dict[str, str]:
@@ -396,14 +397,18 @@ class Experiment:
         return interface_digest(self.interface_parts())
 
 
-DATA_PARTS = ("rows", "held-out rows", "sample order")   # what only a party holding data can tell
+DATA_PARTS = ("rows", "held-out rows", "sample order", "row ids")   # what only a party holding data can tell
 
 
 def interface_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
     """The interface fields two parties disagree on, in order; a field of ``DATA_PARTS`` counts only when
-    both have it (a party without data cannot tell its rows)."""
+    both have it (a party without data cannot tell its rows), except ``row ids``, which counts when both
+    hold data (both name their ID column, or neither)."""
     keys = [*ours, *(k for k in theirs if k not in ours)]
-    return [k for k in keys if not (k in DATA_PARTS and (k not in ours or k not in theirs))
+    both = {k for k in DATA_PARTS if k in ours and k in theirs}
+    if "sample order" in both:
+        both.add("row ids")
+    return [k for k in keys if not (k in DATA_PARTS and k not in both)
             and (k not in ours or k not in theirs or type(ours[k]) is not type(theirs[k]) or ours[k] != theirs[k])]
 
 

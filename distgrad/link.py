@@ -197,12 +197,14 @@ def check_backward(reply: Message, step: int, specs: Expected, allow_nonfinite: 
 def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: bool,
                 below: str) -> tuple[np.float32, np.ndarray]:
     """``check_backward`` for the reply of stage ``below``; a NaN or Inf in it raises ``NonFiniteError``
-    (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong."""
+    (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong. Any other
+    ``ProtocolError`` is raised again naming the stage, the step and the micro-batch of the reply."""
     try:
         loss, dy = check_backward(reply, step, specs, allow_nonfinite)
     except ProtocolError as e:
         if e.code != ErrorCode.NONFINITE:
-            raise
+            raise ProtocolError(e.code, f"stage {below}'s reply to step {step} micro-batch {reply.mb}/{reply.mbs}: "
+                                        f"{e.args[0]}") from e
         raise NonFiniteError(f"stage {below}: non-finite activation_grad at step {step} in its reply; "
                              f"nothing of this step was applied here") from e
     if not allow_nonfinite and not np.isfinite(loss):

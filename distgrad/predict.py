@@ -14,14 +14,24 @@ interface check of training, and the number of rows; ``predict`` messages
 rows), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
 chunk and row counts, answered once the file is written. A chunk sent again
 (a retry) replaces itself, so a retry never duplicates rows.
+
+Rows with IDs (an ID column in the ``--input`` CSV, or the held-out rows of
+``[data]`` with an ``id_column``) send their IDs along: the hello names the
+column (``id_column``), each ``predict`` carries its rows' ``ids``, and the
+label owner writes them as the first column of its CSV. A data owner that
+fails before it is done (bad input, a damaged ``--load`` file) sends the
+stage below an ``error`` with code ``aborted``, so the label owner stops at
+once instead of waiting out its deadline.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +39,8 @@ import numpy as np
 import zmq
 
 from . import aggregate, handshake, wire
-from .errors import ConfigError, PeerTimeout, ProtocolError
+from .data import CsvColumns
+from .errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from .link import DownstreamLink
 from .options import StageOptions, StopFlag
 from .records import write_atomic
@@ -41,6 +52,25 @@ from .wire import ErrorCode, Message
 
 MAX_CHUNKS = 1 << 20        # chunks one prediction may send (a bound on the label owner's memory)
 OUTPUT_SUFFIXES = (".csv", ".npy")
+ABORTED = "aborted"         # the error code of a data owner's notice that it stopped
+NOTICE_LINGER_MS = 1000     # how long closing waits for that notice to leave
+ID_NAME_MAX = 128           # characters of the ID column's name
+IDS_MAX_BYTES = 48 * 1024   # the IDs of one chunk, UTF-8 and msgpack framing: they travel in its header
+IDS_MAX_COUNT = 4096        # IDs in one chunk (a header's arrays are at most that long)
+
+
+class PredictionAborted(DistgradError, RuntimeError):
+    """The stage above stopped before its prediction was done and said so: this stage stops (exit 1)."""
+
+
+@dataclass
+class NewRows:
+    """Rows to predict: float32 ``features`` ``(rows, ...)`` and, when they have them, their ``ids`` (one
+    per row) from the column named ``id_name``."""
+
+    features: np.ndarray
+    ids: list[str] | None = None
+    id_name: str = "id"
 
 
 @dataclass
@@ -52,50 +82,146 @@ class _Session:
     most_chunks: int
     done: bool = False
     bye: tuple[Any, Message] | None = None   # a feature party's bye, answered once every party's rows are in
+    id_name: str | None = None               # the rows' ID column (its hello's ``id_column``), None: no IDs
+    ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
 
 
-def read_rows(path: Path, exp: Any, stage: str) -> np.ndarray:
-    """New rows from ``path`` (``.npy``: an array of rows; ``.csv``: numbers, one row a line, no header), as
-    float32 ``(rows, *features)`` scaled like the stage's training data (its ``feature_scale``)."""
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_csv(path: Path, table: Any, id_column: int | str | None) -> tuple[np.ndarray, list[str] | None, str]:
+    """A CSV's feature columns (float64), IDs and ID column name, read as a csv ``[data]`` table reads them.
+
+    With a csv ``table``: its ``header``, ``features`` and (unless ``id_column`` is given) ``id_column``.
+    Otherwise every column but the ID column is a feature, and the first line is a header when one of
+    its fields is not a number."""
+    form = table if table.get("kind") == "csv" else {}
+    reader = CsvColumns(path, False)
+    first = reader.first_row()
+    if not first:
+        raise ConfigError("the file holds no rows")
+    reader.header = bool(form.get("header", False)) if form else not all(_is_number(f) for f in first)
+    id_ref = id_column if id_column is not None else form.get("id_column")
+    id_index = reader.indices(id_ref)[0] if id_ref is not None else None
+    if id_index is not None and not 0 <= id_index < len(first):
+        raise ConfigError(f"the ID column {id_ref!r} is not one of its {len(first)} columns")
+    features = form.get("features")
+    columns = reader.indices(features) if features is not None else [i for i in range(len(first)) if i != id_index]
+    if id_index is not None and id_index in columns:
+        raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features!r}")
+    values = reader.numbers(columns)
+    ids = reader.ids(id_ref) if id_ref is not None else None
+    name = first[id_index].strip() if reader.header and id_index is not None else (
+        id_ref if isinstance(id_ref, str) else "id")
+    return values, ids, name
+
+
+def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None) -> NewRows:
+    """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
+
+    ``.npy``: an array of rows. ``.csv``: read as the stage's csv ``[data]``
+    reads its file (``header``, ``features`` by index or name, ``id_column``),
+    or, when its data is of another kind, every column is a feature (but
+    the ID column) and a first line that is not all numbers is a header.
+    ``id_column`` (``--id-column``: a header name or an index) names the ID
+    column, whose values travel with the rows and reach the label owner's
+    output. Raises ``ConfigError`` naming ``--input``.
+    """
     spec = exp.spec(stage)
     table = exp.data if spec.data is None else spec.data
     scale = np.float32(table.get("feature_scale", 1.0))
+    ids, name = None, "id"
     try:
-        raw = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(
-            path, delimiter=",", ndmin=2, dtype=np.float64)
+        if path.suffix == ".npy":
+            if id_column is not None:
+                raise ConfigError("--id-column names a column of a .csv --input; an .npy file has no IDs")
+            raw = np.load(path, allow_pickle=False)
+        else:
+            raw, ids, name = _read_csv(path, table, id_column)
         if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
             raise ValueError("expected a non-empty numeric array of rows")
         rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"--input {path}: {e}") from e
     width = exp.input_shape(stage)[1:] if exp.batch is not None else exp.input_shape(stage)
     if tuple(rows.shape[1:]) != tuple(width) or not len(rows):
         raise ConfigError(f"--input {path} has rows of shape {tuple(rows.shape[1:])} ({len(rows)} rows); stage "
                           f"{stage} takes rows of shape {tuple(width)}")
-    return rows
+    return NewRows(rows, ids, name)
+
+
+def held_out_rows(exp: Any, stage: str, seed: int) -> NewRows:
+    """The stage's held-out rows (the default ``--input``), with their IDs when its data has an ``id_column``."""
+    data = exp.build_data(seed, stage=stage)
+    if not len(data.test_rows):
+        raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
+    ids = data.row_ids() if hasattr(data, "row_ids") else None
+    return NewRows(data.test_features(), None if ids is None else [ids[i] for i in data.test_rows],
+                   data.id_name() if ids is not None else "id")
+
+
+def _id_chunks(rows: NewRows, chunk_rows: int) -> list[list[str] | None]:
+    """Each chunk's IDs (None without IDs); ``ConfigError`` when a chunk's IDs cannot travel in its header."""
+    if rows.ids is None:
+        return [None] * -(-len(rows.features) // chunk_rows)
+    if not 0 < len(rows.id_name) <= ID_NAME_MAX or not rows.id_name.isprintable():
+        raise ConfigError(f"the ID column's name must be 1 to {ID_NAME_MAX} printable characters, got "
+                          f"{rows.id_name!r}")
+    chunks = [rows.ids[i:i + chunk_rows] for i in range(0, len(rows.ids), chunk_rows)]
+    for number, chunk in enumerate(chunks, start=1):
+        size = sum(len(key.encode("utf-8")) + 5 for key in chunk)
+        if size > IDS_MAX_BYTES or len(chunk) > IDS_MAX_COUNT:
+            first = (number - 1) * chunk_rows + 1
+            raise ConfigError(f"the IDs of rows {first} to {first + len(chunk) - 1} (chunk {number}) take {size} "
+                              f"bytes; a chunk's IDs travel in its header, at most {IDS_MAX_COUNT} IDs and "
+                              f"{IDS_MAX_BYTES} bytes: shorten the IDs")
+    return chunks
+
+
+def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None) -> None:
+    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
+    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
+    link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
+    try:
+        link.send(wire.error_message("", 0, ABORTED, f"stage {opts.stage} stopped: {reason}"))
+    finally:
+        link.close(linger_ms=NOTICE_LINGER_MS)
 
 
 @one_compute_thread()
-def send_predictions(opts: StageOptions, connect: str, rows: np.ndarray, stop: StopFlag,
+def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: StopFlag,
                      ctx: zmq.Context | None = None) -> int:
-    """The data owner's side: forward ``rows`` in chunks through the stages below ``connect``; returns the
-    number of rows the label owner acknowledged. Raises ``PeerTimeout``, ``PeerRejected``, ``ProtocolError``."""
+    """The data owner's side: forward ``new_rows`` in chunks through the stages below ``connect``, their
+    IDs along; returns the number of rows the label owner acknowledged. Raises ``PeerTimeout``,
+    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
+    rows = new_rows.features
+    chunk_rows = exp.batch or 1
+    id_chunks = _id_chunks(new_rows, chunk_rows)
     state = StageState(opts)
     stage, log = state.stage, state.log
     link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
     run = uuid.uuid4().hex
-    chunk_rows = exp.batch or 1
     chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
     try:
         hello = handshake.hello(exp, opts.stage, opts.seed, stage.output_shape, run, [0], 0, 1)
         hello.body.update(purpose="predict", rows=len(rows))
+        if new_rows.ids is not None:
+            hello.body["id_column"] = new_rows.id_name
         link.handshake(hello)
         acknowledged = 0
-        for number, chunk in enumerate(chunks, start=1):
+        for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
             y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
-            reply = link.exchange(Message(wire.PREDICT, run, number, tensors={"activation": y}))
+            reply = link.exchange(Message(wire.PREDICT, run, number, body={} if ids is None else {"ids": ids},
+                                          tensors={"activation": y}))
             acknowledged += _acknowledged(reply, number, len(chunk))
         reply = link.exchange(Message(wire.BYE, run, len(chunks) + 1, body={"chunks": len(chunks),
                                                                                "rows": len(rows)}))
@@ -138,7 +264,9 @@ class PredictionServer:
         self.sessions: dict[str, _Session] = {}              # by sending stage
         self.predictions: dict[int, np.ndarray] = {}         # vertical: chunk -> its predictions
         self.ready: list[tuple[Any, Message]] = []           # deferred replies (held byes) to send now
+        self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
         self.written = 0
+        self.aborted = False                                 # a notice was passed on below (close with linger)
 
     @property
     def session(self) -> _Session | None:
@@ -160,6 +288,8 @@ class PredictionServer:
                                                                "experiment": self.exp.name})
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
+        if msg.type == wire.ERROR and msg.body.get("code") == ABORTED:
+            return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
             raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}: say hello first")
@@ -169,6 +299,14 @@ class PredictionServer:
         if msg.type == wire.BYE:
             return self._bye(session, msg, envelope)
         raise ProtocolError(ErrorCode.TYPE, f"a prediction stage does not accept {msg.type!r} messages")
+
+    def _aborted(self, msg: Message) -> None:
+        """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
+        text = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        if self.link is not None:
+            self.link.send(wire.error_message("", 0, ABORTED, text))
+            self.aborted = True
+        raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
 
     def _hello(self, msg: Message, now: float) -> Message:
         body = msg.body
@@ -184,6 +322,15 @@ class PredictionServer:
         rows = body.get("rows")
         if type(rows) is not int or not 1 <= rows <= MAX_CHUNKS * (self.exp.batch or 1):
             raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}")
+        id_name = body.get("id_column")
+        if id_name is not None and (type(id_name) is not str or not 0 < len(id_name) <= ID_NAME_MAX
+                                    or not id_name.isprintable()):
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has id_column={wire.show(id_name)}; expected a name of "
+                                                     f"1 to {ID_NAME_MAX} printable characters")
+        if id_name is not None and self.link is None and self.output is not None and self.output.suffix == ".npy":
+            raise ProtocolError(ErrorCode.MISMATCH, f"the rows carry IDs (column {id_name!r}), but the label owner "
+                                                    f"writes {self.output.name}, an .npy file, which cannot keep "
+                                                    f"them: give it --output FILE.csv")
         session = self.sessions.get(sender)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
@@ -192,13 +339,18 @@ class PredictionServer:
             if other != sender and theirs.rows != rows:
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "
                                                         f"{theirs.rows}: every party predicts the same rows")
+            if other != sender and theirs.id_name != id_name:
+                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
+                                                        f"{wire.show(id_name)}, party {other} of column "
+                                                        f"{wire.show(theirs.id_name)}: every party keeps the ID "
+                                                        f"column, or none")
         if session is None or session.run != msg.run:
             batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch))
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name)
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
-                own.body.update(purpose="predict", rows=rows)
+                own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}))
                 self.link.handshake(own)
             self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
@@ -221,20 +373,45 @@ class PredictionServer:
                                                   f"{self.exp.batch or 1} rows of shape {row_shape}")
         if not self.exp.allow_nonfinite and not np.isfinite(activation).all():
             raise ProtocolError(ErrorCode.NONFINITE, f"chunk {msg.step} holds NaN or Inf")
+        ids = self._ids_of(session, msg, rows)
         if self.vertical:
             if msg.step not in self.predictions:          # a chunk sent again after it was combined: done
                 session.chunks[msg.step] = np.array(activation, copy=True)
-                self._combine(msg.step)
+                if ids is not None:
+                    session.ids[msg.step] = ids
+                try:
+                    self._combine(msg.step)
+                except ProtocolError:                     # refused: this chunk is not kept
+                    session.chunks.pop(msg.step, None)
+                    session.ids.pop(msg.step, None)
+                    raise
             return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
         y, _ = self.stage.forward(activation, training=False)
         if self.link is not None:
-            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, tensors={"activation": y}))
+            body = {} if ids is None else {"ids": ids}
+            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body, tensors={"activation": y}))
             _acknowledged(reply, msg.step, rows)
         else:
             assert self.stage.loss is not None            # the last stage: it owns the loss
             predictions = self.stage.loss.predict(y if batched else y[None])
             session.chunks[msg.step] = np.array(predictions, copy=True)
+            if ids is not None:
+                session.ids[msg.step] = ids
         return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
+
+    @staticmethod
+    def _ids_of(session: _Session, msg: Message, rows: int) -> list[str] | None:
+        """A chunk's IDs: ``rows`` strings when its hello named an ID column, else none."""
+        ids = msg.body.get("ids")
+        if session.id_name is None:
+            if ids is not None:
+                raise ProtocolError(ErrorCode.MALFORMED, f"chunk {msg.step} carries ids, but its hello named no "
+                                                         f"id_column")
+            return None
+        if type(ids) is not list or len(ids) != rows or not all(type(key) is str for key in ids):
+            raise ProtocolError(ErrorCode.MALFORMED, f"chunk {msg.step} must carry 'ids', the {rows} IDs of its "
+                                                     f"rows (column {session.id_name!r}), as strings")
+        return ids
 
     def _combine(self, number: int) -> None:
         """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
@@ -244,11 +421,22 @@ class PredictionServer:
         if len({len(part) for part in parts}) != 1:
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
                                                   f"rows; every party sends the same rows")
+        ids = [self.sessions[name].ids.get(number) for name in self.parties]
+        differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
+        if differ is not None:
+            row = next((k for k, (a, b) in enumerate(zip(ids[0], ids[differ])) if a != b), 0)
+            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
+                                                    f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
+                                                    f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
+                                                    f"the parties' --input files are not aligned")
         assert self.stage.loss is not None
         y, _ = self.stage.forward(aggregate.combine(self.exp.aggregate, parts), training=False)
         self.predictions[number] = np.array(self.stage.loss.predict(y), copy=True)
+        if ids[0] is not None:
+            self.prediction_ids[number] = ids[0]
         for name in self.parties:
             del self.sessions[name].chunks[number]
+            self.sessions[name].ids.pop(number, None)
 
     def _bye(self, session: _Session, msg: Message, envelope: Any = None) -> Message | None:
         chunks, rows = msg.body.get("chunks"), msg.body.get("rows")
@@ -270,8 +458,9 @@ class PredictionServer:
             if missing or extra or have != rows:
                 raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
-            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n])
-                                                       for n in range(1, chunks + 1)]))
+            numbers = range(1, chunks + 1)
+            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n]) for n in numbers]),
+                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])])
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
 
@@ -292,7 +481,9 @@ class PredictionServer:
         if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
-        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in range(1, chunks + 1)]))
+        numbers = range(1, chunks + 1)
+        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in numbers]),
+                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])])
         for s in senders:
             s.done = True
             bye_envelope, bye = s.bye
@@ -300,8 +491,9 @@ class PredictionServer:
                 self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
         return reply
 
-    def _write(self, predictions: np.ndarray) -> int:
-        """Write the predictions to ``output`` (``.npy``, or ``.csv`` with a ``row`` column); returns rows."""
+    def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None) -> int:
+        """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
+        headed ``id_name``, or without IDs ``row``, the row's number from 0); returns rows."""
         assert self.output is not None
         if self.output.suffix == ".npy":
             write_atomic(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
@@ -309,9 +501,12 @@ class PredictionServer:
             table = predictions.reshape(len(predictions), -1)
             columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
             fmt = "%d" if predictions.dtype.kind == "i" else "%.9g"
-            lines = ["row," + ",".join(columns)] + [f"{i}," + ",".join(fmt % v for v in row)
-                                                     for i, row in enumerate(table)]
-            text = ("\n".join(lines) + "\n").encode()
+            keys = ids if id_name is not None and ids is not None else [str(i) for i in range(len(table))]
+            out = io.StringIO()
+            writer = csv.writer(out, lineterminator="\n")
+            writer.writerow([id_name if id_name is not None else "row", *columns])
+            writer.writerows([key, *(fmt % v for v in row)] for key, row in zip(keys, table))
+            text = out.getvalue().encode()
             write_atomic(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
@@ -364,5 +559,5 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     finally:
         server.close()
         if link is not None:
-            link.close(linger_ms=0)
+            link.close(linger_ms=NOTICE_LINGER_MS if logic.aborted else 0)
         logic.state.close()

@@ -168,6 +168,10 @@ DATA_OPTIONS: dict[str, str] = {
               "this party does not hold them",
     "header": "csv: the first line names the columns",
     "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
+    "id_column": "csv: the column of the rows' IDs (index or header name), no feature or label; npz: the member "
+                 "of the IDs (distgrad split writes 'ids'); the handshake "
+                 "compares a digest of the IDs in file order, so parties whose rows differ never train "
+                 "together, and distgrad predict keeps the IDs in its output",
 }
 
 LAYER_KEYS: dict[str, str] = {

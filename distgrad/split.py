@@ -127,9 +127,10 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
     them: the data owner's features (only its ``columns``, when it has
     them), the label owner's labels, nothing else; ``feature_scale``,
     ``label_dtype`` and the row split's settings stay, so every party
-    reads the same rows as before. With ``[clients]`` the data owners share
-    one stage file, so its data holds every owner's rows (each takes its
-    share at run time).
+    reads the same rows as before; with an ``id_column`` the rows' IDs go
+    along (member ``ids``), so the handshake still compares them. With
+    ``[clients]`` the data owners share one stage file, so its data holds
+    every owner's rows (each takes its share at run time).
     """
     first, owner = name in exp.data_owners, name == exp.label_owner
     if not (first or owner):
@@ -146,7 +147,8 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
         parts["features"] = parts["features"].reshape(len(parts["features"]), -1)[:, columns]
     kept = ["batch", "test_fraction", "split_seed", *(["feature_scale"] if first else []),
             *(["label_dtype"] if owner else [])]
-    table = {"kind": "npz", "path": f"{name}.npz", **{part: part for part in parts},
+    table = {"kind": "npz", "path": f"{name}.npz",
+             **{"id_column" if part == "ids" else part: part for part in parts},
              **{key: data[key] for key in kept if key in data}}
     return table, parts
 

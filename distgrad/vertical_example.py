@@ -142,7 +142,7 @@ def _interface(widths: dict[str, int]) -> dict[str, Any]:
 
 def _data(path: Path, features: list[str] | None = None, labels: str | None = None) -> dict[str, Any]:
     table: dict[str, Any] = {"kind": "csv", "path": path.name, "header": True, "batch": SETTINGS["batch"],
-                             "test_fraction": TEST_FRACTION}
+                             "test_fraction": TEST_FRACTION, "id_column": "id"}     # rows checked by their IDs
     if features is not None:
         table["features"] = features
     if labels is not None:

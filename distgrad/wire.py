@@ -45,10 +45,12 @@ PING, PONG = "ping", "pong"
 EVALUATE, EVALUATION = "evaluate", "evaluation"
 AVERAGE = "average"                   # SplitFed: a client's first-stage parameters, and the reply: their mean
 PREDICT, PREDICTED = "predict", "predicted"   # ``distgrad predict``: activations of new rows, and the bare ack
-# ``distgrad align`` (distgrad/align.py): a party's join, a list of encrypted IDs, positions in a list.
+# ``distgrad align`` (distgrad/align.py): a party's join, a list of encrypted IDs, positions in a list,
+# the digest of a party's aligned IDs.
 ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS = "align_join", "align_values", "align_positions"
+ALIGN_DIGEST = "align_digest"
 MESSAGE_TYPES = frozenset({HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE, PING, PONG, EVALUATE, EVALUATION,
-                           AVERAGE, PREDICT, PREDICTED, ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS})
+                           AVERAGE, PREDICT, PREDICTED, ALIGN_JOIN, ALIGN_VALUES, ALIGN_POSITIONS, ALIGN_DIGEST})
 RESERVED_TYPES = frozenset({"checkpoint"})
 
 # The binary header of the hot path's messages (docs/protocol.md, *Binary header*), little-endian:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from distgrad import wire
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.keys import keygen
 
-from conftest import StageProcess, run_main, wait_for_file
+from conftest import StageProcess, pinned_env, run_main, wait_for_file
 
 ALIGN_DEADLINE_S = 60.0          # whole-run bound of a process in these tests
 
@@ -381,3 +383,57 @@ def test_a_party_that_falls_silent_or_misbehaves_stops_everyone_cleanly(tmp_path
         assert "party mallory" in coordinator.output
         assert {"garbage": "undecodable", "wrong_count": "5 values, expected 3"}[behaviour] in coordinator.output
     assert not (tmp_path / "a.out").exists() and not (tmp_path / "b.out").exists()
+
+
+class DishonestParty(StageProcess):
+    """``tests/align_dishonest.py VARIANT ARGS``: a party that breaks the protocol in one answer."""
+
+    def __init__(self, variant: str, args: list, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "align_dishonest.py"), variant,
+                                      *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=pinned_env())
+
+
+@pytest.mark.parametrize("variant", ["reorder", "unshuffle"])
+def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
+    """The issue's two dishonest parties, each joining second of three: one returns party 1's list
+    encrypted honestly but reversed (party 1 would write rows outside the intersection), one answers
+    "undo your shuffle" with other valid positions (the coordinator would). The parties compare digests
+    of their aligned IDs before anyone writes: every party exits 4 and no file is written."""
+    rng = random.Random(21)
+    sets = overlapping_sets(300, rng)
+    names = ["labels", "bank", "mallory"]
+    for n, ids in zip(names, sets):
+        write_party(tmp_path / f"{n}.csv", n, ids, rng)
+    outs = [tmp_path / f"{n}.aligned.csv" for n in names]
+    ready = tmp_path / "ready"
+    procs = [start([tmp_path / "labels.csv", "--id-column", "person", "--out", outs[0], "--bind",
+                    "tcp://127.0.0.1:*", "--parties", "3", "--ready-file", ready], tmp_path / "labels.log")]
+    try:
+        endpoint = wait_for_file(ready, procs[0])
+        procs.append(start([tmp_path / "bank.csv", "--id-column", "person", "--out", outs[1], "--connect", endpoint,
+                            "--name", "bank"], tmp_path / "bank.log"))
+        wait_for_text(procs[0], "party bank joined")                 # bank is party 1, mallory party 2
+        procs.append(DishonestParty(variant, [tmp_path / "mallory.csv", "--id-column", "person", "--out", outs[2],
+                                              "--connect", endpoint, "--name", "mallory"], tmp_path / "mallory.log"))
+        codes = [p.wait(ALIGN_DEADLINE_S) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    output = "\n".join(p.output for p in procs)
+    assert codes == [4, 4, 4], output
+    wrong = {"reorder": "bank", "unshuffle": "bank, mallory"}[variant]    # who differs from the coordinator
+    assert f"the aligned ID lists differ: {wrong} ended with other IDs" in procs[0].output, output
+    assert "no party writes its file" in procs[1].output, output
+    assert not any(out.exists() for out in outs)
+
+
+def test_a_bad_value_is_named_by_its_index_in_the_whole_list():
+    """A low-order point past the first chunk is named by its place in the list, not in its chunk."""
+    good = al.hash_ids(["alice"])[0]
+    values = [good] * (al.CHUNK_IDS + 5) + [bytes(32)]
+    with pytest.raises(ProtocolError, match=f"value {al.CHUNK_IDS + 5} of a list of {al.CHUNK_IDS + 6} is a "
+                                            f"low-order point"):
+        al.encrypt(values, al.new_key())

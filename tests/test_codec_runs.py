@@ -271,3 +271,19 @@ def test_residuals_become_state_only_with_the_update():
     senders.commit()
     np.testing.assert_array_equal(senders.state_arrays()["codec/s"], [[0.0, 1.0, 2.0]])
     assert senders.roundtrip(ACTIVATION, x, "s", 2).tolist() == [[0.0, 0.0, 4.0]]   # 2 + residual 2 wins
+
+
+def test_a_bad_coded_reply_is_named_by_stage_step_and_micro_batch():
+    """A backward reply whose int8 gradient is malformed: the refusal names the stage that sent it, the
+    step and the micro-batch, not only the codec's complaint."""
+    from distgrad.link import check_reply
+    from distgrad.wirecodec import Expected, WireTensor
+
+    specs = Expected(WireTensor("activation_grad", (4, 3), parse_codec("int8")))
+    reply = Message(wire.BACKWARD, "run", 7, 1, 2, body={"loss": 0.5},
+                    tensors={"activation_grad.q": np.zeros((4, 3), np.int8),
+                             "activation_grad.scale": np.array([1, -1, 1, 1], np.float32)})
+    with pytest.raises(wire.ProtocolError) as refused:
+        check_reply(reply, 7, specs, False, "g")
+    assert str(refused.value) == ("tensor: stage g's reply to step 7 micro-batch 1/2: codec int8: every 'scale' "
+                                  "must be finite and >= 0")

@@ -3,6 +3,8 @@ label owner only; nothing but an acknowledgement travels back to the data owner.
 
 from __future__ import annotations
 
+import csv
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +152,26 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
     assert np.array_equal(np.load(tmp_path / "out.npy"), exp.final_loss.predict(x))
     assert "passed on 40 rows" in procs[1].output
 
+    # A data owner whose --input cannot be read: the middle stages pass its notice on, every stage stops.
+    np.save(tmp_path / "bad.npy", np.zeros((3, 10), np.float32))
+    procs, below = [], None
+    try:
+        for name in ("g", "m2", "m1"):
+            ready = tmp_path / f"{name}.ready2"
+            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                    "--load", tmp_path / "halves" / f"{name}.npz"]
+            args += ["--output", tmp_path / "out2.npy"] if below is None else ["--connect", below]
+            procs.append(StageProcess(args, tmp_path / f"{name}.2.log", distgrad=True))
+            below = wait_for_file(ready, procs[-1])
+        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
+                     "--input", tmp_path / "bad.npy"])
+        assert f.returncode == 2, f.stderr
+        assert [p.wait(15) for p in procs] == [1, 1, 1], "\n".join(p.output for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+    assert all("stage f stopped: --input" in p.output for p in procs)
+
 
 def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp_path: Path):
     exp = load_experiment(trained / "parties" / "g" / "g.toml")
@@ -197,3 +219,140 @@ def test_unreadable_input_rows_are_a_configuration_error(trained: Path, tmp_path
     (tmp_path / "rows.csv").write_text("")
     with pytest.raises(ConfigError, match="--input"):
         read_rows(tmp_path / "rows.csv", load_experiment(trained / "parties" / "f" / "f.toml"), "f")
+
+
+def _serve(parties: Path, halves: Path, tmp_path: Path, output: Path) -> tuple[StageProcess, str]:
+    ready = tmp_path / "g.ready"
+    g = StageProcess(["predict", parties / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                      "--load", halves / "g.npz", "--output", output], tmp_path / "g.log", distgrad=True)
+    return g, wait_for_file(ready, g)
+
+
+def test_a_csv_with_a_header_and_an_id_column_keeps_the_ids(trained: Path, tmp_path: Path):
+    """The issue's file: a header, an ID column (here first, given by --id-column), the features after it;
+    the label owner writes the IDs as its first column, in the input's order."""
+    rows = np.random.default_rng(2).integers(0, 17, size=(45, 64)).astype(np.float64)
+    ids = [f"patient,{n}" if n % 7 == 0 else f"p{n}" for n in range(45)]      # some need quoting
+    with open(tmp_path / "rows.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["person", *(f"pixel{i}" for i in range(64))])
+        writer.writerows([key, *map(int, row)] for key, row in zip(ids, rows))
+    output = tmp_path / "predictions.csv"
+    _predict(trained, tmp_path, output, "--input", tmp_path / "rows.csv", "--id-column", "person")
+    with open(output, newline="") as f:
+        header, *lines = list(csv.reader(f))
+    assert header == ["person", "prediction"]
+    assert [line[0] for line in lines] == ids
+    expected = _expected(trained, rows.astype(np.float32) * np.float32(0.0625))
+    assert [int(line[1]) for line in lines] == expected.tolist()
+
+
+def test_an_npy_output_refuses_rows_with_ids(trained: Path, tmp_path: Path):
+    (tmp_path / "rows.csv").write_text("id," + ",".join(map(str, range(64))) + "\n" + "a," + ",".join(["1"] * 64)
+                                       + "\n")
+    g, endpoint = _serve(trained / "parties", trained / "halves", tmp_path, tmp_path / "out.npy")
+    with g:
+        f = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
+                     trained / "halves" / "f.npz", "--input", tmp_path / "rows.csv", "--id-column", "0"])
+        assert f.returncode == 4 and "give it --output FILE.csv" in f.stderr, f.stderr
+        g.stop()
+
+
+def test_bad_input_stops_the_label_owner_at_once(trained: Path, tmp_path: Path):
+    """The data owner's --input cannot be read (a word among the numbers): it exits 2 and tells the label
+    owner, which exits 1 at once naming the reason, instead of waiting out its 60 s deadline."""
+    (tmp_path / "rows.csv").write_text(",".join(["1"] * 64) + "\n" + ",".join(["1"] * 63 + ["oops"]) + "\n")
+    output = tmp_path / "predictions.csv"
+    g, endpoint = _serve(trained / "parties", trained / "halves", tmp_path, output)
+    with g:
+        started = time.monotonic()
+        f = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
+                     trained / "halves" / "f.npz", "--input", tmp_path / "rows.csv"])
+        assert f.returncode == 2 and "--input" in f.stderr, f.stderr
+        assert g.wait(15) == 1, g.output
+    assert time.monotonic() - started < 15
+    assert "stage f stopped: --input" in g.output and "oops" in g.output, g.output
+    assert not output.exists()
+
+
+def test_a_csv_read_as_its_csv_data_reads_it(tmp_path: Path):
+    """A stage whose [data] is csv (header, features by name, id_column): --input in the same form (as
+    distgrad align writes it) needs no flag; the IDs reach the output."""
+    rng = np.random.default_rng(3)
+    with open(tmp_path / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["b", "person", "a", "label"])
+        writer.writerows([f"{rng.normal():.5f}", f"t{n}", f"{rng.normal():.5f}", n % 2] for n in range(40))
+    experiment = tmp_path / "e.toml"
+    experiment.write_text('''name = "csv-ids"
+steps = 3
+seed = 1
+
+[data]
+kind = "csv"
+path = "train.csv"
+header = true
+features = ["a", "b"]
+labels = "label"
+id_column = "person"
+batch = 4
+
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "f1", in = 2, out = 3 }]
+optimizer = { type = "sgd", lr = 0.1 }
+
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 3, out = 2 }]
+optimizer = { type = "sgd", lr = 0.1 }
+loss = "softmax_cross_entropy"
+''')
+    assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
+    with open(tmp_path / "new.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["b", "person", "a"], ["0.5", "new-1", "-1"], ["2", "new-2", "0.25"]])
+    output, ready = tmp_path / "out.csv", tmp_path / "g.ready"
+    with StageProcess(["predict", experiment, "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                       "--load", tmp_path / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
+                      distgrad=True) as g:
+        endpoint = wait_for_file(ready, g)
+        f = run_cli(["predict", experiment, "--stage", "f", "--connect", endpoint, "--load",
+                     tmp_path / "halves" / "f.npz", "--input", tmp_path / "new.csv"])
+        assert f.returncode == 0, f.stderr
+        assert g.wait() == 0, g.output
+    exp = load_experiment(experiment)
+    fs, gs = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    fs.load_parameters(tmp_path / "halves" / "f.npz")
+    gs.load_parameters(tmp_path / "halves" / "g.npz")
+    expected = exp.final_loss.predict(gs.forward(fs.forward(np.array([[-1, 0.5], [0.25, 2]], np.float32))[0])[0])
+    assert output.read_text() == "person,prediction\n" + "".join(
+        f"new-{i + 1},{p}\n" for i, p in enumerate(expected.tolist()))
+
+
+def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
+    """Each feature party sends its rows' IDs: the label owner refuses a chunk whose IDs are not the other
+    party's (their files are not aligned), keeping nothing of it, and a party that sends no IDs."""
+    from distgrad import handshake
+    exp = load_experiment("digits-halves")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed), tmp_path / "out.csv", None)
+
+    def hello(name: str, id_column: str | None) -> Message:
+        message = handshake.hello(exp, name, exp.seed, exp.cuts[exp.stage_index(name)], f"run-{name}", [0], 0, 1)
+        message.body.update(purpose="predict", rows=2, **({"id_column": id_column} if id_column else {}))
+        return message
+
+    def chunk(name: str, ids: list[str]) -> Message:
+        width = exp.cuts[exp.stage_index(name)][1]
+        return Message(wire.PREDICT, f"run-{name}", 1, body={"ids": ids},
+                       tensors={"activation": np.ones((2, width), np.float32)})
+
+    server.handle(hello("left", "person"), 0.0)
+    with pytest.raises(ProtocolError, match="every party keeps the ID column, or none"):
+        server.handle(hello("right", None), 0.0)
+    server.handle(hello("right", "person"), 0.0)
+    server.handle(chunk("left", ["a", "b"]), 0.1)
+    with pytest.raises(ProtocolError, match="row 2 of the chunk: ID 'c', not 'b'") as info:
+        server.handle(chunk("right", ["a", "c"]), 0.2)
+    assert info.value.code == ErrorCode.MISMATCH and server.sessions["right"].chunks == {}
+    server.handle(chunk("right", ["a", "b"]), 0.3)
+    assert server.predictions[1].shape == (2,) and server.prediction_ids[1] == ["a", "b"]
