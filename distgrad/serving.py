@@ -41,24 +41,23 @@ import numpy as np
 import zmq
 
 from . import wire
+from .accepts import Accepts
 from .errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from .experiment import MAX_STALENESS, build_stage_parts
+from .experiment import MAX_STALENESS
 from .handshake import common_step, hello, same_exactly
 from .link import DownstreamLink
 from .options import StageOptions, StopFlag
 from .parties import Parties
 from .peers import Envelope, Peer, PeerStatus, Phase, Reply
-from .stage import TensorSpecs, average_parameters, backward_specs, forward_specs, target_spec
+from .stage import backward_specs
 from .stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from .topology import Clients, OnePeer, Topology
 from .transport import POLL_TICK_S, Server
-from .wire import ErrorCode, Message, frame_limit
-from .wirecodec import ACTIVATION, GRADIENT, Expected
+from .wire import ErrorCode, Message
+from .wirecodec import GRADIENT
 
 __all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "refusal", "serve"]
 
-MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation,
-MAX_EVAL_BYTES = 1 << 27   # and at most this many bytes of them (128 MiB)
 
 
 class ServingStage:
@@ -98,12 +97,13 @@ class ServingStage:
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
-        self.target = target_spec(self.exp)
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
             opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
             backward_specs(self.stage, 1, self.codecs[GRADIENT]))
-        self._set_limits()
+        self.accepts = Accepts(self.state, self.exp, self.input_shapes, self.data, self.link is not None,
+                               self.upstream, opts.seed, opts.init)
+        self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
         self.peers = [Peer(c) for c in range(self.count)]
         self.now = time.monotonic()                        # the time of the latest message or tick
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
@@ -117,35 +117,10 @@ class ServingStage:
             self.topology.resumed(time.monotonic())
             self.state.open_trace(append=True)
 
-    def _set_limits(self) -> None:
-        """What an evaluation carries per peer, and the largest message this stage accepts: a whole batch,
-        the held-out rows, or SplitFed parameters."""
-        singles = [self.forward_specs(1, index) for index in range(self.count)]
-        # A middle stage without data cannot tell how many rows are held out: it takes up to MAX_EVAL_ROWS
-        # and the stage below, which holds the labels, checks the count.
-        row_bytes = 4 * int(np.prod(self.stage.input_shape[1:] or (1,)))
-        passed_on = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
-        rows = len(self.data[0].test_rows) if self.data else passed_on if self.link is not None else 0
-        self.eval_rows_max = passed_on
-        self.eval_specs = [single.with_rows(rows) if rows else None for single in singles]    # per peer
-        limits = [frame_limit(single.specs) for single in singles] + [frame_limit(specs.specs)
-                                                                      for specs in self.eval_specs if specs]
-        self.param_specs: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
-        if self.exp.clients.mode == "splitfed":
-            first_model, _, _ = build_stage_parts(self.exp, self.upstream, self.opts.seed, self.opts.init)
-            self.param_specs = {name: (value.shape, value.dtype) for name, value in first_model.params.items()}
-            limits.append(frame_limit(self.param_specs))
-        self.max_frame_bytes = max(limit[0] for limit in limits)
-        self.max_tensor_bytes = max(limit[1] for limit in limits)
-
     # -- the run
     @property
     def stage(self):
         return self.state.stage
-
-    def forward_specs(self, mbs: int, index: int) -> Expected:
-        """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded."""
-        return forward_specs(self.stage, self.target, mbs, self.input_shapes[index], self.codecs[ACTIVATION])
 
     def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
         """The message tensors of ``x`` sent on ``stream``; a value its codec cannot carry fails the step
@@ -216,7 +191,7 @@ class ServingStage:
             failure, peer.failure = peer.failure, None
             self.topology.failed(peer, failure)
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
-        handler = {wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
+        handler = {wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
                    wire.BYE: self._bye}.get(msg.type)
         if handler is None:
             raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
@@ -252,7 +227,7 @@ class ServingStage:
         peer = self.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
-        peer.mbs, peer.specs = mbs, self.forward_specs(mbs, peer.index)
+        peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         topology.after_join(peer)
@@ -311,34 +286,8 @@ class ServingStage:
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
 
-    def _average(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        if peer.averaged is not None and peer.averaged.step == msg.step:
-            return [(envelope, peer.averaged)]
-        if peer.status is not PeerStatus.ACTIVE:
-            raise ProtocolError(ErrorCode.RUN, f"client {peer.index} does not take part in this average "
-                                               f"(it was dropped or is rejoining); say hello again")
-        every = self.exp.clients.average_every
-        if self.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
-            raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
-                                                f"{peer.step}; this run averages every {every or 'never'} steps")
-        wire.expect_tensors(msg, self.param_specs, self.exp.allow_nonfinite)
-        peer.average = msg
-        return []
-
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        specs = self.eval_specs[peer.index]
-        if not self.data and self.link is not None:
-            single = self.forward_specs(1, peer.index)
-            # The rows are the first axis of the coded activation's first part (the values, codes or bits).
-            activation = msg.tensors.get(next(iter(single.coded.specs)))
-            rows = len(activation) if activation is not None and activation.ndim else 0
-            if not 1 <= rows <= self.eval_rows_max:
-                raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {self.eval_rows_max} rows, got "
-                                                      f"{rows}")
-            specs = single.with_rows(rows)
-        elif specs is None or not self.data or not len(self.data[peer.index].test_rows):
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
-        specs.receive(msg, self.exp.allow_nonfinite)
+        self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
         if self.steps is not None and peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (
                 msg.run, msg.step):
             return [(envelope, peer.evaluated)]           # resent: the same scores
@@ -396,24 +345,10 @@ class ServingStage:
         if self.phase is Phase.JOINING:
             return self.topology.advance_joining(now)
         if self.phase is Phase.AVERAGING:
-            return self._average_round(now, replies)
+            return self.topology.advance_averaging(now, replies)
         if self.phase is Phase.EVALUATING:
             return self.topology.advance_evaluating(replies)
         return False
-
-    def _average_round(self, now: float, replies: list[Reply]) -> bool:
-        """SplitFed: once every peer of the round sent its parameters, each gets back their mean."""
-        taking_part = [self.peers[i] for i in self.order if self.peers[i].status is PeerStatus.ACTIVE]
-        if any(p.average is None for p in taking_part):
-            return False
-        if taking_part:
-            mean = average_parameters([p.average.tensors for p in taking_part])
-            for p in taking_part:
-                p.averaged = Message(wire.AVERAGE, p.run, self.round, tensors=mean)
-                p.average, p.last_seen = None, now
-                replies.append((p.envelope, p.averaged))
-        self.round_done()
-        return True
 
     def end_round(self) -> None:
         """Every peer of the round had its turn: checkpoint, then average (SplitFed) or start the next."""

@@ -31,9 +31,9 @@ from .errors import CodecRangeError, NonFiniteError, PeerRejected, ProtocolError
 from .experiment import client_stage_name
 from .handshake import check_hello, common_step
 from .link import check_evaluation, check_reply
-from .peers import Peer, PeerStatus, Phase, Reply
+from .peers import Envelope, Peer, PeerStatus, Phase, Reply
 from .records import evaluation_fields
-from .stage import micro_batch
+from .stage import average_parameters, micro_batch
 from .wire import ErrorCode, Message
 from .wirecodec import ACTIVATION, GRADIENT, stream_name
 
@@ -138,6 +138,39 @@ class Topology:
         """The evaluations outside a round's end (one peer; every peer's after the last step) that can be
         answered now."""
         raise NotImplementedError
+
+    def average(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        """A SplitFed peer's parameters for the average after its round (answered once every peer's are
+        in: ``advance_averaging``); a resent request gets the same reply."""
+        s = self.serving
+        if peer.averaged is not None and peer.averaged.step == msg.step:
+            return [(envelope, peer.averaged)]
+        if peer.status is not PeerStatus.ACTIVE:
+            raise ProtocolError(ErrorCode.RUN, f"client {peer.index} does not take part in this average "
+                                               f"(it was dropped or is rejoining); say hello again")
+        every = s.exp.clients.average_every
+        if s.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
+            raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
+                                                f"{peer.step}; this run averages every {every or 'never'} steps")
+        wire.expect_tensors(msg, s.accepts.params, s.exp.allow_nonfinite)
+        peer.average = msg
+        return []
+
+    def advance_averaging(self, now: float, replies: list[Reply]) -> bool:
+        """SplitFed: once every peer of the round sent its parameters, each gets back their mean (added to
+        ``replies``); False while one is missing."""
+        s = self.serving
+        taking_part = [s.peers[i] for i in s.order if s.peers[i].status is PeerStatus.ACTIVE]
+        if any(p.average is None for p in taking_part):
+            return False
+        if taking_part:
+            mean = average_parameters([p.average.tensors for p in taking_part])
+            for p in taking_part:
+                p.averaged = Message(wire.AVERAGE, p.run, s.round, tensors=mean)
+                p.average, p.last_seen = None, now
+                replies.append((p.envelope, p.averaged))
+        s.round_done()
+        return True
 
     def due(self, peer: Peer, step: int) -> bool:
         """``peer`` (taking part) evaluates after step ``step``, before the next round (its ``eval_every``);
@@ -679,7 +712,7 @@ class OnePeer(Turns):
         peer = s.peers[0]
         peer.run, peer.owner, peer.step = s.state.run_id, s.state.owner, ckpt_step
         peer.status, peer.last_seen = PeerStatus.ACTIVE, now
-        peer.specs = s.forward_specs(peer.mbs, peer.index)   # until its hello says otherwise
+        peer.specs = s.accepts.forward(peer.mbs, peer.index)   # until its hello says otherwise
         s.start_round()
 
     def at_round_boundary(self) -> bool:
