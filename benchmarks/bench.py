@@ -66,7 +66,8 @@ from bench_sections.runner import Runner  # noqa: E402
 from distgrad.launcher import pinned_env  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
     p = argparse.ArgumentParser(description="distgrad benchmarks: message path, model, pipelining, memory.")
     p.add_argument("--json", type=Path, metavar="PATH", help="write every figure, sample and ratio here")
     p.add_argument("--quick", action="store_true", help="a reduced set for a smoke check (under ~2 minutes)")
@@ -87,6 +88,90 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, metavar="JSON",
                    help="measure nothing: print the tables of an earlier run's --json file")
     p.add_argument("--markdown", action="store_true", help="with --report: Markdown tables (for docs/performance.md)")
+    return p
+
+
+def run_sections(runner: Runner, args: argparse.Namespace, sections: set[str], transports: list[str],
+                 results: dict[str, Any]) -> None:
+    """Measure the ``sections`` chosen (A, B, C) at the sizes of the mode (full, ``--quick``, ``--smoke``),
+    adding each section's figures to ``results``."""
+    if "A" in sections:
+        results["message_path"] = message_path(
+            runner, SMOKE["sizes"] if args.smoke else QUICK_SIZES if args.quick else SIZES, transports)
+    if "B" in sections and args.smoke:
+        results["model"] = model_section(runner, SMOKE["batches"], SMOKE["micro_batches"],
+                                         SMOKE["schedules"], runner.torch_python is not None)
+        results["balanced"] = balanced_section(runner, SMOKE["micro_batches"], SMOKE["schedules"],
+                                               SMOKE["balanced_batch"], SMOKE["balanced"])
+    elif "B" in sections:
+        results["model"] = model_section(runner, [32] if args.quick else BATCHES,
+                                         [4] if args.quick else MICRO_BATCHES, ["1f1b", "gpipe"],
+                                         runner.torch_python is not None)
+        results["balanced"] = balanced_section(runner, [4] if args.quick else [4, 8],
+                                               ["1f1b"] if args.quick else ["1f1b", "gpipe"])
+        if not args.quick:
+            results["balanced_big_batch"] = balanced_section(runner, [4, 8], ["1f1b", "gpipe"],
+                                                             BALANCED_BIG_BATCH)
+    if "C" in sections:
+        if args.smoke:
+            results["memory"] = memory_section(runner, results.get("model", {}), 1, SMOKE["memory_steps"],
+                                               SMOKE["wide"])
+        else:
+            results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
+                                               8 if args.quick else 30)
+
+
+def measure(args: argparse.Namespace, argv: list[str] | None, env: dict[str, str], sections: set[str],
+            transports: list[str], repeats: int, target_s: float, mode: str) -> tuple[dict[str, Any], list, int]:
+    """Snapshot distgrad, run the sections in a work directory, stop every child: ``(results, failures,
+    exit code)`` (130 / 143 when stopped by a signal)."""
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="distgrad-bench-") as tmp_name:
+        workdir = (args.workdir or Path(tmp_name)).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        src = workdir / "src"
+        src.mkdir(exist_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+        try:
+            snapshot = snapshot_distgrad(src, env)
+        except BenchError as e:
+            say(f"FAILED: {e}")
+            return results, [], 1
+        torch_python, torch_note = find_torch(args.torch_python, env) if "B" in sections else (None, "not run")
+        runner = Runner(workdir, src, env, torch_python, repeats, target_s)
+        if args.smoke:
+            runner.compute_min_s = SMOKE["compute_min_s"]
+        code = 0
+        try:
+            results["meta"] = {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
+                "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "quick": args.quick, "smoke": args.smoke, "repeats": repeats, "target_s": target_s,
+                "sections": sorted(sections),
+                "blas_env": "inherited" if args.inherit_blas_env else f"{', '.join(BLAS_OVERRIDES)} removed",
+                "torch": torch_note, "distgrad_snapshot": snapshot, "machine": machine_info(runner),
+            }
+            say(f"{mode} run: {repeats} repeat(s), ~{target_s:g} s per measurement; "
+                f"torch: {torch_note}")
+            run_sections(runner, args, sections, transports, results)
+        except KeyboardInterrupt:
+            say("interrupted (SIGINT); children stopped")
+            code = 130
+        except Terminated:
+            say("terminated (SIGTERM); children stopped")
+            code = 143
+        finally:
+            runner.stop_all()
+        results["targets"] = targets(results, transports)
+        results["failures"] = runner.failures
+        results["runtime_s"] = round(time.monotonic() - started, 1)
+        results.setdefault("meta", {})["loadavg_end"] = os.getloadavg()
+    return results, runner.failures, code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.report:
         results = json.loads(args.report.read_text())
@@ -105,77 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.inherit_blas_env:
         for name in BLAS_OVERRIDES:
             base.pop(name, None)
-    env = pinned_env(base)
-    started = time.monotonic()
-    results: dict[str, Any] = {}
     transports = SMOKE["transports"] if args.smoke else ["tcp", "ipc"]
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    with tempfile.TemporaryDirectory(prefix="distgrad-bench-") as tmp_name:
-        workdir = (args.workdir or Path(tmp_name)).resolve()
-        workdir.mkdir(parents=True, exist_ok=True)
-        src = workdir / "src"
-        src.mkdir(exist_ok=True)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
-        try:
-            snapshot = snapshot_distgrad(src, env)
-        except BenchError as e:
-            say(f"FAILED: {e}")
-            return 1
-        torch_python, torch_note = find_torch(args.torch_python, env) if "B" in sections else (None, "not run")
-        runner = Runner(workdir, src, env, torch_python, repeats, target_s)
-        if args.smoke:
-            runner.compute_min_s = SMOKE["compute_min_s"]
-        code = 0
-        try:
-            results["meta"] = {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
-                "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "quick": args.quick, "smoke": args.smoke, "repeats": repeats, "target_s": target_s, "sections": sorted(sections),
-                "blas_env": "inherited" if args.inherit_blas_env else f"{', '.join(BLAS_OVERRIDES)} removed",
-                "torch": torch_note, "distgrad_snapshot": snapshot, "machine": machine_info(runner),
-            }
-            say(f"{mode} run: {repeats} repeat(s), ~{target_s:g} s per measurement; "
-                f"torch: {torch_note}")
-            if "A" in sections:
-                results["message_path"] = message_path(
-                    runner, SMOKE["sizes"] if args.smoke else QUICK_SIZES if args.quick else SIZES, transports)
-            if "B" in sections and args.smoke:
-                results["model"] = model_section(runner, SMOKE["batches"], SMOKE["micro_batches"],
-                                                 SMOKE["schedules"], torch_python is not None)
-                results["balanced"] = balanced_section(runner, SMOKE["micro_batches"], SMOKE["schedules"],
-                                                       SMOKE["balanced_batch"], SMOKE["balanced"])
-            elif "B" in sections:
-                results["model"] = model_section(runner, [32] if args.quick else BATCHES,
-                                                 [4] if args.quick else MICRO_BATCHES, ["1f1b", "gpipe"],
-                                                 torch_python is not None)
-                results["balanced"] = balanced_section(runner, [4] if args.quick else [4, 8],
-                                                       ["1f1b"] if args.quick else ["1f1b", "gpipe"])
-                if not args.quick:
-                    results["balanced_big_batch"] = balanced_section(runner, [4, 8], ["1f1b", "gpipe"],
-                                                                     BALANCED_BIG_BATCH)
-            if "C" in sections:
-                if args.smoke:
-                    results["memory"] = memory_section(runner, results.get("model", {}), 1, SMOKE["memory_steps"],
-                                                       SMOKE["wide"])
-                else:
-                    results["memory"] = memory_section(runner, results.get("model", {}), 1 if args.quick else 2,
-                                                       8 if args.quick else 30)
-        except KeyboardInterrupt:
-            say("interrupted (SIGINT); children stopped")
-            code = 130
-        except Terminated:
-            say("terminated (SIGTERM); children stopped")
-            code = 143
-        finally:
-            runner.stop_all()
-        results["targets"] = targets(results, transports)
-        results["failures"] = runner.failures
-        results["runtime_s"] = round(time.monotonic() - started, 1)
-        results.setdefault("meta", {})["loadavg_end"] = os.getloadavg()
+    results, failures, code = measure(args, argv, pinned_env(base), sections, transports, repeats, target_s, mode)
+    if not results:
+        return code                     # the snapshot failed: nothing was measured
     report(results, transports, sys.stdout)
     print(f"\n{mode} run took {results['runtime_s']:.0f} s; "
-          f"{len(runner.failures)} failed measurement(s)", flush=True)
-    for failure in runner.failures:
+          f"{len(failures)} failed measurement(s)", flush=True)
+    for failure in failures:
         print(f"FAILED {failure['group']} {failure['variant']} (repeat {failure['repeat']}):\n{failure['error']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"figures written to {args.json}")
     if code:
         return code
-    return 1 if runner.failures else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

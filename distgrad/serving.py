@@ -44,7 +44,7 @@ from . import wire
 from .accepts import Accepts
 from .errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from .experiment import MAX_STALENESS
-from .handshake import common_step, hello, same_exactly
+from .handshake import same_exactly
 from .link import DownstreamLink
 from .options import StageOptions, StopFlag
 from .parties import Parties
@@ -238,27 +238,6 @@ class ServingStage:
         self.log.info("%s said hello (run %s, %d micro-batches): next step %d", topology.name(peer), msg.run, mbs,
                       next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": next_step})
-
-    def agree(self, msg: Message, ours: list[int], theirs: Any, mbs: int) -> int:
-        """The step this stage and every stage above and below it hold (``ours``: this stage's).
-
-        A middle stage asks the stage below with the steps both sides above
-        hold; nothing changes here until it has agreed.
-        """
-        common = common_step(ours, theirs)           # also validates ``theirs``
-        if self.link is None:
-            return common
-        both = sorted(set(ours) & set(theirs)) or [0]
-        steps = msg.body.get("steps")
-        self.link.set_reply_specs(backward_specs(self.stage, mbs, self.codecs[GRADIENT]))
-        try:
-            return self.link.handshake(hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape,
-                                             msg.run, both, steps if isinstance(steps, int)
-                                             and not isinstance(steps, bool) else 0, mbs,
-                                             relayed=msg.body.get("parts"),
-                                             staleness=msg.body.get("staleness", 0)))
-        except PeerRejected as e:
-            raise self.refused_below(e, msg) from e
 
     def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
         """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""

@@ -29,11 +29,11 @@ import numpy as np
 from . import wire
 from .errors import CodecRangeError, NonFiniteError, PeerRejected, ProtocolError, StageError
 from .experiment import client_stage_name
-from .handshake import check_hello, common_step
+from .handshake import check_hello, common_step, hello
 from .link import check_evaluation, check_reply
 from .peers import Envelope, Peer, PeerStatus, Phase, Reply
 from .records import evaluation_fields
-from .stage import average_parameters, micro_batch
+from .stage import average_parameters, backward_specs, micro_batch
 from .wire import ErrorCode, Message
 from .wirecodec import ACTIVATION, GRADIENT, stream_name
 
@@ -618,7 +618,7 @@ class OnePeer(Turns):
         s = self.serving
         same_run = s.active and msg.run == peer.run
         if same_run:
-            common = s.agree(msg, s.state.held(), msg.body.get("held"), mbs)
+            common = self._agree(msg, s.state.held(), msg.body.get("held"), mbs)
             before = s.stage.step
             s.state.rollback(common)
             peer.cached = {} if common != before else {k: v for k, v in peer.cached.items() if k[0] <= common}
@@ -626,7 +626,7 @@ class OnePeer(Turns):
             raise ProtocolError(ErrorCode.RUN, f"busy with run {peer.run} (its client is live); "
                                                f"cannot start run {msg.run!r}")
         else:
-            s.agree(msg, [0], msg.body.get("held"), mbs)
+            self._agree(msg, [0], msg.body.get("held"), mbs)
             if s.active:
                 s.log.warning("run %s replaces run %s, whose client is gone", msg.run, peer.run)
             s.state.begin(msg.run, owner=peer_key)
@@ -640,6 +640,28 @@ class OnePeer(Turns):
         peer.status, peer.step = PeerStatus.ACTIVE, common
         s.engine.reset()                     # a step in progress starts again from its first micro-batch
         return common + 1
+
+    def _agree(self, msg: Message, ours: list[int], theirs: Any, mbs: int) -> int:
+        """The step this stage and every stage above and below it hold (``ours``: this stage's).
+
+        A middle stage asks the stage below with the steps both sides above
+        hold; nothing changes here until it has agreed.
+        """
+        s = self.serving
+        common = common_step(ours, theirs)           # also validates ``theirs``
+        if s.link is None:
+            return common
+        both = sorted(set(ours) & set(theirs)) or [0]
+        steps = msg.body.get("steps")
+        s.link.set_reply_specs(backward_specs(s.stage, mbs, s.codecs[GRADIENT]))
+        try:
+            return s.link.handshake(hello(s.exp, s.opts.stage, s.opts.seed, s.stage.output_shape,
+                                          msg.run, both, steps if isinstance(steps, int)
+                                          and not isinstance(steps, bool) else 0, mbs,
+                                          relayed=msg.body.get("parts"),
+                                          staleness=msg.body.get("staleness", 0)))
+        except PeerRejected as e:
+            raise s.refused_below(e, msg) from e
 
     def round_order(self) -> list[int]:
         return [0] if self.serving.peers[0].status is PeerStatus.ACTIVE else []
