@@ -2,9 +2,14 @@
 
 The last stage computes the loss itself; a middle stage passes every request
 on to the stage below it (``link.DownstreamLink``) and its own backward on up.
-One implementation serves one peer (a two-stage run, a chain) and the data
-owners of an experiment with ``[clients]``: a ``Peer`` per data owner, each
-with an explicit ``PeerStatus``.
+One state machine (``ServingStage``: the phases, the reply cache, liveness
+and checkpoints) serves one peer (a two-stage run, a chain), the data owners
+of an experiment with ``[clients]`` and the feature parties of a vertical
+one: a ``Peer`` per peer, each with an explicit ``PeerStatus``. What differs
+between these is its topology's (``topology.OnePeer``, ``topology.Clients``,
+``parties.Parties``): who takes part in a step and in what order, what a
+hello must agree on, how the messages of a step and the evaluations combine,
+and what a rollback does.
 
 Every step of the run (a *round*) the peers taking part send their forwards,
 in any order; this stage takes them in peer order (0, 1, ...), each peer's
