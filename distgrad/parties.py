@@ -286,10 +286,6 @@ class Parties(Topology):
             awaited = [p for p in s.peers if p.status is not PeerStatus.ACTIVE or p.step != s.round]
         return [p for p in awaited if now - since(p) > s.opts.liveness_s]
 
-    def lost(self) -> bool:
-        s = self.serving
-        return s.active and s.lost_since is not None
-
     def lost_message(self) -> str:
         s = self.serving
         names = ", ".join(self.name(p) for p in self.missing(s.now)) or "a party"

@@ -410,10 +410,6 @@ class ServingStage:
         """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
         return self.topology.lost_message()
 
-    def lost(self) -> bool:
-        """Every peer is lost: none takes part, or after the last round none said bye and none is left."""
-        return self.topology.lost()
-
     def complete(self) -> bool:
         """The run is over: its rounds are done (several peers) and every peer still taking part has said
         bye, one at least."""

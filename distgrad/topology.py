@@ -215,10 +215,6 @@ class Topology:
     def seen(self, peer: Peer) -> None:
         """``peer`` sent a message (or said hello)."""
 
-    def lost(self) -> bool:
-        """Every peer is lost."""
-        raise NotImplementedError
-
     def lost_message(self) -> str:
         """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
         raise NotImplementedError
@@ -692,10 +688,6 @@ class OnePeer(Turns):
         if s.lost_since is not None:
             s.log.info("client of run %s is back", peer.run)
             s.lost_since = None
-
-    def lost(self) -> bool:
-        s = self.serving
-        return s.active and s.phase is not Phase.JOINING and s.lost_since is not None
 
     def lost_message(self) -> str:
         s = self.serving
