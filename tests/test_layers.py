@@ -19,7 +19,8 @@ LAYERS = [
     ("wire, transport and files", {"wire", "wirecodec", "transport", "keys", "handshake", "link", "records",
                                    "checkpoint", "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
-    ("stage processes", {"options", "stage_state", "serving", "driver", "predict", "align"}),
+    ("stage processes", {"options", "stage_state", "accepts", "peers", "topology", "parties", "serving",
+                         "driver", "predict", "align"}),
     ("front ends", {"launcher", "api", "cli", "plot", "vertical_example", "__init__"}),
 ]
 LAYER = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}

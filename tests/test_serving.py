@@ -330,3 +330,27 @@ def test_a_client_silent_when_its_evaluation_is_due_is_dropped_and_the_round_goe
     assert server.phase is Phase.EVALUATING
     server.tick(5.0)
     assert server.peers[1].status is PeerStatus.DROPPED and server.phase is Phase.ROUND and server.round == 2
+
+
+@pytest.mark.parametrize("name, topology", [("tanh-regression", "OnePeer"), ("digits-clients", "Clients"),
+                                            ("digits-halves", "Parties")])
+def test_each_topology_is_one_class_of_the_one_state_machine(name, topology):
+    """One driver, clients in turn, vertical parties: the same ``ServingStage``, each with its own topology."""
+    server, _ = _serving(name)
+    assert type(server.topology).__name__ == topology and server.topology.serving is server
+
+
+def test_the_serving_stage_is_in_parts_a_reader_can_hold():
+    """No class of the serving stage over 400 lines, no function over 55 (issue 22, point 1)."""
+    import ast
+    from pathlib import Path
+    package = Path(__file__).resolve().parent.parent / "distgrad"
+    too_big = []
+    for module in ("serving", "topology", "parties", "peers", "accepts"):
+        for node in ast.walk(ast.parse((package / f"{module}.py").read_text())):
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                continue
+            size = node.end_lineno - node.lineno + 1
+            if size > (400 if isinstance(node, ast.ClassDef) else 55):
+                too_big.append(f"{module}.{node.name}: {size} lines")
+    assert not too_big, too_big
