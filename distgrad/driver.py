@@ -82,6 +82,7 @@ class _Driver:
         self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)
+            self.state.history.rewind(self.state.stage)     # as before the first of them
         else:
             # Dropped by the serving stage of several clients: go on from here at its next step.
             self.log.warning("the serving stage goes on with this client at step %d; it has parameters of step "
@@ -193,6 +194,7 @@ class _Driver:
         """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
         version = step - 1 - self.staleness
         batch, caches, pending = self._batch(step), {}, {}
+        self.state.history.before_forward(step, self.state.stage)
         with self._as_of(version, step):
             for i in range(self.opts.micro_batches):
                 msg, caches[i] = self._forward(step, i, batch)

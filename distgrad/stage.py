@@ -253,6 +253,14 @@ class Stage:
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
 
+    def forward_state(self) -> dict[str, np.ndarray]:
+        """Copies of what a training forward changes besides its output (a torch module's buffers: batch
+        norm's running statistics); a numpy stage's forward changes nothing: empty."""
+        return {}
+
+    def restore_forward_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Set what ``forward_state`` returned; nothing to set for a numpy stage."""
+
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output)."""
         try:

@@ -76,7 +76,10 @@ twin to float32 tolerance, not bit for bit. tests/test_torch.py checks:
 
 Bitwise: a run with the same frameworks in one process or in two (inputs are
 copied into memory torch allocated, so kernels see the same alignment either
-way), and a run resumed from checkpoints.
+way), and a run resumed from checkpoints, with or without steps in flight
+(``--staleness``: a training forward computes with its own copy of the
+parameters, so its graph stays valid through the updates before its
+backward).
 
 Threads: a torch stage computes on one thread, whatever ``OMP_NUM_THREADS``
 or ``MKL_NUM_THREADS`` say, as every stage does (``distgrad.threads``): a
@@ -452,6 +455,7 @@ class TorchStage(Stage):
             raise ConfigError(f"stage {name}: the optimizer updates a tensor that is not a parameter of the module")
         self._trainable = [p for p in self._params if p.tensor.requires_grad]
         self._by_name = {p.name: p for p in self._params}
+        self._module_names = {id(t): n for n, t in module.named_parameters()}    # for ``functional_call``
         self._loss_fn = _torch_loss(loss, self.device, name) if loss is not None else None
         self.input_shape = tuple(input_shape)        # the probe below needs it
         self._setup(name, optimizer, loss, input_shape, self._probe_output_shape())
@@ -554,22 +558,35 @@ class TorchStage(Stage):
         finally:
             self.module.train(was_training)
 
-    def _graph(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input as a leaf that can take a gradient, and the module's output with its graph."""
+    def _graph(self, x: np.ndarray, mb: int = 0, training: bool = True, own_copy: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The input as a leaf that can take a gradient, the module's output with its graph, and the tensors
+        standing for the trainable parameters in that graph (in ``_trainable``'s order).
+
+        ``own_copy``: the forward computes with a copy of the trainable parameters
+        (``torch.func.functional_call``), so that its graph stays valid when the
+        optimizer updates the parameters in place before its backward (steps in
+        flight); the same values, so the same output bits.
+        """
         x_t = _tensor(x, device=self.device).requires_grad_()
         with torch.enable_grad(), self._forward_mode(mb, training):
-            return x_t, self.module(x_t)
+            if not own_copy:
+                return x_t, self.module(x_t), [p.tensor for p in self._trainable]
+            copies = {self._module_names[id(p.tensor)]: p.tensor.detach().clone().requires_grad_()
+                      for p in self._trainable}
+            out = torch.func.functional_call(self.module, copies, (x_t,))
+            return x_t, out, list(copies.values())
 
     def _gradients(self, out: torch.Tensor, d_out: torch.Tensor | None, x_t: torch.Tensor,
-                   need_dx: bool) -> tuple[np.ndarray | None, Grads]:
-        """Back-propagate ``d_out`` from ``out`` (a scalar loss when None) once; the graph is freed.
+                   leaves: list[torch.Tensor], need_dx: bool) -> tuple[np.ndarray | None, Grads]:
+        """Back-propagate ``d_out`` from ``out`` (a scalar loss when None) once, to ``leaves`` (the trainable
+        parameters' tensors in the graph) and ``x_t``; the graph is freed.
 
         Only what is asked for is computed (torch prunes the product for d(input)
         when ``need_dx`` is false). A parameter the output does not depend on
         gets no gradient, as in torch.
         """
-        inputs = [p.tensor for p in self._trainable] + ([x_t] if need_dx else [])
-        found = torch.autograd.grad(out, inputs, grad_outputs=d_out, allow_unused=True)
+        found = torch.autograd.grad(out, leaves + ([x_t] if need_dx else []), grad_outputs=d_out, allow_unused=True)
         grads = {p.name: p.view(g) for p, g in zip(self._trainable, found) if g is not None}
         if not need_dx:
             return None, grads
@@ -578,21 +595,27 @@ class TorchStage(Stage):
 
     def forward(self, x: np.ndarray, mb: int = 0, training: bool = True) -> tuple[np.ndarray, Any]:
         """Activations for ``x`` (float32 numpy), micro-batch ``mb`` of the step in progress, and the cache
-        ``backward`` needs (the graph); ``training`` False runs the module in eval mode."""
+        ``backward`` needs (the graph); ``training`` False runs the module in eval mode.
+
+        A training forward computes with its own copy of the trainable parameters,
+        so its cache stays valid after later updates: with steps in flight
+        (staleness) its backward, after updates, gives the gradients at the
+        parameters this forward used, as a numpy stage's does.
+        """
         try:
-            x_t, y_t = self._graph(x, mb, training)
+            x_t, y_t, leaves = self._graph(x, mb, training, own_copy=training)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
-        return _host(y_t), (x_t, y_t)
+        return _host(y_t), (x_t, y_t, leaves)
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output).
 
         Each cache is used once: its graph is freed.
         """
-        x_t, y_t = cache
+        x_t, y_t, leaves = cache
         try:
-            return self._gradients(y_t, _tensor(dy, device=self.device), x_t, need_dx)
+            return self._gradients(y_t, _tensor(dy, device=self.device), x_t, leaves, need_dx)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
@@ -625,10 +648,10 @@ class TorchStage(Stage):
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
         """Forward, loss and backward of micro-batch ``mb`` on the last stage, in one torch graph, without an update."""
         try:
-            x_t, y_t = self._graph(x, mb)
+            x_t, y_t, leaves = self._graph(x, mb)
             with torch.enable_grad():
                 loss_t = self._loss_value(y_t, target)
-            dx, grads = self._gradients(loss_t, None, x_t, True)
+            dx, grads = self._gradients(loss_t, None, x_t, leaves, True)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
         assert dx is not None
@@ -662,12 +685,22 @@ class TorchStage(Stage):
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
+    def forward_state(self) -> dict[str, np.ndarray]:
+        """Copies of the module's buffers in host memory (a training forward updates batch norm's)."""
+        return {name: _host(b).copy() for name, b in self.buffers.items()}
+
+    def restore_forward_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Set the buffers to ``state`` (what ``forward_state`` returned)."""
+        with torch.no_grad():
+            for name, value in state.items():
+                self.buffers[name].copy_(torch.from_numpy(np.array(value)))
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Parameters (``param/NAME``, distgrad layout), buffers (``buffer/NAME``, their own dtype) and
         optimizer state (``opt/KEY/NAME``, torch's layout), in host memory."""
         arrays = {f"param/{name}": value for name, value in self.params.items()}
         arrays[_UPDATES] = np.array(self.updates, np.int64)
-        arrays.update({f"buffer/{name}": _host(b).copy() for name, b in self.buffers.items()})
+        arrays.update({f"buffer/{name}": value for name, value in self.forward_state().items()})
         names = {id(p.tensor): p.name for p in self._params}
         for tensor, state in self.optimizer.state.items():
             for key, value in state.items():
@@ -713,8 +746,7 @@ class TorchStage(Stage):
             for name in names:
                 p = self._by_name[name]
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
-            for name, value in buffers.items():
-                self.buffers[name].copy_(torch.from_numpy(np.array(value)))
+        self.restore_forward_state(buffers)
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.step = step
         # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
