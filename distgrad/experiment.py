@@ -71,7 +71,8 @@ class StageSpec:
     the per-row output shape a module stage of a combined experiment declares.
     ``data`` is the stage file's ``[data]`` table (None: the experiment's);
     ``seed`` the seed of this stage's initial values (None: the run's);
-    ``columns`` the feature columns it takes from its data (None: all).
+    ``columns`` the feature columns it takes from its data (None: all);
+    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none).
     """
 
     name: str
@@ -88,6 +89,7 @@ class StageSpec:
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
     source: str = ""
     columns: list[int] | None = None
+    scheduler: dict[str, Any] | None = None
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -467,6 +469,19 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
         raise _fail(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
                             f"torch), got {framework!r}")
+    scheduler = table.get("scheduler")
+    if scheduler is not None:
+        if not isinstance(scheduler, dict) or not isinstance(scheduler.get("type"), str):
+            raise _fail(source, f"stage {name!r}: 'scheduler' must be a table naming a torch.optim.lr_scheduler "
+                                f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
+                                f"got {scheduler!r}")
+        if framework != "torch":
+            raise _fail(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
+                                f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
+                                f"(see Learning-rate schedules)")
+        if "schedule" in table.get("optimizer", {}):
+            raise _fail(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
+                                f"or 'scheduler' (torch's), not both")
     device = table.get("device", "cpu")
     if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
             device.startswith("cuda:") and device[5:].isdigit())):
@@ -489,7 +504,8 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
-                     list(columns) if columns is not None else None)
+                     list(columns) if columns is not None else None,
+                     dict(scheduler) if scheduler is not None else None)
 
 
 def _shape_list(value: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import ConfigError
-from .schedules import Constant, Schedule, build_schedule, check_rate
+from .schedules import Constant, Schedule, check_rate, optimizer_schedule
 
 F32 = np.float32
 
@@ -211,7 +211,7 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
 
     Raises ``ConfigError`` for an unknown type or option (listing the valid
     ones), for a value that is not a real number (a string or a boolean), and
-    for any bad schedule key, type or value (``schedules.build_schedule``),
+    for any bad schedule key, type or value (``schedules.optimizer_schedule``),
     each named in the message.
     """
     spec = dict(spec)
@@ -231,9 +231,6 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
             raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number")
         options[k] = float(v)
     if schedule_spec is not None:
-        if isinstance(schedule_spec, Mapping) and schedule_spec.get("type") == "piecewise" and "lr" in options:
-            raise ConfigError(f"optimizer {kind!r}: a piecewise schedule gives its rates in 'values'; "
-                              f"remove 'lr' ({spec['lr']!r})")
         default_lr = inspect.signature(classes[kind].__init__).parameters["lr"].default
-        options["lr"] = build_schedule(schedule_spec, options.get("lr", default_lr))
+        options["lr"] = optimizer_schedule(kind, schedule_spec, spec.get("lr"), default_lr)
     return classes[kind](**options)

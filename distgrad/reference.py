@@ -95,7 +95,11 @@ def render() -> str:
     out += ["## Learning-rate schedules (`optimizer = { ..., schedule = { type = ... } }`)", "",
             "The optimiser's `lr` becomes the first rate of a schedule, computed in float32 from the optimiser's "
             "own update count (checkpointed, so a resumed run continues it). `warmup_steps = W` rises linearly "
-            "to the first rate over W updates first. The formulas: `distgrad.schedules`.", "",
+            "to the first rate over W updates first. The formulas: `distgrad.schedules`. Every stage takes one, "
+            "a torch stage's torch.optim class too (its `lr`, else the class's default, is the first rate; the "
+            "float32 rate of each update is set on every param group before it). A torch stage may instead "
+            "name one of torch's own schedulers: `scheduler = { type = \"StepLR\", step_size = 10, gamma = 0.5 }` "
+            "in its stage table (see `scheduler` above).", "",
             "| type | keys (each also takes `warmup_steps`) |", "| --- | --- |"]
     out += [f"| `{kind}` | {', '.join(f'`{k}`' for k in keys) or '(none)'} |"
             for kind, keys in schedules.SCHEDULE_OPTIONS.items()]

@@ -232,3 +232,13 @@ def build_schedule(spec: Mapping[str, Any] | None, lr: float) -> Schedule:
     else:
         schedule = CosineDecay(lr, spec["decay_steps"], _number(kind, "alpha", spec.get("alpha", 0.0)))
     return Warmup(schedule, warmup) if warmup else schedule
+
+
+def optimizer_schedule(optimizer: str, spec: Any, lr: Any, default_lr: float) -> Schedule:
+    """The schedule of optimizer table ``optimizer``'s ``schedule`` table ``spec``, around the table's ``lr``
+    (None: the optimizer's ``default_lr``). A piecewise schedule gives its rates in ``values``, so a table
+    that also gives ``lr`` is a ``ConfigError``; otherwise as ``build_schedule``."""
+    if isinstance(spec, Mapping) and spec.get("type") == "piecewise" and lr is not None:
+        raise ConfigError(f"optimizer {optimizer!r}: a piecewise schedule gives its rates in 'values'; "
+                          f"remove 'lr' ({lr!r})")
+    return build_schedule(spec, default_lr if lr is None else lr)

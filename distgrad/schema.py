@@ -108,7 +108,15 @@ _STAGE_COMMON: dict[str, Key] = {
     "optimizer": ("table", '{ type = "adam" }',
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
                   "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 } "
-                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values)"),
+                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values); any of them "
+                  "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
+                  "every param group before each update"),
+    "scheduler": ("table", "absent",
+                  "a torch stage only (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
+                  "and its keyword arguments, e.g. { type = \"StepLR\", step_size = 10, gamma = 0.5 }, stepped once "
+                  "after each update (a training step) and checkpointed with the stage; not with the optimizer's "
+                  "'schedule'. Refused: ReduceLROnPlateau (it needs a metric), LambdaLR and MultiplicativeLR (a "
+                  "function), SequentialLR and ChainedScheduler (other schedulers)"),
     "loss": ("string or table", "absent",
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
              "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "

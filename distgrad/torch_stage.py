@@ -100,6 +100,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import json
 import sys
 import zlib
 from dataclasses import dataclass
@@ -115,7 +117,7 @@ from .nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from .optim import SGD, Adam, Optimizer, build_optimizer
 from .records import write_atomic
 from .npzfile import member_error
-from .schedules import Schedule
+from .schedules import Schedule, optimizer_schedule
 from .stage import Stage, check_cut, check_saved_parameters
 from .threads import one_torch_thread
 
@@ -303,16 +305,24 @@ def _torch_optimizer_classes() -> list[str]:
                   and name not in _CLOSURE_OPTIMIZERS)
 
 
-def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage: str) -> torch.optim.Optimizer:
-    """A module stage's optimizer: ``{ type = "Adam", lr = 0.001, ... }`` names a ``torch.optim`` class and
-    its keyword arguments (lists become tuples, for ``betas``); ``"adam"``/``"sgd"`` (the default
-    ``"adam"``) are distgrad's tables with their float32 values. ``ConfigError`` for an unknown class or
-    arguments the class rejects."""
+def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage: str
+                     ) -> tuple[torch.optim.Optimizer, Schedule | None]:
+    """A module stage's optimizer and its learning-rate schedule (None without one).
+
+    ``{ type = "Adam", lr = 0.001, ... }`` names a ``torch.optim`` class and
+    its keyword arguments (lists become tuples, for ``betas``); ``"adam"``/
+    ``"sgd"`` (the default ``"adam"``) are distgrad's tables with their float32
+    values. Either may hold a ``schedule`` table (``distgrad.schedules``):
+    around the table's ``lr`` (else the class's default), its float32 rate of
+    each update is set on every param group before the update. ``ConfigError``
+    for an unknown class, arguments the class rejects or a bad schedule.
+    """
     table = dict(table)
     kind = table.get("type", "adam")
     try:
         if kind in ("adam", "sgd"):
-            return _torch_optimizer(build_optimizer(table), params)
+            built = build_optimizer(table)
+            return _torch_optimizer(built, params), built.schedule if "schedule" in table else None
         if kind in _CLOSURE_OPTIMIZERS:
             raise ConfigError(f"torch.optim.{kind} re-evaluates the whole model through a closure at every step, "
                               f"which a stage holding only its part cannot give; use another optimizer")
@@ -320,13 +330,78 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ConfigError(f"unknown optimizer {kind!r}: name a torch.optim class "
                               f"({', '.join(_torch_optimizer_classes())}) or a distgrad one (adam, sgd)")
+        schedule_spec = table.pop("schedule", None)
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k != "type"}
+        schedule = None
+        if schedule_spec is not None:
+            lr = options.get("lr")
+            if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool)):
+                raise ConfigError(f"invalid option 'lr' for optimizer {kind!r}: {lr!r} is not a number")
+            default_lr = inspect.signature(cls).parameters["lr"].default
+            schedule = optimizer_schedule(kind, schedule_spec, lr, default_lr)
         try:
-            return cls(params, **options)
+            return cls(params, **options), schedule
         except (TypeError, ValueError) as e:
             raise ConfigError(f"torch.optim.{kind} rejects {options!r}: {e}") from e
     except ConfigError as e:
         raise ConfigError(f"stage {stage!r}: {e}") from e
+
+
+# Schedulers a table cannot give what they need, with the reason.
+_REFUSED_SCHEDULERS = {
+    "ReduceLROnPlateau": "it steps on a metric (a validation loss), which the stage does not give it; use a "
+                         "schedule that depends on the step only",
+    "LambdaLR": "it takes a Python function, which a table cannot give",
+    "MultiplicativeLR": "it takes a Python function, which a table cannot give",
+    "SequentialLR": "it takes other schedulers, which a table cannot give",
+    "ChainedScheduler": "it takes other schedulers, which a table cannot give",
+}
+_SCHEDULER = "opt/scheduler"    # the checkpoint array of the scheduler's state: JSON text as uint8
+
+
+def _scheduler_classes() -> list[str]:
+    base = torch.optim.lr_scheduler.LRScheduler
+    return sorted(name for name, value in vars(torch.optim.lr_scheduler).items() if isinstance(value, type)
+                  and issubclass(value, base) and value is not base and not name.startswith("_")
+                  and name not in _REFUSED_SCHEDULERS)
+
+
+def _scheduler_state(scheduler: Any, optimizer: torch.optim.Optimizer) -> np.ndarray:
+    """The scheduler's ``state_dict`` and the optimizer's param groups (which a scheduler may change: the
+    rate, and momentum for OneCycleLR and CyclicLR) as JSON text in a uint8 array (never a pickle);
+    ``TypeError``/``ValueError`` when they are not plain numbers, strings and lists."""
+    text = json.dumps({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
+                      allow_nan=False)
+    return np.frombuffer(text.encode(), np.uint8).copy()
+
+
+def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Optimizer, stage: str) -> Any:
+    """The ``torch.optim.lr_scheduler`` class a stage's ``scheduler = { type = "StepLR", ... }`` names, made
+    over ``optimizer`` with the table's other keys as keyword arguments; None without a table.
+
+    Stepped once after each update (``TorchStage.apply``) and checkpointed
+    with the stage. ``ConfigError`` naming the stage for an unknown class, a
+    refused one (``_REFUSED_SCHEDULERS``: the reason), arguments the class
+    rejects, or a state that cannot be checkpointed as JSON.
+    """
+    if table is None:
+        return None
+    options = dict(table)
+    kind = options.pop("type", None)
+    where = f"stage {stage!r}: scheduler {kind!r}"
+    if kind in _REFUSED_SCHEDULERS:
+        raise ConfigError(f"{where} is not supported: {_REFUSED_SCHEDULERS[kind]}")
+    if not isinstance(kind, str) or kind not in _scheduler_classes():
+        raise ConfigError(f"{where}: name a torch.optim.lr_scheduler class: {', '.join(_scheduler_classes())}")
+    try:
+        scheduler = getattr(torch.optim.lr_scheduler, kind)(optimizer, **options)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: torch.optim.lr_scheduler.{kind} rejects {options!r}: {e}") from e
+    try:
+        _scheduler_state(scheduler, optimizer)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: its state cannot be checkpointed as JSON ({e}); use numbers and strings") from e
+    return scheduler
 
 
 # ---------------------------------------------------------------- your own module
@@ -426,13 +501,19 @@ class TorchStage(Stage):
     parameters. Build one with ``from_experiment``, ``from_spec`` or
     ``from_module``.
 
-    ``schedule`` (set by ``from_experiment``; None otherwise): the float32
+    ``schedule`` (set by ``from_experiment``, and by ``from_spec`` for an
+    optimizer table with a ``schedule``; None otherwise): the float32
     learning rate of update ``updates + 1``, set on every param group before
     each ``optimizer.step()``. ``updates`` counts the applied updates and is
-    checkpointed as ``opt/updates``.
+    checkpointed as ``opt/updates``. ``scheduler`` (a stage's ``scheduler``
+    table, ``stage_scheduler``; None otherwise): a ``torch.optim.lr_scheduler``
+    stepped once after each ``optimizer.step()``, checkpointed with the param
+    groups as JSON (``opt/scheduler``); a stage has a schedule or a scheduler,
+    never both.
     """
 
     schedule: Schedule | None = None
+    scheduler: Any = None           # a torch.optim.lr_scheduler.LRScheduler
     updates = 0
 
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
@@ -478,14 +559,16 @@ class TorchStage(Stage):
             modules.append(module)
         stage = cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
                     exp.input_shape(name, seed), params, device)
-        stage.schedule = optimizer.schedule
+        stage.scheduler = stage_scheduler(exp.spec(name).scheduler, stage.optimizer, name)
+        stage.schedule = optimizer.schedule if stage.scheduler is None else None
         return stage
 
     @classmethod
     def from_spec(cls, exp: Experiment, name: str, seed: int | None = None,
                   init: Mapping[str, float] | None = None) -> "TorchStage":
         """Module stage ``name`` of ``exp`` (``module = "pkg.mod:factory"``): the module (``build_module``)
-        on the stage's device, its optimizer (``module_optimizer``) and, on the last stage, its loss.
+        on the stage's device, its optimizer and schedule (``module_optimizer``), its scheduler
+        (``stage_scheduler``) and, on the last stage, its loss.
 
         ``init`` may name the module's parameters and any other stage's.
         Raises ``ConfigError`` as ``build_module`` does, and for an unknown
@@ -502,9 +585,13 @@ class TorchStage(Stage):
             check_init_overrides(exp, {k: init[k] for k in others})
         module.to(device)
         params = [_Param(n, p) for n, p in module.named_parameters()]
-        optimizer = module_optimizer(spec.optimizer, [p.tensor for p in params if p.tensor.requires_grad], name)
+        optimizer, schedule = module_optimizer(spec.optimizer, [p.tensor for p in params if p.tensor.requires_grad],
+                                               name)
         loss = stage_loss(spec) if name == exp.stage_names[-1] else None
-        return cls(name, module, optimizer, loss, exp.input_shape(name, seed), params, device)
+        stage = cls(name, module, optimizer, loss, exp.input_shape(name, seed), params, device)
+        stage.schedule = schedule
+        stage.scheduler = stage_scheduler(spec.scheduler, optimizer, name)
+        return stage
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -669,7 +756,7 @@ class TorchStage(Stage):
         return {"loss": float(loss_t), "correct": self.loss.correct(_host(y_t), target), "count": int(len(x))}
 
     def apply(self, grads: Grads) -> None:
-        """One optimizer step from numpy ``grads`` keyed like ``params``; counts the step.
+        """One optimizer step from numpy ``grads`` keyed like ``params`` (then one scheduler step); counts the step.
 
         A parameter without a gradient is left alone (torch's rule for ``grad is None``).
         """
@@ -682,6 +769,8 @@ class TorchStage(Stage):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
@@ -700,6 +789,8 @@ class TorchStage(Stage):
         optimizer state (``opt/KEY/NAME``, torch's layout), in host memory."""
         arrays = {f"param/{name}": value for name, value in self.params.items()}
         arrays[_UPDATES] = np.array(self.updates, np.int64)
+        if self.scheduler is not None:
+            arrays[_SCHEDULER] = _scheduler_state(self.scheduler, self.optimizer)
         arrays.update({f"buffer/{name}": value for name, value in self.forward_state().items()})
         names = {id(p.tensor): p.name for p in self._params}
         for tensor, state in self.optimizer.state.items():
@@ -735,7 +826,7 @@ class TorchStage(Stage):
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in arrays.items():
             parts = key.split("/", 2)
-            if parts[0] != "opt" or key == _UPDATES:
+            if parts[0] != "opt" or key in (_UPDATES, _SCHEDULER):
                 continue
             p = self._by_name.get(parts[-1]) if len(parts) == 3 else None
             if p is None or id(p.tensor) not in index:
@@ -747,10 +838,33 @@ class TorchStage(Stage):
                 p = self._by_name[name]
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.restore_forward_state(buffers)
-        self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        groups = self._saved_scheduler(arrays)
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.step = step
         # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
         self.updates = int(arrays[_UPDATES]) if _UPDATES in arrays else step
+
+    def _saved_scheduler(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+        """With a scheduler: restore its state from checkpoint ``arrays`` and return the saved param groups
+        (the rate, and momentum, it set); else the optimizer's own. ``ValueError`` when the checkpoint has
+        scheduler state and the stage no scheduler, or the reverse, or the state does not fit."""
+        current = self.optimizer.state_dict()["param_groups"]
+        if (_SCHEDULER in arrays) != (self.scheduler is not None):
+            raise ValueError(f"stage {self.name}: the checkpoint {'has' if _SCHEDULER in arrays else 'has no'} "
+                             f"learning-rate scheduler state, the stage {'has' if self.scheduler else 'has no'} "
+                             f"scheduler")
+        if self.scheduler is None:
+            return current
+        try:
+            saved = json.loads(np.asarray(arrays[_SCHEDULER], np.uint8).tobytes().decode())
+            groups = saved["param_groups"]
+            if len(groups) != len(current) or any(set(g) != set(c) for g, c in zip(groups, current)):
+                raise ValueError("its param groups differ from the optimizer's")
+            self.scheduler.load_state_dict(saved["scheduler"])
+        except (ValueError, KeyError, TypeError) as e:   # JSON and Unicode errors are ValueErrors
+            raise ValueError(f"stage {self.name}: the checkpoint's scheduler state does not fit: {e}") from e
+        # JSON has lists where torch keeps tuples (Adam's betas)
+        return [{k: tuple(v) if isinstance(c[k], tuple) else v for k, v in g.items()} for g, c in zip(groups, current)]
 
     parameters_suffix = ".pt"      # what ``save_parameters`` writes: a torch ``state_dict``
 
