@@ -186,6 +186,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
     check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    _build_torch_stages(exp, seed, parse_init_overrides(init))
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
@@ -270,6 +271,18 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         if exp.federated and metrics_path is not None:
             merge_metrics([metrics[name] for name in labels], metrics_path, clients)
     return summary
+
+
+def _build_torch_stages(exp: Any, seed: int | None, init: Mapping[str, float]) -> None:
+    """Build every torch stage once here, before any stage starts: import its module, make it, its optimizer,
+    scheduler and loss, and check its output against the cut with a forward of zeros. A bad one is a
+    ``ConfigError`` (exit 2) naming it, not a stage process that exits after the others started. The numpy
+    stages were built when the file was loaded."""
+    from .stage import Stage
+
+    for spec in exp.stages:
+        if spec.framework == "torch":
+            Stage.from_experiment(exp, spec.name, seed, init)
 
 
 def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:

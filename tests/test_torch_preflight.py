@@ -1,0 +1,88 @@
+"""Configuration errors of torch stages exit 2 before any stage starts (issue 21.8).
+
+``distgrad run`` builds every torch stage in the launcher first (imports its
+module, makes it, its optimizer, scheduler and loss, and checks its output
+against the cut with a forward of zeros), as the numpy stages are built when
+the file loads; ``distgrad predict`` checks its rows and builds its stage
+before it connects. These are unit tests: the test guard fails any of them
+that starts a process or opens a socket, which each did before the check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_main
+from distgrad.experiment import load_experiment
+from distgrad.stage import Stage
+
+pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
+                                    "CI installs it and sets DISTGRAD_REQUIRE=torch")
+
+DIGITS = Path(__file__).resolve().parents[1] / "distgrad" / "datasets" / "digits.npz"
+MODEL = '''
+from torch import nn
+
+
+def make(out=16):
+    return nn.Sequential(nn.Linear(64, out), nn.ReLU())
+
+
+def boom():
+    raise RuntimeError("kaboom")
+'''
+EXPERIMENT = f"""
+name = "preflight"
+steps = 5
+[data]
+kind = "npz"
+path = "{DIGITS}"
+features = "pixels"
+labels = "digit"
+batch = 16
+[[stages]]
+name = "f"
+module = "{{module}}"
+{{args}}
+output = [16]
+optimizer = {{{{ type = "Adam", lr = 0.01 }}}}
+[[stages]]
+name = "g"
+model = [{{{{ type = "dense", name = "g1", in = 16, out = 10 }}}}]
+optimizer = {{{{ type = "adam", lr = 0.01 }}}}
+loss = "softmax_cross_entropy"
+"""
+
+
+def _experiment(directory: Path, module: str = "prefmodel:make", args: str = "") -> Path:
+    (directory / "prefmodel.py").write_text(MODEL)
+    path = directory / "preflight.toml"
+    path.write_text(EXPERIMENT.format(module=module, args=args))
+    return path
+
+
+@pytest.mark.parametrize("module,args,needle", [
+    ("nomodule:make", "", "no module 'nomodule': put nomodule.py next to the file that names it"),
+    ("prefmodel:boom", "", "boom(**{}) raised RuntimeError: kaboom"),
+    ("prefmodel:make", "module_args = { out = 7 }",
+     "stage 'f' outputs shape (16, 7), but the interface says the activation it sends is (16, 16)"),
+])
+def test_a_bad_module_stage_exits_2_before_any_stage_starts(tmp_path, module, args, needle):
+    result = run_main(["run", _experiment(tmp_path, module, args), "--steps", "2"])
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+
+
+def test_a_bad_prediction_input_exits_2_before_connecting(tmp_path):
+    experiment = _experiment(tmp_path)
+    load = tmp_path / "f.pt"
+    Stage.from_experiment(load_experiment(experiment), "f").save_parameters(load)
+    rows = tmp_path / "rows.npy"
+    np.save(rows, np.zeros((3, 5), np.float32))
+    result = run_main(["predict", experiment, "--stage", "f", "--load", load, "--connect", "tcp://127.0.0.1:9",
+                       "--input", rows])
+    assert result.returncode == 2, result.stderr
+    assert "has rows of shape (5,) (3 rows); stage f takes rows of shape (64,)" in result.stderr
