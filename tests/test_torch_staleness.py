@@ -69,10 +69,21 @@ loss = "softmax_cross_entropy"
 """
 
 
-def _experiment(directory: Path) -> Path:
+LAYERS = """framework = "torch"
+model = [{ type = "dense", name = "f1", in = 64, out = 16 }, { type = "tanh" }]
+optimizer = { type = "adam", lr = 0.01 }"""
+
+
+def _experiment(directory: Path, layers: bool = False) -> Path:
+    """The experiment with the module above as f; with ``layers``, f is a layer list built in torch instead."""
     (directory / "stalemodel.py").write_text(MODEL)
     path = directory / "stale-norm.toml"
-    path.write_text(EXPERIMENT)
+    text = EXPERIMENT
+    if layers:
+        text = text.replace('module = "stalemodel:make"\noutput = [16]\noptimizer = { type = "Adam", lr = 0.01 }',
+                            LAYERS)
+        assert LAYERS in text
+    path.write_text(text)
     return path
 
 
@@ -101,8 +112,9 @@ def test_a_backward_after_updates_gives_the_gradients_at_its_forwards_parameters
         assert np.array_equal(grads[name], g), name
 
 
-def test_a_torch_first_stage_stale_for_the_whole_run_feeds_its_initial_activations(tmp_path):
-    exp, steps = load_experiment(_experiment(tmp_path)), 12
+@pytest.mark.parametrize("layers", [False, True], ids=["module", "layer-list"])
+def test_a_torch_first_stage_stale_for_the_whole_run_feeds_its_initial_activations(tmp_path, layers):
+    exp, steps = load_experiment(_experiment(tmp_path, layers)), 12
     stale = train_in_process(exp, steps=steps, staleness=steps)
     f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
     features, targets = exp.build_data(stage="f"), exp.build_data(stage="g")
