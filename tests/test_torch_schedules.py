@@ -170,6 +170,7 @@ def test_a_schedulers_state_is_checkpointed_as_json_and_resumes_exactly(tmp_path
         TorchStage.from_spec(exp, "f").load_state_arrays(without, 5)
 
 
+@pytest.mark.slow     # four PyTorch processes; the checkpoint round trip is in the default suite (above)
 def test_a_scheduled_run_over_processes_resumes_as_one_run_in_process(tmp_path):
     """Two processes with checkpoints, stopped after 8 steps and resumed to 16, equal 16 steps in process."""
     experiment = _experiment(tmp_path, '{ type = "SGD", lr = 0.1, momentum = 0.9 }',
