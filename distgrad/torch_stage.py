@@ -833,12 +833,12 @@ class TorchStage(Stage):
                 raise ValueError(f"stage {self.name}: checkpoint has optimizer state {key!r} for no parameter "
                                  f"the optimizer updates")
             state.setdefault(index[id(p.tensor)], {})[parts[1]] = torch.from_numpy(np.array(value))
+        groups = self._saved_scheduler(arrays)      # checked before anything of the stage changes
         with torch.no_grad():
             for name in names:
                 p = self._by_name[name]
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.restore_forward_state(buffers)
-        groups = self._saved_scheduler(arrays)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.step = step
         # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
