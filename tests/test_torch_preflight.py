@@ -3,21 +3,19 @@
 ``distgrad run`` builds every torch stage in the launcher first (imports its
 module, makes it, its optimizer, scheduler and loss, and checks its output
 against the cut with a forward of zeros), as the numpy stages are built when
-the file loads; ``distgrad predict`` checks its rows and builds its stage
-before it connects. These are unit tests: the test guard fails any of them
-that starts a process or opens a socket, which each did before the check.
+the file loads. (A bad ``distgrad predict --input`` exits 2 and tells the
+label owner: tests/test_predict.py.) These are unit tests: the test guard
+fails any of them that starts a process or opens a socket, which each did
+before the check.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import run_main
-from distgrad.experiment import load_experiment
-from distgrad.stage import Stage
 
 pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                     "CI installs it and sets DISTGRAD_REQUIRE=torch")
@@ -74,15 +72,3 @@ def test_a_bad_module_stage_exits_2_before_any_stage_starts(tmp_path, module, ar
     result = run_main(["run", _experiment(tmp_path, module, args), "--steps", "2"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
-
-
-def test_a_bad_prediction_input_exits_2_before_connecting(tmp_path):
-    experiment = _experiment(tmp_path)
-    load = tmp_path / "f.pt"
-    Stage.from_experiment(load_experiment(experiment), "f").save_parameters(load)
-    rows = tmp_path / "rows.npy"
-    np.save(rows, np.zeros((3, 5), np.float32))
-    result = run_main(["predict", experiment, "--stage", "f", "--load", load, "--connect", "tcp://127.0.0.1:9",
-                       "--input", rows])
-    assert result.returncode == 2, result.stderr
-    assert "has rows of shape (5,) (3 rows); stage f takes rows of shape (64,)" in result.stderr
