@@ -186,7 +186,6 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
     check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
-    _build_torch_stages(exp, seed, parse_init_overrides(init))
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
@@ -197,6 +196,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     drivers, serving = _driving_processes(exp, clients), [n for n in names if n not in exp.data_owners]
     processes = [label for label, _, _ in drivers] + serving
     files_of = _parameter_flags(exp, clients, save_dir, load_dir)
+    _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
     done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
         runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
@@ -273,16 +273,27 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     return summary
 
 
-def _build_torch_stages(exp: Any, seed: int | None, init: Mapping[str, float]) -> None:
-    """Build every torch stage once here, before any stage starts: import its module, make it, its optimizer,
-    scheduler and loss, and check its output against the cut with a forward of zeros. A bad one is a
-    ``ConfigError`` (exit 2) naming it, not a stage process that exits after the others started. The numpy
-    stages were built when the file was loaded."""
-    from .stage import Stage
+def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients: Sequence[int | None],
+                  load_dir: str | Path | None) -> None:
+    """Build here, before any stage starts, every torch stage (import its module, make it, its optimizer,
+    scheduler and loss, check its output against the cut with a forward of zeros) and every stage given a
+    ``--load`` file, loading that file into it (its names, shapes and dtypes must be the stage's own). A bad
+    one is a ``ConfigError`` (exit 2) naming it, not a stage process that exits after the others started.
+    The numpy stages were built when the file was loaded."""
+    from .stage import Stage, parameters_file
 
+    instances = {stage: [] for stage in exp.stage_names}
+    for instance, stage, _ in _driving_processes(exp, clients):
+        instances[stage].append(instance)
+    for name in exp.stage_names:
+        instances[name] = instances[name] or [name]
     for spec in exp.stages:
-        if spec.framework == "torch":
-            Stage.from_experiment(exp, spec.name, seed, init)
+        loads = [parameters_file(load_dir, instance, exp, spec.name) for instance in instances[spec.name]
+                 ] if load_dir is not None else []
+        if spec.framework == "torch" or loads:
+            stage = Stage.from_experiment(exp, spec.name, seed, init)
+            for path in loads:
+                stage.load_parameters(path)
 
 
 def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:

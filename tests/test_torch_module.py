@@ -465,8 +465,8 @@ def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
 ])
 def test_a_mistyped_or_non_finite_state_dict_is_refused_naming_file_and_entry(tmp_path, change, needle):
     """Issue 21.11 for torch stages: a state_dict entry of another dtype than the module's (nothing is
-    cast) or with values that are not finite is refused, exit 2 before any stage starts where it can be
-    known from the file alone, and at the stage's load otherwise."""
+    cast) or with values that are not finite is refused, exit 2 before any stage starts, in process and
+    over processes (the launcher builds the module and loads the file into it first)."""
     path = _experiment(tmp_path, f_args=", norm = true")
     stage = Stage.from_experiment(load_experiment(path), "f")
     stage.save_parameters(tmp_path / "good.pt")
@@ -474,11 +474,14 @@ def test_a_mistyped_or_non_finite_state_dict_is_refused_naming_file_and_entry(tm
     change(state)
     (tmp_path / "bad").mkdir()
     torch.save(state, tmp_path / "bad" / "f.pt")
+    Stage.from_experiment(load_experiment(path), "g").save_parameters(tmp_path / "bad" / "g.npz")
     with pytest.raises(ConfigError, match=needle):
         stage.load_parameters(tmp_path / "bad" / "f.pt")
-    if "float" not in needle:           # known from the file alone: refused before the run starts
-        result = run_cli(["run", path, "--load", tmp_path / "bad", "--in-process"])
-        assert result.returncode == 2 and f"--load {tmp_path / 'bad' / 'f.pt'}" in result.stderr, result.stderr
+    for where in (["--in-process"], []):
+        result = run_cli(["run", path, "--load", tmp_path / "bad", "--steps", "2", *where])
+        assert result.returncode == 2, (where, result.stderr)
+        assert str(tmp_path / "bad" / "f.pt") in result.stderr and needle.split("'")[1] in result.stderr, result.stderr
+        assert "stage f failed" not in result.stderr and "started" not in result.stdout, result.stdout
 
 
 def test_the_python_api_serves_and_drives_a_module_stage_bitwise():
