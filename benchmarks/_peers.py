@@ -214,7 +214,7 @@ def wire_client(endpoint: str, size: int, seconds: float) -> None:
 # ---------------------------------------------------------------- compute alone
 
 def inprocess(experiment: str, steps: int) -> None:
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.inprocess import train_in_process
 
     exp = load_experiment(experiment)
@@ -243,7 +243,7 @@ def _median_time(fn, min_s: float = 0.5, repeats: int = 7) -> float:
 
 
 def stage_compute(experiment: str, micro_batches: int, min_s: float = 0.5) -> None:
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.stage import Stage, micro_batch
 
     exp = load_experiment(experiment)

@@ -48,7 +48,7 @@ import zmq  # noqa: E402
 
 from distgrad import transport, wire  # noqa: E402
 from distgrad.options import StageOptions  # noqa: E402
-from distgrad.experiment import load_experiment  # noqa: E402
+from distgrad.parse import load_experiment  # noqa: E402
 from distgrad.optim import SGD, Adam  # noqa: E402
 from handshake import hello_message  # noqa: E402
 

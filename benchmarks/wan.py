@@ -355,7 +355,7 @@ def measure(config: Config, link: Link, experiment: str, warmup: int, steps: int
 
 def accuracy(config: Config, link: Link, steps: int | None, workdir: Path) -> dict[str, Any]:
     """The built-in ``digits`` experiment trained with ``config``'s flags through ``link``: its held-out accuracy."""
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
 
     total = steps or load_experiment("digits").steps
     run = run_pair("digits", total, link, config.driver_flags(), config.shared_flags(), workdir,

@@ -11,7 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_experiment": "distgrad.experiment",
+    "load_experiment": "distgrad.parse",
     "Experiment": "distgrad.experiment",
     "train_in_process": "distgrad.inprocess",
     "run_local": "distgrad.launcher",

@@ -18,7 +18,8 @@ from .options import StageOptions, StopFlag
 from .driver import drive_first_stage
 from .serving import serve
 from .errors import DistgradError, StageError
-from .experiment import Experiment, load_experiment
+from .experiment import Experiment
+from .parse import load_experiment
 
 READY_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 10.0

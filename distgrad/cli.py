@@ -272,7 +272,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from .driver import drive_first_stage
     from .serving import serve
-    from .experiment import load_experiment, parse_init_overrides
+    from .parse import load_experiment, parse_init_overrides
     from .records import parse_trace_params
     from .transport import DEFAULT_TIMEOUT_S
 
@@ -338,7 +338,8 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 def _run_experiment(args: argparse.Namespace) -> int:
     from .options import StopFlag, check_in_flight
-    from .experiment import check_run_settings, load_experiment, parse_init_overrides
+    from .experiment import check_run_settings
+    from .parse import load_experiment, parse_init_overrides
     from .inprocess import train_in_process
     from .launcher import run_local
     from .progress import check_tensorboard
@@ -459,7 +460,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _list_experiments() -> int:
-    from .experiment import builtin_names, load_experiment
+    from .experiment import builtin_names
+    from .parse import load_experiment
 
     width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
     for name in builtin_names():
@@ -474,7 +476,7 @@ def _list_experiments() -> int:
 def _predict(args: argparse.Namespace) -> int:
     import zmq
 
-    from .experiment import load_experiment
+    from .parse import load_experiment
     from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from .predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
     from .transport import DEFAULT_TIMEOUT_S
@@ -553,7 +555,7 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _split(args: argparse.Namespace) -> int:
-    from .experiment import load_experiment
+    from .parse import load_experiment
     from .split import split_experiment
 
     exp = load_experiment(args.experiment)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, StageError
-from .experiment import check_run_settings, client_stage_name, load_experiment, parse_init_overrides
+from .experiment import check_run_settings, client_stage_name
+from .parse import load_experiment, parse_init_overrides
 from .transport import DEFAULT_TIMEOUT_S
 from .keys import keygen
 from .progress import PROGRESS_PREFIX, render_bar

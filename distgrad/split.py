@@ -22,7 +22,8 @@ import numpy as np
 from .data import build_data
 from .errors import ConfigError
 from .npzfile import write_npz
-from .experiment import FILE_KINDS, Experiment, load_experiment
+from .experiment import FILE_KINDS, Experiment
+from .parse import load_experiment
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ConfigError, StageError
-from .experiment import parse_experiment
+from .parse import parse_experiment
 from .inprocess import train_in_process
 from .launcher import run_local
 from .records import read_json

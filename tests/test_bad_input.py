@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from distgrad import wire
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.stage import Stage
 from distgrad.transport import Client
 from distgrad.wire import ErrorCode, Message

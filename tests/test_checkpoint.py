@@ -18,7 +18,7 @@ import pytest
 from distgrad import checkpoint
 from distgrad.checkpoint import CheckpointError, CheckpointStore
 from distgrad.errors import CheckpointWriteError, ConfigError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.records import TraceWriter, read_trace
 from distgrad.stage import Stage
 

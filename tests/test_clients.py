@@ -136,7 +136,7 @@ def test_client_usage_errors_exit_2(args, needle):
 
 def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_server, zmq_ctx):
     from distgrad import wire
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.transport import Client
     from distgrad.errors import PeerRejected
     from conftest import hello_message
@@ -159,7 +159,7 @@ def test_a_client_back_with_a_new_run_waits_for_the_next_step_without_stalling_t
     its liveness ran out but before the stage dropped it: it joins at the next step, and the
     step in progress goes on without it."""
     from distgrad import wire
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.options import StageOptions
     from distgrad.serving import Phase, PeerStatus, ServingStage
     from conftest import hello_message
@@ -212,7 +212,7 @@ def test_a_client_silent_between_its_last_step_and_its_bye_is_dropped_and_g_exit
         tmp_path, start_server, zmq_ctx, byes, code, status):
     """Issue 12.4: client 2 (or every client) stops after its last step without a bye. g drops it
     after --liveness and exits: 0 when some client said bye, else 3 after --peer-deadline more."""
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
 
     exp = load_experiment("digits-clients")
     summary_path = tmp_path / "g.json"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from distgrad.experiment import BUILTIN_DIR, load_experiment
+from distgrad.experiment import BUILTIN_DIR
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 
 from conftest import read_json, run_launcher

@@ -14,7 +14,8 @@ import pytest
 
 from distgrad import wire
 from distgrad.codecs import parse_codec
-from distgrad.experiment import BUILTIN_DIR, load_experiment
+from distgrad.experiment import BUILTIN_DIR
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.options import StageOptions
 from distgrad.serving import ServingStage

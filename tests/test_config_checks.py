@@ -16,7 +16,8 @@ import pytest
 
 from distgrad.options import StageOptions
 from distgrad.errors import ConfigError
-from distgrad.experiment import BUILTIN_DIR, load_experiment
+from distgrad.experiment import BUILTIN_DIR
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.launcher import run_local
 

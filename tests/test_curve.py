@@ -10,7 +10,7 @@ import zmq
 import zmq.auth
 
 from distgrad import wire
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.keys import apply_curve_client, keygen
 
 from conftest import StageProcess, hello_message, read_json, run_cli, run_main

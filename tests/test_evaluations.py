@@ -11,7 +11,7 @@ import pytest
 
 from distgrad.cli import _run_stage, build_stage_parser
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.progress import PROGRESS_PREFIX, Progress, render_bar
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distgrad.engine import StepEngine
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.nn import ForwardContext
 from distgrad.records import to_lists

@@ -16,7 +16,8 @@ import pytest
 from distgrad import wire
 from distgrad.options import StageOptions
 from distgrad.errors import ProtocolError
-from distgrad.experiment import MAX_PARTS, load_experiment, parse_experiment
+from distgrad.experiment import MAX_PARTS
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.handshake import check_hello
 from distgrad.serving import ServingStage
 from distgrad.stage import Stage

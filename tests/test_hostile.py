@@ -51,7 +51,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from distgrad import wire
 from distgrad.errors import PeerRejected, ProtocolError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.stage import Stage
 from distgrad.transport import MAX_FRAMES, Client
 from distgrad.wire import ErrorCode, Message

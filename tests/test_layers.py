@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 LAYERS = [
     ("foundations", {"errors", "threads", "schema", "npzfile", "tomlfile"}),
     ("model math", {"nn", "losses", "schedules", "optim", "aggregate", "codecs"}),
-    ("experiments and data", {"data", "experiment", "split", "reference"}),
+    ("experiments and data", {"data", "experiment", "parse", "split", "reference"}),
     ("wire, transport and files", {"wire", "wirecodec", "transport", "keys", "handshake", "link", "records",
                                    "checkpoint", "progress"}),
     ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),

@@ -18,7 +18,7 @@ from distgrad import wire
 from distgrad.api import drive_stage
 from distgrad.options import StageOptions
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.engine import StepEngine
 from distgrad.inprocess import _step, train_in_process
 from distgrad.serving import PeerStatus, ServingStage

@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.engine import GradAccumulator
 

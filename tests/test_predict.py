@@ -12,7 +12,7 @@ import pytest
 
 from distgrad import wire
 from distgrad.errors import ProtocolError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.options import StageOptions
 from distgrad.predict import PredictionServer
 from distgrad.stage import Stage

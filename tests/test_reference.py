@@ -11,7 +11,7 @@ import pytest
 
 from distgrad import reference, schema
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.split import split_experiment
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "stage-files.md"

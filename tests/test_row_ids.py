@@ -17,7 +17,7 @@ import pytest
 
 from distgrad.data import build_data
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.split import split_experiment
 
 from conftest import StageProcess, run_cli, run_main, wait_for_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 
 from conftest import read_lines, run_launcher

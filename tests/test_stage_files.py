@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.split import split_experiment, toml_document
 

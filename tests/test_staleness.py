@@ -18,7 +18,8 @@ import pytest
 
 from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad.errors import ConfigError
-from distgrad.experiment import BUILTIN_DIR, check_staleness, load_experiment
+from distgrad.experiment import BUILTIN_DIR, check_staleness
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.records import to_lists
 from distgrad.stage import Stage

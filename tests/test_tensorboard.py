@@ -13,7 +13,7 @@ import pytest
 
 from distgrad import cli
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.options import StageOptions
 
 from conftest import read_json, run_launcher

@@ -26,7 +26,7 @@ import pytest
 
 from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.nn import build_model
 from distgrad.stage import Stage

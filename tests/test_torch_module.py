@@ -24,7 +24,8 @@ import pytest
 
 from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.experiment import check_run_settings, load_experiment
+from distgrad.experiment import check_run_settings
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.stage import Stage
 

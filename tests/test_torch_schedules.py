@@ -21,7 +21,7 @@ import pytest
 from conftest import read_json, run_launcher, run_main
 from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.schedules import build_schedule
 

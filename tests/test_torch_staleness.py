@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import StageGroup, read_json, run_launcher, run_main
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.records import to_lists
 from distgrad.stage import Stage

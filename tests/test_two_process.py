@@ -114,7 +114,7 @@ def test_labels_travelling_with_the_activations(tmp_path):
 
 def test_a_scheduled_run_is_bitwise_equal_to_in_process_and_resumes_mid_schedule(tmp_path):
     from distgrad.checkpoint import load as load_checkpoint
-    from distgrad.experiment import load_experiment, parse_experiment
+    from distgrad.parse import load_experiment, parse_experiment
     from distgrad.inprocess import train_in_process
 
     path = tmp_path / "scheduled.toml"
@@ -186,7 +186,7 @@ def test_driver_without_a_server_exits_3_naming_the_endpoint(tmp_path):
 def test_server_gives_up_on_a_lost_client_and_exits_3(start_server, tmp_path, zmq_ctx):
     g, endpoint = start_server("seed-reverse", "--liveness", "0.5", "--peer-deadline", "0.5")
     from distgrad import wire
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.transport import Client
 
     client = Client(zmq_ctx, endpoint)
@@ -373,7 +373,7 @@ def test_the_update_after_the_last_reply_is_seen_by_every_later_message(start_se
     import numpy as np
 
     from distgrad import wire
-    from distgrad.experiment import load_experiment
+    from distgrad.parse import load_experiment
     from distgrad.transport import Client
 
     exp = load_experiment("tanh-regression")

@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from distgrad import wire
-from distgrad.experiment import load_experiment
+from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.split import split_experiment
 

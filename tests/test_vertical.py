@@ -18,7 +18,7 @@ import pytest
 from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad import aggregate
 from distgrad.errors import ConfigError
-from distgrad.experiment import load_experiment, parse_experiment
+from distgrad.parse import load_experiment, parse_experiment
 from distgrad.tomlfile import read_toml
 from distgrad.inprocess import train_in_process
 

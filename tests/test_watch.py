@@ -143,7 +143,8 @@ def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress
 
 
 def test_experiments_lists_every_description_whole():
-    from distgrad.experiment import builtin_names, load_experiment
+    from distgrad.experiment import builtin_names
+    from distgrad.parse import load_experiment
 
     result = run_main(["experiments"])
     assert result.returncode == 0
