@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from distgrad.launcher import pinned_env
+
+from conftest import free_tcp_port
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT_DEADLINE_S = 60.0          # each script's smallest run takes seconds; this only bounds a hang
@@ -143,9 +144,7 @@ def test_zero_copy_threshold(tmp_path, transport):
                            "(pip install 'distgrad[torch]')")
 def test_torch_split(tmp_path):
     """Both ranks of _torch_split.py over gloo on 127.0.0.1, a few steps; rank 0 prints the timing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_tcp_port()
     env = dict(pinned_env(), GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                PYTHONPATH=str(BENCHMARKS))
     argv = [sys.executable, str(BENCHMARKS / "_torch_split.py")]
