@@ -1,11 +1,15 @@
 # Two entry points for a fresh clone; each builds .venv first if needed.
-#   make demo   train the seed's model in two processes over ZeroMQ
-#   make test   run the test suite
+#   make demo        train the seed's model in two processes over ZeroMQ
+#   make test        run the default test suite on every core (TEST_WORKERS=N: N workers; 0: serially)
+#   make test-slow   run the slow set alone (soak, benchmark smoke runs, ...): CI runs it after `make test`
+#   make test-all    run both at once
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
+TEST_WORKERS ?= auto
+PYTEST = $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-slow test-all install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +22,13 @@ demo: $(BIN)/.installed
 	$(BIN)/distgrad demo
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest
+	$(PYTEST)
+
+test-slow: $(BIN)/.installed
+	$(PYTEST) -m slow
 
 test-all: $(BIN)/.installed
-	$(BIN)/python -m pytest -m ''
+	$(PYTEST) -m ''
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -312,14 +312,29 @@ def run_launcher(args: Sequence[str]) -> CliResult:
             signal.signal(signum, handler)
 
 
-class StageProcess:
-    """A ``distgrad-stage`` process (or, with ``distgrad=True``, ``distgrad ARGS``) whose output goes to a
-    log file; always stopped on exit."""
+def free_tcp_port() -> int:
+    """A loopback TCP port free a moment ago (the kernel's pick): tests never name a fixed port, so
+    that they can run side by side (pytest -n, two checkouts on one machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, args: Sequence[str], log_path: Path, distgrad: bool = False) -> None:
+
+def free_tcp_endpoint() -> str:
+    """``tcp://127.0.0.1:PORT`` on a ``free_tcp_port``."""
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
+
+
+class StageProcess:
+    """A ``distgrad-stage`` process (or, with ``distgrad=True``, ``distgrad ARGS``; with ``command``,
+    ``COMMAND ARGS``) whose output goes to a log file; always stopped on exit."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, distgrad: bool = False,
+                 command: Sequence[str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([*(CLI if distgrad else STAGE_CLI), *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
+        program = command if command is not None else CLI if distgrad else STAGE_CLI
+        self.proc = subprocess.Popen([*map(str, program), *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=pinned_env())
 
     @property
@@ -358,13 +373,15 @@ class StageGroup:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
         self.args: dict[str, list] = {}
+        self.commands: dict[str, list] = {}      # a name's program, when not ``distgrad stage``
         self.procs: dict[str, StageProcess] = {}
         self.starts: dict[str, int] = {}
         self._counted: dict[str, tuple[tuple[int, int], int, int]] = {}   # trace -> (file id, offset, lines)
 
     def start(self, name: str) -> None:
         self.starts[name] = self.starts.get(name, 0) + 1
-        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log")
+        self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log",
+                                        command=self.commands.get(name))
 
     def lines(self, trace: str) -> int:
         """Whole lines (steps) in the trace file ``tmp_path/trace`` so far.

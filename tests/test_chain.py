@@ -8,12 +8,11 @@ restart it, and check every stage's parameters against ``--in-process``.
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_cli, run_launcher, run_main
+from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_cli, run_launcher, run_main
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
@@ -64,12 +63,6 @@ def test_chain_trace_equals_the_in_process_trace(tmp_path):
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
 
 
-def _free_tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 class Chain(StageGroup):
     """Every stage of one chain run as its own process, each restartable with its original command line."""
 
@@ -109,7 +102,7 @@ def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stag
                                                                    resume):
     steps = 300
     names = CHAINS[experiment]
-    endpoints = {name: _free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/{name}.sock"
+    endpoints = {name: free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/{name}.sock"
                  for name in names[1:]}
     chain = stage_group(Chain, tmp_path, experiment, steps, endpoints, resume=resume)
     chain.start_all()

@@ -1,11 +1,16 @@
-"""The suite reports what it skips, and CI fails where an optional module it installs is missing."""
+"""The suite reports what it skips, and CI fails where an optional module it installs is missing; CI runs the
+README's commands as on a fresh machine, then the slow set."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 
@@ -40,3 +45,48 @@ def test_ci_requires_the_optional_modules_it_installs():
     assert "torch" in ci and "DISTGRAD_REQUIRE=torch" in ci
     required = ci.split("DISTGRAD_REQUIRE=", 1)[1].split()[0].split(",")
     assert "tensorboardX" in required and ".[tensorboard]" in ci        # the --tensorboard extra
+
+
+def _ci_commands() -> list[str]:
+    """The lines of .ci/run that are commands (not comments or blank)."""
+    lines = (TESTS.parent / ".ci" / "run").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def test_ci_runs_the_readme_commands_on_an_empty_home_then_the_slow_set():
+    """Issue 21.1 and 21.18: CI runs `make demo` and `make test` as on a fresh machine (HOME, XDG_CACHE_HOME
+    and MPLCONFIGDIR new empty folders, made after the installs), then the slow set."""
+    commands = _ci_commands()
+    position = {command: i for i, command in enumerate(commands)}
+    fresh = next(i for i, c in enumerate(commands) if c.startswith("export HOME="))
+    for variable in ("HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
+        assert f'{variable}="$fresh/' in commands[fresh], variable
+    assert 'fresh="$(mktemp -d)"' in position and position['fresh="$(mktemp -d)"'] < fresh
+    assert 'mkdir "$HOME" "$XDG_CACHE_HOME" "$MPLCONFIGDIR"' in position
+    installs = [i for i, c in enumerate(commands) if "pip install" in c or c == "make install"]
+    assert installs and max(installs) < fresh
+    assert fresh < position["make demo"] < position["make test"] < position["make test-slow"]
+
+
+def test_make_test_runs_on_every_core_and_test_slow_runs_the_slow_set():
+    makefile = (TESTS.parent / "Makefile").read_text()
+    assert "TEST_WORKERS ?= auto" in makefile and "-m pytest -n $(TEST_WORKERS)" in makefile
+    recipes = dict(re.findall(r"^([a-z-]+): \$\(BIN\)/\.installed\n\t(.+)$", makefile, re.M))
+    assert recipes["test"] == "$(PYTEST)" and recipes["test-slow"] == "$(PYTEST) -m slow"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed: the plot tests skip (pip install 'distgrad[plot]')")
+def test_the_plot_tests_pass_with_an_empty_home_and_no_caches(tmp_path):
+    """Issue 21.1: on a machine where matplotlib never ran, its first import builds the font cache in a
+    subprocess; the suite builds it before the first test (conftest), so the plot tests stay unit tests."""
+    fresh = {name: tmp_path / name.lower() for name in ("HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR")}
+    for folder in fresh.values():
+        folder.mkdir()
+    result = _pytest(["tests/test_client_outputs.py::test_plot_draws_one_loss_line_per_client",
+                      "tests/test_client_outputs.py::test_plot_of_a_two_stage_metrics_file_has_one_unlabelled_line",
+                      "tests/test_evaluations.py::test_plot_draws_the_held_out_loss_and_accuracy_per_client"],
+                     tmp_path, DISTGRAD_REQUIRE="matplotlib", **{k: str(v) for k, v in fresh.items()})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 passed" in result.stdout
+    assert any(fresh["MPLCONFIGDIR"].iterdir())          # matplotlib's cache went to the new folder

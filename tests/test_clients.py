@@ -9,13 +9,15 @@ start in; a client that dies is dropped and the others go on; it rejoins.
 from __future__ import annotations
 
 import signal
-import socket
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
+from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
+
+GATED_STAGE = [sys.executable, Path(__file__).resolve().parent / "gated_stage.py"]
 
 CLIENTS = ["f@0", "f@1", "f@2"]
 
@@ -54,12 +56,6 @@ def test_splitfed_clients_hold_the_same_parameters_after_an_average(tmp_path):
     assert separate["params"]["f@0"] != separate["params"]["f@1"]      # one step after it they differ
 
 
-def _free_tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 class Clients(StageGroup):
     """A serving stage and three clients of one run, each a process with its own log."""
 
@@ -75,6 +71,10 @@ class Clients(StageGroup):
 
     def steps(self, name: str) -> int:
         return self.lines(f"{name}.jsonl")
+
+    def gate(self, name: str, *gate_args: object) -> None:
+        """From its next start, client ``name`` runs through tests/gated_stage.py with ``gate_args``."""
+        self.commands[name] = [*GATED_STAGE, *gate_args, "--"]
 
     def start_all_then_kill(self, name: str, when: str, at_step: int) -> None:
         """Start the serving stage and every client; SIGKILL ``name`` once client ``when`` reached ``at_step``."""
@@ -100,15 +100,28 @@ def test_the_order_does_not_depend_on_who_comes_first(tmp_path, stage_group):
 
 
 def test_a_dead_client_is_dropped_the_others_go_on_and_it_rejoins(tmp_path, stage_group):
-    steps = 800             # the others must not finish while client 1 restarts: ~2 s of steps to spare
-    run = stage_group(Clients, tmp_path, "digits-clients", steps, _free_tcp_endpoint(), "--timeout", "1", "--liveness", "1",
-                  "--peer-deadline", "30")
+    """Client 1 is killed; g drops it and clients 0 and 2 go on; restarted, it rejoins and all finish.
+    The order is kept by gates (tests/gated_stage.py), not by timing: clients 0 and 2 wait before step
+    ``hold`` until g has logged client 1's rejoin, and the new client 1 is started at once, waiting (its
+    imports done) for the test to let it begin, so that 0 and 2 wait at most its hello, well under
+    --liveness, however fast or slow the machine."""
+    steps, hold = 200, 180
+    rejoined, restart = tmp_path / "rejoined.gate", tmp_path / "restart.gate"
+    run = stage_group(Clients, tmp_path, "digits-clients", steps, free_tcp_endpoint(), "--timeout", "1",
+                      "--liveness", "1", "--peer-deadline", "30")
+    for name in ("f@0", "f@2"):
+        run.gate(name, "--step-gate", hold, rejoined)
     run.start_all_then_kill("f@1", when="f@1", at_step=40)
-    run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1", all_running=False)
+    run.gate("f@1", "--start-gate", restart)
+    run.start("f@1")                                       # the same command line (--resume), held at the gate
+    run.wait_until(lambda: "client 1 silent" in run.logs(), "g to drop client 1")
     at_drop = run.steps("f@0")
+    assert at_drop + 20 < hold, at_drop
     run.wait_until(lambda: run.steps("f@0") >= at_drop + 20 and run.steps("f@2") >= at_drop + 20,
-                   "clients 0 and 2 to go on without client 1", all_running=False)
-    run.start("f@1")                                       # the same command line: --resume
+                   "clients 0 and 2 to go on without client 1")
+    restart.touch()
+    run.wait_until(lambda: "client 1 rejoins" in (tmp_path / "g.1.log").read_text(), "g to take client 1 back")
+    rejoined.touch()
     run.wait_all()
     g_log = run.logs()
     assert "client 1 rejoins" in g_log and "resumed run" in g_log and "the serving stage goes on with this client" in g_log

@@ -22,9 +22,9 @@ from distgrad.serving import ServingStage
 from distgrad.stage import Stage
 from distgrad.wire import ErrorCode, Message
 
-from conftest import read_json, read_lines, run_cli, run_launcher, run_main
+from conftest import free_tcp_endpoint, read_json, read_lines, run_cli, run_launcher, run_main
 from handshake import hello_message, only_reply
-from test_faults import Pair, _free_tcp_endpoint
+from test_faults import Pair
 
 # digits' cut is 32x64 a batch (and it holds rows out, so evaluations cross too): topk keeps 16 of each
 # row's 64 entries.
@@ -107,7 +107,7 @@ def test_several_clients_code_every_cut_bitwise(tmp_path, experiment, activation
 def test_kill_9_and_resume_with_error_feedback_is_bitwise(tmp_path, stage_group):
     """Residuals are stage state: checkpointed, restored on resume and on the rollback that follows."""
     steps, codec = "300", "topk:8+ef"
-    pair = stage_group(Pair, tmp_path, "tanh-regression", steps, _free_tcp_endpoint())
+    pair = stage_group(Pair, tmp_path, "tanh-regression", steps, free_tcp_endpoint())
     for name in ("f", "g"):
         pair.args[name] += _codec_args(codec, codec)
     pair.args["f"] += ["--micro-batches", "2"]

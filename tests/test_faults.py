@@ -7,22 +7,15 @@ compares the final parameters with an uninterrupted in-process run.
 from __future__ import annotations
 
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import StageGroup, StageProcess, read_json, read_lines, run_main
+from conftest import StageGroup, StageProcess, free_tcp_endpoint, read_json, read_lines, run_main
 
 CHECKPOINT_EVERY = "25"
 FAULT_TESTS = {"seed-reverse": "900", "tanh-regression": "1200"}
-
-
-def _free_tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 _references: dict[tuple[str, str], dict] = {}
@@ -82,7 +75,7 @@ def _assert_bitwise(tmp_path, pair: Pair, experiment: str, steps: str) -> None:
 @pytest.mark.parametrize("victim", ["g", "f"])
 def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pair_factory, tmp_path, experiment, victim):
     steps = FAULT_TESTS[experiment]
-    endpoint = _free_tcp_endpoint() if victim == "g" else None
+    endpoint = free_tcp_endpoint() if victim == "g" else None
     pair = pair_factory(experiment, steps, endpoint)
     pair.start("g")
     pair.start("f")

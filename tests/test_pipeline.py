@@ -11,8 +11,8 @@ from distgrad.parse import load_experiment
 from distgrad.inprocess import train_in_process
 from distgrad.engine import GradAccumulator
 
-from conftest import read_json, read_lines, run_launcher, run_main
-from test_faults import Pair, _free_tcp_endpoint
+from conftest import free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
+from test_faults import Pair
 
 
 def _run(tmp_path, name, *args):
@@ -117,7 +117,7 @@ def test_micro_batches_must_divide_the_batch(tmp_path):
 
 def test_server_killed_mid_pipeline_resumes_bitwise(tmp_path):
     steps = "600"
-    pair = Pair(tmp_path, "tanh-regression", steps, _free_tcp_endpoint())
+    pair = Pair(tmp_path, "tanh-regression", steps, free_tcp_endpoint())
     for name in ("f",):
         pair.args[name] += ["--micro-batches", "4", "--schedule", "gpipe"]
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import socket
 import subprocess
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from distgrad.launcher import pinned_env, stop_process
 
-from conftest import BIN, run_launcher
+from conftest import BIN, free_tcp_port, run_launcher
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 INLINE_RUN = re.compile(r"`(distgrad run [^`<>]*?)`")
@@ -36,12 +35,6 @@ def _blocks() -> list[list[list[str]]]:
     return blocks + [[argv] for argv in inline]
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 BLOCKS = _blocks()
 
 
@@ -54,7 +47,7 @@ def test_the_readme_has_the_commands_this_test_expects():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: " | ".join(" ".join(a[:3]) for a in BLOCKS[i]))
 def test_readme_block_runs(tmp_path, monkeypatch, index):
-    port = _free_port()
+    port = str(free_tcp_port())
     background: list[subprocess.Popen] = []
     try:
         for argv in BLOCKS[index]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
+from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
 from distgrad import aggregate
 from distgrad.errors import ConfigError
 from distgrad.parse import load_experiment, parse_experiment
@@ -260,7 +260,7 @@ def test_kill_9_and_restart_of_a_party_changes_nothing(tmp_path, stage_group, ki
     party it waits for); restarted with the same command line (--resume) the run goes on, and every
     stage ends bitwise equal to the uninterrupted in-process run."""
     steps = 300
-    endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else free_tcp_endpoint()
     run = stage_group(Parties, tmp_path, steps, endpoint, "--timeout", "0.5", "--liveness", "0.5",
                       "--peer-deadline", "30")
     run.start_all_then_kill(killed, at_step=40)
@@ -287,11 +287,6 @@ def test_a_party_that_stays_away_ends_the_run_everywhere_naming_it(tmp_path, sta
         assert "waiting for c" in logs[name], logs[name]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the label owner's message handling, without sockets
