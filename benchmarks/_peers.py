@@ -54,7 +54,7 @@ if importlib.util.find_spec("distgrad") is None:   # bench.py puts its snapshot 
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-ZERO_COPY_MIN_BYTES = 64 * 1024   # as distgrad.transport: copy below, zero-copy at and above
+ZERO_COPY_MIN_BYTES = 64 * 1024   # as distgrad.wire.transport: copy below, zero-copy at and above
 IDLE_EXIT_S = 1800.0              # a server with no request for this long exits by itself
 REPLY_TIMEOUT_S = 30.0            # a client waiting longer than this for a reply fails
 WARMUP_S = 0.1                    # round trips before the timed ones start
@@ -149,8 +149,8 @@ def raw_client(endpoint: str, size: int, seconds: float) -> None:
 # ---------------------------------------------------------------- distgrad's wire path, no model
 
 def wire_server(ready_file: str, endpoint: str) -> None:
-    from distgrad import wire
-    from distgrad.transport import Server
+    from distgrad.wire import messages as wire
+    from distgrad.wire.transport import Server
 
     ctx = zmq.Context()
     server = Server(ctx, endpoint, None, 30.0)
@@ -186,8 +186,8 @@ def wire_server(ready_file: str, endpoint: str) -> None:
 
 
 def wire_client(endpoint: str, size: int, seconds: float) -> None:
-    from distgrad import wire
-    from distgrad.transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.wire.transport import Client
 
     n = max(1, size // 4)
     ctx = zmq.Context()
@@ -214,8 +214,8 @@ def wire_client(endpoint: str, size: int, seconds: float) -> None:
 # ---------------------------------------------------------------- compute alone
 
 def inprocess(experiment: str, steps: int) -> None:
-    from distgrad.parse import load_experiment
-    from distgrad.inprocess import train_in_process
+    from distgrad.config.parse import load_experiment
+    from distgrad.run.inprocess import train_in_process
 
     exp = load_experiment(experiment)
     summary = train_in_process(exp, steps)
@@ -243,8 +243,8 @@ def _median_time(fn, min_s: float = 0.5, repeats: int = 7) -> float:
 
 
 def stage_compute(experiment: str, micro_batches: int, min_s: float = 0.5) -> None:
-    from distgrad.parse import load_experiment
-    from distgrad.stage import Stage, micro_batch
+    from distgrad.config.parse import load_experiment
+    from distgrad.stage.stage import Stage, micro_batch
 
     exp = load_experiment(experiment)
     first, last = exp.stage_names

@@ -24,7 +24,7 @@ C. the f-stage's peak RSS under 1f1b and gpipe at M = 8, batch 256.
 
 The machine is shared and noisy: within each group the variants are
 interleaved (their order rotates every repeat), each is repeated and the
-median is reported. Every process started gets ``distgrad.launcher.pinned_env()``
+median is reported. Every process started gets ``distgrad.run.launcher.pinned_env()``
 (one BLAS thread) and a deadline, and is stopped (SIGTERM, then SIGKILL) in a
 ``finally``. By default OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are removed from
 the children's environment so numpy runs its native kernel (see
@@ -63,7 +63,7 @@ from bench_sections.message_path import message_path  # noqa: E402
 from bench_sections.model import balanced_section, model_section  # noqa: E402
 from bench_sections.report import report, targets  # noqa: E402
 from bench_sections.runner import Runner  # noqa: E402
-from distgrad.launcher import pinned_env  # noqa: E402
+from distgrad.run.launcher import pinned_env  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:

@@ -46,18 +46,20 @@ sys.path.insert(0, str(ROOT / "tests"))          # handshake.hello_message: the 
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from distgrad import transport, wire  # noqa: E402
-from distgrad.options import StageOptions  # noqa: E402
-from distgrad.parse import load_experiment  # noqa: E402
-from distgrad.optim import SGD, Adam  # noqa: E402
+from distgrad.wire import transport
+
+from distgrad import wire  # noqa: E402
+from distgrad.run.options import StageOptions  # noqa: E402
+from distgrad.config.parse import load_experiment  # noqa: E402
+from distgrad.model.optim import SGD, Adam  # noqa: E402
 from handshake import hello_message  # noqa: E402
 
 try:
     # The serving stage's protocol logic without its socket: handle(msg, now) -> reply, then settle().
-    from distgrad.serving import ServingStage  # noqa: E402
+    from distgrad.run.serving import ServingStage  # noqa: E402
 except ImportError as e:  # renamed or moved by a refactor: say so rather than fail somewhere below
     raise SystemExit(f"per_message.py: cannot import the serving stage's message handler "
-                     f"distgrad.serving.ServingStage ({e}); it was renamed or moved: update this import") from e
+                     f"distgrad.run.serving.ServingStage ({e}); it was renamed or moved: update this import") from e
 
 RUN = "0123456789abcdef0123456789abcdef"
 

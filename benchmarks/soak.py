@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:          # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from distgrad.launcher import pinned_env, stop_process  # noqa: E402
+from distgrad.run.launcher import pinned_env, stop_process  # noqa: E402
 
 READY_TIMEOUT_S = 30.0       # the serving stage must write its ready file within this
 STOP_GRACE_S = 5.0           # after SIGTERM, how long a stage may take before SIGKILL

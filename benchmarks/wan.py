@@ -19,7 +19,7 @@ A run takes ``warm-up + measured`` steps; steps/s and bytes per step are
 taken over the measured steps from the driver's metrics (``wall_s``,
 ``bytes_sent`` = down, ``bytes_received`` = up), and so are the compute
 times the bound adds (``f_compute_s``, ``g_compute_s``). Every process gets
-``distgrad.launcher.pinned_env()`` (one BLAS thread), a deadline, and is
+``distgrad.run.launcher.pinned_env()`` (one BLAS thread), a deadline, and is
 stopped in a ``finally``.
 
 Configurations are flag sets. Schedule flags (``--micro-batches``,
@@ -79,7 +79,7 @@ for path in (ROOT, HERE):                # run from a checkout without installin
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from distgrad.launcher import pinned_env, stop_process  # noqa: E402
+from distgrad.run.launcher import pinned_env, stop_process  # noqa: E402
 from wan_link import LinkEmulator  # noqa: E402
 
 BATCH = 256                              # mlp-classify's batch for the WAN figures
@@ -355,7 +355,7 @@ def measure(config: Config, link: Link, experiment: str, warmup: int, steps: int
 
 def accuracy(config: Config, link: Link, steps: int | None, workdir: Path) -> dict[str, Any]:
     """The built-in ``digits`` experiment trained with ``config``'s flags through ``link``: its held-out accuracy."""
-    from distgrad.parse import load_experiment
+    from distgrad.config.parse import load_experiment
 
     total = steps or load_experiment("digits").steps
     run = run_pair("digits", total, link, config.driver_flags(), config.shared_flags(), workdir,

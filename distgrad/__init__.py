@@ -11,11 +11,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_experiment": "distgrad.parse",
-    "Experiment": "distgrad.experiment",
-    "train_in_process": "distgrad.inprocess",
-    "run_local": "distgrad.launcher",
-    "Stage": "distgrad.stage",
+    "load_experiment": "distgrad.config.parse",
+    "Experiment": "distgrad.config.experiment",
+    "train_in_process": "distgrad.run.inprocess",
+    "run_local": "distgrad.run.launcher",
+    "Stage": "distgrad.stage.stage",
     "serve_stage": "distgrad.api",
     "drive_stage": "distgrad.api",
 }

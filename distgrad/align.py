@@ -64,9 +64,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from . import wire
-from .errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
-from .transport import Client, Server, SocketSecurity, check_endpoint, poll_frames, send_frames
+from distgrad.wire import messages as wire
+from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.wire.transport import Client, Server, SocketSecurity, check_endpoint, poll_frames, send_frames
 
 log = logging.getLogger("distgrad.align")
 

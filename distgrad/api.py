@@ -14,12 +14,12 @@ from typing import Any
 
 import zmq
 
-from .options import StageOptions, StopFlag
-from .driver import drive_first_stage
-from .serving import serve
-from .errors import DistgradError, StageError
-from .experiment import Experiment
-from .parse import load_experiment
+from distgrad.run.options import StageOptions, StopFlag
+from distgrad.run.driver import drive_first_stage
+from distgrad.run.serving import serve
+from distgrad.errors import DistgradError, StageError
+from distgrad.config.experiment import Experiment
+from distgrad.config.parse import load_experiment
 
 READY_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 10.0

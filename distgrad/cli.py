@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from .threads import pin_blas_threads
+from distgrad.threads import pin_blas_threads
 
 # BLAS pools are sized when numpy loads: pin them before anything imports it
 # (an explicit setting in the environment wins).
@@ -31,13 +31,13 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Sequence  # noqa: E402
 
-from .errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
+from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
 
 if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
     import zmq
 
-    from .keys import CurveClient, CurveServer
+    from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -268,13 +268,13 @@ def _setup_logging(level: str) -> None:
 def _run_stage(args: argparse.Namespace) -> int:
     import zmq
 
-    from .keys import CurveServer
-    from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
-    from .driver import drive_first_stage
-    from .serving import serve
-    from .parse import load_experiment, parse_init_overrides
-    from .records import parse_trace_params
-    from .transport import DEFAULT_TIMEOUT_S
+    from distgrad.wire.keys import CurveServer
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    from distgrad.run.driver import drive_first_stage
+    from distgrad.run.serving import serve
+    from distgrad.config.parse import load_experiment, parse_init_overrides
+    from distgrad.stage.records import parse_trace_params
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
     exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
@@ -321,7 +321,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
     A middle stage uses its one key pair on both sockets.
     """
-    from .keys import CurveClient, CurveServer
+    from distgrad.wire.keys import CurveClient, CurveServer
 
     needed = {"serving": ["--curve-secret", "--allow"], "driving": ["--curve-secret", "--server-key"],
               "middle": ["--curve-secret", "--allow", "--server-key"]}[role]
@@ -337,14 +337,14 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
-    from .options import StopFlag, check_in_flight
-    from .experiment import check_run_settings
-    from .parse import load_experiment, parse_init_overrides
-    from .inprocess import train_in_process
-    from .launcher import run_local
-    from .progress import check_tensorboard
-    from .records import check_trace_filter, parse_trace_params
-    from .transport import check_spin
+    from distgrad.run.options import StopFlag, check_in_flight
+    from distgrad.config.experiment import check_run_settings
+    from distgrad.config.parse import load_experiment, parse_init_overrides
+    from distgrad.run.inprocess import train_in_process
+    from distgrad.run.launcher import run_local
+    from distgrad.run.progress import check_tensorboard
+    from distgrad.stage.records import check_trace_filter, parse_trace_params
+    from distgrad.wire.transport import check_spin
 
     exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     experiment = args.experiment[0] if len(args.experiment) == 1 else args.experiment
@@ -442,8 +442,8 @@ def _print_result(summary: dict) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .options import StopFlag
-    from .launcher import run_local
+    from distgrad.run.options import StopFlag
+    from distgrad.run.launcher import run_local
 
     stop = StopFlag().install()
     print("distgrad demo: the seed's reverse accumulation, f and g in two processes over ZeroMQ", flush=True)
@@ -460,8 +460,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _list_experiments() -> int:
-    from .experiment import builtin_names
-    from .parse import load_experiment
+    from distgrad.config.experiment import builtin_names
+    from distgrad.config.parse import load_experiment
 
     width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
     for name in builtin_names():
@@ -476,10 +476,10 @@ def _list_experiments() -> int:
 def _predict(args: argparse.Namespace) -> int:
     import zmq
 
-    from .parse import load_experiment
-    from .options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
-    from .predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
-    from .transport import DEFAULT_TIMEOUT_S
+    from distgrad.config.parse import load_experiment
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    from distgrad.run.predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
     exp = load_experiment(args.experiment)
     stage = args.stage or (exp.stages[0].name if len(exp.stages) == 1 else None)
@@ -519,7 +519,7 @@ def _predict(args: argparse.Namespace) -> int:
             count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
     finally:
-        from .keys import CurveServer
+        from distgrad.wire.keys import CurveServer
         if isinstance(upstream, CurveServer):
             upstream.stop()
     return EXIT_OK
@@ -528,9 +528,9 @@ def _predict(args: argparse.Namespace) -> int:
 def _align(args: argparse.Namespace) -> int:
     import zmq
 
-    from .align import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, AlignOptions, align, read_table
-    from .keys import CurveServer
-    from .options import StopFlag
+    from distgrad.align import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, AlignOptions, align, read_table
+    from distgrad.wire.keys import CurveServer
+    from distgrad.run.options import StopFlag
 
     if args.bind is not None and args.server_key:
         raise ConfigError("--server-key is for a party that connects (--connect)")
@@ -555,8 +555,8 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _split(args: argparse.Namespace) -> int:
-    from .parse import load_experiment
-    from .split import split_experiment
+    from distgrad.config.parse import load_experiment
+    from distgrad.config.split import split_experiment
 
     exp = load_experiment(args.experiment)
     for path in split_experiment(exp, args.outdir, args.force):
@@ -565,7 +565,7 @@ def _split(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from .keys import keygen
+    from distgrad.wire.keys import keygen
 
     public, secret = keygen(args.directory, args.name)
     print(f"public key {public}\nsecret key {secret} (keep it private; mode 0600)")
@@ -573,7 +573,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .plot import plot_metrics
+    from distgrad.plot import plot_metrics
 
     print(f"wrote {plot_metrics(args.metrics, args.out)}")
     return EXIT_OK
@@ -582,8 +582,8 @@ def _plot(args: argparse.Namespace) -> int:
 def _ping(args: argparse.Namespace) -> int:
     import zmq
 
-    from . import wire
-    from .transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.wire.transport import Client
 
     ctx = zmq.Context.instance()
     security = _curve(args, "driving", ctx)[1] if (args.curve_secret or args.server_key) else None

@@ -74,7 +74,7 @@ class NonFiniteError(StageError):
 
 
 class CodecRangeError(DistgradError, ValueError):
-    """A tensor holds a value its wire codec cannot carry (``distgrad.codecs``).
+    """A tensor holds a value its wire codec cannot carry (``distgrad.wire.codecs``).
 
     A finite value beyond float16's or bfloat16's range (it would cross as
     Inf), or NaN/Inf for ``int8`` and ``topk:K``. Raised by the sending side

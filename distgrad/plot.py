@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from distgrad.errors import ConfigError
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 

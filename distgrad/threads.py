@@ -17,7 +17,7 @@ Two rules, one module:
   torch's intra-op pool when torch is loaded, compute on one thread, whatever
   ``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS`` said when they loaded and
   whatever imported numpy first. A pool loaded later inside it is not
-  limited: numpy is loaded on entry, and ``distgrad.torch_stage`` sets torch
+  limited: numpy is loaded on entry, and ``distgrad.stage.torch_stage`` sets torch
   to one thread when it is imported.
 """
 

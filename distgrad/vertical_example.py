@@ -37,12 +37,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, StageError
-from .parse import parse_experiment
-from .inprocess import train_in_process
-from .launcher import run_local
-from .records import read_json
-from .split import toml_document
+from distgrad.errors import ConfigError, StageError
+from distgrad.config.parse import parse_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.run.launcher import run_local
+from distgrad.stage.records import read_json
+from distgrad.config.split import toml_document
 
 DATA = Path(__file__).parent / "datasets" / "breast_cancer.csv"
 GROUPS = {"mean": "mean ", "se": " error", "worst": "worst "}   # party -> how its column names read

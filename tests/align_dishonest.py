@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from distgrad import align as al
-from distgrad import cli, wire
+from distgrad import cli
+from distgrad.wire import messages as wire
 
 
 def _reorder() -> None:

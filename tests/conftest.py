@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 import zmq
 
-from distgrad.launcher import pinned_env, stop_process
+from distgrad.run.launcher import pinned_env, stop_process
 from handshake import hello_message  # noqa: F401  (the tests import it from here)
 
 CLI = [sys.executable, "-m", "distgrad.cli"]
@@ -493,7 +493,7 @@ def train_last_step(stage, x, target):
     through a step engine (the one update path). Returns ``(loss, dx, grads)``."""
     import numpy as np
 
-    from distgrad.engine import StepEngine
+    from distgrad.stage.engine import StepEngine
 
     loss, dx, grads = stage.loss_micro_batch(x, target)
     engine = StepEngine(stage, lambda micro_batches: np.float32(1))

@@ -41,7 +41,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     stage_args = args.stage_args[1:] if args.stage_args[:1] == ["--"] else args.stage_args
 
-    from distgrad import cli, driver
+    from distgrad import cli
+
+    from distgrad.run import driver
 
     if args.start_gate is not None:
         drive = driver.drive_first_stage

@@ -1,6 +1,6 @@
 """Valid handshake messages, for the tests and benchmarks/per_message.py (no pytest here).
 
-The hello is the one ``distgrad.handshake.hello`` builds, so a field the
+The hello is the one ``distgrad.run.handshake.hello`` builds, so a field the
 handshake comes to need is added in one place.
 """
 
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from distgrad import handshake, wire
-from distgrad.experiment import Experiment
+from distgrad.run import handshake
+
+from distgrad.wire import messages as wire
+from distgrad.config.experiment import Experiment
 
 
 def hello_message(exp: Experiment, run: str, **changes: Any) -> wire.Message:

@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from distgrad import align as al
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.errors import ConfigError, ProtocolError
-from distgrad.keys import keygen
+from distgrad.wire.keys import keygen
 
 from conftest import StageProcess, pinned_env, run_main, wait_for_file
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import zmq
 
-from distgrad import wire
-from distgrad.parse import load_experiment
-from distgrad.stage import Stage
-from distgrad.transport import Client
-from distgrad.wire import ErrorCode, Message
+from distgrad.wire import messages as wire
+from distgrad.config.parse import load_experiment
+from distgrad.stage.stage import Stage
+from distgrad.wire.transport import Client
+from distgrad.wire.messages import ErrorCode, Message
 
 from conftest import StageProcess, hello_message, read_json, run_cli, run_main
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distgrad.launcher import pinned_env
+from distgrad.run.launcher import pinned_env
 
 from conftest import free_tcp_port
 

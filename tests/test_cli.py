@@ -13,9 +13,9 @@ import pytest
 
 from distgrad.cli import build_parser, build_stage_parser
 from distgrad.errors import ConfigError
-from distgrad.launcher import pinned_env
-from distgrad.experiment import builtin_names
-from distgrad.parse import load_experiment, parse_experiment, parse_init_overrides
+from distgrad.run.launcher import pinned_env
+from distgrad.config.experiment import builtin_names
+from distgrad.config.parse import load_experiment, parse_experiment, parse_init_overrides
 
 from conftest import BIN, run_cli, run_main
 

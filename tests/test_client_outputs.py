@@ -16,7 +16,7 @@ import pytest
 
 from conftest import read_json, read_lines, run_launcher, run_main
 from distgrad.errors import DistgradError
-from distgrad import records
+from distgrad.stage import records
 
 STEPS = 10
 CLIENTS = 3

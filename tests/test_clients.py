@@ -148,9 +148,9 @@ def test_client_usage_errors_exit_2(args, needle):
 
 
 def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_server, zmq_ctx):
-    from distgrad import wire
-    from distgrad.parse import load_experiment
-    from distgrad.transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.config.parse import load_experiment
+    from distgrad.wire.transport import Client
     from distgrad.errors import PeerRejected
     from conftest import hello_message
 
@@ -171,10 +171,10 @@ def test_a_client_back_with_a_new_run_waits_for_the_next_step_without_stalling_t
     """No sockets: the serving stage's hello rules. Client 1 comes back with a fresh run id after
     its liveness ran out but before the stage dropped it: it joins at the next step, and the
     step in progress goes on without it."""
-    from distgrad import wire
-    from distgrad.parse import load_experiment
-    from distgrad.options import StageOptions
-    from distgrad.serving import Phase, PeerStatus, ServingStage
+    from distgrad.wire import messages as wire
+    from distgrad.config.parse import load_experiment
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import Phase, PeerStatus, ServingStage
     from conftest import hello_message
 
     exp = load_experiment("digits-clients")
@@ -194,8 +194,8 @@ def _raw_clients_to_the_end(exp, steps: int, endpoint: str, ctx, byes: set[int])
     the others fall silent after their last step, as if killed between it and their bye."""
     import numpy as np
 
-    from distgrad import wire
-    from distgrad.transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.wire.transport import Client
     from conftest import hello_message
 
     clients = [Client(ctx, endpoint) for _ in range(3)]
@@ -225,7 +225,7 @@ def test_a_client_silent_between_its_last_step_and_its_bye_is_dropped_and_g_exit
         tmp_path, start_server, zmq_ctx, byes, code, status):
     """Issue 12.4: client 2 (or every client) stops after its last step without a bye. g drops it
     after --liveness and exits: 0 when some client said bye, else 3 after --peer-deadline more."""
-    from distgrad.parse import load_experiment
+    from distgrad.config.parse import load_experiment
 
     exp = load_experiment("digits-clients")
     summary_path = tmp_path / "g.json"

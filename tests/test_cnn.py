@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from distgrad.experiment import BUILTIN_DIR
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
+from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
 
 from conftest import read_json, run_launcher
 

@@ -12,15 +12,15 @@ import signal
 import numpy as np
 import pytest
 
-from distgrad import wire
-from distgrad.codecs import parse_codec
-from distgrad.experiment import BUILTIN_DIR
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.options import StageOptions
-from distgrad.serving import ServingStage
-from distgrad.stage import Stage
-from distgrad.wire import ErrorCode, Message
+from distgrad.wire import messages as wire
+from distgrad.wire.codecs import parse_codec
+from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.run.options import StageOptions
+from distgrad.run.serving import ServingStage
+from distgrad.stage.stage import Stage
+from distgrad.wire.messages import ErrorCode, Message
 
 from conftest import free_tcp_endpoint, read_json, read_lines, run_cli, run_launcher, run_main
 from handshake import hello_message, only_reply
@@ -261,7 +261,7 @@ def test_a_float16_overflow_fails_the_run_naming_tensor_and_step(tmp_path):
 def test_residuals_become_state_only_with_the_update():
     """A step's residuals are pending until committed (the update) and forgotten when it is dropped, so a
     micro-batch sent again after a rollback is encoded from the same residual."""
-    from distgrad.wirecodec import ACTIVATION, Senders
+    from distgrad.wire.wirecodec import ACTIVATION, Senders
 
     senders = Senders({ACTIVATION: parse_codec("topk:1+ef")})
     x = np.array([[3.0, 1.0, 2.0]], np.float32)
@@ -277,8 +277,8 @@ def test_residuals_become_state_only_with_the_update():
 def test_a_bad_coded_reply_is_named_by_stage_step_and_micro_batch():
     """A backward reply whose int8 gradient is malformed: the refusal names the stage that sent it, the
     step and the micro-batch, not only the codec's complaint."""
-    from distgrad.link import check_reply
-    from distgrad.wirecodec import Expected, WireTensor
+    from distgrad.wire.link import check_reply
+    from distgrad.wire.wirecodec import Expected, WireTensor
 
     specs = Expected(WireTensor("activation_grad", (4, 3), parse_codec("int8")))
     reply = Message(wire.BACKWARD, "run", 7, 1, 2, body={"loss": 0.5},

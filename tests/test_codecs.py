@@ -1,4 +1,4 @@
-"""distgrad.codecs against oracles written another way (pure-Python bits, struct, per-element loops).
+"""distgrad.wire.codecs against oracles written another way (pure-Python bits, struct, per-element loops).
 
 Bit-level claims are checked bitwise (``assert_same_bits``); every codec's
 parts are checked against its ``wire_specs`` and byte count; every error path
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from distgrad import wire
-from distgrad.codecs import (TENSOR_CODE, BFloat16Codec, Codec, ErrorFeedback, Float16Codec, Int8Codec, NoneCodec,
+from distgrad.wire import messages as wire
+from distgrad.wire.codecs import (TENSOR_CODE, BFloat16Codec, Codec, ErrorFeedback, Float16Codec, Int8Codec, NoneCodec,
                              TopKCodec, make_sender, parse_codec)
 from distgrad.errors import CodecRangeError, ConfigError, ProtocolError
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from distgrad.options import StageOptions
+from distgrad.run.options import StageOptions
 from distgrad.errors import ConfigError
-from distgrad.experiment import BUILTIN_DIR
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.launcher import run_local
+from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.run.launcher import run_local
 
 from conftest import run_main
 
@@ -181,6 +181,6 @@ def test_a_toml_file_nested_too_deeply_is_refused_with_exit_2(tmp_path: Path, te
 
 
 def test_toml_nested_to_the_bound_is_read():
-    from distgrad.tomlfile import nesting_depth, tomllib
+    from distgrad.config.tomlfile import nesting_depth, tomllib
     assert nesting_depth(tomllib.loads("a = " + "[" * 32 + "]" * 32)) == 33       # the document is a table
     assert nesting_depth({"a": 1, "b": [1, {"c": []}]}) == 4 and nesting_depth(1.5) == 0

@@ -9,9 +9,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from distgrad import wire
-from distgrad.parse import load_experiment
-from distgrad.keys import apply_curve_client, keygen
+from distgrad.wire import messages as wire
+from distgrad.config.parse import load_experiment
+from distgrad.wire.keys import apply_curve_client, keygen
 
 from conftest import StageProcess, hello_message, read_json, run_cli, run_main
 
@@ -89,10 +89,10 @@ def test_a_refused_driver_exits_3_within_its_deadline(start_server, tmp_path, ke
     assert any(f"the CURVE handshake with it failed: {reason}" in f.output for reason in driver_says), f.output
     assert "is the serving stage running" not in f.output, f.output
     if who == "unknown key":
-        stage_says = [f"WARNING distgrad.keys: refused a CURVE client: its public key "
+        stage_says = [f"WARNING distgrad.wire.keys: refused a CURVE client: its public key "
                       f"{keys_public(keys['stranger_secret'])} is not in"]
     else:
-        stage_says = [f"WARNING distgrad.transport: a peer failed the handshake on {endpoint}: {reason}" for reason in
+        stage_says = [f"WARNING distgrad.wire.transport: a peer failed the handshake on {endpoint}: {reason}" for reason in
                       {"plaintext": ["security mechanism mismatch", closed["stage"]],
                        "wrong server key": ["CURVE cryptographic error", closed["stage"]]}[who]]
     assert any(line in g.output for line in stage_says), g.output
@@ -110,7 +110,7 @@ def test_a_flood_of_refused_keys_is_logged_in_bounded_lines(tmp_path):
     """Issue 12.9: one line per distinct key per interval, at most REFUSAL_LOG_KEYS keys, the rest counted."""
     import logging
 
-    from distgrad.transport import RefusalLog
+    from distgrad.wire.transport import RefusalLog
 
     records: list[str] = []
 
@@ -162,8 +162,8 @@ def test_ping_answers_with_the_servers_state(start_server, tmp_path):
 
 
 def test_a_run_belongs_to_the_key_that_opened_it(start_server, tmp_path, keys, zmq_ctx):
-    from distgrad.keys import CurveClient
-    from distgrad.transport import Client
+    from distgrad.wire.keys import CurveClient
+    from distgrad.wire.transport import Client
 
     _, second_secret = keygen(keys["allow"], "f2")          # a second allowed client
     g, endpoint = _secure_server(start_server, tmp_path, keys)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment
+from distgrad.config.parse import load_experiment
 
 from conftest import read_json, run_cli, run_launcher, run_main
 

@@ -44,9 +44,9 @@ import pytest
 
 from distgrad import cli
 from distgrad.errors import ConfigError
-from distgrad.experiment import Experiment
-from distgrad.parse import load_experiment, parse_experiment, parse_init_overrides
-from distgrad.transport import check_endpoint
+from distgrad.config.experiment import Experiment
+from distgrad.config.parse import load_experiment, parse_experiment, parse_init_overrides
+from distgrad.wire.transport import check_endpoint
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,9 +11,9 @@ import pytest
 
 from distgrad.cli import _run_stage, build_stage_parser
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.progress import PROGRESS_PREFIX, Progress, render_bar
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.run.progress import PROGRESS_PREFIX, Progress, render_bar
 
 from conftest import read_json, read_lines, run_launcher
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distgrad.engine import StepEngine
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.nn import ForwardContext
-from distgrad.records import to_lists
-from distgrad.stage import Stage, micro_batch
+from distgrad.stage.engine import StepEngine
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.model.nn import ForwardContext
+from distgrad.stage.records import to_lists
+from distgrad.stage.stage import Stage, micro_batch
 
 @pytest.fixture(scope="module")
 def exp():
@@ -101,7 +101,7 @@ def torch():
 
 
 def _torch_stage(torch, seed: int = 5):
-    from distgrad.torch_stage import TorchStage
+    from distgrad.stage.torch_stage import TorchStage
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5))
@@ -143,7 +143,7 @@ def test_torch_stage_from_an_experiment_knows_the_run_seed(torch):
 
 
 def test_two_stages_dropouts_of_one_name_draw_different_masks():
-    from distgrad.nn import Dropout
+    from distgrad.model.nn import Dropout
     layer = Dropout(0.5, "dropout1", seed=0)
     shape = (8, 16)
     f_mask = layer.mask(shape, ForwardContext(True, 3, 0, "f"))

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from distgrad import wire
-from distgrad.options import StageOptions
+from distgrad.wire import messages as wire
+from distgrad.run.options import StageOptions
 from distgrad.errors import ProtocolError
-from distgrad.experiment import MAX_PARTS
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.handshake import check_hello
-from distgrad.serving import ServingStage
-from distgrad.stage import Stage
-from distgrad.wire import ErrorCode
+from distgrad.config.experiment import MAX_PARTS
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.run.handshake import check_hello
+from distgrad.run.serving import ServingStage
+from distgrad.stage.stage import Stage
+from distgrad.wire.messages import ErrorCode
 
 from conftest import hello_message, run_cli
 
@@ -156,7 +156,7 @@ def test_stages_with_different_experiment_files_say_which_fields_differ(tmp_path
 def test_a_refusal_says_where_each_side_s_value_came_from(tmp_path: Path):
     """A value a command-line flag set is named with the flag; the others with the side's file (a stage file's
     path as given, a built-in's name)."""
-    from distgrad.split import split_experiment
+    from distgrad.config.split import split_experiment
     g_exp = load_experiment("tanh-regression").with_codecs("float16", None)
     f_file = split_experiment(load_experiment("tanh-regression"), tmp_path / "parties")[0]
     f_exp = load_experiment(f_file).with_codecs("int8", "bfloat16")

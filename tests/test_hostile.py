@@ -49,12 +49,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.errors import PeerRejected, ProtocolError
-from distgrad.parse import load_experiment
-from distgrad.stage import Stage
-from distgrad.transport import MAX_FRAMES, Client
-from distgrad.wire import ErrorCode, Message
+from distgrad.config.parse import load_experiment
+from distgrad.stage.stage import Stage
+from distgrad.wire.transport import MAX_FRAMES, Client
+from distgrad.wire.messages import ErrorCode, Message
 
 from conftest import StageProcess, hello_message, read_json, run_main
 

@@ -1,4 +1,4 @@
-"""CURVE key files and socket configuration (distgrad.keys), over real loopback tcp sockets.
+"""CURVE key files and socket configuration (distgrad.wire.keys), over real loopback tcp sockets.
 
 Every wait is a bounded poll; every socket is closed with linger 0 and the
 private context destroyed after each test.
@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from distgrad.errors import ConfigError
-from distgrad.keys import CurveServer, apply_curve_client, check_private, keygen, load_public, load_secret
+from distgrad.wire.keys import CurveServer, apply_curve_client, check_private, keygen, load_public, load_secret
 
 SERVER_WAIT_MS = 1000   # how long the server waits for a message that must not arrive
 CLIENT_WAIT_MS = 300    # how long a client waits for a reply that must not arrive

@@ -1,8 +1,9 @@
-"""The package reads like the path a step takes: imports point one way, with no cycles.
+"""The package's folders are its layers, and imports point one way: down the path a step takes.
 
-Each module of ``distgrad`` sits in one layer; a module may import modules of
-its own layer or below, never above, and no two modules may import each other
-through any chain.
+``distgrad/`` holds one folder per layer (``model``, ``wire``, ``config``, ``stage``, ``run``), with the
+foundations (``errors``, ``threads``) and the front ends (``cli``, ``api``, ``align``, ``plot``,
+``vertical_example``) at the top. A module may import modules of its own layer or of a layer below,
+never above, and no two modules may import each other through any chain. docs/architecture.md draws it.
 """
 
 from __future__ import annotations
@@ -12,42 +13,65 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
+# Lowest first. A folder name stands for every module in it; top-level modules are named one by one.
 LAYERS = [
-    ("foundations", {"errors", "threads", "schema", "npzfile", "tomlfile"}),
-    ("model math", {"nn", "losses", "schedules", "optim", "aggregate", "codecs"}),
-    ("experiments and data", {"data", "experiment", "parse", "split", "reference"}),
-    ("wire, transport and files", {"wire", "wirecodec", "transport", "keys", "handshake", "link", "records",
-                                   "checkpoint", "progress"}),
-    ("stage and step engine", {"stage", "engine", "torch_stage", "inprocess"}),
-    ("stage processes", {"options", "stage_state", "accepts", "peers", "topology", "parties", "serving",
-                         "driver", "predict", "align"}),
-    ("front ends", {"launcher", "api", "cli", "plot", "vertical_example", "__init__"}),
+    ("foundations", {"errors", "threads"}),
+    ("model math", {"model"}),
+    ("wire", {"wire"}),
+    ("configuration and data", {"config"}),
+    ("stage and step engine", {"stage"}),
+    ("stage processes and runners", {"run"}),
+    ("front ends", {"cli", "api", "align", "plot", "vertical_example", "__init__"}),
 ]
-LAYER = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+DATA_FOLDERS = {"experiments", "datasets"}   # shipped stage files, their example modules and data sets: not the package's code
+LAYER = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}
+
+
+def _module_name(path: Path) -> str:
+    """``distgrad/run/serving.py`` -> ``run.serving``; ``distgrad/cli.py`` -> ``cli``; a folder's
+    ``__init__.py`` -> the folder's name."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _unit(module: str) -> str:
+    """The name LAYERS knows a module by: its folder, or itself at the top level."""
+    return module.split(".")[0]
 
 
 def _imports() -> dict[str, set[str]]:
-    """Every distgrad module and the distgrad modules it imports (at any depth of its code)."""
+    """Every distgrad module (dotted, below ``distgrad``) and the distgrad modules it imports, at any depth."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")
+               if path.parent == PACKAGE or path.relative_to(PACKAGE).parts[0] not in DATA_FOLDERS}
     found: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
+    for module, path in modules.items():
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("distgrad")):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distgrad"):
+                assert node.level == 0, f"{module}: use absolute imports (from distgrad.<folder>.<module> import ...)"
                 base = (node.module or "").removeprefix("distgrad").lstrip(".")
-                names.update([base] if base else [alias.name for alias in node.names])
+                for alias in node.names:     # `from distgrad.run import serving` imports the module run.serving
+                    joined = f"{base}.{alias.name}" if base else alias.name
+                    names.add(joined if joined in modules else base)
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{module}: use absolute imports, not a relative one")
             elif isinstance(node, ast.Import):
-                names.update(a.name.split(".")[1] for a in node.names if a.name.startswith("distgrad."))
-        found[path.stem] = {name.split(".")[0] for name in names} - {path.stem}
+                names.update(a.name.removeprefix("distgrad.") for a in node.names if a.name.startswith("distgrad."))
+        found[module] = {name for name in names if name} - {module}
     return found
 
 
 def test_every_module_has_a_layer():
-    assert set(_imports()) == set(LAYER), "give a new module its place in LAYERS (tests/test_layers.py)"
+    missing = sorted(m for m in _imports() if _unit(m) not in LAYER)
+    assert not missing, f"give these a layer in LAYERS (tests/test_layers.py), or move them into a folder: {missing}"
 
 
 def test_no_module_imports_one_above_it():
-    upward = [f"{module} ({LAYERS[LAYER[module]][0]}) imports {other} ({LAYERS[LAYER[other]][0]})"
-              for module, others in _imports().items() for other in others if LAYER[other] > LAYER[module]]
+    upward = [f"{module} ({LAYERS[LAYER[_unit(module)]][0]}) imports {other} ({LAYERS[LAYER[_unit(other)]][0]})"
+              for module, others in _imports().items() for other in others
+              if LAYER[_unit(other)] > LAYER[_unit(module)]]
     assert not upward, "\n".join(upward)
 
 
@@ -57,7 +81,7 @@ def test_no_import_cycles():
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]
         while todo:
-            for other in graph[todo.pop()]:
+            for other in graph.get(todo.pop(), ()):
                 if other not in seen:
                     seen.add(other)
                     todo.append(other)
@@ -65,3 +89,17 @@ def test_no_import_cycles():
 
     cycles = sorted(module for module in graph if module in reach(module))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_every_folder_says_what_it_holds():
+    for folder in (p for p in PACKAGE.iterdir() if p.is_dir() and p.name in LAYER):
+        init = folder / "__init__.py"
+        assert init.is_file(), f"distgrad/{folder.name} has no __init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.split()) >= 10, f"distgrad/{folder.name}/__init__.py: say in its docstring what the layer holds"
+
+
+def test_the_architecture_page_names_every_folder():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for folder in (p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name in LAYER):
+        assert f"distgrad/{folder}" in page, f"docs/architecture.md does not describe distgrad/{folder}"

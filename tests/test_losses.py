@@ -1,4 +1,4 @@
-"""Unit tests for distgrad.losses: gradients, known values, stability, builders."""
+"""Unit tests for distgrad.model.losses: gradients, known values, stability, builders."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.losses import (
+from distgrad.model.losses import (
     Loss,
     MeanSquaredError,
     SoftmaxCrossEntropy,

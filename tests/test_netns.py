@@ -33,7 +33,7 @@ from typing import Sequence
 import pytest
 
 from conftest import CLI, read_json, read_lines, run_main
-from distgrad.launcher import pinned_env, stop_process
+from distgrad.run.launcher import pinned_env, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 RELAY = Path(__file__).resolve().parent / "tcp_relay.py"

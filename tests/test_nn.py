@@ -1,13 +1,13 @@
-"""Unit tests for distgrad.nn: gradients, shapes, initialisers, builders."""
+"""Unit tests for distgrad.model.nn: gradients, shapes, initialisers, builders."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from distgrad import nn
+from distgrad.model import nn
 from distgrad.errors import ConfigError
-from distgrad.nn import (
+from distgrad.model.nn import (
     Dense,
     ReLU,
     Scale,
@@ -530,7 +530,7 @@ def test_identity_passes_arrays_through_without_copy_or_parameters():
 
 def test_deferred_backward_gives_the_same_bits_later():
     """What a serving stage uses: dx first, parameter gradients afterwards, bitwise equal to backward."""
-    from distgrad.nn import Identity
+    from distgrad.model.nn import Identity
 
     rng = np.random.default_rng(RNG_SEED)
     model = Sequential([Scale("s", 6, 1.5, seed=1), Dense("h", 6, 8, "glorot_uniform", seed=1), ReLU(), Tanh(),

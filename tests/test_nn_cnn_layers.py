@@ -1,4 +1,4 @@
-"""Unit tests for the image, sequence and regularisation layers of distgrad.nn (issue 14).
+"""Unit tests for the image, sequence and regularisation layers of distgrad.model.nn (issue 14).
 
 conv2d, maxpool2d, flatten, reshape, dropout, embedding and layernorm:
 gradients by central differences in float64 (the helper of test_nn.py and
@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pytest
 
-from distgrad import nn
+from distgrad.model import nn
 from distgrad.errors import ConfigError
-from distgrad.nn import (
+from distgrad.model.nn import (
     Conv2D,
     Dense,
     Dropout,

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import zmq
 
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.api import drive_stage
-from distgrad.options import StageOptions
+from distgrad.run.options import StageOptions
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.engine import StepEngine
-from distgrad.inprocess import _step, train_in_process
-from distgrad.serving import PeerStatus, ServingStage
-from distgrad.stage import Stage
-from distgrad.wire import ErrorCode, Message
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.stage.engine import StepEngine
+from distgrad.run.inprocess import _step, train_in_process
+from distgrad.run.serving import PeerStatus, ServingStage
+from distgrad.stage.stage import Stage
+from distgrad.wire.messages import ErrorCode, Message
 
 from handshake import only_reply
 from conftest import StageProcess, hello_message, read_json, run_cli, run_main, wait_for_file
@@ -71,7 +71,7 @@ def _nan_step(text: str) -> int:
 
 
 def _checkpoint_steps(directory: Path, stage: str) -> list[int]:
-    from distgrad.checkpoint import steps_on_disk
+    from distgrad.stage.checkpoint import steps_on_disk
 
     return steps_on_disk(directory, stage)
 

@@ -1,4 +1,4 @@
-"""Unit tests for distgrad.optim: the seed's Adam trajectory, a TF1 oracle, SGD, state, builders."""
+"""Unit tests for distgrad.model.optim: the seed's Adam trajectory, a TF1 oracle, SGD, state, builders."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.losses import SumSquaredError
-from distgrad.nn import Scale
-from distgrad.optim import SGD, Adam, build_optimizer
+from distgrad.model.losses import SumSquaredError
+from distgrad.model.nn import Scale
+from distgrad.model.optim import SGD, Adam, build_optimizer
 
 F32 = np.float32
 
@@ -445,7 +445,7 @@ def test_build_optimizer_rejects_bad_specs(spec, match):
 #   tiny rate, but stays an ulp or two of lr.
 # Largest errors seen below: exponential 2.8 ulps (of 5.5 allowed at lr/1000), cosine 0.95 ulps of lr.
 
-from distgrad.schedules import (Constant, CosineDecay, ExponentialDecay, PiecewiseConstant,  # noqa: E402
+from distgrad.model.schedules import (Constant, CosineDecay, ExponentialDecay, PiecewiseConstant,  # noqa: E402
                                 Warmup, build_schedule)
 
 ULP = 2.0 ** -23

@@ -7,9 +7,9 @@ import signal
 import numpy as np
 import pytest
 
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.engine import GradAccumulator
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.engine import GradAccumulator
 
 from conftest import free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
 from test_faults import Pair
@@ -98,7 +98,7 @@ def test_in_flight_is_for_the_driving_stage():
 
 
 def test_in_flight_sets_the_window():
-    from distgrad.options import StageOptions
+    from distgrad.run.options import StageOptions
 
     exp = load_experiment("tanh-regression")
     window = {(schedule, m, n): StageOptions(exp, "f", 0, micro_batches=m, schedule=schedule, in_flight=n).window

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.errors import ProtocolError
-from distgrad.parse import load_experiment
-from distgrad.options import StageOptions
-from distgrad.predict import PredictionServer
-from distgrad.stage import Stage
-from distgrad.wire import ErrorCode, Message
+from distgrad.config.parse import load_experiment
+from distgrad.run.options import StageOptions
+from distgrad.run.predict import PredictionServer
+from distgrad.stage.stage import Stage
+from distgrad.wire.messages import ErrorCode, Message
 
 from conftest import StageProcess, read_json, run_cli, run_launcher, wait_for_file
 
@@ -94,7 +94,7 @@ def test_the_prediction_server_refuses_bad_input_and_keeps_its_state(trained: Pa
     server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
                               tmp_path / "out.npy", None)
     f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
-    from distgrad import handshake
+    from distgrad.run import handshake
     hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
     with pytest.raises(ProtocolError, match="not a training run"):
         server.handle(hello, 0.0)                       # a training hello
@@ -178,7 +178,7 @@ def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp
     server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"),
                               tmp_path / "out.npy", None)
     f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
-    from distgrad import handshake
+    from distgrad.run import handshake
     hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
     for rows in (0, -1, 2**62, "5", None):
         hello.body.update(purpose="predict", rows=rows)
@@ -196,8 +196,8 @@ def test_the_prediction_server_bounds_what_a_sender_may_claim(trained: Path, tmp
 
 
 def test_a_training_stage_refuses_a_prediction_hello_and_stays_free(trained: Path):
-    from distgrad import handshake
-    from distgrad.serving import ServingStage
+    from distgrad.run import handshake
+    from distgrad.run.serving import ServingStage
     exp = load_experiment(trained / "parties" / "g" / "g.toml")
     server = ServingStage(StageOptions(exp, "g", exp.seed))
     f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
@@ -212,7 +212,7 @@ def test_a_training_stage_refuses_a_prediction_hello_and_stays_free(trained: Pat
                                                                                                       "empty"])
 def test_unreadable_input_rows_are_a_configuration_error(trained: Path, tmp_path: Path, content):
     from distgrad.errors import ConfigError
-    from distgrad.predict import read_rows
+    from distgrad.run.predict import read_rows
     np.save(tmp_path / "rows.npy", content)
     with pytest.raises(ConfigError, match="--input"):
         read_rows(tmp_path / "rows.npy", load_experiment(trained / "parties" / "f" / "f.toml"), "f")
@@ -332,7 +332,7 @@ loss = "softmax_cross_entropy"
 def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     """Each feature party sends its rows' IDs: the label owner refuses a chunk whose IDs are not the other
     party's (their files are not aligned), keeping nothing of it, and a party that sends no IDs."""
-    from distgrad import handshake
+    from distgrad.run import handshake
     exp = load_experiment("digits-halves")
     server = PredictionServer(StageOptions(exp, "g", exp.seed), tmp_path / "out.csv", None)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from distgrad.launcher import pinned_env, stop_process
+from distgrad.run.launcher import pinned_env, stop_process
 
 from conftest import BIN, free_tcp_port, run_launcher
 

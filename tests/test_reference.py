@@ -9,10 +9,12 @@ from typing import Any, Callable
 
 import pytest
 
-from distgrad import reference, schema
+from distgrad.config import reference
+
+from distgrad.config import schema
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.split import split_experiment
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.config.split import split_experiment
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "stage-files.md"
 
@@ -21,7 +23,7 @@ _ABSENT = object()
 
 def test_the_reference_in_docs_is_what_the_parser_generates():
     assert DOC.read_text(encoding="utf-8") == reference.render(), \
-        "docs/stage-files.md is stale: run `python -m distgrad.reference > docs/stage-files.md`"
+        "docs/stage-files.md is stale: run `python -m distgrad.config.reference > docs/stage-files.md`"
 
 
 @pytest.mark.parametrize("table,keys", [("interface", schema.INTERFACE_KEYS), ("stage", schema.STAGE_KEYS),
@@ -67,7 +69,11 @@ def test_every_combined_key_is_one_the_parser_knows():
 def test_every_option_of_the_registries_has_a_meaning():
     import inspect
 
-    from distgrad import data, nn, optim
+    from distgrad.config import data
+
+    from distgrad.model import nn
+
+    from distgrad.model import optim
     data_options = {name for cls in data._KINDS.values() for name in inspect.signature(cls.__init__).parameters
                     if name not in data._INTERNAL}
     assert data_options <= set(schema.DATA_OPTIONS), sorted(data_options - set(schema.DATA_OPTIONS))
@@ -94,7 +100,7 @@ def _vertical_sum() -> tuple[dict, str]:
 
 
 def _stage_file(tmp_path: Path, name: str, stage: str) -> tuple[dict, str]:
-    from distgrad.tomlfile import read_toml
+    from distgrad.config.tomlfile import read_toml
     folder = tmp_path / f"{name}-parts"
     if not folder.is_dir():
         split_experiment(load_experiment(name), folder)

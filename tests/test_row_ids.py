@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad.data import build_data
+from distgrad.config.data import build_data
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.split import split_experiment
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.config.split import split_experiment
 
 from conftest import StageProcess, run_cli, run_main, wait_for_file
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.stage import Stage
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.stage import Stage
 
 from conftest import read_json, run_cli, run_launcher
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
 
 from conftest import read_lines, run_launcher
 
@@ -103,8 +103,8 @@ SEED_REVERSE_LAST_STEP = [
 
 @pytest.mark.parametrize("g_x,grad_gw,grad_gx", SEED_REVERSE_LAST_STEP)
 def test_seed_reverse_printed_last_step_gradients_are_reproduced(g_x, grad_gw, grad_gx):
-    from distgrad.losses import SumSquaredError
-    from distgrad.nn import Scale
+    from distgrad.model.losses import SumSquaredError
+    from distgrad.model.nn import Scale
 
     x = np.array([g_x], F)
     y = np.array([1.0 - 0.1 * 899], F)

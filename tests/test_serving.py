@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.errors import ProtocolError
-from distgrad.parse import load_experiment
-from distgrad.options import StageOptions
-from distgrad.serving import PeerStatus, Phase, ServingStage
-from distgrad.stage import Stage
-from distgrad.wire import ErrorCode, Message
+from distgrad.config.parse import load_experiment
+from distgrad.run.options import StageOptions
+from distgrad.run.serving import PeerStatus, Phase, ServingStage
+from distgrad.stage.stage import Stage
+from distgrad.wire.messages import ErrorCode, Message
 
 from handshake import hello_message, only_reply
 
@@ -192,8 +192,8 @@ def test_a_hello_naming_no_client_or_another_index_is_refused():
 
 
 def test_a_bye_leaves_the_finished_checkpoint_newest(tmp_path):
-    from distgrad.checkpoint import steps_on_disk
-    from distgrad.stage_state import finished_run
+    from distgrad.stage.checkpoint import steps_on_disk
+    from distgrad.run.stage_state import finished_run
 
     server, exp = _serving("tanh-regression", checkpoint_dir=tmp_path, checkpoint_every=1)
     server.handle(PEER, hello_message(exp, "r"), 0.0)
@@ -344,7 +344,7 @@ def test_the_serving_stage_is_in_parts_a_reader_can_hold():
     """No class of the serving stage over 400 lines, no function over 55 (issue 22, point 1)."""
     import ast
     from pathlib import Path
-    package = Path(__file__).resolve().parent.parent / "distgrad"
+    package = Path(__file__).resolve().parent.parent / "distgrad" / "run"
     too_big = []
     for module in ("serving", "topology", "parties", "peers", "accepts"):
         for node in ast.walk(ast.parse((package / f"{module}.py").read_text())):

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.split import split_experiment, toml_document
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.config.split import split_experiment, toml_document
 
 from conftest import StageProcess, read_json, run_cli, run_launcher, run_main
 
@@ -281,7 +281,7 @@ def test_a_middle_stage_without_data_passes_the_sample_order_on(tmp_path: Path):
 
 def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
     pytest.importorskip("torch", reason="a module stage is computed by torch (pip install 'distgrad[torch]')")
-    from distgrad.stage import Stage
+    from distgrad.stage.stage import Stage
     paths = split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
     assert (tmp_path / "f" / "digits_cnn_torch.py").is_file() and not (tmp_path / "g" / "digits_cnn_torch.py").exists()
     stage = Stage.from_experiment(load_experiment(paths[0]), "f")

@@ -18,11 +18,11 @@ import pytest
 
 from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from distgrad.errors import ConfigError
-from distgrad.experiment import BUILTIN_DIR, check_staleness
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.records import to_lists
-from distgrad.stage import Stage
+from distgrad.config.experiment import BUILTIN_DIR, check_staleness
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.records import to_lists
+from distgrad.stage.stage import Stage
 
 
 def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:

@@ -13,8 +13,8 @@ import pytest
 
 from distgrad import cli
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment
-from distgrad.options import StageOptions
+from distgrad.config.parse import load_experiment
+from distgrad.run.options import StageOptions
 
 from conftest import read_json, run_launcher
 

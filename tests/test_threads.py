@@ -71,7 +71,9 @@ def test_train_in_process_after_numpy_equals_run_local(tmp_path):
         import json
         import sys
         import numpy                      # first: OpenBLAS starts with the environment's two threads
-        from distgrad import load_experiment, run_local, train_in_process
+        from distgrad import load_experiment
+        from distgrad import run_local
+        from distgrad import train_in_process
 
         inproc = train_in_process(load_experiment("mlp-classify"), steps=20)["params"]
         local = run_local("mlp-classify", steps=20, log_level="WARNING")["params"]

@@ -1,6 +1,6 @@
-"""Torch stages (distgrad.torch_stage) against torch's own autograd and against numpy stages.
+"""Torch stages (distgrad.stage.torch_stage) against torch's own autograd and against numpy stages.
 
-Oracles and tolerances (see the module docstring of distgrad.torch_stage):
+Oracles and tolerances (see the module docstring of distgrad.stage.torch_stage):
 
 * one step's gradients, torch vs numpy or vs a composed torch model:
   ``rtol=1e-5`` (a few float32 roundings through a handful of layers);
@@ -24,19 +24,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
+from distgrad.stage.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.nn import build_model
-from distgrad.stage import Stage
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.model.nn import build_model
+from distgrad.stage.stage import Stage
 
 from conftest import read_json, read_lines, run_cli, train_last_step
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
 
-from distgrad.torch_stage import TorchStage  # noqa: E402  (imports torch)
+from distgrad.stage.torch_stage import TorchStage  # noqa: E402  (imports torch)
 
 GRAD_RTOL = 1e-5
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
@@ -405,7 +405,7 @@ def test_a_hand_written_module_is_a_stage(tmp_path):
 def test_without_torch_a_torch_stage_says_how_to_install_it(monkeypatch, tmp_path):
     exp = load_experiment(_tanh(tmp_path, "torch", "numpy"))
     monkeypatch.setitem(sys.modules, "torch", None)            # import torch now raises ImportError
-    monkeypatch.delitem(sys.modules, "distgrad.torch_stage")
+    monkeypatch.delitem(sys.modules, "distgrad.stage.torch_stage")
     with pytest.raises(ConfigError, match=r"pip install 'distgrad\[torch\]'"):
         Stage.from_experiment(exp, "f")
     assert type(Stage.from_experiment(exp, "g")) is Stage     # numpy stages do not need it

@@ -1,4 +1,4 @@
-"""Your own PyTorch module as a stage: ``module = "package.module:factory"`` (distgrad.torch_stage.build_stage).
+"""Your own PyTorch module as a stage: ``module = "package.module:factory"`` (distgrad.stage.torch_stage.build_stage).
 
 Oracles and tolerances:
 
@@ -22,19 +22,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
+from distgrad.stage.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.experiment import check_run_settings
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.stage import Stage
+from distgrad.config.experiment import check_run_settings
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.stage import Stage
 
 from conftest import StageProcess, read_json, run_cli, train_last_step
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
 
-from distgrad.torch_stage import TorchStage  # noqa: E402  (imports torch)
+from distgrad.stage.torch_stage import TorchStage  # noqa: E402  (imports torch)
 
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
 CUDA_RTOL, CUDA_ATOL = 1e-4, 1e-5

@@ -1,7 +1,7 @@
 """Learning-rate schedules on torch stages: the optimizer's ``schedule`` and torch's ``scheduler``.
 
 Oracles: plain torch on a copy of the same module, fed the same gradients,
-with the rate set by hand from ``distgrad.schedules`` (``schedule``) or
+with the rate set by hand from ``distgrad.model.schedules`` (``schedule``) or
 stepped by the same ``torch.optim.lr_scheduler`` after each update
 (``scheduler``): parameters and param groups bitwise equal. A stage resumed
 from a checkpoint file equals the uninterrupted one bitwise (parameters,
@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 
 from conftest import read_json, run_launcher, run_main
-from distgrad.checkpoint import load as load_checkpoint, save as save_checkpoint
+from distgrad.stage.checkpoint import load as load_checkpoint, save as save_checkpoint
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.schedules import build_schedule
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.model.schedules import build_schedule
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
 
-from distgrad.torch_stage import TorchStage  # noqa: E402  (imports torch)
+from distgrad.stage.torch_stage import TorchStage  # noqa: E402  (imports torch)
 
 MODEL = '''
 from torch import nn

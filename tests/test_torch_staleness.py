@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from conftest import StageGroup, read_json, run_launcher, run_main
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.records import to_lists
-from distgrad.stage import Stage
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.records import to_lists
+from distgrad.stage.stage import Stage
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")

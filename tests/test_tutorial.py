@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad.launcher import pinned_env
+from distgrad.run.launcher import pinned_env
 
 pytest.importorskip("torch", reason="the tutorial's stages are PyTorch modules (pip install 'distgrad[torch]')")
 

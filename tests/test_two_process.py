@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from distgrad.launcher import pinned_env
+from distgrad.run.launcher import pinned_env
 
 from conftest import (BIN, CLI, StageProcess, hello_message, read_json, read_lines, run_cli, run_launcher, run_main,
                       wait_for_file)
@@ -113,9 +113,9 @@ def test_labels_travelling_with_the_activations(tmp_path):
 
 
 def test_a_scheduled_run_is_bitwise_equal_to_in_process_and_resumes_mid_schedule(tmp_path):
-    from distgrad.checkpoint import load as load_checkpoint
-    from distgrad.parse import load_experiment, parse_experiment
-    from distgrad.inprocess import train_in_process
+    from distgrad.stage.checkpoint import load as load_checkpoint
+    from distgrad.config.parse import load_experiment, parse_experiment
+    from distgrad.run.inprocess import train_in_process
 
     path = tmp_path / "scheduled.toml"
     path.write_text(SCHEDULED)
@@ -185,9 +185,9 @@ def test_driver_without_a_server_exits_3_naming_the_endpoint(tmp_path):
 
 def test_server_gives_up_on_a_lost_client_and_exits_3(start_server, tmp_path, zmq_ctx):
     g, endpoint = start_server("seed-reverse", "--liveness", "0.5", "--peer-deadline", "0.5")
-    from distgrad import wire
-    from distgrad.parse import load_experiment
-    from distgrad.transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.config.parse import load_experiment
+    from distgrad.wire.transport import Client
 
     client = Client(zmq_ctx, endpoint)
     assert client.request(hello_message(load_experiment("seed-reverse"), "r1"), 5).type == wire.WELCOME
@@ -260,7 +260,7 @@ def _processes_mentioning(marker: str) -> list[int]:
 
 
 def _copy_builtin(tmp_path, name):
-    from distgrad.experiment import BUILTIN_DIR
+    from distgrad.config.experiment import BUILTIN_DIR
 
     path = tmp_path / f"{name}-{tmp_path.name}.toml"
     path.write_text((BUILTIN_DIR / f"{name}.toml").read_text())
@@ -302,7 +302,7 @@ def test_ctrl_c_on_the_launcher_leaves_no_process_behind(tmp_path):
 # test_vertical): that case is slow-marked; the labels that travel stay in the default suite.
 @pytest.mark.parametrize("labels", [pytest.param("last", marks=pytest.mark.slow), "first"])
 def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
-    from distgrad.experiment import BUILTIN_DIR
+    from distgrad.config.experiment import BUILTIN_DIR
 
     exp = tmp_path / "mlp.toml"
     exp.write_text((BUILTIN_DIR / "mlp-classify.toml").read_text().replace('labels = "last"', f'labels = "{labels}"'))
@@ -347,7 +347,7 @@ def test_an_idle_serving_stage_does_not_spin(start_server):
 
 
 def test_a_spinning_wait_is_still_bounded_and_still_receives(zmq_ctx):
-    from distgrad.transport import poll_frames
+    from distgrad.wire.transport import poll_frames
 
     a, b = zmq_ctx.socket(zmq.PAIR), zmq_ctx.socket(zmq.PAIR)
     try:
@@ -372,9 +372,9 @@ def test_the_update_after_the_last_reply_is_seen_by_every_later_message(start_se
     (a ping, a repeated forward, the next step) finds the step applied exactly once."""
     import numpy as np
 
-    from distgrad import wire
-    from distgrad.parse import load_experiment
-    from distgrad.transport import Client
+    from distgrad.wire import messages as wire
+    from distgrad.config.parse import load_experiment
+    from distgrad.wire.transport import Client
 
     exp = load_experiment("tanh-regression")
     g, endpoint = start_server("tanh-regression")

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from distgrad import wire
-from distgrad.parse import load_experiment
-from distgrad.inprocess import train_in_process
-from distgrad.split import split_experiment
+from distgrad.wire import messages as wire
+from distgrad.config.parse import load_experiment
+from distgrad.run.inprocess import train_in_process
+from distgrad.config.split import split_experiment
 
 from conftest import read_json, run_cli
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
-from distgrad import aggregate
+from distgrad.model import aggregate
 from distgrad.errors import ConfigError
-from distgrad.parse import load_experiment, parse_experiment
-from distgrad.tomlfile import read_toml
-from distgrad.inprocess import train_in_process
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.config.tomlfile import read_toml
+from distgrad.run.inprocess import train_in_process
 
 PARTIES = ["a", "b", "c"]
 BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
@@ -84,7 +84,7 @@ def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
     parties' layers side by side), computed in float64 by finite differences of the loss."""
     exp = load_experiment(BUILTIN)
     assert exp.vertical and exp.data_owners == PARTIES and exp.input_shape("g") == (32, 24)
-    from distgrad.stage import Stage
+    from distgrad.stage.stage import Stage
     stages = [Stage.from_experiment(exp, name) for name in exp.stage_names]
     data = [exp.build_data(stage=name) for name in PARTIES]
     x = [d.features(1) for d in data]
@@ -295,22 +295,22 @@ class _Party:
     """A feature party of digits-halves as the label owner sees it: its hello, forwards and evaluations."""
 
     def __init__(self, exp, name: str) -> None:
-        from distgrad.stage import Stage
+        from distgrad.stage.stage import Stage
         self.exp, self.name, self.run, self.envelope = exp, name, f"run-{name}", [name.encode()]
         self.stage, self.data = Stage.from_experiment(exp, name), exp.build_data(stage=name)
 
     def hello(self, held: list[int], steps: int, eval_every: int = 0, run: str | None = None):
-        from distgrad import handshake
+        from distgrad.run import handshake
         return handshake.hello(self.exp, self.name, self.exp.seed, self.stage.output_shape, run or self.run, held,
                                steps, 1, None, eval_every)
 
     def forward(self, step: int):
-        from distgrad import wire
+        from distgrad.wire import messages as wire
         return wire.Message(wire.FORWARD, self.run, step, tensors={"activation": self.stage.forward(
             self.data.features(step))[0]})
 
     def evaluate(self, step: int):
-        from distgrad import wire
+        from distgrad.wire import messages as wire
         y = self.stage.forward(self.data.test_features(), training=False)[0]
         return wire.Message(wire.EVALUATE, self.run, step + 1, tensors={"activation": y})
 
@@ -318,8 +318,8 @@ class _Party:
 def _label_owner(tmp_path: Path, steps: int):
     """digits-halves' label owner g (checkpoints every step) and its two parties, at time ``now``."""
     import time
-    from distgrad.options import StageOptions
-    from distgrad.serving import ServingStage
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
     exp = load_experiment("digits-halves")
     g = ServingStage(StageOptions(exp, "g", exp.seed, steps=steps, checkpoint_dir=tmp_path / "g",
                                   checkpoint_every=1, liveness_s=1.0, peer_deadline_s=2.0))
@@ -358,7 +358,7 @@ def test_a_party_back_after_the_last_step_gets_its_evaluation_and_says_bye(tmp_p
     --resume it is welcomed after the last step, gets the same scores again and says bye; had it stayed
     away, g would have named it after the liveness bound (so --peer-deadline ends the run) instead of
     waiting for ever."""
-    from distgrad import wire
+    from distgrad.wire import messages as wire
     g, (left, right), now = _label_owner(tmp_path, steps=2)
     for party in (left, right):
         _replies(g, party, party.hello([0], 2), now)
@@ -421,7 +421,7 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
     the label owner combines them and writes the predictions; they equal the in-process forward of the
     saved stages, and each party's bye is answered once every party's rows are in."""
     from conftest import StageProcess, wait_for_file
-    from distgrad.stage import Stage
+    from distgrad.stage.stage import Stage
     saved = tmp_path / "saved"
     result = run_main(["run", "digits-halves", "--in-process", "--steps", "60", "--save", saved])
     assert result.returncode == 0, result.stderr

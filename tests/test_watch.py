@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from distgrad.launcher import pinned_env
+from distgrad.run.launcher import pinned_env
 
 from conftest import CLI, read_lines, run_cli, run_main
 
@@ -131,7 +131,7 @@ def test_a_large_trace_warns_once_and_the_help_says_what_it_costs(tmp_path):
 
 
 def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress_lines(start_server):
-    from distgrad.progress import render_bar
+    from distgrad.run.progress import render_bar
 
     assert "nan" not in render_bar(1, 10, None, None) and "- steps/s ETA -" in render_bar(1, 10, 0.5, None)
     _, endpoint = start_server("seed-reverse", "--keep-serving")
@@ -143,8 +143,8 @@ def test_the_first_progress_frame_has_no_nan_and_lines_mode_writes_only_progress
 
 
 def test_experiments_lists_every_description_whole():
-    from distgrad.experiment import builtin_names
-    from distgrad.parse import load_experiment
+    from distgrad.config.experiment import builtin_names
+    from distgrad.config.parse import load_experiment
 
     result = run_main(["experiments"])
     assert result.returncode == 0

@@ -1,4 +1,4 @@
-"""Unit tests of the wire codec (distgrad.wire): no sockets, no stages."""
+"""Unit tests of the wire codec (distgrad.wire.messages): no sockets, no stages."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from distgrad import wire
+from distgrad.wire import messages as wire
 from distgrad.errors import ProtocolError
-from distgrad.wire import ErrorCode, Message
+from distgrad.wire.messages import ErrorCode, Message
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPE_NAMES = sorted(wire.DTYPES)

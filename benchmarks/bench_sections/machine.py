@@ -53,8 +53,8 @@ def snapshot_distgrad(dest: Path, env: dict[str, str]) -> dict[str, Any]:
     for attempt in range(SNAPSHOT_TRIES):
         shutil.rmtree(dest / "distgrad", ignore_errors=True)
         shutil.copytree(ROOT / "distgrad", dest / "distgrad", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        check = subprocess.run([sys.executable, "-c", "import distgrad.cli, distgrad.serving, distgrad.inprocess, "
-                                "distgrad.launcher; print(distgrad.__file__)"], cwd=dest, env=env,
+        check = subprocess.run([sys.executable, "-c", "import distgrad.cli, distgrad.run.serving, distgrad.run.inprocess, "
+                                "distgrad.run.launcher; print(distgrad.__file__)"], cwd=dest, env=env,
                                capture_output=True, text=True, timeout=60)
         if check.returncode == 0 and check.stdout.strip().startswith(str(dest)):
             digest = hashlib.sha256()

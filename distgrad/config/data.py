@@ -1,0 +1,559 @@
+"""Data sources. Each stage asks only for its own part.
+
+A source answers, for a 1-based step number, the features (the first stage's
+input) and the targets (the label owner's part). Batches are a pure function
+of the step, so the data position is just the step counter: a stage that
+resumes at step ``k`` sees exactly the batch it would have seen.
+"""
+
+from __future__ import annotations
+
+import abc
+import csv
+import hashlib
+import inspect
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from distgrad.errors import ConfigError
+from distgrad.model.nn import DTYPE, Shape
+
+ROW_ID_DIGEST_HEX = 16          # hex digits of the row IDs' SHA-256 a party tells the others
+
+
+class DataSource(abc.ABC):
+    feature_shape: Shape | None                # None: this party's data holds no features
+    target_shape: Shape
+    has_labels: bool = True                   # False: this party's data holds no labels
+    target_dtype: np.dtype = np.dtype(DTYPE)
+    test_rows: np.ndarray = np.arange(0)      # held-out rows for evaluation; none unless the source has them
+
+    @abc.abstractmethod
+    def features(self, step: int) -> np.ndarray:
+        """float32 array of ``feature_shape`` for 1-based ``step``."""
+
+    def shard(self, index: int, count: int) -> None:
+        """Keep only data owner ``index``'s share of ``count``: every ``count``-th training row.
+
+        Held-out rows stay shared, so every owner is scored on the same rows.
+        Raises ``ConfigError`` for a source without rows to share out.
+        """
+        raise ConfigError(f"{type(self).__name__} data cannot be split between {count} data owners")
+
+    @abc.abstractmethod
+    def targets(self, step: int) -> np.ndarray:
+        """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
+
+
+class Ramp(DataSource):
+    """The seed's data: ``x = float32(start + delta * i)`` with ``i = step - 1``, target ``x``.
+
+    ``x`` is computed in double precision and then cast, as the seed feeds a
+    Python float to a float32 placeholder. Unbatched: shape ``(size,)``.
+    """
+
+    def __init__(self, start: float = 1.0, delta: float = -0.1, size: int = 1) -> None:
+        self.start, self.delta = float(start), float(delta)
+        self.feature_shape = self.target_shape = (int(size),)
+
+    def features(self, step: int) -> np.ndarray:
+        return np.full(self.feature_shape, self.start + self.delta * (step - 1), DTYPE)
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.features(step)
+
+
+class RowBatches(DataSource):
+    """A source of numbered rows walked in batches: ``train_rows`` (shuffled afresh every epoch),
+    ``batch`` rows a step, ``seed`` for the shuffles; the last partial batch of an epoch is left out."""
+
+    train_rows: np.ndarray
+    batch: int
+    batches_per_epoch: int
+    seed: int
+    _epoch: int = -1
+    _order: np.ndarray = np.arange(0)
+
+    _ORDER_KEY = 11        # the stream of per-epoch shuffles, apart from the data's own draws
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The training rows of 0-based ``epoch`` in the order its batches take them: a permutation drawn
+        from the seed and the epoch alone, so every party computes the same one."""
+        return self.train_rows[np.random.default_rng([self.seed, self._ORDER_KEY, epoch]).permutation(len(self.train_rows))]
+
+    def _rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step - 1, self.batches_per_epoch)
+        if epoch != self._epoch:
+            self._order = self.epoch_order(epoch)
+            self._epoch = epoch
+        return self._order[index * self.batch:(index + 1) * self.batch]
+
+    def shard(self, index: int, count: int) -> None:
+        """Keep every ``count``-th training row, from row ``index`` (see ``DataSource.shard``)."""
+        if not 0 <= index < count:
+            raise ConfigError(f"data owner {index} does not exist: there are {count} (0 to {count - 1})")
+        rows = self.train_rows[index::count]
+        if len(rows) < self.batch:
+            raise ConfigError(f"data owner {index} of {count} gets {len(rows)} training rows, fewer than a batch "
+                              f"of {self.batch}")
+        self.train_rows, self.batches_per_epoch = rows, len(rows) // self.batch
+        self._epoch = -1
+
+
+class SyntheticRegression(RowBatches):
+    """Seeded regression data from a fixed random teacher ``tanh(X @ A) @ B + noise``.
+
+    ``samples`` rows of ``features`` inputs and ``outputs`` targets; batches of
+    ``batch`` rows walk a per-epoch permutation drawn from the data seed.
+    Every stage regenerates the same arrays from the seed, so nothing about
+    them crosses the wire; the features stay with the first stage and the
+    targets with the label owner.
+    """
+
+    def __init__(self, seed: int, samples: int = 1024, features: int = 4, outputs: int = 1,
+                 hidden: int = 8, batch: int = 32, noise: float = 0.01) -> None:
+        if batch < 1 or samples < batch:
+            raise ConfigError(f"synthetic_regression needs 1 <= batch <= samples, got batch={batch}, samples={samples}")
+        rng = np.random.default_rng([seed, 7])
+        self.x = rng.normal(size=(samples, features)).astype(DTYPE)
+        a = rng.normal(size=(features, hidden)) / np.sqrt(features)
+        b = rng.normal(size=(hidden, outputs)) / np.sqrt(hidden)
+        y = np.tanh(self.x.astype(np.float64) @ a) @ b + noise * rng.normal(size=(samples, outputs))
+        self.y = y.astype(DTYPE)
+        self.seed, self.batch = seed, batch
+        self.train_rows = np.arange(samples)
+        self.batches_per_epoch = samples // batch
+        self.feature_shape, self.target_shape = (batch, features), (batch, outputs)
+        self._epoch, self._order = -1, np.arange(0)
+
+    def features(self, step: int) -> np.ndarray:
+        return self.x[self._rows(step)]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.y[self._rows(step)]
+
+
+class SyntheticClassification(SyntheticRegression):
+    """Seeded classification data: ``classes`` Gaussian blobs in ``features`` dimensions.
+
+    Targets are int64 class ids ``(batch,)``; batching as in ``SyntheticRegression``.
+    """
+
+    target_dtype = np.dtype(np.int64)
+
+    def __init__(self, seed: int, samples: int = 1024, features: int = 784, classes: int = 10,
+                 batch: int = 32, spread: float = 1.0) -> None:
+        if batch < 1 or samples < batch:
+            raise ConfigError(f"synthetic_classification needs 1 <= batch <= samples, got batch={batch}, samples={samples}")
+        if classes < 2:
+            raise ConfigError(f"synthetic_classification needs at least 2 classes, got {classes}")
+        rng = np.random.default_rng([seed, 13])
+        centres = rng.normal(size=(classes, features))
+        self.y = rng.integers(0, classes, size=samples).astype(np.int64)
+        self.x = (centres[self.y] + spread * rng.normal(size=(samples, features))).astype(DTYPE)
+        self.seed, self.batch = seed, batch
+        self.train_rows = np.arange(samples)
+        self.batches_per_epoch = samples // batch
+        self.feature_shape, self.target_shape = (batch, features), (batch,)
+        self._epoch, self._order = -1, np.arange(0)
+
+
+class CsvColumns:
+    """A CSV file read column by column: numbers (``numbers``) or text (``texts``), fields quoted with
+    ``"`` as the csv module writes them. ``header``: the first line names the columns, which may then be
+    given by name (``indices``)."""
+
+    def __init__(self, path: Path, header: bool) -> None:
+        self.path, self.header = path, header
+
+    def indices(self, ref: Any) -> list[int]:
+        """Column indices of ``ref``: an index or a header name, or a list of them."""
+        refs = ref if isinstance(ref, list) else [ref]
+        if all(isinstance(r, int) for r in refs):
+            return refs
+        if not self.header:
+            raise ConfigError("csv columns given by name need header = true")
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                names = [n.strip() for n in next(csv.reader(f), [])]
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read the header of {self.path}: {e}") from e
+        try:
+            return [names.index(r) if isinstance(r, str) else r for r in refs]
+        except ValueError as e:
+            raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
+
+    def first_row(self) -> list[str]:
+        """The fields of the first non-blank line (the header when there is one); [] for an empty file."""
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                return next((row for row in csv.reader(f) if row), [])
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read {self.path}: {e}") from e
+
+    def numbers(self, columns: list[int]) -> np.ndarray:
+        """The ``columns`` as float64 ``(rows, len(columns))``; ``ConfigError`` for a field that is no number."""
+        if not columns:
+            raise ConfigError(f"csv data {self.path}: name at least one column")
+        try:
+            return np.loadtxt(self.path, delimiter=",", skiprows=int(self.header), usecols=columns, ndmin=2,
+                              dtype=np.float64, quotechar='"')
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"csv data {self.path}, columns {columns}: {e}") from e
+
+    def texts(self, column: int) -> list[str]:
+        """Column ``column``'s fields as text, one per row (blank lines skipped)."""
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                rows = [row for row in csv.reader(f) if row][int(self.header):]
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise ConfigError(f"cannot read {self.path}: {e}") from e
+        short = next((i for i, row in enumerate(rows) if len(row) <= column), None)
+        if short is not None:
+            raise ConfigError(f"csv data {self.path}: data row {short + 1} has no column {column}")
+        return [row[column] for row in rows]
+
+    def ids(self, ref: Any) -> list[str]:
+        """The ID column ``ref`` (an index or a header name): one distinct, non-empty ID per row."""
+        return checked_ids(self.texts(self.indices(ref)[0]), f"csv data {self.path}", ref)
+
+
+def checked_ids(ids: list[str], where: str, ref: Any) -> list[str]:
+    """``ids`` if each is non-empty and names one row, else ``ConfigError`` naming ``where`` and the rows."""
+    seen: dict[str, int] = {}
+    for row, key in enumerate(ids, start=1):
+        if key == "":
+            raise ConfigError(f"{where}: data row {row} has an empty ID (id_column {ref!r})")
+        if key in seen:
+            raise ConfigError(f"{where}: ID {key!r} is in data rows {seen[key]} and {row} (id_column {ref!r}); "
+                              f"each ID must name one row")
+        seen[key] = row
+    return ids
+
+
+def row_id_digest(ids: list[str]) -> str:
+    """``ROW_ID_DIGEST_HEX`` hex digits of the SHA-256 of ``ids`` in order (each ID's UTF-8 bytes with their
+    length): equal for two parties whose files hold the same IDs in the same order."""
+    digest = hashlib.sha256(len(ids).to_bytes(8, "little"))
+    for key in ids:
+        data = key.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:ROW_ID_DIGEST_HEX]
+
+
+class ArrayFile(RowBatches):
+    """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
+
+    Each stage reads only its own part: the first stage the feature values,
+    the label owner the labels (a stage that needs only the number of
+    feature columns reads just the array header). Rows are shuffled once by
+    ``split_seed``; the first ``test_fraction`` of them are held out for
+    evaluation; training batches walk a per-epoch permutation of the rest.
+
+    * ``npz``: ``path``, ``features`` and ``labels`` name members of one file.
+    * ``npy``: ``features`` and ``labels`` are paths of two files.
+    * ``csv``: ``path``; ``features`` a list of column indices or header
+      names, ``labels`` one column; ``header = true`` when the first line
+      names the columns.
+
+    ``id_column`` (optional; csv: a column by index or header name, npz: a
+    member of strings, as ``distgrad split`` writes it) holds the rows' IDs,
+    which are no feature or label: the handshake compares a digest of the
+    IDs (``row_id_digest``), so parties whose files do not hold the same IDs
+    in the same order are refused before training.
+
+    Paths are relative to the experiment file. Features become float32 times
+    ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
+    ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``). In a party's
+    stage file ``features`` or ``labels`` is None (absent) when the party
+    does not hold that part; the row count then comes from the part it holds
+    (``feature_shape`` is None without features, ``has_labels`` False without
+    labels), so the split and the shuffles are the same on every side.
+    """
+
+    def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
+                 feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
+                 features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None,
+                 id_column: int | str | None = None) -> None:
+        if kind not in ("npz", "npy", "csv"):
+            raise ConfigError(f"unknown file data kind {kind!r}")
+        if label_dtype not in ("int64", "float32"):
+            raise ConfigError(f"label_dtype must be int64 or float32, got {label_dtype!r}")
+        if not 0 <= test_fraction < 1:
+            raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
+        self.path = base_dir / path if path is not None else None
+        if features is None and labels is None:
+            raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
+        self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
+        self.csv = CsvColumns(self.path, self.header) if kind == "csv" and self.path is not None else None
+        self.id_ref = id_column
+        if id_column is not None:
+            self._check_id_column()
+        self.has_labels = labels is not None
+        self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
+        self.target_dtype = np.dtype(label_dtype)
+        if split_seed is not None and (isinstance(split_seed, bool) or not isinstance(split_seed, int)
+                                       or split_seed < 0):
+            raise ConfigError(f"split_seed must be a non-negative integer, got {split_seed!r}")
+        self.seed = seed if split_seed is None else int(split_seed)
+        rows, width = self._feature_geometry()
+        self.rows = rows
+        order = np.random.default_rng([self.seed, 17]).permutation(rows)
+        n_test = int(round(rows * self.test_fraction))
+        self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
+        if not 1 <= self.batch <= len(self.train_rows):
+            raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
+        self.batches_per_epoch = len(self.train_rows) // self.batch
+        self.feature_shape = (self.batch, width) if features is not None else None
+        self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
+        self._features: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self._epoch, self._order = -1, np.arange(0)
+
+    # -- reading, each part only when it is asked for
+    def _file(self, ref: Any) -> Path:
+        path = self.path if self.kind != "npy" else self.base_dir / str(ref)
+        if path is None or not path.is_file():
+            raise ConfigError(f"data file {path} not found")
+        return path
+
+    def _feature_geometry(self) -> tuple[int, int]:
+        """Rows and feature columns (0 without features), reading only array headers where it can."""
+        if self.feature_ref is None:
+            return len(self._all_labels_raw()), 0
+        if self.kind == "npz":
+            with np.load(self._file(None), allow_pickle=False) as npz:
+                self._check_member(npz, self.feature_ref)
+                with npz.zip.open(f"{self.feature_ref}.npy") as member:
+                    version = np.lib.format.read_magic(member)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape = read_header(member)[0]
+        elif self.kind == "npy":
+            shape = np.load(self._file(self.feature_ref), mmap_mode="r", allow_pickle=False).shape
+        else:
+            columns = self._csv_columns(self.feature_ref)
+            shape = (len(self._read_csv(columns[:1])), len(columns))
+        if len(shape) < 2:
+            raise ConfigError(f"features must be a 2-D array (rows, columns), got shape {shape}")
+        return int(shape[0]), int(np.prod(shape[1:]))
+
+    def _check_member(self, npz: Any, ref: Any) -> None:
+        """``ConfigError`` unless ``ref`` names an array of the npz file, listing the ones it has."""
+        if not isinstance(ref, str) or ref not in npz.files:
+            raise ConfigError(f"{self.path} has no array {ref!r}; its arrays are {sorted(npz.files)}")
+
+    def _csv_file(self) -> CsvColumns:
+        self._file(None)
+        assert self.csv is not None
+        return self.csv
+
+    def _csv_columns(self, ref: Any) -> list[int]:
+        return self._csv_file().indices(ref)
+
+    def _read_csv(self, columns: list[int]) -> np.ndarray:
+        return self._csv_file().numbers(columns)
+
+    def _check_id_column(self) -> None:
+        """``ConfigError`` unless ``id_column`` is one column of csv data, neither a feature nor the label."""
+        if self.kind == "npy":
+            raise ConfigError("id_column names a column of csv data or a member of an npz file; npy data has no "
+                              "ID column")
+        if self.kind == "npz":
+            if not isinstance(self.id_ref, str) or self.id_ref in (self.feature_ref, self.label_ref):
+                raise ConfigError(f"id_column of npz data names the member of the rows' IDs, not features or "
+                                  f"labels, got {self.id_ref!r}")
+            return
+        if isinstance(self.id_ref, bool) or not isinstance(self.id_ref, (int, str)):
+            raise ConfigError(f"id_column is one column, by index or header name, got {self.id_ref!r}")
+        index = self._csv_columns(self.id_ref)[0]
+        for part, ref in (("features", self.feature_ref), ("labels", self.label_ref)):
+            if ref is not None and index in self._csv_columns(ref):
+                raise ConfigError(f"id_column {self.id_ref!r} is also one of the {part}: the ID column holds "
+                                  f"the rows' IDs, not data")
+
+    def row_ids(self) -> list[str] | None:
+        """The rows' IDs in file order; None without ``id_column``."""
+        if self.id_ref is None:
+            return None
+        if self.kind == "npz":
+            raw = np.asarray(self._read_part(self.id_ref))
+            if raw.ndim != 1 or raw.dtype.kind not in "Uiu":
+                raise ConfigError(f"{self.path}: member {self.id_ref!r} (id_column) must be a vector of strings or "
+                                  f"integers, got {raw.dtype} of shape {raw.shape}")
+            ids = checked_ids([str(key) for key in raw.tolist()], str(self.path), self.id_ref)
+        else:
+            ids = self._csv_file().ids(self.id_ref)
+        if len(ids) != self.rows:
+            raise ConfigError(f"csv data {self.path}: {len(ids)} IDs for {self.rows} rows")
+        return ids
+
+    def row_id_digest(self) -> str | None:
+        """The digest of the rows' IDs in file order (``row_id_digest``); None without ``id_column``."""
+        ids = self.row_ids()
+        return None if ids is None else row_id_digest(ids)
+
+    def id_name(self) -> str:
+        """The ID column's name: its header name, or ``id`` for a column given by index without a header."""
+        if isinstance(self.id_ref, str):
+            return self.id_ref
+        names = self._csv_file().first_row() if self.header else []
+        return names[self.id_ref] if isinstance(self.id_ref, int) and self.id_ref < len(names) else "id"
+
+    def _read_part(self, ref: Any) -> np.ndarray:
+        """One part (features or labels) from the file(s), and nothing else."""
+        if self.kind == "npz":
+            with np.load(self._file(None), allow_pickle=False) as npz:
+                self._check_member(npz, ref)
+                return npz[ref]
+        if self.kind == "npy":
+            return np.load(self._file(ref), allow_pickle=False)
+        return self._read_csv(self._csv_columns(ref))
+
+    def _all_features(self) -> np.ndarray:
+        if self.feature_ref is None:
+            raise ConfigError("this party's data holds no features (give 'features' in its [data])")
+        if self._features is None:
+            raw = self._read_part(self.feature_ref)
+            self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
+        return self._features
+
+    def _all_labels_raw(self) -> np.ndarray:
+        if self.label_ref is None:
+            raise ConfigError("this party's data holds no labels (give 'labels' in its [data])")
+        if self.kind == "csv" and (isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str))):
+            raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
+        raw = self._read_part(self.label_ref)
+        if self.kind == "csv":
+            raw = raw[:, 0]
+        return np.asarray(raw).reshape(len(raw))
+
+    def _all_labels(self) -> np.ndarray:
+        if self._labels is None:
+            raw = self._all_labels_raw()
+            if len(raw) != self.rows:
+                raise ConfigError(f"{len(raw)} labels for {self.rows} rows of features")
+            self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
+        return self._labels
+
+    def own_parts(self) -> dict[str, np.ndarray]:
+        """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
+        ``label_dtype``): ``"features"`` and/or ``"labels"``, and ``"ids"`` (strings) with an ``id_column``.
+        ``distgrad split`` copies them to the party."""
+        parts = {"features": self._read_part(self.feature_ref)} if self.feature_ref is not None else {}
+        ids = self.row_ids()
+        if ids is not None:
+            parts["ids"] = np.array(ids, dtype=str)
+        return {**parts, "labels": self._all_labels_raw()} if self.has_labels else parts
+
+    # -- the DataSource contract
+
+    _ORDER_KEY = 19
+
+    def features(self, step: int) -> np.ndarray:
+        return self._all_features()[self._rows(step)]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self._all_labels()[self._rows(step)]
+
+    def test_features(self) -> np.ndarray:
+        return self._all_features()[self.test_rows]
+
+    def test_targets(self) -> np.ndarray:
+        return self._all_labels()[self.test_rows]
+
+
+class ColumnView(DataSource):
+    """A feature party's columns of another source's features (a vertical experiment's ``columns``).
+
+    ``features``/``test_features`` keep only ``columns`` (indices into the
+    last axis, in the order given); everything else (rows, order, targets,
+    held-out rows) is the source's own, so every party walks the same rows.
+    """
+
+    def __init__(self, source: DataSource, columns: list[int]) -> None:
+        shape = source.feature_shape
+        if shape is None:
+            raise ConfigError("'columns' selects feature columns, but this data holds no features")
+        width = shape[-1]
+        if (not columns or len(set(columns)) != len(columns)
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < width for c in columns)):
+            raise ConfigError(f"'columns' must list distinct feature columns from 0 to {width - 1}, got {columns!r}")
+        self._source, self._columns = source, np.asarray(columns, np.intp)
+        self.feature_shape = (*shape[:-1], len(columns))
+        self.target_shape, self.target_dtype = source.target_shape, source.target_dtype
+        self.has_labels, self.test_rows = source.has_labels, source.test_rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)      # rows, batches, epoch_order, ...: the source's
+
+    def features(self, step: int) -> np.ndarray:
+        return np.ascontiguousarray(self._source.features(step)[..., self._columns])
+
+    def test_features(self) -> np.ndarray:
+        return np.ascontiguousarray(self._source.test_features()[..., self._columns])  # type: ignore[attr-defined]
+
+    def targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
+
+    def shard(self, index: int, count: int) -> None:
+        self._source.shard(index, count)
+
+
+_KINDS: dict[str, type[DataSource]] = {"ramp": Ramp, "synthetic_regression": SyntheticRegression,
+                                       "synthetic_classification": SyntheticClassification,
+                                       "npz": ArrayFile, "npy": ArrayFile, "csv": ArrayFile}
+_INTERNAL = {"self", "kind", "base_dir"}     # constructor arguments that no experiment gives
+
+
+def _check_option(kind: str, name: str, value: Any, annotation: str) -> None:
+    """Raise ``ConfigError`` unless ``value`` fits the constructor's annotation (a real number for a float)."""
+    allowed = {part.strip() for part in str(annotation).split("|")}
+    if "Any" in allowed or (value is None and "None" in allowed):
+        return
+    if isinstance(value, bool):
+        ok = "bool" in allowed
+    elif isinstance(value, int):
+        ok = bool(allowed & {"int", "float"})
+    elif isinstance(value, float):
+        ok = "float" in allowed and bool(np.isfinite(value))
+    else:
+        ok = isinstance(value, str) and "str" in allowed
+    if not ok:
+        wanted = " or ".join(sorted(allowed - {"None"})).replace("float", "real number").replace("int", "whole number").replace("str", "string")
+        raise ConfigError(f"data kind {kind!r}: {name!r} must be a {wanted}, got {value!r}")
+
+
+def build_data(spec: Mapping[str, Any], seed: int, base_dir: Path | None = None) -> DataSource:
+    """Build the data source named by an experiment's ``[data]`` table.
+
+    Raises ``ConfigError`` for an unknown kind or option (listing the valid
+    ones) or a value of the wrong type (a string or boolean for a number).
+    """
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ConfigError(f"unknown data kind {kind!r}: use ramp, synthetic_regression, synthetic_classification, "
+                          f"npz, npy or csv")
+    parameters = inspect.signature(_KINDS[kind].__init__).parameters
+    internal = _INTERNAL | ({"seed"} if _KINDS[kind] is ArrayFile else set())     # files take split_seed
+    valid = [name for name in parameters if name not in internal]
+    unknown = sorted(set(spec) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for data kind {kind!r}; valid options: "
+                          f"{', '.join(['kind', *valid])}")
+    for name, value in spec.items():
+        _check_option(kind, name, value, parameters[name].annotation)
+    try:
+        if kind == "ramp":
+            return Ramp(**spec)
+        if kind == "synthetic_regression":
+            return SyntheticRegression(seed=spec.pop("seed", seed), **spec)
+        if kind == "synthetic_classification":
+            return SyntheticClassification(seed=spec.pop("seed", seed), **spec)
+        return ArrayFile(kind, base_dir or Path.cwd(), seed, **spec)
+    except TypeError as e:
+        raise ConfigError(f"invalid options for data kind {kind!r}: {sorted(spec)} ({e})") from e

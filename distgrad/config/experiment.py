@@ -1,0 +1,592 @@
+"""Experiment and stage files: what each stage runs, on what data, and what the stages agree on.
+
+Two forms, one ``Experiment``:
+
+* a **combined experiment** (the built-ins in ``distgrad/experiments/``):
+  one TOML file every stage reads, with top-level keys, a ``[data]`` table
+  and one ``[[stages]]`` table per stage in order;
+* a **stage file** per party: an ``[interface]`` table (what the parties
+  agree on: the stages' names in order, the activation shape and dtype at
+  each cut, the batch, the steps or epochs, the seed of the sample order,
+  where the labels are), a ``[stage]`` table (this party's model, optimiser
+  and, on the label owner, loss) and this party's own ``[data]``. No party
+  needs another's model, optimiser or data file; ``distgrad split`` writes
+  the stage files of a combined experiment.
+
+Either way the stages compare only the interface (``interface_parts``) in
+their handshake; each stage's checkpoints are tied to its own file
+(``fingerprint``). Every key, its type, default and meaning is in
+``distgrad.config.schema``, from which docs/stage-files.md is generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AbstractSet, Any, Mapping
+
+import numpy as np
+
+from distgrad.model.aggregate import combined_shape
+from distgrad.wire.codecs import Codec, parse_codec
+from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.errors import ConfigError
+from distgrad.model.losses import Loss, build_loss, build_module_loss
+from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
+from distgrad.model.optim import Optimizer, build_optimizer
+
+BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
+CLIENT_MODES = ("separate", "splitfed")
+# A module stage's parameter names are its module's: ``function(exp, name, seed)`` builds it to tell them.
+# Looked up by name only when asked (``Experiment.all_param_names``): this module imports no torch.
+MODULE_PARAM_NAMES = "distgrad.stage.torch_stage:module_param_names"
+FRAMEWORKS = ("numpy", "torch")   # what a stage computes with; torch needs the distgrad[torch] extra
+REDUCTIONS = ("mean", "sum")      # how the loss reduces a batch's rows: how micro-batch gradients combine
+WIRE_DTYPES = ("float32",)        # what an activation may be on the wire
+FILE_KINDS = ("npz", "npy", "csv")  # data kinds read from files: a party names only the parts it holds
+
+
+def builtin_names() -> list[str]:
+    """Names of the experiments shipped with distgrad."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage's own part: what it computes, how it learns, and (stage files) its own data.
+
+    ``model`` is a list of layer tables (numpy layers, or the same computed by
+    torch with ``framework = "torch"``); ``module`` instead names a factory
+    ``"package.module:function"`` returning a ``torch.nn.Module`` (called with
+    ``module_args`` as keyword arguments; the import path is resolved in
+    ``base_dir``, the folder of the file that declared it, first), with
+    ``optimizer`` and ``loss`` given by torch names. ``device`` is where a
+    torch stage computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``output`` is
+    the per-row output shape a module stage of a combined experiment declares.
+    ``data`` is the stage file's ``[data]`` table (None: the experiment's);
+    ``seed`` the seed of this stage's initial values (None: the run's);
+    ``columns`` the feature columns it takes from its data (None: all);
+    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none).
+    """
+
+    name: str
+    model: list[dict[str, Any]] | None
+    optimizer: dict[str, Any]
+    loss: Any = None
+    framework: str = "numpy"
+    module: str | None = None
+    module_args: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    output: tuple[int, ...] | None = None
+    data: dict[str, Any] | None = None
+    seed: int | None = None
+    base_dir: Path = field(default_factory=Path.cwd, compare=False)
+    source: str = ""
+    columns: list[int] | None = None
+    scheduler: dict[str, Any] | None = None
+
+    def init_seed(self, run_seed: int) -> int:
+        """The seed this stage's initial values are drawn from."""
+        return run_seed if self.seed is None else self.seed
+
+
+@dataclass(frozen=True)
+class Clients:
+    """Several data owners, each running the first stage on its own shard (``[clients]``).
+
+    ``mode`` "separate": each keeps its own first-stage parameters (vanilla
+    split learning); "splitfed": their parameters are averaged every
+    ``average_every`` steps. The serving stage takes one update per client
+    per step, in client order (docs/topologies.md).
+    """
+
+    count: int = 1
+    mode: str = "separate"
+    average_every: int = 0
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A validated experiment or (one or several parties') stage files.
+
+    ``stages`` are the stages this process knows (all of a combined
+    experiment; a stage file's one); ``stage_names`` are all of the run's, in
+    order. ``cuts[i]`` is the shape of the float32 activation stage ``i``
+    sends stage ``i+1`` for a whole batch. ``fingerprint`` identifies the
+    file(s) (checkpoints are tied to it); ``interface_fingerprint`` what the
+    stages must agree on (the handshake compares it).
+    """
+
+    name: str
+    steps: int
+    seed: int
+    labels: str
+    allow_nonfinite: bool
+    data: dict[str, Any]
+    stages: list[StageSpec]
+    raw: dict[str, Any] = field(repr=False)
+    fingerprint: str = ""
+    source: str = ""
+    clients: Clients = Clients()
+    stage_names: list[str] = field(default_factory=list)
+    cuts: tuple[Shape, ...] = ()
+    batch: int | None = None
+    reduction: str = "mean"
+    micro_batches: int = 1
+    eval_every: int = 0
+    epochs: int | None = None
+    description: str = ""
+    target: tuple[Shape, str] | None = None    # a whole batch's targets (shape, dtype) when they travel
+    aggregate: str | None = None               # vertical: how the last stage combines the parties' embeddings
+    staleness: int = 0                         # the first stage's steps in flight (asynchronous pipelining)
+    activation_codec: str = "none"             # how activations cross the wire (``distgrad.wire.codecs``, canonical)
+    gradient_codec: str = "none"               # how activation gradients cross it
+    flag_origins: tuple[tuple[str, str], ...] = ()   # interface fields a command-line flag set, and the flag
+    # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def vertical(self) -> bool:
+        """True when every stage but the last is a feature party feeding the last (``aggregate``)."""
+        return self.aggregate is not None
+
+    @property
+    def codecs(self) -> dict[str, Codec]:
+        """The wire codec of each direction: ``{"activation": ..., "activation_grad": ...}``
+        (``distgrad.wire.wirecodec``)."""
+        return {"activation": parse_codec(self.activation_codec), "activation_grad": parse_codec(self.gradient_codec)}
+
+    def with_codecs(self, activation: str | None = None, gradient: str | None = None) -> "Experiment":
+        """This experiment with the codecs ``--activation-codec`` / ``--gradient-codec`` give (None: the
+        file's). The codecs are part of the interface, so a stage given other codecs than its peer is
+        refused at the handshake, naming the field; checkpoints of other codecs are not resumed (the
+        fingerprint changes). Raises ``ConfigError`` for a bad name or a cut the codec cannot carry."""
+        names = [self.activation_codec if activation is None else codec_name(activation, "--activation-codec"),
+                 self.gradient_codec if gradient is None else codec_name(gradient, "--gradient-codec")]
+        if names == [self.activation_codec, self.gradient_codec]:
+            return self
+        flags = [(field, flag) for field, flag, given in (("activation_codec", "--activation-codec", activation),
+                                                          ("gradient_codec", "--gradient-codec", gradient))
+                 if given is not None]
+        exp = dataclasses.replace(self, activation_codec=names[0], gradient_codec=names[1],
+                                  fingerprint=value_digest({"file": self.fingerprint, "codecs": names}, 64), _derived={},
+                                  flag_origins=(*self.flag_origins, *flags))
+        check_codecs(exp)
+        return exp
+
+    @property
+    def data_owners(self) -> list[str]:
+        """The stages that hold features and drive: the feature parties (vertical), else the first stage."""
+        return list(self.stage_names[:-1]) if self.vertical else [self.stage_names[0]]
+
+    def downstream(self, name: str) -> str:
+        """The stage ``name`` sends its activations to (the last one for a feature party)."""
+        index = self.stage_index(name)
+        return self.stage_names[-1] if self.vertical else self.stage_names[index + 1]
+
+    def upstream(self, name: str) -> list[str]:
+        """The stages that send ``name`` their activations: every feature party for the last stage of a
+        vertical experiment, else the one stage above (none for a data owner)."""
+        index = self.stage_index(name)
+        if name in self.data_owners:
+            return []
+        return self.data_owners if self.vertical else [self.stage_names[index - 1]]
+
+    @property
+    def federated(self) -> bool:
+        """True when several data owners share the serving stage."""
+        return self.clients.count > 1
+
+    @property
+    def labels_travel(self) -> bool:
+        """True when the targets cross the wire with the activations."""
+        return self.labels == "first" and len(self.stage_names) > 1
+
+    @property
+    def label_owner(self) -> str:
+        """The stage holding the labels: the first when they travel, else the last."""
+        return self.stage_names[0] if self.labels_travel else self.stage_names[-1]
+
+    def stage_index(self, name: str) -> int:
+        if name in self.stage_names:
+            return self.stage_names.index(name)
+        raise ConfigError(f"experiment {self.name!r} has no stage {name!r}; its stages are {list(self.stage_names)}")
+
+    def spec(self, name: str) -> StageSpec:
+        """The stage's own part; ``ConfigError`` when this experiment's files do not define it."""
+        self.stage_index(name)
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        files = ", ".join(sorted({s.source for s in self.stages})) or self.source
+        raise ConfigError(f"stage {name!r} of {self.name!r} is another party's: {files} defines only "
+                          f"{[s.name for s in self.stages]}; run stage {name!r} with its own stage file")
+
+    def has_stage(self, name: str) -> bool:
+        return any(spec.name == name for spec in self.stages)
+
+    def build_data(self, seed: int | None = None, client: int | None = None, stage: str | None = None
+                   ) -> DataSource:
+        """The data source of ``stage`` (default: the first stage this experiment defines); with ``client``,
+        only that data owner's shard of the training rows. Raises ``ConfigError`` for a stage without data."""
+        spec = self.spec(stage) if stage is not None else self.stages[0]
+        table = self.data if spec.data is None else spec.data
+        if not table:
+            raise ConfigError(f"stage {spec.name!r} of {self.name!r} has no [data]")
+        data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
+        if client is not None and self.federated:
+            data.shard(client, self.clients.count)
+        return data if spec.columns is None else ColumnView(data, spec.columns)
+
+    def input_shape(self, name: str, seed: int | None = None) -> Shape:
+        """The per-step shape of what stage ``name`` receives: its data's features (a data owner), the
+        parties' embeddings combined (the last stage of a vertical experiment), else the activation at the
+        cut above it."""
+        index = self.stage_index(name)
+        if self.vertical and index == len(self.stage_names) - 1:
+            return combined_shape(self.aggregate, self.cuts)    # type: ignore[arg-type]
+        if name not in self.data_owners:
+            return self.cuts[index - 1]
+        key = ("features", name, self.seed if seed is None else seed)     # each data owner its own columns
+        if key not in self._derived:
+            shape = self.build_data(seed, stage=name).feature_shape
+            if shape is None:
+                raise ConfigError(f"the data owner {name!r} needs features in its [data]")
+            self._derived[key] = tuple(shape)
+        return self._derived[key]
+
+    def output_shape(self, name: str, seed: int | None = None) -> Shape:
+        """The per-step shape stage ``name`` produces: the cut below it, or the last stage's prediction
+        (from its model; ``ConfigError`` for a module stage, whose shape only building it tells)."""
+        index = self.stage_index(name)
+        if index < len(self.stage_names) - 1:
+            return self.cuts[index]
+        spec = self.spec(name)
+        if spec.model is None:
+            raise ConfigError(f"stage {name!r} is a torch module: build it to learn its output shape")
+        key = ("output", self.seed if seed is None else seed)
+        if key not in self._derived:
+            self._derived[key] = build_model(spec.model, spec.init_seed(self.seed if seed is None else seed)
+                                             ).output_shape(self.input_shape(name, seed))
+        return self._derived[key]
+
+    @property
+    def final_loss(self) -> Loss:
+        """The last stage's loss (its file must define the last stage)."""
+        loss = self._derived.get("final_loss")
+        if loss is None:
+            loss = self._derived["final_loss"] = stage_loss(self.spec(self.stage_names[-1]))
+        return loss
+
+    def micro_batch_scale(self, count: int) -> np.float32:
+        """The float32 factor on the sum of ``count`` micro-batch gradients (and losses): 1 for a loss that
+        sums over rows, 1/count for one that averages them (``Loss.micro_batch_scale``)."""
+        return DTYPE(1) if self.reduction == "sum" else DTYPE(1) / DTYPE(count)
+
+    def role(self, stage: str) -> str:
+        """``"driving"`` (the first stage), ``"serving"`` (the last) or ``"middle"``; raises
+        ``ConfigError`` for a name the experiment does not have."""
+        index = self.stage_index(stage)
+        if stage in self.data_owners:
+            return "driving"
+        return "serving" if index == len(self.stage_names) - 1 else "middle"
+
+    def check_role(self, stage: str, binds: bool, connects: bool) -> str:
+        """The one check that a stage is run with the endpoints its place needs; returns its role.
+
+        The first stage drives (``--connect``), the last serves (``--bind``), a
+        middle stage does both. Raises ``ConfigError`` naming what to give.
+        """
+        role = self.role(stage)
+        self.spec(stage)
+        if len(self.stage_names) < 2:
+            raise ConfigError(f"experiment {self.name!r} has one stage: run it with 'distgrad run "
+                              f"{self.name} --in-process'")
+        needs = {"driving": (False, True), "serving": (True, False), "middle": (True, True)}[role]
+        if (binds, connects) != needs:
+            usage = {"driving": "--connect ENDPOINT (it drives the stage below)",
+                     "serving": "--bind ENDPOINT (it serves the stage above)",
+                     "middle": "--bind ENDPOINT and --connect ENDPOINT (it serves the stage above and "
+                               "connects to the stage below)"}[role]
+            raise ConfigError(f"stage {stage!r} is the {role} stage of {self.name!r} (stages "
+                              f"{list(self.stage_names)}): give {usage}")
+        return role
+
+    def all_param_names(self, seed: int | None = None, modules: bool = False) -> set[str]:
+        """The parameter names of the layer-list stages this experiment defines; with ``modules``, also
+        those of its module stages (each module's ``named_parameters``, which only building it tells:
+        that imports torch and calls the factory)."""
+        seed = self.seed if seed is None else seed
+        names: set[str] = set()
+        for spec in self.stages:
+            if spec.model is not None:
+                names.update(build_model(spec.model, spec.init_seed(seed)).params)
+            elif modules:
+                module, function = MODULE_PARAM_NAMES.split(":")
+                names.update(getattr(importlib.import_module(module), function)(self, spec.name, seed))
+        return names
+
+    def known_param_names(self, wanted: AbstractSet[str] | None, seed: int | None = None) -> set[str]:
+        """``all_param_names``, building the module stages only when ``wanted`` names one the layer-list
+        stages do not have (so checking ``--init`` or ``--trace-params`` imports torch only for them)."""
+        names = self.all_param_names(seed)
+        if wanted and set(wanted) - names and any(spec.module is not None for spec in self.stages):
+            names = self.all_param_names(seed, modules=True)
+        return names
+
+    def interface_parts(self) -> dict[str, Any]:
+        """What the stages must agree on, by name: numbers, booleans and short strings (see
+        ``handshake.check_parts``); equal interfaces give equal parts. Built once."""
+        parts = self._derived.get("parts")
+        if parts is None:
+            parts = {"name": self.name, "stages": ",".join(self.stage_names),
+                     "batch": 0 if self.batch is None else self.batch,
+                     **{f"activation {i + 1}": "x".join(map(str, shape)) + " float32"
+                        for i, shape in enumerate(self.cuts)},
+                     **({"target": "x".join(map(str, self.target[0])) + " " + self.target[1]}
+                        if self.target is not None else {}),
+                     "steps": self.steps, "seed": self.seed, "labels": self.labels, "reduction": self.reduction,
+                     "micro_batches": self.micro_batches, "eval_every": self.eval_every,
+                     "allow_nonfinite": self.allow_nonfinite, "clients": self.clients.count,
+                     "clients mode": self.clients.mode, "clients average_every": self.clients.average_every,
+                     **({"aggregate": self.aggregate} if self.vertical else {}),
+                     **({"staleness": self.staleness} if self.staleness else {}),
+
+                     # Only when set, so that experiments without codecs keep their fingerprints.
+                     **({"activation_codec": self.activation_codec} if self.activation_codec != "none" else {}),
+                     **({"gradient_codec": self.gradient_codec} if self.gradient_codec != "none" else {})}
+            parts.update(self._order_parts())
+            self._derived["parts"] = parts
+        return dict(parts)
+
+    def _order_parts(self) -> dict[str, Any]:
+        """The sample order as this party computes it: row counts and a digest of the rows of the first
+        epoch and of the held-out rows, so two parties that would walk their rows differently are told
+        before any step."""
+        for spec in self.stages:
+            table = self.data if spec.data is None else spec.data
+            if table:
+                data = self.build_data(stage=spec.name)
+                rows = getattr(data, "train_rows", None)
+                if rows is None:
+                    return {}
+                digest = hashlib.sha256(np.asarray(data.test_rows, np.int64).tobytes())
+                digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
+                                         np.int64).tobytes())
+                ids = data.row_id_digest() if hasattr(data, "row_id_digest") else None
+                return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
+                        "sample order": digest.hexdigest()[:PART_DIGEST_HEX], **({"row ids": ids} if ids else {})}
+        return {}
+
+    def interface_origins(self) -> dict[str, str]:
+        """Where this party's interface fields come from, for a refusal to name (the hello carries it):
+        ``"*"`` for every field its file sets (a built-in experiment's name, else the file's path as given,
+        a long one's tail), and each field a command-line flag set, the flag (``--gradient-codec``)."""
+        path = self.source if len(self.source) <= ORIGIN_MAX // 2 else "..." + self.source[3 - ORIGIN_MAX // 2:]
+        origin = (f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
+                  else f"{'experiment' if self.data else 'stage'} file {path}")
+        return {"*": origin[:ORIGIN_MAX], **dict(self.flag_origins)}
+
+    @property
+    def interface_fingerprint(self) -> str:
+        """A digest of ``interface_parts`` (``interface_digest``)."""
+        return interface_digest(self.interface_parts())
+
+
+DATA_PARTS = ("rows", "held-out rows", "sample order", "row ids")   # what only a party holding data can tell
+
+
+def interface_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """The interface fields two parties disagree on, in order; a field of ``DATA_PARTS`` counts only when
+    both have it (a party without data cannot tell its rows), except ``row ids``, which counts when both
+    hold data (both name their ID column, or neither)."""
+    keys = [*ours, *(k for k in theirs if k not in ours)]
+    both = {k for k in DATA_PARTS if k in ours and k in theirs}
+    if "sample order" in both:
+        both.add("row ids")
+    return [k for k in keys if not (k in DATA_PARTS and k not in both)
+            and (k not in ours or k not in theirs or type(ours[k]) is not type(theirs[k]) or ours[k] != theirs[k])]
+
+
+def client_stage_name(stage: str, client: int | None) -> str:
+    """How one data owner's copy of ``stage`` is named in summaries, logs and checkpoints (``f@2``)."""
+    return stage if client is None else f"{stage}@{client}"
+
+
+def file_error(source: str, message: str) -> ConfigError:
+    """The ``ConfigError`` for ``message`` about the experiment or stage file ``source``."""
+    return ConfigError(f"experiment {source}: {message}")
+
+
+def interface_digest(parts: Mapping[str, Any]) -> str:
+    """The fingerprint of an interface's fields: equal fields, equal fingerprint."""
+    return value_digest(dict(parts), 64)
+
+
+def value_digest(value: Any, hex_digits: int) -> str:
+    """The first ``hex_digits`` hex digits of SHA-256 over ``value`` as canonical JSON (sorted keys)."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:hex_digits]
+
+
+def codec_name(text: Any, where: str) -> str:
+    """The canonical name of the codec ``text`` names (``parse_codec``); ``ConfigError`` naming ``where``."""
+    try:
+        return parse_codec(text).name
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def check_codecs(exp: "Experiment") -> None:
+    """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
+    ``topk:K`` need an axis; ``K`` at most the entries of a row)."""
+    for direction, codec in exp.codecs.items():
+        key = "activation_codec" if direction == "activation" else "gradient_codec"
+        for i, cut in enumerate(exp.cuts):
+            try:
+                codec.check_shape(tuple(cut))
+            except ConfigError as e:
+                raise ConfigError(f"{key} {codec.name!r} cannot carry activation {i + 1} of shape {tuple(cut)}: "
+                                  f"{e}") from e
+
+
+def stage_loss(spec: StageSpec) -> Loss:
+    """The last stage's loss as distgrad knows it: a distgrad loss, or for a module stage also a torch.nn loss
+    class (``losses.TorchLoss``: its targets, reduction and accuracy; torch computes it)."""
+    try:
+        return build_module_loss(spec.loss) if spec.module is not None else build_loss(spec.loss)
+    except ConfigError as e:
+        raise ConfigError(f"stage {spec.name!r}: {e}") from e
+
+
+def loss_reduction(spec: StageSpec) -> str:
+    """How the last stage's loss reduces rows: a distgrad loss's own, or a torch loss's ``reduction``."""
+    return stage_loss(spec).reduction
+
+
+def is_whole(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (TOML integers)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> None:
+    """Raise ``ConfigError`` unless the data's targets fit the loss of the last stage's output.
+
+    A prediction of 2 columns against 1 target column would broadcast in the
+    loss and train silently; the shapes and dtypes must match exactly.
+    """
+    loss = exp.final_loss
+    expected = tuple(loss.target_shape(tuple(output_shape)))
+    last = exp.stage_names[-1]
+    spec = exp.spec(last)
+    loss_name = spec.loss if isinstance(spec.loss, str) else spec.loss.get("type")
+    if np.dtype(data.target_dtype) != loss.target_dtype:
+        raise ConfigError(f"{loss_name} needs {loss.target_dtype} targets, but the data gives "
+                          f"{np.dtype(data.target_dtype)} targets (set label_dtype in [data])")
+    if tuple(data.target_shape) != expected:
+        raise ConfigError(f"the last stage {last!r} outputs shape {tuple(output_shape)}, so {loss_name} needs "
+                          f"targets of shape {expected}, but the data gives targets of shape "
+                          f"{tuple(data.target_shape)}")
+
+
+def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
+                       init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
+                       checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
+                       eval_every: Any = None, staleness: Any = None) -> None:
+    """The settings of one run, checked once before any process or step starts (every path calls it:
+    ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
+
+    ``None`` means the experiment's value or the default. Raises ``ConfigError``
+    naming the bad value: ``steps`` below 1, a negative ``seed``,
+    ``micro_batches`` that do not divide the batch, unknown ``init`` names,
+    ``checkpoint_every`` or ``resume`` without ``checkpoint_dir``, and with
+    ``in_process`` (which keeps no checkpoints) any checkpoint setting; a
+    negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
+    negative, or above 0 where it is not supported (several clients, vertical
+    parties, a first stage computing off the CPU).
+    """
+    if steps is not None and (not is_whole(steps) or steps < 1):
+        raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
+    if seed is not None and (not is_whole(seed) or seed < 0):
+        raise ConfigError(f"--seed must be an integer >= 0, got {seed!r}")
+    if not is_whole(micro_batches) or micro_batches < 1:
+        raise ConfigError(f"--micro-batches must be an integer >= 1, got {micro_batches!r}")
+    if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
+        raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
+                          f"they do not split into {micro_batches} equal micro-batches")
+    check_init_overrides(exp, init or {})
+    check_staleness(exp, exp.staleness if staleness is None else staleness)
+    if eval_every is not None and (not is_whole(eval_every) or eval_every < 0):
+        raise ConfigError(f"--eval-every must be an integer >= 0 (0: only after the last step), got {eval_every!r}")
+    if checkpoint_every is not None and (not is_whole(checkpoint_every) or checkpoint_every < 0):
+        raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
+    if resume and checkpoint_dir is None:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
+        raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
+                          "and --resume (or run the stages as processes)")
+
+
+MAX_STALENESS = 64     # steps in flight: each holds a copy of the first stage's parameters
+
+
+def check_staleness(exp: Experiment, staleness: Any) -> None:
+    """Raise ``ConfigError`` unless ``staleness`` S (steps in flight) is a whole number from 0 to
+    ``MAX_STALENESS`` that this experiment supports: two stages or a chain, with a first stage whose
+    parameters of an earlier step can be swapped back in for a backward (host memory)."""
+    if not is_whole(staleness) or not 0 <= staleness <= MAX_STALENESS:
+        raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS}, got {staleness!r}")
+    if not staleness:
+        return
+    if exp.federated or exp.vertical:
+        raise ConfigError(f"staleness {staleness}: asynchronous pipelining is for two stages and chains; "
+                          f"experiment {exp.name!r} has {'[clients]' if exp.federated else 'feature parties'} "
+                          f"(use staleness = 0)")
+    if any(codec.endswith("+ef") for codec in (exp.activation_codec, exp.gradient_codec)):
+        raise ConfigError(f"staleness {staleness}: a codec with error feedback (+ef) keeps what it dropped for the "
+                          f"next step, which steps in flight would send before it is known; use staleness = 0 "
+                          f"or a codec without +ef")
+    first = exp.stage_names[0]
+    if exp.has_stage(first) and exp.spec(first).device != "cpu":
+        raise ConfigError(f"staleness {staleness}: the first stage {first!r} computes on {exp.spec(first).device}; "
+                          f"asynchronous pipelining keeps its earlier parameters in host memory (device = \"cpu\")")
+
+
+def check_init_overrides(exp: Experiment, overrides: Mapping[str, float]) -> None:
+    """Raise ``ConfigError`` if an override names no parameter of the experiment."""
+    known = exp.known_param_names(set(overrides))
+    unknown = set(overrides) - known
+    if unknown:
+        raise ConfigError(f"--init names unknown parameters {sorted(unknown)}; "
+                          f"experiment {exp.name!r} has {sorted(known)}")
+
+
+def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
+                      overrides: Mapping[str, float]) -> tuple[Sequential, Optimizer, Loss | None]:
+    """Model, optimizer and (last stage only) loss of a numpy-layer stage, with ``--init`` applied.
+
+    An override fills every element of the named parameter. The stage's own
+    ``seed``, when its file gives one, replaces ``seed`` for the initial values.
+    """
+    check_init_overrides(exp, overrides)
+    spec = exp.spec(stage_name)
+    if spec.model is None:
+        raise ConfigError(f"stage {stage_name!r} is a torch module ({spec.module}), not a list of layers")
+    model = build_model(spec.model, spec.init_seed(seed))
+    for name, value in overrides.items():
+        if name in model.params:
+            model.params[name][...] = value
+    loss = build_loss(spec.loss) if stage_name == exp.stage_names[-1] else None
+    return model, build_optimizer(spec.optimizer), loss
+
+
+PART_VALUE_MAX = 64       # a part's string value is at most this long
+PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
+MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
+ORIGIN_MAX = 200          # characters of a hello's origin of interface fields (a flag, a file)

@@ -1,0 +1,502 @@
+"""Reading experiments: a combined experiment or a party's stage file (TOML, or a dict) into an ``Experiment``.
+
+``load_experiment`` takes a built-in's name, a file, or several stage files (combined by
+``combine_stage_files``); ``parse_experiment`` takes the parsed table. Every key is checked against
+``distgrad.config.schema`` and every error is a ``ConfigError`` naming the file and the key. The experiment model
+itself (``Experiment``, ``StageSpec``) and the checks of run settings are in ``distgrad.config.experiment``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from distgrad.config import schema
+from distgrad.model.aggregate import AGGREGATES
+from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.errors import ConfigError
+from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES, builtin_names,
+                          check_codecs, check_staleness, check_targets, Clients, codec_name, Experiment, file_error,
+                          interface_differences, is_whole, loss_reduction, StageSpec, value_digest)
+from distgrad.model.nn import Sequential, Shape, build_model
+from distgrad.model.optim import build_optimizer
+from distgrad.config.tomlfile import read_toml
+
+
+def _base_dir(source: str) -> Path:
+    """The folder a file's relative paths start from: the file's own, else the working directory."""
+    return Path(source).parent if source and Path(source).is_file() else Path.cwd()
+
+
+def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -> StageSpec:
+    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table."""
+    where = "[stage]" if party else f"stage {index}"
+    if not isinstance(table, dict):
+        raise file_error(source, f"{where} is not a table")
+    allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    unknown = set(table) - set(allowed)
+    if unknown:
+        raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    name = table.get("name")
+    if not isinstance(name, str) or not name:
+        raise file_error(source, f"{where} needs a 'name'")
+    has_model, module = "model" in table, table.get("module")
+    if has_model == (module is not None):
+        raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
+                            f"(\"package.module:factory\" returning a torch.nn.Module), not both")
+    if has_model and not isinstance(table["model"], list):
+        raise file_error(source, f"stage {name!r} needs a 'model' list of layers")
+    if module is not None and (not isinstance(module, str) or module.count(":") != 1
+                               or not all(module.split(":"))):
+        raise file_error(source, f"stage {name!r}: 'module' must be \"package.module:factory\", got {module!r}")
+    if not isinstance(table.get("module_args", {}), dict) or ("module_args" in table and module is None):
+        raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
+    if not isinstance(table.get("optimizer", {}), dict):
+        raise file_error(source, f"stage {name!r}: 'optimizer' must be a table such as "
+                            f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
+    if not party and last != ("loss" in table):
+        raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
+    framework = table.get("framework", "torch" if module is not None else "numpy")
+    if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
+        raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
+                            f"torch), got {framework!r}")
+    scheduler = table.get("scheduler")
+    if scheduler is not None:
+        if not isinstance(scheduler, dict) or not isinstance(scheduler.get("type"), str):
+            raise file_error(source, f"stage {name!r}: 'scheduler' must be a table naming a torch.optim.lr_scheduler "
+                                f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
+                                f"got {scheduler!r}")
+        if framework != "torch":
+            raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
+                                f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
+                                f"(see Learning-rate schedules)")
+        if "schedule" in table.get("optimizer", {}):
+            raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
+                                f"or 'scheduler' (torch's), not both")
+    device = table.get("device", "cpu")
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
+            device.startswith("cuda:") and device[5:].isdigit())):
+        raise file_error(source, f"stage {name!r}: 'device' must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r}")
+    if device != "cpu" and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'device' {device!r} needs framework = \"torch\"")
+    output = table.get("output")
+    if output is not None and (module is None or not _shape_list(output)):
+        raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
+                            f"of positive whole numbers, got {output!r}")
+    seed = table.get("seed")
+    if seed is not None and (not is_whole(seed) or seed < 0):
+        raise file_error(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
+    columns = table.get("columns")
+    if columns is not None and (not isinstance(columns, list) or not columns
+                                or not all(is_whole(c) and c >= 0 for c in columns)
+                                or len(set(columns)) != len(columns)):
+        raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
+                            f"got {columns!r}")
+    return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
+                     table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
+                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
+                     list(columns) if columns is not None else None,
+                     dict(scheduler) if scheduler is not None else None)
+
+
+def _shape_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_whole(v) and v > 0 for v in value)
+
+
+def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
+    eval_every, allow_nonfinite, codecs."""
+    out: dict[str, Any] = {}
+    if "steps" in raw and "epochs" in raw:
+        raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
+    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0),
+                     ("staleness", 0)):
+        if key in raw and (not is_whole(raw[key]) or raw[key] < low):
+            kind = "a positive integer" if low else "a non-negative integer"
+            raise file_error(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}")
+    out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
+               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
+               staleness=raw.get("staleness", 0))
+    out["allow_nonfinite"] = raw.get("allow_nonfinite", False)
+    if not isinstance(out["allow_nonfinite"], bool):
+        raise file_error(source, f"{where}'allow_nonfinite' must be true or false, got {out['allow_nonfinite']!r}")
+    out["labels"] = raw.get("labels", "last")
+    if out["labels"] not in ("last", "first"):
+        raise file_error(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
+    if "reduction" in raw and raw["reduction"] not in REDUCTIONS:
+        raise file_error(source, f"{where}'reduction' must be one of {list(REDUCTIONS)}, got {raw['reduction']!r}")
+    out["reduction"] = raw.get("reduction")
+    try:
+        for key in ("activation_codec", "gradient_codec"):
+            out[key] = codec_name(raw.get(key, "none"), f"{where}'{key}'")
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    return out
+
+
+def _description(source: str, raw: Mapping[str, Any]) -> str:
+    """The file's top-level ``description`` ("" when absent); ``ConfigError`` unless it is a string."""
+    text = raw.get("description", "")
+    if not isinstance(text, str):
+        raise file_error(source, f"'description' must be a string, got {text!r}")
+    return text
+
+
+def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
+                     clients: Clients) -> str | None:
+    """``aggregate``: absent (a chain), or how the last stage combines its feature parties' embeddings."""
+    kind = raw.get("aggregate")
+    if kind is None:
+        return None
+    if kind not in AGGREGATES:
+        raise file_error(source, f"{where}'aggregate' must be one of {list(AGGREGATES)}, got {kind!r}")
+    if len(names) < 2:
+        raise file_error(source, f"{where}'aggregate' needs feature parties and a last stage: at least two stages")
+    if labels != "last":
+        raise file_error(source, f"{where}a vertical experiment ('aggregate') keeps the labels at its last stage: "
+                            f"labels = \"first\" is not supported")
+    if clients.count > 1:
+        raise file_error(source, f"{where}'aggregate' (feature parties) and [clients] (data owners of other rows) "
+                            f"cannot be combined")
+    return kind
+
+
+def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experiment:
+    """Validate a parsed experiment or stage-file table and return an ``Experiment``.
+
+    Everything that can be built is built once here, so a bad file fails
+    now, naming itself and the problem (``ConfigError``), not mid-run.
+    """
+    raw = dict(raw)
+    if "interface" in raw or "stage" in raw:
+        return _parse_stage_file(raw, source)
+    unknown = set(raw) - set(schema.TOP_KEYS)
+    if unknown:
+        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(schema.TOP_KEYS)} "
+                            f"(a stage file has [interface], [stage] and [data] instead)")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise file_error(source, "'name' must be a non-empty string")
+    settings = _scalars(source, raw, "")
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        raise file_error(source, "needs a [data] table")
+    stage_tables = raw.get("stages")
+    if not isinstance(stage_tables, list) or not stage_tables:
+        raise file_error(source, "needs at least one [[stages]] table")
+    stages = [_parse_stage(source, table, i, i == len(stage_tables) - 1, party=False)
+              for i, table in enumerate(stage_tables)]
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise file_error(source, f"stage names must be unique, got {names}")
+    clients = _parse_clients(source, raw.get("clients", {}), len(stages))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                            "([clients]) give 'steps'")
+    aggregate = _parse_aggregate(source, raw, "", names, settings["labels"], clients)
+    try:
+        reduction = loss_reduction(stages[-1])
+        if settings["reduction"] not in (None, reduction):
+            raise ConfigError(f"'reduction' is {settings['reduction']!r} but the loss reduces rows by {reduction}")
+        seed = settings["seed"]
+        source_data = build_data(data, seed, _base_dir(source))
+        batch = getattr(source_data, "batch", None)
+        cuts, shape = [], tuple(source_data.feature_shape)
+        for spec in stages[:-1]:
+            if aggregate is not None:        # each feature party starts from its own columns
+                shape = tuple(source_data.feature_shape)
+            if spec.columns is not None:
+                shape = tuple(ColumnView(source_data, spec.columns).feature_shape)
+            if spec.model is not None:
+                shape = build_model(spec.model, seed).output_shape(shape)
+            elif spec.output is not None:
+                shape = (batch, *spec.output) if batch is not None else spec.output
+            else:
+                raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
+                                  f"per-row output shape, e.g. output = [64]")
+            cuts.append(tuple(shape))
+        steps = _steps(settings, source_data)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    target = ((tuple(source_data.target_shape), np.dtype(source_data.target_dtype).name)
+              if settings["labels"] == "first" and len(stages) > 1 else None)
+    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
+                     raw, value_digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
+                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                     _description(source, raw), target, aggregate=aggregate,
+                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                     staleness=settings["staleness"])
+    _check_built(exp, source)
+    return exp
+
+
+def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
+    """``steps``, or ``epochs`` times the batches in one epoch of the data's training rows."""
+    if settings["epochs"] is None:
+        return 100 if settings["steps"] is None else settings["steps"]
+    per_epoch = getattr(data, "batches_per_epoch", None)
+    if per_epoch is None:
+        raise ConfigError(f"'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
+                          f"give 'steps'")
+    return settings["epochs"] * per_epoch
+
+
+def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
+    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``."""
+    unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
+    if unknown:
+        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
+                            f"{sorted(schema.STAGE_FILE_KEYS)}")
+    iface = raw.get("interface")
+    if not isinstance(iface, dict):
+        raise file_error(source, "a stage file needs an [interface] table (what the parties agree on)")
+    unknown = set(iface) - set(schema.INTERFACE_KEYS)
+    if unknown:
+        raise file_error(source, f"[interface] has unknown keys {sorted(unknown)}; allowed: "
+                            f"{sorted(schema.INTERFACE_KEYS)}")
+    name = iface.get("name")
+    if not isinstance(name, str) or not name:
+        raise file_error(source, "[interface] 'name' must be a non-empty string")
+    names = iface.get("stages")
+    if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) and n for n in names)
+            or len(set(names)) != len(names)):
+        raise file_error(source, f"[interface] 'stages' must list the stages' unique names in order, at least two, "
+                            f"got {names!r}")
+    settings = _scalars(source, iface, "[interface] ")
+    batch = iface.get("batch")
+    if batch is not None and (not is_whole(batch) or batch < 1):
+        raise file_error(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
+    cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
+    target = _parse_target(source, iface.get("target"), settings["labels"], batch)
+    clients = _parse_clients(source, iface.get("clients", {}), len(names))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                            "([clients]) give 'steps'")
+    aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
+    table = raw.get("stage")
+    last = isinstance(table, dict) and table.get("name") == names[-1]
+    spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
+    if spec is None:
+        raise file_error(source, "a stage file needs a [stage] table (this party's model)")
+    if spec.name not in names:
+        raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
+    last = spec.name == names[-1]
+    if last != (spec.loss is not None):
+        raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
+    data = raw.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise file_error(source, "[data] must be a table")
+    if data and data.get("kind") in FILE_KINDS:
+        data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
+    spec = StageSpec(**{**spec.__dict__, "data": data or {}})
+    try:
+        if last:
+            reduction = loss_reduction(spec)
+            if settings["reduction"] not in (None, reduction):
+                raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
+                                  f"reduces rows by {reduction}")
+        else:
+            reduction = settings["reduction"] or "mean"
+        source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
+        if source_data is not None and getattr(source_data, "batch", None) != batch:
+            raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
+                              f"interface 'batch' is {batch}")
+        if source_data is None and settings["epochs"] is not None:
+            raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
+                              "epoch; give 'steps'")
+        steps = _steps(settings, source_data)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
+                     raw, value_digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
+                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                     _description(source, raw), target, aggregate=aggregate,
+                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                     staleness=settings["staleness"])
+    _check_built(exp, source)
+    return exp
+
+
+def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
+    """``activation``: one table (two stages) or a list of one per cut, each ``{ shape = [...], dtype =
+    "float32" }`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape`` alone when
+    the interface has no batch)."""
+    tables = value if isinstance(value, list) else [value]
+    if len(tables) != stage_count - 1 or not all(isinstance(t, dict) for t in tables):
+        raise file_error(source, f"[interface] 'activation' must be {stage_count - 1} table(s) "
+                            f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
+                            f"{value!r}")
+    cuts = []
+    for table in tables:
+        unknown = set(table) - {"shape", "dtype"}
+        if unknown or not _shape_list(table.get("shape")):
+            raise file_error(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
+                                f"numbers (per row), and optionally 'dtype'")
+        if table.get("dtype", "float32") not in WIRE_DTYPES:
+            raise file_error(source, f"[interface] activation dtype must be one of {list(WIRE_DTYPES)}, got "
+                                f"{table['dtype']!r}")
+        cuts.append(tuple(table["shape"]) if batch is None else (batch, *table["shape"]))
+    return tuple(cuts)
+
+
+TARGET_DTYPES = ("int64", "float32")
+
+
+def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tuple[Shape, str] | None:
+    """``target``: with ``labels = "first"``, the per-row shape and dtype of the targets that travel with the
+    activations, ``{ shape = [], dtype = "int64" }`` for class ids; absent otherwise."""
+    if labels != "first":
+        if value is not None:
+            raise file_error(source, "[interface] 'target' is for labels = \"first\" (targets that travel)")
+        return None
+    if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
+            or not (value.get("shape") == [] or _shape_list(value.get("shape"))):
+        raise file_error(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
+                            f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
+    shape = tuple(value["shape"])
+    return ((batch, *shape) if batch is not None else shape), value["dtype"]
+
+
+def _check_built(exp: Experiment, source: str) -> None:
+    """Build what this experiment's files define once, so a bad one fails here: every data source (and
+    shard), the numpy models against their input shapes and cuts, the optimisers, and the targets
+    against the last stage's prediction."""
+    try:
+        exp.interface_parts()
+        check_staleness(exp, exp.staleness)
+        check_codecs(exp)
+        if exp.vertical:
+            exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
+        for spec in exp.stages:
+            first, last = spec.name in exp.data_owners, spec.name == exp.stage_names[-1]
+            if spec.columns is not None and not first:
+                raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
+                                  f"this stage receives activations")
+            holds_data = bool(exp.data if spec.data is None else spec.data)
+            if not holds_data and (first or spec.name == exp.label_owner):
+                raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
+                                  f"{'features' if first else 'labels'}")
+            if holds_data:
+                data = exp.build_data(stage=spec.name)
+                for client in range(exp.clients.count if exp.federated and first else 0):
+                    exp.build_data(client=client, stage=spec.name)
+                if first and data.feature_shape is None:
+                    raise ConfigError(f"the data owner {spec.name!r} needs features in its [data]")
+                if spec.name == exp.label_owner and not data.has_labels:
+                    raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
+                if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
+                                                         ) != exp.target:
+                    raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "
+                                      f"{(tuple(data.target_shape), np.dtype(data.target_dtype).name)}")
+            if spec.model is None:
+                continue
+            model = build_model(spec.model, spec.init_seed(exp.seed))
+            shape = model.output_shape(exp.input_shape(spec.name))
+            if not last and tuple(shape) != exp.output_shape(spec.name):
+                raise ConfigError(f"stage {spec.name!r} outputs shape {tuple(shape)}, but the interface says "
+                                  f"the activation it sends is {exp.output_shape(spec.name)}")
+            build_optimizer(spec.optimizer)
+            if last and exp.has_stage(exp.label_owner):
+                check_targets(exp, exp.build_data(stage=exp.label_owner), shape)
+        numpy_stages = [s for s in exp.stages if s.model is not None]
+        Sequential([layer for s in numpy_stages for layer in build_model(s.model, s.init_seed(exp.seed)).layers])
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+
+
+def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
+    """Several parties' stage files as one experiment (for ``distgrad run A.toml B.toml`` and the in-process
+    reference): their interfaces must agree, each stage defined once. Raises ``ConfigError`` naming the
+    first interface field that differs."""
+    first = parts[0]
+    seen: dict[str, str] = {}
+    for exp in parts:
+        if exp.data or exp.raw.get("stages") is not None:
+            raise ConfigError(f"{exp.source} is a combined experiment; give it alone, or only stage files")
+        ours, theirs = first.interface_parts(), exp.interface_parts()
+        for key in interface_differences(ours, theirs):
+                raise ConfigError(f"the stage files disagree on the interface: {key}: {first.source} has "
+                                  f"{ours.get(key)!r}, {exp.source} has {theirs.get(key)!r}")
+        for spec in exp.stages:
+            if spec.name in seen:
+                raise ConfigError(f"stage {spec.name!r} is defined by both {seen[spec.name]} and {exp.source}")
+            seen[spec.name] = exp.source
+    missing = [n for n in first.stage_names if n not in seen]
+    if missing:
+        raise ConfigError(f"no stage file defines {missing}; the interface's stages are {list(first.stage_names)}")
+    order = {name: i for i, name in enumerate(first.stage_names)}
+    stages = sorted((s for exp in parts for s in exp.stages), key=lambda s: order[s.name])
+    raw = {"stage files": [exp.raw for exp in parts]}
+    return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
+                      value_digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
+                      first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
+                      first.epochs, first.description, first.target, aggregate=first.aggregate,
+                      activation_codec=first.activation_codec, gradient_codec=first.gradient_codec,
+                      staleness=first.staleness)
+
+
+def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
+    if not isinstance(table, dict):
+        raise file_error(source, "'clients' must be a table")
+    unknown = set(table) - {"count", "mode", "average_every"}
+    if unknown:
+        raise file_error(source, f"[clients] has unknown keys {sorted(unknown)}; allowed: average_every, count, mode")
+    count, mode = table.get("count", 1), table.get("mode", "separate")
+    every = table.get("average_every", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+        raise file_error(source, f"[clients] count must be an integer from 1 to 64, got {count!r}")
+    if mode not in CLIENT_MODES:
+        raise file_error(source, f"[clients] mode must be one of {list(CLIENT_MODES)}, got {mode!r}")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0 or (mode == "splitfed") != (every > 0):
+        raise file_error(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
+                            f"(and absent otherwise), got {every!r}")
+    if count > 1 and stage_count != 2:
+        raise file_error(source, f"several clients share one serving stage: the experiment needs exactly two "
+                            f"stages, it has {stage_count}")
+    return Clients(count, mode, every)
+
+
+def load_experiment(name_or_path: str | Path | Sequence[str | Path]) -> Experiment:
+    """Load a built-in experiment by name, an experiment or stage file by path, or (a list) several
+    parties' stage files as one experiment (``combine_stage_files``).
+
+    Raises ``ConfigError`` naming the file and the problem.
+    """
+    if not isinstance(name_or_path, (str, Path)):
+        paths = list(name_or_path)
+        if len(paths) == 1:
+            return load_experiment(paths[0])
+        return combine_stage_files([load_experiment(path) for path in paths])
+    path = Path(name_or_path)
+    if not path.is_file():
+        builtin = BUILTIN_DIR / f"{name_or_path}.toml"
+        if not builtin.is_file():
+            raise ConfigError(f"no experiment file {str(name_or_path)!r} and no built-in of that name; "
+                              f"built-ins: {', '.join(builtin_names())}")
+        path = builtin
+    return parse_experiment(read_toml(path, "experiment"), str(path))
+
+
+def parse_init_overrides(text: str | None) -> dict[str, float]:
+    """Parse ``NAME=VALUE[,NAME=VALUE]`` into ``{name: value}``."""
+    overrides: dict[str, float] = {}
+    if not text:
+        return overrides
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"invalid --init item {item!r}: expected NAME=VALUE")
+        try:
+            overrides[name] = float(value)
+        except ValueError as e:
+            raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not a number") from e
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(overrides[name])))     # 1e40 is inf in float32
+        if not finite:
+            raise ConfigError(f"invalid --init value for {name!r}: {value!r} is not finite")
+    return overrides
+
+

@@ -1,0 +1,210 @@
+"""The keys of experiment and stage files: for each, its type, default and meaning.
+
+The parser (``distgrad.config.experiment``) accepts exactly these keys, and the
+format reference (docs/stage-files.md, written by ``distgrad.config.reference``) is
+generated from these tables, so the two cannot drift apart. Each entry is
+``key: (type, default, meaning)``; a default of ``None`` means "required" or
+"absent" as the meaning says.
+"""
+
+from __future__ import annotations
+
+Key = tuple[str, str, str]
+
+# Keys shared by a combined experiment's top level and a stage file's [interface].
+_SHARED: dict[str, Key] = {
+    "steps": ("integer >= 1", "100",
+              "training steps (one batch each); give 'steps' or 'epochs', not both. '--steps' overrides it"),
+    "epochs": ("integer >= 1", "absent",
+               "train this many passes over the training rows instead: steps = epochs x (training rows // batch); "
+               "the rows of each epoch are a fresh seeded shuffle every party computes alike, and the last "
+               "partial batch of an epoch is left out"),
+    "seed": ("integer >= 0", "0",
+             "seed of the sample order (the train/held-out split and each epoch's shuffle) and of the initial "
+             "values (unless a stage gives its own 'seed'); '--seed' overrides it"),
+    "labels": ('"last" | "first"', '"last"',
+               "who holds the labels: the last stage (nothing but activations and gradients cross the wire), or "
+               "the first, which sends each batch's targets downstream with its activations"),
+    "reduction": ('"mean" | "sum"', "the loss's",
+                  "how the last stage's loss reduces a batch's rows, which decides how micro-batch gradients "
+                  "combine (summed, times 1/M for 'mean'); the label owner checks it against its loss"),
+    "micro_batches": ("integer >= 1", "1",
+                      "micro-batches per step (the batch must divide evenly); '--micro-batches' overrides it"),
+    "staleness": ("integer >= 0", "0",
+                  "asynchronous pipelining, by name: the first stage's forward of step t uses its parameters after "
+                  "its updates of steps 1..t-1-S, and it applies its update of step t once the forward of step t+S "
+                  "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
+                  "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it"),
+    "eval_every": ("integer >= 0", "0",
+                   "every K steps, evaluate the held-out rows forward-only through every stage: loss and accuracy "
+                   "go to the progress line, the metrics file, the plot and TensorBoard (0: only at the end)"),
+    "allow_nonfinite": ("boolean", "false",
+                        "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
+                        "gradient ends the run before anything of that step is applied)"),
+    "clients": ("table", "absent",
+                "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
+                "average_every (splitfed: average the first stage's parameters every K steps)"),
+    "aggregate": ('"concat" | "sum" | "mean"', "absent",
+                  "vertical split learning: every stage but the last is a feature party holding its own columns of "
+                  "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
+                  "embeddings of a step before its own model: side by side in party order (concat), or their sum "
+                  "or mean; each party gets back exactly the gradient of its own embedding"),
+    "activation_codec": ("string", '"none"',
+                         "how activations cross the wire: none (float32), float16, bfloat16, int8 (per row, with a "
+                         "float32 scale), topk:K (per row the K largest magnitudes) or topk:K+ef (with error feedback: "
+                         "the sender carries what it dropped into its next step); the sender computes with its own "
+                         "unrounded values. '--activation-codec' overrides it"),
+    "gradient_codec": ("string", '"none"',
+                       "how activation gradients cross the wire back up: the same codecs as 'activation_codec'. "
+                       "'--gradient-codec' overrides it"),
+}
+
+# A file's free text: at the top level of either form (a stage file's [interface] has none).
+_DESCRIPTION: Key = ("string", '""', "free text, shown by 'distgrad experiments'")
+
+# A combined experiment: every stage in one file.
+TOP_KEYS: dict[str, Key] = {
+    "name": ("string", None, "the experiment's name (required)"),
+    **_SHARED,
+    "description": _DESCRIPTION,
+    "data": ("table", None, "the data every stage reads its own part of (required): see [data]"),
+    "stages": ("array of tables", None, "one [[stages]] table per stage, in order (required)"),
+}
+
+# A stage file: one party's stage.
+STAGE_FILE_KEYS: dict[str, Key] = {
+    "description": _DESCRIPTION,
+    "interface": ("table", None, "what every party's file must say alike (required): see [interface]"),
+    "stage": ("table", None, "this party's stage (required): see [stage]"),
+    "data": ("table", "absent",
+             "this party's own data: the data owner's features, the label owner's labels (see [data]); a "
+             "middle stage has none"),
+}
+
+INTERFACE_KEYS: dict[str, Key] = {
+    "name": ("string", None, "the run's name; every party must give the same (required)"),
+    "stages": ("array of strings", None, "every stage's name, in order from the data owner to the label owner "
+                                         "(required, at least two)"),
+    "batch": ("integer >= 1", "absent",
+              "rows per step; absent for unbatched data (the seed's ramp). Each party's [data] must batch alike"),
+    "activation": ("table, or array of tables", None,
+                   "what crosses each cut (required): { shape = [per-row shape], dtype = \"float32\" }, one table "
+                   "per cut from the top (a single table for two stages; with 'aggregate', one per feature party, "
+                   "in party order); the tensor of a step is (batch, *shape)"),
+    "target": ("table", "absent",
+               "with labels = \"first\" (required then): the per-row shape and dtype of the targets that travel with "
+               "the activations, e.g. { shape = [], dtype = \"int64\" } for class ids"),
+    **_SHARED,
+}
+
+_STAGE_COMMON: dict[str, Key] = {
+    "name": ("string", None, "the stage's name (required)"),
+    "model": ("array of layer tables", "absent",
+              "the stage's layers, in order (see Layers); give 'model' or 'module', one of them"),
+    "module": ('string "package.module:factory"', "absent",
+               "a function returning a torch.nn.Module, imported from the folder of this file first, then "
+               "sys.path; the stage is then computed by torch (framework \"torch\")"),
+    "module_args": ("table", "{}", "keyword arguments for the 'module' factory"),
+    "optimizer": ("table", '{ type = "adam" }',
+                  "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
+                  "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 } "
+                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values); any of them "
+                  "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
+                  "every param group before each update"),
+    "scheduler": ("table", "absent",
+                  "a torch stage only (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
+                  "and its keyword arguments, e.g. { type = \"StepLR\", step_size = 10, gamma = 0.5 }, stepped once "
+                  "after each update (a training step) and checkpointed with the stage; not with the optimizer's "
+                  "'schedule'. Refused: ReduceLROnPlateau (it needs a metric), LambdaLR and MultiplicativeLR (a "
+                  "function), SequentialLR and ChainedScheduler (other schedulers)"),
+    "loss": ("string or table", "absent",
+             "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
+             "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
+             "NLLLoss (int64 class ids), MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss or BCEWithLogitsLoss "
+             "(float32 targets shaped like the output); reduction \"mean\" or \"sum\""),
+    "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
+                  "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
+    "columns": ("array of integers", "absent (every column)",
+                "the feature columns this stage takes from its data's features (indices into their last axis, in "
+                "this order): a feature party's own columns in a vertical experiment ('aggregate')"),
+    "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
+               "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
+               "from host memory (copied to a GPU through pinned memory)"),
+}
+
+COMBINED_STAGE_KEYS: dict[str, Key] = {
+    **_STAGE_COMMON,
+    "output": ("array of integers", "absent",
+               "a 'module' stage before the last: its per-row output shape (a stage file's interface says it)"),
+}
+
+STAGE_KEYS: dict[str, Key] = {
+    **_STAGE_COMMON,
+    "seed": ("integer >= 0", "the interface's seed", "seed of this stage's initial values, private to its party"),
+}
+
+TABLES: list[tuple[str, dict[str, Key], str]] = [
+    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins)."),
+    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order."),
+    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's."),
+    ("Stage file: [interface]", INTERFACE_KEYS,
+     "What the parties agree on; the handshake compares it field by field and names the one that differs."),
+    ("Stage file: [stage]", STAGE_KEYS, "This party's stage."),
+]
+
+# What each option of the registries means: the reference shows them next to each kind, layer and optimiser,
+# and tests/test_reference.py fails when a registry gains an option without a meaning here.
+DATA_OPTIONS: dict[str, str] = {
+    "start": "ramp: the first x (x = start + delta * (step - 1), computed in float64, then float32)",
+    "delta": "ramp: the change of x per step",
+    "size": "ramp: elements per step (unbatched)",
+    "seed": "synthetic kinds: the seed of the generated rows (default: the run's seed)",
+    "samples": "synthetic kinds: rows generated",
+    "features": "synthetic kinds: feature columns; file kinds: the features (an npz member, an npy path, csv "
+                "columns by index or header name). In a stage file, absent means this party does not hold them",
+    "outputs": "synthetic_regression: target columns",
+    "hidden": "synthetic_regression: width of the random teacher tanh(X A) B",
+    "batch": "rows a step; must equal the interface's batch in a stage file",
+    "noise": "synthetic_regression: standard deviation of the noise added to the targets",
+    "classes": "synthetic_classification: classes (Gaussian blobs)",
+    "spread": "synthetic_classification: standard deviation of each blob",
+    "test_fraction": "file kinds: the share of rows held out for evaluation (the first rows of a seeded shuffle)",
+    "feature_scale": "file kinds: features are float32 times this",
+    "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
+    "path": "npz and csv: the file (relative to the file that names it)",
+    "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
+              "this party does not hold them",
+    "header": "csv: the first line names the columns",
+    "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
+    "id_column": "csv: the column of the rows' IDs (index or header name), no feature or label; npz: the member "
+                 "of the IDs (distgrad split writes 'ids'); the handshake "
+                 "compares a digest of the IDs in file order, so parties whose rows differ never train "
+                 "together, and distgrad predict keeps the IDs in its output",
+}
+
+LAYER_KEYS: dict[str, str] = {
+    "name": "names the parameters (NAME.W, NAME.b, ...) and, for dropout, its mask stream (default: dropoutK, "
+            "its position)",
+    "size": "scale, layernorm: the length of the last axis",
+    "init": "initial values: \"glorot_uniform\", \"truncated_normal\", \"zeros\", a number, or "
+            "{ kind = \"truncated_normal\", stddev = 0.1, mean = 0.0 }",
+    "bias_init": "initial bias (default \"zeros\")",
+    "in": "dense: input columns; conv2d: input channels",
+    "out": "dense: output columns; conv2d: output channels",
+    "kernel": "conv2d, maxpool2d: window size, an integer or [height, width]",
+    "stride": "conv2d: step of the window (default 1); maxpool2d: (default: the kernel)",
+    "padding": "conv2d: zeros added on each side (default 0); maxpool2d: 0 only",
+    "shape": "reshape: the per-row shape, e.g. [1, 8, 8] (images are NCHW)",
+    "rate": "dropout: the share of units dropped while training, in [0, 1); none at evaluation",
+    "vocab": "embedding: the number of ids (ids arrive as float32 whole numbers in [0, vocab))",
+    "dim": "embedding: the width of each id's vector",
+    "eps": "layernorm: added to the variance (default 1e-5)",
+}
+
+OPTIMIZER_OPTIONS: dict[str, str] = {
+    "lr": "the learning rate (float32), or the first rate of a schedule",
+    "beta1": "Adam: decay of the first moment",
+    "beta2": "Adam: decay of the second moment",
+    "epsilon": "Adam: added to sqrt(v), as TensorFlow 1's kernel does",
+    "schedule": "a learning-rate schedule table (see Learning-rate schedules)",
+}

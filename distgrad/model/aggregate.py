@@ -1,0 +1,72 @@
+"""How the label owner of a vertical experiment combines its feature parties' embeddings, and splits the gradient.
+
+Pure float32 math, no I/O. Each of K feature parties sends the label owner
+its embedding of the same rows, ``parts[k]`` of shape ``(rows, ..., w_k)``;
+``combine`` makes the label owner's input from them and ``split`` gives each
+party exactly the gradient of its own embedding:
+
+* ``concat``: the parts side by side along the last axis, in party order;
+  party k's gradient is its own columns of the input's gradient;
+* ``sum``: ``((parts[0] + parts[1]) + parts[2]) + ...`` in party order (all
+  shapes equal); every party's gradient is the input's gradient;
+* ``mean``: the sum divided by ``float32(K)``; every party's gradient is the
+  input's gradient divided by ``float32(K)``.
+
+The in-process reference and the serving stage call these same functions in
+the same order, so a vertical run over the wire is bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from distgrad.errors import ConfigError
+from distgrad.model.nn import DTYPE, Shape
+
+AGGREGATES = ("concat", "sum", "mean")
+
+
+def combined_shape(kind: str, shapes: Sequence[Shape]) -> Shape:
+    """The shape of the combined input from the parts' shapes; ``ConfigError`` when they do not fit
+    (``concat``: equal but for the last axis; ``sum``/``mean``: all equal)."""
+    if kind not in AGGREGATES:
+        raise ConfigError(f"'aggregate' must be one of {list(AGGREGATES)}, got {kind!r}")
+    shapes = [tuple(shape) for shape in shapes]
+    if not shapes:
+        raise ConfigError("a vertical experiment needs at least one feature party")
+    if kind == "concat":
+        if any(len(s) < 1 or s[:-1] != shapes[0][:-1] for s in shapes):
+            raise ConfigError(f"aggregate = \"concat\" joins the parties' embeddings along their last axis: "
+                              f"the other axes must agree, got {shapes}")
+        return (*shapes[0][:-1], sum(s[-1] for s in shapes))
+    if any(s != shapes[0] for s in shapes):
+        raise ConfigError(f"aggregate = {kind!r} adds the parties' embeddings: their shapes must be equal, got "
+                          f"{shapes}")
+    return shapes[0]
+
+
+def combine(kind: str, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The label owner's float32 input from the parties' embeddings (in party order)."""
+    if kind == "concat":
+        return np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    if kind == "mean":
+        total = total / DTYPE(len(parts))
+    return total
+
+
+def split(kind: str, grad: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
+    """Each party's gradient (contiguous float32, in party order) from the gradient of the combined input;
+    ``widths[k]`` is party k's last-axis width (used by ``concat``)."""
+    if kind == "concat":
+        if len(widths) == 1:
+            return [grad]
+        edges = np.cumsum([0, *widths])
+        return [np.ascontiguousarray(grad[..., edges[k]:edges[k + 1]]) for k in range(len(widths))]
+    if kind == "mean":
+        grad = grad / DTYPE(len(widths))
+    return [grad if k == 0 else grad.copy() for k in range(len(widths))]   # a backward may reuse its input

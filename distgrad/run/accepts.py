@@ -1,0 +1,77 @@
+"""What a serving stage accepts from the stages above it: ``Accepts``.
+
+Each peer's forwards (its activation, coded) and evaluations (its held-out
+rows), a SplitFed average's parameters, and from these the largest message
+the stage's socket takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distgrad.errors import ProtocolError
+from distgrad.config.experiment import build_stage_parts
+from distgrad.stage.stage import TensorSpecs, forward_specs, target_spec
+from distgrad.run.stage_state import StageState
+from distgrad.wire.messages import ErrorCode, Message, frame_limit
+from distgrad.wire.wirecodec import ACTIVATION, Expected
+
+MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation,
+MAX_EVAL_BYTES = 1 << 27   # and at most this many bytes of them (128 MiB)
+
+
+class Accepts:
+    """The tensors a serving stage accepts, per peer (``input_shapes``: what each peer's forwards carry).
+
+    ``data``: the stage's data per peer ([] when its stage file holds none);
+    ``middle``: a stage that passes what it gets on to a stage below (a
+    middle stage without data cannot tell how many rows are held out: it
+    takes up to ``MAX_EVAL_ROWS`` and the stage below, which holds the
+    labels, checks the count); ``upstream``: the first stage, whose
+    parameters a SplitFed average carries.
+    """
+
+    def __init__(self, state: StageState, exp: Any, input_shapes: list[tuple[int, ...]], data: list[Any],
+                 middle: bool, upstream: str, seed: int, init: Any) -> None:
+        self.state, self.exp, self.input_shapes, self.data = state, exp, input_shapes, data
+        self.target = target_spec(exp)
+        singles = [self.forward(1, index) for index in range(len(input_shapes))]
+        row_bytes = 4 * int(np.prod(state.stage.input_shape[1:] or (1,)))
+        self.rows_max = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
+        self.passed_on = not data and middle        # evaluations go below without a row count here
+        rows = len(data[0].test_rows) if data else self.rows_max if middle else 0
+        self.evaluations = [single.with_rows(rows) if rows else None for single in singles]    # per peer
+        limits = [frame_limit(single.specs) for single in singles] + [frame_limit(specs.specs)
+                                                                      for specs in self.evaluations if specs]
+        self.params: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
+        if exp.clients.mode == "splitfed":
+            first_model, _, _ = build_stage_parts(exp, upstream, seed, init)
+            self.params = {name: (value.shape, value.dtype) for name, value in first_model.params.items()}
+            limits.append(frame_limit(self.params))
+        # The largest message this stage accepts: a whole batch, the held-out rows, or SplitFed parameters.
+        self.max_frame_bytes = max(limit[0] for limit in limits)
+        self.max_tensor_bytes = max(limit[1] for limit in limits)
+
+    def forward(self, mbs: int, index: int) -> Expected:
+        """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded."""
+        return forward_specs(self.state.stage, self.target, mbs, self.input_shapes[index],
+                             self.exp.codecs[ACTIVATION])
+
+    def evaluation(self, index: int, msg: Message) -> Expected:
+        """What an evaluation of peer ``index`` carries; ``ProtocolError`` when this stage evaluates nothing
+        or a passed-on evaluation carries too many rows or none."""
+        if self.passed_on:
+            single = self.forward(1, index)
+            # The rows are the first axis of the coded activation's first part (the values, codes or bits).
+            activation = msg.tensors.get(next(iter(single.coded.specs)))
+            rows = len(activation) if activation is not None and activation.ndim else 0
+            if not 1 <= rows <= self.rows_max:
+                raise ProtocolError(ErrorCode.TENSOR, f"an evaluation carries 1 to {self.rows_max} rows, got "
+                                                      f"{rows}")
+            return single.with_rows(rows)
+        specs = self.evaluations[index]
+        if specs is None or not self.data or not len(self.data[index].test_rows):
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
+        return specs

@@ -1,0 +1,402 @@
+"""The driving (first) stage: ``drive_first_stage`` owns the data and the step counter.
+
+It connects to the next stage (the last one, or a middle stage that passes
+everything on), shakes hands, and for every step sends the activations of
+each micro-batch and applies the gradients that come back, with retries on
+fresh sockets (``link.DownstreamLink``) and a rollback to a common step
+whenever a stage below has lost track. After every ``eval_every``-th step and
+the last it evaluates the held-out rows through every stage; each step's
+record (and its evaluation) goes to the metrics file and the progress line.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any, Iterator
+
+import numpy as np
+import zmq
+
+from distgrad.run import handshake
+
+from distgrad.wire import messages as wire
+from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
+from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
+from distgrad.run.progress import Progress, step_writers
+from distgrad.stage.records import evaluation_entry, evaluation_fields
+from distgrad.stage.stage import backward_specs, micro_batch
+from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
+from distgrad.threads import one_compute_thread
+from distgrad.wire.transport import Traffic
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
+
+BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
+EVALUATION_TYPES = frozenset({wire.EVALUATION})    # may share its step and micro-batch)
+PING_TIMEOUT_S = 1.0      # how long to wait for the stage below to say whom it waits for, after giving up on it
+
+
+class _Driver:
+    """The first stage's loop: handshake, steps, bye, with retries and rollbacks."""
+
+    def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context) -> None:
+        exp = opts.experiment
+        exp.check_role(opts.stage, binds=False, connects=True)
+        self.opts, self.exp, self.connect, self.stop = opts, exp, connect, stop
+        self.steps = opts.total_steps
+        self.state = StageState(opts)
+        self.log = self.state.log
+        self.data = exp.build_data(opts.seed, client=opts.client, stage=opts.stage)
+        self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
+        self.target_dtype = self.data.target_dtype
+        self.reply_specs = backward_specs(self.state.stage, opts.micro_batches, exp.codecs[GRADIENT])
+        self.traffic = Traffic()
+        self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
+        self.progress = Progress(opts.progress, self.steps)
+        self.eval_every = opts.evaluate_every
+        self.holds_out = len(self.data.test_rows) > 0
+        self.g_compute_s = 0.0
+        params = self.state.stage.params
+        self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
+                                   self.traffic,
+                                   {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
+        self.staleness = opts.steps_in_flight
+        # Steps sent but not yet applied (staleness): step -> (parameter version of its forward, caches by
+        # micro-batch), and its requests still unanswered.
+        self.in_flight: dict[int, tuple[int, dict[int, Any]]] = {}
+        self.pending: dict[int, dict[tuple[int, int], Message]] = {}
+        self.loss: float | None = None
+        self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
+        self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
+
+    def handshake(self) -> None:
+        """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
+        stage = self.state.stage
+        held = self.state.held()
+        common = self.link.handshake(handshake.hello(
+            self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
+            self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0,
+            staleness=self.staleness), self.opts.client)
+        self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
+        if common in held:
+            self.state.rollback(common)
+            self.state.history.rewind(self.state.stage)     # as before the first of them
+        else:
+            # Dropped by the serving stage of several clients: go on from here at its next step.
+            self.log.warning("the serving stage goes on with this client at step %d; it has parameters of step "
+                             "%d (steps %d to %d are skipped)", common + 1, self.state.stage.step,
+                             self.state.stage.step + 1, common)
+            self.state.stage.step = common
+        self.state.engine.reset()
+        # Evaluations of steps rolled back are taken again when those steps are. A feature party evaluates
+        # a due step again after every handshake at it (``_owes_evaluation``): the label owner, resumed or
+        # rolled back to that step, waits for every party's held-out embeddings of it.
+        step = self.state.stage.step
+        again = self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
+        self.evaluations = [e for e in self.evaluations if e["step"] < step or (e["step"] == step and not again)]
+        self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
+
+    def step_once(self) -> None:
+        """One step: every micro-batch's forward and backward, then one update.
+
+        Up to ``opts.window`` micro-batches are in flight (all of them for
+        gpipe, ``--in-flight`` for 1f1b, two by default), so this stage computes
+        micro-batch i+1 while the server works on i, and holds at most that
+        many forward caches. Gradients are summed in micro-batch order whatever
+        the schedule and window, which is the order the in-process path uses.
+        With staleness S > 0, ``_step_in_flight`` instead.
+        """
+        if self.staleness:
+            self._step_in_flight()
+            return
+        stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
+        step = stage.step + 1
+        batch = self._batch(step)
+        window = self.opts.window
+        pending: dict[tuple[int, int], Message] = {}
+        caches: dict[int, Any] = {}
+        self.link.arrived.clear()
+
+        def send(i: int) -> None:
+            msg, caches[i] = self._forward(step, i, batch)
+            pending[(step, i)] = msg
+            self.link.send(msg)
+
+        for i in range(window):
+            send(i)
+        for i in range(count):
+            loss, dy = self._reply(pending, step, i)
+            _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+            engine.add(i, count, grads, loss)
+            if i + window < count:
+                send(i + window)
+        averaging = self.average_every and step % self.average_every == 0
+        self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
+
+    def _batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Step ``step``'s features, and its targets when they travel."""
+        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
+        return self.data.features(step), targets
+
+    def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None]) -> tuple[Message, Any]:
+        """Micro-batch ``i`` of step ``step`` forward through this stage: the message and the cache."""
+        features, targets = batch
+        count = self.opts.micro_batches
+        y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
+        # This stage computes on with ``y`` itself; only what crosses is coded.
+        tensors = self.state.senders.message_tensors(ACTIVATION, y, stream_name(ACTIVATION, i, count), step)
+        if targets is not None:
+            tensors["target"] = micro_batch(targets, i, count)
+        return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
+
+    def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:
+        """The loss and activation gradient of micro-batch ``i`` of step ``step`` (one of ``pending``, which
+        loses it), with the stage below's compute time counted."""
+        # With steps in flight a reply of another type may share the key (an evaluation's): it waits its turn.
+        reply = self.link.await_reply(pending, (step, i), BACKWARD_TYPES if self.staleness else None)
+        del pending[(step, i)]
+        loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
+                               self.exp.downstream(self.opts.stage))
+        compute = reply.body.get("compute_s")
+        if isinstance(compute, float):
+            self.g_compute_s += compute
+        return loss, dy
+
+    def _step_in_flight(self) -> None:
+        """Staleness S: send the forward of step c+S+1 (c: the updates applied), then complete step c+1:
+        its replies, its backward with the parameters and activations of its forward, its update.
+
+        The forward of step t uses the parameters after update t-1-S, which
+        are the live ones when it is sent in order; after a (re)handshake the
+        steps c+1..c+S are sent again with theirs (``ParameterHistory``).
+        """
+        stage, engine, count, depth = self.state.stage, self.state.engine, self.opts.micro_batches, self.staleness
+        done = stage.step
+        for step in range(done + 1, min(done + depth + 1, self.steps) + 1):
+            if step not in self.in_flight:
+                self._send_in_flight(step)
+        step = done + 1
+        version, caches = self.in_flight[step]
+        pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
+        for i in range(count):
+            loss, dy = self._reply(pending, step, i)
+            del self.pending[step][(step, i)]
+            with self._as_of(version, step):
+                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+            engine.add(i, count, grads, loss)
+        del self.in_flight[step], self.pending[step]
+        self.state.history.before_update(stage)
+        self.loss = engine.update(step, count)
+
+    def _send_in_flight(self, step: int) -> None:
+        """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
+        version = step - 1 - self.staleness
+        batch, caches, pending = self._batch(step), {}, {}
+        self.state.history.before_forward(step, self.state.stage)
+        with self._as_of(version, step):
+            for i in range(self.opts.micro_batches):
+                msg, caches[i] = self._forward(step, i, batch)
+                pending[(step, i)] = msg
+                self.link.send(msg)
+        self.in_flight[step] = (version, caches)
+        self.pending[step] = pending
+
+    @contextlib.contextmanager
+    def _as_of(self, version: int, step: int) -> Iterator[None]:
+        """The stage as it computed step ``step``'s forward: its parameters after update ``version`` in place
+        of the live ones, and its step counter at ``step - 1`` (dropout masks, messages); both restored after."""
+        stage = self.state.stage
+        live_step, params = stage.step, stage.params
+        old = self.state.history.at(version, stage)
+        saved = None if old is params else {name: value.copy() for name, value in params.items()}
+        try:
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = old[name]
+            stage.step = step - 1
+            yield
+        finally:
+            stage.step = live_step
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = saved[name]
+
+    def _average(self, step: int) -> None:
+        """SplitFed: send this client's parameters, take the mean of every client's in their place."""
+        params = self.state.stage.params
+        reply = self.link.exchange(Message(wire.AVERAGE, self.state.run_id, step, tensors=params))
+        if reply.type != wire.AVERAGE:
+            raise ProtocolError(ErrorCode.TYPE, f"expected an average reply to step {step}, got {reply.type!r}")
+        wire.expect_tensors(reply, {name: (value.shape, value.dtype) for name, value in params.items()},
+                            self.exp.allow_nonfinite)
+        for name, value in params.items():
+            value[...] = reply.tensors[name]
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out rows forward through every stage (changing none); the label owner scores them.
+        Returns and records ``records.evaluation_entry`` of the step this stage stands at."""
+        step = self.state.stage.step
+        y, _ = self.state.stage.forward(self.data.test_features(), training=False)
+        tensors = self.state.senders.evaluation_tensors(y, step + 1)
+        if self.exp.labels_travel:
+            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
+        msg = Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors)
+        if self.in_flight:
+            # Replies to the steps in flight may come first (one shares this step and micro-batch): kept.
+            pending = {key: request for requests in self.pending.values() for key, request in requests.items()}
+            pending[(msg.step, msg.mb)] = msg
+            self.link.send(msg)
+            reply = self.link.await_reply(pending, (msg.step, msg.mb), EVALUATION_TYPES)
+        else:
+            reply = self.link.exchange(msg)
+        body = self.evaluation = check_evaluation(reply)
+        entry = evaluation_entry(step, body)
+        self.evaluations.append(entry)
+        self.log.info("step %d: test loss %.6g%s", step, body["loss"],
+                      f", test accuracy {entry['test_accuracy']:.4f}" if "test_accuracy" in entry else "")
+        return entry
+
+    def _evaluation_due(self, step: int) -> bool:
+        """Evaluate after ``step``: every ``eval_every``-th step and the last, when rows are held out."""
+        return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
+
+    def _after_step(self) -> None:
+        """After each applied step: the evaluation when it is due, then the step's record (with the
+        evaluation's scores) to each step writer, the bar or a log line."""
+        step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
+        record = None
+        if self.writers:
+            wait = self.traffic.wait_s - self.wait_before
+            record = {
+                "step": step, "loss": loss,
+                "wall_s": now - self.started, "step_s": now - self.step_started,
+                "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+                "f_compute_s": now - self.step_started - wait, "f_wait_s": wait,
+                "g_compute_s": self.g_compute_s - self.g_before}
+        test = {}
+        if self._evaluation_due(step):
+            test = {key: value for key, value in self.evaluate().items() if key != "step"}
+        if record is not None:
+            record.update(test)
+            for writer in self.writers:
+                writer.write(record)
+        self.progress.update(step, loss, force=step == self.steps, test=test)
+        if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
+            rate = (step - self.last_step) / (now - self.last_report) if now > self.last_report else float("nan")
+            self.last_report, self.last_step = now, step
+            self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
+
+    def run(self) -> dict[str, Any]:
+        state = self.state
+        if not (self.opts.resume and state.resume_latest()):
+            state.begin(uuid.uuid4().hex)
+        else:
+            state.open_trace(append=True)
+        started = time.perf_counter()
+        try:
+            self._run()
+        except Interrupted:
+            state.save()            # between steps the state is consistent: a restart continues here
+            raise
+        except PeerTimeout as e:
+            state.save()
+            waiting_for = self._waiting_for()
+            if waiting_for:
+                raise PeerTimeout(f"{e}; stage {self.exp.downstream(self.opts.stage)} is waiting for "
+                                  f"{', '.join(waiting_for)} (a step needs every feature party)") from e
+            raise
+        except PeerRejected as e:
+            if e.code == ErrorCode.NONFINITE_STEP:
+                # A stage below found a non-finite loss or gradient and applied nothing: a stage
+                # failed (exit 1); this stage sent nothing wrong, so it is no refusal (exit 4).
+                raise StageError(e.peer_message) from e
+            raise
+        finally:
+            state.close()
+            self.link.close()
+            for writer in self.writers:
+                writer.close()
+            self.progress.close()
+        return state.summary("completed", started, self.loss, endpoint=self.connect,
+                             micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
+                             in_flight=self.opts.window,
+                             **evaluation_fields(self.evaluation),
+                             **({"evaluations": self.evaluations} if self.holds_out else {}))
+
+    def _waiting_for(self) -> list[str]:
+        """The feature parties the stage below says it waits for (a vertical run), asked once after this
+        stage gave up on it; empty when it does not answer or waits for none."""
+        if not self.exp.vertical:
+            return []
+        try:
+            pong = self.link.client.request(Message(wire.PING, self.state.run_id, 0), PING_TIMEOUT_S)
+        except (PeerTimeout, PeerRejected, ProtocolError):
+            return []
+        names = pong.body.get("waiting_for")
+        return [name for name in names if isinstance(name, str)][:16] if isinstance(names, list) else []
+
+    def _owes_evaluation(self) -> bool:
+        """A feature party back in a vertical run at a step whose evaluation it has not taken: the stage
+        below waits for every party's held-out embeddings of that step before the next step."""
+        step = self.state.stage.step
+        return (self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
+                and not (self.evaluations and self.evaluations[-1]["step"] == step))
+
+    def _run(self) -> None:
+        self.handshake()
+        self.report_every = max(1, self.steps // PROGRESS_UPDATES)
+        self.started = self.last_report = time.perf_counter()
+        self.last_step = self.state.stage.step
+        while True:
+            stage = self.state.stage
+            self.step_started, self.wait_before, self.g_before = (time.perf_counter(), self.traffic.wait_s,
+                                                                  self.g_compute_s)
+            try:
+                if stage.step >= self.steps:
+                    self.state.save()
+                    if self.holds_out and not (self.evaluations and self.evaluations[-1]["step"] == stage.step):
+                        self.evaluate()     # e.g. resumed after the last step, or its evaluation was refused
+                    self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
+                    self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
+                    self.state.save_parameters()
+                    return
+                if self._owes_evaluation():
+                    self.evaluate()
+                    continue
+                self.step_once()
+                self._after_step()
+            except PeerRejected as e:
+                if e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                    raise
+                # The server restarted or lost our run: agree on a step again.
+                self.log.warning("%s; shaking hands again", e.peer_message)
+                self.handshake()
+
+
+@one_compute_thread()
+def drive_first_stage(opts: StageOptions, connect: str, stop: StopFlag,
+                      ctx: zmq.Context | None = None) -> dict[str, Any]:
+    """Train ``opts.steps`` steps against the stage serving at ``connect``; return the summary.
+
+    Retries an unanswered request on a fresh socket until ``opts.peer_deadline_s``
+    and then raises ``PeerTimeout`` naming the endpoint; raises
+    ``PeerRejected`` when the server refuses a message for good (e.g. another
+    experiment), ``Interrupted`` on a signal, after saving a checkpoint.
+    With ``--checkpoint-dir``, holds the stage's lock there for the whole run
+    (``ConfigError`` if another process holds it); with ``--resume`` and a
+    finished run there, returns that run's summary at once, connecting to
+    nothing and writing no file.
+    """
+    lock = lock_checkpoint_dir(opts)
+    try:
+        done = finished_run(opts)
+        if done is not None:
+            return nothing_to_do(opts, done)
+        return _Driver(opts, connect, stop, ctx or zmq.Context.instance()).run()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,445 @@
+"""The same training, all stages in one process: the reference the wire must match.
+
+It drives the very ``Stage`` objects the daemons use, in the order the
+two-process protocol imposes (forward through every stage, the loss, then
+each stage's backward and update from the last to the first), with the same
+data and seeds. Wherever a tensor would cross the wire, the receiving stage
+computes with what the experiment's codec makes of it (``Senders.roundtrip``,
+with the sending stage's error feedback), exactly as over the wire. Tests
+assert that runs over the wire end bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import AbstractSet, Any, Mapping
+
+import numpy as np
+
+from distgrad.model import aggregate
+from distgrad.stage.engine import StepEngine
+from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
+from distgrad.model.nn import Grads
+from distgrad.wire.codecs import Codec
+from distgrad.stage.records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
+from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
+                    parameters_file)
+from distgrad.threads import one_compute_thread
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
+
+log = logging.getLogger("distgrad.run.inprocess")
+
+
+def _accuracy_text(evaluation: Mapping[str, Any]) -> str:
+    fields = evaluation_fields(evaluation)
+    return f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else ""
+
+
+class _TraceLines:
+    """The in-process trace: every stage's engine writes its part of a step (``part``); ``flush`` writes
+    one line per step, and per client with several, as ``distgrad run`` merges the stages' files."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+        self.pending: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def part(self, snapshot: bool) -> "_TracePart":
+        """A sink for one stage's engine; ``snapshot``: copy its parameters now (a stage that later
+        turns change), else read them at ``flush`` (after a SplitFed average, as a driving stage does)."""
+        return _TracePart(self, snapshot)
+
+    def flush(self, upto: int | None = None) -> None:
+        """Write the lines of every step (up to ``upto``: the steps every stage has applied)."""
+        for (step, client), line in sorted(self.pending.items()):
+            if upto is not None and step > upto:
+                continue
+            self.writer.write(step, line["loss"], line["grads"], line["params"],
+                              client=None if client < 0 else client)
+            del self.pending[(step, client)]
+
+
+class _TracePart:
+    def __init__(self, lines: _TraceLines, snapshot: bool) -> None:
+        self.lines, self.snapshot = lines, snapshot
+
+    def wants(self, step: int) -> bool:
+        return self.lines.writer.wants(step)
+
+    def write(self, step: int, loss: float | None, grads: Grads, params: Grads, client: int | None = None) -> None:
+        line = self.lines.pending.setdefault((step, -1 if client is None else client),
+                                             {"loss": None, "grads": {}, "params": {}})
+        line["grads"].update(grads)
+        line["params"].update({k: v.copy() for k, v in params.items()} if self.snapshot else params)
+        if loss is not None:
+            line["loss"] = loss
+
+
+def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool,
+             copied: bool = False) -> list[StepEngine]:
+    """A step engine per stage, each writing its part of the trace and encoding what its stage sends (the
+    experiment's codecs); the last sends ``activation_grad``. ``copied``: every part copies its parameters
+    when written (stages that run ahead of the line's flush)."""
+    scale = exp.micro_batch_scale
+    return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
+                       trace_sent=stage is stages[-1] and len(stages) > 1, senders=Senders(exp.codecs))
+            for stage in stages]
+
+
+def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,
+          client: int | None = None) -> float | None:
+    """One step through the stages of ``engines`` in the protocol's order: every micro-batch forward and
+    back, then the updates from the last stage up (the order the stages apply them over the wire);
+    returns the step's loss. Each tensor that would cross is coded where it would (``_cross``)."""
+    rows = [micro_batch(features, i, micro_batches) for i in range(micro_batches)]
+    if len(engines) == 1:
+        return _below(engines, step, rows, targets, micro_batches, client, above=False)[0]
+    first = engines[0]
+    outputs = [first.stage.forward(x, i) for i, x in enumerate(rows)]
+    sent = [_cross(first, ACTIVATION, y, i, micro_batches, step) for i, (y, _) in enumerate(outputs)]
+    loss, dys = _below(engines[1:], step, sent, targets, micro_batches, client)
+    for i, ((_, cache), dy) in enumerate(zip(outputs, dys)):
+        _, grads = first.stage.backward(cache, dy, need_dx=False)
+        first.add(i, micro_batches, grads)
+    first.update(step, micro_batches, client=client)
+    return loss
+
+
+def _cross(engine: StepEngine, direction: str, x: np.ndarray, mb: int, micro_batches: int, step: int,
+           peer: str = "") -> np.ndarray:
+    """What the receiving stage computes with for ``x``, sent by ``engine``'s stage on the stream the stage
+    processes use (``stream_name``), with that stage's error feedback."""
+    return engine.senders.roundtrip(direction, x, stream_name(direction, mb, micro_batches, peer), step)
+
+
+def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: np.ndarray, micro_batches: int,
+           client: int | None = None, above: bool = True) -> tuple[float | None, list[np.ndarray]]:
+    """Step ``step`` through the stages below the first (``engines``), as they serve it: each micro-batch's
+    input ``ys[i]`` forward, the loss, back to the activation gradient the stage above receives; then their
+    updates from the last up. Returns the step's loss and those gradients. ``client``: whose step it is,
+    when the last stage serves several data owners; ``above`` False: ``engines`` are a one-stage
+    experiment's, whose input gradient goes nowhere."""
+    *middle, last = [engine.stage for engine in engines]
+    peer = "" if client is None else f"client{client}"      # the serving stage's name for the stream
+    dys = []
+    for i, x in enumerate(ys):
+        caches = []
+        for engine, stage in zip(engines, middle):
+            y, cache = stage.forward(x, i)
+            caches.append(cache)
+            x = _cross(engine, ACTIVATION, y, i, micro_batches, step)
+        mb_loss, dx, grads = last.loss_micro_batch(x, micro_batch(targets, i, micro_batches), i)
+        last.check_finite("loss", mb_loss, step)
+        if above or middle:
+            last.check_finite("activation_grad", dx, step)
+        engines[-1].add(i, micro_batches, grads, mb_loss, dx)
+        dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if above or middle else dx
+        for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
+            dx, grads = stage.backward(cache, dy)
+            stage.check_finite("activation_grad", dx, step)
+            engine.add(i, micro_batches, grads)
+            dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
+        dys.append(dy)
+    loss = None
+    for engine in reversed(engines):
+        done = engine.update(step, micro_batches, client=client)
+        loss = done if engine is engines[-1] else loss
+    return loss, dys
+
+
+class _InFlight:
+    """The first stage with S steps in flight (staleness), as ``driver._Driver`` runs it: the forward of step
+    t with its parameters after update t-1-S, its backward of step t (with the parameters and activations of
+    that forward) and its update once the forward of step t+S has been sent. The stages below never are
+    stale: they take each step whole when its forward comes."""
+
+    def __init__(self, engine: StepEngine, below: list[StepEngine], staleness: int, micro_batches: int) -> None:
+        self.engine, self.below, self.depth, self.micro_batches = engine, below, staleness, micro_batches
+        self.history: dict[int, dict[str, np.ndarray]] = {}       # parameters after update u
+        self.sent: dict[int, tuple[int, list[Any], list[np.ndarray]]] = {}   # step -> (version, caches, dys)
+
+    def send(self, step: int, features: np.ndarray, targets: np.ndarray) -> float | None:
+        """Step ``step``'s forward (the live parameters are those after update step-1-S) and the stages
+        below it; returns the step's loss."""
+        stage, count = self.engine.stage, self.micro_batches
+        live = stage.step
+        stage.step = step - 1                     # dropout masks of step ``step``
+        try:
+            outputs = [stage.forward(micro_batch(features, i, count), i) for i in range(count)]
+        finally:
+            stage.step = live
+        sent = [_cross(self.engine, ACTIVATION, y, i, count, step) for i, (y, _) in enumerate(outputs)]
+        loss, dys = _below(self.below, step, sent, targets, count)
+        self.sent[step] = (step - 1 - self.depth, [cache for _, cache in outputs], dys)
+        return loss
+
+    def complete(self, step: int) -> None:
+        """Step ``step``'s backward with its forward's parameters, then its update."""
+        stage, count = self.engine.stage, self.micro_batches
+        version, caches, dys = self.sent.pop(step)
+        version = max(version, 0)
+        params = stage.params
+        saved = {name: value.copy() for name, value in params.items()} if version != stage.step else None
+        live = stage.step
+        try:
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = self.history[version][name]
+            stage.step = step - 1
+            for i in range(count):
+                _, grads = stage.backward(caches[i], dys[i], need_dx=False)
+                self.engine.add(i, count, grads)
+        finally:
+            stage.step = live
+            if saved is not None:
+                for name, value in params.items():
+                    value[...] = saved[name]
+        self.history[stage.step] = {name: value.copy() for name, value in params.items()}
+        for old in [u for u in self.history if u < stage.step + 1 - self.depth]:
+            del self.history[old]
+        self.engine.update(step, count)
+
+
+def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment, step: int,
+                   features: list[np.ndarray], targets: np.ndarray, micro_batches: int) -> float | None:
+    """One step of a vertical experiment in the serving stage's order: per micro-batch, every party's
+    forward (party order), the combined input, the loss, and each party's backward of its own part of the
+    input's gradient; then the last stage's update and the parties'. Returns the step's loss."""
+    kind = exp.aggregate
+    widths = [cut[-1] for cut in exp.cuts]
+    stage = last.stage
+    names = exp.stage_names[:-1]
+    for i in range(micro_batches):
+        outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
+        z = aggregate.combine(kind, [_cross(engine, ACTIVATION, y, i, micro_batches, step)
+                                     for engine, (y, _) in zip(parties, outputs)])
+        mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
+        stage.check_finite("loss", mb_loss, step)
+        stage.check_finite("activation_grad", dz, step)
+        last.add(i, micro_batches, grads, mb_loss, dz)
+        for engine, name, (_, cache), dy in zip(parties, names, outputs, aggregate.split(kind, dz, widths)):
+            dy = _cross(last, GRADIENT, dy, i, micro_batches, step, name)
+            _, party_grads = engine.stage.backward(cache, dy, need_dx=False)
+            engine.add(i, micro_batches, party_grads)
+    loss = last.update(step, micro_batches)
+    for engine in parties:
+        engine.update(step, micro_batches)
+    return loss
+
+
+def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
+                       step: int) -> dict[str, Any]:
+    """Every party's held-out rows forward (coded as they cross), combined, scored by the last stage."""
+    codec = exp.codecs[ACTIVATION]
+    z = aggregate.combine(exp.aggregate, [codec.roundtrip(party.forward(d.test_features(), training=False)[0],
+                                                          ACTIVATION, step + 1)
+                                          for party, d in zip(parties, data)])
+    return last.evaluate_last(z, labels.test_targets())
+
+
+class _ParameterFiles:
+    """``--load`` / ``--save`` of every stage of an in-process run, named as ``distgrad run`` names them."""
+
+    def __init__(self, exp: Experiment, save_dir: str | Path | None, load_dir: str | Path | None,
+                 init: bool) -> None:
+        self.exp, self.save_dir, self.load_dir = exp, save_dir, load_dir
+        make_save_dir(save_dir)
+        for instance, stage in self._instances():
+            check_parameter_files(self._path(save_dir, instance, stage), self._path(load_dir, instance, stage), init)
+
+    def _instances(self) -> list[tuple[str, str]]:
+        first, *rest = self.exp.stage_names
+        clients = range(self.exp.clients.count) if self.exp.federated else [None]
+        return [(client_stage_name(first, c), first) for c in clients] + [(name, name) for name in rest]
+
+    def _path(self, directory: str | Path | None, instance: str, stage: str) -> Path | None:
+        return None if directory is None else parameters_file(directory, instance, self.exp, stage)
+
+    def loaded(self, built: Stage, stage: str, client: int | None = None) -> Stage:
+        path = self._path(self.load_dir, client_stage_name(stage, client), stage)
+        if path is not None:
+            built.load_parameters(path)
+        return built
+
+    def save(self, built: Stage, stage: str, client: int | None = None) -> None:
+        path = self._path(self.save_dir, client_stage_name(stage, client), stage)
+        if path is not None:
+            built.save_parameters(path)
+
+
+def _evaluate(upstream: list[Stage], last: Stage, data, labels, codec: Codec, step: int) -> dict[str, Any]:
+    """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
+    activation crosses with the activation ``codec`` (no error feedback: an evaluation changes nothing),
+    as the evaluation message after ``step`` carries it."""
+    x = data.test_features()
+    for stage in upstream:
+        x, _ = stage.forward(x, training=False)
+        x = codec.roundtrip(x, ACTIVATION, step + 1)
+    return last.evaluate_last(x, labels.test_targets())
+
+
+def _due(step: int, steps: int, eval_every: int) -> bool:
+    """Evaluate after ``step``: every ``eval_every``-th step and the last (as the driving stage does)."""
+    return (eval_every > 0 and step % eval_every == 0) or step == steps
+
+
+def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
+                     summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
+                     files: _ParameterFiles, eval_every: int) -> dict[str, Any]:
+    """Several data owners against one serving stage, in the order the serving stage applies them.
+
+    Every step, client 0, 1, ... in turn: its forward, the serving stage's
+    update, its own update. With ``splitfed``, after every ``average_every``
+    steps each client's first-stage parameters become their mean. After
+    every ``eval_every``-th step (after the average) and the last, each
+    client holding out rows is scored with the serving stage of that step.
+    """
+    first_name, last_name = exp.stage_names
+    clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
+               for c in range(exp.clients.count)]
+    last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
+    last_engine = _engines([clients[0], last], exp, lines, shared_last=True)[1]
+    pairs = [[_engines([client, last], exp, lines, shared_last=True)[0], last_engine] for client in clients]
+    data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
+    labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
+    losses: list[float | None] = [None] * len(clients)
+    evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
+    scores: list[dict[str, Any] | None] = [None] * len(clients)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for step in range(1, steps + 1):
+        for c, engines in enumerate(pairs):
+            losses[c] = _step(engines, step, data[c].features(step), labels[c].targets(step), micro_batches, c)
+        if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
+            mean = average_parameters([client.params for client in clients])
+            for client in clients:
+                for name, value in mean.items():
+                    client.params[name][...] = value
+        lines.flush()
+        if _due(step, steps, eval_every):
+            for c, client in enumerate(clients):
+                if len(data[c].test_rows):
+                    scores[c] = _evaluate([client], last, data[c], labels[c], exp.codecs[ACTIVATION], step)
+                    evaluations[c].append(evaluation_entry(step, scores[c]))
+        if step % max(1, steps // 10) == 0 or step == steps:
+            log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
+    for c, client in enumerate(clients):
+        files.save(client, first_name, c)
+    files.save(last, last_name)
+    per_client = []
+    for c, client in enumerate(clients):
+        # The shape of the launcher's merged summary (records.merge_client_summaries); no run ids in one process.
+        entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
+                                 "status": "completed"}
+        if len(data[c].test_rows):
+            entry.update(evaluation_fields(scores[c]), evaluations=evaluations[c])
+        per_client.append(entry)
+    summary = {
+        "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
+        "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+        "status": "completed", "mode": "in-process", "transport": None,
+        "clients": per_client,
+        "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
+                   last_name: to_lists(last.params)},
+    }
+    if summary_path is not None:
+        write_json(summary_path, summary)
+    return summary
+
+
+@one_compute_thread()
+def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
+                     init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
+                     trace_path: str | Path | None = None, micro_batches: int = 1,
+                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
+                     eval_every: int | None = None, save_dir: str | Path | None = None,
+                     load_dir: str | Path | None = None, staleness: int | None = None) -> dict[str, Any]:
+    """Train every stage of ``exp`` in this process and return the summary dict.
+
+    With ``micro_batches`` M, each batch is split into M equal micro-batches
+    whose gradients every stage sums in order 0..M-1 before one update, as
+    the pipelined schedules do. The summary has ``experiment``, ``steps``,
+    ``final_loss``, ``elapsed_s`` and ``params`` (``{stage: {param: values}}``);
+    it is also written to ``summary_path`` when given, and one trace line per
+    traced step to ``trace_path`` (``trace_params``, ``trace_every``: see
+    ``records.TraceWriter``). When the data holds out rows, they are
+    evaluated after every ``eval_every``-th step (None: the experiment's;
+    0: only the last) and the last: the summary's ``evaluations`` lists each
+    (``step``, ``test_loss``, ``test_accuracy``), and ``test_loss`` and
+    ``test_accuracy`` are the last one's. With several clients (``[clients]``)
+    the summary has one parameter set per client (``f@0``, ``f@1``, ...) and a
+    ``clients`` list with each one's loss and evaluations, and no top-level
+    ``final_loss``: the shape ``distgrad run`` merges. ``load_dir`` /
+    ``save_dir``: each stage starts from / ends by writing
+    ``stage.parameters_file(DIR, ...)``, as the stage processes of ``distgrad run`` do.
+    ``staleness`` S (None: the experiment's) keeps S steps of the first stage in
+    flight, in the order ``--staleness S`` runs them over the wire; an
+    evaluation after step t then scores the first stage after its update of
+    step t with the others after theirs of step min(t+S, steps).
+    """
+    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
+                       eval_every=eval_every, staleness=staleness)
+    staleness = exp.staleness if staleness is None else staleness
+    steps = exp.steps if steps is None else steps
+    seed = exp.seed if seed is None else seed
+    eval_every = exp.eval_every if eval_every is None else eval_every
+    check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
+    files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
+    with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
+        lines = _TraceLines(trace)
+        if exp.federated:
+            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
+        stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
+        # With steps in flight the stages below run ahead of the first: their trace parts are copied when
+        # written, and a step's line is written once the first stage has applied it.
+        engines = _engines(stages, exp, lines, shared_last=False, copied=bool(staleness))
+        in_flight = _InFlight(engines[0], engines[1:], staleness, micro_batches) if staleness else None
+        owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
+        data = owners[0]
+        labels = exp.build_data(seed, stage=exp.label_owner)
+        *upstream, last = stages
+        loss, losses = None, {}
+        log_every = max(1, steps // 10)
+        evaluation, evaluations = None, []
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for step in range(1, steps + 1 if in_flight is None else steps + staleness + 1):
+            if in_flight is not None:
+                # The forward of step t+S, then the backward and update of step t (as the driver does).
+                if step <= steps:
+                    losses[step] = in_flight.send(step, data.features(step), labels.targets(step))
+                step -= staleness
+                if step < 1:
+                    continue
+                in_flight.complete(step)
+                loss = losses.pop(step)
+            elif exp.vertical:
+                loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
+                                      labels.targets(step), micro_batches)
+            else:
+                loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
+            lines.flush(upto=step)
+            if step % log_every == 0 or step == steps:
+                log.info("step %d/%d loss %.6g", step, steps, loss)
+            if len(data.test_rows) and _due(step, steps, eval_every):
+                evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels, step) if exp.vertical
+                              else _evaluate(upstream, last, data, labels, exp.codecs[ACTIVATION], step))
+                evaluations.append(evaluation_entry(step, evaluation))
+                log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
+    for stage in stages:
+        files.save(stage, stage.name)
+    summary = {
+        "experiment": exp.name,
+        "steps": steps,
+        "seed": seed,
+        "micro_batches": micro_batches,
+        "final_loss": float(loss) if loss is not None else None,
+        "elapsed_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
+        "mode": "in-process",
+        **evaluation_fields(evaluation),
+        **({"evaluations": evaluations} if len(data.test_rows) else {}),
+        "params": {s.name: to_lists(s.params) for s in stages},
+    }
+    if summary_path is not None:
+        write_json(summary_path, summary)
+    return summary

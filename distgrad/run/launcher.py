@@ -1,0 +1,415 @@
+"""Local launcher: every stage of an experiment as its own OS process on this machine.
+
+The last stage starts first, binds a free tcp port on 127.0.0.1 (or an ipc
+path) and reports the endpoint it got through a ready file; each middle
+stage, from the bottom up, binds its own and connects to the one below;
+then the driving stage connects to the top. Output of every stage is
+streamed with a ``[name]`` prefix. If one stage fails the others are
+stopped; on Ctrl-C all are; every child is reaped with a deadline and
+nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from distgrad.errors import ConfigError, StageError
+from distgrad.config.experiment import check_run_settings, client_stage_name
+from distgrad.config.parse import load_experiment, parse_init_overrides
+from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+from distgrad.wire.keys import keygen
+from distgrad.run.progress import PROGRESS_PREFIX, render_bar
+from distgrad.threads import pin_blas_threads
+from distgrad.stage.records import merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json, write_json
+
+READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
+STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
+WAIT_TICK_S = 0.05
+
+
+
+def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with every BLAS pool pinned to one thread.
+
+    Two stages on two cores must not fight over them, and a fixed thread
+    count keeps every process's float32 results identical.
+    """
+    env = dict(os.environ if base is None else base)
+    pin_blas_threads(env, override=True)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> bool:
+    """SIGTERM, then SIGKILL after ``grace_s``, then reap (bounded); tolerates a process already gone.
+
+    Returns True if the process had to be signalled (it was still running).
+    """
+    if proc.poll() is not None:
+        return False
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:       # SIGKILLed and still not reaped: nothing more to do
+        pass
+    return True
+
+
+class _BarLine:
+    """The driving stage's ``progress`` lines drawn as one bar at the bottom of a terminal."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out, self.text = out, ""
+        self.test: dict[str, Any] = {}      # the latest evaluation a line carried, drawn until the next
+
+    def draw(self, payload: str) -> None:
+        try:
+            p = json.loads(payload)
+            rate = p.get("rate")
+            if p.get("test_loss") is not None:
+                accuracy = p.get("test_accuracy")
+                self.test = {"test_loss": float(p["test_loss"]),
+                             "test_accuracy": None if accuracy is None else float(accuracy)}
+            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
+                                   None if rate is None else float(rate), self.test)
+        except (ValueError, KeyError, TypeError):
+            return
+        self.redraw()
+
+    def redraw(self) -> None:
+        if self.text:
+            self.out.write("\r" + self.text + "\x1b[K")
+            self.out.flush()
+
+    def clear(self) -> None:
+        if self.text:
+            self.out.write("\r\x1b[K")
+
+    def close(self) -> None:
+        if self.text:
+            self.out.write("\n")
+            self.out.flush()
+
+
+class _Child:
+    """One stage process whose output is streamed with a prefix."""
+
+    def __init__(self, name: str, argv: Sequence[str], out: IO[str], lock: threading.Lock,
+                 bar: "_BarLine | None" = None) -> None:
+        self.name, self.bar = name, bar
+        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
+        self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
+        self._thread.start()
+
+    def _pump(self, out: IO[str], lock: threading.Lock) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with lock:
+                if self.bar is not None and line.startswith(PROGRESS_PREFIX):
+                    self.bar.draw(line[len(PROGRESS_PREFIX):])
+                    continue
+                if self.bar is not None:
+                    self.bar.clear()
+                out.write(f"[{self.name}] {line}")
+                if self.bar is not None:
+                    self.bar.redraw()
+                out.flush()
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self._thread.join(STOP_GRACE_S)
+
+
+def _stage_source(exp: Any, name: str, experiment: str | Path | Sequence[str | Path]) -> str:
+    """The file (or built-in name) stage ``name``'s process reads: its own stage file, else the experiment."""
+    if isinstance(experiment, (str, Path)):
+        return str(experiment)
+    return exp.spec(name).source
+
+
+def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "distgrad.cli", "stage", name, "--experiment", experiment, *flags]
+
+
+def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | None = None, seed: int | None = None,
+              init: str | None = None, summary_path: str | Path | None = None,
+              trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
+              tensorboard_dir: str | Path | None = None, transport: str = "tcp",
+              timeout_s: float | None = None, log_level: str = "INFO",
+              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
+              stage_flags: Sequence[str] = (), secure: bool = False,
+              driver_flags: Sequence[str] = (), progress_bar: bool = False,
+              save_dir: str | Path | None = None, load_dir: str | Path | None = None,
+              activation_codec: str | None = None, gradient_codec: str | None = None) -> dict[str, Any]:
+    """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
+    return the merged summary. Each stage process reads only its own file.
+
+    ``init`` is the ``--init`` text (``NAME=VALUE,...``). The summary's
+    ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
+    merged files, ``metrics_path`` the driving stage's metrics (with several
+    clients: every client's, merged when the run ends, each line with its
+    ``client``), ``tensorboard_dir`` the driving stage's TensorBoard event files (with
+    several clients, client K's in ``tensorboard_dir/f@K``: a run each in TensorBoard). With several clients the summary's top level holds only what
+    is true of the whole run and each client's results are in ``clients``
+    (``records.merge_client_summaries``). Raises ``ConfigError`` for a bad experiment and
+    ``StageError`` naming the stage and its exit code when a stage fails.
+    ``check_stop`` is called while waiting; whatever it raises stops both stages.
+    ``stage_flags`` are passed to every stage as they are (e.g. ``--checkpoint-every 10``),
+    ``driver_flags`` to the driving stage only (e.g. ``--micro-batches 4``; not ``--metrics``).
+    With ``progress_bar``, the driving stage's progress is drawn as a bar on ``out``.
+    ``save_dir`` receives each stage's final parameters and ``load_dir`` gives
+    their initial values (``stage.parameters_file``: ``DIR/f.npz``, ``DIR/g.pt``, ...).
+    With ``secure``, fresh CURVE key pairs are made for this run and each
+    serving stage accepts only the key of the stage above it. ``activation_codec`` / ``gradient_codec``
+    override the experiment's wire codecs (``--activation-codec``, ``--gradient-codec`` of every stage).
+    """
+    out = out or sys.stdout
+    exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
+    stage_flags = [*stage_flags, *(["--activation-codec", activation_codec] if activation_codec is not None else []),
+                   *(["--gradient-codec", gradient_codec] if gradient_codec is not None else [])]
+    if len(exp.stage_names) < 2:
+        raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
+                          f"use --in-process")
+    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    if transport not in ("tcp", "ipc"):
+        raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
+    names = exp.stage_names
+    source = {name: _stage_source(exp, name, experiment) for name in names}
+    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
+    # Each process: the data owners first (the first stage once per client, f@0, f@1, ..., or every feature
+    # party), then the serving stages by name.
+    drivers, serving = _driving_processes(exp, clients), [n for n in names if n not in exp.data_owners]
+    processes = [label for label, _, _ in drivers] + serving
+    files_of = _parameter_flags(exp, clients, save_dir, load_dir)
+    _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
+    done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
+    if done is not None:
+        runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
+        out.write(f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
+                  f"(start without --resume for a new run)\n")
+        return done
+    lock = threading.Lock()
+    children: list[_Child] = []
+    with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
+        tmp = Path(tmp_name)
+        flags = ["--log-level", log_level, *stage_flags]
+        for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
+            if value is not None:
+                flags += [option, str(value)]
+        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
+        labels = [label for label, _, _ in drivers]
+        # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
+        # Feature parties all learn the same losses and scores: the first one writes them.
+        metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in labels} if exp.federated
+                   else {labels[0]: Path(metrics_path)}) if metrics_path is not None else {}
+        boards = ({name: Path(tensorboard_dir) / name for name in labels} if exp.federated
+                  else {labels[0]: Path(tensorboard_dir)}) if tensorboard_dir is not None else {}
+        curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _ in drivers] +
+                              [(name, name) for name in serving])
+                 if secure else {name: [] for name in processes})
+
+        def outputs(name: str) -> list[str]:
+            summary, trace = files[name]
+            return ["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
+
+        try:
+            # Serving stages from the last one up, each connecting to the one below it.
+            below: list[str] = []
+            for name in reversed(serving):
+                bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
+                ready = tmp / f"{name}.ready"
+                child = _Child(name, _stage_argv(name, source[name], [
+                    "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
+                    *flags, *curve[name], *outputs(name), *files_of[name]]), out, lock)
+                children.append(child)
+                below = [_wait_ready(child, ready, bind, check_stop)]
+            bar = _BarLine(out) if progress_bar else None
+            for label, stage, client in drivers:
+                # The first data owner (client 0, the first party) draws the bar; the others log their progress.
+                client_flags = [] if client is None else ["--client", str(client)]
+                shown = bar if label == labels[0] else None
+                driver = _Child(label, _stage_argv(stage, source[stage], [
+                    "--connect", below[0], *client_flags, *flags, *driver_flags,
+                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label), *files_of[label],
+                    *(["--metrics", str(metrics[label])] if label in metrics else []),
+                    *(["--tensorboard", str(boards[label])] if label in boards else [])]), out, lock, shown)
+                children.append(driver)
+            _wait_all(children, check_stop)
+        finally:
+            for child in reversed(children):
+                child.stop()
+            for child in children:
+                if child.bar is not None:
+                    child.bar.close()
+        summaries = [read_json(files[name][0]) for name in processes]
+        mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
+        if exp.federated:
+            summary = merge_client_summaries(summaries[:-1], summaries[-1], mode=mode, transport=transport)
+        else:
+            summary = merge_summaries(summaries)
+            summary.update(mode=mode, transport=transport)
+        if summary_path is not None:
+            write_json(summary_path, summary)
+        if trace_path is not None:
+            merge_traces([files[name][1] for name in processes], trace_path,
+                         [*(client for _, _, client in drivers), *[None] * len(serving)])
+        if exp.federated and metrics_path is not None:
+            merge_metrics([metrics[name] for name in labels], metrics_path, clients)
+    return summary
+
+
+def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients: Sequence[int | None],
+                  load_dir: str | Path | None) -> None:
+    """Build here, before any stage starts, every torch stage (import its module, make it, its optimizer,
+    scheduler and loss, check its output against the cut with a forward of zeros) and every stage given a
+    ``--load`` file, loading that file into it (its names, shapes and dtypes must be the stage's own). A bad
+    one is a ``ConfigError`` (exit 2) naming it, not a stage process that exits after the others started.
+    The numpy stages were built when the file was loaded."""
+    from distgrad.stage.stage import Stage, parameters_file
+
+    instances = {stage: [] for stage in exp.stage_names}
+    for instance, stage, _ in _driving_processes(exp, clients):
+        instances[stage].append(instance)
+    for name in exp.stage_names:
+        instances[name] = instances[name] or [name]
+    for spec in exp.stages:
+        loads = [parameters_file(load_dir, instance, exp, spec.name) for instance in instances[spec.name]
+                 ] if load_dir is not None else []
+        if spec.framework == "torch" or loads:
+            stage = Stage.from_experiment(exp, spec.name, seed, init)
+            for path in loads:
+                stage.load_parameters(path)
+
+
+def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:
+    """``(process, stage, client)`` of every driving process: each data owner once per client."""
+    return [(client_stage_name(owner, c), owner, c) for owner in exp.data_owners for c in clients]
+
+
+def _parameter_flags(exp: Any, clients: Sequence[int | None], save_dir: str | Path | None,
+                     load_dir: str | Path | None) -> dict[str, list[str]]:
+    """``--save FILE`` / ``--load FILE`` for every stage process (``stage.parameters_file``); ``ConfigError``
+    before anything starts when a file to load is missing or the folder to save in cannot be written."""
+    from distgrad.stage.stage import check_parameter_files, make_save_dir, parameters_file
+
+    processes = [(label, stage) for label, stage, _ in _driving_processes(exp, clients)]
+    processes += [(name, name) for name in exp.stage_names if name not in exp.data_owners]
+    flags: dict[str, list[str]] = {}
+    make_save_dir(save_dir)
+    for instance, stage in processes:
+        save = parameters_file(save_dir, instance, exp, stage) if save_dir is not None else None
+        load = parameters_file(load_dir, instance, exp, stage) if load_dir is not None else None
+        check_parameter_files(save, load, False)
+        flags[instance] = [*(["--save", str(save)] if save else []), *(["--load", str(load)] if load else [])]
+    return flags
+
+
+def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: int | None, init: str | None,
+              stage_flags: Sequence[str], load_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """With ``--resume --checkpoint-dir DIR`` in ``stage_flags``: when every stage that keeps
+    checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
+    from distgrad.run.options import StageOptions
+    from distgrad.stage.stage import parameters_file
+    from distgrad.run.stage_state import finished_run, nothing_to_do
+
+    flags = list(stage_flags)
+    if "--resume" not in flags or "--checkpoint-dir" not in flags[:-1]:
+        return None
+    directory = Path(flags[flags.index("--checkpoint-dir") + 1])
+    overrides = parse_init_overrides(init)
+    summaries = []
+    stages = [(stage, client) for _, stage, client in _driving_processes(exp, clients)]
+    if not exp.federated:               # the serving stage of several clients keeps no checkpoints
+        stages += [(name, None) for name in exp.stage_names if name not in exp.data_owners]
+    finished = []
+    for name, client in stages:         # every stage's checkpoints are read (a pickled one refused) before any starts
+        instance = client_stage_name(name, client)
+        opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
+                            resume=True, client=client,
+                            load_path=parameters_file(load_dir, instance, exp, name) if load_dir else None)
+        finished.append((opts, finished_run(opts)))
+    for opts, ckpt in finished:
+        if ckpt is None:
+            return None
+        summaries.append(nothing_to_do(opts, ckpt))
+    if exp.federated:
+        return merge_client_summaries(summaries, None, mode="finished earlier")
+    summary = merge_summaries(summaries)
+    losses = [s["final_loss"] for s in summaries if isinstance(s.get("final_loss"), float)]
+    summary.update(mode="finished earlier", final_loss=losses[0] if losses else float("nan"))
+    return summary
+
+
+def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
+    """Fresh CURVE key pairs: each serving stage accepts only the keys of the processes above it.
+
+    ``processes`` are ``(process, stage)``: the data owners' processes (one per
+    client, or every feature party), then the serving stages (named as their
+    stage); every process gets its own key pair.
+    """
+    last = exp.stage_names[-1]
+    keys: dict[str, tuple[Path, Path]] = {}
+    for process, stage in processes:
+        # A process's pair is made in the allow directory of the stage below it (the last one's anywhere).
+        where = directory / f"allowed-by-{exp.downstream(stage)}" if stage != last else directory
+        keys[process] = keygen(where, process)
+    flags = {}
+    for process, stage in processes:
+        flags[process] = ["--curve-secret", str(keys[process][1])]
+        if stage not in exp.data_owners:
+            flags[process] += ["--allow", str(directory / f"allowed-by-{process}")]
+        if stage != last:
+            flags[process] += ["--server-key", str(keys[exp.downstream(stage)][0])]
+    return flags
+
+
+def _wait_ready(child: _Child, ready: Path, bind: str, check_stop: Callable[[], None]) -> str:
+    """The endpoint a serving stage reports in its ready file; raises ``StageError`` if it exits or is late."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        check_stop()
+        if child.proc.poll() is not None:
+            raise StageError(f"stage {child.name} exited with code {child.proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise StageError(f"stage {child.name} did not bind {bind} within {READY_TIMEOUT_S:g} s")
+        time.sleep(WAIT_TICK_S)
+    return ready.read_text().strip()
+
+
+def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
+    """Wait until every child exits 0; raise ``StageError`` as soon as one fails.
+
+    Once one stage has finished, the others get ``STOP_GRACE_S`` plus the
+    stage timeout to follow (the server exits after the driver's bye).
+    """
+    first_done: float | None = None
+    while True:
+        check_stop()
+        codes = [child.proc.poll() for child in children]
+        for child, code in zip(children, codes):
+            if code not in (None, 0):
+                raise StageError(f"stage {child.name} failed with exit code {code}")
+        if all(code == 0 for code in codes):
+            return
+        if any(code == 0 for code in codes):
+            first_done = first_done or time.monotonic()
+            if time.monotonic() - first_done > STOP_GRACE_S + DEFAULT_TIMEOUT_S:
+                late = [c.name for c, code in zip(children, codes) if code is None]
+                raise StageError(f"stage(s) {late} still running long after the others finished")
+        time.sleep(WAIT_TICK_S)

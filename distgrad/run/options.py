@@ -1,0 +1,175 @@
+"""What a stage process is told: ``StageOptions`` (the command line, validated) and ``StopFlag``.
+
+Signal handlers only set a flag (``StopFlag``); the loops check it at least
+every ``transport.POLL_TICK_S``.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AbstractSet, Any, Callable, Mapping
+
+from distgrad.errors import ConfigError, Interrupted
+from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
+from distgrad.wire.link import LinkSettings
+from distgrad.run.progress import check_tensorboard
+from distgrad.stage.records import check_trace_filter
+from distgrad.stage.stage import Stage, check_parameter_files
+from distgrad.wire.transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
+
+PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
+DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
+DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
+SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
+DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
+
+
+def check_in_flight(in_flight: Any, micro_batches: int, schedule: str) -> None:
+    """``--in-flight N`` (None: the default) for ``schedule`` with ``micro_batches`` M: an integer from 1 to M,
+    and only with 1f1b (gpipe keeps all M in flight). Raises ``ConfigError`` naming the bad value."""
+    if in_flight is None:
+        return
+    if schedule != "1f1b":
+        raise ConfigError(f"--in-flight is for the 1f1b schedule; {schedule} keeps all {micro_batches} "
+                          f"micro-batches in flight (drop --in-flight or use --schedule 1f1b)")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ConfigError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
+    if in_flight > micro_batches:
+        raise ConfigError(f"--in-flight {in_flight} is more than the {micro_batches} micro-batch(es) of a step: "
+                          f"give at most --micro-batches (or more micro-batches)")
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; ``check()`` raises ``Interrupted`` once set."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> "StopFlag":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+
+@dataclass
+class StageOptions:
+    """What both daemons take from the command line (see ``distgrad-stage --help``)."""
+
+    experiment: Experiment
+    stage: str
+    seed: int
+    init: Mapping[str, float] = field(default_factory=dict)
+    steps: int | None = None
+    summary_path: Path | None = None
+    trace_path: Path | None = None
+    trace_params: AbstractSet[str] | None = None   # names kept in the trace (None: all)
+    trace_every: int = 1               # trace the steps that are multiples of this, and the last
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    liveness_s: float = DEFAULT_LIVENESS_S
+    peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0          # 0: only on SIGTERM/SIGINT (when a directory is given)
+    resume: bool = False
+    security: SocketSecurity | None = None
+    downstream_security: SocketSecurity | None = None   # middle stage: for its connection to the stage below
+    micro_batches: int = 1             # driving stage: micro-batches per step
+    schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
+    in_flight: int | None = None       # driving stage, 1f1b: micro-batches in flight (None: DEFAULT_IN_FLIGHT)
+    staleness: int | None = None       # driving stage: steps in flight (None: the experiment's; 0: lockstep)
+    metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
+    tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
+    eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
+    progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
+    client: int | None = None          # driving stage of an experiment with [clients]: which data owner
+    spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
+    save_path: Path | None = None      # write the final parameters here (--save)
+    load_path: Path | None = None      # start from the parameters in this file (--load)
+    # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
+    # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
+    stage_factory: Callable[[], Stage] | None = None
+
+    @property
+    def role(self) -> str:
+        """``"driving"``, ``"serving"`` or ``"middle"`` (``Experiment.role``)."""
+        return self.experiment.role(self.stage)
+
+    @property
+    def total_steps(self) -> int:
+        """The steps of the run: ``--steps``, else the experiment's."""
+        return self.experiment.steps if self.steps is None else self.steps
+
+    @property
+    def steps_in_flight(self) -> int:
+        """The driving stage's staleness S: ``--staleness``, else the experiment's (0: lockstep)."""
+        return self.experiment.staleness if self.staleness is None else self.staleness
+
+    @property
+    def evaluate_every(self) -> int:
+        """Evaluate the held-out rows after every K-th step: ``--eval-every``, else the experiment's (0: only
+        after the last step)."""
+        return self.experiment.eval_every if self.eval_every is None else self.eval_every
+
+    @property
+    def window(self) -> int:
+        """Micro-batches the driving stage keeps in flight: all for gpipe, else ``--in-flight`` (default two),
+        never more than a step has. Its forward caches are held for at most this many at a time."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.micro_batches, DEFAULT_IN_FLIGHT if self.in_flight is None else self.in_flight)
+
+    @property
+    def link(self) -> LinkSettings:
+        """The bounds of this stage's connection to the stage below."""
+        return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
+
+    @property
+    def instance(self) -> str:
+        """This process's name in logs, checkpoints and summaries: the stage, or ``f@2`` for client 2."""
+        return client_stage_name(self.stage, self.client)
+
+    def __post_init__(self) -> None:
+        check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
+                           init=self.init, checkpoint_dir=self.checkpoint_dir,
+                           checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every,
+                           staleness=self.staleness)
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        check_spin(self.spin_s)
+        check_parameter_files(self.save_path, self.load_path, bool(self.init))
+
+
+        if self.tensorboard_dir is not None:
+            check_tensorboard()                    # ConfigError naming the extra to install
+        if self.trace_params is not None or self.trace_every != 1:
+            # A stage built in code (stage_factory) may name its parameters as it likes.
+            known = (self.trace_params if self.stage_factory is not None
+                     else self.experiment.known_param_names(self.trace_params, self.seed))
+            check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        check_in_flight(self.in_flight, self.micro_batches, self.schedule)
+        exp = self.experiment
+        exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
+        if exp.federated and exp.stage_index(self.stage) == 0:
+            if self.client is None or not 0 <= self.client < exp.clients.count:
+                raise ConfigError(f"experiment {exp.name!r} has {exp.clients.count} clients: give --client 0 to "
+                                  f"{exp.clients.count - 1} (which data owner this is)")
+        elif self.client is not None:
+            raise ConfigError(f"--client is for the first stage of an experiment with [clients]; "
+                              f"{exp.name!r} stage {self.stage!r} is not one")
+        for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")

@@ -1,0 +1,308 @@
+"""The feature parties of a vertical experiment, as a serving stage's topology (``Parties``).
+
+Every party sends its own embedding of the same rows; a micro-batch waits for
+all of them, combines them (``aggregate``) and sends each party the gradient
+of its own part. A party that goes back to an earlier step takes this stage
+and every other party back with it; a silent party is waited for (a step
+needs every party), never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from distgrad.model import aggregate
+
+from distgrad.wire import messages as wire
+from distgrad.errors import NonFiniteError, ProtocolError, StageError
+from distgrad.run.handshake import check_hello, common_step, same_exactly
+from distgrad.run.peers import Peer, PeerStatus, Phase, Reply
+from distgrad.stage.records import evaluation_fields
+from distgrad.stage.stage import micro_batch
+from distgrad.run.topology import Topology
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.wirecodec import GRADIENT, stream_name
+
+
+class Parties(Topology):
+    """Vertical feature parties, combined by the experiment's ``aggregate`` into one step."""
+
+    def build_data(self, seed: int, stage: str) -> list[Any]:
+        """Every party's rows are the same rows: one label source."""
+        return [self.serving.exp.build_data(seed, stage=stage)] * self.count
+
+    def input_shape(self, index: int) -> tuple[int, ...]:
+        """A party's forwards carry its own embedding."""
+        exp = self.serving.exp
+        return exp.cuts[exp.stage_index(self.serving.parties[index])]
+
+    def name(self, peer: Peer) -> str:
+        return f"party {self.serving.parties[peer.index]}"
+
+    def stream(self, peer: Peer) -> str:
+        return self.serving.parties[peer.index]
+
+    # -- hello
+    def check_hello(self, body: dict[str, Any]) -> int:
+        s = self.serving
+        role = body.get("role")
+        if role not in s.parties:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this stage serves the "
+                                                    f"feature parties {s.parties}")
+        index = s.parties.index(role)
+        return check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
+
+    def peer_index(self, body: dict[str, Any]) -> int:
+        if "client" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
+                                                    f"parties of {self.serving.exp.name!r} are told apart by their "
+                                                    f"stage")
+        return self.serving.parties.index(body["role"])
+
+    def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
+        """It goes on from the newest step it and this stage both hold, no later than where this stage
+        stands. When that is earlier, this stage rolls back to it and every other party must say hello
+        again (``STALE``), so all of them go on from one step. After the last step only a party of the run
+        holding it may come back (for its evaluation and bye)."""
+        s = self.serving
+        held = msg.body.get("held")
+        common_step([0], held)                          # validates the list
+        self._check_join(peer, msg, mbs, eval_every, peer_key, now)
+        s.open_run()
+        live = s.stage.step
+        common = max([step for step in set(s.state.held()) & set(held) if step <= live] or [0])
+        if peer.run and peer.run != msg.run:
+            s.log.warning("%s starts a new run (%s, holding steps %s) in place of run %s", self.name(peer),
+                          msg.run, held[-8:], peer.run)
+        if common < live:
+            self._roll_back(common, peer)
+        else:
+            # The round in progress goes on; the party's replies of it stay, so a micro-batch it sends
+            # again (it computes the same values) gets the same reply.
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] == common + 1}
+        if peer.run != msg.run:
+            peer.owner = peer_key
+        peer.run, peer.status, peer.step = msg.run, PeerStatus.ACTIVE, common
+        return common + 1
+
+    def _check_join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> None:
+        """What every party must agree on (steps, micro-batches, evaluations), one key per party, and no
+        second process in a live party's place; ``ProtocolError`` otherwise."""
+        s = self.serving
+        steps = msg.body.get("steps")
+        if not same_exactly(steps, s.steps):
+            # This stage counts the run's steps itself: a party that would stop elsewhere would stall the rest.
+            raise ProtocolError(ErrorCode.MISMATCH, f"{self.name(peer)} runs {wire.show(steps)} steps, this stage "
+                                                    f"{s.steps} (give every stage the same --steps)")
+        for other in s.peers:
+            if peer_key and other is not peer and other.owner == peer_key:
+                # With CURVE a key is one party: the key of party a cannot also take party b's place.
+                raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {self.name(other)}; it cannot "
+                                                   f"also be {self.name(peer)} (each party has its own key)")
+        if peer.run and peer.run != msg.run and peer.live(now, s.opts.liveness_s):
+            # Another process naming the same party (or one restarted without --resume too soon): it would
+            # take the live party's place and send every party back to its step.
+            raise ProtocolError(ErrorCode.RUN, f"busy: {self.name(peer)} is live in run {peer.run}; cannot "
+                                               f"start run {msg.run!r}")
+        for other in s.peers:
+            if other is not peer and other.status is PeerStatus.ACTIVE and (other.mbs, other.eval_every) != (
+                    mbs, eval_every):
+                raise ProtocolError(ErrorCode.MISMATCH, f"{self.name(peer)} asks for {mbs} micro-batches and an "
+                                                        f"evaluation every {eval_every} steps, {self.name(other)} "
+                                                        f"for {other.mbs} and {other.eval_every}")
+        if s.phase is Phase.DONE and not (peer.run == msg.run and peer.status is not PeerStatus.FINISHED
+                                          and s.stage.step in msg.body["held"]):
+            raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; {self.name(peer)} cannot "
+                                               f"join now")
+
+    def _roll_back(self, step: int, cause: Peer) -> None:
+        """Go back to ``step`` (a step this stage holds) because ``cause`` holds nothing later; every other
+        party taking part is told (its waiting forwards get an error reply) and must say hello again."""
+        s = self.serving
+        s.log.warning("%s goes on from step %d: this stage and every other party go back to it",
+                      self.name(cause), step)
+        s.state.rollback(step)
+        s.engine.reset()
+        s.new_run(start_round=step + 1, fresh=False)
+        for other in s.peers:
+            other.cached = {}
+            if other is cause or other.status is not PeerStatus.ACTIVE:
+                continue
+            text = (f"{self.name(cause)} went back to step {step}; the run goes on from there: "
+                    f"say hello again")
+            s.notices += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text, m.mb, m.mbs))
+                          for m in other.waiting.values()]
+            if other.evaluate is not None:
+                m = other.evaluate
+                s.notices.append((other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text)))
+            other.status, other.waiting, other.evaluate = PeerStatus.STALE, {}, None
+
+    def after_join(self, peer: Peer) -> None:
+        """A party's evaluation due stays owed: every party evaluates the same step."""
+
+    # -- the rounds
+    def round_order(self) -> list[int]:
+        return list(range(self.count))      # every party, every round
+
+    def turn_peers(self) -> list[Peer]:
+        """Every feature party of the round, whose embeddings combine."""
+        s = self.serving
+        if s.phase is not Phase.ROUND or s.turn >= 1:
+            return []
+        return [s.peers[i] for i in s.order]
+
+    def current(self) -> Peer | None:
+        return None
+
+    def advance_round(self, now: float, replies: list[Reply]) -> bool:
+        s = self.serving
+        if s.turn == 0:
+            group = self.turn_peers()
+            key = (s.round, s.engine.done)
+            if any(p.status is not PeerStatus.ACTIVE or key not in p.waiting for p in group):
+                return False            # a step needs every party's embedding
+            replies += self.compute(group, [p.waiting.pop(key) for p in group], now)
+            return True
+        s.end_round()
+        return True
+
+    def advance_joining(self, now: float) -> bool:
+        s = self.serving
+        if any(p.status is not PeerStatus.ACTIVE or p.step != s.round for p in s.peers):
+            return False                # a step needs every party: no round starts without one
+        # Going on after a step whose evaluation is due (a resume or a rollback to it): every party
+        # evaluates it again after its hello (``driver._owes_evaluation``) before the next step.
+        s.order = list(range(self.count))
+        if s.round > 0:
+            s.round_done()
+        else:
+            s.start_round()
+        return True
+
+    def advance_evaluating(self, replies: list[Reply]) -> bool:
+        s = self.serving
+        group = [s.peers[i] for i in sorted(s.owed)]
+        if any(p.evaluate is None or p.evaluate.step != s.round + 1 for p in group):
+            return False                # every party's held-out embeddings combine
+        replies += self.evaluation(group)
+        s.owed = set()
+        s.start_round()
+        return True
+
+    def answer_evaluations(self) -> list[Reply]:
+        """After the last round: once every party has sent its held-out embeddings of the last step."""
+        s = self.serving
+        if s.phase is Phase.DONE and all(p.evaluate is not None and p.evaluate.step == s.round for p in s.peers):
+            return self.evaluation(s.peers)
+        return []
+
+    def compute(self, group: list[Peer], msgs: list[Message], now: float) -> list[Reply]:
+        """One micro-batch: the parties' embeddings combined (``aggregate``), the loss, and each party's
+        reply with the gradient of its own embedding; the gradients and the update are deferred until the
+        replies have left. A non-finite loss or gradient fails the run, applying nothing."""
+        s = self.serving
+        stage, first = s.stage, msgs[0]
+        step, mb, mbs = first.step, first.mb, first.mbs
+        started = time.perf_counter()
+        try:
+            z = aggregate.combine(s.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            target = micro_batch(s.data[0].targets(step), mb, mbs)
+            mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
+            stage.check_finite("loss", mb_loss, step)
+            stage.check_finite("activation_grad", dz, step)
+            parts = aggregate.split(s.exp.aggregate, dz, [shape[-1] for shape in s.input_shapes])
+            sent = [s.encode(GRADIENT, dy, stream_name(GRADIENT, mb, mbs, self.stream(peer)), step)
+                    for peer, dy in zip(group, parts)]
+        except (NonFiniteError, StageError) as e:
+            code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
+            s.log.error("%s", e)
+            s.engine.reset()
+            if isinstance(e, NonFiniteError):
+                s.failure = e
+            return [(p.envelope, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(group, msgs)]
+        replies = []
+        body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}
+        for peer, msg, tensors in zip(group, msgs, sent):
+            if mb == 0:
+                peer.cached = {}            # the party holds every reply of its previous step
+            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=dict(body), tensors=tensors)
+            peer.cached[(step, mb)] = reply
+            peer.last_seen = now
+            replies.append((peer.envelope, reply))
+        s.defer(group, lambda: s.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz))
+        return replies
+
+    def evaluation(self, group: list[Peer]) -> list[Reply]:
+        """Every party's held-out embeddings combined and scored; the same scores go to each. Changes no
+        state but the parties' last evaluation."""
+        s = self.serving
+        msgs = [p.evaluate for p in group]
+        try:
+            z = aggregate.combine(s.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            result = s.stage.evaluate_last(z, s.data[0].test_targets())
+        except StageError as e:
+            result = None
+            error = str(e)
+        replies = []
+        for peer, msg in zip(group, msgs):
+            peer.evaluate = None
+            if result is None:
+                replies.append((peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, error)))
+                continue
+            peer.evaluation = result
+            peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+            replies.append((peer.envelope, peer.evaluated))
+        return replies
+
+    # -- liveness and the end of the run
+    def tick(self, now: float) -> list[Reply]:
+        """Log which silent party the run waits for (the others wait, nothing is dropped), and when it is
+        back; ``lost_since`` tells ``serve`` how long the run has been stuck."""
+        s = self.serving
+        missing = self.missing(now)
+        if missing and s.lost_since is None:
+            s.lost_since = now
+            s.log.warning("waiting for %s: silent for more than %g s at step %d; a step needs every party, "
+                          "the others wait (restart it with --resume to go on)",
+                          ", ".join(self.name(p) for p in missing), s.opts.liveness_s, s.round)
+        elif not missing and s.lost_since is not None:
+            s.lost_since = None
+            s.log.info("every party is back at step %d", s.round)
+        return []
+
+    def missing(self, now: float) -> list[Peer]:
+        """The parties the run waits for that have been silent for ``liveness_s``: not (back) in the run,
+        or without their part of the micro-batch or evaluation in progress."""
+        s = self.serving
+        since = lambda p: max(p.last_seen, s.joined_at)     # noqa: E731
+        if s.phase is Phase.DONE:
+            # Every step is done: a party that has not said bye still owes its evaluation and bye.
+            awaited = [p for p in s.peers if p.status is not PeerStatus.FINISHED]
+        elif s.phase is Phase.ROUND:
+            key = (s.round, s.engine.done)
+            awaited = [p for p in s.peers if p.status is not PeerStatus.ACTIVE or key not in p.waiting]
+        elif s.phase is Phase.EVALUATING:
+            awaited = [s.peers[i] for i in sorted(s.owed) if s.peers[i].evaluate is None]
+        else:
+            awaited = [p for p in s.peers if p.status is not PeerStatus.ACTIVE or p.step != s.round]
+        return [p for p in awaited if now - since(p) > s.opts.liveness_s]
+
+    def lost_message(self) -> str:
+        s = self.serving
+        names = ", ".join(self.name(p) for p in self.missing(s.now)) or "a party"
+        return (f"{names} silent for more than {s.opts.liveness_s + s.opts.peer_deadline_s:g} s at step {s.round}; "
+                f"giving up (a step needs every feature party)")
+
+    def completed_message(self, finished: dict[str, Any]) -> str:
+        return f"run completed: {finished.get('rounds', 0)} steps with parties {self.serving.parties}"
+
+    def pong_fields(self, now: float) -> dict[str, Any]:
+        return {"waiting_for": [self.serving.parties[p.index] for p in self.missing(now)]}
+
+    def summary_fields(self) -> dict[str, Any]:
+        s = self.serving
+        return {"parties": [{"party": s.parties[p.index], "run_id": p.run, "steps": p.step,
+                             "status": "completed" if p.status is PeerStatus.FINISHED else p.status.value}
+                            for p in s.peers],
+                "rounds": min(s.rounds_done, s.steps or 0), **evaluation_fields(s.peers[0].evaluation)}

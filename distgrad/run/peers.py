@@ -1,0 +1,72 @@
+"""What a serving stage knows of its peers, and where its run stands: ``Peer``, ``PeerStatus``, ``Phase``.
+
+Plain records: ``serving.ServingStage`` changes them, its ``topology`` decides how.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from distgrad.errors import NonFiniteError
+from distgrad.wire.messages import Message
+from distgrad.wire.wirecodec import Expected
+
+Envelope = list[bytes]
+Reply = tuple[Envelope, Message]
+
+
+class PeerStatus(enum.Enum):
+    """Where one peer (a driving stage, or one data owner) stands in the run."""
+
+    ABSENT = "absent"          # has not said hello in this run
+    ACTIVE = "active"          # takes part in the rounds
+    REJOINING = "rejoining"    # said hello again after being dropped: takes part from the next round
+    DROPPED = "dropped"        # silent when awaited, or its step failed; may say hello again
+    STALE = "stale"            # a feature party whose run went back to an earlier step: says hello again
+    FINISHED = "finished"      # said bye
+
+
+class Phase(enum.Enum):
+    """Where the run stands: waiting for its peers, in a round, averaging (SplitFed), or done."""
+
+    JOINING = "joining"
+    ROUND = "round"
+    AVERAGING = "averaging"
+    EVALUATING = "evaluating"      # between rounds: the peers due to evaluate are answered first
+    DONE = "done"
+
+
+@dataclass
+class Peer:
+    """What the serving stage knows of one peer."""
+
+    index: int
+    status: PeerStatus = PeerStatus.ABSENT
+    run: str = ""
+    owner: str = ""                   # CURVE key it said hello with ("" in plaintext)
+    step: int = 0                     # its steps completed here
+    mbs: int = 1
+    eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
+    staleness: int = 0                # steps it keeps in flight (its hello says): replies of as many are kept
+    specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)
+    last_seen: float = -math.inf      # its last message, or the last reply to it
+    envelope: Envelope = field(default_factory=list)
+    waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
+    cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its step in progress
+    average: Message | None = None    # its parameters for the averaging in progress
+    averaged: Message | None = None   # the reply to its last averaging
+    evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us
+    evaluated: Message | None = None  # the reply to its last evaluation (a resent request gets it again)
+    loss: float | None = None
+    evaluation: dict[str, Any] | None = None
+    failure: NonFiniteError | None = None   # its step failed after the reply: told on its next message
+
+    def taking_part(self) -> bool:
+        return self.status in (PeerStatus.ACTIVE, PeerStatus.REJOINING)
+
+    def live(self, now: float, liveness_s: float) -> bool:
+        return self.taking_part() and now - self.last_seen <= liveness_s
+

@@ -1,0 +1,567 @@
+"""``distgrad predict``: forward only, through live stages, on new rows.
+
+The data owner (the first stage) reads the rows, computes its activations in
+evaluation mode and sends them down in chunks of at most one batch; a middle
+stage passes its own activations on; the label owner (the last stage)
+computes the predictions and keeps them. When every chunk has arrived it
+writes them on its own side (CSV or ``.npy``). Nothing travels back up but an
+acknowledgement of each chunk (its row count), so the data owner never sees a
+prediction and the label owner never sees a row.
+
+Messages (docs/protocol.md): a ``hello`` with ``purpose = "predict"``, the
+interface check of training, and the number of rows; ``predict`` messages
+(``step`` = chunk number from 1, tensor ``activation`` of 1 to ``batch``
+rows), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
+chunk and row counts, answered once the file is written. A chunk sent again
+(a retry) replaces itself, so a retry never duplicates rows.
+
+Rows with IDs (an ID column in the ``--input`` CSV, or the held-out rows of
+``[data]`` with an ``id_column``) send their IDs along: the hello names the
+column (``id_column``), each ``predict`` carries its rows' ``ids``, and the
+label owner writes them as the first column of its CSV. A data owner that
+fails before it is done (bad input, a damaged ``--load`` file) sends the
+stage below an ``error`` with code ``aborted``, so the label owner stops at
+once instead of waiting out its deadline.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from distgrad.model import aggregate
+
+from distgrad.run import handshake
+
+from distgrad.wire import messages as wire
+from distgrad.config.data import CsvColumns
+from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
+from distgrad.wire.link import DownstreamLink
+from distgrad.run.options import StageOptions, StopFlag
+from distgrad.stage.records import write_atomic
+from distgrad.run.serving import announce, decode_and_handle
+from distgrad.run.stage_state import StageState
+from distgrad.threads import one_compute_thread
+from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.messages import ErrorCode, Message
+
+MAX_CHUNKS = 1 << 20        # chunks one prediction may send (a bound on the label owner's memory)
+OUTPUT_SUFFIXES = (".csv", ".npy")
+ABORTED = "aborted"         # the error code of a data owner's notice that it stopped
+NOTICE_LINGER_MS = 1000     # how long closing waits for that notice to leave
+ID_NAME_MAX = 128           # characters of the ID column's name
+IDS_MAX_BYTES = 48 * 1024   # the IDs of one chunk, UTF-8 and msgpack framing: they travel in its header
+IDS_MAX_COUNT = 4096        # IDs in one chunk (a header's arrays are at most that long)
+
+
+class PredictionAborted(DistgradError, RuntimeError):
+    """The stage above stopped before its prediction was done and said so: this stage stops (exit 1)."""
+
+
+@dataclass
+class NewRows:
+    """Rows to predict: float32 ``features`` ``(rows, ...)`` and, when they have them, their ``ids`` (one
+    per row) from the column named ``id_name``."""
+
+    features: np.ndarray
+    ids: list[str] | None = None
+    id_name: str = "id"
+
+
+@dataclass
+class _Session:
+    run: str
+    chunks: dict[int, np.ndarray]
+    last_seen: float
+    rows: int                     # the rows its hello announced: at most ``ceil(rows / batch)`` chunks
+    most_chunks: int
+    done: bool = False
+    bye: tuple[Any, Message] | None = None   # a feature party's bye, answered once every party's rows are in
+    id_name: str | None = None               # the rows' ID column (its hello's ``id_column``), None: no IDs
+    ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_csv(path: Path, table: Any, id_column: int | str | None) -> tuple[np.ndarray, list[str] | None, str]:
+    """A CSV's feature columns (float64), IDs and ID column name, read as a csv ``[data]`` table reads them.
+
+    With a csv ``table``: its ``header``, ``features`` and (unless ``id_column`` is given) ``id_column``.
+    Otherwise every column but the ID column is a feature, and the first line is a header when one of
+    its fields is not a number."""
+    form = table if table.get("kind") == "csv" else {}
+    reader = CsvColumns(path, False)
+    first = reader.first_row()
+    if not first:
+        raise ConfigError("the file holds no rows")
+    reader.header = bool(form.get("header", False)) if form else not all(_is_number(f) for f in first)
+    id_ref = id_column if id_column is not None else form.get("id_column")
+    id_index = reader.indices(id_ref)[0] if id_ref is not None else None
+    if id_index is not None and not 0 <= id_index < len(first):
+        raise ConfigError(f"the ID column {id_ref!r} is not one of its {len(first)} columns")
+    features = form.get("features")
+    columns = reader.indices(features) if features is not None else [i for i in range(len(first)) if i != id_index]
+    if id_index is not None and id_index in columns:
+        raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features!r}")
+    values = reader.numbers(columns)
+    ids = reader.ids(id_ref) if id_ref is not None else None
+    name = first[id_index].strip() if reader.header and id_index is not None else (
+        id_ref if isinstance(id_ref, str) else "id")
+    return values, ids, name
+
+
+def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None) -> NewRows:
+    """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
+
+    ``.npy``: an array of rows. ``.csv``: read as the stage's csv ``[data]``
+    reads its file (``header``, ``features`` by index or name, ``id_column``),
+    or, when its data is of another kind, every column is a feature (but
+    the ID column) and a first line that is not all numbers is a header.
+    ``id_column`` (``--id-column``: a header name or an index) names the ID
+    column, whose values travel with the rows and reach the label owner's
+    output. Raises ``ConfigError`` naming ``--input``.
+    """
+    spec = exp.spec(stage)
+    table = exp.data if spec.data is None else spec.data
+    scale = np.float32(table.get("feature_scale", 1.0))
+    ids, name = None, "id"
+    try:
+        if path.suffix == ".npy":
+            if id_column is not None:
+                raise ConfigError("--id-column names a column of a .csv --input; an .npy file has no IDs")
+            raw = np.load(path, allow_pickle=False)
+        else:
+            raw, ids, name = _read_csv(path, table, id_column)
+        if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
+            raise ValueError("expected a non-empty numeric array of rows")
+        rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"--input {path}: {e}") from e
+    width = exp.input_shape(stage)[1:] if exp.batch is not None else exp.input_shape(stage)
+    if tuple(rows.shape[1:]) != tuple(width) or not len(rows):
+        raise ConfigError(f"--input {path} has rows of shape {tuple(rows.shape[1:])} ({len(rows)} rows); stage "
+                          f"{stage} takes rows of shape {tuple(width)}")
+    return NewRows(rows, ids, name)
+
+
+def held_out_rows(exp: Any, stage: str, seed: int) -> NewRows:
+    """The stage's held-out rows (the default ``--input``), with their IDs when its data has an ``id_column``."""
+    data = exp.build_data(seed, stage=stage)
+    if not len(data.test_rows):
+        raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
+    ids = data.row_ids() if hasattr(data, "row_ids") else None
+    return NewRows(data.test_features(), None if ids is None else [ids[i] for i in data.test_rows],
+                   data.id_name() if ids is not None else "id")
+
+
+def _id_chunks(rows: NewRows, chunk_rows: int) -> list[list[str] | None]:
+    """Each chunk's IDs (None without IDs); ``ConfigError`` when a chunk's IDs cannot travel in its header."""
+    if rows.ids is None:
+        return [None] * -(-len(rows.features) // chunk_rows)
+    if not 0 < len(rows.id_name) <= ID_NAME_MAX or not rows.id_name.isprintable():
+        raise ConfigError(f"the ID column's name must be 1 to {ID_NAME_MAX} printable characters, got "
+                          f"{rows.id_name!r}")
+    chunks = [rows.ids[i:i + chunk_rows] for i in range(0, len(rows.ids), chunk_rows)]
+    for number, chunk in enumerate(chunks, start=1):
+        size = sum(len(key.encode("utf-8")) + 5 for key in chunk)
+        if size > IDS_MAX_BYTES or len(chunk) > IDS_MAX_COUNT:
+            first = (number - 1) * chunk_rows + 1
+            raise ConfigError(f"the IDs of rows {first} to {first + len(chunk) - 1} (chunk {number}) take {size} "
+                              f"bytes; a chunk's IDs travel in its header, at most {IDS_MAX_COUNT} IDs and "
+                              f"{IDS_MAX_BYTES} bytes: shorten the IDs")
+    return chunks
+
+
+def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None) -> None:
+    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
+    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
+    link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
+    try:
+        link.send(wire.error_message("", 0, ABORTED, f"stage {opts.stage} stopped: {reason}"))
+    finally:
+        link.close(linger_ms=NOTICE_LINGER_MS)
+
+
+@one_compute_thread()
+def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: StopFlag,
+                     ctx: zmq.Context | None = None) -> int:
+    """The data owner's side: forward ``new_rows`` in chunks through the stages below ``connect``, their
+    IDs along; returns the number of rows the label owner acknowledged. Raises ``PeerTimeout``,
+    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel)."""
+    exp = opts.experiment
+    exp.check_role(opts.stage, binds=False, connects=True)
+    rows = new_rows.features
+    chunk_rows = exp.batch or 1
+    id_chunks = _id_chunks(new_rows, chunk_rows)
+    state = StageState(opts)
+    stage, log = state.stage, state.log
+    link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
+    run = uuid.uuid4().hex
+    chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
+    try:
+        hello = handshake.hello(exp, opts.stage, opts.seed, stage.output_shape, run, [0], 0, 1)
+        hello.body.update(purpose="predict", rows=len(rows))
+        if new_rows.ids is not None:
+            hello.body["id_column"] = new_rows.id_name
+        link.handshake(hello)
+        acknowledged = 0
+        for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
+            y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
+            reply = link.exchange(Message(wire.PREDICT, run, number, body={} if ids is None else {"ids": ids},
+                                          tensors={"activation": y}))
+            acknowledged += _acknowledged(reply, number, len(chunk))
+        reply = link.exchange(Message(wire.BYE, run, len(chunks) + 1, body={"chunks": len(chunks),
+                                                                               "rows": len(rows)}))
+        if reply.type != wire.BYE or reply.body.get("rows") != len(rows):
+            raise ProtocolError(ErrorCode.TYPE, f"expected the bye of {len(rows)} rows, got {reply.describe()}")
+        log.info("sent %d rows in %d chunks; the label owner wrote their predictions", acknowledged, len(chunks))
+        return acknowledged
+    finally:
+        link.close()
+        state.close()
+
+
+def _acknowledged(reply: Message, number: int, rows: int) -> int:
+    if reply.type != wire.PREDICTED or reply.step != number or reply.body.get("rows") != rows or reply.tensors:
+        raise ProtocolError(ErrorCode.TYPE, f"expected the acknowledgement of chunk {number} ({rows} rows), got "
+                                            f"{reply.describe()} {wire.show(reply.body)}")
+    return rows
+
+
+class PredictionServer:
+    """A serving stage of ``distgrad predict``: the label owner (writes ``output``) or a middle stage
+    (passes its activations on through ``link``). ``handle`` answers one message (None: later, through
+    ``take_ready``) or raises ``ProtocolError``; a refused message changes nothing.
+
+    The label owner of a vertical experiment takes one prediction session per feature party (each its
+    own run id, all announcing the same rows): chunk n's predictions are made once every party's
+    embedding of it has arrived (``aggregate.combine``), and a party's bye is answered once every party's
+    rows are in and the file is written."""
+
+    def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None) -> None:
+        self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
+        self.state = StageState(opts)
+        self.stage, self.log = self.state.stage, self.state.log
+        self.parties = self.exp.upstream(opts.stage)        # the stages that send here
+        self.upstream = self.parties[0]
+        self.vertical = self.exp.vertical and len(self.parties) > 1
+        shapes = ({name: self.exp.cuts[self.exp.stage_index(name)] for name in self.parties} if self.vertical
+                  else {self.upstream: self.stage.input_shape})
+        self.row_shapes = {name: tuple(shape[1:] if self.exp.batch else shape) for name, shape in shapes.items()}
+        self.sessions: dict[str, _Session] = {}              # by sending stage
+        self.predictions: dict[int, np.ndarray] = {}         # vertical: chunk -> its predictions
+        self.ready: list[tuple[Any, Message]] = []           # deferred replies (held byes) to send now
+        self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
+        self.written = 0
+        self.aborted = False                                 # a notice was passed on below (close with linger)
+
+    @property
+    def session(self) -> _Session | None:
+        """The prediction in progress (a vertical one's first party's)."""
+        return self.sessions.get(self.upstream)
+
+    def finished(self) -> bool:
+        """Every sender's prediction is complete (written, or passed on)."""
+        return bool(self.sessions) and len(self.sessions) == len(self.row_shapes) and all(
+            session.done for session in self.sessions.values())
+
+    def take_ready(self) -> list[tuple[Any, Message]]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
+        if msg.type == wire.PING:
+            return Message(wire.PONG, msg.run, msg.step, body={"stage": self.opts.stage, "purpose": "predict",
+                                                               "experiment": self.exp.name})
+        if msg.type == wire.HELLO:
+            return self._hello(msg, now)
+        if msg.type == wire.ERROR and msg.body.get("code") == ABORTED:
+            return self._aborted(msg)
+        session = next((s for s in self.sessions.values() if s.run == msg.run), None)
+        if session is None:
+            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}: say hello first")
+        session.last_seen = now
+        if msg.type == wire.PREDICT:
+            return self._predict(session, msg)
+        if msg.type == wire.BYE:
+            return self._bye(session, msg, envelope)
+        raise ProtocolError(ErrorCode.TYPE, f"a prediction stage does not accept {msg.type!r} messages")
+
+    def _aborted(self, msg: Message) -> None:
+        """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
+        text = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        if self.link is not None:
+            self.link.send(wire.error_message("", 0, ABORTED, text))
+            self.aborted = True
+        raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
+
+    def _hello(self, msg: Message, now: float) -> Message:
+        body = msg.body
+        sender = body.get("role") if self.vertical else self.upstream
+        if sender not in self.row_shapes:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(sender)}; this stage serves the "
+                                                    f"feature parties {self.parties}")
+        shape = self.exp.cuts[self.exp.stage_index(sender)] if self.vertical else self.stage.input_shape
+        handshake.check_hello(body, sender, self.exp, self.opts.seed, shape, self.opts.stage)
+        if body.get("purpose") != "predict":
+            raise ProtocolError(ErrorCode.MISMATCH, "this stage serves predictions (distgrad predict), not a "
+                                                    "training run")
+        rows = body.get("rows")
+        if type(rows) is not int or not 1 <= rows <= MAX_CHUNKS * (self.exp.batch or 1):
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}")
+        id_name = body.get("id_column")
+        if id_name is not None and (type(id_name) is not str or not 0 < len(id_name) <= ID_NAME_MAX
+                                    or not id_name.isprintable()):
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has id_column={wire.show(id_name)}; expected a name of "
+                                                     f"1 to {ID_NAME_MAX} printable characters")
+        if id_name is not None and self.link is None and self.output is not None and self.output.suffix == ".npy":
+            raise ProtocolError(ErrorCode.MISMATCH, f"the rows carry IDs (column {id_name!r}), but the label owner "
+                                                    f"writes {self.output.name}, an .npy file, which cannot keep "
+                                                    f"them: give it --output FILE.csv")
+        session = self.sessions.get(sender)
+        if session is not None and session.run != msg.run and not session.done and \
+                now - session.last_seen <= self.opts.liveness_s:
+            raise ProtocolError(ErrorCode.RUN, f"busy with prediction {session.run} (its sender is live)")
+        for other, theirs in self.sessions.items():
+            if other != sender and theirs.rows != rows:
+                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "
+                                                        f"{theirs.rows}: every party predicts the same rows")
+            if other != sender and theirs.id_name != id_name:
+                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
+                                                        f"{wire.show(id_name)}, party {other} of column "
+                                                        f"{wire.show(theirs.id_name)}: every party keeps the ID "
+                                                        f"column, or none")
+        if session is None or session.run != msg.run:
+            batch = self.exp.batch or 1
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name)
+            if self.link is not None:
+                own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
+                                      [0], 0, 1, relayed=body.get("parts"))
+                own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}))
+                self.link.handshake(own)
+            self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
+
+    def _predict(self, session: _Session, msg: Message) -> Message:
+        if session.done:
+            raise ProtocolError(ErrorCode.STEP, f"prediction {session.run} is complete")
+        if not 1 <= msg.step <= session.most_chunks or msg.mb != 0 or msg.mbs != 1:
+            raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
+                                                f"{session.rows} rows the hello announced)")
+        sender = next(name for name, s in self.sessions.items() if s is session)
+        row_shape = self.row_shapes[sender]
+        activation = msg.tensors.get("activation")
+        batched = self.exp.batch is not None
+        rows = len(activation) if activation is not None and batched and activation.ndim else 1
+        expected = (rows, *row_shape) if batched else row_shape
+        if (set(msg.tensors) != {"activation"} or activation.dtype != np.float32 or tuple(activation.shape) != expected
+                or not 1 <= rows <= (self.exp.batch or 1)):
+            raise ProtocolError(ErrorCode.TENSOR, f"chunk {msg.step} must carry one float32 'activation' of 1 to "
+                                                  f"{self.exp.batch or 1} rows of shape {row_shape}")
+        if not self.exp.allow_nonfinite and not np.isfinite(activation).all():
+            raise ProtocolError(ErrorCode.NONFINITE, f"chunk {msg.step} holds NaN or Inf")
+        ids = self._ids_of(session, msg, rows)
+        if self.vertical:
+            if msg.step not in self.predictions:          # a chunk sent again after it was combined: done
+                session.chunks[msg.step] = np.array(activation, copy=True)
+                if ids is not None:
+                    session.ids[msg.step] = ids
+                try:
+                    self._combine(msg.step)
+                except ProtocolError:                     # refused: this chunk is not kept
+                    session.chunks.pop(msg.step, None)
+                    session.ids.pop(msg.step, None)
+                    raise
+            return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
+        y, _ = self.stage.forward(activation, training=False)
+        if self.link is not None:
+            body = {} if ids is None else {"ids": ids}
+            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body, tensors={"activation": y}))
+            _acknowledged(reply, msg.step, rows)
+        else:
+            assert self.stage.loss is not None            # the last stage: it owns the loss
+            predictions = self.stage.loss.predict(y if batched else y[None])
+            session.chunks[msg.step] = np.array(predictions, copy=True)
+            if ids is not None:
+                session.ids[msg.step] = ids
+        return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
+
+    @staticmethod
+    def _ids_of(session: _Session, msg: Message, rows: int) -> list[str] | None:
+        """A chunk's IDs: ``rows`` strings when its hello named an ID column, else none."""
+        ids = msg.body.get("ids")
+        if session.id_name is None:
+            if ids is not None:
+                raise ProtocolError(ErrorCode.MALFORMED, f"chunk {msg.step} carries ids, but its hello named no "
+                                                         f"id_column")
+            return None
+        if type(ids) is not list or len(ids) != rows or not all(type(key) is str for key in ids):
+            raise ProtocolError(ErrorCode.MALFORMED, f"chunk {msg.step} must carry 'ids', the {rows} IDs of its "
+                                                     f"rows (column {session.id_name!r}), as strings")
+        return ids
+
+    def _combine(self, number: int) -> None:
+        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
+        parts = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
+        if any(part is None for part in parts) or number in self.predictions:
+            return
+        if len({len(part) for part in parts}) != 1:
+            raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
+                                                  f"rows; every party sends the same rows")
+        ids = [self.sessions[name].ids.get(number) for name in self.parties]
+        differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
+        if differ is not None:
+            row = next((k for k, (a, b) in enumerate(zip(ids[0], ids[differ])) if a != b), 0)
+            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
+                                                    f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
+                                                    f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
+                                                    f"the parties' --input files are not aligned")
+        assert self.stage.loss is not None
+        y, _ = self.stage.forward(aggregate.combine(self.exp.aggregate, parts), training=False)
+        self.predictions[number] = np.array(self.stage.loss.predict(y), copy=True)
+        if ids[0] is not None:
+            self.prediction_ids[number] = ids[0]
+        for name in self.parties:
+            del self.sessions[name].chunks[number]
+            self.sessions[name].ids.pop(number, None)
+
+    def _bye(self, session: _Session, msg: Message, envelope: Any = None) -> Message | None:
+        chunks, rows = msg.body.get("chunks"), msg.body.get("rows")
+        if type(chunks) is not int or type(rows) is not int or not 1 <= chunks <= session.most_chunks \
+                or rows != session.rows:
+            raise ProtocolError(ErrorCode.MALFORMED, f"bye has chunks={wire.show(chunks)}, rows={wire.show(rows)}; "
+                                                     f"the hello announced {session.rows} rows in at most "
+                                                     f"{session.most_chunks} chunks")
+        if self.vertical:
+            return self._bye_party(session, msg, envelope, chunks, rows)
+        if self.link is not None:
+            reply = self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"chunks": chunks, "rows": rows}))
+            if reply.type != wire.BYE or reply.body.get("rows") != rows:
+                raise ProtocolError(ErrorCode.STAGE, f"the stage below answered the bye with {reply.describe()}")
+        elif not session.done:
+            missing = [n for n in range(1, chunks + 1) if n not in session.chunks][:5]
+            extra = [n for n in session.chunks if n > chunks][:5]
+            have = sum(len(c) if c.ndim else 1 for c in session.chunks.values())
+            if missing or extra or have != rows:
+                raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
+                                                    f"{have} rows (missing chunks {missing}, extra {extra})")
+            numbers = range(1, chunks + 1)
+            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n]) for n in numbers]),
+                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])])
+        session.done = True
+        return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
+
+    def _bye_party(self, session: _Session, msg: Message, envelope: Any, chunks: int, rows: int) -> Message | None:
+        """A feature party's bye: kept (its latest envelope) until every party's is in and every chunk
+        combined; then the file is written and every party's bye answered (``take_ready``)."""
+        reply = Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
+        if session.done:
+            return reply                               # a bye sent again after the file was written
+        missing = [n for n in range(1, chunks + 1) if n not in session.chunks and n not in self.predictions][:5]
+        if missing or any(n > chunks for n in session.chunks):
+            raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks, but chunks {missing} of this party are "
+                                                f"missing (or it sent more)")
+        session.bye = (envelope, msg)
+        senders = [self.sessions.get(name) for name in self.parties]
+        if any(s is None or s.bye is None for s in senders):
+            return None                                # answered when the last party's bye comes
+        if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
+            raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
+                                                f"({len(self.predictions)} of {chunks} combined)")
+        numbers = range(1, chunks + 1)
+        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in numbers]),
+                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])])
+        for s in senders:
+            s.done = True
+            bye_envelope, bye = s.bye
+            if bye_envelope is not None and s is not session:
+                self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
+        return reply
+
+    def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None) -> int:
+        """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
+        headed ``id_name``, or without IDs ``row``, the row's number from 0); returns rows."""
+        assert self.output is not None
+        if self.output.suffix == ".npy":
+            write_atomic(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
+        else:
+            table = predictions.reshape(len(predictions), -1)
+            columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
+            fmt = "%d" if predictions.dtype.kind == "i" else "%.9g"
+            keys = ids if id_name is not None and ids is not None else [str(i) for i in range(len(table))]
+            out = io.StringIO()
+            writer = csv.writer(out, lineterminator="\n")
+            writer.writerow([id_name if id_name is not None else "row", *columns])
+            writer.writerows([key, *(fmt % v for v in row)] for key, row in zip(keys, table))
+            text = out.getvalue().encode()
+            write_atomic(self.output, lambda f: f.write(text))
+        self.log.info("wrote %d predictions to %s", len(predictions), self.output)
+        return len(predictions)
+
+
+@one_compute_thread()
+def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
+                      connect: str | None = None, ready_file: Path | None = None,
+                      ctx: zmq.Context | None = None) -> int:
+    """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
+    once written (passed on). Raises ``PeerTimeout`` when no sender comes, or it falls silent, for
+    ``opts.peer_deadline_s``; ``Interrupted`` on a signal."""
+    exp = opts.experiment
+    exp.check_role(opts.stage, binds=True, connects=connect is not None)
+    last = connect is None
+    if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
+        raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
+                          f"{f', not {output}' if output is not None else ''}")
+    if not last and output is not None:
+        raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    ctx = ctx or zmq.Context.instance()
+    link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
+    logic = PredictionServer(opts, output, link)
+    max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
+        + wire.HEADER_MAX_BYTES
+    server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
+    started = time.monotonic()
+    try:
+        announce(server, opts, ready_file, None)
+        while True:
+            stop.check()
+            request = server.receive(POLL_TICK_S)
+            now = time.monotonic()
+            if request is not None:
+                envelope, frames, _ = request
+                msg, answer, _ = decode_and_handle(frames, max_frame, lambda m: logic.handle(m, now, envelope),
+                                                   logic.log)
+                if answer is not None:
+                    server.reply(envelope, answer)
+                for held, reply in logic.take_ready():
+                    server.reply(held, reply)
+                if logic.finished():
+                    return logic.written if last else int(msg.body.get("rows", 0)) if msg else 0
+            seen = max((s.last_seen for s in logic.sessions.values()), default=started)
+            if now - seen > opts.peer_deadline_s:
+                raise PeerTimeout(f"no prediction {'came' if logic.session is None else 'message came'} for "
+                                  f"{opts.peer_deadline_s:g} s; giving up")
+    finally:
+        server.close()
+        if link is not None:
+            link.close(linger_ms=NOTICE_LINGER_MS if logic.aborted else 0)
+        logic.state.close()

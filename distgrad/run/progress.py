@@ -1,0 +1,183 @@
+"""Watching a run: a progress bar for terminals; metrics lines and TensorBoard events for files.
+
+The driving stage reports every step to a ``Progress``. In a terminal it
+draws a one-line bar (step, loss, the latest held-out scores, steps/s, ETA)
+at most ``REDRAW_S`` apart; elsewhere the periodic log lines serve. Under the
+launcher the stage emits ``progress`` lines that the launcher turns into the
+bar on its own terminal. Each step's record (a ``MetricsWriter`` line) goes
+to every *step writer* of the run, made in one place: ``step_writers``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+from distgrad.errors import ConfigError
+
+REDRAW_S = 0.1           # shortest time between two redraws of the bar
+BAR_WIDTH = 24
+PROGRESS_PREFIX = "progress "
+
+
+def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
+               test: Mapping[str, Any] | None = None) -> str:
+    """``[#####-----] 450/900 loss 1.2e-03 test 0.31 acc 0.912 2300 steps/s ETA 0.2 s``.
+
+    ``rate`` (steps/s) is None or not positive before it can be measured
+    (the first step seen): the bar then shows ``- steps/s ETA -``. ``test``
+    is the latest evaluation (``test_loss``, ``test_accuracy`` when
+    classifying); without one the bar has no ``test`` part.
+    """
+    done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
+    loss_text = f"{loss:.4g}" if loss is not None else "-"
+    if rate is not None and rate > 0:
+        speed = f"{rate:.0f} steps/s ETA {(steps - step) / rate:.1f} s"
+    else:
+        speed = "- steps/s ETA -"
+    held_out = ""
+    if test and test.get("test_loss") is not None:
+        held_out = f" test {test['test_loss']:.4g}"
+        if test.get("test_accuracy") is not None:
+            held_out += f" acc {test['test_accuracy']:.3f}"
+    return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text}{held_out} {speed}"
+
+
+class Progress:
+    """Reports steps as a bar (``mode="bar"``), as ``progress`` lines (``"lines"``) or not at all."""
+
+    def __init__(self, mode: str, steps: int, stream: IO[str] | None = None) -> None:
+        if mode not in ("bar", "lines", "off"):
+            raise ValueError(f"unknown progress mode {mode!r}")
+        self.mode, self.steps, self.stream = mode, steps, stream or sys.stderr
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.first_step: int | None = None
+        self.test: dict[str, Any] = {}      # the latest evaluation, shown on the bar until the next
+
+    def update(self, step: int, loss: float | None, force: bool = False,
+               test: Mapping[str, Any] | None = None) -> None:
+        """Report ``step``; ``test``: this step's evaluation (``test_loss``, ``test_accuracy``), which is
+        always drawn (and, in ``lines`` mode, written on this step's line)."""
+        if self.mode == "off":
+            return
+        now = time.perf_counter()
+        if self.first_step is None:
+            self.first_step, self.started = step - 1, now
+        if test:
+            self.test = dict(test)
+        elif not force and now - self.last_draw < REDRAW_S:
+            return
+        self.last_draw = now
+        elapsed = now - self.started
+        rate = (step - self.first_step) / elapsed if elapsed > 0 else None
+        if self.mode == "bar":
+            self.stream.write("\r" + render_bar(step, self.steps, loss, rate, self.test) + "\x1b[K")
+        else:
+            self.stream.write(PROGRESS_PREFIX + json.dumps({"step": step, "steps": self.steps, "loss": loss,
+                                                            "rate": rate, **(test or {})}) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.mode == "bar" and self.last_draw:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class MetricsWriter:
+    """One JSON line per step: step, loss, wall time, bytes, compute and wait times (seconds), and the
+    held-out ``test_loss`` and ``test_accuracy`` on the lines of the steps that evaluated."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+
+TENSORBOARD_MISSING = "--tensorboard needs tensorboardX, an optional extra: pip install 'distgrad[tensorboard]'"
+
+
+def check_tensorboard() -> None:
+    """Raise ``ConfigError`` (exit 2) telling how to install the TensorBoard writer when it is missing."""
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(TENSORBOARD_MISSING) from e
+
+
+class TensorBoardWriter:
+    """TensorBoard event files in ``directory`` from the same records as ``MetricsWriter``.
+
+    Scalars, each at its step: ``train/loss``; ``test/loss`` and
+    ``test/accuracy`` at the steps that evaluated; ``speed/steps_per_s``
+    (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
+    previous record: the first counts the handshake too, and an evaluation's
+    traffic counts in the step after it). Written by tensorboardX, imported
+    only here; without it the constructor raises ``ConfigError``.
+    """
+
+    def __init__(self, directory: Path | None) -> None:
+        self._writer = None
+        self._bytes = 0
+        if directory is None:
+            return
+        check_tensorboard()
+        from tensorboardX import SummaryWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(logdir=str(directory))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step, add = record["step"], self._writer.add_scalar
+        if record.get("loss") is not None:
+            add("train/loss", record["loss"], step)
+        for key, tag in (("test_loss", "test/loss"), ("test_accuracy", "test/accuracy")):
+            if record.get(key) is not None:
+                add(tag, record[key], step)
+        if record.get("step_s", 0) > 0:
+            add("speed/steps_per_s", 1.0 / record["step_s"], step)
+        if "bytes_sent" in record:
+            total = record["bytes_sent"] + record["bytes_received"]
+            add("speed/bytes_per_step", total - self._bytes, step)
+            self._bytes = total
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> list[MetricsWriter | TensorBoardWriter]:
+    """Where each step's record goes: a metrics file, TensorBoard events, both or neither (only those
+    asked for). Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    writers = [MetricsWriter(metrics_path)]
+    try:
+        writers.append(TensorBoardWriter(tensorboard_dir))
+    except ConfigError:
+        writers[0].close()
+        raise
+    return [writer for writer in writers if writer.enabled]

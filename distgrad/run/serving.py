@@ -1,0 +1,614 @@
+"""The serving stage: ``serve`` binds and answers the stage above it, one driver or several data owners.
+
+The last stage computes the loss itself; a middle stage passes every request
+on to the stage below it (``link.DownstreamLink``) and its own backward on up.
+One state machine (``ServingStage``: the phases, the reply cache, liveness
+and checkpoints) serves one peer (a two-stage run, a chain), the data owners
+of an experiment with ``[clients]`` and the feature parties of a vertical
+one: a ``Peer`` per peer, each with an explicit ``PeerStatus``. What differs
+between these is its topology's (``topology.OnePeer``, ``topology.Clients``,
+``parties.Parties``): who takes part in a step and in what order, what a
+hello must agree on, how the messages of a step and the evaluations combine,
+and what a rollback does.
+
+Every step of the run (a *round*) the peers taking part send their forwards,
+in any order; this stage takes them in peer order (0, 1, ...), each peer's
+micro-batches in order and then its update through the stage's
+``StepEngine``. A request that arrives before its turn waits, unanswered,
+until its turn comes, so the run is reproducible and bitwise equal to
+``train_in_process``. The reply carrying the activation gradient leaves
+first; the micro-batch's parameter gradients and the step's update run after
+it (``settle``), so the stage above computes meanwhile. Nothing reads this
+stage's state before they have run, and invalid input never changes state.
+
+With one peer, a hello of the same run rolls both sides back to the newest
+step they both hold; a hello of a new run replaces a run whose peer is gone.
+With several, a peer this stage waits for that stays silent for
+``liveness_s`` is dropped (the others go on) and may say hello again: it
+takes part from the next round. With ``mode = "splitfed"``, after every
+``average_every`` rounds each peer sends its parameters and gets back the
+mean of all of them. A peer whose hello asks for an evaluation every K steps
+(``eval_every``) is scored at the end of each K-th round, after the average,
+before the next round starts, so every peer's score is that of the same
+parameters as in ``train_in_process``. Checkpoints are taken at the end of a
+round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from distgrad.wire import messages as wire
+from distgrad.run.accepts import Accepts
+from distgrad.errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.config.experiment import MAX_STALENESS
+from distgrad.run.handshake import same_exactly
+from distgrad.wire.link import DownstreamLink
+from distgrad.run.options import StageOptions, StopFlag
+from distgrad.run.parties import Parties
+from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
+from distgrad.stage.stage import backward_specs
+from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
+from distgrad.threads import one_compute_thread
+from distgrad.run.topology import Clients, OnePeer, Topology
+from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.wirecodec import GRADIENT
+
+__all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "refusal", "serve"]
+
+
+
+class ServingStage:
+    """Protocol logic of a serving stage, free of its own socket so tests can call it.
+
+    ``handle(envelope, msg, now, peer_key)`` returns the replies to send now
+    (to this peer or, when its message completed a turn, to others) and
+    raises ``ProtocolError`` for a message that must be refused; a refused
+    message changes nothing. The caller sends the replies and then calls
+    ``settle``, which runs what ``handle`` deferred (``handle`` settles
+    first, so a caller that never calls it sees the same results). ``tick(now)``
+    drops or reports a silent peer. A middle stage ``connect``s to the stage
+    below (``link``); a stage below that stays silent past ``peer_deadline_s``
+    raises ``PeerTimeout``.
+
+    This class is the one state machine of every topology: the phases, the
+    reply cache, liveness and checkpoints. Who takes part in a step, what a
+    hello must agree on and how the messages of a step combine is its
+    ``topology``'s (``topology.OnePeer``, ``topology.Clients``, ``parties.Parties``).
+    """
+
+    def __init__(self, opts: StageOptions, connect: str | None = None, stop: StopFlag | None = None,
+                 ctx: zmq.Context | None = None) -> None:
+        self.opts, self.exp = opts, opts.experiment
+        self.exp.check_role(opts.stage, binds=True, connects=connect is not None)
+        self.parties = self.exp.upstream(opts.stage)   # the stages above (a vertical experiment's parties)
+        self.upstream = self.parties[0]
+        self.topology = topology_for(self)
+        self.count = self.topology.count
+        # With several peers this stage runs its own steps; one peer says when its run ends (bye).
+        self.steps: int | None = self.topology.steps()
+        self.state = StageState(opts, checkpoint_each_step=False)
+        self.log = self.state.log
+        self.engine = self.state.engine
+        # The last stage reads only the targets (a shard per data owner); a middle one only how many rows are
+        # held out (its stage file may hold no data: it then evaluates nothing).
+        holds_data = self.exp.spec(opts.stage).data != {}
+        self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
+        self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
+        self.codecs = self.exp.codecs
+        self.link = None if connect is None else DownstreamLink(
+            opts.link, connect, (stop or StopFlag()).check, ctx or zmq.Context.instance(), opts.downstream_security,
+            backward_specs(self.stage, 1, self.codecs[GRADIENT]))
+        self.accepts = Accepts(self.state, self.exp, self.input_shapes, self.data, self.link is not None,
+                               self.upstream, opts.seed, opts.init)
+        self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
+        self.peers = [Peer(c) for c in range(self.count)]
+        self.now = time.monotonic()                        # the time of the latest message or tick
+        self.evaluating = False                            # some peer's evaluation waits (``advance``)
+        self.new_run(start_round=1)
+        self.finished: dict[str, Any] | None = None       # summary of the last completed run
+        self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
+        self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
+        self.deferred_peers: list[Peer] = []               # whose micro-batch that is
+        self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
+        if opts.resume and self.state.resume_latest():
+            self.topology.resumed(time.monotonic())
+            self.state.open_trace(append=True)
+
+    # -- the run
+    @property
+    def stage(self):
+        return self.state.stage
+
+    def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
+        """The message tensors of ``x`` sent on ``stream``; a value its codec cannot carry fails the step
+        (``NonFiniteError``: it would cross as Inf), naming the codec, the tensor and the step."""
+        try:
+            return self.state.senders.message_tensors(direction, x, stream, step)
+        except CodecRangeError as e:
+            raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
+
+    def new_run(self, start_round: int, fresh: bool = True) -> None:
+        """Wait for the peers of a run whose first round is ``start_round``; ``fresh``: a new run (not
+        the same one going on after a rollback)."""
+        self.phase = Phase.JOINING
+        self.round = start_round - 1        # the round in progress (while joining: the last one done)
+        self.order: list[int] = []          # the peers taking part in it, in turn order
+        self.turn = 0                       # index into ``order``
+        self.first_hello: float | None = None
+        self.joined_at = self.now           # when this stage began waiting for its peers (vertical: all)
+        self.lost_since: float | None = None
+        self.owed: set[int] = set()         # peers whose evaluation ends the round (phase EVALUATING)
+        self.closing = False                # its last bye was answered; ``finish_run`` completes it
+        self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
+        if fresh:
+            self.started = time.perf_counter()
+            self.loss: float | None = None
+            self.active = False             # a run is open (possibly resumed from a checkpoint)
+        self.state.extra_meta = self.topology.checkpoint_meta
+
+    def open_run(self) -> None:
+        """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""
+        if not self.active:
+            self.active = True
+            if not self.state.run_id:
+                self.state.begin(uuid.uuid4().hex)
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds (steps of the run) this stage has completed."""
+        return self.round if self.phase in (Phase.JOINING, Phase.EVALUATING) else self.round - 1
+
+    def live(self, now: float) -> bool:
+        return self.active and any(p.live(now, self.opts.liveness_s) for p in self.peers)
+
+    # -- messages
+    def handle(self, envelope: Envelope, msg: Message, now: float, peer_key: str = "") -> list[Reply]:
+        """The replies to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext).
+
+        With CURVE, a peer's run belongs to the key that opened it: other keys
+        may not drive, rewind or end it.
+        """
+        self.now = now
+        earlier = self.settle()
+        if msg.type == wire.PING:
+            return earlier + [(envelope, self._pong(msg, now))]
+        if msg.type == wire.HELLO:
+            welcome = self._hello(envelope, msg, now, peer_key)
+            notices, self.notices = self.notices, []
+            return earlier + notices + [(envelope, welcome)] + self.advance(now)
+        if msg.type == wire.BYE and msg.run in self.bye_replies:
+            return earlier + [(envelope, self.bye_replies[msg.run])]    # a repeated bye of a completed run
+        peer = self._peer_of(msg)
+        if peer.owner and peer_key != peer.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
+            raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.round}: "
+                                               f"{self.topology.name(peer)} must say hello again")
+        if peer.failure is not None:
+            failure, peer.failure = peer.failure, None
+            self.topology.failed(peer, failure)
+            raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
+        handler = {wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
+                   wire.BYE: self._bye}.get(msg.type)
+        if handler is None:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        replies = handler(peer, envelope, msg)
+        if self.topology.hears_from(peer):
+            self._seen(peer, now)
+        peer.envelope = envelope
+        return earlier + replies + self.advance(now)
+
+    def _pong(self, msg: Message, now: float) -> Message:
+        return Message(wire.PONG, msg.run, msg.step, body={
+            "stage": self.opts.stage, "experiment": self.exp.name, "run": self.topology.pong_run(),
+            "step": self.topology.reported_step(), "client_live": self.live(now), "phase": self.phase.value,
+            "clients_active": sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now)})
+
+    def _peer_of(self, msg: Message) -> Peer:
+        """The peer whose run ``msg`` belongs to; ``ProtocolError`` (``RUN``) when none said hello for it."""
+        for peer in self.peers:
+            if peer.run == msg.run and self.active and peer.status is not PeerStatus.ABSENT:
+                return peer
+        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.topology.expected_run()}")
+
+    def _seen(self, peer: Peer, now: float) -> None:
+        self.topology.seen(peer)
+        peer.last_seen = now
+
+    def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
+        """A peer (re)joins: the hello is checked (``ProtocolError``), then its topology places it."""
+        topology, body = self.topology, msg.body
+        mbs = topology.check_hello(body)
+        eval_every, staleness = _hello_fields(body)
+        topology.check_staleness(staleness)
+        peer = self.peers[topology.peer_index(body)]
+        topology.check_owner(peer, msg, peer_key)
+        next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
+        peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
+        peer.eval_every, peer.staleness = eval_every, staleness
+        peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
+        topology.after_join(peer)
+        self._seen(peer, now)
+        peer.envelope = envelope
+        if self.first_hello is None:
+            self.first_hello = now
+        self.log.info("%s said hello (run %s, %d micro-batches): next step %d", topology.name(peer), msg.run, mbs,
+                      next_step)
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": next_step})
+
+    def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
+        """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
+        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
+        return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
+
+    def _forward(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        key = (msg.step, msg.mb)
+        cached = peer.cached.get(key)
+        if cached is not None:
+            return [(envelope, cached)]                 # a repeated request: same reply, no second update
+        if peer.status is PeerStatus.DROPPED:
+            raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
+                                               f"{self.opts.liveness_s:g} s when its turn came); say hello again")
+        if key in peer.waiting:
+            peer.specs.receive(msg, self.exp.allow_nonfinite)
+            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
+            return []
+        in_turn = peer in self.topology.turn_peers()
+        expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
+        if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
+                                                f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
+        peer.specs.receive(msg, self.exp.allow_nonfinite)     # checked, and decoded: nothing else sees parts
+        peer.waiting[key] = msg                         # answered in its turn (``advance``)
+        return []
+
+    def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
+        if self.steps is not None and peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (
+                msg.run, msg.step):
+            return [(envelope, peer.evaluated)]           # resent: the same scores
+        # Several peers: answered at the end of its round when its hello's eval_every says it is due then
+        # (``round_done``), else once every round is done.
+        peer.evaluate = msg
+        self.evaluating = True
+        return []
+
+    def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        steps = msg.body.get("steps")
+        if not same_exactly(steps, peer.step):
+            raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but "
+                                                f"{self.topology.name(peer)} has {peer.step} here")
+        if self.link is not None:
+            try:
+                self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step}))
+            except PeerRejected as e:
+                raise self.refused_below(e, msg) from e
+        if peer.status is not PeerStatus.FINISHED:
+            self.log.info("%s finished after %d steps", self.topology.name(peer), peer.step)
+        peer.status = PeerStatus.FINISHED
+        reply = Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step})
+        self.bye_replies[msg.run] = reply
+        # The checkpoint and the summary (slow for a big model) are written by ``finish_run``
+        # after this reply has left, so the driver never waits for them.
+        self.closing = self.complete()
+        return [(envelope, reply)]
+
+    # -- the phases
+    def start_round(self) -> None:
+        """The next round, or the end of the run after the last."""
+        self.round += 1
+        if self.steps is not None and self.round > self.steps:
+            self.phase = Phase.DONE
+            self.log.info("every step is done; answering evaluations and byes")
+            return
+        self.order = self.topology.round_order()
+        self.turn, self.phase = 0, Phase.ROUND
+
+    def advance(self, now: float) -> list[Reply]:
+        """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
+        replies: list[Reply] = []
+        while self.deferred is None and self._advance_phase(now, replies):
+            pass                            # a reply's gradients and update come before any later work
+        if self.evaluating:
+            replies += self.topology.answer_evaluations()
+            self.evaluating = any(peer.evaluate is not None for peer in self.peers)
+        return replies
+
+    def _advance_phase(self, now: float, replies: list[Reply]) -> bool:
+        """Do the next piece of work of the phase, adding its replies; False while it waits."""
+        if self.phase is Phase.ROUND:       # the hot path first
+            return self.topology.advance_round(now, replies)
+        if self.phase is Phase.JOINING:
+            return self.topology.advance_joining(now)
+        if self.phase is Phase.AVERAGING:
+            return self.topology.advance_averaging(now, replies)
+        if self.phase is Phase.EVALUATING:
+            return self.topology.advance_evaluating(replies)
+        return False
+
+    def end_round(self) -> None:
+        """Every peer of the round had its turn: checkpoint, then average (SplitFed) or start the next."""
+        self.state.after_step(self.round)
+        every = self.exp.clients.average_every
+        if self.exp.clients.mode == "splitfed" and self.round % every == 0:
+            self.phase = Phase.AVERAGING
+        else:
+            self.round_done()
+
+    def round_done(self) -> None:
+        """After a round (and its average): the peers due to evaluate after it are answered (phase
+        EVALUATING) before the next round starts."""
+        owed = self.topology.owed_after_round()
+        if owed:
+            self.owed, self.phase = owed, Phase.EVALUATING
+            return
+        self.start_round()
+
+    # -- a micro-batch's deferred work
+    def defer(self, peers: list[Peer], work: Callable[[], None]) -> None:
+        """Run ``work`` (``peers``' micro-batch's gradients) once its replies have left (``settle``)."""
+        self.deferred, self.deferred_peers = work, peers
+
+    def accumulate(self, peers: list[Peer], step: int, mb: int, mbs: int,
+                   grads_later: Callable[[], dict[str, np.ndarray]], loss: np.float32, dx: np.ndarray) -> None:
+        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update
+        (``peers``: whose turn it is, every party of a vertical round)."""
+        self.engine.add(mb, mbs, grads_later(), loss, dx)
+        if mb < mbs - 1:
+            return
+        self.loss = self.engine.update(step, mbs, client=self.topology.client_of(peers))
+        for peer in peers:
+            peer.loss, peer.step = self.loss, step
+        self.turn += 1
+
+    def settle(self) -> list[Reply]:
+        """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything,
+        and return the replies of the work that then became possible (send them, then settle again).
+
+        A non-finite gradient there applies nothing; the peer hears of it in
+        reply to its next message (with several clients, it is dropped)."""
+        work, self.deferred = self.deferred, None
+        if work is None:
+            return []
+        try:
+            work()
+        except NonFiniteError as e:
+            self.log.error("%s", e)
+            self.topology.deferred_failed(self.deferred_peers, e)   # whose micro-batch it was
+        return self.advance(self.now)
+
+    def drop(self, peer: Peer) -> None:
+        """``peer`` no longer takes part (it may say hello again); its turn, if it was, ends."""
+        if self.topology.current() is peer:
+            self.engine.reset()
+            self.turn += 1
+        peer.status, peer.waiting = PeerStatus.DROPPED, {}
+        self.owed.discard(peer.index)
+
+    # -- liveness and the end of the run
+    def tick(self, now: float) -> list[Reply]:
+        """Report (one peer, parties) or drop (several clients) a peer this stage waits for that has been
+        silent for ``liveness_s``; return the replies that unblocks."""
+        self.now = now
+        if not self.active:
+            return []
+        return self.topology.tick(now)
+
+    def missing_parties(self, now: float) -> list[Peer]:
+        """The feature parties a vertical run waits for that have been silent for ``liveness_s``."""
+        return self.topology.missing(now)
+
+    def lost_message(self) -> str:
+        """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
+        return self.topology.lost_message()
+
+    def complete(self) -> bool:
+        """The run is over: its rounds are done (several peers) and every peer still taking part has said
+        bye, one at least."""
+        if self.steps is not None and self.phase is not Phase.DONE:
+            return False
+        return (all(p.status is not PeerStatus.ACTIVE for p in self.peers)
+                and any(p.status is PeerStatus.FINISHED for p in self.peers))
+
+    def finish_run(self) -> dict[str, Any] | None:
+        """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
+        self.settle()
+        if not self.closing:
+            return None
+        self.closing = False
+        # a rerun with --resume has nothing to do
+        self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
+        self.state.save_parameters()
+        self.finished = self.close_run("completed")
+        return self.finished
+
+    def end_failed_run(self) -> NonFiniteError | None:
+        """Once the one peer whose step failed has been told: close its run ("failed", no checkpoint
+        written) and return the failure; None while there is none."""
+        failure, self.failure = self.failure, None
+        if failure is not None and self.active:
+            self.close_run("failed")
+        return failure
+
+    def at_round_boundary(self) -> bool:
+        """Between rounds: the live state is a whole step of the run (what a checkpoint may hold)."""
+        return self.topology.at_round_boundary()
+
+    def close_run(self, status: str) -> dict[str, Any]:
+        """End the run with ``status``: its summary (returned); nobody takes part in it any more."""
+        self.settle()
+        summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields())
+        self.state.close()
+        self.active = False
+        for peer in self.peers:
+            peer.cached = {}
+            if peer.taking_part():
+                peer.status = PeerStatus.ABSENT     # the run is over: nobody takes part in it any more
+        return summary
+
+
+def _hello_fields(body: dict[str, Any]) -> tuple[int, int]:
+    """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict."""
+    if "purpose" in body:
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this stage "
+                                                f"trains (start 'distgrad predict' on this side to predict)")
+    eval_every = body.get("eval_every", 0)
+    if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
+                                                 f"integer >= 0")
+    staleness = body.get("staleness", 0)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has staleness={wire.show(staleness)}; expected an "
+                                                 f"integer from 0 to {MAX_STALENESS}")
+    return eval_every, staleness
+
+
+def topology_for(serving: ServingStage) -> Topology:
+    """The topology of the stage ``serving`` (built as far as its ``exp`` and ``parties``): the feature
+    parties of a vertical experiment, several clients, or one peer."""
+    exp = serving.exp
+    if exp.vertical and len(serving.parties) > 1:
+        return Parties(serving, len(serving.parties))
+    if exp.clients.count > 1:
+        return Clients(serving, exp.clients.count)
+    return OnePeer(serving, exp.clients.count)
+
+
+def announce(server: Server, opts: StageOptions, ready_file: Path | None,
+             on_ready: Callable[[str], None] | None) -> None:
+    """Log the bound endpoint, write it to ``ready_file`` (atomically) and pass it to ``on_ready``."""
+    server_log = logging.getLogger(f"distgrad.{opts.stage}")
+    server_log.info("stage %s of %s serving on %s (%s)", opts.stage, opts.experiment.name, server.endpoint,
+                    "CURVE: the link is encrypted, and only allowed client keys are accepted" if server.authenticated
+                    else "plaintext: not encrypted, any client accepted")
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(server.endpoint)
+        tmp.replace(ready_file)
+    if on_ready is not None:
+        on_ready(server.endpoint)
+
+
+def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable[[Message], Any],
+                      log: logging.Logger) -> tuple[Message | None, Any, bool]:
+    """``(msg, handle(msg), False)`` for a request, or ``(msg or None, error reply, True)`` when
+    it cannot be decoded or ``handle`` refuses it (raises ``ProtocolError``); refusals are logged."""
+    msg: Message | None = None
+    try:
+        msg = wire.decode(frames, max_tensor_bytes)
+        return msg, handle(msg), False
+    except ProtocolError as e:
+        if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
+            log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                        wire.ERROR_TEXT_MAX, e)
+        return msg, refusal(msg, e), True
+
+
+def refusal(msg: Message | None, error: ProtocolError) -> Message:
+    """The error reply to a refused message, echoing its ids when it could be decoded."""
+    if msg is None:
+        return wire.error_message("", 0, error.code, str(error.args[0]))
+    return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
+
+
+@one_compute_thread()
+def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = None, keep_serving: bool = False,
+          ready_file: Path | None = None, ctx: zmq.Context | None = None,
+          on_ready: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Serve runs on ``bind`` until one completes (or, with ``keep_serving``, until stopped).
+
+    The last stage gives no ``connect``; a middle stage connects to the stage
+    below it there (with ``opts.downstream_security``). Writes the bound
+    endpoint to ``ready_file`` once listening (for launchers) and passes it to
+    ``on_ready`` (for callers in this process). Returns the last run's
+    summary. Raises ``PeerTimeout`` when the run's peers stay lost for
+    ``opts.peer_deadline_s`` (unless ``keep_serving``) or the stage below
+    stays silent that long, ``NonFiniteError`` when a peer's step failed (one
+    peer, unless ``keep_serving``), and ``Interrupted`` on a signal, after
+    saving a checkpoint. With ``--checkpoint-dir``, holds the stage's lock
+    there while serving (``ConfigError`` if another process holds it); with
+    ``--resume`` and a finished run there, returns that run's summary at once
+    without binding (with ``keep_serving``, serves new runs instead).
+    """
+    if keep_serving and (opts.experiment.federated or opts.experiment.vertical):
+        raise ConfigError("--keep-serving is not supported for a serving stage with several clients or parties")
+    ctx = ctx or zmq.Context.instance()
+    lock = lock_checkpoint_dir(opts)
+    try:
+        done = finished_run(opts)
+        if done is not None and not keep_serving:
+            return nothing_to_do(opts, done)
+        return _serve(opts, bind, stop, connect, keep_serving, ready_file, ctx, on_ready)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
+    """Send ``replies``, then run the work they deferred, and send what that work answered, until none."""
+    while replies:                      # each reply leaves before the work it defers is done
+        for envelope, reply in replies:
+            server.reply(envelope, reply)
+        replies = logic.settle()
+
+
+def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
+           ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
+    logic = ServingStage(opts, connect, stop, ctx)
+    log = logic.log
+    server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
+    status = "interrupted"
+    try:
+        announce(server, opts, ready_file, on_ready)
+        while True:
+            stop.check()
+            request = server.receive(POLL_TICK_S)
+            now = time.monotonic()
+            replies = logic.tick(now)
+            if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
+                status = logic.topology.lost_status()
+                raise PeerTimeout(logic.lost_message())
+            _send_and_settle(server, logic, replies)       # what a dropped peer unblocked leaves first
+            if request is not None:
+                envelope, frames, peer_key = request
+                msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
+                                                         lambda m: logic.handle(envelope, m, now, peer_key), log)
+                _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
+            failure = logic.end_failed_run()
+            if failure is not None:
+                status = "failed"
+                if not keep_serving:
+                    raise failure
+                log.error("the run failed; waiting for the next run")
+                status = "interrupted"
+                continue
+            finished = logic.finish_run()
+            if finished is not None:
+                status = "completed"
+                log.info("%s", logic.topology.completed_message(finished))
+                if not keep_serving:
+                    return finished
+    finally:
+        try:
+            logic.settle()
+            if logic.active and logic.failure is None:
+                if logic.at_round_boundary():
+                    logic.state.save(logic.topology.checkpoint_step())   # skipped once a save failed
+                else:
+                    log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
+                logic.close_run(status)
+            elif logic.active:
+                logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
+        finally:
+            server.close()
+            if logic.link is not None:
+                logic.link.close(linger_ms=0)

@@ -1,0 +1,331 @@
+"""A stage's run state: the stage and its step engine, run id, checkpoints and trace, which roll back together.
+
+Reliability (docs/reliability.md): on every (re)connect the stages roll back
+to the newest step they all hold (a checkpoint, their live state, or the
+initial state at step 0), so a run interrupted anywhere ends with the
+parameters of an uninterrupted one. A stage process holds its checkpoint
+directory's lock for its whole life (``lock_checkpoint_dir``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
+from distgrad.stage.engine import StepEngine
+from distgrad.errors import CheckpointWriteError, ConfigError, StageError
+from distgrad.run.options import StageOptions
+from distgrad.stage.records import TraceWriter, to_lists, write_json
+from distgrad.stage.stage import Stage
+from distgrad.wire.wirecodec import Senders, without_codec_state
+
+
+class ParameterHistory:
+    """A driving stage's parameters after each of its last ``depth`` updates (staleness S = ``depth``), and its
+    forward state before each step in flight.
+
+    With S steps in flight, the forward of step t used the parameters after
+    update t-1-S, and its backward needs them again after later updates; after
+    a rollback the steps in flight are sent again with them. ``versions[u]``
+    are the parameters after update u, for u from ``step - S`` to ``step - 1``
+    (``step``'s own are the live ones). ``forward_states[t]`` is what a
+    training forward changes besides its output (``Stage.forward_state``:
+    batch norm's running statistics) as it was before the forward of step t
+    in flight, so that sending the steps in flight again (``rewind``) counts
+    each forward once. Both roll back, and are checkpointed, with the stage
+    (``arrays``: ``history/U/NAME`` and ``forward/T/NAME``).
+    """
+
+    PREFIX = "history/"
+    FORWARD_PREFIX = "forward/"
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.versions: dict[int, dict[str, np.ndarray]] = {}
+        self.forward_states: dict[int, dict[str, np.ndarray]] = {}
+
+    def clear(self) -> None:
+        """Forget every version and forward state (a new run, a rollback to step 0)."""
+        self.versions, self.forward_states = {}, {}
+
+    def before_forward(self, step: int, stage: Stage) -> None:
+        """Keep the stage's forward state before it sends the forward of step ``step`` in flight."""
+        if self.depth:
+            self.forward_states[step] = stage.forward_state()
+
+    def before_update(self, stage: Stage) -> None:
+        """Keep the live parameters (those after update ``stage.step``) before the next update changes them,
+        and forget the forward state of the step that update completes."""
+        if not self.depth:
+            return
+        self.versions[stage.step] = {name: value.copy() for name, value in stage.params.items()}
+        for old in [u for u in self.versions if u < stage.step + 1 - self.depth]:
+            del self.versions[old]
+        for done in [t for t in self.forward_states if t <= stage.step + 1]:
+            del self.forward_states[done]
+
+    def rewind(self, stage: Stage) -> None:
+        """The steps in flight are dropped, to be sent again: return the stage's forward state to what it
+        was before the first of them (step ``stage.step + 1``)."""
+        first = self.forward_states.get(stage.step + 1)
+        if first is not None:
+            stage.restore_forward_state(first)
+        self.forward_states = {}
+
+    def at(self, version: int, stage: Stage) -> Mapping[str, np.ndarray]:
+        """The parameters after update ``version`` (those of step 0 for a version below 0); ``StageError``
+        when they are not kept."""
+        version = max(version, 0)
+        if version == stage.step:
+            return stage.params
+        if version not in self.versions:
+            raise StageError(f"stage {stage.name}: the parameters after update {version} are not kept "
+                             f"(at step {stage.step}, staleness {self.depth})")
+        return self.versions[version]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {**{f"{self.PREFIX}{u}/{name}": value for u, params in self.versions.items()
+                   for name, value in params.items()},
+                **{f"{self.FORWARD_PREFIX}{t}/{name}": value for t, state in self.forward_states.items()
+                   for name, value in state.items()}}
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The versions and forward states a checkpoint's ``arrays`` hold (none for a checkpoint without them)."""
+        self.clear()
+        for key, value in arrays.items():
+            for prefix, kept in ((self.PREFIX, self.versions), (self.FORWARD_PREFIX, self.forward_states)):
+                if key.startswith(prefix):
+                    number, name = key[len(prefix):].split("/", 1)
+                    kept.setdefault(int(number), {})[name] = np.array(value)
+
+
+class StageState:
+    """A stage with its run id, checkpoints and trace: what rolls back together.
+
+    Step 0 (the initial state) is always held: it is rebuilt from the seed and
+    the ``--init`` overrides, which a restart repeats.
+    """
+
+    def __init__(self, opts: StageOptions, checkpoint_each_step: bool = True) -> None:
+        """``checkpoint_each_step``: the engine's every update is a step of the run (checkpointed every
+        ``--checkpoint-every``); a stage serving several clients checkpoints at the end of a round instead."""
+        self.opts = opts
+        self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
+                                 trace_sent=opts.role == "serving", senders=Senders(opts.experiment.codecs))
+        # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
+        self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
+        if checkpoint_each_step:
+            self.engine.observers.append(lambda record: self.after_step(record.step))
+        self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
+        self.resumed_step, self.resumed_meta = 0, {}           # of the checkpoint ``resume_latest`` loaded
+        self.run_id = ""
+        self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
+        self.cpu_started = time.process_time()   # CPU time of this process when the run began here
+        # A checkpoint is only valid for the same starting point: seed and --init overrides.
+        self.meta = start_meta(opts)
+        self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
+                      if opts.checkpoint_dir is not None else None)
+        self.trace: TraceWriter | None = None
+        self.write_failed = False       # a checkpoint could not be written: no more attempts
+        self.log = logging.getLogger(f"distgrad.{opts.instance}")
+
+    @property
+    def stage(self) -> Stage:
+        """The live stage (replaced by a rollback to step 0)."""
+        return self.engine.stage
+
+    @stage.setter
+    def stage(self, stage: Stage) -> None:
+        self.engine.stage = stage
+        self.engine.reset()
+
+    @property
+    def senders(self) -> Senders:
+        """What this stage encodes its outgoing tensors with; its residuals roll back with the stage."""
+        return self.engine.senders
+
+    def _fresh(self) -> Stage:
+        """The stage at step 0: built from its file and seed, then ``--load``'s values when given."""
+        if self.opts.stage_factory is not None:
+            stage = self.opts.stage_factory()
+            stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+        else:
+            stage = Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
+        if self.opts.load_path is not None:
+            stage.load_parameters(self.opts.load_path)
+        return stage
+
+    def save_parameters(self) -> None:
+        """With ``--save``: write the stage's final parameters (raises ``CheckpointWriteError``)."""
+        path = self.opts.save_path
+        if path is None:
+            return
+        try:
+            self.stage.save_parameters(path)
+        except OSError as e:
+            raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
+                                       f"{self.opts.instance}: {e.strerror or e}") from e
+        self.log.info("saved the parameters of step %d to %s", self.stage.step, path)
+
+    def resume_latest(self) -> bool:
+        """Load the newest valid checkpoint of the run saved last; False (fresh start) when there is
+        none, or when that run is finished (a serving stage then waits for a new run)."""
+        ckpt = self.store.latest() if self.store is not None else None
+        if ckpt is None:
+            return False
+        if is_finished(ckpt, self.opts):
+            self.log.info("run %s finished at step %d; not resuming it", ckpt.run, ckpt.step)
+            return False
+        self._load(ckpt)
+        self.run_id, self.owner = ckpt.run, ckpt.meta.get("owner", "")
+        self.resumed_step, self.resumed_meta = ckpt.step, dict(ckpt.meta)
+        self.log.info("resumed run %s at step %d from %s", ckpt.run, ckpt.step, ckpt.path)
+        return True
+
+    def _load(self, ckpt: Any) -> None:
+        self.engine.reset()
+        try:
+            self.stage.load_state_arrays(without_codec_state(ckpt.arrays), ckpt.step)
+            self.senders.load_state_arrays(ckpt.arrays)     # error-feedback residuals (none: zeros)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
+        self.history.load(ckpt.arrays)
+
+    def begin(self, run_id: str, owner: str = "") -> None:
+        """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
+        if self.stage.step != 0:
+            self.stage = self._fresh()
+        self.history.clear()
+        self.senders.reset()
+        self.run_id, self.owner = run_id, owner
+        self.cpu_started = time.process_time()
+        if self.store is not None:
+            self.save()
+        self.open_trace(append=False)
+
+    def open_trace(self, append: bool) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        opts = self.opts
+        self.trace = TraceWriter(opts.trace_path, append=append and opts.trace_path is not None
+                                 and opts.trace_path.exists(), params=opts.trace_params, every=opts.trace_every,
+                                 last_step=opts.total_steps)
+        self.engine.trace = self.trace
+        if append:
+            self.trace.rollback(self.stage.step)
+
+    def held(self) -> list[int]:
+        """Steps this stage can return to: 0, its checkpoints of this run, its live step."""
+        steps = {0, self.stage.step}
+        if self.store is not None and self.run_id:
+            steps.update(self.store.steps(self.run_id))
+        return sorted(steps)
+
+    def rollback(self, step: int) -> None:
+        """Return to the state after ``step`` (one of ``held()``)."""
+        if step == self.stage.step:
+            return
+        if step == 0:
+            self.stage = self._fresh()
+            self.history.clear()
+            self.senders.reset()
+        else:
+            ckpt = self.store.at(self.run_id, step) if self.store is not None else None
+            if ckpt is None:
+                raise StageError(f"stage {self.opts.stage}: cannot roll back to step {step}: no checkpoint of it")
+            self._load(ckpt)
+        self.log.warning("rolled back to step %d", step)
+        if self.trace is not None:
+            self.trace.rollback(step)
+
+    def after_step(self, step: int) -> None:
+        """Step ``step`` of the run is complete: checkpoint it every ``--checkpoint-every`` steps."""
+        every = self.opts.checkpoint_every
+        if every and step % every == 0:
+            self.save(step)
+
+    def save(self, step: int | None = None, final_loss: float | None = None, finished: bool = False) -> None:
+        """Checkpoint the live state as step ``step`` of the run (default: the stage's step count);
+        ``finished`` marks the completed run's last one (``--resume`` then has nothing to do).
+        Raises ``CheckpointWriteError`` (and every later save is skipped)."""
+        if self.store is not None and self.run_id and not self.write_failed:
+            if self.trace is not None:
+                self.trace.flush()          # the trace then holds every step the checkpoint has
+            meta = dict(self.meta, owner=self.owner, **self.extra_meta())
+            if finished:
+                meta.update(finished=True, final_loss=final_loss)
+            try:
+                self.store.save(self.run_id, self.stage.step if step is None else step,
+                                {**self.stage.state_arrays(), **self.senders.state_arrays(), **self.history.arrays()},
+                                meta)
+            except CheckpointWriteError:
+                self.write_failed = True    # the exit save must not report it a second time
+                raise
+
+    def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
+        summary = {
+            "experiment": self.opts.experiment.name,
+            "stage": self.opts.instance,
+            "run_id": self.run_id,
+            "status": status,
+            "steps": self.stage.step,
+            "seed": self.opts.seed,
+            "final_loss": loss,
+            "elapsed_s": time.perf_counter() - started,
+            "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
+            **extra,
+            "params": {self.opts.instance: to_lists(self.stage.params)},
+        }
+        if self.opts.summary_path is not None:
+            write_json(self.opts.summary_path, summary)
+        return summary
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
+
+def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
+    """Hold ``DIR/.INSTANCE.lock`` for this stage process (None without ``--checkpoint-dir``);
+    raises ``ConfigError`` when the directory is unwritable or another process runs the stage there."""
+    return lock_stage(opts.checkpoint_dir, opts.instance) if opts.checkpoint_dir is not None else None
+
+
+def start_meta(opts: StageOptions) -> dict[str, Any]:
+    """What a checkpoint is valid for: the same starting point (seed, ``--init``, ``--load``'s file)."""
+    meta: dict[str, Any] = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    if opts.load_path is not None:
+        meta["load"] = hashlib.sha256(opts.load_path.read_bytes()).hexdigest()[:16]
+    return meta
+
+
+def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
+    """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
+    experiment's): a larger ``--steps`` continues the run instead."""
+    return ckpt.meta.get("finished") is True and ckpt.step >= opts.total_steps
+
+
+def finished_run(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+    if not opts.resume or opts.checkpoint_dir is None:
+        return None
+    meta = start_meta(opts)
+    ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+    return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
+
+
+def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
+    """Log that the run is finished; return its summary from its final checkpoint (no file is written)."""
+    logging.getLogger(f"distgrad.{opts.instance}").info(
+        "run %s finished at step %d; nothing to do (start without --resume for a new run)", ckpt.run, ckpt.step)
+    params = {name[len("param/"):]: value for name, value in ckpt.arrays.items() if name.startswith("param/")}
+    return {"experiment": opts.experiment.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
+            "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
+            "params": {opts.instance: to_lists(params)}}
+
+

@@ -1,0 +1,7 @@
+"""The stage and its step engine: one party's part of the model, computed the same way in every runner.
+
+``stage`` (a numpy stage: forward, backward, optimiser, the shapes it expects), ``torch_stage`` (the same
+contract for PyTorch modules), ``engine`` (a step's forward and backward over micro-batches), ``checkpoint``
+(atomic checkpoint files, no pickle) and ``records`` (metrics, traces, atomic writes). Imports the layers
+below; never a process, a socket or a front end.
+"""

@@ -1,0 +1,194 @@
+"""The step engine: the one place where a stage's step is put together and applied.
+
+Every runner (the in-process reference, the driving stage, the serving stage
+of one or several clients, a middle stage) feeds a stage's step through a
+``StepEngine`` in the same way, whatever carries the tensors:
+
+1. ``add`` each micro-batch's parameter gradients in micro-batch order
+   (0, 1, ...), with the micro-batch's loss where this stage knows it and, on
+   the last stage, the activation gradient it sent up (for the trace);
+2. ``update`` once per step: the gradients summed in that order times the
+   loss's micro-batch scale, checked finite, copied for the trace, applied by
+   the optimiser; the step's loss from the micro-batch losses; then whatever
+   the runner does between the update and the record (the SplitFed average),
+   the trace line, and the observers (checkpoint, metrics, progress).
+
+The engine also holds what the stage encodes its outgoing tensors with
+(``senders``, ``distgrad.wire.wirecodec``): the error-feedback residuals a step's
+sends computed become the stage's with its update, and are forgotten with a
+step that is dropped (``reset``), so they always match the parameters.
+
+What differs between the runners (where activations come from, where
+gradients go, whether the update comes after the reply) is when they call
+these, never what they compute: that is what makes every topology bitwise
+equal to the in-process reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from distgrad.model.nn import Grads
+from distgrad.stage.stage import Stage
+from distgrad.wire.wirecodec import Senders
+
+
+class GradAccumulator:
+    """Sums the gradients of a step's micro-batches in a fixed order (0, 1, ...).
+
+    Buffers are reused from step to step. With one micro-batch the gradients
+    pass through untouched, so an unsplit step computes exactly what it would
+    without this class.
+    """
+
+    def __init__(self) -> None:
+        self._sum: Grads = {}
+        self._single: Grads | None = None
+        self._count = 0
+
+    def add(self, grads: Grads, index: int, count: int) -> None:
+        """Add micro-batch ``index`` of ``count``; ``index`` must follow the previous one."""
+        if index != self._count:
+            raise ValueError(f"micro-batch {index} accumulated out of order (expected {self._count})")
+        self._count += 1
+        if count == 1:
+            self._single = grads
+            return
+        for name, g in grads.items():
+            if index == 0:
+                buffer = self._sum.get(name)
+                if buffer is None or buffer.shape != g.shape:
+                    buffer = self._sum[name] = np.empty_like(g)
+                np.copyto(buffer, g)
+            else:
+                self._sum[name] += g
+
+    def take(self, scale: np.float32) -> Grads:
+        """The accumulated gradients times ``scale`` (skipped when it is 1); resets the count."""
+        count, self._count = self._count, 0
+        if self._single is not None:
+            grads, self._single = self._single, None
+            return grads
+        if count == 0:
+            raise ValueError("no micro-batch was accumulated")
+        if scale != 1:
+            for buffer in self._sum.values():
+                buffer *= scale
+        return self._sum
+
+    def reset(self) -> None:
+        """Forget a partly accumulated step (a rollback)."""
+        self._count, self._single = 0, None
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
+    """A step's loss from its micro-batch losses: summed in order, times ``scale``."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total * scale if len(losses) > 1 else total
+
+
+class TraceSink(Protocol):
+    """Where traced steps go (``records.TraceWriter``, or the in-process path's merger)."""
+
+    def wants(self, step: int) -> bool: ...
+
+    def write(self, step: int, loss: float | None, grads: Grads, params: Grads, **extra: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What observers learn of an applied update."""
+
+    step: int                      # the run's step (with several clients: the round)
+    loss: float | None             # the step's loss, where this stage knows it
+    client: int | None = None      # whose step it was, when a stage serves several clients
+
+
+class StepEngine:
+    """Accumulates, scales, checks, applies, traces and reports one stage's steps.
+
+    ``loss_scale(M)`` is the float32 factor the final loss gives the sum of M
+    micro-batch gradients (``Loss.micro_batch_scale``). ``trace`` receives a
+    line per traced step; with ``trace_sent``, the activation gradients this
+    stage sent up go in it as ``activation_grad`` (the last stage's, which is
+    what crossed the wire, before its codec). ``observers`` see every applied
+    update. ``senders`` encode what the stage sends (default: no codec).
+    """
+
+    def __init__(self, stage: Stage, loss_scale: Callable[[int], np.float32], trace: TraceSink | None = None,
+                 trace_sent: bool = False, senders: Senders | None = None) -> None:
+        self.stage = stage
+        self.senders = senders if senders is not None else Senders({})
+        self.loss_scale = loss_scale
+        self.trace = trace
+        self.trace_sent = trace_sent
+        self.observers: list[Callable[[StepRecord], None]] = []
+        self._accumulator = GradAccumulator()
+        self._losses: list[np.float32] = []
+        self._sent: list[np.ndarray] = []
+
+    @property
+    def done(self) -> int:
+        """Micro-batches of the step in progress added so far."""
+        return self._accumulator.count
+
+    def reset(self) -> None:
+        """Forget a partly accumulated step (a rollback, a dropped client, a failure)."""
+        self._accumulator.reset()
+        self._losses, self._sent = [], []
+        self.senders.discard()
+
+    def add(self, mb: int, mbs: int, grads: Grads, loss: np.float32 | None = None,
+            sent: np.ndarray | None = None) -> None:
+        """Micro-batch ``mb`` of ``mbs``: its parameter gradients, its loss where this stage knows it,
+        and the activation gradient sent up (kept for the trace only). ``mb`` must follow the last one."""
+        self._accumulator.add(grads, mb, mbs)
+        if loss is not None:
+            self._losses.append(loss)
+        if sent is not None and self.trace_sent and self.trace is not None:
+            self._sent.append(sent)
+
+    def update(self, step: int, mbs: int, between: Callable[[], None] | None = None,
+               client: int | None = None) -> float | None:
+        """Apply step ``step`` from its ``mbs`` added micro-batches; return the step's loss (None when this
+        stage saw no loss).
+
+        Raises ``NonFiniteError`` (nothing applied, the step forgotten) when a
+        gradient is NaN or infinite and the experiment forbids it. ``between``
+        runs after the update and before the trace line and the observers.
+        """
+        stage = self.stage
+        scale = self.loss_scale(mbs)
+        grads = self._accumulator.take(scale)
+        try:
+            stage.check_grads(grads)
+        except Exception:
+            self.reset()
+            raise
+        traced = ({name: g.copy() for name, g in grads.items()}
+                  if self.trace is not None and self.trace.wants(step) else None)
+        stage.apply(grads)
+        self.senders.commit()           # before the observers: a checkpoint holds the residuals of this step
+        loss = float(combine_losses(self._losses, scale)) if self._losses else None
+        sent, self._losses, self._sent = self._sent, [], []
+        if between is not None:
+            between()
+        if traced is not None and self.trace is not None:
+            if sent:
+                traced["activation_grad"] = np.concatenate(sent) if len(sent) > 1 else sent[0]
+            extra = {} if client is None else {"client": client}
+            self.trace.write(step, loss, traced, stage.params, **extra)
+        if self.observers:
+            record = StepRecord(step, loss, client)
+            for observer in self.observers:
+                observer(record)
+        return loss

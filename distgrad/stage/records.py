@@ -1,0 +1,326 @@
+"""Output files other tools read: the summary JSON and the per-step trace.
+
+Float32 values are written as JSON numbers through Python floats, which
+represent every float32 exactly, so ``np.float32(value)`` read back is
+bit-for-bit the value that was written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from distgrad.errors import ConfigError, StageError
+
+TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
+
+log = logging.getLogger("distgrad.trace")
+
+
+def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """``{name: nested list}`` for JSON."""
+    return {name: np.asarray(value).tolist() for name, value in arrays.items()}
+
+
+def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Summary fields for a held-out evaluation: ``test_loss`` and, when classifying, ``test_accuracy``."""
+    if evaluation is None:
+        return {}
+    fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
+    if evaluation.get("correct") is not None:
+        fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
+    return fields
+
+
+def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """One entry of a summary's ``evaluations``: ``step``, ``test_loss`` and, when classifying, ``test_accuracy``."""
+    fields = evaluation_fields(evaluation)
+    return {"step": step, **{k: fields[k] for k in ("test_loss", "test_accuracy") if k in fields}}
+
+
+def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write a file through ``write(file)`` under a temporary name, fsync it and rename it into place, so
+    ``path`` is never seen half written; the temporary file is removed on failure. Raises ``OSError``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def check_trace_filter(names: AbstractSet[str] | None, every: int, known: AbstractSet[str],
+                       tracing: bool) -> None:
+    """Validate ``--trace-params`` / ``--trace-every``; raises ``ConfigError`` naming the bad value.
+
+    ``known`` is every parameter name of the experiment (any stage: each stage
+    keeps the names it owns); ``activation_grad`` is always a valid name.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"--trace-every must be an integer >= 1, got {every!r}")
+    if (names is not None or every != 1) and not tracing:
+        raise ConfigError("--trace-params and --trace-every need --trace PATH")
+    if names is not None:
+        valid = set(known) | {"activation_grad"}
+        unknown = sorted(set(names) - valid)
+        if unknown or not names:
+            raise ConfigError(f"--trace-params: unknown name(s) {', '.join(unknown) or '(none given)'}; "
+                              f"the experiment's are {', '.join(sorted(valid))}")
+
+
+def parse_trace_params(text: str | None) -> frozenset[str] | None:
+    """``"w1,b1"`` -> ``{"w1", "b1"}``; None (every parameter) when not given."""
+    if text is None:
+        return None
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+class TraceWriter:
+    """Writes one JSON line per traced step; a no-op when ``path`` is None.
+
+    ``params`` keeps only these names in a line's ``grads`` and ``params``
+    (None: all); ``every`` traces the steps that are multiples of it, and
+    ``last_step`` too. A line's size is about 21 bytes per float32 value, for
+    each parameter and its gradient: a full trace of a large model is large,
+    and the first line over ``TRACE_WARN_BYTES`` logs one warning.
+    """
+
+    def __init__(self, path: str | Path | None, append: bool = False, params: AbstractSet[str] | None = None,
+                 every: int = 1, last_step: int | None = None) -> None:
+        self._file: IO[str] | None = None
+        self.path = Path(path) if path is not None else None
+        self.names = frozenset(params) if params is not None else None
+        self.every, self.last_step = every, last_step
+        self._warned = False
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def flush(self) -> None:
+        """Make every line written so far durable (called before a checkpoint is saved)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def rollback(self, step: int) -> None:
+        """Drop the lines of steps after ``step`` (a rollback to that step's state).
+
+        A torn last line, left by a crash, is dropped too.
+        """
+        if self._file is None or self.path is None:
+            return
+        self._file.close()
+        kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:       # replaced atomically: a crash keeps the old file
+            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def wants(self, step: int) -> bool:
+        """Whether ``write(step, ...)`` writes a line: callers copy what they trace only then."""
+        return self._file is not None and (step % self.every == 0 or step == self.last_step)
+
+    def _kept(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return to_lists({k: v for k, v in arrays.items() if self.names is None or k in self.names})
+
+    def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
+              params: Mapping[str, np.ndarray], client: int | None = None) -> None:
+        """One line for ``step`` (of ``client``'s turn, for a stage serving several) if it is traced."""
+        if not self.wants(step):
+            return
+        assert self._file is not None
+        line: dict[str, Any] = {"step": step, "grads": self._kept(grads), "params": self._kept(params)}
+        if client is not None:
+            line["client"] = client
+        if loss is not None:
+            line["loss"] = float(loss)
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        if len(text) > TRACE_WARN_BYTES and not self._warned:
+            self._warned = True
+            log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
+                        "--trace-params NAME,... and --trace-every K make it smaller", self.path, len(text) / 1e6)
+        self._file.write(text)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_trace(path: str | Path, tolerate_torn: bool = False) -> list[dict[str, Any]]:
+    """The lines of a trace file; with ``tolerate_torn``, lines that do not parse are skipped."""
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for text in f:
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                if not tolerate_torn:
+                    raise
+    return lines
+
+
+def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One summary from per-stage summaries: ``params`` and ``cpu_s`` joined by stage
+    (``{stage: ...}``), every other field from the first summary that has it
+    (pass the driving stage's first)."""
+    merged: dict[str, Any] = {"params": {}}
+    for summary in summaries:
+        for key, value in summary.items():
+            if key == "params":
+                merged["params"].update(value)
+            elif key == "cpu_s":
+                merged.setdefault("cpu_s", {})[summary.get("stage", "?")] = value
+            elif key != "stage":
+                merged.setdefault(key, value)
+    return merged
+
+
+def _read_part(path: str | Path, what: str) -> list[dict[str, Any]]:
+    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one."""
+    try:
+        return read_trace(path)
+    except FileNotFoundError as e:
+        raise StageError(f"no {what} file {path}: the stage that should have written it wrote none") from e
+    except json.JSONDecodeError as e:
+        raise StageError(f"{what} file {path} is not JSON lines: {e}") from e
+
+
+def _client_of(line: Mapping[str, Any], client: int | None, path: str | Path) -> int | None:
+    """The client a line belongs to: its own ``client`` key, else the client whose file it is."""
+    said = line.get("client", client)
+    if client is not None and said != client:
+        raise StageError(f"{path}: a line of client {said} in the file of client {client}")
+    return said
+
+
+def _by_step_and_client(key: tuple[int, int | None]) -> tuple[int, int]:
+    return key[0], -1 if key[1] is None else key[1]
+
+
+def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]]) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+
+
+def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:
+    """Join the clients' metrics files (``paths[k]`` is client ``clients[k]``'s) into ``out``:
+    each line gains ``"client": K``, sorted by step then client. Raises ``StageError`` for a
+    missing or unreadable file."""
+    merged = []
+    for path, client in zip(paths, clients, strict=True):
+        for line in _read_part(path, "metrics"):
+            merged.append({**line, "client": _client_of(line, client, path)})
+    merged.sort(key=lambda line: (line["step"], line["client"]))
+    _write_lines(out, merged)
+
+
+def merge_traces(paths: Sequence[str | Path], out: str | Path,
+                 clients: Sequence[int | None] | None = None) -> None:
+    """Join per-process traces on (step, client): one line per step with every stage's values.
+
+    ``clients[k]`` is the client whose lines ``paths[k]`` holds (None: lines of no client, or
+    lines that say theirs in a ``client`` key, as the serving stage of several clients writes).
+    Two stages or a chain give one line per step, as each stage's; several clients give one line
+    per (step, client) with ``client``, that client's values and the serving stage's after its
+    turn. Sorted by step then client. Raises ``StageError`` for a missing file.
+    """
+    clients = [None] * len(paths) if clients is None else clients
+    merged: dict[tuple[int, int | None], dict[str, Any]] = {}
+    for path, client in zip(paths, clients, strict=True):
+        for line in _read_part(path, "trace"):
+            who = _client_of(line, client, path)
+            entry = merged.get((line["step"], who))
+            if entry is None:
+                entry = merged[line["step"], who] = {"step": line["step"]}
+                if who is not None:
+                    entry["client"] = who
+                entry.update(grads={}, params={})
+            entry["grads"].update(line.get("grads", {}))
+            entry["params"].update(line.get("params", {}))
+            if "loss" in line:
+                entry["loss"] = line["loss"]
+    _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)))
+
+
+CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count",
+                         "evaluations")
+
+
+def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mapping[str, Any] | None,
+                           **run: Any) -> dict[str, Any]:
+    """One summary of a run with several clients from each client's summary (in client order)
+    and the serving stage's (None when it wrote none, e.g. a run finished earlier).
+
+    The top level holds only what is true of the whole run: ``experiment``, ``steps`` (rounds),
+    ``seed``, ``micro_batches``, ``elapsed_s`` (the longest process's), ``cpu_s`` and ``params``
+    (``{process: ...}``), ``status`` (the serving stage's, else the clients' if they agree), then
+    ``run`` (e.g. ``mode``, ``transport``). Each client's ``run_id``, ``steps``, ``final_loss``,
+    ``status`` and evaluation are in ``clients``, one entry per client; the serving stage's view
+    of a client's status (``dropped``) wins over the client's own.
+    """
+    first = clients[0]
+    seen = {entry.get("client"): entry for entry in (serving or {}).get("clients", [])}
+    per_client = []
+    for k, summary in enumerate(clients):
+        entry: dict[str, Any] = {"client": k}
+        entry.update({key: summary[key] for key in CLIENT_SUMMARY_FIELDS if key in summary})
+        if "status" in seen.get(k, {}):
+            entry["status"] = seen[k]["status"]
+        per_client.append(entry)
+    statuses = {entry.get("status") for entry in per_client}
+    parts = [*clients, *([serving] if serving is not None else [])]
+    merged = merge_summaries(parts)
+    return {
+        "experiment": first["experiment"],
+        "steps": serving.get("rounds", serving["steps"]) if serving is not None else max(
+            entry.get("steps", 0) for entry in per_client),
+        "seed": first.get("seed"),
+        "micro_batches": first.get("micro_batches", 1),
+        "elapsed_s": max(part.get("elapsed_s", 0.0) for part in parts),
+        "cpu_s": merged.get("cpu_s", {}),
+        "status": serving["status"] if serving is not None else statuses.pop() if len(statuses) == 1 else "mixed",
+        **run,
+        "clients": per_client,
+        "params": merged["params"],
+    }

@@ -1,0 +1,224 @@
+"""A stage's connection to the stage below it: requests, bounded waits, retries, the handshake.
+
+The first stage drives its chain through a ``DownstreamLink``; a middle stage
+passes what it receives on through one. Every wait is bounded by
+``timeout_s``; an unanswered request is resent on a fresh socket (the Lazy
+Pirate pattern) until ``peer_deadline_s``, which is safe because the stage
+below answers a repeated request from its cache without a second update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping
+
+import numpy as np
+import zmq
+
+from distgrad.wire import messages as wire
+from distgrad.errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.wire.transport import POLL_TICK_S, Client, SocketSecurity, Traffic
+from distgrad.wire.messages import ErrorCode, Message, frame_limit
+from distgrad.wire.wirecodec import Expected
+
+RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
+
+Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """The bounds of one connection: who this side is (``name``, in logs and hellos) and, in seconds,
+    how long one reply may take, how long a silent peer is still live, how long to retry before
+    giving up, and how long to spin before blocking."""
+
+    name: str
+    timeout_s: float
+    liveness_s: float
+    peer_deadline_s: float
+    spin_s: float = 0.0
+
+
+class DownstreamLink:
+    """Requests from one stage to the stage serving at ``connect``.
+
+    ``reply_specs`` are the tensors a backward reply must carry (one
+    micro-batch's activation gradient, as its codec sends it; None: replies
+    carry no tensors, as in ``distgrad predict``); they bound what this side
+    accepts.
+    Replies to other pending requests that arrive while waiting for one are
+    kept until asked for.
+    """
+
+    def __init__(self, settings: LinkSettings, connect: str, check_stop: Callable[[], None], ctx: zmq.Context,
+                 security: SocketSecurity | None, reply_specs: Expected | None, traffic: Traffic | None = None,
+                 other_replies: Specs | None = None) -> None:
+        self.opts, self.connect, self.check_stop, self.ctx, self.security = settings, connect, check_stop, ctx, security
+        self.reply_specs = reply_specs
+        # The biggest reply is a backward one (an evaluation carries no tensors), or one of
+        # ``other_replies`` (a SplitFed average: the first stage's parameters).
+        self.other_limits = frame_limit(other_replies) if other_replies else (0, 0)
+        self.max_frame, self.max_tensor = self._limits()
+        self.traffic = traffic or Traffic()
+        self.log = logging.getLogger(f"distgrad.{settings.name}")
+        # Replies that came while waiting for another, by (step, micro-batch, type): with steps in flight
+        # (staleness) a forward's reply and an evaluation's may share a step and micro-batch.
+        self.arrived: dict[tuple[int, int, str], Message] = {}
+        self.run_id = ""
+        self.client = self._new_client()
+
+    def set_reply_specs(self, reply_specs: Expected) -> None:
+        """Expect other backward tensors (the micro-batch count changed); reconnects if limits grow."""
+        self.reply_specs = reply_specs
+        limits = self._limits()
+        if limits != (self.max_frame, self.max_tensor):
+            self.max_frame, self.max_tensor = limits
+            self.client.close(linger_ms=0)
+            self.client = self._new_client()
+
+    def _limits(self) -> tuple[int, int]:
+        frame, tensor = frame_limit(self.reply_specs.specs if self.reply_specs is not None else {})
+        return max(frame, self.other_limits[0]), max(tensor, self.other_limits[1])
+
+    def _new_client(self) -> Client:
+        return Client(self.ctx, self.connect, self.max_frame, self.max_tensor, self.opts.liveness_s,
+                      self.security, self.traffic, self.opts.spin_s)
+
+    def send(self, msg: Message) -> None:
+        self.client.send(msg)
+
+    def exchange(self, msg: Message, types: Collection[str] | None = None) -> Message:
+        """Send ``msg`` and return its reply (of one of ``types``, when given), with the retries of
+        ``await_reply``.
+
+        A hello refused because the stage below is busy with another live run
+        is retried too, until ``peer_deadline_s``.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            key = (msg.step, msg.mb)
+            self.client.send(msg)
+            try:
+                return self.await_reply({key: msg}, key, types)
+            except PeerRejected as e:
+                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
+                    raise
+                self.log.warning("%s; retrying", e.peer_message)
+            self._reconnect(pause)
+            pause = min(pause * 2, RETRY_BACKOFF_S[1])
+
+    def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int],
+                    types: Collection[str] | None = None) -> Message:
+        """The reply to ``pending[key]`` (of one of ``types``, or an error, when given); replies to other
+        pending requests, and of other types, are kept for later.
+
+        After each ``timeout_s`` without it, reconnect on a fresh socket and
+        resend every pending request in order, until ``peer_deadline_s``; then
+        raise ``PeerTimeout`` naming the endpoint. Raises ``PeerRejected`` for
+        an error reply, ``ProtocolError`` for a malformed one.
+        """
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
+            reply = self._take(key, types)
+            if reply is not None:
+                return reply
+            try:
+                reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.check_stop,
+                                         pending[key].describe)
+            except PeerTimeout as e:
+                if time.monotonic() + pause > deadline:
+                    raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
+                self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
+                                 self.connect, self.opts.timeout_s, deadline - time.monotonic())
+                self._reconnect(pause)
+                pause = min(pause * 2, RETRY_BACKOFF_S[1])
+                for request_key in sorted(pending):
+                    self.client.send(pending[request_key])
+                continue
+            self.arrived[(reply.step, reply.mb, reply.type)] = reply
+
+    def _take(self, key: tuple[int, int], types: Collection[str] | None) -> Message | None:
+        """An arrived reply to ``key`` of one of ``types`` (any, when None), removed from ``arrived``."""
+        for step, mb, kind in self.arrived:
+            if (step, mb) == key and (types is None or kind in types or kind == wire.ERROR):
+                return self.arrived.pop((step, mb, kind))
+        return None
+
+    def _reconnect(self, pause: float) -> None:
+        self.client.close(linger_ms=0)
+        end = time.monotonic() + pause
+        while time.monotonic() < end:
+            self.check_stop()
+            time.sleep(min(POLL_TICK_S, max(0.0, end - time.monotonic())))
+        self.client = self._new_client()
+
+    def handshake(self, hello: Message, client: int | None = None) -> int:
+        """Send ``hello`` (``handshake.hello``) and return the step the stage below stands at: one of the
+        hello's ``held`` steps, or for a ``client`` of a stage serving several, possibly a later step
+        (the steps it missed after being dropped). Raises ``ProtocolError`` for another answer."""
+        self.run_id = hello.run
+        self.arrived.clear()
+        welcome = self.exchange(hello)
+        held = hello.body["held"]
+        next_step = welcome.body.get("next_step")
+        if (welcome.type != wire.WELCOME or not isinstance(next_step, int) or isinstance(next_step, bool)
+                or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
+            raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
+                                               f"got {welcome.describe()} {wire.show(welcome.body)}")
+        self.log.info("run %s: connected to stage %s at %s (%s); at step %d", hello.run,
+                      wire.show(welcome.body.get("stage")), self.connect,
+                      "CURVE: the link is encrypted" if self.security is not None else "plaintext", next_step - 1)
+        return next_step - 1
+
+    def close(self, linger_ms: int | None = None) -> None:
+        if linger_ms is None:
+            self.client.close()
+        else:
+            self.client.close(linger_ms)
+
+
+def check_backward(reply: Message, step: int, specs: Expected, allow_nonfinite: bool
+                   ) -> tuple[np.float32, np.ndarray]:
+    """``(loss, activation_grad)`` of a backward reply, the gradient decoded with its codec; raises
+    ``ProtocolError`` if it is not one."""
+    if reply.type != wire.BACKWARD:
+        raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
+    dy = specs.receive(reply, allow_nonfinite)
+    loss = reply.body.get("loss")
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
+    return np.float32(loss), dy
+
+
+def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: bool,
+                below: str) -> tuple[np.float32, np.ndarray]:
+    """``check_backward`` for the reply of stage ``below``; a NaN or Inf in it raises ``NonFiniteError``
+    (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong. Any other
+    ``ProtocolError`` is raised again naming the stage, the step and the micro-batch of the reply."""
+    try:
+        loss, dy = check_backward(reply, step, specs, allow_nonfinite)
+    except ProtocolError as e:
+        if e.code != ErrorCode.NONFINITE:
+            raise ProtocolError(e.code, f"stage {below}'s reply to step {step} micro-batch {reply.mb}/{reply.mbs}: "
+                                        f"{e.args[0]}") from e
+        raise NonFiniteError(f"stage {below}: non-finite activation_grad at step {step} in its reply; "
+                             f"nothing of this step was applied here") from e
+    if not allow_nonfinite and not np.isfinite(loss):
+        raise NonFiniteError(f"stage {below}: non-finite loss at step {step} in its reply; "
+                             f"nothing of this step was applied here")
+    return loss, dy
+
+
+def check_evaluation(reply: Message) -> dict[str, Any]:
+    """The body of an evaluation reply; raises ``ProtocolError`` if it is not one."""
+    body = reply.body
+    if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
+        raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
+    correct = body.get("correct")
+    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)):
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}")
+    return {"loss": body["loss"], "correct": correct, "count": body["count"]}

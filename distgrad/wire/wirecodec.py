@@ -1,0 +1,238 @@
+"""Where the wire codecs (``distgrad.wire.codecs``) meet the messages: the one place every runner encodes and decodes.
+
+Each experiment names a codec per direction: ``activation_codec`` for the
+activations going down, ``gradient_codec`` for the activation gradients coming
+back up (``Experiment.codecs``). This module turns a codec into what the
+runners need:
+
+* ``WireTensor``: one logical float32 tensor of a message (its name, its
+  shape, its codec), with the message tensors that carry it (``specs``, for
+  ``wire.expect_tensors``), how to put encoded parts in a message (``pack``)
+  and how to take them out again, validated, as the float32 tensor the
+  receiver computes with (``unpack``). A tensor coded with ``none`` is the
+  tensor itself under its own name, exactly as before codecs existed; any
+  other codec sends its parts as ``NAME.PART`` (``activation.q``,
+  ``activation.scale``).
+* ``Senders``: what a stage encodes its outgoing tensors with, with the
+  error-feedback residuals of ``topk:K+ef``. A residual belongs to a tensor
+  *stream* (one direction, one peer, one micro-batch index); a step's new
+  residuals are pending until the step is applied (``commit``, called by the
+  step engine) and forgotten when the step is dropped (``discard``), so a
+  micro-batch sent again after a rollback is encoded from the same residual.
+
+The sender computes with its own unrounded values; only what crosses is
+coded. The in-process reference calls ``Senders.roundtrip`` at exactly the
+points where a tensor would cross, which makes it bitwise equal to a run over
+the wire. Evaluations (held-out rows) cross with the activation codec too, but
+without error feedback: they change no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+import numpy as np
+
+from distgrad.wire.codecs import Codec, ErrorFeedback, NoneCodec, Parts
+from distgrad.errors import ConfigError, ProtocolError
+from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, expect_tensors
+
+ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
+DIRECTIONS = (ACTIVATION, GRADIENT)
+STATE_PREFIX = "codec/"     # checkpoint array names of error-feedback residuals: codec/DIRECTION/STREAM
+
+Shape = tuple[int, ...]
+TensorSpecs = dict[str, tuple[Shape, np.dtype]]
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One float32 tensor named ``name`` of ``shape`` as it crosses with ``codec``."""
+
+    name: str
+    shape: Shape
+    codec: Codec
+
+    def part_name(self, part: str) -> str:
+        """The message tensor carrying ``part``: the tensor's own name for ``none``, else ``NAME.PART``."""
+        return self.name if self.codec.name == "none" else f"{self.name}.{part}"
+
+    @property
+    def specs(self) -> TensorSpecs:
+        """``{message tensor: (shape, dtype)}`` in frame order (for ``wire.expect_tensors``)."""
+        return {self.part_name(part): spec for part, spec in self.codec.wire_specs(self.shape).items()}
+
+    def pack(self, parts: Parts) -> dict[str, np.ndarray]:
+        """The message tensors of encoded ``parts`` (``Codec.encode`` or ``Senders.encode``)."""
+        return {self.part_name(part): array for part, array in parts.items()}
+
+    def unpack(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
+        """The decoded float32 tensor, put in ``msg.tensors`` under ``name`` in place of its parts (first).
+
+        ``msg`` must already have passed ``wire.expect_tensors`` against
+        ``specs``. Raises ``ProtocolError``: ``tensor`` for parts no encoder
+        produces (indices out of range, a code of -128, ...), ``nonfinite``
+        for a decoded NaN or Inf (a bfloat16 bit pattern) unless allowed.
+        Changes ``msg`` only when it returns.
+        """
+        if self.codec.name == "none":
+            return msg.tensors[self.name]
+        names = {part: self.part_name(part) for part in self.codec.wire_specs(self.shape)}
+        value = self.codec.decode({part: msg.tensors[name] for part, name in names.items()}, self.shape)
+        if not allow_nonfinite and not all_finite(value):
+            raise ProtocolError(ErrorCode.NONFINITE, f"tensor {self.name!r} ({self.codec.name}) holds NaN or Inf, "
+                                                     f"which this experiment forbids")
+        rest = {k: v for k, v in msg.tensors.items() if k not in names.values()}
+        msg.tensors = {self.name: value, **rest}
+        return value
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one message must carry: a coded tensor (``coded``) and plain ones (``others``, e.g. the
+    targets that travel with the activations), in frame order."""
+
+    coded: WireTensor
+    others: TensorSpecs = field(default_factory=dict)
+
+    @property
+    def specs(self) -> TensorSpecs:
+        """Every message tensor with its shape and dtype (for ``wire.expect_tensors`` and frame limits)."""
+        return {**self.coded.specs, **self.others}
+
+    @cached_property
+    def layout(self) -> FrameLayout:
+        """``specs`` with each frame's byte length, built once: what a binary-header message is read against."""
+        return FrameLayout(self.specs)
+
+    def receive(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
+        """Check ``msg``'s tensors (``wire.expect_tensors``; a binary-header message's frames are read against
+        ``layout``), then decode the coded one in place (``WireTensor.unpack``) and return it. Raises
+        ``ProtocolError``; ``msg`` is unchanged then."""
+        expect_tensors(msg, self.layout, allow_nonfinite)
+        return self.coded.unpack(msg, allow_nonfinite)
+
+    def with_rows(self, rows: int) -> "Expected":
+        """The same tensors with ``rows`` rows (the held-out rows of an evaluation). Raises ``ProtocolError``
+        (``tensor``) when the codec cannot carry that shape (``topk:K`` of an unbatched tensor shorter
+        than ``K``)."""
+        coded = WireTensor(self.coded.name, (rows, *self.coded.shape[1:]), self.coded.codec)
+        try:
+            coded.codec.check_shape(coded.shape)
+        except ConfigError as e:
+            raise ProtocolError(ErrorCode.TENSOR, f"an evaluation of {rows} rows: {e}") from e
+        return Expected(coded, {name: ((rows, *shape[1:]), dtype) for name, (shape, dtype) in self.others.items()})
+
+
+def stream_name(direction: str, micro_batch: int, micro_batches: int, peer: str = "") -> str:
+    """The error-feedback stream of one tensor a stage sends every step: its direction, the peer it goes to
+    (a client or feature party of a stage serving several; "" otherwise) and its micro-batch of how many."""
+    return f"{direction}/{peer + '/' if peer else ''}mb{micro_batch}of{micro_batches}"
+
+
+class Senders:
+    """What one stage encodes its outgoing activations and activation gradients with.
+
+    ``codecs`` maps each direction (``ACTIVATION``, ``GRADIENT``) to its
+    codec (a missing one: ``none``). Only ``topk:K+ef`` keeps state: a float32 residual per stream
+    (``stream_name``), zeros at first. ``encode`` and ``roundtrip`` use the
+    committed residual of the stream and keep its new value pending until
+    ``commit`` (the step was applied) or ``discard`` (the step was dropped).
+    The committed residuals are stage state: ``state_arrays`` /
+    ``load_state_arrays`` for checkpoints, ``reset`` for a fresh start.
+    """
+
+    def __init__(self, codecs: Mapping[str, Codec]) -> None:
+        unknown = set(codecs) - set(DIRECTIONS)
+        if unknown:
+            raise ValueError(f"unknown codec directions {sorted(unknown)}; use {list(DIRECTIONS)}")
+        self.codecs = {direction: codecs.get(direction, NoneCodec()) for direction in DIRECTIONS}
+        self._committed: dict[str, np.ndarray] = {}
+        self._pending: dict[str, np.ndarray] = {}
+
+    def codec(self, direction: str) -> Codec:
+        return self.codecs[direction]
+
+    @property
+    def stateful(self) -> bool:
+        """Whether any direction keeps error-feedback residuals."""
+        return any(codec.error_feedback for codec in self.codecs.values())
+
+    def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> Parts:
+        """The parts of float32 ``x`` sent on ``stream`` at ``step``. Raises ``CodecRangeError`` (nothing
+        changes then) for a value the codec cannot carry."""
+        return self._send(direction, x, stream, step, "encode")
+
+    def roundtrip(self, direction: str, x: np.ndarray, stream: str, step: int) -> np.ndarray:
+        """What the receiver computes with for ``x`` sent on ``stream`` (the in-process twin of ``encode``,
+        with the same residuals)."""
+        return self._send(direction, x, stream, step, "roundtrip")
+
+    def _send(self, direction: str, x: np.ndarray, stream: str, step: int, how: str) -> Any:
+        """``encode`` or ``roundtrip`` (``how``) of the direction's codec, through the stream's error feedback
+        when it keeps one (its new residual pending until the step's update)."""
+        codec = self.codecs[direction]
+        if not codec.error_feedback:
+            return getattr(codec, how)(x, stream, step)
+        feedback = self._feedback(codec, stream)
+        sent = getattr(feedback, how)(x, stream, step)
+        self._pending[stream] = feedback.state_arrays()[stream]
+        return sent
+
+    def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
+        """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``)."""
+        return WireTensor(direction, x.shape, self.codecs[direction]).pack(self.encode(direction, x, stream, step))
+
+    def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
+        """The message tensors of held-out activations ``x``: the activation codec without error feedback
+        (an evaluation changes no state)."""
+        codec = self.codecs[ACTIVATION]
+        return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, ACTIVATION, step))
+
+    def evaluation_roundtrip(self, x: np.ndarray, step: int) -> np.ndarray:
+        """What the receiver computes with for held-out activations ``x`` (twin of ``evaluation_tensors``)."""
+        return self.codecs[ACTIVATION].roundtrip(x, ACTIVATION, step)
+
+    def _feedback(self, codec: Codec, stream: str) -> ErrorFeedback:
+        """An ``ErrorFeedback`` holding ``stream``'s committed residual (none yet: zeros)."""
+        feedback = ErrorFeedback(codec)
+        residual = self._committed.get(stream)
+        if residual is not None:
+            feedback.load_state_arrays({stream: residual})
+        return feedback
+
+    def commit(self) -> None:
+        """The step whose tensors were sent is applied: their new residuals become the stage's."""
+        if self._pending:
+            self._committed.update(self._pending)
+            self._pending = {}
+
+    def discard(self) -> None:
+        """The step in progress is dropped: forget the residuals it computed."""
+        self._pending = {}
+
+    def reset(self) -> None:
+        """Zero every residual (a new run, or a rollback to step 0)."""
+        self._committed, self._pending = {}, {}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The committed residuals, named ``codec/STREAM`` (sorted), for a checkpoint."""
+        return {STATE_PREFIX + name: self._committed[name].copy() for name in sorted(self._committed)}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take the residuals among checkpoint ``arrays`` (names starting ``codec/``; others are ignored);
+        every other residual is zero. Raises ``ValueError`` for one that is not float32."""
+        loaded = {}
+        for name, array in arrays.items():
+            if name.startswith(STATE_PREFIX):
+                if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+                    raise ValueError(f"checkpoint residual {name!r} must be a float32 array")
+                loaded[name[len(STATE_PREFIX):]] = np.array(array, np.float32)
+        self._committed, self._pending = loaded, {}
+
+
+def without_codec_state(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoint ``arrays`` without the residuals (what ``Stage.load_state_arrays`` takes)."""
+    return {name: value for name, value in arrays.items() if not name.startswith(STATE_PREFIX)}
