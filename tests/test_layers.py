@@ -103,3 +103,20 @@ def test_the_architecture_page_names_every_folder():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     for folder in (p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name in LAYER):
         assert f"distgrad/{folder}" in page, f"docs/architecture.md does not describe distgrad/{folder}"
+
+
+def test_what_leaves_a_stage_passes_one_pipeline():
+    """Issue 22.3: every runner (the in-process reference, the driver, the serving stage, a middle stage,
+    vertical parties, predictions) sends a tensor across the cut through ``wirecodec.Senders``: outside
+    ``distgrad/wire`` nothing encodes, decodes or round-trips a tensor with a codec directly, so a new
+    transformation of what is sent is added in one place."""
+    direct = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] in {"wire", *DATA_FOLDERS}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in {"encode", "decode", "roundtrip", "evaluation_roundtrip"}
+                    and "codec" in ast.unparse(node.func.value).lower()):
+                direct.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not direct, "send through Senders (distgrad/wire/wirecodec.py), not a codec:\n" + "\n".join(direct)

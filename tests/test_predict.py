@@ -356,3 +356,36 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     assert info.value.code == ErrorCode.MISMATCH and server.sessions["right"].chunks == {}
     server.handle(chunk("right", ["a", "b"]), 0.3)
     assert server.predictions[1].shape == (2,) and server.prediction_ids[1] == ["a", "b"]
+
+
+def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):
+    """Issue 22.3: what leaves a stage passes one pipeline in every runner (``Senders``); a prediction's
+    activations cross as an evaluation's do, coded with the interface's activation codec (chunk n at step n),
+    so the label owner's predictions are those of the decoded activations, chunk by chunk."""
+    from distgrad.wire.wirecodec import Senders
+    coded = tmp_path / "coded"
+    for party in ("f", "g"):
+        (coded / "parties" / party).mkdir(parents=True)
+        for item in (trained / "parties" / party).iterdir():
+            text = item.read_bytes()
+            if item.suffix == ".toml":
+                text = text.replace(b"[interface]\n", b'[interface]\nactivation_codec = "topk:3"\n', 1)
+            (coded / "parties" / party / item.name).write_bytes(text)
+    (coded / "halves").symlink_to(trained / "halves")
+    rows = np.random.default_rng(2).integers(0, 17, size=(70, 64)).astype(np.float32)
+    np.savetxt(tmp_path / "rows.csv", rows, delimiter=",", fmt="%d")
+    output = tmp_path / "predictions.npy"
+    _predict(coded, tmp_path, output, "--input", tmp_path / "rows.csv")
+    exp = load_experiment([coded / "parties" / "f" / "f.toml", coded / "parties" / "g" / "g.toml"])
+    assert exp.codecs["activation"].name == "topk:3"
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(trained / "halves" / "f.npz")
+    g.load_parameters(trained / "halves" / "g.npz")
+    senders, expected, uncoded = Senders(exp.codecs), [], []
+    for number, start in enumerate(range(0, len(rows), exp.batch), start=1):
+        y = f.forward(rows[start:start + exp.batch] * np.float32(0.0625), training=False)[0]
+        crossed = senders.evaluation_roundtrip(y, number)
+        expected.append(exp.final_loss.predict(g.forward(crossed, training=False)[0]))
+        uncoded.append(exp.final_loss.predict(g.forward(y, training=False)[0]))
+    assert not np.array_equal(np.concatenate(expected), np.concatenate(uncoded)), "topk:3 should change a prediction"
+    assert np.array_equal(np.load(output), np.concatenate(expected))

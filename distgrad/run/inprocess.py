@@ -22,7 +22,6 @@ from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
-from distgrad.wire.codecs import Codec
 from distgrad.stage.records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
 from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                     parameters_file)
@@ -230,10 +229,11 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
 
 def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
                        step: int) -> dict[str, Any]:
-    """Every party's held-out rows forward (coded as they cross), combined, scored by the last stage."""
-    codec = exp.codecs[ACTIVATION]
-    z = aggregate.combine(exp.aggregate, [codec.roundtrip(party.forward(d.test_features(), training=False)[0],
-                                                          ACTIVATION, step + 1)
+    """Every party's held-out rows forward (each crossing as ``Senders.evaluation_roundtrip`` makes it, as the
+    evaluation message after ``step`` carries it), combined, scored by the last stage."""
+    senders = Senders(exp.codecs)
+    z = aggregate.combine(exp.aggregate, [senders.evaluation_roundtrip(party.forward(d.test_features(),
+                                                                                     training=False)[0], step + 1)
                                           for party, d in zip(parties, data)])
     return last.evaluate_last(z, labels.test_targets())
 
@@ -268,14 +268,14 @@ class _ParameterFiles:
             built.save_parameters(path)
 
 
-def _evaluate(upstream: list[Stage], last: Stage, data, labels, codec: Codec, step: int) -> dict[str, Any]:
+def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int) -> dict[str, Any]:
     """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
-    activation crosses with the activation ``codec`` (no error feedback: an evaluation changes nothing),
-    as the evaluation message after ``step`` carries it."""
+    activation crosses as ``senders.evaluation_roundtrip`` makes it (no error feedback: an evaluation changes
+    nothing), as the evaluation message after ``step`` carries it."""
     x = data.test_features()
     for stage in upstream:
         x, _ = stage.forward(x, training=False)
-        x = codec.roundtrip(x, ACTIVATION, step + 1)
+        x = senders.evaluation_roundtrip(x, step + 1)
     return last.evaluate_last(x, labels.test_targets())
 
 
@@ -319,7 +319,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if _due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = _evaluate([client], last, data[c], labels[c], exp.codecs[ACTIVATION], step)
+                    scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step)
                     evaluations[c].append(evaluation_entry(step, scores[c]))
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
@@ -422,7 +422,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                 log.info("step %d/%d loss %.6g", step, steps, loss)
             if len(data.test_rows) and _due(step, steps, eval_every):
                 evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels, step) if exp.vertical
-                              else _evaluate(upstream, last, data, labels, exp.codecs[ACTIVATION], step))
+                              else _evaluate(upstream, last, data, labels, Senders(exp.codecs), step))
                 evaluations.append(evaluation_entry(step, evaluation))
                 log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
     for stage in stages:

@@ -10,8 +10,9 @@ prediction and the label owner never sees a row.
 
 Messages (docs/protocol.md): a ``hello`` with ``purpose = "predict"``, the
 interface check of training, and the number of rows; ``predict`` messages
-(``step`` = chunk number from 1, tensor ``activation`` of 1 to ``batch``
-rows), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
+(``step`` = chunk number n from 1, tensor ``activation`` of
+``min(batch, rows - (n - 1) * batch)`` rows, coded as an evaluation's activations are:
+``Senders.evaluation_tensors``), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
 chunk and row counts, answered once the file is written. A chunk sent again
 (a retry) replaces itself, so a retry never duplicates rows.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import io
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.wirecodec import ACTIVATION, Expected, WireTensor
 
 MAX_CHUNKS = 1 << 20        # chunks one prediction may send (a bound on the label owner's memory)
 OUTPUT_SUFFIXES = (".csv", ".npy")
@@ -82,7 +83,7 @@ class _Session:
     run: str
     chunks: dict[int, np.ndarray]
     last_seen: float
-    rows: int                     # the rows its hello announced: at most ``ceil(rows / batch)`` chunks
+    rows: int                     # the rows its hello announced, in ``ceil(rows / batch)`` chunks of ``batch`` (the last: the rest)
     most_chunks: int
     done: bool = False
     bye: tuple[Any, Message] | None = None   # a feature party's bye, answered once every party's rows are in
@@ -225,7 +226,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
         for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
             y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
             reply = link.exchange(Message(wire.PREDICT, run, number, body={} if ids is None else {"ids": ids},
-                                          tensors={"activation": y}))
+                                          tensors=state.senders.evaluation_tensors(y, number)))
             acknowledged += _acknowledged(reply, number, len(chunk))
         reply = link.exchange(Message(wire.BYE, run, len(chunks) + 1, body={"chunks": len(chunks),
                                                                                "rows": len(rows)}))
@@ -366,17 +367,14 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
                                                 f"{session.rows} rows the hello announced)")
         sender = next(name for name, s in self.sessions.items() if s is session)
-        row_shape = self.row_shapes[sender]
-        activation = msg.tensors.get("activation")
         batched = self.exp.batch is not None
-        rows = len(activation) if activation is not None and batched and activation.ndim else 1
-        expected = (rows, *row_shape) if batched else row_shape
-        if (set(msg.tensors) != {"activation"} or activation.dtype != np.float32 or tuple(activation.shape) != expected
-                or not 1 <= rows <= (self.exp.batch or 1)):
-            raise ProtocolError(ErrorCode.TENSOR, f"chunk {msg.step} must carry one float32 'activation' of 1 to "
-                                                  f"{self.exp.batch or 1} rows of shape {row_shape}")
-        if not self.exp.allow_nonfinite and not np.isfinite(activation).all():
-            raise ProtocolError(ErrorCode.NONFINITE, f"chunk {msg.step} holds NaN or Inf")
+        rows = min(self.exp.batch, session.rows - (msg.step - 1) * self.exp.batch) if batched else 1
+        row_shape = self.row_shapes[sender]
+        coded = WireTensor(ACTIVATION, (rows, *row_shape) if batched else row_shape, self.exp.codecs[ACTIVATION])
+        try:
+            activation = Expected(coded).receive(msg, self.exp.allow_nonfinite)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, f"chunk {msg.step} of {rows} rows of shape {row_shape}: {e.args[0]}") from e
         ids = self._ids_of(session, msg, rows)
         if self.vertical:
             if msg.step not in self.predictions:          # a chunk sent again after it was combined: done
@@ -393,7 +391,8 @@ class PredictionServer:
         y, _ = self.stage.forward(activation, training=False)
         if self.link is not None:
             body = {} if ids is None else {"ids": ids}
-            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body, tensors={"activation": y}))
+            reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body,
+                                               tensors=self.state.senders.evaluation_tensors(y, msg.step)))
             _acknowledged(reply, msg.step, rows)
         else:
             assert self.stage.loss is not None            # the last stage: it owns the loss

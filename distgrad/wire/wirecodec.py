@@ -13,7 +13,10 @@ runners need:
   tensor itself under its own name, exactly as before codecs existed; any
   other codec sends its parts as ``NAME.PART`` (``activation.q``,
   ``activation.scale``).
-* ``Senders``: what a stage encodes its outgoing tensors with, with the
+* ``Senders``: the one pipeline of what leaves a stage, in every runner (the
+  in-process reference, the driver, the serving and middle stages, vertical
+  parties, predictions): the stage's output, then what is done to what is sent
+  (today the codec), then the message tensors. It holds the
   error-feedback residuals of ``topk:K+ef``. A residual belongs to a tensor
   *stream* (one direction, one peer, one micro-batch index); a step's new
   residuals are pending until the step is applied (``commit``, called by the
@@ -23,8 +26,10 @@ runners need:
 The sender computes with its own unrounded values; only what crosses is
 coded. The in-process reference calls ``Senders.roundtrip`` at exactly the
 points where a tensor would cross, which makes it bitwise equal to a run over
-the wire. Evaluations (held-out rows) cross with the activation codec too, but
-without error feedback: they change no state.
+the wire. Evaluations and predictions (held-out or new rows) cross with the
+activation codec too (``evaluation_tensors``, ``evaluation_roundtrip``), but
+without error feedback: they change no state. Outside ``distgrad/wire`` nothing
+calls a codec directly (``tests/test_layers.py`` checks it).
 """
 
 from __future__ import annotations
