@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from distgrad.wire import messages as wire
 from distgrad.wire.codecs import (TENSOR_CODE, BFloat16Codec, Codec, ErrorFeedback, Float16Codec, Int8Codec, NoneCodec,
-                             TopKCodec, make_sender, parse_codec)
+                                  TopKCodec, make_sender, parse_codec)
 from distgrad.errors import CodecRangeError, ConfigError, ProtocolError
 
 ALL = ["none", "float16", "bfloat16", "int8", "topk:1", "topk:3", "topk:3+ef"]

@@ -6,13 +6,7 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
-from distgrad.model.losses import (
-    Loss,
-    MeanSquaredError,
-    SoftmaxCrossEntropy,
-    SumSquaredError,
-    build_loss,
-)
+from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, build_loss
 
 # ------------------------------------------------------------ gradient check
 #

@@ -7,19 +7,8 @@ import pytest
 
 from distgrad.model import nn
 from distgrad.errors import ConfigError
-from distgrad.model.nn import (
-    Dense,
-    ReLU,
-    Scale,
-    Sequential,
-    Sigmoid,
-    Tanh,
-    build_layer,
-    build_model,
-    make_initialiser,
-    param_rng,
-    truncated_normal,
-)
+from distgrad.model.nn import (Dense, ReLU, Scale, Sequential, Sigmoid, Tanh, build_layer, build_model,
+                               make_initialiser, param_rng, truncated_normal)
 
 # ------------------------------------------------------------ gradient check
 #

@@ -15,21 +15,8 @@ import pytest
 
 from distgrad.model import nn
 from distgrad.errors import ConfigError
-from distgrad.model.nn import (
-    Conv2D,
-    Dense,
-    Dropout,
-    Embedding,
-    Flatten,
-    ForwardContext,
-    LayerNorm,
-    MaxPool2D,
-    ReLU,
-    Reshape,
-    Sequential,
-    build_layer,
-    build_model,
-)
+from distgrad.model.nn import (Conv2D, Dense, Dropout, Embedding, Flatten, ForwardContext, LayerNorm, MaxPool2D, ReLU,
+                               Reshape, Sequential, build_layer, build_model)
 
 from test_nn import (FD_ATOL, FD_RTOL, as_float64, away_from_zero, check_inputs_untouched, check_layer_gradients,
                      numerical_grad)

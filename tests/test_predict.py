@@ -119,6 +119,28 @@ def test_the_prediction_server_refuses_bad_input_and_keeps_its_state(trained: Pa
     assert reply.type == wire.BYE and not reply.tensors and np.load(tmp_path / "out.npy").shape == (40,)
 
 
+def _predict_through_a_chain(parties: Path, halves: Path, tmp_path: Path, rows: Path, run: str) -> tuple[int, list]:
+    """g, m2 and m1 serve ``distgrad predict`` (g writes ``out-RUN.npy``), then f sends ``rows``; returns f's exit
+    code and the stopped serving processes (their exit codes and output)."""
+    procs, below = [], None
+    try:
+        for name in ("g", "m2", "m1"):
+            ready = tmp_path / f"{name}.{run}.ready"
+            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                    "--load", halves / f"{name}.npz"]
+            args += ["--output", tmp_path / f"out-{run}.npy"] if below is None else ["--connect", below]
+            procs.append(StageProcess(args, tmp_path / f"{name}.{run}.log", distgrad=True))
+            below = wait_for_file(ready, procs[-1])
+        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", halves / "f.npz",
+                     "--input", rows])
+        for p in procs:
+            p.wait(15)
+        return f.returncode, procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: Path):
     parties = tmp_path / "parties"
     assert run_cli(["split", "chain4-classify", parties]).returncode == 0
@@ -127,49 +149,21 @@ def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: P
     assert trained.returncode == 0, trained.stderr
     rows = np.random.default_rng(2).normal(size=(40, 64)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)
-    procs, below = [], None
-    try:
-        for name in ("g", "m2", "m1"):
-            ready = tmp_path / f"{name}.ready"
-            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
-                    "--load", tmp_path / "halves" / f"{name}.npz"]
-            args += ["--output", tmp_path / "out.npy"] if below is None else ["--connect", below]
-            procs.append(StageProcess(args, tmp_path / f"{name}.log", distgrad=True))
-            below = wait_for_file(ready, procs[-1])
-        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
-                     "--input", tmp_path / "rows.npy"])
-        assert f.returncode == 0, f.stderr
-        assert all(p.wait() == 0 for p in procs)
-    finally:
-        for p in procs:
-            p.stop()
+    code, procs = _predict_through_a_chain(parties, tmp_path / "halves", tmp_path, tmp_path / "rows.npy", "good")
+    assert code == 0 and [p.proc.returncode for p in procs] == [0, 0, 0], "\n".join(p.output for p in procs)
     exp = load_experiment(files)
     x = rows
     for name in exp.stage_names:
         stage = Stage.from_experiment(exp, name)
         stage.load_parameters(tmp_path / "halves" / f"{name}.npz")
         x = stage.forward(x)[0]
-    assert np.array_equal(np.load(tmp_path / "out.npy"), exp.final_loss.predict(x))
+    assert np.array_equal(np.load(tmp_path / "out-good.npy"), exp.final_loss.predict(x))
     assert "passed on 40 rows" in procs[1].output
 
     # A data owner whose --input cannot be read: the middle stages pass its notice on, every stage stops.
     np.save(tmp_path / "bad.npy", np.zeros((3, 10), np.float32))
-    procs, below = [], None
-    try:
-        for name in ("g", "m2", "m1"):
-            ready = tmp_path / f"{name}.ready2"
-            args = ["predict", parties / name / f"{name}.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
-                    "--load", tmp_path / "halves" / f"{name}.npz"]
-            args += ["--output", tmp_path / "out2.npy"] if below is None else ["--connect", below]
-            procs.append(StageProcess(args, tmp_path / f"{name}.2.log", distgrad=True))
-            below = wait_for_file(ready, procs[-1])
-        f = run_cli(["predict", parties / "f" / "f.toml", "--connect", below, "--load", tmp_path / "halves" / "f.npz",
-                     "--input", tmp_path / "bad.npy"])
-        assert f.returncode == 2, f.stderr
-        assert [p.wait(15) for p in procs] == [1, 1, 1], "\n".join(p.output for p in procs)
-    finally:
-        for p in procs:
-            p.stop()
+    code, procs = _predict_through_a_chain(parties, tmp_path / "halves", tmp_path, tmp_path / "bad.npy", "bad")
+    assert code == 2 and [p.proc.returncode for p in procs] == [1, 1, 1], "\n".join(p.output for p in procs)
     assert all("stage f stopped: --input" in p.output for p in procs)
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .common import (COMPUTE_MIN_S, HERE, HIDDEN, KIB, MIB, READY_TIMEOUT_S, STARTUP_ALLOWANCE_S, BenchError,
-                     median, say)
+from .common import (COMPUTE_MIN_S, HERE, HIDDEN, KIB, MIB, READY_TIMEOUT_S, STARTUP_ALLOWANCE_S, BenchError, median,
+                     say)
 from .procs import PROGRESS_LINE, Proc, log_time, free_tcp_port, read_status, read_summary
 
 

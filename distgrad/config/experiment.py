@@ -173,7 +173,8 @@ class Experiment:
                                                           ("gradient_codec", "--gradient-codec", gradient))
                  if given is not None]
         exp = dataclasses.replace(self, activation_codec=names[0], gradient_codec=names[1],
-                                  fingerprint=value_digest({"file": self.fingerprint, "codecs": names}, 64), _derived={},
+                                  fingerprint=value_digest({"file": self.fingerprint, "codecs": names}, 64),
+                                  _derived={},
                                   flag_origins=(*self.flag_origins, *flags))
         check_codecs(exp)
         return exp

@@ -17,9 +17,10 @@ from distgrad.config import schema
 from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES, builtin_names,
-                          check_codecs, check_staleness, check_targets, Clients, codec_name, Experiment, file_error,
-                          interface_differences, is_whole, loss_reduction, StageSpec, value_digest)
+from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
+                                        builtin_names, check_codecs, check_staleness, check_targets, Clients,
+                                        codec_name, Experiment, file_error, interface_differences, is_whole,
+                                        loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
@@ -45,7 +46,7 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     has_model, module = "model" in table, table.get("module")
     if has_model == (module is not None):
         raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
-                            f"(\"package.module:factory\" returning a torch.nn.Module), not both")
+                                 f"(\"package.module:factory\" returning a torch.nn.Module), not both")
     if has_model and not isinstance(table["model"], list):
         raise file_error(source, f"stage {name!r} needs a 'model' list of layers")
     if module is not None and (not isinstance(module, str) or module.count(":") != 1
@@ -55,26 +56,26 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
         raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
     if not isinstance(table.get("optimizer", {}), dict):
         raise file_error(source, f"stage {name!r}: 'optimizer' must be a table such as "
-                            f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
+                                 f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
     if not party and last != ("loss" in table):
         raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
     framework = table.get("framework", "torch" if module is not None else "numpy")
     if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
         raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
-                            f"torch), got {framework!r}")
+                                 f"torch), got {framework!r}")
     scheduler = table.get("scheduler")
     if scheduler is not None:
         if not isinstance(scheduler, dict) or not isinstance(scheduler.get("type"), str):
             raise file_error(source, f"stage {name!r}: 'scheduler' must be a table naming a torch.optim.lr_scheduler "
-                                f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
-                                f"got {scheduler!r}")
+                                     f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
+                                     f"got {scheduler!r}")
         if framework != "torch":
             raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
-                                f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
-                                f"(see Learning-rate schedules)")
+                                     f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
+                                     f"(see Learning-rate schedules)")
         if "schedule" in table.get("optimizer", {}):
             raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
-                                f"or 'scheduler' (torch's), not both")
+                                     f"or 'scheduler' (torch's), not both")
     device = table.get("device", "cpu")
     if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
             device.startswith("cuda:") and device[5:].isdigit())):
@@ -84,7 +85,7 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     output = table.get("output")
     if output is not None and (module is None or not _shape_list(output)):
         raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
-                            f"of positive whole numbers, got {output!r}")
+                                 f"of positive whole numbers, got {output!r}")
     seed = table.get("seed")
     if seed is not None and (not is_whole(seed) or seed < 0):
         raise file_error(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
@@ -93,7 +94,7 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                 or not all(is_whole(c) and c >= 0 for c in columns)
                                 or len(set(columns)) != len(columns)):
         raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
-                            f"got {columns!r}")
+                                 f"got {columns!r}")
     return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
@@ -156,10 +157,10 @@ def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Seq
         raise file_error(source, f"{where}'aggregate' needs feature parties and a last stage: at least two stages")
     if labels != "last":
         raise file_error(source, f"{where}a vertical experiment ('aggregate') keeps the labels at its last stage: "
-                            f"labels = \"first\" is not supported")
+                                 f"labels = \"first\" is not supported")
     if clients.count > 1:
         raise file_error(source, f"{where}'aggregate' (feature parties) and [clients] (data owners of other rows) "
-                            f"cannot be combined")
+                                 f"cannot be combined")
     return kind
 
 
@@ -175,7 +176,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     unknown = set(raw) - set(schema.TOP_KEYS)
     if unknown:
         raise file_error(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(schema.TOP_KEYS)} "
-                            f"(a stage file has [interface], [stage] and [data] instead)")
+                                 f"(a stage file has [interface], [stage] and [data] instead)")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise file_error(source, "'name' must be a non-empty string")
@@ -194,7 +195,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     clients = _parse_clients(source, raw.get("clients", {}), len(stages))
     if settings["epochs"] is not None and clients.count > 1:
         raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                            "([clients]) give 'steps'")
+                                 "([clients]) give 'steps'")
     aggregate = _parse_aggregate(source, raw, "", names, settings["labels"], clients)
     try:
         reduction = loss_reduction(stages[-1])
@@ -248,14 +249,14 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
     if unknown:
         raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
-                            f"{sorted(schema.STAGE_FILE_KEYS)}")
+                                 f"{sorted(schema.STAGE_FILE_KEYS)}")
     iface = raw.get("interface")
     if not isinstance(iface, dict):
         raise file_error(source, "a stage file needs an [interface] table (what the parties agree on)")
     unknown = set(iface) - set(schema.INTERFACE_KEYS)
     if unknown:
         raise file_error(source, f"[interface] has unknown keys {sorted(unknown)}; allowed: "
-                            f"{sorted(schema.INTERFACE_KEYS)}")
+                                 f"{sorted(schema.INTERFACE_KEYS)}")
     name = iface.get("name")
     if not isinstance(name, str) or not name:
         raise file_error(source, "[interface] 'name' must be a non-empty string")
@@ -263,7 +264,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) and n for n in names)
             or len(set(names)) != len(names)):
         raise file_error(source, f"[interface] 'stages' must list the stages' unique names in order, at least two, "
-                            f"got {names!r}")
+                                 f"got {names!r}")
     settings = _scalars(source, iface, "[interface] ")
     batch = iface.get("batch")
     if batch is not None and (not is_whole(batch) or batch < 1):
@@ -273,7 +274,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     clients = _parse_clients(source, iface.get("clients", {}), len(names))
     if settings["epochs"] is not None and clients.count > 1:
         raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                            "([clients]) give 'steps'")
+                                 "([clients]) give 'steps'")
     aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
@@ -326,17 +327,17 @@ def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) ->
     tables = value if isinstance(value, list) else [value]
     if len(tables) != stage_count - 1 or not all(isinstance(t, dict) for t in tables):
         raise file_error(source, f"[interface] 'activation' must be {stage_count - 1} table(s) "
-                            f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
-                            f"{value!r}")
+                                 f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
+                                 f"{value!r}")
     cuts = []
     for table in tables:
         unknown = set(table) - {"shape", "dtype"}
         if unknown or not _shape_list(table.get("shape")):
             raise file_error(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
-                                f"numbers (per row), and optionally 'dtype'")
+                                     f"numbers (per row), and optionally 'dtype'")
         if table.get("dtype", "float32") not in WIRE_DTYPES:
             raise file_error(source, f"[interface] activation dtype must be one of {list(WIRE_DTYPES)}, got "
-                                f"{table['dtype']!r}")
+                                     f"{table['dtype']!r}")
         cuts.append(tuple(table["shape"]) if batch is None else (batch, *table["shape"]))
     return tuple(cuts)
 
@@ -354,7 +355,7 @@ def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tu
     if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
             or not (value.get("shape") == [] or _shape_list(value.get("shape"))):
         raise file_error(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
-                            f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
+                                 f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
     shape = tuple(value["shape"])
     return ((batch, *shape) if batch is not None else shape), value["dtype"]
 
@@ -430,7 +431,8 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
     stages = sorted((s for exp in parts for s in exp.stages), key=lambda s: order[s.name])
     raw = {"stage files": [exp.raw for exp in parts]}
     return Experiment(first.name, first.steps, first.seed, first.labels, first.allow_nonfinite, {}, stages, raw,
-                      value_digest(raw, 64), ",".join(exp.source for exp in parts), first.clients, list(first.stage_names),
+                      value_digest(raw, 64), ",".join(exp.source for exp in parts), first.clients,
+                      list(first.stage_names),
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
                       first.epochs, first.description, first.target, aggregate=first.aggregate,
                       activation_codec=first.activation_codec, gradient_codec=first.gradient_codec,
@@ -451,10 +453,10 @@ def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
         raise file_error(source, f"[clients] mode must be one of {list(CLIENT_MODES)}, got {mode!r}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 0 or (mode == "splitfed") != (every > 0):
         raise file_error(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
-                            f"(and absent otherwise), got {every!r}")
+                                 f"(and absent otherwise), got {every!r}")
     if count > 1 and stage_count != 2:
         raise file_error(source, f"several clients share one serving stage: the experiment needs exactly two "
-                            f"stages, it has {stage_count}")
+                                 f"stages, it has {stage_count}")
     return Clients(count, mode, every)
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from distgrad.wire import messages as wire
 from distgrad.errors import ProtocolError
-from distgrad.config.experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment, interface_differences,
-                         interface_digest)
+from distgrad.config.experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment,
+                                        interface_differences, interface_digest)
 from distgrad.wire.messages import ErrorCode, Message
 
 

@@ -22,9 +22,10 @@ from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
-from distgrad.stage.records import TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists, write_json
+from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists,
+                                    write_json)
 from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
-                    parameters_file)
+                                  parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 

@@ -29,7 +29,8 @@ from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json, write_json
+from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
+                                    write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
