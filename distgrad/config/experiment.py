@@ -33,11 +33,12 @@ import numpy as np
 
 from distgrad.model.aggregate import combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
-from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.errors import ConfigError
 from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
+from distgrad.privacy.defenses import Defenses
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -70,7 +71,8 @@ class StageSpec:
     ``data`` is the stage file's ``[data]`` table (None: the experiment's);
     ``seed`` the seed of this stage's initial values (None: the run's);
     ``columns`` the feature columns it takes from its data (None: all);
-    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none).
+    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none);
+    ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``).
     """
 
     name: str
@@ -88,6 +90,7 @@ class StageSpec:
     source: str = ""
     columns: list[int] | None = None
     scheduler: dict[str, Any] | None = None
+    defenses: Defenses = Defenses()
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -241,6 +244,9 @@ class Experiment:
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
+        if spec.defenses.label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
+            data = RandomizedLabels(data, spec.defenses.label_dp, self.seed if seed is None else seed,  # type: ignore[arg-type]
+                                    spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def input_shape(self, name: str, seed: int | None = None) -> Shape:

@@ -199,14 +199,14 @@ def read_trace(path: str | Path, tolerate_torn: bool = False) -> list[dict[str, 
 
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """One summary from per-stage summaries: ``params`` and ``cpu_s`` joined by stage
+    """One summary from per-stage summaries: ``params``, ``privacy`` and ``cpu_s`` joined by stage
     (``{stage: ...}``), every other field from the first summary that has it
     (pass the driving stage's first)."""
     merged: dict[str, Any] = {"params": {}}
     for summary in summaries:
         for key, value in summary.items():
-            if key == "params":
-                merged["params"].update(value)
+            if key in ("params", "privacy"):
+                merged.setdefault(key, {}).update(value)
             elif key == "cpu_s":
                 merged.setdefault("cpu_s", {})[summary.get("stage", "?")] = value
             elif key != "stage":
