@@ -222,3 +222,26 @@ def test_defended_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_gr
     assert f_summary["params"]["f"] == reference["f"]
     assert g_summary["params"]["g"] == reference["g"]
     assert pair.starts["g"] == pair.starts["f"] == 2
+
+
+def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tmp_path):
+    """``distgrad split`` writes each party's defenses into its own stage file; the label owner given its own
+    ``seed`` draws its noise and its randomized labels from it (another seed, other draws), the summary says
+    whose seed it was, and the stage processes still train what one process does."""
+    assert run_main(["split", _digits(tmp_path, F_DEFENSE, G_DEFENSE), tmp_path / "parts"]).returncode == 0
+    f_file, g_file = tmp_path / "parts" / "f" / "f.toml", tmp_path / "parts" / "g" / "g.toml"
+    assert "clip_noise" in f_file.read_text() and "label_dp" in g_file.read_text()
+    shared = train_in_process(load_experiment([f_file, g_file]), steps=10)
+    assert shared["privacy"]["g"]["noise_seed"].startswith("the run's")
+    shared_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
+    g_file.write_text(g_file.read_text().replace('[stage]\nname = "g"\n', '[stage]\nname = "g"\nseed = 7\n'))
+    args = ["run", f_file, g_file, "--steps", "20", "--micro-batches", "2"]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"]
+    assert summary["privacy"]["g"]["noise_seed"] == "the stage's own"
+    assert "noise from the run's seed" in result.stdout              # f's, which has no seed of its own
+    own_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
+    assert not np.array_equal(own_labels, shared_labels)

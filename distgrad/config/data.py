@@ -517,8 +517,9 @@ class RandomizedLabels(DataSource):
     """A label owner's rows with its training labels randomized once (``label_dp``): k-ary randomized response
     at ``epsilon`` (``privacy.defenses.randomized_response``), k the classes its labels hold (0 to the largest).
 
-    Each row's randomized label is drawn once from (``seed``, ``stage``) for every row, so it is the same in
-    every epoch, in every process and after a restart; the held-out labels (``test_targets``) stay true.
+    Each row's randomized label is drawn once from (``seed``: the stage's own, ``stage``) for every row, so it
+    is the same in every epoch, in every process and after a restart; the held-out labels (``test_targets``)
+    stay true.
     Everything else is the source's own.
     """
 

@@ -57,7 +57,8 @@ def check_defenses(exp: Experiment) -> None:
 
 def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = None) -> SentRows | None:
     """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise`` and ``max_norm`` bound to
-    the direction it sends in, the run's ``seed`` and its ``instance`` name (a client's copy of the first
+    the direction it sends in, its own seed (its stage file's ``seed``, else the run's ``seed``: ``noise_seed``)
+    and its ``instance`` name (a client's copy of the first
     stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from."""
     if not exp.has_stage(stage):
         return None
@@ -65,7 +66,7 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     if not defenses.on_rows:
         return None
     direction = GRADIENT if label_owner_sends_gradients(exp, stage) else ACTIVATION
-    return SentRows(defenses, direction, seed, instance or stage)
+    return SentRows(defenses, direction, exp.spec(stage).init_seed(seed), instance or stage)
 
 
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int) -> dict[str, Any]:
@@ -90,7 +91,16 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:
         entry["max_norm"] = NO_GUARANTEE
+    if entry:
+        entry["noise_seed"] = noise_seed(exp, stage)
     return entry
+
+
+def noise_seed(exp: Experiment, stage: str) -> str:
+    """Whose seed the defenses of ``stage`` draw from: its own (a stage file's private ``seed``), or the run's,
+    which every party knows, so the other party can recompute the noise and the randomized labels."""
+    return ("the stage's own" if exp.spec(stage).seed is not None else
+            "the run's, which the other party knows: give this stage its own 'seed' in its stage file")
 
 
 def budget_text(privacy: dict[str, Any]) -> str:
@@ -101,6 +111,10 @@ def budget_text(privacy: dict[str, Any]) -> str:
 def _entry_text(entry: dict[str, Any]) -> str:
     parts = []
     for key, value in entry.items():
+        if key == "noise_seed":
+            if not value.startswith("the stage's own"):
+                parts.append("noise from the run's seed, which the other party knows")
+            continue
         if isinstance(value, dict) and "epsilon" in value:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""
             parts.append(f"{key}: label-DP epsilon {value['epsilon']:.4g}{delta}")

@@ -245,8 +245,8 @@ class Experiment:
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
         if spec.defenses.label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
-            data = RandomizedLabels(data, spec.defenses.label_dp, self.seed if seed is None else seed,  # type: ignore[arg-type]
-                                    spec.name)
+            data = RandomizedLabels(data, spec.defenses.label_dp,  # type: ignore[arg-type]
+                                    spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def input_shape(self, name: str, seed: int | None = None) -> Shape:
