@@ -29,14 +29,34 @@ F_DEFENSE = 'clip_noise = { max_norm = 4.0, sigma = 0.05 }'
 G_DEFENSE = 'clip_noise = { max_norm = 0.05, sigma = 0.5 }\nmax_norm = true\nlabel_dp = { epsilon = 2.0 }'
 
 
+def _defended(tmp_path: Path, builtin: str, extras: dict[int, str], name: str = "defended.toml") -> Path:
+    """Built-in experiment ``builtin`` with the lines ``extras[i]`` added to its stage ``i``'s table."""
+    text = (BUILTIN_DIR / f"{builtin}.toml").read_text().replace('"../datasets/',
+                                                                  f'"{BUILTIN_DIR.parent / "datasets"}/')
+    head, *stages = text.split("[[stages]]")
+    stages = [f"{stage.rstrip()}\n{extras.get(i, '')}\n\n" for i, stage in enumerate(stages)]
+    path = tmp_path / name
+    path.write_text("[[stages]]".join([head, *stages]))
+    return path
+
+
 def _digits(tmp_path: Path, f_extra: str = "", g_extra: str = "", name: str = "defended.toml") -> Path:
     """The built-in digits experiment with ``f_extra`` / ``g_extra`` lines in its stages' tables."""
-    text = (BUILTIN_DIR / "digits.toml").read_text().replace('"../datasets/digits.npz"',
-                                                             f'"{BUILTIN_DIR.parent / "datasets" / "digits.npz"}"')
-    head, f_stage, g_stage = text.split("[[stages]]")
-    path = tmp_path / name
-    path.write_text(f"{head}[[stages]]{f_stage.rstrip()}\n{f_extra}\n\n[[stages]]{g_stage.rstrip()}\n{g_extra}\n")
-    return path
+    return _defended(tmp_path, "digits", {0: f_extra, 1: g_extra}, name)
+
+
+def _equal_over_processes(tmp_path: Path, path: Path, *extra: str) -> dict:
+    """``distgrad run PATH`` over stage processes and ``--in-process``: the same parameters, test loss and
+    privacy entries; returns the processes' summary."""
+    args = ["run", path, "--steps", "20", *extra]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"]
+    assert summary.get("test_loss") == reference.get("test_loss")
+    assert summary["privacy"] == reference["privacy"]
+    return summary
 
 
 # --- the math ---------------------------------------------------------------------------------------------
@@ -245,3 +265,36 @@ def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tm
     assert "noise from the run's seed" in result.stdout              # f's, which has no seed of its own
     own_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
     assert not np.array_equal(own_labels, shared_labels)
+
+
+def test_defended_vertical_parties_and_clients_over_processes_are_bitwise_the_in_process_run(tmp_path):
+    """Every topology gets the defenses through the one pipeline: feature parties clip and noise their
+    embeddings, the label owner each party's gradient (streams per peer); each client its activations."""
+    clip = "clip_noise = { max_norm = 1.0, sigma = 0.1 }"
+    vertical = _defended(tmp_path, "vertical-classify", {0: clip, 2: clip, 3: G_DEFENSE}, "vertical.toml")
+    summary = _equal_over_processes(tmp_path, vertical)
+    assert set(summary["privacy"]) == {"a", "c", "g"}
+    clients = _defended(tmp_path, "digits-clients", {0: F_DEFENSE, 1: G_DEFENSE}, "clients.toml")
+    _equal_over_processes(tmp_path, clients)
+    plain = train_in_process(load_experiment("vertical-classify"), steps=20)
+    assert train_in_process(load_experiment(vertical), steps=20)["params"]["b"] != plain["params"]["b"]
+
+
+def test_defended_torch_stages_change_what_is_trained(tmp_path):
+    """The defenses act on what crosses, whatever computes the stage: defended torch stages train other
+    parameters than undefended ones (over processes, bitwise the same: the slow test below)."""
+    pytest.importorskip("torch")
+    torch_lines = 'framework = "torch"\n'
+    path = _digits(tmp_path, torch_lines + F_DEFENSE, torch_lines + G_DEFENSE, "torch.toml")
+    plain = _digits(tmp_path, torch_lines, torch_lines, "plain-torch.toml")
+    defended = train_in_process(load_experiment(path), steps=10)
+    assert defended["params"] != train_in_process(load_experiment(plain), steps=10)["params"]
+    assert defended["privacy"]["g"]["label_dp"] == {"epsilon": 2.0}
+
+
+@pytest.mark.slow
+def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp_path):
+    pytest.importorskip("torch")
+    torch_lines = 'framework = "torch"\n'
+    _equal_over_processes(tmp_path, _digits(tmp_path, torch_lines + F_DEFENSE, torch_lines + G_DEFENSE),
+                          "--micro-batches", "2")

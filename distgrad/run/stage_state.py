@@ -283,11 +283,13 @@ class StageState:
             "elapsed_s": time.perf_counter() - started,
             "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
-            **privacy_budget(self.opts.experiment, [self.opts.stage], self.stage.step, self.opts.seed),
+            # with several clients or parties, a step of the run is a round of updates
+            **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
+                             self.opts.seed),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:
-            self.log.info("privacy after %d steps: %s", self.stage.step, budget_text(summary["privacy"]))
+            self.log.info("privacy: %s", budget_text(summary["privacy"]))
         if self.opts.summary_path is not None:
             write_json(self.opts.summary_path, summary)
         return summary

@@ -295,7 +295,7 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
     The top level holds only what is true of the whole run: ``experiment``, ``steps`` (rounds),
     ``seed``, ``micro_batches``, ``elapsed_s`` (the longest process's), ``cpu_s`` and ``params``
     (``{process: ...}``), ``status`` (the serving stage's, else the clients' if they agree), then
-    ``run`` (e.g. ``mode``, ``transport``). Each client's ``run_id``, ``steps``, ``final_loss``,
+    ``run`` (e.g. ``mode``, ``transport``), ``privacy`` (by stage, when defended). Each client's ``run_id``, ``steps``, ``final_loss``,
     ``status`` and evaluation are in ``clients``, one entry per client; the serving stage's view
     of a client's status (``dropped``) wins over the client's own.
     """
@@ -322,5 +322,6 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
         "status": serving["status"] if serving is not None else statuses.pop() if len(statuses) == 1 else "mixed",
         **run,
         "clients": per_client,
+        **({"privacy": merged["privacy"]} if "privacy" in merged else {}),
         "params": merged["params"],
     }
