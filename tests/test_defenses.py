@@ -18,14 +18,15 @@ from distgrad.config.data import RandomizedLabels
 from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
-from distgrad.privacy.defenses import (clip_noise, clip_rows, defense_rng, keep_probability, max_norm_noise,
-                                       parse_defenses, randomized_response, row_norms)
+from distgrad.privacy.defenses import (clip_noise, clip_rows, defense_rng, distance_correlation, keep_probability,
+                                       max_norm_noise, nopeek_gradient, parse_defenses, randomized_response,
+                                       row_norms)
 from distgrad.run.inprocess import train_in_process
 
 from conftest import read_json, run_launcher, run_main
 from test_faults import Pair
 
-F_DEFENSE = 'clip_noise = { max_norm = 4.0, sigma = 0.05 }'
+F_DEFENSE = 'clip_noise = { max_norm = 4.0, sigma = 0.05 }\nnopeek = { weight = 0.5 }'
 G_DEFENSE = 'clip_noise = { max_norm = 0.05, sigma = 0.5 }\nmax_norm = true\nlabel_dp = { epsilon = 2.0 }'
 
 
@@ -96,6 +97,24 @@ def test_randomized_response_keeps_each_label_with_its_probability():
     assert abs(np.bincount(flipped % 10, minlength=10)[1:].std() / (len(flipped) / 9)) < 0.05   # uniform
 
 
+def test_distance_correlation_and_its_gradient():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 5))
+    z = rng.normal(size=(12, 3)) + x[:, :3]
+    value, grad = distance_correlation(x, z)
+    assert 0 < value < 1 and grad.dtype == np.float32 and grad.shape == z.shape
+    numeric = np.zeros_like(z)
+    for index in np.ndindex(*z.shape):
+        step = np.zeros_like(z)
+        step[index] = 1e-6
+        numeric[index] = (distance_correlation(x, z + step)[0] - distance_correlation(x, z - step)[0]) / 2e-6
+    np.testing.assert_allclose(grad, numeric, atol=1e-7)
+    assert distance_correlation(x, 2 * x + 1)[0] == pytest.approx(1.0)
+    assert distance_correlation(x, np.ones((12, 3)))[0] == 0.0
+    dy = np.ones((12, 3), np.float32)
+    np.testing.assert_allclose(nopeek_gradient(x, z, dy, 0.5), dy + 0.5 * grad, rtol=1e-6)
+
+
 def test_every_draw_is_a_pure_function_of_seed_stage_stream_and_step():
     draw = lambda *key: defense_rng(*key).normal(size=4)                      # noqa: E731
     np.testing.assert_array_equal(draw(0, "g", "activation_grad/mb0of1", 3), draw(0, "g", "activation_grad/mb0of1", 3))
@@ -142,7 +161,9 @@ def test_the_budget_composes_the_gaussian_mechanism():
     ("label_dp = { epsilon = 2.0 }", "", "'label_dp' is a setting of the label owner"),
     ("max_norm = true", "", "'max_norm' is a setting of the label owner"),
     ("", "marvell = { }", "'marvell': Marvell"),
-    ("nopeek = { weight = 0.1 }", "", "'nopeek': NoPeek"),
+    ("", "nopeek = { weight = 0.1 }", "'nopeek' is a setting of a data owner"),
+    ("nopeek = { weight = 0 }", "", "'nopeek' weight must be a number > 0"),
+    ("nopeek = 0.1", "", "'nopeek' must be { weight = w }"),
 ])
 def test_bad_settings_exit_2_naming_the_key_and_the_reason(tmp_path, f_extra, g_extra, message):
     result = run_main(["run", _digits(tmp_path, f_extra, g_extra), "--in-process", "--steps", "1"])
@@ -193,7 +214,7 @@ def test_each_defense_changes_what_is_trained_and_is_reported(tmp_path):
     """Not a no-op: each defense alone gives other parameters than the undefended run; the summary states
     the budget or that there is none."""
     plain = train_in_process(load_experiment("digits"), steps=20)
-    for i, (f_extra, g_extra) in enumerate([(F_DEFENSE, ""), ("", "clip_noise = { max_norm = 0.05, sigma = 0.5 }"),
+    for i, (f_extra, g_extra) in enumerate([(F_DEFENSE, ""), ("nopeek = { weight = 0.5 }", ""), ("", "clip_noise = { max_norm = 0.05, sigma = 0.5 }"),
                                             ("", "max_norm = true"), ("", "label_dp = { epsilon = 2.0 }")]):
         defended = train_in_process(load_experiment(_digits(tmp_path, f_extra, g_extra, f"d{i}.toml")), steps=20)
         assert defended["params"]["f"] != plain["params"]["f"], (f_extra, g_extra)
@@ -202,7 +223,7 @@ def test_each_defense_changes_what_is_trained_and_is_reported(tmp_path):
     privacy = summary["privacy"]
     assert privacy["g"]["label_dp"] == {"epsilon": 2.0}
     assert privacy["g"]["max_norm"] == privacy["f"]["clip_noise"].split(" is stated")[0] == \
-        "no differential-privacy guarantee"
+        privacy["f"]["nopeek"] == "no differential-privacy guarantee"
     clip = privacy["g"]["clip_noise"]
     assert clip["delta"] == 1e-5 and clip["noise_multiplier"] == 0.25
     assert clip["releases"] == 3           # 100 steps of 44 batches an epoch: each row is sent in 3 epochs at most
@@ -269,11 +290,13 @@ def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tm
 
 def test_defended_vertical_parties_and_clients_over_processes_are_bitwise_the_in_process_run(tmp_path):
     """Every topology gets the defenses through the one pipeline: feature parties clip and noise their
-    embeddings, the label owner each party's gradient (streams per peer); each client its activations."""
+    embeddings (or decorrelate them, NoPeek), the label owner each party's gradient (streams per peer); each
+    client its activations."""
     clip = "clip_noise = { max_norm = 1.0, sigma = 0.1 }"
-    vertical = _defended(tmp_path, "vertical-classify", {0: clip, 2: clip, 3: G_DEFENSE}, "vertical.toml")
+    vertical = _defended(tmp_path, "vertical-classify", {0: clip, 1: "nopeek = { weight = 0.5 }", 2: clip,
+                                                         3: G_DEFENSE}, "vertical.toml")
     summary = _equal_over_processes(tmp_path, vertical)
-    assert set(summary["privacy"]) == {"a", "c", "g"}
+    assert set(summary["privacy"]) == {"a", "b", "c", "g"}
     clients = _defended(tmp_path, "digits-clients", {0: F_DEFENSE, 1: G_DEFENSE}, "clients.toml")
     _equal_over_processes(tmp_path, clients)
     plain = train_in_process(load_experiment("vertical-classify"), steps=20)

@@ -33,11 +33,12 @@ def check_defenses(exp: Experiment) -> None:
     for spec in exp.stages:
         d = spec.defenses
         label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None)) if on]
-        if not label_keys and d.clip_noise is None:
+        if not label_keys and d.clip_noise is None and d.nopeek is None:
             continue
         where = f"stage {spec.name!r}"
         if len(exp.stage_names) < 2:
-            raise ConfigError(f"{where}: '{(label_keys or ['clip_noise'])[0]}' defends what crosses a cut, and a "
+            raise ConfigError(f"{where}: '{(label_keys or ['clip_noise' if d.clip_noise else 'nopeek'])[0]}' defends "
+                              f"what crosses a cut, and a "
                               f"one-stage experiment has none")
         label_owner = label_owner_sends_gradients(exp, spec.name)
         if label_keys and not label_owner:
@@ -48,6 +49,9 @@ def check_defenses(exp: Experiment) -> None:
         if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
                               f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
+        if d.nopeek is not None and spec.name not in exp.data_owners:
+            raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
+                              f"sends from its inputs); {spec.name!r} receives activations")
         if d.label_dp is not None and exp.has_stage(spec.name):
             data = exp.build_data(stage=spec.name)
             if data.target_dtype.kind != "i" or not hasattr(data, "all_targets"):
@@ -91,6 +95,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:
         entry["max_norm"] = NO_GUARANTEE
+    if d.nopeek is not None:
+        entry["nopeek"] = NO_GUARANTEE
     if entry:
         entry["noise_seed"] = noise_seed(exp, stage)
     return entry

@@ -145,6 +145,10 @@ _STAGE_COMMON: dict[str, Key] = {
     "label_dp": ("table", "absent",
                  "the label owner: { epsilon = e }: k-ary randomized response applied once to its training class "
                  "labels before training (epsilon-label-DP, exactly); held-out labels stay true"),
+    "nopeek": ("table", "absent",
+               "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
+               "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
+               "is added to the activation gradient it receives before its backward (no DP guarantee)"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

@@ -30,8 +30,6 @@ DEFAULT_DELTA = 1e-5       # the delta of the clip_noise label-DP budget when th
 UNIMPLEMENTED = {
     "marvell": "Marvell (Li et al., ICLR 2022: noise optimised per batch against the norm and direction leaks) is "
                "not implemented yet; use 'clip_noise' or 'max_norm' on the label owner",
-    "nopeek": "NoPeek (a distance-correlation term added to the data owner's objective) is not implemented yet; "
-              "use 'clip_noise' on the data owner",
 }
 
 
@@ -48,11 +46,13 @@ class ClipNoise:
 @dataclass(frozen=True)
 class Defenses:
     """One stage's defenses (all absent: nothing changes). ``clip_noise`` and ``max_norm`` act on the rows
-    the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels."""
+    the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels;
+    ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``)."""
 
     clip_noise: ClipNoise | None = None
     max_norm: bool = False
     label_dp: float | None = None
+    nopeek: float | None = None
 
     def as_table(self) -> dict[str, Any]:
         """The stage-table keys that give these defenses (what ``parse_defenses`` reads back)."""
@@ -65,6 +65,8 @@ class Defenses:
             table["max_norm"] = True
         if self.label_dp is not None:
             table["label_dp"] = {"epsilon": self.label_dp}
+        if self.nopeek is not None:
+            table["nopeek"] = {"weight": self.nopeek}
         return table
 
     @property
@@ -137,6 +139,44 @@ def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return (x + noise).astype(DTYPE)
 
 
+def _centred_distances(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairwise Euclidean distances of ``rows`` (float64, flattened per row) and their double-centred
+    matrix."""
+    flat = rows.reshape(len(rows), -1).astype(np.float64)
+    squared = np.sum(flat * flat, axis=1)
+    distances = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2.0 * flat @ flat.T, 0.0))
+    np.fill_diagonal(distances, 0.0)
+    centred = distances - distances.mean(axis=0) - distances.mean(axis=1)[:, None] + distances.mean()
+    return distances, centred
+
+
+def distance_correlation(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarray]:
+    """The sample distance correlation dCor(x, z) of two sets of rows (Szekely et al., the V-statistic, as
+    NoPeek uses it) and its gradient with respect to ``z`` (float32, shaped like ``z``); 0 and a zero
+    gradient when either set has no spread."""
+    n = len(x)
+    _, a = _centred_distances(x)
+    b_raw, b = _centred_distances(z)
+    cov, var_x, var_z = (a * b).sum() / n ** 2, (a * a).sum() / n ** 2, (b * b).sum() / n ** 2
+    if var_x <= 0 or var_z <= 0 or cov <= 0:
+        return 0.0, np.zeros_like(z, dtype=DTYPE)
+    squared = cov / math.sqrt(var_x * var_z)
+    # d dCor^2 / d distances (A is fixed; <A, B> = <A, distances> and <B, B> = <distances, B> by centring)
+    g = (a / math.sqrt(var_x * var_z) - cov * b / (math.sqrt(var_x) * var_z ** 1.5)) / n ** 2
+    g /= 2.0 * math.sqrt(squared)                                  # d dCor = d dCor^2 / (2 dCor)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = np.where(b_raw > 0, 2.0 * g / b_raw, 0.0)
+    flat = z.reshape(n, -1).astype(np.float64)
+    grad = w.sum(axis=1)[:, None] * flat - w @ flat
+    return math.sqrt(squared), grad.reshape(z.shape).astype(DTYPE)
+
+
+def nopeek_gradient(x: np.ndarray, y: np.ndarray, dy: np.ndarray, weight: float) -> np.ndarray:
+    """NoPeek (Vepakomma et al., 2020): the gradient of ``weight`` * dCor(x, y) added to the gradient ``dy``
+    a data owner receives for its activations ``y`` of inputs ``x``, float32."""
+    return (dy + DTYPE(weight) * distance_correlation(x, y)[1]).astype(DTYPE)
+
+
 def randomized_response(labels: np.ndarray, classes: int, epsilon: float, rng: np.random.Generator) -> np.ndarray:
     """k-ary randomized response (epsilon-label-DP): each label kept with probability
     e^epsilon / (e^epsilon + k - 1), else replaced by one of the other k - 1 classes, uniformly."""
@@ -173,7 +213,12 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
         if not isinstance(label_dp, dict) or set(label_dp) != {"epsilon"}:
             raise ConfigError(f"stage {stage!r}: 'label_dp' must be {{ epsilon = e }}, got {label_dp!r}")
         label_dp = _positive(label_dp["epsilon"], f"stage {stage!r}: 'label_dp' epsilon")
-    return Defenses(clip, max_norm, label_dp)
+    nopeek = table.get("nopeek")
+    if nopeek is not None:
+        if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:
+            raise ConfigError(f"stage {stage!r}: 'nopeek' must be {{ weight = w }}, got {nopeek!r}")
+        nopeek = _positive(nopeek["weight"], f"stage {stage!r}: 'nopeek' weight")
+    return Defenses(clip, max_norm, label_dp, nopeek)
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:
