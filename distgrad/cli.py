@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
                               "numbers, or .npy)")
+    predict.add_argument("--output-scores", action="store_true",
+                         help="label owner: write each row's scores beside its prediction (class probabilities "
+                              "for a classifying loss, else the raw outputs): CSV columns score_0..score_K-1, or "
+                              "NAME.scores.npy beside an .npy --output")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
@@ -491,6 +495,9 @@ def _predict(args: argparse.Namespace) -> int:
                           "the rows")
     if args.id_column is not None and args.input is None:
         raise ConfigError("--id-column names a column of the --input CSV: give --input FILE.csv")
+    if args.output_scores and role == "driving":
+        raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
+                          "predictions and their scores")
     opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
                         timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
                         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
@@ -516,7 +523,8 @@ def _predict(args: argparse.Namespace) -> int:
                 raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
-            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx)
+            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
+                                      args.output_scores)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
     finally:
         from distgrad.wire.keys import CurveServer
