@@ -92,10 +92,14 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, metavar="PATH",
-                   help="driving stage: one JSON line per step (loss, wall time, bytes, compute and wait times)")
+                   help="one JSON line per step: the driving stage's loss, learning rate, wall time, bytes, compute "
+                        "and wait times; a serving or middle stage's own step, loss, learning rate and wall time "
+                        "(distgrad run: the driving stage's in PATH, each other stage's in PATH.STAGE, e.g. "
+                        "metrics.g.jsonl)")
     p.add_argument("--tensorboard", type=Path, metavar="DIR",
-                   help="driving stage: write TensorBoard event files here: loss, held-out loss and accuracy, "
-                        "steps/s and bytes per step (needs pip install 'distgrad[tensorboard]')")
+                   help="write TensorBoard event files here: loss, learning rate, held-out loss and accuracy, "
+                        "steps/s and bytes per step (a serving stage: its loss and learning rate; distgrad run: "
+                        "each other stage's in DIR/STAGE; needs pip install 'distgrad[tensorboard]')")
     p.add_argument("--eval-every", type=int, metavar="K",
                    help="driving stage: evaluate the held-out rows through every stage after every K-th step, "
                         "into the progress line, the metrics and the summary's evaluations (default: the "
@@ -284,9 +288,9 @@ def _run_stage(args: argparse.Namespace) -> int:
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
-                    or args.metrics or args.tensorboard or args.eval_every is not None or args.staleness is not None):
-        raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness, --metrics, --tensorboard and "
-                          "--eval-every are for the driving stage (the others follow its hello)")
+                    or args.eval_every is not None or args.staleness is not None):
+        raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness and --eval-every are for the "
+                          "driving stage (the others follow its hello)")
     opts = StageOptions(
         exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
         args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
