@@ -191,8 +191,8 @@ def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> lis
 
 class StageRecords:
     """A serving or middle stage's own step records (``--metrics``, ``--tensorboard`` on it), written by an
-    observer of its step engine: one per applied update with ``step``, ``loss`` (the label owner's; None on a
-    middle stage, which sees no loss), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
+    observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
+    middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
     serving several clients, the ``client`` whose step it was. A stage that keeps serving writes every run's
     steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
 
