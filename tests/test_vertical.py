@@ -149,7 +149,8 @@ def test_bad_columns_are_refused():
     ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"])])
 def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches, extra):
     """Also with CURVE (a key pair per party), and the output files: each stage's saved parameters and one
-    metrics line per step (written by the first party: every party learns the same losses)."""
+    metrics line per step, in each process's own file (the first party's at PATH, every other's at
+    PATH.STAGE: each with its own learning rate)."""
     experiment = _experiment(tmp_path, kind)
     flags = ["--micro-batches", str(micro_batches)]
     path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
@@ -163,6 +164,9 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
             saved = np.load(tmp_path / "saved" / f"{name}.npz")
             assert {k: saved[k].tolist() for k in saved.files} == reference["params"][name]
         assert [line["step"] for line in read_lines(tmp_path / "metrics.jsonl")] == list(range(1, 61))
+        for name in [*PARTIES[1:], "g"]:
+            lines = read_lines(tmp_path / f"metrics.{name}.jsonl")
+            assert [line["step"] for line in lines] == list(range(1, 61)) and lines[-1]["lr"] > 0, name
     assert sorted(summary["params"]) == [*PARTIES, "g"]
     assert summary["params"] == reference["params"]
     assert summary["final_loss"] == reference["final_loss"]
