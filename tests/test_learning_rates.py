@@ -12,7 +12,7 @@ import pytest
 
 from distgrad.model.schedules import build_schedule
 
-from conftest import read_lines, run_cli, run_launcher
+from conftest import read_lines, run_launcher
 
 EXPERIMENT = """
 name = "rates"
@@ -37,7 +37,8 @@ model = [{{ type = "dense", name = "g1", in = 3, out = 2 }}]
 loss = "softmax_cross_entropy"
 {g}
 """
-SCHEDULED = 'optimizer = { type = "sgd", lr = 0.2, schedule = { type = "exponential", decay_rate = 0.5, decay_steps = 2 } }'
+SCHEDULED = ('optimizer = { type = "sgd", lr = 0.2, '
+             'schedule = { type = "exponential", decay_rate = 0.5, decay_steps = 2 } }')
 SCHEDULER = ('framework = "torch"\noptimizer = { type = "sgd", lr = 0.1 }\n'
              'scheduler = { type = "StepLR", step_size = 2, gamma = 0.5 }')
 

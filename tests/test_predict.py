@@ -507,7 +507,7 @@ def test_each_loss_scores_as_torch_would():
     """``Loss.scores`` beside torch's own functions: softmax for class ids, exp of NLLLoss's log-probabilities,
     sigmoid for BCEWithLogitsLoss, the output itself for BCELoss and the regression losses."""
     torch = pytest.importorskip("torch")
-    from distgrad.model.losses import SoftmaxCrossEntropy, TorchLoss, MeanSquaredError
+    from distgrad.model.losses import MeanSquaredError, SoftmaxCrossEntropy, TorchLoss
     logits = np.random.default_rng(7).normal(scale=30, size=(6, 3)).astype(np.float32)
     t = torch.from_numpy(logits)
     assert np.allclose(SoftmaxCrossEntropy().scores(logits), torch.softmax(t, 1).numpy(), rtol=1e-5, atol=1e-7)
