@@ -321,3 +321,14 @@ def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp
     torch_lines = 'framework = "torch"\n'
     _equal_over_processes(tmp_path, _digits(tmp_path, torch_lines + F_DEFENSE, torch_lines + G_DEFENSE),
                           "--micro-batches", "2")
+
+
+def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_process_run(tmp_path):
+    """A chain of three (the middle stage relays, undefended) with both ends defended, and the data owner's
+    steps in flight (--staleness 1): draws keyed by the step stay exact when forwards run ahead."""
+    chain = _defended(tmp_path, "chain-regression", {0: "clip_noise = { max_norm = 1.0, sigma = 0.1 }\n"
+                                                        "nopeek = { weight = 0.3 }",
+                                                     2: "clip_noise = { max_norm = 0.1, sigma = 0.3 }\nmax_norm = true"},
+                      "chain.toml")
+    assert set(_equal_over_processes(tmp_path, chain)["privacy"]) == {"f", "g"}
+    _equal_over_processes(tmp_path, _digits(tmp_path, F_DEFENSE, G_DEFENSE), "--staleness", "1")
