@@ -332,3 +332,19 @@ def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_pr
                       "chain.toml")
     assert set(_equal_over_processes(tmp_path, chain)["privacy"]) == {"f", "g"}
     _equal_over_processes(tmp_path, _digits(tmp_path, F_DEFENSE, G_DEFENSE), "--staleness", "1")
+
+
+def test_defended_stages_through_the_python_api_train_the_in_process_parameters(tmp_path):
+    """``distgrad.serve_stage`` / ``drive_stage`` (the stages as threads of this process, over tcp) take the
+    defenses from the same file and report them in each stage's summary."""
+    import distgrad
+
+    path = _digits(tmp_path, F_DEFENSE, G_DEFENSE)
+    reference = train_in_process(load_experiment(path), steps=15)
+    with distgrad.serve_stage(path, steps=15) as g:
+        f_summary = distgrad.drive_stage(path, g.endpoint, steps=15)
+        g_summary = g.wait()
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert g_summary["params"]["g"] == reference["params"]["g"]
+    assert g_summary["privacy"]["g"] == reference["privacy"]["g"]
+    assert f_summary["privacy"]["f"] == reference["privacy"]["f"]
