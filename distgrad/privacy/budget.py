@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+from distgrad.privacy.defenses import ClipNoise
 
 
 def gaussian_label_dp(sigma: float, releases: int, delta: float) -> float:
@@ -29,14 +29,14 @@ def gaussian_label_dp(sigma: float, releases: int, delta: float) -> float:
     except ImportError as e:
         raise ImportError("the clip_noise label-DP budget needs Google's dp-accounting: "
                           "pip install 'distgrad[privacy]'") from e
-    accountant = dp_accounting.rdp.RdpAccountant(RDP_ORDERS)
+    accountant = dp_accounting.rdp.RdpAccountant()        # its default Renyi orders
     accountant.compose(dp_accounting.GaussianDpEvent(sigma / 2.0), releases)
     return float(accountant.get_epsilon(delta))
 
 
-def label_budget(label_dp: float | None, clip: Any, releases: int) -> dict[str, Any]:
+def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int) -> dict[str, Any]:
     """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response and
-    ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier"}}`` for ``clip`` (a ``ClipNoise``)
+    ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier"}}`` for ``clip``
     sent ``releases`` times per row at most (or ``"error"`` when dp-accounting is missing)."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
