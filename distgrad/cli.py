@@ -369,10 +369,12 @@ def _run_experiment(args: argparse.Namespace) -> int:
     check_in_flight(args.in_flight, args.micro_batches, args.schedule)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
+    for flag, given in (("--metrics", args.metrics), ("--tensorboard", args.tensorboard)):
+        if given is not None and in_process:
+            raise ConfigError(f"{flag} is written by the stage processes of a run in processes; --in-process "
+                              f"writes none (drop --in-process or {flag}; the summary holds the losses and "
+                              f"evaluations)")
     if args.tensorboard is not None:
-        if in_process:
-            raise ConfigError("--tensorboard is written by the driving stage of a run in processes; "
-                              "--in-process writes none (drop --in-process or --tensorboard)")
         check_tensorboard()
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),

@@ -75,8 +75,11 @@ def test_without_tensorboardx_the_flag_is_a_usage_error_naming_the_extra(tmp_pat
         StageOptions(exp, "f", exp.seed, tensorboard_dir=tmp_path / "b")
 
 
-def test_tensorboard_is_for_a_run_in_processes(tmp_path):
-    """Every stage of a run in processes may write its own (test_watch.py: a serving stage's lr)."""
-    args = cli.build_parser().parse_args(["run", "digits", "--in-process", "--tensorboard", str(tmp_path)])
+@pytest.mark.parametrize("flag", ["--tensorboard", "--metrics"])
+def test_tensorboard_and_metrics_are_for_a_run_in_processes(tmp_path, flag):
+    """Every stage of a run in processes may write its own (test_watch.py: a serving stage's lr); --in-process
+    writes neither, so it refuses both rather than accept a flag that does nothing."""
+    args = cli.build_parser().parse_args(["run", "digits", "--in-process", flag, str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="--in-process writes none"):
         cli._run_experiment(args)
+    assert not (tmp_path / "out").exists()
