@@ -214,7 +214,8 @@ def test_each_defense_changes_what_is_trained_and_is_reported(tmp_path):
     """Not a no-op: each defense alone gives other parameters than the undefended run; the summary states
     the budget or that there is none."""
     plain = train_in_process(load_experiment("digits"), steps=20)
-    for i, (f_extra, g_extra) in enumerate([(F_DEFENSE, ""), ("nopeek = { weight = 0.5 }", ""), ("", "clip_noise = { max_norm = 0.05, sigma = 0.5 }"),
+    for i, (f_extra, g_extra) in enumerate([(F_DEFENSE, ""), ("nopeek = { weight = 0.5 }", ""),
+                                            ("", "clip_noise = { max_norm = 0.05, sigma = 0.5 }"),
                                             ("", "max_norm = true"), ("", "label_dp = { epsilon = 2.0 }")]):
         defended = train_in_process(load_experiment(_digits(tmp_path, f_extra, g_extra, f"d{i}.toml")), steps=20)
         assert defended["params"]["f"] != plain["params"]["f"], (f_extra, g_extra)
@@ -328,7 +329,8 @@ def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_pr
     steps in flight (--staleness 1): draws keyed by the step stay exact when forwards run ahead."""
     chain = _defended(tmp_path, "chain-regression", {0: "clip_noise = { max_norm = 1.0, sigma = 0.1 }\n"
                                                         "nopeek = { weight = 0.3 }",
-                                                     2: "clip_noise = { max_norm = 0.1, sigma = 0.3 }\nmax_norm = true"},
+                                                     2: "clip_noise = { max_norm = 0.1, sigma = 0.3 }\n"
+                                                        "max_norm = true"},
                       "chain.toml")
     assert set(_equal_over_processes(tmp_path, chain)["privacy"]) == {"f", "g"}
     _equal_over_processes(tmp_path, _digits(tmp_path, F_DEFENSE, G_DEFENSE), "--staleness", "1")

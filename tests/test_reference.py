@@ -175,7 +175,7 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
     changes[("stage", "name")] = (_stage_file(tmp_path, "vertical-classify", "a"), _set("stage.name", "b"))
     changes[("stage", "loss")] = (_stage_file(tmp_path, "tanh-regression", "g"), _set("stage.loss", "sum_squared_error"))
     changes[("stage", "seed")] = (file_f, _set("stage.seed", 3))
-    for key, value in _DEFENSE_VALUES.items():      # clip_noise and nopeek on the data owner, the rest on the label owner
+    for key, value in _DEFENSE_VALUES.items():      # clip_noise, nopeek: the data owner's; the rest the label owner's
         stage = 0 if key in ("clip_noise", "nopeek") else 1
         changes[("stages", key)] = (digits, _set(f"stages.{stage}.{key}", value))
         changes[("stage", key)] = ((file_f, file_g)[stage], _set(f"stage.{key}", value))
