@@ -324,6 +324,7 @@ def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp
                           "--micro-batches", "2")
 
 
+@pytest.mark.slow       # the same pipeline as the two-stage runs above; kept out of the default suite's time
 def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_process_run(tmp_path):
     """A chain of three (the middle stage relays, undefended) with both ends defended, and the data owner's
     steps in flight (--staleness 1): draws keyed by the step stay exact when forwards run ahead."""
