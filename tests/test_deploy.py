@@ -45,7 +45,8 @@ import pytest
 from distgrad import cli
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import Experiment
-from distgrad.config.parse import load_experiment, parse_experiment, parse_init_overrides
+from distgrad.config.parse import combine_stage_files, load_experiment, parse_experiment, parse_init_overrides
+from distgrad.config.split import stage_files
 from distgrad.wire.transport import check_endpoint
 
 if sys.version_info >= (3, 11):
@@ -61,6 +62,7 @@ K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
 ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
 README = DEPLOY / "README.md"
+PARTIES = DEPLOY / "parties"         # each party's own folder: its stage file (and data)
 INSTANCE = "seed-reverse"            # the systemd instance the units are checked with
 IMAGE = "distgrad-stage"             # the image built from deploy/Dockerfile
 PROGRAMS = {"distgrad", "distgrad-stage"}
@@ -90,7 +92,9 @@ class Command:
     group: str                      # the deployment it belongs to: compose, k8s, systemd, ...
     container: str = ""             # commands with the same container run side by side
     mounts: list[Mount] | None = None           # None: runs on a host, not in a container
-    experiments: dict[str, str] = field(default_factory=dict)  # absolute path -> TOML text mounted there
+    files: dict[str, str | Path] = field(default_factory=dict)  # absolute path -> the text mounted there (a
+                                                                # ConfigMap's), or the repository file it is
+    written: dict[str, Path] = field(default_factory=dict)     # files an earlier command writes -> stand-ins
     env: dict[str, str] = field(default_factory=dict)          # systemd: the variables it was expanded with
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -161,11 +165,31 @@ def _endpoint_port(endpoint: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+def mounted_file(cmd: Command, path: str) -> tuple[str, str]:
+    """The text of the file ``cmd`` reads at ``path`` and the name to parse it under (the repository file's
+    path when there is one, so that its relative paths resolve as they would in the container)."""
+    value = cmd.files.get(path)
+    if isinstance(value, str):
+        return value, path
+    if value is None:
+        mount = _mount_of(cmd, path)
+        assert mount is not None and mount.kind == "bind", \
+            f"{cmd}: no file is mounted at {path} (mounted: {sorted(cmd.files)} and {cmd.mounts})"
+        value = DEPLOY / mount.source / PurePosixPath(path).relative_to(mount.target)
+    assert value.is_file(), f"{cmd}: {path} is {value.relative_to(ROOT)} in the repository, which does not exist"
+    return value.read_text(), str(value)
+
+
 def resolve_experiment(cmd: Command, name_or_path: str) -> Experiment:
     if name_or_path.startswith("/"):
-        assert name_or_path in cmd.experiments, \
-            f"{cmd}: no experiment file is mounted at {name_or_path} (mounted: {sorted(cmd.experiments)})"
-        return parse_experiment(tomllib.loads(cmd.experiments[name_or_path]), name_or_path)
+        text, source = mounted_file(cmd, name_or_path)
+        raw = tomllib.loads(text)
+        data = raw.get("data", {})
+        if str(data.get("path", "")).startswith("/"):
+            # Data that an earlier command of the deployment writes (distgrad align's --out): a stand-in.
+            assert data["path"] in cmd.written, f"{cmd}: {name_or_path} reads {data['path']}, which nothing writes"
+            data["path"] = str(cmd.written[data["path"]])
+        return parse_experiment(raw, source)
     assert "/" not in name_or_path, f"{cmd}: relative experiment path {name_or_path!r} depends on the working directory"
     try:
         return load_experiment(name_or_path)
@@ -242,6 +266,26 @@ def check_command(cmd: Command) -> Parsed:
     return p
 
 
+def check_own_stage_files(stages: list[Parsed], group: str) -> Experiment:
+    """Each party reads a stage file of its own stage, its container holds no other party's file, and the
+    files load together as one experiment (their interfaces agree, as the handshake will check)."""
+    for p in stages:
+        assert not p.exp.data, f"{p.cmd}: a deployed party reads its own stage file, not a combined experiment"
+        assert [s.name for s in p.exp.stages] == [p.ns.stage], f"{p.cmd}: the stage file is not {p.ns.stage}'s"
+        for mount in p.cmd.mounts or []:
+            if mount.kind == "bind" and mount.source.startswith("./parties/"):
+                names = {path.name.split(".")[0] for path in (DEPLOY / mount.source).iterdir()}
+                assert names <= {p.ns.stage}, f"{p.cmd}: {mount.source} holds other parties' files {names}"
+        for path, text in p.cmd.files.items():
+            if isinstance(text, str):
+                assert PurePosixPath(path).name.split(".")[0] == p.ns.stage, \
+                    f"{p.cmd}: {path}, another party's file, is mounted"
+    try:
+        return combine_stage_files([p.exp for p in stages])
+    except ConfigError as e:
+        pytest.fail(f"{group}: the parties' stage files do not fit together: {e}")
+
+
 def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, Parsed]:
     """The two stages of one deployment fit together; its pings reach the serving stage."""
     stages = [p for p in parsed if p.kind == "stage"]
@@ -250,7 +294,7 @@ def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, Parsed]:
     assert len(servers) == 1 and len(drivers) == 1, \
         f"{group}: expected one serving and one driving stage, got {[str(p.cmd) for p in stages]}"
     g, f = servers[0], drivers[0]
-    assert g.exp.fingerprint == f.exp.fingerprint, f"{group}: the stages read different experiments"
+    check_own_stage_files([g, f], group)
     for p in (g, f):
         ns = p.ns
         assert ns.checkpoint_dir and ns.resume and ns.checkpoint_every, \
@@ -534,7 +578,7 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
         for section in ("initContainers", "containers"):
             for c in pod.get(section, []):
                 where = f"k8s/{file} {doc['kind']}/{doc['metadata']['name']} {section}[{c['name']}]"
-                mounts, experiments = [], {}
+                mounts, files = [], {}
                 for vm in c.get("volumeMounts", []):
                     volume = volumes[vm["name"]]
                     kind = next(k for k in volume if k != "name")
@@ -545,7 +589,7 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
                         data = config_maps[source]
                         items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
                         for item in items:
-                            experiments[f"{vm['mountPath'].rstrip('/')}/{item['path']}"] = data[item["key"]]
+                            files[f"{vm['mountPath'].rstrip('/')}/{item['path']}"] = data[item["key"]]
                 uses_image = c["image"].split(":")[0].rsplit("/", 1)[-1] == IMAGE
                 if "command" in c:
                     argv = _k8s_expand(c["command"] + c.get("args", []), c, where)
@@ -559,12 +603,12 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
                     init_mounts += mounts
                     continue
                 container = f"{doc['metadata']['name']}/{c['name']}"
-                commands.append(Command(where, argv, "k8s", container, mounts, experiments, extra={"spec": c}))
+                commands.append(Command(where, argv, "k8s", container, mounts, files, extra={"spec": c}))
                 for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                     if probe in c:
                         assert "exec" in c[probe], f"{where}.{probe}: expected an exec probe running distgrad ping"
                         commands.append(Command(f"{where}.{probe}", _k8s_expand(c[probe]["exec"]["command"], c, where),
-                                                "k8s", container, mounts, experiments, extra={"probe": probe}))
+                                                "k8s", container, mounts, files, extra={"probe": probe}))
         workloads.append(Workload(file, doc, pod, commands, init_copies, init_mounts))
     return workloads, docs
 
@@ -646,21 +690,21 @@ def test_k8s_command_lines_are_accepted_by_the_cli():
     assert listed == files - {"secret.yaml"}, "kustomization.yaml should list every manifest but the Secret template"
 
 
-def test_k8s_configmap_holds_the_builtin_experiment():
-    docs = k8s_docs()
-    maps = [d for _, d in docs if d.get("kind") == "ConfigMap"]
-    assert maps, "no ConfigMap in k8s/"
-    found = False
-    for cm in maps:
-        for key, text in cm.get("data", {}).items():
-            if key.endswith(".toml"):
-                exp = parse_experiment(tomllib.loads(text), f"ConfigMap {cm['metadata']['name']}/{key}")
-                found = True
-                if exp.name == "seed-reverse":
-                    # A copy of the built-in: a stage given the name and one given this file interoperate.
-                    assert exp.fingerprint == load_experiment("seed-reverse").fingerprint, \
-                        f"{key} differs from distgrad/experiments/seed-reverse.toml"
-    assert found
+def test_party_folders_are_what_distgrad_split_writes():
+    """deploy/parties/seed-reverse/ is `distgrad split seed-reverse`'s output, and the Kubernetes ConfigMaps
+    hold copies of its files, one party's file each: a party given its file and one given the built-in
+    interoperate, and nothing in deploy/ drifts from what the parser makes of the built-in."""
+    written = stage_files(load_experiment(INSTANCE))
+    folder = PARTIES / INSTANCE
+    assert {p.name for p in folder.iterdir()} == set(written)
+    for stage, (text, arrays) in written.items():
+        assert not arrays and sorted(p.name for p in (folder / stage).iterdir()) == [f"{stage}.toml"]
+        assert (folder / stage / f"{stage}.toml").read_text() == text, \
+            f"deploy/parties/{INSTANCE}/{stage}/{stage}.toml differs from `distgrad split {INSTANCE}`'s"
+    maps = {d["metadata"]["name"]: d.get("data", {}) for _, d in k8s_docs() if d.get("kind") == "ConfigMap"}
+    copies = {key: text for data in maps.values() for key, text in data.items()}
+    assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
+    assert copies == {f"{stage}.toml": text for stage, (text, _) in written.items()}
 
 
 # ------------------------------------------------------------------ systemd
@@ -754,7 +798,10 @@ def systemd_command(path: Path, unit: str, sections: dict) -> Command:
         word = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", sub, word)
         assert "$" not in word, f"{path.name}: cannot expand {word!r}"
         argv.append(word)
-    return Command(f"systemd/{path.name} ExecStart (as {unit})", argv, "systemd", env=env,
+    # The host holds its own party's folder of `distgrad split` as /etc/distgrad/INSTANCE/.
+    stage = unit.split("@")[0].removeprefix("distgrad-")
+    files: dict[str, str | Path] = {f"/etc/distgrad/{INSTANCE}/{stage}.toml": PARTIES / INSTANCE / stage / f"{stage}.toml"}
+    return Command(f"systemd/{path.name} ExecStart (as {unit})", argv, "systemd", files=files, env=env,
                    extra={"values": values})
 
 
@@ -768,7 +815,8 @@ def test_systemd_units_are_unprivileged_restartable_templates():
         assert "143" in values.get("SuccessExitStatus", "").split(), f"{path.name}: SIGTERM exits 143, a clean stop"
         assert "2" in values.get("RestartPreventExitStatus", "").split(), f"{path.name}: do not restart on usage errors"
         exec_start = values["ExecStart"]
-        assert re.match(r"/usr/local/bin/distgrad-stage \S+ --experiment %i\b", exec_start), exec_start
+        assert re.match(r"/usr/local/bin/distgrad-stage (\S+) --experiment /etc/distgrad/%i/\1\.toml ", exec_start), \
+            f"{path.name}: the stage's own file in the instance's folder: {exec_start}"
         assert "WantedBy" in dict(sections.get("Install", []))
 
 
@@ -778,7 +826,8 @@ def test_systemd_command_lines_are_accepted_by_the_cli():
         cmd = systemd_command(path, unit, sections)
         assert cmd.program == "distgrad-stage" and cmd.argv[0].startswith("/"), f"{cmd}: an absolute path to distgrad-stage"
         p = check_command(cmd)
-        assert p.kind == "stage" and p.ns.experiment == INSTANCE, f"{cmd}: the instance name is the experiment"
+        assert p.kind == "stage" and p.ns.experiment == f"/etc/distgrad/{INSTANCE}/{p.ns.stage}.toml", \
+            f"{cmd}: the instance name names the folder of the stage's own file"
         env, values = cmd.env, cmd.extra["values"]
         for flag in WRITTEN:
             value = getattr(p.ns, flag)
