@@ -3,10 +3,11 @@
 Every ``distgrad`` and ``distgrad-stage`` command line is taken out of:
 
 - deploy/Dockerfile: ENTRYPOINT + CMD, and the HEALTHCHECK;
-- deploy/compose.yaml: each service's entrypoint + command, and its health check
-  (its own, or the one it inherits from the image);
-- deploy/k8s/*.yaml: each container's command + args (resolved against the
-  image's ENTRYPOINT and CMD as Kubernetes does), and its probes;
+- deploy/compose.yaml and compose.vertical.yaml: each service's entrypoint +
+  command, and its health check (its own, or the one it inherits from the image);
+- deploy/k8s/*.yaml and k8s-vertical/*.yaml: each container's command + args
+  (resolved against the image's ENTRYPOINT and CMD as Kubernetes does; init
+  containers too), and its probes;
 - deploy/systemd/*.service: ExecStart, with the specifiers resolved for the
   instance ``seed-reverse`` and the variables taken from the example
   environment file and from what systemd sets (STATE_DIRECTORY, CREDENTIALS_DIRECTORY);
@@ -18,11 +19,18 @@ the parser names it (argparse alone would accept a prefix, so a flag renamed
 to a longer name would slip through). Then come the checks the CLI makes only
 at run time (one of --bind/--connect, and the right one for the stage; CURVE
 flags all or none; --resume needs --checkpoint-dir; valid endpoints), and the
-checks that the pieces of one deployment fit: the experiment resolves (a
-built-in name, or a ConfigMap file mounted at that path) and is the same on
-both stages, f connects to the port g binds, both checkpoint with the same K
-and resume, both use CURVE, health checks ping the serving stage with keys it
-can accept, and every file a command names is mounted in its container.
+checks that the pieces of one deployment fit: each party reads a stage file
+of its own stage (mounted from its own folder under deploy/parties/ or its own
+ConfigMap; no container holds another party's file), the parties' files load
+together as one experiment (their interfaces agree, as the handshake checks),
+deploy/parties/ holds what ``distgrad split`` and the vertical example write,
+the driving stages connect to the port the serving stage binds, all checkpoint
+with the same K and resume, all use CURVE, health checks ping the serving
+stage with keys it can accept, and every file a command names is mounted in
+its container. In the vertical deployments every party first runs ``distgrad
+align`` (one coordinator, the label owner, that the others reach; the same
+keys as its stage) and its stage file reads the rows its own alignment wrote
+(stand-ins computed here, the aligned rows, let the files be parsed).
 
 YAML needs PyYAML; without it the YAML tests are skipped.
 """
