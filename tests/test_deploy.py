@@ -816,6 +816,12 @@ def check_vertical(commands: list[Command], group: str, aligned: dict[str, Path]
     return aligns, g, drivers
 
 
+def test_vertical_example_prepare_only_needs_a_workdir(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exit_:
+        vertical_example.main(["--prepare-only"])
+    assert exit_.value.code == 2 and "--prepare-only needs --workdir" in capsys.readouterr().err
+
+
 def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
     """deploy/parties/breast-cancer/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY, but
     for the path of the aligned rows (on the party's volume); the ConfigMaps of k8s-vertical/ are copies."""
