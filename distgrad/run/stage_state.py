@@ -21,6 +21,7 @@ from distgrad.stage.engine import StepEngine
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import TraceWriter, to_lists, write_json
+from distgrad.stage.selection import Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
 
@@ -133,6 +134,17 @@ class StageState:
         self.trace: TraceWriter | None = None
         self.write_failed = False       # a checkpoint could not be written: no more attempts
         self.log = logging.getLogger(f"distgrad.{opts.instance}")
+        self.verdicts = Verdicts()      # the label owner's verdicts on the evaluations (keep_best, early_stopping)
+        self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
+
+    def take_verdict(self, step: int, evaluation: Mapping[str, Any]) -> None:
+        """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
+        ``--save`` writes this stage's parameters now, and not again at the end."""
+        self.keeping_best = self.keeping_best or "best" in evaluation
+        if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
+            self._write_parameters("the best evaluation so far (keep_best)")
+        if evaluation.get("stop"):
+            self.log.info("early stopping after step %d: the label owner ends the run here", step)
 
     @property
     def stage(self) -> Stage:
@@ -161,16 +173,24 @@ class StageState:
         return stage
 
     def save_parameters(self) -> None:
-        """With ``--save``: write the stage's final parameters (raises ``CheckpointWriteError``)."""
-        path = self.opts.save_path
-        if path is None:
+        """With ``--save``: write the stage's final parameters, or with ``keep_best`` leave those of the best
+        evaluation that ``take_verdict`` wrote (raises ``CheckpointWriteError``)."""
+        if self.opts.save_path is None:
             return
+        if self.keeping_best and self.verdicts.best_step:
+            self.log.info("--save %s holds the parameters of step %d, the best evaluation (keep_best)",
+                          self.opts.save_path, self.verdicts.best_step)
+            return
+        self._write_parameters("the last")
+
+    def _write_parameters(self, which: str) -> None:
+        path = self.opts.save_path
         try:
             self.stage.save_parameters(path)
         except OSError as e:
             raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
                                        f"{self.opts.instance}: {e.strerror or e}") from e
-        self.log.info("saved the parameters of step %d to %s", self.stage.step, path)
+        self.log.info("saved the parameters of step %d, %s, to %s", self.stage.step, which, path)
 
     def resume_latest(self) -> bool:
         """Load the newest valid checkpoint of the run saved last; False (fresh start) when there is
@@ -279,6 +299,7 @@ class StageState:
             "elapsed_s": time.perf_counter() - started,
             "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
+            **self.verdicts.summary(),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if self.opts.summary_path is not None:
