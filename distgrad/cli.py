@@ -421,6 +421,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, and the parameters."""
+    from distgrad.stage.records import scores_text
     head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
            f"({summary.get('mode', 'two-process')})"
     if "clients" in summary:        # several clients: no loss belongs to the whole run
@@ -435,6 +436,13 @@ def _print_result(summary: dict) -> None:
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")
+    others = scores_text({k: v for k, v in summary.items() if k != "test_accuracy"})
+    if others:
+        print(f"held-out scores: {others[2:]}")
+    if "best_step" in summary:
+        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
+    if "stopped_early" in summary:
+        print(f"early stopping: the run ended after step {summary['stopped_early']}")
     for stage, params in summary["params"].items():
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."

@@ -1,6 +1,6 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
-when the file is the merged metrics of several clients), with the held-out loss and accuracy at the steps
-that evaluated (``--eval-every``) when the file has them.
+when the file is the merged metrics of several clients), with the held-out loss and scores (accuracy and the
+label owner's metrics) at the steps that evaluated (``--eval-every``) when the file has them.
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -44,8 +44,8 @@ def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarra
 
 
 def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarray, np.ndarray]]:
-    """``{client: (steps, values)}`` of ``key`` (``test_loss`` or ``test_accuracy``) on the lines that have
-    it, in step order; clients without any are left out."""
+    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``test_auc``, ...) on the
+    lines that have it, in step order; clients without any are left out."""
     points: dict[int | None, list[tuple[int, float]]] = {}
     for record in records:
         if record.get(key) is not None:
@@ -64,8 +64,9 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
-    ``test_loss`` add the held-out loss to the top panel (markers), and with ``test_accuracy`` a panel
-    of held-out accuracy between the two."""
+    ``test_loss`` add the held-out loss to the top panel (markers), and with other held-out scores
+    (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
+    line per score (and client)."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -75,9 +76,12 @@ def draw_metrics(records: list[dict], title: str):
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
-    test_loss, test_accuracy = _held_out(records, "test_loss"), _held_out(records, "test_accuracy")
-    if test_accuracy:
-        fig, (ax_loss, ax_accuracy, ax_rate) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    test_loss = _held_out(records, "test_loss")
+    names = sorted({key for record in records for key in record
+                    if key.startswith("test_") and key not in ("test_loss", "test_count")})
+    scores = {name: _held_out(records, name) for name in names}
+    if scores:
+        fig, (ax_loss, ax_scores, ax_rate) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     else:
         fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     window, positive = 1, True
@@ -89,8 +93,10 @@ def draw_metrics(records: list[dict], title: str):
             ax_loss.plot(held_steps, held, "o--", lw=1, ms=4, color=line.get_color(),
                          label="held-out loss" if client is None else f"{label} held-out")
             positive = positive and bool(np.nanmin(held) > 0)
-        if client in test_accuracy:
-            ax_accuracy.plot(*test_accuracy[client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
+        for name, marker in zip(names, "os^vD<>ph*"):
+            if client in scores[name]:
+                ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
+                               label=name[5:] if client is None else f"{label} {name[5:]}")
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
         positive = positive and bool(np.nanmin(loss) > 0)
@@ -103,8 +109,9 @@ def draw_metrics(records: list[dict], title: str):
     ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
     if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
-    if test_accuracy:
-        ax_accuracy.set_ylabel("held-out accuracy")
+    if scores:
+        ax_scores.set_ylabel("held-out scores")
+        ax_scores.legend(loc="lower right", fontsize="small")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()
