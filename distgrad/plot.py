@@ -94,7 +94,9 @@ def draw_metrics(records: list[dict], title: str):
                          label="held-out loss" if client is None else f"{label} held-out")
             positive = positive and bool(np.nanmin(held) > 0)
         for name, marker in zip(names, "os^vD<>ph*"):
-            if client in scores[name]:
+            if client in scores[name] and len(names) == 1:      # the client's colour, as its loss
+                ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
+            elif client in scores[name]:
                 ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
                                label=name[5:] if client is None else f"{label} {name[5:]}")
         rate_steps, rate, window = _rate(steps, wall)
@@ -110,8 +112,9 @@ def draw_metrics(records: list[dict], title: str):
     if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
     if scores:
-        ax_scores.set_ylabel("held-out scores")
-        ax_scores.legend(loc="lower right", fontsize="small")
+        ax_scores.set_ylabel(f"held-out {names[0][5:]}" if len(names) == 1 else "held-out scores")
+        if len(names) > 1:
+            ax_scores.legend(loc="lower right", fontsize="small")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()
