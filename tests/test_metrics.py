@@ -9,6 +9,7 @@ stages, stage files, a chain, vertical parties, the Python API) every party keep
 from __future__ import annotations
 
 import json
+import signal
 import tomllib
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from distgrad.run.inprocess import train_in_process
 from distgrad.run.progress import render_bar
 from distgrad.stage.selection import Selection
 
-from conftest import read_json, read_lines, run_launcher, run_main
+from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
 from test_tensorboard import _scalars
 
 DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
@@ -277,3 +278,40 @@ def test_the_python_api_stops_both_stages_where_in_process_does(tmp_path):
     assert summary["stopped_early"] == served["stopped_early"] == reference["stopped_early"] == STOPPED
     assert summary["best_step"] == served["best_step"] == BEST
     assert summary["params"]["f"] == json.loads(json.dumps(reference["params"]["f"]))
+
+
+class _TwoStages(StageGroup):
+    """f and g of ``experiment`` as two processes, checkpointing every step, each resumed when restarted."""
+
+    def __init__(self, tmp_path: Path, experiment: Path, endpoint: str) -> None:
+        super().__init__(tmp_path)
+        (tmp_path / "saved").mkdir()
+        common = ["--experiment", str(experiment), "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every",
+                  "1", "--resume", "--timeout", "0.5", "--liveness", "0.5", "--peer-deadline", "30"]
+        self.args = {name: [name, f"--{role}", endpoint, "--summary", tmp_path / f"{name}.json", "--save",
+                            tmp_path / "saved" / f"{name}.npz", "--trace", tmp_path / f"{name}.jsonl", *common]
+                     for name, role in (("g", "bind"), ("f", "connect"))}
+
+
+@pytest.mark.parametrize("killed", ["g", pytest.param("f", marks=pytest.mark.slow)])
+def test_kill_9_of_either_stage_keeps_the_verdicts(tmp_path, stage_group, killed):
+    """kill -9 after the best evaluation, restarted with the same command line (--resume): the checkpoints
+    hold the label owner's judged evaluations and each party's verdicts, so the run keeps and stops at the
+    uninterrupted run's steps, with its saved parameters (without them the label owner would judge the next
+    evaluation the best, and the data owner would forget which step --save holds)."""
+    path = _digits(tmp_path)
+    run = stage_group(_TwoStages, tmp_path, path, f"ipc://{tmp_path}/g.sock")
+    run.start("g")
+    run.start("f")
+    run.wait_until(lambda: run.lines("f.jsonl") >= BEST + 1, f"f to pass step {BEST}")     # before the next one
+    run.procs[killed].signal(signal.SIGKILL)
+    assert run.procs[killed].wait(10) == -signal.SIGKILL, f"{killed} ended before the kill"
+    run.start(killed)
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = json.loads(json.dumps(train_in_process(load_experiment(path), save_dir=tmp_path / "ref")))
+    for name in ("f", "g"):
+        summary = read_json(tmp_path / f"{name}.json")
+        assert (summary["steps"], summary["best_step"], summary["stopped_early"]) == (STOPPED, BEST, STOPPED), name
+        assert summary["params"][name] == reference["params"][name], name
+    assert _same_arrays(_saved(tmp_path / "saved"), _saved(tmp_path / "ref"))

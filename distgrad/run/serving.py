@@ -55,7 +55,6 @@ from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.selection import Selection
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -113,9 +112,7 @@ class ServingStage:
                                self.upstream, opts.seed, opts.init)
         self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
         self.peers = [Peer(c) for c in range(self.count)]
-        spec = self.exp.spec(opts.stage)
-        self.metrics = spec.metrics                         # the last stage's held-out scores beyond the loss
-        self.selection = Selection(spec.keep_best, spec.early_stopping)
+        self.metrics = self.exp.spec(opts.stage).metrics   # the last stage's held-out scores beyond the loss
         self.now = time.monotonic()                        # the time of the latest message or tick
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
         self.new_run(start_round=1)
@@ -310,11 +307,11 @@ class ServingStage:
 
     def judged(self, step: int, result: dict[str, Any], steps: int | None) -> dict[str, Any]:
         """``result`` (an evaluation after ``step`` of a run of ``steps``) with the verdicts this stage
-        gives (the last stage: ``Selection``) or passes on (a middle stage: those from below), each
+        gives (the last stage: ``StageState.selection``) or passes on (a middle stage: those from below), each
         recorded here (``StageState.take_verdict``). Early stopping ends this stage's run after ``step``
         when it counts the steps itself (``self.steps``: feature parties)."""
-        if self.link is None and self.selection.active:
-            result = {**result, **self.selection.judge(step, evaluation_fields(result), step == steps)}
+        if self.link is None and self.state.selection.active:
+            result = {**result, **self.state.selection.judge(step, evaluation_fields(result), step == steps)}
         self.state.take_verdict(step, result)
         if result.get("stop") and self.steps is not None:
             self.steps = step

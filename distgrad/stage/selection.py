@@ -63,6 +63,18 @@ class Selection:
             verdict["stop"] = not last and stale >= self.patience
         return verdict
 
+    def state(self) -> list[list[Any]]:
+        """What a checkpoint keeps: ``[step, scores]`` of every evaluation judged (``load_state`` reads it)."""
+        return [[step, fields] for step, fields in self.history]
+
+    def load_state(self, saved: Any, upto: int) -> None:
+        """The evaluations of a checkpoint (``state``) of the steps up to ``upto``; raises ``ValueError``
+        when ``saved`` is not what ``state`` writes."""
+        if not isinstance(saved, list) or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int)
+                                                  and isinstance(e[1], dict) for e in saved):
+            raise ValueError(f"the saved evaluations are not [step, scores] pairs: {saved!r:.80}")
+        self.history = [(step, dict(fields)) for step, fields in saved if step <= upto]
+
     def _improved(self, field: str) -> list[bool]:
         """For each evaluation judged, in step order: whether it improved on the best of ``field`` before it."""
         lower, best, out = field_metric(field) in LOWER_IS_BETTER, None, []
@@ -93,6 +105,18 @@ class Verdicts:
         """Steps after ``step`` were rolled back: their verdicts no longer hold."""
         self.best_step = self.best_step if self.best_step <= step else 0
         self.stopped_at = self.stopped_at if self.stopped_at <= step else 0
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps (``load_state`` reads it)."""
+        return {"best_step": self.best_step, "stopped_at": self.stopped_at}
+
+    def load_state(self, saved: Any, upto: int) -> None:
+        """The verdicts of a checkpoint (``state``) on the steps up to ``upto``; raises ``ValueError``
+        when ``saved`` is not what ``state`` writes."""
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) for k in ("best_step", "stopped_at")):
+            raise ValueError(f"the saved verdicts are not {{best_step, stopped_at}}: {saved!r:.80}")
+        self.best_step, self.stopped_at = saved["best_step"], saved["stopped_at"]
+        self.forget_after(upto)
 
     def summary(self) -> dict[str, int]:
         """The summary's fields: ``best_step`` and ``stopped_early`` (the step), each when it happened."""
