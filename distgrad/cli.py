@@ -94,7 +94,7 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, metavar="PATH",
                    help="driving stage: one JSON line per step (loss, wall time, bytes, compute and wait times)")
     p.add_argument("--tensorboard", type=Path, metavar="DIR",
-                   help="driving stage: write TensorBoard event files here: loss, held-out loss and accuracy, "
+                   help="driving stage: write TensorBoard event files here: loss, held-out loss, accuracy and metrics, "
                         "steps/s and bytes per step (needs pip install 'distgrad[tensorboard]')")
     p.add_argument("--eval-every", type=int, metavar="K",
                    help="driving stage: evaluate the held-out rows through every stage after every K-th step, "

@@ -36,8 +36,9 @@ _SHARED: dict[str, Key] = {
                   "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
                   "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it"),
     "eval_every": ("integer >= 0", "0",
-                   "every K steps, evaluate the held-out rows forward-only through every stage: loss and accuracy "
-                   "go to the progress line, the metrics file, the plot and TensorBoard (0: only at the end)"),
+                   "every K steps, evaluate the held-out rows forward-only through every stage: loss, accuracy and "
+                   "the last stage's 'metrics' go to the progress line, the metrics file, the plot and TensorBoard "
+                   "(0: only at the end)"),
     "allow_nonfinite": ("boolean", "false",
                         "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
                         "gradient ends the run before anything of that step is applied)"),

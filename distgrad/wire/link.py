@@ -225,8 +225,8 @@ def check_evaluation(reply: Message) -> dict[str, Any]:
     out = {"loss": body["loss"], "correct": correct, "count": body["count"]}
     metrics = body.get("metrics")
     if metrics is not None:
-        if not isinstance(metrics, dict) or not all(
-                isinstance(name, str) and (value is None or isinstance(value, float)) for name, value in metrics.items()):
+        if not isinstance(metrics, dict) or not all(isinstance(name, str) and (value is None or isinstance(value, float))
+                                                    for name, value in metrics.items()):
             raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has metrics={wire.show(metrics)}: a map of "
                                                      f"names to floats (or nil)")
         out["metrics"] = metrics
