@@ -1,6 +1,7 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
 when the file is the merged metrics of several clients), with the held-out loss and scores (accuracy and the
-label owner's metrics) at the steps that evaluated (``--eval-every``) when the file has them.
+label owner's metrics) at the steps that evaluated (``--eval-every``) and the stage's learning rate when the
+file has them.
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -44,8 +45,8 @@ def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarra
 
 
 def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarray, np.ndarray]]:
-    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``test_auc``, ...) on the
-    lines that have it, in step order; clients without any are left out."""
+    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``test_auc``, ``lr``, ...)
+    on the lines that have it, in step order; clients without any are left out."""
     points: dict[int | None, list[tuple[int, float]]] = {}
     for record in records:
         if record.get(key) is not None:
@@ -64,9 +65,9 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
-    ``test_loss`` add the held-out loss to the top panel (markers), and with other held-out scores
+    ``test_loss`` add the held-out loss to the top panel (markers), with other held-out scores
     (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
-    line per score (and client)."""
+    line per score (and client), and with ``lr`` a panel of the learning rate above steps/s."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -76,14 +77,15 @@ def draw_metrics(records: list[dict], title: str):
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
-    test_loss = _held_out(records, "test_loss")
+    test_loss, rates = _held_out(records, "test_loss"), _held_out(records, "lr")
     names = sorted({key for record in records for key in record
                     if key.startswith("test_") and key not in ("test_loss", "test_count")})
     scores = {name: _held_out(records, name) for name in names}
-    if scores:
-        fig, (ax_loss, ax_scores, ax_rate) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    else:
-        fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    panels = 2 + bool(scores) + bool(rates)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
+    ax_loss, ax_rate = axes[0], axes[-1]
+    ax_scores = axes[1] if scores else None
+    ax_lr = axes[-2] if rates else None
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
         label = None if client is None else f"client {client}"
@@ -93,6 +95,8 @@ def draw_metrics(records: list[dict], title: str):
             ax_loss.plot(held_steps, held, "o--", lw=1, ms=4, color=line.get_color(),
                          label="held-out loss" if client is None else f"{label} held-out")
             positive = positive and bool(np.nanmin(held) > 0)
+        if client in rates:
+            ax_lr.plot(*rates[client], lw=1, color=line.get_color(), label=label)
         for name, marker in zip(names, "os^vD<>ph*"):
             if client in scores[name] and len(names) == 1:      # the client's colour, as its loss
                 ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
@@ -115,6 +119,8 @@ def draw_metrics(records: list[dict], title: str):
         ax_scores.set_ylabel(f"held-out {names[0][5:]}" if len(names) == 1 else "held-out scores")
         if len(names) > 1:
             ax_scores.legend(loc="lower right", fontsize="small")
+    if rates:
+        ax_lr.set_ylabel("learning rate")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()

@@ -55,6 +55,7 @@ from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.stage.records import evaluation_fields
+from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -580,6 +581,9 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
     log = logic.log
+    records = StageRecords(opts.metrics_path, opts.tensorboard_dir)     # this stage's own metrics, lr among them
+    if records.writers:
+        logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
     status = "interrupted"
     try:
@@ -625,5 +629,6 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                 logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
         finally:
             server.close()
+            records.close()
             if logic.link is not None:
                 logic.link.close(linger_ms=0)
