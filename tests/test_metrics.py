@@ -269,6 +269,54 @@ def test_feature_parties_stop_at_the_label_owner_s_step(tmp_path):
     assert sorted(_saved(tmp_path / "saved")) == ["g", "left", "right"]
 
 
+def test_a_torch_label_owner_judges_as_a_numpy_one_does(tmp_path):
+    """The label owner computed by PyTorch (framework = "torch") scores and judges alike: over processes
+    equal to --in-process."""
+    path = _digits(tmp_path, JUDGED + 'framework = "torch"\n', steps=24)
+    reference = json.loads(json.dumps(train_in_process(load_experiment(path))))
+    assert {"test_auc", "test_f1", "test_precision", "test_recall"} <= set(reference["evaluations"][-1])
+    result = run_launcher(["run", path, "--summary", tmp_path / "s.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = read_json(tmp_path / "s.json")
+    for key in ("steps", "best_step", "evaluations", "params"):
+        assert run[key] == reference[key], key
+
+
+def test_regression_scores_mse_and_mae(tmp_path):
+    """A loss of values: mse is the float32 mean_squared_error loss computed in float64; keep_best on the
+    lowest mae."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 4)).astype(np.float32)
+    np.savez(tmp_path / "rows.npz", x=x, y=np.tanh(x @ rng.normal(size=(4, 1))).astype(np.float32))
+    path = tmp_path / "regress.toml"
+    path.write_text("""name = "regress"
+steps = 30
+eval_every = 5
+[data]
+kind = "npz"
+path = "rows.npz"
+features = "x"
+labels = "y"
+label_dtype = "float32"
+batch = 16
+test_fraction = 0.25
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "f1", in = 4, out = 8 }, { type = "tanh" }]
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 8, out = 1 }]
+loss = "mean_squared_error"
+metrics = ["mse", "mae"]
+keep_best = "test_mae"
+""")
+    summary = train_in_process(load_experiment(path))
+    maes = [e["test_mae"] for e in summary["evaluations"]]
+    assert summary["best_step"] == 5 * (1 + maes.index(min(maes)))
+    for e in summary["evaluations"]:
+        assert e["test_mse"] == pytest.approx(e["test_loss"], rel=1e-5) and "test_accuracy" not in e
+
+
 def test_the_python_api_stops_both_stages_where_in_process_does(tmp_path):
     exp = load_experiment(_digits(tmp_path))
     with distgrad.serve_stage(exp) as g:
