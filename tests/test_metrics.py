@@ -269,6 +269,7 @@ def test_feature_parties_stop_at_the_label_owner_s_step(tmp_path):
     assert sorted(_saved(tmp_path / "saved")) == ["g", "left", "right"]
 
 
+@pytest.mark.slow
 def test_a_torch_label_owner_judges_as_a_numpy_one_does(tmp_path):
     """The label owner computed by PyTorch (framework = "torch") scores and judges alike: over processes
     equal to --in-process."""
