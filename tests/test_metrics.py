@@ -181,6 +181,9 @@ def test_only_the_label_owner_judges_and_unusable_verdicts_exit_2(tmp_path):
                            (["--staleness", "1"], "with staleness 1")):
         result = run_main(["run", path, "--in-process", *flags])
         assert result.returncode == 2 and message in result.stderr, result.stderr
+    (tmp_path / "none.toml").write_text(text.replace("test_fraction = 0.2", "test_fraction = 0.0"))
+    with pytest.raises(ConfigError, match="the data holds out none"):
+        load_experiment(tmp_path / "none.toml")
     clients = text.replace("eval_every = 4\n", "eval_every = 4\n[clients]\ncount = 2\n")
     (tmp_path / "clients.toml").write_text(clients)
     result = run_main(["run", tmp_path / "clients.toml", "--in-process"])

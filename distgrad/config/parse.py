@@ -135,6 +135,16 @@ def _evaluation_keys(source: str, table: Mapping[str, Any], name: str, last: boo
     return tuple(metrics), keep_best, dict(stopping) if stopping is not None else None
 
 
+def _check_scored(exp: Experiment) -> None:
+    """Raise ``ConfigError`` when the last stage asks for held-out scores or verdicts of an experiment whose
+    data holds out no rows: they would never be computed."""
+    last = next((s for s in exp.stages if s.name == exp.stage_names[-1]), None)
+    given = [key for key in ("metrics", "keep_best", "early_stopping") if last is not None and getattr(last, key)]
+    if given:
+        raise ConfigError(f"stage {last.name!r}: {given} judge the held-out rows, and the data holds out none: set "
+                          f"test_fraction in [data] (a file kind) or drop {given}")
+
+
 def _shape_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(is_whole(v) and v > 0 for v in value)
 
@@ -420,6 +430,8 @@ def _check_built(exp: Experiment, source: str) -> None:
                     raise ConfigError(f"the data owner {spec.name!r} needs features in its [data]")
                 if spec.name == exp.label_owner and not data.has_labels:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
+                if spec.name == exp.label_owner and not len(data.test_rows):
+                    _check_scored(exp)
                 if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
                                                          ) != exp.target:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "
