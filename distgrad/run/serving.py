@@ -54,7 +54,6 @@ from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
-from distgrad.stage.records import evaluation_fields
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -307,13 +306,9 @@ class ServingStage:
         return [(envelope, reply)]
 
     def judged(self, step: int, result: dict[str, Any], steps: int | None) -> dict[str, Any]:
-        """``result`` (an evaluation after ``step`` of a run of ``steps``) with the verdicts this stage
-        gives (the last stage: ``StageState.selection``) or passes on (a middle stage: those from below), each
-        recorded here (``StageState.take_verdict``). Early stopping ends this stage's run after ``step``
-        when it counts the steps itself (``self.steps``: feature parties)."""
-        if self.link is None and self.state.selection.active:
-            result = {**result, **self.state.selection.judge(step, evaluation_fields(result), step == steps)}
-        self.state.take_verdict(step, result)
+        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``); early stopping
+        ends the rounds after ``step`` when this stage counts them (``self.steps``: feature parties)."""
+        result = self.state.judged(step, result, step == steps, gives=self.link is None)
         if result.get("stop") and self.steps is not None:
             self.steps = step
         return result

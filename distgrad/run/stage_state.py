@@ -20,7 +20,7 @@ from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lo
 from distgrad.stage.engine import StepEngine
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import TraceWriter, to_lists, write_json
+from distgrad.stage.records import TraceWriter, evaluation_fields, to_lists, write_json
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
@@ -140,6 +140,15 @@ class StageState:
         self.selection = Selection(spec.keep_best, spec.early_stopping) if spec else Selection(None, None)
         self.verdicts = Verdicts()
         self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
+
+    def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
+        """``result`` (the evaluation after ``step``; ``last``: the run's last step) with the verdicts this
+        stage gives (``gives``: the last stage, by ``selection``) or passes on (those from below), each
+        recorded here (``take_verdict``)."""
+        if gives and self.selection.active:
+            result = {**result, **self.selection.judge(step, evaluation_fields(result), last)}
+        self.take_verdict(step, result)
+        return result
 
     def take_verdict(self, step: int, evaluation: Mapping[str, Any]) -> None:
         """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
