@@ -439,7 +439,7 @@ def _print_result(summary: dict) -> None:
     else:
         print(f"{head}, final loss {summary['final_loss']:.6g}")
     for client in summary.get("clients", []):
-        accuracy = f", test accuracy {client['test_accuracy']:.4f}" if "test_accuracy" in client else ""
+        accuracy = scores_text(client)     # test accuracy and the label owner's other metrics
         loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")

@@ -321,6 +321,18 @@ keep_best = "test_mae"
         assert e["test_mse"] == pytest.approx(e["test_loss"], rel=1e-5) and "test_accuracy" not in e
 
 
+def test_each_client_is_scored_on_its_own_rows(tmp_path):
+    """With [clients] the metrics are each client's, beside its accuracy (keep_best is refused there)."""
+    builtin = Path(load_experiment("digits-clients").source)
+    text = builtin.read_text().replace('"../datasets/digits.npz"', f'"{DIGITS_NPZ}"')
+    path = tmp_path / "clients.toml"
+    path.write_text(text.replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\nmetrics = ["f1"]'))
+    summary = train_in_process(load_experiment(path), steps=8)
+    assert all(0 < client["test_f1"] < 1 and client["evaluations"][-1]["test_f1"] == client["test_f1"]
+               for client in summary["clients"])
+    assert len({client["test_f1"] for client in summary["clients"]}) == 3
+
+
 def test_the_python_api_stops_both_stages_where_in_process_does(tmp_path):
     exp = load_experiment(_digits(tmp_path))
     with distgrad.serve_stage(exp) as g:
