@@ -453,6 +453,9 @@ def _print_result(summary: dict) -> None:
         print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
     if "stopped_early" in summary:
         print(f"early stopping: the run ended after step {summary['stopped_early']}")
+    if "privacy" in summary:
+        from distgrad.config.defended import budget_text
+        print(f"privacy: {budget_text(summary['privacy'])}")
     for stage, params in summary["params"].items():
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."

@@ -33,12 +33,13 @@ import numpy as np
 
 from distgrad.model.aggregate import combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
-from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.errors import ConfigError
 from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
+from distgrad.privacy.defenses import Defenses
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -72,6 +73,7 @@ class StageSpec:
     ``seed`` the seed of this stage's initial values (None: the run's);
     ``columns`` the feature columns it takes from its data (None: all);
     ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none);
+    ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``);
     ``metrics``, ``keep_best`` and ``early_stopping`` the last stage's held-out scores
     and its verdicts on them (``check_evaluation_keys``).
     """
@@ -91,6 +93,7 @@ class StageSpec:
     source: str = ""
     columns: list[int] | None = None
     scheduler: dict[str, Any] | None = None
+    defenses: Defenses = Defenses()
     metrics: tuple[str, ...] = ()
     keep_best: str | None = None
     early_stopping: dict[str, Any] | None = None
@@ -247,6 +250,9 @@ class Experiment:
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
+        if spec.defenses.label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
+            data = RandomizedLabels(data, spec.defenses.label_dp,  # type: ignore[arg-type]
+                                    spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def input_shape(self, name: str, seed: int | None = None) -> Shape:

@@ -16,6 +16,7 @@ import numpy as np
 from distgrad.config import schema
 from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
                                         builtin_names, check_codecs, check_evaluation_keys, check_staleness,
@@ -25,6 +26,7 @@ from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, F
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
+from distgrad.privacy.defenses import parse_defenses, refuse_unimplemented
 
 
 def _base_dir(source: str) -> Path:
@@ -38,6 +40,10 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if not isinstance(table, dict):
         raise file_error(source, f"{where} is not a table")
     allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    try:
+        refuse_unimplemented(table, table.get("name", where))
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
     unknown = set(table) - set(allowed)
     if unknown:
         raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -96,12 +102,17 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                 or len(set(columns)) != len(columns)):
         raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
                                  f"got {columns!r}")
+    try:
+        defenses = parse_defenses(table, name)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
     metrics, keep_best, early_stopping = _evaluation_keys(source, table, name, last)
     spec = StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None, metrics, keep_best, early_stopping)
+                     dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
+                     early_stopping)
     if last and "loss" in table:
         try:
             check_evaluation_keys(spec)
@@ -411,6 +422,7 @@ def _check_built(exp: Experiment, source: str) -> None:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
         check_codecs(exp)
+        check_defenses(exp)
         if exp.vertical:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:

@@ -121,6 +121,7 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
         table["keep_best"] = spec.keep_best
     if spec.early_stopping is not None:
         table["early_stopping"] = dict(spec.early_stopping)
+    table.update(spec.defenses.as_table())         # this party's own defenses stay its own
     return table
 
 
