@@ -97,7 +97,7 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
                         "(distgrad run: the driving stage's in PATH, each other stage's in PATH.STAGE, e.g. "
                         "metrics.g.jsonl)")
     p.add_argument("--tensorboard", type=Path, metavar="DIR",
-                   help="write TensorBoard event files here: loss, learning rate, held-out loss and accuracy, "
+                   help="write TensorBoard event files here: loss, learning rate, held-out loss, accuracy and metrics, "
                         "steps/s and bytes per step (a serving stage: its loss and learning rate; distgrad run: "
                         "each other stage's in DIR/STAGE; needs pip install 'distgrad[tensorboard]')")
     p.add_argument("--eval-every", type=int, metavar="K",
@@ -431,6 +431,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, and the parameters."""
+    from distgrad.stage.records import scores_text
     head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
            f"({summary.get('mode', 'two-process')})"
     if "clients" in summary:        # several clients: no loss belongs to the whole run
@@ -438,13 +439,20 @@ def _print_result(summary: dict) -> None:
     else:
         print(f"{head}, final loss {summary['final_loss']:.6g}")
     for client in summary.get("clients", []):
-        accuracy = f", test accuracy {client['test_accuracy']:.4f}" if "test_accuracy" in client else ""
+        accuracy = scores_text(client)     # test accuracy and the label owner's other metrics
         loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")
+    others = scores_text({k: v for k, v in summary.items() if k != "test_accuracy"})
+    if others:
+        print(f"held-out scores: {others[2:]}")
+    if "best_step" in summary:
+        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
+    if "stopped_early" in summary:
+        print(f"early stopping: the run ended after step {summary['stopped_early']}")
     if "privacy" in summary:
         from distgrad.config.defended import budget_text
         print(f"privacy: {budget_text(summary['privacy'])}")

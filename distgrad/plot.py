@@ -1,6 +1,7 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
-when the file is the merged metrics of several clients), with the held-out loss and accuracy at the steps
-that evaluated (``--eval-every``) and the stage's learning rate when the file has them.
+when the file is the merged metrics of several clients), with the held-out loss and scores (accuracy and the
+label owner's metrics) at the steps that evaluated (``--eval-every``) and the stage's learning rate when the
+file has them.
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -44,8 +45,8 @@ def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarra
 
 
 def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarray, np.ndarray]]:
-    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``lr``) on the lines that
-    have it, in step order; clients without any are left out."""
+    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``test_auc``, ``lr``, ...)
+    on the lines that have it, in step order; clients without any are left out."""
     points: dict[int | None, list[tuple[int, float]]] = {}
     for record in records:
         if record.get(key) is not None:
@@ -64,8 +65,9 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
-    ``test_loss`` add the held-out loss to the top panel (markers), with ``test_accuracy`` a panel
-    of held-out accuracy between the two, and with ``lr`` a panel of the learning rate above steps/s."""
+    ``test_loss`` add the held-out loss to the top panel (markers), with other held-out scores
+    (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
+    line per score (and client), and with ``lr`` a panel of the learning rate above steps/s."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -75,12 +77,14 @@ def draw_metrics(records: list[dict], title: str):
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
-    test_loss, test_accuracy = _held_out(records, "test_loss"), _held_out(records, "test_accuracy")
-    rates = _held_out(records, "lr")
-    panels = 2 + bool(test_accuracy) + bool(rates)
+    test_loss, rates = _held_out(records, "test_loss"), _held_out(records, "lr")
+    names = sorted({key for record in records for key in record
+                    if key.startswith("test_") and key not in ("test_loss", "test_count")})
+    scores = {name: _held_out(records, name) for name in names}
+    panels = 2 + bool(scores) + bool(rates)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_loss, ax_rate = axes[0], axes[-1]
-    ax_accuracy = axes[1] if test_accuracy else None
+    ax_scores = axes[1] if scores else None
     ax_lr = axes[-2] if rates else None
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
@@ -93,8 +97,12 @@ def draw_metrics(records: list[dict], title: str):
             positive = positive and bool(np.nanmin(held) > 0)
         if client in rates:
             ax_lr.plot(*rates[client], lw=1, color=line.get_color(), label=label)
-        if client in test_accuracy:
-            ax_accuracy.plot(*test_accuracy[client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
+        for name, marker in zip(names, "os^vD<>ph*"):
+            if client in scores[name] and len(names) == 1:      # the client's colour, as its loss
+                ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
+            elif client in scores[name]:
+                ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
+                               label=name[5:] if client is None else f"{label} {name[5:]}")
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
         positive = positive and bool(np.nanmin(loss) > 0)
@@ -107,8 +115,10 @@ def draw_metrics(records: list[dict], title: str):
     ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
     if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
-    if test_accuracy:
-        ax_accuracy.set_ylabel("held-out accuracy")
+    if scores:
+        ax_scores.set_ylabel(f"held-out {names[0][5:]}" if len(names) == 1 else "held-out scores")
+        if len(names) > 1:
+            ax_scores.legend(loc="lower right", fontsize="small")
     if rates:
         ax_lr.set_ylabel("learning rate")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")

@@ -175,6 +175,10 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
     changes[("stage", "name")] = (_stage_file(tmp_path, "vertical-classify", "a"), _set("stage.name", "b"))
     changes[("stage", "loss")] = (_stage_file(tmp_path, "tanh-regression", "g"), _set("stage.loss", "sum_squared_error"))
     changes[("stage", "seed")] = (file_f, _set("stage.seed", 3))
+    for key, value in (("metrics", ["auc"]), ("keep_best", "test_loss"),        # the label owner's only
+                       ("early_stopping", {"metric": "test_loss", "patience": 2})):
+        changes[("stages", key)] = (digits, _set(f"stages.1.{key}", value))
+        changes[("stage", key)] = (file_g, _set(f"stage.{key}", value))
     for key, value in _DEFENSE_VALUES.items():      # clip_noise, nopeek: the data owner's; the rest the label owner's
         stage = 0 if key in ("clip_noise", "nopeek") else 1
         changes[("stages", key)] = (digits, _set(f"stages.{stage}.{key}", value))

@@ -36,6 +36,7 @@ from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.errors import ConfigError
 from distgrad.model.losses import Loss, build_loss, build_module_loss
+from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
 from distgrad.privacy.defenses import Defenses
@@ -72,7 +73,9 @@ class StageSpec:
     ``seed`` the seed of this stage's initial values (None: the run's);
     ``columns`` the feature columns it takes from its data (None: all);
     ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none);
-    ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``).
+    ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``);
+    ``metrics``, ``keep_best`` and ``early_stopping`` the last stage's held-out scores
+    and its verdicts on them (``check_evaluation_keys``).
     """
 
     name: str
@@ -91,6 +94,9 @@ class StageSpec:
     columns: list[int] | None = None
     scheduler: dict[str, Any] | None = None
     defenses: Defenses = Defenses()
+    metrics: tuple[str, ...] = ()
+    keep_best: str | None = None
+    early_stopping: dict[str, Any] | None = None
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -470,6 +476,26 @@ def stage_loss(spec: StageSpec) -> Loss:
         raise ConfigError(f"stage {spec.name!r}: {e}") from e
 
 
+def reported_fields(spec: StageSpec) -> list[str]:
+    """The held-out scores an evaluation by the last stage ``spec`` reports: ``test_loss``, ``test_accuracy``
+    for a loss of class ids, and ``test_NAME`` for each of its ``metrics``."""
+    fields = ["test_loss"] + (["test_accuracy"] if stage_loss(spec).classifies else [])
+    return fields + [f"test_{m}" for m in spec.metrics if f"test_{m}" not in fields]
+
+
+def check_evaluation_keys(spec: StageSpec) -> None:
+    """Raise ``ConfigError`` unless the last stage's ``metrics`` fit its loss and ``keep_best`` and
+    ``early_stopping`` name a score it reports (``reported_fields``)."""
+    where = f"stage {spec.name!r}"
+    check_metrics(spec.metrics, stage_loss(spec).classifies, where)
+    fields = reported_fields(spec)
+    for key, field_ in (("keep_best", spec.keep_best),
+                        ("early_stopping's metric", (spec.early_stopping or {}).get("metric"))):
+        if field_ is not None and field_ not in fields:
+            raise ConfigError(f"{where}: {key} {field_!r} is not a score this stage reports; it reports {fields} "
+                              f"(add a metric to 'metrics' to report it)")
+
+
 def loss_reduction(spec: StageSpec) -> str:
     """How the last stage's loss reduces rows: a distgrad loss's own, or a torch loss's ``reduction``."""
     return stage_loss(spec).reduction
@@ -529,6 +555,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_staleness(exp, exp.staleness if staleness is None else staleness)
     if eval_every is not None and (not is_whole(eval_every) or eval_every < 0):
         raise ConfigError(f"--eval-every must be an integer >= 0 (0: only after the last step), got {eval_every!r}")
+    check_verdicts(exp, exp.eval_every if eval_every is None else eval_every,
+                   exp.staleness if staleness is None else staleness)
     if checkpoint_every is not None and (not is_whole(checkpoint_every) or checkpoint_every < 0):
         raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
     if checkpoint_every and checkpoint_dir is None:
@@ -538,6 +566,27 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
         raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
                           "and --resume (or run the stages as processes)")
+
+
+def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
+    """Raise ``ConfigError`` when the last stage's ``keep_best`` or ``early_stopping`` cannot act: with
+    several data owners (each is scored on its own rows: no one step is best for all), with steps in flight
+    (``staleness``: the stages below have applied later steps when an evaluation is scored), or early
+    stopping without evaluations during the run (``eval_every`` 0)."""
+    last = next((spec for spec in exp.stages if spec.name == exp.stage_names[-1]), None)
+    if last is None or (last.keep_best is None and last.early_stopping is None):
+        return
+    given = [key for key in ("keep_best", "early_stopping") if getattr(last, key) is not None]
+    if exp.federated:
+        raise ConfigError(f"{given}: with [clients] each data owner is scored on its own held-out rows, so no one "
+                          f"step is the best or the last for all; drop {given} or the [clients] table")
+    if is_whole(staleness) and staleness > 0:
+        raise ConfigError(f"{given} with staleness {staleness}: with steps in flight the stages below have applied "
+                          f"later steps than the one evaluated, so no one step is kept or stopped at on every party; "
+                          f"use staleness = 0")
+    if last.early_stopping is not None and is_whole(eval_every) and eval_every == 0:
+        raise ConfigError("early_stopping judges the evaluations during the run, and eval_every is 0 (only after "
+                          "the last step): set eval_every (or --eval-every) to K > 0")
 
 
 MAX_STALENESS = 64     # steps in flight: each holds a copy of the first stage's parameters

@@ -19,7 +19,8 @@ from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
-                                        builtin_names, check_codecs, check_staleness, check_targets, Clients,
+                                        builtin_names, check_codecs, check_evaluation_keys, check_staleness,
+                                        check_targets, Clients,
                                         codec_name, Experiment, file_error, interface_differences, is_whole,
                                         loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
@@ -105,11 +106,54 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
         defenses = parse_defenses(table, name)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
-    return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
+    metrics, keep_best, early_stopping = _evaluation_keys(source, table, name, last)
+    spec = StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None, defenses)
+                     dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
+                     early_stopping)
+    if last and "loss" in table:
+        try:
+            check_evaluation_keys(spec)
+        except ConfigError as e:
+            raise file_error(source, str(e)) from e
+    return spec
+
+
+def _evaluation_keys(source: str, table: Mapping[str, Any], name: str, last: bool
+                     ) -> tuple[tuple[str, ...], str | None, dict[str, Any] | None]:
+    """A stage table's ``metrics``, ``keep_best`` and ``early_stopping``, checked for form (the last stage
+    only); whether they fit its loss is ``check_evaluation_keys``'s."""
+    given = [key for key in ("metrics", "keep_best", "early_stopping") if key in table]
+    if given and not last:
+        raise file_error(source, f"stage {name!r}: {given} belong to the last stage, which holds the labels and "
+                                 f"scores the held-out rows")
+    metrics = table.get("metrics", [])
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise file_error(source, f"stage {name!r}: 'metrics' must be a list of names such as [\"auc\", \"f1\"], "
+                                 f"got {metrics!r}")
+    keep_best = table.get("keep_best")
+    if keep_best is not None and not isinstance(keep_best, str):
+        raise file_error(source, f"stage {name!r}: 'keep_best' must name a reported score such as "
+                                 f"\"test_accuracy\", got {keep_best!r}")
+    stopping = table.get("early_stopping")
+    if stopping is not None and (not isinstance(stopping, dict) or set(stopping) != {"metric", "patience"}
+                                 or not isinstance(stopping["metric"], str)
+                                 or not is_whole(stopping["patience"]) or stopping["patience"] < 1):
+        raise file_error(source, f"stage {name!r}: 'early_stopping' must be a table {{ metric = \"test_loss\", "
+                                 f"patience = K }} with K >= 1, got {stopping!r}")
+    return tuple(metrics), keep_best, dict(stopping) if stopping is not None else None
+
+
+def _check_scored(exp: Experiment) -> None:
+    """Raise ``ConfigError`` when the last stage asks for held-out scores or verdicts of an experiment whose
+    data holds out no rows: they would never be computed."""
+    last = next((s for s in exp.stages if s.name == exp.stage_names[-1]), None)
+    given = [key for key in ("metrics", "keep_best", "early_stopping") if last is not None and getattr(last, key)]
+    if given:
+        raise ConfigError(f"stage {last.name!r}: {given} judge the held-out rows, and the data holds out none: set "
+                          f"test_fraction in [data] (a file kind) or drop {given}")
 
 
 def _shape_list(value: Any) -> bool:
@@ -398,6 +442,8 @@ def _check_built(exp: Experiment, source: str) -> None:
                     raise ConfigError(f"the data owner {spec.name!r} needs features in its [data]")
                 if spec.name == exp.label_owner and not data.has_labels:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
+                if spec.name == exp.label_owner and not len(data.test_rows):
+                    _check_scored(exp)
                 if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
                                                          ) != exp.target:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "

@@ -36,8 +36,9 @@ _SHARED: dict[str, Key] = {
                   "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
                   "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it"),
     "eval_every": ("integer >= 0", "0",
-                   "every K steps, evaluate the held-out rows forward-only through every stage: loss and accuracy "
-                   "go to the progress line, the metrics file, the plot and TensorBoard (0: only at the end)"),
+                   "every K steps, evaluate the held-out rows forward-only through every stage: loss, accuracy and "
+                   "the last stage's 'metrics' go to the progress line, the metrics file, the plot and TensorBoard "
+                   "(0: only at the end)"),
     "allow_nonfinite": ("boolean", "false",
                         "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
                         "gradient ends the run before anything of that step is applied)"),
@@ -122,6 +123,22 @@ _STAGE_COMMON: dict[str, Key] = {
              "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
              "NLLLoss (int64 class ids), MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss or BCEWithLogitsLoss "
              "(float32 targets shaped like the output); reduction \"mean\" or \"sum\""),
+    "metrics": ("array of strings", "[]",
+                "the last stage only: scores of each held-out evaluation besides the loss (and the accuracy a "
+                "loss of class ids reports anyway), reported as test_NAME like test_accuracy: for a loss of class "
+                "ids \"accuracy\", \"auc\", \"f1\", \"precision\", \"recall\" (two classes: of class 1; "
+                "more: the unweighted mean over classes, auc one-vs-rest), for a loss whose targets are shaped "
+                "like its output \"mse\", \"mae\" (scikit-learn's definitions; see the README)"),
+    "keep_best": ("string", "absent",
+                  "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
+                  "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
+                  "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
+                  "'--save' writes instead of the last; the summary's best_step says which step"),
+    "early_stopping": ("table", "absent",
+                       "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
+                       "after the evaluation that is the K-th in a row not to improve on the best of that score "
+                       "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0; "
+                       "not with [clients]"),
     "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
     "columns": ("array of integers", "absent (every column)",

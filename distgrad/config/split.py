@@ -115,6 +115,12 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
     table["optimizer"] = dict(spec.optimizer)
     if spec.loss is not None:
         table["loss"] = spec.loss
+    if spec.metrics:
+        table["metrics"] = list(spec.metrics)
+    if spec.keep_best is not None:
+        table["keep_best"] = spec.keep_best
+    if spec.early_stopping is not None:
+        table["early_stopping"] = dict(spec.early_stopping)
     table.update(spec.defenses.as_table())         # this party's own defenses stay its own
     return table
 

@@ -19,6 +19,7 @@ from distgrad.model.nn import DTYPE, Shape
 class Loss(abc.ABC):
     target_dtype: np.dtype = np.dtype(DTYPE)
     reduction: str = "mean"      # "sum" or "mean" over the batch: how micro-batch gradients combine
+    classifies: bool = False     # targets are class ids, the output one score per class
 
     def micro_batch_scale(self, count: int) -> np.float32:
         """Factor applied to the sum of ``count`` micro-batch gradients (and losses) so
@@ -100,6 +101,7 @@ class SoftmaxCrossEntropy(Loss):
     """
 
     target_dtype = np.dtype(np.int64)
+    classifies = True
 
     def target_shape(self, pred_shape: Shape) -> Shape:
         if len(pred_shape) != 2:

@@ -27,7 +27,7 @@ from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolErro
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
-from distgrad.stage.records import evaluation_entry, evaluation_fields
+from distgrad.stage.records import evaluation_entry, evaluation_fields, scores_text
 from distgrad.stage.stage import backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -98,6 +98,7 @@ class _Driver:
         step = self.state.stage.step
         again = self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
         self.evaluations = [e for e in self.evaluations if e["step"] < step or (e["step"] == step and not again)]
+        self.state.verdicts.forget_after(step)
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
 
     def step_once(self) -> None:
@@ -256,8 +257,10 @@ class _Driver:
         body = self.evaluation = check_evaluation(reply)
         entry = evaluation_entry(step, body)
         self.evaluations.append(entry)
-        self.log.info("step %d: test loss %.6g%s", step, body["loss"],
-                      f", test accuracy {entry['test_accuracy']:.4f}" if "test_accuracy" in entry else "")
+        self.log.info("step %d: test loss %.6g%s", step, body["loss"], scores_text(entry))
+        self.state.take_verdict(step, body)
+        if body.get("stop"):
+            self.steps = step       # early stopping: the label owner ends the run on every party here
         return entry
 
     def _evaluation_due(self, step: int) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -23,19 +23,15 @@ from distgrad.stage.engine import StepEngine
 from distgrad.config.defended import budget_text, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
-from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, to_lists,
-                                    write_json)
+from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, scores_text,
+                                    to_lists, write_json)
+from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
 log = logging.getLogger("distgrad.run.inprocess")
-
-
-def _accuracy_text(evaluation: Mapping[str, Any]) -> str:
-    fields = evaluation_fields(evaluation)
-    return f", test accuracy {fields['test_accuracy']:.4f}" if "test_accuracy" in fields else ""
 
 
 class _TraceLines:
@@ -241,7 +237,7 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     z = aggregate.combine(exp.aggregate, [senders.evaluation_roundtrip(party.forward(d.test_features(),
                                                                                      training=False)[0], step + 1)
                                           for party, d in zip(parties, data)])
-    return last.evaluate_last(z, labels.test_targets())
+    return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
 
 
 class _ParameterFiles:
@@ -274,15 +270,16 @@ class _ParameterFiles:
             built.save_parameters(path)
 
 
-def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int) -> dict[str, Any]:
+def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int,
+              metrics: Sequence[str]) -> dict[str, Any]:
     """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
     activation crosses as ``senders.evaluation_roundtrip`` makes it (no error feedback: an evaluation changes
-    nothing), as the evaluation message after ``step`` carries it."""
+    nothing), as the evaluation message after ``step`` carries it; ``metrics``: the scores besides the loss."""
     x = data.test_features()
     for stage in upstream:
         x, _ = stage.forward(x, training=False)
         x = senders.evaluation_roundtrip(x, step + 1)
-    return last.evaluate_last(x, labels.test_targets())
+    return last.evaluate_last(x, labels.test_targets(), metrics)
 
 
 def _due(step: int, steps: int, eval_every: int) -> bool:
@@ -326,7 +323,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if _due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step)
+                    scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
+                                          exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, scores[c]))
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
@@ -409,6 +407,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         loss, losses = None, {}
         log_every = max(1, steps // 10)
         evaluation, evaluations = None, []
+        spec = exp.spec(exp.stage_names[-1])
+        selection, verdicts = Selection(spec.keep_best, spec.early_stopping), Verdicts()
         started, cpu_started = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1 if in_flight is None else steps + staleness + 1):
             if in_flight is not None:
@@ -430,11 +430,21 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                 log.info("step %d/%d loss %.6g", step, steps, loss)
             if len(data.test_rows) and _due(step, steps, eval_every):
                 evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels, step) if exp.vertical
-                              else _evaluate(upstream, last, data, labels, Senders(exp.codecs), step))
+                              else _evaluate(upstream, last, data, labels, Senders(exp.codecs), step, spec.metrics))
                 evaluations.append(evaluation_entry(step, evaluation))
-                log.info("step %d: test loss %.6g%s", step, evaluation["loss"], _accuracy_text(evaluation))
-    for stage in stages:
-        files.save(stage, stage.name)
+                log.info("step %d: test loss %.6g%s", step, evaluation["loss"], scores_text(evaluations[-1]))
+                if selection.active:
+                    verdict = selection.judge(step, evaluation_fields(evaluation), step == steps)
+                    if verdicts.note(step, verdict):
+                        for stage in stages:        # keep_best: --save writes every stage's of this step
+                            files.save(stage, stage.name)
+                    if verdict.get("stop"):
+                        log.info("early stopping after step %d", step)
+                        steps = step
+                        break
+    if not (spec.keep_best and verdicts.best_step):
+        for stage in stages:
+            files.save(stage, stage.name)
     summary = {
         "experiment": exp.name,
         "steps": steps,
@@ -446,6 +456,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         "mode": "in-process",
         **evaluation_fields(evaluation),
         **({"evaluations": evaluations} if len(data.test_rows) else {}),
+        **verdicts.summary(),
         **privacy_budget(exp, exp.stage_names, steps, seed),
         "params": {s.name: to_lists(s.params) for s in stages},
     }

@@ -83,9 +83,8 @@ class _BarLine:
             p = json.loads(payload)
             rate = p.get("rate")
             if p.get("test_loss") is not None:
-                accuracy = p.get("test_accuracy")
-                self.test = {"test_loss": float(p["test_loss"]),
-                             "test_accuracy": None if accuracy is None else float(accuracy)}
+                self.test = {key: None if value is None else float(value) for key, value in p.items()
+                             if key.startswith("test_")}
             self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
                                    None if rate is None else float(rate), self.test)
         except (ValueError, KeyError, TypeError):

@@ -49,6 +49,7 @@ class Peer:
     owner: str = ""                   # CURVE key it said hello with ("" in plaintext)
     step: int = 0                     # its steps completed here
     mbs: int = 1
+    steps: int = 0                    # the steps of its run (its hello says; 0: not said)
     eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
     staleness: int = 0                # steps it keeps in flight (its hello says): replies of as many are kept
     specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)

@@ -28,12 +28,13 @@ PROGRESS_PREFIX = "progress "
 
 def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
                test: Mapping[str, Any] | None = None) -> str:
-    """``[#####-----] 450/900 loss 1.2e-03 test 0.31 acc 0.912 2300 steps/s ETA 0.2 s``.
+    """``[#####-----] 450/900 loss 1.2e-03 test 0.31 acc 0.912 auc 0.987 2300 steps/s ETA 0.2 s``.
 
     ``rate`` (steps/s) is None or not positive before it can be measured
     (the first step seen): the bar then shows ``- steps/s ETA -``. ``test``
     is the latest evaluation (``test_loss``, ``test_accuracy`` when
-    classifying); without one the bar has no ``test`` part.
+    classifying, ``test_NAME`` of the label owner's metrics, each shown by
+    NAME); without one the bar has no ``test`` part.
     """
     done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
     loss_text = f"{loss:.4g}" if loss is not None else "-"
@@ -44,9 +45,14 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
     held_out = ""
     if test and test.get("test_loss") is not None:
         held_out = f" test {test['test_loss']:.4g}"
-        if test.get("test_accuracy") is not None:
-            held_out += f" acc {test['test_accuracy']:.3f}"
+        held_out += "".join(f" {'acc' if key == 'test_accuracy' else key[5:]} {value:.3f}"
+                            for key, value in test.items() if _is_score(key) and value is not None)
     return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text}{held_out} {speed}"
+
+
+def _is_score(key: str) -> bool:
+    """A held-out score besides the loss: ``test_accuracy``, ``test_auc``, ... (not ``test_count``)."""
+    return key.startswith("test_") and key not in ("test_loss", "test_count")
 
 
 class Progress:
@@ -63,7 +69,7 @@ class Progress:
 
     def update(self, step: int, loss: float | None, force: bool = False,
                test: Mapping[str, Any] | None = None) -> None:
-        """Report ``step``; ``test``: this step's evaluation (``test_loss``, ``test_accuracy``), which is
+        """Report ``step``; ``test``: this step's evaluation (``test_loss`` and the scores), which is
         always drawn (and, in ``lines`` mode, written on this step's line)."""
         if self.mode == "off":
             return
@@ -92,8 +98,8 @@ class Progress:
 
 class MetricsWriter:
     """One JSON line per step: step, loss, the stage's learning rate ``lr``, wall time, bytes, compute and
-    wait times (seconds), and the held-out ``test_loss`` and ``test_accuracy`` on the lines of the steps that
-    evaluated (a serving stage's lines: ``StageRecords``)."""
+    wait times (seconds), and the held-out ``test_loss``, ``test_accuracy`` and the label owner's other
+    ``test_NAME`` scores on the lines of the steps that evaluated (a serving stage's lines: ``StageRecords``)."""
 
     def __init__(self, path: Path | None) -> None:
         self._file = None
@@ -130,8 +136,9 @@ def check_tensorboard() -> None:
 class TensorBoardWriter:
     """TensorBoard event files in ``directory`` from the same records as ``MetricsWriter``.
 
-    Scalars, each at its step: ``train/loss``; ``train/lr`` (the stage's learning rate); ``test/loss`` and
-    ``test/accuracy`` at the steps that evaluated; ``speed/steps_per_s``
+    Scalars, each at its step: ``train/loss``; ``train/lr`` (the stage's learning rate); ``test/loss``,
+    ``test/accuracy`` and ``test/NAME`` of each of the label owner's metrics at the steps that evaluated;
+    ``speed/steps_per_s``
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
     traffic counts in the step after it). Written by tensorboardX, imported
@@ -161,9 +168,9 @@ class TensorBoardWriter:
             add("train/loss", record["loss"], step)
         if record.get("lr") is not None:
             add("train/lr", record["lr"], step)
-        for key, tag in (("test_loss", "test/loss"), ("test_accuracy", "test/accuracy")):
-            if record.get(key) is not None:
-                add(tag, record[key], step)
+        for key, value in record.items():
+            if (key == "test_loss" or _is_score(key)) and value is not None:
+                add(f"test/{key[5:]}", value, step)
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
         if "bytes_sent" in record:

@@ -48,7 +48,7 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.config.experiment import MAX_STALENESS
+from distgrad.config.experiment import MAX_STALENESS, is_whole
 from distgrad.run.handshake import same_exactly
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
@@ -112,6 +112,7 @@ class ServingStage:
                                self.upstream, opts.seed, opts.init)
         self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
         self.peers = [Peer(c) for c in range(self.count)]
+        self.metrics = self.exp.spec(opts.stage).metrics   # the last stage's held-out scores beyond the loss
         self.now = time.monotonic()                        # the time of the latest message or tick
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
         self.new_run(start_round=1)
@@ -236,6 +237,7 @@ class ServingStage:
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
         peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
+        peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         topology.after_join(peer)
         self._seen(peer, now)
@@ -302,6 +304,14 @@ class ServingStage:
         # after this reply has left, so the driver never waits for them.
         self.closing = self.complete()
         return [(envelope, reply)]
+
+    def judged(self, step: int, result: dict[str, Any], steps: int | None) -> dict[str, Any]:
+        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``); early stopping
+        ends the rounds after ``step`` when this stage counts them (``self.steps``: feature parties)."""
+        result = self.state.judged(step, result, step == steps, gives=self.link is None)
+        if result.get("stop") and self.steps is not None:
+            self.steps = step
+        return result
 
     # -- the phases
     def start_round(self) -> None:

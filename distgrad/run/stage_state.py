@@ -21,7 +21,8 @@ from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lo
 from distgrad.stage.engine import StepEngine
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import TraceWriter, to_lists, write_json
+from distgrad.stage.records import TraceWriter, evaluation_fields, to_lists, write_json
+from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
 
@@ -137,6 +138,33 @@ class StageState:
         self.trace: TraceWriter | None = None
         self.write_failed = False       # a checkpoint could not be written: no more attempts
         self.log = logging.getLogger(f"distgrad.{opts.instance}")
+        # The label owner's verdicts on the evaluations (keep_best, early_stopping): given here when this is
+        # the last stage (``selection``), received otherwise; both are checkpointed with the stage.
+        spec = next((s for s in opts.experiment.stages if s.name == opts.stage), None)
+        self.selection = Selection(spec.keep_best, spec.early_stopping) if spec else Selection(None, None)
+        self.verdicts = Verdicts()
+        self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
+
+    def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
+        """``result`` (the evaluation after ``step``; ``last``: the run's last step) with the verdicts this
+        stage gives (``gives``: the last stage, by ``selection``) or passes on (those from below), each
+        recorded here (``take_verdict``)."""
+        if gives and self.selection.active:
+            result = {**result, **self.selection.judge(step, evaluation_fields(result), last)}
+        self.take_verdict(step, result)
+        return result
+
+    def take_verdict(self, step: int, evaluation: Mapping[str, Any]) -> None:
+        """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
+        ``--save`` writes this stage's parameters now, and not again at the end. With checkpoints, step
+        ``step``'s is saved again with the verdict (and, on the label owner, the evaluations it judged)."""
+        self.keeping_best = self.keeping_best or "best" in evaluation
+        if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
+            self._write_parameters("the best evaluation so far (keep_best)")
+        if evaluation.get("stop"):
+            self.log.info("early stopping after step %d: the label owner ends the run here", step)
+        if ("best" in evaluation or "stop" in evaluation) and self.store is not None and self.stage.step == step:
+            self.save(step)     # the checkpoint of this step holds its verdict: a resume here keeps it
 
     @property
     def stage(self) -> Stage:
@@ -165,16 +193,24 @@ class StageState:
         return stage
 
     def save_parameters(self) -> None:
-        """With ``--save``: write the stage's final parameters (raises ``CheckpointWriteError``)."""
-        path = self.opts.save_path
-        if path is None:
+        """With ``--save``: write the stage's final parameters, or with ``keep_best`` leave those of the best
+        evaluation that ``take_verdict`` wrote (raises ``CheckpointWriteError``)."""
+        if self.opts.save_path is None:
             return
+        if self.keeping_best and self.verdicts.best_step:
+            self.log.info("--save %s holds the parameters of step %d, the best evaluation (keep_best)",
+                          self.opts.save_path, self.verdicts.best_step)
+            return
+        self._write_parameters("the last")
+
+    def _write_parameters(self, which: str) -> None:
+        path = self.opts.save_path
         try:
             self.stage.save_parameters(path)
         except OSError as e:
             raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
                                        f"{self.opts.instance}: {e.strerror or e}") from e
-        self.log.info("saved the parameters of step %d to %s", self.stage.step, path)
+        self.log.info("saved the parameters of step %d, %s, to %s", self.stage.step, which, path)
 
     def resume_latest(self) -> bool:
         """Load the newest valid checkpoint of the run saved last; False (fresh start) when there is
@@ -199,6 +235,18 @@ class StageState:
         except ValueError as e:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
         self.history.load(ckpt.arrays)
+        self._load_verdicts(ckpt.meta.get("verdicts"), ckpt.step)
+
+    def _load_verdicts(self, saved: Any, step: int) -> None:
+        """The evaluations judged and the verdicts taken up to ``step`` (a checkpoint's ``verdicts``; None:
+        none, as at step 0)."""
+        saved = saved or {"judged": [], "taken": {"best_step": 0, "stopped_at": 0}, "keeping_best": False}
+        try:
+            self.selection.load_state(saved["judged"], step)
+            self.verdicts.load_state(saved["taken"], step)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"checkpoint of step {step}: its verdicts cannot be read: {e}") from e
+        self.keeping_best = bool(saved.get("keeping_best"))
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
@@ -206,6 +254,7 @@ class StageState:
             self.stage = self._fresh()
         self.history.clear()
         self.senders.reset()
+        self._load_verdicts(None, 0)
         self.run_id, self.owner = run_id, owner
         self.cpu_started = time.process_time()
         if self.store is not None:
@@ -238,6 +287,7 @@ class StageState:
             self.stage = self._fresh()
             self.history.clear()
             self.senders.reset()
+            self._load_verdicts(None, 0)
         else:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
@@ -260,7 +310,9 @@ class StageState:
         if self.store is not None and self.run_id and not self.write_failed:
             if self.trace is not None:
                 self.trace.flush()          # the trace then holds every step the checkpoint has
-            meta = dict(self.meta, owner=self.owner, **self.extra_meta())
+            meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
+                        verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
+                                  "keeping_best": self.keeping_best})
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             try:
@@ -283,6 +335,7 @@ class StageState:
             "elapsed_s": time.perf_counter() - started,
             "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
+            **self.verdicts.summary(),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed),

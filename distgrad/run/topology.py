@@ -449,7 +449,7 @@ class Turns(Topology):
             if s.link is None:
                 data = s.data[peer.index]
                 result = s.stage.evaluate_last(msg.tensors["activation"],
-                                               data.test_targets() if target is None else target)
+                                               data.test_targets() if target is None else target, s.metrics)
             else:
                 y, _ = s.stage.forward(msg.tensors["activation"], training=False)
                 tensors = {**s.state.senders.evaluation_tensors(y, msg.step),
@@ -461,7 +461,7 @@ class Turns(Topology):
                     return wire.error_message(msg.run, msg.step, e.code, str(s.refused_below(e, msg)))
         except (StageError, CodecRangeError) as e:
             return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
-        peer.evaluation = result
+        peer.evaluation = result = s.judged(msg.step - 1, result, s.steps or peer.steps)
         peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
         return peer.evaluated
 

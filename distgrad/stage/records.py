@@ -28,19 +28,31 @@ def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 
 def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Summary fields for a held-out evaluation: ``test_loss`` and, when classifying, ``test_accuracy``."""
+    """Summary fields for a held-out evaluation: ``test_loss``, ``test_count``, ``test_accuracy`` when
+    classifying, and ``test_NAME`` for each of the label owner's ``metrics`` (None where undefined)."""
     if evaluation is None:
         return {}
     fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
     if evaluation.get("correct") is not None:
         fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
+    fields.update({f"test_{name}": value for name, value in evaluation.get("metrics", {}).items()})
     return fields
 
 
 def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:
-    """One entry of a summary's ``evaluations``: ``step``, ``test_loss`` and, when classifying, ``test_accuracy``."""
-    fields = evaluation_fields(evaluation)
-    return {"step": step, **{k: fields[k] for k in ("test_loss", "test_accuracy") if k in fields}}
+    """One entry of a summary's ``evaluations``: ``step`` and the scores of ``evaluation_fields`` (not the
+    row count)."""
+    return {"step": step, **{k: v for k, v in evaluation_fields(evaluation).items() if k != "test_count"}}
+
+
+def scores_text(fields: Mapping[str, Any]) -> str:
+    """The scores of ``evaluation_fields`` but the loss and row count, for a log line: ``, test accuracy
+    0.9123, test auc 0.9876`` (an undefined one as n/a)."""
+    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}")
+                   for key, value in fields.items() if key.startswith("test_") and key not in _NOT_SCORES)
+
+
+_NOT_SCORES = ("test_loss", "test_count")
 
 
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
@@ -283,8 +295,7 @@ def merge_traces(paths: Sequence[str | Path], out: str | Path,
     _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)))
 
 
-CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "test_loss", "test_accuracy", "test_count",
-                         "evaluations")
+CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "evaluations")   # and every test_ score
 
 
 def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mapping[str, Any] | None,
@@ -304,7 +315,8 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
     per_client = []
     for k, summary in enumerate(clients):
         entry: dict[str, Any] = {"client": k}
-        entry.update({key: summary[key] for key in CLIENT_SUMMARY_FIELDS if key in summary})
+        entry.update({key: value for key, value in summary.items()
+                      if key in CLIENT_SUMMARY_FIELDS or key.startswith("test_")})
         if "status" in seen.get(k, {}):
             entry["status"] = seen[k]["status"]
         per_client.append(entry)

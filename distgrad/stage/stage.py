@@ -12,7 +12,7 @@ import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from distgrad.wire.codecs import Codec, NoneCodec
 from distgrad.errors import ConfigError, NonFiniteError, StageError
 from distgrad.config.experiment import Experiment, build_stage_parts, check_targets
 from distgrad.model.losses import Loss
+from distgrad.model.metrics import score
 from distgrad.model.nn import DTYPE, ForwardContext, Grads, Sequential, Shape
 from distgrad.config.npzfile import check_values, read_npz, write_npz
 from distgrad.model.optim import Optimizer
@@ -400,12 +401,14 @@ class Stage:
         for name, value in self.params.items():
             value[...] = saved[name]
 
-    def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
-        """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``."""
+    def evaluate_last(self, x: np.ndarray, target: np.ndarray, metrics: Sequence[str] = ()) -> dict[str, Any]:
+        """Forward only, on held-out rows: ``{"loss", "correct" (None unless classifying), "count"}``, and
+        ``"metrics"``: ``{name: value}`` of each of ``metrics`` (``distgrad.model.metrics``) when any."""
         assert self.loss is not None, f"stage {self.name} has no loss"
         y, _ = self.forward(x, training=False)
         loss, _ = self.loss_backward(y, target)
-        return {"loss": float(loss), "correct": self.loss.correct(y, target), "count": int(len(x))}
+        return {"loss": float(loss), "correct": self.loss.correct(y, target), "count": int(len(x)),
+                **({"metrics": score(metrics, y, target)} if metrics else {})}
 
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
         """Forward, loss and backward of micro-batch ``mb`` on the last stage, without an update."""

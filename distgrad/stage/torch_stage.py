@@ -113,6 +113,7 @@ import numpy as np
 from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
+from distgrad.model.metrics import score
 from distgrad.model.nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
 from distgrad.model.optim import SGD, Adam, Optimizer, build_optimizer
 from distgrad.stage.records import write_atomic
@@ -747,8 +748,9 @@ class TorchStage(Stage):
         assert dx is not None
         return np.float32(loss_t.item()), dx, grads
 
-    def evaluate_last(self, x: np.ndarray, target: np.ndarray) -> dict[str, Any]:
-        """Forward only, in eval mode, without a graph: ``{"loss", "correct" (None unless classifying), "count"}``."""
+    def evaluate_last(self, x: np.ndarray, target: np.ndarray, metrics: Sequence[str] = ()) -> dict[str, Any]:
+        """Forward only, in eval mode, without a graph: ``{"loss", "correct" (None unless classifying), "count"}``
+        and ``"metrics"`` (``Stage.evaluate_last``)."""
         assert self.loss is not None, f"stage {self.name} has no loss"
         try:
             with torch.no_grad(), self._forward_mode(0, training=False):
@@ -756,7 +758,9 @@ class TorchStage(Stage):
                 loss_t = self._loss_value(y_t, target)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: evaluation failed after step {self.step}: {e}") from e
-        return {"loss": float(loss_t), "correct": self.loss.correct(_host(y_t), target), "count": int(len(x))}
+        y = _host(y_t)
+        return {"loss": float(loss_t), "correct": self.loss.correct(y, target), "count": int(len(x)),
+                **({"metrics": score(metrics, y, target)} if metrics else {})}
 
     def apply(self, grads: Grads) -> None:
         """One optimizer step from numpy ``grads`` keyed like ``params`` (then one scheduler step); counts the step.

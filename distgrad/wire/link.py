@@ -214,11 +214,25 @@ def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: boo
 
 
 def check_evaluation(reply: Message) -> dict[str, Any]:
-    """The body of an evaluation reply; raises ``ProtocolError`` if it is not one."""
+    """The body of an evaluation reply (``loss``, ``correct``, ``count``; ``metrics``, ``best`` and ``stop``
+    when it has them); raises ``ProtocolError`` if it is not one."""
     body = reply.body
     if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
         raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
     correct = body.get("correct")
     if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)):
         raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}")
-    return {"loss": body["loss"], "correct": correct, "count": body["count"]}
+    out = {"loss": body["loss"], "correct": correct, "count": body["count"]}
+    metrics = body.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, dict) or not all(isinstance(name, str) and (value is None or isinstance(value, float))
+                                                    for name, value in metrics.items()):
+            raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has metrics={wire.show(metrics)}: a map of "
+                                                     f"names to floats (or nil)")
+        out["metrics"] = metrics
+    for verdict in ("best", "stop"):
+        if verdict in body:
+            if not isinstance(body[verdict], bool):
+                raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has {verdict}={wire.show(body[verdict])}")
+            out[verdict] = body[verdict]
+    return out
