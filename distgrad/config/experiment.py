@@ -88,6 +88,7 @@ class StageSpec:
     source: str = ""
     columns: list[int] | None = None
     scheduler: dict[str, Any] | None = None
+    privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -211,6 +212,41 @@ class Experiment:
     def label_owner(self) -> str:
         """The stage holding the labels: the first when they travel, else the last."""
         return self.stage_names[0] if self.labels_travel else self.stage_names[-1]
+
+    def privacy_meter_kind(self, name: str) -> str:
+        """What a privacy meter at stage ``name`` guards: ``"labels"`` at the label owner that sends gradients
+        up (the last stage), ``"inputs"`` at the data owner (the first). Raises ``ConfigError`` naming
+        'privacy_meter' and why any other stage cannot meter."""
+        def refuse(reason: str) -> ConfigError:
+            return ConfigError(f"stage {name!r}: 'privacy_meter' (or --privacy-meter) {reason}")
+        if len(self.stage_names) < 2:
+            raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
+        if self.federated or self.vertical:
+            raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's "
+                         "rows against one label owner's")
+        index = self.stage_index(name)
+        if index == 0:
+            return "inputs"
+        if index == len(self.stage_names) - 1 and not self.labels_travel:
+            return "labels"
+        if index == len(self.stage_names) - 1:
+            raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this "
+                         "stage, so its gradients tell the data owner nothing it does not hold")
+        raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
+
+    def metered(self, name: str, flag: bool = False) -> bool:
+        """Whether stage ``name`` meters what it sends: its 'privacy_meter', or ``flag`` (--privacy-meter) on a
+        stage that can (with the flag, a stage that cannot simply does not)."""
+        spec = next((s for s in self.stages if s.name == name), None)
+        if spec is not None and spec.privacy_meter:
+            return True
+        if not flag:
+            return False
+        try:
+            self.privacy_meter_kind(name)
+        except ConfigError:
+            return False
+        return True
 
     def stage_index(self, name: str) -> int:
         if name in self.stage_names:

@@ -95,11 +95,15 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                 or len(set(columns)) != len(columns)):
         raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
                                  f"got {columns!r}")
+    if not isinstance(table.get("privacy_meter", False), bool):
+        raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
+                                 f"got {table['privacy_meter']!r}")
     return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None)
+                     dict(scheduler) if scheduler is not None else None,
+                     privacy_meter=table.get("privacy_meter", False))
 
 
 def _shape_list(value: Any) -> bool:
@@ -372,6 +376,8 @@ def _check_built(exp: Experiment, source: str) -> None:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
             first, last = spec.name in exp.data_owners, spec.name == exp.stage_names[-1]
+            if spec.privacy_meter:
+                exp.privacy_meter_kind(spec.name)
             if spec.columns is not None and not first:
                 raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
                                   f"this stage receives activations")

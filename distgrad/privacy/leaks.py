@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 TINY = 1e-30        # norms below this count as zero (a zero row has cosine 0 with everything)
+PAIR_ROWS = 512     # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
 
 
 def _flat(rows: np.ndarray) -> np.ndarray:
@@ -92,10 +93,12 @@ def label_recovery_chance(labels: np.ndarray) -> float:
     return 1.0 / len(np.unique(_labels(labels, len(np.asarray(labels)))))
 
 
-def cosine_auc(rows: np.ndarray, labels: np.ndarray) -> float:
-    """The AUC of "same label" over every pair of distinct rows, scored by the cosine of their rows."""
+def cosine_auc(rows: np.ndarray, labels: np.ndarray, max_rows: int = PAIR_ROWS) -> float:
+    """The AUC of "same label" over every pair of distinct rows among the first ``max_rows``, scored by the
+    cosine of their rows. Raises ``ValueError`` when every pair is of one kind."""
     x = _unit(_flat(rows))
     y = _labels(labels, len(x))
+    x, y = x[:max_rows], y[:max_rows]
     upper = np.triu_indices(len(x), k=1)
     return auc((x @ x.T)[upper], (y[:, None] == y[None, :])[upper])
 

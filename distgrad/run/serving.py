@@ -50,6 +50,7 @@ from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import MAX_STALENESS
 from distgrad.run.handshake import same_exactly
+from distgrad.run.metering import Metering
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
@@ -102,6 +103,9 @@ class ServingStage:
         # held out (its stage file may hold no data: it then evaluates nothing).
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
+        # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
+        self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].targets(step), 0,
+                                  log=self.log) if opts.meter_kind else None)
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -150,6 +154,8 @@ class ServingStage:
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
         self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
+            if self.metering is not None:
+                self.metering.reset()
             self.started = time.perf_counter()
             self.loss: float | None = None
             self.active = False             # a run is open (possibly resumed from a checkpoint)
@@ -235,6 +241,8 @@ class ServingStage:
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
         peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
+        if self.metering is not None:
+            self.metering.set_window(eval_every)      # the meter's window follows the run's evaluations
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         topology.after_join(peer)
         self._seen(peer, now)
@@ -428,6 +436,8 @@ class ServingStage:
         # a rerun with --resume has nothing to do
         self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
         self.state.save_parameters()
+        if self.metering is not None:
+            self.metering.finish(self.stage.step)
         self.finished = self.close_run("completed")
         return self.finished
 
@@ -446,7 +456,8 @@ class ServingStage:
     def close_run(self, status: str) -> dict[str, Any]:
         """End the run with ``status``: its summary (returned); nobody takes part in it any more."""
         self.settle()
-        summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields())
+        summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
+                                     **(self.metering.summary_fields() if self.metering is not None else {}))
         self.state.close()
         self.active = False
         for peer in self.peers:

@@ -22,6 +22,8 @@ runners need:
   residuals are pending until the step is applied (``commit``, called by the
   step engine) and forgotten when the step is dropped (``discard``), so a
   micro-batch sent again after a rollback is encoded from the same residual.
+  A *tap* (``Senders.taps``) reads what the receiver gets of each tensor sent
+  in a direction (the privacy meter): it sees, and changes, nothing else.
 
 The sender computes with its own unrounded values; only what crosses is
 coded. The in-process reference calls ``Senders.roundtrip`` at exactly the
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -137,6 +139,15 @@ def stream_name(direction: str, micro_batch: int, micro_batches: int, peer: str 
     return f"{direction}/{peer + '/' if peer else ''}mb{micro_batch}of{micro_batches}"
 
 
+def stream_micro_batch(stream: str) -> tuple[int, int]:
+    """The micro-batch and the micro-batch count of a ``stream_name``."""
+    mb, mbs = stream.rsplit("/", 1)[-1].removeprefix("mb").split("of")
+    return int(mb), int(mbs)
+
+
+Tap = Callable[[np.ndarray, str, int], None]     # (the tensor as received, its stream, its step)
+
+
 class Senders:
     """What one stage encodes its outgoing activations and activation gradients with.
 
@@ -156,6 +167,7 @@ class Senders:
         self.codecs = {direction: codecs.get(direction, NoneCodec()) for direction in DIRECTIONS}
         self._committed: dict[str, np.ndarray] = {}
         self._pending: dict[str, np.ndarray] = {}
+        self.taps: dict[str, Tap] = {}      # direction -> reads each tensor sent as the receiver decodes it
 
     def codec(self, direction: str) -> Codec:
         return self.codecs[direction]
@@ -180,10 +192,14 @@ class Senders:
         when it keeps one (its new residual pending until the step's update)."""
         codec = self.codecs[direction]
         if not codec.error_feedback:
-            return getattr(codec, how)(x, stream, step)
-        feedback = self._feedback(codec, stream)
-        sent = getattr(feedback, how)(x, stream, step)
-        self._pending[stream] = feedback.state_arrays()[stream]
+            sent = getattr(codec, how)(x, stream, step)
+        else:
+            feedback = self._feedback(codec, stream)
+            sent = getattr(feedback, how)(x, stream, step)
+            self._pending[stream] = feedback.state_arrays()[stream]
+        tap = self.taps.get(direction)
+        if tap is not None:
+            tap(sent if how == "roundtrip" else codec.decode(sent, x.shape), stream, step)
         return sent
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
