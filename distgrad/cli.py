@@ -284,10 +284,13 @@ def _run_stage(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
+    metered = exp.metered(args.stage, args.privacy_meter)
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
-                    or args.metrics or args.tensorboard or args.eval_every is not None or args.staleness is not None):
+                    or (not metered and (args.metrics or args.tensorboard)) or args.eval_every is not None
+                    or args.staleness is not None):
         raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness, --metrics, --tensorboard and "
-                          "--eval-every are for the driving stage (the others follow its hello)")
+                          "--eval-every are for the driving stage (the others follow its hello); a serving stage "
+                          "with a privacy meter takes --metrics and --tensorboard for the meter's figures")
     opts = StageOptions(
         exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
         args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 TINY = 1e-30        # norms below this count as zero (a zero row has cosine 0 with everything)
-PAIR_ROWS = 512     # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
+PAIR_ROWS = 256     # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
 
 
 def _flat(rows: np.ndarray) -> np.ndarray:
@@ -63,7 +63,7 @@ def auc(scores: np.ndarray, positive: np.ndarray) -> float:
     n_neg = len(positive) - n_pos
     if n_pos == 0 or n_neg == 0:
         raise ValueError("an AUC needs positive and negative examples")
-    order = np.argsort(scores, kind="stable")
+    order = np.argsort(scores)          # ties get their average rank, whatever their order
     ordered = scores[order]
     ranks = np.empty(len(scores), np.float64)
     # average ranks (1-based) over ties
@@ -139,18 +139,35 @@ def _centred_distances(rows: np.ndarray) -> np.ndarray:
     return d - d.mean(axis=0, keepdims=True) - d.mean(axis=1, keepdims=True) + d.mean()
 
 
-def distance_correlation(x: np.ndarray, z: np.ndarray) -> float:
-    """The sample distance correlation of paired rows ``x`` and ``z`` (Szekely et al. 2007; NoPeek's
-    measure): in [0, 1], 0 when either side is constant."""
-    a, b = _centred_distances(_flat(x)), _centred_distances(_flat(z))
-    if len(a) != len(b):
-        raise ValueError(f"{len(a)} input rows paired with {len(b)} activation rows")
+def _dcor(a: np.ndarray, b: np.ndarray) -> float:
+    """The distance correlation of two double-centred distance matrices of the same rows."""
     dcov, var_x, var_z = (a * b).mean(), (a * a).mean(), (b * b).mean()
     if var_x <= 0 or var_z <= 0:
         return 0.0
     return float(np.sqrt(max(dcov, 0.0) / np.sqrt(var_x * var_z)))
 
 
+def _centred_pair(x: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a, b = _centred_distances(_flat(x)), _centred_distances(_flat(z))
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} input rows paired with {len(b)} activation rows")
+    return a, b
+
+
+def distance_correlation(x: np.ndarray, z: np.ndarray) -> float:
+    """The sample distance correlation of paired rows ``x`` and ``z`` (Szekely et al. 2007; NoPeek's
+    measure): in [0, 1], 0 when either side is constant."""
+    return _dcor(*_centred_pair(x, z))
+
+
 def distance_correlation_chance(x: np.ndarray, z: np.ndarray) -> float:
     """The distance correlation with the pairing broken: input row i with activation row i+1 (cyclically)."""
-    return distance_correlation(x, np.roll(_flat(z), -1, axis=0))
+    return distance_correlations(x, z)[1]
+
+
+def distance_correlations(x: np.ndarray, z: np.ndarray) -> tuple[float, float]:
+    """``distance_correlation`` and ``distance_correlation_chance`` of ``x`` and ``z``, from one pair of
+    distance matrices (the broken pairing permutes ``z``'s rows and columns alike)."""
+    a, b = _centred_pair(x, z)
+    shift = np.roll(np.arange(len(b)), -1)
+    return _dcor(a, b), _dcor(a, b[np.ix_(shift, shift)])

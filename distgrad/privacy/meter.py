@@ -35,6 +35,7 @@ from distgrad.privacy import leaks
 
 LABELS, INPUTS = "labels", "inputs"      # what a meter guards: the label owner's or the data owner's secret
 DEFAULT_WINDOW = 50                      # steps per window when the run does not evaluate periodically
+FIGURES = ("label_recovery", "cosine_auc", "norm_auc", "direction_auc", "distance_correlation")   # each has NAME_chance
 
 
 def window_steps(eval_every: int) -> int:
@@ -100,9 +101,8 @@ class LeakMeter:
 
     @staticmethod
     def _inputs(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
-        usable = [(x, z) for x, z in taken if len(x) > 1]
-        if not usable:
+        pairs = [leaks.distance_correlations(x, z) for x, z in taken if len(x) > 1]
+        if not pairs:
             return {}
-        return {"distance_correlation": float(np.mean([leaks.distance_correlation(x, z) for x, z in usable])),
-                "distance_correlation_chance": float(np.mean([leaks.distance_correlation_chance(x, z)
-                                                              for x, z in usable]))}
+        return {"distance_correlation": float(np.mean([dcor for dcor, _ in pairs])),
+                "distance_correlation_chance": float(np.mean([chance for _, chance in pairs]))}

@@ -29,7 +29,7 @@ from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
+from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_step_fields, merge_summaries, merge_traces, read_json,
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -227,6 +227,13 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                               [(name, name) for name in serving])
                  if secure else {name: [] for name in processes})
 
+        # A serving stage's privacy meter writes its windows to its own metrics (joined into the driver's
+        # below by step) and TensorBoard run (DIR/STAGE).
+        meters = [name for name in serving if exp.metered(name, privacy_meter)]
+        meter_files = {name: (["--metrics", str(tmp / f"{name}.metrics.jsonl")] if metrics_path is not None else [])
+                       + (["--tensorboard", str(Path(tensorboard_dir) / name)] if tensorboard_dir is not None else [])
+                       for name in meters}
+
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
             stage = name.split("@")[0]
@@ -241,7 +248,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 ready = tmp / f"{name}.ready"
                 child = _Child(name, _stage_argv(name, source[name], [
                     "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
-                    *flags, *curve[name], *outputs(name), *files_of[name]]), out, lock)
+                    *flags, *curve[name], *outputs(name), *files_of[name], *meter_files.get(name, [])]), out, lock)
                 children.append(child)
                 below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
@@ -276,6 +283,9 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                          [*(client for _, _, client in drivers), *[None] * len(serving)])
         if exp.federated and metrics_path is not None:
             merge_metrics([metrics[name] for name in labels], metrics_path, clients)
+        for name in meters:
+            if metrics_path is not None:
+                merge_step_fields(metrics_path, tmp / f"{name}.metrics.jsonl")
     return summary
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Mapping
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.meter import FIGURES
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
 BAR_WIDTH = 24
@@ -30,7 +31,8 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
     ``rate`` (steps/s) is None or not positive before it can be measured
     (the first step seen): the bar then shows ``- steps/s ETA -``. ``test``
     is the latest evaluation (``test_loss``, ``test_accuracy`` when
-    classifying); without one the bar has no ``test`` part.
+    classifying); without one the bar has no ``test`` part. It may also hold
+    this stage's latest privacy-meter window, shown as ``NAME value/chance``.
     """
     done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
     loss_text = f"{loss:.4g}" if loss is not None else "-"
@@ -43,6 +45,9 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
         held_out = f" test {test['test_loss']:.4g}"
         if test.get("test_accuracy") is not None:
             held_out += f" acc {test['test_accuracy']:.3f}"
+    for name in FIGURES:     # the data owner's privacy meter: its latest window beside the chance level
+        if test and test.get(name) is not None:
+            held_out += f" {name} {test[name]:.3f}/{test[name + '_chance']:.3f}"
     return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text}{held_out} {speed}"
 
 
@@ -68,7 +73,7 @@ class Progress:
         if self.first_step is None:
             self.first_step, self.started = step - 1, now
         if test:
-            self.test = dict(test)
+            self.test = {**self.test, **test}      # an evaluation, a meter's window: each keeps the other
         elif not force and now - self.last_draw < REDRAW_S:
             return
         self.last_draw = now
@@ -130,7 +135,8 @@ class TensorBoardWriter:
     ``test/accuracy`` at the steps that evaluated; ``speed/steps_per_s``
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
-    traffic counts in the step after it). Written by tensorboardX, imported
+    traffic counts in the step after it); ``privacy/NAME`` and ``privacy/NAME_chance`` for each privacy meter
+    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window. Written by tensorboardX, imported
     only here; without it the constructor raises ``ConfigError``.
     """
 
@@ -160,6 +166,10 @@ class TensorBoardWriter:
                 add(tag, record[key], step)
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
+        for name in FIGURES:
+            if record.get(name) is not None:
+                add(f"privacy/{name}", record[name], step)
+                add(f"privacy/{name}_chance", record[f"{name}_chance"], step)
         if "bytes_sent" in record:
             total = record["bytes_sent"] + record["bytes_received"]
             add("speed/bytes_per_step", total - self._bytes, step)
