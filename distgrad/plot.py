@@ -1,6 +1,7 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
 when the file is the merged metrics of several clients), with the held-out loss and accuracy at the steps
-that evaluated (``--eval-every``) when the file has them.
+that evaluated (``--eval-every``) when the file has them, and the privacy meters' figures beside their
+chance levels (dashed) at the steps that closed a window (``--privacy-meter``).
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.meter import FIGURES
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 
@@ -64,8 +66,8 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
-    ``test_loss`` add the held-out loss to the top panel (markers), and with ``test_accuracy`` a panel
-    of held-out accuracy between the two."""
+    ``test_loss`` add the held-out loss to the top panel (markers), with ``test_accuracy`` a panel
+    of held-out accuracy between the two, and with privacy-meter figures a panel of them above steps/s."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -76,10 +78,22 @@ def draw_metrics(records: list[dict], title: str):
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
     test_loss, test_accuracy = _held_out(records, "test_loss"), _held_out(records, "test_accuracy")
-    if test_accuracy:
-        fig, (ax_loss, ax_accuracy, ax_rate) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    else:
-        fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    leaks = {name: _held_out(records, name) for name in FIGURES}
+    leaks = {name: points for name, points in leaks.items() if points}
+    panels = 2 + bool(test_accuracy) + bool(leaks)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
+    ax_loss, ax_rate = axes[0], axes[-1]
+    ax_accuracy = axes[1] if test_accuracy else None
+    if leaks:
+        ax_leak = axes[-2]
+        for name in leaks:
+            for client, (steps, values) in leaks[name].items():
+                suffix = "" if client is None else f" (client {client})"
+                (line,) = ax_leak.plot(steps, values, "o-", lw=1, ms=4, label=name + suffix)
+                _, chance = _held_out(records, f"{name}_chance")[client]
+                ax_leak.plot(steps, chance, "--", lw=1, color=line.get_color())
+        ax_leak.set_ylabel("leak (dashed: chance)")
+        ax_leak.legend(loc="lower left", fontsize="small")
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
         label = None if client is None else f"client {client}"
@@ -89,7 +103,7 @@ def draw_metrics(records: list[dict], title: str):
             ax_loss.plot(held_steps, held, "o--", lw=1, ms=4, color=line.get_color(),
                          label="held-out loss" if client is None else f"{label} held-out")
             positive = positive and bool(np.nanmin(held) > 0)
-        if client in test_accuracy:
+        if ax_accuracy is not None and client in test_accuracy:
             ax_accuracy.plot(*test_accuracy[client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
@@ -103,7 +117,7 @@ def draw_metrics(records: list[dict], title: str):
     ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
     if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
-    if test_accuracy:
+    if ax_accuracy is not None:
         ax_accuracy.set_ylabel("held-out accuracy")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")

@@ -69,7 +69,7 @@ def test_the_senders_tap_reads_what_the_receiver_decodes_in_both_paths():
     x = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
     for how in ("encode", "roundtrip"):
         senders, seen = Senders({GRADIENT: parse_codec("int8")}), []
-        senders.taps[GRADIENT] = lambda value, stream, step: seen.append((value, stream, step))
+        senders.taps[GRADIENT] = lambda value, stream, step: seen.append((value(), stream, step))
         stream = stream_name(GRADIENT, 1, 3, "client0")
         out = getattr(senders, how)(GRADIENT, x, stream, 7)
         expected = out if how == "roundtrip" else parse_codec("int8").decode(out, x.shape)
@@ -139,3 +139,8 @@ def test_torch_stages_meter_alike_in_process(tmp_path):
     summary = train_in_process(load_experiment(path), steps=20)
     assert [w["step"] for w in summary["label_leaks"]] == [20]
     assert 0 <= summary["label_leaks"][0]["label_recovery"] <= 1
+
+
+def test_a_long_window_scores_evenly_spaced_steps():
+    meter = LeakMeter(INPUTS, window=50)
+    assert [step for step in range(1, 101) if meter.wants(step)] == [*range(1, 50, 6), *range(51, 100, 6)]

@@ -51,11 +51,13 @@ class Metering:
         engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION] = self._tap
         engine.observers.append(self._after_update)
 
-    def _tap(self, received: np.ndarray, stream: str, step: int) -> None:
+    def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        if not self.meter.wants(step):
+            return
         mb, mbs = stream_micro_batch(stream)
         if self._secret is None or self._secret[0] != step:
             self._secret = (step, np.asarray(self.secret_of(step)))
-        self.meter.observe(step, mb, micro_batch(self._secret[1], mb, mbs), received)
+        self.meter.observe(step, mb, micro_batch(self._secret[1], mb, mbs), received())
 
     def set_window(self, eval_every: int) -> None:
         """A new run's evaluation period (a serving stage learns it from the hello): the window follows it."""

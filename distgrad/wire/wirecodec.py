@@ -145,7 +145,9 @@ def stream_micro_batch(stream: str) -> tuple[int, int]:
     return int(mb), int(mbs)
 
 
-Tap = Callable[[np.ndarray, str, int], None]     # (the tensor as received, its stream, its step)
+# A tap is called with a function returning the tensor as the receiver decodes it (computed only when the tap
+# asks: a tap may skip most sends), the tensor's stream and its step.
+Tap = Callable[[Callable[[], np.ndarray], str, int], None]
 
 
 class Senders:
@@ -199,7 +201,7 @@ class Senders:
             self._pending[stream] = feedback.state_arrays()[stream]
         tap = self.taps.get(direction)
         if tap is not None:
-            tap(sent if how == "roundtrip" else codec.decode(sent, x.shape), stream, step)
+            tap((lambda: sent) if how == "roundtrip" else (lambda: codec.decode(sent, x.shape)), stream, step)
         return sent
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
