@@ -143,4 +143,4 @@ def test_torch_stages_meter_alike_in_process(tmp_path):
 
 def test_a_long_window_scores_evenly_spaced_steps():
     meter = LeakMeter(INPUTS, window=50)
-    assert [step for step in range(1, 101) if meter.wants(step)] == [*range(1, 50, 6), *range(51, 100, 6)]
+    assert [step for step in range(1, 101) if meter.wants(step)] == [*range(1, 50, 12), *range(51, 100, 12)]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 TINY = 1e-30        # norms below this count as zero (a zero row has cosine 0 with everything)
-PAIR_ROWS = 128     # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
+PAIR_ROWS = 96      # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
 
 
 def _flat(rows: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ from distgrad.privacy import leaks
 
 LABELS, INPUTS = "labels", "inputs"      # what a meter guards: the label owner's or the data owner's secret
 DEFAULT_WINDOW = 50                      # steps per window when the run does not evaluate periodically
-SAMPLED_STEPS = 8      # steps of a window scored (evenly spaced): what keeps the meter's cost near 10% of a step
+SAMPLED_STEPS = 4      # steps of a window scored (evenly spaced): what keeps the meter's cost near 10% of a step
 FIGURES = ("label_recovery", "cosine_auc", "norm_auc", "direction_auc", "distance_correlation")   # each has NAME_chance
 
 
