@@ -144,3 +144,30 @@ def test_torch_stages_meter_alike_in_process(tmp_path):
 def test_a_long_window_scores_evenly_spaced_steps():
     meter = LeakMeter(INPUTS, window=50)
     assert [step for step in range(1, 101) if meter.wants(step)] == [*range(1, 50, 12), *range(51, 100, 12)]
+
+
+@pytest.mark.slow
+def test_a_metered_run_killed_and_resumed_is_bitwise_the_unmetered(tmp_path, stage_group):
+    """kill -9 of either stage and --resume: the meter keeps no state, and the run still ends bitwise."""
+    import signal
+
+    from test_faults import Pair
+    from conftest import free_tcp_endpoint
+
+    steps = "300"
+    pair = stage_group(Pair, tmp_path, "digits", steps, free_tcp_endpoint())
+    for name in ("f", "g"):
+        pair.args[name] += ["--privacy-meter"]
+    pair.args["f"] += ["--micro-batches", "2"]
+    pair.start("g")
+    pair.start("f")
+    for victim, target in (("g", 90), ("f", 190)):
+        pair.wait_for_step(target)
+        pair.procs[victim].signal(signal.SIGKILL)
+        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
+        pair.start(victim)
+    f_summary, g_summary = pair.finish()
+    reference = train_in_process(load_experiment("digits"), steps=int(steps), micro_batches=2)
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert g_summary["params"]["g"] == reference["params"]["g"]
+    assert f_summary["input_leaks"][-1]["step"] == g_summary["label_leaks"][-1]["step"] == int(steps)

@@ -14,6 +14,7 @@ run's parameters are bitwise those of an unmetered run.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -24,6 +25,7 @@ from distgrad.stage.stage import micro_batch
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_micro_batch
 
 SUMMARY_KEYS = {LABELS: "label_leaks", INPUTS: "input_leaks"}     # the summary's list of windows, by kind
+COST_KEYS = {LABELS: "label_meter_s", INPUTS: "input_meter_s"}     # the summary's wall seconds spent metering
 Report = Callable[[int, dict[str, float]], None]
 
 
@@ -46,6 +48,7 @@ class Metering:
         self.kind, self.secret_of, self.report, self.last_step = kind, secret_of, report, last_step
         self.meter = LeakMeter(kind, window_steps(eval_every))
         self.windows: list[dict[str, Any]] = []
+        self.spent_s = 0.0                  # wall time in the tap and the windows: the meter's own cost
         self.log = log or logging.getLogger("distgrad.privacy")
         self._secret: tuple[int, np.ndarray] | None = None
         engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION] = self._tap
@@ -54,10 +57,12 @@ class Metering:
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
         if not self.meter.wants(step):
             return
+        started = time.perf_counter()
         mb, mbs = stream_micro_batch(stream)
         if self._secret is None or self._secret[0] != step:
             self._secret = (step, np.asarray(self.secret_of(step)))
         self.meter.observe(step, mb, micro_batch(self._secret[1], mb, mbs), received())
+        self.spent_s += time.perf_counter() - started
 
     def set_window(self, eval_every: int) -> None:
         """A new run's evaluation period (a serving stage learns it from the hello): the window follows it."""
@@ -71,7 +76,9 @@ class Metering:
         self._close(step, True)
 
     def _close(self, step: int, last: bool) -> None:
+        started = time.perf_counter()
         figures = self.meter.close(step, last)
+        self.spent_s += time.perf_counter() - started
         if not figures or any(w["step"] == step for w in self.windows):
             return           # nothing to score, or a window closed again after a rollback: the first stands
         self.windows.append({"step": step, **figures})
@@ -82,8 +89,9 @@ class Metering:
     def reset(self) -> None:
         """A new run: no window, no figures yet."""
         self.meter.rollback(-1)
-        self.windows = []
+        self.windows, self.spent_s = [], 0.0
 
-    def summary_fields(self) -> dict[str, list[dict[str, Any]]]:
-        """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures."""
-        return {SUMMARY_KEYS[self.kind]: self.windows}
+    def summary_fields(self) -> dict[str, Any]:
+        """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures; and
+        ``label_meter_s`` | ``input_meter_s``: the wall seconds the meter spent (its cost to the run)."""
+        return {SUMMARY_KEYS[self.kind]: self.windows, COST_KEYS[self.kind]: self.spent_s}
