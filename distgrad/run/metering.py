@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from distgrad.run.progress import MetricsWriter, TensorBoardWriter, step_writers
 from distgrad.privacy.meter import INPUTS, LABELS, LeakMeter, window_steps
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
@@ -49,6 +51,7 @@ class Metering:
         self.meter = LeakMeter(kind, window_steps(eval_every))
         self.windows: list[dict[str, Any]] = []
         self.spent_s = 0.0                  # wall time in the tap and the windows: the meter's own cost
+        self.writers: list[MetricsWriter | TensorBoardWriter] = []     # see ``reset``
         self.log = log or logging.getLogger("distgrad.privacy")
         self._secret: tuple[int, np.ndarray] | None = None
         engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION] = self._tap
@@ -85,11 +88,22 @@ class Metering:
         self.log.info("privacy meter (%s) after step %d: %s", self.kind, step, figures_text(figures))
         if self.report is not None:
             self.report(step, figures)
+        for writer in self.writers:
+            writer.write({"step": step, **figures})
 
-    def reset(self) -> None:
-        """A new run: no window, no figures yet."""
+    def reset(self, metrics_path: Path | None = None, tensorboard_dir: Path | None = None) -> None:
+        """A new run: no window, no figures yet; each window's figures go to a metrics file and TensorBoard
+        events of their own when given (a serving stage's, which writes no other metrics)."""
         self.meter.rollback(-1)
         self.windows, self.spent_s = [], 0.0
+        self.close_writers()
+        self.writers = step_writers(metrics_path, tensorboard_dir)
+
+    def close_writers(self) -> None:
+        """Close the meter's own metrics file and TensorBoard events (the run ended)."""
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
 
     def summary_fields(self) -> dict[str, Any]:
         """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures; and

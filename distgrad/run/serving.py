@@ -53,7 +53,6 @@ from distgrad.run.handshake import same_exactly
 from distgrad.run.metering import Metering
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.run.progress import step_writers
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.stage.stage import backward_specs
@@ -106,8 +105,7 @@ class ServingStage:
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
         # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
         self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].targets(step), 0,
-                                  report=self._leaked, log=self.log) if opts.meter_kind else None)
-        self.writers: list[Any] = []        # the meter's windows: a metrics file, TensorBoard (each run's)
+                                  log=self.log) if opts.meter_kind else None)
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -157,23 +155,11 @@ class ServingStage:
         self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
             if self.metering is not None:
-                self.metering.reset()
-                self._close_writers()
-                self.writers = step_writers(self.opts.metrics_path, self.opts.tensorboard_dir)
+                self.metering.reset(self.opts.metrics_path, self.opts.tensorboard_dir)
             self.started = time.perf_counter()
             self.loss: float | None = None
             self.active = False             # a run is open (possibly resumed from a checkpoint)
         self.state.extra_meta = self.topology.checkpoint_meta
-
-    def _leaked(self, step: int, figures: dict[str, float]) -> None:
-        """A window of the label owner's meter closed after ``step``: a record for its metrics and TensorBoard."""
-        for writer in self.writers:
-            writer.write({"step": step, **figures})
-
-    def _close_writers(self) -> None:
-        for writer in self.writers:
-            writer.close()
-        self.writers = []
 
     def open_run(self) -> None:
         """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""
@@ -472,7 +458,8 @@ class ServingStage:
         self.settle()
         summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
                                      **(self.metering.summary_fields() if self.metering is not None else {}))
-        self._close_writers()
+        if self.metering is not None:
+            self.metering.close_writers()
         self.state.close()
         self.active = False
         for peer in self.peers:
