@@ -48,7 +48,7 @@ import zmq  # noqa: E402
 
 from distgrad.wire import transport
 
-from distgrad import wire  # noqa: E402
+from distgrad.wire import messages as wire  # noqa: E402
 from distgrad.run.options import StageOptions  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.model.optim import SGD, Adam  # noqa: E402

@@ -92,10 +92,14 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, metavar="PATH",
-                   help="driving stage: one JSON line per step (loss, wall time, bytes, compute and wait times)")
+                   help="one JSON line per step: the driving stage's loss, learning rate, wall time, bytes, compute "
+                        "and wait times; a serving or middle stage's own step, loss, learning rate and wall time "
+                        "(distgrad run: the driving stage's in PATH, each other stage's in PATH.STAGE, e.g. "
+                        "metrics.g.jsonl)")
     p.add_argument("--tensorboard", type=Path, metavar="DIR",
-                   help="driving stage: write TensorBoard event files here: loss, held-out loss and accuracy, "
-                        "steps/s and bytes per step (needs pip install 'distgrad[tensorboard]')")
+                   help="write TensorBoard event files here: loss, learning rate, held-out loss and accuracy, "
+                        "steps/s and bytes per step (a serving stage: its loss and learning rate; distgrad run: "
+                        "each other stage's in DIR/STAGE; needs pip install 'distgrad[tensorboard]')")
     p.add_argument("--eval-every", type=int, metavar="K",
                    help="driving stage: evaluate the held-out rows through every stage after every K-th step, "
                         "into the progress line, the metrics and the summary's evaluations (default: the "
@@ -228,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
                               "numbers, or .npy)")
+    predict.add_argument("--output-scores", action="store_true",
+                         help="label owner: write each row's scores beside its prediction (class probabilities "
+                              "for a classifying loss, else the raw outputs): CSV columns score_0..score_K-1, or "
+                              "NAME.scores.npy beside an .npy --output")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
@@ -284,13 +292,10 @@ def _run_stage(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
-    metered = exp.metered(args.stage, args.privacy_meter)
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
-                    or (not metered and (args.metrics or args.tensorboard)) or args.eval_every is not None
-                    or args.staleness is not None):
-        raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness, --metrics, --tensorboard and "
-                          "--eval-every are for the driving stage (the others follow its hello); a serving stage "
-                          "with a privacy meter takes --metrics and --tensorboard for the meter's figures")
+                    or args.eval_every is not None or args.staleness is not None):
+        raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness and --eval-every are for the "
+                          "driving stage (the others follow its hello)")
     opts = StageOptions(
         exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
         args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
@@ -370,10 +375,12 @@ def _run_experiment(args: argparse.Namespace) -> int:
     check_in_flight(args.in_flight, args.micro_batches, args.schedule)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
+    for flag, given in (("--metrics", args.metrics), ("--tensorboard", args.tensorboard)):
+        if given is not None and in_process:
+            raise ConfigError(f"{flag} is written by the stage processes of a run in processes; --in-process "
+                              f"writes none (drop --in-process or {flag}; the summary holds the losses and "
+                              f"evaluations)")
     if args.tensorboard is not None:
-        if in_process:
-            raise ConfigError("--tensorboard is written by the driving stage of a run in processes; "
-                              "--in-process writes none (drop --in-process or --tensorboard)")
         check_tensorboard()
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
@@ -508,6 +515,9 @@ def _predict(args: argparse.Namespace) -> int:
                           "the rows")
     if args.id_column is not None and args.input is None:
         raise ConfigError("--id-column names a column of the --input CSV: give --input FILE.csv")
+    if args.output_scores and role == "driving":
+        raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
+                          "predictions and their scores")
     opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
                         timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
                         liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
@@ -533,7 +543,8 @@ def _predict(args: argparse.Namespace) -> int:
                 raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
-            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx)
+            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
+                                      args.output_scores)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
     finally:
         from distgrad.wire.keys import CurveServer

@@ -1,7 +1,7 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
 when the file is the merged metrics of several clients), with the held-out loss and accuracy at the steps
-that evaluated (``--eval-every``) when the file has them, and the privacy meters' figures beside their
-chance levels (dashed) at the steps that closed a window (``--privacy-meter``).
+that evaluated (``--eval-every``) and the stage's learning rate when the file has them, and the privacy
+meter's figures beside their chance levels (dashed) at the steps that closed a window (``--privacy-meter``).
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -46,8 +46,8 @@ def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarra
 
 
 def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarray, np.ndarray]]:
-    """``{client: (steps, values)}`` of ``key`` (``test_loss`` or ``test_accuracy``) on the lines that have
-    it, in step order; clients without any are left out."""
+    """``{client: (steps, values)}`` of ``key`` (``test_loss``, ``test_accuracy``, ``lr``) on the lines that
+    have it, in step order; clients without any are left out."""
     points: dict[int | None, list[tuple[int, float]]] = {}
     for record in records:
         if record.get(key) is not None:
@@ -67,7 +67,8 @@ def draw_metrics(records: list[dict], title: str):
     """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
     ``test_loss`` add the held-out loss to the top panel (markers), with ``test_accuracy`` a panel
-    of held-out accuracy between the two, and with privacy-meter figures a panel of them above steps/s."""
+    of held-out accuracy between the two, with ``lr`` a panel of the learning rate, and with privacy-meter
+    figures a panel of them, above steps/s."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -78,12 +79,14 @@ def draw_metrics(records: list[dict], title: str):
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
     test_loss, test_accuracy = _held_out(records, "test_loss"), _held_out(records, "test_accuracy")
+    rates = _held_out(records, "lr")
     leaks = {name: _held_out(records, name) for name in FIGURES}
     leaks = {name: points for name, points in leaks.items() if points}
-    panels = 2 + bool(test_accuracy) + bool(leaks)
+    panels = 2 + bool(test_accuracy) + bool(rates) + bool(leaks)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_loss, ax_rate = axes[0], axes[-1]
     ax_accuracy = axes[1] if test_accuracy else None
+    ax_lr = axes[-2 - bool(leaks)] if rates else None
     if leaks:
         ax_leak = axes[-2]
         for name in leaks:
@@ -103,6 +106,8 @@ def draw_metrics(records: list[dict], title: str):
             ax_loss.plot(held_steps, held, "o--", lw=1, ms=4, color=line.get_color(),
                          label="held-out loss" if client is None else f"{label} held-out")
             positive = positive and bool(np.nanmin(held) > 0)
+        if client in rates:
+            ax_lr.plot(*rates[client], lw=1, color=line.get_color(), label=label)
         if ax_accuracy is not None and client in test_accuracy:
             ax_accuracy.plot(*test_accuracy[client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
         rate_steps, rate, window = _rate(steps, wall)
@@ -119,6 +124,8 @@ def draw_metrics(records: list[dict], title: str):
         ax_loss.legend(loc="upper right")
     if ax_accuracy is not None:
         ax_accuracy.set_ylabel("held-out accuracy")
+    if rates:
+        ax_lr.set_ylabel("learning rate")
     ax_rate.set_ylabel(f"steps/s (over {window} steps)")
     ax_rate.set_xlabel("step")
     fig.tight_layout()

@@ -58,9 +58,17 @@ def test_secure_chain_equals_the_composed_model(tmp_path):
 
 
 def test_chain_trace_equals_the_in_process_trace(tmp_path):
-    run_launcher(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl"])
+    """And each stage writes its own metrics (issue 24.2): a middle stage its steps, its learning rate and the
+    loss it passes up."""
+    run_launcher(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl", "--metrics",
+                  tmp_path / "m.jsonl"])
     run_main(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
+    losses = [line["loss"] for line in read_lines(tmp_path / "m.jsonl")]
+    for name in ("m1", "m2", "g"):
+        lines = read_lines(tmp_path / f"m.{name}.jsonl")
+        assert [(line["step"], line["lr"]) for line in lines] == [(t, pytest.approx(0.003)) for t in range(1, 6)]
+        assert [line["loss"] for line in lines] == losses, name
 
 
 class Chain(StageGroup):

@@ -182,8 +182,8 @@ def check_stage(p: Parsed) -> None:
     if p.serving:
         assert ns.bind and not ns.connect, f"{cmd}: the serving stage {ns.stage} needs --bind and no --connect"
         assert not ns.server_key, f"{cmd}: --server-key is for the driving stage"
-        assert ns.micro_batches is None and ns.schedule == "1f1b" and not getattr(ns, "metrics", None), \
-            f"{cmd}: --micro-batches, --schedule and --metrics are for the driving stage"
+        assert ns.micro_batches is None and ns.schedule == "1f1b", \
+            f"{cmd}: --micro-batches and --schedule are for the driving stage"
     else:
         assert ns.stage == exp.stage_names[0], f"{cmd}: {ns.stage} is neither the first nor the last stage"
         assert ns.connect and not ns.bind, f"{cmd}: the driving stage {ns.stage} needs --connect and no --bind"

@@ -41,10 +41,10 @@ def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
     return exp.final_loss.predict(g.forward(f.forward(rows)[0])[0])
 
 
-def _predict(root: Path, tmp_path: Path, output: Path, *f_extra) -> tuple[str, str]:
+def _predict(root: Path, tmp_path: Path, output: Path, *f_extra, g_extra: tuple = ()) -> tuple[str, str]:
     ready = tmp_path / "g.ready"
     with StageProcess(["predict", root / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file",
-                       ready, "--load", root / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
+                       ready, "--load", root / "halves" / "g.npz", "--output", output, *g_extra], tmp_path / "g.log",
                       distgrad=True) as g:
         endpoint = wait_for_file(ready, g)
         f = run_cli(["predict", root / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
@@ -383,3 +383,138 @@ def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: 
         uncoded.append(exp.final_loss.predict(g.forward(y, training=False)[0]))
     assert not np.array_equal(np.concatenate(expected), np.concatenate(uncoded)), "topk:3 should change a prediction"
     assert np.array_equal(np.load(output), np.concatenate(expected))
+
+
+def _logits(root: Path, rows: np.ndarray) -> np.ndarray:
+    """The label owner's outputs of ``rows``, computed in one process from the saved halves."""
+    exp = load_experiment([root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml"])
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(root / "halves" / "f.npz")
+    g.load_parameters(root / "halves" / "g.npz")
+    return g.forward(f.forward(rows, training=False)[0], training=False)[0]
+
+
+def test_output_scores_writes_the_class_probabilities_beside_the_class_and_the_ids(trained: Path, tmp_path: Path):
+    """Issue 24.5: ``--output-scores`` adds score_0..score_9, the softmax of the logits, after the predicted
+    class; the ID column of the input still leads each line."""
+    rows = np.random.default_rng(4).integers(0, 17, size=(45, 64)).astype(np.float64)
+    ids = [f"r{n}" for n in range(45)]
+    with open(tmp_path / "rows.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["person", *(f"pixel{i}" for i in range(64))])
+        writer.writerows([key, *map(int, row)] for key, row in zip(ids, rows))
+    output = tmp_path / "predictions.csv"
+    _predict(trained, tmp_path, output, "--input", tmp_path / "rows.csv", "--id-column", "person",
+             g_extra=("--output-scores",))
+    with open(output, newline="") as f:
+        header, *lines = list(csv.reader(f))
+    assert header == ["person", "prediction", *(f"score_{k}" for k in range(10))]
+    assert [line[0] for line in lines] == ids
+    logits = _logits(trained, rows.astype(np.float32) * np.float32(0.0625))
+    predicted = np.array([int(line[1]) for line in lines])
+    scores = np.array([[float(v) for v in line[2:]] for line in lines], np.float32)
+    assert np.array_equal(predicted, logits.argmax(axis=1))
+    assert np.array_equal(scores.argmax(axis=1), predicted)
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    assert np.allclose(scores, shifted / shifted.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert np.allclose(scores.sum(axis=1), 1, atol=1e-5)
+
+
+def test_output_scores_of_an_npy_output_go_to_a_file_beside_it(trained: Path, tmp_path: Path):
+    rows = np.random.default_rng(5).integers(0, 17, size=(30, 64)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    output = tmp_path / "predictions.npy"
+    _predict(trained, tmp_path, output, "--input", tmp_path / "rows.npy", g_extra=("--output-scores",))
+    logits = _logits(trained, rows * np.float32(0.0625))
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
+    scores = np.load(tmp_path / "predictions.scores.npy")
+    assert scores.dtype == np.float32 and scores.shape == (30, 10)
+    assert np.array_equal(scores, exp.final_loss.scores(logits))
+    assert np.array_equal(np.load(output), logits.argmax(axis=1))
+
+
+def test_output_scores_is_for_the_label_owner(trained: Path, tmp_path: Path):
+    result = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
+                      trained / "halves" / "f.npz", "--output-scores"])
+    assert result.returncode == 2 and "--output-scores is for the label owner" in result.stderr
+
+
+TORCH_HEAD = """
+from torch import nn
+
+
+def head():
+    return nn.Linear(3, 4)
+"""
+TORCH_EXPERIMENT = """
+name = "torch-scores"
+steps = 8
+seed = 2
+
+[data]
+kind = "synthetic_classification"
+samples = 64
+features = 5
+classes = 4
+batch = 8
+
+[[stages]]
+name = "f"
+model = [{ type = "dense", name = "f1", in = 5, out = 3 }, { type = "tanh" }]
+optimizer = { type = "sgd", lr = 0.1 }
+
+[[stages]]
+name = "g"
+module = "scorehead:head"
+optimizer = { type = "SGD", lr = 0.1 }
+loss = { type = "%s" }
+"""
+
+
+def test_a_torch_label_owner_writes_its_losss_probabilities(tmp_path: Path):
+    """A torch label owner's scores over processes: torch's softmax of CrossEntropyLoss's logits."""
+    torch = pytest.importorskip("torch")
+    (tmp_path / "scorehead.py").write_text(TORCH_HEAD)
+    experiment = tmp_path / "e.toml"
+    experiment.write_text(TORCH_EXPERIMENT % "CrossEntropyLoss")
+    assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
+    rows = np.random.default_rng(6).normal(size=(11, 5)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    output, ready = tmp_path / "out.csv", tmp_path / "g.ready"
+    with StageProcess(["predict", experiment, "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
+                       "--load", tmp_path / "halves" / "g.pt", "--output", output, "--output-scores"],
+                      tmp_path / "g.log", distgrad=True) as g:
+        endpoint = wait_for_file(ready, g)
+        f = run_cli(["predict", experiment, "--stage", "f", "--connect", endpoint, "--load",
+                     tmp_path / "halves" / "f.npz", "--input", tmp_path / "rows.npy"])
+        assert f.returncode == 0, f.stderr
+        assert g.wait() == 0, g.output
+    exp = load_experiment(experiment)
+    fs, gs = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    fs.load_parameters(tmp_path / "halves" / "f.npz")
+    gs.load_parameters(tmp_path / "halves" / "g.pt")
+    outputs = torch.from_numpy(gs.forward(fs.forward(rows, training=False)[0], training=False)[0])
+    expected = torch.softmax(outputs, dim=1)
+    with open(output, newline="") as f:
+        header, *lines = list(csv.reader(f))
+    assert header == ["row", "prediction", "score_0", "score_1", "score_2", "score_3"]
+    assert [int(line[1]) for line in lines] == outputs.argmax(dim=1).tolist()
+    scores = np.array([[float(v) for v in line[2:]] for line in lines], np.float32)
+    assert np.allclose(scores, expected.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_each_loss_scores_as_torch_would():
+    """``Loss.scores`` beside torch's own functions: softmax for class ids, exp of NLLLoss's log-probabilities,
+    sigmoid for BCEWithLogitsLoss, the output itself for BCELoss and the regression losses."""
+    torch = pytest.importorskip("torch")
+    from distgrad.model.losses import MeanSquaredError, SoftmaxCrossEntropy, TorchLoss
+    logits = np.random.default_rng(7).normal(scale=30, size=(6, 3)).astype(np.float32)
+    t = torch.from_numpy(logits)
+    assert np.allclose(SoftmaxCrossEntropy().scores(logits), torch.softmax(t, 1).numpy(), rtol=1e-5, atol=1e-7)
+    assert np.allclose(TorchLoss("CrossEntropyLoss", {}).scores(logits), torch.softmax(t, 1).numpy(), rtol=1e-5,
+                       atol=1e-7)
+    assert np.allclose(TorchLoss("NLLLoss", {}).scores(logits / 30), torch.exp(t / 30).numpy(), rtol=1e-5, atol=1e-7)
+    assert np.allclose(TorchLoss("BCEWithLogitsLoss", {}).scores(logits), torch.sigmoid(t).numpy(), rtol=1e-5,
+                       atol=1e-7)
+    for loss in (TorchLoss("MSELoss", {}), TorchLoss("BCELoss", {}), MeanSquaredError()):
+        assert np.array_equal(loss.scores(logits), logits)

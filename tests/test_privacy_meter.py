@@ -127,9 +127,13 @@ def test_a_metered_run_over_processes_is_bitwise_the_unmetered_and_meters_as_in_
     assert [w["step"] for w in run["label_leaks"]] == [25, 50, 60]          # windows of eval_every, and the last
     assert run["label_leaks"] == local["label_leaks"] and run["input_leaks"] == local["input_leaks"]
     assert run["label_leaks"][-1]["label_recovery"] > 0.9 > run["label_leaks"][-1]["label_recovery_chance"]
+    # Each party's figures in its own metrics: the data owner's in PATH, the label owner's in PATH.g.
     lines = {line["step"]: line for line in read_lines(tmp_path / "m.jsonl")}
-    assert lines[50]["label_recovery"] == run["label_leaks"][1]["label_recovery"]
     assert lines[50]["distance_correlation"] == run["input_leaks"][1]["distance_correlation"]
+    assert "label_recovery" not in lines[50]
+    label_lines = {line["step"]: line for line in read_lines(tmp_path / "m.g.jsonl")}
+    assert label_lines[50]["label_recovery"] == run["label_leaks"][1]["label_recovery"]
+    assert label_lines[60]["cosine_auc_chance"] == 0.5 and "label_recovery" not in label_lines[49]
     assert "privacy meter, label owner's labels" in metered.stdout
 
 

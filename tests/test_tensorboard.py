@@ -53,7 +53,7 @@ def test_the_event_file_has_every_scalar_at_its_steps(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     scalars = _scalars(board)
     assert sorted(scalars) == ["speed/bytes_per_step", "speed/steps_per_s", "test/accuracy", "test/loss",
-                               "train/loss"]
+                               "train/loss", "train/lr"]
     for tag in ("train/loss", "speed/steps_per_s", "speed/bytes_per_step"):
         assert [step for step, _ in scalars[tag]] == [1, 2, 3, 4, 5, 6], tag
         assert all(value > 0 for _, value in scalars[tag]), tag
@@ -75,11 +75,11 @@ def test_without_tensorboardx_the_flag_is_a_usage_error_naming_the_extra(tmp_pat
         StageOptions(exp, "f", exp.seed, tensorboard_dir=tmp_path / "b")
 
 
-def test_tensorboard_is_for_the_driving_stage_of_a_run_in_processes(tmp_path):
-    args = cli.build_parser().parse_args(["run", "digits", "--in-process", "--tensorboard", str(tmp_path)])
+@pytest.mark.parametrize("flag", ["--tensorboard", "--metrics"])
+def test_tensorboard_and_metrics_are_for_a_run_in_processes(tmp_path, flag):
+    """Every stage of a run in processes may write its own (test_watch.py: a serving stage's lr); --in-process
+    writes neither, so it refuses both rather than accept a flag that does nothing."""
+    args = cli.build_parser().parse_args(["run", "digits", "--in-process", flag, str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="--in-process writes none"):
         cli._run_experiment(args)
-    args = cli.build_stage_parser().parse_args(["g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*",
-                                                "--tensorboard", str(tmp_path)])
-    with pytest.raises(ConfigError, match="--tensorboard and --eval-every are for the driving stage"):
-        cli._run_stage(args)
+    assert not (tmp_path / "out").exists()

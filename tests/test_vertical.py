@@ -149,7 +149,8 @@ def test_bad_columns_are_refused():
     ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"])])
 def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches, extra):
     """Also with CURVE (a key pair per party), and the output files: each stage's saved parameters and one
-    metrics line per step (written by the first party: every party learns the same losses)."""
+    metrics line per step, in each process's own file (the first party's at PATH, every other's at
+    PATH.STAGE: each with its own learning rate)."""
     experiment = _experiment(tmp_path, kind)
     flags = ["--micro-batches", str(micro_batches)]
     path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
@@ -163,6 +164,9 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
             saved = np.load(tmp_path / "saved" / f"{name}.npz")
             assert {k: saved[k].tolist() for k in saved.files} == reference["params"][name]
         assert [line["step"] for line in read_lines(tmp_path / "metrics.jsonl")] == list(range(1, 61))
+        for name in [*PARTIES[1:], "g"]:
+            lines = read_lines(tmp_path / f"metrics.{name}.jsonl")
+            assert [line["step"] for line in lines] == list(range(1, 61)) and lines[-1]["lr"] > 0, name
     assert sorted(summary["params"]) == [*PARTIES, "g"]
     assert summary["params"] == reference["params"]
     assert summary["final_loss"] == reference["final_loss"]
@@ -419,7 +423,8 @@ def test_with_curve_one_key_is_one_party(tmp_path):
 def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_path):
     """`distgrad predict` with vertical parties: each party sends its embedding of the same held-out rows,
     the label owner combines them and writes the predictions; they equal the in-process forward of the
-    saved stages, and each party's bye is answered once every party's rows are in."""
+    saved stages, and each party's bye is answered once every party's rows are in; with --output-scores
+    the class probabilities go beside them (predictions.scores.npy)."""
     from conftest import StageProcess, wait_for_file
     from distgrad.stage.stage import Stage
     saved = tmp_path / "saved"
@@ -427,7 +432,8 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
     assert result.returncode == 0, result.stderr
     ready, output = tmp_path / "g.ready", tmp_path / "predictions.npy"
     with StageProcess(["predict", "digits-halves", "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file",
-                       ready, "--load", saved / "g.npz", "--output", output], tmp_path / "g.log", distgrad=True) as g:
+                       ready, "--load", saved / "g.npz", "--output", output, "--output-scores"], tmp_path / "g.log",
+                      distgrad=True) as g:
         endpoint = wait_for_file(ready, g)
         parties = [StageProcess(["predict", "digits-halves", "--stage", name, "--connect", endpoint, "--load",
                                  saved / f"{name}.npz"], tmp_path / f"{name}.log", distgrad=True)
@@ -442,5 +448,7 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
         stage.load_parameters(saved / f"{name}.npz")
     z = aggregate.combine("concat", [stages[name].forward(exp.build_data(stage=name).test_features(),
                                                           training=False)[0] for name in ("left", "right")])
-    expected = exp.final_loss.predict(stages["g"].forward(z, training=False)[0])
+    logits = stages["g"].forward(z, training=False)[0]
+    expected = exp.final_loss.predict(logits)
     assert np.array_equal(np.load(output), expected) and len(expected) == 359
+    assert np.array_equal(np.load(tmp_path / "predictions.scores.npy"), exp.final_loss.scores(logits))

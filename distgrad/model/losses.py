@@ -41,6 +41,25 @@ class Loss(abc.ABC):
         """What the model predicts from the last stage's output: the output itself (regression)."""
         return pred
 
+    def scores(self, pred: np.ndarray) -> np.ndarray:
+        """The scores behind ``predict`` (``distgrad predict --output-scores``), float32 of ``pred``'s shape:
+        here the raw output (regression)."""
+        return np.asarray(pred, DTYPE)
+
+
+def softmax(pred: np.ndarray, axis: int = 1) -> np.ndarray:
+    """Class probabilities from logits along ``axis`` (float32; the largest logit is subtracted first)."""
+    shifted = np.asarray(pred, DTYPE) - np.max(pred, axis=axis, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=axis, keepdims=True, dtype=DTYPE)
+
+
+def sigmoid(pred: np.ndarray) -> np.ndarray:
+    """Probabilities from logits, one per element (float32; no overflow for large negative logits)."""
+    pred = np.asarray(pred, DTYPE)
+    exp = np.exp(-np.abs(pred))
+    return np.where(pred >= 0, DTYPE(1) / (DTYPE(1) + exp), exp / (DTYPE(1) + exp)).astype(DTYPE)
+
 
 class SumSquaredError(Loss):
     """``sum((pred - target)**2)``: the seed's ``tf.square(output - y)`` over its one element.
@@ -117,6 +136,10 @@ class SoftmaxCrossEntropy(Loss):
         """The class ids (int64, ``(rows,)``): the largest logit's index, the lower one on a tie."""
         return pred.argmax(axis=1).astype(np.int64)
 
+    def scores(self, pred: np.ndarray) -> np.ndarray:
+        """Each class's probability (float32, ``(rows, classes)``): the softmax of the logits."""
+        return softmax(pred)
+
 
 _LOSSES: dict[str, type[Loss]] = {
     "sum_squared_error": SumSquaredError,
@@ -168,6 +191,19 @@ class TorchLoss(Loss):
     def predict(self, pred: np.ndarray) -> np.ndarray:
         """Class ids (int64, the largest score's index) for a class-id loss; else the output itself."""
         return pred.argmax(axis=1).astype(np.int64) if self.classifies else pred
+
+    def scores(self, pred: np.ndarray) -> np.ndarray:
+        """Probabilities where the loss defines them, float32 of ``pred``'s shape: the softmax over the
+        classes (axis 1) for ``CrossEntropyLoss``, ``exp`` of the log-probabilities ``NLLLoss`` takes, the
+        sigmoid of ``BCEWithLogitsLoss``'s logits; else (``BCELoss``, whose outputs are probabilities, and
+        the regression losses) the raw output."""
+        if self.type == "CrossEntropyLoss":
+            return softmax(pred)
+        if self.type == "NLLLoss":
+            return np.exp(np.asarray(pred, DTYPE))
+        if self.type == "BCEWithLogitsLoss":
+            return sigmoid(pred)
+        return super().scores(pred)
 
 
 def build_loss(spec: Any) -> Loss:

@@ -282,7 +282,7 @@ class _Driver:
         if self.writers:
             wait = self.traffic.wait_s - self.wait_before
             record = {
-                "step": step, "loss": loss,
+                "step": step, "loss": loss, "lr": self.state.stage.learning_rate(),
                 "wall_s": now - self.started, "step_s": now - self.step_started,
                 "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
                 "f_compute_s": now - self.step_started - wait, "f_wait_s": wait,

@@ -29,7 +29,7 @@ from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_step_fields, merge_summaries, merge_traces, read_json,
+from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -166,8 +166,10 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     ``params`` holds every stage; ``summary_path`` / ``trace_path`` receive the
     merged files, ``metrics_path`` the driving stage's metrics (with several
     clients: every client's, merged when the run ends, each line with its
-    ``client``), ``tensorboard_dir`` the driving stage's TensorBoard event files (with
-    several clients, client K's in ``tensorboard_dir/f@K``: a run each in TensorBoard). With several clients the summary's top level holds only what
+    ``client``) and every other process's own beside it (``stage_metrics_path``),
+    ``tensorboard_dir`` the driving stage's TensorBoard event files (with
+    several clients, client K's in ``tensorboard_dir/f@K``: a run each in TensorBoard) and every
+    other process's in ``tensorboard_dir/NAME``. With several clients the summary's top level holds only what
     is true of the whole run and each client's results are in ``clients``
     (``records.merge_client_summaries``). Raises ``ConfigError`` for a bad experiment and
     ``StageError`` naming the stage and its exit code when a stage fails.
@@ -218,21 +220,20 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
         labels = [label for label, _, _ in drivers]
         # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
-        # Feature parties all learn the same losses and scores: the first one writes them.
+        # Every other process (another feature party, a serving stage) writes its own beside: its learning rate
+        # is known only to it.
         metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in labels} if exp.federated
                    else {labels[0]: Path(metrics_path)}) if metrics_path is not None else {}
         boards = ({name: Path(tensorboard_dir) / name for name in labels} if exp.federated
                   else {labels[0]: Path(tensorboard_dir)}) if tensorboard_dir is not None else {}
+        for name in processes:
+            if metrics_path is not None and name not in metrics:
+                metrics[name] = stage_metrics_path(Path(metrics_path), name)
+            if tensorboard_dir is not None and name not in boards:
+                boards[name] = Path(tensorboard_dir) / name
         curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _ in drivers] +
                               [(name, name) for name in serving])
                  if secure else {name: [] for name in processes})
-
-        # A serving stage's privacy meter writes its windows to its own metrics (joined into the driver's
-        # below by step) and TensorBoard run (DIR/STAGE).
-        meters = [name for name in serving if exp.metered(name, privacy_meter)]
-        meter_files = {name: (["--metrics", str(tmp / f"{name}.metrics.jsonl")] if metrics_path is not None else [])
-                       + (["--tensorboard", str(Path(tensorboard_dir) / name)] if tensorboard_dir is not None else [])
-                       for name in meters}
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
@@ -248,7 +249,9 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                 ready = tmp / f"{name}.ready"
                 child = _Child(name, _stage_argv(name, source[name], [
                     "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
-                    *flags, *curve[name], *outputs(name), *files_of[name], *meter_files.get(name, [])]), out, lock)
+                    *flags, *curve[name], *outputs(name), *files_of[name],
+                    *(["--metrics", str(metrics[name])] if name in metrics else []),
+                    *(["--tensorboard", str(boards[name])] if name in boards else [])]), out, lock)
                 children.append(child)
                 below = [_wait_ready(child, ready, bind, check_stop)]
             bar = _BarLine(out) if progress_bar else None
@@ -283,10 +286,13 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                          [*(client for _, _, client in drivers), *[None] * len(serving)])
         if exp.federated and metrics_path is not None:
             merge_metrics([metrics[name] for name in labels], metrics_path, clients)
-        for name in meters:
-            if metrics_path is not None:
-                merge_step_fields(metrics_path, tmp / f"{name}.metrics.jsonl")
     return summary
+
+
+def stage_metrics_path(metrics_path: Path, name: str) -> Path:
+    """Where ``distgrad run --metrics PATH`` puts the metrics of process ``name`` that is not the (first)
+    driving stage: ``metrics.jsonl`` -> ``metrics.g.jsonl``."""
+    return metrics_path.with_name(f"{metrics_path.stem}.{name}{metrics_path.suffix}")
 
 
 def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients: Sequence[int | None],

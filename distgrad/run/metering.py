@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distgrad.run.progress import MetricsWriter, TensorBoardWriter, step_writers
 from distgrad.privacy.meter import INPUTS, LABELS, LeakMeter, window_steps
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
@@ -51,7 +49,6 @@ class Metering:
         self.meter = LeakMeter(kind, window_steps(eval_every))
         self.windows: list[dict[str, Any]] = []
         self.spent_s = 0.0                  # wall time in the tap and the windows: the meter's own cost
-        self.writers: list[MetricsWriter | TensorBoardWriter] = []     # see ``reset``
         self.log = log or logging.getLogger("distgrad.privacy")
         self._secret: tuple[int, np.ndarray] | None = None
         engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION] = self._tap
@@ -67,9 +64,12 @@ class Metering:
         self.meter.observe(step, mb, micro_batch(self._secret[1], mb, mbs), received())
         self.spent_s += time.perf_counter() - started
 
-    def set_window(self, eval_every: int) -> None:
-        """A new run's evaluation period (a serving stage learns it from the hello): the window follows it."""
+    def set_run(self, eval_every: int, last_step: Any) -> None:
+        """The run's evaluation period and last step, as a serving stage learns them from the hello: the
+        windows follow the period and end at the last step (a last step that is no whole number: ``finish``
+        closes the last window)."""
         self.meter.window = window_steps(eval_every)
+        self.last_step = last_step if isinstance(last_step, int) and not isinstance(last_step, bool) else None
 
     def _after_update(self, record: StepRecord) -> None:
         self._close(record.step, record.step == self.last_step)
@@ -88,22 +88,17 @@ class Metering:
         self.log.info("privacy meter (%s) after step %d: %s", self.kind, step, figures_text(figures))
         if self.report is not None:
             self.report(step, figures)
-        for writer in self.writers:
-            writer.write({"step": step, **figures})
 
-    def reset(self, metrics_path: Path | None = None, tensorboard_dir: Path | None = None) -> None:
-        """A new run: no window, no figures yet; each window's figures go to a metrics file and TensorBoard
-        events of their own when given (a serving stage's, which writes no other metrics)."""
+    def figures_at(self, step: int) -> dict[str, float]:
+        """The figures of the window that closed after ``step`` (none closed then: empty), for that step's
+        record (``progress.StageRecords``, an observer after this one)."""
+        latest = self.windows[-1] if self.windows else {}
+        return {k: v for k, v in latest.items() if k != "step"} if latest.get("step") == step else {}
+
+    def reset(self) -> None:
+        """A new run: no window, no figures yet."""
         self.meter.rollback(-1)
         self.windows, self.spent_s = [], 0.0
-        self.close_writers()
-        self.writers = step_writers(metrics_path, tensorboard_dir)
-
-    def close_writers(self) -> None:
-        """Close the meter's own metrics file and TensorBoard events (the run ended)."""
-        for writer in self.writers:
-            writer.close()
-        self.writers = []
 
     def summary_fields(self) -> dict[str, Any]:
         """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures; and

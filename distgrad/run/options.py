@@ -85,8 +85,8 @@ class StageOptions:
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     in_flight: int | None = None       # driving stage, 1f1b: micro-batches in flight (None: DEFAULT_IN_FLIGHT)
     staleness: int | None = None       # driving stage: steps in flight (None: the experiment's; 0: lockstep)
-    metrics_path: Path | None = None   # driving stage: one JSON line of timings per step
-    tensorboard_dir: Path | None = None   # driving stage: the same as TensorBoard scalars (tensorboardX)
+    metrics_path: Path | None = None   # one JSON line per step (a serving stage: its own, progress.StageRecords)
+    tensorboard_dir: Path | None = None   # the same as TensorBoard scalars (tensorboardX)
     eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
     progress: str = "off"              # driving stage: "bar", "lines" (for a launcher) or "off"
     client: int | None = None          # driving stage of an experiment with [clients]: which data owner

@@ -19,7 +19,14 @@ chunk and row counts, answered once the file is written. A chunk sent again
 Rows with IDs (an ID column in the ``--input`` CSV, or the held-out rows of
 ``[data]`` with an ``id_column``) send their IDs along: the hello names the
 column (``id_column``), each ``predict`` carries its rows' ``ids``, and the
-label owner writes them as the first column of its CSV. A data owner that
+label owner writes them as the first column of its CSV.
+
+With ``--output-scores`` the label owner also writes each row's scores
+(``Loss.scores``: class probabilities for a classifying loss, the raw output
+otherwise) beside its prediction: CSV columns ``score_0`` .. ``score_{K-1}``
+after ``prediction``; for ``.npy`` output a second file beside it,
+``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
+crosses the wire: the scores are computed where the predictions are. A data owner that
 fails before it is done (bad input, a damaged ``--load`` file) sends the
 stage below an ``error`` with code ``aborted``, so the label owner stops at
 once instead of waiting out its deadline.
@@ -89,6 +96,7 @@ class _Session:
     bye: tuple[Any, Message] | None = None   # a feature party's bye, answered once every party's rows are in
     id_name: str | None = None               # the rows' ID column (its hello's ``id_column``), None: no IDs
     ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
+    scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
 
 
 def _is_number(text: str) -> bool:
@@ -256,8 +264,11 @@ class PredictionServer:
     embedding of it has arrived (``aggregate.combine``), and a party's bye is answered once every party's
     rows are in and the file is written."""
 
-    def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None) -> None:
+    def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None,
+                 output_scores: bool = False) -> None:
+        """``output_scores``: the label owner writes each row's scores beside its prediction (module doc)."""
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
+        self.output_scores = output_scores
         self.state = StageState(opts)
         self.stage, self.log = self.state.stage, self.state.log
         self.parties = self.exp.upstream(opts.stage)        # the stages that send here
@@ -268,6 +279,7 @@ class PredictionServer:
         self.row_shapes = {name: tuple(shape[1:] if self.exp.batch else shape) for name, shape in shapes.items()}
         self.sessions: dict[str, _Session] = {}              # by sending stage
         self.predictions: dict[int, np.ndarray] = {}         # vertical: chunk -> its predictions
+        self.scores: dict[int, np.ndarray] = {}              # vertical: chunk -> its scores (--output-scores)
         self.ready: list[tuple[Any, Message]] = []           # deferred replies (held byes) to send now
         self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
         self.written = 0
@@ -395,12 +407,22 @@ class PredictionServer:
                                                tensors=self.state.senders.evaluation_tensors(y, msg.step)))
             _acknowledged(reply, msg.step, rows)
         else:
-            assert self.stage.loss is not None            # the last stage: it owns the loss
-            predictions = self.stage.loss.predict(y if batched else y[None])
-            session.chunks[msg.step] = np.array(predictions, copy=True)
+            session.chunks[msg.step], scores = self._outputs(y if batched else y[None])
+            if scores is not None:
+                session.scores[msg.step] = scores
             if ids is not None:
                 session.ids[msg.step] = ids
         return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
+
+    def _outputs(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The label owner's predictions of a chunk's outputs ``y`` and, with ``output_scores``, their scores
+        (``(rows, K)`` float32), both copies the stage will not overwrite."""
+        assert self.stage.loss is not None            # the last stage: it owns the loss
+        predictions = np.array(self.stage.loss.predict(y), copy=True)
+        if not self.output_scores:
+            return predictions, None
+        scores = np.array(self.stage.loss.scores(y), copy=True)
+        return predictions, scores.reshape(len(scores), -1)
 
     @staticmethod
     def _ids_of(session: _Session, msg: Message, rows: int) -> list[str] | None:
@@ -432,9 +454,10 @@ class PredictionServer:
                                                     f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
                                                     f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
                                                     f"the parties' --input files are not aligned")
-        assert self.stage.loss is not None
         y, _ = self.stage.forward(aggregate.combine(self.exp.aggregate, parts), training=False)
-        self.predictions[number] = np.array(self.stage.loss.predict(y), copy=True)
+        self.predictions[number], scores = self._outputs(y)
+        if scores is not None:
+            self.scores[number] = scores
         if ids[0] is not None:
             self.prediction_ids[number] = ids[0]
         for name in self.parties:
@@ -463,7 +486,8 @@ class PredictionServer:
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
             numbers = range(1, chunks + 1)
             self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n]) for n in numbers]),
-                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])])
+                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])],
+                                       _joined(session.scores, numbers))
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
 
@@ -486,7 +510,8 @@ class PredictionServer:
                                                 f"({len(self.predictions)} of {chunks} combined)")
         numbers = range(1, chunks + 1)
         self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in numbers]),
-                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])])
+                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])],
+                                   _joined(self.scores, numbers))
         for s in senders:
             s.done = True
             bye_envelope, bye = s.bye
@@ -494,37 +519,59 @@ class PredictionServer:
                 self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
         return reply
 
-    def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None) -> int:
+    def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None,
+               scores: np.ndarray | None = None) -> int:
         """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
-        headed ``id_name``, or without IDs ``row``, the row's number from 0); returns rows."""
+        headed ``id_name``, or without IDs ``row``, the row's number from 0), and their ``scores`` when
+        given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows."""
         assert self.output is not None
         if self.output.suffix == ".npy":
+            if scores is not None:
+                write_atomic(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
             write_atomic(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
         else:
             table = predictions.reshape(len(predictions), -1)
             columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
             fmt = "%d" if predictions.dtype.kind == "i" else "%.9g"
+            cells = [[fmt % v for v in row] for row in table]
+            if scores is not None:
+                columns += [f"score_{i}" for i in range(scores.shape[1])]
+                cells = [row + ["%.9g" % v for v in values] for row, values in zip(cells, scores)]
             keys = ids if id_name is not None and ids is not None else [str(i) for i in range(len(table))]
             out = io.StringIO()
             writer = csv.writer(out, lineterminator="\n")
             writer.writerow([id_name if id_name is not None else "row", *columns])
-            writer.writerows([key, *(fmt % v for v in row)] for key, row in zip(keys, table))
+            writer.writerows([key, *row] for key, row in zip(keys, cells))
             text = out.getvalue().encode()
             write_atomic(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
 
 
+def scores_path(output: Path) -> Path:
+    """Where an ``.npy`` output's scores go: ``NAME.scores.npy`` beside ``NAME.npy``."""
+    return output.with_name(f"{output.stem}.scores.npy")
+
+
+def _joined(scores: dict[int, np.ndarray], numbers: range) -> np.ndarray | None:
+    """The chunks' scores in chunk order; None without scores."""
+    return np.concatenate([scores[n] for n in numbers]) if scores else None
+
+
 @one_compute_thread()
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
-                      ctx: zmq.Context | None = None) -> int:
+                      ctx: zmq.Context | None = None, output_scores: bool = False) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
-    once written (passed on). Raises ``PeerTimeout`` when no sender comes, or it falls silent, for
-    ``opts.peer_deadline_s``; ``Interrupted`` on a signal."""
+    once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
+    ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
+    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
+    if output_scores and not last:
+        raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
+                          "predictions and their scores")
     if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
         raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
                           f"{f', not {output}' if output is not None else ''}")
@@ -534,7 +581,7 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
-    logic = PredictionServer(opts, output, link)
+    logic = PredictionServer(opts, output, link, output_scores)
     max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)

@@ -5,7 +5,9 @@ draws a one-line bar (step, loss, the latest held-out scores, steps/s, ETA)
 at most ``REDRAW_S`` apart; elsewhere the periodic log lines serve. Under the
 launcher the stage emits ``progress`` lines that the launcher turns into the
 bar on its own terminal. Each step's record (a ``MetricsWriter`` line) goes
-to every *step writer* of the run, made in one place: ``step_writers``.
+to every *step writer* of the run, made in one place: ``step_writers``. A
+serving or middle stage writes its own records (``StageRecords``): each party
+reports what only it knows, its own learning rate among them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Callable, Mapping
 
 from distgrad.errors import ConfigError
 from distgrad.privacy.meter import FIGURES
+from distgrad.stage.engine import StepRecord
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
 BAR_WIDTH = 24
@@ -93,8 +96,9 @@ class Progress:
 
 
 class MetricsWriter:
-    """One JSON line per step: step, loss, wall time, bytes, compute and wait times (seconds), and the
-    held-out ``test_loss`` and ``test_accuracy`` on the lines of the steps that evaluated."""
+    """One JSON line per step: step, loss, the stage's learning rate ``lr``, wall time, bytes, compute and
+    wait times (seconds), and the held-out ``test_loss`` and ``test_accuracy`` on the lines of the steps that
+    evaluated (a serving stage's lines: ``StageRecords``)."""
 
     def __init__(self, path: Path | None) -> None:
         self._file = None
@@ -131,7 +135,7 @@ def check_tensorboard() -> None:
 class TensorBoardWriter:
     """TensorBoard event files in ``directory`` from the same records as ``MetricsWriter``.
 
-    Scalars, each at its step: ``train/loss``; ``test/loss`` and
+    Scalars, each at its step: ``train/loss``; ``train/lr`` (the stage's learning rate); ``test/loss`` and
     ``test/accuracy`` at the steps that evaluated; ``speed/steps_per_s``
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
@@ -161,6 +165,8 @@ class TensorBoardWriter:
         step, add = record["step"], self._writer.add_scalar
         if record.get("loss") is not None:
             add("train/loss", record["loss"], step)
+        if record.get("lr") is not None:
+            add("train/lr", record["lr"], step)
         for key, tag in (("test_loss", "test/loss"), ("test_accuracy", "test/accuracy")):
             if record.get(key) is not None:
                 add(tag, record[key], step)
@@ -191,3 +197,31 @@ def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> lis
         writers[0].close()
         raise
     return [writer for writer in writers if writer.enabled]
+
+
+class StageRecords:
+    """A serving or middle stage's own step records (``--metrics``, ``--tensorboard`` on it), written by an
+    observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
+    middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
+    serving several clients, the ``client`` whose step it was; ``extra(step)``: more fields of the step (the
+    label owner's privacy-meter window that closed after it). A stage that keeps serving writes every run's
+    steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+
+    def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None,
+                 extra: Callable[[int], Mapping[str, Any]] | None = None) -> None:
+        self.writers = step_writers(metrics_path, tensorboard_dir)
+        self.started = time.perf_counter()
+        self.extra = extra
+
+    def __call__(self, step: StepRecord) -> None:
+        record = {"step": step.step, "loss": step.loss, "lr": step.lr, "wall_s": time.perf_counter() - self.started}
+        if step.client is not None:
+            record["client"] = step.client
+        if self.extra is not None:
+            record.update(self.extra(step.step))
+        for writer in self.writers:
+            writer.write(record)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()

@@ -55,6 +55,7 @@ from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
+from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -155,7 +156,7 @@ class ServingStage:
         self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
             if self.metering is not None:
-                self.metering.reset(self.opts.metrics_path, self.opts.tensorboard_dir)
+                self.metering.reset()
             self.started = time.perf_counter()
             self.loss: float | None = None
             self.active = False             # a run is open (possibly resumed from a checkpoint)
@@ -241,8 +242,8 @@ class ServingStage:
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
         peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
-        if self.metering is not None:
-            self.metering.set_window(eval_every)      # the meter's window follows the run's evaluations
+        if self.metering is not None:                 # the meter's windows follow the run's evaluations and end
+            self.metering.set_run(eval_every, body.get("steps"))      # with its last step, as the hello says
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         topology.after_join(peer)
         self._seen(peer, now)
@@ -458,8 +459,6 @@ class ServingStage:
         self.settle()
         summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
                                      **(self.metering.summary_fields() if self.metering is not None else {}))
-        if self.metering is not None:
-            self.metering.close_writers()
         self.state.close()
         self.active = False
         for peer in self.peers:
@@ -578,6 +577,9 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
     log = logic.log
+    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, logic.metering and logic.metering.figures_at)
+    if records.writers:
+        logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
     status = "interrupted"
     try:
@@ -623,5 +625,6 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                 logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
         finally:
             server.close()
+            records.close()
             if logic.link is not None:
                 logic.link.close(linger_ms=0)

@@ -111,6 +111,7 @@ class StepRecord:
     step: int                      # the run's step (with several clients: the round)
     loss: float | None             # the step's loss, where this stage knows it
     client: int | None = None      # whose step it was, when a stage serves several clients
+    lr: float | None = None        # the learning rate this update used (``Stage.learning_rate``)
 
 
 class StepEngine:
@@ -188,7 +189,7 @@ class StepEngine:
             extra = {} if client is None else {"client": client}
             self.trace.write(step, loss, traced, stage.params, **extra)
         if self.observers:
-            record = StepRecord(step, loss, client)
+            record = StepRecord(step, loss, client, stage.learning_rate())
             for observer in self.observers:
                 observer(record)
         return loss

@@ -255,17 +255,6 @@ def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequenc
     _write_lines(out, merged)
 
 
-def merge_step_fields(path: str | Path, part: str | Path) -> None:
-    """Join another stage's metrics lines (``part``: the label owner's privacy meter) into the metrics file
-    ``path`` by step: each line of ``path`` gains the fields of ``part``'s line of the same step (a step
-    ``path`` lacks gets its own line). Raises ``StageError`` for a missing or unreadable file."""
-    lines = _read_part(path, "metrics")
-    extra = {line["step"]: line for line in _read_part(part, "metrics")}
-    for line in lines:
-        line.update(extra.pop(line["step"], {}))
-    _write_lines(path, sorted([*lines, *extra.values()], key=lambda line: line["step"]))
-
-
 def merge_traces(paths: Sequence[str | Path], out: str | Path,
                  clients: Sequence[int | None] | None = None) -> None:
     """Join per-process traces on (step, client): one line per step with every stage's values.

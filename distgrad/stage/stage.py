@@ -289,6 +289,10 @@ class Stage:
         self.optimizer.step(self.model.params, grads)
         self.step += 1
 
+    def learning_rate(self) -> float:
+        """The learning rate of the latest update (before any: of the first), as the optimiser used it."""
+        return float(self.optimizer.schedule(max(self.optimizer.updates, 1)))
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything the next step depends on, as named arrays (for checkpoints).
 

@@ -515,6 +515,7 @@ class TorchStage(Stage):
     schedule: Schedule | None = None
     scheduler: Any = None           # a torch.optim.lr_scheduler.LRScheduler
     updates = 0
+    applied_lr: float | None = None  # the rate of the latest update this process applied (learning_rate)
 
     def __init__(self, name: str, module: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss | None,
                  input_shape: Shape, params: Sequence[_Param], device: torch.device | None = None) -> None:
@@ -768,11 +769,21 @@ class TorchStage(Stage):
             lr = float(self.schedule(self.updates))     # a float32 value, exact as a Python float
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+
+    def learning_rate(self) -> float:
+        """The learning rate of the latest update this process applied (its first param group's, before a
+        ``scheduler`` steps it); before any: the rate the next update uses."""
+        if self.applied_lr is not None:
+            return self.applied_lr
+        if self.schedule is not None:
+            return float(self.schedule(self.updates + 1))
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of the module's buffers in host memory (a training forward updates batch norm's)."""
