@@ -175,3 +175,15 @@ def test_a_metered_run_killed_and_resumed_is_bitwise_the_unmetered(tmp_path, sta
     assert f_summary["params"]["f"] == reference["params"]["f"]
     assert g_summary["params"]["g"] == reference["params"]["g"]
     assert f_summary["input_leaks"][-1]["step"] == g_summary["label_leaks"][-1]["step"] == int(steps)
+
+
+def test_the_python_api_meters_both_parties():
+    from distgrad.api import drive_stage, serve_stage
+
+    with serve_stage("digits", steps=30, privacy_meter=True) as g:
+        f_summary = drive_stage("digits", g.endpoint, steps=30, privacy_meter=True)
+        g_summary = g.wait()
+    assert [w["step"] for w in f_summary["input_leaks"]] == [w["step"] for w in g_summary["label_leaks"]] == [30]
+    reference = train_in_process(load_experiment("digits"), steps=30, privacy_meter=True)
+    assert f_summary["input_leaks"] == reference["input_leaks"]
+    assert g_summary["label_leaks"] == reference["label_leaks"]
