@@ -66,7 +66,8 @@ import zmq
 
 from distgrad.wire import messages as wire
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.wire.transport import Client, Server, SocketSecurity, check_endpoint, poll_frames, send_frames
+from distgrad.wire.transport import (LINGER_MS, Client, Server, SocketSecurity, check_endpoint, poll_frames,
+                                     send_frames)
 
 log = logging.getLogger("distgrad.align")
 
@@ -761,12 +762,17 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
             server.close()
     client = Client(ctx, options.connect, max_bytes + wire.HEADER_MAX_BYTES, max_bytes, options.liveness_s, security)
     link = _Link(client, options.name, options.peer_deadline_s, check_stop, max_bytes)
+    linger_ms = LINGER_MS
     try:
         try:
-            return _take_part(link, table, options.out, options.parties)
+            result = _take_part(link, table, options.out, options.parties)
         except (DistgradError, OSError) as e:
             if link.run and not isinstance(e, (PeerRejected, PeerTimeout, NoCommonIds)):
                 link.send(wire.error_message(link.run, 0, ABORTED, f"party {options.name} failed: {e}"))
             raise
+        # The bye is the last message and has no reply: close may take up to the peer deadline to deliver it
+        # (a short linger dropped it under load, and the coordinator waited out its deadline for it).
+        linger_ms = int(options.peer_deadline_s * 1000)
+        return result
     finally:
-        client.close()
+        client.close(linger_ms)

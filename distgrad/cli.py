@@ -459,6 +459,9 @@ def _print_result(summary: dict) -> None:
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")
+    if "privacy" in summary:
+        from distgrad.config.defended import budget_text
+        print(f"privacy: {budget_text(summary['privacy'])}")
     for stage, params in summary["params"].items():
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."

@@ -1,7 +1,9 @@
 """A real vertical example, end to end: the Wisconsin breast-cancer data split by columns between parties.
 
 ``python -m distgrad.vertical_example [--workdir DIR]`` plays four parties on
-this host, each in its own folder of ``DIR``:
+this host, each in its own folder of ``DIR`` (``--prepare-only`` writes only
+each party's own CSV there, ``DIR/PARTY/PARTY.csv``, and stops: deploy/
+starts from those):
 
 * three feature parties hold ten of the thirty columns each of the same
   patients (``mean``: the mean of each cell measurement, ``se``: its standard
@@ -199,7 +201,16 @@ def one_process_model(aligned: dict[str, Path], workdir: Path) -> dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distgrad.vertical_example", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, help="where the parties' folders go (default: a temporary one)")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only write each party's own CSV, WORKDIR/PARTY/PARTY.csv (the inputs of distgrad align, "
+                             "as deploy/ uses them), and stop; needs --workdir")
     args = parser.parse_args(argv)
+    if args.prepare_only:
+        if args.workdir is None:
+            parser.error("--prepare-only needs --workdir: where the parties' folders go")
+        for party, path in prepare_parties(args.workdir).items():
+            print(f"{party}: wrote {path}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="distgrad-vertical-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)

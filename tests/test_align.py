@@ -440,3 +440,33 @@ def test_a_bad_value_is_named_by_its_index_in_the_whole_list():
     with pytest.raises(ProtocolError, match=f"value {al.CHUNK_IDS + 5} of a list of {al.CHUNK_IDS + 6} is a "
                                             f"low-order point"):
         al.encrypt(values, al.new_key())
+
+
+def test_a_party_gives_its_last_message_the_peer_deadline_to_leave(tmp_path, monkeypatch):
+    """The bye is a party's last message and has no reply: its socket is closed with a linger of the peer
+    deadline, not the default 200 ms that dropped it under load (the coordinator then waited out its deadline
+    for a bye the party had sent, and exited 3 with no file). Real sockets; only the close is observed."""
+    import threading
+    rng = random.Random(3)
+    ids = [f"id{i}" for i in range(50)]
+    for name in ("a", "b"):
+        write_party(tmp_path / f"{name}.csv", name, ids, rng)
+    closes: list[int] = []
+    close = al.Client.close
+    monkeypatch.setattr(al.Client, "close", lambda self, linger_ms=200: (closes.append(linger_ms),
+                                                                          close(self, linger_ms))[1])
+    ready = tmp_path / "ready"
+    coordinator = al.AlignOptions(tmp_path / "a.csv", "person", tmp_path / "a.out.csv", bind="tcp://127.0.0.1:*",
+                                  parties=2, ready_file=ready, peer_deadline_s=20.0)
+    results: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: results.update(a=al.align(coordinator)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and thread.is_alive(), "the coordinator did not bind"
+        time.sleep(0.02)
+    party = al.AlignOptions(tmp_path / "b.csv", "person", tmp_path / "b.out.csv", connect=ready.read_text(),
+                            name="b", parties=2, peer_deadline_s=7.5)
+    assert al.align(party).common == 50
+    thread.join(20)
+    assert results["a"].common == 50 and closes == [7500]

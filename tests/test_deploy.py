@@ -3,10 +3,11 @@
 Every ``distgrad`` and ``distgrad-stage`` command line is taken out of:
 
 - deploy/Dockerfile: ENTRYPOINT + CMD, and the HEALTHCHECK;
-- deploy/compose.yaml: each service's entrypoint + command, and its health check
-  (its own, or the one it inherits from the image);
-- deploy/k8s/*.yaml: each container's command + args (resolved against the
-  image's ENTRYPOINT and CMD as Kubernetes does), and its probes;
+- deploy/compose.yaml and compose.vertical.yaml: each service's entrypoint +
+  command, and its health check (its own, or the one it inherits from the image);
+- deploy/k8s/*.yaml and k8s-vertical/*.yaml: each container's command + args
+  (resolved against the image's ENTRYPOINT and CMD as Kubernetes does; init
+  containers too), and its probes;
 - deploy/systemd/*.service: ExecStart, with the specifiers resolved for the
   instance ``seed-reverse`` and the variables taken from the example
   environment file and from what systemd sets (STATE_DIRECTORY, CREDENTIALS_DIRECTORY);
@@ -18,11 +19,18 @@ the parser names it (argparse alone would accept a prefix, so a flag renamed
 to a longer name would slip through). Then come the checks the CLI makes only
 at run time (one of --bind/--connect, and the right one for the stage; CURVE
 flags all or none; --resume needs --checkpoint-dir; valid endpoints), and the
-checks that the pieces of one deployment fit: the experiment resolves (a
-built-in name, or a ConfigMap file mounted at that path) and is the same on
-both stages, f connects to the port g binds, both checkpoint with the same K
-and resume, both use CURVE, health checks ping the serving stage with keys it
-can accept, and every file a command names is mounted in its container.
+checks that the pieces of one deployment fit: each party reads a stage file
+of its own stage (mounted from its own folder under deploy/parties/ or its own
+ConfigMap; no container holds another party's file), the parties' files load
+together as one experiment (their interfaces agree, as the handshake checks),
+deploy/parties/ holds what ``distgrad split`` and the vertical example write,
+the driving stages connect to the port the serving stage binds, all checkpoint
+with the same K and resume, all use CURVE, health checks ping the serving
+stage with keys it can accept, and every file a command names is mounted in
+its container. In the vertical deployments every party first runs ``distgrad
+align`` (one coordinator, the label owner, that the others reach; the same
+keys as its stage) and its stage file reads the rows its own alignment wrote
+(stand-ins computed here, the aligned rows, let the files be parsed).
 
 YAML needs PyYAML; without it the YAML tests are skipped.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import io
 import json
 import re
@@ -42,10 +51,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from distgrad import cli
+from distgrad import cli, vertical_example
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import Experiment
-from distgrad.config.parse import load_experiment, parse_experiment, parse_init_overrides
+from distgrad.config.parse import combine_stage_files, load_experiment, parse_experiment, parse_init_overrides
+from distgrad.config.split import stage_files
 from distgrad.wire.transport import check_endpoint
 
 if sys.version_info >= (3, 11):
@@ -57,15 +67,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
+COMPOSE_VERTICAL = DEPLOY / "compose.vertical.yaml"
 K8S = DEPLOY / "k8s"
+K8S_VERTICAL = DEPLOY / "k8s-vertical"
 SYSTEMD = DEPLOY / "systemd"
 ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
 README = DEPLOY / "README.md"
+PARTIES = DEPLOY / "parties"         # each party's own folder: its stage file (and data)
 INSTANCE = "seed-reverse"            # the systemd instance the units are checked with
 IMAGE = "distgrad-stage"             # the image built from deploy/Dockerfile
 PROGRAMS = {"distgrad", "distgrad-stage"}
-PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key")
-WRITTEN = ("checkpoint_dir", "summary", "trace", "ready_file")
+PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key", "input", "out")
+WRITTEN = ("checkpoint_dir", "summary", "trace", "ready_file", "out")
+READ = ("curve_secret", "allow", "server_key", "input", "experiment")     # must be mounted read-only
 KEYS = ("curve_secret", "allow", "server_key")
 
 
@@ -90,7 +104,9 @@ class Command:
     group: str                      # the deployment it belongs to: compose, k8s, systemd, ...
     container: str = ""             # commands with the same container run side by side
     mounts: list[Mount] | None = None           # None: runs on a host, not in a container
-    experiments: dict[str, str] = field(default_factory=dict)  # absolute path -> TOML text mounted there
+    files: dict[str, str | Path] = field(default_factory=dict)  # absolute path -> the text mounted there (a
+                                                                # ConfigMap's), or the repository file it is
+    written: dict[str, Path] = field(default_factory=dict)     # files an earlier command writes -> stand-ins
     env: dict[str, str] = field(default_factory=dict)          # systemd: the variables it was expanded with
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -161,11 +177,31 @@ def _endpoint_port(endpoint: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+def mounted_file(cmd: Command, path: str) -> tuple[str, str]:
+    """The text of the file ``cmd`` reads at ``path`` and the name to parse it under (the repository file's
+    path when there is one, so that its relative paths resolve as they would in the container)."""
+    value = cmd.files.get(path)
+    if isinstance(value, str):
+        return value, path
+    if value is None:
+        mount = _mount_of(cmd, path)
+        assert mount is not None and mount.kind == "bind", \
+            f"{cmd}: no file is mounted at {path} (mounted: {sorted(cmd.files)} and {cmd.mounts})"
+        value = DEPLOY / mount.source / PurePosixPath(path).relative_to(mount.target)
+    assert value.is_file(), f"{cmd}: {path} is {value.relative_to(ROOT)} in the repository, which does not exist"
+    return value.read_text(), str(value)
+
+
 def resolve_experiment(cmd: Command, name_or_path: str) -> Experiment:
     if name_or_path.startswith("/"):
-        assert name_or_path in cmd.experiments, \
-            f"{cmd}: no experiment file is mounted at {name_or_path} (mounted: {sorted(cmd.experiments)})"
-        return parse_experiment(tomllib.loads(cmd.experiments[name_or_path]), name_or_path)
+        text, source = mounted_file(cmd, name_or_path)
+        raw = tomllib.loads(text)
+        data = raw.get("data", {})
+        if str(data.get("path", "")).startswith("/"):
+            # Data that an earlier command of the deployment writes (distgrad align's --out): a stand-in.
+            assert data["path"] in cmd.written, f"{cmd}: {name_or_path} reads {data['path']}, which nothing writes"
+            data["path"] = str(cmd.written[data["path"]])
+        return parse_experiment(raw, source)
     assert "/" not in name_or_path, f"{cmd}: relative experiment path {name_or_path!r} depends on the working directory"
     try:
         return load_experiment(name_or_path)
@@ -185,7 +221,7 @@ def check_stage(p: Parsed) -> None:
         assert ns.micro_batches is None and ns.schedule == "1f1b", \
             f"{cmd}: --micro-batches and --schedule are for the driving stage"
     else:
-        assert ns.stage == exp.stage_names[0], f"{cmd}: {ns.stage} is neither the first nor the last stage"
+        assert ns.stage in exp.data_owners, f"{cmd}: {ns.stage} is neither a data owner nor the last stage"
         assert ns.connect and not ns.bind, f"{cmd}: the driving stage {ns.stage} needs --connect and no --bind"
         assert not (ns.keep_serving or ns.ready_file or ns.allow), f"{cmd}: serving-stage flags on the driver"
     endpoint = ns.bind or ns.connect
@@ -212,6 +248,22 @@ def check_ping(p: Parsed) -> None:
     assert ns.timeout > 0
 
 
+def check_align(p: Parsed) -> None:
+    """What distgrad align checks before it starts (align.AlignOptions), and CURVE flags all or none."""
+    cmd, ns = p.cmd, p.ns
+    assert bool(ns.bind) != bool(ns.connect), f"{cmd}: give --bind (the coordinator) or --connect, one of them"
+    p.serving = bool(ns.bind)
+    try:
+        check_endpoint(ns.bind or ns.connect, bind=p.serving)
+    except ConfigError as e:
+        pytest.fail(f"{cmd}: {e}")
+    assert not p.serving or (ns.parties and ns.parties >= 2), f"{cmd}: the coordinator needs --parties N"
+    assert ns.name, f"{cmd}: name the party (--name), as its stage is named"
+    curve = [ns.curve_secret, ns.allow if p.serving else ns.server_key]
+    assert all(curve) or not any(curve), f"{cmd}: CURVE needs --curve-secret and --allow/--server-key together"
+    assert not (ns.allow if not p.serving else ns.server_key), f"{cmd}: --allow is the coordinator's, --server-key the others'"
+
+
 def check_paths(p: Parsed) -> None:
     """Every file a containerised command names is on a mount of its container: keys read-only, output writable."""
     cmd = p.cmd
@@ -228,7 +280,7 @@ def check_paths(p: Parsed) -> None:
         if flag in WRITTEN:
             assert not mount.read_only and mount.kind not in ("configMap", "secret", "tmpfs"), \
                 f"{cmd}: --{flag.replace('_', '-')} {path} must be on a writable, persistent volume"
-        elif flag in KEYS or flag == "experiment":
+        elif flag in READ:
             assert mount.read_only, f"{cmd}: --{flag.replace('_', '-')} {path} should be mounted read-only"
 
 
@@ -238,30 +290,58 @@ def check_command(cmd: Command) -> Parsed:
         check_stage(p)
     elif p.kind == "ping":
         check_ping(p)
+    elif p.kind == "align":
+        check_align(p)
     check_paths(p)
     return p
 
 
-def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, Parsed]:
-    """The two stages of one deployment fit together; its pings reach the serving stage."""
+def check_own_stage_files(stages: list[Parsed], group: str) -> Experiment:
+    """Each party reads a stage file of its own stage, its container holds no other party's file, and the
+    files load together as one experiment (their interfaces agree, as the handshake will check)."""
+    for p in stages:
+        assert not p.exp.data, f"{p.cmd}: a deployed party reads its own stage file, not a combined experiment"
+        assert [s.name for s in p.exp.stages] == [p.ns.stage], f"{p.cmd}: the stage file is not {p.ns.stage}'s"
+        for mount in p.cmd.mounts or []:
+            if mount.kind == "bind" and mount.source.startswith("./parties/"):
+                names = {path.name.split(".")[0] for path in (DEPLOY / mount.source).iterdir()}
+                assert names <= {p.ns.stage}, f"{p.cmd}: {mount.source} holds other parties' files {names}"
+        for path, text in p.cmd.files.items():
+            if isinstance(text, str):
+                assert PurePosixPath(path).name.split(".")[0] == p.ns.stage, \
+                    f"{p.cmd}: {path}, another party's file, is mounted"
+    try:
+        return combine_stage_files([p.exp for p in stages])
+    except ConfigError as e:
+        pytest.fail(f"{group}: the parties' stage files do not fit together: {e}")
+
+
+def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, list[Parsed]]:
+    """The stages of one deployment fit together: one serving stage, and a driving stage for every data owner
+    of the parties' stage files (one, or a vertical experiment's feature parties); its pings reach the
+    serving stage. Returns the serving stage and the driving ones."""
     stages = [p for p in parsed if p.kind == "stage"]
     servers = [p for p in stages if p.serving]
     drivers = [p for p in stages if not p.serving]
-    assert len(servers) == 1 and len(drivers) == 1, \
-        f"{group}: expected one serving and one driving stage, got {[str(p.cmd) for p in stages]}"
-    g, f = servers[0], drivers[0]
-    assert g.exp.fingerprint == f.exp.fingerprint, f"{group}: the stages read different experiments"
-    for p in (g, f):
+    assert len(servers) == 1 and drivers, \
+        f"{group}: expected one serving stage and driving ones, got {[str(p.cmd) for p in stages]}"
+    g = servers[0]
+    exp = check_own_stage_files(stages, group)
+    assert sorted(p.ns.stage for p in drivers) == sorted(exp.data_owners), \
+        f"{group}: the data owners {exp.data_owners} each need a driving stage"
+    for p in stages:
         ns = p.ns
         assert ns.checkpoint_dir and ns.resume and ns.checkpoint_every, \
             f"{p.cmd}: a deployed stage needs --checkpoint-dir, --checkpoint-every and --resume"
         assert ns.curve_secret, f"{p.cmd}: a deployed stage should use CURVE"
-    for option in ("checkpoint_every", "seed"):
-        assert getattr(g.ns, option) == getattr(f.ns, option), f"{group}: the stages differ in --{option.replace('_', '-')}"
     _, bind_port = _endpoint_port(g.ns.bind)
-    _, connect_port = _endpoint_port(f.ns.connect)
     assert bind_port != "*", f"{g.cmd}: a deployed g needs a fixed port"
-    assert connect_port == bind_port, f"{f.cmd}: connects to port {connect_port}, but g binds {bind_port}"
+    for f in drivers:
+        for option in ("checkpoint_every", "seed"):
+            assert getattr(g.ns, option) == getattr(f.ns, option), \
+                f"{group}: {f.ns.stage} and {g.ns.stage} differ in --{option.replace('_', '-')}"
+        _, connect_port = _endpoint_port(f.ns.connect)
+        assert connect_port == bind_port, f"{f.cmd}: connects to port {connect_port}, but g binds {bind_port}"
     for p in parsed:
         if p.kind != "ping":
             continue
@@ -272,7 +352,7 @@ def check_deployment(parsed: list[Parsed], group: str) -> tuple[Parsed, Parsed]:
             assert host in ("127.0.0.1", "localhost"), f"{p.cmd}: ping the stage in the same container on loopback"
         if g.ns.curve_secret:
             assert p.ns.curve_secret, f"{p.cmd}: g uses CURVE, so a plaintext ping times out (exit 3) like a dead g"
-    return g, f
+    return g, drivers
 
 
 # ------------------------------------------------------------------ Dockerfile
@@ -405,16 +485,16 @@ def _compose_mounts(service: dict) -> list[Mount]:
     return mounts
 
 
-def compose_commands() -> tuple[list[Command], dict]:
+def compose_commands(path: Path = COMPOSE) -> tuple[list[Command], dict]:
     yaml = _yaml()
-    doc = yaml.safe_load(COMPOSE.read_text())
+    doc = yaml.safe_load(path.read_text())
     img = image()
     commands = []
     for name, service in doc["services"].items():
-        where = f"compose.yaml services.{name}"
+        where = f"{path.name} services.{name}"
         build = service.get("build", {})
         assert isinstance(build, dict) and build.get("dockerfile") == "deploy/Dockerfile", f"{where}: build it from deploy/Dockerfile"
-        assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+        assert (path.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
         entrypoint = _compose_words(service["entrypoint"], where) if "entrypoint" in service else img.entrypoint
         command = _compose_words(service["command"], where) if "command" in service else (
             [] if "entrypoint" in service else img.cmd)
@@ -444,7 +524,7 @@ def test_compose_command_lines_are_accepted_by_the_cli():
     for cmd in commands:
         assert cmd.program in PROGRAMS, f"{cmd}: every service and health check should run distgrad"
     parsed = [check_command(c) for c in commands]
-    g, f = check_deployment(parsed, "compose.yaml")
+    g, (f,) = check_deployment(parsed, "compose.yaml")
     assert len(parsed) == 3, [str(c) for c in commands]   # g, f and g's health check
     host, port = _endpoint_port(f.ns.connect)
     assert host == g.cmd.container, f"{f.cmd}: connect to the serving service by its name, {g.cmd.container}"
@@ -466,10 +546,10 @@ def test_compose_command_lines_are_accepted_by_the_cli():
 
 # ------------------------------------------------------------------ Kubernetes
 
-def k8s_docs() -> list[tuple[str, dict]]:
+def k8s_docs(folder: Path = K8S) -> list[tuple[str, dict]]:
     yaml = _yaml()
     docs = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 docs.append((path.name, doc))
@@ -520,8 +600,8 @@ class Workload:
     init_mounts: list[Mount]
 
 
-def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
-    docs = k8s_docs()
+def k8s_workloads(folder: Path = K8S) -> tuple[list[Workload], list[tuple[str, dict]]]:
+    docs = k8s_docs(folder)
     img = image()
     config_maps = {d["metadata"]["name"]: d.get("data", {}) for _, d in docs if d.get("kind") == "ConfigMap"}
     workloads = []
@@ -533,8 +613,8 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
         init_copies, init_mounts, commands = {}, [], []
         for section in ("initContainers", "containers"):
             for c in pod.get(section, []):
-                where = f"k8s/{file} {doc['kind']}/{doc['metadata']['name']} {section}[{c['name']}]"
-                mounts, experiments = [], {}
+                where = f"{folder.name}/{file} {doc['kind']}/{doc['metadata']['name']} {section}[{c['name']}]"
+                mounts, files = [], {}
                 for vm in c.get("volumeMounts", []):
                     volume = volumes[vm["name"]]
                     kind = next(k for k in volume if k != "name")
@@ -545,7 +625,7 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
                         data = config_maps[source]
                         items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
                         for item in items:
-                            experiments[f"{vm['mountPath'].rstrip('/')}/{item['path']}"] = data[item["key"]]
+                            files[f"{vm['mountPath'].rstrip('/')}/{item['path']}"] = data[item["key"]]
                 uses_image = c["image"].split(":")[0].rsplit("/", 1)[-1] == IMAGE
                 if "command" in c:
                     argv = _k8s_expand(c["command"] + c.get("args", []), c, where)
@@ -559,14 +639,49 @@ def k8s_workloads() -> tuple[list[Workload], list[tuple[str, dict]]]:
                     init_mounts += mounts
                     continue
                 container = f"{doc['metadata']['name']}/{c['name']}"
-                commands.append(Command(where, argv, "k8s", container, mounts, experiments, extra={"spec": c}))
+                commands.append(Command(where, argv, "k8s", container, mounts, files, extra={"spec": c}))
                 for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                     if probe in c:
                         assert "exec" in c[probe], f"{where}.{probe}: expected an exec probe running distgrad ping"
                         commands.append(Command(f"{where}.{probe}", _k8s_expand(c[probe]["exec"]["command"], c, where),
-                                                "k8s", container, mounts, experiments, extra={"probe": probe}))
+                                                "k8s", container, mounts, files, extra={"probe": probe}))
         workloads.append(Workload(file, doc, pod, commands, init_copies, init_mounts))
     return workloads, docs
+
+
+def check_k8s_pod(load: Workload, p: Parsed, by_name: dict[tuple[str, str], dict]) -> None:
+    """``p`` runs in ``load``'s pod as a non-root user, with its claims defined, its Secrets mounted 0400, and
+    its keys read from the copies an init container made of a Secret's entries."""
+    security = load.pod.get("securityContext", {})
+    assert security.get("runAsNonRoot") and security.get("runAsUser", 0) != 0, f"{p.cmd}: run as non-root"
+    for volume in load.pod.get("volumes", []):
+        if "secret" in volume:
+            assert volume["secret"].get("defaultMode") == 0o400, f"{load.file}: secret volume defaultMode 0400"
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            assert ("PersistentVolumeClaim", claim) in by_name, f"{load.file}: no PVC {claim} beside it"
+    # distgrad reads keys only from files an init container copied (as the pod's user, mode 0600):
+    # a Secret volume's files are root's, or group-readable under an fsGroup, and either way refused.
+    for flag in KEYS:
+        path = getattr(p.ns, flag)
+        if path is None:
+            continue
+        mount = _mount_of(p.cmd, str(path))
+        assert mount.kind != "secret", f"{p.cmd}: --{flag.replace('_', '-')} reads the Secret volume directly"
+        if flag == "allow":
+            assert any(PurePosixPath(d).parent == PurePosixPath(path) and d.endswith(".key") for d in load.init_copies), \
+                f"{p.cmd}: the init container puts no client key in {path}"
+        else:
+            assert str(path) in load.init_copies, f"{p.cmd}: the init container does not put {path} in place"
+    secret_names = {m.source for m in load.init_mounts if m.kind == "secret"}
+    for source in load.init_copies.values():
+        mount = next(m for m in load.init_mounts if source.startswith(m.target.rstrip("/") + "/"))
+        assert mount.kind == "secret"
+        secret = by_name.get(("Secret", mount.source))
+        assert secret is not None and secret.get("type") == "Opaque", f"{load.file}: no Opaque Secret {mount.source}"
+        key = source[len(mount.target.rstrip("/")) + 1:]
+        assert key in secret.get("stringData", {}), f"Secret {mount.source} has no {key}"
+    assert secret_names, f"{load.file}: no Secret is mounted for the keys"
 
 
 def test_k8s_command_lines_are_accepted_by_the_cli():
@@ -576,7 +691,7 @@ def test_k8s_command_lines_are_accepted_by_the_cli():
         assert cmd.program in PROGRAMS, f"{cmd}: every container and probe should run distgrad"
     parsed = [check_command(c) for c in commands]
     pings = [p for p in parsed if p.kind == "ping"]
-    g, f = check_deployment(parsed, "k8s")
+    g, (f,) = check_deployment(parsed, "k8s")
     assert len(parsed) == 4 and len(pings) == 2, [str(c) for c in commands]  # g, f, g's liveness and readiness
     assert any(p.cmd.extra.get("probe") == "livenessProbe" for p in pings), "g needs a liveness probe"
     assert g.ns.keep_serving, f"{g.cmd}: in a Deployment g must --keep-serving, or it exits after a run and is restarted"
@@ -602,36 +717,7 @@ def test_k8s_command_lines_are_accepted_by_the_cli():
     assert str(target) == _endpoint_port(g.ns.bind)[1], f"Service {host} forwards to {target}, g binds {g.ns.bind}"
 
     for load, p in ((g_load, g), (f_load, f)):
-        security = load.pod.get("securityContext", {})
-        assert security.get("runAsNonRoot") and security.get("runAsUser", 0) != 0, f"{p.cmd}: run as non-root"
-        for volume in load.pod.get("volumes", []):
-            if "secret" in volume:
-                assert volume["secret"].get("defaultMode") == 0o400, f"{load.file}: secret volume defaultMode 0400"
-            if "persistentVolumeClaim" in volume:
-                claim = volume["persistentVolumeClaim"]["claimName"]
-                assert ("PersistentVolumeClaim", claim) in by_name, f"{load.file}: no PVC {claim} in k8s/"
-        # distgrad reads keys only from files an init container copied (as the pod's user, mode 0600):
-        # a Secret volume's files are root's, or group-readable under an fsGroup, and either way refused.
-        for flag in KEYS:
-            path = getattr(p.ns, flag)
-            if path is None:
-                continue
-            mount = _mount_of(p.cmd, str(path))
-            assert mount.kind != "secret", f"{p.cmd}: --{flag.replace('_', '-')} reads the Secret volume directly"
-            if flag == "allow":
-                assert any(PurePosixPath(d).parent == PurePosixPath(path) and d.endswith(".key") for d in load.init_copies), \
-                    f"{p.cmd}: the init container puts no client key in {path}"
-            else:
-                assert str(path) in load.init_copies, f"{p.cmd}: the init container does not put {path} in place"
-        secret_names = {m.source for m in load.init_mounts if m.kind == "secret"}
-        for source in load.init_copies.values():
-            mount = next(m for m in load.init_mounts if source.startswith(m.target.rstrip("/") + "/"))
-            assert mount.kind == "secret"
-            secret = by_name.get(("Secret", mount.source))
-            assert secret is not None and secret.get("type") == "Opaque", f"{load.file}: no Opaque Secret {mount.source}"
-            key = source[len(mount.target.rstrip("/")) + 1:]
-            assert key in secret.get("stringData", {}), f"Secret {mount.source} has no {key}"
-        assert secret_names, f"{load.file}: no Secret is mounted for the keys"
+        check_k8s_pod(load, p, by_name)
 
     # g's probes ping with g's own key pair, whose public key is therefore in g's --allow directory.
     for p in pings:
@@ -646,21 +732,185 @@ def test_k8s_command_lines_are_accepted_by_the_cli():
     assert listed == files - {"secret.yaml"}, "kustomization.yaml should list every manifest but the Secret template"
 
 
-def test_k8s_configmap_holds_the_builtin_experiment():
-    docs = k8s_docs()
-    maps = [d for _, d in docs if d.get("kind") == "ConfigMap"]
-    assert maps, "no ConfigMap in k8s/"
-    found = False
-    for cm in maps:
-        for key, text in cm.get("data", {}).items():
-            if key.endswith(".toml"):
-                exp = parse_experiment(tomllib.loads(text), f"ConfigMap {cm['metadata']['name']}/{key}")
-                found = True
-                if exp.name == "seed-reverse":
-                    # A copy of the built-in: a stage given the name and one given this file interoperate.
-                    assert exp.fingerprint == load_experiment("seed-reverse").fingerprint, \
-                        f"{key} differs from distgrad/experiments/seed-reverse.toml"
-    assert found
+def test_party_folders_are_what_distgrad_split_writes():
+    """deploy/parties/seed-reverse/ is `distgrad split seed-reverse`'s output, and the Kubernetes ConfigMaps
+    hold copies of its files, one party's file each: a party given its file and one given the built-in
+    interoperate, and nothing in deploy/ drifts from what the parser makes of the built-in."""
+    written = stage_files(load_experiment(INSTANCE))
+    folder = PARTIES / INSTANCE
+    assert {p.name for p in folder.iterdir()} == set(written)
+    for stage, (text, arrays) in written.items():
+        assert not arrays and sorted(p.name for p in (folder / stage).iterdir()) == [f"{stage}.toml"]
+        assert (folder / stage / f"{stage}.toml").read_text() == text, \
+            f"deploy/parties/{INSTANCE}/{stage}/{stage}.toml differs from `distgrad split {INSTANCE}`'s"
+    maps = {d["metadata"]["name"]: d.get("data", {}) for _, d in k8s_docs() if d.get("kind") == "ConfigMap"}
+    copies = {key: text for data in maps.values() for key, text in data.items()}
+    assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
+    assert copies == {f"{stage}.toml": text for stage, (text, _) in written.items()}
+
+
+# ------------------------------------------------------------------ vertical: K feature parties and a label owner
+
+VERTICAL = PARTIES / "breast-cancer"
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """What `distgrad align` leaves each party of the vertical example with (its rows of the IDs all parties
+    hold, in ascending ID text), computed here in the clear from the CSVs `python -m distgrad.vertical_example
+    --prepare-only` writes: stand-ins for the files the deployments' align commands write, so that the stage
+    files that read them can be parsed as they will be at run time."""
+    folder = tmp_path_factory.mktemp("parties")
+    assert vertical_example.main(["--prepare-only", "--workdir", str(folder)]) == 0
+    tables = {}
+    for party_folder in sorted(folder.iterdir()):
+        with open(party_folder / f"{party_folder.name}.csv", newline="") as f:
+            header, *rows = list(csv.reader(f))
+        tables[party_folder.name] = header, {row[0]: row for row in rows}
+    common = sorted(set.intersection(*(set(rows) for _, rows in tables.values())))
+    assert len(common) > 400
+    out = {}
+    for party, (header, rows) in tables.items():
+        out[party] = folder / party / f"{party}.aligned.csv"
+        with open(out[party], "w", newline="") as f:
+            csv.writer(f).writerows([header, *(rows[i] for i in common)])
+    return out
+
+
+def check_vertical(commands: list[Command], group: str, aligned: dict[str, Path]) -> tuple[list[Parsed], Parsed,
+                                                                                              list[Parsed]]:
+    """A vertical deployment: every party first runs `distgrad align` (the label owner coordinates, the others
+    connect to it, all with CURVE), then trains its own stage file, which reads the rows its own alignment
+    wrote, on the same volume, with the same keys. Returns the aligns, the serving stage and the driving ones."""
+    is_align = [c.program == "distgrad" and c.argv[1:2] == ["align"] for c in commands]
+    aligns = [check_command(c) for c, yes in zip(commands, is_align) if yes]
+    coordinators = [a for a in aligns if a.serving]
+    assert len(coordinators) == 1, f"{group}: one party coordinates the alignment (--bind), got {len(coordinators)}"
+    coord = coordinators[0]
+    assert coord.ns.parties == len(aligns), f"{coord.cmd}: --parties {coord.ns.parties}, but {len(aligns)} parties align"
+    by_party = {a.ns.name: a for a in aligns}
+    assert len(by_party) == len(aligns), f"{group}: two aligns share a --name"
+    assert set(by_party) == set(aligned), f"{group}: the parties that align are {sorted(by_party)}, not {sorted(aligned)}"
+    _, align_port = _endpoint_port(coord.ns.bind)
+    for a in aligns:
+        assert a.ns.curve_secret, f"{a.cmd}: align with CURVE, as the stages do"
+        if a is not coord:
+            assert _endpoint_port(a.ns.connect)[1] == align_port, f"{a.cmd}: the coordinator binds {align_port}"
+            assert a.ns.parties in (None, coord.ns.parties), f"{a.cmd}: --parties differs from the coordinator's"
+    for c, yes in zip(commands, is_align):
+        if not yes and c.program == "distgrad-stage" and c.argv[1] in by_party:
+            a = by_party[c.argv[1]]
+            c.written = {str(a.ns.out): aligned[a.ns.name]}      # its own party's aligned rows, nobody else's
+    parsed = [check_command(c) for c, yes in zip(commands, is_align) if not yes]
+    g, drivers = check_deployment(parsed, group)
+    assert coord.ns.name == g.ns.stage, f"{coord.cmd}: the label owner {g.ns.stage} should coordinate (it binds)"
+    assert sorted(p.ns.stage for p in [g, *drivers]) == sorted(by_party), f"{group}: every party that aligns trains"
+    for p in [g, *drivers]:
+        a = by_party[p.ns.stage]
+        out = str(a.ns.out)
+        assert _mount_of(a.cmd, out).source == _mount_of(p.cmd, out).source, \
+            f"{p.cmd}: reads {out} from another volume than {a.cmd} writes it to"
+        assert PurePosixPath(str(a.ns.input)).name == f"{p.ns.stage}.csv", f"{a.cmd}: aligns another party's file"
+        for flag in KEYS:
+            assert getattr(a.ns, flag) == getattr(p.ns, flag), f"{a.cmd}: --{flag} differs from its stage's"
+    return aligns, g, drivers
+
+
+def test_vertical_example_prepare_only_needs_a_workdir(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exit_:
+        vertical_example.main(["--prepare-only"])
+    assert exit_.value.code == 2 and "--prepare-only needs --workdir" in capsys.readouterr().err
+
+
+def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
+    """deploy/parties/breast-cancer/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY, but
+    for the path of the aligned rows (on the party's volume); the ConfigMaps of k8s-vertical/ are copies."""
+    expected = {path.stem: tomllib.loads(path.read_text()) for path in vertical_example.write_stage_files(aligned)}
+    for party, raw in expected.items():
+        raw["data"]["path"] = f"/data/{party}.aligned.csv"
+    assert {p.name for p in VERTICAL.iterdir()} == set(expected)
+    for party, raw in expected.items():
+        folder = VERTICAL / party
+        assert {p.name for p in folder.iterdir()} <= {f"{party}.toml", f"{party}.csv"}, f"{folder}: not only {party}'s"
+        assert tomllib.loads((folder / f"{party}.toml").read_text()) == raw, \
+            f"{folder / party}.toml differs from what distgrad/vertical_example.py writes"
+    maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(K8S_VERTICAL) if d.get("kind") == "ConfigMap"}
+    assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
+    copies = {key: tomllib.loads(text) for data in maps.values() for key, text in data.items()}
+    assert copies == {f"{party}.toml": raw for party, raw in expected.items()}
+
+
+def test_compose_vertical_aligns_then_trains(aligned: dict[str, Path]):
+    commands, doc = compose_commands(COMPOSE_VERTICAL)
+    for cmd in commands:
+        assert cmd.program in PROGRAMS, f"{cmd}: every service and health check should run distgrad"
+    aligns, g, drivers = check_vertical(commands, COMPOSE_VERTICAL.name, aligned)
+    services = doc["services"]
+    coord = next(a for a in aligns if a.serving)
+    by_party = {a.ns.name: a for a in aligns}
+    for a in aligns:
+        if a is not coord:
+            assert _endpoint_port(a.ns.connect)[0] == coord.cmd.container, f"{a.cmd}: connect to {coord.cmd.container}"
+    for f in drivers:
+        assert _endpoint_port(f.ns.connect)[0] == g.cmd.container, f"{f.cmd}: connect to {g.cmd.container}"
+        assert services[f.cmd.container]["depends_on"][g.cmd.container]["condition"] == "service_healthy"
+    for p in [g, *drivers, *aligns]:
+        assert str(services[p.cmd.container].get("restart", "")).startswith("on-failure"), p.cmd.container
+    for p in [g, *drivers]:
+        # Training starts once this party's own alignment has written its rows.
+        own = by_party[p.ns.stage].cmd.container
+        assert services[p.cmd.container]["depends_on"][own]["condition"] == "service_completed_successfully", \
+            f"{p.cmd.container}: start once {own} completed"
+    # No party's container mounts another party's secret key; the others mount only the label owner's public key.
+    parsed = [*aligns, g, *drivers]
+    for p in parsed:
+        secret = _mount_of(p.cmd, str(p.ns.curve_secret)).source
+        party = p.ns.name if p.kind == "align" else p.ns.stage
+        for other in parsed:
+            if (other.ns.name if other.kind == "align" else other.ns.stage) != party:
+                assert secret not in {m.source for m in other.cmd.mounts}, f"{other.cmd} mounts {party}'s key {secret}"
+        if p.ns.server_key:
+            assert _mount_of(p.cmd, str(p.ns.server_key)).target == str(p.ns.server_key), \
+                f"{p.cmd}: mount only the label owner's public key file, not its key directory"
+
+
+def test_k8s_vertical_aligns_then_trains(aligned: dict[str, Path]):
+    workloads, docs = k8s_workloads(K8S_VERTICAL)
+    commands = [c for w in workloads for c in w.commands]
+    aligns, g, drivers = check_vertical(commands, K8S_VERTICAL.name, aligned)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in docs if "metadata" in d}
+    by_party = {a.ns.name: a for a in aligns}
+    for p in [g, *drivers]:
+        load = next(w for w in workloads if p.cmd in w.commands)
+        a = by_party[p.ns.stage]
+        init = [c["name"] for c in load.pod["initContainers"]]
+        assert a.cmd in load.commands and a.cmd.container.split("/")[1] in init, \
+            f"{a.cmd}: align in an init container of {p.ns.stage}'s pod, so that it has run when training starts"
+        assert load.doc["kind"] == "Job" and load.pod.get("restartPolicy") == "OnFailure", \
+            f"{load.file}: a Job whose failed stage restarts in its pod (the alignment is not redone)"
+        for q in (a, p):
+            check_k8s_pod(load, q, by_name)
+        secrets = {v["secret"]["secretName"] for v in load.pod["volumes"] if "secret" in v}
+        assert all(name.startswith(f"distgrad-vertical-{p.ns.stage}-") for name in secrets), \
+            f"{load.file}: mounts another party's Secret: {secrets}"
+    # The feature parties reach the label owner's pod through one Service, for the alignment (while the pod
+    # is still in its init containers, so not ready) and for training.
+    g_load = next(w for w in workloads if g.cmd in w.commands)
+    labels = g_load.doc["spec"]["template"]["metadata"]["labels"]
+    coord = by_party[g.ns.stage]
+    for p, port in [(a, _endpoint_port(coord.ns.bind)[1]) for a in aligns if a is not coord] + \
+                   [(f, _endpoint_port(g.ns.bind)[1]) for f in drivers]:
+        host, connect_port = _endpoint_port(p.ns.connect)
+        service = by_name.get(("Service", host))
+        assert service is not None and service["spec"]["selector"].items() <= labels.items(), \
+            f"{p.cmd}: no Service {host} selects the label owner's pod"
+        assert service["spec"].get("publishNotReadyAddresses") is True, \
+            f"Service {host}: the alignment runs before the pod is ready; publish its address anyway"
+        assert any(str(sp["port"]) == connect_port and str(sp.get("targetPort", sp["port"])) == port
+                   for sp in service["spec"]["ports"]), f"Service {host} does not forward {connect_port} to {port}"
+    kustomization = next(d for _, d in docs if d.get("kind") == "Kustomization")
+    files = {p.name for p in K8S_VERTICAL.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files - {"secret.yaml"}
 
 
 # ------------------------------------------------------------------ systemd
@@ -754,7 +1004,10 @@ def systemd_command(path: Path, unit: str, sections: dict) -> Command:
         word = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", sub, word)
         assert "$" not in word, f"{path.name}: cannot expand {word!r}"
         argv.append(word)
-    return Command(f"systemd/{path.name} ExecStart (as {unit})", argv, "systemd", env=env,
+    # The host holds its own party's folder of `distgrad split` as /etc/distgrad/INSTANCE/.
+    stage = unit.split("@")[0].removeprefix("distgrad-")
+    files: dict[str, str | Path] = {f"/etc/distgrad/{INSTANCE}/{stage}.toml": PARTIES / INSTANCE / stage / f"{stage}.toml"}
+    return Command(f"systemd/{path.name} ExecStart (as {unit})", argv, "systemd", files=files, env=env,
                    extra={"values": values})
 
 
@@ -768,7 +1021,8 @@ def test_systemd_units_are_unprivileged_restartable_templates():
         assert "143" in values.get("SuccessExitStatus", "").split(), f"{path.name}: SIGTERM exits 143, a clean stop"
         assert "2" in values.get("RestartPreventExitStatus", "").split(), f"{path.name}: do not restart on usage errors"
         exec_start = values["ExecStart"]
-        assert re.match(r"/usr/local/bin/distgrad-stage \S+ --experiment %i\b", exec_start), exec_start
+        assert re.match(r"/usr/local/bin/distgrad-stage (\S+) --experiment /etc/distgrad/%i/\1\.toml ", exec_start), \
+            f"{path.name}: the stage's own file in the instance's folder: {exec_start}"
         assert "WantedBy" in dict(sections.get("Install", []))
 
 
@@ -778,10 +1032,11 @@ def test_systemd_command_lines_are_accepted_by_the_cli():
         cmd = systemd_command(path, unit, sections)
         assert cmd.program == "distgrad-stage" and cmd.argv[0].startswith("/"), f"{cmd}: an absolute path to distgrad-stage"
         p = check_command(cmd)
-        assert p.kind == "stage" and p.ns.experiment == INSTANCE, f"{cmd}: the instance name is the experiment"
+        assert p.kind == "stage" and p.ns.experiment == f"/etc/distgrad/{INSTANCE}/{p.ns.stage}.toml", \
+            f"{cmd}: the instance name names the folder of the stage's own file"
         env, values = cmd.env, cmd.extra["values"]
         for flag in WRITTEN:
-            value = getattr(p.ns, flag)
+            value = getattr(p.ns, flag, None)
             if value is not None:
                 assert str(value).startswith(env["STATE_DIRECTORY"] + "/"), f"{cmd}: --{flag} outside the StateDirectory"
         credentials = {c.split(":", 1)[0]: c.split(":", 1)[1] for c in values.get("LoadCredential", [])}
@@ -793,7 +1048,7 @@ def test_systemd_command_lines_are_accepted_by_the_cli():
             if value is not None:
                 assert str(value).startswith("/etc/distgrad/"), f"{cmd}: --{flag} {value}"
         parsed.append(p)
-    check_deployment(parsed, "systemd")
+    g, (f,) = check_deployment(parsed, "systemd")
 
 
 def test_env_example_sets_every_variable_the_units_use():

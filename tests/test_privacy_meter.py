@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from distgrad.config.defended import meter_kind
 from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
@@ -100,9 +101,9 @@ def test_bad_meter_settings_are_refused_naming_the_key(tmp_path):
         load_experiment(_combined(tmp_path, s1={"privacy_meter": "yes"}))
     chain = load_experiment("chain4-classify")
     with pytest.raises(ConfigError, match="'privacy_meter'.*a middle stage holds neither"):
-        chain.privacy_meter_kind(chain.stage_names[1])
+        meter_kind(chain, chain.stage_names[1])
     with pytest.raises(ConfigError, match="'privacy_meter'.*with \\[clients\\] or 'aggregate'"):
-        load_experiment("digits-clients").privacy_meter_kind("g")
+        meter_kind(load_experiment("digits-clients"), "g")
     with pytest.raises(ConfigError, match="--privacy-meter.*middle stage"):
         StageOptions(chain, chain.stage_names[1], 0, privacy_meter=True)
     # A refused meter exits 2 before any stage starts.

@@ -139,6 +139,9 @@ _STAGE_VALUES: dict[str, tuple[str, Any]] = {   # [[stages]] / [stage] keys: (bu
     "privacy_meter": ("digits", True),
 }
 
+_DEFENSE_VALUES: dict[str, Any] = {"clip_noise": {"max_norm": 1.0, "sigma": 0.5}, "max_norm": True,
+                                   "label_dp": {"epsilon": 2.0}, "nopeek": {"weight": 0.1}}
+
 
 def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Callable[[dict], None]]]:
     """For every (table, key) the parser accepts: a base file and a change of that key alone."""
@@ -174,6 +177,10 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
     changes[("stage", "name")] = (_stage_file(tmp_path, "vertical-classify", "a"), _set("stage.name", "b"))
     changes[("stage", "loss")] = (_stage_file(tmp_path, "tanh-regression", "g"), _set("stage.loss", "sum_squared_error"))
     changes[("stage", "seed")] = (file_f, _set("stage.seed", 3))
+    for key, value in _DEFENSE_VALUES.items():      # clip_noise, nopeek: the data owner's; the rest the label owner's
+        stage = 0 if key in ("clip_noise", "nopeek") else 1
+        changes[("stages", key)] = (digits, _set(f"stages.{stage}.{key}", value))
+        changes[("stage", key)] = ((file_f, file_g)[stage], _set(f"stage.{key}", value))
     changes[("file", "description")] = (file_f, _set("description", "other"))
     changes[("file", "data")] = (file_f, _set("data.test_fraction", 0.25))
     changes[("file", "interface")] = (file_f, _set("interface.steps", 9))

@@ -12,6 +12,7 @@ import abc
 import csv
 import hashlib
 import inspect
+import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
+from distgrad.privacy.defenses import randomized_response
 
 ROW_ID_DIGEST_HEX = 16          # hex digits of the row IDs' SHA-256 a party tells the others
 
@@ -45,6 +47,11 @@ class DataSource(abc.ABC):
     @abc.abstractmethod
     def targets(self, step: int) -> np.ndarray:
         """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
+
+    def true_targets(self, step: int) -> np.ndarray:
+        """The label owner's own labels of ``step`` as they are, before any defense changes what it trains on
+        (``label_dp``): what the privacy meter measures a leak of."""
+        return self.targets(step)
 
 
 class Ramp(DataSource):
@@ -133,6 +140,10 @@ class SyntheticRegression(RowBatches):
 
     def targets(self, step: int) -> np.ndarray:
         return self.y[self._rows(step)]
+
+    def all_targets(self) -> np.ndarray:
+        """Every row's target, by row number."""
+        return self.y
 
 
 class SyntheticClassification(SyntheticRegression):
@@ -459,6 +470,10 @@ class ArrayFile(RowBatches):
     def targets(self, step: int) -> np.ndarray:
         return self._all_labels()[self._rows(step)]
 
+    def all_targets(self) -> np.ndarray:
+        """Every row's label, by row number."""
+        return self._all_labels()
+
     def test_features(self) -> np.ndarray:
         return self._all_features()[self.test_rows]
 
@@ -497,6 +512,42 @@ class ColumnView(DataSource):
         return np.ascontiguousarray(self._source.test_features()[..., self._columns])  # type: ignore[attr-defined]
 
     def targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
+
+    def shard(self, index: int, count: int) -> None:
+        self._source.shard(index, count)
+
+
+class RandomizedLabels(DataSource):
+    """A label owner's rows with its training labels randomized once (``label_dp``): k-ary randomized response
+    at ``epsilon`` (``privacy.defenses.randomized_response``), k the classes its labels hold (0 to the largest).
+
+    Each row's randomized label is drawn once from (``seed``: the stage's own, ``stage``) for every row, so it
+    is the same in every epoch, in every process and after a restart; the held-out labels (``test_targets``)
+    stay true.
+    Everything else is the source's own.
+    """
+
+    def __init__(self, source: RowBatches, epsilon: float, seed: int, stage: str) -> None:
+        labels = source.all_targets()       # type: ignore[attr-defined]
+        classes = int(labels.max()) + 1 if len(labels) else 0
+        if classes < 2:
+            raise ConfigError(f"'label_dp' randomizes class ids among at least 2 classes; the labels hold {classes}")
+        rng = np.random.default_rng([seed, zlib.crc32(stage.encode()), zlib.crc32(b"label_dp")])
+        self._source, self.noisy = source, randomized_response(labels, classes, epsilon, rng)
+        self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
+        self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)      # rows, batches, test_targets, ...: the source's
+
+    def features(self, step: int) -> np.ndarray:
+        return self._source.features(step)
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.noisy[self._source._rows(step)]
+
+    def true_targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
 
     def shard(self, index: int, count: int) -> None:

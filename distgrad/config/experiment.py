@@ -33,11 +33,12 @@ import numpy as np
 
 from distgrad.model.aggregate import combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
-from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.errors import ConfigError
 from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
+from distgrad.privacy.defenses import Defenses
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -70,7 +71,8 @@ class StageSpec:
     ``data`` is the stage file's ``[data]`` table (None: the experiment's);
     ``seed`` the seed of this stage's initial values (None: the run's);
     ``columns`` the feature columns it takes from its data (None: all);
-    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none).
+    ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none);
+    ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``).
     """
 
     name: str
@@ -88,6 +90,7 @@ class StageSpec:
     source: str = ""
     columns: list[int] | None = None
     scheduler: dict[str, Any] | None = None
+    defenses: Defenses = Defenses()
     privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
 
     def init_seed(self, run_seed: int) -> int:
@@ -213,41 +216,6 @@ class Experiment:
         """The stage holding the labels: the first when they travel, else the last."""
         return self.stage_names[0] if self.labels_travel else self.stage_names[-1]
 
-    def privacy_meter_kind(self, name: str) -> str:
-        """What a privacy meter at stage ``name`` guards: ``"labels"`` at the label owner that sends gradients
-        up (the last stage), ``"inputs"`` at the data owner (the first). Raises ``ConfigError`` naming
-        'privacy_meter' and why any other stage cannot meter."""
-        def refuse(reason: str) -> ConfigError:
-            return ConfigError(f"stage {name!r}: 'privacy_meter' (or --privacy-meter) {reason}")
-        if len(self.stage_names) < 2:
-            raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
-        if self.federated or self.vertical:
-            raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's "
-                         "rows against one label owner's")
-        index = self.stage_index(name)
-        if index == 0:
-            return "inputs"
-        if index == len(self.stage_names) - 1 and not self.labels_travel:
-            return "labels"
-        if index == len(self.stage_names) - 1:
-            raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this "
-                         "stage, so its gradients tell the data owner nothing it does not hold")
-        raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
-
-    def metered(self, name: str, flag: bool = False) -> bool:
-        """Whether stage ``name`` meters what it sends: its 'privacy_meter', or ``flag`` (--privacy-meter) on a
-        stage that can (with the flag, a stage that cannot simply does not)."""
-        spec = next((s for s in self.stages if s.name == name), None)
-        if spec is not None and spec.privacy_meter:
-            return True
-        if not flag:
-            return False
-        try:
-            self.privacy_meter_kind(name)
-        except ConfigError:
-            return False
-        return True
-
     def stage_index(self, name: str) -> int:
         if name in self.stage_names:
             return self.stage_names.index(name)
@@ -277,6 +245,9 @@ class Experiment:
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
+        if spec.defenses.label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
+            data = RandomizedLabels(data, spec.defenses.label_dp,  # type: ignore[arg-type]
+                                    spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def input_shape(self, name: str, seed: int | None = None) -> Shape:

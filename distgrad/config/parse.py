@@ -16,6 +16,7 @@ import numpy as np
 from distgrad.config import schema
 from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
+from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
                                         builtin_names, check_codecs, check_staleness, check_targets, Clients,
@@ -24,6 +25,7 @@ from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, F
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
+from distgrad.privacy.defenses import parse_defenses, refuse_unimplemented
 
 
 def _base_dir(source: str) -> Path:
@@ -37,6 +39,10 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if not isinstance(table, dict):
         raise file_error(source, f"{where} is not a table")
     allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    try:
+        refuse_unimplemented(table, table.get("name", where))
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
     unknown = set(table) - set(allowed)
     if unknown:
         raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -98,11 +104,15 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if not isinstance(table.get("privacy_meter", False), bool):
         raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
                                  f"got {table['privacy_meter']!r}")
+    try:
+        defenses = parse_defenses(table, name)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
     return StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
                      table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None,
+                     dict(scheduler) if scheduler is not None else None, defenses,
                      privacy_meter=table.get("privacy_meter", False))
 
 
@@ -372,12 +382,11 @@ def _check_built(exp: Experiment, source: str) -> None:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
         check_codecs(exp)
+        check_defenses(exp)
         if exp.vertical:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
             first, last = spec.name in exp.data_owners, spec.name == exp.stage_names[-1]
-            if spec.privacy_meter:
-                exp.privacy_meter_kind(spec.name)
             if spec.columns is not None and not first:
                 raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
                                   f"this stage receives activations")

@@ -136,6 +136,25 @@ _STAGE_COMMON: dict[str, Key] = {
     "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
+    # Defenses on what crosses the cut (distgrad.privacy, docs/privacy.md): this party's own settings.
+    "clip_noise": ("table", "absent",
+                   "{ max_norm = C, sigma = s } (and optionally delta = d, default 1e-5): each row this stage sends "
+                   "is scaled to norm at most C, then N(0, (s*C)^2) noise is added per element, after its own "
+                   "computation and before the codec; the label owner's on the activation gradients it sends up "
+                   "(its own parameter gradients stay exact; its summary reports the label-DP (epsilon, delta) of "
+                   "the run), a data owner's on the activations it sends down (no DP guarantee stated). Training "
+                   "steps only: evaluations and predictions cross undefended. Not on a middle stage"),
+    "max_norm": ("boolean", "false",
+                 "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
+                 "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
+                 "guarantee)"),
+    "label_dp": ("table", "absent",
+                 "the label owner: { epsilon = e }: k-ary randomized response applied once to its training class "
+                 "labels before training (epsilon-label-DP, exactly); held-out labels stay true"),
+    "nopeek": ("table", "absent",
+               "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
+               "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
+               "is added to the activation gradient it receives before its backward (no DP guarantee)"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

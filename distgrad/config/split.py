@@ -115,6 +115,7 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
     table["optimizer"] = dict(spec.optimizer)
     if spec.loss is not None:
         table["loss"] = spec.loss
+    table.update(spec.defenses.as_table())         # this party's own defenses stay its own
     return table
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine
+from distgrad.config.defended import budget_text, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.metering import Metering
@@ -77,15 +78,19 @@ class _TracePart:
             line["loss"] = loss
 
 
-def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool,
-             copied: bool = False) -> list[StepEngine]:
-    """A step engine per stage, each writing its part of the trace and encoding what its stage sends (the
-    experiment's codecs); the last sends ``activation_grad``. ``copied``: every part copies its parameters
-    when written (stages that run ahead of the line's flush)."""
+def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool, seed: int,
+             copied: bool = False, client: int | None = None) -> list[StepEngine]:
+    """A step engine per stage, each writing its part of the trace and encoding what its stage sends (its
+    defenses of run ``seed``, the experiment's codecs); the last sends ``activation_grad``. ``copied``: every
+    part copies its parameters when written (stages that run ahead of the line's flush). ``client``: the
+    first stage is that data owner's copy."""
     scale = exp.micro_batch_scale
     return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
-                       trace_sent=stage is stages[-1] and len(stages) > 1, senders=Senders(exp.codecs))
-            for stage in stages]
+                       trace_sent=stage is stages[-1] and len(stages) > 1,
+                       senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
+                                                                   client_stage_name(stage.name, client)
+                                                                   if i == 0 else stage.name)))
+            for i, stage in enumerate(stages)]
 
 
 def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,
@@ -301,8 +306,9 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
                for c in range(exp.clients.count)]
     last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
-    last_engine = _engines([clients[0], last], exp, lines, shared_last=True)[1]
-    pairs = [[_engines([client, last], exp, lines, shared_last=True)[0], last_engine] for client in clients]
+    last_engine = _engines([clients[0], last], exp, lines, shared_last=True, seed=seed)[1]
+    pairs = [[_engines([client, last], exp, lines, shared_last=True, seed=seed, client=c)[0], last_engine]
+             for c, client in enumerate(clients)]
     data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
     labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
     losses: list[float | None] = [None] * len(clients)
@@ -341,6 +347,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
         "status": "completed", "mode": "in-process", "transport": None,
         "clients": per_client,
+        **privacy_budget(exp, exp.stage_names, steps, seed),
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
     }
@@ -398,15 +405,15 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
         # With steps in flight the stages below run ahead of the first: their trace parts are copied when
         # written, and a step's line is written once the first stage has applied it.
-        engines = _engines(stages, exp, lines, shared_last=False, copied=bool(staleness))
+        engines = _engines(stages, exp, lines, shared_last=False, seed=seed, copied=bool(staleness))
         in_flight = _InFlight(engines[0], engines[1:], staleness, micro_batches) if staleness else None
         owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
         data = owners[0]
         labels = exp.build_data(seed, stage=exp.label_owner)
-        meters = [Metering(exp.privacy_meter_kind(stage.name), engine,
-                           labels.targets if stage is stages[-1] else data.features,
+        meters = [Metering(meter_kind(exp, stage.name), engine,
+                           labels.true_targets if stage is stages[-1] else data.features,
                            eval_every if len(data.test_rows) else 0, steps)
-                  for stage, engine in zip(stages, engines) if exp.metered(stage.name, privacy_meter)]
+                  for stage, engine in zip(stages, engines) if metered(exp, stage.name, privacy_meter)]
         *upstream, last = stages
         loss, losses = None, {}
         log_every = max(1, steps // 10)
@@ -448,9 +455,12 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         "mode": "in-process",
         **evaluation_fields(evaluation),
         **({"evaluations": evaluations} if len(data.test_rows) else {}),
+        **privacy_budget(exp, exp.stage_names, steps, seed),
         **{key: value for metering in meters for key, value in metering.summary_fields().items()},
         "params": {s.name: to_lists(s.params) for s in stages},
     }
+    if "privacy" in summary:
+        log.info("privacy after %d steps: %s", steps, budget_text(summary["privacy"]))
     if summary_path is not None:
         write_json(summary_path, summary)
     return summary

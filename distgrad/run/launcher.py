@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, StageError
+from distgrad.config.defended import metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
@@ -239,7 +240,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
             summary, trace = files[name]
             stage = name.split("@")[0]
             return (["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
-                    + (["--privacy-meter"] if privacy_meter and exp.metered(stage, True) else []))
+                    + (["--privacy-meter"] if privacy_meter and metered(exp, stage, True) else []))
 
         try:
             # Serving stages from the last one up, each connecting to the one below it.

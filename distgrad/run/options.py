@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Mapping
 
 from distgrad.errors import ConfigError, Interrupted
+from distgrad.config.defended import meter_kind, metered
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.wire.link import LinkSettings
 from distgrad.run.progress import check_tensorboard
@@ -123,7 +124,7 @@ class StageOptions:
     def meter_kind(self) -> str | None:
         """What this stage's privacy meter guards (``"labels"``, ``"inputs"``), or None without a meter."""
         exp = self.experiment
-        return exp.privacy_meter_kind(self.stage) if exp.metered(self.stage, self.privacy_meter) else None
+        return meter_kind(exp, self.stage) if metered(exp, self.stage, self.privacy_meter) else None
 
     @property
     def window(self) -> int:
@@ -171,7 +172,7 @@ class StageOptions:
         exp = self.experiment
         exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
         if self.privacy_meter:
-            exp.privacy_meter_kind(self.stage)     # a stage that cannot meter is refused, with the reason
+            meter_kind(exp, self.stage)            # a stage that cannot meter is refused, with the reason
         if exp.federated and exp.stage_index(self.stage) == 0:
             if self.client is None or not 0 <= self.client < exp.clients.count:
                 raise ConfigError(f"experiment {exp.name!r} has {exp.clients.count} clients: give --client 0 to "

@@ -105,7 +105,7 @@ class ServingStage:
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
         # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
-        self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].targets(step), 0,
+        self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
                                   log=self.log) if opts.meter_kind else None)
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs

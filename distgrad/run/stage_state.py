@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from distgrad.config.defended import budget_text, privacy_budget, row_defense
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -116,7 +117,10 @@ class StageState:
         ``--checkpoint-every``); a stage serving several clients checkpoints at the end of a round instead."""
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
-                                 trace_sent=opts.role == "serving", senders=Senders(opts.experiment.codecs))
+                                 trace_sent=opts.role == "serving",
+                                 senders=Senders(opts.experiment.codecs,
+                                                 row_defense(opts.experiment, opts.stage, opts.seed,
+                                                             opts.instance)))
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
         if checkpoint_each_step:
@@ -279,8 +283,13 @@ class StageState:
             "elapsed_s": time.perf_counter() - started,
             "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
+            # with several clients or parties, a step of the run is a round of updates
+            **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
+                             self.opts.seed),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
+        if "privacy" in summary:
+            self.log.info("privacy: %s", budget_text(summary["privacy"]))
         if self.opts.summary_path is not None:
             write_json(self.opts.summary_path, summary)
         return summary

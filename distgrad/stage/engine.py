@@ -121,7 +121,7 @@ class StepEngine:
     micro-batch gradients (``Loss.micro_batch_scale``). ``trace`` receives a
     line per traced step; with ``trace_sent``, the activation gradients this
     stage sent up go in it as ``activation_grad`` (the last stage's, which is
-    what crossed the wire, before its codec). ``observers`` see every applied
+    what crossed the wire, before its defenses and codec). ``observers`` see every applied
     update. ``senders`` encode what the stage sends (default: no codec).
     """
 

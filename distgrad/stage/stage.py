@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -22,6 +23,7 @@ from distgrad.model.losses import Loss
 from distgrad.model.nn import DTYPE, ForwardContext, Grads, Sequential, Shape
 from distgrad.config.npzfile import check_values, read_npz, write_npz
 from distgrad.model.optim import Optimizer
+from distgrad.privacy.defenses import nopeek_gradient
 from distgrad.stage.records import write_atomic
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
 
@@ -174,6 +176,15 @@ def check_parameter_files(save: Path | None, load: Path | None, init: bool) -> N
             raise ConfigError(f"--save {save}: the folder {folder} does not exist or is not writable")
 
 
+@dataclass(frozen=True)
+class _ObjectiveCache:
+    """A forward's cache with its input and output rows, for a stage's own objective term."""
+
+    inner: Any
+    x: np.ndarray
+    y: np.ndarray
+
+
 class Stage:
     """A model slice with its own optimiser; the last stage also owns the loss.
 
@@ -186,6 +197,7 @@ class Stage:
 
     allow_nonfinite = False
     seed = 0        # the run's seed (``from_experiment`` sets it); a torch stage seeds its RNG from it
+    nopeek: float | None = None     # a data owner's NoPeek weight (its stage's 'nopeek'; ``with_objective``)
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
@@ -219,6 +231,7 @@ class Stage:
             stage = cls(name, model, optimizer, loss, exp.input_shape(name, seed))
         check_cut(exp, stage, seed)
         stage.allow_nonfinite, stage.seed = exp.allow_nonfinite, seed
+        stage.nopeek = exp.spec(name).defenses.nopeek
         return stage
 
     @property
@@ -249,9 +262,22 @@ class Stage:
         ``ForwardContext`` (dropout draws its mask from them).
         """
         try:
-            return self.model.forward(x, ForwardContext(training, self.step + 1, mb, self.name))
+            y, cache = self.model.forward(x, ForwardContext(training, self.step + 1, mb, self.name))
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
+        return y, self.with_objective(x, y, cache, training)
+
+    def with_objective(self, x: np.ndarray, y: np.ndarray, cache: Any, training: bool) -> Any:
+        """The cache of a forward of ``x`` to ``y``, holding them too when this stage's objective has a term of
+        its own (NoPeek's distance correlation, ``nopeek``) that ``own_objective`` adds in the backward."""
+        return _ObjectiveCache(cache, x, y) if training and self.nopeek is not None else cache
+
+    def own_objective(self, cache: Any, dy: np.ndarray) -> tuple[Any, np.ndarray]:
+        """The model's cache and d(objective)/d(output): ``dy`` received, plus the gradient of this stage's own
+        term (``nopeek`` * dCor(input, output), ``privacy.defenses.nopeek_gradient``) when it has one."""
+        if not isinstance(cache, _ObjectiveCache):
+            return cache, dy
+        return cache.inner, nopeek_gradient(cache.x, cache.y, dy, self.nopeek)  # type: ignore[arg-type]
 
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of what a training forward changes besides its output (a torch module's buffers: batch
@@ -263,6 +289,7 @@ class Stage:
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output)."""
+        cache, dy = self.own_objective(cache, dy)
         try:
             return self.model.backward(cache, dy, need_dx)
         except (ValueError, ArithmeticError) as e:
@@ -271,6 +298,7 @@ class Stage:
     def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
         """d(loss)/d(input) now; the parameter gradients (the same as ``backward``'s) when the returned
         function is called, which a serving stage does after sending d(loss)/d(input) upstream."""
+        cache, dy = self.own_objective(cache, dy)
         try:
             return self.model.backward_deferred(cache, dy)
         except (ValueError, ArithmeticError) as e:

@@ -694,13 +694,15 @@ class TorchStage(Stage):
             x_t, y_t, leaves = self._graph(x, mb, training, own_copy=training)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: forward failed at step {self.step + 1}: {e}") from e
-        return _host(y_t), (x_t, y_t, leaves)
+        y = _host(y_t)
+        return y, self.with_objective(x, y, (x_t, y_t, leaves), training)
 
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         """d(loss)/d(input) (None unless ``need_dx``) and the parameter gradients, from d(loss)/d(output).
 
         Each cache is used once: its graph is freed.
         """
+        cache, dy = self.own_objective(cache, dy)
         x_t, y_t, leaves = cache
         try:
             return self._gradients(y_t, _tensor(dy, device=self.device), x_t, leaves, need_dx)

@@ -16,7 +16,8 @@ runners need:
 * ``Senders``: the one pipeline of what leaves a stage, in every runner (the
   in-process reference, the driver, the serving and middle stages, vertical
   parties, predictions): the stage's output, then what is done to what is sent
-  (today the codec), then the message tensors. It holds the
+  (the stage's defenses on its training rows, ``distgrad.privacy.defenses``, then
+  the codec), then the message tensors. It holds the
   error-feedback residuals of ``topk:K+ef``. A residual belongs to a tensor
   *stream* (one direction, one peer, one micro-batch index); a step's new
   residuals are pending until the step is applied (``commit``, called by the
@@ -43,6 +44,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from distgrad.wire.codecs import Codec, ErrorFeedback, NoneCodec, Parts
+from distgrad.privacy.defenses import SentRows
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, expect_tensors
 
@@ -160,13 +162,18 @@ class Senders:
     ``commit`` (the step was applied) or ``discard`` (the step was dropped).
     The committed residuals are stage state: ``state_arrays`` /
     ``load_state_arrays`` for checkpoints, ``reset`` for a fresh start.
+
+    ``defense``: what the stage does to the training rows it sends before they are coded (its ``clip_noise``
+    or ``max_norm``; None: nothing), a pure function of the stream and the step, so it keeps no state.
+    Evaluations and predictions are not defended.
     """
 
-    def __init__(self, codecs: Mapping[str, Codec]) -> None:
+    def __init__(self, codecs: Mapping[str, Codec], defense: SentRows | None = None) -> None:
         unknown = set(codecs) - set(DIRECTIONS)
         if unknown:
             raise ValueError(f"unknown codec directions {sorted(unknown)}; use {list(DIRECTIONS)}")
         self.codecs = {direction: codecs.get(direction, NoneCodec()) for direction in DIRECTIONS}
+        self.defense = defense
         self._committed: dict[str, np.ndarray] = {}
         self._pending: dict[str, np.ndarray] = {}
         self.taps: dict[str, Tap] = {}      # direction -> reads each tensor sent as the receiver decodes it
@@ -191,7 +198,10 @@ class Senders:
 
     def _send(self, direction: str, x: np.ndarray, stream: str, step: int, how: str) -> Any:
         """``encode`` or ``roundtrip`` (``how``) of the direction's codec, through the stream's error feedback
-        when it keeps one (its new residual pending until the step's update)."""
+        when it keeps one (its new residual pending until the step's update), of ``x`` as the stage's
+        defense leaves it."""
+        if self.defense is not None:
+            x = self.defense.apply(direction, x, stream, step)
         codec = self.codecs[direction]
         if not codec.error_feedback:
             sent = getattr(codec, how)(x, stream, step)

@@ -1,0 +1,180 @@
+"""Which party applies which defense (``distgrad.privacy.defenses``), and the budget it reports.
+
+A stage's defenses are its own settings (its stage table), checked here against its place in the run:
+the label owner (the last stage, with ``labels = "last"``) may defend the activation gradients it sends up
+(``clip_noise``, ``max_norm``) and its training labels (``label_dp``); a data owner (the first stage, a client,
+a feature party) the activations it sends down (``clip_noise``). Anything else is refused, naming the key and
+the reason (``check_defenses``), and so is a privacy meter on a stage without labels or inputs (``meter_kind``,
+``metered``). ``row_defense`` binds a stage's row defenses to what it sends, for
+``distgrad.wire.wirecodec.Senders``; ``privacy_budget`` is the label owner's (epsilon, delta) for its summary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from distgrad.config.experiment import Experiment
+from distgrad.errors import ConfigError
+from distgrad.privacy.budget import label_budget
+from distgrad.privacy.defenses import SentRows
+
+ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
+NO_GUARANTEE = "no differential-privacy guarantee"
+
+
+def label_owner_sends_gradients(exp: Experiment, stage: str) -> bool:
+    """True for the stage that holds the labels and sends activation gradients up: the last stage of a run
+    of several stages whose labels stay with it."""
+    return len(exp.stage_names) > 1 and not exp.labels_travel and stage == exp.stage_names[-1]
+
+
+def meter_kind(exp: Experiment, stage: str) -> str:
+    """What a privacy meter at ``stage`` guards (``distgrad.privacy.meter``): ``"labels"`` at the label owner
+    that sends gradients up, ``"inputs"`` at the data owner (the first stage). Raises ``ConfigError`` naming
+    'privacy_meter' and why any other stage cannot meter."""
+    def refuse(reason: str) -> ConfigError:
+        return ConfigError(f"stage {stage!r}: 'privacy_meter' (or --privacy-meter) {reason}")
+    if len(exp.stage_names) < 2:
+        raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
+    if exp.federated or exp.vertical:
+        raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's rows "
+                     "against one label owner's")
+    if label_owner_sends_gradients(exp, stage):
+        return "labels"
+    if exp.stage_index(stage) == 0:
+        return "inputs"
+    if stage == exp.stage_names[-1]:
+        raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
+                     "so its gradients tell the data owner nothing it does not hold")
+    raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
+
+
+def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
+    """Whether ``stage`` meters what it sends: its 'privacy_meter', or ``flag`` (--privacy-meter) on a stage
+    that can (with the flag, a stage that cannot simply does not)."""
+    if exp.has_stage(stage) and exp.spec(stage).privacy_meter:
+        return True
+    if not flag:
+        return False
+    try:
+        meter_kind(exp, stage)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_defenses(exp: Experiment) -> None:
+    """Raise ``ConfigError`` naming the key and the reason for a defense (or a privacy meter) on a stage that
+    cannot apply it."""
+    for spec in exp.stages:
+        if spec.privacy_meter:
+            meter_kind(exp, spec.name)
+        d = spec.defenses
+        label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None)) if on]
+        if not label_keys and d.clip_noise is None and d.nopeek is None:
+            continue
+        where = f"stage {spec.name!r}"
+        if len(exp.stage_names) < 2:
+            raise ConfigError(f"{where}: '{(label_keys or ['clip_noise' if d.clip_noise else 'nopeek'])[0]}' defends "
+                              f"what crosses a cut, and a "
+                              f"one-stage experiment has none")
+        label_owner = label_owner_sends_gradients(exp, spec.name)
+        if label_keys and not label_owner:
+            reason = ("the labels cross the wire with the activations (labels = \"first\"): there is nothing left "
+                      "to defend" if exp.labels_travel else
+                      f"it defends the label owner's labels, and the label owner is {exp.label_owner!r}")
+            raise ConfigError(f"{where}: '{label_keys[0]}' is a setting of the label owner: {reason}")
+        if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
+            raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
+                              f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
+        if d.nopeek is not None and spec.name not in exp.data_owners:
+            raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
+                              f"sends from its inputs); {spec.name!r} receives activations")
+        if d.label_dp is not None and exp.has_stage(spec.name):
+            data = exp.build_data(stage=spec.name)
+            if data.target_dtype.kind != "i" or not hasattr(data, "all_targets"):
+                raise ConfigError(f"{where}: 'label_dp' randomizes class ids: it needs int64 class labels in "
+                                  f"batches of rows, not {data.target_dtype.name} targets")
+
+
+def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = None) -> SentRows | None:
+    """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise`` and ``max_norm`` bound to
+    the direction it sends in, its own seed (its stage file's ``seed``, else the run's ``seed``: ``noise_seed``)
+    and its ``instance`` name (a client's copy of the first
+    stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from."""
+    if not exp.has_stage(stage):
+        return None
+    defenses = exp.spec(stage).defenses
+    if not defenses.on_rows:
+        return None
+    direction = GRADIENT if label_owner_sends_gradients(exp, stage) else ACTIVATION
+    return SentRows(defenses, direction, exp.spec(stage).init_seed(seed), instance or stage)
+
+
+def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int) -> dict[str, Any]:
+    """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
+    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``)."""
+    entries = {stage: stage_budget(exp, stage, steps, seed) for stage in stages if exp.has_stage(stage)}
+    entries = {stage: entry for stage, entry in entries.items() if entry}
+    return {"privacy": entries} if entries else {}
+
+
+def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str, Any]:
+    """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
+    owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``), and for every
+    other defense the statement that it has no differential-privacy guarantee. docs/privacy.md states the
+    assumptions."""
+    d = exp.spec(stage).defenses
+    if label_owner_sends_gradients(exp, stage):
+        clip = d.clip_noise
+        entry: dict[str, Any] = label_budget(d.label_dp, clip, _releases(exp, stage, steps, seed)
+                                             if clip is not None else 0)
+    else:
+        entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
+    if d.max_norm:
+        entry["max_norm"] = NO_GUARANTEE
+    if d.nopeek is not None:
+        entry["nopeek"] = NO_GUARANTEE
+    if entry:
+        entry["noise_seed"] = noise_seed(exp, stage)
+    return entry
+
+
+def noise_seed(exp: Experiment, stage: str) -> str:
+    """Whose seed the defenses of ``stage`` draw from: its own (a stage file's private ``seed``), or the run's,
+    which every party knows, so the other party can recompute the noise and the randomized labels."""
+    return ("the stage's own" if exp.spec(stage).seed is not None else
+            "the run's, which the other party knows: give this stage its own 'seed' in its stage file")
+
+
+def budget_text(privacy: dict[str, Any]) -> str:
+    """One line of a summary's ``privacy`` field, for the log and the command line."""
+    return "; ".join(f"{stage}: {_entry_text(entry)}" for stage, entry in privacy.items())
+
+
+def _entry_text(entry: dict[str, Any]) -> str:
+    parts = []
+    for key, value in entry.items():
+        if key == "noise_seed":
+            if not value.startswith("the stage's own"):
+                parts.append("noise from the run's seed, which the other party knows")
+            continue
+        if isinstance(value, dict) and "epsilon" in value:
+            delta = f", delta {value['delta']:g}" if "delta" in value else ""
+            parts.append(f"{key}: label-DP epsilon {value['epsilon']:.4g}{delta}")
+        elif isinstance(value, dict):
+            parts.append(f"{key}: {value.get('error', value)}")
+        else:
+            parts.append(f"{key}: {value}")
+    return ", ".join(parts)
+
+
+def _releases(exp: Experiment, stage: str, steps: int, seed: int) -> int:
+    """The most times one training row's gradient is sent in ``steps`` steps: once per epoch the run
+    reaches (each step every row at most once; with several data owners, each walks its own share), or every
+    step for data without rows."""
+    sources = ([exp.build_data(seed, client=c, stage=stage) for c in range(exp.clients.count)] if exp.federated
+               else [exp.build_data(seed, stage=stage)])
+    per_epoch = min(getattr(data, "batches_per_epoch", 0) for data in sources)
+    return steps if not per_epoch else max(1, math.ceil(steps / per_epoch))

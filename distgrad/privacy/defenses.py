@@ -1,0 +1,242 @@
+"""Defenses on what crosses the cut: pure functions of what a party sends and a seeded generator.
+
+A party applies its defenses after its own computation and before the wire codec
+(``distgrad.wire.wirecodec.Senders``): the label owner to the activation-gradient rows
+it sends up, a data owner to the activation rows it sends down. The sender computes
+with its own exact values; only what crosses is defended. Every random draw comes from
+``defense_rng``: a pure function of (the run's seed, the stage, the tensor stream, the
+step), so a defended run is bitwise equal to ``--in-process``, with micro-batches, with
+a codec, and through a restart from a checkpoint.
+
+The settings are a stage's own (``Defenses``, parsed from its stage table by
+``parse_defenses``), never the interface: the other party need not know them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from distgrad.errors import ConfigError
+
+DTYPE = np.float32
+DEFAULT_DELTA = 1e-5       # the delta of the clip_noise label-DP budget when the stage file gives none
+
+# The stage keys of the defenses and what each is refused with, where distgrad does not implement it.
+UNIMPLEMENTED = {
+    "marvell": "Marvell (Li et al., ICLR 2022: noise optimised per batch against the norm and direction leaks) is "
+               "not implemented yet; use 'clip_noise' or 'max_norm' on the label owner",
+}
+
+
+@dataclass(frozen=True)
+class ClipNoise:
+    """Each row scaled to norm at most ``max_norm`` (C), then N(0, (sigma*C)^2) noise added per element.
+    ``delta``: the delta of the label-DP budget reported for it on the label owner."""
+
+    max_norm: float
+    sigma: float
+    delta: float = DEFAULT_DELTA
+
+
+@dataclass(frozen=True)
+class Defenses:
+    """One stage's defenses (all absent: nothing changes). ``clip_noise`` and ``max_norm`` act on the rows
+    the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels;
+    ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``)."""
+
+    clip_noise: ClipNoise | None = None
+    max_norm: bool = False
+    label_dp: float | None = None
+    nopeek: float | None = None
+
+    def as_table(self) -> dict[str, Any]:
+        """The stage-table keys that give these defenses (what ``parse_defenses`` reads back)."""
+        table: dict[str, Any] = {}
+        if self.clip_noise is not None:
+            clip = self.clip_noise
+            table["clip_noise"] = {"max_norm": clip.max_norm, "sigma": clip.sigma,
+                                   **({"delta": clip.delta} if clip.delta != DEFAULT_DELTA else {})}
+        if self.max_norm:
+            table["max_norm"] = True
+        if self.label_dp is not None:
+            table["label_dp"] = {"epsilon": self.label_dp}
+        if self.nopeek is not None:
+            table["nopeek"] = {"weight": self.nopeek}
+        return table
+
+    @property
+    def on_rows(self) -> bool:
+        """Whether anything is done to the rows the stage sends."""
+        return self.clip_noise is not None or self.max_norm
+
+    def send(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """What crosses for float32 rows ``x`` (the first axis is the rows): ``clip_noise``, then ``max_norm``."""
+        if self.clip_noise is not None:
+            x = clip_noise(x, self.clip_noise.max_norm, self.clip_noise.sigma, rng)
+        if self.max_norm:
+            x = max_norm_noise(x, rng)
+        return x
+
+
+@dataclass(frozen=True)
+class SentRows:
+    """A stage's row defenses bound to what it sends: the wire ``direction`` they act on (its activations or
+    its activation gradients), the run's ``seed`` and the ``stage``'s name (``defense_rng``)."""
+
+    defenses: Defenses
+    direction: str
+    seed: int
+    stage: str
+
+    def apply(self, direction: str, x: np.ndarray, stream: str, step: int) -> np.ndarray:
+        """What crosses for ``x`` sent in ``direction`` on ``stream`` at ``step``: defended in the stage's
+        direction, else ``x`` itself."""
+        if direction != self.direction:
+            return x
+        return self.defenses.send(x, defense_rng(self.seed, self.stage, stream, step))
+
+
+def defense_rng(seed: int, stage: str, stream: str, step: int) -> np.random.Generator:
+    """The generator of a defense's draws for one tensor: a pure function of the run's ``seed``, the sending
+    ``stage``, the tensor's ``stream`` (direction, peer, micro-batch) and the ``step``."""
+    return np.random.default_rng([seed, zlib.crc32(stage.encode()), zlib.crc32(stream.encode()), step])
+
+
+def row_norms(x: np.ndarray) -> np.ndarray:
+    """The Euclidean norm of each row of ``x`` (every axis but the first), in float64."""
+    return np.sqrt(np.sum(np.square(x.reshape(len(x), -1), dtype=np.float64), axis=1))
+
+
+def clip_rows(x: np.ndarray, max_norm: float) -> np.ndarray:
+    """``x`` with each row scaled down to norm at most ``max_norm`` (rows within it unchanged), float32."""
+    norms = row_norms(x)
+    factor = np.minimum(1.0, max_norm / np.maximum(norms, np.finfo(np.float64).tiny))
+    shape = (len(x),) + (1,) * (x.ndim - 1)
+    return (x * factor.reshape(shape)).astype(DTYPE)
+
+
+def clip_noise(x: np.ndarray, max_norm: float, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """``clip_rows(x, max_norm)`` plus N(0, (sigma * max_norm)^2) noise on every element, float32."""
+    clipped = clip_rows(x, max_norm)
+    if sigma == 0:
+        return clipped
+    return (clipped + rng.normal(0.0, sigma * max_norm, x.shape)).astype(DTYPE)
+
+
+def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Li et al.'s max-norm heuristic: each row j gets isotropic Gaussian noise of variance
+    (max_k |x_k|^2 - |x_j|^2) / d per element (d: the row's elements), so that every row's expected squared
+    norm is the batch's largest. No differential-privacy guarantee."""
+    norms = row_norms(x)
+    d = x[0].size if len(x) else 1
+    std = np.sqrt(np.maximum(norms.max(initial=0.0) ** 2 - norms ** 2, 0.0) / d)
+    noise = rng.standard_normal(x.shape) * std.reshape((len(x),) + (1,) * (x.ndim - 1))
+    return (x + noise).astype(DTYPE)
+
+
+def _centred_distances(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairwise Euclidean distances of ``rows`` (float64, flattened per row) and their double-centred
+    matrix."""
+    flat = rows.reshape(len(rows), -1).astype(np.float64)
+    squared = np.sum(flat * flat, axis=1)
+    distances = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2.0 * flat @ flat.T, 0.0))
+    np.fill_diagonal(distances, 0.0)
+    centred = distances - distances.mean(axis=0) - distances.mean(axis=1)[:, None] + distances.mean()
+    return distances, centred
+
+
+def distance_correlation(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarray]:
+    """The sample distance correlation dCor(x, z) of two sets of rows (Szekely et al., the V-statistic, as
+    NoPeek uses it) and its gradient with respect to ``z`` (float32, shaped like ``z``); 0 and a zero
+    gradient when either set has no spread."""
+    n = len(x)
+    _, a = _centred_distances(x)
+    b_raw, b = _centred_distances(z)
+    cov, var_x, var_z = (a * b).sum() / n ** 2, (a * a).sum() / n ** 2, (b * b).sum() / n ** 2
+    if var_x <= 0 or var_z <= 0 or cov <= 0:
+        return 0.0, np.zeros_like(z, dtype=DTYPE)
+    squared = cov / math.sqrt(var_x * var_z)
+    # d dCor^2 / d distances (A is fixed; <A, B> = <A, distances> and <B, B> = <distances, B> by centring)
+    g = (a / math.sqrt(var_x * var_z) - cov * b / (math.sqrt(var_x) * var_z ** 1.5)) / n ** 2
+    g /= 2.0 * math.sqrt(squared)                                  # d dCor = d dCor^2 / (2 dCor)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = np.where(b_raw > 0, 2.0 * g / b_raw, 0.0)
+    flat = z.reshape(n, -1).astype(np.float64)
+    grad = w.sum(axis=1)[:, None] * flat - w @ flat
+    return math.sqrt(squared), grad.reshape(z.shape).astype(DTYPE)
+
+
+def nopeek_gradient(x: np.ndarray, y: np.ndarray, dy: np.ndarray, weight: float) -> np.ndarray:
+    """NoPeek (Vepakomma et al., 2020): the gradient of ``weight`` * dCor(x, y) added to the gradient ``dy``
+    a data owner receives for its activations ``y`` of inputs ``x``, float32."""
+    return (dy + DTYPE(weight) * distance_correlation(x, y)[1]).astype(DTYPE)
+
+
+def randomized_response(labels: np.ndarray, classes: int, epsilon: float, rng: np.random.Generator) -> np.ndarray:
+    """k-ary randomized response (epsilon-label-DP): each label kept with probability
+    e^epsilon / (e^epsilon + k - 1), else replaced by one of the other k - 1 classes, uniformly."""
+    labels = np.asarray(labels)
+    keep = rng.random(labels.shape) < keep_probability(classes, epsilon)
+    other = (labels + rng.integers(1, classes, labels.shape)) % classes
+    return np.where(keep, labels, other).astype(labels.dtype)
+
+
+def keep_probability(classes: int, epsilon: float) -> float:
+    """The probability randomized response keeps a label of ``classes`` classes at ``epsilon``."""
+    return 1.0 / (1.0 + (classes - 1) * math.exp(-epsilon))
+
+
+def refuse_unimplemented(table: Mapping[str, Any], stage: str) -> None:
+    """Raise ``ConfigError`` naming the key and the reason when a stage table asks for a defense distgrad does
+    not implement (``UNIMPLEMENTED``): clearer than an unknown key."""
+    for key, reason in UNIMPLEMENTED.items():
+        if key in table:
+            raise ConfigError(f"stage {stage!r}: '{key}': {reason}")
+
+
+def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
+    """The defenses a stage table (``[stage]`` or ``[[stages]]``) sets. Raises ``ConfigError`` naming the key
+    and the reason for a bad value."""
+    clip = table.get("clip_noise")
+    if clip is not None:
+        clip = _clip_noise(clip, stage)
+    max_norm = table.get("max_norm", False)
+    if not isinstance(max_norm, bool):
+        raise ConfigError(f"stage {stage!r}: 'max_norm' must be true or false, got {max_norm!r}")
+    label_dp = table.get("label_dp")
+    if label_dp is not None:
+        if not isinstance(label_dp, dict) or set(label_dp) != {"epsilon"}:
+            raise ConfigError(f"stage {stage!r}: 'label_dp' must be {{ epsilon = e }}, got {label_dp!r}")
+        label_dp = _positive(label_dp["epsilon"], f"stage {stage!r}: 'label_dp' epsilon")
+    nopeek = table.get("nopeek")
+    if nopeek is not None:
+        if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:
+            raise ConfigError(f"stage {stage!r}: 'nopeek' must be {{ weight = w }}, got {nopeek!r}")
+        nopeek = _positive(nopeek["weight"], f"stage {stage!r}: 'nopeek' weight")
+    return Defenses(clip, max_norm, label_dp, nopeek)
+
+
+def _clip_noise(value: Any, stage: str) -> ClipNoise:
+    where = f"stage {stage!r}: 'clip_noise'"
+    if not isinstance(value, dict) or not {"max_norm", "sigma"} <= set(value) <= {"max_norm", "sigma", "delta"}:
+        raise ConfigError(f"{where} must be {{ max_norm = C, sigma = s }} (and optionally delta, of the label-DP "
+                          f"budget), got {value!r}")
+    sigma = value["sigma"]
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+        raise ConfigError(f"{where} sigma must be a number >= 0 (the noise's standard deviation in units of "
+                          f"max_norm), got {sigma!r}")
+    delta = value.get("delta", DEFAULT_DELTA)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ConfigError(f"{where} delta must be a number in (0, 1), got {delta!r}")
+    return ClipNoise(_positive(value["max_norm"], f"{where} max_norm"), float(sigma), float(delta))
+
+
+def _positive(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where} must be a number > 0, got {value!r}")
+    return float(value)
