@@ -84,12 +84,19 @@ def test_the_bar_shows_a_window_beside_its_chance():
     assert "label_recovery 0.900/0.100" in bar
 
 
+def _toml(value):
+    """``value`` as a TOML value (inline tables for dicts)."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{key} = {_toml(v)}" for key, v in value.items()) + " }"
+    return json.dumps(value)
+
+
 def _combined(tmp_path, **changes):
     """digits as a file, with ``changes`` to its stages' tables (``{stage index: {key: value}}``)."""
     text = (BUILTIN_DIR / "digits.toml").read_text().replace('"../datasets/', f'"{BUILTIN_DIR.parent}/datasets/')
     for index, table in changes.items():
         parts = text.split("[[stages]]")
-        parts[int(index[1:]) + 1] += "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
+        parts[int(index[1:]) + 1] += "".join(f"{key} = {_toml(value)}\n" for key, value in table.items())
         text = "[[stages]]".join(parts)
     path = tmp_path / "digits-metered.toml"
     path.write_text(text)
@@ -188,3 +195,17 @@ def test_the_python_api_meters_both_parties():
     reference = train_in_process(load_experiment("digits"), steps=30, privacy_meter=True)
     assert f_summary["input_leaks"] == reference["input_leaks"]
     assert g_summary["label_leaks"] == reference["label_leaks"]
+
+
+def test_the_meter_reads_what_the_defenses_leave_and_scores_the_true_labels(tmp_path):
+    """In one process (bitwise what the processes do): clip_noise on the gradient rows lowers what the meter
+    recovers; with label_dp the meter still scores the label owner's true labels, not the randomized ones."""
+    plain = train_in_process(load_experiment(_combined(tmp_path, s1={"privacy_meter": True})), steps=50)
+    noisy = train_in_process(load_experiment(_combined(
+        tmp_path, s1={"privacy_meter": True, "clip_noise": {"max_norm": 0.05, "sigma": 0.5}})), steps=50)
+    assert noisy["label_leaks"][0]["label_recovery"] < plain["label_leaks"][0]["label_recovery"] - 0.3
+    exp = load_experiment(_combined(tmp_path, s1={"label_dp": {"epsilon": 0.5}}))
+    data = exp.build_data(stage="g")
+    true = load_experiment("digits").build_data(stage="g")
+    assert np.array_equal(data.true_targets(3), true.targets(3))
+    assert not all(np.array_equal(data.targets(s), true.targets(s)) for s in range(1, 4))
