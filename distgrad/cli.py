@@ -104,6 +104,11 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
                    help="driving stage: evaluate the held-out rows through every stage after every K-th step, "
                         "into the progress line, the metrics and the summary's evaluations (default: the "
                         "experiment's eval_every; 0: only after the last step)")
+    p.add_argument("--privacy-meter", action="store_true",
+                   help="meter, live, what crosses the cut could give away (label recovery and AUCs at the label "
+                        "owner, distance correlation at the data owner) into the log, the metrics and the summary, "
+                        "as a stage's privacy_meter = true does; sends and changes nothing (docs/privacy.md). "
+                        "'distgrad run': every stage that can meter; 'distgrad stage': this one, or exit 2")
     p.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="driving stage: 'bar' draws a bar; 'lines' writes only machine-readable 'progress {json}' "
                         "lines (for a launcher); 'off' logs an INFO line every tenth of the run; 'auto' (default) "
@@ -302,7 +307,8 @@ def _run_stage(args: argparse.Namespace) -> int:
         schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness, metrics_path=args.metrics,
         tensorboard_dir=args.tensorboard,
         eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
-        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load)
+        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load,
+        privacy_meter=args.privacy_meter)
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
@@ -380,7 +386,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
                                    parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
-                                   save_dir=args.save, load_dir=args.load, staleness=args.staleness)
+                                   save_dir=args.save, load_dir=args.load, staleness=args.staleness,
+                                   privacy_meter=args.privacy_meter)
     else:
         trace_params = parse_trace_params(args.trace_params)
         check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
@@ -400,7 +407,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
                                             else [])],
                             progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
                             load_dir=args.load, activation_codec=args.activation_codec,
-                            gradient_codec=args.gradient_codec)
+                            gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
     _print_result(summary)
     return EXIT_OK
 
@@ -430,8 +437,11 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def _print_result(summary: dict) -> None:
-    """The run's headline, each client's line (several clients) or the test scores, and the parameters."""
+    """The run's headline, each client's line (several clients) or the test scores, the privacy meters' last
+    windows, and the parameters."""
+    from distgrad.run.metering import figures_text
     from distgrad.stage.records import scores_text
+
     head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
            f"({summary.get('mode', 'two-process')})"
     if "clients" in summary:        # several clients: no loss belongs to the whole run
@@ -443,6 +453,10 @@ def _print_result(summary: dict) -> None:
         loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
+    for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
+        if summary.get(key):
+            print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
+                  f"{figures_text(summary[key][-1])}")
     if "test_accuracy" in summary:
         print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
               f"(test loss {summary['test_loss']:.6g})")

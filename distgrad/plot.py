@@ -1,7 +1,8 @@
 """``distgrad plot``: loss and throughput curves from a ``--metrics`` file, as a PNG (one curve per client
 when the file is the merged metrics of several clients), with the held-out loss and scores (accuracy and the
-label owner's metrics) at the steps that evaluated (``--eval-every``) and the stage's learning rate when the
-file has them.
+label owner's metrics) at the steps that evaluated (``--eval-every``), the stage's learning rate when the file
+has them, and the privacy meter's figures beside their chance levels (dashed) at the steps that closed a window
+(``--privacy-meter``).
 
 Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.meter import FIGURES
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 
@@ -67,7 +69,8 @@ def draw_metrics(records: list[dict], title: str):
     records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
     ``test_loss`` add the held-out loss to the top panel (markers), with other held-out scores
     (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
-    line per score (and client), and with ``lr`` a panel of the learning rate above steps/s."""
+    line per score (and client), with ``lr`` a panel of the learning rate, and with privacy-meter figures
+    a panel of them, above steps/s."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -81,11 +84,23 @@ def draw_metrics(records: list[dict], title: str):
     names = sorted({key for record in records for key in record
                     if key.startswith("test_") and key not in ("test_loss", "test_count")})
     scores = {name: _held_out(records, name) for name in names}
-    panels = 2 + bool(scores) + bool(rates)
+    leaks = {name: _held_out(records, name) for name in FIGURES}
+    leaks = {name: points for name, points in leaks.items() if points}
+    panels = 2 + bool(scores) + bool(rates) + bool(leaks)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_loss, ax_rate = axes[0], axes[-1]
     ax_scores = axes[1] if scores else None
-    ax_lr = axes[-2] if rates else None
+    ax_lr = axes[-2 - bool(leaks)] if rates else None
+    if leaks:
+        ax_leak = axes[-2]
+        for name in leaks:
+            for client, (steps, values) in leaks[name].items():
+                suffix = "" if client is None else f" (client {client})"
+                (line,) = ax_leak.plot(steps, values, "o-", lw=1, ms=4, label=name + suffix)
+                _, chance = _held_out(records, f"{name}_chance")[client]
+                ax_leak.plot(steps, chance, "--", lw=1, color=line.get_color())
+        ax_leak.set_ylabel("leak (dashed: chance)")
+        ax_leak.legend(loc="lower left", fontsize="small")
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
         label = None if client is None else f"client {client}"

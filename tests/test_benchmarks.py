@@ -44,6 +44,7 @@ SMOKE_TESTS = {
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
     "_torch_split.py": "test_torch_split",
     "per_message.py": "test_per_message",
+    "privacy_meter_cost.py": "test_privacy_meter_cost",
     "soak.py": "test_soak",
     "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
@@ -164,3 +165,13 @@ def test_torch_split(tmp_path):
             g.wait(10)
     line = json.loads(f.stdout.strip().splitlines()[-1])
     assert line["steps"] > 0 and line["elapsed_s"] > 0
+
+
+@pytest.mark.slow
+def test_privacy_meter_cost(tmp_path):
+    out = tmp_path / "meter.json"
+    run_script("privacy_meter_cost.py", "--steps", "60", "--repeats", "1", "--json", out)
+    result = json.loads(out.read_text())
+    for where in ("processes", "in_process"):
+        assert result[f"{where}_plain_step_ms"] > 0 and result[f"{where}_metered_step_ms"] > 0
+        assert f"{where}_overhead" in result

@@ -136,6 +136,7 @@ _STAGE_VALUES: dict[str, tuple[str, Any]] = {   # [[stages]] / [stage] keys: (bu
     "framework": ("digits", "torch"), "device": ("digits-cnn-torch", "cuda"),
     "output": ("digits-cnn-torch", [128]), "columns": ("vertical-classify", [3, 2, 1, 0]),
     "scheduler": ("digits-cnn-torch", {"type": "StepLR", "step_size": 10, "gamma": 0.5}),
+    "privacy_meter": ("digits", True),
 }
 
 _DEFENSE_VALUES: dict[str, Any] = {"clip_noise": {"max_norm": 1.0, "sigma": 0.5}, "max_norm": True,
@@ -168,7 +169,8 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
         changes[("stages", key)] = (_combined(name), _set(f"stages.0.{key}", value))
     changes[("stages", "name")] = (digits, _set("stages.0.name", "e"))
     changes[("stages", "loss")] = (_combined("tanh-regression"), _set("stages.1.loss", "sum_squared_error"))
-    for key in ("model", "optimizer", "framework", "module", "module_args", "device", "columns", "scheduler"):
+    for key in ("model", "optimizer", "framework", "module", "module_args", "device", "columns", "scheduler",
+                "privacy_meter"):
         name = _STAGE_VALUES[key][0]
         changes[("stage", key)] = (_stage_file(tmp_path, name, "a" if name == "vertical-classify" else "f"),
                                    _set(f"stage.{key}", _STAGE_VALUES[key][1]))

@@ -48,6 +48,11 @@ class DataSource(abc.ABC):
     def targets(self, step: int) -> np.ndarray:
         """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
 
+    def true_targets(self, step: int) -> np.ndarray:
+        """The label owner's own labels of ``step`` as they are, before any defense changes what it trains on
+        (``label_dp``): what the privacy meter measures a leak of."""
+        return self.targets(step)
+
 
 class Ramp(DataSource):
     """The seed's data: ``x = float32(start + delta * i)`` with ``i = step - 1``, target ``x``.
@@ -541,6 +546,9 @@ class RandomizedLabels(DataSource):
 
     def targets(self, step: int) -> np.ndarray:
         return self.noisy[self._source._rows(step)]
+
+    def true_targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
 
     def shard(self, index: int, count: int) -> None:
         self._source.shard(index, count)

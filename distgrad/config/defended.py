@@ -4,7 +4,8 @@ A stage's defenses are its own settings (its stage table), checked here against 
 the label owner (the last stage, with ``labels = "last"``) may defend the activation gradients it sends up
 (``clip_noise``, ``max_norm``) and its training labels (``label_dp``); a data owner (the first stage, a client,
 a feature party) the activations it sends down (``clip_noise``). Anything else is refused, naming the key and
-the reason (``check_defenses``). ``row_defense`` binds a stage's row defenses to what it sends, for
+the reason (``check_defenses``), and so is a privacy meter on a stage without labels or inputs (``meter_kind``,
+``metered``). ``row_defense`` binds a stage's row defenses to what it sends, for
 ``distgrad.wire.wirecodec.Senders``; ``privacy_budget`` is the label owner's (epsilon, delta) for its summary.
 """
 
@@ -28,9 +29,47 @@ def label_owner_sends_gradients(exp: Experiment, stage: str) -> bool:
     return len(exp.stage_names) > 1 and not exp.labels_travel and stage == exp.stage_names[-1]
 
 
+def meter_kind(exp: Experiment, stage: str) -> str:
+    """What a privacy meter at ``stage`` guards (``distgrad.privacy.meter``): ``"labels"`` at the label owner
+    that sends gradients up, ``"inputs"`` at the data owner (the first stage). Raises ``ConfigError`` naming
+    'privacy_meter' and why any other stage cannot meter."""
+    def refuse(reason: str) -> ConfigError:
+        return ConfigError(f"stage {stage!r}: 'privacy_meter' (or --privacy-meter) {reason}")
+    if len(exp.stage_names) < 2:
+        raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
+    if exp.federated or exp.vertical:
+        raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's rows "
+                     "against one label owner's")
+    if label_owner_sends_gradients(exp, stage):
+        return "labels"
+    if exp.stage_index(stage) == 0:
+        return "inputs"
+    if stage == exp.stage_names[-1]:
+        raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
+                     "so its gradients tell the data owner nothing it does not hold")
+    raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
+
+
+def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
+    """Whether ``stage`` meters what it sends: its 'privacy_meter', or ``flag`` (--privacy-meter) on a stage
+    that can (with the flag, a stage that cannot simply does not)."""
+    if exp.has_stage(stage) and exp.spec(stage).privacy_meter:
+        return True
+    if not flag:
+        return False
+    try:
+        meter_kind(exp, stage)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_defenses(exp: Experiment) -> None:
-    """Raise ``ConfigError`` naming the key and the reason for a defense on a stage that cannot apply it."""
+    """Raise ``ConfigError`` naming the key and the reason for a defense (or a privacy meter) on a stage that
+    cannot apply it."""
     for spec in exp.stages:
+        if spec.privacy_meter:
+            meter_kind(exp, spec.name)
         d = spec.defenses
         label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None)) if on]
         if not label_keys and d.clip_noise is None and d.nopeek is None:

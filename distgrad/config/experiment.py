@@ -97,6 +97,7 @@ class StageSpec:
     metrics: tuple[str, ...] = ()
     keep_best: str | None = None
     early_stopping: dict[str, Any] | None = None
+    privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""

@@ -102,6 +102,9 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                 or len(set(columns)) != len(columns)):
         raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
                                  f"got {columns!r}")
+    if not isinstance(table.get("privacy_meter", False), bool):
+        raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
+                                 f"got {table['privacy_meter']!r}")
     try:
         defenses = parse_defenses(table, name)
     except ConfigError as e:
@@ -112,7 +115,7 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
                      dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
-                     early_stopping)
+                     early_stopping, privacy_meter=table.get("privacy_meter", False))
     if last and "loss" in table:
         try:
             check_evaluation_keys(spec)

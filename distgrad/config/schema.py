@@ -144,6 +144,12 @@ _STAGE_COMMON: dict[str, Key] = {
     "columns": ("array of integers", "absent (every column)",
                 "the feature columns this stage takes from its data's features (indices into their last axis, in "
                 "this order): a feature party's own columns in a vertical experiment ('aggregate')"),
+    "privacy_meter": ("boolean", "false",
+                      "private to this party: meter, live, what the other party could learn from what this stage "
+                      "sends across the cut (the label owner: label recovery and AUCs from the gradient rows; the "
+                      "data owner: the distance correlation of inputs and activations) over windows of "
+                      "'eval_every' steps (else 50); sends and changes nothing (docs/privacy.md). Only the first and "
+                      "the last stage; not with [clients] or 'aggregate'. '--privacy-meter' sets it"),
     "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),

@@ -3,5 +3,9 @@
 ``defenses`` holds the defenses a party applies to what it sends (row clipping and Gaussian noise, Li et al.'s
 max-norm noise, randomized response on labels, NoPeek's distance-correlation gradient) as pure functions of
 their inputs and a seeded generator; ``budget`` the differential-privacy accounting of the label owner's
-``clip_noise``. docs/privacy.md says what each party can learn from the other with and without them.
+``clip_noise``; ``leaks`` the attacks and measures of what the rows that cross give away (nearest-anchor label
+recovery, the pair-cosine AUC, Li et al.'s norm and direction AUCs, distance correlation) with their chance
+levels, shared by the live meter and the offline audit; ``meter`` the window of what a stage sends that the
+live meter scores with them. docs/privacy.md says what each party can learn from the other with and without
+the defenses.
 """

@@ -25,6 +25,7 @@ from distgrad.run import handshake
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
+from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.stage.records import evaluation_entry, evaluation_fields, scores_text
@@ -59,6 +60,11 @@ class _Driver:
         self.progress = Progress(opts.progress, self.steps)
         self.eval_every = opts.evaluate_every
         self.holds_out = len(self.data.test_rows) > 0
+        # The privacy meter reads what this stage sends; its latest window's figures join the step's record.
+        self.leaks: dict[str, float] = {}
+        self.metering = (Metering(opts.meter_kind, self.state.engine, self.data.features,
+                                  self.eval_every if self.holds_out else 0, self.steps, self._leaked, self.log)
+                         if opts.meter_kind else None)
         self.g_compute_s = 0.0
         params = self.state.stage.params
         self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
@@ -263,6 +269,10 @@ class _Driver:
             self.steps = step       # early stopping: the label owner ends the run on every party here
         return entry
 
+    def _leaked(self, step: int, figures: dict[str, float]) -> None:
+        """A window of the privacy meter closed after ``step``: its figures go with that step's record."""
+        self.leaks = figures
+
     def _evaluation_due(self, step: int) -> bool:
         """Evaluate after ``step``: every ``eval_every``-th step and the last, when rows are held out."""
         return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
@@ -283,6 +293,7 @@ class _Driver:
         test = {}
         if self._evaluation_due(step):
             test = {key: value for key, value in self.evaluate().items() if key != "step"}
+        test, self.leaks = {**test, **self.leaks}, {}
         if record is not None:
             record.update(test)
             for writer in self.writers:
@@ -328,7 +339,8 @@ class _Driver:
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
                              in_flight=self.opts.window,
                              **evaluation_fields(self.evaluation),
-                             **({"evaluations": self.evaluations} if self.holds_out else {}))
+                             **({"evaluations": self.evaluations} if self.holds_out else {}),
+                             **(self.metering.summary_fields() if self.metering else {}))
 
     def _waiting_for(self) -> list[str]:
         """The feature parties the stage below says it waits for (a vertical run), asked once after this

@@ -20,9 +20,10 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine
-from distgrad.config.defended import budget_text, privacy_budget, row_defense
+from distgrad.config.defended import budget_text, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
+from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, scores_text,
                                     to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
@@ -359,7 +360,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                      trace_path: str | Path | None = None, micro_batches: int = 1,
                      trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
                      eval_every: int | None = None, save_dir: str | Path | None = None,
-                     load_dir: str | Path | None = None, staleness: int | None = None) -> dict[str, Any]:
+                     load_dir: str | Path | None = None, staleness: int | None = None,
+                     privacy_meter: bool = False) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -382,6 +384,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     flight, in the order ``--staleness S`` runs them over the wire; an
     evaluation after step t then scores the first stage after its update of
     step t with the others after theirs of step min(t+S, steps).
+    ``privacy_meter`` (``--privacy-meter``) meters the first and last stage as their 'privacy_meter' keys
+    do (``distgrad.run.metering``), over the same windows as a run in processes; the summary's
+    ``input_leaks`` and ``label_leaks`` list each window's figures.
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
                        eval_every=eval_every, staleness=staleness)
@@ -403,6 +408,10 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
         data = owners[0]
         labels = exp.build_data(seed, stage=exp.label_owner)
+        meters = [Metering(meter_kind(exp, stage.name), engine,
+                           labels.true_targets if stage is stages[-1] else data.features,
+                           eval_every if len(data.test_rows) else 0, steps)
+                  for stage, engine in zip(stages, engines) if metered(exp, stage.name, privacy_meter)]
         *upstream, last = stages
         loss, losses = None, {}
         log_every = max(1, steps // 10)
@@ -458,6 +467,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         **({"evaluations": evaluations} if len(data.test_rows) else {}),
         **verdicts.summary(),
         **privacy_budget(exp, exp.stage_names, steps, seed),
+        **{key: value for metering in meters for key, value in metering.summary_fields().items()},
         "params": {s.name: to_lists(s.params) for s in stages},
     }
     if "privacy" in summary:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, StageError
+from distgrad.config.defended import metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
@@ -156,7 +157,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
               stage_flags: Sequence[str] = (), secure: bool = False,
               driver_flags: Sequence[str] = (), progress_bar: bool = False,
               save_dir: str | Path | None = None, load_dir: str | Path | None = None,
-              activation_codec: str | None = None, gradient_codec: str | None = None) -> dict[str, Any]:
+              activation_codec: str | None = None, gradient_codec: str | None = None,
+              privacy_meter: bool = False) -> dict[str, Any]:
     """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
     return the merged summary. Each stage process reads only its own file.
 
@@ -180,6 +182,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     With ``secure``, fresh CURVE key pairs are made for this run and each
     serving stage accepts only the key of the stage above it. ``activation_codec`` / ``gradient_codec``
     override the experiment's wire codecs (``--activation-codec``, ``--gradient-codec`` of every stage).
+    ``privacy_meter`` gives ``--privacy-meter`` to every stage that can meter (``Experiment.metered``).
     """
     out = out or sys.stdout
     exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
@@ -234,7 +237,9 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
 
         def outputs(name: str) -> list[str]:
             summary, trace = files[name]
-            return ["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
+            stage = name.split("@")[0]
+            return (["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
+                    + (["--privacy-meter"] if privacy_meter and metered(exp, stage, True) else []))
 
         try:
             # Serving stages from the last one up, each connecting to the one below it.

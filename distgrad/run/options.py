@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Mapping
 
 from distgrad.errors import ConfigError, Interrupted
+from distgrad.config.defended import meter_kind, metered
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.wire.link import LinkSettings
 from distgrad.run.progress import check_tensorboard
@@ -93,6 +94,7 @@ class StageOptions:
     spin_s: float = 0.0                # spin this long for a message before blocking (transport.poll_frames)
     save_path: Path | None = None      # write the final parameters here (--save)
     load_path: Path | None = None      # start from the parameters in this file (--load)
+    privacy_meter: bool = False        # --privacy-meter: meter what this stage sends (see Experiment.metered)
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None
@@ -117,6 +119,12 @@ class StageOptions:
         """Evaluate the held-out rows after every K-th step: ``--eval-every``, else the experiment's (0: only
         after the last step)."""
         return self.experiment.eval_every if self.eval_every is None else self.eval_every
+
+    @property
+    def meter_kind(self) -> str | None:
+        """What this stage's privacy meter guards (``"labels"``, ``"inputs"``), or None without a meter."""
+        exp = self.experiment
+        return meter_kind(exp, self.stage) if metered(exp, self.stage, self.privacy_meter) else None
 
     @property
     def window(self) -> int:
@@ -163,6 +171,8 @@ class StageOptions:
         check_in_flight(self.in_flight, self.micro_batches, self.schedule)
         exp = self.experiment
         exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
+        if self.privacy_meter:
+            meter_kind(exp, self.stage)            # a stage that cannot meter is refused, with the reason
         if exp.federated and exp.stage_index(self.stage) == 0:
             if self.client is None or not 0 <= self.client < exp.clients.count:
                 raise ConfigError(f"experiment {exp.name!r} has {exp.clients.count} clients: give --client 0 to "

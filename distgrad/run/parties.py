@@ -240,8 +240,8 @@ class Parties(Topology):
         msgs = [p.evaluate for p in group]
         try:
             z = aggregate.combine(s.exp.aggregate, [m.tensors["activation"] for m in msgs])
-            result = s.judged(msgs[0].step - 1, s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics),
-                              s.steps)
+            result = self.judged(msgs[0].step - 1, s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics),
+                                 s.steps)
         except StageError as e:
             result = None
             error = str(e)

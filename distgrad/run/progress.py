@@ -16,9 +16,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Callable, Mapping
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.meter import FIGURES
 from distgrad.stage.engine import StepRecord
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
@@ -34,7 +35,8 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
     (the first step seen): the bar then shows ``- steps/s ETA -``. ``test``
     is the latest evaluation (``test_loss``, ``test_accuracy`` when
     classifying, ``test_NAME`` of the label owner's metrics, each shown by
-    NAME); without one the bar has no ``test`` part.
+    NAME); without one the bar has no ``test`` part. It may also hold
+    this stage's latest privacy-meter window, shown as ``NAME value/chance``.
     """
     done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
     loss_text = f"{loss:.4g}" if loss is not None else "-"
@@ -47,6 +49,9 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
         held_out = f" test {test['test_loss']:.4g}"
         held_out += "".join(f" {'acc' if key == 'test_accuracy' else key[5:]} {value:.3f}"
                             for key, value in test.items() if _is_score(key) and value is not None)
+    for name in FIGURES:     # the data owner's privacy meter: its latest window beside the chance level
+        if test and test.get(name) is not None:
+            held_out += f" {name} {test[name]:.3f}/{test[name + '_chance']:.3f}"
     return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text}{held_out} {speed}"
 
 
@@ -77,7 +82,7 @@ class Progress:
         if self.first_step is None:
             self.first_step, self.started = step - 1, now
         if test:
-            self.test = dict(test)
+            self.test = {**self.test, **test}      # an evaluation, a meter's window: each keeps the other
         elif not force and now - self.last_draw < REDRAW_S:
             return
         self.last_draw = now
@@ -141,7 +146,8 @@ class TensorBoardWriter:
     ``speed/steps_per_s``
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
-    traffic counts in the step after it). Written by tensorboardX, imported
+    traffic counts in the step after it); ``privacy/NAME`` and ``privacy/NAME_chance`` for each privacy meter
+    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window. Written by tensorboardX, imported
     only here; without it the constructor raises ``ConfigError``.
     """
 
@@ -173,6 +179,10 @@ class TensorBoardWriter:
                 add(f"test/{key[5:]}", value, step)
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
+        for name in FIGURES:
+            if record.get(name) is not None:
+                add(f"privacy/{name}", record[name], step)
+                add(f"privacy/{name}_chance", record[f"{name}_chance"], step)
         if "bytes_sent" in record:
             total = record["bytes_sent"] + record["bytes_received"]
             add("speed/bytes_per_step", total - self._bytes, step)
@@ -200,17 +210,22 @@ class StageRecords:
     """A serving or middle stage's own step records (``--metrics``, ``--tensorboard`` on it), written by an
     observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
     middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
-    serving several clients, the ``client`` whose step it was. A stage that keeps serving writes every run's
+    serving several clients, the ``client`` whose step it was; ``extra(step)``: more fields of the step (the
+    label owner's privacy-meter window that closed after it). A stage that keeps serving writes every run's
     steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
 
-    def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None) -> None:
+    def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None,
+                 extra: Callable[[int], Mapping[str, Any]] | None = None) -> None:
         self.writers = step_writers(metrics_path, tensorboard_dir)
         self.started = time.perf_counter()
+        self.extra = extra
 
     def __call__(self, step: StepRecord) -> None:
         record = {"step": step.step, "loss": step.loss, "lr": step.lr, "wall_s": time.perf_counter() - self.started}
         if step.client is not None:
             record["client"] = step.client
+        if self.extra is not None:
+            record.update(self.extra(step.step))
         for writer in self.writers:
             writer.write(record)
 

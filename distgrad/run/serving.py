@@ -50,6 +50,7 @@ from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import MAX_STALENESS, is_whole
 from distgrad.run.handshake import same_exactly
+from distgrad.run.metering import Metering, NoMetering
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
@@ -103,6 +104,9 @@ class ServingStage:
         # held out (its stage file may hold no data: it then evaluates nothing).
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
+        # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
+        self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
+                                  log=self.log) if opts.meter_kind else NoMetering())
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -152,6 +156,7 @@ class ServingStage:
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
         self.failure: NonFiniteError | None = None   # the one peer's run failed: it ends once told
         if fresh:
+            self.metering.reset()
             self.started = time.perf_counter()
             self.loss: float | None = None
             self.active = False             # a run is open (possibly resumed from a checkpoint)
@@ -238,6 +243,7 @@ class ServingStage:
         peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
+        self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         topology.after_join(peer)
         self._seen(peer, now)
@@ -304,14 +310,6 @@ class ServingStage:
         # after this reply has left, so the driver never waits for them.
         self.closing = self.complete()
         return [(envelope, reply)]
-
-    def judged(self, step: int, result: dict[str, Any], steps: int | None) -> dict[str, Any]:
-        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``); early stopping
-        ends the rounds after ``step`` when this stage counts them (``self.steps``: feature parties)."""
-        result = self.state.judged(step, result, step == steps, gives=self.link is None)
-        if result.get("stop") and self.steps is not None:
-            self.steps = step
-        return result
 
     # -- the phases
     def start_round(self) -> None:
@@ -439,6 +437,7 @@ class ServingStage:
         # a rerun with --resume has nothing to do
         self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
         self.state.save_parameters()
+        self.metering.finish(self.stage.step)
         self.finished = self.close_run("completed")
         return self.finished
 
@@ -457,7 +456,8 @@ class ServingStage:
     def close_run(self, status: str) -> dict[str, Any]:
         """End the run with ``status``: its summary (returned); nobody takes part in it any more."""
         self.settle()
-        summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields())
+        summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
+                                     **self.metering.summary_fields())
         self.state.close()
         self.active = False
         for peer in self.peers:
@@ -576,7 +576,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
     log = logic.log
-    records = StageRecords(opts.metrics_path, opts.tensorboard_dir)     # this stage's own metrics, lr among them
+    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, logic.metering.figures_at)
     if records.writers:
         logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)

@@ -172,6 +172,15 @@ class Topology:
         s.round_done()
         return True
 
+    def judged(self, step: int, result: dict[str, Any], steps: int | None) -> dict[str, Any]:
+        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``); early stopping
+        ends the rounds after ``step`` when the serving stage counts them (``steps``: clients, parties)."""
+        s = self.serving
+        result = s.state.judged(step, result, step == steps, gives=s.link is None)
+        if result.get("stop") and s.steps is not None:
+            s.steps = step
+        return result
+
     def due(self, peer: Peer, step: int) -> bool:
         """``peer`` (taking part) evaluates after step ``step``, before the next round (its ``eval_every``);
         after the last step it evaluates once every round is done (phase DONE)."""
@@ -461,7 +470,7 @@ class Turns(Topology):
                     return wire.error_message(msg.run, msg.step, e.code, str(s.refused_below(e, msg)))
         except (StageError, CodecRangeError) as e:
             return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
-        peer.evaluation = result = s.judged(msg.step - 1, result, s.steps or peer.steps)
+        peer.evaluation = result = self.judged(msg.step - 1, result, s.steps or peer.steps)
         peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
         return peer.evaluated
 

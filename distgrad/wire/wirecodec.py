@@ -23,6 +23,8 @@ runners need:
   residuals are pending until the step is applied (``commit``, called by the
   step engine) and forgotten when the step is dropped (``discard``), so a
   micro-batch sent again after a rollback is encoded from the same residual.
+  A *tap* (``Senders.taps``) reads what the receiver gets of each tensor sent
+  in a direction (the privacy meter): it sees, and changes, nothing else.
 
 The sender computes with its own unrounded values; only what crosses is
 coded. The in-process reference calls ``Senders.roundtrip`` at exactly the
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -139,6 +141,17 @@ def stream_name(direction: str, micro_batch: int, micro_batches: int, peer: str 
     return f"{direction}/{peer + '/' if peer else ''}mb{micro_batch}of{micro_batches}"
 
 
+def stream_micro_batch(stream: str) -> tuple[int, int]:
+    """The micro-batch and the micro-batch count of a ``stream_name``."""
+    mb, mbs = stream.rsplit("/", 1)[-1].removeprefix("mb").split("of")
+    return int(mb), int(mbs)
+
+
+# A tap is called with a function returning the tensor as the receiver decodes it (computed only when the tap
+# asks: a tap may skip most sends), the tensor's stream and its step.
+Tap = Callable[[Callable[[], np.ndarray], str, int], None]
+
+
 class Senders:
     """What one stage encodes its outgoing activations and activation gradients with.
 
@@ -163,6 +176,7 @@ class Senders:
         self.defense = defense
         self._committed: dict[str, np.ndarray] = {}
         self._pending: dict[str, np.ndarray] = {}
+        self.taps: dict[str, Tap] = {}      # direction -> reads each tensor sent as the receiver decodes it
 
     def codec(self, direction: str) -> Codec:
         return self.codecs[direction]
@@ -190,10 +204,14 @@ class Senders:
             x = self.defense.apply(direction, x, stream, step)
         codec = self.codecs[direction]
         if not codec.error_feedback:
-            return getattr(codec, how)(x, stream, step)
-        feedback = self._feedback(codec, stream)
-        sent = getattr(feedback, how)(x, stream, step)
-        self._pending[stream] = feedback.state_arrays()[stream]
+            sent = getattr(codec, how)(x, stream, step)
+        else:
+            feedback = self._feedback(codec, stream)
+            sent = getattr(feedback, how)(x, stream, step)
+            self._pending[stream] = feedback.state_arrays()[stream]
+        tap = self.taps.get(direction)
+        if tap is not None:
+            tap((lambda: sent) if how == "roundtrip" else (lambda: codec.decode(sent, x.shape)), stream, step)
         return sent
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
