@@ -46,6 +46,7 @@ def test_ci_requires_the_optional_modules_it_installs():
     required = ci.split("DISTGRAD_REQUIRE=", 1)[1].split()[0].split(",")
     assert "tensorboardX" in required and ".[tensorboard]" in ci        # the --tensorboard extra
     assert "dp_accounting" in required and ".[privacy]" in ci          # the label-DP budget's accountant
+    assert "sklearn" in required       # test_metrics compares the held-out metrics with scikit-learn's
 
 
 def _ci_commands() -> list[str]:
