@@ -2,7 +2,7 @@
 
 A stage's defenses are its own settings (its stage table), checked here against its place in the run:
 the label owner (the last stage, with ``labels = "last"``) may defend the activation gradients it sends up
-(``clip_noise``, ``max_norm``) and its training labels (``label_dp``); a data owner (the first stage, a client,
+(``clip_noise``, ``max_norm``, ``marvell`` for a two-class task) and its training labels (``label_dp``); a data owner (the first stage, a client,
 a feature party) the activations it sends down (``clip_noise``). Anything else is refused, naming the key and
 the reason (``check_defenses``), and so is a privacy meter on a stage without labels or inputs (``meter_kind``,
 ``metered``). ``row_defense`` binds a stage's row defenses to what it sends, for
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 
 from distgrad.config.experiment import Experiment
 from distgrad.errors import ConfigError
@@ -71,7 +73,8 @@ def check_defenses(exp: Experiment) -> None:
         if spec.privacy_meter:
             meter_kind(exp, spec.name)
         d = spec.defenses
-        label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None)) if on]
+        label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None),
+                                          ("marvell", d.marvell is not None)) if on]
         if not label_keys and d.clip_noise is None and d.nopeek is None:
             continue
         where = f"stage {spec.name!r}"
@@ -96,11 +99,34 @@ def check_defenses(exp: Experiment) -> None:
             if data.target_dtype.kind != "i" or not hasattr(data, "all_targets"):
                 raise ConfigError(f"{where}: 'label_dp' randomizes class ids: it needs int64 class labels in "
                                   f"batches of rows, not {data.target_dtype.name} targets")
+        if d.marvell is not None:
+            _check_marvell(exp, spec.name)
+
+
+def _check_marvell(exp: Experiment, stage: str) -> None:
+    """Raise ``ConfigError`` unless the label owner ``stage`` can apply Marvell: a two-class loss of class ids
+    0 and 1, one data owner's rows (not [clients])."""
+    where = f"stage {stage!r}: 'marvell'"
+    if exp.federated:
+        raise ConfigError(f"{where} is not supported with [clients] yet: each client's rows would need their "
+                          f"own labels at the label owner")
+    if not exp.has_stage(stage):
+        return
+    if not exp.final_loss.classifies:
+        raise ConfigError(f"{where} is defined for a two-class loss of class ids (0 and 1); this loss has "
+                          f"real-valued targets")
+    data = exp.build_data(stage=stage)
+    classes = np.unique(data.all_targets()) if hasattr(data, "all_targets") else None
+    if classes is None or classes.tolist() != [0, 1]:
+        held = "no table of rows" if classes is None else f"the class ids {classes.tolist()[:10]}"
+        raise ConfigError(f"{where} is defined for a two-class task, labels 0 and 1 (Li et al.'s norm and "
+                          f"direction leaks); the labels hold {held}")
 
 
 def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = None) -> SentRows | None:
-    """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise`` and ``max_norm`` bound to
-    the direction it sends in, its own seed (its stage file's ``seed``, else the run's ``seed``: ``noise_seed``)
+    """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise``, ``max_norm`` and
+    ``marvell`` bound to the direction it sends in, Marvell to the class ids the stage trains on (its own
+    data's ``targets``, after any ``label_dp``), its own seed (its stage file's ``seed``, else the run's ``seed``: ``noise_seed``)
     and its ``instance`` name (a client's copy of the first
     stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from."""
     if not exp.has_stage(stage):
@@ -109,7 +135,8 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     if not defenses.on_rows:
         return None
     direction = GRADIENT if label_owner_sends_gradients(exp, stage) else ACTIVATION
-    return SentRows(defenses, direction, exp.spec(stage).init_seed(seed), instance or stage)
+    labels = exp.build_data(seed, stage=stage).targets if defenses.marvell is not None else None
+    return SentRows(defenses, direction, exp.spec(stage).init_seed(seed), instance or stage, labels)
 
 
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int) -> dict[str, Any]:
@@ -134,6 +161,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:
         entry["max_norm"] = NO_GUARANTEE
+    if d.marvell is not None:
+        entry["marvell"] = NO_GUARANTEE
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
     if entry:

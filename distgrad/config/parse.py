@@ -26,7 +26,7 @@ from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, F
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
-from distgrad.privacy.defenses import parse_defenses, refuse_unimplemented
+from distgrad.privacy.defenses import parse_defenses
 
 
 def _base_dir(source: str) -> Path:
@@ -40,10 +40,6 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     if not isinstance(table, dict):
         raise file_error(source, f"{where} is not a table")
     allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
-    try:
-        refuse_unimplemented(table, table.get("name", where))
-    except ConfigError as e:
-        raise file_error(source, str(e)) from e
     unknown = set(table) - set(allowed)
     if unknown:
         raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -25,13 +25,11 @@ from distgrad.errors import ConfigError
 from distgrad.privacy.leaks import centred_distances
 
 DTYPE = np.float32
+TINY_VARIANCE = 1e-30      # a class's variance below this counts as this (a KL divergence stays finite)
 DEFAULT_DELTA = 1e-5       # the delta of the clip_noise label-DP budget when the stage file gives none
 
-# The stage keys of the defenses and what each is refused with, where distgrad does not implement it.
-UNIMPLEMENTED = {
-    "marvell": "Marvell (Li et al., ICLR 2022: noise optimised per batch against the norm and direction leaks) is "
-               "not implemented yet; use 'clip_noise' or 'max_norm' on the label owner",
-}
+MARVELL_SPLITS = 64         # Marvell's search: how its KL bound is split between the two parts of the noise
+MARVELL_GRID = 256          # and the grid of the negative class's variance along the class-mean difference
 
 
 @dataclass(frozen=True)
@@ -48,12 +46,14 @@ class ClipNoise:
 class Defenses:
     """One stage's defenses (all absent: nothing changes). ``clip_noise`` and ``max_norm`` act on the rows
     the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels;
-    ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``)."""
+    ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``); ``marvell`` the
+    bound on the sum of KL divergences of the label owner's Marvell noise (``marvell_noise``)."""
 
     clip_noise: ClipNoise | None = None
     max_norm: bool = False
     label_dp: float | None = None
     nopeek: float | None = None
+    marvell: float | None = None
 
     def as_table(self) -> dict[str, Any]:
         """The stage-table keys that give these defenses (what ``parse_defenses`` reads back)."""
@@ -68,38 +68,52 @@ class Defenses:
             table["label_dp"] = {"epsilon": self.label_dp}
         if self.nopeek is not None:
             table["nopeek"] = {"weight": self.nopeek}
+        if self.marvell is not None:
+            table["marvell"] = {"bound": self.marvell}
         return table
 
     @property
     def on_rows(self) -> bool:
         """Whether anything is done to the rows the stage sends."""
-        return self.clip_noise is not None or self.max_norm
+        return self.clip_noise is not None or self.max_norm or self.marvell is not None
 
-    def send(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """What crosses for float32 rows ``x`` (the first axis is the rows): ``clip_noise``, then ``max_norm``."""
+    def send(self, x: np.ndarray, rng: np.random.Generator, labels: Callable[[], np.ndarray]) -> np.ndarray:
+        """What crosses for float32 rows ``x`` (the first axis is the rows): ``clip_noise``, then ``max_norm``,
+        then ``marvell`` (which asks ``labels()`` for the rows' class ids)."""
         if self.clip_noise is not None:
             x = clip_noise(x, self.clip_noise.max_norm, self.clip_noise.sigma, rng)
         if self.max_norm:
             x = max_norm_noise(x, rng)
+        if self.marvell is not None:
+            x = marvell_noise(x, labels(), self.marvell, rng)
         return x
 
 
 @dataclass(frozen=True)
 class SentRows:
     """A stage's row defenses bound to what it sends: the wire ``direction`` they act on (its activations or
-    its activation gradients), the run's ``seed`` and the ``stage``'s name (``defense_rng``)."""
+    its activation gradients), the run's ``seed`` and the ``stage``'s name (``defense_rng``); ``labels(step)``
+    the class ids of a step's whole batch, as the stage trains on them (Marvell's; None without Marvell)."""
 
     defenses: Defenses
     direction: str
     seed: int
     stage: str
+    labels: Callable[[int], np.ndarray] | None = None
 
-    def apply(self, direction: str, x: np.ndarray, stream: str, step: int) -> np.ndarray:
+    def apply(self, direction: str, x: np.ndarray, stream: str, step: int, micro_batch: int = 0) -> np.ndarray:
         """What crosses for ``x`` sent in ``direction`` on ``stream`` at ``step``: defended in the stage's
-        direction, else ``x`` itself."""
+        direction, else ``x`` itself. ``x`` is micro-batch ``micro_batch`` of the step: the batch's rows
+        ``[micro_batch * len(x), (micro_batch + 1) * len(x))``."""
         if direction != self.direction:
             return x
-        return self.defenses.send(x, defense_rng(self.seed, self.stage, stream, step))
+        return self.defenses.send(x, defense_rng(self.seed, self.stage, stream, step),
+                                  lambda: self._labels(step, micro_batch, len(x)))
+
+    def _labels(self, step: int, micro_batch: int, rows: int) -> np.ndarray:
+        if self.labels is None:
+            raise ValueError("Marvell needs the rows' labels: bind the stage's labels to its SentRows")
+        return np.asarray(self.labels(step))[micro_batch * rows:(micro_batch + 1) * rows]
 
 
 def defense_rng(seed: int, stage: str, stream: str, step: int) -> np.random.Generator:
@@ -138,6 +152,79 @@ def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     std = np.sqrt(np.maximum(norms.max(initial=0.0) ** 2 - norms ** 2, 0.0) / d)
     noise = rng.standard_normal(x.shape) * std.reshape((len(x),) + (1,) * (x.ndim - 1))
     return (x + noise).astype(DTYPE)
+
+
+def marvell_covariances(u: float, v: float, gap: float, dims: int, p: float,
+                        bound: float) -> tuple[float, float, float, float]:
+    """Marvell's noise (Li et al., ICLR 2022) for rows modelled per class as isotropic Gaussians: class 0 of
+    per-element variance ``u``, class 1 of ``v``, their means ``gap`` apart, in ``dims`` dimensions, a
+    fraction ``p`` of class 1. Returns (l0, m0, l1, m1): class c gets noise of variance ``lc`` along the
+    difference of the class means and ``mc`` in every orthogonal direction, the least expected noise power
+    ``p (l1 + (dims-1) m1) + (1-p) (l0 + (dims-1) m0)`` found such that the sum of the two KL divergences
+    between the classes' perturbed distributions is at most ``bound``.
+
+    The sum splits into a part along the mean difference (variances a0 = u + l0, a1 = v + l1):
+    ``(a1/a0 + a0/a1 - 2 + gap^2 (1/a0 + 1/a1)) / 2``, and one across it: ``(dims-1) (r + 1/r - 2) / 2``
+    with r the ratio of the two classes' orthogonal variances, which noise on the class of the smaller one
+    brings towards 1. Every split of ``bound`` between the two parts (``MARVELL_SPLITS``) and every a0 of a
+    grid (``MARVELL_GRID``) are tried, each with the least a1 and orthogonal noise that meet its share
+    exactly (roots of quadratics), and the cheapest is kept: every candidate meets the bound."""
+    u, v = max(u, TINY_VARIANCE), max(v, TINY_VARIANCE)
+    gap2, others = gap * gap, max(dims - 1, 0)
+    if marvell_sum_kl(u, v, u, v, gap, dims) <= bound:
+        return 0.0, 0.0, 0.0, 0.0
+    share = bound * np.arange(1, MARVELL_SPLITS + 1) / MARVELL_SPLITS           # the part along the difference
+    # Across: the least noise on the smaller-variance class with (others/2)(r + 1/r - 2) <= bound - share.
+    c = (bound - share) / max(others, 1)
+    r = 1.0 + c - np.sqrt(c * c + 2.0 * c)
+    across = np.maximum(r * max(u, v) - min(u, v), 0.0) if others else np.zeros_like(share)
+    across_cost = (p if v < u else 1.0 - p) * others * across
+    # Along: a0 on a grid; the least a1 >= v with a1^2 + a1 (gap^2 - 2 a0 (1 + share)) + a0^2 + gap^2 a0 <= 0.
+    span = gap2 / share[:, None] + abs(u - v) + gap2
+    a0 = u + span * np.linspace(0.0, 1.0, MARVELL_GRID)[None, :] ** 2
+    b = 2.0 * a0 * (1.0 + share[:, None]) - gap2
+    disc = b * b - 4.0 * (a0 * a0 + gap2 * a0)
+    root = np.sqrt(np.maximum(disc, 0.0))
+    a1 = np.maximum(v, (b - root) / 2.0)
+    feasible = (disc >= 0) & ((b + root) / 2.0 >= a1) & (a0 > 0)
+    cost = np.where(feasible, (1.0 - p) * (a0 - u) + p * (a1 - v) + across_cost[:, None], np.inf)
+    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+    m0, m1 = (0.0, float(across[i])) if v < u else (float(across[i]), 0.0)
+    return float(a0[i, j] - u), m0, float(a1[i, j] - v), m1
+
+
+def marvell_sum_kl(a0: float, a1: float, b0: float, b1: float, gap: float, dims: int) -> float:
+    """KL(P1 || P0) + KL(P0 || P1) of two Gaussians in ``dims`` dimensions whose means are ``gap`` apart: class
+    c of variance ``ac`` along the mean difference and ``bc`` in every direction across it."""
+    return 0.5 * (a1 / a0 + a0 / a1 - 2.0 + gap * gap * (1.0 / a0 + 1.0 / a1)
+                  + max(dims - 1, 0) * (b1 / b0 + b0 / b1 - 2.0))
+
+
+def marvell_noise(x: np.ndarray, labels: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
+    """Li et al.'s Marvell on a label owner's gradient rows ``x`` of class ids ``labels`` (0 and 1): each row
+    gets Gaussian noise whose covariance depends on its class (``marvell_covariances``, from the batch's class
+    means and per-element variances), float32. Rows of a batch holding one class only are sent as they are
+    (Marvell's noise is defined by the difference of the two classes). No differential-privacy guarantee."""
+    labels = np.asarray(labels).reshape(-1)
+    if len(labels) != len(x):
+        raise ValueError(f"Marvell: {len(labels)} labels for {len(x)} rows")
+    if not set(np.unique(labels).tolist()) <= {0, 1}:
+        raise ValueError("Marvell is defined for two classes, labels 0 and 1")
+    positive = labels == 1
+    if positive.all() or not positive.any():
+        return x
+    flat = x.reshape(len(x), -1).astype(np.float64)
+    mean1, mean0 = flat[positive].mean(axis=0), flat[~positive].mean(axis=0)
+    diff = mean1 - mean0
+    gap = float(np.linalg.norm(diff))
+    u, v = float(flat[~positive].var(axis=0).mean()), float(flat[positive].var(axis=0).mean())
+    l0, m0, l1, m1 = marvell_covariances(u, v, gap, flat.shape[1], float(positive.mean()), bound)
+    along = np.where(positive, l1, l0)[:, None]
+    across = np.where(positive, m1, m0)[:, None]
+    unit = diff / gap if gap > 0 else np.zeros_like(diff)
+    xi = rng.standard_normal(flat.shape)
+    noise = np.sqrt(across) * xi + (np.sqrt(along) - np.sqrt(across)) * (xi @ unit)[:, None] * unit[None, :]
+    return (flat + noise).reshape(x.shape).astype(DTYPE)
 
 
 def distance_correlation_and_gradient(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarray]:
@@ -181,14 +268,6 @@ def keep_probability(classes: int, epsilon: float) -> float:
     return 1.0 / (1.0 + (classes - 1) * math.exp(-epsilon))
 
 
-def refuse_unimplemented(table: Mapping[str, Any], stage: str) -> None:
-    """Raise ``ConfigError`` naming the key and the reason when a stage table asks for a defense distgrad does
-    not implement (``UNIMPLEMENTED``): clearer than an unknown key."""
-    for key, reason in UNIMPLEMENTED.items():
-        if key in table:
-            raise ConfigError(f"stage {stage!r}: '{key}': {reason}")
-
-
 def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
     """The defenses a stage table (``[stage]`` or ``[[stages]]``) sets. Raises ``ConfigError`` naming the key
     and the reason for a bad value."""
@@ -208,7 +287,13 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
         if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:
             raise ConfigError(f"stage {stage!r}: 'nopeek' must be {{ weight = w }}, got {nopeek!r}")
         nopeek = _positive(nopeek["weight"], f"stage {stage!r}: 'nopeek' weight")
-    return Defenses(clip, max_norm, label_dp, nopeek)
+    marvell = table.get("marvell")
+    if marvell is not None:
+        if not isinstance(marvell, dict) or set(marvell) != {"bound"}:
+            raise ConfigError(f"stage {stage!r}: 'marvell' must be {{ bound = P }} (the bound on the sum of the "
+                              f"KL divergences between the two classes' rows), got {marvell!r}")
+        marvell = _positive(marvell["bound"], f"stage {stage!r}: 'marvell' bound")
+    return Defenses(clip, max_norm, label_dp, nopeek, marvell)
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:

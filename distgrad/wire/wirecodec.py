@@ -163,8 +163,9 @@ class Senders:
     The committed residuals are stage state: ``state_arrays`` /
     ``load_state_arrays`` for checkpoints, ``reset`` for a fresh start.
 
-    ``defense``: what the stage does to the training rows it sends before they are coded (its ``clip_noise``
-    or ``max_norm``; None: nothing), a pure function of the stream and the step, so it keeps no state.
+    ``defense``: what the stage does to the training rows it sends before they are coded (its ``clip_noise``,
+    ``max_norm`` or ``marvell``; None: nothing), a pure function of the stream, the step and (Marvell) the
+    labels of the stream's micro-batch, so it keeps no state.
     Evaluations and predictions are not defended.
     """
 
@@ -201,7 +202,7 @@ class Senders:
         when it keeps one (its new residual pending until the step's update), of ``x`` as the stage's
         defense leaves it."""
         if self.defense is not None:
-            x = self.defense.apply(direction, x, stream, step)
+            x = self.defense.apply(direction, x, stream, step, stream_micro_batch(stream)[0])
         codec = self.codecs[direction]
         if not codec.error_feedback:
             sent = getattr(codec, how)(x, stream, step)
