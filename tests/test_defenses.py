@@ -18,8 +18,9 @@ from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
 from distgrad.privacy.defenses import (clip_noise, clip_rows, defense_rng, distance_correlation_and_gradient,
-                                       keep_probability, max_norm_noise, nopeek_gradient, parse_defenses,
-                                       randomized_response, row_norms)
+                                       keep_probability, marvell_covariances, marvell_noise, marvell_sum_kl,
+                                       max_norm_noise, nopeek_gradient, parse_defenses, randomized_response,
+                                       row_norms)
 from distgrad.run.inprocess import train_in_process
 
 from conftest import read_json, run_launcher, run_main
@@ -43,6 +44,16 @@ def _defended(tmp_path: Path, builtin: str, extras: dict[int, str], name: str = 
 def _digits(tmp_path: Path, f_extra: str = "", g_extra: str = "", name: str = "defended.toml") -> Path:
     """The built-in digits experiment with ``f_extra`` / ``g_extra`` lines in its stages' tables."""
     return _defended(tmp_path, "digits", {0: f_extra, 1: g_extra}, name)
+
+
+def _zero_vs_rest(tmp_path: Path, f_extra: str = "", g_extra: str = "", name: str = "two.toml") -> Path:
+    """The digits experiment made a two-class task: digit 0 against the rest (labels 1 and 0), two outputs."""
+    digits = np.load(BUILTIN_DIR.parent / "datasets" / "digits.npz")
+    np.savez(tmp_path / "zero.npz", pixels=digits["pixels"], digit=(digits["digit"] == 0).astype(np.int64))
+    path = _digits(tmp_path, f_extra, g_extra, name)
+    path.write_text(path.read_text().replace(str(BUILTIN_DIR.parent / "datasets" / "digits.npz"),
+                                             str(tmp_path / "zero.npz")).replace("out = 10", "out = 2"))
+    return path
 
 
 def _equal_over_processes(tmp_path: Path, path: Path, *extra: str) -> dict:
@@ -115,6 +126,42 @@ def test_distance_correlation_and_its_gradient():
     np.testing.assert_allclose(nopeek_gradient(x, z, dy, 0.5), dy + 0.5 * grad, rtol=1e-6)
 
 
+def test_marvell_covariances_meet_the_kl_bound_with_less_power_than_other_choices():
+    u, v, gap, dims, p = 0.01, 0.02, 1.0, 64, 0.3
+    power = lambda l0, m0, l1, m1: p * (l1 + (dims - 1) * m1) + (1 - p) * (l0 + (dims - 1) * m0)   # noqa: E731
+    for bound in (0.1, 1.0, 4.0):
+        l0, m0, l1, m1 = marvell_covariances(u, v, gap, dims, p, bound)
+        assert min(l0, m0, l1, m1) >= 0
+        kl = marvell_sum_kl(u + l0, v + l1, u + m0, v + m1, gap, dims)
+        assert kl == pytest.approx(bound, rel=1e-6)
+        # Other choices that meet the bound cost more: equal noise on both classes along the difference.
+        for along in np.linspace(0.0, 50.0, 2001):
+            if marvell_sum_kl(u + along, v + along, u + 0.01, v, gap, dims) <= bound:
+                assert power(along, 0.01, along, 0.0) >= power(l0, m0, l1, m1)
+                break
+    assert marvell_covariances(u, u, 0.0, dims, p, 1.0) == (0.0, 0.0, 0.0, 0.0)       # already within the bound
+    assert marvell_covariances(u, v, gap, dims, p, 0.5) != marvell_covariances(u, v, gap, dims, p, 0.1)
+
+
+def test_marvell_noise_is_class_dependent_and_leaves_one_class_batches_alone():
+    rng = np.random.default_rng(0)
+    labels = (np.arange(4000) % 4 == 0).astype(np.int64)
+    x = np.where(labels[:, None] == 1, -1.0, 0.1) * np.ones((4000, 8)) + 0.05 * rng.standard_normal((4000, 8))
+    x = x.astype(np.float32)
+    sent = marvell_noise(x, labels, 0.5, np.random.default_rng(1))
+    assert sent.dtype == np.float32 and sent.shape == x.shape
+    positive = labels == 1
+    # The norm no longer tells the classes apart as it did.
+    from distgrad.privacy.leaks import norm_auc
+    assert norm_auc(x, labels) == 0.0 or norm_auc(x, labels) == 1.0
+    assert abs(norm_auc(sent, labels) - 0.5) < 0.15
+    noise = (sent - x).astype(np.float64)
+    assert noise[positive].var() > 0 and noise[~positive].var() > 0
+    np.testing.assert_array_equal(marvell_noise(x[:5], np.zeros(5, np.int64), 0.5, np.random.default_rng(1)), x[:5])
+    with pytest.raises(ValueError, match="two classes"):
+        marvell_noise(x[:4], np.array([0, 1, 2, 0]), 0.5, np.random.default_rng(1))
+
+
 def test_every_draw_is_a_pure_function_of_seed_stage_stream_and_step():
     draw = lambda *key: defense_rng(*key).normal(size=4)                      # noqa: E731
     np.testing.assert_array_equal(draw(0, "g", "activation_grad/mb0of1", 3), draw(0, "g", "activation_grad/mb0of1", 3))
@@ -160,7 +207,10 @@ def test_the_budget_composes_the_gaussian_mechanism():
     ("", "max_norm = 1", "'max_norm' must be true or false"),
     ("label_dp = { epsilon = 2.0 }", "", "'label_dp' is a setting of the label owner"),
     ("max_norm = true", "", "'max_norm' is a setting of the label owner"),
-    ("", "marvell = { }", "'marvell': Marvell"),
+    ("", "marvell = { }", "'marvell' must be { bound = P }"),
+    ("", "marvell = { bound = 0 }", "'marvell' bound must be a number > 0"),
+    ("marvell = { bound = 1.0 }", "", "'marvell' is a setting of the label owner"),
+    ("", "marvell = { bound = 1.0 }", "'marvell' is defined for a two-class task, labels 0 and 1"),
     ("", "nopeek = { weight = 0.1 }", "'nopeek' is a setting of a data owner"),
     ("nopeek = { weight = 0 }", "", "'nopeek' weight must be a number > 0"),
     ("nopeek = 0.1", "", "'nopeek' must be { weight = w }"),
@@ -199,9 +249,19 @@ def test_regression_labels_refuse_label_dp(tmp_path):
     assert result.returncode == 2 and "'label_dp' randomizes class ids" in result.stderr
 
 
+def test_marvell_is_refused_for_real_valued_targets_and_clients(tmp_path):
+    for builtin, message in (("tanh-regression", "'marvell' is defined for a two-class loss of class ids"),
+                             ("digits-clients", "'marvell' is not supported with [clients]")):
+        path = _defended(tmp_path, builtin, {len((BUILTIN_DIR / f"{builtin}.toml").read_text()
+                                                 .split("[[stages]]")) - 2: "marvell = { bound = 1.0 }"},
+                         f"{builtin}.toml")
+        result = run_main(["run", path, "--in-process", "--steps", "1"])
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_parse_defenses_reads_back_what_split_writes():
     table = {"clip_noise": {"max_norm": 2.0, "sigma": 0.5, "delta": 1e-6}, "max_norm": True,
-             "label_dp": {"epsilon": 1.5}}
+             "label_dp": {"epsilon": 1.5}, "marvell": {"bound": 0.5}}
     defenses = parse_defenses(table, "g")
     assert parse_defenses(defenses.as_table(), "g") == defenses
     with pytest.raises(ConfigError, match="delta must be a number in"):
@@ -248,8 +308,28 @@ def test_defended_run_over_processes_is_bitwise_the_in_process_run(tmp_path):
     assert "privacy: f: clip_noise" in result.stdout
 
 
+def test_marvell_over_processes_is_bitwise_the_in_process_run(tmp_path):
+    """Marvell reads each micro-batch's labels where its gradient rows are sent: over processes, with two
+    micro-batches and int8 on the gradients, the stages train exactly what one process does; not a no-op."""
+    path = _zero_vs_rest(tmp_path, g_extra="marvell = { bound = 0.5 }")
+    summary = _equal_over_processes(tmp_path, path, "--micro-batches", "2", "--gradient-codec", "int8")
+    assert summary["privacy"]["g"]["marvell"] == "no differential-privacy guarantee"
+    plain = train_in_process(load_experiment(_zero_vs_rest(tmp_path, name="plain.toml")), steps=20,
+                             micro_batches=2)
+    assert plain["params"]["f"] != summary["params"]["f"]
+
+
+@pytest.mark.slow
+def test_marvell_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
+    _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _zero_vs_rest(
+        tmp_path, F_DEFENSE, "marvell = { bound = 0.5 }\nlabel_dp = { epsilon = 2.0 }"))
+
+
 def test_defended_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
-    path = _digits(tmp_path, F_DEFENSE, G_DEFENSE)
+    _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _digits(tmp_path, F_DEFENSE, G_DEFENSE))
+
+
+def _kill_9_of_either_stage_is_bitwise(tmp_path: Path, stage_group, path: Path) -> None:
     steps = "300"
     reference = train_in_process(load_experiment(path), steps=int(steps))["params"]
     pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")

@@ -140,7 +140,7 @@ _STAGE_VALUES: dict[str, tuple[str, Any]] = {   # [[stages]] / [stage] keys: (bu
 }
 
 _DEFENSE_VALUES: dict[str, Any] = {"clip_noise": {"max_norm": 1.0, "sigma": 0.5}, "max_norm": True,
-                                   "label_dp": {"epsilon": 2.0}, "nopeek": {"weight": 0.1}}
+                                   "label_dp": {"epsilon": 2.0}, "nopeek": {"weight": 0.1}, "marvell": {"bound": 1.0}}
 
 
 def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Callable[[dict], None]]]:
@@ -197,6 +197,8 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
 _CHECKED_AGAINST_OTHERS = {("interface", "activation"): "the interface says the activation it sends is",
                            ("stage", "loss"): "'reduction' is 'mean' but this stage's loss reduces rows by sum",
                            ("stages", "output"): "dense layer 'g1' takes (batch, 256), got (32, 128)",
+                           ("stage", "marvell"): "'marvell' is defined for a two-class task",     # digits: 10
+                           ("stages", "marvell"): "'marvell' is defined for a two-class task",
                            ("top", "reduction"): "'reduction' is 'sum' but the loss reduces rows by mean"}
 
 _TABLES = {"top": schema.TOP_KEYS, "stages": schema.COMBINED_STAGE_KEYS, "file": schema.STAGE_FILE_KEYS,
