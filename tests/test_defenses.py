@@ -402,6 +402,15 @@ def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp
                           "--micro-batches", "2")
 
 
+@pytest.mark.slow
+def test_marvell_on_torch_stages_over_processes_is_bitwise_the_in_process_run(tmp_path):
+    pytest.importorskip("torch")
+    torch_lines = 'framework = "torch"\n'
+    summary = _equal_over_processes(tmp_path, _zero_vs_rest(tmp_path, torch_lines, torch_lines + "marvell = { bound = "
+                                                            "0.5 }"), "--micro-batches", "2")
+    assert summary["privacy"]["g"]["marvell"] == "no differential-privacy guarantee"
+
+
 @pytest.mark.slow       # the same pipeline as the two-stage runs above; kept out of the default suite's time
 def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_process_run(tmp_path):
     """A chain of three (the middle stage relays, undefended) with both ends defended, and the data owner's
