@@ -83,8 +83,9 @@ def _audit(experiment: Path, trace: Path, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "audit.json"
     result = run_main(["audit", experiment, trace, "--json", out, *extra])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "labels: label_recovery" in result.stdout and "inputs: distance_correlation" in result.stdout
-    return read_json(out)
+    report = read_json(out)
+    assert result.stdout.count("(chance") == sum(len(figures) for figures in report.values()) // 2
+    return report
 
 
 def test_the_audit_agrees_with_the_live_meter_and_a_defense_lowers_recovery(tmp_path):
@@ -102,6 +103,11 @@ def test_the_audit_agrees_with_the_live_meter_and_a_defense_lowers_recovery(tmp_
         assert abs(report["inputs"]["distance_correlation"] - meter_inputs["distance_correlation"]) <= 0.02
     assert report["labels"]["label_recovery"] == 1.0 and report["labels"]["clustering_accuracy"] > 0.8
     assert report["inputs"]["linear_reconstruction_mse"] < report["inputs"]["reconstruction_mse_chance"]
+    # Each party audits with its own stage file, which holds only its own secret.
+    assert run_main(["split", plain, tmp_path / "parties"]).returncode == 0
+    for stage, view in (("g", "labels"), ("f", "inputs")):
+        own = _audit(tmp_path / "parties" / stage / f"{stage}.toml", trace, tmp_path, "--steps", "7:12")
+        assert own == {view: report[view]}
 
     defended = tmp_path / "defended"
     defended.mkdir()

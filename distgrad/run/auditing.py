@@ -61,7 +61,7 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     """The audit of the run of ``experiment`` (a name, an experiment file or the auditing party's stage
     file; ``seed``: the run's, default the experiment's) recorded in ``trace``, over its traced steps
     ``first`` to ``last``: ``{"labels": figures, "inputs": figures}``, each present when the trace holds
-    that view. Raises ``ConfigError`` for a missing or malformed trace, one that holds neither view, an
+    that view and ``experiment`` defines the stage whose secret it is (a stage file: its own). Raises ``ConfigError`` for a missing or malformed trace, one that holds neither view, an
     experiment whose data cannot pair with it, or bad settings."""
     exp = load_experiment(experiment)
     if exp.federated or exp.vertical:
@@ -72,7 +72,8 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     seed = exp.seed if seed is None else seed
     lines = _trace_lines(trace)
     report: dict[str, dict[str, float]] = {}
-    labels_view = _view(lines, LABEL_VIEW, first, last, trace)
+    # A party's stage file holds only its own data: it audits what the other party learns of its secret.
+    labels_view = _view(lines, LABEL_VIEW, first, last, trace) if exp.has_stage(exp.label_owner) else []
     if labels_view:
         data = exp.build_data(seed, stage=exp.label_owner)
         rows, labels = _paired(labels_view, data.true_targets, "labels", trace)
@@ -80,7 +81,7 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
             report["labels"] = audit.label_attacks(rows, labels, seed)
         except ValueError as e:
             raise ConfigError(f"audit: the labels of {exp.label_owner!r} cannot be attacked: {e}") from None
-    inputs_view = _view(lines, INPUT_VIEW, first, last, trace)
+    inputs_view = _view(lines, INPUT_VIEW, first, last, trace) if exp.has_stage(exp.data_owners[0]) else []
     if inputs_view:
         data = exp.build_data(seed, stage=exp.data_owners[0])
         z, x = _paired(inputs_view, data.features, "input rows", trace)
@@ -90,9 +91,12 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         except ValueError as e:
             raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
     if not report:
-        raise ConfigError(f"audit: {trace} holds no {LABEL_VIEW} or {INPUT_VIEW} on steps {first} to "
-                          f"{'the last' if last is None else last}: trace the run with --trace (and, with "
-                          f"--trace-params, name {LABEL_VIEW} or {INPUT_VIEW})")
+        views = [name for name, owner in ((LABEL_VIEW, exp.label_owner), (INPUT_VIEW, exp.data_owners[0]))
+                 if exp.has_stage(owner)]
+        raise ConfigError(f"audit: {trace} holds no {' or '.join(views)} on steps {first} to "
+                          f"{'the last' if last is None else last}, which is what {experiment}'s data can be "
+                          f"paired with: trace the run with --trace (and, with --trace-params, name "
+                          f"{' or '.join(views)})")
     return report
 
 
