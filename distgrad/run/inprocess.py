@@ -83,7 +83,7 @@ def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_la
     scale = exp.micro_batch_scale
     return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
-                       trace_crossed=crossed_direction(i == 0, stage is stages[-1]),
+                       trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
                                                                    if i == 0 else stage.name)))

@@ -119,7 +119,8 @@ class StageState:
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
                                  trace_sent=opts.role == "serving",
-                                 trace_crossed=crossed_direction(opts.role == "driving", opts.role == "serving"),
+                                 trace_crossed=crossed_direction(opts.experiment, opts.role == "driving",
+                                                                 opts.role == "serving"),
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance)))

@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from distgrad.config.experiment import Experiment
 from distgrad.model.nn import Grads
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
@@ -96,11 +97,12 @@ def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
     return total * scale if len(losses) > 1 else total
 
 
-def crossed_direction(first: bool, last: bool) -> str | None:
-    """What a stage sends across the cut, recorded in its trace as ``sent_DIRECTION`` (``trace_crossed``): the
-    data owner's (first stage's) activations, the label owner's (last stage's) activation gradients; a middle
-    stage, or the only stage, records nothing."""
-    if first == last:
+def crossed_direction(exp: Experiment, first: bool, last: bool) -> str | None:
+    """What a stage of ``exp`` sends across the cut, recorded in its trace as ``sent_DIRECTION``
+    (``trace_crossed``): the data owner's (first stage's) activations, the label owner's (last stage's)
+    activation gradients. A middle stage, the only stage, and the stages of experiments with several data
+    owners (``[clients]``, feature parties: not audited yet) record nothing."""
+    if first == last or exp.federated or exp.vertical:
         return None
     return ACTIVATION if first else GRADIENT
 
