@@ -133,3 +133,19 @@ def test_bad_audit_inputs_exit_2_naming_the_problem(tmp_path):
         assert result.returncode == 2 and message in result.stderr, (message, result.stderr)
     result = run_main(["audit", plain, tmp_path / "empty.jsonl", "--steps", "a:b"])
     assert result.returncode == 2 and "--steps" in result.stderr
+
+
+def test_the_trace_records_what_crossed_after_defense_and_codec_alike_in_every_runner(tmp_path):
+    """With micro-batches, a gradient codec and the label owner's clip_noise: ``sent_activation_grad`` is what
+    f decoded (not the label owner's ``activation_grad``), bitwise the same over processes and in process."""
+    clipped = _digits(tmp_path, CLIP)
+    args = ["run", clipped, "--steps", "3", "--micro-batches", "2", "--gradient-codec", "int8",
+            "--trace-params", "sent_activation_grad,sent_activation,activation_grad"]
+    assert run_main([*args, "--in-process", "--trace", tmp_path / "ref.jsonl"]).returncode == 0
+    result = run_launcher([*args, "--trace", tmp_path / "run.jsonl"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines, reference = read_lines(tmp_path / "run.jsonl"), read_lines(tmp_path / "ref.jsonl")
+    assert lines == reference
+    for line in lines:
+        sent, computed = (np.array(line["grads"][name]) for name in ("sent_activation_grad", "activation_grad"))
+        assert sent.shape == computed.shape == (32, 64) and not np.array_equal(sent, computed)
