@@ -62,12 +62,16 @@ def kmeans(rows: np.ndarray, k: int, seed: int) -> np.ndarray:
 
 
 def clustering_accuracy(rows: np.ndarray, labels: np.ndarray, seed: int) -> float:
-    """k-means of ``rows`` into as many clusters as ``labels`` has classes, then the accuracy of the
+    """k-means of the directions of ``rows`` (each scaled to unit norm: a gradient row's size shrinks as
+    training goes, its direction keeps its class) into as many clusters as ``labels`` has classes, then the
+    accuracy of the
     best one-to-one matching of clusters to classes (Hungarian by exhaustion up to 8 classes, else each
     cluster takes its majority class, which can only score higher)."""
     y = np.asarray(labels).reshape(-1)
     classes = np.unique(y)
-    ids = kmeans(rows, len(classes), seed)
+    x = _rows(rows)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    ids = kmeans(np.divide(x, norms, out=np.zeros_like(x), where=norms > leaks.TINY), len(classes), seed)
     counts = np.array([[np.sum((ids == c) & (y == label)) for label in classes] for c in range(len(classes))])
     if len(classes) <= 8:
         best = max(sum(counts[c, m] for c, m in enumerate(match))
