@@ -48,10 +48,10 @@ def kmeans(rows: np.ndarray, k: int, seed: int) -> np.ndarray:
             p = d / d.sum() if d.sum() > 0 else np.full(len(x), 1.0 / len(x))
             centres = np.vstack([centres, x[rng.choice(len(x), p=p)]])
         ids = np.zeros(len(x), np.int64)
-        for _ in range(KMEANS_ITERATIONS):
+        for iteration in range(KMEANS_ITERATIONS):
             d = ((x[:, None, :] - centres[None]) ** 2).sum(-1)
             new = d.argmin(1)
-            if _ and np.array_equal(new, ids):
+            if iteration and np.array_equal(new, ids):      # converged
                 break
             ids = new
             centres = np.array([x[ids == c].mean(0) if (ids == c).any() else centres[c] for c in range(k)])
