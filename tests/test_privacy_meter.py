@@ -70,7 +70,7 @@ def test_the_senders_tap_reads_what_the_receiver_decodes_in_both_paths():
     x = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
     for how in ("encode", "roundtrip"):
         senders, seen = Senders({GRADIENT: parse_codec("int8")}), []
-        senders.taps[GRADIENT] = lambda value, stream, step: seen.append((value(), stream, step))
+        senders.taps[GRADIENT].append(lambda value, stream, step: seen.append((value(), stream, step)))
         stream = stream_name(GRADIENT, 1, 3, "client0")
         out = getattr(senders, how)(GRADIENT, x, stream, 7)
         expected = out if how == "roundtrip" else parse_codec("int8").decode(out, x.shape)
