@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import textwrap
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,7 @@ DOC = ROOT / "docs" / "privacy.md"
 PLOT = ROOT / "docs" / "privacy_tradeoff.png"
 SECTION = "## The trade-off, measured"
 COMMAND = "python benchmarks/privacy.py --write-docs"
-LABEL_FIGURES = ("label_recovery", "cosine_auc", "norm_auc", "direction_auc")
-FIGURES = (*LABEL_FIGURES, "distance_correlation")
+FIGURES = ("label_recovery", "cosine_auc", "norm_auc", "direction_auc", "distance_correlation")
 
 
 @dataclass(frozen=True)
@@ -59,16 +58,15 @@ class Task:
     """One data set and model: a combined experiment built from ``raw`` (its data written by ``prepare``)."""
     name: str
     steps: int
-    two_class: bool
     clip_g: float              # the label owner's clip_noise bound C (about its gradient rows' typical norm)
     clip_f: float              # the data owner's clip_noise bound C (about its activation rows' typical norm)
-    raw: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Setting:
     """A defense with one value of its parameter: ``keys`` go into the stage table of ``party``."""
-    family: str                # e.g. "g clip_noise sigma": the sweep it belongs to (a line of the plot)
+    family: str                # e.g. "g clip_noise": the sweep it belongs to (a line of the plot)
     label: str                 # e.g. "g clip_noise C=0.05 sigma=0.5"
     party: str                 # "f", "g" or "" (undefended)
     keys: dict[str, Any]
@@ -93,14 +91,14 @@ def prepare(workdir: Path) -> list[Task]:
     pixels = {"kind": "npz", "features": "pixels", "feature_scale": 0.0625, "batch": 32, "test_fraction": 0.2}
     common = {"labels": "last", "seed": 0}
     return [
-        Task("digits", 800, False, 0.05, 8.0,
+        Task("digits", 800, 0.05, 8.0,
              {"name": "digits", **common, "data": {**pixels, "path": str(DATASETS / "digits.npz"), "labels": "digit"},
               "stages": _model(64, 64, 10, 0.003)}),
-        Task("digits-0-vs-rest", 800, True, 0.05, 8.0,
+        Task("digits-0-vs-rest", 800, 0.05, 8.0,
              {"name": "digits-0-vs-rest", **common,
               "data": {**pixels, "path": str(workdir / "digits0.npz"), "labels": "zero"},
               "stages": _model(64, 64, 2, 0.003)}),
-        Task("breast-cancer", 600, True, 0.05, 4.0,
+        Task("breast-cancer", 600, 0.05, 4.0,
              {"name": "breast-cancer", **common,
               "data": {"kind": "npz", "path": str(workdir / "breast.npz"), "features": "x", "labels": "y",
                        "batch": 16, "test_fraction": 0.2},
@@ -148,7 +146,7 @@ def one_run(task: Task, setting: Setting, seed: int, steps: int) -> dict[str, An
 
 
 def budget(privacy: dict[str, Any]) -> str:
-    """The label owner's stated guarantee, short: 'eps 2 (exact)', 'eps 81.1 at delta 1e-05', or 'none'."""
+    """The label owner's stated label-DP epsilon, short: '2 (exact)', '81.1 at δ=1e-05', or 'none'."""
     parts = []
     entry = privacy.get("g", {})
     if "label_dp" in entry:
@@ -161,14 +159,14 @@ def budget(privacy: dict[str, Any]) -> str:
     return " + ".join(parts) if parts else "none"
 
 
-def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(setting: Setting, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The seeds' mean of each figure, and their accuracies' mean, min and max."""
     accuracies = [r["test_accuracy"] for r in runs]
     names = sorted(set().union(*(r["figures"] for r in runs)))
     return {"test_accuracy": statistics.fmean(accuracies), "test_accuracy_min": min(accuracies),
             "test_accuracy_max": max(accuracies), "accuracies": accuracies,
             "figures": {n: statistics.fmean(r["figures"][n] for r in runs if n in r["figures"]) for n in names},
-            "budget": budget(runs[0]["privacy"]), "runs": runs}
+            "budget": budget(runs[0]["privacy"]), "family": setting.family, "runs": runs}
 
 
 def _cell(figures: dict[str, float], name: str) -> str:
@@ -280,9 +278,8 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
                              squeeze=False)
     for row, (task, rows) in enumerate(results.items()):
         families: dict[str, list[dict[str, Any]]] = {}
-        for label, result in rows.items():
-            families.setdefault(label.split(" C=")[0].split(" epsilon=")[0].split(" weight=")[0].split(" sigma=")[0],
-                                []).append(result)
+        for result in rows.values():
+            families.setdefault(result["family"], []).append(result)
         for col, name in enumerate(FIGURES):
             ax = axes[row][col]
             plain = rows["undefended"]["figures"]
@@ -369,7 +366,7 @@ def main() -> None:
             results[task.name] = {}
             for setting in settings(task, args.smoke):
                 runs = [one_run(task, setting, seed, steps) for seed in range(seeds)]
-                results[task.name][setting.label] = aggregate(runs)
+                results[task.name][setting.label] = aggregate(setting, runs)
                 row = results[task.name][setting.label]
                 print(f"{task.name}: {setting.label}: accuracy {row['test_accuracy']:.4f}, "
                       + ", ".join(f"{n} {row['figures'][n]:.3f}" for n in FIGURES if n in row["figures"]),
