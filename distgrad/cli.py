@@ -210,6 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs matplotlib)")
     plot.add_argument("metrics", type=Path)
     plot.add_argument("--out", type=Path, default=Path("loss.png"))
+    audit = sub.add_parser("audit", help="attack a run's recorded view of the cut as the other party would: what "
+                                         "its --trace says crossed, against the experiment's own labels and inputs")
+    audit.add_argument("experiment", metavar="NAME_OR_PATH",
+                       help="the run's experiment: a built-in name, an experiment file, or the auditing party's "
+                            "stage file (its data supplies the true labels or the raw inputs)")
+    audit.add_argument("trace", type=Path, metavar="TRACE", help="the run's --trace file")
+    audit.add_argument("--seed", type=int, help="the run's seed, when it was given one (default: the experiment's)")
+    audit.add_argument("--steps", metavar="FIRST:LAST", default="1:",
+                       help="audit only the traced steps FIRST to LAST (either may be left out; default: all)")
+    audit.add_argument("--public-fraction", type=float, default=0.5, metavar="F",
+                       help="the share of rows the input decoder is fitted on (default 0.5); it is tested on the rest")
+    audit.add_argument("--mlp", action="store_true", help="fit a small MLP decoder too, beside the linear one")
+    audit.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to this JSON file")
     ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
     ping.add_argument("endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
@@ -618,6 +631,22 @@ def _plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from distgrad.run.auditing import audit_text, run_audit
+    from distgrad.stage.records import write_json
+
+    try:
+        first_text, last_text = args.steps.split(":")
+        first, last = int(first_text or 1), (int(last_text) if last_text else None)
+    except ValueError:
+        raise ConfigError(f"--steps must be FIRST:LAST (whole numbers, either may be left out), got {args.steps!r}")
+    report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp)
+    print(audit_text(report))
+    if args.json is not None:
+        write_json(args.json, report)
+    return EXIT_OK
+
+
 def _ping(args: argparse.Namespace) -> int:
     import zmq
 
@@ -672,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "log_level", "INFO"))
     commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
                 "split": _split, "predict": _predict, "align": _align,
-                "keygen": _keygen, "ping": _ping, "plot": _plot}
+                "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
     return _guarded(commands[args.command], args)
 
 

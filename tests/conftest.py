@@ -27,6 +27,7 @@ import inspect
 import io
 import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -382,6 +383,13 @@ class StageGroup:
         self.starts[name] = self.starts.get(name, 0) + 1
         self.procs[name] = StageProcess(self.args[name], self.tmp / f"{name}.{self.starts[name]}.log",
                                         command=self.commands.get(name))
+
+    def kill_9_and_restart(self, name: str) -> None:
+        """SIGKILL stage ``name``, which must still be running (else the run ended before the kill), and start
+        it again with the same command line."""
+        self.procs[name].signal(signal.SIGKILL)
+        assert self.procs[name].wait(10) == -signal.SIGKILL, "the run ended before the kill"
+        self.start(name)
 
     def lines(self, trace: str) -> int:
         """Whole lines (steps) in the trace file ``tmp_path/trace`` so far.

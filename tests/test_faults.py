@@ -82,9 +82,7 @@ def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pa
     total = int(steps)
     for fraction in (0.15, 0.45, 0.75):
         pair.wait_for_step(int(total * fraction))
-        pair.procs[victim].signal(signal.SIGKILL)
-        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
-        pair.start(victim)                       # the same command line
+        pair.kill_9_and_restart(victim)
     _assert_bitwise(tmp_path, pair, experiment, steps)
     assert pair.starts[victim] == 4
 

@@ -307,3 +307,31 @@ def test_epochs_with_several_data_owners_is_refused():
     raw["epochs"] = 2
     with pytest.raises(ConfigError, match="with several data owners"):
         parse_experiment(raw, exp.source)
+
+
+def test_split_keeps_every_key_of_a_stage_table(tmp_path):
+    """Every stage key a combined experiment and a stage file both take reaches the party's own file
+    (``scheduler`` and ``privacy_meter`` were dropped: the split party trained without them)."""
+    import tomllib
+    from distgrad.config import schema
+    from distgrad.config.parse import BUILTIN_DIR
+    raw = tomllib.loads((BUILTIN_DIR / "digits-cnn-torch.toml").read_text())
+    raw["data"]["path"] = str(BUILTIN_DIR / raw["data"]["path"])
+    f, g = raw["stages"]
+    f.update(scheduler={"type": "StepLR", "step_size": 10, "gamma": 0.5}, privacy_meter=True,
+             clip_noise={"max_norm": 1.0, "sigma": 0.1})
+    g.update(privacy_meter=True, metrics=["f1"], keep_best="test_f1", max_norm=True,
+             early_stopping={"metric": "test_loss", "patience": 3})
+    set_keys = set(f) | set(g)
+    shared = set(schema.COMBINED_STAGE_KEYS) & set(schema.STAGE_KEYS)
+    untried = shared - set_keys - {"framework", "model", "columns", "device", "label_dp", "nopeek"}
+    assert not untried, f"give these keys a value here: {sorted(untried)}"
+    combined = parse_experiment(raw, str(tmp_path / "combined.toml"))
+    split_experiment(combined, tmp_path / "parties")
+    parts = load_experiment([tmp_path / "parties" / "f" / "f.toml", tmp_path / "parties" / "g" / "g.toml"])
+    for name in ("f", "g"):
+        ours, theirs = combined.spec(name), parts.spec(name)
+        for key in sorted(shared - {"name"}):
+            field = {"clip_noise": "defenses", "max_norm": "defenses", "label_dp": "defenses",
+                     "nopeek": "defenses"}.get(key, key)
+            assert getattr(theirs, field) == getattr(ours, field), (name, key)

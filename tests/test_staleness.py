@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import signal
 from pathlib import Path
 
 import pytest
@@ -99,9 +98,7 @@ def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, s
     pair.start("f")
     for victim, at in (("f", 100), ("g", 250)):
         pair.wait_until(lambda: pair.lines("f.jsonl") >= at, f"f to reach step {at}")
-        pair.procs[victim].signal(signal.SIGKILL)
-        assert pair.procs[victim].wait(10) == -signal.SIGKILL, "the run ended before the kill"
-        pair.start(victim)
+        pair.kill_9_and_restart(victim)
     pair.wait_all()
     reference = _reference(tmp_path, "tanh-regression", "--steps", str(steps), "--staleness", "1",
                            "--micro-batches", "2", "--activation-codec", "float16", "--gradient-codec",

@@ -113,6 +113,10 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
     if spec.device != "cpu":
         table["device"] = spec.device
     table["optimizer"] = dict(spec.optimizer)
+    if spec.scheduler is not None:
+        table["scheduler"] = dict(spec.scheduler)
+    if spec.privacy_meter:
+        table["privacy_meter"] = True
     if spec.loss is not None:
         table["loss"] = spec.loss
     if spec.metrics:

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.leaks import centred_distances
 
 DTYPE = np.float32
 DEFAULT_DELTA = 1e-5       # the delta of the clip_noise label-DP budget when the stage file gives none
@@ -139,24 +140,13 @@ def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return (x + noise).astype(DTYPE)
 
 
-def _centred_distances(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The pairwise Euclidean distances of ``rows`` (float64, flattened per row) and their double-centred
-    matrix."""
-    flat = rows.reshape(len(rows), -1).astype(np.float64)
-    squared = np.sum(flat * flat, axis=1)
-    distances = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2.0 * flat @ flat.T, 0.0))
-    np.fill_diagonal(distances, 0.0)
-    centred = distances - distances.mean(axis=0) - distances.mean(axis=1)[:, None] + distances.mean()
-    return distances, centred
-
-
-def distance_correlation(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarray]:
+def distance_correlation_and_gradient(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarray]:
     """The sample distance correlation dCor(x, z) of two sets of rows (Szekely et al., the V-statistic, as
     NoPeek uses it) and its gradient with respect to ``z`` (float32, shaped like ``z``); 0 and a zero
     gradient when either set has no spread."""
     n = len(x)
-    _, a = _centred_distances(x)
-    b_raw, b = _centred_distances(z)
+    _, a = centred_distances(x)
+    b_raw, b = centred_distances(z)
     cov, var_x, var_z = (a * b).sum() / n ** 2, (a * a).sum() / n ** 2, (b * b).sum() / n ** 2
     if var_x <= 0 or var_z <= 0 or cov <= 0:
         return 0.0, np.zeros_like(z, dtype=DTYPE)
@@ -174,7 +164,7 @@ def distance_correlation(x: np.ndarray, z: np.ndarray) -> tuple[float, np.ndarra
 def nopeek_gradient(x: np.ndarray, y: np.ndarray, dy: np.ndarray, weight: float) -> np.ndarray:
     """NoPeek (Vepakomma et al., 2020): the gradient of ``weight`` * dCor(x, y) added to the gradient ``dy``
     a data owner receives for its activations ``y`` of inputs ``x``, float32."""
-    return (dy + DTYPE(weight) * distance_correlation(x, y)[1]).astype(DTYPE)
+    return (dy + DTYPE(weight) * distance_correlation_and_gradient(x, y)[1]).astype(DTYPE)
 
 
 def randomized_response(labels: np.ndarray, classes: int, epsilon: float, rng: np.random.Generator) -> np.ndarray:

@@ -132,12 +132,16 @@ def direction_auc(rows: np.ndarray, labels: np.ndarray) -> float:
 AUC_CHANCE = 0.5
 
 
-def _centred_distances(rows: np.ndarray) -> np.ndarray:
-    """The double-centred Euclidean distance matrix of ``rows`` (symmetric: its row and column means agree)."""
-    squared = np.einsum("ij,ij->i", rows, rows)
-    d = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2.0 * (rows @ rows.T), 0.0))
+def centred_distances(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairwise Euclidean distances of ``rows`` (each row flattened, in float64) and their double-centred
+    matrix (symmetric: its row and column means agree). The one computation behind every distance
+    correlation: the meter's and the audit's here, NoPeek's and its gradient in ``defenses``."""
+    flat = _flat(rows)
+    squared = np.einsum("ij,ij->i", flat, flat)
+    d = np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2.0 * (flat @ flat.T), 0.0))
+    np.fill_diagonal(d, 0.0)
     means = d.sum(axis=0) / len(d)
-    return d - means[None, :] - means[:, None] + means.sum() / len(d)
+    return d, d - means[None, :] - means[:, None] + means.sum() / len(d)
 
 
 def _dcor(a: np.ndarray, b: np.ndarray) -> float:
@@ -149,7 +153,7 @@ def _dcor(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _centred_pair(x: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    a, b = _centred_distances(_flat(x)), _centred_distances(_flat(z))
+    a, b = centred_distances(x)[1], centred_distances(z)[1]
     if len(a) != len(b):
         raise ValueError(f"{len(a)} input rows paired with {len(b)} activation rows")
     return a, b

@@ -19,7 +19,7 @@ from typing import AbstractSet, Any, Mapping, Sequence
 import numpy as np
 
 from distgrad.model import aggregate
-from distgrad.stage.engine import StepEngine
+from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.config.defended import budget_text, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
@@ -83,6 +83,7 @@ def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_la
     scale = exp.micro_batch_scale
     return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
+                       trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
                                                                    if i == 0 else stage.name)))

@@ -70,7 +70,7 @@ class Metering:
         self.spent_s = 0.0                  # wall time in the tap and the windows: the meter's own cost
         self.log = log or logging.getLogger("distgrad.privacy")
         self._secret: tuple[int, np.ndarray] | None = None
-        engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION] = self._tap
+        engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION].append(self._tap)
         engine.observers.append(self._after_update)
 
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:

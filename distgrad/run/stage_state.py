@@ -18,7 +18,7 @@ import numpy as np
 
 from distgrad.config.defended import budget_text, privacy_budget, row_defense
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
-from distgrad.stage.engine import StepEngine
+from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import TraceWriter, evaluation_fields, to_lists, write_json
@@ -119,6 +119,8 @@ class StageState:
         self.opts = opts
         self.engine = StepEngine(self._fresh(), opts.experiment.micro_batch_scale,
                                  trace_sent=opts.role == "serving",
+                                 trace_crossed=crossed_direction(opts.experiment, opts.role == "driving",
+                                                                 opts.role == "serving"),
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance)))

@@ -31,9 +31,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from distgrad.config.experiment import Experiment
 from distgrad.model.nn import Grads
 from distgrad.stage.stage import Stage
-from distgrad.wire.wirecodec import Senders
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
 
 
 class GradAccumulator:
@@ -96,6 +97,16 @@ def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
     return total * scale if len(losses) > 1 else total
 
 
+def crossed_direction(exp: Experiment, first: bool, last: bool) -> str | None:
+    """What a stage of ``exp`` sends across the cut, recorded in its trace as ``sent_DIRECTION``
+    (``trace_crossed``): the data owner's (first stage's) activations, the label owner's (last stage's)
+    activation gradients. A middle stage, the only stage, and the stages of experiments with several data
+    owners (``[clients]``, feature parties: not audited yet) record nothing."""
+    if first == last or exp.federated or exp.vertical:
+        return None
+    return ACTIVATION if first else GRADIENT
+
+
 class TraceSink(Protocol):
     """Where traced steps go (``records.TraceWriter``, or the in-process path's merger)."""
 
@@ -120,13 +131,18 @@ class StepEngine:
     ``loss_scale(M)`` is the float32 factor the final loss gives the sum of M
     micro-batch gradients (``Loss.micro_batch_scale``). ``trace`` receives a
     line per traced step; with ``trace_sent``, the activation gradients this
-    stage sent up go in it as ``activation_grad`` (the last stage's, which is
-    what crossed the wire, before its defenses and codec). ``observers`` see every applied
-    update. ``senders`` encode what the stage sends (default: no codec).
+    stage sent up go in it as ``activation_grad`` (the last stage's, as it
+    computed them: before its defenses and codec). With ``trace_crossed`` (a
+    direction, ``ACTIVATION`` or ``GRADIENT``), what the stage sent that way on
+    a traced step goes in it as ``sent_DIRECTION`` (``sent_activation``,
+    ``sent_activation_grad``): every micro-batch, in order, exactly as the
+    receiver decoded it (after defenses and codec; read by a tap of
+    ``senders``), which is what ``distgrad audit`` attacks. ``observers`` see
+    every applied update. ``senders`` encode what the stage sends (default: no codec).
     """
 
     def __init__(self, stage: Stage, loss_scale: Callable[[int], np.float32], trace: TraceSink | None = None,
-                 trace_sent: bool = False, senders: Senders | None = None) -> None:
+                 trace_sent: bool = False, senders: Senders | None = None, trace_crossed: str | None = None) -> None:
         self.stage = stage
         self.senders = senders if senders is not None else Senders({})
         self.loss_scale = loss_scale
@@ -136,6 +152,15 @@ class StepEngine:
         self._accumulator = GradAccumulator()
         self._losses: list[np.float32] = []
         self._sent: list[np.ndarray] = []
+        self._crossed: dict[tuple[int, int], np.ndarray] = {}     # (step, micro-batch) -> what was received
+        self._crossed_name = f"sent_{trace_crossed}" if trace_crossed is not None else ""
+        if trace_crossed is not None:       # the trace may be given later (``engine.trace``)
+            self.senders.taps[trace_crossed].append(self._record_crossed)
+
+    def _record_crossed(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        """A tap: keep what crossed on a step the trace writes (a micro-batch sent again replaces it)."""
+        if self.trace is not None and self.trace.wants(step):
+            self._crossed[(step, stream_micro_batch(stream)[0])] = np.array(received(), copy=True)
 
     @property
     def done(self) -> int:
@@ -146,6 +171,7 @@ class StepEngine:
         """Forget a partly accumulated step (a rollback, a dropped client, a failure)."""
         self._accumulator.reset()
         self._losses, self._sent = [], []
+        self._crossed = {}
         self.senders.discard()
 
     def add(self, mb: int, mbs: int, grads: Grads, loss: np.float32 | None = None,
@@ -186,6 +212,9 @@ class StepEngine:
         if traced is not None and self.trace is not None:
             if sent:
                 traced["activation_grad"] = np.concatenate(sent) if len(sent) > 1 else sent[0]
+            crossed = [self._crossed.pop(key) for key in sorted(key for key in self._crossed if key[0] == step)]
+            if crossed:
+                traced[self._crossed_name] = np.concatenate(crossed) if len(crossed) > 1 else crossed[0]
             extra = {} if client is None else {"client": client}
             self.trace.write(step, loss, traced, stage.params, **extra)
         if self.observers:

@@ -89,14 +89,15 @@ def check_trace_filter(names: AbstractSet[str] | None, every: int, known: Abstra
     """Validate ``--trace-params`` / ``--trace-every``; raises ``ConfigError`` naming the bad value.
 
     ``known`` is every parameter name of the experiment (any stage: each stage
-    keeps the names it owns); ``activation_grad`` is always a valid name.
+    keeps the names it owns); ``activation_grad``, ``sent_activation`` and ``sent_activation_grad`` (the
+    tensors that crossed, ``StepEngine``) are always valid names.
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"--trace-every must be an integer >= 1, got {every!r}")
     if (names is not None or every != 1) and not tracing:
         raise ConfigError("--trace-params and --trace-every need --trace PATH")
     if names is not None:
-        valid = set(known) | {"activation_grad"}
+        valid = set(known) | {"activation_grad", "sent_activation", "sent_activation_grad"}
         unknown = sorted(set(names) - valid)
         if unknown or not names:
             raise ConfigError(f"--trace-params: unknown name(s) {', '.join(unknown) or '(none given)'}; "

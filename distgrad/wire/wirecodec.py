@@ -23,8 +23,8 @@ runners need:
   residuals are pending until the step is applied (``commit``, called by the
   step engine) and forgotten when the step is dropped (``discard``), so a
   micro-batch sent again after a rollback is encoded from the same residual.
-  A *tap* (``Senders.taps``) reads what the receiver gets of each tensor sent
-  in a direction (the privacy meter): it sees, and changes, nothing else.
+  A *tap* (``Senders.taps``, a list per direction) reads what the receiver gets of each tensor sent
+  in a direction (the privacy meter, the trace's ``sent_*``): it sees, and changes, nothing else.
 
 The sender computes with its own unrounded values; only what crosses is
 coded. The in-process reference calls ``Senders.roundtrip`` at exactly the
@@ -152,6 +152,17 @@ def stream_micro_batch(stream: str) -> tuple[int, int]:
 Tap = Callable[[Callable[[], np.ndarray], str, int], None]
 
 
+def _once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    """``compute`` called at most once, however many taps ask."""
+    value: list[np.ndarray] = []
+
+    def get() -> np.ndarray:
+        if not value:
+            value.append(compute())
+        return value[0]
+    return get
+
+
 class Senders:
     """What one stage encodes its outgoing activations and activation gradients with.
 
@@ -176,7 +187,8 @@ class Senders:
         self.defense = defense
         self._committed: dict[str, np.ndarray] = {}
         self._pending: dict[str, np.ndarray] = {}
-        self.taps: dict[str, Tap] = {}      # direction -> reads each tensor sent as the receiver decodes it
+        # direction -> what reads each tensor sent, as the receiver decodes it, in order
+        self.taps: dict[str, list[Tap]] = {direction: [] for direction in DIRECTIONS}
 
     def codec(self, direction: str) -> Codec:
         return self.codecs[direction]
@@ -209,9 +221,11 @@ class Senders:
             feedback = self._feedback(codec, stream)
             sent = getattr(feedback, how)(x, stream, step)
             self._pending[stream] = feedback.state_arrays()[stream]
-        tap = self.taps.get(direction)
-        if tap is not None:
-            tap((lambda: sent) if how == "roundtrip" else (lambda: codec.decode(sent, x.shape)), stream, step)
+        taps = self.taps[direction]
+        if taps:
+            received = (lambda: sent) if how == "roundtrip" else _once(lambda: codec.decode(sent, x.shape))
+            for tap in taps:
+                tap(received, stream, step)
         return sent
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
