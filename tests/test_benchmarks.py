@@ -44,6 +44,7 @@ SMOKE_TESTS = {
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
     "_torch_split.py": "test_torch_split",
     "per_message.py": "test_per_message",
+    "privacy.py": "test_privacy_tradeoff",
     "privacy_meter_cost.py": "test_privacy_meter_cost",
     "soak.py": "test_soak",
     "wan.py": "test_wan",
@@ -175,3 +176,28 @@ def test_privacy_meter_cost(tmp_path):
     for where in ("processes", "in_process"):
         assert result[f"{where}_plain_step_ms"] > 0 and result[f"{where}_metered_step_ms"] > 0
         assert f"{where}_overhead" in result
+
+
+@pytest.mark.slow
+def test_privacy_tradeoff(tmp_path):
+    """--smoke: the undefended run and one label-owner clip_noise on each of the three tasks, one seed, metered;
+    each row has held-out accuracy and the leak figures its task can score, and the table and targets print."""
+    out, png = tmp_path / "privacy.json", tmp_path / "privacy.png"
+    result = run_script("privacy.py", "--smoke", "--json", out, "--plot", png)
+    figures = json.loads(out.read_text())
+    assert figures["smoke"] is True and figures["seeds"] == 1
+    assert set(figures["results"]) == {"digits", "digits-0-vs-rest", "breast-cancer"}
+    for task, rows in figures["results"].items():
+        assert list(rows) == ["undefended", "g clip_noise C=0.05 sigma=0.5"], task
+        expected = {"label_recovery", "cosine_auc", "distance_correlation"}
+        if task != "digits":
+            expected |= {"norm_auc", "direction_auc"}
+        for label, row in rows.items():
+            assert 0 < row["test_accuracy"] <= 1 and expected <= set(row["figures"]), (task, label)
+        assert rows["undefended"]["budget"] == "none"
+        assert rows["g clip_noise C=0.05 sigma=0.5"]["budget"] != "none"
+        # the defense takes the label owner's rows to near chance; undefended they give the labels away
+        assert rows["undefended"]["figures"]["cosine_auc"] > 0.9
+        assert rows["g clip_noise C=0.05 sigma=0.5"]["figures"]["cosine_auc"] < 0.7
+    assert "| undefended |" in result.stdout and "Digits, anchor recovery" in result.stdout
+    assert png.stat().st_size > 0
