@@ -130,7 +130,7 @@ def row_norms(x: np.ndarray) -> np.ndarray:
 def clip_rows(x: np.ndarray, max_norm: float) -> np.ndarray:
     """``x`` with each row scaled down to norm at most ``max_norm`` (rows within it unchanged), float32."""
     norms = row_norms(x)
-    factor = np.minimum(1.0, max_norm / np.maximum(norms, np.finfo(np.float64).tiny))
+    factor = np.where(norms > max_norm, max_norm / np.where(norms > max_norm, norms, 1.0), 1.0)   # 0-rows: 1
     shape = (len(x),) + (1,) * (x.ndim - 1)
     return (x * factor.reshape(shape)).astype(DTYPE)
 
