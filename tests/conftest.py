@@ -326,6 +326,16 @@ def free_tcp_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
+DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
+
+
+def digits_data_table(batch: int = 32, test_fraction: float = 0.2) -> str:
+    """The ``[data]`` table of the built-in digits (its npz; pixels scaled to [0, 1]) for an experiment a test
+    writes, ending in a newline."""
+    return (f'[data]\nkind = "npz"\npath = "{DIGITS_NPZ}"\nfeatures = "pixels"\nlabels = "digit"\n'
+            f'feature_scale = 0.0625\nbatch = {batch}\ntest_fraction = {test_fraction}\n')
+
+
 class StageProcess:
     """A ``distgrad-stage`` process (or, with ``distgrad=True``, ``distgrad ARGS``; with ``command``,
     ``COMMAND ARGS``) whose output goes to a log file; always stopped on exit."""

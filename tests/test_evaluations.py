@@ -15,9 +15,8 @@ from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.progress import PROGRESS_PREFIX, Progress, render_bar
 
-from conftest import read_json, read_lines, run_launcher
+from conftest import DIGITS_NPZ, digits_data_table, read_json, read_lines, run_launcher
 
-DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 
 # Three stages on the digits: the held-out rows go through a middle stage too.
 CHAIN_DIGITS = f"""
@@ -25,15 +24,7 @@ name = "chain-digits"
 steps = 9
 seed = 0
 eval_every = 4
-[data]
-kind = "npz"
-path = "{DIGITS_NPZ}"
-features = "pixels"
-labels = "digit"
-feature_scale = 0.0625
-batch = 32
-test_fraction = 0.2
-[[stages]]
+{digits_data_table()}[[stages]]
 name = "f"
 model = [{{ type = "dense", name = "f1", in = 64, out = 32 }}, {{ type = "relu" }}]
 [[stages]]

@@ -25,10 +25,9 @@ from distgrad.run.inprocess import train_in_process
 from distgrad.run.progress import render_bar
 from distgrad.stage.selection import Selection
 
-from conftest import StageGroup, read_json, read_lines, run_launcher, run_main
+from conftest import DIGITS_NPZ, StageGroup, digits_data_table, read_json, read_lines, run_launcher, run_main
 from test_tensorboard import _scalars
 
-DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 JUDGED = """metrics = ["auc", "f1", "precision", "recall"]
 keep_best = "test_accuracy"
 early_stopping = { metric = "test_accuracy", patience = 2 }
@@ -44,15 +43,7 @@ def _digits(tmp_path: Path, judged: str = JUDGED, steps: int = 200, middle: bool
 steps = {steps}
 seed = 0
 eval_every = 4
-[data]
-kind = "npz"
-path = "{DIGITS_NPZ}"
-features = "pixels"
-labels = "digit"
-feature_scale = 0.0625
-batch = 32
-test_fraction = 0.2
-""" + "".join(f"""[[stages]]
+{digits_data_table()}""" + "".join(f"""[[stages]]
 name = "{name}"
 model = [{{ type = "dense", name = "{name}1", in = {n_in}, out = {n_out} }}, {{ type = "{act}" }}]
 optimizer = {{ type = "adam", lr = 0.003 }}
