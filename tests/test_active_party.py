@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import read_json, run_launcher, run_main
+from conftest import read_json, run_cli, run_launcher, run_main
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
@@ -111,9 +111,13 @@ def test_one_feature_party_and_an_active_label_owner_from_split_stage_files(tmp_
     assert "bottom = [" in own and "features" in own and "labels" in own
     assert "bottom" not in files[0].read_text()                   # the bottom is the label owner's own
     path = tmp_path / "run.json"
-    result = run_launcher(["run", *files, "--summary", path, "--steps", "30"])
+    result = run_launcher(["run", *files, "--summary", path, "--steps", "30", "--save", tmp_path / "saved"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(path)["params"] == _reference(tmp_path, one, "--steps", "30")["params"]
+    # predict does not take the label owner's own columns of new rows yet: refused with the reason, exit 2
+    result = run_cli(["predict", files[1], "--bind", "tcp://127.0.0.1:*", "--load", tmp_path / "saved" / "g.npz",
+                      "--output", tmp_path / "out.csv"])
+    assert result.returncode == 2 and "own 'bottom'" in result.stderr and "predict does not take" in result.stderr
 
 
 def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
