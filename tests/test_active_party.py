@@ -3,17 +3,19 @@
 Its bottom's output joins the feature parties' embeddings as one more, last
 party (``aggregate``) before its model; the bottom learns from the gradient of
 its own embedding, no wire involved. Over processes (and from the stage files
-``distgrad split`` writes) the run is bitwise equal to the in-process reference.
+``distgrad split`` writes, and through kill -9 and --resume: slow) the run is
+bitwise equal to the in-process reference.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import read_json, run_cli, run_launcher, run_main
+from conftest import StageGroup, free_tcp_endpoint, read_json, run_cli, run_launcher, run_main
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
@@ -133,3 +135,38 @@ def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
         wrong = [{"type": "dense", "name": "own1", "in": 5, "out": 8}]
         parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], bottom=wrong)]})
     assert load_experiment(_active(tmp_path)).input_shape("g") == (32, 20)    # a's 8, b's 8, its own 4 columns
+
+
+class _ActiveRun(StageGroup):
+    """Parties a and b and the active label owner g, each a process with its own log and checkpoints."""
+
+    def __init__(self, tmp_path: Path, experiment: Path, steps: int, endpoint: str) -> None:
+        super().__init__(tmp_path)
+        common = ["--experiment", str(experiment), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", "1", "--resume", "--timeout", "0.5", "--liveness", "0.5",
+                  "--peer-deadline", "30"]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
+        for name in ("a", "b"):
+            self.args[name] = [name, "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", f"{name}1.b", *common]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed,transport", [("g", "ipc"), ("a", "tcp")])
+def test_kill_9_of_the_active_label_owner_or_a_party_resumes_bitwise(tmp_path, stage_group, killed, transport):
+    """kill -9 mid-run, restarted with the same command line (--resume): the label owner's bottom comes back
+    from its checkpoint with the rest of its stage, and every stage ends bitwise equal to --in-process."""
+    steps, experiment = 200, _active(tmp_path)
+    endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else free_tcp_endpoint()
+    run = stage_group(_ActiveRun, tmp_path, experiment, steps, endpoint)
+    for name in ("g", "a", "b"):
+        run.start(name)
+    run.wait_until(lambda: run.lines("a.jsonl") >= 40, "party a to reach step 40")
+    run.procs[killed].signal(signal.SIGKILL)
+    assert run.procs[killed].wait(10) == -signal.SIGKILL, f"{killed} ended before the kill"
+    run.start(killed)
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
+    for name in ("a", "b", "g"):
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
