@@ -241,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_local([str(p) for p in stage_files], summary_path=summary_path, log_level="WARNING")
         vertical = read_json(summary_path)
         central = one_process_model(aligned, workdir)
-        print(f"held-out accuracy, {'two feature parties and the label owner' if args.active else 'three feature parties'}"
-              f" over the wire: {vertical['test_accuracy']:.4f} "
+        who = "two feature parties and the label owner" if args.active else "three feature parties"
+        print(f"held-out accuracy, {who} over the wire: {vertical['test_accuracy']:.4f} "
               f"({vertical['test_count']} patients)")
         print(f"held-out accuracy, all columns in one process:        {central['test_accuracy']:.4f}")
         gap = 100 * (central["test_accuracy"] - vertical["test_accuracy"])
