@@ -174,6 +174,9 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
         name = _STAGE_VALUES[key][0]
         changes[("stage", key)] = (_stage_file(tmp_path, name, "a" if name == "vertical-classify" else "f"),
                                    _set(f"stage.{key}", _STAGE_VALUES[key][1]))
+    bottom = [{"type": "dense", "name": "own1", "in": 12, "out": 8}]     # the label owner's, over all 12 columns
+    changes[("stages", "bottom")] = (_vertical_sum(), _set("stages.3.bottom", bottom))
+    changes[("stage", "bottom")] = (_stage_file(tmp_path, "vertical-classify", "g"), _set("stage.bottom", bottom))
     changes[("stage", "name")] = (_stage_file(tmp_path, "vertical-classify", "a"), _set("stage.name", "b"))
     changes[("stage", "loss")] = (_stage_file(tmp_path, "tanh-regression", "g"), _set("stage.loss", "sum_squared_error"))
     changes[("stage", "seed")] = (file_f, _set("stage.seed", 3))
@@ -197,6 +200,7 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
 _CHECKED_AGAINST_OTHERS = {("interface", "activation"): "the interface says the activation it sends is",
                            ("stage", "loss"): "'reduction' is 'mean' but this stage's loss reduces rows by sum",
                            ("stages", "output"): "dense layer 'g1' takes (batch, 256), got (32, 128)",
+                           ("stage", "bottom"): "dense layer 'g1' takes (batch, 24), got (32, 32)",   # concat: +8
                            ("stage", "marvell"): "'marvell' is defined for a two-class task",     # digits: 10
                            ("stages", "marvell"): "'marvell' is defined for a two-class task",
                            ("top", "reduction"): "'reduction' is 'sum' but the loss reduces rows by mean"}

@@ -31,3 +31,17 @@ def test_the_breast_cancer_parties_align_and_train_within_a_point_of_one_process
     vertical = float(out.split("over the wire: ")[1].split()[0])
     central = float(out.split("one process:")[1].split()[0])
     assert abs(vertical - central) <= 0.01 and vertical >= 0.95, out
+
+
+def test_the_label_owner_holding_the_worst_columns_trains_as_an_active_party(tmp_path, capsys):
+    """``--active``: the label owner holds the ten 'worst' columns and the diagnosis, under its own bottom;
+    two feature parties (mean, se) and it align and train (three processes)."""
+    assert example.main(["--active", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    owner = tmp_path / example.LABEL_OWNER
+    header = (owner / f"{example.LABEL_OWNER}.csv").read_text().splitlines()[0].split(",")
+    assert header[1].startswith("worst") and len(header) == 12 and header[-1] == example.LABEL_OWNER
+    assert not (tmp_path / "worst").exists()
+    stage_file = (owner / f"{example.LABEL_OWNER}.toml").read_text()
+    assert "bottom = [" in stage_file and 'stages = ["mean", "se", "diagnosis"]' in stage_file
+    assert float(out.split("over the wire: ")[1].split()[0]) >= 0.95, out

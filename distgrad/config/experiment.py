@@ -31,7 +31,7 @@ from typing import AbstractSet, Any, Mapping
 
 import numpy as np
 
-from distgrad.model.aggregate import combined_shape
+from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.errors import ConfigError
@@ -75,7 +75,10 @@ class StageSpec:
     ``scheduler`` a torch stage's ``torch.optim.lr_scheduler`` table (None: none);
     ``defenses`` what it does to what it sends and to its labels (``distgrad.config.defended``);
     ``metrics``, ``keep_best`` and ``early_stopping`` the last stage's held-out scores
-    and its verdicts on them (``check_evaluation_keys``).
+    and its verdicts on them (``check_evaluation_keys``). ``bottom`` (the last
+    stage of a vertical experiment, numpy layers) is the label owner's own
+    bottom model over its own feature ``columns``; its output joins the
+    parties' embeddings as one more party, the last (``aggregate.OwnBottom``).
     """
 
     name: str
@@ -98,6 +101,7 @@ class StageSpec:
     keep_best: str | None = None
     early_stopping: dict[str, Any] | None = None
     privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
+    bottom: list[dict[str, Any]] | None = None   # a vertical label owner's own bottom model (``Experiment.model``)
 
     def init_seed(self, run_seed: int) -> int:
         """The seed this stage's initial values are drawn from."""
@@ -256,12 +260,48 @@ class Experiment:
                                     spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
+    @property
+    def own_bottom(self) -> bool:
+        """True when the label owner of a vertical experiment holds features and its own ``bottom`` model."""
+        return self.vertical and self.has_stage(self.stage_names[-1]) and \
+            self.spec(self.stage_names[-1]).bottom is not None
+
+    def model(self, name: str, seed: int) -> Sequential:
+        """The numpy layers of stage ``name`` (``seed``: the run's); a label owner's ``bottom`` comes first,
+        as ``aggregate.OwnBottom``."""
+        spec = self.spec(name)
+        if spec.model is None:
+            raise ConfigError(f"stage {name!r} is a torch module ({spec.module}), not a list of layers")
+        model = build_model(spec.model, spec.init_seed(seed))
+        if spec.bottom is None:
+            return model
+        bottom = build_model(spec.bottom, spec.init_seed(seed))
+        return Sequential([OwnBottom(self.aggregate, [cut[-1] for cut in self.cuts], bottom),   # type: ignore
+                           *model.layers])
+
+    def own_features_shape(self, seed: int | None = None) -> Shape:
+        """The per-step shape of the label owner's own feature columns (``own_bottom``)."""
+        key = ("own", self.seed if seed is None else seed)
+        if key not in self._derived:
+            shape = self.build_data(seed, stage=self.stage_names[-1]).feature_shape
+            if shape is None:
+                raise ConfigError(f"the label owner {self.stage_names[-1]!r} has a 'bottom': its [data] needs "
+                                  f"its own features")
+            self._derived[key] = tuple(shape)
+        return self._derived[key]
+
     def input_shape(self, name: str, seed: int | None = None) -> Shape:
         """The per-step shape of what stage ``name`` receives: its data's features (a data owner), the
-        parties' embeddings combined (the last stage of a vertical experiment), else the activation at the
-        cut above it."""
+        parties' embeddings combined (the last stage of a vertical experiment; with its own ``bottom``, the
+        embeddings and its own columns side by side), else the activation at the cut above it."""
         index = self.stage_index(name)
         if self.vertical and index == len(self.stage_names) - 1:
+            if self.own_bottom:
+                own = self.own_features_shape(seed)
+                if len(own) != 2 or any(len(cut) != 2 or cut[0] != own[0] for cut in self.cuts):
+                    raise ConfigError(f"the label owner's 'bottom' takes rows of feature columns and joins "
+                                      f"embeddings of rows; got its features {own} and the parties' {self.cuts}")
+                return (own[0], sum(cut[-1] for cut in self.cuts) + own[-1])
             return combined_shape(self.aggregate, self.cuts)    # type: ignore[arg-type]
         if name not in self.data_owners:
             return self.cuts[index - 1]
@@ -284,8 +324,8 @@ class Experiment:
             raise ConfigError(f"stage {name!r} is a torch module: build it to learn its output shape")
         key = ("output", self.seed if seed is None else seed)
         if key not in self._derived:
-            self._derived[key] = build_model(spec.model, spec.init_seed(self.seed if seed is None else seed)
-                                             ).output_shape(self.input_shape(name, seed))
+            self._derived[key] = self.model(name, self.seed if seed is None else seed
+                                            ).output_shape(self.input_shape(name, seed))
         return self._derived[key]
 
     @property
@@ -338,7 +378,7 @@ class Experiment:
         names: set[str] = set()
         for spec in self.stages:
             if spec.model is not None:
-                names.update(build_model(spec.model, spec.init_seed(seed)).params)
+                names.update(self.model(spec.name, seed).params)
             elif modules:
                 module, function = MODULE_PARAM_NAMES.split(":")
                 names.update(getattr(importlib.import_module(module), function)(self, spec.name, seed))
@@ -633,9 +673,7 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
     """
     check_init_overrides(exp, overrides)
     spec = exp.spec(stage_name)
-    if spec.model is None:
-        raise ConfigError(f"stage {stage_name!r} is a torch module ({spec.module}), not a list of layers")
-    model = build_model(spec.model, spec.init_seed(seed))
+    model = exp.model(stage_name, seed)
     for name, value in overrides.items():
         if name in model.params:
             model.params[name][...] = value

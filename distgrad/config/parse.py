@@ -98,6 +98,17 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                 or len(set(columns)) != len(columns)):
         raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
                                  f"got {columns!r}")
+    bottom = table.get("bottom")
+    if bottom is not None:
+        if not last:
+            raise file_error(source, f"stage {name!r}: 'bottom' is the label owner's own bottom model in a vertical "
+                                     f"experiment: only the last stage has one")
+        if not isinstance(bottom, list) or not bottom or not all(isinstance(t, dict) for t in bottom):
+            raise file_error(source, f"stage {name!r}: 'bottom' must be a list of layer tables, got {bottom!r}")
+        if not has_model or framework != "numpy":
+            raise file_error(source, f"stage {name!r}: 'bottom' joins numpy layer lists; a torch stage (a 'module' "
+                                     f"or framework = \"torch\") would have to take the own columns itself: put its "
+                                     f"bottom in the module's forward or give numpy layers")
     if not isinstance(table.get("privacy_meter", False), bool):
         raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
                                  f"got {table['privacy_meter']!r}")
@@ -111,7 +122,8 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                      tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
                      list(columns) if columns is not None else None,
                      dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
-                     early_stopping, privacy_meter=table.get("privacy_meter", False))
+                     early_stopping, privacy_meter=table.get("privacy_meter", False),
+                     bottom=[dict(t) for t in bottom] if bottom is not None else None)
     if last and "loss" in table:
         try:
             check_evaluation_keys(spec)
@@ -422,11 +434,14 @@ def _check_built(exp: Experiment, source: str) -> None:
         check_staleness(exp, exp.staleness)
         check_codecs(exp)
         check_defenses(exp)
+        if any(spec.bottom is not None for spec in exp.stages) and not exp.vertical:
+            raise ConfigError(f"stage {exp.stage_names[-1]!r}: 'bottom' is the label owner's own bottom model in a "
+                              f"vertical experiment (give 'aggregate'); in a chain the first stage holds the features")
         if exp.vertical:
             exp.input_shape(exp.stage_names[-1])         # the parties' embeddings combine
         for spec in exp.stages:
             first, last = spec.name in exp.data_owners, spec.name == exp.stage_names[-1]
-            if spec.columns is not None and not first:
+            if spec.columns is not None and not first and not (last and spec.bottom is not None):
                 raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
                                   f"this stage receives activations")
             holds_data = bool(exp.data if spec.data is None else spec.data)
@@ -449,7 +464,7 @@ def _check_built(exp: Experiment, source: str) -> None:
                                       f"{(tuple(data.target_shape), np.dtype(data.target_dtype).name)}")
             if spec.model is None:
                 continue
-            model = build_model(spec.model, spec.init_seed(exp.seed))
+            model = exp.model(spec.name, exp.seed)
             shape = model.output_shape(exp.input_shape(spec.name))
             if not last and tuple(shape) != exp.output_shape(spec.name):
                 raise ConfigError(f"stage {spec.name!r} outputs shape {tuple(shape)}, but the interface says "
@@ -458,7 +473,7 @@ def _check_built(exp: Experiment, source: str) -> None:
             if last and exp.has_stage(exp.label_owner):
                 check_targets(exp, exp.build_data(stage=exp.label_owner), shape)
         numpy_stages = [s for s in exp.stages if s.model is not None]
-        Sequential([layer for s in numpy_stages for layer in build_model(s.model, s.init_seed(exp.seed)).layers])
+        Sequential([layer for s in numpy_stages for layer in exp.model(s.name, exp.seed).layers])
     except ConfigError as e:
         raise file_error(source, str(e)) from e
 

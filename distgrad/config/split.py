@@ -108,6 +108,8 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
         table["model"] = list(spec.model or [])
         if spec.framework != "numpy":
             table["framework"] = spec.framework
+        if spec.bottom is not None:
+            table["bottom"] = list(spec.bottom)
     if spec.columns is not None and not columns_copied:
         table["columns"] = list(spec.columns)
     if spec.device != "cpu":
@@ -136,15 +138,16 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
     Data generated from the seed keeps the experiment's table and needs no
     file: each party regenerates its part. Data read from files becomes an
     npz of this party's parts of every row, as the experiment's file stores
-    them: the data owner's features (only its ``columns``, when it has
-    them), the label owner's labels, nothing else; ``feature_scale``,
+    them), the label owner's labels (and, with its own ``bottom``, its
+    features as a data owner's), nothing else; ``feature_scale``,
     ``label_dtype`` and the row split's settings stay, so every party
     reads the same rows as before; with an ``id_column`` the rows' IDs go
     along (member ``ids``), so the handshake still compares them. With
     ``[clients]`` the data owners share one stage file, so its data holds
     every owner's rows (each takes its share at run time).
     """
-    first, owner = name in exp.data_owners, name == exp.label_owner
+    owner = name == exp.label_owner
+    first = name in exp.data_owners or (owner and exp.own_bottom)     # features: a label owner's own too
     if not (first or owner):
         return None
     data = dict(exp.data)

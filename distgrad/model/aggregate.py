@@ -18,12 +18,12 @@ the same order, so a vertical run over the wire is bitwise equal to it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from distgrad.errors import ConfigError
-from distgrad.model.nn import DTYPE, Shape
+from distgrad.model.nn import DTYPE, ForwardContext, Grads, Layer, Sequential, Shape
 
 AGGREGATES = ("concat", "sum", "mean")
 
@@ -70,3 +70,56 @@ def split(kind: str, grad: np.ndarray, widths: Sequence[int]) -> list[np.ndarray
     if kind == "mean":
         grad = grad / DTYPE(len(widths))
     return [grad if k == 0 else grad.copy() for k in range(len(widths))]   # a backward may reuse its input
+
+
+class OwnBottom(Layer):
+    """The first layer of a vertical label owner that holds features too (its ``bottom``).
+
+    Its input is the parties' embeddings and the label owner's own feature
+    columns side by side along the last axis (``join_input``); it runs
+    ``bottom`` over the own columns and combines the parties' embeddings and
+    that output (``combine``, the label owner last, as one more party). Its
+    backward gives ``bottom`` the gradient of its own embedding and returns the
+    parties' gradients (``split``) side by side, with zeros for the own columns.
+    """
+
+    def __init__(self, kind: str, widths: Sequence[int], bottom: Sequential) -> None:
+        super().__init__()
+        self.kind, self.widths, self.bottom = kind, list(widths), bottom
+        self.params = bottom.params
+
+    def _parts(self, x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        edges = np.cumsum([0, *self.widths])
+        return [x[..., edges[k]:edges[k + 1]] for k in range(len(self.widths))], x[..., edges[-1]:]
+
+    def output_shape(self, shape: Shape) -> Shape:
+        own = self.bottom.output_shape((*shape[:-1], shape[-1] - sum(self.widths)))
+        return combined_shape(self.kind, [(*shape[:-1], w) for w in self.widths] + [own])
+
+    def forward(self, x: np.ndarray, ctx: ForwardContext | None = None) -> tuple[np.ndarray, Any]:
+        parts, own = self._parts(x)
+        embedding, cache = self.bottom.forward(np.ascontiguousarray(own), ctx)
+        return combine(self.kind, [*parts, embedding]), (cache, embedding.shape[-1], own.shape)
+
+    def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
+        bottom_cache, width, own_shape = cache
+        *parts, mine = split(self.kind, dy, [*self.widths, width])
+        _, grads = self.bottom.backward(bottom_cache, mine, need_dx=False)
+        dx = np.concatenate([*parts, np.zeros(own_shape, DTYPE)], axis=-1) if need_dx else None
+        return dx, grads
+
+
+def join_input(parts: Sequence[np.ndarray], own: np.ndarray | None, kind: str) -> np.ndarray:
+    """The label owner's input: the parties' embeddings combined, or (a label owner with its own
+    ``bottom``) them and its own feature columns side by side, for ``OwnBottom`` to combine."""
+    if own is None:
+        return combine(kind, parts)
+    return np.concatenate([*parts, own.astype(DTYPE, copy=False)], axis=-1)
+
+
+def split_input(grad: np.ndarray, own: bool, kind: str, widths: Sequence[int]) -> list[np.ndarray]:
+    """Each party's gradient from the gradient of ``join_input``'s result."""
+    if not own:
+        return split(kind, grad, widths)
+    edges = np.cumsum([0, *widths])
+    return [np.ascontiguousarray(grad[..., edges[k]:edges[k + 1]]) for k in range(len(widths))]

@@ -205,23 +205,27 @@ class _InFlight:
 
 
 def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment, step: int,
-                   features: list[np.ndarray], targets: np.ndarray, micro_batches: int) -> float | None:
+                   features: list[np.ndarray], own: np.ndarray | None, targets: np.ndarray,
+                   micro_batches: int) -> float | None:
     """One step of a vertical experiment in the serving stage's order: per micro-batch, every party's
     forward (party order), the combined input, the loss, and each party's backward of its own part of the
-    input's gradient; then the last stage's update and the parties'. Returns the step's loss."""
+    input's gradient; then the last stage's update and the parties'. ``own``: the label owner's own feature
+    columns (``Experiment.own_bottom``), else None. Returns the step's loss."""
     kind = exp.aggregate
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
     names = exp.stage_names[:-1]
     for i in range(micro_batches):
         outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
-        z = aggregate.combine(kind, [_cross(engine, ACTIVATION, y, i, micro_batches, step)
-                                     for engine, (y, _) in zip(parties, outputs)])
+        z = aggregate.join_input([_cross(engine, ACTIVATION, y, i, micro_batches, step)
+                                  for engine, (y, _) in zip(parties, outputs)],
+                                 None if own is None else micro_batch(own, i, micro_batches), kind)
         mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
         stage.check_finite("loss", mb_loss, step)
         stage.check_finite("activation_grad", dz, step)
         last.add(i, micro_batches, grads, mb_loss, dz)
-        for engine, name, (_, cache), dy in zip(parties, names, outputs, aggregate.split(kind, dz, widths)):
+        for engine, name, (_, cache), dy in zip(parties, names, outputs,
+                                                    aggregate.split_input(dz, own is not None, kind, widths)):
             dy = _cross(last, GRADIENT, dy, i, micro_batches, step, name)
             _, party_grads = engine.stage.backward(cache, dy, need_dx=False)
             engine.add(i, micro_batches, party_grads)
@@ -236,9 +240,9 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     """Every party's held-out rows forward (each crossing as ``Senders.evaluation_roundtrip`` makes it, as the
     evaluation message after ``step`` carries it), combined, scored by the last stage."""
     senders = Senders(exp.codecs)
-    z = aggregate.combine(exp.aggregate, [senders.evaluation_roundtrip(party.forward(d.test_features(),
-                                                                                     training=False)[0], step + 1)
-                                          for party, d in zip(parties, data)])
+    z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
+                                                           step + 1) for party, d in zip(parties, data)],
+                             labels.test_features() if exp.own_bottom else None, exp.aggregate)
     return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
 
 
@@ -432,7 +436,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                 loss = losses.pop(step)
             elif exp.vertical:
                 loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
-                                      labels.targets(step), micro_batches)
+                                      labels.features(step) if exp.own_bottom else None, labels.targets(step),
+                                      micro_batches)
             else:
                 loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
             lines.flush(upto=step)

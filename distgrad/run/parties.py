@@ -206,12 +206,14 @@ class Parties(Topology):
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
         try:
-            z = aggregate.combine(s.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
+            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
             target = micro_batch(s.data[0].targets(step), mb, mbs)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
-            parts = aggregate.split(s.exp.aggregate, dz, [shape[-1] for shape in s.input_shapes])
+            parts = aggregate.split_input(dz, s.exp.own_bottom, s.exp.aggregate,
+                                          [shape[-1] for shape in s.input_shapes])
             sent = [s.encode(GRADIENT, dy, stream_name(GRADIENT, mb, mbs, self.stream(peer)), step)
                     for peer, dy in zip(group, parts)]
         except (NonFiniteError, StageError) as e:
@@ -239,7 +241,8 @@ class Parties(Topology):
         s = self.serving
         msgs = [p.evaluate for p in group]
         try:
-            z = aggregate.combine(s.exp.aggregate, [m.tensors["activation"] for m in msgs])
+            own = s.data[0].test_features() if s.exp.own_bottom else None
+            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
             result = self.judged(msgs[0].step - 1, s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics),
                                  s.steps)
         except StageError as e:

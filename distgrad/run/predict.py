@@ -565,7 +565,8 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
     ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage."""
+    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage or a label owner with its own
+    ``bottom`` (its own rows of new data are not taken yet)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
@@ -579,6 +580,10 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
         raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
     if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    if last and exp.own_bottom:
+        raise ConfigError(f"stage {opts.stage!r} has its own 'bottom' over its own columns: distgrad predict does "
+                          f"not take the label owner's own rows of new data yet (it takes the feature parties' "
+                          f"only); score held-out rows with the training run's evaluation instead")
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
     logic = PredictionServer(opts, output, link, output_scores)

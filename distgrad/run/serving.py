@@ -485,9 +485,10 @@ def _hello_fields(body: dict[str, Any]) -> tuple[int, int]:
 
 def topology_for(serving: ServingStage) -> Topology:
     """The topology of the stage ``serving`` (built as far as its ``exp`` and ``parties``): the feature
-    parties of a vertical experiment, several clients, or one peer."""
+    parties of a vertical experiment (one party too when the label owner has its own ``bottom``: its embedding
+    joins the party's), several clients, or one peer."""
     exp = serving.exp
-    if exp.vertical and len(serving.parties) > 1:
+    if exp.vertical and (len(serving.parties) > 1 or exp.own_bottom):
         return Parties(serving, len(serving.parties))
     if exp.clients.count > 1:
         return Clients(serving, exp.clients.count)

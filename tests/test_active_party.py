@@ -1,0 +1,172 @@
+"""A vertical label owner that also holds features (the active party): its own ``bottom`` over its own columns.
+
+Its bottom's output joins the feature parties' embeddings as one more, last
+party (``aggregate``) before its model; the bottom learns from the gradient of
+its own embedding, no wire involved. Over processes (and from the stage files
+``distgrad split`` writes, and through kill -9 and --resume: slow) the run is
+bitwise equal to the in-process reference.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import StageGroup, free_tcp_endpoint, read_json, run_cli, run_launcher, run_main
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.config.tomlfile import read_toml
+from distgrad.errors import ConfigError
+from distgrad.model import aggregate
+from distgrad.model.nn import build_model
+
+BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
+OWN = '[[stages]]\nname = "g"\ncolumns = [8, 9, 10, 11]\nbottom = [{ type = "dense", name = "own1", in = 4, ' \
+      'out = 8 }, { type = "tanh" }]\n'
+
+
+def _active(tmp_path: Path, kind: str = "concat") -> Path:
+    """vertical-classify with party c's columns held by the label owner g, under its own bottom."""
+    text = BUILTIN.read_text()
+    c = text.index('[[stages]]\nname = "c"')
+    g = text.index('[[stages]]\nname = "g"')
+    text = text[:c] + OWN + text[g + len('[[stages]]\nname = "g"\n'):]
+    text = text.replace('aggregate = "concat"', f'aggregate = "{kind}"')
+    if kind != "concat":
+        text = text.replace("in = 24", "in = 8")
+    path = tmp_path / f"active-{kind}.toml"
+    path.write_text(text)
+    return path
+
+
+def _digits_active(tmp_path: Path) -> Path:
+    """digits-halves with the right half of every image held by the label owner under its own bottom."""
+    text = (BUILTIN.parent / "digits-halves.toml").read_text().replace("../datasets/", str(BUILTIN.parent.parent /
+                                                                                          "datasets") + "/")
+    right, g = text.index('[[stages]]\nname = "right"'), text.index('[[stages]]\nname = "g"')
+    columns = text[right:g].split("columns = ")[1].split("\nmodel")[0]
+    text = text[:right] + f'[[stages]]\nname = "g"\ncolumns = {columns}\nbottom = [{{ type = "dense", ' \
+                          f'name = "own1", in = 32, out = 32 }}, {{ type = "relu" }}]\n' + text[g + 22:]
+    path = tmp_path / "digits-active.toml"
+    path.write_text(text)
+    return path
+
+
+def _reference(tmp_path: Path, experiment: Path, *flags: str) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_main(["run", str(experiment), *flags, "--in-process", "--summary", path])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)
+
+
+def test_own_bottom_joins_last_and_learns_from_its_own_embeddings_gradient():
+    rng = np.random.default_rng(0)
+    bottom = build_model([{"type": "dense", "name": "own1", "in": 3, "out": 2}], 0)
+    layer = aggregate.OwnBottom("concat", [2, 1], bottom)
+    parts = [rng.normal(size=(4, w)).astype(np.float32) for w in (2, 1)]
+    own = rng.normal(size=(4, 3)).astype(np.float32)
+    x = aggregate.join_input(parts, own, "concat")
+    z, cache = layer.forward(x)
+    embedding, bottom_cache = bottom.forward(own)
+    assert np.array_equal(z, np.hstack([*parts, embedding])) and layer.output_shape((4, 6)) == (4, 5)
+    dz = rng.normal(size=z.shape).astype(np.float32)
+    dx, grads = layer.backward(cache, dz)
+    assert np.array_equal(grads["own1.W"], bottom.backward(bottom_cache, dz[:, 3:])[1]["own1.W"])
+    assert np.array_equal(dx, np.hstack([dz[:, :3], np.zeros((4, 3), np.float32)]))
+    assert [p.tolist() for p in aggregate.split_input(dx, True, "concat", [2, 1])] == [dz[:, :2].tolist(),
+                                                                                      dz[:, 2:3].tolist()]
+    mean = aggregate.OwnBottom("mean", [2, 2], build_model([{"type": "dense", "name": "o", "in": 3, "out": 2}], 0))
+    same = [rng.normal(size=(4, 2)).astype(np.float32) for _ in range(2)]
+    z, _ = mean.forward(aggregate.join_input(same, own, "mean"))
+    e, _ = mean.bottom.forward(own)
+    assert np.array_equal(z, ((same[0] + same[1]) + e) / np.float32(3))   # the label owner's counts as a party
+
+
+@pytest.mark.parametrize("kind,transport,micro_batches", [("digits", "tcp", 2), ("mean", "ipc", 1)])
+def test_active_label_owner_over_processes_equals_in_process(tmp_path, kind, transport, micro_batches):
+    """The digits with the label owner holding the right half of each image (two processes, with held-out
+    evaluations), and two parties and the label owner's embedding averaged (three processes)."""
+    experiment = _digits_active(tmp_path) if kind == "digits" else _active(tmp_path, kind)
+    flags = ["--micro-batches", str(micro_batches), "--steps", "40", "--eval-every", "20"]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    own = ["g1.W", "g1.b", "own1.W", "own1.b"]
+    assert sorted(summary["params"]["g"]) == own and summary["params"] == reference["params"]
+    if kind == "digits":
+        assert summary["evaluations"] == reference["evaluations"] and len(summary["evaluations"]) == 2
+        assert summary["test_accuracy"] == reference["test_accuracy"] > 0.5
+
+
+def test_one_feature_party_and_an_active_label_owner_from_split_stage_files(tmp_path):
+    """`distgrad split` writes the label owner's bottom and its own columns (with its labels) into its files."""
+    text = _active(tmp_path).read_text()
+    b = text.index('[[stages]]\nname = "b"')
+    one = tmp_path / "one.toml"
+    one.write_text(text[:b] + text[text.index('[[stages]]\nname = "g"'):].replace("in = 24", "in = 16"))
+    assert run_main(["split", one, tmp_path / "files"]).returncode == 0
+    files = [tmp_path / "files" / name / f"{name}.toml" for name in ("a", "g")]
+    own = files[1].read_text()
+    assert "bottom = [" in own and "features" in own and "labels" in own
+    assert "bottom" not in files[0].read_text()                   # the bottom is the label owner's own
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", *files, "--summary", path, "--steps", "30", "--save", tmp_path / "saved"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(path)["params"] == _reference(tmp_path, one, "--steps", "30")["params"]
+    # predict does not take the label owner's own columns of new rows yet: refused with the reason, exit 2
+    result = run_cli(["predict", files[1], "--bind", "tcp://127.0.0.1:*", "--load", tmp_path / "saved" / "g.npz",
+                      "--output", tmp_path / "out.csv"])
+    assert result.returncode == 2 and "own 'bottom'" in result.stderr and "predict does not take" in result.stderr
+
+
+def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
+    raw = read_toml(_active(tmp_path))
+    layers = [{"type": "dense", "name": "x1", "in": 4, "out": 8}]
+    with pytest.raises(ConfigError, match="only the last stage"):
+        parse_experiment({**raw, "stages": [dict(raw["stages"][0], bottom=layers), *raw["stages"][1:]]})
+    with pytest.raises(ConfigError, match="vertical experiment"):
+        parse_experiment({key: value for key, value in raw.items() if key != "aggregate"})
+    with pytest.raises(ConfigError, match="numpy layer lists"):
+        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], framework="torch")]})
+    with pytest.raises(ConfigError, match=r"own1. takes \(batch, 5\), got \(32, 4\)"):
+        wrong = [{"type": "dense", "name": "own1", "in": 5, "out": 8}]
+        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], bottom=wrong)]})
+    assert load_experiment(_active(tmp_path)).input_shape("g") == (32, 20)    # a's 8, b's 8, its own 4 columns
+
+
+class _ActiveRun(StageGroup):
+    """Parties a and b and the active label owner g, each a process with its own log and checkpoints."""
+
+    def __init__(self, tmp_path: Path, experiment: Path, steps: int, endpoint: str) -> None:
+        super().__init__(tmp_path)
+        common = ["--experiment", str(experiment), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+                  "--checkpoint-every", "1", "--resume", "--timeout", "0.5", "--liveness", "0.5",
+                  "--peer-deadline", "30"]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
+        for name in ("a", "b"):
+            self.args[name] = [name, "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", f"{name}1.b", *common]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed,transport", [("g", "ipc"), ("a", "tcp")])
+def test_kill_9_of_the_active_label_owner_or_a_party_resumes_bitwise(tmp_path, stage_group, killed, transport):
+    """kill -9 mid-run, restarted with the same command line (--resume): the label owner's bottom comes back
+    from its checkpoint with the rest of its stage, and every stage ends bitwise equal to --in-process."""
+    steps, experiment = 200, _active(tmp_path)
+    endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else free_tcp_endpoint()
+    run = stage_group(_ActiveRun, tmp_path, experiment, steps, endpoint)
+    for name in ("g", "a", "b"):
+        run.start(name)
+    run.wait_until(lambda: run.lines("a.jsonl") >= 40, "party a to reach step 40")
+    run.procs[killed].signal(signal.SIGKILL)
+    assert run.procs[killed].wait(10) == -signal.SIGKILL, f"{killed} ended before the kill"
+    run.start(killed)
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
+    for name in ("a", "b", "g"):
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
