@@ -41,17 +41,23 @@ def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
     return exp.final_loss.predict(g.forward(f.forward(rows)[0])[0])
 
 
-def _predict(root: Path, tmp_path: Path, output: Path, *f_extra, g_extra: tuple = ()) -> tuple[str, str]:
+def _predict_two(tmp_path: Path, g_args: list, f_args: list) -> tuple[str, str]:
+    """``distgrad predict`` served by g (``g_args``: its stage file or experiment, --load, --output, ...) and sent
+    by f (``f_args``); both must exit 0. Returns f's and g's output."""
     ready = tmp_path / "g.ready"
-    with StageProcess(["predict", root / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--ready-file",
-                       ready, "--load", root / "halves" / "g.npz", "--output", output, *g_extra], tmp_path / "g.log",
+    with StageProcess(["predict", *g_args, "--bind", "tcp://127.0.0.1:*", "--ready-file", ready], tmp_path / "g.log",
                       distgrad=True) as g:
         endpoint = wait_for_file(ready, g)
-        f = run_cli(["predict", root / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
-                     root / "halves" / "f.npz", *f_extra])
+        f = run_cli(["predict", *f_args, "--connect", endpoint])
         assert f.returncode == 0, f.stderr
         assert g.wait() == 0, g.output
         return f.stdout + f.stderr, g.output
+
+
+def _predict(root: Path, tmp_path: Path, output: Path, *f_extra, g_extra: tuple = ()) -> tuple[str, str]:
+    return _predict_two(tmp_path, [root / "parties" / "g" / "g.toml", "--load", root / "halves" / "g.npz",
+                                   "--output", output, *g_extra],
+                        [root / "parties" / "f" / "f.toml", "--load", root / "halves" / "f.npz", *f_extra])
 
 
 def test_the_label_owner_writes_the_predictions_of_the_held_out_rows(trained: Path, tmp_path: Path):
@@ -305,15 +311,9 @@ loss = "softmax_cross_entropy"
     assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
     with open(tmp_path / "new.csv", "w", newline="") as f:
         csv.writer(f).writerows([["b", "person", "a"], ["0.5", "new-1", "-1"], ["2", "new-2", "0.25"]])
-    output, ready = tmp_path / "out.csv", tmp_path / "g.ready"
-    with StageProcess(["predict", experiment, "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
-                       "--load", tmp_path / "halves" / "g.npz", "--output", output], tmp_path / "g.log",
-                      distgrad=True) as g:
-        endpoint = wait_for_file(ready, g)
-        f = run_cli(["predict", experiment, "--stage", "f", "--connect", endpoint, "--load",
-                     tmp_path / "halves" / "f.npz", "--input", tmp_path / "new.csv"])
-        assert f.returncode == 0, f.stderr
-        assert g.wait() == 0, g.output
+    output = tmp_path / "out.csv"
+    _predict_two(tmp_path, [experiment, "--stage", "g", "--load", tmp_path / "halves" / "g.npz", "--output", output],
+                 [experiment, "--stage", "f", "--load", tmp_path / "halves" / "f.npz", "--input", tmp_path / "new.csv"])
     exp = load_experiment(experiment)
     fs, gs = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
     fs.load_parameters(tmp_path / "halves" / "f.npz")
@@ -480,15 +480,11 @@ def test_a_torch_label_owner_writes_its_losss_probabilities(tmp_path: Path):
     assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
     rows = np.random.default_rng(6).normal(size=(11, 5)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)
-    output, ready = tmp_path / "out.csv", tmp_path / "g.ready"
-    with StageProcess(["predict", experiment, "--stage", "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
-                       "--load", tmp_path / "halves" / "g.pt", "--output", output, "--output-scores"],
-                      tmp_path / "g.log", distgrad=True) as g:
-        endpoint = wait_for_file(ready, g)
-        f = run_cli(["predict", experiment, "--stage", "f", "--connect", endpoint, "--load",
-                     tmp_path / "halves" / "f.npz", "--input", tmp_path / "rows.npy"])
-        assert f.returncode == 0, f.stderr
-        assert g.wait() == 0, g.output
+    output = tmp_path / "out.csv"
+    _predict_two(tmp_path, [experiment, "--stage", "g", "--load", tmp_path / "halves" / "g.pt", "--output", output,
+                            "--output-scores"],
+                 [experiment, "--stage", "f", "--load", tmp_path / "halves" / "f.npz", "--input",
+                  tmp_path / "rows.npy"])
     exp = load_experiment(experiment)
     fs, gs = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
     fs.load_parameters(tmp_path / "halves" / "f.npz")

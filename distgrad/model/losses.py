@@ -185,7 +185,8 @@ class TorchLoss(Loss):
         return (pred_shape[0], *pred_shape[2:])
 
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
-        raise NotImplementedError(f"{self.type} is computed by torch: only a torch stage uses it")
+        raise ConfigError(f"loss {self.type} is a torch.nn loss, computed by torch: give its stage a module or "
+                          f"framework = \"torch\", or use a distgrad loss ({sorted(_LOSSES)})")
 
     def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
         return int((pred.argmax(axis=1) == target).sum()) if self.classifies else None

@@ -40,7 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import zmq
@@ -484,12 +484,17 @@ class PredictionServer:
             if missing or extra or have != rows:
                 raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
-            numbers = range(1, chunks + 1)
-            self.written = self._write(np.concatenate([np.atleast_1d(session.chunks[n]) for n in numbers]),
-                                       session.id_name, [k for n in numbers for k in session.ids.get(n, [])],
-                                       _joined(session.scores, numbers))
+            self.written = self._write_chunks(chunks, session.chunks, session.ids, session.scores, session.id_name)
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
+
+    def _write_chunks(self, chunks: int, predictions: Mapping[int, np.ndarray], ids: Mapping[int, list[str]],
+                      scores: Mapping[int, np.ndarray], id_name: str | None) -> int:
+        """Write the predictions of chunks 1..``chunks`` in order, with their rows' IDs and scores where kept
+        (``_write``); returns the rows written."""
+        numbers = range(1, chunks + 1)
+        return self._write(np.concatenate([np.atleast_1d(predictions[n]) for n in numbers]), id_name,
+                           [k for n in numbers for k in ids.get(n, [])], _joined(scores, numbers))
 
     def _bye_party(self, session: _Session, msg: Message, envelope: Any, chunks: int, rows: int) -> Message | None:
         """A feature party's bye: kept (its latest envelope) until every party's is in and every chunk
@@ -508,10 +513,8 @@ class PredictionServer:
         if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
-        numbers = range(1, chunks + 1)
-        self.written = self._write(np.concatenate([np.atleast_1d(self.predictions[n]) for n in numbers]),
-                                   session.id_name, [k for n in numbers for k in self.prediction_ids.get(n, [])],
-                                   _joined(self.scores, numbers))
+        self.written = self._write_chunks(chunks, self.predictions, self.prediction_ids, self.scores,
+                                          session.id_name)
         for s in senders:
             s.done = True
             bye_envelope, bye = s.bye

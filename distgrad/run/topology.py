@@ -21,6 +21,8 @@ Adding a topology means adding one subclass and choosing it in
 
 from __future__ import annotations
 
+import abc
+
 import time
 from typing import Any, Callable
 
@@ -38,11 +40,13 @@ from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
 
 
-class Topology:
+class Topology(abc.ABC):
     """What one topology decides for a serving stage (``serving``: the ``ServingStage`` it belongs to).
 
     The defaults are those of a stage serving several peers that counts the
     run's steps itself (``Clients`` and ``Parties``); ``OnePeer`` overrides them.
+    Every topology decides the four abstract methods: how a peer joins, the order
+    of a round, and how a round and the joining advance.
     """
 
     def __init__(self, serving: Any, count: int) -> None:
@@ -96,18 +100,18 @@ class Topology:
         if peer.owner and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, f"{self.name(peer)} said hello with another client key before")
 
+    @abc.abstractmethod
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
         """``peer`` (re)joins after a valid hello; returns the next step it computes."""
-        raise NotImplementedError
 
     def after_join(self, peer: Peer) -> None:
         """A peer that said hello starts again after the step it would have evaluated."""
         self.serving.owed.discard(peer.index)
 
     # -- the rounds
+    @abc.abstractmethod
     def round_order(self) -> list[int]:
         """The peers taking part in the round that starts, in turn order."""
-        raise NotImplementedError
 
     def turn_peers(self) -> list[Peer]:
         """The peers whose micro-batches this stage takes now (none between rounds)."""
@@ -121,23 +125,21 @@ class Topology:
         turn = self.turn_peers()
         return turn[0] if len(turn) == 1 else None
 
+    @abc.abstractmethod
     def advance_round(self, now: float, replies: list[Reply]) -> bool:
         """Do the next piece of a round's work, adding its replies; False while it waits for a message."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def advance_joining(self, now: float) -> bool:
         """Start the first round once its peers are there; False while it waits."""
-        raise NotImplementedError
 
     def advance_evaluating(self, replies: list[Reply]) -> bool:
         """Answer the evaluations due after a round (adding the replies), then start the next round; False
         while one is missing."""
-        raise NotImplementedError
 
     def answer_evaluations(self) -> list[Reply]:
         """The evaluations outside a round's end (one peer; every peer's after the last step) that can be
         answered now."""
-        raise NotImplementedError
 
     def average(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         """A SplitFed peer's parameters for the average after its round (answered once every peer's are
@@ -215,7 +217,6 @@ class Topology:
     def tick(self, now: float) -> list[Reply]:
         """React to the peers this stage waits for that stayed silent for ``liveness_s``; the replies that
         unblocks."""
-        raise NotImplementedError
 
     def hears_from(self, peer: Peer) -> bool:
         """A message from ``peer`` counts as a sign of life."""
@@ -226,7 +227,6 @@ class Topology:
 
     def lost_message(self) -> str:
         """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
-        raise NotImplementedError
 
     def lost_status(self) -> str:
         """The summary's status of a run given up as lost."""
@@ -234,7 +234,6 @@ class Topology:
 
     def completed_message(self, finished: dict[str, Any]) -> str:
         """The log line of a completed run."""
-        raise NotImplementedError
 
     def expected_run(self) -> str:
         """What a message of an unknown run should have been (for its error)."""
@@ -279,7 +278,6 @@ class Topology:
 
     def summary_fields(self) -> dict[str, Any]:
         """What the run's summary adds for this topology."""
-        raise NotImplementedError
 
 
 class Turns(Topology):
@@ -369,7 +367,6 @@ class Turns(Topology):
 
     def silent(self, peer: Peer, now: float) -> bool:
         """``peer``, awaited, has been silent for ``liveness_s``; True when it is dropped."""
-        raise NotImplementedError
 
     def after_tick(self, now: float) -> None:
         """After the silent peers were handled: note when every peer became lost."""
@@ -421,7 +418,6 @@ class Turns(Topology):
 
     def step_failed(self, peer: Peer, msg: Message, code: ErrorCode, error: Exception) -> Reply:
         """``peer``'s micro-batch failed (``code``): the reply it gets, or ``ProtocolError`` to refuse it."""
-        raise NotImplementedError
 
     def _through(self, msg: Message, x: np.ndarray
                  ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
