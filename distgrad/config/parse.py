@@ -19,7 +19,8 @@ from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
-                                        builtin_names, check_codecs, check_evaluation_keys, check_staleness,
+                                        builtin_names, check_codecs, check_evaluation_keys, check_send_rows,
+                                        check_staleness,
                                         check_targets, Clients,
                                         codec_name, Experiment, file_error, interface_differences, is_whole,
                                         loss_reduction, StageSpec, value_digest)
@@ -173,7 +174,7 @@ def _shape_list(value: Any) -> bool:
 
 def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
-    eval_every, allow_nonfinite, codecs."""
+    eval_every, allow_nonfinite, send_rows, codecs."""
     out: dict[str, Any] = {}
     if "steps" in raw and "epochs" in raw:
         raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
@@ -185,9 +186,10 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
                micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
                staleness=raw.get("staleness", 0))
-    out["allow_nonfinite"] = raw.get("allow_nonfinite", False)
-    if not isinstance(out["allow_nonfinite"], bool):
-        raise file_error(source, f"{where}'allow_nonfinite' must be true or false, got {out['allow_nonfinite']!r}")
+    for key in ("allow_nonfinite", "send_rows"):
+        out[key] = raw.get(key, False)
+        if not isinstance(out[key], bool):
+            raise file_error(source, f"{where}'{key}' must be true or false, got {out[key]!r}")
     out["labels"] = raw.get("labels", "last")
     if out["labels"] not in ("last", "first"):
         raise file_error(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
@@ -293,7 +295,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
                      _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"])
+                     staleness=settings["staleness"], send_rows=settings["send_rows"])
     _check_built(exp, source)
     return exp
 
@@ -380,7 +382,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
                      _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"])
+                     staleness=settings["staleness"], send_rows=settings["send_rows"])
     _check_built(exp, source)
     return exp
 
@@ -432,6 +434,7 @@ def _check_built(exp: Experiment, source: str) -> None:
     try:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
+        check_send_rows(exp)
         check_codecs(exp)
         check_defenses(exp)
         if any(spec.bottom is not None for spec in exp.stages) and not exp.vertical:
@@ -507,7 +510,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
                       first.epochs, first.description, first.target, aggregate=first.aggregate,
                       activation_codec=first.activation_codec, gradient_codec=first.gradient_codec,
-                      staleness=first.staleness)
+                      staleness=first.staleness, send_rows=first.send_rows)
 
 
 def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:

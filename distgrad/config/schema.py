@@ -42,6 +42,13 @@ _SHARED: dict[str, Key] = {
     "allow_nonfinite": ("boolean", "false",
                         "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
                         "gradient ends the run before anything of that step is applied)"),
+    "send_rows": ("boolean", "false",
+                  "every training forward also carries its micro-batch's row numbers (an int64 tensor 'rows', in "
+                  "the parties' common numbering of the [data] rows), and the label owner trains on the targets "
+                  "(and, active, its own columns) of exactly those rows: the data owner's loader decides which rows "
+                  "a step takes. The label owner refuses a row out of range, held out, another client's or twice in "
+                  "a step; vertical parties must send the same rows. Batched rows only; not with labels = "
+                  "\"first\", nor with the label owner's 'marvell' or privacy meter"),
     "clients": ("table", "absent",
                 "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
                 "average_every (splitfed: average the first stage's parameters every K steps)"),
