@@ -65,6 +65,14 @@ class Accepts:
         return forward_specs(self.state.stage, self.target, mbs, self.input_shapes[index],
                              self.exp.codecs[ACTIVATION], rows)
 
+    def receive(self, peer: Any, msg: Message) -> None:
+        """Check a forward of ``peer`` against what it carries (``peer.specs``) and decode its coded tensors
+        (``Expected.receive``), then, with ``send_rows``, its rows (``check_rows``). Raises ``ProtocolError``;
+        nothing changes then."""
+        peer.specs.receive(msg, self.exp.allow_nonfinite)
+        if self.exp.send_rows:
+            self.check_rows(peer.index, msg)
+
     def check_rows(self, index: int, msg: Message) -> None:
         """With ``send_rows``, on the stage holding the labels: refuse (``tensor``, naming the row and the
         reason) a forward of peer ``index`` whose ``rows`` holds a row out of range, held out, not that

@@ -268,7 +268,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting:
-            self._receive(peer, msg)
+            self.accepts.receive(peer, msg)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
         in_turn = peer in self.topology.turn_peers()
@@ -276,15 +276,9 @@ class ServingStage:
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                                 f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
-        self._receive(peer, msg)
+        self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
-
-    def _receive(self, peer: Peer, msg: Message) -> None:
-        """Check ``msg``'s tensors and decode them (nothing else sees coded parts), and its rows."""
-        peer.specs.receive(msg, self.exp.allow_nonfinite)
-        if self.exp.send_rows:
-            self.accepts.check_rows(peer.index, msg)
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
