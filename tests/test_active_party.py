@@ -101,6 +101,44 @@ def test_active_label_owner_over_processes_equals_in_process(tmp_path, kind, tra
         assert summary["test_accuracy"] == reference["test_accuracy"] > 0.5
 
 
+HEAD_MODULE = """import torch
+
+
+def head(width: int = 24, classes: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(width, classes))
+"""
+
+
+def _torch_active(tmp_path: Path, kind: str) -> Path:
+    """``_active`` with the label owner computed by torch: its layers (framework "torch"), or a module."""
+    text = _active(tmp_path).read_text()
+    if kind == "framework":
+        text = text.replace('loss = "softmax', 'framework = "torch"\nloss = "softmax')
+    else:
+        (tmp_path / "head.py").write_text(HEAD_MODULE)
+        text = text.replace('model = [{ type = "dense", name = "g1", in = 24, out = 4 }]\noptimizer = { type = '
+                            '"adam", lr = 0.01 }', 'module = "head:head"\noptimizer = { type = "Adam", lr = 0.01 }')
+        assert 'module = "head:head"' in text
+    path = tmp_path / f"active-{kind}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["framework", "module"])
+def test_a_torch_label_owners_own_bottom_over_processes_equals_in_process(tmp_path, kind):
+    """The label owner's bottom built in torch, before its layers (framework "torch") or its module."""
+    experiment = _torch_active(tmp_path, kind)
+    flags = ["--micro-batches", "2", "--steps", "20"]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", experiment, "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    own = ["own1.W", "own1.b"] + (["g1.W", "g1.b"] if kind == "framework" else ["0.bias", "0.weight"])
+    assert sorted(summary["params"]["g"]) == sorted(own) and summary["params"] == reference["params"]
+    start = _reference(tmp_path, experiment, "--steps", "1")["params"]["g"]["own1.W"]
+    assert summary["params"]["g"]["own1.W"] != start          # the bottom learns
+
+
 def test_one_feature_party_and_an_active_label_owner_from_split_stage_files(tmp_path):
     """`distgrad split` writes the label owner's bottom and its own columns (with its labels) into its files."""
     text = _active(tmp_path).read_text()
@@ -129,8 +167,10 @@ def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
         parse_experiment({**raw, "stages": [dict(raw["stages"][0], bottom=layers), *raw["stages"][1:]]})
     with pytest.raises(ConfigError, match="vertical experiment"):
         parse_experiment({key: value for key, value in raw.items() if key != "aggregate"})
-    with pytest.raises(ConfigError, match="numpy layer lists"):
-        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], framework="torch")]})
+    with pytest.raises(ConfigError, match=r"own1. takes \(batch, 5\), got \(32, 4\)"):     # a module's bottom too
+        module = {key: value for key, value in raw["stages"][2].items() if key != "model"}
+        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(module, module="head:head", bottom=[
+            {"type": "dense", "name": "own1", "in": 5, "out": 8}])]})
     with pytest.raises(ConfigError, match=r"own1. takes \(batch, 5\), got \(32, 4\)"):
         wrong = [{"type": "dense", "name": "own1", "in": 5, "out": 8}]
         parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], bottom=wrong)]})

@@ -276,9 +276,16 @@ class Experiment:
         model = build_model(spec.model, spec.init_seed(seed))
         if spec.bottom is None:
             return model
+        return Sequential([self.bottom_layer(name, seed), *model.layers])
+
+    def bottom_layer(self, name: str, seed: int) -> OwnBottom:
+        """The label owner's own ``bottom`` (numpy layers; ``seed``: the run's) as the first layer of its
+        stage, ``aggregate.OwnBottom`` (a torch stage builds the same in torch)."""
+        spec = self.spec(name)
+        if spec.bottom is None:
+            raise ConfigError(f"stage {name!r} has no 'bottom'")
         bottom = build_model(spec.bottom, spec.init_seed(seed))
-        return Sequential([OwnBottom(self.aggregate, [cut[-1] for cut in self.cuts], bottom),   # type: ignore
-                           *model.layers])
+        return OwnBottom(self.aggregate, [cut[-1] for cut in self.cuts], bottom)    # type: ignore[arg-type]
 
     def own_features_shape(self, seed: int | None = None) -> Shape:
         """The per-step shape of the label owner's own feature columns (``own_bottom``)."""

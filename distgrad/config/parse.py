@@ -106,10 +106,6 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                      f"experiment: only the last stage has one")
         if not isinstance(bottom, list) or not bottom or not all(isinstance(t, dict) for t in bottom):
             raise file_error(source, f"stage {name!r}: 'bottom' must be a list of layer tables, got {bottom!r}")
-        if not has_model or framework != "numpy":
-            raise file_error(source, f"stage {name!r}: 'bottom' joins numpy layer lists; a torch stage (a 'module' "
-                                     f"or framework = \"torch\") would have to take the own columns itself: put its "
-                                     f"bottom in the module's forward or give numpy layers")
     if not isinstance(table.get("privacy_meter", False), bool):
         raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
                                  f"got {table['privacy_meter']!r}")
@@ -466,6 +462,8 @@ def _check_built(exp: Experiment, source: str) -> None:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "
                                       f"{(tuple(data.target_shape), np.dtype(data.target_dtype).name)}")
             if spec.model is None:
+                if spec.bottom is not None:        # a module label owner's own bottom takes its own columns
+                    exp.bottom_layer(spec.name, exp.seed).output_shape(exp.input_shape(spec.name))
                 continue
             model = exp.model(spec.name, exp.seed)
             shape = model.output_shape(exp.input_shape(spec.name))
