@@ -68,6 +68,7 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_VERTICAL = DEPLOY / "compose.vertical.yaml"
+COMPOSE_VERTICAL_ACTIVE = DEPLOY / "compose.vertical-active.yaml"   # the label owner holds features too
 K8S = DEPLOY / "k8s"
 K8S_VERTICAL = DEPLOY / "k8s-vertical"
 SYSTEMD = DEPLOY / "systemd"
@@ -752,6 +753,7 @@ def test_party_folders_are_what_distgrad_split_writes():
 # ------------------------------------------------------------------ vertical: K feature parties and a label owner
 
 VERTICAL = PARTIES / "breast-cancer"
+VERTICAL_ACTIVE = PARTIES / "breast-cancer-active"
 
 
 @pytest.fixture(scope="module")
@@ -760,8 +762,17 @@ def aligned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hold, in ascending ID text), computed here in the clear from the CSVs `python -m distgrad.vertical_example
     --prepare-only` writes: stand-ins for the files the deployments' align commands write, so that the stage
     files that read them can be parsed as they will be at run time."""
-    folder = tmp_path_factory.mktemp("parties")
-    assert vertical_example.main(["--prepare-only", "--workdir", str(folder)]) == 0
+    return _aligned(tmp_path_factory.mktemp("parties"), [])
+
+
+@pytest.fixture(scope="module")
+def aligned_active(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``aligned`` of the active example (``--active``: the label owner holds the worst columns too)."""
+    return _aligned(tmp_path_factory.mktemp("active-parties"), ["--active"])
+
+
+def _aligned(folder: Path, flags: list[str]) -> dict[str, Path]:
+    assert vertical_example.main(["--prepare-only", *flags, "--workdir", str(folder)]) == 0
     tables = {}
     for party_folder in sorted(folder.iterdir()):
         with open(party_folder / f"{party_folder.name}.csv", newline="") as f:
@@ -822,29 +833,46 @@ def test_vertical_example_prepare_only_needs_a_workdir(capsys: pytest.CaptureFix
     assert exit_.value.code == 2 and "--prepare-only needs --workdir" in capsys.readouterr().err
 
 
-def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
-    """deploy/parties/breast-cancer/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY, but
-    for the path of the aligned rows (on the party's volume); the ConfigMaps of k8s-vertical/ are copies."""
+def _example_stage_files(aligned: dict[str, Path], parties: Path) -> dict[str, dict]:
+    """Check that deploy/parties/PARTIES/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY,
+    but for the path of the aligned rows (on the party's volume); returns those stage files by party."""
     expected = {path.stem: tomllib.loads(path.read_text()) for path in vertical_example.write_stage_files(aligned)}
     for party, raw in expected.items():
         raw["data"]["path"] = f"/data/{party}.aligned.csv"
-    assert {p.name for p in VERTICAL.iterdir()} == set(expected)
+    assert {p.name for p in parties.iterdir()} == set(expected)
     for party, raw in expected.items():
-        folder = VERTICAL / party
+        folder = parties / party
         assert {p.name for p in folder.iterdir()} <= {f"{party}.toml", f"{party}.csv"}, f"{folder}: not only {party}'s"
         assert tomllib.loads((folder / f"{party}.toml").read_text()) == raw, \
             f"{folder / party}.toml differs from what distgrad/vertical_example.py writes"
+    return expected
+
+
+def test_active_vertical_stage_files_are_the_examples(aligned_active: dict[str, Path]):
+    """deploy/parties/breast-cancer-active/: the label owner's holds its bottom, its worst columns and the labels."""
+    expected = _example_stage_files(aligned_active, VERTICAL_ACTIVE)
+    assert set(expected) == {"mean", "se", "diagnosis"} and "bottom" in expected["diagnosis"]["stage"]
+    assert all(name.startswith("worst") for name in expected["diagnosis"]["data"]["features"])
+
+
+def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
+    """The passive example's stage files (``_example_stage_files``); the ConfigMaps of k8s-vertical/ are copies."""
+    expected = _example_stage_files(aligned, VERTICAL)
     maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(K8S_VERTICAL) if d.get("kind") == "ConfigMap"}
     assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
     copies = {key: tomllib.loads(text) for data in maps.values() for key, text in data.items()}
     assert copies == {f"{party}.toml": raw for party, raw in expected.items()}
 
 
-def test_compose_vertical_aligns_then_trains(aligned: dict[str, Path]):
-    commands, doc = compose_commands(COMPOSE_VERTICAL)
+@pytest.mark.parametrize("path,parties", [(COMPOSE_VERTICAL, "aligned"), (COMPOSE_VERTICAL_ACTIVE, "aligned_active")])
+def test_compose_vertical_aligns_then_trains(path: Path, parties: str, request: pytest.FixtureRequest):
+    """compose.vertical.yaml (three feature parties) and compose.vertical-active.yaml (two, and a label owner
+    holding features of its own)."""
+    aligned = request.getfixturevalue(parties)
+    commands, doc = compose_commands(path)
     for cmd in commands:
         assert cmd.program in PROGRAMS, f"{cmd}: every service and health check should run distgrad"
-    aligns, g, drivers = check_vertical(commands, COMPOSE_VERTICAL.name, aligned)
+    aligns, g, drivers = check_vertical(commands, path.name, aligned)
     services = doc["services"]
     coord = next(a for a in aligns if a.serving)
     by_party = {a.ns.name: a for a in aligns}
