@@ -106,6 +106,22 @@ def test_send_rows_where_it_cannot_act_is_refused(tmp_path):
         parse_experiment(meter)
 
 
+def test_the_label_owner_refuses_rows_it_may_not_train_on(tmp_path):
+    """``refused_row``: out of range, held out, and (with [clients]) another data owner's shard."""
+    exp = load_experiment(_digits(tmp_path))
+    data = exp.build_data(stage="g")
+    train, held = data.step_rows(1), int(data.test_rows[0])
+    assert data.refused_row(train) is None
+    assert data.refused_row(np.array([train[0], 1797])) == (1797, "out of range (the rows are 0 to 1796)")
+    assert data.refused_row(np.array([held]))[1] == "held out for evaluation"
+    client = exp.build_data(stage="g", client=None)
+    client.shard(0, 2)
+    other = np.setdiff1d(data.train_rows, client.train_rows)[:3]
+    assert "another client's shard" in client.refused_row(other)[1]
+    assert client.refused_row(client.step_rows(1)) is None
+    assert np.array_equal(client.targets_at(client.step_rows(2)), client.targets(2))
+
+
 # -------------------------------------------------------------------- bitwise equal to the plain run
 
 @pytest.mark.parametrize("flags", [["--micro-batches", "2", "--eval-every", "10"],
