@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "owner with its own 'bottom': its own columns of those rows, matched by ID (else by "
                               "position)")
     predict.add_argument("--id-column", metavar="NAME_OR_INDEX",
-                         help="data owner (or active label owner): the --input CSV's ID column (a header name or a 0-based index; default: "
-                              "its [data]'s id_column); its IDs are kept in the label owner's output")
+                         help="data owner (or active label owner): the --input CSV's ID column (a header name or "
+                              "a 0-based index; default: its [data]'s id_column); its IDs are kept in the label "
+                              "owner's output")
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
                               "numbers, or .npy)")

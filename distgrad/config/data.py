@@ -82,6 +82,7 @@ class RowBatches(DataSource):
     seed: int
     _epoch: int = -1
     _order: np.ndarray = np.arange(0)
+    _training_mask: np.ndarray | None = None     # by row number: a training row of this data owner (built once)
 
     _ORDER_KEY = 11        # the stream of per-epoch shuffles, apart from the data's own draws
 
@@ -131,8 +132,6 @@ class RowBatches(DataSource):
 
     def targets(self, step: int) -> np.ndarray:
         return self.targets_at(self._rows(step))
-
-    _training_mask: np.ndarray | None = None
 
     def _rows(self, step: int) -> np.ndarray:
         epoch, index = divmod(step - 1, self.batches_per_epoch)
