@@ -3,9 +3,9 @@
 Every ``distgrad`` and ``distgrad-stage`` command line is taken out of:
 
 - deploy/Dockerfile: ENTRYPOINT + CMD, and the HEALTHCHECK;
-- deploy/compose.yaml and compose.vertical.yaml: each service's entrypoint +
+- deploy/compose.yaml, compose.vertical.yaml and compose.vertical-active.yaml: each service's entrypoint +
   command, and its health check (its own, or the one it inherits from the image);
-- deploy/k8s/*.yaml and k8s-vertical/*.yaml: each container's command + args
+- deploy/k8s/*.yaml, k8s-vertical/*.yaml and k8s-vertical-active/*.yaml: each container's command + args
   (resolved against the image's ENTRYPOINT and CMD as Kubernetes does; init
   containers too), and its probes;
 - deploy/systemd/*.service: ExecStart, with the specifiers resolved for the
@@ -71,6 +71,7 @@ COMPOSE_VERTICAL = DEPLOY / "compose.vertical.yaml"
 COMPOSE_VERTICAL_ACTIVE = DEPLOY / "compose.vertical-active.yaml"   # the label owner holds features too
 K8S = DEPLOY / "k8s"
 K8S_VERTICAL = DEPLOY / "k8s-vertical"
+K8S_VERTICAL_ACTIVE = DEPLOY / "k8s-vertical-active"     # the label owner holds features too
 SYSTEMD = DEPLOY / "systemd"
 ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
 README = DEPLOY / "README.md"
@@ -853,12 +854,17 @@ def test_active_vertical_stage_files_are_the_examples(aligned_active: dict[str, 
     expected = _example_stage_files(aligned_active, VERTICAL_ACTIVE)
     assert set(expected) == {"mean", "se", "diagnosis"} and "bottom" in expected["diagnosis"]["stage"]
     assert all(name.startswith("worst") for name in expected["diagnosis"]["data"]["features"])
+    _config_maps_are_copies(K8S_VERTICAL_ACTIVE, expected)
 
 
 def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
     """The passive example's stage files (``_example_stage_files``); the ConfigMaps of k8s-vertical/ are copies."""
-    expected = _example_stage_files(aligned, VERTICAL)
-    maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(K8S_VERTICAL) if d.get("kind") == "ConfigMap"}
+    _config_maps_are_copies(K8S_VERTICAL, _example_stage_files(aligned, VERTICAL))
+
+
+def _config_maps_are_copies(folder: Path, expected: dict[str, dict]) -> None:
+    """The ConfigMaps of a k8s folder hold one party's stage file each, copies of ``expected``."""
+    maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(folder) if d.get("kind") == "ConfigMap"}
     assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
     copies = {key: tomllib.loads(text) for data in maps.values() for key, text in data.items()}
     assert copies == {f"{party}.toml": raw for party, raw in expected.items()}
@@ -902,10 +908,14 @@ def test_compose_vertical_aligns_then_trains(path: Path, parties: str, request: 
                 f"{p.cmd}: mount only the label owner's public key file, not its key directory"
 
 
-def test_k8s_vertical_aligns_then_trains(aligned: dict[str, Path]):
-    workloads, docs = k8s_workloads(K8S_VERTICAL)
+@pytest.mark.parametrize("folder,parties", [(K8S_VERTICAL, "aligned"), (K8S_VERTICAL_ACTIVE, "aligned_active")])
+def test_k8s_vertical_aligns_then_trains(folder: Path, parties: str, request: pytest.FixtureRequest):
+    """k8s-vertical/ (three feature parties) and k8s-vertical-active/ (two, and a label owner holding features
+    of its own)."""
+    aligned = request.getfixturevalue(parties)
+    workloads, docs = k8s_workloads(folder)
     commands = [c for w in workloads for c in w.commands]
-    aligns, g, drivers = check_vertical(commands, K8S_VERTICAL.name, aligned)
+    aligns, g, drivers = check_vertical(commands, folder.name, aligned)
     by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in docs if "metadata" in d}
     by_party = {a.ns.name: a for a in aligns}
     for p in [g, *drivers]:
@@ -937,7 +947,7 @@ def test_k8s_vertical_aligns_then_trains(aligned: dict[str, Path]):
         assert any(str(sp["port"]) == connect_port and str(sp.get("targetPort", sp["port"])) == port
                    for sp in service["spec"]["ports"]), f"Service {host} does not forward {connect_port} to {port}"
     kustomization = next(d for _, d in docs if d.get("kind") == "Kustomization")
-    files = {p.name for p in K8S_VERTICAL.glob("*.yaml")} - {"kustomization.yaml"}
+    files = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files - {"secret.yaml"}
 
 
