@@ -90,6 +90,11 @@ class RowBatches(DataSource):
         from the seed and the epoch alone, so every party computes the same one."""
         return self.train_rows[np.random.default_rng([self.seed, self._ORDER_KEY, epoch]).permutation(len(self.train_rows))]
 
+    def step_rows(self, step: int) -> np.ndarray:
+        """The row numbers of step ``step``'s batch (steps count from 1), in the order the batch takes them:
+        the shared sample order every party of the interface walks."""
+        return self._rows(step)
+
     def _rows(self, step: int) -> np.ndarray:
         epoch, index = divmod(step - 1, self.batches_per_epoch)
         if epoch != self._epoch:
