@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +17,10 @@ torch = pytest.importorskip("torch")
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
-from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout, ProtocolError  # noqa: E402
+from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
+from distgrad.cut import Cut, CutServer  # noqa: E402
+from distgrad.wire.keys import keygen  # noqa: E402
 
 LOOPS = Path(__file__).resolve().parent / "cut_loops.py"
 STEPS = 12
@@ -87,6 +91,7 @@ def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(
     assert read_json(folder / "g.json")["params"]["g"] == expected["g"]
 
 
+@pytest.mark.slow
 def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path):
     folder = write_parties(tmp_path / "p")
     ready = folder / "g.ready"
@@ -180,3 +185,216 @@ def test_two_numpy_loops_compute_what_the_same_loops_compute_in_one_process(tmp_
     expected = _numpy_reference(folder)
     assert result["f"]["w"] == expected["w"]
     assert result["g"]["v"] == expected["v"] and result["g"]["losses"] == expected["losses"]
+
+
+# ---------------------------------------------------------------- the contract, with both ends in this process
+
+FIELDS = dict(name="cut-unit", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
+
+
+class Served:
+    """``body(server)`` on a thread (the label owner's loop); ``result()`` its value or its exception."""
+
+    def __init__(self, server, body) -> None:
+        self.server, self.value, self.error = server, None, None
+        self.thread = threading.Thread(target=self._run, args=(body,), daemon=True)
+        self.thread.start()
+
+    def _run(self, body) -> None:
+        try:
+            self.value = body(self.server)
+        except BaseException as e:       # handed to the test
+            self.error = e
+        finally:
+            self.server.close()
+
+    def result(self, timeout: float = 20.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the server's loop did not end"
+        return self.value, self.error
+
+
+def caught(call) -> str:
+    with pytest.raises(CutMisuse) as e:
+        call()
+    return str(e.value)
+
+
+def h_of(step: int) -> np.ndarray:
+    return np.full((4, 3), step, np.float32) + np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+
+
+@pytest.mark.integration
+def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
+    def body(server):
+        errors, batches = {}, iter(server)
+        first = next(batches)
+        errors["shape"] = caught(lambda: first.reply(0.5, np.zeros((4, 2), np.float32)))
+        errors["dtype"] = caught(lambda: first.reply(0.5, np.zeros((4, 3))))
+        errors["save"] = caught(server.state_dict)
+        first.reply(0.5, np.ones((4, 3), np.float32))
+        errors["twice"] = caught(lambda: first.reply(0.5, np.ones((4, 3), np.float32)))
+        next(batches)
+        errors["unanswered"] = caught(lambda: next(batches))
+        server.batch.reply(0.25, np.ones((4, 3), np.float32))
+        next(batches).reply(0.125, np.ones((4, 3), np.float32))
+        assert list(batches) == []
+        return errors
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=10.0, **FIELDS)
+    assert "shape (4, 2)" in caught(lambda: cut.step(np.zeros((4, 2), np.float32)))
+    assert "float32" in caught(lambda: cut.step(np.zeros((4, 3))))
+    assert cut.step(h_of(1))[0] == np.float32(0.5)
+    assert "next is 2" in caught(lambda: cut.step(h_of(1), step=1))
+    assert cut.step(h_of(2))[0] == np.float32(0.25)
+    assert "rows" in str(pytest.raises(ConfigError, cut.rows).value)       # no [data]: no shared order here
+    assert cut.step(h_of(3), step=3)[0] == np.float32(0.125)
+    cut.close()
+    assert "closed" in caught(lambda: cut.step(h_of(4)))
+    errors, error = served.result()
+    assert error is None, error
+    assert "shape (4, 3)" in errors["shape"] and "float32" in errors["dtype"]
+    assert "reply first" in errors["save"] and "already" in errors["twice"]
+    assert "without replying to step 2" in errors["unanswered"]
+
+
+@pytest.mark.integration
+def test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds():
+    cut = Cut.connect(free_tcp_endpoint(), timeout_s=0.2, peer_deadline_s=1.0, **FIELDS)
+    started = time.monotonic()
+    with pytest.raises(PeerTimeout, match="no reply from"):
+        cut.step(h_of(1))
+    assert time.monotonic() - started < 5
+    cut.close(finished=False)
+    with CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.2, peer_deadline_s=0.5, **FIELDS) as server:
+        started = time.monotonic()
+        with pytest.raises(PeerTimeout, match="silent for more than 0.7 s at step 0"):
+            next(iter(server))
+        assert time.monotonic() - started < 3
+
+
+@pytest.mark.integration
+def test_a_handshake_mismatch_names_the_field_and_both_values():
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=1.0, **FIELDS),
+                    lambda server: list(server))
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 4})
+    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3"):
+        cut.step(h_of(1))
+    cut.close(finished=False)
+    assert isinstance(served.result()[1], PeerTimeout)
+
+
+@pytest.mark.integration
+def test_a_resume_at_a_step_the_other_side_cannot_serve_names_both_steps():
+    def two_steps(server):
+        for batch in server:
+            batch.reply(1.0, np.zeros((4, 3), np.float32))
+            if batch.step == 2:
+                return server.state_dict()
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), two_steps)
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS)
+    start = cut.state_dict()
+    cut.step(h_of(1))
+    cut.step(h_of(2))
+    state, error = served.result()
+    assert error is None, error
+    cut.close(finished=False)
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", state=state, liveness_s=0.5, peer_deadline_s=1.0,
+                                   **FIELDS), lambda server: list(server))
+    with Cut.connect(served.server.endpoint, state=start, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+        with pytest.raises(PeerRejected, match=r"can return to steps \[0\] .* stands at step 2 .*: resume both "
+                                               r"sides from checkpoints of the same step"):
+            cut.step(h_of(1))
+        cut.close(finished=False)
+    served.result()
+
+
+@pytest.mark.integration
+def test_micro_batches_reach_the_loop_one_by_one_and_come_back_as_the_daemons_combine_them():
+    def body(server):
+        seen = []
+        for batch in server:
+            seen.append((batch.step, batch.mb, batch.mbs, batch.last, batch.h.shape))
+            batch.reply(float(batch.mb + 1), np.full((2, 3), batch.mb + 1, np.float32))
+        return seen, server.scale
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **{**FIELDS, "micro_batches": 2, "steps": 1}), body)
+    with Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                     **{**FIELDS, "micro_batches": 2, "steps": 1}) as cut:
+        loss, dh = cut.step(h_of(1))
+    (seen, scale), error = served.result()
+    assert error is None, error
+    assert seen == [(1, 0, 2, False, (2, 3)), (1, 1, 2, True, (2, 3))]
+    assert scale == np.float32(0.5) and loss == np.float32(1.5)
+    assert dh.tolist() == [[0.5] * 3] * 2 + [[1.0] * 3] * 2
+
+
+@pytest.mark.integration
+def test_an_int8_codec_and_curve_work_through_the_library(tmp_path):
+    server_public, server_secret = keygen(tmp_path / "server", "g")
+    _, client_secret = keygen(tmp_path / "clients", "f")
+    fields = {**FIELDS, "activation_codec": "int8", "steps": 1}
+
+    def body(server):
+        batches = [(np.array(b.h), b.reply(2.0, np.ones((4, 3), np.float32))) for b in server]
+        return batches[0][0]
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", curve_secret=server_secret, allow=tmp_path / "clients",
+                                   **fields), body)
+    with Cut.connect(served.server.endpoint, curve_secret=client_secret, server_key=server_public, timeout_s=1.0,
+                     peer_deadline_s=5.0, **fields) as cut:
+        assert cut.step(h_of(1))[0] == np.float32(2.0)
+    received, error = served.result()
+    assert error is None, error
+    scale = np.abs(h_of(1)).max(axis=1, keepdims=True) / 127
+    assert not np.array_equal(received, h_of(1)) and np.all(np.abs(received - h_of(1)) <= scale / 2 + 1e-7)
+
+
+@pytest.mark.integration
+def test_the_torch_layer_refuses_a_detached_h_and_a_reply_without_a_gradient():
+    import distgrad.torch as dt
+
+    def body(server):
+        batch = next(iter(server))
+        error = caught(lambda: batch.reply(torch.tensor(1.0)))
+        batch.h.sum().backward()
+        batch.reply(torch.tensor(1.0))
+        return error, list(server)
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **{**FIELDS, "steps": 1}), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1}) as cut:
+        assert "does not require grad" in caught(lambda: cut.step(torch.zeros(4, 3)))
+        h = torch.zeros(4, 3, requires_grad=True)
+        assert cut.step(h * 2) == 1.0
+        assert h.grad.tolist() == [[2.0] * 3] * 4
+    (error, rest), failure = served.result()
+    assert failure is None, failure
+    assert "loss.backward()" in error and rest == []
+
+
+def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_library_cannot_do(tmp_path):
+    from distgrad.run.cut_interface import FIRST, cut_side
+    path = tmp_path / "f.toml"
+    path.write_text(_interface() + '[stage]\nname = "f"\nmodule = "encoder:make"\n')
+    with pytest.raises(ConfigError, match=r"takes only 'name'"):
+        cut_side(FIRST, path, {})
+    with pytest.raises(ConfigError, match="steps in flight"):
+        cut_side(FIRST, None, {**FIELDS, "staleness": 1})
+    with pytest.raises(ConfigError, match="a Cut drives the first stage"):
+        cut_side(FIRST, None, {**FIELDS, "stage": "g"})
+    with pytest.raises(ConfigError, match="not both"):
+        cut_side(FIRST, path, {"batch": 4})
+    assert cut_side(FIRST, None, FIELDS).exp.interface_parts() == load_experiment_parts(tmp_path)
+
+
+def load_experiment_parts(tmp_path: Path) -> dict:
+    """The interface parts a daemon's stage file with FIELDS' interface gives (a numpy model, no data)."""
+    path = tmp_path / "daemon-f.toml"
+    path.write_text('[interface]\nname = "cut-unit"\nstages = ["f", "g"]\nbatch = 4\n'
+                    'activation = { shape = [3], dtype = "float32" }\nsteps = 3\nseed = 0\n'
+                    '[stage]\nname = "f"\nmodel = [{ type = "dense", name = "d", in = 2, out = 3 }]\n'
+                    '[data]\nkind = "synthetic_regression"\nfeatures = 2\nbatch = 4\n')
+    parts = load_experiment(path).interface_parts()
+    return {k: v for k, v in parts.items() if k not in ("rows", "held-out rows", "sample order")}
