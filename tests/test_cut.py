@@ -5,6 +5,9 @@ same model, resumed exactly after a kill -9 from the user's own checkpoint, and 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 import threading
 import time
@@ -398,3 +401,32 @@ def load_experiment_parts(tmp_path: Path) -> dict:
                     '[data]\nkind = "synthetic_regression"\nfeatures = 2\nbatch = 4\n')
     parts = load_experiment(path).interface_parts()
     return {k: v for k, v in parts.items() if k not in ("rows", "held-out rows", "sample order")}
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cut.md"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_docs_example_runs_as_written(tmp_path):
+    """docs/cut.md: its files are written, its `# run` block runs in a fresh folder (two PyTorch loops)."""
+    from distgrad.run.launcher import pinned_env
+    env = pinned_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    files, runs = 0, []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S):
+        first = body.split("\n", 1)[0].strip()
+        if lang in ("python", "toml") and first.startswith("# ") and first[2:].strip().endswith((".py", ".toml")):
+            path = tmp_path / first[2:].strip()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body)
+            files += 1
+        elif lang == "sh" and first == "# run":
+            runs.append(subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env, text=True,
+                                       capture_output=True, timeout=170, stdin=subprocess.DEVNULL))
+    assert files == 5 and len(runs) == 1
+    result = runs[0]
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "data owner: 88 steps" in result.stdout and "label owner: 88 steps" in result.stdout
+    loss = float(re.search(r"last loss ([0-9.]+)", result.stdout).group(1))
+    assert loss < 1.0, result.stdout
