@@ -81,8 +81,11 @@ def daemon(folder: Path, stage: str, *args: str) -> StageProcess:
                          *args], folder / f"{stage}-daemon.log")
 
 
-def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(tmp_path):
-    folder = write_parties(tmp_path / "p")
+@pytest.mark.parametrize("codecs", [
+    "", pytest.param('activation_codec = "int8"\ngradient_codec = "topk:4+ef"', marks=pytest.mark.slow)],
+    ids=["plain", "int8-down-topk-ef-up"])
+def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(tmp_path, codecs):
+    folder = write_parties(tmp_path / "p", extra=codecs)
     ready = folder / "g.ready"
     with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
         endpoint = wait_for_file(ready, g)
