@@ -21,7 +21,7 @@ plain ``torch.utils.data`` example on both sides.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -144,10 +144,14 @@ class CutServer:
 
     @classmethod
     def bind(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
-             state: Mapping[str, Any] | None = None, **options: Any) -> "CutServer":
-        """As ``distgrad.cut.CutServer.bind``; ``state`` is a ``state_dict`` of this class (tensors)."""
-        return cls(numpy_cut.CutServer.bind(endpoint, interface,
-                                            state=None if state is None else _to_numpy(state), **options))
+             state: Mapping[str, Any] | None = None, evaluate: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+             **options: Any) -> "CutServer":
+        """As ``distgrad.cut.CutServer.bind``; ``state`` is a ``state_dict`` of this class (tensors);
+        ``evaluate(h, rows) -> (loss, correct)`` gets the held-out activations and row numbers as tensors and
+        runs without autograd."""
+        return cls(numpy_cut.CutServer.bind(endpoint, interface, state=None if state is None else _to_numpy(state),
+                                            evaluate=None if evaluate is None else _evaluate_tensors(evaluate),
+                                            **options))
 
     @property
     def endpoint(self) -> str:
@@ -182,6 +186,17 @@ class CutServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.numpy.close()
+
+
+def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]
+                      ) -> Callable[[np.ndarray, np.ndarray], tuple[float, Any]]:
+    """The numpy layer's ``evaluate`` calling a loop's torch one, without autograd."""
+    def call(h: np.ndarray, rows: np.ndarray) -> tuple[float, Any]:
+        with torch.no_grad():
+            loss, correct = evaluate(torch.tensor(h, dtype=torch.float32), torch.from_numpy(rows))
+        value = float(loss) if isinstance(loss, torch.Tensor) else loss
+        return value, int(correct) if isinstance(correct, torch.Tensor) else correct
+    return call
 
 
 def batch_sampler(cut: Cut | numpy_cut.Cut, start: int | None = None) -> Iterable[list[int]]:

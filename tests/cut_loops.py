@@ -2,7 +2,7 @@
 PyTorch (or numpy) training loop through distgrad's cut library, each checkpointing after every step.
 
     python cut_loops.py f FOLDER ENDPOINT [--die-after-reply K] [--numpy]
-    python cut_loops.py g FOLDER READY_FILE [--die-before-send K] [--numpy]
+    python cut_loops.py g FOLDER READY_FILE [--die-before-send K] [--evaluate] [--numpy]
 
 FOLDER holds the stage files (f-lib.toml, g-lib.toml), the data and the modules (encoder.py, head.py); each
 loop writes its checkpoint (FOLDER/f.pt, g.pt) and, at the end, its parameters (f-params.json,
@@ -71,7 +71,7 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None) -> None:
     (folder / "f-params.json").write_text(json.dumps(_params(encoder)))
 
 
-def label_owner(folder: Path, ready: Path, die_before: int | None) -> None:
+def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bool = False) -> None:
     import distgrad.torch
 
     head = _build(folder, "head")
@@ -84,8 +84,14 @@ def label_owner(folder: Path, ready: Path, die_before: int | None) -> None:
         head.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
     endpoint = ready.read_text() if ready.exists() else "tcp://127.0.0.1:*"
+
+    def evaluate(h: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = head(h)
+        return criterion(out, labels[rows]), (out.argmax(dim=1) == labels[rows]).sum()
+
     with distgrad.torch.CutServer.bind(endpoint, interface=folder / "g-lib.toml", liveness_s=5.0,
-                                       peer_deadline_s=30.0, state=saved and saved["cut"]) as server:
+                                       peer_deadline_s=30.0, state=saved and saved["cut"],
+                                       evaluate=evaluate if evaluates else None) as server:
         ready.write_text(server.endpoint)
         for batch in server:
             seen.append(batch.step)
@@ -149,4 +155,4 @@ if __name__ == "__main__":
          else data_owner(where, target, numbered.get("--die-after-reply")))
     else:
         (_numpy_label_owner(where, Path(target)) if "--numpy" in flags
-         else label_owner(where, Path(target), numbered.get("--die-before-send")))
+         else label_owner(where, Path(target), numbered.get("--die-before-send"), "--evaluate" in flags))

@@ -38,14 +38,11 @@ def _interface(steps: int = STEPS, extra: str = "") -> str:
             f'reduction = "mean"\n{extra}\n')
 
 
-def _data(part: str) -> str:
-    return f'[data]\nkind = "npy"\n{part}\nbatch = 32\ntest_fraction = 0.0\n'
+def _data(part: str, test_fraction: float) -> str:
+    return f'[data]\nkind = "npy"\n{part}\nbatch = 32\ntest_fraction = {test_fraction}\n'
 
 
-F_DATA, G_DATA = _data('features = "pixels.npy"'), _data('labels = "digits.npy"')
-
-
-def write_parties(folder: Path, steps: int = STEPS, extra: str = "") -> Path:
+def write_parties(folder: Path, steps: int = STEPS, extra: str = "", test_fraction: float = 0.0) -> Path:
     """Both parties' files in one folder: the daemons' stage files (f.toml, g.toml: modules, optimiser,
     loss) and the library's (f-lib.toml, g-lib.toml: the same interface and data, [stage] names only)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -55,6 +52,7 @@ def write_parties(folder: Path, steps: int = STEPS, extra: str = "") -> Path:
     (folder / "encoder.py").write_text(ENCODER)
     (folder / "head.py").write_text(HEAD)
     iface = _interface(steps, extra)
+    F_DATA, G_DATA = (_data('features = "pixels.npy"', test_fraction), _data('labels = "digits.npy"', test_fraction))
     (folder / "f.toml").write_text(iface + '[stage]\nname = "f"\nmodule = "encoder:make"\n'
                                            'optimizer = { type = "Adam", lr = 0.003 }\n' + F_DATA)
     (folder / "g.toml").write_text(iface + '[stage]\nname = "g"\nmodule = "head:make"\n'
@@ -98,10 +96,11 @@ def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(
 
 
 @pytest.mark.slow
-def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path):
-    folder = write_parties(tmp_path / "p")
+@pytest.mark.parametrize("test_fraction", [0.0, 0.2], ids=["no-held-out-rows", "evaluated-by-the-loop"])
+def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path, test_fraction):
+    folder = write_parties(tmp_path / "p", test_fraction=test_fraction)
     ready = folder / "g.ready"
-    with loop(folder, "g", ready) as g:
+    with loop(folder, "g", ready, *(["--evaluate"] if test_fraction else [])) as g:
         endpoint = wait_for_file(ready, g)
         with daemon(folder, "f", "--connect", endpoint) as f:
             assert f.wait() == 0, f.output
@@ -111,6 +110,11 @@ def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(t
     result = json.loads((folder / "g-params.json").read_text())
     assert result["params"] == expected["g"]
     assert result["seen"] == list(range(1, STEPS + 1))
+    if test_fraction:          # the loop's scores of the held-out rows are the configured run's
+        summary, configured = read_json(folder / "f.json"), train_in_process(
+            load_experiment([folder / "f.toml", folder / "g.toml"]))
+        assert (summary["test_loss"], summary["test_accuracy"]) == (configured["test_loss"],
+                                                                   configured["test_accuracy"])
 
 
 def _two_loops(folder: Path, f_flags: tuple = (), g_flags: tuple = (), restart: str = "") -> dict:

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import zmq
@@ -48,6 +48,9 @@ from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
+
+# The loop's scoring of the held-out rows: (their activations, their row numbers) -> (loss, rows right or None).
+Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
 
 
 @dataclass
@@ -89,7 +92,7 @@ class CutServer:
 
     def __init__(self, side: CutSide, endpoint: str, *, bounds: Bounds = Bounds(),
                  curve_secret: str | Path | None = None, allow: str | Path | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+                 evaluate: Evaluate | None = None, ctx: zmq.Context | None = None) -> None:
         if (curve_secret is None) != (allow is None):
             raise ConfigError("CURVE needs curve_secret and allow together (the --curve-secret and --allow of a "
                               "daemon)")
@@ -107,8 +110,13 @@ class CutServer:
         self.batch: Batch | None = None  # the one given out and not yet replied to
         self.joined, self.done, self.closed = False, False, False
         self.failure: NonFiniteError | None = None
-        specs = self._expected(1).specs
-        self.max_frame, self.max_tensor = frame_limit(specs)
+        self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
+        self.test_rows = self._test_rows() if evaluate is not None else None
+        specs = [self._expected(1).specs]
+        if self.test_rows is not None:
+            specs.append(self._expected(1).with_rows(len(self.test_rows)).specs)   # may exceed a batch
+        limits = [frame_limit(spec) for spec in specs]
+        self.max_frame, self.max_tensor = max(m for m, _ in limits), max(t for _, t in limits)
         ctx = ctx or zmq.Context.instance()
         self.curve = CurveServer(ctx, Path(curve_secret), Path(allow)) if curve_secret is not None else None
         try:
@@ -127,17 +135,21 @@ class CutServer:
              state: Mapping[str, Any] | None = None, timeout_s: float | None = None,
              liveness_s: float | None = None, peer_deadline_s: float | None = None,
              curve_secret: str | Path | None = None, allow: str | Path | None = None,
-             ctx: zmq.Context | None = None, **fields: Any) -> "CutServer":
+             evaluate: Evaluate | None = None, ctx: zmq.Context | None = None, **fields: Any) -> "CutServer":
         """A ``CutServer`` bound at ``endpoint`` (``tcp://HOST:PORT``, port ``*`` for any; ``ipc://PATH``)
         for ``interface`` (this party's stage file, or its fields as keyword arguments), resumed from
         ``state`` (a ``state_dict``) when given. ``liveness_s`` and ``peer_deadline_s`` bound how long a
         silent data owner is waited for (then ``PeerTimeout``); ``curve_secret`` and ``allow`` are CURVE's
-        secret key file and allowed-clients directory. ``timeout_s`` is accepted for symmetry with
-        ``Cut.connect`` and must be > 0; a server never resends. Raises ``ConfigError``."""
+        secret key file and allowed-clients directory. ``evaluate(h, rows) -> (loss, correct)``: how the loop
+        scores the held-out rows when the data owner sends them (a daemon with ``test_fraction`` > 0): their
+        activations and row numbers in, the loss and how many rows are right (None when the loss does not
+        classify) out; it is called inside ``__next__`` and must change no state. ``timeout_s`` is accepted
+        for symmetry with ``Cut.connect`` and must be > 0; a server never resends. Raises ``ConfigError``."""
         given = {k: v for k, v in (("timeout_s", timeout_s), ("liveness_s", liveness_s),
                                    ("peer_deadline_s", peer_deadline_s)) if v is not None}
         side = cut_side(LAST, interface, fields)
-        server = cls(side, endpoint, bounds=Bounds(**given), curve_secret=curve_secret, allow=allow, ctx=ctx)
+        server = cls(side, endpoint, bounds=Bounds(**given), curve_secret=curve_secret, allow=allow,
+                     evaluate=evaluate, ctx=ctx)
         if state is not None:
             try:
                 server.load_state_dict(state)
@@ -225,9 +237,8 @@ class CutServer:
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
             return _BYE
         if msg.type == wire.EVALUATE:
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner trains in its own "
-                                                f"loop (distgrad.cut) and evaluates no held-out rows; give the "
-                                                f"data owner's [data] test_fraction = 0")
+            self.server.reply(envelope, self._evaluate(msg))
+            return None
         raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
 
     def _hello(self, msg: Message, peer_key: str) -> Message:
@@ -268,6 +279,35 @@ class CutServer:
         self.run_id, self.owner, self.mbs, self.joined = msg.run, peer_key, mbs, True
         self.log.info("run %s: the data owner said hello (%d micro-batches); next step %d", msg.run, mbs, next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
+
+    def _test_rows(self) -> np.ndarray:
+        """The held-out rows of this party's ``[data]`` (``ConfigError`` when it has none)."""
+        data = self.exp.spec(self.side.stage).data
+        rows = getattr(self.exp.build_data(stage=self.side.stage), "test_rows", None) if data else None
+        if rows is None or not len(rows):
+            raise ConfigError(f"evaluate= scores the held-out rows of stage {self.side.stage!r}'s [data], which "
+                              f"holds none out: give its [data] a test_fraction > 0, as the data owner's")
+        return np.asarray(rows, np.int64)
+
+    def _evaluate(self, msg: Message) -> Message:
+        """The loop's scores of the held-out rows (``evaluate``); a resent evaluation gets the same reply."""
+        if self.evaluate is None or self.test_rows is None:
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
+                                                f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
+                                                f"give the data owner's [data] test_fraction = 0")
+        if self.evaluation is not None and (self.evaluation.run, self.evaluation.step) == (msg.run, msg.step):
+            return self.evaluation
+        if msg.step != self.step + 1 or self.next_mb:
+            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
+                                                f"{self.step} steps")
+        h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
+        loss, correct = self.evaluate(h, self.test_rows)
+        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
+            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
+        self.evaluation = Message(wire.EVALUATION, msg.run, msg.step, body={
+            "loss": float(np.float32(loss)), "correct": None if correct is None else int(correct),
+            "count": len(self.test_rows)})
+        return self.evaluation
 
     def _expected(self, mbs: int) -> Expected:
         return Expected(WireTensor(ACTIVATION, self.side.micro_shape(mbs), self.exp.codecs[ACTIVATION]))
