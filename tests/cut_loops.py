@@ -41,7 +41,11 @@ def _params(module: torch.nn.Module) -> dict:
 def _build(folder: Path, name: str) -> torch.nn.Module:
     """The module as the daemons build it: the factory after torch.manual_seed(the interface's seed)."""
     sys.path.insert(0, str(folder))
-    factory = __import__(name).make
+    sys.modules.pop(name, None)             # another folder's module of that name, in a test process
+    try:
+        factory = __import__(name).make
+    finally:
+        sys.path.remove(str(folder))
     torch.manual_seed(0)
     return factory()
 

@@ -23,6 +23,7 @@ from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
 from distgrad.cut import Cut, CutServer  # noqa: E402
+import cut_loops  # noqa: E402
 from distgrad.wire.keys import keygen  # noqa: E402
 
 LOOPS = Path(__file__).resolve().parent / "cut_loops.py"
@@ -86,9 +87,7 @@ def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(
     folder = write_parties(tmp_path / "p", extra=codecs)
     ready = folder / "g.ready"
     with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
-        endpoint = wait_for_file(ready, g)
-        with loop(folder, "f", endpoint) as f:
-            assert f.wait() == 0, f.output
+        cut_loops.data_owner(folder, wait_for_file(ready, g), None)     # the user's loop: this process
         assert g.wait() == 0, g.output
     expected = reference(folder)
     assert json.loads((folder / "f-params.json").read_text()) == expected["f"]

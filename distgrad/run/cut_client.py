@@ -197,7 +197,7 @@ class Cut:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict``) says; the next step shakes hands there."""
         self._check_open()
-        load_common(state, self.exp)
+        check_state(state, self.exp)
         self.run_id, self.applied = state["run"], _check_step(state["step"], self.exp.steps)
         self.senders.load_state_arrays(dict(state.get("residuals", {})))
         self.joined = False
@@ -238,7 +238,7 @@ def _check_step(step: Any, steps: int) -> int:
     return step
 
 
-def load_common(state: Mapping[str, Any], exp: Any) -> None:
+def check_state(state: Mapping[str, Any], exp: Any) -> None:
     """Check a ``state_dict``'s version, interface and run id (``ConfigError`` naming what differs)."""
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
         raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")

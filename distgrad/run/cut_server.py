@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
-from distgrad.run.cut_client import STATE_VERSION, load_common
+from distgrad.run.cut_client import STATE_VERSION, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import refusal
@@ -406,7 +406,7 @@ class CutServer:
         if self.joined:
             raise CutMisuse("load_state_dict after the run began; load it before the first batch "
                             "(or CutServer.bind(..., state=...))")
-        load_common(state, self.exp)
+        check_state(state, self.exp)
         step, mbs = state.get("step"), state.get("micro_batches")
         if not isinstance(step, int) or not 0 <= step <= self.exp.steps or not isinstance(mbs, int) or mbs < 1:
             raise ConfigError(f"the state's step {wire.show(step)} or micro_batches {wire.show(mbs)} is invalid")
