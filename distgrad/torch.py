@@ -185,7 +185,7 @@ class CutServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.numpy.close()
+        self.numpy.__exit__(*exc)
 
 
 def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]

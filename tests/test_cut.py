@@ -436,3 +436,31 @@ def test_the_docs_example_runs_as_written(tmp_path):
     assert "data owner: 88 steps" in result.stdout and "label owner: 88 steps" in result.stdout
     loss = float(re.search(r"last loss ([0-9.]+)", result.stdout).group(1))
     assert loss < 1.0, result.stdout
+
+
+@pytest.mark.integration
+def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_have_saved():
+    """The reply waits for the next batch: a loop failing before it asks (and before it saved) leaves the
+    step unanswered, and the data owner's resent step reaches the loop resumed at the step before."""
+    def failing(server):
+        with server:
+            for batch in server:
+                batch.reply(1.0, np.zeros((4, 3), np.float32))
+                raise RuntimeError("the loop failed before saving")
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), failing)
+    endpoint, losses = served.server.endpoint, []
+
+    def drive() -> None:
+        with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=10.0, **FIELDS) as cut:
+            losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
+
+    client = threading.Thread(target=drive, daemon=True)
+    client.start()
+    assert isinstance(served.result()[1], RuntimeError)
+    served = Served(CutServer.bind(endpoint, **FIELDS),
+                    lambda server: [batch.reply(2.0, np.zeros((4, 3), np.float32)) or batch.step for batch in server])
+    client.join(20)
+    assert losses == [2.0] * 3            # step 1 too: the failed loop's reply never left
+    steps, error = served.result()
+    assert error is None and steps == [1, 2, 3]

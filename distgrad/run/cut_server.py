@@ -435,7 +435,11 @@ class CutServer:
     def __enter__(self) -> "CutServer":
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            # The loop failed, perhaps before it saved what it replied: a reply not sent yet stays unsent,
+            # so the data owner sends that step again to the loop resumed from its checkpoint.
+            self.pending = []
         self.close()
 
     def _check_open(self) -> None:
