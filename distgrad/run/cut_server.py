@@ -132,10 +132,10 @@ class CutServer:
 
     @classmethod
     def bind(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
-             state: Mapping[str, Any] | None = None, timeout_s: float | None = None,
-             liveness_s: float | None = None, peer_deadline_s: float | None = None,
-             curve_secret: str | Path | None = None, allow: str | Path | None = None,
-             evaluate: Evaluate | None = None, ctx: zmq.Context | None = None, **fields: Any) -> "CutServer":
+             state: Mapping[str, Any] | None = None, liveness_s: float | None = None,
+             peer_deadline_s: float | None = None, curve_secret: str | Path | None = None,
+             allow: str | Path | None = None, evaluate: Evaluate | None = None, ctx: zmq.Context | None = None,
+             **fields: Any) -> "CutServer":
         """A ``CutServer`` bound at ``endpoint`` (``tcp://HOST:PORT``, port ``*`` for any; ``ipc://PATH``)
         for ``interface`` (this party's stage file, or its fields as keyword arguments), resumed from
         ``state`` (a ``state_dict``) when given. ``liveness_s`` and ``peer_deadline_s`` bound how long a
@@ -143,10 +143,9 @@ class CutServer:
         secret key file and allowed-clients directory. ``evaluate(h, rows) -> (loss, correct)``: how the loop
         scores the held-out rows when the data owner sends them (a daemon with ``test_fraction`` > 0): their
         activations and row numbers in, the loss and how many rows are right (None when the loss does not
-        classify) out; it is called inside ``__next__`` and must change no state. ``timeout_s`` is accepted
-        for symmetry with ``Cut.connect`` and must be > 0; a server never resends. Raises ``ConfigError``."""
-        given = {k: v for k, v in (("timeout_s", timeout_s), ("liveness_s", liveness_s),
-                                   ("peer_deadline_s", peer_deadline_s)) if v is not None}
+        classify) out; it is called inside ``__next__`` and must change no state. Raises ``ConfigError``."""
+        given = {k: v for k, v in (("liveness_s", liveness_s), ("peer_deadline_s", peer_deadline_s))
+                 if v is not None}
         side = cut_side(LAST, interface, fields)
         server = cls(side, endpoint, bounds=Bounds(**given), curve_secret=curve_secret, allow=allow,
                      evaluate=evaluate, ctx=ctx)
