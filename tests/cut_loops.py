@@ -21,25 +21,27 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 def _load(path: Path) -> dict | None:
+    import torch
     return torch.load(path, weights_only=True) if path.exists() else None
 
 
 def _save(obj: dict, path: Path) -> None:
+    import torch
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def _params(module: torch.nn.Module) -> dict:
+def _params(module) -> dict:
     return {name: p.detach().numpy().tolist() for name, p in module.named_parameters()}
 
 
-def _build(folder: Path, name: str) -> torch.nn.Module:
+def _build(folder: Path, name: str):
     """The module as the daemons build it: the factory after torch.manual_seed(the interface's seed)."""
+    import torch
     sys.path.insert(0, str(folder))
     sys.modules.pop(name, None)             # another folder's module of that name, in a test process
     try:
@@ -51,6 +53,8 @@ def _build(folder: Path, name: str) -> torch.nn.Module:
 
 
 def data_owner(folder: Path, endpoint: str, die_after: int | None) -> None:
+    import torch
+
     import distgrad.torch
 
     encoder = _build(folder, "encoder")
@@ -76,6 +80,8 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None) -> None:
 
 
 def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bool = False) -> None:
+    import torch
+
     import distgrad.torch
 
     head = _build(folder, "head")
@@ -89,7 +95,7 @@ def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bo
         opt.load_state_dict(saved["opt"])
     endpoint = ready.read_text() if ready.exists() else "tcp://127.0.0.1:*"
 
-    def evaluate(h: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(h, rows):
         out = head(h)
         return criterion(out, labels[rows]), (out.argmax(dim=1) == labels[rows]).sum()
 
