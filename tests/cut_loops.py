@@ -104,12 +104,19 @@ def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bo
                                        evaluate=evaluate if evaluates else None) as server:
         ready.write_text(server.endpoint)
         for batch in server:
-            seen.append(batch.step)
             loss = criterion(head(batch.h), labels[batch.rows])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            if batch.mb == 0:
+                opt.zero_grad()
+            loss.backward()                     # micro-batches: their gradients add up in p.grad, in order
+            if batch.last:
+                seen.append(batch.step)
+                if batch.mbs > 1:
+                    for p in head.parameters():
+                        p.grad.mul_(server.scale)   # as the daemons scale the sum (1/M for a mean)
+                opt.step()
             batch.reply(loss)
+            if not batch.last:
+                continue
             _save({"model": head.state_dict(), "opt": opt.state_dict(), "cut": server.state_dict(), "seen": seen},
                   folder / "g.pt")
             if die_before is not None and batch.step == die_before and saved is None:

@@ -64,9 +64,10 @@ def write_parties(folder: Path, steps: int = STEPS, extra: str = "", test_fracti
     return folder
 
 
-def reference(folder: Path) -> dict:
+def reference(folder: Path, micro_batches: int = 1) -> dict:
     """The configured run of the same model, in one process."""
-    return train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]))["params"]
+    return train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]),
+                            micro_batches=micro_batches)["params"]
 
 
 def loop(folder: Path, side: str, target: Path | str, *flags: str, name: str | None = None) -> StageProcess:
@@ -95,16 +96,18 @@ def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("test_fraction", [0.0, 0.2], ids=["no-held-out-rows", "evaluated-by-the-loop"])
-def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path, test_fraction):
+@pytest.mark.parametrize("test_fraction,micro_batches", [(0.0, 1), (0.2, 1), (0.0, 4)],
+                         ids=["no-held-out-rows", "evaluated-by-the-loop", "four-micro-batches"])
+def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path, test_fraction,
+                                                                               micro_batches):
     folder = write_parties(tmp_path / "p", test_fraction=test_fraction)
     ready = folder / "g.ready"
     with loop(folder, "g", ready, *(["--evaluate"] if test_fraction else [])) as g:
         endpoint = wait_for_file(ready, g)
-        with daemon(folder, "f", "--connect", endpoint) as f:
+        with daemon(folder, "f", "--connect", endpoint, "--micro-batches", str(micro_batches)) as f:
             assert f.wait() == 0, f.output
         assert g.wait() == 0, g.output
-    expected = reference(folder)
+    expected = reference(folder, micro_batches)
     assert read_json(folder / "f.json")["params"]["f"] == expected["f"]
     result = json.loads((folder / "g-params.json").read_text())
     assert result["params"] == expected["g"]
