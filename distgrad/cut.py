@@ -9,7 +9,7 @@ errors) with a runnable example.
     cut = Cut.connect("tcp://label-owner:5555", interface="f.toml")
     loss, dh = cut.step(h)                 # h: float32 (batch, ...), dh: d(loss)/dh
 
-    with CutServer.bind("tcp://*:5555", interface="g.toml") as server:
+    with CutServer.bind("tcp://0.0.0.0:5555", interface="g.toml") as server:
         for batch in server:               # batch.h, batch.rows, batch.step
             batch.reply(loss, dh)          # dh: d(loss)/d(batch.h)
 """
