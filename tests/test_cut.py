@@ -310,7 +310,7 @@ def test_a_handshake_mismatch_names_the_field_and_both_values():
 
 
 @pytest.mark.integration
-def test_a_resume_at_a_step_the_other_side_cannot_serve_names_both_steps():
+def test_a_resume_the_other_side_cannot_serve_names_both_steps_and_one_step_behind_gets_the_cached_reply():
     def two_steps(server):
         for batch in server:
             batch.reply(1.0, np.zeros((4, 3), np.float32))
@@ -325,14 +325,21 @@ def test_a_resume_at_a_step_the_other_side_cannot_serve_names_both_steps():
     state, error = served.result()
     assert error is None, error
     cut.close(finished=False)
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", state=state, liveness_s=0.5, peer_deadline_s=1.0,
-                                   **FIELDS), lambda server: list(server))
-    with Cut.connect(served.server.endpoint, state=start, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+    seen = []
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", state=state, liveness_s=0.5, peer_deadline_s=1.5,
+                                   **FIELDS), lambda server: seen.extend(server))
+    with Cut.connect(served.server.endpoint, step=0, run=start["run"], timeout_s=1.0, peer_deadline_s=5.0,
+                     **FIELDS) as cut:
         with pytest.raises(PeerRejected, match=r"can return to steps \[0\] .* stands at step 2 .*: resume both "
                                                r"sides from checkpoints of the same step"):
             cut.step(h_of(1))
         cut.close(finished=False)
-    served.result()
+    # One step behind is fine: the label owner's checkpoint holds its reply to step 2, sent again.
+    with Cut.connect(served.server.endpoint, step=1, run=start["run"], timeout_s=1.0, peer_deadline_s=5.0,
+                     **FIELDS) as cut:
+        assert cut.step(h_of(2))[0] == np.float32(1.0) and cut.applied == 2
+        cut.close(finished=False)
+    assert isinstance(served.result()[1], PeerTimeout) and seen == []    # its loop computed nothing
 
 
 @pytest.mark.integration
@@ -410,6 +417,8 @@ def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_l
         cut_side(FIRST, None, {**FIELDS, "stage": "g"})
     with pytest.raises(ConfigError, match="not both"):
         cut_side(FIRST, path, {"batch": 4})
+    with pytest.raises(ConfigError, match="give its run id too"):
+        Cut(cut_side(FIRST, None, FIELDS), "tcp://127.0.0.1:1", step=2)
     assert cut_side(FIRST, None, FIELDS).exp.interface_parts() == load_experiment_parts(tmp_path)
 
 

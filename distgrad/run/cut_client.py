@@ -49,16 +49,19 @@ class Cut:
     loop drives it.
     """
 
-    def __init__(self, side: CutSide, endpoint: str, *, step: int = 0, bounds: Bounds = Bounds(),
-                 curve_secret: str | Path | None = None, server_key: str | Path | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+    def __init__(self, side: CutSide, endpoint: str, *, step: int = 0, run: str | None = None,
+                 bounds: Bounds = Bounds(), curve_secret: str | Path | None = None,
+                 server_key: str | Path | None = None, ctx: zmq.Context | None = None) -> None:
         if (curve_secret is None) != (server_key is None):
             raise ConfigError("CURVE needs curve_secret and server_key together (the --curve-secret and "
                               "--server-key of a daemon)")
         self.side, self.exp, self.endpoint = side, side.exp, endpoint
         self.log = logging.getLogger(f"distgrad.{side.stage}")
         self.applied = _check_step(step, self.exp.steps)     # the steps this loop has applied
-        self.run_id = uuid.uuid4().hex
+        if step and run is None:
+            raise ConfigError(f"step={step} resumes a run: give its run id too (run=, the cut's run_id when it "
+                              f"was saved), or resume from a state_dict, which holds both")
+        self.run_id = uuid.uuid4().hex if run is None else _check_run(run)
         self.senders = Senders(self.exp.codecs)
         self.mbs = side.micro_batches
         security = CurveClient(Path(curve_secret), Path(server_key)) if curve_secret is not None else None
@@ -72,18 +75,19 @@ class Cut:
 
     @classmethod
     def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *, step: int = 0,
-                state: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                run: str | None = None, state: Mapping[str, Any] | None = None, timeout_s: float | None = None,
                 liveness_s: float | None = None, peer_deadline_s: float | None = None,
                 curve_secret: str | Path | None = None, server_key: str | Path | None = None,
                 ctx: zmq.Context | None = None, **fields: Any) -> "Cut":
         """A ``Cut`` to the label owner at ``endpoint`` for ``interface`` (this party's stage file, or its
         fields as keyword arguments: ``run.cut_interface.cut_side``), standing at ``step`` (the steps this
-        loop has applied) or at the ``state`` a ``state_dict`` gave. ``timeout_s``, ``liveness_s`` and
+        loop has applied) of run ``run`` (its ``run_id``; needed with a ``step`` > 0), or at the ``state`` a
+        ``state_dict`` gave. ``timeout_s``, ``liveness_s`` and
         ``peer_deadline_s`` bound the waits as the daemons' flags do; ``curve_secret`` and ``server_key``
         are CURVE's key files. Raises ``ConfigError`` for a bad interface or setting."""
         given = {k: v for k, v in (("timeout_s", timeout_s), ("liveness_s", liveness_s),
                                    ("peer_deadline_s", peer_deadline_s)) if v is not None}
-        cut = cls(cut_side(FIRST, interface, fields), endpoint, step=step, bounds=Bounds(**given),
+        cut = cls(cut_side(FIRST, interface, fields), endpoint, step=step, run=run, bounds=Bounds(**given),
                   curve_secret=curve_secret, server_key=server_key, ctx=ctx)
         if state is not None:
             cut.load_state_dict(state)
@@ -245,6 +249,10 @@ def check_state(state: Mapping[str, Any], exp: Any) -> None:
     if state.get("interface") != exp.interface_fingerprint:
         raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
                           "interface it was saved under")
-    run = state.get("run")
-    if not isinstance(run, str) or not wire.RUN_ID.fullmatch(run):
-        raise ConfigError(f"the state's run id {wire.show(run)} is not a run id")
+    _check_run(state.get("run"))
+
+
+def _check_run(run: Any) -> str:
+    if not isinstance(run, str) or not run or not wire.RUN_ID.fullmatch(run):
+        raise ConfigError(f"run id {wire.show(run)} is not one: 1 to 128 of A-Z a-z 0-9 _ . -")
+    return run
