@@ -12,8 +12,8 @@ codecs through ``wire.wirecodec.Senders``. docs/cut.md is the contract.
 
 Steps are the caller's: ``step`` counts the steps this side has applied, and
 a loop resuming from its own checkpoint says where it stands
-(``Cut.connect(..., step=k)``, or ``load_state_dict`` of what
-``state_dict`` gave when the checkpoint was written). The hello offers only
+(``load_state_dict`` of what ``state_dict`` gave when the checkpoint was
+written, or ``Cut.connect(..., step=k, run=RUN_ID)``). The hello offers only
 that step (``held = [step]``): the label owner resumes there, or answers a
 step it already computed from its cache, or refuses naming both steps.
 """
