@@ -144,8 +144,8 @@ class CutServer:
 
     @classmethod
     def bind(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
-             state: Mapping[str, Any] | None = None, evaluate: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-             **options: Any) -> "CutServer":
+             state: Mapping[str, Any] | None = None,
+             evaluate: Callable[[torch.Tensor, torch.Tensor], Any] | None = None, **options: Any) -> "CutServer":
         """As ``distgrad.cut.CutServer.bind``; ``state`` is a ``state_dict`` of this class (tensors);
         ``evaluate(h, rows) -> (loss, correct)`` gets the held-out activations and row numbers as tensors and
         runs without autograd."""
