@@ -35,6 +35,13 @@ def _save(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _announce(ready: Path, endpoint: str) -> None:
+    """Write the bound endpoint where the test waits for it, whole (never an empty file)."""
+    tmp = ready.with_suffix(".tmp")
+    tmp.write_text(endpoint)
+    os.replace(tmp, ready)
+
+
 def _params(module) -> dict:
     return {name: p.detach().numpy().tolist() for name, p in module.named_parameters()}
 
@@ -102,7 +109,7 @@ def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bo
     with distgrad.torch.CutServer.bind(endpoint, interface=folder / "g-lib.toml", liveness_s=5.0,
                                        peer_deadline_s=30.0, state=saved and saved["cut"],
                                        evaluate=evaluate if evaluates else None) as server:
-        ready.write_text(server.endpoint)
+        _announce(ready, server.endpoint)
         for batch in server:
             loss = criterion(head(batch.h), labels[batch.rows])
             if batch.mb == 0:
@@ -147,7 +154,7 @@ def _numpy_label_owner(folder: Path, ready: Path) -> None:
     losses = []
     with CutServer.bind("tcp://127.0.0.1:*", interface=folder / "g-lib.toml", liveness_s=5.0,
                         peer_deadline_s=30.0) as server:
-        ready.write_text(server.endpoint)
+        _announce(ready, server.endpoint)
         for batch in server:
             z = batch.h @ v
             p = np.exp(z - z.max(axis=1, keepdims=True))
