@@ -96,6 +96,7 @@ def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
 @pytest.mark.parametrize("test_fraction,micro_batches", [(0.0, 1), (0.2, 1), (0.0, 4)],
                          ids=["no-held-out-rows", "evaluated-by-the-loop", "four-micro-batches"])
 def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path, test_fraction,
@@ -144,6 +145,7 @@ def _two_loops(folder: Path, f_flags: tuple = (), g_flags: tuple = (), restart: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
 def test_two_torch_loops_train_bitwise_as_the_configured_run(tmp_path):
     folder = write_parties(tmp_path / "p")
     result = _two_loops(folder)
@@ -153,6 +155,7 @@ def test_two_torch_loops_train_bitwise_as_the_configured_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
 @pytest.mark.parametrize("side,flags", [("f", ("--die-after-reply", "5")), ("g", ("--die-before-send", "5"))],
                          ids=["data-owner-killed-after-its-reply-came", "label-owner-killed-before-its-reply-left"])
 def test_a_loop_killed_9_resumes_from_its_own_checkpoint_with_no_step_lost_or_doubled(tmp_path, side, flags):
