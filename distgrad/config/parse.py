@@ -307,8 +307,10 @@ def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
     return settings["epochs"] * per_epoch
 
 
-def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
-    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``."""
+def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) -> Experiment:
+    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``. ``own_loop``: the party
+    trains in its own loop through the cut library (``distgrad.cut``), so ``[stage]`` names its stage and
+    nothing else, and ``[data]`` is optional."""
     unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
     if unknown:
         raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
@@ -341,13 +343,16 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
-    spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
+    if own_loop and "stage" in raw:
+        spec = _own_loop_stage(source, table)
+    else:
+        spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
     if spec is None:
         raise file_error(source, "a stage file needs a [stage] table (this party's model)")
     if spec.name not in names:
         raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
     last = spec.name == names[-1]
-    if last != (spec.loss is not None):
+    if not own_loop and last != (spec.loss is not None):
         raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
     data = raw.get("data")
     if data is not None and not isinstance(data, dict):
@@ -356,7 +361,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
         data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
     spec = StageSpec(**{**spec.__dict__, "data": data or {}})
     try:
-        if last:
+        if last and not own_loop:
             reduction = loss_reduction(spec)
             if settings["reduction"] not in (None, reduction):
                 raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
@@ -379,8 +384,27 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
                      _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
                      staleness=settings["staleness"], send_rows=settings["send_rows"])
-    _check_built(exp, source)
+    _check_built(exp, source, own_loop)
     return exp
+
+
+def _own_loop_stage(source: str, table: Any) -> StageSpec:
+    """The ``[stage]`` of a party training in its own loop: its ``name`` only (its model, optimiser and
+    loss are its code's; a key that would configure them is refused rather than ignored)."""
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str) or not table["name"]:
+        raise file_error(source, "[stage] needs a 'name': the stage this party's own loop computes")
+    others = sorted(set(table) - {"name"})
+    if others:
+        raise file_error(source, f"[stage] has {others}, but this party trains in its own loop (distgrad.cut): "
+                                 f"its model, optimiser and loss are its code's, so [stage] takes only 'name'")
+    return StageSpec(table["name"], None, {}, base_dir=_base_dir(source), source=source)
+
+
+def parse_own_loop(raw: Mapping[str, Any], source: str = "<arguments>") -> Experiment:
+    """The interface of a party that trains in its own loop through the cut library (``distgrad.cut``): a
+    stage-file table (``[interface]``, a ``[stage]`` with only its ``name``, an optional ``[data]``)
+    validated like a stage file. Raises ``ConfigError`` naming ``source`` and the problem."""
+    return _parse_stage_file(dict(raw), source, own_loop=True)
 
 
 def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
@@ -423,10 +447,10 @@ def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tu
     return ((batch, *shape) if batch is not None else shape), value["dtype"]
 
 
-def _check_built(exp: Experiment, source: str) -> None:
+def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
     """Build what this experiment's files define once, so a bad one fails here: every data source (and
     shard), the numpy models against their input shapes and cuts, the optimisers, and the targets
-    against the last stage's prediction."""
+    against the last stage's prediction. ``own_loop``: a party of the cut library may hold no data."""
     try:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
@@ -444,7 +468,7 @@ def _check_built(exp: Experiment, source: str) -> None:
                 raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
                                   f"this stage receives activations")
             holds_data = bool(exp.data if spec.data is None else spec.data)
-            if not holds_data and (first or spec.name == exp.label_owner):
+            if not holds_data and not own_loop and (first or spec.name == exp.label_owner):
                 raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
                                   f"{'features' if first else 'labels'}")
             if holds_data:
