@@ -1,14 +1,16 @@
 """The user loops tests/test_cut.py runs in their own processes: a data owner's and a label owner's own
 PyTorch (or numpy) training loop through distgrad's cut library, each checkpointing after every step.
 
-    python cut_loops.py f FOLDER ENDPOINT [--die-after-reply K] [--numpy]
+    python cut_loops.py f FOLDER ENDPOINT [--die-after-reply K] [--shuffle] [--numpy]
     python cut_loops.py g FOLDER READY_FILE [--die-before-send K] [--evaluate] [--numpy]
 
 FOLDER holds the stage files (f-lib.toml, g-lib.toml), the data and the modules (encoder.py, head.py); each
 loop writes its checkpoint (FOLDER/f.pt, g.pt) and, at the end, its parameters (f-params.json,
 g-params.json). A resumed loop starts from its checkpoint. ``--die-after-reply K``: the data owner kills
 itself (SIGKILL) once step K's reply has arrived, before it applies or saves it; ``--die-before-send K``:
-the label owner kills itself once step K is applied and saved, before its reply has left. The label owner's
+the label owner kills itself once step K is applied and saved, before its reply has left. ``--shuffle``
+(with ``send_rows``): the data owner's DataLoader takes its own shuffle of the rows (``own_order``), not the
+shared order. The label owner's
 checkpoint holds the steps its loop computed (``seen``), so a test can tell whether a step was computed twice.
 """
 
@@ -59,7 +61,21 @@ def _build(folder: Path, name: str):
     return factory()
 
 
-def data_owner(folder: Path, endpoint: str, die_after: int | None) -> None:
+def own_order(train_rows: np.ndarray, epoch: int) -> np.ndarray:
+    """The data owner's own shuffle of its training rows for an epoch (with ``send_rows``): not the shared
+    order the interface's seed gives."""
+    return np.random.default_rng([7, epoch]).permutation(train_rows)
+
+
+def own_batches(cut, train_rows: np.ndarray) -> list[list[int]]:
+    """The rows of each step after the cut's applied ones, batched from ``own_order``."""
+    batch, per_epoch = cut.exp.batch, len(train_rows) // cut.exp.batch
+    steps = range(cut.applied, cut.exp.steps)
+    return [own_order(train_rows, k // per_epoch)[(k % per_epoch) * batch:(k % per_epoch + 1) * batch].tolist()
+            for k in steps]
+
+
+def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool = False) -> None:
     import torch
 
     import distgrad.torch
@@ -73,8 +89,10 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None) -> None:
         opt.load_state_dict(saved["opt"])
     with distgrad.torch.Cut.connect(endpoint, interface=folder / "f-lib.toml", timeout_s=1.0,
                                     peer_deadline_s=30.0, state=saved and saved["cut"]) as cut:
+        sampler = (own_batches(cut.numpy, cut.numpy.side.data.train_rows) if shuffle
+                   else distgrad.torch.batch_sampler(cut))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(pixels, torch.arange(len(pixels))),
-                                             batch_sampler=distgrad.torch.batch_sampler(cut))
+                                             batch_sampler=sampler)
         for x, rows in loader:
             h = encoder(x)
             cut.step(h, rows)
@@ -176,7 +194,7 @@ if __name__ == "__main__":
     numbered = {flags[i]: int(flags[i + 1]) for i in range(len(flags) - 1) if flags[i].startswith("--die")}
     if side == "f":
         (_numpy_data_owner(where, target) if "--numpy" in flags
-         else data_owner(where, target, numbered.get("--die-after-reply")))
+         else data_owner(where, target, numbered.get("--die-after-reply"), "--shuffle" in flags))
     else:
         (_numpy_label_owner(where, Path(target)) if "--numpy" in flags
          else label_owner(where, Path(target), numbered.get("--die-before-send"), "--evaluate" in flags))

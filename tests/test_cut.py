@@ -202,6 +202,105 @@ def test_two_numpy_loops_compute_what_the_same_loops_compute_in_one_process(tmp_
     assert result["g"]["v"] == expected["v"] and result["g"]["losses"] == expected["losses"]
 
 
+# ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
+
+REORDERED = Path(__file__).resolve().parent / "reordered_stage.py"
+SEND_ROWS = "send_rows = true"
+
+
+def reference_in_order(folder: Path, order, monkeypatch, micro_batches: int = 1) -> dict:
+    """The configured run in one process, every epoch's rows taken in ``order(train_rows, epoch)`` (with
+    send_rows, the label owner trains on the rows the data owner's loader picks)."""
+    from distgrad.config.data import RowBatches
+    with monkeypatch.context() as patch:
+        patch.setattr(RowBatches, "epoch_order", lambda self, epoch: order(self.train_rows, epoch))
+        return reference(folder, micro_batches)
+
+
+def _own_order_is_not_the_shared_one(folder: Path) -> None:
+    from distgrad.run.cut_interface import FIRST, cut_side
+    side = cut_side(FIRST, folder / "f-lib.toml", {})
+    assert cut_loops.own_order(side.data.train_rows, 0)[:32].tolist() != side.rows(1).tolist()
+
+
+def test_a_torch_loop_with_its_own_shuffle_and_send_rows_drives_a_label_owner_daemon_bitwise(tmp_path,
+                                                                                                monkeypatch):
+    folder = write_parties(tmp_path / "p", extra=SEND_ROWS)
+    _own_order_is_not_the_shared_one(folder)
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
+        cut_loops.data_owner(folder, wait_for_file(ready, g), None, shuffle=True)   # the user's loop: here
+        assert g.wait() == 0, g.output
+    expected = reference_in_order(folder, cut_loops.own_order, monkeypatch)
+    assert expected != reference(folder)
+    assert json.loads((folder / "f-params.json").read_text()) == expected["f"]
+    assert read_json(folder / "g.json")["params"]["g"] == expected["g"]
+
+
+def test_a_data_owner_daemon_with_send_rows_drives_a_torch_loop_on_the_rows_it_sends(tmp_path, monkeypatch):
+    """The daemon's loader walks every epoch backwards (tests/reordered_stage.py): the label owner's loop
+    gets those rows as batch.rows and takes their labels."""
+    folder = write_parties(tmp_path / "p", extra=SEND_ROWS)
+    ready = folder / "g.ready"
+    endpoint = free_tcp_endpoint()
+    ready.write_text(endpoint)                   # the loop binds where the ready file says
+    args = ["f", "--experiment", folder / "f.toml", "--summary", folder / "f.json", "--connect", endpoint,
+            "--micro-batches", "2"]
+    with StageProcess(args, folder / "f-daemon.log", command=[sys.executable, REORDERED, "--"]) as f:
+        cut_loops.label_owner(folder, ready, None)          # the user's loop: this process
+        assert f.wait() == 0, f.output
+    import reordered_stage
+    with monkeypatch.context() as patch:           # the reference as test_send_rows makes it
+        patch.setattr(reordered_stage.RowBatches, "epoch_order", reordered_stage.RowBatches.epoch_order)
+        reordered_stage.reverse_epochs()
+        expected = reference(folder, 2)
+    assert expected != reference(folder, 2)
+    assert read_json(folder / "f.json")["params"]["f"] == expected["f"]
+    result = json.loads((folder / "g-params.json").read_text())
+    assert result["params"] == expected["g"] and result["seen"] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # three PyTorch processes; slower beside the rest of the slow set
+def test_two_torch_loops_with_send_rows_train_on_the_data_owners_shuffle_bitwise(tmp_path, monkeypatch):
+    folder = write_parties(tmp_path / "p", extra=SEND_ROWS)
+    result = _two_loops(folder, ("--shuffle",))
+    expected = reference_in_order(folder, cut_loops.own_order, monkeypatch)
+    assert result["f"] == expected["f"] and result["g"]["params"] == expected["g"]
+
+
+@pytest.mark.integration
+def test_send_rows_between_two_loops_crosses_the_loaders_rows_and_bad_rows_are_refused(tmp_path):
+    """The Cut checks what it can (integers, one per row, none twice); the CutServer refuses, as the label
+    owner daemon does, a row out of range or held out, naming it, and the step goes on with good rows."""
+    folder = write_parties(tmp_path / "p", test_fraction=0.2)
+    data = {"kind": "npy", "batch": 4, "test_fraction": 0.2}
+    fields = {**FIELDS, "send_rows": True, "steps": 2}
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", data={**data, "labels": str(folder / "digits.npy")},
+                                   **fields),
+                    lambda server: [(b.step, b.rows.tolist(), b.reply(1.0, np.zeros((4, 3), np.float32)))[:2]
+                                    for b in server])
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                      data={**data, "features": str(folder / "pixels.npy")}, **fields)
+    train, held = cut.side.data.train_rows, int(cut.side.data.test_rows[0])
+    assert "needs the row numbers" in caught(lambda: cut.step(h_of(1)))
+    assert "integers" in caught(lambda: cut.step(h_of(1), np.array([1.0, 2, 3, 4])))
+    assert "shape (3,)" in caught(lambda: cut.step(h_of(1), [1, 2, 3]))
+    assert "row 2 appears twice" in caught(lambda: cut.step(h_of(1), [1, 2, 2, 3]))
+    for bad, text in [([1, 2, 3, 1797], "row 1797 out of range"), ([1, -1, 3, 4], "row -1 out of range"),
+                      ([held, *train[:3]], f"row {held} held out for evaluation")]:
+        with pytest.raises(PeerRejected, match=text) as info:
+            cut.step(h_of(1), bad)
+        assert info.value.code == "tensor" and cut.applied == 0
+    mine = [train[9], train[2], train[7], train[0]]
+    assert cut.step(h_of(1), mine)[0] == np.float32(1.0)
+    cut.step(h_of(2), np.array(train[4:8], np.int32))
+    cut.close()
+    seen, error = served.result()
+    assert error is None, error
+    assert seen == [(1, [int(r) for r in mine]), (2, [int(r) for r in train[4:8]])]
+
+
 # ---------------------------------------------------------------- the contract, with both ends in this process
 
 FIELDS = dict(name="cut-unit", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)

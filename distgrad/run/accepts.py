@@ -74,26 +74,16 @@ class Accepts:
             self.check_rows(peer.index, msg)
 
     def check_rows(self, index: int, msg: Message) -> None:
-        """With ``send_rows``, on the stage holding the labels: refuse (``tensor``, naming the row and the
-        reason) a forward of peer ``index`` whose ``rows`` holds a row out of range, held out, not that
-        data owner's, or one the step already has (in this or an earlier micro-batch); else remember them
-        for the step's later micro-batches. A middle stage without data passes the rows on unchecked.
-        Changes nothing when it refuses."""
+        """With ``send_rows``, on the stage holding the labels: refuse a forward of peer ``index`` whose
+        ``rows`` it may not train on (``refuse_rows``); else remember them for the step's later
+        micro-batches. A middle stage without data passes the rows on unchecked. Changes nothing when it
+        refuses."""
         if not self.data:
             return
         rows = msg.tensors["rows"]
-        refused = self.data[index].refused_row(rows)
-        if refused is not None:
-            raise ProtocolError(ErrorCode.TENSOR, f"forward of step {msg.step} micro-batch {msg.mb}: row "
-                                                  f"{refused[0]} {refused[1]}; nothing was applied")
         earlier = {key: value for key, value in self.step_rows[index].items()
                    if key[0] == msg.step and key[1] < msg.mb}
-        seen = np.concatenate([rows, *earlier.values()])
-        unique, counts = np.unique(seen, return_counts=True)
-        if (counts > 1).any():
-            raise ProtocolError(ErrorCode.TENSOR, f"forward of step {msg.step} micro-batch {msg.mb}: row "
-                                                  f"{int(unique[np.argmax(counts > 1)])} appears twice in the "
-                                                  f"step; nothing was applied")
+        refuse_rows(self.data[index], msg, list(earlier.values()))
         self.step_rows[index] = {**earlier, (msg.step, msg.mb): rows}
 
     def evaluation(self, index: int, msg: Message) -> Expected:
@@ -112,3 +102,22 @@ class Accepts:
         if specs is None or not self.data or not len(self.data[index].test_rows):
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
         return specs
+
+
+def refuse_rows(data: Any | None, msg: Message, earlier: list[np.ndarray]) -> None:
+    """The label owner's check of a training forward's ``rows`` (``send_rows``): raise ``ProtocolError``
+    (``tensor``, naming the row and the reason; nothing was applied) for a row ``data`` may not train on
+    (``refused_row``: out of range, held out, another data owner's; with ``data`` None, a negative row) or
+    one the step already has (in this micro-batch or in ``earlier``, the step's earlier micro-batches')."""
+    rows = msg.tensors["rows"]
+    where = f"forward of step {msg.step} micro-batch {msg.mb}"
+    if data is not None:
+        refused = data.refused_row(rows)
+    else:
+        refused = (int(rows[np.argmax(rows < 0)]), "out of range (row numbers are >= 0)") if (rows < 0).any() else None
+    if refused is not None:
+        raise ProtocolError(ErrorCode.TENSOR, f"{where}: row {refused[0]} {refused[1]}; nothing was applied")
+    unique, counts = np.unique(np.concatenate([rows, *earlier]), return_counts=True)
+    if (counts > 1).any():
+        raise ProtocolError(ErrorCode.TENSOR, f"{where}: row {int(unique[np.argmax(counts > 1)])} appears twice "
+                                              f"in the step; nothing was applied")

@@ -101,8 +101,10 @@ class Cut:
     def step(self, h: np.ndarray, rows: Any = None, step: int | None = None) -> tuple[np.float32, np.ndarray]:
         """One step: send ``h`` (float32, the interface's activation shape for a whole batch), wait for the
         label owner's replies and return ``(loss, dh)``: the step's loss and d(loss)/d(h), float32, the
-        same shape as ``h``. ``rows`` (optional): the row numbers ``h`` was computed from, checked against
-        the shared order. ``step`` (optional) must be the next step. With M micro-batches, ``h`` is sent
+        same shape as ``h``. ``rows``: the row numbers ``h`` was computed from, one per row; with the
+        interface's ``send_rows`` they are sent (any order, e.g. a loader's own shuffle; required, checked
+        by ``_sent_rows`` here and refused by the label owner naming a row it may not train on), else
+        optional and checked against the shared order. ``step`` (optional) must be the next step. With M micro-batches, ``h`` is sent
         as M of them; the loss and ``dh`` are the daemons' (their sums times the micro-batch scale).
 
         Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, or a closed cut; ``PeerTimeout`` when
@@ -118,7 +120,9 @@ class Cut:
         if k > self.exp.steps:
             raise CutMisuse(f"all {self.exp.steps} steps of the interface are done; call close()")
         h = self._checked(h)
-        if rows is not None:
+        if self.exp.send_rows:
+            rows = self._sent_rows(rows, len(h), k)
+        elif rows is not None:
             expected = self.side.rows(k)
             given = np.asarray(rows).reshape(-1)
             if given.shape != expected.shape or not np.array_equal(given, expected):
@@ -129,7 +133,7 @@ class Cut:
             if not self.joined:
                 self._handshake()
             try:
-                loss, dh = self._exchange(k, h)
+                loss, dh = self._exchange(k, h, rows)
                 break
             except PeerRejected as e:
                 if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
@@ -149,19 +153,43 @@ class Cut:
             raise CutMisuse(f"h has shape {h.shape}, the interface's activation for a batch is {self.side.shape}")
         return np.ascontiguousarray(h)
 
-    def _exchange(self, k: int, h: np.ndarray) -> tuple[np.float32, np.ndarray]:
-        """Send step ``k``'s micro-batches (all at once) and collect their replies in order."""
+    @staticmethod
+    def _sent_rows(rows: Any, count: int, k: int) -> np.ndarray:
+        """``send_rows``: the row numbers the loop gives for step ``k``, as the int64 array that crosses:
+        integers, one per row of ``h`` (``count``), none twice (``CutMisuse`` otherwise). The label owner
+        checks the rest (each row in range, a training row) and refuses the step naming the row."""
+        if rows is None:
+            raise CutMisuse(f"the interface has send_rows = true, so step {k} needs the row numbers h was "
+                            f"computed from: cut.step(h, rows)")
+        given = np.asarray(rows)
+        if given.dtype.kind not in "iu" or (given.dtype.kind == "u" and given.size
+                                             and given.max() > np.iinfo(np.int64).max):
+            raise CutMisuse(f"the rows of step {k} must be integers (int64), got {given.dtype}")
+        if given.shape != (count,):
+            raise CutMisuse(f"the rows of step {k} have shape {given.shape}; send_rows takes one row number "
+                            f"per row of h, shape ({count},)")
+        unique, counts = np.unique(given, return_counts=True)
+        if (counts > 1).any():
+            raise CutMisuse(f"row {int(unique[np.argmax(counts > 1)])} appears twice in step {k}; a step trains "
+                            f"on each row once")
+        return given.astype(np.int64)
+
+    def _exchange(self, k: int, h: np.ndarray, rows: np.ndarray | None) -> tuple[np.float32, np.ndarray]:
+        """Send step ``k``'s micro-batches (all at once; with ``rows``, each with its row numbers) and
+        collect their replies in order."""
         count = self.mbs
-        rows = len(h) // count if count > 1 else 0
+        size = len(h) // count
         pending: dict[tuple[int, int], Message] = {}
         self.link.arrived.clear()
         self.senders.discard()              # a step sent again is coded from the same residuals
         for i in range(count):
-            part = h if count == 1 else h[i * rows:(i + 1) * rows]
+            part = h if count == 1 else h[i * size:(i + 1) * size]
             try:
                 tensors = self.senders.message_tensors(ACTIVATION, part, stream_name(ACTIVATION, i, count), k)
             except CodecRangeError as e:
                 raise NonFiniteError(f"stage {self.side.stage}: {e}; nothing of step {k} was sent") from e
+            if rows is not None:
+                tensors["rows"] = rows[i * size:(i + 1) * size]
             msg = Message(wire.FORWARD, self.run_id, k, i, count, tensors=tensors)
             pending[(k, i)] = msg
             self.link.send(msg)

@@ -76,19 +76,20 @@ class CutSide:
     def rows(self, step: int) -> np.ndarray:
         """The row numbers of step ``step`` (from 1) in the interface's shared sample order (int64); needs
         this party's ``[data]`` (``ConfigError`` without it)."""
-        if not self.exp.spec(self.stage).data:
+        if self.data is None:
             raise ConfigError(f"stage {self.stage!r} has no [data], so the shared sample order is unknown here: "
                               f"give the interface a [data] table (its kind, rows and batch; the same as the "
                               f"daemons' file) to get the rows of a step")
         if not 1 <= step <= self.exp.steps:
             raise ConfigError(f"step {step} is not a step of this run (1 to {self.exp.steps})")
-        if not hasattr(self._data, "step_rows"):
-            raise ConfigError(f"stage {self.stage!r}'s data ({self._data.__class__.__name__}) has no numbered rows")
-        return np.asarray(self._data.step_rows(step), np.int64)
+        if not hasattr(self.data, "step_rows"):
+            raise ConfigError(f"stage {self.stage!r}'s data ({self.data.__class__.__name__}) has no numbered rows")
+        return np.asarray(self.data.step_rows(step), np.int64)
 
     @cached_property
-    def _data(self) -> Any:
-        return self.exp.build_data(stage=self.stage)
+    def data(self) -> Any | None:
+        """This party's ``[data]`` as the daemons build it (None without one)."""
+        return self.exp.build_data(stage=self.stage) if self.exp.spec(self.stage).data else None
 
 
 def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> CutSide:

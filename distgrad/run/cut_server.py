@@ -37,10 +37,12 @@ import numpy as np
 import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
+from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_client import STATE_VERSION, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import refusal
+from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
@@ -56,7 +58,8 @@ Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
 @dataclass
 class Batch:
     """One micro-batch of step ``step`` from the data owner: ``h`` (its activation, float32, read-only),
-    ``rows`` (its row numbers in the shared sample order, when this party has ``[data]``; else None),
+    ``rows`` (its row numbers, int64: with ``send_rows`` those the data owner sent, checked by
+    ``accepts.refuse_rows``; else in the shared sample order when this party has ``[data]``; else None),
     micro-batch ``mb`` of ``mbs`` (``last``: the step's last). Answer it once with ``reply``."""
 
     step: int
@@ -104,6 +107,7 @@ class CutServer:
         self.owner = ""                  # with CURVE: the key that opened it
         self.step = 0                    # steps applied
         self.next_mb = 0                 # micro-batches of step + 1 replied to
+        self.step_rows: list[np.ndarray] = []   # send_rows: the rows of step + 1's micro-batches replied to
         self.mbs = side.micro_batches
         self.cache: dict[tuple[int, int], Message] = {}    # replies of the last step and the one in progress
         self.pending: list[tuple[list[bytes], Message]] = []   # replies to send at the next ``__next__``
@@ -112,7 +116,7 @@ class CutServer:
         self.failure: NonFiniteError | None = None
         self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
-        specs = [self._expected(1).specs]
+        specs = [self._expected(1, self.exp.send_rows).specs]
         if self.test_rows is not None:
             specs.append(self._expected(1).with_rows(len(self.test_rows)).specs)   # may exceed a batch
         limits = [frame_limit(spec) for spec in specs]
@@ -281,8 +285,7 @@ class CutServer:
 
     def _test_rows(self) -> np.ndarray:
         """The held-out rows of this party's ``[data]`` (``ConfigError`` when it has none)."""
-        data = self.exp.spec(self.side.stage).data
-        rows = getattr(self.exp.build_data(stage=self.side.stage), "test_rows", None) if data else None
+        rows = getattr(self.side.data, "test_rows", None)
         if rows is None or not len(rows):
             raise ConfigError(f"evaluate= scores the held-out rows of stage {self.side.stage!r}'s [data], which "
                               f"holds none out: give its [data] a test_fraction > 0, as the data owner's")
@@ -308,8 +311,12 @@ class CutServer:
             "count": len(self.test_rows)})
         return self.evaluation
 
-    def _expected(self, mbs: int) -> Expected:
-        return Expected(WireTensor(ACTIVATION, self.side.micro_shape(mbs), self.exp.codecs[ACTIVATION]))
+    def _expected(self, mbs: int, rows: bool = False) -> Expected:
+        """What a forward of one of ``mbs`` micro-batches carries (with ``rows``: a training forward with
+        ``send_rows``, its row numbers too), or with ``with_rows`` an evaluation."""
+        shape = self.side.micro_shape(mbs)
+        others = {"rows": ((shape[0],), ROWS_DTYPE)} if rows else {}
+        return Expected(WireTensor(ACTIVATION, shape, self.exp.codecs[ACTIVATION]), others)
 
     def _forward(self, envelope: list[bytes], msg: Message) -> Batch | None:
         cached = self.cache.get((msg.step, msg.mb))
@@ -322,9 +329,12 @@ class CutServer:
                                                 f"expected step {k} micro-batch {self.next_mb}/{self.mbs}")
         if k > self.exp.steps:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
-        h = self._expected(self.mbs).receive(msg, self.exp.allow_nonfinite)
+        h = self._expected(self.mbs, self.exp.send_rows).receive(msg, self.exp.allow_nonfinite)
         rows = None
-        if self.exp.spec(self.side.stage).data:
+        if self.exp.send_rows:           # the data owner's loader chose them: checked as the daemons do
+            refuse_rows(self.side.data, msg, self.step_rows[:msg.mb])
+            rows = np.array(msg.tensors["rows"])
+        elif self.side.data is not None:
             rows = self.side.rows(k)
             size = len(rows) // self.mbs
             rows = rows if self.mbs == 1 else rows[msg.mb * size:(msg.mb + 1) * size]
@@ -360,8 +370,10 @@ class CutServer:
         batch.replied = True
         self.cache[(batch.step, batch.mb)] = reply
         self.pending.append((batch.envelope, reply))
+        if batch.rows is not None:
+            self.step_rows = [*self.step_rows[:batch.mb], batch.rows]
         if batch.last:
-            self.step, self.next_mb = batch.step, 0
+            self.step, self.next_mb, self.step_rows = batch.step, 0, []
             self.senders.commit()
             self.cache = {key: value for key, value in self.cache.items() if key[0] == self.step}
         else:
