@@ -120,9 +120,8 @@ class Cut:
         if k > self.exp.steps:
             raise CutMisuse(f"all {self.exp.steps} steps of the interface are done; call close()")
         h = self._checked(h)
-        if self.exp.send_rows:
-            rows = self._sent_rows(rows, len(h), k)
-        elif rows is not None:
+        sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
+        if sent is None and rows is not None:
             expected = self.side.rows(k)
             given = np.asarray(rows).reshape(-1)
             if given.shape != expected.shape or not np.array_equal(given, expected):
@@ -133,7 +132,7 @@ class Cut:
             if not self.joined:
                 self._handshake()
             try:
-                loss, dh = self._exchange(k, h, rows)
+                loss, dh = self._exchange(k, h, sent)
                 break
             except PeerRejected as e:
                 if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
