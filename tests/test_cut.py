@@ -301,6 +301,54 @@ def test_send_rows_between_two_loops_crosses_the_loaders_rows_and_bad_rows_are_r
     assert seen == [(1, [int(r) for r in mine]), (2, [int(r) for r in train[4:8]])]
 
 
+# ---------------------------------------------------------------- staleness: a daemon data owner's steps in flight
+
+def _scores(summary: dict) -> list:
+    return [(e["step"], e["test_loss"], e["test_accuracy"]) for e in summary["evaluations"]]
+
+
+def test_a_data_owner_daemon_with_steps_in_flight_drives_a_torch_loop_bitwise(tmp_path):
+    """``--staleness 2``: the daemon sends steps k+1..k+3 before it applies k+1; the loop sees each step
+    once, in order, and its evaluations (after every 5th step, while steps are in flight) score what the
+    configured run's do."""
+    folder = write_parties(tmp_path / "p", test_fraction=0.2)
+    ready = folder / "g.ready"
+    endpoint = free_tcp_endpoint()
+    ready.write_text(endpoint)
+    with daemon(folder, "f", "--connect", endpoint, "--staleness", "2", "--eval-every", "5") as f:
+        cut_loops.label_owner(folder, ready, None, evaluates=True)     # the user's loop: this process
+        assert f.wait() == 0, f.output
+    configured = train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]), staleness=2,
+                                  eval_every=5)
+    assert configured["params"] != reference(folder)
+    summary = read_json(folder / "f.json")
+    assert summary["params"]["f"] == configured["params"]["f"]
+    result = json.loads((folder / "g-params.json").read_text())
+    assert result["params"] == configured["params"]["g"] and result["seen"] == list(range(1, STEPS + 1))
+    assert _scores(summary) == _scores(configured) and len(_scores(summary)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_label_owner_loop_killed_9_under_steps_in_flight_resumes_with_no_step_lost_or_doubled(tmp_path):
+    """The loop dies after saving step 5, its reply unsent, with steps 6 and 7 already sent to it; resumed,
+    it answers the daemon's resent steps from its checkpoint's replies and computes each step once."""
+    folder = write_parties(tmp_path / "p")
+    ready = folder / "g.ready"
+    ready.write_text(free_tcp_endpoint())
+    endpoint = ready.read_text()
+    with loop(folder, "g", ready, "--die-before-send", "5") as g:
+        with daemon(folder, "f", "--connect", endpoint, "--staleness", "2") as f:
+            assert g.wait() == -9, g.output
+            with loop(folder, "g", ready, name="g2") as g2:
+                assert f.wait() == 0, f.output
+                assert g2.wait() == 0, g2.output
+    configured = train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]), staleness=2)
+    assert read_json(folder / "f.json")["params"]["f"] == configured["params"]["f"]
+    result = json.loads((folder / "g-params.json").read_text())
+    assert result["params"] == configured["params"]["g"] and result["seen"] == list(range(1, STEPS + 1))
+
+
 # ---------------------------------------------------------------- the contract, with both ends in this process
 
 FIELDS = dict(name="cut-unit", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
@@ -508,13 +556,15 @@ def test_the_torch_layer_refuses_a_detached_h_and_a_reply_without_a_gradient():
 
 
 def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_library_cannot_do(tmp_path):
-    from distgrad.run.cut_interface import FIRST, cut_side
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
     path = tmp_path / "f.toml"
     path.write_text(_interface() + '[stage]\nname = "f"\nmodule = "encoder:make"\n')
     with pytest.raises(ConfigError, match=r"takes only 'name'"):
         cut_side(FIRST, path, {})
-    with pytest.raises(ConfigError, match="steps in flight"):
+    with pytest.raises(ConfigError, match="cannot keep staleness = 1 steps in flight: a PyTorch loop .* autograd "
+                                          "refuses.*distgrad-stage --staleness S"):
         cut_side(FIRST, None, {**FIELDS, "staleness": 1})
+    assert cut_side(LAST, None, {**FIELDS, "staleness": 1}).exp.staleness == 1
     with pytest.raises(ConfigError, match="a Cut drives the first stage"):
         cut_side(FIRST, None, {**FIELDS, "stage": "g"})
     with pytest.raises(ConfigError, match="not both"):

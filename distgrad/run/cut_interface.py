@@ -6,9 +6,10 @@ names only its stage, an optional ``[data]``; ``config.parse.parse_own_loop``)
 or the interface's fields as keyword arguments. ``CutSide`` holds it with the
 connection settings both sides share (timeouts, CURVE key files), so the
 client (``run.cut_client``) and the server (``run.cut_server``) read one
-thing. The library covers two-party cuts of one data owner in lockstep:
-labels with the label owner, no ``[clients]``, no ``aggregate``, staleness 0;
-anything else is refused here, naming the field.
+thing. The library covers two-party cuts of one data owner:
+labels with the label owner, no ``[clients]``, no ``aggregate``, and a ``Cut``
+in lockstep (staleness 0; a ``CutServer`` serves a daemon's steps in flight);
+anything else is refused here, naming the field and the reason.
 """
 
 from __future__ import annotations
@@ -134,10 +135,17 @@ def _check_supported(side: CutSide, source: str) -> None:
         raise ConfigError(f"{source}: [stage] is {side.stage!r}, but {who} ({expected!r} of {names})")
     refused = {"labels": (exp.labels != "last", "labels travel with the activations (labels = 'first')"),
                "clients": (exp.clients.count > 1, "several data owners ([clients])"),
-               "aggregate": (exp.vertical, "vertical feature parties ('aggregate')"),
-               "staleness": (exp.staleness > 0, "steps in flight (staleness > 0)")}
+               "aggregate": (exp.vertical, "vertical feature parties ('aggregate')")}
     for key, (bad, what) in refused.items():
         if bad:
             raise ConfigError(f"{source}: the cut library does not support {what} yet: its loop runs one data "
-                              f"owner in lockstep with the label owner, the labels with the label owner; remove "
-                              f"'{key}' or run the daemons (distgrad-stage)")
+                              f"owner, the labels with the label owner; remove '{key}' or run the daemons "
+                              f"(distgrad-stage)")
+    if side.end == FIRST and exp.staleness > 0:
+        raise ConfigError(f"{source}: a Cut runs the data owner's loop in lockstep (cut.step returns step k's "
+                          f"gradient before step k+1 is sent), so it cannot keep staleness = {exp.staleness} steps "
+                          f"in flight: a PyTorch loop would call backward on step k's graph after its optimizer "
+                          f"had changed the parameters in place for the steps in between, which autograd refuses. "
+                          f"Remove 'staleness' (the label owner's CutServer needs none), or run the data owner as "
+                          f"the daemon (distgrad-stage --staleness S), which a CutServer serves with steps in "
+                          f"flight")

@@ -21,7 +21,8 @@ machine, which reuses the same mechanisms instead: ``wire.transport.Server``
 (bounded polls, CURVE, size limits), ``wire.messages.decode``,
 ``wire.wirecodec`` (codecs, error feedback), ``run.handshake.check_hello``
 (the interface compared field by field) and the protocol's replies. It serves
-one data owner in lockstep (no ``[clients]``, no staleness); docs/cut.md is
+one data owner (no ``[clients]``), with the steps in flight its hello asks
+for (staleness: the replies of the last S+1 steps are kept); docs/cut.md is
 the contract.
 """
 
@@ -41,7 +42,7 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_client import STATE_VERSION, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.serving import refusal
+from distgrad.run.serving import hello_fields, refusal
 from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -107,9 +108,11 @@ class CutServer:
         self.owner = ""                  # with CURVE: the key that opened it
         self.step = 0                    # steps applied
         self.next_mb = 0                 # micro-batches of step + 1 replied to
+        self.staleness = 0               # steps the data owner keeps in flight (its hello says)
         self.step_rows: list[np.ndarray] = []   # send_rows: the rows of step + 1's micro-batches replied to
         self.mbs = side.micro_batches
-        self.cache: dict[tuple[int, int], Message] = {}    # replies of the last step and the one in progress
+        self.cache: dict[tuple[int, int], Message] = {}    # replies of the last staleness + 1 steps and the one
+                                                           # in progress
         self.pending: list[tuple[list[bytes], Message]] = []   # replies to send at the next ``__next__``
         self.batch: Batch | None = None  # the one given out and not yet replied to
         self.joined, self.done, self.closed = False, False, False
@@ -252,10 +255,7 @@ class CutServer:
         if "purpose" in body:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this label "
                                                     f"owner trains in its own loop and predicts nothing")
-        if body.get("staleness", 0) != 0:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for staleness {wire.show(body.get('staleness'))}; "
-                                                    f"a label owner's own loop (distgrad.cut) serves steps in "
-                                                    f"lockstep: run the data owner with staleness 0")
+        _, staleness = hello_fields(body)
         held = body.get("held")
         common_step([], held)                                    # validates ``held``
         if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
@@ -267,19 +267,22 @@ class CutServer:
         if self.next_mb and mbs != self.mbs:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but step {self.step + 1} "
                                                     f"is under way here in {self.mbs}")
-        if self.step in held:
-            next_step = self.step + 1
-        elif self.step - 1 in held and all((self.step, mb) in self.cache for mb in range(self.mbs)):
-            next_step = self.step            # a step it did not see answered: its replies again, from the cache
-        else:
-            cached = f" (and can answer step {self.step} again)" if self.cache else ""
+        # The newest step the data owner holds from which every later step this side applied can be
+        # answered again from the cache (the steps it sent but did not see answered, or had in flight).
+        answerable = [h for h in held if h <= self.step and all(
+            (t, mb) in self.cache for t in range(h + 1, self.step + 1) for mb in range(self.mbs))]
+        if not answerable:
+            again = sorted({t for t, _ in self.cache if t <= self.step})
+            cached = f" (and can answer steps {wire.show(again)} again)" if again else ""
             raise ProtocolError(ErrorCode.RUN, f"the data owner can return to steps {wire.show(held)} of run "
                                                f"{msg.run}, this label owner stands at step {self.step}{cached}: "
                                                f"resume both sides from checkpoints of the same step")
+        next_step = max(answerable) + 1
         if msg.run != self.run_id:
             self.log.info("run %s started by %s", msg.run, body.get("role"))
             self.cache, self.senders = {}, Senders(self.exp.codecs)
         self.run_id, self.owner, self.mbs, self.joined = msg.run, peer_key, mbs, True
+        self.staleness = staleness
         self.log.info("run %s: the data owner said hello (%d micro-batches); next step %d", msg.run, mbs, next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
 
@@ -299,9 +302,11 @@ class CutServer:
                                                 f"give the data owner's [data] test_fraction = 0")
         if self.evaluation is not None and (self.evaluation.run, self.evaluation.step) == (msg.run, msg.step):
             return self.evaluation
-        if msg.step != self.step + 1 or self.next_mb:
+        # With steps in flight the data owner evaluates after step k once it has applied k, by when this side
+        # may have applied up to k + staleness (as the daemons and --in-process --staleness do).
+        if not self.step + 1 - self.staleness <= msg.step <= self.step + 1 or self.next_mb:
             raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
-                                                f"{self.step} steps")
+                                                f"{self.step} steps (staleness {self.staleness})")
         h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
         loss, correct = self.evaluate(h, self.test_rows)
         if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
@@ -375,7 +380,7 @@ class CutServer:
         if batch.last:
             self.step, self.next_mb, self.step_rows = batch.step, 0, []
             self.senders.commit()
-            self.cache = {key: value for key, value in self.cache.items() if key[0] == self.step}
+            self.cache = {key: value for key, value in self.cache.items() if key[0] >= self.step - self.staleness}
         else:
             self.next_mb += 1
 

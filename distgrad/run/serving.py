@@ -235,7 +235,7 @@ class ServingStage:
         """A peer (re)joins: the hello is checked (``ProtocolError``), then its topology places it."""
         topology, body = self.topology, msg.body
         mbs = topology.check_hello(body)
-        eval_every, staleness = _hello_fields(body)
+        eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
         peer = self.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
@@ -467,7 +467,7 @@ class ServingStage:
         return summary
 
 
-def _hello_fields(body: dict[str, Any]) -> tuple[int, int]:
+def hello_fields(body: dict[str, Any]) -> tuple[int, int]:
     """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict."""
     if "purpose" in body:
         raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this stage "
