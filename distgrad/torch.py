@@ -98,6 +98,29 @@ class Cut:
         h.backward(torch.from_numpy(dh).to(h.device))
         return float(loss)
 
+    @property
+    def test_rows(self) -> torch.Tensor:
+        """The held-out row numbers of this party's ``[data]``, in the order ``evaluate`` takes them."""
+        return torch.from_numpy(self.numpy.test_rows)
+
+    @property
+    def evaluation_due(self) -> bool:
+        """Whether ``eval_every`` asks for an evaluation after the steps applied (``distgrad.cut``)."""
+        return self.numpy.evaluation_due
+
+    @property
+    def stopped(self) -> bool:
+        """The label owner's last evaluation said stop (its early stopping): end the loop."""
+        return self.numpy.stopped
+
+    def evaluate(self, h: torch.Tensor) -> dict[str, Any]:
+        """Score the held-out rows: ``h`` their activations (float32, in ``test_rows`` order; compute it under
+        ``torch.no_grad()``); returns the label owner's ``loss``, ``correct``, ``count`` and, when it gives
+        them, ``metrics``, ``best`` and ``stop`` (``distgrad.cut.Cut.evaluate``)."""
+        if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
+            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+        return self.numpy.evaluate(h.detach().cpu().contiguous().numpy())
+
     def state_dict(self) -> dict[str, Any]:
         """As ``distgrad.cut.Cut.state_dict``, arrays as tensors: ``torch.save`` it with your model."""
         return _to_torch(self.numpy.state_dict())

@@ -75,7 +75,8 @@ def own_batches(cut, train_rows: np.ndarray) -> list[list[int]]:
             for k in steps]
 
 
-def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool = False) -> None:
+def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool = False,
+               evaluates: bool = False) -> None:
     import torch
 
     import distgrad.torch
@@ -84,6 +85,7 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool
     opt = torch.optim.Adam(encoder.parameters(), lr=0.003)
     pixels = torch.from_numpy(np.load(folder / "pixels.npy"))
     saved = _load(folder / "f.pt")
+    scores = []
     if saved is not None:
         encoder.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -100,8 +102,13 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.step()
             opt.zero_grad()
+            if evaluates and cut.evaluation_due:        # the held-out rows, scored by the label owner
+                with torch.no_grad():
+                    scores.append({"step": cut.applied, **cut.evaluate(encoder(pixels[cut.test_rows]))})
             _save({"model": encoder.state_dict(), "opt": opt.state_dict(), "cut": cut.state_dict()}, folder / "f.pt")
     (folder / "f-params.json").write_text(json.dumps(_params(encoder)))
+    if evaluates:
+        (folder / "f-evaluations.json").write_text(json.dumps(scores))
 
 
 def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bool = False) -> None:

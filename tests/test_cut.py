@@ -301,6 +301,61 @@ def test_send_rows_between_two_loops_crosses_the_loaders_rows_and_bad_rows_are_r
     assert seen == [(1, [int(r) for r in mine]), (2, [int(r) for r in train[4:8]])]
 
 
+# ---------------------------------------------------------------- held-out rows from the data owner's loop
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_torch_loop_evaluates_with_a_label_owner_daemon_as_the_configured_run(tmp_path):
+    """``cut.evaluate`` after every ``eval_every``-th step: the daemon's loss, accuracy, metrics and
+    ``keep_best`` verdicts, equal to the configured run's evaluations."""
+    folder = write_parties(tmp_path / "p", extra="eval_every = 4", test_fraction=0.2)
+    g_file = folder / "g.toml"
+    g_file.write_text(g_file.read_text().replace('loss = { type = "CrossEntropyLoss" }\n',
+                                                 'loss = { type = "CrossEntropyLoss" }\nmetrics = ["f1"]\n'
+                                                 'keep_best = "test_accuracy"\n'))
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
+        cut_loops.data_owner(folder, wait_for_file(ready, g), None, evaluates=True)
+        assert g.wait() == 0, g.output
+    configured = train_in_process(load_experiment([folder / "f.toml", g_file]))
+    assert json.loads((folder / "f-params.json").read_text()) == configured["params"]["f"]
+    scores = json.loads((folder / "f-evaluations.json").read_text())
+    held = load_experiment(folder / "f.toml").build_data(stage="f").test_rows
+    assert [s["step"] for s in scores] == [4, 8, 12] and all(s["count"] == len(held) for s in scores)
+    assert [(s["step"], s["loss"], s["correct"] / s["count"], s["metrics"]["f1"]) for s in scores] == [
+        (e["step"], e["test_loss"], e["test_accuracy"], e["test_f1"]) for e in configured["evaluations"]]
+    assert all(isinstance(s["best"], bool) for s in scores) and scores[0]["best"]
+
+
+@pytest.mark.integration
+def test_cut_evaluate_against_a_cut_server_gets_its_loops_scores_and_a_wrong_shape_is_misuse(tmp_path):
+    folder = write_parties(tmp_path / "p", test_fraction=0.2)
+    data = {"kind": "npy", "batch": 4, "test_fraction": 0.2}
+    fields = {**FIELDS, "steps": 1}
+    seen = []
+
+    def evaluate(h, rows):
+        seen.append((h.copy(), rows.copy()))
+        return float(h.sum()), 7
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", data={**data, "labels": str(folder / "digits.npy")},
+                                   evaluate=evaluate, **fields),
+                    lambda server: [b.reply(1.0, np.zeros((4, 3), np.float32)) for b in server])
+    with Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                     data={**data, "features": str(folder / "pixels.npy")}, **fields) as cut:
+        held = cut.test_rows
+        h = np.ones((len(held), 3), np.float32)
+        assert f"({len(held)}, 3)" in caught(lambda: cut.evaluate(h[:5]))
+        assert "float32" in caught(lambda: cut.evaluate(h.astype(np.float64)))
+        assert not cut.evaluation_due
+        cut.step(h_of(1))
+        assert cut.evaluation_due
+        assert cut.evaluate(h) == {"loss": float(h.sum()), "correct": 7, "count": len(held)}
+    _, error = served.result()
+    assert error is None, error
+    assert len(seen) == 1 and seen[0][0].tolist() == h.tolist() and seen[0][1].tolist() == held.tolist()
+
+
 # ---------------------------------------------------------------- staleness: a daemon data owner's steps in flight
 
 def _scores(summary: dict) -> list:

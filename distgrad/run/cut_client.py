@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import zmq
@@ -34,7 +34,7 @@ from distgrad.run.cut_interface import FIRST, Bounds, CutSide, cut_side
 from distgrad.stage.engine import combine_losses
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
-from distgrad.wire.link import DownstreamLink, LinkSettings, check_reply
+from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
@@ -71,6 +71,7 @@ class Cut:
                                    ctx or zmq.Context.instance(), security, self.reply_specs)
         self.joined = False         # shook hands at ``step``
         self.closed = False
+        self.stopped = False        # the label owner's last evaluation said stop (early stopping)
         self.below = self.exp.stage_names[1]
 
     @classmethod
@@ -128,21 +129,72 @@ class Cut:
                 raise CutMisuse(f"step {k} was given rows {wire.show(given.tolist())}, but the shared sample "
                                 f"order has {wire.show(expected.tolist())}: take each step's rows from "
                                 f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too")
+        loss, dh = self._joined(lambda: self._exchange(k, h, sent))
+        self.senders.commit()
+        self.applied = k
+        return loss, dh
+
+    def _joined(self, request: Callable[[], Any]) -> Any:
+        """``request()`` after the handshake; once more after a new handshake when the label owner lost this
+        run or step (it restarted)."""
         for attempt in (0, 1):
             if not self.joined:
                 self._handshake()
             try:
-                loss, dh = self._exchange(k, h, sent)
-                break
+                return request()
             except PeerRejected as e:
                 if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
                     raise
-                # The label owner restarted or lost this run: shake hands again, then send the step again.
+                # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
                 self.joined = False
-        self.senders.commit()
-        self.applied = k
-        return loss, dh
+
+    # -- held-out rows
+    @property
+    def test_rows(self) -> np.ndarray:
+        """The held-out row numbers of this party's ``[data]`` (``test_fraction``), in the order
+        ``evaluate`` takes their activations (``ConfigError`` without ``[data]``)."""
+        if self.side.data is None:
+            raise ConfigError(f"stage {self.side.stage!r} has no [data], so its held-out rows are unknown here")
+        return np.asarray(self.side.data.test_rows, np.int64)
+
+    @property
+    def evaluation_due(self) -> bool:
+        """Whether the interface's ``eval_every`` asks for an evaluation after the steps applied: after every
+        ``eval_every``-th step and the last, as the daemons evaluate (False while none is applied, and with
+        ``eval_every = 0`` but after the last step)."""
+        done, every = self.applied, self.exp.eval_every
+        return done > 0 and (done == self.exp.steps or (every > 0 and done % every == 0))
+
+    def evaluate(self, h: np.ndarray) -> dict[str, Any]:
+        """Score the held-out rows with the label owner as it stands after the steps applied: send ``h``,
+        their activations (float32, one row per held-out row of ``test_rows`` in that order, each of the
+        interface's activation row shape), as the protocol's ``evaluate``, and return its reply:
+        ``loss``, ``correct`` (rows right, None when the loss does not classify), ``count`` (rows
+        scored) and, when the label owner gives them, ``metrics``, ``best`` and ``stop`` (a daemon's
+        ``keep_best`` and ``early_stopping`` verdicts; after ``stop``, end the loop: ``close()`` then
+        ends the run). Changes nothing on either side but the verdicts.
+
+        Raises ``CutMisuse`` for a wrong dtype or shape, ``PeerRejected`` when the label owner refuses
+        (it holds no rows out, or another count), ``PeerTimeout`` as ``step`` does."""
+        self._check_open()
+        if not isinstance(h, np.ndarray) or h.dtype != np.float32:
+            raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
+                            f"{getattr(h, 'dtype', '')}".rstrip())
+        rows = len(self.side.data.test_rows) if self.side.data is not None else None
+        if h.shape[1:] != self.side.shape[1:] or len(h) < 1 or rows is not None and len(h) != rows:
+            wanted = f"({rows if rows is not None else 'rows'}, {', '.join(map(str, self.side.shape[1:]))})"
+            raise CutMisuse(f"the held-out activations have shape {h.shape}; expected {wanted}: one row per "
+                            f"held-out row{' of [data]' if rows is not None else ''}")
+        k = self.applied + 1
+        try:
+            tensors = self.senders.evaluation_tensors(np.ascontiguousarray(h), k)
+        except CodecRangeError as e:
+            raise NonFiniteError(f"stage {self.side.stage}: {e}; the evaluation was not sent") from e
+        result = self._joined(lambda: check_evaluation(
+            self.link.exchange(Message(wire.EVALUATE, self.run_id, k, tensors=tensors))))
+        self.stopped = bool(result.get("stop"))
+        return result
 
     def _checked(self, h: Any) -> np.ndarray:
         if not isinstance(h, np.ndarray) or h.dtype != np.float32:
@@ -235,13 +287,13 @@ class Cut:
 
     # -- the end
     def close(self, finished: bool | None = None) -> None:
-        """Close the connection. ``finished`` (default: every step of the interface is done) says bye first,
-        so the label owner ends the run; a loop stopping early for good passes True, one that will resume
-        later False."""
+        """Close the connection. ``finished`` (default: every step of the interface is done, or the last
+        ``evaluate`` said stop) says bye first, so the label owner ends the run; a loop stopping early for
+        good passes True, one that will resume later False."""
         if self.closed:
             return
         try:
-            if (self.applied >= self.exp.steps if finished is None else finished):
+            if (self.applied >= self.exp.steps or self.stopped if finished is None else finished):
                 if not self.joined:
                     self._handshake()
                 self.link.exchange(Message(wire.BYE, self.run_id, self.applied + 1, body={"steps": self.applied}))
