@@ -62,6 +62,15 @@ def _rows_array(rows: Any) -> np.ndarray | None:
     return rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
 
 
+def _check_h(h: Any) -> None:
+    """``CutMisuse`` unless ``h`` is a float32 tensor that requires grad (part of the encoder's graph)."""
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
+        raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+    if not h.requires_grad:
+        raise CutMisuse("h does not require grad, so the gradient that comes back could not reach your model: "
+                        "pass the encoder's output itself (not h.detach())")
+
+
 class Cut:
     """The data owner's end of the cut for a PyTorch loop (``distgrad.cut.Cut`` underneath, as ``numpy``)."""
 
@@ -85,15 +94,30 @@ class Cut:
         """The row numbers of ``step`` (default: the next) in the shared sample order, int64."""
         return torch.from_numpy(self.numpy.rows(step))
 
-    def step(self, h: torch.Tensor, rows: Any = None, step: int | None = None) -> float:
+    @property
+    def scale(self) -> float:
+        """The factor on a step's summed micro-batch gradients (``distgrad.cut.Cut.scale``)."""
+        return float(self.numpy.scale)
+
+    def step(self, h: torch.Tensor | list[torch.Tensor], rows: Any = None, step: int | None = None) -> float:
         """Send ``h`` (float32, the interface's activation for a whole batch, part of the encoder's graph),
         wait for d(loss)/d(h), call ``h.backward`` with it and return the label owner's loss of the step.
-        Step your optimiser after it. ``rows`` (optional) are checked against the shared order."""
-        if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
-            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
-        if not h.requires_grad:
-            raise CutMisuse("h does not require grad, so the gradient that comes back could not reach your model: "
-                            "pass the encoder's output itself (not h.detach())")
+        Step your optimiser after it. ``rows``: as ``distgrad.cut.Cut.step`` (sent with ``send_rows``, else
+        optional and checked against the shared order).
+
+        ``h`` may be a list of the step's M micro-batches' activations, each computed from its micro-batch
+        alone (``encoder(x_i)`` for ``x_i`` in ``x.chunk(M)``): each gets its own gradient, unscaled, by its
+        own ``backward``, in order, so your parameter gradients add up as a daemon's do; multiply them by
+        ``cut.scale`` before ``opt.step()`` to train bit for bit as ``--micro-batches M``."""
+        if isinstance(h, (list, tuple)):
+            for part in h:
+                _check_h(part)
+            loss, grads = self.numpy.step_micro_batches(
+                [part.detach().cpu().contiguous().numpy() for part in h], _rows_array(rows), step)
+            for part, grad in zip(h, grads):
+                part.backward(torch.from_numpy(grad).to(part.device))
+            return float(loss)
+        _check_h(h)
         loss, dh = self.numpy.step(h.detach().cpu().contiguous().numpy(), _rows_array(rows), step)
         h.backward(torch.from_numpy(dh).to(h.device))
         return float(loss)

@@ -76,7 +76,9 @@ def own_batches(cut, train_rows: np.ndarray) -> list[list[int]]:
 
 
 def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool = False,
-               evaluates: bool = False) -> None:
+               evaluates: bool = False, micro: int = 0) -> None:
+    """The data owner's loop; ``micro`` M > 0: each step as its M micro-batches (``cut.step`` of a list),
+    their parameter gradients added up by autograd and scaled by ``cut.scale``, as a daemon does."""
     import torch
 
     import distgrad.torch
@@ -96,8 +98,12 @@ def data_owner(folder: Path, endpoint: str, die_after: int | None, shuffle: bool
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(pixels, torch.arange(len(pixels))),
                                              batch_sampler=sampler)
         for x, rows in loader:
-            h = encoder(x)
-            cut.step(h, rows)
+            if micro:
+                cut.step([encoder(part) for part in x.chunk(micro)], rows)
+                for p in encoder.parameters():
+                    p.grad.mul_(cut.scale)
+            else:
+                cut.step(encoder(x), rows)
             if die_after is not None and cut.applied == die_after and saved is None:
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.step()

@@ -301,6 +301,21 @@ def test_send_rows_between_two_loops_crosses_the_loaders_rows_and_bad_rows_are_r
     assert seen == [(1, [int(r) for r in mine]), (2, [int(r) for r in train[4:8]])]
 
 
+# ---------------------------------------------------------------- micro-batches, bit for bit on the data owner's side
+
+def test_a_torch_loop_backwarding_each_micro_batch_trains_bitwise_as_the_daemons_micro_batches(tmp_path):
+    """``cut.step([h_0, ..., h_3])``: each micro-batch's own gradient, back-propagated in order and the sum
+    scaled by ``cut.scale``, is the daemon data owner's ``--micro-batches 4`` bit for bit."""
+    folder = write_parties(tmp_path / "p", extra="micro_batches = 4")
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
+        cut_loops.data_owner(folder, wait_for_file(ready, g), None, micro=4)
+        assert g.wait() == 0, g.output
+    expected = reference(folder, micro_batches=4)
+    assert json.loads((folder / "f-params.json").read_text()) == expected["f"]
+    assert read_json(folder / "g.json")["params"]["g"] == expected["g"]
+
+
 # ---------------------------------------------------------------- held-out rows from the data owner's loop
 
 @pytest.mark.slow
@@ -565,6 +580,27 @@ def test_micro_batches_reach_the_loop_one_by_one_and_come_back_as_the_daemons_co
     assert seen == [(1, 0, 2, False, (2, 3)), (1, 1, 2, True, (2, 3))]
     assert scale == np.float32(0.5) and loss == np.float32(1.5)
     assert dh.tolist() == [[0.5] * 3] * 2 + [[1.0] * 3] * 2
+
+
+@pytest.mark.integration
+def test_step_micro_batches_returns_each_micro_batchs_own_gradient_unscaled():
+    fields = {**FIELDS, "micro_batches": 2, "steps": 1}
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **fields),
+                    lambda server: [b.reply(float(b.mb + 1), np.full((2, 3), b.mb + 1, np.float32)) for b in server])
+    with Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields) as cut:
+        parts = [h_of(1)[:2], h_of(1)[2:]]
+        assert "2 micro-batches as a list" in caught(lambda: cut.step_micro_batches(parts[:1]))
+        assert "shape (2, 3)" in caught(lambda: cut.step_micro_batches([h_of(1), h_of(1)]))
+        loss, grads = cut.step_micro_batches(parts)
+    assert error_free(served)
+    assert loss == np.float32(1.5) and cut.scale == np.float32(0.5)
+    assert [g.tolist() for g in grads] == [[[1.0] * 3] * 2, [[2.0] * 3] * 2]
+
+
+def error_free(served: "Served") -> bool:
+    _, error = served.result()
+    assert error is None, error
+    return True
 
 
 @pytest.mark.integration

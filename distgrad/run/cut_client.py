@@ -99,6 +99,32 @@ class Cut:
         """The row numbers of ``step`` (default: the next) in the interface's shared sample order."""
         return self.side.rows(self.applied + 1 if step is None else step)
 
+    @property
+    def scale(self) -> np.float32:
+        """The float32 factor the daemons put on the sum of a step's micro-batch gradients (1 for one
+        micro-batch or a ``sum`` reduction, 1/M for ``mean``): see ``step_micro_batches``."""
+        return self.side.scale(self.mbs)
+
+    def step_micro_batches(self, hs: list[np.ndarray], rows: Any = None, step: int | None = None
+                           ) -> tuple[np.float32, list[np.ndarray]]:
+        """``step`` with ``h`` as its M micro-batches (``hs``: M float32 arrays, each a micro-batch's
+        activation, computed from it alone, as a daemon computes them): returns the step's loss and each
+        micro-batch's own gradient d(loss_i)/d(h_i), unscaled. A loop that back-propagates them in order,
+        adding up its parameter gradients, and multiplies the sum by ``scale`` before stepping computes
+        bit for bit what a daemon data owner does with ``--micro-batches M`` (``step`` returns the
+        combined gradient, which back-propagated at once is equal only to float32 rounding)."""
+        shape = self.side.micro_shape(self.mbs)
+        if not isinstance(hs, (list, tuple)) or len(hs) != self.mbs:
+            got = f"{len(hs)} of them" if isinstance(hs, (list, tuple)) else type(hs).__name__
+            raise CutMisuse(f"step_micro_batches takes the step's {self.mbs} micro-batches as a list (the "
+                            f"interface's micro_batches), got {got}")
+        for i, part in enumerate(hs):
+            if not isinstance(part, np.ndarray) or part.dtype != np.float32 or part.shape != shape:
+                raise CutMisuse(f"micro-batch {i} must be a float32 array of shape {shape}, got "
+                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}")
+        losses, grads = self._step(np.concatenate(hs), rows, step)
+        return combine_losses(losses, self.scale), [np.array(g, np.float32) for g in grads]
+
     def step(self, h: np.ndarray, rows: Any = None, step: int | None = None) -> tuple[np.float32, np.ndarray]:
         """One step: send ``h`` (float32, the interface's activation shape for a whole batch), wait for the
         label owner's replies and return ``(loss, dh)``: the step's loss and d(loss)/d(h), float32, the
@@ -112,6 +138,13 @@ class Cut:
         the label owner stays silent past ``peer_deadline_s``; ``PeerRejected`` when it refuses;
         ``NonFiniteError`` for a NaN or Inf in its reply (unless the interface allows them).
         """
+        losses, grads = self._step(h, rows, step)
+        if len(grads) == 1:
+            return losses[0], np.array(grads[0], np.float32)
+        return combine_losses(losses, self.scale), np.concatenate(grads) * self.scale
+
+    def _step(self, h: np.ndarray, rows: Any, step: int | None) -> tuple[list[np.float32], list[np.ndarray]]:
+        """Step ``applied + 1`` of the whole batch ``h``: its micro-batches' losses and gradients."""
         self._check_open()
         k = self.applied + 1
         if step is not None and step != k:
@@ -129,10 +162,10 @@ class Cut:
                 raise CutMisuse(f"step {k} was given rows {wire.show(given.tolist())}, but the shared sample "
                                 f"order has {wire.show(expected.tolist())}: take each step's rows from "
                                 f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too")
-        loss, dh = self._joined(lambda: self._exchange(k, h, sent))
+        losses, grads = self._joined(lambda: self._exchange(k, h, sent))
         self.senders.commit()
         self.applied = k
-        return loss, dh
+        return losses, grads
 
     def _joined(self, request: Callable[[], Any]) -> Any:
         """``request()`` after the handshake; once more after a new handshake when the label owner lost this
@@ -225,7 +258,8 @@ class Cut:
                             f"on each row once")
         return given.astype(np.int64)
 
-    def _exchange(self, k: int, h: np.ndarray, rows: np.ndarray | None) -> tuple[np.float32, np.ndarray]:
+    def _exchange(self, k: int, h: np.ndarray, rows: np.ndarray | None
+                  ) -> tuple[list[np.float32], list[np.ndarray]]:
         """Send step ``k``'s micro-batches (all at once; with ``rows``, each with its row numbers) and
         collect their replies in order."""
         count = self.mbs
@@ -250,10 +284,7 @@ class Cut:
             loss, dy = check_reply(reply, k, self.reply_specs, self.exp.allow_nonfinite, self.below)
             losses.append(loss)
             grads.append(dy)
-        scale = self.side.scale(count)
-        if count == 1:
-            return losses[0], np.array(grads[0], np.float32)
-        return combine_losses(losses, scale), np.concatenate(grads) * scale
+        return losses, grads
 
     def _handshake(self) -> None:
         """Hello at ``step``; the label owner must take this run up there."""
