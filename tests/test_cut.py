@@ -237,6 +237,8 @@ def test_a_torch_loop_with_its_own_shuffle_and_send_rows_drives_a_label_owner_da
     assert read_json(folder / "g.json")["params"]["g"] == expected["g"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_data_owner_daemon_with_send_rows_drives_a_torch_loop_on_the_rows_it_sends(tmp_path, monkeypatch):
     """The daemon's loader walks every epoch backwards (tests/reordered_stage.py): the label owner's loop
     gets those rows as batch.rows and takes their labels."""
@@ -303,6 +305,8 @@ def test_send_rows_between_two_loops_crosses_the_loaders_rows_and_bad_rows_are_r
 
 # ---------------------------------------------------------------- micro-batches, bit for bit on the data owner's side
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_torch_loop_backwarding_each_micro_batch_trains_bitwise_as_the_daemons_micro_batches(tmp_path):
     """``cut.step([h_0, ..., h_3])``: each micro-batch's own gradient, back-propagated in order and the sum
     scaled by ``cut.scale``, is the daemon data owner's ``--micro-batches 4`` bit for bit."""
