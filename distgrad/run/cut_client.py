@@ -131,8 +131,9 @@ class Cut:
         same shape as ``h``. ``rows``: the row numbers ``h`` was computed from, one per row; with the
         interface's ``send_rows`` they are sent (any order, e.g. a loader's own shuffle; required, checked
         by ``_sent_rows`` here and refused by the label owner naming a row it may not train on), else
-        optional and checked against the shared order. ``step`` (optional) must be the next step. With M micro-batches, ``h`` is sent
-        as M of them; the loss and ``dh`` are the daemons' (their sums times the micro-batch scale).
+        optional and checked against the shared order. ``step`` (optional) must be the next step. With M
+        micro-batches, ``h`` is sent as M of them; the loss and ``dh`` are the daemons' (their sums times
+        the micro-batch scale; ``step_micro_batches`` gives each micro-batch's own).
 
         Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, or a closed cut; ``PeerTimeout`` when
         the label owner stays silent past ``peer_deadline_s``; ``PeerRejected`` when it refuses;

@@ -146,6 +146,5 @@ def _check_supported(side: CutSide, source: str) -> None:
                           f"gradient before step k+1 is sent), so it cannot keep staleness = {exp.staleness} steps "
                           f"in flight: a PyTorch loop would call backward on step k's graph after its optimizer "
                           f"had changed the parameters in place for the steps in between, which autograd refuses. "
-                          f"Remove 'staleness' (the label owner's CutServer needs none), or run the data owner as "
-                          f"the daemon (distgrad-stage --staleness S), which a CutServer serves with steps in "
-                          f"flight")
+                          f"Remove 'staleness' from both parties' interface, or run the data owner as the daemon "
+                          f"(distgrad-stage --staleness S), which a CutServer serves with steps in flight")
