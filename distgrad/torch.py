@@ -62,6 +62,13 @@ def _rows_array(rows: Any) -> np.ndarray | None:
     return rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
 
 
+def _float32_hint(h: Any) -> str:
+    """What to do about an ``h`` that is not a float32 tensor."""
+    if isinstance(h, torch.Tensor):
+        return ": send h.float() (the gradient flows back through it), or build the encoder in float32"
+    return ": pass the encoder's output tensor (distgrad.cut takes numpy arrays)"
+
+
 class Cut:
     """The data owner's end of the cut for a PyTorch loop (``distgrad.cut.Cut`` underneath, as ``numpy``)."""
 
@@ -90,7 +97,8 @@ class Cut:
         wait for d(loss)/d(h), call ``h.backward`` with it and return the label owner's loss of the step.
         Step your optimiser after it. ``rows`` (optional) are checked against the shared order."""
         if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
-            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}"
+                            f"{_float32_hint(h)}")
         if not h.requires_grad:
             raise CutMisuse("h does not require grad, so the gradient that comes back could not reach your model: "
                             "pass the encoder's output itself (not h.detach())")
