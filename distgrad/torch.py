@@ -62,10 +62,18 @@ def _rows_array(rows: Any) -> np.ndarray | None:
     return rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
 
 
+def _float32_hint(h: Any) -> str:
+    """What to do about an ``h`` that is not a float32 tensor."""
+    if isinstance(h, torch.Tensor):
+        return ": send h.float() (the gradient flows back through it), or build the encoder in float32"
+    return ": pass the encoder's output tensor (distgrad.cut takes numpy arrays)"
+
+
 def _check_h(h: Any) -> None:
     """``CutMisuse`` unless ``h`` is a float32 tensor that requires grad (part of the encoder's graph)."""
     if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
-        raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+        raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}"
+                        f"{_float32_hint(h)}")
     if not h.requires_grad:
         raise CutMisuse("h does not require grad, so the gradient that comes back could not reach your model: "
                         "pass the encoder's output itself (not h.detach())")
@@ -142,7 +150,8 @@ class Cut:
         ``torch.no_grad()``); returns the label owner's ``loss``, ``correct``, ``count`` and, when it gives
         them, ``metrics``, ``best`` and ``stop`` (``distgrad.cut.Cut.evaluate``)."""
         if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
-            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}"
+                            f"{_float32_hint(h)}")
         return self.numpy.evaluate(h.detach().cpu().contiguous().numpy())
 
     def state_dict(self) -> dict[str, Any]:

@@ -735,3 +735,37 @@ def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_
     assert losses == [2.0] * 3            # step 1 too: the failed loop's reply never left
     steps, error = served.result()
     assert error is None and steps == [1, 2, 3]
+
+
+@pytest.mark.integration
+def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
+    folder = write_parties(tmp_path)
+    cut = Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", timeout_s=0.2, peer_deadline_s=1.0)
+    rows, h = cut.rows(1), np.zeros((32, 16), np.float32)
+    short = caught(lambda: cut.step(h, rows[:10]))
+    assert "given 10 rows" in short and "has 32 for it" in short
+    swapped = rows.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert f"position 3 is row {rows[4]}, the order's is {rows[3]}" in caught(lambda: cut.step(h, swapped))
+    cut.close(finished=False)
+
+
+@pytest.mark.integration
+def test_the_torch_layer_says_what_to_do_about_a_float64_h_and_a_batch_left_unanswered():
+    import distgrad.torch as dt
+
+    def body(server):
+        batches = iter(server)
+        next(batches)                       # the loop forgets batch.reply
+        return caught(lambda: next(batches))
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    cut = dt.Cut.connect(served.server.endpoint, timeout_s=0.2, peer_deadline_s=1.0, **FIELDS)
+    assert "h.float()" in caught(lambda: cut.step(torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)))
+    assert "distgrad.cut takes numpy arrays" in caught(lambda: cut.step(np.zeros((4, 3), np.float32)))
+    with pytest.raises(PeerTimeout):
+        cut.step(torch.zeros(4, 3, requires_grad=True) * 2)
+    cut.close(finished=False)
+    unanswered, failure = served.result()
+    assert failure is None, failure
+    assert "call batch.reply first" in unanswered and "grad)" not in unanswered    # the torch reply takes loss only

@@ -160,8 +160,7 @@ class Cut:
             expected = self.side.rows(k)
             given = np.asarray(rows).reshape(-1)
             if given.shape != expected.shape or not np.array_equal(given, expected):
-                raise CutMisuse(f"step {k} was given rows {wire.show(given.tolist())}, but the shared sample "
-                                f"order has {wire.show(expected.tolist())}: take each step's rows from "
+                raise CutMisuse(f"step {k} was given {_rows_differ(given, expected)}: take each step's rows from "
                                 f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too")
         losses, grads = self._joined(lambda: self._exchange(k, h, sent))
         self.senders.commit()
@@ -345,6 +344,17 @@ class Cut:
     def _check_open(self) -> None:
         if self.closed:
             raise CutMisuse("this cut is closed; connect a new one (Cut.connect) to go on")
+
+
+def _rows_differ(given: np.ndarray, expected: np.ndarray) -> str:
+    """How ``given`` rows differ from the step's ``expected`` ones, where a reader sees it: the counts when they
+    differ, else the first position that does."""
+    if len(given) != len(expected):
+        return (f"{len(given)} rows {wire.show(given.tolist())}, but the shared sample order has {len(expected)} "
+                f"for it, {wire.show(expected.tolist())}")
+    at = int(np.flatnonzero(given != expected)[0])
+    return (f"rows {wire.show(given.tolist())}, but the shared sample order has {wire.show(expected.tolist())}: "
+            f"position {at} is row {given[at]}, the order's is {expected[at]}")
 
 
 def _check_step(step: Any, steps: int) -> int:

@@ -181,7 +181,7 @@ class CutServer:
         self._check_open()
         if self.batch is not None and not self.batch.replied:
             raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
-                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply(loss, grad) first")
+                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
         self.batch = None
         self._flush()
         if self.failure is not None:
