@@ -173,13 +173,17 @@ class Cut:
 
 class Batch:
     """One micro-batch for the label owner's PyTorch loop: ``h`` a float32 leaf tensor that requires grad
-    (its own memory), ``rows`` (int64 tensor, or None without ``[data]``), ``step``, ``mb``, ``mbs``, ``last``."""
+    (its own memory), ``rows`` (int64 tensor; ``CutMisuse`` when nothing numbers the rows: no ``[data]`` and
+    no ``send_rows``), ``step``, ``mb``, ``mbs``, ``last``."""
 
     def __init__(self, batch: numpy_cut.Batch) -> None:
         self.numpy = batch
         self.step, self.mb, self.mbs, self.last = batch.step, batch.mb, batch.mbs, batch.last
         self.h = torch.tensor(batch.h, dtype=torch.float32).requires_grad_()
-        self.rows = None if batch.rows is None else torch.from_numpy(batch.rows)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return torch.from_numpy(self.numpy.rows)
 
     def reply(self, loss: Any) -> None:
         """Answer with this micro-batch's ``loss`` (a tensor or number) and ``h.grad``, which

@@ -769,3 +769,24 @@ def test_the_torch_layer_says_what_to_do_about_a_float64_h_and_a_batch_left_unan
     unanswered, failure = served.result()
     assert failure is None, failure
     assert "call batch.reply first" in unanswered and "grad)" not in unanswered    # the torch reply takes loss only
+
+
+def test_rows_nothing_numbers_are_a_clear_error_not_none():
+    """A label owner with no [data] and no send_rows has no row numbers: reading batch.rows says so (None would
+    index labels[None] silently), and the batch can still be answered."""
+    import distgrad.torch as dt
+
+    def body(server):
+        batch = next(iter(server))
+        message = caught(lambda: batch.rows)
+        batch.h.sum().backward()
+        batch.reply(0.0)
+        return message
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    cut = dt.Cut.connect(served.server.endpoint, timeout_s=2.0, peer_deadline_s=5.0, **FIELDS)
+    cut.step(torch.zeros(4, 3, requires_grad=True) * 2)
+    cut.close(finished=False)
+    message, failure = served.result()
+    assert failure is None, failure
+    assert "nothing numbers" in message and "send_rows" in message and "[data]" in message

@@ -166,8 +166,9 @@ def test_a_refusal_says_where_each_side_s_value_came_from(tmp_path: Path):
     text = str(info.value)
     assert ("activation_codec: f has 'int8' (set by f's --activation-codec), g has 'float16' (set by g's "
             "--activation-codec); gradient_codec: f has 'bfloat16' (set by f's --gradient-codec), g has nothing "
-            "(the parties must agree on the interface: values come from f's stage file "
-            f"{f_file} and g's built-in experiment 'tanh-regression' where no flag is named)") in text
+            "(the parties must agree on the interface: a value no flag set comes from f's stage file "
+            f"{f_file.name} and g's built-in experiment 'tanh-regression')") in text
+    assert str(f_file.parent) not in text           # a party's folders stay its own
 
 
 @pytest.mark.parametrize("origins", [[], {"steps": 3}, {"*": "x" * 201}, {"*": "a\nb"}, {1: "x"}])
@@ -184,6 +185,6 @@ def test_stages_given_other_codecs_by_flag_say_so_on_both_sides(start_server):
     result = run_cli(["stage", "f", "--experiment", "tanh-regression", "--connect", endpoint, "--peer-deadline", "10"])
     assert result.returncode == 4, result.stderr
     needle = ("activation_codec: f has nothing, g has 'int8' (set by g's --activation-codec) (the parties must agree "
-              "on the interface: values come from f's built-in experiment 'tanh-regression' and g's built-in "
-              "experiment 'tanh-regression' where no flag is named)")
+              "on the interface: a value no flag set comes from f's built-in experiment 'tanh-regression' and g's "
+              "built-in experiment 'tanh-regression')")
     assert needle in result.stderr and needle in g.output

@@ -448,9 +448,11 @@ class Experiment:
 
     def interface_origins(self) -> dict[str, str]:
         """Where this party's interface fields come from, for a refusal to name (the hello carries it):
-        ``"*"`` for every field its file sets (a built-in experiment's name, else the file's path as given,
-        a long one's tail), and each field a command-line flag set, the flag (``--gradient-codec``)."""
-        path = self.source if len(self.source) <= ORIGIN_MAX // 2 else "..." + self.source[3 - ORIGIN_MAX // 2:]
+        ``"*"`` for every field its file sets (a built-in experiment's name, else the file's name without its
+        folders, which are this party's own business, a long one's tail), and each field a command-line flag
+        set, the flag (``--gradient-codec``)."""
+        name = Path(self.source).name
+        path = name if len(name) <= ORIGIN_MAX // 2 else "..." + name[3 - ORIGIN_MAX // 2:]
         origin = (f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
                   else f"{'experiment' if self.data else 'stage'} file {path}")
         return {"*": origin[:ORIGIN_MAX], **dict(self.flag_origins)}

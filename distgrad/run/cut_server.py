@@ -60,14 +60,15 @@ Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
 class Batch:
     """One micro-batch of step ``step`` from the data owner: ``h`` (its activation, float32, read-only),
     ``rows`` (its row numbers, int64: with ``send_rows`` those the data owner sent, checked by
-    ``accepts.refuse_rows``; else in the shared sample order when this party has ``[data]``; else None),
-    micro-batch ``mb`` of ``mbs`` (``last``: the step's last). Answer it once with ``reply``."""
+    ``accepts.refuse_rows``; else in the shared sample order when this party has ``[data]``; else reading
+    it raises ``CutMisuse``: nothing numbers the rows), micro-batch ``mb`` of ``mbs`` (``last``: the step's
+    last). Answer it once with ``reply``."""
 
     step: int
     mb: int
     mbs: int
     h: np.ndarray
-    rows: np.ndarray | None
+    known_rows: np.ndarray | None
     server: "CutServer" = field(repr=False)
     envelope: list[bytes] = field(repr=False, default_factory=list)
     replied: bool = False
@@ -76,6 +77,14 @@ class Batch:
     @property
     def last(self) -> bool:
         return self.mb == self.mbs - 1
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self.known_rows is None:
+            raise CutMisuse(f"batch.rows of step {self.step}: nothing numbers this batch's rows (this label owner "
+                            f"has no [data] and the interface no send_rows = true); give the label owner its "
+                            f"[data] (its labels) or set send_rows = true on both sides")
+        return self.known_rows
 
     def reply(self, loss: Any, grad: np.ndarray) -> None:
         """Answer with this micro-batch's ``loss`` (a float; reduced over its rows as the interface's
@@ -375,8 +384,8 @@ class CutServer:
         batch.replied = True
         self.cache[(batch.step, batch.mb)] = reply
         self.pending.append((batch.envelope, reply))
-        if batch.rows is not None:
-            self.step_rows = [*self.step_rows[:batch.mb], batch.rows]
+        if batch.known_rows is not None:
+            self.step_rows = [*self.step_rows[:batch.mb], batch.known_rows]
         if batch.last:
             self.step, self.next_mb, self.step_rows = batch.step, 0, []
             self.senders.commit()

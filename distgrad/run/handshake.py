@@ -130,7 +130,7 @@ def _parts_differ(theirs: Any, ours: dict[str, Any], they: str, we: str,
                                               else "")
     files = " and ".join(f"{side}'s {side_origins['*']}" for side, side_origins in
                          ((they, their_origins), (we, our_origins)) if "*" in side_origins)
-    where = f": values come from {files} where no flag is named" if files else ""
+    where = f": a value no flag set comes from {files}" if files else ""
     return (f"the interface of stage {they} differs from stage {we}'s: {shown or 'in nothing it names'} "
             f"(the parties must agree on the interface{where})")
 
