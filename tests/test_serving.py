@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distgrad.wire import messages as wire
-from distgrad.errors import ProtocolError
+from distgrad.errors import ConfigError, ProtocolError
 from distgrad.config.parse import load_experiment
 from distgrad.run.handshake import hello
 from distgrad.run.options import StageOptions
@@ -432,3 +432,20 @@ def test_a_partys_forward_does_not_make_the_label_owner_look_at_every_party(tmp_
         assert all(reply.type == wire.BACKWARD and reply.step == step for _, reply in replies)
         looks.append(_CountedPeers.looks / count)
     assert max(looks[1:]) <= 8, looks       # looks per party per step, after the first (which finds each run)
+
+
+def test_the_hello_of_one_of_many_parties_fits_and_too_many_cuts_are_a_config_error(tmp_path):
+    """Issue 25: a vertical experiment's hello names every stage ("p0,p1,...,g"); past about 20 parties that
+    list outgrew a hello's 64-character field and every party was refused at its hello (MALFORMED). It is
+    sent in pieces now. An experiment with more cuts than a hello can name fails when it is read (exit 2)."""
+    path = tmp_path / "parties.toml"
+    path.write_text(_parties_toml(24))
+    exp = load_experiment(str(path))
+    server = ServingStage(StageOptions(exp, "g", exp.seed, steps=10))
+    for i, name in enumerate(exp.stage_names[:-1]):
+        said = hello(exp, name, exp.seed, exp.cuts[i], f"run-{name}", [0], 10, 1)
+        assert only_reply(server.handle([name.encode()], said, 0.0)).type == wire.WELCOME
+    assert server.phase is Phase.ROUND
+    path.write_text(_parties_toml(130))
+    with pytest.raises(ConfigError, match="too many interface fields for a hello"):
+        load_experiment(str(path))
