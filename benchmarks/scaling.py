@@ -64,7 +64,7 @@ TICK_S = 0.01                    # how often the first driver's progress lines a
 STEADY_FROM = 0.1                # the steady window starts at this share of the steps
 TARGET = (8, 2, 0.7)             # vertical: steps/s at 8 parties >= 0.7x the 2-party figure
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-START_S = 90.0                   # every process of a group started and said hello (64 clients on 2 cores)
+START_S = 180.0                  # every process of a group started and said hello (64 clients on 2 busy cores)
 # Initial guesses of seconds per step; after a variant's first run its own figure sizes the next.
 EST_S = {"vertical": lambda k: 6e-4 * k, "clients": lambda n: 1.5e-3 * n,
          "size": lambda b: {4: 6e-4, 4 * KIB: 6e-4, 256 * KIB: 2e-3, 4 * MIB: 1.5e-2, 64 * MIB: 0.35}[b]}
@@ -275,7 +275,8 @@ def measure(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, An
                 row["raw_rt_s"] = v.t
                 row["bound_steps_per_s"] = 1 / v.t if v.t else None        # the link: 2 x size bytes per step
                 row["share_of_bound"] = ratio(row["steps_per_s"], row["bound_steps_per_s"])
-                row["g_cpu_per_mib_s"] = ratio(row["g_cpu_per_step_s"], 2 * int(v.key) / MIB)
+                if int(v.key) >= 256 * KIB:         # per byte only where the bytes, not the messages, cost
+                    row["g_cpu_per_mib_s"] = ratio(row["g_cpu_per_step_s"], 2 * int(v.key) / MIB)
         except KeyboardInterrupt:
             code = 130
         except Terminated:
