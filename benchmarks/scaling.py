@@ -11,6 +11,10 @@ serving them all:
   with the embedding of ``digits-halves`` (32 columns -> Dense 32->32 + ReLU,
   Adam), ``aggregate = "concat"``, g a Dense 32K->10 + softmax
   cross-entropy; batch 32 of synthetic rows;
+- **logic**: the label owner's logic alone for the same K, in one process
+  without sockets (``--logic-child``: each party's forward encoded, decoded
+  and handled by ``ServingStage`` as ``serve`` does, the replies encoded):
+  its CPU per step, free of the other processes' contention;
 - **clients**: N = 1, 4, 16, 64 data owners (``[clients]``, ``mode =
   "separate"``; N = 1 is the plain two-stage run), each the f of
   ``digits-clients`` (Dense 64->64 + ReLU), g Dense 64->10; a step (round)
@@ -220,6 +224,54 @@ def measure_group(runner: Runner, name: str, keys: list[int], experiment: Any, d
     return out
 
 
+def logic_child(k: int, steps: int, experiment: Path) -> None:
+    """``--logic-child``: the label owner's logic alone for K parties, no sockets and no other process (each
+    party's forward encoded, then decoded and handled by ``ServingStage`` as ``serve`` does, the replies
+    encoded); prints its CPU seconds per step."""
+    import logging
+    import numpy as np
+    from distgrad.config.parse import load_experiment
+    from distgrad.run.handshake import hello
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage, decode_and_handle
+    from distgrad.wire import messages as wire
+    log = logging.getLogger("scaling")
+    exp = load_experiment(str(experiment))
+    g = ServingStage(StageOptions(exp, "g", exp.seed, steps=steps))
+    for i, name in enumerate(exp.stage_names[:-1]):
+        g.handle([name.encode()], hello(exp, name, exp.seed, exp.cuts[i], name, [0], steps, 1), 0.0)
+    rng = np.random.default_rng(0)
+    embeddings = [rng.random(exp.cuts[i], dtype=np.float32) for i in range(k)]
+    started = time.process_time()
+    for step in range(1, steps + 1):
+        for i, name in enumerate(exp.stage_names[:-1]):
+            frames = wire.encode(wire.Message(wire.FORWARD, name, step, tensors={"activation": embeddings[i]}))
+            _, replies, refused = decode_and_handle(frames, g.max_tensor_bytes,
+                                                    lambda m, name=name: g.handle([name.encode()], m, 0.0), log)
+            if refused:
+                raise BenchError(f"the label owner refused a forward: {replies}")
+            while replies:
+                for _, reply in replies:
+                    wire.encode(reply)
+                replies = g.settle()
+    print(json.dumps({"k": k, "steps": steps, "cpu_per_step_s": (time.process_time() - started) / steps}))
+
+
+def measure_logic(runner: Runner, keys: list[int]) -> dict[str, Any]:
+    """``logic_child`` for each K, interleaved and repeated: the label owner's CPU per step without sockets."""
+    variants = []
+    for k in keys:
+        exp = runner.write_experiment(f"scale-vertical-{k}", vertical_toml(k))
+        variants.append(Variant(str(k), lambda n, exp=exp, k=k: (lambda r: {**r, "t": r["cpu_per_step_s"]})(
+            runner.run_json(f"logic-{k}", [sys.executable, str(Path(__file__).resolve()), "--logic-child", str(k),
+                                           str(int(n)), str(exp)], 120)), est_s=1e-4 * k, min_steps=20))
+    runner.interleave("logic", variants)
+    base = variants[0].t
+    return {v.key: {"cpu_per_step_s": v.t, "cpu_per_party_s": v.t / int(v.key) if v.t else None,
+                    "bound_cpu_per_step_s": base * int(v.key) / keys[0] if base else None,
+                    "samples": v.samples} for v in variants}
+
+
 def with_bounds(rows: dict[str, Any], unit: int) -> None:
     """Each row's bound: the first row's figures times its fan-in over the first's (``unit``: that fan-in);
     ``share`` is the bound's time over the measured (1: as good as linear), ``cpu_over_bound`` the other way."""
@@ -261,6 +313,7 @@ def measure(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, An
             results["vertical"] = measure_group(runner, "vertical", sizes["parties"], vertical_toml,
                                                 lambda k: [[f"p{i}"] for i in range(k)], min_steps)
             with_bounds(results["vertical"], sizes["parties"][0])
+            results["logic"] = measure_logic(runner, sizes["parties"])
             results["clients"] = measure_group(
                 runner, "clients", sizes["clients"], clients_toml,
                 lambda n: [["f", "--client", str(c)] for c in range(n)] if n > 1 else [["f"]], min_steps)
@@ -318,6 +371,14 @@ def report(results: dict[str, Any], out: TextIO) -> None:
                       f"{_f(r.get('g_cpu_over_bound'), 1, 2)} | {_f(r['all_cpu_per_step_s'], 1e3, 3)} | "
                       f"{_f(r.get('cores_steps_per_s'))} |\n")
         out.write("\n")
+    logic = results.get("logic", {})
+    if logic:
+        out.write("| parties K (the label owner's logic alone, no sockets) | CPU ms/step | per party us | "
+                  "bound (linear) ms/step |\n|---|---|---|---|\n")
+        for key, r in logic.items():
+            out.write(f"| {key} | {_f(r['cpu_per_step_s'], 1e3, 3)} | {_f(r['cpu_per_party_s'], 1e6, 1)} | "
+                      f"{_f(r['bound_cpu_per_step_s'], 1e3, 3)} |\n")
+        out.write("\n")
     out.write("| activation | steps/s | raw round trip | bound steps/s (link) | share of bound | g CPU ms/step "
               "| g CPU ms per MiB moved | all processes' CPU ms/step |\n|" + "---|" * 8 + "\n")
     for key, r in results.get("size", {}).items():
@@ -374,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-s", type=float, help="seconds of steps per measurement (default 3; quick 1.5)")
     p.add_argument("--workdir", type=Path, help="keep logs and generated experiments here")
     p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print an earlier run's tables")
+    p.add_argument("--logic-child", nargs=3, metavar=("K", "STEPS", "TOML"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.logic_child:
+        logic_child(int(args.logic_child[0]), int(args.logic_child[1]), Path(args.logic_child[2]))
+        return 0
     if args.report:
         results = json.loads(args.report.read_text())
         report(results, sys.stdout)

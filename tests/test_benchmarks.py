@@ -101,8 +101,8 @@ def test_per_message(tmp_path):
 
 @pytest.mark.slow
 def test_scaling(tmp_path):
-    """scaling.py --smoke: one tiny run each of the vertical, clients and activation-size groups (the last
-    beside _peers.py's raw round trip), then its tables and plot again from the JSON."""
+    """scaling.py --smoke: one tiny run each of the vertical, logic, clients and activation-size groups (the
+    last beside _peers.py's raw round trip), then its tables and plot again from the JSON."""
     out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
     result = run_script("scaling.py", "--smoke", "--json", out, "--plot", png, "--workdir", tmp_path / "w",
                         timeout=120)
@@ -111,6 +111,7 @@ def test_scaling(tmp_path):
     for group in ("vertical", "clients", "size"):
         assert figures[group] and all(row["steps_per_s"] > 0 for row in figures[group].values()), group
     assert figures["size"]["4"]["bound_steps_per_s"] > 0 and png.stat().st_size > 0
+    assert figures["logic"]["2"]["cpu_per_step_s"] > 0                        # the label owner's logic alone
     report = run_script("scaling.py", "--report", out, "--plot", tmp_path / "again.png")
     assert "| parties K |" in report.stdout and "| data owners N |" in report.stdout
 
