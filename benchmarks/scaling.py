@@ -412,6 +412,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 ax.plot(xs, [rows[str(x)].get(bound) or float("nan") for x in xs], "--",
                         label="bound (link)" if group == "size" else "bound (linear)")
             ax.set_xscale("log", base=2 if group != "size" else 10)
+            if row == 0 and any(rows[str(x)].get("cores_steps_per_s") for x in xs):
+                ax.plot(xs, [rows[str(x)].get("cores_steps_per_s") or float("nan") for x in xs], ":",
+                        label="the cores, at the CPU all processes use")
             if any(v > 0 for v in values):       # a smoke run measures no CPU
                 ax.set_yscale("log")
             ax.set_xlabel(label)
