@@ -422,12 +422,14 @@ def test_a_partys_forward_does_not_make_the_label_owner_look_at_every_party(tmp_
     looks = []
     for step in (1, 2, 3):
         _CountedPeers.looks = 0
-        replies = []
+        replies, before = [], _params(server)
         for i in reversed(range(count)):        # the last party first: any scan from party 0 runs in full
             x = parties[i].forward(exp.build_data(stage=names[i]).features(step))[0]
             forward = Message(wire.FORWARD, f"run-{names[i]}", step, tensors={"activation": x})
             replies += server.handle([names[i].encode()], forward, 0.0)
+        assert len(replies) == count and _same(_params(server), before)   # every reply before the update
         replies = _settle_all(server, replies)
+        assert not _same(_params(server), before)
         assert sorted(envelope[0].decode() for envelope, _ in replies) == sorted(names)
         assert all(reply.type == wire.BACKWARD and reply.step == step for _, reply in replies)
         looks.append(_CountedPeers.looks / count)
