@@ -46,6 +46,7 @@ SMOKE_TESTS = {
     "per_message.py": "test_per_message",
     "privacy.py": "test_privacy_tradeoff",
     "privacy_meter_cost.py": "test_privacy_meter_cost",
+    "scaling.py": "test_scaling",
     "soak.py": "test_soak",
     "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
@@ -96,6 +97,23 @@ def test_per_message(tmp_path):
                 "g handles a forward (seed-reverse)", "g handles a forward (mlp-classify)",
                 "transport round trip inproc 4 B", "Adam step, 784x256 + 256"):
         assert figures[key] > 0, key
+
+
+@pytest.mark.slow
+def test_scaling(tmp_path):
+    """scaling.py --smoke: one tiny run each of the vertical, logic, clients and activation-size groups (the
+    last beside _peers.py's raw round trip), then its tables and plot again from the JSON."""
+    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    result = run_script("scaling.py", "--smoke", "--json", out, "--plot", png, "--workdir", tmp_path / "w",
+                        timeout=120)
+    assert "0 failed measurement(s)" in result.stdout
+    figures = json.loads(out.read_text())
+    for group in ("vertical", "clients", "size"):
+        assert figures[group] and all(row["steps_per_s"] > 0 for row in figures[group].values()), group
+    assert figures["size"]["4"]["bound_steps_per_s"] > 0 and png.stat().st_size > 0
+    assert figures["logic"]["2"]["cpu_per_step_s"] > 0                        # the label owner's logic alone
+    report = run_script("scaling.py", "--report", out, "--plot", tmp_path / "again.png")
+    assert "| parties K |" in report.stdout and "| data owners N |" in report.stdout
 
 
 @pytest.mark.slow

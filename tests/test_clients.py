@@ -262,3 +262,25 @@ def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_gr
     reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
     for name in [*CLIENTS, "g"]:
         assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
+
+
+def test_reading_an_experiment_of_many_clients_builds_its_data_a_fixed_number_of_times(tmp_path, monkeypatch):
+    """Issue 25: every stage process reads the experiment, and reading it checked each data owner's shard by
+    building the whole data once per owner: with N owners, N builds in each of N + 1 processes, O(N^2) at
+    start-up (64 owners did not start within 90 s on 2 cores). The smallest shard (the last owner's) tells
+    whether every owner gets a batch; one too few rows for it is still an error."""
+    from distgrad.config import experiment as experiment_module
+    from distgrad.config.parse import load_experiment
+    from distgrad.errors import ConfigError
+    builds = []
+    build = experiment_module.build_data
+    monkeypatch.setattr(experiment_module, "build_data", lambda *a, **k: builds.append(1) or build(*a, **k))
+    text = (Path(__file__).parent.parent / "distgrad" / "experiments" / "digits-clients.toml").read_text()
+    path = tmp_path / "many.toml"
+    path.write_text(text.replace("count = 3", "count = 40").replace('"../datasets/digits.npz"', repr(
+        str(Path(__file__).parent.parent / "distgrad" / "datasets" / "digits.npz"))))
+    assert load_experiment(str(path)).clients.count == 40           # 1437 training rows: 35 or 36 each
+    assert len(builds) <= 6, len(builds)
+    path.write_text(path.read_text().replace("count = 40", "count = 45"))     # 31 or 32 rows: the last has 31
+    with pytest.raises(ConfigError, match="data owner 44 of 45 gets 31 training rows, fewer than a batch of 32"):
+        load_experiment(str(path))

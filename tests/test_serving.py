@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from distgrad.wire import messages as wire
-from distgrad.errors import ProtocolError
+from distgrad.errors import ConfigError, ProtocolError
 from distgrad.config.parse import load_experiment
+from distgrad.run.handshake import hello
 from distgrad.run.options import StageOptions
 from distgrad.run.serving import PeerStatus, Phase, ServingStage
 from distgrad.stage.stage import Stage
@@ -354,3 +355,99 @@ def test_the_serving_stage_is_in_parts_a_reader_can_hold():
             if size > (400 if isinstance(node, ast.ClassDef) else 55):
                 too_big.append(f"{module}.{node.name}: {size} lines")
     assert not too_big, too_big
+
+
+def _parties_toml(count: int) -> str:
+    """A vertical experiment of ``count`` feature parties of 4 columns each (embeddings of 4), over synthetic rows."""
+    parties = "".join(f'''
+[[stages]]
+name = "p{i}"
+columns = {list(range(4 * i, 4 * i + 4))}
+model = [{{ type = "dense", name = "p{i}d", in = 4, out = 4 }}]
+optimizer = {{ type = "sgd", lr = 0.01 }}
+''' for i in range(count))
+    return f'''name = "parties-{count}"
+steps = 10
+seed = 0
+labels = "last"
+aggregate = "concat"
+
+[data]
+kind = "synthetic_classification"
+samples = 256
+features = {4 * count}
+classes = 3
+batch = 8
+{parties}
+[[stages]]
+name = "g"
+model = [{{ type = "dense", name = "g1", in = {4 * count}, out = 3 }}]
+optimizer = {{ type = "sgd", lr = 0.01 }}
+loss = "softmax_cross_entropy"
+'''
+
+
+class _CountedPeers(list):
+    """A serving stage's peers that count how often one of them is looked at (by index or by a loop)."""
+
+    looks = 0
+
+    def __getitem__(self, index):
+        _CountedPeers.looks += 1
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        for peer in super().__iter__():
+            _CountedPeers.looks += 1
+            yield peer
+
+
+@pytest.mark.parametrize("count", [4, 16])
+def test_a_partys_forward_does_not_make_the_label_owner_look_at_every_party(tmp_path, count):
+    """Issue 25, point 3: what the label owner does per party's message does not grow with the number of
+    parties (finding the party, telling whether it is its turn, whether every part is in): a step looks at
+    each party a fixed number of times, O(parties) per step (5 looks per party, whatever their number). It
+    used to look at every party on every party's message, O(parties^2) per step (12.5 looks per party at 4
+    parties, 42.5 at 16)."""
+    path = tmp_path / "parties.toml"
+    path.write_text(_parties_toml(count))
+    exp = load_experiment(str(path))
+    server = ServingStage(StageOptions(exp, "g", exp.seed, steps=10))
+    names = [f"p{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        said = hello(exp, name, exp.seed, exp.cuts[i], f"run-{name}", [0], 10, 1)
+        assert only_reply(server.handle([name.encode()], said, 0.0)).type == wire.WELCOME
+    server.peers = _CountedPeers(server.peers)
+    parties = [Stage.from_experiment(exp, name) for name in names]
+    looks = []
+    for step in (1, 2, 3):
+        _CountedPeers.looks = 0
+        replies, before = [], _params(server)
+        for i in reversed(range(count)):        # the last party first: any scan from party 0 runs in full
+            x = parties[i].forward(exp.build_data(stage=names[i]).features(step))[0]
+            forward = Message(wire.FORWARD, f"run-{names[i]}", step, tensors={"activation": x})
+            replies += server.handle([names[i].encode()], forward, 0.0)
+        assert len(replies) == count and _same(_params(server), before)   # every reply before the update
+        replies = _settle_all(server, replies)
+        assert not _same(_params(server), before)
+        assert sorted(envelope[0].decode() for envelope, _ in replies) == sorted(names)
+        assert all(reply.type == wire.BACKWARD and reply.step == step for _, reply in replies)
+        looks.append(_CountedPeers.looks / count)
+    assert max(looks[1:]) <= 8, looks       # looks per party per step, after the first (which finds each run)
+
+
+def test_the_hello_of_one_of_many_parties_fits_and_too_many_cuts_are_a_config_error(tmp_path):
+    """Issue 25: a vertical experiment's hello names every stage ("p0,p1,...,g"); past about 20 parties that
+    list outgrew a hello's 64-character field and every party was refused at its hello (MALFORMED). It is
+    sent in pieces now. An experiment with more cuts than a hello can name fails when it is read (exit 2)."""
+    path = tmp_path / "parties.toml"
+    path.write_text(_parties_toml(24))
+    exp = load_experiment(str(path))
+    server = ServingStage(StageOptions(exp, "g", exp.seed, steps=10))
+    for i, name in enumerate(exp.stage_names[:-1]):
+        said = hello(exp, name, exp.seed, exp.cuts[i], f"run-{name}", [0], 10, 1)
+        assert only_reply(server.handle([name.encode()], said, 0.0)).type == wire.WELCOME
+    assert server.phase is Phase.ROUND
+    path.write_text(_parties_toml(130))
+    with pytest.raises(ConfigError, match="too many interface fields for a hello"):
+        load_experiment(str(path))

@@ -10,17 +10,22 @@ run everywhere with exit 3, naming it.
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
+from distgrad.api import drive_stage, serve_stage
 from distgrad.model import aggregate
 from distgrad.errors import ConfigError
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
 from distgrad.run.inprocess import train_in_process
+from distgrad.run.serving import ServingStage
+from distgrad.wire.transport import POLL_TICK_S
 
 PARTIES = ["a", "b", "c"]
 BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
@@ -452,3 +457,27 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
     expected = exp.final_loss.predict(logits)
     assert np.array_equal(np.load(output), expected) and len(expected) == 359
     assert np.array_equal(np.load(tmp_path / "predictions.scores.npy"), exp.final_loss.scores(logits))
+
+
+def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_message(monkeypatch):
+    """Issue 25, point 3: the label owner's loop checks which party is silent (a look at every party) once
+    per ``POLL_TICK_S``, not after each message, which made that O(parties) per message and O(parties^2) per
+    step. The three parties and the label owner run in threads of this process, over tcp."""
+    ticks, handled = [], []
+    tick, handle = ServingStage.tick, ServingStage.handle
+    monkeypatch.setattr(ServingStage, "tick", lambda self, now: ticks.append(now) or tick(self, now))
+    monkeypatch.setattr(ServingStage, "handle", lambda self, *a, **k: handled.append(a[1].type) or handle(self, *a, **k))
+    summaries: dict[str, dict] = {}
+    started = time.monotonic()
+    with serve_stage(BUILTIN, steps=40) as g:
+        parties = [threading.Thread(target=lambda name=name: summaries.update(
+            {name: drive_stage(BUILTIN, g.endpoint, stage=name, steps=40)})) for name in PARTIES]
+        for party in parties:
+            party.start()
+        for party in parties:
+            party.join(60)
+        assert g.wait(60)["status"] == "completed"
+    elapsed = time.monotonic() - started
+    assert sorted(summaries) == sorted(PARTIES) and all(s["steps"] == 40 for s in summaries.values())
+    assert handled.count("forward") >= 3 * 40
+    assert len(ticks) <= elapsed / POLL_TICK_S + 2, (len(ticks), elapsed, len(handled))

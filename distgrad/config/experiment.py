@@ -423,6 +423,11 @@ class Experiment:
                      **({"activation_codec": self.activation_codec} if self.activation_codec != "none" else {}),
                      **({"gradient_codec": self.gradient_codec} if self.gradient_codec != "none" else {})}
             parts.update(self._order_parts())
+            parts = fitted_parts(parts)
+            if len(parts) > MAX_PARTS:
+                raise ConfigError(f"experiment {self.name!r} has too many interface fields for a hello ("
+                                  f"{len(parts)}, at most {MAX_PARTS}): {len(self.cuts)} cuts between "
+                                  f"{len(self.stage_names)} stages; use fewer stages or feature parties")
             self._derived["parts"] = parts
         return dict(parts)
 
@@ -712,7 +717,21 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
     return model, build_optimizer(spec.optimizer), loss
 
 
-PART_VALUE_MAX = 64       # a part's string value is at most this long
+PART_VALUE_MAX = 64       # a part's string value is at most this long (a longer one is cut: ``fitted_parts``)
 PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
 MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
 ORIGIN_MAX = 200          # characters of a hello's origin of interface fields (a flag, a file)
+
+
+def fitted_parts(parts: dict[str, Any]) -> dict[str, Any]:
+    """``parts`` with every string value longer than ``PART_VALUE_MAX`` cut into pieces of that length under
+    ``NAME``, ``NAME 2``, ``NAME 3``, ...: the stage list of many feature parties (or a long experiment
+    name) still fits a hello, and equal interfaces still give equal parts; short values are unchanged."""
+    out: dict[str, Any] = {}
+    for name, value in parts.items():
+        if not isinstance(value, str) or len(value) <= PART_VALUE_MAX:
+            out[name] = value
+            continue
+        for piece, start in enumerate(range(0, len(value), PART_VALUE_MAX)):
+            out[name if piece == 0 else f"{name} {piece + 1}"] = value[start:start + PART_VALUE_MAX]
+    return out

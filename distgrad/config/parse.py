@@ -473,8 +473,10 @@ def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
                                   f"{'features' if first else 'labels'}")
             if holds_data:
                 data = exp.build_data(stage=spec.name)
-                for client in range(exp.clients.count if exp.federated and first else 0):
-                    exp.build_data(client=client, stage=spec.name)
+                if exp.federated and first:
+                    # Every owner keeps every count-th row from its own index, so the last owner's shard is
+                    # the smallest: it alone tells whether each gets a batch (one build, not one per owner).
+                    exp.build_data(client=exp.clients.count - 1, stage=spec.name)
                 if first and data.feature_shape is None:
                     raise ConfigError(f"the data owner {spec.name!r} needs features in its [data]")
                 if spec.name == exp.label_owner and not data.has_labels:

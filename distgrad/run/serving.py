@@ -194,7 +194,7 @@ class ServingStage:
             return earlier + notices + [(envelope, welcome)] + self.advance(now)
         if msg.type == wire.BYE and msg.run in self.bye_replies:
             return earlier + [(envelope, self.bye_replies[msg.run])]    # a repeated bye of a completed run
-        peer = self._peer_of(msg)
+        peer = self.topology.peer_of(msg)
         if peer.owner and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
@@ -220,13 +220,6 @@ class ServingStage:
             "step": self.topology.reported_step(), "client_live": self.live(now), "phase": self.phase.value,
             "clients_active": sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now)})
 
-    def _peer_of(self, msg: Message) -> Peer:
-        """The peer whose run ``msg`` belongs to; ``ProtocolError`` (``RUN``) when none said hello for it."""
-        for peer in self.peers:
-            if peer.run == msg.run and self.active and peer.status is not PeerStatus.ABSENT:
-                return peer
-        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.topology.expected_run()}")
-
     def _seen(self, peer: Peer, now: float) -> None:
         self.topology.seen(peer)
         peer.last_seen = now
@@ -239,6 +232,7 @@ class ServingStage:
         topology.check_staleness(staleness)
         peer = self.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
+        topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
         peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
         peer.eval_every, peer.staleness = eval_every, staleness
@@ -271,7 +265,7 @@ class ServingStage:
             self.accepts.receive(peer, msg)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
-        in_turn = peer in self.topology.turn_peers()
+        in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
@@ -581,14 +575,14 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
     if records.writers:
         logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
-    status = "interrupted"
+    status, next_tick = "interrupted", 0.0    # liveness looks at every peer: each POLL_TICK_S, not each message
     try:
         announce(server, opts, ready_file, on_ready)
         while True:
             stop.check()
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
-            replies = logic.tick(now)
+            replies, next_tick = (logic.tick(now), now + POLL_TICK_S) if now >= next_tick else ([], next_tick)
             if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
                 status = logic.topology.lost_status()
                 raise PeerTimeout(logic.lost_message())

@@ -15,6 +15,9 @@ checkpoints. What differs between topologies it asks of its ``Topology``:
 
 A topology keeps no state of its own: it reads and changes the serving stage
 it was built for (``serving``), so every rule of a phase stays in one place.
+It keeps only lookup hints, each checked before it is used (the peer of a
+run id, ``Topology.runs``; how far ``Parties`` has found the parties' parts
+of a micro-batch), so a message costs the same whatever the number of peers.
 Adding a topology means adding one subclass and choosing it in
 ``serving.topology_for``.
 """
@@ -52,6 +55,7 @@ class Topology(abc.ABC):
     def __init__(self, serving: Any, count: int) -> None:
         self.serving = serving
         self.count = count          # the peers it serves
+        self.runs: dict[str, Peer] = {}     # run id -> the peer ``peer_of`` found for it (cleared at a hello)
 
     # -- what the stage is built with
     def steps(self) -> int | None:
@@ -119,6 +123,25 @@ class Topology(abc.ABC):
         if s.phase is not Phase.ROUND or s.turn >= len(s.order):
             return []
         return [s.peers[s.order[s.turn]]]
+
+    def peer_of(self, msg: Message) -> Peer:
+        """The peer whose run ``msg`` belongs to: the first taking part in the open run with its run id;
+        ``ProtocolError`` (``RUN``) when none said hello for it. The peer found for a run id is looked at
+        first (``runs``, cleared at every hello: only a hello changes whose run is whose), so a message does
+        not cost a scan of every peer."""
+        s = self.serving
+        peer = self.runs.get(msg.run)
+        if peer is not None and peer.run == msg.run and s.active and peer.status is not PeerStatus.ABSENT:
+            return peer
+        for peer in s.peers:
+            if peer.run == msg.run and s.active and peer.status is not PeerStatus.ABSENT:
+                self.runs[msg.run] = peer
+                return peer
+        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.expected_run()}")
+
+    def in_turn(self, peer: Peer) -> bool:
+        """``peer`` is one of ``turn_peers``: its micro-batches are taken now."""
+        return any(p is peer for p in self.turn_peers())
 
     def current(self) -> Peer | None:
         """The one peer whose turn it is (none between rounds)."""
