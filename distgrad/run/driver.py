@@ -20,7 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 import zmq
 
+from distgrad.config.experiment import MAX_STALENESS
 from distgrad.run import handshake
+from distgrad.run.autostaleness import LinkProbe, choose_staleness
 
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
@@ -71,6 +73,11 @@ class _Driver:
                                    self.traffic,
                                    {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
         self.staleness = opts.steps_in_flight
+        # --staleness auto: step 1 runs in lockstep and measures the link (``probe``), then S is chosen. The
+        # history keeps the initial parameters meanwhile, which the forwards of steps 2..S+1 use.
+        self.probe: LinkProbe | None = None
+        if opts.auto_staleness:
+            self.state.history.depth = MAX_STALENESS
         # Steps sent but not yet applied (staleness): step -> (parameter version of its forward, caches by
         # micro-batch), and its requests still unanswered.
         self.in_flight: dict[int, tuple[int, dict[int, Any]]] = {}
@@ -117,6 +124,9 @@ class _Driver:
         the schedule and window, which is the order the in-process path uses.
         With staleness S > 0, ``_step_in_flight`` instead.
         """
+        if self.opts.auto_staleness and self.probe is None:
+            self._probe_step()
+            return
         if self.staleness:
             self._step_in_flight()
             return
@@ -198,6 +208,34 @@ class _Driver:
         del self.in_flight[step], self.pending[step]
         self.state.history.before_update(stage)
         self.loss = engine.update(step, count)
+
+    def _probe_step(self) -> None:
+        """``--staleness auto``: step 1 in lockstep, as every S computes it (its forward, as those of steps
+        2..S+1, uses the initial parameters), timed; then S from ``choose_staleness``, and hello again so
+        that the stage below keeps the replies of S + 1 steps (run/autostaleness.py)."""
+        stage = self.state.stage
+        # Not timed: a forward that changes nothing (an evaluation's), so the step's compute is not a first call's.
+        stage.forward(micro_batch(self._batch(stage.step + 1)[0], 0, self.opts.micro_batches), training=False)
+        traffic = self.traffic
+        wait, g_compute, sent, received = traffic.wait_s, self.g_compute_s, traffic.sent, traffic.received
+        started = time.perf_counter()
+        self._step_in_flight()                       # with staleness 0: step 1 alone
+        elapsed, wait = time.perf_counter() - started, traffic.wait_s - wait
+        g_compute = self.g_compute_s - g_compute
+        # At least 0: on loopback the driver's own work after sending can overlap all of the compute below.
+        self.probe = LinkProbe(round_trip_s=max(wait - g_compute, 0.0), f_compute_s=elapsed - wait, g_compute_s=g_compute,
+                               bytes_down=traffic.sent - sent, bytes_up=traffic.received - received)
+        self.staleness = choose_staleness(self.probe.round_trip_s, self.probe.compute_s)
+        self.state.history.depth = self.staleness
+        if not self.staleness:
+            self.state.history.clear()
+        self.log.info("staleness auto: S = %d (round trip + transfer %.2f ms, compute-bound step %.2f ms: f %.2f ms, "
+                      "%s %.2f ms; %d bytes down, %d up per step); --staleness %d runs the same computation",
+                      self.staleness, 1e3 * self.probe.round_trip_s, 1e3 * self.probe.compute_s,
+                      1e3 * self.probe.f_compute_s, self.exp.downstream(self.opts.stage), 1e3 * self.probe.g_compute_s,
+                      self.probe.bytes_down, self.probe.bytes_up, self.staleness)
+        if self.staleness:
+            self.handshake()
 
     def _send_in_flight(self, step: int) -> None:
         """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
@@ -337,7 +375,8 @@ class _Driver:
             self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
-                             in_flight=self.opts.window,
+                             in_flight=self.opts.window, staleness=self.staleness,
+                             **({"staleness_auto": self.probe.fields(self.staleness)} if self.probe else {}),
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
                              **(self.metering.summary_fields() if self.metering else {}))
