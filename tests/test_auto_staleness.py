@@ -42,7 +42,7 @@ def test_the_rule_is_the_smallest_depth_whose_compute_covers_the_round_trip():
 
 def test_auto_is_refused_where_it_cannot_act(tmp_path):
     result = run_main(["run", "mlp-classify", "--in-process", "--staleness", "auto"])
-    assert result.returncode == 2 and "--in-process has none" in result.stderr
+    assert result.returncode == 2 and "a run in one process" in result.stderr
     result = run_main(["run", "digits-clients", "--staleness", "auto"])
     assert result.returncode == 2 and "staleness auto: asynchronous pipelining is for two stages and chains" \
         in result.stderr

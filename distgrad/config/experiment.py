@@ -609,8 +609,9 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
         raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
                           "and --resume (or run the stages as processes)")
     if staleness == AUTO_STALENESS and in_process:
-        raise ConfigError("--staleness auto measures the link to the stage below, and --in-process has none: give "
-                          "--staleness S (a run with auto records the S it chose in its summary's 'staleness')")
+        raise ConfigError("--staleness auto measures the link to the stage below, and a run in one process "
+                          "(--in-process, or an experiment of one stage) has none: give --staleness S (a run with "
+                          "auto records the S it chose in its summary's 'staleness')")
     if staleness == AUTO_STALENESS and resume:
         raise ConfigError("--staleness auto chooses S from the first step when a run starts; a resumed run must "
                           "go on with the S it chose: give --staleness S (its summary's 'staleness', or the log "
