@@ -16,10 +16,12 @@ direction) and each configuration, one run of mlp-classify at batch 256:
 - the driving stage (``distgrad-stage f``) connects through the link and
   writes a metrics line per step.
 
-A run takes ``warm-up + measured + S`` steps (S the staleness; an auto row
-adds ``AUTO_TAIL`` and reads the S it chose from the summary); steps/s and
-bytes per step are taken over the measured steps, which leave out the last S
-(they send no forward: nothing is left to send), from the driver's metrics
+A run takes ``warm-up + S + measured + S`` steps (S the staleness; an auto
+row takes ``AUTO_TAIL`` for S and reads the S it chose from the summary);
+steps/s and bytes per step are taken over the measured steps, which leave out
+the S after the warm-up (the burst of S + 1 forwards a run starts with is
+still crossing) and the last S (they send no forward: nothing is left to
+send), from the driver's metrics
 (``wall_s``, ``bytes_sent`` = down, ``bytes_received`` = up), and so are the
 compute times the bound adds (``f_compute_s``, ``g_compute_s``). Every
 process gets ``distgrad.run.launcher.pinned_env()`` (one BLAS thread), a
@@ -374,14 +376,17 @@ def measure(config: Config, link: Link, experiment: str, warmup: int, steps: int
     ``steps`` after ``warmup``; with ``--staleness auto``, the bound of the S the run chose (its summary's
     ``staleness``)."""
     tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{link.name}-{config.label}")
-    total = warmup + steps + (AUTO_TAIL if config.staleness == AUTO else config.staleness)
+    extra = AUTO_TAIL if config.staleness == AUTO else config.staleness
+    total = warmup + extra + steps + extra
     run = run_pair(experiment, total, link, config.driver_flags(), config.shared_flags(), workdir, tag,
                    expected_s)
     staleness = run["summary"].get("staleness", config.staleness)
     if not isinstance(staleness, int):
         raise BenchError(f"{config.label}: the summary does not say which staleness the run used")
-    # The last S steps of a run send no forward (nothing is left to send): they are not measured.
-    first, lines = run["metrics"][warmup - 1], run["metrics"][warmup:total - staleness]
+    # Not measured: the first S steps after the warm-up, while the burst of S + 1 forwards a run starts with
+    # drains through the link, and the last S, which send no forward (nothing is left to send).
+    start = warmup + staleness
+    first, lines = run["metrics"][start - 1], run["metrics"][start:total - staleness]
     steps = len(lines)
     if steps < 1:
         raise BenchError(f"{config.label}: staleness {staleness} leaves no steps to measure of {total}")
@@ -561,7 +566,7 @@ def run_link(link: Link, configs: list[Config], known: set[str], experiment: str
                     f"list it; the rows run once it does)")
             rows.append(row)
             continue
-        expected = (warmup + steps + max(DEEP_STALENESS)) * 0.2
+        expected = (warmup + steps + 2 * max(DEEP_STALENESS)) * 0.2
         try:
             row["result"] = r = measure(config, link, experiment, warmup, steps, workdir, expected)
             if accuracies is not None:
