@@ -17,7 +17,8 @@ direction) and each configuration, one run of mlp-classify at batch 256:
   writes a metrics line per step.
 
 A run takes ``warm-up + S + measured + S`` steps (S the staleness; an auto
-row takes ``AUTO_TAIL`` for S and reads the S it chose from the summary);
+row takes ``AUTO_TAIL`` for S and reads the S it chose from the summary;
+measured at least ``STEPS_PER_STALENESS`` x S);
 steps/s and bytes per step are taken over the measured steps, which leave out
 the S after the warm-up (the burst of S + 1 forwards a run starts with is
 still crossing) and the last S (they send no forward: nothing is left to
@@ -106,6 +107,10 @@ STALENESS = (0, 1, 2)                    # with every schedule
 DEEP_STALENESS = (4, 8, 16)              # up to the link's bandwidth-delay product: with DEEP_SCHEDULES only
 AUTO = "auto"                            # --staleness auto: the driver chooses S; the summary says which
 AUTO_TAIL = 16                           # steps added to an auto row's run for the ones in flight at its end
+# A stale row measures at least this many steps per step in flight: up to S replies may wait at the driver
+# at one end of the window and not the other, which a short window counts as speed (a 40-step window at
+# S = 16 read 118% of the link's rate).
+STEPS_PER_STALENESS = 25
 READY_TIMEOUT_S = 30.0                   # the serving stage must write its ready file within this
 RUN_ALLOWANCE_S = 60.0                   # per run, on top of its expected time
 REPLY_TIMEOUT_S = 30.0                   # the driver's --timeout: no resends for a slow link's steps
@@ -377,6 +382,7 @@ def measure(config: Config, link: Link, experiment: str, warmup: int, steps: int
     ``staleness``)."""
     tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{link.name}-{config.label}")
     extra = AUTO_TAIL if config.staleness == AUTO else config.staleness
+    steps = max(steps, STEPS_PER_STALENESS * extra)
     total = warmup + extra + steps + extra
     run = run_pair(experiment, total, link, config.driver_flags(), config.shared_flags(), workdir, tag,
                    expected_s)
@@ -566,7 +572,8 @@ def run_link(link: Link, configs: list[Config], known: set[str], experiment: str
                     f"list it; the rows run once it does)")
             rows.append(row)
             continue
-        expected = (warmup + steps + 2 * max(DEEP_STALENESS)) * 0.2
+        deepest = max(DEEP_STALENESS)
+        expected = (warmup + max(steps, STEPS_PER_STALENESS * deepest) + 2 * deepest) * 0.2
         try:
             row["result"] = r = measure(config, link, experiment, warmup, steps, workdir, expected)
             if accuracies is not None:

@@ -11,8 +11,11 @@ capped at ``MAX_STALENESS``, where, measured over step 1 (``LinkProbe``):
   delay both ways and the time its bytes per step (also recorded) take to
   cross;
 - *step time at the compute bound* is the busier stage's compute per step,
-  ``max(c_f, c_g)``: the driving stage's time in step 1 outside that wait,
-  and the stage below's reported compute.
+  ``max(c_f, c_g)``: c_f the driving stage's forward and backward of step
+  1's batch, the fastest of ``COMPUTE_REPEATS`` passes just before step 1
+  that change nothing (``time_compute``; a single timed step would count its
+  first calls and the machine's hiccups), and c_g the compute the stage
+  below reports for step 1.
 
 With S + 1 steps in flight, the link's latency is covered by the compute of
 the steps sent meanwhile, so the link carries a step's bytes as fast as the
@@ -30,16 +33,22 @@ with the S its summary records (``staleness``, and the figures under
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from distgrad.config.experiment import MAX_STALENESS
+from distgrad.stage.stage import Stage, micro_batch
+
+COMPUTE_REPEATS = 3       # passes of the driving stage's compute timed before step 1; the fastest counts
 
 
 @dataclass(frozen=True)
 class LinkProbe:
-    """What step 1 measured, in seconds and bytes: the round trip with the transfer, each stage's compute,
-    and the bytes of the step down and up."""
+    """What the probe measured, in seconds and bytes: step 1's round trip with the transfer, each stage's
+    compute (``time_compute``'s for the driving stage), and the bytes of step 1 down and up."""
 
     round_trip_s: float
     f_compute_s: float
@@ -65,3 +74,22 @@ def choose_staleness(round_trip_s: float, compute_s: float, cap: int = MAX_STALE
     """
     round_trip_s, compute_s = max(round_trip_s, 0.0), max(compute_s, 0.0)
     return next((s for s in range(cap + 1) if (s + 1) * compute_s >= round_trip_s), cap)
+
+
+def time_compute(stage: Stage, features: np.ndarray, micro_batches: int, repeats: int = COMPUTE_REPEATS) -> float:
+    """Seconds of the fastest of ``repeats`` passes of ``stage``'s training forward and backward over
+    ``features`` (the next step's batch, in ``micro_batches``), changing nothing: the parameters are only
+    read, the gradients dropped, and what a forward changes besides its output (``Stage.forward_state``) is
+    put back, as when steps in flight are sent again."""
+    state = stage.forward_state()
+    fastest = float("inf")
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for i in range(micro_batches):
+                y, cache = stage.forward(micro_batch(features, i, micro_batches), i)
+                stage.backward(cache, np.zeros_like(y), need_dx=False)
+            fastest = min(fastest, time.perf_counter() - started)
+    finally:
+        stage.restore_forward_state(state)
+    return fastest

@@ -22,7 +22,7 @@ import zmq
 
 from distgrad.config.experiment import MAX_STALENESS
 from distgrad.run import handshake
-from distgrad.run.autostaleness import LinkProbe, choose_staleness
+from distgrad.run.autostaleness import LinkProbe, choose_staleness, time_compute
 
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
@@ -210,21 +210,20 @@ class _Driver:
         self.loss = engine.update(step, count)
 
     def _probe_step(self) -> None:
-        """``--staleness auto``: step 1 in lockstep, as every S computes it (its forward, as those of steps
-        2..S+1, uses the initial parameters), timed; then S from ``choose_staleness``, and hello again so
-        that the stage below keeps the replies of S + 1 steps (run/autostaleness.py)."""
+        """``--staleness auto``: this stage's compute timed (``time_compute``), then step 1 in lockstep, as every
+        S computes it (its forward, as those of steps 2..S+1, uses the initial parameters), its wait timed;
+        then S from ``choose_staleness``, and hello again so that the stage below keeps the replies of S + 1
+        steps (run/autostaleness.py)."""
         stage = self.state.stage
-        # Not timed: a forward that changes nothing (an evaluation's), so the step's compute is not a first call's.
-        stage.forward(micro_batch(self._batch(stage.step + 1)[0], 0, self.opts.micro_batches), training=False)
+        f_compute = time_compute(stage, self._batch(stage.step + 1)[0], self.opts.micro_batches)
         traffic = self.traffic
         wait, g_compute, sent, received = traffic.wait_s, self.g_compute_s, traffic.sent, traffic.received
-        started = time.perf_counter()
         self._step_in_flight()                       # with staleness 0: step 1 alone
-        elapsed, wait = time.perf_counter() - started, traffic.wait_s - wait
-        g_compute = self.g_compute_s - g_compute
+        wait, g_compute = traffic.wait_s - wait, self.g_compute_s - g_compute
         # At least 0: on loopback the driver's own work after sending can overlap all of the compute below.
-        self.probe = LinkProbe(round_trip_s=max(wait - g_compute, 0.0), f_compute_s=elapsed - wait, g_compute_s=g_compute,
-                               bytes_down=traffic.sent - sent, bytes_up=traffic.received - received)
+        self.probe = LinkProbe(round_trip_s=max(wait - g_compute, 0.0), f_compute_s=f_compute,
+                               g_compute_s=g_compute, bytes_down=traffic.sent - sent,
+                               bytes_up=traffic.received - received)
         self.staleness = choose_staleness(self.probe.round_trip_s, self.probe.compute_s)
         self.state.history.depth = self.staleness
         if not self.staleness:
