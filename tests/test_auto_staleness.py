@@ -82,8 +82,9 @@ def _check_choice(summary: dict) -> int:
 
 
 def test_on_loopback_auto_records_its_choice_and_equals_the_in_process_run_with_it(tmp_path):
-    """On loopback the round trip is far below a step's compute: the rule gives 0 unless the machine is so
-    busy that waiting took longer than computing; either way the S recorded is the rule's and repeats the run."""
+    """On loopback the wait is the stack's own latency per message (ZeroMQ, Python, the stage below's work
+    before it answers), about a step's compute for this small model: S is small (0 to 2 on an idle machine,
+    more if step 1 met a stall); whichever, the S recorded is the rule's and repeats the run."""
     path = tmp_path / "run.json"
     result = run_launcher(["run", "mlp-classify", "--staleness", "auto", "--summary", path, *FLAGS])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -7,9 +7,11 @@ The rule (``choose_staleness``): S is the smallest whole number with
 capped at ``MAX_STALENESS``, where, measured over step 1 (``LinkProbe``):
 
 - *round trip + transfer time* is how long the driving stage waited for step
-  1's replies, less the compute the stage below reports in them: the link's
-  delay both ways and the time its bytes per step (also recorded) take to
-  cross;
+  1's replies: the link's delay both ways, the time its bytes per step (also
+  recorded) take to cross, and the stage below's work before it answers
+  (not subtracted: the stage below reports its whole compute, part of which
+  it does after answering, so subtracting it would undercount the link; a
+  little more counted errs towards one step more in flight);
 - *step time at the compute bound* is the busier stage's compute per step,
   ``max(c_f, c_g)``: c_f the driving stage's forward and backward of step
   1's batch, the fastest of ``COMPUTE_REPEATS`` passes just before step 1

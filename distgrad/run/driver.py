@@ -220,8 +220,7 @@ class _Driver:
         wait, g_compute, sent, received = traffic.wait_s, self.g_compute_s, traffic.sent, traffic.received
         self._step_in_flight()                       # with staleness 0: step 1 alone
         wait, g_compute = traffic.wait_s - wait, self.g_compute_s - g_compute
-        # At least 0: on loopback the driver's own work after sending can overlap all of the compute below.
-        self.probe = LinkProbe(round_trip_s=max(wait - g_compute, 0.0), f_compute_s=f_compute,
+        self.probe = LinkProbe(round_trip_s=wait, f_compute_s=f_compute,
                                g_compute_s=g_compute, bytes_down=traffic.sent - sent,
                                bytes_up=traffic.received - received)
         self.staleness = choose_staleness(self.probe.round_trip_s, self.probe.compute_s)
