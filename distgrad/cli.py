@@ -254,10 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--bind", metavar="ENDPOINT", help="label owner or middle stage: serve the stage above")
     predict.add_argument("--input", type=Path, metavar="FILE",
                          help="data owner: the rows to predict (.npy, or .csv read as its csv [data] reads its "
-                              "file: header, features by name, id_column); default: its held-out rows")
+                              "file: header, features by name, id_column); default: its held-out rows. A label "
+                              "owner with its own 'bottom': its own columns of those rows, matched by ID (else by "
+                              "position)")
     predict.add_argument("--id-column", metavar="NAME_OR_INDEX",
-                         help="data owner: the --input CSV's ID column (a header name or a 0-based index; default: "
-                              "its [data]'s id_column); its IDs are kept in the label owner's output")
+                         help="data owner (or active label owner): the --input CSV's ID column (a header name or "
+                              "a 0-based index; default: its [data]'s id_column); its IDs are kept in the label "
+                              "owner's output")
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
                               "numbers, or .npy)")
@@ -550,9 +553,10 @@ def _predict(args: argparse.Namespace) -> int:
     if stage is None:
         raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
     role = exp.check_role(stage, binds=args.bind is not None, connects=args.connect is not None)
-    if role != "driving" and (args.input is not None or args.id_column is not None):
+    own = role == "serving" and exp.own_bottom      # an active label owner holds its own columns of the rows
+    if role != "driving" and not own and (args.input is not None or args.id_column is not None):
         raise ConfigError("--input and --id-column are for the data owner (the first stage), which alone holds "
-                          "the rows")
+                          "the rows (and a label owner with its own 'bottom', for its own columns)")
     if args.id_column is not None and args.input is None:
         raise ConfigError("--id-column names a column of the --input CSV: give --input FILE.csv")
     if args.output_scores and role == "driving":
@@ -567,12 +571,12 @@ def _predict(args: argparse.Namespace) -> int:
     opts.security = upstream if role != "driving" else downstream
     opts.downstream_security = downstream
     stop = StopFlag().install()
+    id_column = args.id_column
+    if id_column is not None and id_column.isdigit():
+        id_column = int(id_column)
     try:
         if role == "driving":
             try:
-                id_column = args.id_column
-                if id_column is not None and id_column.isdigit():
-                    id_column = int(id_column)
                 rows = (read_rows(args.input, exp, stage, id_column) if args.input is not None
                         else held_out_rows(exp, stage, opts.seed))
                 count = send_predictions(opts, args.connect, rows, stop, ctx)
@@ -583,8 +587,10 @@ def _predict(args: argparse.Namespace) -> int:
                 raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
+            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column) if args.input is not None
+                                             else held_out_rows(exp, stage, opts.seed))
             count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
-                                      args.output_scores)
+                                      args.output_scores, own_rows)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
     finally:
         from distgrad.wire.keys import CurveServer

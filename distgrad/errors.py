@@ -61,6 +61,12 @@ class StageError(DistgradError, RuntimeError):
     """A stage failed while computing a step; the cause is chained."""
 
 
+class CutMisuse(DistgradError, RuntimeError):
+    """A loop used the cut library (``distgrad.cut``, ``distgrad.torch``) against its contract: a batch
+    replied to twice or not at all, a tensor of the wrong shape or dtype, a step out of order, a closed cut;
+    the message says what to do instead."""
+
+
 class CheckpointWriteError(DistgradError, OSError):
     """A checkpoint could not be written (disk full, read-only directory); names the directory and cause."""
 

@@ -15,12 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StageGroup, free_tcp_endpoint, read_json, run_cli, run_launcher, run_main
+from conftest import (StageGroup, StageProcess, free_tcp_endpoint, read_json, run_cli, run_launcher, run_main,
+                      wait_for_file)
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
 from distgrad.model import aggregate
 from distgrad.model.nn import build_model
+from distgrad.stage.stage import Stage
 
 BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
 OWN = '[[stages]]\nname = "g"\ncolumns = [8, 9, 10, 11]\nbottom = [{ type = "dense", name = "own1", in = 4, ' \
@@ -101,6 +103,44 @@ def test_active_label_owner_over_processes_equals_in_process(tmp_path, kind, tra
         assert summary["test_accuracy"] == reference["test_accuracy"] > 0.5
 
 
+HEAD_MODULE = """import torch
+
+
+def head(width: int = 24, classes: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(width, classes))
+"""
+
+
+def _torch_active(tmp_path: Path, kind: str) -> Path:
+    """``_active`` with the label owner computed by torch: its layers (framework "torch"), or a module."""
+    text = _active(tmp_path).read_text()
+    if kind == "framework":
+        text = text.replace('loss = "softmax', 'framework = "torch"\nloss = "softmax')
+    else:
+        (tmp_path / "head.py").write_text(HEAD_MODULE)
+        text = text.replace('model = [{ type = "dense", name = "g1", in = 24, out = 4 }]\noptimizer = { type = '
+                            '"adam", lr = 0.01 }', 'module = "head:head"\noptimizer = { type = "Adam", lr = 0.01 }')
+        assert 'module = "head:head"' in text
+    path = tmp_path / f"active-{kind}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["framework", "module"])
+def test_a_torch_label_owners_own_bottom_over_processes_equals_in_process(tmp_path, kind):
+    """The label owner's bottom built in torch, before its layers (framework "torch") or its module."""
+    experiment = _torch_active(tmp_path, kind)
+    flags = ["--micro-batches", "2", "--steps", "20"]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", experiment, "--summary", path, *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    own = ["own1.W", "own1.b"] + (["g1.W", "g1.b"] if kind == "framework" else ["0.bias", "0.weight"])
+    assert sorted(summary["params"]["g"]) == sorted(own) and summary["params"] == reference["params"]
+    start = _reference(tmp_path, experiment, "--steps", "1")["params"]["g"]["own1.W"]
+    assert summary["params"]["g"]["own1.W"] != start          # the bottom learns
+
+
 def test_one_feature_party_and_an_active_label_owner_from_split_stage_files(tmp_path):
     """`distgrad split` writes the label owner's bottom and its own columns (with its labels) into its files."""
     text = _active(tmp_path).read_text()
@@ -116,10 +156,77 @@ def test_one_feature_party_and_an_active_label_owner_from_split_stage_files(tmp_
     result = run_launcher(["run", *files, "--summary", path, "--steps", "30", "--save", tmp_path / "saved"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_json(path)["params"] == _reference(tmp_path, one, "--steps", "30")["params"]
-    # predict does not take the label owner's own columns of new rows yet: refused with the reason, exit 2
-    result = run_cli(["predict", files[1], "--bind", "tcp://127.0.0.1:*", "--load", tmp_path / "saved" / "g.npz",
-                      "--output", tmp_path / "out.csv"])
-    assert result.returncode == 2 and "own 'bottom'" in result.stderr and "predict does not take" in result.stderr
+    # distgrad predict: a sends its embeddings of new rows, g takes its own columns of them (by position)
+    features = np.random.default_rng(3).normal(size=(45, 12)).astype(np.float32)
+    np.save(tmp_path / "a.npy", features[:, :4])
+    np.save(tmp_path / "g.npy", features[:, 8:])
+    out = tmp_path / "out.csv"
+    _predict_pair(tmp_path, ["--load", tmp_path / "saved" / "g.npz", "--output", out, "--input", tmp_path / "g.npy"],
+                  files[1], ["--load", tmp_path / "saved" / "a.npz", "--input", tmp_path / "a.npy"], files[0])
+    table = np.loadtxt(out, delimiter=",", skiprows=1, dtype=np.int64)
+    expected = _in_process_predictions(one, tmp_path / "saved", {"a": features[:, :4], "g": features[:, 8:]})
+    assert len(table) == 45 and np.array_equal(table[:, 1], expected)
+
+
+def _predict_pair(tmp_path: Path, g_args: list, g_file: Path, a_args: list, a_file: Path) -> str:
+    """``distgrad predict`` served by the label owner g and sent by the one party a; both exit 0. Returns g's
+    output."""
+    ready = tmp_path / "g.ready"
+    with StageProcess(["predict", g_file, *g_args, "--bind", "tcp://127.0.0.1:*", "--ready-file", ready],
+                      tmp_path / "g-predict.log", distgrad=True) as g:
+        a = run_cli(["predict", a_file, *a_args, "--connect", wait_for_file(ready, g)])
+        assert a.returncode == 0, a.stderr
+        assert g.wait() == 0, g.output
+        return g.output
+
+
+def _in_process_predictions(experiment: Path, saved: Path, rows: dict) -> np.ndarray:
+    """The predictions of ``rows`` (stage -> its own columns of them) by the stages of one process with the
+    parameters ``--save`` wrote."""
+    exp = load_experiment(experiment)
+    stages = {name: Stage.from_experiment(exp, name) for name in exp.stage_names}
+    for name, stage in stages.items():
+        stage.load_parameters(saved / f"{name}.npz")
+    own = {name: rows[name] for name in exp.stage_names}
+    parts = [stages[name].forward(own[name], training=False)[0] for name in exp.data_owners]
+    last = stages[exp.stage_names[-1]]
+    y, _ = last.forward(aggregate.join_input(parts, own[exp.stage_names[-1]], exp.aggregate), training=False)
+    return last.loss.predict(y)
+
+
+def test_predict_matches_an_active_label_owners_own_rows_by_id(tmp_path):
+    """The party's and the label owner's --input rows carry IDs in different orders: g takes its own columns
+    of each chunk's rows by ID; a row ID g does not hold is refused (mismatch)."""
+    text = _active(tmp_path).read_text()
+    one = tmp_path / "one.toml"
+    one.write_text(text[:text.index('[[stages]]\nname = "b"')] + text[text.index('[[stages]]\nname = "g"'):]
+                   .replace("in = 24", "in = 16").replace("steps = 60", "steps = 20"))
+    assert run_main(["run", one, "--in-process", "--save", tmp_path / "saved"]).returncode == 0
+    rng = np.random.default_rng(5)
+    features = rng.normal(size=(40, 12)).astype(np.float32)
+    ids = [f"p{i:03d}" for i in range(40)]
+    order = rng.permutation(40)
+
+    def write(path: Path, columns: slice, rows) -> Path:
+        lines = ["id," + ",".join(f"c{i}" for i in range(columns.start, columns.stop))]
+        lines += [ids[r] + "," + ",".join(repr(float(v)) for v in features[r, columns]) for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    a_rows, g_rows = write(tmp_path / "a.csv", slice(0, 4), range(40)), write(tmp_path / "g.csv", slice(8, 12), order)
+    out = tmp_path / "out.csv"
+    g_args = ["--stage", "g", "--load", tmp_path / "saved" / "g.npz", "--output", out, "--id-column", "id"]
+    a_args = ["--stage", "a", "--load", tmp_path / "saved" / "a.npz", "--input", a_rows, "--id-column", "id"]
+    _predict_pair(tmp_path, [*g_args, "--input", g_rows], one, a_args, one)
+    table = np.loadtxt(out, delimiter=",", skiprows=1, dtype=str)
+    expected = _in_process_predictions(one, tmp_path / "saved", {"a": features[:, 0:4], "g": features[:, 8:12]})
+    assert table[:, 0].tolist() == ids and table[:, 1].astype(np.int64).tolist() == expected.tolist()
+    short = write(tmp_path / "g-short.csv", slice(8, 12), [r for r in order if r != 7])
+    ready = tmp_path / "short.ready"
+    with StageProcess(["predict", one, *g_args, "--input", short, "--bind", "tcp://127.0.0.1:*", "--ready-file",
+                       ready, "--peer-deadline", "5"], tmp_path / "g-short.log", distgrad=True) as g:
+        a = run_cli(["predict", one, *a_args, "--connect", wait_for_file(ready, g)])
+    assert a.returncode == 4 and "row ID 'p007' is not among the label owner's own rows" in a.stderr, a.stderr
 
 
 def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
@@ -129,8 +236,10 @@ def test_a_bottom_where_it_cannot_work_is_refused(tmp_path):
         parse_experiment({**raw, "stages": [dict(raw["stages"][0], bottom=layers), *raw["stages"][1:]]})
     with pytest.raises(ConfigError, match="vertical experiment"):
         parse_experiment({key: value for key, value in raw.items() if key != "aggregate"})
-    with pytest.raises(ConfigError, match="numpy layer lists"):
-        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], framework="torch")]})
+    with pytest.raises(ConfigError, match=r"own1. takes \(batch, 5\), got \(32, 4\)"):     # a module's bottom too
+        module = {key: value for key, value in raw["stages"][2].items() if key != "model"}
+        parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(module, module="head:head", bottom=[
+            {"type": "dense", "name": "own1", "in": 5, "out": 8}])]})
     with pytest.raises(ConfigError, match=r"own1. takes \(batch, 5\), got \(32, 4\)"):
         wrong = [{"type": "dense", "name": "own1", "in": 5, "out": 8}]
         parse_experiment({**raw, "stages": [*raw["stages"][:2], dict(raw["stages"][2], bottom=wrong)]})

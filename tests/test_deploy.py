@@ -3,9 +3,9 @@
 Every ``distgrad`` and ``distgrad-stage`` command line is taken out of:
 
 - deploy/Dockerfile: ENTRYPOINT + CMD, and the HEALTHCHECK;
-- deploy/compose.yaml and compose.vertical.yaml: each service's entrypoint +
+- deploy/compose.yaml, compose.vertical.yaml and compose.vertical-active.yaml: each service's entrypoint +
   command, and its health check (its own, or the one it inherits from the image);
-- deploy/k8s/*.yaml and k8s-vertical/*.yaml: each container's command + args
+- deploy/k8s/*.yaml, k8s-vertical/*.yaml and k8s-vertical-active/*.yaml: each container's command + args
   (resolved against the image's ENTRYPOINT and CMD as Kubernetes does; init
   containers too), and its probes;
 - deploy/systemd/*.service: ExecStart, with the specifiers resolved for the
@@ -68,8 +68,10 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_VERTICAL = DEPLOY / "compose.vertical.yaml"
+COMPOSE_VERTICAL_ACTIVE = DEPLOY / "compose.vertical-active.yaml"   # the label owner holds features too
 K8S = DEPLOY / "k8s"
 K8S_VERTICAL = DEPLOY / "k8s-vertical"
+K8S_VERTICAL_ACTIVE = DEPLOY / "k8s-vertical-active"     # the label owner holds features too
 SYSTEMD = DEPLOY / "systemd"
 ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
 README = DEPLOY / "README.md"
@@ -752,6 +754,7 @@ def test_party_folders_are_what_distgrad_split_writes():
 # ------------------------------------------------------------------ vertical: K feature parties and a label owner
 
 VERTICAL = PARTIES / "breast-cancer"
+VERTICAL_ACTIVE = PARTIES / "breast-cancer-active"
 
 
 @pytest.fixture(scope="module")
@@ -760,8 +763,17 @@ def aligned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hold, in ascending ID text), computed here in the clear from the CSVs `python -m distgrad.vertical_example
     --prepare-only` writes: stand-ins for the files the deployments' align commands write, so that the stage
     files that read them can be parsed as they will be at run time."""
-    folder = tmp_path_factory.mktemp("parties")
-    assert vertical_example.main(["--prepare-only", "--workdir", str(folder)]) == 0
+    return _aligned(tmp_path_factory.mktemp("parties"), [])
+
+
+@pytest.fixture(scope="module")
+def aligned_active(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``aligned`` of the active example (``--active``: the label owner holds the worst columns too)."""
+    return _aligned(tmp_path_factory.mktemp("active-parties"), ["--active"])
+
+
+def _aligned(folder: Path, flags: list[str]) -> dict[str, Path]:
+    assert vertical_example.main(["--prepare-only", *flags, "--workdir", str(folder)]) == 0
     tables = {}
     for party_folder in sorted(folder.iterdir()):
         with open(party_folder / f"{party_folder.name}.csv", newline="") as f:
@@ -822,29 +834,51 @@ def test_vertical_example_prepare_only_needs_a_workdir(capsys: pytest.CaptureFix
     assert exit_.value.code == 2 and "--prepare-only needs --workdir" in capsys.readouterr().err
 
 
-def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
-    """deploy/parties/breast-cancer/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY, but
-    for the path of the aligned rows (on the party's volume); the ConfigMaps of k8s-vertical/ are copies."""
+def _example_stage_files(aligned: dict[str, Path], parties: Path) -> dict[str, dict]:
+    """Check that deploy/parties/PARTIES/PARTY/PARTY.toml is what distgrad/vertical_example.py writes for PARTY,
+    but for the path of the aligned rows (on the party's volume); returns those stage files by party."""
     expected = {path.stem: tomllib.loads(path.read_text()) for path in vertical_example.write_stage_files(aligned)}
     for party, raw in expected.items():
         raw["data"]["path"] = f"/data/{party}.aligned.csv"
-    assert {p.name for p in VERTICAL.iterdir()} == set(expected)
+    assert {p.name for p in parties.iterdir()} == set(expected)
     for party, raw in expected.items():
-        folder = VERTICAL / party
+        folder = parties / party
         assert {p.name for p in folder.iterdir()} <= {f"{party}.toml", f"{party}.csv"}, f"{folder}: not only {party}'s"
         assert tomllib.loads((folder / f"{party}.toml").read_text()) == raw, \
             f"{folder / party}.toml differs from what distgrad/vertical_example.py writes"
-    maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(K8S_VERTICAL) if d.get("kind") == "ConfigMap"}
+    return expected
+
+
+def test_active_vertical_stage_files_are_the_examples(aligned_active: dict[str, Path]):
+    """deploy/parties/breast-cancer-active/: the label owner's holds its bottom, its worst columns and the labels."""
+    expected = _example_stage_files(aligned_active, VERTICAL_ACTIVE)
+    assert set(expected) == {"mean", "se", "diagnosis"} and "bottom" in expected["diagnosis"]["stage"]
+    assert all(name.startswith("worst") for name in expected["diagnosis"]["data"]["features"])
+    _config_maps_are_copies(K8S_VERTICAL_ACTIVE, expected)
+
+
+def test_vertical_stage_files_are_the_examples(aligned: dict[str, Path]):
+    """The passive example's stage files (``_example_stage_files``); the ConfigMaps of k8s-vertical/ are copies."""
+    _config_maps_are_copies(K8S_VERTICAL, _example_stage_files(aligned, VERTICAL))
+
+
+def _config_maps_are_copies(folder: Path, expected: dict[str, dict]) -> None:
+    """The ConfigMaps of a k8s folder hold one party's stage file each, copies of ``expected``."""
+    maps = {d["metadata"]["name"]: d["data"] for _, d in k8s_docs(folder) if d.get("kind") == "ConfigMap"}
     assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
     copies = {key: tomllib.loads(text) for data in maps.values() for key, text in data.items()}
     assert copies == {f"{party}.toml": raw for party, raw in expected.items()}
 
 
-def test_compose_vertical_aligns_then_trains(aligned: dict[str, Path]):
-    commands, doc = compose_commands(COMPOSE_VERTICAL)
+@pytest.mark.parametrize("path,parties", [(COMPOSE_VERTICAL, "aligned"), (COMPOSE_VERTICAL_ACTIVE, "aligned_active")])
+def test_compose_vertical_aligns_then_trains(path: Path, parties: str, request: pytest.FixtureRequest):
+    """compose.vertical.yaml (three feature parties) and compose.vertical-active.yaml (two, and a label owner
+    holding features of its own)."""
+    aligned = request.getfixturevalue(parties)
+    commands, doc = compose_commands(path)
     for cmd in commands:
         assert cmd.program in PROGRAMS, f"{cmd}: every service and health check should run distgrad"
-    aligns, g, drivers = check_vertical(commands, COMPOSE_VERTICAL.name, aligned)
+    aligns, g, drivers = check_vertical(commands, path.name, aligned)
     services = doc["services"]
     coord = next(a for a in aligns if a.serving)
     by_party = {a.ns.name: a for a in aligns}
@@ -874,10 +908,14 @@ def test_compose_vertical_aligns_then_trains(aligned: dict[str, Path]):
                 f"{p.cmd}: mount only the label owner's public key file, not its key directory"
 
 
-def test_k8s_vertical_aligns_then_trains(aligned: dict[str, Path]):
-    workloads, docs = k8s_workloads(K8S_VERTICAL)
+@pytest.mark.parametrize("folder,parties", [(K8S_VERTICAL, "aligned"), (K8S_VERTICAL_ACTIVE, "aligned_active")])
+def test_k8s_vertical_aligns_then_trains(folder: Path, parties: str, request: pytest.FixtureRequest):
+    """k8s-vertical/ (three feature parties) and k8s-vertical-active/ (two, and a label owner holding features
+    of its own)."""
+    aligned = request.getfixturevalue(parties)
+    workloads, docs = k8s_workloads(folder)
     commands = [c for w in workloads for c in w.commands]
-    aligns, g, drivers = check_vertical(commands, K8S_VERTICAL.name, aligned)
+    aligns, g, drivers = check_vertical(commands, folder.name, aligned)
     by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in docs if "metadata" in d}
     by_party = {a.ns.name: a for a in aligns}
     for p in [g, *drivers]:
@@ -909,7 +947,7 @@ def test_k8s_vertical_aligns_then_trains(aligned: dict[str, Path]):
         assert any(str(sp["port"]) == connect_port and str(sp.get("targetPort", sp["port"])) == port
                    for sp in service["spec"]["ports"]), f"Service {host} does not forward {connect_port} to {port}"
     kustomization = next(d for _, d in docs if d.get("kind") == "Kustomization")
-    files = {p.name for p in K8S_VERTICAL.glob("*.yaml")} - {"kustomization.yaml"}
+    files = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files - {"secret.yaml"}
 
 

@@ -21,7 +21,7 @@ LAYERS = [
     ("configuration and data", {"config"}),
     ("stage and step engine", {"stage"}),
     ("stage processes and runners", {"run"}),
-    ("front ends", {"cli", "api", "align", "plot", "vertical_example", "__init__"}),
+    ("front ends", {"cli", "api", "align", "plot", "vertical_example", "cut", "torch", "__init__"}),
 ]
 DATA_FOLDERS = {"experiments", "datasets"}   # shipped stage files, their example modules and data sets: not the package's code
 LAYER = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}

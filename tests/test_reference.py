@@ -127,6 +127,7 @@ def _set(path: str, value: Any, drop: str | None = None) -> Callable[[dict], Non
 _SHARED_VALUES: dict[str, tuple[Any, str | None]] = {
     "steps": (7, None), "epochs": (2, "steps"), "seed": (5, None), "reduction": ("sum", None),
     "micro_batches": (2, None), "staleness": (1, None), "eval_every": (5, None), "allow_nonfinite": (True, None),
+    "send_rows": (True, None),
     "activation_codec": ("float16", None), "gradient_codec": ("float16", None), "clients": ({"count": 2}, None),
 }
 _LAYERS = [{"type": "dense", "name": "f1", "in": 64, "out": 64, "init": "zeros"}, {"type": "relu"}]

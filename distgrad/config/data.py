@@ -82,6 +82,7 @@ class RowBatches(DataSource):
     seed: int
     _epoch: int = -1
     _order: np.ndarray = np.arange(0)
+    _training_mask: np.ndarray | None = None     # by row number: a training row of this data owner (built once)
 
     _ORDER_KEY = 11        # the stream of per-epoch shuffles, apart from the data's own draws
 
@@ -89,6 +90,48 @@ class RowBatches(DataSource):
         """The training rows of 0-based ``epoch`` in the order its batches take them: a permutation drawn
         from the seed and the epoch alone, so every party computes the same one."""
         return self.train_rows[np.random.default_rng([self.seed, self._ORDER_KEY, epoch]).permutation(len(self.train_rows))]
+
+    def step_rows(self, step: int) -> np.ndarray:
+        """The row numbers 1-based ``step`` trains on, in batch order: what a forward's ``rows`` carries
+        with ``send_rows`` (``features``/``targets`` of the step are ``features_at``/``targets_at`` of them)."""
+        return self._rows(step)
+
+    @property
+    def row_count(self) -> int:
+        """How many rows are numbered: the training and held-out rows of every data owner."""
+        return self.rows
+
+    def refused_row(self, rows: np.ndarray) -> tuple[int, str] | None:
+        """The first of row numbers ``rows`` that may not be trained on here, and why (out of range, held
+        out for evaluation, another data owner's), or None when every one may."""
+        count = self.row_count
+        outside = (rows < 0) | (rows >= count)
+        if outside.any():
+            return int(rows[np.argmax(outside)]), f"out of range (the rows are 0 to {count - 1})"
+        if self._training_mask is None:
+            self._training_mask = np.zeros(count, bool)
+            self._training_mask[self.train_rows] = True
+        refused = ~self._training_mask[rows]
+        if not refused.any():
+            return None
+        row = int(rows[np.argmax(refused)])
+        if row in set(self.test_rows.tolist()):
+            return row, "held out for evaluation"
+        return row, "not one of this data owner's training rows (another client's shard)"
+
+    def features_at(self, rows: np.ndarray) -> np.ndarray:
+        """The features of row numbers ``rows``, in that order."""
+        raise ConfigError(f"{type(self).__name__} data holds no features")
+
+    def targets_at(self, rows: np.ndarray) -> np.ndarray:
+        """The targets of row numbers ``rows``, in that order."""
+        raise ConfigError(f"{type(self).__name__} data holds no labels")
+
+    def features(self, step: int) -> np.ndarray:
+        return self.features_at(self._rows(step))
+
+    def targets(self, step: int) -> np.ndarray:
+        return self.targets_at(self._rows(step))
 
     def _rows(self, step: int) -> np.ndarray:
         epoch, index = divmod(step - 1, self.batches_per_epoch)
@@ -106,7 +149,7 @@ class RowBatches(DataSource):
             raise ConfigError(f"data owner {index} of {count} gets {len(rows)} training rows, fewer than a batch "
                               f"of {self.batch}")
         self.train_rows, self.batches_per_epoch = rows, len(rows) // self.batch
-        self._epoch = -1
+        self._epoch, self._training_mask = -1, None
 
 
 class SyntheticRegression(RowBatches):
@@ -135,11 +178,15 @@ class SyntheticRegression(RowBatches):
         self.feature_shape, self.target_shape = (batch, features), (batch, outputs)
         self._epoch, self._order = -1, np.arange(0)
 
-    def features(self, step: int) -> np.ndarray:
-        return self.x[self._rows(step)]
+    @property
+    def row_count(self) -> int:
+        return len(self.x)
 
-    def targets(self, step: int) -> np.ndarray:
-        return self.y[self._rows(step)]
+    def features_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.x[rows]
+
+    def targets_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.y[rows]
 
     def all_targets(self) -> np.ndarray:
         """Every row's target, by row number."""
@@ -464,11 +511,11 @@ class ArrayFile(RowBatches):
 
     _ORDER_KEY = 19
 
-    def features(self, step: int) -> np.ndarray:
-        return self._all_features()[self._rows(step)]
+    def features_at(self, rows: np.ndarray) -> np.ndarray:
+        return self._all_features()[rows]
 
-    def targets(self, step: int) -> np.ndarray:
-        return self._all_labels()[self._rows(step)]
+    def targets_at(self, rows: np.ndarray) -> np.ndarray:
+        return self._all_labels()[rows]
 
     def all_targets(self) -> np.ndarray:
         """Every row's label, by row number."""
@@ -508,6 +555,9 @@ class ColumnView(DataSource):
     def features(self, step: int) -> np.ndarray:
         return np.ascontiguousarray(self._source.features(step)[..., self._columns])
 
+    def features_at(self, rows: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self._source.features_at(rows)[..., self._columns])  # type: ignore[attr-defined]
+
     def test_features(self) -> np.ndarray:
         return np.ascontiguousarray(self._source.test_features()[..., self._columns])  # type: ignore[attr-defined]
 
@@ -546,6 +596,9 @@ class RandomizedLabels(DataSource):
 
     def targets(self, step: int) -> np.ndarray:
         return self.noisy[self._source._rows(step)]
+
+    def targets_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.noisy[rows]
 
     def true_targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)

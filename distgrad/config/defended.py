@@ -43,6 +43,9 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's rows "
                      "against one label owner's")
     if label_owner_sends_gradients(exp, stage):
+        if exp.send_rows:
+            raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "
+                         "are the data owner's to choose")
         return "labels"
     if exp.stage_index(stage) == 0:
         return "inputs"

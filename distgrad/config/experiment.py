@@ -159,6 +159,7 @@ class Experiment:
     staleness: int = 0                         # the first stage's steps in flight (asynchronous pipelining)
     activation_codec: str = "none"             # how activations cross the wire (``distgrad.wire.codecs``, canonical)
     gradient_codec: str = "none"               # how activation gradients cross it
+    send_rows: bool = False                    # every training forward carries its rows' numbers (``rows``)
     flag_origins: tuple[tuple[str, str], ...] = ()   # interface fields a command-line flag set, and the flag
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -275,9 +276,16 @@ class Experiment:
         model = build_model(spec.model, spec.init_seed(seed))
         if spec.bottom is None:
             return model
+        return Sequential([self.bottom_layer(name, seed), *model.layers])
+
+    def bottom_layer(self, name: str, seed: int) -> OwnBottom:
+        """The label owner's own ``bottom`` (numpy layers; ``seed``: the run's) as the first layer of its
+        stage, ``aggregate.OwnBottom`` (a torch stage builds the same in torch)."""
+        spec = self.spec(name)
+        if spec.bottom is None:
+            raise ConfigError(f"stage {name!r} has no 'bottom'")
         bottom = build_model(spec.bottom, spec.init_seed(seed))
-        return Sequential([OwnBottom(self.aggregate, [cut[-1] for cut in self.cuts], bottom),   # type: ignore
-                           *model.layers])
+        return OwnBottom(self.aggregate, [cut[-1] for cut in self.cuts], bottom)    # type: ignore[arg-type]
 
     def own_features_shape(self, seed: int | None = None) -> Shape:
         """The per-step shape of the label owner's own feature columns (``own_bottom``)."""
@@ -409,6 +417,7 @@ class Experiment:
                      "clients mode": self.clients.mode, "clients average_every": self.clients.average_every,
                      **({"aggregate": self.aggregate} if self.vertical else {}),
                      **({"staleness": self.staleness} if self.staleness else {}),
+                     **({"send_rows": True} if self.send_rows else {}),
 
                      # Only when set, so that experiments without codecs keep their fingerprints.
                      **({"activation_codec": self.activation_codec} if self.activation_codec != "none" else {}),
@@ -429,8 +438,9 @@ class Experiment:
                 if rows is None:
                     return {}
                 digest = hashlib.sha256(np.asarray(data.test_rows, np.int64).tobytes())
-                digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
-                                         np.int64).tobytes())
+                if not self.send_rows:      # with send_rows the data owner's loader picks a step's rows
+                    digest.update(np.asarray(data.epoch_order(0) if hasattr(data, "epoch_order") else rows,
+                                             np.int64).tobytes())
                 ids = data.row_id_digest() if hasattr(data, "row_id_digest") else None
                 return {"rows": int(len(rows) + len(data.test_rows)), "held-out rows": int(len(data.test_rows)),
                         "sample order": digest.hexdigest()[:PART_DIGEST_HEX], **({"row ids": ids} if ids else {})}
@@ -637,6 +647,25 @@ def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if last.early_stopping is not None and is_whole(eval_every) and eval_every == 0:
         raise ConfigError("early_stopping judges the evaluations during the run, and eval_every is 0 (only after "
                           "the last step): set eval_every (or --eval-every) to K > 0")
+
+
+def check_send_rows(exp: Experiment) -> None:
+    """Raise ``ConfigError`` where ``send_rows`` cannot act: data without numbered rows (unbatched), targets
+    that travel with the activations (``labels = "first"``: the label owner is the sender, nothing is looked
+    up by row), and a label owner's Marvell, which reads its labels in its own sample order (its privacy
+    meter likewise: ``defended.meter_kind``)."""
+    if not exp.send_rows:
+        return
+    if exp.batch is None:
+        raise ConfigError("send_rows sends each step's row numbers, and this experiment's data is unbatched "
+                          "(no rows): drop send_rows or use batched rows (npz, npy, csv or synthetic)")
+    if exp.labels_travel:
+        raise ConfigError("send_rows lets the label owner take the targets of the rows it is sent; with "
+                          "labels = \"first\" the targets travel with the activations already: drop send_rows")
+    last = exp.stage_names[-1]
+    if exp.has_stage(last) and exp.spec(last).defenses.marvell is not None:
+        raise ConfigError(f"send_rows with 'marvell' on the label owner {last!r}: Marvell reads its labels in its "
+                          f"own sample order, not those of the rows it is sent; drop one of them")
 
 
 MAX_STALENESS = 64     # steps in flight: each holds a copy of the first stage's parameters

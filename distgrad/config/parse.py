@@ -20,7 +20,7 @@ from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (AUTO_STALENESS, BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
                                         REDUCTIONS, WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
-                                        check_staleness, check_targets, Clients,
+                                        check_send_rows, check_staleness, check_targets, Clients,
                                         codec_name, Experiment, file_error, interface_differences, is_whole,
                                         loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
@@ -105,10 +105,6 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
                                      f"experiment: only the last stage has one")
         if not isinstance(bottom, list) or not bottom or not all(isinstance(t, dict) for t in bottom):
             raise file_error(source, f"stage {name!r}: 'bottom' must be a list of layer tables, got {bottom!r}")
-        if not has_model or framework != "numpy":
-            raise file_error(source, f"stage {name!r}: 'bottom' joins numpy layer lists; a torch stage (a 'module' "
-                                     f"or framework = \"torch\") would have to take the own columns itself: put its "
-                                     f"bottom in the module's forward or give numpy layers")
     if not isinstance(table.get("privacy_meter", False), bool):
         raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
                                  f"got {table['privacy_meter']!r}")
@@ -173,7 +169,7 @@ def _shape_list(value: Any) -> bool:
 
 def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
-    eval_every, allow_nonfinite, codecs."""
+    eval_every, allow_nonfinite, send_rows, codecs."""
     out: dict[str, Any] = {}
     if "steps" in raw and "epochs" in raw:
         raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
@@ -188,9 +184,10 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
                micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
                staleness=raw.get("staleness", 0))
-    out["allow_nonfinite"] = raw.get("allow_nonfinite", False)
-    if not isinstance(out["allow_nonfinite"], bool):
-        raise file_error(source, f"{where}'allow_nonfinite' must be true or false, got {out['allow_nonfinite']!r}")
+    for key in ("allow_nonfinite", "send_rows"):
+        out[key] = raw.get(key, False)
+        if not isinstance(out[key], bool):
+            raise file_error(source, f"{where}'{key}' must be true or false, got {out[key]!r}")
     out["labels"] = raw.get("labels", "last")
     if out["labels"] not in ("last", "first"):
         raise file_error(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
@@ -296,7 +293,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
                      _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"])
+                     staleness=settings["staleness"], send_rows=settings["send_rows"])
     _check_built(exp, source)
     return exp
 
@@ -312,8 +309,10 @@ def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
     return settings["epochs"] * per_epoch
 
 
-def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
-    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``."""
+def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) -> Experiment:
+    """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``. ``own_loop``: the party
+    trains in its own loop through the cut library (``distgrad.cut``), so ``[stage]`` names its stage and
+    nothing else, and ``[data]`` is optional."""
     unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
     if unknown:
         raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
@@ -346,13 +345,16 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
     aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
-    spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
+    if own_loop and "stage" in raw:
+        spec = _own_loop_stage(source, table)
+    else:
+        spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
     if spec is None:
         raise file_error(source, "a stage file needs a [stage] table (this party's model)")
     if spec.name not in names:
         raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
     last = spec.name == names[-1]
-    if last != (spec.loss is not None):
+    if not own_loop and last != (spec.loss is not None):
         raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
     data = raw.get("data")
     if data is not None and not isinstance(data, dict):
@@ -361,7 +363,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
         data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
     spec = StageSpec(**{**spec.__dict__, "data": data or {}})
     try:
-        if last:
+        if last and not own_loop:
             reduction = loss_reduction(spec)
             if settings["reduction"] not in (None, reduction):
                 raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
@@ -383,9 +385,28 @@ def _parse_stage_file(raw: dict[str, Any], source: str) -> Experiment:
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
                      _description(source, raw), target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"])
-    _check_built(exp, source)
+                     staleness=settings["staleness"], send_rows=settings["send_rows"])
+    _check_built(exp, source, own_loop)
     return exp
+
+
+def _own_loop_stage(source: str, table: Any) -> StageSpec:
+    """The ``[stage]`` of a party training in its own loop: its ``name`` only (its model, optimiser and
+    loss are its code's; a key that would configure them is refused rather than ignored)."""
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str) or not table["name"]:
+        raise file_error(source, "[stage] needs a 'name': the stage this party's own loop computes")
+    others = sorted(set(table) - {"name"})
+    if others:
+        raise file_error(source, f"[stage] has {others}, but this party trains in its own loop (distgrad.cut): "
+                                 f"its model, optimiser and loss are its code's, so [stage] takes only 'name'")
+    return StageSpec(table["name"], None, {}, base_dir=_base_dir(source), source=source)
+
+
+def parse_own_loop(raw: Mapping[str, Any], source: str = "<arguments>") -> Experiment:
+    """The interface of a party that trains in its own loop through the cut library (``distgrad.cut``): a
+    stage-file table (``[interface]``, a ``[stage]`` with only its ``name``, an optional ``[data]``)
+    validated like a stage file. Raises ``ConfigError`` naming ``source`` and the problem."""
+    return _parse_stage_file(dict(raw), source, own_loop=True)
 
 
 def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
@@ -428,13 +449,14 @@ def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tu
     return ((batch, *shape) if batch is not None else shape), value["dtype"]
 
 
-def _check_built(exp: Experiment, source: str) -> None:
+def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
     """Build what this experiment's files define once, so a bad one fails here: every data source (and
     shard), the numpy models against their input shapes and cuts, the optimisers, and the targets
-    against the last stage's prediction."""
+    against the last stage's prediction. ``own_loop``: a party of the cut library may hold no data."""
     try:
         exp.interface_parts()
         check_staleness(exp, exp.staleness)
+        check_send_rows(exp)
         check_codecs(exp)
         check_defenses(exp)
         if any(spec.bottom is not None for spec in exp.stages) and not exp.vertical:
@@ -448,7 +470,7 @@ def _check_built(exp: Experiment, source: str) -> None:
                 raise ConfigError(f"stage {spec.name!r}: 'columns' selects a data owner's feature columns; "
                                   f"this stage receives activations")
             holds_data = bool(exp.data if spec.data is None else spec.data)
-            if not holds_data and (first or spec.name == exp.label_owner):
+            if not holds_data and not own_loop and (first or spec.name == exp.label_owner):
                 raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
                                   f"{'features' if first else 'labels'}")
             if holds_data:
@@ -466,6 +488,8 @@ def _check_built(exp: Experiment, source: str) -> None:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "
                                       f"{(tuple(data.target_shape), np.dtype(data.target_dtype).name)}")
             if spec.model is None:
+                if spec.bottom is not None:        # a module label owner's own bottom takes its own columns
+                    exp.bottom_layer(spec.name, exp.seed).output_shape(exp.input_shape(spec.name))
                 continue
             model = exp.model(spec.name, exp.seed)
             shape = model.output_shape(exp.input_shape(spec.name))
@@ -510,7 +534,7 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
                       first.cuts, first.batch, first.reduction, first.micro_batches, first.eval_every,
                       first.epochs, first.description, first.target, aggregate=first.aggregate,
                       activation_codec=first.activation_codec, gradient_codec=first.gradient_codec,
-                      staleness=first.staleness)
+                      staleness=first.staleness, send_rows=first.send_rows)
 
 
 def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:

@@ -43,6 +43,13 @@ _SHARED: dict[str, Key] = {
     "allow_nonfinite": ("boolean", "false",
                         "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
                         "gradient ends the run before anything of that step is applied)"),
+    "send_rows": ("boolean", "false",
+                  "every training forward also carries its micro-batch's row numbers (an int64 tensor 'rows', in "
+                  "the parties' common numbering of the [data] rows), and the label owner trains on the targets "
+                  "(and, active, its own columns) of exactly those rows: the data owner's loader decides which rows "
+                  "a step takes. The label owner refuses a row out of range, held out, another client's or twice in "
+                  "a step; vertical parties must send the same rows. Batched rows only; not with labels = "
+                  "\"first\", nor with the label owner's 'marvell' or privacy meter"),
     "clients": ("table", "absent",
                 "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
                 "average_every (splitfed: average the first stage's parameters every K steps)"),
@@ -146,10 +153,12 @@ _STAGE_COMMON: dict[str, Key] = {
                 "the feature columns this stage takes from its data's features (indices into their last axis, in "
                 "this order): a feature party's own columns in a vertical experiment ('aggregate')"),
     "bottom": ("array of layer tables", "absent",
-               "the last stage of a vertical experiment ('aggregate'), numpy layers only: the label owner's own "
+               "the last stage of a vertical experiment ('aggregate'): the label owner's own "
                "bottom model over its own feature 'columns' of its [data] (which then holds its columns and the "
                "labels); its output joins the parties' embeddings as one more party, after them, before 'model'; "
-               "it learns from the gradient of its own embedding and its parameters are saved with the stage's"),
+               "it learns from the gradient of its own embedding and its parameters are saved with the stage's. "
+               "Layer tables (see Layers) for every kind of stage: a torch stage (framework \"torch\" or a "
+               "'module') builds them in torch, before its layers or module"),
     "privacy_meter": ("boolean", "false",
                       "private to this party: meter, live, what the other party could learn from what this stage "
                       "sends across the cut (the label owner: label recovery and AUCs from the gradient rows; the "

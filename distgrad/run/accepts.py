@@ -37,14 +37,16 @@ class Accepts:
                  middle: bool, upstream: str, seed: int, init: Any) -> None:
         self.state, self.exp, self.input_shapes, self.data = state, exp, input_shapes, data
         self.target = target_spec(exp)
-        singles = [self.forward(1, index) for index in range(len(input_shapes))]
+        # A peer's step rows so far (``send_rows``): (step, micro-batch) -> its rows, by peer.
+        self.step_rows: list[dict[tuple[int, int], np.ndarray]] = [{} for _ in input_shapes]
+        singles = [self._specs(1, index, rows=False) for index in range(len(input_shapes))]   # evaluations'
+        limits = [frame_limit(self.forward(1, index).specs) for index in range(len(input_shapes))]
         row_bytes = 4 * int(np.prod(state.stage.input_shape[1:] or (1,)))
         self.rows_max = min(MAX_EVAL_ROWS, max(1, MAX_EVAL_BYTES // row_bytes))
         self.passed_on = not data and middle        # evaluations go below without a row count here
         rows = len(data[0].test_rows) if data else self.rows_max if middle else 0
         self.evaluations = [single.with_rows(rows) if rows else None for single in singles]    # per peer
-        limits = [frame_limit(single.specs) for single in singles] + [frame_limit(specs.specs)
-                                                                      for specs in self.evaluations if specs]
+        limits += [frame_limit(specs.specs) for specs in self.evaluations if specs]
         self.params: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
         if exp.clients.mode == "splitfed":
             first_model, _, _ = build_stage_parts(exp, upstream, seed, init)
@@ -55,15 +57,50 @@ class Accepts:
         self.max_tensor_bytes = max(limit[1] for limit in limits)
 
     def forward(self, mbs: int, index: int) -> Expected:
-        """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded."""
+        """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded (and
+        its rows with ``send_rows``)."""
+        return self._specs(mbs, index, self.exp.send_rows)
+
+    def _specs(self, mbs: int, index: int, rows: bool) -> Expected:
         return forward_specs(self.state.stage, self.target, mbs, self.input_shapes[index],
-                             self.exp.codecs[ACTIVATION])
+                             self.exp.codecs[ACTIVATION], rows)
+
+    def receive(self, peer: Any, msg: Message) -> None:
+        """Check a forward of ``peer`` against what it carries (``peer.specs``) and decode its coded tensors
+        (``Expected.receive``), then, with ``send_rows``, its rows (``check_rows``). Raises ``ProtocolError``;
+        nothing changes then."""
+        peer.specs.receive(msg, self.exp.allow_nonfinite)
+        if self.exp.send_rows:
+            self.check_rows(peer.index, msg)
+
+    def check_rows(self, index: int, msg: Message) -> None:
+        """With ``send_rows``, on the stage holding the labels: refuse (``tensor``, naming the row and the
+        reason) a forward of peer ``index`` whose ``rows`` holds a row out of range, held out, not that
+        data owner's, or one the step already has (in this or an earlier micro-batch); else remember them
+        for the step's later micro-batches. A middle stage without data passes the rows on unchecked.
+        Changes nothing when it refuses."""
+        if not self.data:
+            return
+        rows = msg.tensors["rows"]
+        refused = self.data[index].refused_row(rows)
+        if refused is not None:
+            raise ProtocolError(ErrorCode.TENSOR, f"forward of step {msg.step} micro-batch {msg.mb}: row "
+                                                  f"{refused[0]} {refused[1]}; nothing was applied")
+        earlier = {key: value for key, value in self.step_rows[index].items()
+                   if key[0] == msg.step and key[1] < msg.mb}
+        seen = np.concatenate([rows, *earlier.values()])
+        unique, counts = np.unique(seen, return_counts=True)
+        if (counts > 1).any():
+            raise ProtocolError(ErrorCode.TENSOR, f"forward of step {msg.step} micro-batch {msg.mb}: row "
+                                                  f"{int(unique[np.argmax(counts > 1)])} appears twice in the "
+                                                  f"step; nothing was applied")
+        self.step_rows[index] = {**earlier, (msg.step, msg.mb): rows}
 
     def evaluation(self, index: int, msg: Message) -> Expected:
         """What an evaluation of peer ``index`` carries; ``ProtocolError`` when this stage evaluates nothing
         or a passed-on evaluation carries too many rows or none."""
         if self.passed_on:
-            single = self.forward(1, index)
+            single = self._specs(1, index, rows=False)
             # The rows are the first axis of the coded activation's first part (the values, codes or bits).
             activation = msg.tensors.get(next(iter(single.coded.specs)))
             rows = len(activation) if activation is not None and activation.ndim else 0

@@ -31,7 +31,7 @@ from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.stage.records import evaluation_entry, evaluation_fields, scores_text
-from distgrad.stage.stage import backward_specs, micro_batch
+from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import Traffic
@@ -154,20 +154,24 @@ class _Driver:
         averaging = self.average_every and step % self.average_every == 0
         self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
 
-    def _batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Step ``step``'s features, and its targets when they travel."""
+    def _batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Step ``step``'s features, its targets when they travel, and its row numbers with ``send_rows``."""
         targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
-        return self.data.features(step), targets
+        rows = np.asarray(self.data.step_rows(step), ROWS_DTYPE) if self.exp.send_rows else None
+        return self.data.features(step), targets, rows
 
-    def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None]) -> tuple[Message, Any]:
+    def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+                 ) -> tuple[Message, Any]:
         """Micro-batch ``i`` of step ``step`` forward through this stage: the message and the cache."""
-        features, targets = batch
+        features, targets, rows = batch
         count = self.opts.micro_batches
         y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
         # This stage computes on with ``y`` itself; only what crosses is coded.
         tensors = self.state.senders.message_tensors(ACTIVATION, y, stream_name(ACTIVATION, i, count), step)
         if targets is not None:
             tensors["target"] = micro_batch(targets, i, count)
+        if rows is not None:
+            tensors["rows"] = micro_batch(rows, i, count)
         return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
 
     def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:

@@ -288,6 +288,16 @@ def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders
     return last.evaluate_last(x, labels.test_targets(), metrics)
 
 
+def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Step ``step``'s targets, and the active label owner's own feature columns (else None): with
+    ``send_rows``, those of the rows the data owner ``data`` trains on (as the label owner takes them from
+    each forward's ``rows``); else the label owner's ``labels`` in its own sample order."""
+    if not exp.send_rows:
+        return labels.targets(step), labels.features(step) if exp.own_bottom else None
+    rows = data.step_rows(step)
+    return labels.targets_at(rows), labels.features_at(rows) if exp.own_bottom else None
+
+
 def _due(step: int, steps: int, eval_every: int) -> bool:
     """Evaluate after ``step``: every ``eval_every``-th step and the last (as the driving stage does)."""
     return (eval_every > 0 and step % eval_every == 0) or step == steps
@@ -319,7 +329,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
-            losses[c] = _step(engines, step, data[c].features(step), labels[c].targets(step), micro_batches, c)
+            losses[c] = _step(engines, step, data[c].features(step), _labelled(exp, data[c], labels[c], step)[0],
+                              micro_batches, c)
         if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
             mean = average_parameters([client.params for client in clients])
             for client in clients:
@@ -428,18 +439,19 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
             if in_flight is not None:
                 # The forward of step t+S, then the backward and update of step t (as the driver does).
                 if step <= steps:
-                    losses[step] = in_flight.send(step, data.features(step), labels.targets(step))
+                    losses[step] = in_flight.send(step, data.features(step), _labelled(exp, data, labels, step)[0])
                 step -= staleness
                 if step < 1:
                     continue
                 in_flight.complete(step)
                 loss = losses.pop(step)
             elif exp.vertical:
+                targets, own = _labelled(exp, data, labels, step)
                 loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
-                                      labels.features(step) if exp.own_bottom else None, labels.targets(step),
-                                      micro_batches)
+                                      own, targets, micro_batches)
             else:
-                loss = _step(engines, step, data.features(step), labels.targets(step), micro_batches)
+                loss = _step(engines, step, data.features(step), _labelled(exp, data, labels, step)[0],
+                             micro_batches)
             lines.flush(upto=step)
             if step % log_every == 0 or step == steps:
                 log.info("step %d/%d loss %.6g", step, steps, loss)

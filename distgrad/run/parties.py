@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from distgrad.model import aggregate
 
 from distgrad.wire import messages as wire
@@ -205,10 +207,18 @@ class Parties(Topology):
         stage, first = s.stage, msgs[0]
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
+        rows = self.common_rows(group, msgs)
+        if isinstance(rows, str):
+            return [(p.envelope, wire.error_message(m.run, step, ErrorCode.MISMATCH, rows, mb, mbs))
+                    for p, m in zip(group, msgs)]
         try:
-            own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
+            if rows is None:
+                own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
+                target = micro_batch(s.data[0].targets(step), mb, mbs)
+            else:           # send_rows: the label owner's own columns and targets of the rows the parties sent
+                own = s.data[0].features_at(rows) if s.exp.own_bottom else None
+                target = s.data[0].targets_at(rows)
             z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
-            target = micro_batch(s.data[0].targets(step), mb, mbs)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
@@ -234,6 +244,22 @@ class Parties(Topology):
             replies.append((peer.envelope, reply))
         s.defer(group, lambda: s.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz))
         return replies
+
+    def common_rows(self, group: list[Peer], msgs: list[Message]) -> Any:
+        """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when
+        two parties sent different rows, the refusal's text (each party gets a ``mismatch``; nothing of the
+        micro-batch is applied)."""
+        if not self.serving.exp.send_rows:
+            return None
+        rows = msgs[0].tensors["rows"]
+        for peer, msg in zip(group[1:], msgs[1:]):
+            if not np.array_equal(msg.tensors["rows"], rows):
+                differ = int(np.argmax(msg.tensors["rows"] != rows))
+                return (f"the feature parties sent different rows for step {msg.step} micro-batch {msg.mb}: "
+                        f"{self.name(group[0])} row {int(rows[differ])}, {self.name(peer)} row "
+                        f"{int(msg.tensors['rows'][differ])} at position {differ}; every party must send the "
+                        f"same rows (nothing was applied)")
+        return rows
 
     def evaluation(self, group: list[Peer]) -> list[Reply]:
         """Every party's held-out embeddings combined and scored; the same scores go to each. Changes no

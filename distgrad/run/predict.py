@@ -163,7 +163,9 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
         raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
     except ConfigError as e:
         raise ConfigError(f"--input {path}: {e}") from e
-    width = exp.input_shape(stage)[1:] if exp.batch is not None else exp.input_shape(stage)
+    # An active label owner's rows are its own feature columns, not what it receives.
+    shape = exp.own_features_shape() if stage == exp.stage_names[-1] and exp.own_bottom else exp.input_shape(stage)
+    width = shape[1:] if exp.batch is not None else shape
     if tuple(rows.shape[1:]) != tuple(width) or not len(rows):
         raise ConfigError(f"--input {path} has rows of shape {tuple(rows.shape[1:])} ({len(rows)} rows); stage "
                           f"{stage} takes rows of shape {tuple(width)}")
@@ -265,15 +267,18 @@ class PredictionServer:
     rows are in and the file is written."""
 
     def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None,
-                 output_scores: bool = False) -> None:
-        """``output_scores``: the label owner writes each row's scores beside its prediction (module doc)."""
+                 output_scores: bool = False, own_rows: NewRows | None = None) -> None:
+        """``output_scores``: the label owner writes each row's scores beside its prediction (module doc);
+        ``own_rows``: an active label owner's own feature columns of the rows to predict (``OwnRows``)."""
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
         self.output_scores = output_scores
+        self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
         self.state = StageState(opts)
         self.stage, self.log = self.state.stage, self.state.log
         self.parties = self.exp.upstream(opts.stage)        # the stages that send here
         self.upstream = self.parties[0]
-        self.vertical = self.exp.vertical and len(self.parties) > 1
+        # Vertical: several parties, or one and the label owner's own bottom, whose embeddings combine.
+        self.vertical = self.exp.vertical and (len(self.parties) > 1 or self.exp.own_bottom)
         shapes = ({name: self.exp.cuts[self.exp.stage_index(name)] for name in self.parties} if self.vertical
                   else {self.upstream: self.stage.input_shape})
         self.row_shapes = {name: tuple(shape[1:] if self.exp.batch else shape) for name, shape in shapes.items()}
@@ -361,6 +366,8 @@ class PredictionServer:
                                                         f"{wire.show(id_name)}, party {other} of column "
                                                         f"{wire.show(theirs.id_name)}: every party keeps the ID "
                                                         f"column, or none")
+        if self.own is not None:
+            self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
             batch = self.exp.batch or 1
             self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name)
@@ -454,7 +461,8 @@ class PredictionServer:
                                                     f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
                                                     f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
                                                     f"the parties' --input files are not aligned")
-        y, _ = self.stage.forward(aggregate.combine(self.exp.aggregate, parts), training=False)
+        own = self.own.chunk(number, ids[0], len(parts[0])) if self.own is not None else None
+        y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate), training=False)
         self.predictions[number], scores = self._outputs(y)
         if scores is not None:
             self.scores[number] = scores
@@ -551,6 +559,47 @@ class PredictionServer:
         return len(predictions)
 
 
+class OwnRows:
+    """An active label owner's own feature columns of the rows a prediction takes (its ``--input``, or its
+    held-out rows), matched to each chunk the parties send: by the rows' IDs when they carry them (the
+    label owner's rows need the same ID column, in any order), else by position (the same row count)."""
+
+    def __init__(self, rows: NewRows, batch: int) -> None:
+        self.rows, self.batch = rows, batch
+        self.index: dict[str, int] | None = None
+        if rows.ids is not None:
+            self.index = {key: i for i, key in enumerate(rows.ids)}
+            if len(self.index) != len(rows.ids):
+                raise ConfigError(f"the label owner's own rows repeat an ID of column {rows.id_name!r}: each row "
+                                  f"needs its own to be matched with the parties' rows")
+
+    def check(self, rows: int, id_name: str | None) -> None:
+        """Refuse (``mismatch``) a hello whose rows these cannot be matched with: IDs of another column (or
+        none where the parties send IDs), or, without IDs, another row count."""
+        if id_name is not None and (self.index is None or id_name != self.rows.id_name):
+            own = "no IDs" if self.index is None else f"IDs of column {self.rows.id_name!r}"
+            raise ProtocolError(ErrorCode.MISMATCH, f"the parties send the IDs of column {id_name!r}; the label "
+                                                    f"owner's own rows have {own}: give it an --input with the "
+                                                    f"same ID column")
+        if id_name is None and rows != len(self.rows.features):
+            raise ProtocolError(ErrorCode.MISMATCH, f"the parties announce {rows} rows without IDs; the label "
+                                                    f"owner holds {len(self.rows.features)} own rows, matched by "
+                                                    f"position: give every side the same rows (or IDs)")
+
+    def chunk(self, number: int, ids: list[str] | None, count: int) -> np.ndarray:
+        """The own columns of chunk ``number``'s ``count`` rows: by their ``ids``, else by position."""
+        if ids is None:
+            start = (number - 1) * self.batch
+            return self.rows.features[start:start + count]
+        assert self.index is not None            # ``check`` refused IDs the own rows do not have
+        missing = next((key for key in ids if key not in self.index), None)
+        if missing is not None:
+            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: row ID {wire.show(missing)} is not among the "
+                                                    f"label owner's own rows (column {self.rows.id_name!r}): the "
+                                                    f"parties' --input files and its own are not aligned")
+        return self.rows.features[[self.index[key] for key in ids]]
+
+
 def scores_path(output: Path) -> Path:
     """Where an ``.npy`` output's scores go: ``NAME.scores.npy`` beside ``NAME.npy``."""
     return output.with_name(f"{output.stem}.scores.npy")
@@ -564,12 +613,13 @@ def _joined(scores: dict[int, np.ndarray], numbers: range) -> np.ndarray | None:
 @one_compute_thread()
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
-                      ctx: zmq.Context | None = None, output_scores: bool = False) -> int:
+                      ctx: zmq.Context | None = None, output_scores: bool = False,
+                      own_rows: NewRows | None = None) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
     ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage or a label owner with its own
-    ``bottom`` (its own rows of new data are not taken yet)."""
+    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage. ``own_rows``: a label owner with its
+    own ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
@@ -583,13 +633,13 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
         raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
     if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
-    if last and exp.own_bottom:
-        raise ConfigError(f"stage {opts.stage!r} has its own 'bottom' over its own columns: distgrad predict does "
-                          f"not take the label owner's own rows of new data yet (it takes the feature parties' "
-                          f"only); score held-out rows with the training run's evaluation instead")
+    if (own_rows is not None) != (last and exp.own_bottom):
+        raise ConfigError(f"stage {opts.stage!r}: own rows are for a label owner with its own 'bottom', which "
+                          f"needs them" if own_rows is not None else
+                          f"stage {opts.stage!r} has its own 'bottom': give it its own columns of the rows")
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
-    logic = PredictionServer(opts, output, link, output_scores)
+    logic = PredictionServer(opts, output, link, output_scores, own_rows)
     max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)

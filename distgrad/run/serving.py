@@ -268,7 +268,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting:
-            peer.specs.receive(msg, self.exp.allow_nonfinite)
+            self.accepts.receive(peer, msg)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
         in_turn = peer in self.topology.turn_peers()
@@ -276,7 +276,7 @@ class ServingStage:
         if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                                 f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
-        peer.specs.receive(msg, self.exp.allow_nonfinite)     # checked, and decoded: nothing else sees parts
+        self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
 

@@ -409,8 +409,10 @@ class Turns(Topology):
         x = msg.tensors["activation"]
         if s.link is not None:
             return self._through(msg, x)
-        target = msg.tensors.get("target")
-        if target is None:
+        target, rows = msg.tensors.get("target"), msg.tensors.get("rows")
+        if rows is not None:            # send_rows: the targets of the rows the peer sent (``check_rows``)
+            target = s.data[peer.index].targets_at(rows)
+        elif target is None:
             target = micro_batch(s.data[peer.index].targets(msg.step), msg.mb, msg.mbs)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
@@ -426,8 +428,9 @@ class Turns(Topology):
         s = self.serving
         y, cache = s.stage.forward(x, msg.mb)
         tensors = s.encode(ACTIVATION, y, stream_name(ACTIVATION, msg.mb, msg.mbs), msg.step)
-        if "target" in msg.tensors:
-            tensors["target"] = msg.tensors["target"]
+        for passed in ("target", "rows"):       # in frame order, as they came
+            if passed in msg.tensors:
+                tensors[passed] = msg.tensors[passed]
         down = Message(wire.FORWARD, msg.run, msg.step, msg.mb, msg.mbs, tensors=tensors)
         key = (msg.step, msg.mb)
         s.link.send(down)

@@ -69,17 +69,24 @@ def target_spec(exp: Experiment) -> tuple[tuple[int, ...], np.dtype] | None:
     return exp.target[0], np.dtype(exp.target[1])
 
 
+ROWS_DTYPE = np.dtype(np.int64)     # a forward's ``rows`` (``send_rows``): the micro-batch's row numbers
+
+
 def forward_specs(stage: "Stage", target: tuple[tuple[int, ...], np.dtype] | None, micro_batches: int,
-                  input_shape: tuple[int, ...] | None = None, codec: Codec | None = None) -> Expected:
-    """What a forward of one micro-batch to ``stage`` must carry: its ``activation`` coded with ``codec``
-    (default ``none``) and, when they travel, the targets (``target``: see ``target_spec``);
-    ``input_shape``: the whole batch's activation when it is not the stage's input (one feature party's
-    embedding, in a vertical experiment)."""
-    shape = stage.input_shape if input_shape is None else input_shape
+                  input_shape: tuple[int, ...] | None = None, codec: Codec | None = None,
+                  rows: bool = False) -> Expected:
+    """What a forward of one micro-batch to ``stage`` must carry, in frame order: its ``activation`` coded
+    with ``codec`` (default ``none``), when they travel the targets (``target``: see ``target_spec``), and
+    with ``rows`` (the interface's ``send_rows``; training forwards only) the micro-batch's row numbers,
+    int64 ``[rows]``; ``input_shape``: the whole batch's activation when it is not the stage's input (one
+    feature party's embedding, in a vertical experiment)."""
+    shape = micro_shape(stage.input_shape if input_shape is None else input_shape, micro_batches)
     others = {}
     if target is not None:
         others["target"] = (micro_shape(target[0], micro_batches), np.dtype(target[1]))
-    return Expected(WireTensor(ACTIVATION, micro_shape(shape, micro_batches), codec or NoneCodec()), others)
+    if rows:
+        others["rows"] = ((shape[0],), ROWS_DTYPE)
+    return Expected(WireTensor(ACTIVATION, shape, codec or NoneCodec()), others)
 
 
 def backward_specs(stage: "Stage", micro_batches: int, codec: Codec | None = None) -> Expected:

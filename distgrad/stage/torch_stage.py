@@ -114,7 +114,8 @@ from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
 from distgrad.model.metrics import score
-from distgrad.model.nn import Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh
+from distgrad.model.aggregate import OwnBottom
+from distgrad.model.nn import DTYPE, Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh, build_model
 from distgrad.model.optim import SGD, Adam, Optimizer, build_optimizer
 from distgrad.stage.records import write_atomic
 from distgrad.config.npzfile import member_error
@@ -268,8 +269,54 @@ class _Param:
         return torch.from_numpy(array) if device.type == "cpu" else _tensor(array, np.float32, device)
 
 
+class OwnBottomModule(nn.Module):
+    """Torch's form of ``aggregate.OwnBottom`` (a vertical label owner's own ``bottom``), then ``top``.
+
+    Its input is the parties' embeddings (``widths``, in party order) and the
+    label owner's own feature columns side by side (``aggregate.join_input``);
+    ``bottom`` turns the own columns into one more embedding, combined with
+    the parties' as ``aggregate.combine`` does (``kind``: concat in order, or
+    their sum, or mean, the label owner last), and ``top`` (the stage's layers
+    or its module; None: nothing) takes the result. Autograd gives the bottom
+    the gradient of its own embedding and each party exactly its own part.
+    """
+
+    def __init__(self, kind: str, widths: Sequence[int], bottom: nn.Module, top: nn.Module | None = None) -> None:
+        super().__init__()
+        self.kind, self.widths, self.bottom, self.top = kind, list(widths), bottom, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        edges = np.cumsum([0, *self.widths]).tolist()
+        parts = [x[..., edges[k]:edges[k + 1]] for k in range(len(self.widths))]
+        parts.append(self.bottom(x[..., edges[-1]:]))
+        if self.kind == "concat":
+            z = torch.cat(parts, dim=-1)
+        else:
+            z = parts[0]
+            for part in parts[1:]:
+                z = z + part
+            if self.kind == "mean":
+                z = z / torch.tensor(DTYPE(len(parts)), device=z.device)
+        return z if self.top is None else self.top(z)
+
+
+def _torch_bottom(layer: OwnBottom, top: nn.Module | None = None
+                  ) -> tuple[OwnBottomModule, list[tuple[str, str, bool]]]:
+    """Torch's form of a label owner's ``OwnBottom`` (its bottom's layers built in torch, each holding its
+    values) over ``top``, and its parameters as ``_torch_layer`` names them (attributes under ``bottom``)."""
+    modules, names = [], []
+    for i, inner in enumerate(layer.bottom.layers):
+        module, inner_names = _torch_layer(inner)
+        modules.append(module)
+        names += [(dg_name, f"bottom.{i}.{attr}", transposed) for dg_name, attr, transposed in inner_names]
+    return OwnBottomModule(layer.kind, layer.widths, nn.Sequential(*modules), top), names
+
+
 def _torch_layer(layer: Layer) -> tuple[nn.Module, list[tuple[str, str, bool]]]:
-    """Torch's form of one numpy layer, holding its values, and ``(distgrad name, attribute, transposed)`` per parameter."""
+    """Torch's form of one numpy layer, holding its values, and ``(distgrad name, attribute, transposed)`` per parameter
+    (an attribute path, as ``nn.Module.get_parameter`` takes it)."""
+    if isinstance(layer, OwnBottom):
+        return _torch_bottom(layer)
     with torch.no_grad():
         if isinstance(layer, Dense):
             linear = nn.utils.skip_init(nn.Linear, layer.n_in, layer.n_out)   # no draw from torch's RNG
@@ -483,9 +530,27 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
     return module
 
 
-def module_param_names(exp: Experiment, name: str, seed: int) -> list[str]:
-    """The parameter names of module stage ``name`` (``named_parameters``), by building its module."""
-    return [n for n, _ in build_module(exp.spec(name), seed).named_parameters()]
+def module_param_names(exp: Experiment, name: str, seed: int, module: nn.Module | None = None) -> list[str]:
+    """The parameter names of module stage ``name`` (``named_parameters``, by building its module unless
+    given), and a vertical label owner's own ``bottom``'s (distgrad's names: ``own1.W``)."""
+    spec = exp.spec(name)
+    module = build_module(spec, seed) if module is None else module
+    bottom = list(build_model(spec.bottom, spec.init_seed(seed)).params) if spec.bottom is not None else []
+    return [n for n, _ in module.named_parameters()] + bottom
+
+
+def _with_own_bottom(exp: Experiment, name: str, seed: int, init: Mapping[str, float], module: nn.Module,
+                     params: list[_Param]) -> tuple[nn.Module, list[_Param]]:
+    """A module stage of a vertical label owner with its own ``bottom`` (numpy layer tables, built in torch
+    from the numpy build's values for ``seed`` and ``init``): ``OwnBottomModule`` over ``module``, and the
+    parameters, the bottom's under distgrad's names (``own1.W``) first, then the module's as they were."""
+    model = exp.bottom_layer(name, seed)
+    for key, value in init.items():
+        if key in model.bottom.params:
+            model.bottom.params[key][...] = value
+    joined, names = _torch_bottom(model, module)
+    return joined, [_Param(dg_name, joined.get_parameter(attr), transposed)
+                    for dg_name, attr, transposed in names] + params
 
 
 class TorchStage(Stage):
@@ -557,7 +622,7 @@ class TorchStage(Stage):
         for layer in model.layers:
             module, names = _torch_layer(layer)
             module.to(device)
-            params += [_Param(dg_name, getattr(module, attr), transposed) for dg_name, attr, transposed in names]
+            params += [_Param(dg_name, module.get_parameter(attr), transposed) for dg_name, attr, transposed in names]
             modules.append(module)
         stage = cls(name, nn.Sequential(*modules), _torch_optimizer(optimizer, [p.tensor for p in params]), loss,
                     exp.input_shape(name, seed), params, device)
@@ -582,11 +647,13 @@ class TorchStage(Stage):
         init = dict(init or {})
         device = torch_device(spec.device, name)
         module = build_module(spec, seed, init)
-        others = set(init) - {n for n, _ in module.named_parameters()} - exp.all_param_names(seed)
+        others = set(init) - set(module_param_names(exp, name, seed, module)) - exp.all_param_names(seed)
         if others:     # names neither this module nor a layer-list stage has: another module's, or a typo
             check_init_overrides(exp, {k: init[k] for k in others})
-        module.to(device)
         params = [_Param(n, p) for n, p in module.named_parameters()]
+        if spec.bottom is not None:
+            module, params = _with_own_bottom(exp, name, seed, init, module, params)
+        module.to(device)
         optimizer, schedule = module_optimizer(spec.optimizer, [p.tensor for p in params if p.tensor.requires_grad],
                                                name)
         loss = stage_loss(spec) if name == exp.stage_names[-1] else None

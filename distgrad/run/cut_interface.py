@@ -1,0 +1,142 @@
+"""What the cut library (``distgrad.cut``, ``distgrad.torch``) agrees on with its peer: a party's interface.
+
+A party that trains in its own loop still shakes hands as a daemon does, so it
+needs the same interface: its stage file (``[interface]``, a ``[stage]`` that
+names only its stage, an optional ``[data]``; ``config.parse.parse_own_loop``)
+or the interface's fields as keyword arguments. ``CutSide`` holds it with the
+connection settings both sides share (timeouts, CURVE key files), so the
+client (``run.cut_client``) and the server (``run.cut_server``) read one
+thing. The library covers two-party cuts of one data owner in lockstep:
+labels with the label owner, no ``[clients]``, no ``aggregate``, staleness 0;
+anything else is refused here, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from distgrad.config.experiment import Experiment
+from distgrad.config.parse import parse_own_loop
+from distgrad.config.tomlfile import read_toml
+from distgrad.errors import ConfigError
+from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
+from distgrad.stage.stage import micro_shape
+from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+
+FIRST, LAST = "first", "last"        # which end of the cut a library party is: the data owner, the label owner
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long this side waits, in seconds: ``timeout_s`` for one reply before resending (a client),
+    ``liveness_s`` before a silent peer counts as lost, ``peer_deadline_s`` before a lost peer is given up
+    (``PeerTimeout``); the daemons' ``--timeout``, ``--liveness`` and ``--peer-deadline``."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    liveness_s: float = DEFAULT_LIVENESS_S
+    peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CutSide:
+    """One party's end of the cut: the interface (``exp``), which end it is (``FIRST`` or ``LAST``), its
+    stage's name, and the activation it sends or receives for a whole batch (``shape``)."""
+
+    exp: Experiment
+    end: str
+    stage: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.exp.cuts[0] if self.end == FIRST else self.exp.cuts[-1]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.exp.micro_batches
+
+    def micro_shape(self, micro_batches: int) -> tuple[int, ...]:
+        """The activation (and its gradient) of one of ``micro_batches`` micro-batches."""
+        return micro_shape(self.shape, micro_batches)
+
+    def scale(self, micro_batches: int) -> np.float32:
+        """The float32 factor the daemons put on the sum of a step's micro-batch gradients and losses."""
+        return self.exp.micro_batch_scale(micro_batches)
+
+    def rows(self, step: int) -> np.ndarray:
+        """The row numbers of step ``step`` (from 1) in the interface's shared sample order (int64); needs
+        this party's ``[data]`` (``ConfigError`` without it)."""
+        if not self.exp.spec(self.stage).data:
+            raise ConfigError(f"stage {self.stage!r} has no [data], so the shared sample order is unknown here: "
+                              f"give the interface a [data] table (its kind, rows and batch; the same as the "
+                              f"daemons' file) to get the rows of a step")
+        if not 1 <= step <= self.exp.steps:
+            raise ConfigError(f"step {step} is not a step of this run (1 to {self.exp.steps})")
+        if not hasattr(self._data, "step_rows"):
+            raise ConfigError(f"stage {self.stage!r}'s data ({self._data.__class__.__name__}) has no numbered rows")
+        return np.asarray(self._data.step_rows(step), np.int64)
+
+    @cached_property
+    def _data(self) -> Any:
+        return self.exp.build_data(stage=self.stage)
+
+
+def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> CutSide:
+    """The ``end`` (``FIRST`` or ``LAST``) of the cut that ``interface`` describes: a stage-file path, a
+    stage-file table, or None with the interface's fields as ``fields`` (``name``, ``stages``, ``batch``,
+    ``activation``, ``steps``, ...; ``stage``: this party's stage, by default the first or last of
+    ``stages``; ``data``: its ``[data]`` table). Raises ``ConfigError`` naming what is wrong."""
+    if interface is not None and fields:
+        raise ConfigError(f"give the interface as a stage file or as its fields, not both (got a file and "
+                          f"{sorted(fields)})")
+    if interface is None:
+        raw, source = _raw_from_fields(end, dict(fields)), "the interface's arguments"
+    elif isinstance(interface, Mapping):
+        raw, source = dict(interface), "the interface table"
+    else:
+        raw, source = read_toml(Path(interface), "stage file"), str(interface)
+    exp = parse_own_loop(raw, source)
+    side = CutSide(exp, end, exp.stages[0].name)
+    _check_supported(side, source)
+    return side
+
+
+def _raw_from_fields(end: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A stage-file table from keyword arguments: ``activation`` may be the per-row shape alone."""
+    stage, data = fields.pop("stage", None), fields.pop("data", None)
+    activation = fields.get("activation")
+    if isinstance(activation, (list, tuple)) and all(isinstance(n, int) for n in activation):
+        fields["activation"] = {"shape": list(activation), "dtype": "float32"}
+    names = fields.get("stages")
+    if stage is None and isinstance(names, (list, tuple)) and names:
+        stage = names[0] if end == FIRST else names[-1]
+    if isinstance(names, tuple):
+        fields["stages"] = list(names)
+    return {"interface": fields, "stage": {"name": stage}, **({"data": data} if data is not None else {})}
+
+
+def _check_supported(side: CutSide, source: str) -> None:
+    exp, names = side.exp, side.exp.stage_names
+    expected = names[0] if side.end == FIRST else names[-1]
+    who = "a Cut drives the first stage" if side.end == FIRST else "a CutServer serves the last stage"
+    if side.stage != expected:
+        raise ConfigError(f"{source}: [stage] is {side.stage!r}, but {who} ({expected!r} of {names})")
+    refused = {"labels": (exp.labels != "last", "labels travel with the activations (labels = 'first')"),
+               "clients": (exp.clients.count > 1, "several data owners ([clients])"),
+               "aggregate": (exp.vertical, "vertical feature parties ('aggregate')"),
+               "staleness": (exp.staleness > 0, "steps in flight (staleness > 0)")}
+    for key, (bad, what) in refused.items():
+        if bad:
+            raise ConfigError(f"{source}: the cut library does not support {what} yet: its loop runs one data "
+                              f"owner in lockstep with the label owner, the labels with the label owner; remove "
+                              f"'{key}' or run the daemons (distgrad-stage)")

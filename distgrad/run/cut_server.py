@@ -1,0 +1,447 @@
+"""The label owner's end of the cut as a library: ``CutServer``, for a training loop that is the caller's own.
+
+Iterating a ``CutServer`` yields each micro-batch the data owner (a
+``distgrad-stage`` daemon or a ``Cut``) sends as a ``Batch``; the loop
+computes its loss, back-propagates, steps its own optimiser after a step's
+last micro-batch and calls ``batch.reply(loss, grad)``. The reply is computed
+and cached then, and leaves when the loop asks for the next batch (or the
+server closes): after whatever the loop body saved. So a loop that saves its
+checkpoint with ``state_dict()`` after every step can be killed at any point
+and resumed from it with no lost or doubled step: the data owner resends an
+unanswered step and gets the cached reply; the loop never sees a step twice.
+
+Why not ``run.serving.ServingStage``: that state machine owns the stage's
+computation, parameters, step engine and checkpoints (``StageState``) and
+runs the update itself after the reply (``settle``); here the loop owns all
+of those and computation happens between two calls of ``__next__``, on the
+caller's thread. Hosting it would mean an adapter stage whose every method
+hands control back to the caller mid-``handle`` (inverting the serving loop)
+and a checkpoint format that is the caller's: more code than this one-peer
+machine, which reuses the same mechanisms instead: ``wire.transport.Server``
+(bounded polls, CURVE, size limits), ``wire.messages.decode``,
+``wire.wirecodec`` (codecs, error feedback), ``run.handshake.check_hello``
+(the interface compared field by field) and the protocol's replies. It serves
+one data owner in lockstep (no ``[clients]``, no staleness); docs/cut.md is
+the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import zmq
+
+from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
+from distgrad.run.cut_client import STATE_VERSION, check_state
+from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
+from distgrad.run.handshake import check_hello, common_step, same_exactly
+from distgrad.run.serving import refusal
+from distgrad.wire import messages as wire
+from distgrad.wire.keys import CurveServer
+from distgrad.wire.messages import ErrorCode, Message, frame_limit
+from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+
+_BYE = object()          # what handling a bye returns: the run is over
+
+# The loop's scoring of the held-out rows: (their activations, their row numbers) -> (loss, rows right or None).
+Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
+
+
+@dataclass
+class Batch:
+    """One micro-batch of step ``step`` from the data owner: ``h`` (its activation, float32, read-only),
+    ``rows`` (its row numbers in the shared sample order, when this party has ``[data]``; else None),
+    micro-batch ``mb`` of ``mbs`` (``last``: the step's last). Answer it once with ``reply``."""
+
+    step: int
+    mb: int
+    mbs: int
+    h: np.ndarray
+    rows: np.ndarray | None
+    server: "CutServer" = field(repr=False)
+    envelope: list[bytes] = field(repr=False, default_factory=list)
+    replied: bool = False
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    @property
+    def last(self) -> bool:
+        return self.mb == self.mbs - 1
+
+    def reply(self, loss: Any, grad: np.ndarray) -> None:
+        """Answer with this micro-batch's ``loss`` (a float; reduced over its rows as the interface's
+        ``reduction`` says) and ``grad`` = d(loss)/d(h) (float32, ``h``'s shape). Step your optimiser
+        before replying to the last micro-batch: the step counts as applied once it is replied to. Raises
+        ``CutMisuse`` for a second reply or a gradient of the wrong shape or dtype, ``NonFiniteError`` for
+        a NaN or Inf loss or gradient (unless the interface allows them; the data owner is told too)."""
+        self.server._reply(self, loss, grad)
+
+
+class CutServer:
+    """The label owner's side of the cut, bound at ``endpoint``, serving one data owner's run.
+
+    Build it with ``CutServer.bind``; iterate it for the batches; it stops
+    after the data owner's bye. ``step`` is the steps applied (replied to in
+    full). Not thread-safe: one loop drives it.
+    """
+
+    def __init__(self, side: CutSide, endpoint: str, *, bounds: Bounds = Bounds(),
+                 curve_secret: str | Path | None = None, allow: str | Path | None = None,
+                 evaluate: Evaluate | None = None, ctx: zmq.Context | None = None) -> None:
+        if (curve_secret is None) != (allow is None):
+            raise ConfigError("CURVE needs curve_secret and allow together (the --curve-secret and --allow of a "
+                              "daemon)")
+        self.side, self.exp, self.bounds = side, side.exp, bounds
+        self.log = logging.getLogger(f"distgrad.{side.stage}")
+        self.upstream = self.exp.stage_names[-2]
+        self.senders = Senders(self.exp.codecs)
+        self.run_id = ""                 # the run being served ("" before the first hello)
+        self.owner = ""                  # with CURVE: the key that opened it
+        self.step = 0                    # steps applied
+        self.next_mb = 0                 # micro-batches of step + 1 replied to
+        self.mbs = side.micro_batches
+        self.cache: dict[tuple[int, int], Message] = {}    # replies of the last step and the one in progress
+        self.pending: list[tuple[list[bytes], Message]] = []   # replies to send at the next ``__next__``
+        self.batch: Batch | None = None  # the one given out and not yet replied to
+        self.joined, self.done, self.closed = False, False, False
+        self.failure: NonFiniteError | None = None
+        self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
+        self.test_rows = self._test_rows() if evaluate is not None else None
+        specs = [self._expected(1).specs]
+        if self.test_rows is not None:
+            specs.append(self._expected(1).with_rows(len(self.test_rows)).specs)   # may exceed a batch
+        limits = [frame_limit(spec) for spec in specs]
+        self.max_frame, self.max_tensor = max(m for m, _ in limits), max(t for _, t in limits)
+        ctx = ctx or zmq.Context.instance()
+        self.curve = CurveServer(ctx, Path(curve_secret), Path(allow)) if curve_secret is not None else None
+        try:
+            self.server = Server(ctx, endpoint, self.max_frame, bounds.liveness_s, self.curve)
+        except Exception:
+            if self.curve is not None:
+                self.curve.stop()
+            raise
+        self.endpoint = self.server.endpoint
+        self.heard = time.monotonic()    # when the data owner was last heard (for the bounded wait)
+        self.log.info("cut server of %s serving on %s (%s)", self.exp.name, self.endpoint,
+                      "CURVE" if self.curve is not None else "plaintext")
+
+    @classmethod
+    def bind(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
+             state: Mapping[str, Any] | None = None, liveness_s: float | None = None,
+             peer_deadline_s: float | None = None, curve_secret: str | Path | None = None,
+             allow: str | Path | None = None, evaluate: Evaluate | None = None, ctx: zmq.Context | None = None,
+             **fields: Any) -> "CutServer":
+        """A ``CutServer`` bound at ``endpoint`` (``tcp://HOST:PORT``, port ``*`` for any; ``ipc://PATH``)
+        for ``interface`` (this party's stage file, or its fields as keyword arguments), resumed from
+        ``state`` (a ``state_dict``) when given. ``liveness_s`` and ``peer_deadline_s`` bound how long a
+        silent data owner is waited for (then ``PeerTimeout``); ``curve_secret`` and ``allow`` are CURVE's
+        secret key file and allowed-clients directory. ``evaluate(h, rows) -> (loss, correct)``: how the loop
+        scores the held-out rows when the data owner sends them (a daemon with ``test_fraction`` > 0): their
+        activations and row numbers in, the loss and how many rows are right (None when the loss does not
+        classify) out; it is called inside ``__next__`` and must change no state. Raises ``ConfigError``."""
+        given = {k: v for k, v in (("liveness_s", liveness_s), ("peer_deadline_s", peer_deadline_s))
+                 if v is not None}
+        side = cut_side(LAST, interface, fields)
+        server = cls(side, endpoint, bounds=Bounds(**given), curve_secret=curve_secret, allow=allow,
+                     evaluate=evaluate, ctx=ctx)
+        if state is not None:
+            try:
+                server.load_state_dict(state)
+            except Exception:
+                server.close()
+                raise
+        return server
+
+    @property
+    def scale(self) -> np.float32:
+        """The float32 factor on the sum of a step's micro-batch gradients, as the daemons apply it (1 for
+        one micro-batch or a ``sum`` reduction, 1/M for ``mean``)."""
+        return self.side.scale(self.mbs)
+
+    # -- the batches
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        """The next micro-batch to compute; first sends the replies the loop made since the last call.
+        Stops after the data owner's bye. Raises ``CutMisuse`` when the batch given out last has no reply,
+        ``PeerTimeout`` when the data owner stays silent for ``liveness_s + peer_deadline_s``."""
+        self._check_open()
+        if self.batch is not None and not self.batch.replied:
+            raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
+                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply(loss, grad) first")
+        self.batch = None
+        self._flush()
+        if self.failure is not None:
+            raise self.failure
+        if self.done:
+            raise StopIteration
+        limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
+        while True:
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                if time.monotonic() - self.heard > limit:
+                    raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
+                                      f"silent for more than {limit:g} s at step {self.step} (liveness "
+                                      f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
+                                      f"s); restart it, or both sides from checkpoints of the same step")
+                continue
+            envelope, frames, peer_key = request
+            msg: Message | None = None
+            try:
+                msg = wire.decode(frames, self.max_tensor)
+                out = self._handle(envelope, msg, peer_key)
+            except ProtocolError as e:
+                self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                                 wire.ERROR_TEXT_MAX, e)
+                self.server.reply(envelope, refusal(msg, e))
+                continue
+            if out is _BYE:
+                self.done = True
+                raise StopIteration
+            if isinstance(out, Batch):
+                self.batch = out
+                return out
+
+    def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
+        """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
+        ``ProtocolError`` to refuse it (nothing changes then)."""
+        if msg.type == wire.PING:
+            self.server.reply(envelope, Message(wire.PONG, msg.run, msg.step, body={
+                "stage": self.side.stage, "experiment": self.exp.name, "run": self.run_id, "step": self.step,
+                "client_live": time.monotonic() - self.heard < self.bounds.liveness_s}))
+            return None
+        if msg.type == wire.HELLO:
+            self.server.reply(envelope, self._hello(msg, peer_key))
+            self.heard = time.monotonic()
+            return None
+        if not self.joined or msg.run != self.run_id:
+            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected "
+                                               f"{'run ' + self.run_id if self.joined else 'a hello first'}")
+        if self.owner and peer_key != self.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        self.heard = time.monotonic()
+        if msg.type == wire.FORWARD:
+            return self._forward(envelope, msg)
+        if msg.type == wire.BYE:
+            if not same_exactly(msg.body.get("steps"), self.step) or self.next_mb:
+                raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(msg.body.get('steps'))} steps, but this "
+                                                    f"label owner has applied {self.step}")
+            self.server.reply(envelope, Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}))
+            self.log.info("run %s finished after %d steps", self.run_id, self.step)
+            return _BYE
+        if msg.type == wire.EVALUATE:
+            self.server.reply(envelope, self._evaluate(msg))
+            return None
+        raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+
+    def _hello(self, msg: Message, peer_key: str) -> Message:
+        """Take the run up at the data owner's step, or at the step before it when this side can answer
+        that step again from its cache; anything else is refused naming both steps."""
+        body = msg.body
+        mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
+        if "purpose" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this label "
+                                                    f"owner trains in its own loop and predicts nothing")
+        if body.get("staleness", 0) != 0:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for staleness {wire.show(body.get('staleness'))}; "
+                                                    f"a label owner's own loop (distgrad.cut) serves steps in "
+                                                    f"lockstep: run the data owner with staleness 0")
+        held = body.get("held")
+        common_step([], held)                                    # validates ``held``
+        if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
+            raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
+                                               f"hello is of run {msg.run!r}: resume the data owner with the "
+                                               f"run's checkpoint, or start the label owner afresh")
+        if self.owner and self.run_id == msg.run and peer_key != self.owner:
+            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if self.next_mb and mbs != self.mbs:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but step {self.step + 1} "
+                                                    f"is under way here in {self.mbs}")
+        if self.step in held:
+            next_step = self.step + 1
+        elif self.step - 1 in held and all((self.step, mb) in self.cache for mb in range(self.mbs)):
+            next_step = self.step            # a step it did not see answered: its replies again, from the cache
+        else:
+            cached = f" (and can answer step {self.step} again)" if self.cache else ""
+            raise ProtocolError(ErrorCode.RUN, f"the data owner can return to steps {wire.show(held)} of run "
+                                               f"{msg.run}, this label owner stands at step {self.step}{cached}: "
+                                               f"resume both sides from checkpoints of the same step")
+        if msg.run != self.run_id:
+            self.log.info("run %s started by %s", msg.run, body.get("role"))
+            self.cache, self.senders = {}, Senders(self.exp.codecs)
+        self.run_id, self.owner, self.mbs, self.joined = msg.run, peer_key, mbs, True
+        self.log.info("run %s: the data owner said hello (%d micro-batches); next step %d", msg.run, mbs, next_step)
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
+
+    def _test_rows(self) -> np.ndarray:
+        """The held-out rows of this party's ``[data]`` (``ConfigError`` when it has none)."""
+        data = self.exp.spec(self.side.stage).data
+        rows = getattr(self.exp.build_data(stage=self.side.stage), "test_rows", None) if data else None
+        if rows is None or not len(rows):
+            raise ConfigError(f"evaluate= scores the held-out rows of stage {self.side.stage!r}'s [data], which "
+                              f"holds none out: give its [data] a test_fraction > 0, as the data owner's")
+        return np.asarray(rows, np.int64)
+
+    def _evaluate(self, msg: Message) -> Message:
+        """The loop's scores of the held-out rows (``evaluate``); a resent evaluation gets the same reply."""
+        if self.evaluate is None or self.test_rows is None:
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
+                                                f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
+                                                f"give the data owner's [data] test_fraction = 0")
+        if self.evaluation is not None and (self.evaluation.run, self.evaluation.step) == (msg.run, msg.step):
+            return self.evaluation
+        if msg.step != self.step + 1 or self.next_mb:
+            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
+                                                f"{self.step} steps")
+        h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
+        loss, correct = self.evaluate(h, self.test_rows)
+        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
+            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
+        self.evaluation = Message(wire.EVALUATION, msg.run, msg.step, body={
+            "loss": float(np.float32(loss)), "correct": None if correct is None else int(correct),
+            "count": len(self.test_rows)})
+        return self.evaluation
+
+    def _expected(self, mbs: int) -> Expected:
+        return Expected(WireTensor(ACTIVATION, self.side.micro_shape(mbs), self.exp.codecs[ACTIVATION]))
+
+    def _forward(self, envelope: list[bytes], msg: Message) -> Batch | None:
+        cached = self.cache.get((msg.step, msg.mb))
+        if cached is not None:
+            self.server.reply(envelope, cached)      # a resent request: its reply again, computed once
+            return None
+        k = self.step + 1
+        if msg.step != k or msg.mb != self.next_mb or msg.mbs != self.mbs:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
+                                                f"expected step {k} micro-batch {self.next_mb}/{self.mbs}")
+        if k > self.exp.steps:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        h = self._expected(self.mbs).receive(msg, self.exp.allow_nonfinite)
+        rows = None
+        if self.exp.spec(self.side.stage).data:
+            rows = self.side.rows(k)
+            size = len(rows) // self.mbs
+            rows = rows if self.mbs == 1 else rows[msg.mb * size:(msg.mb + 1) * size]
+        return Batch(k, msg.mb, self.mbs, h, rows, self, envelope)
+
+    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+        self._check_open()
+        if batch.replied:
+            raise CutMisuse(f"step {batch.step} micro-batch {batch.mb}/{batch.mbs} was replied to already; each "
+                            f"batch gets exactly one reply")
+        if batch is not self.batch:
+            raise CutMisuse(f"step {batch.step} micro-batch {batch.mb} is not the batch in progress")
+        shape = self.side.micro_shape(batch.mbs)
+        if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.shape != shape:
+            raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
+                            f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
+                            f"{getattr(grad, 'shape', '')}")
+        try:
+            value = np.float32(loss)
+        except (TypeError, ValueError) as e:
+            raise CutMisuse(f"the loss of step {batch.step} must be a number, got {type(loss).__name__}") from e
+        if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
+            what = "loss" if not np.isfinite(value) else "activation_grad"
+            self._fail(batch, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
+                              f"step was applied")
+        stream = stream_name(GRADIENT, batch.mb, batch.mbs)
+        try:
+            tensors = self.senders.message_tensors(GRADIENT, np.ascontiguousarray(grad), stream, batch.step)
+        except CodecRangeError as e:
+            self._fail(batch, f"stage {self.side.stage}: {e}; nothing of this step was applied")
+        reply = Message(wire.BACKWARD, self.run_id, batch.step, batch.mb, batch.mbs, tensors=tensors,
+                        body={"loss": float(value), "compute_s": time.perf_counter() - batch.started})
+        batch.replied = True
+        self.cache[(batch.step, batch.mb)] = reply
+        self.pending.append((batch.envelope, reply))
+        if batch.last:
+            self.step, self.next_mb = batch.step, 0
+            self.senders.commit()
+            self.cache = {key: value for key, value in self.cache.items() if key[0] == self.step}
+        else:
+            self.next_mb += 1
+
+    def _fail(self, batch: Batch, text: str) -> None:
+        """The loop's step failed: the data owner is told (``nonfinite_step``), the loop gets the error."""
+        batch.replied = True
+        self.failure = NonFiniteError(text)
+        self.server.reply(batch.envelope, wire.error_message(self.run_id, batch.step, ErrorCode.NONFINITE_STEP,
+                                                             text, batch.mb, batch.mbs))
+        raise self.failure
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for envelope, reply in pending:
+            self.server.reply(envelope, reply)
+
+    # -- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
+        last micro-batch (``CutMisuse`` otherwise): the run, the step and the replies of that step (so a
+        resent step is answered from them), as plain values and numpy arrays; no pickle is needed."""
+        if self.batch is not None and not self.batch.replied:
+            raise CutMisuse(f"state_dict before replying to step {self.batch.step} micro-batch {self.batch.mb}: "
+                            f"reply first, then save (the saved state must hold the reply)")
+        if self.next_mb:
+            raise CutMisuse(f"state_dict in the middle of step {self.step + 1} (micro-batch {self.next_mb} of "
+                            f"{self.mbs} is next): save after the reply to its last micro-batch (batch.last)")
+        replies = [{"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"],
+                    "compute_s": m.body["compute_s"], "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
+                   for m in self.cache.values()]
+        return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "run": self.run_id,
+                "step": self.step, "micro_batches": self.mbs, "replies": replies,
+                "residuals": self.senders.state_arrays()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Stand where ``state`` (a ``state_dict``) says, before the first batch; the data owner must say
+        hello again."""
+        self._check_open()
+        if self.joined:
+            raise CutMisuse("load_state_dict after the run began; load it before the first batch "
+                            "(or CutServer.bind(..., state=...))")
+        check_state(state, self.exp)
+        step, mbs = state.get("step"), state.get("micro_batches")
+        if not isinstance(step, int) or not 0 <= step <= self.exp.steps or not isinstance(mbs, int) or mbs < 1:
+            raise ConfigError(f"the state's step {wire.show(step)} or micro_batches {wire.show(mbs)} is invalid")
+        cache = {}
+        for r in state.get("replies", []):
+            cache[(r["step"], r["mb"])] = Message(wire.BACKWARD, state["run"], int(r["step"]), int(r["mb"]),
+                                                  int(r["mbs"]), body={"loss": float(r["loss"]),
+                                                                       "compute_s": float(r["compute_s"])},
+                                                  tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+        self.run_id, self.step, self.mbs, self.cache = state["run"], step, mbs, cache
+        self.senders.load_state_arrays(dict(state.get("residuals", {})))
+
+    # -- the end
+    def close(self) -> None:
+        """Send the replies not sent yet, then close the socket (and CURVE's authenticator)."""
+        if self.closed:
+            return
+        try:
+            self._flush()
+        finally:
+            self.closed = True
+            self.server.close()
+            if self.curve is not None:
+                self.curve.stop()
+
+    def __enter__(self) -> "CutServer":
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            # The loop failed, perhaps before it saved what it replied: a reply not sent yet stays unsent,
+            # so the data owner sends that step again to the loop resumed from its checkpoint.
+            self.pending = []
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise CutMisuse("this cut server is closed; bind a new one (CutServer.bind) to go on")
+

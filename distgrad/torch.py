@@ -1,0 +1,222 @@
+"""The cut as a library for PyTorch loops: ``Cut``, ``CutServer`` and ``batch_sampler``.
+
+A thin layer over ``distgrad.cut`` (numpy): tensors cross as float32 numpy
+arrays (a CPU tensor without a copy), and the gradient that comes back is
+back-propagated with ``h.backward``. docs/cut.md is the contract, with a
+plain ``torch.utils.data`` example on both sides.
+
+    cut = distgrad.torch.Cut.connect(ENDPOINT, interface="f.toml")
+    for x, rows in loader:
+        h = encoder(x)
+        loss = cut.step(h, rows)        # sends h, waits for dL/dh, calls h.backward(dL/dh)
+        opt.step(); opt.zero_grad()
+
+    with distgrad.torch.CutServer.bind(ENDPOINT, interface="g.toml") as server:
+        for batch in server:            # batch.h: a leaf tensor that requires grad; batch.rows
+            loss = criterion(head(batch.h), labels[batch.rows])
+            opt.zero_grad(); loss.backward(); opt.step()
+            batch.reply(loss)           # sends batch.h.grad up
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from distgrad import cut as numpy_cut
+from distgrad.errors import CutMisuse
+
+
+def _to_numpy(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch-layer state dict (tensors) as the numpy layer's (arrays)."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu().numpy()
+        if isinstance(value, Mapping):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        return value
+    return convert(state)
+
+
+def _to_torch(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The numpy layer's state dict with tensors for arrays, so ``torch.load(weights_only=True)`` reads it."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(np.array(value))
+        if isinstance(value, Mapping):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        return value
+    return convert(state)
+
+
+def _rows_array(rows: Any) -> np.ndarray | None:
+    if rows is None:
+        return None
+    return rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+
+
+class Cut:
+    """The data owner's end of the cut for a PyTorch loop (``distgrad.cut.Cut`` underneath, as ``numpy``)."""
+
+    def __init__(self, numpy: numpy_cut.Cut) -> None:
+        self.numpy = numpy
+
+    @classmethod
+    def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
+                state: Mapping[str, Any] | None = None, **options: Any) -> "Cut":
+        """As ``distgrad.cut.Cut.connect`` (``step``, timeouts, CURVE key files, the interface's fields);
+        ``state`` is a ``state_dict`` of this class (tensors)."""
+        return cls(numpy_cut.Cut.connect(endpoint, interface, state=None if state is None else _to_numpy(state),
+                                         **options))
+
+    @property
+    def applied(self) -> int:
+        """The steps this loop has applied."""
+        return self.numpy.applied
+
+    def rows(self, step: int | None = None) -> torch.Tensor:
+        """The row numbers of ``step`` (default: the next) in the shared sample order, int64."""
+        return torch.from_numpy(self.numpy.rows(step))
+
+    def step(self, h: torch.Tensor, rows: Any = None, step: int | None = None) -> float:
+        """Send ``h`` (float32, the interface's activation for a whole batch, part of the encoder's graph),
+        wait for d(loss)/d(h), call ``h.backward`` with it and return the label owner's loss of the step.
+        Step your optimiser after it. ``rows`` (optional) are checked against the shared order."""
+        if not isinstance(h, torch.Tensor) or h.dtype != torch.float32:
+            raise CutMisuse(f"h must be a float32 torch tensor, got {type(h).__name__} {getattr(h, 'dtype', '')}")
+        if not h.requires_grad:
+            raise CutMisuse("h does not require grad, so the gradient that comes back could not reach your model: "
+                            "pass the encoder's output itself (not h.detach())")
+        loss, dh = self.numpy.step(h.detach().cpu().contiguous().numpy(), _rows_array(rows), step)
+        h.backward(torch.from_numpy(dh).to(h.device))
+        return float(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``distgrad.cut.Cut.state_dict``, arrays as tensors: ``torch.save`` it with your model."""
+        return _to_torch(self.numpy.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.numpy.load_state_dict(_to_numpy(state))
+
+    def close(self, finished: bool | None = None) -> None:
+        self.numpy.close(finished)
+
+    def __enter__(self) -> "Cut":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.numpy.__exit__(*exc)
+
+
+class Batch:
+    """One micro-batch for the label owner's PyTorch loop: ``h`` a float32 leaf tensor that requires grad
+    (its own memory), ``rows`` (int64 tensor, or None without ``[data]``), ``step``, ``mb``, ``mbs``, ``last``."""
+
+    def __init__(self, batch: numpy_cut.Batch) -> None:
+        self.numpy = batch
+        self.step, self.mb, self.mbs, self.last = batch.step, batch.mb, batch.mbs, batch.last
+        self.h = torch.tensor(batch.h, dtype=torch.float32).requires_grad_()
+        self.rows = None if batch.rows is None else torch.from_numpy(batch.rows)
+
+    def reply(self, loss: Any) -> None:
+        """Answer with this micro-batch's ``loss`` (a tensor or number) and ``h.grad``, which
+        ``loss.backward()`` must have filled. ``CutMisuse`` without it, or on a second reply."""
+        grad = self.h.grad
+        if grad is None:
+            raise CutMisuse(f"batch.h.grad of step {self.step} is missing: call loss.backward() before "
+                            f"batch.reply(loss)")
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        self.numpy.reply(value, grad.detach().cpu().contiguous().numpy())
+
+
+class CutServer:
+    """The label owner's end of the cut for a PyTorch loop (``distgrad.cut.CutServer`` underneath)."""
+
+    def __init__(self, numpy: numpy_cut.CutServer) -> None:
+        self.numpy = numpy
+
+    @classmethod
+    def bind(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
+             state: Mapping[str, Any] | None = None,
+             evaluate: Callable[[torch.Tensor, torch.Tensor], Any] | None = None, **options: Any) -> "CutServer":
+        """As ``distgrad.cut.CutServer.bind``; ``state`` is a ``state_dict`` of this class (tensors);
+        ``evaluate(h, rows) -> (loss, correct)`` gets the held-out activations and row numbers as tensors and
+        runs without autograd."""
+        return cls(numpy_cut.CutServer.bind(endpoint, interface, state=None if state is None else _to_numpy(state),
+                                            evaluate=None if evaluate is None else _evaluate_tensors(evaluate),
+                                            **options))
+
+    @property
+    def endpoint(self) -> str:
+        return self.numpy.endpoint
+
+    @property
+    def step(self) -> int:
+        """The steps applied (replied to in full)."""
+        return self.numpy.step
+
+    @property
+    def scale(self) -> float:
+        """The factor on a step's summed micro-batch gradients (``distgrad.cut.CutServer.scale``)."""
+        return float(self.numpy.scale)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.numpy:
+            yield Batch(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``distgrad.cut.CutServer.state_dict``, arrays as tensors: ``torch.save`` it with your model."""
+        return _to_torch(self.numpy.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.numpy.load_state_dict(_to_numpy(state))
+
+    def close(self) -> None:
+        self.numpy.close()
+
+    def __enter__(self) -> "CutServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.numpy.__exit__(*exc)
+
+
+def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]
+                      ) -> Callable[[np.ndarray, np.ndarray], tuple[float, Any]]:
+    """The numpy layer's ``evaluate`` calling a loop's torch one, without autograd."""
+    def call(h: np.ndarray, rows: np.ndarray) -> tuple[float, Any]:
+        with torch.no_grad():
+            loss, correct = evaluate(torch.tensor(h, dtype=torch.float32), torch.from_numpy(rows))
+        value = float(loss) if isinstance(loss, torch.Tensor) else loss
+        return value, int(correct) if isinstance(correct, torch.Tensor) else correct
+    return call
+
+
+def batch_sampler(cut: Cut | numpy_cut.Cut, start: int | None = None) -> Iterable[list[int]]:
+    """The row numbers of each step from ``start`` (default: the step after the cut's applied ones) to the
+    interface's last, in the shared sample order: a ``batch_sampler`` for ``torch.utils.data.DataLoader``
+    whose batches are exactly the steps the label owner expects."""
+    numpy = cut.numpy if isinstance(cut, Cut) else cut
+    first = numpy.applied + 1 if start is None else start
+    return _StepRows(numpy, first)
+
+
+class _StepRows:
+    """``batch_sampler``'s sampler: iterable (once per DataLoader iteration) with a length."""
+
+    def __init__(self, cut: numpy_cut.Cut, first: int) -> None:
+        self.cut, self.first = cut, first
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.first, self.cut.exp.steps + 1):
+            yield self.cut.rows(step).tolist()
+
+    def __len__(self) -> int:
+        return max(0, self.cut.exp.steps + 1 - self.first)

@@ -1,0 +1,493 @@
+"""The cut as a library (distgrad.cut, distgrad.torch): a user's own loop on either side of the cut, against
+a daemon or another user loop, over real processes and sockets; bitwise equal to the configured run of the
+same model, resumed exactly after a kill -9 from the user's own checkpoint, and loud about misuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
+from distgrad.config.parse import load_experiment  # noqa: E402
+from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout  # noqa: E402
+from distgrad.run.inprocess import train_in_process  # noqa: E402
+from distgrad.cut import Cut, CutServer  # noqa: E402
+import cut_loops  # noqa: E402
+from distgrad.wire.keys import keygen  # noqa: E402
+
+LOOPS = Path(__file__).resolve().parent / "cut_loops.py"
+STEPS = 12
+
+ENCODER = "from torch import nn\n\n\ndef make():\n    return nn.Sequential(nn.Linear(64, 16), nn.ReLU())\n"
+HEAD = "from torch import nn\n\n\ndef make():\n    return nn.Sequential(nn.Linear(16, 10))\n"
+
+
+def _interface(steps: int = STEPS, extra: str = "") -> str:
+    return (f'[interface]\nname = "cut-test"\nstages = ["f", "g"]\nbatch = 32\n'
+            f'activation = {{ shape = [16], dtype = "float32" }}\nsteps = {steps}\nseed = 0\nlabels = "last"\n'
+            f'reduction = "mean"\n{extra}\n')
+
+
+def _data(part: str, test_fraction: float) -> str:
+    return f'[data]\nkind = "npy"\n{part}\nbatch = 32\ntest_fraction = {test_fraction}\n'
+
+
+def write_parties(folder: Path, steps: int = STEPS, extra: str = "", test_fraction: float = 0.0) -> Path:
+    """Both parties' files in one folder: the daemons' stage files (f.toml, g.toml: modules, optimiser,
+    loss) and the library's (f-lib.toml, g-lib.toml: the same interface and data, [stage] names only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    digits = np.load(DIGITS_NPZ)
+    np.save(folder / "pixels.npy", (digits["pixels"] / 16.0).astype(np.float32))
+    np.save(folder / "digits.npy", digits["digit"].astype(np.int64))
+    (folder / "encoder.py").write_text(ENCODER)
+    (folder / "head.py").write_text(HEAD)
+    iface = _interface(steps, extra)
+    F_DATA, G_DATA = (_data('features = "pixels.npy"', test_fraction), _data('labels = "digits.npy"', test_fraction))
+    (folder / "f.toml").write_text(iface + '[stage]\nname = "f"\nmodule = "encoder:make"\n'
+                                           'optimizer = { type = "Adam", lr = 0.003 }\n' + F_DATA)
+    (folder / "g.toml").write_text(iface + '[stage]\nname = "g"\nmodule = "head:make"\n'
+                                           'optimizer = { type = "Adam", lr = 0.003 }\n'
+                                           'loss = { type = "CrossEntropyLoss" }\n' + G_DATA)
+    (folder / "f-lib.toml").write_text(iface + '[stage]\nname = "f"\n' + F_DATA)
+    (folder / "g-lib.toml").write_text(iface + '[stage]\nname = "g"\n' + G_DATA)
+    return folder
+
+
+def reference(folder: Path, micro_batches: int = 1) -> dict:
+    """The configured run of the same model, in one process."""
+    return train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]),
+                            micro_batches=micro_batches)["params"]
+
+
+def loop(folder: Path, side: str, target: Path | str, *flags: str, name: str | None = None) -> StageProcess:
+    """A user loop of tests/cut_loops.py in its own process."""
+    return StageProcess([LOOPS, side, folder, target, *flags], folder / f"{name or side}-loop.log",
+                        command=[sys.executable])
+
+
+def daemon(folder: Path, stage: str, *args: str) -> StageProcess:
+    return StageProcess([stage, "--experiment", folder / f"{stage}.toml", "--summary", folder / f"{stage}.json",
+                         *args], folder / f"{stage}-daemon.log")
+
+
+@pytest.mark.parametrize("codecs", [
+    "", pytest.param('activation_codec = "int8"\ngradient_codec = "topk:4+ef"', marks=pytest.mark.slow)],
+    ids=["plain", "int8-down-topk-ef-up"])
+def test_a_torch_loop_drives_a_label_owner_daemon_bitwise_as_the_configured_run(tmp_path, codecs):
+    folder = write_parties(tmp_path / "p", extra=codecs)
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready) as g:
+        cut_loops.data_owner(folder, wait_for_file(ready, g), None)     # the user's loop: this process
+        assert g.wait() == 0, g.output
+    expected = reference(folder)
+    assert json.loads((folder / "f-params.json").read_text()) == expected["f"]
+    assert read_json(folder / "g.json")["params"]["g"] == expected["g"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
+@pytest.mark.parametrize("test_fraction,micro_batches", [(0.0, 1), (0.2, 1), (0.0, 4)],
+                         ids=["no-held-out-rows", "evaluated-by-the-loop", "four-micro-batches"])
+def test_a_data_owner_daemon_drives_a_torch_loop_bitwise_as_the_configured_run(tmp_path, test_fraction,
+                                                                               micro_batches):
+    folder = write_parties(tmp_path / "p", test_fraction=test_fraction)
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, *(["--evaluate"] if test_fraction else [])) as g:
+        endpoint = wait_for_file(ready, g)
+        with daemon(folder, "f", "--connect", endpoint, "--micro-batches", str(micro_batches)) as f:
+            assert f.wait() == 0, f.output
+        assert g.wait() == 0, g.output
+    expected = reference(folder, micro_batches)
+    assert read_json(folder / "f.json")["params"]["f"] == expected["f"]
+    result = json.loads((folder / "g-params.json").read_text())
+    assert result["params"] == expected["g"]
+    assert result["seen"] == list(range(1, STEPS + 1))
+    if test_fraction:          # the loop's scores of the held-out rows are the configured run's
+        summary, configured = read_json(folder / "f.json"), train_in_process(
+            load_experiment([folder / "f.toml", folder / "g.toml"]))
+        assert (summary["test_loss"], summary["test_accuracy"]) == (configured["test_loss"],
+                                                                   configured["test_accuracy"])
+
+
+def _two_loops(folder: Path, f_flags: tuple = (), g_flags: tuple = (), restart: str = "") -> dict:
+    """Run both user loops; ``restart`` names the side whose loop kills itself (its flags say when) and is
+    started again, resuming from its own checkpoint. Returns both sides' results."""
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, *g_flags) as g:
+        endpoint = wait_for_file(ready, g)
+        with loop(folder, "f", endpoint, *f_flags) as f:
+            if restart == "f":
+                assert f.wait() == -9, f.output
+                with loop(folder, "f", endpoint, name="f2") as f2:
+                    assert f2.wait() == 0, f2.output
+            elif restart == "g":
+                assert g.wait() == -9, g.output
+                with loop(folder, "g", ready, name="g2") as g2:
+                    assert f.wait() == 0, f.output
+                    assert g2.wait() == 0, g2.output
+            else:
+                assert f.wait() == 0, f.output
+        if restart != "g":
+            assert g.wait() == 0, g.output
+    return {"f": json.loads((folder / "f-params.json").read_text()),
+            "g": json.loads((folder / "g-params.json").read_text())}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
+def test_two_torch_loops_train_bitwise_as_the_configured_run(tmp_path):
+    folder = write_parties(tmp_path / "p")
+    result = _two_loops(folder)
+    expected = reference(folder)
+    assert result["f"] == expected["f"] and result["g"]["params"] == expected["g"]
+    assert result["g"]["seen"] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # three to four PyTorch processes; slower beside the rest of the slow set
+@pytest.mark.parametrize("side,flags", [("f", ("--die-after-reply", "5")), ("g", ("--die-before-send", "5"))],
+                         ids=["data-owner-killed-after-its-reply-came", "label-owner-killed-before-its-reply-left"])
+def test_a_loop_killed_9_resumes_from_its_own_checkpoint_with_no_step_lost_or_doubled(tmp_path, side, flags):
+    """Step 5's reply is cached in the label owner's checkpoint: the data owner, resumed at step 4, sends
+    step 5 again and gets that reply; the label owner's loop never computes a step twice."""
+    folder = write_parties(tmp_path / "p")
+    result = _two_loops(folder, **{f"{side}_flags": flags}, restart=side)
+    expected = reference(folder)
+    assert result["f"] == expected["f"] and result["g"]["params"] == expected["g"]
+    assert result["g"]["seen"] == list(range(1, STEPS + 1))
+
+
+def _numpy_reference(folder: Path) -> dict:
+    """The numpy loops of cut_loops.py composed in one process: the same arithmetic with no wire."""
+    from distgrad.run.cut_interface import FIRST, cut_side
+    side = cut_side(FIRST, folder / "f-lib.toml", {})
+    pixels, labels = np.load(folder / "pixels.npy"), np.load(folder / "digits.npy")
+    w = np.random.default_rng(1).normal(0, 0.1, (64, 16)).astype(np.float32)
+    v = np.random.default_rng(2).normal(0, 0.1, (16, 10)).astype(np.float32)
+    losses = []
+    for step in range(1, STEPS + 1):
+        rows = side.rows(step)
+        x = pixels[rows]
+        h = x @ w
+        z = h @ v
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        y = labels[rows]
+        losses.append(float(-np.mean(np.log(p[np.arange(len(y)), y]))))
+        dz = p.copy()
+        dz[np.arange(len(y)), y] -= 1
+        dz /= np.float32(len(y))
+        dh = (dz @ v.T).astype(np.float32)
+        v -= np.float32(0.1) * (h.T @ dz).astype(np.float32)
+        w -= np.float32(0.1) * (x.T @ dh)
+    return {"w": w.tolist(), "v": v.tolist(), "losses": losses}
+
+
+def test_two_numpy_loops_compute_what_the_same_loops_compute_in_one_process(tmp_path):
+    folder = write_parties(tmp_path / "p")
+    result = _two_loops(folder, ("--numpy",), ("--numpy",))
+    expected = _numpy_reference(folder)
+    assert result["f"]["w"] == expected["w"]
+    assert result["g"]["v"] == expected["v"] and result["g"]["losses"] == expected["losses"]
+
+
+# ---------------------------------------------------------------- the contract, with both ends in this process
+
+FIELDS = dict(name="cut-unit", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
+
+
+class Served:
+    """``body(server)`` on a thread (the label owner's loop); ``result()`` its value or its exception."""
+
+    def __init__(self, server, body) -> None:
+        self.server, self.value, self.error = server, None, None
+        self.thread = threading.Thread(target=self._run, args=(body,), daemon=True)
+        self.thread.start()
+
+    def _run(self, body) -> None:
+        try:
+            self.value = body(self.server)
+        except BaseException as e:       # handed to the test
+            self.error = e
+        finally:
+            self.server.close()
+
+    def result(self, timeout: float = 20.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the server's loop did not end"
+        return self.value, self.error
+
+
+def bind_again(endpoint: str, **fields) -> CutServer:
+    """A ``CutServer`` at the endpoint a closed one of this process had: ZeroMQ frees it a moment later."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return CutServer.bind(endpoint, **fields)
+        except ConfigError as e:
+            if "in use" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def caught(call) -> str:
+    with pytest.raises(CutMisuse) as e:
+        call()
+    return str(e.value)
+
+
+def h_of(step: int) -> np.ndarray:
+    return np.full((4, 3), step, np.float32) + np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+
+
+@pytest.mark.integration
+def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
+    def body(server):
+        errors, batches = {}, iter(server)
+        first = next(batches)
+        errors["shape"] = caught(lambda: first.reply(0.5, np.zeros((4, 2), np.float32)))
+        errors["dtype"] = caught(lambda: first.reply(0.5, np.zeros((4, 3))))
+        errors["save"] = caught(server.state_dict)
+        first.reply(0.5, np.ones((4, 3), np.float32))
+        errors["twice"] = caught(lambda: first.reply(0.5, np.ones((4, 3), np.float32)))
+        next(batches)
+        errors["unanswered"] = caught(lambda: next(batches))
+        server.batch.reply(0.25, np.ones((4, 3), np.float32))
+        next(batches).reply(0.125, np.ones((4, 3), np.float32))
+        assert list(batches) == []
+        return errors
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=10.0, **FIELDS)
+    assert "shape (4, 2)" in caught(lambda: cut.step(np.zeros((4, 2), np.float32)))
+    assert "float32" in caught(lambda: cut.step(np.zeros((4, 3))))
+    assert cut.step(h_of(1))[0] == np.float32(0.5)
+    assert "next is 2" in caught(lambda: cut.step(h_of(1), step=1))
+    assert cut.step(h_of(2))[0] == np.float32(0.25)
+    assert "rows" in str(pytest.raises(ConfigError, cut.rows).value)       # no [data]: no shared order here
+    assert cut.step(h_of(3), step=3)[0] == np.float32(0.125)
+    cut.close()
+    assert "closed" in caught(lambda: cut.step(h_of(4)))
+    errors, error = served.result()
+    assert error is None, error
+    assert "shape (4, 3)" in errors["shape"] and "float32" in errors["dtype"]
+    assert "reply first" in errors["save"] and "already" in errors["twice"]
+    assert "without replying to step 2" in errors["unanswered"]
+
+
+@pytest.mark.integration
+def test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds():
+    cut = Cut.connect(free_tcp_endpoint(), timeout_s=0.2, peer_deadline_s=1.0, **FIELDS)
+    started = time.monotonic()
+    with pytest.raises(PeerTimeout, match="no reply from"):
+        cut.step(h_of(1))
+    assert time.monotonic() - started < 5
+    cut.close(finished=False)
+    with CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.2, peer_deadline_s=0.5, **FIELDS) as server:
+        started = time.monotonic()
+        with pytest.raises(PeerTimeout, match="silent for more than 0.7 s at step 0"):
+            next(iter(server))
+        assert time.monotonic() - started < 3
+
+
+@pytest.mark.integration
+def test_a_handshake_mismatch_names_the_field_and_both_values():
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=1.0, **FIELDS),
+                    lambda server: list(server))
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 4})
+    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3"):
+        cut.step(h_of(1))
+    cut.close(finished=False)
+    assert isinstance(served.result()[1], PeerTimeout)
+
+
+@pytest.mark.integration
+def test_a_resume_the_other_side_cannot_serve_names_both_steps_and_one_step_behind_gets_the_cached_reply():
+    def two_steps(server):
+        for batch in server:
+            batch.reply(1.0, np.zeros((4, 3), np.float32))
+            if batch.step == 2:
+                return server.state_dict()
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), two_steps)
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS)
+    start = cut.state_dict()
+    cut.step(h_of(1))
+    cut.step(h_of(2))
+    state, error = served.result()
+    assert error is None, error
+    cut.close(finished=False)
+    seen = []
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", state=state, liveness_s=0.5, peer_deadline_s=1.5,
+                                   **FIELDS), lambda server: seen.extend(server))
+    with Cut.connect(served.server.endpoint, step=0, run=start["run"], timeout_s=1.0, peer_deadline_s=5.0,
+                     **FIELDS) as cut:
+        with pytest.raises(PeerRejected, match=r"can return to steps \[0\] .* stands at step 2 .*: resume both "
+                                               r"sides from checkpoints of the same step"):
+            cut.step(h_of(1))
+        cut.close(finished=False)
+    # One step behind is fine: the label owner's checkpoint holds its reply to step 2, sent again.
+    with Cut.connect(served.server.endpoint, step=1, run=start["run"], timeout_s=1.0, peer_deadline_s=5.0,
+                     **FIELDS) as cut:
+        assert cut.step(h_of(2))[0] == np.float32(1.0) and cut.applied == 2
+        cut.close(finished=False)
+    assert isinstance(served.result()[1], PeerTimeout) and seen == []    # its loop computed nothing
+
+
+@pytest.mark.integration
+def test_micro_batches_reach_the_loop_one_by_one_and_come_back_as_the_daemons_combine_them():
+    def body(server):
+        seen = []
+        for batch in server:
+            seen.append((batch.step, batch.mb, batch.mbs, batch.last, batch.h.shape))
+            batch.reply(float(batch.mb + 1), np.full((2, 3), batch.mb + 1, np.float32))
+        return seen, server.scale
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **{**FIELDS, "micro_batches": 2, "steps": 1}), body)
+    with Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                     **{**FIELDS, "micro_batches": 2, "steps": 1}) as cut:
+        loss, dh = cut.step(h_of(1))
+    (seen, scale), error = served.result()
+    assert error is None, error
+    assert seen == [(1, 0, 2, False, (2, 3)), (1, 1, 2, True, (2, 3))]
+    assert scale == np.float32(0.5) and loss == np.float32(1.5)
+    assert dh.tolist() == [[0.5] * 3] * 2 + [[1.0] * 3] * 2
+
+
+@pytest.mark.integration
+def test_an_int8_codec_and_curve_work_through_the_library(tmp_path):
+    server_public, server_secret = keygen(tmp_path / "server", "g")
+    _, client_secret = keygen(tmp_path / "clients", "f")
+    fields = {**FIELDS, "activation_codec": "int8", "steps": 1}
+
+    def body(server):
+        batches = [(np.array(b.h), b.reply(2.0, np.ones((4, 3), np.float32))) for b in server]
+        return batches[0][0]
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", curve_secret=server_secret, allow=tmp_path / "clients",
+                                   **fields), body)
+    with Cut.connect(served.server.endpoint, curve_secret=client_secret, server_key=server_public, timeout_s=1.0,
+                     peer_deadline_s=5.0, **fields) as cut:
+        assert cut.step(h_of(1))[0] == np.float32(2.0)
+    received, error = served.result()
+    assert error is None, error
+    scale = np.abs(h_of(1)).max(axis=1, keepdims=True) / 127
+    assert not np.array_equal(received, h_of(1)) and np.all(np.abs(received - h_of(1)) <= scale / 2 + 1e-7)
+
+
+@pytest.mark.integration
+def test_the_torch_layer_refuses_a_detached_h_and_a_reply_without_a_gradient():
+    import distgrad.torch as dt
+
+    def body(server):
+        batch = next(iter(server))
+        error = caught(lambda: batch.reply(torch.tensor(1.0)))
+        batch.h.sum().backward()
+        batch.reply(torch.tensor(1.0))
+        return error, list(server)
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **{**FIELDS, "steps": 1}), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1}) as cut:
+        assert "does not require grad" in caught(lambda: cut.step(torch.zeros(4, 3)))
+        h = torch.zeros(4, 3, requires_grad=True)
+        assert cut.step(h * 2) == 1.0
+        assert h.grad.tolist() == [[2.0] * 3] * 4
+    (error, rest), failure = served.result()
+    assert failure is None, failure
+    assert "loss.backward()" in error and rest == []
+
+
+def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_library_cannot_do(tmp_path):
+    from distgrad.run.cut_interface import FIRST, cut_side
+    path = tmp_path / "f.toml"
+    path.write_text(_interface() + '[stage]\nname = "f"\nmodule = "encoder:make"\n')
+    with pytest.raises(ConfigError, match=r"takes only 'name'"):
+        cut_side(FIRST, path, {})
+    with pytest.raises(ConfigError, match="steps in flight"):
+        cut_side(FIRST, None, {**FIELDS, "staleness": 1})
+    with pytest.raises(ConfigError, match="a Cut drives the first stage"):
+        cut_side(FIRST, None, {**FIELDS, "stage": "g"})
+    with pytest.raises(ConfigError, match="not both"):
+        cut_side(FIRST, path, {"batch": 4})
+    with pytest.raises(ConfigError, match="give its run id too"):
+        Cut(cut_side(FIRST, None, FIELDS), "tcp://127.0.0.1:1", step=2)
+    assert cut_side(FIRST, None, FIELDS).exp.interface_parts() == load_experiment_parts(tmp_path)
+
+
+def load_experiment_parts(tmp_path: Path) -> dict:
+    """The interface parts a daemon's stage file with FIELDS' interface gives (a numpy model, no data)."""
+    path = tmp_path / "daemon-f.toml"
+    path.write_text('[interface]\nname = "cut-unit"\nstages = ["f", "g"]\nbatch = 4\n'
+                    'activation = { shape = [3], dtype = "float32" }\nsteps = 3\nseed = 0\n'
+                    '[stage]\nname = "f"\nmodel = [{ type = "dense", name = "d", in = 2, out = 3 }]\n'
+                    '[data]\nkind = "synthetic_regression"\nfeatures = 2\nbatch = 4\n')
+    parts = load_experiment(path).interface_parts()
+    return {k: v for k, v in parts.items() if k not in ("rows", "held-out rows", "sample order")}
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cut.md"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_docs_example_runs_as_written(tmp_path):
+    """docs/cut.md: its files are written, its `# run` block runs in a fresh folder (two PyTorch loops)."""
+    from distgrad.run.launcher import pinned_env
+    env = pinned_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    files, runs = 0, []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S):
+        first = body.split("\n", 1)[0].strip()
+        if lang in ("python", "toml") and first.startswith("# ") and first[2:].strip().endswith((".py", ".toml")):
+            path = tmp_path / first[2:].strip()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body)
+            files += 1
+        elif lang == "sh" and first == "# run":
+            runs.append(subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env, text=True,
+                                       capture_output=True, timeout=170, stdin=subprocess.DEVNULL))
+    assert files == 5 and len(runs) == 1
+    result = runs[0]
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "data owner: 88 steps" in result.stdout and "label owner: 88 steps" in result.stdout
+    loss = float(re.search(r"last loss ([0-9.]+)", result.stdout).group(1))
+    assert loss < 1.0, result.stdout
+
+
+@pytest.mark.integration
+def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_have_saved():
+    """The reply waits for the next batch: a loop failing before it asks (and before it saved) leaves the
+    step unanswered, and the data owner's resent step reaches the loop resumed at the step before."""
+    def failing(server):
+        with server:
+            for batch in server:
+                batch.reply(1.0, np.zeros((4, 3), np.float32))
+                raise RuntimeError("the loop failed before saving")
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), failing)
+    endpoint, losses = served.server.endpoint, []
+
+    def drive() -> None:
+        with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=10.0, **FIELDS) as cut:
+            losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
+
+    client = threading.Thread(target=drive, daemon=True)
+    client.start()
+    assert isinstance(served.result()[1], RuntimeError)
+    served = Served(bind_again(endpoint, **FIELDS),
+                    lambda server: [batch.reply(2.0, np.zeros((4, 3), np.float32)) or batch.step for batch in server])
+    client.join(20)
+    assert losses == [2.0] * 3            # step 1 too: the failed loop's reply never left
+    steps, error = served.result()
+    assert error is None and steps == [1, 2, 3]
