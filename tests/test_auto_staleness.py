@@ -15,7 +15,7 @@ import pytest
 
 from conftest import StageProcess, read_json, run_launcher, run_main, start_server  # noqa: F401 (fixture)
 from distgrad.config.experiment import MAX_STALENESS
-from distgrad.run.autostaleness import choose_staleness
+from distgrad.run.autostaleness import LinkProbe, choose_staleness
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "wan_link.py"
 _spec = importlib.util.spec_from_file_location("wan_link", PATH)
@@ -27,7 +27,24 @@ LINK_DELAY_S = 0.010      # one way: a round trip of 20 ms against a few ms of c
 FLAGS = ["--steps", "24", "--activation-codec", "int8", "--gradient-codec", "int8"]
 
 
-def test_the_rule_is_the_smallest_depth_whose_compute_covers_the_round_trip():
+def test_the_step_at_the_bound_is_the_slower_of_compute_and_the_busier_directions_transfer():
+    probe = LinkProbe(round_trip_s=0.066, ping_s=0.024, f_compute_s=0.002, g_compute_s=0.002, bytes_down=3000,
+                      bytes_up=1000)
+    assert probe.link_s == pytest.approx(0.040 * 3 / 4) and probe.step_s == probe.link_s   # a slow link
+    assert probe.choose() == 2                                 # 3 x 30 ms >= 66 ms > 2 x 30 ms
+    fast = LinkProbe(round_trip_s=0.031, ping_s=0.020, f_compute_s=0.004, g_compute_s=0.001, bytes_down=1000,
+                     bytes_up=1000)
+    assert fast.link_s == pytest.approx(0.005) and fast.step_s == fast.link_s
+    assert fast.choose() == 6                                  # 7 x 5 ms >= 31 ms > 6 x 5 ms
+    compute = LinkProbe(round_trip_s=0.030, ping_s=0.020, f_compute_s=0.004, g_compute_s=0.008, bytes_down=1000,
+                        bytes_up=1000)
+    assert compute.link_s == pytest.approx(0.001)
+    assert compute.step_s == 0.008 and compute.choose() == 3   # the busier stage bounds the step
+    assert LinkProbe(0.001, 0.002, 0.001, 0.001, 1, 1).link_s == 0.0    # a ping slower than the step: no transfer
+    assert set(probe.fields(2)) >= {"round_trip_s", "ping_s", "compute_s", "link_s", "step_s", "chosen", "cap"}
+
+
+def test_the_rule_is_the_smallest_depth_whose_steps_cover_the_round_trip():
     assert choose_staleness(0.0, 0.004) == 0                  # nothing to cover: lockstep
     assert choose_staleness(0.004, 0.004) == 0                # one step's compute covers it exactly
     assert choose_staleness(0.0041, 0.004) == 1
@@ -75,8 +92,10 @@ def _check_choice(summary: dict) -> int:
     """The S a summary records, and that it is the rule's choice from the figures it records."""
     chosen, figures = summary["staleness"], summary["staleness_auto"]
     assert figures["chosen"] == chosen
-    assert chosen == choose_staleness(figures["round_trip_s"], figures["compute_s"])
+    assert chosen == choose_staleness(figures["round_trip_s"], figures["step_s"])
     assert figures["compute_s"] == max(figures["f_compute_s"], figures["g_compute_s"]) > 0
+    assert figures["step_s"] == max(figures["compute_s"], figures["link_s"])
+    assert 0 < figures["ping_s"]
     assert figures["bytes_down"] > 8192 and figures["bytes_up"] > 8192     # 32 x 256 int8 each way, and headers
     return chosen
 
