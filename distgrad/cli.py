@@ -130,8 +130,8 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "parameters after step t-1-S (default: the experiment's staleness, else 0: lockstep). A "
                         "different, deterministic computation: equal to --in-process with the same S. 'auto' "
                         "(stages in processes): step 1 in lockstep measures the link, then S is the smallest with "
-                        "(S+1) x the busier stage's compute per step >= round trip + transfer time, at most 64 "
-                        "(README: --staleness auto); "
+                        "(S+1) x the step time at the bound (the slower of compute and the link's rate) >= round "
+                        "trip + transfer time, at most 64 (README: --staleness auto); "
                         "the summary's 'staleness' says which, and --staleness S repeats the run exactly")
 
 
