@@ -2,6 +2,7 @@
 """distgrad over an emulated WAN link: each schedule, codec and staleness against the bound the link allows.
 
     .venv/bin/python benchmarks/wan.py [--quick] [--json out.json] [--links wan10,lan1] [--no-accuracy]
+                                       [--rows REGEX]
     .venv/bin/python benchmarks/wan.py --smoke            # seconds: two tiny configurations (the test suite)
 
 Not part of the test suite (tests/test_benchmarks.py runs ``--smoke``). For
@@ -15,17 +16,30 @@ direction) and each configuration, one run of mlp-classify at batch 256:
 - the driving stage (``distgrad-stage f``) connects through the link and
   writes a metrics line per step.
 
-A run takes ``warm-up + measured`` steps; steps/s and bytes per step are
-taken over the measured steps from the driver's metrics (``wall_s``,
-``bytes_sent`` = down, ``bytes_received`` = up), and so are the compute
-times the bound adds (``f_compute_s``, ``g_compute_s``). Every process gets
-``distgrad.run.launcher.pinned_env()`` (one BLAS thread), a deadline, and is
-stopped in a ``finally``.
+A run takes ``warm-up + S + measured + S`` steps (S the staleness; an auto
+row takes ``AUTO_TAIL`` for S and reads the S it chose from the summary;
+measured at least ``STEPS_PER_STALENESS`` x S);
+steps/s and bytes per step are taken over the measured steps, which leave out
+the S after the warm-up (the burst of S + 1 forwards a run starts with is
+still crossing) and the last S (they send no forward: nothing is left to
+send), from the driver's metrics
+(``wall_s``, ``bytes_sent`` = down, ``bytes_received`` = up), and so are the
+compute times the bound adds (``f_compute_s``, ``g_compute_s``). Every
+process gets ``distgrad.run.launcher.pinned_env()`` (one BLAS thread), a
+deadline, and is stopped in a ``finally``.
+
+Each row's accuracy is the built-in ``digits`` experiment (batch 32, its 800
+steps) trained with the row's codec, staleness and micro-batches in one
+process (``digits_accuracy``): distgrad's runs over a link equal that bit for
+bit, and the schedule and window change nothing, so each combination trains
+once. The fastest row's flags also train digits through the link itself
+(``accuracy``).
 
 Configurations are flag sets. Schedule flags (``--micro-batches``,
 ``--schedule``, ``--in-flight``) go to the driving stage; codec
 (``--activation-codec/--gradient-codec NAME``) flags to both stages, staleness
-(``--staleness S``) to the driving stage. A row whose flag this distgrad's
+(``--staleness S``, 0 to 2 with every schedule, 4, 8 and 16 with lockstep and
+gpipe M=4, and ``auto``) to the driving stage. A row whose flag this distgrad's
 ``distgrad-stage --help`` does not list is skipped with the reason printed,
 so the same script measures it once the flag exists.
 
@@ -53,6 +67,11 @@ staleness:
 micro-batch's share (for lockstep, all of it). With staleness S, S + 1 steps
 may be in flight, so each step's latency is shared by S + 1 steps, down to
 the rate of the busier direction or the busier stage.
+
+The link bound (``R / max(D, U)`` steps/s) and the compute bound
+(``1 / max(c_f, c_g)``) are what no staleness can beat; "share of min" is a
+row's steps/s over the smaller of the two. The issue-25 target: the fastest
+row whose digits accuracy is >= 95% reaches >= 90% of it.
 
 Exit codes: 0 ok; 1 a measurement failed (the others are still reported);
 2 usage; 130 / 143 stopped by SIGINT / SIGTERM.
@@ -84,7 +103,14 @@ from wan_link import LinkEmulator  # noqa: E402
 
 BATCH = 256                              # mlp-classify's batch for the WAN figures
 CODECS = ("none", "float16", "bfloat16", "int8", "topk:64")   # the same codec both ways (no +ef: not with staleness)
-STALENESS = (0, 1, 2)
+STALENESS = (0, 1, 2)                    # with every schedule
+DEEP_STALENESS = (4, 8, 16)              # up to the link's bandwidth-delay product: with DEEP_SCHEDULES only
+AUTO = "auto"                            # --staleness auto: the driver chooses S; the summary says which
+AUTO_TAIL = 16                           # steps added to an auto row's run for the ones in flight at its end
+# A stale row measures at least this many steps per step in flight: up to S replies may wait at the driver
+# at one end of the window and not the other, which a short window counts as speed (a 40-step window at
+# S = 16 read 118% of the link's rate).
+STEPS_PER_STALENESS = 25
 READY_TIMEOUT_S = 30.0                   # the serving stage must write its ready file within this
 RUN_ALLOWANCE_S = 60.0                   # per run, on top of its expected time
 REPLY_TIMEOUT_S = 30.0                   # the driver's --timeout: no resends for a slow link's steps
@@ -93,6 +119,8 @@ HELP_TIMEOUT_S = 30.0
 ACCURACY_TARGET = 0.95                   # digits test accuracy of the best combination
 SYNC_SHARE_TARGET = 0.90                 # the best synchronous schedule, as a share of its bound
 SPEEDUP_TARGET = 5.0                     # the best combination against lockstep
+FILL_TARGET = 0.90                       # the best accurate combination, as a share of min(link, compute) bound
+ACCURACY_TIMEOUT_S = 120.0               # one in-process digits run
 
 
 @dataclass(frozen=True)
@@ -147,6 +175,9 @@ SCHEDULES = (
     Schedule("1f1b M=8", 8), Schedule("1f1b M=8 N=4", 8, in_flight=4), Schedule("1f1b M=8 N=8", 8, in_flight=8),
     Schedule("gpipe M=4", 4, "gpipe"), Schedule("gpipe M=8", 8, "gpipe"),
 )
+# With steps in flight every micro-batch of a step leaves at once, so the schedule's window no longer
+# matters: the deep rows take lockstep and the fastest pipelined schedule of the shallow ones.
+DEEP_SCHEDULES = tuple(s for s in SCHEDULES if s.name in ("lockstep", "gpipe M=4"))
 
 
 @dataclass(frozen=True)
@@ -155,7 +186,7 @@ class Config:
 
     schedule: Schedule
     codec: str = "none"
-    staleness: int = 0
+    staleness: int | str = 0             # S, or AUTO (the driver chooses; ``chosen`` reads it from a summary)
 
     @property
     def label(self) -> str:
@@ -165,6 +196,10 @@ class Config:
         if self.staleness:
             parts.append(f"stale {self.staleness}")
         return ", ".join(parts)
+
+    def chosen(self, staleness: int) -> "Config":
+        """This row with the staleness a run of it used (``--staleness auto``: the one it chose)."""
+        return Config(self.schedule, self.codec, staleness)
 
     @property
     def synchronous(self) -> bool:
@@ -186,7 +221,9 @@ class Config:
 
 def grid(full: bool) -> list[Config]:
     """Every row of one link: all schedules plain, then every codec x staleness combination with the
-    schedules that matter for it (``full``: all of them; else lockstep, 1f1b M=8 N=4 and gpipe M=8)."""
+    schedules that matter for it (``full``: all of them; else lockstep, 1f1b M=8 N=4 and gpipe M=8), the
+    deep staleness (``DEEP_STALENESS``) with ``DEEP_SCHEDULES`` (not ``full``: uncoded and int8 only), and
+    ``--staleness auto`` with those for the uncoded and the int8 rows."""
     rows = [Config(s) for s in SCHEDULES]
     combined = SCHEDULES if full else tuple(s for s in SCHEDULES if s.name in ("lockstep", "1f1b M=8 N=4",
                                                                                "gpipe M=8"))
@@ -195,6 +232,10 @@ def grid(full: bool) -> list[Config]:
             if codec == "none" and staleness == 0:
                 continue
             rows += [Config(s, codec, staleness) for s in combined]
+        for staleness in DEEP_STALENESS if full or codec in ("none", "int8") else ():
+            rows += [Config(s, codec, staleness) for s in DEEP_SCHEDULES]
+    for codec in ("none", "int8"):
+        rows += [Config(s, codec, AUTO) for s in DEEP_SCHEDULES]
     return rows
 
 
@@ -221,14 +262,16 @@ def link_time(micro_batches: int, window: int, down_bytes: float, up_bytes: floa
 
 def bound_s(config: Config, link: Link, down_bytes: float, up_bytes: float, f_compute_s: float,
             g_compute_s: float) -> dict[str, float]:
-    """The bound of ``config`` on ``link`` (module docstring), seconds per step, and its terms."""
+    """The bound of ``config`` (a whole staleness) on ``link`` (module docstring), seconds per step, and its
+    terms: ``rate_s`` the link bound (the busier direction's bytes at the rate), ``compute_s`` the compute
+    bound (the busier stage), neither of which any staleness can beat."""
     m = config.schedule.micro_batches
     w = m if config.staleness else config.schedule.window   # steps in flight send all their micro-batches
     t_link = link_time(m, w, down_bytes, up_bytes, link.delay_s, link.rate_Bps)
     t_sync = max(t_link + (f_compute_s + g_compute_s) / m, f_compute_s, g_compute_s)
-    rate = max(down_bytes, up_bytes) / link.rate_Bps
-    return {"bound_s": max(t_sync / (config.staleness + 1), rate, f_compute_s, g_compute_s),
-            "link_s": t_link, "sync_s": t_sync, "rate_s": rate}
+    rate, compute = max(down_bytes, up_bytes) / link.rate_Bps, max(f_compute_s, g_compute_s)
+    return {"bound_s": max(t_sync / (int(config.staleness) + 1), rate, compute),
+            "link_s": t_link, "sync_s": t_sync, "rate_s": rate, "compute_s": compute}
 
 
 # ---------------------------------------------------------------- runs
@@ -335,21 +378,37 @@ def run_pair(experiment: str, steps: int, link: Link, driver_flags: Sequence[str
 def measure(config: Config, link: Link, experiment: str, warmup: int, steps: int, workdir: Path,
             expected_s: float) -> dict[str, Any]:
     """One configuration: steps/s, bytes per step each way, compute per step and the bound, over the
-    ``steps`` after ``warmup``."""
+    ``steps`` after ``warmup``; with ``--staleness auto``, the bound of the S the run chose (its summary's
+    ``staleness``)."""
     tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{link.name}-{config.label}")
-    run = run_pair(experiment, warmup + steps, link, config.driver_flags(), config.shared_flags(), workdir, tag,
+    extra = AUTO_TAIL if config.staleness == AUTO else config.staleness
+    steps = max(steps, STEPS_PER_STALENESS * extra)
+    total = warmup + extra + steps + extra
+    run = run_pair(experiment, total, link, config.driver_flags(), config.shared_flags(), workdir, tag,
                    expected_s)
-    first, lines = run["metrics"][warmup - 1], run["metrics"][warmup:]
+    staleness = run["summary"].get("staleness", config.staleness)
+    if not isinstance(staleness, int):
+        raise BenchError(f"{config.label}: the summary does not say which staleness the run used")
+    # Not measured: the first S steps after the warm-up, while the burst of S + 1 forwards a run starts with
+    # drains through the link, and the last S, which send no forward (nothing is left to send).
+    start = warmup + staleness
+    first, lines = run["metrics"][start - 1], run["metrics"][start:total - staleness]
+    steps = len(lines)
+    if steps < 1:
+        raise BenchError(f"{config.label}: staleness {staleness} leaves no steps to measure of {total}")
     last = lines[-1]
     step_s = (last["wall_s"] - first["wall_s"]) / steps
     down = (last["bytes_sent"] - first["bytes_sent"]) / steps
     up = (last["bytes_received"] - first["bytes_received"]) / steps
     f_compute = sum(line["f_compute_s"] for line in lines) / steps
     g_compute = sum(line["g_compute_s"] for line in lines) / steps
-    bound = bound_s(config, link, down, up, f_compute, g_compute)
-    return {"steps_per_s": 1.0 / step_s, "step_s": step_s, "bytes_down": down, "bytes_up": up,
-            "f_compute_s": f_compute, "g_compute_s": g_compute, **bound,
+    bound = bound_s(config.chosen(staleness), link, down, up, f_compute, g_compute)
+    return {"steps_per_s": 1.0 / step_s, "step_s": step_s, "steps": steps, "bytes_down": down, "bytes_up": up,
+            "f_compute_s": f_compute, "g_compute_s": g_compute, **bound, "staleness": staleness,
             "bound_steps_per_s": 1.0 / bound["bound_s"], "share": bound["bound_s"] / step_s,
+            "link_bound_steps_per_s": 1.0 / bound["rate_s"], "compute_bound_steps_per_s": 1.0 / bound["compute_s"],
+            "fill": max(bound["rate_s"], bound["compute_s"]) / step_s,
+            "staleness_auto": run["summary"].get("staleness_auto"),
             "final_loss": run["summary"].get("final_loss"), "link_bytes": run["link"]}
 
 
@@ -362,7 +421,30 @@ def accuracy(config: Config, link: Link, steps: int | None, workdir: Path) -> di
                    re.sub(r"[^A-Za-z0-9]+", "-", f"digits-{link.name}-{config.label}"), expected_s=total * 0.1)
     summary = run["summary"]
     return {"config": config.label, "steps": total, "test_accuracy": summary.get("test_accuracy"),
-            "test_loss": summary.get("test_loss"), "elapsed_s": summary.get("elapsed_s")}
+            "test_loss": summary.get("test_loss"), "elapsed_s": summary.get("elapsed_s"),
+            "staleness": summary.get("staleness")}
+
+
+def digits_accuracy(config: Config, steps: int | None, workdir: Path, cache: dict[tuple, float]) -> float:
+    """The held-out accuracy of the built-in ``digits`` experiment (``steps``, default its own) trained with
+    ``config``'s codec, staleness (a whole one) and micro-batches, in one process.
+
+    A run through the link computes the same parameters bit for bit (distgrad's contract; ``accuracy`` checks
+    it for the fastest row), and the schedule and window change nothing, so each (codec, staleness,
+    micro-batches) is trained once (``cache``).
+    """
+    key = (config.codec, config.staleness, config.schedule.micro_batches, steps)
+    if key not in cache:
+        summary = workdir / f"digits-{'-'.join(re.sub(r'[^A-Za-z0-9]+', '', str(k)) for k in key)}.json"
+        argv = [sys.executable, "-m", "distgrad.cli", "run", "digits", "--in-process", "--summary", str(summary),
+                "--staleness", str(config.staleness), "--micro-batches", str(config.schedule.micro_batches),
+                *config.shared_flags(), *(["--steps", str(steps)] if steps else [])]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=ACCURACY_TIMEOUT_S, env=pinned_env(),
+                             stdin=subprocess.DEVNULL, cwd=ROOT)
+        if out.returncode != 0:
+            raise BenchError(f"digits in process exited {out.returncode}: {out.stderr[-500:]}")
+        cache[key] = json.loads(summary.read_text())["test_accuracy"]
+    return cache[key]
 
 
 def mlp_experiment(workdir: Path, batch: int) -> Path:
@@ -385,9 +467,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def table(link: Link, rows: list[dict[str, Any]], markdown: bool = True) -> str:
-    """The rows of one link: steps/s, x lockstep, bytes per step each way, bound and share."""
+    """The rows of one link: steps/s, x lockstep, bytes per step each way, bound and share, the link and
+    compute bounds and the share of the smaller, and the row's digits accuracy."""
     lock = next((r["result"]["steps_per_s"] for r in rows if r["label"] == "lockstep" and "result" in r), None)
-    head = ["configuration", "steps/s", "x lockstep", "down/step", "up/step", "bound steps/s", "share of bound"]
+    head = ["configuration", "steps/s", "x lockstep", "down/step", "up/step", "bound steps/s", "share of bound",
+            "link bound", "compute bound", "share of min", "digits acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         r = row.get("result")
@@ -395,14 +479,18 @@ def table(link: Link, rows: list[dict[str, Any]], markdown: bool = True) -> str:
             lines.append(f"| {row['label']} | {row.get('skipped') or 'failed: ' + row.get('error', '?')[:60]} |"
                          + " |" * (len(head) - 2))
             continue
+        label = row["label"] + (f" (S={r['staleness']})" if row["staleness"] == AUTO else "")
         speedup = f"{r['steps_per_s'] / lock:.2f}x" if lock else "-"
-        lines.append(f"| {row['label']} | {r['steps_per_s']:.1f} | {speedup} | {fmt_bytes(r['bytes_down'])} | "
-                     f"{fmt_bytes(r['bytes_up'])} | {r['bound_steps_per_s']:.1f} | {100 * r['share']:.0f}% |")
+        acc = row.get("digits_accuracy")
+        lines.append(f"| {label} | {r['steps_per_s']:.1f} | {speedup} | {fmt_bytes(r['bytes_down'])} | "
+                     f"{fmt_bytes(r['bytes_up'])} | {r['bound_steps_per_s']:.1f} | {100 * r['share']:.0f}% | "
+                     f"{r['link_bound_steps_per_s']:.0f} | {r['compute_bound_steps_per_s']:.0f} | "
+                     f"{100 * r['fill']:.0f}% | {'-' if acc is None else f'{acc:.3f}'} |")
     return f"{link.name}: {link.describe()}\n\n" + "\n".join(lines)
 
 
 def targets(rows: list[dict[str, Any]], accuracy_result: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The three targets on the 10 ms / 100 Mbit/s link, from one run's rows."""
+    """The targets on the 10 ms / 100 Mbit/s link, from one run's rows."""
     done = [row for row in rows if "result" in row]
     lock = next((row["result"]["steps_per_s"] for row in done if row["label"] == "lockstep"), None)
     sync = [row for row in done if row["synchronous"]]
@@ -420,6 +508,16 @@ def targets(rows: list[dict[str, Any]], accuracy_result: dict[str, Any] | None) 
         acc = accuracy_result.get("test_accuracy") if accuracy_result else None
         out.append({"target": f"its digits accuracy >= {ACCURACY_TARGET:.0%}", "config": best["label"],
                     "figure": acc, "unit": "%", "met": None if acc is None else acc >= ACCURACY_TARGET})
+    accurate = [row for row in done if (row.get("digits_accuracy") or 0.0) >= ACCURACY_TARGET]
+    if accurate:
+        best = max(accurate, key=lambda row: row["result"]["steps_per_s"])
+        r = best["result"]
+        out.append({"target": f"best combination with digits accuracy >= {ACCURACY_TARGET:.0%} >= "
+                              f"{FILL_TARGET:.0%} of min(link bound, compute bound)",
+                    "config": f"{best['label']} ({r['steps_per_s']:.1f} steps/s; link bound "
+                              f"{r['link_bound_steps_per_s']:.0f}, compute bound {r['compute_bound_steps_per_s']:.0f};"
+                              f" digits {best['digits_accuracy']:.3f})",
+                    "figure": r["fill"], "unit": "%", "met": r["fill"] >= FILL_TARGET})
     return out
 
 
@@ -429,15 +527,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer steps, and the codec x staleness combinations only with lockstep, 1f1b M=8 N=4 "
-                        "and gpipe M=8")
+                        "and gpipe M=8 (staleness 4, 8, 16 only uncoded and int8)")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: a tiny model (batch 32) on a 1 ms link, two configurations and a codec row")
     p.add_argument("--links", default="wan10,lan1", help=f"comma-separated, of {', '.join(LINKS)}")
     p.add_argument("--warmup", type=int, help="steps before the measured ones (default 5, quick 3)")
     p.add_argument("--steps", type=int,
                    help="measured steps per configuration (default: wan10 40, lan1 200; --quick a third)")
-    p.add_argument("--no-accuracy", action="store_true", help="skip the digits run of the best combination")
-    p.add_argument("--accuracy-steps", type=int, help="steps of that digits run (default: the experiment's)")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip the digits runs: each row's (in one process) and the best combination's (through "
+                        "the link)")
+    p.add_argument("--accuracy-steps", type=int, help="steps of those digits runs (default: the experiment's)")
+    p.add_argument("--rows", type=re.compile, metavar="REGEX",
+                   help="only the configurations whose label this matches (re.search), e.g. 'int8, stale'")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--workdir", type=Path, help="keep the runs' files here (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -452,7 +554,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_link(link: Link, configs: list[Config], known: set[str], experiment: str, warmup: int, steps: int,
-             workdir: Path) -> list[dict[str, Any]]:
+             workdir: Path, accuracy_steps: int | None, accuracies: dict[tuple, float] | None) -> list[dict[str, Any]]:
+    """Every configuration on ``link``, and (``accuracies``: their cache, None for none) each one's digits
+    accuracy (``digits_accuracy``)."""
     rows = []
     reported: set[str] = set()
     for config in configs:
@@ -468,11 +572,20 @@ def run_link(link: Link, configs: list[Config], known: set[str], experiment: str
                     f"list it; the rows run once it does)")
             rows.append(row)
             continue
-        expected = (warmup + steps) * 0.2
+        deepest = max(DEEP_STALENESS)
+        expected = (warmup + max(steps, STEPS_PER_STALENESS * deepest) + 2 * deepest) * 0.2
         try:
             row["result"] = r = measure(config, link, experiment, warmup, steps, workdir, expected)
+            if accuracies is not None:
+                try:
+                    row["digits_accuracy"] = digits_accuracy(config.chosen(r["staleness"]), accuracy_steps, workdir,
+                                                             accuracies)
+                except (BenchError, subprocess.TimeoutExpired) as e:
+                    row["digits_error"] = str(e)
             say(f"{link.name} {config.label}: {r['steps_per_s']:.1f} steps/s, {100 * r['share']:.0f}% of the bound "
-                f"{r['bound_steps_per_s']:.1f} (down {fmt_bytes(r['bytes_down'])}, up {fmt_bytes(r['bytes_up'])})")
+                f"{r['bound_steps_per_s']:.1f} (down {fmt_bytes(r['bytes_down'])}, up {fmt_bytes(r['bytes_up'])}), "
+                f"{100 * r['fill']:.0f}% of min(link {r['link_bound_steps_per_s']:.0f}, compute "
+                f"{r['compute_bound_steps_per_s']:.0f}), S={r['staleness']}, digits {row.get('digits_accuracy')}")
         except BenchError as e:
             row["error"] = str(e)
             say(f"{link.name} {config.label}: FAILED {e}")
@@ -498,15 +611,19 @@ def main(argv: list[str] | None = None) -> int:
             experiment = str(mlp_experiment(workdir, BATCH))
             configs = grid(full=not args.quick)
             warmup, steps = args.warmup or (3 if args.quick else 5), args.steps
+        if args.rows is not None:
+            configs = [c for c in configs if args.rows.search(c.label)]
         results: dict[str, Any] = {"meta": {"batch": 32 if args.smoke else BATCH, "warmup": warmup,
                                             "quick": args.quick, "smoke": args.smoke},
                                    "links": {}, "failures": 0}
+        accuracies: dict[tuple, float] | None = None if args.no_accuracy or args.smoke else {}
         try:
             for link in links:
                 measured = steps or (link.steps // 3 if args.quick else link.steps)
                 say(f"link {link.name}: {link.describe()}, {len(configs)} configurations, {warmup} + {measured} "
                     f"steps each")
-                rows = run_link(link, configs, known, experiment, warmup, measured, workdir)
+                rows = run_link(link, configs, known, experiment, warmup, measured, workdir, args.accuracy_steps,
+                                accuracies)
                 results["links"][link.name] = {"delay_s": link.delay_s, "rate_bps": link.rate_bps, "steps": measured,
                                                "rows": rows}
                 results["failures"] += sum("error" in row for row in rows)
@@ -516,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [row for row in results["links"][main_link]["rows"] if "result" in row]
                 if rows:
                     best = max(rows, key=lambda row: row["result"]["steps_per_s"])
-                    config = next(c for c in configs if c.label == best["label"])
+                    config = next(c for c in configs if c.label == best["label"]).chosen(best["result"]["staleness"])
                     say(f"digits accuracy of the best combination on {main_link}: {config.label}")
                     try:
                         acc = accuracy(config, LINKS[main_link], args.accuracy_steps, workdir)

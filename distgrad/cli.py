@@ -125,10 +125,26 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-flight", type=int, metavar="N",
                    help="1f1b: micro-batches in flight at once, 1 to M (default 2, or M if fewer); the driving "
                         "stage holds at most N micro-batches' forward caches; same result whatever N")
-    p.add_argument("--staleness", type=int, metavar="S",
+    p.add_argument("--staleness", type=_staleness, metavar="S|auto",
                    help="asynchronous pipelining: S steps in flight; the first stage's forward of step t uses its "
                         "parameters after step t-1-S (default: the experiment's staleness, else 0: lockstep). A "
-                        "different, deterministic computation: equal to --in-process with the same S")
+                        "different, deterministic computation: equal to --in-process with the same S. 'auto' "
+                        "(stages in processes): step 1 in lockstep measures the link, then S is the smallest with "
+                        "(S+1) x the step time at the bound (the slower of compute and the link's rate) >= round "
+                        "trip + transfer time, at most 64 (README: --staleness auto); "
+                        "the summary's 'staleness' says which, and --staleness S repeats the run exactly")
+
+
+def _staleness(text: str) -> int | str:
+    """``--staleness``: a whole number (checked later with the experiment) or ``auto``."""
+    from distgrad.config.experiment import AUTO_STALENESS
+
+    if text == AUTO_STALENESS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer S >= 0 or '{AUTO_STALENESS}', got {text!r}") from None
 
 
 def _codec_flags(p: argparse.ArgumentParser) -> None:

@@ -771,6 +771,7 @@ def test_the_torch_layer_says_what_to_do_about_a_float64_h_and_a_batch_left_unan
     assert "call batch.reply first" in unanswered and "grad)" not in unanswered    # the torch reply takes loss only
 
 
+@pytest.mark.integration
 def test_rows_nothing_numbers_are_a_clear_error_not_none():
     """A label owner with no [data] and no send_rows has no row numbers: reading batch.rows says so (None would
     index labels[None] silently), and the batch can still be answered."""

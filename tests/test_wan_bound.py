@@ -85,4 +85,16 @@ def test_codec_and_staleness_rows_name_the_flags_they_need():
     assert row.missing({"--staleness"}) == ["--activation-codec", "--gradient-codec"]
     assert wan.Config(wan.Schedule("1f1b M=8 N=4", 8, in_flight=4)).missing({"--micro-batches", "--schedule"}) == \
         ["--in-flight"]
-    assert math.prod(len(x) for x in (wan.CODECS, wan.STALENESS)) * len(wan.SCHEDULES) == len(wan.grid(full=True))
+    deep = len(wan.CODECS) * len(wan.DEEP_STALENESS) * len(wan.DEEP_SCHEDULES)
+    auto = 2 * len(wan.DEEP_SCHEDULES)                                   # uncoded and int8
+    assert math.prod(len(x) for x in (wan.CODECS, wan.STALENESS)) * len(wan.SCHEDULES) + deep + auto == \
+        len(wan.grid(full=True))
+    assert wan.Config(wan.LOCKSTEP, "int8", wan.AUTO).driver_flags() == ["--staleness", "auto"]
+    assert wan.Config(wan.LOCKSTEP, "int8", wan.AUTO).chosen(7) == wan.Config(wan.LOCKSTEP, "int8", 7)
+
+
+def test_the_link_and_compute_bounds_are_what_no_staleness_beats():
+    link = wan.Link("t", DELAY_S, RATE_BPS * 8)                 # rate_Bps = 1e6
+    deep = wan.bound_s(wan.Config(wan.LOCKSTEP, "int8", 16), link, 5000, 4000, 0.003, 0.001)
+    assert deep["rate_s"] == pytest.approx(0.005, abs=TOL) and deep["compute_s"] == pytest.approx(0.003, abs=TOL)
+    assert deep["bound_s"] == pytest.approx(0.005, abs=TOL)    # 16 steps in flight cover the round trip

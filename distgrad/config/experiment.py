@@ -597,8 +597,9 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     ``checkpoint_every`` or ``resume`` without ``checkpoint_dir``, and with
     ``in_process`` (which keeps no checkpoints) any checkpoint setting; a
     negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
-    negative, or above 0 where it is not supported (several clients, vertical
-    parties, a first stage computing off the CPU).
+    negative, or above 0 or ``auto`` where it is not supported (several
+    clients, vertical parties, a first stage computing off the CPU), and
+    ``auto`` with ``in_process`` (no link to measure) or ``resume``.
     """
     if steps is not None and (not is_whole(steps) or steps < 1):
         raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
@@ -624,6 +625,14 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     if in_process and (checkpoint_dir is not None or checkpoint_every or resume):
         raise ConfigError("--in-process keeps no checkpoints: drop --checkpoint-dir, --checkpoint-every "
                           "and --resume (or run the stages as processes)")
+    if staleness == AUTO_STALENESS and in_process:
+        raise ConfigError("--staleness auto measures the link to the stage below, and a run in one process "
+                          "(--in-process, or an experiment of one stage) has none: give --staleness S (a run with "
+                          "auto records the S it chose in its summary's 'staleness')")
+    if staleness == AUTO_STALENESS and resume:
+        raise ConfigError("--staleness auto chooses S from the first step when a run starts; a resumed run must "
+                          "go on with the S it chose: give --staleness S (its summary's 'staleness', or the log "
+                          "line 'staleness auto: S = ...')")
 
 
 def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
@@ -638,7 +647,7 @@ def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if exp.federated:
         raise ConfigError(f"{given}: with [clients] each data owner is scored on its own held-out rows, so no one "
                           f"step is the best or the last for all; drop {given} or the [clients] table")
-    if is_whole(staleness) and staleness > 0:
+    if staleness == AUTO_STALENESS or (is_whole(staleness) and staleness > 0):
         raise ConfigError(f"{given} with staleness {staleness}: with steps in flight the stages below have applied "
                           f"later steps than the one evaluated, so no one step is kept or stopped at on every party; "
                           f"use staleness = 0")
@@ -667,14 +676,16 @@ def check_send_rows(exp: Experiment) -> None:
 
 
 MAX_STALENESS = 64     # steps in flight: each holds a copy of the first stage's parameters
+AUTO_STALENESS = "auto"   # --staleness auto: the driving stage chooses S from its link (run/autostaleness.py)
 
 
 def check_staleness(exp: Experiment, staleness: Any) -> None:
     """Raise ``ConfigError`` unless ``staleness`` S (steps in flight) is a whole number from 0 to
-    ``MAX_STALENESS`` that this experiment supports: two stages or a chain, with a first stage whose
-    parameters of an earlier step can be swapped back in for a backward (host memory)."""
-    if not is_whole(staleness) or not 0 <= staleness <= MAX_STALENESS:
-        raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS}, got {staleness!r}")
+    ``MAX_STALENESS``, or ``AUTO_STALENESS``, that this experiment supports: two stages or a chain, with a
+    first stage whose parameters of an earlier step can be swapped back in for a backward (host memory).
+    ``auto`` may choose any S, so it is refused wherever S > 0 is."""
+    if staleness != AUTO_STALENESS and (not is_whole(staleness) or not 0 <= staleness <= MAX_STALENESS):
+        raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS} or 'auto', got {staleness!r}")
     if not staleness:
         return
     if exp.federated or exp.vertical:

@@ -18,10 +18,9 @@ from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
-                                        builtin_names, check_codecs, check_evaluation_keys, check_send_rows,
-                                        check_staleness,
-                                        check_targets, Clients,
+from distgrad.config.experiment import (AUTO_STALENESS, BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
+                                        REDUCTIONS, WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
+                                        check_send_rows, check_staleness, check_targets, Clients,
                                         codec_name, Experiment, file_error, interface_differences, is_whole,
                                         loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
@@ -178,7 +177,10 @@ def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
                      ("staleness", 0)):
         if key in raw and (not is_whole(raw[key]) or raw[key] < low):
             kind = "a positive integer" if low else "a non-negative integer"
-            raise file_error(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}")
+            why = (" ('auto' is the driving stage's flag, --staleness auto: it measures one run's link, while a "
+                   "file names the computation; the S it chose is in that run's summary)"
+                   if key == "staleness" and raw[key] == AUTO_STALENESS else "")
+            raise file_error(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}{why}")
     out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
                micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
                staleness=raw.get("staleness", 0))

@@ -34,7 +34,8 @@ _SHARED: dict[str, Key] = {
                   "asynchronous pipelining, by name: the first stage's forward of step t uses its parameters after "
                   "its updates of steps 1..t-1-S, and it applies its update of step t once the forward of step t+S "
                   "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
-                  "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it"),
+                  "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it "
+                  "('--staleness auto', a flag only, chooses S from the link: README)"),
     "eval_every": ("integer >= 0", "0",
                    "every K steps, evaluate the held-out rows forward-only through every stage: loss, accuracy and "
                    "the last stage's 'metrics' go to the progress line, the metrics file, the plot and TensorBoard "

@@ -20,7 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 import zmq
 
+from distgrad.config.experiment import MAX_STALENESS
 from distgrad.run import handshake
+from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
@@ -71,6 +73,11 @@ class _Driver:
                                    self.traffic,
                                    {n: (v.shape, v.dtype) for n, v in params.items()} if self.average_every else None)
         self.staleness = opts.steps_in_flight
+        # --staleness auto: step 1 runs in lockstep and measures the link (``probe``), then S is chosen. The
+        # history keeps the initial parameters meanwhile, which the forwards of steps 2..S+1 use.
+        self.probe: LinkProbe | None = None
+        if opts.auto_staleness:
+            self.state.history.depth = MAX_STALENESS
         # Steps sent but not yet applied (staleness): step -> (parameter version of its forward, caches by
         # micro-batch), and its requests still unanswered.
         self.in_flight: dict[int, tuple[int, dict[int, Any]]] = {}
@@ -117,6 +124,9 @@ class _Driver:
         the schedule and window, which is the order the in-process path uses.
         With staleness S > 0, ``_step_in_flight`` instead.
         """
+        if self.opts.auto_staleness and self.probe is None:
+            self._probe_step()
+            return
         if self.staleness:
             self._step_in_flight()
             return
@@ -202,6 +212,46 @@ class _Driver:
         del self.in_flight[step], self.pending[step]
         self.state.history.before_update(stage)
         self.loss = engine.update(step, count)
+
+    def _probe_step(self) -> None:
+        """``--staleness auto``: this stage's compute timed (``time_compute``), the fastest ping, then step 1 in
+        lockstep, as every S computes it (its forward, as those of steps 2..S+1, uses the initial parameters), its wait timed;
+        then S from ``choose_staleness``, and hello again so that the stage below keeps the replies of S + 1
+        steps (run/autostaleness.py)."""
+        stage = self.state.stage
+        f_compute = time_compute(stage, self._batch(stage.step + 1)[0], self.opts.micro_batches)
+        ping = self._ping_s()
+        traffic = self.traffic
+        wait, g_compute, sent, received = traffic.wait_s, self.g_compute_s, traffic.sent, traffic.received
+        self._step_in_flight()                       # with staleness 0: step 1 alone
+        wait, g_compute = traffic.wait_s - wait, self.g_compute_s - g_compute
+        self.probe = LinkProbe(round_trip_s=wait, ping_s=ping, f_compute_s=f_compute, g_compute_s=g_compute,
+                               bytes_down=traffic.sent - sent, bytes_up=traffic.received - received)
+        self.staleness = self.probe.choose()
+        self.state.history.depth = self.staleness
+        if not self.staleness:
+            self.state.history.clear()
+        probe = self.probe
+        self.log.info("staleness auto: S = %d (round trip + transfer %.2f ms, ping %.2f ms; step at the bound "
+                      "%.2f ms: link %.2f ms, compute f %.2f ms, %s %.2f ms; %d bytes down, %d up per step); "
+                      "--staleness %d runs the same computation", self.staleness, 1e3 * probe.round_trip_s,
+                      1e3 * probe.ping_s, 1e3 * probe.step_s, 1e3 * probe.link_s, 1e3 * probe.f_compute_s,
+                      self.exp.downstream(self.opts.stage), 1e3 * probe.g_compute_s, probe.bytes_down,
+                      probe.bytes_up, self.staleness)
+        if self.staleness:
+            self.handshake()
+
+    def _ping_s(self) -> float:
+        """The fastest of ``PINGS`` round trips of a ping to the stage below (which answers it at once)."""
+        fastest = float("inf")
+        for _ in range(PINGS):
+            started = time.perf_counter()
+            pong = self.link.client.request(Message(wire.PING, self.state.run_id, 0), self.opts.timeout_s,
+                                            self.stop.check)
+            if pong.type != wire.PONG:
+                raise ProtocolError(ErrorCode.TYPE, f"expected a pong to a ping, got {pong.type!r}")
+            fastest = min(fastest, time.perf_counter() - started)
+        return fastest
 
     def _send_in_flight(self, step: int) -> None:
         """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
@@ -341,7 +391,8 @@ class _Driver:
             self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
-                             in_flight=self.opts.window,
+                             in_flight=self.opts.window, staleness=self.staleness,
+                             **({"staleness_auto": self.probe.fields(self.staleness)} if self.probe else {}),
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
                              **(self.metering.summary_fields() if self.metering else {}))

@@ -13,7 +13,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 
 from distgrad.errors import ConfigError, Interrupted
 from distgrad.config.defended import meter_kind, metered
-from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
+from distgrad.config.experiment import AUTO_STALENESS, Experiment, check_run_settings, client_stage_name
 from distgrad.wire.link import LinkSettings
 from distgrad.run.progress import check_tensorboard
 from distgrad.stage.records import check_trace_filter
@@ -85,7 +85,8 @@ class StageOptions:
     micro_batches: int = 1             # driving stage: micro-batches per step
     schedule: str = "1f1b"             # driving stage: "gpipe" or "1f1b"
     in_flight: int | None = None       # driving stage, 1f1b: micro-batches in flight (None: DEFAULT_IN_FLIGHT)
-    staleness: int | None = None       # driving stage: steps in flight (None: the experiment's; 0: lockstep)
+    staleness: int | str | None = None   # driving stage: steps in flight (None: the experiment's; 0: lockstep;
+                                         # AUTO_STALENESS: chosen from the link, run/autostaleness.py)
     metrics_path: Path | None = None   # one JSON line per step (a serving stage: its own, progress.StageRecords)
     tensorboard_dir: Path | None = None   # the same as TensorBoard scalars (tensorboardX)
     eval_every: int | None = None      # driving stage: evaluate every K steps (None: the experiment's; 0: at the end)
@@ -110,9 +111,17 @@ class StageOptions:
         return self.experiment.steps if self.steps is None else self.steps
 
     @property
+    def auto_staleness(self) -> bool:
+        """``--staleness auto``: the driving stage chooses S after its first step (run/autostaleness.py)."""
+        return self.staleness == AUTO_STALENESS
+
+    @property
     def steps_in_flight(self) -> int:
-        """The driving stage's staleness S: ``--staleness``, else the experiment's (0: lockstep)."""
-        return self.experiment.staleness if self.staleness is None else self.staleness
+        """The driving stage's staleness S: ``--staleness``, else the experiment's (0: lockstep); with
+        ``--staleness auto`` 0, that of the first step, after which the driver chooses S."""
+        if self.auto_staleness:
+            return 0
+        return self.experiment.staleness if self.staleness is None else int(self.staleness)
 
     @property
     def evaluate_every(self) -> int:
