@@ -125,6 +125,10 @@ class ServingStage:
         self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
         self.deferred_peers: list[Peer] = []               # whose micro-batch that is
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
+        # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
+        self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
+            wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
+            wire.BYE: self._bye}
         if opts.resume and self.state.resume_latest():
             self.topology.resumed(time.monotonic())
             self.state.open_trace(append=True)
@@ -204,8 +208,7 @@ class ServingStage:
             failure, peer.failure = peer.failure, None
             self.topology.failed(peer, failure)
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
-        handler = {wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
-                   wire.BYE: self._bye}.get(msg.type)
+        handler = self.handlers.get(msg.type)
         if handler is None:
             raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
         replies = handler(peer, envelope, msg)

@@ -38,6 +38,7 @@ ERROR_TEXT_MAX = 1000                 # error replies are cut to this many chara
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{0,128}")   # printable, so it is safe in log lines
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 ALIGN_BYTES = 16                      # received tensors at other addresses are copied (see decode)
+ALWAYS_COPY_BYTES = 16 * 1024         # received tensors smaller than this are copied whatever their address
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
@@ -206,7 +207,7 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     """Validate and decode one message's frames (no routing envelope).
 
     Tensors are read-only views of the received buffers: no copy, unless a
-    buffer is not ``ALIGN_BYTES``-aligned (then one copy). Raises
+    buffer is small or not ``ALIGN_BYTES``-aligned (then one copy, ``_received``). Raises
     ``ProtocolError`` naming what is wrong, and nothing else, whatever the
     bytes; nothing is decoded past the first problem, and the sum of tensor
     sizes may not exceed ``max_tensor_bytes``.
@@ -302,15 +303,23 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         got = _nbytes(buffer)
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
-        array = _frombuffer_nd(shape, dtype, buffer)    # a view of the received frame, no copy
-        if array.ctypes.data % ALIGN_BYTES:
-            # ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes
-            # another code path (with other rounding) for misaligned data, so such a tensor is
-            # copied: results must not depend on where a frame happened to land.
-            array = array.copy()
-        array.flags.writeable = False                   # never written to
-        tensors[name] = array
+        tensors[name] = _received(_frombuffer_nd(shape, dtype, buffer))    # a view of the frame, no copy
     return Message(msg_type, run, step, mb, mbs, body, tensors)
+
+
+def _received(array: np.ndarray) -> np.ndarray:
+    """A received tensor (a view of its frame) as the receiver computes with it: read-only, at an
+    ``ALIGN_BYTES``-aligned address.
+
+    ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes another code path
+    (with other rounding) for misaligned data, so a misaligned tensor is copied: results must not
+    depend on where a frame happened to land. Below ``ALWAYS_COPY_BYTES`` the tensor is copied
+    without looking: a copy that small costs less than reading the address (``ndarray.ctypes``).
+    """
+    if array.nbytes < ALWAYS_COPY_BYTES or array.ctypes.data % ALIGN_BYTES:
+        array = array.copy()
+    array.flags.writeable = False                   # never written to
+    return array
 
 
 _RUN_NAMES: dict[bytes, str] = {}     # run ids of binary headers that passed RUN_ID, by their bytes
@@ -396,11 +405,7 @@ class FrameLayout:
             if got != size:
                 raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {_WIRE_NAMES[dtype]}{shape} needs {size} "
                                                       f"bytes, frame has {got}")
-            array = _frombuffer_nd(shape, dtype, frame)
-            if array.ctypes.data % ALIGN_BYTES:
-                array = array.copy()                    # see _decode: results must not depend on alignment
-            array.flags.writeable = False
-            tensors[name] = array
+            tensors[name] = _received(_frombuffer_nd(shape, dtype, frame))
         return tensors
 
 

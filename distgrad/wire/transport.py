@@ -102,7 +102,8 @@ _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
 _zmq_poll = zmq.zmq_poll
-_SNDMORE, _RCVMORE, _POLLIN, _EVENTS = zmq.SNDMORE, zmq.RCVMORE, zmq.POLLIN, zmq.EVENTS
+# Plain ints: pyzmq's enum members cost an enum construction per ``&``.
+_SNDMORE, _RCVMORE, _POLLIN, _EVENTS = int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.POLLIN), int(zmq.EVENTS)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
