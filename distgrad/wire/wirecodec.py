@@ -74,9 +74,15 @@ class WireTensor:
         """``{message tensor: (shape, dtype)}`` in frame order (for ``wire.expect_tensors``)."""
         return {self.part_name(part): spec for part, spec in self.codec.wire_specs(self.shape).items()}
 
+    @cached_property
+    def _part_names(self) -> dict[str, str]:
+        """``part_name`` of every part the codec sends, computed once."""
+        return {part: self.part_name(part) for part in self.codec.wire_specs(self.shape)}
+
     def pack(self, parts: Parts) -> dict[str, np.ndarray]:
         """The message tensors of encoded ``parts`` (``Codec.encode`` or ``Senders.encode``)."""
-        return {self.part_name(part): array for part, array in parts.items()}
+        names = self._part_names
+        return {names[part]: array for part, array in parts.items()}
 
     def unpack(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
         """The decoded float32 tensor, put in ``msg.tensors`` under ``name`` in place of its parts (first).
