@@ -187,11 +187,14 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
                                     msg.step, msg.mb, msg.mbs, loss, compute_s)
     except struct.error as e:
         raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
-    return [header + run, *(_wire_array(name, array)[0] for name, array in msg.tensors.items())]
+    frames: list[Any] = [header + run]
+    for name, array in msg.tensors.items():
+        frames.append(_wire_array(name, array)[0])
+    return frames
 
 
 def _nbytes(frame: Any) -> int:
-    return memoryview(frame).nbytes
+    return frame.nbytes if type(frame) is memoryview else memoryview(frame).nbytes
 
 
 def _buffer(frame: Any) -> Any:
@@ -359,8 +362,10 @@ def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tens
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")
-    tensor_frames = tuple(_buffer(frame) for frame in frames[1:])
-    total = sum(_nbytes(frame) for frame in tensor_frames)
+    tensor_frames = tuple(map(_buffer, frames[1:]))
+    total = 0
+    for frame in tensor_frames:
+        total += _nbytes(frame)
     if total > max_tensor_bytes:
         raise ProtocolError(ErrorCode.TENSOR, f"tensor frames hold {total} bytes; this stage accepts at most "
                                               f"{max_tensor_bytes}")
