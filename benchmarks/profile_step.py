@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:          # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):     # a checkout without installing; bench_sections when imported
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from bench_sections.common import BLAS_OVERRIDES, HIDDEN  # noqa: E402
 from bench_sections.configs import mlp_toml, trivial_toml  # noqa: E402
@@ -51,17 +52,20 @@ def experiment(kind: str) -> str:
     return mlp_toml("bench-mlp-b32", [("dense", 784, HIDDEN), ("relu",)], [("dense", HIDDEN, 10)], 32)
 
 
-def summarise(raw: Path, top: int) -> str:
-    """The main thread's top functions by own and total time, from a ``py-spy --format raw --threads`` file."""
+def summarise(raw: str, top: int) -> str:
+    """The main thread's top functions by own and total time, from ``py-spy --format raw --threads`` output
+    (a line per distinct stack: ``thread (ID): NAME;outermost frame;...;innermost frame COUNT``)."""
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for line in raw.read_text().splitlines():
+    for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
         threads[frames[0]][tuple(frames[1:])] += int(count)
-    # The main thread is the one whose stacks start at the module being run.
-    main = max(threads, key=lambda t: sum(n for s, n in threads[t].items() if s and "<module>" in s[0]))
+    if not threads:
+        return "  no samples"
+    main = next((t for t in threads if t.endswith("MainThread")), None) or max(
+        threads, key=lambda t: sum(threads[t].values()))
     stacks = threads[main]
     total = sum(stacks.values())
     own: collections.Counter = collections.Counter()
@@ -74,8 +78,7 @@ def summarise(raw: Path, top: int) -> str:
     lines = [f"  {total} samples of the main thread ({main})", "  own time:"]
     lines += [f"    {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(top)]
     lines.append("  total time:")
-    lines += [f"    {100 * n / total:5.1f}%  {frame}" for frame, n in inclusive.most_common(top)
-              if "<module>" not in frame and not frame.startswith(("_run_module_as_main", "_run_code", "main "))]
+    lines += [f"    {100 * n / total:5.1f}%  {frame}" for frame, n in inclusive.most_common(top)]
     return "\n".join(lines)
 
 
@@ -141,7 +144,7 @@ def main() -> int:
                 proc.wait()
     for name, role in (("f", "driver (f)"), ("g", "serving stage (g)")):
         print(f"{role}, {args.kind}:")
-        print(summarise(out / f"{name}.raw", args.top))
+        print(summarise((out / f"{name}.raw").read_text(), args.top))
     print(f"raw profiles in {out}")
     return 0
 
