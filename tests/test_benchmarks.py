@@ -95,6 +95,7 @@ def test_per_message(tmp_path):
     figures = json.loads(out.read_text())
     for key in ("encode forward 4 B", "decode backward 32768 B", "expect_tensors 4194304 B",
                 "g handles a forward (seed-reverse)", "g handles a forward (mlp-classify)",
+                "a step of f and g, no sockets (seed-reverse)", "a step of f and g, no sockets (mlp-classify)",
                 "transport round trip inproc 4 B", "Adam step, 784x256 + 256"):
         assert figures[key] > 0, key
 
