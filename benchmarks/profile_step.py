@@ -75,7 +75,11 @@ def summarise(raw: str, top: int) -> str:
             own[stack[-1]] += n
             for frame in set(stack):
                 inclusive[frame] += n
-    lines = [f"  {total} samples of the main thread ({main})", "  own time:"]
+    share = {name: 100 * sum(n for frame, n in own.items() if frame.startswith(name + " ")) / total
+             for name in ("poll_frames", "send_frames")}
+    lines = [f"  {total} samples of the main thread ({main}): {share['poll_frames']:.1f}% blocked in poll_frames, "
+             f"{share['send_frames']:.1f}% in send_frames, {100 - sum(share.values()):.1f}% the rest",
+             "  own time:"]
     lines += [f"    {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(top)]
     lines.append("  total time:")
     lines += [f"    {100 * n / total:5.1f}%  {frame}" for frame, n in inclusive.most_common(top)]

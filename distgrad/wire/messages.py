@@ -38,7 +38,7 @@ ERROR_TEXT_MAX = 1000                 # error replies are cut to this many chara
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{0,128}")   # printable, so it is safe in log lines
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 ALIGN_BYTES = 16                      # received tensors at other addresses are copied (see decode)
-ALWAYS_COPY_BYTES = 16 * 1024         # received tensors smaller than this are copied whatever their address
+ALWAYS_COPY_BYTES = 64 * 1024         # received tensors smaller than this are copied whatever their address
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
