@@ -102,8 +102,10 @@ _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
 _zmq_poll = zmq.zmq_poll
-# Plain ints: pyzmq's enum members cost an enum construction per ``&``.
-_SNDMORE, _RCVMORE, _POLLIN, _EVENTS = int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.POLLIN), int(zmq.EVENTS)
+# Socket options stay pyzmq's enum members (``get`` looks its option up as one: a member is found at once);
+# flags are plain ints (a member's ``&`` builds another member).
+_RCVMORE, _EVENTS = zmq.RCVMORE, zmq.EVENTS
+_SNDMORE, _POLLIN = int(zmq.SNDMORE), int(zmq.POLLIN)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
@@ -243,12 +245,16 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
                 break
     elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
         return None
-    parts = [_recv(sock, 0, copy_first)]
+    first = _recv(sock, 0, copy_first)
+    parts = [first]
+    more = _get(sock, _RCVMORE) if copy_first else first.more    # a Frame knows; asking the socket costs µs
     for _ in _MORE_FRAMES:
-        if not _get(sock, _RCVMORE):
+        if not more:
             return parts
-        parts.append(_recv(sock, 0, False))
-    if not _get(sock, _RCVMORE):
+        frame = _recv(sock, 0, False)
+        parts.append(frame)
+        more = frame.more
+    if not more:
         return parts
     # A flood: ZeroMQ hands over a multipart message only whole, so its frames are all in
     # ZeroMQ's queue already; read them out as plain bytes, kept by nobody (an empty frame
