@@ -354,3 +354,13 @@ def test_the_serving_stage_is_in_parts_a_reader_can_hold():
             if size > (400 if isinstance(node, ast.ClassDef) else 55):
                 too_big.append(f"{module}.{node.name}: {size} lines")
     assert not too_big, too_big
+
+
+def test_a_stage_without_checkpoint_every_gives_its_engine_no_checkpoint_observer(tmp_path):
+    """A step's update builds a StepRecord (and its learning rate) only for an observer that uses it: none
+    is registered to checkpoint unless ``--checkpoint-every`` asks for it (issue 25)."""
+    from distgrad.run.stage_state import StageState
+    exp = load_experiment("tanh-regression")
+    assert StageState(StageOptions(exp, "f", exp.seed)).engine.observers == []
+    state = StageState(StageOptions(exp, "f", exp.seed, checkpoint_dir=tmp_path, checkpoint_every=2))
+    assert len(state.engine.observers) == 1
