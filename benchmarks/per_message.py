@@ -18,6 +18,10 @@ microseconds per call:
   update it defers until the reply is sent), for seed-reverse (one float)
   and mlp-classify (batch 32), i.e. everything the serving stage does per
   message except the socket calls;
+- ``a step of f and g, no sockets``: the driving stage's whole step
+  (``step_once`` and its after-step work) against that serving stage, each
+  message encoded and decoded as it would cross, for seed-reverse and
+  mlp-classify: everything both processes do per step but the socket calls;
 - ``transport round trip``: ``send_frames`` / ``poll_frames`` both ways over
   ``inproc://`` against the same calls in bare pyzmq (``send_multipart`` /
   ``recv_multipart``), 4 B;
@@ -49,7 +53,7 @@ import zmq  # noqa: E402
 from distgrad.wire import transport
 
 from distgrad.wire import messages as wire  # noqa: E402
-from distgrad.run.options import StageOptions  # noqa: E402
+from distgrad.run.options import StageOptions, StopFlag  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.model.optim import SGD, Adam  # noqa: E402
 from handshake import hello_message  # noqa: E402
@@ -57,6 +61,7 @@ from handshake import hello_message  # noqa: E402
 try:
     # The serving stage's protocol logic without its socket: handle(msg, now) -> reply, then settle().
     from distgrad.run.serving import ServingStage  # noqa: E402
+    from distgrad.run.driver import _Driver  # noqa: E402     the driving stage's loop, its link's socket replaced
 except ImportError as e:  # renamed or moved by a refactor: say so rather than fail somewhere below
     raise SystemExit(f"per_message.py: cannot import the serving stage's message handler "
                      f"distgrad.run.serving.ServingStage ({e}); it was renamed or moved: update this import") from e
@@ -136,6 +141,47 @@ def g_handles(name: str, repeats: int) -> float:
     return min(samples)
 
 
+def step_both_sides(name: str, repeats: int) -> float:
+    """One whole unpipelined step of both stages, the sockets left out: the driving stage's ``step_once`` and
+    its after-step work, each message encoded, handed to a ``ServingStage`` (decode, handle, encode of the
+    reply, settle) and the reply decoded back, as ``transport.Client.send`` / ``wait`` would. Averaged over
+    many consecutive steps; everything both processes do per step but the socket calls."""
+    exp = load_experiment(name)
+    logic = ServingStage(StageOptions(exp, exp.stage_names[-1], exp.seed, steps=10**9))
+    driver = _Driver(StageOptions(exp, exp.stage_names[0], exp.seed, steps=10**9), "tcp://127.0.0.1:9",
+                     StopFlag(), zmq.Context.instance())
+    replies: list[list[bytes]] = []
+
+    def send(msg: wire.Message) -> None:
+        msg = wire.decode([memoryview(f).tobytes() for f in wire.encode(msg)], logic.max_tensor_bytes)
+        answers = logic.handle(PEER, msg, 0.0)
+        while answers:
+            replies.extend([memoryview(f).tobytes() for f in wire.encode(reply)] for _, reply in answers)
+            answers = logic.settle()
+
+    def wait(run, keys, timeout_s, check_stop=None, what=None) -> wire.Message:
+        return wire.decode(replies.pop(0), driver.link.client.max_reply_bytes)
+
+    driver.link.client.send, driver.link.client.wait = send, wait
+    driver.state.begin(RUN)
+    driver.handshake()
+    driver.report_every, driver.last_step = 10**9, 0
+    driver.started = driver.last_report = time.perf_counter()
+
+    def step() -> None:
+        driver.step_started, driver.wait_before, driver.g_before = (time.perf_counter(), driver.traffic.wait_s,
+                                                                    driver.g_compute_s)
+        driver.step_once()
+        driver._after_step()
+
+    try:
+        for _ in range(20):         # the first steps allocate (Adam's state, scratch buffers)
+            step()
+        return best_us(step, repeats)
+    finally:
+        driver.link.close(0)
+
+
 def round_trips(repeats: int) -> dict[str, float]:
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
@@ -190,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     results.update(codec(args.repeats))
     for name in ("seed-reverse", "mlp-classify"):
         results[f"g handles a forward ({name})"] = g_handles(name, args.repeats)
+    for name in ("seed-reverse", "mlp-classify"):
+        results[f"a step of f and g, no sockets ({name})"] = step_both_sides(name, args.repeats)
     results.update(round_trips(args.repeats))
     results.update(optimisers(args.repeats))
     width = max(map(len, results))

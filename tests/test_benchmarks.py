@@ -46,6 +46,7 @@ SMOKE_TESTS = {
     "per_message.py": "test_per_message",
     "privacy.py": "test_privacy_tradeoff",
     "privacy_meter_cost.py": "test_privacy_meter_cost",
+    "profile_step.py": "test_profile_step",
     "scaling.py": "test_scaling",
     "soak.py": "test_soak",
     "wan.py": "test_wan",
@@ -95,8 +96,34 @@ def test_per_message(tmp_path):
     figures = json.loads(out.read_text())
     for key in ("encode forward 4 B", "decode backward 32768 B", "expect_tensors 4194304 B",
                 "g handles a forward (seed-reverse)", "g handles a forward (mlp-classify)",
+                "a step of f and g, no sockets (seed-reverse)", "a step of f and g, no sockets (mlp-classify)",
                 "transport round trip inproc 4 B", "Adam step, 784x256 + 256"):
         assert figures[key] > 0, key
+
+
+def test_profile_step_summary_counts_own_and_total_time_of_the_main_thread():
+    spec = importlib.util.spec_from_file_location("profile_step", BENCHMARKS / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    raw = ("thread (1): MainThread;main (a.py);wait (b.py) 6\n"
+           "thread (1): MainThread;main (a.py);step (a.py);wait (b.py) 2\n"
+           "thread (1): MainThread;main (a.py);step (a.py) 2\n"
+           "thread (2): distgrad-handshakes;poll (c.py) 90\n")
+    text = profile_step.summarise(raw, 10)
+    own, total = text.split("total time:")
+    assert "10 samples of the main thread" in text and "poll (c.py)" not in text
+    assert "80.0%  wait (b.py)" in own and "20.0%  step (a.py)" in own
+    assert "100.0%  main (a.py)" in total and "40.0%  step (a.py)" in total
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (Path(sys.executable).parent / "py-spy").exists(),
+                    reason="py-spy is not installed beside this interpreter: profile_step.py not run "
+                           "(pip install py-spy)")
+def test_profile_step():
+    result = run_script("profile_step.py", "tiny", "--seconds", "1", "--top", "5")
+    assert "driver (f), tiny:" in result.stdout and "serving stage (g), tiny:" in result.stdout
+    assert "poll_frames" in result.stdout          # both stages wait in their one blocking receive
 
 
 @pytest.mark.slow

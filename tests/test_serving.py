@@ -451,3 +451,13 @@ def test_the_hello_of_one_of_many_parties_fits_and_too_many_cuts_are_a_config_er
     path.write_text(_parties_toml(130))
     with pytest.raises(ConfigError, match="too many interface fields for a hello"):
         load_experiment(str(path))
+
+
+def test_a_stage_without_checkpoint_every_gives_its_engine_no_checkpoint_observer(tmp_path):
+    """A step's update builds a StepRecord (and its learning rate) only for an observer that uses it: none
+    is registered to checkpoint unless ``--checkpoint-every`` asks for it (issue 25)."""
+    from distgrad.run.stage_state import StageState
+    exp = load_experiment("tanh-regression")
+    assert StageState(StageOptions(exp, "f", exp.seed)).engine.observers == []
+    state = StageState(StageOptions(exp, "f", exp.seed, checkpoint_dir=tmp_path, checkpoint_every=2))
+    assert len(state.engine.observers) == 1

@@ -367,6 +367,48 @@ def test_a_spinning_wait_is_still_bounded_and_still_receives(zmq_ctx):
         b.close(0)
 
 
+def test_a_received_message_is_read_without_asking_the_socket_per_frame(zmq_ctx, monkeypatch):
+    """poll_frames reads whether more frames follow from each Frame, and with ``copy_first`` takes the first
+    (a ROUTER's routing id) as bytes; the socket is asked once, for that bytes frame (issue 25)."""
+    from distgrad.wire import transport
+
+    asked = []
+    get = transport._get
+    monkeypatch.setattr(transport, "_get", lambda sock, option: asked.append(option) or get(sock, option))
+    a, b = zmq_ctx.socket(zmq.PAIR), zmq_ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://more-test")
+        b.connect("inproc://more-test")
+        a.send_multipart([b"id", b"head", b"tail"])
+        frames = transport.poll_frames(b, 1.0)
+        assert [bytes(f) for f in frames] == [b"id", b"head", b"tail"] and asked == []
+        a.send_multipart([b"id", b"head", b"tail"])
+        frames = transport.poll_frames(b, 1.0, copy_first=True)
+        assert frames[0] == b"id" and [bytes(f) for f in frames[1:]] == [b"head", b"tail"]
+        assert asked == [zmq.RCVMORE]
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_a_serving_stage_checks_liveness_once_a_tick_not_per_message(monkeypatch):
+    """While messages keep coming, the serving stage's liveness tick runs once per POLL_TICK_S, not once per
+    message (issue 25); a run of many short steps still completes, bitwise as before."""
+    import distgrad
+    from distgrad.run.serving import ServingStage
+
+    ticks = []
+    tick = ServingStage.tick
+    monkeypatch.setattr(ServingStage, "tick", lambda self, now: ticks.append(now) or tick(self, now))
+    with distgrad.serve_stage("seed-reverse") as g:
+        started = time.monotonic()
+        summary = distgrad.drive_stage("seed-reverse", g.endpoint, steps=300)
+        elapsed = time.monotonic() - started
+        g.wait()
+    assert summary["steps"] == 300
+    assert len(ticks) <= elapsed / 0.1 + 10 < 300      # ~300 messages; at most one tick per 0.1 s (and a few idle)
+
+
 def test_the_update_after_the_last_reply_is_seen_by_every_later_message(start_server, zmq_ctx):
     """g replies to a step's last micro-batch before applying its update; whatever comes next
     (a ping, a repeated forward, the next step) finds the step applied exactly once."""

@@ -110,7 +110,7 @@ def test_special_float_and_extreme_int_values_are_bitwise_equal(dtype):
 @pytest.mark.parametrize("make", [bytes, bytearray, lambda b: memoryview(bytearray(b))],
                          ids=["bytes", "bytearray", "memoryview"])
 def test_decoded_tensors_are_read_only_views_of_the_frame(make):
-    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    array = np.arange(wire.ALWAYS_COPY_BYTES // 4, dtype=np.float32).reshape(-1, 4)
     header_frame, tensor_frame = as_bytes(wire.encode(Message(wire.AVERAGE, tensors={"a": array})))
     buf = make(tensor_frame)
     out = wire.decode([header_frame, buf]).tensors["a"]
@@ -122,6 +122,18 @@ def test_decoded_tensors_are_read_only_views_of_the_frame(make):
         assert np.shares_memory(out, np.frombuffer(buf, np.uint8))
         memoryview(buf)[:4] = np.float32(42).tobytes()    # a write to the frame shows through: no copy
         assert out[0, 0] == 42
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_small_decoded_tensors_are_aligned_copies_of_the_frame(offset):
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    header_frame, tensor_frame = as_bytes(wire.encode(Message(wire.AVERAGE, tensors={"a": array})))
+    buf = memoryview(bytearray(offset + len(tensor_frame)))[offset:]      # at any address, as ZeroMQ's
+    buf[:] = tensor_frame
+    out = wire.decode([header_frame, buf]).tensors["a"]
+    assert np.array_equal(out, array) and not out.flags.writeable
+    assert not np.shares_memory(out, np.frombuffer(buf, np.uint8))
+    assert out.ctypes.data % wire.ALIGN_BYTES == 0
 
 
 def test_encode_passes_contiguous_little_endian_arrays_without_copy():
@@ -568,11 +580,12 @@ def test_a_valid_run_id_seen_before_is_accepted_and_an_invalid_one_never():
 
 
 def test_tensors_decoded_from_writable_buffers_are_read_only_views():
-    payload = bytearray(np.arange(4, dtype="<f4").tobytes())
-    h = header(tensors=[["x", "float32", [2, 2]]])
+    n = wire.ALWAYS_COPY_BYTES // 4                # smaller tensors are copied
+    payload = bytearray(np.arange(n, dtype="<f4").tobytes())
+    h = header(tensors=[["x", "float32", [n // 2, 2]]])
     msg = wire.decode([msgpack.packb(h, use_bin_type=True), payload])
     x = msg.tensors["x"]
-    assert not x.flags.writeable and x.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert not x.flags.writeable and x[:2].tolist() == [[0.0, 1.0], [2.0, 3.0]]
     payload[0:4] = np.float32(9).tobytes()       # a view, not a copy
     assert x[0, 0] == 9
 

@@ -57,6 +57,7 @@ class _Driver:
         self.average_every = exp.clients.average_every if exp.clients.mode == "splitfed" else 0
         self.target_dtype = self.data.target_dtype
         self.reply_specs = backward_specs(self.state.stage, opts.micro_batches, exp.codecs[GRADIENT])
+        self.below = exp.downstream(opts.stage)         # the stage replying, named in errors about its replies
         self.traffic = Traffic()
         self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
         self.progress = Progress(opts.progress, self.steps)
@@ -180,8 +181,7 @@ class _Driver:
         # With steps in flight a reply of another type may share the key (an evaluation's): it waits its turn.
         reply = self.link.await_reply(pending, (step, i), BACKWARD_TYPES if self.staleness else None)
         del pending[(step, i)]
-        loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite,
-                               self.exp.downstream(self.opts.stage))
+        loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite, self.below)
         compute = reply.body.get("compute_s")
         if isinstance(compute, float):
             self.g_compute_s += compute
@@ -347,7 +347,8 @@ class _Driver:
         test = {}
         if self._evaluation_due(step):
             test = {key: value for key, value in self.evaluate().items() if key != "step"}
-        test, self.leaks = {**test, **self.leaks}, {}
+        if self.leaks:
+            test, self.leaks = {**test, **self.leaks}, {}
         if record is not None:
             record.update(test)
             for writer in self.writers:

@@ -37,6 +37,7 @@ round.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -125,6 +126,10 @@ class ServingStage:
         self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
         self.deferred_peers: list[Peer] = []               # whose micro-batch that is
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
+        # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
+        self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
+            wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
+            wire.BYE: self._bye}
         if opts.resume and self.state.resume_latest():
             self.topology.resumed(time.monotonic())
             self.state.open_trace(append=True)
@@ -204,8 +209,7 @@ class ServingStage:
             failure, peer.failure = peer.failure, None
             self.topology.failed(peer, failure)
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
-        handler = {wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
-                   wire.BYE: self._bye}.get(msg.type)
+        handler = self.handlers.get(msg.type)
         if handler is None:
             raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
         replies = handler(peer, envelope, msg)
@@ -559,6 +563,17 @@ def serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None = N
             lock.release()
 
 
+def _lost(server: Server, logic: ServingStage, now: float, keep_serving: bool) -> bool:
+    """A tick of liveness: report or drop the peers silent for ``liveness_s`` and send what that unblocked
+    (before any later message's replies). True, sending nothing, when the run's peers have stayed lost for
+    ``peer_deadline_s`` and ``serve`` gives up (never with ``keep_serving``)."""
+    replies = logic.tick(now)
+    if logic.lost_since is not None and now - logic.lost_since > logic.opts.peer_deadline_s and not keep_serving:
+        return True
+    _send_and_settle(server, logic, replies)
+    return False
+
+
 def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
     """Send ``replies``, then run the work they deferred, and send what that work answered, until none."""
     while replies:                      # each reply leaves before the work it defers is done
@@ -570,40 +585,40 @@ def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) 
 def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
-    log = logic.log
     records = StageRecords(opts.metrics_path, opts.tensorboard_dir, logic.metering.figures_at)
     if records.writers:
         logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
-    status, next_tick = "interrupted", 0.0    # liveness looks at every peer: each POLL_TICK_S, not each message
+    status = "interrupted"
     try:
         announce(server, opts, ready_file, on_ready)
+        ticked = -math.inf
         while True:
             stop.check()
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
-            replies, next_tick = (logic.tick(now), now + POLL_TICK_S) if now >= next_tick else ([], next_tick)
-            if logic.lost_since is not None and now - logic.lost_since > opts.peer_deadline_s and not keep_serving:
-                status = logic.topology.lost_status()
-                raise PeerTimeout(logic.lost_message())
-            _send_and_settle(server, logic, replies)       # what a dropped peer unblocked leaves first
+            if request is None or now - ticked >= POLL_TICK_S:     # liveness: once a tick, not per message
+                ticked = now
+                if _lost(server, logic, now, keep_serving):
+                    status = logic.topology.lost_status()
+                    raise PeerTimeout(logic.lost_message())
             if request is not None:
                 envelope, frames, peer_key = request
                 msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
-                                                         lambda m: logic.handle(envelope, m, now, peer_key), log)
+                                                         lambda m: logic.handle(envelope, m, now, peer_key), logic.log)
                 _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
             failure = logic.end_failed_run()
             if failure is not None:
                 status = "failed"
                 if not keep_serving:
                     raise failure
-                log.error("the run failed; waiting for the next run")
+                logic.log.error("the run failed; waiting for the next run")
                 status = "interrupted"
                 continue
             finished = logic.finish_run()
             if finished is not None:
                 status = "completed"
-                log.info("%s", logic.topology.completed_message(finished))
+                logic.log.info("%s", logic.topology.completed_message(finished))
                 if not keep_serving:
                     return finished
     finally:
@@ -613,7 +628,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                 if logic.at_round_boundary():
                     logic.state.save(logic.topology.checkpoint_step())   # skipped once a save failed
                 else:
-                    log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
+                    logic.log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
                 logic.close_run(status)
             elif logic.active:
                 logic.close_run("failed")   # no checkpoint: the last one saved stays the newest

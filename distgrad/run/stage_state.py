@@ -126,7 +126,7 @@ class StageState:
                                                              opts.instance)))
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
-        if checkpoint_each_step:
+        if checkpoint_each_step and opts.checkpoint_every:     # without one, no step of the engine's checkpoints
             self.engine.observers.append(lambda record: self.after_step(record.step))
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
         self.resumed_step, self.resumed_meta = 0, {}           # of the checkpoint ``resume_latest`` loaded

@@ -9,6 +9,7 @@ bit-for-bit equal to one process.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,7 +250,8 @@ class Stage:
     def check_finite(self, tensor: str, value: Any, step: int | None = None) -> None:
         """Raise ``NonFiniteError`` naming this stage, ``step`` (default: the one in progress) and
         ``tensor`` if ``value`` holds a NaN or +-Inf; nothing unless the experiment forbids them."""
-        if not self.allow_nonfinite and not np.isfinite(value).all():
+        if not self.allow_nonfinite and not (math.isfinite(value) if isinstance(value, (float, np.floating))
+                                             else np.isfinite(value).all()):
             raise NonFiniteError(f"stage {self.name}: non-finite {tensor} at step "
                                  f"{self.step + 1 if step is None else step}; nothing of this step was applied")
 

@@ -113,8 +113,9 @@ class Codec(abc.ABC):
 
     def check_shape(self, shape: Shape) -> None:
         """Raise ``ConfigError`` if tensors of ``shape`` cannot be sent with this codec."""
-        if any(not isinstance(d, int) or d < 0 for d in shape):
-            raise ConfigError(f"codec {self.name}: shape {shape!r} must be non-negative integers")
+        for d in shape:
+            if not isinstance(d, int) or d < 0:
+                raise ConfigError(f"codec {self.name}: shape {shape!r} must be non-negative integers")
 
     def wire_specs(self, shape: Shape) -> WireSpecs:
         """``{part: (shape, dtype)}``, in frame order, of what crosses for a tensor of ``shape``.

@@ -10,6 +10,7 @@ below answers a repeated request from its cache without a second update.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
@@ -120,12 +121,13 @@ class DownstreamLink:
         raise ``PeerTimeout`` naming the endpoint. Raises ``PeerRejected`` for
         an error reply, ``ProtocolError`` for a malformed one.
         """
-        deadline = time.monotonic() + self.opts.peer_deadline_s
-        pause = RETRY_BACKOFF_S[0]
-        while True:
+        if self.arrived:
             reply = self._take(key, types)
             if reply is not None:
                 return reply
+        deadline = time.monotonic() + self.opts.peer_deadline_s
+        pause = RETRY_BACKOFF_S[0]
+        while True:
             try:
                 reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.check_stop,
                                          pending[key].describe)
@@ -139,12 +141,14 @@ class DownstreamLink:
                 for request_key in sorted(pending):
                     self.client.send(pending[request_key])
                 continue
-            self.arrived[(reply.step, reply.mb, reply.type)] = reply
+            if (reply.step, reply.mb) == key and _wanted(reply.type, types):
+                return reply
+            self.arrived[(reply.step, reply.mb, reply.type)] = reply     # another's: kept until asked for
 
     def _take(self, key: tuple[int, int], types: Collection[str] | None) -> Message | None:
         """An arrived reply to ``key`` of one of ``types`` (any, when None), removed from ``arrived``."""
         for step, mb, kind in self.arrived:
-            if (step, mb) == key and (types is None or kind in types or kind == wire.ERROR):
+            if (step, mb) == key and _wanted(kind, types):
                 return self.arrived.pop((step, mb, kind))
         return None
 
@@ -181,6 +185,11 @@ class DownstreamLink:
             self.client.close(linger_ms)
 
 
+def _wanted(kind: str, types: Collection[str] | None) -> bool:
+    """Whether a reply of type ``kind`` answers a wait for ``types`` (any type when None; an error always)."""
+    return types is None or kind in types or kind == wire.ERROR
+
+
 def check_backward(reply: Message, step: int, specs: Expected, allow_nonfinite: bool
                    ) -> tuple[np.float32, np.ndarray]:
     """``(loss, activation_grad)`` of a backward reply, the gradient decoded with its codec; raises
@@ -207,7 +216,7 @@ def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: boo
                                         f"{e.args[0]}") from e
         raise NonFiniteError(f"stage {below}: non-finite activation_grad at step {step} in its reply; "
                              f"nothing of this step was applied here") from e
-    if not allow_nonfinite and not np.isfinite(loss):
+    if not allow_nonfinite and not math.isfinite(loss):
         raise NonFiniteError(f"stage {below}: non-finite loss at step {step} in its reply; "
                              f"nothing of this step was applied here")
     return loss, dy

@@ -38,6 +38,7 @@ ERROR_TEXT_MAX = 1000                 # error replies are cut to this many chara
 RUN_ID = re.compile(r"[A-Za-z0-9_.-]{0,128}")   # printable, so it is safe in log lines
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per message at most
 ALIGN_BYTES = 16                      # received tensors at other addresses are copied (see decode)
+ALWAYS_COPY_BYTES = 64 * 1024         # received tensors smaller than this are copied whatever their address
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
@@ -186,11 +187,14 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
                                     msg.step, msg.mb, msg.mbs, loss, compute_s)
     except struct.error as e:
         raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
-    return [header + run, *(_wire_array(name, array)[0] for name, array in msg.tensors.items())]
+    frames: list[Any] = [header + run]
+    for name, array in msg.tensors.items():
+        frames.append(_wire_array(name, array)[0])
+    return frames
 
 
 def _nbytes(frame: Any) -> int:
-    return memoryview(frame).nbytes
+    return frame.nbytes if type(frame) is memoryview else memoryview(frame).nbytes
 
 
 def _buffer(frame: Any) -> Any:
@@ -206,7 +210,7 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     """Validate and decode one message's frames (no routing envelope).
 
     Tensors are read-only views of the received buffers: no copy, unless a
-    buffer is not ``ALIGN_BYTES``-aligned (then one copy). Raises
+    buffer is small or not ``ALIGN_BYTES``-aligned (then one copy, ``_received``). Raises
     ``ProtocolError`` naming what is wrong, and nothing else, whatever the
     bytes; nothing is decoded past the first problem, and the sum of tensor
     sizes may not exceed ``max_tensor_bytes``.
@@ -302,15 +306,23 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         got = _nbytes(buffer)
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
-        array = _frombuffer_nd(shape, dtype, buffer)    # a view of the received frame, no copy
-        if array.ctypes.data % ALIGN_BYTES:
-            # ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes
-            # another code path (with other rounding) for misaligned data, so such a tensor is
-            # copied: results must not depend on where a frame happened to land.
-            array = array.copy()
-        array.flags.writeable = False                   # never written to
-        tensors[name] = array
+        tensors[name] = _received(_frombuffer_nd(shape, dtype, buffer))    # a view of the frame, no copy
     return Message(msg_type, run, step, mb, mbs, body, tensors)
+
+
+def _received(array: np.ndarray) -> np.ndarray:
+    """A received tensor (a view of its frame) as the receiver computes with it: read-only, at an
+    ``ALIGN_BYTES``-aligned address.
+
+    ZeroMQ hands small frames out of its receive buffer at any offset. BLAS takes another code path
+    (with other rounding) for misaligned data, so a misaligned tensor is copied: results must not
+    depend on where a frame happened to land. Below ``ALWAYS_COPY_BYTES`` the tensor is copied
+    without looking: a copy that small costs less than reading the address (``ndarray.ctypes``).
+    """
+    if array.nbytes < ALWAYS_COPY_BYTES or array.ctypes.data % ALIGN_BYTES:
+        array = array.copy()
+    array.flags.writeable = False                   # never written to
+    return array
 
 
 _RUN_NAMES: dict[bytes, str] = {}     # run ids of binary headers that passed RUN_ID, by their bytes
@@ -350,8 +362,10 @@ def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tens
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")
-    tensor_frames = tuple(_buffer(frame) for frame in frames[1:])
-    total = sum(_nbytes(frame) for frame in tensor_frames)
+    tensor_frames = tuple(map(_buffer, frames[1:]))
+    total = 0
+    for frame in tensor_frames:
+        total += _nbytes(frame)
     if total > max_tensor_bytes:
         raise ProtocolError(ErrorCode.TENSOR, f"tensor frames hold {total} bytes; this stage accepts at most "
                                               f"{max_tensor_bytes}")
@@ -396,11 +410,7 @@ class FrameLayout:
             if got != size:
                 raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {_WIRE_NAMES[dtype]}{shape} needs {size} "
                                                       f"bytes, frame has {got}")
-            array = _frombuffer_nd(shape, dtype, frame)
-            if array.ctypes.data % ALIGN_BYTES:
-                array = array.copy()                    # see _decode: results must not depend on alignment
-            array.flags.writeable = False
-            tensors[name] = array
+            tensors[name] = _received(_frombuffer_nd(shape, dtype, frame))
         return tensors
 
 

@@ -102,7 +102,10 @@ _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
 _zmq_poll = zmq.zmq_poll
-_SNDMORE, _RCVMORE, _POLLIN, _EVENTS = zmq.SNDMORE, zmq.RCVMORE, zmq.POLLIN, zmq.EVENTS
+# Socket options stay pyzmq's enum members (``get`` looks its option up as one: a member is found at once);
+# flags are plain ints (a member's ``&`` builds another member).
+_RCVMORE, _EVENTS = zmq.RCVMORE, zmq.EVENTS
+_SNDMORE, _POLLIN = int(zmq.SNDMORE), int(zmq.POLLIN)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
@@ -221,11 +224,14 @@ def check_spin(spin_s: float) -> float:
     return spin_s
 
 
-def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list[zmq.Frame] | None:
-    """The next multipart message, or None if none arrives within ``timeout_s``.
+def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
+                copy_first: bool = False) -> list[Any] | None:
+    """The next multipart message (``zmq.Frame`` objects), or None if none arrives within ``timeout_s``.
 
     With ``spin_s`` > 0, first checks for a message without sleeping for up
     to that long (it counts towards ``timeout_s``), then blocks in ``poll``.
+    ``copy_first``: the first frame as ``bytes`` (a ROUTER's routing id, at
+    most 255 bytes: cheaper copied than wrapped in a ``Frame``).
     """
     if spin_s > 0:
         clock = time.perf_counter
@@ -239,12 +245,16 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> list
                 break
     elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
         return None
-    parts = [_recv(sock, 0, False)]
+    first = _recv(sock, 0, copy_first)
+    parts = [first]
+    more = _get(sock, _RCVMORE) if copy_first else first.more    # a Frame knows; asking the socket costs µs
     for _ in _MORE_FRAMES:
-        if not _get(sock, _RCVMORE):
+        if not more:
             return parts
-        parts.append(_recv(sock, 0, False))
-    if not _get(sock, _RCVMORE):
+        frame = _recv(sock, 0, False)
+        parts.append(frame)
+        more = frame.more
+    if not more:
         return parts
     # A flood: ZeroMQ hands over a multipart message only whole, so its frames are all in
     # ZeroMQ's queue already; read them out as plain bytes, kept by nobody (an empty frame
@@ -263,6 +273,12 @@ def _envelope_size(parts: Sequence[zmq.Frame]) -> int:
     """How many of a ROUTER's received frames are the envelope: the routing id, and the empty
     delimiter a REQ peer sends when one follows it."""
     return 2 if len(parts) > 2 and len(parts[1]) == 0 else 1
+
+
+def _envelope(parts: Sequence[Any]) -> list[bytes]:
+    """A ROUTER's received envelope (the routing id as bytes, ``copy_first``; maybe the empty delimiter)
+    as the frames a reply sends back."""
+    return [part if type(part) is bytes else part.bytes for part in parts]
 
 
 def release_free_memory() -> None:
@@ -306,7 +322,9 @@ class Server:
         is the CURVE public key the peer authenticated with ("" in plaintext).
         """
         try:
-            parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0)
+            # With CURVE the routing id stays a Frame: its metadata names the peer's key (below).
+            parts = poll_frames(self.sock, timeout_s, self.spin_s if self._spin_next else 0.0,
+                                copy_first=not self.authenticated)
         except TooManyFrames as e:
             self._flooded(e)
             return None
@@ -320,13 +338,13 @@ class Server:
                 peer_key = parts[0].get("User-Id")   # set by the ZAP authenticator
             except zmq.ZMQError:
                 pass
-        return [p.bytes for p in parts[:split]], parts[split:], peer_key
+        return _envelope(parts[:split]), parts[split:], peer_key
 
     def _flooded(self, e: TooManyFrames) -> None:
         """Answer a message of too many frames with a ``malformed`` error (a ROUTER discards it when its
         sender is gone or its queue is full) and log it, bounded in rate. No connection is dropped: ZeroMQ cannot name the
         sender's, and its descriptor may already be another peer's (docs/protocol.md, *Size limits*)."""
-        envelope = [p.bytes for p in e.kept[:_envelope_size(e.kept)]]
+        envelope = _envelope(e.kept[:_envelope_size(e.kept)])
         release_free_memory()
         self.reply(envelope, wire.error_message("", 0, wire.ErrorCode.MALFORMED, str(e.args[0])))
         self.floods += 1

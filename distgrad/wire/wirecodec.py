@@ -50,6 +50,7 @@ from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, 
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
 DIRECTIONS = (ACTIVATION, GRADIENT)
+WIRE_TENSORS_KEPT = 16      # (direction, shape) pairs a Senders keeps its WireTensor of (a step's, an evaluation's)
 STATE_PREFIX = "codec/"     # checkpoint array names of error-feedback residuals: codec/DIRECTION/STREAM
 
 Shape = tuple[int, ...]
@@ -73,9 +74,15 @@ class WireTensor:
         """``{message tensor: (shape, dtype)}`` in frame order (for ``wire.expect_tensors``)."""
         return {self.part_name(part): spec for part, spec in self.codec.wire_specs(self.shape).items()}
 
+    @cached_property
+    def _part_names(self) -> dict[str, str]:
+        """``part_name`` of every part the codec sends, computed once."""
+        return {part: self.part_name(part) for part in self.codec.wire_specs(self.shape)}
+
     def pack(self, parts: Parts) -> dict[str, np.ndarray]:
         """The message tensors of encoded ``parts`` (``Codec.encode`` or ``Senders.encode``)."""
-        return {self.part_name(part): array for part, array in parts.items()}
+        names = self._part_names
+        return {names[part]: array for part, array in parts.items()}
 
     def unpack(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
         """The decoded float32 tensor, put in ``msg.tensors`` under ``name`` in place of its parts (first).
@@ -190,6 +197,7 @@ class Senders:
         self._pending: dict[str, np.ndarray] = {}
         # direction -> what reads each tensor sent, as the receiver decodes it, in order
         self.taps: dict[str, list[Tap]] = {direction: [] for direction in DIRECTIONS}
+        self._wire_tensors: dict[tuple[str, Shape], WireTensor] = {}     # built once per direction and shape
 
     def codec(self, direction: str) -> Codec:
         return self.codecs[direction]
@@ -231,7 +239,13 @@ class Senders:
 
     def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
         """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``)."""
-        return WireTensor(direction, x.shape, self.codecs[direction]).pack(self.encode(direction, x, stream, step))
+        key = (direction, x.shape)
+        wire_tensor = self._wire_tensors.get(key)
+        if wire_tensor is None:
+            if len(self._wire_tensors) >= WIRE_TENSORS_KEPT:
+                self._wire_tensors.clear()
+            wire_tensor = self._wire_tensors[key] = WireTensor(direction, x.shape, self.codecs[direction])
+        return wire_tensor.pack(self.encode(direction, x, stream, step))
 
     def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The message tensors of held-out activations ``x``: the activation codec without error feedback
