@@ -126,6 +126,7 @@ class CutServer:
         self.batch: Batch | None = None  # the one given out and not yet replied to
         self.joined, self.done, self.closed = False, False, False
         self.failure: NonFiniteError | None = None
+        self.bye: Message | None = None  # the reply to the bye that ended the run (a repeated bye gets it again)
         self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._expected(1, self.exp.send_rows).specs]
@@ -207,22 +208,28 @@ class CutServer:
                                       f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
                                       f"s); restart it, or both sides from checkpoints of the same step")
                 continue
-            envelope, frames, peer_key = request
-            msg: Message | None = None
-            try:
-                msg = wire.decode(frames, self.max_tensor)
-                out = self._handle(envelope, msg, peer_key)
-            except ProtocolError as e:
-                self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                                 wire.ERROR_TEXT_MAX, e)
-                self.server.reply(envelope, refusal(msg, e))
-                continue
+            out = self._answer(request, self._handle)
             if out is _BYE:
                 self.done = True
                 raise StopIteration
             if isinstance(out, Batch):
                 self.batch = out
                 return out
+
+    def _answer(self, request: tuple[list[bytes], list[Any], str],
+                handle: Callable[[list[bytes], Message, str], Any]) -> Any:
+        """``handle`` the received ``request``; a message it refuses (or that does not decode) gets the
+        protocol's error reply, and None is returned."""
+        envelope, frames, peer_key = request
+        msg: Message | None = None
+        try:
+            msg = wire.decode(frames, self.max_tensor)
+            return handle(envelope, msg, peer_key)
+        except ProtocolError as e:
+            self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                             wire.ERROR_TEXT_MAX, e)
+            self.server.reply(envelope, refusal(msg, e))
+            return None
 
     def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
@@ -231,6 +238,9 @@ class CutServer:
             self.server.reply(envelope, Message(wire.PONG, msg.run, msg.step, body={
                 "stage": self.side.stage, "experiment": self.exp.name, "run": self.run_id, "step": self.step,
                 "client_live": time.monotonic() - self.heard < self.bounds.liveness_s}))
+            return None
+        if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
+            self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
             return None
         if msg.type == wire.HELLO:
             self.server.reply(envelope, self._hello(msg, peer_key))
@@ -248,7 +258,8 @@ class CutServer:
             if not same_exactly(msg.body.get("steps"), self.step) or self.next_mb:
                 raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(msg.body.get('steps'))} steps, but this "
                                                     f"label owner has applied {self.step}")
-            self.server.reply(envelope, Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}))
+            self.bye = Message(wire.BYE, msg.run, msg.step, body={"steps": self.step})
+            self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
             return _BYE
         if msg.type == wire.EVALUATE:
@@ -271,6 +282,10 @@ class CutServer:
             raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
                                                f"hello is of run {msg.run!r}: resume the data owner with the "
                                                f"run's checkpoint, or start the label owner afresh")
+        if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
+            raise ProtocolError(ErrorCode.RUN, f"this label owner is busy with run {self.run_id}, whose data owner "
+                                               f"was heard within liveness_s = {self.bounds.liveness_s:g} s; it "
+                                               f"serves one run at a time")
         if self.owner and self.run_id == msg.run and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if self.next_mb and mbs != self.mbs:
@@ -451,11 +466,29 @@ class CutServer:
             return
         try:
             self._flush()
+            if self.bye is not None:
+                self._linger()
         finally:
             self.closed = True
             self.server.close()
             if self.curve is not None:
                 self.curve.stop()
+
+    def _linger(self) -> None:
+        """After the run's bye: answer what is still arriving (a bye resent because its reply was lost, a
+        ping; anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
+        def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
+            if msg.type == wire.PING or msg.type == wire.BYE and msg.run == self.bye.run:
+                return self._handle(envelope, msg, peer_key)
+            raise ProtocolError(ErrorCode.RUN, f"run {self.bye.run} ended with its bye; this label owner is "
+                                               f"closing")
+
+        deadline = time.monotonic() + self.bounds.liveness_s
+        while time.monotonic() < deadline:
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                return
+            self._answer(request, ended)
 
     def __enter__(self) -> "CutServer":
         return self

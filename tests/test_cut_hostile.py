@@ -1,0 +1,139 @@
+"""The cut library under attack and careless use: a ``CutServer`` over real sockets against raw DEALERs
+sending what a real data owner never would, a ``Cut`` against a label owner that answers badly, and
+checkpoint states that are not what ``state_dict`` gave. Each gets the protocol's error reply (or a clear
+error at bind/connect); the user's loop never sees a batch for it, and the real client is served on."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import hello_message
+from distgrad.config.parse import parse_own_loop  # noqa: F401  (layering: tests import the package)
+from distgrad.cut import Cut, CutServer
+from distgrad.errors import ConfigError
+from distgrad.run.cut_interface import FIRST, cut_side
+from distgrad.wire import messages as wire
+from distgrad.wire.keys import keygen
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.transport import MAX_FRAMES
+from test_bad_input import UNDECODABLE
+
+FIELDS = dict(name="cut-hostile", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
+REPLY_MS = 3000
+
+
+class Loop:
+    """A label owner's loop on a thread: replies to each batch with loss = its step, gradient ones; keeps
+    the (step, mb) of the batches it saw; ``result()`` its exception, if any."""
+
+    def __init__(self, server: CutServer) -> None:
+        self.server, self.seen, self.error = server, [], None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self.server:
+                for batch in self.server:
+                    self.seen.append((batch.step, batch.mb))
+                    batch.reply(float(batch.step), np.ones((4, 3), np.float32))
+        except BaseException as e:       # handed to the test
+            self.error = e
+
+    def result(self, timeout: float = 10.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the server's loop did not end"
+        return self.error
+
+
+def dealer(ctx: zmq.Context, endpoint: str, **curve) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in curve.items():
+        sock.setsockopt(getattr(zmq, option), value)
+    sock.connect(endpoint)
+    return sock
+
+
+def ask(sock: zmq.Socket, request) -> Message:
+    sock.send_multipart(request if isinstance(request, list) else wire.encode(request))
+    assert sock.poll(REPLY_MS), f"no reply to {request}"
+    return wire.decode(sock.recv_multipart())
+
+
+def refused(sock: zmq.Socket, request, code: str, text: str = "") -> str:
+    reply = ask(sock, request)
+    assert reply.type == wire.ERROR and reply.body["code"] == code, reply.body
+    assert text in reply.body["message"], reply.body
+    return reply.body["message"]
+
+
+def forward(run: str, step: int, h=None, mb: int = 0, mbs: int = 1) -> Message:
+    h = np.full((4, 3), step, np.float32) if h is None else h
+    return Message(wire.FORWARD, run, step, mb, mbs, tensors={"activation": h})
+
+
+def exp():
+    return cut_side(FIRST, None, FIELDS).exp
+
+
+@pytest.mark.integration
+def test_a_cut_server_refuses_what_no_real_data_owner_sends_and_serves_the_real_one_on():
+    ctx = zmq.Context.instance()
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **FIELDS)
+    loop = Loop(server)
+    a, b = dealer(ctx, server.endpoint), dealer(ctx, server.endpoint)
+    try:
+        for frames, code in UNDECODABLE:
+            refused(a, frames, code)
+        refused(a, [b"x"] * (MAX_FRAMES + 1), ErrorCode.MALFORMED)
+        refused(a, forward("a", 1), ErrorCode.RUN, "hello first")          # before any hello
+        assert ask(a, Message(wire.PING, "", 0)).type == wire.PONG
+        assert ask(a, hello_message(exp(), "a")).type == wire.WELCOME
+        refused(b, hello_message(exp(), "b"), ErrorCode.RUN, "busy")       # a second client while a is live
+        refused(b, forward("b", 1), ErrorCode.RUN)
+        refused(a, forward("a", 1, np.ones((4, 2), np.float32)), ErrorCode.TENSOR)
+        refused(a, forward("a", 1, np.full((4, 3), np.nan, np.float32)), ErrorCode.NONFINITE)
+        refused(a, forward("a", 1, np.ones((4, 3), np.float64)), ErrorCode.TENSOR)
+        refused(a, forward("a", 3), ErrorCode.STEP, "expected step 1")     # a step far ahead
+        refused(a, forward("a", 1, mb=0, mbs=2), ErrorCode.STEP)
+        assert ask(a, Message(wire.PING, "a", 1)).type == wire.PONG
+        first = ask(a, forward("a", 1))
+        assert first.type == wire.BACKWARD and first.body["loss"] == 1.0
+        again = ask(a, forward("a", 1))                                     # resent: the cached reply
+        assert again.type == wire.BACKWARD and again.body == first.body
+        refused(a, Message(wire.BYE, "a", 2, body={"steps": 5}), ErrorCode.STEP)
+        assert ask(a, forward("a", 2)).body["loss"] == 2.0
+        assert ask(a, Message(wire.BYE, "a", 3, body={"steps": 2})).type == wire.BYE
+        assert loop.result() is None
+        assert loop.seen == [(1, 0), (2, 0)]
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+@pytest.mark.integration
+def test_a_repeated_bye_gets_the_first_byes_reply_while_the_server_closes():
+    """protocol.md: a driver whose bye reply was lost may resend it; the loop has ended, and the server's
+    close answers it (and pings) until the data owner falls quiet."""
+    ctx = zmq.Context.instance()
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **FIELDS)
+    loop = Loop(server)
+    a = dealer(ctx, server.endpoint)
+    try:
+        assert ask(a, hello_message(exp(), "a")).type == wire.WELCOME
+        assert ask(a, forward("a", 1)).type == wire.BACKWARD
+        bye = ask(a, Message(wire.BYE, "a", 2, body={"steps": 1}))
+        assert bye.type == wire.BYE and bye.body["steps"] == 1
+        assert ask(a, Message(wire.BYE, "a", 2, body={"steps": 1})).body == bye.body
+        assert ask(a, Message(wire.PING, "", 0)).type == wire.PONG
+        refused(a, forward("a", 2), ErrorCode.RUN, "ended")
+        assert loop.result() is None and loop.seen == [(1, 0)]
+    finally:
+        a.close()
+        server.close()
