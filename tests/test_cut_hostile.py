@@ -137,3 +137,61 @@ def test_a_repeated_bye_gets_the_first_byes_reply_while_the_server_closes():
     finally:
         a.close()
         server.close()
+
+
+def _saved_states() -> tuple[dict, dict]:
+    """A Cut's and a CutServer's state_dict after one step between them."""
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1})
+    loop = Loop(server)
+    with Cut.connect(server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1}) as cut:
+        cut.step(np.ones((4, 3), np.float32))
+        cut_state = cut.state_dict()
+    assert loop.result() is None
+    return cut_state, server.state_dict()
+
+
+def _refused_at_bind(state) -> str:
+    with pytest.raises(ConfigError) as e:
+        CutServer.bind("tcp://127.0.0.1:*", state=state, **{**FIELDS, "steps": 1}).close()
+    return str(e.value)
+
+
+def _refused_at_connect(state) -> str:
+    with pytest.raises(ConfigError) as e:
+        Cut.connect("tcp://127.0.0.1:9", state=state, **{**FIELDS, "steps": 1}).close(finished=False)
+    return str(e.value)
+
+
+@pytest.mark.integration
+def test_a_tampered_or_wrong_state_is_a_config_error_at_bind_and_connect_not_a_crash_later():
+    cut_state, server_state = _saved_states()
+    reply = server_state["replies"][0]
+    without = {k: v for k, v in server_state.items() if k != "step"}
+    for state, text in [
+            (cut_state, "not a CutServer's state_dict"),                       # the other side's
+            (without, "lacks ['step']"),
+            ({**server_state, "step": -1}, "step must be"),
+            ({**server_state, "step": True}, "step must be"),
+            ({**server_state, "micro_batches": 3}, "micro_batches 3"),
+            ({**server_state, "replies": "x"}, "must be a list"),
+            ({**server_state, "replies": [{**reply, "loss": "nan?"}]}, "number loss"),
+            ({**server_state, "replies": [{k: v for k, v in reply.items() if k != "tensors"}]}, "exactly"),
+            ({**server_state, "replies": [{**reply, "step": 7}]}, "not one of its steps"),
+            ({**server_state, "replies": [{**reply, "tensors": {"activation_grad": np.ones(2, np.float32)}}]},
+             "not a gradient"),
+            ({**server_state, "replies": [{**reply, "tensors": {"activation_grad": np.array([None] * 12)}}]},
+             "not a gradient"),
+            ({**server_state, "residuals": {"codec/x": [1.0]}}, "residuals"),
+            ({**server_state, "interface": "0" * 64}, "another interface")]:
+        assert text in _refused_at_bind(state), (text, state)
+    for state, text in [
+            (server_state, "not a Cut's state_dict"),
+            ({k: v for k, v in cut_state.items() if k != "step"}, "lacks ['step']"),
+            ({**cut_state, "step": -1}, "step must be"),
+            ({**cut_state, "run": 5}, "run id"),
+            ({**cut_state, "residuals": None}, "residuals"),
+            ("garbage", "not a cut state")]:
+        assert text in _refused_at_connect(state), (text, state)
+    # What state_dict gave is taken.
+    CutServer.bind("tcp://127.0.0.1:*", state=server_state, **{**FIELDS, "steps": 1}).close()
+    Cut.connect("tcp://127.0.0.1:9", state=cut_state, **{**FIELDS, "steps": 1}).close(finished=False)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -39,7 +39,7 @@ import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_client import STATE_VERSION, check_state
+from distgrad.run.cut_client import STATE_KEYS, STATE_VERSION, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import hello_fields, refusal
@@ -51,6 +51,8 @@ from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
+SERVER_STATE_KEYS = (*STATE_KEYS, "micro_batches", "replies")    # what a CutServer's state_dict holds
+REPLY_KEYS = {"step", "mb", "mbs", "loss", "compute_s", "tensors"}   # each of its replies
 
 # The loop's scoring of the held-out rows: (their activations, their row numbers) -> (loss, rows right or None).
 Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
@@ -446,18 +448,42 @@ class CutServer:
         if self.joined:
             raise CutMisuse("load_state_dict after the run began; load it before the first batch "
                             "(or CutServer.bind(..., state=...))")
-        check_state(state, self.exp)
-        step, mbs = state.get("step"), state.get("micro_batches")
-        if not isinstance(step, int) or not 0 <= step <= self.exp.steps or not isinstance(mbs, int) or mbs < 1:
-            raise ConfigError(f"the state's step {wire.show(step)} or micro_batches {wire.show(mbs)} is invalid")
+        step = check_state(state, self.exp, SERVER_STATE_KEYS, "CutServer")
+        mbs, replies = state["micro_batches"], state["replies"]
+        if not _whole(mbs) or mbs < 1 or self.exp.batch % mbs:
+            raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
+                              f"batch ({self.exp.batch})")
+        if not isinstance(replies, (list, tuple)):
+            raise ConfigError(f"the state's replies must be a list, got {type(replies).__name__}")
         cache = {}
-        for r in state.get("replies", []):
-            cache[(r["step"], r["mb"])] = Message(wire.BACKWARD, state["run"], int(r["step"]), int(r["mb"]),
-                                                  int(r["mbs"]), body={"loss": float(r["loss"]),
-                                                                       "compute_s": float(r["compute_s"])},
-                                                  tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+        for r in replies:
+            reply = self._saved_reply(r, state["run"], step, mbs)
+            cache[(reply.step, reply.mb)] = reply
         self.run_id, self.step, self.mbs, self.cache = state["run"], step, mbs, cache
-        self.senders.load_state_arrays(dict(state.get("residuals", {})))
+        self.senders.load_state_arrays(state["residuals"])
+
+    def _saved_reply(self, r: Any, run: str, step: int, mbs: int) -> Message:
+        """One reply of a state's ``replies`` as the message it was, checked as the data owner will check it
+        when it is sent again (``ConfigError`` naming what is wrong)."""
+        if not isinstance(r, Mapping) or set(r) != REPLY_KEYS:
+            raise ConfigError(f"a reply of the state must hold exactly {sorted(REPLY_KEYS)}, got {wire.show(r)}")
+        numbers = [r["loss"], r["compute_s"]]
+        if not (_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and _whole(r["mb"])
+                and 0 <= r["mb"] < mbs and isinstance(r["tensors"], Mapping)
+                and all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in numbers)):
+            raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
+                              f"with a number loss and tensors: step {wire.show(r['step'])} mb "
+                              f"{wire.show(r['mb'])}/{wire.show(r['mbs'])}")
+        reply = Message(wire.BACKWARD, run, r["step"], r["mb"], mbs,
+                        body={"loss": float(r["loss"]), "compute_s": float(r["compute_s"])},
+                        tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+        grad = Expected(WireTensor(GRADIENT, self.side.micro_shape(mbs), self.exp.codecs[GRADIENT]))
+        try:
+            grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=True)   # decodes a copy
+        except (ProtocolError, ValueError, TypeError) as e:
+            raise ConfigError(f"the state's reply to step {r['step']} micro-batch {r['mb']} is not a gradient "
+                              f"of this interface: {e}") from e
+        return reply
 
     # -- the end
     def close(self) -> None:
@@ -504,3 +530,7 @@ class CutServer:
         if self.closed:
             raise CutMisuse("this cut server is closed; bind a new one (CutServer.bind) to go on")
 
+
+def _whole(value: Any) -> bool:
+    """An int and not a bool (True is not a step)."""
+    return isinstance(value, int) and not isinstance(value, bool)
