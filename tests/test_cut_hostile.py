@@ -195,3 +195,68 @@ def test_a_tampered_or_wrong_state_is_a_config_error_at_bind_and_connect_not_a_c
     # What state_dict gave is taken.
     CutServer.bind("tcp://127.0.0.1:*", state=server_state, **{**FIELDS, "steps": 1}).close()
     Cut.connect("tcp://127.0.0.1:9", state=cut_state, **{**FIELDS, "steps": 1}).close(finished=False)
+
+
+class BadLabelOwner:
+    """A ROUTER on a thread that welcomes any hello and answers each forward with ``answer(forward)``: a
+    list of frames, or None for no answer at all."""
+
+    def __init__(self, answer) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint, self.answer, self.stop = f"tcp://127.0.0.1:{port}", answer, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, *frames = self.sock.recv_multipart()
+            msg = wire.decode(frames)
+            if msg.type == wire.HELLO:
+                out = wire.encode(Message(wire.WELCOME, msg.run, msg.step, body={"stage": "g", "next_step": 1}))
+            elif msg.type == wire.FORWARD:
+                out = self.answer(msg)
+            else:
+                out = wire.encode(Message(wire.BYE, msg.run, msg.step, body={"steps": 0}))
+            if out is not None:
+                self.sock.send_multipart([identity, *out])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def backward(msg: Message, grad, loss: float = 0.5, step: int | None = None) -> list:
+    return wire.encode(Message(wire.BACKWARD, msg.run, msg.step if step is None else step, msg.mb, msg.mbs,
+                               body={"loss": loss, "compute_s": 0.0}, tensors={"activation_grad": grad}))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("answer,error,text", [
+    (lambda m: backward(m, np.ones((4, 2), np.float32)), "ProtocolError", "stage g's reply to step 1"),
+    (lambda m: backward(m, np.ones((4, 3), np.float64)), "ProtocolError", "accepts at most 48"),
+    (lambda m: backward(m, np.full((4, 3), np.inf, np.float32)), "NonFiniteError", "non-finite activation_grad"),
+    (lambda m: backward(m, np.ones((4, 3), np.float32), loss=float("nan")), "NonFiniteError", "non-finite loss"),
+    (lambda m: [b"\xc1garbage"], "ProtocolError", "malformed"),
+    (lambda m: None, "PeerTimeout", "no reply"),
+    (lambda m: backward(m, np.ones((4, 3), np.float32), step=m.step + 1), "PeerTimeout", "no reply"),
+], ids=["shape", "dtype", "inf-grad", "nan-loss", "garbage", "silent", "other-step"])
+def test_a_cut_facing_a_label_owner_that_answers_badly_gets_a_clear_error_within_its_bounds(answer, error, text):
+    import time
+    owner = BadLabelOwner(answer)
+    cut = Cut.connect(owner.endpoint, timeout_s=0.2, peer_deadline_s=0.8, **FIELDS)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception) as e:
+            cut.step(np.ones((4, 3), np.float32))
+        assert type(e.value).__name__ in error.split("|"), repr(e.value)
+        assert text in str(e.value), str(e.value)
+        assert time.monotonic() - started < 3 and cut.applied == 0
+    finally:
+        cut.close(finished=False)
+        owner.close()
