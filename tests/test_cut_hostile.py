@@ -92,6 +92,10 @@ def test_a_cut_server_refuses_what_no_real_data_owner_sends_and_serves_the_real_
             refused(a, frames, code)
         refused(a, [b"x"] * (MAX_FRAMES + 1), ErrorCode.MALFORMED)
         refused(a, forward("a", 1), ErrorCode.RUN, "hello first")          # before any hello
+        big = dealer(ctx, server.endpoint)          # a frame over MAXMSGSIZE: ZeroMQ drops that peer, no reply
+        big.send_multipart([b"\x00" * (server.max_frame + 1)])
+        assert not big.poll(300)
+        big.close()
         assert ask(a, Message(wire.PING, "", 0)).type == wire.PONG
         assert ask(a, hello_message(exp(), "a")).type == wire.WELCOME
         refused(b, hello_message(exp(), "b"), ErrorCode.RUN, "busy")       # a second client while a is live
@@ -260,3 +264,37 @@ def test_a_cut_facing_a_label_owner_that_answers_badly_gets_a_clear_error_within
     finally:
         cut.close(finished=False)
         owner.close()
+
+
+@pytest.mark.integration
+def test_with_curve_the_run_belongs_to_the_key_that_opened_it(tmp_path):
+    """protocol.md, *Owner*: another allowed key may not drive, rewind, end or replace the open run."""
+    from distgrad.wire.keys import load_public, load_secret
+
+    server_public, server_secret = keygen(tmp_path / "server", "g")
+    keys = {}
+    for name in ("f", "intruder"):
+        _, secret = keygen(tmp_path / "clients", name)
+        public, secret_key = load_secret(secret)
+        keys[name] = dict(CURVE_SERVERKEY=load_public(server_public), CURVE_PUBLICKEY=public,
+                          CURVE_SECRETKEY=secret_key)
+    ctx = zmq.Context()              # CURVE's authenticator is one per context
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, curve_secret=server_secret,
+                            allow=tmp_path / "clients", ctx=ctx, **FIELDS)
+    loop = Loop(server)
+    owner, intruder = dealer(ctx, server.endpoint, **keys["f"]), dealer(ctx, server.endpoint, **keys["intruder"])
+    try:
+        assert ask(owner, hello_message(exp(), "a")).type == wire.WELCOME
+        refused(intruder, hello_message(exp(), "a"), ErrorCode.RUN, "another client key")
+        refused(intruder, hello_message(exp(), "b"), ErrorCode.RUN, "busy")
+        refused(intruder, forward("a", 1), ErrorCode.RUN, "another client key")
+        refused(intruder, Message(wire.BYE, "a", 1, body={"steps": 0}), ErrorCode.RUN, "another client key")
+        assert ask(intruder, Message(wire.PING, "", 0)).type == wire.PONG
+        assert ask(owner, forward("a", 1)).body["loss"] == 1.0
+        assert ask(owner, Message(wire.BYE, "a", 2, body={"steps": 1})).type == wire.BYE
+        assert loop.result() is None and loop.seen == [(1, 0)]
+    finally:
+        owner.close()
+        intruder.close()
+        server.close()
+        ctx.term()
