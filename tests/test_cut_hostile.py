@@ -6,15 +6,15 @@ error at bind/connect); the user's loop never sees a batch for it, and the real 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import zmq
 
 from conftest import hello_message
-from distgrad.config.parse import parse_own_loop  # noqa: F401  (layering: tests import the package)
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError
+from distgrad.errors import ConfigError, CutMisuse
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen
@@ -251,7 +251,6 @@ def backward(msg: Message, grad, loss: float = 0.5, step: int | None = None) -> 
     (lambda m: backward(m, np.ones((4, 3), np.float32), step=m.step + 1), "PeerTimeout", "no reply"),
 ], ids=["shape", "dtype", "inf-grad", "nan-loss", "garbage", "silent", "other-step"])
 def test_a_cut_facing_a_label_owner_that_answers_badly_gets_a_clear_error_within_its_bounds(answer, error, text):
-    import time
     owner = BadLabelOwner(answer)
     cut = Cut.connect(owner.endpoint, timeout_s=0.2, peer_deadline_s=0.8, **FIELDS)
     try:
@@ -298,3 +297,28 @@ def test_with_curve_the_run_belongs_to_the_key_that_opened_it(tmp_path):
         intruder.close()
         server.close()
         ctx.term()
+
+
+@pytest.mark.integration
+def test_a_loss_that_is_not_one_number_is_misuse_and_the_batch_can_still_be_answered():
+    """A careless loop replies with a loss per row (reduction 'none') or a string: ``CutMisuse`` naming it,
+    not a numpy error; nothing is sent, and the right reply then goes out."""
+    def body(server) -> list[str]:
+        batch, errors = next(iter(server)), []
+        for loss in (np.ones(4, np.float32), "0.5", [0.5], None):
+            with pytest.raises(CutMisuse) as e:
+                batch.reply(loss, np.ones((4, 3), np.float32))
+            errors.append(str(e.value))
+        batch.reply(np.array(0.5, np.float32), np.ones((4, 3), np.float32))
+        assert list(server) == []
+        return errors
+
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1})
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(errors=body(server)), daemon=True)
+    thread.start()
+    with Cut.connect(server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 1}) as cut:
+        assert cut.step(np.ones((4, 3), np.float32))[0] == np.float32(0.5)
+    thread.join(10)
+    server.close()
+    assert len(result["errors"]) == 4 and all("must be one number" in e for e in result["errors"]), result

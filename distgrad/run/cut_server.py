@@ -338,7 +338,7 @@ class CutServer:
         if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
             raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
         self.evaluation = Message(wire.EVALUATION, msg.run, msg.step, body={
-            "loss": float(np.float32(loss)), "correct": None if correct is None else int(correct),
+            "loss": float(_one_number(loss, "the loss evaluate returned")), "correct": None if correct is None else int(correct),
             "count": len(self.test_rows)})
         return self.evaluation
 
@@ -383,10 +383,7 @@ class CutServer:
             raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
                             f"{getattr(grad, 'shape', '')}")
-        try:
-            value = np.float32(loss)
-        except (TypeError, ValueError) as e:
-            raise CutMisuse(f"the loss of step {batch.step} must be a number, got {type(loss).__name__}") from e
+        value = _one_number(loss, f"the loss of step {batch.step}")
         if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
             what = "loss" if not np.isfinite(value) else "activation_grad"
             self._fail(batch, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
@@ -534,3 +531,16 @@ class CutServer:
 def _whole(value: Any) -> bool:
     """An int and not a bool (True is not a step)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_number(loss: Any, what: str) -> np.float32:
+    """``loss`` as one float32 (a number, or an array or tensor of one element with no dimensions);
+    ``CutMisuse`` naming ``what`` for anything else (a string, a loss per row: reduce it first)."""
+    try:
+        value = None if loss is None or isinstance(loss, (str, bytes)) else np.float32(loss)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or np.ndim(value) != 0:
+        raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
+                        f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
+    return np.float32(value)
