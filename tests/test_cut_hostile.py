@@ -322,3 +322,28 @@ def test_a_loss_that_is_not_one_number_is_misuse_and_the_batch_can_still_be_answ
     thread.join(10)
     server.close()
     assert len(result["errors"]) == 4 and all("must be one number" in e for e in result["errors"]), result
+
+
+@pytest.mark.integration
+def test_refused_messages_do_not_keep_a_run_live_so_a_new_run_may_replace_one_whose_data_owner_is_gone():
+    """protocol.md: the open run's client is live while a hello, forward or bye of it was accepted within
+    liveness_s; pings and refused messages do not count (in plaintext anyone may send the run id)."""
+    ctx = zmq.Context.instance()
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=5.0, **FIELDS)
+    loop = Loop(server)
+    a, b = dealer(ctx, server.endpoint), dealer(ctx, server.endpoint)
+    try:
+        assert ask(a, hello_message(exp(), "a")).type == wire.WELCOME
+        until = time.monotonic() + 0.8
+        while time.monotonic() < until:
+            refused(a, forward("a", 3), ErrorCode.STEP)
+            time.sleep(0.05)
+        assert ask(b, hello_message(exp(), "b")).type == wire.WELCOME
+        assert ask(b, forward("b", 1)).body["loss"] == 1.0
+        refused(a, forward("a", 1), ErrorCode.RUN)
+        assert ask(b, Message(wire.BYE, "b", 2, body={"steps": 1})).type == wire.BYE
+        assert loop.result() is None and loop.seen == [(1, 0)]
+    finally:
+        a.close()
+        b.close()
+        server.close()

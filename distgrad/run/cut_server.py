@@ -253,21 +253,22 @@ class CutServer:
                                                f"{'run ' + self.run_id if self.joined else 'a hello first'}")
         if self.owner and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
-        self.heard = time.monotonic()
+        out: Any = None
         if msg.type == wire.FORWARD:
-            return self._forward(envelope, msg)
-        if msg.type == wire.BYE:
+            out = self._forward(envelope, msg)
+        elif msg.type == wire.BYE:
             if not same_exactly(msg.body.get("steps"), self.step) or self.next_mb:
                 raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(msg.body.get('steps'))} steps, but this "
                                                     f"label owner has applied {self.step}")
-            self.bye = Message(wire.BYE, msg.run, msg.step, body={"steps": self.step})
+            self.bye, out = Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}), _BYE
             self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
-            return _BYE
-        if msg.type == wire.EVALUATE:
+        elif msg.type == wire.EVALUATE:
             self.server.reply(envelope, self._evaluate(msg))
-            return None
-        raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        else:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        self.heard = time.monotonic()    # the data owner is heard by what is accepted (protocol.md: live)
+        return out
 
     def _hello(self, msg: Message, peer_key: str) -> Message:
         """Take the run up at the data owner's step, or at the step before it when this side can answer
