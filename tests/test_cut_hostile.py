@@ -186,6 +186,9 @@ def test_a_tampered_or_wrong_state_is_a_config_error_at_bind_and_connect_not_a_c
             ({**server_state, "replies": [{**reply, "tensors": {"activation_grad": np.array([None] * 12)}}]},
              "not a gradient"),
             ({**server_state, "residuals": {"codec/x": [1.0]}}, "residuals"),
+            ({**server_state, "residuals": {"codec/activation_grad/mb0of1": np.ones(5, np.float32)}}, "(5,)"),
+            ({**server_state, "residuals": {"codec/activation/mb0of1": np.ones((4, 3), np.float32)}},
+             "not one this side keeps"),
             ({**server_state, "interface": "0" * 64}, "another interface")]:
         assert text in _refused_at_bind(state), (text, state)
     for state, text in [
@@ -194,6 +197,7 @@ def test_a_tampered_or_wrong_state_is_a_config_error_at_bind_and_connect_not_a_c
             ({**cut_state, "step": -1}, "step must be"),
             ({**cut_state, "run": 5}, "run id"),
             ({**cut_state, "residuals": None}, "residuals"),
+            ({**cut_state, "residuals": {"codec/activation/mb0of1": np.ones((4, 2), np.float32)}}, "(4, 2)"),
             ("garbage", "not a cut state")]:
         assert text in _refused_at_connect(state), (text, state)
     # What state_dict gave is taken.

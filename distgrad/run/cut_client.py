@@ -313,6 +313,7 @@ class Cut:
         """Stand where ``state`` (a ``state_dict``) says; the next step shakes hands there."""
         self._check_open()
         self.applied = check_state(state, self.exp, STATE_KEYS, "Cut")
+        check_residuals(state["residuals"], self.side, ACTIVATION, self.mbs)
         self.run_id = state["run"]
         self.senders.load_state_arrays(state["residuals"])
         self.joined = False
@@ -386,6 +387,17 @@ def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
         raise ConfigError(f"the state's residuals must map names {STATE_PREFIX}... to float32 arrays, got "
                           f"{wire.show(residuals)}")
     return _check_step(state["step"], exp.steps)
+
+
+def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int) -> None:
+    """Check a state's error-feedback residuals (from ``check_state``) against what this side sends: the
+    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (``ConfigError``)."""
+    shape = side.micro_shape(mbs)
+    streams = {STATE_PREFIX + stream_name(direction, mb, mbs) for mb in range(mbs)}
+    for name, array in residuals.items():
+        if name not in streams or array.shape != shape:
+            raise ConfigError(f"the state's residual {name!r} of shape {array.shape} is not one this side keeps "
+                              f"(it keeps {sorted(streams)}, each of shape {shape})")
 
 
 def _check_run(run: Any) -> str:

@@ -39,7 +39,7 @@ import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_client import STATE_KEYS, STATE_VERSION, check_state
+from distgrad.run.cut_client import STATE_KEYS, STATE_VERSION, check_residuals, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import hello_fields, refusal
@@ -451,6 +451,7 @@ class CutServer:
         if not _whole(mbs) or mbs < 1 or self.exp.batch % mbs:
             raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
                               f"batch ({self.exp.batch})")
+        check_residuals(state["residuals"], self.side, GRADIENT, mbs)
         if not isinstance(replies, (list, tuple)):
             raise ConfigError(f"the state's replies must be a list, got {type(replies).__name__}")
         cache = {}
