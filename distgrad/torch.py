@@ -192,7 +192,7 @@ class Batch:
         if grad is None:
             raise CutMisuse(f"batch.h.grad of step {self.step} is missing: call loss.backward() before "
                             f"batch.reply(loss)")
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        value = loss.detach().double().cpu().numpy() if isinstance(loss, torch.Tensor) else loss
         self.numpy.reply(value, grad.detach().cpu().contiguous().numpy())
 
 

@@ -36,9 +36,10 @@ from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, STATE_PREFIX, Expected, Senders, WireTensor, stream_name
 
 STATE_VERSION = 1
+STATE_KEYS = ("version", "interface", "run", "step", "residuals")    # what a Cut's state_dict holds
 
 
 class Cut:
@@ -311,9 +312,10 @@ class Cut:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict``) says; the next step shakes hands there."""
         self._check_open()
-        check_state(state, self.exp)
-        self.run_id, self.applied = state["run"], _check_step(state["step"], self.exp.steps)
-        self.senders.load_state_arrays(dict(state.get("residuals", {})))
+        self.applied = check_state(state, self.exp, STATE_KEYS, "Cut")
+        check_residuals(state["residuals"], self.side, ACTIVATION, self.mbs)
+        self.run_id = state["run"]
+        self.senders.load_state_arrays(state["residuals"])
         self.joined = False
 
     # -- the end
@@ -363,14 +365,39 @@ def _check_step(step: Any, steps: int) -> int:
     return step
 
 
-def check_state(state: Mapping[str, Any], exp: Any) -> None:
-    """Check a ``state_dict``'s version, interface and run id (``ConfigError`` naming what differs)."""
+def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
+    """Check a ``state_dict`` given to a ``owner`` (``"Cut"`` or ``"CutServer"``, whose state holds exactly
+    ``keys``): its version, keys, interface, run id, step and residuals (float32 arrays named ``codec/...``);
+    returns its step. Raises ``ConfigError`` naming what is wrong, before anything is changed."""
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
         raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
-    if state.get("interface") != exp.interface_fingerprint:
+    missing, extra = [k for k in keys if k not in state], sorted(map(str, set(state) - set(keys)))
+    if missing or extra:
+        raise ConfigError(f"not a {owner}'s state_dict: it {'lacks ' + str(missing) if missing else ''}"
+                          f"{' and ' if missing and extra else ''}{'has ' + str(extra) if extra else ''}; a "
+                          f"{owner}'s holds exactly {list(keys)} (a Cut's and a CutServer's differ)")
+    if state["interface"] != exp.interface_fingerprint:
         raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
                           "interface it was saved under")
-    _check_run(state.get("run"))
+    _check_run(state["run"])
+    residuals = state["residuals"]
+    if not isinstance(residuals, Mapping) or not all(
+            isinstance(name, str) and name.startswith(STATE_PREFIX) and isinstance(array, np.ndarray)
+            and array.dtype == np.float32 for name, array in residuals.items()):
+        raise ConfigError(f"the state's residuals must map names {STATE_PREFIX}... to float32 arrays, got "
+                          f"{wire.show(residuals)}")
+    return _check_step(state["step"], exp.steps)
+
+
+def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int) -> None:
+    """Check a state's error-feedback residuals (from ``check_state``) against what this side sends: the
+    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (``ConfigError``)."""
+    shape = side.micro_shape(mbs)
+    streams = {STATE_PREFIX + stream_name(direction, mb, mbs) for mb in range(mbs)}
+    for name, array in residuals.items():
+        if name not in streams or array.shape != shape:
+            raise ConfigError(f"the state's residual {name!r} of shape {array.shape} is not one this side keeps "
+                              f"(it keeps {sorted(streams)}, each of shape {shape})")
 
 
 def _check_run(run: Any) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -39,7 +39,7 @@ import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_client import STATE_VERSION, check_state
+from distgrad.run.cut_client import STATE_KEYS, STATE_VERSION, check_residuals, check_state
 from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import hello_fields, refusal
@@ -51,6 +51,8 @@ from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
+SERVER_STATE_KEYS = (*STATE_KEYS, "micro_batches", "replies")    # what a CutServer's state_dict holds
+REPLY_KEYS = {"step", "mb", "mbs", "loss", "compute_s", "tensors"}   # each of its replies
 
 # The loop's scoring of the held-out rows: (their activations, their row numbers) -> (loss, rows right or None).
 Evaluate = Callable[[np.ndarray, np.ndarray], tuple[Any, Any]]
@@ -126,6 +128,7 @@ class CutServer:
         self.batch: Batch | None = None  # the one given out and not yet replied to
         self.joined, self.done, self.closed = False, False, False
         self.failure: NonFiniteError | None = None
+        self.bye: Message | None = None  # the reply to the bye that ended the run (a repeated bye gets it again)
         self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._expected(1, self.exp.send_rows).specs]
@@ -207,22 +210,28 @@ class CutServer:
                                       f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
                                       f"s); restart it, or both sides from checkpoints of the same step")
                 continue
-            envelope, frames, peer_key = request
-            msg: Message | None = None
-            try:
-                msg = wire.decode(frames, self.max_tensor)
-                out = self._handle(envelope, msg, peer_key)
-            except ProtocolError as e:
-                self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                                 wire.ERROR_TEXT_MAX, e)
-                self.server.reply(envelope, refusal(msg, e))
-                continue
+            out = self._answer(request, self._handle)
             if out is _BYE:
                 self.done = True
                 raise StopIteration
             if isinstance(out, Batch):
                 self.batch = out
                 return out
+
+    def _answer(self, request: tuple[list[bytes], list[Any], str],
+                handle: Callable[[list[bytes], Message, str], Any]) -> Any:
+        """``handle`` the received ``request``; a message it refuses (or that does not decode) gets the
+        protocol's error reply, and None is returned."""
+        envelope, frames, peer_key = request
+        msg: Message | None = None
+        try:
+            msg = wire.decode(frames, self.max_tensor)
+            return handle(envelope, msg, peer_key)
+        except ProtocolError as e:
+            self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
+                             wire.ERROR_TEXT_MAX, e)
+            self.server.reply(envelope, refusal(msg, e))
+            return None
 
     def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
@@ -231,6 +240,9 @@ class CutServer:
             self.server.reply(envelope, Message(wire.PONG, msg.run, msg.step, body={
                 "stage": self.side.stage, "experiment": self.exp.name, "run": self.run_id, "step": self.step,
                 "client_live": time.monotonic() - self.heard < self.bounds.liveness_s}))
+            return None
+        if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
+            self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
             return None
         if msg.type == wire.HELLO:
             self.server.reply(envelope, self._hello(msg, peer_key))
@@ -241,20 +253,22 @@ class CutServer:
                                                f"{'run ' + self.run_id if self.joined else 'a hello first'}")
         if self.owner and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
-        self.heard = time.monotonic()
+        out: Any = None
         if msg.type == wire.FORWARD:
-            return self._forward(envelope, msg)
-        if msg.type == wire.BYE:
+            out = self._forward(envelope, msg)
+        elif msg.type == wire.BYE:
             if not same_exactly(msg.body.get("steps"), self.step) or self.next_mb:
                 raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(msg.body.get('steps'))} steps, but this "
                                                     f"label owner has applied {self.step}")
-            self.server.reply(envelope, Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}))
+            self.bye, out = Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}), _BYE
+            self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
-            return _BYE
-        if msg.type == wire.EVALUATE:
+        elif msg.type == wire.EVALUATE:
             self.server.reply(envelope, self._evaluate(msg))
-            return None
-        raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        else:
+            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+        self.heard = time.monotonic()    # the data owner is heard by what is accepted (protocol.md: live)
+        return out
 
     def _hello(self, msg: Message, peer_key: str) -> Message:
         """Take the run up at the data owner's step, or at the step before it when this side can answer
@@ -271,6 +285,10 @@ class CutServer:
             raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
                                                f"hello is of run {msg.run!r}: resume the data owner with the "
                                                f"run's checkpoint, or start the label owner afresh")
+        if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
+            raise ProtocolError(ErrorCode.RUN, f"this label owner is busy with run {self.run_id}, whose data owner "
+                                               f"was heard within liveness_s = {self.bounds.liveness_s:g} s; it "
+                                               f"serves one run at a time")
         if self.owner and self.run_id == msg.run and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if self.next_mb and mbs != self.mbs:
@@ -321,7 +339,7 @@ class CutServer:
         if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
             raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
         self.evaluation = Message(wire.EVALUATION, msg.run, msg.step, body={
-            "loss": float(np.float32(loss)), "correct": None if correct is None else int(correct),
+            "loss": float(_one_number(loss, "the loss evaluate returned")), "correct": None if correct is None else int(correct),
             "count": len(self.test_rows)})
         return self.evaluation
 
@@ -366,10 +384,7 @@ class CutServer:
             raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
                             f"{getattr(grad, 'shape', '')}")
-        try:
-            value = np.float32(loss)
-        except (TypeError, ValueError) as e:
-            raise CutMisuse(f"the loss of step {batch.step} must be a number, got {type(loss).__name__}") from e
+        value = _one_number(loss, f"the loss of step {batch.step}")
         if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
             what = "loss" if not np.isfinite(value) else "activation_grad"
             self._fail(batch, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
@@ -431,18 +446,43 @@ class CutServer:
         if self.joined:
             raise CutMisuse("load_state_dict after the run began; load it before the first batch "
                             "(or CutServer.bind(..., state=...))")
-        check_state(state, self.exp)
-        step, mbs = state.get("step"), state.get("micro_batches")
-        if not isinstance(step, int) or not 0 <= step <= self.exp.steps or not isinstance(mbs, int) or mbs < 1:
-            raise ConfigError(f"the state's step {wire.show(step)} or micro_batches {wire.show(mbs)} is invalid")
+        step = check_state(state, self.exp, SERVER_STATE_KEYS, "CutServer")
+        mbs, replies = state["micro_batches"], state["replies"]
+        if not _whole(mbs) or mbs < 1 or self.exp.batch % mbs:
+            raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
+                              f"batch ({self.exp.batch})")
+        check_residuals(state["residuals"], self.side, GRADIENT, mbs)
+        if not isinstance(replies, (list, tuple)):
+            raise ConfigError(f"the state's replies must be a list, got {type(replies).__name__}")
         cache = {}
-        for r in state.get("replies", []):
-            cache[(r["step"], r["mb"])] = Message(wire.BACKWARD, state["run"], int(r["step"]), int(r["mb"]),
-                                                  int(r["mbs"]), body={"loss": float(r["loss"]),
-                                                                       "compute_s": float(r["compute_s"])},
-                                                  tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+        for r in replies:
+            reply = self._saved_reply(r, state["run"], step, mbs)
+            cache[(reply.step, reply.mb)] = reply
         self.run_id, self.step, self.mbs, self.cache = state["run"], step, mbs, cache
-        self.senders.load_state_arrays(dict(state.get("residuals", {})))
+        self.senders.load_state_arrays(state["residuals"])
+
+    def _saved_reply(self, r: Any, run: str, step: int, mbs: int) -> Message:
+        """One reply of a state's ``replies`` as the message it was, checked as the data owner will check it
+        when it is sent again (``ConfigError`` naming what is wrong)."""
+        if not isinstance(r, Mapping) or set(r) != REPLY_KEYS:
+            raise ConfigError(f"a reply of the state must hold exactly {sorted(REPLY_KEYS)}, got {wire.show(r)}")
+        numbers = [r["loss"], r["compute_s"]]
+        if not (_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and _whole(r["mb"])
+                and 0 <= r["mb"] < mbs and isinstance(r["tensors"], Mapping)
+                and all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in numbers)):
+            raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
+                              f"with a number loss and tensors: step {wire.show(r['step'])} mb "
+                              f"{wire.show(r['mb'])}/{wire.show(r['mbs'])}")
+        reply = Message(wire.BACKWARD, run, r["step"], r["mb"], mbs,
+                        body={"loss": float(r["loss"]), "compute_s": float(r["compute_s"])},
+                        tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+        grad = Expected(WireTensor(GRADIENT, self.side.micro_shape(mbs), self.exp.codecs[GRADIENT]))
+        try:
+            grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=True)   # decodes a copy
+        except (ProtocolError, ValueError, TypeError) as e:
+            raise ConfigError(f"the state's reply to step {r['step']} micro-batch {r['mb']} is not a gradient "
+                              f"of this interface: {e}") from e
+        return reply
 
     # -- the end
     def close(self) -> None:
@@ -451,11 +491,29 @@ class CutServer:
             return
         try:
             self._flush()
+            if self.bye is not None:
+                self._linger()
         finally:
             self.closed = True
             self.server.close()
             if self.curve is not None:
                 self.curve.stop()
+
+    def _linger(self) -> None:
+        """After the run's bye: answer what is still arriving (a bye resent because its reply was lost, a
+        ping; anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
+        def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
+            if msg.type == wire.PING or msg.type == wire.BYE and msg.run == self.bye.run:
+                return self._handle(envelope, msg, peer_key)
+            raise ProtocolError(ErrorCode.RUN, f"run {self.bye.run} ended with its bye; this label owner is "
+                                               f"closing")
+
+        deadline = time.monotonic() + self.bounds.liveness_s
+        while time.monotonic() < deadline:
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                return
+            self._answer(request, ended)
 
     def __enter__(self) -> "CutServer":
         return self
@@ -471,3 +529,20 @@ class CutServer:
         if self.closed:
             raise CutMisuse("this cut server is closed; bind a new one (CutServer.bind) to go on")
 
+
+def _whole(value: Any) -> bool:
+    """An int and not a bool (True is not a step)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_number(loss: Any, what: str) -> np.float32:
+    """``loss`` as one float32 (a number, or an array or tensor of one element with no dimensions);
+    ``CutMisuse`` naming ``what`` for anything else (a string, a loss per row: reduce it first)."""
+    try:
+        value = None if loss is None or isinstance(loss, (str, bytes)) else np.float32(loss)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or np.ndim(value) != 0:
+        raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
+                        f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
+    return np.float32(value)
