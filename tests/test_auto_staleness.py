@@ -100,6 +100,7 @@ def _check_choice(summary: dict) -> int:
     return chosen
 
 
+@pytest.mark.slow       # about 6 s; the delayed link's run below checks the same by default
 def test_on_loopback_auto_records_its_choice_and_equals_the_in_process_run_with_it(tmp_path):
     """On loopback the wait is the stack's own latency per message (ZeroMQ, Python, the stage below's work
     before it answers), about a step's compute for this small model: S is small (0 to 2 on an idle machine,

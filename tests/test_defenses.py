@@ -328,6 +328,7 @@ def test_marvell_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_gro
         tmp_path, F_DEFENSE, "marvell = { bound = 0.5 }\nlabel_dp = { epsilon = 2.0 }"))
 
 
+@pytest.mark.slow       # about 10 s; the undefended kill -9 runs by default, and the defenses are stateless per step
 def test_defended_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _digits(tmp_path, F_DEFENSE, G_DEFENSE))
 

@@ -70,9 +70,10 @@ def _assert_bitwise(tmp_path, pair: Pair, experiment: str, steps: str) -> None:
     assert [line["step"] for line in trace] == list(range(1, int(steps) + 1))   # no lost or doubled step
 
 
-# seed-reverse's kills are the same code path as tanh-regression's (which stay in the default suite): slow.
+# seed-reverse's kills are the same code path as tanh-regression's (which stay in the default suite): slow;
+# so is the driver's kill (the serving stage's stays by default; the driver's restart is covered there too).
 @pytest.mark.parametrize("experiment", [pytest.param("seed-reverse", marks=pytest.mark.slow), "tanh-regression"])
-@pytest.mark.parametrize("victim", ["g", "f"])
+@pytest.mark.parametrize("victim", ["g", pytest.param("f", marks=pytest.mark.slow)])
 def test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters(pair_factory, tmp_path, experiment, victim):
     steps = FAULT_TESTS[experiment]
     endpoint = free_tcp_endpoint() if victim == "g" else None

@@ -50,8 +50,9 @@ def _assert_same_files(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("experiment, steps", [
     ("mlp-classify", 20),
-    pytest.param("digits-cnn-torch", 8, marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                                                    reason="torch is not installed")),
+    # the torch CNN's 8 steps cost about 8 s: slow (mlp-classify covers the same code path by default)
+    pytest.param("digits-cnn-torch", 8, marks=[pytest.mark.slow, pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="torch is not installed")]),
 ])
 def test_in_process_with_two_threads_in_the_environment_equals_processes(tmp_path, experiment, steps):
     """`OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 ... distgrad run EXP --in-process` saves the parameters

@@ -161,6 +161,7 @@ class StaleTorchPair(StageGroup):
                            "--micro-batches", "2", "--save", tmp_path / "f.pt", *common]}
 
 
+@pytest.mark.slow       # about 8 s; test_staleness.py's numpy kill -9 with steps in flight runs by default
 def test_kill_9_of_either_stage_with_torch_steps_in_flight_changes_nothing(tmp_path, stage_group):
     """kill -9 of f, then of g, mid-run with two steps in flight; each restarted with its command line:
     both stages' parameters, f's batch norm statistics and the final evaluation (which uses them) equal
