@@ -791,3 +791,38 @@ def test_rows_nothing_numbers_are_a_clear_error_not_none():
     message, failure = served.result()
     assert failure is None, failure
     assert "nothing numbers" in message and "send_rows" in message and "[data]" in message
+
+
+@pytest.mark.integration
+def test_a_combined_experiment_is_an_interface_and_agrees_with_its_split_stage_files(tmp_path):
+    """interface= may name a combined experiment (a built-in's name or its file; stage= picks the party, by
+    default the first or the last stage): the hello is the daemons' for that experiment, so a loop given the
+    built-in's name shakes hands with a loop given the stage file `distgrad split` writes, and steps."""
+    from distgrad.config.split import split_experiment
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+    for name in ("tanh-regression", "digits"):
+        exp = load_experiment(name)
+        assert cut_side(FIRST, name, {}).exp.interface_parts() == exp.interface_parts()
+        assert cut_side(LAST, exp.source, {}).stage == exp.stage_names[-1]
+        assert cut_side(FIRST, name, {"stage": exp.stage_names[0]}).stage == exp.stage_names[0]
+    with pytest.raises(ConfigError, match="no stage 'h'"):
+        cut_side(FIRST, "digits", {"stage": "h"})
+    with pytest.raises(ConfigError, match="only stage="):
+        cut_side(FIRST, "digits", {"steps": 3})
+    from distgrad.config.tomlfile import read_toml
+    g_file = split_experiment(load_experiment("tanh-regression"), tmp_path / "parties")[-1]
+    g_table = {**read_toml(g_file, "stage file"), "stage": {"name": "g"}}     # the loop's model replaces its own
+
+    def body(server):
+        for batch in server:
+            batch.reply(0.5, np.ones_like(batch.h))
+            return batch.step, batch.h.shape
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", interface=g_table), body)
+    cut = Cut.connect(served.server.endpoint, interface="tanh-regression", timeout_s=2.0, peer_deadline_s=5.0)
+    shape = cut_side(FIRST, "tanh-regression", {}).shape
+    loss, dh = cut.step(np.zeros(shape, np.float32))
+    cut.close(finished=False)
+    (step, h_shape), failure = served.result()
+    assert failure is None, failure
+    assert (float(loss), step, h_shape) == (0.5, 1, shape) and np.array_equal(dh, np.ones(shape, np.float32))

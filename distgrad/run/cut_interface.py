@@ -2,7 +2,8 @@
 
 A party that trains in its own loop still shakes hands as a daemon does, so it
 needs the same interface: its stage file (``[interface]``, a ``[stage]`` that
-names only its stage, an optional ``[data]``; ``config.parse.parse_own_loop``)
+names only its stage, an optional ``[data]``; ``config.parse.parse_own_loop``),
+a combined experiment's interface and data as ``distgrad split`` writes them,
 or the interface's fields as keyword arguments. ``CutSide`` holds it with the
 connection settings both sides share (timeouts, CURVE key files), so the
 client (``run.cut_client``) and the server (``run.cut_server``) read one
@@ -22,7 +23,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.config.experiment import Experiment
-from distgrad.config.parse import parse_own_loop
+from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.parse import load_experiment, parse_own_loop
+from distgrad.config.split import interface_table
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
 from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
@@ -95,14 +98,21 @@ class CutSide:
 
 def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> CutSide:
     """The ``end`` (``FIRST`` or ``LAST``) of the cut that ``interface`` describes: a stage-file path, a
-    stage-file table, or None with the interface's fields as ``fields`` (``name``, ``stages``, ``batch``,
+    stage-file table, a combined experiment (a built-in's name or its file; ``fields`` may then hold only
+    ``stage``), or None with the interface's fields as ``fields`` (``name``, ``stages``, ``batch``,
     ``activation``, ``steps``, ...; ``stage``: this party's stage, by default the first or last of
     ``stages``; ``data``: its ``[data]`` table). Raises ``ConfigError`` naming what is wrong."""
-    if interface is not None and fields:
+    fields = dict(fields)
+    if interface is not None and not isinstance(interface, Mapping) and _is_combined(interface):
+        stage = fields.pop("stage", None)
+        if fields:
+            raise ConfigError(f"a combined experiment takes only stage= beside it, got {sorted(fields)}")
+        raw, source = _raw_from_combined(end, interface, stage)
+    elif interface is not None and fields:
         raise ConfigError(f"give the interface as a stage file or as its fields, not both (got a file and "
-                          f"{sorted(fields)})")
-    if interface is None:
-        raw, source = _raw_from_fields(end, dict(fields)), "the interface's arguments"
+                          f"{sorted(fields)}; only a combined experiment takes stage=)")
+    elif interface is None:
+        raw, source = _raw_from_fields(end, fields), "the interface's arguments"
     elif isinstance(interface, Mapping):
         raw, source = dict(interface), "the interface table"
     else:
@@ -111,6 +121,31 @@ def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields:
     side = CutSide(exp, end, exp.stages[0].name)
     _check_supported(side, source)
     return side
+
+
+def _is_combined(interface: str | Path) -> bool:
+    """Whether ``interface`` names a combined experiment (a built-in's name, or a file without
+    ``[interface]``) rather than a party's stage file."""
+    path = Path(interface)
+    if not path.is_file():
+        return (BUILTIN_DIR / f"{interface}.toml").is_file()
+    return "interface" not in read_toml(path, "experiment or stage file")
+
+
+def _raw_from_combined(end: str, interface: str | Path, stage: str | None) -> tuple[dict[str, Any], str]:
+    """The own-loop stage-file table (and its source: the experiment's file) of stage ``stage`` (by default the first or the last) of a combined
+    experiment: its interface as ``distgrad split`` writes it, the stage's name and the experiment's
+    ``[data]`` (paths relative to the experiment's folder, as before). The models, optimisers and losses
+    the file gives its stages are the daemons': the loop's own replace them."""
+    exp = load_experiment(interface)
+    if stage is None:
+        stage = exp.stage_names[0] if end == FIRST else exp.stage_names[-1]
+    if stage not in exp.stage_names:
+        raise ConfigError(f"{interface}: no stage {stage!r}; its stages are {list(exp.stage_names)}")
+    data = exp.spec(stage).data
+    data = dict(exp.data if data is None else data)
+    return ({"interface": interface_table(exp), "stage": {"name": stage}, **({"data": data} if data else {})},
+            exp.source)
 
 
 def _raw_from_fields(end: str, fields: dict[str, Any]) -> dict[str, Any]:
