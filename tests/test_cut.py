@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'): the cut library's tests, torch and numpy loops alike, need it; CI installs it")
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
