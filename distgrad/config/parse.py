@@ -305,7 +305,7 @@ def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
     per_epoch = getattr(data, "batches_per_epoch", None)
     if per_epoch is None:
         raise ConfigError(f"'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
-                          f"give 'steps'")
+                          "give 'steps'")
     return settings["epochs"] * per_epoch
 
 

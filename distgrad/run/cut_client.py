@@ -30,16 +30,15 @@ import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerRejected, ProtocolError
 from distgrad.run import handshake
-from distgrad.run.cut_interface import FIRST, Bounds, CutSide, cut_side
+from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
+                                       check_run, check_state, check_step, cut_side)
 from distgrad.stage.engine import combine_losses
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, STATE_PREFIX, Expected, Senders, WireTensor, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
-STATE_VERSION = 1
-STATE_KEYS = ("version", "interface", "run", "step", "residuals")    # what a Cut's state_dict holds
 
 
 class Cut:
@@ -58,11 +57,11 @@ class Cut:
                               "--server-key of a daemon)")
         self.side, self.exp, self.endpoint = side, side.exp, endpoint
         self.log = logging.getLogger(f"distgrad.{side.stage}")
-        self.applied = _check_step(step, self.exp.steps)     # the steps this loop has applied
+        self.applied = check_step(step, self.exp.steps)     # the steps this loop has applied
         if step and run is None:
             raise ConfigError(f"step={step} resumes a run: give its run id too (run=, the cut's run_id when it "
                               f"was saved), or resume from a state_dict, which holds both")
-        self.run_id = uuid.uuid4().hex if run is None else _check_run(run)
+        self.run_id = uuid.uuid4().hex if run is None else check_run(run)
         self.senders = Senders(self.exp.codecs)
         self.mbs = side.micro_batches
         security = CurveClient(Path(curve_secret), Path(server_key)) if curve_secret is not None else None
@@ -357,50 +356,3 @@ def _rows_differ(given: np.ndarray, expected: np.ndarray) -> str:
     at = int(np.flatnonzero(given != expected)[0])
     return (f"rows {wire.show(given.tolist())}, but the shared sample order has {wire.show(expected.tolist())}: "
             f"position {at} is row {given[at]}, the order's is {expected[at]}")
-
-
-def _check_step(step: Any, steps: int) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= steps:
-        raise ConfigError(f"step must be the steps applied, an integer from 0 to {steps}, got {step!r}")
-    return step
-
-
-def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
-    """Check a ``state_dict`` given to a ``owner`` (``"Cut"`` or ``"CutServer"``, whose state holds exactly
-    ``keys``): its version, keys, interface, run id, step and residuals (float32 arrays named ``codec/...``);
-    returns its step. Raises ``ConfigError`` naming what is wrong, before anything is changed."""
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-        raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
-    missing, extra = [k for k in keys if k not in state], sorted(map(str, set(state) - set(keys)))
-    if missing or extra:
-        raise ConfigError(f"not a {owner}'s state_dict: it {'lacks ' + str(missing) if missing else ''}"
-                          f"{' and ' if missing and extra else ''}{'has ' + str(extra) if extra else ''}; a "
-                          f"{owner}'s holds exactly {list(keys)} (a Cut's and a CutServer's differ)")
-    if state["interface"] != exp.interface_fingerprint:
-        raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
-                          "interface it was saved under")
-    _check_run(state["run"])
-    residuals = state["residuals"]
-    if not isinstance(residuals, Mapping) or not all(
-            isinstance(name, str) and name.startswith(STATE_PREFIX) and isinstance(array, np.ndarray)
-            and array.dtype == np.float32 for name, array in residuals.items()):
-        raise ConfigError(f"the state's residuals must map names {STATE_PREFIX}... to float32 arrays, got "
-                          f"{wire.show(residuals)}")
-    return _check_step(state["step"], exp.steps)
-
-
-def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int) -> None:
-    """Check a state's error-feedback residuals (from ``check_state``) against what this side sends: the
-    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (``ConfigError``)."""
-    shape = side.micro_shape(mbs)
-    streams = {STATE_PREFIX + stream_name(direction, mb, mbs) for mb in range(mbs)}
-    for name, array in residuals.items():
-        if name not in streams or array.shape != shape:
-            raise ConfigError(f"the state's residual {name!r} of shape {array.shape} is not one this side keeps "
-                              f"(it keeps {sorted(streams)}, each of shape {shape})")
-
-
-def _check_run(run: Any) -> str:
-    if not isinstance(run, str) or not run or not wire.RUN_ID.fullmatch(run):
-        raise ConfigError(f"run id {wire.show(run)} is not one: 1 to 128 of A-Z a-z 0-9 _ . -")
-    return run

@@ -22,16 +22,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distgrad.config.experiment import Experiment
-from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.experiment import BUILTIN_DIR, Experiment, is_whole
 from distgrad.config.parse import load_experiment, parse_own_loop
 from distgrad.config.split import interface_table
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
 from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
 from distgrad.stage.stage import micro_shape
+from distgrad.wire import messages as wire
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+from distgrad.wire.wirecodec import STATE_PREFIX, stream_name
 
+STATE_VERSION = 1
+STATE_KEYS = ("version", "interface", "run", "step", "residuals")    # what a Cut's state_dict holds
 FIRST, LAST = "first", "last"        # which end of the cut a library party is: the data owner, the label owner
 
 
@@ -183,3 +186,52 @@ def _check_supported(side: CutSide, source: str) -> None:
                           f"had changed the parameters in place for the steps in between, which autograd refuses. "
                           f"Remove 'staleness' from both parties' interface, or run the data owner as the daemon "
                           f"(distgrad-stage --staleness S), which a CutServer serves with steps in flight")
+
+
+def check_step(step: Any, steps: int) -> int:
+    """``step`` (the steps a side has applied) checked against the run's ``steps`` (``ConfigError``)."""
+    if not is_whole(step) or not 0 <= step <= steps:
+        raise ConfigError(f"step must be the steps applied, an integer from 0 to {steps}, got {step!r}")
+    return step
+
+
+def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
+    """Check a ``state_dict`` given to a ``owner`` (``"Cut"`` or ``"CutServer"``, whose state holds exactly
+    ``keys``): its version, keys, interface, run id, step and residuals (float32 arrays named ``codec/...``);
+    returns its step. Raises ``ConfigError`` naming what is wrong, before anything is changed."""
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
+    missing, extra = [k for k in keys if k not in state], sorted(map(str, set(state) - set(keys)))
+    if missing or extra:
+        raise ConfigError(f"not a {owner}'s state_dict: it {'lacks ' + str(missing) if missing else ''}"
+                          f"{' and ' if missing and extra else ''}{'has ' + str(extra) if extra else ''}; a "
+                          f"{owner}'s holds exactly {list(keys)} (a Cut's and a CutServer's differ)")
+    if state["interface"] != exp.interface_fingerprint:
+        raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
+                          "interface it was saved under")
+    check_run(state["run"])
+    residuals = state["residuals"]
+    if not isinstance(residuals, Mapping) or not all(
+            isinstance(name, str) and name.startswith(STATE_PREFIX) and isinstance(array, np.ndarray)
+            and array.dtype == np.float32 for name, array in residuals.items()):
+        raise ConfigError(f"the state's residuals must map names {STATE_PREFIX}... to float32 arrays, got "
+                          f"{wire.show(residuals)}")
+    return check_step(state["step"], exp.steps)
+
+
+def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int) -> None:
+    """Check a state's error-feedback residuals (from ``check_state``) against what this side sends: the
+    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (``ConfigError``)."""
+    shape = side.micro_shape(mbs)
+    streams = {STATE_PREFIX + stream_name(direction, mb, mbs) for mb in range(mbs)}
+    for name, array in residuals.items():
+        if name not in streams or array.shape != shape:
+            raise ConfigError(f"the state's residual {name!r} of shape {array.shape} is not one this side keeps "
+                              f"(it keeps {sorted(streams)}, each of shape {shape})")
+
+
+def check_run(run: Any) -> str:
+    """``run`` checked as a run id (``ConfigError``)."""
+    if not isinstance(run, str) or not run or not wire.RUN_ID.fullmatch(run):
+        raise ConfigError(f"run id {wire.show(run)} is not one: 1 to 128 of A-Z a-z 0-9 _ . -")
+    return run

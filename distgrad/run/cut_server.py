@@ -37,10 +37,11 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import zmq
 
+from distgrad.config.experiment import is_whole
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_client import STATE_KEYS, STATE_VERSION, check_residuals, check_state
-from distgrad.run.cut_interface import LAST, Bounds, CutSide, cut_side
+from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
+                                       check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.serving import hello_fields, refusal
 from distgrad.stage.stage import ROWS_DTYPE
@@ -448,7 +449,7 @@ class CutServer:
                             "(or CutServer.bind(..., state=...))")
         step = check_state(state, self.exp, SERVER_STATE_KEYS, "CutServer")
         mbs, replies = state["micro_batches"], state["replies"]
-        if not _whole(mbs) or mbs < 1 or self.exp.batch % mbs:
+        if not is_whole(mbs) or mbs < 1 or self.exp.batch % mbs:
             raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
                               f"batch ({self.exp.batch})")
         check_residuals(state["residuals"], self.side, GRADIENT, mbs)
@@ -467,7 +468,7 @@ class CutServer:
         if not isinstance(r, Mapping) or set(r) != REPLY_KEYS:
             raise ConfigError(f"a reply of the state must hold exactly {sorted(REPLY_KEYS)}, got {wire.show(r)}")
         numbers = [r["loss"], r["compute_s"]]
-        if not (_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and _whole(r["mb"])
+        if not (is_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and is_whole(r["mb"])
                 and 0 <= r["mb"] < mbs and isinstance(r["tensors"], Mapping)
                 and all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in numbers)):
             raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
@@ -528,11 +529,6 @@ class CutServer:
     def _check_open(self) -> None:
         if self.closed:
             raise CutMisuse("this cut server is closed; bind a new one (CutServer.bind) to go on")
-
-
-def _whole(value: Any) -> bool:
-    """An int and not a bool (True is not a step)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _one_number(loss: Any, what: str) -> np.float32:
