@@ -236,7 +236,7 @@ class _Driver:
                       "%.2f ms: link %.2f ms, compute f %.2f ms, %s %.2f ms; %d bytes down, %d up per step); "
                       "--staleness %d runs the same computation", self.staleness, 1e3 * probe.round_trip_s,
                       1e3 * probe.ping_s, 1e3 * probe.step_s, 1e3 * probe.link_s, 1e3 * probe.f_compute_s,
-                      self.exp.downstream(self.opts.stage), 1e3 * probe.g_compute_s, probe.bytes_down,
+                      self.below, 1e3 * probe.g_compute_s, probe.bytes_down,
                       probe.bytes_up, self.staleness)
         if self.staleness:
             self.handshake()
@@ -246,10 +246,7 @@ class _Driver:
         fastest = float("inf")
         for _ in range(PINGS):
             started = time.perf_counter()
-            pong = self.link.client.request(Message(wire.PING, self.state.run_id, 0), self.opts.timeout_s,
-                                            self.stop.check)
-            if pong.type != wire.PONG:
-                raise ProtocolError(ErrorCode.TYPE, f"expected a pong to a ping, got {pong.type!r}")
+            self.link.ping(self.state.run_id, self.opts.timeout_s)
             fastest = min(fastest, time.perf_counter() - started)
         return fastest
 
@@ -404,7 +401,7 @@ class _Driver:
         if not self.exp.vertical:
             return []
         try:
-            pong = self.link.client.request(Message(wire.PING, self.state.run_id, 0), PING_TIMEOUT_S)
+            pong = self.link.ping(self.state.run_id, PING_TIMEOUT_S)
         except (PeerTimeout, PeerRejected, ProtocolError):
             return []
         names = pong.body.get("waiting_for")

@@ -90,6 +90,14 @@ class DownstreamLink:
     def send(self, msg: Message) -> None:
         self.client.send(msg)
 
+    def ping(self, run: str, timeout_s: float) -> Message:
+        """A ping to the stage below (which answers at once, whatever it is doing) and its pong; raises
+        ``PeerTimeout`` without one within ``timeout_s``, ``ProtocolError`` for another reply."""
+        pong = self.client.request(Message(wire.PING, run, 0), timeout_s, self.check_stop)
+        if pong.type != wire.PONG:
+            raise ProtocolError(ErrorCode.TYPE, f"expected a pong to a ping, got {pong.type!r}")
+        return pong
+
     def exchange(self, msg: Message, types: Collection[str] | None = None) -> Message:
         """Send ``msg`` and return its reply (of one of ``types``, when given), with the retries of
         ``await_reply``.
