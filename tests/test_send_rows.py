@@ -281,3 +281,18 @@ def test_vertical_parties_sending_different_rows_are_refused(start_server, tmp_p
             clients[party].wait(f"run-{party}", {(1, 0)}, 5)
         assert info.value.code == ErrorCode.MISMATCH, info.value
         assert "the feature parties sent different rows for step 1" in str(info.value)
+
+
+@pytest.mark.slow       # two torch processes and two in-process runs: about 5-8 s
+def test_send_rows_with_torch_stages_equals_the_plain_run(tmp_path):
+    """Both stages computed by torch (framework "torch"): the rows cross and pick the label owner's targets
+    as with numpy stages, bitwise the run without send_rows."""
+    pytest.importorskip("torch", reason="torch is not installed: send_rows on torch stages is not tested")
+    torch_stages = lambda path: path.write_text(path.read_text().replace(  # noqa: E731
+        'optimizer = { type = "adam", lr = 0.003 }', 'optimizer = { type = "adam", lr = 0.003 }\nframework = "torch"'))
+    rows, plain = _digits(tmp_path), _digits(tmp_path, False)
+    torch_stages(rows), torch_stages(plain)
+    assert read_toml(rows, "experiment")["stages"][0]["framework"] == "torch"
+    flags = ["--steps", "12", "--micro-batches", "2"]
+    summary = _launched(rows, *flags)
+    assert summary["params"] == _in_process(rows, *flags)["params"] == _in_process(plain, *flags)["params"]
