@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How a distgrad step scales with the label owner's fan-in and with the activation size.
 
-    .venv/bin/python benchmarks/scaling.py --json out.json --plot docs/scaling.png [--quick]
+    .venv/bin/python benchmarks/scaling.py --json out.json --plot docs/scaling.png [--quick] [--groups vertical,logic]
 
 Not part of the test suite. One run measures, over tcp on 127.0.0.1, with real
 stage processes (``python -m distgrad.cli stage``) and the label owner ``g``
@@ -61,6 +61,7 @@ from bench_sections.runner import Runner, Variant, fmt_size  # noqa: E402
 from distgrad.run.launcher import pinned_env  # noqa: E402
 
 PARTIES, CLIENTS = [2, 4, 8, 16], [1, 4, 16, 64]
+GROUPS = ("vertical", "logic", "clients", "size")
 QUICK = {"parties": [2, 8], "clients": [1, 4], "sizes": [4, 256 * KIB, 4 * MIB]}
 SMOKE = {"parties": [2], "clients": [2], "sizes": [4]}
 EMBED = 32                       # digits-halves: each party turns 32 pixels into a 32-wide embedding
@@ -115,6 +116,15 @@ model = [{{ type = "dense", name = "g1", in = 64, out = 10 }}]
 optimizer = {{ type = "adam", lr = 0.003 }}
 loss = "softmax_cross_entropy"
 '''
+
+
+def _groups(text: str) -> list[str]:
+    chosen = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = sorted(set(chosen) - set(GROUPS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown group(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {','.join(GROUPS)}")
+    return chosen
 
 
 def cpu_s(pid: int) -> float | None:
@@ -288,6 +298,21 @@ def with_bounds(rows: dict[str, Any], unit: int) -> None:
         row["vs_first"] = ratio(row["steps_per_s"], base.get("steps_per_s"))
 
 
+
+def measure_sizes(runner: Runner, results: dict[str, Any], sizes: list[int], min_steps: int) -> None:
+    """The size group: the two-stage identity model per activation size, beside one raw round trip of it."""
+    results["size"] = measure_group(runner, "size", sizes, trivial_toml, lambda b: [["f"]], min_steps)
+    raw = [Variant(str(b), lambda s, b=b: runner.round_trip("raw", "tcp", b, s), timed=True) for b in sizes]
+    runner.interleave("raw", raw)
+    for v in raw:
+        row = results["size"][v.key]
+        row["raw_rt_s"] = v.t
+        row["bound_steps_per_s"] = 1 / v.t if v.t else None        # the link: 2 x size bytes per step
+        row["share_of_bound"] = ratio(row["steps_per_s"], row["bound_steps_per_s"])
+        if int(v.key) >= 256 * KIB:         # per byte only where the bytes, not the messages, cost
+            row["g_cpu_per_mib_s"] = ratio(row["g_cpu_per_step_s"], 2 * int(v.key) / MIB)
+
+
 def measure(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, Any], int]:
     """Snapshot distgrad, run the three groups in a work directory, stop every child."""
     started = time.monotonic()
@@ -310,26 +335,19 @@ def measure(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, An
                                "repeats": repeats, "target_s": target_s, "distgrad_snapshot": snapshot,
                                "machine": machine_info(runner)}
             say(f"{mode} run: {repeats} repeat(s), ~{target_s:g} s per measurement")
-            results["vertical"] = measure_group(runner, "vertical", sizes["parties"], vertical_toml,
-                                                lambda k: [[f"p{i}"] for i in range(k)], min_steps)
-            with_bounds(results["vertical"], sizes["parties"][0])
-            results["logic"] = measure_logic(runner, sizes["parties"])
-            results["clients"] = measure_group(
-                runner, "clients", sizes["clients"], clients_toml,
-                lambda n: [["f", "--client", str(c)] for c in range(n)] if n > 1 else [["f"]], min_steps)
-            with_bounds(results["clients"], sizes["clients"][0])
-            results["size"] = measure_group(runner, "size", sizes["sizes"], trivial_toml, lambda b: [["f"]],
-                                            min_steps)
-            raw = [Variant(str(b), lambda s, b=b: runner.round_trip("raw", "tcp", b, s), timed=True)
-                   for b in sizes["sizes"]]
-            runner.interleave("raw", raw)
-            for v in raw:
-                row = results["size"][v.key]
-                row["raw_rt_s"] = v.t
-                row["bound_steps_per_s"] = 1 / v.t if v.t else None        # the link: 2 x size bytes per step
-                row["share_of_bound"] = ratio(row["steps_per_s"], row["bound_steps_per_s"])
-                if int(v.key) >= 256 * KIB:         # per byte only where the bytes, not the messages, cost
-                    row["g_cpu_per_mib_s"] = ratio(row["g_cpu_per_step_s"], 2 * int(v.key) / MIB)
+            if "vertical" in args.groups:
+                results["vertical"] = measure_group(runner, "vertical", sizes["parties"], vertical_toml,
+                                                    lambda k: [[f"p{i}"] for i in range(k)], min_steps)
+                with_bounds(results["vertical"], sizes["parties"][0])
+            if "logic" in args.groups:
+                results["logic"] = measure_logic(runner, sizes["parties"])
+            if "clients" in args.groups:
+                results["clients"] = measure_group(
+                    runner, "clients", sizes["clients"], clients_toml,
+                    lambda n: [["f", "--client", str(c)] for c in range(n)] if n > 1 else [["f"]], min_steps)
+                with_bounds(results["clients"], sizes["clients"][0])
+            if "size" in args.groups:
+                measure_sizes(runner, results, sizes["sizes"], min_steps)
         except KeyboardInterrupt:
             code = 130
         except Terminated:
@@ -437,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="repeats per variant (default 3; quick and smoke 1)")
     p.add_argument("--target-s", type=float, help="seconds of steps per measurement (default 3; quick 1.5)")
     p.add_argument("--workdir", type=Path, help="keep logs and generated experiments here")
+    p.add_argument("--groups", type=_groups, default=list(GROUPS), metavar="G,G",
+                   help=f"comma-separated subset of {','.join(GROUPS)} (default: all)")
     p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print an earlier run's tables")
     p.add_argument("--logic-child", nargs=3, metavar=("K", "STEPS", "TOML"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
