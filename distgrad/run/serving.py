@@ -384,8 +384,9 @@ class ServingStage:
         self.turn += 1
 
     def settle(self) -> list[Reply]:
-        """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything,
-        and return the replies of the work that then became possible (send them, then settle again).
+        """Run what ``handle`` deferred until its reply had been sent (gradients, update, pruning the reply
+        cache), if anything, and return the replies of the work that then became possible (send them, then
+        settle again).
 
         A non-finite gradient there applies nothing; the peer hears of it in
         reply to its next message (with several clients, it is dropped)."""
