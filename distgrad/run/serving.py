@@ -385,8 +385,7 @@ class ServingStage:
 
     def settle(self) -> list[Reply]:
         """Run what ``handle`` deferred until its reply had been sent (gradients, update, pruning the reply
-        cache), if anything, and return the replies of the work that then became possible (send them, then
-        settle again).
+        cache), if any; return the replies of the work that then became possible (send, then settle again).
 
         A non-finite gradient there applies nothing; the peer hears of it in
         reply to its next message (with several clients, it is dropped)."""
