@@ -10,7 +10,7 @@ needs every party), never dropped.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -240,7 +240,7 @@ class Parties(Topology):
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
-                target = micro_batch(s.data[0].targets(step), mb, mbs)
+                target = micro_batch(self.targets(0, step), mb, mbs)
             else:           # send_rows: the label owner's own columns and targets of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
                 target = s.data[0].targets_at(rows)
@@ -269,8 +269,16 @@ class Parties(Topology):
                 peer.cached[key] = reply
             peer.last_seen = now
             replies.append((peer.envelope, reply))
-        s.defer(group, lambda: s.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz))
+        s.defer(group, lambda: self.after_reply(group, step, mb, mbs, grads_later, mb_loss, dz))
         return replies
+
+    def after_reply(self, group: list[Peer], step: int, mb: int, mbs: int,
+                    grads_later: Callable[[], dict[str, np.ndarray]], mb_loss: np.float32, dz: np.ndarray) -> None:
+        """What ``compute`` deferred: the micro-batch's gradients (and the update, after which the next step's
+        targets are looked up)."""
+        self.serving.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz)
+        if mb == mbs - 1:
+            self.prefetch(0, step + 1)
 
     def common_rows(self, group: list[Peer], msgs: list[Message]) -> Any:
         """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when

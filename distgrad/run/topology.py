@@ -56,6 +56,7 @@ class Topology(abc.ABC):
         self.serving = serving
         self.count = count          # the peers it serves
         self.runs: dict[str, Peer] = {}     # run id -> the peer ``peer_of`` found for it (cleared at a hello)
+        self.held_targets: dict[int, tuple[int, np.ndarray]] = {}   # data index -> (step, its targets)
 
     # -- what the stage is built with
     def steps(self) -> int | None:
@@ -66,6 +67,21 @@ class Topology(abc.ABC):
         """Each peer's data at this stage (its targets and held-out rows): a shard per data owner."""
         exp = self.serving.exp
         return [exp.build_data(seed, client=c, stage=stage) for c in range(self.count)]
+
+    def targets(self, index: int, step: int) -> np.ndarray:
+        """The targets of step ``step`` (the whole batch) in this stage's data of peer ``index``, looked up
+        once a step: each micro-batch slices them, and after a step's update ``prefetch`` looks up the
+        next step's, off the path of a reply. (A step's targets depend on nothing but the step.)"""
+        held = self.held_targets.get(index)
+        if held is None or held[0] != step:
+            held = self.held_targets[index] = (step, self.serving.data[index].targets(step))
+        return held[1]
+
+    def prefetch(self, index: int, step: int) -> None:
+        """Look up step ``step``'s targets (``targets``) now, if this stage looks up peer ``index``'s at all
+        (not when they come with its forwards, or from the stage below)."""
+        if index in self.held_targets:
+            self.targets(index, step)
 
     def input_shape(self, index: int) -> tuple[int, ...]:
         """What peer ``index``'s forwards carry, before coding: this stage's input."""
@@ -429,11 +445,13 @@ class Turns(Topology):
                     mb_loss: np.float32, dx: np.ndarray) -> None:
         """What ``compute`` deferred: after a step's first micro-batch the peer holds every reply of its
         earlier steps but those still in flight (staleness), so the cache keeps only these; then the
-        micro-batch's gradients (and the update)."""
+        micro-batch's gradients (and the update, after which the next step's targets are looked up)."""
         if msg.mb == 0:
             low = msg.step - peer.staleness
             peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= low}
         self.serving.accumulate([peer], msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
+        if msg.mb == msg.mbs - 1:
+            self.prefetch(peer.index, msg.step + 1)
 
     def _loss_and_gradient(self, peer: Peer, msg: Message
                            ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
@@ -447,7 +465,7 @@ class Turns(Topology):
         if rows is not None:            # send_rows: the targets of the rows the peer sent (``check_rows``)
             target = s.data[peer.index].targets_at(rows)
         elif target is None:
-            target = micro_batch(s.data[peer.index].targets(msg.step), msg.mb, msg.mbs)
+            target = micro_batch(self.targets(peer.index, msg.step), msg.mb, msg.mbs)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
         return mb_loss, dx, grads_later
