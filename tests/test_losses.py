@@ -118,6 +118,37 @@ def test_softmax_cross_entropy_known_values():
     np.testing.assert_allclose(dpred, [[0.25, -0.25]], rtol=1e-6, atol=1e-7)
 
 
+def softmax_cross_entropy_plainly(pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+    """The float32 formula as numpy writes it plainly (what the loss computed before it was cut to fewer
+    numpy calls): the cut must keep every bit of it."""
+    shifted = pred - pred.max(axis=1, keepdims=True)
+    log_prob = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    rows = np.arange(len(pred))
+    loss = np.float32(-log_prob[rows, target].mean(dtype=np.float32))
+    dpred = np.exp(log_prob)
+    dpred[rows, target] -= np.float32(1)
+    return loss, dpred / np.float32(len(pred))
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "reversed columns"])
+def test_softmax_cross_entropy_is_the_plain_formula_bitwise(layout):
+    """Issue 25: the loss in fewer numpy calls gives the plain formula's bits for every batch and class
+    count (numpy's row sums add 8 at a time from 8 classes on), logit scale and memory layout, and calls
+    of several shapes on one loss object (its flat row offsets are kept between calls)."""
+    rng = np.random.default_rng(25)
+    loss_fn = SoftmaxCrossEntropy()
+    for batch, classes in [(1, 2), (32, 10), (7, 3), (32, 10), (64, 16), (5, 131), (32, 10)]:
+        for scale in (0.01, 3.0, 1e4):
+            pred = (rng.normal(size=(batch, classes)) * scale).astype(np.float32)
+            pred = {"C": pred, "F": np.asfortranarray(pred), "reversed columns": pred[:, ::-1]}[layout]
+            target = rng.integers(0, classes, size=batch)
+            loss, dpred = loss_fn.forward_backward(pred, target)
+            want_loss, want_dpred = softmax_cross_entropy_plainly(pred, target)
+            assert isinstance(loss, np.float32) and loss.tobytes() == want_loss.tobytes()
+            assert dpred.dtype == np.float32 and dpred.shape == pred.shape
+            assert dpred.tobytes() == want_dpred.tobytes()
+
+
 def test_zero_loss_when_prediction_is_the_target():
     x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
     for loss_fn in (SumSquaredError(), MeanSquaredError()):

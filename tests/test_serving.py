@@ -461,3 +461,48 @@ def test_a_stage_without_checkpoint_every_gives_its_engine_no_checkpoint_observe
     assert StageState(StageOptions(exp, "f", exp.seed)).engine.observers == []
     state = StageState(StageOptions(exp, "f", exp.seed, checkpoint_dir=tmp_path, checkpoint_every=2))
     assert len(state.engine.observers) == 1
+
+
+def test_a_reply_leaves_before_the_reply_cache_is_pruned():
+    """Issue 25: ``handle`` does only what the reply needs before it leaves; dropping the replies of the
+    driver's earlier steps from the reply cache (``Turns.after_reply``) runs after it, in ``settle``, with
+    the micro-batch's gradients and update. Nothing sees the cache between the two: the next message's
+    ``handle`` settles first, so a repeat of an old step is still refused and the step's own repeat gets
+    its reply."""
+    server, exp = _serving("tanh-regression")
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    first = only_reply(server.handle(PEER, _forward(exp, "r", 1), 0.0))
+    server.settle()
+    second = only_reply(server.handle(PEER, _forward(exp, "r", 2), 0.0))
+    peer = server.peers[0]
+    assert set(peer.cached) == {(1, 0), (2, 0)} and peer.cached[(1, 0)] is first   # pruned only after the reply
+    assert server.settle() == [] and set(peer.cached) == {(2, 0)} and server.stage.step == 2
+    assert only_reply(server.handle(PEER, _forward(exp, "r", 2), 0.0)) is second
+    with pytest.raises(ProtocolError, match="expected step 3"):
+        server.handle(PEER, _forward(exp, "r", 1), 0.0)
+
+
+def test_a_steps_targets_are_looked_up_once_and_before_its_first_forward():
+    """Issue 25: the label owner looks up a step's targets once (each of its micro-batches slices them; each
+    used to gather the whole batch again), and looks up the next step's after a step's update, in
+    ``settle``, so none is looked up between a forward's arrival and its reply. The replies are those of
+    a stage that looks each up when it is needed."""
+    server, exp = _serving("digits")
+    reference, _ = _serving("digits")
+    lookups = []
+    data = server.data[0]
+    looked_up = data.targets
+    data.targets = lambda step: lookups.append(step) or looked_up(step)
+    for stage in (server, reference):
+        stage.handle(PEER, hello_message(exp, "r", micro_batches=4), 0.0)
+    for step in (1, 2, 3):
+        for msg in _micro_forwards(exp, "r", step, 4):
+            reply = only_reply(server.handle(PEER, msg, 0.0))
+            assert lookups.count(step) == 1 and not lookups.count(step + 1)
+            expected = only_reply(reference.handle(PEER, msg, 0.0))
+            assert reply.body["loss"] == expected.body["loss"]
+            assert np.array_equal(reply.tensors["activation_grad"], expected.tensors["activation_grad"])
+        server.settle()
+        reference.settle()
+        assert lookups == list(range(1, step + 2))         # the next step's, after this step's update
+    assert _same(_params(server), _params(reference))

@@ -70,6 +70,29 @@ def test_aggregations_combine_and_split_as_documented():
         aggregate.combined_shape("sum", [(32, 2), (32, 5)])
 
 
+def test_a_concat_gradient_of_equal_widths_is_split_by_one_copy():
+    """Issue 25: the label owner's gradient of K parties of one width is cut by one numpy copy into one
+    block, each party's part a contiguous row of it (was K copies, and a cumsum of the widths per step);
+    the parts are the gradient's columns exactly and own their memory apart from the gradient."""
+    rng = np.random.default_rng(1)
+    for lead in [(32,), (2, 5), ()]:
+        grad = rng.normal(size=(*lead, 8 * 4)).astype(np.float32)
+        kept = grad.copy()
+        parts = aggregate.split("concat", grad, [4] * 8)
+        assert [p.shape for p in parts] == [(*lead, 4)] * 8 and all(p.flags.c_contiguous for p in parts)
+        assert all(p.dtype == np.float32 and np.array_equal(p, grad[..., 4 * k:4 * k + 4])
+                   for k, p in enumerate(parts))
+        block = parts[0].base
+        assert block is not None and all(p.base is block for p in parts) and not np.shares_memory(block, grad)
+        for p in parts:
+            p[...] = 0
+        assert np.array_equal(grad, kept)
+    # Unequal widths, and a label owner's own columns after the parties': each part copied on its own.
+    grad = rng.normal(size=(3, 2 + 5 + 1 + 4)).astype(np.float32)
+    parts = aggregate.split_input(grad, True, "concat", [2, 5, 1])
+    assert [p.shape for p in parts] == [(3, 2), (3, 5), (3, 1)] and np.array_equal(np.hstack(parts), grad[:, :8])
+
+
 def test_one_party_is_the_two_stage_split():
     """A vertical experiment with one feature party is the plain f/g split, bit for bit."""
     raw = {"name": "x", "steps": 30, "data": {"kind": "synthetic_classification", "samples": 256, "features": 6,

@@ -18,6 +18,7 @@ the same order, so a vertical run over the wire is bitwise equal to it.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -63,13 +64,25 @@ def split(kind: str, grad: np.ndarray, widths: Sequence[int]) -> list[np.ndarray
     """Each party's gradient (contiguous float32, in party order) from the gradient of the combined input;
     ``widths[k]`` is party k's last-axis width (used by ``concat``)."""
     if kind == "concat":
-        if len(widths) == 1:
-            return [grad]
-        edges = np.cumsum([0, *widths])
-        return [np.ascontiguousarray(grad[..., edges[k]:edges[k + 1]]) for k in range(len(widths))]
+        return columns(grad, widths) if len(widths) > 1 else [grad]
     if kind == "mean":
         grad = grad / DTYPE(len(widths))
     return [grad if k == 0 else grad.copy() for k in range(len(widths))]   # a backward may reuse its input
+
+
+def columns(x: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
+    """``x``'s last axis cut into parts of ``widths`` (the first ``sum(widths)`` columns), each a contiguous
+    copy. Parts of one width are copied by one numpy call into one block (each part a view of a row of
+    it): a label owner's gradient at K parties costs one copy, not K."""
+    count, width = len(widths), widths[0]
+    if list(widths).count(width) == count and x.shape[-1] == count * width:
+        lead = x.shape[:-1]
+        block = np.empty((count, *lead, width), x.dtype)
+        # (..., K * w) -> (..., K, w) -> (K, ..., w): part k's columns become row k of the block.
+        np.copyto(block, x.reshape(*lead, count, width).transpose(len(lead), *range(len(lead)), len(lead) + 1))
+        return list(block)
+    edges = list(itertools.accumulate(widths, initial=0))
+    return [np.ascontiguousarray(x[..., edges[k]:edges[k + 1]]) for k in range(count)]
 
 
 class OwnBottom(Layer):
@@ -86,10 +99,11 @@ class OwnBottom(Layer):
     def __init__(self, kind: str, widths: Sequence[int], bottom: Sequential) -> None:
         super().__init__()
         self.kind, self.widths, self.bottom = kind, list(widths), bottom
+        self.edges = list(itertools.accumulate(self.widths, initial=0))    # where each party's columns start
         self.params = bottom.params
 
     def _parts(self, x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        edges = np.cumsum([0, *self.widths])
+        edges = self.edges
         return [x[..., edges[k]:edges[k + 1]] for k in range(len(self.widths))], x[..., edges[-1]:]
 
     def output_shape(self, shape: Shape) -> Shape:
@@ -121,5 +135,4 @@ def split_input(grad: np.ndarray, own: bool, kind: str, widths: Sequence[int]) -
     """Each party's gradient from the gradient of ``join_input``'s result."""
     if not own:
         return split(kind, grad, widths)
-    edges = np.cumsum([0, *widths])
-    return [np.ascontiguousarray(grad[..., edges[k]:edges[k + 1]]) for k in range(len(widths))]
+    return columns(grad, widths)

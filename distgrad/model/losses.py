@@ -109,27 +109,34 @@ class SoftmaxCrossEntropy(Loss):
         return (pred_shape[0],)
 
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        # Each step in as few numpy calls as the float32 results allow (a call on a batch of 32 costs more
+        # than its arithmetic): the reductions as ``ufunc.reduce`` (what ``.max``/``.sum`` call, without
+        # their Python layer), in place where the array is this call's own, and each row's label found by
+        # its flat index (row * classes + label) in C order. ``log_prob`` keeps ``pred``'s memory order:
+        # numpy's sum along a row adds in an order that depends on it.
         batch, classes = pred.shape
-        if target.min(initial=0) < 0 or target.max(initial=0) >= classes:
+        # One reduction checks both ends: a negative id is huge as an unsigned one.
+        if np.maximum.reduce(target.astype(np.uint64), axis=None, initial=0) >= classes:
             raise ValueError(f"class ids must lie in [0, {classes}), got {target.min()}..{target.max()}")
-        shifted = pred - pred.max(axis=1, keepdims=True)
-        log_norm = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        log_prob = shifted - log_norm
-        rows = self._rows(batch)
-        picked = log_prob[rows, target]
-        # picked.mean(dtype=DTYPE) without np.mean's Python layer: the float32 sum divided by
-        # the count as an intp, then cast back, exactly as numpy's _mean does it.
-        loss = DTYPE(-DTYPE(np.add.reduce(picked, axis=None, dtype=DTYPE) / np.intp(picked.size)))
-        dpred = np.exp(log_prob)
-        dpred[rows, target] -= DTYPE(1)
+        picks = self._offsets(batch, classes) + target
+        log_prob = pred - np.maximum.reduce(pred, axis=1, keepdims=True)
+        log_norm = np.add.reduce(np.exp(log_prob), axis=1, keepdims=True)
+        log_prob -= np.log(log_norm, out=log_norm)
+        # The mean of the picked log-probabilities as ``np.mean(picked, dtype=float32)`` computes it: the
+        # float32 sum divided by the count in float64, then cast back (negating is exact either way).
+        loss = DTYPE(-(float(np.add.reduce(log_prob.reshape(-1).take(picks), axis=None, dtype=DTYPE)) / batch))
+        dpred = np.exp(log_prob, order="C")     # C order: its flat view below is itself, not a copy
+        dpred.reshape(-1)[picks] -= DTYPE(1)
         dpred /= DTYPE(batch)                   # dpred is this call's own array
         return loss, dpred
 
-    def _rows(self, batch: int) -> np.ndarray:
-        rows = self.__dict__.get("_row_ids")
-        if rows is None or len(rows) != batch:
-            rows = self._row_ids = np.arange(batch)
-        return rows
+    def _offsets(self, batch: int, classes: int) -> np.ndarray:
+        """Each row's first flat index, ``row * classes`` (kept between calls of the same shape)."""
+        offsets = self.__dict__.get("_row_offsets")
+        if offsets is None or offsets.shape != (batch,) or self.__dict__.get("_classes") != classes:
+            offsets = self._row_offsets = np.arange(0, batch * classes, classes)
+            self._classes = classes
+        return offsets
 
     def correct(self, pred: np.ndarray, target: np.ndarray) -> int | None:
         return int((pred.argmax(axis=1) == target).sum())

@@ -10,7 +10,7 @@ needs every party), never dropped.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import micro_batch
 from distgrad.run.topology import Topology
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import GRADIENT, stream_name
+from distgrad.wire.wirecodec import GRADIENT
 
 
 class Parties(Topology):
@@ -33,6 +33,7 @@ class Parties(Topology):
     def __init__(self, serving: Any, count: int) -> None:
         super().__init__(serving, count)
         self.found = 0      # a hint: parties 0 .. found - 1 had sent their part of the micro-batch (``all_in``)
+        self.widths = [self.input_shape(index)[-1] for index in range(count)]   # of each party's embedding
 
     def build_data(self, seed: int, stage: str) -> list[Any]:
         """Every party's rows are the same rows: one label source."""
@@ -185,14 +186,14 @@ class Parties(Topology):
         (``found``), so a micro-batch costs O(parties) checks in all, not O(parties) per message. Before
         the parts combine every party is checked again (one may have said hello again meanwhile, which
         drops what it had sent, or the run gone back to an earlier step)."""
-        s = self.serving
-        arrived = lambda p: p.status is PeerStatus.ACTIVE and key in p.waiting      # noqa: E731
-        while self.found < self.count and arrived(s.peers[self.found]):
-            self.found += 1
-        if self.found < self.count:
+        peers, found, active = self.serving.peers, self.found, PeerStatus.ACTIVE
+        while found < self.count and peers[found].status is active and key in peers[found].waiting:
+            found += 1
+        if found < self.count:
+            self.found = found
             return False
         self.found = 0
-        return all(arrived(p) for p in s.peers)
+        return all(p.status is active and key in p.waiting for p in peers)
 
     def advance_joining(self, now: float) -> bool:
         s = self.serving
@@ -239,7 +240,7 @@ class Parties(Topology):
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
-                target = micro_batch(s.data[0].targets(step), mb, mbs)
+                target = micro_batch(self.targets(0, step), mb, mbs)
             else:           # send_rows: the label owner's own columns and targets of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
                 target = s.data[0].targets_at(rows)
@@ -247,10 +248,8 @@ class Parties(Topology):
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
-            parts = aggregate.split_input(dz, s.exp.own_bottom, s.exp.aggregate,
-                                          [shape[-1] for shape in s.input_shapes])
-            sent = [s.encode(GRADIENT, dy, stream_name(GRADIENT, mb, mbs, self.stream(peer)), step)
-                    for peer, dy in zip(group, parts)]
+            parts = aggregate.split_input(dz, s.exp.own_bottom, s.exp.aggregate, self.widths)
+            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step) for peer, dy in zip(group, parts)]
         except (NonFiniteError, StageError) as e:
             code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
             s.log.error("%s", e)
@@ -259,16 +258,27 @@ class Parties(Topology):
                 s.failure = e
             return [(p.envelope, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(group, msgs)]
         replies = []
-        body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}
+        key = (step, mb)
+        body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}   # every reply's (read only)
         for peer, msg, tensors in zip(group, msgs, sent):
+            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=body, tensors=tensors)
+            # The party holds every reply of its previous step: a step's first reply replaces them.
             if mb == 0:
-                peer.cached = {}            # the party holds every reply of its previous step
-            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=dict(body), tensors=tensors)
-            peer.cached[(step, mb)] = reply
+                peer.cached = {key: reply}
+            else:
+                peer.cached[key] = reply
             peer.last_seen = now
             replies.append((peer.envelope, reply))
-        s.defer(group, lambda: s.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz))
+        s.defer(group, lambda: self.after_reply(group, step, mb, mbs, grads_later, mb_loss, dz))
         return replies
+
+    def after_reply(self, group: list[Peer], step: int, mb: int, mbs: int,
+                    grads_later: Callable[[], dict[str, np.ndarray]], mb_loss: np.float32, dz: np.ndarray) -> None:
+        """What ``compute`` deferred: the micro-batch's gradients (and the update, after which the next step's
+        targets are looked up)."""
+        self.serving.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz)
+        if mb == mbs - 1:
+            self.prefetch(0, step + 1)
 
     def common_rows(self, group: list[Peer], msgs: list[Message]) -> Any:
         """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when

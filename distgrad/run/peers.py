@@ -53,6 +53,7 @@ class Peer:
     eval_every: int = 0               # it evaluates after every K-th step (its hello says; 0: at the end only)
     staleness: int = 0                # steps it keeps in flight (its hello says): replies of as many are kept
     specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)
+    streams: list[str] = field(default_factory=list)   # by micro-batch: the stream of its reply's gradient
     last_seen: float = -math.inf      # its last message, or the last reply to it
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn

@@ -63,7 +63,7 @@ from distgrad.threads import one_compute_thread
 from distgrad.run.topology import Clients, OnePeer, Topology
 from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import GRADIENT
+from distgrad.wire.wirecodec import GRADIENT, stream_name
 
 __all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "refusal", "serve"]
 
@@ -238,7 +238,7 @@ class ServingStage:
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
         next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
-        peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
+        self.expect(peer, mbs)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
         self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
@@ -251,6 +251,12 @@ class ServingStage:
         self.log.info("%s said hello (run %s, %d micro-batches): next step %d", topology.name(peer), msg.run, mbs,
                       next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": next_step})
+
+    def expect(self, peer: Peer, mbs: int) -> None:
+        """``peer`` sends ``mbs`` micro-batches a step: what its forwards carry and the stream of each reply's
+        gradient (``topology.stream``), found once per hello rather than per message."""
+        peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
+        peer.streams = [stream_name(GRADIENT, mb, mbs, self.topology.stream(peer)) for mb in range(mbs)]
 
     def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
         """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
@@ -378,8 +384,8 @@ class ServingStage:
         self.turn += 1
 
     def settle(self) -> list[Reply]:
-        """Run what ``handle`` deferred until its reply had been sent (gradients, update), if anything,
-        and return the replies of the work that then became possible (send them, then settle again).
+        """Run what ``handle`` deferred until its reply had been sent (gradients, update, pruning the reply
+        cache), if any; return the replies of the work that then became possible (send, then settle again).
 
         A non-finite gradient there applies nothing; the peer hears of it in
         reply to its next message (with several clients, it is dropped)."""

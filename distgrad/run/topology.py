@@ -48,14 +48,15 @@ class Topology(abc.ABC):
 
     The defaults are those of a stage serving several peers that counts the
     run's steps itself (``Clients`` and ``Parties``); ``OnePeer`` overrides them.
-    Every topology decides the four abstract methods: how a peer joins, the order
-    of a round, and how a round and the joining advance.
+    Every topology decides the five abstract methods: how a peer joins, the order
+    of a round, whose turn it is, and how a round and the joining advance.
     """
 
     def __init__(self, serving: Any, count: int) -> None:
         self.serving = serving
         self.count = count          # the peers it serves
         self.runs: dict[str, Peer] = {}     # run id -> the peer ``peer_of`` found for it (cleared at a hello)
+        self.held_targets: dict[int, tuple[int, np.ndarray]] = {}   # data index -> (step, its targets)
 
     # -- what the stage is built with
     def steps(self) -> int | None:
@@ -66,6 +67,21 @@ class Topology(abc.ABC):
         """Each peer's data at this stage (its targets and held-out rows): a shard per data owner."""
         exp = self.serving.exp
         return [exp.build_data(seed, client=c, stage=stage) for c in range(self.count)]
+
+    def targets(self, index: int, step: int) -> np.ndarray:
+        """The targets of step ``step`` (the whole batch) in this stage's data of peer ``index``, looked up
+        once a step: each micro-batch slices them, and after a step's update ``prefetch`` looks up the
+        next step's, off the path of a reply. (A step's targets depend on nothing but the step.)"""
+        held = self.held_targets.get(index)
+        if held is None or held[0] != step:
+            held = self.held_targets[index] = (step, self.serving.data[index].targets(step))
+        return held[1]
+
+    def prefetch(self, index: int, step: int) -> None:
+        """Look up step ``step``'s targets (``targets``) now, if this stage looks up peer ``index``'s at all
+        (not when they come with its forwards, or from the stage below)."""
+        if index in self.held_targets:
+            self.targets(index, step)
 
     def input_shape(self, index: int) -> tuple[int, ...]:
         """What peer ``index``'s forwards carry, before coding: this stage's input."""
@@ -139,9 +155,9 @@ class Topology(abc.ABC):
                 return peer
         raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.expected_run()}")
 
+    @abc.abstractmethod
     def in_turn(self, peer: Peer) -> bool:
-        """``peer`` is one of ``turn_peers``: its micro-batches are taken now."""
-        return any(p is peer for p in self.turn_peers())
+        """``peer`` is one of ``turn_peers``: its micro-batches are taken now (asked of every forward)."""
 
     def current(self) -> Peer | None:
         """The one peer whose turn it is (none between rounds)."""
@@ -395,15 +411,19 @@ class Turns(Topology):
         """After the silent peers were handled: note when every peer became lost."""
 
     # -- one micro-batch of a turn
+    def in_turn(self, peer: Peer) -> bool:
+        s = self.serving
+        return s.phase is Phase.ROUND and s.turn < len(s.order) and s.order[s.turn] == peer.index
+
     def compute(self, peer: Peer, msg: Message, now: float) -> Reply:
-        """One micro-batch of ``peer``'s turn: its reply now, its gradients (and the update after the
-        last) deferred until the reply has left."""
+        """One micro-batch of ``peer``'s turn: its reply now; its gradients (and the update after the
+        last), and the reply cache's pruning, deferred until the reply has left."""
         s = self.serving
         started = time.perf_counter()
         try:
             mb_loss, dx, grads_later = self._loss_and_gradient(peer, msg)
             s.stage.check_finite("activation_grad", dx, msg.step)
-            tensors = s.encode(GRADIENT, dx, stream_name(GRADIENT, msg.mb, msg.mbs, self.stream(peer)), msg.step)
+            tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step)
         except NonFiniteError as e:
             s.log.error("%s", e)
             self.failed(peer, e)
@@ -413,16 +433,25 @@ class Turns(Topology):
         except ProtocolError:
             peer.waiting.clear()            # refused from below: the peer sends again after its handshake
             raise
-        if msg.mb == 0:
-            # The peer holds every reply of its earlier steps but those still in flight (staleness).
-            peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= msg.step - peer.staleness}
         body = {"loss": float(mb_loss)}
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors=tensors)
         peer.cached[(msg.step, msg.mb)] = reply
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
         peer.last_seen = now
-        s.defer([peer], lambda: s.accumulate([peer], msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx))
+        s.defer([peer], lambda: self.after_reply(peer, msg, grads_later, mb_loss, dx))
         return peer.envelope, reply
+
+    def after_reply(self, peer: Peer, msg: Message, grads_later: Callable[[], dict[str, np.ndarray]],
+                    mb_loss: np.float32, dx: np.ndarray) -> None:
+        """What ``compute`` deferred: after a step's first micro-batch the peer holds every reply of its
+        earlier steps but those still in flight (staleness), so the cache keeps only these; then the
+        micro-batch's gradients (and the update, after which the next step's targets are looked up)."""
+        if msg.mb == 0:
+            low = msg.step - peer.staleness
+            peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= low}
+        self.serving.accumulate([peer], msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
+        if msg.mb == msg.mbs - 1:
+            self.prefetch(peer.index, msg.step + 1)
 
     def _loss_and_gradient(self, peer: Peer, msg: Message
                            ) -> tuple[np.float32, np.ndarray, Callable[[], dict[str, np.ndarray]]]:
@@ -436,7 +465,7 @@ class Turns(Topology):
         if rows is not None:            # send_rows: the targets of the rows the peer sent (``check_rows``)
             target = s.data[peer.index].targets_at(rows)
         elif target is None:
-            target = micro_batch(s.data[peer.index].targets(msg.step), msg.mb, msg.mbs)
+            target = micro_batch(self.targets(peer.index, msg.step), msg.mb, msg.mbs)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
         return mb_loss, dx, grads_later
@@ -757,7 +786,7 @@ class OnePeer(Turns):
         peer = s.peers[0]
         peer.run, peer.owner, peer.step = s.state.run_id, s.state.owner, ckpt_step
         peer.status, peer.last_seen = PeerStatus.ACTIVE, now
-        peer.specs = s.accepts.forward(peer.mbs, peer.index)   # until its hello says otherwise
+        s.expect(peer, peer.mbs)             # until its hello says otherwise
         s.start_round()
 
     def at_round_boundary(self) -> bool:
