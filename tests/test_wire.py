@@ -576,6 +576,12 @@ def test_all_finite_sums_squares_first_and_checks_exactly_only_when_the_sum_is_n
     assert wire.all_finite(np.ones(3, np.float16)) and not wire.all_finite(np.array([1, np.inf], np.float16))
 
 
+@pytest.mark.parametrize("first", [np.zeros((2, 2), np.uint8), np.float32(1), np.zeros(3, np.float64), "text"],
+                         ids=["2-d", "0-d", "floats", "str"])
+def test_a_header_frame_that_is_no_byte_buffer_is_malformed(first):
+    refused([first, b"\0" * 4], ErrorCode.MALFORMED)
+
+
 def test_a_binary_message_keeps_its_frames_as_memoryviews_and_its_layout_checks_finiteness_as_it_reads():
     """decode keeps a binary message's tensor frames as memoryviews (their byte lengths without another
     wrapper); FrameLayout.read checks each float tensor's finiteness while reading it (issue 25)."""

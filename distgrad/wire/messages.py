@@ -66,6 +66,9 @@ BINARY_TYPES: dict[str, int] = {FORWARD: 1, BACKWARD: 2}
 _BINARY_NAMES = {code: name for name, code in BINARY_TYPES.items()}
 _BACKWARD_CODE = BINARY_TYPES[BACKWARD]
 RUN_ID_MAX = 128                       # characters (bytes) in a run id
+# BINARY_HEADER followed by the run id, one Struct per run id length: one call packs or unpacks a header frame,
+# its run id included.
+_HEADERS = [struct.Struct(BINARY_HEADER.format + f"{size}s") for size in range(RUN_ID_MAX + 1)]
 
 # Tensor dtypes on the wire, always little-endian. float16, uint16 (bfloat16's bits) and int8 carry the
 # parts of a coded tensor (``distgrad.wire.codecs``, ``distgrad.wire.wirecodec``).
@@ -175,8 +178,8 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
     other than ``{}`` (forward) or ``loss`` and ``compute_s`` (backward), a
     run id that is not ASCII or longer than ``RUN_ID_MAX``, ids out of range.
     """
-    body = msg.body
-    if code == BINARY_TYPES[BACKWARD]:
+    body, tensors = msg.body, msg.tensors
+    if code == _BACKWARD_CODE:
         if "loss" not in body or not body.keys() <= _BACKWARD_BODY:
             raise ValueError(f"{msg.describe()}: a backward's body is loss and compute_s, got {sorted(body)}")
         loss, compute_s = float(body["loss"]), float(body.get("compute_s", 0.0))
@@ -185,15 +188,15 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
     else:
         loss = compute_s = 0.0
     run = msg.run.encode("ascii")
-    if len(run) > RUN_ID_MAX or len(msg.tensors) > MAX_TENSORS:
+    if len(run) > RUN_ID_MAX or len(tensors) > MAX_TENSORS:
         raise ValueError(f"{msg.describe()}: run id over {RUN_ID_MAX} characters or over {MAX_TENSORS} tensors")
     try:
-        header = BINARY_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, code, 0, len(msg.tensors), len(run), 0,
-                                    msg.step, msg.mb, msg.mbs, loss, compute_s)
+        header = _HEADERS[len(run)].pack(BINARY_MAGIC, PROTOCOL_VERSION, code, 0, len(tensors), len(run), 0,
+                                         msg.step, msg.mb, msg.mbs, loss, compute_s, run)
     except struct.error as e:
         raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
-    frames: list[Any] = [header + run]
-    for name, array in msg.tensors.items():
+    frames: list[Any] = [header]
+    for name, array in tensors.items():
         frames.append(_wire_array(name, array)[0])
     return frames
 
@@ -212,10 +215,15 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     sizes may not exceed ``max_tensor_bytes``.
     """
     try:
-        return _decode(frames, max_tensor_bytes)
+        if not frames:
+            raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+        first = memoryview(frames[0])
+        if first.nbytes and first[0] == BINARY_MAGIC:
+            return _decode_binary(frames, first, max_tensor_bytes)
+        return _decode_msgpack(frames, first, max_tensor_bytes)
     except ProtocolError:
         raise
-    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+    except (TypeError, ValueError, OverflowError, RecursionError, NotImplementedError) as e:
         # A backstop: hostile input must never escape as anything but a protocol error.
         raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {show(str(e))}") from e
 
@@ -231,15 +239,11 @@ _RUNS_SEEN: set[str] = set()      # run ids that passed RUN_ID (a run's messages
 _RUNS_SEEN_MAX = 64
 
 
-def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
+def _decode_msgpack(frames: Sequence[Any], first: memoryview, max_tensor_bytes: int) -> Message:
+    """A message with a msgpack header (``first``, a view of frames[0])."""
     # The checks below are the specification's, in its order; they test exact types
     # (``type(x) is int`` is False for bools, as msgpack's True is not the integer 1).
-    if not frames:
-        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
-    first = memoryview(frames[0])
     header_size = first.nbytes
-    if header_size and first[0] == BINARY_MAGIC:
-        return _decode_binary(frames, first, header_size, max_tensor_bytes)
     if header_size > HEADER_MAX_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
     try:
@@ -322,14 +326,13 @@ def _received(array: np.ndarray) -> np.ndarray:
 
 
 _RUN_NAMES: dict[bytes, str] = {}     # run ids of binary headers that passed RUN_ID, by their bytes
-# BINARY_HEADER followed by the run id, one Struct per run id length (built when first seen): one call unpacks
-# a header frame's fields and its run id.
-_HEADERS = [struct.Struct(BINARY_HEADER.format + f"{size}s") for size in range(RUN_ID_MAX + 1)]
 _nbytes_of = operator.attrgetter("nbytes")
 
 
-def _decode_binary(frames: Sequence[Any], first: memoryview, header_size: int, max_tensor_bytes: int) -> Message:
-    """A forward or backward with a binary header; its tensor frames are left for ``expect_tensors``."""
+def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: int) -> Message:
+    """A forward or backward with a binary header (``first``, a view of frames[0]); its tensor frames are left
+    for ``expect_tensors``."""
+    header_size = first.nbytes
     run_size = header_size - BINARY_HEADER.size
     if run_size < 0:
         raise ProtocolError(ErrorCode.MALFORMED, f"binary header of {header_size} bytes; it has at least "

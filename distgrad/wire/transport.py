@@ -421,23 +421,23 @@ class Client:
         ``PeerRejected`` for an error reply to one of ``keys`` (or to an
         undecodable request), ``ProtocolError`` for a malformed reply.
         """
-        traffic, sock, clock, spin_s = self.traffic, self.sock, time.perf_counter, self.spin_s
-        deadline = time.monotonic() + timeout_s
+        traffic, sock, clock, spin_s = self.traffic, self.sock, time.monotonic, self.spin_s
+        now = clock()
+        deadline = now + timeout_s
         while True:
             if check_stop is not None:
                 check_stop()
-            left = deadline - time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"({self.unreachable_hint()})")
-            waited = clock()
             frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
             spin_s = 0.0                    # only the first tick spins
-            traffic.wait_s += clock() - waited
+            waited, now = now, clock()
+            traffic.wait_s += now - waited
             if frames is None:
                 continue
-            for frame in frames:
-                traffic.received += len(frame)
+            traffic.received += sum(map(len, frames))      # a Frame's len is its byte length
             reply = wire.decode(frames, self.max_reply_bytes)
             key = (reply.step, reply.mb)
             if reply.type == wire.ERROR and (key in keys or key == (0, 0)):

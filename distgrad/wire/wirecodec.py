@@ -245,7 +245,7 @@ class Senders:
             if len(self._wire_tensors) >= WIRE_TENSORS_KEPT:
                 self._wire_tensors.clear()
             wire_tensor = self._wire_tensors[key] = WireTensor(direction, x.shape, self.codecs[direction])
-        return wire_tensor.pack(self.encode(direction, x, stream, step))
+        return wire_tensor.pack(self._send(direction, x, stream, step, "encode"))
 
     def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The message tensors of held-out activations ``x``: the activation codec without error feedback
