@@ -102,10 +102,12 @@ _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
 _set = _BackendSocket.set
-# Socket options stay pyzmq's enum members (``get`` looks its option up as one: a member is found at once);
-# flags are plain ints (a member's ``&`` builds another member).
+# ``get`` and ``set`` look their option up as a ``SocketOption`` (Python code in the enum module) on every call,
+# so a message's receive asks the socket nothing (``poll_frames``). Flags are plain ints (a member's ``&`` builds
+# another member).
 _RCVMORE, _EVENTS, _RCVTIMEO = zmq.RCVMORE, zmq.EVENTS, zmq.RCVTIMEO
 _SNDMORE, _POLLIN = int(zmq.SNDMORE), int(zmq.POLLIN)
+_RCVTIMEO_KEY = "_distgrad_rcvtimeo_ms"     # poll_frames' memo of the RCVTIMEO it last set on a socket
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
@@ -228,13 +230,16 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
                 copy_first: bool = False) -> list[Any] | None:
     """The next multipart message (``zmq.Frame`` objects), or None if none arrives within ``timeout_s``.
 
-    The wait is the receive itself, bounded by the socket's ``RCVTIMEO`` (set
-    here on each call): one blocking call into ZeroMQ, where a ``zmq_poll``
-    before the receive would cost a few more system calls per message.
+    The wait is the receive itself, bounded by the socket's ``RCVTIMEO``: one
+    blocking call into ZeroMQ, where a ``zmq_poll`` before the receive would
+    cost a few more system calls per message. ``RCVTIMEO`` belongs to this
+    function: it is set only when it changes (the value last set is kept in
+    the socket's ``__dict__``, as pyzmq's ``setsockopt`` runs Python code for
+    each call), so nothing else may set it on a socket read here.
     With ``spin_s`` > 0, first checks for a message without sleeping for up
     to that long (it counts towards ``timeout_s``), then blocks.
     ``copy_first``: the first frame as ``bytes`` (a ROUTER's routing id, at
-    most 255 bytes: cheaper copied than wrapped in a ``Frame``).
+    most 255 bytes, which a reply sends back).
     """
     if spin_s > 0:
         clock = time.perf_counter
@@ -244,13 +249,17 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
             if clock() >= end:
                 timeout_s -= clock() - started
                 break
-    _set(sock, _RCVTIMEO, int(timeout_s * 1000) if timeout_s > 0 else 0)
+    timeout_ms = int(timeout_s * 1000) if timeout_s > 0 else 0
+    memo = sock.__dict__
+    if memo.get(_RCVTIMEO_KEY) != timeout_ms:
+        _set(sock, _RCVTIMEO, timeout_ms)
+        memo[_RCVTIMEO_KEY] = timeout_ms
     try:
-        first = _recv(sock, 0, copy_first)
+        first = _recv(sock, 0, False)
     except zmq.Again:
         return None
-    parts = [first]
-    more = _get(sock, _RCVMORE) if copy_first else first.more    # a Frame knows; asking the socket costs µs
+    more = first.more           # a Frame knows; asking the socket (``getsockopt``) costs more
+    parts = [first.bytes if copy_first else first]
     for _ in _MORE_FRAMES:
         if not more:
             return parts
