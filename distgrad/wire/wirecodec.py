@@ -95,7 +95,7 @@ class WireTensor:
         """
         if self.codec.name == "none":
             return msg.tensors[self.name]
-        names = {part: self.part_name(part) for part in self.codec.wire_specs(self.shape)}
+        names = self._part_names
         value = self.codec.decode({part: msg.tensors[name] for part, name in names.items()}, self.shape)
         if not allow_nonfinite and not all_finite(value):
             raise ProtocolError(ErrorCode.NONFINITE, f"tensor {self.name!r} ({self.codec.name}) holds NaN or Inf, "
