@@ -561,6 +561,42 @@ def test_all_finite_agrees_with_numpy_on_small_arrays():
         assert wire.all_finite(a) == bool(np.isfinite(a).all())
 
 
+def test_all_finite_sums_squares_first_and_checks_exactly_only_when_the_sum_is_not_finite(monkeypatch):
+    """float32/float64: one BLAS ``vdot`` answers for finite arrays; ``isfinite`` runs only when the sum of
+    squares is NaN or Inf (a non-finite element, or finite squares beyond the dtype's range; issue 25)."""
+    exact = []
+    isfinite = np.isfinite
+    monkeypatch.setattr(np, "isfinite", lambda *a, **k: exact.append(1) or isfinite(*a, **k))
+    assert wire.all_finite(np.ones((32, 256), np.float32)) and wire.all_finite(np.ones(3)) and exact == []
+    assert wire.all_finite(np.full(4, 3e38, np.float32)) and len(exact) == 1      # squares overflow: exact check
+    for bad in (np.nan, np.inf, -np.inf):
+        a = np.zeros((2, 3), np.float32)
+        a[1, 2] = bad
+        assert not wire.all_finite(a) and not wire.all_finite(a.astype(np.float64))
+    assert wire.all_finite(np.ones(3, np.float16)) and not wire.all_finite(np.array([1, np.inf], np.float16))
+
+
+@pytest.mark.parametrize("first", [np.zeros((2, 2), np.uint8), np.float32(1), np.zeros(3, np.float64), "text"],
+                         ids=["2-d", "0-d", "floats", "str"])
+def test_a_header_frame_that_is_no_byte_buffer_is_malformed(first):
+    refused([first, b"\0" * 4], ErrorCode.MALFORMED)
+
+
+def test_a_binary_message_keeps_its_frames_as_memoryviews_and_its_layout_checks_finiteness_as_it_reads():
+    """decode keeps a binary message's tensor frames as memoryviews (their byte lengths without another
+    wrapper); FrameLayout.read checks each float tensor's finiteness while reading it (issue 25)."""
+    x = np.array([[0, np.inf, 0], [0, 0, 0]], np.float32)
+    frames = as_bytes(wire.encode(Message(wire.FORWARD, "r", 1, tensors={"activation": x,
+                                                                         "target": np.zeros(2, np.int64)})))
+    msg = wire.decode(frames)
+    assert [type(frame) for frame in msg.frames] == [memoryview, memoryview]
+    with pytest.raises(ProtocolError) as info:
+        ACT.read(msg, allow_nonfinite=False)
+    assert info.value.code == ErrorCode.NONFINITE and "'activation'" in str(info.value)
+    tensors = ACT.read(msg)                                  # the default reads without the check
+    assert np.isinf(tensors["activation"][0, 1]) and not tensors["target"].flags.writeable
+
+
 def test_expect_tensors_accepts_list_shapes_and_dtype_classes():
     msg = Message(wire.AVERAGE, tensors={"a": np.zeros((2, 3), np.float32)})
     wire.expect_tensors(msg, {"a": ([2, 3], np.float32)})

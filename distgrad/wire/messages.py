@@ -17,6 +17,8 @@ or ``struct`` fields, tensors are raw bytes read with ``np.frombuffer``.
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 import reprlib
 import struct
@@ -62,7 +64,11 @@ BINARY_HEADER = struct.Struct("<BBBBBBHQIIdd")     # 40 bytes
 BINARY_MAGIC = 0xC1
 BINARY_TYPES: dict[str, int] = {FORWARD: 1, BACKWARD: 2}
 _BINARY_NAMES = {code: name for name, code in BINARY_TYPES.items()}
+_BACKWARD_CODE = BINARY_TYPES[BACKWARD]
 RUN_ID_MAX = 128                       # characters (bytes) in a run id
+# BINARY_HEADER followed by the run id, one Struct per run id length: one call packs or unpacks a header frame,
+# its run id included.
+_HEADERS = [struct.Struct(BINARY_HEADER.format + f"{size}s") for size in range(RUN_ID_MAX + 1)]
 
 # Tensor dtypes on the wire, always little-endian. float16, uint16 (bfloat16's bits) and int8 carry the
 # parts of a coded tensor (``distgrad.wire.codecs``, ``distgrad.wire.wirecodec``).
@@ -82,6 +88,8 @@ _WIRE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items(
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
 _frombuffer_nd = np.ndarray
+_vdot = np.vdot
+_isfinite = math.isfinite
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
@@ -102,14 +110,14 @@ class ErrorCode:
     NONFINITE_STEP = "nonfinite_step"  # the stage's own loss or gradient is NaN/Inf: nothing applied, the run ends
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """One protocol message. ``tensors`` keeps insertion order (frame order).
 
     A received ``forward`` or ``backward`` (binary header) arrives with its
-    tensor frames in ``frames`` and no ``tensors`` yet: the header does not
-    say what they hold, the receiver's expectation does (``expect_tensors``
-    reads them, checked, and sets ``frames`` back to None).
+    tensor frames in ``frames`` (memoryviews) and no ``tensors`` yet: the
+    header does not say what they hold, the receiver's expectation does
+    (``expect_tensors`` reads them, checked, and sets ``frames`` back to None).
     """
 
     type: str
@@ -170,8 +178,8 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
     other than ``{}`` (forward) or ``loss`` and ``compute_s`` (backward), a
     run id that is not ASCII or longer than ``RUN_ID_MAX``, ids out of range.
     """
-    body = msg.body
-    if code == BINARY_TYPES[BACKWARD]:
+    body, tensors = msg.body, msg.tensors
+    if code == _BACKWARD_CODE:
         if "loss" not in body or not body.keys() <= _BACKWARD_BODY:
             raise ValueError(f"{msg.describe()}: a backward's body is loss and compute_s, got {sorted(body)}")
         loss, compute_s = float(body["loss"]), float(body.get("compute_s", 0.0))
@@ -180,26 +188,17 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
     else:
         loss = compute_s = 0.0
     run = msg.run.encode("ascii")
-    if len(run) > RUN_ID_MAX or len(msg.tensors) > MAX_TENSORS:
+    if len(run) > RUN_ID_MAX or len(tensors) > MAX_TENSORS:
         raise ValueError(f"{msg.describe()}: run id over {RUN_ID_MAX} characters or over {MAX_TENSORS} tensors")
     try:
-        header = BINARY_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, code, 0, len(msg.tensors), len(run), 0,
-                                    msg.step, msg.mb, msg.mbs, loss, compute_s)
+        header = _HEADERS[len(run)].pack(BINARY_MAGIC, PROTOCOL_VERSION, code, 0, len(tensors), len(run), 0,
+                                         msg.step, msg.mb, msg.mbs, loss, compute_s, run)
     except struct.error as e:
         raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
-    frames: list[Any] = [header + run]
-    for name, array in msg.tensors.items():
+    frames: list[Any] = [header]
+    for name, array in tensors.items():
         frames.append(_wire_array(name, array)[0])
     return frames
-
-
-def _nbytes(frame: Any) -> int:
-    return frame.nbytes if type(frame) is memoryview else memoryview(frame).nbytes
-
-
-def _buffer(frame: Any) -> Any:
-    # zmq.Frame (copy=False receive) exposes .buffer; bytes and memoryviews are buffers already.
-    return getattr(frame, "buffer", frame)
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
@@ -216,10 +215,15 @@ def decode(frames: Sequence[Any], max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYT
     sizes may not exceed ``max_tensor_bytes``.
     """
     try:
-        return _decode(frames, max_tensor_bytes)
+        if not frames:
+            raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+        first = memoryview(frames[0])
+        if first.nbytes and first[0] == BINARY_MAGIC:
+            return _decode_binary(frames, first, max_tensor_bytes)
+        return _decode_msgpack(frames, first, max_tensor_bytes)
     except ProtocolError:
         raise
-    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+    except (TypeError, ValueError, OverflowError, RecursionError, NotImplementedError) as e:
         # A backstop: hostile input must never escape as anything but a protocol error.
         raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {show(str(e))}") from e
 
@@ -235,15 +239,11 @@ _RUNS_SEEN: set[str] = set()      # run ids that passed RUN_ID (a run's messages
 _RUNS_SEEN_MAX = 64
 
 
-def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
+def _decode_msgpack(frames: Sequence[Any], first: memoryview, max_tensor_bytes: int) -> Message:
+    """A message with a msgpack header (``first``, a view of frames[0])."""
     # The checks below are the specification's, in its order; they test exact types
     # (``type(x) is int`` is False for bools, as msgpack's True is not the integer 1).
-    if not frames:
-        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
-    first = _buffer(frames[0])
-    header_size = _nbytes(first)
-    if header_size and first[0] == BINARY_MAGIC:
-        return _decode_binary(frames, first, header_size, max_tensor_bytes)
+    header_size = first.nbytes
     if header_size > HEADER_MAX_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
     try:
@@ -302,8 +302,8 @@ def _decode(frames: Sequence[Any], max_tensor_bytes: int) -> Message:
         total += expected
         if total > max_tensor_bytes:
             raise ProtocolError(ErrorCode.TENSOR, f"tensors declare {total} bytes; this stage accepts at most {max_tensor_bytes}")
-        buffer = _buffer(frames[i + 1])
-        got = _nbytes(buffer)
+        buffer = memoryview(frames[i + 1])
+        got = buffer.nbytes
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
         tensors[name] = _received(_frombuffer_nd(shape, dtype, buffer))    # a view of the frame, no copy
@@ -321,20 +321,27 @@ def _received(array: np.ndarray) -> np.ndarray:
     """
     if array.nbytes < ALWAYS_COPY_BYTES or array.ctypes.data % ALIGN_BYTES:
         array = array.copy()
-    array.flags.writeable = False                   # never written to
+    array.setflags(write=False)                     # never written to
     return array
 
 
 _RUN_NAMES: dict[bytes, str] = {}     # run ids of binary headers that passed RUN_ID, by their bytes
+_nbytes_of = operator.attrgetter("nbytes")
 
 
-def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tensor_bytes: int) -> Message:
-    """A forward or backward with a binary header; its tensor frames are left for ``expect_tensors``."""
-    if header_size < BINARY_HEADER.size:
+def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: int) -> Message:
+    """A forward or backward with a binary header (``first``, a view of frames[0]); its tensor frames are left
+    for ``expect_tensors``."""
+    header_size = first.nbytes
+    run_size = header_size - BINARY_HEADER.size
+    if run_size < 0:
         raise ProtocolError(ErrorCode.MALFORMED, f"binary header of {header_size} bytes; it has at least "
                                                  f"{BINARY_HEADER.size}")
-    (_, version, code, flags, count, run_size, reserved, step, mb, mbs, loss,
-     compute_s) = BINARY_HEADER.unpack_from(first)
+    if run_size <= RUN_ID_MAX:
+        fields = _HEADERS[run_size].unpack_from(first)
+    else:                                       # too long for any run id: refused below, in the order of the checks
+        fields = (*BINARY_HEADER.unpack_from(first), b"")
+    _, version, code, flags, count, declared_run_size, reserved, step, mb, mbs, loss, compute_s, raw_run = fields
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION, f"protocol version {version} is not supported; this side speaks "
                                                f"{PROTOCOL_VERSION}")
@@ -344,10 +351,10 @@ def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tens
     if flags or reserved:
         raise ProtocolError(ErrorCode.MALFORMED, f"binary header has flags {flags} and reserved {reserved}; "
                                                  f"both must be 0")
-    if header_size != BINARY_HEADER.size + run_size or run_size > RUN_ID_MAX:
+    if declared_run_size != run_size or run_size > RUN_ID_MAX:
         raise ProtocolError(ErrorCode.MALFORMED, f"binary header of {header_size} bytes declares a run id of "
-                                                 f"{run_size} (at most {RUN_ID_MAX}) after {BINARY_HEADER.size}")
-    raw_run = bytes(first[BINARY_HEADER.size:])
+                                                 f"{declared_run_size} (at most {RUN_ID_MAX}) after "
+                                                 f"{BINARY_HEADER.size}")
     run = _RUN_NAMES.get(raw_run)
     if run is None:
         run = raw_run.decode("latin-1")          # any byte decodes; RUN_ID then admits ASCII only
@@ -362,15 +369,13 @@ def _decode_binary(frames: Sequence[Any], first: Any, header_size: int, max_tens
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")
-    tensor_frames = tuple(map(_buffer, frames[1:]))
-    total = 0
-    for frame in tensor_frames:
-        total += _nbytes(frame)
+    tensor_frames = tuple(map(memoryview, frames[1:]))
+    total = sum(map(_nbytes_of, tensor_frames))
     if total > max_tensor_bytes:
         raise ProtocolError(ErrorCode.TENSOR, f"tensor frames hold {total} bytes; this stage accepts at most "
                                               f"{max_tensor_bytes}")
-    body = {"loss": loss, "compute_s": compute_s} if msg_type == BACKWARD else {}
-    return Message(msg_type, run, step, mb, mbs, body, {}, tensor_frames)
+    return Message(msg_type, run, step, mb, mbs, {"loss": loss, "compute_s": compute_s} if code == _BACKWARD_CODE
+                   else {}, {}, tensor_frames)
 
 
 class FrameLayout:
@@ -391,26 +396,35 @@ class FrameLayout:
             size = dtype.itemsize
             for extent in shape:
                 size *= extent
-            entries.append((name, shape, dtype, size))
+            entries.append((name, shape, dtype, size, size < ALWAYS_COPY_BYTES, dtype.kind == "f"))
         self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {e[0]: (e[1], e[2]) for e in entries}
-        self.entries: tuple[tuple[str, tuple[int, ...], np.dtype, int], ...] = tuple(entries)
+        # (name, shape, dtype, byte length, copied whatever its address, a float checked for finiteness)
+        self.entries: tuple[tuple[str, tuple[int, ...], np.dtype, int, bool, bool], ...] = tuple(entries)
 
-    def read(self, msg: Message) -> dict[str, np.ndarray]:
-        """The tensors of ``msg.frames``: read-only views (copied once when misaligned, as in ``decode``).
-        Raises ``ProtocolError`` (``tensor``) for another frame count or a frame of another byte length;
-        changes nothing."""
+    def read(self, msg: Message, allow_nonfinite: bool = True) -> dict[str, np.ndarray]:
+        """The tensors of ``msg.frames``: read-only views (copied when small or misaligned, as in
+        ``decode``). Raises ``ProtocolError``: ``tensor`` for another frame count or a frame of another
+        byte length, ``nonfinite`` for a float tensor holding NaN or Inf unless ``allow_nonfinite``.
+        Changes nothing."""
         frames = msg.frames or ()
         entries = self.entries
         if len(frames) != len(entries):
             raise ProtocolError(ErrorCode.TENSOR, f"{msg.type} must carry {len(entries)} tensor frames "
                                                   f"{list(self.specs)}, got {len(frames)}")
         tensors = {}
-        for (name, shape, dtype, size), frame in zip(entries, frames):
-            got = _nbytes(frame)
+        for (name, shape, dtype, size, small, floating), frame in zip(entries, frames):
+            got = frame.nbytes
             if got != size:
                 raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {_WIRE_NAMES[dtype]}{shape} needs {size} "
                                                       f"bytes, frame has {got}")
-            tensors[name] = _received(_frombuffer_nd(shape, dtype, frame))
+            array = _frombuffer_nd(shape, dtype, frame)                 # a view of the frame, no copy
+            if small or array.ctypes.data % ALIGN_BYTES:               # as _received, its size known here
+                array = array.copy()
+            array.setflags(write=False)
+            if floating and not allow_nonfinite and not all_finite(array):
+                raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this "
+                                                         f"experiment forbids")
+            tensors[name] = array
         return tensors
 
 
@@ -433,13 +447,7 @@ def expect_tensors(msg: Message, expected: "Mapping[str, tuple[tuple[int, ...], 
     """
     if msg.frames is not None:
         layout = expected if isinstance(expected, FrameLayout) else FrameLayout(expected)
-        tensors = layout.read(msg)
-        if not allow_nonfinite:
-            for name, array in tensors.items():
-                if array.dtype.kind == "f" and not all_finite(array):
-                    raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this "
-                                                             f"experiment forbids")
-        msg.tensors, msg.frames = tensors, None
+        msg.tensors, msg.frames = layout.read(msg, allow_nonfinite), None
         return
     if isinstance(expected, FrameLayout):
         expected = expected.specs
@@ -459,15 +467,23 @@ def expect_tensors(msg: Message, expected: "Mapping[str, tuple[tuple[int, ...], 
 
 
 _FINITE_CHUNK = 1 << 18     # elements; bigger arrays are checked in pieces of this many
+_DOT_DTYPES = frozenset({np.dtype("<f4"), np.dtype("<f8")})     # where BLAS computes ``np.vdot``
 
 
 def all_finite(array: np.ndarray) -> bool:
     """Whether every element of a float array is finite (neither NaN nor +-Inf).
 
-    A big array is checked in pieces into one small reused mask: one
+    float32 and float64 arrays are first summed as squares (``np.vdot``, one
+    BLAS call with no temporary): the sum is finite only when every element
+    is (a NaN or an Inf makes it NaN or Inf), so a finite sum is the answer.
+    Only an infinite or NaN sum (a non-finite element, or squares of finite
+    values beyond the dtype's range) takes the exact check, ``isfinite``. A
+    big array is checked in pieces into one small reused mask: one
     ``isfinite`` over 16 M floats would allocate (and page-fault) a 16 MB
     temporary, which costs more than the check itself.
     """
+    if array.dtype in _DOT_DTYPES and _isfinite(_vdot(array, array)):
+        return True
     if array.size <= 4 * _FINITE_CHUNK:
         return bool(np.isfinite(array).all())
     flat = array.reshape(-1)

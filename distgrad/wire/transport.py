@@ -2,8 +2,8 @@
 
 The serving side binds a ROUTER (it can answer any peer, including one that
 sends garbage, and later several clients); the driving side connects a
-DEALER. Every receive goes through ``poll`` with a deadline, in ticks short
-enough to notice a stop request. Sockets close with a bounded LINGER.
+DEALER. Every receive is bounded (``poll_frames``: a blocking receive with a
+timeout), in ticks short enough to notice a stop request. Sockets close with a bounded LINGER.
 A socket may first spin (check for a message without sleeping) for a few
 microseconds before it blocks: a process that is already running answers
 sooner than one the kernel has to wake, at the cost of a busy core while
@@ -101,11 +101,13 @@ _BackendSocket = zmq.Socket.__mro__[1]
 _send = _BackendSocket.send
 _recv = _BackendSocket.recv
 _get = _BackendSocket.get
-_zmq_poll = zmq.zmq_poll
-# Socket options stay pyzmq's enum members (``get`` looks its option up as one: a member is found at once);
-# flags are plain ints (a member's ``&`` builds another member).
-_RCVMORE, _EVENTS = zmq.RCVMORE, zmq.EVENTS
+_set = _BackendSocket.set
+# ``get`` and ``set`` look their option up as a ``SocketOption`` (Python code in the enum module) on every call,
+# so a message's receive asks the socket nothing (``poll_frames``). Flags are plain ints (a member's ``&`` builds
+# another member).
+_RCVMORE, _EVENTS, _RCVTIMEO = zmq.RCVMORE, zmq.EVENTS, zmq.RCVTIMEO
 _SNDMORE, _POLLIN = int(zmq.SNDMORE), int(zmq.POLLIN)
+_RCVTIMEO_KEY = "_distgrad_rcvtimeo_ms"     # poll_frames' memo of the RCVTIMEO it last set on a socket
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[bytes] = ()) -> int:
@@ -228,10 +230,16 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
                 copy_first: bool = False) -> list[Any] | None:
     """The next multipart message (``zmq.Frame`` objects), or None if none arrives within ``timeout_s``.
 
+    The wait is the receive itself, bounded by the socket's ``RCVTIMEO``: one
+    blocking call into ZeroMQ, where a ``zmq_poll`` before the receive would
+    cost a few more system calls per message. ``RCVTIMEO`` belongs to this
+    function: it is set only when it changes (the value last set is kept in
+    the socket's ``__dict__``, as pyzmq's ``setsockopt`` runs Python code for
+    each call), so nothing else may set it on a socket read here.
     With ``spin_s`` > 0, first checks for a message without sleeping for up
-    to that long (it counts towards ``timeout_s``), then blocks in ``poll``.
+    to that long (it counts towards ``timeout_s``), then blocks.
     ``copy_first``: the first frame as ``bytes`` (a ROUTER's routing id, at
-    most 255 bytes: cheaper copied than wrapped in a ``Frame``).
+    most 255 bytes, which a reply sends back).
     """
     if spin_s > 0:
         clock = time.perf_counter
@@ -240,14 +248,18 @@ def poll_frames(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0,
         while not _get(sock, _EVENTS) & _POLLIN:
             if clock() >= end:
                 timeout_s -= clock() - started
-                if timeout_s <= 0 or not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
-                    return None
                 break
-    elif not _zmq_poll([(sock, _POLLIN)], int(timeout_s * 1000)):
+    timeout_ms = int(timeout_s * 1000) if timeout_s > 0 else 0
+    memo = sock.__dict__
+    if memo.get(_RCVTIMEO_KEY) != timeout_ms:
+        _set(sock, _RCVTIMEO, timeout_ms)
+        memo[_RCVTIMEO_KEY] = timeout_ms
+    try:
+        first = _recv(sock, 0, False)
+    except zmq.Again:
         return None
-    first = _recv(sock, 0, copy_first)
-    parts = [first]
-    more = _get(sock, _RCVMORE) if copy_first else first.more    # a Frame knows; asking the socket costs µs
+    more = first.more           # a Frame knows; asking the socket (``getsockopt``) costs more
+    parts = [first.bytes if copy_first else first]
     for _ in _MORE_FRAMES:
         if not more:
             return parts
@@ -418,23 +430,23 @@ class Client:
         ``PeerRejected`` for an error reply to one of ``keys`` (or to an
         undecodable request), ``ProtocolError`` for a malformed reply.
         """
-        traffic, sock, clock, spin_s = self.traffic, self.sock, time.perf_counter, self.spin_s
-        deadline = time.monotonic() + timeout_s
+        traffic, sock, clock, spin_s = self.traffic, self.sock, time.monotonic, self.spin_s
+        now = clock()
+        deadline = now + timeout_s
         while True:
             if check_stop is not None:
                 check_stop()
-            left = deadline - time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"({self.unreachable_hint()})")
-            waited = clock()
             frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
             spin_s = 0.0                    # only the first tick spins
-            traffic.wait_s += clock() - waited
+            waited, now = now, clock()
+            traffic.wait_s += now - waited
             if frames is None:
                 continue
-            for frame in frames:
-                traffic.received += len(frame)
+            traffic.received += sum(map(len, frames))      # a Frame's len is its byte length
             reply = wire.decode(frames, self.max_reply_bytes)
             key = (reply.step, reply.mb)
             if reply.type == wire.ERROR and (key in keys or key == (0, 0)):

@@ -95,7 +95,7 @@ class WireTensor:
         """
         if self.codec.name == "none":
             return msg.tensors[self.name]
-        names = {part: self.part_name(part) for part in self.codec.wire_specs(self.shape)}
+        names = self._part_names
         value = self.codec.decode({part: msg.tensors[name] for part, name in names.items()}, self.shape)
         if not allow_nonfinite and not all_finite(value):
             raise ProtocolError(ErrorCode.NONFINITE, f"tensor {self.name!r} ({self.codec.name}) holds NaN or Inf, "
@@ -245,7 +245,7 @@ class Senders:
             if len(self._wire_tensors) >= WIRE_TENSORS_KEPT:
                 self._wire_tensors.clear()
             wire_tensor = self._wire_tensors[key] = WireTensor(direction, x.shape, self.codecs[direction])
-        return wire_tensor.pack(self.encode(direction, x, stream, step))
+        return wire_tensor.pack(self._send(direction, x, stream, step, "encode"))
 
     def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The message tensors of held-out activations ``x``: the activation codec without error feedback
