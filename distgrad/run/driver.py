@@ -379,7 +379,8 @@ class _Driver:
         """The steps ``_after_step`` queued, in order: each one's record to each step writer, the bar or a
         log line. Called while the next step's replies are awaited (``_while_waiting``), at the end of the
         run and when it fails, so that every applied step is reported."""
-        for step, loss, now, record, test in self.unreported:
+        while self.unreported:      # each taken before it is written: a failing writer does not write it twice
+            step, loss, now, record, test = self.unreported.pop(0)
             if record is not None:
                 record.update(test)
                 for writer in self.writers:
@@ -390,7 +391,6 @@ class _Driver:
                 rate = (step - self.last_step) / elapsed if elapsed > 0 else float("nan")
                 self.last_report, self.last_step = now, step
                 self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
-        self.unreported.clear()
 
     def run(self) -> dict[str, Any]:
         state = self.state
