@@ -133,7 +133,8 @@ class _Driver:
         micro-batch i+1 while the server works on i, and holds at most that
         many forward caches. Gradients are summed in micro-batch order whatever
         the schedule and window, which is the order the in-process path uses.
-        With staleness S > 0, ``_step_in_flight`` instead.
+        Once the first forwards are sent it does what needs no reply
+        (``_while_waiting``). With staleness S > 0, ``_step_in_flight`` instead.
         """
         if self.opts.auto_staleness and self.probe is None:
             self._probe_step()
