@@ -363,6 +363,30 @@ def test_adam_state_dict_round_trip_is_bitwise():
         assert type(second.beta1_power) is np.float32
 
 
+def test_adam_rolled_back_in_place_continues_as_the_uninterrupted_run():
+    """The optimiser a stage keeps, loaded with an earlier state (a rollback) after steps past it, continues
+    from that state: the moments it steps with are the loaded ones, not those of the steps rolled back."""
+    params0, grad_steps = random_problem(11, steps=8)
+    straight = {k: v.copy() for k, v in params0.items()}
+    reference = Adam(lr=0.05)
+    for grads in grad_steps:
+        reference.step(straight, grads)
+    opt = Adam(lr=0.05)
+    params = {k: v.copy() for k, v in params0.items()}
+    for grads in grad_steps[:4]:
+        opt.step(params, grads)
+    saved, kept = opt.state_dict(), {k: v.copy() for k, v in params.items()}
+    for grads in grad_steps[4:6]:           # steps that are then rolled back
+        opt.step(params, grads)
+    opt.load_state_dict(saved)
+    for k, value in kept.items():
+        params[k][...] = value
+    for grads in grad_steps[4:]:
+        opt.step(params, grads)
+    for k in straight:
+        assert np.array_equal(params[k], straight[k]), k
+
+
 def test_adam_state_dict_survives_plain_conversion():
     # A checkpoint may come back as float64 arrays / Python floats / lists;
     # load_state_dict casts to float32, and as all values are float32-exact the

@@ -114,20 +114,20 @@ class Adam(Optimizer):
         self.beta1_power, self.beta2_power = self.beta1, self.beta2
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}
-        self._buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Per parameter, looked up once a step: its m and v (those of the dicts above) and two scratch buffers.
+        self._slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
-        one = self.one
+        one, epsilon = self.one, self.epsilon
         alpha = self._next_lr() * np.sqrt(one - self.beta2_power) / (one - self.beta1_power)
         c1, c2 = one - self.beta1, one - self.beta2
+        slots = self._slots
         for name, g in grads.items():
             w = params[name]
-            m = self.m.get(name)
-            if m is None:
-                m = self.m[name] = np.zeros_like(w)
-                self.v[name] = np.zeros_like(w)
-            v = self.v[name]
-            t, u = self._scratch(name, w)
+            slot = slots.get(name)
+            if slot is None:
+                slot = slots[name] = self._slot(name, w)
+            m, v, t, u = slot
             # The same float32 operations in the same order as the formulas above,
             # written into reused buffers so a step allocates nothing.
             np.subtract(g, m, out=t)
@@ -139,17 +139,19 @@ class Adam(Optimizer):
             v += t
             np.multiply(m, alpha, out=t)
             np.sqrt(v, out=u)
-            u += self.epsilon
+            u += epsilon
             t /= u
             w -= t
         self.beta1_power = self.beta1_power * self.beta1
         self.beta2_power = self.beta2_power * self.beta2
 
-    def _scratch(self, name: str, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pair = self._buffers.get(name)
-        if pair is None or pair[0].shape != like.shape:
-            pair = self._buffers[name] = (np.empty_like(like), np.empty_like(like))
-        return pair
+    def _slot(self, name: str, like: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Parameter ``name``'s m and v (zeros before its first update) and two scratch buffers of its shape."""
+        m = self.m.get(name)
+        if m is None:
+            m = self.m[name] = np.zeros_like(like)
+            self.v[name] = np.zeros_like(like)
+        return m, self.v[name], np.empty_like(like), np.empty_like(like)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +168,7 @@ class Adam(Optimizer):
         self.beta2_power = F32(state["beta2_power"])
         self.m = {k: np.array(v, F32) for k, v in state["m"].items()}
         self.v = {k: np.array(v, F32) for k, v in state["v"].items()}
+        self._slots = {}
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}    # the optimizer table's ``type``

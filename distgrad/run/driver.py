@@ -7,6 +7,9 @@ fresh sockets (``link.DownstreamLink``) and a rollback to a common step
 whenever a stage below has lost track. After every ``eval_every``-th step and
 the last it evaluates the held-out rows through every stage; each step's
 record (and its evaluation) goes to the metrics file and the progress line.
+What needs no reply is done while one is awaited rather than between a reply
+and the next forward (``_while_waiting``): the records of the steps applied,
+and the next step's batch.
 """
 
 
@@ -86,6 +89,13 @@ class _Driver:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
+        # Fixed for the run: the micro-batches kept in flight, each one's error-feedback stream.
+        self.window = opts.window
+        self.streams = [stream_name(ACTIVATION, i, opts.micro_batches) for i in range(opts.micro_batches)]
+        # Work done while a reply is awaited (``_while_waiting``): the next step's batch, fetched ahead
+        # (step, batch), and the applied steps not yet reported (``_after_step`` queues them for ``_report``).
+        self.next_batch: tuple[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] | None = None
+        self.unreported: list[tuple[int, float | None, float, dict[str, Any] | None, dict[str, Any]]] = []
 
     def handshake(self) -> None:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
@@ -123,7 +133,8 @@ class _Driver:
         micro-batch i+1 while the server works on i, and holds at most that
         many forward caches. Gradients are summed in micro-batch order whatever
         the schedule and window, which is the order the in-process path uses.
-        With staleness S > 0, ``_step_in_flight`` instead.
+        Once the first forwards are sent it does what needs no reply
+        (``_while_waiting``). With staleness S > 0, ``_step_in_flight`` instead.
         """
         if self.opts.auto_staleness and self.probe is None:
             self._probe_step()
@@ -134,28 +145,45 @@ class _Driver:
         stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
         step = stage.step + 1
         batch = self._batch(step)
-        window = self.opts.window
+        window = self.window
         pending: dict[tuple[int, int], Message] = {}
         caches: dict[int, Any] = {}
         self.link.arrived.clear()
-
-        def send(i: int) -> None:
-            msg, caches[i] = self._forward(step, i, batch)
-            pending[(step, i)] = msg
-            self.link.send(msg)
-
         for i in range(window):
-            send(i)
+            self._send(step, i, batch, pending, caches)
+        self._while_waiting(step)
         for i in range(count):
             loss, dy = self._reply(pending, step, i)
             _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
             engine.add(i, count, grads, loss)
             if i + window < count:
-                send(i + window)
+                self._send(step, i + window, batch, pending, caches)
         averaging = self.average_every and step % self.average_every == 0
         self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
 
+    def _send(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None],
+              pending: dict[tuple[int, int], Message], caches: dict[int, Any]) -> None:
+        """Send the forward of micro-batch ``i`` of step ``step``; keep the request in ``pending`` and the
+        forward's cache in ``caches``."""
+        msg, caches[i] = self._forward(step, i, batch)
+        pending[(step, i)] = msg
+        self.link.send(msg)
+
+    def _while_waiting(self, last_sent: int) -> None:
+        """What needs no reply, done once the forwards up to step ``last_sent`` are sent and before their
+        replies are awaited, instead of between a reply and the next forward: the reports of the steps
+        applied so far (``_report``), and the batch of step ``last_sent + 1`` (a function of the step alone,
+        not of the parameters), which ``_batch`` then returns."""
+        self._report()
+        if last_sent < self.steps and (self.next_batch is None or self.next_batch[0] != last_sent + 1):
+            self.next_batch = (last_sent + 1, self._fetch_batch(last_sent + 1))
+
     def _batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Step ``step``'s batch (``_fetch_batch``), fetched while waiting for earlier replies when it was."""
+        ahead, self.next_batch = self.next_batch, None
+        return ahead[1] if ahead is not None and ahead[0] == step else self._fetch_batch(step)
+
+    def _fetch_batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Step ``step``'s features, its targets when they travel, and its row numbers with ``send_rows``."""
         targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
         rows = np.asarray(self.data.step_rows(step), ROWS_DTYPE) if self.exp.send_rows else None
@@ -168,7 +196,7 @@ class _Driver:
         count = self.opts.micro_batches
         y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
         # This stage computes on with ``y`` itself; only what crosses is coded.
-        tensors = self.state.senders.message_tensors(ACTIVATION, y, stream_name(ACTIVATION, i, count), step)
+        tensors = self.state.senders.message_tensors(ACTIVATION, y, self.streams[i], step)
         if targets is not None:
             tensors["target"] = micro_batch(targets, i, count)
         if rows is not None:
@@ -197,9 +225,11 @@ class _Driver:
         """
         stage, engine, count, depth = self.state.stage, self.state.engine, self.opts.micro_batches, self.staleness
         done = stage.step
-        for step in range(done + 1, min(done + depth + 1, self.steps) + 1):
+        last_sent = min(done + depth + 1, self.steps)
+        for step in range(done + 1, last_sent + 1):
             if step not in self.in_flight:
                 self._send_in_flight(step)
+        self._while_waiting(last_sent)
         step = done + 1
         version, caches = self.in_flight[step]
         pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
@@ -257,9 +287,7 @@ class _Driver:
         self.state.history.before_forward(step, self.state.stage)
         with self._as_of(version, step):
             for i in range(self.opts.micro_batches):
-                msg, caches[i] = self._forward(step, i, batch)
-                pending[(step, i)] = msg
-                self.link.send(msg)
+                self._send(step, i, batch, pending, caches)
         self.in_flight[step] = (version, caches)
         self.pending[step] = pending
 
@@ -329,8 +357,8 @@ class _Driver:
         return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
 
     def _after_step(self) -> None:
-        """After each applied step: the evaluation when it is due, then the step's record (with the
-        evaluation's scores) to each step writer, the bar or a log line."""
+        """After each applied step: the evaluation when it is due (its verdicts may end the run here), then
+        the step's record (with the evaluation's scores) queued for ``_report``."""
         step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
         record = None
         if self.writers:
@@ -346,15 +374,24 @@ class _Driver:
             test = {key: value for key, value in self.evaluate().items() if key != "step"}
         if self.leaks:
             test, self.leaks = {**test, **self.leaks}, {}
-        if record is not None:
-            record.update(test)
-            for writer in self.writers:
-                writer.write(record)
-        self.progress.update(step, loss, force=step == self.steps, test=test)
-        if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
-            rate = (step - self.last_step) / (now - self.last_report) if now > self.last_report else float("nan")
-            self.last_report, self.last_step = now, step
-            self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
+        self.unreported.append((step, loss, now, record, test))
+
+    def _report(self) -> None:
+        """The steps ``_after_step`` queued, in order: each one's record to each step writer, the bar or a
+        log line. Called while the next step's replies are awaited (``_while_waiting``), at the end of the
+        run and when it fails, so that every applied step is reported."""
+        while self.unreported:      # each taken before it is written: a failing writer does not write it twice
+            step, loss, now, record, test = self.unreported.pop(0)
+            if record is not None:
+                record.update(test)
+                for writer in self.writers:
+                    writer.write(record)
+            self.progress.update(step, loss, force=step == self.steps, test=test)
+            if self.opts.progress == "off" and (step % self.report_every == 0 or step == self.steps):
+                elapsed = now - self.last_report
+                rate = (step - self.last_step) / elapsed if elapsed > 0 else float("nan")
+                self.last_report, self.last_step = now, step
+                self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
 
     def run(self) -> dict[str, Any]:
         state = self.state
@@ -382,11 +419,14 @@ class _Driver:
                 raise StageError(e.peer_message) from e
             raise
         finally:
-            state.close()
-            self.link.close()
-            for writer in self.writers:
-                writer.close()
-            self.progress.close()
+            try:
+                self._report()
+            finally:
+                state.close()
+                self.link.close()
+                for writer in self.writers:
+                    writer.close()
+                self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
                              in_flight=self.opts.window, staleness=self.staleness,
@@ -425,6 +465,7 @@ class _Driver:
                                                                   self.g_compute_s)
             try:
                 if stage.step >= self.steps:
+                    self._report()
                     self.state.save()
                     if self.holds_out and not (self.evaluations and self.evaluations[-1]["step"] == stage.step):
                         self.evaluate()     # e.g. resumed after the last step, or its evaluation was refused

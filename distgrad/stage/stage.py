@@ -252,13 +252,21 @@ class Stage:
         ``tensor`` if ``value`` holds a NaN or +-Inf; nothing unless the experiment forbids them."""
         if not self.allow_nonfinite and not (math.isfinite(value) if isinstance(value, (float, np.floating))
                                              else np.isfinite(value).all()):
-            raise NonFiniteError(f"stage {self.name}: non-finite {tensor} at step "
-                                 f"{self.step + 1 if step is None else step}; nothing of this step was applied")
+            raise self._nonfinite(tensor, step)
 
     def check_grads(self, grads: Grads) -> None:
-        """``check_finite`` on every parameter gradient of a step, before its update."""
+        """``check_finite`` on every parameter gradient of a step, before its update (each gradient's name is
+        only put in words for the error)."""
+        if self.allow_nonfinite:
+            return
+        isfinite = np.isfinite
         for name, g in grads.items():
-            self.check_finite(f"gradient of {name}", g)
+            if not isfinite(g).all():
+                raise self._nonfinite(f"gradient of {name}")
+
+    def _nonfinite(self, tensor: str, step: int | None = None) -> NonFiniteError:
+        return NonFiniteError(f"stage {self.name}: non-finite {tensor} at step "
+                              f"{self.step + 1 if step is None else step}; nothing of this step was applied")
 
     @property
     def is_last(self) -> bool:

@@ -198,32 +198,26 @@ def _wanted(kind: str, types: Collection[str] | None) -> bool:
     return types is None or kind in types or kind == wire.ERROR
 
 
-def check_backward(reply: Message, step: int, specs: Expected, allow_nonfinite: bool
-                   ) -> tuple[np.float32, np.ndarray]:
-    """``(loss, activation_grad)`` of a backward reply, the gradient decoded with its codec; raises
-    ``ProtocolError`` if it is not one."""
-    if reply.type != wire.BACKWARD:
-        raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
-    dy = specs.receive(reply, allow_nonfinite)
-    loss = reply.body.get("loss")
-    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
-        raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
-    return np.float32(loss), dy
-
-
 def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: bool,
                 below: str) -> tuple[np.float32, np.ndarray]:
-    """``check_backward`` for the reply of stage ``below``; a NaN or Inf in it raises ``NonFiniteError``
-    (a stage failed, exit 1) rather than a refusal, since this side sent nothing wrong. Any other
-    ``ProtocolError`` is raised again naming the stage, the step and the micro-batch of the reply."""
+    """``(loss, activation_grad)`` of stage ``below``'s backward reply to step ``step``, the gradient decoded
+    with its codec (``specs.receive``). A NaN or Inf in it raises ``NonFiniteError`` (a stage failed, exit 1)
+    rather than a refusal, since this side sent nothing wrong; anything else that makes it no backward reply
+    raises ``ProtocolError`` naming the stage, the step and the micro-batch of the reply."""
     try:
-        loss, dy = check_backward(reply, step, specs, allow_nonfinite)
+        if reply.type != wire.BACKWARD:
+            raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
+        dy = specs.receive(reply, allow_nonfinite)
+        loss = reply.body.get("loss")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+            raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
     except ProtocolError as e:
         if e.code != ErrorCode.NONFINITE:
             raise ProtocolError(e.code, f"stage {below}'s reply to step {step} micro-batch {reply.mb}/{reply.mbs}: "
                                         f"{e.args[0]}") from e
         raise NonFiniteError(f"stage {below}: non-finite activation_grad at step {step} in its reply; "
                              f"nothing of this step was applied here") from e
+    loss = np.float32(loss)         # a float beyond float32's range is Inf here
     if not allow_nonfinite and not math.isfinite(loss):
         raise NonFiniteError(f"stage {below}: non-finite loss at step {step} in its reply; "
                              f"nothing of this step was applied here")

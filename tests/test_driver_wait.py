@@ -1,0 +1,78 @@
+"""The driving stage's use of the wait for a reply (issue 25, point 1): what needs no reply is done while one is
+awaited, not between a reply and the next forward, and every applied step is still reported.
+
+Both stages run in this process (``serve_stage`` in a thread, ``drive_stage`` here) over tcp on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from distgrad.api import drive_stage, serve_stage
+from distgrad.config.data import Ramp
+from distgrad.config.parse import load_experiment
+from distgrad.errors import StageError
+from distgrad.run.inprocess import train_in_process
+from distgrad.stage.stage import Stage
+from distgrad.wire.link import DownstreamLink
+
+from conftest import read_lines
+
+
+def _record_driver_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """``("features", step)`` for each batch the driving stage (this thread) fetches and ``("wait", step)``
+    for each reply it begins to await, in order."""
+    events: list[tuple[str, int]] = []
+    main = threading.current_thread()
+    features, await_reply = Ramp.features, DownstreamLink.await_reply
+
+    def recorded_features(self, step):
+        if threading.current_thread() is main:      # the serving stage's targets are its features too
+            events.append(("features", step))
+        return features(self, step)
+
+    def recorded_await_reply(self, pending, key, types=None):
+        events.append(("wait", key[0]))
+        return await_reply(self, pending, key, types)
+
+    monkeypatch.setattr(Ramp, "features", recorded_features)
+    monkeypatch.setattr(DownstreamLink, "await_reply", recorded_await_reply)
+    return events
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_the_next_batch_is_fetched_while_the_reply_is_awaited(monkeypatch, staleness):
+    """Step t+1's batch (a function of the step, not of the parameters) is fetched after step t's forward is
+    sent and before its reply is awaited, once per step; the parameters are those of the plain order."""
+    steps = 6
+    events = _record_driver_events(monkeypatch)
+    with serve_stage("seed-reverse", steps=steps) as g:
+        summary = drive_stage("seed-reverse", g.endpoint, steps=steps, staleness=staleness)
+    events = [event for event in events if event[0] == "features" or event[1] > 0]     # not the hello's
+    assert sorted(step for kind, step in events if kind == "features") == list(range(1, steps + 1))
+    for step in range(1, steps):
+        assert events.index(("features", step + 1)) < events.index(("wait", step)), events
+    reference = train_in_process(load_experiment("seed-reverse"), steps=steps, staleness=staleness)
+    assert summary["params"]["f"] == reference["params"]["f"]
+
+
+def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path):
+    """Reports of applied steps are written while the next reply is awaited; when the run fails before that
+    (here: the forward of step 4), the steps applied are still in the metrics file."""
+    forward = Stage.forward
+
+    def failing_forward(self, x, mb=0, training=True):
+        if self.name == "f" and training and self.step + 1 == 4:
+            raise StageError("stage f: forward failed at step 4: injected")
+        return forward(self, x, mb, training)
+
+    monkeypatch.setattr(Stage, "forward", failing_forward)
+    metrics = tmp_path / "f.jsonl"
+    with serve_stage("seed-reverse", steps=6) as g:
+        with pytest.raises(StageError, match="injected"):
+            drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
+                        peer_deadline_s=2.0)
+    assert [line["step"] for line in read_lines(metrics)] == [1, 2, 3]
