@@ -49,6 +49,7 @@ SMOKE_TESTS = {
     "profile_step.py": "test_profile_step",
     "scaling.py": "test_scaling",
     "soak.py": "test_soak",
+    "step_cpu.py": "test_step_cpu",
     "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
     "zero_copy_threshold.py": "test_zero_copy_threshold",
@@ -124,6 +125,26 @@ def test_profile_step():
     result = run_script("profile_step.py", "tiny", "--seconds", "1", "--top", "5")
     assert "driver (f), tiny:" in result.stdout and "serving stage (g), tiny:" in result.stdout
     assert "poll_frames" in result.stdout          # both stages wait in their one blocking receive
+
+
+@pytest.mark.slow
+def test_step_cpu():
+    """step_cpu.py: a short run of the 4-byte split, both stages pinned to one CPU, then unpinned."""
+    for g, f in (("0", "0"), ("any", "any")):
+        result = run_script("step_cpu.py", "tiny", "--steps", "200", "--pin", f"{g},{f}")
+        line = result.stdout.strip().splitlines()[-1]
+        assert line.startswith(f"tiny g@{g} f@{f}: ") and "CPU per step: f " in line, line
+
+
+@pytest.mark.slow
+def test_scaling_runs_only_the_groups_asked_for(tmp_path):
+    """--groups vertical: the vertical group alone, and the target from it."""
+    out = tmp_path / "scaling.json"
+    run_script("scaling.py", "--smoke", "--groups", "vertical", "--json", out, "--workdir", tmp_path / "w",
+               timeout=120)
+    figures = json.loads(out.read_text())
+    assert figures["vertical"] and not {"logic", "clients", "size"} & set(figures)
+    assert figures["target"]["figure"] is None or figures["target"]["figure"] > 0
 
 
 @pytest.mark.slow
