@@ -15,6 +15,7 @@ from distgrad.api import drive_stage, serve_stage
 from distgrad.config.data import Ramp
 from distgrad.config.parse import load_experiment
 from distgrad.errors import StageError
+from distgrad.run.driver import _Driver
 from distgrad.run.inprocess import train_in_process
 from distgrad.stage.stage import Stage
 from distgrad.wire.link import DownstreamLink
@@ -76,3 +77,22 @@ def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path
             drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
                         peer_deadline_s=2.0)
     assert [line["step"] for line in read_lines(metrics)] == [1, 2, 3]
+
+
+def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: Path):
+    """A step is applied before its evaluation: when that evaluation fails (here: after step 3), the step's
+    record is still written, without scores, as the README promises for every step a failed run applied."""
+    monkeypatch.setattr(_Driver, "_evaluation_due", lambda self, step: step == 3)
+
+    def failing_evaluate(self):
+        raise StageError(f"stage f: evaluation after step {self.state.stage.step} failed: injected")
+
+    monkeypatch.setattr(_Driver, "evaluate", failing_evaluate)
+    metrics = tmp_path / "f.jsonl"
+    with serve_stage("seed-reverse", steps=6) as g:
+        with pytest.raises(StageError, match="injected"):
+            drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
+                        peer_deadline_s=2.0)
+    lines = read_lines(metrics)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert not any(key.startswith("test_") for key in lines[-1])

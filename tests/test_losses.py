@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -207,6 +209,26 @@ def test_softmax_cross_entropy_gradient_rows_sum_to_zero():
 def test_softmax_cross_entropy_rejects_out_of_range_labels(labels):
     with pytest.raises(ValueError, match=r"\[0, 3\)"):
         SoftmaxCrossEntropy().forward_backward(np.zeros((2, 3), np.float32), np.array(labels, np.int64))
+
+
+@pytest.mark.parametrize("labels", [[0.0, 1.0], [-0.5, 1.0], [True, False], [float("nan"), 0.0]])
+def test_softmax_cross_entropy_rejects_class_ids_that_are_no_integers(labels):
+    """Float or bool class ids are refused by name (the range check casts to uint64, which would cut -0.5 to 0,
+    read bools as 0/1 and leave 1.0 to fail as an index), with no warning from the cast."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="class ids must be integers"):
+            SoftmaxCrossEntropy().forward_backward(np.zeros((2, 3), np.float32), np.array(labels))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint64, np.int32])
+def test_softmax_cross_entropy_takes_any_integer_class_ids(dtype):
+    """Unsigned and narrower ids give the bits of int64 ones (uint64 plus the int64 row offsets would be float)."""
+    rng = np.random.default_rng(7)
+    pred, labels = rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 4, size=6)
+    want_loss, want_dpred = SoftmaxCrossEntropy().forward_backward(pred, labels)
+    loss, dpred = SoftmaxCrossEntropy().forward_backward(pred, labels.astype(dtype))
+    assert loss.tobytes() == want_loss.tobytes() and dpred.tobytes() == want_dpred.tobytes()
 
 
 def test_softmax_cross_entropy_accepts_edge_labels():

@@ -593,8 +593,19 @@ def test_a_binary_message_keeps_its_frames_as_memoryviews_and_its_layout_checks_
     with pytest.raises(ProtocolError) as info:
         ACT.read(msg, allow_nonfinite=False)
     assert info.value.code == ErrorCode.NONFINITE and "'activation'" in str(info.value)
-    tensors = ACT.read(msg)                                  # the default reads without the check
+    tensors = ACT.read(msg, allow_nonfinite=True)
     assert np.isinf(tensors["activation"][0, 1]) and not tensors["target"].flags.writeable
+
+
+def test_a_layout_checks_finiteness_unless_told_not_to():
+    """FrameLayout.read, like expect_tensors, refuses a NaN or Inf by default: a caller that forgets the
+    argument does not skip the check of what arrived."""
+    x = np.array([[0, np.nan, 0], [0, 0, 0]], np.float32)
+    msg = wire.decode(as_bytes(wire.encode(Message(wire.FORWARD, "r", 1, tensors={"activation": x,
+                                                                                "target": np.zeros(2, np.int64)}))))
+    with pytest.raises(ProtocolError) as info:
+        ACT.read(msg)
+    assert info.value.code == ErrorCode.NONFINITE and msg.frames is not None
 
 
 def test_expect_tensors_accepts_list_shapes_and_dtype_classes():

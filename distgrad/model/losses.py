@@ -115,9 +115,14 @@ class SoftmaxCrossEntropy(Loss):
         # its flat index (row * classes + label) in C order. ``log_prob`` keeps ``pred``'s memory order:
         # numpy's sum along a row adds in an order that depends on it.
         batch, classes = pred.shape
+        kind = target.dtype.kind
+        if kind not in "iu":        # a float or bool id would pass the unsigned check below, cut or as 0/1
+            raise ValueError(f"class ids must be integers, got {target.dtype} targets")
         # One reduction checks both ends: a negative id is huge as an unsigned one.
         if np.maximum.reduce(target.astype(np.uint64), axis=None, initial=0) >= classes:
             raise ValueError(f"class ids must lie in [0, {classes}), got {target.min()}..{target.max()}")
+        if kind == "u":
+            target = target.astype(np.intp)     # uint64 plus the intp offsets below would be float64
         picks = self._offsets(batch, classes) + target
         log_prob = pred - np.maximum.reduce(pred, axis=1, keepdims=True)
         log_norm = np.add.reduce(np.exp(log_prob), axis=1, keepdims=True)

@@ -358,7 +358,8 @@ class _Driver:
 
     def _after_step(self) -> None:
         """After each applied step: the evaluation when it is due (its verdicts may end the run here), then
-        the step's record (with the evaluation's scores) queued for ``_report``."""
+        the step's record (with the evaluation's scores) queued for ``_report``. The record is queued even
+        when the evaluation fails (without its scores): the step was applied."""
         step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
         record = None
         if self.writers:
@@ -369,12 +370,15 @@ class _Driver:
                 "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
                 "f_compute_s": now - self.step_started - wait, "f_wait_s": wait,
                 "g_compute_s": self.g_compute_s - self.g_before}
-        test = {}
-        if self._evaluation_due(step):
-            test = {key: value for key, value in self.evaluate().items() if key != "step"}
-        if self.leaks:
-            test, self.leaks = {**test, **self.leaks}, {}
-        self.unreported.append((step, loss, now, record, test))
+        test: dict[str, Any] = {}
+        try:
+            if self._evaluation_due(step):
+                test.update((key, value) for key, value in self.evaluate().items() if key != "step")
+        finally:
+            if self.leaks:
+                test.update(self.leaks)
+                self.leaks = {}
+            self.unreported.append((step, loss, now, record, test))
 
     def _report(self) -> None:
         """The steps ``_after_step`` queued, in order: each one's record to each step writer, the bar or a

@@ -401,11 +401,11 @@ class FrameLayout:
         # (name, shape, dtype, byte length, copied whatever its address, a float checked for finiteness)
         self.entries: tuple[tuple[str, tuple[int, ...], np.dtype, int, bool, bool], ...] = tuple(entries)
 
-    def read(self, msg: Message, allow_nonfinite: bool = True) -> dict[str, np.ndarray]:
+    def read(self, msg: Message, allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
         """The tensors of ``msg.frames``: read-only views (copied when small or misaligned, as in
         ``decode``). Raises ``ProtocolError``: ``tensor`` for another frame count or a frame of another
-        byte length, ``nonfinite`` for a float tensor holding NaN or Inf unless ``allow_nonfinite``.
-        Changes nothing."""
+        byte length, ``nonfinite`` for a float tensor holding NaN or Inf unless ``allow_nonfinite`` (as
+        ``expect_tensors``: what arrives is checked unless the caller says otherwise). Changes nothing."""
         frames = msg.frames or ()
         entries = self.entries
         if len(frames) != len(entries):
