@@ -230,6 +230,22 @@ def test_a_forward_resent_while_it_waits_for_its_turn_still_waits():
     assert list(server.peers[1].waiting) == [(1, 0)]
 
 
+def test_a_forward_resent_while_it_waits_with_another_micro_batch_count_is_refused():
+    """The resend of a waiting forward is checked as the first was: another micro-batch count would slice the
+    step's targets otherwise when its turn comes."""
+    server, exp = _serving("digits-clients")
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
+    forward = _forward(exp, "run1", 1, client=1)
+    assert server.handle(peers[1], forward, 0.0) == []
+    other = Message(wire.FORWARD, "run1", 1, 0, 2, tensors=forward.tensors)
+    with pytest.raises(ProtocolError, match="micro-batch 0/2; expected step 1 micro-batch") as refused:
+        server.handle(peers[1], other, 0.5)
+    assert refused.value.code == ErrorCode.STEP
+    assert server.peers[1].waiting[(1, 0)] is forward and server.peers[1].waiting[(1, 0)].mbs == 1
+
+
 def test_a_client_slot_stays_with_the_key_that_opened_it():
     server, exp = _serving("digits-clients", liveness_s=1.0)
     server.handle([b"c0"], hello_message(exp, "run0", client=0), 0.0, peer_key="A")

@@ -271,7 +271,7 @@ class ServingStage:
         if peer.status is PeerStatus.DROPPED:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
-        if key in peer.waiting:
+        if key in peer.waiting and msg.mbs == peer.mbs:     # another count is refused below, as it is first
             self.accepts.receive(peer, msg)
             peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
             return []
