@@ -60,6 +60,16 @@ def test_the_next_batch_is_fetched_while_the_reply_is_awaited(monkeypatch, stale
     assert summary["params"]["f"] == reference["params"]["f"]
 
 
+def _metrics_of_a_failing_run(tmp_path: Path) -> list[dict]:
+    """The driver's metrics lines of a seed-reverse run of 6 steps that fails with an injected StageError."""
+    metrics = tmp_path / "f.jsonl"
+    with serve_stage("seed-reverse", steps=6) as g:
+        with pytest.raises(StageError, match="injected"):
+            drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
+                        peer_deadline_s=2.0)
+    return read_lines(metrics)
+
+
 def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path):
     """Reports of applied steps are written while the next reply is awaited; when the run fails before that
     (here: the forward of step 4), the steps applied are still in the metrics file."""
@@ -71,12 +81,7 @@ def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path
         return forward(self, x, mb, training)
 
     monkeypatch.setattr(Stage, "forward", failing_forward)
-    metrics = tmp_path / "f.jsonl"
-    with serve_stage("seed-reverse", steps=6) as g:
-        with pytest.raises(StageError, match="injected"):
-            drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
-                        peer_deadline_s=2.0)
-    assert [line["step"] for line in read_lines(metrics)] == [1, 2, 3]
+    assert [line["step"] for line in _metrics_of_a_failing_run(tmp_path)] == [1, 2, 3]
 
 
 def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: Path):
@@ -88,11 +93,6 @@ def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: 
         raise StageError(f"stage f: evaluation after step {self.state.stage.step} failed: injected")
 
     monkeypatch.setattr(_Driver, "evaluate", failing_evaluate)
-    metrics = tmp_path / "f.jsonl"
-    with serve_stage("seed-reverse", steps=6) as g:
-        with pytest.raises(StageError, match="injected"):
-            drive_stage("seed-reverse", g.endpoint, steps=6, metrics_path=metrics, timeout_s=2.0,
-                        peer_deadline_s=2.0)
-    lines = read_lines(metrics)
+    lines = _metrics_of_a_failing_run(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert not any(key.startswith("test_") for key in lines[-1])

@@ -219,13 +219,19 @@ def test_a_new_run_after_a_gone_client_starts_its_own_loss_and_clock():
     assert server.loss is None and server.peers[0].run == "s" and server.stage.step == 0
 
 
-def test_a_forward_resent_while_it_waits_for_its_turn_still_waits():
+def _client_1_waits_for_its_turn() -> tuple[ServingStage, list[list[bytes]], Message]:
+    """digits-clients with three clients said hello; client 1's forward of step 1 waits for client 0's turn."""
     server, exp = _serving("digits-clients")
     peers = [[b"c0"], [b"c1"], [b"c2"]]
     for c in range(3):
         server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
     forward = _forward(exp, "run1", 1, client=1)
     assert server.handle(peers[1], forward, 0.0) == []
+    return server, peers, forward
+
+
+def test_a_forward_resent_while_it_waits_for_its_turn_still_waits():
+    server, peers, forward = _client_1_waits_for_its_turn()
     assert server.handle(peers[1], forward, 0.5) == []          # the link's resend: no refusal, still queued
     assert list(server.peers[1].waiting) == [(1, 0)]
 
@@ -233,12 +239,7 @@ def test_a_forward_resent_while_it_waits_for_its_turn_still_waits():
 def test_a_forward_resent_while_it_waits_with_another_micro_batch_count_is_refused():
     """The resend of a waiting forward is checked as the first was: another micro-batch count would slice the
     step's targets otherwise when its turn comes."""
-    server, exp = _serving("digits-clients")
-    peers = [[b"c0"], [b"c1"], [b"c2"]]
-    for c in range(3):
-        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
-    forward = _forward(exp, "run1", 1, client=1)
-    assert server.handle(peers[1], forward, 0.0) == []
+    server, peers, forward = _client_1_waits_for_its_turn()
     other = Message(wire.FORWARD, "run1", 1, 0, 2, tensors=forward.tensors)
     with pytest.raises(ProtocolError, match="micro-batch 0/2; expected step 1 micro-batch") as refused:
         server.handle(peers[1], other, 0.5)
