@@ -120,3 +120,46 @@ def test_what_leaves_a_stage_passes_one_pipeline():
                     and "codec" in ast.unparse(node.func.value).lower()):
                 direct.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
     assert not direct, "send through Senders (distgrad/wire/wirecodec.py), not a codec:\n" + "\n".join(direct)
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """Every module under ``benchmarks/`` (dotted, e.g. ``bench_sections.procs``) and the modules of that folder it
+    imports, relative or absolute, at any depth (``if TYPE_CHECKING:`` imports too: a cycle there is still one)."""
+    modules = {".".join(p.relative_to(BENCHMARKS).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in BENCHMARKS.rglob("*.py")}
+    found: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".") if package else []
+                base = base[:len(base) - (node.level - 1)] if node.level else []
+                stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                for alias in node.names:
+                    joined = f"{stem}.{alias.name}" if stem else alias.name
+                    names.add(joined if joined in modules else stem)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        found[module] = {name for name in names if name in modules} - {module}
+    return found
+
+
+def test_no_import_cycles_in_the_benchmarks():
+    graph = _benchmark_imports()
+    assert "bench_sections.runner" in graph.get("bench_sections.memory", set()), "the import graph misses relative imports"
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for other in graph.get(todo.pop(), ()):
+                if other not in seen:
+                    seen.add(other)
+                    todo.append(other)
+        return seen
+
+    cycles = sorted(module for module in graph if module in reach(module))
+    assert not cycles, f"benchmark modules on an import cycle: {cycles}"

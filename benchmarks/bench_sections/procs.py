@@ -11,12 +11,9 @@ import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from .common import BIG_SUMMARY_BYTES, BenchError, STOP_GRACE_S, TICK_S
-
-if TYPE_CHECKING:     # Proc's owner; runner imports this module
-    from .runner import Runner
 
 PROGRESS_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bstep (\d+)/(\d+) loss")
 
@@ -39,10 +36,21 @@ def read_status(pid: int) -> dict[str, int]:
     return out
 
 
+class ProcOwner(Protocol):
+    """What a ``Proc`` needs of whoever starts it (the measurement ``Runner``): a sequence number for its log
+    names, the folder for its logs, the source tree to run in, and the list of live processes it joins until
+    stopped."""
+
+    seq: int
+    logdir: Path
+    src: Path
+    live: list[Proc]
+
+
 class Proc:
     """A child process with stdout and stderr in files; ``stop()`` always stops and reaps it."""
 
-    def __init__(self, runner: Runner, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, runner: ProcOwner, name: str, argv: list[str], env: dict[str, str]) -> None:
         runner.seq += 1
         stem = runner.logdir / f"{runner.seq:04d}-{name}"
         self.name, self.out_path, self.err_path = name, stem.with_suffix(".out"), stem.with_suffix(".log")
