@@ -226,10 +226,10 @@ def _grad(lines: list[dict], value, step: int = 2, name: str = "sent_activation_
     return _text(lines)
 
 
-def _first_value(value):
-    """A change to the first value of a step's rows."""
+def _a_value(value):
+    """A change to one value (not the first) of a step's rows."""
     def change(rows):
-        rows[0][0] = value
+        rows[1][2] = value
         return rows
     return change
 
@@ -246,15 +246,15 @@ MALFORMED = [
     ("rows of unequal lengths", lambda ls: _grad(ls, lambda r: r[:-1] + [r[-1][:10]]), "not a regular array"),
     ("the input view misshapen", lambda ls: _grad(ls, lambda r: [row[:32] for row in r], name="sent_activation"),
      "sent_activation has shape (32, 32)"),
-    ("a string among the rows", lambda ls: _grad(ls, _first_value("0.5")), "every value must be a number"),
-    ("a boolean among the rows", lambda ls: _grad(ls, _first_value(True)), "every value must be a number"),
-    ("a null among the rows", lambda ls: _grad(ls, _first_value(None)), "every value must be a number"),
-    ("a list in place of a number", lambda ls: _grad(ls, _first_value([1.0])), "every value must be a number"),
-    ("NaN among the rows", lambda ls: _grad(ls, _first_value(float("nan"))), "NaN or infinite"),
-    ("an overflowing literal", lambda ls: _grad(ls, _first_value(7.0)).replace("7.0", "1e999", 1),
+    ("a string among the rows", lambda ls: _grad(ls, _a_value("0.5")), "every value must be a number"),
+    ("a boolean among the rows", lambda ls: _grad(ls, _a_value(True)), "every value must be a number"),
+    ("a null among the rows", lambda ls: _grad(ls, _a_value(None)), "every value must be a number"),
+    ("a list in place of a number", lambda ls: _grad(ls, _a_value([1.0])), "every value must be a number"),
+    ("NaN among the rows", lambda ls: _grad(ls, _a_value(float("nan"))), "NaN or infinite"),
+    ("an overflowing literal", lambda ls: _grad(ls, _a_value(123456.75)).replace("123456.75", "1e999"),
      "NaN or infinite"),
-    ("a value beyond float32", lambda ls: _grad(ls, _first_value(1e39)), "too large for float32"),
-    ("an integer beyond float64", lambda ls: _grad(ls, _first_value(10 ** 400)), "too large for float32"),
+    ("a value beyond float32", lambda ls: _grad(ls, _a_value(1e39)), "too large for float32"),
+    ("an integer beyond float64", lambda ls: _grad(ls, _a_value(10 ** 400)), "too large for float32"),
     ("every step written twice", lambda ls: _text([line for line in ls for _ in (0, 1)]), "step 1 is written twice"),
     ("one step written twice apart", lambda ls: _text(ls + ls[1:2]), "step 2 comes after step 4"),
     ("steps out of order", lambda ls: _text([ls[1], ls[0], *ls[2:]]), "step 1 comes after step 2"),

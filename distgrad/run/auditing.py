@@ -109,6 +109,13 @@ def _is_number(value: Any) -> bool:
 
 def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     """A view's rows as float64, refused unless a regular array of finite float32-range numbers of ``shape``."""
+    nominal, first = [], value             # the shape its first elements give: a cheap check before building
+    while isinstance(first, list):
+        nominal.append(len(first))
+        first = first[0] if first else None
+    if tuple(nominal) != shape:
+        raise ConfigError(f"{where} has shape {tuple(nominal)}, but the cut carries {shape} a step (a batch's rows "
+                          f"of {shape[1:]}): is the trace of this experiment and --seed?")
     try:
         held = np.array(value, dtype=object)
     except ValueError:
@@ -219,12 +226,14 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     run_steps = exp.steps if run_steps is None else run_steps
     _check_settings(exp, seed, first, last, public_fraction, micro_batches, run_steps, max_bytes)
     # A party's stage file holds only its own data: it audits what the other party learns of its secret.
-    shapes = {}
-    if exp.has_stage(exp.label_owner):
-        shapes[LABEL_VIEW] = tuple(exp.cuts[-1])       # what the last stage sends back up
-    if exp.has_stage(exp.data_owners[0]):
-        shapes[INPUT_VIEW] = tuple(exp.cuts[0])        # what the first stage sends down
+    # Both views are validated, whichever this party can pair with its data.
+    shapes = {LABEL_VIEW: tuple(exp.cuts[-1]),         # what the last stage sends back up
+              INPUT_VIEW: tuple(exp.cuts[0])}          # what the first stage sends down
     views = read_views(trace, shapes, run_steps, max_bytes)
+    if not exp.has_stage(exp.label_owner):
+        views.pop(LABEL_VIEW)
+    if not exp.has_stage(exp.data_owners[0]):
+        views.pop(INPUT_VIEW)
     views = {name: [(step, rows) for step, rows in view if first <= step and (last is None or step <= last)]
              for name, view in views.items()}
     report: dict[str, dict[str, float]] = {}
@@ -245,7 +254,7 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         except ValueError as e:
             raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
     if not report:
-        names = list(shapes)
+        names = list(views)
         raise ConfigError(f"audit: {trace} holds no {' or '.join(names)} on steps {first} to "
                           f"{'the last' if last is None else last}, which is what {experiment}'s data can be "
                           f"paired with: trace the run with --trace (and, with --trace-params, name "
