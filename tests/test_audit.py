@@ -50,6 +50,10 @@ def test_the_label_attacks_are_the_meters_measures_plus_clustering():
     assert figures["label_recovery_chance"] == 0.5 and figures["norm_auc_chance"] == 0.5
     with pytest.raises(ValueError, match="class id"):
         audit.label_attacks(rows, rng.normal(size=64))
+    with pytest.raises(ValueError, match="class ids are whole numbers from 0, got -1"):
+        audit.label_attacks(rows, labels - 1)
+    with pytest.raises(ValueError, match="63 labels for 64 gradient rows"):
+        audit.label_attacks(rows, labels[:63])
 
 
 def test_the_audits_cosine_auc_scores_every_row_of_its_range():
@@ -250,6 +254,9 @@ MALFORMED = [
     ("a boolean among the rows", lambda ls: _grad(ls, _a_value(True)), "every value must be a number"),
     ("a null among the rows", lambda ls: _grad(ls, _a_value(None)), "every value must be a number"),
     ("a list in place of a number", lambda ls: _grad(ls, _a_value([1.0])), "every value must be a number"),
+    ("an array nested 500 deep among the rows",
+     lambda ls: _grad(ls, _a_value(123456.75)).replace("123456.75", "[" * 500 + "1.0" + "]" * 500),
+     "holds an array: every value must be a number"),
     ("NaN among the rows", lambda ls: _grad(ls, _a_value(float("nan"))), "NaN or infinite"),
     ("an overflowing literal", lambda ls: _grad(ls, _a_value(123456.75)).replace("123456.75", "1e999"),
      "NaN or infinite"),
@@ -265,6 +272,8 @@ MALFORMED = [
     ("a fractional step", lambda ls: _text([{**ls[0], "step": 1.5}, *ls[1:]]), "no whole-number 'step'"),
     ("a boolean step", lambda ls: _text([{**ls[0], "step": True}, *ls[1:]]), "no whole-number 'step'"),
     ("a string step", lambda ls: _text([{**ls[0], "step": "1"}, *ls[1:]]), "no whole-number 'step'"),
+    ("a step nested 500 deep", lambda ls: _text([{**ls[0], "step": json.loads("[" * 500 + "1" + "]" * 500)},
+                                                 *ls[1:]]), "no whole-number 'step' (got an array)"),
     ("no step", lambda ls: _text([{k: v for k, v in ls[0].items() if k != "step"}, *ls[1:]]),
      "no whole-number 'step'"),
     ("a step of 5000 digits", lambda ls: _text(ls).replace('"step": 1,', '"step": ' + "9" * 5000 + ",", 1),

@@ -27,7 +27,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _trace_texts(path: Path, max_bytes: int):
+def _trace_texts(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes]]:
     """The lines of the file at ``path`` (bytes, with their 1-based numbers), read with a cap of
     ``max_bytes``; ``ConfigError`` for a missing, unreadable, non-regular or too large file."""
     try:
@@ -107,6 +107,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _describe(value: Any) -> str:
+    """A short name of a JSON value for a message (never the whole of a nested one)."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return f"the string {json.dumps(value[:20])}{'...' if len(value) > 20 else ''}"
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a very long integer"
+    return text
+
+
 def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     """A view's rows as float64, refused unless a regular array of finite float32-range numbers of ``shape``."""
     nominal, first = [], value             # the shape its first elements give: a cheap check before building
@@ -129,7 +141,7 @@ def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     flat = held.reshape(-1)
     if not set(map(type, flat)) <= {int, float}:       # bool, str, None, list, dict: not numbers
         bad = next(v for v in flat if not _is_number(v))
-        raise ConfigError(f"{where} holds {json.dumps(bad)[:40]}: every value must be a number")
+        raise ConfigError(f"{where} holds {_describe(bad)}: every value must be a number")
     try:
         rows = held.astype(np.float64)
     except (OverflowError, ValueError):
@@ -154,7 +166,7 @@ def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
         line = _parse(text, where)
         step = line.get("step")
         if not (isinstance(step, int) and not isinstance(step, bool)):
-            raise ConfigError(f"{where} has no whole-number 'step' (got {json.dumps(step)[:40]})")
+            raise ConfigError(f"{where} has no whole-number 'step' (got {_describe(step)})")
         if not 1 <= step <= last_step:
             raise ConfigError(f"{where} is of step {step}, outside the run's steps 1 to {last_step} "
                               f"(the experiment's; --run-steps N for a run given --steps N)")
@@ -166,10 +178,10 @@ def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
         previous = (step, number)
         where = f"{where} (step {step})"
         if "client" in line:
-            raise ConfigError(f"{where} is of client {json.dumps(line['client'])[:20]}: a run with [clients], "
+            raise ConfigError(f"{where} is of client {_describe(line['client'])}: a run with [clients], "
                               f"which the audit does not support yet")
         if "loss" in line and not _is_number(line["loss"]):
-            raise ConfigError(f"{where}: 'loss' must be a number, got {json.dumps(line['loss'])[:40]}")
+            raise ConfigError(f"{where}: 'loss' must be a number, got {_describe(line['loss'])}")
         for field in ("grads", "params"):
             tensors = line.get(field, {})
             if not isinstance(tensors, dict):
