@@ -115,8 +115,7 @@ def _describe(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, str):
         return f"the string {json.dumps(value[:20])}{'...' if len(value) > 20 else ''}"
-    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a very long integer"
-    return text
+    return repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a very long integer"
 
 
 def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -168,7 +167,7 @@ def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
         if not (isinstance(step, int) and not isinstance(step, bool)):
             raise ConfigError(f"{where} has no whole-number 'step' (got {_describe(step)})")
         if not 1 <= step <= last_step:
-            raise ConfigError(f"{where} is of step {step}, outside the run's steps 1 to {last_step} "
+            raise ConfigError(f"{where} is of step {_describe(step)}, outside the run's steps 1 to {last_step} "
                               f"(the experiment's; --run-steps N for a run given --steps N)")
         if previous is not None and step <= previous[0]:
             raise ConfigError(f"{where}: step {step} is written twice (lines {previous[1]} and {number})"
