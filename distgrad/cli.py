@@ -239,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the share of rows the input decoder is fitted on (default 0.5); it is tested on the rest")
     audit.add_argument("--mlp", action="store_true", help="fit a small MLP decoder too, beside the linear one")
     audit.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to this JSON file")
+    audit.add_argument("--micro-batches", type=int, metavar="M",
+                       help="the run's --micro-batches, when it was given them (default: the experiment's): the "
+                            "distance correlation is scored per micro-batch, as the live meter does")
+    audit.add_argument("--run-steps", type=int, metavar="N",
+                       help="the run's --steps, when it was given them (default: the experiment's): a traced step "
+                            "past the run's last is refused")
+    audit.add_argument("--max-trace-bytes", type=int, metavar="BYTES",
+                       help="the largest trace file read (default 512 MiB); a larger one is refused")
     ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
     ping.add_argument("endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
@@ -654,7 +662,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from distgrad.run.auditing import audit_text, run_audit
+    from distgrad.run.auditing import DEFAULT_MAX_TRACE_BYTES, audit_text, run_audit
     from distgrad.stage.records import write_json
 
     try:
@@ -662,10 +670,17 @@ def _audit(args: argparse.Namespace) -> int:
         first, last = int(first_text or 1), (int(last_text) if last_text else None)
     except ValueError:
         raise ConfigError(f"--steps must be FIRST:LAST (whole numbers, either may be left out), got {args.steps!r}")
-    report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp)
+    if args.json is not None and args.json.is_dir():
+        raise ConfigError(f"--json {args.json} is a directory: name the file to write")
+    max_bytes = DEFAULT_MAX_TRACE_BYTES if args.max_trace_bytes is None else args.max_trace_bytes
+    report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp,
+                       args.micro_batches, args.run_steps, max_bytes)
     print(audit_text(report))
     if args.json is not None:
-        write_json(args.json, report)
+        try:
+            write_json(args.json, report)
+        except OSError as e:
+            raise ConfigError(f"--json {args.json} cannot be written: {e.strerror or e}") from None
     return EXIT_OK
 
 

@@ -108,3 +108,46 @@ def test_distance_correlation_is_szekelys():
     assert leaks.distance_correlation(x, np.ones((20, 3))) == 0.0
     assert leaks.distance_correlation_chance(x, z) == pytest.approx(_textbook_dcor(x, np.roll(z, -1, 0)), abs=1e-9)
     assert leaks.distance_correlation_chance(x, z) < leaks.distance_correlation(x, z)
+
+
+def _pairs_auc(rows, labels):
+    """An independent oracle: the AUC of "same label" by cosine over every pair of ``rows``, counted
+    pair against pair (vectorised Mann-Whitney, ties half)."""
+    unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    i, j = np.triu_indices(len(rows), k=1)
+    scores, same = np.sum(unit[i] * unit[j], axis=1), labels[i] == labels[j]
+    pos, neg = scores[same], scores[~same]
+    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+                 / (len(pos) * len(neg)))
+
+
+def test_cosine_auc_scores_every_row_it_is_given_not_the_first_96():
+    """Rows whose first 96 point by class and whose later ones are noise: the figure is that of all the
+    pairs, not 1.0 (what the first 96 alone give)."""
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, 160)
+    rows = np.eye(3)[labels] + rng.normal(scale=0.01, size=(160, 3))
+    rows[96:] = rng.normal(size=(64, 3))
+    assert leaks.cosine_auc(rows[:96], labels[:96]) == 1.0
+    whole = leaks.cosine_auc(rows, labels)
+    assert whole == pytest.approx(_pairs_auc(rows, labels), abs=1e-12) and whole < 0.95
+
+
+def test_cosine_auc_beyond_its_row_cap_scores_rows_spread_over_the_whole_range():
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 2, 100)
+    rows = rng.normal(size=(100, 4)) + labels[:, None]
+    kept = leaks.spread(100, 10)
+    assert kept[0] == 0 and kept[-1] == 99 and len(np.unique(kept)) == 10
+    assert list(leaks.spread(7, 10)) == list(range(7))
+    assert leaks.cosine_auc(rows, labels, max_rows=10) == pytest.approx(_pairs_auc(rows[kept], labels[kept]),
+                                                                       abs=1e-12)
+
+
+def test_the_figure_sets_leave_out_what_cannot_be_scored():
+    rows = np.random.default_rng(6).normal(size=(8, 3))
+    assert leaks.label_figures(rows, np.zeros(8, np.int64)) == {}           # one class: nothing to tell apart
+    figures = leaks.label_figures(rows, np.arange(8) % 3)
+    assert set(figures) == {"label_recovery", "label_recovery_chance", "cosine_auc", "cosine_auc_chance"}
+    assert figures["label_recovery_chance"] == pytest.approx(1 / 3)
+    assert leaks.input_figures([(rows[:1], rows[:1])]) == {}                 # one row: no distance correlation

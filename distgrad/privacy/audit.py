@@ -2,9 +2,9 @@
 
 ``label_attacks`` plays the data owner against the label owner's labels:
 from the activation-gradient rows it received and the true labels (which the
-auditing label owner supplies), the figures of ``distgrad.privacy.leaks``
-(called, never re-implemented, so the audit and the live meter agree on the
-same rows) plus ``clustering_accuracy``: k-means of the rows, each cluster
+auditing label owner supplies), the live meter's figures, through the same
+function (``leaks.label_figures``: on the same rows the audit and the meter
+agree exactly), plus ``clustering_accuracy``: k-means of the rows, each cluster
 matched to a label so that the most rows are right (no anchor needed).
 
 ``input_attacks`` plays the label owner against the data owner's inputs:
@@ -83,34 +83,24 @@ def clustering_accuracy(rows: np.ndarray, labels: np.ndarray, seed: int) -> floa
 
 def label_attacks(rows: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
     """What the data owner recovers of ``labels`` (one per row, class ids) from the activation-gradient
-    ``rows`` it received: ``label_recovery``, ``cosine_auc``, ``clustering_accuracy`` and, for the two
-    classes 0 and 1, ``norm_auc`` and ``direction_auc``; each with ``NAME_chance``. A figure that
-    cannot be scored (one class) is left out. Raises ``ValueError`` for labels that are not class ids."""
+    ``rows`` it received: the live meter's figures (``leaks.label_figures``: ``label_recovery``,
+    ``cosine_auc`` and, for the two classes 0 and 1, ``norm_auc`` and ``direction_auc``) and
+    ``clustering_accuracy``, each with ``NAME_chance``. A figure that cannot be scored is left out (with one
+    class, all of them). Raises ``ValueError`` for labels that are not class ids or do not pair with rows."""
     labels = np.asarray(labels)
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
-    if labels.ndim != 1 or not np.array_equal(labels, np.round(labels)):
+    if labels.ndim != 1 or labels.dtype.kind not in "iuf" or not np.array_equal(labels, np.round(labels)):
         raise ValueError("the label attacks need one class id per row (integer labels)")
+    if len(labels) and labels.min() < 0:
+        raise ValueError(f"class ids are whole numbers from 0, got {labels.min():g}")
     labels = labels.astype(np.int64)
     if len(labels) != len(rows):
         raise ValueError(f"{len(labels)} labels for {len(rows)} gradient rows")
-    chance_k = leaks.label_recovery_chance(labels)
-    measures = [("label_recovery", lambda: leaks.label_recovery(rows, labels), chance_k),
-                ("cosine_auc", lambda: leaks.cosine_auc(rows, labels), leaks.AUC_CHANCE),
-                ("clustering_accuracy", lambda: clustering_accuracy(rows, labels, seed),
-                 float(np.bincount(labels - labels.min()).max() / len(labels)))]
-    if np.unique(labels).tolist() == [0, 1]:
-        measures += [("norm_auc", lambda: leaks.norm_auc(rows, labels), leaks.AUC_CHANCE),
-                     ("direction_auc", lambda: leaks.direction_auc(rows, labels), leaks.AUC_CHANCE)]
-    figures: dict[str, float] = {}
-    for name, measure, chance in measures:
-        if len(np.unique(labels)) < 2:
-            break
-        try:
-            figures[name] = measure()
-        except ValueError:
-            continue
-        figures[f"{name}_chance"] = chance
+    figures = leaks.label_figures(rows, labels)
+    if figures:
+        figures["clustering_accuracy"] = clustering_accuracy(rows, labels, seed)
+        figures["clustering_accuracy_chance"] = float(np.bincount(labels).max() / len(labels))
     return figures
 
 
@@ -147,8 +137,9 @@ def input_attacks(activations: np.ndarray, inputs: np.ndarray, public_fraction: 
     (paired rows): a seeded ``public_fraction`` of the rows is a public share the decoder is fitted on;
     on the other rows, ``linear_reconstruction_mse`` (least squares), with ``mlp`` also
     ``mlp_reconstruction_mse``, beside ``reconstruction_mse_chance`` (predicting the share's mean input);
-    and ``distance_correlation`` (with ``distance_correlation_chance``), as the live meter scores it: the
-    mean over ``batches`` (consecutive row counts; default: all rows as one) of each one's statistic."""
+    and the live meter's ``distance_correlation`` (``leaks.input_figures``, with its chance): the mean over
+    ``batches`` (consecutive row counts, one per micro-batch; default: all rows as one) of each one's
+    statistic."""
     z, x = _rows(activations), _rows(inputs)
     if len(z) != len(x):
         raise ValueError(f"{len(z)} activation rows for {len(x)} input rows")
@@ -169,8 +160,5 @@ def input_attacks(activations: np.ndarray, inputs: np.ndarray, public_fraction: 
     bounds = np.cumsum([0] + list(batches if batches is not None else [len(z)]))
     if bounds[-1] != len(z):
         raise ValueError(f"batches of {bounds[-1]} rows for {len(z)} rows")
-    pairs = [leaks.distance_correlations(x[a:b], z[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b - a > 1]
-    if pairs:
-        figures.update(distance_correlation=float(np.mean([d for d, _ in pairs])),
-                       distance_correlation_chance=float(np.mean([c for _, c in pairs])))
+    figures.update(leaks.input_figures([(x[a:b], z[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]))
     return figures

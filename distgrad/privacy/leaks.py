@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 TINY = 1e-30        # norms below this count as zero (a zero row has cosine 0 with everything)
-PAIR_ROWS = 96      # cosine_auc scores the pairs of at most this many rows (the first): n^2/2 pairs are sorted
+PAIR_ROWS = 2048    # cosine_auc scores the pairs of at most this many rows, evenly spaced over all it is given
+                    # (n^2/2 pairs are sorted: 2048 rows are about 2.1 million pairs, a fraction of a second)
 
 
 def _flat(rows: np.ndarray) -> np.ndarray:
@@ -93,12 +94,22 @@ def label_recovery_chance(labels: np.ndarray) -> float:
     return 1.0 / len(np.unique(_labels(labels, len(np.asarray(labels)))))
 
 
+def spread(count: int, most: int) -> np.ndarray:
+    """Indices of at most ``most`` of ``count`` rows, evenly spaced from the first to the last (all of them
+    when ``count <= most``): a sample that covers the whole range, the same for the same ``count``."""
+    if count <= most:
+        return np.arange(count)
+    return np.round(np.linspace(0, count - 1, most)).astype(np.int64)
+
+
 def cosine_auc(rows: np.ndarray, labels: np.ndarray, max_rows: int = PAIR_ROWS) -> float:
-    """The AUC of "same label" over every pair of distinct rows among the first ``max_rows``, scored by the
-    cosine of their rows. Raises ``ValueError`` when every pair is of one kind."""
+    """The AUC of "same label" over every pair of distinct rows, scored by the cosine of their rows; beyond
+    ``max_rows`` rows, over the pairs of ``max_rows`` rows evenly spaced over all of them (``spread``), so the
+    figure always covers the whole range given. Raises ``ValueError`` when every pair is of one kind."""
     x = _unit(_flat(rows))
     y = _labels(labels, len(x))
-    x, y = x[:max_rows], y[:max_rows]
+    kept = spread(len(x), max_rows)
+    x, y = x[kept], y[kept]
     upper = np.triu_indices(len(x), k=1)
     return auc((x @ x.T)[upper], (y[:, None] == y[None, :])[upper])
 
@@ -176,3 +187,38 @@ def distance_correlations(x: np.ndarray, z: np.ndarray) -> tuple[float, float]:
     a, b = _centred_pair(x, z)
     shift = np.roll(np.arange(len(b)), -1)
     return _dcor(a, b), _dcor(a, b[np.ix_(shift, shift)])
+
+
+def label_figures(rows: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """The label owner's figures of the activation-gradient ``rows`` and their class ``labels`` (one per
+    row, or one-hot rows), each beside ``NAME_chance``: ``label_recovery`` (chance 1/k) and ``cosine_auc``,
+    and when the labels are the two classes 0 and 1 ``norm_auc`` and ``direction_auc`` (chance 0.5). With
+    fewer than two classes nothing can be scored (empty); a figure these rows cannot score is left out.
+    The one definition of the figures that the live meter and the offline audit both report."""
+    y = _labels(labels, len(_flat(rows)))
+    classes = np.unique(y)
+    if len(classes) < 2:
+        return {}
+    measures = [("label_recovery", label_recovery, 1.0 / len(classes)), ("cosine_auc", cosine_auc, AUC_CHANCE)]
+    if classes.tolist() == [0, 1]:
+        measures += [("norm_auc", norm_auc, AUC_CHANCE), ("direction_auc", direction_auc, AUC_CHANCE)]
+    figures: dict[str, float] = {}
+    for name, measure, chance in measures:
+        try:
+            figures[name] = measure(rows, y)
+        except ValueError:
+            continue                     # not scorable on these rows
+        figures[f"{name}_chance"] = chance
+    return figures
+
+
+def input_figures(batches: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
+    """The data owner's figures of its (input rows, activation rows) ``batches``, one pair per micro-batch:
+    ``distance_correlation``, the mean over the micro-batches of more than one row of each one's statistic,
+    beside ``distance_correlation_chance`` (the same mean with the pairing broken); empty when no micro-batch
+    has two rows. The one definition that the live meter and the offline audit both report."""
+    pairs = [distance_correlations(x, z) for x, z in batches if len(x) > 1]
+    if not pairs:
+        return {}
+    return {"distance_correlation": float(np.mean([dcor for dcor, _ in pairs])),
+            "distance_correlation_chance": float(np.mean([chance for _, chance in pairs]))}

@@ -18,19 +18,21 @@ restart from a checkpoint a window holds only the steps run since.
 
 Figures (each beside its chance level, ``NAME_chance``):
 
-* labels: ``label_recovery`` and ``cosine_auc`` over the window's rows;
-  ``norm_auc`` and ``direction_auc`` when its labels are the two classes
-  0 and 1 (Li et al.);
-* inputs: ``distance_correlation``, the mean over the window's micro-batches
-  of each one's distance correlation between input and activation rows.
+* labels: ``leaks.label_figures`` of the window's rows: ``label_recovery``
+  and ``cosine_auc``; ``norm_auc`` and ``direction_auc`` when its labels are
+  the two classes 0 and 1 (Li et al.);
+* inputs: ``leaks.input_figures``: ``distance_correlation``, the mean over
+  the window's micro-batches of each one's distance correlation between
+  input and activation rows.
+
+The offline audit reports the same figures through the same two functions,
+so on the same rows the two agree exactly.
 
 A figure that cannot be scored on a window (a single class, a regression's
 real-valued targets) is left out of it.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 
@@ -96,25 +98,8 @@ class LeakMeter:
             labels = labels[:, 0]
         if labels.ndim == 1 and not np.array_equal(labels, np.round(labels)):
             return {}                        # real-valued targets: nothing to recover by class
-        figures: dict[str, float] = {}
-        measures: list[tuple[str, Callable[[np.ndarray, np.ndarray], float], float | None]] = [
-            ("label_recovery", leaks.label_recovery, None), ("cosine_auc", leaks.cosine_auc, leaks.AUC_CHANCE)]
-        classes = np.unique(labels if labels.ndim == 1 else labels.argmax(axis=1))
-        if classes.tolist() == [0, 1]:
-            measures += [("norm_auc", leaks.norm_auc, leaks.AUC_CHANCE),
-                         ("direction_auc", leaks.direction_auc, leaks.AUC_CHANCE)]
-        for name, measure, chance in measures:
-            try:
-                figures[name] = measure(rows, labels)
-            except ValueError:
-                continue                     # not scorable on this window
-            figures[f"{name}_chance"] = leaks.label_recovery_chance(labels) if chance is None else chance
-        return figures
+        return leaks.label_figures(rows, labels)
 
     @staticmethod
     def _inputs(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
-        pairs = [leaks.distance_correlations(x, z) for x, z in taken if len(x) > 1]
-        if not pairs:
-            return {}
-        return {"distance_correlation": float(np.mean([dcor for dcor, _ in pairs])),
-                "distance_correlation_chance": float(np.mean([chance for _, chance in pairs]))}
+        return leaks.input_figures(taken)

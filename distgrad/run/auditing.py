@@ -7,62 +7,225 @@ exactly as the receiver decoded it (after the sender's defenses and codec):
 secret rows they belong to come from the experiment's own data, rebuilt with
 the run's seed, as the meter takes them: the label owner's true labels of
 each traced step, the data owner's raw input rows. The attacks are
-``distgrad.privacy.audit``'s. Bad files and settings raise ``ConfigError``
-(exit 2) naming what is wrong.
+``distgrad.privacy.audit``'s; the figures the live meter reports too are
+computed by the same functions (``leaks.label_figures``, ``leaks.input_figures``).
+
+A trace is untrusted input, validated whole before anything is scored: a
+regular file of at most ``max_bytes`` (``DEFAULT_MAX_TRACE_BYTES``; read with
+that cap, line by line), each line a JSON object (no key twice), with a
+whole ``step`` from 1 to the run's last, the steps strictly increasing (a
+step written twice would be scored twice), ``grads`` and ``params`` objects
+of numbers or arrays, a number ``loss``, no ``client``; and each view a
+regular array of finite float32-range numbers of exactly the cut's shape for
+a batch. Anything else, and bad settings, raise ``ConfigError`` (exit 2)
+naming the line, the step and the problem.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from distgrad.config.experiment import Experiment, is_whole
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
 from distgrad.privacy import audit
-from distgrad.stage.records import read_trace
 
 LABEL_VIEW, INPUT_VIEW = "sent_activation_grad", "sent_activation"
+DEFAULT_MAX_TRACE_BYTES = 512 * 2 ** 20     # the largest trace read (bytes); settable, --max-trace-bytes
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+View = list[tuple[int, np.ndarray]]          # (step, the rows that crossed on it), steps increasing
 
 
-def _trace_lines(path: Path) -> list[dict[str, Any]]:
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a key given twice (``json`` would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _trace_texts(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """The lines of the file at ``path`` (bytes, with their 1-based numbers), read with a cap of
+    ``max_bytes``; ``ConfigError`` for a missing, unreadable, non-regular or too large file."""
     try:
-        lines = read_trace(path)
+        info = os.stat(path)
     except FileNotFoundError:
         raise ConfigError(f"audit: no trace file {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"audit: {path} is not a trace (one JSON object a line, as --trace writes): {e}") from None
-    if not all(isinstance(line, dict) and isinstance(line.get("step"), int) for line in lines):
-        raise ConfigError(f"audit: {path} is not a trace: every line must be an object with an integer 'step'")
-    return lines
+    except OSError as e:
+        raise ConfigError(f"audit: cannot read the trace {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, pipe or socket"
+        raise ConfigError(f"audit: {path} is {kind}, not a regular file: give the file --trace wrote")
+    too_large = (f"audit: {path} is over the audit's limit of {max_bytes} bytes (--max-trace-bytes): "
+                 f"trace fewer steps or tensors (--trace-every, --trace-params), or raise the limit")
+    if info.st_size > max_bytes:
+        raise ConfigError(too_large.replace(" is over", f" is {info.st_size} bytes, over"))
+    try:
+        # Non-blocking: a pipe put in the file's place since the check above must not hold the open.
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"audit: {path} is not a regular file: give the file --trace wrote")
+            read, number = 0, 0
+            while True:
+                text = f.readline(max_bytes - read + 1)      # never more than the cap, even if the file grows
+                if not text:
+                    return
+                read, number = read + len(text), number + 1
+                if read > max_bytes:
+                    raise ConfigError(too_large)
+                yield number, text
+    except OSError as e:
+        raise ConfigError(f"audit: cannot read the trace {path}: {e.strerror or e}") from None
 
 
-def _view(lines: list[dict[str, Any]], name: str, first: int, last: int | None,
-          path: Path) -> list[tuple[int, np.ndarray]]:
-    """The traced steps in [first, last] that hold ``name``, with its rows."""
-    view = []
-    for line in lines:
-        step, grads = line["step"], line.get("grads", {})
-        if name in grads and step >= first and (last is None or step <= last):
-            try:
-                rows = np.asarray(grads[name], np.float64)
-            except (TypeError, ValueError):
-                raise ConfigError(f"audit: {path}: step {step}'s {name} is not an array of numbers") from None
-            if rows.ndim < 1 or not np.isfinite(rows).all():
-                raise ConfigError(f"audit: {path}: step {step}'s {name} is not a finite array of rows")
-            view.append((step, rows))
-    return view
+def _parse(text: bytes, where: str) -> dict[str, Any]:
+    """One trace line as a JSON object."""
+    try:
+        line = json.loads(text.decode("utf-8"), object_pairs_hook=_no_twice)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is JSON nested too deeply to be a trace line") from None
+    except ValueError as e:      # JSONDecodeError, a key twice, a number too long to convert
+        raise ConfigError(f"{where} is not a trace line (one JSON object a line, as --trace writes): {e}") from None
+    if not isinstance(line, dict):
+        raise ConfigError(f"{where} is a JSON {type(line).__name__}, not an object: "
+                          f"a trace holds one JSON object a line, as --trace writes")
+    return line
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    """A short name of a JSON value for a message (never the whole of a nested one)."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return f"the string {json.dumps(value[:20])}{'...' if len(value) > 20 else ''}"
+    return repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a very long integer"
+
+
+def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """A view's rows as float64, refused unless a regular array of finite float32-range numbers of ``shape``."""
+    nominal, first = [], value             # the shape its first elements give: a cheap check before building
+    while isinstance(first, list):
+        nominal.append(len(first))
+        first = first[0] if first else None
+    if tuple(nominal) != shape:
+        raise ConfigError(f"{where} has shape {tuple(nominal)}, but the cut carries {shape} a step (a batch's rows "
+                          f"of {shape[1:]}): is the trace of this experiment and --seed?")
+    try:
+        held = np.array(value, dtype=object)
+    except ValueError:
+        held = None
+    if held is None or (held.shape != shape and any(isinstance(v, list) for v in held.reshape(-1))):
+        raise ConfigError(f"{where} is not a regular array (rows of unequal lengths), but the cut carries an "
+                          f"array of shape {shape} a step: is the trace of this experiment and --seed?")
+    if held.shape != shape:
+        raise ConfigError(f"{where} has shape {held.shape}, but the cut carries {shape} a step (a batch's rows "
+                          f"of {shape[1:]}): is the trace of this experiment and --seed?")
+    flat = held.reshape(-1)
+    if not set(map(type, flat)) <= {int, float}:       # bool, str, None, list, dict: not numbers
+        bad = next(v for v in flat if not _is_number(v))
+        raise ConfigError(f"{where} holds {_describe(bad)}: every value must be a number")
+    try:
+        rows = held.astype(np.float64)
+    except (OverflowError, ValueError):
+        raise ConfigError(f"{where} holds a number too large for float32") from None
+    if not np.isfinite(rows).all():
+        raise ConfigError(f"{where} holds NaN or infinite values: what crosses the cut is finite")
+    if np.abs(rows).max(initial=0.0) > FLOAT32_MAX:
+        raise ConfigError(f"{where} holds a number too large for float32 (the cut carries float32)")
+    return rows
+
+
+def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
+               max_bytes: int = DEFAULT_MAX_TRACE_BYTES) -> dict[str, View]:
+    """Every line of the trace at ``path`` validated (see the module's contract), and the rows of the views
+    named in ``shapes`` (each a step's shape) on every step that holds them. Raises ``ConfigError``."""
+    views: dict[str, View] = {name: [] for name in shapes}
+    previous: tuple[int, int] | None = None               # (step, line number) of the last line
+    for number, text in _trace_texts(path, max_bytes):
+        where = f"audit: {path}: line {number}"
+        if not text.strip():
+            continue
+        line = _parse(text, where)
+        step = line.get("step")
+        if not (isinstance(step, int) and not isinstance(step, bool)):
+            raise ConfigError(f"{where} has no whole-number 'step' (got {_describe(step)})")
+        if not 1 <= step <= last_step:
+            raise ConfigError(f"{where} is of step {_describe(step)}, outside the run's steps 1 to {last_step} "
+                              f"(the experiment's; --run-steps N for a run given --steps N)")
+        if previous is not None and step <= previous[0]:
+            raise ConfigError(f"{where}: step {step} is written twice (lines {previous[1]} and {number})"
+                              if step == previous[0] else
+                              f"{where}: step {step} comes after step {previous[0]} (line {previous[1]}): "
+                              f"a trace's steps only increase")
+        previous = (step, number)
+        where = f"{where} (step {step})"
+        if "client" in line:
+            raise ConfigError(f"{where} is of client {_describe(line['client'])}: a run with [clients], "
+                              f"which the audit does not support yet")
+        if "loss" in line and not _is_number(line["loss"]):
+            raise ConfigError(f"{where}: 'loss' must be a number, got {_describe(line['loss'])}")
+        for field in ("grads", "params"):
+            tensors = line.get(field, {})
+            if not isinstance(tensors, dict):
+                raise ConfigError(f"{where}: {field!r} must be an object of named arrays")
+            for name, value in tensors.items():
+                if not (isinstance(value, list) or _is_number(value)):
+                    raise ConfigError(f"{where}: {field}.{name} must be an array of numbers")
+        for name, shape in shapes.items():
+            if name in line.get("grads", {}):
+                views[name].append((step, _rows(line["grads"][name], shape, f"{where}: {name}")))
+    return views
+
+
+def _check_settings(exp: Experiment, seed: Any, first: Any, last: Any, public_fraction: Any, micro_batches: Any,
+                    run_steps: Any, max_bytes: Any) -> None:
+    """``ConfigError`` naming the first bad setting."""
+    if not is_whole(seed) or seed < 0:
+        raise ConfigError(f"audit: --seed must be an integer >= 0, got {seed!r}")
+    if not is_whole(first) or first < 1 or (last is not None and (not is_whole(last) or last < first)):
+        raise ConfigError(f"audit: --steps must be FIRST:LAST with 1 <= FIRST <= LAST, got {first!r}:{last!r}")
+    if not _is_number(public_fraction) or not 0 < public_fraction < 1:
+        raise ConfigError(f"audit: --public-fraction must be a fraction in (0, 1), got {public_fraction!r}")
+    if not is_whole(run_steps) or run_steps < 1:
+        raise ConfigError(f"audit: --run-steps must be an integer >= 1, got {run_steps!r}")
+    if not is_whole(max_bytes) or max_bytes < 1:
+        raise ConfigError(f"audit: --max-trace-bytes must be an integer >= 1, got {max_bytes!r}")
+    batch = exp.cuts[0][0] if exp.cuts and exp.cuts[0] else None
+    if not is_whole(micro_batches) or micro_batches < 1 or (micro_batches > 1 and (batch is None or
+                                                                                   batch % micro_batches)):
+        raise ConfigError(f"audit: --micro-batches must be an integer >= 1 that divides the batch of "
+                          f"{batch} rows, got {micro_batches!r}")
 
 
 def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int = 1, last: int | None = None,
-              public_fraction: float = 0.5, mlp: bool = False) -> dict[str, dict[str, float]]:
+              public_fraction: float = 0.5, mlp: bool = False, micro_batches: int | None = None,
+              run_steps: int | None = None,
+              max_bytes: int = DEFAULT_MAX_TRACE_BYTES) -> dict[str, dict[str, float]]:
     """The audit of the run of ``experiment`` (a name, an experiment file or the auditing party's stage
-    file; ``seed``: the run's, default the experiment's) recorded in ``trace``, over its traced steps
-    ``first`` to ``last``: ``{"labels": figures, "inputs": figures}``, each present when the trace holds
-    that view and ``experiment`` defines the stage whose secret it is (a stage file: its own). Raises ``ConfigError`` for a missing or malformed trace, one that holds neither view, an
-    experiment whose data cannot pair with it, or bad settings."""
+    file; ``seed``: the run's, default the experiment's; ``micro_batches``: the run's, default the
+    experiment's; ``run_steps``: the run's last step, default the experiment's) recorded in ``trace`` (read
+    up to ``max_bytes``), over its traced steps ``first`` to ``last``: ``{"labels": figures, "inputs":
+    figures}``, each present when the trace holds that view and ``experiment`` defines the stage whose secret
+    it is (a stage file: its own). Every line of the trace is validated first. Raises ``ConfigError`` for a
+    missing, oversized or malformed trace, one that holds neither view, an experiment whose data cannot pair
+    with it, or bad settings."""
     exp = load_experiment(experiment)
     if exp.federated or exp.vertical:
         raise ConfigError("audit: experiments with [clients] or feature parties are not supported yet "
@@ -70,38 +233,47 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     if len(exp.stage_names) < 2:
         raise ConfigError("audit: a one-stage experiment has no cut to audit")
     seed = exp.seed if seed is None else seed
-    lines = _trace_lines(trace)
-    report: dict[str, dict[str, float]] = {}
+    micro_batches = exp.micro_batches if micro_batches is None else micro_batches
+    run_steps = exp.steps if run_steps is None else run_steps
+    _check_settings(exp, seed, first, last, public_fraction, micro_batches, run_steps, max_bytes)
     # A party's stage file holds only its own data: it audits what the other party learns of its secret.
-    labels_view = _view(lines, LABEL_VIEW, first, last, trace) if exp.has_stage(exp.label_owner) else []
-    if labels_view:
+    # Both views are validated, whichever this party can pair with its data.
+    shapes = {LABEL_VIEW: tuple(exp.cuts[-1]),         # what the last stage sends back up
+              INPUT_VIEW: tuple(exp.cuts[0])}          # what the first stage sends down
+    views = read_views(trace, shapes, run_steps, max_bytes)
+    if not exp.has_stage(exp.label_owner):
+        views.pop(LABEL_VIEW)
+    if not exp.has_stage(exp.data_owners[0]):
+        views.pop(INPUT_VIEW)
+    views = {name: [(step, rows) for step, rows in view if first <= step and (last is None or step <= last)]
+             for name, view in views.items()}
+    report: dict[str, dict[str, float]] = {}
+    if views.get(LABEL_VIEW):
         data = exp.build_data(seed, stage=exp.label_owner)
-        rows, labels = _paired(labels_view, data.true_targets, "labels", trace)
+        rows, labels = _paired(views[LABEL_VIEW], data.true_targets, "labels", trace)
         try:
             report["labels"] = audit.label_attacks(rows, labels, seed)
         except ValueError as e:
             raise ConfigError(f"audit: the labels of {exp.label_owner!r} cannot be attacked: {e}") from None
-    inputs_view = _view(lines, INPUT_VIEW, first, last, trace) if exp.has_stage(exp.data_owners[0]) else []
-    if inputs_view:
+    if views.get(INPUT_VIEW):
         data = exp.build_data(seed, stage=exp.data_owners[0])
-        z, x = _paired(inputs_view, data.features, "input rows", trace)
+        z, x = _paired(views[INPUT_VIEW], data.features, "input rows", trace)
+        per_step = [len(rows) for _, rows in views[INPUT_VIEW]]
+        batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
         try:
-            report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp,
-                                                   batches=[len(rows) for _, rows in inputs_view])
+            report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp, batches=batches)
         except ValueError as e:
             raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
     if not report:
-        views = [name for name, owner in ((LABEL_VIEW, exp.label_owner), (INPUT_VIEW, exp.data_owners[0]))
-                 if exp.has_stage(owner)]
-        raise ConfigError(f"audit: {trace} holds no {' or '.join(views)} on steps {first} to "
+        names = list(views)
+        raise ConfigError(f"audit: {trace} holds no {' or '.join(names)} on steps {first} to "
                           f"{'the last' if last is None else last}, which is what {experiment}'s data can be "
                           f"paired with: trace the run with --trace (and, with --trace-params, name "
-                          f"{' or '.join(views)})")
+                          f"{' or '.join(names)})")
     return report
 
 
-def _paired(view: list[tuple[int, np.ndarray]], secret_of: Any, what: str,
-            path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _paired(view: View, secret_of: Any, what: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The view's rows and the secret rows of the same steps, stacked; ``ConfigError`` when they do not pair
     (the trace is of another experiment or seed)."""
     rows, secrets = [], []
