@@ -245,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--run-steps", type=int, metavar="N",
                        help="the run's --steps, when it was given them (default: the experiment's): a traced step "
                             "past the run's last is refused")
+    audit.add_argument("--window", type=int, metavar="W",
+                       help="score the figures the live meter reports on the steps the meter scores in windows of W "
+                            "steps from FIRST (default: the --steps range as one window when LAST is given, else "
+                            "the experiment's meter window), so that a meter window audited alone gives its figures")
     audit.add_argument("--max-trace-bytes", type=int, metavar="BYTES",
                        help="the largest trace file read (default 512 MiB); a larger one is refused")
     ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
@@ -674,7 +678,7 @@ def _audit(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json {args.json} is a directory: name the file to write")
     max_bytes = DEFAULT_MAX_TRACE_BYTES if args.max_trace_bytes is None else args.max_trace_bytes
     report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp,
-                       args.micro_batches, args.run_steps, max_bytes)
+                       args.micro_batches, args.run_steps, max_bytes, args.window)
     print(audit_text(report))
     if args.json is not None:
         try:

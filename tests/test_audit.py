@@ -147,28 +147,38 @@ def test_the_audit_agrees_with_the_live_meter_and_a_defense_lowers_recovery(tmp_
     assert report["labels"]["label_recovery"] < 0.6 and report["labels"]["clustering_accuracy"] < 0.6
 
 
-def test_the_audit_and_the_live_meter_agree_on_every_figure_they_share(tmp_path):
+@pytest.mark.parametrize("window", [6, 20])
+def test_the_audit_and_the_live_meter_agree_on_every_figure_they_share(tmp_path, window):
     """Same run (two micro-batches a step, the label owner's max_norm): each window the meter closed,
     audited with --steps of that window and the run's --micro-batches, gives every figure the meter
-    reported (and its chance), to float tolerance; windows of 6 steps, so the meter scores every step."""
+    reported (and its chance), to float tolerance: windows of 6 steps (the meter scores every step) and of 20
+    (it scores a sample, which the audit picks by the same rule); and the audit of the whole run with
+    --window gives the figures of the meter's steps of every window together."""
     path = _digits(tmp_path, "max_norm = true")
     trace, summary = tmp_path / "run.jsonl", tmp_path / "run.json"
-    result = run_launcher(["run", path, "--steps", "12", "--eval-every", "6", "--privacy-meter", "--micro-batches",
-                           "2", "--trace", trace, "--trace-params", "sent_activation_grad,sent_activation",
-                           "--summary", summary])
+    result = run_launcher(["run", path, "--steps", str(2 * window), "--eval-every", str(window), "--privacy-meter",
+                           "--micro-batches", "2", "--trace", trace, "--trace-params",
+                           "sent_activation_grad,sent_activation", "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary)
-    for window in (0, 1):
-        steps = f"{6 * window + 1}:{6 * window + 6}"
+    for index in (0, 1):
+        steps = f"{window * index + 1}:{window * index + window}"
         report = _audit(path, trace, tmp_path, "--steps", steps, "--micro-batches", "2")
         for view, key in (("labels", "label_leaks"), ("inputs", "input_leaks")):
-            meter = summary[key][window]
-            assert meter["step"] == 6 * window + 6
+            meter = summary[key][index]
+            assert meter["step"] == window * index + window
             shared = {name for name in meter if name != "step"}
             assert shared and shared <= set(report[view]), (view, shared - set(report[view]))
             assert {name for name in report[view] if name in FIGURES or name[:-len("_chance")] in FIGURES} == shared
             for name in shared:
-                assert report[view][name] == pytest.approx(meter[name], rel=1e-12, abs=1e-12), (view, name, window)
+                assert report[view][name] == pytest.approx(meter[name], rel=1e-12, abs=1e-12), (view, name, index)
+    whole = _audit(path, trace, tmp_path, "--window", str(window), "--micro-batches", "2")
+    by_steps = _audit(path, trace, tmp_path, "--steps", f"1:{2 * window}", "--window", str(window),
+                      "--micro-batches", "2")
+    assert whole == by_steps
+    if window > 7:       # a sampled window: scoring every step instead would give other figures
+        every = _audit(path, trace, tmp_path, "--window", "1", "--micro-batches", "2")
+        assert every["labels"]["cosine_auc"] != whole["labels"]["cosine_auc"]
 
 
 def test_bad_audit_inputs_exit_2_naming_the_problem(tmp_path):

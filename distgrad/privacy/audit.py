@@ -81,11 +81,13 @@ def clustering_accuracy(rows: np.ndarray, labels: np.ndarray, seed: int) -> floa
     return float(best / len(y))
 
 
-def label_attacks(rows: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
+def label_attacks(rows: np.ndarray, labels: np.ndarray, seed: int = 0,
+                  metered: np.ndarray | None = None) -> dict[str, float]:
     """What the data owner recovers of ``labels`` (one per row, class ids) from the activation-gradient
     ``rows`` it received: the live meter's figures (``leaks.label_figures``: ``label_recovery``,
-    ``cosine_auc`` and, for the two classes 0 and 1, ``norm_auc`` and ``direction_auc``) and
-    ``clustering_accuracy``, each with ``NAME_chance``. A figure that cannot be scored is left out (with one
+    ``cosine_auc`` and, for the two classes 0 and 1, ``norm_auc`` and ``direction_auc``) of the rows the
+    meter scores (``metered``: a boolean per row; default every row) and ``clustering_accuracy`` of every
+    row, each with ``NAME_chance``. A figure that cannot be scored is left out (with one
     class, all of them). Raises ``ValueError`` for labels that are not class ids or do not pair with rows."""
     labels = np.asarray(labels)
     if labels.ndim == 2 and labels.shape[1] == 1:
@@ -97,7 +99,12 @@ def label_attacks(rows: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[s
     labels = labels.astype(np.int64)
     if len(labels) != len(rows):
         raise ValueError(f"{len(labels)} labels for {len(rows)} gradient rows")
-    figures = leaks.label_figures(rows, labels)
+    if metered is None:
+        metered = np.ones(len(labels), bool)
+    metered = np.asarray(metered, bool)
+    if metered.shape != labels.shape:
+        raise ValueError(f"{metered.shape[0] if metered.ndim else 0} metered flags for {len(labels)} rows")
+    figures = leaks.label_figures(np.asarray(rows)[metered], labels[metered])
     if figures:
         figures["clustering_accuracy"] = clustering_accuracy(rows, labels, seed)
         figures["clustering_accuracy_chance"] = float(np.bincount(labels).max() / len(labels))
@@ -132,14 +139,15 @@ def _fit_mlp(z: np.ndarray, x: np.ndarray, seed: int):
 
 
 def input_attacks(activations: np.ndarray, inputs: np.ndarray, public_fraction: float = 0.5, seed: int = 0,
-                  mlp: bool = False, batches: list[int] | None = None) -> dict[str, float]:
+                  mlp: bool = False, batches: list[int] | None = None,
+                  metered: list[bool] | None = None) -> dict[str, float]:
     """What the label owner recovers of the data owner's ``inputs`` from the ``activations`` it received
     (paired rows): a seeded ``public_fraction`` of the rows is a public share the decoder is fitted on;
     on the other rows, ``linear_reconstruction_mse`` (least squares), with ``mlp`` also
     ``mlp_reconstruction_mse``, beside ``reconstruction_mse_chance`` (predicting the share's mean input);
     and the live meter's ``distance_correlation`` (``leaks.input_figures``, with its chance): the mean over
-    ``batches`` (consecutive row counts, one per micro-batch; default: all rows as one) of each one's
-    statistic."""
+    ``batches`` (consecutive row counts, one per micro-batch; default: all rows as one) the meter scores
+    (``metered``: a flag per batch; default every batch) of each one's statistic."""
     z, x = _rows(activations), _rows(inputs)
     if len(z) != len(x):
         raise ValueError(f"{len(z)} activation rows for {len(x)} input rows")
@@ -160,5 +168,9 @@ def input_attacks(activations: np.ndarray, inputs: np.ndarray, public_fraction: 
     bounds = np.cumsum([0] + list(batches if batches is not None else [len(z)]))
     if bounds[-1] != len(z):
         raise ValueError(f"batches of {bounds[-1]} rows for {len(z)} rows")
-    figures.update(leaks.input_figures([(x[a:b], z[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]))
+    flags = [True] * (len(bounds) - 1) if metered is None else list(metered)
+    if len(flags) != len(bounds) - 1:
+        raise ValueError(f"{len(flags)} metered flags for {len(bounds) - 1} batches")
+    figures.update(leaks.input_figures([(x[a:b], z[a:b])
+                                        for a, b, flag in zip(bounds[:-1], bounds[1:], flags) if flag]))
     return figures

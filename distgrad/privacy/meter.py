@@ -44,6 +44,13 @@ SAMPLED_STEPS = 4      # steps of a window scored (evenly spaced): what keeps th
 FIGURES = ("label_recovery", "cosine_auc", "norm_auc", "direction_auc", "distance_correlation")   # each has NAME_chance
 
 
+def sampled(offset: int, window: int) -> bool:
+    """Whether the step ``offset`` steps after a window's first is scored in a window of ``window`` steps: every
+    ``window // SAMPLED_STEPS``-th (every step of a window shorter than ``2 * SAMPLED_STEPS``). The one rule
+    of which steps the meter scores, which the offline audit applies too."""
+    return (offset % window) % max(1, window // SAMPLED_STEPS) == 0
+
+
 def window_steps(eval_every: int) -> int:
     """A meter's window: the run's evaluation period, else ``DEFAULT_WINDOW``."""
     return eval_every if eval_every > 0 else DEFAULT_WINDOW
@@ -63,7 +70,7 @@ class LeakMeter:
     def wants(self, step: int) -> bool:
         """Whether ``step`` is scored: every ``window // SAMPLED_STEPS``-th step (every step of a short window),
         counted from each window's first; what the other steps send is not looked at."""
-        return ((step - 1) % self.window) % max(1, self.window // SAMPLED_STEPS) == 0
+        return sampled(step - 1, self.window)
 
     def observe(self, step: int, mb: int, secret: np.ndarray, sent: np.ndarray) -> None:
         """Micro-batch ``mb`` of ``step``: its secret rows and the rows sent for them, as received (kept only

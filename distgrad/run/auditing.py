@@ -35,6 +35,7 @@ from distgrad.config.experiment import Experiment, is_whole
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
 from distgrad.privacy import audit
+from distgrad.privacy.meter import sampled, window_steps
 
 LABEL_VIEW, INPUT_VIEW = "sent_activation_grad", "sent_activation"
 DEFAULT_MAX_TRACE_BYTES = 512 * 2 ** 20     # the largest trace read (bytes); settable, --max-trace-bytes
@@ -216,14 +217,18 @@ def _check_settings(exp: Experiment, seed: Any, first: Any, last: Any, public_fr
 
 def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int = 1, last: int | None = None,
               public_fraction: float = 0.5, mlp: bool = False, micro_batches: int | None = None,
-              run_steps: int | None = None,
-              max_bytes: int = DEFAULT_MAX_TRACE_BYTES) -> dict[str, dict[str, float]]:
+              run_steps: int | None = None, max_bytes: int = DEFAULT_MAX_TRACE_BYTES,
+              window: int | None = None) -> dict[str, dict[str, float]]:
     """The audit of the run of ``experiment`` (a name, an experiment file or the auditing party's stage
     file; ``seed``: the run's, default the experiment's; ``micro_batches``: the run's, default the
     experiment's; ``run_steps``: the run's last step, default the experiment's) recorded in ``trace`` (read
     up to ``max_bytes``), over its traced steps ``first`` to ``last``: ``{"labels": figures, "inputs":
     figures}``, each present when the trace holds that view and ``experiment`` defines the stage whose secret
-    it is (a stage file: its own). Every line of the trace is validated first. Raises ``ConfigError`` for a
+    it is (a stage file: its own). The figures the live meter reports too are scored on the steps the meter
+    scores (``meter.sampled``) in windows of ``window`` steps counted from ``first``; by default one window
+    of the range ``first`` to ``last`` when ``last`` is given (so the audit of a meter window's steps gives
+    that window's figures exactly), else the experiment's meter window. Every line of the trace is validated
+    first. Raises ``ConfigError`` for a
     missing, oversized or malformed trace, one that holds neither view, an experiment whose data cannot pair
     with it, or bad settings."""
     exp = load_experiment(experiment)
@@ -236,6 +241,10 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     micro_batches = exp.micro_batches if micro_batches is None else micro_batches
     run_steps = exp.steps if run_steps is None else run_steps
     _check_settings(exp, seed, first, last, public_fraction, micro_batches, run_steps, max_bytes)
+    if window is not None and (not is_whole(window) or window < 1):
+        raise ConfigError(f"audit: --window must be an integer >= 1, got {window!r}")
+    if window is None:
+        window = last - first + 1 if last is not None else window_steps(exp.eval_every)
     # A party's stage file holds only its own data: it audits what the other party learns of its secret.
     # Both views are validated, whichever this party can pair with its data.
     shapes = {LABEL_VIEW: tuple(exp.cuts[-1]),         # what the last stage sends back up
@@ -252,7 +261,8 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         data = exp.build_data(seed, stage=exp.label_owner)
         rows, labels = _paired(views[LABEL_VIEW], data.true_targets, "labels", trace)
         try:
-            report["labels"] = audit.label_attacks(rows, labels, seed)
+            metered = _metered(views[LABEL_VIEW], first, window, 1)
+            report["labels"] = audit.label_attacks(rows, labels, seed, metered)
         except ValueError as e:
             raise ConfigError(f"audit: the labels of {exp.label_owner!r} cannot be attacked: {e}") from None
     if views.get(INPUT_VIEW):
@@ -260,8 +270,10 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         z, x = _paired(views[INPUT_VIEW], data.features, "input rows", trace)
         per_step = [len(rows) for _, rows in views[INPUT_VIEW]]
         batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
+        metered = list(_metered(views[INPUT_VIEW], first, window, micro_batches, per_row=False))
         try:
-            report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp, batches=batches)
+            report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp, batches=batches,
+                                                   metered=metered)
         except ValueError as e:
             raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
     if not report:
@@ -271,6 +283,18 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
                           f"paired with: trace the run with --trace (and, with --trace-params, name "
                           f"{' or '.join(names)})")
     return report
+
+
+def _metered(view: View, first: int, window: int, parts: int, per_row: bool = True) -> np.ndarray:
+    """A flag per row (``per_row``) or per micro-batch (``parts`` a step) of ``view``: whether the live meter
+    scores its step (``meter.sampled`` in windows of ``window`` from ``first``). When the trace holds none of
+    those steps (``--trace-every``), every traced one is scored instead."""
+    flags = [sampled(step - first, window) for step, _ in view]
+    if not any(flags):
+        flags = [True] * len(flags)
+    if per_row:
+        return np.concatenate([np.full(len(rows), flag) for flag, (_, rows) in zip(flags, view)])
+    return np.repeat(np.array(flags, bool), parts)
 
 
 def _paired(view: View, secret_of: Any, what: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
