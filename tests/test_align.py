@@ -359,9 +359,11 @@ def test_a_party_that_falls_silent_or_misbehaves_stops_everyone_cleanly(tmp_path
     try:
         endpoint = wait_for_file(ready, coordinator)
         fake = FakeParty(zmq_ctx, endpoint)
-        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "mallory", "rows": 3, "parties": 3}))
+        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "mallory", "rows": 3, "parties": 3,
+                                                             "version": al.ALIGN_VERSION}))
         welcome = fake.receive()
-        assert welcome.type == wire.WELCOME and welcome.body == {"parties": 3, "index": 1}
+        assert welcome.type == wire.WELCOME and welcome.body == {"parties": 3, "index": 1,
+                                                                 "version": al.ALIGN_VERSION}
         honest = start([tmp_path / "b.csv", "--id-column", "person", "--out", tmp_path / "b.out", "--connect",
                         endpoint, "--name", "b"], tmp_path / "b.log")
         wait_for_text(coordinator, "party b joined")
@@ -404,7 +406,8 @@ def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
     """The issue's two dishonest parties, each joining second of three: one returns party 1's list
     encrypted honestly but reversed (party 1 would write rows outside the intersection), one answers
     "undo your shuffle" with other valid positions (the coordinator would). The parties compare digests
-    of their aligned IDs before anyone writes: every party exits 4 and no file is written."""
+    of their aligned IDs before anyone writes: a party whose rows differ from the coordinator's refuses the
+    coordinator's commitment, every party exits 4 and no file is written."""
     rng = random.Random(21)
     sets = overlapping_sets(300, rng)
     names = ["labels", "bank", "mallory"]
@@ -427,9 +430,11 @@ def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
             p.stop()
     output = "\n".join(p.output for p in procs)
     assert codes == [4, 4, 4], output
-    wrong = {"reorder": "bank", "unshuffle": "bank, mallory"}[variant]    # who differs from the coordinator
-    assert f"the aligned ID lists differ: {wrong} ended with other IDs" in procs[0].output, output
-    assert "no party writes its file" in procs[1].output, output
+    # reorder: bank's rows are wrong; unshuffle: the coordinator's are, so the first party to answer refuses
+    refusing = ["bank"] if variant == "reorder" else ["bank", "mallory"]
+    assert any(f"party {name} failed: mismatch: the coordinator's digest does not match" in procs[0].output
+               for name in refusing), output
+    assert "party bank failed: mismatch" in procs[1].output or "the coordinator stopped" in procs[1].output, output
     assert not any(out.exists() for out in outs)
 
 
