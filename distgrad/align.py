@@ -778,12 +778,12 @@ def _take_part(link: _Link, table: Table, out: Path, parties: int | None, min_co
                                             and 1 <= index < n):
         raise ProtocolError(wire.ErrorCode.TYPE, f"the coordinator answered the join with {welcome.describe()} "
                                                  f"{wire.show(welcome.body)}, not a welcome")
+    link.run = welcome.run                   # from here on an error goes back to the coordinator
     version = welcome.body.get("version", 1)
     if version != ALIGN_VERSION:
         raise ProtocolError(wire.ErrorCode.VERSION, f"the coordinator speaks align protocol {wire.show(version)}, "
                                                     f"this party {ALIGN_VERSION}: run the same distgrad release "
                                                     f"on every party")
-    link.run = welcome.run
     log.info("party %s joined an alignment of %d parties (run %s)", link.name, n, link.run)
     if n > 2 and keys is None and link.client.curve:
         log.warning("party %s: no --party-keys, so the other %d parties' digests cannot be checked as theirs: a "

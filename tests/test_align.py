@@ -163,6 +163,12 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
          "cannot read"),
         ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--server-key", good],
          "CURVE needs"),
+        ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--min-common", "0"],
+         "--min-common must be a whole number from 1"),
+        ([good, "--id-column", "id", "--out", out, "--bind", "tcp://127.0.0.1:*", "--parties", "2", "--party-keys",
+          tmp_path], "--party-keys is for a party that connects"),
+        ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--party-keys", tmp_path],
+         "--party-keys needs CURVE"),
     ]
     for args, message in cases:
         result = run_main(["align", *args])
@@ -713,3 +719,68 @@ def test_three_parties_with_party_keys_align(tmp_path):
             p.stop()
     check_aligned(outs, tables, [read_csv(tmp_path / f"{n}.csv")[0] for n in names])
     assert not any("no --party-keys" in p.output for p in procs)
+
+
+def test_party_keys_that_are_not_usable_exit_2_before_anything_connects(tmp_path):
+    good = tmp_path / "a.csv"
+    good.write_text("id,x\n1,2\n")
+    keys = _keys(tmp_path, "co", "p1")
+    curve = ["--curve-secret", keys / "p1.key_secret", "--server-key", keys / "co.key"]
+    own_only = tmp_path / "own"
+    own_only.mkdir()
+    (own_only / "p1.key").write_bytes((keys / "p1.key").read_bytes())
+    (own_only / "co.key").write_bytes((keys / "co.key").read_bytes())
+    cases = [(tmp_path / "missing", "is not a directory"), (tmp_path / "own" / "p1.key", "is not a directory"),
+             (tmp_path / "allow" / ".." / "own", "holds only this party's or the coordinator's key"),
+             (tmp_path / "keys" / "none", "is not a directory")]
+    (tmp_path / "empty").mkdir()
+    cases.append((tmp_path / "empty", "holds no *.key files"))
+    for directory, message in cases:
+        result = run_main(["align", good, "--id-column", "id", "--out", tmp_path / "o.csv", "--connect",
+                           "tcp://127.0.0.1:5", *curve, "--party-keys", directory])
+        assert result.returncode == 2 and message in result.stderr, (directory, result)
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_an_old_party_and_an_old_coordinator_are_refused_with_the_version(tmp_path, zmq_ctx):
+    """The parties check each other's digests in a new order (align protocol 2): a join without the version
+    (an older distgrad) is refused with an error naming both versions and the coordinator exits 2; a party
+    whose coordinator's welcome carries no version exits 4 naming them, before it sends any list."""
+    rng = random.Random(9)
+    write_party(tmp_path / "a.csv", "a", [str(i) for i in range(20)], rng)
+    ready = tmp_path / "ready"
+    coordinator = start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "a.out", "--bind",
+                         "tcp://127.0.0.1:*", "--parties", "2", "--ready-file", ready], tmp_path / "a.log")
+    try:
+        fake = FakeParty(zmq_ctx, wait_for_file(ready, coordinator))
+        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "old", "rows": 20, "parties": 2}))
+        error = fake.receive()
+        assert coordinator.wait(ALIGN_DEADLINE_S) == 2
+    finally:
+        coordinator.stop()
+    assert error.type == wire.ERROR and error.body["code"] == "version", error
+    assert "party 'old' speaks align protocol 1, this coordinator 2" in error.body["message"]
+    assert "party 'old' speaks align protocol 1, this coordinator 2" in coordinator.output
+
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    party = start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "b.out", "--connect",
+                   f"tcp://127.0.0.1:{port}", "--peer-deadline", "20"], tmp_path / "b.log")
+    try:
+        assert router.poll(20_000), party.output
+        envelope, *frames = router.recv_multipart()
+        join = wire.decode(frames)
+        assert join.type == wire.ALIGN_JOIN and join.body["version"] == al.ALIGN_VERSION
+        router.send_multipart([envelope, *wire.encode(wire.Message(wire.WELCOME, "0123456789abcdef", 0,
+                                                                   body={"parties": 2, "index": 1}))])
+        assert party.wait(ALIGN_DEADLINE_S) == 4, party.output
+        sent = []
+        while router.poll(2000):
+            sent.append(wire.decode(router.recv_multipart()[1:]))
+    finally:
+        party.stop()
+        router.close(0)
+    assert "the coordinator speaks align protocol 1, this party 2" in party.output
+    assert [m.type for m in sent if m.type != wire.PING] == [wire.ERROR]
+    assert not (tmp_path / "b.out").exists()
