@@ -317,14 +317,15 @@ class PartyKeys:
         return cls(own, _raw_key(secret_z85, "this party's secret key"), trusted)
 
 
-def _raw_key(z85_key: bytes, what: str) -> bytes:
+def _raw_key(z85_key: bytes | str, what: str) -> bytes:
+    """A CURVE key's 32 raw bytes from its 40 Z85 characters; ``ConfigError`` naming ``what`` otherwise."""
     from zmq.utils import z85
     try:
-        raw = z85.decode(z85_key)
+        raw = z85.decode(z85_key) if len(z85_key) == 40 else b""
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"{what} is not a Z85 CURVE key") from e
     if len(raw) != 32:
-        raise ConfigError(f"{what} is not a 32-byte CURVE key")
+        raise ConfigError(f"{what} is not a CURVE key (40 Z85 characters)")
     return raw
 
 
@@ -894,7 +895,10 @@ def _check_others(msg: wire.Message, run: str, n: int, index: int, aligned: list
         if type(peer) is not str or "tag" not in other:
             raise AlignmentDiffers(f"party {j}'s digest comes without a tag for party {name}'s key: with "
                                    f"--party-keys every party must be given the others' keys; no file written")
-        raw = _raw_key(peer.encode("ascii"), f"party {j}'s key") if len(peer) == 40 else b""
+        try:
+            raw = _raw_key(peer, f"party {j}'s key")
+        except ConfigError:
+            raw = b""
         if raw not in keys.trusted or raw in keys_seen:
             raise AlignmentDiffers(f"party {j}'s digest is tagged with key {wire.show(peer)}, not one of "
                                    f"--party-keys (or one that tagged another party's digest); no file written")

@@ -118,6 +118,24 @@ def test_common_positions_match_set_intersection():
     assert [len(p) for p in al.common_positions([values[0][:5], values[0][5:10]])] == [0, 0]
 
 
+def test_digests_are_bound_to_their_sender_and_tags_to_both_ends():
+    """A digest names its sender, so a party's own digest never passes for another's; a tag from A to B is
+    what B computes with its own secret and A's public key, and neither B to A's nor C's."""
+    from nacl.bindings import crypto_scalarmult_base
+    ids = ["alice", "bob"]
+    digests = {s: al.aligned_digest("0123456789abcdef", s, ids) for s in range(3)}
+    assert len(set(digests.values())) == 3
+    assert al.aligned_digest("0123456789abcdef", 1, ids) != al.aligned_digest("0123456789abcdee", 1, ids)
+    assert al.aligned_digest("0123456789abcdef", 1, ids) != al.aligned_digest("0123456789abcdef", 1, ids[::-1])
+    secrets_ = [al.new_key() for _ in range(3)]
+    public = [crypto_scalarmult_base(k) for k in secrets_]
+    a_to_b = al.digest_tag(secrets_[0], public[1], public[0], public[1], digests[1])
+    assert a_to_b == al.digest_tag(secrets_[1], public[0], public[0], public[1], digests[1])     # B checks it
+    assert a_to_b != al.digest_tag(secrets_[1], public[0], public[1], public[0], digests[1])     # B to A
+    assert a_to_b != al.digest_tag(secrets_[2], public[1], public[0], public[1], digests[1])     # C forging
+    assert a_to_b != al.digest_tag(secrets_[0], public[1], public[0], public[1], digests[2])
+
+
 def test_read_table_refuses_bad_files(tmp_path):
     path = tmp_path / "p.csv"
     cases = {
