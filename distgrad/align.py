@@ -310,11 +310,20 @@ class PartyKeys:
         if len(files) > MAX_PARTY_KEYS:
             raise ConfigError(f"--party-keys {directory} holds {len(files)} keys, more than {MAX_PARTY_KEYS}")
         own, server = _raw_key(public_z85, "this party's public key"), _raw_key(server_z85, "--server-key")
-        trusted = frozenset(_raw_key(load_public(f), str(f)) for f in files) - {own, server}
+        secret = _raw_key(secret_z85, "this party's secret key")
+        trusted = set()
+        for path in files:
+            key = _raw_key(load_public(path), str(path))
+            try:
+                digest_tag(secret, key, own, key, "0" * 64)
+            except ProtocolError as e:
+                raise ConfigError(f"{path} holds no usable public key: {e}") from e
+            trusted.add(key)
+        trusted -= {own, server}
         if not trusted:
             raise ConfigError(f"--party-keys {directory} holds only this party's or the coordinator's key: it "
                               f"needs the other parties' public keys")
-        return cls(own, _raw_key(secret_z85, "this party's secret key"), trusted)
+        return cls(own, secret, frozenset(trusted))
 
 
 def _raw_key(z85_key: bytes | str, what: str) -> bytes:

@@ -753,6 +753,13 @@ def test_party_keys_that_are_not_usable_exit_2_before_anything_connects(tmp_path
              (tmp_path / "keys" / "none", "is not a directory")]
     (tmp_path / "empty").mkdir()
     cases.append((tmp_path / "empty", "holds no *.key files"))
+    low_order = tmp_path / "low"                   # the zero point: X25519 with it is refused
+    low_order.mkdir()
+    from zmq.utils import z85
+    text = (keys / "co.key").read_text()
+    zero = z85.encode(bytes(32)).decode()
+    (low_order / "zero.key").write_text(text.replace(text.split('public-key = "')[1].split('"')[0], zero))
+    cases.append((low_order, "holds no usable public key"))
     for directory, message in cases:
         result = run_main(["align", good, "--id-column", "id", "--out", tmp_path / "o.csv", "--connect",
                            "tcp://127.0.0.1:5", *curve, "--party-keys", directory])
