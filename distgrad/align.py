@@ -796,9 +796,10 @@ def _take_part(link: _Link, table: Table, out: Path, parties: int | None, min_co
                                                     f"on every party")
     log.info("party %s joined an alignment of %d parties (run %s)", link.name, n, link.run)
     if n > 2 and keys is None and link.client.curve:
-        log.warning("party %s: no --party-keys, so the other %d parties' digests cannot be checked as theirs: a "
-                    "dishonest coordinator holding IDs this party holds could make it write them although "
-                    "another party does not hold them (docs/security.md)", link.name, n - 2)
+        others = "party's digest" if n == 3 else f"{n - 2} parties' digests"
+        log.warning("party %s: no --party-keys, so the other %s cannot be checked as theirs: a dishonest "
+                    "coordinator holding IDs this party holds could make it write them although another party "
+                    "does not hold them (docs/security.md)", link.name, others)
     key = new_key()
     own_order = shuffle_order(len(table.rows))
     ids = table.ids

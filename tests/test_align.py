@@ -258,6 +258,9 @@ def test_curve_over_ipc(tmp_path):
                                 keys / "co.key"], tmp_path / f"{n}.log"))
         assert [p.wait(ALIGN_DEADLINE_S) for p in procs] == [0, 0, 0], "\n".join(p.output for p in procs)
         assert "CURVE: encrypted" in procs[0].output
+        # Without --party-keys a party cannot tell the other party's digest from one the coordinator made.
+        assert all("no --party-keys, so the other party's digest cannot be checked" in p.output
+                   for p in procs[1:])
     finally:
         for p in procs:
             p.stop()
