@@ -30,15 +30,28 @@ applied in, and equal values mean equal IDs.
    permutation: its rows of the common IDs, sorted by ID (the order every
    party then trains in: all of them know the common IDs, so sorting tells
    nobody anything new, and the file does not depend on the keys).
-4. Every party sends the coordinator the SHA-256 of its aligned ID list
-   (``aligned_digest``: the run id, then the IDs in the agreed order); the
-   coordinator compares them with its own and answers each party with its
-   digest, which the party compares with its own. Only then does any party
-   write its file. A party that encrypted a list in another order than it
-   was given, or undid its shuffle wrongly, leaves some party with other
-   rows, so the digests differ and every party exits non-zero, writing
-   nothing. The digest tells no party anything new: all of them know the
-   common IDs once the protocol succeeds.
+4. The parties check that they all hold the same aligned IDs before anyone
+   writes, in an order that gives a dishonest coordinator nothing to test
+   a guess against. ``aligned_digest(run, sender, ids)`` is the SHA-256 of
+   the run id, the sender's index and the IDs in the agreed order: bound to
+   who sends it, so a party's own digest sent back to it never matches what
+   it expects from another party. The coordinator speaks first: it sends
+   each party its final positions together with its own digest (index 0), a
+   commitment it can make only if it holds the IDs it asks that party to
+   write. The party checks the commitment against its rows and answers with
+   its own digest only when it matches; otherwise it answers only that it
+   refuses (exit 4, no file). So no party ever sends a value computed from
+   IDs the coordinator did not already name, and a coordinator that asks for
+   99 shared rows and one it does not know gets one online guess per run,
+   never an offline brute force. The coordinator checks every party's digest
+   and relays to each party the others'; a party writes its file only when
+   every other party's digest matches its rows. With CURVE keys and
+   ``--party-keys`` each party also tags its digest for every other party
+   with a key that only the two of them share (HMAC, keyed with X25519 of
+   their CURVE keys), so the coordinator cannot relay to a party a digest
+   that another party did not send. A count of final positions below
+   ``--min-common`` (default ``DEFAULT_MIN_COMMON``) is refused by every
+   party (exit 1).
 
 The curve is libsodium's (through PyNaCl): ``crypto_core_ed25519_from_uniform``
 (Elligator 2) twice and ``crypto_core_ed25519_add`` hash an ID onto the
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -72,15 +86,19 @@ from distgrad.wire.transport import (LINGER_MS, Client, Server, SocketSecurity, 
 log = logging.getLogger("distgrad.align")
 
 # The protocol's constants.
-HASH_DOMAIN = b"distgrad-align-v1\x00"   # domain separation of the ID hash; a new version changes it
+ALIGN_VERSION = 2                         # align's protocol, in align_join and welcome; 1 had no field
+HASH_DOMAIN = b"distgrad-align-v2\x00"   # domain separation of the ID hash; a new version changes it
 VALUE_BYTES = 32                          # an X25519 u-coordinate; sent as int64 (count, 4)
 VALUE_WORDS = VALUE_BYTES // 8
 MAX_IDS = 1 << 24                         # IDs per party: lists of at most 512 MiB
 MAX_PARTIES = 64
 CHUNK_IDS = 2048                          # IDs hashed or encrypted between two looks at the socket
 # Error codes of align's error messages (besides wire.ErrorCode's).
-ABORTED, TIMEOUT, MISMATCH, NO_COMMON = "aborted", "timeout", "mismatch", "no_common"
-DIGEST_DOMAIN = b"distgrad-align-ids-v1\x00"   # domain separation of the aligned IDs' digest
+ABORTED, TIMEOUT, MISMATCH, NO_COMMON, TOO_FEW = "aborted", "timeout", "mismatch", "no_common", "too_few"
+DIGEST_DOMAIN = b"distgrad-align-ids-v2\x00"   # domain separation of the aligned IDs' digest
+TAG_DOMAIN = b"distgrad-align-tag-v2\x00"      # domain separation of the key a party tags its digest with
+DEFAULT_MIN_COMMON = 10                   # fewer common IDs than this: every party refuses (exit 1)
+MAX_PARTY_KEYS = 256                      # public keys in a --party-keys directory
 
 # Timing constants.
 HEARTBEAT_INTERVAL_S = 1.0                # a busy or waiting side tells its peers it is alive this often
@@ -93,6 +111,10 @@ StopCheck = Callable[[], None]
 
 class NoCommonIds(DistgradError, RuntimeError):
     """The parties hold no ID in common: no party writes an aligned file (exit 1)."""
+
+
+class TooFewCommon(NoCommonIds):
+    """Fewer IDs are common than a party's ``--min-common``: no party writes an aligned file (exit 1)."""
 
 
 class AlignmentDiffers(ProtocolError):
@@ -250,15 +272,91 @@ def encrypt(values: Sequence[bytes], key: bytes, tick: StopCheck = _no_stop) -> 
     return out
 
 
-def aligned_digest(run: str, ids: Sequence[str]) -> str:
-    """SHA-256 (hex) of this party's aligned ID list: the domain, the run id, the count, then each ID's
-    UTF-8 bytes with their length, in the order given (the agreed order: ascending ID). Equal digests mean
-    the same IDs in the same order; bound to the run, so one run's digest says nothing about another's."""
-    digest = hashlib.sha256(DIGEST_DOMAIN + run.encode("ascii") + len(ids).to_bytes(8, "little"))
+def aligned_digest(run: str, sender: int, ids: Sequence[str]) -> str:
+    """SHA-256 (hex) of an aligned ID list as party ``sender`` (its index, 0 the coordinator) states it: the
+    domain, the run id, the sender, the count, then each ID's UTF-8 bytes with their length, in the order
+    given (the agreed order: ascending ID). Equal digests mean the same IDs in the same order from the same
+    sender in the same run: a digest sent back to the party that sent it never passes for another's."""
+    digest = hashlib.sha256(DIGEST_DOMAIN + run.encode("ascii") + sender.to_bytes(8, "little")
+                            + len(ids).to_bytes(8, "little"))
     for key in ids:
         data = key.encode("utf-8")
         digest.update(len(data).to_bytes(8, "little") + data)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class PartyKeys:
+    """A connecting party's CURVE key pair and the public keys of the other parties it trusts (32 raw bytes
+    each), to tag its digest for each of them and check theirs (``digest_tag``)."""
+
+    public: bytes
+    secret: bytes
+    trusted: frozenset[bytes]
+
+    @classmethod
+    def load(cls, public_z85: bytes, secret_z85: bytes, server_z85: bytes, directory: Path) -> "PartyKeys":
+        """The key pair (Z85, as ``keys.CurveClient`` holds it) and every ``*.key`` in ``directory`` but this
+        party's own and the coordinator's. Raises ``ConfigError`` naming the directory or the file."""
+        from distgrad.wire.keys import load_public
+
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ConfigError(f"--party-keys {directory} is not a directory of the other parties' public keys")
+        files = sorted(directory.glob("*.key"))
+        if not files:
+            raise ConfigError(f"--party-keys {directory} holds no *.key files: copy each other party's NAME.key "
+                              f"there")
+        if len(files) > MAX_PARTY_KEYS:
+            raise ConfigError(f"--party-keys {directory} holds {len(files)} keys, more than {MAX_PARTY_KEYS}")
+        own, server = _raw_key(public_z85, "this party's public key"), _raw_key(server_z85, "--server-key")
+        secret = _raw_key(secret_z85, "this party's secret key")
+        trusted = set()
+        for path in files:
+            key = _raw_key(load_public(path), str(path))
+            try:
+                digest_tag(secret, key, own, key, "0" * 64)
+            except ProtocolError as e:
+                raise ConfigError(f"{path} holds no usable public key: {e}") from e
+            trusted.add(key)
+        trusted -= {own, server}
+        if not trusted:
+            raise ConfigError(f"--party-keys {directory} holds only this party's or the coordinator's key: it "
+                              f"needs the other parties' public keys")
+        return cls(own, secret, frozenset(trusted))
+
+
+def _raw_key(z85_key: bytes | str, what: str) -> bytes:
+    """A CURVE key's 32 raw bytes from its 40 Z85 characters; ``ConfigError`` naming ``what`` otherwise."""
+    from zmq.utils import z85
+    try:
+        raw = z85.decode(z85_key) if len(z85_key) == 40 else b""
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{what} is not a Z85 CURVE key") from e
+    if len(raw) != 32:
+        raise ConfigError(f"{what} is not a CURVE key (40 Z85 characters)")
+    return raw
+
+
+def _show_key(raw: bytes) -> str:
+    from zmq.utils import z85
+    return z85.encode(raw).decode("ascii")
+
+
+def digest_tag(secret: bytes, peer: bytes, sender: bytes, recipient: bytes, digest: str) -> str:
+    """HMAC-SHA256 (hex) of ``digest`` under a key that only the parties with public keys ``sender`` and
+    ``recipient`` can derive: X25519 of one's ``secret`` and the other's public key ``peer``, hashed with
+    both public keys in that order, so a tag from A to B never passes for one from B to A. Raises
+    ``ProtocolError`` for a peer key that is a low-order point."""
+    from nacl.bindings import crypto_scalarmult
+    from nacl.exceptions import CryptoError
+
+    try:
+        shared = crypto_scalarmult(secret, peer)
+    except CryptoError as e:
+        raise ProtocolError(wire.ErrorCode.MALFORMED, f"public key {_show_key(peer)} is a low-order point") from e
+    key = hashlib.sha256(TAG_DOMAIN + shared + sender + recipient).digest()
+    return hmac.new(key, digest.encode("ascii"), hashlib.sha256).hexdigest()
 
 
 def _agreed_rows(table: Table, rows: Sequence[int] | np.ndarray) -> list[int]:
@@ -266,13 +364,11 @@ def _agreed_rows(table: Table, rows: Sequence[int] | np.ndarray) -> list[int]:
     return sorted((int(i) for i in rows), key=lambda i: table.rows[i][table.id_index])
 
 
-def _digest_of(msg: wire.Message, who: str) -> str:
-    """The digest an ``align_digest`` message carries (64 lower-case hex digits)."""
-    digest = msg.body.get("digest")
-    if msg.tensors or type(digest) is not str or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
-        raise ProtocolError(wire.ErrorCode.MALFORMED, f"{who}: align_digest must carry 'digest', 64 hex digits, "
-                                                      f"got {wire.show(digest)}")
-    return digest
+def _hex64(value: Any, what: str) -> str:
+    """``value`` if it is 64 lower-case hex digits (a digest or a tag), else a ``ProtocolError`` naming it."""
+    if type(value) is not str or len(value) != 64 or set(value) - set("0123456789abcdef"):
+        raise ProtocolError(wire.ErrorCode.MALFORMED, f"{what} must be 64 hex digits, got {wire.show(value)}")
+    return value
 
 
 def pack(values: Sequence[bytes]) -> np.ndarray:
@@ -348,7 +444,7 @@ def _remote_error(msg: wire.Message, who: str) -> DistgradError:
     code, text = str(msg.body.get("code", "?")), str(msg.body.get("message", ""))
     if code == TIMEOUT:
         return PeerTimeout(f"{who} gave up: {text}")
-    if code == NO_COMMON:
+    if code in (NO_COMMON, TOO_FEW):
         return NoCommonIds(f"{who}: {text}")
     return PeerRejected(code, f"{who}: {text}")
 
@@ -446,6 +542,12 @@ class _Coordinator:
                                                       f"already under way")
             return
         name, rows, wanted = msg.body.get("name"), msg.body.get("rows"), msg.body.get("parties")
+        version = msg.body.get("version", 1)
+        if version != ALIGN_VERSION:
+            text = (f"party {wire.show(name)} speaks align protocol {wire.show(version)}, this coordinator "
+                    f"{ALIGN_VERSION}: run the same distgrad release on every party")
+            self.refuse(envelope, wire.ErrorCode.VERSION, text)
+            raise ConfigError(text)
         if not (type(name) is str and 0 < len(name) <= 128 and type(rows) is int and 0 < rows <= MAX_IDS
                 and type(wanted) is int and 0 <= wanted <= MAX_PARTIES):
             self.refuse(envelope, wire.ErrorCode.MALFORMED, f"align_join needs a name (1 to 128 characters), rows "
@@ -463,7 +565,8 @@ class _Coordinator:
         party = _Party(envelope, name, len(self.parties) + 1, rows, time.monotonic())
         self.parties[envelope[0]] = party
         self.send(party, wire.Message(wire.WELCOME, self.run, 0, body={"parties": self.parties_wanted,
-                                                                        "index": party.index}))
+                                                                        "index": party.index,
+                                                                        "version": ALIGN_VERSION}))
         party.expect = (wire.ALIGN_VALUES, 0)
         log.info("party %s joined with %d IDs (%d of %d parties)", name, rows, len(self.parties) + 1,
                  self.parties_wanted)
@@ -502,7 +605,8 @@ class _Coordinator:
 
     def abort(self, error: BaseException) -> None:
         """Tell every party the alignment is over, best effort."""
-        code = TIMEOUT if isinstance(error, PeerTimeout) else NO_COMMON if isinstance(error, NoCommonIds) else ABORTED
+        code = (TIMEOUT if isinstance(error, PeerTimeout) else TOO_FEW if isinstance(error, TooFewCommon)
+                else NO_COMMON if isinstance(error, NoCommonIds) else ABORTED)
         for party in self.parties.values():
             self.send(party, wire.error_message(self.run, 0, code, f"the coordinator stopped: {error}"))
 
@@ -510,7 +614,29 @@ class _Coordinator:
 COORDINATOR_NAME = "coordinator"
 
 
-def _coordinate(coord: _Coordinator, table: Table, out: Path) -> AlignResult:
+def _coordinate(coord: _Coordinator, table: Table, out: Path, min_common: int) -> AlignResult:
+    n = coord.parties_wanted
+    ring, own_order, lists = _exchange(coord, table)
+    positions = common_positions(lists)
+    common = len(positions[0])
+    log.info("%d IDs are common to all %d parties", common, n)
+    sizes = ", ".join([f"{COORDINATOR_NAME} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
+    if common == 0:
+        raise NoCommonIds(f"the {n} parties have no ID in common ({sizes} IDs): there is nothing to align")
+    if common < min_common:
+        raise TooFewCommon(f"only {common} IDs are common to the {n} parties, fewer than --min-common "
+                           f"{min_common}: no party writes a file")
+    mapped = _unshuffle(coord, ring, positions[0], len(table.rows))
+    rows = _agreed_rows(table, own_order[mapped])
+    ids = [table.rows[i][table.id_index] for i in rows]
+    _settle(coord, ring, {party.index: positions[party.index] for party in ring}, ids)
+    write_aligned(table, rows, out)
+    return AlignResult(common, len(table.rows), n, out)
+
+
+def _exchange(coord: _Coordinator, table: Table) -> tuple[list[_Party], np.ndarray, list[list[bytes]]]:
+    """Steps 0 and 1: every party's list in, then the rounds of encryption. Returns the parties in ring
+    order, the coordinator's secret order of its own rows, and every list under every key."""
     n = coord.parties_wanted
     key = new_key()
     own_order = shuffle_order(len(table.rows))
@@ -539,33 +665,69 @@ def _coordinate(coord: _Coordinator, table: Table, out: Path) -> AlignResult:
     for party in ring:
         if len(set(lists[party.index])) != len(lists[party.index]):
             raise ProtocolError(wire.ErrorCode.TENSOR, f"party {party.name}'s list holds a value twice")
-    positions = common_positions(lists)
-    common = len(positions[0])
-    log.info("%d IDs are common to all %d parties", common, n)
-    if common == 0:
-        raise NoCommonIds(f"the {n} parties have no ID in common ({sizes} IDs): there is nothing to align")
-    mapped = positions[0]                    # in the order party n-1 shuffled L_0 into; undo the shuffles
+    return ring, own_order, lists
+
+
+def _unshuffle(coord: _Coordinator, ring: list[_Party], positions: np.ndarray, rows: int) -> np.ndarray:
+    """Step 2: ``positions`` in the coordinator's list as party n-1 shuffled it, back through parties
+    n-1 .. 1, each undoing its shuffle: the positions in the coordinator's own secret order."""
+    mapped = positions
     for party in reversed(ring):
         coord.order(party, _positions_message(coord.run, party.index, mapped, final=False), wire.ALIGN_POSITIONS)
         coord.wait_all()
-        mapped = _positions_of(party.reply, len(table.rows), common, f"party {party.name}")
+        mapped = _positions_of(party.reply, rows, len(positions), f"party {party.name}")
+    return mapped
+
+
+def _settle(coord: _Coordinator, ring: list[_Party], final: dict[int, np.ndarray], ids: list[str]) -> None:
+    """Steps 3 and 4: each party's final positions (``final``, by index) with the coordinator's commitment
+    to ``ids``, its own aligned IDs; then every party's digest checked and the others' relayed to each.
+    Raises ``AlignmentDiffers`` when a party's digest is not of ``ids``."""
+    n = coord.parties_wanted
+    commitment = aligned_digest(coord.run, 0, ids)
     for party in ring:
-        coord.order(party, _positions_message(coord.run, n, positions[party.index], final=True), wire.ALIGN_DIGEST)
+        coord.order(party, _positions_message(coord.run, n, final[party.index], final=True, digest=commitment),
+                    wire.ALIGN_DIGEST)
     coord.wait_all()
-    rows = _agreed_rows(table, own_order[mapped])
-    digest = aligned_digest(coord.run, [table.rows[i][table.id_index] for i in rows])
-    differ = [p.name for p in ring if _digest_of(p.reply, f"party {p.name}") != digest]
+    answers = {party.index: _answer_of(party.reply, f"party {party.name}") for party in ring}
+    differ = [p.name for p in ring
+              if not hmac.compare_digest(answers[p.index]["digest"], aligned_digest(coord.run, p.index, ids))]
     if differ:
         raise AlignmentDiffers(f"the aligned ID lists differ: {', '.join(differ)} ended with other IDs (or another "
                                f"order) than {COORDINATOR_NAME} ({len(differ)} of {n - 1} parties). A party did "
                                f"not follow the protocol (it reordered a list it encrypted, or undid its shuffle "
                                f"wrongly); no party writes its file")
-    log.info("every party holds the same %d IDs in the same order (digest %s...)", common, digest[:16])
+    log.info("every party holds the same %d IDs in the same order", len(ids))
     for party in ring:
-        coord.order(party, wire.Message(wire.ALIGN_DIGEST, coord.run, n + 1, body={"digest": digest}), wire.BYE)
+        others = [_relayed(answers[j], j, answers[party.index].get("key")) for j in sorted(answers) if j != party.index]
+        coord.order(party, wire.Message(wire.ALIGN_DIGEST, coord.run, n + 1, body={"others": others}), wire.BYE)
     coord.wait_all()
-    write_aligned(table, rows, out)
-    return AlignResult(common, len(table.rows), n, out)
+
+
+def _answer_of(msg: wire.Message, who: str) -> dict[str, Any]:
+    """A party's ``align_digest`` answer, checked: ``digest``, and with party keys its ``key`` and ``tags``."""
+    body = msg.body
+    if msg.tensors or set(body) - {"digest", "key", "tags"} or ("key" in body) != ("tags" in body):
+        raise ProtocolError(wire.ErrorCode.MALFORMED, f"{who}: align_digest carries 'digest', and 'key' with "
+                                                      f"'tags' or neither, got {wire.show(sorted(body))}")
+    answer: dict[str, Any] = {"digest": _hex64(body.get("digest"), f"{who}'s digest")}
+    if "key" in body:
+        tags = body["tags"]
+        if type(body["key"]) is not str or len(body["key"]) != 40 or type(tags) is not dict \
+                or len(tags) > MAX_PARTY_KEYS or not all(type(k) is str and len(k) == 40 for k in tags):
+            raise ProtocolError(wire.ErrorCode.MALFORMED, f"{who}: 'key' must be a Z85 public key and 'tags' "
+                                                          f"map at most {MAX_PARTY_KEYS} such keys to tags")
+        answer["key"] = body["key"]
+        answer["tags"] = {k: _hex64(v, f"{who}'s tag") for k, v in tags.items()}
+    return answer
+
+
+def _relayed(answer: dict[str, Any], index: int, recipient: str | None) -> dict[str, Any]:
+    """Party ``index``'s digest as the coordinator relays it to the party whose key is ``recipient``."""
+    relayed: dict[str, Any] = {"index": index, "digest": answer["digest"]}
+    if recipient is not None and recipient in answer.get("tags", {}):
+        relayed.update(key=answer["key"], tag=answer["tags"][recipient])
+    return relayed
 
 
 # ---------------------------------------------------------------- a party
@@ -616,17 +778,28 @@ class _Link:
                 return msg
 
 
-def _take_part(link: _Link, table: Table, out: Path, parties: int | None) -> AlignResult:
+def _take_part(link: _Link, table: Table, out: Path, parties: int | None, min_common: int,
+               keys: PartyKeys | None) -> AlignResult:
     link.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": link.name, "rows": len(table.rows),
-                                                          "parties": parties or 0}))
+                                                          "parties": parties or 0, "version": ALIGN_VERSION}))
     welcome = link.receive("the welcome")
     n, index = welcome.body.get("parties"), welcome.body.get("index")
     if welcome.type != wire.WELCOME or not (type(n) is int and 2 <= n <= MAX_PARTIES and type(index) is int
                                             and 1 <= index < n):
         raise ProtocolError(wire.ErrorCode.TYPE, f"the coordinator answered the join with {welcome.describe()} "
                                                  f"{wire.show(welcome.body)}, not a welcome")
-    link.run = welcome.run
+    link.run = welcome.run                   # from here on an error goes back to the coordinator
+    version = welcome.body.get("version", 1)
+    if version != ALIGN_VERSION:
+        raise ProtocolError(wire.ErrorCode.VERSION, f"the coordinator speaks align protocol {wire.show(version)}, "
+                                                    f"this party {ALIGN_VERSION}: run the same distgrad release "
+                                                    f"on every party")
     log.info("party %s joined an alignment of %d parties (run %s)", link.name, n, link.run)
+    if n > 2 and keys is None and link.client.curve:
+        others = "party's digest" if n == 3 else f"{n - 2} parties' digests"
+        log.warning("party %s: no --party-keys, so the other %s cannot be checked as theirs: a dishonest "
+                    "coordinator holding IDs this party holds could make it write them although another party "
+                    "does not hold them (docs/security.md)", link.name, others)
     key = new_key()
     own_order = shuffle_order(len(table.rows))
     ids = table.ids
@@ -634,6 +807,7 @@ def _take_part(link: _Link, table: Table, out: Path, parties: int | None) -> Ali
                                                    link.tick)))
     log.debug("sent this party's encrypted list")
     shuffles: dict[int, np.ndarray] = {}     # round -> the permutation this party applied to L_0 then
+    unshuffled: int | None = None            # how many positions it was asked to map back
     rounds_done = 0
     while True:
         msg = link.receive(f"round {rounds_done + 1}" if rounds_done < n - 1 else "the positions")
@@ -652,29 +826,97 @@ def _take_part(link: _Link, table: Table, out: Path, parties: int | None) -> Ali
         elif msg.type == wire.ALIGN_POSITIONS and rounds_done == n - 1 and msg.step == index \
                 and msg.body.get("final") is False and index in shuffles:
             order = shuffles.pop(index)
-            mapped = order[_positions_of(msg, len(order), None, "the coordinator")]
-            link.send(_positions_message(link.run, msg.step, mapped))
+            asked = _positions_of(msg, len(order), None, "the coordinator")
+            _check_common(len(asked), len(table.rows), min_common, "undo its shuffle of")
+            unshuffled = len(asked)
+            link.send(_positions_message(link.run, msg.step, order[asked]))
         elif msg.type == wire.ALIGN_POSITIONS and rounds_done == n - 1 and msg.step == n \
                 and msg.body.get("final") is True and not shuffles:
             positions = _positions_of(msg, len(table.rows), None, "the coordinator")
-            if len(positions) == 0:
-                raise ProtocolError(wire.ErrorCode.TENSOR, "the coordinator sent no positions: no common ID")
+            _check_common(len(positions), len(table.rows), min_common, "write")
+            if unshuffled is not None and len(positions) != unshuffled:
+                raise ProtocolError(wire.ErrorCode.TENSOR, f"the coordinator asked this party to undo its shuffle "
+                                                           f"of {unshuffled} common positions, then named "
+                                                           f"{len(positions)} common rows")
+            commitment = _hex64(msg.body.get("digest"), "the coordinator's digest (in its final positions)")
             rows = _agreed_rows(table, own_order[positions])
-            digest = aligned_digest(link.run, [table.rows[i][table.id_index] for i in rows])
-            link.send(wire.Message(wire.ALIGN_DIGEST, link.run, n, body={"digest": digest}))
-            answer = link.receive("the coordinator's digest")
+            aligned = [table.rows[i][table.id_index] for i in rows]
+            if not hmac.compare_digest(commitment, aligned_digest(link.run, 0, aligned)):
+                raise AlignmentDiffers(f"the coordinator's digest does not match the {len(aligned)} rows it asked "
+                                       f"party {link.name} to write: it does not hold those IDs, or a party did "
+                                       f"not follow the protocol; this party sends no digest and writes no file")
+            link.send(wire.Message(wire.ALIGN_DIGEST, link.run, n, body=_answer(link.run, index, aligned, keys)))
+            answer = link.receive("the other parties' digests")
             if answer.type != wire.ALIGN_DIGEST or answer.step != n + 1:
                 raise ProtocolError(wire.ErrorCode.TYPE, f"unexpected {answer.describe()} from the coordinator "
-                                                         f"while its digest was awaited")
-            if _digest_of(answer, "the coordinator") != digest:
-                raise AlignmentDiffers(f"the coordinator's aligned ID list differs from party {link.name}'s: a "
-                                       f"party did not follow the protocol; this party writes no file")
+                                                         f"while the other parties' digests were awaited")
+            _check_others(answer, link.run, n, index, aligned, keys, link.name)
             write_aligned(table, rows, out)
             link.send(wire.Message(wire.BYE, link.run, n + 1))
             return AlignResult(len(positions), len(table.rows), n, out)
         else:
             raise ProtocolError(wire.ErrorCode.TYPE, f"unexpected {msg.describe()} from the coordinator after "
                                                      f"{rounds_done} of {n - 1} rounds")
+
+
+def _check_common(count: int, rows: int, min_common: int, what: str) -> None:
+    """A count of common IDs the coordinator names: at least ``min_common`` (else ``TooFewCommon``) and at
+    most this party's ``rows``."""
+    if count < min_common:
+        raise TooFewCommon(f"the coordinator asked this party to {what} {count} common rows, fewer than "
+                           f"--min-common {min_common}: it writes no file and sends no digest")
+    if count > rows:
+        raise ProtocolError(wire.ErrorCode.TENSOR, f"the coordinator asked this party to {what} {count} common "
+                                                   f"rows, more than its {rows} rows")
+
+
+def _answer(run: str, index: int, aligned: list[str], keys: PartyKeys | None) -> dict[str, Any]:
+    """This party's ``align_digest`` body: its digest, and with party keys a tag of it for every other party."""
+    digest = aligned_digest(run, index, aligned)
+    if keys is None:
+        return {"digest": digest}
+    return {"digest": digest, "key": _show_key(keys.public),
+            "tags": {_show_key(peer): digest_tag(keys.secret, peer, keys.public, peer, digest)
+                     for peer in sorted(keys.trusted)}}
+
+
+def _check_others(msg: wire.Message, run: str, n: int, index: int, aligned: list[str], keys: PartyKeys | None,
+                  name: str) -> None:
+    """Every other party's digest, as the coordinator relays it: one per index but the coordinator's and this
+    party's, each of ``aligned`` as that party states it, and with party keys tagged for this party by a
+    distinct trusted key. Raises ``AlignmentDiffers`` otherwise."""
+    others, seen, keys_seen = msg.body.get("others"), set(), set()
+    if msg.tensors or type(others) is not list or len(others) != n - 2:
+        raise ProtocolError(wire.ErrorCode.MALFORMED, f"the coordinator must relay the other {n - 2} parties' "
+                                                      f"digests as a list 'others', got {wire.show(others)}")
+    for other in others:
+        j = other.get("index") if type(other) is dict else None
+        if type(j) is not int or not 1 <= j < n or j == index or j in seen:
+            raise ProtocolError(wire.ErrorCode.MALFORMED, f"the coordinator relayed a digest of party index "
+                                                          f"{wire.show(j)}: each of 1 to {n - 1} but {index} once")
+        seen.add(j)
+        digest = _hex64(other.get("digest"), f"party {j}'s digest")
+        if not hmac.compare_digest(digest, aligned_digest(run, j, aligned)):
+            raise AlignmentDiffers(f"party {j}'s digest, as the coordinator relays it, is not of the {len(aligned)} "
+                                   f"IDs party {name} holds: the parties' lists differ; this party writes no file")
+        if keys is None:
+            continue
+        peer = other.get("key")
+        if type(peer) is not str or "tag" not in other:
+            raise AlignmentDiffers(f"party {j}'s digest comes without a tag for party {name}'s key: with "
+                                   f"--party-keys every party must be given the others' keys; no file written")
+        try:
+            raw = _raw_key(peer, f"party {j}'s key")
+        except ConfigError:
+            raw = b""
+        if raw not in keys.trusted or raw in keys_seen:
+            raise AlignmentDiffers(f"party {j}'s digest is tagged with key {wire.show(peer)}, not one of "
+                                   f"--party-keys (or one that tagged another party's digest); no file written")
+        keys_seen.add(raw)
+        tag = _hex64(other.get("tag"), f"party {j}'s tag")
+        if not hmac.compare_digest(tag, digest_tag(keys.secret, raw, raw, keys.public, digest)):
+            raise AlignmentDiffers(f"party {j}'s digest is not tagged by the holder of key {peer}: the "
+                                   f"coordinator relayed a digest that party did not send; no file written")
 
 
 # ---------------------------------------------------------------- the API
@@ -698,6 +940,8 @@ class AlignOptions:
     ready_file: Path | None = None          # coordinator: the bound endpoint is written here
     peer_deadline_s: float = DEFAULT_PEER_DEADLINE_S
     liveness_s: float = DEFAULT_LIVENESS_S
+    min_common: int = DEFAULT_MIN_COMMON    # fewer common IDs: refused (exit 1)
+    party_keys: Path | None = None          # a party with CURVE: the other parties' public keys (*.key)
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (self.connect is None):
@@ -714,6 +958,11 @@ class AlignOptions:
         if not self.peer_deadline_s > 0 or not self.liveness_s > 0:
             raise ConfigError(f"--peer-deadline and --liveness must be positive, got {self.peer_deadline_s} and "
                               f"{self.liveness_s}")
+        if type(self.min_common) is not int or not 1 <= self.min_common <= MAX_IDS:
+            raise ConfigError(f"--min-common must be a whole number from 1 to {MAX_IDS}, got {self.min_common!r}")
+        if self.party_keys is not None and self.bind is not None:
+            raise ConfigError("--party-keys is for a party that connects (--connect): the coordinator checks "
+                              "every party's digest itself")
         if self.name is None:
             self.name = COORDINATOR_NAME if self.bind is not None else f"party-{os.getpid()}"
         if not 0 < len(self.name) <= 128 or not self.name.isprintable():
@@ -736,10 +985,17 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
     ``keys.CurveClient``. Raises ``ConfigError`` for bad input, ``PeerTimeout``
     when a peer stays silent ``peer_deadline_s`` (or, for the coordinator, not
     every party joins within it), ``PeerRejected`` or ``ProtocolError`` for a
-    refusal or a bad message, ``NoCommonIds`` when no ID is common (no party
-    writes a file).
+    refusal or a bad message, ``NoCommonIds`` when no ID is common or fewer
+    than ``min_common`` (``TooFewCommon``; no party writes a file),
+    ``AlignmentDiffers`` when the parties' aligned IDs differ. With
+    ``party_keys``, ``security`` must be a ``keys.CurveClient``.
     """
     table = table if table is not None else read_table(options.input, options.id_column)
+    keys = None
+    if options.party_keys is not None:
+        if not all(hasattr(security, a) for a in ("public", "secret", "server_key")):
+            raise ConfigError("--party-keys needs CURVE: --curve-secret and --server-key")
+        keys = PartyKeys.load(security.public, security.secret, security.server_key, options.party_keys)
     ctx = ctx or zmq.Context.instance()
     max_bytes = MAX_IDS * VALUE_BYTES
     if options.bind is not None:
@@ -754,7 +1010,7 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
                 tmp.write_text(server.endpoint)
                 tmp.replace(options.ready_file)
             try:
-                return _coordinate(coord, table, options.out)
+                return _coordinate(coord, table, options.out, options.min_common)
             except BaseException as e:
                 coord.abort(e)
                 raise
@@ -765,10 +1021,14 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
     linger_ms = LINGER_MS
     try:
         try:
-            result = _take_part(link, table, options.out, options.parties)
+            result = _take_part(link, table, options.out, options.parties, options.min_common, keys)
         except (DistgradError, OSError) as e:
-            if link.run and not isinstance(e, (PeerRejected, PeerTimeout, NoCommonIds)):
-                link.send(wire.error_message(link.run, 0, ABORTED, f"party {options.name} failed: {e}"))
+            # Errors the coordinator sent need no answer; this party's own refusals go back with their code.
+            if link.run and not isinstance(e, (PeerRejected, PeerTimeout)) \
+                    and (isinstance(e, TooFewCommon) or not isinstance(e, NoCommonIds)):
+                code = TOO_FEW if isinstance(e, TooFewCommon) else MISMATCH if isinstance(e, AlignmentDiffers) \
+                    else ABORTED
+                link.send(wire.error_message(link.run, 0, code, f"party {options.name} failed: {e}"))
             raise
         # The bye is the last message and has no reply: close may take up to the peer deadline to deliver it
         # (a short linger dropped it under load, and the coordinator waited out its deadline for it).

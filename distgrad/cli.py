@@ -291,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "party learns only the IDs all parties hold)", description=(
         "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
         "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
-        "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID, 2 usage or "
-        "bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message, 130/143 stopped."))
+        "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID (or fewer "
+        "than --min-common), 2 usage or bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message "
+        "(or the parties' aligned IDs differ), 130/143 stopped."))
     align.add_argument("input", type=Path, metavar="INPUT.csv", help="this party's CSV file, with a header row")
     align.add_argument("--id-column", required=True, metavar="NAME", help="the header name of the ID column")
     align.add_argument("--out", type=Path, required=True, metavar="ALIGNED.csv",
@@ -307,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "'coordinator' for the coordinator, party-PID for the others)")
     align.add_argument("--ready-file", type=Path, metavar="PATH", help="coordinator: write the bound endpoint here")
     _curve_flags(align)
+    align.add_argument("--party-keys", type=Path, metavar="DIR",
+                       help="a party with CURVE: the other parties' public keys (*.key); their digests must then "
+                            "be tagged by those keys, so the coordinator cannot relay one a party did not send")
+    align.add_argument("--min-common", type=int, metavar="N",
+                       help="refuse (exit 1, no file) when fewer than N IDs are common (default 10)")
     align.add_argument("--peer-deadline", type=float, metavar="SECONDS",
                        help="give up on a peer silent this long, and (coordinator) on parties that have not all "
                             "joined by then; exit 3 (default 60)")
@@ -614,7 +620,8 @@ def _predict(args: argparse.Namespace) -> int:
 def _align(args: argparse.Namespace) -> int:
     import zmq
 
-    from distgrad.align import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, AlignOptions, align, read_table
+    from distgrad.align import (DEFAULT_LIVENESS_S, DEFAULT_MIN_COMMON, DEFAULT_PEER_DEADLINE_S, AlignOptions, align,
+                                read_table)
     from distgrad.wire.keys import CurveServer
     from distgrad.run.options import StopFlag
 
@@ -625,7 +632,9 @@ def _align(args: argparse.Namespace) -> int:
     opts = AlignOptions(args.input, args.id_column, args.out, bind=args.bind, parties=args.parties,
                         connect=args.connect, name=args.name, ready_file=args.ready_file,
                         peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness)
+                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                        min_common=DEFAULT_MIN_COMMON if args.min_common is None else args.min_common,
+                        party_keys=args.party_keys)
     table = read_table(opts.input, opts.id_column)     # a bad file exits 2 before anything connects
     ctx = zmq.Context.instance()
     server, client = _curve(args, "serving" if args.bind is not None else "driving", ctx)

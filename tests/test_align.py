@@ -118,6 +118,24 @@ def test_common_positions_match_set_intersection():
     assert [len(p) for p in al.common_positions([values[0][:5], values[0][5:10]])] == [0, 0]
 
 
+def test_digests_are_bound_to_their_sender_and_tags_to_both_ends():
+    """A digest names its sender, so a party's own digest never passes for another's; a tag from A to B is
+    what B computes with its own secret and A's public key, and neither B to A's nor C's."""
+    from nacl.bindings import crypto_scalarmult_base
+    ids = ["alice", "bob"]
+    digests = {s: al.aligned_digest("0123456789abcdef", s, ids) for s in range(3)}
+    assert len(set(digests.values())) == 3
+    assert al.aligned_digest("0123456789abcdef", 1, ids) != al.aligned_digest("0123456789abcdee", 1, ids)
+    assert al.aligned_digest("0123456789abcdef", 1, ids) != al.aligned_digest("0123456789abcdef", 1, ids[::-1])
+    secrets_ = [al.new_key() for _ in range(3)]
+    public = [crypto_scalarmult_base(k) for k in secrets_]
+    a_to_b = al.digest_tag(secrets_[0], public[1], public[0], public[1], digests[1])
+    assert a_to_b == al.digest_tag(secrets_[1], public[0], public[0], public[1], digests[1])     # B checks it
+    assert a_to_b != al.digest_tag(secrets_[1], public[0], public[1], public[0], digests[1])     # B to A
+    assert a_to_b != al.digest_tag(secrets_[2], public[1], public[0], public[1], digests[1])     # C forging
+    assert a_to_b != al.digest_tag(secrets_[0], public[1], public[0], public[1], digests[2])
+
+
 def test_read_table_refuses_bad_files(tmp_path):
     path = tmp_path / "p.csv"
     cases = {
@@ -163,6 +181,12 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
          "cannot read"),
         ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--server-key", good],
          "CURVE needs"),
+        ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--min-common", "0"],
+         "--min-common must be a whole number from 1"),
+        ([good, "--id-column", "id", "--out", out, "--bind", "tcp://127.0.0.1:*", "--parties", "2", "--party-keys",
+          tmp_path], "--party-keys is for a party that connects"),
+        ([good, "--id-column", "id", "--out", out, "--connect", "tcp://127.0.0.1:5", "--party-keys", tmp_path],
+         "--party-keys needs CURVE"),
     ]
     for args, message in cases:
         result = run_main(["align", *args])
@@ -234,6 +258,9 @@ def test_curve_over_ipc(tmp_path):
                                 keys / "co.key"], tmp_path / f"{n}.log"))
         assert [p.wait(ALIGN_DEADLINE_S) for p in procs] == [0, 0, 0], "\n".join(p.output for p in procs)
         assert "CURVE: encrypted" in procs[0].output
+        # Without --party-keys a party cannot tell the other party's digest from one the coordinator made.
+        assert all("no --party-keys, so the other party's digest cannot be checked" in p.output
+                   for p in procs[1:])
     finally:
         for p in procs:
             p.stop()
@@ -359,9 +386,11 @@ def test_a_party_that_falls_silent_or_misbehaves_stops_everyone_cleanly(tmp_path
     try:
         endpoint = wait_for_file(ready, coordinator)
         fake = FakeParty(zmq_ctx, endpoint)
-        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "mallory", "rows": 3, "parties": 3}))
+        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "mallory", "rows": 3, "parties": 3,
+                                                             "version": al.ALIGN_VERSION}))
         welcome = fake.receive()
-        assert welcome.type == wire.WELCOME and welcome.body == {"parties": 3, "index": 1}
+        assert welcome.type == wire.WELCOME and welcome.body == {"parties": 3, "index": 1,
+                                                                 "version": al.ALIGN_VERSION}
         honest = start([tmp_path / "b.csv", "--id-column", "person", "--out", tmp_path / "b.out", "--connect",
                         endpoint, "--name", "b"], tmp_path / "b.log")
         wait_for_text(coordinator, "party b joined")
@@ -404,7 +433,8 @@ def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
     """The issue's two dishonest parties, each joining second of three: one returns party 1's list
     encrypted honestly but reversed (party 1 would write rows outside the intersection), one answers
     "undo your shuffle" with other valid positions (the coordinator would). The parties compare digests
-    of their aligned IDs before anyone writes: every party exits 4 and no file is written."""
+    of their aligned IDs before anyone writes: a party whose rows differ from the coordinator's refuses the
+    coordinator's commitment, every party exits 4 and no file is written."""
     rng = random.Random(21)
     sets = overlapping_sets(300, rng)
     names = ["labels", "bank", "mallory"]
@@ -427,9 +457,11 @@ def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
             p.stop()
     output = "\n".join(p.output for p in procs)
     assert codes == [4, 4, 4], output
-    wrong = {"reorder": "bank", "unshuffle": "bank, mallory"}[variant]    # who differs from the coordinator
-    assert f"the aligned ID lists differ: {wrong} ended with other IDs" in procs[0].output, output
-    assert "no party writes its file" in procs[1].output, output
+    # reorder: bank's rows are wrong; unshuffle: the coordinator's are, so the first party to answer refuses
+    refusing = ["bank"] if variant == "reorder" else ["bank", "mallory"]
+    assert any(f"party {name} failed: mismatch: the coordinator's digest does not match" in procs[0].output
+               for name in refusing), output
+    assert "digest does not match" in procs[1].output or "the coordinator stopped" in procs[1].output, output
     assert not any(out.exists() for out in outs)
 
 
@@ -470,3 +502,313 @@ def test_a_party_gives_its_last_message_the_peer_deadline_to_leave(tmp_path, mon
     assert al.align(party).common == 50
     thread.join(20)
     assert results["a"].common == 50 and closes == [7500]
+
+
+# ---------------------------------------------------------------- a dishonest coordinator
+
+class DishonestCoordinator(StageProcess):
+    """``tests/align_dishonest.py VARIANT RECORD ARGS``: a coordinator that attacks party 1 (the victim)."""
+
+    def __init__(self, variant: str, record: Path, args: list, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "align_dishonest.py"), variant,
+                                      str(record), *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=pinned_env())
+
+
+def attack_sets(parties: int, common: int, victim_private: int) -> list[list[str]]:
+    """The coordinator's, the victim's and (for 3 parties) party 2's IDs: ``common`` IDs all hold, the victim
+    ``victim_private`` more that no other party holds, the others some of their own."""
+    shared = [f"person-{i:04d}" for i in range(common)]
+    sets = [shared + [f"coordinator-only-{i}" for i in range(60)],
+            shared + [f"victim-only-{i}" for i in range(victim_private)]]
+    if parties == 3:
+        sets.append(shared + [f"other-only-{i}" for i in range(60)])
+    return sets
+
+
+def attack(tmp_path: Path, variant: str, sets: list[list[str]], keys: bool = False,
+           victim_args: tuple = ()) -> tuple[list[int], list[StageProcess], dict]:
+    """A dishonest coordinator running ``variant`` against honest parties (real processes, tcp or, with keys,
+    CURVE over tcp); party 1 joins first. Returns the honest parties' exit codes, all processes (the
+    coordinator first) and the coordinator's record of what the parties sent it."""
+    rng = random.Random(19)
+    names = ["coordinator", "victim", "other"][:len(sets)]
+    for n, ids in zip(names, sets):
+        write_party(tmp_path / f"{n}.csv", n, ids, rng)
+    ready, record = tmp_path / "ready", tmp_path / "record.json"
+    coordinator_keys: list = []
+    party_keys: dict[str, list] = {n: [] for n in names[1:]}
+    if keys:
+        key_dir = _keys(tmp_path, *names)
+        coordinator_keys = ["--curve-secret", key_dir / "coordinator.key_secret", "--allow", tmp_path / "allow"]
+        party_keys = {n: ["--curve-secret", key_dir / f"{n}.key_secret", "--server-key", key_dir / "coordinator.key",
+                          "--party-keys", tmp_path / "allow"] for n in names[1:]}
+    procs: list[StageProcess] = [DishonestCoordinator(variant, record, [
+        tmp_path / "coordinator.csv", "--id-column", "person", "--out", tmp_path / "coordinator.out", "--bind",
+        "tcp://127.0.0.1:*", "--parties", str(len(sets)), "--ready-file", ready, "--peer-deadline", "30",
+        *coordinator_keys], tmp_path / "coordinator.log")]
+    try:
+        endpoint = wait_for_file(ready, procs[0])
+        for n in names[1:]:
+            procs.append(start([tmp_path / f"{n}.csv", "--id-column", "person", "--out", tmp_path / f"{n}.out",
+                                "--connect", endpoint, "--name", n, "--peer-deadline", "30", *party_keys[n],
+                                *(victim_args if n == "victim" else ())], tmp_path / f"{n}.log"))
+            wait_for_text(procs[0], f"party {n} joined")           # the victim is party 1
+        codes = [p.wait(ALIGN_DEADLINE_S) for p in procs[1:]]
+        procs[0].wait(ALIGN_DEADLINE_S)
+    finally:
+        for p in procs:
+            p.stop()
+    import json
+    return codes, procs, json.loads(record.read_text())
+
+
+def answers_to_final(record: dict, index: int) -> list[dict]:
+    """The messages party ``index`` sent the coordinator after its answer to "undo your shuffle": what it
+    said to its final positions and the coordinator's commitment."""
+    sent = [m for m in record["messages"] if m["party"] == index]
+    last = max(i for i, m in enumerate(sent) if m["type"] == wire.ALIGN_POSITIONS)
+    return sent[last + 1:]
+
+
+@pytest.mark.parametrize("parties", [2, 3])
+def test_a_coordinator_that_echoes_a_party_s_digest_cannot_make_it_write_rows_outside_the_intersection(
+        tmp_path, parties):
+    """The victim holds 106 IDs, 55 of them common. The coordinator names all 106 rows as common and would
+    send the victim's own digest back as its own (and every other party's): that made an honest party write
+    51 rows outside the intersection and exit 0. Now the coordinator must commit first to the IDs it names,
+    which it cannot for IDs it does not hold: the victim refuses (exit 4), writes nothing and never sends
+    its digest, so there is nothing to echo."""
+    codes, procs, record = attack(tmp_path, "echo", attack_sets(parties, 55, 51))
+    output = "\n".join(p.output for p in procs)
+    assert codes[0] == 4, output
+    assert "the coordinator's digest does not match the 106 rows it asked party victim to write" in procs[1].output
+    assert not (tmp_path / "victim.out").exists()
+    answers = answers_to_final(record, 1)
+    assert [m["type"] for m in answers] == ["error"] and answers[0]["body"]["code"] == "mismatch", answers
+    assert not any(m["type"] == wire.ALIGN_DIGEST for m in record["messages"] if m["party"] == 1)
+
+
+@pytest.mark.parametrize("keys", [False, True])
+def test_a_party_s_own_digest_relayed_back_as_another_s_is_refused(tmp_path, keys):
+    """Three parties, honest positions and commitments; then the coordinator relays to the victim its own
+    digest (with keys, its own tag for party 2) as party 2's. A digest is bound to its sender: the victim
+    exits 4 and writes nothing."""
+    codes, procs, record = attack(tmp_path, "reflect", attack_sets(3, 40, 10), keys=keys)
+    output = "\n".join(p.output for p in procs)
+    assert codes[0] == 4, output
+    assert "party 2's digest, as the coordinator relays it, is not of the 40 IDs party victim holds" \
+        in procs[1].output, output
+    assert not (tmp_path / "victim.out").exists()
+
+
+def test_another_party_s_digest_relayed_as_the_coordinator_s_is_refused(tmp_path):
+    """The coordinator lets party 2 answer first and sends its digest to the victim as its own commitment.
+    Digests are bound to their sender: the victim refuses (exit 4, no file) without sending its own, and
+    the coordinator's abort stops party 2 (exit 4)."""
+    codes, procs, record = attack(tmp_path, "relay", attack_sets(3, 40, 10))
+    output = "\n".join(p.output for p in procs)
+    assert codes == [4, 4], output
+    assert "the coordinator's digest does not match the 40 rows it asked party victim to write" \
+        in procs[1].output, output
+    assert not (tmp_path / "victim.out").exists() and not (tmp_path / "other.out").exists()
+    assert [m["type"] for m in answers_to_final(record, 1)] == ["error"]
+
+
+def test_with_party_keys_a_coordinator_cannot_forge_another_party_s_digest(tmp_path):
+    """Three parties with CURVE and --party-keys. Party 2 never answers; the coordinator relays to the victim
+    a digest of the victim's rows it computed itself as party 2's, tagged with the only secret it holds (its
+    own). The victim checks party 2's tag against party 2's public key and refuses (exit 4, no file)."""
+    codes, procs, record = attack(tmp_path, "forge", attack_sets(3, 40, 10), keys=True)
+    output = "\n".join(p.output for p in procs)
+    assert codes[0] == 4, output
+    assert "party 2's digest is not tagged by the holder of key" in procs[1].output, output
+    assert not (tmp_path / "victim.out").exists()
+    assert not (tmp_path / "other.out").exists()
+
+
+def test_without_party_keys_a_coordinator_can_speak_for_another_party(tmp_path):
+    """The documented limit (docs/security.md): in plaintext nothing tells the victim party 2's digest from
+    one the coordinator computed, so the forgery passes when the coordinator holds the IDs it names (here the
+    true intersection, so the victim's file is still right; party 2 never confirmed it)."""
+    codes, procs, _ = attack(tmp_path, "forge", attack_sets(3, 40, 10))
+    assert codes[0] == 0, "\n".join(p.output for p in procs)
+    assert len(read_csv(tmp_path / "victim.out")) == 41
+
+
+@pytest.mark.parametrize("parties", [2, 3])
+def test_a_coordinator_asking_for_99_shared_rows_and_one_unknown_gets_no_oracle(tmp_path, parties):
+    """The coordinator names 99 common rows and one it does not know, and commits to the 99 plus a guess.
+    The victim refuses (exit 4, no file) and answers only "mismatch": nothing it sends after the final
+    positions is a value computed from its hundredth ID, so the coordinator has nothing to brute-force
+    offline. The check: every digest the victim could have sent of those 100 IDs (as any sender, and as the
+    previous protocol did) for every ID the victim holds outside the intersection appears nowhere in what
+    it sent."""
+    import hashlib
+    sets = attack_sets(parties, 100, 51)
+    codes, procs, record = attack(tmp_path, "guess", sets)
+    output = "\n".join(p.output for p in procs)
+    assert codes[0] == 4, output
+    assert "the coordinator's digest does not match the 100 rows it asked party victim to write" in procs[1].output
+    assert not (tmp_path / "victim.out").exists()
+    answers = answers_to_final(record, 1)
+    assert [m["type"] for m in answers] == ["error"] and answers[0]["body"]["code"] == "mismatch", answers
+    sent = repr(answers)
+    run, shared = record["run"], sorted(sets[1][:100])
+    for unknown in sets[1][100:]:
+        for k in range(100):                           # whichever of the 100 common rows the coordinator dropped
+            ids = sorted(shared[:k] + shared[k + 1:] + [unknown])
+            candidates = [al.aligned_digest(run, s, ids) for s in range(parties)]
+            v1 = hashlib.sha256(b"distgrad-align-ids-v1\x00" + run.encode() + len(ids).to_bytes(8, "little"))
+            for key in ids:
+                v1.update(len(key.encode()).to_bytes(8, "little") + key.encode())
+            candidates.append(v1.hexdigest())
+            assert not any(c in sent for c in candidates)
+    assert not (tmp_path / "coordinator.out").exists()
+
+
+@pytest.mark.parametrize("parties", [2, 3])
+def test_a_one_row_intersection_is_refused_even_with_a_correct_commitment(tmp_path, parties):
+    """The coordinator asks every party to undo its shuffle of one common position and to write that one row,
+    committing correctly to its ID: below --min-common (default 10) every party refuses before it sends any
+    digest (exit 1, no file)."""
+    codes, procs, record = attack(tmp_path, "one_row", attack_sets(parties, 40, 10))
+    output = "\n".join(p.output for p in procs)
+    assert codes == [1] * (parties - 1), output
+    assert "fewer than --min-common 10" in output
+    assert not any(m["type"] == wire.ALIGN_DIGEST for m in record["messages"])
+    assert not any((tmp_path / f"{n}.out").exists() for n in ("victim", "other"))
+
+
+def test_min_common_refuses_small_intersections_and_can_be_lowered(tmp_path):
+    """Honest parties with 5 common IDs: refused under the default --min-common 10 (every party exits 1, no
+    file), aligned with --min-common 5; a party asking for more than the coordinator refuses for everyone."""
+    rng = random.Random(8)
+    ids = {"a": [str(i) for i in range(8)], "b": [str(i) for i in range(3, 12)]}      # 3..7 common
+    for n, own in ids.items():
+        write_party(tmp_path / f"{n}.csv", n, own, rng)
+
+    def run(tag: str, a_args: list, b_args: list) -> tuple[list[int], list[StageProcess]]:
+        ready = tmp_path / f"ready-{tag}"
+        procs = [start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / f"a-{tag}.out", "--bind",
+                        "tcp://127.0.0.1:*", "--parties", "2", "--ready-file", ready, *a_args], tmp_path / f"a-{tag}.log")]
+        try:
+            endpoint = wait_for_file(ready, procs[0])
+            procs.append(start([tmp_path / "b.csv", "--id-column", "person", "--out", tmp_path / f"b-{tag}.out",
+                                "--connect", endpoint, *b_args], tmp_path / f"b-{tag}.log"))
+            return [p.wait(ALIGN_DEADLINE_S) for p in procs], procs
+        finally:
+            for p in procs:
+                p.stop()
+
+    codes, procs = run("default", [], [])
+    assert codes == [1, 1], "\n".join(p.output for p in procs)
+    assert "only 5 IDs are common to the 2 parties, fewer than --min-common 10" in procs[0].output
+    codes, procs = run("lowered", ["--min-common", "5"], ["--min-common", "5"])
+    assert codes == [0, 0], "\n".join(p.output for p in procs)
+    assert [line[1] for line in read_csv(tmp_path / "b-lowered.out")[1:]] == ["3", "4", "5", "6", "7"]
+    codes, procs = run("party", ["--min-common", "5"], ["--min-common", "6"])
+    assert codes == [1, 1], "\n".join(p.output for p in procs)
+    assert "fewer than --min-common 6" in procs[1].output
+    assert not any((tmp_path / f"{n}-{t}.out").exists() for n in "ab" for t in ("default", "party"))
+
+
+def test_three_parties_with_party_keys_align(tmp_path):
+    """CURVE with --party-keys on every party: each party's digest is tagged for every other party, and
+    the honest alignment agrees row for row."""
+    rng = random.Random(12)
+    sets = overlapping_sets(200, rng)
+    names = ["co", "p1", "p2"]
+    tables = [write_party(tmp_path / f"{n}.csv", n, ids, rng) for n, ids in zip(names, sets)]
+    keys = _keys(tmp_path, *names)
+    outs = [tmp_path / f"{n}.out.csv" for n in names]
+    ready = tmp_path / "ready"
+    procs = [start([tmp_path / "co.csv", "--id-column", "person", "--out", outs[0], "--bind", "tcp://127.0.0.1:*",
+                    "--parties", "3", "--ready-file", ready, "--curve-secret", keys / "co.key_secret", "--allow",
+                    tmp_path / "allow"], tmp_path / "co.log")]
+    try:
+        endpoint = wait_for_file(ready, procs[0])
+        for n, out in zip(names[1:], outs[1:]):
+            procs.append(start([tmp_path / f"{n}.csv", "--id-column", "person", "--out", out, "--connect", endpoint,
+                                "--name", n, "--curve-secret", keys / f"{n}.key_secret", "--server-key",
+                                keys / "co.key", "--party-keys", tmp_path / "allow"], tmp_path / f"{n}.log"))
+        assert [p.wait(ALIGN_DEADLINE_S) for p in procs] == [0, 0, 0], "\n".join(p.output for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+    check_aligned(outs, tables, [read_csv(tmp_path / f"{n}.csv")[0] for n in names])
+    assert not any("no --party-keys" in p.output for p in procs)
+
+
+def test_party_keys_that_are_not_usable_exit_2_before_anything_connects(tmp_path):
+    good = tmp_path / "a.csv"
+    good.write_text("id,x\n1,2\n")
+    keys = _keys(tmp_path, "co", "p1")
+    curve = ["--curve-secret", keys / "p1.key_secret", "--server-key", keys / "co.key"]
+    own_only = tmp_path / "own"
+    own_only.mkdir()
+    (own_only / "p1.key").write_bytes((keys / "p1.key").read_bytes())
+    (own_only / "co.key").write_bytes((keys / "co.key").read_bytes())
+    cases = [(tmp_path / "missing", "is not a directory"), (tmp_path / "own" / "p1.key", "is not a directory"),
+             (tmp_path / "allow" / ".." / "own", "holds only this party's or the coordinator's key"),
+             (tmp_path / "keys" / "none", "is not a directory")]
+    (tmp_path / "empty").mkdir()
+    cases.append((tmp_path / "empty", "holds no *.key files"))
+    low_order = tmp_path / "low"                   # the zero point: X25519 with it is refused
+    low_order.mkdir()
+    from zmq.utils import z85
+    text = (keys / "co.key").read_text()
+    zero = z85.encode(bytes(32)).decode()
+    (low_order / "zero.key").write_text(text.replace(text.split('public-key = "')[1].split('"')[0], zero))
+    cases.append((low_order, "holds no usable public key"))
+    for directory, message in cases:
+        result = run_main(["align", good, "--id-column", "id", "--out", tmp_path / "o.csv", "--connect",
+                           "tcp://127.0.0.1:5", *curve, "--party-keys", directory])
+        assert result.returncode == 2 and message in result.stderr, (directory, result)
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_an_old_party_and_an_old_coordinator_are_refused_with_the_version(tmp_path, zmq_ctx):
+    """The parties check each other's digests in a new order (align protocol 2): a join without the version
+    (an older distgrad) is refused with an error naming both versions and the coordinator exits 2; a party
+    whose coordinator's welcome carries no version exits 4 naming them, before it sends any list."""
+    rng = random.Random(9)
+    write_party(tmp_path / "a.csv", "a", [str(i) for i in range(20)], rng)
+    ready = tmp_path / "ready"
+    coordinator = start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "a.out", "--bind",
+                         "tcp://127.0.0.1:*", "--parties", "2", "--ready-file", ready], tmp_path / "a.log")
+    try:
+        fake = FakeParty(zmq_ctx, wait_for_file(ready, coordinator))
+        fake.send(wire.Message(wire.ALIGN_JOIN, "", 0, body={"name": "old", "rows": 20, "parties": 2}))
+        error = fake.receive()
+        assert coordinator.wait(ALIGN_DEADLINE_S) == 2
+    finally:
+        coordinator.stop()
+    assert error.type == wire.ERROR and error.body["code"] == "version", error
+    assert "party 'old' speaks align protocol 1, this coordinator 2" in error.body["message"]
+    assert "party 'old' speaks align protocol 1, this coordinator 2" in coordinator.output
+
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    party = start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "b.out", "--connect",
+                   f"tcp://127.0.0.1:{port}", "--peer-deadline", "20"], tmp_path / "b.log")
+    try:
+        assert router.poll(20_000), party.output
+        envelope, *frames = router.recv_multipart()
+        join = wire.decode(frames)
+        assert join.type == wire.ALIGN_JOIN and join.body["version"] == al.ALIGN_VERSION
+        router.send_multipart([envelope, *wire.encode(wire.Message(wire.WELCOME, "0123456789abcdef", 0,
+                                                                   body={"parties": 2, "index": 1}))])
+        assert party.wait(ALIGN_DEADLINE_S) == 4, party.output
+        sent = []
+        while router.poll(2000):
+            sent.append(wire.decode(router.recv_multipart()[1:]))
+    finally:
+        party.stop()
+        router.close(0)
+    assert "the coordinator speaks align protocol 1, this party 2" in party.output
+    assert [m.type for m in sent if m.type != wire.PING] == [wire.ERROR]
+    assert not (tmp_path / "b.out").exists()
