@@ -940,7 +940,7 @@ def test_hostile_messages_between_the_steps_of_a_run_change_nothing(start_server
             slots[slot].append((template, client.sock if own_socket else None))
         run = uuid.uuid4().hex
         f = Stage.from_experiment(EXP, "f")
-        deadline = time.monotonic() + liveness + 2
+        deadline = time.monotonic() + liveness + 30      # a hang guard: the stage displaces it after --liveness
         while True:                      # a run left open by a failed example is displaced after --liveness
             try:
                 welcome = legit(hello_message(EXP, run))

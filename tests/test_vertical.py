@@ -483,7 +483,7 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
 
 
 def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_message(monkeypatch):
-    """Issue 25, point 3: the label owner's loop checks which party is silent (a look at every party) once
+    """The label owner's loop checks which party is silent (a look at every party) once
     per ``POLL_TICK_S``, not after each message, which made that O(parties) per message and O(parties^2) per
     step. The three parties and the label owner run in threads of this process, over tcp."""
     ticks, handled = [], []
@@ -491,7 +491,6 @@ def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_mess
     monkeypatch.setattr(ServingStage, "tick", lambda self, now: ticks.append(now) or tick(self, now))
     monkeypatch.setattr(ServingStage, "handle", lambda self, *a, **k: handled.append(a[1].type) or handle(self, *a, **k))
     summaries: dict[str, dict] = {}
-    started = time.monotonic()
     with serve_stage(BUILTIN, steps=40) as g:
         parties = [threading.Thread(target=lambda name=name: summaries.update(
             {name: drive_stage(BUILTIN, g.endpoint, stage=name, steps=40)})) for name in PARTIES]
@@ -500,7 +499,10 @@ def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_mess
         for party in parties:
             party.join(60)
         assert g.wait(60)["status"] == "completed"
-    elapsed = time.monotonic() - started
     assert sorted(summaries) == sorted(PARTIES) and all(s["steps"] == 40 for s in summaries.values())
     assert handled.count("forward") >= 3 * 40
-    assert len(ticks) <= elapsed / POLL_TICK_S + 2, (len(ticks), elapsed, len(handled))
+    # Consecutive ticks (the ``now`` each was given) are a tick apart or more, however busy the machine
+    # (a busy one only spreads them); 10% below POLL_TICK_S allows for a receive timeout's milliseconds.
+    # A tick per message would put them ~1 ms apart.
+    gaps = [later - earlier for earlier, later in zip(ticks, ticks[1:])]
+    assert all(gap >= 0.9 * POLL_TICK_S for gap in gaps), (sorted(gaps)[:5], len(ticks), len(handled))
