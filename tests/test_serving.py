@@ -350,12 +350,19 @@ def test_a_client_silent_when_its_evaluation_is_due_is_dropped_and_the_round_goe
     assert server.peers[1].status is PeerStatus.DROPPED and server.phase is Phase.ROUND and server.round == 2
 
 
-@pytest.mark.parametrize("name, topology", [("tanh-regression", "OnePeer"), ("digits-clients", "Clients"),
-                                            ("digits-halves", "Parties")])
-def test_each_topology_is_one_class_of_the_one_state_machine(name, topology):
-    """One driver, clients in turn, vertical parties: the same ``ServingStage``, each with its own topology."""
-    server, _ = _serving(name)
-    assert type(server.topology).__name__ == topology and server.topology.serving is server
+def test_one_driver_clients_and_parties_are_each_a_topology_class_inside_the_same_serving_stage():
+    """One driver, clients in turn, vertical parties: each served by a ``ServingStage`` (the one state machine),
+    each with its own subclass of ``Topology``, bound to that stage."""
+    from distgrad.run.topology import Topology
+
+    topologies = {}
+    for name, expected in [("tanh-regression", "OnePeer"), ("digits-clients", "Clients"), ("digits-halves", "Parties")]:
+        server, _ = _serving(name)
+        assert type(server) is ServingStage, name
+        assert isinstance(server.topology, Topology) and type(server.topology).__name__ == expected, name
+        assert server.topology.serving is server, name
+        topologies[name] = type(server.topology)
+    assert len(set(topologies.values())) == 3, topologies
 
 
 def test_the_serving_stage_is_in_parts_a_reader_can_hold():
