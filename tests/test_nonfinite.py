@@ -83,7 +83,7 @@ def test_nan_label_in_process_exits_1_naming_stage_step_and_tensor(tmp_path):
     assert step >= 1 and "Traceback" not in result.stderr
 
 
-def test_nan_label_python_api_raises_before_any_update(tmp_path):
+def test_nan_label_python_api_raises_naming_the_stage_and_the_step(tmp_path):
     exp = load_experiment(_nan_labels_experiment(tmp_path))
     with pytest.raises(NonFiniteError, match=r"stage g: non-finite loss at step \d+"):
         train_in_process(exp)

@@ -76,7 +76,7 @@ def _in_process(tmp_path, experiment, *extra, trace=True):
 
 
 # tanh-regression's full trace is 54 KB a step, written, merged and compared: 100 of its 300 steps here
-# (its whole run is compared over tcp and ipc, without a trace, in test_spin_before_block_changes_nothing...).
+# (its whole run is compared over tcp and ipc, without a trace, in test_spin_before_block_leaves_the_run...).
 TRACED_STEPS = {"seed-reverse": [], "tanh-regression": ["--steps", "100"]}
 
 
@@ -325,7 +325,7 @@ def test_classifier_with_integer_labels_is_bitwise_equal(tmp_path, labels):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
-def test_spin_before_block_changes_nothing_but_latency(tmp_path, transport):
+def test_spin_before_block_leaves_the_run_bitwise_unchanged(tmp_path, transport):
     reference, _ = _in_process(tmp_path, "tanh-regression", trace=False)
     summary_path = tmp_path / "spin.json"
     result = run_launcher(["run", "tanh-regression", "--transport", transport, "--spin-us", "300",
