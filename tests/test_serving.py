@@ -143,11 +143,16 @@ def test_evaluate_scores_the_held_out_rows_and_changes_nothing():
     server, exp = _serving("digits")
     server.handle(PEER, hello_message(exp, "r"), 0.0)
     f = Stage.from_experiment(exp, "f")
-    rows = exp.build_data().test_features()
+    data = exp.build_data()
+    rows = data.test_features()
     before = _params(server)
-    evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", 1,
-                                                        tensors={"activation": f.forward(rows)[0]}), 0.0))
+    activation = f.forward(rows, training=False)[0]
+    evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", 1, tensors={"activation": activation}),
+                                          0.0))
     assert evaluation.type == wire.EVALUATION and evaluation.body["count"] == len(rows)
+    # The scores are the label owner's own, computed apart by a fresh g on the same held-out rows and labels.
+    expected = Stage.from_experiment(exp, "g").evaluate_last(activation, data.test_targets())
+    assert (evaluation.body["loss"], evaluation.body["correct"]) == (expected["loss"], expected["correct"])
     assert 0 <= evaluation.body["correct"] <= len(rows) and _same(before, server.stage.params)
 
 

@@ -107,9 +107,9 @@ def test_one_party_is_the_two_stage_split():
         assert vertical["params"] == split["params"], kind
 
 
-def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
-    """The parties' parameter gradients equal those of one model whose first layer is block-diagonal (the
-    parties' layers side by side), computed in float64 by finite differences of the loss."""
+def test_every_party_gets_the_gradient_of_its_own_columns():
+    """Each party's weight gradient equals that of one model whose first layer is block-diagonal (the
+    parties' layers side by side), computed in float64 by finite differences of the loss, for every party."""
     exp = load_experiment(BUILTIN)
     assert exp.vertical and exp.data_owners == PARTIES and exp.input_shape("g") == (32, 24)
     from distgrad.stage.stage import Stage
@@ -123,23 +123,25 @@ def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
     grads = [s.backward(cache, dy, need_dx=False)[1] for s, (_, cache), dy in
              zip(stages[:3], outs, aggregate.split("concat", dz, [8, 8, 8]))]
 
-    def loss_of(weights_b: np.ndarray) -> float:
+    def loss_of(party: int, weights: np.ndarray) -> float:
         h = [np.tanh(xi.astype(np.float64) @ s.params[f"{n}1.W"].astype(np.float64) + s.params[f"{n}1.b"])
              for xi, s, n in zip(x, stages, PARTIES)]
-        h[1] = np.tanh(x[1].astype(np.float64) @ weights_b + stages[1].params["b1.b"])
+        name = PARTIES[party]
+        h[party] = np.tanh(x[party].astype(np.float64) @ weights + stages[party].params[f"{name}1.b"])
         logits = np.hstack(h) @ stages[3].params["g1.W"].astype(np.float64) + stages[3].params["g1.b"]
         logits -= logits.max(axis=1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         return float(-logp[np.arange(len(y)), y].mean())
 
-    w = stages[1].params["b1.W"].astype(np.float64)
-    eps, numeric = 1e-6, np.zeros_like(w)
-    for index in np.ndindex(w.shape):
-        up, down = w.copy(), w.copy()
-        up[index] += eps
-        down[index] -= eps
-        numeric[index] = (loss_of(up) - loss_of(down)) / (2 * eps)
-    np.testing.assert_allclose(grads[1]["b1.W"], numeric, rtol=2e-3, atol=2e-6)
+    for party, name in enumerate(PARTIES):
+        w = stages[party].params[f"{name}1.W"].astype(np.float64)
+        eps, numeric = 1e-6, np.zeros_like(w)
+        for index in np.ndindex(w.shape):
+            up, down = w.copy(), w.copy()
+            up[index] += eps
+            down[index] -= eps
+            numeric[index] = (loss_of(party, up) - loss_of(party, down)) / (2 * eps)
+        np.testing.assert_allclose(grads[party][f"{name}1.W"], numeric, rtol=2e-3, atol=2e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("raw_change,message", [
