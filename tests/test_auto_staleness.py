@@ -23,7 +23,7 @@ wan_link = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("wan_link", wan_link)        # dataclasses look their module up there
 _spec.loader.exec_module(wan_link)
 
-LINK_DELAY_S = 0.010      # one way: a round trip of 20 ms against a few ms of compute per step
+LINK_DELAY_S = 0.050      # one way: a round trip of 100 ms against a few ms of compute per step
 FLAGS = ["--steps", "24", "--activation-codec", "int8", "--gradient-codec", "int8"]
 
 
@@ -118,7 +118,7 @@ def test_on_loopback_auto_records_its_choice_and_equals_the_in_process_run_with_
 
 
 def test_through_a_delayed_link_auto_keeps_steps_in_flight_and_equals_the_in_process_run(tmp_path, start_server):
-    """A 10 ms one-way link: step 1 waits at least 20 ms, so S >= 1 is chosen (a step's compute is a few ms),
+    """A 50 ms one-way link: step 1 waits at least 100 ms, so S >= 1 is chosen (a step's compute is a few ms),
     sent in the second hello (the serving stage keeps S + 1 replies), and the parameters of both stages
     equal ``--in-process --staleness S``."""
     g, endpoint = start_server("mlp-classify", "--summary", tmp_path / "g.json", *FLAGS)
@@ -132,8 +132,11 @@ def test_through_a_delayed_link_auto_keeps_steps_in_flight_and_equals_the_in_pro
     assert g.wait() == 0, g.output
     summary = read_json(tmp_path / "f.json")
     chosen = _check_choice(summary)
-    assert summary["staleness_auto"]["round_trip_s"] >= 2 * LINK_DELAY_S
-    assert chosen >= 1
+    figures = summary["staleness_auto"]
+    assert figures["round_trip_s"] >= 2 * LINK_DELAY_S                   # the link's delay: load only adds
+    # S >= 1 unless step 1's measured compute outlasted the 100 ms round trip (a stall on a busy machine):
+    # then the rule rightly keeps lockstep, and the run below must still equal the in-process one.
+    assert chosen >= 1 or figures["step_s"] >= figures["round_trip_s"], figures
     reference = _reference(tmp_path, chosen)
     assert summary["params"]["f"] == reference["params"]["f"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["params"]["g"]

@@ -246,11 +246,17 @@ def test_resume_takes_the_run_written_last_whatever_the_steps_of_others(tmp_path
     assert (store.latest().run, store.latest().step) == ("older", 1050)
 
 
-def test_a_run_id_from_the_network_never_makes_a_path(tmp_path):
+@pytest.mark.parametrize("run", ["../../x y", "..", ".", "", "/etc/passwd", "a/b", "a\\b", "~", "x" * 4096,
+                                 "\x00", "g-h0000-000000005.ckpt"], ids=repr)
+def test_a_run_id_from_the_network_never_makes_a_path(tmp_path, run):
+    """Whatever the run id (separators, dots, absolute paths, NUL, a checkpoint's own name, 4 KiB), the file is
+    a new one in the store's folder, named without it, and reads back as that run's."""
     store = _store(tmp_path)
-    path = store.save("../../x y", 5, _arrays(1.0), {})
+    path = store.save(run, 5, _arrays(1.0), {})
     assert path.parent == tmp_path / "ckpt" and "/" not in path.name[:-5] and ".." not in path.name
-    assert store.at("../../x y", 5).run == "../../x y"
+    assert run not in path.name or run in ("", "."), path.name
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt"] == [path.name]
+    assert store.at(run, 5).run == run
 
 
 def test_old_format_names_are_still_read(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,11 +146,10 @@ def test_each_stage_alone_says_a_finished_run_is_finished_without_connecting_or_
     summaries = {name: (tmp_path / f"{name}.json").read_bytes() for name in ("f", "g")}
     (tmp_path / "g.sock").unlink(missing_ok=True)
     for name in ("f", "g"):
-        started = time.monotonic()
         with StageProcess(pair.args[name], tmp_path / f"again-{name}.log") as again:
+            # Exit 0 within 30 s, half the 60 s default --peer-deadline: it did not wait for a peer.
             assert again.wait(30) == 0, again.output
             assert "finished at step 200; nothing to do" in again.output
-        assert time.monotonic() - started < 15
         assert not (tmp_path / "g.sock").exists()          # g did not bind
     assert {name: (tmp_path / f"{name}.json").read_bytes() for name in ("f", "g")} == summaries
 

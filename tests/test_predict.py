@@ -4,7 +4,6 @@ label owner only; nothing but an acknowledgement travels back to the data owner.
 from __future__ import annotations
 
 import csv
-import time
 from pathlib import Path
 
 import numpy as np
@@ -265,12 +264,11 @@ def test_bad_input_stops_the_label_owner_at_once(trained: Path, tmp_path: Path):
     output = tmp_path / "predictions.csv"
     g, endpoint = _serve(trained / "parties", trained / "halves", tmp_path, output)
     with g:
-        started = time.monotonic()
         f = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", endpoint, "--load",
                      trained / "halves" / "f.npz", "--input", tmp_path / "rows.csv"])
         assert f.returncode == 2 and "--input" in f.stderr, f.stderr
-        assert g.wait(15) == 1, g.output
-    assert time.monotonic() - started < 15
+        # Exit 1 within 30 s of f's exit, half its 60 s deadline: it did not wait the deadline out.
+        assert g.wait(30) == 1, g.output
     assert "stage f stopped: --input" in g.output and "oops" in g.output, g.output
     assert not output.exists()
 

@@ -106,3 +106,34 @@ def test_the_readme_and_the_security_page_say_a_stage_file_is_code():
         assert "read any file it did not write" in text or "Read any experiment or stage file you did not write" in text
         assert "the only part" in text and "interface" in text
     assert "## Experiment and stage files are code" in security
+
+
+def _flat(path: Path) -> str:
+    return " ".join(path.read_text().split())
+
+
+def test_what_crosses_the_wire_names_splitfeds_parameters_wherever_it_is_said():
+    """SplitFed's ``average`` carries a client's first-stage parameters to the label owner and their mean back:
+    no page says parameters never cross, and the README, security and privacy pages name that exception."""
+    docs = README.parent / "docs"
+    readme, security, privacy = _flat(README), _flat(docs / "security.md"), _flat(docs / "privacy.md")
+    for text in (readme, security):
+        assert "Never parameters" not in text and "Parameters and optimiser state stay on their stage" not in text
+        assert "Weights, Adam's `m`/`v` and beta powers are never sent" not in text
+    assert "SplitFed" in readme and "**its first-stage parameters**" in readme
+    assert "except in SplitFed" in security and "first-stage parameters to the label owner" in security
+    assert "with SplitFed" in privacy and "first-stage parameters to the label owner" in privacy
+
+
+def test_the_topologies_page_lists_every_training_and_predict_message_as_crossing():
+    """docs/topologies.md, "What crosses the wire": every message type of the stages' protocol (the align
+    tool's are in docs/security.md) is in the table, SplitFed's average among them."""
+    from distgrad.wire import messages as wire
+
+    text = (README.parent / "docs" / "topologies.md").read_text()
+    section = text.split("## What crosses the wire\n", 1)[1].split("\n## ", 1)[0]
+    stage_messages = {t for t in wire.MESSAGE_TYPES if not t.startswith("align_")}
+    missing = sorted(t for t in stage_messages if f"`{t}`" not in section)
+    assert not missing, f"not in docs/topologies.md's What crosses the wire: {missing}"
+    splitfed = next(line for line in section.splitlines() if 'mode = "splitfed"' in line)
+    assert "`average`" in splitfed and "first-stage parameters" in splitfed

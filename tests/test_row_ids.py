@@ -97,6 +97,8 @@ def test_files_of_other_ids_are_refused_before_any_stage_starts(tmp_path):
         result = run_main(["run", *paths, *extra])
         assert result.returncode == 2, result
         assert "row ids" in result.stderr, result.stderr
+        out = result.stdout + result.stderr
+        assert "[f]" not in out and "[g]" not in out, f"a stage was started:\n{out}"   # the launcher's prefixes
 
 
 def test_an_id_column_named_by_one_party_only_is_refused(tmp_path):

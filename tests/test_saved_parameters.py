@@ -21,7 +21,7 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
         return {name: archive[name] for name in archive.files}
 
 
-def test_save_then_load_continues_from_the_saved_halves_bitwise_on_every_path(tmp_path: Path):
+def test_save_then_load_continues_from_the_saved_halves_bitwise_over_processes_and_in_process(tmp_path: Path):
     first = run_launcher(["run", "digits", "--steps", "20", "--save", tmp_path / "halves", "--summary",
                           tmp_path / "first.json"])
     assert first.returncode == 0, first.stderr

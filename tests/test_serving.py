@@ -143,11 +143,16 @@ def test_evaluate_scores_the_held_out_rows_and_changes_nothing():
     server, exp = _serving("digits")
     server.handle(PEER, hello_message(exp, "r"), 0.0)
     f = Stage.from_experiment(exp, "f")
-    rows = exp.build_data().test_features()
+    data = exp.build_data()
+    rows = data.test_features()
     before = _params(server)
-    evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", 1,
-                                                        tensors={"activation": f.forward(rows)[0]}), 0.0))
+    activation = f.forward(rows, training=False)[0]
+    evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", 1, tensors={"activation": activation}),
+                                          0.0))
     assert evaluation.type == wire.EVALUATION and evaluation.body["count"] == len(rows)
+    # The scores are the label owner's own, computed apart by a fresh g on the same held-out rows and labels.
+    expected = Stage.from_experiment(exp, "g").evaluate_last(activation, data.test_targets())
+    assert (evaluation.body["loss"], evaluation.body["correct"]) == (expected["loss"], expected["correct"])
     assert 0 <= evaluation.body["correct"] <= len(rows) and _same(before, server.stage.params)
 
 
@@ -350,12 +355,19 @@ def test_a_client_silent_when_its_evaluation_is_due_is_dropped_and_the_round_goe
     assert server.peers[1].status is PeerStatus.DROPPED and server.phase is Phase.ROUND and server.round == 2
 
 
-@pytest.mark.parametrize("name, topology", [("tanh-regression", "OnePeer"), ("digits-clients", "Clients"),
-                                            ("digits-halves", "Parties")])
-def test_each_topology_is_one_class_of_the_one_state_machine(name, topology):
-    """One driver, clients in turn, vertical parties: the same ``ServingStage``, each with its own topology."""
-    server, _ = _serving(name)
-    assert type(server.topology).__name__ == topology and server.topology.serving is server
+def test_one_driver_clients_and_parties_are_each_a_topology_class_inside_the_same_serving_stage():
+    """One driver, clients in turn, vertical parties: each served by a ``ServingStage`` (the one state machine),
+    each with its own subclass of ``Topology``, bound to that stage."""
+    from distgrad.run.topology import Topology
+
+    topologies = {}
+    for name, expected in [("tanh-regression", "OnePeer"), ("digits-clients", "Clients"), ("digits-halves", "Parties")]:
+        server, _ = _serving(name)
+        assert type(server) is ServingStage, name
+        assert isinstance(server.topology, Topology) and type(server.topology).__name__ == expected, name
+        assert server.topology.serving is server, name
+        topologies[name] = type(server.topology)
+    assert len(set(topologies.values())) == 3, topologies
 
 
 def test_the_serving_stage_is_in_parts_a_reader_can_hold():

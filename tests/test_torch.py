@@ -211,7 +211,7 @@ def _close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 
 @pytest.mark.parametrize("loss", sorted(LAYERS))
-def test_every_layer_and_loss_matches_the_numpy_stage(loss):
+def test_each_loss_with_scale_dense_and_activation_layers_matches_the_numpy_stage(loss):
     exps = {fw: _layer_experiment(loss, fw) for fw in ("numpy", "torch")}
     (nf, ng), (tf, tg) = ([Stage.from_experiment(exps[fw], name, init={"s": 1.5}) for name in ("f", "g")]
                           for fw in ("numpy", "torch"))

@@ -72,3 +72,5 @@ def test_a_bad_module_stage_exits_2_before_any_stage_starts(tmp_path, module, ar
     result = run_main(["run", _experiment(tmp_path, module, args), "--steps", "2"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
+    out = result.stdout + result.stderr
+    assert "[f]" not in out and "[g]" not in out, f"a stage was started:\n{out}"      # the launcher's prefixes

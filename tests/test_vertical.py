@@ -107,9 +107,9 @@ def test_one_party_is_the_two_stage_split():
         assert vertical["params"] == split["params"], kind
 
 
-def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
-    """The parties' parameter gradients equal those of one model whose first layer is block-diagonal (the
-    parties' layers side by side), computed in float64 by finite differences of the loss."""
+def test_every_party_gets_the_gradient_of_its_own_columns():
+    """Each party's weight gradient equals that of one model whose first layer is block-diagonal (the
+    parties' layers side by side), computed in float64 by finite differences of the loss, for every party."""
     exp = load_experiment(BUILTIN)
     assert exp.vertical and exp.data_owners == PARTIES and exp.input_shape("g") == (32, 24)
     from distgrad.stage.stage import Stage
@@ -123,23 +123,25 @@ def test_every_party_gets_exactly_the_gradient_of_its_own_columns():
     grads = [s.backward(cache, dy, need_dx=False)[1] for s, (_, cache), dy in
              zip(stages[:3], outs, aggregate.split("concat", dz, [8, 8, 8]))]
 
-    def loss_of(weights_b: np.ndarray) -> float:
+    def loss_of(party: int, weights: np.ndarray) -> float:
         h = [np.tanh(xi.astype(np.float64) @ s.params[f"{n}1.W"].astype(np.float64) + s.params[f"{n}1.b"])
              for xi, s, n in zip(x, stages, PARTIES)]
-        h[1] = np.tanh(x[1].astype(np.float64) @ weights_b + stages[1].params["b1.b"])
+        name = PARTIES[party]
+        h[party] = np.tanh(x[party].astype(np.float64) @ weights + stages[party].params[f"{name}1.b"])
         logits = np.hstack(h) @ stages[3].params["g1.W"].astype(np.float64) + stages[3].params["g1.b"]
         logits -= logits.max(axis=1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         return float(-logp[np.arange(len(y)), y].mean())
 
-    w = stages[1].params["b1.W"].astype(np.float64)
-    eps, numeric = 1e-6, np.zeros_like(w)
-    for index in np.ndindex(w.shape):
-        up, down = w.copy(), w.copy()
-        up[index] += eps
-        down[index] -= eps
-        numeric[index] = (loss_of(up) - loss_of(down)) / (2 * eps)
-    np.testing.assert_allclose(grads[1]["b1.W"], numeric, rtol=2e-3, atol=2e-6)
+    for party, name in enumerate(PARTIES):
+        w = stages[party].params[f"{name}1.W"].astype(np.float64)
+        eps, numeric = 1e-6, np.zeros_like(w)
+        for index in np.ndindex(w.shape):
+            up, down = w.copy(), w.copy()
+            up[index] += eps
+            down[index] -= eps
+            numeric[index] = (loss_of(party, up) - loss_of(party, down)) / (2 * eps)
+        np.testing.assert_allclose(grads[party][f"{name}1.W"], numeric, rtol=2e-3, atol=2e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("raw_change,message", [
@@ -483,7 +485,7 @@ def test_predictions_of_two_feature_parties_are_written_by_the_label_owner(tmp_p
 
 
 def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_message(monkeypatch):
-    """Issue 25, point 3: the label owner's loop checks which party is silent (a look at every party) once
+    """The label owner's loop checks which party is silent (a look at every party) once
     per ``POLL_TICK_S``, not after each message, which made that O(parties) per message and O(parties^2) per
     step. The three parties and the label owner run in threads of this process, over tcp."""
     ticks, handled = [], []
@@ -491,7 +493,6 @@ def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_mess
     monkeypatch.setattr(ServingStage, "tick", lambda self, now: ticks.append(now) or tick(self, now))
     monkeypatch.setattr(ServingStage, "handle", lambda self, *a, **k: handled.append(a[1].type) or handle(self, *a, **k))
     summaries: dict[str, dict] = {}
-    started = time.monotonic()
     with serve_stage(BUILTIN, steps=40) as g:
         parties = [threading.Thread(target=lambda name=name: summaries.update(
             {name: drive_stage(BUILTIN, g.endpoint, stage=name, steps=40)})) for name in PARTIES]
@@ -500,7 +501,10 @@ def test_the_label_owner_looks_at_its_parties_liveness_every_tick_not_every_mess
         for party in parties:
             party.join(60)
         assert g.wait(60)["status"] == "completed"
-    elapsed = time.monotonic() - started
     assert sorted(summaries) == sorted(PARTIES) and all(s["steps"] == 40 for s in summaries.values())
     assert handled.count("forward") >= 3 * 40
-    assert len(ticks) <= elapsed / POLL_TICK_S + 2, (len(ticks), elapsed, len(handled))
+    # Consecutive ticks (the ``now`` each was given) are a tick apart or more, however busy the machine
+    # (a busy one only spreads them); 10% below POLL_TICK_S allows for a receive timeout's milliseconds.
+    # A tick per message would put them ~1 ms apart.
+    gaps = [later - earlier for earlier, later in zip(ticks, ticks[1:])]
+    assert all(gap >= 0.9 * POLL_TICK_S for gap in gaps), (sorted(gaps)[:5], len(ticks), len(handled))

@@ -1,9 +1,13 @@
 """benchmarks/wan_link.py measured through itself: delay and rate cap hold, ZeroMQ passes through.
 
-Timings are measured here with plain sockets (not the module's own
-``measure``), with loose upper margins for a loaded 2-core machine. Every
-server and link is closed in ``finally`` / ``with``; every receive has a
-timeout.
+Only what load cannot break is asserted: the bytes arrive whole and in order,
+and the link is never faster than its model (a round trip takes at least twice
+the one-way delay, a transfer at least its size over the rate cap). A busy
+machine only makes things slower, so these hold on any machine; how close the
+link comes to its model (round trip near 2 x delay, throughput near the cap) is
+a measurement, made by ``benchmarks/wan_link.py --self-test``, not asserted
+here. Every server and link is closed in ``finally`` / ``with``; every receive
+has a timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ sys.modules.setdefault("wan_link", wan_link)        # dataclasses look their mod
 _spec.loader.exec_module(wan_link)
 
 RECV_TIMEOUT_S = 5.0
-SLACK_S = 0.03                  # scheduling noise allowed above the model's time on a busy machine
+# A hang guard, not a speed check: 1 MiB at 40 Mbit/s takes 0.21 s; 30 s is over 100 times that.
+DELIVERY_DEADLINE_S = 30.0
 
 
 class Server:
@@ -85,7 +90,7 @@ def sink_server() -> Iterator[Server]:
         server.close()
 
 
-def test_small_message_round_trip_is_twice_the_delay(echo_server):
+def test_small_messages_come_back_whole_and_no_sooner_than_twice_the_delay(echo_server):
     delay = 0.02
     with wan_link.LinkEmulator(0, echo_server.port, delay_s=delay, rate_bps=100e6) as link:
         with socket.create_connection(("127.0.0.1", link.port), timeout=RECV_TIMEOUT_S) as sock:
@@ -97,22 +102,22 @@ def test_small_message_round_trip_is_twice_the_delay(echo_server):
                 assert sock.recv(16) == b"ping"
                 rtts.append(time.perf_counter() - start)
     assert link.stats()["bytes_up"] == link.stats()["bytes_down"] == 12      # final once closed (threads joined)
-    assert min(rtts) >= 2 * delay, rtts
-    assert min(rtts) < 2 * delay + SLACK_S, rtts
+    assert min(rtts) >= 2 * delay, rtts          # the delay is applied each way (load only adds to it)
 
 
-def test_bulk_throughput_is_capped_and_near_the_cap(sink_server):
+def test_a_bulk_transfer_arrives_whole_and_no_faster_than_the_cap(sink_server):
     rate, size = 40e6, 1 << 20                     # 1 MiB at 40 Mbit/s: 0.21 s
     with wan_link.LinkEmulator(0, sink_server.port, delay_s=0.005, rate_bps=rate) as link:
         with socket.create_connection(("127.0.0.1", link.port), timeout=RECV_TIMEOUT_S) as sock:
             start = time.perf_counter()
             sock.sendall(bytes(size))
-            deadline = start + RECV_TIMEOUT_S
+            deadline = start + DELIVERY_DEADLINE_S
             while sink_server.received < size and time.perf_counter() < deadline:
                 time.sleep(0.002)
     assert sink_server.received == size
+    assert link.stats()["bytes_up"] == size
     throughput = 8 * size / (sink_server.last_at - start)
-    assert 0.6 * rate <= throughput <= rate, f"{throughput / 1e6:.1f} Mbit/s through a {rate / 1e6:.0f} Mbit/s link"
+    assert throughput <= rate, f"{throughput / 1e6:.1f} Mbit/s through a {rate / 1e6:.0f} Mbit/s link"
 
 
 def test_zeromq_passes_through(zmq_ctx):

@@ -442,9 +442,10 @@ def test_deeply_nested_value_is_a_protocol_error(field):
         wire.decode([raw_map(entries)])
 
 
-@pytest.mark.parametrize("version", [True, 2.0])
-def test_version_must_be_the_integer_2(version):
+@pytest.mark.parametrize("version", [float(wire.PROTOCOL_VERSION), True, 2.0], ids=repr)
+def test_a_version_that_is_a_float_or_a_bool_is_refused_only_the_integer_is_accepted(version):
     refused(frames_of(header(v=version)), ErrorCode.VERSION)
+    assert wire.decode(frames_of(header(v=wire.PROTOCOL_VERSION))).step == 1
 
 
 # ------------------------------------------------------------------ expect_tensors
