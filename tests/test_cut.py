@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
-from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout  # noqa: E402
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
 from distgrad.cut import Cut, CutServer  # noqa: E402
 import cut_loops  # noqa: E402
@@ -563,7 +563,9 @@ def test_a_resume_the_other_side_cannot_serve_names_both_steps_and_one_step_behi
                      **FIELDS) as cut:
         assert cut.step(h_of(2))[0] == np.float32(1.0) and cut.applied == 2
         cut.close(finished=False)
-    assert isinstance(served.result()[1], PeerTimeout) and seen == []    # its loop computed nothing
+    _, error = served.result()        # the refused cuts told it nothing; the one it served, that it closed
+    assert isinstance(error, PeerAborted) and "closed the cut after step 2 of 3" in str(error)
+    assert seen == []                 # its loop computed nothing
 
 
 @pytest.mark.integration
@@ -711,8 +713,9 @@ def test_the_docs_example_runs_as_written(tmp_path):
 
 @pytest.mark.integration
 def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_have_saved():
-    """The reply waits for the next batch: a loop failing before it asks (and before it saved) leaves the
-    step unanswered, and the data owner's resent step reaches the loop resumed at the step before."""
+    """The reply waits for the next batch: a loop failing before it asks (and before it saved) sends no
+    reply of the step but tells the data owner why; the data owner resumed at the step before sends the
+    step again to the loop resumed there."""
     def failing(server):
         with server:
             for batch in server:
@@ -721,18 +724,18 @@ def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_
 
     served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), failing)
     endpoint, losses = served.server.endpoint, []
-
-    def drive() -> None:
-        with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=10.0, **FIELDS) as cut:
-            losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
-
-    client = threading.Thread(target=drive, daemon=True)
-    client.start()
+    with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=30.0, **FIELDS) as cut:
+        start = cut.state_dict()
+        with pytest.raises(PeerAborted, match="stage g stopped: its loop failed: RuntimeError: the loop failed "
+                                              "before saving"):
+            cut.step(h_of(1))             # the failed loop's reply to step 1 never left
+        assert cut.applied == 0
     assert isinstance(served.result()[1], RuntimeError)
     served = Served(bind_again(endpoint, **FIELDS),
                     lambda server: [batch.reply(2.0, np.zeros((4, 3), np.float32)) or batch.step for batch in server])
-    client.join(20)
-    assert losses == [2.0] * 3            # step 1 too: the failed loop's reply never left
+    with Cut.connect(endpoint, state=start, timeout_s=0.5, peer_deadline_s=30.0, **FIELDS) as cut:
+        losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
+    assert losses == [2.0] * 3
     steps, error = served.result()
     assert error is None and steps == [1, 2, 3]
 
@@ -763,7 +766,7 @@ def test_the_torch_layer_says_what_to_do_about_a_float64_h_and_a_batch_left_unan
     cut = dt.Cut.connect(served.server.endpoint, timeout_s=0.2, peer_deadline_s=1.0, **FIELDS)
     assert "h.float()" in caught(lambda: cut.step(torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)))
     assert "distgrad.cut takes numpy arrays" in caught(lambda: cut.step(np.zeros((4, 3), np.float32)))
-    with pytest.raises(PeerTimeout):
+    with pytest.raises(PeerAborted, match="closed the CutServer after step 0 of 3"):   # told, not left waiting
         cut.step(torch.zeros(4, 3, requires_grad=True) * 2)
     cut.close(finished=False)
     unanswered, failure = served.result()
