@@ -202,6 +202,55 @@ def test_two_numpy_loops_compute_what_the_same_loops_compute_in_one_process(tmp_
     assert result["g"]["v"] == expected["v"] and result["g"]["losses"] == expected["losses"]
 
 
+# ---------------------------------------------------------------- how a run ends: cleanly, or with the reason told
+
+def _ended(folder: Path, f_flags: tuple = (), g_flags: tuple = ()) -> tuple[dict, dict]:
+    """Both numpy loops in their own processes, each ending as its flags say (tests/cut_loops.py); how each
+    ended (``error``, ``message``, ``steps``), once both processes have exited."""
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, "--numpy", *g_flags) as g:
+        endpoint = wait_for_file(ready, g)
+        with loop(folder, "f", endpoint, "--numpy", *f_flags) as f:
+            f.wait()
+        g.wait()
+    return read_json(folder / "f-outcome.json"), read_json(folder / "g-outcome.json")
+
+
+@pytest.mark.integration
+def test_a_label_owner_loop_that_leaves_after_its_last_step_ends_both_sides_cleanly(tmp_path):
+    """The label owner counts its steps and breaks after the last reply, before the data owner's bye: its
+    CutServer answers the bye as it closes, so the data owner's close ends the run (bounds short enough that
+    a bye left waiting would be a PeerTimeout)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    f, g = _ended(folder, ("--deadline", "3.0"), ("--leave-after-last", "--liveness", "2.0", "--deadline", "3.0"))
+    assert f == {"error": None, "message": "", "steps": 4} and g == {"error": None, "message": "", "steps": 4}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("f_flags,g_flags,f_ends,g_ends", [
+    (("--bad-shape-at", "2"), (),
+     ("CutMisuse", "h has shape (32, 15)", 1), ("PeerAborted", "stage f stopped: its loop failed: CutMisuse: h has "
+                                                               "shape (32, 15)", 1)),
+    ((), ("--forget-reply-at", "2"),
+     ("PeerAborted", "stage g stopped: its loop failed: CutMisuse: the loop asked for the next batch without "
+                     "replying to step 2", 1), ("CutMisuse", "without replying to step 2", 1)),
+    (("--close-at", "2"), (),
+     (None, "", 2), ("PeerAborted", "stage f stopped: its loop closed the cut after step 2 of 4", 2)),
+    ((), ("--close-at", "2"),
+     ("PeerAborted", "stage g stopped: its loop closed the CutServer after step 2 of 4", 2), (None, "", 2))],
+    ids=["data-owner-sends-a-wrong-shape", "label-owner-forgets-a-reply", "data-owner-closes-mid-run",
+         "label-owner-closes-mid-run"])
+def test_a_side_that_stops_mid_run_tells_the_other_why_and_it_stops_at_once(tmp_path, f_flags, g_flags, f_ends,
+                                                                              g_ends):
+    """A mistake raised on one side, or a close before the run's end, reaches the other side as an aborted
+    notice with the reason: it raises PeerAborted naming it, not a PeerTimeout after its bounds (kept short
+    here, so a side left waiting would time out instead)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    f, g = _ended(folder, ("--deadline", "20.0", *f_flags), ("--liveness", "10.0", "--deadline", "10.0", *g_flags))
+    for outcome, (error, text, steps) in ((f, f_ends), (g, g_ends)):
+        assert outcome["error"] == error and text in outcome["message"] and outcome["steps"] == steps, outcome
+
+
 # ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
 
 REORDERED = Path(__file__).resolve().parent / "reordered_stage.py"
