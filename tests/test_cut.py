@@ -796,6 +796,7 @@ def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
     rows, h = cut.rows(1), np.zeros((32, 16), np.float32)
     short = caught(lambda: cut.step(h, rows[:10]))
     assert "given 10 rows" in short and "has 32 for it" in short
+    assert "send_rows = true" in short and "its own loader" in short      # the way to use one's own order
     swapped = rows.copy()
     swapped[[3, 4]] = swapped[[4, 3]]
     assert f"position 3 is row {rows[4]}, the order's is {rows[3]}" in caught(lambda: cut.step(h, swapped))
