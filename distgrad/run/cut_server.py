@@ -540,11 +540,11 @@ class CutServer:
                 self._flush()
                 if self.bye is None and self.joined and self._complete():
                     self._await_bye()
-                if self.bye is not None:
-                    self._linger()
-                elif not self._complete():
+                elif self.bye is None:
                     notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
                               f"the data owner's bye")
+            if self.bye is not None:
+                self._linger()
         finally:
             self.closed = True
             told = False
