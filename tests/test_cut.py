@@ -251,6 +251,23 @@ def test_a_side_that_stops_mid_run_tells_the_other_why_and_it_stops_at_once(tmp_
         assert outcome["error"] == error and text in outcome["message"] and outcome["steps"] == steps, outcome
 
 
+@pytest.mark.integration
+def test_a_data_owner_daemon_is_told_when_the_label_owners_loop_fails(tmp_path):
+    """The notice is the protocol's: a distgrad-stage data owner driving a loop that fails stops at once
+    naming the loop's error, not after its peer deadline (kept short, so a daemon left waiting would time
+    out instead)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, "--numpy", "--forget-reply-at", "2") as g:
+        endpoint = wait_for_file(ready, g)
+        with daemon(folder, "f", "--connect", endpoint, "--timeout", "1", "--peer-deadline", "20") as f:
+            assert f.wait() != 0
+            output = f.output
+        g.wait()
+    assert "aborted" in output and "stage g stopped: its loop failed: CutMisuse" in output, output
+    assert read_json(folder / "g-outcome.json")["error"] == "CutMisuse"
+
+
 # ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
 
 REORDERED = Path(__file__).resolve().parent / "reordered_stage.py"
