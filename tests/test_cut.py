@@ -252,6 +252,29 @@ def test_a_side_that_stops_mid_run_tells_the_other_why_and_it_stops_at_once(tmp_
 
 
 @pytest.mark.integration
+def test_a_label_owner_that_leaves_after_its_last_step_still_scores_the_held_out_rows_and_takes_the_bye(tmp_path):
+    """Between the last step and the bye the data owner may evaluate: the closing CutServer serves that too."""
+    folder = write_parties(tmp_path / "p", steps=2, test_fraction=0.2)
+
+    def counting(server):
+        for batch in server:
+            batch.reply(1.0, np.zeros(batch.h.shape, np.float32))
+            if batch.step == server.exp.steps:
+                return "left"
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", interface=folder / "g-lib.toml", liveness_s=5.0,
+                                   evaluate=lambda h, rows: (0.25, 3)), counting)
+    with Cut.connect(served.server.endpoint, interface=folder / "f-lib.toml", timeout_s=1.0,
+                     peer_deadline_s=3.0) as cut:
+        for step in (1, 2):
+            cut.step(np.zeros((32, 16), np.float32), cut.rows(step))
+        scores = cut.evaluate(np.zeros((len(cut.test_rows), 16), np.float32))
+    assert (scores["loss"], scores["correct"]) == (0.25, 3)
+    left, error = served.result()
+    assert error is None and left == "left" and served.server.bye is not None
+
+
+@pytest.mark.integration
 def test_a_data_owner_daemon_is_told_when_the_label_owners_loop_fails(tmp_path):
     """The notice is the protocol's: a distgrad-stage data owner driving a loop that fails stops at once
     naming the loop's error, not after its peer deadline (kept short, so a daemon left waiting would time

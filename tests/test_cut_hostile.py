@@ -292,6 +292,7 @@ def test_with_curve_the_run_belongs_to_the_key_that_opened_it(tmp_path):
         refused(intruder, hello_message(exp(), "b"), ErrorCode.RUN, "busy")
         refused(intruder, forward("a", 1), ErrorCode.RUN, "another client key")
         refused(intruder, Message(wire.BYE, "a", 1, body={"steps": 0}), ErrorCode.RUN, "another client key")
+        refused(intruder, wire.abort_notice("a", "f", "not its run"), ErrorCode.RUN, "not from the data owner")
         assert ask(intruder, Message(wire.PING, "", 0)).type == wire.PONG
         assert ask(owner, forward("a", 1)).body["loss"] == 1.0
         assert ask(owner, Message(wire.BYE, "a", 2, body={"steps": 1})).type == wire.BYE
