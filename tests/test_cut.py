@@ -837,6 +837,8 @@ def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
     short = caught(lambda: cut.step(h, rows[:10]))
     assert "given 10 rows" in short and "has 32 for it" in short
     assert "send_rows = true" in short and "its own loader" in short      # the way to use one's own order
+    for shaped in (rows.reshape(4, 8), rows.astype(np.float64)):            # the same numbers, not one per row
+        assert "one integer per row of h, shape (32,)" in caught(lambda: cut.step(h, shaped))
     swapped = rows.copy()
     swapped[[3, 4]] = swapped[[4, 3]]
     assert f"position 3 is row {rows[4]}, the order's is {rows[3]}" in caught(lambda: cut.step(h, swapped))

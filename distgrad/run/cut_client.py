@@ -173,7 +173,10 @@ class Cut:
         sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:
             expected = self.side.rows(k)
-            given = np.asarray(rows).reshape(-1)
+            given = np.asarray(rows)
+            if given.ndim != 1 or given.dtype.kind not in "iu":
+                raise CutMisuse(f"the rows of step {k} must be one integer per row of h, shape ({len(h)},), got "
+                                f"{given.dtype}{given.shape}")
             if given.shape != expected.shape or not np.array_equal(given, expected):
                 raise CutMisuse(f"step {k} was given {_rows_differ(given, expected)}: take each step's rows from "
                                 f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too; "
