@@ -574,9 +574,10 @@ class CutServer:
 
     def _await_bye(self) -> None:
         """After the run's last step: serve the data owner (an evaluation, a step resent, a ping) until its
-        bye, or until it is silent for ``liveness_s``."""
+        bye, or until it is silent for ``liveness_s`` (at most ``liveness_s + peer_deadline_s`` in all)."""
         started = time.monotonic()
-        while time.monotonic() < max(started, self.heard) + self.bounds.liveness_s:
+        latest = started + self.bounds.liveness_s + self.bounds.peer_deadline_s
+        while time.monotonic() < min(latest, max(started, self.heard) + self.bounds.liveness_s):
             request = self.server.receive(POLL_TICK_S)
             if request is not None and self._answer(request, self._handle) is _BYE:
                 self.done = True
