@@ -61,6 +61,7 @@ from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S, Se
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
+REFUSED_TEXT_MAX = 300   # characters of the last refusal a PeerTimeout's message quotes
 SERVER_STATE_KEYS = (*STATE_KEYS, "micro_batches", "replies")    # what a CutServer's state_dict holds
 REPLY_KEYS = {"step", "mb", "mbs", "loss", "compute_s", "tensors"}   # each of its replies
 
@@ -139,6 +140,7 @@ class CutServer:
         self.joined, self.done, self.closed = False, False, False
         self.failure: DistgradError | None = None   # raised again by every later ``__next__``
         self.peer_envelope: list[bytes] | None = None    # where the run's data owner was last heard from
+        self.refused = ""                # the last message refused, for a timeout's message
         self.bye: Message | None = None  # the reply to the bye that ended the run (a repeated bye gets it again)
         self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
@@ -220,7 +222,8 @@ class CutServer:
                     raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
                                       f"silent for more than {limit:g} s at step {self.step} (liveness "
                                       f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
-                                      f"s); restart it, or both sides from checkpoints of the same step")
+                                      f"s); restart it, or both sides from checkpoints of the same step"
+                                      f"{'; the last message refused here: ' + self.refused if self.refused else ''}")
                 continue
             out = self._answer(request, self._handle)
             if out is _BYE:
@@ -242,6 +245,7 @@ class CutServer:
         except ProtocolError as e:
             self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
                              wire.ERROR_TEXT_MAX, e)
+            self.refused = f"{msg.describe() if msg else 'an undecodable message'}: {e}"[:REFUSED_TEXT_MAX]
             self.server.reply(envelope, refusal(msg, e))
             return None
 
