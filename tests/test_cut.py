@@ -229,11 +229,12 @@ def test_a_label_owner_loop_that_leaves_after_its_last_step_ends_both_sides_clea
 @pytest.mark.integration
 @pytest.mark.parametrize("f_flags,g_flags,f_ends,g_ends", [
     (("--bad-shape-at", "2"), (),
-     ("CutMisuse", "h has shape (32, 15)", 1), ("PeerAborted", "stage f stopped: its loop failed: CutMisuse: h has "
-                                                               "shape (32, 15)", 1)),
+     ("CutMisuse", "h has shape (32, 15)", 1),
+     ("PeerAborted", "stage f stopped: its loop failed: CutMisuse: h has shape (32, 15)", 1)),
     ((), ("--forget-reply-at", "2"),
-     ("PeerAborted", "stage g stopped: its loop failed: CutMisuse: the loop asked for the next batch without "
-                     "replying to step 2", 1), ("CutMisuse", "without replying to step 2", 1)),
+     ("PeerAborted", ("stage g stopped: its loop failed: CutMisuse: the loop asked for the next batch without "
+                      "replying to step 2"), 1),
+     ("CutMisuse", "without replying to step 2", 1)),
     (("--close-at", "2"), (),
      (None, "", 2), ("PeerAborted", "stage f stopped: its loop closed the cut after step 2 of 4", 2)),
     ((), ("--close-at", "2"),
@@ -840,7 +841,7 @@ def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
     assert "given 10 rows" in short and "has 32 for it" in short
     assert "send_rows = true" in short and "its own loader" in short      # the way to use one's own order
     for shaped in (rows.reshape(4, 8), rows.astype(np.float64)):            # the same numbers, not one per row
-        assert "one integer per row of h, shape (32,)" in caught(lambda: cut.step(h, shaped))
+        assert "one integer per row of h, shape (32,)" in caught(lambda shaped=shaped: cut.step(h, shaped))
     swapped = rows.copy()
     swapped[[3, 4]] = swapped[[4, 3]]
     assert f"position 3 is row {rows[4]}, the order's is {rows[3]}" in caught(lambda: cut.step(h, swapped))

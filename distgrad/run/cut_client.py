@@ -403,7 +403,7 @@ class Cut:
     def __enter__(self) -> "Cut":
         return self
 
-    def __exit__(self, kind: Any, error: Any, _traceback: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _traceback: object) -> None:
         if kind is None:
             self.close()
         else:   # no bye (the loop may resume from its checkpoint), but the label owner is told why

@@ -608,7 +608,7 @@ class CutServer:
     def __enter__(self) -> "CutServer":
         return self
 
-    def __exit__(self, kind: Any, error: Any, _traceback: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _traceback: object) -> None:
         if kind is None:
             self.close()
         else:
