@@ -57,6 +57,15 @@ class PeerRejected(DistgradError, RuntimeError):
         self.peer_message = message
 
 
+class PeerAborted(PeerRejected):
+    """The peer stopped before the run's end and said why (an ``aborted`` notice, ``wire.abort_notice``):
+    ``peer_message`` is its reason. Nothing more will come from it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("aborted", message)
+        self.args = (f"the other side stopped and said why: {message}",)
+
+
 class StageError(DistgradError, RuntimeError):
     """A stage failed while computing a step; the cause is chained."""
 

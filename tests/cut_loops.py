@@ -3,6 +3,9 @@ PyTorch (or numpy) training loop through distgrad's cut library, each checkpoint
 
     python cut_loops.py f FOLDER ENDPOINT [--die-after-reply K] [--shuffle] [--numpy]
     python cut_loops.py g FOLDER READY_FILE [--die-before-send K] [--evaluate] [--numpy]
+    python cut_loops.py f FOLDER ENDPOINT --numpy [--bad-shape-at K] [--close-at K] [--deadline S]
+    python cut_loops.py g FOLDER READY_FILE --numpy [--leave-after-last] [--close-at K] [--forget-reply-at K]
+                                                    [--liveness S] [--deadline S]
 
 FOLDER holds the stage files (f-lib.toml, g-lib.toml), the data and the modules (encoder.py, head.py); each
 loop writes its checkpoint (FOLDER/f.pt, g.pt) and, at the end, its parameters (f-params.json,
@@ -12,6 +15,13 @@ the label owner kills itself once step K is applied and saved, before its reply 
 (with ``send_rows``): the data owner's DataLoader takes its own shuffle of the rows (``own_order``), not the
 shared order. The label owner's
 checkpoint holds the steps its loop computed (``seen``), so a test can tell whether a step was computed twice.
+
+The numpy loops end as a test asks: the data owner gives step K an activation of the wrong shape
+(``--bad-shape-at``) or closes its cut after step K without ending the run (``--close-at``); the label
+owner leaves its loop after replying to the run's last step, before the bye (``--leave-after-last``), or
+after step K (``--close-at``), or forgets to reply to step K (``--forget-reply-at``). ``--liveness`` and
+``--deadline`` bound their waits (seconds). Each writes how it ended to FOLDER/f-outcome.json or
+g-outcome.json: ``{"error": the exception's class or null, "message", "steps": the steps applied}``.
 """
 
 from __future__ import annotations
@@ -162,52 +172,89 @@ def label_owner(folder: Path, ready: Path, die_before: int | None, evaluates: bo
     (folder / "g-params.json").write_text(json.dumps({"params": _params(head), "seen": seen}))
 
 
-def _numpy_data_owner(folder: Path, endpoint: str) -> None:
+def _outcome(path: Path, run, progress) -> None:
+    """``run()``, then how it ended written to ``path`` (``progress()``: the steps applied); an error is
+    raised again after it is written."""
+    try:
+        run()
+    except BaseException as e:
+        path.write_text(json.dumps({"error": type(e).__name__, "message": str(e), "steps": progress()}))
+        raise
+    path.write_text(json.dumps({"error": None, "message": "", "steps": progress()}))
+
+
+def _numpy_data_owner(folder: Path, endpoint: str, options: dict) -> None:
     """A numpy loop: one linear layer and plain SGD, its own arithmetic."""
     from distgrad.cut import Cut
 
     pixels = np.load(folder / "pixels.npy")
     w = np.random.default_rng(1).normal(0, 0.1, (64, 16)).astype(np.float32)
-    with Cut.connect(endpoint, interface=folder / "f-lib.toml", timeout_s=1.0, peer_deadline_s=30.0) as cut:
-        for step in range(1, cut.exp.steps + 1):
-            x = pixels[cut.rows(step)]
-            loss, dh = cut.step(x @ w, cut.rows(step))
-            w -= np.float32(0.1) * (x.T @ dh)
+    cut = Cut.connect(endpoint, interface=folder / "f-lib.toml", timeout_s=1.0,
+                      peer_deadline_s=options.get("--deadline", 30.0))
+
+    def train() -> None:
+        nonlocal w
+        with cut:
+            for step in range(1, cut.exp.steps + 1):
+                x = pixels[cut.rows(step)]
+                h = x @ w
+                loss, dh = cut.step(h[:, :-1] if step == options.get("--bad-shape-at") else h, cut.rows(step))
+                w -= np.float32(0.1) * (x.T @ dh)
+                if step == options.get("--close-at"):
+                    cut.close(finished=False)
+                    return
+
+    _outcome(folder / "f-outcome.json", train, lambda: cut.applied)
     (folder / "f-params.json").write_text(json.dumps({"w": w.tolist()}))
 
 
-def _numpy_label_owner(folder: Path, ready: Path) -> None:
+def _numpy_label_owner(folder: Path, ready: Path, options: dict) -> None:
     """A numpy loop: a softmax layer on the activations, plain SGD."""
     from distgrad.cut import CutServer
 
     labels = np.load(folder / "digits.npy")
     v = np.random.default_rng(2).normal(0, 0.1, (16, 10)).astype(np.float32)
     losses = []
-    with CutServer.bind("tcp://127.0.0.1:*", interface=folder / "g-lib.toml", liveness_s=5.0,
-                        peer_deadline_s=30.0) as server:
-        _announce(ready, server.endpoint)
-        for batch in server:
-            z = batch.h @ v
-            p = np.exp(z - z.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            y = labels[batch.rows]
-            loss = -np.mean(np.log(p[np.arange(len(y)), y]))
-            dz = p.copy()
-            dz[np.arange(len(y)), y] -= 1
-            dz /= np.float32(len(y))
-            batch.reply(float(loss), (dz @ v.T).astype(np.float32))
-            v -= np.float32(0.1) * (batch.h.T @ dz).astype(np.float32)
-            losses.append(float(loss))
+    server = CutServer.bind("tcp://127.0.0.1:*", interface=folder / "g-lib.toml",
+                            liveness_s=options.get("--liveness", 5.0), peer_deadline_s=options.get("--deadline", 30.0))
+    leave_after = server.exp.steps if "--leave-after-last" in options else options.get("--close-at")
+
+    def train() -> None:
+        nonlocal v
+        with server:
+            _announce(ready, server.endpoint)
+            for batch in server:
+                if batch.step == options.get("--forget-reply-at"):
+                    continue                    # the loop forgets batch.reply: the next batch is misuse
+                z = batch.h @ v
+                p = np.exp(z - z.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                y = labels[batch.rows]
+                loss = -np.mean(np.log(p[np.arange(len(y)), y]))
+                dz = p.copy()
+                dz[np.arange(len(y)), y] -= 1
+                dz /= np.float32(len(y))
+                batch.reply(float(loss), (dz @ v.T).astype(np.float32))
+                v -= np.float32(0.1) * (batch.h.T @ dz).astype(np.float32)
+                losses.append(float(loss))
+                if batch.step == leave_after:   # a loop that counts its steps and leaves
+                    break
+
+    _outcome(folder / "g-outcome.json", train, lambda: server.step)
     (folder / "g-params.json").write_text(json.dumps({"v": v.tolist(), "losses": losses}))
 
 
 if __name__ == "__main__":
     side, where, target = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     flags = sys.argv[4:]
-    numbered = {flags[i]: int(flags[i + 1]) for i in range(len(flags) - 1) if flags[i].startswith("--die")}
+    valued = {"--die-after-reply", "--die-before-send", "--bad-shape-at", "--close-at", "--forget-reply-at",
+              "--liveness", "--deadline"}
+    numbered = {flags[i]: float(flags[i + 1]) if "." in flags[i + 1] else int(flags[i + 1])
+                for i in range(len(flags) - 1) if flags[i] in valued}
+    numbered.update({flag: True for flag in flags if flag.startswith("--") and flag not in valued})
     if side == "f":
-        (_numpy_data_owner(where, target) if "--numpy" in flags
+        (_numpy_data_owner(where, target, numbered) if "--numpy" in flags
          else data_owner(where, target, numbered.get("--die-after-reply"), "--shuffle" in flags))
     else:
-        (_numpy_label_owner(where, Path(target)) if "--numpy" in flags
+        (_numpy_label_owner(where, Path(target), numbered) if "--numpy" in flags
          else label_owner(where, Path(target), numbered.get("--die-before-send"), "--evaluate" in flags))

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
-from distgrad.errors import ConfigError, CutMisuse, PeerRejected, PeerTimeout  # noqa: E402
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
 from distgrad.cut import Cut, CutServer  # noqa: E402
 import cut_loops  # noqa: E402
@@ -200,6 +200,96 @@ def test_two_numpy_loops_compute_what_the_same_loops_compute_in_one_process(tmp_
     expected = _numpy_reference(folder)
     assert result["f"]["w"] == expected["w"]
     assert result["g"]["v"] == expected["v"] and result["g"]["losses"] == expected["losses"]
+
+
+# ---------------------------------------------------------------- how a run ends: cleanly, or with the reason told
+
+def _ended(folder: Path, f_flags: tuple = (), g_flags: tuple = ()) -> tuple[dict, dict]:
+    """Both numpy loops in their own processes, each ending as its flags say (tests/cut_loops.py); how each
+    ended (``error``, ``message``, ``steps``), once both processes have exited."""
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, "--numpy", *g_flags) as g:
+        endpoint = wait_for_file(ready, g)
+        with loop(folder, "f", endpoint, "--numpy", *f_flags) as f:
+            f.wait()
+        g.wait()
+    return read_json(folder / "f-outcome.json"), read_json(folder / "g-outcome.json")
+
+
+@pytest.mark.integration
+def test_a_label_owner_loop_that_leaves_after_its_last_step_ends_both_sides_cleanly(tmp_path):
+    """The label owner counts its steps and breaks after the last reply, before the data owner's bye: its
+    CutServer answers the bye as it closes, so the data owner's close ends the run (bounds short enough that
+    a bye left waiting would be a PeerTimeout)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    f, g = _ended(folder, ("--deadline", "3.0"), ("--leave-after-last", "--liveness", "2.0", "--deadline", "3.0"))
+    assert f == {"error": None, "message": "", "steps": 4} and g == {"error": None, "message": "", "steps": 4}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("f_flags,g_flags,f_ends,g_ends", [
+    (("--bad-shape-at", "2"), (),
+     ("CutMisuse", "h has shape (32, 15)", 1),
+     ("PeerAborted", "stage f stopped: its loop failed: CutMisuse: h has shape (32, 15)", 1)),
+    ((), ("--forget-reply-at", "2"),
+     ("PeerAborted", ("stage g stopped: its loop failed: CutMisuse: the loop asked for the next batch without "
+                      "replying to step 2"), 1),
+     ("CutMisuse", "without replying to step 2", 1)),
+    (("--close-at", "2"), (),
+     (None, "", 2), ("PeerAborted", "stage f stopped: its loop closed the cut after step 2 of 4", 2)),
+    ((), ("--close-at", "2"),
+     ("PeerAborted", "stage g stopped: its loop closed the CutServer after step 2 of 4", 2), (None, "", 2))],
+    ids=["data-owner-sends-a-wrong-shape", "label-owner-forgets-a-reply", "data-owner-closes-mid-run",
+         "label-owner-closes-mid-run"])
+def test_a_side_that_stops_mid_run_tells_the_other_why_and_it_stops_at_once(tmp_path, f_flags, g_flags, f_ends,
+                                                                              g_ends):
+    """A mistake raised on one side, or a close before the run's end, reaches the other side as an aborted
+    notice with the reason: it raises PeerAborted naming it, not a PeerTimeout after its bounds (kept short
+    here, so a side left waiting would time out instead)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    f, g = _ended(folder, ("--deadline", "20.0", *f_flags), ("--liveness", "10.0", "--deadline", "10.0", *g_flags))
+    for outcome, (error, text, steps) in ((f, f_ends), (g, g_ends)):
+        assert outcome["error"] == error and text in outcome["message"] and outcome["steps"] == steps, outcome
+
+
+@pytest.mark.integration
+def test_a_label_owner_that_leaves_after_its_last_step_still_scores_the_held_out_rows_and_takes_the_bye(tmp_path):
+    """Between the last step and the bye the data owner may evaluate: the closing CutServer serves that too."""
+    folder = write_parties(tmp_path / "p", steps=2, test_fraction=0.2)
+
+    def counting(server):
+        for batch in server:
+            batch.reply(1.0, np.zeros(batch.h.shape, np.float32))
+            if batch.step == server.exp.steps:
+                return "left"
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", interface=folder / "g-lib.toml", liveness_s=5.0,
+                                   evaluate=lambda h, rows: (0.25, 3)), counting)
+    with Cut.connect(served.server.endpoint, interface=folder / "f-lib.toml", timeout_s=1.0,
+                     peer_deadline_s=3.0) as cut:
+        for step in (1, 2):
+            cut.step(np.zeros((32, 16), np.float32), cut.rows(step))
+        scores = cut.evaluate(np.zeros((len(cut.test_rows), 16), np.float32))
+    assert (scores["loss"], scores["correct"]) == (0.25, 3)
+    left, error = served.result()
+    assert error is None and left == "left" and served.server.bye is not None
+
+
+@pytest.mark.integration
+def test_a_data_owner_daemon_is_told_when_the_label_owners_loop_fails(tmp_path):
+    """The notice is the protocol's: a distgrad-stage data owner driving a loop that fails stops at once
+    naming the loop's error, not after its peer deadline (kept short, so a daemon left waiting would time
+    out instead)."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    ready = folder / "g.ready"
+    with loop(folder, "g", ready, "--numpy", "--forget-reply-at", "2") as g:
+        endpoint = wait_for_file(ready, g)
+        with daemon(folder, "f", "--connect", endpoint, "--timeout", "1", "--peer-deadline", "20") as f:
+            assert f.wait() != 0
+            output = f.output
+        g.wait()
+    assert "aborted" in output and "stage g stopped: its loop failed: CutMisuse" in output, output
+    assert read_json(folder / "g-outcome.json")["error"] == "CutMisuse"
 
 
 # ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
@@ -535,7 +625,9 @@ def test_a_handshake_mismatch_names_the_field_and_both_values():
     with pytest.raises(PeerRejected, match="steps: f has 4, g has 3"):
         cut.step(h_of(1))
     cut.close(finished=False)
-    assert isinstance(served.result()[1], PeerTimeout)
+    _, error = served.result()       # the refused cut is not its data owner: it tells nothing, but the timeout
+    assert isinstance(error, PeerTimeout) and "the last message refused here: hello" in str(error)   # says why
+    assert "steps: f has 4, g has 3" in str(error)
 
 
 @pytest.mark.integration
@@ -568,7 +660,9 @@ def test_a_resume_the_other_side_cannot_serve_names_both_steps_and_one_step_behi
                      **FIELDS) as cut:
         assert cut.step(h_of(2))[0] == np.float32(1.0) and cut.applied == 2
         cut.close(finished=False)
-    assert isinstance(served.result()[1], PeerTimeout) and seen == []    # its loop computed nothing
+    _, error = served.result()        # the refused cuts told it nothing; the one it served, that it closed
+    assert isinstance(error, PeerAborted) and "closed the cut after step 2 of 3" in str(error)
+    assert seen == []                 # its loop computed nothing
 
 
 @pytest.mark.integration
@@ -716,8 +810,9 @@ def test_the_docs_example_runs_as_written(tmp_path):
 
 @pytest.mark.integration
 def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_have_saved():
-    """The reply waits for the next batch: a loop failing before it asks (and before it saved) leaves the
-    step unanswered, and the data owner's resent step reaches the loop resumed at the step before."""
+    """The reply waits for the next batch: a loop failing before it asks (and before it saved) sends no
+    reply of the step but tells the data owner why; the data owner resumed at the step before sends the
+    step again to the loop resumed there."""
     def failing(server):
         with server:
             for batch in server:
@@ -726,18 +821,18 @@ def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_
 
     served = Served(CutServer.bind("tcp://127.0.0.1:*", **FIELDS), failing)
     endpoint, losses = served.server.endpoint, []
-
-    def drive() -> None:
-        with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=10.0, **FIELDS) as cut:
-            losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
-
-    client = threading.Thread(target=drive, daemon=True)
-    client.start()
+    with Cut.connect(endpoint, timeout_s=0.5, peer_deadline_s=30.0, **FIELDS) as cut:
+        start = cut.state_dict()
+        with pytest.raises(PeerAborted, match="stage g stopped: its loop failed: RuntimeError: the loop failed "
+                                              "before saving"):
+            cut.step(h_of(1))             # the failed loop's reply to step 1 never left
+        assert cut.applied == 0
     assert isinstance(served.result()[1], RuntimeError)
     served = Served(bind_again(endpoint, **FIELDS),
                     lambda server: [batch.reply(2.0, np.zeros((4, 3), np.float32)) or batch.step for batch in server])
-    client.join(20)
-    assert losses == [2.0] * 3            # step 1 too: the failed loop's reply never left
+    with Cut.connect(endpoint, state=start, timeout_s=0.5, peer_deadline_s=30.0, **FIELDS) as cut:
+        losses.extend(float(cut.step(h_of(k))[0]) for k in (1, 2, 3))
+    assert losses == [2.0] * 3
     steps, error = served.result()
     assert error is None and steps == [1, 2, 3]
 
@@ -749,6 +844,9 @@ def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
     rows, h = cut.rows(1), np.zeros((32, 16), np.float32)
     short = caught(lambda: cut.step(h, rows[:10]))
     assert "given 10 rows" in short and "has 32 for it" in short
+    assert "send_rows = true" in short and "its own loader" in short      # the way to use one's own order
+    for shaped in (rows.reshape(4, 8), rows.astype(np.float64)):            # the same numbers, not one per row
+        assert "one integer per row of h, shape (32,)" in caught(lambda shaped=shaped: cut.step(h, shaped))
     swapped = rows.copy()
     swapped[[3, 4]] = swapped[[4, 3]]
     assert f"position 3 is row {rows[4]}, the order's is {rows[3]}" in caught(lambda: cut.step(h, swapped))
@@ -768,7 +866,7 @@ def test_the_torch_layer_says_what_to_do_about_a_float64_h_and_a_batch_left_unan
     cut = dt.Cut.connect(served.server.endpoint, timeout_s=0.2, peer_deadline_s=1.0, **FIELDS)
     assert "h.float()" in caught(lambda: cut.step(torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)))
     assert "distgrad.cut takes numpy arrays" in caught(lambda: cut.step(np.zeros((4, 3), np.float32)))
-    with pytest.raises(PeerTimeout):
+    with pytest.raises(PeerAborted, match="closed the CutServer after step 0 of 3"):   # told, not left waiting
         cut.step(torch.zeros(4, 3, requires_grad=True) * 2)
     cut.close(finished=False)
     unanswered, failure = served.result()

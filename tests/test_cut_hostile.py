@@ -14,7 +14,7 @@ import zmq
 
 from conftest import hello_message
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen
@@ -294,6 +294,7 @@ def test_with_curve_the_run_belongs_to_the_key_that_opened_it(tmp_path):
         refused(intruder, hello_message(exp(), "b"), ErrorCode.RUN, "busy")
         refused(intruder, forward("a", 1), ErrorCode.RUN, "another client key")
         refused(intruder, Message(wire.BYE, "a", 1, body={"steps": 0}), ErrorCode.RUN, "another client key")
+        refused(intruder, wire.abort_notice("a", "f", "not its run"), ErrorCode.RUN, "not from the data owner")
         assert ask(intruder, Message(wire.PING, "", 0)).type == wire.PONG
         assert ask(owner, forward("a", 1)).body["loss"] == 1.0
         assert ask(owner, Message(wire.BYE, "a", 2, body={"steps": 1})).type == wire.BYE
@@ -351,6 +352,75 @@ def test_refused_messages_do_not_keep_a_run_live_so_a_new_run_may_replace_one_wh
         refused(a, forward("a", 1), ErrorCode.RUN)
         assert ask(b, Message(wire.BYE, "b", 2, body={"steps": 1})).type == wire.BYE
         assert loop.result() is None and loop.seen == [(1, 0)]
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+@pytest.mark.integration
+def test_a_saved_reply_holding_nan_or_inf_is_a_config_error_at_bind():
+    """A saved reply is checked as the data owner would check it when the step is sent again: a NaN or Inf
+    loss or gradient (the interface forbids them) is refused at bind, not met by the data owner later."""
+    _, server_state = _saved_states()
+    reply = server_state["replies"][0]
+    nan_grad = {name: np.full_like(array, np.nan) for name, array in reply["tensors"].items()}
+    for state, text in [
+            ({**server_state, "replies": [{**reply, "loss": float("nan")}]}, "has loss nan"),
+            ({**server_state, "replies": [{**reply, "loss": float("-inf")}]}, "has loss -inf"),
+            ({**server_state, "replies": [{**reply, "compute_s": float("nan")}]}, "compute_s nan"),
+            ({**server_state, "replies": [{**reply, "tensors": nan_grad}]}, "NaN or Inf")]:
+        message = _refused_at_bind(state)
+        assert text in message and "reply to step 1 micro-batch 0" in message, (text, message)
+
+
+@pytest.mark.integration
+def test_a_cut_server_with_send_rows_refuses_rows_that_are_not_one_integer_per_row():
+    """With send_rows a forward's rows are one int64 per row of the micro-batch, shape (n,): rows of another
+    shape (even with the same number of integers), dtype or length are refused (tensor) and the loop never
+    sees them; the right rows then go through."""
+    ctx = zmq.Context.instance()
+    fields = {**FIELDS, "send_rows": True, "steps": 1}
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **fields)
+    loop = Loop(server)
+    a = dealer(ctx, server.endpoint)
+
+    def with_rows(rows) -> Message:
+        return Message(wire.FORWARD, "a", 1, tensors={"activation": np.ones((4, 3), np.float32), "rows": rows})
+
+    try:
+        assert ask(a, hello_message(cut_side(FIRST, None, fields).exp, "a")).type == wire.WELCOME
+        for rows in (np.arange(4, dtype=np.int64).reshape(2, 2), np.arange(4, dtype=np.int64).reshape(4, 1),
+                     np.arange(4, dtype=np.float64), np.arange(8, dtype=np.int32), np.arange(3, dtype=np.int64),
+                     np.array([0, 1, 2, -3], np.int64)):
+            refused(a, with_rows(rows), ErrorCode.TENSOR, "row")
+        refused(a, with_rows(np.arange(5, dtype=np.int64)), ErrorCode.TENSOR)      # more bytes than it takes
+        assert ask(a, with_rows(np.array([3, 1, 2, 0], np.int64))).type == wire.BACKWARD
+        assert ask(a, Message(wire.BYE, "a", 2, body={"steps": 1})).type == wire.BYE
+        assert loop.result() is None and loop.seen == [(1, 0)]
+    finally:
+        a.close()
+        server.close()
+
+
+@pytest.mark.integration
+def test_an_aborted_notice_stops_the_loop_only_from_its_own_data_owner():
+    """A notice of another run (anyone may send one in plaintext) is refused and the run goes on; its own
+    data owner's stops the loop at once with PeerAborted naming the reason."""
+    ctx = zmq.Context.instance()
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, **FIELDS)
+    loop = Loop(server)
+    a, b = dealer(ctx, server.endpoint), dealer(ctx, server.endpoint)
+    try:
+        assert ask(a, hello_message(exp(), "a")).type == wire.WELCOME
+        assert ask(a, forward("a", 1)).type == wire.BACKWARD
+        refused(b, wire.abort_notice("b", "f", "not yours"), ErrorCode.RUN, "aborted notice of run 'b'")
+        assert ask(a, forward("a", 2)).type == wire.BACKWARD
+        a.send_multipart(wire.encode(wire.abort_notice("a", "f", "its loop failed: ValueError: bad batch")))
+        error = loop.result()
+        assert isinstance(error, PeerAborted) and "stage f stopped: its loop failed: ValueError: bad batch" in str(error)
+        assert loop.seen == [(1, 0), (2, 0)]
+        assert not a.poll(300)            # nothing is told back to a data owner that stopped
     finally:
         a.close()
         b.close()

@@ -226,6 +226,10 @@ def test_bad_rows_are_refused_and_change_nothing(start_server, tmp_path, zmq_ctx
                           (np.where(np.arange(32) == 7, rows[2], rows), f"row {rows[2]} appears twice")]:
             _refused(client, _forward(step, y, bad), ErrorCode.TENSOR, text)
         _refused(client, _forward(step, y, rows.astype(np.int32)), ErrorCode.TENSOR, "rows")
+        # One integer per row, shape (32,): the same 32 integers in another shape are refused too, though a
+        # binary header would carry their bytes alike (they go self-describing); so are floats.
+        for shaped in (rows.reshape(4, 8), rows.reshape(32, 1), rows.astype(np.float64), rows.astype(np.uint16)):
+            _refused(client, _forward(step, y, shaped), ErrorCode.TENSOR, "'rows'")
         _refused(client, _forward(step, y, None), ErrorCode.TENSOR, "rows")
         reply = client.request(_forward(step, y, rows), 5)
         wire.expect_tensors(reply, {"activation_grad": (y.shape, np.float32)})

@@ -111,6 +111,9 @@ def refuse_rows(data: Any | None, msg: Message, earlier: list[np.ndarray]) -> No
     one the step already has (in this micro-batch or in ``earlier``, the step's earlier micro-batches')."""
     rows = msg.tensors["rows"]
     where = f"forward of step {msg.step} micro-batch {msg.mb}"
+    if rows.ndim != 1 or rows.dtype.kind not in "iu":      # the receiver's layout has checked this already
+        raise ProtocolError(ErrorCode.TENSOR, f"{where}: 'rows' must be one integer per row of the micro-batch, "
+                                              f"shape (n,), got {rows.dtype}{rows.shape}; nothing was applied")
     if data is not None:
         refused = data.refused_row(rows)
     else:

@@ -16,6 +16,12 @@ a loop resuming from its own checkpoint says where it stands
 written, or ``Cut.connect(..., step=k, run=RUN_ID)``). The hello offers only
 that step (``held = [step]``): the label owner resumes there, or answers a
 step it already computed from its cache, or refuses naming both steps.
+
+A loop that stops before the run's end (an exception leaving the ``with``
+block, or ``close(finished=False)`` mid-run) tells the label owner why with
+the protocol's ``aborted`` notice (``wire.abort_notice``, as ``distgrad
+predict`` does), so its loop stops at once with ``PeerAborted``; the label
+owner's notice reaches this side the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerRejected, ProtocolError
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected,
+                             PeerTimeout, ProtocolError)
 from distgrad.run import handshake
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
@@ -37,6 +44,7 @@ from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
 from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.transport import NOTICE_LINGER_MS
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 
@@ -72,6 +80,8 @@ class Cut:
         self.joined = False         # shook hands at ``step``
         self.closed = False
         self.stopped = False        # the label owner's last evaluation said stop (early stopping)
+        self.refused = False        # the label owner refused this side's last hello: it is not this run's peer
+        self.peer_stopped = False   # the label owner said it stopped (an aborted notice)
         self.below = self.exp.stage_names[1]
 
     @classmethod
@@ -91,7 +101,12 @@ class Cut:
         cut = cls(cut_side(FIRST, interface, fields), endpoint, step=step, run=run, bounds=Bounds(**given),
                   curve_secret=curve_secret, server_key=server_key, ctx=ctx)
         if state is not None:
-            cut.load_state_dict(state)
+            try:
+                cut.load_state_dict(state)
+            except Exception:
+                cut.closed = True           # nothing was sent: nobody to tell
+                cut.link.close(linger_ms=0)
+                raise
         return cut
 
     # -- the steps
@@ -158,10 +173,15 @@ class Cut:
         sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:
             expected = self.side.rows(k)
-            given = np.asarray(rows).reshape(-1)
+            given = np.asarray(rows)
+            if given.ndim != 1 or given.dtype.kind not in "iu":
+                raise CutMisuse(f"the rows of step {k} must be one integer per row of h, shape ({len(h)},), got "
+                                f"{given.dtype}{given.shape}")
             if given.shape != expected.shape or not np.array_equal(given, expected):
                 raise CutMisuse(f"step {k} was given {_rows_differ(given, expected)}: take each step's rows from "
-                                f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too")
+                                f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too; "
+                                f"or, to let this loop use its own loader (its own shuffle or sampler), set "
+                                f"send_rows = true in both parties' [interface]: the rows then travel with h")
         losses, grads = self._joined(lambda: self._exchange(k, h, sent))
         self.senders.commit()
         self.applied = k
@@ -171,12 +191,14 @@ class Cut:
         """``request()`` after the handshake; once more after a new handshake when the label owner lost this
         run or step (it restarted)."""
         for attempt in (0, 1):
-            if not self.joined:
-                self._handshake()
             try:
+                if not self.joined:
+                    self._handshake()
                 return request()
             except PeerRejected as e:
-                if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                if e.code == ErrorCode.ABORTED:
+                    raise self._aborted(e) from e
+                if attempt or self.refused or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
                     raise
                 # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
@@ -292,13 +314,23 @@ class Cut:
                                 self.exp.steps, self.mbs)
         try:
             self.link.handshake(hello)
+        except PeerRejected as e:
+            self.refused = e.code != ErrorCode.ABORTED
+            raise
         except ProtocolError as e:
+            self.refused = True
             if e.code != ErrorCode.RUN:
                 raise
             raise ProtocolError(ErrorCode.RUN, f"the label owner did not take run {self.run_id} up at step "
                                                f"{self.applied}, where this side stands ({e}); resume both sides "
                                                f"from checkpoints of the same step") from e
-        self.joined = True
+        self.joined, self.refused = True, False
+
+    def _aborted(self, e: PeerRejected) -> PeerAborted:
+        """The label owner's ``aborted`` notice (``e``) as the error this side raises."""
+        self.peer_stopped = True
+        return PeerAborted(f"{e.peer_message} (the label owner of run {self.run_id}; this side has applied "
+                           f"{self.applied} steps)")
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -321,26 +353,61 @@ class Cut:
     def close(self, finished: bool | None = None) -> None:
         """Close the connection. ``finished`` (default: every step of the interface is done, or the last
         ``evaluate`` said stop) says bye first, so the label owner ends the run; a loop stopping early for
-        good passes True, one that will resume later False."""
+        good passes True. Closed before the run's end without a bye (``finished=False``), the cut tells the
+        label owner so (an ``aborted`` notice): its loop raises ``PeerAborted`` at once, and both sides
+        resume later from checkpoints of the same step. After the last step, a bye the label owner leaves
+        unanswered (it left after replying to every step) is logged, not raised: the run is complete on
+        both sides. Raises ``PeerTimeout`` or ``PeerRejected`` (``PeerAborted``) for a bye before the last
+        step that is not answered or refused."""
+        self._close(finished, None)
+
+    def _close(self, finished: bool | None, failure: str | None) -> None:
+        """Close, saying bye when ``finished`` (as ``close``); ``failure``: why this side's loop failed, sent
+        to the label owner instead (no bye)."""
         if self.closed:
             return
+        notice = failure
         try:
-            if (self.applied >= self.exp.steps or self.stopped if finished is None else finished):
-                if not self.joined:
-                    self._handshake()
-                self.link.exchange(Message(wire.BYE, self.run_id, self.applied + 1, body={"steps": self.applied}))
+            complete = self.applied >= self.exp.steps or self.stopped
+            if failure is None and (complete if finished is None else finished):
+                self._bye()
+            elif failure is None and not complete:
+                notice = (f"its loop closed the cut after step {self.applied} of {self.exp.steps}, before the run's "
+                          f"end (close(finished=False))")
         finally:
             self.closed = True
-            self.link.close(linger_ms=0)
+            # Not to a label owner that stopped itself or refused this side's hello (another run is its).
+            told = notice is not None and not self.peer_stopped and not self.refused
+            if told:
+                self.link.send(wire.abort_notice(self.run_id, self.side.stage, notice))
+            self.link.close(linger_ms=NOTICE_LINGER_MS if told else 0)
+
+    def _bye(self) -> None:
+        """The run's bye, answered by the label owner, which then ends its loop."""
+        bye = Message(wire.BYE, self.run_id, self.applied + 1, body={"steps": self.applied})
+        try:
+            if not self.joined:
+                self._handshake()
+            self.link.exchange(bye)
+        except PeerRejected as e:
+            if e.code == ErrorCode.ABORTED:
+                raise self._aborted(e) from e
+            raise
+        except PeerTimeout as e:
+            if self.applied < self.exp.steps:
+                raise
+            # Its reply to the last step came, and it replies only once its loop applied the step.
+            self.log.warning("the label owner did not answer the bye (%s); every step was applied on both sides, "
+                             "so the run is complete", e)
 
     def __enter__(self) -> "Cut":
         return self
 
-    def __exit__(self, kind: Any, *_: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _traceback: object) -> None:
         if kind is None:
             self.close()
-        else:
-            self.close(finished=False)   # a loop that failed does not end the run: it may resume
+        else:   # no bye (the loop may resume from its checkpoint), but the label owner is told why
+            self._close(False, f"its loop failed: {kind.__name__}: {error}")
 
     def _check_open(self) -> None:
         if self.closed:

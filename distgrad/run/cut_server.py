@@ -24,6 +24,14 @@ machine, which reuses the same mechanisms instead: ``wire.transport.Server``
 one data owner (no ``[clients]``), with the steps in flight its hello asks
 for (staleness: the replies of the last S+1 steps are kept); docs/cut.md is
 the contract.
+
+The end of a run: the data owner's bye stops the iteration. A loop that
+leaves after its last step, before the bye, is still served until the bye
+comes (``close``, at most ``liveness_s`` of silence). A loop that stops
+before (an exception leaving the ``with`` block, or a ``close`` mid-run)
+tells the data owner why with the protocol's ``aborted`` notice
+(``wire.abort_notice``, as ``distgrad predict`` does), and the data owner's
+notice stops this loop at once (``PeerAborted``).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ import numpy as np
 import zmq
 
 from distgrad.config.experiment import is_whole
-from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerTimeout, ProtocolError
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted,
+                             PeerTimeout, ProtocolError)
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
@@ -48,10 +57,11 @@ from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
-from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
+REFUSED_TEXT_MAX = 300   # characters of the last refusal a PeerTimeout's message quotes
 SERVER_STATE_KEYS = (*STATE_KEYS, "micro_batches", "replies")    # what a CutServer's state_dict holds
 REPLY_KEYS = {"step", "mb", "mbs", "loss", "compute_s", "tensors"}   # each of its replies
 
@@ -128,7 +138,9 @@ class CutServer:
         self.pending: list[tuple[list[bytes], Message]] = []   # replies to send at the next ``__next__``
         self.batch: Batch | None = None  # the one given out and not yet replied to
         self.joined, self.done, self.closed = False, False, False
-        self.failure: NonFiniteError | None = None
+        self.failure: DistgradError | None = None   # raised again by every later ``__next__``
+        self.peer_envelope: list[bytes] | None = None    # where the run's data owner was last heard from
+        self.refused = ""                # the last message refused, for a timeout's message
         self.bye: Message | None = None  # the reply to the bye that ended the run (a repeated bye gets it again)
         self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
@@ -190,7 +202,8 @@ class CutServer:
     def __next__(self) -> Batch:
         """The next micro-batch to compute; first sends the replies the loop made since the last call.
         Stops after the data owner's bye. Raises ``CutMisuse`` when the batch given out last has no reply,
-        ``PeerTimeout`` when the data owner stays silent for ``liveness_s + peer_deadline_s``."""
+        ``PeerTimeout`` when the data owner stays silent for ``liveness_s + peer_deadline_s``,
+        ``PeerAborted`` when it said it stopped (its reason in the message)."""
         self._check_open()
         if self.batch is not None and not self.batch.replied:
             raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
@@ -209,7 +222,8 @@ class CutServer:
                     raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
                                       f"silent for more than {limit:g} s at step {self.step} (liveness "
                                       f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
-                                      f"s); restart it, or both sides from checkpoints of the same step")
+                                      f"s); restart it, or both sides from checkpoints of the same step"
+                                      f"{'; the last message refused here: ' + self.refused if self.refused else ''}")
                 continue
             out = self._answer(request, self._handle)
             if out is _BYE:
@@ -231,6 +245,7 @@ class CutServer:
         except ProtocolError as e:
             self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
                              wire.ERROR_TEXT_MAX, e)
+            self.refused = f"{msg.describe() if msg else 'an undecodable message'}: {e}"[:REFUSED_TEXT_MAX]
             self.server.reply(envelope, refusal(msg, e))
             return None
 
@@ -242,12 +257,14 @@ class CutServer:
                 "stage": self.side.stage, "experiment": self.exp.name, "run": self.run_id, "step": self.step,
                 "client_live": time.monotonic() - self.heard < self.bounds.liveness_s}))
             return None
+        if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:
+            self._aborted(msg, peer_key)
         if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
             self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
             return None
         if msg.type == wire.HELLO:
             self.server.reply(envelope, self._hello(msg, peer_key))
-            self.heard = time.monotonic()
+            self.heard, self.peer_envelope = time.monotonic(), envelope
             return None
         if not self.joined or msg.run != self.run_id:
             raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected "
@@ -269,7 +286,20 @@ class CutServer:
         else:
             raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
         self.heard = time.monotonic()    # the data owner is heard by what is accepted (protocol.md: live)
+        self.peer_envelope = envelope
         return out
+
+    def _aborted(self, msg: Message, peer_key: str) -> None:
+        """The data owner's notice that it stopped: ``PeerAborted`` for the loop, now and at every later
+        ``__next__``. A notice of another run than this one's, or from another key, is refused."""
+        if (self.run_id and msg.run != self.run_id) or (self.owner and peer_key != self.owner):
+            raise ProtocolError(ErrorCode.RUN, f"an aborted notice of run {wire.show(msg.run)}, not from the data "
+                                               f"owner of run {self.run_id}")
+        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
+                                   f"{self.step} steps)")
+        self.log.warning("%s", self.failure)
+        raise self.failure
 
     def _hello(self, msg: Message, peer_key: str) -> Message:
         """Take the run up at the data owner's step, or at the step before it when this side can answer
@@ -474,31 +504,90 @@ class CutServer:
             raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
                               f"with a number loss and tensors: step {wire.show(r['step'])} mb "
                               f"{wire.show(r['mb'])}/{wire.show(r['mbs'])}")
+        where = f"the state's reply to step {r['step']} micro-batch {r['mb']}"
+        if not self.exp.allow_nonfinite and not np.isfinite(r["loss"]):
+            raise ConfigError(f"{where} has loss {r['loss']!r}; this interface forbids NaN and Inf "
+                              f"(allow_nonfinite), so it is not a reply this side saved")
+        if not (np.isfinite(r["compute_s"]) and r["compute_s"] >= 0):
+            raise ConfigError(f"{where} has compute_s {r['compute_s']!r}, not a number of seconds >= 0")
         reply = Message(wire.BACKWARD, run, r["step"], r["mb"], mbs,
                         body={"loss": float(r["loss"]), "compute_s": float(r["compute_s"])},
                         tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
         grad = Expected(WireTensor(GRADIENT, self.side.micro_shape(mbs), self.exp.codecs[GRADIENT]))
-        try:
-            grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=True)   # decodes a copy
+        try:       # decodes a copy, checked as the data owner checks the reply when it is sent again
+            grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=self.exp.allow_nonfinite)
         except (ProtocolError, ValueError, TypeError) as e:
-            raise ConfigError(f"the state's reply to step {r['step']} micro-batch {r['mb']} is not a gradient "
-                              f"of this interface: {e}") from e
+            raise ConfigError(f"{where} is not a gradient of this interface: {e}") from e
         return reply
 
     # -- the end
     def close(self) -> None:
-        """Send the replies not sent yet, then close the socket (and CURVE's authenticator)."""
+        """Send the replies not sent yet, then close the socket (and CURVE's authenticator). After the
+        run's last step, before the data owner's bye, the data owner is served first until its bye (an
+        evaluation, a resent step, the bye), for at most ``liveness_s`` of its silence. Closed mid-run
+        (before the last step, with no bye), the data owner is told (an ``aborted`` notice), so its
+        ``cut.step`` raises ``PeerAborted`` at once. Raises ``PeerAborted`` when the data owner stops
+        while it is served here."""
+        self._close(None)
+
+    def _close(self, failure: str | None) -> None:
+        """Close as ``close`` does; ``failure``: why this side's loop failed, told to the data owner
+        instead of the replies not sent yet (the loop may have failed before saving them: the data owner
+        sends that step again to the loop resumed from its checkpoint)."""
         if self.closed:
             return
+        notice, unsent = failure, [envelope for envelope, _ in self.pending]
         try:
-            self._flush()
+            if failure is not None:
+                self.pending = []
+            else:
+                self._flush()
+                if self.bye is None and self.joined and self._complete():
+                    self._await_bye()
+                elif self.bye is None:
+                    notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
+                              f"the data owner's bye")
             if self.bye is not None:
                 self._linger()
         finally:
             self.closed = True
-            self.server.close()
+            told = False
+            # Not after the bye, nor when the data owner was told already (nonfinite_step) or stopped itself.
+            if notice is not None and self.bye is None and self.failure is None:
+                told = self._notify(notice, unsent)
+            self.server.close(NOTICE_LINGER_MS if told else LINGER_MS)
             if self.curve is not None:
                 self.curve.stop()
+
+    def _complete(self) -> bool:
+        """Every step of a run is replied to here."""
+        return bool(self.run_id) and self.step >= self.exp.steps and not self.next_mb
+
+    def _notify(self, reason: str, unsent: list[list[bytes]]) -> bool:
+        """Tell the data owner that this side stopped (``reason``), wherever it waits: the batch not replied
+        to, the replies ``unsent``, where it was last heard from. Whether there was anyone to tell."""
+        envelopes = [*unsent, self.peer_envelope]
+        if self.batch is not None and not self.batch.replied:
+            envelopes.append(self.batch.envelope)
+        targets = {tuple(e): e for e in envelopes if e}
+        for envelope in targets.values():
+            self.server.reply(envelope, wire.abort_notice(self.run_id, self.side.stage, reason))
+        if targets:
+            self.log.warning("told the data owner of run %s that this side stopped: %s", self.run_id, reason)
+        return bool(targets)
+
+    def _await_bye(self) -> None:
+        """After the run's last step: serve the data owner (an evaluation, a step resent, a ping) until its
+        bye, or until it is silent for ``liveness_s`` (at most ``liveness_s + peer_deadline_s`` in all)."""
+        started = time.monotonic()
+        latest = started + self.bounds.liveness_s + self.bounds.peer_deadline_s
+        while time.monotonic() < min(latest, max(started, self.heard) + self.bounds.liveness_s):
+            request = self.server.receive(POLL_TICK_S)
+            if request is not None and self._answer(request, self._handle) is _BYE:
+                self.done = True
+                return
+        self.log.warning("run %s: no bye from the data owner within liveness_s = %g s after the last step; closing "
+                         "(every step is replied to here)", self.run_id, self.bounds.liveness_s)
 
     def _linger(self) -> None:
         """After the run's bye: answer what is still arriving (a bye resent because its reply was lost, a
@@ -519,12 +608,11 @@ class CutServer:
     def __enter__(self) -> "CutServer":
         return self
 
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        if kind is not None:
-            # The loop failed, perhaps before it saved what it replied: a reply not sent yet stays unsent,
-            # so the data owner sends that step again to the loop resumed from its checkpoint.
-            self.pending = []
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _traceback: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._close(f"its loop failed: {kind.__name__}: {error}")
 
     def _check_open(self) -> None:
         if self.closed:

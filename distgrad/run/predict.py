@@ -58,14 +58,13 @@ from distgrad.stage.records import write_atomic
 from distgrad.run.serving import announce, decode_and_handle
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
-from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, Expected, WireTensor
 
 MAX_CHUNKS = 1 << 20        # chunks one prediction may send (a bound on the label owner's memory)
 OUTPUT_SUFFIXES = (".csv", ".npy")
-ABORTED = "aborted"         # the error code of a data owner's notice that it stopped
-NOTICE_LINGER_MS = 1000     # how long closing waits for that notice to leave
+ABORTED = ErrorCode.ABORTED    # the error code of a data owner's notice that it stopped (wire.abort_notice)
 ID_NAME_MAX = 128           # characters of the ID column's name
 IDS_MAX_BYTES = 48 * 1024   # the IDs of one chunk, UTF-8 and msgpack framing: they travel in its header
 IDS_MAX_COUNT = 4096        # IDs in one chunk (a header's arrays are at most that long)
@@ -205,7 +204,7 @@ def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Co
     one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
     link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
     try:
-        link.send(wire.error_message("", 0, ABORTED, f"stage {opts.stage} stopped: {reason}"))
+        link.send(wire.abort_notice("", opts.stage, reason))
     finally:
         link.close(linger_ms=NOTICE_LINGER_MS)
 

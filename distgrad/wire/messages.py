@@ -108,6 +108,7 @@ class ErrorCode:
     STEP = "step"                      # out-of-order step
     STAGE = "stage"                    # the stage failed computing the step
     NONFINITE_STEP = "nonfinite_step"  # the stage's own loss or gradient is NaN/Inf: nothing applied, the run ends
+    ABORTED = "aborted"                # a notice, not a reply: its sender stopped (``abort_notice``)
 
 
 @dataclass(slots=True)
@@ -143,7 +144,7 @@ def encode(msg: Message) -> list[Any]:
     if msg.frames is not None:
         raise ValueError(f"{msg.describe()}: its tensor frames were never read (wire.expect_tensors)")
     code = BINARY_TYPES.get(msg.type)
-    if code is not None:
+    if code is not None and _rows_as_read(msg):
         return _encode_binary(msg, code)
     specs, frames = [], []
     for name, array in msg.tensors.items():
@@ -153,6 +154,18 @@ def encode(msg: Message) -> list[Any]:
     header = {"v": PROTOCOL_VERSION, "type": msg.type, "run": msg.run, "step": msg.step,
               "mb": msg.mb, "mbs": msg.mbs, "body": msg.body, "tensors": specs}
     return [_packb(header, use_bin_type=True), *frames]
+
+
+def _rows_as_read(msg: Message) -> bool:
+    """Whether a binary header would carry ``msg``'s ``rows`` (``send_rows``) as its receiver reads them:
+    one int64 per row, shape ``(n,)``. Its shape and dtype do not travel, so rows of another shape (or
+    dtype) with the same bytes would be read as valid rows; such a message goes with the self-describing
+    msgpack header instead, which the receiver refuses naming the shape and dtype it got."""
+    rows = msg.tensors.get("rows")
+    return rows is None or (type(rows) is np.ndarray and rows.ndim == 1 and rows.dtype == _INT64)
+
+
+_INT64 = np.dtype("<i8")
 
 
 def _wire_array(name: str, array: Any) -> tuple[np.ndarray, str]:
@@ -502,6 +515,12 @@ def error_message(run: str, step: int, code: str, text: str, mb: int = 0, mbs: i
     if len(text) > ERROR_TEXT_MAX:
         text = text[:ERROR_TEXT_MAX - 3] + "..."
     return Message(ERROR, run, step, mb, mbs, {"code": code, "message": text})
+
+
+def abort_notice(run: str, stage: str, reason: str) -> Message:
+    """The notice a party sends its peer when it stops before the end (``error``, code ``aborted``, ``step``
+    0, so a peer waiting for any reply takes it): ``stage`` stopped, and why. Nobody answers it."""
+    return error_message(run, 0, ErrorCode.ABORTED, f"stage {stage} stopped: {reason}")
 
 
 def frame_limit(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[int, int]:

@@ -35,6 +35,7 @@ log = logging.getLogger("distgrad.wire.transport")
 DEFAULT_TIMEOUT_S = 5.0       # how long a request waits for its reply
 POLL_TICK_S = 0.1             # longest a loop waits before checking for a stop request
 LINGER_MS = 200               # how long close() may spend flushing unsent messages
+NOTICE_LINGER_MS = 1000       # how long closing waits for an ``aborted`` notice (wire.abort_notice) to leave
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zero-copy bookkeeping
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
