@@ -292,6 +292,26 @@ def test_a_data_owner_daemon_is_told_when_the_label_owners_loop_fails(tmp_path):
     assert read_json(folder / "g-outcome.json")["error"] == "CutMisuse"
 
 
+@pytest.mark.integration
+def test_a_label_owner_daemon_is_told_when_the_data_owners_loop_fails(tmp_path):
+    """The other way round: a distgrad-stage label owner facing a Cut whose loop fails (a wrong shape at step
+    2) stops at once (exit 4) naming the loop's error, not after its liveness and peer deadline (kept long,
+    so a daemon left waiting would still be running when the test's bound expires), and writes no
+    checkpoint of the step it never finished."""
+    folder = write_parties(tmp_path / "p", steps=4)
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready, "--liveness", "600",
+                "--peer-deadline", "600") as g:
+        endpoint = wait_for_file(ready, g)
+        with loop(folder, "f", endpoint, "--numpy", "--bad-shape-at", "2") as f:
+            f.wait()
+        assert g.wait() == 4, g.output
+        output = g.output
+    assert "stage f stopped: its loop failed: CutMisuse: h has shape (32, 15)" in output, output
+    assert read_json(folder / "f-outcome.json")["error"] == "CutMisuse"
+    assert read_json(folder / "g.json")["status"] == "failed"
+
+
 # ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
 
 REORDERED = Path(__file__).resolve().parent / "reordered_stage.py"

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from distgrad.wire import messages as wire
-from distgrad.errors import CodecRangeError, NonFiniteError, PeerRejected, ProtocolError, StageError
+from distgrad.errors import CodecRangeError, DistgradError, NonFiniteError, PeerAborted, PeerRejected, ProtocolError, StageError
 from distgrad.config.experiment import client_stage_name
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
@@ -239,11 +239,16 @@ class Topology(abc.ABC):
         return None
 
     # -- failures
-    def failed(self, peer: Peer, error: NonFiniteError) -> None:
+    def failed(self, peer: Peer, error: DistgradError) -> None:
         """``peer``'s step gave a non-finite loss or gradient: nothing of it applied; the run fails."""
         peer.waiting.clear()
         self.serving.engine.reset()
         self.serving.failure = error
+
+    def aborted(self, peer: Peer, error: PeerAborted) -> None:
+        """``peer`` stopped before the end and said why (an aborted notice): as a failed step (nothing of a
+        step in progress applied); the run fails, or for a client only that client is dropped."""
+        self.failed(peer, error)
 
     def deferred_failed(self, peers: list[Peer], error: NonFiniteError) -> None:
         """The deferred gradients of ``peers``' micro-batch were not finite: each hears of it on its next
@@ -572,7 +577,7 @@ class Clients(Turns):
     def client_of(self, peers: list[Peer]) -> int | None:
         return peers[0].index
 
-    def failed(self, peer: Peer, error: NonFiniteError) -> None:
+    def failed(self, peer: Peer, error: DistgradError) -> None:
         """That client is dropped (the engine resets only if it was its turn), the others go on."""
         peer.waiting.clear()
         self.serving.drop(peer)
