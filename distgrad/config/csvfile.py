@@ -111,7 +111,15 @@ class CsvColumns:
         return self._records
 
     def first_row(self) -> list[str]:
-        """The fields of the first non-blank line (the header when there is one); [] for an empty file."""
+        """The fields of the first non-blank line (the header when there is one); [] for an empty file. Reads
+        no further than that line unless the file was parsed already."""
+        if self._records is None:
+            try:
+                with open(self.path, newline="", encoding="utf-8-sig") as f:
+                    return next((row for row in csv.reader(f) if row and not (len(row) == 1 and not row[0].strip())),
+                                [])
+            except (OSError, UnicodeDecodeError, csv.Error):
+                pass                    # records() says what is wrong, naming the line
         rows = self.records()[1]
         return rows[0] if rows else []
 

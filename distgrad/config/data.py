@@ -316,9 +316,9 @@ class ArrayFile(RowBatches):
             raise ConfigError("feature_names names the feature columns of npz or npy data (a csv file's header "
                               "names its own)")
         if (not isinstance(names, list) or len(names) != width or len(set(names)) != len(names)
-                or not all(isinstance(n, str) and n.strip() == n and n and n.isprintable() for n in names)):
-            raise ConfigError(f"feature_names must list {width} distinct names (printable, no spaces around them), "
-                              f"one per feature column, got {names!r}")
+                or not all(isinstance(n, str) and n.strip() for n in names)):
+            raise ConfigError(f"feature_names must list {width} distinct names, one per feature column, got "
+                              f"{names!r}")
         return list(names)
 
     def feature_names(self) -> list[str] | None:
@@ -462,7 +462,13 @@ class ArrayFile(RowBatches):
             raise ConfigError("this party's data holds no labels (give 'labels' in its [data])")
         if self.kind == "csv" and (isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str))):
             raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
-        raw = self._read_part(self.label_ref)
+        try:
+            raw = self._read_part(self.label_ref)
+        except ConfigError as e:
+            if self.kind != "csv" or "not a number" not in str(e):
+                raise
+            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; give each name its "
+                              f"number in the file)") from e
         if self.kind == "csv":
             raw = raw[:, 0]
         return np.asarray(raw).reshape(len(raw))
