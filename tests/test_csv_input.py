@@ -301,3 +301,23 @@ def test_training_data_saved_as_csv_utf8_reads_its_header(tmp_path: Path):
     write_train(tmp_path, bom=True)
     result = run_main(["run", write_experiment(tmp_path), "--in-process"])
     assert result.returncode == 0, result.stderr
+
+
+def test_align_reads_a_header_saved_as_csv_utf8(tmp_path: Path):
+    from distgrad.align import read_table
+
+    path = tmp_path / "bank.csv"
+    path.write_text("\ufeffperson,x\np1,1\np2,2\n", encoding="utf-8")
+    table = read_table(path, "person")
+    assert table.header == ["person", "x"] and table.ids == ["p1", "p2"]
+
+
+def test_header_flags_declare_the_first_line(trained: Path, tmp_path: Path):
+    """--no-header: a first line of names is data, refused naming it; --header: a first line of numbers is
+    a header, here one that does not name the party's features."""
+    named = tmp_path / "named.csv"
+    named.write_text("a,b,c\n" + "\n".join(_lines(VALUES)) + "\n", encoding="utf-8")
+    assert "line 1, column 1: 'a' is not a number" in _refused(trained, named, "--no-header")
+    numbered = tmp_path / "numbered.csv"
+    numbered.write_text("\n".join(_lines(VALUES)) + "\n", encoding="utf-8")
+    assert "does not name the feature column(s) ['a', 'b', 'c']" in _refused(trained, numbered, "--header")

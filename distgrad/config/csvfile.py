@@ -178,12 +178,17 @@ class CsvColumns:
         lines, rows = self.data()
         out = np.empty((len(rows), len(columns)), np.float64)
         for j, column in enumerate(columns):
-            for i, row in enumerate(rows):
-                value = number(row[column])
-                if value is None:
-                    raise ConfigError(f"csv data {self.path} line {lines[i]}, {self.column_label(column)}: "
-                                      f"{cell_problem(row[column])}")
-                out[i, j] = value
+            cells = [row[column] for row in rows]
+            try:            # numpy parses as float() does; what float() takes beyond ``number`` is caught after
+                out[:, j] = np.array(cells, dtype=np.float64)
+                joined = "".join(cells)
+                good = joined.isascii() and "_" not in joined and bool(np.isfinite(out[:, j]).all())
+            except ValueError:
+                good = False
+            if not good:
+                bad = next(i for i, cell in enumerate(cells) if number(cell) is None)
+                raise ConfigError(f"csv data {self.path} line {lines[bad]}, {self.column_label(column)}: "
+                                  f"{cell_problem(cells[bad])}")
         return out
 
     def texts(self, column: int) -> tuple[list[int], list[str]]:
