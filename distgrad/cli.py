@@ -320,6 +320,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     from distgrad.wire.keys import CurveServer
     from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from distgrad.run.driver import drive_first_stage
+    from distgrad.run.launcher import check_data
     from distgrad.run.serving import serve
     from distgrad.config.parse import load_experiment, parse_init_overrides
     from distgrad.stage.records import parse_trace_params
@@ -349,6 +350,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
+    check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
     ctx = zmq.Context.instance()
     upstream, downstream = _curve(args, role, ctx)
     opts.security = upstream if serving else downstream
