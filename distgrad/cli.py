@@ -562,8 +562,8 @@ def _predict(args: argparse.Namespace) -> int:
     own = role == "serving" and exp.own_bottom      # an active label owner holds its own columns of the rows
     if role != "driving" and not own and (args.input is not None or args.id_column is not None
                                           or args.header is not None):
-        raise ConfigError("--input, --id-column and --header are for the data owner (the first stage), which alone holds "
-                          "the rows (and a label owner with its own 'bottom', for its own columns)")
+        raise ConfigError("--input, --id-column and --header are for the data owner (the first stage), which alone "
+                          "holds the rows (and a label owner with its own 'bottom', for its own columns)")
     if (args.id_column is not None or args.header is not None) and args.input is None:
         raise ConfigError(f"{'--id-column' if args.id_column is not None else '--header'} is about the --input "
                           f"CSV: give --input FILE.csv")
@@ -595,8 +595,8 @@ def _predict(args: argparse.Namespace) -> int:
                 raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
-            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column, args.header) if args.input is not None
-                                             else held_out_rows(exp, stage, opts.seed))
+            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column, args.header)
+                                             if args.input is not None else held_out_rows(exp, stage, opts.seed))
             count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
                                       args.output_scores, own_rows)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")

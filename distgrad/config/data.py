@@ -336,7 +336,8 @@ class ArrayFile(RowBatches):
         """How an error names data row ``row`` (from 0) of part ``ref``: the file and its line for csv."""
         if self.kind == "csv":
             csv_file = self._csv_file()
-            return f"csv data {self.path} line {csv_file.data()[0][row]}, {csv_file.column_label(self._csv_columns(ref)[0])}"
+            column = csv_file.column_label(self._csv_columns(ref)[0])
+            return f"csv data {self.path} line {csv_file.data()[0][row]}, {column}"
         return f"{self.path if self.kind == 'npz' else self.base_dir / str(ref)}: data row {row + 1}"
 
     def check_readable(self) -> None:
@@ -482,8 +483,8 @@ class ArrayFile(RowBatches):
                 whole = np.isfinite(raw) & (raw == np.round(raw))
                 if not whole.all():
                     row = int(np.argmin(whole))
-                    raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {raw[row]!r} is not a class id (a whole number); for values, set "
-                                      f"label_dtype = \"float32\"")
+                    raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {float(raw[row])!r} is not a "
+                                      f"class id (a whole number); for values, set label_dtype = \"float32\"")
             self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
         return self._labels
 

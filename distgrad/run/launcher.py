@@ -323,9 +323,10 @@ def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None
                stages: Sequence[str] | None = None) -> None:
     """Read here, before any stage starts, the whole data of every stage these files define that holds data
     (each data owner once per client, with its share of the rows; the label owner; a vertical experiment's
-    every party), or of ``stages`` only: every feature, label and ID the run will use. A bad file, a field that is no finite
-    number (a word among the labels, say) or a label that is no class id is a ``ConfigError`` (exit 2)
-    naming the file, line and column, not a stage that fails after the others started."""
+    every party), or of ``stages`` only: every feature, label and ID the run will use. A bad file, a field
+    that is no finite number (a word among the labels, say) or a label that is no class id is a
+    ``ConfigError`` (exit 2) naming the file, line and column, not a stage that fails after the others
+    started."""
     holders = [*exp.data_owners, exp.label_owner, exp.stage_names[-1] if exp.own_bottom else exp.label_owner]
     for name in dict.fromkeys(holders):
         if not exp.has_stage(name) or (stages is not None and name not in stages):

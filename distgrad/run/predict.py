@@ -128,9 +128,10 @@ def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[s
 
     The first line is a header where ``header_given`` (``--header``/``--no-header``) says so, else where
     the stage's csv ``table`` declares one (``header = true``; a first line of numbers is then refused,
-    never dropped), or else when every one of its fields is a name (``csvfile.looks_like_header``). With a header and the stage's feature ``names``, the features are
-    the columns of those names, in the stage's order (a header that does not name them all is refused);
-    else a csv ``table``'s ``features``, or every column but the ID column. ``id_column`` (else the csv
+    never dropped), or else when every one of its fields is a name (``csvfile.looks_like_header``). With
+    a header and the stage's feature ``names``, the features are the columns of those names, in the
+    stage's order (a header that does not name them all is refused); else a csv ``table``'s
+    ``features``, or every column but the ID column. ``id_column`` (else the csv
     table's) names the ID column."""
     form = table if table.get("kind") == "csv" else {}
     reader = CsvColumns(path, False)
