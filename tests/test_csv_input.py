@@ -176,7 +176,7 @@ def test_a_bad_field_is_refused_naming_its_line_and_column_on_any_line(trained: 
     rows = tmp_path / "rows.csv"
     rows.write_text("".join(",".join(row) + "\n" for row in cells), encoding="utf-8")
     stderr = _refused(trained, rows)
-    assert f"line {line}, column 2" in stderr, stderr
+    assert f"line {line}, column 2 (data row {line})" in stderr, stderr
     assert repr(bad) in stderr or (bad == "" and "empty" in stderr), stderr
 
 
@@ -187,7 +187,7 @@ def test_a_bad_field_after_a_header_names_the_line_counting_the_header_and_the_c
     lines[2] = "1,oops,2"
     rows.write_text("a,b,c\n" + "\n\n".join(lines) + "\n", encoding="utf-8")      # blank lines count too
     stderr = _refused(trained, rows)
-    assert "line 6, column 2 'b': 'oops' is not a number" in stderr, stderr
+    assert "line 6, column 2 'b' (data row 3): 'oops' is not a number" in stderr, stderr
 
 
 def test_a_split_partys_features_are_matched_to_a_csv_header_by_name(trained: Path, tmp_path: Path):
@@ -264,7 +264,7 @@ def test_a_word_among_the_labels_stops_distgrad_run_before_any_stage_starts(tmp_
     write_train(tmp_path, "setosa")
     result = run_main(["run", write_experiment(tmp_path, topology)])
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "line 7, column 5 'label': 'setosa' is not a number" in result.stderr, result.stderr
+    assert "line 7, column 5 'label' (data row 6): 'setosa' is not a number" in result.stderr, result.stderr
 
 
 def test_a_bad_label_in_a_partys_stage_file_stops_distgrad_run_before_any_stage_starts(tmp_path: Path):
@@ -283,8 +283,8 @@ def test_a_bad_label_in_a_partys_stage_file_stops_distgrad_run_before_any_stage_
     assert "data row 6" in result.stderr and "is not a class id" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("bad, needle", [("0x13", "line 4, column 3 'b': '0x13' is not a number"),
-                                         ("1e400", "line 4, column 3 'b': '1e400' is not a finite number")])
+@pytest.mark.parametrize("bad, needle", [("0x13", "line 4, column 3 'b' (data row 3): '0x13' is not a number"),
+                                         ("1e400", "line 4, column 3 'b' (data row 3): '1e400' is not a finite number")])
 def test_a_bad_feature_in_training_data_names_its_line_and_column(tmp_path: Path, bad: str, needle: str):
     path = write_train(tmp_path)
     lines = path.read_text().splitlines()
@@ -317,7 +317,20 @@ def test_header_flags_declare_the_first_line(trained: Path, tmp_path: Path):
     a header, here one that does not name the party's features."""
     named = tmp_path / "named.csv"
     named.write_text("a,b,c\n" + "\n".join(_lines(VALUES)) + "\n", encoding="utf-8")
-    assert "line 1, column 1: 'a' is not a number" in _refused(trained, named, "--no-header")
+    assert "line 1, column 1 (data row 1): 'a' is not a number" in _refused(trained, named, "--no-header")
     numbered = tmp_path / "numbered.csv"
     numbered.write_text("\n".join(_lines(VALUES)) + "\n", encoding="utf-8")
     assert "does not name the feature column(s) ['a', 'b', 'c']" in _refused(trained, numbered, "--header")
+
+
+def test_a_training_csv_value_beyond_float32_is_refused_naming_its_line(tmp_path: Path):
+    """1e39 is a finite float64 and no float32: refused when the file is read, not trained on as inf."""
+    path = write_train(tmp_path)
+    lines = path.read_text().splitlines()
+    cells = lines[5].split(",")
+    cells[1] = "1e39"
+    lines[5] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    result = run_main(["run", write_experiment(tmp_path), "--in-process"])
+    assert result.returncode == 2 and "line 6, column 2 'a': 1e+39 is beyond float32's range" in result.stderr, \
+        result.stderr

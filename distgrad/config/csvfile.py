@@ -187,8 +187,8 @@ class CsvColumns:
                 good = False
             if not good:
                 bad = next(i for i, cell in enumerate(cells) if number(cell) is None)
-                raise ConfigError(f"csv data {self.path} line {lines[bad]}, {self.column_label(column)}: "
-                                  f"{cell_problem(cells[bad])}")
+                raise ConfigError(f"csv data {self.path} line {lines[bad]}, {self.column_label(column)} (data row "
+                                  f"{bad + 1}): {cell_problem(cells[bad])}")
         return out
 
     def texts(self, column: int) -> tuple[list[int], list[str]]:

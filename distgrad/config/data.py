@@ -455,7 +455,16 @@ class ArrayFile(RowBatches):
             raise ConfigError("this party's data holds no features (give 'features' in its [data])")
         if self._features is None:
             raw = self._read_part(self.feature_ref)
-            self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
+            with np.errstate(over="ignore"):           # an overflow is refused below (csv) or kept, as it is
+                features = raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale
+            if self.kind == "csv" and not np.isfinite(features).all():     # a csv field is finite in float64
+                row, column = (int(i) for i in np.argwhere(~np.isfinite(features))[0])
+                csv_file = self._csv_file()
+                raise ConfigError(f"csv data {self.path} line {csv_file.data()[0][row]}, "
+                                  f"{csv_file.column_label(self._csv_columns(self.feature_ref)[column])}: "
+                                  f"{float(raw[row, column])!r} is beyond float32's range (once scaled by "
+                                  f"feature_scale)")
+            self._features = features
         return self._features
 
     def _all_labels_raw(self) -> np.ndarray:

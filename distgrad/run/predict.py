@@ -206,7 +206,8 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
             raw, ids, name = _read_csv(path, table, id_column, feature_names(exp, stage, table), header)
         if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
             raise ValueError("expected a non-empty numeric array of rows")
-        rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
+        with np.errstate(over="ignore", invalid="ignore"):        # a value beyond float32 is refused below
+            rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
         finite = np.isfinite(rows)
         if not finite.all():
             row, column = (int(i) for i in np.argwhere(~finite)[0])
