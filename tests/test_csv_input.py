@@ -334,3 +334,12 @@ def test_a_training_csv_value_beyond_float32_is_refused_naming_its_line(tmp_path
     result = run_main(["run", write_experiment(tmp_path), "--in-process"])
     assert result.returncode == 2 and "line 6, column 2 'a': 1e+39 is beyond float32's range" in result.stderr, \
         result.stderr
+
+
+def test_a_header_with_an_unnamed_index_column_is_a_header(trained: Path, tmp_path: Path):
+    """pandas writes its index under an empty name: the line is still a header, matched by name."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text(",b,c,a\n" + "".join(f"{n},{row[1]:g},{row[2]:g},{row[0]:g}\n" for n, row in enumerate(VALUES)),
+                    encoding="utf-8")
+    table = _predict(trained, tmp_path, rows)
+    assert [int(line[1]) for line in table[1:]] == _expected(trained, VALUES)

@@ -5,8 +5,9 @@
   writes them; blank lines are skipped.
 * A header is taken only where one is declared (``header = true``) or, where
   a reader may guess (``looks_like_header``), when every field of the first
-  line is a name: a line of numbers with one bad field is a data row whose bad
-  field is refused, never a header that silently drops the row.
+  line is a name (``is_name``; or empty): a line of numbers with one bad field
+  is a data row whose bad field is refused, never a header that silently
+  drops the row.
 * A number is ASCII decimal or scientific text (``1``, ``-2.5``, ``3e-4``;
   spaces around it allowed) of a finite value: ``0x13``, ``nan3``, ``1_000``,
   a NUL byte, ``nan``, ``inf`` and ``1e400`` (too large for float64) are
@@ -58,8 +59,9 @@ def is_name(cell: str) -> bool:
 
 
 def looks_like_header(cells: list[str]) -> bool:
-    """A first line is a header, when none is declared, only if every one of its fields is a name."""
-    return bool(cells) and all(is_name(cell) for cell in cells)
+    """A first line is a header, when none is declared, only if every one of its fields is a name (or empty,
+    as the unnamed index column pandas writes: an empty field is never data either), one at least."""
+    return any(is_name(cell) for cell in cells) and all(is_name(cell) or not cell.strip() for cell in cells)
 
 
 def shown(cell: str) -> str:
