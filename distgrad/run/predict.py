@@ -113,7 +113,8 @@ def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] |
         if all(isinstance(ref, str) for ref in refs):
             names = list(refs)
         elif isinstance(table.get("path"), str) and (exp.spec(stage).base_dir / table["path"]).is_file():
-            header = [name.strip() for name in CsvColumns(exp.spec(stage).base_dir / table["path"], True).first_row()]
+            training = CsvColumns(exp.spec(stage).base_dir / table["path"], True)
+            header = [name.strip() for name in training.first_row()]
             if all(isinstance(ref, str) or (isinstance(ref, int) and 0 <= ref < len(header)) for ref in refs):
                 names = [ref if isinstance(ref, str) else header[ref] for ref in refs]
     columns = exp.spec(stage).columns
@@ -212,7 +213,7 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
         if not finite.all():
             row, column = (int(i) for i in np.argwhere(~finite)[0])
             value = raw.reshape(len(raw), -1)[row, column]
-            raise ConfigError(f"data row {row + 1}, column {column + 1}: {value!r} is not a finite number"
+            raise ConfigError(f"data row {row + 1}, column {column + 1}: {float(value)!r} is not a finite number"
                               f"{' within float32 range (once scaled)' if np.isfinite(value) else ''}")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
