@@ -283,8 +283,9 @@ def test_a_bad_label_in_a_partys_stage_file_stops_distgrad_run_before_any_stage_
     assert "data row 6" in result.stderr and "is not a class id" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("bad, needle", [("0x13", "line 4, column 3 'b' (data row 3): '0x13' is not a number"),
-                                         ("1e400", "line 4, column 3 'b' (data row 3): '1e400' is not a finite number")])
+@pytest.mark.parametrize("bad, needle", [
+    ("0x13", "line 4, column 3 'b' (data row 3): '0x13' is not a number"),
+    ("1e400", "line 4, column 3 'b' (data row 3): '1e400' is not a finite number")])
 def test_a_bad_feature_in_training_data_names_its_line_and_column(tmp_path: Path, bad: str, needle: str):
     path = write_train(tmp_path)
     lines = path.read_text().splitlines()
@@ -343,3 +344,10 @@ def test_a_header_with_an_unnamed_index_column_is_a_header(trained: Path, tmp_pa
                     encoding="utf-8")
     table = _predict(trained, tmp_path, rows)
     assert [int(line[1]) for line in table[1:]] == _expected(trained, VALUES)
+
+
+def test_a_non_finite_value_in_an_npy_input_is_refused_when_read(trained: Path, tmp_path: Path):
+    rows = np.array(VALUES)
+    rows[2, 1] = np.inf
+    np.save(tmp_path / "rows.npy", rows)
+    assert "data row 3, column 2: inf is not a finite number" in _refused(trained, tmp_path / "rows.npy")
