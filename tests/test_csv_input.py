@@ -351,3 +351,15 @@ def test_a_non_finite_value_in_an_npy_input_is_refused_when_read(trained: Path, 
     rows[2, 1] = np.inf
     np.save(tmp_path / "rows.npy", rows)
     assert "data row 3, column 2: inf is not a finite number" in _refused(trained, tmp_path / "rows.npy")
+
+
+def test_a_declared_header_of_numbers_only_is_refused_not_dropped(tmp_path: Path):
+    """header = true with columns by index, and a file without its header line: the first row of data would
+    be lost as a header, so the file is refused."""
+    path = write_train(tmp_path)
+    path.write_text("".join(line.replace("p", "", 1) + "\n" for line in path.read_text().splitlines()[1:]))
+    experiment = write_experiment(tmp_path)
+    experiment.write_text(experiment.read_text().replace('features = ["a", "b", "c"]', "features = [1, 2, 3]")
+                          .replace('labels = "label"', "labels = 4").replace('id_column = "person"', "id_column = 0"))
+    result = run_main(["run", experiment, "--in-process"])
+    assert result.returncode == 2 and "header = true, but line 1 holds only numbers" in result.stderr, result.stderr

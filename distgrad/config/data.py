@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distgrad.config.csvfile import CsvColumns, checked_ids
+from distgrad.config.csvfile import CsvColumns, checked_ids, number
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
 from distgrad.privacy.defenses import randomized_response
@@ -283,6 +283,11 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
         self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
         self.csv = CsvColumns(self.path, self.header) if kind == "csv" and self.path is not None else None
+        if self.csv is not None and self.header and self.path.is_file():
+            first = self.csv.first_row()
+            if first and all(number(cell) is not None for cell in first):
+                raise ConfigError(f"csv data {self.path}: header = true, but line 1 holds only numbers, a row of "
+                                  f"data that would be lost: give the file its header line (or header = false)")
         self.id_ref = id_column
         if id_column is not None:
             self._check_id_column()
