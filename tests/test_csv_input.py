@@ -363,3 +363,11 @@ def test_a_declared_header_of_numbers_only_is_refused_not_dropped(tmp_path: Path
                           .replace('labels = "label"', "labels = 4").replace('id_column = "person"', "id_column = 0"))
     result = run_main(["run", experiment, "--in-process"])
     assert result.returncode == 2 and "header = true, but line 1 holds only numbers" in result.stderr, result.stderr
+
+
+def test_a_stage_started_alone_reads_its_data_before_it_binds(tmp_path: Path):
+    """``distgrad stage g`` on a file whose labels hold a word: exit 2 before it serves (run_main: opening its
+    socket would fail this test), not when the data owner has connected."""
+    write_train(tmp_path, "setosa")
+    result = run_main(["stage", "g", "--experiment", write_experiment(tmp_path), "--bind", "tcp://127.0.0.1:*"])
+    assert result.returncode == 2 and "'setosa' is not a number" in result.stderr, result.stderr
