@@ -155,7 +155,7 @@ def read_table(path: Path, id_column: str) -> Table:
     """
     path = Path(path)
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:    # a leading byte-order mark is no name
             reader = csv.reader(f)
             header = next(reader, None)
             while header == []:

@@ -273,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="data owner (or active label owner): the --input CSV's ID column (a header name or "
                               "a 0-based index; default: its [data]'s id_column); its IDs are kept in the label "
                               "owner's output")
+    predict.add_argument("--header", action=argparse.BooleanOptionalAction, default=None,
+                         help="the --input CSV's first line names its columns (--header) or is a row of data "
+                              "(--no-header); default: as its csv [data] declares, else a header only when every "
+                              "field of the line is a name (none a number)")
     predict.add_argument("--output", type=Path, metavar="FILE",
                          help="label owner: write the predictions here (.csv whose first column is the rows' IDs or "
                               "numbers, or .npy)")
@@ -334,6 +338,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     from distgrad.wire.keys import CurveServer
     from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from distgrad.run.driver import drive_first_stage
+    from distgrad.run.launcher import check_data
     from distgrad.run.serving import serve
     from distgrad.config.parse import load_experiment, parse_init_overrides
     from distgrad.stage.records import parse_trace_params
@@ -363,6 +368,7 @@ def _run_stage(args: argparse.Namespace) -> int:
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
+    check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
     ctx = zmq.Context.instance()
     upstream, downstream = _curve(args, role, ctx)
     opts.security = upstream if serving else downstream
@@ -572,11 +578,13 @@ def _predict(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
     role = exp.check_role(stage, binds=args.bind is not None, connects=args.connect is not None)
     own = role == "serving" and exp.own_bottom      # an active label owner holds its own columns of the rows
-    if role != "driving" and not own and (args.input is not None or args.id_column is not None):
-        raise ConfigError("--input and --id-column are for the data owner (the first stage), which alone holds "
-                          "the rows (and a label owner with its own 'bottom', for its own columns)")
-    if args.id_column is not None and args.input is None:
-        raise ConfigError("--id-column names a column of the --input CSV: give --input FILE.csv")
+    if role != "driving" and not own and (args.input is not None or args.id_column is not None
+                                          or args.header is not None):
+        raise ConfigError("--input, --id-column and --header are for the data owner (the first stage), which alone "
+                          "holds the rows (and a label owner with its own 'bottom', for its own columns)")
+    if (args.id_column is not None or args.header is not None) and args.input is None:
+        raise ConfigError(f"{'--id-column' if args.id_column is not None else '--header'} is about the --input "
+                          f"CSV: give --input FILE.csv")
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
@@ -595,7 +603,7 @@ def _predict(args: argparse.Namespace) -> int:
     try:
         if role == "driving":
             try:
-                rows = (read_rows(args.input, exp, stage, id_column) if args.input is not None
+                rows = (read_rows(args.input, exp, stage, id_column, args.header) if args.input is not None
                         else held_out_rows(exp, stage, opts.seed))
                 count = send_predictions(opts, args.connect, rows, stop, ctx)
             except (PeerRejected, PeerTimeout):
@@ -605,8 +613,8 @@ def _predict(args: argparse.Namespace) -> int:
                 raise
             print(f"sent {count} rows; the label owner holds their predictions")
         else:
-            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column) if args.input is not None
-                                             else held_out_rows(exp, stage, opts.seed))
+            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column, args.header)
+                                             if args.input is not None else held_out_rows(exp, stage, opts.seed))
             count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
                                       args.output_scores, own_rows)
             print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")

@@ -70,7 +70,7 @@ def test_the_id_column_is_checked_and_digested(tmp_path):
     with pytest.raises(ConfigError, match="names the member of the rows' IDs, not features or labels"):
         build_data({"kind": "npz", "path": "x.npz", "features": "x", "id_column": "x"}, 0, tmp_path)
     write_rows(tmp_path / "d.csv", ids[:-1] + [ids[0]])
-    with pytest.raises(ConfigError, match="ID 'p000' is in data rows 1 and 64"):
+    with pytest.raises(ConfigError, match="ID 'p000' is in lines 2 and 65"):
         build_data({**spec, "id_column": "person"}, 0, tmp_path).row_id_digest()
 
 

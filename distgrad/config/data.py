@@ -9,7 +9,6 @@ resumes at step ``k`` sees exactly the batch it would have seen.
 from __future__ import annotations
 
 import abc
-import csv
 import hashlib
 import inspect
 import zlib
@@ -18,6 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from distgrad.config.csvfile import CsvColumns, checked_ids, number
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
 from distgrad.privacy.defenses import randomized_response
@@ -47,6 +47,10 @@ class DataSource(abc.ABC):
     @abc.abstractmethod
     def targets(self, step: int) -> np.ndarray:
         """Array of ``target_shape`` and ``target_dtype`` for 1-based ``step``."""
+
+    def check_readable(self) -> None:
+        """Read every part of the data this source holds, raising ``ConfigError`` for a bad one, so that a
+        run's preflight finds it before any stage starts. Generated data has nothing to read."""
 
     def true_targets(self, step: int) -> np.ndarray:
         """The label owner's own labels of ``step`` as they are, before any defense changes what it trains on
@@ -218,79 +222,6 @@ class SyntheticClassification(SyntheticRegression):
         self._epoch, self._order = -1, np.arange(0)
 
 
-class CsvColumns:
-    """A CSV file read column by column: numbers (``numbers``) or text (``texts``), fields quoted with
-    ``"`` as the csv module writes them. ``header``: the first line names the columns, which may then be
-    given by name (``indices``)."""
-
-    def __init__(self, path: Path, header: bool) -> None:
-        self.path, self.header = path, header
-
-    def indices(self, ref: Any) -> list[int]:
-        """Column indices of ``ref``: an index or a header name, or a list of them."""
-        refs = ref if isinstance(ref, list) else [ref]
-        if all(isinstance(r, int) for r in refs):
-            return refs
-        if not self.header:
-            raise ConfigError("csv columns given by name need header = true")
-        try:
-            with open(self.path, newline="", encoding="utf-8") as f:
-                names = [n.strip() for n in next(csv.reader(f), [])]
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise ConfigError(f"cannot read the header of {self.path}: {e}") from e
-        try:
-            return [names.index(r) if isinstance(r, str) else r for r in refs]
-        except ValueError as e:
-            raise ConfigError(f"csv column not found: {e}; the header has {names}") from e
-
-    def first_row(self) -> list[str]:
-        """The fields of the first non-blank line (the header when there is one); [] for an empty file."""
-        try:
-            with open(self.path, newline="", encoding="utf-8") as f:
-                return next((row for row in csv.reader(f) if row), [])
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise ConfigError(f"cannot read {self.path}: {e}") from e
-
-    def numbers(self, columns: list[int]) -> np.ndarray:
-        """The ``columns`` as float64 ``(rows, len(columns))``; ``ConfigError`` for a field that is no number."""
-        if not columns:
-            raise ConfigError(f"csv data {self.path}: name at least one column")
-        try:
-            return np.loadtxt(self.path, delimiter=",", skiprows=int(self.header), usecols=columns, ndmin=2,
-                              dtype=np.float64, quotechar='"')
-        except (ValueError, IndexError) as e:
-            raise ConfigError(f"csv data {self.path}, columns {columns}: {e}") from e
-
-    def texts(self, column: int) -> list[str]:
-        """Column ``column``'s fields as text, one per row (blank lines skipped)."""
-        try:
-            with open(self.path, newline="", encoding="utf-8") as f:
-                rows = [row for row in csv.reader(f) if row][int(self.header):]
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise ConfigError(f"cannot read {self.path}: {e}") from e
-        short = next((i for i, row in enumerate(rows) if len(row) <= column), None)
-        if short is not None:
-            raise ConfigError(f"csv data {self.path}: data row {short + 1} has no column {column}")
-        return [row[column] for row in rows]
-
-    def ids(self, ref: Any) -> list[str]:
-        """The ID column ``ref`` (an index or a header name): one distinct, non-empty ID per row."""
-        return checked_ids(self.texts(self.indices(ref)[0]), f"csv data {self.path}", ref)
-
-
-def checked_ids(ids: list[str], where: str, ref: Any) -> list[str]:
-    """``ids`` if each is non-empty and names one row, else ``ConfigError`` naming ``where`` and the rows."""
-    seen: dict[str, int] = {}
-    for row, key in enumerate(ids, start=1):
-        if key == "":
-            raise ConfigError(f"{where}: data row {row} has an empty ID (id_column {ref!r})")
-        if key in seen:
-            raise ConfigError(f"{where}: ID {key!r} is in data rows {seen[key]} and {row} (id_column {ref!r}); "
-                              f"each ID must name one row")
-        seen[key] = row
-    return ids
-
-
 def row_id_digest(ids: list[str]) -> str:
     """``ROW_ID_DIGEST_HEX`` hex digits of the SHA-256 of ``ids`` in order (each ID's UTF-8 bytes with their
     length): equal for two parties whose files hold the same IDs in the same order."""
@@ -322,6 +253,11 @@ class ArrayFile(RowBatches):
     IDs (``row_id_digest``), so parties whose files do not hold the same IDs
     in the same order are refused before training.
 
+    ``feature_names`` (optional; npz and npy, as ``distgrad split`` writes
+    them from a csv header) names the feature columns in order, so that a CSV
+    ``--input`` of ``distgrad predict`` is matched to them by name. A csv
+    file with a header has its own names (``feature_names()``).
+
     Paths are relative to the experiment file. Features become float32 times
     ``feature_scale``; labels ``label_dtype`` (``int64`` class ids, shape
     ``(batch,)``, or ``float32`` values, shape ``(batch, 1)``). In a party's
@@ -334,7 +270,7 @@ class ArrayFile(RowBatches):
     def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
                  feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
                  features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None,
-                 id_column: int | str | None = None) -> None:
+                 id_column: int | str | None = None, feature_names: Any = None) -> None:
         if kind not in ("npz", "npy", "csv"):
             raise ConfigError(f"unknown file data kind {kind!r}")
         if label_dtype not in ("int64", "float32"):
@@ -347,6 +283,11 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
         self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
         self.csv = CsvColumns(self.path, self.header) if kind == "csv" and self.path is not None else None
+        if self.csv is not None and self.header and self.path.is_file():
+            first = self.csv.first_row()
+            if first and all(number(cell) is not None for cell in first):
+                raise ConfigError(f"csv data {self.path}: header = true, but line 1 holds only numbers, a row of "
+                                  f"data that would be lost: give the file its header line (or header = false)")
         self.id_ref = id_column
         if id_column is not None:
             self._check_id_column()
@@ -366,10 +307,53 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch
         self.feature_shape = (self.batch, width) if features is not None else None
+        self._feature_names = self._checked_names(feature_names, width)
         self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
         self._features: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._epoch, self._order = -1, np.arange(0)
+
+    def _checked_names(self, names: Any, width: int) -> list[str] | None:
+        """``feature_names`` if it names each of the ``width`` feature columns once (``ConfigError`` if not)."""
+        if names is None:
+            return None
+        if self.kind == "csv" or self.feature_ref is None:
+            raise ConfigError("feature_names names the feature columns of npz or npy data (a csv file's header "
+                              "names its own)")
+        if (not isinstance(names, list) or len(names) != width or len(set(names)) != len(names)
+                or not all(isinstance(n, str) and n.strip() for n in names)):
+            raise ConfigError(f"feature_names must list {width} distinct names, one per feature column, got "
+                              f"{names!r}")
+        return list(names)
+
+    def feature_names(self) -> list[str] | None:
+        """The feature columns' names in order: a csv header's, or ``feature_names``; None when unnamed."""
+        if self.feature_ref is None:
+            return None
+        if self.kind != "csv":
+            return self._feature_names
+        if not self.header:
+            return None
+        names = self._csv_file().names() or []
+        return [names[c] if c < len(names) else str(c) for c in self._csv_columns(self.feature_ref)]
+
+    def _where_row(self, row: int, ref: Any) -> str:
+        """How an error names data row ``row`` (from 0) of part ``ref``: the file and its line for csv."""
+        if self.kind == "csv":
+            csv_file = self._csv_file()
+            column = csv_file.column_label(self._csv_columns(ref)[0])
+            return f"csv data {self.path} line {csv_file.data()[0][row]}, {column}"
+        return f"{self.path if self.kind == 'npz' else self.base_dir / str(ref)}: data row {row + 1}"
+
+    def check_readable(self) -> None:
+        """Read every part this source holds (features, labels, IDs), so that a bad file, a column that is no
+        number (a word among the labels) or IDs that name no row are a ``ConfigError`` now, not when a step
+        first asks for them."""
+        if self.feature_ref is not None:
+            self._all_features()
+        if self.has_labels:
+            self._all_labels()
+        self.row_ids()
 
     # -- reading, each part only when it is asked for
     def _file(self, ref: Any) -> Path:
@@ -476,7 +460,16 @@ class ArrayFile(RowBatches):
             raise ConfigError("this party's data holds no features (give 'features' in its [data])")
         if self._features is None:
             raw = self._read_part(self.feature_ref)
-            self._features = (raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale)
+            with np.errstate(over="ignore"):           # an overflow is refused below (csv) or kept, as it is
+                features = raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale
+            if self.kind == "csv" and not np.isfinite(features).all():     # a csv field is finite in float64
+                row, column = (int(i) for i in np.argwhere(~np.isfinite(features))[0])
+                csv_file = self._csv_file()
+                raise ConfigError(f"csv data {self.path} line {csv_file.data()[0][row]}, "
+                                  f"{csv_file.column_label(self._csv_columns(self.feature_ref)[column])}: "
+                                  f"{float(raw[row, column])!r} is beyond float32's range (once scaled by "
+                                  f"feature_scale)")
+            self._features = features
         return self._features
 
     def _all_labels_raw(self) -> np.ndarray:
@@ -484,7 +477,13 @@ class ArrayFile(RowBatches):
             raise ConfigError("this party's data holds no labels (give 'labels' in its [data])")
         if self.kind == "csv" and (isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str))):
             raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
-        raw = self._read_part(self.label_ref)
+        try:
+            raw = self._read_part(self.label_ref)
+        except ConfigError as e:
+            if self.kind != "csv" or "not a number" not in str(e):
+                raise
+            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; give each name its "
+                              f"number in the file)") from e
         if self.kind == "csv":
             raw = raw[:, 0]
         return np.asarray(raw).reshape(len(raw))
@@ -494,6 +493,12 @@ class ArrayFile(RowBatches):
             raw = self._all_labels_raw()
             if len(raw) != self.rows:
                 raise ConfigError(f"{len(raw)} labels for {self.rows} rows of features")
+            if self.target_dtype.kind == "i" and raw.dtype.kind == "f":
+                whole = np.isfinite(raw) & (raw == np.round(raw))
+                if not whole.all():
+                    row = int(np.argmin(whole))
+                    raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {float(raw[row])!r} is not a "
+                                      f"class id (a whole number); for values, set label_dtype = \"float32\"")
             self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
         return self._labels
 
@@ -567,6 +572,9 @@ class ColumnView(DataSource):
     def shard(self, index: int, count: int) -> None:
         self._source.shard(index, count)
 
+    def check_readable(self) -> None:
+        self._source.check_readable()
+
 
 class RandomizedLabels(DataSource):
     """A label owner's rows with its training labels randomized once (``label_dp``): k-ary randomized response
@@ -605,6 +613,9 @@ class RandomizedLabels(DataSource):
 
     def shard(self, index: int, count: int) -> None:
         self._source.shard(index, count)
+
+    def check_readable(self) -> None:
+        self._source.check_readable()
 
 
 _KINDS: dict[str, type[DataSource]] = {"ramp": Ramp, "synthetic_regression": SyntheticRegression,

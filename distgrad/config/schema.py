@@ -236,12 +236,15 @@ DATA_OPTIONS: dict[str, str] = {
     "path": "npz and csv: the file (relative to the file that names it)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
               "this party does not hold them",
-    "header": "csv: the first line names the columns",
+    "header": "csv: the first line names the columns (else every line is a row of data; a field that is no "
+              "finite number is refused naming its line and column)",
     "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
     "id_column": "csv: the column of the rows' IDs (index or header name), no feature or label; npz: the member "
                  "of the IDs (distgrad split writes 'ids'); the handshake "
                  "compares a digest of the IDs in file order, so parties whose rows differ never train "
                  "together, and distgrad predict keeps the IDs in its output",
+    "feature_names": "npz and npy: the names of the feature columns, in order (distgrad split writes a csv "
+                     "header's); distgrad predict matches a CSV --input's header to them by name",
 }
 
 LAYER_KEYS: dict[str, str] = {

@@ -142,7 +142,9 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
     features as a data owner's), nothing else; ``feature_scale``,
     ``label_dtype`` and the row split's settings stay, so every party
     reads the same rows as before; with an ``id_column`` the rows' IDs go
-    along (member ``ids``), so the handshake still compares them. With
+    along (member ``ids``), so the handshake still compares them; the names of
+    the features (a csv header's) go along as ``feature_names``, so that
+    ``distgrad predict`` matches a CSV ``--input``'s header to them by name. With
     ``[clients]`` the data owners share one stage file, so its data holds
     every owner's rows (each takes its share at run time).
     """
@@ -157,14 +159,19 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
     source = build_data({**data, **{part: None for part, mine in held.items() if not mine}}, exp.seed,
                         exp.spec(name).base_dir)
     parts = source.own_parts()          # type: ignore[attr-defined]   # a file kind is an ArrayFile
+    names = source.feature_names() if "features" in parts else None     # type: ignore[attr-defined]
     columns = exp.spec(name).columns
     if columns is not None and "features" in parts:
         parts["features"] = parts["features"].reshape(len(parts["features"]), -1)[:, columns]
+        names = None if names is None else [names[c] for c in columns]
+    if names is not None and len(set(names)) != len(names):
+        names = None            # a header naming two columns alike names neither: the party reads by position
     kept = ["batch", "test_fraction", "split_seed", *(["feature_scale"] if first else []),
             *(["label_dtype"] if owner else [])]
     table = {"kind": "npz", "path": f"{name}.npz",
              **{"id_column" if part == "ids" else part: part for part in parts},
-             **{key: data[key] for key in kept if key in data}}
+             **{key: data[key] for key in kept if key in data},
+             **({"feature_names": names} if names is not None else {})}
     return table, parts
 
 

@@ -203,6 +203,7 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     processes = [label for label, _, _ in drivers] + serving
     files_of = _parameter_flags(exp, clients, save_dir, load_dir)
     _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
+    check_data(exp, seed, clients)
     done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
         runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
@@ -316,6 +317,22 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
             stage = Stage.from_experiment(exp, spec.name, seed, init)
             for path in loads:
                 stage.load_parameters(path)
+
+
+def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None,),
+               stages: Sequence[str] | None = None) -> None:
+    """Read here, before any stage starts, the whole data of every stage these files define that holds data
+    (each data owner once per client, with its share of the rows; the label owner; a vertical experiment's
+    every party), or of ``stages`` only: every feature, label and ID the run will use. A bad file, a field
+    that is no finite number (a word among the labels, say) or a label that is no class id is a
+    ``ConfigError`` (exit 2) naming the file, line and column, not a stage that fails after the others
+    started."""
+    holders = [*exp.data_owners, exp.label_owner, exp.stage_names[-1] if exp.own_bottom else exp.label_owner]
+    for name in dict.fromkeys(holders):
+        if not exp.has_stage(name) or (stages is not None and name not in stages):
+            continue                    # another party's stage file: it checks its own data
+        for client in (clients if name in exp.data_owners else [None]):
+            exp.build_data(seed, client, stage=name).check_readable()
 
 
 def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:

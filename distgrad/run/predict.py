@@ -19,7 +19,8 @@ chunk and row counts, answered once the file is written. A chunk sent again
 Rows with IDs (an ID column in the ``--input`` CSV, or the held-out rows of
 ``[data]`` with an ``id_column``) send their IDs along: the hello names the
 column (``id_column``), each ``predict`` carries its rows' ``ids``, and the
-label owner writes them as the first column of its CSV.
+label owner writes them as the first column of its CSV, as text that no
+spreadsheet evaluates and no terminal obeys (``text_cell``).
 
 With ``--output-scores`` the label owner also writes each row's scores
 (``Loss.scores``: class probabilities for a classifying loss, the raw output
@@ -50,7 +51,7 @@ from distgrad.model import aggregate
 from distgrad.run import handshake
 
 from distgrad.wire import messages as wire
-from distgrad.config.data import CsvColumns
+from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
@@ -98,34 +99,75 @@ class _Session:
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
+    """The names of stage ``stage``'s feature columns, in the order it takes them, or None when its data
+    does not name them: an npz/npy ``[data]``'s ``feature_names`` (as ``distgrad split`` writes them), or
+    a csv ``[data]`` with a header (its features given by name, or by index into its file's header);
+    a vertical party's ``columns`` of them."""
+    kind, names = table.get("kind"), None
+    if kind in ("npz", "npy"):
+        names = table.get("feature_names")
+    elif kind == "csv" and table.get("header") and table.get("features") is not None:
+        refs = table["features"] if isinstance(table["features"], list) else [table["features"]]
+        if all(isinstance(ref, str) for ref in refs):
+            names = list(refs)
+        elif isinstance(table.get("path"), str) and (exp.spec(stage).base_dir / table["path"]).is_file():
+            training = CsvColumns(exp.spec(stage).base_dir / table["path"], True)
+            header = [name.strip() for name in training.first_row()]
+            if all(isinstance(ref, str) or (isinstance(ref, int) and 0 <= ref < len(header)) for ref in refs):
+                names = [ref if isinstance(ref, str) else header[ref] for ref in refs]
+    columns = exp.spec(stage).columns
+    if names is not None and columns is not None:
+        names = [names[c] for c in columns] if all(0 <= c < len(names) for c in columns) else None
+    return names
 
 
-def _read_csv(path: Path, table: Any, id_column: int | str | None) -> tuple[np.ndarray, list[str] | None, str]:
+def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[str] | None,
+              header_given: bool | None = None) -> tuple[np.ndarray, list[str] | None, str]:
     """A CSV's feature columns (float64), IDs and ID column name, read as a csv ``[data]`` table reads them.
 
-    With a csv ``table``: its ``header``, ``features`` and (unless ``id_column`` is given) ``id_column``.
-    Otherwise every column but the ID column is a feature, and the first line is a header when one of
-    its fields is not a number."""
+    The first line is a header where ``header_given`` (``--header``/``--no-header``) says so, else where
+    the stage's csv ``table`` declares one (``header = true``; a first line of numbers is then refused,
+    never dropped), or else when every one of its fields is a name (``csvfile.looks_like_header``). With
+    a header and the stage's feature ``names``, the features are the columns of those names, in the
+    stage's order (a header that does not name them all is refused); else a csv ``table``'s
+    ``features``, or every column but the ID column. ``id_column`` (else the csv
+    table's) names the ID column."""
     form = table if table.get("kind") == "csv" else {}
     reader = CsvColumns(path, False)
     first = reader.first_row()
     if not first:
         raise ConfigError("the file holds no rows")
-    reader.header = bool(form.get("header", False)) if form else not all(_is_number(f) for f in first)
+    declared = bool(form.get("header", False))
+    if header_given is None and declared and all(number(cell) is not None for cell in first):
+        raise ConfigError("its first line holds only numbers, but the stage's [data] declares a header (header = "
+                          "true): give the file a first line naming its columns (or --no-header)")
+    reader.header = header_given if header_given is not None else declared or looks_like_header(first)
+    header = reader.names()
     id_ref = id_column if id_column is not None else form.get("id_column")
+    features = form.get("features")
+    by_name = [ref for ref in [id_ref, *(features if isinstance(features, list) else [features])]
+               if isinstance(ref, str)]
+    if header is None and by_name:
+        raise ConfigError(f"columns are given by name ({by_name[0]!r}), but its first line is no header (a header is "
+                          f"a line of names only, none a number, or --header): it holds "
+                          f"{', '.join(shown(c) for c in first[:8])}{' ...' if len(first) > 8 else ''}")
     id_index = reader.indices(id_ref)[0] if id_ref is not None else None
     if id_index is not None and not 0 <= id_index < len(first):
         raise ConfigError(f"the ID column {id_ref!r} is not one of its {len(first)} columns")
-    features = form.get("features")
-    columns = reader.indices(features) if features is not None else [i for i in range(len(first)) if i != id_index]
+    if header is not None and names is not None:
+        missing = [name for name in names if name not in header]
+        if missing:
+            raise ConfigError(f"its header does not name the feature column(s) {missing[:8]} of the stage, whose "
+                              f"features are {names[:8]}{' ...' if len(names) > 8 else ''} (matched by name, in any "
+                              f"order); its header is {header[:8]}{' ...' if len(header) > 8 else ''}")
+        columns = reader.indices(list(names))
+    elif features is not None:
+        columns = reader.indices(features)
+    else:
+        columns = [i for i in range(len(first)) if i != id_index]
     if id_index is not None and id_index in columns:
-        raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features!r}")
+        raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features or names!r}")
     values = reader.numbers(columns)
     ids = reader.ids(id_ref) if id_ref is not None else None
     name = first[id_index].strip() if reader.header and id_index is not None else (
@@ -133,16 +175,21 @@ def _read_csv(path: Path, table: Any, id_column: int | str | None) -> tuple[np.n
     return values, ids, name
 
 
-def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None) -> NewRows:
+def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None,
+              header: bool | None = None) -> NewRows:
     """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
 
     ``.npy``: an array of rows. ``.csv``: read as the stage's csv ``[data]``
     reads its file (``header``, ``features`` by index or name, ``id_column``),
     or, when its data is of another kind, every column is a feature (but
-    the ID column) and a first line that is not all numbers is a header.
-    ``id_column`` (``--id-column``: a header name or an index) names the ID
-    column, whose values travel with the rows and reach the label owner's
-    output. Raises ``ConfigError`` naming ``--input``.
+    the ID column) and the first line is a header only when every field of
+    it is a name; ``header`` (``--header``/``--no-header``) says whether it is
+    one (``_read_csv``). When the stage's features have names
+    (``feature_names``), a CSV header is matched to them by name. Every value
+    must be a finite number. ``id_column`` (``--id-column``: a header name or
+    an index) names the ID column, whose values travel with the rows and
+    reach the label owner's output. Raises ``ConfigError`` naming ``--input``
+    (and, for a CSV, the line and column of a bad field).
     """
     spec = exp.spec(stage)
     table = exp.data if spec.data is None else spec.data
@@ -152,12 +199,21 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
         if path.suffix == ".npy":
             if id_column is not None:
                 raise ConfigError("--id-column names a column of a .csv --input; an .npy file has no IDs")
+            if header is not None:
+                raise ConfigError("--header and --no-header are about a .csv --input; an .npy file has no header")
             raw = np.load(path, allow_pickle=False)
         else:
-            raw, ids, name = _read_csv(path, table, id_column)
+            raw, ids, name = _read_csv(path, table, id_column, feature_names(exp, stage, table), header)
         if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
             raise ValueError("expected a non-empty numeric array of rows")
-        rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
+        with np.errstate(over="ignore", invalid="ignore"):        # a value beyond float32 is refused below
+            rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
+        finite = np.isfinite(rows)
+        if not finite.all():
+            row, column = (int(i) for i in np.argwhere(~finite)[0])
+            value = raw.reshape(len(raw), -1)[row, column]
+            raise ConfigError(f"data row {row + 1}, column {column + 1}: {float(value)!r} is not a finite number"
+                              f"{' within float32 range (once scaled)' if np.isfinite(value) else ''}")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
     except ConfigError as e:
@@ -532,7 +588,8 @@ class PredictionServer:
     def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None,
                scores: np.ndarray | None = None) -> int:
         """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
-        headed ``id_name``, or without IDs ``row``, the row's number from 0), and their ``scores`` when
+        headed ``id_name``, both as ``text_cell`` writes them, or without IDs ``row``, the row's number from
+        0), and their ``scores`` when
         given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows."""
         assert self.output is not None
         if self.output.suffix == ".npy":
@@ -547,10 +604,11 @@ class PredictionServer:
             if scores is not None:
                 columns += [f"score_{i}" for i in range(scores.shape[1])]
                 cells = [row + ["%.9g" % v for v in values] for row, values in zip(cells, scores)]
-            keys = ids if id_name is not None and ids is not None else [str(i) for i in range(len(table))]
+            keys = ([text_cell(key) for key in ids] if id_name is not None and ids is not None
+                    else [str(i) for i in range(len(table))])
             out = io.StringIO()
             writer = csv.writer(out, lineterminator="\n")
-            writer.writerow([id_name if id_name is not None else "row", *columns])
+            writer.writerow([text_cell(id_name) if id_name is not None else "row", *columns])
             writer.writerows([key, *row] for key, row in zip(keys, cells))
             text = out.getvalue().encode()
             write_atomic(self.output, lambda f: f.write(text))
@@ -597,6 +655,18 @@ class OwnRows:
                                                     f"label owner's own rows (column {self.rows.id_name!r}): the "
                                                     f"parties' --input files and its own are not aligned")
         return self.rows.features[[self.index[key] for key in ids]]
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")    # a spreadsheet takes a cell beginning so for a formula
+
+
+def text_cell(text: str) -> str:
+    """``text`` (a row's ID, the ID column's name) as a CSV cell that stays text: every control or other
+    non-printable character written as its Python escape (``\\x1b``, ``\\t``, ``\\n``, ``\\u202e``), so
+    none reaches a terminal, and a cell beginning with ``= + - @``, a tab or a carriage return (after
+    spaces) prefixed with a single quote, so a spreadsheet shows it rather than evaluating it."""
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "'" + escaped if text.lstrip(" ").startswith(FORMULA_STARTS) else escaped
 
 
 def scores_path(output: Path) -> Path:
