@@ -3,13 +3,14 @@
 #   make test        run the default test suite on every core (TEST_WORKERS=N: N workers; 0: serially)
 #   make test-slow   run the slow set alone (soak, benchmark smoke runs, ...): CI runs it after `make test`
 #   make test-all    run both at once
+#   make lint        ruff (and mypy on distgrad/) as configured in pyproject.toml: CI runs it
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 TEST_WORKERS ?= auto
 PYTEST = $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-.PHONY: demo test test-slow test-all install clean
+.PHONY: demo test test-slow test-all lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,13 @@ test-slow: $(BIN)/.installed
 
 test-all: $(BIN)/.installed
 	$(PYTEST) -m ''
+
+$(BIN)/.lint-installed: pyproject.toml $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[lint]'
+	touch $@
+
+lint: $(BIN)/.lint-installed
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import signal
 import subprocess

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import signal
 import subprocess

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, run_launcher, run_main, start_server  # noqa: F401 (fixture)
+from conftest import StageProcess, read_json, run_launcher, run_main, start_server  # noqa: F401, F811 (fixture)
 from distgrad.config.experiment import MAX_STALENESS
 from distgrad.run.autostaleness import LinkProbe, choose_staleness
 
@@ -117,7 +117,7 @@ def test_on_loopback_auto_records_its_choice_and_equals_the_in_process_run_with_
     assert summary["final_loss"] == reference["final_loss"]
 
 
-def test_through_a_delayed_link_auto_keeps_steps_in_flight_and_equals_the_in_process_run(tmp_path, start_server):
+def test_through_a_delayed_link_auto_keeps_steps_in_flight_and_equals_the_in_process_run(tmp_path, start_server):  # noqa: F811
     """A 50 ms one-way link: step 1 waits at least 100 ms, so S >= 1 is chosen (a step's compute is a few ms),
     sent in the second hello (the serving stage keeps S + 1 replies), and the parameters of both stages
     equal ``--in-process --staleness S``."""

@@ -13,7 +13,7 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.transport import Client
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, hello_message, read_json, run_cli, run_main
+from conftest import StageProcess, hello_message, read_json, run_main
 
 REPLY_TIMEOUT_MS = 5000
 

@@ -92,3 +92,11 @@ def test_the_plot_tests_pass_with_an_empty_home_and_no_caches(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "3 passed" in result.stdout
     assert any(fresh["MPLCONFIGDIR"].iterdir())          # matplotlib's cache went to the new folder
+
+
+def test_ci_lints_the_repository_before_the_fresh_home():
+    """CI runs `make lint` (ruff, configured in pyproject.toml) after its installs and before the tests."""
+    commands = _ci_commands()
+    fresh = next(i for i, c in enumerate(commands) if c.startswith("export HOME="))
+    assert "make lint" in commands and commands.index("make lint") < fresh
+    assert "ruff check" in (TESTS.parent / "Makefile").read_text()

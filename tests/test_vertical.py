@@ -351,7 +351,6 @@ class _Party:
 
 def _label_owner(tmp_path: Path, steps: int):
     """digits-halves' label owner g (checkpoints every step) and its two parties, at time ``now``."""
-    import time
     from distgrad.run.options import StageOptions
     from distgrad.run.serving import ServingStage
     exp = load_experiment("digits-halves")

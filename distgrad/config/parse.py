@@ -304,7 +304,7 @@ def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
         return 100 if settings["steps"] is None else settings["steps"]
     per_epoch = getattr(data, "batches_per_epoch", None)
     if per_epoch is None:
-        raise ConfigError(f"'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
+        raise ConfigError("'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
                           "give 'steps'")
     return settings["epochs"] * per_epoch
 

@@ -245,11 +245,11 @@ def _id_chunks(rows: NewRows, chunk_rows: int) -> list[list[str] | None]:
         raise ConfigError(f"the ID column's name must be 1 to {ID_NAME_MAX} printable characters, got "
                           f"{rows.id_name!r}")
     chunks = [rows.ids[i:i + chunk_rows] for i in range(0, len(rows.ids), chunk_rows)]
-    for number, chunk in enumerate(chunks, start=1):
+    for index, chunk in enumerate(chunks, start=1):
         size = sum(len(key.encode("utf-8")) + 5 for key in chunk)
         if size > IDS_MAX_BYTES or len(chunk) > IDS_MAX_COUNT:
-            first = (number - 1) * chunk_rows + 1
-            raise ConfigError(f"the IDs of rows {first} to {first + len(chunk) - 1} (chunk {number}) take {size} "
+            first = (index - 1) * chunk_rows + 1
+            raise ConfigError(f"the IDs of rows {first} to {first + len(chunk) - 1} (chunk {index}) take {size} "
                               f"bytes; a chunk's IDs travel in its header, at most {IDS_MAX_COUNT} IDs and "
                               f"{IDS_MAX_BYTES} bytes: shorten the IDs")
     return chunks
