@@ -30,7 +30,9 @@ def _restart_run(tmp_path: Path, stage_group, steps: int = STEPS):
     ``--resume``; the endpoint's socket is ``tmp_path/g.sock``."""
     run = stage_group(Clients, tmp_path, "digits-splitfed", steps, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
                       "--peer-deadline", "30")
-    run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
+    # A long --liveness: a client held at a gate while g waits for it is not dropped, however slow the machine.
+    run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume",
+                      "--liveness", "60"]
     return run
 
 
