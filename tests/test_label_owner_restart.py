@@ -226,3 +226,38 @@ def test_the_label_owner_killed_anywhere_near_an_average_under_load_changes_noth
         for hog in hogs:
             hog.kill()
             hog.wait(10)
+
+
+def test_the_replies_of_a_step_come_back_from_a_checkpoint_file_bit_for_bit(tmp_path):
+    """No sockets: the replies ``kept_replies`` keeps (backward replies of two micro-batches with coded
+    tensors of several dtypes, and an average) pass a real checkpoint file and come back identical, in their
+    tensors' order; those of another step are not kept."""
+    from distgrad.run import kept_replies
+    from distgrad.run.peers import Peer
+    from distgrad.stage import checkpoint
+    from distgrad.wire import messages as wire
+
+    rng = np.random.default_rng(0)
+    peers = [Peer(c, run=f"run{c}") for c in range(3)]
+    coded = {"values": rng.standard_normal((32, 4)).astype(np.float16), "indices": np.arange(128, dtype=np.int32),
+             "scale": np.float32(0.5) * np.ones((), np.float32)}
+    for mb in range(2):
+        peers[1].cached[(7, mb)] = wire.Message(wire.BACKWARD, "run1", 7, mb, 2, body={"loss": 0.1 * (mb + 1),
+                                                "compute_s": 1e-3}, tensors={k: v + mb for k, v in coded.items()})
+    peers[0].cached[(6, 0)] = wire.Message(wire.BACKWARD, "run0", 6, 0, 1, body={"loss": 1.0},
+                                           tensors={"g": np.ones(3, np.float32)})
+    mean = {"f1.W": rng.standard_normal((4, 4)).astype(np.float32), "f1.b": np.zeros(4, np.float32)}
+    for peer in (peers[0], peers[2]):
+        peer.averaged = wire.Message(wire.AVERAGE, peer.run, 7, tensors=mean)
+    path = checkpoint.save(tmp_path, "g", "r", 7, "fp", kept_replies.kept_arrays(peers, 7), {})
+    back = [Peer(c, run=f"run{c}") for c in range(3)]
+    assert [p.index for p in kept_replies.restore(back, checkpoint.load(path).arrays, 7)] == [0, 1, 2]
+    assert back[0].cached == {} and back[1].averaged is None
+    for ours, theirs in [(back[1].cached[(7, mb)], peers[1].cached[(7, mb)]) for mb in range(2)] + [
+            (back[0].averaged, peers[0].averaged), (back[2].averaged, peers[2].averaged)]:
+        assert (ours.type, ours.run, ours.step, ours.mb, ours.mbs, ours.body) == (
+            theirs.type, theirs.run, theirs.step, theirs.mb, theirs.mbs, theirs.body)
+        assert list(ours.tensors) == list(theirs.tensors)
+        for name, value in theirs.tensors.items():
+            assert ours.tensors[name].dtype == value.dtype and np.array_equal(ours.tensors[name], value), name
+        assert [bytes(f) for f in wire.encode(ours)] == [bytes(f) for f in wire.encode(theirs)]
