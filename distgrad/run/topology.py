@@ -547,7 +547,8 @@ class Clients(Turns):
 
     def __init__(self, serving: Any, count: int) -> None:
         super().__init__(serving, count)
-        self.resuming: dict[str, Peer] = {}    # run id -> a client of the resumed run not back yet
+        # Run id -> the client whose replies a resumed checkpoint kept (a hint: it must still be absent).
+        self.resuming: dict[str, Peer] = {}
 
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
         s = self.serving
@@ -559,7 +560,6 @@ class Clients(Turns):
                                                f"cannot start run {msg.run!r}")
         common_step([0], msg.body.get("held"))         # validates the list
         s.open_run()
-        self.resuming.pop(peer.run, None)           # back: its requests are answered as any client's
         same_run = peer.run == msg.run
         peer.run, peer.owner = msg.run, peer.owner if same_run else peer_key
         if s.phase is Phase.JOINING:
@@ -599,7 +599,8 @@ class Clients(Turns):
         client of the resumed run (its owner key) that has not said hello since: its reply, which the restart
         lost. (Any other message of such a client is refused: it says hello and goes on after that round.)"""
         peer = self.resuming.get(msg.run)
-        if peer is None or (peer.owner and peer_key != peer.owner) or not self.serving.active:
+        if (peer is None or peer.run != msg.run or peer.status is not PeerStatus.ABSENT or not self.serving.active
+                or (peer.owner and peer_key != peer.owner)):
             return super().resent_reply(msg, peer_key)
         if msg.type == wire.AVERAGE:
             return peer.averaged if peer.averaged is not None and peer.averaged.step == msg.step else None
