@@ -97,9 +97,9 @@ def _hold_after_save(step: int, reached: Path) -> None:
 
     save = stage_state.StageState.save
 
-    def save_then_hold(self, at=None, *a, **kw):
-        save(self, at, *a, **kw)
-        if (self.stage.step if at is None else at) == step:
+    def save_then_hold(self, at_step=None, *a, **kw):
+        save(self, at_step, *a, **kw)
+        if (self.stage.step if at_step is None else at_step) == step:
             reached.touch()
             time.sleep(GATE_DEADLINE_S)
             raise SystemExit(f"gated_stage: not killed within {GATE_DEADLINE_S:g} s after the checkpoint of "
