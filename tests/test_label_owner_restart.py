@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import read_json
 from test_clients import CLIENTS, Clients, _reference
 
@@ -109,10 +108,11 @@ def _resend_after_restart(tmp_path: Path, start_server, zmq_ctx, experiment: str
     """Raw protocol clients run 2 steps against g (checkpoints every step); ``last`` ("forward" or
     "average") is client 2's last request of step 2. Its reply read, g is killed and restarted with the
     same command line; the request sent again (as if that reply had been lost) gets the same reply."""
+    from conftest import hello_message
+
     from distgrad.config.parse import load_experiment
     from distgrad.wire import messages as wire
     from distgrad.wire.transport import Client
-    from conftest import hello_message
 
     exp = load_experiment(experiment)
     bind = f"ipc://{tmp_path}/g.sock"
