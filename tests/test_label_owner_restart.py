@@ -261,3 +261,31 @@ def test_the_replies_of_a_step_come_back_from_a_checkpoint_file_bit_for_bit(tmp_
         for name, value in theirs.tensors.items():
             assert ours.tensors[name].dtype == value.dtype and np.array_equal(ours.tensors[name], value), name
         assert [bytes(f) for f in wire.encode(ours)] == [bytes(f) for f in wire.encode(theirs)]
+
+
+@pytest.mark.parametrize("experiment,step", [("digits-splitfed", 30), ("digits-clients", 20)])
+def test_killed_after_the_checkpoint_before_the_evaluations_of_its_step(tmp_path, stage_group, experiment, step):
+    """Clients evaluate every 10 steps; g is killed right after its checkpoint of ``step``, before the
+    evaluations of that step (and, SplitFed, the average's replies) are answered. Each client sends its
+    ``evaluate`` again to the restarted g, which scores it with the parameters of that step, as the
+    uninterrupted run does: every client's evaluations and parameters are those of the uninterrupted run."""
+    run = stage_group(Clients, tmp_path, experiment, STEPS, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
+                      "--peer-deadline", "30")
+    run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
+    for name in CLIENTS:
+        run.args[name] += ["--eval-every", "10"]
+    held = tmp_path / "g-held.gate"
+    run.gate("g", "--hold-after-save", step, held)
+    run.start("g")
+    for name in CLIENTS:
+        run.start(name)
+    run.wait_until(lambda: held.exists(), f"g to write its checkpoint of step {step}", timeout=90)
+    _kill_and_restart_g(run)
+    run.wait_all(120)
+    reference = _reference(tmp_path, experiment, "--steps", str(STEPS), "--eval-every", "10")
+    for c, name in enumerate(CLIENTS):
+        summary = read_json(tmp_path / f"{name}.json")
+        assert summary["params"][name] == reference["params"][name], name
+        ours = [(e["step"], e["test_loss"]) for e in summary["evaluations"]]
+        theirs = [(e["step"], e["test_loss"]) for e in reference["clients"][c]["evaluations"]]
+        assert ours == theirs, name

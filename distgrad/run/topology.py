@@ -595,15 +595,24 @@ class Clients(Turns):
             self.resuming[peer.run] = peer
 
     def resent_reply(self, msg: Message, peer_key: str) -> Message | None:
-        """As ``Topology.resent_reply``; also a forward or an average of the checkpoint's round sent again by a
-        client of the resumed run (its owner key) that has not said hello since: its reply, which the restart
-        lost. (Any other message of such a client is refused: it says hello and goes on after that round.)"""
+        """As ``Topology.resent_reply``; also, from a client of the resumed run (its owner key) that has not
+        said hello since, the requests of the checkpoint's round whose replies the restart lost: a forward or
+        an average gets its reply again, and the evaluation after that round is scored, while every client is
+        still away and this stage holds exactly that round's parameters. (Any other message of such a client
+        is refused: it says hello and goes on after that round.)"""
+        s = self.serving
         peer = self.resuming.get(msg.run)
-        if (peer is None or peer.run != msg.run or peer.status is not PeerStatus.ABSENT or not self.serving.active
+        if (peer is None or peer.run != msg.run or peer.status is not PeerStatus.ABSENT or not s.active
                 or (peer.owner and peer_key != peer.owner)):
             return super().resent_reply(msg, peer_key)
         if msg.type == wire.AVERAGE:
             return peer.averaged if peer.averaged is not None and peer.averaged.step == msg.step else None
+        if msg.type == wire.EVALUATE and s.phase is Phase.JOINING and msg.step == s.round + 1:
+            if peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (msg.run, msg.step):
+                return peer.evaluated
+            s.accepts.evaluation(peer.index, msg).receive(msg, s.exp.allow_nonfinite)
+            peer.evaluate = msg
+            return self.evaluation(peer)
         return peer.cached.get((msg.step, msg.mb)) if msg.type == wire.FORWARD else super().resent_reply(msg, peer_key)
 
     def round_order(self) -> list[int]:
