@@ -3,7 +3,8 @@ could be lost or repeated: the run still ends bitwise equal to the uninterrupted
 
 The serving stage checkpoints a round of an average only once the average is computed, with each client's
 replies of that round (its backward replies and the average), and a restarted serving stage answers a client
-that resends one of them from that checkpoint. These tests kill it at chosen points, held by gates
+that resends one of them from that checkpoint (and scores an evaluation after that round sent again while every
+client is still away). These tests kill it at chosen points, held by gates
 (tests/gated_stage.py), not by timing; the stress variant kills it at many points under CPU load.
 """
 
