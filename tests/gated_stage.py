@@ -1,12 +1,20 @@
-"""``distgrad stage`` for a first stage, held at gates (files) that the test creates.
+"""``distgrad stage``, held at gates (files) that the test creates.
 
-    python tests/gated_stage.py [--start-gate FILE] [--step-gate STEP FILE] -- f --experiment ...
+    python tests/gated_stage.py [--start-gate FILE] [--step-gate STEP FILE] [--average-gate STEP FILE]
+                                [--hold-after-save STEP FILE] -- f --experiment ...
 
 A test orders events across stage processes with these gates instead of timing them:
 
 - ``--start-gate FILE``: the process starts (its imports done) and waits for FILE before the stage
   begins, that is before it takes its checkpoint directory's lock, resumes or connects.
 - ``--step-gate STEP FILE``: the stage waits for FILE before it computes step STEP (once).
+- ``--average-gate STEP FILE``: a SplitFed client waits for FILE after its update of step STEP, before it
+  sends its parameters for that step's average (once).
+- ``--hold-after-save STEP FILE``: any stage (a serving one too), once it has written its checkpoint of
+  step STEP, creates FILE and stops there, as if frozen, until it is killed: a test kills it between that
+  checkpoint and whatever the stage would have done next (its replies).
+
+The first three are for a first stage (``distgrad stage f``).
 
 Every wait is bounded by ``GATE_DEADLINE_S``: past it the process exits 1 naming the gate. Everything
 else is ``distgrad stage ARGS`` (``distgrad.cli.stage_main``), unchanged.
@@ -37,6 +45,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--start-gate", type=Path, help="wait for this file before the stage begins")
     parser.add_argument("--step-gate", nargs=2, metavar=("STEP", "FILE"),
                         help="wait for FILE before computing step STEP")
+    parser.add_argument("--average-gate", nargs=2, metavar=("STEP", "FILE"),
+                        help="wait for FILE before sending the SplitFed average of step STEP")
+    parser.add_argument("--hold-after-save", nargs=2, metavar=("STEP", "FILE"),
+                        help="after the checkpoint of step STEP, create FILE and wait to be killed")
     parser.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then the arguments of distgrad stage")
     args = parser.parse_args(argv)
     stage_args = args.stage_args[1:] if args.stage_args[:1] == ["--"] else args.stage_args
@@ -63,7 +75,37 @@ def main(argv: list[str]) -> int:
             return step_once(self)
 
         driver._Driver.step_once = gated_step_once
+    if args.average_gate is not None:
+        average_step, average_gate = int(args.average_gate[0]), Path(args.average_gate[1])
+        average = driver._Driver._average
+
+        def gated_average(self, step):
+            if step == average_step:
+                wait_for_gate(average_gate)
+            return average(self, step)
+
+        driver._Driver._average = gated_average
+    if args.hold_after_save is not None:
+        _hold_after_save(int(args.hold_after_save[0]), Path(args.hold_after_save[1]))
     return cli.stage_main(stage_args)
+
+
+def _hold_after_save(step: int, reached: Path) -> None:
+    """After the checkpoint of ``step`` is written: create ``reached`` and wait to be killed (exit 1 after
+    ``GATE_DEADLINE_S``)."""
+    from distgrad.run import stage_state
+
+    save = stage_state.StageState.save
+
+    def save_then_hold(self, at_step=None, *a, **kw):
+        save(self, at_step, *a, **kw)
+        if (self.stage.step if at_step is None else at_step) == step:
+            reached.touch()
+            time.sleep(GATE_DEADLINE_S)
+            raise SystemExit(f"gated_stage: not killed within {GATE_DEADLINE_S:g} s after the checkpoint of "
+                             f"step {step}")
+
+    stage_state.StageState.save = save_then_hold
 
 
 if __name__ == "__main__":

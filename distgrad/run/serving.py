@@ -31,7 +31,9 @@ mean of all of them. A peer whose hello asks for an evaluation every K steps
 (``eval_every``) is scored at the end of each K-th round, after the average,
 before the next round starts, so every peer's score is that of the same
 parameters as in ``train_in_process``. Checkpoints are taken at the end of a
-round.
+round, after its average; with several clients each keeps the round's replies,
+which a restarted stage gives again to a client whose reply the kill lost
+(``kept_replies``).
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class ServingStage:
             self.started = time.perf_counter()
             self.loss: float | None = None
             self.active = False             # a run is open (possibly resumed from a checkpoint)
-        self.state.extra_meta = self.topology.checkpoint_meta
+        self.state.extra_meta, self.state.extra_arrays = self.topology.checkpoint_meta, self.topology.checkpoint_arrays
 
     def open_run(self) -> None:
         """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""
@@ -198,8 +200,8 @@ class ServingStage:
             welcome = self._hello(envelope, msg, now, peer_key)
             notices, self.notices = self.notices, []
             return earlier + notices + [(envelope, welcome)] + self.advance(now)
-        if msg.type == wire.BYE and msg.run in self.bye_replies:
-            return earlier + [(envelope, self.bye_replies[msg.run])]    # a repeated bye of a completed run
+        if (resent := self.topology.resent_reply(msg, peer_key)) is not None:   # answered before: the same reply
+            return earlier + [(envelope, resent)]
         peer = self.topology.peer_of(msg)
         if peer.owner and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
@@ -362,13 +364,13 @@ class ServingStage:
         return False
 
     def end_round(self) -> None:
-        """Every peer of the round had its turn: checkpoint, then average (SplitFed) or start the next."""
-        self.state.after_step(self.round)
-        every = self.exp.clients.average_every
-        if self.exp.clients.mode == "splitfed" and self.round % every == 0:
+        """Every peer of the round had its turn: its average (SplitFed), or its checkpoint and the next round.
+        A round with an average is checkpointed with it (``advance_averaging``), never without it."""
+        if self.exp.clients.mode == "splitfed" and self.round % self.exp.clients.average_every == 0:
             self.phase = Phase.AVERAGING
-        else:
-            self.round_done()
+            return
+        self.state.after_step(self.round)
+        self.round_done()
 
     def round_done(self) -> None:
         """After a round (and its average): the peers due to evaluate after it are answered (phase

@@ -27,6 +27,9 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
 
 
+EXTRA_PREFIX = "extra/"      # a checkpoint's arrays of its runner (``StageState.extra_arrays``), not of the stage
+
+
 class ParameterHistory:
     """A driving stage's parameters after each of its last ``depth`` updates (staleness S = ``depth``), and its
     forward state before each step in flight.
@@ -129,7 +132,10 @@ class StageState:
         if checkpoint_each_step and opts.checkpoint_every:     # without one, no step of the engine's checkpoints
             self.engine.observers.append(lambda record: self.after_step(record.step))
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
+        # More arrays to save with the checkpoint of a step (stored under ``EXTRA_PREFIX``).
+        self.extra_arrays: Callable[[int], dict[str, np.ndarray]] = lambda step: {}
         self.resumed_step, self.resumed_meta = 0, {}           # of the checkpoint ``resume_latest`` loaded
+        self.resumed_extra: dict[str, np.ndarray] = {}         # its ``extra_arrays``
         self.run_id = ""
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
         self.cpu_started = time.process_time()   # CPU time of this process when the run began here
@@ -226,6 +232,8 @@ class StageState:
         self._load(ckpt)
         self.run_id, self.owner = ckpt.run, ckpt.meta.get("owner", "")
         self.resumed_step, self.resumed_meta = ckpt.step, dict(ckpt.meta)
+        self.resumed_extra = {name[len(EXTRA_PREFIX):]: value for name, value in ckpt.arrays.items()
+                              if name.startswith(EXTRA_PREFIX)}
         self.log.info("resumed run %s at step %d from %s", ckpt.run, ckpt.step, ckpt.path)
         return True
 
@@ -317,10 +325,11 @@ class StageState:
                                   "keeping_best": self.keeping_best})
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
+            step = self.stage.step if step is None else step
+            extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
             try:
-                self.store.save(self.run_id, self.stage.step if step is None else step,
-                                {**self.stage.state_arrays(), **self.senders.state_arrays(), **self.history.arrays()},
-                                meta)
+                self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
+                                                    **self.history.arrays(), **extra}, meta)
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise

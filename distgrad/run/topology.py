@@ -34,6 +34,7 @@ import numpy as np
 from distgrad.wire import messages as wire
 from distgrad.errors import CodecRangeError, DistgradError, NonFiniteError, PeerAborted, PeerRejected, ProtocolError, StageError
 from distgrad.config.experiment import client_stage_name
+from distgrad.run import kept_replies
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
@@ -210,6 +211,9 @@ class Topology(abc.ABC):
                 p.averaged = Message(wire.AVERAGE, p.run, s.round, tensors=mean)
                 p.average, p.last_seen = None, now
                 replies.append((p.envelope, p.averaged))
+        # The round's checkpoint, taken before these replies leave, holds them: a client whose reply the
+        # stage's kill lost gets it from the restarted stage (``Clients.resent_reply``).
+        s.state.after_step(s.round)
         s.round_done()
         return True
 
@@ -305,6 +309,15 @@ class Topology(abc.ABC):
         """What a checkpoint keeps besides the stage: every peer's run and step."""
         return {"peers": [{"run": p.run, "owner": p.owner, "step": p.step, "loss": p.loss}
                           for p in self.serving.peers]}
+
+    def checkpoint_arrays(self, step: int) -> dict[str, np.ndarray]:
+        """What the checkpoint of step ``step`` keeps besides the stage, as arrays (none by default)."""
+        return {}
+
+    def resent_reply(self, msg: Message, peer_key: str) -> Message | None:
+        """The reply to ``msg`` (from ``peer_key``) when it repeats a request answered before that no peer's
+        state answers now: a bye of a completed run. None: ``msg`` is handled as any message."""
+        return self.serving.bye_replies.get(msg.run) if msg.type == wire.BYE else None
 
     def resumed(self, now: float) -> None:
         """After ``resume_latest``: the peers' runs as saved; the run continues after the checkpoint's round."""
@@ -534,7 +547,13 @@ class Turns(Topology):
 class Clients(Turns):
     """Several data owners, each round in turn in client order; SplitFed averages their first stages
     (``ServingStage`` runs the averaging phase). A silent or failing client is dropped, the others go on;
-    it may say hello again and takes part from the next round."""
+    it may say hello again and takes part from the next round. A round's checkpoint keeps its replies,
+    which a restarted stage gives again to a client that sends their requests again."""
+
+    def __init__(self, serving: Any, count: int) -> None:
+        super().__init__(serving, count)
+        # Run id -> the client whose replies a resumed checkpoint kept (a hint: it must still be absent).
+        self.resuming: dict[str, Peer] = {}
 
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
         s = self.serving
@@ -567,6 +586,39 @@ class Clients(Turns):
         s.log.warning("client %d rejoins (run %s); it takes part again from step %d", peer.index, msg.run,
                       s.round + 1)
         return s.round + 1
+
+    def checkpoint_arrays(self, step: int) -> dict[str, np.ndarray]:
+        """The replies of round ``step`` (``kept_replies``)."""
+        return kept_replies.kept_arrays(self.serving.peers, step)
+
+    def resumed(self, now: float) -> None:
+        """As ``Topology.resumed``; the replies of the checkpoint's round are back in the clients' caches, and
+        a client not yet back that sends one of its requests again gets its reply (``resent_reply``)."""
+        super().resumed(now)
+        s = self.serving
+        for peer in kept_replies.restore(s.peers, s.state.resumed_extra, s.state.resumed_step):
+            self.resuming[peer.run] = peer
+
+    def resent_reply(self, msg: Message, peer_key: str) -> Message | None:
+        """As ``Topology.resent_reply``; also, from a client of the resumed run (its owner key) that has not
+        said hello since, the requests of the checkpoint's round whose replies the restart lost: a forward or
+        an average gets its reply again, and the evaluation after that round is scored, while every client is
+        still away and this stage holds exactly that round's parameters. (Any other message of such a client
+        is refused: it says hello and goes on after that round.)"""
+        s = self.serving
+        peer = self.resuming.get(msg.run)
+        if (peer is None or peer.run != msg.run or peer.status is not PeerStatus.ABSENT or not s.active
+                or (peer.owner and peer_key != peer.owner)):
+            return super().resent_reply(msg, peer_key)
+        if msg.type == wire.AVERAGE:
+            return peer.averaged if peer.averaged is not None and peer.averaged.step == msg.step else None
+        if msg.type == wire.EVALUATE and s.phase is Phase.JOINING and msg.step == s.round + 1:
+            if peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (msg.run, msg.step):
+                return peer.evaluated
+            s.accepts.evaluation(peer.index, msg).receive(msg, s.exp.allow_nonfinite)
+            peer.evaluate = msg
+            return self.evaluation(peer)
+        return peer.cached.get((msg.step, msg.mb)) if msg.type == wire.FORWARD else super().resent_reply(msg, peer_key)
 
     def round_order(self) -> list[int]:
         for peer in self.serving.peers:
