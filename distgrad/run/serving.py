@@ -50,8 +50,7 @@ import zmq
 
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
-from distgrad.errors import (CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerAborted, PeerRejected,
-                             PeerTimeout, ProtocolError)
+from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import MAX_STALENESS, is_whole
 from distgrad.run.handshake import same_exactly
 from distgrad.run.metering import Metering, NoMetering
@@ -132,7 +131,7 @@ class ServingStage:
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
-            wire.BYE: self._bye, wire.ERROR: self._notice}
+            wire.BYE: self._bye, wire.ERROR: self.topology.notice}
         if opts.resume and self.state.resume_latest():
             self.topology.resumed(time.monotonic())
             self.state.open_trace(append=True)
@@ -296,18 +295,6 @@ class ServingStage:
         # (``round_done``), else once every round is done.
         peer.evaluate = msg
         self.evaluating = True
-        return []
-
-    def _notice(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        """An ``aborted`` notice (``wire.abort_notice``) from the peer whose run it is (the owner check is
-        ``handle``'s): it stopped before the end and says why. Its topology ends its part (one source of steps:
-        the run fails, nothing of a step in progress applied, no checkpoint written; a client: dropped). No
-        reply: a notice is not a request. Any other error message is refused."""
-        if msg.body.get("code") != wire.ErrorCode.ABORTED:
-            raise ProtocolError(ErrorCode.TYPE, "a serving stage takes no error messages but an aborted notice")
-        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
-        self.log.error("%s stopped before the end of its run: %s", self.topology.name(peer), reason)
-        self.topology.aborted(peer, PeerAborted(reason))
         return []
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:

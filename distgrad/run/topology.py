@@ -249,6 +249,17 @@ class Topology(abc.ABC):
         self.serving.engine.reset()
         self.serving.failure = error
 
+    def notice(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        """An ``aborted`` notice (``wire.abort_notice``) from the peer whose run it is (the owner check is the
+        serving stage's): it stopped before the end and says why (``aborted``). No reply: a notice is not a
+        request. Any other error message is refused."""
+        if msg.body.get("code") != ErrorCode.ABORTED:
+            raise ProtocolError(ErrorCode.TYPE, "a serving stage takes no error messages but an aborted notice")
+        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        self.serving.log.error("%s stopped before the end of its run: %s", self.name(peer), reason)
+        self.aborted(peer, PeerAborted(reason))
+        return []
+
     def aborted(self, peer: Peer, error: PeerAborted) -> None:
         """``peer`` stopped before the end and said why (an aborted notice): as a failed step (nothing of a
         step in progress applied); the run fails, or for a client only that client is dropped."""
