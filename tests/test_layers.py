@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 # Lowest first. A folder name stands for every module in it; top-level modules are named one by one.
 LAYERS = [
-    ("foundations", {"errors", "threads"}),
+    ("foundations", {"errors", "threads", "jsontext"}),
     ("model math", {"model", "privacy"}),
     ("wire", {"wire"}),
     ("configuration and data", {"config"}),

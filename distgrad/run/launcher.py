@@ -86,7 +86,8 @@ class _BarLine:
             if p.get("test_loss") is not None:
                 self.test = {key: None if value is None else float(value) for key, value in p.items()
                              if key.startswith("test_")}
-            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
+            loss = p.get("loss")                  # a non-finite loss arrives as "inf" or "nan" (jsontext)
+            self.text = render_bar(int(p["step"]), int(p["steps"]), None if loss is None else float(loss),
                                    None if rate is None else float(rate), self.test)
         except (ValueError, KeyError, TypeError):
             return

@@ -15,6 +15,7 @@ from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
@@ -59,7 +60,7 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json_text(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
@@ -149,7 +150,7 @@ class TraceWriter:
         kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:       # replaced atomically: a crash keeps the old file
-            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in kept)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self.path)
@@ -177,7 +178,7 @@ class TraceWriter:
             line["client"] = client
         if loss is not None:
             line["loss"] = float(loss)
-        text = json.dumps(line, separators=(",", ":")) + "\n"
+        text = json_text(line, separators=(",", ":")) + "\n"
         if len(text) > TRACE_WARN_BYTES and not self._warned:
             self._warned = True
             log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
@@ -253,7 +254,7 @@ def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]]) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+        f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
 
 
 def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:

@@ -110,6 +110,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
@@ -418,8 +419,8 @@ def _scheduler_state(scheduler: Any, optimizer: torch.optim.Optimizer) -> np.nda
     """The scheduler's ``state_dict`` and the optimizer's param groups (which a scheduler may change: the
     rate, and momentum for OneCycleLR and CyclicLR) as JSON text in a uint8 array (never a pickle);
     ``TypeError``/``ValueError`` when they are not plain numbers, strings and lists."""
-    text = json.dumps({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
-                      allow_nan=False)
+    text = json_text({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
+                      strict=True)
     return np.frombuffer(text.encode(), np.uint8).copy()
 
 

@@ -366,6 +366,10 @@ def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: i
         _RUN_NAMES[raw_run] = run
     if not 0 <= mb < mbs:
         raise ProtocolError(ErrorCode.MALFORMED, f"need 0 <= mb < mbs, got mb={mb} mbs={mbs}")
+    if code == _BACKWARD_CODE and not (math.isfinite(compute_s) and compute_s >= 0):
+        # A duration: the driving stage chooses its staleness from it and records it in its summary.
+        raise ProtocolError(ErrorCode.MALFORMED, f"a backward's compute_s is seconds, finite and >= 0, "
+                                                 f"got {compute_s!r}")
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")

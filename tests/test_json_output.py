@@ -1,0 +1,82 @@
+"""Every JSON file and line distgrad writes is JSON: no ``NaN`` or ``Infinity``, one writer
+(``distgrad.jsontext``), and a peer's non-finite or negative compute time is refused at the wire."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.errors import ProtocolError
+from distgrad.jsontext import json_text
+from distgrad.privacy.budget import label_budget
+from distgrad.privacy.defenses import ClipNoise
+from distgrad.run.autostaleness import LinkProbe, choose_staleness
+from distgrad.stage.records import write_json
+from distgrad.wire import messages as wire
+
+PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
+
+
+def strict_loads(text: str):
+    """``json.loads`` that refuses the non-JSON constants NaN, Infinity and -Infinity."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_floats_are_written_as_text_and_read_back_with_float():
+    obj = {"inf": math.inf, "minus": [-math.inf], "nan": float("nan"), "np": np.float64("inf"),
+           "f32": np.float32("nan"), "finite": 0.5, "none": None, "nested": {"t": (1.0, math.inf)}}
+    back = strict_loads(json_text(obj))
+    assert back == {"inf": "inf", "minus": ["-inf"], "nan": "nan", "np": "inf", "f32": "nan", "finite": 0.5,
+                    "none": None, "nested": {"t": [1.0, "inf"]}}
+    assert float(back["inf"]) == math.inf and math.isnan(float(back["nan"]))
+    with pytest.raises(ValueError):
+        json_text({"x": math.inf}, strict=True)
+
+
+def test_a_clip_noise_budget_without_noise_writes_valid_json(tmp_path):
+    """sigma = 0 has an infinite epsilon: the summary says "inf", not the non-JSON Infinity."""
+    budget = label_budget(None, ClipNoise(max_norm=1.0, sigma=0.0, delta=1e-5), releases=10)
+    write_json(tmp_path / "summary.json", {"privacy": {"g": budget}, "loss": float("nan")})
+    text = (tmp_path / "summary.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    summary = strict_loads(text)
+    assert summary["privacy"]["g"]["clip_noise"]["epsilon"] == "inf" and summary["loss"] == "nan"
+
+
+def test_every_json_text_in_the_package_goes_through_the_one_writer():
+    offenders = [f"{path.relative_to(PACKAGE)}:{number}" for path in PACKAGE.rglob("*.py")
+                 if path.name != "jsontext.py"
+                 for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if re.search(r"\bjson\.dumps?\(", line)]
+    assert not offenders, f"write JSON through distgrad.jsontext.json_text: {offenders}"
+
+
+@pytest.mark.parametrize("compute_s", [float("nan"), math.inf, -math.inf, -1.0])
+def test_a_backward_reporting_a_non_finite_or_negative_compute_time_is_refused(compute_s):
+    reply = wire.Message(wire.BACKWARD, "run-1", 1, 0, 1, body={"loss": 0.25, "compute_s": compute_s},
+                         tensors={"activation_grad": np.zeros((2, 3), np.float32)})
+    with pytest.raises(ProtocolError, match="compute_s") as refused:
+        wire.decode(wire.encode(reply))
+    assert refused.value.code == wire.ErrorCode.MALFORMED
+
+
+def test_a_backward_with_a_plausible_compute_time_is_accepted():
+    reply = wire.Message(wire.BACKWARD, "run-1", 1, 0, 1, body={"loss": float("nan"), "compute_s": 0.003},
+                         tensors={"activation_grad": np.zeros((2, 3), np.float32)})
+    decoded = wire.decode(wire.encode(reply))
+    assert decoded.body["compute_s"] == 0.003 and math.isnan(decoded.body["loss"])   # a loss may diverge
+
+
+def test_the_staleness_rule_refuses_figures_that_are_not_finite():
+    with pytest.raises(ValueError, match="g_compute_s"):
+        LinkProbe(round_trip_s=0.01, ping_s=0.001, f_compute_s=0.002, g_compute_s=float("nan"),
+                  bytes_down=10, bytes_up=10)
+    with pytest.raises(ValueError, match="finite"):
+        choose_staleness(0.01, float("nan"))
