@@ -80,3 +80,36 @@ def test_the_staleness_rule_refuses_figures_that_are_not_finite():
                   bytes_down=10, bytes_up=10)
     with pytest.raises(ValueError, match="finite"):
         choose_staleness(0.01, float("nan"))
+
+
+# --- what a summary says of the defenses -------------------------------------------------------------------
+
+def _digits_with(tmp_path: Path, f_extra: str, g_extra: str = "") -> Path:
+    """The built-in digits experiment with extra lines in its stages' tables."""
+    from distgrad.config.parse import BUILTIN_DIR
+    text = (BUILTIN_DIR / "digits.toml").read_text().replace('"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/')
+    head, f, g = text.split("[[stages]]")
+    path = tmp_path / "defended.toml"
+    path.write_text("[[stages]]".join([head, f"{f.rstrip()}\n{f_extra}\n\n", f"{g.rstrip()}\n{g_extra}\n\n"]))
+    return path
+
+
+@pytest.mark.parametrize("f_extra", ["nopeek = { weight = 0.5 }", "clip_noise = { max_norm = 4.0, sigma = 0 }"])
+def test_defenses_that_draw_nothing_are_not_said_to_draw_noise(tmp_path, f_extra):
+    from distgrad.config.defended import budget_text, privacy_budget
+    from distgrad.config.parse import load_experiment
+    privacy = privacy_budget(load_experiment(_digits_with(tmp_path, f_extra)), ["f", "g"], 10, 0)
+    assert "noise_seed" not in privacy["privacy"]["f"] and "drawn_by" not in privacy["privacy"]["f"]
+    assert "seed" not in budget_text(privacy["privacy"]) and "drawing" not in budget_text(privacy["privacy"])
+
+
+def test_defenses_that_draw_are_named_with_the_seed_they_draw_from(tmp_path):
+    from distgrad.config.defended import budget_text, privacy_budget
+    from distgrad.config.parse import load_experiment
+    exp = load_experiment(_digits_with(tmp_path, "nopeek = { weight = 0.5 }\nclip_noise = { max_norm = 4.0, sigma = 0.1 }",
+                                       "max_norm = true"))
+    privacy = privacy_budget(exp, ["f", "g"], 10, 0)["privacy"]
+    assert privacy["f"]["drawn_by"] == ["clip_noise"] and privacy["g"]["drawn_by"] == ["max_norm"]
+    text = budget_text(privacy)
+    assert "f: clip_noise: " in text and "clip_noise drawing noise from the run's seed" in text
+    assert "nopeek drawing" not in text and "max_norm drawing noise from the run's seed" in text
