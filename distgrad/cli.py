@@ -29,7 +29,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, Sequence  # noqa: E402
 
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
@@ -479,22 +479,28 @@ def _print_result(summary: dict) -> None:
     if "clients" in summary:        # several clients: no loss belongs to the whole run
         print(f"{head}, {len(summary['clients'])} clients")
     else:
-        print(f"{head}, final loss {summary['final_loss']:.6g}")
+        print(f"{head}, final loss {_number(summary['final_loss'])}")
     for client in summary.get("clients", []):
         accuracy = scores_text(client)     # test accuracy and the label owner's other metrics
-        loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
+        loss = "none" if client.get("final_loss") is None else _number(client["final_loss"])
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
     for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
-    if "test_accuracy" in summary:
-        print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
-              f"(test loss {summary['test_loss']:.6g})")
-    others = scores_text({k: v for k, v in summary.items() if k != "test_accuracy"})
+    # With keep_best the model kept (the one --save writes) is the best evaluation's, not the last step's.
+    best = summary.get("best_evaluation")
+    scored = best if best is not None else summary
+    of_model = f" of the kept model, after step {best['step']}" if best is not None else ""
+    if "test_accuracy" in scored:
+        last = (f"; after the last step, {summary['steps']}: {summary['test_accuracy']:.4f}"
+                if best is not None and "test_accuracy" in summary else "")
+        print(f"test accuracy {scored['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
+              f"(test loss {_number(scored['test_loss'])}){of_model}{last}")
+    others = scores_text({k: v for k, v in scored.items() if k != "test_accuracy"})
     if others:
-        print(f"held-out scores: {others[2:]}")
+        print(f"held-out scores{of_model}: {others[2:]}")
     if "best_step" in summary:
         print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
     if "stopped_early" in summary:
@@ -506,6 +512,11 @@ def _print_result(summary: dict) -> None:
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
             print(f"  {stage}.{name} = {text}")
+
+
+def _number(value: Any) -> str:
+    """A summary's figure for a line of text: a number, or a non-finite one's text ("nan", "inf")."""
+    return f"{value:.6g}" if isinstance(value, (int, float)) else str(value)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -24,8 +24,8 @@ from distgrad.config.defended import budget_text, meter_kind, metered, privacy_b
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.metering import Metering
-from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, scores_text,
-                                    to_lists, write_json)
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
+                                    evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
@@ -484,6 +484,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         **evaluation_fields(evaluation),
         **({"evaluations": evaluations} if len(data.test_rows) else {}),
         **verdicts.summary(),
+        **best_evaluation_fields(evaluations, verdicts.best_step),
         **privacy_budget(exp, exp.stage_names, steps, seed),
         **{key: value for metering in meters for key, value in metering.summary_fields().items()},
         "params": {s.name: to_lists(s.params) for s in stages},

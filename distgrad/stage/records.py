@@ -46,10 +46,19 @@ def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]
     return {"step": step, **{k: v for k, v in evaluation_fields(evaluation).items() if k != "test_count"}}
 
 
+def best_evaluation_fields(evaluations: Sequence[Mapping[str, Any]], best_step: int) -> dict[str, Any]:
+    """The summary's ``best_evaluation`` with ``keep_best``: the entry of ``evaluations`` (``evaluation_entry``)
+    of ``best_step``, the model ``--save`` writes; {} when no evaluation was judged the best (``best_step``
+    0) or its entry is not among ``evaluations``."""
+    entry = next((e for e in evaluations if e["step"] == best_step), None) if best_step else None
+    return {"best_evaluation": dict(entry)} if entry is not None else {}
+
+
 def scores_text(fields: Mapping[str, Any]) -> str:
     """The scores of ``evaluation_fields`` but the loss and row count, for a log line: ``, test accuracy
     0.9123, test auc 0.9876`` (an undefined one as n/a)."""
-    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}")
+    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}" if isinstance(value, (int, float))
+                                          else str(value))         # a non-finite one read back: "nan", "inf"
                    for key, value in fields.items() if key.startswith("test_") and key not in _NOT_SCORES)
 
 
