@@ -43,7 +43,7 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.serving import hello_fields, refusal
+from distgrad.run.serving import hello_fields, log_refusal, refusal
 from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -229,8 +229,7 @@ class CutServer:
             msg = wire.decode(frames, self.max_tensor)
             return handle(envelope, msg, peer_key)
         except ProtocolError as e:
-            self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                             wire.ERROR_TEXT_MAX, e)
+            log_refusal(self.log, msg, e)
             self.server.reply(envelope, refusal(msg, e))
             return None
 
