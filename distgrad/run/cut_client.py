@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerRejected, ProtocolError
+from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerBusy, PeerRejected, ProtocolError
 from distgrad.run import handshake
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
@@ -176,7 +176,7 @@ class Cut:
             try:
                 return request()
             except PeerRejected as e:
-                if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                if attempt or e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
                     raise
                 # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)

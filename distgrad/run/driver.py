@@ -28,7 +28,7 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import Interrupted, PeerBusy, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
@@ -484,7 +484,7 @@ class _Driver:
                 self.step_once()
                 self._after_step()
             except PeerRejected as e:
-                if e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                if e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
                     raise
                 # The server restarted or lost our run: agree on a step again.
                 self.log.warning("%s; shaking hands again", e.peer_message)

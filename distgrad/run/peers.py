@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,14 @@ from distgrad.wire.wirecodec import Expected
 
 Envelope = list[bytes]
 Reply = tuple[Envelope, Message]
+
+
+def busy_text(what: str, run: str, since: float, live: str) -> str:
+    """The reply to a hello of another run while ``run`` (started at ``since``, seconds since the epoch) is
+    live here: ``busy with run 'r1' since 2026-12-06T12:00:00Z (its data owner is live); ...``. It starts
+    with "busy": a driver that reads it stops at once (``link.DownstreamLink.exchange``)."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)) if since else "an unknown time"
+    return f"busy with {what} {run!r} since {started} ({live})"
 
 
 class PeerStatus(enum.Enum):
@@ -55,6 +64,7 @@ class Peer:
     specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)
     streams: list[str] = field(default_factory=list)   # by micro-batch: the stream of its reply's gradient
     last_seen: float = -math.inf      # its last message, or the last reply to it
+    since: float = 0.0                # when its run started here (seconds since the epoch; 0: none yet)
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
     cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its step in progress

@@ -54,6 +54,7 @@ from distgrad.config.data import CsvColumns
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
+from distgrad.run.peers import busy_text
 from distgrad.stage.records import write_atomic
 from distgrad.run.serving import announce, decode_and_handle
 from distgrad.run.stage_state import StageState
@@ -97,6 +98,7 @@ class _Session:
     id_name: str | None = None               # the rows' ID column (its hello's ``id_column``), None: no IDs
     ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
+    since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
 
 
 def _is_number(text: str) -> bool:
@@ -356,7 +358,8 @@ class PredictionServer:
         session = self.sessions.get(sender)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, f"busy with prediction {session.run} (its sender is live)")
+            raise ProtocolError(ErrorCode.RUN, busy_text("prediction", session.run, session.since,
+                                                         "its sender is live"))
         for other, theirs in self.sessions.items():
             if other != sender and theirs.rows != rows:
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "

@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from distgrad.wire import messages as wire
-from distgrad.errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import NonFiniteError, PeerBusy, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import Expected
@@ -103,21 +103,17 @@ class DownstreamLink:
         ``await_reply``.
 
         A hello refused because the stage below is busy with another live run
-        is retried too, until ``peer_deadline_s``.
+        raises ``PeerBusy`` at once, naming that run and since when it runs
+        there: waiting would only hide it behind a timeout.
         """
-        deadline = time.monotonic() + self.opts.peer_deadline_s
-        pause = RETRY_BACKOFF_S[0]
-        while True:
-            key = (msg.step, msg.mb)
-            self.client.send(msg)
-            try:
-                return self.await_reply({key: msg}, key, types)
-            except PeerRejected as e:
-                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
-                    raise
-                self.log.warning("%s; retrying", e.peer_message)
-            self._reconnect(pause)
-            pause = min(pause * 2, RETRY_BACKOFF_S[1])
+        key = (msg.step, msg.mb)
+        self.client.send(msg)
+        try:
+            return self.await_reply({key: msg}, key, types)
+        except PeerRejected as e:
+            if e.code == ErrorCode.RUN and e.peer_message.startswith("busy"):
+                raise PeerBusy(e.code, e.peer_message, self.client.endpoint) from None
+            raise
 
     def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int],
                     types: Collection[str] | None = None) -> Message:
