@@ -37,6 +37,7 @@ from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerReject
 if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
     import zmq
 
+    from distgrad.config.experiment import Experiment
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
@@ -367,6 +368,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
     A middle stage uses its one key pair on both sockets.
     """
+    from distgrad.config.experiment import Experiment
     from distgrad.wire.keys import CurveClient, CurveServer
 
     needed = {"serving": ["--curve-secret", "--allow"], "driving": ["--curve-secret", "--server-key"],
@@ -384,6 +386,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 def _run_experiment(args: argparse.Namespace) -> int:
     from distgrad.run.options import StopFlag, check_in_flight
+    from distgrad.config.defended import check_meter_flag
     from distgrad.config.experiment import check_run_settings
     from distgrad.config.parse import load_experiment, parse_init_overrides
     from distgrad.run.inprocess import train_in_process
@@ -414,6 +417,10 @@ def _run_experiment(args: argparse.Namespace) -> int:
                               f"evaluations)")
     if args.tensorboard is not None:
         check_tensorboard()
+    if args.privacy_meter:
+        check_meter_flag(exp)
+    if not in_process:
+        _check_stage_processes(exp, args)
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
@@ -442,6 +449,36 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
     _print_result(summary)
     return EXIT_OK
+
+
+def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
+    """Check the settings each stage process of ``distgrad run`` would get as that process checks them
+    (``StageOptions``), so what a stage would refuse (exit 2) is refused here, with its reason, before any
+    stage starts. ``ConfigError`` naming the process."""
+    from distgrad.config.defended import metered
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.launcher import stage_processes
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions
+    from distgrad.stage.records import parse_trace_params
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+
+    for label, stage, client, driving in stage_processes(exp):
+        try:
+            StageOptions(
+                exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
+                args.steps, None, args.trace, parse_trace_params(args.trace_params), args.trace_every,
+                timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
+                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
+                resume=args.resume, micro_batches=args.micro_batches if driving else exp.micro_batches,
+                schedule=args.schedule if driving else "1f1b", in_flight=args.in_flight if driving else None,
+                staleness=args.staleness if driving else None, eval_every=args.eval_every if driving else None,
+                metrics_path=args.metrics, tensorboard_dir=args.tensorboard, client=client,
+                spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6,
+                privacy_meter=args.privacy_meter and metered(exp, stage, True))
+        except ConfigError as e:
+            raise ConfigError(f"stage process {label}: {e}") from e
 
 
 def _progress_mode(choice: str) -> str:

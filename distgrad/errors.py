@@ -67,8 +67,7 @@ class PeerBusy(PeerRejected):
 
     def __str__(self) -> str:
         return (f"the serving stage at {self.endpoint} is {self.peer_message}. It serves one run at a time: "
-                f"wait until that run ends (if its data owner has just stopped, the stage takes it as gone once "
-                f"it has been silent for the stage's liveness, 10 s by default), or start another serving stage")
+                f"wait until that run ends, or start another serving stage")
 
 
 class StageError(DistgradError, RuntimeError):

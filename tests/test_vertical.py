@@ -422,7 +422,7 @@ def test_another_process_naming_a_live_party_is_refused_as_busy(tmp_path):
         for party in (left, right):
             _replies(g, party, party.forward(step), now)
         g.settle()
-    with pytest.raises(ProtocolError, match=r"busy with run .* since .*\(party left is live in it\)"):
+    with pytest.raises(ProtocolError, match=r"busy with run .* since .*\(party left: heard 0.50 s ago"):
         g.handle([b"other"], left.hello([0], 10, run="another-run"), now + 0.5)
     assert g.stage.step == 2 and g.peers[0].run == left.run
 

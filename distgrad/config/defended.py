@@ -69,6 +69,15 @@ def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
     return True
 
 
+def check_meter_flag(exp: Experiment) -> None:
+    """``--privacy-meter`` for a whole run meters every stage that can (``metered``); raise ``ConfigError``
+    with ``meter_kind``'s reason (the one a stage process gives) when no stage of ``exp`` can, so the flag
+    is never accepted and ignored."""
+    if not any(metered(exp, stage, True) for stage in exp.stage_names):
+        meter_kind(exp, exp.stage_names[0])
+        raise ConfigError("'privacy_meter' (or --privacy-meter): no stage of this experiment can meter")
+
+
 def check_defenses(exp: Experiment) -> None:
     """Raise ``ConfigError`` naming the key and the reason for a defense (or a privacy meter) on a stage that
     cannot apply it."""

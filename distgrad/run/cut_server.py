@@ -43,7 +43,6 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.peers import busy_text
 from distgrad.run.serving import hello_fields, log_refusal, refusal
 from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
@@ -288,10 +287,9 @@ class CutServer:
                                                f"hello is of run {msg.run!r}: resume the data owner with the "
                                                f"run's checkpoint, or start the label owner afresh")
         if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, busy_text("run", self.run_id, self.run_since,
-                                                         f"its data owner was heard within liveness_s = "
-                                                         f"{self.bounds.liveness_s:g} s; this label owner serves "
-                                                         f"one run at a time"))
+            busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
+                             self.bounds.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
         if self.owner and self.run_id == msg.run and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if self.next_mb and mbs != self.mbs:

@@ -20,7 +20,7 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine, crossed_direction
-from distgrad.config.defended import budget_text, meter_kind, metered, privacy_budget, row_defense
+from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.metering import Metering
@@ -406,6 +406,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
                        eval_every=eval_every, staleness=staleness)
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
     staleness = exp.staleness if staleness is None else staleness
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed

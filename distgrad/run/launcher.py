@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, StageError
-from distgrad.config.defended import metered
+from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
@@ -193,6 +193,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
     check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
@@ -317,6 +319,14 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
             stage = Stage.from_experiment(exp, spec.name, seed, init)
             for path in loads:
                 stage.load_parameters(path)
+
+
+def stage_processes(exp: Any) -> list[tuple[str, str, int | None, bool]]:
+    """``(process, stage, client, driving)`` of every process ``run_local`` starts for ``exp``: the data
+    owners (once per client) driving, then the serving stages."""
+    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
+    return ([(label, stage, client, True) for label, stage, client in _driving_processes(exp, clients)]
+            + [(name, name, None, False) for name in exp.stage_names if name not in exp.data_owners])
 
 
 def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:

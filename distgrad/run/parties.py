@@ -19,7 +19,7 @@ from distgrad.model import aggregate
 from distgrad.wire import messages as wire
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.peers import Peer, PeerStatus, Phase, Reply, busy_text
+from distgrad.run.peers import Peer, PeerStatus, Phase, Reply
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import micro_batch
 from distgrad.run.topology import Topology
@@ -110,7 +110,7 @@ class Parties(Topology):
         if peer.run and peer.run != msg.run and peer.live(now, s.opts.liveness_s):
             # Another process naming the same party (or one restarted without --resume too soon): it would
             # take the live party's place and send every party back to its step.
-            busy = busy_text("run", peer.run, peer.since, f"{self.name(peer)} is live in it")
+            busy = wire.busy_text("run", peer.run, peer.since, self.name(peer), now - peer.last_seen, s.opts.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         for other in s.peers:
             if other is not peer and other.status is PeerStatus.ACTIVE and (other.mbs, other.eval_every) != (

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +17,6 @@ from distgrad.wire.wirecodec import Expected
 Envelope = list[bytes]
 Reply = tuple[Envelope, Message]
 
-
-def busy_text(what: str, run: str, since: float, live: str) -> str:
-    """The reply to a hello of another run while ``run`` (started at ``since``, seconds since the epoch) is
-    live here: ``busy with run 'r1' since 2026-12-06T12:00:00Z (its data owner is live); ...``. It starts
-    with "busy": a driver that reads it stops at once (``link.DownstreamLink.exchange``)."""
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)) if since else "an unknown time"
-    return f"busy with {what} {run!r} since {started} ({live})"
 
 
 class PeerStatus(enum.Enum):

@@ -54,7 +54,6 @@ from distgrad.config.data import CsvColumns
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.run.peers import busy_text
 from distgrad.stage.records import write_atomic
 from distgrad.run.serving import announce, decode_and_handle
 from distgrad.run.stage_state import StageState
@@ -358,8 +357,8 @@ class PredictionServer:
         session = self.sessions.get(sender)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, busy_text("prediction", session.run, session.since,
-                                                         "its sender is live"))
+            raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
+                                                         now - session.last_seen, self.opts.liveness_s))
         for other, theirs in self.sessions.items():
             if other != sender and theirs.rows != rows:
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "

@@ -36,7 +36,7 @@ from distgrad.errors import CodecRangeError, NonFiniteError, PeerRejected, Proto
 from distgrad.config.experiment import client_stage_name
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
-from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, busy_text
+from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -537,7 +537,8 @@ class Clients(Turns):
             raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; client {peer.index} cannot "
                                                f"join now")
         if peer.live(now, s.opts.liveness_s) and peer.run != msg.run:
-            busy = busy_text("run", peer.run, peer.since, f"client {peer.index} is live in it")
+            busy = wire.busy_text("run", peer.run, peer.since, f"client {peer.index}", now - peer.last_seen,
+                             s.opts.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         common_step([0], msg.body.get("held"))         # validates the list
         s.open_run()
@@ -680,7 +681,7 @@ class OnePeer(Turns):
             s.state.rollback(common)
             peer.cached = {} if common != before else {k: v for k, v in peer.cached.items() if k[0] <= common}
         elif s.live(now):
-            busy = busy_text("run", peer.run, peer.since, "its client is live")
+            busy = wire.busy_text("run", peer.run, peer.since, "its client", now - peer.last_seen, s.opts.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         else:
             self._agree(msg, [0], msg.body.get("held"), mbs)

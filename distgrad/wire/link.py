@@ -25,6 +25,9 @@ from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
+# A hello refused as busy is sent again while the other run's client stays silent (it may have stopped); it
+# was heard in between when its silence grew by less than the time between the refusals, less this slack.
+BUSY_HEARD_SLACK_S = 0.05
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
@@ -103,17 +106,36 @@ class DownstreamLink:
         ``await_reply``.
 
         A hello refused because the stage below is busy with another live run
-        raises ``PeerBusy`` at once, naming that run and since when it runs
-        there: waiting would only hide it behind a timeout.
+        raises ``PeerBusy``, naming that run and since when it runs there, as
+        soon as that run's client is heard between two refusals (a second
+        driver: waiting would only hide it behind a timeout). While that
+        client stays silent (it may have stopped: this driver restarted
+        without its checkpoints) the hello is sent again, until the stage
+        takes it as gone (its liveness), within ``peer_deadline_s``.
         """
-        key = (msg.step, msg.mb)
-        self.client.send(msg)
-        try:
-            return self.await_reply({key: msg}, key, types)
-        except PeerRejected as e:
-            if e.code == ErrorCode.RUN and e.peer_message.startswith("busy"):
-                raise PeerBusy(e.code, e.peer_message, self.client.endpoint) from None
-            raise
+        started = time.monotonic()
+        pause = RETRY_BACKOFF_S[0]
+        last: tuple[float, float] | None = None      # (when, the other client's silence) of the last refusal
+        while True:
+            key = (msg.step, msg.mb)
+            self.client.send(msg)
+            try:
+                return self.await_reply({key: msg}, key, types)
+            except PeerRejected as e:
+                if e.code != ErrorCode.RUN or not e.peer_message.startswith("busy"):
+                    raise
+                now, figures = time.monotonic(), wire.busy_silence(e.peer_message)
+                busy = PeerBusy(e.code, e.peer_message, self.client.endpoint)
+                if figures is None or now + pause > started + self.opts.peer_deadline_s:
+                    raise busy from None
+                if last is not None and figures[0] + BUSY_HEARD_SLACK_S < last[1] + (now - last[0]):
+                    raise busy from None           # heard since the last refusal: it is live
+                if last is not None:
+                    self.log.warning("%s; its client is silent and may have stopped: retrying until the stage "
+                                     "takes it as gone", e.peer_message)
+                last = (now, figures[0])
+            self._reconnect(pause)
+            pause = min(pause * 2, RETRY_BACKOFF_S[1])
 
     def await_reply(self, pending: Mapping[tuple[int, int], Message], key: tuple[int, int],
                     types: Collection[str] | None = None) -> Message:

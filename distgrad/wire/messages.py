@@ -22,6 +22,7 @@ import operator
 import re
 import reprlib
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -167,6 +168,25 @@ def _wire_array(name: str, array: Any) -> tuple[np.ndarray, str]:
         array = array.astype(DTYPES[wire_name])      # big-endian: the wire is little-endian
     return array, wire_name
 
+
+
+_BUSY = re.compile(r"heard ([0-9.]+) s ago, taken as gone after ([0-9.eE+]+) s of silence")
+
+
+def busy_text(what: str, run: str, since: float, who: str, silent_s: float, liveness_s: float) -> str:
+    """The ``run`` error's text refusing a hello of another run while ``run`` (started at ``since``, seconds
+    since the epoch) is live, ``who`` (its client) heard ``silent_s`` ago: ``busy with run 'r1' since
+    2026-12-06T12:00:00Z (its client: heard 0.01 s ago, taken as gone after 10 s of silence)``.
+    ``busy_silence`` reads the figures back."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)) if since else "an unknown time"
+    return (f"busy with {what} {run!r} since {started} ({who}: heard {silent_s:.2f} s ago, taken as gone after "
+            f"{liveness_s:g} s of silence)")
+
+
+def busy_silence(text: str) -> tuple[float, float] | None:
+    """``(silent_s, liveness_s)`` of a ``busy_text``; None for any other text."""
+    found = _BUSY.search(text) if text.startswith("busy") else None
+    return (float(found.group(1)), float(found.group(2))) if found else None
 
 _BACKWARD_BODY = frozenset({"loss", "compute_s"})
 
