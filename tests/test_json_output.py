@@ -113,3 +113,17 @@ def test_defenses_that_draw_are_named_with_the_seed_they_draw_from(tmp_path):
     text = budget_text(privacy)
     assert "f: clip_noise: " in text and "clip_noise drawing noise from the run's seed" in text
     assert "nopeek drawing" not in text and "max_norm drawing noise from the run's seed" in text
+
+
+@pytest.mark.parametrize("body, needle", [({"loss": 0.5, "correct": 3, "count": 0}, "count=0"),
+                                          ({"loss": 0.5, "correct": 3, "count": -4}, "count=-4"),
+                                          ({"loss": 0.5, "correct": -1, "count": 4}, "correct=-1"),
+                                          ({"loss": 0.5, "correct": 5, "count": 4}, "correct=5")])
+def test_an_evaluation_reply_with_meaningless_counts_is_refused(body, needle):
+    """An accuracy is correct / count: a peer's count below 1, or correct outside 0..count, is refused."""
+    from distgrad.wire.link import check_evaluation
+    reply = wire.Message(wire.EVALUATION, "run-1", 3, body=body)
+    with pytest.raises(ProtocolError, match=re.escape(needle)):
+        check_evaluation(reply)
+    assert check_evaluation(wire.Message(wire.EVALUATION, "run-1", 3, body={"loss": math.inf, "correct": 4,
+                                                                             "count": 4}))["count"] == 4

@@ -248,9 +248,13 @@ def check_evaluation(reply: Message) -> dict[str, Any]:
     body = reply.body
     if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
         raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
-    correct = body.get("correct")
-    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)):
-        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}")
+    count, correct = body["count"], body.get("correct")
+    if isinstance(count, bool) or count < 1:       # the held-out rows scored: an accuracy divides by it
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has count={wire.show(count)}; at least 1")
+    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)
+                                or not 0 <= correct <= count):
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}; an int "
+                                                 f"from 0 to count = {count}")
     out = {"loss": body["loss"], "correct": correct, "count": body["count"]}
     metrics = body.get("metrics")
     if metrics is not None:
