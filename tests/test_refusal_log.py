@@ -108,3 +108,19 @@ def test_a_cut_server_logs_a_flood_of_refused_messages_in_one_line():
         logging.getLogger("distgrad").removeHandler(keep)
     refused = [line for line in keep.lines if "refused an undecodable message" in line]
     assert len(refused) == 1, keep.lines[:5]
+
+
+def test_decode_and_handle_the_predict_servers_path_too_logs_a_kind_once():
+    """The serving stage and the predict server both refuse through ``decode_and_handle``."""
+    from distgrad.run.serving import decode_and_handle
+
+    log = logging.getLogger("distgrad.test-decode-and-handle")
+    keep = Keep()
+    log.addHandler(keep)
+    try:
+        for _ in range(50):
+            msg, answer, refused = decode_and_handle(JUNK, 1 << 20, lambda m: None, log)
+            assert refused and msg is None and answer.type == wire.ERROR
+        assert len([line for line in keep.lines if line.startswith("refused an undecodable message")]) == 1
+    finally:
+        log.removeHandler(keep)
