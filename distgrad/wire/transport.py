@@ -395,8 +395,8 @@ class Server:
         release_free_memory()
         self.reply(envelope, wire.error_message("", 0, wire.ErrorCode.MALFORMED, str(e.args[0])))
         self.floods += 1
-        refusal_log(log).note("too many frames", "discarded a message of %d frames (the limit is %d) and "
-                              "answered it with a 'malformed' error", e.frames, MAX_FRAMES)
+        refusal_log(log).note("too many frames", "discarded a message with too many frames (the last: %d frames, "
+                              "the limit is %d) and answered it with a 'malformed' error", e.frames, MAX_FRAMES)
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)
