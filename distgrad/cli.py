@@ -368,7 +368,6 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
     A middle stage uses its one key pair on both sockets.
     """
-    from distgrad.config.experiment import Experiment
     from distgrad.wire.keys import CurveClient, CurveServer
 
     needed = {"serving": ["--curve-secret", "--allow"], "driving": ["--curve-secret", "--server-key"],

@@ -169,7 +169,6 @@ def _wire_array(name: str, array: Any) -> tuple[np.ndarray, str]:
     return array, wire_name
 
 
-
 _BUSY = re.compile(r"heard ([0-9.]+) s ago, taken as gone after ([0-9.eE+]+) s of silence")
 
 
@@ -187,6 +186,7 @@ def busy_silence(text: str) -> tuple[float, float] | None:
     """``(silent_s, liveness_s)`` of a ``busy_text``; None for any other text."""
     found = _BUSY.search(text) if text.startswith("busy") else None
     return (float(found.group(1)), float(found.group(2))) if found else None
+
 
 _BACKWARD_BODY = frozenset({"loss", "compute_s"})
 
