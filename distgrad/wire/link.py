@@ -25,9 +25,11 @@ from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
-# A hello refused as busy is sent again while the other run's client stays silent (it may have stopped); it
-# was heard in between when its silence grew by less than the time between the refusals, less this slack.
-BUSY_HEARD_SLACK_S = 0.05
+# A hello refused as busy is sent again after at least BUSY_PROBE_S, while the other run's client stays silent
+# (it may have stopped); it was heard in between when its silence grew by less than the time between the
+# refusals, less BUSY_HEARD_SLACK_S (the jitter of the two round trips).
+BUSY_PROBE_S = 0.5
+BUSY_HEARD_SLACK_S = 0.2
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
@@ -126,7 +128,7 @@ class DownstreamLink:
                     raise
                 now, figures = time.monotonic(), wire.busy_silence(e.peer_message)
                 busy = PeerBusy(e.code, e.peer_message, self.client.endpoint)
-                if figures is None or now + pause > started + self.opts.peer_deadline_s:
+                if figures is None or now + max(pause, BUSY_PROBE_S) > started + self.opts.peer_deadline_s:
                     raise busy from None
                 if last is not None and figures[0] + BUSY_HEARD_SLACK_S < last[1] + (now - last[0]):
                     raise busy from None           # heard since the last refusal: it is live
@@ -134,6 +136,7 @@ class DownstreamLink:
                     self.log.warning("%s; its client is silent and may have stopped: retrying until the stage "
                                      "takes it as gone", e.peer_message)
                 last = (now, figures[0])
+                pause = max(pause, BUSY_PROBE_S)
             self._reconnect(pause)
             pause = min(pause * 2, RETRY_BACKOFF_S[1])
 
