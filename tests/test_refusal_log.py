@@ -64,6 +64,12 @@ def test_repeats_are_counted_and_logged_as_one_line_when_the_interval_closes():
         refusals.note("hello run", "refused hello")
         assert keep.lines[-2:] == ["1 more refusal(s) like the one logged before (forward malformed) within 60 s",
                                    "refused hello [logged once per 60 s per key]"]
+        refusals.note("hello run", "refused hello")
+        refusals.tick()                       # the interval is not over: nothing yet
+        assert keep.lines[-1] == "refused hello [logged once per 60 s per key]"
+        refusals._window -= 61                # over, and no refusal since: an idle server's tick logs the count
+        refusals.tick()
+        assert keep.lines[-1] == "1 more refusal(s) like the one logged before (hello run) within 60 s"
     finally:
         log.removeHandler(keep)
 

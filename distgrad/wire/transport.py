@@ -130,9 +130,10 @@ class RefusalLog:
     Every place that logs a refusal goes through one (``refusal_log``): a peer looping on bad messages
     costs a few lines a minute, not one a message."""
 
-    def __init__(self, log: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+    def __init__(self, log: logging.Logger, interval_s: float | None = None,
                  max_keys: int = REFUSAL_LOG_KEYS) -> None:
-        self.log, self.interval_s, self.max_keys = log, interval_s, max_keys
+        self.log, self.max_keys = log, max_keys
+        self.interval_s = REFUSAL_LOG_INTERVAL_S if interval_s is None else interval_s
         self._lock = threading.Lock()
         self._window = -math.inf
         self._counts: dict[str, int] = {}   # repeats per key logged this interval, not yet logged
@@ -158,6 +159,13 @@ class RefusalLog:
             more = f" (and {unlogged} refusals of other keys not logged)" if unlogged else ""
             self.log.warning(text + " [logged once per %g s per key]%s", *args, self.interval_s, more)
 
+    def tick(self) -> None:
+        """Log the repeats counted in an interval that is over (a server's idle moment calls it)."""
+        with self._lock:
+            due = any(self._counts.values()) and time.monotonic() - self._window >= self.interval_s
+            repeats = self._close_window(time.monotonic()) if due else []
+        self._log_repeats(repeats)
+
     def flush(self) -> None:
         """Log the repeats counted so far (a server closing, or a loop's idle moment) and start a new interval."""
         with self._lock:
@@ -177,6 +185,14 @@ class RefusalLog:
 
 _REFUSAL_LOGS: dict[str, RefusalLog] = {}
 _REFUSAL_LOGS_LOCK = threading.Lock()
+
+
+def tick_refusal_logs() -> None:
+    """``RefusalLog.tick`` of every logger's ``refusal_log``: the repeats of intervals that are over."""
+    with _REFUSAL_LOGS_LOCK:
+        refusals = list(_REFUSAL_LOGS.values())
+    for each in refusals:
+        each.tick()
 
 
 def refusal_log(log: logging.Logger) -> RefusalLog:
@@ -377,6 +393,7 @@ class Server:
             return None
         self._spin_next = parts is not None
         if parts is None:
+            tick_refusal_logs()             # idle: the repeats of a flood that stopped are logged now
             return None
         split = _envelope_size(parts)
         peer_key = ""
