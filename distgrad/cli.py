@@ -29,7 +29,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, Sequence  # noqa: E402
 
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
@@ -37,6 +37,7 @@ from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerReject
 if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
     import zmq
 
+    from distgrad.config.experiment import Experiment
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
@@ -408,6 +409,7 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 def _run_experiment(args: argparse.Namespace) -> int:
     from distgrad.run.options import StopFlag, check_in_flight
+    from distgrad.config.defended import check_meter_flag
     from distgrad.config.experiment import check_run_settings
     from distgrad.config.parse import load_experiment, parse_init_overrides
     from distgrad.run.inprocess import train_in_process
@@ -438,6 +440,10 @@ def _run_experiment(args: argparse.Namespace) -> int:
                               f"evaluations)")
     if args.tensorboard is not None:
         check_tensorboard()
+    if args.privacy_meter:
+        check_meter_flag(exp)
+    if not in_process:
+        _check_stage_processes(exp, args)
     if in_process:
         summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                                    args.summary, args.trace, args.micro_batches,
@@ -466,6 +472,36 @@ def _run_experiment(args: argparse.Namespace) -> int:
                             gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
     _print_result(summary)
     return EXIT_OK
+
+
+def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
+    """Check the settings each stage process of ``distgrad run`` would get as that process checks them
+    (``StageOptions``), so what a stage would refuse (exit 2) is refused here, with its reason, before any
+    stage starts. ``ConfigError`` naming the process."""
+    from distgrad.config.defended import metered
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.launcher import stage_processes
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions
+    from distgrad.stage.records import parse_trace_params
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+
+    for label, stage, client, driving in stage_processes(exp):
+        try:
+            StageOptions(
+                exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
+                args.steps, None, args.trace, parse_trace_params(args.trace_params), args.trace_every,
+                timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
+                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
+                resume=args.resume, micro_batches=args.micro_batches if driving else exp.micro_batches,
+                schedule=args.schedule if driving else "1f1b", in_flight=args.in_flight if driving else None,
+                staleness=args.staleness if driving else None, eval_every=args.eval_every if driving else None,
+                metrics_path=args.metrics, tensorboard_dir=args.tensorboard, client=client,
+                spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6,
+                privacy_meter=args.privacy_meter and metered(exp, stage, True))
+        except ConfigError as e:
+            raise ConfigError(f"stage process {label}: {e}") from e
 
 
 def _progress_mode(choice: str) -> str:
@@ -503,22 +539,28 @@ def _print_result(summary: dict) -> None:
     if "clients" in summary:        # several clients: no loss belongs to the whole run
         print(f"{head}, {len(summary['clients'])} clients")
     else:
-        print(f"{head}, final loss {summary['final_loss']:.6g}")
+        print(f"{head}, final loss {_number(summary['final_loss'])}")
     for client in summary.get("clients", []):
         accuracy = scores_text(client)     # test accuracy and the label owner's other metrics
-        loss = "none" if client.get("final_loss") is None else f"{client['final_loss']:.6g}"
+        loss = "none" if client.get("final_loss") is None else _number(client["final_loss"])
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
     for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
-    if "test_accuracy" in summary:
-        print(f"test accuracy {summary['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
-              f"(test loss {summary['test_loss']:.6g})")
-    others = scores_text({k: v for k, v in summary.items() if k != "test_accuracy"})
+    # With keep_best the model kept (the one --save writes) is the best evaluation's, not the last step's.
+    best = summary.get("best_evaluation")
+    scored = best if best is not None else summary
+    of_model = f" of the kept model, after step {best['step']}" if best is not None else ""
+    if "test_accuracy" in scored:
+        last = (f"; after the last step, {summary['steps']}: {summary['test_accuracy']:.4f}"
+                if best is not None and "test_accuracy" in summary else "")
+        print(f"test accuracy {scored['test_accuracy']:.4f} on {summary['test_count']} held-out rows "
+              f"(test loss {_number(scored['test_loss'])}){of_model}{last}")
+    others = scores_text({k: v for k, v in scored.items() if k != "test_accuracy"})
     if others:
-        print(f"held-out scores: {others[2:]}")
+        print(f"held-out scores{of_model}: {others[2:]}")
     if "best_step" in summary:
         print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
     if "stopped_early" in summary:
@@ -530,6 +572,11 @@ def _print_result(summary: dict) -> None:
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
             print(f"  {stage}.{name} = {text}")
+
+
+def _number(value: Any) -> str:
+    """A summary's figure for a line of text: a number, or a non-finite one's text ("nan", "inf")."""
+    return f"{value:.6g}" if isinstance(value, (int, float)) else str(value)
 
 
 def _demo(args: argparse.Namespace) -> int:

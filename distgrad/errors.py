@@ -66,6 +66,19 @@ class PeerAborted(PeerRejected):
         self.args = (f"the other side stopped and said why: {message}",)
 
 
+class PeerBusy(PeerRejected):
+    """The stage below serves another run whose peer is live (the ``busy`` refusal of a hello): this run
+    cannot start there now. ``endpoint`` is the stage's address; the message says whose run and since when."""
+
+    def __init__(self, code: str, message: str, endpoint: str) -> None:
+        super().__init__(code, message)
+        self.endpoint = endpoint
+
+    def __str__(self) -> str:
+        return (f"the serving stage at {self.endpoint} is {self.peer_message}. It serves one run at a time: "
+                f"wait until that run ends, or start another serving stage")
+
+
 class StageError(DistgradError, RuntimeError):
     """A stage failed while computing a step; the cause is chained."""
 

@@ -1,7 +1,7 @@
 """The package's folders are its layers, and imports point one way: down the path a step takes.
 
 ``distgrad/`` holds one folder per layer (``model``, ``wire``, ``config``, ``stage``, ``run``), with the
-foundations (``errors``, ``threads``) and the front ends (``cli``, ``api``, ``align``, ``plot``,
+foundations (``errors``, ``threads``, ``jsontext``) and the front ends (``cli``, ``api``, ``align``, ``plot``,
 ``vertical_example``) at the top. A module may import modules of its own layer or of a layer below,
 never above, and no two modules may import each other through any chain. docs/architecture.md draws it.
 """
@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
 
 # Lowest first. A folder name stands for every module in it; top-level modules are named one by one.
 LAYERS = [
-    ("foundations", {"errors", "threads"}),
+    ("foundations", {"errors", "threads", "jsontext"}),
     ("model math", {"model", "privacy"}),
     ("wire", {"wire"}),
     ("configuration and data", {"config"}),

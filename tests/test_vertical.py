@@ -414,7 +414,7 @@ def test_a_party_back_after_the_last_step_gets_its_evaluation_and_says_bye(tmp_p
 
 def test_another_process_naming_a_live_party_is_refused_as_busy(tmp_path):
     """A second process calling itself left (a fresh run) while left is live would send the whole run
-    back to step 0: it is refused as busy (and retries), as a second driver of a two-stage run is."""
+    back to step 0: it is refused as busy (and stops), as a second driver of a two-stage run is."""
     from distgrad.errors import ProtocolError
     g, (left, right), now = _label_owner(tmp_path, steps=10)
     for party in (left, right):
@@ -423,7 +423,7 @@ def test_another_process_naming_a_live_party_is_refused_as_busy(tmp_path):
         for party in (left, right):
             _replies(g, party, party.forward(step), now)
         g.settle()
-    with pytest.raises(ProtocolError, match="busy: party left is live"):
+    with pytest.raises(ProtocolError, match=r"busy with run .* since .*\(party left: heard 0.50 s ago"):
         g.handle([b"other"], left.hello([0], 10, run="another-run"), now + 0.5)
     assert g.stage.step == 2 and g.peers[0].run == left.run
 

@@ -69,6 +69,15 @@ def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
     return True
 
 
+def check_meter_flag(exp: Experiment) -> None:
+    """``--privacy-meter`` for a whole run meters every stage that can (``metered``); raise ``ConfigError``
+    with ``meter_kind``'s reason (the one a stage process gives) when no stage of ``exp`` can, so the flag
+    is never accepted and ignored."""
+    if not any(metered(exp, stage, True) for stage in exp.stage_names):
+        meter_kind(exp, exp.stage_names[0])
+        raise ConfigError("'privacy_meter' (or --privacy-meter): no stage of this experiment can meter")
+
+
 def check_defenses(exp: Experiment) -> None:
     """Raise ``ConfigError`` naming the key and the reason for a defense (or a privacy meter) on a stage that
     cannot apply it."""
@@ -168,9 +177,20 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str
         entry["marvell"] = NO_GUARANTEE
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
-    if entry:
+    drawn = random_defenses(exp, stage)
+    if drawn:                               # nopeek, and clip_noise with sigma 0, draw nothing
         entry["noise_seed"] = noise_seed(exp, stage)
+        entry["drawn_by"] = drawn
     return entry
+
+
+def random_defenses(exp: Experiment, stage: str) -> list[str]:
+    """The defenses of ``stage`` that draw random numbers (``defense_rng``): ``label_dp`` (the randomized
+    labels), ``clip_noise`` with ``sigma`` > 0, ``max_norm`` and ``marvell`` (their noise); not ``nopeek``."""
+    d = exp.spec(stage).defenses
+    return [key for key, on in (("label_dp", d.label_dp is not None),
+                                ("clip_noise", d.clip_noise is not None and d.clip_noise.sigma > 0),
+                                ("max_norm", bool(d.max_norm)), ("marvell", d.marvell is not None)) if on]
 
 
 def noise_seed(exp: Experiment, stage: str) -> str:
@@ -190,7 +210,10 @@ def _entry_text(entry: dict[str, Any]) -> str:
     for key, value in entry.items():
         if key == "noise_seed":
             if not value.startswith("the stage's own"):
-                parts.append("noise from the run's seed, which the other party knows")
+                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing noise from the "
+                             f"run's seed, which the other party knows")
+            continue
+        if key == "drawn_by":
             continue
         if isinstance(value, dict) and "epsilon" in value:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""

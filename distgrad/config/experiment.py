@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Any, Mapping
@@ -34,6 +33,7 @@ import numpy as np
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
@@ -500,7 +500,7 @@ def interface_digest(parts: Mapping[str, Any]) -> str:
 
 def value_digest(value: Any, hex_digits: int) -> str:
     """The first ``hex_digits`` hex digits of SHA-256 over ``value`` as canonical JSON (sorted keys)."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    canonical = json_text(value, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:hex_digits]
 
 

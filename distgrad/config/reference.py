@@ -99,7 +99,8 @@ def render() -> str:
     out.append("")
     out += ["## Optimisers (`optimizer = { type = ... }`)", ""]
     for name, cls in optim.OPTIMIZERS.items():
-        out += [f"### type = \"{name}\"", "", _first_paragraph(cls), ""]
+        spellings = " or ".join(f'"{s}"' for s in optim.optimizer_names() if optim.optimizer_kind(s) == name)
+        out += [f"### type = {spellings}", "", _first_paragraph(cls), ""]
         out += _table(_signature_rows(cls.__init__, {"self"}, schema.OPTIMIZER_OPTIONS))
         out.append("")
     out += ["## Learning-rate schedules (`optimizer = { ..., schedule = { type = ... } }`)", "",

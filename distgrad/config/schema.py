@@ -117,7 +117,8 @@ _STAGE_COMMON: dict[str, Key] = {
     "optimizer": ("table", '{ type = "adam" }',
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
                   "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 } "
-                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values); any of them "
+                  "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values; other lower-case names, "
+                  "\"rmsprop\", are torch.optim's; a 'model' takes \"Adam\" and \"SGD\" as well); any of them "
                   "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
                   "every param group before each update"),
     "scheduler": ("table", "absent",

@@ -10,7 +10,6 @@ they are removed).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -20,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.config.data import build_data
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.npzfile import write_npz
 from distgrad.config.experiment import FILE_KINDS, Experiment
@@ -41,7 +41,7 @@ def toml_value(value: Any) -> str:
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)     # JSON's escapes are TOML basic-string escapes
+        return json_text(value, ensure_ascii=False)     # JSON's escapes are TOML basic-string escapes
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, Mapping):
@@ -51,7 +51,7 @@ def toml_value(value: Any) -> str:
 
 
 def toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)
+    return key if _BARE_KEY.fullmatch(key) else json_text(key, ensure_ascii=False)
 
 
 def toml_document(tables: Mapping[str, Mapping[str, Any]], top: Mapping[str, Any] | None = None) -> str:

@@ -172,6 +172,25 @@ class Adam(Optimizer):
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"adam": Adam, "sgd": SGD}    # the optimizer table's ``type``
+# Each optimizer's name as torch.optim spells it, accepted beside the lower-case one: a PyTorch user writes
+# { type = "Adam" } for a layer list as for a module.
+TORCH_SPELLINGS: dict[str, str] = {"Adam": "adam", "SGD": "sgd"}
+
+
+def optimizer_names() -> list[str]:
+    """Every accepted ``type`` of an optimizer table: the lower-case names and torch.optim's spellings."""
+    return [spelling for name in OPTIMIZERS for spelling in
+            (name, *[torch for torch, ours in TORCH_SPELLINGS.items() if ours == name])]
+
+
+def optimizer_kind(kind: Any) -> str:
+    """The optimizer ``kind`` names (``"adam"`` for ``"adam"`` or ``"Adam"``); ``ConfigError`` listing
+    every accepted name otherwise."""
+    if isinstance(kind, str) and kind in OPTIMIZERS:
+        return kind
+    if isinstance(kind, str) and kind in TORCH_SPELLINGS:
+        return TORCH_SPELLINGS[kind]
+    raise ConfigError(f"unknown optimizer {kind!r}: use one of {', '.join(optimizer_names())}")
 
 
 def _option_names(cls: type[Optimizer]) -> list[str]:
@@ -181,7 +200,7 @@ def _option_names(cls: type[Optimizer]) -> list[str]:
 def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
     """Build an optimiser from an experiment table such as ``{type = "adam", lr = 0.1}``.
 
-    Keys: ``type`` (``"adam"``, the default, or ``"sgd"``), the class's
+    Keys: ``type`` (``"adam"``, the default, or ``"sgd"``; torch.optim's ``"Adam"`` and ``"SGD"`` too), the class's
     hyperparameters (``lr``; for Adam also ``beta1``, ``beta2``,
     ``epsilon``), and optionally ``schedule``, a table that makes ``lr`` the
     start of a learning-rate schedule (``distgrad.model.schedules``; update t is
@@ -218,10 +237,8 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
     each named in the message.
     """
     spec = dict(spec)
-    kind = spec.pop("type", "adam")
+    kind = optimizer_kind(spec.pop("type", "adam"))
     classes = OPTIMIZERS
-    if not isinstance(kind, str) or kind not in classes:
-        raise ConfigError(f"unknown optimizer {kind!r}: use adam or sgd")
     valid = [*_option_names(classes[kind]), "schedule"]
     unknown = sorted(set(spec) - set(valid))
     if unknown:

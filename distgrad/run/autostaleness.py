@@ -45,6 +45,7 @@ with the S its summary records (``staleness``, and the figures under
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -70,6 +71,11 @@ class LinkProbe:
     g_compute_s: float
     bytes_down: int
     bytes_up: int
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"staleness auto: {name} must be finite and >= 0, got {value!r}")
 
     @property
     def compute_s(self) -> float:
@@ -103,8 +109,11 @@ def choose_staleness(round_trip_s: float, step_s: float, cap: int = MAX_STALENES
     """The smallest S from 0 to ``cap`` with ``(S + 1) * step_s >= round_trip_s`` (``cap`` when none is).
 
     ``round_trip_s`` is the round trip with the transfer of a step's bytes, ``step_s`` the step time at the
-    bound (module docstring); negative figures count as 0.
+    bound (module docstring); negative figures count as 0, non-finite ones raise ``ValueError``.
     """
+    if not (math.isfinite(round_trip_s) and math.isfinite(step_s)):
+        raise ValueError(f"staleness auto: the round trip and step time must be finite, got {round_trip_s!r} "
+                         f"and {step_s!r}")
     round_trip_s, step_s = max(round_trip_s, 0.0), max(step_s, 0.0)
     return next((s for s in range(cap + 1) if (s + 1) * step_s >= round_trip_s), cap)
 

@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected,
-                             PeerTimeout, ProtocolError)
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerBusy,
+                             PeerRejected, PeerTimeout, ProtocolError)
 from distgrad.run import handshake
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
@@ -198,7 +198,7 @@ class Cut:
             except PeerRejected as e:
                 if e.code == ErrorCode.ABORTED:
                     raise self._aborted(e) from e
-                if attempt or self.refused or e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                if attempt or self.refused or e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
                     raise
                 # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)

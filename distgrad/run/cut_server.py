@@ -52,7 +52,7 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.serving import hello_fields, refusal
+from distgrad.run.serving import hello_fields, log_refusal, refusal
 from distgrad.stage.stage import ROWS_DTYPE
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -127,6 +127,7 @@ class CutServer:
         self.upstream = self.exp.stage_names[-2]
         self.senders = Senders(self.exp.codecs)
         self.run_id = ""                 # the run being served ("" before the first hello)
+        self.run_since = 0.0             # when it started here (seconds since the epoch)
         self.owner = ""                  # with CURVE: the key that opened it
         self.step = 0                    # steps applied
         self.next_mb = 0                 # micro-batches of step + 1 replied to
@@ -243,8 +244,7 @@ class CutServer:
             msg = wire.decode(frames, self.max_tensor)
             return handle(envelope, msg, peer_key)
         except ProtocolError as e:
-            self.log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                             wire.ERROR_TEXT_MAX, e)
+            log_refusal(self.log, msg, e)
             self.refused = f"{msg.describe() if msg else 'an undecodable message'}: {e}"[:REFUSED_TEXT_MAX]
             self.server.reply(envelope, refusal(msg, e))
             return None
@@ -317,9 +317,9 @@ class CutServer:
                                                f"hello is of run {msg.run!r}: resume the data owner with the "
                                                f"run's checkpoint, or start the label owner afresh")
         if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, f"this label owner is busy with run {self.run_id}, whose data owner "
-                                               f"was heard within liveness_s = {self.bounds.liveness_s:g} s; it "
-                                               f"serves one run at a time")
+            busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
+                             self.bounds.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
         if self.owner and self.run_id == msg.run and peer_key != self.owner:
             raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
         if self.next_mb and mbs != self.mbs:
@@ -339,6 +339,8 @@ class CutServer:
         if msg.run != self.run_id:
             self.log.info("run %s started by %s", msg.run, body.get("role"))
             self.cache, self.senders = {}, Senders(self.exp.codecs)
+        if msg.run != self.run_id:
+            self.run_since = time.time()
         self.run_id, self.owner, self.mbs, self.joined = msg.run, peer_key, mbs, True
         self.staleness = staleness
         self.log.info("run %s: the data owner said hello (%d micro-batches); next step %d", msg.run, mbs, next_step)

@@ -28,12 +28,12 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import Interrupted, PeerBusy, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
-from distgrad.stage.records import evaluation_entry, evaluation_fields, scores_text
+from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
 from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -437,6 +437,7 @@ class _Driver:
                              **({"staleness_auto": self.probe.fields(self.staleness)} if self.probe else {}),
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
+                             **best_evaluation_fields(self.evaluations, state.verdicts.best_step),
                              **(self.metering.summary_fields() if self.metering else {}))
 
     def _waiting_for(self) -> list[str]:
@@ -483,7 +484,7 @@ class _Driver:
                 self.step_once()
                 self._after_step()
             except PeerRejected as e:
-                if e.code not in (ErrorCode.RUN, ErrorCode.STEP):
+                if e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
                     raise
                 # The server restarted or lost our run: agree on a step again.
                 self.log.warning("%s; shaking hands again", e.peer_message)

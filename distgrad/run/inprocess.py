@@ -20,12 +20,12 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine, crossed_direction
-from distgrad.config.defended import budget_text, meter_kind, metered, privacy_budget, row_defense
+from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.metering import Metering
-from distgrad.stage.records import (TraceWriter, check_trace_filter, evaluation_entry, evaluation_fields, scores_text,
-                                    to_lists, write_json)
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
+                                    evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
@@ -406,6 +406,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
                        eval_every=eval_every, staleness=staleness)
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
     staleness = exp.staleness if staleness is None else staleness
     steps = exp.steps if steps is None else steps
     seed = exp.seed if seed is None else seed
@@ -484,6 +486,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         **evaluation_fields(evaluation),
         **({"evaluations": evaluations} if len(data.test_rows) else {}),
         **verdicts.summary(),
+        **best_evaluation_fields(evaluations, verdicts.best_step),
         **privacy_budget(exp, exp.stage_names, steps, seed),
         **{key: value for metering in meters for key, value in metering.summary_fields().items()},
         "params": {s.name: to_lists(s.params) for s in stages},

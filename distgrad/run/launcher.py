@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, StageError
-from distgrad.config.defended import metered
+from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
@@ -86,7 +86,8 @@ class _BarLine:
             if p.get("test_loss") is not None:
                 self.test = {key: None if value is None else float(value) for key, value in p.items()
                              if key.startswith("test_")}
-            self.text = render_bar(int(p["step"]), int(p["steps"]), p.get("loss"),
+            loss = p.get("loss")                  # a non-finite loss arrives as "inf" or "nan" (jsontext)
+            self.text = render_bar(int(p["step"]), int(p["steps"]), None if loss is None else float(loss),
                                    None if rate is None else float(rate), self.test)
         except (ValueError, KeyError, TypeError):
             return
@@ -192,6 +193,8 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
     check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
     if transport not in ("tcp", "ipc"):
         raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
     names = exp.stage_names
@@ -333,6 +336,14 @@ def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None
             continue                    # another party's stage file: it checks its own data
         for client in (clients if name in exp.data_owners else [None]):
             exp.build_data(seed, client, stage=name).check_readable()
+
+
+def stage_processes(exp: Any) -> list[tuple[str, str, int | None, bool]]:
+    """``(process, stage, client, driving)`` of every process ``run_local`` starts for ``exp``: the data
+    owners (once per client) driving, then the serving stages."""
+    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
+    return ([(label, stage, client, True) for label, stage, client in _driving_processes(exp, clients)]
+            + [(name, name, None, False) for name in exp.stage_names if name not in exp.data_owners])
 
 
 def _driving_processes(exp: Any, clients: Sequence[int | None]) -> list[tuple[str, str, int | None]]:

@@ -89,7 +89,7 @@ class Parties(Topology):
             # again (it computes the same values) gets the same reply.
             peer.cached = {k: v for k, v in peer.cached.items() if k[0] == common + 1}
         if peer.run != msg.run:
-            peer.owner = peer_key
+            peer.owner, peer.since = peer_key, time.time()
         peer.run, peer.status, peer.step = msg.run, PeerStatus.ACTIVE, common
         return common + 1
 
@@ -110,8 +110,8 @@ class Parties(Topology):
         if peer.run and peer.run != msg.run and peer.live(now, s.opts.liveness_s):
             # Another process naming the same party (or one restarted without --resume too soon): it would
             # take the live party's place and send every party back to its step.
-            raise ProtocolError(ErrorCode.RUN, f"busy: {self.name(peer)} is live in run {peer.run}; cannot "
-                                               f"start run {msg.run!r}")
+            busy = wire.busy_text("run", peer.run, peer.since, self.name(peer), now - peer.last_seen, s.opts.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         for other in s.peers:
             if other is not peer and other.status is PeerStatus.ACTIVE and (other.mbs, other.eval_every) != (
                     mbs, eval_every):

@@ -18,6 +18,7 @@ Envelope = list[bytes]
 Reply = tuple[Envelope, Message]
 
 
+
 class PeerStatus(enum.Enum):
     """Where one peer (a driving stage, or one data owner) stands in the run."""
 
@@ -55,6 +56,7 @@ class Peer:
     specs: Expected | None = None     # what its forwards carry (its micro-batch count, the activation codec)
     streams: list[str] = field(default_factory=list)   # by micro-batch: the stream of its reply's gradient
     last_seen: float = -math.inf      # its last message, or the last reply to it
+    since: float = 0.0                # when its run started here (seconds since the epoch; 0: none yet)
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
     cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its step in progress

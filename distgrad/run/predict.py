@@ -97,6 +97,7 @@ class _Session:
     id_name: str | None = None               # the rows' ID column (its hello's ``id_column``), None: no IDs
     ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
+    since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
 
 
 def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
@@ -411,7 +412,8 @@ class PredictionServer:
         session = self.sessions.get(sender)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, f"busy with prediction {session.run} (its sender is live)")
+            raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
+                                                         now - session.last_seen, self.opts.liveness_s))
         for other, theirs in self.sessions.items():
             if other != sender and theirs.rows != rows:
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "

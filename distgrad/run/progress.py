@@ -12,12 +12,12 @@ reports what only it knows, its own learning rate among them.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.privacy.meter import FIGURES
 from distgrad.stage.engine import StepRecord
@@ -91,7 +91,7 @@ class Progress:
         if self.mode == "bar":
             self.stream.write("\r" + render_bar(step, self.steps, loss, rate, self.test) + "\x1b[K")
         else:
-            self.stream.write(PROGRESS_PREFIX + json.dumps({"step": step, "steps": self.steps, "loss": loss,
+            self.stream.write(PROGRESS_PREFIX + json_text({"step": step, "steps": self.steps, "loss": loss,
                                                             "rate": rate, **(test or {})}) + "\n")
         self.stream.flush()
 
@@ -118,7 +118,7 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.write(json_text(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -63,11 +63,11 @@ from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.run.topology import Clients, OnePeer, Topology
-from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.transport import POLL_TICK_S, Server, refusal_log
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT, stream_name
 
-__all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "refusal", "serve"]
+__all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "log_refusal", "refusal", "serve"]
 
 
 
@@ -526,9 +526,15 @@ def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable
         return msg, handle(msg), False
     except ProtocolError as e:
         if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
-            log.warning("refused %s: %.*s", msg.describe() if msg else "an undecodable message",
-                        wire.ERROR_TEXT_MAX, e)
+            log_refusal(log, msg, e)
         return msg, refusal(msg, e), True
+
+
+def log_refusal(log: logging.Logger, msg: Message | None, error: ProtocolError) -> None:
+    """Log a refused message at WARNING through ``log``'s ``RefusalLog``: the first of its kind (message
+    type and error code) in an interval in full, the repeats as a count."""
+    refusal_log(log).note(f"{msg.type if msg else 'undecodable'} {error.code}", "refused %s: %.*s",
+                          msg.describe() if msg else "an undecodable message", wire.ERROR_TEXT_MAX, error)
 
 
 def refusal(msg: Message | None, error: ProtocolError) -> Message:

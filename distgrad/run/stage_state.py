@@ -21,7 +21,7 @@ from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lo
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import TraceWriter, evaluation_fields, to_lists, write_json
+from distgrad.stage.records import TraceWriter, best_evaluation_fields, evaluation_fields, to_lists, write_json
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
@@ -334,6 +334,13 @@ class StageState:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise
 
+    def _best_evaluation(self) -> dict[str, Any]:
+        """On the stage that judges the evaluations (kept in its checkpoints): the summary's
+        ``best_evaluation``, the scores of the step ``keep_best`` kept ({} when none was kept)."""
+        judged = dict(self.selection.history)
+        return best_evaluation_fields([{"step": step, **{k: v for k, v in fields.items() if k != "test_count"}}
+                                       for step, fields in judged.items()], self.verdicts.best_step)
+
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
         summary = {
             "experiment": self.opts.experiment.name,
@@ -347,6 +354,7 @@ class StageState:
             "cpu_s": time.process_time() - self.cpu_started,    # every thread of this process, ZeroMQ's too
             **extra,
             **self.verdicts.summary(),
+            **({} if "best_evaluation" in extra else self._best_evaluation()),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed),

@@ -572,12 +572,14 @@ class Clients(Turns):
             raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; client {peer.index} cannot "
                                                f"join now")
         if peer.live(now, s.opts.liveness_s) and peer.run != msg.run:
-            raise ProtocolError(ErrorCode.RUN, f"busy: client {peer.index} is live in run {peer.run}; "
-                                               f"cannot start run {msg.run!r}")
+            busy = wire.busy_text("run", peer.run, peer.since, f"client {peer.index}", now - peer.last_seen,
+                             s.opts.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         common_step([0], msg.body.get("held"))         # validates the list
         s.open_run()
         same_run = peer.run == msg.run
         peer.run, peer.owner = msg.run, peer.owner if same_run else peer_key
+        peer.since = peer.since if same_run else time.time()
         if s.phase is Phase.JOINING:
             start = s.round              # the round before the first (0, or the resumed checkpoint's)
             if start not in msg.body["held"]:
@@ -747,8 +749,8 @@ class OnePeer(Turns):
             s.state.rollback(common)
             peer.cached = {} if common != before else {k: v for k, v in peer.cached.items() if k[0] <= common}
         elif s.live(now):
-            raise ProtocolError(ErrorCode.RUN, f"busy with run {peer.run} (its client is live); "
-                                               f"cannot start run {msg.run!r}")
+            busy = wire.busy_text("run", peer.run, peer.since, "its client", now - peer.last_seen, s.opts.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         else:
             self._agree(msg, [0], msg.body.get("held"), mbs)
             if s.active:
@@ -756,7 +758,7 @@ class OnePeer(Turns):
             s.state.begin(msg.run, owner=peer_key)
             s.finished, peer.cached, peer.evaluation, peer.evaluated, peer.loss = None, {}, None, None, None
             s.bye_replies = {}
-            peer.run, peer.owner = msg.run, peer_key
+            peer.run, peer.owner, peer.since = msg.run, peer_key, time.time()
             s.log.info("run %s started by %s", msg.run, msg.body.get("role"))
         common = s.stage.step
         s.new_run(start_round=common + 1, fresh=not same_run)

@@ -15,6 +15,7 @@ from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
@@ -45,10 +46,19 @@ def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]
     return {"step": step, **{k: v for k, v in evaluation_fields(evaluation).items() if k != "test_count"}}
 
 
+def best_evaluation_fields(evaluations: Sequence[Mapping[str, Any]], best_step: int) -> dict[str, Any]:
+    """The summary's ``best_evaluation`` with ``keep_best``: the entry of ``evaluations`` (``evaluation_entry``)
+    of ``best_step``, the model ``--save`` writes; {} when no evaluation was judged the best (``best_step``
+    0) or its entry is not among ``evaluations``."""
+    entry = next((e for e in evaluations if e["step"] == best_step), None) if best_step else None
+    return {"best_evaluation": dict(entry)} if entry is not None else {}
+
+
 def scores_text(fields: Mapping[str, Any]) -> str:
     """The scores of ``evaluation_fields`` but the loss and row count, for a log line: ``, test accuracy
     0.9123, test auc 0.9876`` (an undefined one as n/a)."""
-    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}")
+    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}" if isinstance(value, (int, float))
+                                          else str(value))         # a non-finite one read back: "nan", "inf"
                    for key, value in fields.items() if key.startswith("test_") and key not in _NOT_SCORES)
 
 
@@ -59,7 +69,7 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json_text(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
@@ -149,7 +159,7 @@ class TraceWriter:
         kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:       # replaced atomically: a crash keeps the old file
-            f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in kept)
+            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in kept)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self.path)
@@ -177,7 +187,7 @@ class TraceWriter:
             line["client"] = client
         if loss is not None:
             line["loss"] = float(loss)
-        text = json.dumps(line, separators=(",", ":")) + "\n"
+        text = json_text(line, separators=(",", ":")) + "\n"
         if len(text) > TRACE_WARN_BYTES and not self._warned:
             self._warned = True
             log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
@@ -253,7 +263,7 @@ def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]]) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+        f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
 
 
 def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:

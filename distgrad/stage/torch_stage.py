@@ -110,13 +110,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
 from distgrad.model.metrics import score
 from distgrad.model.aggregate import OwnBottom
 from distgrad.model.nn import DTYPE, Dense, Grads, Layer, ReLU, Scale, Shape, Sigmoid, Tanh, build_model
-from distgrad.model.optim import SGD, Adam, Optimizer, build_optimizer
+from distgrad.model.optim import OPTIMIZERS, SGD, Adam, Optimizer, build_optimizer
 from distgrad.stage.records import write_atomic
 from distgrad.config.npzfile import member_error
 from distgrad.model.schedules import Schedule, optimizer_schedule
@@ -344,21 +345,21 @@ def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.
     raise ConfigError(f"optimizer {type(optimizer).__name__} has no torch version")
 
 
-_CLOSURE_OPTIMIZERS = ("LBFGS",)      # their step re-evaluates the model through a closure: not a split stage's
+_CLOSURE_OPTIMIZERS = ("lbfgs",)      # their step re-evaluates the model through a closure: not a split stage's
 
 
 def _torch_optimizer_classes() -> list[str]:
     return sorted(name for name, value in vars(torch.optim).items() if isinstance(value, type)
                   and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
-                  and name not in _CLOSURE_OPTIMIZERS)
+                  and name.lower() not in _CLOSURE_OPTIMIZERS)
 
 
 def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage: str
                      ) -> tuple[torch.optim.Optimizer, Schedule | None]:
     """A module stage's optimizer and its learning-rate schedule (None without one).
 
-    ``{ type = "Adam", lr = 0.001, ... }`` names a ``torch.optim`` class and
-    its keyword arguments (lists become tuples, for ``betas``); ``"adam"``/
+    ``{ type = "Adam", lr = 0.001, ... }`` names a ``torch.optim`` class (as torch spells it, or in lower
+    case: ``"rmsprop"``) and its keyword arguments (lists become tuples, for ``betas``); ``"adam"``/
     ``"sgd"`` (the default ``"adam"``) are distgrad's tables with their float32
     values. Either may hold a ``schedule`` table (``distgrad.model.schedules``):
     around the table's ``lr`` (else the class's default), its float32 rate of
@@ -368,16 +369,20 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
     table = dict(table)
     kind = table.get("type", "adam")
     try:
-        if kind in ("adam", "sgd"):
+        if isinstance(kind, str) and kind in OPTIMIZERS:
             built = build_optimizer(table)
             return _torch_optimizer(built, params), built.schedule if "schedule" in table else None
-        if kind in _CLOSURE_OPTIMIZERS:
+        if isinstance(kind, str) and kind.lower() in _CLOSURE_OPTIMIZERS:
             raise ConfigError(f"torch.optim.{kind} re-evaluates the whole model through a closure at every step, "
                               f"which a stage holding only its part cannot give; use another optimizer")
-        cls = getattr(torch.optim, kind, None) if isinstance(kind, str) else None
+        classes = _torch_optimizer_classes()
+        # torch.optim's spelling, or the lower-case one ("rmsprop" is RMSprop; "adam" and "sgd" are distgrad's)
+        kind = {name.lower(): name for name in classes}.get(kind, kind) if isinstance(kind, str) else kind
+        cls = getattr(torch.optim, kind, None) if kind in classes else None
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ConfigError(f"unknown optimizer {kind!r}: name a torch.optim class "
-                              f"({', '.join(_torch_optimizer_classes())}) or a distgrad one (adam, sgd)")
+                              f"({', '.join(classes)}; the lower-case names too) or a distgrad one "
+                              f"({', '.join(OPTIMIZERS)})")
         schedule_spec = table.pop("schedule", None)
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k != "type"}
         schedule = None
@@ -418,8 +423,8 @@ def _scheduler_state(scheduler: Any, optimizer: torch.optim.Optimizer) -> np.nda
     """The scheduler's ``state_dict`` and the optimizer's param groups (which a scheduler may change: the
     rate, and momentum for OneCycleLR and CyclicLR) as JSON text in a uint8 array (never a pickle);
     ``TypeError``/``ValueError`` when they are not plain numbers, strings and lists."""
-    text = json.dumps({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
-                      allow_nan=False)
+    text = json_text({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
+                      strict=True)
     return np.frombuffer(text.encode(), np.uint8).copy()
 
 

@@ -19,12 +19,17 @@ import numpy as np
 import zmq
 
 from distgrad.wire import messages as wire
-from distgrad.errors import NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import NonFiniteError, PeerBusy, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.transport import POLL_TICK_S, Client, SocketSecurity, Traffic
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
+# A hello refused as busy is sent again after at least BUSY_PROBE_S, while the other run's client stays silent
+# (it may have stopped); it was heard in between when its silence grew by less than the time between the
+# refusals, less BUSY_HEARD_SLACK_S (the jitter of the two round trips).
+BUSY_PROBE_S = 0.5
+BUSY_HEARD_SLACK_S = 0.2
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
@@ -103,19 +108,35 @@ class DownstreamLink:
         ``await_reply``.
 
         A hello refused because the stage below is busy with another live run
-        is retried too, until ``peer_deadline_s``.
+        raises ``PeerBusy``, naming that run and since when it runs there, as
+        soon as that run's client is heard between two refusals (a second
+        driver: waiting would only hide it behind a timeout). While that
+        client stays silent (it may have stopped: this driver restarted
+        without its checkpoints) the hello is sent again, until the stage
+        takes it as gone (its liveness), within ``peer_deadline_s``.
         """
-        deadline = time.monotonic() + self.opts.peer_deadline_s
+        started = time.monotonic()
         pause = RETRY_BACKOFF_S[0]
+        last: tuple[float, float] | None = None      # (when, the other client's silence) of the last refusal
         while True:
             key = (msg.step, msg.mb)
             self.client.send(msg)
             try:
                 return self.await_reply({key: msg}, key, types)
             except PeerRejected as e:
-                if e.code != ErrorCode.RUN or "busy" not in e.peer_message or time.monotonic() + pause > deadline:
+                if e.code != ErrorCode.RUN or not e.peer_message.startswith("busy"):
                     raise
-                self.log.warning("%s; retrying", e.peer_message)
+                now, figures = time.monotonic(), wire.busy_silence(e.peer_message)
+                busy = PeerBusy(e.code, e.peer_message, self.client.endpoint)
+                if figures is None or now + max(pause, BUSY_PROBE_S) > started + self.opts.peer_deadline_s:
+                    raise busy from None
+                if last is not None and figures[0] + BUSY_HEARD_SLACK_S < last[1] + (now - last[0]):
+                    raise busy from None           # heard since the last refusal: it is live
+                if last is not None:
+                    self.log.warning("%s; its client is silent and may have stopped: retrying until the stage "
+                                     "takes it as gone", e.peer_message)
+                last = (now, figures[0])
+                pause = max(pause, BUSY_PROBE_S)
             self._reconnect(pause)
             pause = min(pause * 2, RETRY_BACKOFF_S[1])
 
@@ -230,9 +251,13 @@ def check_evaluation(reply: Message) -> dict[str, Any]:
     body = reply.body
     if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
         raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
-    correct = body.get("correct")
-    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)):
-        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}")
+    count, correct = body["count"], body.get("correct")
+    if isinstance(count, bool) or count < 1:       # the held-out rows scored: an accuracy divides by it
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has count={wire.show(count)}; at least 1")
+    if correct is not None and (not isinstance(correct, int) or isinstance(correct, bool)
+                                or not 0 <= correct <= count):
+        raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has correct={wire.show(correct)}; an int "
+                                                 f"from 0 to count = {count}")
     out = {"loss": body["loss"], "correct": correct, "count": body["count"]}
     metrics = body.get("metrics")
     if metrics is not None:

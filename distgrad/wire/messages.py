@@ -22,6 +22,7 @@ import operator
 import re
 import reprlib
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -179,6 +180,25 @@ def _wire_array(name: str, array: Any) -> tuple[np.ndarray, str]:
             raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be sent; use one of {sorted(DTYPES)}")
         array = array.astype(DTYPES[wire_name])      # big-endian: the wire is little-endian
     return array, wire_name
+
+
+_BUSY = re.compile(r"heard ([0-9.]+) s ago, taken as gone after ([0-9.eE+]+) s of silence")
+
+
+def busy_text(what: str, run: str, since: float, who: str, silent_s: float, liveness_s: float) -> str:
+    """The ``run`` error's text refusing a hello of another run while ``run`` (started at ``since``, seconds
+    since the epoch) is live, ``who`` (its client) heard ``silent_s`` ago: ``busy with run 'r1' since
+    2026-12-06T12:00:00Z (its client: heard 0.01 s ago, taken as gone after 10 s of silence)``.
+    ``busy_silence`` reads the figures back."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)) if since else "an unknown time"
+    return (f"busy with {what} {run!r} since {started} ({who}: heard {silent_s:.2f} s ago, taken as gone after "
+            f"{liveness_s:g} s of silence)")
+
+
+def busy_silence(text: str) -> tuple[float, float] | None:
+    """``(silent_s, liveness_s)`` of a ``busy_text``; None for any other text."""
+    found = _BUSY.search(text) if text.startswith("busy") else None
+    return (float(found.group(1)), float(found.group(2))) if found else None
 
 
 _BACKWARD_BODY = frozenset({"loss", "compute_s"})
@@ -379,6 +399,10 @@ def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: i
         _RUN_NAMES[raw_run] = run
     if not 0 <= mb < mbs:
         raise ProtocolError(ErrorCode.MALFORMED, f"need 0 <= mb < mbs, got mb={mb} mbs={mbs}")
+    if code == _BACKWARD_CODE and not (math.isfinite(compute_s) and compute_s >= 0):
+        # A duration: the driving stage chooses its staleness from it and records it in its summary.
+        raise ProtocolError(ErrorCode.MALFORMED, f"a backward's compute_s is seconds, finite and >= 0, "
+                                                 f"got {compute_s!r}")
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")

@@ -44,7 +44,6 @@ MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (
 # The most frames a valid message has: routing id and empty delimiter, header, one per tensor.
 # ZeroMQ limits the size of a frame (MAXMSGSIZE) but not their number, so poll_frames does.
 MAX_FRAMES = 2 + 1 + wire.MAX_TENSORS
-FLOOD_LOG_INTERVAL_S = 10.0   # a server logs messages with too many frames once per this, with a count
 REFUSAL_LOG_INTERVAL_S = 60.0  # a refused key or failed handshake of one kind is logged once per this
 REFUSAL_LOG_KEYS = 32         # distinct keys logged per interval; refusals of others are only counted
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -124,34 +123,86 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], envelope: Sequence[byte
 
 
 class RefusalLog:
-    """WARNING lines about refused peers, bounded in rate under a flood: one line per distinct
-    key per ``interval_s`` (saying how many refusals it stands for), and at most ``max_keys``
-    keys per interval; refusals past that are counted in the next line. Thread-safe."""
+    """WARNING lines about refused peers and messages, bounded in rate under a flood: the first refusal of
+    a key in an interval of ``interval_s`` is logged in full, the repeats are counted and logged as one
+    line per key when the interval is over (at the next refusal, or ``flush``), and at most ``max_keys``
+    keys are logged per interval; refusals past that are counted in the next line. Thread-safe.
 
-    def __init__(self, log: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+    Every place that logs a refusal goes through one (``refusal_log``): a peer looping on bad messages
+    costs a few lines a minute, not one a message."""
+
+    def __init__(self, log: logging.Logger, interval_s: float | None = None,
                  max_keys: int = REFUSAL_LOG_KEYS) -> None:
-        self.log, self.interval_s, self.max_keys = log, interval_s, max_keys
+        self.log, self.max_keys = log, max_keys
+        self.interval_s = REFUSAL_LOG_INTERVAL_S if interval_s is None else interval_s
         self._lock = threading.Lock()
         self._window = -math.inf
-        self._counts: dict[str, int] = {}   # refusals per key not yet logged, this interval
+        self._counts: dict[str, int] = {}   # repeats per key logged this interval, not yet logged
         self._unlogged = 0                  # refusals of keys over max_keys, not yet logged
 
     def note(self, key: str, text: str, *args: Any) -> None:
         """Count a refusal of ``key``; log ``text % args`` if ``key`` is not logged this interval."""
         with self._lock:
             now = time.monotonic()
-            if now - self._window >= self.interval_s:
-                self._window, self._counts = now, {}
+            repeats = self._close_window(now) if now - self._window >= self.interval_s else []
             if key in self._counts:
                 self._counts[key] += 1
-                return
-            if len(self._counts) >= self.max_keys:
+                logged = False
+            elif len(self._counts) >= self.max_keys:
                 self._unlogged += 1
-                return
-            self._counts[key] = 0
-            unlogged, self._unlogged = self._unlogged, 0
-        more = f" (and {unlogged} refusals of other keys not logged)" if unlogged else ""
-        self.log.warning(text + " [logged once per %g s per key]%s", *args, self.interval_s, more)
+                logged = False
+            else:
+                self._counts[key] = 0
+                unlogged, self._unlogged = self._unlogged, 0
+                logged = True
+        self._log_repeats(repeats)
+        if logged:
+            more = f" (and {unlogged} refusals of other keys not logged)" if unlogged else ""
+            self.log.warning(text + " [logged once per %g s per key]%s", *args, self.interval_s, more)
+
+    def tick(self) -> None:
+        """Log the repeats counted in an interval that is over (a server's idle moment calls it)."""
+        with self._lock:
+            due = any(self._counts.values()) and time.monotonic() - self._window >= self.interval_s
+            repeats = self._close_window(time.monotonic()) if due else []
+        self._log_repeats(repeats)
+
+    def flush(self) -> None:
+        """Log the repeats counted so far (a server closing, or a loop's idle moment) and start a new interval."""
+        with self._lock:
+            repeats = self._close_window(time.monotonic())
+        self._log_repeats(repeats)
+
+    def _close_window(self, now: float) -> list[tuple[str, int]]:
+        repeats = [(key, count) for key, count in self._counts.items() if count]
+        self._window, self._counts = now, {}
+        return repeats
+
+    def _log_repeats(self, repeats: list[tuple[str, int]]) -> None:
+        for key, count in repeats:
+            self.log.warning("%d more refusal(s) like the one logged before (%s) within %g s", count, key,
+                             self.interval_s)
+
+
+_REFUSAL_LOGS: dict[str, RefusalLog] = {}
+_REFUSAL_LOGS_LOCK = threading.Lock()
+
+
+def tick_refusal_logs() -> None:
+    """``RefusalLog.tick`` of every logger's ``refusal_log``: the repeats of intervals that are over."""
+    with _REFUSAL_LOGS_LOCK:
+        refusals = list(_REFUSAL_LOGS.values())
+    for each in refusals:
+        each.tick()
+
+
+def refusal_log(log: logging.Logger) -> RefusalLog:
+    """The one ``RefusalLog`` of logger ``log`` (made on first use), shared by every caller logging there."""
+    with _REFUSAL_LOGS_LOCK:
+        refusals = _REFUSAL_LOGS.get(log.name)
+        if refusals is None or refusals.log is not log:
+            refusals = _REFUSAL_LOGS[log.name] = RefusalLog(log)
+        return refusals
 
 
 def describe_handshake_failure(event: int, value: int, server: bool) -> str:
@@ -325,7 +376,7 @@ class Server:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.authenticated = security is not None
         self.handshakes = HandshakeWatch(ctx, self.sock, self.endpoint)
-        self.floods, self._flood_logged = 0, -math.inf    # messages with too many frames not yet logged
+        self.floods = 0                 # messages with too many frames discarded
 
     def receive(self, timeout_s: float) -> tuple[list[bytes], list[zmq.Frame], str] | None:
         """``(envelope, frames, peer_key)`` of the next request, or None after ``timeout_s``.
@@ -343,6 +394,7 @@ class Server:
             return None
         self._spin_next = parts is not None
         if parts is None:
+            tick_refusal_logs()             # idle: the repeats of a flood that stopped are logged now
             return None
         split = _envelope_size(parts)
         peer_key = ""
@@ -361,11 +413,8 @@ class Server:
         release_free_memory()
         self.reply(envelope, wire.error_message("", 0, wire.ErrorCode.MALFORMED, str(e.args[0])))
         self.floods += 1
-        now = time.monotonic()
-        if now - self._flood_logged >= FLOOD_LOG_INTERVAL_S:
-            log.warning("discarded %d message(s) with too many frames (the last: %d frames, the limit is %d) "
-                        "and answered each with a 'malformed' error", self.floods, e.frames, MAX_FRAMES)
-            self.floods, self._flood_logged = 0, now
+        refusal_log(log).note("too many frames", "discarded a message with too many frames (the last: %d frames, "
+                              "the limit is %d) and answered it with a 'malformed' error", e.frames, MAX_FRAMES)
 
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)

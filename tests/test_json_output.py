@@ -1,0 +1,129 @@
+"""Every JSON file and line distgrad writes is JSON: no ``NaN`` or ``Infinity``, one writer
+(``distgrad.jsontext``), and a peer's non-finite or negative compute time is refused at the wire."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.errors import ProtocolError
+from distgrad.jsontext import json_text
+from distgrad.privacy.budget import label_budget
+from distgrad.privacy.defenses import ClipNoise
+from distgrad.run.autostaleness import LinkProbe, choose_staleness
+from distgrad.stage.records import write_json
+from distgrad.wire import messages as wire
+
+PACKAGE = Path(__file__).resolve().parent.parent / "distgrad"
+
+
+def strict_loads(text: str):
+    """``json.loads`` that refuses the non-JSON constants NaN, Infinity and -Infinity."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_floats_are_written_as_text_and_read_back_with_float():
+    obj = {"inf": math.inf, "minus": [-math.inf], "nan": float("nan"), "np": np.float64("inf"),
+           "f32": np.float32("nan"), "finite": 0.5, "none": None, "nested": {"t": (1.0, math.inf)}}
+    back = strict_loads(json_text(obj))
+    assert back == {"inf": "inf", "minus": ["-inf"], "nan": "nan", "np": "inf", "f32": "nan", "finite": 0.5,
+                    "none": None, "nested": {"t": [1.0, "inf"]}}
+    assert float(back["inf"]) == math.inf and math.isnan(float(back["nan"]))
+    with pytest.raises(ValueError):
+        json_text({"x": math.inf}, strict=True)
+
+
+def test_a_clip_noise_budget_without_noise_writes_valid_json(tmp_path):
+    """sigma = 0 has an infinite epsilon: the summary says "inf", not the non-JSON Infinity."""
+    budget = label_budget(None, ClipNoise(max_norm=1.0, sigma=0.0, delta=1e-5), releases=10)
+    write_json(tmp_path / "summary.json", {"privacy": {"g": budget}, "loss": float("nan")})
+    text = (tmp_path / "summary.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    summary = strict_loads(text)
+    assert summary["privacy"]["g"]["clip_noise"]["epsilon"] == "inf" and summary["loss"] == "nan"
+
+
+def test_every_json_text_in_the_package_goes_through_the_one_writer():
+    offenders = [f"{path.relative_to(PACKAGE)}:{number}" for path in PACKAGE.rglob("*.py")
+                 if path.name != "jsontext.py"
+                 for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if re.search(r"\bjson\.dumps?\(", line)]
+    assert not offenders, f"write JSON through distgrad.jsontext.json_text: {offenders}"
+
+
+@pytest.mark.parametrize("compute_s", [float("nan"), math.inf, -math.inf, -1.0])
+def test_a_backward_reporting_a_non_finite_or_negative_compute_time_is_refused(compute_s):
+    reply = wire.Message(wire.BACKWARD, "run-1", 1, 0, 1, body={"loss": 0.25, "compute_s": compute_s},
+                         tensors={"activation_grad": np.zeros((2, 3), np.float32)})
+    with pytest.raises(ProtocolError, match="compute_s") as refused:
+        wire.decode(wire.encode(reply))
+    assert refused.value.code == wire.ErrorCode.MALFORMED
+
+
+def test_a_backward_with_a_plausible_compute_time_is_accepted():
+    reply = wire.Message(wire.BACKWARD, "run-1", 1, 0, 1, body={"loss": float("nan"), "compute_s": 0.003},
+                         tensors={"activation_grad": np.zeros((2, 3), np.float32)})
+    decoded = wire.decode(wire.encode(reply))
+    assert decoded.body["compute_s"] == 0.003 and math.isnan(decoded.body["loss"])   # a loss may diverge
+
+
+def test_the_staleness_rule_refuses_figures_that_are_not_finite():
+    with pytest.raises(ValueError, match="g_compute_s"):
+        LinkProbe(round_trip_s=0.01, ping_s=0.001, f_compute_s=0.002, g_compute_s=float("nan"),
+                  bytes_down=10, bytes_up=10)
+    with pytest.raises(ValueError, match="finite"):
+        choose_staleness(0.01, float("nan"))
+
+
+# --- what a summary says of the defenses -------------------------------------------------------------------
+
+def _digits_with(tmp_path: Path, f_extra: str, g_extra: str = "") -> Path:
+    """The built-in digits experiment with extra lines in its stages' tables."""
+    from distgrad.config.parse import BUILTIN_DIR
+    text = (BUILTIN_DIR / "digits.toml").read_text().replace('"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/')
+    head, f, g = text.split("[[stages]]")
+    path = tmp_path / "defended.toml"
+    path.write_text("[[stages]]".join([head, f"{f.rstrip()}\n{f_extra}\n\n", f"{g.rstrip()}\n{g_extra}\n\n"]))
+    return path
+
+
+@pytest.mark.parametrize("f_extra", ["nopeek = { weight = 0.5 }", "clip_noise = { max_norm = 4.0, sigma = 0 }"])
+def test_defenses_that_draw_nothing_are_not_said_to_draw_noise(tmp_path, f_extra):
+    from distgrad.config.defended import budget_text, privacy_budget
+    from distgrad.config.parse import load_experiment
+    privacy = privacy_budget(load_experiment(_digits_with(tmp_path, f_extra)), ["f", "g"], 10, 0)
+    assert "noise_seed" not in privacy["privacy"]["f"] and "drawn_by" not in privacy["privacy"]["f"]
+    assert "seed" not in budget_text(privacy["privacy"]) and "drawing" not in budget_text(privacy["privacy"])
+
+
+def test_defenses_that_draw_are_named_with_the_seed_they_draw_from(tmp_path):
+    from distgrad.config.defended import budget_text, privacy_budget
+    from distgrad.config.parse import load_experiment
+    exp = load_experiment(_digits_with(tmp_path, "nopeek = { weight = 0.5 }\nclip_noise = { max_norm = 4.0, sigma = 0.1 }",
+                                       "max_norm = true"))
+    privacy = privacy_budget(exp, ["f", "g"], 10, 0)["privacy"]
+    assert privacy["f"]["drawn_by"] == ["clip_noise"] and privacy["g"]["drawn_by"] == ["max_norm"]
+    text = budget_text(privacy)
+    assert "f: clip_noise: " in text and "clip_noise drawing noise from the run's seed" in text
+    assert "nopeek drawing" not in text and "max_norm drawing noise from the run's seed" in text
+
+
+@pytest.mark.parametrize("body, needle", [({"loss": 0.5, "correct": 3, "count": 0}, "count=0"),
+                                          ({"loss": 0.5, "correct": 3, "count": -4}, "count=-4"),
+                                          ({"loss": 0.5, "correct": -1, "count": 4}, "correct=-1"),
+                                          ({"loss": 0.5, "correct": 5, "count": 4}, "correct=5")])
+def test_an_evaluation_reply_with_meaningless_counts_is_refused(body, needle):
+    """An accuracy is correct / count: a peer's count below 1, or correct outside 0..count, is refused."""
+    from distgrad.wire.link import check_evaluation
+    reply = wire.Message(wire.EVALUATION, "run-1", 3, body=body)
+    with pytest.raises(ProtocolError, match=re.escape(needle)):
+        check_evaluation(reply)
+    assert check_evaluation(wire.Message(wire.EVALUATION, "run-1", 3, body={"loss": math.inf, "correct": 4,
+                                                                             "count": 4}))["count"] == 4

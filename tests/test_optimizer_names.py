@@ -1,0 +1,84 @@
+"""An optimizer is named as a PyTorch user writes it ("Adam", "SGD", "RMSprop") or in lower case, on a layer
+list (numpy or framework "torch") as on a module; an unknown name is refused listing the accepted ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from distgrad.config.parse import load_experiment
+from distgrad.errors import ConfigError
+from distgrad.model.optim import SGD, Adam, build_optimizer
+from distgrad.run.inprocess import train_in_process
+
+torch = pytest.importorskip("torch")
+
+LAYERS = """
+name = "named-optimizer"
+steps = 5
+seed = 0
+[data]
+kind = "synthetic_regression"
+samples = 256
+features = 4
+outputs = 1
+hidden = 8
+batch = 32
+noise = 0.01
+[[stages]]
+name = "f"
+framework = "{framework}"
+model = [{{ type = "dense", name = "f1", in = 4, out = 8 }}, {{ type = "tanh" }}]
+optimizer = {{ type = "{kind}", lr = 0.01 }}
+[[stages]]
+name = "g"
+framework = "{framework}"
+model = [{{ type = "dense", name = "g1", in = 8, out = 1 }}]
+optimizer = {{ type = "{kind}", lr = 0.01 }}
+loss = "mean_squared_error"
+"""
+
+
+def _layers(tmp_path, framework: str, kind: str):
+    path = tmp_path / f"{framework}-{kind}.toml"
+    path.write_text(LAYERS.format(framework=framework, kind=kind))
+    return load_experiment(path)
+
+
+@pytest.mark.parametrize("torch_name, ours, cls", [("Adam", "adam", Adam), ("SGD", "sgd", SGD)])
+def test_torch_spellings_build_the_same_optimizer(torch_name, ours, cls):
+    assert type(build_optimizer({"type": torch_name, "lr": 0.1})) is cls
+    assert type(build_optimizer({"type": ours, "lr": 0.1})) is cls
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("torch_name, ours", [("Adam", "adam"), ("SGD", "sgd")])
+def test_a_layer_list_trains_the_same_whichever_spelling(tmp_path, framework, torch_name, ours):
+    spelled = train_in_process(_layers(tmp_path, framework, torch_name))
+    lower = train_in_process(_layers(tmp_path, framework, ours))
+    assert spelled["params"] == lower["params"]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_an_unknown_name_on_a_layer_list_lists_the_accepted_ones(tmp_path, framework):
+    with pytest.raises(ConfigError, match="unknown optimizer 'Adagrad': use one of adam, Adam, sgd, SGD"):
+        _layers(tmp_path, framework, "Adagrad")
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("kind, cls", [("Adam", "Adam"), ("RMSprop", "RMSprop"), ("rmsprop", "RMSprop"),
+                                       ("adamw", "AdamW"), ("SGD", "SGD"), ("sgd", "SGD"), ("adam", "Adam")])
+def test_a_module_takes_torch_spellings_and_lower_case(kind, cls):
+    from distgrad.stage.torch_stage import module_optimizer
+    optimizer, _ = module_optimizer({"type": kind, "lr": 0.01}, _params(), "f")
+    assert type(optimizer).__name__ == cls
+
+
+def test_an_unknown_name_on_a_module_lists_the_accepted_ones():
+    from distgrad.stage.torch_stage import module_optimizer
+    with pytest.raises(ConfigError, match=r"unknown optimizer 'Adamm'.*RMSprop.*lower-case.*adam, sgd"):
+        module_optimizer({"type": "Adamm"}, _params(), "f")
+    with pytest.raises(ConfigError, match="re-evaluates the whole model"):
+        module_optimizer({"type": "lbfgs"}, _params(), "f")
