@@ -34,6 +34,7 @@ import numpy as np
 from distgrad.config.experiment import Experiment, is_whole
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
+from distgrad.jsontext import json_text
 from distgrad.privacy import audit
 from distgrad.privacy.meter import sampled, window_steps
 
@@ -113,9 +114,9 @@ def _describe(value: Any) -> str:
     if isinstance(value, (list, dict)):
         return "an array" if isinstance(value, list) else "an object"
     if value is None or isinstance(value, bool):
-        return json.dumps(value)
+        return json_text(value)
     if isinstance(value, str):
-        return f"the string {json.dumps(value[:20])}{'...' if len(value) > 20 else ''}"
+        return f"the string {json_text(value[:20])}{'...' if len(value) > 20 else ''}"
     return repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a very long integer"
 
 
