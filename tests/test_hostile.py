@@ -486,9 +486,12 @@ def own_run_attacks() -> st.SearchStrategy[Template]:
 
 # ------------------------------------------------------------------ the model of the server
 
+NO_REPLY = "(no reply)"      # an Outcome's type for a message the server answers with nothing (a notice)
+
+
 @dataclass
 class Outcome:
-    """One reply the server may give, and what it does to the server's state."""
+    """One reply the server may give (``NO_REPLY``: none), and what it does to the server's state."""
 
     type: str
     ids: tuple[str, int, int, int]
@@ -549,6 +552,9 @@ class Model:
             "a repeated forward did not get the cached reply"
         self._seen(reply, t0, t1)
 
+    def _aborted(self, reply: Message | None, t0: float, t1: float) -> None:
+        self.open_run, self.cached, self.cached_reply, self.finished = None, None, None, None
+
     def _close(self, reply: Message, t0: float, t1: float) -> None:
         self.open_run, self.cached, self.cached_reply = None, None, None
         self.finished = ((reply.run, reply.step, reply.mb, reply.mbs), reply.body["steps"])
@@ -583,6 +589,9 @@ class Model:
             return [Outcome(wire.BYE, ids, steps=steps), err(ErrorCode.RUN)]
         if self.open_run is None or msg.run != self.open_run:
             return [err(ErrorCode.RUN)]
+        if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:
+            # The run's driver says it stopped (a notice, not a request): no reply, the run fails and closes.
+            return [Outcome(NO_REPLY, ok, effect=Model._aborted, mutates=True)]
         if msg.type == wire.FORWARD:
             if self.cached is not None and msg.step == self.cached and msg.mb == 0:
                 return [Outcome(wire.BACKWARD, (msg.run, self.cached, 0, 1), effect=Model._repeat)]
@@ -766,7 +775,13 @@ class Link:
         if protect and any(o.mutates for o in self.model.expect(body, t0, t0)):
             self.skipped += 1
             return False
+        silent = [o for o in self.model.expect(body, t0, t0) if o.type == NO_REPLY]
         sock.send_multipart(frames)
+        if silent:              # a notice: nothing comes back (the barrier's pong must be the next reply)
+            if silent[0].effect is not None:
+                silent[0].effect(self.model, None, t0, time.monotonic())
+            self.model.tally["no reply"] += 1
+            return True
         assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), \
             f"no reply within {REPLY_TIMEOUT_S} s to {what}; server alive: {self.proc.proc.poll() is None}"
         parts = sock.recv_multipart()
@@ -843,7 +858,7 @@ WARMUP = [
 
 
 # Explicit examples, run first every time, so that each run reaches these whatever is drawn:
-# a hostile run opened, stepped, repeated, refused (future step, NaN) and closed.
+# a hostile run opened, stepped, repeated, refused (future step, NaN) and closed; another ended by a notice.
 OPEN_RUN, NEXT = Ref("open"), Ref("next")
 ACT_SPEC = [["activation", "float32", list(ACT_SHAPE)]]
 HOSTILE_RUN = [
@@ -853,6 +868,11 @@ HOSTILE_RUN = [
     Template("forward", header(run=OPEN_RUN, step=Ref("future", 3), tensors=ACT_SPEC), (f32(2.0),)),
     Template("nonfinite", header(run=OPEN_RUN, step=NEXT, tensors=ACT_SPEC), (f32(math.inf),)),
     Template("bye", header(type="bye", run=OPEN_RUN, step=NEXT, body={"steps": Ref("applied")})),
+    # a second hostile run, ended by its driver's aborted notice (no reply; the run fails), then the notice again
+    Template("hello", header(type="hello", run="hostile-c", step=0, body=dict(REFERENCE_HELLO))),
+    Template("forward", header(run=OPEN_RUN, step=NEXT, tensors=ACT_SPEC), (f32(2.0),)),
+    Template("aborted", header(type="error", run=OPEN_RUN, step=0, body={"code": "aborted", "message": "f stopped"})),
+    Template("aborted", header(type="error", run="hostile-c", step=0, body={"code": "aborted", "message": "again"})),
 ]
 # the same against the legitimate run (slot, message, on the client's own socket)
 IN_RUN_PLAN = [
@@ -897,7 +917,8 @@ def test_live_stage_survives_hostile_messages(start_server, tmp_path, zmq_ctx):
     assert len(examples) >= EXAMPLES_STANDALONE
     reached = link.model.tally - warm_tally
     assert link.drops > warm_drops, "no over-size frame was drawn"
-    assert all(reached[kind] for kind in ("welcome", "backward", "bye", "error:step", "error:nonfinite")), reached
+    assert all(reached[kind] for kind in ("welcome", "backward", "bye", "error:step", "error:nonfinite", "no reply")), \
+        reached
     assert rss_after - rss_warm < 50 * 1024, f"VmRSS grew from {rss_warm} to {rss_after} KiB"
     link.close()
 
