@@ -26,10 +26,12 @@ from distgrad.wire.wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
 # A hello refused as busy is sent again after at least BUSY_PROBE_S, while the other run's client stays silent
-# (it may have stopped); it was heard in between when its silence grew by less than the time between the
-# refusals, less BUSY_HEARD_SLACK_S (the jitter of the two round trips).
+# (it may have stopped). Unheard, its silence grows by the time between the stage's two refusals, which is at
+# least the time from the first refusal's arrival to the second hello's sending, whatever the round trips took;
+# so it was heard in between when its silence grew by less than that, less BUSY_HEARD_SLACK_S (the rounding of
+# the two figures, written with two decimals).
 BUSY_PROBE_S = 0.5
-BUSY_HEARD_SLACK_S = 0.2
+BUSY_HEARD_SLACK_S = 0.02
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
@@ -120,6 +122,7 @@ class DownstreamLink:
         last: tuple[float, float] | None = None      # (when, the other client's silence) of the last refusal
         while True:
             key = (msg.step, msg.mb)
+            sent = time.monotonic()
             self.client.send(msg)
             try:
                 return self.await_reply({key: msg}, key, types)
@@ -130,7 +133,7 @@ class DownstreamLink:
                 busy = PeerBusy(e.code, e.peer_message, self.client.endpoint)
                 if figures is None or now + max(pause, BUSY_PROBE_S) > started + self.opts.peer_deadline_s:
                     raise busy from None
-                if last is not None and figures[0] + BUSY_HEARD_SLACK_S < last[1] + (now - last[0]):
+                if last is not None and figures[0] + BUSY_HEARD_SLACK_S < last[1] + (sent - last[0]):
                     raise busy from None           # heard since the last refusal: it is live
                 if last is not None:
                     self.log.warning("%s; its client is silent and may have stopped: retrying until the stage "
