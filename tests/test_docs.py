@@ -1,0 +1,58 @@
+"""The documentation holds together: every relative link of the README and docs/ reaches a file that exists and,
+with an anchor, a heading of that file; the README stays a front page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens, a repeated
+    heading numbered from -1."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _links(page: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def test_every_relative_link_reaches_a_file_and_a_heading():
+    broken = []
+    for page in PAGES:
+        for target in _links(page):
+            if re.match(r"[a-z]+:", target):
+                continue                                    # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_a_front_page():
+    """What it is, the two commands, a run on your own CSV, your own loop, the features with links, where next;
+    the reference lives in docs/."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 220
+    headings = re.findall(r"^## (.+)$", FENCE.sub("", text), re.M)
+    assert headings[0] == "Quickstart"
+    for heading in ("Two parties, your own CSV", "Your own PyTorch loop, on either side of the cut", "What it does",
+                    "Where to go next"):
+        assert heading in headings, heading
+    for page in ("cli.md", "experiments.md", "pipelining.md", "watching.md", "testing.md"):
+        assert f"(docs/{page}" in text, page
