@@ -1,4 +1,4 @@
-"""The driving stage's use of the wait for a reply (issue 25, point 1): what needs no reply is done while one is
+"""The driving stage's use of the wait for a reply: what needs no reply is done while one is
 awaited, not between a reply and the next forward, and every applied step is still reported.
 
 Both stages run in this process (``serve_stage`` in a thread, ``drive_stage`` here) over tcp on 127.0.0.1.
