@@ -4,6 +4,7 @@ with an anchor, a heading of that file; the README stays a front page."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +57,26 @@ def test_the_readme_is_a_front_page():
         assert heading in headings, heading
     for page in ("cli.md", "experiments.md", "pipelining.md", "watching.md", "testing.md"):
         assert f"(docs/{page}" in text, page
+
+
+TICKET = re.compile(r"\bissues? ?#?[0-9]|\bissue-[0-9]", re.I)
+
+
+def test_no_file_cites_a_tracker_issue_by_number():
+    """Comments, docstrings, tests and docs name the behaviour they mean, never a ticket of a tracker the repository
+    does not contain: no number after the word, nor a heading anchor made of the two."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    files = [ROOT / name for name in listed.stdout.split("\0") if name] if listed.returncode == 0 else \
+        [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts and ".venv" not in p.parts]
+    found = []
+    for path in files:
+        if not path.is_file():
+            continue                                        # deleted in the working tree
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue                                        # binary: images, archives
+        for number, line in enumerate(text.splitlines(), 1):
+            if TICKET.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "name the behaviour instead:\n" + "\n".join(found)
