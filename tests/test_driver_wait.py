@@ -88,7 +88,7 @@ def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path
 
 def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: Path):
     """A step is applied before its evaluation: when that evaluation fails (here: after step 3), the step's
-    record is still written, without scores, as the README promises for every step a failed run applied."""
+    record is still written, without scores, as docs/watching.md promises for every step a failed run applied."""
     monkeypatch.setattr(_Driver, "_evaluation_due", lambda self, step: step == 3)
 
     def failing_evaluate(self):
