@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, help="keep logs and generated experiments here (default: a temp dir)")
     p.add_argument("--report", type=Path, metavar="JSON",
                    help="measure nothing: print the tables of an earlier run's --json file")
-    p.add_argument("--markdown", action="store_true", help="with --report: Markdown tables (for docs/performance.md)")
+    p.add_argument("--markdown", action="store_true", help="with --report: Markdown tables (for docs/performance-archive.md)")
     return p
 
 

@@ -17,7 +17,7 @@ and the last) of the whole run: what the other party sees over training,
 not only at its end. The table gives, per setting, the mean over the seeds
 (and, for held-out accuracy, the spread of the seeds: min-max), and the
 label-DP epsilon the run's summary states (``privacy``). ``--write-docs``
-writes the table, the plot and the targets of issue 23 into
+writes the table, the plot and the privacy targets (label recovery and accuracy) into
 docs/privacy.md's section "The trade-off, measured" (replacing only that
 section) and the plot to docs/privacy_tradeoff.png.
 
@@ -193,7 +193,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], seeds: int) -> str:
 
 
 def targets(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-    """Issue 23's targets this sweep measures, each with its figure and met / not met."""
+    """The privacy targets this sweep measures, each with its figure and met / not met."""
     lines = []
 
     def best(task: str, floor: float, score: Any, bound: float) -> tuple[str, dict[str, Any], bool] | None:
@@ -335,7 +335,7 @@ def write_docs(results: dict[str, dict[str, dict[str, Any]]], table: str, target
     bullets = [textwrap.fill(line, 110, subsequent_indent="  ", break_on_hyphens=False) for line in target_lines]
     body = (f"{SECTION}\n\n{textwrap.fill(intro, 110, break_on_hyphens=False)}\n\n"
             f"![held-out accuracy against each leak figure](privacy_tradeoff.png)\n\n{table}\n"
-            "**Issue 23's targets**, as measured here:\n\n" + "\n".join(bullets) + "\n\n")
+            "**The privacy targets**, as measured here:\n\n" + "\n".join(bullets) + "\n\n")
     text = DOC.read_text()
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## )", re.S | re.M)
     if pattern.search(text):

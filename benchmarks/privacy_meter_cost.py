@@ -6,8 +6,8 @@ Each repeat runs ``distgrad run digits`` (stage processes over tcp 127.0.0.1)
 once without and once with ``--privacy-meter`` (both stages metered, windows
 of 50 steps), alternately so machine noise hits both alike, and takes the
 driving stage's wall time per step from its summary. Prints the median step
-time of each and the overhead ((metered - plain) / plain); the target of
-issue 23 is at most 10%. The metered run's parameters must equal the plain
+time of each and the overhead ((metered - plain) / plain); the target: at most
+10%. The metered run's parameters must equal the plain
 run's (checked: the meter changes nothing). The same pair in one process
 (``--in-process``, no wire) gives the meter's own cost with less noise: the
 meter's work at the label owner runs after its reply has left, so over

@@ -70,7 +70,7 @@ the rate of the busier direction or the busier stage.
 
 The link bound (``R / max(D, U)`` steps/s) and the compute bound
 (``1 / max(c_f, c_g)``) are what no staleness can beat; "share of min" is a
-row's steps/s over the smaller of the two. The issue-25 target: the fastest
+row's steps/s over the smaller of the two. The target: the fastest
 row whose digits accuracy is >= 95% reaches >= 90% of it.
 
 Exit codes: 0 ok; 1 a measurement failed (the others are still reported);

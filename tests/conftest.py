@@ -109,10 +109,10 @@ PROCESS_NAMES = frozenset({
 })
 # Modules every test of which is an integration test, whether or not a name above shows it.
 INTEGRATION_MODULES = frozenset({
-    "test_api",             # runs the README's Python example (processes, sockets)
+    "test_api",             # runs the Python API example of docs/experiments.md (processes, sockets)
     "test_benchmarks",      # runs every script in benchmarks/
     "test_netns",           # network namespaces and stage processes, through module fixtures
-    "test_readme",          # runs the README's commands
+    "test_readme",          # runs the commands of the README and the reference pages in docs/
     "test_soak",            # two stage processes through benchmarks/soak.py
     "test_vertical_example",  # distgrad align and four stage processes, through the example's main
 })

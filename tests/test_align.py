@@ -198,7 +198,7 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
 # ---------------------------------------------------------------- processes
 
 def test_three_parties_of_10000_ids_agree_row_for_row(tmp_path):
-    """The issue's test: three real processes over tcp, 10,000 IDs each, partial overlaps, rows in different
+    """Three real processes over tcp, 10,000 IDs each, partial overlaps, rows in different
     orders; the aligned files agree row for row and hold only IDs common to all."""
     rng = random.Random(15)
     sets = overlapping_sets(10_000, rng)
@@ -430,7 +430,7 @@ class DishonestParty(StageProcess):
 
 @pytest.mark.parametrize("variant", ["reorder", "unshuffle"])
 def test_a_dishonest_party_cannot_misalign_the_others(tmp_path, variant):
-    """The issue's two dishonest parties, each joining second of three: one returns party 1's list
+    """Two dishonest parties, each joining second of three: one returns party 1's list
     encrypted honestly but reversed (party 1 would write rows outside the intersection), one answers
     "undo your shuffle" with other valid positions (the coordinator would). The parties compare digests
     of their aligned IDs before anyone writes: a party whose rows differ from the coordinator's refuses the

@@ -1,4 +1,4 @@
-"""The README's Python example runs as written, and the in-thread stage cleans up."""
+"""The Python API example (docs/experiments.md) runs as written, and the in-thread stage cleans up."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import distgrad
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "experiments.md"
 
 
-def test_the_readme_python_example_runs(capsys):
-    text = README.read_text()
+def test_the_python_api_example_runs(capsys):
+    text = PAGE.read_text()
     section = text[text.index("## Python API"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/experiments.md", "exec"), {})
     assert "['fW']" in capsys.readouterr().out
 
 

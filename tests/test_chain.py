@@ -57,7 +57,7 @@ def test_secure_chain_equals_the_composed_model(tmp_path):
 
 
 def test_chain_trace_equals_the_in_process_trace(tmp_path):
-    """And each stage writes its own metrics (issue 24.2): a middle stage its steps, its learning rate and the
+    """And each stage writes its own metrics: a middle stage its steps, its learning rate and the
     loss it passes up."""
     run_launcher(["run", "chain4-classify", "--steps", "5", "--trace", tmp_path / "two.jsonl", "--metrics",
                   tmp_path / "m.jsonl"])

@@ -100,7 +100,7 @@ def _rewrite(path, payload: bytes) -> None:
 
 
 def test_no_temporary_files_are_left_and_nothing_is_pickled(tmp_path):
-    """Issue 21.17: the payload loads with allow_pickle=False, member by member, and the writer refuses an
+    """No pickle in a checkpoint: the payload loads with allow_pickle=False, member by member, and the writer refuses an
     array of Python objects (which numpy.savez would pickle) before writing anything."""
     store = _store(tmp_path)
     path = store.save("run", 1, _arrays(1.0), {})
@@ -132,7 +132,7 @@ def test_every_numpy_read_and_write_of_the_package_refuses_pickles():
 
 
 def test_a_checkpoint_that_verifies_but_holds_pickles_is_refused_and_left_alone(tmp_path):
-    """Issue 21.17: a checkpoint whose checksum verifies but whose payload is a pickle, or an npz with an
+    """No pickle in a checkpoint: one whose checksum verifies but whose payload is a pickle, or an npz with an
     object (pickled) member, is refused with a ConfigError naming the file, never loaded or skipped as
     torn, and no file of the directory changes."""
     store = _store(tmp_path)
@@ -151,7 +151,7 @@ def test_a_checkpoint_that_verifies_but_holds_pickles_is_refused_and_left_alone(
 
 
 def test_resuming_from_a_pickled_checkpoint_exits_2_before_any_stage_starts(tmp_path):
-    """Issue 21.17, end to end: `distgrad run --resume` over a checkpoint directory where one stage's newest
+    """No pickle in a checkpoint, end to end: `distgrad run --resume` over a checkpoint directory where one stage's newest
     checkpoint verifies but holds an object member exits 2 naming it, and leaves every file as it was."""
     folder = tmp_path / "ckpt"
     first = run_cli(["run", "digits", "--steps", "2", "--checkpoint-dir", folder, "--checkpoint-every", "1"])

@@ -1,6 +1,6 @@
 """One checkpoint directory, several runs and processes: nothing is lost, shared or left behind.
 
-Real stage processes (issue 12): another run's checkpoints are never deleted;
+Real stage processes: another run's checkpoints are never deleted;
 a second process of a running stage is refused; an unwritable or full
 directory is a clear error; a finished run is not run again.
 """

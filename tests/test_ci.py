@@ -56,7 +56,7 @@ def _ci_commands() -> list[str]:
 
 
 def test_ci_runs_the_readme_commands_on_an_empty_home_then_the_slow_set():
-    """Issue 21.1 and 21.18: CI runs `make demo` and `make test` as on a fresh machine (HOME, XDG_CACHE_HOME
+    """CI runs `make demo` and `make test` as on a fresh machine (HOME, XDG_CACHE_HOME
     and MPLCONFIGDIR new empty folders, made after the installs), then the slow set."""
     commands = _ci_commands()
     position = {command: i for i, command in enumerate(commands)}
@@ -80,7 +80,7 @@ def test_make_test_runs_on_every_core_and_test_slow_runs_the_slow_set():
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib is not installed: the plot tests skip (pip install 'distgrad[plot]')")
 def test_the_plot_tests_pass_with_an_empty_home_and_no_caches(tmp_path):
-    """Issue 21.1: on a machine where matplotlib never ran, its first import builds the font cache in a
+    """On a machine where matplotlib never ran, its first import builds the font cache in a
     subprocess; the suite builds it before the first test (conftest), so the plot tests stay unit tests."""
     fresh = {name: tmp_path / name.lower() for name in ("HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR")}
     for folder in fresh.values():

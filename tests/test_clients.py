@@ -226,7 +226,7 @@ def _raw_clients_to_the_end(exp, steps: int, endpoint: str, ctx, byes: set[int])
 @pytest.mark.parametrize("byes,code,status", [({0, 1}, 0, "completed"), (set(), 3, "lost")])
 def test_a_client_silent_between_its_last_step_and_its_bye_is_dropped_and_g_exits(
         tmp_path, start_server, zmq_ctx, byes, code, status):
-    """Issue 12.4: client 2 (or every client) stops after its last step without a bye. g drops it
+    """A client that leaves without a bye: client 2 (or every client) stops after its last step without a bye. g drops it
     after --liveness and exits: 0 when some client said bye, else 3 after --peer-deadline more."""
     from distgrad.config.parse import load_experiment
 
@@ -268,7 +268,7 @@ def test_the_label_owner_killed_and_restarted_changes_nothing(tmp_path, stage_gr
 
 
 def test_reading_an_experiment_of_many_clients_builds_its_data_a_fixed_number_of_times(tmp_path, monkeypatch):
-    """Issue 25: every stage process reads the experiment, and reading it checked each data owner's shard by
+    """Start-up with many data owners stays linear: every stage process reads the experiment, and reading it checked each data owner's shard by
     building the whole data once per owner: with N owners, N builds in each of N + 1 processes, O(N^2) at
     start-up (64 owners did not start within 90 s on 2 cores). The smallest shard (the last owner's) tells
     whether every owner gets a batch; one too few rows for it is still an error."""

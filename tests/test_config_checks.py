@@ -1,4 +1,4 @@
-"""Configuration errors are exit 2 with the reason, before anything starts, on every path (issue 12: 2, 8, 11).
+"""Configuration errors are exit 2 with the reason, before anything starts, on every path.
 
 Paths: ``distgrad run``, ``distgrad run --in-process``, ``distgrad-stage``
 for each stage, and the Python API. The command lines run in this process
@@ -169,7 +169,7 @@ def test_every_builtin_still_loads():
                                   "a = " + "{ b = " * 600 + "1" + " }" * 600,
                                   "a = " + "[" * 33 + "]" * 33])
 def test_a_toml_file_nested_too_deeply_is_refused_with_exit_2(tmp_path: Path, text: str):
-    """Issue 21.12: arrays or tables nested deeper than tomlfile.MAX_DEPTH (32) levels are a configuration
+    """Arrays or tables nested deeper than tomlfile.MAX_DEPTH (32) levels are a configuration
     error, exit 2 naming the file, never a RecursionError traceback."""
     path = tmp_path / "deep.toml"
     path.write_text(text + "\n")

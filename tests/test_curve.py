@@ -79,7 +79,7 @@ def test_a_refused_driver_exits_3_within_its_deadline(start_server, tmp_path, ke
                        "--peer-deadline", "1", *flags], tmp_path / "f.log") as f:
         assert f.wait(20) == 3, f.output
     assert g.proc.poll() is None
-    # Issue 12.9: both sides say why, at the levels an operator sees by default; no secret is shown.
+    # A refused CURVE handshake: both sides say why, at the levels an operator sees by default; no secret is shown.
     # Which failure each side sees first depends on timing: either reason is right.
     closed = {"driver": "the server closed the connection during the handshake",
               "stage": "the peer closed the connection during the handshake"}
@@ -107,7 +107,7 @@ def keys_public(secret_file) -> str:
 
 
 def test_a_flood_of_refused_keys_is_logged_in_bounded_lines(tmp_path):
-    """Issue 12.9: one line per distinct key per interval, at most REFUSAL_LOG_KEYS keys, the rest counted."""
+    """Refusals are logged without flooding: one line per distinct key per interval, at most REFUSAL_LOG_KEYS keys, the rest counted."""
     import logging
 
     from distgrad.wire.transport import RefusalLog

@@ -1,4 +1,4 @@
-"""The driving stage's use of the wait for a reply (issue 25, point 1): what needs no reply is done while one is
+"""The driving stage's use of the wait for a reply: what needs no reply is done while one is
 awaited, not between a reply and the next forward, and every applied step is still reported.
 
 Both stages run in this process (``serve_stage`` in a thread, ``drive_stage`` here) over tcp on 127.0.0.1.
@@ -88,7 +88,7 @@ def test_a_step_applied_before_a_failure_is_reported(monkeypatch, tmp_path: Path
 
 def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: Path):
     """A step is applied before its evaluation: when that evaluation fails (here: after step 3), the step's
-    record is still written, without scores, as the README promises for every step a failed run applied."""
+    record is still written, without scores, as docs/watching.md promises for every step a failed run applied."""
     monkeypatch.setattr(_Driver, "_evaluation_due", lambda self, step: step == 3)
 
     def failing_evaluate(self):

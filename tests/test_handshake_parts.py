@@ -1,5 +1,5 @@
 """A hello whose interface differs is refused naming each field that differs with both values
-(issues 12.10 and 14.1); what is private to a party (its model, optimiser, data) is not compared.
+(each party its own stage file); what is private to a party (its model, optimiser, data) is not compared.
 
 The hello carries ``parts`` (``Experiment.interface_parts``). The receiver
 names every differing field as ``batch: f has 32, g has 64`` and validates

@@ -1045,9 +1045,9 @@ FLOOD_RSS_GROWTH_KIB = 16 * 1024  # what the stage may keep afterwards (before t
 
 
 def test_a_message_of_a_million_empty_frames_is_discarded_and_answered_malformed(start_server, tmp_path, zmq_ctx):
-    """Issue 12.6: ZeroMQ limits a frame's size, not the number of frames. The stage reads at most
+    """ZeroMQ limits a frame's size, not the number of frames. The stage reads at most
     MAX_FRAMES of a message, discards the rest without keeping them, logs it once, answers it with a
-    ``malformed`` error on the same connection (issue 21.14: it drops no connection), keeps no memory
+    ``malformed`` error on the same connection (it drops no connection), keeps no memory
     for it, and a legitimate run afterwards is still exact."""
     g_json = tmp_path / "g.json"
     g, endpoint = start_server("seed-reverse", "--keep-serving", "--summary", g_json)
@@ -1080,12 +1080,12 @@ def test_a_message_of_a_million_empty_frames_is_discarded_and_answered_malformed
     assert f_summary["params"]["f"] == params["f"] and g_summary["params"]["g"] == params["g"]
 
 
-HOSTILE_FRAMES = 2_000_000        # issue 21.14: the flood that once cost another peer its connection
+HOSTILE_FRAMES = 2_000_000        # the flood that once cost another peer its connection
 PING_TIMEOUT_S = 20.0             # each ping's bound; the drain itself takes a few seconds
 
 
 def test_a_flood_whose_sender_disconnects_during_the_drain_costs_other_peers_only_time(start_server, zmq_ctx):
-    """Issue 21.14: a raw DEALER sends one message of 2 million empty frames and disconnects at once,
+    """A flood of frames costs no other peer its connection: a raw DEALER sends one message of 2 million empty frames and disconnects at once,
     while `distgrad ping` processes connect one after another during the stage's drain: each is
     answered. (The stage used to shut down the connection the flood came in on by its descriptor
     after the drain, by then another peer's: a ping during the drain was never answered.)"""

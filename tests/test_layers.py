@@ -106,7 +106,7 @@ def test_the_architecture_page_names_every_folder():
 
 
 def test_what_leaves_a_stage_passes_one_pipeline():
-    """Issue 22.3: every runner (the in-process reference, the driver, the serving stage, a middle stage,
+    """One outgoing pipeline: every runner (the in-process reference, the driver, the serving stage, a middle stage,
     vertical parties, predictions) sends a tensor across the cut through ``wirecodec.Senders``: outside
     ``distgrad/wire`` nothing encodes, decodes or round-trips a tensor with a codec directly, so a new
     transformation of what is sent is added in one place."""

@@ -1,4 +1,4 @@
-"""Issue 24.2: every stage reports its own learning rate at each step, in its own metrics file and
+"""Every stage reports its own learning rate at each step, in its own metrics file and
 TensorBoard events (the data owner's rate is known only to it; a serving stage writes its own), and
 ``distgrad plot`` draws it. Over processes, a numpy stage with a ``schedule`` above a torch stage with a
 ``torch.optim.lr_scheduler``, and the reverse."""

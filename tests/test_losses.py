@@ -134,7 +134,7 @@ def softmax_cross_entropy_plainly(pred: np.ndarray, target: np.ndarray) -> tuple
 
 @pytest.mark.parametrize("layout", ["C", "F", "reversed columns"])
 def test_softmax_cross_entropy_is_the_plain_formula_bitwise(layout):
-    """Issue 25: the loss in fewer numpy calls gives the plain formula's bits for every batch and class
+    """The loss in fewer numpy calls gives the plain formula's bits for every batch and class
     count (numpy's row sums add 8 at a time from 8 classes on), logit scale and memory layout, and calls
     of several shapes on one loss object (its flat row offsets are kept between calls)."""
     rng = np.random.default_rng(25)

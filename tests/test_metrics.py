@@ -1,4 +1,4 @@
-"""Held-out metrics beyond accuracy, keep_best and early stopping (issue 24, points 3 and 4).
+"""Held-out metrics beyond accuracy, keep_best and early stopping.
 
 The metrics follow scikit-learn's definitions (hand-computed values here, and scikit-learn itself when it is
 installed); the label owner's verdicts reach every party in the evaluation reply, so over processes (two

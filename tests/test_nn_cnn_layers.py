@@ -1,4 +1,4 @@
-"""Unit tests for the image, sequence and regularisation layers of distgrad.model.nn (issue 14).
+"""Unit tests for the image, sequence and regularisation layers of distgrad.model.nn.
 
 conv2d, maxpool2d, flatten, reshape, dropout, embedding and layernorm:
 gradients by central differences in float64 (the helper of test_nn.py and

@@ -1,6 +1,6 @@
 """A NaN or Inf in a stage's own loss or gradients: nothing applied or checkpointed, exit 1 on every side.
 
-Issue 12, point 3. The NaN comes from a labels file (the last stage's own
+The NaN comes from a labels file (the last stage's own
 data), from a stage's gradient computation, or from a reply below.
 """
 

@@ -1,4 +1,4 @@
-"""``distgrad predict`` (issue 14.5): forward only through live stages, the predictions written at the
+"""``distgrad predict``: forward only through live stages, the predictions written at the
 label owner only; nothing but an acknowledgement travels back to the data owner."""
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def _serve(parties: Path, halves: Path, tmp_path: Path, output: Path) -> tuple[S
 
 
 def test_a_csv_with_a_header_and_an_id_column_keeps_the_ids(trained: Path, tmp_path: Path):
-    """The issue's file: a header, an ID column (here first, given by --id-column), the features after it;
+    """A spreadsheet's file: a header, an ID column (here first, given by --id-column), the features after it;
     the label owner writes the IDs as its first column, in the input's order."""
     rows = np.random.default_rng(2).integers(0, 17, size=(45, 64)).astype(np.float64)
     ids = [f"patient,{n}" if n % 7 == 0 else f"p{n}" for n in range(45)]      # some need quoting
@@ -351,7 +351,7 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
 
 
 def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):
-    """Issue 22.3: what leaves a stage passes one pipeline in every runner (``Senders``); a prediction's
+    """What leaves a stage passes one pipeline in every runner (``Senders``); a prediction's
     activations cross as an evaluation's do, coded with the interface's activation codec (chunk n at step n),
     so the label owner's predictions are those of the decoded activations, chunk by chunk."""
     from distgrad.wire.wirecodec import Senders
@@ -393,7 +393,7 @@ def _logits(root: Path, rows: np.ndarray) -> np.ndarray:
 
 
 def test_output_scores_writes_the_class_probabilities_beside_the_class_and_the_ids(trained: Path, tmp_path: Path):
-    """Issue 24.5: ``--output-scores`` adds score_0..score_9, the softmax of the logits, after the predicted
+    """``--output-scores`` adds score_0..score_9, the softmax of the logits, after the predicted
     class; the ID column of the input still leads each line."""
     rows = np.random.default_rng(4).integers(0, 17, size=(45, 64)).astype(np.float64)
     ids = [f"r{n}" for n in range(45)]

@@ -1,4 +1,4 @@
-"""The live privacy meter (issue 23, points 1 and 2): what it scores, where its figures go, and that it
+"""The live privacy meter: what it scores, where its figures go, and that it
 changes nothing: a metered run is bitwise the unmetered one, over processes and in one process."""
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Every command in the README runs as written (``make`` targets are run by .ci/run).
+"""Every command in the README and the reference pages it points to runs as written (``make`` targets are run by
+.ci/run).
 
 Shell blocks run in order in a scratch directory; a serving ``distgrad-stage``
 starts in the background and the commands after it run against it. The port
-5555 and the placeholder G_ADDR are replaced by a free loopback port.
+5555 and the placeholder G_ADDR are replaced by a free loopback port. A page's
+TOML block whose first line is ``# NAME.toml`` is written there first, with a
+CSV of made-up rows for a csv ``[data]`` it names.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from distgrad.run.launcher import pinned_env, stop_process
@@ -19,7 +24,12 @@ from distgrad.run.launcher import pinned_env, stop_process
 from conftest import BIN, free_tcp_port, run_launcher
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = README.parent / "docs"
+# The front page and the reference pages its sections moved to: every command block of each runs.
+PAGES = [README] + [DOCS / name for name in ("cli.md", "experiments.md", "pipelining.md", "watching.md",
+                                             "testing.md")]
 INLINE_RUN = re.compile(r"`(distgrad run [^`<>]*?)`")
+NAMED_TOML = re.compile(r"```toml\n# ([\w.-]+\.toml)\n(.*?)```", re.S)
 
 
 def _commands(block: str) -> list[list[str]]:
@@ -28,14 +38,33 @@ def _commands(block: str) -> list[list[str]]:
 
 
 def _blocks() -> list[list[list[str]]]:
-    text = README.read_text()
-    blocks = [_commands(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
-    inline = [argv for argv in map(shlex.split, INLINE_RUN.findall(text))
-              if not any(re.fullmatch(r"[A-Z_]+", token) for token in argv)]    # generic forms: NAME, M
+    blocks: list[list[list[str]]] = []
+    inline: list[list[str]] = []
+    for page in PAGES:
+        text = page.read_text()
+        blocks += [_commands(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
+        inline += [argv for argv in map(shlex.split, INLINE_RUN.findall(text))
+                   if not any(re.fullmatch(r"[A-Z_]+", token) for token in argv)]    # generic forms: NAME, M
     return blocks + [[argv] for argv in inline]
 
 
 BLOCKS = _blocks()
+
+
+def _write_named_files(folder: Path) -> None:
+    """Write every page's ``# NAME.toml`` block into FOLDER, and for a csv ``[data]`` a file of 64 made-up rows
+    with the columns it names (an ID column, the features as numbers, the labels as class ids 0 and 1)."""
+    rng = np.random.default_rng(0)
+    for page in PAGES:
+        for name, body in NAMED_TOML.findall(page.read_text()):
+            (folder / name).write_text(body)
+            data = tomllib.loads(body).get("data", {})
+            if data.get("kind") != "csv":
+                continue
+            columns = [data["id_column"], *data["features"], data["labels"]]
+            rows = [[f"p{i}", *(f"{v:.4f}" for v in rng.normal(size=len(data["features"]))), str(i % 2)]
+                    for i in range(64)]
+            (folder / data["path"]).write_text("\n".join(",".join(r) for r in [columns, *rows]) + "\n")
 
 
 def test_the_readme_has_the_commands_this_test_expects():
@@ -49,6 +78,7 @@ def test_the_readme_has_the_commands_this_test_expects():
 def test_readme_block_runs(tmp_path, monkeypatch, index):
     port = str(free_tcp_port())
     background: list[subprocess.Popen] = []
+    _write_named_files(tmp_path)
     try:
         for argv in BLOCKS[index]:
             if argv[0] == "make":
@@ -82,11 +112,11 @@ def test_readme_block_runs(tmp_path, monkeypatch, index):
 
 
 def test_activating_the_venv_puts_the_commands_on_the_path(tmp_path):
-    """After ``make demo`` the README's hand-run commands need ``.venv/bin`` on the PATH: it says how."""
+    """After ``make demo`` the README's hand-run commands need ``.venv/bin`` on the PATH: its Quickstart says how."""
     flat = [" ".join(argv) for block in BLOCKS for argv in block]
     activate = next(c for c in flat if c.split()[0] in (".", "source"))
     assert activate.split()[1] == ".venv/bin/activate"
-    quickstart = README.read_text().split("## Concepts")[0]
+    quickstart = README.read_text().split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
     assert ". .venv/bin/activate" in quickstart                     # before the first hand-run command
     env = dict(pinned_env(), PATH="/usr/bin:/bin")                  # a shell that has not activated anything
     script = f". {BIN / 'activate'} && command -v distgrad-stage && command -v distgrad"
@@ -114,13 +144,14 @@ def _flat(path: Path) -> str:
 
 def test_what_crosses_the_wire_names_splitfeds_parameters_wherever_it_is_said():
     """SplitFed's ``average`` carries a client's first-stage parameters to the label owner and their mean back:
-    no page says parameters never cross, and the README, security and privacy pages name that exception."""
+    no page says parameters never cross, and the concepts (docs/experiments.md), security and privacy pages name
+    that exception."""
     docs = README.parent / "docs"
-    readme, security, privacy = _flat(README), _flat(docs / "security.md"), _flat(docs / "privacy.md")
-    for text in (readme, security):
+    concepts, security, privacy = _flat(docs / "experiments.md"), _flat(docs / "security.md"), _flat(docs / "privacy.md")
+    for text in (_flat(README), concepts, security):
         assert "Never parameters" not in text and "Parameters and optimiser state stay on their stage" not in text
         assert "Weights, Adam's `m`/`v` and beta powers are never sent" not in text
-    assert "SplitFed" in readme and "**its first-stage parameters**" in readme
+    assert "SplitFed" in concepts and "**its first-stage parameters**" in concepts
     assert "except in SplitFed" in security and "first-stage parameters to the label owner" in security
     assert "with SplitFed" in privacy and "first-stage parameters to the label owner" in privacy
 

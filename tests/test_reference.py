@@ -1,4 +1,4 @@
-"""The stage-file format reference is generated from the parser's tables and checked against it (issue 14.6)."""
+"""The stage-file format reference is generated from the parser's tables and checked against it."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_every_option_of_the_registries_has_a_meaning():
     assert optimizer_options <= set(schema.OPTIMIZER_OPTIONS)
 
 
-# ---------------------------------------------------------------- every accepted key is read (issue 21.17)
+# ---------------------------------------------------------------- every accepted key is read
 
 def _combined(name: str) -> tuple[dict, str]:
     exp = load_experiment(name)
@@ -222,7 +222,7 @@ def _observable(exp: Any) -> dict:
 
 
 def test_every_key_the_parser_accepts_changes_what_it_makes(tmp_path: Path):
-    """Issue 21.17: a key in the schema tables that no code reads must fail a test. For each key the parser
+    """A key in the schema tables that no code reads must fail a test. For each key the parser
     accepts (every entry of the schema's tables), a valid file and the same file with that key alone
     changed must parse to experiments that differ beyond the raw text. A key added to a table needs an
     entry in ``_changes`` that shows what it does."""

@@ -1,4 +1,4 @@
-"""Keep and use the trained halves (issue 14.5): ``--save`` writes each stage's final parameters, ``--load``
+"""Keep and use the trained halves: ``--save`` writes each stage's final parameters, ``--load``
 starts a later run from them, on every path (stage daemons, ``distgrad run``, in-process), bitwise alike."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def _damaged_copies(saved: Path, into: Path) -> dict[str, Path]:
 
 
 def test_a_damaged_or_mistyped_parameters_file_is_refused_with_exit_2_naming_file_and_member(tmp_path: Path):
-    """Issue 21.11: a cut-short or bit-flipped archive, a string or object (pickled) member, a member of Inf
+    """A damaged --load file is refused whole: a cut-short or bit-flipped archive, a string or object (pickled) member, a member of Inf
     or float64 1e300, a complex or int64 member: each refused before any stage starts, over processes and
     in one process, exit 2 naming the file and the member; nothing is cast, nothing trains."""
     saved = tmp_path / "saved"

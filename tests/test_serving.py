@@ -371,7 +371,7 @@ def test_one_driver_clients_and_parties_are_each_a_topology_class_inside_the_sam
 
 
 def test_the_serving_stage_is_in_parts_a_reader_can_hold():
-    """No class of the serving stage over 400 lines, no function over 55 (issue 22, point 1)."""
+    """No class of the serving stage over 400 lines, no function over 55."""
     import ast
     from pathlib import Path
     package = Path(__file__).resolve().parent.parent / "distgrad" / "run"
@@ -433,7 +433,7 @@ class _CountedPeers(list):
 
 @pytest.mark.parametrize("count", [4, 16])
 def test_a_partys_forward_does_not_make_the_label_owner_look_at_every_party(tmp_path, count):
-    """Issue 25, point 3: what the label owner does per party's message does not grow with the number of
+    """What the label owner does per party's message does not grow with the number of
     parties (finding the party, telling whether it is its turn, whether every part is in): a step looks at
     each party a fixed number of times, O(parties) per step (5 looks per party, whatever their number). It
     used to look at every party on every party's message, O(parties^2) per step (12.5 looks per party at 4
@@ -466,7 +466,7 @@ def test_a_partys_forward_does_not_make_the_label_owner_look_at_every_party(tmp_
 
 
 def test_the_hello_of_one_of_many_parties_fits_and_too_many_cuts_are_a_config_error(tmp_path):
-    """Issue 25: a vertical experiment's hello names every stage ("p0,p1,...,g"); past about 20 parties that
+    """A vertical experiment's hello names every stage ("p0,p1,...,g"); past about 20 parties that
     list outgrew a hello's 64-character field and every party was refused at its hello (MALFORMED). It is
     sent in pieces now. An experiment with more cuts than a hello can name fails when it is read (exit 2)."""
     path = tmp_path / "parties.toml"
@@ -484,7 +484,7 @@ def test_the_hello_of_one_of_many_parties_fits_and_too_many_cuts_are_a_config_er
 
 def test_a_stage_without_checkpoint_every_gives_its_engine_no_checkpoint_observer(tmp_path):
     """A step's update builds a StepRecord (and its learning rate) only for an observer that uses it: none
-    is registered to checkpoint unless ``--checkpoint-every`` asks for it (issue 25)."""
+    is registered to checkpoint unless ``--checkpoint-every`` asks for it."""
     from distgrad.run.stage_state import StageState
     exp = load_experiment("tanh-regression")
     assert StageState(StageOptions(exp, "f", exp.seed)).engine.observers == []
@@ -493,7 +493,7 @@ def test_a_stage_without_checkpoint_every_gives_its_engine_no_checkpoint_observe
 
 
 def test_a_reply_leaves_before_the_reply_cache_is_pruned():
-    """Issue 25: ``handle`` does only what the reply needs before it leaves; dropping the replies of the
+    """``handle`` does only what the reply needs before it leaves; dropping the replies of the
     driver's earlier steps from the reply cache (``Turns.after_reply``) runs after it, in ``settle``, with
     the micro-batch's gradients and update. Nothing sees the cache between the two: the next message's
     ``handle`` settles first, so a repeat of an old step is still refused and the step's own repeat gets
@@ -512,7 +512,7 @@ def test_a_reply_leaves_before_the_reply_cache_is_pruned():
 
 
 def test_a_steps_targets_are_looked_up_once_and_before_its_first_forward():
-    """Issue 25: the label owner looks up a step's targets once (each of its micro-batches slices them; each
+    """The label owner looks up a step's targets once (each of its micro-batches slices them; each
     used to gather the whole batch again), and looks up the next step's after a step's update, in
     ``settle``, so none is looked up between a forward's arrival and its reply. The replies are those of
     a stage that looks each up when it is needed."""

@@ -1,4 +1,4 @@
-"""Each party its own stage file (issue 14.1): only the interface in common.
+"""Each party its own stage file: only the interface in common.
 
 The data owner's host holds the features and its own model; the label
 owner's host holds the labels and its own model; they agree only on the

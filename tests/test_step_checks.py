@@ -1,4 +1,4 @@
-"""The checks on a driving stage's critical path, each in one function (issue 25, point 1): a backward reply
+"""The checks on a driving stage's critical path, each in one function, kept lean: a backward reply
 (``link.check_reply``: type, tensors, loss, finiteness) and a step's parameter gradients before its update
 (``Stage.check_grads``). Their results and messages are what they were before they were made leaner."""
 

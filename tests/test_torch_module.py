@@ -112,7 +112,7 @@ def _experiment(directory, *, steps=10, data=CLASSIFY, f_module="mymodel:encoder
 PROCESS_STEPS = 100
 
 def test_the_builtin_cnn_trains_in_two_processes_bitwise_as_in_one(tmp_path):
-    """Issue 14: a user-written torch module, named by import path, trains in a daemon against a numpy
+    """A user-written torch module, named by import path, trains in a daemon against a numpy
     g-stage; the digits CNN reaches >= 97% held-out accuracy.
 
     Bitwise equality does not depend on the length of the run: the processes train the first
@@ -465,7 +465,7 @@ def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
      "'norm.num_batches_tracked' is torch.float32"),
 ])
 def test_a_mistyped_or_non_finite_state_dict_is_refused_naming_file_and_entry(tmp_path, change, needle):
-    """Issue 21.11 for torch stages: a state_dict entry of another dtype than the module's (nothing is
+    """A damaged --load file, for torch stages: a state_dict entry of another dtype than the module's (nothing is
     cast) or with values that are not finite is refused, exit 2 before any stage starts, in process and
     over processes (the launcher builds the module and loads the file into it first)."""
     path = _experiment(tmp_path, f_args=", norm = true")

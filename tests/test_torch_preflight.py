@@ -1,4 +1,4 @@
-"""Configuration errors of torch stages exit 2 before any stage starts (issue 21.8).
+"""Configuration errors of torch stages exit 2 before any stage starts.
 
 ``distgrad run`` builds every torch stage in the launcher first (imports its
 module, makes it, its optimizer, scheduler and loss, and checks its output

@@ -96,7 +96,8 @@ def _reference_step(stage: TorchStage, module: torch.nn.Module, grads: dict[str,
     f'{{ type = "SGD", lr = 0.1, momentum = 0.9, schedule = {EXPONENTIAL} }}',
 ])
 def test_a_schedule_on_a_module_stage_sets_each_updates_float32_rate(tmp_path, optimizer):
-    """Issue 21.3: accepted and ignored with "adam", refused by torch's constructor with a torch class."""
+    """A schedule on a module stage sets each update's rate, with "adam" (once accepted and ignored) and with a
+    torch class (once refused by torch's constructor)."""
     exp = load_experiment(_experiment(tmp_path, optimizer))
     stage = TorchStage.from_spec(exp, "f")
     module, reference = _reference(stage)

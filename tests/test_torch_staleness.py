@@ -127,7 +127,7 @@ def test_a_torch_first_stage_stale_for_the_whole_run_feeds_its_initial_activatio
 
 
 def test_the_builtin_torch_cnn_trains_with_steps_in_flight_in_process():
-    """Issue 21.2 as reported (exit 1 at step 2: a variable needed for the gradient modified in place)."""
+    """A torch CNN first stage with staleness 2 trains (it once exited 1 at step 2: a variable needed for the gradient modified in place)."""
     result = run_main(["run", "digits-cnn-torch", "--staleness", "2", "--steps", "30", "--in-process"])
     assert result.returncode == 0, result.stderr
 

@@ -1,4 +1,4 @@
-"""docs/tutorial-torch.md, run as written (issue 14.6): its files are written, its `# run` blocks run in order
+"""docs/tutorial-torch.md, run as written: its files are written, its `# run` blocks run in order
 in a fresh folder, with the installed `distgrad`, `distgrad-stage` and `python` first on the PATH."""
 
 from __future__ import annotations

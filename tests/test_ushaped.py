@@ -1,4 +1,4 @@
-"""The U-shaped split (issue 15.4): the data owner runs the first stage and the head, a server the body.
+"""The U-shaped split: the data owner runs the first stage and the head, a server the body.
 
 ``digits-ushaped`` is f -> body -> head with the labels on the head: f (the
 images) and head (the labels, the loss) are the data owner's, body is the

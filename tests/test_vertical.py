@@ -71,7 +71,7 @@ def test_aggregations_combine_and_split_as_documented():
 
 
 def test_a_concat_gradient_of_equal_widths_is_split_by_one_copy():
-    """Issue 25: the label owner's gradient of K parties of one width is cut by one numpy copy into one
+    """The label owner's gradient of K parties of one width is cut by one numpy copy into one
     block, each party's part a contiguous row of it (was K copies, and a cumsum of the widths per step);
     the parts are the gradient's columns exactly and own their memory apart from the gradient."""
     rng = np.random.default_rng(1)

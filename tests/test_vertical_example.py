@@ -1,8 +1,8 @@
 """The real vertical example: breast-cancer columns split between three parties, aligned, trained.
 
-Runs ``python -m distgrad.vertical_example``'s steps as the README's command
-does (real ``distgrad align`` and stage processes) and checks what the issue
-asks: every party's aligned file holds the same patients in the same order,
+Runs ``python -m distgrad.vertical_example``'s steps as its documented command
+does (real ``distgrad align`` and stage processes) and checks what the example
+promises: every party's aligned file holds the same patients in the same order,
 only patients all four hold, and the vertical model's held-out accuracy is
 within one point of the same rows with every column in one process.
 """

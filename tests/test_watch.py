@@ -84,7 +84,7 @@ def test_log_level_controls_the_output():
     assert chatty.returncode == 0 and "INFO" in chatty.stdout
 
 
-# --- Issue 12: a trace a user can afford, output a user can read ---------------------------------------------
+# --- A trace a user can afford, output a user can read ---------------------------------------------
 
 @pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "two-process"])
 def test_trace_params_and_every_keep_the_named_values_of_every_kth_step(tmp_path, mode):

@@ -564,7 +564,7 @@ def test_all_finite_agrees_with_numpy_on_small_arrays():
 
 def test_all_finite_sums_squares_first_and_checks_exactly_only_when_the_sum_is_not_finite(monkeypatch):
     """float32/float64: one BLAS ``vdot`` answers for finite arrays; ``isfinite`` runs only when the sum of
-    squares is NaN or Inf (a non-finite element, or finite squares beyond the dtype's range; issue 25)."""
+    squares is NaN or Inf (a non-finite element, or finite squares beyond the dtype's range)."""
     exact = []
     isfinite = np.isfinite
     monkeypatch.setattr(np, "isfinite", lambda *a, **k: exact.append(1) or isfinite(*a, **k))
@@ -585,7 +585,7 @@ def test_a_header_frame_that_is_no_byte_buffer_is_malformed(first):
 
 def test_a_binary_message_keeps_its_frames_as_memoryviews_and_its_layout_checks_finiteness_as_it_reads():
     """decode keeps a binary message's tensor frames as memoryviews (their byte lengths without another
-    wrapper); FrameLayout.read checks each float tensor's finiteness while reading it (issue 25)."""
+    wrapper); FrameLayout.read checks each float tensor's finiteness while reading it, with no second pass."""
     x = np.array([[0, np.inf, 0], [0, 0, 0]], np.float32)
     frames = as_bytes(wire.encode(Message(wire.FORWARD, "r", 1, tensors={"activation": x,
                                                                          "target": np.zeros(2, np.int64)})))

@@ -30,7 +30,7 @@ BLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 BALANCED = {"f": [("dense", 784, 1024), ("relu",)],
             "g": [("dense", 1024, 784), ("relu",), ("dense", 784, 10)], "batch": 256}
 # The same split at a 4x bigger batch: its micro-batches at M = 4 have the 256 rows of the batch-256
-# split's whole batch, so splitting does not make numpy's matmuls less efficient (see performance.md).
+# split's whole batch, so splitting does not make numpy's matmuls less efficient (see docs/performance-archive.md).
 BALANCED_BIG_BATCH = 1024
 WIDE = {"f": [("dense", 784, 8192), ("relu",)], "g": [("dense", 8192, 10)], "batch": 256}
 # --smoke: every variant of every section once, at sizes that take seconds in all (tests/test_benchmarks.py).

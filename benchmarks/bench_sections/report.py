@@ -1,4 +1,4 @@
-"""The targets (ratios against the issue's goals) and the printed tables."""
+"""The targets (ratios against the goals of docs/performance.md) and the printed tables."""
 
 from __future__ import annotations
 
