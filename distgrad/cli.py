@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinne
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _exit_code(error: BaseException) -> int:
@@ -88,7 +89,7 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint every K steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (a fresh start if there is none)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _log_level_flag(p)
 
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
@@ -192,16 +193,56 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``distgrad`` parser: one subcommand per front end, each one's arguments added by its own function.
+
+    ``distgrad stage ...`` is parsed by ``build_stage_parser`` (``main`` hands it the rest of the line); the
+    ``stage`` subcommand here only lists it in the help.
+    """
     p = argparse.ArgumentParser(prog="distgrad", description="Train one model g(f(x)) across a process boundary.")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run an experiment: every stage as its own local process")
+    _run_arguments(sub.add_parser("run", help="run an experiment: every stage as its own local process"))
+    _demo_arguments(sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes"))
+    sub.add_parser("experiments", help="list the built-in experiments")
+    _split_arguments(sub.add_parser("split", help="write each party's folder from a combined experiment: its stage "
+                                    "file OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz"))
+    _keygen_arguments(sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret "
+                                     "(mode 0600)"))
+    _plot_arguments(sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs "
+                                   "matplotlib)"))
+    _audit_arguments(sub.add_parser("audit", help="attack a run's recorded view of the cut as the other party "
+                                    "would: what its --trace says crossed, against the experiment's own labels "
+                                    "and inputs"))
+    _ping_arguments(sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it "
+                                   "answers)"))
+    _predict_arguments(sub.add_parser("predict", help="forward only through live stages: the data owner sends the "
+                                      "rows' activations, the label owner writes the predictions on its side"))
+    _align_arguments(sub.add_parser("align", help="before training: align the parties' rows by an ID column, "
+                                    "privately (each party learns only the IDs all parties hold)",
+                                    description=ALIGN_DESCRIPTION))
+    stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
+    stage.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _log_level_flag(p: argparse.ArgumentParser) -> None:
+    """``--log-level``, which every command that runs something takes."""
+    p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+
+
+def _transport_flag(p: argparse.ArgumentParser) -> None:
+    """``--transport`` of the commands that launch local stage processes (run, demo)."""
+    p.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
+    """``distgrad run``: the stage flags every process gets, plus how the launcher starts and wires them."""
     run.add_argument("experiment", metavar="NAME_OR_PATH", nargs="+",
                      help="a built-in name or experiment file, or every party's stage file (f.toml g.toml)")
     _common_flags(run, experiment_required=False)
     _pipeline_flags(run)
     _codec_flags(run)
     _watch_flags(run)
-    run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    _transport_flag(run)
     run.add_argument("--secure", action="store_true",
                      help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
     run.add_argument("--save", type=Path, metavar="DIR",
@@ -211,24 +252,36 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start each stage from DIR/STAGE.npz or DIR/STAGE.pt (what --save wrote)")
     run.add_argument("--in-process", action="store_true",
                      help="run all stages in this one process (the reference the wire must match)")
-    demo = sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes")
+
+
+def _demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """``distgrad demo``: the seed's model, with only a step count, transport and log level to choose."""
     demo.add_argument("--steps", type=int, metavar="N")
-    demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
-    demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub.add_parser("experiments", help="list the built-in experiments")
-    split = sub.add_parser("split", help="write each party's folder from a combined experiment: its stage file "
-                                             "OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz")
+    _transport_flag(demo)
+    _log_level_flag(demo)
+
+
+def _split_arguments(split: argparse.ArgumentParser) -> None:
+    """``distgrad split EXPERIMENT OUTDIR``."""
     split.add_argument("experiment", metavar="NAME_OR_PATH")
     split.add_argument("outdir", type=Path, metavar="OUTDIR")
     split.add_argument("--force", action="store_true", help="overwrite files already in OUTDIR")
-    keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
+
+
+def _keygen_arguments(keygen: argparse.ArgumentParser) -> None:
+    """``distgrad keygen DIR NAME``."""
     keygen.add_argument("directory", type=Path)
     keygen.add_argument("name")
-    plot = sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs matplotlib)")
+
+
+def _plot_arguments(plot: argparse.ArgumentParser) -> None:
+    """``distgrad plot METRICS [--out PNG]``."""
     plot.add_argument("metrics", type=Path)
     plot.add_argument("--out", type=Path, default=Path("loss.png"))
-    audit = sub.add_parser("audit", help="attack a run's recorded view of the cut as the other party would: what "
-                                         "its --trace says crossed, against the experiment's own labels and inputs")
+
+
+def _audit_arguments(audit: argparse.ArgumentParser) -> None:
+    """``distgrad audit EXPERIMENT TRACE``: which steps to attack, how, and what the run was given."""
     audit.add_argument("experiment", metavar="NAME_OR_PATH",
                        help="the run's experiment: a built-in name, an experiment file, or the auditing party's "
                             "stage file (its data supplies the true labels or the raw inputs)")
@@ -252,13 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "the experiment's meter window), so that a meter window audited alone gives its figures")
     audit.add_argument("--max-trace-bytes", type=int, metavar="BYTES",
                        help="the largest trace file read (default 512 MiB); a larger one is refused")
-    ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
+
+
+def _ping_arguments(ping: argparse.ArgumentParser) -> None:
+    """``distgrad ping ENDPOINT``: a bounded wait, and the keys to reach a CURVE stage."""
     ping.add_argument("endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     ping.add_argument("--curve-secret", type=Path, metavar="FILE")
     ping.add_argument("--server-key", type=Path, metavar="FILE")
-    predict = sub.add_parser("predict", help="forward only through live stages: the data owner sends the rows' "
-                             "activations, the label owner writes the predictions on its side")
+
+
+def _predict_arguments(predict: argparse.ArgumentParser) -> None:
+    """``distgrad predict``: which stage, its parameters, where it sits in the chain and its rows' in and out."""
     predict.add_argument("experiment", metavar="NAME_OR_PATH", help="this party's stage file (or an experiment)")
     predict.add_argument("--stage", help="which stage this process is (default: the one its stage file defines)")
     predict.add_argument("--load", type=Path, metavar="PATH", required=True,
@@ -291,14 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--liveness", "a peer silent this long is lost (default 10)"),
                        ("--peer-deadline", "how long to wait for a peer before exiting 3 (default 60)")):
         predict.add_argument(flag, type=float, metavar="SECONDS", help=what)
-    predict.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    align = sub.add_parser("align", help="before training: align the parties' rows by an ID column, privately (each "
-                           "party learns only the IDs all parties hold)", description=(
-        "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
-        "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
-        "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID (or fewer "
-        "than --min-common), 2 usage or bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message "
-        "(or the parties' aligned IDs differ), 130/143 stopped."))
+    _log_level_flag(predict)
+
+
+ALIGN_DESCRIPTION = (
+    "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
+    "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
+    "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID (or fewer "
+    "than --min-common), 2 usage or bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message "
+    "(or the parties' aligned IDs differ), 130/143 stopped.")
+
+
+def _align_arguments(align: argparse.ArgumentParser) -> None:
+    """``distgrad align INPUT.csv``: this party's table, its place (coordinator or party), keys and deadlines."""
     align.add_argument("input", type=Path, metavar="INPUT.csv", help="this party's CSV file, with a header row")
     align.add_argument("--id-column", required=True, metavar="NAME", help="the header name of the ID column")
     align.add_argument("--out", type=Path, required=True, metavar="ALIGNED.csv",
@@ -323,10 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "joined by then; exit 3 (default 60)")
     align.add_argument("--liveness", type=float, metavar="SECONDS",
                        help="ZMTP heartbeat timeout of the connections (default 10)")
-    align.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
-    stage.add_argument("args", nargs=argparse.REMAINDER)
-    return p
+    _log_level_flag(align)
 
 
 def _setup_logging(level: str) -> None:
