@@ -24,12 +24,13 @@ from distgrad.threads import pin_blas_threads
 pin_blas_threads()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence  # noqa: E402
 
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinne
     import zmq
 
     from distgrad.config.experiment import Experiment
+    from distgrad.run.options import StageOptions
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
@@ -394,56 +396,99 @@ def _setup_logging(level: str) -> None:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
+    """``distgrad stage``: check the flags against the stage's role, build its ``StageOptions``, then serve or
+    drive until the run ends."""
     import zmq
 
-    from distgrad.wire.keys import CurveServer
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
     from distgrad.run.driver import drive_first_stage
     from distgrad.run.launcher import check_data
+    from distgrad.run.options import StopFlag
     from distgrad.run.serving import serve
-    from distgrad.config.parse import load_experiment, parse_init_overrides
-    from distgrad.stage.records import parse_trace_params
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
-    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
+    exp = _load_experiment(args)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
                     or args.eval_every is not None or args.staleness is not None):
         raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness and --eval-every are for the "
                           "driving stage (the others follow its hello)")
-    opts = StageOptions(
-        exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
-        args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
-        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
-        micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
-        schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness, metrics_path=args.metrics,
-        tensorboard_dir=args.tensorboard,
-        eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
-        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load,
-        privacy_meter=args.privacy_meter)
+    opts = _stage_options(exp, args.stage, args, driving=not serving, client=args.client, summary=args.summary,
+                          progress=_progress_mode(args.progress), save_path=args.save, load_path=args.load,
+                          privacy_meter=args.privacy_meter)
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
     ctx = zmq.Context.instance()
-    upstream, downstream = _curve(args, role, ctx)
-    opts.security = upstream if serving else downstream
-    opts.downstream_security = downstream
-    stop = StopFlag().install()
-    try:
+    with _security(args, role, ctx) as (upstream, downstream):
+        opts.security = upstream if serving else downstream
+        opts.downstream_security = downstream
+        stop = StopFlag().install()
         if serving:
             serve(opts, args.bind, stop, args.connect, args.keep_serving, args.ready_file, ctx)
         else:
             drive_first_stage(opts, args.connect, stop, ctx)
-    finally:
-        if isinstance(upstream, CurveServer):
-            upstream.stop()
     return EXIT_OK
+
+
+def _load_experiment(args: argparse.Namespace) -> Experiment:
+    """The experiment the flags name (``--experiment``, or ``distgrad run``'s files), with the wire codecs of
+    ``--activation-codec`` / ``--gradient-codec``; ``ConfigError`` for a bad one."""
+    from distgrad.config.parse import load_experiment
+
+    return load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
+
+
+def _waits(args: argparse.Namespace) -> dict[str, float]:
+    """``timeout_s``, ``liveness_s`` and ``peer_deadline_s`` (seconds) from ``--timeout``, ``--liveness`` and
+    ``--peer-deadline``, each the default where the flag is not given."""
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+
+    return {"timeout_s": DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+            "liveness_s": DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+            "peer_deadline_s": DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline}
+
+
+def _stage_options(exp: Experiment, stage: str, args: argparse.Namespace, *, driving: bool, client: int | None,
+                   summary: Path | None, privacy_meter: bool, progress: str = "off", save_path: Path | None = None,
+                   load_path: Path | None = None) -> StageOptions:
+    """The validated ``StageOptions`` of stage ``stage`` from the stage flags (``distgrad stage`` or ``distgrad
+    run``, which share them); ``ConfigError`` (exit 2) for a bad value. Only a driving stage takes the
+    pipeline flags (micro-batches, schedule, in flight, staleness, evaluations): the others follow its hello.
+    """
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.options import StageOptions
+    from distgrad.stage.records import parse_trace_params
+
+    pipeline = (dict(micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
+                     schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness,
+                     eval_every=args.eval_every) if driving
+                else dict(micro_batches=exp.micro_batches, schedule="1f1b", in_flight=None, staleness=None,
+                          eval_every=None))
+    return StageOptions(
+        exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
+        args.steps, summary, args.trace, parse_trace_params(args.trace_params), args.trace_every, **_waits(args),
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
+        **pipeline, metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=progress, client=client,
+        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=save_path, load_path=load_path,
+        privacy_meter=privacy_meter)
+
+
+@contextlib.contextmanager
+def _security(args: argparse.Namespace, role: str,
+              ctx: zmq.Context) -> Iterator[tuple[CurveServer | None, CurveClient | None]]:
+    """``_curve``'s settings for the duration of a command; the server side's authenticator is stopped on the
+    way out, whatever happens."""
+    from distgrad.wire.keys import CurveServer
+
+    server, client = _curve(args, role, ctx)
+    try:
+        yield server, client
+    finally:
+        if isinstance(server, CurveServer):
+            server.stop()
 
 
 def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[CurveServer | None, CurveClient | None]:
@@ -468,22 +513,29 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
-    from distgrad.run.options import StopFlag, check_in_flight
+    """``distgrad run``: check every setting before any stage starts, then train in this process or launch
+    one process per stage, and print the result."""
+    exp = _load_experiment(args)
+    if args.micro_batches is None:
+        args.micro_batches = exp.micro_batches
+    in_process = args.in_process or len(exp.stage_names) == 1
+    _check_run(exp, args, in_process)
+    summary = _train_here(exp, args) if in_process else _launch(exp, args)
+    _print_result(summary)
+    return EXIT_OK
+
+
+def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> None:
+    """Every setting of ``distgrad run``, checked here, before any stage starts, so a bad one exits 2 with the
+    reason (``ConfigError``); a run in processes also as each stage process would check its own."""
     from distgrad.config.defended import check_meter_flag
     from distgrad.config.experiment import check_run_settings
-    from distgrad.config.parse import load_experiment, parse_init_overrides
-    from distgrad.run.inprocess import train_in_process
-    from distgrad.run.launcher import run_local
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.options import check_in_flight
     from distgrad.run.progress import check_tensorboard
     from distgrad.stage.records import check_trace_filter, parse_trace_params
     from distgrad.wire.transport import check_spin
 
-    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
-    experiment = args.experiment[0] if len(args.experiment) == 1 else args.experiment
-    if args.micro_batches is None:
-        args.micro_batches = exp.micro_batches
-    in_process = args.in_process or len(exp.stage_names) == 1
-    # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,
@@ -504,34 +556,50 @@ def _run_experiment(args: argparse.Namespace) -> int:
         check_meter_flag(exp)
     if not in_process:
         _check_stage_processes(exp, args)
-    if in_process:
-        summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
-                                   args.summary, args.trace, args.micro_batches,
-                                   parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
-                                   save_dir=args.save, load_dir=args.load, staleness=args.staleness,
-                                   privacy_meter=args.privacy_meter)
-    else:
         trace_params = parse_trace_params(args.trace_params)
         check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
                            args.trace is not None)
-        stop = StopFlag().install()
-        summary = run_local(experiment, steps=args.steps, seed=args.seed, init=args.init,
-                            summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
-                            tensorboard_dir=args.tensorboard, transport=args.transport,
-                            timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
-                            stage_flags=_passthrough(args), secure=args.secure,
-                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
-                                          *(["--in-flight", str(args.in_flight)] if args.in_flight is not None
-                                            else []),
-                                          *(["--eval-every", str(args.eval_every)] if args.eval_every is not None
-                                            else []),
-                                          *(["--staleness", str(args.staleness)] if args.staleness is not None
-                                            else [])],
-                            progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
-                            load_dir=args.load, activation_codec=args.activation_codec,
-                            gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
-    _print_result(summary)
-    return EXIT_OK
+
+
+def _train_here(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
+    """``distgrad run --in-process`` (or a one-stage experiment): every stage in this process; its summary."""
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.inprocess import train_in_process
+    from distgrad.stage.records import parse_trace_params
+
+    return train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
+                            args.summary, args.trace, args.micro_batches,
+                            parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
+                            save_dir=args.save, load_dir=args.load, staleness=args.staleness,
+                            privacy_meter=args.privacy_meter)
+
+
+def _launch(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
+    """``distgrad run``: one local process per stage (``run_local``), stopped by SIGINT/SIGTERM; the merged
+    summary."""
+    from distgrad.run.launcher import run_local
+    from distgrad.run.options import StopFlag
+
+    stop = StopFlag().install()
+    return run_local(args.experiment[0] if len(args.experiment) == 1 else args.experiment,
+                     steps=args.steps, seed=args.seed, init=args.init,
+                     summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
+                     tensorboard_dir=args.tensorboard, transport=args.transport,
+                     timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
+                     stage_flags=_passthrough(args), secure=args.secure, driver_flags=_driver_flags(args),
+                     progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
+                     load_dir=args.load, activation_codec=args.activation_codec,
+                     gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
+
+
+def _driver_flags(args: argparse.Namespace) -> list[str]:
+    """The pipeline flags of ``distgrad run`` that go to the driving stage processes only."""
+    flags = ["--micro-batches", str(args.micro_batches), "--schedule", args.schedule]
+    for flag, value in (("--in-flight", args.in_flight), ("--eval-every", args.eval_every),
+                        ("--staleness", args.staleness)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
@@ -539,27 +607,12 @@ def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
     (``StageOptions``), so what a stage would refuse (exit 2) is refused here, with its reason, before any
     stage starts. ``ConfigError`` naming the process."""
     from distgrad.config.defended import metered
-    from distgrad.config.parse import parse_init_overrides
     from distgrad.run.launcher import stage_processes
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions
-    from distgrad.stage.records import parse_trace_params
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
     for label, stage, client, driving in stage_processes(exp):
         try:
-            StageOptions(
-                exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
-                args.steps, None, args.trace, parse_trace_params(args.trace_params), args.trace_every,
-                timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-                liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-                peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
-                resume=args.resume, micro_batches=args.micro_batches if driving else exp.micro_batches,
-                schedule=args.schedule if driving else "1f1b", in_flight=args.in_flight if driving else None,
-                staleness=args.staleness if driving else None, eval_every=args.eval_every if driving else None,
-                metrics_path=args.metrics, tensorboard_dir=args.tensorboard, client=client,
-                spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6,
-                privacy_meter=args.privacy_meter and metered(exp, stage, True))
+            _stage_options(exp, stage, args, driving=driving, client=client, summary=None,
+                           privacy_meter=args.privacy_meter and metered(exp, stage, True))
         except ConfigError as e:
             raise ConfigError(f"stage process {label}: {e}") from e
 
@@ -591,6 +644,24 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, the privacy meters' last
     windows, and the parameters."""
+    _print_headline(summary)
+    _print_held_out(summary)
+    if "best_step" in summary:
+        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
+    if "stopped_early" in summary:
+        print(f"early stopping: the run ended after step {summary['stopped_early']}")
+    if "privacy" in summary:
+        from distgrad.config.defended import budget_text
+        print(f"privacy: {budget_text(summary['privacy'])}")
+    for stage, params in summary["params"].items():
+        for name, value in params.items():
+            text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
+            print(f"  {stage}.{name} = {text}")
+
+
+def _print_headline(summary: dict) -> None:
+    """The run's steps, time, mode and final loss (several clients: each client's line), then the privacy
+    meters' last windows."""
     from distgrad.run.metering import figures_text
     from distgrad.stage.records import scores_text
 
@@ -609,7 +680,13 @@ def _print_result(summary: dict) -> None:
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
-    # With keep_best the model kept (the one --save writes) is the best evaluation's, not the last step's.
+
+
+def _print_held_out(summary: dict) -> None:
+    """The held-out scores of the model kept: with keep_best the best evaluation's (the one --save writes),
+    with the last step's accuracy beside it; else the last step's."""
+    from distgrad.stage.records import scores_text
+
     best = summary.get("best_evaluation")
     scored = best if best is not None else summary
     of_model = f" of the kept model, after step {best['step']}" if best is not None else ""
@@ -621,17 +698,6 @@ def _print_result(summary: dict) -> None:
     others = scores_text({k: v for k, v in scored.items() if k != "test_accuracy"})
     if others:
         print(f"held-out scores{of_model}: {others[2:]}")
-    if "best_step" in summary:
-        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
-    if "stopped_early" in summary:
-        print(f"early stopping: the run ended after step {summary['stopped_early']}")
-    if "privacy" in summary:
-        from distgrad.config.defended import budget_text
-        print(f"privacy: {budget_text(summary['privacy'])}")
-    for stage, params in summary["params"].items():
-        for name, value in params.items():
-            text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
-            print(f"  {stage}.{name} = {text}")
 
 
 def _number(value: Any) -> str:
@@ -672,14 +738,32 @@ def _list_experiments() -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    """``distgrad predict``: check the flags against this stage's role, then send the rows (the data owner) or
+    serve them (the label owner writes the predictions; a middle stage passes them on)."""
     import zmq
 
     from distgrad.config.parse import load_experiment
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
-    from distgrad.run.predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+    from distgrad.run.options import StageOptions, StopFlag
 
     exp = load_experiment(args.experiment)
+    stage, role, own = _predict_role(exp, args)
+    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, **_waits(args))
+    ctx = zmq.Context.instance()
+    with _security(args, role, ctx) as (upstream, downstream):
+        opts.security = upstream if role != "driving" else downstream
+        opts.downstream_security = downstream
+        stop = StopFlag().install()
+        if role == "driving":
+            _send_predictions(exp, stage, opts, args, stop, ctx)
+        else:
+            _serve_predictions(exp, stage, opts, args, stop, ctx, own)
+    return EXIT_OK
+
+
+def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, bool]:
+    """``(stage, role, holds rows)`` of a ``distgrad predict`` process: the stage it is, driving, middle or
+    serving, and whether it reads rows of its own (the data owner; a label owner with its own 'bottom').
+    ``ConfigError`` for a flag its role does not take."""
     stage = args.stage or (exp.stages[0].name if len(exp.stages) == 1 else None)
     if stage is None:
         raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
@@ -695,41 +779,48 @@ def _predict(args: argparse.Namespace) -> int:
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
-                        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-                        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline)
-    ctx = zmq.Context.instance()
-    upstream, downstream = _curve(args, role, ctx)
-    opts.security = upstream if role != "driving" else downstream
-    opts.downstream_security = downstream
-    stop = StopFlag().install()
+    return stage, role, own
+
+
+def _predict_rows(exp: Experiment, stage: str, seed: int, args: argparse.Namespace) -> Any:
+    """The rows this party predicts for: the ``--input`` file (its ID column a name, or a 0-based index given
+    in digits), else the stage's held-out rows."""
+    from distgrad.run.predict import held_out_rows, read_rows
+
+    if args.input is None:
+        return held_out_rows(exp, stage, seed)
     id_column = args.id_column
     if id_column is not None and id_column.isdigit():
         id_column = int(id_column)
+    return read_rows(args.input, exp, stage, id_column, args.header)
+
+
+def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,
+                      ctx: zmq.Context) -> None:
+    """The data owner's side of ``distgrad predict``: send its rows' activations to the stage below. On an
+    error of ours the stage below is told (it would otherwise wait out its deadline); the error is raised."""
+    from distgrad.run.predict import send_abort_notice, send_predictions
+
     try:
-        if role == "driving":
-            try:
-                rows = (read_rows(args.input, exp, stage, id_column, args.header) if args.input is not None
-                        else held_out_rows(exp, stage, opts.seed))
-                count = send_predictions(opts, args.connect, rows, stop, ctx)
-            except (PeerRejected, PeerTimeout):
-                raise                       # the stage below refused us (it knows) or cannot be reached
-            except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
-                send_abort_notice(opts, args.connect, str(e), ctx)
-                raise
-            print(f"sent {count} rows; the label owner holds their predictions")
-        else:
-            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column, args.header)
-                                             if args.input is not None else held_out_rows(exp, stage, opts.seed))
-            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
-                                      args.output_scores, own_rows)
-            print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
-    finally:
-        from distgrad.wire.keys import CurveServer
-        if isinstance(upstream, CurveServer):
-            upstream.stop()
-    return EXIT_OK
+        count = send_predictions(opts, args.connect, _predict_rows(exp, stage, opts.seed, args), stop, ctx)
+    except (PeerRejected, PeerTimeout):
+        raise                       # the stage below refused us (it knows) or cannot be reached
+    except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
+        send_abort_notice(opts, args.connect, str(e), ctx)
+        raise
+    print(f"sent {count} rows; the label owner holds their predictions")
+
+
+def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,
+                       ctx: zmq.Context, own: bool) -> None:
+    """A label owner's (or middle stage's) side of ``distgrad predict``: serve the stage above until it is
+    done; the label owner writes the predictions to ``--output``."""
+    from distgrad.run.predict import serve_predictions
+
+    own_rows = _predict_rows(exp, stage, opts.seed, args) if own else None
+    count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
+                              args.output_scores, own_rows)
+    print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
 
 
 def _align(args: argparse.Namespace) -> int:
@@ -737,7 +828,6 @@ def _align(args: argparse.Namespace) -> int:
 
     from distgrad.align import (DEFAULT_LIVENESS_S, DEFAULT_MIN_COMMON, DEFAULT_PEER_DEADLINE_S, AlignOptions, align,
                                 read_table)
-    from distgrad.wire.keys import CurveServer
     from distgrad.run.options import StopFlag
 
     if args.bind is not None and args.server_key:
@@ -752,13 +842,9 @@ def _align(args: argparse.Namespace) -> int:
                         party_keys=args.party_keys)
     table = read_table(opts.input, opts.id_column)     # a bad file exits 2 before anything connects
     ctx = zmq.Context.instance()
-    server, client = _curve(args, "serving" if args.bind is not None else "driving", ctx)
-    stop = StopFlag().install()
-    try:
+    with _security(args, "serving" if args.bind is not None else "driving", ctx) as (server, client):
+        stop = StopFlag().install()
         result = align(opts, table, security=server or client, check_stop=stop.check, ctx=ctx)
-    finally:
-        if isinstance(server, CurveServer):
-            server.stop()
     print(f"aligned {result.common} common IDs of this party's {result.rows} rows ({result.parties} parties) "
           f"into {result.out}")
     return EXIT_OK
@@ -829,7 +915,9 @@ def _ping(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _guarded(fn, args: argparse.Namespace) -> int:
+def _guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler; a ``DistgradError`` or a signal becomes its exit code and one log line, not a
+    traceback."""
     log = logging.getLogger("distgrad")
     try:
         return fn(args)
@@ -864,10 +952,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded(_run_stage, args)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
-    commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
-                "split": _split, "predict": _predict, "align": _align,
-                "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
-    return _guarded(commands[args.command], args)
+    return _guarded(COMMANDS[args.command], args)
+
+
+# Each subcommand's handler: it builds a validated configuration from the flags (``ConfigError``, exit 2, for a bad
+# one) and calls the Python API; ``_guarded`` maps what it raises to the exit code.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _run_experiment, "demo": _demo, "experiments": lambda args: _list_experiments(), "split": _split,
+    "predict": _predict, "align": _align, "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
 
 
 if __name__ == "__main__":
