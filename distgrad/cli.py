@@ -48,6 +48,7 @@ LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _exit_code(error: BaseException) -> int:
+    """The exit code of a command that raised ``error`` (the table above)."""
     if isinstance(error, Interrupted):
         return 128 + error.signum
     if isinstance(error, ConfigError):
@@ -60,6 +61,8 @@ def _exit_code(error: BaseException) -> int:
 
 
 def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None:
+    """The flags every stage process takes, as ``distgrad stage`` and ``distgrad run`` (which hands them on): the
+    experiment's settings, the trace, the waits (seconds), checkpoints and the log level."""
     if experiment_required:
         p.add_argument("--experiment", required=True, metavar="NAME_OR_PATH",
                        help="built-in experiment name or path to an experiment TOML file")
@@ -95,6 +98,7 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
 
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
+    """How a run is watched: metrics, TensorBoard, held-out evaluations, the privacy meter, progress."""
     p.add_argument("--metrics", type=Path, metavar="PATH",
                    help="one JSON line per step: the driving stage's loss, learning rate, wall time, bytes, compute "
                         "and wait times; a serving or middle stage's own step, loss, learning rate and wall time "
@@ -120,6 +124,7 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
+    """The driving stage's pipeline: micro-batches, schedule, micro-batches in flight, staleness."""
     p.add_argument("--micro-batches", type=int, metavar="M",
                    help="split each batch into M micro-batches, one update per batch (default: the experiment's "
                         "micro_batches, else 1)")
@@ -152,6 +157,7 @@ def _staleness(text: str) -> int | str:
 
 
 def _codec_flags(p: argparse.ArgumentParser) -> None:
+    """The wire codecs of activations and gradients (every stage must say the same)."""
     p.add_argument("--activation-codec", metavar="NAME",
                    help="how activations cross the wire: none, float16, bfloat16, int8, topk:K or topk:K+ef "
                         "(default: the experiment's activation_codec, else none); every stage must say the same")
@@ -161,6 +167,7 @@ def _codec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _curve_flags(p: argparse.ArgumentParser) -> None:
+    """The CURVE key files of a stage or party (read by ``_curve``)."""
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
                    help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
     p.add_argument("--allow", type=Path, metavar="DIR",
@@ -170,6 +177,7 @@ def _curve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
+    """The parser of one stage daemon (``distgrad-stage``, or ``distgrad stage`` with ``prog`` so named)."""
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
         "drives the training loop (--connect); a middle stage does both. Exit codes: 0 ok, 1 stage failed, 2 usage, "
@@ -392,6 +400,7 @@ def _align_arguments(align: argparse.ArgumentParser) -> None:
 
 
 def _setup_logging(level: str) -> None:
+    """Log lines with time, level and logger name on stderr (stdout carries the results)."""
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
 
 
@@ -706,6 +715,7 @@ def _number(value: Any) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``distgrad demo``: the seed's model over two processes; exit 1 unless both weights reach +-1 together."""
     from distgrad.run.options import StopFlag
     from distgrad.run.launcher import run_local
 
@@ -724,6 +734,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _list_experiments() -> int:
+    """``distgrad experiments``: each built-in's name, stages, steps and description, wrapped to the terminal."""
     from distgrad.config.experiment import builtin_names
     from distgrad.config.parse import load_experiment
 
@@ -824,6 +835,7 @@ def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: ar
 
 
 def _align(args: argparse.Namespace) -> int:
+    """``distgrad align``: this party's table read (a bad one exits 2 before anything connects), then aligned."""
     import zmq
 
     from distgrad.align import (DEFAULT_LIVENESS_S, DEFAULT_MIN_COMMON, DEFAULT_PEER_DEADLINE_S, AlignOptions, align,
@@ -851,6 +863,7 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _split(args: argparse.Namespace) -> int:
+    """``distgrad split``: each party's stage file and data, written into OUTDIR."""
     from distgrad.config.parse import load_experiment
     from distgrad.config.split import split_experiment
 
@@ -861,6 +874,7 @@ def _split(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
+    """``distgrad keygen``: a CURVE key pair, the secret file private (mode 0600)."""
     from distgrad.wire.keys import keygen
 
     public, secret = keygen(args.directory, args.name)
@@ -869,6 +883,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    """``distgrad plot``: a metrics file drawn into a PNG."""
     from distgrad.plot import plot_metrics
 
     print(f"wrote {plot_metrics(args.metrics, args.out)}")
@@ -876,6 +891,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    """``distgrad audit``: the step range and output checked, the trace attacked, the figures printed (and written)."""
     from distgrad.run.auditing import DEFAULT_MAX_TRACE_BYTES, audit_text, run_audit
     from distgrad.stage.records import write_json
 
@@ -899,6 +915,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _ping(args: argparse.Namespace) -> int:
+    """``distgrad ping``: one bounded request; the serving stage's state printed as ``key=value`` pairs."""
     import zmq
 
     from distgrad.wire import messages as wire

@@ -144,3 +144,12 @@ def test_the_plan_of_several_clients_runs_the_data_owner_once_per_client(tmp_pat
         assert ["--trace", str(p.trace)] == p.flags[p.flags.index("--trace"):p.flags.index("--trace") + 2]
         assert p.flags[p.flags.index("--tensorboard") + 1] == str(tmp_path / "tb" / p.label)
     assert [p.label for p in plan.processes if not p.driving] == ["g"]
+
+
+def test_every_subcommand_has_a_handler_and_every_handler_a_subcommand():
+    import argparse
+
+    from distgrad.cli import COMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) - {"stage"} == set(COMMANDS)      # 'stage' is parsed by build_stage_parser
