@@ -30,7 +30,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypedDict  # noqa: E402
 
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
@@ -407,8 +407,6 @@ def _setup_logging(level: str) -> None:
 def _run_stage(args: argparse.Namespace) -> int:
     """``distgrad stage``: check the flags against the stage's role, build its ``StageOptions``, then serve or
     drive until the run ends."""
-    import zmq
-
     from distgrad.run.driver import drive_first_stage
     from distgrad.run.launcher import check_data
     from distgrad.run.options import StopFlag
@@ -429,7 +427,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
-    ctx = zmq.Context.instance()
+    ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
         opts.security = upstream if serving else downstream
         opts.downstream_security = downstream
@@ -449,15 +447,30 @@ def _load_experiment(args: argparse.Namespace) -> Experiment:
     return load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
 
 
-def _waits(args: argparse.Namespace) -> dict[str, float]:
+class _Waits(TypedDict):
+    """The bounded waits of a stage, in seconds (``StageOptions``' fields of the same names)."""
+
+    timeout_s: float
+    liveness_s: float
+    peer_deadline_s: float
+
+
+def _waits(args: argparse.Namespace) -> _Waits:
     """``timeout_s``, ``liveness_s`` and ``peer_deadline_s`` (seconds) from ``--timeout``, ``--liveness`` and
     ``--peer-deadline``, each the default where the flag is not given."""
     from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
     from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
-    return {"timeout_s": DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-            "liveness_s": DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-            "peer_deadline_s": DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline}
+    return _Waits(timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                  liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                  peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline)
+
+
+def _zmq_context() -> zmq.Context:
+    """The process's one ZeroMQ context (zmq is imported here, after the BLAS pools are pinned)."""
+    import zmq
+
+    return zmq.Context.instance()
 
 
 def _stage_options(exp: Experiment, stage: str, args: argparse.Namespace, *, driving: bool, client: int | None,
@@ -751,15 +764,13 @@ def _list_experiments() -> int:
 def _predict(args: argparse.Namespace) -> int:
     """``distgrad predict``: check the flags against this stage's role, then send the rows (the data owner) or
     serve them (the label owner writes the predictions; a middle stage passes them on)."""
-    import zmq
-
     from distgrad.config.parse import load_experiment
     from distgrad.run.options import StageOptions, StopFlag
 
     exp = load_experiment(args.experiment)
     stage, role, own = _predict_role(exp, args)
     opts = StageOptions(exp, stage, exp.seed, load_path=args.load, **_waits(args))
-    ctx = zmq.Context.instance()
+    ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
         opts.security = upstream if role != "driving" else downstream
         opts.downstream_security = downstream
@@ -836,8 +847,6 @@ def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: ar
 
 def _align(args: argparse.Namespace) -> int:
     """``distgrad align``: this party's table read (a bad one exits 2 before anything connects), then aligned."""
-    import zmq
-
     from distgrad.align import (DEFAULT_LIVENESS_S, DEFAULT_MIN_COMMON, DEFAULT_PEER_DEADLINE_S, AlignOptions, align,
                                 read_table)
     from distgrad.run.options import StopFlag
@@ -853,7 +862,7 @@ def _align(args: argparse.Namespace) -> int:
                         min_common=DEFAULT_MIN_COMMON if args.min_common is None else args.min_common,
                         party_keys=args.party_keys)
     table = read_table(opts.input, opts.id_column)     # a bad file exits 2 before anything connects
-    ctx = zmq.Context.instance()
+    ctx = _zmq_context()
     with _security(args, "serving" if args.bind is not None else "driving", ctx) as (server, client):
         stop = StopFlag().install()
         result = align(opts, table, security=server or client, check_stop=stop.check, ctx=ctx)
@@ -916,12 +925,10 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _ping(args: argparse.Namespace) -> int:
     """``distgrad ping``: one bounded request; the serving stage's state printed as ``key=value`` pairs."""
-    import zmq
-
     from distgrad.wire import messages as wire
     from distgrad.wire.transport import Client
 
-    ctx = zmq.Context.instance()
+    ctx = _zmq_context()
     security = _curve(args, "driving", ctx)[1] if (args.curve_secret or args.server_key) else None
     client = Client(ctx, args.endpoint, security=security)
     try:

@@ -379,7 +379,7 @@ def _collect(plan: LaunchPlan, transport: str, summary_path: str | Path | None, 
     if trace_path is not None:
         merge_traces([p.trace for p in processes], trace_path, [p.client for p in processes])
     if exp.federated and metrics_path is not None:
-        merge_metrics([plan.metrics[p.label] for p in plan.drivers], metrics_path, _clients(exp))
+        merge_metrics([plan.metrics[p.label] for p in plan.drivers], metrics_path, list(range(exp.clients.count)))
     return summary
 
 
@@ -398,7 +398,7 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
     The numpy stages were built when the file was loaded."""
     from distgrad.stage.stage import Stage, parameters_file
 
-    instances = {stage: [] for stage in exp.stage_names}
+    instances: dict[str, list[str]] = {stage: [] for stage in exp.stage_names}
     for instance, stage, _ in _driving_processes(exp, clients):
         instances[stage].append(instance)
     for name in exp.stage_names:
@@ -407,9 +407,9 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
         loads = [parameters_file(load_dir, instance, exp, spec.name) for instance in instances[spec.name]
                  ] if load_dir is not None else []
         if spec.framework == "torch" or loads:
-            stage = Stage.from_experiment(exp, spec.name, seed, init)
+            built = Stage.from_experiment(exp, spec.name, seed, init)
             for path in loads:
-                stage.load_parameters(path)
+                built.load_parameters(path)
 
 
 def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None,),
