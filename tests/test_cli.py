@@ -153,3 +153,17 @@ def test_every_subcommand_has_a_handler_and_every_handler_a_subcommand():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) - {"stage"} == set(COMMANDS)      # 'stage' is parsed by build_stage_parser
+
+
+@pytest.mark.slow
+def test_the_modules_mypy_checks_are_clean():
+    """``mypy`` with no arguments checks the modules pyproject.toml's [tool.mypy] lists; they must stay clean."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mypy", reason="mypy is installed by the lint extra: pip install 'distgrad[lint]'")
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Success: no issues found" in result.stdout
