@@ -73,7 +73,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import zmq
@@ -471,6 +471,12 @@ class _Party:
     expect: tuple[str, int] | None = None          # (type, step) of the reply awaited from it
     reply: wire.Message | None = None
 
+    @property
+    def answer(self) -> wire.Message:
+        """The reply ``_Coordinator.wait_all`` waited for: set once it returns."""
+        assert self.reply is not None, f"party {self.name} has not replied yet"
+        return self.reply
+
 
 @dataclass
 class _Coordinator:
@@ -512,8 +518,8 @@ class _Coordinator:
         now = time.monotonic()
         if now - self.beat >= HEARTBEAT_INTERVAL_S:
             self.beat = now
-            for party in self.parties.values():
-                self.send(party, wire.Message(wire.PING, self.run, 0))
+            for each in self.parties.values():
+                self.send(each, wire.Message(wire.PING, self.run, 0))
         self.check_deadlines(now)
         received = self.server.receive(wait_s)
         if received is None:
@@ -647,7 +653,7 @@ def _exchange(coord: _Coordinator, table: Table) -> tuple[list[_Party], np.ndarr
     coord.wait_all()
     ring = sorted(coord.parties.values(), key=lambda p: p.index)
     for party in ring:
-        lists[party.index] = _values_of(party.reply, party.rows, f"party {party.name}")
+        lists[party.index] = _values_of(party.answer, party.rows, f"party {party.name}")
     sizes = ", ".join([f"{COORDINATOR_NAME} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
     log.info("every party's list is in (%s IDs); %d rounds of encryption follow", sizes, n - 1)
     for r in range(1, n):
@@ -661,7 +667,7 @@ def _exchange(coord: _Coordinator, table: Table) -> tuple[list[_Party], np.ndarr
         log.debug("round %d: every list is back", r)
         for party in ring:
             i = (party.index - r) % n
-            lists[i] = _values_of(party.reply, len(lists[i]), f"party {party.name}")
+            lists[i] = _values_of(party.answer, len(lists[i]), f"party {party.name}")
     for party in ring:
         if len(set(lists[party.index])) != len(lists[party.index]):
             raise ProtocolError(wire.ErrorCode.TENSOR, f"party {party.name}'s list holds a value twice")
@@ -675,7 +681,7 @@ def _unshuffle(coord: _Coordinator, ring: list[_Party], positions: np.ndarray, r
     for party in reversed(ring):
         coord.order(party, _positions_message(coord.run, party.index, mapped, final=False), wire.ALIGN_POSITIONS)
         coord.wait_all()
-        mapped = _positions_of(party.reply, rows, len(positions), f"party {party.name}")
+        mapped = _positions_of(party.answer, rows, len(positions), f"party {party.name}")
     return mapped
 
 
@@ -689,7 +695,7 @@ def _settle(coord: _Coordinator, ring: list[_Party], final: dict[int, np.ndarray
         coord.order(party, _positions_message(coord.run, n, final[party.index], final=True, digest=commitment),
                     wire.ALIGN_DIGEST)
     coord.wait_all()
-    answers = {party.index: _answer_of(party.reply, f"party {party.name}") for party in ring}
+    answers = {party.index: _answer_of(party.answer, f"party {party.name}") for party in ring}
     differ = [p.name for p in ring
               if not hmac.compare_digest(answers[p.index]["digest"], aligned_digest(coord.run, p.index, ids))]
     if differ:
@@ -947,7 +953,7 @@ class AlignOptions:
         if (self.bind is None) == (self.connect is None):
             raise ConfigError("give --bind ENDPOINT (the coordinator) or --connect ENDPOINT (another party), "
                               "exactly one of them")
-        check_endpoint(self.bind or self.connect, bind=self.bind is not None)
+        check_endpoint(cast(str, self.bind or self.connect), bind=self.bind is not None)
         if self.parties is not None and not 2 <= self.parties <= MAX_PARTIES:
             raise ConfigError(f"--parties counts every party, the coordinator included: 2 to {MAX_PARTIES}, "
                               f"got {self.parties}")
@@ -995,10 +1001,12 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
     if options.party_keys is not None:
         if not all(hasattr(security, a) for a in ("public", "secret", "server_key")):
             raise ConfigError("--party-keys needs CURVE: --curve-secret and --server-key")
-        keys = PartyKeys.load(security.public, security.secret, security.server_key, options.party_keys)
+        curve: Any = security           # a CurveClient, or any object with its three keys
+        keys = PartyKeys.load(curve.public, curve.secret, curve.server_key, options.party_keys)
     ctx = ctx or zmq.Context.instance()
     max_bytes = MAX_IDS * VALUE_BYTES
     if options.bind is not None:
+        assert options.parties is not None          # AlignOptions requires --parties with --bind
         server = Server(ctx, options.bind, max_bytes + wire.HEADER_MAX_BYTES, options.liveness_s, security)
         coord = _Coordinator(server, options.parties, options.peer_deadline_s, check_stop, max_bytes)
         try:
@@ -1016,6 +1024,8 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
                 raise
         finally:
             server.close()
+    # AlignOptions requires --bind or --connect, and names every party.
+    assert options.connect is not None and options.name is not None
     client = Client(ctx, options.connect, max_bytes + wire.HEADER_MAX_BYTES, max_bytes, options.liveness_s, security)
     link = _Link(client, options.name, options.peer_deadline_s, check_stop, max_bytes)
     linger_ms = LINGER_MS

@@ -24,12 +24,13 @@ from distgrad.threads import pin_blas_threads
 pin_blas_threads()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypedDict  # noqa: E402
 
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
@@ -38,13 +39,16 @@ if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinne
     import zmq
 
     from distgrad.config.experiment import Experiment
+    from distgrad.run.options import StageOptions
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _exit_code(error: BaseException) -> int:
+    """The exit code of a command that raised ``error`` (the table above)."""
     if isinstance(error, Interrupted):
         return 128 + error.signum
     if isinstance(error, ConfigError):
@@ -57,6 +61,8 @@ def _exit_code(error: BaseException) -> int:
 
 
 def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None:
+    """The flags every stage process takes, as ``distgrad stage`` and ``distgrad run`` (which hands them on): the
+    experiment's settings, the trace, the waits (seconds), checkpoints and the log level."""
     if experiment_required:
         p.add_argument("--experiment", required=True, metavar="NAME_OR_PATH",
                        help="built-in experiment name or path to an experiment TOML file")
@@ -88,10 +94,11 @@ def _common_flags(p: argparse.ArgumentParser, experiment_required: bool) -> None
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint every K steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (a fresh start if there is none)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _log_level_flag(p)
 
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
+    """How a run is watched: metrics, TensorBoard, held-out evaluations, the privacy meter, progress."""
     p.add_argument("--metrics", type=Path, metavar="PATH",
                    help="one JSON line per step: the driving stage's loss, learning rate, wall time, bytes, compute "
                         "and wait times; a serving or middle stage's own step, loss, learning rate and wall time "
@@ -117,6 +124,7 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
+    """The driving stage's pipeline: micro-batches, schedule, micro-batches in flight, staleness."""
     p.add_argument("--micro-batches", type=int, metavar="M",
                    help="split each batch into M micro-batches, one update per batch (default: the experiment's "
                         "micro_batches, else 1)")
@@ -149,6 +157,7 @@ def _staleness(text: str) -> int | str:
 
 
 def _codec_flags(p: argparse.ArgumentParser) -> None:
+    """The wire codecs of activations and gradients (every stage must say the same)."""
     p.add_argument("--activation-codec", metavar="NAME",
                    help="how activations cross the wire: none, float16, bfloat16, int8, topk:K or topk:K+ef "
                         "(default: the experiment's activation_codec, else none); every stage must say the same")
@@ -158,6 +167,7 @@ def _codec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _curve_flags(p: argparse.ArgumentParser) -> None:
+    """The CURVE key files of a stage or party (read by ``_curve``)."""
     p.add_argument("--curve-secret", type=Path, metavar="FILE",
                    help="encrypt and authenticate with CURVE using this stage's secret key file (distgrad keygen)")
     p.add_argument("--allow", type=Path, metavar="DIR",
@@ -167,6 +177,7 @@ def _curve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
+    """The parser of one stage daemon (``distgrad-stage``, or ``distgrad stage`` with ``prog`` so named)."""
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
         "drives the training loop (--connect); a middle stage does both. Exit codes: 0 ok, 1 stage failed, 2 usage, "
@@ -192,16 +203,56 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``distgrad`` parser: one subcommand per front end, each one's arguments added by its own function.
+
+    ``distgrad stage ...`` is parsed by ``build_stage_parser`` (``main`` hands it the rest of the line); the
+    ``stage`` subcommand here only lists it in the help.
+    """
     p = argparse.ArgumentParser(prog="distgrad", description="Train one model g(f(x)) across a process boundary.")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run an experiment: every stage as its own local process")
+    _run_arguments(sub.add_parser("run", help="run an experiment: every stage as its own local process"))
+    _demo_arguments(sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes"))
+    sub.add_parser("experiments", help="list the built-in experiments")
+    _split_arguments(sub.add_parser("split", help="write each party's folder from a combined experiment: its stage "
+                                    "file OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz"))
+    _keygen_arguments(sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret "
+                                     "(mode 0600)"))
+    _plot_arguments(sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs "
+                                   "matplotlib)"))
+    _audit_arguments(sub.add_parser("audit", help="attack a run's recorded view of the cut as the other party "
+                                    "would: what its --trace says crossed, against the experiment's own labels "
+                                    "and inputs"))
+    _ping_arguments(sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it "
+                                   "answers)"))
+    _predict_arguments(sub.add_parser("predict", help="forward only through live stages: the data owner sends the "
+                                      "rows' activations, the label owner writes the predictions on its side"))
+    _align_arguments(sub.add_parser("align", help="before training: align the parties' rows by an ID column, "
+                                    "privately (each party learns only the IDs all parties hold)",
+                                    description=ALIGN_DESCRIPTION))
+    stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
+    stage.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _log_level_flag(p: argparse.ArgumentParser) -> None:
+    """``--log-level``, which every command that runs something takes."""
+    p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+
+
+def _transport_flag(p: argparse.ArgumentParser) -> None:
+    """``--transport`` of the commands that launch local stage processes (run, demo)."""
+    p.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
+    """``distgrad run``: the stage flags every process gets, plus how the launcher starts and wires them."""
     run.add_argument("experiment", metavar="NAME_OR_PATH", nargs="+",
                      help="a built-in name or experiment file, or every party's stage file (f.toml g.toml)")
     _common_flags(run, experiment_required=False)
     _pipeline_flags(run)
     _codec_flags(run)
     _watch_flags(run)
-    run.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    _transport_flag(run)
     run.add_argument("--secure", action="store_true",
                      help="encrypt and authenticate the stages' traffic with fresh CURVE keys")
     run.add_argument("--save", type=Path, metavar="DIR",
@@ -211,24 +262,36 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start each stage from DIR/STAGE.npz or DIR/STAGE.pt (what --save wrote)")
     run.add_argument("--in-process", action="store_true",
                      help="run all stages in this one process (the reference the wire must match)")
-    demo = sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes")
+
+
+def _demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """``distgrad demo``: the seed's model, with only a step count, transport and log level to choose."""
     demo.add_argument("--steps", type=int, metavar="N")
-    demo.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
-    demo.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub.add_parser("experiments", help="list the built-in experiments")
-    split = sub.add_parser("split", help="write each party's folder from a combined experiment: its stage file "
-                                             "OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz")
+    _transport_flag(demo)
+    _log_level_flag(demo)
+
+
+def _split_arguments(split: argparse.ArgumentParser) -> None:
+    """``distgrad split EXPERIMENT OUTDIR``."""
     split.add_argument("experiment", metavar="NAME_OR_PATH")
     split.add_argument("outdir", type=Path, metavar="OUTDIR")
     split.add_argument("--force", action="store_true", help="overwrite files already in OUTDIR")
-    keygen = sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret (mode 0600)")
+
+
+def _keygen_arguments(keygen: argparse.ArgumentParser) -> None:
+    """``distgrad keygen DIR NAME``."""
     keygen.add_argument("directory", type=Path)
     keygen.add_argument("name")
-    plot = sub.add_parser("plot", help="draw loss and throughput from a --metrics file into a PNG (needs matplotlib)")
+
+
+def _plot_arguments(plot: argparse.ArgumentParser) -> None:
+    """``distgrad plot METRICS [--out PNG]``."""
     plot.add_argument("metrics", type=Path)
     plot.add_argument("--out", type=Path, default=Path("loss.png"))
-    audit = sub.add_parser("audit", help="attack a run's recorded view of the cut as the other party would: what "
-                                         "its --trace says crossed, against the experiment's own labels and inputs")
+
+
+def _audit_arguments(audit: argparse.ArgumentParser) -> None:
+    """``distgrad audit EXPERIMENT TRACE``: which steps to attack, how, and what the run was given."""
     audit.add_argument("experiment", metavar="NAME_OR_PATH",
                        help="the run's experiment: a built-in name, an experiment file, or the auditing party's "
                             "stage file (its data supplies the true labels or the raw inputs)")
@@ -252,13 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "the experiment's meter window), so that a meter window audited alone gives its figures")
     audit.add_argument("--max-trace-bytes", type=int, metavar="BYTES",
                        help="the largest trace file read (default 512 MiB); a larger one is refused")
-    ping = sub.add_parser("ping", help="health check: ask a serving stage for its state (exit 0 if it answers)")
+
+
+def _ping_arguments(ping: argparse.ArgumentParser) -> None:
+    """``distgrad ping ENDPOINT``: a bounded wait, and the keys to reach a CURVE stage."""
     ping.add_argument("endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     ping.add_argument("--curve-secret", type=Path, metavar="FILE")
     ping.add_argument("--server-key", type=Path, metavar="FILE")
-    predict = sub.add_parser("predict", help="forward only through live stages: the data owner sends the rows' "
-                             "activations, the label owner writes the predictions on its side")
+
+
+def _predict_arguments(predict: argparse.ArgumentParser) -> None:
+    """``distgrad predict``: which stage, its parameters, where it sits in the chain and its rows' in and out."""
     predict.add_argument("experiment", metavar="NAME_OR_PATH", help="this party's stage file (or an experiment)")
     predict.add_argument("--stage", help="which stage this process is (default: the one its stage file defines)")
     predict.add_argument("--load", type=Path, metavar="PATH", required=True,
@@ -291,14 +359,19 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--liveness", "a peer silent this long is lost (default 10)"),
                        ("--peer-deadline", "how long to wait for a peer before exiting 3 (default 60)")):
         predict.add_argument(flag, type=float, metavar="SECONDS", help=what)
-    predict.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    align = sub.add_parser("align", help="before training: align the parties' rows by an ID column, privately (each "
-                           "party learns only the IDs all parties hold)", description=(
-        "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
-        "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
-        "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID (or fewer "
-        "than --min-common), 2 usage or bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message "
-        "(or the parties' aligned IDs differ), 130/143 stopped."))
+    _log_level_flag(predict)
+
+
+ALIGN_DESCRIPTION = (
+    "Private ID alignment of vertical parties: every party ends up with its own rows of the IDs that all "
+    "parties hold, in one agreed order, and learns no other party's IDs outside that set (docs/security.md). "
+    "One party binds (--bind, --parties N), the others connect. Exit codes: 0 ok, 1 no common ID (or fewer "
+    "than --min-common), 2 usage or bad input, 3 a peer fell silent, 4 a peer refused us or sent a bad message "
+    "(or the parties' aligned IDs differ), 130/143 stopped.")
+
+
+def _align_arguments(align: argparse.ArgumentParser) -> None:
+    """``distgrad align INPUT.csv``: this party's table, its place (coordinator or party), keys and deadlines."""
     align.add_argument("input", type=Path, metavar="INPUT.csv", help="this party's CSV file, with a header row")
     align.add_argument("--id-column", required=True, metavar="NAME", help="the header name of the ID column")
     align.add_argument("--out", type=Path, required=True, metavar="ALIGNED.csv",
@@ -323,67 +396,121 @@ def build_parser() -> argparse.ArgumentParser:
                             "joined by then; exit 3 (default 60)")
     align.add_argument("--liveness", type=float, metavar="SECONDS",
                        help="ZMTP heartbeat timeout of the connections (default 10)")
-    align.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    stage = sub.add_parser("stage", help="same as distgrad-stage", add_help=False)
-    stage.add_argument("args", nargs=argparse.REMAINDER)
-    return p
+    _log_level_flag(align)
 
 
 def _setup_logging(level: str) -> None:
+    """Log lines with time, level and logger name on stderr (stdout carries the results)."""
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    import zmq
-
-    from distgrad.wire.keys import CurveServer
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
+    """``distgrad stage``: check the flags against the stage's role, build its ``StageOptions``, then serve or
+    drive until the run ends."""
     from distgrad.run.driver import drive_first_stage
     from distgrad.run.launcher import check_data
+    from distgrad.run.options import StopFlag
     from distgrad.run.serving import serve
-    from distgrad.config.parse import load_experiment, parse_init_overrides
-    from distgrad.stage.records import parse_trace_params
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
-    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
+    exp = _load_experiment(args)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
     serving = args.bind is not None
     if serving and (args.micro_batches is not None or args.schedule != "1f1b" or args.in_flight is not None
                     or args.eval_every is not None or args.staleness is not None):
         raise ConfigError("--micro-batches, --schedule, --in-flight, --staleness and --eval-every are for the "
                           "driving stage (the others follow its hello)")
-    opts = StageOptions(
-        exp, args.stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
-        args.steps, args.summary, args.trace, parse_trace_params(args.trace_params), args.trace_every,
-        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
-        micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
-        schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness, metrics_path=args.metrics,
-        tensorboard_dir=args.tensorboard,
-        eval_every=args.eval_every, progress=_progress_mode(args.progress), client=args.client,
-        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=args.save, load_path=args.load,
-        privacy_meter=args.privacy_meter)
+    opts = _stage_options(exp, args.stage, args, driving=not serving, client=args.client, summary=args.summary,
+                          progress=_progress_mode(args.progress), save_path=args.save, load_path=args.load,
+                          privacy_meter=args.privacy_meter)
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
-    ctx = zmq.Context.instance()
-    upstream, downstream = _curve(args, role, ctx)
-    opts.security = upstream if serving else downstream
-    opts.downstream_security = downstream
-    stop = StopFlag().install()
-    try:
+    ctx = _zmq_context()
+    with _security(args, role, ctx) as (upstream, downstream):
+        opts.security = upstream if serving else downstream
+        opts.downstream_security = downstream
+        stop = StopFlag().install()
         if serving:
             serve(opts, args.bind, stop, args.connect, args.keep_serving, args.ready_file, ctx)
         else:
             drive_first_stage(opts, args.connect, stop, ctx)
-    finally:
-        if isinstance(upstream, CurveServer):
-            upstream.stop()
     return EXIT_OK
+
+
+def _load_experiment(args: argparse.Namespace) -> Experiment:
+    """The experiment the flags name (``--experiment``, or ``distgrad run``'s files), with the wire codecs of
+    ``--activation-codec`` / ``--gradient-codec``; ``ConfigError`` for a bad one."""
+    from distgrad.config.parse import load_experiment
+
+    return load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
+
+
+class _Waits(TypedDict):
+    """The bounded waits of a stage, in seconds (``StageOptions``' fields of the same names)."""
+
+    timeout_s: float
+    liveness_s: float
+    peer_deadline_s: float
+
+
+def _waits(args: argparse.Namespace) -> _Waits:
+    """``timeout_s``, ``liveness_s`` and ``peer_deadline_s`` (seconds) from ``--timeout``, ``--liveness`` and
+    ``--peer-deadline``, each the default where the flag is not given."""
+    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
+    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+
+    return _Waits(timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                  liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
+                  peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline)
+
+
+def _zmq_context() -> zmq.Context:
+    """The process's one ZeroMQ context (zmq is imported here, after the BLAS pools are pinned)."""
+    import zmq
+
+    return zmq.Context.instance()
+
+
+def _stage_options(exp: Experiment, stage: str, args: argparse.Namespace, *, driving: bool, client: int | None,
+                   summary: Path | None, privacy_meter: bool, progress: str = "off", save_path: Path | None = None,
+                   load_path: Path | None = None) -> StageOptions:
+    """The validated ``StageOptions`` of stage ``stage`` from the stage flags (``distgrad stage`` or ``distgrad
+    run``, which share them); ``ConfigError`` (exit 2) for a bad value. Only a driving stage takes the
+    pipeline flags (micro-batches, schedule, in flight, staleness, evaluations): the others follow its hello.
+    """
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.options import StageOptions
+    from distgrad.stage.records import parse_trace_params
+
+    pipeline = (dict(micro_batches=exp.micro_batches if args.micro_batches is None else args.micro_batches,
+                     schedule=args.schedule, in_flight=args.in_flight, staleness=args.staleness,
+                     eval_every=args.eval_every) if driving
+                else dict(micro_batches=exp.micro_batches, schedule="1f1b", in_flight=None, staleness=None,
+                          eval_every=None))
+    return StageOptions(
+        exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
+        args.steps, summary, args.trace, parse_trace_params(args.trace_params), args.trace_every, **_waits(args),
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
+        **pipeline, metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=progress, client=client,
+        spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=save_path, load_path=load_path,
+        privacy_meter=privacy_meter)
+
+
+@contextlib.contextmanager
+def _security(args: argparse.Namespace, role: str,
+              ctx: zmq.Context) -> Iterator[tuple[CurveServer | None, CurveClient | None]]:
+    """``_curve``'s settings for the duration of a command; the server side's authenticator is stopped on the
+    way out, whatever happens."""
+    from distgrad.wire.keys import CurveServer
+
+    server, client = _curve(args, role, ctx)
+    try:
+        yield server, client
+    finally:
+        if isinstance(server, CurveServer):
+            server.stop()
 
 
 def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[CurveServer | None, CurveClient | None]:
@@ -408,22 +535,29 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
-    from distgrad.run.options import StopFlag, check_in_flight
+    """``distgrad run``: check every setting before any stage starts, then train in this process or launch
+    one process per stage, and print the result."""
+    exp = _load_experiment(args)
+    if args.micro_batches is None:
+        args.micro_batches = exp.micro_batches
+    in_process = args.in_process or len(exp.stage_names) == 1
+    _check_run(exp, args, in_process)
+    summary = _train_here(exp, args) if in_process else _launch(exp, args)
+    _print_result(summary)
+    return EXIT_OK
+
+
+def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> None:
+    """Every setting of ``distgrad run``, checked here, before any stage starts, so a bad one exits 2 with the
+    reason (``ConfigError``); a run in processes also as each stage process would check its own."""
     from distgrad.config.defended import check_meter_flag
     from distgrad.config.experiment import check_run_settings
-    from distgrad.config.parse import load_experiment, parse_init_overrides
-    from distgrad.run.inprocess import train_in_process
-    from distgrad.run.launcher import run_local
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.options import check_in_flight
     from distgrad.run.progress import check_tensorboard
     from distgrad.stage.records import check_trace_filter, parse_trace_params
     from distgrad.wire.transport import check_spin
 
-    exp = load_experiment(args.experiment).with_codecs(args.activation_codec, args.gradient_codec)
-    experiment = args.experiment[0] if len(args.experiment) == 1 else args.experiment
-    if args.micro_batches is None:
-        args.micro_batches = exp.micro_batches
-    in_process = args.in_process or len(exp.stage_names) == 1
-    # Every setting is checked here, before any stage starts, so a bad one exits 2 with the reason.
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,
@@ -444,34 +578,50 @@ def _run_experiment(args: argparse.Namespace) -> int:
         check_meter_flag(exp)
     if not in_process:
         _check_stage_processes(exp, args)
-    if in_process:
-        summary = train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
-                                   args.summary, args.trace, args.micro_batches,
-                                   parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
-                                   save_dir=args.save, load_dir=args.load, staleness=args.staleness,
-                                   privacy_meter=args.privacy_meter)
-    else:
         trace_params = parse_trace_params(args.trace_params)
         check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
                            args.trace is not None)
-        stop = StopFlag().install()
-        summary = run_local(experiment, steps=args.steps, seed=args.seed, init=args.init,
-                            summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
-                            tensorboard_dir=args.tensorboard, transport=args.transport,
-                            timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
-                            stage_flags=_passthrough(args), secure=args.secure,
-                            driver_flags=["--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
-                                          *(["--in-flight", str(args.in_flight)] if args.in_flight is not None
-                                            else []),
-                                          *(["--eval-every", str(args.eval_every)] if args.eval_every is not None
-                                            else []),
-                                          *(["--staleness", str(args.staleness)] if args.staleness is not None
-                                            else [])],
-                            progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
-                            load_dir=args.load, activation_codec=args.activation_codec,
-                            gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
-    _print_result(summary)
-    return EXIT_OK
+
+
+def _train_here(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
+    """``distgrad run --in-process`` (or a one-stage experiment): every stage in this process; its summary."""
+    from distgrad.config.parse import parse_init_overrides
+    from distgrad.run.inprocess import train_in_process
+    from distgrad.stage.records import parse_trace_params
+
+    return train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
+                            args.summary, args.trace, args.micro_batches,
+                            parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
+                            save_dir=args.save, load_dir=args.load, staleness=args.staleness,
+                            privacy_meter=args.privacy_meter)
+
+
+def _launch(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
+    """``distgrad run``: one local process per stage (``run_local``), stopped by SIGINT/SIGTERM; the merged
+    summary."""
+    from distgrad.run.launcher import run_local
+    from distgrad.run.options import StopFlag
+
+    stop = StopFlag().install()
+    return run_local(args.experiment[0] if len(args.experiment) == 1 else args.experiment,
+                     steps=args.steps, seed=args.seed, init=args.init,
+                     summary_path=args.summary, trace_path=args.trace, metrics_path=args.metrics,
+                     tensorboard_dir=args.tensorboard, transport=args.transport,
+                     timeout_s=args.timeout, log_level=args.log_level, check_stop=stop.check,
+                     stage_flags=_passthrough(args), secure=args.secure, driver_flags=_driver_flags(args),
+                     progress_bar=_progress_mode(args.progress) == "bar", save_dir=args.save,
+                     load_dir=args.load, activation_codec=args.activation_codec,
+                     gradient_codec=args.gradient_codec, privacy_meter=args.privacy_meter)
+
+
+def _driver_flags(args: argparse.Namespace) -> list[str]:
+    """The pipeline flags of ``distgrad run`` that go to the driving stage processes only."""
+    flags = ["--micro-batches", str(args.micro_batches), "--schedule", args.schedule]
+    for flag, value in (("--in-flight", args.in_flight), ("--eval-every", args.eval_every),
+                        ("--staleness", args.staleness)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
@@ -479,27 +629,12 @@ def _check_stage_processes(exp: Experiment, args: argparse.Namespace) -> None:
     (``StageOptions``), so what a stage would refuse (exit 2) is refused here, with its reason, before any
     stage starts. ``ConfigError`` naming the process."""
     from distgrad.config.defended import metered
-    from distgrad.config.parse import parse_init_overrides
     from distgrad.run.launcher import stage_processes
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions
-    from distgrad.stage.records import parse_trace_params
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 
     for label, stage, client, driving in stage_processes(exp):
         try:
-            StageOptions(
-                exp, stage, exp.seed if args.seed is None else args.seed, parse_init_overrides(args.init),
-                args.steps, None, args.trace, parse_trace_params(args.trace_params), args.trace_every,
-                timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-                liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-                peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline,
-                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
-                resume=args.resume, micro_batches=args.micro_batches if driving else exp.micro_batches,
-                schedule=args.schedule if driving else "1f1b", in_flight=args.in_flight if driving else None,
-                staleness=args.staleness if driving else None, eval_every=args.eval_every if driving else None,
-                metrics_path=args.metrics, tensorboard_dir=args.tensorboard, client=client,
-                spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6,
-                privacy_meter=args.privacy_meter and metered(exp, stage, True))
+            _stage_options(exp, stage, args, driving=driving, client=client, summary=None,
+                           privacy_meter=args.privacy_meter and metered(exp, stage, True))
         except ConfigError as e:
             raise ConfigError(f"stage process {label}: {e}") from e
 
@@ -531,6 +666,24 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, the privacy meters' last
     windows, and the parameters."""
+    _print_headline(summary)
+    _print_held_out(summary)
+    if "best_step" in summary:
+        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
+    if "stopped_early" in summary:
+        print(f"early stopping: the run ended after step {summary['stopped_early']}")
+    if "privacy" in summary:
+        from distgrad.config.defended import budget_text
+        print(f"privacy: {budget_text(summary['privacy'])}")
+    for stage, params in summary["params"].items():
+        for name, value in params.items():
+            text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
+            print(f"  {stage}.{name} = {text}")
+
+
+def _print_headline(summary: dict) -> None:
+    """The run's steps, time, mode and final loss (several clients: each client's line), then the privacy
+    meters' last windows."""
     from distgrad.run.metering import figures_text
     from distgrad.stage.records import scores_text
 
@@ -549,7 +702,13 @@ def _print_result(summary: dict) -> None:
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
-    # With keep_best the model kept (the one --save writes) is the best evaluation's, not the last step's.
+
+
+def _print_held_out(summary: dict) -> None:
+    """The held-out scores of the model kept: with keep_best the best evaluation's (the one --save writes),
+    with the last step's accuracy beside it; else the last step's."""
+    from distgrad.stage.records import scores_text
+
     best = summary.get("best_evaluation")
     scored = best if best is not None else summary
     of_model = f" of the kept model, after step {best['step']}" if best is not None else ""
@@ -561,17 +720,6 @@ def _print_result(summary: dict) -> None:
     others = scores_text({k: v for k, v in scored.items() if k != "test_accuracy"})
     if others:
         print(f"held-out scores{of_model}: {others[2:]}")
-    if "best_step" in summary:
-        print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
-    if "stopped_early" in summary:
-        print(f"early stopping: the run ended after step {summary['stopped_early']}")
-    if "privacy" in summary:
-        from distgrad.config.defended import budget_text
-        print(f"privacy: {budget_text(summary['privacy'])}")
-    for stage, params in summary["params"].items():
-        for name, value in params.items():
-            text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
-            print(f"  {stage}.{name} = {text}")
 
 
 def _number(value: Any) -> str:
@@ -580,6 +728,7 @@ def _number(value: Any) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``distgrad demo``: the seed's model over two processes; exit 1 unless both weights reach +-1 together."""
     from distgrad.run.options import StopFlag
     from distgrad.run.launcher import run_local
 
@@ -598,6 +747,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _list_experiments() -> int:
+    """``distgrad experiments``: each built-in's name, stages, steps and description, wrapped to the terminal."""
     from distgrad.config.experiment import builtin_names
     from distgrad.config.parse import load_experiment
 
@@ -612,14 +762,30 @@ def _list_experiments() -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    import zmq
-
+    """``distgrad predict``: check the flags against this stage's role, then send the rows (the data owner) or
+    serve them (the label owner writes the predictions; a middle stage passes them on)."""
     from distgrad.config.parse import load_experiment
-    from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, StageOptions, StopFlag
-    from distgrad.run.predict import held_out_rows, read_rows, send_abort_notice, send_predictions, serve_predictions
-    from distgrad.wire.transport import DEFAULT_TIMEOUT_S
+    from distgrad.run.options import StageOptions, StopFlag
 
     exp = load_experiment(args.experiment)
+    stage, role, own = _predict_role(exp, args)
+    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, **_waits(args))
+    ctx = _zmq_context()
+    with _security(args, role, ctx) as (upstream, downstream):
+        opts.security = upstream if role != "driving" else downstream
+        opts.downstream_security = downstream
+        stop = StopFlag().install()
+        if role == "driving":
+            _send_predictions(exp, stage, opts, args, stop, ctx)
+        else:
+            _serve_predictions(exp, stage, opts, args, stop, ctx, own)
+    return EXIT_OK
+
+
+def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, bool]:
+    """``(stage, role, holds rows)`` of a ``distgrad predict`` process: the stage it is, driving, middle or
+    serving, and whether it reads rows of its own (the data owner; a label owner with its own 'bottom').
+    ``ConfigError`` for a flag its role does not take."""
     stage = args.stage or (exp.stages[0].name if len(exp.stages) == 1 else None)
     if stage is None:
         raise ConfigError(f"{args.experiment} defines stages {exp.stage_names}: give --stage NAME")
@@ -635,49 +801,54 @@ def _predict(args: argparse.Namespace) -> int:
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load,
-                        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-                        liveness_s=DEFAULT_LIVENESS_S if args.liveness is None else args.liveness,
-                        peer_deadline_s=DEFAULT_PEER_DEADLINE_S if args.peer_deadline is None else args.peer_deadline)
-    ctx = zmq.Context.instance()
-    upstream, downstream = _curve(args, role, ctx)
-    opts.security = upstream if role != "driving" else downstream
-    opts.downstream_security = downstream
-    stop = StopFlag().install()
+    return stage, role, own
+
+
+def _predict_rows(exp: Experiment, stage: str, seed: int, args: argparse.Namespace) -> Any:
+    """The rows this party predicts for: the ``--input`` file (its ID column a name, or a 0-based index given
+    in digits), else the stage's held-out rows."""
+    from distgrad.run.predict import held_out_rows, read_rows
+
+    if args.input is None:
+        return held_out_rows(exp, stage, seed)
     id_column = args.id_column
     if id_column is not None and id_column.isdigit():
         id_column = int(id_column)
+    return read_rows(args.input, exp, stage, id_column, args.header)
+
+
+def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,
+                      ctx: zmq.Context) -> None:
+    """The data owner's side of ``distgrad predict``: send its rows' activations to the stage below. On an
+    error of ours the stage below is told (it would otherwise wait out its deadline); the error is raised."""
+    from distgrad.run.predict import send_abort_notice, send_predictions
+
     try:
-        if role == "driving":
-            try:
-                rows = (read_rows(args.input, exp, stage, id_column, args.header) if args.input is not None
-                        else held_out_rows(exp, stage, opts.seed))
-                count = send_predictions(opts, args.connect, rows, stop, ctx)
-            except (PeerRejected, PeerTimeout):
-                raise                       # the stage below refused us (it knows) or cannot be reached
-            except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
-                send_abort_notice(opts, args.connect, str(e), ctx)
-                raise
-            print(f"sent {count} rows; the label owner holds their predictions")
-        else:
-            own_rows = None if not own else (read_rows(args.input, exp, stage, id_column, args.header)
-                                             if args.input is not None else held_out_rows(exp, stage, opts.seed))
-            count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
-                                      args.output_scores, own_rows)
-            print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
-    finally:
-        from distgrad.wire.keys import CurveServer
-        if isinstance(upstream, CurveServer):
-            upstream.stop()
-    return EXIT_OK
+        count = send_predictions(opts, args.connect, _predict_rows(exp, stage, opts.seed, args), stop, ctx)
+    except (PeerRejected, PeerTimeout):
+        raise                       # the stage below refused us (it knows) or cannot be reached
+    except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
+        send_abort_notice(opts, args.connect, str(e), ctx)
+        raise
+    print(f"sent {count} rows; the label owner holds their predictions")
+
+
+def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,
+                       ctx: zmq.Context, own: bool) -> None:
+    """A label owner's (or middle stage's) side of ``distgrad predict``: serve the stage above until it is
+    done; the label owner writes the predictions to ``--output``."""
+    from distgrad.run.predict import serve_predictions
+
+    own_rows = _predict_rows(exp, stage, opts.seed, args) if own else None
+    count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
+                              args.output_scores, own_rows)
+    print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
 
 
 def _align(args: argparse.Namespace) -> int:
-    import zmq
-
+    """``distgrad align``: this party's table read (a bad one exits 2 before anything connects), then aligned."""
     from distgrad.align import (DEFAULT_LIVENESS_S, DEFAULT_MIN_COMMON, DEFAULT_PEER_DEADLINE_S, AlignOptions, align,
                                 read_table)
-    from distgrad.wire.keys import CurveServer
     from distgrad.run.options import StopFlag
 
     if args.bind is not None and args.server_key:
@@ -691,20 +862,17 @@ def _align(args: argparse.Namespace) -> int:
                         min_common=DEFAULT_MIN_COMMON if args.min_common is None else args.min_common,
                         party_keys=args.party_keys)
     table = read_table(opts.input, opts.id_column)     # a bad file exits 2 before anything connects
-    ctx = zmq.Context.instance()
-    server, client = _curve(args, "serving" if args.bind is not None else "driving", ctx)
-    stop = StopFlag().install()
-    try:
+    ctx = _zmq_context()
+    with _security(args, "serving" if args.bind is not None else "driving", ctx) as (server, client):
+        stop = StopFlag().install()
         result = align(opts, table, security=server or client, check_stop=stop.check, ctx=ctx)
-    finally:
-        if isinstance(server, CurveServer):
-            server.stop()
     print(f"aligned {result.common} common IDs of this party's {result.rows} rows ({result.parties} parties) "
           f"into {result.out}")
     return EXIT_OK
 
 
 def _split(args: argparse.Namespace) -> int:
+    """``distgrad split``: each party's stage file and data, written into OUTDIR."""
     from distgrad.config.parse import load_experiment
     from distgrad.config.split import split_experiment
 
@@ -715,6 +883,7 @@ def _split(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
+    """``distgrad keygen``: a CURVE key pair, the secret file private (mode 0600)."""
     from distgrad.wire.keys import keygen
 
     public, secret = keygen(args.directory, args.name)
@@ -723,6 +892,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    """``distgrad plot``: a metrics file drawn into a PNG."""
     from distgrad.plot import plot_metrics
 
     print(f"wrote {plot_metrics(args.metrics, args.out)}")
@@ -730,6 +900,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    """``distgrad audit``: the step range and output checked, the trace attacked, the figures printed (and written)."""
     from distgrad.run.auditing import DEFAULT_MAX_TRACE_BYTES, audit_text, run_audit
     from distgrad.stage.records import write_json
 
@@ -753,12 +924,11 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _ping(args: argparse.Namespace) -> int:
-    import zmq
-
+    """``distgrad ping``: one bounded request; the serving stage's state printed as ``key=value`` pairs."""
     from distgrad.wire import messages as wire
     from distgrad.wire.transport import Client
 
-    ctx = zmq.Context.instance()
+    ctx = _zmq_context()
     security = _curve(args, "driving", ctx)[1] if (args.curve_secret or args.server_key) else None
     client = Client(ctx, args.endpoint, security=security)
     try:
@@ -769,7 +939,9 @@ def _ping(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _guarded(fn, args: argparse.Namespace) -> int:
+def _guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler; a ``DistgradError`` or a signal becomes its exit code and one log line, not a
+    traceback."""
     log = logging.getLogger("distgrad")
     try:
         return fn(args)
@@ -804,10 +976,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded(_run_stage, args)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_level", "INFO"))
-    commands = {"run": _run_experiment, "demo": _demo, "experiments": lambda a: _list_experiments(),
-                "split": _split, "predict": _predict, "align": _align,
-                "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
-    return _guarded(commands[args.command], args)
+    return _guarded(COMMANDS[args.command], args)
+
+
+# Each subcommand's handler: it builds a validated configuration from the flags (``ConfigError``, exit 2, for a bad
+# one) and calls the Python API; ``_guarded`` maps what it raises to the exit code.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _run_experiment, "demo": _demo, "experiments": lambda args: _list_experiments(), "split": _split,
+    "predict": _predict, "align": _align, "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
 
 
 if __name__ == "__main__":

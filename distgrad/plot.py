@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -89,8 +90,9 @@ def draw_metrics(records: list[dict], title: str):
     panels = 2 + bool(scores) + bool(rates) + bool(leaks)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_loss, ax_rate = axes[0], axes[-1]
-    ax_scores = axes[1] if scores else None
-    ax_lr = axes[-2 - bool(leaks)] if rates else None
+    # Each optional panel is None without its figures, and only drawn on when they exist.
+    ax_scores: Any = axes[1] if scores else None
+    ax_lr: Any = axes[-2 - bool(leaks)] if rates else None
     if leaks:
         ax_leak = axes[-2]
         for name in leaks:

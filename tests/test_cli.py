@@ -108,3 +108,62 @@ def test_init_overrides_parse():
     assert parse_init_overrides(None) == {}
     with pytest.raises(ConfigError):
         parse_init_overrides("fW=nan")
+
+
+def test_the_plan_of_a_local_run_wires_every_process_without_starting_one(tmp_path):
+    from distgrad.run.launcher import plan_processes
+
+    exp = load_experiment("chain-regression")
+    plan = plan_processes(exp, "chain-regression", tmp_path, common_flags=["--steps", "3"],
+                          driver_flags=["--micro-batches", "2"], progress_bar=True,
+                          metrics_path=tmp_path / "m.jsonl")
+    assert [(p.label, p.driving) for p in plan.processes] == [("f", True), ("m", False), ("g", False)]
+    f, m, g = plan.processes
+    # The serving stages start from the last one up: g connects nowhere, m to g's endpoint, f to m's.
+    assert "--connect" not in g.argv(None) and g.argv(None)[-len(g.flags):] == g.flags
+    assert m.argv("tcp://127.0.0.1:7001")[7:11] == ["--bind", "tcp://127.0.0.1:*", "--connect", "tcp://127.0.0.1:7001"]
+    assert f.argv("tcp://127.0.0.1:7002")[7:9] == ["--connect", "tcp://127.0.0.1:7002"]
+    assert f.flags[:6] == ["--steps", "3", "--micro-batches", "2", "--progress", "lines"] and f.shows_bar
+    assert "--micro-batches" not in m.flags and "--progress" not in g.flags
+    assert plan.metrics == {"f": tmp_path / "m.jsonl", "m": tmp_path / "m.m.jsonl", "g": tmp_path / "m.g.jsonl"}
+    assert not any(path.exists() for path in tmp_path.iterdir())      # nothing started, nothing written
+
+
+def test_the_plan_of_several_clients_runs_the_data_owner_once_per_client(tmp_path):
+    from distgrad.run.launcher import plan_processes
+
+    exp = load_experiment("digits-clients")
+    plan = plan_processes(exp, "digits-clients", tmp_path, progress_bar=True, trace=True,
+                          tensorboard_dir=tmp_path / "tb")
+    drivers = [p for p in plan.processes if p.driving]
+    assert [(p.label, p.stage, p.client) for p in drivers] == [(f"f@{k}", "f", k) for k in range(len(drivers))]
+    assert len(drivers) == exp.clients.count >= 2
+    assert [p.shows_bar for p in drivers] == [True] + [False] * (len(drivers) - 1)   # one bar, the first client's
+    for p in drivers:
+        assert p.flags[:2] == ["--client", str(p.client)]
+        assert ["--trace", str(p.trace)] == p.flags[p.flags.index("--trace"):p.flags.index("--trace") + 2]
+        assert p.flags[p.flags.index("--tensorboard") + 1] == str(tmp_path / "tb" / p.label)
+    assert [p.label for p in plan.processes if not p.driving] == ["g"]
+
+
+def test_every_subcommand_has_a_handler_and_every_handler_a_subcommand():
+    import argparse
+
+    from distgrad.cli import COMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) - {"stage"} == set(COMMANDS)      # 'stage' is parsed by build_stage_parser
+
+
+@pytest.mark.slow
+def test_the_modules_mypy_checks_are_clean():
+    """``mypy`` with no arguments checks the modules pyproject.toml's [tool.mypy] lists; they must stay clean."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mypy", reason="mypy is installed by the lint extra: pip install 'distgrad[lint]'")
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Success: no issues found" in result.stdout

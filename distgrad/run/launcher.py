@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
@@ -149,6 +150,60 @@ def _stage_argv(name: str, experiment: str, flags: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "distgrad.cli", "stage", name, "--experiment", experiment, *flags]
 
 
+@dataclass(frozen=True)
+class PlannedProcess:
+    """One stage process of a local run, everything decided but the endpoint of the stage below it.
+
+    ``label`` names the process (``f``, ``g``, ``f@1`` for client 1); ``flags`` are every flag it gets after
+    where it binds and connects; ``summary`` and ``trace`` are the files it writes, merged when the run ends.
+    A serving process binds ``bind`` and reports the endpoint it got in ``ready``; a driving one has neither.
+    """
+
+    label: str
+    stage: str
+    source: str
+    client: int | None
+    flags: list[str]
+    summary: Path
+    trace: Path
+    bind: str | None = None
+    ready: Path | None = None
+    shows_bar: bool = False
+
+    @property
+    def driving(self) -> bool:
+        return self.bind is None
+
+    def argv(self, below: str | None) -> list[str]:
+        """The command line of this process, connecting to ``below`` (None: the last stage, which connects
+        nowhere)."""
+        if self.driving:
+            assert below is not None, "a driving process connects to the stage below it"
+            where = ["--connect", below]
+        else:
+            where = ["--bind", str(self.bind), *(["--connect", below] if below is not None else []),
+                     "--ready-file", str(self.ready)]
+        return _stage_argv(self.stage, self.source, [*where, *self.flags])
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every process of a local run, the driving ones (data owners, once per client) first, then the serving
+    stages from the top of the chain down; and where each file to merge when the run ends comes from."""
+
+    exp: Any
+    processes: list[PlannedProcess]
+    metrics: dict[str, Path]        # process label -> the metrics file it writes
+
+    @property
+    def drivers(self) -> list[PlannedProcess]:
+        return [p for p in self.processes if p.driving]
+
+    @property
+    def serving(self) -> list[PlannedProcess]:
+        return [p for p in self.processes if not p.driving]
+
+
 def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | None = None, seed: int | None = None,
               init: str | None = None, summary_path: str | Path | None = None,
               trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
@@ -189,22 +244,9 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
     stage_flags = [*stage_flags, *(["--activation-codec", activation_codec] if activation_codec is not None else []),
                    *(["--gradient-codec", gradient_codec] if gradient_codec is not None else [])]
-    if len(exp.stage_names) < 2:
-        raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
-                          f"use --in-process")
-    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
-    if privacy_meter:
-        check_meter_flag(exp)                  # never accepted and ignored
-    if transport not in ("tcp", "ipc"):
-        raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
-    names = exp.stage_names
-    source = {name: _stage_source(exp, name, experiment) for name in names}
-    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
-    # Each process: the data owners first (the first stage once per client, f@0, f@1, ..., or every feature
-    # party), then the serving stages by name.
-    drivers, serving = _driving_processes(exp, clients), [n for n in names if n not in exp.data_owners]
-    processes = [label for label, _, _ in drivers] + serving
-    files_of = _parameter_flags(exp, clients, save_dir, load_dir)
+    _check_launch(exp, steps, seed, init, privacy_meter, transport)
+    clients = _clients(exp)
+    parameter_flags = _parameter_flags(exp, clients, save_dir, load_dir)
     _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
     check_data(exp, seed, clients)
     done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
@@ -213,83 +255,131 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
         out.write(f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
                   f"(start without --resume for a new run)\n")
         return done
-    lock = threading.Lock()
-    children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
-        tmp = Path(tmp_name)
-        flags = ["--log-level", log_level, *stage_flags]
+        common = ["--log-level", log_level, *stage_flags]
         for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
             if value is not None:
-                flags += [option, str(value)]
-        files = {name: (tmp / f"{name}.summary.json", tmp / f"{name}.trace.jsonl") for name in processes}
-        labels = [label for label, _, _ in drivers]
-        # Each client writes its own metrics, merged below: several writers of one file would tear its lines.
-        # Every other process (another feature party, a serving stage) writes its own beside: its learning rate
-        # is known only to it.
-        metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in labels} if exp.federated
-                   else {labels[0]: Path(metrics_path)}) if metrics_path is not None else {}
-        boards = ({name: Path(tensorboard_dir) / name for name in labels} if exp.federated
-                  else {labels[0]: Path(tensorboard_dir)}) if tensorboard_dir is not None else {}
-        for name in processes:
-            if metrics_path is not None and name not in metrics:
-                metrics[name] = stage_metrics_path(Path(metrics_path), name)
-            if tensorboard_dir is not None and name not in boards:
-                boards[name] = Path(tensorboard_dir) / name
-        curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _ in drivers] +
-                              [(name, name) for name in serving])
-                 if secure else {name: [] for name in processes})
+                common += [option, str(value)]
+        plan = plan_processes(exp, experiment, Path(tmp_name), common_flags=common, driver_flags=driver_flags,
+                              parameter_flags=parameter_flags, transport=transport, secure=secure,
+                              trace=trace_path is not None, privacy_meter=privacy_meter,
+                              metrics_path=None if metrics_path is None else Path(metrics_path),
+                              tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
+                              progress_bar=progress_bar)
+        _start_and_watch(plan, out, check_stop, progress_bar)
+        return _collect(plan, transport, summary_path, trace_path, metrics_path)
 
-        def outputs(name: str) -> list[str]:
-            summary, trace = files[name]
-            stage = name.split("@")[0]
-            return (["--summary", str(summary)] + (["--trace", str(trace)] if trace_path else [])
-                    + (["--privacy-meter"] if privacy_meter and metered(exp, stage, True) else []))
 
-        try:
-            # Serving stages from the last one up, each connecting to the one below it.
-            below: list[str] = []
-            for name in reversed(serving):
-                bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
-                ready = tmp / f"{name}.ready"
-                child = _Child(name, _stage_argv(name, source[name], [
-                    "--bind", bind, *(["--connect", below[0]] if below else []), "--ready-file", str(ready),
-                    *flags, *curve[name], *outputs(name), *files_of[name],
-                    *(["--metrics", str(metrics[name])] if name in metrics else []),
-                    *(["--tensorboard", str(boards[name])] if name in boards else [])]), out, lock)
-                children.append(child)
-                below = [_wait_ready(child, ready, bind, check_stop)]
-            bar = _BarLine(out) if progress_bar else None
-            for label, stage, client in drivers:
-                # The first data owner (client 0, the first party) draws the bar; the others log their progress.
-                client_flags = [] if client is None else ["--client", str(client)]
-                shown = bar if label == labels[0] else None
-                driver = _Child(label, _stage_argv(stage, source[stage], [
-                    "--connect", below[0], *client_flags, *flags, *driver_flags,
-                    "--progress", "lines" if shown else "off", *curve[label], *outputs(label), *files_of[label],
-                    *(["--metrics", str(metrics[label])] if label in metrics else []),
-                    *(["--tensorboard", str(boards[label])] if label in boards else [])]), out, lock, shown)
-                children.append(driver)
-            _wait_all(children, check_stop)
-        finally:
-            for child in reversed(children):
-                child.stop()
-            for child in children:
-                if child.bar is not None:
-                    child.bar.close()
-        summaries = [read_json(files[name][0]) for name in processes]
-        mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
-        if exp.federated:
-            summary = merge_client_summaries(summaries[:-1], summaries[-1], mode=mode, transport=transport)
-        else:
-            summary = merge_summaries(summaries)
-            summary.update(mode=mode, transport=transport)
-        if summary_path is not None:
-            write_json(summary_path, summary)
-        if trace_path is not None:
-            merge_traces([files[name][1] for name in processes], trace_path,
-                         [*(client for _, _, client in drivers), *[None] * len(serving)])
-        if exp.federated and metrics_path is not None:
-            merge_metrics([metrics[name] for name in labels], metrics_path, clients)
+def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
+                  transport: str) -> None:
+    """``ConfigError`` for what no process of the run could do: one stage, a bad setting, an unknown
+    transport, a privacy meter no stage can run."""
+    if len(exp.stage_names) < 2:
+        raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
+                          f"use --in-process")
+    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
+    if transport not in ("tcp", "ipc"):
+        raise ConfigError(f"unknown transport {transport!r}: use tcp or ipc")
+
+
+def _clients(exp: Any) -> list[int | None]:
+    """The clients each data owner runs once for: 0, 1, ... with ``[clients]``, else one (None)."""
+    return list(range(exp.clients.count)) if exp.federated else [None]
+
+
+def plan_processes(exp: Any, experiment: str | Path | Sequence[str | Path], tmp: Path, *,
+                   common_flags: Sequence[str] = (), driver_flags: Sequence[str] = (),
+                   parameter_flags: Mapping[str, list[str]] | None = None, transport: str = "tcp",
+                   secure: bool = False, trace: bool = False, privacy_meter: bool = False,
+                   metrics_path: Path | None = None, tensorboard_dir: Path | None = None,
+                   progress_bar: bool = False) -> LaunchPlan:
+    """Decide every process of a local run of ``exp`` without starting one: its stage, the file it reads,
+    its flags, the files it writes in ``tmp`` (its summary, trace, ready file, ipc socket, CURVE keys with
+    ``secure``). Pure but for the key files; ``run_local`` starts the plan.
+
+    ``common_flags`` go to every process, ``driver_flags`` to the driving ones after them,
+    ``parameter_flags`` (process -> ``--save``/``--load``) to each its own. With several clients each writes
+    its own metrics in ``tmp`` (merged when the run ends: several writers of one file would tear its lines)
+    and its own TensorBoard folder ``tensorboard_dir/f@K``; every process but the first driving one writes
+    its metrics beside ``metrics_path`` (``stage_metrics_path``) and its events in ``tensorboard_dir/NAME``.
+    """
+    files_of = parameter_flags or {}
+    processes = stage_processes(exp)                  # (label, stage, client, driving): the drivers first
+    labels = [label for label, _, _, driving in processes if driving]
+    metrics = ({name: tmp / f"{name}.metrics.jsonl" for name in labels} if exp.federated
+               else {labels[0]: metrics_path}) if metrics_path is not None else {}
+    boards = ({name: tensorboard_dir / name for name in labels} if exp.federated
+              else {labels[0]: tensorboard_dir}) if tensorboard_dir is not None else {}
+    for name, _, _, _ in processes:
+        if metrics_path is not None and name not in metrics:
+            metrics[name] = stage_metrics_path(metrics_path, name)
+        if tensorboard_dir is not None and name not in boards:
+            boards[name] = tensorboard_dir / name
+    curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _, _ in processes])
+             if secure else {label: [] for label, _, _, _ in processes})
+    planned = []
+    for label, stage, client, driving in processes:
+        summary, trace_file = tmp / f"{label}.summary.json", tmp / f"{label}.trace.jsonl"
+        shown = driving and progress_bar and label == labels[0]   # the first data owner draws the bar
+        role = ([*([] if client is None else ["--client", str(client)]), *common_flags, *driver_flags,
+                 "--progress", "lines" if shown else "off"] if driving else list(common_flags))
+        flags = [*role, *curve[label], "--summary", str(summary), *(["--trace", str(trace_file)] if trace else []),
+                 *(["--privacy-meter"] if privacy_meter and metered(exp, stage, True) else []),
+                 *files_of.get(label, []), *(["--metrics", str(metrics[label])] if label in metrics else []),
+                 *(["--tensorboard", str(boards[label])] if label in boards else [])]
+        bind = None if driving else ("tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{label}.sock")
+        planned.append(PlannedProcess(label, stage, _stage_source(exp, stage, experiment), client, flags, summary,
+                                      trace_file, bind, None if driving else tmp / f"{label}.ready", shown))
+    return LaunchPlan(exp, planned, metrics)
+
+
+def _start_and_watch(plan: LaunchPlan, out: IO[str], check_stop: Callable[[], None], progress_bar: bool) -> None:
+    """Start the serving stages from the last one up, each connecting to the one below, then every driving
+    process; wait until all exit 0. Raises ``StageError`` (or what ``check_stop`` raises) after stopping and
+    reaping every process started."""
+    lock = threading.Lock()
+    children: list[_Child] = []
+    try:
+        below: str | None = None
+        for process in reversed(plan.serving):
+            assert process.ready is not None and process.bind is not None, "a serving process binds"
+            child = _Child(process.label, process.argv(below), out, lock)
+            children.append(child)
+            below = _wait_ready(child, process.ready, process.bind, check_stop)
+        bar = _BarLine(out) if progress_bar else None
+        for process in plan.drivers:
+            children.append(_Child(process.label, process.argv(below), out, lock,
+                                   bar if process.shows_bar else None))
+        _wait_all(children, check_stop)
+    finally:
+        for child in reversed(children):
+            child.stop()
+        for child in children:
+            if child.bar is not None:
+                child.bar.close()
+
+
+def _collect(plan: LaunchPlan, transport: str, summary_path: str | Path | None, trace_path: str | Path | None,
+             metrics_path: str | Path | None) -> dict[str, Any]:
+    """The run's summary, merged from every process's (several clients: each client's results in
+    ``clients``), written to ``summary_path``; the processes' traces merged into ``trace_path`` and, with
+    several clients, their metrics into ``metrics_path``."""
+    exp, processes = plan.exp, plan.processes
+    summaries = [read_json(p.summary) for p in processes]
+    mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
+    if exp.federated:
+        summary = merge_client_summaries(summaries[:-1], summaries[-1], mode=mode, transport=transport)
+    else:
+        summary = merge_summaries(summaries)
+        summary.update(mode=mode, transport=transport)
+    if summary_path is not None:
+        write_json(summary_path, summary)
+    if trace_path is not None:
+        merge_traces([p.trace for p in processes], trace_path, [p.client for p in processes])
+    if exp.federated and metrics_path is not None:
+        merge_metrics([plan.metrics[p.label] for p in plan.drivers], metrics_path, list(range(exp.clients.count)))
     return summary
 
 
@@ -308,7 +398,7 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
     The numpy stages were built when the file was loaded."""
     from distgrad.stage.stage import Stage, parameters_file
 
-    instances = {stage: [] for stage in exp.stage_names}
+    instances: dict[str, list[str]] = {stage: [] for stage in exp.stage_names}
     for instance, stage, _ in _driving_processes(exp, clients):
         instances[stage].append(instance)
     for name in exp.stage_names:
@@ -317,9 +407,9 @@ def _build_stages(exp: Any, seed: int | None, init: Mapping[str, float], clients
         loads = [parameters_file(load_dir, instance, exp, spec.name) for instance in instances[spec.name]
                  ] if load_dir is not None else []
         if spec.framework == "torch" or loads:
-            stage = Stage.from_experiment(exp, spec.name, seed, init)
+            built = Stage.from_experiment(exp, spec.name, seed, init)
             for path in loads:
-                stage.load_parameters(path)
+                built.load_parameters(path)
 
 
 def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None,),
@@ -341,7 +431,7 @@ def check_data(exp: Any, seed: int | None, clients: Sequence[int | None] = (None
 def stage_processes(exp: Any) -> list[tuple[str, str, int | None, bool]]:
     """``(process, stage, client, driving)`` of every process ``run_local`` starts for ``exp``: the data
     owners (once per client) driving, then the serving stages."""
-    clients: list[int | None] = list(range(exp.clients.count)) if exp.federated else [None]
+    clients = _clients(exp)
     return ([(label, stage, client, True) for label, stage, client in _driving_processes(exp, clients)]
             + [(name, name, None, False) for name in exp.stage_names if name not in exp.data_owners])
 
