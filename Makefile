@@ -3,7 +3,7 @@
 #   make test        run the default test suite on every core (TEST_WORKERS=N: N workers; 0: serially)
 #   make test-slow   run the slow set alone (soak, benchmark smoke runs, ...): CI runs it after `make test`
 #   make test-all    run both at once
-#   make lint        ruff (and mypy on distgrad/) as configured in pyproject.toml: CI runs it
+#   make lint        ruff, then mypy on the modules pyproject.toml lists: CI runs it
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -37,6 +37,7 @@ $(BIN)/.lint-installed: pyproject.toml $(BIN)/.installed
 
 lint: $(BIN)/.lint-installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
