@@ -140,6 +140,40 @@ def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     assert read_json(summary)["params"] == read_json(reference)["params"]
 
 
+@pytest.mark.parametrize("experiment", ["digits-splitfed", "digits-halves"])
+def test_launcher_secure_run_of_clients_or_parties_is_bitwise_equal(tmp_path, experiment):
+    """Each client (``f@0``, ...) and each feature party gets a key pair of its own; the run is the plain one."""
+    summary, reference = tmp_path / "s.json", tmp_path / "r.json"
+    result = run_cli(["run", experiment, "--secure", "--steps", "6", "--summary", summary])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert run_main(["run", experiment, "--in-process", "--steps", "6", "--summary", reference]).returncode == 0
+    assert read_json(summary)["params"] == read_json(reference)["params"]
+
+
+def test_a_curve_server_takes_a_frame_of_exactly_its_largest_size(tmp_path, keys):
+    """MAXMSGSIZE under CURVE counts the encrypted frame (33 bytes longer): the limit allows for it, so a
+    frame of exactly the largest size a stage accepts (here 256 KiB, above the header limit) arrives."""
+    from distgrad.wire.keys import CurveServer
+    from distgrad.wire.transport import Server
+
+    largest = 256 * 1024
+    ctx = zmq.Context()
+    with CurveServer(ctx, keys["server_secret"], keys["allow"]) as security:
+        server = Server(ctx, "tcp://127.0.0.1:*", largest, security=security)
+        client = ctx.socket(zmq.DEALER)
+        try:
+            apply_curve_client(client, keys["client_secret"], keys["server_public"])
+            client.connect(server.endpoint)
+            client.send(b"x" * largest)
+            request = server.receive(10.0)
+            assert request is not None, "the frame of the largest size was dropped"
+            assert len(bytes(request[1][0])) == largest
+        finally:
+            client.close(0)
+            server.close()
+    ctx.term()
+
+
 def test_keygen_cli_writes_0600_files_and_group_readable_secrets_are_refused(tmp_path):
     result = run_cli(["keygen", tmp_path / "k", "g"])
     assert result.returncode == 0, result.stderr

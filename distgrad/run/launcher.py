@@ -507,7 +507,7 @@ def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]
     for process, stage in processes:
         # A process's pair is made in the allow directory of the stage below it (the last one's anywhere).
         where = directory / f"allowed-by-{exp.downstream(stage)}" if stage != last else directory
-        keys[process] = keygen(where, process)
+        keys[process] = keygen(where, process.replace("@", ".client"))   # a client's "f@0": key "f.client0"
     flags = {}
     for process, stage in processes:
         flags[process] = ["--curve-secret", str(keys[process][1])]

@@ -42,6 +42,9 @@ HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
 MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (well below a tick)
 # The most frames a valid message has: routing id and empty delimiter, header, one per tensor.
+# What CURVE adds to each frame on the wire (its MESSAGE command: name, nonce, flags, MAC: 33 bytes), with room to
+# spare; ZeroMQ's MAXMSGSIZE counts it.
+CURVE_FRAME_OVERHEAD_BYTES = 64
 # ZeroMQ limits the size of a frame (MAXMSGSIZE) but not their number, so poll_frames does.
 MAX_FRAMES = 2 + 1 + wire.MAX_TENSORS
 REFUSAL_LOG_INTERVAL_S = 60.0  # a refused key or failed handshake of one kind is logged once per this
@@ -83,8 +86,10 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: floa
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     if max_message_bytes is not None:
-        # ZeroMQ drops the connection of a peer that sends a bigger frame, before we allocate it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # ZeroMQ drops the connection of a peer that sends a bigger frame, before we allocate it. Under CURVE
+        # it compares the encrypted frame, CURVE_FRAME_OVERHEAD_BYTES longer than the frame sent.
+        overhead = CURVE_FRAME_OVERHEAD_BYTES if security is not None else 0
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + overhead)
     # ZMTP heartbeats run in ZeroMQ's I/O thread, even while this process computes: a peer
     # whose connection stops answering them is disconnected after liveness_s.
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(liveness_s * 1000 / HEARTBEATS_PER_LIVENESS)))
