@@ -140,7 +140,7 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "different, deterministic computation: equal to --in-process with the same S. 'auto' "
                         "(stages in processes): step 1 in lockstep measures the link, then S is the smallest with "
                         "(S+1) x the step time at the bound (the slower of compute and the link's rate) >= round "
-                        "trip + transfer time, at most 64 (README: --staleness auto); "
+                        "trip + transfer time, at most 64 (docs/pipelining.md: --staleness auto); "
                         "the summary's 'staleness' says which, and --staleness S repeats the run exactly")
 
 
