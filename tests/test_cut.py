@@ -312,6 +312,33 @@ def test_a_label_owner_daemon_is_told_when_the_data_owners_loop_fails(tmp_path):
     assert read_json(folder / "g.json")["status"] == "failed"
 
 
+BREAKING_ENCODER = ("from torch import nn\n\n\nclass Breaking(nn.Sequential):\n"
+                    "    calls = 0\n\n    def forward(self, x):\n        type(self).calls += 1\n"
+                    "        if type(self).calls == 3:\n            raise RuntimeError('the encoder broke at its third batch')\n"
+                    "        return super().forward(x)\n\n\ndef make():\n"
+                    "    return Breaking(nn.Linear(64, 16), nn.ReLU())\n")
+
+
+@pytest.mark.integration
+def test_a_label_owner_daemon_is_told_when_the_data_owner_daemon_fails_mid_run(tmp_path):
+    """Daemons on both sides: a data owner whose own module raises at its third batch tells the label owner
+    why (an aborted notice) as it exits; the label owner ends the run as failed at once (exit 4) naming the
+    error, not after its liveness and peer deadline (kept long, so a daemon left waiting would outlive the
+    test's bound)."""
+    folder = write_parties(tmp_path / "p", steps=6)
+    (folder / "encoder.py").write_text(BREAKING_ENCODER)
+    ready = folder / "g.ready"
+    with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready, "--liveness", "600",
+                "--peer-deadline", "600") as g:
+        endpoint = wait_for_file(ready, g)
+        with daemon(folder, "f", "--connect", endpoint) as f:
+            assert f.wait() == 1, f.output
+        assert g.wait() == 4, g.output
+        output = g.output
+    assert "stage f stopped: it failed:" in output and "the encoder broke at its third batch" in output, output
+    assert read_json(folder / "g.json")["status"] == "failed"
+
+
 # ---------------------------------------------------------------- send_rows: the data owner's loader picks the rows
 
 REORDERED = Path(__file__).resolve().parent / "reordered_stage.py"

@@ -37,7 +37,7 @@ from distgrad.stage.records import best_evaluation_fields, evaluation_entry, eva
 from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
-from distgrad.wire.transport import Traffic
+from distgrad.wire.transport import NOTICE_LINGER_MS, Traffic
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
 
@@ -397,6 +397,17 @@ class _Driver:
                 self.last_report, self.last_step = now, step
                 self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
 
+    def _tell_below(self, error: Exception) -> bool:
+        """Send the stage below an ``aborted`` notice naming ``error`` (best effort: the link is closing);
+        True when it was sent. Not once the run is over, nor before it has an id."""
+        if not self.state.run_id:
+            return False
+        try:
+            self.link.send(wire.abort_notice(self.state.run_id, self.opts.stage, f"it failed: {error}"))
+        except Exception:           # noqa: BLE001 - the notice is a courtesy; the failure is what is raised
+            return False
+        return True
+
     def run(self) -> dict[str, Any]:
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
@@ -404,6 +415,7 @@ class _Driver:
         else:
             state.open_trace(append=True)
         started = time.perf_counter()
+        told = False
         try:
             self._run()
         except Interrupted:
@@ -422,12 +434,17 @@ class _Driver:
                 # failed (exit 1); this stage sent nothing wrong, so it is no refusal (exit 4).
                 raise StageError(e.peer_message) from e
             raise
+        except Exception as e:
+            # This stage's own failure (its data, model or files): the stage below is told why at once (an
+            # aborted notice), instead of waiting out its liveness for a step that will not come.
+            told = self._tell_below(e)
+            raise
         finally:
             try:
                 self._report()
             finally:
                 state.close()
-                self.link.close()
+                self.link.close(linger_ms=NOTICE_LINGER_MS if told else None)
                 for writer in self.writers:
                     writer.close()
                 self.progress.close()
