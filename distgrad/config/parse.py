@@ -18,10 +18,10 @@ from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import (AUTO_STALENESS, BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
-                                        REDUCTIONS, WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
+from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
+                                        WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
                                         check_send_rows, check_staleness, check_targets, Clients,
-                                        codec_name, Experiment, file_error, interface_differences, is_whole,
+                                        Experiment, file_error, interface_differences, is_whole,
                                         loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
@@ -167,47 +167,25 @@ def _shape_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(is_whole(v) and v > 0 for v in value)
 
 
-def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
-    eval_every, allow_nonfinite, send_rows, codecs."""
-    out: dict[str, Any] = {}
-    if "steps" in raw and "epochs" in raw:
-        raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
-    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0),
-                     ("staleness", 0)):
-        if key in raw and (not is_whole(raw[key]) or raw[key] < low):
-            kind = "a positive integer" if low else "a non-negative integer"
-            why = (" ('auto' is the driving stage's flag, --staleness auto: it measures one run's link, while a "
-                   "file names the computation; the S it chose is in that run's summary)"
-                   if key == "staleness" and raw[key] == AUTO_STALENESS else "")
-            raise file_error(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}{why}")
-    out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
-               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
-               staleness=raw.get("staleness", 0))
-    for key in ("allow_nonfinite", "send_rows"):
-        out[key] = raw.get(key, False)
-        if not isinstance(out[key], bool):
-            raise file_error(source, f"{where}'{key}' must be true or false, got {out[key]!r}")
-    out["labels"] = raw.get("labels", "last")
-    if out["labels"] not in ("last", "first"):
-        raise file_error(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
-    if "reduction" in raw and raw["reduction"] not in REDUCTIONS:
-        raise file_error(source, f"{where}'reduction' must be one of {list(REDUCTIONS)}, got {raw['reduction']!r}")
-    out["reduction"] = raw.get("reduction")
+def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
+    """``schema.read_keys`` with the file named in its error."""
     try:
-        for key in ("activation_codec", "gradient_codec"):
-            out[key] = codec_name(raw.get(key, "none"), f"{where}'{key}'")
+        return schema.read_keys(table, keys, where)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
-    return out
+
+
+def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings shared by both forms (``schema.SHARED_KEYS``), each read through its declaration;
+    'steps' and 'epochs' exclude each other."""
+    if "steps" in raw and "epochs" in raw:
+        raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
+    return _read(source, raw, schema.SHARED_KEYS, where)
 
 
 def _description(source: str, raw: Mapping[str, Any]) -> str:
     """The file's top-level ``description`` ("" when absent); ``ConfigError`` unless it is a string."""
-    text = raw.get("description", "")
-    if not isinstance(text, str):
-        raise file_error(source, f"'description' must be a string, got {text!r}")
-    return text
+    return _read(source, raw, {"description": schema.TOP_KEYS["description"]}, "")["description"]
 
 
 def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
@@ -301,7 +279,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
 def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
     """``steps``, or ``epochs`` times the batches in one epoch of the data's training rows."""
     if settings["epochs"] is None:
-        return 100 if settings["steps"] is None else settings["steps"]
+        return settings["steps"]
     per_epoch = getattr(data, "batches_per_epoch", None)
     if per_epoch is None:
         raise ConfigError("'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "

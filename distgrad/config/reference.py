@@ -74,8 +74,7 @@ def render() -> str:
     out = [HEADER]
     for title, keys, what in schema.TABLES:
         out += [f"## {title}", "", what, ""]
-        out += _table([(key, kind, "required" if default is None else default, meaning)
-                       for key, (kind, default, meaning) in keys.items()])
+        out += _table([(name, key.type_text, key.default_text, key.help) for name, key in keys.items()])
         out.append("")
     out += ["## [data]: data kinds", "",
             "`kind` picks the source; the other keys are its options. Paths are relative to the file that "
