@@ -9,7 +9,7 @@ itself (``Experiment``, ``StageSpec``) and the checks of run settings are in ``d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,92 +35,15 @@ def _base_dir(source: str) -> Path:
 
 
 def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -> StageSpec:
-    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table."""
-    where = "[stage]" if party else f"stage {index}"
-    if not isinstance(table, dict):
-        raise file_error(source, f"{where} is not a table")
-    allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
-    unknown = set(table) - set(allowed)
-    if unknown:
-        raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    name = table.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, f"{where} needs a 'name'")
-    has_model, module = "model" in table, table.get("module")
-    if has_model == (module is not None):
-        raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
-                                 f"(\"package.module:factory\" returning a torch.nn.Module), not both")
-    if has_model and not isinstance(table["model"], list):
-        raise file_error(source, f"stage {name!r} needs a 'model' list of layers")
-    if module is not None and (not isinstance(module, str) or module.count(":") != 1
-                               or not all(module.split(":"))):
-        raise file_error(source, f"stage {name!r}: 'module' must be \"package.module:factory\", got {module!r}")
-    if not isinstance(table.get("module_args", {}), dict) or ("module_args" in table and module is None):
-        raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
-    if not isinstance(table.get("optimizer", {}), dict):
-        raise file_error(source, f"stage {name!r}: 'optimizer' must be a table such as "
-                                 f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
-    if not party and last != ("loss" in table):
-        raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
-    framework = table.get("framework", "torch" if module is not None else "numpy")
-    if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
-        raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
-                                 f"torch), got {framework!r}")
-    scheduler = table.get("scheduler")
-    if scheduler is not None:
-        if not isinstance(scheduler, dict) or not isinstance(scheduler.get("type"), str):
-            raise file_error(source, f"stage {name!r}: 'scheduler' must be a table naming a torch.optim.lr_scheduler "
-                                     f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
-                                     f"got {scheduler!r}")
-        if framework != "torch":
-            raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
-                                     f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
-                                     f"(see Learning-rate schedules)")
-        if "schedule" in table.get("optimizer", {}):
-            raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
-                                     f"or 'scheduler' (torch's), not both")
-    device = table.get("device", "cpu")
-    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
-            device.startswith("cuda:") and device[5:].isdigit())):
-        raise file_error(source, f"stage {name!r}: 'device' must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r}")
-    if device != "cpu" and framework != "torch":
-        raise file_error(source, f"stage {name!r}: 'device' {device!r} needs framework = \"torch\"")
-    output = table.get("output")
-    if output is not None and (module is None or not _shape_list(output)):
-        raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
-                                 f"of positive whole numbers, got {output!r}")
-    seed = table.get("seed")
-    if seed is not None and (not is_whole(seed) or seed < 0):
-        raise file_error(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
-    columns = table.get("columns")
-    if columns is not None and (not isinstance(columns, list) or not columns
-                                or not all(is_whole(c) and c >= 0 for c in columns)
-                                or len(set(columns)) != len(columns)):
-        raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
-                                 f"got {columns!r}")
-    bottom = table.get("bottom")
-    if bottom is not None:
-        if not last:
-            raise file_error(source, f"stage {name!r}: 'bottom' is the label owner's own bottom model in a vertical "
-                                     f"experiment: only the last stage has one")
-        if not isinstance(bottom, list) or not bottom or not all(isinstance(t, dict) for t in bottom):
-            raise file_error(source, f"stage {name!r}: 'bottom' must be a list of layer tables, got {bottom!r}")
-    if not isinstance(table.get("privacy_meter", False), bool):
-        raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
-                                 f"got {table['privacy_meter']!r}")
-    try:
-        defenses = parse_defenses(table, name)
-    except ConfigError as e:
-        raise file_error(source, str(e)) from e
-    metrics, keep_best, early_stopping = _evaluation_keys(source, table, name, last)
-    spec = StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
-                     table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
-                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
-                     list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
-                     early_stopping, privacy_meter=table.get("privacy_meter", False),
-                     bottom=[dict(t) for t in bottom] if bottom is not None else None)
-    if last and "loss" in table:
+    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table: its keys read through their
+    declarations (``_stage_values``), the rules between them (``_check_computation``, ``_check_place``), then
+    the ``StageSpec`` (``_stage_spec``), whose evaluation keys must fit the last stage's loss."""
+    keys = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    values = _stage_values(source, table, keys, "[stage]" if party else f"stage {index}")
+    _check_computation(source, table, values)
+    _check_place(source, table, keys, values["name"], last, party)
+    spec = _stage_spec(source, table, values)
+    if last and spec.loss is not None:
         try:
             check_evaluation_keys(spec)
         except ConfigError as e:
@@ -128,29 +51,78 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     return spec
 
 
-def _evaluation_keys(source: str, table: Mapping[str, Any], name: str, last: bool
-                     ) -> tuple[tuple[str, ...], str | None, dict[str, Any] | None]:
-    """A stage table's ``metrics``, ``keep_best`` and ``early_stopping``, checked for form (the last stage
-    only); whether they fit its loss is ``check_evaluation_keys``'s."""
-    given = [key for key in ("metrics", "keep_best", "early_stopping") if key in table]
+def _stage_values(source: str, table: Any, keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
+    """A stage table's keys, each read through its declaration (``schema.read_keys``), with its
+    ``framework`` filled in (torch for a 'module'). ``where`` names the table until its name is known."""
+    if not isinstance(table, dict):
+        raise file_error(source, f"{where} is not a table")
+    try:
+        schema.refuse_unknown(table, keys, f"{where} has")
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    name = _read(source, table, {"name": keys["name"]}, f"{where}: ")["name"]
+    values = _read(source, table, keys, f"stage {name!r}: ")
+    if values["framework"] is None:
+        values["framework"] = "torch" if values["module"] is not None else "numpy"
+    return values
+
+
+def _check_computation(source: str, table: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """The rules between the keys that say what computes a stage: 'model' or 'module', the torch-only keys
+    ('module_args', 'output', 'scheduler', a device other than the CPU)."""
+    name, module, framework = values["name"], values["module"], values["framework"]
+    if (values["model"] is not None) == (module is not None):
+        raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
+                                 f"(\"package.module:factory\" returning a torch.nn.Module), not both")
+    if table.get("module_args") is not None and module is None:
+        raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
+    if module is not None and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
+                                 f"torch), got {framework!r}")
+    if values.get("output") is not None and module is None:
+        raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
+                                 f"of positive whole numbers, got {values.get('output')!r}")
+    if values["scheduler"] is not None and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
+                                 f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
+                                 f"(see Learning-rate schedules)")
+    if values["scheduler"] is not None and "schedule" in values["optimizer"]:
+        raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
+                                 f"or 'scheduler' (torch's), not both")
+    if values["device"] != "cpu" and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'device' {values['device']!r} needs framework = \"torch\"")
+
+
+def _check_place(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], name: str, last: bool,
+                 party: bool) -> None:
+    """The keys only the last stage may give (``schema.LAST``), and its 'loss' (a stage file's, against the
+    interface's stages: ``_parse_stage_file``)."""
+    given = schema.restricted(table, keys, schema.LAST)
     if given and not last:
-        raise file_error(source, f"stage {name!r}: {given} belong to the last stage, which holds the labels and "
-                                 f"scores the held-out rows")
-    metrics = table.get("metrics", [])
-    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
-        raise file_error(source, f"stage {name!r}: 'metrics' must be a list of names such as [\"auc\", \"f1\"], "
-                                 f"got {metrics!r}")
-    keep_best = table.get("keep_best")
-    if keep_best is not None and not isinstance(keep_best, str):
-        raise file_error(source, f"stage {name!r}: 'keep_best' must name a reported score such as "
-                                 f"\"test_accuracy\", got {keep_best!r}")
-    stopping = table.get("early_stopping")
-    if stopping is not None and (not isinstance(stopping, dict) or set(stopping) != {"metric", "patience"}
-                                 or not isinstance(stopping["metric"], str)
-                                 or not is_whole(stopping["patience"]) or stopping["patience"] < 1):
-        raise file_error(source, f"stage {name!r}: 'early_stopping' must be a table {{ metric = \"test_loss\", "
-                                 f"patience = K }} with K >= 1, got {stopping!r}")
-    return tuple(metrics), keep_best, dict(stopping) if stopping is not None else None
+        reasons = "; ".join(dict.fromkeys(keys[key].why for key in given))
+        raise file_error(source, f"stage {name!r}: {given} belong to the last stage ({reasons}): only the last "
+                                 f"stage may set them")
+    if not party and last != ("loss" in table):
+        raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
+
+
+def _stage_spec(source: str, table: Mapping[str, Any], values: Mapping[str, Any]) -> StageSpec:
+    """The ``StageSpec`` of a stage table whose keys ``values`` holds (read and checked), with its defenses
+    (``parse_defenses``)."""
+    name = values["name"]
+    try:
+        defenses = parse_defenses(table, name)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+
+    def copied(key: str, kind: Callable[[Any], Any]) -> Any:
+        return None if values.get(key) is None else kind(values[key])
+    return StageSpec(name, copied("model", list), dict(values["optimizer"]), values["loss"], values["framework"],
+                     values["module"], dict(values["module_args"]), values["device"], copied("output", tuple),
+                     None, values.get("seed"), _base_dir(source), source, copied("columns", list),
+                     copied("scheduler", dict), defenses, tuple(values["metrics"]), values["keep_best"],
+                     copied("early_stopping", dict), privacy_meter=values["privacy_meter"],
+                     bottom=None if values["bottom"] is None else [dict(t) for t in values["bottom"]])
 
 
 def _check_scored(exp: Experiment) -> None:

@@ -170,7 +170,7 @@ class Key:
         """``table[name]`` checked (as ``check.convert`` keeps it), or the default when absent (``None``
         for an optional key). Raises ``ConfigError`` "{where}'{name}' must be {expect}, got {value!r}"
         (a missing required key: "is missing"). Without a check the value is returned as given."""
-        if name not in table:
+        if table.get(name) is None:        # absent (a Python caller's None is absent too)
             if self.default is REQUIRED and self.check is not None:
                 raise ConfigError(f"{where}'{name}' is missing: it must be {self.check.expect}")
             return copy.deepcopy(None if self.default is REQUIRED else self.default)
