@@ -14,15 +14,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from distgrad.config import schema
-from distgrad.model.aggregate import AGGREGATES
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import (BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
+from distgrad.config.experiment import (BUILTIN_DIR, FILE_KINDS, FRAMEWORKS,
                                         WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
                                         check_send_rows, check_staleness, check_targets, Clients,
-                                        Experiment, file_error, interface_differences, is_whole,
-                                        loss_reduction, StageSpec, value_digest)
+                                        Experiment, file_error, interface_differences, loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
@@ -135,10 +133,6 @@ def _check_scored(exp: Experiment) -> None:
                           f"test_fraction in [data] (a file kind) or drop {given}")
 
 
-def _shape_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(is_whole(v) and v > 0 for v in value)
-
-
 def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
     """``schema.read_keys`` with the file named in its error."""
     try:
@@ -147,27 +141,32 @@ def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key],
         raise file_error(source, str(e)) from e
 
 
-def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The settings shared by both forms (``schema.SHARED_KEYS``), each read through its declaration;
+def _refuse_unknown(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], what: str,
+                    hint: str = "") -> None:
+    """``schema.refuse_unknown`` with the file named in its error."""
+    try:
+        schema.refuse_unknown(table, keys, what, hint)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+
+
+def _settings(source: str, raw: Mapping[str, Any], keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
+    """A combined experiment's top level or a stage file's [interface] (``keys``: its declarations, the
+    settings both forms share among them): unknown keys refused, each key read through its declaration;
     'steps' and 'epochs' exclude each other."""
+    _refuse_unknown(source, raw, keys, f"{where}has unknown keys" if where else "unknown top-level keys",
+                    "" if where else " (a stage file has [interface], [stage] and [data] instead)")
     if "steps" in raw and "epochs" in raw:
         raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
-    return _read(source, raw, schema.SHARED_KEYS, where)
+    return _read(source, raw, keys, where)
 
 
-def _description(source: str, raw: Mapping[str, Any]) -> str:
-    """The file's top-level ``description`` ("" when absent); ``ConfigError`` unless it is a string."""
-    return _read(source, raw, {"description": schema.TOP_KEYS["description"]}, "")["description"]
-
-
-def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
+def _parse_aggregate(source: str, kind: str | None, where: str, names: Sequence[str], labels: str,
                      clients: Clients) -> str | None:
-    """``aggregate``: absent (a chain), or how the last stage combines its feature parties' embeddings."""
-    kind = raw.get("aggregate")
+    """``aggregate`` (its form read already): absent (a chain), or how the last stage combines its feature
+    parties' embeddings, which needs feature parties, the labels at the last stage and one data owner."""
     if kind is None:
         return None
-    if kind not in AGGREGATES:
-        raise file_error(source, f"{where}'aggregate' must be one of {list(AGGREGATES)}, got {kind!r}")
     if len(names) < 2:
         raise file_error(source, f"{where}'aggregate' needs feature parties and a last stage: at least two stages")
     if labels != "last":
@@ -188,30 +187,18 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     raw = dict(raw)
     if "interface" in raw or "stage" in raw:
         return _parse_stage_file(raw, source)
-    unknown = set(raw) - set(schema.TOP_KEYS)
-    if unknown:
-        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(schema.TOP_KEYS)} "
-                                 f"(a stage file has [interface], [stage] and [data] instead)")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, "'name' must be a non-empty string")
-    settings = _scalars(source, raw, "")
-    data = raw.get("data")
-    if not isinstance(data, dict):
-        raise file_error(source, "needs a [data] table")
-    stage_tables = raw.get("stages")
-    if not isinstance(stage_tables, list) or not stage_tables:
-        raise file_error(source, "needs at least one [[stages]] table")
+    settings = _settings(source, raw, schema.TOP_KEYS, "")
+    name, data, stage_tables = settings["name"], settings["data"], settings["stages"]
     stages = [_parse_stage(source, table, i, i == len(stage_tables) - 1, party=False)
               for i, table in enumerate(stage_tables)]
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise file_error(source, f"stage names must be unique, got {names}")
-    clients = _parse_clients(source, raw.get("clients", {}), len(stages))
+    clients = _parse_clients(source, settings["clients"], len(stages))
     if settings["epochs"] is not None and clients.count > 1:
         raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
                                  "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, raw, "", names, settings["labels"], clients)
+    aggregate = _parse_aggregate(source, settings["aggregate"], "", names, settings["labels"], clients)
     try:
         reduction = loss_reduction(stages[-1])
         if settings["reduction"] not in (None, reduction):
@@ -241,7 +228,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
                      raw, value_digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     _description(source, raw), target, aggregate=aggregate,
+                     settings["description"], target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
                      staleness=settings["staleness"], send_rows=settings["send_rows"])
     _check_built(exp, source)
@@ -263,36 +250,19 @@ def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) 
     """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``. ``own_loop``: the party
     trains in its own loop through the cut library (``distgrad.cut``), so ``[stage]`` names its stage and
     nothing else, and ``[data]`` is optional."""
-    unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
-    if unknown:
-        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
-                                 f"{sorted(schema.STAGE_FILE_KEYS)}")
-    iface = raw.get("interface")
-    if not isinstance(iface, dict):
-        raise file_error(source, "a stage file needs an [interface] table (what the parties agree on)")
-    unknown = set(iface) - set(schema.INTERFACE_KEYS)
-    if unknown:
-        raise file_error(source, f"[interface] has unknown keys {sorted(unknown)}; allowed: "
-                                 f"{sorted(schema.INTERFACE_KEYS)}")
-    name = iface.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, "[interface] 'name' must be a non-empty string")
-    names = iface.get("stages")
-    if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) and n for n in names)
-            or len(set(names)) != len(names)):
-        raise file_error(source, f"[interface] 'stages' must list the stages' unique names in order, at least two, "
-                                 f"got {names!r}")
-    settings = _scalars(source, iface, "[interface] ")
-    batch = iface.get("batch")
-    if batch is not None and (not is_whole(batch) or batch < 1):
-        raise file_error(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
+    _refuse_unknown(source, raw, schema.STAGE_FILE_KEYS, "unknown top-level keys",
+                    " (a combined experiment has 'name', [data] and [[stages]] instead)")
+    top = _read(source, raw, schema.STAGE_FILE_KEYS, "")
+    settings = _settings(source, top["interface"], schema.INTERFACE_KEYS, "[interface] ")
+    iface, name, names, batch = top["interface"], settings["name"], settings["stages"], settings["batch"]
     cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
     target = _parse_target(source, iface.get("target"), settings["labels"], batch)
-    clients = _parse_clients(source, iface.get("clients", {}), len(names))
+    clients = _parse_clients(source, settings["clients"], len(names))
     if settings["epochs"] is not None and clients.count > 1:
         raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
                                  "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
+    aggregate = _parse_aggregate(source, settings["aggregate"], "[interface] ", names, settings["labels"],
+                                 clients)
     table = raw.get("stage")
     last = isinstance(table, dict) and table.get("name") == names[-1]
     if own_loop and "stage" in raw:
@@ -306,9 +276,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) 
     last = spec.name == names[-1]
     if not own_loop and last != (spec.loss is not None):
         raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
-    data = raw.get("data")
-    if data is not None and not isinstance(data, dict):
-        raise file_error(source, "[data] must be a table")
+    data = top["data"]
     if data and data.get("kind") in FILE_KINDS:
         data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
     spec = StageSpec(**{**spec.__dict__, "data": data or {}})
@@ -333,7 +301,7 @@ def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) 
     exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
                      raw, value_digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
                      settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     _description(source, raw), target, aggregate=aggregate,
+                     top["description"], target, aggregate=aggregate,
                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
                      staleness=settings["staleness"], send_rows=settings["send_rows"])
     _check_built(exp, source, own_loop)
@@ -371,7 +339,7 @@ def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) ->
     cuts = []
     for table in tables:
         unknown = set(table) - {"shape", "dtype"}
-        if unknown or not _shape_list(table.get("shape")):
+        if unknown or not schema.SHAPE.accepts(table.get("shape")):
             raise file_error(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
                                      f"numbers (per row), and optionally 'dtype'")
         if table.get("dtype", "float32") not in WIRE_DTYPES:
@@ -392,7 +360,7 @@ def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tu
             raise file_error(source, "[interface] 'target' is for labels = \"first\" (targets that travel)")
         return None
     if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
-            or not (value.get("shape") == [] or _shape_list(value.get("shape"))):
+            or not (value.get("shape") == [] or schema.SHAPE.accepts(value.get("shape"))):
         raise file_error(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
                                  f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
     shape = tuple(value["shape"])
@@ -489,19 +457,14 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
                       staleness=first.staleness, send_rows=first.send_rows)
 
 
-def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
-    if not isinstance(table, dict):
-        raise file_error(source, "'clients' must be a table")
-    unknown = set(table) - {"count", "mode", "average_every"}
-    if unknown:
-        raise file_error(source, f"[clients] has unknown keys {sorted(unknown)}; allowed: average_every, count, mode")
-    count, mode = table.get("count", 1), table.get("mode", "separate")
-    every = table.get("average_every", 0)
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
-        raise file_error(source, f"[clients] count must be an integer from 1 to 64, got {count!r}")
-    if mode not in CLIENT_MODES:
-        raise file_error(source, f"[clients] mode must be one of {list(CLIENT_MODES)}, got {mode!r}")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 0 or (mode == "splitfed") != (every > 0):
+def _parse_clients(source: str, table: Mapping[str, Any] | None, stage_count: int) -> Clients:
+    """[clients] (its keys ``schema.CLIENT_KEYS``; absent: one data owner): 'average_every' goes with
+    'splitfed' alone, and several data owners share the serving stage of a two-stage experiment."""
+    table = table or {}
+    _refuse_unknown(source, table, schema.CLIENT_KEYS, "[clients] has unknown keys")
+    values = _read(source, table, schema.CLIENT_KEYS, "[clients] ")
+    count, mode, every = values["count"], values["mode"], values["average_every"]
+    if (mode == "splitfed") != (every > 0):
         raise file_error(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
                                  f"(and absent otherwise), got {every!r}")
     if count > 1 and stage_count != 2:

@@ -16,7 +16,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from distgrad.config.experiment import AUTO_STALENESS, FRAMEWORKS, REDUCTIONS, is_whole
+from distgrad.config.experiment import AUTO_STALENESS, CLIENT_MODES, FRAMEWORKS, REDUCTIONS, is_whole
 from distgrad.errors import ConfigError
 from distgrad.model.aggregate import AGGREGATES
 from distgrad.wire.codecs import parse_codec
@@ -250,7 +250,7 @@ SHARED_KEYS: dict[str, Key] = {
                   "a step takes. The label owner refuses a row out of range, held out, another client's or twice in "
                   "a step; vertical parties must send the same rows. Batched rows only; not with labels = "
                   "\"first\", nor with the label owner's 'marvell' or privacy meter"),
-    "clients": Key(None, kind="table", checked_by="its own keys: [clients]", help=
+    "clients": Key(TABLE, help=
                 "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
                 "average_every (splitfed: average the first stage's parameters every K steps)"),
     "aggregate": Key(one_of(AGGREGATES), help=
@@ -304,6 +304,18 @@ INTERFACE_KEYS: dict[str, Key] = {
                "with labels = \"first\" (required then): the per-row shape and dtype of the targets that travel with "
                "the activations, e.g. { shape = [], dtype = \"int64\" } for class ids"),
     **SHARED_KEYS,
+}
+
+# [clients]: several data owners share the serving stage.
+CLIENT_KEYS: dict[str, Key] = {
+    "count": Key(whole(1, 64), default=1, help="data owners, each with its own rows, served in turn by the serving "
+                                                "stage (several: exactly two stages)"),
+    "mode": Key(one_of(CLIENT_MODES), default="separate",
+                help="'separate': each data owner trains its own first stage; 'splitfed': their first stages' "
+                     "parameters are averaged every 'average_every' steps"),
+    "average_every": Key(whole(0), default=0,
+                         help="splitfed: average the first stages' parameters every K steps (K > 0 with "
+                              "mode = \"splitfed\" only)"),
 }
 
 _STAGE_COMMON: dict[str, Key] = {
@@ -406,13 +418,17 @@ STAGE_KEYS: dict[str, Key] = {
     "seed": Key(whole(0), shown="the interface's seed", help="seed of this stage's initial values, private to its party"),
 }
 
-TABLES: list[tuple[str, dict[str, Key], str]] = [
-    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins)."),
-    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order."),
-    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's."),
+# The reference's tables: (title, keys, what the table is, who sets a key that does not say).
+TABLES: list[tuple[str, dict[str, Key], str, str]] = [
+    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins).", "the file"),
+    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order.", "any stage"),
+    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's.", "the party"),
     ("Stage file: [interface]", INTERFACE_KEYS,
-     "What the parties agree on; the handshake compares it field by field and names the one that differs."),
-    ("Stage file: [stage]", STAGE_KEYS, "This party's stage."),
+     "What the parties agree on; the handshake compares it field by field and names the one that differs.",
+     "every party, alike"),
+    ("Stage file: [stage]", STAGE_KEYS, "This party's stage.", "the party"),
+    ("[clients]", CLIENT_KEYS, "Several data owners of other rows share the serving stage: a table at a combined "
+                               "experiment's top level or in [interface].", "every party, alike"),
 ]
 
 # What each option of the registries means: the reference shows them next to each kind, layer and optimiser,
