@@ -248,10 +248,13 @@ def _declared_bases(tmp_path: Path) -> dict[str, tuple[dict, str, Callable[[dict
     return {"top": (*digits, lambda raw: raw), "stages": (*digits, lambda raw: raw["stages"][1]),
             "file": (*file_f, lambda raw: raw), "interface": (*file_f, lambda raw: raw["interface"]),
             "stage": (*file_g, lambda raw: raw["stage"]),
-            "clients": (*digits, lambda raw: raw.setdefault("clients", {}))}
+            "clients": (*digits, lambda raw: raw.setdefault("clients", {})),
+            "activation": (*file_f, lambda raw: raw["interface"]["activation"]),
+            "target": (*_stage_file(tmp_path, "chain4-classify", "m1"), lambda raw: raw["interface"]["target"])}
 
 
-_DECLARED = {**_TABLES, "clients": schema.CLIENT_KEYS}
+_DECLARED = {**_TABLES, "clients": schema.CLIENT_KEYS, "activation": schema.ACTIVATION_KEYS,
+             "target": schema.TARGET_KEYS}
 _REFUSED_BY_EVERY_CHECK = [object(), True, -1, "", [], {}, 1.5, "no such value"]
 
 

@@ -18,7 +18,7 @@ from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, FILE_KINDS, FRAMEWORKS,
-                                        WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
+                                        builtin_names, check_codecs, check_evaluation_keys,
                                         check_send_rows, check_staleness, check_targets, Clients,
                                         Experiment, file_error, interface_differences, loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
@@ -328,43 +328,38 @@ def parse_own_loop(raw: Mapping[str, Any], source: str = "<arguments>") -> Exper
 
 
 def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
-    """``activation``: one table (two stages) or a list of one per cut, each ``{ shape = [...], dtype =
-    "float32" }`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape`` alone when
-    the interface has no batch)."""
+    """``activation``: one table (two stages) or a list of one per cut, each read through
+    ``schema.ACTIVATION_KEYS`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape``
+    alone when the interface has no batch)."""
     tables = value if isinstance(value, list) else [value]
     if len(tables) != stage_count - 1 or not all(isinstance(t, dict) for t in tables):
         raise file_error(source, f"[interface] 'activation' must be {stage_count - 1} table(s) "
                                  f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
                                  f"{value!r}")
     cuts = []
-    for table in tables:
-        unknown = set(table) - {"shape", "dtype"}
-        if unknown or not schema.SHAPE.accepts(table.get("shape")):
-            raise file_error(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
-                                     f"numbers (per row), and optionally 'dtype'")
-        if table.get("dtype", "float32") not in WIRE_DTYPES:
-            raise file_error(source, f"[interface] activation dtype must be one of {list(WIRE_DTYPES)}, got "
-                                     f"{table['dtype']!r}")
-        cuts.append(tuple(table["shape"]) if batch is None else (batch, *table["shape"]))
+    for i, table in enumerate(tables):
+        where = f"[interface] activation{f' {i + 1}' if len(tables) > 1 else ''}"
+        _refuse_unknown(source, table, schema.ACTIVATION_KEYS, f"{where} has unknown keys")
+        shape = _read(source, table, schema.ACTIVATION_KEYS, f"{where}: ")["shape"]
+        cuts.append(tuple(shape) if batch is None else (batch, *shape))
     return tuple(cuts)
 
 
-TARGET_DTYPES = ("int64", "float32")
-
-
 def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tuple[Shape, str] | None:
-    """``target``: with ``labels = "first"``, the per-row shape and dtype of the targets that travel with the
-    activations, ``{ shape = [], dtype = "int64" }`` for class ids; absent otherwise."""
+    """``target``: with ``labels = "first"`` (and then only), the per-row shape and dtype of the targets
+    that travel with the activations (``schema.TARGET_KEYS``), ``{ shape = [], dtype = "int64" }`` for class
+    ids."""
     if labels != "first":
         if value is not None:
             raise file_error(source, "[interface] 'target' is for labels = \"first\" (targets that travel)")
         return None
-    if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
-            or not (value.get("shape") == [] or schema.SHAPE.accepts(value.get("shape"))):
+    if not isinstance(value, dict):
         raise file_error(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
                                  f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
-    shape = tuple(value["shape"])
-    return ((batch, *shape) if batch is not None else shape), value["dtype"]
+    _refuse_unknown(source, value, schema.TARGET_KEYS, "[interface] target has unknown keys")
+    target = _read(source, value, schema.TARGET_KEYS, "[interface] target: ")
+    shape = tuple(target["shape"])
+    return ((batch, *shape) if batch is not None else shape), target["dtype"]
 
 
 def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:

@@ -16,7 +16,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from distgrad.config.experiment import AUTO_STALENESS, CLIENT_MODES, FRAMEWORKS, REDUCTIONS, is_whole
+from distgrad.config.experiment import (AUTO_STALENESS, CLIENT_MODES, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES,
+                                        is_whole)
 from distgrad.errors import ConfigError
 from distgrad.model.aggregate import AGGREGATES
 from distgrad.wire.codecs import parse_codec
@@ -102,6 +103,8 @@ SCORE = Check("string", 'a reported score such as "test_accuracy"', lambda v: is
 EARLY_STOPPING = Check("table", 'a table { metric = "test_loss", patience = K } with K >= 1', _early_stopping)
 COLUMNS = Check("array of integers", "a list of distinct feature column indices (0, 1, ...)", _columns)
 SHAPE = Check("array of integers", "a list of positive whole numbers", _shape)
+ROW_SHAPE = Check("array of integers", "a list of positive whole numbers ([] for one value a row)",
+                  lambda v: v == [] or _shape(v))
 DEVICE = Check('"cpu" | "cuda" | "cuda:N"', '"cpu", "cuda" or "cuda:N"', _device)
 CODEC = Check("string", "a codec name", lambda v: True, _codec)
 
@@ -306,6 +309,21 @@ INTERFACE_KEYS: dict[str, Key] = {
     **SHARED_KEYS,
 }
 
+TARGET_DTYPES = ("int64", "float32")     # class ids, or values shaped like the prediction
+
+# Each table of [interface] 'activation': what crosses one cut.
+ACTIVATION_KEYS: dict[str, Key] = {
+    "shape": Key(SHAPE, default=REQUIRED, help="the per-row shape; the tensor of a step is (batch, *shape)"),
+    "dtype": Key(one_of(WIRE_DTYPES), default="float32", help="the element type on the wire"),
+}
+
+# [interface] 'target', with labels = "first": the targets that travel with the activations.
+TARGET_KEYS: dict[str, Key] = {
+    "shape": Key(ROW_SHAPE, default=REQUIRED, help="the per-row shape of the targets: [] for class ids"),
+    "dtype": Key(one_of(TARGET_DTYPES), default=REQUIRED,
+                 help="\"int64\" class ids, or \"float32\" values shaped like the last stage's output"),
+}
+
 # [clients]: several data owners share the serving stage.
 CLIENT_KEYS: dict[str, Key] = {
     "count": Key(whole(1, 64), default=1, help="data owners, each with its own rows, served in turn by the serving "
@@ -427,6 +445,10 @@ TABLES: list[tuple[str, dict[str, Key], str, str]] = [
      "What the parties agree on; the handshake compares it field by field and names the one that differs.",
      "every party, alike"),
     ("Stage file: [stage]", STAGE_KEYS, "This party's stage.", "the party"),
+    ("[interface] activation", ACTIVATION_KEYS, "One table per cut, from the top: what crosses it.",
+     "every party, alike"),
+    ("[interface] target", TARGET_KEYS, "With labels = \"first\": the targets that travel with the activations.",
+     "every party, alike"),
     ("[clients]", CLIENT_KEYS, "Several data owners of other rows share the serving stage: a table at a combined "
                                "experiment's top level or in [interface].", "every party, alike"),
 ]
