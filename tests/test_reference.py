@@ -12,6 +12,7 @@ import pytest
 from distgrad.config import reference
 
 from distgrad.config import schema
+from distgrad.config.keys import ABSENT, REQUIRED
 from distgrad.errors import ConfigError
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.split import split_experiment
@@ -297,7 +298,7 @@ def test_an_absent_key_means_its_declared_default(tmp_path: Path):
     for table, keys in _DECLARED.items():
         base, source, where = bases[table]
         for name, key in keys.items():
-            if key.check is None or key.default in (schema.ABSENT, schema.REQUIRED):
+            if key.check is None or key.default in (ABSENT, REQUIRED):
                 continue
             absent, given = copy.deepcopy(base), copy.deepcopy(base)
             where(absent).pop(name, None)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from distgrad.config import schema
+from distgrad.config.keys import Key, read_keys, refuse_unknown, restricted
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
@@ -49,13 +50,13 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     return spec
 
 
-def _stage_values(source: str, table: Any, keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
-    """A stage table's keys, each read through its declaration (``schema.read_keys``), with its
+def _stage_values(source: str, table: Any, keys: Mapping[str, Key], where: str) -> dict[str, Any]:
+    """A stage table's keys, each read through its declaration (``read_keys``), with its
     ``framework`` filled in (torch for a 'module'). ``where`` names the table until its name is known."""
     if not isinstance(table, dict):
         raise file_error(source, f"{where} is not a table")
     try:
-        schema.refuse_unknown(table, keys, f"{where} has")
+        refuse_unknown(table, keys, f"{where} has")
     except ConfigError as e:
         raise file_error(source, str(e)) from e
     name = _read(source, table, {"name": keys["name"]}, f"{where}: ")["name"]
@@ -91,11 +92,11 @@ def _check_computation(source: str, table: Mapping[str, Any], values: Mapping[st
         raise file_error(source, f"stage {name!r}: 'device' {values['device']!r} needs framework = \"torch\"")
 
 
-def _check_place(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], name: str, last: bool,
+def _check_place(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], name: str, last: bool,
                  party: bool) -> None:
     """The keys only the last stage may give (``schema.LAST``), and its 'loss' (a stage file's, against the
     interface's stages: ``_parse_stage_file``)."""
-    given = schema.restricted(table, keys, schema.LAST)
+    given = restricted(table, keys, schema.LAST)
     if given and not last:
         reasons = "; ".join(dict.fromkeys(keys[key].why for key in given))
         raise file_error(source, f"stage {name!r}: {given} belong to the last stage ({reasons}): only the last "
@@ -133,24 +134,24 @@ def _check_scored(exp: Experiment) -> None:
                           f"test_fraction in [data] (a file kind) or drop {given}")
 
 
-def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
-    """``schema.read_keys`` with the file named in its error."""
+def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
+    """``read_keys`` with the file named in its error."""
     try:
-        return schema.read_keys(table, keys, where)
+        return read_keys(table, keys, where)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
 
 
-def _refuse_unknown(source: str, table: Mapping[str, Any], keys: Mapping[str, schema.Key], what: str,
+def _refuse_unknown(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], what: str,
                     hint: str = "") -> None:
-    """``schema.refuse_unknown`` with the file named in its error."""
+    """``refuse_unknown`` with the file named in its error."""
     try:
-        schema.refuse_unknown(table, keys, what, hint)
+        refuse_unknown(table, keys, what, hint)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
 
 
-def _settings(source: str, raw: Mapping[str, Any], keys: Mapping[str, schema.Key], where: str) -> dict[str, Any]:
+def _settings(source: str, raw: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
     """A combined experiment's top level or a stage file's [interface] (``keys``: its declarations, the
     settings both forms share among them): unknown keys refused, each key read through its declaration;
     'steps' and 'epochs' exclude each other."""
