@@ -189,51 +189,75 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     if "interface" in raw or "stage" in raw:
         return _parse_stage_file(raw, source)
     settings = _settings(source, raw, schema.TOP_KEYS, "")
-    name, data, stage_tables = settings["name"], settings["data"], settings["stages"]
+    stage_tables = settings["stages"]
     stages = [_parse_stage(source, table, i, i == len(stage_tables) - 1, party=False)
               for i, table in enumerate(stage_tables)]
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise file_error(source, f"stage names must be unique, got {names}")
-    clients = _parse_clients(source, settings["clients"], len(stages))
-    if settings["epochs"] is not None and clients.count > 1:
-        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                                 "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, settings["aggregate"], "", names, settings["labels"], clients)
+    clients, aggregate = _parties(source, settings, names, "")
     try:
         reduction = loss_reduction(stages[-1])
         if settings["reduction"] not in (None, reduction):
             raise ConfigError(f"'reduction' is {settings['reduction']!r} but the loss reduces rows by {reduction}")
-        seed = settings["seed"]
-        source_data = build_data(data, seed, _base_dir(source))
-        batch = getattr(source_data, "batch", None)
-        cuts, shape = [], tuple(source_data.feature_shape)
-        for spec in stages[:-1]:
-            if aggregate is not None:        # each feature party starts from its own columns
-                shape = tuple(source_data.feature_shape)
-            if spec.columns is not None:
-                shape = tuple(ColumnView(source_data, spec.columns).feature_shape)
-            if spec.model is not None:
-                shape = build_model(spec.model, seed).output_shape(shape)
-            elif spec.output is not None:
-                shape = (batch, *spec.output) if batch is not None else spec.output
-            else:
-                raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
-                                  f"per-row output shape, e.g. output = [64]")
-            cuts.append(tuple(shape))
+        source_data = build_data(settings["data"], settings["seed"], _base_dir(source))
+        cuts = _combined_cuts(stages, source_data, aggregate, settings["seed"])
         steps = _steps(settings, source_data)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
     target = ((tuple(source_data.target_shape), np.dtype(source_data.target_dtype).name)
               if settings["labels"] == "first" and len(stages) > 1 else None)
-    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
-                     raw, value_digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
-                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     settings["description"], target, aggregate=aggregate,
-                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"], send_rows=settings["send_rows"])
+    exp = _experiment(settings, raw, source, settings["data"], stages, names, clients, aggregate, cuts,
+                      getattr(source_data, "batch", None), reduction, steps, target)
     _check_built(exp, source)
     return exp
+
+
+def _parties(source: str, settings: Mapping[str, Any], names: Sequence[str], where: str
+             ) -> tuple[Clients, str | None]:
+    """Who holds the rows: [clients] (several data owners of other rows) and 'aggregate' (feature parties
+    of the same rows); 'epochs' counts one data owner's rows."""
+    clients = _parse_clients(source, settings["clients"], len(names))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                                 "([clients]) give 'steps'")
+    return clients, _parse_aggregate(source, settings["aggregate"], where, names, settings["labels"], clients)
+
+
+def _combined_cuts(stages: Sequence[StageSpec], data: DataSource, aggregate: str | None,
+                   seed: int) -> tuple[Shape, ...]:
+    """The shape of what crosses each cut of a combined experiment, computed from its data and the stages
+    above the cut (a 'module' stage says its per-row 'output'). Raises ``ConfigError``."""
+    batch = getattr(data, "batch", None)
+    cuts, shape = [], tuple(data.feature_shape)
+    for spec in stages[:-1]:
+        if aggregate is not None:        # each feature party starts from its own columns
+            shape = tuple(data.feature_shape)
+        if spec.columns is not None:
+            shape = tuple(ColumnView(data, spec.columns).feature_shape)
+        if spec.model is not None:
+            shape = build_model(spec.model, seed).output_shape(shape)
+        elif spec.output is not None:
+            shape = (batch, *spec.output) if batch is not None else spec.output
+        else:
+            raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
+                              f"per-row output shape, e.g. output = [64]")
+        cuts.append(tuple(shape))
+    return tuple(cuts)
+
+
+def _experiment(settings: Mapping[str, Any], raw: dict[str, Any], source: str, data: dict[str, Any],
+                stages: list[StageSpec], names: Sequence[str], clients: Clients, aggregate: str | None,
+                cuts: tuple[Shape, ...], batch: int | None, reduction: str, steps: int,
+                target: tuple[Shape, str] | None) -> Experiment:
+    """The ``Experiment`` of either form: its settings (read through their declarations) and what the form
+    computed of its stages, cuts and data."""
+    return Experiment(settings["name"], steps, settings["seed"], settings["labels"], settings["allow_nonfinite"],
+                      data, stages, raw, value_digest(raw, 64), source, clients, list(names), cuts, batch,
+                      reduction, settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                      settings["description"], target, aggregate=aggregate,
+                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                      staleness=settings["staleness"], send_rows=settings["send_rows"])
 
 
 def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
@@ -254,59 +278,59 @@ def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) 
     _refuse_unknown(source, raw, schema.STAGE_FILE_KEYS, "unknown top-level keys",
                     " (a combined experiment has 'name', [data] and [[stages]] instead)")
     top = _read(source, raw, schema.STAGE_FILE_KEYS, "")
-    settings = _settings(source, top["interface"], schema.INTERFACE_KEYS, "[interface] ")
-    iface, name, names, batch = top["interface"], settings["name"], settings["stages"], settings["batch"]
-    cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
-    target = _parse_target(source, iface.get("target"), settings["labels"], batch)
-    clients = _parse_clients(source, settings["clients"], len(names))
-    if settings["epochs"] is not None and clients.count > 1:
-        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                                 "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, settings["aggregate"], "[interface] ", names, settings["labels"],
-                                 clients)
-    table = raw.get("stage")
-    last = isinstance(table, dict) and table.get("name") == names[-1]
-    if own_loop and "stage" in raw:
+    settings = {**_settings(source, top["interface"], schema.INTERFACE_KEYS, "[interface] "),
+                "description": top["description"]}
+    names, batch = settings["stages"], settings["batch"]
+    cuts = _parse_cuts(source, top["interface"].get("activation"), len(names), batch)
+    target = _parse_target(source, top["interface"].get("target"), settings["labels"], batch)
+    clients, aggregate = _parties(source, settings, names, "[interface] ")
+    spec = _party_stage(source, top, names, own_loop)
+    last = spec.name == names[-1] and not own_loop
+    try:
+        reduction = loss_reduction(spec) if last else settings["reduction"] or "mean"
+        if last and settings["reduction"] not in (None, reduction):
+            raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
+                              f"reduces rows by {reduction}")
+        steps = _party_steps(settings, spec.data, source)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    exp = _experiment(settings, raw, source, {}, [spec], names, clients, aggregate, cuts, batch, reduction, steps,
+                      target)
+    _check_built(exp, source, own_loop)
+    return exp
+
+
+def _party_stage(source: str, top: Mapping[str, Any], names: Sequence[str], own_loop: bool) -> StageSpec:
+    """A stage file's ``[stage]``, one of the interface's stages (the last one, and only it, with a 'loss'),
+    with the party's own ``[data]`` (of a file kind: only the parts it names)."""
+    table = top["stage"]
+    if own_loop:
         spec = _own_loop_stage(source, table)
     else:
-        spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
-    if spec is None:
-        raise file_error(source, "a stage file needs a [stage] table (this party's model)")
+        spec = _parse_stage(source, table, 0, isinstance(table, dict) and table.get("name") == names[-1],
+                            party=True)
     if spec.name not in names:
         raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
-    last = spec.name == names[-1]
-    if not own_loop and last != (spec.loss is not None):
+    if not own_loop and (spec.name == names[-1]) != (spec.loss is not None):
         raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
     data = top["data"]
     if data and data.get("kind") in FILE_KINDS:
         data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
-    spec = StageSpec(**{**spec.__dict__, "data": data or {}})
-    try:
-        if last and not own_loop:
-            reduction = loss_reduction(spec)
-            if settings["reduction"] not in (None, reduction):
-                raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
-                                  f"reduces rows by {reduction}")
-        else:
-            reduction = settings["reduction"] or "mean"
-        source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
-        if source_data is not None and getattr(source_data, "batch", None) != batch:
-            raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
-                              f"interface 'batch' is {batch}")
-        if source_data is None and settings["epochs"] is not None:
-            raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
-                              "epoch; give 'steps'")
-        steps = _steps(settings, source_data)
-    except ConfigError as e:
-        raise file_error(source, str(e)) from e
-    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
-                     raw, value_digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
-                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     top["description"], target, aggregate=aggregate,
-                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"], send_rows=settings["send_rows"])
-    _check_built(exp, source, own_loop)
-    return exp
+    return StageSpec(**{**spec.__dict__, "data": data or {}})
+
+
+def _party_steps(settings: Mapping[str, Any], data: dict[str, Any], source: str) -> int:
+    """A stage file's steps: 'steps', or 'epochs' counted on this party's [data], which must batch as the
+    interface says."""
+    batch = settings["batch"]
+    source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
+    if source_data is not None and getattr(source_data, "batch", None) != batch:
+        raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
+                          f"interface 'batch' is {batch}")
+    if source_data is None and settings["epochs"] is not None:
+        raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
+                          "epoch; give 'steps'")
+    return _steps(settings, source_data)
 
 
 def _own_loop_stage(source: str, table: Any) -> StageSpec:

@@ -76,8 +76,7 @@ SHARED_KEYS: dict[str, Key] = {
                   "a step; vertical parties must send the same rows. Batched rows only; not with labels = "
                   "\"first\", nor with the label owner's 'marvell' or privacy meter"),
     "clients": Key(TABLE, help=
-                "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
-                "average_every (splitfed: average the first stage's parameters every K steps)"),
+                "several data owners share the serving stage: count, mode, average_every (see [clients])"),
     "aggregate": Key(one_of(AGGREGATES), help=
                   "vertical split learning: every stage but the last is a feature party holding its own columns of "
                   "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
