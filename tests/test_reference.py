@@ -331,3 +331,19 @@ def test_the_reference_shows_each_declared_key_with_its_type_default_and_who_set
             cells = (key.type_text, key.default_text, key.who or who)
             row = f"| `{name}` | " + " | ".join(reference._cell(cell) for cell in cells) + " |"
             assert row in text, row
+
+
+def test_an_unknown_key_is_named_once_with_the_valid_ones_in_every_table(tmp_path: Path):
+    bases = _declared_bases(tmp_path)
+    leads = {"top": "unknown top-level keys", "stages": "stage 1 has unknown keys", "file": "unknown top-level keys",
+             "interface": "[interface] has unknown keys", "stage": "[stage] has unknown keys",
+             "clients": "[clients] has unknown keys", "activation": "[interface] activation has unknown keys",
+             "target": "[interface] target has unknown keys"}
+    for table, keys in _DECLARED.items():
+        base, source, where = bases[table]
+        raw = copy.deepcopy(base)
+        where(raw)["no_such_key"] = 1
+        with pytest.raises(ConfigError) as e:
+            parse_experiment(raw, source)
+        assert f"{leads[table]} ['no_such_key']; allowed: {sorted(keys)}" in str(e.value), (table, e.value)
+        assert str(e.value).split(source)[-1].count("unknown") == 1, e.value

@@ -106,6 +106,7 @@ ROW_SHAPE = Check("array of integers", "a list of positive whole numbers ([] for
 DEVICE = Check('"cpu" | "cuda" | "cuda:N"', '"cpu", "cuda" or "cuda:N"', _device)
 CODEC = Check("string", "a codec name", lambda v: True, _codec)
 
+
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
@@ -113,6 +114,7 @@ class _Required:
 
 REQUIRED: Any = _Required()   # the default of a key every file must give
 ABSENT = None                 # the default of an optional key: no value when absent
+
 
 def _toml(value: Any) -> str:
     """A default as a TOML file would spell it."""
@@ -185,10 +187,10 @@ def read_keys(table: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> 
 
 def refuse_unknown(table: Mapping[str, Any], keys: Mapping[str, Key], what: str, hint: str = "") -> None:
     """Raise ``ConfigError`` naming the keys of ``table`` that ``keys`` does not declare, and the valid ones
-    (``what`` names the table, e.g. "[interface] has"; ``hint`` follows)."""
+    (``what`` leads, e.g. "[interface] has unknown keys"; ``hint`` follows)."""
     unknown = set(table) - set(keys)
     if unknown:
-        raise ConfigError(f"{what} unknown keys {sorted(unknown)}; allowed: {sorted(keys)}{hint}")
+        raise ConfigError(f"{what} {sorted(unknown)}; allowed: {sorted(keys)}{hint}")
 
 
 def restricted(table: Mapping[str, Any], keys: Mapping[str, Key], who: str) -> list[str]:

@@ -56,7 +56,7 @@ def _stage_values(source: str, table: Any, keys: Mapping[str, Key], where: str) 
     if not isinstance(table, dict):
         raise file_error(source, f"{where} is not a table")
     try:
-        refuse_unknown(table, keys, f"{where} has")
+        refuse_unknown(table, keys, f"{where} has unknown keys")
     except ConfigError as e:
         raise file_error(source, str(e)) from e
     name = _read(source, table, {"name": keys["name"]}, f"{where}: ")["name"]
