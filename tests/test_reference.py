@@ -12,6 +12,7 @@ import pytest
 from distgrad.config import reference
 
 from distgrad.config import schema
+from distgrad.config.keys import ABSENT, REQUIRED
 from distgrad.errors import ConfigError
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.split import split_experiment
@@ -238,3 +239,111 @@ def test_every_key_the_parser_accepts_changes_what_it_makes(tmp_path: Path):
             continue
         assert _observable(parse_experiment(changed, source)) != _observable(parse_experiment(base, source)), \
             f"{table} key {key!r} is accepted but changing it changes nothing the parser makes"
+
+
+# ---------------------------------------------------------------- one declaration per key drives the parser
+
+def _declared_bases(tmp_path: Path) -> dict[str, tuple[dict, str, Callable[[dict], dict]]]:
+    """For each declared table: a valid base file and where in it the table's keys go."""
+    digits, file_f, file_g = _combined("digits"), _stage_file(tmp_path, "digits", "f"), _stage_file(tmp_path, "digits", "g")
+    return {"top": (*digits, lambda raw: raw), "stages": (*digits, lambda raw: raw["stages"][1]),
+            "file": (*file_f, lambda raw: raw), "interface": (*file_f, lambda raw: raw["interface"]),
+            "stage": (*file_g, lambda raw: raw["stage"]),
+            "clients": (*digits, lambda raw: raw.setdefault("clients", {})),
+            "activation": (*file_f, lambda raw: raw["interface"]["activation"]),
+            "target": (*_stage_file(tmp_path, "chain4-classify", "m1"), lambda raw: raw["interface"]["target"])}
+
+
+_DECLARED = {**_TABLES, "clients": schema.CLIENT_KEYS, "activation": schema.ACTIVATION_KEYS,
+             "target": schema.TARGET_KEYS}
+_REFUSED_BY_EVERY_CHECK = [object(), True, -1, "", [], {}, 1.5, "no such value"]
+
+
+def test_every_checked_key_is_refused_by_its_declaration_naming_key_expectation_and_value(tmp_path: Path):
+    """A value a key's declared check refuses fails the parse with the declaration's words: the key, what it
+    must be (``Check.expect``) and the value given; a bool is never taken for an integer."""
+    bases = _declared_bases(tmp_path)
+    checked = 0
+    for table, keys in _DECLARED.items():
+        base, source, where = bases[table]
+        for name, key in keys.items():
+            if key.check is None or key.check.convert is not None:
+                continue
+            for value in _REFUSED_BY_EVERY_CHECK:
+                if key.check.accepts(value):
+                    continue
+                raw = copy.deepcopy(base)
+                where(raw)[name] = value
+                if name == "epochs":
+                    where(raw).pop("steps")          # 'steps' and 'epochs' exclude each other
+                with pytest.raises(ConfigError) as e:
+                    parse_experiment(raw, source)
+                assert f"'{name}' must be {key.check.expect}, got {value!r}" in str(e.value), (table, name, e.value)
+                checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_no_integer_key_takes_a_bool(value):
+    integer_checks = [key.check for keys in _DECLARED.values() for key in keys.values()
+                      if key.check is not None and key.check.kind.startswith("integer")]
+    assert len(integer_checks) >= 8
+    assert not any(check.accepts(value) for check in integer_checks)
+
+
+def test_an_absent_key_means_its_declared_default(tmp_path: Path):
+    """Giving a key its declared default parses to what leaving it out does."""
+    bases = _declared_bases(tmp_path)
+    compared = 0
+    for table, keys in _DECLARED.items():
+        base, source, where = bases[table]
+        for name, key in keys.items():
+            if key.check is None or key.default in (ABSENT, REQUIRED):
+                continue
+            absent, given = copy.deepcopy(base), copy.deepcopy(base)
+            where(absent).pop(name, None)
+            where(given)[name] = copy.deepcopy(key.default)
+            if name == "steps" or name == "module_args":
+                continue    # the files give steps (absent means 100, as declared); only a module takes module_args
+            assert _observable(parse_experiment(given, source)) == _observable(parse_experiment(absent, source)), \
+                (table, name)
+            compared += 1
+    assert compared >= 20
+
+
+def test_a_key_only_the_last_stage_may_set_is_refused_on_another_naming_why():
+    raw, source = _combined("digits")
+    last_only = {name: key for name, key in schema.COMBINED_STAGE_KEYS.items() if key.who == schema.LAST}
+    assert {"metrics", "keep_best", "early_stopping", "bottom"} <= set(last_only)
+    values = {"metrics": ["auc"], "keep_best": "test_loss", "early_stopping": {"metric": "test_loss", "patience": 2},
+              "bottom": [{"type": "relu"}]}
+    for name, key in last_only.items():
+        changed = copy.deepcopy(raw)
+        changed["stages"][0][name] = values[name]
+        with pytest.raises(ConfigError, match=re.escape(f"[{name!r}] belong to the last stage ({key.why})")):
+            parse_experiment(changed, source)
+
+
+def test_the_reference_shows_each_declared_key_with_its_type_default_and_who_sets_it():
+    text = reference.render()
+    for _title, keys, _what, who in schema.TABLES:
+        for name, key in keys.items():
+            cells = (key.type_text, key.default_text, key.who or who)
+            row = f"| `{name}` | " + " | ".join(reference._cell(cell) for cell in cells) + " |"
+            assert row in text, row
+
+
+def test_an_unknown_key_is_named_once_with_the_valid_ones_in_every_table(tmp_path: Path):
+    bases = _declared_bases(tmp_path)
+    leads = {"top": "unknown top-level keys", "stages": "stage 1 has unknown keys", "file": "unknown top-level keys",
+             "interface": "[interface] has unknown keys", "stage": "[stage] has unknown keys",
+             "clients": "[clients] has unknown keys", "activation": "[interface] activation has unknown keys",
+             "target": "[interface] target has unknown keys"}
+    for table, keys in _DECLARED.items():
+        base, source, where = bases[table]
+        raw = copy.deepcopy(base)
+        where(raw)["no_such_key"] = 1
+        with pytest.raises(ConfigError) as e:
+            parse_experiment(raw, source)
+        assert f"{leads[table]} ['no_such_key']; allowed: {sorted(keys)}" in str(e.value), (table, e.value)
+        assert str(e.value).split(source)[-1].count("unknown") == 1, e.value

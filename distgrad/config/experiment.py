@@ -35,6 +35,7 @@ from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
+from distgrad.config.keys import is_whole, whole
 from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
@@ -559,11 +560,6 @@ def loss_reduction(spec: StageSpec) -> str:
     return stage_loss(spec).reduction
 
 
-def is_whole(value: Any) -> bool:
-    """Whether ``value`` is an int and not a bool (TOML integers)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> None:
     """Raise ``ConfigError`` unless the data's targets fit the loss of the last stage's output.
 
@@ -601,23 +597,18 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     clients, vertical parties, a first stage computing off the CPU), and
     ``auto`` with ``in_process`` (no link to measure) or ``resume``.
     """
-    if steps is not None and (not is_whole(steps) or steps < 1):
-        raise ConfigError(f"--steps must be an integer >= 1, got {steps!r}")
-    if seed is not None and (not is_whole(seed) or seed < 0):
-        raise ConfigError(f"--seed must be an integer >= 0, got {seed!r}")
-    if not is_whole(micro_batches) or micro_batches < 1:
-        raise ConfigError(f"--micro-batches must be an integer >= 1, got {micro_batches!r}")
+    _check_flag("--steps", steps, 1)
+    _check_flag("--seed", seed, 0)
+    _check_flag("--micro-batches", micro_batches, 1)
     if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
         raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
                           f"they do not split into {micro_batches} equal micro-batches")
     check_init_overrides(exp, init or {})
     check_staleness(exp, exp.staleness if staleness is None else staleness)
-    if eval_every is not None and (not is_whole(eval_every) or eval_every < 0):
-        raise ConfigError(f"--eval-every must be an integer >= 0 (0: only after the last step), got {eval_every!r}")
+    _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")
     check_verdicts(exp, exp.eval_every if eval_every is None else eval_every,
                    exp.staleness if staleness is None else staleness)
-    if checkpoint_every is not None and (not is_whole(checkpoint_every) or checkpoint_every < 0):
-        raise ConfigError(f"--checkpoint-every must be an integer >= 0, got {checkpoint_every!r}")
+    _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
     if resume and checkpoint_dir is None:
@@ -633,6 +624,14 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
         raise ConfigError("--staleness auto chooses S from the first step when a run starts; a resumed run must "
                           "go on with the S it chose: give --staleness S (its summary's 'staleness', or the log "
                           "line 'staleness auto: S = ...')")
+
+
+def _check_flag(flag: str, value: Any, low: int, note: str = "") -> None:
+    """Raise ``ConfigError`` naming ``flag`` unless ``value`` (None: not given) is an integer, not a bool, of
+    at least ``low``: the check of the file key of the same range (``keys.whole``)."""
+    check = whole(low)
+    if value is not None and not check.accepts(value):
+        raise ConfigError(f"{flag} must be an {check.kind}{note}, got {value!r}")
 
 
 def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
@@ -684,7 +683,7 @@ def check_staleness(exp: Experiment, staleness: Any) -> None:
     ``MAX_STALENESS``, or ``AUTO_STALENESS``, that this experiment supports: two stages or a chain, with a
     first stage whose parameters of an earlier step can be swapped back in for a backward (host memory).
     ``auto`` may choose any S, so it is refused wherever S > 0 is."""
-    if staleness != AUTO_STALENESS and (not is_whole(staleness) or not 0 <= staleness <= MAX_STALENESS):
+    if staleness != AUTO_STALENESS and not whole(0, MAX_STALENESS).accepts(staleness):
         raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS} or 'auto', got {staleness!r}")
     if not staleness:
         return

@@ -9,20 +9,19 @@ itself (``Experiment``, ``StageSpec``) and the checks of run settings are in ``d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from distgrad.config import schema
-from distgrad.model.aggregate import AGGREGATES
+from distgrad.config.keys import Key, read_keys, refuse_unknown, restricted
 from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import (AUTO_STALENESS, BUILTIN_DIR, CLIENT_MODES, FILE_KINDS, FRAMEWORKS,
-                                        REDUCTIONS, WIRE_DTYPES, builtin_names, check_codecs, check_evaluation_keys,
+from distgrad.config.experiment import (BUILTIN_DIR, FILE_KINDS, FRAMEWORKS,
+                                        builtin_names, check_codecs, check_evaluation_keys,
                                         check_send_rows, check_staleness, check_targets, Clients,
-                                        codec_name, Experiment, file_error, interface_differences, is_whole,
-                                        loss_reduction, StageSpec, value_digest)
+                                        Experiment, file_error, interface_differences, loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
 from distgrad.config.tomlfile import read_toml
@@ -35,92 +34,15 @@ def _base_dir(source: str) -> Path:
 
 
 def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -> StageSpec:
-    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table."""
-    where = "[stage]" if party else f"stage {index}"
-    if not isinstance(table, dict):
-        raise file_error(source, f"{where} is not a table")
-    allowed = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
-    unknown = set(table) - set(allowed)
-    if unknown:
-        raise file_error(source, f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    name = table.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, f"{where} needs a 'name'")
-    has_model, module = "model" in table, table.get("module")
-    if has_model == (module is not None):
-        raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
-                                 f"(\"package.module:factory\" returning a torch.nn.Module), not both")
-    if has_model and not isinstance(table["model"], list):
-        raise file_error(source, f"stage {name!r} needs a 'model' list of layers")
-    if module is not None and (not isinstance(module, str) or module.count(":") != 1
-                               or not all(module.split(":"))):
-        raise file_error(source, f"stage {name!r}: 'module' must be \"package.module:factory\", got {module!r}")
-    if not isinstance(table.get("module_args", {}), dict) or ("module_args" in table and module is None):
-        raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
-    if not isinstance(table.get("optimizer", {}), dict):
-        raise file_error(source, f"stage {name!r}: 'optimizer' must be a table such as "
-                                 f"{{ type = \"adam\", lr = 0.01 }}, got {table['optimizer']!r}")
-    if not party and last != ("loss" in table):
-        raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
-    framework = table.get("framework", "torch" if module is not None else "numpy")
-    if framework not in FRAMEWORKS or (module is not None and framework != "torch"):
-        raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
-                                 f"torch), got {framework!r}")
-    scheduler = table.get("scheduler")
-    if scheduler is not None:
-        if not isinstance(scheduler, dict) or not isinstance(scheduler.get("type"), str):
-            raise file_error(source, f"stage {name!r}: 'scheduler' must be a table naming a torch.optim.lr_scheduler "
-                                     f"class, such as {{ type = \"StepLR\", step_size = 10, gamma = 0.5 }}, "
-                                     f"got {scheduler!r}")
-        if framework != "torch":
-            raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
-                                     f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
-                                     f"(see Learning-rate schedules)")
-        if "schedule" in table.get("optimizer", {}):
-            raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
-                                     f"or 'scheduler' (torch's), not both")
-    device = table.get("device", "cpu")
-    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
-            device.startswith("cuda:") and device[5:].isdigit())):
-        raise file_error(source, f"stage {name!r}: 'device' must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r}")
-    if device != "cpu" and framework != "torch":
-        raise file_error(source, f"stage {name!r}: 'device' {device!r} needs framework = \"torch\"")
-    output = table.get("output")
-    if output is not None and (module is None or not _shape_list(output)):
-        raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
-                                 f"of positive whole numbers, got {output!r}")
-    seed = table.get("seed")
-    if seed is not None and (not is_whole(seed) or seed < 0):
-        raise file_error(source, f"stage {name!r}: 'seed' must be a non-negative integer, got {seed!r}")
-    columns = table.get("columns")
-    if columns is not None and (not isinstance(columns, list) or not columns
-                                or not all(is_whole(c) and c >= 0 for c in columns)
-                                or len(set(columns)) != len(columns)):
-        raise file_error(source, f"stage {name!r}: 'columns' must list distinct feature column indices (0, 1, ...), "
-                                 f"got {columns!r}")
-    bottom = table.get("bottom")
-    if bottom is not None:
-        if not last:
-            raise file_error(source, f"stage {name!r}: 'bottom' is the label owner's own bottom model in a vertical "
-                                     f"experiment: only the last stage has one")
-        if not isinstance(bottom, list) or not bottom or not all(isinstance(t, dict) for t in bottom):
-            raise file_error(source, f"stage {name!r}: 'bottom' must be a list of layer tables, got {bottom!r}")
-    if not isinstance(table.get("privacy_meter", False), bool):
-        raise file_error(source, f"stage {name!r}: 'privacy_meter' must be true or false, "
-                                 f"got {table['privacy_meter']!r}")
-    try:
-        defenses = parse_defenses(table, name)
-    except ConfigError as e:
-        raise file_error(source, str(e)) from e
-    metrics, keep_best, early_stopping = _evaluation_keys(source, table, name, last)
-    spec = StageSpec(name, list(table["model"]) if has_model else None, dict(table.get("optimizer", {})),
-                     table.get("loss"), framework, module, dict(table.get("module_args", {})), device,
-                     tuple(output) if output is not None else None, None, seed, _base_dir(source), source,
-                     list(columns) if columns is not None else None,
-                     dict(scheduler) if scheduler is not None else None, defenses, metrics, keep_best,
-                     early_stopping, privacy_meter=table.get("privacy_meter", False),
-                     bottom=[dict(t) for t in bottom] if bottom is not None else None)
-    if last and "loss" in table:
+    """One ``[[stages]]`` (combined) or ``[stage]`` (stage file) table: its keys read through their
+    declarations (``_stage_values``), the rules between them (``_check_computation``, ``_check_place``), then
+    the ``StageSpec`` (``_stage_spec``), whose evaluation keys must fit the last stage's loss."""
+    keys = schema.STAGE_KEYS if party else schema.COMBINED_STAGE_KEYS
+    values = _stage_values(source, table, keys, "[stage]" if party else f"stage {index}")
+    _check_computation(source, table, values)
+    _check_place(source, table, keys, values["name"], last, party)
+    spec = _stage_spec(source, table, values)
+    if last and spec.loss is not None:
         try:
             check_evaluation_keys(spec)
         except ConfigError as e:
@@ -128,29 +50,78 @@ def _parse_stage(source: str, table: Any, index: int, last: bool, party: bool) -
     return spec
 
 
-def _evaluation_keys(source: str, table: Mapping[str, Any], name: str, last: bool
-                     ) -> tuple[tuple[str, ...], str | None, dict[str, Any] | None]:
-    """A stage table's ``metrics``, ``keep_best`` and ``early_stopping``, checked for form (the last stage
-    only); whether they fit its loss is ``check_evaluation_keys``'s."""
-    given = [key for key in ("metrics", "keep_best", "early_stopping") if key in table]
+def _stage_values(source: str, table: Any, keys: Mapping[str, Key], where: str) -> dict[str, Any]:
+    """A stage table's keys, each read through its declaration (``read_keys``), with its
+    ``framework`` filled in (torch for a 'module'). ``where`` names the table until its name is known."""
+    if not isinstance(table, dict):
+        raise file_error(source, f"{where} is not a table")
+    try:
+        refuse_unknown(table, keys, f"{where} has unknown keys")
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+    name = _read(source, table, {"name": keys["name"]}, f"{where}: ")["name"]
+    values = _read(source, table, keys, f"stage {name!r}: ")
+    if values["framework"] is None:
+        values["framework"] = "torch" if values["module"] is not None else "numpy"
+    return values
+
+
+def _check_computation(source: str, table: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """The rules between the keys that say what computes a stage: 'model' or 'module', the torch-only keys
+    ('module_args', 'output', 'scheduler', a device other than the CPU)."""
+    name, module, framework = values["name"], values["module"], values["framework"]
+    if (values["model"] is not None) == (module is not None):
+        raise file_error(source, f"stage {name!r} needs either 'model' (a list of layers) or 'module' "
+                                 f"(\"package.module:factory\" returning a torch.nn.Module), not both")
+    if table.get("module_args") is not None and module is None:
+        raise file_error(source, f"stage {name!r}: 'module_args' is a table of keyword arguments for 'module'")
+    if module is not None and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'framework' must be one of {list(FRAMEWORKS)} (a 'module' is "
+                                 f"torch), got {framework!r}")
+    if values.get("output") is not None and module is None:
+        raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
+                                 f"of positive whole numbers, got {values.get('output')!r}")
+    if values["scheduler"] is not None and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
+                                 f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
+                                 f"(see Learning-rate schedules)")
+    if values["scheduler"] is not None and "schedule" in values["optimizer"]:
+        raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
+                                 f"or 'scheduler' (torch's), not both")
+    if values["device"] != "cpu" and framework != "torch":
+        raise file_error(source, f"stage {name!r}: 'device' {values['device']!r} needs framework = \"torch\"")
+
+
+def _check_place(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], name: str, last: bool,
+                 party: bool) -> None:
+    """The keys only the last stage may give (``schema.LAST``), and its 'loss' (a stage file's, against the
+    interface's stages: ``_parse_stage_file``)."""
+    given = restricted(table, keys, schema.LAST)
     if given and not last:
-        raise file_error(source, f"stage {name!r}: {given} belong to the last stage, which holds the labels and "
-                                 f"scores the held-out rows")
-    metrics = table.get("metrics", [])
-    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
-        raise file_error(source, f"stage {name!r}: 'metrics' must be a list of names such as [\"auc\", \"f1\"], "
-                                 f"got {metrics!r}")
-    keep_best = table.get("keep_best")
-    if keep_best is not None and not isinstance(keep_best, str):
-        raise file_error(source, f"stage {name!r}: 'keep_best' must name a reported score such as "
-                                 f"\"test_accuracy\", got {keep_best!r}")
-    stopping = table.get("early_stopping")
-    if stopping is not None and (not isinstance(stopping, dict) or set(stopping) != {"metric", "patience"}
-                                 or not isinstance(stopping["metric"], str)
-                                 or not is_whole(stopping["patience"]) or stopping["patience"] < 1):
-        raise file_error(source, f"stage {name!r}: 'early_stopping' must be a table {{ metric = \"test_loss\", "
-                                 f"patience = K }} with K >= 1, got {stopping!r}")
-    return tuple(metrics), keep_best, dict(stopping) if stopping is not None else None
+        reasons = "; ".join(dict.fromkeys(keys[key].why for key in given))
+        raise file_error(source, f"stage {name!r}: {given} belong to the last stage ({reasons}): only the last "
+                                 f"stage may set them")
+    if not party and last != ("loss" in table):
+        raise file_error(source, f"stage {name!r}: exactly the last stage has a 'loss'")
+
+
+def _stage_spec(source: str, table: Mapping[str, Any], values: Mapping[str, Any]) -> StageSpec:
+    """The ``StageSpec`` of a stage table whose keys ``values`` holds (read and checked), with its defenses
+    (``parse_defenses``)."""
+    name = values["name"]
+    try:
+        defenses = parse_defenses(table, name)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
+
+    def copied(key: str, kind: Callable[[Any], Any]) -> Any:
+        return None if values.get(key) is None else kind(values[key])
+    return StageSpec(name, copied("model", list), dict(values["optimizer"]), values["loss"], values["framework"],
+                     values["module"], dict(values["module_args"]), values["device"], copied("output", tuple),
+                     None, values.get("seed"), _base_dir(source), source, copied("columns", list),
+                     copied("scheduler", dict), defenses, tuple(values["metrics"]), values["keep_best"],
+                     copied("early_stopping", dict), privacy_meter=values["privacy_meter"],
+                     bottom=None if values["bottom"] is None else [dict(t) for t in values["bottom"]])
 
 
 def _check_scored(exp: Experiment) -> None:
@@ -163,61 +134,40 @@ def _check_scored(exp: Experiment) -> None:
                           f"test_fraction in [data] (a file kind) or drop {given}")
 
 
-def _shape_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(is_whole(v) and v > 0 for v in value)
-
-
-def _scalars(source: str, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The settings shared by both forms, validated: steps/epochs, seed, labels, reduction, micro_batches,
-    eval_every, allow_nonfinite, send_rows, codecs."""
-    out: dict[str, Any] = {}
-    if "steps" in raw and "epochs" in raw:
-        raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
-    for key, low in (("steps", 1), ("epochs", 1), ("seed", 0), ("micro_batches", 1), ("eval_every", 0),
-                     ("staleness", 0)):
-        if key in raw and (not is_whole(raw[key]) or raw[key] < low):
-            kind = "a positive integer" if low else "a non-negative integer"
-            why = (" ('auto' is the driving stage's flag, --staleness auto: it measures one run's link, while a "
-                   "file names the computation; the S it chose is in that run's summary)"
-                   if key == "staleness" and raw[key] == AUTO_STALENESS else "")
-            raise file_error(source, f"{where}'{key}' must be {kind}, got {raw[key]!r}{why}")
-    out.update(steps=raw.get("steps"), epochs=raw.get("epochs"), seed=raw.get("seed", 0),
-               micro_batches=raw.get("micro_batches", 1), eval_every=raw.get("eval_every", 0),
-               staleness=raw.get("staleness", 0))
-    for key in ("allow_nonfinite", "send_rows"):
-        out[key] = raw.get(key, False)
-        if not isinstance(out[key], bool):
-            raise file_error(source, f"{where}'{key}' must be true or false, got {out[key]!r}")
-    out["labels"] = raw.get("labels", "last")
-    if out["labels"] not in ("last", "first"):
-        raise file_error(source, f"{where}'labels' must be 'last' or 'first', got {out['labels']!r}")
-    if "reduction" in raw and raw["reduction"] not in REDUCTIONS:
-        raise file_error(source, f"{where}'reduction' must be one of {list(REDUCTIONS)}, got {raw['reduction']!r}")
-    out["reduction"] = raw.get("reduction")
+def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
+    """``read_keys`` with the file named in its error."""
     try:
-        for key in ("activation_codec", "gradient_codec"):
-            out[key] = codec_name(raw.get(key, "none"), f"{where}'{key}'")
+        return read_keys(table, keys, where)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
-    return out
 
 
-def _description(source: str, raw: Mapping[str, Any]) -> str:
-    """The file's top-level ``description`` ("" when absent); ``ConfigError`` unless it is a string."""
-    text = raw.get("description", "")
-    if not isinstance(text, str):
-        raise file_error(source, f"'description' must be a string, got {text!r}")
-    return text
+def _refuse_unknown(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], what: str,
+                    hint: str = "") -> None:
+    """``refuse_unknown`` with the file named in its error."""
+    try:
+        refuse_unknown(table, keys, what, hint)
+    except ConfigError as e:
+        raise file_error(source, str(e)) from e
 
 
-def _parse_aggregate(source: str, raw: Mapping[str, Any], where: str, names: Sequence[str], labels: str,
+def _settings(source: str, raw: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
+    """A combined experiment's top level or a stage file's [interface] (``keys``: its declarations, the
+    settings both forms share among them): unknown keys refused, each key read through its declaration;
+    'steps' and 'epochs' exclude each other."""
+    _refuse_unknown(source, raw, keys, f"{where}has unknown keys" if where else "unknown top-level keys",
+                    "" if where else " (a stage file has [interface], [stage] and [data] instead)")
+    if "steps" in raw and "epochs" in raw:
+        raise file_error(source, f"{where}give 'steps' or 'epochs', not both")
+    return _read(source, raw, keys, where)
+
+
+def _parse_aggregate(source: str, kind: str | None, where: str, names: Sequence[str], labels: str,
                      clients: Clients) -> str | None:
-    """``aggregate``: absent (a chain), or how the last stage combines its feature parties' embeddings."""
-    kind = raw.get("aggregate")
+    """``aggregate`` (its form read already): absent (a chain), or how the last stage combines its feature
+    parties' embeddings, which needs feature parties, the labels at the last stage and one data owner."""
     if kind is None:
         return None
-    if kind not in AGGREGATES:
-        raise file_error(source, f"{where}'aggregate' must be one of {list(AGGREGATES)}, got {kind!r}")
     if len(names) < 2:
         raise file_error(source, f"{where}'aggregate' needs feature parties and a last stage: at least two stages")
     if labels != "last":
@@ -238,70 +188,82 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     raw = dict(raw)
     if "interface" in raw or "stage" in raw:
         return _parse_stage_file(raw, source)
-    unknown = set(raw) - set(schema.TOP_KEYS)
-    if unknown:
-        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(schema.TOP_KEYS)} "
-                                 f"(a stage file has [interface], [stage] and [data] instead)")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, "'name' must be a non-empty string")
-    settings = _scalars(source, raw, "")
-    data = raw.get("data")
-    if not isinstance(data, dict):
-        raise file_error(source, "needs a [data] table")
-    stage_tables = raw.get("stages")
-    if not isinstance(stage_tables, list) or not stage_tables:
-        raise file_error(source, "needs at least one [[stages]] table")
+    settings = _settings(source, raw, schema.TOP_KEYS, "")
+    stage_tables = settings["stages"]
     stages = [_parse_stage(source, table, i, i == len(stage_tables) - 1, party=False)
               for i, table in enumerate(stage_tables)]
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise file_error(source, f"stage names must be unique, got {names}")
-    clients = _parse_clients(source, raw.get("clients", {}), len(stages))
-    if settings["epochs"] is not None and clients.count > 1:
-        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                                 "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, raw, "", names, settings["labels"], clients)
+    clients, aggregate = _parties(source, settings, names, "")
     try:
         reduction = loss_reduction(stages[-1])
         if settings["reduction"] not in (None, reduction):
             raise ConfigError(f"'reduction' is {settings['reduction']!r} but the loss reduces rows by {reduction}")
-        seed = settings["seed"]
-        source_data = build_data(data, seed, _base_dir(source))
-        batch = getattr(source_data, "batch", None)
-        cuts, shape = [], tuple(source_data.feature_shape)
-        for spec in stages[:-1]:
-            if aggregate is not None:        # each feature party starts from its own columns
-                shape = tuple(source_data.feature_shape)
-            if spec.columns is not None:
-                shape = tuple(ColumnView(source_data, spec.columns).feature_shape)
-            if spec.model is not None:
-                shape = build_model(spec.model, seed).output_shape(shape)
-            elif spec.output is not None:
-                shape = (batch, *spec.output) if batch is not None else spec.output
-            else:
-                raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
-                                  f"per-row output shape, e.g. output = [64]")
-            cuts.append(tuple(shape))
+        source_data = build_data(settings["data"], settings["seed"], _base_dir(source))
+        cuts = _combined_cuts(stages, source_data, aggregate, settings["seed"])
         steps = _steps(settings, source_data)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
     target = ((tuple(source_data.target_shape), np.dtype(source_data.target_dtype).name)
               if settings["labels"] == "first" and len(stages) > 1 else None)
-    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], data, stages,
-                     raw, value_digest(raw, 64), source, clients, list(names), tuple(cuts), batch, reduction,
-                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     _description(source, raw), target, aggregate=aggregate,
-                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"], send_rows=settings["send_rows"])
+    exp = _experiment(settings, raw, source, settings["data"], stages, names, clients, aggregate, cuts,
+                      getattr(source_data, "batch", None), reduction, steps, target)
     _check_built(exp, source)
     return exp
+
+
+def _parties(source: str, settings: Mapping[str, Any], names: Sequence[str], where: str
+             ) -> tuple[Clients, str | None]:
+    """Who holds the rows: [clients] (several data owners of other rows) and 'aggregate' (feature parties
+    of the same rows); 'epochs' counts one data owner's rows."""
+    clients = _parse_clients(source, settings["clients"], len(names))
+    if settings["epochs"] is not None and clients.count > 1:
+        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
+                                 "([clients]) give 'steps'")
+    return clients, _parse_aggregate(source, settings["aggregate"], where, names, settings["labels"], clients)
+
+
+def _combined_cuts(stages: Sequence[StageSpec], data: DataSource, aggregate: str | None,
+                   seed: int) -> tuple[Shape, ...]:
+    """The shape of what crosses each cut of a combined experiment, computed from its data and the stages
+    above the cut (a 'module' stage says its per-row 'output'). Raises ``ConfigError``."""
+    batch = getattr(data, "batch", None)
+    cuts, shape = [], tuple(data.feature_shape)
+    for spec in stages[:-1]:
+        if aggregate is not None:        # each feature party starts from its own columns
+            shape = tuple(data.feature_shape)
+        if spec.columns is not None:
+            shape = tuple(ColumnView(data, spec.columns).feature_shape)
+        if spec.model is not None:
+            shape = build_model(spec.model, seed).output_shape(shape)
+        elif spec.output is not None:
+            shape = (batch, *spec.output) if batch is not None else spec.output
+        else:
+            raise ConfigError(f"stage {spec.name!r} is a torch module before the last stage: give its "
+                              f"per-row output shape, e.g. output = [64]")
+        cuts.append(tuple(shape))
+    return tuple(cuts)
+
+
+def _experiment(settings: Mapping[str, Any], raw: dict[str, Any], source: str, data: dict[str, Any],
+                stages: list[StageSpec], names: Sequence[str], clients: Clients, aggregate: str | None,
+                cuts: tuple[Shape, ...], batch: int | None, reduction: str, steps: int,
+                target: tuple[Shape, str] | None) -> Experiment:
+    """The ``Experiment`` of either form: its settings (read through their declarations) and what the form
+    computed of its stages, cuts and data."""
+    return Experiment(settings["name"], steps, settings["seed"], settings["labels"], settings["allow_nonfinite"],
+                      data, stages, raw, value_digest(raw, 64), source, clients, list(names), cuts, batch,
+                      reduction, settings["micro_batches"], settings["eval_every"], settings["epochs"],
+                      settings["description"], target, aggregate=aggregate,
+                      activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
+                      staleness=settings["staleness"], send_rows=settings["send_rows"])
 
 
 def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
     """``steps``, or ``epochs`` times the batches in one epoch of the data's training rows."""
     if settings["epochs"] is None:
-        return 100 if settings["steps"] is None else settings["steps"]
+        return settings["steps"]
     per_epoch = getattr(data, "batches_per_epoch", None)
     if per_epoch is None:
         raise ConfigError("'epochs' needs data with rows to walk (npz, npy, csv or synthetic); "
@@ -313,81 +275,62 @@ def _parse_stage_file(raw: dict[str, Any], source: str, own_loop: bool = False) 
     """One party's stage file: ``[interface]``, ``[stage]``, its own ``[data]``. ``own_loop``: the party
     trains in its own loop through the cut library (``distgrad.cut``), so ``[stage]`` names its stage and
     nothing else, and ``[data]`` is optional."""
-    unknown = set(raw) - set(schema.STAGE_FILE_KEYS)
-    if unknown:
-        raise file_error(source, f"unknown top-level keys {sorted(unknown)}; a stage file has "
-                                 f"{sorted(schema.STAGE_FILE_KEYS)}")
-    iface = raw.get("interface")
-    if not isinstance(iface, dict):
-        raise file_error(source, "a stage file needs an [interface] table (what the parties agree on)")
-    unknown = set(iface) - set(schema.INTERFACE_KEYS)
-    if unknown:
-        raise file_error(source, f"[interface] has unknown keys {sorted(unknown)}; allowed: "
-                                 f"{sorted(schema.INTERFACE_KEYS)}")
-    name = iface.get("name")
-    if not isinstance(name, str) or not name:
-        raise file_error(source, "[interface] 'name' must be a non-empty string")
-    names = iface.get("stages")
-    if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) and n for n in names)
-            or len(set(names)) != len(names)):
-        raise file_error(source, f"[interface] 'stages' must list the stages' unique names in order, at least two, "
-                                 f"got {names!r}")
-    settings = _scalars(source, iface, "[interface] ")
-    batch = iface.get("batch")
-    if batch is not None and (not is_whole(batch) or batch < 1):
-        raise file_error(source, f"[interface] 'batch' must be an integer >= 1, got {batch!r}")
-    cuts = _parse_cuts(source, iface.get("activation"), len(names), batch)
-    target = _parse_target(source, iface.get("target"), settings["labels"], batch)
-    clients = _parse_clients(source, iface.get("clients", {}), len(names))
-    if settings["epochs"] is not None and clients.count > 1:
-        raise file_error(source, "'epochs' counts passes over one data owner's rows; with several data owners "
-                                 "([clients]) give 'steps'")
-    aggregate = _parse_aggregate(source, iface, "[interface] ", names, settings["labels"], clients)
-    table = raw.get("stage")
-    last = isinstance(table, dict) and table.get("name") == names[-1]
-    if own_loop and "stage" in raw:
-        spec = _own_loop_stage(source, table)
-    else:
-        spec = _parse_stage(source, table, 0, last, party=True) if "stage" in raw else None
-    if spec is None:
-        raise file_error(source, "a stage file needs a [stage] table (this party's model)")
-    if spec.name not in names:
-        raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
-    last = spec.name == names[-1]
-    if not own_loop and last != (spec.loss is not None):
-        raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
-    data = raw.get("data")
-    if data is not None and not isinstance(data, dict):
-        raise file_error(source, "[data] must be a table")
-    if data and data.get("kind") in FILE_KINDS:
-        data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
-    spec = StageSpec(**{**spec.__dict__, "data": data or {}})
+    _refuse_unknown(source, raw, schema.STAGE_FILE_KEYS, "unknown top-level keys",
+                    " (a combined experiment has 'name', [data] and [[stages]] instead)")
+    top = _read(source, raw, schema.STAGE_FILE_KEYS, "")
+    settings = {**_settings(source, top["interface"], schema.INTERFACE_KEYS, "[interface] "),
+                "description": top["description"]}
+    names, batch = settings["stages"], settings["batch"]
+    cuts = _parse_cuts(source, top["interface"].get("activation"), len(names), batch)
+    target = _parse_target(source, top["interface"].get("target"), settings["labels"], batch)
+    clients, aggregate = _parties(source, settings, names, "[interface] ")
+    spec = _party_stage(source, top, names, own_loop)
+    last = spec.name == names[-1] and not own_loop
     try:
-        if last and not own_loop:
-            reduction = loss_reduction(spec)
-            if settings["reduction"] not in (None, reduction):
-                raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
-                                  f"reduces rows by {reduction}")
-        else:
-            reduction = settings["reduction"] or "mean"
-        source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
-        if source_data is not None and getattr(source_data, "batch", None) != batch:
-            raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
-                              f"interface 'batch' is {batch}")
-        if source_data is None and settings["epochs"] is not None:
-            raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
-                              "epoch; give 'steps'")
-        steps = _steps(settings, source_data)
+        reduction = loss_reduction(spec) if last else settings["reduction"] or "mean"
+        if last and settings["reduction"] not in (None, reduction):
+            raise ConfigError(f"[interface] 'reduction' is {settings['reduction']!r} but this stage's loss "
+                              f"reduces rows by {reduction}")
+        steps = _party_steps(settings, spec.data, source)
     except ConfigError as e:
         raise file_error(source, str(e)) from e
-    exp = Experiment(name, steps, settings["seed"], settings["labels"], settings["allow_nonfinite"], {}, [spec],
-                     raw, value_digest(raw, 64), source, clients, list(names), cuts, batch, reduction,
-                     settings["micro_batches"], settings["eval_every"], settings["epochs"],
-                     _description(source, raw), target, aggregate=aggregate,
-                     activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                     staleness=settings["staleness"], send_rows=settings["send_rows"])
+    exp = _experiment(settings, raw, source, {}, [spec], names, clients, aggregate, cuts, batch, reduction, steps,
+                      target)
     _check_built(exp, source, own_loop)
     return exp
+
+
+def _party_stage(source: str, top: Mapping[str, Any], names: Sequence[str], own_loop: bool) -> StageSpec:
+    """A stage file's ``[stage]``, one of the interface's stages (the last one, and only it, with a 'loss'),
+    with the party's own ``[data]`` (of a file kind: only the parts it names)."""
+    table = top["stage"]
+    if own_loop:
+        spec = _own_loop_stage(source, table)
+    else:
+        spec = _parse_stage(source, table, 0, isinstance(table, dict) and table.get("name") == names[-1],
+                            party=True)
+    if spec.name not in names:
+        raise file_error(source, f"[stage] is {spec.name!r}, which is not one of the interface's stages {names}")
+    if not own_loop and (spec.name == names[-1]) != (spec.loss is not None):
+        raise file_error(source, f"stage {spec.name!r}: exactly the last stage ({names[-1]!r}) has a 'loss'")
+    data = top["data"]
+    if data and data.get("kind") in FILE_KINDS:
+        data = {"features": None, "labels": None, **data}     # a party holds only the parts it names
+    return StageSpec(**{**spec.__dict__, "data": data or {}})
+
+
+def _party_steps(settings: Mapping[str, Any], data: dict[str, Any], source: str) -> int:
+    """A stage file's steps: 'steps', or 'epochs' counted on this party's [data], which must batch as the
+    interface says."""
+    batch = settings["batch"]
+    source_data = build_data(data, settings["seed"], _base_dir(source)) if data else None
+    if source_data is not None and getattr(source_data, "batch", None) != batch:
+        raise ConfigError(f"[data] gives batches of {getattr(source_data, 'batch', None)} rows, the "
+                          f"interface 'batch' is {batch}")
+    if source_data is None and settings["epochs"] is not None:
+        raise ConfigError("[interface] 'epochs' needs this party's [data] to count the batches of an "
+                          "epoch; give 'steps'")
+    return _steps(settings, source_data)
 
 
 def _own_loop_stage(source: str, table: Any) -> StageSpec:
@@ -410,43 +353,38 @@ def parse_own_loop(raw: Mapping[str, Any], source: str = "<arguments>") -> Exper
 
 
 def _parse_cuts(source: str, value: Any, stage_count: int, batch: int | None) -> tuple[Shape, ...]:
-    """``activation``: one table (two stages) or a list of one per cut, each ``{ shape = [...], dtype =
-    "float32" }`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape`` alone when
-    the interface has no batch)."""
+    """``activation``: one table (two stages) or a list of one per cut, each read through
+    ``schema.ACTIVATION_KEYS`` with the per-row shape; the whole batch's is ``(batch, *shape)`` (``shape``
+    alone when the interface has no batch)."""
     tables = value if isinstance(value, list) else [value]
     if len(tables) != stage_count - 1 or not all(isinstance(t, dict) for t in tables):
         raise file_error(source, f"[interface] 'activation' must be {stage_count - 1} table(s) "
                                  f"{{ shape = [...], dtype = \"float32\" }}, one per cut between the stages, got "
                                  f"{value!r}")
     cuts = []
-    for table in tables:
-        unknown = set(table) - {"shape", "dtype"}
-        if unknown or not _shape_list(table.get("shape")):
-            raise file_error(source, f"[interface] activation {table!r}: needs 'shape', a list of positive whole "
-                                     f"numbers (per row), and optionally 'dtype'")
-        if table.get("dtype", "float32") not in WIRE_DTYPES:
-            raise file_error(source, f"[interface] activation dtype must be one of {list(WIRE_DTYPES)}, got "
-                                     f"{table['dtype']!r}")
-        cuts.append(tuple(table["shape"]) if batch is None else (batch, *table["shape"]))
+    for i, table in enumerate(tables):
+        where = f"[interface] activation{f' {i + 1}' if len(tables) > 1 else ''}"
+        _refuse_unknown(source, table, schema.ACTIVATION_KEYS, f"{where} has unknown keys")
+        shape = _read(source, table, schema.ACTIVATION_KEYS, f"{where}: ")["shape"]
+        cuts.append(tuple(shape) if batch is None else (batch, *shape))
     return tuple(cuts)
 
 
-TARGET_DTYPES = ("int64", "float32")
-
-
 def _parse_target(source: str, value: Any, labels: str, batch: int | None) -> tuple[Shape, str] | None:
-    """``target``: with ``labels = "first"``, the per-row shape and dtype of the targets that travel with the
-    activations, ``{ shape = [], dtype = "int64" }`` for class ids; absent otherwise."""
+    """``target``: with ``labels = "first"`` (and then only), the per-row shape and dtype of the targets
+    that travel with the activations (``schema.TARGET_KEYS``), ``{ shape = [], dtype = "int64" }`` for class
+    ids."""
     if labels != "first":
         if value is not None:
             raise file_error(source, "[interface] 'target' is for labels = \"first\" (targets that travel)")
         return None
-    if not isinstance(value, dict) or set(value) - {"shape", "dtype"} or value.get("dtype") not in TARGET_DTYPES \
-            or not (value.get("shape") == [] or _shape_list(value.get("shape"))):
+    if not isinstance(value, dict):
         raise file_error(source, f"[interface] labels = \"first\" needs 'target' = {{ shape = [per-row shape], dtype = "
                                  f"\"int64\" or \"float32\" }} (class ids: shape = []), got {value!r}")
-    shape = tuple(value["shape"])
-    return ((batch, *shape) if batch is not None else shape), value["dtype"]
+    _refuse_unknown(source, value, schema.TARGET_KEYS, "[interface] target has unknown keys")
+    target = _read(source, value, schema.TARGET_KEYS, "[interface] target: ")
+    shape = tuple(target["shape"])
+    return ((batch, *shape) if batch is not None else shape), target["dtype"]
 
 
 def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
@@ -539,19 +477,14 @@ def combine_stage_files(parts: Sequence[Experiment]) -> Experiment:
                       staleness=first.staleness, send_rows=first.send_rows)
 
 
-def _parse_clients(source: str, table: Any, stage_count: int) -> Clients:
-    if not isinstance(table, dict):
-        raise file_error(source, "'clients' must be a table")
-    unknown = set(table) - {"count", "mode", "average_every"}
-    if unknown:
-        raise file_error(source, f"[clients] has unknown keys {sorted(unknown)}; allowed: average_every, count, mode")
-    count, mode = table.get("count", 1), table.get("mode", "separate")
-    every = table.get("average_every", 0)
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
-        raise file_error(source, f"[clients] count must be an integer from 1 to 64, got {count!r}")
-    if mode not in CLIENT_MODES:
-        raise file_error(source, f"[clients] mode must be one of {list(CLIENT_MODES)}, got {mode!r}")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 0 or (mode == "splitfed") != (every > 0):
+def _parse_clients(source: str, table: Mapping[str, Any] | None, stage_count: int) -> Clients:
+    """[clients] (its keys ``schema.CLIENT_KEYS``; absent: one data owner): 'average_every' goes with
+    'splitfed' alone, and several data owners share the serving stage of a two-stage experiment."""
+    table = table or {}
+    _refuse_unknown(source, table, schema.CLIENT_KEYS, "[clients] has unknown keys")
+    values = _read(source, table, schema.CLIENT_KEYS, "[clients] ")
+    count, mode, every = values["count"], values["mode"], values["average_every"]
+    if (mode == "splitfed") != (every > 0):
         raise file_error(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
                                  f"(and absent otherwise), got {every!r}")
     if count > 1 and stage_count != 2:

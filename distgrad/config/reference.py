@@ -2,8 +2,8 @@
 
 ``python -m distgrad.config.reference > docs/stage-files.md`` writes it; a test
 checks the file is what this module generates, so it cannot drift from the
-parser: the file-level keys come from ``distgrad.config.schema`` (the tables the
-parser validates against), the data kinds from the data sources'
+parser: the file-level keys come from ``distgrad.config.schema`` (the declarations
+the parser reads every key through), the data kinds from the data sources'
 constructors, the layers from ``nn``'s builder table, the optimisers and
 losses from their registries.
 """
@@ -37,7 +37,10 @@ parser disagree. For a worked example of two parties' stage files see
 Two forms describe a run. A **combined experiment** (the built-ins, `distgrad experiments`) is one file
 every stage reads. A **stage file** is one party's: the `[interface]` every party's file says alike,
 its own `[stage]` and its own `[data]`; `distgrad split EXPERIMENT OUTDIR` writes them from a combined
-experiment. Unknown keys are refused, naming the valid ones.
+experiment. Unknown keys are refused, naming the valid ones. Each key below is declared once
+(`distgrad.config.schema`): its type and range are what the parser checks (a bad value's error names the key,
+what it must be and the value given), its default is what an absent key means, and "set by" says who may
+give it (a stage refuses a key that is another party's, naming why).
 """
 
 
@@ -49,6 +52,14 @@ def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     lines += [f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(meaning)} |" for key, kind, default, meaning
               in rows]
+    return lines
+
+
+def _key_table(keys: dict[str, schema.Key], who: str) -> list[str]:
+    """A table of declared keys: each key's type (and range), default, who sets it and meaning."""
+    lines = ["| key | type | default | set by | meaning |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{name}` | {_cell(key.type_text)} | {_cell(key.default_text)} | {_cell(key.who or who)} | "
+              f"{_cell(key.help)} |" for name, key in keys.items()]
     return lines
 
 
@@ -72,10 +83,9 @@ def _signature_rows(function: Callable[..., Any], skip: set[str],
 def render() -> str:
     """The whole reference, as Markdown."""
     out = [HEADER]
-    for title, keys, what in schema.TABLES:
+    for title, keys, what, who in schema.TABLES:
         out += [f"## {title}", "", what, ""]
-        out += _table([(key, kind, "required" if default is None else default, meaning)
-                       for key, (kind, default, meaning) in keys.items()])
+        out += _key_table(keys, who)
         out.append("")
     out += ["## [data]: data kinds", "",
             "`kind` picks the source; the other keys are its options. Paths are relative to the file that "

@@ -1,194 +1,245 @@
-"""The keys of experiment and stage files: for each, its type, default and meaning.
+"""The keys of experiment and stage files, each declared once: its type and range, who may set it, its
+default and its meaning.
 
-The parser (``distgrad.config.experiment``) accepts exactly these keys, and the
-format reference (docs/stage-files.md, written by ``distgrad.config.reference``) is
-generated from these tables, so the two cannot drift apart. Each entry is
-``key: (type, default, meaning)``; a default of ``None`` means "required" or
-"absent" as the meaning says.
+A declaration (``Key``, ``distgrad.config.keys``) drives everything about its key: the parser (``distgrad.config.parse``) accepts exactly
+the keys of these tables (``keys.refuse_unknown``), reads each through its declaration (``keys.read_keys``: the value's
+check, the default of an absent key, the error naming the key, what it must be and the value given), and the
+format reference (docs/stage-files.md, written by ``distgrad.config.reference``) is generated from the same
+tables, so the three cannot drift apart. What a key's value means next to *other* keys (a 'scheduler' needs a
+torch stage, 'activation' holds one table per cut) is the parser's, which names the rule it checks; a key
+whose form depends on other keys has no ``check`` and names what checks it (``checked_by``).
 """
 
 from __future__ import annotations
 
-Key = tuple[str, str, str]
+from distgrad.config.experiment import AUTO_STALENESS, CLIENT_MODES, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES
+from distgrad.config.keys import (BOTTOM, CODEC, COLUMNS, DEVICE, EARLY_STOPPING, FLAG, LAYERS, MODULE,
+                                  NAME, NAMES, OPTIMIZER, REQUIRED, ROW_SHAPE, SCHEDULER, SCORE, SHAPE,
+                                  STAGE_NAMES, STAGE_TABLES, TABLE, TEXT, Key, one_of, whole)
+from distgrad.model.aggregate import AGGREGATES
+
+
+# Who may set a key of a stage table (the table's parties when a key says nothing).
+LAST = "the last stage only"
+ENDS = "the first or the last stage"
+LABEL_OWNER = "the label owner (the last stage)"
+DATA_OWNERS = "a data owner (the first stage, a client, a feature party)"
+COLUMN_OWNERS = "a data owner, or the label owner with 'bottom'"
+LOSS_OWNER = "the last stage, which must give it"
+MODULES_BEFORE_LAST = "a 'module' stage before the last"
+_SCORES = "it holds the labels and scores the held-out rows"
+_DEFENSES = "distgrad.privacy.defenses.parse_defenses; distgrad.config.defended.check_defenses (who)"
+
+
+
+_AUTO_NOTE = (" ('auto' is the driving stage's flag, --staleness auto: it measures one run's link, while a file "
+              "names the computation; the S it chose is in that run's summary)")
+
 
 # Keys shared by a combined experiment's top level and a stage file's [interface].
-_SHARED: dict[str, Key] = {
-    "steps": ("integer >= 1", "100",
+SHARED_KEYS: dict[str, Key] = {
+    "steps": Key(whole(1), default=100, help=
               "training steps (one batch each); give 'steps' or 'epochs', not both. '--steps' overrides it"),
-    "epochs": ("integer >= 1", "absent",
+    "epochs": Key(whole(1), help=
                "train this many passes over the training rows instead: steps = epochs x (training rows // batch); "
                "the rows of each epoch are a fresh seeded shuffle every party computes alike, and the last "
                "partial batch of an epoch is left out"),
-    "seed": ("integer >= 0", "0",
+    "seed": Key(whole(0), default=0, help=
              "seed of the sample order (the train/held-out split and each epoch's shuffle) and of the initial "
              "values (unless a stage gives its own 'seed'); '--seed' overrides it"),
-    "labels": ('"last" | "first"', '"last"',
+    "labels": Key(one_of(("last", "first"), "'last' or 'first'"), default="last", help=
                "who holds the labels: the last stage (nothing but activations and gradients cross the wire), or "
                "the first, which sends each batch's targets downstream with its activations"),
-    "reduction": ('"mean" | "sum"', "the loss's",
+    "reduction": Key(one_of(REDUCTIONS), shown="the loss's", help=
                   "how the last stage's loss reduces a batch's rows, which decides how micro-batch gradients "
                   "combine (summed, times 1/M for 'mean'); the label owner checks it against its loss"),
-    "micro_batches": ("integer >= 1", "1",
+    "micro_batches": Key(whole(1), default=1, help=
                       "micro-batches per step (the batch must divide evenly); '--micro-batches' overrides it"),
-    "staleness": ("integer >= 0", "0",
+    "staleness": Key(whole(0), default=0, notes=((AUTO_STALENESS, _AUTO_NOTE),), help=
                   "asynchronous pipelining, by name: the first stage's forward of step t uses its parameters after "
                   "its updates of steps 1..t-1-S, and it applies its update of step t once the forward of step t+S "
                   "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
                   "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it "
                   "('--staleness auto', a flag only, chooses S from the link: README)"),
-    "eval_every": ("integer >= 0", "0",
+    "eval_every": Key(whole(0), default=0, help=
                    "every K steps, evaluate the held-out rows forward-only through every stage: loss, accuracy and "
                    "the last stage's 'metrics' go to the progress line, the metrics file, the plot and TensorBoard "
                    "(0: only at the end)"),
-    "allow_nonfinite": ("boolean", "false",
+    "allow_nonfinite": Key(FLAG, default=False, help=
                         "accept NaN/Inf tensors on the wire and train through them (default: a non-finite loss or "
                         "gradient ends the run before anything of that step is applied)"),
-    "send_rows": ("boolean", "false",
+    "send_rows": Key(FLAG, default=False, help=
                   "every training forward also carries its micro-batch's row numbers (an int64 tensor 'rows', in "
                   "the parties' common numbering of the [data] rows), and the label owner trains on the targets "
                   "(and, active, its own columns) of exactly those rows: the data owner's loader decides which rows "
                   "a step takes. The label owner refuses a row out of range, held out, another client's or twice in "
                   "a step; vertical parties must send the same rows. Batched rows only; not with labels = "
                   "\"first\", nor with the label owner's 'marvell' or privacy meter"),
-    "clients": ("table", "absent",
-                "several data owners share the serving stage: count (1-64), mode ('separate' or 'splitfed'), "
-                "average_every (splitfed: average the first stage's parameters every K steps)"),
-    "aggregate": ('"concat" | "sum" | "mean"', "absent",
+    "clients": Key(TABLE, help=
+                "several data owners share the serving stage: count, mode, average_every (see [clients])"),
+    "aggregate": Key(one_of(AGGREGATES), help=
                   "vertical split learning: every stage but the last is a feature party holding its own columns of "
                   "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
                   "embeddings of a step before its own model: side by side in party order (concat), or their sum "
                   "or mean; each party gets back exactly the gradient of its own embedding"),
-    "activation_codec": ("string", '"none"',
+    "activation_codec": Key(CODEC, default="none", help=
                          "how activations cross the wire: none (float32), float16, bfloat16, int8 (per row, with a "
                          "float32 scale), topk:K (per row the K largest magnitudes) or topk:K+ef (with error feedback: "
                          "the sender carries what it dropped into its next step); the sender computes with its own "
                          "unrounded values. '--activation-codec' overrides it"),
-    "gradient_codec": ("string", '"none"',
+    "gradient_codec": Key(CODEC, default="none", help=
                        "how activation gradients cross the wire back up: the same codecs as 'activation_codec'. "
                        "'--gradient-codec' overrides it"),
 }
 
 # A file's free text: at the top level of either form (a stage file's [interface] has none).
-_DESCRIPTION: Key = ("string", '""', "free text, shown by 'distgrad experiments'")
+_DESCRIPTION = Key(TEXT, default="", help="free text, shown by 'distgrad experiments'")
 
 # A combined experiment: every stage in one file.
 TOP_KEYS: dict[str, Key] = {
-    "name": ("string", None, "the experiment's name (required)"),
-    **_SHARED,
+    "name": Key(NAME, default=REQUIRED, help="the experiment's name (required)"),
+    **SHARED_KEYS,
     "description": _DESCRIPTION,
-    "data": ("table", None, "the data every stage reads its own part of (required): see [data]"),
-    "stages": ("array of tables", None, "one [[stages]] table per stage, in order (required)"),
+    "data": Key(TABLE, default=REQUIRED, help="the data every stage reads its own part of (required): see [data]"),
+    "stages": Key(STAGE_TABLES, default=REQUIRED, help="one [[stages]] table per stage, in order (required)"),
 }
 
 # A stage file: one party's stage.
 STAGE_FILE_KEYS: dict[str, Key] = {
     "description": _DESCRIPTION,
-    "interface": ("table", None, "what every party's file must say alike (required): see [interface]"),
-    "stage": ("table", None, "this party's stage (required): see [stage]"),
-    "data": ("table", "absent",
+    "interface": Key(TABLE, default=REQUIRED, help="what every party's file must say alike (required): see [interface]"),
+    "stage": Key(TABLE, default=REQUIRED, help="this party's stage (required): see [stage]"),
+    "data": Key(TABLE, help=
              "this party's own data: the data owner's features, the label owner's labels (see [data]); a "
              "middle stage has none"),
 }
 
 INTERFACE_KEYS: dict[str, Key] = {
-    "name": ("string", None, "the run's name; every party must give the same (required)"),
-    "stages": ("array of strings", None, "every stage's name, in order from the data owner to the label owner "
+    "name": Key(NAME, default=REQUIRED, help="the run's name; every party must give the same (required)"),
+    "stages": Key(STAGE_NAMES, default=REQUIRED, help="every stage's name, in order from the data owner to the label owner "
                                          "(required, at least two)"),
-    "batch": ("integer >= 1", "absent",
+    "batch": Key(whole(1), help=
               "rows per step; absent for unbatched data (the seed's ramp). Each party's [data] must batch alike"),
-    "activation": ("table, or array of tables", None,
+    "activation": Key(None, kind="table, or array of tables", default=REQUIRED, checked_by="_parse_cuts: one per cut", help=
                    "what crosses each cut (required): { shape = [per-row shape], dtype = \"float32\" }, one table "
                    "per cut from the top (a single table for two stages; with 'aggregate', one per feature party, "
                    "in party order); the tensor of a step is (batch, *shape)"),
-    "target": ("table", "absent",
+    "target": Key(None, kind="table", checked_by="_parse_target: with labels = \"first\" only", help=
                "with labels = \"first\" (required then): the per-row shape and dtype of the targets that travel with "
                "the activations, e.g. { shape = [], dtype = \"int64\" } for class ids"),
-    **_SHARED,
+    **SHARED_KEYS,
+}
+
+TARGET_DTYPES = ("int64", "float32")     # class ids, or values shaped like the prediction
+
+# Each table of [interface] 'activation': what crosses one cut.
+ACTIVATION_KEYS: dict[str, Key] = {
+    "shape": Key(SHAPE, default=REQUIRED, help="the per-row shape; the tensor of a step is (batch, *shape)"),
+    "dtype": Key(one_of(WIRE_DTYPES), default="float32", help="the element type on the wire"),
+}
+
+# [interface] 'target', with labels = "first": the targets that travel with the activations.
+TARGET_KEYS: dict[str, Key] = {
+    "shape": Key(ROW_SHAPE, default=REQUIRED, help="the per-row shape of the targets: [] for class ids"),
+    "dtype": Key(one_of(TARGET_DTYPES), default=REQUIRED,
+                 help="\"int64\" class ids, or \"float32\" values shaped like the last stage's output"),
+}
+
+# [clients]: several data owners share the serving stage.
+CLIENT_KEYS: dict[str, Key] = {
+    "count": Key(whole(1, 64), default=1, help="data owners, each with its own rows, served in turn by the serving "
+                                                "stage (several: exactly two stages)"),
+    "mode": Key(one_of(CLIENT_MODES), default="separate",
+                help="'separate': each data owner trains its own first stage; 'splitfed': their first stages' "
+                     "parameters are averaged every 'average_every' steps"),
+    "average_every": Key(whole(0), default=0,
+                         help="splitfed: average the first stages' parameters every K steps (K > 0 with "
+                              "mode = \"splitfed\" only)"),
 }
 
 _STAGE_COMMON: dict[str, Key] = {
-    "name": ("string", None, "the stage's name (required)"),
-    "model": ("array of layer tables", "absent",
+    "name": Key(NAME, default=REQUIRED, help="the stage's name (required)"),
+    "model": Key(LAYERS, help=
               "the stage's layers, in order (see Layers); give 'model' or 'module', one of them"),
-    "module": ('string "package.module:factory"', "absent",
+    "module": Key(MODULE, help=
                "a function returning a torch.nn.Module, imported from the folder of this file first, then "
                "sys.path; the stage is then computed by torch (framework \"torch\")"),
-    "module_args": ("table", "{}", "keyword arguments for the 'module' factory"),
-    "optimizer": ("table", '{ type = "adam" }',
+    "module_args": Key(TABLE, default={}, help="keyword arguments for the 'module' factory"),
+    "optimizer": Key(OPTIMIZER, default={}, shown='{ type = "adam" }', help=
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
                   "torch.optim class and its keyword arguments, e.g. { type = \"SGD\", lr = 0.1, momentum = 0.9 } "
                   "(\"adam\" and \"sgd\" are the numpy optimisers' tables, with their float32 values; other lower-case names, "
                   "\"rmsprop\", are torch.optim's; a 'model' takes \"Adam\" and \"SGD\" as well); any of them "
                   "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
                   "every param group before each update"),
-    "scheduler": ("table", "absent",
+    "scheduler": Key(SCHEDULER, help=
                   "a torch stage only (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
                   "and its keyword arguments, e.g. { type = \"StepLR\", step_size = 10, gamma = 0.5 }, stepped once "
                   "after each update (a training step) and checkpointed with the stage; not with the optimizer's "
                   "'schedule'. Refused: ReduceLROnPlateau (it needs a metric), LambdaLR and MultiplicativeLR (a "
                   "function), SequentialLR and ChainedScheduler (other schedulers)"),
-    "loss": ("string or table", "absent",
+    "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
              "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
              "NLLLoss (int64 class ids), MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss or BCEWithLogitsLoss "
              "(float32 targets shaped like the output); reduction \"mean\" or \"sum\""),
-    "metrics": ("array of strings", "[]",
+    "metrics": Key(NAMES, default=[], who=LAST, why=_SCORES, help=
                 "the last stage only: scores of each held-out evaluation besides the loss (and the accuracy a "
                 "loss of class ids reports anyway), reported as test_NAME like test_accuracy: for a loss of class "
                 "ids \"accuracy\", \"auc\", \"f1\", \"precision\", \"recall\" (two classes: of class 1; "
                 "more: the unweighted mean over classes, auc one-vs-rest), for a loss whose targets are shaped "
                 "like its output \"mse\", \"mae\" (scikit-learn's definitions; see the README)"),
-    "keep_best": ("string", "absent",
+    "keep_best": Key(SCORE, who=LAST, why=_SCORES, help=
                   "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
                   "'--save' writes instead of the last; the summary's best_step says which step"),
-    "early_stopping": ("table", "absent",
+    "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
                        "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0; "
                        "not with [clients]"),
-    "framework": ('"numpy" | "torch"', '"numpy" ("torch" with a module)',
+    "framework": Key(one_of(FRAMEWORKS), shown='"numpy" ("torch" with a module)', help=
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
-    "columns": ("array of integers", "absent (every column)",
+    "columns": Key(COLUMNS, shown="absent (every column)", who=COLUMN_OWNERS, help=
                 "the feature columns this stage takes from its data's features (indices into their last axis, in "
                 "this order): a feature party's own columns in a vertical experiment ('aggregate')"),
-    "bottom": ("array of layer tables", "absent",
+    "bottom": Key(BOTTOM, who=LAST, why="the label owner's own bottom model in a vertical experiment", help=
                "the last stage of a vertical experiment ('aggregate'): the label owner's own "
                "bottom model over its own feature 'columns' of its [data] (which then holds its columns and the "
                "labels); its output joins the parties' embeddings as one more party, after them, before 'model'; "
                "it learns from the gradient of its own embedding and its parameters are saved with the stage's. "
                "Layer tables (see Layers) for every kind of stage: a torch stage (framework \"torch\" or a "
                "'module') builds them in torch, before its layers or module"),
-    "privacy_meter": ("boolean", "false",
+    "privacy_meter": Key(FLAG, default=False, who=ENDS, help=
                       "private to this party: meter, live, what the other party could learn from what this stage "
                       "sends across the cut (the label owner: label recovery and AUCs from the gradient rows; the "
                       "data owner: the distance correlation of inputs and activations) over windows of "
                       "'eval_every' steps (else 50); sends and changes nothing (docs/privacy.md). Only the first and "
                       "the last stage; not with [clients] or 'aggregate'. '--privacy-meter' sets it"),
-    "device": ('"cpu" | "cuda" | "cuda:N"', '"cpu"',
+    "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
     # Defenses on what crosses the cut (distgrad.privacy, docs/privacy.md): this party's own settings.
-    "clip_noise": ("table", "absent",
+    "clip_noise": Key(None, kind="table", who=ENDS, checked_by=_DEFENSES, help=
                    "{ max_norm = C, sigma = s } (and optionally delta = d, default 1e-5): each row this stage sends "
                    "is scaled to norm at most C, then N(0, (s*C)^2) noise is added per element, after its own "
                    "computation and before the codec; the label owner's on the activation gradients it sends up "
                    "(its own parameter gradients stay exact; its summary reports the label-DP (epsilon, delta) of "
                    "the run), a data owner's on the activations it sends down (no DP guarantee stated). Training "
                    "steps only: evaluations and predictions cross undefended. Not on a middle stage"),
-    "max_norm": ("boolean", "false",
+    "max_norm": Key(None, kind="boolean", shown="false", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
                  "guarantee)"),
-    "label_dp": ("table", "absent",
+    "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: { epsilon = e }: k-ary randomized response applied once to its training class "
                  "labels before training (epsilon-label-DP, exactly); held-out labels stay true"),
-    "nopeek": ("table", "absent",
+    "nopeek": Key(None, kind="table", who=DATA_OWNERS, checked_by=_DEFENSES, help=
                "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
                "is added to the activation gradient it receives before its backward (no DP guarantee)"),
-    "marvell": ("table", "absent",
+    "marvell": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                 "the label owner of a two-class task (class ids 0 and 1): { bound = P }: Marvell (Li et al., "
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
@@ -197,22 +248,30 @@ _STAGE_COMMON: dict[str, Key] = {
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {
     **_STAGE_COMMON,
-    "output": ("array of integers", "absent",
+    "output": Key(SHAPE, who=MODULES_BEFORE_LAST, help=
                "a 'module' stage before the last: its per-row output shape (a stage file's interface says it)"),
 }
 
 STAGE_KEYS: dict[str, Key] = {
     **_STAGE_COMMON,
-    "seed": ("integer >= 0", "the interface's seed", "seed of this stage's initial values, private to its party"),
+    "seed": Key(whole(0), shown="the interface's seed", help="seed of this stage's initial values, private to its party"),
 }
 
-TABLES: list[tuple[str, dict[str, Key], str]] = [
-    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins)."),
-    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order."),
-    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's."),
+# The reference's tables: (title, keys, what the table is, who sets a key that does not say).
+TABLES: list[tuple[str, dict[str, Key], str, str]] = [
+    ("Combined experiment: top level", TOP_KEYS, "One file every stage reads (the built-ins).", "the file"),
+    ("Combined experiment: [[stages]]", COMBINED_STAGE_KEYS, "One table per stage, in order.", "any stage"),
+    ("Stage file: top level", STAGE_FILE_KEYS, "One file per party; no party needs another's.", "the party"),
     ("Stage file: [interface]", INTERFACE_KEYS,
-     "What the parties agree on; the handshake compares it field by field and names the one that differs."),
-    ("Stage file: [stage]", STAGE_KEYS, "This party's stage."),
+     "What the parties agree on; the handshake compares it field by field and names the one that differs.",
+     "every party, alike"),
+    ("Stage file: [stage]", STAGE_KEYS, "This party's stage.", "the party"),
+    ("[interface] activation", ACTIVATION_KEYS, "One table per cut, from the top: what crosses it.",
+     "every party, alike"),
+    ("[interface] target", TARGET_KEYS, "With labels = \"first\": the targets that travel with the activations.",
+     "every party, alike"),
+    ("[clients]", CLIENT_KEYS, "Several data owners of other rows share the serving stage: a table at a combined "
+                               "experiment's top level or in [interface].", "every party, alike"),
 ]
 
 # What each option of the registries means: the reference shows them next to each kind, layer and optimiser,
