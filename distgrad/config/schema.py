@@ -60,7 +60,7 @@ SHARED_KEYS: dict[str, Key] = {
                   "its updates of steps 1..t-1-S, and it applies its update of step t once the forward of step t+S "
                   "has been sent (S steps in flight; 0: lockstep). Deterministic: equal to --in-process with the "
                   "same S. Two stages and chains; not with [clients] or 'aggregate'. '--staleness' overrides it "
-                  "('--staleness auto', a flag only, chooses S from the link: README)"),
+                  "('--staleness auto', a flag only, chooses S from the link: docs/pipelining.md)"),
     "eval_every": Key(whole(0), default=0, help=
                    "every K steps, evaluate the held-out rows forward-only through every stage: loss, accuracy and "
                    "the last stage's 'metrics' go to the progress line, the metrics file, the plot and TensorBoard "
@@ -188,7 +188,7 @@ _STAGE_COMMON: dict[str, Key] = {
                 "loss of class ids reports anyway), reported as test_NAME like test_accuracy: for a loss of class "
                 "ids \"accuracy\", \"auc\", \"f1\", \"precision\", \"recall\" (two classes: of class 1; "
                 "more: the unweighted mean over classes, auc one-vs-rest), for a loss whose targets are shaped "
-                "like its output \"mse\", \"mae\" (scikit-learn's definitions; see the README)"),
+                "like its output \"mse\", \"mae\" (scikit-learn's definitions; see docs/watching.md)"),
     "keep_best": Key(SCORE, who=LAST, why=_SCORES, help=
                   "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
