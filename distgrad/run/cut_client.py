@@ -34,12 +34,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerBusy,
-                             PeerRejected, PeerTimeout, ProtocolError)
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected, PeerTimeout, ProtocolError)
 from distgrad.run import handshake
+from distgrad.run.protocol import evaluation_due, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
 from distgrad.stage.engine import combine_losses
+from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
@@ -198,7 +199,7 @@ class Cut:
             except PeerRejected as e:
                 if e.code == ErrorCode.ABORTED:
                     raise self._aborted(e) from e
-                if attempt or self.refused or e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
+                if attempt or self.refused or not shake_hands_again(e):
                     raise
                 # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
@@ -218,8 +219,7 @@ class Cut:
         """Whether the interface's ``eval_every`` asks for an evaluation after the steps applied: after every
         ``eval_every``-th step and the last, as the daemons evaluate (False while none is applied, and with
         ``eval_every = 0`` but after the last step)."""
-        done, every = self.applied, self.exp.eval_every
-        return done > 0 and (done == self.exp.steps or (every > 0 and done % every == 0))
+        return evaluation_due(self.applied, self.exp.steps, self.exp.eval_every)
 
     def evaluate(self, h: np.ndarray) -> dict[str, Any]:
         """Score the held-out rows with the label owner as it stands after the steps applied: send ``h``,
@@ -285,18 +285,16 @@ class Cut:
         """Send step ``k``'s micro-batches (all at once; with ``rows``, each with its row numbers) and
         collect their replies in order."""
         count = self.mbs
-        size = len(h) // count
         pending: dict[tuple[int, int], Message] = {}
         self.link.arrived.clear()
         self.senders.discard()              # a step sent again is coded from the same residuals
         for i in range(count):
-            part = h if count == 1 else h[i * size:(i + 1) * size]
             try:
-                tensors = self.senders.message_tensors(ACTIVATION, part, stream_name(ACTIVATION, i, count), k)
+                tensors = self.senders.message_tensors(ACTIVATION, micro_batch(h, i, count), stream_name(ACTIVATION, i, count), k)
             except CodecRangeError as e:
                 raise NonFiniteError(f"stage {self.side.stage}: {e}; nothing of step {k} was sent") from e
             if rows is not None:
-                tensors["rows"] = rows[i * size:(i + 1) * size]
+                tensors["rows"] = micro_batch(rows, i, count)
             msg = Message(wire.FORWARD, self.run_id, k, i, count, tensors=tensors)
             pending[(k, i)] = msg
             self.link.send(msg)

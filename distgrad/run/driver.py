@@ -28,11 +28,12 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import Interrupted, PeerBusy, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
+from distgrad.run.protocol import evaluation_due, shake_hands_again
 from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
 from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -354,7 +355,7 @@ class _Driver:
 
     def _evaluation_due(self, step: int) -> bool:
         """Evaluate after ``step``: every ``eval_every``-th step and the last, when rows are held out."""
-        return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
+        return self.holds_out and evaluation_due(step, self.steps, self.eval_every)
 
     def _after_step(self) -> None:
         """After each applied step: the evaluation when it is due (its verdicts may end the run here), then
@@ -484,7 +485,7 @@ class _Driver:
                 self.step_once()
                 self._after_step()
             except PeerRejected as e:
-                if e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
+                if not shake_hands_again(e):
                     raise
                 # The server restarted or lost our run: agree on a step again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
