@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import zmq
@@ -35,7 +35,7 @@ from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.run.protocol import evaluation_due, shake_hands_again
 from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
-from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
+from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import Traffic
@@ -292,25 +292,11 @@ class _Driver:
         self.in_flight[step] = (version, caches)
         self.pending[step] = pending
 
-    @contextlib.contextmanager
-    def _as_of(self, version: int, step: int) -> Iterator[None]:
-        """The stage as it computed step ``step``'s forward: its parameters after update ``version`` in place
-        of the live ones, and its step counter at ``step - 1`` (dropout masks, messages); both restored after."""
+    def _as_of(self, version: int, step: int) -> contextlib.AbstractContextManager[None]:
+        """The stage as it computed step ``step``'s forward: its parameters after update ``version``
+        (``stage.as_of``)."""
         stage = self.state.stage
-        live_step, params = stage.step, stage.params
-        old = self.state.history.at(version, stage)
-        saved = None if old is params else {name: value.copy() for name, value in params.items()}
-        try:
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = old[name]
-            stage.step = step - 1
-            yield
-        finally:
-            stage.step = live_step
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = saved[name]
+        return as_of(stage, self.state.history.at(version, stage), step)
 
     def _average(self, step: int) -> None:
         """SplitFed: send this client's parameters, take the mean of every client's in their place."""

@@ -27,7 +27,7 @@ from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
+from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
@@ -166,12 +166,8 @@ class _InFlight:
         """Step ``step``'s forward (the live parameters are those after update step-1-S) and the stages
         below it; returns the step's loss."""
         stage, count = self.engine.stage, self.micro_batches
-        live = stage.step
-        stage.step = step - 1                     # dropout masks of step ``step``
-        try:
+        with as_of(stage, None, step):            # dropout masks of step ``step``
             outputs = [stage.forward(micro_batch(features, i, count), i) for i in range(count)]
-        finally:
-            stage.step = live
         sent = [_cross(self.engine, ACTIVATION, y, i, count, step) for i, (y, _) in enumerate(outputs)]
         loss, dys = _below(self.below, step, sent, targets, count)
         self.sent[step] = (step - 1 - self.depth, [cache for _, cache in outputs], dys)
@@ -183,21 +179,10 @@ class _InFlight:
         version, caches, dys = self.sent.pop(step)
         version = max(version, 0)
         params = stage.params
-        saved = {name: value.copy() for name, value in params.items()} if version != stage.step else None
-        live = stage.step
-        try:
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = self.history[version][name]
-            stage.step = step - 1
+        with as_of(stage, self.history[version] if version != stage.step else None, step):
             for i in range(count):
                 _, grads = stage.backward(caches[i], dys[i], need_dx=False)
                 self.engine.add(i, count, grads)
-        finally:
-            stage.step = live
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = saved[name]
         self.history[stage.step] = {name: value.copy() for name, value in params.items()}
         for old in [u for u in self.history if u < stage.step + 1 - self.depth]:
             del self.history[old]
