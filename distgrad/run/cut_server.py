@@ -252,7 +252,7 @@ class CutServer:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
         ``ProtocolError`` to refuse it (nothing changes then)."""
         if msg.type == wire.PING:
-            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, self.run_id, self.step,
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
         if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:

@@ -56,7 +56,8 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.serving import announce, decode_and_handle
+from distgrad.run.protocol import decode_and_handle, pong
+from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
@@ -362,8 +363,7 @@ class PredictionServer:
 
     def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
         if msg.type == wire.PING:
-            return Message(wire.PONG, msg.run, msg.step, body={"stage": self.opts.stage, "purpose": "predict",
-                                                               "experiment": self.exp.name})
+            return pong(msg, self.opts.stage, self.exp.name, purpose="predict")
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
         if msg.type == wire.ERROR and msg.body.get("code") == ABORTED:

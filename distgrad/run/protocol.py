@@ -65,11 +65,10 @@ def refused_text(msg: Message | None, reply: Message) -> str:
 
 
 # -- ping
-def pong(msg: Message, stage: str, experiment: str, run: str, step: int, **fields: Any) -> Message:
-    """The answer to ping ``msg``: this ``stage`` of ``experiment``, the ``run`` it serves and its ``step``,
-    with what the end adds (``client_live``, the phase, ...)."""
-    return Message(wire.PONG, msg.run, msg.step, body={"stage": stage, "experiment": experiment, "run": run,
-                                                         "step": step, **fields})
+def pong(msg: Message, stage: str, experiment: str, **fields: Any) -> Message:
+    """The answer to ping ``msg``: this ``stage`` of ``experiment``, with what the end adds (a training
+    end: the ``run`` it serves, its ``step``, ``client_live``, ...; ``distgrad predict``: its ``purpose``)."""
+    return Message(wire.PONG, msg.run, msg.step, body={"stage": stage, "experiment": experiment, **fields})
 
 
 # -- the run's owner

@@ -223,8 +223,8 @@ class ServingStage:
         return earlier + replies + self.advance(now)
 
     def _pong(self, msg: Message, now: float) -> Message:
-        return pong(msg, self.opts.stage, self.exp.name, self.topology.pong_run(), self.topology.reported_step(),
-                    client_live=self.live(now), phase=self.phase.value,
+        return pong(msg, self.opts.stage, self.exp.name, run=self.topology.pong_run(),
+                    step=self.topology.reported_step(), client_live=self.live(now), phase=self.phase.value,
                     clients_active=sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now))
 
     def _seen(self, peer: Peer, now: float) -> None:
