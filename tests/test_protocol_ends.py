@@ -129,6 +129,8 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         refused(a, hello_message(end.exp, "a", eval_every=-1), ErrorCode.MALFORMED, "eval_every=")
         welcome = ask(a, hello_message(end.exp, "a"))
         assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1, welcome.body
+        refused(a, forward(end, "other", 1), ErrorCode.RUN, "forward for run 'other', expected run a")
+        refused(a, Message(wire.WELCOME, "a", 1), ErrorCode.TYPE, "does not accept 'welcome' messages")
         refused(a, forward(end, "a", 3), ErrorCode.STEP, "forward for step 3 micro-batch 0/1; expected step 1 "
                                                          "micro-batch 0/1")
         refused(a, forward(end, "a", 1, mb=0, mbs=2), ErrorCode.STEP, "expected step 1")

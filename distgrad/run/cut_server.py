@@ -53,7 +53,8 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
-                                   hello_fields, pong, prune_replies, refused_text, resent_evaluation)
+                                   hello_fields, not_accepted, pong, prune_replies, refused_text, resent_evaluation,
+                                   unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -265,8 +266,7 @@ class CutServer:
             self.heard, self.peer_envelope = time.monotonic(), envelope
             return None
         if not self.joined or msg.run != self.run_id:
-            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected "
-                                               f"{'run ' + self.run_id if self.joined else 'a hello first'}")
+            raise unknown_run(msg, f"run {self.run_id}" if self.joined else "a hello first")
         check_owner(self.owner, peer_key)
         out: Any = None
         if msg.type == wire.FORWARD:
@@ -279,7 +279,7 @@ class CutServer:
         elif msg.type == wire.EVALUATE:
             self.server.reply(envelope, self._evaluate(msg))
         else:
-            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+            raise not_accepted(msg)
         self.heard = time.monotonic()    # the data owner is heard by what is accepted (protocol.md: live)
         self.peer_envelope = envelope
         return out

@@ -56,7 +56,7 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.protocol import decode_and_handle, pong
+from distgrad.run.protocol import decode_and_handle, not_accepted, pong
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -376,7 +376,7 @@ class PredictionServer:
             return self._predict(session, msg)
         if msg.type == wire.BYE:
             return self._bye(session, msg, envelope)
-        raise ProtocolError(ErrorCode.TYPE, f"a prediction stage does not accept {msg.type!r} messages")
+        raise not_accepted(msg, "a prediction stage")
 
     def _aborted(self, msg: Message) -> None:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""

@@ -71,7 +71,18 @@ def pong(msg: Message, stage: str, experiment: str, **fields: Any) -> Message:
     return Message(wire.PONG, msg.run, msg.step, body={"stage": stage, "experiment": experiment, **fields})
 
 
-# -- the run's owner
+# -- whose run, and what a message may be
+def unknown_run(msg: Message, expected: str) -> ProtocolError:
+    """The refusal of ``msg`` of a run this end does not serve (``expected``: what it should have been)."""
+    return ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+
+
+def not_accepted(msg: Message, here: str = "a serving stage") -> ProtocolError:
+    """The refusal of ``msg``, whose type this end (``here``) never takes."""
+    return ProtocolError(ErrorCode.TYPE, f"{here} does not accept {msg.type!r} messages")
+
+
+
 def check_owner(owner: str, peer_key: str) -> None:
     """With CURVE a run belongs to the key that opened it (``owner``, "" in plaintext): a message from
     another key is refused (``ProtocolError``, code ``run``)."""

@@ -58,7 +58,8 @@ from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
-                                    hello_fields, log_refusal, pong, refusal, resent_evaluation)
+                                    hello_fields, log_refusal, not_accepted, pong, refusal,
+                                    resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -215,7 +216,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
         handler = self.handlers.get(msg.type)
         if handler is None:
-            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+            raise not_accepted(msg)
         replies = handler(peer, envelope, msg)
         if self.topology.hears_from(peer):
             self._seen(peer, now)
