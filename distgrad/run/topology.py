@@ -38,7 +38,7 @@ from distgrad.run import kept_replies
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
-from distgrad.run.protocol import check_owner, prune_replies, resent_evaluation
+from distgrad.run.protocol import check_owner, prune_replies, resent_evaluation, unknown_run
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -80,6 +80,14 @@ class Topology(abc.ABC):
         if held is None or held[0] != step:
             held = self.held_targets[index] = (step, self.serving.data[index].targets(step))
         return held[1]
+
+    def micro_targets(self, index: int, step: int, mb: int, mbs: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """The targets of micro-batch ``mb`` of ``mbs`` of step ``step`` in this stage's data of peer
+        ``index``: with ``send_rows``, those of the ``rows`` the peer sent (checked when received); else
+        the micro-batch's slice of the step's (``targets``)."""
+        if rows is not None:
+            return self.serving.data[index].targets_at(rows)
+        return micro_batch(self.targets(index, step), mb, mbs)
 
     def prefetch(self, index: int, step: int) -> None:
         """Look up step ``step``'s targets (``targets``) now, if this stage looks up peer ``index``'s at all
@@ -157,7 +165,7 @@ class Topology(abc.ABC):
             if peer.run == msg.run and s.active and peer.status is not PeerStatus.ABSENT:
                 self.runs[msg.run] = peer
                 return peer
-        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.expected_run()}")
+        raise unknown_run(msg, self.expected_run())
 
     @abc.abstractmethod
     def in_turn(self, peer: Peer) -> bool:
@@ -505,10 +513,8 @@ class Turns(Topology):
         if s.link is not None:
             return self._through(msg, x)
         target, rows = msg.tensors.get("target"), msg.tensors.get("rows")
-        if rows is not None:            # send_rows: the targets of the rows the peer sent (``check_rows``)
-            target = s.data[peer.index].targets_at(rows)
-        elif target is None:
-            target = micro_batch(self.targets(peer.index, msg.step), msg.mb, msg.mbs)
+        if rows is not None or target is None:      # else the peer sent them (the first stage holds labels)
+            target = self.micro_targets(peer.index, msg.step, msg.mb, msg.mbs, rows)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
         return mb_loss, dx, grads_later
