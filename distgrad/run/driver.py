@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import zmq
@@ -153,14 +153,18 @@ class _Driver:
         for i in range(window):
             self._send(step, i, batch, pending, caches)
         self._while_waiting(step)
-        for i in range(count):
-            loss, dy = self._reply(pending, step, i)
-            _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
-            engine.add(i, count, grads, loss)
-            if i + window < count:
-                self._send(step, i + window, batch, pending, caches)
+
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+            for i in range(count):          # each reply's backward, then the forward the window lets out
+                loss, dy = self._reply(pending, step, i)
+                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+                yield grads, loss
+                if i + window < count:
+                    self._send(step, i + window, batch, pending, caches)
+
         averaging = self.average_every and step % self.average_every == 0
-        self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
+        self.loss = engine.apply_step(step, count, micro_batches(),
+                                      between=(lambda: self._average(step)) if averaging else None)
 
     def _send(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None],
               pending: dict[tuple[int, int], Message], caches: dict[int, Any]) -> None:
@@ -234,15 +238,20 @@ class _Driver:
         step = done + 1
         version, caches = self.in_flight[step]
         pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
-        for i in range(count):
-            loss, dy = self._reply(pending, step, i)
-            del self.pending[step][(step, i)]
-            with self._as_of(version, step):
-                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
-            engine.add(i, count, grads, loss)
-        del self.in_flight[step], self.pending[step]
-        self.state.history.before_update(stage)
-        self.loss = engine.update(step, count)
+
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+            for i in range(count):          # each backward with the parameters its forward had
+                loss, dy = self._reply(pending, step, i)
+                del self.pending[step][(step, i)]
+                with self._as_of(version, step):
+                    _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+                yield grads, loss
+
+        def before_update() -> None:
+            del self.in_flight[step], self.pending[step]
+            self.state.history.before_update(stage)
+
+        self.loss = engine.apply_step(step, count, micro_batches(), before=before_update)
 
     def _probe_step(self) -> None:
         """``--staleness auto``: this stage's compute timed (``time_compute``), the fastest ping, then step 1 in
