@@ -20,11 +20,10 @@ from distgrad.cut import CutServer
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
-from distgrad.wire.keys import keygen, load_public, load_secret
 from distgrad.wire.messages import ErrorCode, Message
 from test_bad_input import UNDECODABLE
+from test_cut_hostile import ask, curve_keys, dealer, refused
 
-REPLY_MS = 5000          # a reply comes within this, even on a loaded machine
 LIVENESS_S = 2.0
 CUT_FIELDS = dict(name="protocol-ends", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
 
@@ -81,31 +80,10 @@ def end_kind(request) -> str:
 
 @pytest.fixture
 def dealers() -> Iterator[Callable[..., zmq.Socket]]:
+    """DEALER sockets to an end (``dealer`` of the cut library's hostile tests) in a context of their own."""
     ctx = zmq.Context()
-
-    def make(endpoint: str, **curve: Any) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        for option, value in curve.items():
-            sock.setsockopt(getattr(zmq, option), value)
-        sock.connect(endpoint)
-        return sock
-
-    yield make
+    yield lambda endpoint, **curve: dealer(ctx, endpoint, **curve)
     ctx.destroy(linger=0)
-
-
-def ask(sock: zmq.Socket, request: Any) -> Message:
-    sock.send_multipart(request if isinstance(request, list) else wire.encode(request))
-    assert sock.poll(REPLY_MS), f"no reply to {request}"
-    return wire.decode(sock.recv_multipart())
-
-
-def refused(sock: zmq.Socket, request: Any, code: str, text: str = "") -> str:
-    reply = ask(sock, request)
-    assert reply.type == wire.ERROR and reply.body["code"] == code, reply.body
-    assert text in reply.body["message"], reply.body
-    return reply.body["message"]
 
 
 def forward(end: End, run: str, step: int, h: np.ndarray | None = None, mb: int = 0, mbs: int = 1) -> Message:
@@ -157,13 +135,7 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
 def test_with_curve_every_serving_end_keeps_a_run_to_the_key_that_opened_it(end_kind, start_server, dealers,
                                                                             tmp_path):
     """Another allowed key may not drive the run, nor end it: refused with the same text at both ends."""
-    server_public, server_secret = keygen(tmp_path / "server", "g")
-    keys = {}
-    for name in ("owner", "other"):
-        _, secret = keygen(tmp_path / "clients", name)
-        public, secret_key = load_secret(secret)
-        keys[name] = dict(CURVE_SERVERKEY=load_public(server_public), CURVE_PUBLICKEY=public,
-                          CURVE_SECRETKEY=secret_key)
+    server_secret, keys = curve_keys(tmp_path, ("owner", "other"))
     if end_kind == "daemon":
         end = _daemon_end(start_server, "--curve-secret", str(server_secret), "--allow", str(tmp_path / "clients"))
     else:
