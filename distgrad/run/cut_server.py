@@ -52,9 +52,9 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
-                                   hello_fields, not_accepted, pong, prune_replies, refused_text, resent_evaluation,
-                                   unknown_run)
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+                                   decode_and_handle, hello_fields, is_abort_notice, not_accepted, pong,
+                                   prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -256,7 +256,7 @@ class CutServer:
             self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
-        if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:
+        if is_abort_notice(msg):
             self._aborted(msg, peer_key)
         if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
             self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
@@ -290,7 +290,7 @@ class CutServer:
         if (self.run_id and msg.run != self.run_id) or (self.owner and peer_key != self.owner):
             raise ProtocolError(ErrorCode.RUN, f"an aborted notice of run {wire.show(msg.run)}, not from the data "
                                                f"owner of run {self.run_id}")
-        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        reason = abort_reason(msg)
         self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
                                    f"{self.step} steps)")
         self.log.warning("%s", self.failure)

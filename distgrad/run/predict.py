@@ -56,7 +56,7 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.protocol import decode_and_handle, not_accepted, pong
+from distgrad.run.protocol import abort_reason, decode_and_handle, is_abort_notice, not_accepted, pong
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -366,7 +366,7 @@ class PredictionServer:
             return pong(msg, self.opts.stage, self.exp.name, purpose="predict")
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
-        if msg.type == wire.ERROR and msg.body.get("code") == ABORTED:
+        if is_abort_notice(msg):
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
@@ -380,7 +380,7 @@ class PredictionServer:
 
     def _aborted(self, msg: Message) -> None:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
-        text = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        text = abort_reason(msg)
         if self.link is not None:
             self.link.send(wire.error_message("", 0, ABORTED, text))
             self.aborted = True

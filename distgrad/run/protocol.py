@@ -130,6 +130,18 @@ def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
     return None
 
 
+# -- a peer that stopped
+def is_abort_notice(msg: Message) -> bool:
+    """``msg`` is a peer's notice that it stopped before the end (``wire.abort_notice``): an error message
+    with code ``aborted``, which is not a request and gets no reply."""
+    return msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED
+
+
+def abort_reason(msg: Message) -> str:
+    """Why the peer of abort notice ``msg`` stopped, as it said (cut to ``wire.ERROR_TEXT_MAX``)."""
+    return str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+
+
 # -- the end of a run
 def check_bye(msg: Message, steps: int, holder: str, complete: bool = True) -> None:
     """A bye must say the ``steps`` applied here (``holder``: who has them, for the message) and come

@@ -38,7 +38,8 @@ from distgrad.run import kept_replies
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
-from distgrad.run.protocol import check_owner, prune_replies, resent_evaluation, unknown_run
+from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, prune_replies, resent_evaluation,
+                                   unknown_run)
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -266,9 +267,9 @@ class Topology(abc.ABC):
         """An ``aborted`` notice (``wire.abort_notice``) from the peer whose run it is (the owner check is the
         serving stage's): it stopped before the end and says why (``aborted``). No reply: a notice is not a
         request. Any other error message is refused."""
-        if msg.body.get("code") != ErrorCode.ABORTED:
+        if not is_abort_notice(msg):
             raise ProtocolError(ErrorCode.TYPE, "a serving stage takes no error messages but an aborted notice")
-        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        reason = abort_reason(msg)
         self.serving.log.error("%s stopped before the end of its run: %s", self.name(peer), reason)
         self.aborted(peer, PeerAborted(reason))
         return []
