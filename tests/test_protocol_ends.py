@@ -109,6 +109,7 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1, welcome.body
         refused(a, forward(end, "other", 1), ErrorCode.RUN, "forward for run 'other', expected run a")
         refused(a, Message(wire.WELCOME, "a", 1), ErrorCode.TYPE, "does not accept 'welcome' messages")
+        refused(a, wire.abort_notice("other", "f", "not its run"), ErrorCode.RUN)   # stops no run but its own
         refused(a, forward(end, "a", 3), ErrorCode.STEP, "forward for step 3 micro-batch 0/1; expected step 1 "
                                                          "micro-batch 0/1")
         refused(a, forward(end, "a", 1, mb=0, mbs=2), ErrorCode.STEP, "expected step 1")
