@@ -8,7 +8,9 @@ version 5): the hello through ``run.handshake``, the requests, bounded waits
 and retries through ``wire.link.DownstreamLink`` (a request unanswered for
 ``timeout_s`` is resent on a fresh socket until ``peer_deadline_s``, then
 ``PeerTimeout``; the label owner answers a resent step from its cache), the
-codecs through ``wire.wirecodec.Senders``. docs/cut.md is the contract.
+codecs through ``wire.wirecodec.Senders``, and the rules it shares with the
+driver (when an evaluation is due, when a refusal calls for a new handshake)
+through ``run.protocol``. docs/cut.md is the contract.
 
 Steps are the caller's: ``step`` counts the steps this side has applied, and
 a loop resuming from its own checkpoint says where it stands

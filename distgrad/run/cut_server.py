@@ -20,7 +20,9 @@ and a checkpoint format that is the caller's: more code than this one-peer
 machine, which reuses the same mechanisms instead: ``wire.transport.Server``
 (bounded polls, CURVE, size limits), ``wire.messages.decode``,
 ``wire.wirecodec`` (codecs, error feedback), ``run.handshake.check_hello``
-(the interface compared field by field) and the protocol's replies. It serves
+(the interface compared field by field) and ``run.protocol``, the rules it
+shares with the daemons (refusals, ping, owner key, step order, the bye and its
+replay, the reply and evaluation caches), written once for both. It serves
 one data owner (no ``[clients]``), with the steps in flight its hello asks
 for (staleness: the replies of the last S+1 steps are kept); docs/cut.md is
 the contract.
