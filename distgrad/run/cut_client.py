@@ -36,9 +36,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected, PeerTimeout, ProtocolError)
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected,
+                             PeerTimeout, ProtocolError)
 from distgrad.run import handshake
-from distgrad.run.protocol import evaluation_due, shake_hands_again
+from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
 from distgrad.stage.engine import combine_losses
@@ -292,12 +293,11 @@ class Cut:
         self.senders.discard()              # a step sent again is coded from the same residuals
         for i in range(count):
             try:
-                tensors = self.senders.message_tensors(ACTIVATION, micro_batch(h, i, count), stream_name(ACTIVATION, i, count), k)
+                msg = forward_message(self.senders, self.run_id, k, i, count, micro_batch(h, i, count),
+                                      stream_name(ACTIVATION, i, count),
+                                      rows=None if rows is None else micro_batch(rows, i, count))
             except CodecRangeError as e:
                 raise NonFiniteError(f"stage {self.side.stage}: {e}; nothing of step {k} was sent") from e
-            if rows is not None:
-                tensors["rows"] = micro_batch(rows, i, count)
-            msg = Message(wire.FORWARD, self.run_id, k, i, count, tensors=tensors)
             pending[(k, i)] = msg
             self.link.send(msg)
         losses, grads = [], []

@@ -33,7 +33,7 @@ from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
-from distgrad.run.protocol import evaluation_due, shake_hands_again
+from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
 from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -201,12 +201,9 @@ class _Driver:
         count = self.opts.micro_batches
         y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
         # This stage computes on with ``y`` itself; only what crosses is coded.
-        tensors = self.state.senders.message_tensors(ACTIVATION, y, self.streams[i], step)
-        if targets is not None:
-            tensors["target"] = micro_batch(targets, i, count)
-        if rows is not None:
-            tensors["rows"] = micro_batch(rows, i, count)
-        return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
+        return forward_message(self.state.senders, self.state.run_id, step, i, count, y, self.streams[i],
+                               target=None if targets is None else micro_batch(targets, i, count),
+                               rows=None if rows is None else micro_batch(rows, i, count)), cache
 
     def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:
         """The loss and activation gradient of micro-batch ``i`` of step ``step`` (one of ``pending``, which

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping, TypeVar
 
+import numpy as np
+
 from distgrad.config.experiment import MAX_STALENESS
 from distgrad.errors import PeerBusy, PeerRejected, ProtocolError
 from distgrad.run.handshake import same_exactly
 from distgrad.wire import messages as wire
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import refusal_log
+from distgrad.wire.wirecodec import ACTIVATION, Senders
 
 OWNER_KEY_TEXT = "this run belongs to another client key"   # a run driven from a key other than its opener's
 TRAINS_TEXT = "this stage trains (start 'distgrad predict' on this side to predict)"   # a hello asking to predict
@@ -157,6 +160,17 @@ def bye_reply(msg: Message, steps: int) -> Message:
 
 
 # -- the driving end
+def forward_message(senders: Senders, run: str, step: int, mb: int, mbs: int, y: np.ndarray, stream: str,
+                    **travel: np.ndarray | None) -> Message:
+    """The forward of micro-batch ``mb`` of ``mbs`` of step ``step``: its activation ``y`` coded on
+    ``stream`` by ``senders`` (with error feedback), and what travels with it uncoded (``target``,
+    ``rows``: this micro-batch's; None: not sent). Raises ``CodecRangeError`` for a value the codec
+    cannot carry."""
+    tensors = senders.message_tensors(ACTIVATION, y, stream, step)
+    tensors.update({name: value for name, value in travel.items() if value is not None})
+    return Message(wire.FORWARD, run, step, mb, mbs, tensors=tensors)
+
+
 def evaluation_due(step: int, steps: int, every: int) -> bool:
     """Whether the held-out rows are scored after ``step`` of ``steps``: after every ``every``-th step
     (none when 0) and after the last."""
