@@ -9,7 +9,10 @@ one: a ``Peer`` per peer, each with an explicit ``PeerStatus``. What differs
 between these is its topology's (``topology.OnePeer``, ``topology.Clients``,
 ``parties.Parties``): who takes part in a step and in what order, what a
 hello must agree on, how the messages of a step and the evaluations combine,
-and what a rollback does.
+and what a rollback does. The rules it shares with the cut library's
+``CutServer`` and with ``distgrad predict`` (refusals, ping, the owner key,
+step order, the bye and its replay, the reply and evaluation caches) are
+``run.protocol``'s.
 
 Every step of the run (a *round*) the peers taking part send their forwards,
 in any order; this stage takes them in peer order (0, 1, ...), each peer's
