@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from distgrad.cut import Cut, CutServer
 from distgrad.errors import ConfigError, CutMisuse, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.wire import messages as wire
-from distgrad.wire.keys import keygen
+from distgrad.wire.keys import keygen, load_public, load_secret
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import MAX_FRAMES
 from test_bad_input import UNDECODABLE
@@ -57,6 +58,19 @@ def dealer(ctx: zmq.Context, endpoint: str, **curve) -> zmq.Socket:
         sock.setsockopt(getattr(zmq, option), value)
     sock.connect(endpoint)
     return sock
+
+
+def curve_keys(tmp_path: Path, clients: tuple[str, ...]) -> tuple[Path, dict[str, dict[str, bytes]]]:
+    """A server's secret key file and, by name, each client's DEALER socket options (its keys and the
+    server's public key); the clients' public keys are in ``tmp_path / "clients"``, the allow directory."""
+    server_public, server_secret = keygen(tmp_path / "server", "g")
+    keys = {}
+    for name in clients:
+        _, secret = keygen(tmp_path / "clients", name)
+        public, secret_key = load_secret(secret)
+        keys[name] = dict(CURVE_SERVERKEY=load_public(server_public), CURVE_PUBLICKEY=public,
+                          CURVE_SECRETKEY=secret_key)
+    return server_secret, keys
 
 
 def ask(sock: zmq.Socket, request) -> Message:
@@ -274,15 +288,7 @@ def test_a_cut_facing_a_label_owner_that_answers_badly_gets_a_clear_error_within
 @pytest.mark.integration
 def test_with_curve_the_run_belongs_to_the_key_that_opened_it(tmp_path):
     """protocol.md, *Owner*: another allowed key may not drive, rewind, end or replace the open run."""
-    from distgrad.wire.keys import load_public, load_secret
-
-    server_public, server_secret = keygen(tmp_path / "server", "g")
-    keys = {}
-    for name in ("f", "intruder"):
-        _, secret = keygen(tmp_path / "clients", name)
-        public, secret_key = load_secret(secret)
-        keys[name] = dict(CURVE_SERVERKEY=load_public(server_public), CURVE_PUBLICKEY=public,
-                          CURVE_SECRETKEY=secret_key)
+    server_secret, keys = curve_keys(tmp_path, ("f", "intruder"))
     ctx = zmq.Context()              # CURVE's authenticator is one per context
     server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, curve_secret=server_secret,
                             allow=tmp_path / "clients", ctx=ctx, **FIELDS)

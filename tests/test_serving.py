@@ -370,20 +370,28 @@ def test_one_driver_clients_and_parties_are_each_a_topology_class_inside_the_sam
     assert len(set(topologies.values())) == 3, topologies
 
 
-def test_the_serving_stage_is_in_parts_a_reader_can_hold():
-    """No class of the serving stage over 400 lines, no function over 55."""
-    import ast
-    from pathlib import Path
-    package = Path(__file__).resolve().parent.parent / "distgrad" / "run"
-    too_big = []
-    for module in ("serving", "topology", "parties", "peers", "accepts"):
-        for node in ast.walk(ast.parse((package / f"{module}.py").read_text())):
-            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                continue
-            size = node.end_lineno - node.lineno + 1
-            if size > (400 if isinstance(node, ast.ClassDef) else 55):
-                too_big.append(f"{module}.{node.name}: {size} lines")
-    assert not too_big, too_big
+def test_a_topology_decides_every_abstract_method_or_cannot_be_built():
+    """``Topology`` is an interface: a topology that leaves out one of its decisions (here, what a run lost
+    for good is told as) is refused when built, not found missing mid-run."""
+    import pytest
+    from distgrad.run.topology import OnePeer, Topology
+
+    assert {"join", "round_order", "in_turn", "advance_round", "advance_joining", "advance_evaluating",
+            "answer_evaluations", "tick", "lost_message", "completed_message"} <= Topology.__abstractmethods__
+
+    class Unfinished(OnePeer):
+        lost_message = Topology.lost_message
+
+    with pytest.raises(TypeError, match="lost_message"):
+        Unfinished(None, 1)
+
+
+def test_every_topology_answers_which_peers_are_missing():
+    """``missing_parties`` names the silent feature parties of a vertical run and is empty for one driver
+    and for clients in turn (it was an attribute error there)."""
+    for name in ("tanh-regression", "digits-clients"):
+        server, _ = _serving(name)
+        assert server.missing_parties(1e9) == [], name
 
 
 def _parties_toml(count: int) -> str:

@@ -8,7 +8,9 @@ version 5): the hello through ``run.handshake``, the requests, bounded waits
 and retries through ``wire.link.DownstreamLink`` (a request unanswered for
 ``timeout_s`` is resent on a fresh socket until ``peer_deadline_s``, then
 ``PeerTimeout``; the label owner answers a resent step from its cache), the
-codecs through ``wire.wirecodec.Senders``. docs/cut.md is the contract.
+codecs through ``wire.wirecodec.Senders``, and the rules it shares with the
+driver (when an evaluation is due, when a refusal calls for a new handshake)
+through ``run.protocol``. docs/cut.md is the contract.
 
 Steps are the caller's: ``step`` counts the steps this side has applied, and
 a loop resuming from its own checkpoint says where it stands
@@ -34,12 +36,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerBusy,
-                             PeerRejected, PeerTimeout, ProtocolError)
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerRejected,
+                             PeerTimeout, ProtocolError)
 from distgrad.run import handshake
+from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_run, check_state, check_step, cut_side)
 from distgrad.stage.engine import combine_losses
+from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.link import DownstreamLink, LinkSettings, check_evaluation, check_reply
@@ -198,7 +202,7 @@ class Cut:
             except PeerRejected as e:
                 if e.code == ErrorCode.ABORTED:
                     raise self._aborted(e) from e
-                if attempt or self.refused or e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
+                if attempt or self.refused or not shake_hands_again(e):
                     raise
                 # The label owner restarted or lost this run: shake hands again, then send the request again.
                 self.log.warning("%s; shaking hands again", e.peer_message)
@@ -218,8 +222,7 @@ class Cut:
         """Whether the interface's ``eval_every`` asks for an evaluation after the steps applied: after every
         ``eval_every``-th step and the last, as the daemons evaluate (False while none is applied, and with
         ``eval_every = 0`` but after the last step)."""
-        done, every = self.applied, self.exp.eval_every
-        return done > 0 and (done == self.exp.steps or (every > 0 and done % every == 0))
+        return evaluation_due(self.applied, self.exp.steps, self.exp.eval_every)
 
     def evaluate(self, h: np.ndarray) -> dict[str, Any]:
         """Score the held-out rows with the label owner as it stands after the steps applied: send ``h``,
@@ -285,19 +288,16 @@ class Cut:
         """Send step ``k``'s micro-batches (all at once; with ``rows``, each with its row numbers) and
         collect their replies in order."""
         count = self.mbs
-        size = len(h) // count
         pending: dict[tuple[int, int], Message] = {}
         self.link.arrived.clear()
         self.senders.discard()              # a step sent again is coded from the same residuals
         for i in range(count):
-            part = h if count == 1 else h[i * size:(i + 1) * size]
             try:
-                tensors = self.senders.message_tensors(ACTIVATION, part, stream_name(ACTIVATION, i, count), k)
+                msg = forward_message(self.senders, self.run_id, k, i, count, micro_batch(h, i, count),
+                                      stream_name(ACTIVATION, i, count),
+                                      rows=None if rows is None else micro_batch(rows, i, count))
             except CodecRangeError as e:
                 raise NonFiniteError(f"stage {self.side.stage}: {e}; nothing of step {k} was sent") from e
-            if rows is not None:
-                tensors["rows"] = rows[i * size:(i + 1) * size]
-            msg = Message(wire.FORWARD, self.run_id, k, i, count, tensors=tensors)
             pending[(k, i)] = msg
             self.link.send(msg)
         losses, grads = [], []

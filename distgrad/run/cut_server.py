@@ -20,7 +20,9 @@ and a checkpoint format that is the caller's: more code than this one-peer
 machine, which reuses the same mechanisms instead: ``wire.transport.Server``
 (bounded polls, CURVE, size limits), ``wire.messages.decode``,
 ``wire.wirecodec`` (codecs, error feedback), ``run.handshake.check_hello``
-(the interface compared field by field) and the protocol's replies. It serves
+(the interface compared field by field) and ``run.protocol``, the rules it
+shares with the daemons (refusals, ping, owner key, step order, the bye and its
+replay, the reply and evaluation caches), written once for both. It serves
 one data owner (no ``[clients]``), with the steps in flight its hello asks
 for (staleness: the replies of the last S+1 steps are kept); docs/cut.md is
 the contract.
@@ -51,9 +53,11 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
-from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.serving import hello_fields, log_refusal, refusal
-from distgrad.stage.stage import ROWS_DTYPE
+from distgrad.run.handshake import check_hello, common_step
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+                                   decode_and_handle, hello_fields, is_abort_notice, not_accepted, pong,
+                                   prune_replies, refused_text, resent_evaluation, unknown_run)
+from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
@@ -239,25 +243,22 @@ class CutServer:
         """``handle`` the received ``request``; a message it refuses (or that does not decode) gets the
         protocol's error reply, and None is returned."""
         envelope, frames, peer_key = request
-        msg: Message | None = None
-        try:
-            msg = wire.decode(frames, self.max_tensor)
-            return handle(envelope, msg, peer_key)
-        except ProtocolError as e:
-            log_refusal(self.log, msg, e)
-            self.refused = f"{msg.describe() if msg else 'an undecodable message'}: {e}"[:REFUSED_TEXT_MAX]
-            self.server.reply(envelope, refusal(msg, e))
-            return None
+        msg, out, refused = decode_and_handle(frames, self.max_tensor, lambda m: handle(envelope, m, peer_key),
+                                              self.log)
+        if not refused:
+            return out
+        self.refused = refused_text(msg, out)[:REFUSED_TEXT_MAX]
+        self.server.reply(envelope, out)
+        return None
 
     def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
         ``ProtocolError`` to refuse it (nothing changes then)."""
         if msg.type == wire.PING:
-            self.server.reply(envelope, Message(wire.PONG, msg.run, msg.step, body={
-                "stage": self.side.stage, "experiment": self.exp.name, "run": self.run_id, "step": self.step,
-                "client_live": time.monotonic() - self.heard < self.bounds.liveness_s}))
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
+                                             client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
-        if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:
+        if is_abort_notice(msg):
             self._aborted(msg, peer_key)
         if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
             self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
@@ -267,24 +268,20 @@ class CutServer:
             self.heard, self.peer_envelope = time.monotonic(), envelope
             return None
         if not self.joined or msg.run != self.run_id:
-            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected "
-                                               f"{'run ' + self.run_id if self.joined else 'a hello first'}")
-        if self.owner and peer_key != self.owner:
-            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+            raise unknown_run(msg, f"run {self.run_id}" if self.joined else "a hello first")
+        check_owner(self.owner, peer_key)
         out: Any = None
         if msg.type == wire.FORWARD:
             out = self._forward(envelope, msg)
         elif msg.type == wire.BYE:
-            if not same_exactly(msg.body.get("steps"), self.step) or self.next_mb:
-                raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(msg.body.get('steps'))} steps, but this "
-                                                    f"label owner has applied {self.step}")
-            self.bye, out = Message(wire.BYE, msg.run, msg.step, body={"steps": self.step}), _BYE
+            check_bye(msg, self.step, f"this label owner has applied {self.step}", complete=not self.next_mb)
+            self.bye, out = bye_reply(msg, self.step), _BYE
             self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
         elif msg.type == wire.EVALUATE:
             self.server.reply(envelope, self._evaluate(msg))
         else:
-            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+            raise not_accepted(msg)
         self.heard = time.monotonic()    # the data owner is heard by what is accepted (protocol.md: live)
         self.peer_envelope = envelope
         return out
@@ -295,7 +292,7 @@ class CutServer:
         if (self.run_id and msg.run != self.run_id) or (self.owner and peer_key != self.owner):
             raise ProtocolError(ErrorCode.RUN, f"an aborted notice of run {wire.show(msg.run)}, not from the data "
                                                f"owner of run {self.run_id}")
-        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        reason = abort_reason(msg)
         self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
                                    f"{self.step} steps)")
         self.log.warning("%s", self.failure)
@@ -306,10 +303,7 @@ class CutServer:
         that step again from its cache; anything else is refused naming both steps."""
         body = msg.body
         mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
-        if "purpose" in body:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this label "
-                                                    f"owner trains in its own loop and predicts nothing")
-        _, staleness = hello_fields(body)
+        _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
         held = body.get("held")
         common_step([], held)                                    # validates ``held``
         if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
@@ -320,8 +314,8 @@ class CutServer:
             busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
                              self.bounds.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
-        if self.owner and self.run_id == msg.run and peer_key != self.owner:
-            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if self.run_id == msg.run:
+            check_owner(self.owner, peer_key)
         if self.next_mb and mbs != self.mbs:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but step {self.step + 1} "
                                                     f"is under way here in {self.mbs}")
@@ -360,8 +354,8 @@ class CutServer:
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
                                                 f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
                                                 f"give the data owner's [data] test_fraction = 0")
-        if self.evaluation is not None and (self.evaluation.run, self.evaluation.step) == (msg.run, msg.step):
-            return self.evaluation
+        if (again := resent_evaluation(self.evaluation, msg)) is not None:
+            return again
         # With steps in flight the data owner evaluates after step k once it has applied k, by when this side
         # may have applied up to k + staleness (as the daemons and --in-process --staleness do).
         if not self.step + 1 - self.staleness <= msg.step <= self.step + 1 or self.next_mb:
@@ -389,9 +383,7 @@ class CutServer:
             self.server.reply(envelope, cached)      # a resent request: its reply again, computed once
             return None
         k = self.step + 1
-        if msg.step != k or msg.mb != self.next_mb or msg.mbs != self.mbs:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
-                                                f"expected step {k} micro-batch {self.next_mb}/{self.mbs}")
+        check_forward_order(msg, k, self.next_mb, self.mbs)
         if k > self.exp.steps:
             raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
         h = self._expected(self.mbs, self.exp.send_rows).receive(msg, self.exp.allow_nonfinite)
@@ -400,9 +392,7 @@ class CutServer:
             refuse_rows(self.side.data, msg, self.step_rows[:msg.mb])
             rows = np.array(msg.tensors["rows"])
         elif self.side.data is not None:
-            rows = self.side.rows(k)
-            size = len(rows) // self.mbs
-            rows = rows if self.mbs == 1 else rows[msg.mb * size:(msg.mb + 1) * size]
+            rows = micro_batch(self.side.rows(k), msg.mb, self.mbs)
         return Batch(k, msg.mb, self.mbs, h, rows, self, envelope)
 
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
@@ -437,7 +427,7 @@ class CutServer:
         if batch.last:
             self.step, self.next_mb, self.step_rows = batch.step, 0, []
             self.senders.commit()
-            self.cache = {key: value for key, value in self.cache.items() if key[0] >= self.step - self.staleness}
+            self.cache = prune_replies(self.cache, self.step - self.staleness)
         else:
             self.next_mb += 1
 

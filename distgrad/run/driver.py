@@ -28,13 +28,14 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import Interrupted, PeerBusy, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
 from distgrad.run.metering import Metering
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
+from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
-from distgrad.stage.stage import ROWS_DTYPE, backward_specs, micro_batch
+from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, Traffic
@@ -152,14 +153,18 @@ class _Driver:
         for i in range(window):
             self._send(step, i, batch, pending, caches)
         self._while_waiting(step)
-        for i in range(count):
-            loss, dy = self._reply(pending, step, i)
-            _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
-            engine.add(i, count, grads, loss)
-            if i + window < count:
-                self._send(step, i + window, batch, pending, caches)
+
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+            for i in range(count):          # each reply's backward, then the forward the window lets out
+                loss, dy = self._reply(pending, step, i)
+                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+                yield grads, loss
+                if i + window < count:
+                    self._send(step, i + window, batch, pending, caches)
+
         averaging = self.average_every and step % self.average_every == 0
-        self.loss = engine.update(step, count, between=(lambda: self._average(step)) if averaging else None)
+        self.loss = engine.apply_step(step, count, micro_batches(),
+                                      between=(lambda: self._average(step)) if averaging else None)
 
     def _send(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None],
               pending: dict[tuple[int, int], Message], caches: dict[int, Any]) -> None:
@@ -196,12 +201,9 @@ class _Driver:
         count = self.opts.micro_batches
         y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
         # This stage computes on with ``y`` itself; only what crosses is coded.
-        tensors = self.state.senders.message_tensors(ACTIVATION, y, self.streams[i], step)
-        if targets is not None:
-            tensors["target"] = micro_batch(targets, i, count)
-        if rows is not None:
-            tensors["rows"] = micro_batch(rows, i, count)
-        return Message(wire.FORWARD, self.state.run_id, step, i, self.opts.micro_batches, tensors=tensors), cache
+        return forward_message(self.state.senders, self.state.run_id, step, i, count, y, self.streams[i],
+                               target=None if targets is None else micro_batch(targets, i, count),
+                               rows=None if rows is None else micro_batch(rows, i, count)), cache
 
     def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:
         """The loss and activation gradient of micro-batch ``i`` of step ``step`` (one of ``pending``, which
@@ -233,15 +235,20 @@ class _Driver:
         step = done + 1
         version, caches = self.in_flight[step]
         pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
-        for i in range(count):
-            loss, dy = self._reply(pending, step, i)
-            del self.pending[step][(step, i)]
-            with self._as_of(version, step):
-                _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
-            engine.add(i, count, grads, loss)
-        del self.in_flight[step], self.pending[step]
-        self.state.history.before_update(stage)
-        self.loss = engine.update(step, count)
+
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+            for i in range(count):          # each backward with the parameters its forward had
+                loss, dy = self._reply(pending, step, i)
+                del self.pending[step][(step, i)]
+                with self._as_of(version, step):
+                    _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
+                yield grads, loss
+
+        def before_update() -> None:
+            del self.in_flight[step], self.pending[step]
+            self.state.history.before_update(stage)
+
+        self.loss = engine.apply_step(step, count, micro_batches(), before=before_update)
 
     def _probe_step(self) -> None:
         """``--staleness auto``: this stage's compute timed (``time_compute``), the fastest ping, then step 1 in
@@ -291,25 +298,11 @@ class _Driver:
         self.in_flight[step] = (version, caches)
         self.pending[step] = pending
 
-    @contextlib.contextmanager
-    def _as_of(self, version: int, step: int) -> Iterator[None]:
-        """The stage as it computed step ``step``'s forward: its parameters after update ``version`` in place
-        of the live ones, and its step counter at ``step - 1`` (dropout masks, messages); both restored after."""
+    def _as_of(self, version: int, step: int) -> contextlib.AbstractContextManager[None]:
+        """The stage as it computed step ``step``'s forward: its parameters after update ``version``
+        (``stage.as_of``)."""
         stage = self.state.stage
-        live_step, params = stage.step, stage.params
-        old = self.state.history.at(version, stage)
-        saved = None if old is params else {name: value.copy() for name, value in params.items()}
-        try:
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = old[name]
-            stage.step = step - 1
-            yield
-        finally:
-            stage.step = live_step
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = saved[name]
+        return as_of(stage, self.state.history.at(version, stage), step)
 
     def _average(self, step: int) -> None:
         """SplitFed: send this client's parameters, take the mean of every client's in their place."""
@@ -354,7 +347,7 @@ class _Driver:
 
     def _evaluation_due(self, step: int) -> bool:
         """Evaluate after ``step``: every ``eval_every``-th step and the last, when rows are held out."""
-        return self.holds_out and ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps)
+        return self.holds_out and evaluation_due(step, self.steps, self.eval_every)
 
     def _after_step(self) -> None:
         """After each applied step: the evaluation when it is due (its verdicts may end the run here), then
@@ -501,7 +494,7 @@ class _Driver:
                 self.step_once()
                 self._after_step()
             except PeerRejected as e:
-                if e.code not in (ErrorCode.RUN, ErrorCode.STEP) or isinstance(e, PeerBusy):
+                if not shake_hands_again(e):
                     raise
                 # The server restarted or lost our run: agree on a step again.
                 self.log.warning("%s; shaking hands again", e.peer_message)

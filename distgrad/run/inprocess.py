@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping, Sequence
+from typing import AbstractSet, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -23,11 +23,12 @@ from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, metered, privacy_budget, row_defense
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
+from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, average_parameters, check_parameter_files, make_save_dir, micro_batch,
+from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
@@ -102,10 +103,8 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     outputs = [first.stage.forward(x, i) for i, x in enumerate(rows)]
     sent = [_cross(first, ACTIVATION, y, i, micro_batches, step) for i, (y, _) in enumerate(outputs)]
     loss, dys = _below(engines[1:], step, sent, targets, micro_batches, client)
-    for i, ((_, cache), dy) in enumerate(zip(outputs, dys)):
-        _, grads = first.stage.backward(cache, dy, need_dx=False)
-        first.add(i, micro_batches, grads)
-    first.update(step, micro_batches, client=client)
+    first.apply_step(step, micro_batches, ((first.stage.backward(cache, dy, need_dx=False)[1], None)
+                                           for (_, cache), dy in zip(outputs, dys)), client=client)
     return loss
 
 
@@ -166,12 +165,8 @@ class _InFlight:
         """Step ``step``'s forward (the live parameters are those after update step-1-S) and the stages
         below it; returns the step's loss."""
         stage, count = self.engine.stage, self.micro_batches
-        live = stage.step
-        stage.step = step - 1                     # dropout masks of step ``step``
-        try:
+        with as_of(stage, None, step):            # dropout masks of step ``step``
             outputs = [stage.forward(micro_batch(features, i, count), i) for i in range(count)]
-        finally:
-            stage.step = live
         sent = [_cross(self.engine, ACTIVATION, y, i, count, step) for i, (y, _) in enumerate(outputs)]
         loss, dys = _below(self.below, step, sent, targets, count)
         self.sent[step] = (step - 1 - self.depth, [cache for _, cache in outputs], dys)
@@ -183,21 +178,10 @@ class _InFlight:
         version, caches, dys = self.sent.pop(step)
         version = max(version, 0)
         params = stage.params
-        saved = {name: value.copy() for name, value in params.items()} if version != stage.step else None
-        live = stage.step
-        try:
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = self.history[version][name]
-            stage.step = step - 1
+        with as_of(stage, self.history[version] if version != stage.step else None, step):
             for i in range(count):
                 _, grads = stage.backward(caches[i], dys[i], need_dx=False)
                 self.engine.add(i, count, grads)
-        finally:
-            stage.step = live
-            if saved is not None:
-                for name, value in params.items():
-                    value[...] = saved[name]
         self.history[stage.step] = {name: value.copy() for name, value in params.items()}
         for old in [u for u in self.history if u < stage.step + 1 - self.depth]:
             del self.history[old]
@@ -298,11 +282,6 @@ def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.nd
     return labels.targets_at(rows), labels.features_at(rows) if exp.own_bottom else None
 
 
-def _due(step: int, steps: int, eval_every: int) -> bool:
-    """Evaluate after ``step``: every ``eval_every``-th step and the last (as the driving stage does)."""
-    return (eval_every > 0 and step % eval_every == 0) or step == steps
-
-
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
                      files: _ParameterFiles, eval_every: int) -> dict[str, Any]:
@@ -337,7 +316,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                 for name, value in mean.items():
                     client.params[name][...] = value
         lines.flush()
-        if _due(step, steps, eval_every):
+        if evaluation_due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
                     scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
@@ -371,6 +350,124 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
 
 
 @one_compute_thread()
+class _Reference:
+    """The stages of an experiment with one data owner (or vertical parties) in this process, stepped and
+    evaluated as the stage processes of ``distgrad run`` step and evaluate them: ``train`` runs the steps
+    (``applied``) and scores the held-out rows when due (``evaluate``), ``save`` writes the parameters,
+    ``summary`` is what ``train_in_process`` returns. The settings are checked by the caller."""
+
+    def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
+                 files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
+                 privacy_meter: bool) -> None:
+        self.exp, self.steps, self.seed, self.files, self.lines = exp, steps, seed, files, lines
+        self.micro_batches, self.staleness, self.eval_every = micro_batches, staleness, eval_every
+        self.stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
+        # With steps in flight the stages below run ahead of the first: their trace parts are copied when
+        # written, and a step's line is written once the first stage has applied it.
+        self.engines = _engines(self.stages, exp, lines, shared_last=False, seed=seed, copied=bool(staleness))
+        self.in_flight = (_InFlight(self.engines[0], self.engines[1:], staleness, micro_batches) if staleness
+                          else None)
+        self.owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
+        self.data = self.owners[0]
+        self.labels = exp.build_data(seed, stage=exp.label_owner)
+        self.holds_out = len(self.data.test_rows) > 0
+        self.meters = [Metering(meter_kind(exp, stage.name), engine,
+                                self.labels.true_targets if stage is self.stages[-1] else self.data.features,
+                                eval_every if self.holds_out else 0, steps)
+                       for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
+        self.spec = exp.spec(exp.stage_names[-1])
+        self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
+        self.loss: float | None = None
+        self.evaluation: dict[str, Any] | None = None
+        self.evaluations: list[dict[str, Any]] = []
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+
+    def applied(self) -> Iterator[int]:
+        """Run the steps, yielding each once every stage has applied it (``loss``: its loss). With S steps
+        in flight the first stage sends the forward of step t+S before its backward and update of step t,
+        as the driver does."""
+        exp, data, labels, steps, depth = self.exp, self.data, self.labels, self.steps, self.staleness
+        losses: dict[int, float | None] = {}
+        for step in range(1, steps + 1 if self.in_flight is None else steps + depth + 1):
+            if self.in_flight is not None:
+                if step <= steps:
+                    losses[step] = self.in_flight.send(step, data.features(step),
+                                                       _labelled(exp, data, labels, step)[0])
+                step -= depth
+                if step < 1:
+                    continue
+                self.in_flight.complete(step)
+                self.loss = losses.pop(step)
+            elif exp.vertical:
+                targets, own = _labelled(exp, data, labels, step)
+                self.loss = _vertical_step(self.engines[:-1], self.engines[-1], exp, step,
+                                           [d.features(step) for d in self.owners], own, targets, self.micro_batches)
+            else:
+                self.loss = _step(self.engines, step, data.features(step), _labelled(exp, data, labels, step)[0],
+                                  self.micro_batches)
+            yield step
+
+    def train(self) -> None:
+        """Every step, each step's trace line and log line, and the evaluations when due; early stopping
+        ends the run at the step it judges (``steps`` becomes that step)."""
+        log_every = max(1, self.steps // 10)
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        for step in self.applied():
+            self.lines.flush(upto=step)
+            if step % log_every == 0 or step == self.steps:
+                log.info("step %d/%d loss %.6g", step, self.steps, self.loss)
+            if self.holds_out and evaluation_due(step, self.steps, self.eval_every) and self.evaluate(step):
+                log.info("early stopping after step %d", step)
+                self.steps = step
+                break
+
+    def evaluate(self, step: int) -> bool:
+        """Score the held-out rows after ``step`` (with keep_best, a new best step's parameters are saved);
+        True when early stopping ends the run there."""
+        exp, (*upstream, last) = self.exp, self.stages
+        self.evaluation = (_evaluate_vertical(upstream, last, exp, self.owners, self.labels, step) if exp.vertical
+                           else _evaluate(upstream, last, self.data, self.labels, Senders(exp.codecs), step,
+                                          self.spec.metrics))
+        self.evaluations.append(evaluation_entry(step, self.evaluation))
+        log.info("step %d: test loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
+        if not self.selection.active:
+            return False
+        verdict = self.selection.judge(step, evaluation_fields(self.evaluation), step == self.steps)
+        if self.verdicts.note(step, verdict):
+            self.save_all()                 # keep_best: --save writes every stage's of this step
+        return bool(verdict.get("stop"))
+
+    def save_all(self) -> None:
+        for stage in self.stages:
+            self.files.save(stage, stage.name)
+
+    def save(self) -> None:
+        """After the run: every stage's parameters (unless keep_best saved those of the best step)."""
+        if not (self.spec.keep_best and self.verdicts.best_step):
+            self.save_all()
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary (``train_in_process`` says what it holds)."""
+        exp, steps, evaluations = self.exp, self.steps, self.evaluations
+        return {
+            "experiment": exp.name,
+            "steps": steps,
+            "seed": self.seed,
+            "micro_batches": self.micro_batches,
+            "final_loss": float(self.loss) if self.loss is not None else None,
+            "elapsed_s": time.perf_counter() - self.started,
+            "cpu_s": time.process_time() - self.cpu_started,
+            "mode": "in-process",
+            **evaluation_fields(self.evaluation),
+            **({"evaluations": evaluations} if self.holds_out else {}),
+            **self.verdicts.summary(),
+            **best_evaluation_fields(evaluations, self.verdicts.best_step),
+            **privacy_budget(exp, exp.stage_names, steps, self.seed),
+            **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
+            "params": {s.name: to_lists(s.params) for s in self.stages},
+        }
+
+
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
@@ -418,79 +515,10 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         lines = _TraceLines(trace)
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
-        stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
-        # With steps in flight the stages below run ahead of the first: their trace parts are copied when
-        # written, and a step's line is written once the first stage has applied it.
-        engines = _engines(stages, exp, lines, shared_last=False, seed=seed, copied=bool(staleness))
-        in_flight = _InFlight(engines[0], engines[1:], staleness, micro_batches) if staleness else None
-        owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
-        data = owners[0]
-        labels = exp.build_data(seed, stage=exp.label_owner)
-        meters = [Metering(meter_kind(exp, stage.name), engine,
-                           labels.true_targets if stage is stages[-1] else data.features,
-                           eval_every if len(data.test_rows) else 0, steps)
-                  for stage, engine in zip(stages, engines) if metered(exp, stage.name, privacy_meter)]
-        *upstream, last = stages
-        loss, losses = None, {}
-        log_every = max(1, steps // 10)
-        evaluation, evaluations = None, []
-        spec = exp.spec(exp.stage_names[-1])
-        selection, verdicts = Selection(spec.keep_best, spec.early_stopping), Verdicts()
-        started, cpu_started = time.perf_counter(), time.process_time()
-        for step in range(1, steps + 1 if in_flight is None else steps + staleness + 1):
-            if in_flight is not None:
-                # The forward of step t+S, then the backward and update of step t (as the driver does).
-                if step <= steps:
-                    losses[step] = in_flight.send(step, data.features(step), _labelled(exp, data, labels, step)[0])
-                step -= staleness
-                if step < 1:
-                    continue
-                in_flight.complete(step)
-                loss = losses.pop(step)
-            elif exp.vertical:
-                targets, own = _labelled(exp, data, labels, step)
-                loss = _vertical_step(engines[:-1], engines[-1], exp, step, [d.features(step) for d in owners],
-                                      own, targets, micro_batches)
-            else:
-                loss = _step(engines, step, data.features(step), _labelled(exp, data, labels, step)[0],
-                             micro_batches)
-            lines.flush(upto=step)
-            if step % log_every == 0 or step == steps:
-                log.info("step %d/%d loss %.6g", step, steps, loss)
-            if len(data.test_rows) and _due(step, steps, eval_every):
-                evaluation = (_evaluate_vertical(upstream, last, exp, owners, labels, step) if exp.vertical
-                              else _evaluate(upstream, last, data, labels, Senders(exp.codecs), step, spec.metrics))
-                evaluations.append(evaluation_entry(step, evaluation))
-                log.info("step %d: test loss %.6g%s", step, evaluation["loss"], scores_text(evaluations[-1]))
-                if selection.active:
-                    verdict = selection.judge(step, evaluation_fields(evaluation), step == steps)
-                    if verdicts.note(step, verdict):
-                        for stage in stages:        # keep_best: --save writes every stage's of this step
-                            files.save(stage, stage.name)
-                    if verdict.get("stop"):
-                        log.info("early stopping after step %d", step)
-                        steps = step
-                        break
-    if not (spec.keep_best and verdicts.best_step):
-        for stage in stages:
-            files.save(stage, stage.name)
-    summary = {
-        "experiment": exp.name,
-        "steps": steps,
-        "seed": seed,
-        "micro_batches": micro_batches,
-        "final_loss": float(loss) if loss is not None else None,
-        "elapsed_s": time.perf_counter() - started,
-        "cpu_s": time.process_time() - cpu_started,
-        "mode": "in-process",
-        **evaluation_fields(evaluation),
-        **({"evaluations": evaluations} if len(data.test_rows) else {}),
-        **verdicts.summary(),
-        **best_evaluation_fields(evaluations, verdicts.best_step),
-        **privacy_budget(exp, exp.stage_names, steps, seed),
-        **{key: value for metering in meters for key, value in metering.summary_fields().items()},
-        "params": {s.name: to_lists(s.params) for s in stages},
-    }
+        run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter)
+        run.train()
+    run.save()
+    summary = run.summary()
     if "privacy" in summary:
         log.info("privacy after %d steps: %s", steps, budget_text(summary["privacy"]))
     if summary_path is not None:

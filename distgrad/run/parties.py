@@ -240,10 +240,9 @@ class Parties(Topology):
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
-                target = micro_batch(self.targets(0, step), mb, mbs)
-            else:           # send_rows: the label owner's own columns and targets of the rows the parties sent
+            else:           # send_rows: the label owner's own columns of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
-                target = s.data[0].targets_at(rows)
+            target = self.micro_targets(0, step, mb, mbs, rows)
             z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)

@@ -56,7 +56,8 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.serving import announce, decode_and_handle
+from distgrad.run.protocol import abort_reason, decode_and_handle, is_abort_notice, not_accepted, pong
+from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
@@ -362,11 +363,10 @@ class PredictionServer:
 
     def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
         if msg.type == wire.PING:
-            return Message(wire.PONG, msg.run, msg.step, body={"stage": self.opts.stage, "purpose": "predict",
-                                                               "experiment": self.exp.name})
+            return pong(msg, self.opts.stage, self.exp.name, purpose="predict")
         if msg.type == wire.HELLO:
             return self._hello(msg, now)
-        if msg.type == wire.ERROR and msg.body.get("code") == ABORTED:
+        if is_abort_notice(msg):
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
@@ -376,11 +376,11 @@ class PredictionServer:
             return self._predict(session, msg)
         if msg.type == wire.BYE:
             return self._bye(session, msg, envelope)
-        raise ProtocolError(ErrorCode.TYPE, f"a prediction stage does not accept {msg.type!r} messages")
+        raise not_accepted(msg, "a prediction stage")
 
     def _aborted(self, msg: Message) -> None:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
-        text = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        text = abort_reason(msg)
         if self.link is not None:
             self.link.send(wire.error_message("", 0, ABORTED, text))
             self.aborted = True

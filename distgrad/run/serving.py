@@ -9,7 +9,10 @@ one: a ``Peer`` per peer, each with an explicit ``PeerStatus``. What differs
 between these is its topology's (``topology.OnePeer``, ``topology.Clients``,
 ``parties.Parties``): who takes part in a step and in what order, what a
 hello must agree on, how the messages of a step and the evaluations combine,
-and what a rollback does.
+and what a rollback does. The rules it shares with the cut library's
+``CutServer`` and with ``distgrad predict`` (refusals, ping, the owner key,
+step order, the bye and its replay, the reply and evaluation caches) are
+``run.protocol``'s.
 
 Every step of the run (a *round*) the peers taking part send their forwards,
 in any order; this stage takes them in peer order (0, 1, ...), each peer's
@@ -51,23 +54,27 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.config.experiment import MAX_STALENESS, is_whole
-from distgrad.run.handshake import same_exactly
+from distgrad.config.experiment import is_whole
 from distgrad.run.metering import Metering, NoMetering
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
+from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
+                                    hello_fields, log_refusal, not_accepted, pong, refusal,
+                                    resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.run.topology import Clients, OnePeer, Topology
-from distgrad.wire.transport import POLL_TICK_S, Server, refusal_log
+from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT, stream_name
 
-__all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "log_refusal", "refusal", "serve"]
+# ``decode_and_handle``, ``hello_fields``, ``log_refusal`` and ``refusal`` are the protocol core's, named here too.
+__all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "hello_fields", "log_refusal",
+           "refusal", "serve"]
 
 
 
@@ -202,8 +209,7 @@ class ServingStage:
         if (resent := self.topology.resent_reply(msg, peer_key)) is not None:   # answered before: the same reply
             return earlier + [(envelope, resent)]
         peer = self.topology.peer_of(msg)
-        if peer.owner and peer_key != peer.owner:
-            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        check_owner(peer.owner, peer_key)
         if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
             raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.round}: "
                                                f"{self.topology.name(peer)} must say hello again")
@@ -213,7 +219,7 @@ class ServingStage:
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
         handler = self.handlers.get(msg.type)
         if handler is None:
-            raise ProtocolError(ErrorCode.TYPE, f"a serving stage does not accept {msg.type!r} messages")
+            raise not_accepted(msg)
         replies = handler(peer, envelope, msg)
         if self.topology.hears_from(peer):
             self._seen(peer, now)
@@ -221,10 +227,9 @@ class ServingStage:
         return earlier + replies + self.advance(now)
 
     def _pong(self, msg: Message, now: float) -> Message:
-        return Message(wire.PONG, msg.run, msg.step, body={
-            "stage": self.opts.stage, "experiment": self.exp.name, "run": self.topology.pong_run(),
-            "step": self.topology.reported_step(), "client_live": self.live(now), "phase": self.phase.value,
-            "clients_active": sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now)})
+        return pong(msg, self.opts.stage, self.exp.name, run=self.topology.pong_run(),
+                    step=self.topology.reported_step(), client_live=self.live(now), phase=self.phase.value,
+                    clients_active=sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now))
 
     def _seen(self, peer: Peer, now: float) -> None:
         self.topology.seen(peer)
@@ -279,18 +284,15 @@ class ServingStage:
             return []
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
-        if msg.step != peer.step + 1 or msg.mbs != peer.mbs or msg.mb != expected:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
-                                                f"expected step {peer.step + 1} micro-batch {expected}/{peer.mbs}")
+        check_forward_order(msg, peer.step + 1, expected, peer.mbs)
         self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
-        if self.steps is not None and peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (
-                msg.run, msg.step):
-            return [(envelope, peer.evaluated)]           # resent: the same scores
+        if self.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
+            return [(envelope, again)]                    # resent: the same scores
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
         # (``round_done``), else once every round is done.
         peer.evaluate = msg
@@ -298,10 +300,7 @@ class ServingStage:
         return []
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        steps = msg.body.get("steps")
-        if not same_exactly(steps, peer.step):
-            raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(steps)} steps, but "
-                                                f"{self.topology.name(peer)} has {peer.step} here")
+        check_bye(msg, peer.step, f"{self.topology.name(peer)} has {peer.step} here")
         if self.link is not None:
             try:
                 self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step}))
@@ -310,7 +309,7 @@ class ServingStage:
         if peer.status is not PeerStatus.FINISHED:
             self.log.info("%s finished after %d steps", self.topology.name(peer), peer.step)
         peer.status = PeerStatus.FINISHED
-        reply = Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step})
+        reply = bye_reply(msg, peer.step)
         self.bye_replies[msg.run] = reply
         # The checkpoint and the summary (slow for a big model) are written by ``finish_run``
         # after this reply has left, so the driver never waits for them.
@@ -473,22 +472,6 @@ class ServingStage:
         return summary
 
 
-def hello_fields(body: dict[str, Any]) -> tuple[int, int]:
-    """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict."""
-    if "purpose" in body:
-        raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; this stage "
-                                                f"trains (start 'distgrad predict' on this side to predict)")
-    eval_every = body.get("eval_every", 0)
-    if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
-        raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
-                                                 f"integer >= 0")
-    staleness = body.get("staleness", 0)
-    if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
-        raise ProtocolError(ErrorCode.MALFORMED, f"hello has staleness={wire.show(staleness)}; expected an "
-                                                 f"integer from 0 to {MAX_STALENESS}")
-    return eval_every, staleness
-
-
 def topology_for(serving: ServingStage) -> Topology:
     """The topology of the stage ``serving`` (built as far as its ``exp`` and ``parties``): the feature
     parties of a vertical experiment (one party too when the label owner has its own ``bottom``: its embedding
@@ -514,34 +497,6 @@ def announce(server: Server, opts: StageOptions, ready_file: Path | None,
         tmp.replace(ready_file)
     if on_ready is not None:
         on_ready(server.endpoint)
-
-
-def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable[[Message], Any],
-                      log: logging.Logger) -> tuple[Message | None, Any, bool]:
-    """``(msg, handle(msg), False)`` for a request, or ``(msg or None, error reply, True)`` when
-    it cannot be decoded or ``handle`` refuses it (raises ``ProtocolError``); refusals are logged."""
-    msg: Message | None = None
-    try:
-        msg = wire.decode(frames, max_tensor_bytes)
-        return msg, handle(msg), False
-    except ProtocolError as e:
-        if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
-            log_refusal(log, msg, e)
-        return msg, refusal(msg, e), True
-
-
-def log_refusal(log: logging.Logger, msg: Message | None, error: ProtocolError) -> None:
-    """Log a refused message at WARNING through ``log``'s ``RefusalLog``: the first of its kind (message
-    type and error code) in an interval in full, the repeats as a count."""
-    refusal_log(log).note(f"{msg.type if msg else 'undecodable'} {error.code}", "refused %s: %.*s",
-                          msg.describe() if msg else "an undecodable message", wire.ERROR_TEXT_MAX, error)
-
-
-def refusal(msg: Message | None, error: ProtocolError) -> Message:
-    """The error reply to a refused message, echoing its ids when it could be decoded."""
-    if msg is None:
-        return wire.error_message("", 0, error.code, str(error.args[0]))
-    return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
 
 
 @one_compute_thread()

@@ -38,6 +38,8 @@ from distgrad.run import kept_replies
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
+from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, prune_replies, resent_evaluation,
+                                   unknown_run)
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -49,8 +51,10 @@ class Topology(abc.ABC):
 
     The defaults are those of a stage serving several peers that counts the
     run's steps itself (``Clients`` and ``Parties``); ``OnePeer`` overrides them.
-    Every topology decides the five abstract methods: how a peer joins, the order
-    of a round, whose turn it is, and how a round and the joining advance.
+    Every topology decides its abstract methods: how a peer joins, the order
+    of a round, whose turn it is, how a round, the joining and the evaluations
+    after a round advance, what a silent peer means, and how the end of a run
+    (completed or lost) is told.
     """
 
     def __init__(self, serving: Any, count: int) -> None:
@@ -77,6 +81,14 @@ class Topology(abc.ABC):
         if held is None or held[0] != step:
             held = self.held_targets[index] = (step, self.serving.data[index].targets(step))
         return held[1]
+
+    def micro_targets(self, index: int, step: int, mb: int, mbs: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """The targets of micro-batch ``mb`` of ``mbs`` of step ``step`` in this stage's data of peer
+        ``index``: with ``send_rows``, those of the ``rows`` the peer sent (checked when received); else
+        the micro-batch's slice of the step's (``targets``)."""
+        if rows is not None:
+            return self.serving.data[index].targets_at(rows)
+        return micro_batch(self.targets(index, step), mb, mbs)
 
     def prefetch(self, index: int, step: int) -> None:
         """Look up step ``step``'s targets (``targets``) now, if this stage looks up peer ``index``'s at all
@@ -154,7 +166,7 @@ class Topology(abc.ABC):
             if peer.run == msg.run and s.active and peer.status is not PeerStatus.ABSENT:
                 self.runs[msg.run] = peer
                 return peer
-        raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {self.expected_run()}")
+        raise unknown_run(msg, self.expected_run())
 
     @abc.abstractmethod
     def in_turn(self, peer: Peer) -> bool:
@@ -173,10 +185,12 @@ class Topology(abc.ABC):
     def advance_joining(self, now: float) -> bool:
         """Start the first round once its peers are there; False while it waits."""
 
+    @abc.abstractmethod
     def advance_evaluating(self, replies: list[Reply]) -> bool:
         """Answer the evaluations due after a round (adding the replies), then start the next round; False
         while one is missing."""
 
+    @abc.abstractmethod
     def answer_evaluations(self) -> list[Reply]:
         """The evaluations outside a round's end (one peer; every peer's after the last step) that can be
         answered now."""
@@ -253,9 +267,9 @@ class Topology(abc.ABC):
         """An ``aborted`` notice (``wire.abort_notice``) from the peer whose run it is (the owner check is the
         serving stage's): it stopped before the end and says why (``aborted``). No reply: a notice is not a
         request. Any other error message is refused."""
-        if msg.body.get("code") != ErrorCode.ABORTED:
+        if not is_abort_notice(msg):
             raise ProtocolError(ErrorCode.TYPE, "a serving stage takes no error messages but an aborted notice")
-        reason = str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+        reason = abort_reason(msg)
         self.serving.log.error("%s stopped before the end of its run: %s", self.name(peer), reason)
         self.aborted(peer, PeerAborted(reason))
         return []
@@ -273,6 +287,7 @@ class Topology(abc.ABC):
         self.serving.engine.reset()
 
     # -- liveness and the end of the run
+    @abc.abstractmethod
     def tick(self, now: float) -> list[Reply]:
         """React to the peers this stage waits for that stayed silent for ``liveness_s``; the replies that
         unblocks."""
@@ -282,8 +297,15 @@ class Topology(abc.ABC):
         return True
 
     def seen(self, peer: Peer) -> None:
-        """``peer`` sent a message (or said hello)."""
+        """``peer`` sent a message (or said hello); nothing to do by default (``OnePeer`` notes a lost peer back)."""
+        return None
 
+    def missing(self, now: float) -> list[Peer]:
+        """The peers a run waits for that have been silent for ``liveness_s`` (only ``Parties`` reports
+        them by name; none by default)."""
+        return []
+
+    @abc.abstractmethod
     def lost_message(self) -> str:
         """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
 
@@ -291,6 +313,7 @@ class Topology(abc.ABC):
         """The summary's status of a run given up as lost."""
         return "lost"
 
+    @abc.abstractmethod
     def completed_message(self, finished: dict[str, Any]) -> str:
         """The log line of a completed run."""
 
@@ -477,7 +500,7 @@ class Turns(Topology):
         micro-batch's gradients (and the update, after which the next step's targets are looked up)."""
         if msg.mb == 0:
             low = msg.step - peer.staleness
-            peer.cached = {k: v for k, v in peer.cached.items() if k[0] >= low}
+            peer.cached = prune_replies(peer.cached, low)
         self.serving.accumulate([peer], msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx)
         if msg.mb == msg.mbs - 1:
             self.prefetch(peer.index, msg.step + 1)
@@ -491,10 +514,8 @@ class Turns(Topology):
         if s.link is not None:
             return self._through(msg, x)
         target, rows = msg.tensors.get("target"), msg.tensors.get("rows")
-        if rows is not None:            # send_rows: the targets of the rows the peer sent (``check_rows``)
-            target = s.data[peer.index].targets_at(rows)
-        elif target is None:
-            target = micro_batch(self.targets(peer.index, msg.step), msg.mb, msg.mbs)
+        if rows is not None or target is None:      # else the peer sent them (the first stage holds labels)
+            target = self.micro_targets(peer.index, msg.step, msg.mb, msg.mbs, rows)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
         return mb_loss, dx, grads_later
@@ -626,8 +647,8 @@ class Clients(Turns):
         if msg.type == wire.AVERAGE:
             return peer.averaged if peer.averaged is not None and peer.averaged.step == msg.step else None
         if msg.type == wire.EVALUATE and s.phase is Phase.JOINING and msg.step == s.round + 1:
-            if peer.evaluated is not None and (peer.evaluated.run, peer.evaluated.step) == (msg.run, msg.step):
-                return peer.evaluated
+            if (again := resent_evaluation(peer.evaluated, msg)) is not None:
+                return again
             s.accepts.evaluation(peer.index, msg).receive(msg, s.exp.allow_nonfinite)
             peer.evaluate = msg
             return self.evaluation(peer)
@@ -736,8 +757,8 @@ class OnePeer(Turns):
 
     def check_owner(self, peer: Peer, msg: Message, peer_key: str) -> None:
         """With CURVE a run is the key that opened it; another key may start a new run."""
-        if peer.owner and peer_key != peer.owner and peer.run == msg.run:
-            raise ProtocolError(ErrorCode.RUN, "this run belongs to another client key")
+        if peer.run == msg.run:
+            check_owner(peer.owner, peer_key)
 
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
         """Its run again (both sides roll back to the newest step all hold), or a new run."""

@@ -27,7 +27,7 @@ equal to the in-process reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 
@@ -183,6 +183,25 @@ class StepEngine:
             self._losses.append(loss)
         if sent is not None and self.trace_sent and self.trace is not None:
             self._sent.append(sent)
+
+    def apply_step(self, step: int, mbs: int, micro_batches: Iterable[tuple[Grads, np.float32 | None]],
+                   before: Callable[[], None] | None = None, between: Callable[[], None] | None = None,
+                   client: int | None = None) -> float | None:
+        """Step ``step`` whole: the parameter gradients (and the loss, where this stage knows it) of each of
+        its ``mbs`` micro-batches, as ``micro_batches`` yields them in micro-batch order, added (``add``);
+        then ``before`` (if given) and the update (``update``, with ``between`` and ``client`` as there).
+        ``micro_batches`` may compute each one when it is asked for (a driver receives each reply and sends
+        the next forward in between). Raises ``ValueError`` (the step forgotten) when it yields another
+        number of micro-batches than ``mbs``."""
+        for mb, (grads, loss) in enumerate(micro_batches):
+            self.add(mb, mbs, grads, loss)
+        if self.done != mbs:
+            added = self.done
+            self.reset()
+            raise ValueError(f"step {step}: {added} micro-batches were added, expected {mbs}")
+        if before is not None:
+            before()
+        return self.update(step, mbs, between, client)
 
     def update(self, step: int, mbs: int, between: Callable[[], None] | None = None,
                client: int | None = None) -> float | None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -52,6 +53,26 @@ def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
         return array
     n = array.shape[0] // count
     return array[index * n:(index + 1) * n]
+
+
+@contextlib.contextmanager
+def as_of(stage: Any, params: Mapping[str, np.ndarray] | None, step: int) -> Iterator[None]:
+    """The stage as it computed step ``step``'s forward with steps in flight: ``params`` (its parameters
+    after an earlier update; None or the live ones: no swap) in place of the live ones, and its step
+    counter at ``step - 1`` (dropout masks, messages); both restored after, whatever happens."""
+    live_step, live = stage.step, stage.params
+    saved = None if params is None or params is live else {name: value.copy() for name, value in live.items()}
+    try:
+        if saved is not None:
+            for name, value in live.items():
+                value[...] = params[name]
+        stage.step = step - 1
+        yield
+    finally:
+        stage.step = live_step
+        if saved is not None:
+            for name, value in live.items():
+                value[...] = saved[name]
 
 
 def micro_shape(shape: tuple[int, ...], count: int) -> tuple[int, ...]:

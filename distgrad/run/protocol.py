@@ -1,0 +1,183 @@
+"""The rules of the protocol that every end of a cut shares, each written once.
+
+A serving end (the serving stage of a daemon, the cut library's
+``CutServer``, ``distgrad predict``) and a driving end (the driver of a
+daemon, the cut library's ``Cut``) follow the same rules whatever hosts them:
+how a message is decoded or refused, what a pong says, whose key a run is,
+the order of a step's forwards, the bye and its replay, which replies and
+evaluations are answered again from a cache, when an evaluation is due and
+when a refusal calls for a new handshake. docs/protocol.md states them; this
+module is where the code that follows them lives, so a hostile-peer fix is
+made here once and holds at every end.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, TypeVar
+
+import numpy as np
+
+from distgrad.config.experiment import MAX_STALENESS
+from distgrad.errors import PeerBusy, PeerRejected, ProtocolError
+from distgrad.run.handshake import same_exactly
+from distgrad.wire import messages as wire
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.transport import refusal_log
+from distgrad.wire.wirecodec import ACTIVATION, Senders
+
+OWNER_KEY_TEXT = "this run belongs to another client key"   # a run driven from a key other than its opener's
+TRAINS_TEXT = "this stage trains (start 'distgrad predict' on this side to predict)"   # a hello asking to predict
+
+Cached = TypeVar("Cached")
+
+
+# -- refusals
+def decode_and_handle(frames: list[Any], max_tensor_bytes: int, handle: Callable[[Message], Any],
+                      log: logging.Logger) -> tuple[Message | None, Any, bool]:
+    """``(msg, handle(msg), False)`` for a request, or ``(msg or None, error reply, True)`` when
+    it cannot be decoded or ``handle`` refuses it (raises ``ProtocolError``); refusals are logged."""
+    msg: Message | None = None
+    try:
+        msg = wire.decode(frames, max_tensor_bytes)
+        return msg, handle(msg), False
+    except ProtocolError as e:
+        if e.code != ErrorCode.NONFINITE_STEP:        # that one is this stage's failure, logged as an error
+            log_refusal(log, msg, e)
+        return msg, refusal(msg, e), True
+
+
+def log_refusal(log: logging.Logger, msg: Message | None, error: ProtocolError) -> None:
+    """Log a refused message at WARNING through ``log``'s ``RefusalLog``: the first of its kind (message
+    type and error code) in an interval in full, the repeats as a count."""
+    refusal_log(log).note(f"{msg.type if msg else 'undecodable'} {error.code}", "refused %s: %.*s",
+                          msg.describe() if msg else "an undecodable message", wire.ERROR_TEXT_MAX, error)
+
+
+def refusal(msg: Message | None, error: ProtocolError) -> Message:
+    """The error reply to a refused message, echoing its ids when it could be decoded."""
+    if msg is None:
+        return wire.error_message("", 0, error.code, str(error.args[0]))
+    return wire.error_message(msg.run, msg.step, error.code, str(error.args[0]), msg.mb, msg.mbs)
+
+
+def refused_text(msg: Message | None, reply: Message) -> str:
+    """One line naming a refused message (``msg``, None when it did not decode) and why (its error
+    ``reply``), as a later timeout's message quotes it."""
+    return f"{msg.describe() if msg else 'an undecodable message'}: {reply.body['code']}: {reply.body['message']}"
+
+
+# -- ping
+def pong(msg: Message, stage: str, experiment: str, **fields: Any) -> Message:
+    """The answer to ping ``msg``: this ``stage`` of ``experiment``, with what the end adds (a training
+    end: the ``run`` it serves, its ``step``, ``client_live``, ...; ``distgrad predict``: its ``purpose``)."""
+    return Message(wire.PONG, msg.run, msg.step, body={"stage": stage, "experiment": experiment, **fields})
+
+
+# -- whose run, and what a message may be
+def unknown_run(msg: Message, expected: str) -> ProtocolError:
+    """The refusal of ``msg`` of a run this end does not serve (``expected``: what it should have been)."""
+    return ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+
+
+def not_accepted(msg: Message, here: str = "a serving stage") -> ProtocolError:
+    """The refusal of ``msg``, whose type this end (``here``) never takes."""
+    return ProtocolError(ErrorCode.TYPE, f"{here} does not accept {msg.type!r} messages")
+
+
+
+def check_owner(owner: str, peer_key: str) -> None:
+    """With CURVE a run belongs to the key that opened it (``owner``, "" in plaintext): a message from
+    another key is refused (``ProtocolError``, code ``run``)."""
+    if owner and peer_key != owner:
+        raise ProtocolError(ErrorCode.RUN, OWNER_KEY_TEXT)
+
+
+# -- hello
+def hello_fields(body: Mapping[str, Any], predicts: str = TRAINS_TEXT) -> tuple[int, int]:
+    """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict
+    (``predicts``: why not, here)."""
+    if "purpose" in body:
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has purpose={wire.show(body['purpose'])}; {predicts}")
+    eval_every = body.get("eval_every", 0)
+    if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has eval_every={wire.show(eval_every)}; expected an "
+                                                 f"integer >= 0")
+    staleness = body.get("staleness", 0)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has staleness={wire.show(staleness)}; expected an "
+                                                 f"integer from 0 to {MAX_STALENESS}")
+    return eval_every, staleness
+
+
+# -- a step's forwards
+def check_forward_order(msg: Message, step: int, mb: int, mbs: int) -> None:
+    """A forward must be micro-batch ``mb`` of ``mbs`` of step ``step``, the next one this end expects;
+    anything else is refused (``ProtocolError``, code ``step``) naming both."""
+    if msg.step != step or msg.mb != mb or msg.mbs != mbs:
+        raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
+                                            f"expected step {step} micro-batch {mb}/{mbs}")
+
+
+def prune_replies(cache: dict[tuple[int, int], Cached], oldest: int) -> dict[tuple[int, int], Cached]:
+    """The replies of ``cache`` (by step and micro-batch) a peer may still ask for again: those of step
+    ``oldest`` and later (the steps it may still have in flight)."""
+    return {key: reply for key, reply in cache.items() if key[0] >= oldest}
+
+
+def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
+    """The reply ``answered`` when evaluate ``msg`` repeats the one it answered (same run and step: the
+    same scores, computed once), else None."""
+    if answered is not None and (answered.run, answered.step) == (msg.run, msg.step):
+        return answered
+    return None
+
+
+# -- a peer that stopped
+def is_abort_notice(msg: Message) -> bool:
+    """``msg`` is a peer's notice that it stopped before the end (``wire.abort_notice``): an error message
+    with code ``aborted``, which is not a request and gets no reply."""
+    return msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED
+
+
+def abort_reason(msg: Message) -> str:
+    """Why the peer of abort notice ``msg`` stopped, as it said (cut to ``wire.ERROR_TEXT_MAX``)."""
+    return str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+
+
+# -- the end of a run
+def check_bye(msg: Message, steps: int, holder: str, complete: bool = True) -> None:
+    """A bye must say the ``steps`` applied here (``holder``: who has them, for the message) and come
+    between steps (``complete``); else it is refused (``ProtocolError``, code ``step``)."""
+    said = msg.body.get("steps")
+    if not same_exactly(said, steps) or not complete:
+        raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(said)} steps, but {holder}")
+
+
+def bye_reply(msg: Message, steps: int) -> Message:
+    """The answer to bye ``msg`` after ``steps``; a repeated bye of the same run gets it again."""
+    return Message(wire.BYE, msg.run, msg.step, body={"steps": steps})
+
+
+# -- the driving end
+def forward_message(senders: Senders, run: str, step: int, mb: int, mbs: int, y: np.ndarray, stream: str,
+                    **travel: np.ndarray | None) -> Message:
+    """The forward of micro-batch ``mb`` of ``mbs`` of step ``step``: its activation ``y`` coded on
+    ``stream`` by ``senders`` (with error feedback), and what travels with it uncoded (``target``,
+    ``rows``: this micro-batch's; None: not sent). Raises ``CodecRangeError`` for a value the codec
+    cannot carry."""
+    tensors = senders.message_tensors(ACTIVATION, y, stream, step)
+    tensors.update({name: value for name, value in travel.items() if value is not None})
+    return Message(wire.FORWARD, run, step, mb, mbs, tensors=tensors)
+
+
+def evaluation_due(step: int, steps: int, every: int) -> bool:
+    """Whether the held-out rows are scored after ``step`` of ``steps``: after every ``every``-th step
+    (none when 0) and after the last."""
+    return step > 0 and (step == steps or (every > 0 and step % every == 0))
+
+
+def shake_hands_again(e: PeerRejected) -> bool:
+    """Whether refusal ``e`` means the serving end lost this run or step (it restarted, or rolled back):
+    then the driving end shakes hands again and resends. A busy end (another run is its) is not one."""
+    return e.code in (ErrorCode.RUN, ErrorCode.STEP) and not isinstance(e, PeerBusy)
