@@ -349,7 +349,6 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     return summary
 
 
-@one_compute_thread()
 class _Reference:
     """The stages of an experiment with one data owner (or vertical parties) in this process, stepped and
     evaluated as the stage processes of ``distgrad run`` step and evaluate them: ``train`` runs the steps
@@ -468,6 +467,7 @@ class _Reference:
         }
 
 
+@one_compute_thread()
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
