@@ -197,6 +197,7 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
 
 # ---------------------------------------------------------------- processes
 
+@pytest.mark.slow     # at scale; three parties of a few hundred IDs align in test_three_parties_with_party_keys_align
 def test_three_parties_of_10000_ids_agree_row_for_row(tmp_path):
     """Three real processes over tcp, 10,000 IDs each, partial overlaps, rows in different
     orders; the aligned files agree row for row and hold only IDs common to all."""

@@ -102,7 +102,7 @@ class Chain(StageGroup):
 
 @pytest.mark.parametrize("experiment,victim,transport,resume", [
     ("chain-regression", "m", "tcp", True),
-    ("chain4-classify", "m1", "ipc", True),
+    pytest.param("chain4-classify", "m1", "ipc", True, marks=pytest.mark.slow),   # m2's kill covers chain4
     ("chain4-classify", "m2", "tcp", False),       # restarted from scratch: every stage goes back to step 0
 ])
 def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stage_group, experiment, victim, transport,

@@ -207,7 +207,8 @@ def test_merge_client_summaries_takes_the_serving_stages_view_of_status_and_roun
     assert earlier["steps"] == 10 and earlier["status"] == "completed" and "transport" not in earlier
 
 
-@pytest.mark.parametrize("experiment", ["digits-clients", "digits-splitfed"])
+# SplitFed's trace holds the clients' steps as digits-clients' does, and its averages besides: clients is slow.
+@pytest.mark.parametrize("experiment", [pytest.param("digits-clients", marks=pytest.mark.slow), "digits-splitfed"])
 def test_clients_trace_over_the_wire_equals_the_in_process_trace(tmp_path, experiment):
     """The serving stage writes a line per client turn; merged with the clients' lines, the trace is the
     in-process reference's, bit for bit (SplitFed: each client's parameters after the average)."""

@@ -140,7 +140,8 @@ def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     assert read_json(summary)["params"] == read_json(reference)["params"]
 
 
-@pytest.mark.parametrize("experiment", ["digits-splitfed", "digits-halves"])
+# Vertical parties' keys are made as the clients' are (one pair a process): slow.
+@pytest.mark.parametrize("experiment", ["digits-splitfed", pytest.param("digits-halves", marks=pytest.mark.slow)])
 def test_launcher_secure_run_of_clients_or_parties_is_bitwise_equal(tmp_path, experiment):
     """Each client (``f@0``, ...) and each feature party gets a key pair of its own; the run is the plain one."""
     summary, reference = tmp_path / "s.json", tmp_path / "r.json"
