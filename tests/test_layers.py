@@ -75,8 +75,8 @@ def test_no_module_imports_one_above_it():
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycles():
-    graph = _imports()
+def _on_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of ``graph`` (module -> the modules it imports) that reach themselves through imports."""
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]
@@ -87,7 +87,11 @@ def test_no_import_cycles():
                     todo.append(other)
         return seen
 
-    cycles = sorted(module for module in graph if module in reach(module))
+    return sorted(module for module in graph if module in reach(module))
+
+
+def test_no_import_cycles():
+    cycles = _on_cycles(_imports())
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
@@ -151,15 +155,5 @@ def _benchmark_imports() -> dict[str, set[str]]:
 def test_no_import_cycles_in_the_benchmarks():
     graph = _benchmark_imports()
     assert "bench_sections.runner" in graph.get("bench_sections.memory", set()), "the import graph misses relative imports"
-
-    def reach(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for other in graph.get(todo.pop(), ()):
-                if other not in seen:
-                    seen.add(other)
-                    todo.append(other)
-        return seen
-
-    cycles = sorted(module for module in graph if module in reach(module))
+    cycles = _on_cycles(graph)
     assert not cycles, f"benchmark modules on an import cycle: {cycles}"
