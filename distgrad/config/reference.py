@@ -108,10 +108,10 @@ def render() -> str:
     out += [f"| `{key}` | {_cell(meaning)} |" for key, meaning in schema.LAYER_KEYS.items()]
     out.append("")
     out += ["## Optimisers (`optimizer = { type = ... }`)", ""]
-    for name, cls in optim.OPTIMIZERS.items():
+    for name, optimizer in optim.OPTIMIZERS.items():
         spellings = " or ".join(f'"{s}"' for s in optim.optimizer_names() if optim.optimizer_kind(s) == name)
-        out += [f"### type = {spellings}", "", _first_paragraph(cls), ""]
-        out += _table(_signature_rows(cls.__init__, {"self"}, schema.OPTIMIZER_OPTIONS))
+        out += [f"### type = {spellings}", "", _first_paragraph(optimizer), ""]
+        out += _table(_signature_rows(optimizer.__init__, {"self"}, schema.OPTIMIZER_OPTIONS))
         out.append("")
     out += ["## Learning-rate schedules (`optimizer = { ..., schedule = { type = ... } }`)", "",
             "The optimiser's `lr` becomes the first rate of a schedule, computed in float32 from the optimiser's "

@@ -245,7 +245,7 @@ def build_optimizer(spec: Mapping[str, Any]) -> Optimizer:
         raise ConfigError(f"unknown option(s) {unknown} for optimizer {kind!r}; valid options: "
                           f"{', '.join(['type', *valid])}")
     schedule_spec = spec.pop("schedule", None)
-    options = {}
+    options: dict[str, Any] = {}            # numbers, and "lr" may be a schedule
     for k, v in spec.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ConfigError(f"invalid option {k!r} for optimizer {kind!r}: {v!r} is not a number")

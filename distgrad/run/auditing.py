@@ -271,10 +271,11 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         z, x = _paired(views[INPUT_VIEW], data.features, "input rows", trace)
         per_step = [len(rows) for _, rows in views[INPUT_VIEW]]
         batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
-        metered = list(_metered(views[INPUT_VIEW], first, window, micro_batches, per_row=False))
+        batches_metered = [bool(flag) for flag in _metered(views[INPUT_VIEW], first, window, micro_batches,
+                                                           per_row=False)]
         try:
             report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp, batches=batches,
-                                                   metered=metered)
+                                                   metered=batches_metered)
         except ValueError as e:
             raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
     if not report:

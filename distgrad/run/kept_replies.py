@@ -42,7 +42,9 @@ def kept_arrays(peers: list[Peer], step: int) -> dict[str, np.ndarray]:
     averaged = [peer for peer in peers if peer.averaged is not None and peer.averaged.step == step]
     if averaged:
         arrays[AVERAGE + "peers"] = np.array([peer.index for peer in averaged], np.int64)
-        arrays.update(_tensors(AVERAGE, averaged[0].averaged.tensors))
+        mean = averaged[0].averaged
+        assert mean is not None                  # the peers kept are those with an average of this step
+        arrays.update(_tensors(AVERAGE, mean.tensors))
     return arrays
 
 

@@ -41,7 +41,7 @@ import abc
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -75,7 +75,8 @@ def parse_codec(text: str) -> "Codec":
     """
     if not isinstance(text, str):
         raise ConfigError(f"a codec name must be a string, got {text!r} ({type(text).__name__})")
-    simple = {"none": NoneCodec, "float16": Float16Codec, "bfloat16": BFloat16Codec, "int8": Int8Codec}
+    simple: dict[str, Callable[[], Codec]] = {"none": NoneCodec, "float16": Float16Codec,
+                                              "bfloat16": BFloat16Codec, "int8": Int8Codec}
     if text in simple:
         return simple[text]()
     match = _TOPK.fullmatch(text)
