@@ -57,7 +57,8 @@ def test_a_first_stage_stale_for_the_whole_run_feeds_its_initial_activations():
 
 @pytest.mark.parametrize("experiment,flags", [
     ("tanh-regression", ["--staleness", "1", "--micro-batches", "2", "--steps", "40"]),
-    ("tanh-regression", ["--staleness", "1", "--steps", "40"]),                          # one micro-batch
+    pytest.param("tanh-regression", ["--staleness", "1", "--steps", "40"],               # one micro-batch: the
+                 marks=pytest.mark.slow),                                                # others cover its path
     ("tanh-regression", ["--staleness", "2", "--micro-batches", "4", "--steps", "40"]),   # no codec
     ("chain-regression", ["--staleness", "2", "--micro-batches", "2", "--steps", "30", "--transport", "ipc",
                           "--activation-codec", "int8", "--gradient-codec", "float16"]),

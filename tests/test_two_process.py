@@ -80,7 +80,8 @@ def _in_process(tmp_path, experiment, *extra, trace=True):
 TRACED_STEPS = {"seed-reverse": [], "tanh-regression": ["--steps", "100"]}
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+# ipc is slow here: the spin test compares whole runs over tcp and ipc in the default suite.
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ipc", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("experiment", sorted(TRACED_STEPS))
 def test_launcher_run_is_bitwise_equal_to_in_process(tmp_path, experiment, transport):
     steps = TRACED_STEPS[experiment]
