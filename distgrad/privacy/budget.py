@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from distgrad.privacy.defenses import ClipNoise
+from distgrad.privacy.labeldp import LabelDP
 
 
 def gaussian_label_dp(sigma: float, releases: int, delta: float) -> float:
@@ -34,13 +35,14 @@ def gaussian_label_dp(sigma: float, releases: int, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int) -> dict[str, Any]:
-    """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response and
+def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int) -> dict[str, Any]:
+    """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response (with
+    ``stages`` for RR-with-prior: ``LabelDP.budget``) and
     ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier"}}`` for ``clip``
     sent ``releases`` times per row at most (or ``"error"`` when dp-accounting is missing)."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
-        budget["label_dp"] = {"epsilon": label_dp}
+        budget["label_dp"] = label_dp.budget()
     if clip is not None:
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": clip.sigma / 2.0}
         try:

@@ -194,6 +194,7 @@ class StageState:
         if self.opts.stage_factory is not None:
             stage = self.opts.stage_factory()
             stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+            stage.label_dp = self.opts.experiment.training_labels(self.opts.stage, self.opts.seed)
         else:
             stage = Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
         if self.opts.load_path is not None:
