@@ -569,6 +569,9 @@ class ColumnView(DataSource):
     def targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
 
+    def true_targets(self, step: int) -> np.ndarray:
+        return self._source.true_targets(step)
+
     def shard(self, index: int, count: int) -> None:
         self._source.shard(index, count)
 
