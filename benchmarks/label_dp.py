@@ -111,8 +111,8 @@ def write_docs(results: dict[str, Any], table: str, seeds: int, elapsed_s: float
              f"RR-with-prior {prior['mean']:.4f} (seeds {', '.join(f'{a:.4f}' for a in prior['accuracies'])}), "
              f"{'**met**' if prior['mean'] >= 0.90 else '**not met**'}; plain randomized response "
              f"{corrected['mean']:.4f} with the corrected loss (the default), {plain['mean']:.4f} trained as if its "
-             "labels were true. Below ε = 2 the first stage's model is a poor prior, and plain randomized response "
-             "with the corrected loss does as well or better.")
+             "labels were true. On digits below ε = 2 the first stage's model is a poor prior, and plain randomized "
+             "response with the corrected loss does better.")
     body = f"{SECTION}\n\n{_fill(intro)}\n\n{table}\n"
     text = DOC.read_text()
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## )", re.S | re.M)

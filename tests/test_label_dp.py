@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad.config.data import RandomizedLabels, ReleasedLabels
+from distgrad.config.data import ColumnView, RandomizedLabels, ReleasedLabels
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.privacy.defenses import parse_defenses
 from distgrad.privacy.labeldp import (LabelDP, LabelRelease, corrected_loss, keep_rate, parse_label_dp, prior_sets,
@@ -288,6 +288,9 @@ def test_with_stages_the_label_owners_data_hands_its_stage_the_rows_numbers(tmp_
     np.testing.assert_array_equal(data.true_targets(3), load_experiment("digits").build_data(stage="g").targets(3))
     stage = Stage.from_experiment(staged, "g")
     assert stage.label_dp is not None and stage.label_dp.release is not None
+    columns = ColumnView(data, [0, 1])               # a label owner's own feature columns (vertical parties)
+    np.testing.assert_array_equal(columns.targets(3), data.targets(3))
+    np.testing.assert_array_equal(columns.true_targets(3), data.true_targets(3))
     plain = load_experiment(_digits(tmp_path, g_extra="label_dp = { epsilon = 2.0 }", name="plain.toml"))
     assert isinstance(plain.build_data(stage="g"), RandomizedLabels)
 
@@ -307,6 +310,12 @@ def test_rr_with_prior_with_clients_vertical_parties_and_sent_rows_is_bitwise_th
     rows.write_text(rows.read_text().replace('labels = "last"\n', 'labels = "last"\nsend_rows = true\n', 1))
     assert "send_rows = true" in rows.read_text()
     _equal_over_processes(tmp_path, rows, "--staleness", "1")
+
+
+@pytest.mark.slow       # the same path as clients and a two-stage run, which the default suite runs
+def test_rr_with_prior_with_splitfed_and_a_u_shape_is_bitwise_the_in_process_run(tmp_path):
+    _equal_over_processes(tmp_path, _defended(tmp_path, "digits-splitfed", {1: STAGED}, "splitfed.toml"))
+    _equal_over_processes(tmp_path, _defended(tmp_path, "digits-ushaped", {2: STAGED}, "ushaped.toml"))
 
 
 @pytest.mark.slow       # the numpy run above covers the release by default; torch adds only its loss (unit-tested)
