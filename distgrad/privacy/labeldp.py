@@ -175,21 +175,24 @@ def transition_weights(answers: np.ndarray, sets: np.ndarray | None, epsilon: fl
     return weights.astype(DTYPE)
 
 
-def corrected_loss(pred: np.ndarray, answers: np.ndarray, weights: np.ndarray, active: np.ndarray | None,
+def corrected_loss(pred: np.ndarray, weights: np.ndarray, active: np.ndarray | None,
                    reduction: str = "mean") -> tuple[np.float32, np.ndarray]:
     """The forward-corrected cross-entropy and its gradient, float32: for logits ``pred`` ``(rows, classes)``
     with p = softmax(pred), row i's loss is -log q_i, q_i = sum_c weights[i, c] p[i, c] (``transition_weights``:
     the probability of the answer released), and d loss_i / d pred[i, j] = p[i, j] (1 - weights[i, j] / q_i).
-    ``weights`` one-hot on ``answers`` is plain cross-entropy. Rows where ``active`` is False (labels not
-    released yet) count zero. ``reduction``: the sum over the rows, or that sum / rows ("mean")."""
-    del answers      # the weights hold them; kept in the signature so a call reads as what it computes
+    ``weights`` one-hot on the released labels is plain cross-entropy. Rows where ``active`` is False (labels
+    not released yet) count zero. ``reduction``: the sum over the rows, or that sum / rows ("mean")."""
+    # In the log domain, as a cross-entropy is computed: q_i never underflows to 0 for a confident model.
     logits = np.asarray(pred, DTYPE)
     shifted = logits - np.max(logits, axis=1, keepdims=True)
-    p = np.exp(shifted)
-    p /= p.sum(axis=1, keepdims=True, dtype=DTYPE)
-    q = (weights * p).sum(axis=1, dtype=DTYPE)
-    losses = -np.log(q)
-    grad = p - weights * p / q[:, None]
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True, dtype=DTYPE))
+    with np.errstate(divide="ignore"):
+        log_wp = log_p + np.log(np.asarray(weights, DTYPE))          # -inf where a class has weight 0
+    top = np.max(log_wp, axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, DTYPE(0))
+    log_q = top + np.log(np.exp(log_wp - top).sum(axis=1, keepdims=True, dtype=DTYPE))
+    losses = -log_q[:, 0]
+    grad = np.exp(log_p) - np.exp(log_wp - log_q)
     if active is not None:
         losses = np.where(active, losses, DTYPE(0))
         grad[~active] = 0
@@ -321,4 +324,4 @@ class TrainingLabels:
     def loss(self, pred: np.ndarray, target: np.ndarray, update: int, reduction: str) -> tuple[np.float32, np.ndarray]:
         """A numpy stage's training loss and its gradient for logits ``pred`` (``corrected_loss``)."""
         batch = self.labels(target, pred, update)
-        return corrected_loss(pred, batch.answers, self.weights(batch, pred.shape[1]), batch.active, reduction)
+        return corrected_loss(pred, self.weights(batch, pred.shape[1]), batch.active, reduction)
