@@ -155,20 +155,33 @@ def test_label_release_draws_each_row_once_in_its_stage_and_resumes_from_its_sta
 
 
 def test_parse_label_dp_reads_back_its_table():
-    for table in ({"epsilon": 1.0}, {"epsilon": 2.0, "loss": "plain"},
+    for table in ({"epsilon": 1.0}, {"epsilon": 2.0, "loss": "plain"}, {"epsilon": 2.0, "prior": "stages"},
                   {"epsilon": 2.0, "stages": 3, "epochs_per_stage": 2.5, "loss": "corrected"}):
         setting = parse_label_dp(table, "g")
         assert parse_label_dp(setting.as_table(), "g") == setting
         assert parse_defenses({"label_dp": table}, "g").as_table() == {"label_dp": setting.as_table()}
+    assert parse_label_dp({"epsilon": 2.0, "prior": "stages"}, "g") == parse_label_dp({"epsilon": 2.0, "stages": 2}, "g")
+
+
+def test_without_epochs_per_stage_the_stages_split_the_experiments_steps(tmp_path):
+    """The default stage length comes from the experiment file (its steps, with [clients] one update per client
+    a step), which every party reads alike: not from a --steps given to one process."""
+    exp = load_experiment(_digits(tmp_path, g_extra='label_dp = { epsilon = 2.0, prior = "stages", stages = 4 }'))
+    assert Stage.from_experiment(exp, "g").label_dp.release.updates_per_stage == 800 // 4
+    clients = load_experiment(_defended(tmp_path, "digits-clients", {1: 'label_dp = { epsilon = 2.0, stages = 2 }'},
+                                        "clients.toml"))
+    assert Stage.from_experiment(clients, "g").label_dp.release.updates_per_stage == clients.steps * 3 // 2
 
 
 @pytest.mark.parametrize("g_extra, message", [
-    ('label_dp = { epsilon = 2.0, stages = 2 }', "needs epochs_per_stage = E"),
+    ('label_dp = { epsilon = 2.0, prior = "model" }', 'prior must be "uniform"'),
+    ('label_dp = { epsilon = 2.0, prior = "stages", stages = 1 }', "needs stages = K >= 2"),
+    ('label_dp = { epsilon = 2.0, prior = "uniform", stages = 3 }', 'give prior = "stages"'),
     ('label_dp = { epsilon = 2.0, stages = 0, epochs_per_stage = 1 }', "stages must be an integer >= 1"),
     ('label_dp = { epsilon = 2.0, epochs_per_stage = 1 }', "it needs stages = K >= 2"),
     ('label_dp = { epsilon = 2.0, stages = 2, epochs_per_stage = 0 }', "epochs_per_stage must be a number > 0"),
     ('label_dp = { epsilon = 2.0, loss = "backward" }', 'loss must be "corrected"'),
-    ('label_dp = { epsilon = 2.0, prior = "model" }', "optionally with stages = K"),
+    ('label_dp = { epsilon = 2.0, priors = "stages" }', "optionally with prior"),
 ])
 def test_bad_label_dp_settings_exit_2_naming_the_key(tmp_path, g_extra, message):
     result = run_main(["run", _digits(tmp_path, g_extra=g_extra), "--in-process", "--steps", "1"])

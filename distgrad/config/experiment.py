@@ -299,8 +299,9 @@ class Experiment:
         release = None
         if setting.staged:
             per_epoch = len(data.train_rows) // data.batch      # type: ignore[attr-defined]
+            run_updates = self.steps * (self.clients.count if self.federated else 1)
             release = LabelRelease(setting, labels, data.train_rows, classes,  # type: ignore[attr-defined]
-                                   round((setting.epochs_per_stage or 1.0) * per_epoch), spec.init_seed(seed), name)
+                                   setting.updates_per_stage(per_epoch, run_updates), spec.init_seed(seed), name)
         return TrainingLabels(setting, classes, loss_name, release)
 
     @property

@@ -234,8 +234,9 @@ _STAGE_COMMON: dict[str, Key] = {
                  "guarantee)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
-                 "once (epsilon-label-DP, exactly); held-out labels stay true. stages = K (default 1) with "
-                 "epochs_per_stage = E: randomized response with a prior (Ghazi et al. 2021) in K stages: the "
+                 "once (epsilon-label-DP, exactly); held-out labels stay true. prior = \"stages\" with stages = K (default "
+                 "2; stages >= 2 alone says the same) and optionally epochs_per_stage = E (default: the experiment's "
+                 "steps / K): randomized response with a prior (Ghazi et al. 2021) in K stages: the "
                  "training rows split into K equal parts, part t joins after (t-1)*E epochs' worth of updates and "
                  "each of its labels is drawn when the row is first trained on, among the classes the model (trained "
                  "so far on randomized labels only) finds likeliest for it. loss = \"corrected\" (the default for "

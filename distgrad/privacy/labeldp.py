@@ -42,10 +42,11 @@ class LabelDP:
     """A label owner's ``label_dp`` setting: randomized response at ``epsilon`` on each training label, once.
 
     ``stages`` K >= 2: RR-with-prior in K stages, each but the last ``epochs_per_stage`` passes over the
-    training rows long (counted in the label owner's updates: that many times its training rows / batch).
-    ``loss``: ``"corrected"`` (the flip-rate-aware loss, ``corrected_loss``), ``"plain"`` (cross-entropy on the
-    randomized labels as if they were true), or None: corrected where the stage's loss is a softmax
-    cross-entropy, else plain (``loss_for``)."""
+    training rows long, counted in the label owner's updates (that many times its training rows / batch);
+    None: the experiment's ``steps`` split evenly among the stages. ``loss``: ``"corrected"`` (the
+    flip-rate-aware loss, ``corrected_loss``), ``"plain"`` (cross-entropy on the randomized labels as if they
+    were true), or None: corrected where the stage's loss is a softmax cross-entropy, else plain
+    (``loss_for``)."""
 
     epsilon: float
     stages: int = 1
@@ -63,11 +64,20 @@ class LabelDP:
             return self.loss
         return "corrected" if softmax_cross_entropy else "plain"
 
+    def updates_per_stage(self, updates_per_epoch: int, run_updates: int) -> int:
+        """The label owner's updates in each stage but the last: ``epochs_per_stage`` epochs of
+        ``updates_per_epoch``, else ``run_updates`` (the experiment's steps, in updates) / ``stages``; at least 1."""
+        if self.epochs_per_stage is not None:
+            return max(1, round(self.epochs_per_stage * updates_per_epoch))
+        return max(1, run_updates // self.stages)
+
     def as_table(self) -> dict[str, Any]:
         """The stage-table value that gives this setting (what ``parse_label_dp`` reads back)."""
         table: dict[str, Any] = {"epsilon": self.epsilon}
         if self.staged:
-            table.update(stages=self.stages, epochs_per_stage=self.epochs_per_stage)
+            table.update(prior="stages", stages=self.stages)
+            if self.epochs_per_stage is not None:
+                table["epochs_per_stage"] = self.epochs_per_stage
         if self.loss is not None:
             table["loss"] = self.loss
         return table
@@ -78,27 +88,39 @@ class LabelDP:
         return {"epsilon": self.epsilon, **({"stages": self.stages} if self.staged else {})}
 
 
+PRIORS = ("uniform", "stages")      # label_dp's prior: plain randomized response, or the model's in stages
+DEFAULT_STAGES = 2                  # the stages of prior = "stages" when 'stages' is not given
+
+
 def parse_label_dp(value: Any, stage: str) -> LabelDP:
-    """The ``label_dp`` table of ``stage``: ``{ epsilon = e }`` and optionally ``stages = K`` with
-    ``epochs_per_stage = E``, and ``loss = "corrected" | "plain"``. Raises ``ConfigError`` naming the key."""
+    """The ``label_dp`` table of ``stage``: ``{ epsilon = e }``, optionally ``prior = "uniform" | "stages"``,
+    ``stages = K`` (K >= 2: the prior "stages"; default 2 with it) and ``epochs_per_stage = E``, and ``loss =
+    "corrected" | "plain"``. Raises ``ConfigError`` naming the key and what it must be."""
     where = f"stage {stage!r}: 'label_dp'"
-    keys = {"epsilon", "stages", "epochs_per_stage", "loss"}
+    keys = {"epsilon", "prior", "stages", "epochs_per_stage", "loss"}
     if not isinstance(value, dict) or "epsilon" not in value or not set(value) <= keys:
-        raise ConfigError(f"{where} must be {{ epsilon = e }}, optionally with stages = K and epochs_per_stage = E "
-                          f"(randomized response with a prior, in K stages) and loss = \"corrected\" or \"plain\"; "
-                          f"got {value!r}")
+        raise ConfigError(f"{where} must be {{ epsilon = e }}, optionally with prior = \"stages\", stages = K and "
+                          f"epochs_per_stage = E (randomized response with a prior, in K stages) and loss = "
+                          f"\"corrected\" or \"plain\"; got {value!r}")
     epsilon = _number(value["epsilon"], f"{where} epsilon", "> 0")
-    stages = value.get("stages", 1)
+    prior = value.get("prior")
+    if prior is not None and prior not in PRIORS:
+        raise ConfigError(f"{where} prior must be \"uniform\" (plain randomized response) or \"stages\" (the "
+                          f"model's, in stages), got {prior!r}")
+    stages = value.get("stages", DEFAULT_STAGES if prior == "stages" else 1)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ConfigError(f"{where} stages must be an integer >= 1 (1: plain randomized response), got {stages!r}")
+    if prior == "stages" and stages < 2:
+        raise ConfigError(f"{where} prior = \"stages\" needs stages = K >= 2 (the first stage has no model yet), "
+                          f"got {stages}")
+    if prior == "uniform" and stages > 1:
+        raise ConfigError(f"{where} stages = {stages} takes its prior from the model: give prior = \"stages\" "
+                          f"or no prior")
     epochs = value.get("epochs_per_stage")
-    if stages > 1:
-        if epochs is None:
-            raise ConfigError(f"{where} with stages = {stages} needs epochs_per_stage = E: how many passes over the "
-                              f"training rows each stage but the last trains (about the run's epochs / {stages})")
+    if epochs is not None:
+        if stages < 2:
+            raise ConfigError(f"{where} epochs_per_stage is the length of a stage: it needs stages = K >= 2")
         epochs = _number(epochs, f"{where} epochs_per_stage", "> 0")
-    elif epochs is not None:
-        raise ConfigError(f"{where} epochs_per_stage is the length of a stage: it needs stages = K >= 2")
     loss = value.get("loss")
     if loss is not None and loss not in LOSSES:
         raise ConfigError(f"{where} loss must be \"corrected\" (accounts for the known flip rate) or \"plain\", "
