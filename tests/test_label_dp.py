@@ -339,7 +339,8 @@ def test_rr_with_prior_on_torch_stages_over_processes_is_bitwise_the_in_process_
 
 
 def test_rr_with_prior_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
-    """Killed in stage 2 (from update 45), each stage resumes from its checkpoint, the label owner with the
-    labels it had released: the run ends with the uninterrupted run's parameters."""
+    """Three stages of 88 updates, checkpoints every 25 steps; the label owner is killed after step 90 (in
+    stage 2: it resumes from a checkpoint of stage 1 or 2 and releases the labels after it again), the data
+    owner after step 180 (stage 3): the run ends with the uninterrupted run's parameters."""
     _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _digits(
-        tmp_path, g_extra='label_dp = { epsilon = 2.0, stages = 3, epochs_per_stage = 1 }'))
+        tmp_path, g_extra='label_dp = { epsilon = 2.0, stages = 3, epochs_per_stage = 2 }'))
