@@ -338,6 +338,17 @@ def test_rr_with_prior_on_torch_stages_over_processes_is_bitwise_the_in_process_
     _equal_over_processes(tmp_path, _digits(tmp_path, torch_lines, torch_lines + STAGED), "--micro-batches", "2")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # PyTorch in both stage processes and the reference: slower beside the slow set
+def test_rr_with_prior_on_a_torch_module_label_owner_is_bitwise_the_in_process_run(tmp_path):
+    """A label owner that is the user's own module with torch's CrossEntropyLoss (reduction sum): the training
+    loss keeps its reduction."""
+    pytest.importorskip("torch")
+    module = _torch_module_digits(tmp_path, 'loss = { type = "CrossEntropyLoss", reduction = "sum" }')
+    module.write_text(module.read_text().replace("#LABEL_DP", STAGED))
+    _equal_over_processes(tmp_path, module, "--micro-batches", "2")
+
+
 def test_rr_with_prior_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     """Three stages of 88 updates, checkpoints every 25 steps; the label owner is killed after step 90 (in
     stage 2: it resumes from a checkpoint of stage 1 or 2 and releases the labels after it again), the data
