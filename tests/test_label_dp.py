@@ -150,6 +150,15 @@ def test_label_release_draws_each_row_once_in_its_stage_and_resumes_from_its_sta
     resumed = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=0, stage="g")
     resumed.load_state_arrays(release.state_arrays())
     np.testing.assert_array_equal(resumed.release(rows, confident, 9).answers, batch.answers)
+    np.testing.assert_array_equal(resumed.sets, release.sets)
+    # Rolled back to the state before stage 2 in the same process: what was released since stays released, so
+    # a step computed again on other activations (another prior) cannot draw a second answer for a label.
+    release.load_state_arrays(saved)
+    assert release.release(rows, -confident, update=4).active.tolist() == [True] * 8 + [False] * 8   # as before
+    np.testing.assert_array_equal(release.release(rows, -confident, update=5).answers, batch.answers)
+    fresh = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=0, stage="g")
+    fresh.keep_released(release)                            # a rollback to step 0: the stage rebuilt
+    np.testing.assert_array_equal(fresh.release(rows, -confident, update=5).answers, batch.answers)
     other = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=1, stage="g")
     assert not np.array_equal(other.part, release.part)
 

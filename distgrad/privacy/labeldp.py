@@ -275,7 +275,9 @@ class LabelRelease:
         _, first = np.unique(rows, return_index=True)
         fresh = np.zeros(len(rows), bool)
         fresh[first] = True
-        fresh &= (self.answers[rows] == UNRELEASED) & (self.part[rows] >= 1) & (self.part[rows] <= current)
+        # A row kept from before a rollback is released but waits, as it did, for its stage to begin.
+        begun = (self.part[rows] >= 1) & (self.part[rows] <= current)
+        fresh &= (self.answers[rows] == UNRELEASED) & begun
         if fresh.any():
             new = rows[fresh]
             prior = _softmax64(np.asarray(logits)[fresh][:, :self.classes])
@@ -283,7 +285,7 @@ class LabelRelease:
             self.sets[new] = sets
             self.answers[new] = rr_with_prior(self._labels[new], sets, self.setting.epsilon, self._uniforms[new])
         answers = self.answers[rows]
-        active = answers != UNRELEASED
+        active = (answers != UNRELEASED) & begun
         return ReleasedBatch(np.where(active, answers, 0), self.sets[rows], active)
 
     @property
@@ -292,22 +294,35 @@ class LabelRelease:
         return int((self.answers != UNRELEASED).sum())
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The released answers and sets, for the stage's checkpoint."""
-        return {f"{STATE_PREFIX}answers": self.answers.copy(), f"{STATE_PREFIX}sets": self.sets.copy()}
+        """The released answers and sets (a bit per class), for the stage's checkpoint."""
+        return {f"{STATE_PREFIX}answers": self.answers.copy(), f"{STATE_PREFIX}sets": np.packbits(self.sets, axis=1)}
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Restore what ``state_arrays`` returned; a checkpoint without them has released nothing. Raises
-        ``ValueError`` when they do not fit these rows and classes."""
-        answers, sets = arrays.get(f"{STATE_PREFIX}answers"), arrays.get(f"{STATE_PREFIX}sets")
-        if answers is None or sets is None:
-            self.answers[...] = UNRELEASED
-            self.sets[...] = False
-            return
-        if answers.shape != self.answers.shape or sets.shape != self.sets.shape:
-            raise ValueError(f"label_dp: the checkpoint's released labels are for {answers.shape[0]} rows and "
-                             f"{sets.shape[-1]} classes, this stage has {len(self.answers)} and {self.classes}")
-        self.answers[...] = answers
-        self.sets[...] = sets
+        """Return to what ``state_arrays`` returned (a checkpoint without them: nothing released), keeping every
+        label this object has released since: a run rolled back to an earlier step never draws a row's label
+        a second time (with another prior), so a data owner cannot collect two answers for one label by
+        making the label owner compute a step again on other activations. An honest replay would draw the very
+        same answers, so the run stays bitwise the uninterrupted one. Raises ``ValueError`` when the arrays do
+        not fit these rows and classes."""
+        answers, packed = arrays.get(f"{STATE_PREFIX}answers"), arrays.get(f"{STATE_PREFIX}sets")
+        if answers is None or packed is None:
+            answers, sets = np.full_like(self.answers, UNRELEASED), np.zeros_like(self.sets)
+        else:
+            width = (self.classes + 7) // 8
+            if answers.shape != self.answers.shape or packed.shape != (len(self.answers), width):
+                raise ValueError(f"label_dp: the checkpoint's released labels are for {answers.shape[0]} rows and "
+                                 f"{packed.shape[-1] * 8} classes at most, this stage has {len(self.answers)} and "
+                                 f"{self.classes}")
+            sets = np.unpackbits(np.asarray(packed, np.uint8), axis=1, count=self.classes).astype(bool)
+        kept = (answers == UNRELEASED) & (self.answers != UNRELEASED)
+        self.answers[...] = np.where(kept, self.answers, answers)
+        self.sets[...] = np.where(kept[:, None], self.sets, sets)
+
+    def keep_released(self, other: "LabelRelease") -> None:
+        """Take over every label ``other`` (this run's release before a rollback to its start) released."""
+        kept = (self.answers == UNRELEASED) & (other.answers != UNRELEASED)
+        self.answers[kept] = other.answers[kept]
+        self.sets[kept] = other.sets[kept]
 
 
 def _softmax64(logits: np.ndarray) -> np.ndarray:

@@ -295,7 +295,9 @@ class StageState:
         if step == self.stage.step:
             return
         if step == 0:
-            self.stage = self._fresh()
+            fresh = self._fresh()
+            fresh.keep_label_releases(self.stage)       # label_dp: a label is released once in a run
+            self.stage = fresh
             self.history.clear()
             self.senders.reset()
             self._load_verdicts(None, 0)

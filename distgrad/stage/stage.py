@@ -372,10 +372,19 @@ class Stage:
         return release.state_arrays() if release is not None else {}
 
     def load_label_state(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Restore the released labels ``label_state`` returned (none in ``arrays``: none released)."""
+        """Restore the released labels ``label_state`` returned (none in ``arrays``: none released), keeping
+        those released since (``LabelRelease.load_state_arrays``: a label is never drawn twice in a run)."""
         release = self.label_dp.release if self.label_dp is not None else None
         if release is not None:
             release.load_state_arrays(arrays)
+
+    def keep_label_releases(self, before: "Stage") -> None:
+        """This stage rebuilt at step 0 for a rollback of the run that ``before`` trained: keep the labels
+        ``before`` released (``LabelRelease.keep_released``)."""
+        mine = self.label_dp.release if self.label_dp is not None else None
+        theirs = before.label_dp.release if before.label_dp is not None else None
+        if mine is not None and theirs is not None:
+            mine.keep_released(theirs)
 
     def apply(self, grads: Grads) -> None:
         """One optimiser update; counts the step."""
