@@ -55,6 +55,13 @@ def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
     return array[index * n:(index + 1) * n]
 
 
+def asked_dx(stage: str, dx: np.ndarray | None) -> np.ndarray:
+    """``dx`` of a backward with ``need_dx``; ``StageError`` naming ``stage`` if its model returned none."""
+    if dx is None:
+        raise StageError(f"stage {stage}: its model's backward returned no input gradient, asked for one")
+    return dx
+
+
 @contextlib.contextmanager
 def as_of(stage: Any, params: Mapping[str, np.ndarray] | None, step: int) -> Iterator[None]:
     """The stage as it computed step ``step``'s forward with steps in flight: ``params`` (its parameters
@@ -454,9 +461,7 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
-        if dx is None:
-            raise StageError(f"stage {self.name}: its model's backward returned no input gradient, asked for one")
-        return loss, dx, grads
+        return loss, asked_dx(self.name, dx), grads
 
     def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
