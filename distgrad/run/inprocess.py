@@ -189,13 +189,6 @@ class _InFlight:
         self.engine.update(step, count)
 
 
-def _aggregate_kind(exp: Experiment) -> str:
-    """How a vertical experiment combines its parties' outputs (``aggregate``); ``ValueError`` for another."""
-    if exp.aggregate is None:
-        raise ValueError(f"experiment {exp.name!r} is not vertical: it has no 'aggregate'")
-    return exp.aggregate
-
-
 def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment, step: int,
                    features: list[np.ndarray], own: np.ndarray | None, targets: np.ndarray,
                    micro_batches: int) -> float | None:
@@ -203,7 +196,7 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     forward (party order), the combined input, the loss, and each party's backward of its own part of the
     input's gradient; then the last stage's update and the parties'. ``own``: the label owner's own feature
     columns (``Experiment.own_bottom``), else None. Returns the step's loss."""
-    kind = _aggregate_kind(exp)
+    kind = exp.aggregate_kind
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
     names = exp.stage_names[:-1]
@@ -234,7 +227,7 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     senders = Senders(exp.codecs)
     z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                            step + 1) for party, d in zip(parties, data)],
-                             labels.test_features() if exp.own_bottom else None, _aggregate_kind(exp))
+                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
     return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
 
 
