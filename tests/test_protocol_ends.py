@@ -101,6 +101,9 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         for frames, code in UNDECODABLE:
             refused(a, frames, code)
         refused(a, forward(end, "a", 1), ErrorCode.RUN, "hello first")           # before any hello
+        # Nor does anyone's aborted notice stop an end that serves no run yet: it is refused, and serving goes on.
+        refused(a, wire.abort_notice("a", "f", "stopped"), ErrorCode.RUN,
+                "an aborted notice of run 'a', expected a hello first")
         pong = ask(a, Message(wire.PING, "", 0))
         assert pong.type == wire.PONG and {"stage", "experiment", "run", "step"} <= set(pong.body), pong.body
         refused(a, hello_message(end.exp, "a", purpose="predict"), ErrorCode.MISMATCH, "hello has purpose=")
@@ -151,6 +154,8 @@ def test_with_curve_every_serving_end_keeps_a_run_to_the_key_that_opened_it(end_
         refused(other, forward(end, "a", 1), ErrorCode.RUN, "this run belongs to another client key")
         refused(other, Message(wire.BYE, "a", 1, body={"steps": 0}), ErrorCode.RUN,
                 "this run belongs to another client key")
+        refused(other, wire.abort_notice("a", "f", "not its run"), ErrorCode.RUN,
+                "an aborted notice not from the data owner: this run belongs to another client key")
         assert ask(owner, forward(end, "a", 1)).type == wire.BACKWARD
         assert ask(owner, Message(wire.BYE, "a", 2, body={"steps": 1})).type == wire.BYE
     finally:
