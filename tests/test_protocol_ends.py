@@ -129,7 +129,8 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         bye = ask(a, Message(wire.BYE, "a", 3, body={"steps": 2}))
         assert bye.type == wire.BYE and bye.body["steps"] == 2
         assert ask(a, Message(wire.BYE, "a", 3, body={"steps": 2})).body == bye.body   # a lost reply: again
-        assert ask(a, Message(wire.PING, "", 0)).type == wire.PONG
+        after = ask(a, Message(wire.PING, "", 0))
+        assert after.type == wire.PONG and after.body["run"] == "", after.body        # no run is open now
     finally:
         a.close()
         assert end.stop() is None

@@ -255,7 +255,8 @@ class CutServer:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
         ``ProtocolError`` to refuse it (nothing changes then)."""
         if msg.type == wire.PING:
-            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
+            open_run = self.run_id if self.bye is None else ""      # protocol.md: "" when no run is open
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=open_run, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
         if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
