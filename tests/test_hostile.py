@@ -8,7 +8,8 @@ multipart messages over a real DEALER socket on tcp 127.0.0.1. Every message
 is checked against one model of the documented server (docs/protocol.md,
 *Step rules at the server* and *Validation and errors*; where the cut library
 documents its own rule, docs/cut.md, the model says so: a cut server never
-goes back to an earlier step, and keeps a run with applied steps to its end):
+goes back to an earlier step, keeps a run with applied steps to its end, and
+takes any ``aborted`` notice before its first run):
 
 - a message gets exactly one reply, and that reply is a valid distgrad
   message (``wire.decode`` accepts it, so it also fits the header limits):
@@ -578,7 +579,7 @@ class Outcome:
 @dataclass
 class Model:
     """What the server's state must be, tracked from the replies (docs/protocol.md, Step rules). Where the
-    ends' documented rules differ (a hello at the cut library, docs/cut.md; its close after a bye), ``end``
+    ends' documented rules differ (docs/cut.md: a cut server's hello; a notice before its first run), ``end``
     says which."""
 
     end: EndSpec
@@ -589,7 +590,6 @@ class Model:
     cached_reply: tuple[Any, bytes] | None = None
     seen: tuple[float, float] = (-math.inf, -math.inf)   # when the open run's last accepted request arrived
     finished: tuple[tuple[str, int, int, int], int] | None = None   # (ids, steps) of the last bye, until a new run
-    closing: bool = False                       # a cut server after a bye: it may still be closing (refusing)
     closes: int = 0                             # times a cut server closed (after a bye, an aborted notice)
     tally: Counter = field(default_factory=Counter)
 
@@ -599,7 +599,7 @@ class Model:
 
     def _open(self, reply: Message, t0: float, t1: float) -> None:
         self.open_run, self.steps, self.cached, self.cached_reply = reply.run, 0, None, None
-        self.finished, self.closing = None, False
+        self.finished = None
         self._seen(reply, t0, t1)
 
     @staticmethod
@@ -628,8 +628,7 @@ class Model:
     def _close(self, reply: Message, t0: float, t1: float) -> None:
         self.open_run, self.cached, self.cached_reply = None, None, None
         self.finished = ((reply.run, reply.step, reply.mb, reply.mbs), reply.body["steps"])
-        self.closing = self.end.kind == "cut"   # its loop ends; it answers as closing until the next binds
-        self.closes += self.closing
+        self.closes += self.end.kind == "cut"   # its loop ends; the test waits for the next server to bind
 
     def live(self, t0: float, t1: float) -> set[bool]:
         """Whether the server may find the open run's client live for a request in [t0, t1]."""
@@ -653,16 +652,19 @@ class Model:
         if msg.type == wire.PING:
             return [Outcome(wire.PONG, ok)]
         if msg.type == wire.HELLO:
-            # a closing cut server refuses every hello ("run ... ended"); the next one bound may welcome it
-            return self._expect_hello(msg, t0, t1, err, ok) + [err(ErrorCode.RUN)] * self.closing
+            return self._expect_hello(msg, t0, t1, err, ok)
         if msg.type == wire.BYE and self.finished is not None and msg.run == self.finished[0][0]:
             # A repeated bye for the run that just completed: the server now answers it with the
             # same bye reply (ids of the first bye), so a driver may resend it; it had answered `run`.
             ids, steps = self.finished
             return [Outcome(wire.BYE, ids, steps=steps), err(ErrorCode.RUN)]
+        notice = msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED
+        if notice and self.open_run is None and self.end.kind == "cut":
+            # A cut server before its first run takes any notice (a data owner may stop before its hello).
+            return [Outcome(NO_REPLY, ok, effect=Model._aborted, mutates=True)]
         if self.open_run is None or msg.run != self.open_run:
             return [err(ErrorCode.RUN)]
-        if msg.type == wire.ERROR and msg.body.get("code") == ErrorCode.ABORTED:
+        if notice:
             # The run's driver says it stopped (a notice, not a request): no reply, the run fails and closes.
             return [Outcome(NO_REPLY, ok, effect=Model._aborted, mutates=True)]
         if msg.type == wire.FORWARD:

@@ -101,9 +101,6 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         for frames, code in UNDECODABLE:
             refused(a, frames, code)
         refused(a, forward(end, "a", 1), ErrorCode.RUN, "hello first")           # before any hello
-        # Nor does anyone's aborted notice stop an end that serves no run yet: it is refused, and serving goes on.
-        refused(a, wire.abort_notice("a", "f", "stopped"), ErrorCode.RUN,
-                "an aborted notice of run 'a', expected a hello first")
         pong = ask(a, Message(wire.PING, "", 0))
         assert pong.type == wire.PONG and {"stage", "experiment", "run", "step"} <= set(pong.body), pong.body
         refused(a, hello_message(end.exp, "a", purpose="predict"), ErrorCode.MISMATCH, "hello has purpose=")
@@ -112,7 +109,8 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1, welcome.body
         refused(a, forward(end, "other", 1), ErrorCode.RUN, "forward for run 'other', expected run a")
         refused(a, Message(wire.WELCOME, "a", 1), ErrorCode.TYPE, "does not accept 'welcome' messages")
-        refused(a, wire.abort_notice("other", "f", "not its run"), ErrorCode.RUN)   # stops no run but its own
+        refused(a, wire.abort_notice("other", "f", "not its run"), ErrorCode.RUN,    # stops no run but its own
+                "an aborted notice of run 'other', expected run a")
         refused(a, forward(end, "a", 3), ErrorCode.STEP, "forward for step 3 micro-batch 0/1; expected step 1 "
                                                          "micro-batch 0/1")
         refused(a, forward(end, "a", 1, mb=0, mbs=2), ErrorCode.STEP, "expected step 1")

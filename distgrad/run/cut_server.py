@@ -259,6 +259,8 @@ class CutServer:
             self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=open_run, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
+        if is_abort_notice(msg):
+            self._aborted(msg, peer_key)
         if msg.type == wire.BYE and self.bye is not None and msg.run == self.bye.run:
             self.server.reply(envelope, self.bye)      # a repeated bye of the ended run: its reply again
             return None
@@ -266,13 +268,9 @@ class CutServer:
             self.server.reply(envelope, self._hello(msg, peer_key))
             self.heard, self.peer_envelope = time.monotonic(), envelope
             return None
-        # The data owner of a run resumed here (``load_state_dict``) may stop before its hello: its notice counts.
-        known = self.joined or bool(self.run_id) and is_abort_notice(msg)
-        if not known or msg.run != self.run_id:
+        if not self.joined or msg.run != self.run_id:
             raise unknown_run(msg, f"run {self.run_id}" if self.joined else "a hello first")
-        check_owner(self.owner, peer_key, msg)
-        if is_abort_notice(msg):
-            self._aborted(msg)
+        check_owner(self.owner, peer_key)
         out: Any = None
         if msg.type == wire.FORWARD:
             out = self._forward(envelope, msg)
@@ -289,10 +287,13 @@ class CutServer:
         self.peer_envelope = envelope
         return out
 
-    def _aborted(self, msg: Message) -> None:
-        """The notice of the data owner of this run that it stopped: ``PeerAborted`` for the loop, now and at
-        every later ``__next__`` (a notice of another run, or from another key, is refused before, as any
-        message of it is)."""
+    def _aborted(self, msg: Message, peer_key: str) -> None:
+        """The data owner's notice that it stopped: ``PeerAborted`` for the loop, now and at every later
+        ``__next__``. A notice of another run than this one's, or from another key, is refused as the daemons
+        refuse it; any is taken before the first run (a data owner may stop before its hello: docs/cut.md)."""
+        if self.run_id and msg.run != self.run_id:
+            raise unknown_run(msg, f"run {self.run_id}")
+        check_owner(self.owner, peer_key, msg)
         reason = abort_reason(msg)
         self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
                                    f"{self.step} steps)")
