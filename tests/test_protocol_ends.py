@@ -14,13 +14,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
 import zmq
 
-from conftest import StageProcess, hello_message, read_json
+from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
 from distgrad.errors import PeerAborted
@@ -269,6 +270,113 @@ def test_an_aborted_notice_ends_the_run_only_from_its_own_data_owner(end_kind, s
         b.close()
         if end.kind == "daemon":
             assert end.stop() is None
+
+
+# -- the label owner of ``distgrad predict``, which serves its own messages (predict, predicted) by the same rules
+
+@pytest.fixture(scope="module")
+def halves(tmp_path_factory) -> Path:
+    """seed-reverse's two stages after two steps, as ``--save`` writes them (what ``distgrad predict --load``
+    takes)."""
+    folder = tmp_path_factory.mktemp("halves")
+    assert run_main(["run", "seed-reverse", "--in-process", "--steps", "2", "--save", folder]).returncode == 0
+    return folder
+
+
+def _predicting_end(tmp_path: Path, halves: Path, *extra: str) -> tuple[StageProcess, str, Path]:
+    """A ``distgrad predict`` label owner of seed-reverse bound to a free port: (its process, its endpoint, the
+    file it writes its predictions to)."""
+    ready, output = tmp_path / "predict.ready", tmp_path / "predictions.npy"
+    proc = StageProcess(["predict", "seed-reverse", "--stage", "g", "--load", halves / "g.npz", "--bind",
+                         "tcp://127.0.0.1:*", "--ready-file", ready, "--output", output, *extra],
+                        tmp_path / "predict.log", distgrad=True)
+    return proc, wait_for_file(ready, proc), output
+
+
+def chunk(run: str, number: int, value: Any = 0.5, dtype: Any = np.float32, shape: tuple[int, ...] = (1,)) -> Message:
+    return Message(wire.PREDICT, run, number, tensors={"activation": np.full(shape, value, dtype)})
+
+
+def predicted(halves: Path, values: list[float]) -> np.ndarray:
+    """What seed-reverse's saved g predicts for one-row chunks of ``values``, computed in this process."""
+    exp = load_experiment("seed-reverse")
+    g = Stage.from_experiment(exp, "g")
+    g.load_parameters(halves / "g.npz")
+    return np.stack([exp.final_loss.predict(g.forward(np.full((1,), v, np.float32), training=False)[0])
+                           for v in values])
+
+
+@pytest.mark.integration
+def test_the_prediction_server_follows_the_same_rules(tmp_path, halves, dealers):
+    """``distgrad predict``'s label owner refuses what the training ends refuse, with the same codes and words
+    (undecodable and over-size messages, a run it does not serve, a notice of another run, a type it does not
+    take), answers pings, and then writes exactly the honest chunks' predictions."""
+    proc, endpoint, output = _predicting_end(tmp_path, halves)
+    exp = load_experiment("seed-reverse")
+    a = dealers(endpoint)
+    try:
+        for frames, code in UNDECODABLE:
+            refused(a, frames, code)
+        refused(a, [b"x"] * (MAX_FRAMES + 1), ErrorCode.MALFORMED, f"a message of {MAX_FRAMES + 2} frames")
+        big = dealers(endpoint)              # a frame over MAXMSGSIZE: ZeroMQ drops that peer, no reply
+        big.send_multipart([b"\x00" * (wire.HEADER_MAX_BYTES + 5)])
+        assert not big.poll(300)
+        big.close()
+        refused(a, chunk("a", 1), ErrorCode.RUN, "predict for run 'a', expected a hello first")
+        refused(a, wire.abort_notice("other", "f", "not its run"), ErrorCode.RUN,
+                "an aborted notice of run 'other', expected a hello first")
+        assert ask(a, Message(wire.PING, "", 0)).body["purpose"] == "predict"
+        refused(a, hello_message(exp, "a"), ErrorCode.MISMATCH, "not a training run")
+        assert ask(a, hello_message(exp, "a", purpose="predict", rows=2)).type == wire.WELCOME
+        refused(a, chunk("other", 1), ErrorCode.RUN, "predict for run 'other', expected run a")
+        refused(a, wire.abort_notice("other", "f", "not its run"), ErrorCode.RUN,
+                "an aborted notice of run 'other', expected run a")
+        refused(a, forward_of(exp, "a", 1), ErrorCode.TYPE, "does not accept 'forward' messages")
+        refused(a, chunk("a", 1, np.nan), ErrorCode.NONFINITE)
+        refused(a, chunk("a", 1, dtype=np.float64), ErrorCode.TENSOR)
+        refused(a, chunk("a", 1, shape=(2,)), ErrorCode.TENSOR)
+        refused(a, chunk("a", 3), ErrorCode.STEP, "chunk 3 is out of range 1..2")
+        assert ask(a, chunk("a", 1, 0.25)).body == {"rows": 1}
+        assert ask(a, chunk("a", 1, 0.5)).body == {"rows": 1}          # a chunk sent again replaces itself
+        assert ask(a, chunk("a", 2, -1.5)).body == {"rows": 1}
+        assert ask(a, Message(wire.BYE, "a", 3, body={"chunks": 2, "rows": 2})).type == wire.BYE
+        assert proc.wait() == 0, proc.output
+        assert np.array_equal(np.load(output), predicted(halves, [0.5, -1.5]))
+    finally:
+        a.close()
+        proc.stop()
+
+
+@pytest.mark.integration
+def test_with_curve_a_prediction_belongs_to_the_key_that_said_its_hello(tmp_path, halves, dealers):
+    """protocol.md, *Owner*, at ``distgrad predict``'s label owner too: another allowed key may not send the
+    prediction's chunks, end it, stop it or say its hello again; the owner's prediction is written whole."""
+    server_secret, keys = curve_keys(tmp_path, ("owner", "other"))
+    proc, endpoint, output = _predicting_end(tmp_path, halves, "--curve-secret", server_secret, "--allow",
+                                             tmp_path / "clients")
+    exp = load_experiment("seed-reverse")
+    owner, other = dealers(endpoint, **keys["owner"]), dealers(endpoint, **keys["other"])
+    try:
+        assert ask(owner, hello_message(exp, "a", purpose="predict", rows=1)).type == wire.WELCOME
+        refused(other, hello_message(exp, "a", purpose="predict", rows=1), ErrorCode.RUN,
+                "this run belongs to another client key")
+        refused(other, chunk("a", 1, 3.0), ErrorCode.RUN, "this run belongs to another client key")
+        refused(other, Message(wire.BYE, "a", 2, body={"chunks": 1, "rows": 1}), ErrorCode.RUN,
+                "this run belongs to another client key")
+        refused(other, wire.abort_notice("", "f", "not its prediction"), ErrorCode.RUN,
+                "an aborted notice not from the data owner: this run belongs to another client key")
+        assert ask(owner, chunk("a", 1, 0.75)).body == {"rows": 1}
+        assert ask(owner, Message(wire.BYE, "a", 2, body={"chunks": 1, "rows": 1})).type == wire.BYE
+        assert proc.wait() == 0, proc.output
+        assert np.array_equal(np.load(output), predicted(halves, [0.75]))
+    finally:
+        owner.close()
+        other.close()
+        proc.stop()
+
+
+def forward_of(exp: Any, run: str, step: int) -> Message:
+    return Message(wire.FORWARD, run, step, tensors={"activation": np.ones((1,), np.float32)})
 
 
 # -- the driving ends, facing a label owner that answers badly
