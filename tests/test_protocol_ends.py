@@ -402,7 +402,7 @@ class BadLabelOwner:
             msg = wire.decode(frames)
             if msg.type == wire.HELLO:
                 out = wire.encode(Message(wire.WELCOME, msg.run, msg.step, body={"stage": "g", "next_step": 1}))
-            elif msg.type == wire.FORWARD:
+            elif msg.type in (wire.FORWARD, wire.PREDICT):
                 out = self.answer(msg)
             else:
                 out = wire.encode(Message(wire.BYE, msg.run, msg.step, body={"steps": 0}))
@@ -451,6 +451,25 @@ def _daemon_driver(endpoint: str, tmp_path) -> tuple[str, str]:
     return {code: name for name, code in EXIT_CODES.items()}.get(code, f"exit {code}"), f.output
 
 
+def _predict_driver(endpoint: str, tmp_path: Path, halves: Path) -> tuple[str, str]:
+    """``distgrad predict``'s data owner (seed-reverse's f, two rows) against ``endpoint``: the error class its
+    exit code means, and its log."""
+    rows = tmp_path / "rows.npy"
+    np.save(rows, np.array([[0.5], [1.5]], np.float32))
+    with StageProcess(["predict", "seed-reverse", "--stage", "f", "--load", halves / "f.npz", "--connect", endpoint,
+                       "--input", rows, "--timeout", DRIVER_TIMEOUT_S, "--peer-deadline", DRIVER_DEADLINE_S],
+                      tmp_path / "f-predict.log", distgrad=True) as f:
+        code = f.wait()
+    return {code: name for name, code in EXIT_CODES.items()}.get(code, f"exit {code}"), f.output
+
+
+def other_step(m: Message, shape: tuple[int, ...]) -> list:
+    """A reply to the step (or chunk) after ``m``'s, as a label owner confused about the order would send."""
+    if m.type == wire.PREDICT:
+        return wire.encode(Message(wire.PREDICTED, m.run, m.step + 1, body={"rows": 1}))
+    return backward(m, np.ones(shape, np.float32), step=m.step + 1)
+
+
 # Each bad answer, the error every driving end stops with, and words that error names.
 BAD_ANSWERS = [
     # (a backward's binary header names no shape: its frame is read as the expected one, and fails by its size)
@@ -463,24 +482,29 @@ BAD_ANSWERS = [
      "non-finite loss"),
     ("garbage", lambda m, shape: [b"\xc1garbage"], "ProtocolError", "malformed"),
     ("silent", lambda m, shape: None, "PeerTimeout", "no reply"),
-    ("other-step", lambda m, shape: backward(m, np.ones(shape, np.float32), step=m.step + 1), "PeerTimeout",
-     "no reply"),
+    ("other-step", other_step, "PeerTimeout", "no reply"),
 ]
+PREDICT_ANSWERS = {"garbage", "silent", "other-step"}   # a predicted reply carries no tensor nor loss
+BAD_ANSWER_CASES = [pytest.param(driver, *answer, id=f"{answer[0]}-{driver}") for answer in BAD_ANSWERS
+                    for driver in ("cut", "daemon", "predict") if driver != "predict" or answer[0] in PREDICT_ANSWERS]
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("driver", ["cut", "daemon"])
-@pytest.mark.parametrize("name,answer,error,text", BAD_ANSWERS, ids=[a[0] for a in BAD_ANSWERS])
+@pytest.mark.parametrize("driver,name,answer,error,text", BAD_ANSWER_CASES)
 def test_a_data_owner_facing_a_label_owner_that_answers_badly_gets_a_clear_error_within_its_bounds(
-        driver, name, answer, error, text, tmp_path):
-    """Every driving end (the cut library's ``Cut``, a ``distgrad-stage f`` daemon) checks a reply with the
-    same rules (``wire.link.check_reply``): a wrong shape or dtype, a NaN or Inf, garbage, no reply or a reply
-    to another step stop it with the same error naming the problem, within its bounds, nothing applied."""
+        driver, name, answer, error, text, tmp_path, request):
+    """Every driving end (the cut library's ``Cut``, a ``distgrad-stage f`` daemon, and where it applies
+    ``distgrad predict``'s data owner) checks a reply with the same rules (``wire.link``): a wrong shape or
+    dtype, a NaN or Inf, garbage, no reply or a reply to another step stop it with the same error naming the
+    problem, within its bounds, nothing applied."""
     shape = (4, 3) if driver == "cut" else tuple(Stage.from_experiment(load_experiment("seed-reverse"), "g").input_shape)
     owner = BadLabelOwner(lambda m: answer(m, shape))
     try:
         started = time.monotonic()
-        got, words = (_cut_driver if driver == "cut" else _daemon_driver)(owner.endpoint, tmp_path)
+        if driver == "predict":
+            got, words = _predict_driver(owner.endpoint, tmp_path, request.getfixturevalue("halves"))
+        else:
+            got, words = (_cut_driver if driver == "cut" else _daemon_driver)(owner.endpoint, tmp_path)
         assert got == error and text in words, (got, words[-2000:])
         # A hang guard, not a speed check: 20 s is many times the 0.8 s peer deadline (and a process's start),
         # and well under the 60 s default a data owner that ignored it would wait.
