@@ -53,6 +53,7 @@ class End:
     applied: Callable[[str], list[int]]
     max_frame: int
     log: Callable[[], str] = lambda: ""
+    files: Callable[[], dict[str, bytes]] = dict     # what it keeps on disk (the daemon: its checkpoints)
 
     def answered(self, reply: Message, step: int) -> None:
         """``reply`` is the backward of ``step`` as the label owner computed it (the cut's loop: loss = step)."""
@@ -81,9 +82,9 @@ def _cut_end(liveness_s: float = LIVENESS_S, **bind: Any) -> End:
 
 
 def _daemon_end(start_server, tmp_path, *extra: str, liveness_s: float = LIVENESS_S) -> End:
-    summary = tmp_path / "g-summary.json"
+    summary, checkpoints = tmp_path / "g-summary.json", tmp_path / "g-checkpoints"
     g, endpoint = start_server("seed-reverse", "--keep-serving", "--liveness", str(liveness_s), "--summary",
-                               str(summary), *extra)
+                               str(summary), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1", *extra)
     exp = load_experiment("seed-reverse")
     shape = tuple(Stage.from_experiment(exp, "g").input_shape)
 
@@ -95,8 +96,11 @@ def _daemon_end(start_server, tmp_path, *extra: str, liveness_s: float = LIVENES
         done = read_json(summary)
         return list(range(1, done["steps"] + 1)) if done["status"] == "completed" else [done["status"]]
 
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(checkpoints)): p.read_bytes() for p in sorted(checkpoints.rglob("*")) if p.is_file()}
+
     return End("daemon", endpoint, exp, shape, lambda: None if "Traceback" not in g.output else g.output[-3000:],
-               applied, max(wire.HEADER_MAX_BYTES, 4 * int(np.prod(shape))), lambda: g.output)
+               applied, max(wire.HEADER_MAX_BYTES, 4 * int(np.prod(shape))), lambda: g.output, files)
 
 
 @pytest.fixture(params=["daemon", "cut"])
@@ -164,7 +168,13 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         assert again.type == wire.BACKWARD and again.body == first.body
         assert again.tensors.keys() == first.tensors.keys() and all(
             np.array_equal(again.tensors[n], first.tensors[n]) for n in first.tensors)
+        kept = end.files()
         refused(a, Message(wire.BYE, "a", 2, body={"steps": 5}), ErrorCode.STEP, "bye after 5 steps, but")
+        refused(a, forward(end, "a", 2, np.full(end.shape, np.inf, np.float32)), ErrorCode.NONFINITE)
+        refused(a, forward(end, "a", 2, np.ones(end.shape, np.float64)), ErrorCode.TENSOR)
+        refused(a, hello_message(end.exp, "a", seed=7), ErrorCode.MISMATCH, "hello has seed=7")
+        refused(b, hello_message(end.exp, "b"), ErrorCode.RUN)     # (a cut server never replaces a run at a step)
+        assert end.files() == kept and ask(a, Message(wire.PING, "a", 1)).body["step"] == 1   # nothing changed
         end.answered(ask(a, forward(end, "a", 2)), 2)
         bye = ask(a, Message(wire.BYE, "a", 3, body={"steps": 2}))
         assert bye.type == wire.BYE and bye.body["steps"] == 2
