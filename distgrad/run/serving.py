@@ -148,11 +148,13 @@ class ServingStage:
     def stage(self):
         return self.state.stage
 
-    def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
-        """The message tensors of ``x`` sent on ``stream``; a value its codec cannot carry fails the step
-        (``NonFiniteError``: it would cross as Inf), naming the codec, the tensor and the step."""
+    def encode(self, direction: str, x: np.ndarray, stream: str, step: int,
+               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The message tensors of ``x`` sent on ``stream`` (holding the peer's ``rows`` with ``send_rows``);
+        a value its codec cannot carry fails the step (``NonFiniteError``: it would cross as Inf), naming the
+        codec, the tensor and the step."""
         try:
-            return self.state.senders.message_tensors(direction, x, stream, step)
+            return self.state.senders.message_tensors(direction, x, stream, step, rows)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
 
