@@ -177,7 +177,7 @@ def _row_order(exp: Experiment, stage: str, seed: int) -> Any:
         for part in stream.split("/"):
             if part.startswith("client") and part[len("client"):].isdigit():
                 index = int(part[len("client"):])
-        return np.asarray(sources[index].step_rows(step))
+        return np.asarray(getattr(sources[index], "step_rows")(step))
     return rows
 
 
