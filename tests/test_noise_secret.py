@@ -147,3 +147,32 @@ def test_after_kill_9_the_resumed_label_owner_answers_alike_and_refuses_other_ac
     with pytest.raises(PeerRejected, match="computed again on other input"):
         _one_step(endpoint2, f_file, _activations(9), vanish=True, run=run, step=2)
     np.testing.assert_array_equal(_one_step(endpoint2, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_a_resent_forward_with_other_activations_is_refused_and_the_run_goes_on(tmp_path, start_server):
+    """A forward sent again for a step the label owner answered (its reply cache) must carry the same
+    activations: the same get the same reply, others are refused; the next step is answered as usual."""
+    from distgrad.run.protocol import forward_message
+    from distgrad.wire.link import check_reply
+    from distgrad.wire.wirecodec import ACTIVATION, stream_name
+
+    f_file, g_file = _parties(tmp_path)
+    g, endpoint = start_server(str(g_file), "--keep-serving")
+    h = _activations()
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        _, first = cut.step(h, cut.rows(1))
+
+        def resend(x: np.ndarray) -> np.ndarray:
+            msg = forward_message(cut.senders, cut.run_id, 1, 0, 1, x, stream_name(ACTIVATION, 0, 1))
+            cut.link.send(msg)
+            reply = cut.link.await_reply({(1, 0): msg}, (1, 0))
+            return check_reply(reply, 1, cut.reply_specs, False, "g")[1]
+
+        np.testing.assert_array_equal(resend(h), first)
+        with pytest.raises(PeerRejected, match="sent again with other activations"):
+            resend(_activations(1))
+        cut.step(h, cut.rows(2))
+        cut.close(finished=False)
+    assert g.proc.poll() is None
