@@ -56,26 +56,26 @@ def digest(x: np.ndarray) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Release:
     """One tensor sent with noise: its ``step``, ``stream``, the ``digest`` of the values the noise was
-    added to, and the row numbers it holds (None: not counted per row)."""
+    added to, and the row numbers it holds (int32; None: not counted per row)."""
 
     step: int
     stream: str
     digest: str
-    rows: tuple[int, ...] | None
+    rows: np.ndarray | None
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "stream": self.stream, "digest": self.digest,
-                "rows": None if self.rows is None else list(self.rows)}
+                "rows": None if self.rows is None else self.rows.tolist()}
 
     @staticmethod
     def from_json(entry: Any) -> "Release":
         """Raises ``ValueError`` (or ``KeyError``/``TypeError``) for an entry that is not one."""
         rows = entry["rows"]
         return Release(int(entry["step"]), str(entry["stream"]), str(entry["digest"]),
-                       None if rows is None else tuple(int(r) for r in rows))
+                       None if rows is None else np.array([int(r) for r in rows], np.int32))
 
 
 class NoiseLedger:
@@ -131,15 +131,15 @@ class NoiseLedger:
                     f"{self.limit} its privacy budget allows (clip_noise epsilon); nothing of this step was sent "
                     f"or applied, and the checkpoints are kept. The run stops here: a new run with more "
                     f"planned steps (sigma is chosen for them) or a larger epsilon can go further")
-        release = Release(step, stream, values, None if counted is None else tuple(counted.tolist()))
+        release = Release(step, stream, values, None if counted is None else counted.astype(np.int32))
         if self.on_release is not None:
             self.on_release(release)
         self._record(release)
 
     def _record(self, release: Release) -> None:
         self.pending[(release.step, release.stream)] = release
-        if release.rows:
-            rows = np.array(release.rows, np.int64)
+        if release.rows is not None and len(release.rows):
+            rows = release.rows.astype(np.int64)
             top = int(rows.max()) + 1
             if top > len(self.counts):
                 self.counts = np.concatenate([self.counts, np.zeros(top - len(self.counts), np.int64)])
@@ -149,8 +149,8 @@ class NoiseLedger:
         """The releases per row of the pending steps after ``after``."""
         extra = np.zeros(len(self.counts), np.int64)
         for release in self.pending.values():
-            if release.step > after and release.rows:
-                np.add.at(extra, np.array(release.rows, np.int64), 1)
+            if release.step > after and release.rows is not None and len(release.rows):
+                np.add.at(extra, release.rows.astype(np.int64), 1)
         return extra
 
     def arrays(self, step: int) -> dict[str, np.ndarray]:
