@@ -105,6 +105,7 @@ def test_the_target_form_in_process_reports_the_planned_budget_and_the_worst_row
     clip = summary["privacy"]["g"]["clip_noise"]
     assert clip["planned_releases"] == clip["releases"] == 2 and clip["target_epsilon"] == 8.0
     assert 7.99 - 0.01 <= clip["epsilon"] <= 8.0 and clip["sigma"] == sigma_for_target(8.0, 2, 1e-5)
+    assert "on the cut gradients only" in clip["scope"] == clip["guarantee"]
 
 
 def test_every_party_a_label_owner_answers_releases_each_row_again(tmp_path):

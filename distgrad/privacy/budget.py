@@ -81,17 +81,20 @@ def sigma_for_target(epsilon: float, releases: int, delta: float) -> float:
 def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int,
                  planned: int | None = None) -> dict[str, Any]:
     """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response and
-    ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier", "sigma", "guarantee"}}`` for ``clip``
+    ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier", "sigma", "scope", "guarantee"}}`` for
+    ``clip``
     whose worst row was sent ``releases`` times (or ``"error"`` when dp-accounting is missing); a target form
-    adds its ``target_epsilon`` and the ``planned_releases`` its sigma was chosen for. ``guarantee`` says
-    what the epsilon bounds, or that an epsilon of ``MEANINGFUL_EPSILON`` or more bounds nothing."""
+    adds its ``target_epsilon`` and the ``planned_releases`` its sigma was chosen for. ``scope`` says which
+    guarantee the run has (``GUARANTEE_SCOPE``: per release, on the cut gradients only; the label owner's own
+    update is not privatised), ``guarantee`` the same, or that an epsilon of ``MEANINGFUL_EPSILON`` or more
+    bounds nothing."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
         budget["label_dp"] = {"epsilon": label_dp}
     if clip is not None:
         sigma = clip.noise
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": sigma / 2.0,
-                                 "sigma": sigma}
+                                 "sigma": sigma, "scope": GUARANTEE_SCOPE}
         if clip.epsilon is not None:
             entry.update(target_epsilon=clip.epsilon, planned_releases=planned)
         try:
