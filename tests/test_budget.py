@@ -24,7 +24,7 @@ from distgrad.run.inprocess import train_in_process
 from distgrad.stage.checkpoint import steps_on_disk
 
 from conftest import read_json, run_main
-from test_defenses import _digits
+from test_defenses import _digits, _equal_over_processes
 
 pytest.importorskip("dp_accounting")
 
@@ -182,3 +182,63 @@ def test_the_averaging_attack_recovers_labels_from_noiseless_gradients_and_not_f
     assert bench.averaging_attack(steps, noisy, labels, 1) > 0.9
     assert bench.averaging_attack(steps, noisy, labels, 1, weighted=True) > 0.9
     assert bench.averaging_attack(steps, rng.standard_normal(signal.shape), labels, 10) < 0.25
+
+
+# --- the label owner's own update by DP-SGD ---------------------------------------------------------------
+
+DP_SGD = "clip_noise = { max_norm = 0.05, sigma = 1.0 }\ndp_sgd = { max_norm = 1.0 }"
+
+
+def test_dp_sgd_without_noise_or_clipping_is_the_exact_batch_gradient_and_clips_each_example():
+    """The per-example gradients sum to the batch gradient (the oracle: the stage's own backward); with a
+    bound no example reaches and sigma 0, DP-SGD's gradient is it; with a small bound each example's own
+    gradient is scaled to it."""
+    from distgrad.privacy.defenses import dp_sgd_gradients
+    from distgrad.stage.stage import Stage
+    exp = load_experiment("digits")
+    stage = Stage.from_experiment(exp, "g", 0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    target = rng.integers(0, 10, 8)
+    y, cache = stage.forward(x)
+    _, dy = stage.loss_backward(y, target)
+    exact = stage.backward(cache, dy, need_dx=False)[1]
+    per_example = stage.per_example_grads(x, dy, 0)
+    for name, value in exact.items():
+        np.testing.assert_allclose(sum(g[name] for g in per_example), value, rtol=1e-5, atol=1e-7)
+    private = dp_sgd_gradients(per_example, 1e9, 0.0, 8.0, np.random.default_rng(1))
+    for name, value in exact.items():
+        np.testing.assert_allclose(private[name], value, rtol=1e-5, atol=1e-7)
+    clipped = dp_sgd_gradients(per_example[:1], 1e-3, 0.0, 8.0, np.random.default_rng(1))
+    norm = math.sqrt(sum(float(np.sum(np.square(g.astype(np.float64) * 8.0))) for g in clipped.values()))
+    assert norm == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_dp_sgd_counts_the_update_in_the_budget_and_says_the_guarantee_is_end_to_end(tmp_path):
+    plain = train_in_process(load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0 }",
+                                                     "plain.toml")), steps=10, noise_secret=3)
+    private = train_in_process(load_experiment(_digits(tmp_path, "", DP_SGD)), steps=10, noise_secret=3)
+    assert private["params"]["g"] != plain["params"]["g"]
+    clip = private["privacy"]["g"]["clip_noise"]
+    assert clip["releases"] == 2 and clip["scope"].startswith("end to end")
+    assert plain["privacy"]["g"]["clip_noise"]["scope"].startswith("per release, on the cut gradients only")
+    target = train_in_process(load_experiment(_digits(
+        tmp_path, "", "clip_noise = { max_norm = 0.05, epsilon = 8.0 }\ndp_sgd = { max_norm = 1.0 }", "t.toml")),
+        steps=88, noise_secret=3)["privacy"]["g"]["clip_noise"]
+    assert target["planned_releases"] == target["releases"] == 4 and target["epsilon"] <= 8.0
+
+
+@pytest.mark.parametrize("g_extra, message", [
+    ("dp_sgd = { max_norm = 1.0 }", "give the stage clip_noise too"),
+    ('framework = "torch"\n' + DP_SGD, "torch.func, which is not supported yet"),
+    ("dp_sgd = { max_norm = 0 }", "'dp_sgd' max_norm must be a number > 0")])
+def test_dp_sgd_settings_it_cannot_honour_are_refused_naming_the_reason(tmp_path, g_extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(_digits(tmp_path, "", g_extra))
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fixed_noise_secret")
+def test_dp_sgd_over_processes_is_bitwise_the_in_process_run(tmp_path):
+    summary = _equal_over_processes(tmp_path, _digits(tmp_path, "", DP_SGD), "--micro-batches", "2")
+    assert summary["privacy"]["g"]["clip_noise"]["scope"].startswith("end to end")

@@ -20,9 +20,9 @@ import numpy as np
 
 from distgrad.config.experiment import Experiment
 from distgrad.errors import ConfigError
-from distgrad.privacy.budget import MEANINGFUL_EPSILON, label_budget, sigma_for_target
-from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows
-from distgrad.privacy.releases import NoiseLedger, fresh_secret
+from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
+from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
+from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 NO_GUARANTEE = "no differential-privacy guarantee"
@@ -89,7 +89,8 @@ def check_defenses(exp: Experiment) -> None:
             meter_kind(exp, spec.name)
         d = spec.defenses
         label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None),
-                                          ("marvell", d.marvell is not None)) if on]
+                                          ("marvell", d.marvell is not None), ("dp_sgd", d.dp_sgd is not None))
+                      if on]
         if not label_keys and d.clip_noise is None and d.nopeek is None:
             continue
         where = f"stage {spec.name!r}"
@@ -116,6 +117,51 @@ def check_defenses(exp: Experiment) -> None:
                                   f"batches of rows, not {data.target_dtype.name} targets")
         if d.marvell is not None:
             _check_marvell(exp, spec.name)
+        if d.dp_sgd is not None:
+            _check_dp_sgd(exp, spec.name)
+
+
+def _check_dp_sgd(exp: Experiment, stage: str) -> None:
+    """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
+    (whose sigma and budget it shares), numpy layers without batch statistics or dropout (each example is
+    forwarded alone), one data owner's rows or vertical parties without a bottom model of its own."""
+    where = f"stage {stage!r}: 'dp_sgd'"
+    spec = exp.spec(stage)
+    if not label_owner_sends_gradients(exp, stage):
+        raise ConfigError(f"{where} is the label owner's own update (its labels); {stage!r} is not the label owner")
+    if spec.defenses.clip_noise is None:
+        raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
+    if spec.framework != "numpy" or spec.module is not None:
+        raise ConfigError(f"{where} needs each example's parameter gradient; a torch stage would compute them with "
+                          f"torch.func, which is not supported yet: use numpy layers")
+    if exp.federated:
+        raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
+                          f"one label owner, counted apart")
+    if exp.own_bottom:
+        raise ConfigError(f"{where} is not supported with the label owner's own bottom model: its update would "
+                          f"stay exact")
+    kinds = {str(layer.get("type")) for layer in (spec.model or []) if isinstance(layer, dict)}
+    refused = sorted(kinds & {"batchnorm", "batch_norm", "dropout"})
+    if refused:
+        raise ConfigError(f"{where}: each example is forwarded alone for its gradient, so layers that mix or "
+                          f"draw across a batch ({', '.join(refused)}) are refused")
+
+
+def attach_dp_sgd(exp: Experiment, stage: Any, defense: SentRows | None) -> None:
+    """Make ``stage`` (the label owner's ``Stage``) compute its parameter gradients by DP-SGD
+    (``privacy.defenses.dp_sgd_gradients``) when its ``dp_sgd`` is set: each example's gradient clipped to
+    the bound, the noise of its ``clip_noise`` sigma drawn from the run's noise secret (``defense``'s ledger),
+    keyed by the update and the digests of what it is computed from. Nothing for any other stage."""
+    if defense is None or defense.defenses.dp_sgd is None or defense.defenses.clip_noise is None:
+        return
+    bound, sigma = defense.defenses.dp_sgd, defense.defenses.clip_noise.noise
+    ledger, name = defense.ledger, defense.stage
+
+    def update(x: np.ndarray, dy: np.ndarray, mb: int) -> dict[str, np.ndarray]:
+        scale = len(x) if stage.loss is not None and stage.loss.reduction == "mean" else 1
+        rng = defense_rng(ledger.secret, name, f"dp_sgd/mb{mb}", stage.step + 1, digest(x) + digest(dy))
+        return dp_sgd_gradients(stage.per_example_grads(x, dy, mb), bound, sigma, float(scale), rng)
+    stage.private_update = update
 
 
 def _check_marvell(exp: Experiment, stage: str) -> None:
@@ -156,7 +202,7 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     gradients = label_owner_sends_gradients(exp, stage)
     direction = GRADIENT if gradients else ACTIVATION
     labels = exp.build_data(seed, stage=stage).targets if defenses.marvell is not None else None
-    limit = (planned_releases(exp, stage, exp.steps if steps is None else steps, seed)
+    limit = (_cut_releases(exp, stage, exp.steps if steps is None else steps, seed)
              if gradients and defenses.clip_noise is not None and defenses.clip_noise.epsilon is not None else None)
     rows = _row_order(exp, stage, seed) if gradients else None
     return SentRows(defenses, direction, instance or stage, NoiseLedger(fresh_secret(secret), limit), labels, rows)
@@ -203,10 +249,22 @@ def chosen_clip(exp: Experiment, stage: str, clip: ClipNoise, steps: int, seed: 
 
 
 def planned_releases(exp: Experiment, stage: str, steps: int, seed: int) -> int:
-    """The most releases of one row the label owner ``stage`` plans in ``steps`` steps: once per epoch the
-    run reaches (``_releases``), times the feature parties its gradient goes to (a vertical experiment)."""
-    parties = len(exp.upstream(stage)) if exp.vertical else 1
-    return _releases(exp, stage, steps, seed) * max(parties, 1)
+    """The most releases of one row the label owner ``stage`` plans in ``steps`` steps: its gradient rows
+    (``_cut_releases``), and with ``dp_sgd`` its update too, once per epoch."""
+    epochs = _releases(exp, stage, steps, seed)
+    dp_sgd = exp.spec(stage).defenses.dp_sgd is not None
+    return _cut_releases(exp, stage, steps, seed) + (epochs if dp_sgd else 0)
+
+
+def _cut_releases(exp: Experiment, stage: str, steps: int, seed: int) -> int:
+    """The releases of one row's gradient the label owner ``stage`` plans in ``steps`` steps: once per epoch
+    the run reaches (``_releases``), times the feature parties its gradient goes to (a vertical experiment)."""
+    return _releases(exp, stage, steps, seed) * _parties(exp, stage)
+
+
+def _parties(exp: Experiment, stage: str) -> int:
+    """How many data owners the label owner ``stage`` sends each row's gradient to in a step."""
+    return max(len(exp.upstream(stage)), 1) if exp.vertical else 1
 
 
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
@@ -234,11 +292,14 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         clip = d.clip_noise
         if clip is not None and clip.sigma is None:
             clip = chosen_clip(exp, stage, clip, planned, seed)
-        worst = released if released is not None else (planned_releases(exp, stage, steps, seed)
+        worst = released if released is not None else (_cut_releases(exp, stage, steps, seed)
                                                         if clip is not None else 0)
+        if d.dp_sgd is not None:        # each step a row is in also releases its part of the update
+            worst += worst // _parties(exp, stage)
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
-                                             if clip is not None and clip.epsilon is not None else None)
+                                             if clip is not None and clip.epsilon is not None else None,
+                                             END_TO_END_SCOPE if d.dp_sgd is not None else GUARANTEE_SCOPE)
     else:
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:

@@ -248,6 +248,12 @@ _STAGE_COMMON: dict[str, Key] = {
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
                 "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients]"),
+    "dp_sgd": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
+               "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
+               "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
+               "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
+               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers "
+               "without batch norm or dropout; not with [clients] or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

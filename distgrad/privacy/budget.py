@@ -30,6 +30,9 @@ MEANINGFUL_EPSILON = 10.0     # an epsilon this large or larger bounds nothing a
 NO_MEANINGFUL_GUARANTEE = "no meaningful guarantee (epsilon >= 10)"
 GUARANTEE_SCOPE = ("per release, on the cut gradients only: given the label owner's parameters, which its own "
                    "update trains on the true labels without noise")
+END_TO_END_SCOPE = ("end to end: the cut gradients and the label owner's own update (DP-SGD) are the private "
+                    "releases, composed per row; everything else the data owner receives is computed from them, "
+                    "except the training loss each reply carries, which is not privatised")
 TARGET_TOLERANCE = 0.01       # the chosen sigma's epsilon is within this of the target, below it
 SIGMA_CEILING = 1e6           # no sigma above this is searched (a target that needs more is refused)
 
@@ -79,7 +82,7 @@ def sigma_for_target(epsilon: float, releases: int, delta: float) -> float:
 
 
 def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int,
-                 planned: int | None = None) -> dict[str, Any]:
+                 planned: int | None = None, scope: str = GUARANTEE_SCOPE) -> dict[str, Any]:
     """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response and
     ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier", "sigma", "scope", "guarantee"}}`` for
     ``clip``
@@ -94,13 +97,13 @@ def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int,
     if clip is not None:
         sigma = clip.noise
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": sigma / 2.0,
-                                 "sigma": sigma, "scope": GUARANTEE_SCOPE}
+                                 "sigma": sigma, "scope": scope}
         if clip.epsilon is not None:
             entry.update(target_epsilon=clip.epsilon, planned_releases=planned)
         try:
             epsilon = gaussian_label_dp(sigma, releases, clip.delta) if releases else 0.0
             entry["epsilon"] = epsilon
-            entry["guarantee"] = (GUARANTEE_SCOPE if math.isfinite(epsilon) and epsilon < MEANINGFUL_EPSILON
+            entry["guarantee"] = (scope if math.isfinite(epsilon) and epsilon < MEANINGFUL_EPSILON
                                   else NO_MEANINGFUL_GUARANTEE)
         except ImportError as e:
             entry["error"] = str(e)

@@ -73,6 +73,7 @@ class Defenses:
     label_dp: float | None = None
     nopeek: float | None = None
     marvell: float | None = None
+    dp_sgd: float | None = None      # the label owner's own update as DP-SGD: its per-example clip bound
 
     def as_table(self) -> dict[str, Any]:
         """The stage-table keys that give these defenses (what ``parse_defenses`` reads back)."""
@@ -90,6 +91,8 @@ class Defenses:
             table["nopeek"] = {"weight": self.nopeek}
         if self.marvell is not None:
             table["marvell"] = {"bound": self.marvell}
+        if self.dp_sgd is not None:
+            table["dp_sgd"] = {"max_norm": self.dp_sgd}
         return table
 
     @property
@@ -174,6 +177,27 @@ def clip_noise(x: np.ndarray, max_norm: float, sigma: float, rng: np.random.Gene
     if sigma == 0:
         return clipped
     return (clipped + rng.normal(0.0, sigma * max_norm, x.shape)).astype(DTYPE)
+
+
+def dp_sgd_gradients(per_example: list[dict[str, np.ndarray]], max_norm: float, sigma: float, scale: float,
+                     rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """DP-SGD (Abadi et al., 2016) of one batch: ``per_example[i]`` is example i's contribution to the
+    batch loss's parameter gradients, ``scale`` times which is its own loss's gradient (the rows for a mean
+    loss, 1 for a sum). Each example's own gradient (all parameters as one vector) is scaled to norm at most
+    ``max_norm`` (C), they are summed, N(0, (sigma * C)^2) noise is added per element, and the sum divided by
+    ``scale`` again: the batch gradient the update uses, float32. One example's label changes the sum by at
+    most 2C: a Gaussian mechanism of noise multiplier sigma / 2, as ``clip_noise``'s rows."""
+    if not per_example:
+        raise ValueError("DP-SGD of an empty batch")
+    names = list(per_example[0])
+    total = {name: np.zeros(per_example[0][name].shape, np.float64) for name in names}
+    for grads in per_example:
+        norm = math.sqrt(sum(float(np.sum(np.square(grads[n].astype(np.float64) * scale))) for n in names))
+        factor = scale * (min(1.0, max_norm / norm) if norm > 0 else 1.0)
+        for name in names:
+            total[name] += grads[name].astype(np.float64) * factor
+    return {name: ((total[name] + rng.normal(0.0, sigma * max_norm, total[name].shape)) / scale).astype(DTYPE)
+            for name in names}
 
 
 def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -326,7 +350,13 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
             raise ConfigError(f"stage {stage!r}: 'marvell' must be {{ bound = P }} (the bound on the sum of the "
                               f"KL divergences between the two classes' rows), got {marvell!r}")
         marvell = _positive(marvell["bound"], f"stage {stage!r}: 'marvell' bound")
-    return Defenses(clip, max_norm, label_dp, nopeek, marvell)
+    dp_sgd = table.get("dp_sgd")
+    if dp_sgd is not None:
+        if not isinstance(dp_sgd, dict) or set(dp_sgd) != {"max_norm"}:
+            raise ConfigError(f"stage {stage!r}: 'dp_sgd' must be {{ max_norm = C }} (the bound of each example's "
+                              f"parameter gradient; the noise is clip_noise's sigma), got {dp_sgd!r}")
+        dp_sgd = _positive(dp_sgd["max_norm"], f"stage {stage!r}: 'dp_sgd' max_norm")
+    return Defenses(clip, max_norm, label_dp, nopeek, marvell, dp_sgd)
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:

@@ -20,7 +20,8 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine, crossed_direction
-from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, metered, privacy_budget, row_defense
+from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_flag, meter_kind, metered,
+                                      privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
@@ -84,13 +85,16 @@ def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_la
     first stage is that data owner's copy. ``steps``: the run's (a target budget's sigma is chosen for
     them); ``secret``: the noise secret every defense draws from (None: a fresh one per stage)."""
     scale = exp.micro_batch_scale
-    return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
+    engines = [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
                        trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
                                                                    if i == 0 else stage.name, steps, secret)))
-            for i, stage in enumerate(stages)]
+               for i, stage in enumerate(stages)]
+    for engine in engines:
+        attach_dp_sgd(exp, engine.stage, engine.senders.defense)       # the label owner's DP-SGD
+    return engines
 
 
 def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,

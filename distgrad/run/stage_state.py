@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distgrad.config.defended import budget_text, privacy_budget, row_defense
+from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.jsontext import json_text
 from distgrad.privacy.releases import COUNTS, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
@@ -138,6 +138,7 @@ class StageState:
                               if opts.checkpoint_dir is not None and self.ledger is not None else None)
         if self.ledger is not None and self.released_file is not None:
             self.ledger.on_release = self._append_release
+        attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
         if checkpoint_each_step and opts.checkpoint_every:     # without one, no step of the engine's checkpoints
@@ -194,6 +195,7 @@ class StageState:
     def stage(self, stage: Stage) -> None:
         self.engine.stage = stage
         self.engine.reset()
+        attach_dp_sgd(self.opts.experiment, stage, self.senders.defense)
 
     @property
     def senders(self) -> Senders:
