@@ -242,3 +242,8 @@ def test_dp_sgd_settings_it_cannot_honour_are_refused_naming_the_reason(tmp_path
 def test_dp_sgd_over_processes_is_bitwise_the_in_process_run(tmp_path):
     summary = _equal_over_processes(tmp_path, _digits(tmp_path, "", DP_SGD), "--micro-batches", "2")
     assert summary["privacy"]["g"]["clip_noise"]["scope"].startswith("end to end")
+
+
+def test_a_data_owners_clip_noise_with_a_target_epsilon_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="target epsilon is the label owner's"):
+        load_experiment(_digits(tmp_path, "clip_noise = { max_norm = 4.0, epsilon = 8.0 }", ""))

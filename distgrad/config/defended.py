@@ -107,6 +107,9 @@ def check_defenses(exp: Experiment) -> None:
         if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
                               f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
+        if d.clip_noise is not None and d.clip_noise.epsilon is not None and not label_owner:
+            raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is the label owner's (a label-DP budget); "
+                              f"a data owner's clip_noise states no guarantee for its inputs: give it a sigma")
         if d.nopeek is not None and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
                               f"sends from its inputs); {spec.name!r} receives activations")
