@@ -236,6 +236,9 @@ class Stage:
     allow_nonfinite = False
     seed = 0        # the run's seed (``from_experiment`` sets it); a torch stage seeds its RNG from it
     nopeek: float | None = None     # a data owner's NoPeek weight (its stage's 'nopeek'; ``with_objective``)
+    # The label owner's DP-SGD (its 'dp_sgd', bound by ``config.defended.attach_dp_sgd``): the parameter
+    # gradients of a micro-batch from its input, d(loss)/d(output) and index, replacing the exact ones.
+    private_update: Callable[[np.ndarray, np.ndarray, int], Grads] | None = None
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
@@ -351,6 +354,16 @@ class Stage:
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
 
+    def per_example_grads(self, x: np.ndarray, dy: np.ndarray, mb: int) -> list[Grads]:
+        """Each row's contribution to the parameter gradients of micro-batch ``mb`` of input ``x`` given
+        d(loss)/d(output) ``dy``: a forward and backward of that row alone (layers without batch statistics)."""
+        context = ForwardContext(True, self.step + 1, mb, self.name)
+        grads = []
+        for i in range(len(x)):
+            _, cache = self.model.forward(x[i:i + 1], context)
+            grads.append(self.model.backward(cache, dy[i:i + 1], False)[1])
+        return grads
+
     def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Loss value and d(loss)/d(y); last stage only."""
         assert self.loss is not None, f"stage {self.name} has no loss"
@@ -461,6 +474,8 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
+        if self.private_update is not None:
+            grads = self.private_update(x, dy, mb)
         return loss, asked_dx(self.name, dx), grads
 
     def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
@@ -469,4 +484,7 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads_later = self.backward_deferred(cache, dy)
+        private = self.private_update
+        if private is not None:
+            return loss, dx, lambda: private(x, dy, mb)
         return loss, dx, grads_later
