@@ -312,19 +312,17 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
     drawn = random_defenses(exp, stage)
-    if drawn:                               # nopeek, and clip_noise with sigma 0, draw nothing
+    if drawn:                               # noise is drawn from the run's secret, not the seed
         entry["noise_seed"] = noise_seed(exp, stage)
         entry["drawn_by"] = drawn
     return entry
 
 
 def random_defenses(exp: Experiment, stage: str) -> list[str]:
-    """The defenses of ``stage`` that draw random numbers (``defense_rng``): ``label_dp`` (the randomized
-    labels), ``clip_noise`` with ``sigma`` > 0, ``max_norm`` and ``marvell`` (their noise); not ``nopeek``."""
-    d = exp.spec(stage).defenses
-    return [key for key, on in (("label_dp", d.label_dp is not None),
-                                ("clip_noise", d.clip_noise is not None and d.clip_noise.sigma != 0),
-                                ("max_norm", bool(d.max_norm)), ("marvell", d.marvell is not None)) if on]
+    """The defenses of ``stage`` whose draws follow its seed: ``label_dp`` (the randomized labels). The noise
+    of ``clip_noise``, ``max_norm`` and ``marvell`` is keyed by the run's noise secret
+    (``privacy.releases.fresh_secret``), which never leaves the stage, so it is not named here."""
+    return ["label_dp"] if exp.spec(stage).defenses.label_dp is not None else []
 
 
 def noise_seed(exp: Experiment, stage: str) -> str:
@@ -344,8 +342,8 @@ def _entry_text(entry: dict[str, Any]) -> str:
     for key, value in entry.items():
         if key == "noise_seed":
             if not value.startswith("the stage's own"):
-                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing noise from the "
-                             f"run's seed, which the other party knows")
+                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing from the run's "
+                             f"seed, which the other party knows")
             continue
         if key == "drawn_by":
             continue
