@@ -24,7 +24,8 @@ from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, 
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
-from distgrad.run.metering import Metering
+from distgrad.run.metering import Metering, step_rows
+from distgrad.privacy.meter import LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
@@ -372,8 +373,12 @@ class _Reference:
         self.holds_out = len(self.data.test_rows) > 0
         self.meters = [Metering(meter_kind(exp, stage.name), engine,
                                 self.labels.true_targets if stage is self.stages[-1] else self.data.features,
-                                eval_every if self.holds_out else 0, steps)
+                                eval_every if self.holds_out else 0, steps,
+                                rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
                        for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
+        for metering in self.meters:
+            if metering.kind == LABELS:     # model completion: what the label owner receives
+                metering.tap_received(self.engines[-2].senders)
         self.spec = exp.spec(exp.stage_names[-1])
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
