@@ -32,7 +32,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypedDict  # noqa: E402
 
-from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
+from distgrad.errors import (ConfigError, DistgradError, InputGuardStop, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
 
 if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinne
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
+EXIT_GUARD = 5           # a data owner's input_guard stopped the run
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -53,6 +54,8 @@ def _exit_code(error: BaseException) -> int:
         return 128 + error.signum
     if isinstance(error, ConfigError):
         return EXIT_USAGE
+    if isinstance(error, InputGuardStop):
+        return EXIT_GUARD
     if isinstance(error, PeerTimeout):
         return EXIT_TIMEOUT
     if isinstance(error, (PeerRejected, ProtocolError)):

@@ -121,3 +121,8 @@ class Interrupted(DistgradError):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
+
+
+class InputGuardStop(DistgradError, RuntimeError):
+    """A data owner's ``input_guard`` found its activations invertible beyond its ``max_r2``: the run stops
+    before that step's activations are sent (nothing of it is applied or checkpointed). Exit code 5."""

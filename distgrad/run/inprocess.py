@@ -24,7 +24,7 @@ from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, 
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
-from distgrad.run.metering import Metering, step_rows
+from distgrad.run.metering import Guarding, Metering, step_rows
 from distgrad.privacy.meter import LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
@@ -376,6 +376,9 @@ class _Reference:
                                 eval_every if self.holds_out else 0, steps,
                                 rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
                        for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
+        max_r2 = exp.spec(exp.stage_names[0]).input_guard if exp.has_stage(exp.stage_names[0]) else None
+        self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0])
+                         if max_r2 is not None else None)
         for metering in self.meters:
             if metering.kind == LABELS:     # model completion: what the label owner receives
                 metering.tap_received(self.engines[-2].senders)
@@ -468,6 +471,7 @@ class _Reference:
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
             **privacy_budget(exp, exp.stage_names, steps, self.seed),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
+            **(self.guarding.summary_fields() if self.guarding else {}),
             "params": {s.name: to_lists(s.params) for s in self.stages},
         }
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from distgrad.errors import ConfigError, StageError
+from distgrad.errors import ConfigError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
@@ -35,6 +35,7 @@ from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
+GUARD_EXIT = 5              # a stage's exit code when its input_guard stopped it (distgrad.cli)
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
 WAIT_TICK_S = 0.05
 
@@ -542,6 +543,9 @@ def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
         check_stop()
         codes = [child.proc.poll() for child in children]
         for child, code in zip(children, codes):
+            if code == GUARD_EXIT:
+                raise InputGuardStop(f"stage {child.name} stopped the run: its input_guard found its activations "
+                                     f"invertible beyond its max_r2 (its log says the step and the R^2)")
             if code not in (None, 0):
                 raise StageError(f"stage {child.name} failed with exit code {code}")
         if all(code == 0 for code in codes):

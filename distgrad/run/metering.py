@@ -19,6 +19,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from distgrad.errors import InputGuardStop
+from distgrad.privacy.guard import InputGuard
 from distgrad.privacy.meter import INPUTS, LABELS, AttackMeter, LeakMeter, extremes, window_steps
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
@@ -190,3 +192,49 @@ class Metering:
         if self.windows or self.attack_windows:
             fields[EXTREME_KEYS[self.kind]] = extremes(self.windows) | extremes(self.attack_windows)
         return fields
+
+
+class Guarding:
+    """A data owner's ``input_guard`` in a run: a tap on the activations ``engine``'s stage sends that feeds
+    each micro-batch, as the receiver decodes it, with its input rows (``inputs_of(step)``: the step's batch)
+    to an ``InputGuard``, and raises ``InputGuardStop`` before the micro-batch leaves when its inversion
+    R^2 passes ``max_r2`` after its first ``after`` steps (the caller stops the run: nothing of the step is applied or checkpointed). It
+    reads only: a guarded run that is not stopped is bitwise the unguarded. ``peak`` is the highest R^2 it
+    measured."""
+
+    def __init__(self, engine: StepEngine, inputs_of: Callable[[int], np.ndarray], setting: tuple[float, int],
+                 stage: str, log: logging.Logger | None = None) -> None:
+        self.guard, self.inputs_of, self.stage = InputGuard(*setting), inputs_of, stage
+        self.log = log or logging.getLogger("distgrad.privacy")
+        self.peak: tuple[float, int] | None = None        # (R^2, step)
+        self._inputs: tuple[int, np.ndarray] | None = None
+        engine.senders.taps[ACTIVATION].append(self._tap)
+
+    def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        mb, mbs = stream_micro_batch(stream)
+        if self._inputs is None or self._inputs[0] != step:
+            self._inputs = (step, np.asarray(self.inputs_of(step)))
+        self.guard.observe(step, mb, micro_batch(self._inputs[1], mb, mbs), received())
+        if not self.guard.judges(step):
+            return
+        score = self.guard.score()
+        if score is None:
+            return
+        if self.peak is None or score > self.peak[0]:
+            self.peak = (score, step)
+        if score > self.guard.max_r2:
+            self.log.error("input_guard: step %d's activations reconstruct the inputs with R^2 %.3f > max_r2 %g",
+                           step, score, self.guard.max_r2)
+            raise InputGuardStop(
+                f"stage {self.stage!r}: input_guard stopped the run before sending step {step}: its activations "
+                f"reconstruct its inputs with R^2 {score:.3f} (best ridge decoder of its latest "
+                f"{self.guard.need}+ rows), above max_r2 {self.guard.max_r2:g}. The label owner may be training "
+                f"this stage towards its own decoder instead of the task; nothing of step {step} was sent, "
+                f"applied or checkpointed")
+
+    def summary_fields(self) -> dict[str, Any]:
+        """``input_guard``: its ``max_r2``, ``after``, and the highest R^2 it judged (``peak_r2``, at ``peak_step``)."""
+        entry: dict[str, Any] = {"max_r2": self.guard.max_r2, "after": self.guard.after}
+        if self.peak is not None:
+            entry.update(peak_r2=self.peak[0], peak_step=self.peak[1])
+        return {"input_guard": entry}
