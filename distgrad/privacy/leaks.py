@@ -227,14 +227,16 @@ def input_figures(batches: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, flo
 # The strongest attacks known, as the meters run them: a per-row average of every gradient row a data owner
 # received, clustered from a few known rows; and the label owner's best linear decoder of the inputs.
 
+KNOWN_ROWS_KEY = 33        # the seed of the known rows' draws (a constant: the figure is a function of its rows)
 KMEANS_ITERATIONS = 50     # Lloyd's iterations of the anchored k-means at most (it stops once no row moves)
 RIDGE_ALPHAS = (1e-6, 1e-4, 1e-2, 1e-1, 1.0)   # ridge strengths tried, times the activations' mean square
 PUBLIC_EVERY = 5           # the label owner's public share: the rows whose number is a multiple of 5 (a fifth)
 
 
-def anchored_recovery(rows: np.ndarray, labels: np.ndarray, known: int) -> float:
+def anchored_recovery(rows: np.ndarray, labels: np.ndarray, known: int, draws: int = 1) -> float:
     """The accuracy of anchored k-means on the directions of ``rows`` (one per example, e.g. each row's mean
-    received gradient): the first ``known`` rows of each class (in the order given) are known; each class's
+    received gradient), the mean over ``draws`` choices of the known rows (``_known_rows``; with one known row
+    the result depends much on which, and the mean is what an attacker can expect): each class's
     centre starts at the mean of its known rows' directions, every row joins the centre its cosine is
     largest with (known rows stay in their class), centres move to their rows' mean, until no row moves.
     Scored on the rows not known; raises ``ValueError`` when every row is known or a class has one row."""
@@ -243,9 +245,26 @@ def anchored_recovery(rows: np.ndarray, labels: np.ndarray, known: int) -> float
     classes = np.unique(y)
     if len(classes) < 2:
         raise ValueError("anchored k-means needs rows of two classes at least")
+    scores = []
+    for draw in range(draws):
+        anchors = _known_rows(y, classes, known, draw)
+        scores.append(_anchored(x, y, classes, anchors))
+    return float(np.mean(scores))
+
+
+def _known_rows(y: np.ndarray, classes: np.ndarray, known: int, draw: int) -> np.ndarray:
+    """Draw ``draw``'s known rows: ``known`` rows of each class chosen by a permutation of its rows seeded with
+    the draw alone (so the same rows give the same figure; rows of one class that are neighbours in the data,
+    often alike, are not taken together)."""
     anchors = np.zeros(len(y), bool)
     for c in classes:
-        anchors[np.flatnonzero(y == c)[:known]] = True
+        members = np.flatnonzero(y == c)
+        anchors[np.random.default_rng([KNOWN_ROWS_KEY, draw]).permutation(members)[:known]] = True
+    return anchors
+
+
+def _anchored(x: np.ndarray, y: np.ndarray, classes: np.ndarray, anchors: np.ndarray) -> float:
+    """Anchored k-means of unit rows ``x`` of classes ``y``, ``anchors`` known: the accuracy on the others."""
     if anchors.all():
         raise ValueError("every row is known: no row left to score")
     index = np.searchsorted(classes, y)
@@ -264,25 +283,27 @@ def anchored_recovery(rows: np.ndarray, labels: np.ndarray, known: int) -> float
     return float(np.mean(classes[assigned[~anchors]] == y[~anchors]))
 
 
-def few_shot_accuracy(rows: np.ndarray, labels: np.ndarray, known: int) -> float:
-    """Model completion: the accuracy of a nearest-class-mean classifier fitted on the first ``known`` rows of
-    each class (in the order given; features standardised by the known rows' mean and spread) over every
-    other row. Raises ``ValueError`` when every row is known or fewer than two classes are given."""
+def few_shot_accuracy(rows: np.ndarray, labels: np.ndarray, known: int, draws: int = 1) -> float:
+    """Model completion: the accuracy of a nearest-class-mean classifier fitted on ``known`` rows of each class
+    (features standardised by the known rows' mean and spread) over every other row; the mean over ``draws``
+    choices of the known rows, as ``anchored_recovery`` chooses them. Raises ``ValueError`` when every
+    row is known or fewer than two classes are given."""
     x = _flat(rows)
     y = _labels(labels, len(x))
     classes = np.unique(y)
     if len(classes) < 2:
         raise ValueError("a classifier needs rows of two classes at least")
-    anchors = np.zeros(len(y), bool)
-    for c in classes:
-        anchors[np.flatnonzero(y == c)[:known]] = True
-    if anchors.all():
-        raise ValueError("every row is known: no row left to score")
-    mean, scale = x[anchors].mean(0), x[anchors].std(0) + 1e-8
-    z = (x - mean) / scale
-    centres = np.stack([z[anchors & (y == c)].mean(0) for c in classes])
-    distances = (z[~anchors] ** 2).sum(1)[:, None] - 2 * z[~anchors] @ centres.T + (centres ** 2).sum(1)[None]
-    return float(np.mean(classes[np.argmin(distances, axis=1)] == y[~anchors]))
+    scores = []
+    for draw in range(draws):
+        anchors = _known_rows(y, classes, known, draw)
+        if anchors.all():
+            raise ValueError("every row is known: no row left to score")
+        mean, scale = x[anchors].mean(0), x[anchors].std(0) + 1e-8
+        z = (x - mean) / scale
+        centres = np.stack([z[anchors & (y == c)].mean(0) for c in classes])
+        distances = (z[~anchors] ** 2).sum(1)[:, None] - 2 * z[~anchors] @ centres.T + (centres ** 2).sum(1)[None]
+        scores.append(np.mean(classes[np.argmin(distances, axis=1)] == y[~anchors]))
+    return float(np.mean(scores))
 
 
 class RidgeStats:

@@ -115,6 +115,7 @@ class LeakMeter:
 
 
 KNOWN_ROWS = (1, 10)        # rows of each class the averaging attacker knows (one figure each)
+ANCHOR_DRAWS = 16           # choices of the known rows the averaging figure is the mean over
 COMPLETION_KNOWN = 10       # labelled rows per class of the model-completion classifier
 ATTACK_FIGURES = ("averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2", "ridge_r2_run")
 RUN_FIGURES = {"averaged_recovery_1": "averaged_recovery_1", "averaged_recovery_10": "averaged_recovery_10",
@@ -223,7 +224,7 @@ class AttackMeter:
         figures: dict[str, float] = {}
         for known in KNOWN_ROWS:
             try:
-                figures[f"averaged_recovery_{known}"] = leaks.anchored_recovery(means, labels, known)
+                figures[f"averaged_recovery_{known}"] = leaks.anchored_recovery(means, labels, known, ANCHOR_DRAWS)
             except ValueError:
                 continue
             figures[f"averaged_recovery_{known}_chance"] = chance
@@ -232,7 +233,7 @@ class AttackMeter:
             have = have[np.abs(self._latest[have]).sum(1) > 0] if len(have) else have
             try:
                 figures["model_completion"] = leaks.few_shot_accuracy(self._latest[have], self._labels[have],
-                                                                      COMPLETION_KNOWN)
+                                                                      COMPLETION_KNOWN, ANCHOR_DRAWS)
                 figures["model_completion_chance"] = 1.0 / len(np.unique(self._labels[have]))
             except ValueError:
                 pass
