@@ -4,7 +4,8 @@ Each reads the tensors a run's trace recorded as they crossed (``sent_activation
 received; ``sent_activation``: what the label owner received), the row numbers every party computes for a
 step (the shared sample order), and the secret the attacked party holds, and attacks them its own way:
 
-* ``averaging_attack``: the data owner averages, per row number, every gradient row it received, then runs
+* ``averaging_attack``: the data owner averages, per row number, every gradient row it received
+  (``row_means``), then runs
   k-means on the averages' directions seeded by ``known`` labelled rows per class (chosen at random from
   ``seed``, not the meter's first rows) and keeps those rows in their class;
 * ``completion_attack``: a nearest-class-mean classifier of each row's latest activation, fitted on ``known``
@@ -45,9 +46,8 @@ def _known(labels: np.ndarray, known: int, seed: int) -> np.ndarray:
     return chosen
 
 
-def averaging_attack(received: dict[int, np.ndarray], rows_of: Any, labels_of_rows: np.ndarray, known: int,
-                     seed: int = 0) -> float:
-    """The share of unknown rows whose label the per-row averaging attack recovers."""
+def row_means(received: dict[int, np.ndarray], rows_of: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(row numbers, each one's mean received row): what the data owner averages over every step."""
     total: dict[int, np.ndarray] = {}
     count: dict[int, int] = {}
     for step, grads in received.items():
@@ -55,8 +55,14 @@ def averaging_attack(received: dict[int, np.ndarray], rows_of: Any, labels_of_ro
             total[int(row)] = total.get(int(row), 0) + g
             count[int(row)] = count.get(int(row), 0) + 1
     rows = np.array(sorted(total))
-    means = np.stack([total[r] / count[r] for r in rows])
-    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-30)
+    return rows, np.stack([total[r] / count[r] for r in rows])
+
+
+def averaging_attack(rows: np.ndarray, means: np.ndarray, labels_of_rows: np.ndarray, known: int,
+                     seed: int = 0) -> float:
+    """The share of unknown rows whose label anchored k-means of the rows' mean gradients (``row_means``)
+    recovers, ``known`` random rows per class known."""
+    means = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-30)
     labels = labels_of_rows[rows]
     classes = np.unique(labels)
     chosen = _known(labels, known, seed)
@@ -126,7 +132,9 @@ def main() -> None:
     labels = data.all_targets()
     grads = trace_tensors(args.trace, "sent_activation_grad")
     acts = trace_tensors(args.trace, "sent_activation")
-    out = {f"averaged_recovery_{k}": averaging_attack(grads, data.step_rows, labels, k) for k in (1, 10)}
+    rows, means = row_means(grads, data.step_rows)
+    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, seed)
+                                                   for seed in range(20)])) for k in (1, 10)}
     out["model_completion"] = completion_attack(acts, data.step_rows, labels, 10)
     steps = sorted(acts)
     out["ridge_r2_run"] = ridge_attack(np.concatenate([acts[s] for s in steps]),

@@ -687,7 +687,7 @@ def _print_result(summary: dict) -> None:
 def _print_headline(summary: dict) -> None:
     """The run's steps, time, mode and final loss (several clients: each client's line), then the privacy
     meters' last windows."""
-    from distgrad.run.metering import figures_text
+    from distgrad.run.metering import extremes_text, figures_text
     from distgrad.stage.records import scores_text
 
     head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
@@ -705,6 +705,13 @@ def _print_headline(summary: dict) -> None:
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
+        extreme = summary.get(key.replace("_leaks", "_leak_extremes"))
+        if extreme:
+            print(f"privacy meter, {party}, worst window and whole run: {extremes_text(extreme)}")
+    guard = summary.get("input_guard")
+    if guard and "peak_r2" in guard:
+        print(f"input_guard: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
+              f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
 
 
 def _print_held_out(summary: dict) -> None:

@@ -50,7 +50,7 @@ class Hijacker:
         h = np.hstack([x.reshape(len(x), -1).astype(np.float64), np.ones((len(x), 1))])
         public = rows % PUBLIC_EVERY == 0
         error = h @ self.w - inputs
-        if (~public).sum() > 1:
+        if (~public).sum() > 1 and self.recent:
             ridge = self._ridge_r2(h[~public], inputs[~public])
             self.reconstruction[self.step] = (_r2(h[~public] @ self.w, inputs[~public]), ridge)
         self.recent = (self.recent + [(h[public], inputs[public])])[-RECENT_STEPS:]
@@ -64,8 +64,6 @@ class Hijacker:
         return np.float32(loss), dx.reshape(x.shape).astype(np.float32)
 
     def _ridge_r2(self, h_private: np.ndarray, x_private: np.ndarray) -> float:
-        if not self.recent:
-            return float("nan")
         h = np.concatenate([a for a, _ in self.recent])
         x = np.concatenate([b for _, b in self.recent])
         penalty = np.eye(h.shape[1]) * 1e-2 * np.mean(h[:, :-1] ** 2) * len(h)

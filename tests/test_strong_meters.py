@@ -122,7 +122,7 @@ def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_neve
     """Digits, the data owner's NoPeek weight 7 and max_r2 0.75: a label owner that returns its decoder's error
     gradient is stopped before the private rows' reconstruction R^2 reaches 0.8; the honest run (800 steps) is
     never stopped, and trains bitwise as the unguarded run."""
-    honest = train_in_process(_guarded(0.75), privacy_meter=True)
+    honest = train_in_process(_guarded(0.75))
     assert honest["input_guard"]["peak_r2"] <= 0.75
     plain = train_in_process(_guarded(1.0, after=10 ** 6))
     assert honest["params"] == plain["params"]
@@ -171,13 +171,10 @@ def test_the_strong_meters_agree_with_independent_attackers_on_what_crossed(tmp_
     acts = attackers.trace_tensors(trace, "sent_activation")
     assert len(grads) == len(acts) == 180
     meter = summary["label_attacks"][-1]
-    for known in (1, 10):
-        independent = np.mean([attackers.averaging_attack(grads, data.step_rows, labels, known, seed)
-                               for seed in range(20)])
-        # One known row per class: the figure swings with which row is known (a mean over 16 choices against
-        # one over 20), measured 0.53-0.60 against 0.60-0.61: within 0.10 here, the 0.05 target is not met yet.
-        tolerance = TOLERANCE if known > 1 else 2 * TOLERANCE
-        assert abs(meter[f"averaged_recovery_{known}"] - independent) <= tolerance, (known, meter, independent)
+    rows, means = attackers.row_means(grads, data.step_rows)
+    for known, seeds in ((1, 100), (10, 20)):        # one known row: the figure swings with which one
+        independent = np.mean([attackers.averaging_attack(rows, means, labels, known, seed) for seed in range(seeds)])
+        assert abs(meter[f"averaged_recovery_{known}"] - independent) <= TOLERANCE, (known, meter, independent)
     completion = np.mean([attackers.completion_attack(acts, data.step_rows, labels, 10, seed) for seed in range(20)])
     assert abs(meter["model_completion"] - completion) <= TOLERANCE, (meter["model_completion"], completion)
     steps = sorted(acts)
@@ -195,3 +192,32 @@ def test_the_strong_meters_agree_with_independent_attackers_on_what_crossed(tmp_
     assert "worst" in summary["input_leak_extremes"]["ridge_r2"]
     print({"meter": {**meter, **inputs}, "independent": {"averaged": "see asserts", "completion": completion,
                                                          "ridge_run": run_r2, "ridge_window": window_r2}})
+
+
+@pytest.mark.parametrize("framework", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
+def test_the_strong_meters_and_the_guard_meter_over_processes_as_in_one_and_change_nothing(tmp_path, framework):
+    """Micro-batches and an activation codec, numpy or PyTorch stages: the strong attacks' windows, each
+    figure's extremes and the guard's peak are the same over processes as in one, and the metered, guarded
+    run's parameters are bitwise the plain run's."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    torch = f'framework = "{framework}"'
+    path = _digits(tmp_path, f"{torch}\ninput_guard = {{ max_r2 = 1.0, after = 0 }}", torch)
+    plain_path = tmp_path / "plain.toml"
+    plain_path.write_text(path.read_text().replace("input_guard = { max_r2 = 1.0, after = 0 }", ""))
+    common = ["--steps", "40", "--micro-batches", "2", "--activation-codec", "int8", "--eval-every", "20"]
+    plain = run_launcher(["run", plain_path, *common, "--summary", tmp_path / "plain.json"])
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    metered = run_launcher(["run", path, *common, "--privacy-meter", "--summary", tmp_path / "run.json"])
+    assert metered.returncode == 0, metered.stdout + metered.stderr
+    local = run_launcher(["run", path, *common, "--privacy-meter", "--in-process", "--summary", tmp_path / "local.json"])
+    assert local.returncode == 0, local.stdout + local.stderr
+    plain, run, local = (read_json(tmp_path / f"{name}.json") for name in ("plain", "run", "local"))
+    assert run["params"] == plain["params"] == local["params"]
+    for key in ("label_attacks", "input_attacks", "label_leak_extremes", "input_leak_extremes", "input_guard"):
+        assert run[key] == local[key], key
+    assert [w["step"] for w in run["label_attacks"]] == [20, 40]
+    assert set(run["label_attacks"][-1]) >= {"averaged_recovery_1", "averaged_recovery_10", "model_completion"}
+    assert set(run["input_attacks"][-1]) >= {"ridge_r2", "ridge_r2_run", "ridge_r2_chance"}
+    assert 0 < run["input_guard"]["peak_r2"] <= 1
+    assert "worst" in metered.stdout and "ridge_r2" in metered.stdout

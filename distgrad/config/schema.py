@@ -220,8 +220,8 @@ _STAGE_COMMON: dict[str, Key] = {
     "input_guard": Key(INPUT_GUARD, shown="absent", who=DATA_OWNERS, help=
                     "the data owner (the first stage), private to it: { max_r2 = R, after = K } (K default 50): "
                     "before each micro-batch's activations are sent, the R^2 of its inputs reconstructed by the "
-                    "best ridge decoder of its latest activation rows (fitted on half of them, scored on the "
-                    "other half) is measured; after step K, above R the run stops (exit 5) before they are sent, "
+                    "best ridge decoder of its latest activation rows (fitted on their public fifth, the rows whose "
+                    "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
                     "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
                     "honest pilot run). Not with [clients] or 'aggregate'"),
     "device": Key(DEVICE, default="cpu", help=

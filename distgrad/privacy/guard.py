@@ -1,15 +1,14 @@
 """A data owner's guard on how well the activations it sends can be inverted (pure numpy, below the wire).
 
 ``InputGuard`` keeps the ridge statistics (``leaks.RidgeStats``) of the
-(input, activation) rows of the latest steps a data owner sent, in two
-halves by row (even and odd positions of each micro-batch), and scores them
-as the best attacker with a linear decoder could: a ridge decoder fitted on
-one half reconstructs the other's inputs, and the other way round; the
-figure is the pooled R^2 (``leaks.ridge_r2``, the better of the two
-directions). It uses every row the data owner holds, not only a public share,
-so it reads at least what a label owner with a public share of the rows can
-fit. A label owner that trains the data owner's layers towards its own
-decoder (feature-space hijacking) raises it; NoPeek lowers it.
+(input, activation) rows of the latest steps a data owner sent, split as the
+data owner's ridge meter splits them (``meter.AttackMeter``: the public share
+``leaks.public_rows``, a fifth of the rows, against the others), and scores
+them as the label owner's best linear decoder with that public share would:
+the R^2 of the private rows' inputs reconstructed by the best ridge decoder
+fitted on the public rows (``leaks.ridge_r2``). A label owner that trains the
+data owner's layers towards its own decoder (feature-space hijacking) raises
+it; NoPeek lowers it.
 """
 
 from __future__ import annotations
@@ -40,16 +39,20 @@ class InputGuard:
         if after < 0:
             raise ValueError(f"'input_guard' after must be a step count >= 0, got {after}")
         self.max_r2, self.after = max_r2, after
+        self.need = MIN_ROWS
         self._steps: OrderedDict[tuple[int, int], tuple[leaks.RidgeStats, leaks.RidgeStats]] = OrderedDict()
 
-    def observe(self, step: int, mb: int, inputs: np.ndarray, activations: np.ndarray) -> None:
-        """Micro-batch ``mb`` of ``step``: its input rows and the activation rows sent for them."""
+    def observe(self, step: int, mb: int, inputs: np.ndarray, activations: np.ndarray,
+                rows: np.ndarray | None = None) -> None:
+        """Micro-batch ``mb`` of ``step``: its input rows, the activation rows sent for them and their row
+        numbers (None: unnumbered; the public share is then every ``leaks.PUBLIC_EVERY``-th row)."""
         x, z = np.asarray(inputs), np.asarray(activations)
-        if len(x) != len(z):
+        if len(x) != len(z) or (rows is not None and len(rows) != len(z)):
             raise ValueError(f"{len(x)} input rows for {len(z)} activation rows")
+        public = leaks.public_rows(rows) if rows is not None else np.arange(len(z)) % leaks.PUBLIC_EVERY == 0
         halves = (leaks.RidgeStats(), leaks.RidgeStats())
-        for half, chosen in zip(halves, (slice(0, None, 2), slice(1, None, 2))):
-            if len(x[chosen]):
+        for half, chosen in zip(halves, (public, ~public)):
+            if chosen.any():
                 half.add(z[chosen], x[chosen])
         self._steps.pop((step, mb), None)
         self._steps[(step, mb)] = halves
@@ -69,11 +72,11 @@ class InputGuard:
         """The inversion R^2 of the rows held (None: too few rows yet)."""
         if not self._steps or self._held() < self.need:
             return None
-        even, odd = leaks.RidgeStats(), leaks.RidgeStats()
+        public, private = leaks.RidgeStats(), leaks.RidgeStats()
         for a, b in self._steps.values():
-            even, odd = even.merged(a), odd.merged(b)
+            public, private = public.merged(a), private.merged(b)
         try:
-            return max(leaks.ridge_r2(even, odd), leaks.ridge_r2(odd, even))
+            return leaks.ridge_r2(public, private)
         except (ValueError, np.linalg.LinAlgError):
             return None
 

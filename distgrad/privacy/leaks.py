@@ -276,10 +276,9 @@ def _anchored(x: np.ndarray, y: np.ndarray, classes: np.ndarray, anchors: np.nda
         if np.array_equal(new, assigned):
             break
         assigned = new
-        counts = np.bincount(assigned, minlength=len(classes)).astype(np.float64)
-        sums = np.zeros_like(centres)
-        np.add.at(sums, assigned, x)
-        centres = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1.0)[:, None], centres)
+        members = np.eye(len(classes))[assigned]          # one-hot rows: the sums are one product
+        counts = members.sum(0)
+        centres = np.where(counts[:, None] > 0, (members.T @ x) / np.maximum(counts, 1.0)[:, None], centres)
     return float(np.mean(classes[assigned[~anchors]] == y[~anchors]))
 
 
@@ -314,7 +313,7 @@ class RidgeStats:
 
     def __init__(self) -> None:
         self.count = 0
-        self.zz = self.zx = self.xsum = np.zeros(0)
+        self.zz, self.zx, self.xsum = np.zeros((0, 0)), np.zeros((0, 0)), np.zeros(0)
         self.xx = 0.0
 
     def add(self, z: np.ndarray, x: np.ndarray) -> None:
@@ -324,7 +323,7 @@ class RidgeStats:
             raise ValueError(f"{len(z1)} activation rows for {len(xf)} input rows")
         z1 = np.hstack([z1, np.ones((len(z1), 1))])
         if self.count == 0:
-            self.zz, self.zx = np.zeros((z1.shape[1],) * 2), np.zeros((z1.shape[1], xf.shape[1]))
+            self.zz, self.zx = np.zeros((z1.shape[1], z1.shape[1])), np.zeros((z1.shape[1], xf.shape[1]))
             self.xsum = np.zeros(xf.shape[1])
         elif self.zz.shape[0] != z1.shape[1] or self.zx.shape[1] != xf.shape[1]:
             raise ValueError("rows of another width than the ones added before")

@@ -115,7 +115,8 @@ class LeakMeter:
 
 
 KNOWN_ROWS = (1, 10)        # rows of each class the averaging attacker knows (one figure each)
-ANCHOR_DRAWS = 16           # choices of the known rows the averaging figure is the mean over
+ANCHOR_DRAWS = {1: 32, 10: 8}   # by known rows per class: the choices of them a figure is the mean over (one
+                                # known row swings the figure by about 0.1 from one choice to another)
 COMPLETION_KNOWN = 10       # labelled rows per class of the model-completion classifier
 ATTACK_FIGURES = ("averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2", "ridge_r2_run")
 RUN_FIGURES = {"averaged_recovery_1": "averaged_recovery_1", "averaged_recovery_10": "averaged_recovery_10",
@@ -224,7 +225,8 @@ class AttackMeter:
         figures: dict[str, float] = {}
         for known in KNOWN_ROWS:
             try:
-                figures[f"averaged_recovery_{known}"] = leaks.anchored_recovery(means, labels, known, ANCHOR_DRAWS)
+                figures[f"averaged_recovery_{known}"] = leaks.anchored_recovery(means, labels, known,
+                                                                                  ANCHOR_DRAWS[known])
             except ValueError:
                 continue
             figures[f"averaged_recovery_{known}_chance"] = chance
@@ -233,7 +235,8 @@ class AttackMeter:
             have = have[np.abs(self._latest[have]).sum(1) > 0] if len(have) else have
             try:
                 figures["model_completion"] = leaks.few_shot_accuracy(self._latest[have], self._labels[have],
-                                                                      COMPLETION_KNOWN, ANCHOR_DRAWS)
+                                                                      COMPLETION_KNOWN,
+                                                                      ANCHOR_DRAWS[COMPLETION_KNOWN])
                 figures["model_completion_chance"] = 1.0 / len(np.unique(self._labels[have]))
             except ValueError:
                 pass

@@ -74,7 +74,8 @@ class _Driver:
                                   step_rows(self.data))
                          if opts.meter_kind else None)
         max_r2 = exp.spec(opts.stage).input_guard if exp.has_stage(opts.stage) else None
-        self.guarding = (Guarding(self.state.engine, self.data.features, max_r2, opts.stage, self.log)
+        self.guarding = (Guarding(self.state.engine, self.data.features, max_r2, opts.stage, self.log,
+                                  step_rows(self.data))
                          if max_r2 is not None else None)
         self.g_compute_s = 0.0
         params = self.state.stage.params

@@ -377,7 +377,8 @@ class _Reference:
                                 rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
                        for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
         max_r2 = exp.spec(exp.stage_names[0]).input_guard if exp.has_stage(exp.stage_names[0]) else None
-        self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0])
+        self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0],
+                                  rows_of=step_rows(self.data))
                          if max_r2 is not None else None)
         for metering in self.meters:
             if metering.kind == LABELS:     # model completion: what the label owner receives

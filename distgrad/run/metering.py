@@ -203,18 +203,22 @@ class Guarding:
     measured."""
 
     def __init__(self, engine: StepEngine, inputs_of: Callable[[int], np.ndarray], setting: tuple[float, int],
-                 stage: str, log: logging.Logger | None = None) -> None:
-        self.guard, self.inputs_of, self.stage = InputGuard(*setting), inputs_of, stage
+                 stage: str, log: logging.Logger | None = None,
+                 rows_of: Callable[[int], np.ndarray] | None = None) -> None:
+        self.guard, self.inputs_of, self.stage, self.rows_of = InputGuard(*setting), inputs_of, stage, rows_of
         self.log = log or logging.getLogger("distgrad.privacy")
         self.peak: tuple[float, int] | None = None        # (R^2, step)
-        self._inputs: tuple[int, np.ndarray] | None = None
+        self._inputs: tuple[int, np.ndarray, np.ndarray | None] | None = None
         engine.senders.taps[ACTIVATION].append(self._tap)
 
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
         mb, mbs = stream_micro_batch(stream)
         if self._inputs is None or self._inputs[0] != step:
-            self._inputs = (step, np.asarray(self.inputs_of(step)))
-        self.guard.observe(step, mb, micro_batch(self._inputs[1], mb, mbs), received())
+            rows = None if self.rows_of is None else np.asarray(self.rows_of(step))
+            self._inputs = (step, np.asarray(self.inputs_of(step)), rows)
+        rows = self._inputs[2]
+        self.guard.observe(step, mb, micro_batch(self._inputs[1], mb, mbs), received(),
+                           None if rows is None else micro_batch(rows, mb, mbs))
         if not self.guard.judges(step):
             return
         score = self.guard.score()
@@ -227,8 +231,8 @@ class Guarding:
                            step, score, self.guard.max_r2)
             raise InputGuardStop(
                 f"stage {self.stage!r}: input_guard stopped the run before sending step {step}: its activations "
-                f"reconstruct its inputs with R^2 {score:.3f} (best ridge decoder of its latest "
-                f"{self.guard.need}+ rows), above max_r2 {self.guard.max_r2:g}. The label owner may be training "
+                f"reconstruct its inputs with R^2 {score:.3f} (the best ridge decoder fitted on the public fifth of "
+                f"its latest {self.guard.need}+ rows), above max_r2 {self.guard.max_r2:g}. The label owner may be training "
                 f"this stage towards its own decoder instead of the task; nothing of step {step} was sent, "
                 f"applied or checkpointed")
 
