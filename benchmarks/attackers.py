@@ -13,8 +13,8 @@ step (the shared sample order), and the secret the attacked party holds, and att
 * ``ridge_attack``: the label owner's ridge decoder, fitted by gradient-free least squares on a random fifth
   of the rows (``seed``), scored by R^2 on the others.
 
-Usage (a run traced with --trace-params sent_activation_grad,sent_activation):
-    python benchmarks/attackers.py EXPERIMENT TRACE
+Usage (a run traced with --trace-params sent_activation_grad,sent_activation, metered with --privacy-meter):
+    python benchmarks/attackers.py EXPERIMENT TRACE [--summary SUMMARY] [--seeds N]
 """
 
 from __future__ import annotations
@@ -120,26 +120,47 @@ def ridge_attack(activations: np.ndarray, inputs: np.ndarray, seed: int = 0, pub
     return best
 
 
+def attack_run(experiment: str, trace: str, seeds: int = 20) -> dict[str, float]:
+    """Every independent attack on the run of ``experiment`` that ``trace`` recorded, each the mean over
+    ``seeds`` random choices of its known rows or public share (the whole run, as the meters' whole-run
+    figures)."""
+    from distgrad.config.parse import load_experiment
+    exp = load_experiment(experiment)
+    data = exp.build_data(exp.seed, stage=exp.stage_names[-1])
+    features = exp.build_data(exp.seed, stage=exp.stage_names[0])
+    labels = data.all_targets()
+    grads = trace_tensors(trace, "sent_activation_grad")
+    acts = trace_tensors(trace, "sent_activation")
+    rows, means = row_means(grads, data.step_rows)
+    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, seed)
+                                                   for seed in range(seeds * (5 if k == 1 else 1))]))
+           for k in (1, 10)}
+    out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, seed)
+                                             for seed in range(seeds)]))
+    steps = sorted(acts)
+    z = np.concatenate([acts[s] for s in steps])
+    x = np.concatenate([features.features(s) for s in steps])
+    out["ridge_r2_run"] = float(np.mean([ridge_attack(z, x, seed) for seed in range(seeds)]))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment")
     parser.add_argument("trace")
+    parser.add_argument("--summary", help="the run's summary: print the meters' whole-run figures beside")
+    parser.add_argument("--seeds", type=int, default=20, help="random choices each attack is the mean over")
     args = parser.parse_args()
-    from distgrad.config.parse import load_experiment
-    exp = load_experiment(args.experiment)
-    data = exp.build_data(exp.seed, stage=exp.stage_names[-1])
-    features = exp.build_data(exp.seed, stage=exp.stage_names[0])
-    labels = data.all_targets()
-    grads = trace_tensors(args.trace, "sent_activation_grad")
-    acts = trace_tensors(args.trace, "sent_activation")
-    rows, means = row_means(grads, data.step_rows)
-    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, seed)
-                                                   for seed in range(20)])) for k in (1, 10)}
-    out["model_completion"] = completion_attack(acts, data.step_rows, labels, 10)
-    steps = sorted(acts)
-    out["ridge_r2_run"] = ridge_attack(np.concatenate([acts[s] for s in steps]),
-                                       np.concatenate([features.features(s) for s in steps]))
-    print(json.dumps(out, indent=2))
+    independent = attack_run(args.experiment, args.trace, args.seeds)
+    meter: dict[str, float] = {}
+    if args.summary:
+        with open(args.summary, encoding="utf-8") as f:
+            summary = json.load(f)
+        meter = {**summary.get("label_attacks", [{}])[-1], **summary.get("input_attacks", [{}])[-1]}
+    for name, value in independent.items():
+        beside = f"  meter {meter[name]:.3f}  difference {meter[name] - value:+.3f}" if name in meter else ""
+        print(f"{name:22s} independent {value:.3f}{beside}")
+    print(json.dumps({"independent": independent, "meter": {k: meter[k] for k in independent if k in meter}}))
 
 
 if __name__ == "__main__":
