@@ -115,7 +115,7 @@ class LeakMeter:
 
 
 KNOWN_ROWS = (1, 10)        # rows of each class the averaging attacker knows (one figure each)
-ANCHOR_DRAWS = {1: 32, 10: 8}   # by known rows per class: the choices of them a figure is the mean over (one
+ANCHOR_DRAWS = {1: 64, 10: 8}   # by known rows per class: the choices of them a figure is the mean over (one
                                 # known row swings the figure by about 0.1 from one choice to another)
 COMPLETION_KNOWN = 10       # labelled rows per class of the model-completion classifier
 ATTACK_FIGURES = ("averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2", "ridge_r2_run")
