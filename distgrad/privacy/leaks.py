@@ -275,9 +275,9 @@ def _known_rows(y: np.ndarray, classes: np.ndarray, known: int, draw: int) -> np
     the draw alone (so the same rows give the same figure; rows of one class that are neighbours in the data,
     often alike, are not taken together)."""
     anchors = np.zeros(len(y), bool)
+    rng = np.random.default_rng([KNOWN_ROWS_KEY, draw])     # one stream for every class: independent choices
     for c in classes:
-        members = np.flatnonzero(y == c)
-        anchors[np.random.default_rng([KNOWN_ROWS_KEY, draw]).permutation(members)[:known]] = True
+        anchors[rng.permutation(np.flatnonzero(y == c))[:known]] = True
     return anchors
 
 
