@@ -115,14 +115,14 @@ class CodecRangeError(DistgradError, ValueError):
         self.codec, self.tensor, self.step = codec, tensor, step
 
 
+class InputGuardStop(DistgradError, RuntimeError):
+    """A data owner's ``input_guard`` found its activations invertible beyond its ``max_r2``: the run stops
+    before that step's activations are sent (nothing of it is applied or checkpointed). Exit code 5."""
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
-
-
-class InputGuardStop(DistgradError, RuntimeError):
-    """A data owner's ``input_guard`` found its activations invertible beyond its ``max_r2``: the run stops
-    before that step's activations are sent (nothing of it is applied or checkpointed). Exit code 5."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distgrad.config.defended import check_defenses
 from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError, InputGuardStop
@@ -116,6 +117,10 @@ def test_input_guard_is_a_setting_of_the_one_data_owner(tmp_path):
     (tmp_path / "clients.toml").write_text(clients)
     with pytest.raises(ConfigError, match=r"input_guard.*\[clients\]"):
         load_experiment(tmp_path / "clients.toml")
+    vertical = load_experiment("vertical-classify")
+    party = vertical.stages[0]
+    with pytest.raises(ConfigError, match=r"input_guard.*'aggregate'"):
+        check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
 
 
 def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_never_an_honest_run(monkeypatch):
