@@ -28,6 +28,12 @@ Figures (each beside its chance level, ``NAME_chance``):
 The offline audit reports the same figures through the same two functions,
 so on the same rows the two agree exactly.
 
+``AttackMeter`` plays the strongest attacks known against the whole run so
+far (fed every step's every micro-batch, not a sample): the per-row averaging
+of the gradients a data owner received, model completion, and the label
+owner's best ridge decoder of the inputs; ``extremes`` sums each figure up as
+its worst window, mean, last and whole-run value.
+
 A figure that cannot be scored on a window (a single class, a regression's
 real-valued targets) is left out of it.
 """
