@@ -20,7 +20,7 @@ import pytest
 
 from distgrad.run.launcher import pinned_env
 
-from conftest import free_tcp_port
+from conftest import free_tcp_port, run_cli
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT_DEADLINE_S = 60.0          # each script's smallest run takes seconds; this only bounds a hang
@@ -39,6 +39,7 @@ def run_script(name: str, *args: object, timeout: float = SCRIPT_DEADLINE_S,
 
 # Each script in benchmarks/ and the test that runs it; a new script must be added here.
 SMOKE_TESTS = {
+    "attackers.py": "test_attackers",
     "bench.py": "test_bench_smoke_runs_every_section",
     "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
@@ -237,6 +238,18 @@ def test_torch_split(tmp_path):
 
 
 @pytest.mark.slow
+def test_attackers(tmp_path):
+    """The independent attackers on a short traced, metered run print each figure beside the meter's."""
+    trace, summary = tmp_path / "run.jsonl", tmp_path / "run.json"
+    result = run_cli(["run", "digits", "--steps", "20", "--privacy-meter", "--in-process", "--trace", trace,
+                      "--trace-params", "sent_activation_grad,sent_activation", "--summary", summary])
+    assert result.returncode == 0, result.stderr
+    result = run_script("attackers.py", "digits", trace, "--summary", summary, "--seeds", "2")
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert set(figures["independent"]) == set(figures["meter"]) == {
+        "averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2_run"}
+
+
 def test_privacy_meter_cost(tmp_path):
     out = tmp_path / "meter.json"
     run_script("privacy_meter_cost.py", "--steps", "60", "--repeats", "1", "--json", out)

@@ -319,7 +319,7 @@ def test_split_keeps_every_key_of_a_stage_table(tmp_path):
     raw["data"]["path"] = str(BUILTIN_DIR / raw["data"]["path"])
     f, g = raw["stages"]
     f.update(scheduler={"type": "StepLR", "step_size": 10, "gamma": 0.5}, privacy_meter=True,
-             clip_noise={"max_norm": 1.0, "sigma": 0.1})
+             clip_noise={"max_norm": 1.0, "sigma": 0.1}, input_guard={"max_r2": 0.9, "after": 10})
     g.update(privacy_meter=True, metrics=["f1"], keep_best="test_f1", max_norm=True,
              early_stopping={"metric": "test_loss", "patience": 3})
     set_keys = set(f) | set(g)

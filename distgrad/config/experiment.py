@@ -103,6 +103,7 @@ class StageSpec:
     keep_best: str | None = None
     early_stopping: dict[str, Any] | None = None
     privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
+    input_guard: tuple[float, int] | None = None   # a data owner's (max_r2, after): stop before invertible rows leave
     bottom: list[dict[str, Any]] | None = None   # a vertical label owner's own bottom model (``Experiment.model``)
 
     def init_seed(self, run_seed: int) -> int:

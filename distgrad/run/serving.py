@@ -56,7 +56,7 @@ from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import is_whole
-from distgrad.run.metering import Metering, NoMetering
+from distgrad.run.metering import Metering, NoMetering, step_rows
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
@@ -117,7 +117,8 @@ class ServingStage:
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
         # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
         self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
-                                  log=self.log) if opts.meter_kind else NoMetering())
+                                  log=self.log, rows_of=step_rows(self.data[0])) if opts.meter_kind
+                         else NoMetering())
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(

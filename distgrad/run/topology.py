@@ -518,6 +518,7 @@ class Turns(Topology):
             target = self.micro_targets(peer.index, msg.step, msg.mb, msg.mbs, rows)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
+        s.metering.received_activations(msg.step, msg.mb, msg.mbs, x)     # model completion's input
         return mb_loss, dx, grads_later
 
     def step_failed(self, peer: Peer, msg: Message, code: ErrorCode, error: Exception) -> Reply:
