@@ -100,7 +100,7 @@ class ServingView(Protocol):
     def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError: ...
 
 
-Grads = Callable[[], dict[str, np.ndarray]]
+GradsLater = Callable[[], dict[str, np.ndarray]]    # a micro-batch's parameter gradients, computed when called
 
 
 class LabelSource(Protocol):
@@ -137,14 +137,10 @@ class Topology(abc.ABC):
 
     def __init__(self, serving: ServingView, count: int) -> None:
         self.serving = serving
+        self.run: RunState = serving.run    # where the run stands: the serving stage's, read here, never written
         self.count = count          # the peers it serves
         self.runs: dict[str, Peer] = {}     # run id -> the peer ``peer_of`` found for it (cleared at a hello)
         self.held_targets: dict[int, tuple[int, np.ndarray]] = {}   # data index -> (step, its targets)
-
-    @property
-    def run(self) -> RunState:
-        """Where the run stands (the serving stage's, read only)."""
-        return self.serving.run
 
     # -- what the stage is built with
     def steps(self) -> int | None:
@@ -531,7 +527,7 @@ class Turns(Topology):
         return Computed([(peer, reply)], Gradients(peers, msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx,
                                                    self.client_of(peers), peer.index))
 
-    def _loss_and_gradient(self, peer: Peer, msg: Message) -> tuple[np.float32, np.ndarray, Grads]:
+    def _loss_and_gradient(self, peer: Peer, msg: Message) -> tuple[np.float32, np.ndarray, GradsLater]:
         """The micro-batch's loss (here or below), its activation gradient and its parameter gradients
         to compute later."""
         s = self.serving
@@ -551,7 +547,7 @@ class Turns(Topology):
         """``peer``'s micro-batch failed (``code``; ``failure``: what that does, if decided already): the
         reply it gets, or the refusal to raise."""
 
-    def _through(self, link: DownstreamLink, msg: Message, x: np.ndarray) -> tuple[np.float32, np.ndarray, Grads]:
+    def _through(self, link: DownstreamLink, msg: Message, x: np.ndarray) -> tuple[np.float32, np.ndarray, GradsLater]:
         """A middle stage's micro-batch: forward, the stage below's reply, the backward's activation
         gradient, and a function computing its parameter gradients (no update)."""
         s = self.serving
