@@ -28,8 +28,8 @@ from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, make_save_dir, micro_batch,
-                                  parameters_file)
+from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files, make_save_dir,
+                                  micro_batch, parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
@@ -138,7 +138,8 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
         engines[-1].add(i, micro_batches, grads, mb_loss, dx)
         dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if above or middle else dx
         for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
-            dx, grads = stage.backward(cache, dy)
+            dx_or_none, grads = stage.backward(cache, dy)
+            dx = asked_dx(stage.name, dx_or_none)
             stage.check_finite("activation_grad", dx, step)
             engine.add(i, micro_batches, grads)
             dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
@@ -195,7 +196,7 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     forward (party order), the combined input, the loss, and each party's backward of its own part of the
     input's gradient; then the last stage's update and the parties'. ``own``: the label owner's own feature
     columns (``Experiment.own_bottom``), else None. Returns the step's loss."""
-    kind = exp.aggregate
+    kind = exp.aggregate_kind
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
     names = exp.stage_names[:-1]
@@ -226,7 +227,7 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     senders = Senders(exp.codecs)
     z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                            step + 1) for party, d in zip(parties, data)],
-                             labels.test_features() if exp.own_bottom else None, exp.aggregate)
+                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
     return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
 
 
@@ -319,9 +320,9 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if evaluation_due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
-                                          exp.spec(last_name).metrics)
-                    evaluations[c].append(evaluation_entry(step, scores[c]))
+                    scores[c] = score = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
+                                                  exp.spec(last_name).metrics)
+                    evaluations[c].append(evaluation_entry(step, score))
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     for c, client in enumerate(clients):

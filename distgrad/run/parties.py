@@ -35,9 +35,7 @@ class Parties(Topology):
         super().__init__(serving, count)
         self.found = 0      # a hint: parties 0 .. found - 1 had sent their part of the micro-batch (``all_in``)
         self.widths = [self.input_shape(index)[-1] for index in range(count)]   # of each party's embedding
-        aggregate = serving.exp.aggregate
-        assert aggregate is not None        # a vertical experiment's, checked when it is read
-        self.aggregate = aggregate          # how the parties' embeddings combine
+        self.aggregate = serving.exp.aggregate_kind     # how the parties' embeddings combine
 
     def build_data(self, seed: int, stage: str) -> list[LabelSource]:
         """Every party's rows are the same rows: one label source."""

@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn, Sequence
 
 import numpy as np
 import zmq
@@ -239,7 +239,7 @@ def held_out_rows(exp: Any, stage: str, seed: int) -> NewRows:
                    data.id_name() if ids is not None else "id")
 
 
-def _id_chunks(rows: NewRows, chunk_rows: int) -> list[list[str] | None]:
+def _id_chunks(rows: NewRows, chunk_rows: int) -> Sequence[list[str] | None]:
     """Each chunk's IDs (None without IDs); ``ConfigError`` when a chunk's IDs cannot travel in its header."""
     if rows.ids is None:
         return [None] * -(-len(rows.features) // chunk_rows)
@@ -378,7 +378,7 @@ class PredictionServer:
             return self._bye(session, msg, envelope)
         raise not_accepted(msg, "a prediction stage")
 
-    def _aborted(self, msg: Message) -> None:
+    def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
         if self.link is not None:
@@ -443,8 +443,9 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
                                                 f"{session.rows} rows the hello announced)")
         sender = next(name for name, s in self.sessions.items() if s is session)
-        batched = self.exp.batch is not None
-        rows = min(self.exp.batch, session.rows - (msg.step - 1) * self.exp.batch) if batched else 1
+        batch = self.exp.batch
+        batched = batch is not None
+        rows = min(batch, session.rows - (msg.step - 1) * batch) if batch is not None else 1
         row_shape = self.row_shapes[sender]
         coded = WireTensor(ACTIVATION, (rows, *row_shape) if batched else row_shape, self.exp.codecs[ACTIVATION])
         try:
@@ -504,8 +505,9 @@ class PredictionServer:
 
     def _combine(self, number: int) -> None:
         """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
-        parts = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
-        if any(part is None for part in parts) or number in self.predictions:
+        arrived = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
+        parts = [part for part in arrived if part is not None]
+        if len(parts) < len(arrived) or number in self.predictions:
             return
         if len({len(part) for part in parts}) != 1:
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
@@ -513,13 +515,17 @@ class PredictionServer:
         ids = [self.sessions[name].ids.get(number) for name in self.parties]
         differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
         if differ is not None:
-            row = next((k for k, (a, b) in enumerate(zip(ids[0], ids[differ])) if a != b), 0)
+            ours, theirs = ids[0], ids[differ]
+            if ours is None or theirs is None:    # their hellos named the same ID column, or none
+                raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]} and party "
+                                                        f"{self.parties[0]} do not both send their rows' IDs")
+            row = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), 0)
             raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
                                                     f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
-                                                    f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
+                                                    f"{wire.show(theirs[row])}, not {wire.show(ours[row])}): "
                                                     f"the parties' --input files are not aligned")
         own = self.own.chunk(number, ids[0], len(parts[0])) if self.own is not None else None
-        y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate), training=False)
+        y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate_kind), training=False)
         self.predictions[number], scores = self._outputs(y)
         if scores is not None:
             self.scores[number] = scores
@@ -572,17 +578,16 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks, but chunks {missing} of this party are "
                                                 f"missing (or it sent more)")
         session.bye = (envelope, msg)
-        senders = [self.sessions.get(name) for name in self.parties]
-        if any(s is None or s.bye is None for s in senders):
+        byes = [(s, s.bye) for s in map(self.sessions.get, self.parties) if s is not None and s.bye is not None]
+        if len(byes) < len(self.parties):
             return None                                # answered when the last party's bye comes
-        if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
+        if any(bye.body.get("chunks") != chunks for _, (_, bye) in byes) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
         self.written = self._write_chunks(chunks, self.predictions, self.prediction_ids, self.scores,
                                           session.id_name)
-        for s in senders:
+        for s, (bye_envelope, bye) in byes:
             s.done = True
-            bye_envelope, bye = s.bye
             if bye_envelope is not None and s is not session:
                 self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
         return reply
@@ -676,7 +681,7 @@ def scores_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.scores.npy")
 
 
-def _joined(scores: dict[int, np.ndarray], numbers: range) -> np.ndarray | None:
+def _joined(scores: Mapping[int, np.ndarray], numbers: range) -> np.ndarray | None:
     """The chunks' scores in chunk order; None without scores."""
     return np.concatenate([scores[n] for n in numbers]) if scores else None
 

@@ -73,7 +73,7 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     tmp.replace(path)
 
 
-def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Write a file through ``write(file)`` under a temporary name, fsync it and rename it into place, so
     ``path`` is never seen half written; the temporary file is removed on failure. Raises ``OSError``."""
     path = Path(path)

@@ -55,17 +55,25 @@ def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
     return array[index * n:(index + 1) * n]
 
 
+def asked_dx(stage: str, dx: np.ndarray | None) -> np.ndarray:
+    """``dx`` of a backward with ``need_dx``; ``StageError`` naming ``stage`` if its model returned none."""
+    if dx is None:
+        raise StageError(f"stage {stage}: its model's backward returned no input gradient, asked for one")
+    return dx
+
+
 @contextlib.contextmanager
 def as_of(stage: Any, params: Mapping[str, np.ndarray] | None, step: int) -> Iterator[None]:
     """The stage as it computed step ``step``'s forward with steps in flight: ``params`` (its parameters
     after an earlier update; None or the live ones: no swap) in place of the live ones, and its step
     counter at ``step - 1`` (dropout masks, messages); both restored after, whatever happens."""
     live_step, live = stage.step, stage.params
-    saved = None if params is None or params is live else {name: value.copy() for name, value in live.items()}
+    swap = None if params is live else params
+    saved = None if swap is None else {name: value.copy() for name, value in live.items()}
     try:
-        if saved is not None:
+        if swap is not None:
             for name, value in live.items():
-                value[...] = params[name]
+                value[...] = swap[name]
         stage.step = step - 1
         yield
     finally:
@@ -453,7 +461,7 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
-        return loss, dx, grads
+        return loss, asked_dx(self.name, dx), grads
 
     def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
