@@ -257,7 +257,8 @@ class CutServer:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
         ``ProtocolError`` to refuse it (nothing changes then)."""
         if msg.type == wire.PING:
-            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
+            open_run = self.run_id if self.bye is None else ""      # protocol.md: "" when no run is open
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=open_run, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
         if is_abort_notice(msg):
@@ -290,10 +291,11 @@ class CutServer:
 
     def _aborted(self, msg: Message, peer_key: str) -> None:
         """The data owner's notice that it stopped: ``PeerAborted`` for the loop, now and at every later
-        ``__next__``. A notice of another run than this one's, or from another key, is refused."""
-        if (self.run_id and msg.run != self.run_id) or (self.owner and peer_key != self.owner):
-            raise ProtocolError(ErrorCode.RUN, f"an aborted notice of run {wire.show(msg.run)}, not from the data "
-                                               f"owner of run {self.run_id}")
+        ``__next__``. A notice of another run than this one's, or from another key, is refused as the daemons
+        refuse it; any is taken before the first run (a data owner may stop before its hello: docs/cut.md)."""
+        if self.run_id and msg.run != self.run_id:
+            raise unknown_run(msg, f"run {self.run_id}")
+        check_owner(self.owner, peer_key, msg)
         reason = abort_reason(msg)
         self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
                                    f"{self.step} steps)")

@@ -56,7 +56,8 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.protocol import abort_reason, decode_and_handle, is_abort_notice, not_accepted, pong
+from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, is_abort_notice, not_accepted, pong,
+                                   unknown_run)
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -99,6 +100,7 @@ class _Session:
     ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
     since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
+    owner: str = ""                          # with CURVE: the key that said its hello ("" in plaintext)
 
 
 def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
@@ -361,22 +363,40 @@ class PredictionServer:
         ready, self.ready = self.ready, []
         return ready
 
-    def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
+    def handle(self, msg: Message, now: float, envelope: Any = None, peer_key: str = "") -> Message | None:
+        """The reply to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext), None for
+        none yet; raises ``ProtocolError`` to refuse it. A prediction belongs to the key that said its hello."""
         if msg.type == wire.PING:
             return pong(msg, self.opts.stage, self.exp.name, purpose="predict")
         if msg.type == wire.HELLO:
-            return self._hello(msg, now)
+            return self._hello(msg, now, peer_key)
         if is_abort_notice(msg):
+            self._check_notice(msg, peer_key)
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
-            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}: say hello first")
+            raise unknown_run(msg, self._expected_run())
+        check_owner(session.owner, peer_key, msg)
         session.last_seen = now
         if msg.type == wire.PREDICT:
             return self._predict(session, msg)
         if msg.type == wire.BYE:
             return self._bye(session, msg, envelope)
         raise not_accepted(msg, "a prediction stage")
+
+    def _expected_run(self) -> str:
+        runs = [s.run for s in self.sessions.values()]
+        return f"run {' or '.join(runs)}" if runs else "a hello first"
+
+    def _check_notice(self, msg: Message, peer_key: str) -> None:
+        """A data owner's notice names no run (it may stop before its hello: ``send_abort_notice``) or one of
+        the predictions here, and once one is open it comes from a key that opened one; else it is refused
+        as any message of another run or key is."""
+        if msg.run and all(s.run != msg.run for s in self.sessions.values()):
+            raise unknown_run(msg, self._expected_run())
+        owners = [s.owner for s in self.sessions.values() if not msg.run or s.run == msg.run]
+        if owners and peer_key not in owners:
+            check_owner(owners[0], peer_key, msg)
 
     def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
@@ -386,7 +406,7 @@ class PredictionServer:
             self.aborted = True
         raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
 
-    def _hello(self, msg: Message, now: float) -> Message:
+    def _hello(self, msg: Message, now: float, peer_key: str = "") -> Message:
         body = msg.body
         sender = body.get("role") if self.vertical else self.upstream
         if sender not in self.row_shapes:
@@ -410,6 +430,8 @@ class PredictionServer:
                                                     f"writes {self.output.name}, an .npy file, which cannot keep "
                                                     f"them: give it --output FILE.csv")
         session = self.sessions.get(sender)
+        if session is not None and session.run == msg.run:
+            check_owner(session.owner, peer_key)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
             raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
@@ -427,7 +449,8 @@ class PredictionServer:
             self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
             batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name)
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
+                                             owner=peer_key)
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
@@ -727,9 +750,9 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
             if request is not None:
-                envelope, frames, _ = request
-                msg, answer, _ = decode_and_handle(frames, max_frame, lambda m: logic.handle(m, now, envelope),
-                                                   logic.log)
+                envelope, frames, peer_key = request
+                msg, answer, _ = decode_and_handle(frames, max_frame,
+                                                   lambda m: logic.handle(m, now, envelope, peer_key), logic.log)
                 if answer is not None:
                     server.reply(envelope, answer)
                 for held, reply in logic.take_ready():

@@ -261,7 +261,7 @@ class ServingStage:
         if resent is not None:                          # answered before: the same reply
             return earlier + [(envelope, resent)]
         peer = self.topology.peer_of(msg)
-        check_owner(peer.owner, peer_key)
+        check_owner(peer.owner, peer_key, msg)
         if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
             raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.run.round}: "
                                                f"{self.topology.name(peer)} must say hello again")
