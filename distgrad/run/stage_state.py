@@ -146,7 +146,8 @@ class StageState:
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
         # More arrays to save with the checkpoint of a step (stored under ``EXTRA_PREFIX``).
         self.extra_arrays: Callable[[int], dict[str, np.ndarray]] = lambda step: {}
-        self.resumed_step, self.resumed_meta = 0, {}           # of the checkpoint ``resume_latest`` loaded
+        self.resumed_step = 0                                  # of the checkpoint ``resume_latest`` loaded
+        self.resumed_meta: dict[str, Any] = {}                 # its metadata
         self.resumed_extra: dict[str, np.ndarray] = {}         # its ``extra_arrays``
         self.run_id = ""
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
@@ -227,6 +228,7 @@ class StageState:
 
     def _write_parameters(self, which: str) -> None:
         path = self.opts.save_path
+        assert path is not None                 # only with --save
         try:
             self.stage.save_parameters(path)
         except OSError as e:
