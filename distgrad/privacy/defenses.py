@@ -338,24 +338,23 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
     label_dp = table.get("label_dp")
     if label_dp is not None:
         label_dp = parse_label_dp(label_dp, stage)
-    nopeek = table.get("nopeek")
-    if nopeek is not None:
-        if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:
-            raise ConfigError(f"stage {stage!r}: 'nopeek' must be {{ weight = w }}, got {nopeek!r}")
-        nopeek = _positive(nopeek["weight"], f"stage {stage!r}: 'nopeek' weight")
-    marvell = table.get("marvell")
-    if marvell is not None:
-        if not isinstance(marvell, dict) or set(marvell) != {"bound"}:
-            raise ConfigError(f"stage {stage!r}: 'marvell' must be {{ bound = P }} (the bound on the sum of the "
-                              f"KL divergences between the two classes' rows), got {marvell!r}")
-        marvell = _positive(marvell["bound"], f"stage {stage!r}: 'marvell' bound")
-    dp_sgd = table.get("dp_sgd")
-    if dp_sgd is not None:
-        if not isinstance(dp_sgd, dict) or set(dp_sgd) != {"max_norm"}:
-            raise ConfigError(f"stage {stage!r}: 'dp_sgd' must be {{ max_norm = C }} (the bound of each example's "
-                              f"parameter gradient; the noise is clip_noise's sigma), got {dp_sgd!r}")
-        dp_sgd = _positive(dp_sgd["max_norm"], f"stage {stage!r}: 'dp_sgd' max_norm")
+    nopeek = _one_number_table(table, stage, "nopeek", "weight", "{ weight = w }")
+    marvell = _one_number_table(table, stage, "marvell", "bound", "{ bound = P } (the bound on the sum of the KL "
+                                "divergences between the two classes' rows)")
+    dp_sgd = _one_number_table(table, stage, "dp_sgd", "max_norm", "{ max_norm = C } (the bound of each example's "
+                               "parameter gradient; the noise is clip_noise's sigma)")
     return Defenses(clip, max_norm, label_dp, nopeek, marvell, dp_sgd)
+
+
+def _one_number_table(table: Mapping[str, Any], stage: str, key: str, field: str, form: str) -> float | None:
+    """The number > 0 of a defense written ``key = { field = number }`` in ``stage``'s table (None when
+    absent); ``ConfigError`` naming the key and the form it must have otherwise."""
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {field}:
+        raise ConfigError(f"stage {stage!r}: {key!r} must be {form}, got {value!r}")
+    return _positive(value[field], f"stage {stage!r}: {key!r} {field}")
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:

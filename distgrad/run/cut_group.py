@@ -459,23 +459,10 @@ class GroupServer(CutServer, serves_several=True):
 
     # -- the replies
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
-        self._check_open()
-        if batch.replied:
-            raise CutMisuse(f"step {batch.step} micro-batch {batch.mb}/{batch.mbs} was replied to already; each "
-                            f"batch gets exactly one reply")
-        if batch is not self.batch:
-            raise CutMisuse(f"step {batch.step} micro-batch {batch.mb} is not the batch in progress")
-        shape = batch.h.shape
-        if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.shape != shape:
-            raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
-                            f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
-                            f"{getattr(grad, 'shape', '')}")
-        value = _one_number(loss, f"the loss of step {batch.step}")
+        value, nonfinite = self._checked(batch, loss, grad, batch.h.shape)
         peers = self.peers if batch.client is None else [self.peers[batch.client]]
-        if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
-            what = "loss" if not np.isfinite(value) else "activation_grad"
-            self._fail_step(batch, peers, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of "
-                                     f"this step was applied")
+        if nonfinite is not None:
+            self._fail_step(batch, peers, nonfinite)
         grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
                  else [np.ascontiguousarray(grad)])
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)

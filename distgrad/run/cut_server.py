@@ -428,14 +428,17 @@ class CutServer:
             rows = micro_batch(self.side.rows(k), msg.mb, self.mbs)
         return Batch(k, msg.mb, self.mbs, h, rows, self, envelope)
 
-    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+    def _checked(self, batch: Batch, loss: Any, grad: Any, shape: tuple[int, ...]) -> tuple[Any, str | None]:
+        """The loop's reply to ``batch`` checked, one rule for every cut server: ``CutMisuse`` for a closed
+        server, a second reply, a batch not in progress, or a gradient that is not float32 of ``shape``; then the
+        loss as one number and, where it or the gradient is not finite (and the interface does not allow it),
+        the text of the step's failure (else None)."""
         self._check_open()
         if batch.replied:
             raise CutMisuse(f"step {batch.step} micro-batch {batch.mb}/{batch.mbs} was replied to already; each "
                             f"batch gets exactly one reply")
         if batch is not self.batch:
             raise CutMisuse(f"step {batch.step} micro-batch {batch.mb} is not the batch in progress")
-        shape = self.side.micro_shape(batch.mbs)
         if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.shape != shape:
             raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
@@ -443,8 +446,14 @@ class CutServer:
         value = _one_number(loss, f"the loss of step {batch.step}")
         if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
             what = "loss" if not np.isfinite(value) else "activation_grad"
-            self._fail(batch, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
-                              f"step was applied")
+            return value, (f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
+                           f"step was applied")
+        return value, None
+
+    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+        value, nonfinite = self._checked(batch, loss, grad, self.side.micro_shape(batch.mbs))
+        if nonfinite is not None:
+            self._fail(batch, nonfinite)
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
             tensors = self.senders.message_tensors(GRADIENT, np.ascontiguousarray(grad), stream, batch.step)
