@@ -33,6 +33,7 @@ import numpy as np
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
+from distgrad.config.prepare import PREPARATION_OPTIONS, Preparation
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.keys import is_whole, whole
@@ -254,6 +255,7 @@ class Experiment:
         table = self.data if spec.data is None else spec.data
         if not table:
             raise ConfigError(f"stage {spec.name!r} of {self.name!r} has no [data]")
+        self._check_preparation(spec, table)
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
@@ -261,6 +263,42 @@ class Experiment:
             data = RandomizedLabels(data, spec.defenses.label_dp,  # type: ignore[arg-type]
                                     spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
+
+    def _check_preparation(self, spec: StageSpec, table: Mapping[str, Any]) -> None:
+        """``ConfigError`` for data preparation a stage's [data] asks for where it cannot keep the parties'
+        rows alike: ``drop_rows`` on a party's own table when another party holds a part of the same rows
+        (it cannot know which rows the others drop), ``categorical`` with a vertical party's ``columns``
+        (they index the file's columns, which one-hot encoding widens)."""
+        if table.get("missing") == "drop_rows" and spec.data is not None and not (
+                self.labels == "first" and table.get("features") is not None and table.get("labels") is not None):
+            raise ConfigError(f"stage {spec.name!r}: missing = \"drop_rows\" leaves out the rows with a missing "
+                              f"cell, which keeps the parties' rows aligned only where one [data] table holds "
+                              f"every part of them (a combined experiment's [data], or a data owner holding "
+                              f"the labels too, with labels = \"first\"); here another party holds part of the "
+                              f"same rows and cannot know which ones this party drops: use missing = \"mean\" or "
+                              f"\"median\", or remove those rows from every party's file first")
+        if table.get("categorical") is not None and spec.columns is not None:
+            raise ConfigError(f"stage {spec.name!r}: 'columns' picks columns of the shared [data] by position, and "
+                              f"categorical columns are one-hot encoded into several: give each party its own "
+                              f"stage file and [data] with its own columns (distgrad split, or distgrad align)")
+
+    def preparation(self, seed: int | None = None, client: int | None = None, stage: str | None = None
+                    ) -> Preparation | None:
+        """Stage ``stage``'s data preparation statistics (``distgrad.config.prepare``), learnt from its own
+        training rows; None when its [data] prepares nothing (or it has no data)."""
+        spec = self.spec(stage) if stage is not None else self.stages[0]
+        table = self.data if spec.data is None else spec.data
+        if not table or not any(table.get(k) not in (None, False, "error") for k in PREPARATION_OPTIONS):
+            return None
+        prepare = getattr(self.build_data(seed, client, stage), "preparation", None)
+        prep = prepare() if prepare is not None else None
+        if prep is None:
+            return None
+        if not (spec.name in self.data_owners or (spec.name == self.stage_names[-1] and self.own_bottom)):
+            prep.columns = []           # the features' statistics are the data owners' own
+        if spec.name != self.label_owner:
+            prep.classes = None         # the class names are the label owner's
+        return prep if prep.columns or prep.classes is not None else None
 
     @property
     def own_bottom(self) -> bool:
