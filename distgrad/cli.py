@@ -810,11 +810,11 @@ def _predict_rows(exp: Experiment, stage: str, seed: int, args: argparse.Namespa
     from distgrad.run.predict import held_out_rows, read_rows
 
     if args.input is None:
-        return held_out_rows(exp, stage, seed)
+        return held_out_rows(exp, stage, seed, args.load)
     id_column = args.id_column
     if id_column is not None and id_column.isdigit():
         id_column = int(id_column)
-    return read_rows(args.input, exp, stage, id_column, args.header)
+    return read_rows(args.input, exp, stage, id_column, args.header, args.load)
 
 
 def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,

@@ -20,7 +20,7 @@ import numpy as np
 
 from distgrad.config.csvfile import CsvColumns, checked_ids, number
 from distgrad.config.keys import is_whole
-from distgrad.config.prepare import MISSING_MODES, Preparation, class_order, is_missing, read_cells
+from distgrad.config.prepare import MISSING_HINT, MISSING_MODES, Preparation, class_order, is_missing, read_cells
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
 from distgrad.privacy.defenses import randomized_response
@@ -323,9 +323,11 @@ class ArrayFile(RowBatches):
         self.batches_per_epoch = len(self.train_rows) // self.batch
         self._stat_rows = self.train_rows          # the statistics' rows: every training row of this file
         if self.prepared and features is not None:
+            width = self._feature_cells()[0].shape[1]
+        self._feature_names = self._checked_names(feature_names, width)
+        if self.prepared and features is not None:
             width = self._feature_preparation().width
         self.feature_shape = (self.batch, width) if features is not None else None
-        self._feature_names = self._checked_names(feature_names, width)
         self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
         self._features: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -619,7 +621,7 @@ class ArrayFile(RowBatches):
                 texts[j] = cells
                 continue
             numbers[:, j] = read_cells(cells, lambda i, c=column: f"csv data {self.path} line {lines[i]}, "
-                                       f"{csv_file.column_label(c)} (data row {i + 1})", allow)
+                                       f"{csv_file.column_label(c)} (data row {i + 1})", allow, MISSING_HINT)
         return numbers, texts
 
     def _file_label_cells(self) -> list[str]:

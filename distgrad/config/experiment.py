@@ -33,7 +33,7 @@ import numpy as np
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
-from distgrad.config.prepare import PREPARATION_OPTIONS, Preparation
+from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.keys import is_whole, whole
@@ -288,7 +288,7 @@ class Experiment:
         training rows; None when its [data] prepares nothing (or it has no data)."""
         spec = self.spec(stage) if stage is not None else self.stages[0]
         table = self.data if spec.data is None else spec.data
-        if not table or not any(table.get(k) not in (None, False, "error") for k in PREPARATION_OPTIONS):
+        if not prepares(table):
             return None
         prepare = getattr(self.build_data(seed, client, stage), "preparation", None)
         prep = prepare() if prepare is not None else None

@@ -171,9 +171,10 @@ class Preparation:
                 for i, cell in enumerate(texts[j]):
                     text = cell.strip()
                     if is_missing(text):
-                        if self.missing == "error":
-                            raise ConfigError(f"{where(i, j)}: {shown(cell)} is a missing category (set missing "
-                                              f"= \"mean\", \"median\" or \"drop_rows\" in [data] to accept it)")
+                        if self.missing in ("error", "drop_rows"):
+                            raise ConfigError(f"{where(i, j)}: {shown(cell)} is a missing category (missing = "
+                                              f"{self.missing!r}; \"mean\" or \"median\" in [data] encode it as "
+                                              f"all zeros)")
                         continue
                     k = index.get(text)
                     if k is None:
@@ -189,6 +190,9 @@ class Preparation:
                 if gaps.any():
                     if column.fill is None:
                         row = int(np.argmax(gaps))
+                        if self.missing == "drop_rows":
+                            raise ConfigError(f"{where(row, j)}: the cell is missing; training left out such rows "
+                                              f"(missing = \"drop_rows\"), but a row to predict needs every cell")
                         raise ConfigError(f"{where(row, j)}: the cell is missing (set missing = \"mean\", "
                                           f"\"median\" or \"drop_rows\" in [data] to accept missing cells)")
                     values[gaps] = column.fill
@@ -211,9 +215,13 @@ class Preparation:
         return out
 
 
-def read_cells(cells: Sequence[str], where: Any, allow_missing: bool) -> np.ndarray:
+MISSING_HINT = " (set missing = \"mean\", \"median\" or \"drop_rows\" in [data] to accept missing cells)"
+
+
+def read_cells(cells: Sequence[str], where: Any, allow_missing: bool, hint: str = "") -> np.ndarray:
     """Number cells as float64, NaN for a missing one (``is_missing``) when ``allow_missing``; ``ConfigError``
-    (``where(i)`` names the cell) for a cell that is neither a finite number nor, when allowed, missing."""
+    (``where(i)`` names the cell; ``hint`` follows when the cell is a missing one) for a cell that is neither
+    a finite number nor, when allowed, missing."""
     out = np.empty(len(cells), np.float64)
     for i, cell in enumerate(cells):
         value = number(cell)
@@ -221,7 +229,7 @@ def read_cells(cells: Sequence[str], where: Any, allow_missing: bool) -> np.ndar
             if allow_missing and is_missing(cell):
                 out[i] = np.nan
                 continue
-            raise ConfigError(f"{where(i)}: {cell_problem(cell)}")
+            raise ConfigError(f"{where(i)}: {cell_problem(cell)}{hint if is_missing(cell) else ''}")
         out[i] = value
     return out
 
@@ -251,3 +259,8 @@ def read_preparation(parameters: str | Path) -> Preparation:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read the saved data preparation: {e}") from e
     return Preparation.from_json(saved, str(path))
+
+
+def prepares(table: Any) -> bool:
+    """Whether a [data] table asks for any preparation (``PREPARATION_OPTIONS``)."""
+    return isinstance(table, dict) and any(table.get(k) not in (None, False, "error") for k in PREPARATION_OPTIONS)

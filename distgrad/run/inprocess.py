@@ -26,7 +26,7 @@ from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
-                                    evaluation_fields, scores_text, to_lists, write_json)
+                                    evaluation_fields, scores_text, to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, make_save_dir, micro_batch,
                                   parameters_file)
@@ -234,8 +234,8 @@ class _ParameterFiles:
     """``--load`` / ``--save`` of every stage of an in-process run, named as ``distgrad run`` names them."""
 
     def __init__(self, exp: Experiment, save_dir: str | Path | None, load_dir: str | Path | None,
-                 init: bool) -> None:
-        self.exp, self.save_dir, self.load_dir = exp, save_dir, load_dir
+                 init: bool, seed: int) -> None:
+        self.exp, self.save_dir, self.load_dir, self.seed = exp, save_dir, load_dir, seed
         make_save_dir(save_dir)
         for instance, stage in self._instances():
             check_parameter_files(self._path(save_dir, instance, stage), self._path(load_dir, instance, stage), init)
@@ -255,9 +255,12 @@ class _ParameterFiles:
         return built
 
     def save(self, built: Stage, stage: str, client: int | None = None) -> None:
+        """Write the stage's parameters and, beside them, its data preparation statistics (as a stage
+        process does: ``records.write_preparation``)."""
         path = self._path(self.save_dir, client_stage_name(stage, client), stage)
         if path is not None:
             built.save_parameters(path)
+            write_preparation(path, self.exp.preparation(self.seed, client, stage))
 
 
 def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int,
@@ -510,7 +513,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     seed = exp.seed if seed is None else seed
     eval_every = exp.eval_every if eval_every is None else eval_every
     check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
-    files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
+    files = _ParameterFiles(exp, save_dir, load_dir, bool(init), seed)
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:

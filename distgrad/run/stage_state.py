@@ -17,11 +17,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from distgrad.config.defended import budget_text, privacy_budget, row_defense
+from distgrad.config.prepare import Preparation
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import TraceWriter, best_evaluation_fields, evaluation_fields, to_lists, write_json
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, to_lists, write_json,
+                                    write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
@@ -141,6 +143,8 @@ class StageState:
         self.cpu_started = time.process_time()   # CPU time of this process when the run began here
         # A checkpoint is only valid for the same starting point: seed and --init overrides.
         self.meta = start_meta(opts)
+        saved = self.meta.get("preparation")      # this party's data statistics, saved beside its parameters
+        self.preparation = Preparation.from_json(saved, "the stage's [data]") if saved is not None else None
         self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
@@ -215,6 +219,7 @@ class StageState:
         path = self.opts.save_path
         try:
             self.stage.save_parameters(path)
+            write_preparation(path, self.preparation)
         except OSError as e:
             raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
                                        f"{self.opts.instance}: {e.strerror or e}") from e
@@ -380,6 +385,11 @@ def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
 def start_meta(opts: StageOptions) -> dict[str, Any]:
     """What a checkpoint is valid for: the same starting point (seed, ``--init``, ``--load``'s file)."""
     meta: dict[str, Any] = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    # The data's statistics (distgrad.config.prepare): a resume uses exactly those of its checkpoint.
+    keeps = opts.save_path is not None or opts.checkpoint_dir is not None
+    prep = opts.experiment.preparation(opts.seed, opts.client, opts.stage) if keeps else None
+    if prep is not None:
+        meta["preparation"] = prep.to_json()
     if opts.load_path is not None:
         meta["load"] = hashlib.sha256(opts.load_path.read_bytes()).hexdigest()[:16]
     return meta

@@ -15,6 +15,7 @@ from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 
@@ -71,6 +72,14 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json_text(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
+    """Write a party's data preparation statistics beside its parameters file ``parameters``
+    (``prepare.preparation_path``), atomically; nothing when its [data] prepares nothing. Raises ``OSError``."""
+    if prep is not None:
+        text = preparation_text(prep)
+        write_atomic(preparation_path(parameters), lambda f: f.write(text))
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
