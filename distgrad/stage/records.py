@@ -79,7 +79,11 @@ def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
     (``prepare.preparation_path``), atomically; nothing when its [data] prepares nothing. Raises ``OSError``."""
     if prep is not None:
         text = preparation_text(prep)
-        write_atomic(preparation_path(parameters), lambda f: f.write(text))
+
+        def write(f: IO[bytes]) -> None:
+            f.write(text)
+
+        write_atomic(preparation_path(parameters), write)
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
