@@ -34,6 +34,10 @@ class DataSource(abc.ABC):
     has_labels: bool = True                   # False: this party's data holds no labels
     target_dtype: np.dtype = np.dtype(DTYPE)
     test_rows: np.ndarray = np.arange(0)      # held-out rows for evaluation; none unless the source has them
+    # With a validation split: the first ``validation_count`` of ``test_rows`` are validation rows (what the
+    # evaluations during training score and keep_best / early_stopping judge); the rest are the test rows,
+    # whose figures are reported only for the kept model. 0: every held-out row is a test row.
+    validation_count: int = 0
 
     @abc.abstractmethod
     def features(self, step: int) -> np.ndarray:
@@ -274,13 +278,20 @@ class ArrayFile(RowBatches):
                  feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
                  features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None,
                  id_column: int | str | None = None, feature_names: Any = None, missing: str = "error",
-                 standardize: bool = False, categorical: Any = None, class_names: bool = False) -> None:
+                 standardize: bool = False, categorical: Any = None, class_names: bool = False,
+                 validation_fraction: float = 0.0) -> None:
         if kind not in ("npz", "npy", "csv"):
             raise ConfigError(f"unknown file data kind {kind!r}")
         if label_dtype not in ("int64", "float32"):
             raise ConfigError(f"label_dtype must be int64 or float32, got {label_dtype!r}")
         if not 0 <= test_fraction < 1:
             raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        if not 0 <= validation_fraction < 1 or test_fraction + validation_fraction >= 1:
+            raise ConfigError(f"validation_fraction must be in [0, 1) and leave training rows beside "
+                              f"test_fraction = {test_fraction}, got {validation_fraction}")
+        if validation_fraction > 0 and test_fraction == 0:
+            raise ConfigError("validation_fraction splits validation rows from the test rows: it needs "
+                              "test_fraction > 0 (rows to score the kept model on)")
         self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
         self.path = base_dir / path if path is not None else None
         if features is None and labels is None:
@@ -318,6 +329,15 @@ class ArrayFile(RowBatches):
         order = np.random.default_rng([self.seed, 17]).permutation(rows)
         n_test = int(round(rows * self.test_fraction))
         self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
+        if validation_fraction > 0:
+            n_validation = int(round(rows * validation_fraction))
+            if n_validation < 1 or n_test < 1:
+                raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} "
+                                  f"of {rows} rows leave {n_validation} validation and {n_test} test rows: each "
+                                  f"needs at least one")
+            validation = np.sort(order[n_test:n_test + n_validation])
+            self.test_rows = np.concatenate([validation, self.test_rows])
+            self.train_rows, self.validation_count = order[n_test + n_validation:], n_validation
         if not 1 <= self.batch <= len(self.train_rows):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch
@@ -784,6 +804,7 @@ class ColumnView(DataSource):
         self.feature_shape = (*shape[:-1], len(columns))
         self.target_shape, self.target_dtype = source.target_shape, source.target_dtype
         self.has_labels, self.test_rows = source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, epoch_order, ...: the source's
@@ -842,6 +863,7 @@ class RandomizedLabels(DataSource):
         self._source, self.noisy = source, randomized_response(labels, classes, epsilon, rng)
         self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
         self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, test_targets, ...: the source's

@@ -277,6 +277,10 @@ class Experiment:
                               f"the labels too, with labels = \"first\"); here another party holds part of the "
                               f"same rows and cannot know which ones this party drops: use missing = \"mean\" or "
                               f"\"median\", or remove those rows from every party's file first")
+        if table.get("validation_fraction") and self.labels_travel:
+            raise ConfigError(f"stage {spec.name!r}: validation_fraction needs the labels at the last stage, which "
+                              f"scores the evaluations and tells validation rows from test rows by its own [data]; "
+                              f"with labels = \"first\" it holds none")
         if table.get("categorical") is not None and spec.columns is not None:
             raise ConfigError(f"stage {spec.name!r}: 'columns' picks columns of the shared [data] by position, and "
                               f"categorical columns are one-hot encoded into several: give each party its own "

@@ -171,7 +171,7 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
         names = None if names is None else [names[c] for c in columns]
     if names is not None and len(set(names)) != len(names):
         names = None            # a header naming two columns alike names neither: the party reads by position
-    kept = ["batch", "test_fraction", "split_seed", *(["feature_scale", "standardize"] if first else []),
+    kept = ["batch", "test_fraction", "validation_fraction", "split_seed", *(["feature_scale", "standardize"] if first else []),
             *(["label_dtype"] if owner else [])]
     table = {"kind": "npz", "path": f"{name}.npz",
              **{"id_column" if part == "ids" else part: part for part in parts},

@@ -96,7 +96,12 @@ class CutSide:
     @cached_property
     def data(self) -> Any | None:
         """This party's ``[data]`` as the daemons build it (None without one)."""
-        return self.exp.build_data(stage=self.stage) if self.exp.spec(self.stage).data else None
+        data = self.exp.build_data(stage=self.stage) if self.exp.spec(self.stage).data else None
+        if data is not None and data.validation_count:
+            raise ConfigError(f"stage {self.stage!r}: validation_fraction splits the held-out rows for the daemons' "
+                              f"keep_best and early_stopping; a loop of your own scores its held-out rows itself: "
+                              f"leave validation_fraction out of [data] and set rows apart in your loop")
+        return data
 
 
 def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> CutSide:

@@ -26,9 +26,11 @@ from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Metering
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
-                                    evaluation_fields, scores_text, to_lists, write_json, write_preparation)
+                                    evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
+                                    write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, make_save_dir, micro_batch,
+from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, evaluate_held_out,
+                                  make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
@@ -227,7 +229,8 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                            step + 1) for party, d in zip(parties, data)],
                              labels.test_features() if exp.own_bottom else None, exp.aggregate)
-    return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
+    return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
+                             labels.validation_count)
 
 
 class _ParameterFiles:
@@ -272,7 +275,7 @@ def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders
     for stage in upstream:
         x, _ = stage.forward(x, training=False)
         x = senders.evaluation_roundtrip(x, step + 1)
-    return last.evaluate_last(x, labels.test_targets(), metrics)
+    return evaluate_held_out(last, x, labels.test_targets(), metrics, labels.validation_count)
 
 
 def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -308,6 +311,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     losses: list[float | None] = [None] * len(clients)
     evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
     scores: list[dict[str, Any] | None] = [None] * len(clients)
+    tests: list[dict[int, dict[str, Any]]] = [{} for _ in clients]      # validation split: test-row figures
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
@@ -325,6 +329,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                     scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
                                           exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, scores[c]))
+                    if "test" in scores[c]:
+                        tests[c][step] = scores[c]["test"]
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     for c, client in enumerate(clients):
@@ -336,7 +342,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
                                  "status": "completed"}
         if len(data[c].test_rows):
-            entry.update(evaluation_fields(scores[c]), evaluations=evaluations[c])
+            entry.update(evaluation_fields(scores[c]), **kept_test_fields(tests[c], 0), evaluations=evaluations[c])
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
@@ -382,6 +388,7 @@ class _Reference:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
+        self.tests: dict[int, dict[str, Any]] = {}       # validation split: each evaluation's test-row figures
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
     def applied(self) -> Iterator[int]:
@@ -431,7 +438,9 @@ class _Reference:
                            else _evaluate(upstream, last, self.data, self.labels, Senders(exp.codecs), step,
                                           self.spec.metrics))
         self.evaluations.append(evaluation_entry(step, self.evaluation))
-        log.info("step %d: test loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
+        if "test" in self.evaluation:
+            self.tests[step] = self.evaluation["test"]
+        log.info("step %d: held-out loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
         if not self.selection.active:
             return False
         verdict = self.selection.judge(step, evaluation_fields(self.evaluation), step == self.steps)
@@ -464,6 +473,7 @@ class _Reference:
             **({"evaluations": evaluations} if self.holds_out else {}),
             **self.verdicts.summary(),
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
+            **kept_test_fields(self.tests, self.verdicts.best_step),
             **privacy_budget(exp, exp.stage_names, steps, self.seed),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             "params": {s.name: to_lists(s.params) for s in self.stages},

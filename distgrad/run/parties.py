@@ -21,7 +21,7 @@ from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.peers import Peer, PeerStatus, Phase, Reply
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import micro_batch
+from distgrad.stage.stage import evaluate_held_out, micro_batch
 from distgrad.run.topology import Topology
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT
@@ -303,8 +303,8 @@ class Parties(Topology):
         try:
             own = s.data[0].test_features() if s.exp.own_bottom else None
             z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
-            result = self.judged(msgs[0].step - 1, s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics),
-                                 s.steps)
+            result = self.judged(msgs[0].step - 1, evaluate_held_out(s.stage, z, s.data[0].test_targets(), s.metrics,
+                                                                     s.data[0].validation_count), s.steps)
         except StageError as e:
             result = None
             error = str(e)

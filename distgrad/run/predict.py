@@ -278,7 +278,8 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
 
 
 def held_out_rows(exp: Any, stage: str, seed: int, load: Path | None = None) -> NewRows:
-    """The stage's held-out rows (the default ``--input``), with their IDs when its data has an ``id_column``;
+    """The stage's held-out test rows (the default ``--input``; a validation split's validation rows left out),
+    with their IDs when its data has an ``id_column``;
     prepared by the statistics saved beside ``load`` when its [data] prepares its rows."""
     data = exp.build_data(seed, stage=stage)
     prep = saved_preparation(exp, stage, load)
@@ -287,7 +288,8 @@ def held_out_rows(exp: Any, stage: str, seed: int, load: Path | None = None) -> 
     if not len(data.test_rows):
         raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
     ids = data.row_ids() if hasattr(data, "row_ids") else None
-    return NewRows(data.test_features(), None if ids is None else [ids[i] for i in data.test_rows],
+    tests = data.test_rows[data.validation_count:]          # not the validation rows of a validation split
+    return NewRows(data.test_features()[data.validation_count:], None if ids is None else [ids[i] for i in tests],
                    data.id_name() if ids is not None else "id")
 
 

@@ -22,8 +22,8 @@ from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lo
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, to_lists, write_json,
-                                    write_preparation)
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
+                                    to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
@@ -156,6 +156,8 @@ class StageState:
         self.selection = Selection(spec.keep_best, spec.early_stopping) if spec else Selection(None, None)
         self.verdicts = Verdicts()
         self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
+        # With a validation split: each evaluated step's test-row figures, reported for the kept model only.
+        self.tests: dict[int, dict[str, Any]] = {}
 
     def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
         """``result`` (the evaluation after ``step``; ``last``: the run's last step) with the verdicts this
@@ -170,6 +172,8 @@ class StageState:
         """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
         ``--save`` writes this stage's parameters now, and not again at the end. With checkpoints, step
         ``step``'s is saved again with the verdict (and, on the label owner, the evaluations it judged)."""
+        if isinstance(evaluation.get("test"), Mapping):
+            self.tests[step] = dict(evaluation["test"])
         self.keeping_best = self.keeping_best or "best" in evaluation
         if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
             self._write_parameters("the best evaluation so far (keep_best)")
@@ -262,6 +266,11 @@ class StageState:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"checkpoint of step {step}: its verdicts cannot be read: {e}") from e
         self.keeping_best = bool(saved.get("keeping_best"))
+        tests = saved.get("tests", [])
+        if not isinstance(tests, list) or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], int)
+                                                  and isinstance(t[1], dict) for t in tests):
+            raise ConfigError(f"checkpoint of step {step}: its test figures are not [step, scores] pairs")
+        self.tests = {s: t for s, t in tests if s <= step}
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
@@ -327,7 +336,8 @@ class StageState:
                 self.trace.flush()          # the trace then holds every step the checkpoint has
             meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
                         verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
-                                  "keeping_best": self.keeping_best})
+                                  "keeping_best": self.keeping_best,
+                                  "tests": [[step, test] for step, test in sorted(self.tests.items())]})
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
@@ -343,7 +353,8 @@ class StageState:
         """On the stage that judges the evaluations (kept in its checkpoints): the summary's
         ``best_evaluation``, the scores of the step ``keep_best`` kept ({} when none was kept)."""
         judged = dict(self.selection.history)
-        return best_evaluation_fields([{"step": step, **{k: v for k, v in fields.items() if k != "test_count"}}
+        return best_evaluation_fields([{"step": step, **{k: v for k, v in fields.items()
+                                                         if k not in ("test_count", "validation_count")}}
                                        for step, fields in judged.items()], self.verdicts.best_step)
 
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
@@ -360,6 +371,7 @@ class StageState:
             **extra,
             **self.verdicts.summary(),
             **({} if "best_evaluation" in extra else self._best_evaluation()),
+            **kept_test_fields(self.tests, self.verdicts.best_step),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed),

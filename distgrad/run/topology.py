@@ -41,7 +41,7 @@ from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, prune_replies, resent_evaluation,
                                    unknown_run)
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
+from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
 
@@ -558,8 +558,9 @@ class Turns(Topology):
         try:
             if s.link is None:
                 data = s.data[peer.index]
-                result = s.stage.evaluate_last(msg.tensors["activation"],
-                                               data.test_targets() if target is None else target, s.metrics)
+                result = evaluate_held_out(s.stage, msg.tensors["activation"],
+                                           data.test_targets() if target is None else target, s.metrics,
+                                           data.validation_count if target is None else 0)
             else:
                 y, _ = s.stage.forward(msg.tensors["activation"], training=False)
                 tensors = {**s.state.senders.evaluation_tensors(y, msg.step),

@@ -135,6 +135,17 @@ def check_cut(exp: Experiment, stage: "Stage", seed: int) -> None:
         check_targets(exp, exp.build_data(seed, stage=exp.label_owner), stage.output_shape)
 
 
+def evaluate_held_out(stage: "Stage", x: np.ndarray, target: np.ndarray, metrics: Sequence[str],
+                      validation: int) -> dict[str, Any]:
+    """The last stage's scores of the held-out rows ``x`` (``Stage.evaluate_last``); with a validation split
+    (the first ``validation`` rows are validation rows, the rest test rows), the validation rows' scores with
+    the test rows' beside them under ``test``: what keep_best and early_stopping judge is the former only."""
+    if not validation:
+        return stage.evaluate_last(x, target, metrics)
+    return {**stage.evaluate_last(x[:validation], target[:validation], metrics),
+            "test": stage.evaluate_last(x[validation:], target[validation:], metrics)}
+
+
 def check_saved_parameters(stage: str, path: str | Path, saved: Mapping[str, Any],
                            shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Raise ``ConfigError`` unless ``saved`` has exactly the parameter names and shapes of ``shapes``."""

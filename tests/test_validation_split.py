@@ -1,0 +1,112 @@
+"""A validation split (``validation_fraction`` in [data]): the evaluations during training score the
+validation rows, keep_best and early_stopping choose on them, and the test rows' figures are reported for
+the kept model only (summary ``test_*`` and ``test_step``, the last printed line), over processes as in
+process; they equal a fresh evaluation of the kept parameters on the test rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.config.parse import load_experiment
+from distgrad.errors import ConfigError
+from distgrad.stage.stage import Stage
+
+from conftest import digits_data_table, read_json, run_cli, run_main
+from test_metrics import _digits
+
+JUDGED = """keep_best = "test_accuracy"
+early_stopping = { metric = "test_accuracy", patience = 3 }
+metrics = ["f1"]
+"""
+
+
+def _validated(tmp_path: Path, judged: str = JUDGED) -> Path:
+    path = _digits(tmp_path, judged)
+    path.write_text(path.read_text().replace(digits_data_table(), digits_data_table() + "validation_fraction = 0.2\n"))
+    return path
+
+
+def _fresh_test_figures(path: Path, saved: Path) -> dict:
+    """The kept (saved) parameters scored on the test rows alone, in this process."""
+    exp = load_experiment(path)
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(saved / "f.npz")
+    g.load_parameters(saved / "g.npz")
+    data = exp.build_data(stage="g")
+    count = data.validation_count
+    x, target = data.test_features()[count:], data.test_targets()[count:]
+    return g.evaluate_last(f.forward(x, training=False)[0], target, ["f1"])
+
+
+def test_the_split_keeps_test_validation_and_training_rows_apart(tmp_path: Path):
+    data = load_experiment(_validated(tmp_path)).build_data()
+    without = load_experiment(_digits(tmp_path)).build_data()
+    validation, test = data.test_rows[:data.validation_count], data.test_rows[data.validation_count:]
+    assert np.array_equal(test, without.test_rows)               # the test rows are test_fraction's, as before
+    assert len(validation) == round(data.row_count * 0.2)
+    assert not set(validation) & set(test) and not set(data.train_rows) & set(data.test_rows)
+    assert len(data.train_rows) + len(data.test_rows) == data.row_count
+
+
+def test_selection_is_on_validation_rows_and_the_kept_models_test_figures_are_reported(tmp_path: Path):
+    path = _validated(tmp_path)
+    reference = run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json", "--save", tmp_path / "ref"])
+    assert reference.returncode == 0, reference.stderr
+    result = run_cli(["run", path, "--summary", tmp_path / "run.json", "--save", tmp_path / "saved", "--progress",
+                      "off"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    for summary, stdout, saved in ((ref, reference.stdout, tmp_path / "ref"), (run, result.stdout, tmp_path / "saved")):
+        evaluations = summary["evaluations"]
+        assert all(not any(key.startswith("test_") for key in e) for e in evaluations)    # never a test figure
+        accuracies = [e["validation_accuracy"] for e in evaluations]
+        best = evaluations[accuracies.index(max(accuracies))]["step"]          # the first best, on validation
+        assert summary["best_step"] == best and summary["test_step"] == best
+        assert summary["stopped_early"] == summary["steps"] < 200
+        assert summary["best_evaluation"]["step"] == best
+        fresh = _fresh_test_figures(path, saved)
+        assert summary["test_count"] == fresh["count"]
+        assert summary["test_accuracy"] == fresh["correct"] / fresh["count"]
+        assert summary["test_loss"] == pytest.approx(fresh["loss"], rel=1e-5)
+        assert summary["test_f1"] == pytest.approx(fresh["metrics"]["f1"], rel=1e-9)
+        last = stdout.strip().splitlines()[-1]
+        assert last.startswith(f"kept model, after step {best} (chosen on {summary['validation_count']} validation "
+                               f"rows): test accuracy {summary['test_accuracy']:.4f}"), last
+        assert f"on {summary['test_count']} test rows" in last, last
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_step", "validation_loss"):
+        assert run[key] == ref[key]
+
+
+def test_without_keep_best_the_last_models_test_figures_are_reported(tmp_path: Path):
+    path = _validated(tmp_path, 'metrics = ["f1"]\n')
+    path.write_text(path.read_text().replace("steps = 200", "steps = 40"))
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json", "--save", tmp_path / "ref"]
+                    ).returncode == 0
+    summary = read_json(tmp_path / "ref.json")
+    fresh = _fresh_test_figures(path, tmp_path / "ref")
+    assert summary["test_step"] == 40 and "best_step" not in summary
+    assert summary["test_accuracy"] == fresh["correct"] / fresh["count"]
+
+
+@pytest.mark.parametrize("table, needle", [
+    ("validation_fraction = 0.9\n", "validation_fraction must be in"),
+    ("validation_fraction = 0.2\ntest_fraction = 0\n", "needs test_fraction > 0"),
+])
+def test_bad_validation_settings_are_refused(tmp_path: Path, table: str, needle: str):
+    path = _digits(tmp_path)
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "").replace(
+        "feature_scale = 0.0625\n", "feature_scale = 0.0625\n" + table + ("test_fraction = 0.2\n" if "test_fraction"
+                                                                          not in table else "")))
+    with pytest.raises(ConfigError, match=needle):
+        load_experiment(path).build_data()
+
+
+def test_validation_with_travelling_labels_is_refused_with_the_reason(tmp_path: Path):
+    path = _validated(tmp_path, "")
+    path.write_text(path.read_text().replace("seed = 0\n", 'seed = 0\nlabels = "first"\n', 1))
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 2 and "labels = \"first\" it holds none" in result.stderr, result.stderr
