@@ -30,6 +30,7 @@ import numpy as np
 
 from distgrad.config.csvfile import cell_problem, number, shown
 from distgrad.errors import ConfigError
+from distgrad.jsontext import json_text
 
 MISSING_MODES = ("error", "mean", "median", "drop_rows")
 # What a cell holds when its value is missing (compared with the cell stripped of spaces).
@@ -243,7 +244,7 @@ def preparation_path(parameters: str | Path) -> Path:
 
 def preparation_text(prep: Preparation) -> bytes:
     """The file ``write_preparation`` (``distgrad.stage.records``) writes: ``prep`` as JSON."""
-    return (json.dumps(prep.to_json(), indent=1, allow_nan=False) + "\n").encode()
+    return (json_text(prep.to_json(), strict=True, indent=1) + "\n").encode()
 
 
 def read_preparation(parameters: str | Path) -> Preparation:
