@@ -192,3 +192,12 @@ def test_plateau_is_refused_where_no_evaluation_loss_reaches_it_alike(tmp_path: 
     path.write_text(path.read_text().replace(change, "eval_every = 0" if "eval" in change else "seed = 3\nstaleness = 1"))
     result = run_main(["run", path, "--in-process"])
     assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_the_progress_line_shows_the_validation_figures():
+    from distgrad.run.progress import render_bar
+
+    line = render_bar(5, 10, 0.5, None, {"validation_loss": 0.25, "validation_accuracy": 0.875,
+                                         "validation_f1": 0.5, "validation_count": 30})
+    assert " validation 0.25 acc 0.875 f1 0.500 " in line, line
+    assert "count" not in line
