@@ -201,3 +201,13 @@ def test_the_progress_line_shows_the_validation_figures():
                                          "validation_f1": 0.5, "validation_count": 30})
     assert " validation 0.25 acc 0.875 f1 0.500 " in line, line
     assert "count" not in line
+
+
+def test_keep_best_may_name_the_validation_figure(tmp_path: Path):
+    summaries = []
+    for name in ("test_accuracy", "validation_accuracy"):
+        path = _validated(tmp_path, f'keep_best = "{name}"\nearly_stopping = {{ metric = "{name}", patience = 3 }}\n')
+        assert run_main(["run", path, "--in-process", "--summary", tmp_path / f"{name}.json"]).returncode == 0
+        summaries.append(read_json(tmp_path / f"{name}.json"))
+    assert summaries[0]["best_step"] == summaries[1]["best_step"] and summaries[0]["params"] == summaries[1]["params"]
+    assert summaries[0]["stopped_early"] == summaries[1]["stopped_early"]

@@ -593,7 +593,9 @@ def check_evaluation_keys(spec: StageSpec) -> None:
     fields = reported_fields(spec)
     for key, field_ in (("keep_best", spec.keep_best),
                         ("early_stopping's metric", (spec.early_stopping or {}).get("metric"))):
-        if field_ is not None and field_ not in fields:
+        # "validation_accuracy" names the same score as "test_accuracy": judged on the validation rows when
+        # [data] has a validation_fraction (stage.selection.judged_field), on the held-out rows otherwise
+        if field_ is not None and field_.replace("validation_", "test_", 1) not in fields:
             raise ConfigError(f"{where}: {key} {field_!r} is not a score this stage reports; it reports {fields} "
                               f"(add a metric to 'metrics' to report it)")
 

@@ -198,7 +198,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
-                  "'--save' writes instead of the last; the summary's best_step says which step"),
+                  "'--save' writes instead of the last; the summary's best_step says which step. With [data]'s "
+                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same)"),
     "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
