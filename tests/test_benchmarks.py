@@ -45,6 +45,7 @@ SMOKE_TESTS = {
     "_torch_split.py": "test_torch_split",
     "per_message.py": "test_per_message",
     "privacy.py": "test_privacy_tradeoff",
+    "label_dp.py": "test_label_dp_curve",
     "privacy_meter_cost.py": "test_privacy_meter_cost",
     "profile_step.py": "test_profile_step",
     "scaling.py": "test_scaling",
@@ -243,6 +244,21 @@ def test_privacy_meter_cost(tmp_path):
     for where in ("processes", "in_process"):
         assert result[f"{where}_plain_step_ms"] > 0 and result[f"{where}_metered_step_ms"] > 0
         assert f"{where}_overhead" in result
+
+
+def test_label_dp_curve(tmp_path):
+    """--smoke: plain randomized response (plain and corrected loss) and RR-with-prior at epsilon 2 on digits
+    and breast cancer, one seed, 60 steps; each has a held-out accuracy and the table prints."""
+    out = tmp_path / "label_dp.json"
+    result = run_script("label_dp.py", "--smoke", "--json", out)
+    figures = json.loads(out.read_text())
+    assert figures["smoke"] is True and set(figures["results"]) == {"digits", "breast-cancer"}
+    for task, rows in figures["results"].items():
+        assert list(rows) == ["undefended", "plain RR, plain loss", "plain RR, corrected loss",
+                              "RR-with-prior, 2 stages"], task
+        for method, cells in list(rows.items())[1:]:
+            assert list(cells) == ["2.0"] and 0 < cells["2.0"]["mean"] <= 1, (task, method)
+    assert "| RR-with-prior, 2 stages |" in result.stdout
 
 
 @pytest.mark.slow

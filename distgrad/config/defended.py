@@ -118,6 +118,11 @@ def check_defenses(exp: Experiment) -> None:
             if data.target_dtype.kind != "i" or not hasattr(data, "all_targets"):
                 raise ConfigError(f"{where}: 'label_dp' randomizes class ids: it needs int64 class labels in "
                                   f"batches of rows, not {data.target_dtype.name} targets")
+            if d.label_dp.staged and d.marvell is not None:
+                raise ConfigError(f"{where}: 'marvell' shapes its noise by each row's training label, which "
+                                  f"'label_dp' with stages draws only when the row is first trained on; use "
+                                  f"label_dp without stages, or no marvell")
+            exp.training_labels(spec.name)      # the loss it trains with must be a softmax cross-entropy
         if d.marvell is not None:
             _check_marvell(exp, spec.name)
         if d.dp_sgd is not None:

@@ -243,8 +243,15 @@ _STAGE_COMMON: dict[str, Key] = {
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
                  "guarantee)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
-                 "the label owner: { epsilon = e }: k-ary randomized response applied once to its training class "
-                 "labels before training (epsilon-label-DP, exactly); held-out labels stay true"),
+                 "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
+                 "once (epsilon-label-DP, exactly); held-out labels stay true. prior = \"stages\" with stages = K (default "
+                 "2; stages >= 2 alone says the same) and optionally epochs_per_stage = E (default: the experiment's "
+                 "steps / K): randomized response with a prior (Ghazi et al. 2021) in K stages: the "
+                 "training rows split into K equal parts, part t joins after (t-1)*E epochs' worth of updates and "
+                 "each of its labels is drawn when the row is first trained on, among the classes the model (trained "
+                 "so far on randomized labels only) finds likeliest for it. loss = \"corrected\" (the default for "
+                 "a softmax cross-entropy) trains on the probability of the randomized label given the known flip "
+                 "rates; \"plain\" on the randomized label as if true (docs/privacy.md)"),
     "nopeek": Key(None, kind="table", who=DATA_OWNERS, checked_by=_DEFENSES, help=
                "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.labeldp import LabelDP, parse_label_dp
 from distgrad.privacy.leaks import centred_distances
 from distgrad.privacy.releases import NoiseLedger, digest
 
@@ -64,13 +65,13 @@ class ClipNoise:
 @dataclass(frozen=True)
 class Defenses:
     """One stage's defenses (all absent: nothing changes). ``clip_noise`` and ``max_norm`` act on the rows
-    the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels;
+    the stage sends; ``label_dp`` is randomized response on the label owner's training labels (``labeldp.LabelDP``);
     ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``); ``marvell`` the
     bound on the sum of KL divergences of the label owner's Marvell noise (``marvell_noise``)."""
 
     clip_noise: ClipNoise | None = None
     max_norm: bool = False
-    label_dp: float | None = None
+    label_dp: LabelDP | None = None
     nopeek: float | None = None
     marvell: float | None = None
     dp_sgd: float | None = None      # the label owner's own update as DP-SGD: its per-example clip bound
@@ -86,7 +87,7 @@ class Defenses:
         if self.max_norm:
             table["max_norm"] = True
         if self.label_dp is not None:
-            table["label_dp"] = {"epsilon": self.label_dp}
+            table["label_dp"] = self.label_dp.as_table()
         if self.nopeek is not None:
             table["nopeek"] = {"weight": self.nopeek}
         if self.marvell is not None:
@@ -336,9 +337,7 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
         raise ConfigError(f"stage {stage!r}: 'max_norm' must be true or false, got {max_norm!r}")
     label_dp = table.get("label_dp")
     if label_dp is not None:
-        if not isinstance(label_dp, dict) or set(label_dp) != {"epsilon"}:
-            raise ConfigError(f"stage {stage!r}: 'label_dp' must be {{ epsilon = e }}, got {label_dp!r}")
-        label_dp = _positive(label_dp["epsilon"], f"stage {stage!r}: 'label_dp' epsilon")
+        label_dp = parse_label_dp(label_dp, stage)
     nopeek = table.get("nopeek")
     if nopeek is not None:
         if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:

@@ -223,6 +223,7 @@ class StageState:
         if self.opts.stage_factory is not None:
             stage = self.opts.stage_factory()
             stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+            stage.label_dp = self.opts.experiment.training_labels(self.opts.stage, self.opts.seed)
         else:
             stage = Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
         if self.opts.load_path is not None:
@@ -378,7 +379,9 @@ class StageState:
         if step == self.stage.step:
             return
         if step == 0:
-            self.stage = self._fresh()
+            fresh = self._fresh()
+            fresh.keep_label_releases(self.stage)       # label_dp: a label is released once in a run
+            self.stage = fresh
             self.history.clear()
             self.senders.reset()
             self._load_verdicts(None, 0)
