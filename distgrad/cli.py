@@ -682,6 +682,20 @@ def _print_result(summary: dict) -> None:
         for name, value in params.items():
             text = str(value) if len(str(value)) <= 72 else str(value)[:69] + "..."
             print(f"  {stage}.{name} = {text}")
+    _print_kept_test(summary)
+
+
+def _print_kept_test(summary: dict) -> None:
+    """With a validation split, the last line: the kept model's test figures and the step it comes from."""
+    from distgrad.stage.records import scores_text
+
+    if "test_step" not in summary:
+        return
+    accuracy = f"test accuracy {summary['test_accuracy']:.4f}, " if "test_accuracy" in summary else ""
+    others = scores_text({k: v for k, v in summary.items() if k.startswith("test_") and k != "test_accuracy"})
+    print(f"kept model, after step {summary['test_step']} (chosen on {summary.get('validation_count', '?')} "
+          f"validation rows): {accuracy}test loss {_number(summary['test_loss'])} on {summary['test_count']} test "
+          f"rows{others}")
 
 
 def _print_headline(summary: dict) -> None:
@@ -719,6 +733,12 @@ def _print_held_out(summary: dict) -> None:
     with the last step's accuracy beside it; else the last step's."""
     from distgrad.stage.records import scores_text
 
+    if "validation_loss" in summary:          # a validation split: the kept model's test line comes last
+        fields = summary.get("best_evaluation", summary)
+        kept = f" of the kept model, after step {fields['step']}" if "step" in fields else ""
+        print(f"validation loss {_number(fields['validation_loss'])} on {summary['validation_count']} validation "
+              f"rows{kept}{scores_text(fields)}")
+        return
     best = summary.get("best_evaluation")
     scored = best if best is not None else summary
     of_model = f" of the kept model, after step {best['step']}" if best is not None else ""
@@ -820,11 +840,11 @@ def _predict_rows(exp: Experiment, stage: str, seed: int, args: argparse.Namespa
     from distgrad.run.predict import held_out_rows, read_rows
 
     if args.input is None:
-        return held_out_rows(exp, stage, seed)
+        return held_out_rows(exp, stage, seed, args.load)
     id_column = args.id_column
     if id_column is not None and id_column.isdigit():
         id_column = int(id_column)
-    return read_rows(args.input, exp, stage, id_column, args.header)
+    return read_rows(args.input, exp, stage, id_column, args.header, args.load)
 
 
 def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: argparse.Namespace, stop: Any,

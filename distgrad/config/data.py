@@ -9,6 +9,7 @@ resumes at step ``k`` sees exactly the batch it would have seen.
 from __future__ import annotations
 
 import abc
+import copy
 import hashlib
 import inspect
 import zlib
@@ -18,6 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.config.csvfile import CsvColumns, checked_ids, number
+from distgrad.config.keys import is_whole
+from distgrad.config.prepare import MISSING_HINT, MISSING_MODES, Preparation, class_order, is_missing, read_cells
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
 from distgrad.privacy.defenses import randomized_response
@@ -31,6 +34,10 @@ class DataSource(abc.ABC):
     has_labels: bool = True                   # False: this party's data holds no labels
     target_dtype: np.dtype = np.dtype(DTYPE)
     test_rows: np.ndarray = np.arange(0)      # held-out rows for evaluation; none unless the source has them
+    # With a validation split: the first ``validation_count`` of ``test_rows`` are validation rows (what the
+    # evaluations during training score and keep_best / early_stopping judge); the rest are the test rows,
+    # whose figures are reported only for the kept model. 0: every held-out row is a test row.
+    validation_count: int = 0
 
     @abc.abstractmethod
     def features(self, step: int) -> np.ndarray:
@@ -273,13 +280,21 @@ class ArrayFile(RowBatches):
     def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
                  feature_scale: float = 1.0, label_dtype: str = "int64", path: str | None = None,
                  features: Any = "x", labels: Any = "y", header: bool = False, split_seed: int | None = None,
-                 id_column: int | str | None = None, feature_names: Any = None) -> None:
+                 id_column: int | str | None = None, feature_names: Any = None, missing: str = "error",
+                 standardize: bool = False, categorical: Any = None, class_names: bool = False,
+                 validation_fraction: float = 0.0) -> None:
         if kind not in ("npz", "npy", "csv"):
             raise ConfigError(f"unknown file data kind {kind!r}")
         if label_dtype not in ("int64", "float32"):
             raise ConfigError(f"label_dtype must be int64 or float32, got {label_dtype!r}")
         if not 0 <= test_fraction < 1:
             raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        if not 0 <= validation_fraction < 1 or test_fraction + validation_fraction >= 1:
+            raise ConfigError(f"validation_fraction must be in [0, 1) and leave training rows beside "
+                              f"test_fraction = {test_fraction}, got {validation_fraction}")
+        if validation_fraction > 0 and test_fraction == 0:
+            raise ConfigError("validation_fraction splits validation rows from the test rows: it needs "
+                              "test_fraction > 0 (rows to score the kept model on)")
         self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
         self.path = base_dir / path if path is not None else None
         if features is None and labels is None:
@@ -297,6 +312,17 @@ class ArrayFile(RowBatches):
         self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
+        self.missing, self.standardize, self.class_names = missing, bool(standardize), bool(class_names)
+        self.categorical_ref = categorical
+        self.prepared = missing != "error" or self.standardize or categorical is not None or self.class_names
+        self._check_preparation()
+        self._kept: np.ndarray | None = None        # drop_rows: the file's rows kept, in order (None: every row)
+        self._cells: tuple[np.ndarray, dict[int, list[str]]] | None = None
+        self._label_cells: list[str] | None = None
+        self._prep: Preparation | None = None
+        self._classes: list[str] | None = None
+        if self.missing == "drop_rows":
+            self._kept = self._kept_rows()
         if split_seed is not None and (isinstance(split_seed, bool) or not isinstance(split_seed, int)
                                        or split_seed < 0):
             raise ConfigError(f"split_seed must be a non-negative integer, got {split_seed!r}")
@@ -306,11 +332,25 @@ class ArrayFile(RowBatches):
         order = np.random.default_rng([self.seed, 17]).permutation(rows)
         n_test = int(round(rows * self.test_fraction))
         self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
+        if validation_fraction > 0:
+            n_validation = int(round(rows * validation_fraction))
+            if n_validation < 1 or n_test < 1:
+                raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} "
+                                  f"of {rows} rows leave {n_validation} validation and {n_test} test rows: each "
+                                  f"needs at least one")
+            validation = np.sort(order[n_test:n_test + n_validation])
+            self.test_rows = np.concatenate([validation, self.test_rows])
+            self.train_rows, self.validation_count = order[n_test + n_validation:], n_validation
         if not 1 <= self.batch <= len(self.train_rows):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch
-        self.feature_shape = (self.batch, width) if features is not None else None
+        self._stat_rows = self.train_rows          # the statistics' rows: every training row of this file
+        if self.prepared and features is not None:
+            width = self._feature_cells()[0].shape[1]
         self._feature_names = self._checked_names(feature_names, width)
+        if self.prepared and features is not None:
+            width = self._feature_preparation().width
+        self.feature_shape = (self.batch, width) if features is not None else None
         self.target_shape = (self.batch,) if self.target_dtype.kind == "i" else (self.batch, 1)
         self._features: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -330,9 +370,12 @@ class ArrayFile(RowBatches):
         return list(names)
 
     def feature_names(self) -> list[str] | None:
-        """The feature columns' names in order: a csv header's, or ``feature_names``; None when unnamed."""
+        """The feature columns' names in order: a csv header's, or ``feature_names``; None when unnamed.
+        With categorical columns, the prepared columns' (``NAME=CATEGORY`` for each category)."""
         if self.feature_ref is None:
             return None
+        if self.categorical_ref is not None:
+            return self._feature_preparation().output_names()
         if self.kind != "csv":
             return self._feature_names
         if not self.header:
@@ -367,6 +410,11 @@ class ArrayFile(RowBatches):
 
     def _feature_geometry(self) -> tuple[int, int]:
         """Rows and feature columns (0 without features), reading only array headers where it can."""
+        if self.prepared:                      # the width is the preparation's
+            if self._kept is not None:
+                return len(self._kept), 0
+            return (len(self._feature_cells()[0]) if self.feature_ref is not None
+                    else len(self._file_label_cells())), 0
         if self.feature_ref is None:
             return len(self._all_labels_raw()), 0
         if self.kind == "npz":
@@ -432,6 +480,8 @@ class ArrayFile(RowBatches):
             ids = checked_ids([str(key) for key in raw.tolist()], str(self.path), self.id_ref)
         else:
             ids = self._csv_file().ids(self.id_ref)
+        if self._kept is not None:
+            ids = [ids[i] for i in self._kept.tolist()]
         if len(ids) != self.rows:
             raise ConfigError(f"csv data {self.path}: {len(ids)} IDs for {self.rows} rows")
         return ids
@@ -461,6 +511,16 @@ class ArrayFile(RowBatches):
     def _all_features(self) -> np.ndarray:
         if self.feature_ref is None:
             raise ConfigError("this party's data holds no features (give 'features' in its [data])")
+        if self._features is None and self.prepared:
+            numbers, texts = self._feature_cells()
+            prepared = self._feature_preparation().encode(numbers, texts, self._where_cell, unseen="zeros")
+            with np.errstate(over="ignore"):
+                features = prepared.astype(DTYPE) * self.feature_scale
+            if not np.isfinite(features).all():
+                row, column = (int(i) for i in np.argwhere(~np.isfinite(features))[0])
+                raise ConfigError(f"{self.path or self.base_dir}: prepared feature column {column + 1} of data row "
+                                  f"{row + 1} is beyond float32's range (once scaled by feature_scale)")
+            self._features = features
         if self._features is None:
             raw = self._read_part(self.feature_ref)
             with np.errstate(over="ignore"):           # an overflow is refused below (csv) or kept, as it is
@@ -492,6 +552,8 @@ class ArrayFile(RowBatches):
         return np.asarray(raw).reshape(len(raw))
 
     def _all_labels(self) -> np.ndarray:
+        if self._labels is None and self.prepared:
+            self._labels = self._prepared_labels().reshape((self.rows, *self.target_shape[1:]))
         if self._labels is None:
             raw = self._all_labels_raw()
             if len(raw) != self.rows:
@@ -514,6 +576,195 @@ class ArrayFile(RowBatches):
         if ids is not None:
             parts["ids"] = np.array(ids, dtype=str)
         return {**parts, "labels": self._all_labels_raw()} if self.has_labels else parts
+
+    # -- data preparation (distgrad.config.prepare): missing cells, standardize, categorical, class_names
+
+    def _check_preparation(self) -> None:
+        """``ConfigError`` for preparation settings this data cannot take, saying why."""
+        if self.missing not in MISSING_MODES:
+            raise ConfigError(f"missing must be one of {list(MISSING_MODES)}, got {self.missing!r}")
+        if self.class_names and self.target_dtype.kind != "i":
+            raise ConfigError("class_names maps the label column's values to class ids; it needs label_dtype = "
+                              "\"int64\", not \"float32\" values")
+        if self.categorical_ref is None:
+            return
+        refs = self.categorical_ref
+        if (not isinstance(refs, list) or not refs
+                or not all(isinstance(r, str) or (is_whole(r) and r >= 0) for r in refs)
+                or len(set(refs)) != len(refs)):
+            raise ConfigError(f"categorical must list distinct feature columns (header names or indices), got "
+                              f"{refs!r}")
+        if self.kind != "csv":
+            raise ConfigError(f"categorical names text columns of csv data; {self.kind} data holds numbers only: "
+                              f"one-hot encode them in the file, or give the data as csv")
+        if self.feature_ref is None:
+            raise ConfigError("categorical names feature columns, but this party's [data] holds no features")
+        features = self._csv_columns(self.feature_ref)
+        outside = [r for r, c in zip(refs, self._csv_columns(refs)) if c not in features]
+        if outside:
+            raise ConfigError(f"categorical column(s) {outside} are not among the features {self.feature_ref!r}")
+
+    def _where_file_row(self, row: int) -> int:
+        """The file's data row (from 0) of row ``row`` (from 0) of this source."""
+        return int(self._kept[row]) if self._kept is not None else row
+
+    def _where_cell(self, row: int, column: int) -> str:
+        """How an error names feature column ``column`` (from 0) of row ``row`` of this source."""
+        row = self._where_file_row(row)
+        if self.kind == "csv":
+            csv_file = self._csv_file()
+            label = csv_file.column_label(self._csv_columns(self.feature_ref)[column])
+            return f"csv data {self.path} line {csv_file.data()[0][row]}, {label} (data row {row + 1})"
+        return f"{self.path if self.kind == 'npz' else self.base_dir / str(self.feature_ref)}: data row {row + 1}, " \
+               f"feature column {column + 1}"
+
+    def _file_feature_cells(self) -> tuple[np.ndarray, dict[int, list[str]]]:
+        """Every file row's feature cells: numbers (float64, NaN where missing and missing cells are allowed;
+        a categorical column's NaN) and the categorical columns' text, by feature column."""
+        allow = self.missing != "error"
+        if self.kind != "csv":
+            raw = self._read_part(self.feature_ref)
+            if raw.dtype.kind not in "biuf":
+                raise ConfigError(f"the features of {self.path or self.base_dir} are {raw.dtype}, not numbers")
+            numbers = raw.reshape(len(raw), -1).astype(np.float64)
+            if not allow and np.isnan(numbers).any():
+                row, column = (int(i) for i in np.argwhere(np.isnan(numbers))[0])
+                raise ConfigError(f"{self._where_cell(row, column)}: the value is missing (NaN); set missing = "
+                                  f"\"mean\", \"median\" or \"drop_rows\" in [data] to accept missing values")
+            return numbers, {}
+        csv_file = self._csv_file()
+        columns = self._csv_columns(self.feature_ref)
+        categorical = set(self._csv_columns(self.categorical_ref)) if self.categorical_ref is not None else set()
+        lines, _ = csv_file.data()
+        numbers = np.full((len(lines), len(columns)), np.nan)
+        texts: dict[int, list[str]] = {}
+        for j, column in enumerate(columns):
+            _, cells = csv_file.texts(column)
+            if column in categorical:
+                texts[j] = cells
+                continue
+            numbers[:, j] = read_cells(cells, lambda i, c=column: f"csv data {self.path} line {lines[i]}, "
+                                       f"{csv_file.column_label(c)} (data row {i + 1})", allow, MISSING_HINT)
+        return numbers, texts
+
+    def _file_label_cells(self) -> list[str]:
+        """Every file row's label as text (a csv cell, or an array value written as text)."""
+        if self.kind == "csv":
+            if isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str)):
+                raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
+            return self._csv_file().texts(self._csv_columns(self.label_ref)[0])[1]
+        raw = np.asarray(self._read_part(self.label_ref))
+        raw = raw.reshape(len(raw))
+        return ["" if raw.dtype.kind == "f" and np.isnan(v) else str(v) for v in raw.tolist()]
+
+    def _kept_rows(self) -> np.ndarray:
+        """drop_rows: the file rows with no missing cell among the parts this [data] names (features and
+        labels), so every party reading the same table keeps the same rows."""
+        keep: np.ndarray | None = None
+        if self.feature_ref is not None:
+            numbers, texts = self._file_feature_cells()
+            keep = ~np.isnan(np.delete(numbers, list(texts), axis=1)).any(axis=1)
+            for cells in texts.values():
+                keep &= ~np.array([is_missing(c) for c in cells], bool)
+        if self.label_ref is not None:
+            labels = ~np.array([is_missing(c) for c in self._file_label_cells()], bool)
+            if keep is not None and len(keep) != len(labels):
+                raise ConfigError(f"{len(labels)} labels for {len(keep)} rows of features")
+            keep = labels if keep is None else keep & labels
+        assert keep is not None
+        kept = np.flatnonzero(keep)
+        if not len(kept):
+            raise ConfigError(f"missing = \"drop_rows\" drops every row of {self.path or self.base_dir}: each has a "
+                              f"missing cell")
+        return kept
+
+    def _feature_cells(self) -> tuple[np.ndarray, dict[int, list[str]]]:
+        """This source's rows' feature cells (``_file_feature_cells`` of the rows kept)."""
+        if self._cells is None:
+            numbers, texts = self._file_feature_cells()
+            if self._kept is not None:
+                kept = self._kept.tolist()
+                numbers, texts = numbers[self._kept], {j: [cells[i] for i in kept] for j, cells in texts.items()}
+            self._cells = numbers, texts
+        return self._cells
+
+    def _feature_preparation(self) -> Preparation:
+        """The feature columns' statistics, learnt from the training rows (or adopted: ``adopt``)."""
+        if self._prep is None:
+            numbers, texts = self._feature_cells()
+            names = self.feature_names_raw()
+            self._prep = Preparation.learn(names, numbers, texts, self._stat_rows, self.missing, self.standardize)
+        return self._prep
+
+    def feature_names_raw(self) -> list[str]:
+        """The feature columns' names before preparation: a header's, given names, else their positions."""
+        if self.kind == "csv" and self.header:
+            names = self._csv_file().names() or []
+            return [names[c] if c < len(names) else str(c) for c in self._csv_columns(self.feature_ref)]
+        width = self._feature_cells()[0].shape[1]
+        return list(self._feature_names) if self._feature_names else [str(c) for c in range(width)]
+
+    def _prepared_labels(self) -> np.ndarray:
+        """The labels of the rows kept: class ids by ``class_names``, else the cells as numbers."""
+        cells = self._file_label_cells()
+        if self._kept is not None:
+            cells = [cells[i] for i in self._kept.tolist()]
+        if len(cells) != self.rows:
+            raise ConfigError(f"{len(cells)} labels for {self.rows} rows of features")
+
+        def where(row: int) -> str:
+            file_row = self._where_file_row(row)
+            return self._where_row(file_row, self.label_ref)
+
+        if self.class_names:
+            missing = next((i for i, c in enumerate(cells) if is_missing(c)), None)
+            if missing is not None:
+                raise ConfigError(f"{where(missing)}: the label is missing (labels are never filled in; "
+                                  f"missing = \"drop_rows\" leaves such rows out)")
+            prep = Preparation(classes=self.classes())
+            return prep.class_ids(cells, where)
+        values = read_cells(cells, where, False)
+        if self.target_dtype.kind == "i":
+            whole = values == np.round(values)
+            if not whole.all():
+                row = int(np.argmin(whole))
+                raise ConfigError(f"{where(row)}: label {float(values[row])!r} is not a class id (a whole number); "
+                                  f"for values, set label_dtype = \"float32\", for names class_names = true")
+        return values.astype(self.target_dtype)
+
+    def classes(self) -> list[str]:
+        """class_names: the class names by id, from every row's label (``prepare.class_order``)."""
+        if self._classes is None:
+            cells = self._file_label_cells()
+            if self._kept is not None:
+                cells = [cells[i] for i in self._kept.tolist()]
+            self._classes = class_order([c.strip() for c in cells if not is_missing(c)])
+        return self._classes
+
+    def preparation(self) -> Preparation | None:
+        """This party's statistics (its feature columns' and, holding labels with class_names, its class
+        names), or None when its [data] prepares nothing."""
+        if not self.prepared:
+            return None
+        prep = copy.deepcopy(self._feature_preparation()) if self.feature_ref is not None else \
+            Preparation(self.missing, self.standardize)
+        if self.has_labels and self.class_names:
+            prep.classes = list(self.classes())
+        return prep
+
+    def adopt(self, saved: Preparation, where: str) -> None:
+        """Use ``saved`` statistics (a ``--load`` file's, a checkpoint's) instead of learning them: raises
+        ``ConfigError`` naming ``where`` when they do not fit this data (other columns or categories)."""
+        own = self.preparation()
+        if own is None:
+            raise ConfigError(f"{where}: this stage's [data] prepares nothing, but statistics were saved")
+        if ([c.name for c in own.columns] != [c.name for c in saved.columns] or own.width != saved.width
+                or saved.missing != own.missing or saved.standardize != own.standardize
+                or (own.classes is not None and saved.classes != own.classes)):
+            raise ConfigError(f"{where}: the saved data preparation does not fit this stage's [data] (other "
+                              f"columns, categories, classes or settings than its own rows give)")
+        if self.feature_ref is not None:
+            self._prep, self._features = copy.deepcopy(saved), None
 
     # -- the DataSource contract
 
@@ -558,6 +809,7 @@ class ColumnView(DataSource):
         self.feature_shape = (*shape[:-1], len(columns))
         self.target_shape, self.target_dtype = source.target_shape, source.target_dtype
         self.has_labels, self.test_rows = source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, epoch_order, ...: the source's
@@ -570,6 +822,22 @@ class ColumnView(DataSource):
 
     def test_features(self) -> np.ndarray:
         return np.ascontiguousarray(self._source.test_features()[..., self._columns])  # type: ignore[attr-defined]
+
+    def preparation(self) -> Preparation | None:
+        """The source's statistics of this party's columns only (each party keeps its own)."""
+        prep = self._source.preparation()  # type: ignore[attr-defined]
+        if prep is not None and prep.columns:
+            prep.columns = [prep.columns[c] for c in self._columns.tolist()]
+        return prep
+
+    def adopt(self, saved: Preparation, where: str) -> None:
+        """Saved statistics of this party's columns: the source keeps its other columns' own."""
+        full = self._source.preparation()  # type: ignore[attr-defined]
+        if full is None or len(saved.columns) != len(self._columns):
+            raise ConfigError(f"{where}: the saved data preparation does not fit this stage's columns")
+        for c, column in zip(self._columns.tolist(), saved.columns):
+            full.columns[c] = column
+        self._source.adopt(full, where)  # type: ignore[attr-defined]
 
     def targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
@@ -603,6 +871,7 @@ class RandomizedLabels(DataSource):
         self._source, self.noisy = source, randomized_response(labels, classes, epsilon, rng)
         self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
         self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, test_targets, ...: the source's
@@ -637,6 +906,7 @@ class ReleasedLabels(DataSource):
         self._source = source
         self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
         self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, test_targets, all_targets, ...: the source's

@@ -33,6 +33,7 @@ import numpy as np
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, ReleasedLabels, build_data
+from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.keys import is_whole, whole
@@ -40,6 +41,7 @@ from distgrad.model.losses import Loss, SoftmaxCrossEntropy, TorchLoss, build_lo
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
+from distgrad.model.schedules import PLATEAU, PLATEAU_OPTIONS, Plateau
 from distgrad.privacy.defenses import Defenses
 from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
 
@@ -263,6 +265,7 @@ class Experiment:
         table = self.data if spec.data is None else spec.data
         if not table:
             raise ConfigError(f"stage {spec.name!r} of {self.name!r} has no [data]")
+        self._check_preparation(spec, table)
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
@@ -274,6 +277,46 @@ class Experiment:
                 data = RandomizedLabels(data, label_dp.epsilon,  # type: ignore[arg-type]
                                         spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
+
+    def _check_preparation(self, spec: StageSpec, table: Mapping[str, Any]) -> None:
+        """``ConfigError`` for data preparation a stage's [data] asks for where it cannot keep the parties'
+        rows alike: ``drop_rows`` on a party's own table when another party holds a part of the same rows
+        (it cannot know which rows the others drop), ``categorical`` with a vertical party's ``columns``
+        (they index the file's columns, which one-hot encoding widens)."""
+        if table.get("missing") == "drop_rows" and spec.data is not None and not (
+                self.labels == "first" and table.get("features") is not None and table.get("labels") is not None):
+            raise ConfigError(f"stage {spec.name!r}: missing = \"drop_rows\" leaves out the rows with a missing "
+                              f"cell, which keeps the parties' rows aligned only where one [data] table holds "
+                              f"every part of them (a combined experiment's [data], or a data owner holding "
+                              f"the labels too, with labels = \"first\"); here another party holds part of the "
+                              f"same rows and cannot know which ones this party drops: use missing = \"mean\" or "
+                              f"\"median\", or remove those rows from every party's file first")
+        if table.get("validation_fraction") and self.labels_travel:
+            raise ConfigError(f"stage {spec.name!r}: validation_fraction needs the labels at the last stage, which "
+                              f"scores the evaluations and tells validation rows from test rows by its own [data]; "
+                              f"with labels = \"first\" it holds none")
+        if table.get("categorical") is not None and spec.columns is not None:
+            raise ConfigError(f"stage {spec.name!r}: 'columns' picks columns of the shared [data] by position, and "
+                              f"categorical columns are one-hot encoded into several: give each party its own "
+                              f"stage file and [data] with its own columns (distgrad split, or distgrad align)")
+
+    def preparation(self, seed: int | None = None, client: int | None = None, stage: str | None = None
+                    ) -> Preparation | None:
+        """Stage ``stage``'s data preparation statistics (``distgrad.config.prepare``), learnt from its own
+        training rows; None when its [data] prepares nothing (or it has no data)."""
+        spec = self.spec(stage) if stage is not None else self.stages[0]
+        table = self.data if spec.data is None else spec.data
+        if not prepares(table):
+            return None
+        prepare = getattr(self.build_data(seed, client, stage), "preparation", None)
+        prep = prepare() if prepare is not None else None
+        if prep is None:
+            return None
+        if not (spec.name in self.data_owners or (spec.name == self.stage_names[-1] and self.own_bottom)):
+            prep.columns = []           # the features' statistics are the data owners' own
+        if spec.name != self.label_owner:
+            prep.classes = None         # the class names are the label owner's
+        return prep if prep.columns or prep.classes is not None else None
 
     def training_labels(self, name: str, seed: int | None = None) -> TrainingLabels | None:
         """What label owner ``name``'s stage adds to its training loss under ``label_dp`` (None: nothing; its
@@ -608,7 +651,9 @@ def check_evaluation_keys(spec: StageSpec) -> None:
     fields = reported_fields(spec)
     for key, field_ in (("keep_best", spec.keep_best),
                         ("early_stopping's metric", (spec.early_stopping or {}).get("metric"))):
-        if field_ is not None and field_ not in fields:
+        # "validation_accuracy" names the same score as "test_accuracy": judged on the validation rows when
+        # [data] has a validation_fraction (stage.selection.judged_field), on the held-out rows otherwise
+        if field_ is not None and field_.replace("validation_", "test_", 1) not in fields:
             raise ConfigError(f"{where}: {key} {field_!r} is not a score this stage reports; it reports {fields} "
                               f"(add a metric to 'metrics' to report it)")
 
@@ -666,6 +711,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")
     check_verdicts(exp, exp.eval_every if eval_every is None else eval_every,
                    exp.staleness if staleness is None else staleness)
+    check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
+                  exp.staleness if staleness is None else staleness)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -711,6 +758,25 @@ def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if last.early_stopping is not None and is_whole(eval_every) and eval_every == 0:
         raise ConfigError("early_stopping judges the evaluations during the run, and eval_every is 0 (only after "
                           "the last step): set eval_every (or --eval-every) to K > 0")
+
+
+def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
+    """Raise ``ConfigError`` where a stage's ``scheduler = { type = "ReduceLROnPlateau" }`` cannot be fed the
+    loss of each evaluation at the same point on every party: without evaluations during the run
+    (``eval_every`` 0), with steps in flight (``staleness``) or with [clients] (each scored on its own rows)."""
+    named = [spec.name for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    if not named:
+        return
+    where = f"stage(s) {named}: scheduler ReduceLROnPlateau"
+    if is_whole(eval_every) and eval_every == 0:
+        raise ConfigError(f"{where} is stepped with the loss of each evaluation during the run, and eval_every is 0 "
+                          f"(only after the last step): set eval_every (or --eval-every) to K > 0")
+    if staleness == AUTO_STALENESS or (is_whole(staleness) and staleness > 0):
+        raise ConfigError(f"{where} with staleness {staleness}: with steps in flight the parties apply an "
+                          f"evaluation's loss after different steps; use staleness = 0")
+    if exp.federated:
+        raise ConfigError(f"{where}: with [clients] each data owner is scored on its own held-out rows, so no one "
+                          f"loss steps the shared stage; drop the scheduler or the [clients] table")
 
 
 def check_send_rows(exp: Experiment) -> None:
@@ -782,7 +848,15 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
         if name in model.params:
             model.params[name][...] = value
     loss = build_loss(spec.loss) if stage_name == exp.stage_names[-1] else None
-    return model, build_optimizer(spec.optimizer), loss
+    optimizer = build_optimizer(spec.optimizer)
+    if spec.scheduler is not None and spec.framework != "torch":     # ReduceLROnPlateau: the only one a numpy stage takes
+        options = {k: v for k, v in spec.scheduler.items() if k != "type"}
+        try:
+            optimizer.schedule = Plateau(float(optimizer.schedule(1)), **options)
+        except TypeError as e:
+            raise ConfigError(f"stage {stage_name!r}: scheduler {PLATEAU} takes {list(PLATEAU_OPTIONS)}, got "
+                              f"{sorted(options)}") from e
+    return model, optimizer, loss
 
 
 PART_VALUE_MAX = 64       # a part's string value is at most this long (a longer one is cut: ``fitted_parts``)

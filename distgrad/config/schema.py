@@ -173,11 +173,16 @@ _STAGE_COMMON: dict[str, Key] = {
                   "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
                   "every param group before each update"),
     "scheduler": Key(SCHEDULER, help=
-                  "a torch stage only (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
+                  "a torch stage (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
                   "and its keyword arguments, e.g. { type = \"StepLR\", step_size = 10, gamma = 0.5 }, stepped once "
                   "after each update (a training step) and checkpointed with the stage; not with the optimizer's "
-                  "'schedule'. Refused: ReduceLROnPlateau (it needs a metric), LambdaLR and MultiplicativeLR (a "
-                  "function), SequentialLR and ChainedScheduler (other schedulers)"),
+                  "'schedule'. { type = \"ReduceLROnPlateau\", ... } (torch's options: mode, factor, patience, "
+                  "threshold, threshold_mode, cooldown, min_lr, eps), on a numpy stage too (the same rule in "
+                  "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
+                  "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
+                  "party that has it, before its next update; it needs eval_every > 0, staleness 0 and no "
+                  "[clients]. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
+                  "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
              "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
@@ -193,7 +198,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
-                  "'--save' writes instead of the last; the summary's best_step says which step"),
+                  "'--save' writes instead of the last; the summary's best_step says which step. With [data]'s "
+                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same)"),
     "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
@@ -315,6 +321,12 @@ DATA_OPTIONS: dict[str, str] = {
     "classes": "synthetic_classification: classes (Gaussian blobs)",
     "spread": "synthetic_classification: standard deviation of each blob",
     "test_fraction": "file kinds: the share of rows held out for evaluation (the first rows of a seeded shuffle)",
+    "validation_fraction": "file kinds: the share of rows set apart as validation rows (the next rows of the same "
+                           "shuffle, so the test rows are those of test_fraction alone): the evaluations during "
+                           "training (eval_every, the last step) score them and keep_best / early_stopping choose "
+                           "on them (their 'test_NAME' judges the validation figure), and the test rows are "
+                           "reported once, for the kept model: the summary's test_* figures and test_step, and the "
+                           "last printed line. Every party's [data] must give the same; 0: no validation rows",
     "feature_scale": "file kinds: features are float32 times this",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
     "path": "npz and csv: the file (relative to the file that names it)",
@@ -327,6 +339,20 @@ DATA_OPTIONS: dict[str, str] = {
                  "of the IDs (distgrad split writes 'ids'); the handshake "
                  "compares a digest of the IDs in file order, so parties whose rows differ never train "
                  "together, and distgrad predict keeps the IDs in its output",
+    "missing": "file kinds: what a missing cell (empty, NA, NaN, null, ?, ...) of a feature column becomes: "
+               "\"error\" (refused, naming its line and column), \"mean\" or \"median\" (of the column's values "
+               "in this party's training rows; a categorical cell: an all-zero one-hot row) or \"drop_rows\" (the "
+               "row is left out before the split; only where one [data] table holds every part of the rows: a "
+               "combined experiment, or a data owner with the labels and labels = \"first\"; refused elsewhere)",
+    "standardize": "file kinds: each number feature column becomes (x - mean) / std, the mean and standard "
+                   "deviation of its values in this party's training rows (a constant column: std 1); one-hot "
+                   "columns stay 0/1",
+    "categorical": "csv: feature columns (header names or indices) holding categories (any text), each one-hot "
+                   "encoded into one column per category of this party's training rows, sorted, in its place; a "
+                   "held-out row's category never seen in training is all zeros, a predicted row's is refused",
+    "class_names": "file kinds, the label owner: the label column holds class names (any text, or numbers): "
+                   "its distinct values, sorted (by value when all are numbers), are class ids 0, 1, ...; "
+                   "distgrad predict writes the names, and --output-scores heads its columns score_NAME",
     "feature_names": "npz and npy: the names of the feature columns, in order (distgrad split writes a csv "
                      "header's); distgrad predict matches a CSV --input's header to them by name",
 }

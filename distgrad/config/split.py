@@ -157,6 +157,11 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
     data = dict(exp.data)
     if data.get("kind") not in FILE_KINDS:
         return data, {}
+    carried = [key for key in ("missing", "categorical", "class_names") if data.get(key) not in (None, False, "error")]
+    if carried:
+        raise ConfigError(f"distgrad split copies each party's columns as numbers into an npz file, which cannot "
+                          f"carry [data]'s {carried} (text cells, missing cells): give each party a stage file "
+                          f"whose [data] reads its own CSV with these keys instead")
     held = {"features": first, "labels": owner}
     source = build_data({**data, **{part: None for part, mine in held.items() if not mine}}, exp.seed,
                         exp.spec(name).base_dir)
@@ -168,7 +173,7 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
         names = None if names is None else [names[c] for c in columns]
     if names is not None and len(set(names)) != len(names):
         names = None            # a header naming two columns alike names neither: the party reads by position
-    kept = ["batch", "test_fraction", "split_seed", *(["feature_scale"] if first else []),
+    kept = ["batch", "test_fraction", "validation_fraction", "split_seed", *(["feature_scale", "standardize"] if first else []),
             *(["label_dtype"] if owner else [])]
     table = {"kind": "npz", "path": f"{name}.npz",
              **{"id_column" if part == "ids" else part: part for part in parts},

@@ -111,7 +111,12 @@ class CutSide:
         of the training rows (None without a ``[data]``)."""
         if not self.exp.spec(self.stage).data:
             return None
-        return self.exp.build_data(stage=self.stage, client=client)
+        data = self.exp.build_data(stage=self.stage, client=client)
+        if data.validation_count:
+            raise ConfigError(f"stage {self.stage!r}: validation_fraction splits the held-out rows for the daemons' "
+                              f"keep_best and early_stopping; a loop of your own scores its held-out rows itself: "
+                              f"leave validation_fraction out of [data] and set rows apart in your loop")
+        return data
 
 
 def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any],

@@ -28,10 +28,11 @@ from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Guarding, Metering, step_rows
 from distgrad.privacy.meter import LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
-                                    evaluation_fields, scores_text, to_lists, write_json)
+                                    evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
+                                    write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files, make_save_dir,
-                                  micro_batch, parameters_file)
+from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files,
+                                  evaluate_held_out, make_save_dir, micro_batch, parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
@@ -241,15 +242,16 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                            step + 1) for party, d in zip(parties, data)],
                              labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
-    return last.evaluate_last(z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics)
+    return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
+                             labels.validation_count)
 
 
 class _ParameterFiles:
     """``--load`` / ``--save`` of every stage of an in-process run, named as ``distgrad run`` names them."""
 
     def __init__(self, exp: Experiment, save_dir: str | Path | None, load_dir: str | Path | None,
-                 init: bool) -> None:
-        self.exp, self.save_dir, self.load_dir = exp, save_dir, load_dir
+                 init: bool, seed: int) -> None:
+        self.exp, self.save_dir, self.load_dir, self.seed = exp, save_dir, load_dir, seed
         make_save_dir(save_dir)
         for instance, stage in self._instances():
             check_parameter_files(self._path(save_dir, instance, stage), self._path(load_dir, instance, stage), init)
@@ -269,9 +271,12 @@ class _ParameterFiles:
         return built
 
     def save(self, built: Stage, stage: str, client: int | None = None) -> None:
+        """Write the stage's parameters and, beside them, its data preparation statistics (as a stage
+        process does: ``records.write_preparation``)."""
         path = self._path(self.save_dir, client_stage_name(stage, client), stage)
         if path is not None:
             built.save_parameters(path)
+            write_preparation(path, self.exp.preparation(self.seed, client, stage))
 
 
 def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int,
@@ -283,7 +288,7 @@ def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders
     for stage in upstream:
         x, _ = stage.forward(x, training=False)
         x = senders.evaluation_roundtrip(x, step + 1)
-    return last.evaluate_last(x, labels.test_targets(), metrics)
+    return evaluate_held_out(last, x, labels.test_targets(), metrics, labels.validation_count)
 
 
 def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -321,6 +326,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     losses: list[float | None] = [None] * len(clients)
     evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
     scores: list[dict[str, Any] | None] = [None] * len(clients)
+    tests: list[dict[int, dict[str, Any]]] = [{} for _ in clients]      # validation split: test-row figures
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
@@ -338,6 +344,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                     scores[c] = score = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
                                                   exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, score))
+                    if "test" in score:
+                        tests[c][step] = score["test"]
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     for c, client in enumerate(clients):
@@ -349,7 +357,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
                                  "status": "completed"}
         if len(data[c].test_rows):
-            entry.update(evaluation_fields(scores[c]), evaluations=evaluations[c])
+            entry.update(evaluation_fields(scores[c]), **kept_test_fields(tests[c], 0), evaluations=evaluations[c])
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
@@ -404,6 +412,7 @@ class _Reference:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
+        self.tests: dict[int, dict[str, Any]] = {}       # validation split: each evaluation's test-row figures
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
     def applied(self) -> Iterator[int]:
@@ -453,7 +462,11 @@ class _Reference:
                            else _evaluate(upstream, last, self.data, self.labels, Senders(exp.codecs), step,
                                           self.spec.metrics))
         self.evaluations.append(evaluation_entry(step, self.evaluation))
-        log.info("step %d: test loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
+        if "test" in self.evaluation:
+            self.tests[step] = self.evaluation["test"]
+        for stage in self.stages:           # ReduceLROnPlateau steps on the loss, before the next update
+            stage.evaluated(self.evaluation["loss"])
+        log.info("step %d: held-out loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
         if not self.selection.active:
             return False
         verdict = self.selection.judge(step, evaluation_fields(self.evaluation), step == self.steps)
@@ -486,6 +499,7 @@ class _Reference:
             **({"evaluations": evaluations} if self.holds_out else {}),
             **self.verdicts.summary(),
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
+            **kept_test_fields(self.tests, self.verdicts.best_step),
             **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             **(self.guarding.summary_fields() if self.guarding else {}),
@@ -539,7 +553,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     seed = exp.seed if seed is None else seed
     eval_every = exp.eval_every if eval_every is None else eval_every
     check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
-    files = _ParameterFiles(exp, save_dir, load_dir, bool(init))
+    files = _ParameterFiles(exp, save_dir, load_dir, bool(init), seed)
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:

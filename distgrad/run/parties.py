@@ -22,7 +22,7 @@ from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join,
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.peers import Peer, PeerStatus, Phase
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import micro_batch
+from distgrad.stage.stage import evaluate_held_out, micro_batch
 from distgrad.run.topology import LabelSource, ServingView, Topology, label_sources
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT
@@ -251,7 +251,7 @@ class Parties(Topology):
         try:
             own = s.data[0].test_features() if s.exp.own_bottom else None
             z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate)
-            result = s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics)
+            result = evaluate_held_out(s.stage, z, s.data[0].test_targets(), s.metrics, s.data[0].validation_count)
         except StageError as e:
             return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps)
         return Scores(step, result, None, s.run.steps)

@@ -24,7 +24,8 @@ spreadsheet evaluates and no terminal obeys (``text_cell``).
 
 With ``--output-scores`` the label owner also writes each row's scores
 (``Loss.scores``: class probabilities for a classifying loss, the raw output
-otherwise) beside its prediction: CSV columns ``score_0`` .. ``score_{K-1}``
+otherwise) beside its prediction: CSV columns ``score_0`` .. ``score_{K-1}`` (``score_NAME``
+with the class names of a [data]'s ``class_names``, whose predictions are those names)
 after ``prediction``; for ``.npy`` output a second file beside it,
 ``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
 crosses the wire: the scores are computed where the predictions are. A data owner that
@@ -52,6 +53,7 @@ from distgrad.run import handshake
 
 from distgrad.wire import messages as wire
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
+from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
@@ -127,7 +129,8 @@ def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] |
 
 
 def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[str] | None,
-              header_given: bool | None = None) -> tuple[np.ndarray, list[str] | None, str]:
+              header_given: bool | None = None, prep: Preparation | None = None
+              ) -> tuple[np.ndarray, list[str] | None, str]:
     """A CSV's feature columns (float64), IDs and ID column name, read as a csv ``[data]`` table reads them.
 
     The first line is a header where ``header_given`` (``--header``/``--no-header``) says so, else where
@@ -136,7 +139,8 @@ def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[s
     a header and the stage's feature ``names``, the features are the columns of those names, in the
     stage's order (a header that does not name them all is refused); else a csv ``table``'s
     ``features``, or every column but the ID column. ``id_column`` (else the csv
-    table's) names the ID column."""
+    table's) names the ID column. With ``prep`` (the stage's saved data preparation) the feature columns
+    are prepared by it (missing cells, categories, standardisation: ``Preparation.encode``)."""
     form = table if table.get("kind") == "csv" else {}
     reader = CsvColumns(path, False)
     first = reader.first_row()
@@ -172,15 +176,46 @@ def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[s
         columns = [i for i in range(len(first)) if i != id_index]
     if id_index is not None and id_index in columns:
         raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features or names!r}")
-    values = reader.numbers(columns)
+    values = reader.numbers(columns) if prep is None else _prepared(reader, columns, prep)
     ids = reader.ids(id_ref) if id_ref is not None else None
     name = first[id_index].strip() if reader.header and id_index is not None else (
         id_ref if isinstance(id_ref, str) else "id")
     return values, ids, name
 
 
+def _prepared(reader: CsvColumns, columns: list[int], prep: Preparation) -> np.ndarray:
+    """The CSV's feature ``columns`` prepared as the stage's training rows were (float64): a category never
+    seen in training, or a missing cell with nothing to fill it, is a ``ConfigError`` naming its line."""
+    if len(columns) != len(prep.columns):
+        raise ConfigError(f"{len(columns)} feature columns, but the stage's saved data preparation has "
+                          f"{len(prep.columns)} ({[c.name for c in prep.columns][:8]})")
+    lines, _ = reader.data()
+    numbers = np.full((len(lines), len(columns)), np.nan)
+    texts: dict[int, list[str]] = {}
+    for j, (column, stats) in enumerate(zip(columns, prep.columns)):
+        cells = reader.texts(column)[1]
+        if stats.categories is not None:
+            texts[j] = cells
+        else:
+            numbers[:, j] = read_cells(cells, lambda i, c=column: f"line {lines[i]}, {reader.column_label(c)} "
+                                       f"(data row {i + 1})", prep.missing != "error")
+    return prep.encode(numbers, texts, lambda i, j: f"line {lines[i]}, {reader.column_label(columns[j])} "
+                       f"(data row {i + 1})", unseen="error")
+
+
+def saved_preparation(exp: Any, stage: str, load: Path | None) -> Preparation | None:
+    """The data preparation statistics saved beside stage ``stage``'s ``--load`` file
+    (``prepare.read_preparation``), or None when its [data] prepares nothing; ``ConfigError`` when they are
+    needed and missing."""
+    spec = exp.spec(stage)
+    table = exp.data if spec.data is None else spec.data
+    if not prepares(table) or load is None:
+        return None
+    return read_preparation(load)
+
+
 def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None,
-              header: bool | None = None) -> NewRows:
+              header: bool | None = None, load: Path | None = None) -> NewRows:
     """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
 
     ``.npy``: an array of rows. ``.csv``: read as the stage's csv ``[data]``
@@ -192,12 +227,16 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
     (``feature_names``), a CSV header is matched to them by name. Every value
     must be a finite number. ``id_column`` (``--id-column``: a header name or
     an index) names the ID column, whose values travel with the rows and
-    reach the label owner's output. Raises ``ConfigError`` naming ``--input``
-    (and, for a CSV, the line and column of a bad field).
+    reach the label owner's output. When the stage's [data] prepares its
+    rows, the statistics saved beside ``load`` (its ``--load`` file) prepare
+    these rows alike (``saved_preparation``). Raises ``ConfigError`` naming
+    ``--input`` (and, for a CSV, the line and column of a bad field).
     """
     spec = exp.spec(stage)
     table = exp.data if spec.data is None else spec.data
     scale = np.float32(table.get("feature_scale", 1.0))
+    prep = saved_preparation(exp, stage, load)
+    prep = prep if prep is not None and prep.columns else None
     ids, name = None, "id"
     try:
         if path.suffix == ".npy":
@@ -206,8 +245,17 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
             if header is not None:
                 raise ConfigError("--header and --no-header are about a .csv --input; an .npy file has no header")
             raw = np.load(path, allow_pickle=False)
+            if prep is not None:
+                if any(c.categories is not None for c in prep.columns):
+                    raise ConfigError("the stage one-hot encodes categorical columns, which an .npy file of numbers "
+                                      "cannot hold: give the rows as a .csv --input")
+                if not isinstance(raw, np.ndarray) or raw.dtype.kind not in "biuf" or raw.ndim != 2 \
+                        or raw.shape[1] != len(prep.columns):
+                    raise ValueError(f"expected rows of the {len(prep.columns)} feature columns the stage prepares")
+                raw = prep.encode(raw.astype(np.float64), {}, lambda i, j: f"data row {i + 1}, column {j + 1}",
+                                  unseen="error")
         else:
-            raw, ids, name = _read_csv(path, table, id_column, feature_names(exp, stage, table), header)
+            raw, ids, name = _read_csv(path, table, id_column, feature_names(exp, stage, table), header, prep)
         if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
             raise ValueError("expected a non-empty numeric array of rows")
         with np.errstate(over="ignore", invalid="ignore"):        # a value beyond float32 is refused below
@@ -231,13 +279,19 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
     return NewRows(rows, ids, name)
 
 
-def held_out_rows(exp: Any, stage: str, seed: int) -> NewRows:
-    """The stage's held-out rows (the default ``--input``), with their IDs when its data has an ``id_column``."""
+def held_out_rows(exp: Any, stage: str, seed: int, load: Path | None = None) -> NewRows:
+    """The stage's held-out test rows (the default ``--input``; a validation split's validation rows left out),
+    with their IDs when its data has an ``id_column``;
+    prepared by the statistics saved beside ``load`` when its [data] prepares its rows."""
     data = exp.build_data(seed, stage=stage)
+    prep = saved_preparation(exp, stage, load)
+    if prep is not None and prep.columns:
+        data.adopt(prep, f"{load}")
     if not len(data.test_rows):
         raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
     ids = data.row_ids() if hasattr(data, "row_ids") else None
-    return NewRows(data.test_features(), None if ids is None else [ids[i] for i in data.test_rows],
+    tests = data.test_rows[data.validation_count:]          # not the validation rows of a validation split
+    return NewRows(data.test_features()[data.validation_count:], None if ids is None else [ids[i] for i in tests],
                    data.id_name() if ids is not None else "id")
 
 
@@ -334,6 +388,13 @@ class PredictionServer:
         self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
         self.state = StageState(opts)
         self.stage, self.log = self.state.stage, self.state.log
+        # The label owner's class names by id (its [data]'s class_names, saved beside its parameters).
+        prep = saved_preparation(self.exp, opts.stage, opts.load_path) if output is not None else None
+        self.classes = prep.classes if prep is not None else None
+        if self.classes is not None and tuple(self.stage.output_shape[1:]) != (len(self.classes),):
+            raise ConfigError(f"stage {opts.stage!r} outputs rows of shape {tuple(self.stage.output_shape[1:])}, "
+                              f"and its labels name {len(self.classes)} classes {self.classes[:12]}: one score per "
+                              f"class is needed to write the class names")
         self.parties = self.exp.upstream(opts.stage)        # the stages that send here
         self.upstream = self.parties[0]
         # Vertical: several parties, or one and the label owner's own bottom, whose embeddings combine.
@@ -622,6 +683,8 @@ class PredictionServer:
         0), and their ``scores`` when
         given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows."""
         assert self.output is not None
+        if self.classes is not None:
+            predictions = self._named(predictions)
         if self.output.suffix == ".npy":
             if scores is not None:
                 write_atomic(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
@@ -629,10 +692,12 @@ class PredictionServer:
         else:
             table = predictions.reshape(len(predictions), -1)
             columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
-            fmt = "%d" if predictions.dtype.kind == "i" else "%.9g"
-            cells = [[fmt % v for v in row] for row in table]
+            fmt = "%d" if predictions.dtype.kind == "i" else "%s" if predictions.dtype.kind == "U" else "%.9g"
+            cells = [[text_cell(v) if isinstance(v, str) else fmt % v for v in row] for row in table.tolist()]
             if scores is not None:
-                columns += [f"score_{i}" for i in range(scores.shape[1])]
+                columns += ([f"score_{text_cell(c)}" for c in self.classes]
+                            if self.classes is not None and len(self.classes) == scores.shape[1]
+                            else [f"score_{i}" for i in range(scores.shape[1])])
                 cells = [row + ["%.9g" % v for v in values] for row, values in zip(cells, scores)]
             keys = ([text_cell(key) for key in ids] if id_name is not None and ids is not None
                     else [str(i) for i in range(len(table))])
@@ -644,6 +709,17 @@ class PredictionServer:
             write_atomic(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
+
+
+    def _named(self, predictions: np.ndarray) -> np.ndarray:
+        """Class ids as the label owner's class names (a text array); ``ConfigError`` for an id without one
+        (a model with more outputs than the training labels had classes)."""
+        assert self.classes is not None
+        ids = np.asarray(predictions)
+        if ids.dtype.kind not in "iu" or (len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < len(self.classes)):
+            raise ConfigError(f"the predictions are not class ids 0 to {len(self.classes) - 1}, the classes "
+                              f"{self.classes[:12]} the labels named")
+        return np.array(self.classes, dtype=str)[ids]
 
 
 class OwnRows:

@@ -18,13 +18,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
+from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
 from distgrad.privacy.releases import COUNTS, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
-from distgrad.stage.records import TraceWriter, best_evaluation_fields, evaluation_fields, to_lists, write_json
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
+                                    to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire.wirecodec import Senders, without_codec_state
@@ -154,6 +156,8 @@ class StageState:
         self.cpu_started = time.process_time()   # CPU time of this process when the run began here
         # A checkpoint is only valid for the same starting point: seed and --init overrides.
         self.meta = start_meta(opts)
+        saved = self.meta.get("preparation")      # this party's data statistics, saved beside its parameters
+        self.preparation = Preparation.from_json(saved, "the stage's [data]") if saved is not None else None
         self.store = (CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, self.meta)
                       if opts.checkpoint_dir is not None else None)
         self.trace: TraceWriter | None = None
@@ -165,6 +169,9 @@ class StageState:
         self.selection = Selection(spec.keep_best, spec.early_stopping) if spec else Selection(None, None)
         self.verdicts = Verdicts()
         self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
+        # With a validation split: each evaluated step's test-row figures, reported for the kept model only.
+        self.tests: dict[int, dict[str, Any]] = {}
+        self.plateau_at = 0             # the step whose evaluation's loss a ReduceLROnPlateau took last
 
     def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
         """``result`` (the evaluation after ``step``; ``last``: the run's last step) with the verdicts this
@@ -179,12 +186,21 @@ class StageState:
         """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
         ``--save`` writes this stage's parameters now, and not again at the end. With checkpoints, step
         ``step``'s is saved again with the verdict (and, on the label owner, the evaluations it judged)."""
+        if isinstance(evaluation.get("test"), Mapping):
+            self.tests[step] = dict(evaluation["test"])
+        # ReduceLROnPlateau steps once on each evaluation's loss, after the update of ``step``, before the next.
+        stepped = self.stage.plateau and self.stage.step == step and step > self.plateau_at \
+            and isinstance(evaluation.get("loss"), float)
+        if stepped:
+            self.stage.evaluated(evaluation["loss"])
+            self.plateau_at = step
         self.keeping_best = self.keeping_best or "best" in evaluation
         if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
             self._write_parameters("the best evaluation so far (keep_best)")
         if evaluation.get("stop"):
             self.log.info("early stopping after step %d: the label owner ends the run here", step)
-        if ("best" in evaluation or "stop" in evaluation) and self.store is not None and self.stage.step == step:
+        if ("best" in evaluation or "stop" in evaluation or stepped) and self.store is not None \
+                and self.stage.step == step:
             self.save(step)     # the checkpoint of this step holds its verdict: a resume here keeps it
 
     @property
@@ -231,6 +247,7 @@ class StageState:
         assert path is not None                 # only with --save
         try:
             self.stage.save_parameters(path)
+            write_preparation(path, self.preparation)
         except OSError as e:
             raise CheckpointWriteError(f"--save {path}: cannot write the parameters of stage "
                                        f"{self.opts.instance}: {e.strerror or e}") from e
@@ -317,6 +334,13 @@ class StageState:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"checkpoint of step {step}: its verdicts cannot be read: {e}") from e
         self.keeping_best = bool(saved.get("keeping_best"))
+        tests = saved.get("tests", [])
+        if not isinstance(tests, list) or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], int)
+                                                  and isinstance(t[1], dict) for t in tests):
+            raise ConfigError(f"checkpoint of step {step}: its test figures are not [step, scores] pairs")
+        self.tests = {s: t for s, t in tests if s <= step}
+        plateau_at = saved.get("plateau_at", 0)
+        self.plateau_at = plateau_at if isinstance(plateau_at, int) and plateau_at <= step else 0
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
@@ -389,7 +413,9 @@ class StageState:
                 self.trace.flush()          # the trace then holds every step the checkpoint has
             meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
                         verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
-                                  "keeping_best": self.keeping_best})
+                                  "keeping_best": self.keeping_best,
+                                  "tests": [[step, test] for step, test in sorted(self.tests.items())],
+                                  "plateau_at": self.plateau_at})
             if self.ledger is not None:
                 meta["noise_secret"] = f"{self.ledger.secret:x}"
             if finished:
@@ -410,7 +436,8 @@ class StageState:
         """On the stage that judges the evaluations (kept in its checkpoints): the summary's
         ``best_evaluation``, the scores of the step ``keep_best`` kept ({} when none was kept)."""
         judged = dict(self.selection.history)
-        return best_evaluation_fields([{"step": step, **{k: v for k, v in fields.items() if k != "test_count"}}
+        return best_evaluation_fields([{"step": step, **{k: v for k, v in fields.items()
+                                                         if k not in ("test_count", "validation_count")}}
                                        for step, fields in judged.items()], self.verdicts.best_step)
 
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
@@ -427,6 +454,7 @@ class StageState:
             **extra,
             **self.verdicts.summary(),
             **({} if "best_evaluation" in extra else self._best_evaluation()),
+            **kept_test_fields(self.tests, self.verdicts.best_step),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
@@ -453,6 +481,11 @@ def lock_checkpoint_dir(opts: StageOptions) -> StageLock | None:
 def start_meta(opts: StageOptions) -> dict[str, Any]:
     """What a checkpoint is valid for: the same starting point (seed, ``--init``, ``--load``'s file)."""
     meta: dict[str, Any] = {"seed": opts.seed, "init": dict(sorted(opts.init.items()))}
+    # The data's statistics (distgrad.config.prepare): a resume uses exactly those of its checkpoint.
+    keeps = opts.save_path is not None or opts.checkpoint_dir is not None
+    prep = opts.experiment.preparation(opts.seed, opts.client, opts.stage) if keeps else None
+    if prep is not None:
+        meta["preparation"] = prep.to_json()
     if opts.load_path is not None:
         meta["load"] = hashlib.sha256(opts.load_path.read_bytes()).hexdigest()[:16]
     return meta

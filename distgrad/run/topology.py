@@ -47,7 +47,7 @@ from distgrad.wire.link import check_evaluation, check_reply
 from distgrad.run.peers import Peer, PeerStatus, Phase, RunState
 from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, resent_evaluation, unknown_run)
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import average_parameters, backward_specs, micro_batch
+from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
 
@@ -109,7 +109,10 @@ GradsLater = Callable[[], dict[str, np.ndarray]]    # a micro-batch's parameter 
 
 class LabelSource(Protocol):
     """What a serving stage reads of its data (``config.data``: a source of rows, possibly a view of one):
-    the targets of a step or of rows, its own features (a label owner with a ``bottom``), the held-out rows."""
+    the targets of a step or of rows, its own features (a label owner with a ``bottom``), the held-out rows
+    (the first ``validation_count`` of them validation rows)."""
+
+    validation_count: int
 
     def targets(self, step: int) -> np.ndarray: ...
     def true_targets(self, step: int) -> np.ndarray: ...
@@ -584,8 +587,9 @@ class Turns(Topology):
         try:
             if s.link is None:
                 data = s.data[peer.index]
-                result = s.stage.evaluate_last(msg.tensors["activation"],
-                                               data.test_targets() if target is None else target, s.metrics)
+                result = evaluate_held_out(s.stage, msg.tensors["activation"],
+                                           data.test_targets() if target is None else target, s.metrics,
+                                           data.validation_count if target is None else 0)
             else:
                 y, _ = s.stage.forward(msg.tensors["activation"], training=False)
                 tensors = {**s.state.senders.evaluation_tensors(y, msg.step),

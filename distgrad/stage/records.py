@@ -15,6 +15,7 @@ from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, StageError
 
@@ -30,20 +31,34 @@ def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
     """Summary fields for a held-out evaluation: ``test_loss``, ``test_count``, ``test_accuracy`` when
-    classifying, and ``test_NAME`` for each of the label owner's ``metrics`` (None where undefined)."""
+    classifying, and ``test_NAME`` for each of the label owner's ``metrics`` (None where undefined). With a
+    validation split (the evaluation holds the test rows' figures apart, under ``test``) the same fields of
+    the validation rows, named ``validation_*``: the test rows' figures are never an evaluation's field
+    (``kept_test_fields`` reports them for the kept model only)."""
     if evaluation is None:
         return {}
-    fields = {"test_loss": evaluation["loss"], "test_count": evaluation["count"]}
+    prefix = "validation_" if "test" in evaluation else "test_"
+    fields = {f"{prefix}loss": evaluation["loss"], f"{prefix}count": evaluation["count"]}
     if evaluation.get("correct") is not None:
-        fields["test_accuracy"] = evaluation["correct"] / evaluation["count"]
-    fields.update({f"test_{name}": value for name, value in evaluation.get("metrics", {}).items()})
+        fields[f"{prefix}accuracy"] = evaluation["correct"] / evaluation["count"]
+    fields.update({f"{prefix}{name}": value for name, value in evaluation.get("metrics", {}).items()})
     return fields
+
+
+def kept_test_fields(tests: Mapping[int, Mapping[str, Any]], best_step: int) -> dict[str, Any]:
+    """With a validation split: the test rows' figures of the kept model (``evaluation_fields``: ``test_loss``,
+    ``test_count``, ``test_accuracy``, ``test_NAME``) and ``test_step``, the step it comes from: keep_best's
+    best step, else the last evaluated; ``tests`` holds each evaluated step's test figures. {} without."""
+    step = best_step or max(tests, default=0)
+    test = tests.get(step)
+    return {**evaluation_fields(test), "test_step": step} if test is not None else {}
 
 
 def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """One entry of a summary's ``evaluations``: ``step`` and the scores of ``evaluation_fields`` (not the
     row count)."""
-    return {"step": step, **{k: v for k, v in evaluation_fields(evaluation).items() if k != "test_count"}}
+    return {"step": step, **{k: v for k, v in evaluation_fields(evaluation).items()
+                             if k not in ("test_count", "validation_count")}}
 
 
 def best_evaluation_fields(evaluations: Sequence[Mapping[str, Any]], best_step: int) -> dict[str, Any]:
@@ -57,12 +72,14 @@ def best_evaluation_fields(evaluations: Sequence[Mapping[str, Any]], best_step: 
 def scores_text(fields: Mapping[str, Any]) -> str:
     """The scores of ``evaluation_fields`` but the loss and row count, for a log line: ``, test accuracy
     0.9123, test auc 0.9876`` (an undefined one as n/a)."""
-    return "".join(f", test {key[5:]} " + ("n/a" if value is None else f"{value:.4f}" if isinstance(value, (int, float))
-                                          else str(value))         # a non-finite one read back: "nan", "inf"
-                   for key, value in fields.items() if key.startswith("test_") and key not in _NOT_SCORES)
+    return "".join(f", {key.replace('_', ' ', 1)} " + ("n/a" if value is None else f"{value:.4f}"
+                                                       if isinstance(value, (int, float))
+                                                       else str(value))   # a non-finite one read back: "nan", "inf"
+                   for key, value in fields.items() if key.startswith(("test_", "validation_"))
+                   and key not in _NOT_SCORES)
 
 
-_NOT_SCORES = ("test_loss", "test_count")
+_NOT_SCORES = ("test_loss", "test_count", "test_step", "validation_loss", "validation_count")
 
 
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
@@ -71,6 +88,14 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json_text(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
+    """Write a party's data preparation statistics beside its parameters file ``parameters``
+    (``prepare.preparation_path``), atomically; nothing when its [data] prepares nothing. Raises ``OSError``."""
+    if prep is not None:
+        text = preparation_text(prep)
+        write_atomic(preparation_path(parameters), lambda f: f.write(text))
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
@@ -327,7 +352,7 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
     for k, summary in enumerate(clients):
         entry: dict[str, Any] = {"client": k}
         entry.update({key: value for key, value in summary.items()
-                      if key in CLIENT_SUMMARY_FIELDS or key.startswith("test_")})
+                      if key in CLIENT_SUMMARY_FIELDS or key.startswith(("test_", "validation_"))})
         if "status" in seen.get(k, {}):
             entry["status"] = seen[k]["status"]
         per_client.append(entry)

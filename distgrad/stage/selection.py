@@ -1,7 +1,8 @@
 """The label owner's verdict on each held-out evaluation: the best so far (``keep_best``), and whether
 the run stops here (``early_stopping``).
 
-One ``Selection`` sees a run's evaluations in step order and judges each one;
+One ``Selection`` sees a run's evaluations in step order and judges each one (with a validation split,
+its validation rows' figures: ``judged_field``);
 its verdict travels to every other party in the ``evaluation`` reply
 (``best``, ``stop``), so every party keeps the parameters of the same step and
 ends at the same step, over processes as ``--in-process``. A metric improves
@@ -18,8 +19,14 @@ from distgrad.model.metrics import LOWER_IS_BETTER
 
 
 def field_metric(field: str) -> str:
-    """``test_accuracy`` -> ``accuracy``: the metric a reported field scores."""
-    return field.removeprefix("test_")
+    """``test_accuracy`` (or ``validation_accuracy``) -> ``accuracy``: the metric a reported field scores."""
+    return field.removeprefix("validation_") if field.startswith("validation_") else field.removeprefix("test_")
+
+
+def judged_field(field: str, fields: Mapping[str, Any]) -> str:
+    """The field of an evaluation's ``fields`` that ``field`` (e.g. ``test_accuracy``) judges: with a
+    validation split, the validation rows' (``validation_accuracy``), never the test rows'."""
+    return ("validation_" if "validation_loss" in fields else "test_") + field_metric(field)
 
 
 def _improves(value: float | None, best: float | None, lower: bool) -> bool:
@@ -79,7 +86,7 @@ class Selection:
         """For each evaluation judged, in step order: whether it improved on the best of ``field`` before it."""
         lower, best, out = field_metric(field) in LOWER_IS_BETTER, None, []
         for _, fields in self.history:
-            value = fields.get(field)
+            value = fields.get(judged_field(field, fields))
             out.append(_improves(value, best, lower))
             best = value if out[-1] else best
         return out

@@ -250,9 +250,22 @@ def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: boo
 
 def check_evaluation(reply: Message) -> dict[str, Any]:
     """The body of an evaluation reply (``loss``, ``correct``, ``count``; ``metrics``, ``best`` and ``stop``
-    when it has them); raises ``ProtocolError`` if it is not one."""
-    body = reply.body
-    if reply.type != wire.EVALUATION or not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
+    when it has them; with a validation split ``test``, the test rows' ``loss``, ``correct``, ``count`` and
+    ``metrics``); raises ``ProtocolError`` if it is not one."""
+    if reply.type != wire.EVALUATION:
+        raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
+    out = _scores(reply.body, reply)
+    test = reply.body.get("test")
+    if test is not None:
+        if not isinstance(test, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has test={wire.show(test)}: a map of scores")
+        out["test"] = {k: v for k, v in _scores(test, reply).items() if k not in ("best", "stop")}
+    return out
+
+
+def _scores(body: Any, reply: Message) -> dict[str, Any]:
+    """The checked scores of one set of rows in an evaluation reply's body (``check_evaluation``)."""
+    if not isinstance(body.get("loss"), float) or not isinstance(body.get("count"), int):
         raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
     count, correct = body["count"], body.get("correct")
     if isinstance(count, bool) or count < 1:       # the held-out rows scored: an accuracy divides by it

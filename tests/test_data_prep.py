@@ -1,0 +1,507 @@
+"""Data preparation per party ([data]'s missing, standardize, categorical, class_names): statistics from the
+party's own training rows only, kept by that party beside its parameters and in its checkpoints, applied
+alike over processes and in process (bitwise), by ``distgrad predict`` (class names out), and refused with
+the reason where they cannot apply."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.config.data import build_data
+from distgrad.config.parse import load_experiment
+from distgrad.config.prepare import Preparation, read_preparation
+from distgrad.errors import ConfigError
+from distgrad.stage.stage import Stage
+
+from conftest import StageProcess, read_json, run_cli, run_launcher, run_main, wait_for_file
+
+SPECIES = ["Gentoo", "Adelie", "Chinstrap"]
+ISLANDS = ["Torgersen", "Biscoe", "Dream"]
+FEATURES = ["island", "bill_length_mm", "bill_depth_mm", "flipper_length_mm", "body_mass_g", "sex"]
+ROWS = 150
+WIDTH = 3 + 4 + 2           # island one-hot, four numbers, sex one-hot
+
+
+def write_penguins(folder: Path, name: str = "penguins.csv", rows: int = ROWS) -> Path:
+    """A penguins-like table: string species (the label), two categorical columns (island, sex; sex has
+    NA cells), number columns on very different scales with NA and empty cells, an ID column."""
+    rng = np.random.default_rng(5)
+    lines = [["id", "species", *FEATURES]]
+    for i in range(rows):
+        k = int(rng.integers(0, 3))
+        bill = 38.0 + 6.0 * k + rng.normal()
+        depth = 18.0 - 2.0 * (k == 0) + 0.5 * rng.normal()
+        flipper = 190.0 + 12.0 * (k == 0) + 3.0 * rng.normal()
+        mass = 3700.0 + 1300.0 * (k == 0) + 200.0 * rng.normal()
+        island = ISLANDS[k] if rng.random() < 0.8 else ISLANDS[int(rng.integers(0, 3))]
+        sex = ["male", "female"][int(rng.integers(0, 2))]
+        cells = [f"P{i:03d}", SPECIES[k], island, f"{bill:.1f}", f"{depth:.1f}", f"{flipper:.0f}", f"{mass:.0f}", sex]
+        if i % 17 == 3:
+            cells[3] = "NA"
+        if i % 23 == 5:
+            cells[6] = ""
+        if i % 19 == 7:
+            cells[7] = "NA"
+        lines.append(cells)
+    path = folder / name
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(lines)
+    return path
+
+
+DATA = '''kind = "csv"
+path = "penguins.csv"
+header = true
+id_column = "id"
+batch = 16
+test_fraction = 0.2
+'''
+PREP = '''missing = "{missing}"
+standardize = true
+'''
+F_DATA = DATA + '''features = ["island", "bill_length_mm", "bill_depth_mm", "flipper_length_mm", "body_mass_g", "sex"]
+categorical = ["island", "sex"]
+''' + PREP
+G_DATA = DATA + '''labels = "species"
+class_names = true
+'''
+
+F_STAGE = '''name = "f"
+model = [{{ type = "dense", name = "f1", in = {width}, out = 8 }}, {{ type = "tanh" }}]
+optimizer = {{ type = "adam", lr = 0.02 }}
+{extra}'''
+G_STAGE = '''name = "g"
+model = [{{ type = "dense", name = "g1", in = 8, out = 3 }}]
+optimizer = {{ type = "adam", lr = 0.02 }}
+loss = "softmax_cross_entropy"
+'''
+
+COMBINED = '''name = "penguins"
+steps = {steps}
+seed = 3
+eval_every = 10
+
+[data]
+''' + DATA + '''features = ["island", "bill_length_mm", "bill_depth_mm", "flipper_length_mm", "body_mass_g", "sex"]
+labels = "species"
+categorical = ["island", "sex"]
+class_names = true
+''' + PREP + '''
+[[stages]]
+''' + F_STAGE + '''
+[[stages]]
+''' + G_STAGE
+
+INTERFACE = '''[interface]
+name = "penguins"
+stages = ["f", "g"]
+batch = 16
+activation = {{ shape = [8] }}
+steps = {steps}
+seed = 3
+eval_every = 10
+'''
+
+
+def write_combined(folder: Path, missing: str = "mean", steps: int = 30, extra: str = "") -> Path:
+    write_penguins(folder)
+    path = folder / "penguins.toml"
+    path.write_text(COMBINED.format(steps=steps, missing=missing, width=WIDTH, extra=extra))
+    return path
+
+
+def write_parties(folder: Path, missing: str = "mean", steps: int = 30, extra: str = "") -> tuple[Path, Path]:
+    """Stage files f.toml and g.toml, each party's [data] its own part of its own copy of the table."""
+    paths = []
+    for name, stage, data in (("f", F_STAGE.format(width=WIDTH, extra=extra), F_DATA.format(missing=missing)),
+                              ("g", G_STAGE.format(), G_DATA)):
+        party = folder / name
+        party.mkdir(parents=True, exist_ok=True)
+        write_penguins(party)
+        path = party / f"{name}.toml"
+        path.write_text(INTERFACE.format(steps=steps) + f"\n[stage]\n{stage}\n[data]\n{data}")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+# --- the statistics ------------------------------------------------------------------------------------------
+
+def _source(folder: Path, **options):
+    write_penguins(folder)
+    table = {"kind": "csv", "path": "penguins.csv", "header": True, "id_column": "id", "batch": 16,
+             "features": FEATURES, "labels": "species", **options}
+    return build_data(table, 3, folder)
+
+
+def _column(folder: Path, name: str) -> list[str]:
+    with open(folder / "penguins.csv", newline="", encoding="utf-8") as f:
+        return [row[name] for row in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("missing", ["mean", "median"])
+def test_statistics_come_from_the_training_rows_only(tmp_path: Path, missing: str):
+    """Each number column is filled with its training rows' mean / median and standardised by their mean and
+    standard deviation: none of the held-out rows' values counts, so changing them changes nothing."""
+    data = _source(tmp_path, missing=missing, standardize=True, categorical=["island", "sex"], class_names=True)
+    prep = data.preparation()
+    bill = np.array([float(v) if v != "NA" else np.nan for v in _column(tmp_path, "bill_length_mm")])
+    train = bill[data.train_rows]
+    present = train[~np.isnan(train)]
+    column = prep.columns[1]
+    assert column.name == "bill_length_mm"
+    assert column.mean == float(np.mean(present)) and column.std == float(np.std(present))
+    assert column.fill == float(np.mean(present) if missing == "mean" else np.median(present))
+    assert prep.columns[0].categories == sorted(ISLANDS) and prep.columns[5].categories == ["female", "male"]
+    assert prep.classes == sorted(SPECIES)
+    x = data.features_at(data.train_rows)
+    assert x.shape == (len(data.train_rows), WIDTH)
+    np.testing.assert_allclose(x[:, 3:7].mean(axis=0), 0, atol=0.05)        # standardised on its own rows
+    # the held-out rows' values changed: the statistics are the same
+    text = (tmp_path / "penguins.csv").read_text().splitlines()
+    for row in data.test_rows:
+        cells = text[row + 1].split(",")
+        cells[3] = "999.0"
+        text[row + 1] = ",".join(cells)
+    (tmp_path / "penguins.csv").write_text("\n".join(text) + "\n")
+    again = build_data({"kind": "csv", "path": "penguins.csv", "header": True, "id_column": "id", "batch": 16,
+                        "features": FEATURES, "labels": "species", "missing": missing, "standardize": True,
+                        "categorical": ["island", "sex"], "class_names": True}, 3, tmp_path)
+    assert again.preparation() == prep
+
+
+def test_class_names_are_sorted_and_labels_become_their_ids(tmp_path: Path):
+    data = _source(tmp_path, class_names=True, missing="mean", categorical=["island", "sex"])
+    species = _column(tmp_path, "species")
+    assert data.classes() == ["Adelie", "Chinstrap", "Gentoo"]
+    assert data.all_targets().tolist() == [sorted(SPECIES).index(s) for s in species]
+    assert data.target_dtype == np.int64
+
+
+def test_drop_rows_leaves_out_every_row_with_a_missing_cell_and_its_id(tmp_path: Path):
+    data = _source(tmp_path, missing="drop_rows", categorical=["island", "sex"], class_names=True)
+    with open(tmp_path / "penguins.csv", newline="", encoding="utf-8") as f:
+        complete = [row["id"] for row in csv.DictReader(f) if all(row[c] not in ("", "NA") for c in FEATURES)]
+    assert data.row_ids() == complete and data.rows == len(complete) < ROWS
+    assert np.isfinite(data.features_at(np.arange(data.rows))).all()
+
+
+def test_a_held_out_rows_unseen_category_is_all_zeros(tmp_path: Path):
+    data = _source(tmp_path, missing="mean", categorical=["island", "sex"])
+    text = (tmp_path / "penguins.csv").read_text().splitlines()
+    row = int(data.test_rows[0])
+    cells = text[row + 1].split(",")
+    cells[2] = "Atlantis"
+    text[row + 1] = ",".join(cells)
+    (tmp_path / "penguins.csv").write_text("\n".join(text) + "\n")
+    again = build_data({"kind": "csv", "path": "penguins.csv", "header": True, "batch": 16, "features": FEATURES,
+                        "labels": "species", "missing": "mean", "categorical": ["island", "sex"]}, 3, tmp_path)
+    assert again.features_at(np.array([row]))[0, :3].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_statistics_survive_json_exactly(tmp_path: Path):
+    prep = _source(tmp_path, missing="median", standardize=True, categorical=["island", "sex"],
+                   class_names=True).preparation()
+    assert Preparation.from_json(json.loads(json.dumps(prep.to_json())), "here") == prep
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"missing": "zero"}, "missing must be one of"),
+    ({"categorical": ["species"]}, "not among the features"),
+    ({"class_names": True, "label_dtype": "float32"}, "class_names maps"),
+    ({"standardize": "yes"}, "'standardize' must be a"),
+])
+def test_bad_preparation_settings_are_refused_naming_the_key(tmp_path: Path, options: dict, needle: str):
+    with pytest.raises(ConfigError, match=needle):
+        _source(tmp_path, **options)
+
+
+def test_without_missing_a_missing_cell_is_refused_naming_its_line(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"line 5, column 4 'bill_length_mm' \(data row 4\): 'NA' is not a "
+                                          r"number \(set missing = \"mean\""):
+        _source(tmp_path, standardize=True, categorical=["island", "sex"]).features(1)
+
+
+def test_categorical_columns_of_npz_data_are_refused_with_the_reason(tmp_path: Path):
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 3), np.float32), y=np.zeros(20, np.int64))
+    with pytest.raises(ConfigError, match="npz data holds numbers only"):
+        build_data({"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4,
+                    "categorical": [0]}, 0, tmp_path)
+
+
+def test_npz_nan_cells_are_filled_and_standardised(tmp_path: Path):
+    x = np.arange(40, dtype=np.float64).reshape(20, 2) * [1.0, 1000.0]
+    x[3, 1] = np.nan
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(20) % 2)
+    data = build_data({"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4,
+                       "missing": "mean", "standardize": True}, 0, tmp_path)
+    values = data.features_at(np.arange(20))
+    assert np.isfinite(values).all()
+    np.testing.assert_allclose(values[data.train_rows].mean(axis=0), 0, atol=0.2)
+
+
+def test_drop_rows_is_refused_where_the_parties_rows_could_not_stay_aligned(tmp_path: Path):
+    f, g = write_parties(tmp_path, missing="drop_rows")
+    result = run_main(["run", f, g])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "drop_rows" in result.stderr and "cannot know which ones this party drops" in result.stderr, result.stderr
+
+
+def test_split_refuses_what_an_npz_cannot_carry(tmp_path: Path):
+    result = run_main(["split", write_combined(tmp_path), tmp_path / "parties"])
+    assert result.returncode == 2 and "cannot carry" in result.stderr, result.stderr
+
+
+# --- runs ----------------------------------------------------------------------------------------------------
+
+def _runs_agree(tmp_path: Path, files: list[Path], save: str) -> dict:
+    """``distgrad run FILES`` over processes and in process: the same parameters and held-out figures; the
+    processes' run saves to ``save``. Returns its summary."""
+    args = ["run", *files, "--summary"]
+    assert run_main([*args, tmp_path / "ref.json", "--in-process", "--save", tmp_path / "ref"]).returncode == 0
+    result = run_launcher([*args, tmp_path / "run.json", "--save", tmp_path / save])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"]
+    assert summary.get("test_loss") == reference.get("test_loss")
+    assert summary.get("test_accuracy") == reference.get("test_accuracy")
+    written = sorted(p.name for p in (tmp_path / "ref").glob("*.prep.json"))
+    assert written and written == sorted(p.name for p in (tmp_path / save).glob("*.prep.json"))
+    for name in written:
+        assert (tmp_path / save / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    return summary
+
+
+@pytest.mark.parametrize("missing", ["mean", "median", "drop_rows"])
+def test_a_combined_experiment_trains_bitwise_over_processes_and_in_process(tmp_path: Path, missing: str):
+    summary = _runs_agree(tmp_path, [write_combined(tmp_path, missing)], "saved")
+    assert summary["test_accuracy"] > 0.8
+    f, g = read_preparation(tmp_path / "saved" / "f.npz"), read_preparation(tmp_path / "saved" / "g.npz")
+    assert [c.name for c in f.columns] == FEATURES and f.classes is None      # each party keeps its own
+    assert g.columns == [] and g.classes == sorted(SPECIES)
+
+
+def test_stage_files_of_two_parties_train_bitwise_and_keep_each_partys_statistics(tmp_path: Path):
+    f, g = write_parties(tmp_path)
+    _runs_agree(tmp_path, [f, g], "saved")
+    saved = json.loads((tmp_path / "saved" / "f.prep.json").read_text())
+    assert "classes" not in saved and [c["name"] for c in saved["columns"]] == FEATURES
+    assert json.loads((tmp_path / "saved" / "g.prep.json").read_text())["classes"] == sorted(SPECIES)
+
+
+@pytest.mark.slow      # about 30 s loaded; test_validation_split's torch plateau run covers torch on prepared rows
+def test_torch_stages_train_bitwise_on_prepared_rows(tmp_path: Path):
+    pytest.importorskip("torch")
+    f, g = write_parties(tmp_path, extra='framework = "torch"\n')
+    g.write_text(g.read_text().replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n'
+                                                                        'framework = "torch"'))
+    _runs_agree(tmp_path, [f, g], "saved")
+
+
+# --- predict -------------------------------------------------------------------------------------------------
+
+NEW_ROWS = [["id", *FEATURES],
+            ["new1", "Biscoe", "50.1", "15.0", "220", "5600", "male"],
+            ["new2", "Torgersen", "NA", "18.3", "190", "", "female"],
+            ["new3", "Dream", "45.5", "17.9", "195", "3800", "NA"]]
+
+
+def _write_rows(path: Path, rows: list[list[str]]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(rows)
+    return path
+
+
+def _predict(f: Path, g: Path, saved: Path, tmp_path: Path, *f_extra: object, scores: bool = True
+             ) -> tuple[int, list[list[str]], str]:
+    """``distgrad predict`` of the two parties (f's extra flags ``f_extra``): f's exit code, the label owner's
+    CSV read back (empty when f failed) and f's error output."""
+    ready, output = tmp_path / "g.ready", tmp_path / "out.csv"
+    output.unlink(missing_ok=True)
+    ready.unlink(missing_ok=True)
+    with StageProcess(["predict", g, "--load", saved / "g.npz", "--output", output, *(["--output-scores"] if scores
+                       else []), "--bind", "tcp://127.0.0.1:*", "--ready-file", ready, "--peer-deadline", "20"],
+                      tmp_path / "g.log", distgrad=True) as server:
+        endpoint = wait_for_file(ready, server)
+        result = run_cli(["predict", f, "--load", saved / "f.npz", "--connect", endpoint, *f_extra])
+        if result.returncode != 0:
+            return result.returncode, [], result.stderr
+        assert server.wait() == 0, server.output
+    with open(output, newline="", encoding="utf-8") as file:
+        return 0, list(csv.reader(file)), result.stderr
+
+
+def _expected(f: Path, g: Path, saved: Path, x: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The class names and scores computed in this process from the saved parameters for prepared rows ``x``."""
+    f_exp, g_exp = load_experiment(f), load_experiment(g)
+    f_stage, g_stage = Stage.from_experiment(f_exp, "f"), Stage.from_experiment(g_exp, "g")
+    f_stage.load_parameters(saved / "f.npz")
+    g_stage.load_parameters(saved / "g.npz")
+    y = g_stage.forward(f_stage.forward(x.astype(np.float32), training=False)[0], training=False)[0]
+    classes = read_preparation(saved / "g.npz").classes
+    return [classes[k] for k in g_exp.final_loss.predict(y).tolist()], g_exp.final_loss.scores(y)
+
+
+@pytest.fixture(scope="module")
+def trained_parties(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Two parties' stage files trained in process, their parameters and statistics saved."""
+    root = tmp_path_factory.mktemp("penguin-parties")
+    f, g = write_parties(root)
+    assert run_main(["run", f, g, "--in-process", "--save", root / "saved"]).returncode == 0
+    return f, g, root / "saved"
+
+
+def test_predict_prepares_new_rows_with_the_saved_statistics_and_writes_class_names(trained_parties, tmp_path):
+    """A CSV of new rows with string categories, NA and empty cells: the predictions come back as class names
+    with the rows' IDs, and the scores' columns are headed by the class names; both equal a computation in
+    this process from the saved parameters and statistics."""
+    f, g, saved = trained_parties
+    rows = _write_rows(tmp_path / "new.csv", NEW_ROWS)
+    code, table, err = _predict(f, g, saved, tmp_path, "--input", rows)
+    assert code == 0, err
+    prep = read_preparation(saved / "f.npz")
+    assert table[0] == ["id", "prediction", "score_Adelie", "score_Chinstrap", "score_Gentoo"]
+    assert [line[0] for line in table[1:]] == ["new1", "new2", "new3"]
+    # the same rows prepared by hand from the saved statistics
+    cols = prep.columns
+    x = np.array([[*(1.0 * (row[1] == k) for k in cols[0].categories),
+                   *(((c.fill if v in ("", "NA") else float(v)) - c.mean) / c.std for v, c in zip(row[2:6], cols[1:5])),
+                   *(1.0 * (row[6] == k) for k in cols[5].categories)] for row in NEW_ROWS[1:]])
+    names, scores = _expected(f, g, saved, x)
+    assert [line[1] for line in table[1:]] == names
+    assert set(names) <= set(SPECIES)
+    np.testing.assert_allclose([[float(v) for v in line[2:]] for line in table[1:]], scores, rtol=1e-6)
+
+
+def test_predict_of_the_held_out_rows_gives_class_names(trained_parties, tmp_path):
+    f, g, saved = trained_parties
+    code, table, err = _predict(f, g, saved, tmp_path, scores=False)
+    assert code == 0, err
+    data = load_experiment(f).build_data(stage="f")
+    ids = data.row_ids()
+    assert [line[0] for line in table[1:]] == [ids[i] for i in data.test_rows]
+    names, _ = _expected(f, g, saved, data.test_features())
+    assert [line[1] for line in table[1:]] == names
+
+
+def test_predict_refuses_a_category_never_seen_in_training(trained_parties, tmp_path):
+    f, g, saved = trained_parties
+    rows = _write_rows(tmp_path / "new.csv", [NEW_ROWS[0], ["x", "Atlantis", "40", "18", "190", "3700", "male"]])
+    code, _, err = _predict(f, g, saved, tmp_path, "--input", rows)
+    assert code == 2, err
+    assert "line 2, column 2 'island'" in err and "category 'Atlantis'" in err and "never seen" in err, err
+
+
+def test_predict_without_the_saved_statistics_is_refused_with_the_reason(trained_parties, tmp_path):
+    f, g, saved = trained_parties
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "f.npz").write_bytes((saved / "f.npz").read_bytes())
+    (copy / "g.npz").write_bytes((saved / "g.npz").read_bytes())
+    (copy / "g.prep.json").write_bytes((saved / "g.prep.json").read_bytes())
+    rows = _write_rows(tmp_path / "new.csv", NEW_ROWS)
+    code, _, err = _predict(f, g, copy, tmp_path, "--input", rows)
+    assert code == 2 and "f.prep.json is missing" in err, err
+
+
+# --- kill -9 -------------------------------------------------------------------------------------------------
+
+def test_kill_9_and_resume_keep_the_statistics_bitwise(tmp_path: Path, stage_group):
+    """Both stages killed with SIGKILL mid-run and restarted with --resume: the parameters equal the in-process
+    run's bit for bit, and every checkpoint holds the party's statistics."""
+    from distgrad.stage.checkpoint import load
+    from test_faults import Pair
+
+    experiment = write_combined(tmp_path, "median", steps=120)
+    steps = "120"
+    reference = read_json_in_process(tmp_path, experiment, steps)
+    pair = stage_group(Pair, tmp_path, str(experiment), steps, f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    for fraction, victim in ((0.3, "g"), (0.6, "f")):
+        pair.wait_for_step(int(int(steps) * fraction))
+        pair.kill_9_and_restart(victim)
+    f_summary, g_summary = pair.finish()
+    assert f_summary["params"]["f"] == reference["f"] and g_summary["params"]["g"] == reference["g"]
+    exp = load_experiment(experiment)
+    for name in ("f", "g"):
+        metas = [load(p).meta for p in sorted((tmp_path / "ckpt").glob(f"{name}-*.ckpt"))]
+        assert metas and all(m["preparation"] == exp.preparation(stage=name).to_json() for m in metas)
+
+
+def read_json_in_process(tmp_path: Path, experiment: Path, steps: str) -> dict:
+    assert run_main(["run", experiment, "--in-process", "--steps", steps, "--summary", tmp_path / "ref.json"]
+                    ).returncode == 0
+    return read_json(tmp_path / "ref.json")["params"]
+
+
+# --- vertical parties and clients ----------------------------------------------------------------------------
+
+VERTICAL_INTERFACE = '''[interface]
+name = "penguins-vertical"
+stages = ["p", "q", "g"]
+batch = 16
+aggregate = "concat"
+activation = [{ shape = [4] }, { shape = [4] }]
+steps = 30
+seed = 3
+eval_every = 10
+'''
+PARTIES = {"p": (["island", "bill_length_mm", "body_mass_g"], ["island"], 3 + 2),
+           "q": (["bill_depth_mm", "flipper_length_mm", "sex"], ["sex"], 2 + 2)}
+
+
+def test_vertical_parties_each_prepare_their_own_columns_bitwise(tmp_path: Path):
+    """Three parties' stage files: two feature parties, each with its own categorical column, NA cells and
+    unscaled columns, and the label owner with the species names: over processes as in process, each
+    party's statistics of its own columns only."""
+    files = []
+    for name, (features, categorical, width) in PARTIES.items():
+        (tmp_path / name).mkdir()
+        write_penguins(tmp_path / name)
+        (tmp_path / name / f"{name}.toml").write_text(VERTICAL_INTERFACE + f"""
+[stage]
+name = "{name}"
+model = [{{ type = "dense", name = "{name}1", in = {width}, out = 4 }}, {{ type = "tanh" }}]
+optimizer = {{ type = "adam", lr = 0.02 }}
+
+[data]
+{DATA}features = {json.dumps(features)}
+categorical = {json.dumps(categorical)}
+missing = "mean"
+standardize = true
+""")
+        files.append(tmp_path / name / f"{name}.toml")
+    (tmp_path / "g").mkdir()
+    write_penguins(tmp_path / "g")
+    (tmp_path / "g" / "g.toml").write_text(VERTICAL_INTERFACE + f"""
+[stage]
+name = "g"
+model = [{{ type = "dense", name = "g1", in = 8, out = 3 }}]
+optimizer = {{ type = "adam", lr = 0.02 }}
+loss = "softmax_cross_entropy"
+
+[data]
+{G_DATA}""")
+    files.append(tmp_path / "g" / "g.toml")
+    args = ["run", *files, "--summary"]
+    assert run_main([*args, tmp_path / "ref.json", "--in-process", "--save", tmp_path / "ref"]).returncode == 0
+    result = run_launcher([*args, tmp_path / "run.json", "--save", tmp_path / "saved"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_json(tmp_path / "run.json")["params"] == read_json(tmp_path / "ref.json")["params"]
+    for name, (features, _, _) in PARTIES.items():
+        prep = read_preparation(tmp_path / "saved" / f"{name}.npz")
+        assert [c.name for c in prep.columns] == features and prep.classes is None
+        assert prep == read_preparation(tmp_path / "ref" / f"{name}.npz")
+    assert read_preparation(tmp_path / "saved" / "g.npz").classes == sorted(SPECIES)
+
+
+def test_clients_train_bitwise_on_prepared_rows(tmp_path: Path):
+    experiment = write_combined(tmp_path)
+    experiment.write_text(experiment.read_text().replace("[[stages]]", "[clients]\ncount = 2\n\n[[stages]]", 1))
+    _runs_agree(tmp_path, [experiment], "saved")
+    assert (tmp_path / "saved" / "f@0.prep.json").read_bytes() == (tmp_path / "saved" / "f@1.prep.json").read_bytes()
