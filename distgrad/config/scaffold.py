@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import math
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,7 +27,7 @@ from distgrad.config.csvfile import number
 from distgrad.config.data import build_data
 from distgrad.config.parse import load_experiment
 from distgrad.config.prepare import is_missing
-from distgrad.config.split import toml_document
+from distgrad.config.split import toml_document, toml_value
 from distgrad.errors import ConfigError
 
 FEATURE_OWNER, LABEL_OWNER = "f", "g"         # the two parties' names of a two-party run
@@ -249,26 +248,27 @@ def _plan_parties(tables: list[Table], label: str, specs: Sequence[str], label_o
             raise ConfigError(f"{table.path} holds no column besides the label {label!r}"
                               f"{' and the ID' if id_column else ''}: nothing to learn from")
         return [Party(FEATURE_OWNER, table, columns), Party(LABEL_OWNER, table, [], labels=True)]
-    parties, seen = [], {}
+    planned: list[Party] = []
+    seen: dict[str, str] = {}
     for spec in specs:
         name, columns = _parse_party_spec(spec, table.header, reserved)
-        if name in {p.name for p in parties}:
+        if name in {p.name for p in planned}:
             raise ConfigError(f"--parties names party {name!r} twice")
         twice = [c for c in columns if c in seen]
         if twice:
             raise ConfigError(f"columns {twice} are given to both {seen[twice[0]]!r} and {name!r}: each column "
                               f"belongs to one party")
         seen.update({c: name for c in columns})
-        parties.append(Party(name, table, columns, labels=name == label_owner))
+        planned.append(Party(name, table, columns, labels=name == label_owner))
     unused = [c for c in table.header if c not in seen and c not in reserved]
     if unused:
         notes.append(f"columns no party holds, left out: {unused}")
-    if not any(p.labels for p in parties):
-        parties.append(Party(label_owner, table, [], labels=True))
-    if sum(not p.labels for p in parties) < 1:
+    if not any(p.labels for p in planned):
+        planned.append(Party(label_owner, table, [], labels=True))
+    if sum(not p.labels for p in planned) < 1:
         raise ConfigError(f"--parties gives every column to the label owner {label_owner!r}: name at least one "
                           f"other party")
-    return sorted(parties, key=lambda p: p.labels)
+    return sorted(planned, key=lambda p: p.labels)
 
 
 def _task(cells: Sequence[str], label: str, task: str, notes: list[str]) -> tuple[bool, list[str]]:
@@ -413,9 +413,12 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     epochs = _epochs(len(ids), batch)
     vertical = len(plan) > 2 or bool(parties) or len(tables) > 1
     written: list[Path] = []
+    made = [folder for folder in [out_dir, *(out_dir / p.name for p in plan)] if not folder.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        data_tables, widths, comments = {}, {}, {}
+        data_tables: dict[str, dict[str, Any]] = {}
+        widths: dict[str, int] = {}
+        comments: dict[str, dict[str, str]] = {}
         for party in plan:
             folder = out_dir / party.name
             folder.mkdir(exist_ok=True)
@@ -426,6 +429,8 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
             written.append(folder / f"{party.name}.csv")
             comments[party.name] = {}
             data_tables[party.name] = _party_data(party, id_name, label, batch, classify, comments[party.name])
+            notes.extend(f"{party.name} [data]: {key} = {toml_value(data_tables[party.name][key])}: {why}"
+                         for key, why in comments[party.name].items())
             widths[party.name] = _width(data_tables[party.name], seed, folder) if party.columns else 0
         stage_tables = _models(plan, widths, vertical, len(classes) if classify else 1, classify)
         interface = _interface(plan, stage_tables, vertical, batch, epochs, seed, label_table.path.stem)
@@ -445,6 +450,9 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     except ConfigError as e:
         for path in written:
             path.unlink(missing_ok=True)
+        for folder in reversed(made):           # the folders init made, now empty again
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         raise ConfigError(f"internal error: the stage files distgrad init wrote do not load: {e}") from e
     notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
                     f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
