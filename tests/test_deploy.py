@@ -81,9 +81,10 @@ TWO_PARTY = PARTIES / "two-party"    # compose.yaml's and k8s/'s parties: distgr
 TWO_PARTY_TABLE = DEPLOY / "data" / "breast-cancer-small.csv"
 IMAGE = "distgrad-stage"             # the image built from deploy/Dockerfile
 PROGRAMS = {"distgrad", "distgrad-stage"}
-PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key", "input", "out")
+PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key", "input", "out",
+              "party_keys")
 WRITTEN = ("checkpoint_dir", "summary", "trace", "ready_file", "out")
-READ = ("curve_secret", "allow", "server_key", "input", "experiment")     # must be mounted read-only
+READ = ("curve_secret", "allow", "server_key", "input", "experiment", "party_keys")     # must be mounted read-only
 KEYS = ("curve_secret", "allow", "server_key")
 
 
@@ -861,6 +862,9 @@ def check_vertical(commands: list[Command], group: str, aligned: dict[str, Path]
     _, align_port = _endpoint_port(coord.ns.bind)
     for a in aligns:
         assert a.ns.curve_secret, f"{a.cmd}: align with CURVE, as the stages do"
+        if a is not coord and len(aligns) > 2:
+            # Else the coordinator could relay to this party a digest another party never sent (and align warns).
+            assert a.ns.party_keys, f"{a.cmd}: {len(aligns)} parties align: pass --party-keys (the others' keys)"
         if a is not coord:
             assert _endpoint_port(a.ns.connect)[1] == align_port, f"{a.cmd}: the coordinator binds {align_port}"
             assert a.ns.parties in (None, coord.ns.parties), f"{a.cmd}: --parties differs from the coordinator's"
@@ -983,6 +987,11 @@ def test_k8s_vertical_aligns_then_trains(folder: Path, parties: str, request: py
             f"{load.file}: a Job whose failed stage restarts in its pod (the alignment is not redone)"
         for q in (a, p):
             check_k8s_pod(load, q, by_name)
+        if a.ns.party_keys is not None:
+            others = {f"{o.ns.name}.key" for o in aligns if o is not a and o.ns.name != g.ns.stage}
+            placed = {PurePosixPath(d).name for d in load.init_copies
+                      if PurePosixPath(d).parent == PurePosixPath(a.ns.party_keys)}
+            assert others <= placed, f"{a.cmd}: the init container puts {placed} in --party-keys, not {others}"
         secrets = {v["secret"]["secretName"] for v in load.pod["volumes"] if "secret" in v}
         assert all(name.startswith(f"distgrad-vertical-{p.ns.stage}-") for name in secrets), \
             f"{load.file}: mounts another party's Secret: {secrets}"
