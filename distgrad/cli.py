@@ -312,6 +312,8 @@ def _init_arguments(init: argparse.ArgumentParser) -> None:
                       help="auto (default): a text label, or at most 20 distinct whole numbers, is a "
                            "classification, else a regression")
     init.add_argument("--seed", type=int, default=0, metavar="N", help="the run's seed (default 0)")
+    init.add_argument("--framework", choices=["numpy", "torch"], default="numpy",
+                      help="build every stage's layers in numpy (default) or PyTorch (framework = \"torch\")")
     init.add_argument("--force", action="store_true", help="write into a DIR that already holds files, "
                       "overwriting the files init writes")
     _log_level_flag(init)
@@ -935,7 +937,8 @@ def _init(args: argparse.Namespace) -> int:
     from distgrad.config.scaffold import init_parties
 
     result = init_parties(args.tables, args.label, args.out, parties=args.parties or (), id_column=args.id_column,
-                          task=args.task, seed=args.seed, force=args.force)
+                          task=args.task, seed=args.seed, framework=args.framework,
+                          force=args.force)
     for path in result.paths:
         print(f"wrote {path} (and {path.with_suffix('.csv').name} beside it)")
     print("\n".join(f"- {note}" for note in result.notes))

@@ -214,6 +214,30 @@ def test_init_one_csv_per_party_joins_them_on_the_common_id(tmp_path: Path):
                      "--steps", "5"]).returncode == 0
 
 
+@pytest.mark.slow
+def test_init_torch_stages_train_in_process_as_over_processes(tmp_path: Path):
+    """--framework torch: every stage file builds its layers in PyTorch; the prepared rows train alike in one
+    process and over processes (bitwise)."""
+    pytest.importorskip("torch")
+    table = write_penguins(tmp_path / "penguins.csv", rows=120)
+    out = tmp_path / "parties"
+    assert run_main(["init", table, "--label", "species", "--out", out, "--framework", "torch"]).returncode == 0
+    paths = [out / "f" / "f.toml", out / "g" / "g.toml"]
+    assert all(_toml(p)["stage"]["framework"] == "torch" for p in paths)
+    summaries = [tmp_path / "inprocess.json", tmp_path / "processes.json"]
+    assert run_main(["run", *paths, "--in-process", "--steps", "20", "--summary", summaries[0]]).returncode == 0
+    run = run_cli(["run", *paths, "--steps", "20", "--summary", summaries[1]], timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (read_json(s) for s in summaries)
+    assert first["params"] == second["params"] and first["final_loss"] == second["final_loss"]
+
+
+def test_init_refuses_the_label_as_the_id_column(tmp_path: Path):
+    table = write_penguins(tmp_path / "penguins.csv")
+    result = run_main(["init", table, "--label", "species", "--id-column", "species", "--out", tmp_path / "o"])
+    assert result.returncode == 2 and "is the label column" in result.stderr
+
+
 # --- refusals: nothing written ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, expected", [

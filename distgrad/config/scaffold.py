@@ -118,11 +118,13 @@ def _unique(cells: Sequence[str]) -> bool:
     return not any(is_missing(c) for c in cells) and len(set(cells)) == len(cells)
 
 
-def _find_id_column(tables: Sequence[Table], given: str | None) -> str | None:
+def _find_id_column(tables: Sequence[Table], given: str | None, label: str) -> str | None:
     """The ID column: ``given`` (in every table, distinct values), else the one column every table holds
     when there are several tables, else a column named like an ID (``ID_NAMES``) with distinct values; None
     when one table has none."""
     if given is not None:
+        if given == label:
+            raise ConfigError(f"--id-column {given!r} is the label column: the rows' IDs are no label")
         for table in tables:
             if given not in table.header:
                 raise ConfigError(f"--id-column {given!r} is not a column of {table.path} (columns: {table.header})")
@@ -131,13 +133,13 @@ def _find_id_column(tables: Sequence[Table], given: str | None) -> str | None:
                                   f"rows' IDs must be distinct")
         return given
     if len(tables) > 1:
-        common = [name for name in tables[0].header if all(name in t.header for t in tables[1:])]
+        common = [name for name in tables[0].header if all(name in t.header for t in tables[1:]) and name != label]
         if len(common) != 1:
             raise ConfigError(f"one CSV per party: the files must share exactly one column, their rows' ID, to be "
                               f"joined on (they share {common}); give --id-column NAME")
-        return _find_id_column(tables, common[0])
+        return _find_id_column(tables, common[0], label)
     for name in tables[0].header:
-        if name.lower() in ID_NAMES and _unique(tables[0].column(name)):
+        if name.lower() in ID_NAMES and name != label and _unique(tables[0].column(name)):
             return name
     return None
 
@@ -361,18 +363,21 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
 
 
 def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Sequence[str] = (),
-                 id_column: str | None = None, task: str = "auto", seed: int = 0,
+                 id_column: str | None = None, task: str = "auto", seed: int = 0, framework: str = "numpy",
                  force: bool = False) -> InitResult:
     """Write each party's folder ``OUT_DIR/NAME/`` (its stage file ``NAME.toml`` and its own columns of the
     rows, ``NAME.csv``) from the CSV ``csvs[0]`` (two parties ``f`` and ``g``, or the parties of ``parties``,
     ``'NAME:COL,COL'`` each, vertically), or from one CSV per party joined on ``id_column``.
 
-    ``task`` is ``"auto"``, ``"classification"`` or ``"regression"``. ``ConfigError`` (nothing written) for
+    ``task`` is ``"auto"``, ``"classification"`` or ``"regression"``; ``framework`` ``"numpy"`` or ``"torch"``
+    (the same layers built in PyTorch). ``ConfigError`` (nothing written) for
     a missing label column, an empty table, an ``out_dir`` that holds files (unless ``force``) and any bad
     argument; the files written are loaded back as one run before returning (removed if they do not load).
     """
     if task not in ("auto", "classification", "regression"):
         raise ConfigError(f"--task must be auto, classification or regression, got {task!r}")
+    if framework not in ("numpy", "torch"):
+        raise ConfigError(f"--framework must be numpy or torch, got {framework!r}")
     if not csvs:
         raise ConfigError("distgrad init needs a CSV file (or one per party)")
     _check_out_dir(out_dir, force)
@@ -381,7 +386,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     if len({t.path.resolve() for t in tables}) != len(tables):
         raise ConfigError(f"{[str(p) for p in csvs]} name one file twice: give one CSV per party")
     _label_table(tables, label)                 # refused early: the label column must be there
-    id_name = _find_id_column(tables, id_column)
+    id_name = _find_id_column(tables, id_column, label)
     if id_name is None:                         # one table without IDs: its data rows' numbers are theirs
         id_name = ADDED_ID if ADDED_ID not in tables[0].header else f"{ADDED_ID}_"
         tables = [Table(tables[0].path, [*tables[0].header, id_name],
@@ -432,7 +437,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
             notes.extend(f"{party.name} [data]: {key} = {toml_value(data_tables[party.name][key])}: {why}"
                          for key, why in comments[party.name].items())
             widths[party.name] = _width(data_tables[party.name], seed, folder) if party.columns else 0
-        stage_tables = _models(plan, widths, vertical, len(classes) if classify else 1, classify)
+        stage_tables = _models(plan, widths, vertical, len(classes) if classify else 1, classify, framework)
         interface = _interface(plan, stage_tables, vertical, batch, epochs, seed, label_table.path.stem)
         paths = []
         for party in plan:
@@ -470,7 +475,7 @@ def _width(data: dict[str, Any], seed: int, folder: Path) -> int:
 
 
 def _models(plan: Sequence[Party], widths: dict[str, int], vertical: bool, outputs: int,
-            classify: bool) -> dict[str, dict[str, Any]]:
+            classify: bool, framework: str) -> dict[str, dict[str, Any]]:
     """Each party's ``[stage]`` table: a dense layer and tanh per data owner (``HIDDEN`` wide for two
     parties, ``EMBEDDING`` per vertical party), and the label owner's two-layer head with the loss."""
     optimizer = {"type": "adam", "lr": LEARNING_RATE}
@@ -490,6 +495,9 @@ def _models(plan: Sequence[Party], widths: dict[str, int], vertical: bool, outpu
         head["bottom"] = [{"type": "dense", "name": f"{owner.name}0", "in": widths[owner.name], "out": cut},
                           {"type": "tanh"}]
     tables[owner.name] = head
+    if framework != "numpy":
+        for table in tables.values():
+            table["framework"] = framework
     return tables
 
 
@@ -520,8 +528,8 @@ def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: 
     for party, path in zip(feature_parties, paths):
         lines.append(f"distgrad-stage {party.name} --experiment {path} --connect tcp://LABEL_OWNER_HOST:5555 "
                      f"--save {saved / party.name}.npz")
-    lines += ["# predict the held-out rows (or --input NEW.csv, same columns): the label owner writes "
-              "predictions.csv, by row ID",
+    lines += ["# predict the held-out rows (or new ones: --input NEW.csv with the data owners' columns and the "
+              f"rows' IDs in column {id_name!r}): the label owner writes predictions.csv, by row ID",
               f"distgrad predict {paths[-1]} --load {saved / owner.name}.npz --bind tcp://127.0.0.1:5556 "
               f"--output predictions.csv &"]
     for party, path in zip(feature_parties, paths):
