@@ -81,9 +81,11 @@ def draw_metrics(records: list[dict], title: str):
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
     curves = _curves(records)
-    test_loss, rates = _held_out(records, "test_loss"), _held_out(records, "lr")
+    # With a validation split the evaluations during training are the validation rows' figures.
+    kind = "validation" if any("validation_loss" in record for record in records) else "test"
+    test_loss, rates = _held_out(records, f"{kind}_loss"), _held_out(records, "lr")
     names = sorted({key for record in records for key in record
-                    if key.startswith("test_") and key not in ("test_loss", "test_count")})
+                    if key.startswith(f"{kind}_") and key not in (f"{kind}_loss", f"{kind}_count")})
     scores = {name: _held_out(records, name) for name in names}
     leaks = {name: _held_out(records, name) for name in FIGURES}
     leaks = {name: points for name, points in leaks.items() if points}
@@ -119,7 +121,7 @@ def draw_metrics(records: list[dict], title: str):
                 ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
             elif client in scores[name]:
                 ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
-                               label=name[5:] if client is None else f"{label} {name[5:]}")
+                               label=name.split('_', 1)[1] if client is None else f"{label} {name.split('_', 1)[1]}")
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
         positive = positive and bool(np.nanmin(loss) > 0)
@@ -133,7 +135,7 @@ def draw_metrics(records: list[dict], title: str):
     if None not in curves or test_loss:
         ax_loss.legend(loc="upper right")
     if scores:
-        ax_scores.set_ylabel(f"held-out {names[0][5:]}" if len(names) == 1 else "held-out scores")
+        ax_scores.set_ylabel(f"held-out {names[0].split('_', 1)[1]}" if len(names) == 1 else "held-out scores")
         if len(names) > 1:
             ax_scores.legend(loc="lower right", fontsize="small")
     if rates:

@@ -293,6 +293,7 @@ def test_stage_files_of_two_parties_train_bitwise_and_keep_each_partys_statistic
     assert json.loads((tmp_path / "saved" / "g.prep.json").read_text())["classes"] == sorted(SPECIES)
 
 
+@pytest.mark.slow      # about 30 s loaded; test_validation_split's torch plateau run covers torch on prepared rows
 def test_torch_stages_train_bitwise_on_prepared_rows(tmp_path: Path):
     pytest.importorskip("torch")
     f, g = write_parties(tmp_path, extra='framework = "torch"\n')

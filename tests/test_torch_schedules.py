@@ -193,7 +193,6 @@ def test_a_scheduled_run_over_processes_resumes_as_one_run_in_process(tmp_path):
      'scheduler = { type = "StepLR", step_size = 2 }', "'scheduler' is a torch.optim.lr_scheduler class, for a torch"),
     (MODULE, f'{{ type = "Adam", lr = 0.1, schedule = {EXPONENTIAL} }}',
      'scheduler = { type = "StepLR", step_size = 2 }', "give the optimizer's 'schedule'"),
-    (MODULE, '{ type = "Adam" }', 'scheduler = { type = "ReduceLROnPlateau" }', "steps on a metric"),
     (MODULE, '{ type = "Adam" }', 'scheduler = { type = "LambdaLR" }', "takes a Python function"),
     (MODULE, '{ type = "Adam" }', 'scheduler = { type = "SequentialLR" }', "takes other schedulers"),
     (MODULE, '{ type = "Adam" }', 'scheduler = { type = "StepSize" }', "name a torch.optim.lr_scheduler class: "),

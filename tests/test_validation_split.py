@@ -110,3 +110,104 @@ def test_validation_with_travelling_labels_is_refused_with_the_reason(tmp_path: 
     path.write_text(path.read_text().replace("seed = 0\n", 'seed = 0\nlabels = "first"\n', 1))
     result = run_main(["run", path, "--in-process"])
     assert result.returncode == 2 and "labels = \"first\" it holds none" in result.stderr, result.stderr
+
+
+# --- ReduceLROnPlateau: stepped once after each evaluation with its (validation) loss -------------------------
+
+@pytest.mark.parametrize("options", [{}, {"patience": 0, "factor": 0.5}, {"mode": "max", "threshold": 0.1},
+                                     {"threshold_mode": "abs", "threshold": 0.05, "cooldown": 2, "patience": 1},
+                                     {"patience": 0, "min_lr": 0.03, "factor": 0.5}])
+def test_the_numpy_plateau_rule_is_torchs(options: dict):
+    torch = pytest.importorskip("torch")
+    from distgrad.model.schedules import Plateau
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=float(np.float32(0.1)))
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **options)
+    ours = Plateau(0.1, **options)
+    losses = [1.0, 0.9, 0.95, 0.95, 0.91, 0.5, 0.6, 0.6, 0.6, 0.7, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4]
+    for loss in losses:
+        reference.step(loss)
+        ours.report(loss)
+        assert ours.rate == optimizer.param_groups[0]["lr"]
+        assert ours(1) == np.float32(ours.rate)
+
+
+PLATEAU = 'scheduler = { type = "ReduceLROnPlateau", patience = 0, factor = 0.5, threshold = 0.5 }\n'
+
+
+def _plateau_penguins(tmp_path: Path, f_extra: str = "", steps: int = 60) -> Path:
+    from test_data_prep import write_combined
+
+    path = write_combined(tmp_path, "mean", steps=steps, extra=f_extra + PLATEAU)
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n")
+                    .replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n' + PLATEAU.strip())
+                    .replace("eval_every = 10", "eval_every = 5"))
+    return path
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path, framework: str):
+    """f and g each with ReduceLROnPlateau (f computed by torch in one case): over processes the parameters equal
+    the in-process run's, and the scheduler changed them (the run without it differs)."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    path = _plateau_penguins(tmp_path, 'framework = "torch"\n' if framework == "torch" else "")
+    from conftest import run_launcher
+
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    plain = tmp_path / "plain.toml"
+    plain.write_text(path.read_text().replace(PLATEAU, "").replace(PLATEAU.strip(), ""))
+    assert run_main(["run", plain, "--in-process", "--summary", tmp_path / "plain.json"]).returncode == 0
+    assert read_json(tmp_path / "plain.json")["params"] != ref["params"]
+
+
+def test_plateau_survives_kill_9_of_either_stage_bitwise(tmp_path: Path, stage_group):
+    from test_faults import Pair
+
+    steps = "150"
+    path = _plateau_penguins(tmp_path, steps=int(steps))
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    reference = read_json(tmp_path / "ref.json")
+    pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    for fraction, victim in ((0.3, "g"), (0.6, "f")):
+        pair.wait_for_step(int(int(steps) * fraction))
+        pair.kill_9_and_restart(victim)
+    f_summary, g_summary = pair.finish()
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert g_summary["params"]["g"] == reference["params"]["g"]
+    assert g_summary["test_accuracy"] == reference["test_accuracy"] and g_summary["test_step"] == reference["test_step"]
+
+
+@pytest.mark.parametrize("change, needle", [("eval_every = 5", "eval_every is 0"),
+                                            ("seed = 3", "with staleness 1")])
+def test_plateau_is_refused_where_no_evaluation_loss_reaches_it_alike(tmp_path: Path, change: str, needle: str):
+    path = _plateau_penguins(tmp_path)
+    path.write_text(path.read_text().replace(change, "eval_every = 0" if "eval" in change else "seed = 3\nstaleness = 1"))
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_the_progress_line_shows_the_validation_figures():
+    from distgrad.run.progress import render_bar
+
+    line = render_bar(5, 10, 0.5, None, {"validation_loss": 0.25, "validation_accuracy": 0.875,
+                                         "validation_f1": 0.5, "validation_count": 30})
+    assert " validation 0.25 acc 0.875 f1 0.500 " in line, line
+    assert "count" not in line
+
+
+def test_keep_best_may_name_the_validation_figure(tmp_path: Path):
+    summaries = []
+    for name in ("test_accuracy", "validation_accuracy"):
+        path = _validated(tmp_path, f'keep_best = "{name}"\nearly_stopping = {{ metric = "{name}", patience = 3 }}\n')
+        assert run_main(["run", path, "--in-process", "--summary", tmp_path / f"{name}.json"]).returncode == 0
+        summaries.append(read_json(tmp_path / f"{name}.json"))
+    assert summaries[0]["best_step"] == summaries[1]["best_step"] and summaries[0]["params"] == summaries[1]["params"]
+    assert summaries[0]["stopped_early"] == summaries[1]["stopped_early"]

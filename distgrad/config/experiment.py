@@ -41,6 +41,7 @@ from distgrad.model.losses import Loss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
+from distgrad.model.schedules import PLATEAU, PLATEAU_OPTIONS, Plateau
 from distgrad.privacy.defenses import Defenses
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
@@ -592,7 +593,9 @@ def check_evaluation_keys(spec: StageSpec) -> None:
     fields = reported_fields(spec)
     for key, field_ in (("keep_best", spec.keep_best),
                         ("early_stopping's metric", (spec.early_stopping or {}).get("metric"))):
-        if field_ is not None and field_ not in fields:
+        # "validation_accuracy" names the same score as "test_accuracy": judged on the validation rows when
+        # [data] has a validation_fraction (stage.selection.judged_field), on the held-out rows otherwise
+        if field_ is not None and field_.replace("validation_", "test_", 1) not in fields:
             raise ConfigError(f"{where}: {key} {field_!r} is not a score this stage reports; it reports {fields} "
                               f"(add a metric to 'metrics' to report it)")
 
@@ -650,6 +653,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")
     check_verdicts(exp, exp.eval_every if eval_every is None else eval_every,
                    exp.staleness if staleness is None else staleness)
+    check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
+                  exp.staleness if staleness is None else staleness)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -695,6 +700,25 @@ def check_verdicts(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if last.early_stopping is not None and is_whole(eval_every) and eval_every == 0:
         raise ConfigError("early_stopping judges the evaluations during the run, and eval_every is 0 (only after "
                           "the last step): set eval_every (or --eval-every) to K > 0")
+
+
+def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
+    """Raise ``ConfigError`` where a stage's ``scheduler = { type = "ReduceLROnPlateau" }`` cannot be fed the
+    loss of each evaluation at the same point on every party: without evaluations during the run
+    (``eval_every`` 0), with steps in flight (``staleness``) or with [clients] (each scored on its own rows)."""
+    named = [spec.name for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    if not named:
+        return
+    where = f"stage(s) {named}: scheduler ReduceLROnPlateau"
+    if is_whole(eval_every) and eval_every == 0:
+        raise ConfigError(f"{where} is stepped with the loss of each evaluation during the run, and eval_every is 0 "
+                          f"(only after the last step): set eval_every (or --eval-every) to K > 0")
+    if staleness == AUTO_STALENESS or (is_whole(staleness) and staleness > 0):
+        raise ConfigError(f"{where} with staleness {staleness}: with steps in flight the parties apply an "
+                          f"evaluation's loss after different steps; use staleness = 0")
+    if exp.federated:
+        raise ConfigError(f"{where}: with [clients] each data owner is scored on its own held-out rows, so no one "
+                          f"loss steps the shared stage; drop the scheduler or the [clients] table")
 
 
 def check_send_rows(exp: Experiment) -> None:
@@ -766,7 +790,15 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
         if name in model.params:
             model.params[name][...] = value
     loss = build_loss(spec.loss) if stage_name == exp.stage_names[-1] else None
-    return model, build_optimizer(spec.optimizer), loss
+    optimizer = build_optimizer(spec.optimizer)
+    if spec.scheduler is not None and spec.framework != "torch":     # ReduceLROnPlateau: the only one a numpy stage takes
+        options = {k: v for k, v in spec.scheduler.items() if k != "type"}
+        try:
+            optimizer.schedule = Plateau(float(optimizer.schedule(1)), **options)
+        except TypeError as e:
+            raise ConfigError(f"stage {stage_name!r}: scheduler {PLATEAU} takes {list(PLATEAU_OPTIONS)}, got "
+                              f"{sorted(options)}") from e
+    return model, optimizer, loss
 
 
 PART_VALUE_MAX = 64       # a part's string value is at most this long (a longer one is cut: ``fitted_parts``)

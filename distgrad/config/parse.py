@@ -24,6 +24,7 @@ from distgrad.config.experiment import (BUILTIN_DIR, FILE_KINDS, FRAMEWORKS,
                                         Experiment, file_error, interface_differences, loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
 from distgrad.model.optim import build_optimizer
+from distgrad.model.schedules import PLATEAU
 from distgrad.config.tomlfile import read_toml
 from distgrad.privacy.defenses import parse_defenses
 
@@ -81,10 +82,10 @@ def _check_computation(source: str, table: Mapping[str, Any], values: Mapping[st
     if values.get("output") is not None and module is None:
         raise file_error(source, f"stage {name!r}: 'output' is the per-row output shape of a 'module' stage, a list "
                                  f"of positive whole numbers, got {values.get('output')!r}")
-    if values["scheduler"] is not None and framework != "torch":
+    if values["scheduler"] is not None and framework != "torch" and values["scheduler"].get("type") != PLATEAU:
         raise file_error(source, f"stage {name!r}: 'scheduler' is a torch.optim.lr_scheduler class, for a torch "
                                  f"stage; a numpy stage's learning rate follows its optimizer's 'schedule' table "
-                                 f"(see Learning-rate schedules)")
+                                 f"(see Learning-rate schedules), or {PLATEAU}'s rule")
     if values["scheduler"] is not None and "schedule" in values["optimizer"]:
         raise file_error(source, f"stage {name!r}: give the optimizer's 'schedule' (distgrad's float32 schedules) "
                                  f"or 'scheduler' (torch's), not both")

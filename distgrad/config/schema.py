@@ -173,11 +173,16 @@ _STAGE_COMMON: dict[str, Key] = {
                   "may hold a 'schedule' (see Learning-rate schedules), whose float32 rate a torch stage sets on "
                   "every param group before each update"),
     "scheduler": Key(SCHEDULER, help=
-                  "a torch stage only (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
+                  "a torch stage (a 'module', or framework \"torch\"): a torch.optim.lr_scheduler class by name "
                   "and its keyword arguments, e.g. { type = \"StepLR\", step_size = 10, gamma = 0.5 }, stepped once "
                   "after each update (a training step) and checkpointed with the stage; not with the optimizer's "
-                  "'schedule'. Refused: ReduceLROnPlateau (it needs a metric), LambdaLR and MultiplicativeLR (a "
-                  "function), SequentialLR and ChainedScheduler (other schedulers)"),
+                  "'schedule'. { type = \"ReduceLROnPlateau\", ... } (torch's options: mode, factor, patience, "
+                  "threshold, threshold_mode, cooldown, min_lr, eps), on a numpy stage too (the same rule in "
+                  "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
+                  "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
+                  "party that has it, before its next update; it needs eval_every > 0, staleness 0 and no "
+                  "[clients]. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
+                  "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
              "loss class with its keyword arguments, e.g. { type = \"CrossEntropyLoss\" }: CrossEntropyLoss or "
@@ -193,7 +198,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "the last stage only: a reported held-out score (\"test_loss\", \"test_accuracy\" or "
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
-                  "'--save' writes instead of the last; the summary's best_step says which step"),
+                  "'--save' writes instead of the last; the summary's best_step says which step. With [data]'s "
+                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same)"),
     "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "

@@ -242,3 +242,71 @@ def optimizer_schedule(optimizer: str, spec: Any, lr: Any, default_lr: float) ->
         raise ConfigError(f"optimizer {optimizer!r}: a piecewise schedule gives its rates in 'values'; "
                           f"remove 'lr' ({lr!r})")
     return build_schedule(spec, default_lr if lr is None else lr)
+
+
+PLATEAU = "ReduceLROnPlateau"       # the one metric-driven scheduler: a numpy stage's takes torch's options
+PLATEAU_OPTIONS = ("mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps")
+
+
+class Plateau(Schedule):
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau``'s rule for a numpy stage: every update uses the current
+    rate (float32 of a float64 ``rate``), which ``report(metric)``, after each evaluation, multiplies by
+    ``factor`` (not below ``min_lr``; a change of at most ``eps`` is skipped) once ``patience`` reports in a
+    row have not improved on the best (``mode`` "min": lower than ``best * (1 - threshold)``, or with
+    ``threshold_mode`` "abs" ``best - threshold``; "max" the reverse), then waits ``cooldown`` reports."""
+
+    def __init__(self, lr: float, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                 threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: float = 0.0,
+                 eps: float = 1e-8) -> None:
+        if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
+            raise ConfigError(f"{PLATEAU}: mode is \"min\" or \"max\" and threshold_mode \"rel\" or \"abs\", got "
+                              f"{mode!r} and {threshold_mode!r}")
+        if not 0 < factor < 1:
+            raise ConfigError(f"{PLATEAU}: factor must be in (0, 1), got {factor}")
+        for name, value in (("patience", patience), ("cooldown", cooldown)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{PLATEAU}: {name} must be a non-negative integer, got {value!r}")
+        for name, number in (("threshold", threshold), ("min_lr", min_lr), ("eps", eps)):
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < np.inf:
+                raise ConfigError(f"{PLATEAU}: {name} must be a non-negative number, got {number!r}")
+        self.rate = float(check_rate("learning rate", lr))
+        self.mode, self.factor, self.patience, self.threshold = mode, float(factor), patience, float(threshold)
+        self.threshold_mode, self.cooldown, self.min_lr, self.eps = threshold_mode, cooldown, float(min_lr), float(eps)
+        self.best, self.bad, self.cooling = (np.inf if mode == "min" else -np.inf), 0, 0
+
+    def __call__(self, t: int) -> np.float32:
+        return F32(self.rate)
+
+    def _better(self, value: float) -> bool:
+        if self.mode == "min":
+            bound = self.best * (1 - self.threshold) if self.threshold_mode == "rel" else self.best - self.threshold
+            return value < bound
+        bound = self.best * (1 + self.threshold) if self.threshold_mode == "rel" else self.best + self.threshold
+        return value > bound
+
+    def report(self, metric: float) -> None:
+        """One evaluation's ``metric`` (its loss): the rate may drop, as torch's ``step(metric)`` does."""
+        value = float(metric)
+        if self._better(value):
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        if self.cooling > 0:
+            self.cooling -= 1
+            self.bad = 0
+        if self.bad > self.patience:
+            lowered = max(self.rate * self.factor, self.min_lr)
+            if self.rate - lowered > self.eps:
+                self.rate = lowered
+            self.cooling, self.bad = self.cooldown, 0
+
+    def state(self) -> np.ndarray:
+        """What a checkpoint keeps: ``[rate, best, bad, cooling]`` as float64."""
+        return np.array([self.rate, self.best, self.bad, self.cooling], np.float64)
+
+    def load_state(self, saved: np.ndarray) -> None:
+        """Restore ``state``; ``ValueError`` for anything else."""
+        values = np.asarray(saved, np.float64)
+        if values.shape != (4,) or not np.isfinite(values[0]) or values[0] <= 0:
+            raise ValueError(f"{PLATEAU}: the saved state is not [rate, best, bad, cooling]: {values!r:.80}")
+        self.rate, self.best, self.bad, self.cooling = float(values[0]), float(values[1]), int(values[2]), int(values[3])

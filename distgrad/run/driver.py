@@ -464,8 +464,11 @@ class _Driver:
 
     def _owes_evaluation(self) -> bool:
         """A feature party back in a vertical run at a step whose evaluation it has not taken: the stage
-        below waits for every party's held-out embeddings of that step before the next step."""
+        below waits for every party's held-out embeddings of that step before the next step. A stage with
+        ReduceLROnPlateau back at a step whose evaluation its scheduler has not taken owes it too."""
         step = self.state.stage.step
+        if self.state.stage.plateau and 0 < step < self.steps and self._evaluation_due(step):
+            return self.state.plateau_at < step     # its scheduler steps on that evaluation before the next update
         return (self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
                 and not (self.evaluations and self.evaluations[-1]["step"] == step))
 

@@ -440,6 +440,8 @@ class _Reference:
         self.evaluations.append(evaluation_entry(step, self.evaluation))
         if "test" in self.evaluation:
             self.tests[step] = self.evaluation["test"]
+        for stage in self.stages:           # ReduceLROnPlateau steps on the loss, before the next update
+            stage.evaluated(self.evaluation["loss"])
         log.info("step %d: held-out loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
         if not self.selection.active:
             return False

@@ -84,9 +84,9 @@ class _BarLine:
         try:
             p = json.loads(payload)
             rate = p.get("rate")
-            if p.get("test_loss") is not None:
+            if p.get("test_loss") is not None or p.get("validation_loss") is not None:
                 self.test = {key: None if value is None else float(value) for key, value in p.items()
-                             if key.startswith("test_")}
+                             if key.startswith(("test_", "validation_"))}
             loss = p.get("loss")                  # a non-finite loss arrives as "inf" or "nan" (jsontext)
             self.text = render_bar(int(p["step"]), int(p["steps"]), None if loss is None else float(loss),
                                    None if rate is None else float(rate), self.test)

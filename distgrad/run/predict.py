@@ -389,6 +389,10 @@ class PredictionServer:
         # The label owner's class names by id (its [data]'s class_names, saved beside its parameters).
         prep = saved_preparation(self.exp, opts.stage, opts.load_path) if output is not None else None
         self.classes = prep.classes if prep is not None else None
+        if self.classes is not None and tuple(self.stage.output_shape[1:]) != (len(self.classes),):
+            raise ConfigError(f"stage {opts.stage!r} outputs rows of shape {tuple(self.stage.output_shape[1:])}, "
+                              f"and its labels name {len(self.classes)} classes {self.classes[:12]}: one score per "
+                              f"class is needed to write the class names")
         self.parties = self.exp.upstream(opts.stage)        # the stages that send here
         self.upstream = self.parties[0]
         # Vertical: several parties, or one and the label owner's own bottom, whose embeddings combine.

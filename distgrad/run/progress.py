@@ -45,9 +45,10 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
     else:
         speed = "- steps/s ETA -"
     held_out = ""
-    if test and test.get("test_loss") is not None:
-        held_out = f" test {test['test_loss']:.4g}"
-        held_out += "".join(f" {'acc' if key == 'test_accuracy' else key[5:]} {value:.3f}"
+    kind = "validation" if test and test.get("validation_loss") is not None else "test"   # a validation split's
+    if test and test.get(f"{kind}_loss") is not None:
+        held_out = f" {kind} {test[f'{kind}_loss']:.4g}"
+        held_out += "".join(f" {'acc' if key.endswith('_accuracy') else key.split('_', 1)[1]} {value:.3f}"
                             for key, value in test.items() if _is_score(key) and value is not None)
     for name in FIGURES:     # the data owner's privacy meter: its latest window beside the chance level
         if test and test.get(name) is not None:
@@ -56,8 +57,10 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
 
 
 def _is_score(key: str) -> bool:
-    """A held-out score besides the loss: ``test_accuracy``, ``test_auc``, ... (not ``test_count``)."""
-    return key.startswith("test_") and key not in ("test_loss", "test_count")
+    """A held-out score besides the loss: ``test_accuracy``, ``test_auc``, ... (not ``test_count``); with a
+    validation split ``validation_accuracy``, ..."""
+    return key.startswith(("test_", "validation_")) and key not in ("test_loss", "test_count", "validation_loss",
+                                                                     "validation_count")
 
 
 class Progress:
@@ -175,8 +178,8 @@ class TensorBoardWriter:
         if record.get("lr") is not None:
             add("train/lr", record["lr"], step)
         for key, value in record.items():
-            if (key == "test_loss" or _is_score(key)) and value is not None:
-                add(f"test/{key[5:]}", value, step)
+            if (key in ("test_loss", "validation_loss") or _is_score(key)) and value is not None:
+                add("/".join(key.split("_", 1)), value, step)     # test/accuracy, validation/accuracy
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
         for name in FIGURES:

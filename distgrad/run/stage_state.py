@@ -158,6 +158,7 @@ class StageState:
         self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
         # With a validation split: each evaluated step's test-row figures, reported for the kept model only.
         self.tests: dict[int, dict[str, Any]] = {}
+        self.plateau_at = 0             # the step whose evaluation's loss a ReduceLROnPlateau took last
 
     def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
         """``result`` (the evaluation after ``step``; ``last``: the run's last step) with the verdicts this
@@ -174,12 +175,19 @@ class StageState:
         ``step``'s is saved again with the verdict (and, on the label owner, the evaluations it judged)."""
         if isinstance(evaluation.get("test"), Mapping):
             self.tests[step] = dict(evaluation["test"])
+        # ReduceLROnPlateau steps once on each evaluation's loss, after the update of ``step``, before the next.
+        stepped = self.stage.plateau and self.stage.step == step and step > self.plateau_at \
+            and isinstance(evaluation.get("loss"), float)
+        if stepped:
+            self.stage.evaluated(evaluation["loss"])
+            self.plateau_at = step
         self.keeping_best = self.keeping_best or "best" in evaluation
         if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
             self._write_parameters("the best evaluation so far (keep_best)")
         if evaluation.get("stop"):
             self.log.info("early stopping after step %d: the label owner ends the run here", step)
-        if ("best" in evaluation or "stop" in evaluation) and self.store is not None and self.stage.step == step:
+        if ("best" in evaluation or "stop" in evaluation or stepped) and self.store is not None \
+                and self.stage.step == step:
             self.save(step)     # the checkpoint of this step holds its verdict: a resume here keeps it
 
     @property
@@ -271,6 +279,8 @@ class StageState:
                                                   and isinstance(t[1], dict) for t in tests):
             raise ConfigError(f"checkpoint of step {step}: its test figures are not [step, scores] pairs")
         self.tests = {s: t for s, t in tests if s <= step}
+        plateau_at = saved.get("plateau_at", 0)
+        self.plateau_at = plateau_at if isinstance(plateau_at, int) and plateau_at <= step else 0
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
@@ -337,7 +347,8 @@ class StageState:
             meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
                         verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
                                   "keeping_best": self.keeping_best,
-                                  "tests": [[step, test] for step, test in sorted(self.tests.items())]})
+                                  "tests": [[step, test] for step, test in sorted(self.tests.items())],
+                                  "plateau_at": self.plateau_at})
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step

@@ -19,15 +19,14 @@ from distgrad.model.metrics import LOWER_IS_BETTER
 
 
 def field_metric(field: str) -> str:
-    """``test_accuracy`` -> ``accuracy``: the metric a reported field scores."""
-    return field.removeprefix("test_")
+    """``test_accuracy`` (or ``validation_accuracy``) -> ``accuracy``: the metric a reported field scores."""
+    return field.removeprefix("validation_") if field.startswith("validation_") else field.removeprefix("test_")
 
 
 def judged_field(field: str, fields: Mapping[str, Any]) -> str:
     """The field of an evaluation's ``fields`` that ``field`` (e.g. ``test_accuracy``) judges: with a
     validation split, the validation rows' (``validation_accuracy``), never the test rows'."""
-    validation = "validation_" + field_metric(field)
-    return validation if "validation_loss" in fields else field
+    return ("validation_" if "validation_loss" in fields else "test_") + field_metric(field)
 
 
 def _improves(value: float | None, best: float | None, lower: bool) -> bool:

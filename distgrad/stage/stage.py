@@ -26,6 +26,7 @@ from distgrad.model.metrics import score
 from distgrad.model.nn import DTYPE, ForwardContext, Grads, Sequential, Shape
 from distgrad.config.npzfile import check_values, read_npz, write_npz
 from distgrad.model.optim import Optimizer
+from distgrad.model.schedules import Plateau
 from distgrad.privacy.defenses import nopeek_gradient
 from distgrad.stage.records import write_atomic
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
@@ -133,6 +134,9 @@ def check_cut(exp: Experiment, stage: "Stage", seed: int) -> None:
                               f"the activation it sends is {tuple(expected)}")
     elif exp.has_stage(exp.label_owner) and exp.spec(exp.label_owner).data != {}:
         check_targets(exp, exp.build_data(seed, stage=exp.label_owner), stage.output_shape)
+
+
+_PLATEAU = "sched/plateau"      # the checkpoint array of a numpy stage's ReduceLROnPlateau state
 
 
 def evaluate_held_out(stage: "Stage", x: np.ndarray, target: np.ndarray, metrics: Sequence[str],
@@ -371,6 +375,17 @@ class Stage:
         """The learning rate of the latest update (before any: of the first), as the optimiser used it."""
         return float(self.optimizer.schedule(max(self.optimizer.updates, 1)))
 
+    def evaluated(self, loss: float) -> None:
+        """An evaluation's ``loss`` (the validation rows' with a validation split) after this stage's latest
+        update, before its next: a ``ReduceLROnPlateau`` scheduler steps on it; nothing else changes."""
+        if isinstance(self.optimizer.schedule, Plateau):
+            self.optimizer.schedule.report(loss)
+
+    @property
+    def plateau(self) -> bool:
+        """Whether this stage's rate follows the loss of each evaluation (``ReduceLROnPlateau``)."""
+        return isinstance(self.optimizer.schedule, Plateau)
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything the next step depends on, as named arrays (for checkpoints).
 
@@ -386,6 +401,8 @@ class Stage:
                 arrays.update({f"opt/{key}/{name}": v for name, v in value.items()})
             else:
                 arrays[f"opt/{key}"] = np.asarray(value)
+        if isinstance(self.optimizer.schedule, Plateau):
+            arrays[_PLATEAU] = self.optimizer.schedule.state()
         return arrays
 
     def _saved_param_names(self, arrays: Mapping[str, np.ndarray]) -> set[str]:
@@ -403,6 +420,12 @@ class Stage:
         learning-rate schedules) resumes with ``step`` as the count.
         """
         self._saved_param_names(arrays)
+        if (_PLATEAU in arrays) != isinstance(self.optimizer.schedule, Plateau):
+            raise ValueError(f"stage {self.name}: the checkpoint {'has' if _PLATEAU in arrays else 'has no'} "
+                             f"ReduceLROnPlateau state, and the stage {'has' if self.plateau else 'has no'} such "
+                             f"scheduler")
+        if isinstance(self.optimizer.schedule, Plateau):
+            self.optimizer.schedule.load_state(arrays[_PLATEAU])
         for name, value in self.params.items():
             saved = arrays[f"param/{name}"]
             if saved.shape != value.shape:

@@ -110,7 +110,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from distgrad.jsontext import json_text
+from distgrad.jsontext import finite_or_text, json_text
 from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
@@ -120,7 +120,7 @@ from distgrad.model.nn import DTYPE, Dense, Grads, Layer, ReLU, Scale, Shape, Si
 from distgrad.model.optim import OPTIMIZERS, SGD, Adam, Optimizer, build_optimizer
 from distgrad.stage.records import write_atomic
 from distgrad.config.npzfile import member_error
-from distgrad.model.schedules import Schedule, optimizer_schedule
+from distgrad.model.schedules import PLATEAU, Schedule, optimizer_schedule
 from distgrad.stage.stage import Stage, check_cut, check_saved_parameters
 from distgrad.threads import one_torch_thread
 
@@ -402,29 +402,35 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
 
 # Schedulers a table cannot give what they need, with the reason.
 _REFUSED_SCHEDULERS = {
-    "ReduceLROnPlateau": "it steps on a metric (a validation loss), which the stage does not give it; use a "
-                         "schedule that depends on the step only",
     "LambdaLR": "it takes a Python function, which a table cannot give",
     "MultiplicativeLR": "it takes a Python function, which a table cannot give",
     "SequentialLR": "it takes other schedulers, which a table cannot give",
     "ChainedScheduler": "it takes other schedulers, which a table cannot give",
 }
+_PLATEAU_FLOATS = ("best", "mode_worse")      # ReduceLROnPlateau's state floats that may be infinite
 _SCHEDULER = "opt/scheduler"    # the checkpoint array of the scheduler's state: JSON text as uint8
 
 
 def _scheduler_classes() -> list[str]:
     base = torch.optim.lr_scheduler.LRScheduler
-    return sorted(name for name, value in vars(torch.optim.lr_scheduler).items() if isinstance(value, type)
-                  and issubclass(value, base) and value is not base and not name.startswith("_")
-                  and name not in _REFUSED_SCHEDULERS)
+    return sorted({name for name, value in vars(torch.optim.lr_scheduler).items() if isinstance(value, type)
+                   and issubclass(value, base) and value is not base and not name.startswith("_")
+                   and name not in _REFUSED_SCHEDULERS} | {PLATEAU})
+
+
+def is_plateau(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on an evaluation's loss (``ReduceLROnPlateau``), not after each update."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def _scheduler_state(scheduler: Any, optimizer: torch.optim.Optimizer) -> np.ndarray:
     """The scheduler's ``state_dict`` and the optimizer's param groups (which a scheduler may change: the
     rate, and momentum for OneCycleLR and CyclicLR) as JSON text in a uint8 array (never a pickle);
     ``TypeError``/``ValueError`` when they are not plain numbers, strings and lists."""
-    text = json_text({"scheduler": scheduler.state_dict(), "param_groups": optimizer.state_dict()["param_groups"]},
-                      strict=True)
+    state = scheduler.state_dict()
+    if is_plateau(scheduler):       # its best loss starts infinite (and its worst is): JSON keeps them as text
+        state = {k: finite_or_text(v) if isinstance(v, float) else v for k, v in state.items()}
+    text = json_text({"scheduler": state, "param_groups": optimizer.state_dict()["param_groups"]}, strict=True)
     return np.frombuffer(text.encode(), np.uint8).copy()
 
 
@@ -432,8 +438,9 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
     """The ``torch.optim.lr_scheduler`` class a stage's ``scheduler = { type = "StepLR", ... }`` names, made
     over ``optimizer`` with the table's other keys as keyword arguments; None without a table.
 
-    Stepped once after each update (``TorchStage.apply``) and checkpointed
-    with the stage. ``ConfigError`` naming the stage for an unknown class, a
+    Stepped once after each update (``TorchStage.apply``), or, for
+    ``ReduceLROnPlateau``, once after each evaluation with its loss
+    (``TorchStage.evaluated``), and checkpointed with the stage. ``ConfigError`` naming the stage for an unknown class, a
     refused one (``_REFUSED_SCHEDULERS``: the reason), arguments the class
     rejects, or a state that cannot be checkpointed as JSON.
     """
@@ -849,10 +856,21 @@ class TorchStage(Stage):
                 group["lr"] = lr
         self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
-        if self.scheduler is not None:
+        if self.scheduler is not None and not is_plateau(self.scheduler):
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+
+    def evaluated(self, loss: float) -> None:
+        """An evaluation's ``loss`` (the validation rows' with a validation split) after this stage's latest
+        update, before its next: a ``ReduceLROnPlateau`` scheduler steps on it; nothing else changes."""
+        if is_plateau(self.scheduler):
+            self.scheduler.step(float(loss))
+
+    @property
+    def plateau(self) -> bool:
+        """Whether this stage's rate follows the loss of each evaluation (``ReduceLROnPlateau``)."""
+        return is_plateau(self.scheduler)
 
     def learning_rate(self) -> float:
         """The learning rate of the latest update this process applied (its first param group's, before a
@@ -949,7 +967,10 @@ class TorchStage(Stage):
             groups = saved["param_groups"]
             if len(groups) != len(current) or any(set(g) != set(c) for g, c in zip(groups, current)):
                 raise ValueError("its param groups differ from the optimizer's")
-            self.scheduler.load_state_dict(saved["scheduler"])
+            state = saved["scheduler"]
+            if is_plateau(self.scheduler):
+                state = {k: float(v) if k in _PLATEAU_FLOATS else v for k, v in state.items()}   # "inf" as text
+            self.scheduler.load_state_dict(state)
         except (ValueError, KeyError, TypeError) as e:   # JSON and Unicode errors are ValueErrors
             raise ValueError(f"stage {self.name}: the checkpoint's scheduler state does not fit: {e}") from e
         # JSON has lists where torch keeps tuples (Adam's betas)
