@@ -238,6 +238,21 @@ def test_init_refuses_the_label_as_the_id_column(tmp_path: Path):
     assert result.returncode == 2 and "is the label column" in result.stderr
 
 
+def test_init_takes_an_unnamed_first_column_of_distinct_values_as_the_ids(tmp_path: Path):
+    """A table saved with its index (a first column with no name): that column is the rows' ID."""
+    rows = [["", "x", "kind", "y"]] + [[str(i), f"{i % 7}", ["a", "b"][i % 2], ["no", "yes"][i % 3 == 0]]
+                                       for i in range(40)]
+    path = tmp_path / "indexed.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    out = tmp_path / "out"
+    result = run_main(["init", path, "--label", "y", "--out", out])
+    assert result.returncode == 0, result.stderr
+    f_data = _toml(out / "f" / "f.toml")["data"]
+    assert f_data["id_column"] == "column_1" and f_data["features"] == ["x", "kind"]
+    assert [r[0] for r in _read_csv(out / "g" / "g.csv")[1:4]] == ["0", "1", "2"]
+
+
 # --- refusals: nothing written ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, expected", [

@@ -43,6 +43,7 @@ CATEGORIES_MAX = 50             # a text column with more distinct values is lef
 COMMON_ROWS_MIN = 10            # fewer rows than this (common rows, for one CSV per party) is refused
 ID_NAMES = ("id", "row_id", "rowid", "key")     # a column so named (any case) with distinct values is the rows' ID
 ADDED_ID = "row_id"             # the ID column init adds (the table's line numbers) when the table has none
+UNNAMED = "column_{}"           # the name of a column the header line leaves unnamed (1 for the first)
 _PARTY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -92,9 +93,9 @@ def read_table(path: Path) -> Table:
     header = [cell.strip() for cell in lines[0]]
     if not lines[1:]:
         raise ConfigError(f"{path} has a header line but no data row")
-    blank = [i + 1 for i, name in enumerate(header) if not name]
-    if blank:
-        raise ConfigError(f"{path}: the header line names no column at position(s) {blank}; name every column")
+    for i, name in enumerate(header):       # an unnamed column (a table's saved index, say): named by position
+        if not name:
+            header[i] = UNNAMED.format(i + 1)
     twice = sorted({name for name in header if header.count(name) > 1})
     if twice:
         raise ConfigError(f"{path}: the header line names {twice} more than once")
@@ -139,7 +140,8 @@ def _find_id_column(tables: Sequence[Table], given: str | None, label: str) -> s
                               f"joined on (they share {common}); give --id-column NAME")
         return _find_id_column(tables, common[0], label)
     for name in tables[0].header:
-        if name.lower() in ID_NAMES and name != label and _unique(tables[0].column(name)):
+        named_like_an_id = name.lower() in ID_NAMES or (name == UNNAMED.format(1) and name not in ID_NAMES)
+        if named_like_an_id and name != label and _unique(tables[0].column(name)):
             return name
     return None
 
