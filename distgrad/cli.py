@@ -305,9 +305,9 @@ def _init_arguments(init: argparse.ArgumentParser) -> None:
                            "label owner is g; 'g:COL,...' gives it columns of its own); columns no party names are "
                            "left out")
     init.add_argument("--id-column", metavar="COLUMN",
-                      help="the rows' ID column (default: a column named id, row_id, rowid or key with distinct "
-                           "values; with one CSV per party, the one column they all hold; else init numbers the "
-                           "rows)")
+                      help="the rows' ID column (default: a column named id, row_id, rowid or key, or an unnamed "
+                           "first column, with distinct values; with one CSV per party, the one column they all "
+                           "hold; else init numbers the rows)")
     init.add_argument("--task", choices=["auto", "classification", "regression"], default="auto",
                       help="auto (default): a text label, or at most 20 distinct whole numbers, is a "
                            "classification, else a regression")

@@ -23,14 +23,17 @@ checks that the pieces of one deployment fit: each party reads a stage file
 of its own stage (mounted from its own folder under deploy/parties/ or its own
 ConfigMap; no container holds another party's file), the parties' files load
 together as one experiment (their interfaces agree, as the handshake checks),
-deploy/parties/ holds what ``distgrad split`` and the vertical example write,
+deploy/parties/ holds what ``distgrad init`` (the two-party example, from the table deploy/data ships),
+``distgrad split`` and the vertical example write, every data file a stage file reads is in the repository (or,
+on Kubernetes, on the party's claim, awaited by an init container; no Secret carries data),
 the driving stages connect to the port the serving stage binds, all checkpoint
 with the same K and resume, all use CURVE, health checks ping the serving
 stage with keys it can accept, and every file a command names is mounted in
 its container. In the vertical deployments every party first runs ``distgrad
 align`` (one coordinator, the label owner, that the others reach; the same
 keys as its stage) and its stage file reads the rows its own alignment wrote
-(stand-ins computed here, the aligned rows, let the files be parsed).
+(stand-ins computed here, the aligned rows, let the files be parsed), and where more than two parties align,
+every party but the coordinator checks the others' digests with ``--party-keys``.
 
 YAML needs PyYAML; without it the YAML tests are skipped.
 """
