@@ -142,6 +142,7 @@ def test_init_chooses_the_preparation_from_the_table_and_says_why(tmp_path: Path
     assert f_file["interface"] == g_file["interface"]
     data = f_file["data"]
     assert data["kind"] == "csv" and data["path"] == "f.csv" and data["id_column"] == "row_id"
+    assert data["split_seed"] == g_file["data"]["split_seed"] == 0     # the width holds under another --seed
     assert data["features"] == HEADER[1:]
     assert data["categorical"] == ["island", "sex"]
     assert data["missing"] == "median" and data["standardize"] is True

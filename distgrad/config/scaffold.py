@@ -308,11 +308,13 @@ def _epochs(rows: int, batch: int) -> int:
     return max(EPOCHS_MIN, min(EPOCHS_MAX, math.ceil(TARGET_STEPS / per_epoch)))
 
 
-def _party_data(party: Party, id_name: str, label: str, batch: int, classify: bool,
+def _party_data(party: Party, id_name: str, label: str, batch: int, classify: bool, seed: int,
                 comments: dict[str, str]) -> dict[str, Any]:
-    """The party's ``[data]`` table over its own CSV (``NAME.csv`` beside its stage file)."""
+    """The party's ``[data]`` table over its own CSV (``NAME.csv`` beside its stage file). Its held-out split
+    is fixed (``split_seed``): the categories of the training rows, so the input width the model is sized to,
+    stay the same under another ``--seed``."""
     table: dict[str, Any] = {"kind": "csv", "path": f"{party.name}.csv", "header": True, "id_column": id_name,
-                             "batch": batch, "test_fraction": TEST_FRACTION}
+                             "batch": batch, "test_fraction": TEST_FRACTION, "split_seed": seed}
     if party.columns:
         cells = {c: party.table.column(c) for c in party.columns}
         categorical = [c for c in party.columns if not _is_numbers(cells[c])]
@@ -435,7 +437,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
                         [[i, *(row[c] for c in indices)] for i, row in zip(ids, party.table.rows)])
             written.append(folder / f"{party.name}.csv")
             comments[party.name] = {}
-            data_tables[party.name] = _party_data(party, id_name, label, batch, classify, comments[party.name])
+            data_tables[party.name] = _party_data(party, id_name, label, batch, classify, seed, comments[party.name])
             notes.extend(f"{party.name} [data]: {key} = {toml_value(data_tables[party.name][key])}: {why}"
                          for key, why in comments[party.name].items())
             widths[party.name] = _width(data_tables[party.name], seed, folder) if party.columns else 0
