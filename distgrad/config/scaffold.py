@@ -397,6 +397,8 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
                         [[*row, str(k)] for k, row in enumerate(tables[0].rows, start=1)])]
         notes.append(f"the table has no ID column: init numbers its data rows in {id_name!r} (1 for the first); "
                      f"--id-column NAME to use a column of yours")
+    elif id_column is None:
+        notes.append(f"the rows' IDs: column {id_name!r} (--id-column NAME to choose another)")
     label_table = _label_table(tables, label)
     tables = [_drop_missing_labels(t, label, notes) if t is label_table else t for t in tables]
     label_table = _label_table(tables, label)
