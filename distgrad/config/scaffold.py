@@ -140,7 +140,7 @@ def _find_id_column(tables: Sequence[Table], given: str | None, label: str) -> s
                               f"joined on (they share {common}); give --id-column NAME")
         return _find_id_column(tables, common[0], label)
     for name in tables[0].header:
-        named_like_an_id = name.lower() in ID_NAMES or (name == UNNAMED.format(1) and name not in ID_NAMES)
+        named_like_an_id = name.lower() in ID_NAMES or name == UNNAMED.format(1)     # or a saved index
         if named_like_an_id and name != label and _unique(tables[0].column(name)):
             return name
     return None
