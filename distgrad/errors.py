@@ -121,3 +121,14 @@ class Interrupted(DistgradError):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
+
+
+class NoiseReuseError(StageError):
+    """A step computed again (a resume, a resend) on other input than its first computation, by a stage
+    whose defense draws noise: answering it would reuse the first computation's noise on other values, so
+    the difference of the two replies would be noise-free. Nothing of the step is sent or applied."""
+
+
+class BudgetExhausted(StageError):
+    """A stage's privacy budget (``clip_noise = { epsilon = E }``) allows no more releases of a row the next
+    step holds: nothing of that step is sent or applied, and the checkpoints stay as they are."""

@@ -518,3 +518,13 @@ def train_last_step(stage, x, target):
     engine.add(0, 1, grads, loss)
     engine.update(stage.step + 1, 1)
     return loss, dx, grads
+
+
+@pytest.fixture
+def fixed_noise_secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every run of this test (stage processes it starts, and the in-process reference) draws its defenses'
+    noise from one secret (``DISTGRAD_NOISE_SECRET``), so a run of stage processes is comparable bitwise
+    with ``--in-process``; without it each run draws its own."""
+    secret = "5eed0f5ec7e7"
+    monkeypatch.setenv("DISTGRAD_NOISE_SECRET", secret)
+    return secret

@@ -196,6 +196,7 @@ def test_bad_audit_inputs_exit_2_naming_the_problem(tmp_path):
     assert result.returncode == 2 and "--steps" in result.stderr
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_the_trace_records_what_crossed_after_defense_and_codec_alike_in_every_runner(tmp_path):
     """With micro-batches, a gradient codec and the label owner's clip_noise: ``sent_activation_grad`` is what
     f decoded (not the label owner's ``activation_grad``), bitwise the same over processes and in process."""

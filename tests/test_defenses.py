@@ -295,6 +295,7 @@ def test_each_defense_changes_what_is_trained_and_is_reported(tmp_path):
         assert 0 < clip["epsilon"] < math.inf
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_run_over_processes_is_bitwise_the_in_process_run(tmp_path):
     """Both parties defended, two micro-batches, int8 on both directions: the stage processes train exactly
     what one process does, and the merged summary holds both parties' privacy entries."""
@@ -311,6 +312,7 @@ def test_defended_run_over_processes_is_bitwise_the_in_process_run(tmp_path):
     assert "privacy: f: clip_noise" in result.stdout
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_marvell_over_processes_is_bitwise_the_in_process_run(tmp_path):
     """Marvell reads each micro-batch's labels where its gradient rows are sent: over processes, with two
     micro-batches and int8 on the gradients, the stages train exactly what one process does; not a no-op."""
@@ -323,12 +325,14 @@ def test_marvell_over_processes_is_bitwise_the_in_process_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_marvell_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _zero_vs_rest(
         tmp_path, F_DEFENSE, "marvell = { bound = 0.5 }\nlabel_dp = { epsilon = 2.0 }"))
 
 
 @pytest.mark.slow       # about 10 s; the undefended kill -9 runs by default, and the defenses are stateless per step
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     _kill_9_of_either_stage_is_bitwise(tmp_path, stage_group, _digits(tmp_path, F_DEFENSE, G_DEFENSE))
 
@@ -348,6 +352,7 @@ def _kill_9_of_either_stage_is_bitwise(tmp_path: Path, stage_group, path: Path) 
     assert pair.starts["g"] == pair.starts["f"] == 2
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tmp_path):
     """``distgrad split`` writes each party's defenses into its own stage file; the label owner given its own
     ``seed`` draws its noise and its randomized labels from it (another seed, other draws), the summary says
@@ -366,11 +371,12 @@ def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tm
     reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert summary["params"] == reference["params"]
     assert summary["privacy"]["g"]["noise_seed"] == "the stage's own"
-    assert "noise from the run's seed" in result.stdout              # f's, which has no seed of its own
+    assert "run's seed" not in result.stdout          # f's clip_noise draws from the run's secret, not its seed
     own_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
     assert not np.array_equal(own_labels, shared_labels)
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_vertical_parties_and_clients_over_processes_are_bitwise_the_in_process_run(tmp_path):
     """Every topology gets the defenses through the one pipeline: feature parties clip and noise their
     embeddings (or decorrelate them, NoPeek), the label owner each party's gradient (streams per peer); each
@@ -399,6 +405,7 @@ def test_defended_torch_stages_change_what_is_trained(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp_path):
     pytest.importorskip("torch")
     torch_lines = 'framework = "torch"\n'
@@ -407,6 +414,7 @@ def test_defended_torch_stages_over_processes_are_bitwise_the_in_process_run(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_marvell_on_torch_stages_over_processes_is_bitwise_the_in_process_run(tmp_path):
     pytest.importorskip("torch")
     torch_lines = 'framework = "torch"\n'
@@ -416,6 +424,7 @@ def test_marvell_on_torch_stages_over_processes_is_bitwise_the_in_process_run(tm
 
 
 @pytest.mark.slow       # the same pipeline as the two-stage runs above; kept out of the default suite's time
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_process_run(tmp_path):
     """A chain of three (the middle stage relays, undefended) with both ends defended, and the data owner's
     steps in flight (--staleness 1): draws keyed by the step stay exact when forwards run ahead."""
@@ -428,6 +437,7 @@ def test_defended_chain_and_steps_in_flight_over_processes_are_bitwise_the_in_pr
     _equal_over_processes(tmp_path, _digits(tmp_path, F_DEFENSE, G_DEFENSE), "--staleness", "1")
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")
 def test_defended_stages_through_the_python_api_train_the_in_process_parameters(tmp_path):
     """``distgrad.serve_stage`` / ``drive_stage`` (the stages as threads of this process, over tcp) take the
     defenses from the same file and report them in each stage's summary."""

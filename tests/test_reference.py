@@ -142,7 +142,8 @@ _STAGE_VALUES: dict[str, tuple[str, Any]] = {   # [[stages]] / [stage] keys: (bu
 }
 
 _DEFENSE_VALUES: dict[str, Any] = {"clip_noise": {"max_norm": 1.0, "sigma": 0.5}, "max_norm": True,
-                                   "label_dp": {"epsilon": 2.0}, "nopeek": {"weight": 0.1}, "marvell": {"bound": 1.0}}
+                                   "label_dp": {"epsilon": 2.0}, "nopeek": {"weight": 0.1}, "marvell": {"bound": 1.0},
+                                   "dp_sgd": {"max_norm": 1.0}}
 
 
 def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Callable[[dict], None]]]:
@@ -205,6 +206,8 @@ _CHECKED_AGAINST_OTHERS = {("interface", "activation"): "the interface says the 
                            ("stage", "bottom"): "dense layer 'g1' takes (batch, 24), got (32, 32)",   # concat: +8
                            ("stage", "marvell"): "'marvell' is defined for a two-class task",     # digits: 10
                            ("stages", "marvell"): "'marvell' is defined for a two-class task",
+                           ("stage", "dp_sgd"): "shares clip_noise's sigma and budget",   # g has none
+                           ("stages", "dp_sgd"): "shares clip_noise's sigma and budget",
                            ("top", "reduction"): "'reduction' is 'sum' but the loss reduces rows by mean"}
 
 _TABLES = {"top": schema.TOP_KEYS, "stages": schema.COMBINED_STAGE_KEYS, "file": schema.STAGE_FILE_KEYS,

@@ -57,6 +57,29 @@ def test_a_loaded_stage_holds_exactly_the_saved_values(tmp_path: Path):
     assert all(np.array_equal(fresh.params[k], trained.params[k]) for k in trained.params)
 
 
+def test_parameters_named_like_savez_keywords_are_saved_and_loaded_like_any_other(tmp_path: Path):
+    """A parameter's name is the archive member's name, whatever it is: scale layers named ``file`` and
+    ``allow_pickle`` (``numpy.savez``'s own keywords) are written, read by ``numpy.load`` and loaded back."""
+    from distgrad.model.nn import build_model
+    from distgrad.model.optim import build_optimizer
+
+    def stage() -> Stage:
+        model = build_model([{"type": "scale", "name": "file", "size": 3},
+                             {"type": "scale", "name": "allow_pickle", "size": 3}], seed=7)
+        return Stage("f", model, build_optimizer({"type": "sgd", "lr": 0.1}), None, (2, 3))
+
+    trained = stage()
+    for value in trained.params.values():
+        value += np.float32(0.25)
+    trained.save_parameters(tmp_path / "f.npz")
+    saved = _arrays(tmp_path / "f.npz")
+    assert sorted(saved) == ["allow_pickle", "file"]
+    assert all(np.array_equal(saved[k], trained.params[k]) for k in trained.params)
+    fresh = stage()
+    fresh.load_parameters(tmp_path / "f.npz")
+    assert all(np.array_equal(fresh.params[k], trained.params[k]) for k in trained.params)
+
+
 def test_a_parameters_file_that_does_not_fit_is_a_configuration_error(tmp_path: Path):
     exp = load_experiment("digits")
     Stage.from_experiment(exp, "f").save_parameters(tmp_path / "f.npz")

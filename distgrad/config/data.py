@@ -72,6 +72,8 @@ class Ramp(DataSource):
     Python float to a float32 placeholder. Unbatched: shape ``(size,)``.
     """
 
+    feature_shape: Shape
+
     def __init__(self, start: float = 1.0, delta: float = -0.1, size: int = 1) -> None:
         self.start, self.delta = float(start), float(delta)
         self.feature_shape = self.target_shape = (int(size),)
@@ -91,6 +93,7 @@ class RowBatches(DataSource):
     batch: int
     batches_per_epoch: int
     seed: int
+    rows: int                 # how many rows are numbered (``row_count``), for a source that does not compute it
     _epoch: int = -1
     _order: np.ndarray = np.arange(0)
     _training_mask: np.ndarray | None = None     # by row number: a training row of this data owner (built once)
@@ -298,7 +301,7 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{kind} data needs 'features', 'labels' or both")
         self.feature_ref, self.label_ref, self.header = features, labels, bool(header)
         self.csv = CsvColumns(self.path, self.header) if kind == "csv" and self.path is not None else None
-        if self.csv is not None and self.header and self.path.is_file():
+        if self.csv is not None and self.header and self.csv.path.is_file():
             first = self.csv.first_row()
             if first and all(number(cell) is not None for cell in first):
                 raise ConfigError(f"csv data {self.path}: header = true, but line 1 holds only numbers, a row of "
@@ -791,6 +794,8 @@ class ColumnView(DataSource):
     last axis, in the order given); everything else (rows, order, targets,
     held-out rows) is the source's own, so every party walks the same rows.
     """
+
+    feature_shape: Shape
 
     def __init__(self, source: DataSource, columns: list[int]) -> None:
         shape = source.feature_shape

@@ -6,20 +6,23 @@ the label owner (the last stage, with ``labels = "last"``) may defend the activa
 a feature party) the activations it sends down (``clip_noise``). Anything else is refused, naming the key and
 the reason (``check_defenses``), and so is a privacy meter on a stage without labels or inputs (``meter_kind``,
 ``metered``). ``row_defense`` binds a stage's row defenses to what it sends, for
-``distgrad.wire.wirecodec.Senders``; ``privacy_budget`` is the label owner's (epsilon, delta) for its summary.
+``distgrad.wire.wirecodec.Senders``, with a ``NoiseLedger`` holding the run's noise secret and counting each
+row's releases; ``privacy_budget`` is the label owner's (epsilon, delta) for its summary, from its worst row.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from distgrad.config.experiment import Experiment
 from distgrad.errors import ConfigError
-from distgrad.privacy.budget import label_budget
-from distgrad.privacy.defenses import SentRows
+from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
+from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
+from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 NO_GUARANTEE = "no differential-privacy guarantee"
@@ -86,7 +89,8 @@ def check_defenses(exp: Experiment) -> None:
             meter_kind(exp, spec.name)
         d = spec.defenses
         label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None),
-                                          ("marvell", d.marvell is not None)) if on]
+                                          ("marvell", d.marvell is not None), ("dp_sgd", d.dp_sgd is not None))
+                      if on]
         if not label_keys and d.clip_noise is None and d.nopeek is None:
             continue
         where = f"stage {spec.name!r}"
@@ -103,6 +107,9 @@ def check_defenses(exp: Experiment) -> None:
         if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
                               f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
+        if d.clip_noise is not None and d.clip_noise.epsilon is not None and not label_owner:
+            raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is the label owner's (a label-DP budget); "
+                              f"a data owner's clip_noise states no guarantee for its inputs: give it a sigma")
         if d.nopeek is not None and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
                               f"sends from its inputs); {spec.name!r} receives activations")
@@ -113,6 +120,51 @@ def check_defenses(exp: Experiment) -> None:
                                   f"batches of rows, not {data.target_dtype.name} targets")
         if d.marvell is not None:
             _check_marvell(exp, spec.name)
+        if d.dp_sgd is not None:
+            _check_dp_sgd(exp, spec.name)
+
+
+def _check_dp_sgd(exp: Experiment, stage: str) -> None:
+    """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
+    (whose sigma and budget it shares), numpy layers without batch statistics or dropout (each example is
+    forwarded alone), one data owner's rows or vertical parties without a bottom model of its own."""
+    where = f"stage {stage!r}: 'dp_sgd'"
+    spec = exp.spec(stage)
+    if not label_owner_sends_gradients(exp, stage):
+        raise ConfigError(f"{where} is the label owner's own update (its labels); {stage!r} is not the label owner")
+    if spec.defenses.clip_noise is None:
+        raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
+    if spec.framework != "numpy" or spec.module is not None:
+        raise ConfigError(f"{where} needs each example's parameter gradient; a torch stage would compute them with "
+                          f"torch.func, which is not supported yet: use numpy layers")
+    if exp.federated:
+        raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
+                          f"one label owner, counted apart")
+    if exp.own_bottom:
+        raise ConfigError(f"{where} is not supported with the label owner's own bottom model: its update would "
+                          f"stay exact")
+    kinds = {str(layer.get("type")) for layer in (spec.model or []) if isinstance(layer, dict)}
+    refused = sorted(kinds & {"batchnorm", "batch_norm", "dropout"})
+    if refused:
+        raise ConfigError(f"{where}: each example is forwarded alone for its gradient, so layers that mix or "
+                          f"draw across a batch ({', '.join(refused)}) are refused")
+
+
+def attach_dp_sgd(exp: Experiment, stage: Any, defense: SentRows | None) -> None:
+    """Make ``stage`` (the label owner's ``Stage``) compute its parameter gradients by DP-SGD
+    (``privacy.defenses.dp_sgd_gradients``) when its ``dp_sgd`` is set: each example's gradient clipped to
+    the bound, the noise of its ``clip_noise`` sigma drawn from the run's noise secret (``defense``'s ledger),
+    keyed by the update and the digests of what it is computed from. Nothing for any other stage."""
+    if defense is None or defense.defenses.dp_sgd is None or defense.defenses.clip_noise is None:
+        return
+    bound, sigma = defense.defenses.dp_sgd, defense.defenses.clip_noise.noise
+    ledger, name = defense.ledger, defense.stage
+
+    def update(x: np.ndarray, dy: np.ndarray, mb: int) -> dict[str, np.ndarray]:
+        scale = len(x) if stage.loss is not None and stage.loss.reduction == "mean" else 1
+        rng = defense_rng(ledger.secret, name, f"dp_sgd/mb{mb}", stage.step + 1, digest(x) + digest(dy))
+        return dp_sgd_gradients(stage.per_example_grads(x, dy, mb), bound, sigma, float(scale), rng)
+    stage.private_update = update
 
 
 def _check_marvell(exp: Experiment, stage: str) -> None:
@@ -135,40 +187,122 @@ def _check_marvell(exp: Experiment, stage: str) -> None:
                           f"direction leaks); the labels hold {held}")
 
 
-def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = None) -> SentRows | None:
-    """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise``, ``max_norm`` and
-    ``marvell`` bound to the direction it sends in, Marvell to the class ids the stage trains on (its own
-    data's ``targets``, after any ``label_dp``), its own seed (its stage file's ``seed``, else the run's ``seed``: ``noise_seed``)
-    and its ``instance`` name (a client's copy of the first
-    stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from."""
+def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = None, steps: int | None = None,
+                secret: int | None = None) -> SentRows | None:
+    """What ``stage`` does to the rows it sends (None: nothing): its ``clip_noise`` (a target form's sigma
+    chosen for the releases of ``steps`` steps, default the experiment's: ``stage_defenses``), ``max_norm``
+    and ``marvell`` bound to the direction it sends in, Marvell to the class ids the stage trains on (its own
+    data's ``targets``, after any ``label_dp``), and its ``instance`` name (a client's copy of the first
+    stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from with the run's noise ``secret``
+    (default: a fresh one, ``fresh_secret``). The label owner's ledger counts each row's releases (the rows of
+    its own data's order, or those a forward names) and, for a target form, refuses the release that would
+    pass the planned count."""
     if not exp.has_stage(stage):
         return None
-    defenses = exp.spec(stage).defenses
+    defenses = stage_defenses(exp, stage, exp.steps if steps is None else steps, seed)
     if not defenses.on_rows:
         return None
-    direction = GRADIENT if label_owner_sends_gradients(exp, stage) else ACTIVATION
+    gradients = label_owner_sends_gradients(exp, stage)
+    direction = GRADIENT if gradients else ACTIVATION
     labels = exp.build_data(seed, stage=stage).targets if defenses.marvell is not None else None
-    return SentRows(defenses, direction, exp.spec(stage).init_seed(seed), instance or stage, labels)
+    limit = (_cut_releases(exp, stage, exp.steps if steps is None else steps, seed)
+             if gradients and defenses.clip_noise is not None and defenses.clip_noise.epsilon is not None else None)
+    rows = _row_order(exp, stage, seed) if gradients else None
+    return SentRows(defenses, direction, instance or stage, NoiseLedger(fresh_secret(secret), limit), labels, rows)
 
 
-def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int) -> dict[str, Any]:
+def _row_order(exp: Experiment, stage: str, seed: int) -> Any:
+    """``rows(step, stream)``: the row numbers of the step's batch the label owner ``stage`` walks for the
+    peer a stream goes to (a client's own shard, ``clientN``), or None for data without numbered rows."""
+    if exp.federated:
+        sources = [exp.build_data(seed, client=c, stage=stage) for c in range(exp.clients.count)]
+    else:
+        sources = [exp.build_data(seed, stage=stage)]
+    if not all(hasattr(data, "step_rows") for data in sources):
+        return None
+
+    def rows(step: int, stream: str) -> np.ndarray:
+        index = 0
+        for part in stream.split("/"):
+            if part.startswith("client") and part[len("client"):].isdigit():
+                index = int(part[len("client"):])
+        return np.asarray(getattr(sources[index], "step_rows")(step))
+    return rows
+
+
+def stage_defenses(exp: Experiment, stage: str, steps: int, seed: int) -> Defenses:
+    """``stage``'s defenses with a target form's sigma chosen for the releases of ``steps`` steps (its
+    ``planned_releases``; ``sigma_for_target``). Raises ``ConfigError`` when it cannot be chosen."""
+    defenses = exp.spec(stage).defenses
+    clip = defenses.clip_noise
+    if clip is None or clip.sigma is not None or clip.epsilon is None:
+        return defenses
+    return replace(defenses, clip_noise=chosen_clip(exp, stage, clip, steps, seed))
+
+
+def chosen_clip(exp: Experiment, stage: str, clip: ClipNoise, steps: int, seed: int) -> ClipNoise:
+    """The target form ``clip`` with its sigma chosen for ``stage``'s planned releases in ``steps`` steps."""
+    assert clip.epsilon is not None
+    planned = planned_releases(exp, stage, steps, seed)
+    try:
+        return clip.with_sigma(sigma_for_target(clip.epsilon, planned, clip.delta))
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"stage {stage!r}: 'clip_noise' epsilon {clip.epsilon:g}: cannot choose sigma for "
+                          f"{planned} releases per row: {e}") from e
+
+
+def planned_releases(exp: Experiment, stage: str, steps: int, seed: int) -> int:
+    """The most releases of one row the label owner ``stage`` plans in ``steps`` steps: its gradient rows
+    (``_cut_releases``), and with ``dp_sgd`` its update too, once per epoch."""
+    epochs = _releases(exp, stage, steps, seed)
+    dp_sgd = exp.spec(stage).defenses.dp_sgd is not None
+    return _cut_releases(exp, stage, steps, seed) + (epochs if dp_sgd else 0)
+
+
+def _cut_releases(exp: Experiment, stage: str, steps: int, seed: int) -> int:
+    """The releases of one row's gradient the label owner ``stage`` plans in ``steps`` steps: once per epoch
+    the run reaches (``_releases``), times the feature parties its gradient goes to (a vertical experiment)."""
+    return _releases(exp, stage, steps, seed) * _parties(exp, stage)
+
+
+def _parties(exp: Experiment, stage: str) -> int:
+    """How many data owners the label owner ``stage`` sends each row's gradient to in a step."""
+    return max(len(exp.upstream(stage)), 1) if exp.vertical else 1
+
+
+def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
+                   released: dict[str, int] | None = None, planned_steps: int | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
-    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``)."""
-    entries = {stage: stage_budget(exp, stage, steps, seed) for stage in stages if exp.has_stage(stage)}
+    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
+    worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
+    sigma was chosen for (default ``steps``)."""
+    released = released or {}
+    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps)
+               for stage in stages if exp.has_stage(stage)}
     entries = {stage: entry for stage, entry in entries.items() if entry}
     return {"privacy": entries} if entries else {}
 
 
-def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str, Any]:
+def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: int | None = None,
+                 planned_steps: int | None = None) -> dict[str, Any]:
     """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
-    owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``), and for every
-    other defense the statement that it has no differential-privacy guarantee. docs/privacy.md states the
-    assumptions."""
+    owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``) of its worst
+    row, released ``released`` times (None: once per epoch the steps reach), and for every other defense
+    the statement that it has no differential-privacy guarantee. docs/privacy.md states the assumptions."""
     d = exp.spec(stage).defenses
     if label_owner_sends_gradients(exp, stage):
+        planned = steps if planned_steps is None else planned_steps
         clip = d.clip_noise
-        entry: dict[str, Any] = label_budget(d.label_dp, clip, _releases(exp, stage, steps, seed)
-                                             if clip is not None else 0)
+        if clip is not None and clip.sigma is None:
+            clip = chosen_clip(exp, stage, clip, planned, seed)
+        worst = released if released is not None else (_cut_releases(exp, stage, steps, seed)
+                                                        if clip is not None else 0)
+        if d.dp_sgd is not None:        # each step a row is in also releases its part of the update
+            worst += worst // _parties(exp, stage)
+        entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
+                                             planned_releases(exp, stage, planned, seed)
+                                             if clip is not None and clip.epsilon is not None else None,
+                                             END_TO_END_SCOPE if d.dp_sgd is not None else GUARANTEE_SCOPE)
     else:
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:
@@ -178,19 +312,17 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int) -> dict[str
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
     drawn = random_defenses(exp, stage)
-    if drawn:                               # nopeek, and clip_noise with sigma 0, draw nothing
+    if drawn:                               # noise is drawn from the run's secret, not the seed
         entry["noise_seed"] = noise_seed(exp, stage)
         entry["drawn_by"] = drawn
     return entry
 
 
 def random_defenses(exp: Experiment, stage: str) -> list[str]:
-    """The defenses of ``stage`` that draw random numbers (``defense_rng``): ``label_dp`` (the randomized
-    labels), ``clip_noise`` with ``sigma`` > 0, ``max_norm`` and ``marvell`` (their noise); not ``nopeek``."""
-    d = exp.spec(stage).defenses
-    return [key for key, on in (("label_dp", d.label_dp is not None),
-                                ("clip_noise", d.clip_noise is not None and d.clip_noise.sigma > 0),
-                                ("max_norm", bool(d.max_norm)), ("marvell", d.marvell is not None)) if on]
+    """The defenses of ``stage`` whose draws follow its seed: ``label_dp`` (the randomized labels). The noise
+    of ``clip_noise``, ``max_norm`` and ``marvell`` is keyed by the run's noise secret
+    (``privacy.releases.fresh_secret``), which never leaves the stage, so it is not named here."""
+    return ["label_dp"] if exp.spec(stage).defenses.label_dp is not None else []
 
 
 def noise_seed(exp: Experiment, stage: str) -> str:
@@ -210,14 +342,21 @@ def _entry_text(entry: dict[str, Any]) -> str:
     for key, value in entry.items():
         if key == "noise_seed":
             if not value.startswith("the stage's own"):
-                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing noise from the "
-                             f"run's seed, which the other party knows")
+                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing from the run's "
+                             f"seed, which the other party knows")
             continue
         if key == "drawn_by":
             continue
         if isinstance(value, dict) and "epsilon" in value:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""
-            parts.append(f"{key}: label-DP epsilon {value['epsilon']:.4g}{delta}")
+            epsilon = float(value["epsilon"])
+            worth = (f" over {value['releases']} releases of the worst row" if "releases" in value else "")
+            if not epsilon < MEANINGFUL_EPSILON:
+                parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}: NO meaningful guarantee "
+                             f"(epsilon >= {MEANINGFUL_EPSILON:g})")
+            else:
+                scope = f" ({value['guarantee']})" if "guarantee" in value else ""
+                parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}{scope}")
         elif isinstance(value, dict):
             parts.append(f"{key}: {value.get('error', value)}")
         else:

@@ -173,6 +173,13 @@ class Experiment:
         return self.aggregate is not None
 
     @property
+    def aggregate_kind(self) -> str:
+        """How a vertical experiment combines its parties' outputs (``aggregate``); ``ConfigError`` for another."""
+        if self.aggregate is None:
+            raise ConfigError(f"experiment {self.name!r} is not vertical: it has no 'aggregate'")
+        return self.aggregate
+
+    @property
     def codecs(self) -> dict[str, Codec]:
         """The wire codec of each direction: ``{"activation": ..., "activation_grad": ...}``
         (``distgrad.wire.wirecodec``)."""

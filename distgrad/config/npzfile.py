@@ -27,22 +27,29 @@ _READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError)
 
 
 def write_npz(file: str | Path | IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
-    """``numpy.savez`` of ``arrays``, uncompressed; ``TypeError`` naming the array, before anything is
-    written, for one of Python objects (``savez`` would pickle it)."""
+    """The uncompressed ``.npz`` archive ``numpy.savez`` writes, one member per array, under any name (``file``
+    and ``allow_pickle`` too, which ``savez`` would take as its own arguments); ``TypeError`` naming the array,
+    before anything is written, for one of Python objects (``savez`` would pickle it)."""
     for name, array in arrays.items():
         if array.dtype.hasobject:
             raise TypeError(f"array {name!r} holds Python objects (dtype {array.dtype}); distgrad writes no "
                             f"pickles: give numbers")
-    np.savez(file, **arrays)
+    with zipfile.ZipFile(file, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", mode="w", force_zip64=True) as member:     # zip64 as savez does
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
 def object_members(archive: np.lib.npyio.NpzFile) -> list[str]:
     """The members of an open archive whose dtype holds Python objects (pickled), read from their
     ``.npy`` headers without loading them."""
     found = []
-    names = set(archive.zip.namelist())
+    members = archive.zip
+    if members is None:
+        raise ValueError("object_members reads an open archive; this one is closed")
+    names = set(members.namelist())
     for name in archive.files:
-        with archive.zip.open(f"{name}.npy" if f"{name}.npy" in names else name) as member:
+        with members.open(f"{name}.npy" if f"{name}.npy" in names else name) as member:
             version = np.lib.format.read_magic(member)
             read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                            else np.lib.format.read_array_header_2_0)

@@ -129,7 +129,9 @@ def _check_scored(exp: Experiment) -> None:
     """Raise ``ConfigError`` when the last stage asks for held-out scores or verdicts of an experiment whose
     data holds out no rows: they would never be computed."""
     last = next((s for s in exp.stages if s.name == exp.stage_names[-1]), None)
-    given = [key for key in ("metrics", "keep_best", "early_stopping") if last is not None and getattr(last, key)]
+    if last is None:            # a party of another stage: it scores nothing
+        return
+    given = [key for key in ("metrics", "keep_best", "early_stopping") if getattr(last, key)]
     if given:
         raise ConfigError(f"stage {last.name!r}: {given} judge the held-out rows, and the data holds out none: set "
                           f"test_fraction in [data] (a file kind) or drop {given}")
@@ -230,6 +232,8 @@ def _combined_cuts(stages: Sequence[StageSpec], data: DataSource, aggregate: str
     """The shape of what crosses each cut of a combined experiment, computed from its data and the stages
     above the cut (a 'module' stage says its per-row 'output'). Raises ``ConfigError``."""
     batch = getattr(data, "batch", None)
+    if data.feature_shape is None:
+        raise ConfigError("the data holds no features for the first stage: give [data] 'features'")
     cuts, shape = [], tuple(data.feature_shape)
     for spec in stages[:-1]:
         if aggregate is not None:        # each feature party starts from its own columns
@@ -320,7 +324,7 @@ def _party_stage(source: str, top: Mapping[str, Any], names: Sequence[str], own_
     return StageSpec(**{**spec.__dict__, "data": data or {}})
 
 
-def _party_steps(settings: Mapping[str, Any], data: dict[str, Any], source: str) -> int:
+def _party_steps(settings: Mapping[str, Any], data: dict[str, Any] | None, source: str) -> int:
     """A stage file's steps: 'steps', or 'epochs' counted on this party's [data], which must batch as the
     interface says."""
     batch = settings["batch"]

@@ -230,10 +230,14 @@ _STAGE_COMMON: dict[str, Key] = {
     "clip_noise": Key(None, kind="table", who=ENDS, checked_by=_DEFENSES, help=
                    "{ max_norm = C, sigma = s } (and optionally delta = d, default 1e-5): each row this stage sends "
                    "is scaled to norm at most C, then N(0, (s*C)^2) noise is added per element, after its own "
-                   "computation and before the codec; the label owner's on the activation gradients it sends up "
-                   "(its own parameter gradients stay exact; its summary reports the label-DP (epsilon, delta) of "
-                   "the run), a data owner's on the activations it sends down (no DP guarantee stated). Training "
-                   "steps only: evaluations and predictions cross undefended. Not on a middle stage"),
+                   "computation and before the codec, drawn from a secret fresh for each run (kept in the stage's "
+                   "checkpoints); the label owner's on the activation gradients it sends up (its own parameter "
+                   "gradients stay exact; its summary reports the label-DP (epsilon, delta) of its worst row, "
+                   "counting every step a row is in), a data owner's on the activations it sends down (no DP "
+                   "guarantee stated). The label owner's target form { max_norm = C, epsilon = E } chooses s for "
+                   "the run's planned releases (each row once per epoch of its steps) and refuses the step that "
+                   "would release a row more often. Training steps only: evaluations and predictions cross "
+                   "undefended. Not on a middle stage"),
     "max_norm": Key(None, kind="boolean", shown="false", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
@@ -250,6 +254,12 @@ _STAGE_COMMON: dict[str, Key] = {
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
                 "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients]"),
+    "dp_sgd": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
+               "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
+               "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
+               "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
+               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers "
+               "without batch norm or dropout; not with [clients] or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

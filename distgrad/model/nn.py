@@ -641,10 +641,14 @@ class Sequential(Layer):
     def backward(self, cache: Any, dy: np.ndarray, need_dx: bool = True) -> tuple[np.ndarray | None, Grads]:
         grads: Grads = {}
         last = len(self.layers) - 1
+        dx: np.ndarray | None = dy
         for depth, (layer, layer_cache) in enumerate(zip(reversed(self.layers), reversed(cache))):
-            dy, layer_grads = layer.backward(layer_cache, dy, need_dx or depth < last)
+            if dx is None:
+                raise TypeError(f"{type(self.layers[last - depth + 1]).__name__}.backward returned no dx with "
+                                f"need_dx true")
+            dx, layer_grads = layer.backward(layer_cache, dx, need_dx or depth < last)
             grads.update(layer_grads)
-        return dy, grads
+        return dx, grads
 
     def backward_deferred(self, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Callable[[], Grads]]:
         later = []

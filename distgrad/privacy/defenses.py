@@ -3,10 +3,12 @@
 A party applies its defenses after its own computation and before the wire codec
 (``distgrad.wire.wirecodec.Senders``): the label owner to the activation-gradient rows
 it sends up, a data owner to the activation rows it sends down. The sender computes
-with its own exact values; only what crosses is defended. Every random draw comes from
-``defense_rng``: a pure function of (the run's seed, the stage, the tensor stream, the
-step), so a defended run is bitwise equal to ``--in-process``, with micro-batches, with
-a codec, and through a restart from a checkpoint.
+with its own exact values; only what crosses is defended. Every random draw of its row
+defenses comes from ``defense_rng``: a pure function of (the run's noise secret, the stage,
+the tensor stream, the step, the digest of the values defended), where the secret is fresh
+for each run and kept in the stage's checkpoints (``privacy.releases.NoiseLedger``), so two
+runs never share a draw, and a defended run is bitwise equal to ``--in-process`` given the
+same secret, with micro-batches, with a codec, and through a restart from a checkpoint.
 
 The settings are a stage's own (``Defenses``, parsed from its stage table by
 ``parse_defenses``), never the interface: the other party need not know them.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from distgrad.errors import ConfigError
 from distgrad.privacy.leaks import centred_distances
+from distgrad.privacy.releases import NoiseLedger, digest
 
 DTYPE = np.float32
 TINY_VARIANCE = 1e-30      # a class's variance below this counts as this (a KL divergence stays finite)
@@ -35,11 +39,26 @@ MARVELL_GRID = 256          # and the grid of the negative class's variance alon
 @dataclass(frozen=True)
 class ClipNoise:
     """Each row scaled to norm at most ``max_norm`` (C), then N(0, (sigma*C)^2) noise added per element.
-    ``delta``: the delta of the label-DP budget reported for it on the label owner."""
+    ``delta``: the delta of the label-DP budget reported for it on the label owner. The target form gives
+    ``epsilon`` instead of ``sigma`` (None until ``with_sigma`` sets the sigma chosen for the run's planned
+    releases, ``privacy.budget.sigma_for_target``); the run then stops before a row would pass it."""
 
     max_norm: float
-    sigma: float
+    sigma: float | None
     delta: float = DEFAULT_DELTA
+    epsilon: float | None = None
+
+    def with_sigma(self, sigma: float) -> "ClipNoise":
+        """The same setting with its ``sigma`` chosen."""
+        return replace(self, sigma=float(sigma))
+
+    @property
+    def noise(self) -> float:
+        """``sigma``; raises ``ValueError`` for a target form whose sigma was not chosen yet."""
+        if self.sigma is None:
+            raise ValueError("clip_noise with a target epsilon: its sigma is chosen for the run's planned "
+                             "releases before anything is sent (privacy.budget.sigma_for_target)")
+        return self.sigma
 
 
 @dataclass(frozen=True)
@@ -54,13 +73,15 @@ class Defenses:
     label_dp: float | None = None
     nopeek: float | None = None
     marvell: float | None = None
+    dp_sgd: float | None = None      # the label owner's own update as DP-SGD: its per-example clip bound
 
     def as_table(self) -> dict[str, Any]:
         """The stage-table keys that give these defenses (what ``parse_defenses`` reads back)."""
         table: dict[str, Any] = {}
         if self.clip_noise is not None:
             clip = self.clip_noise
-            table["clip_noise"] = {"max_norm": clip.max_norm, "sigma": clip.sigma,
+            chosen = {"epsilon": clip.epsilon} if clip.epsilon is not None else {"sigma": clip.sigma}
+            table["clip_noise"] = {"max_norm": clip.max_norm, **chosen,
                                    **({"delta": clip.delta} if clip.delta != DEFAULT_DELTA else {})}
         if self.max_norm:
             table["max_norm"] = True
@@ -70,6 +91,8 @@ class Defenses:
             table["nopeek"] = {"weight": self.nopeek}
         if self.marvell is not None:
             table["marvell"] = {"bound": self.marvell}
+        if self.dp_sgd is not None:
+            table["dp_sgd"] = {"max_norm": self.dp_sgd}
         return table
 
     @property
@@ -81,7 +104,7 @@ class Defenses:
         """What crosses for float32 rows ``x`` (the first axis is the rows): ``clip_noise``, then ``max_norm``,
         then ``marvell`` (which asks ``labels()`` for the rows' class ids)."""
         if self.clip_noise is not None:
-            x = clip_noise(x, self.clip_noise.max_norm, self.clip_noise.sigma, rng)
+            x = clip_noise(x, self.clip_noise.max_norm, self.clip_noise.noise, rng)
         if self.max_norm:
             x = max_norm_noise(x, rng)
         if self.marvell is not None:
@@ -92,22 +115,32 @@ class Defenses:
 @dataclass(frozen=True)
 class SentRows:
     """A stage's row defenses bound to what it sends: the wire ``direction`` they act on (its activations or
-    its activation gradients), the run's ``seed`` and the ``stage``'s name (``defense_rng``); ``labels(step)``
-    the class ids of a step's whole batch, as the stage trains on them (Marvell's; None without Marvell)."""
+    its activation gradients), the ``stage``'s name and its ``ledger`` (the run's noise secret and what was
+    released, ``defense_rng``); ``labels(step)`` the class ids of a step's whole batch, as the stage trains on
+    them (Marvell's; None without Marvell); ``rows(step, stream)`` the row numbers of the step's whole batch
+    sent on ``stream`` when the stage walks its own rows (None: releases are not counted per row)."""
 
     defenses: Defenses
     direction: str
-    seed: int
     stage: str
+    ledger: NoiseLedger
     labels: Callable[[int], np.ndarray] | None = None
+    rows: Callable[[int, str], np.ndarray] | None = None
 
-    def apply(self, direction: str, x: np.ndarray, stream: str, step: int, micro_batch: int = 0) -> np.ndarray:
+    def apply(self, direction: str, x: np.ndarray, stream: str, step: int, micro_batch: int = 0,
+              rows: np.ndarray | None = None) -> np.ndarray:
         """What crosses for ``x`` sent in ``direction`` on ``stream`` at ``step``: defended in the stage's
         direction, else ``x`` itself. ``x`` is micro-batch ``micro_batch`` of the step: the batch's rows
-        ``[micro_batch * len(x), (micro_batch + 1) * len(x))``."""
+        ``[micro_batch * len(x), (micro_batch + 1) * len(x))``, or the row numbers ``rows`` when given (the
+        data owner's choice, ``send_rows``). The release is recorded in the ledger first, which raises
+        ``NoiseReuseError`` (other values for a step already released) or ``BudgetExhausted``."""
         if direction != self.direction:
             return x
-        return self.defenses.send(x, defense_rng(self.seed, self.stage, stream, step),
+        if rows is None and self.rows is not None:
+            rows = np.asarray(self.rows(step, stream))[micro_batch * len(x):(micro_batch + 1) * len(x)]
+        values = digest(x)
+        self.ledger.release(step, stream, values, rows)
+        return self.defenses.send(x, defense_rng(self.ledger.secret, self.stage, stream, step, values),
                                   lambda: self._labels(step, micro_batch, len(x)))
 
     def _labels(self, step: int, micro_batch: int, rows: int) -> np.ndarray:
@@ -116,10 +149,13 @@ class SentRows:
         return np.asarray(self.labels(step))[micro_batch * rows:(micro_batch + 1) * rows]
 
 
-def defense_rng(seed: int, stage: str, stream: str, step: int) -> np.random.Generator:
-    """The generator of a defense's draws for one tensor: a pure function of the run's ``seed``, the sending
-    ``stage``, the tensor's ``stream`` (direction, peer, micro-batch) and the ``step``."""
-    return np.random.default_rng([seed, zlib.crc32(stage.encode()), zlib.crc32(stream.encode()), step])
+def defense_rng(secret: int, stage: str, stream: str, step: int, values: str = "") -> np.random.Generator:
+    """The generator of a defense's draws for one tensor: a pure function of the run's noise ``secret``
+    (``privacy.releases.fresh_secret``), the sending ``stage``, the tensor's ``stream`` (direction, peer,
+    micro-batch), the ``step`` and the hex ``values`` digest of what the noise is added to (other values, other
+    noise)."""
+    words = [int(values[i:i + 8], 16) for i in range(0, len(values), 8)]
+    return np.random.default_rng([secret, zlib.crc32(stage.encode()), zlib.crc32(stream.encode()), step, *words])
 
 
 def row_norms(x: np.ndarray) -> np.ndarray:
@@ -141,6 +177,27 @@ def clip_noise(x: np.ndarray, max_norm: float, sigma: float, rng: np.random.Gene
     if sigma == 0:
         return clipped
     return (clipped + rng.normal(0.0, sigma * max_norm, x.shape)).astype(DTYPE)
+
+
+def dp_sgd_gradients(per_example: list[dict[str, np.ndarray]], max_norm: float, sigma: float, scale: float,
+                     rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """DP-SGD (Abadi et al., 2016) of one batch: ``per_example[i]`` is example i's contribution to the
+    batch loss's parameter gradients, ``scale`` times which is its own loss's gradient (the rows for a mean
+    loss, 1 for a sum). Each example's own gradient (all parameters as one vector) is scaled to norm at most
+    ``max_norm`` (C), they are summed, N(0, (sigma * C)^2) noise is added per element, and the sum divided by
+    ``scale`` again: the batch gradient the update uses, float32. One example's label changes the sum by at
+    most 2C: a Gaussian mechanism of noise multiplier sigma / 2, as ``clip_noise``'s rows."""
+    if not per_example:
+        raise ValueError("DP-SGD of an empty batch")
+    names = list(per_example[0])
+    total = {name: np.zeros(per_example[0][name].shape, np.float64) for name in names}
+    for grads in per_example:
+        norm = math.sqrt(sum(float(np.sum(np.square(grads[n].astype(np.float64) * scale))) for n in names))
+        factor = scale * (min(1.0, max_norm / norm) if norm > 0 else 1.0)
+        for name in names:
+            total[name] += grads[name].astype(np.float64) * factor
+    return {name: ((total[name] + rng.normal(0.0, sigma * max_norm, total[name].shape)) / scale).astype(DTYPE)
+            for name in names}
 
 
 def max_norm_noise(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -293,22 +350,34 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
             raise ConfigError(f"stage {stage!r}: 'marvell' must be {{ bound = P }} (the bound on the sum of the "
                               f"KL divergences between the two classes' rows), got {marvell!r}")
         marvell = _positive(marvell["bound"], f"stage {stage!r}: 'marvell' bound")
-    return Defenses(clip, max_norm, label_dp, nopeek, marvell)
+    dp_sgd = table.get("dp_sgd")
+    if dp_sgd is not None:
+        if not isinstance(dp_sgd, dict) or set(dp_sgd) != {"max_norm"}:
+            raise ConfigError(f"stage {stage!r}: 'dp_sgd' must be {{ max_norm = C }} (the bound of each example's "
+                              f"parameter gradient; the noise is clip_noise's sigma), got {dp_sgd!r}")
+        dp_sgd = _positive(dp_sgd["max_norm"], f"stage {stage!r}: 'dp_sgd' max_norm")
+    return Defenses(clip, max_norm, label_dp, nopeek, marvell, dp_sgd)
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:
     where = f"stage {stage!r}: 'clip_noise'"
-    if not isinstance(value, dict) or not {"max_norm", "sigma"} <= set(value) <= {"max_norm", "sigma", "delta"}:
-        raise ConfigError(f"{where} must be {{ max_norm = C, sigma = s }} (and optionally delta, of the label-DP "
-                          f"budget), got {value!r}")
+    keys = set(value) if isinstance(value, dict) else set()
+    if (not isinstance(value, dict) or "max_norm" not in keys or len(keys & {"sigma", "epsilon"}) != 1
+            or not keys <= {"max_norm", "sigma", "epsilon", "delta"}):
+        raise ConfigError(f"{where} must be {{ max_norm = C, sigma = s }} or the target form {{ max_norm = C, "
+                          f"epsilon = E }} (sigma chosen for the run's planned releases), each optionally with "
+                          f"delta (of the label-DP budget), got {value!r}")
+    delta = value.get("delta", DEFAULT_DELTA)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ConfigError(f"{where} delta must be a number in (0, 1), got {delta!r}")
+    max_norm = _positive(value["max_norm"], f"{where} max_norm")
+    if "epsilon" in value:
+        return ClipNoise(max_norm, None, float(delta), _positive(value["epsilon"], f"{where} epsilon"))
     sigma = value["sigma"]
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
         raise ConfigError(f"{where} sigma must be a number >= 0 (the noise's standard deviation in units of "
                           f"max_norm), got {sigma!r}")
-    delta = value.get("delta", DEFAULT_DELTA)
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
-        raise ConfigError(f"{where} delta must be a number in (0, 1), got {delta!r}")
-    return ClipNoise(_positive(value["max_norm"], f"{where} max_norm"), float(sigma), float(delta))
+    return ClipNoise(max_norm, float(sigma), float(delta))
 
 
 def _positive(value: Any, where: str) -> float:

@@ -76,7 +76,8 @@ class Cut:
         self.run_id = uuid.uuid4().hex if run is None else check_run(run)
         self.senders = Senders(self.exp.codecs)
         self.mbs = side.micro_batches
-        security = CurveClient(Path(curve_secret), Path(server_key)) if curve_secret is not None else None
+        security = (CurveClient(Path(curve_secret), Path(server_key))
+                    if curve_secret is not None and server_key is not None else None)
         self.reply_specs = Expected(WireTensor(GRADIENT, side.micro_shape(self.mbs), self.exp.codecs[GRADIENT]))
         self.link = DownstreamLink(LinkSettings(side.stage, bounds.timeout_s, bounds.liveness_s,
                                                 bounds.peer_deadline_s), endpoint, lambda: None,
@@ -378,7 +379,7 @@ class Cut:
             self.closed = True
             # Not to a label owner that stopped itself or refused this side's hello (another run is its).
             told = notice is not None and not self.peer_stopped and not self.refused
-            if told:
+            if told and notice is not None:
                 self.link.send(wire.abort_notice(self.run_id, self.side.stage, notice))
             self.link.close(linger_ms=NOTICE_LINGER_MS if told else 0)
 

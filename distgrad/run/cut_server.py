@@ -62,7 +62,7 @@ from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S, Server
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, TensorSpecs, WireTensor, stream_name
 
 _BYE = object()          # what handling a bye returns: the run is over
 REFUSED_TEXT_MAX = 300   # characters of the last refusal a PeerTimeout's message quotes
@@ -147,7 +147,8 @@ class CutServer:
         self.peer_envelope: list[bytes] | None = None    # where the run's data owner was last heard from
         self.refused = ""                # the last message refused, for a timeout's message
         self.bye: Message | None = None  # the reply to the bye that ended the run (a repeated bye gets it again)
-        self.evaluate, self.evaluation = evaluate, None     # the loop's scoring; its last reply (run, step)
+        self.evaluate = evaluate                            # the loop's scoring
+        self.evaluation: Message | None = None              # its last reply (run, step)
         self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._expected(1, self.exp.send_rows).specs]
         if self.test_rows is not None:
@@ -155,7 +156,8 @@ class CutServer:
         limits = [frame_limit(spec) for spec in specs]
         self.max_frame, self.max_tensor = max(m for m, _ in limits), max(t for _, t in limits)
         ctx = ctx or zmq.Context.instance()
-        self.curve = CurveServer(ctx, Path(curve_secret), Path(allow)) if curve_secret is not None else None
+        self.curve = (CurveServer(ctx, Path(curve_secret), Path(allow))
+                      if curve_secret is not None and allow is not None else None)
         try:
             self.server = Server(ctx, endpoint, self.max_frame, bounds.liveness_s, self.curve)
         except Exception:
@@ -255,7 +257,8 @@ class CutServer:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises
         ``ProtocolError`` to refuse it (nothing changes then)."""
         if msg.type == wire.PING:
-            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=self.run_id, step=self.step,
+            open_run = self.run_id if self.bye is None else ""      # protocol.md: "" when no run is open
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run=open_run, step=self.step,
                                              client_live=time.monotonic() - self.heard < self.bounds.liveness_s))
             return None
         if is_abort_notice(msg):
@@ -288,10 +291,11 @@ class CutServer:
 
     def _aborted(self, msg: Message, peer_key: str) -> None:
         """The data owner's notice that it stopped: ``PeerAborted`` for the loop, now and at every later
-        ``__next__``. A notice of another run than this one's, or from another key, is refused."""
-        if (self.run_id and msg.run != self.run_id) or (self.owner and peer_key != self.owner):
-            raise ProtocolError(ErrorCode.RUN, f"an aborted notice of run {wire.show(msg.run)}, not from the data "
-                                               f"owner of run {self.run_id}")
+        ``__next__``. A notice of another run than this one's, or from another key, is refused as the daemons
+        refuse it; any is taken before the first run (a data owner may stop before its hello: docs/cut.md)."""
+        if self.run_id and msg.run != self.run_id:
+            raise unknown_run(msg, f"run {self.run_id}")
+        check_owner(self.owner, peer_key, msg)
         reason = abort_reason(msg)
         self.failure = PeerAborted(f"{reason} (the data owner of run {msg.run}; this side has applied "
                                    f"{self.step} steps)")
@@ -304,7 +308,7 @@ class CutServer:
         body = msg.body
         mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
-        held = body.get("held")
+        held: Any = body.get("held")                             # from the wire: common_step checks it
         common_step([], held)                                    # validates ``held``
         if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
             raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
@@ -374,7 +378,7 @@ class CutServer:
         """What a forward of one of ``mbs`` micro-batches carries (with ``rows``: a training forward with
         ``send_rows``, its row numbers too), or with ``with_rows`` an evaluation."""
         shape = self.side.micro_shape(mbs)
-        others = {"rows": ((shape[0],), ROWS_DTYPE)} if rows else {}
+        others: TensorSpecs = {"rows": ((shape[0],), ROWS_DTYPE)} if rows else {}
         return Expected(WireTensor(ACTIVATION, shape, self.exp.codecs[ACTIVATION]), others)
 
     def _forward(self, envelope: list[bytes], msg: Message) -> Batch | None:
@@ -540,7 +544,7 @@ class CutServer:
                     notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
                               f"the data owner's bye")
             if self.bye is not None:
-                self._linger()
+                self._linger(self.bye)
         finally:
             self.closed = True
             told = False
@@ -581,13 +585,14 @@ class CutServer:
         self.log.warning("run %s: no bye from the data owner within liveness_s = %g s after the last step; closing "
                          "(every step is replied to here)", self.run_id, self.bounds.liveness_s)
 
-    def _linger(self) -> None:
-        """After the run's bye: answer what is still arriving (a bye resent because its reply was lost, a
-        ping; anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
+    def _linger(self, bye: Message) -> None:
+        """After the run's bye (``bye``: its reply): answer what is still arriving (a bye resent because its
+        reply was lost, a ping; anything else is refused) until nothing has for ``POLL_TICK_S``, at most
+        ``liveness_s``."""
         def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
-            if msg.type == wire.PING or msg.type == wire.BYE and msg.run == self.bye.run:
+            if msg.type == wire.PING or msg.type == wire.BYE and msg.run == bye.run:
                 return self._handle(envelope, msg, peer_key)
-            raise ProtocolError(ErrorCode.RUN, f"run {self.bye.run} ended with its bye; this label owner is "
+            raise ProtocolError(ErrorCode.RUN, f"run {bye.run} ended with its bye; this label owner is "
                                                f"closing")
 
         deadline = time.monotonic() + self.bounds.liveness_s

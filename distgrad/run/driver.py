@@ -50,6 +50,9 @@ PING_TIMEOUT_S = 1.0      # how long to wait for the stage below to say whom it 
 class _Driver:
     """The first stage's loop: handshake, steps, bye, with retries and rollbacks."""
 
+    last_report: float          # when the log last reported the rate (``_run`` starts it, ``_report`` moves it)
+    last_step: int              # the step it reported then
+
     def __init__(self, opts: StageOptions, connect: str, stop: StopFlag, ctx: zmq.Context) -> None:
         exp = opts.experiment
         exp.check_role(opts.stage, binds=False, connects=True)
@@ -191,7 +194,10 @@ class _Driver:
     def _fetch_batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Step ``step``'s features, its targets when they travel, and its row numbers with ``send_rows``."""
         targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
-        rows = np.asarray(self.data.step_rows(step), ROWS_DTYPE) if self.exp.send_rows else None
+        # send_rows is refused for data without numbered rows (``check_send_rows``); ``step_rows`` is theirs
+        # (``RowBatches``, forwarded by ``ColumnView``'s __getattr__), not ``DataSource``'s.
+        rows = (np.asarray(self.data.step_rows(step), ROWS_DTYPE)  # type: ignore[attr-defined]
+                if self.exp.send_rows else None)
         return self.data.features(step), targets, rows
 
     def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
@@ -290,7 +296,9 @@ class _Driver:
     def _send_in_flight(self, step: int) -> None:
         """Send every micro-batch of step ``step``, computed with the parameters after update step-1-S."""
         version = step - 1 - self.staleness
-        batch, caches, pending = self._batch(step), {}, {}
+        batch = self._batch(step)
+        caches: dict[int, Any] = {}
+        pending: dict[tuple[int, int], Message] = {}
         self.state.history.before_forward(step, self.state.stage)
         with self._as_of(version, step):
             for i in range(self.opts.micro_batches):
@@ -319,10 +327,12 @@ class _Driver:
         """Held-out rows forward through every stage (changing none); the label owner scores them.
         Returns and records ``records.evaluation_entry`` of the step this stage stands at."""
         step = self.state.stage.step
-        y, _ = self.state.stage.forward(self.data.test_features(), training=False)
+        # Called only for data that holds out rows (``holds_out``): the held-out rows' methods are those
+        # sources' (forwarded by the wrappers' __getattr__), not ``DataSource``'s.
+        y, _ = self.state.stage.forward(self.data.test_features(), training=False)  # type: ignore[attr-defined]
         tensors = self.state.senders.evaluation_tensors(y, step + 1)
         if self.exp.labels_travel:
-            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)
+            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)  # type: ignore[attr-defined]
         msg = Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors)
         if self.in_flight:
             # Replies to the steps in flight may come first (one shares this step and micro-batch): kept.

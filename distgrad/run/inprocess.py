@@ -20,7 +20,8 @@ import numpy as np
 
 from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine, crossed_direction
-from distgrad.config.defended import budget_text, check_meter_flag, meter_kind, metered, privacy_budget, row_defense
+from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_flag, meter_kind, metered,
+                                      privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
@@ -29,9 +30,8 @@ from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_t
                                     evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
                                     write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, as_of, average_parameters, check_parameter_files, evaluate_held_out,
-                                  make_save_dir, micro_batch,
-                                  parameters_file)
+from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files,
+                                  evaluate_held_out, make_save_dir, micro_batch, parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
 
@@ -78,19 +78,24 @@ class _TracePart:
 
 
 def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_last: bool, seed: int,
-             copied: bool = False, client: int | None = None) -> list[StepEngine]:
+             copied: bool = False, client: int | None = None, steps: int | None = None,
+             secret: int | None = None) -> list[StepEngine]:
     """A step engine per stage, each writing its part of the trace and encoding what its stage sends (its
     defenses of run ``seed``, the experiment's codecs); the last sends ``activation_grad``. ``copied``: every
     part copies its parameters when written (stages that run ahead of the line's flush). ``client``: the
-    first stage is that data owner's copy."""
+    first stage is that data owner's copy. ``steps``: the run's (a target budget's sigma is chosen for
+    them); ``secret``: the noise secret every defense draws from (None: a fresh one per stage)."""
     scale = exp.micro_batch_scale
-    return [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
+    engines = [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
                        trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
-                                                                   if i == 0 else stage.name)))
-            for i, stage in enumerate(stages)]
+                                                                   if i == 0 else stage.name, steps, secret)))
+               for i, stage in enumerate(stages)]
+    for engine in engines:
+        attach_dp_sgd(exp, engine.stage, engine.senders.defense)       # the label owner's DP-SGD
+    return engines
 
 
 def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: np.ndarray, micro_batches: int,
@@ -108,6 +113,12 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     first.apply_step(step, micro_batches, ((first.stage.backward(cache, dy, need_dx=False)[1], None)
                                            for (_, cache), dy in zip(outputs, dys)), client=client)
     return loss
+
+
+def _worst_rows(engines: list[StepEngine]) -> dict[str, int]:
+    """The worst row's count of releases of each stage whose defense counts them (its ledger)."""
+    return {engine.stage.name: engine.senders.defense.ledger.worst for engine in engines
+            if engine.senders.defense is not None}
 
 
 def _cross(engine: StepEngine, direction: str, x: np.ndarray, mb: int, micro_batches: int, step: int,
@@ -140,7 +151,8 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
         engines[-1].add(i, micro_batches, grads, mb_loss, dx)
         dy = _cross(engines[-1], GRADIENT, dx, i, micro_batches, step, peer) if above or middle else dx
         for engine, stage, cache in zip(reversed(engines[:-1]), reversed(middle), reversed(caches)):
-            dx, grads = stage.backward(cache, dy)
+            dx_or_none, grads = stage.backward(cache, dy)
+            dx = asked_dx(stage.name, dx_or_none)
             stage.check_finite("activation_grad", dx, step)
             engine.add(i, micro_batches, grads)
             dy = _cross(engine, GRADIENT, dx, i, micro_batches, step)
@@ -197,7 +209,7 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     forward (party order), the combined input, the loss, and each party's backward of its own part of the
     input's gradient; then the last stage's update and the parties'. ``own``: the label owner's own feature
     columns (``Experiment.own_bottom``), else None. Returns the step's loss."""
-    kind = exp.aggregate
+    kind = exp.aggregate_kind
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
     names = exp.stage_names[:-1]
@@ -228,7 +240,7 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     senders = Senders(exp.codecs)
     z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                            step + 1) for party, d in zip(parties, data)],
-                             labels.test_features() if exp.own_bottom else None, exp.aggregate)
+                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
     return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
                              labels.validation_count)
 
@@ -290,7 +302,7 @@ def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.nd
 
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
-                     files: _ParameterFiles, eval_every: int) -> dict[str, Any]:
+                     files: _ParameterFiles, eval_every: int, noise_secret: int | None = None) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -303,8 +315,10 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
                for c in range(exp.clients.count)]
     last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
-    last_engine = _engines([clients[0], last], exp, lines, shared_last=True, seed=seed)[1]
-    pairs = [[_engines([client, last], exp, lines, shared_last=True, seed=seed, client=c)[0], last_engine]
+    last_engine = _engines([clients[0], last], exp, lines, shared_last=True, seed=seed, steps=steps,
+                           secret=noise_secret)[1]
+    pairs = [[_engines([client, last], exp, lines, shared_last=True, seed=seed, client=c, steps=steps,
+                       secret=noise_secret)[0], last_engine]
              for c, client in enumerate(clients)]
     data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
     labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
@@ -326,11 +340,11 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if evaluation_due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
-                                          exp.spec(last_name).metrics)
-                    evaluations[c].append(evaluation_entry(step, scores[c]))
-                    if "test" in scores[c]:
-                        tests[c][step] = scores[c]["test"]
+                    scores[c] = score = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
+                                                  exp.spec(last_name).metrics)
+                    evaluations[c].append(evaluation_entry(step, score))
+                    if "test" in score:
+                        tests[c][step] = score["test"]
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
     for c, client in enumerate(clients):
@@ -349,7 +363,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
         "status": "completed", "mode": "in-process", "transport": None,
         "clients": per_client,
-        **privacy_budget(exp, exp.stage_names, steps, seed),
+        **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine])),
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
     }
@@ -366,13 +380,14 @@ class _Reference:
 
     def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                  files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
-                 privacy_meter: bool) -> None:
+                 privacy_meter: bool, noise_secret: int | None = None) -> None:
         self.exp, self.steps, self.seed, self.files, self.lines = exp, steps, seed, files, lines
         self.micro_batches, self.staleness, self.eval_every = micro_batches, staleness, eval_every
         self.stages = [files.loaded(Stage.from_experiment(exp, name, seed, init), name) for name in exp.stage_names]
         # With steps in flight the stages below run ahead of the first: their trace parts are copied when
         # written, and a step's line is written once the first stage has applied it.
-        self.engines = _engines(self.stages, exp, lines, shared_last=False, seed=seed, copied=bool(staleness))
+        self.engines = _engines(self.stages, exp, lines, shared_last=False, seed=seed, copied=bool(staleness),
+                                steps=steps, secret=noise_secret)
         self.in_flight = (_InFlight(self.engines[0], self.engines[1:], staleness, micro_batches) if staleness
                           else None)
         self.owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
@@ -476,7 +491,7 @@ class _Reference:
             **self.verdicts.summary(),
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
             **kept_test_fields(self.tests, self.verdicts.best_step),
-            **privacy_budget(exp, exp.stage_names, steps, self.seed),
+            **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             "params": {s.name: to_lists(s.params) for s in self.stages},
         }
@@ -489,7 +504,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                      trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
                      eval_every: int | None = None, save_dir: str | Path | None = None,
                      load_dir: str | Path | None = None, staleness: int | None = None,
-                     privacy_meter: bool = False) -> dict[str, Any]:
+                     privacy_meter: bool = False, noise_secret: int | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -515,6 +530,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``privacy_meter`` (``--privacy-meter``) meters the first and last stage as their 'privacy_meter' keys
     do (``distgrad.run.metering``), over the same windows as a run in processes; the summary's
     ``input_leaks`` and ``label_leaks`` list each window's figures.
+    ``noise_secret``: for tests and for reproducing one run of stage processes only: the secret every
+    defense draws its noise from (``privacy.releases.fresh_secret``; None: a fresh one, as each stage
+    process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
                        eval_every=eval_every, staleness=staleness)
@@ -529,8 +547,10 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:
-            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every)
-        run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter)
+            return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every,
+                                    noise_secret)
+        run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
+                         noise_secret)
         run.train()
     run.save()
     summary = run.summary()

@@ -248,7 +248,7 @@ class Parties(Topology):
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
             parts = aggregate.split_input(dz, s.exp.own_bottom, s.exp.aggregate, self.widths)
-            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step) for peer, dy in zip(group, parts)]
+            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step, rows) for peer, dy in zip(group, parts)]
         except (NonFiniteError, StageError) as e:
             code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
             s.log.error("%s", e)

@@ -60,6 +60,9 @@ class Peer:
     envelope: Envelope = field(default_factory=list)
     waiting: dict[tuple[int, int], Message] = field(default_factory=dict)   # forwards before their turn
     cached: dict[tuple[int, int], Message] = field(default_factory=dict)    # replies of its step in progress
+    # With a defense drawing noise: the digest of each forward's tensor frames, by (step, micro-batch), so
+    # that a resend answered from ``cached`` must carry what the first one did.
+    received: dict[tuple[int, int], str] = field(default_factory=dict)
     average: Message | None = None    # its parameters for the averaging in progress
     averaged: Message | None = None   # the reply to its last averaging
     evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us

@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn, Sequence
 
 import numpy as np
 import zmq
@@ -58,7 +58,8 @@ from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolErr
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.protocol import abort_reason, decode_and_handle, is_abort_notice, not_accepted, pong
+from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, is_abort_notice, not_accepted, pong,
+                                   unknown_run)
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -101,6 +102,7 @@ class _Session:
     ids: dict[int, list[str]] = field(default_factory=dict)   # chunk -> its rows' IDs
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
     since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
+    owner: str = ""                          # with CURVE: the key that said its hello ("" in plaintext)
 
 
 def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
@@ -293,7 +295,7 @@ def held_out_rows(exp: Any, stage: str, seed: int, load: Path | None = None) -> 
                    data.id_name() if ids is not None else "id")
 
 
-def _id_chunks(rows: NewRows, chunk_rows: int) -> list[list[str] | None]:
+def _id_chunks(rows: NewRows, chunk_rows: int) -> Sequence[list[str] | None]:
     """Each chunk's IDs (None without IDs); ``ConfigError`` when a chunk's IDs cannot travel in its header."""
     if rows.ids is None:
         return [None] * -(-len(rows.features) // chunk_rows)
@@ -422,16 +424,20 @@ class PredictionServer:
         ready, self.ready = self.ready, []
         return ready
 
-    def handle(self, msg: Message, now: float, envelope: Any = None) -> Message | None:
+    def handle(self, msg: Message, now: float, envelope: Any = None, peer_key: str = "") -> Message | None:
+        """The reply to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext), None for
+        none yet; raises ``ProtocolError`` to refuse it. A prediction belongs to the key that said its hello."""
         if msg.type == wire.PING:
             return pong(msg, self.opts.stage, self.exp.name, purpose="predict")
         if msg.type == wire.HELLO:
-            return self._hello(msg, now)
+            return self._hello(msg, now, peer_key)
         if is_abort_notice(msg):
+            self._check_notice(msg, peer_key)
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
-            raise ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}: say hello first")
+            raise unknown_run(msg, self._expected_run())
+        check_owner(session.owner, peer_key, msg)
         session.last_seen = now
         if msg.type == wire.PREDICT:
             return self._predict(session, msg)
@@ -439,7 +445,21 @@ class PredictionServer:
             return self._bye(session, msg, envelope)
         raise not_accepted(msg, "a prediction stage")
 
-    def _aborted(self, msg: Message) -> None:
+    def _expected_run(self) -> str:
+        runs = [s.run for s in self.sessions.values()]
+        return f"run {' or '.join(runs)}" if runs else "a hello first"
+
+    def _check_notice(self, msg: Message, peer_key: str) -> None:
+        """A data owner's notice names no run (it may stop before its hello: ``send_abort_notice``) or one of
+        the predictions here, and once one is open it comes from a key that opened one; else it is refused
+        as any message of another run or key is."""
+        if msg.run and all(s.run != msg.run for s in self.sessions.values()):
+            raise unknown_run(msg, self._expected_run())
+        owners = [s.owner for s in self.sessions.values() if not msg.run or s.run == msg.run]
+        if owners and peer_key not in owners:
+            check_owner(owners[0], peer_key, msg)
+
+    def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
         if self.link is not None:
@@ -447,7 +467,7 @@ class PredictionServer:
             self.aborted = True
         raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
 
-    def _hello(self, msg: Message, now: float) -> Message:
+    def _hello(self, msg: Message, now: float, peer_key: str = "") -> Message:
         body = msg.body
         sender = body.get("role") if self.vertical else self.upstream
         if sender not in self.row_shapes:
@@ -471,6 +491,8 @@ class PredictionServer:
                                                     f"writes {self.output.name}, an .npy file, which cannot keep "
                                                     f"them: give it --output FILE.csv")
         session = self.sessions.get(sender)
+        if session is not None and session.run == msg.run:
+            check_owner(session.owner, peer_key)
         if session is not None and session.run != msg.run and not session.done and \
                 now - session.last_seen <= self.opts.liveness_s:
             raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
@@ -488,7 +510,8 @@ class PredictionServer:
             self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
             batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name)
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
+                                             owner=peer_key)
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
@@ -504,8 +527,9 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.STEP, f"chunk {msg.step} is out of range 1..{session.most_chunks} (the "
                                                 f"{session.rows} rows the hello announced)")
         sender = next(name for name, s in self.sessions.items() if s is session)
-        batched = self.exp.batch is not None
-        rows = min(self.exp.batch, session.rows - (msg.step - 1) * self.exp.batch) if batched else 1
+        batch = self.exp.batch
+        batched = batch is not None
+        rows = min(batch, session.rows - (msg.step - 1) * batch) if batch is not None else 1
         row_shape = self.row_shapes[sender]
         coded = WireTensor(ACTIVATION, (rows, *row_shape) if batched else row_shape, self.exp.codecs[ACTIVATION])
         try:
@@ -565,8 +589,9 @@ class PredictionServer:
 
     def _combine(self, number: int) -> None:
         """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
-        parts = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
-        if any(part is None for part in parts) or number in self.predictions:
+        arrived = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
+        parts = [part for part in arrived if part is not None]
+        if len(parts) < len(arrived) or number in self.predictions:
             return
         if len({len(part) for part in parts}) != 1:
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
@@ -574,13 +599,17 @@ class PredictionServer:
         ids = [self.sessions[name].ids.get(number) for name in self.parties]
         differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
         if differ is not None:
-            row = next((k for k, (a, b) in enumerate(zip(ids[0], ids[differ])) if a != b), 0)
+            ours, theirs = ids[0], ids[differ]
+            if ours is None or theirs is None:    # their hellos named the same ID column, or none
+                raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]} and party "
+                                                        f"{self.parties[0]} do not both send their rows' IDs")
+            row = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), 0)
             raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
                                                     f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
-                                                    f"{wire.show(ids[differ][row])}, not {wire.show(ids[0][row])}): "
+                                                    f"{wire.show(theirs[row])}, not {wire.show(ours[row])}): "
                                                     f"the parties' --input files are not aligned")
         own = self.own.chunk(number, ids[0], len(parts[0])) if self.own is not None else None
-        y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate), training=False)
+        y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate_kind), training=False)
         self.predictions[number], scores = self._outputs(y)
         if scores is not None:
             self.scores[number] = scores
@@ -633,17 +662,16 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks, but chunks {missing} of this party are "
                                                 f"missing (or it sent more)")
         session.bye = (envelope, msg)
-        senders = [self.sessions.get(name) for name in self.parties]
-        if any(s is None or s.bye is None for s in senders):
+        byes = [(s, s.bye) for s in map(self.sessions.get, self.parties) if s is not None and s.bye is not None]
+        if len(byes) < len(self.parties):
             return None                                # answered when the last party's bye comes
-        if any(s.bye[1].body.get("chunks") != chunks for s in senders) or len(self.predictions) != chunks:
+        if any(bye.body.get("chunks") != chunks for _, (_, bye) in byes) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
         self.written = self._write_chunks(chunks, self.predictions, self.prediction_ids, self.scores,
                                           session.id_name)
-        for s in senders:
+        for s, (bye_envelope, bye) in byes:
             s.done = True
-            bye_envelope, bye = s.bye
             if bye_envelope is not None and s is not session:
                 self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
         return reply
@@ -752,7 +780,7 @@ def scores_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.scores.npy")
 
 
-def _joined(scores: dict[int, np.ndarray], numbers: range) -> np.ndarray | None:
+def _joined(scores: Mapping[int, np.ndarray], numbers: range) -> np.ndarray | None:
     """The chunks' scores in chunk order; None without scores."""
     return np.concatenate([scores[n] for n in numbers]) if scores else None
 
@@ -798,9 +826,9 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
             request = server.receive(POLL_TICK_S)
             now = time.monotonic()
             if request is not None:
-                envelope, frames, _ = request
-                msg, answer, _ = decode_and_handle(frames, max_frame, lambda m: logic.handle(m, now, envelope),
-                                                   logic.log)
+                envelope, frames, peer_key = request
+                msg, answer, _ = decode_and_handle(frames, max_frame,
+                                                   lambda m: logic.handle(m, now, envelope, peer_key), logic.log)
                 if answer is not None:
                     server.reply(envelope, answer)
                 for held, reply in logic.take_ready():

@@ -200,7 +200,7 @@ class TensorBoardWriter:
 def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> list[MetricsWriter | TensorBoardWriter]:
     """Where each step's record goes: a metrics file, TensorBoard events, both or neither (only those
     asked for). Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
-    writers = [MetricsWriter(metrics_path)]
+    writers: list[MetricsWriter | TensorBoardWriter] = [MetricsWriter(metrics_path)]
     try:
         writers.append(TensorBoardWriter(tensorboard_dir))
     except ConfigError:

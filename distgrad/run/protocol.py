@@ -76,8 +76,10 @@ def pong(msg: Message, stage: str, experiment: str, **fields: Any) -> Message:
 
 # -- whose run, and what a message may be
 def unknown_run(msg: Message, expected: str) -> ProtocolError:
-    """The refusal of ``msg`` of a run this end does not serve (``expected``: what it should have been)."""
-    return ProtocolError(ErrorCode.RUN, f"{msg.type} for run {msg.run!r}, expected {expected}")
+    """The refusal of ``msg`` of a run this end does not serve (``expected``: what it should have been).
+    An aborted notice is refused so too: it stops only the run it names, when that run is this end's."""
+    what = f"an aborted notice of run {msg.run!r}" if is_abort_notice(msg) else f"{msg.type} for run {msg.run!r}"
+    return ProtocolError(ErrorCode.RUN, f"{what}, expected {expected}")
 
 
 def not_accepted(msg: Message, here: str = "a serving stage") -> ProtocolError:
@@ -86,11 +88,13 @@ def not_accepted(msg: Message, here: str = "a serving stage") -> ProtocolError:
 
 
 
-def check_owner(owner: str, peer_key: str) -> None:
+def check_owner(owner: str, peer_key: str, msg: Message | None = None) -> None:
     """With CURVE a run belongs to the key that opened it (``owner``, "" in plaintext): a message from
-    another key is refused (``ProtocolError``, code ``run``)."""
+    another key (``msg``, when given, names an aborted notice as one) is refused (``ProtocolError``, code
+    ``run``)."""
     if owner and peer_key != owner:
-        raise ProtocolError(ErrorCode.RUN, OWNER_KEY_TEXT)
+        lead = "an aborted notice not from the data owner: " if msg is not None and is_abort_notice(msg) else ""
+        raise ProtocolError(ErrorCode.RUN, lead + OWNER_KEY_TEXT)
 
 
 # -- hello

@@ -41,6 +41,7 @@ which a restarted stage gives again to a client whose reply the kill lost
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -148,11 +149,13 @@ class ServingStage:
     def stage(self):
         return self.state.stage
 
-    def encode(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
-        """The message tensors of ``x`` sent on ``stream``; a value its codec cannot carry fails the step
-        (``NonFiniteError``: it would cross as Inf), naming the codec, the tensor and the step."""
+    def encode(self, direction: str, x: np.ndarray, stream: str, step: int,
+               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The message tensors of ``x`` sent on ``stream`` (holding the peer's ``rows`` with ``send_rows``);
+        a value its codec cannot carry fails the step (``NonFiniteError``: it would cross as Inf), naming the
+        codec, the tensor and the step."""
         try:
-            return self.state.senders.message_tensors(direction, x, stream, step)
+            return self.state.senders.message_tensors(direction, x, stream, step, rows)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
 
@@ -209,7 +212,7 @@ class ServingStage:
         if (resent := self.topology.resent_reply(msg, peer_key)) is not None:   # answered before: the same reply
             return earlier + [(envelope, resent)]
         peer = self.topology.peer_of(msg)
-        check_owner(peer.owner, peer_key)
+        check_owner(peer.owner, peer_key, msg)
         if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
             raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.round}: "
                                                f"{self.topology.name(peer)} must say hello again")
@@ -274,6 +277,7 @@ class ServingStage:
         key = (msg.step, msg.mb)
         cached = peer.cached.get(key)
         if cached is not None:
+            self._same_as_first(peer, key, msg)
             return [(envelope, cached)]                 # a repeated request: same reply, no second update
         if peer.status is PeerStatus.DROPPED:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
@@ -285,9 +289,22 @@ class ServingStage:
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         check_forward_order(msg, peer.step + 1, expected, peer.mbs)
+        if self.state.ledger is not None:               # kept while its reply may be asked for again
+            peer.received = {k: v for k, v in peer.received.items() if k in peer.cached or k in peer.waiting}
+            peer.received[key] = frames_digest(msg)
         self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
+
+    def _same_as_first(self, peer: Peer, key: tuple[int, int], msg: Message) -> None:
+        """A resent forward answered from the reply cache by a stage whose defense draws noise must carry the
+        tensors the first one did: ``ProtocolError`` (code ``stage``) otherwise, nothing changes."""
+        first = peer.received.get(key)
+        if self.state.ledger is None or first is None or msg.frames is None or frames_digest(msg) == first:
+            return
+        raise ProtocolError(ErrorCode.STAGE, f"step {msg.step} micro-batch {msg.mb} is sent again with other "
+                                             f"activations than the first time (computed again on other input): "
+                                             f"refused; its first answer stands")
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
@@ -606,3 +623,11 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
             records.close()
             if logic.link is not None:
                 logic.link.close(linger_ms=0)
+
+
+def frames_digest(msg: Message) -> str:
+    """The SHA-256 of a received message's tensor frames, as they came (before they are read)."""
+    h = hashlib.sha256()
+    for frame in msg.frames or ():
+        h.update(memoryview(frame))
+    return h.hexdigest()

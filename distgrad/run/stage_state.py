@@ -10,14 +10,17 @@ directory's lock for its whole life (``lock_checkpoint_dir``).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distgrad.config.defended import budget_text, privacy_budget, row_defense
+from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
+from distgrad.jsontext import json_text
+from distgrad.privacy.releases import COUNTS, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -128,7 +131,16 @@ class StageState:
                                                                  opts.role == "serving"),
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
-                                                             opts.instance)))
+                                                             opts.instance, opts.total_steps)))
+        # The run's noise secret and the releases of the steps since the last checkpoint (None: no defense
+        # draws noise). With a checkpoint directory they are also appended to a file there before each
+        # release leaves, so that a resume after kill -9 still refuses a step computed again on other input.
+        self.ledger = self.senders.defense.ledger if self.senders.defense is not None else None
+        self.released_file = (opts.checkpoint_dir / f".{opts.instance}.released"
+                              if opts.checkpoint_dir is not None and self.ledger is not None else None)
+        if self.ledger is not None and self.released_file is not None:
+            self.ledger.on_release = self._append_release
+        attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
         if checkpoint_each_step and opts.checkpoint_every:     # without one, no step of the engine's checkpoints
@@ -199,6 +211,7 @@ class StageState:
     def stage(self, stage: Stage) -> None:
         self.engine.stage = stage
         self.engine.reset()
+        attach_dp_sgd(self.opts.experiment, stage, self.senders.defense)
 
     @property
     def senders(self) -> Senders:
@@ -263,6 +276,50 @@ class StageState:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
         self.history.load(ckpt.arrays)
         self._load_verdicts(ckpt.meta.get("verdicts"), ckpt.step)
+        if self.ledger is not None:
+            secret = ckpt.meta.get("noise_secret")
+            if not isinstance(secret, str):
+                raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
+                                  f"defenses drew from one; start a new run (without --resume)")
+            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), self._released_since(ckpt.run, ckpt.step),
+                                ckpt.step)
+
+    def _append_release(self, release: Release) -> None:
+        """Before a release leaves: its line in the file of releases since the last checkpoint."""
+        assert self.released_file is not None
+        try:
+            with open(self.released_file, "a", encoding="utf-8") as f:
+                f.write(json_text({"run": self.run_id, **release.as_json()}) + "\n")
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot record a release in {self.released_file}: {e.strerror or e}") from e
+
+    def _released_since(self, run: str, step: int) -> list[Release]:
+        """The releases of ``run`` after ``step`` the file holds (a torn last line is skipped: its release
+        never left)."""
+        if self.released_file is None or not self.released_file.exists():
+            return []
+        found = []
+        for line in self.released_file.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+                release = Release.from_json(entry)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if entry.get("run") == run and release.step > step:
+                found.append(release)
+        return found
+
+    def _rewrite_released(self, releases: list[Release]) -> None:
+        """The file of releases holds only ``releases`` (those after the checkpoint just written)."""
+        if self.released_file is None:
+            return
+        text = "".join(json_text({"run": self.run_id, **r.as_json()}) + "\n" for r in releases)
+        tmp = self.released_file.with_name(self.released_file.name + ".tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(self.released_file)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot rewrite {self.released_file}: {e.strerror or e}") from e
 
     def _load_verdicts(self, saved: Any, step: int) -> None:
         """The evaluations judged and the verdicts taken up to ``step`` (a checkpoint's ``verdicts``; None:
@@ -290,6 +347,9 @@ class StageState:
         self.senders.reset()
         self._load_verdicts(None, 0)
         self.run_id, self.owner = run_id, owner
+        if self.ledger is not None:
+            self.ledger.new_run(fresh_secret())     # two runs never share a noise draw
+            self._rewrite_released([])
         self.cpu_started = time.process_time()
         if self.store is not None:
             self.save()
@@ -322,6 +382,8 @@ class StageState:
             self.history.clear()
             self.senders.reset()
             self._load_verdicts(None, 0)
+            if self.ledger is not None:      # the same run: its secret, and the releases it already made
+                self.ledger.restore(self.ledger.secret, None, [], 0)
         else:
             ckpt = self.store.at(self.run_id, step) if self.store is not None else None
             if ckpt is None:
@@ -349,13 +411,18 @@ class StageState:
                                   "keeping_best": self.keeping_best,
                                   "tests": [[step, test] for step, test in sorted(self.tests.items())],
                                   "plateau_at": self.plateau_at})
+            if self.ledger is not None:
+                meta["noise_secret"] = f"{self.ledger.secret:x}"
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
             extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
+            released = self.ledger.arrays(step) if self.ledger is not None else {}
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
-                                                    **self.history.arrays(), **extra}, meta)
+                                                    **self.history.arrays(), **extra, **released}, meta)
+                if self.ledger is not None:
+                    self._rewrite_released(self.ledger.checkpointed(step))
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise
@@ -385,7 +452,8 @@ class StageState:
             **kept_test_fields(self.tests, self.verdicts.best_step),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
-                             self.opts.seed),
+                             self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
+                             self.opts.total_steps),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:

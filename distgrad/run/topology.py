@@ -475,7 +475,7 @@ class Turns(Topology):
         try:
             mb_loss, dx, grads_later = self._loss_and_gradient(peer, msg)
             s.stage.check_finite("activation_grad", dx, msg.step)
-            tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step)
+            tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step, msg.tensors.get("rows"))
         except NonFiniteError as e:
             s.log.error("%s", e)
             self.failed(peer, e)

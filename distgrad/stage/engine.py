@@ -27,7 +27,7 @@ equal to the in-process reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class TraceSink(Protocol):
 
     def wants(self, step: int) -> bool: ...
 
-    def write(self, step: int, loss: float | None, grads: Grads, params: Grads, **extra: Any) -> None: ...
+    def write(self, step: int, loss: float | None, grads: Grads, params: Grads, client: int | None = None) -> None: ...
 
 
 @dataclass(frozen=True)

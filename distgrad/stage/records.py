@@ -95,14 +95,10 @@ def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
     (``prepare.preparation_path``), atomically; nothing when its [data] prepares nothing. Raises ``OSError``."""
     if prep is not None:
         text = preparation_text(prep)
-
-        def write(f: IO[bytes]) -> None:
-            f.write(text)
-
-        write_atomic(preparation_path(parameters), write)
+        write_atomic(preparation_path(parameters), lambda f: f.write(text))
 
 
-def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Write a file through ``write(file)`` under a temporary name, fsync it and rename it into place, so
     ``path`` is never seen half written; the temporary file is removed on failure. Raises ``OSError``."""
     path = Path(path)

@@ -56,17 +56,25 @@ def micro_batch(array: np.ndarray, index: int, count: int) -> np.ndarray:
     return array[index * n:(index + 1) * n]
 
 
+def asked_dx(stage: str, dx: np.ndarray | None) -> np.ndarray:
+    """``dx`` of a backward with ``need_dx``; ``StageError`` naming ``stage`` if its model returned none."""
+    if dx is None:
+        raise StageError(f"stage {stage}: its model's backward returned no input gradient, asked for one")
+    return dx
+
+
 @contextlib.contextmanager
 def as_of(stage: Any, params: Mapping[str, np.ndarray] | None, step: int) -> Iterator[None]:
     """The stage as it computed step ``step``'s forward with steps in flight: ``params`` (its parameters
     after an earlier update; None or the live ones: no swap) in place of the live ones, and its step
     counter at ``step - 1`` (dropout masks, messages); both restored after, whatever happens."""
     live_step, live = stage.step, stage.params
-    saved = None if params is None or params is live else {name: value.copy() for name, value in live.items()}
+    swap = None if params is live else params
+    saved = None if swap is None else {name: value.copy() for name, value in live.items()}
     try:
-        if saved is not None:
+        if swap is not None:
             for name, value in live.items():
-                value[...] = params[name]
+                value[...] = swap[name]
         stage.step = step - 1
         yield
     finally:
@@ -243,6 +251,9 @@ class Stage:
     allow_nonfinite = False
     seed = 0        # the run's seed (``from_experiment`` sets it); a torch stage seeds its RNG from it
     nopeek: float | None = None     # a data owner's NoPeek weight (its stage's 'nopeek'; ``with_objective``)
+    # The label owner's DP-SGD (its 'dp_sgd', bound by ``config.defended.attach_dp_sgd``): the parameter
+    # gradients of a micro-batch from its input, d(loss)/d(output) and index, replacing the exact ones.
+    private_update: Callable[[np.ndarray, np.ndarray, int], Grads] | None = None
 
     def __init__(self, name: str, model: Sequential, optimizer: Optimizer, loss: Loss | None,
                  input_shape: Shape) -> None:
@@ -357,6 +368,16 @@ class Stage:
             return self.model.backward_deferred(cache, dy)
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: backward failed at step {self.step + 1}: {e}") from e
+
+    def per_example_grads(self, x: np.ndarray, dy: np.ndarray, mb: int) -> list[Grads]:
+        """Each row's contribution to the parameter gradients of micro-batch ``mb`` of input ``x`` given
+        d(loss)/d(output) ``dy``: a forward and backward of that row alone (layers without batch statistics)."""
+        context = ForwardContext(True, self.step + 1, mb, self.name)
+        grads = []
+        for i in range(len(x)):
+            _, cache = self.model.forward(x[i:i + 1], context)
+            grads.append(self.model.backward(cache, dy[i:i + 1], False)[1])
+        return grads
 
     def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Loss value and d(loss)/d(y); last stage only."""
@@ -487,7 +508,9 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads = self.backward(cache, dy)
-        return loss, dx, grads
+        if self.private_update is not None:
+            grads = self.private_update(x, dy, mb)
+        return loss, asked_dx(self.name, dx), grads
 
     def loss_micro_batch_deferred(self, x: np.ndarray, target: np.ndarray, mb: int = 0
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
@@ -495,4 +518,7 @@ class Stage:
         y, cache = self.forward(x, mb)
         loss, dy = self.loss_backward(y, target)
         dx, grads_later = self.backward_deferred(cache, dy)
+        private = self.private_update
+        if private is not None:
+            return loss, dx, lambda: private(x, dy, mb)
         return loss, dx, grads_later

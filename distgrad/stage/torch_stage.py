@@ -384,7 +384,7 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
                               f"({', '.join(classes)}; the lower-case names too) or a distgrad one "
                               f"({', '.join(OPTIMIZERS)})")
         schedule_spec = table.pop("schedule", None)
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k != "type"}
+        options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k != "type"}
         schedule = None
         if schedule_spec is not None:
             lr = options.get("lr")

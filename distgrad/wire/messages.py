@@ -406,7 +406,7 @@ def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: i
     if len(frames) != 1 + count or count > MAX_TENSORS:
         raise ProtocolError(ErrorCode.TENSOR, f"header declares {count} tensors (at most {MAX_TENSORS}) but "
                                               f"{len(frames) - 1} tensor frames arrived")
-    tensor_frames = tuple(map(memoryview, frames[1:]))
+    tensor_frames: tuple[memoryview, ...] = tuple(map(memoryview, frames[1:]))
     total = sum(map(_nbytes_of, tensor_frames))
     if total > max_tensor_bytes:
         raise ProtocolError(ErrorCode.TENSOR, f"tensor frames hold {total} bytes; this stage accepts at most "

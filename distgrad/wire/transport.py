@@ -22,7 +22,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, Collection, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence, cast
 
 import numpy as np
 import zmq
@@ -102,10 +102,11 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, liveness_s: floa
 # The Cython socket methods, called directly: pyzmq's Python-level wrappers (``Socket.poll``
 # builds a Poller per call, ``send`` and ``recv_multipart`` add a layer per frame) cost
 # several microseconds per message, which is a visible part of a small round trip.
-_BackendSocket = zmq.Socket.__mro__[1]
+_BackendSocket = zmq.backend.Socket       # the base class of zmq.Socket: pyzmq's compiled socket
 _send = _BackendSocket.send
 _recv = _BackendSocket.recv
-_get = _BackendSocket.get
+# The options read through ``_get`` (EVENTS, RCVMORE) are ints; the stub types every option's value int | bytes.
+_get = cast("Callable[[zmq.Socket, int], int]", _BackendSocket.get)
 _set = _BackendSocket.set
 # ``get`` and ``set`` look their option up as a ``SocketOption`` (Python code in the enum module) on every call,
 # so a message's receive asks the socket nothing (``poll_frames``). Flags are plain ints (a member's ``&`` builds

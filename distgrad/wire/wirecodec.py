@@ -182,8 +182,9 @@ class Senders:
     ``load_state_arrays`` for checkpoints, ``reset`` for a fresh start.
 
     ``defense``: what the stage does to the training rows it sends before they are coded (its ``clip_noise``,
-    ``max_norm`` or ``marvell``; None: nothing), a pure function of the stream, the step and (Marvell) the
-    labels of the stream's micro-batch, so it keeps no state.
+    ``max_norm`` or ``marvell``; None: nothing), a pure function of the run's noise secret, the stream, the
+    step, the values and (Marvell) the labels of the stream's micro-batch; its ledger records each release
+    (and refuses a step computed again on other values, or past the budget: nothing is sent then).
     Evaluations and predictions are not defended.
     """
 
@@ -212,17 +213,19 @@ class Senders:
         changes then) for a value the codec cannot carry."""
         return self._send(direction, x, stream, step, "encode")
 
-    def roundtrip(self, direction: str, x: np.ndarray, stream: str, step: int) -> np.ndarray:
+    def roundtrip(self, direction: str, x: np.ndarray, stream: str, step: int,
+                  rows: np.ndarray | None = None) -> np.ndarray:
         """What the receiver computes with for ``x`` sent on ``stream`` (the in-process twin of ``encode``,
-        with the same residuals)."""
-        return self._send(direction, x, stream, step, "roundtrip")
+        with the same residuals); ``rows`` as ``message_tensors``."""
+        return self._send(direction, x, stream, step, "roundtrip", rows)
 
-    def _send(self, direction: str, x: np.ndarray, stream: str, step: int, how: str) -> Any:
+    def _send(self, direction: str, x: np.ndarray, stream: str, step: int, how: str,
+              rows: np.ndarray | None = None) -> Any:
         """``encode`` or ``roundtrip`` (``how``) of the direction's codec, through the stream's error feedback
         when it keeps one (its new residual pending until the step's update), of ``x`` as the stage's
         defense leaves it."""
         if self.defense is not None:
-            x = self.defense.apply(direction, x, stream, step, stream_micro_batch(stream)[0])
+            x = self.defense.apply(direction, x, stream, step, stream_micro_batch(stream)[0], rows)
         codec = self.codecs[direction]
         if not codec.error_feedback:
             sent = getattr(codec, how)(x, stream, step)
@@ -237,15 +240,18 @@ class Senders:
                 tap(received, stream, step)
         return sent
 
-    def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int) -> dict[str, np.ndarray]:
-        """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``)."""
+    def message_tensors(self, direction: str, x: np.ndarray, stream: str, step: int,
+                        rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``);
+        ``rows``: the row numbers ``x`` holds when the peer chose them (``send_rows``; None: the stage's own
+        order), for the defense's per-row count."""
         key = (direction, x.shape)
         wire_tensor = self._wire_tensors.get(key)
         if wire_tensor is None:
             if len(self._wire_tensors) >= WIRE_TENSORS_KEPT:
                 self._wire_tensors.clear()
             wire_tensor = self._wire_tensors[key] = WireTensor(direction, x.shape, self.codecs[direction])
-        return wire_tensor.pack(self._send(direction, x, stream, step, "encode"))
+        return wire_tensor.pack(self._send(direction, x, stream, step, "encode", rows))
 
     def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The message tensors of held-out activations ``x``: the activation codec without error feedback

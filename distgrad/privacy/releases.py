@@ -1,0 +1,175 @@
+"""What one stage's noise is keyed by in one run, and what it has released: its ``NoiseLedger``.
+
+Every noise draw of a stage's defenses comes from the run's *noise secret* (``fresh_secret``: random bytes
+drawn when the run begins, never the run's seed, which the other party knows), the stage, the tensor's
+stream, the step and the digest of the values the noise is added to (``defenses.defense_rng``). So two runs
+never share a draw, and a step computed again on the same values (a resume, a rollback) draws the same noise:
+the resumed run is bitwise the uninterrupted one. A step computed again on *other* values would be answered
+with independent noise, a second release of the same rows; the ledger refuses it instead
+(``NoiseReuseError``), from the digests of the steps computed since the last checkpoint (a stage process
+keeps them in a file beside its checkpoints, so they outlive a kill -9).
+
+The ledger also counts how many times each row was released (each step it is in, each peer its gradient
+goes to) for the per-row budget (``privacy.budget``); with a ``limit`` (the target form of ``clip_noise``) it
+refuses the release that would take a row past it (``BudgetExhausted``), before anything is sent.
+
+The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
+both. ``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only:
+it makes every run draw from the same secret, so two runs then repeat their noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
+
+NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
+SECRET_BYTES = 16                                  # 128 random bits a run
+COUNTS = "privacy/releases"                        # the checkpoint array of the per-row release counts
+
+
+def fresh_secret(override: int | None = None) -> int:
+    """A new run's noise secret: ``override`` when given, else ``NOISE_SECRET_VARIABLE`` (hex) when set
+    (testing: every run then draws the same noise), else 128 bits from ``os.urandom``. Raises
+    ``ConfigError`` for a variable that is not hex."""
+    if override is not None:
+        return int(override)
+    text = os.environ.get(NOISE_SECRET_VARIABLE, "").strip()
+    if text:
+        try:
+            return int(text, 16)
+        except ValueError as e:
+            raise ConfigError(f"{NOISE_SECRET_VARIABLE}={text!r}: the noise secret must be hexadecimal") from e
+    return int.from_bytes(os.urandom(SECRET_BYTES), "big")
+
+
+def digest(x: np.ndarray) -> str:
+    """The SHA-256 of ``x``'s dtype, shape and bytes, in hex: what identifies the values of a release."""
+    h = hashlib.sha256(f"{x.dtype.str}{x.shape}".encode())
+    h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Release:
+    """One tensor sent with noise: its ``step``, ``stream``, the ``digest`` of the values the noise was
+    added to, and the row numbers it holds (int32; None: not counted per row)."""
+
+    step: int
+    stream: str
+    digest: str
+    rows: np.ndarray | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "stream": self.stream, "digest": self.digest,
+                "rows": None if self.rows is None else self.rows.tolist()}
+
+    @staticmethod
+    def from_json(entry: Any) -> "Release":
+        """Raises ``ValueError`` (or ``KeyError``/``TypeError``) for an entry that is not one."""
+        rows = entry["rows"]
+        return Release(int(entry["step"]), str(entry["stream"]), str(entry["digest"]),
+                       None if rows is None else np.array([int(r) for r in rows], np.int32))
+
+
+class NoiseLedger:
+    """One stage's noise secret in its current run, the releases since its last checkpoint, and the
+    per-row release counts of the run.
+
+    ``limit``: the most releases a row may have in the run (None: no limit). ``on_release`` is called with
+    each new release before its values are noised (a stage process appends it to its file)."""
+
+    def __init__(self, secret: int, limit: int | None = None,
+                 on_release: Callable[[Release], None] | None = None) -> None:
+        self.secret = secret
+        self.limit = limit
+        self.on_release = on_release
+        self.pending: dict[tuple[int, str], Release] = {}
+        self.counts = np.zeros(0, np.int64)
+
+    def new_run(self, secret: int) -> None:
+        """A new run: a new secret, nothing released."""
+        self.secret, self.pending, self.counts = secret, {}, np.zeros(0, np.int64)
+
+    @property
+    def worst(self) -> int:
+        """The most times any one row was released so far."""
+        return int(self.counts.max(initial=0))
+
+    def release(self, step: int, stream: str, values: str, rows: np.ndarray | None) -> None:
+        """Record that ``step`` sends on ``stream`` noise added to values of digest ``values`` holding
+        ``rows``. The same values again (a step computed again): nothing new. Raises ``NoiseReuseError``
+        for other values of a step already released, ``BudgetExhausted`` when a row would pass ``limit``."""
+        key = (step, stream)
+        known = self.pending.get(key)
+        if known is not None:
+            if known.digest == values:
+                return
+            raise NoiseReuseError(
+                f"step {step} ({stream}) is computed again on other input than the first time (a resume or a "
+                f"resend whose activations differ): answering would release the step's rows a second time. "
+                f"Refused; the first answer stands. Send the step's activations as they were the first time, "
+                f"or start a new run")
+        counted = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        if counted is not None and len(counted):
+            if counted.min() < 0:
+                raise ValueError(f"step {step}: negative row numbers")
+            top = int(counted.max()) + 1
+            if top > len(self.counts):
+                self.counts = np.concatenate([self.counts, np.zeros(top - len(self.counts), np.int64)])
+            after = self.counts[counted] + np.bincount(counted, minlength=top)[counted]
+            if self.limit is not None and after.max() > self.limit:
+                row = int(counted[int(np.argmax(after))])
+                raise BudgetExhausted(
+                    f"step {step}: row {row} would be released {int(after.max())} times, more than the "
+                    f"{self.limit} its privacy budget allows (clip_noise epsilon); nothing of this step was sent "
+                    f"or applied, and the checkpoints are kept. The run stops here: a new run with more "
+                    f"planned steps (sigma is chosen for them) or a larger epsilon can go further")
+        release = Release(step, stream, values, None if counted is None else counted.astype(np.int32))
+        if self.on_release is not None:
+            self.on_release(release)
+        self._record(release)
+
+    def _record(self, release: Release) -> None:
+        self.pending[(release.step, release.stream)] = release
+        if release.rows is not None and len(release.rows):
+            rows = release.rows.astype(np.int64)
+            top = int(rows.max()) + 1
+            if top > len(self.counts):
+                self.counts = np.concatenate([self.counts, np.zeros(top - len(self.counts), np.int64)])
+            np.add.at(self.counts, rows, 1)
+
+    def _pending_counts(self, after: int) -> np.ndarray:
+        """The releases per row of the pending steps after ``after``."""
+        extra = np.zeros(len(self.counts), np.int64)
+        for release in self.pending.values():
+            if release.step > after and release.rows is not None and len(release.rows):
+                np.add.at(extra, release.rows.astype(np.int64), 1)
+        return extra
+
+    def arrays(self, step: int) -> dict[str, np.ndarray]:
+        """The checkpoint of ``step``'s counts: every release up to ``step`` (later ones, of steps in
+        flight, stay pending and come back with ``restore``)."""
+        return {COUNTS: self.counts - self._pending_counts(step)}
+
+    def checkpointed(self, step: int) -> list[Release]:
+        """Step ``step`` is checkpointed: forget the releases up to it (a resume starts after it); return
+        those still pending, for the file."""
+        self.pending = {key: r for key, r in self.pending.items() if r.step > step}
+        return list(self.pending.values())
+
+    def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int) -> None:
+        """Back to the checkpoint of ``step`` of the same run: its ``secret`` and ``counts`` (None: none
+        released), with the releases after ``step`` that were already made (``pending``) kept and counted."""
+        self.secret = secret
+        kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending] if r.step > step}
+        self.counts = np.array(counts, np.int64) if counts is not None else np.zeros(0, np.int64)
+        self.pending = {}
+        for release in sorted(kept.values(), key=lambda r: (r.step, r.stream)):
+            self._record(release)

@@ -1,0 +1,178 @@
+"""The noise of a stage's defenses never repeats across runs, and a step is never answered twice on other input.
+
+A data owner that opens two runs with the same activations (a label owner with ``--keep-serving``, or
+restarted with the same stage file) gets other noise each time; a step computed again (a resend after a
+rollback, a resume after kill -9) on other activations than the first time is refused; on the same
+activations it is answered bitwise as the first time. The data owner here is the cut library (``Cut``): it
+sends exactly the activations the test chooses, as a determined party would.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.cut import Cut
+from distgrad.errors import NoiseReuseError, PeerRejected
+from distgrad.privacy.releases import NOISE_SECRET_VARIABLE, NoiseLedger, fresh_secret
+
+from conftest import run_main
+from test_defenses import _digits
+
+G_CLIP = "clip_noise = { max_norm = 0.05, sigma = 1.0 }"
+BOUNDS = dict(timeout_s=2.0, peer_deadline_s=30.0)
+
+
+@pytest.fixture
+def fresh_secrets(monkeypatch):
+    """Each run draws its own secret, as in production (no test override)."""
+    monkeypatch.delenv(NOISE_SECRET_VARIABLE, raising=False)
+
+
+def _parties(tmp_path: Path, g_extra: str = G_CLIP) -> tuple[Path, Path]:
+    """The digits experiment with the label owner's ``g_extra``, split into the two parties' stage files: the
+    data owner's for its own loop (``Cut``), the label owner's."""
+    assert run_main(["split", _digits(tmp_path, "", g_extra), tmp_path / "parts"]).returncode == 0
+    f_file = tmp_path / "parts" / "f" / "f.toml"
+    head, rest = f_file.read_text().split("[stage]\n")
+    own_loop = f_file.with_name("f-lib.toml")            # the cut library's party: [stage] names it only
+    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + rest.split("[data]", 1)[1])
+    return own_loop, tmp_path / "parts" / "g" / "g.toml"
+
+
+def _activations(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((32, 64)).astype(np.float32)
+
+
+def _one_step(endpoint: str, f_file: Path, h: np.ndarray, vanish: bool = False, **where) -> tuple[str, np.ndarray]:
+    """One step of a run through ``Cut`` (a new run, or ``where``: ``step``/``run`` of one going on):
+    its run id and the gradient the label owner sent. The cut then closes before the run's end (the label
+    owner ends the run), or with ``vanish`` disappears without a word (the run stays open, to be rejoined)."""
+    cut = Cut.connect(endpoint, interface=f_file, **BOUNDS, **where)
+    try:
+        _, dh = cut.step(h, cut.rows(cut.applied + 1))
+    finally:
+        if vanish:
+            cut.closed = True
+            cut.link.close(linger_ms=0)
+        else:
+            cut.close(finished=False)
+    return cut.run_id, dh
+
+
+# --- the ledger -------------------------------------------------------------------------------------------
+
+def test_fresh_secrets_differ_and_the_test_override_is_read():
+    assert fresh_secret() != fresh_secret()
+    assert fresh_secret(7) == 7
+
+
+def test_the_ledger_refuses_other_values_for_a_step_and_keeps_releases_through_a_restore():
+    ledger = NoiseLedger(secret=1)
+    ledger.release(1, "s", "aa", np.array([0, 1]))
+    ledger.release(1, "s", "aa", np.array([0, 1]))          # computed again on the same values: nothing new
+    assert ledger.worst == 1
+    with pytest.raises(NoiseReuseError, match="computed again on other input"):
+        ledger.release(1, "s", "bb", np.array([0, 1]))
+    ledger.release(2, "s", "cc", np.array([1, 2]))
+    saved = ledger.arrays(1)                                 # the checkpoint of step 1: step 2 still pending
+    ledger.checkpointed(1)
+    ledger.restore(1, saved["privacy/releases"], [], 1)      # back to step 1: step 2 was released already
+    assert ledger.counts.tolist() == [1, 2, 1]
+    with pytest.raises(NoiseReuseError):
+        ledger.release(2, "s", "dd", np.array([1, 2]))
+
+
+# --- over processes ---------------------------------------------------------------------------------------
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_two_runs_of_a_keep_serving_label_owner_answer_the_same_activations_with_other_noise(tmp_path,
+                                                                                              start_server):
+    f_file, g_file = _parties(tmp_path)
+    g, endpoint = start_server(str(g_file), "--keep-serving")
+    h = _activations()
+    first, second = (_one_step(endpoint, f_file, h)[1] for _ in range(2))
+    assert not np.array_equal(first, second)
+    # The same label owner restarted with the same stage file: other noise again.
+    g.signal(signal.SIGTERM)
+    g.wait(10)
+    g2, endpoint2 = start_server(str(g_file), "--keep-serving", name="g2")
+    third = _one_step(endpoint2, f_file, h)[1]
+    assert not np.array_equal(third, first) and not np.array_equal(third, second)
+    # Not by accident: the label owner's clip bound holds and the difference is noise of the stated size.
+    assert np.std(first - second) == pytest.approx(np.sqrt(2) * 1.0 * 0.05, rel=0.1)
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_a_step_computed_again_on_other_activations_is_refused_and_on_the_same_is_answered_alike(tmp_path,
+                                                                                                 start_server):
+    """A data owner rejoining its run at step 0 makes the label owner roll back and compute step 1 again:
+    the same activations get the very gradient of the first time, others are refused (the label owner keeps
+    serving)."""
+    f_file, g_file = _parties(tmp_path)
+    g, endpoint = start_server(str(g_file), "--keep-serving")
+    h = _activations()
+    run, first = _one_step(endpoint, f_file, h, vanish=True)
+    again = _one_step(endpoint, f_file, h, vanish=True, run=run)[1]
+    np.testing.assert_array_equal(again, first)
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        _one_step(endpoint, f_file, _activations(1), vanish=True, run=run)
+    assert g.proc.poll() is None
+    np.testing.assert_array_equal(_one_step(endpoint, f_file, h, vanish=True, run=run)[1], first)
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_after_kill_9_the_resumed_label_owner_answers_alike_and_refuses_other_activations(tmp_path, start_server):
+    """The secret is kept in the checkpoint and the digests of the steps after it in a file beside it: after
+    kill -9 and --resume, step 3 (after the checkpoint of step 2) on its first activations is answered bitwise
+    as before the kill, and on others it is refused."""
+    f_file, g_file = _parties(tmp_path)
+    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--resume")
+    g, endpoint = start_server(str(g_file), *flags)
+    hs = [_activations(i) for i in range(3)]
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        replies = [cut.step(h, cut.rows(step))[1] for step, h in enumerate(hs, 1)]
+        run = cut.run_id
+        g.signal(signal.SIGKILL)
+        g.wait(10)
+        cut.closed = True
+        cut.link.close(linger_ms=0)
+    g2, endpoint2 = start_server(str(g_file), *flags, name="g2")
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        _one_step(endpoint2, f_file, _activations(9), vanish=True, run=run, step=2)
+    np.testing.assert_array_equal(_one_step(endpoint2, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_a_resent_forward_with_other_activations_is_refused_and_the_run_goes_on(tmp_path, start_server):
+    """A forward sent again for a step the label owner answered (its reply cache) must carry the same
+    activations: the same get the same reply, others are refused; the next step is answered as usual."""
+    from distgrad.run.protocol import forward_message
+    from distgrad.wire.link import check_reply
+    from distgrad.wire.wirecodec import ACTIVATION, stream_name
+
+    f_file, g_file = _parties(tmp_path)
+    g, endpoint = start_server(str(g_file), "--keep-serving")
+    h = _activations()
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        _, first = cut.step(h, cut.rows(1))
+
+        def resend(x: np.ndarray) -> np.ndarray:
+            msg = forward_message(cut.senders, cut.run_id, 1, 0, 1, x, stream_name(ACTIVATION, 0, 1))
+            cut.link.send(msg)
+            reply = cut.link.await_reply({(1, 0): msg}, (1, 0))
+            return check_reply(reply, 1, cut.reply_specs, False, "g")[1]
+
+        np.testing.assert_array_equal(resend(h), first)
+        with pytest.raises(PeerRejected, match="sent again with other activations"):
+            resend(_activations(1))
+        cut.step(h, cut.rows(2))
+        cut.close(finished=False)
+    assert g.proc.poll() is None
