@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_arguments(sub.add_parser("run", help="run an experiment: every stage as its own local process"))
     _demo_arguments(sub.add_parser("demo", help="train the seed's reverse-accumulation model over two processes"))
     sub.add_parser("experiments", help="list the built-in experiments")
+    _init_arguments(sub.add_parser("init", help="write ready stage files from a CSV (or one CSV per party): each "
+                                   "party's folder OUT/NAME/ with NAME.toml and its own columns, NAME.csv",
+                                   description=INIT_DESCRIPTION))
     _split_arguments(sub.add_parser("split", help="write each party's folder from a combined experiment: its stage "
                                     "file OUTDIR/STAGE/STAGE.toml and its own data, OUTDIR/STAGE/STAGE.npz"))
     _keygen_arguments(sub.add_parser("keygen", help="write a CURVE key pair DIR/NAME.key and DIR/NAME.key_secret "
@@ -279,6 +282,44 @@ def _split_arguments(split: argparse.ArgumentParser) -> None:
     split.add_argument("experiment", metavar="NAME_OR_PATH")
     split.add_argument("outdir", type=Path, metavar="OUTDIR")
     split.add_argument("--force", action="store_true", help="overwrite files already in OUTDIR")
+
+
+INIT_DESCRIPTION = (
+    "Inspect a CSV (a header line, then the rows) and write each party's stage file beside its own columns "
+    "of the rows, ready to train: text columns one-hot, number columns standardised, missing cells filled "
+    "with the column's median (each choice said in a comment of the file), a text label (or a few whole "
+    "numbers) classified by class name, else regressed, and a default model sized to the data. Two parties "
+    "(f the features, g the label) by default; vertical parties with --parties or one CSV per party (joined "
+    "on their common ID column). Prints the commands to train, predict and align. Exit codes: 0 ok, 2 a "
+    "bad table or argument (nothing written).")
+
+
+def _init_arguments(init: argparse.ArgumentParser) -> None:
+    """``distgrad init TABLE.csv [MORE.csv ...] --label NAME --out DIR``."""
+    init.add_argument("tables", type=Path, nargs="+", metavar="TABLE.csv",
+                      help="the table, or one CSV per party (each named by its file's name; the one holding the "
+                           "label is the label owner's, and its other columns are its own features)")
+    init.add_argument("--label", required=True, metavar="COLUMN", help="the header name of the column to predict")
+    init.add_argument("--out", type=Path, required=True, metavar="DIR",
+                      help="write each party's folder here (DIR/NAME/NAME.toml, DIR/NAME/NAME.csv); refused if DIR "
+                           "holds files, unless --force")
+    init.add_argument("--parties", nargs="+", metavar="NAME:COL,COL",
+                      help="vertical parties of the one table: each party's name and the columns it holds (the "
+                           "label owner is g; 'g:COL,...' gives it columns of its own); columns no party names are "
+                           "left out")
+    init.add_argument("--id-column", metavar="COLUMN",
+                      help="the rows' ID column (default: a column named id, row_id, rowid or key, or an unnamed "
+                           "first column, with distinct values; with one CSV per party, the one column they all "
+                           "hold; else init numbers the rows)")
+    init.add_argument("--task", choices=["auto", "classification", "regression"], default="auto",
+                      help="auto (default): a text label, or at most 20 distinct whole numbers, is a "
+                           "classification, else a regression")
+    init.add_argument("--seed", type=int, default=0, metavar="N", help="the run's seed (default 0)")
+    init.add_argument("--framework", choices=["numpy", "torch"], default="numpy",
+                      help="build every stage's layers in numpy (default) or PyTorch (framework = \"torch\")")
+    init.add_argument("--force", action="store_true", help="write into a DIR that already holds files, "
+                      "overwriting the files init writes")
+    _log_level_flag(init)
 
 
 def _keygen_arguments(keygen: argparse.ArgumentParser) -> None:
@@ -901,6 +942,20 @@ def _align(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _init(args: argparse.Namespace) -> int:
+    """``distgrad init``: the tables inspected, each party's folder written, the choices and commands printed."""
+    from distgrad.config.scaffold import init_parties
+
+    result = init_parties(args.tables, args.label, args.out, parties=args.parties or (), id_column=args.id_column,
+                          task=args.task, seed=args.seed, framework=args.framework,
+                          force=args.force)
+    for path in result.paths:
+        print(f"wrote {path} (and {path.with_suffix('.csv').name} beside it)")
+    print("\n".join(f"- {note}" for note in result.notes))
+    print("\n".join(result.commands))
+    return EXIT_OK
+
+
 def _split(args: argparse.Namespace) -> int:
     """``distgrad split``: each party's stage file and data, written into OUTDIR."""
     from distgrad.config.parse import load_experiment
@@ -1012,7 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Each subcommand's handler: it builds a validated configuration from the flags (``ConfigError``, exit 2, for a bad
 # one) and calls the Python API; ``_guarded`` maps what it raises to the exit code.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": _run_experiment, "demo": _demo, "experiments": lambda args: _list_experiments(), "split": _split,
+    "run": _run_experiment, "demo": _demo, "experiments": lambda args: _list_experiments(), "init": _init, "split": _split,
     "predict": _predict, "align": _align, "keygen": _keygen, "ping": _ping, "plot": _plot, "audit": _audit}
 
 

@@ -23,14 +23,17 @@ checks that the pieces of one deployment fit: each party reads a stage file
 of its own stage (mounted from its own folder under deploy/parties/ or its own
 ConfigMap; no container holds another party's file), the parties' files load
 together as one experiment (their interfaces agree, as the handshake checks),
-deploy/parties/ holds what ``distgrad split`` and the vertical example write,
+deploy/parties/ holds what ``distgrad init`` (the two-party example, from the table deploy/data ships),
+``distgrad split`` and the vertical example write, every data file a stage file reads is in the repository (or,
+on Kubernetes, on the party's claim, awaited by an init container; no Secret carries data),
 the driving stages connect to the port the serving stage binds, all checkpoint
 with the same K and resume, all use CURVE, health checks ping the serving
 stage with keys it can accept, and every file a command names is mounted in
 its container. In the vertical deployments every party first runs ``distgrad
 align`` (one coordinator, the label owner, that the others reach; the same
 keys as its stage) and its stage file reads the rows its own alignment wrote
-(stand-ins computed here, the aligned rows, let the files be parsed).
+(stand-ins computed here, the aligned rows, let the files be parsed), and where more than two parties align,
+every party but the coordinator checks the others' digests with ``--party-keys``.
 
 YAML needs PyYAML; without it the YAML tests are skipped.
 """
@@ -77,11 +80,14 @@ ENV_EXAMPLE = SYSTEMD / "distgrad.env.example"
 README = DEPLOY / "README.md"
 PARTIES = DEPLOY / "parties"         # each party's own folder: its stage file (and data)
 INSTANCE = "seed-reverse"            # the systemd instance the units are checked with
+TWO_PARTY = PARTIES / "two-party"    # compose.yaml's and k8s/'s parties: distgrad init of the shipped table
+TWO_PARTY_TABLE = DEPLOY / "data" / "breast-cancer-small.csv"
 IMAGE = "distgrad-stage"             # the image built from deploy/Dockerfile
 PROGRAMS = {"distgrad", "distgrad-stage"}
-PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key", "input", "out")
+PATH_FLAGS = ("checkpoint_dir", "summary", "trace", "ready_file", "curve_secret", "allow", "server_key", "input", "out",
+              "party_keys")
 WRITTEN = ("checkpoint_dir", "summary", "trace", "ready_file", "out")
-READ = ("curve_secret", "allow", "server_key", "input", "experiment")     # must be mounted read-only
+READ = ("curve_secret", "allow", "server_key", "input", "experiment", "party_keys")     # must be mounted read-only
 KEYS = ("curve_secret", "allow", "server_key")
 
 
@@ -200,9 +206,13 @@ def resolve_experiment(cmd: Command, name_or_path: str) -> Experiment:
         raw = tomllib.loads(text)
         data = raw.get("data", {})
         if str(data.get("path", "")).startswith("/"):
-            # Data that an earlier command of the deployment writes (distgrad align's --out): a stand-in.
+            # Data that an earlier command of the deployment writes (distgrad align's --out), or that an init
+            # container waits for on the party's claim: a stand-in.
             assert data["path"] in cmd.written, f"{cmd}: {name_or_path} reads {data['path']}, which nothing writes"
             data["path"] = str(cmd.written[data["path"]])
+        elif "path" in data:
+            assert (Path(source).parent / data["path"]).is_file(), \
+                f"{cmd}: {name_or_path} reads {data['path']}, which is not beside it in the repository"
         return parse_experiment(raw, source)
     assert "/" not in name_or_path, f"{cmd}: relative experiment path {name_or_path!r} depends on the working directory"
     try:
@@ -600,6 +610,7 @@ class Workload:
     commands: list[Command]
     init_copies: dict[str, str]          # files the init containers put in place: destination -> source
     init_mounts: list[Mount]
+    awaited: dict[str, Mount] = field(default_factory=dict)   # files an init container waits for -> their mount
 
 
 def k8s_workloads(folder: Path = K8S) -> tuple[list[Workload], list[tuple[str, dict]]]:
@@ -612,7 +623,7 @@ def k8s_workloads(folder: Path = K8S) -> tuple[list[Workload], list[tuple[str, d
         if pod is None:
             continue
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        init_copies, init_mounts, commands = {}, [], []
+        init_copies, init_mounts, commands, awaited = {}, [], [], {}
         for section in ("initContainers", "containers"):
             for c in pod.get(section, []):
                 where = f"{folder.name}/{file} {doc['kind']}/{doc['metadata']['name']} {section}[{c['name']}]"
@@ -639,6 +650,11 @@ def k8s_workloads(folder: Path = K8S) -> tuple[list[Workload], list[tuple[str, d
                     assert "distgrad" not in argv[2], f"{where}: a distgrad command inside a script is not checked"
                     init_copies.update(_install_copies(argv[2]))
                     init_mounts += mounts
+                    for path in re.findall(r"\[ -s (/\S+) \]", argv[2]):
+                        mount = next((m for m in mounts if path.startswith(m.target.rstrip("/") + "/")), None)
+                        assert mount is not None and mount.kind == "persistentVolumeClaim" and not mount.read_only, \
+                            f"{where}: waits for {path}, which is on no writable claim of the init container"
+                        awaited[path] = mount
                     continue
                 container = f"{doc['metadata']['name']}/{c['name']}"
                 commands.append(Command(where, argv, "k8s", container, mounts, files, extra={"spec": c}))
@@ -647,7 +663,7 @@ def k8s_workloads(folder: Path = K8S) -> tuple[list[Workload], list[tuple[str, d
                         assert "exec" in c[probe], f"{where}.{probe}: expected an exec probe running distgrad ping"
                         commands.append(Command(f"{where}.{probe}", _k8s_expand(c[probe]["exec"]["command"], c, where),
                                                 "k8s", container, mounts, files, extra={"probe": probe}))
-        workloads.append(Workload(file, doc, pod, commands, init_copies, init_mounts))
+        workloads.append(Workload(file, doc, pod, commands, init_copies, init_mounts, awaited))
     return workloads, docs
 
 
@@ -686,8 +702,22 @@ def check_k8s_pod(load: Workload, p: Parsed, by_name: dict[tuple[str, str], dict
     assert secret_names, f"{load.file}: no Secret is mounted for the keys"
 
 
+def _awaited_data(load: Workload, parties: Path) -> None:
+    """Each command of ``load`` reads the files its init containers wait for (a party's CSV on its claim) as
+    the repository's copy of that party's file (``parties/PARTY/NAME``), mounted read-only from the same claim."""
+    for cmd in load.commands:
+        for path, mount in load.awaited.items():
+            own = _mount_of(cmd, path)
+            assert own is not None and own.source == mount.source and own.read_only, \
+                f"{cmd}: mount the claim {mount.source} read-only at {mount.target}"
+            name = PurePosixPath(path).name
+            cmd.written[path] = parties / name.split(".")[0] / name
+
+
 def test_k8s_command_lines_are_accepted_by_the_cli():
     workloads, docs = k8s_workloads()
+    for load in workloads:
+        _awaited_data(load, TWO_PARTY)
     commands = [c for w in workloads for c in w.commands]
     for cmd in commands:
         assert cmd.program in PROGRAMS, f"{cmd}: every container and probe should run distgrad"
@@ -735,9 +765,9 @@ def test_k8s_command_lines_are_accepted_by_the_cli():
 
 
 def test_party_folders_are_what_distgrad_split_writes():
-    """deploy/parties/seed-reverse/ is `distgrad split seed-reverse`'s output, and the Kubernetes ConfigMaps
-    hold copies of its files, one party's file each: a party given its file and one given the built-in
-    interoperate, and nothing in deploy/ drifts from what the parser makes of the built-in."""
+    """deploy/parties/seed-reverse/ (the systemd units' instance) is `distgrad split seed-reverse`'s output: a
+    party given its file and one given the built-in interoperate, and nothing in deploy/ drifts from what the
+    parser makes of the built-in."""
     written = stage_files(load_experiment(INSTANCE))
     folder = PARTIES / INSTANCE
     assert {p.name for p in folder.iterdir()} == set(written)
@@ -745,10 +775,39 @@ def test_party_folders_are_what_distgrad_split_writes():
         assert not arrays and sorted(p.name for p in (folder / stage).iterdir()) == [f"{stage}.toml"]
         assert (folder / stage / f"{stage}.toml").read_text() == text, \
             f"deploy/parties/{INSTANCE}/{stage}/{stage}.toml differs from `distgrad split {INSTANCE}`'s"
-    maps = {d["metadata"]["name"]: d.get("data", {}) for _, d in k8s_docs() if d.get("kind") == "ConfigMap"}
-    copies = {key: text for data in maps.values() for key, text in data.items()}
-    assert all(len(data) == 1 for data in maps.values()), f"one party's stage file per ConfigMap: {maps.keys()}"
-    assert copies == {f"{stage}.toml": text for stage, (text, _) in written.items()}
+
+
+def test_two_party_folders_are_what_distgrad_init_writes_from_the_shipped_table(tmp_path: Path):
+    """deploy/parties/two-party/ (compose.yaml's and k8s/'s parties) is what `distgrad init
+    deploy/data/breast-cancer-small.csv --label diagnosis` writes: each party's stage file and its own
+    columns of the shipped table; the Kubernetes ConfigMaps hold copies of the stage files, one party's each,
+    whose [data] reads the party's CSV from its claim (/input/PARTY.csv)."""
+    from distgrad.config.scaffold import init_parties
+
+    assert TWO_PARTY_TABLE.stat().st_size < 100_000, "ship a small table"
+    init_parties([TWO_PARTY_TABLE], "diagnosis", tmp_path / "two-party")
+    fresh = {p.relative_to(tmp_path / "two-party"): p.read_bytes() for p in (tmp_path / "two-party").rglob("*")
+             if p.is_file()}
+    shipped = {p.relative_to(TWO_PARTY): p.read_bytes() for p in TWO_PARTY.rglob("*") if p.is_file()}
+    assert shipped == fresh, "deploy/parties/two-party/ differs from what distgrad init writes"
+    assert sorted(map(str, shipped)) == ["f/f.csv", "f/f.toml", "g/g.csv", "g/g.toml"]
+    expected = {}
+    for party in ("f", "g"):
+        raw = tomllib.loads((TWO_PARTY / party / f"{party}.toml").read_text())
+        assert raw["data"]["path"] == f"{party}.csv"
+        raw["data"]["path"] = f"/input/{party}.csv"
+        expected[party] = raw
+    _config_maps_are_copies(K8S, expected)
+
+
+def test_no_secret_carries_data():
+    """Secrets (1 MiB at most, and meant for keys) hold only CURVE keys: every party's rows are on volumes."""
+    for folder in (K8S, K8S_VERTICAL, K8S_VERTICAL_ACTIVE):
+        for file, doc in k8s_docs(folder):
+            if doc.get("kind") == "Secret":
+                entries = {**doc.get("stringData", {}), **doc.get("data", {})}
+                assert all(k.endswith((".key", ".key_secret")) for k in entries), \
+                    f"{folder.name}/{file} Secret {doc['metadata']['name']} holds {sorted(entries)}: keys only"
 
 
 # ------------------------------------------------------------------ vertical: K feature parties and a label owner
@@ -806,6 +865,9 @@ def check_vertical(commands: list[Command], group: str, aligned: dict[str, Path]
     _, align_port = _endpoint_port(coord.ns.bind)
     for a in aligns:
         assert a.ns.curve_secret, f"{a.cmd}: align with CURVE, as the stages do"
+        if a is not coord and len(aligns) > 2:
+            # Else the coordinator could relay to this party a digest another party never sent (and align warns).
+            assert a.ns.party_keys, f"{a.cmd}: {len(aligns)} parties align: pass --party-keys (the others' keys)"
         if a is not coord:
             assert _endpoint_port(a.ns.connect)[1] == align_port, f"{a.cmd}: the coordinator binds {align_port}"
             assert a.ns.parties in (None, coord.ns.parties), f"{a.cmd}: --parties differs from the coordinator's"
@@ -928,6 +990,11 @@ def test_k8s_vertical_aligns_then_trains(folder: Path, parties: str, request: py
             f"{load.file}: a Job whose failed stage restarts in its pod (the alignment is not redone)"
         for q in (a, p):
             check_k8s_pod(load, q, by_name)
+        if a.ns.party_keys is not None:
+            others = {f"{o.ns.name}.key" for o in aligns if o is not a and o.ns.name != g.ns.stage}
+            placed = {PurePosixPath(d).name for d in load.init_copies
+                      if PurePosixPath(d).parent == PurePosixPath(a.ns.party_keys)}
+            assert others <= placed, f"{a.cmd}: the init container puts {placed} in --party-keys, not {others}"
         secrets = {v["secret"]["secretName"] for v in load.pod["volumes"] if "secret" in v}
         assert all(name.startswith(f"distgrad-vertical-{p.ns.stage}-") for name in secrets), \
             f"{load.file}: mounts another party's Secret: {secrets}"

@@ -30,6 +30,8 @@ PAGES = [README] + [DOCS / name for name in ("cli.md", "experiments.md", "pipeli
                                              "testing.md")]
 INLINE_RUN = re.compile(r"`(distgrad run [^`<>]*?)`")
 NAMED_TOML = re.compile(r"```toml\n# ([\w.-]+\.toml)\n(.*?)```", re.S)
+NAMED_CSV = re.compile(r"```csv\n# ([\w.-]+\.csv)\n(.*?)```", re.S)
+CSV_ROWS = 96           # the made-up rows of a page's CSV sample
 
 
 def _commands(block: str) -> list[list[str]]:
@@ -65,6 +67,29 @@ def _write_named_files(folder: Path) -> None:
             rows = [[f"p{i}", *(f"{v:.4f}" for v in rng.normal(size=len(data["features"]))), str(i % 2)]
                     for i in range(64)]
             (folder / data["path"]).write_text("\n".join(",".join(r) for r in [columns, *rows]) + "\n")
+        for name, body in NAMED_CSV.findall(page.read_text()):
+            (folder / name).write_text(_made_up_table(body, rng))
+
+
+def _made_up_table(sample: str, rng: np.random.Generator) -> str:
+    """``CSV_ROWS`` rows like a page's CSV ``sample`` (its header, then a few rows): a column of the sample's
+    numbers gets random numbers, a column of text one of the sample's texts, the first column distinct IDs;
+    a column with a missing cell in the sample has one in every seventh row."""
+    header, *rows = [line.split(",") for line in sample.strip().splitlines()]
+    columns = list(zip(*rows))
+    out = [header]
+    for i in range(CSV_ROWS):
+        row = [f"{header[0]}{i}"]
+        for k, cells in enumerate(columns[1:], start=1):
+            present = [c for c in cells if c not in ("", "NA")]
+            if len(present) < len(cells) and i % 7 == k % 7:
+                row.append("NA")
+            elif all(c.replace(".", "", 1).isdigit() for c in present):
+                row.append(f"{rng.uniform(0, 2 * max(float(c) for c in present)):.2f}")
+            else:
+                row.append(present[int(rng.integers(0, len(present)))])
+        out.append(row)
+    return "\n".join(",".join(r) for r in out) + "\n"
 
 
 def test_the_readme_has_the_commands_this_test_expects():
