@@ -537,7 +537,8 @@ _DOT_DTYPES = frozenset({np.dtype("<f4"), np.dtype("<f8")})     # where BLAS com
 
 
 def all_finite(array: np.ndarray) -> bool:
-    """Whether every element of a float array is finite (neither NaN nor +-Inf).
+    """Whether every element of a float array is finite (neither NaN nor +-Inf), in one pass over it and
+    without a temporary of its size when it is finite.
 
     float32 and float64 arrays are first summed as squares (``np.vdot``, one
     BLAS call with no temporary): the sum is finite only when every element
@@ -548,8 +549,8 @@ def all_finite(array: np.ndarray) -> bool:
     ``isfinite`` over 16 M floats would allocate (and page-fault) a 16 MB
     temporary, which costs more than the check itself.
     """
-    if array.dtype in _DOT_DTYPES and _isfinite(_vdot(array, array)):
-        return True
+    if array.dtype in _DOT_DTYPES and array.flags.c_contiguous and _isfinite(_vdot(array, array)):
+        return True     # (``vdot`` would copy an array that is not C-contiguous)
     if array.size <= 4 * _FINITE_CHUNK:
         return bool(np.isfinite(array).all())
     flat = array.reshape(-1)
