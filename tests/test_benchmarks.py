@@ -203,10 +203,12 @@ def test_wan(tmp_path):
     assert "0 failed run(s)" in result.stdout
 
 
-# Full-size arrays a step of the identity split may allocate at once beyond what it held, per byte moved:
-# f makes its batch (the data source's array); g makes the gradient it sends (its target is made ahead, by
-# the prefetch). A received tensor copied out of its frame, or an output copied before it is sent, adds 1.
-COPIES_F_MAX, COPIES_G_MAX = 1.5, 0.75
+# Full-size arrays a step of the identity split may allocate at once beyond what it held, per byte moved
+# (the median over the steps: a frame whose release by ZeroMQ's threads is late shifts one step's figure):
+# f makes its batch (the data source's array); g's new gradient replaces the one it sent. A received
+# tensor copied into a new array, a mask of a tensor's size, or an output copied before it is sent adds 1
+# (a mask of float32s 0.25).
+COPIES_F_MAX, COPIES_G_MAX = 1.2, 0.2
 
 
 def test_copies_per_step_stay_within_the_path_s_own_arrays(tmp_path):
@@ -215,8 +217,8 @@ def test_copies_per_step_stay_within_the_path_s_own_arrays(tmp_path):
     run_script("copies.py", "--sizes", str(4 << 20), "--steps", "8", "--json", out)
     (result,) = json.loads(out.read_text())["sizes"]
     assert result["f"]["steps_counted"] == result["g"]["steps_counted"] >= 5
-    assert result["f"]["max_peak_per_byte"] <= COPIES_F_MAX, result
-    assert result["g"]["max_peak_per_byte"] <= COPIES_G_MAX, result
+    assert result["f"]["peak_per_byte"] <= COPIES_F_MAX, result
+    assert result["g"]["peak_per_byte"] <= COPIES_G_MAX, result
     assert abs(result["f"]["kept_per_byte"]) < 0.01 and abs(result["g"]["kept_per_byte"]) < 0.01, result
 
 
