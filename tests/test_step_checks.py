@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,28 @@ def test_check_grads_names_the_first_non_finite_gradient(bad):
         stage.check_grads(grads)
     stage.allow_nonfinite = True                                # the experiment allows them: nothing
     stage.check_grads(grads)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_check_finite_takes_one_pass_without_a_mask_of_the_tensor_s_size_and_refuses_as_before():
+    """A stage's check of its own activation gradient before it is sent reads the tensor once and allocates
+    nothing of its size when it is finite; NaN, +-Inf and squares beyond float32 are judged as ``isfinite``
+    judges them, transposed (non-contiguous) tensors included."""
+    stage = _stage("g")
+    big = np.full((1 << 20,), 0.5, np.float32)                 # 4 MiB
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        stage.check_finite("activation_grad", big, 3)
+        assert tracemalloc.get_traced_memory()[1] - before < big.nbytes // 16
+    finally:
+        tracemalloc.stop()
+    stage.check_finite("activation_grad", np.full(8, 3e38, np.float32), 3)       # finite, squares overflow
+    stage.check_finite("activation_grad", np.ones((64, 32), np.float32).T, 3)
+    for bad in (np.nan, np.inf, -np.inf):
+        for value in (big.copy(), np.ones((64, 32), np.float32).T.copy(order="F")):
+            value.reshape(-1, order="A")[-1] = bad
+            with pytest.raises(NonFiniteError, match="stage g: non-finite activation_grad at step 3; nothing of "
+                                                     "this step was applied"):
+                stage.check_finite("activation_grad", value, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import struct
 import tracemalloc
+import weakref
 
 import msgpack
 import numpy as np
@@ -774,3 +775,46 @@ def test_random_bytes_after_the_binary_magic_decode_or_raise_protocol_error(rest
         wire.decode([b"\xc1" + rest, *tensor_frames])
     except ProtocolError as e:
         assert e.code in {ErrorCode.MALFORMED, ErrorCode.VERSION, ErrorCode.TYPE, ErrorCode.TENSOR}
+
+
+def misaligned_forward(x: np.ndarray) -> Message:
+    """A decoded forward whose activation frame sits 8 bytes off an ALIGN_BYTES boundary, as libzmq hands
+    out large frames."""
+    raw = bytearray(x.nbytes + 2 * wire.ALIGN_BYTES)
+    start = (-np.frombuffer(raw, np.uint8).ctypes.data) % wire.ALIGN_BYTES + 8
+    frame = memoryview(raw)[start:start + x.nbytes]
+    frame[:] = x.tobytes()
+    header_frame = wire.encode(Message(wire.FORWARD, "r", 1, tensors={"activation": x}))[0]
+    return wire.decode([header_frame, frame])
+
+
+def test_a_misaligned_frame_is_copied_into_a_reused_buffer_only_when_nobody_holds_it():
+    """A large misaligned tensor is copied to an aligned address; with fixed shapes the copy goes into the
+    same memory each step (no allocation per step) once the previous step's tensor is dropped, and never
+    into memory a tensor still held (or a view of it) refers to."""
+    n = wire.ALWAYS_COPY_BYTES // 4 * 2
+    layout = wire.FrameLayout({"activation": ((n,), np.float32)})
+    first = layout.read(misaligned_forward(np.full(n, 1, np.float32)))["activation"]
+    assert first.ctypes.data % wire.ALIGN_BYTES == 0 and not first.flags.writeable
+    view, step_1 = first[:4], weakref.ref(first)
+    del first
+    second = layout.read(misaligned_forward(np.full(n, 2, np.float32)))["activation"]
+    assert second is not step_1() and view.tolist() == [1, 1, 1, 1]       # the view still holds step 1's
+    del view, second
+    third = layout.read(misaligned_forward(np.full(n, 3, np.float32)))["activation"]
+    assert third is step_1() and (third == 3).all() and not third.flags.writeable
+    held = [layout.read(misaligned_forward(np.full(n, k, np.float32)))["activation"] for k in range(10)]
+    assert [float(a[0]) for a in held] == list(range(10)) and (third == 3).all()
+    assert len(layout._buffers[0]) == wire.RECEIVE_BUFFERS                       # the pool stays bounded
+
+
+def test_a_refused_misaligned_frame_leaves_the_tensors_held_unchanged():
+    n = wire.ALWAYS_COPY_BYTES // 4 * 2
+    layout = wire.FrameLayout({"activation": ((n,), np.float32)})
+    kept = layout.read(misaligned_forward(np.full(n, 1, np.float32)))["activation"]
+    bad = np.full(n, 5, np.float32)
+    bad[-1] = np.nan
+    msg = misaligned_forward(bad)
+    with pytest.raises(ProtocolError) as info:
+        layout.read(msg)
+    assert info.value.code == ErrorCode.NONFINITE and msg.frames is not None and (kept == 1).all()

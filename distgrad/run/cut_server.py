@@ -444,7 +444,7 @@ class CutServer:
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
                             f"{getattr(grad, 'shape', '')}")
         value = _one_number(loss, f"the loss of step {batch.step}")
-        if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
+        if not self.exp.allow_nonfinite and not (np.isfinite(value) and wire.all_finite(grad)):
             what = "loss" if not np.isfinite(value) else "activation_grad"
             return value, (f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
                            f"step was applied")

@@ -30,6 +30,7 @@ from distgrad.model.schedules import Plateau
 from distgrad.privacy.defenses import nopeek_gradient
 from distgrad.privacy.labeldp import TrainingLabels
 from distgrad.stage.records import write_atomic
+from distgrad.wire.messages import all_finite
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
 
 
@@ -301,6 +302,7 @@ class Stage:
         """Raise ``NonFiniteError`` naming this stage, ``step`` (default: the one in progress) and
         ``tensor`` if ``value`` holds a NaN or +-Inf; nothing unless the experiment forbids them."""
         if not self.allow_nonfinite and not (math.isfinite(value) if isinstance(value, (float, np.floating))
+                                             else all_finite(value) if type(value) is np.ndarray
                                              else np.isfinite(value).all()):
             raise self._nonfinite(tensor, step)
 
@@ -309,9 +311,8 @@ class Stage:
         only put in words for the error)."""
         if self.allow_nonfinite:
             return
-        isfinite = np.isfinite
         for name, g in grads.items():
-            if not isfinite(g).all():
+            if not (all_finite(g) if type(g) is np.ndarray else np.isfinite(g).all()):
                 raise self._nonfinite(f"gradient of {name}")
 
     def _nonfinite(self, tensor: str, step: int | None = None) -> NonFiniteError:

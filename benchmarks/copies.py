@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Bytes a step allocates per byte moved, on each side of a split: a count, not a timing.
+
+    .venv/bin/python benchmarks/copies.py [--sizes BYTES,...] [--steps N] [--json PATH]
+
+Runs the size group's two-stage identity model (``bench_sections.configs.trivial_toml``: an activation
+of N bytes goes to the label owner, a gradient of N bytes comes back) as two real ``distgrad stage``
+processes on tcp loopback. Each process runs with ``tracemalloc`` on (numpy reports its array buffers
+to it) and with ``transport.send_frames`` wrapped: one send per step and side, so the interval between
+two sends is one step. For each step it records
+
+- ``peak``: the most bytes allocated at once during the step beyond what was held when the previous
+  send returned (every full-size temporary alive at the same moment counts: a copy, a mask, an output),
+- ``kept``: the growth of held bytes over the step (an allocation per step that is never freed),
+- ``python_calls``: the Python function calls the main thread made during the step (``sys.setprofile``).
+
+ZeroMQ's own buffers (libzmq's malloc) are not seen: a frame received with ``copy=False`` costs
+nothing here, one received as ``bytes`` (a copy) does. The figures are deterministic for a given
+code and numpy, so ``tests/test_benchmarks.py::test_copies`` asserts a bound on them. The reported
+figure is the median over the steps after the first ``WARM_STEPS``, divided by the activation's bytes
+(``--sizes 4`` gives the small step's call counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_sections.common import BLAS_OVERRIDES  # noqa: E402
+from bench_sections.configs import trivial_toml  # noqa: E402
+from distgrad.run.launcher import pinned_env  # noqa: E402
+
+SIZES = [256 << 10, 4 << 20, 64 << 20]
+WARM_STEPS = 3                # the first steps allocate what later steps reuse
+READY_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 300.0
+
+
+def child(out: Path, argv: list[str]) -> int:
+    """Run ``distgrad stage ARGV`` with tracemalloc on and every send recorded; write the records to ``out``."""
+    import distgrad.wire.transport as transport
+    from distgrad.cli import main as cli_main
+
+    tracemalloc.start()
+    records: list[tuple[int, int, int]] = []
+    held = [tracemalloc.get_traced_memory()[0]]
+    calls = [0]
+    send = transport.send_frames
+
+    def count_calls(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls[0] += 1
+
+    def recorded_send(sock: Any, frames: Any, envelope: Any = ()) -> int:
+        current, peak = tracemalloc.get_traced_memory()
+        records.append((peak - held[0], current - held[0], calls[0] - 1))     # less this function's own call
+        sent = send(sock, frames, envelope)
+        tracemalloc.reset_peak()
+        held[0], calls[0] = tracemalloc.get_traced_memory()[0], 0
+        return sent
+
+    transport.send_frames = recorded_send  # type: ignore[assignment]
+    sys.setprofile(count_calls)               # the main thread's, where the step runs
+    try:
+        code = cli_main(["stage", *argv])
+    finally:
+        sys.setprofile(None)
+        out.write_text(json.dumps(records))
+    return code
+
+
+def measure(size: int, steps: int, workdir: Path) -> dict[str, Any]:
+    """One run of the identity split at ``size`` bytes; the per-step figures of each side."""
+    exp = workdir / f"copies-{size}.toml"
+    text = trivial_toml(size).replace("steps = 100", f"steps = {steps}")
+    exp.write_text(text)
+    env = pinned_env()
+    for name in BLAS_OVERRIDES:
+        env.pop(name, None)
+    env["PYTHONPATH"] = str(ROOT)
+    ready = workdir / f"g-{size}.ready"
+    ready.unlink(missing_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--experiment", str(exp), "--steps", str(steps), "--timeout", "60", "--log-level", "WARNING"]
+    logs = {side: open(workdir / f"{side}-{size}.log", "w") for side in "gf"}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["g"] = subprocess.Popen([*me, "--child", str(workdir / f"g-{size}.json"), "--", "g", *common,
+                                       "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=logs["g"])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (ready.exists() and ready.read_text().strip()):
+            if time.monotonic() > deadline or procs["g"].poll() is not None:
+                raise RuntimeError(f"the g stage did not start; see {workdir / f'g-{size}.log'}")
+            time.sleep(0.05)
+        procs["f"] = subprocess.Popen([*me, "--child", str(workdir / f"f-{size}.json"), "--", "f", *common,
+                                       "--connect", ready.read_text().strip()],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=logs["f"])
+        for side in "fg":
+            if procs[side].wait(RUN_TIMEOUT_S) != 0:
+                raise RuntimeError(f"stage {side} exited {procs[side].returncode}; "
+                                   f"see {workdir / f'{side}-{size}.log'}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for log in logs.values():
+            log.close()
+    result: dict[str, Any] = {"bytes": size, "steps": steps}
+    for side in "fg":
+        records = json.loads((workdir / f"{side}-{size}.json").read_text())
+        # f's first send is the hello and g's the welcome; then one forward (f) or backward (g) per step.
+        big = records[1:][WARM_STEPS:WARM_STEPS + steps]
+        if not big:
+            raise RuntimeError(f"stage {side} recorded {len(records)} sends, too few for {steps} steps")
+        result[side] = {"peak_per_byte": statistics.median(r[0] for r in big) / size,
+                        "kept_per_byte": statistics.median(r[1] for r in big) / size,
+                        "max_peak_per_byte": max(r[0] for r in big) / size, "steps_counted": len(big),
+                        "python_calls": statistics.median(r[2] for r in big)}
+    return result
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        at = sys.argv.index("--child")
+        rest = sys.argv[at + 2:]
+        return child(Path(sys.argv[at + 1]), rest[1:] if rest[:1] == ["--"] else rest)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="activation bytes, comma-separated")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="distgrad-copies-") as tmp:
+        for size in (int(s) for s in args.sizes.split(",")):
+            results.append(measure(size, args.steps, Path(tmp)))
+    print("| activation | f: peak bytes / byte moved | f: kept | f: Python calls | g: peak bytes / byte moved | "
+          "g: kept | g: Python calls |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        f, g = r["f"], r["g"]
+        print(f"| {r['bytes']} B | {f['peak_per_byte']:.2f} | {f['kept_per_byte']:.2f} | {f['python_calls']:.0f} | "
+              f"{g['peak_per_byte']:.2f} | {g['kept_per_byte']:.2f} | {g['python_calls']:.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"sizes": results, "load": os.getloadavg()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
