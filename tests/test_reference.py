@@ -191,6 +191,8 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
         stage = 0 if key in ("clip_noise", "nopeek") else 1
         changes[("stages", key)] = (digits, _set(f"stages.{stage}.{key}", value))
         changes[("stage", key)] = ((file_f, file_g)[stage], _set(f"stage.{key}", value))
+    changes[("stages", "input_guard")] = (digits, _set("stages.0.input_guard", {"max_r2": 0.9}))   # data owner's
+    changes[("stage", "input_guard")] = (file_f, _set("stage.input_guard", {"max_r2": 0.9}))
     changes[("file", "description")] = (file_f, _set("description", "other"))
     changes[("file", "data")] = (file_f, _set("data.test_fraction", 0.25))
     changes[("file", "interface")] = (file_f, _set("interface.steps", 9))
