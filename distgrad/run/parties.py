@@ -25,6 +25,7 @@ from distgrad.stage.stage import micro_batch
 from distgrad.run.topology import Topology
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT
+from distgrad.wire.link import evaluation_reply
 
 
 class Parties(Topology):
@@ -315,7 +316,7 @@ class Parties(Topology):
                 replies.append((peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, error)))
                 continue
             peer.evaluation = result
-            peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+            peer.evaluated = evaluation_reply(msg.run, msg.step, result)
             replies.append((peer.envelope, peer.evaluated))
         return replies
 

@@ -36,7 +36,7 @@ from distgrad.errors import CodecRangeError, DistgradError, NonFiniteError, Peer
 from distgrad.config.experiment import client_stage_name
 from distgrad.run import kept_replies
 from distgrad.run.handshake import check_hello, common_step, hello
-from distgrad.wire.link import check_evaluation, check_reply
+from distgrad.wire.link import check_evaluation, check_reply, evaluation_reply
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
 from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, prune_replies, resent_evaluation,
                                    unknown_run)
@@ -572,7 +572,7 @@ class Turns(Topology):
         except (StageError, CodecRangeError) as e:
             return wire.error_message(msg.run, msg.step, ErrorCode.STAGE, str(e))
         peer.evaluation = result = self.judged(msg.step - 1, result, s.steps or peer.steps)
-        peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+        peer.evaluated = evaluation_reply(msg.run, msg.step, result)
         return peer.evaluated
 
 

@@ -1,0 +1,173 @@
+"""A data owner's defenses act on its evaluation and prediction activations too, and the label owner's
+evaluation replies carry only the scores.
+
+A data owner's ``clip_noise`` is applied to the held-out rows' activations of each evaluation and to the new
+rows' of each ``distgrad predict`` chunk, with noise from the run's secret (a fresh one for each prediction)
+keyed by a stream of their own, the step or chunk and the values; the releases are counted in the data owner's
+budget entry. The label owner answers an evaluation with its aggregate scores only, never a tensor or a
+per-row figure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.config.defended import row_defense
+from distgrad.config.parse import load_experiment
+from distgrad.privacy.defenses import clip_noise, clip_rows, defense_rng
+from distgrad.privacy.releases import NOISE_SECRET_VARIABLE, digest
+from distgrad.stage.stage import Stage
+from distgrad.wire import messages as wire
+from distgrad.wire.link import check_evaluation, evaluation_reply
+from distgrad.wire.wirecodec import PREDICT, Senders
+
+from conftest import StageProcess, read_json, run_cli, run_launcher, run_main, wait_for_file
+from test_defenses import _digits
+
+MAX_NORM, SIGMA = 4.0, 0.5
+F_CLIP = f"clip_noise = {{ max_norm = {MAX_NORM}, sigma = {SIGMA} }}"
+STEPS = 20
+
+
+def _noised(x: np.ndarray, secret: int, purpose: str, step: int) -> np.ndarray:
+    """What stage f's clip_noise makes of held-out activations ``x`` sent for ``purpose`` at ``step``."""
+    rng = defense_rng(secret, "f", f"{purpose}/activation", step, digest(x))
+    return clip_noise(x, MAX_NORM, SIGMA, rng)
+
+
+# --- one stage's pipeline ---------------------------------------------------------------------------------
+
+def test_a_data_owners_evaluation_and_prediction_activations_cross_with_its_clip_noise(tmp_path):
+    exp = load_experiment(_digits(tmp_path, F_CLIP))
+    defense = row_defense(exp, "f", exp.seed, secret=0x5eed)
+    senders = Senders(exp.codecs, defense)
+    x = np.random.default_rng(0).standard_normal((40, 32)).astype(np.float32) * np.float32(3)
+    sent = senders.evaluation_tensors(x, 5)["activation"]
+    assert np.array_equal(sent, _noised(x, 0x5eed, "evaluation", 5))
+    assert np.array_equal(senders.evaluation_roundtrip(x, 5), sent)     # the in-process twin
+    noise = sent - clip_rows(x, MAX_NORM)
+    assert abs(float(noise.std()) - SIGMA * MAX_NORM) < 0.1 and abs(float(noise.mean())) < 0.05
+    later = senders.evaluation_tensors(x, 6)["activation"]
+    predicted = senders.evaluation_tensors(x, 5, PREDICT)["activation"]
+    assert not np.array_equal(later, sent) and not np.array_equal(predicted, sent)
+    # never a training stream's draw
+    training = defense_rng(0x5eed, "f", "activation/mb0of1", 5, digest(x)).standard_normal(4)
+    assert not np.array_equal(defense_rng(0x5eed, "f", "evaluation/activation", 5, digest(x)).standard_normal(4),
+                              training)
+    assert defense.ledger.held_out == {"evaluation": 2, "predict": 1}      # the roundtrip of step 5 is step 5's
+    assert defense.ledger.held_out_rows == {"evaluation": 80, "predict": 40}
+
+
+def test_a_label_owners_defenses_leave_the_held_out_rows_alone(tmp_path):
+    """The label owner's clip_noise acts on the gradients of training rows; an evaluation sends it none."""
+    exp = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 0.5 }"))
+    senders = Senders(exp.codecs, row_defense(exp, "g", exp.seed, secret=1))
+    x = np.ones((3, 10), np.float32)
+    assert np.array_equal(senders.evaluation_roundtrip(x, 1), x)
+
+
+def test_an_evaluation_reply_carries_only_the_aggregate_scores():
+    result = {"loss": np.float32(0.5), "correct": np.int64(7), "count": 9, "metrics": {"auc": 0.75},
+              "best": True, "outputs": np.zeros((9, 10), np.float32), "per_row_loss": [0.1] * 9, "targets": [1] * 9}
+    reply = evaluation_reply("run", 3, result)
+    assert reply.type == wire.EVALUATION and not reply.tensors
+    assert reply.body == {"loss": 0.5, "correct": 7, "count": 9, "metrics": {"auc": 0.75}, "best": True}
+    assert check_evaluation(reply) == reply.body
+    with pytest.raises(ValueError, match="nothing per row"):
+        evaluation_reply("run", 3, {"loss": 0.5, "count": 9, "metrics": {"per_row": np.zeros(9)}})
+
+
+# --- over processes -----------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("fixed_noise_secret")
+def test_the_label_owner_scores_clip_noise_of_the_held_out_activations_over_processes(tmp_path, fixed_noise_secret):
+    """Stage processes: the label owner's last evaluation scores exactly clip_noise of the data owner's clean
+    held-out activations (recomputed here from the saved halves), bitwise as --in-process; the data owner's
+    budget entry counts the evaluations."""
+    path = _digits(tmp_path, F_CLIP)
+    args = ["run", path, "--steps", str(STEPS), "--eval-every", "10"]
+    result = run_launcher([*args, "--save", tmp_path / "halves", "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    summary, reference = read_json(tmp_path / "run.json"), read_json(tmp_path / "ref.json")
+    assert summary["test_loss"] == reference["test_loss"] and summary["params"] == reference["params"]
+    assert summary["privacy"] == reference["privacy"]
+    releases = summary["privacy"]["f"]["evaluation_releases"]
+    exp = load_experiment(path)
+    data = exp.build_data(exp.seed, stage="f")
+    assert releases == {"releases": 2, "rows": 2 * len(data.test_rows), "per_row": 2}
+    assert "held-out rows in evaluations" in result.stdout + result.stderr
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(tmp_path / "halves" / "f.npz")
+    g.load_parameters(tmp_path / "halves" / "g.npz")
+    clean, _ = f.forward(data.test_features(), training=False)
+    received = _noised(clean, int(fixed_noise_secret, 16), "evaluation", STEPS + 1)
+    targets = exp.build_data(exp.seed, stage="g").test_targets()
+    assert summary["test_loss"] == g.evaluate_last(received, targets)["loss"]
+    assert summary["test_loss"] != g.evaluate_last(clean, targets)["loss"]
+
+
+@pytest.fixture(scope="module")
+def defended_halves(tmp_path_factory) -> Path:
+    """Digits with the data owner's clip_noise, split into the parties' files and trained; halves saved."""
+    root = tmp_path_factory.mktemp("held-out")
+    assert run_main(["split", _digits(root, F_CLIP), root / "parties"]).returncode == 0
+    assert "clip_noise" in (root / "parties" / "f" / "f.toml").read_text()
+    result = run_launcher(["run", root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml",
+                           "--steps", "40", "--save", root / "halves"])
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def _predict_scores(root: Path, tmp_path: Path, name: str) -> tuple[np.ndarray, str]:
+    """``distgrad predict`` of the held-out rows with ``--output-scores``: the label owner's scores and f's
+    output."""
+    ready, output = tmp_path / f"{name}.ready", tmp_path / f"{name}.npy"
+    with StageProcess(["predict", root / "parties" / "g" / "g.toml", "--load", root / "halves" / "g.npz",
+                       "--output", output, "--output-scores", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready],
+                      tmp_path / f"{name}.log", distgrad=True) as g:
+        endpoint = wait_for_file(ready, g)
+        f = run_cli(["predict", root / "parties" / "f" / "f.toml", "--load", root / "halves" / "f.npz",
+                     "--connect", endpoint])
+        assert f.returncode == 0, f.stderr
+        assert g.wait() == 0, g.output
+    return np.load(tmp_path / f"{name}.scores.npy"), f.stdout + f.stderr
+
+
+def _clean_and_noised_scores(root: Path, secret: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The scores of the held-out rows computed here from the halves: undefended, and (given the secret)
+    with f's clip_noise on each chunk as ``distgrad predict`` sends it."""
+    exp = load_experiment([root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml"])
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.load_parameters(root / "halves" / "f.npz")
+    g.load_parameters(root / "halves" / "g.npz")
+    rows = exp.build_data(exp.seed, stage="f").test_features()
+    clean, noised = [], []
+    for number, start in enumerate(range(0, len(rows), exp.batch), start=1):
+        y = f.forward(rows[start:start + exp.batch], training=False)[0]
+        clean.append(exp.final_loss.scores(g.forward(y, training=False)[0]))
+        if secret is not None:
+            noised.append(exp.final_loss.scores(g.forward(_noised(y, secret, "predict", number),
+                                                          training=False)[0]))
+    return np.concatenate(clean), np.concatenate(noised) if secret is not None else None
+
+
+def test_predictions_carry_the_data_owners_clip_noise_and_never_repeat_it(defended_halves, tmp_path, monkeypatch):
+    monkeypatch.delenv(NOISE_SECRET_VARIABLE, raising=False)        # each prediction draws its own secret
+    first, f_output = _predict_scores(defended_halves, tmp_path, "first")
+    second, _ = _predict_scores(defended_halves, tmp_path, "second")
+    clean, _ = _clean_and_noised_scores(defended_halves, None)
+    assert first.shape == second.shape == clean.shape
+    assert not np.array_equal(first, clean) and not np.array_equal(first, second)
+    assert not np.any(np.all(first == second, axis=1)), "no row may get the same noise in two predictions"
+    assert "new rows in predictions" in f_output
+
+
+@pytest.mark.usefixtures("fixed_noise_secret")
+def test_a_prediction_sends_exactly_clip_noise_of_each_chunk(defended_halves, tmp_path, fixed_noise_secret):
+    scores, _ = _predict_scores(defended_halves, tmp_path, "fixed")
+    _, expected = _clean_and_noised_scores(defended_halves, int(fixed_noise_secret, 16))
+    assert np.array_equal(scores, expected)
