@@ -108,6 +108,25 @@ def test_the_label_owner_scores_clip_noise_of_the_held_out_activations_over_proc
     targets = exp.build_data(exp.seed, stage="g").test_targets()
     assert summary["test_loss"] == g.evaluate_last(received, targets)["loss"]
     assert summary["test_loss"] != g.evaluate_last(clean, targets)["loss"]
+    # the label owner's linear reconstruction of the held-out rows from what it received drops
+    x = data.test_features()
+    public = np.random.default_rng(0).random(len(x)) < 0.2
+    assert _ridge_r2(received, x, public) < _ridge_r2(clean, x, public) - 0.2
+
+
+def _ridge_r2(h: np.ndarray, x: np.ndarray, public: np.ndarray) -> float:
+    """The best R^2 over a few penalties of a ridge decoder from ``h`` to ``x`` fitted on the ``public`` rows,
+    on the others (1 - squared error / squared distance to the public rows' mean)."""
+    h = np.hstack([h.astype(np.float64), np.ones((len(h), 1))])
+    x = x.astype(np.float64)
+    gram = h[public].T @ h[public]
+    figures = []
+    for ridge in (1e-3, 1e-2, 1e-1, 1.0):
+        weights = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)),
+                                  h[public].T @ x[public])
+        error = np.sum((h[~public] @ weights - x[~public]) ** 2)
+        figures.append(1.0 - error / np.sum((x[~public] - x[public].mean(axis=0)) ** 2))
+    return float(max(figures))
 
 
 @pytest.fixture(scope="module")
