@@ -82,12 +82,16 @@ def test_an_evaluation_reply_carries_only_the_aggregate_scores():
 
 # --- over processes -----------------------------------------------------------------------------------------
 
-@pytest.mark.usefixtures("fixed_noise_secret")
-def test_the_label_owner_scores_clip_noise_of_the_held_out_activations_over_processes(tmp_path, fixed_noise_secret):
+@pytest.mark.parametrize("framework", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
+def test_the_label_owner_scores_clip_noise_of_the_held_out_activations_over_processes(tmp_path, fixed_noise_secret,
+                                                                                        framework):
     """Stage processes: the label owner's last evaluation scores exactly clip_noise of the data owner's clean
     held-out activations (recomputed here from the saved halves), bitwise as --in-process; the data owner's
-    budget entry counts the evaluations."""
-    path = _digits(tmp_path, F_CLIP)
+    budget entry counts the evaluations; a ridge reconstruction of the held-out rows from them drops."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    lines = f'framework = "{framework}"\n' if framework == "torch" else ""
+    path = _digits(tmp_path, lines + F_CLIP, lines)
     args = ["run", path, "--steps", str(STEPS), "--eval-every", "10"]
     result = run_launcher([*args, "--save", tmp_path / "halves", "--summary", tmp_path / "run.json"])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -101,8 +105,8 @@ def test_the_label_owner_scores_clip_noise_of_the_held_out_activations_over_proc
     assert releases == {"releases": 2, "rows": 2 * len(data.test_rows), "per_row": 2}
     assert "held-out rows in evaluations" in result.stdout + result.stderr
     f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
-    f.load_parameters(tmp_path / "halves" / "f.npz")
-    g.load_parameters(tmp_path / "halves" / "g.npz")
+    for stage in (f, g):
+        stage.load_parameters(next((tmp_path / "halves").glob(f"{stage.name}.*")))
     clean, _ = f.forward(data.test_features(), training=False)
     received = _noised(clean, int(fixed_noise_secret, 16), "evaluation", STEPS + 1)
     targets = exp.build_data(exp.seed, stage="g").test_targets()
