@@ -194,3 +194,16 @@ def test_a_prediction_sends_exactly_clip_noise_of_each_chunk(defended_halves, tm
     scores, _ = _predict_scores(defended_halves, tmp_path, "fixed")
     _, expected = _clean_and_noised_scores(defended_halves, int(fixed_noise_secret, 16))
     assert np.array_equal(scores, expected)
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_the_cut_library_refuses_a_combined_experiments_defenses_rather_than_ignoring_them(tmp_path, end):
+    """A ``Cut`` (or ``CutServer``) given a combined experiment whose stage has defenses is refused naming them:
+    the library's loop sends what it computes, so its steps and evaluations would cross undefended."""
+    from distgrad.errors import ConfigError
+    from distgrad.run.cut_interface import cut_side
+    path = _digits(tmp_path, F_CLIP, "clip_noise = { max_norm = 0.05, sigma = 0.5 }")
+    with pytest.raises(ConfigError, match="applies no stage's defenses") as info:
+        cut_side(end, path, {})
+    assert "clip_noise" in str(info.value)
+    assert cut_side(end, _digits(tmp_path, name="plain.toml"), {}).stage == ("f" if end == "first" else "g")
