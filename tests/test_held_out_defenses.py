@@ -18,7 +18,7 @@ import pytest
 from distgrad.config.defended import row_defense
 from distgrad.config.parse import load_experiment
 from distgrad.privacy.defenses import clip_noise, clip_rows, defense_rng
-from distgrad.privacy.releases import NOISE_SECRET_VARIABLE, digest
+from distgrad.privacy.releases import HELD_OUT, NOISE_SECRET_VARIABLE, NoiseLedger, digest
 from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
 from distgrad.wire.link import check_evaluation, evaluation_reply
@@ -59,6 +59,22 @@ def test_a_data_owners_evaluation_and_prediction_activations_cross_with_its_clip
                               training)
     assert defense.ledger.held_out == {"evaluation": 2, "predict": 1}      # the roundtrip of step 5 is step 5's
     assert defense.ledger.held_out_rows == {"evaluation": 80, "predict": 40}
+
+
+def test_held_out_releases_outlive_a_kill_9_through_the_file_of_releases():
+    """An evaluation after the last checkpoint is in the file of releases (``on_release``) and counted again
+    by the restored ledger; one counted in the checkpoint and the same values again are not counted twice."""
+    written = []
+    ledger = NoiseLedger(7, on_release=written.append)
+    ledger.release_held_out(11, "evaluation", "ab" * 32, 359)
+    ledger.release_held_out(11, "evaluation", "ab" * 32, 359)        # resent: the same release
+    checkpoint = ledger.arrays(10)[HELD_OUT]
+    assert checkpoint.tolist() == [1, 359] and len(written) == 1
+    ledger.release_held_out(21, "evaluation", "cd" * 32, 359)       # after the checkpoint of step 20
+    restored = NoiseLedger(0)
+    restored.restore(7, None, [r for r in written if r.step > 20], 20, checkpoint)
+    assert restored.held_out == {"evaluation": 2} and restored.held_out_rows == {"evaluation": 718}
+    assert not restored.pending         # a held-out release is no training step's
 
 
 def test_a_label_owners_defenses_leave_the_held_out_rows_alone(tmp_path):
@@ -207,3 +223,24 @@ def test_the_cut_library_refuses_a_combined_experiments_defenses_rather_than_ign
         cut_side(end, path, {})
     assert "clip_noise" in str(info.value)
     assert cut_side(end, _digits(tmp_path, name="plain.toml"), {}).stage == ("f" if end == "first" else "g")
+
+
+@pytest.mark.slow       # about 20 s: two kill -9 of a run evaluating every 20 steps
+@pytest.mark.usefixtures("fixed_noise_secret")
+def test_evaluation_releases_are_counted_through_kill_9_of_either_stage(tmp_path, stage_group):
+    from distgrad.run.inprocess import train_in_process
+    from test_faults import Pair
+    path = _digits(tmp_path, F_CLIP)
+    path.write_text(path.read_text().replace("seed = 0\n", "seed = 0\neval_every = 20\n", 1))
+    steps = "300"
+    reference = train_in_process(load_experiment(path), steps=int(steps))
+    pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    for fraction, victim in ((0.3, "g"), (0.6, "f")):
+        pair.wait_for_step(int(int(steps) * fraction))
+        pair.kill_9_and_restart(victim)
+    f_summary, _ = pair.finish()
+    assert f_summary["params"]["f"] == reference["params"]["f"]
+    assert reference["privacy"]["f"]["evaluation_releases"]["per_row"] == 15
+    assert f_summary["privacy"]["f"]["evaluation_releases"] == reference["privacy"]["f"]["evaluation_releases"]

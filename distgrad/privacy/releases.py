@@ -37,6 +37,7 @@ NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret
 SECRET_BYTES = 16                                  # 128 random bits a run
 COUNTS = "privacy/releases"                        # the checkpoint array of the per-row release counts
 HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations)
+HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 
 
 def fresh_secret(override: int | None = None) -> int:
@@ -110,7 +111,17 @@ class NoiseLedger:
         """Record that held-out or new rows (``rows`` of them, values of digest ``values``) are sent with noise
         for ``purpose`` (``"evaluation"`` after step ``step - 1``, ``"predict"`` chunk ``step``). The same
         values again at the same step draw the same noise (a resent message): nothing new."""
-        key = (step, purpose, values)
+        if (step, purpose, values) in self._held_out_seen:
+            return
+        release = Release(step, f"{HELD_OUT_STREAM}/{purpose}/{int(rows)}", values, None)
+        if self.on_release is not None:      # in the file of releases since the checkpoint: a kill -9 keeps it
+            self.on_release(release)
+        self._count_held_out(release)
+
+    def _count_held_out(self, release: Release) -> None:
+        """Count a ``release_held_out`` release (its stream ``held_out/PURPOSE/ROWS``) once."""
+        _, purpose, rows = release.stream.split("/")
+        key = (release.step, purpose, release.digest)
         if key in self._held_out_seen:
             return
         self._held_out_seen.add(key)
@@ -197,7 +208,13 @@ class NoiseLedger:
         if held_out is not None:
             evaluations, rows = (int(v) for v in np.asarray(held_out, np.int64).reshape(-1)[:2])
             self.held_out, self.held_out_rows = {"evaluation": evaluations}, {"evaluation": rows}
-        kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending] if r.step > step}
+            self._held_out_seen = set()
+        pending = list(pending)
+        kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending]
+                if r.step > step and not r.stream.startswith(HELD_OUT_STREAM + "/")}
+        for release in pending:      # held-out rows released after the checkpoint, before a kill -9
+            if release.stream.startswith(HELD_OUT_STREAM + "/"):
+                self._count_held_out(release)
         self.counts = np.array(counts, np.int64) if counts is not None else np.zeros(0, np.int64)
         self.pending = {}
         for release in sorted(kept.values(), key=lambda r: (r.step, r.stream)):
