@@ -244,3 +244,19 @@ def test_evaluation_releases_are_counted_through_kill_9_of_either_stage(tmp_path
     assert f_summary["params"]["f"] == reference["params"]["f"]
     assert reference["privacy"]["f"]["evaluation_releases"]["per_row"] == 15
     assert f_summary["privacy"]["f"]["evaluation_releases"] == reference["privacy"]["f"]["evaluation_releases"]
+
+
+@pytest.mark.integration(reason="stage processes through test_defenses._equal_over_processes")
+@pytest.mark.usefixtures("fixed_noise_secret")
+def test_feature_parties_and_clients_count_their_defended_evaluations_as_in_process(tmp_path):
+    """Vertical feature parties and clients send their held-out rows through their own clip_noise: each
+    defended party's budget entry counts its evaluations, over processes as in one process; a party
+    without clip_noise (NoPeek only) sends its held-out rows as they are and counts none."""
+    from test_defenses import _defended, _equal_over_processes
+    clip = "clip_noise = { max_norm = 1.0, sigma = 0.1 }"
+    vertical = _defended(tmp_path, "digits-halves", {0: clip, 1: "nopeek = { weight = 0.5 }"}, "vertical.toml")
+    privacy = _equal_over_processes(tmp_path, vertical)["privacy"]
+    assert privacy["left"]["evaluation_releases"]["per_row"] == 1        # 20 steps: the last step's evaluation
+    assert "evaluation_releases" not in privacy["right"]
+    clients = _defended(tmp_path, "digits-clients", {0: F_CLIP}, "clients.toml")
+    assert _equal_over_processes(tmp_path, clients)["privacy"]["f"]["evaluation_releases"]["per_row"] >= 1

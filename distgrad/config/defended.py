@@ -278,12 +278,12 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
     ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
     sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
-    rows (its evaluations) its entry counts (``held_out_budget``)."""
+    rows (its evaluations, when there were any) its entry counts (``held_out_budget``)."""
     released, held_out = released or {}, held_out or {}
     entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps)
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
-        if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
+        if entries.get(stage) and ledger.held_out.get(EVALUATION) and not label_owner_sends_gradients(exp, stage):
             entries[stage].update(held_out_budget(ledger, EVALUATION))
     entries = {stage: entry for stage, entry in entries.items() if entry}
     return {"privacy": entries} if entries else {}
