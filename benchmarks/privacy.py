@@ -237,8 +237,9 @@ def targets(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     dp = results.get("digits", {}).get("g label_dp epsilon=2.0")
     if dp:
         lines.append(f"- `label_dp` epsilon = 2 on digits, accuracy >= 0.90: {verdict(dp['test_accuracy'] >= 0.90)} "
-                     f"({dp['test_accuracy']:.4f}; seeds {', '.join(f'{a:.4f}' for a in dp['accuracies'])}). "
-                     "The prior variant (Ghazi et al.) is not implemented, so what it adds is not measured.")
+                     f"({dp['test_accuracy']:.4f}; seeds {', '.join(f'{a:.4f}' for a in dp['accuracies'])}), with "
+                     "the default loss. RR-with-prior against plain randomized response: benchmarks/label_dp.py "
+                     "(\"Label DP: accuracy against epsilon\").")
     if "digits" in results:
         base = results["digits"]["undefended"]["figures"]["distance_correlation"]
         nopeek = {label: row for label, row in results["digits"].items() if "nopeek" in label}

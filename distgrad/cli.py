@@ -32,7 +32,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypedDict  # noqa: E402
 
-from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
+from distgrad.errors import (ConfigError, DistgradError, InputGuardStop, Interrupted, PeerRejected, PeerTimeout,  # noqa: E402
                      ProtocolError)
 
 if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinned
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # imported lazily at run time, after the BLAS pools are pinne
     from distgrad.wire.keys import CurveClient, CurveServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_REJECTED = 0, 1, 2, 3, 4
+EXIT_GUARD = 5           # a data owner's input_guard stopped the run
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -53,6 +54,8 @@ def _exit_code(error: BaseException) -> int:
         return 128 + error.signum
     if isinstance(error, ConfigError):
         return EXIT_USAGE
+    if isinstance(error, InputGuardStop):
+        return EXIT_GUARD
     if isinstance(error, PeerTimeout):
         return EXIT_TIMEOUT
     if isinstance(error, (PeerRejected, ProtocolError)):
@@ -684,7 +687,7 @@ def _print_result(summary: dict) -> None:
 def _print_headline(summary: dict) -> None:
     """The run's steps, time, mode and final loss (several clients: each client's line), then the privacy
     meters' last windows."""
-    from distgrad.run.metering import figures_text
+    from distgrad.run.metering import extremes_text, figures_text
     from distgrad.stage.records import scores_text
 
     head = f"{summary['experiment']}: {summary['steps']} steps in {summary['elapsed_s']:.3f} s " \
@@ -702,6 +705,13 @@ def _print_headline(summary: dict) -> None:
         if summary.get(key):
             print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
                   f"{figures_text(summary[key][-1])}")
+        extreme = summary.get(key.replace("_leaks", "_leak_extremes"))
+        if extreme:
+            print(f"privacy meter, {party}, worst window and whole run: {extremes_text(extreme)}")
+    guard = summary.get("input_guard")
+    if guard and "peak_r2" in guard:
+        print(f"input_guard: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
+              f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
 
 
 def _print_held_out(summary: dict) -> None:

@@ -12,11 +12,17 @@ errors) with a runnable example.
     with CutServer.bind("tcp://0.0.0.0:5555", interface="g.toml") as server:
         for batch in server:               # batch.h, batch.rows, batch.step
             batch.reply(loss, dh)          # dh: d(loss)/d(batch.h)
+
+An interface with ``aggregate`` (vertical feature parties: ``Cut.connect(..., party=i)``, ``batch.h`` their
+embeddings combined, ``batch.parts`` each one's) or ``[clients]`` (several data owners in turn:
+``Cut.connect(..., client=c)``, ``batch.client``) is served by a ``GroupServer``, which ``CutServer.bind``
+builds for it.
 """
 
 from __future__ import annotations
 
 from distgrad.run.cut_client import Cut
+from distgrad.run.cut_group import GroupServer
 from distgrad.run.cut_server import Batch, CutServer
 
-__all__ = ["Batch", "Cut", "CutServer"]
+__all__ = ["Batch", "Cut", "CutServer", "GroupServer"]

@@ -115,6 +115,11 @@ class CodecRangeError(DistgradError, ValueError):
         self.codec, self.tensor, self.step = codec, tensor, step
 
 
+class InputGuardStop(DistgradError, RuntimeError):
+    """A data owner's ``input_guard`` found its activations invertible beyond its ``max_r2``: the run stops
+    before that step's activations are sent (nothing of it is applied or checkpointed). Exit code 5."""
+
+
 class Interrupted(DistgradError):
     """A stop was requested (SIGINT or SIGTERM); ``signum`` says which."""
 

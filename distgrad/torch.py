@@ -174,11 +174,15 @@ class Cut:
 class Batch:
     """One micro-batch for the label owner's PyTorch loop: ``h`` a float32 leaf tensor that requires grad
     (its own memory), ``rows`` (int64 tensor; ``CutMisuse`` when nothing numbers the rows: no ``[data]`` and
-    no ``send_rows``), ``step``, ``mb``, ``mbs``, ``last``."""
+    no ``send_rows``), ``step``, ``mb``, ``mbs``, ``last``; with several data owners ``client`` (whose batch,
+    with ``[clients]``; else None) and ``parts`` (vertical: each party's own embedding, float32 tensors
+    without grad, which ``h`` combines; else None)."""
 
     def __init__(self, batch: numpy_cut.Batch) -> None:
         self.numpy = batch
         self.step, self.mb, self.mbs, self.last = batch.step, batch.mb, batch.mbs, batch.last
+        self.client = batch.client
+        self.parts = None if batch.parts is None else [torch.tensor(part, dtype=torch.float32) for part in batch.parts]
         self.h = torch.tensor(batch.h, dtype=torch.float32).requires_grad_()
 
     @property

@@ -20,7 +20,7 @@ import pytest
 
 from distgrad.run.launcher import pinned_env
 
-from conftest import free_tcp_port
+from conftest import free_tcp_port, run_cli
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT_DEADLINE_S = 60.0          # each script's smallest run takes seconds; this only bounds a hang
@@ -39,6 +39,7 @@ def run_script(name: str, *args: object, timeout: float = SCRIPT_DEADLINE_S,
 
 # Each script in benchmarks/ and the test that runs it; a new script must be added here.
 SMOKE_TESTS = {
+    "attackers.py": "test_attackers",
     "bench.py": "test_bench_smoke_runs_every_section",
     "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
@@ -46,6 +47,7 @@ SMOKE_TESTS = {
     "held_out_reconstruction.py": "test_held_out_reconstruction",
     "per_message.py": "test_per_message",
     "privacy.py": "test_privacy_tradeoff",
+    "label_dp.py": "test_label_dp_curve",
     "privacy_meter_cost.py": "test_privacy_meter_cost",
     "profile_step.py": "test_profile_step",
     "scaling.py": "test_scaling",
@@ -247,6 +249,18 @@ def test_torch_split(tmp_path):
 
 
 @pytest.mark.slow
+def test_attackers(tmp_path):
+    """The independent attackers on a short traced, metered run print each figure beside the meter's."""
+    trace, summary = tmp_path / "run.jsonl", tmp_path / "run.json"
+    result = run_cli(["run", "digits", "--steps", "20", "--privacy-meter", "--in-process", "--trace", trace,
+                      "--trace-params", "sent_activation_grad,sent_activation", "--summary", summary])
+    assert result.returncode == 0, result.stderr
+    result = run_script("attackers.py", "digits", trace, "--summary", summary, "--seeds", "2")
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert set(figures["independent"]) == set(figures["meter"]) == {
+        "averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2_run"}
+
+
 def test_privacy_meter_cost(tmp_path):
     out = tmp_path / "meter.json"
     run_script("privacy_meter_cost.py", "--steps", "60", "--repeats", "1", "--json", out)
@@ -254,6 +268,21 @@ def test_privacy_meter_cost(tmp_path):
     for where in ("processes", "in_process"):
         assert result[f"{where}_plain_step_ms"] > 0 and result[f"{where}_metered_step_ms"] > 0
         assert f"{where}_overhead" in result
+
+
+def test_label_dp_curve(tmp_path):
+    """--smoke: plain randomized response (plain and corrected loss) and RR-with-prior at epsilon 2 on digits
+    and breast cancer, one seed, 60 steps; each has a held-out accuracy and the table prints."""
+    out = tmp_path / "label_dp.json"
+    result = run_script("label_dp.py", "--smoke", "--json", out)
+    figures = json.loads(out.read_text())
+    assert figures["smoke"] is True and set(figures["results"]) == {"digits", "breast-cancer"}
+    for task, rows in figures["results"].items():
+        assert list(rows) == ["undefended", "plain RR, plain loss", "plain RR, corrected loss",
+                              "RR-with-prior, 2 stages"], task
+        for method, cells in list(rows.items())[1:]:
+            assert list(cells) == ["2.0"] and 0 < cells["2.0"]["mean"] <= 1, (task, method)
+    assert "| RR-with-prior, 2 stages |" in result.stdout
 
 
 @pytest.mark.slow

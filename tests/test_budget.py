@@ -228,6 +228,16 @@ def test_dp_sgd_counts_the_update_in_the_budget_and_says_the_guarantee_is_end_to
     assert target["planned_releases"] == target["releases"] == 4 and target["epsilon"] <= 8.0
 
 
+def test_split_writes_dp_sgd_into_the_label_owners_own_file(tmp_path):
+    from distgrad.config.split import split_experiment
+    combined = load_experiment(_digits(tmp_path, "", DP_SGD))
+    split_experiment(combined, tmp_path / "parties")
+    g_file = tmp_path / "parties" / "g" / "g.toml"
+    assert "dp_sgd" in g_file.read_text() and "dp_sgd" not in (tmp_path / "parties" / "f" / "f.toml").read_text()
+    parts = load_experiment([tmp_path / "parties" / "f" / "f.toml", g_file])
+    assert parts.spec("g").defenses == combined.spec("g").defenses
+
+
 @pytest.mark.parametrize("g_extra, message", [
     ("dp_sgd = { max_norm = 1.0 }", "give the stage clip_noise too"),
     ('framework = "torch"\n' + DP_SGD, "torch.func, which is not supported yet"),

@@ -319,15 +319,16 @@ def test_split_keeps_every_key_of_a_stage_table(tmp_path):
     raw["data"]["path"] = str(BUILTIN_DIR / raw["data"]["path"])
     f, g = raw["stages"]
     f.update(scheduler={"type": "StepLR", "step_size": 10, "gamma": 0.5}, privacy_meter=True,
-             clip_noise={"max_norm": 1.0, "sigma": 0.1})
+             clip_noise={"max_norm": 1.0, "sigma": 0.1}, input_guard={"max_r2": 0.9, "after": 10})
     g.update(privacy_meter=True, metrics=["f1"], keep_best="test_f1", max_norm=True,
              early_stopping={"metric": "test_loss", "patience": 3})
     set_keys = set(f) | set(g)
     shared = set(schema.COMBINED_STAGE_KEYS) & set(schema.STAGE_KEYS)
     # marvell needs a two-class task (digits has ten): test_defenses reads back what split writes of it
     # bottom needs a vertical experiment: test_active_party runs what split writes of it
+    # dp_sgd needs a numpy layer list (this experiment's stages are torch): test_budget splits it
     untried = shared - set_keys - {"framework", "model", "columns", "device", "label_dp", "nopeek", "marvell",
-                                   "bottom"}
+                                   "bottom", "dp_sgd"}
     assert not untried, f"give these keys a value here: {sorted(untried)}"
     combined = parse_experiment(raw, str(tmp_path / "combined.toml"))
     split_experiment(combined, tmp_path / "parties")
@@ -336,5 +337,5 @@ def test_split_keeps_every_key_of_a_stage_table(tmp_path):
         ours, theirs = combined.spec(name), parts.spec(name)
         for key in sorted(shared - {"name"}):
             field = {"clip_noise": "defenses", "max_norm": "defenses", "label_dp": "defenses",
-                     "nopeek": "defenses", "marvell": "defenses"}.get(key, key)
+                     "nopeek": "defenses", "marvell": "defenses", "dp_sgd": "defenses"}.get(key, key)
             assert getattr(theirs, field) == getattr(ours, field), (name, key)

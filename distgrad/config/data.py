@@ -574,6 +574,9 @@ class ColumnView(DataSource):
     def targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
 
+    def true_targets(self, step: int) -> np.ndarray:
+        return self._source.true_targets(step)
+
     def shard(self, index: int, count: int) -> None:
         self._source.shard(index, count)
 
@@ -612,6 +615,40 @@ class RandomizedLabels(DataSource):
 
     def targets_at(self, rows: np.ndarray) -> np.ndarray:
         return self.noisy[rows]
+
+    def true_targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
+
+    def shard(self, index: int, count: int) -> None:
+        self._source.shard(index, count)
+
+    def check_readable(self) -> None:
+        self._source.check_readable()
+
+
+class ReleasedLabels(DataSource):
+    """A label owner's rows whose training labels are released during training (``label_dp`` with ``stages``,
+    RR-with-prior: ``privacy.labeldp.LabelRelease``, which the label owner's stage holds): its training targets
+    are the rows' numbers (int64, ``(batch,)`` like class ids), which the stage turns into randomized labels
+    when it first trains on each row. The held-out labels (``test_targets``) and ``true_targets`` stay true;
+    everything else is the source's own."""
+
+    def __init__(self, source: RowBatches) -> None:
+        self._source = source
+        self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
+        self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)      # rows, batches, test_targets, all_targets, ...: the source's
+
+    def features(self, step: int) -> np.ndarray:
+        return self._source.features(step)
+
+    def targets(self, step: int) -> np.ndarray:
+        return np.asarray(self._source._rows(step), np.int64)
+
+    def targets_at(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, np.int64)
 
     def true_targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)

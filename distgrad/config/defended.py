@@ -82,12 +82,28 @@ def check_meter_flag(exp: Experiment) -> None:
         raise ConfigError("'privacy_meter' (or --privacy-meter): no stage of this experiment can meter")
 
 
+def check_input_guard(exp: Experiment, stage: str) -> None:
+    """Raise ``ConfigError`` naming 'input_guard' and the reason unless ``stage`` is the one data owner of a run
+    of several stages (the first stage, without [clients] or 'aggregate')."""
+    where = f"stage {stage!r}: 'input_guard'"
+    if len(exp.stage_names) < 2:
+        raise ConfigError(f"{where} guards what crosses a cut, and a one-stage experiment has none")
+    if exp.federated or exp.vertical:
+        raise ConfigError(f"{where} is not supported with [clients] or 'aggregate' yet: it measures one data "
+                          f"owner's rows against the activations it sends alone")
+    if exp.stage_index(stage) != 0:
+        raise ConfigError(f"{where} is a setting of the data owner (the first stage), which holds the inputs; "
+                          f"{stage!r} receives activations")
+
+
 def check_defenses(exp: Experiment) -> None:
     """Raise ``ConfigError`` naming the key and the reason for a defense (or a privacy meter) on a stage that
     cannot apply it."""
     for spec in exp.stages:
         if spec.privacy_meter:
             meter_kind(exp, spec.name)
+        if spec.input_guard is not None:
+            check_input_guard(exp, spec.name)
         d = spec.defenses
         label_keys = [key for key, on in (("max_norm", d.max_norm), ("label_dp", d.label_dp is not None),
                                           ("marvell", d.marvell is not None), ("dp_sgd", d.dp_sgd is not None))
@@ -119,6 +135,11 @@ def check_defenses(exp: Experiment) -> None:
             if data.target_dtype.kind != "i" or not hasattr(data, "all_targets"):
                 raise ConfigError(f"{where}: 'label_dp' randomizes class ids: it needs int64 class labels in "
                                   f"batches of rows, not {data.target_dtype.name} targets")
+            if d.label_dp.staged and d.marvell is not None:
+                raise ConfigError(f"{where}: 'marvell' shapes its noise by each row's training label, which "
+                                  f"'label_dp' with stages draws only when the row is first trained on; use "
+                                  f"label_dp without stages, or no marvell")
+            exp.training_labels(spec.name)      # the loss it trains with must be a softmax cross-entropy
         if d.marvell is not None:
             _check_marvell(exp, spec.name)
         if d.dp_sgd is not None:

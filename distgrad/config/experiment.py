@@ -32,15 +32,16 @@ import numpy as np
 
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
-from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, build_data
+from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, ReleasedLabels, build_data
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.keys import is_whole, whole
-from distgrad.model.losses import Loss, build_loss, build_module_loss
+from distgrad.model.losses import Loss, SoftmaxCrossEntropy, TorchLoss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
 from distgrad.privacy.defenses import Defenses
+from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -102,6 +103,7 @@ class StageSpec:
     keep_best: str | None = None
     early_stopping: dict[str, Any] | None = None
     privacy_meter: bool = False      # meter what this stage sends across the cut (``distgrad.privacy.meter``)
+    input_guard: tuple[float, int] | None = None   # a data owner's (max_r2, after): stop before invertible rows leave
     bottom: list[dict[str, Any]] | None = None   # a vertical label owner's own bottom model (``Experiment.model``)
 
     def init_seed(self, run_seed: int) -> int:
@@ -264,10 +266,51 @@ class Experiment:
         data = build_data(table, self.seed if seed is None else seed, spec.base_dir)
         if client is not None and self.federated:
             data.shard(client, self.clients.count)
-        if spec.defenses.label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
-            data = RandomizedLabels(data, spec.defenses.label_dp,  # type: ignore[arg-type]
-                                    spec.init_seed(self.seed if seed is None else seed), spec.name)
+        label_dp = spec.defenses.label_dp
+        if label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
+            if label_dp.staged:         # released during training by the stage (``training_labels``)
+                data = ReleasedLabels(data)  # type: ignore[arg-type]
+            else:
+                data = RandomizedLabels(data, label_dp.epsilon,  # type: ignore[arg-type]
+                                        spec.init_seed(self.seed if seed is None else seed), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
+
+    def training_labels(self, name: str, seed: int | None = None) -> TrainingLabels | None:
+        """What label owner ``name``'s stage adds to its training loss under ``label_dp`` (None: nothing; its
+        data's randomized labels with its own loss): the flip-rate-aware loss, and with ``stages`` the release
+        of the labels during training (``privacy.labeldp``), drawn from the stage's own seed. Raises
+        ``ConfigError`` when the stage's loss cannot take it."""
+        if not self.has_stage(name) or name != self.stage_names[-1] or self.labels_travel:
+            return None
+        spec = self.spec(name)
+        setting = spec.defenses.label_dp
+        if setting is None or spec.data == {}:
+            return None
+        loss_name = setting.loss_for(softmax_cross_entropy(self.final_loss))
+        if loss_name == "plain" and not setting.staged:
+            return None
+        if not softmax_cross_entropy(self.final_loss):
+            loss = self.final_loss
+            given = f"{loss.type} {loss.options}" if isinstance(loss, TorchLoss) else type(loss).__name__
+            what = "stages" if setting.staged else 'loss = "corrected"'
+            raise ConfigError(f"stage {name!r}: 'label_dp' with {what} trains with its own softmax cross-entropy on "
+                              f"the randomized labels: the stage's loss must be softmax_cross_entropy or "
+                              f"CrossEntropyLoss (no option but reduction), not {given}")
+        seed = self.seed if seed is None else seed
+        data = build_data(self.data if spec.data is None else spec.data, seed, spec.base_dir)
+        if not hasattr(data, "all_targets"):
+            return None             # refused by check_defenses: no table of class labels
+        labels = data.all_targets()
+        classes = int(labels.max()) + 1 if len(labels) else 0
+        if classes < 2:
+            raise ConfigError(f"'label_dp' randomizes class ids among at least 2 classes; the labels hold {classes}")
+        release = None
+        if setting.staged:
+            per_epoch = len(data.train_rows) // data.batch      # type: ignore[attr-defined]
+            run_updates = self.steps * (self.clients.count if self.federated else 1)
+            release = LabelRelease(setting, labels, data.train_rows, classes,  # type: ignore[attr-defined]
+                                   setting.updates_per_stage(per_epoch, run_updates), spec.init_seed(seed), name)
+        return TrainingLabels(setting, classes, loss_name, release)
 
     @property
     def own_bottom(self) -> bool:
@@ -531,6 +574,14 @@ def check_codecs(exp: "Experiment") -> None:
             except ConfigError as e:
                 raise ConfigError(f"{key} {codec.name!r} cannot carry activation {i + 1} of shape {tuple(cut)}: "
                                   f"{e}") from e
+
+
+def softmax_cross_entropy(loss: Loss) -> bool:
+    """Whether ``loss`` is a plain softmax cross-entropy over class ids (distgrad's, or torch's
+    CrossEntropyLoss with no option but its reduction): the loss ``label_dp``'s training loss replaces."""
+    if isinstance(loss, TorchLoss):
+        return loss.type == "CrossEntropyLoss" and set(loss.options) <= {"reduction"}
+    return isinstance(loss, SoftmaxCrossEntropy)
 
 
 def stage_loss(spec: StageSpec) -> Loss:

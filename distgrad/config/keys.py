@@ -80,6 +80,14 @@ def _codec(value: Any) -> str:
     return parse_codec(value).name
 
 
+def _input_guard(value: Any) -> bool:
+    if not isinstance(value, dict) or "max_r2" not in value or not set(value) <= {"max_r2", "after"}:
+        return False
+    r2, after = value["max_r2"], value.get("after", 0)
+    return (isinstance(r2, (int, float)) and not isinstance(r2, bool) and 0 < r2 <= 1
+            and is_whole(after) and after >= 0)
+
+
 FLAG = Check("boolean", "true or false", lambda v: isinstance(v, bool))
 TEXT = Check("string", "a string", lambda v: isinstance(v, str))
 NAME = Check("string", "a non-empty string", lambda v: isinstance(v, str) and bool(v))
@@ -103,6 +111,9 @@ COLUMNS = Check("array of integers", "a list of distinct feature column indices 
 SHAPE = Check("array of integers", "a list of positive whole numbers", _shape)
 ROW_SHAPE = Check("array of integers", "a list of positive whole numbers ([] for one value a row)",
                   lambda v: v == [] or _shape(v))
+GUARD_AFTER_STEPS = 50     # input_guard's default 'after': the steps it does not judge (a layer's start)
+INPUT_GUARD = Check("table", "a table { max_r2 = R } (0 < R <= 1), optionally with after = K (steps, K >= 0)",
+                    _input_guard, lambda v: (float(v["max_r2"]), int(v.get("after", GUARD_AFTER_STEPS))))
 DEVICE = Check('"cpu" | "cuda" | "cuda:N"', '"cpu", "cuda" or "cuda:N"', _device)
 CODEC = Check("string", "a codec name", lambda v: True, _codec)
 

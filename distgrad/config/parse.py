@@ -121,6 +121,7 @@ def _stage_spec(source: str, table: Mapping[str, Any], values: Mapping[str, Any]
                      None, values.get("seed"), _base_dir(source), source, copied("columns", list),
                      copied("scheduler", dict), defenses, tuple(values["metrics"]), values["keep_best"],
                      copied("early_stopping", dict), privacy_meter=values["privacy_meter"],
+                     input_guard=values["input_guard"],
                      bottom=None if values["bottom"] is None else [dict(t) for t in values["bottom"]])
 
 

@@ -13,7 +13,7 @@ whose form depends on other keys has no ``check`` and names what checks it (``ch
 from __future__ import annotations
 
 from distgrad.config.experiment import AUTO_STALENESS, CLIENT_MODES, FRAMEWORKS, REDUCTIONS, WIRE_DTYPES
-from distgrad.config.keys import (BOTTOM, CODEC, COLUMNS, DEVICE, EARLY_STOPPING, FLAG, LAYERS, MODULE,
+from distgrad.config.keys import (BOTTOM, CODEC, COLUMNS, DEVICE, EARLY_STOPPING, FLAG, INPUT_GUARD, LAYERS, MODULE,
                                   NAME, NAMES, OPTIMIZER, REQUIRED, ROW_SHAPE, SCHEDULER, SCORE, SHAPE,
                                   STAGE_NAMES, STAGE_TABLES, TABLE, TEXT, Key, one_of, whole)
 from distgrad.model.aggregate import AGGREGATES
@@ -217,6 +217,13 @@ _STAGE_COMMON: dict[str, Key] = {
                       "data owner: the distance correlation of inputs and activations) over windows of "
                       "'eval_every' steps (else 50); sends and changes nothing (docs/privacy.md). Only the first and "
                       "the last stage; not with [clients] or 'aggregate'. '--privacy-meter' sets it"),
+    "input_guard": Key(INPUT_GUARD, shown="absent", who=DATA_OWNERS, help=
+                    "the data owner (the first stage), private to it: { max_r2 = R, after = K } (K default 50): "
+                    "before each micro-batch's activations are sent, the R^2 of its inputs reconstructed by the "
+                    "best ridge decoder of its latest activation rows (fitted on their public fifth, the rows whose "
+                    "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
+                    "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
+                    "honest pilot run). Not with [clients] or 'aggregate'"),
     "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
@@ -238,8 +245,15 @@ _STAGE_COMMON: dict[str, Key] = {
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
                  "guarantee)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
-                 "the label owner: { epsilon = e }: k-ary randomized response applied once to its training class "
-                 "labels before training (epsilon-label-DP, exactly); held-out labels stay true"),
+                 "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
+                 "once (epsilon-label-DP, exactly); held-out labels stay true. prior = \"stages\" with stages = K (default "
+                 "2; stages >= 2 alone says the same) and optionally epochs_per_stage = E (default: the experiment's "
+                 "steps / K): randomized response with a prior (Ghazi et al. 2021) in K stages: the "
+                 "training rows split into K equal parts, part t joins after (t-1)*E epochs' worth of updates and "
+                 "each of its labels is drawn when the row is first trained on, among the classes the model (trained "
+                 "so far on randomized labels only) finds likeliest for it. loss = \"corrected\" (the default for "
+                 "a softmax cross-entropy) trains on the probability of the randomized label given the known flip "
+                 "rates; \"plain\" on the randomized label as if true (docs/privacy.md)"),
     "nopeek": Key(None, kind="table", who=DATA_OWNERS, checked_by=_DEFENSES, help=
                "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "

@@ -119,6 +119,8 @@ def _stage_table(exp: Experiment, name: str, columns_copied: bool) -> dict[str, 
         table["scheduler"] = dict(spec.scheduler)
     if spec.privacy_meter:
         table["privacy_meter"] = True
+    if spec.input_guard is not None:
+        table["input_guard"] = {"max_r2": spec.input_guard[0], "after": spec.input_guard[1]}
     if spec.loss is not None:
         table["loss"] = spec.loss
     if spec.metrics:

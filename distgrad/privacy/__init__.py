@@ -7,7 +7,8 @@ their inputs and a seeded generator; ``budget`` the differential-privacy account
 ``clip_noise``; ``leaks`` the attacks and measures of what the rows that cross give away (nearest-anchor label
 recovery, the pair-cosine AUC, Li et al.'s norm and direction AUCs, distance correlation) with their chance
 levels, shared by the live meter and the offline audit; ``meter`` the window of what a stage sends that the
-live meter scores with them; ``audit`` the offline audit's attacks (k-means clustering of gradient rows,
+live meter scores with them, and the strongest attacks over the whole run; ``guard`` a data owner's check of
+how well its activations can be inverted (``input_guard``); ``audit`` the offline audit's attacks (k-means clustering of gradient rows,
 decoders from activations back to inputs) beside them. docs/privacy.md says what each party can learn from the other with and without
 the defenses.
 """

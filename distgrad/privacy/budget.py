@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from distgrad.privacy.defenses import ClipNoise
+from distgrad.privacy.labeldp import LabelDP
 
 MEANINGFUL_EPSILON = 10.0     # an epsilon this large or larger bounds nothing an attacker cares about
 NO_MEANINGFUL_GUARANTEE = "no meaningful guarantee (epsilon >= 10)"
@@ -81,9 +82,10 @@ def sigma_for_target(epsilon: float, releases: int, delta: float) -> float:
             return high
 
 
-def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int,
+def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int,
                  planned: int | None = None, scope: str = GUARANTEE_SCOPE) -> dict[str, Any]:
-    """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response and
+    """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response (with
+    ``stages`` for RR-with-prior: ``LabelDP.budget``) and
     ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier", "sigma", "scope", "guarantee"}}`` for
     ``clip``
     whose worst row was sent ``releases`` times (or ``"error"`` when dp-accounting is missing); a target form
@@ -93,7 +95,7 @@ def label_budget(label_dp: float | None, clip: ClipNoise | None, releases: int,
     bounds nothing."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
-        budget["label_dp"] = {"epsilon": label_dp}
+        budget["label_dp"] = label_dp.budget()
     if clip is not None:
         sigma = clip.noise
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": sigma / 2.0,

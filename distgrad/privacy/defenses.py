@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.labeldp import LabelDP, parse_label_dp
 from distgrad.privacy.leaks import centred_distances
 from distgrad.privacy.releases import NoiseLedger, digest
 
@@ -66,13 +67,13 @@ class ClipNoise:
 @dataclass(frozen=True)
 class Defenses:
     """One stage's defenses (all absent: nothing changes). ``clip_noise`` and ``max_norm`` act on the rows
-    the stage sends; ``label_dp`` is the epsilon of randomized response on the label owner's training labels;
+    the stage sends; ``label_dp`` is randomized response on the label owner's training labels (``labeldp.LabelDP``);
     ``nopeek`` the weight of a data owner's distance-correlation term (``nopeek_gradient``); ``marvell`` the
     bound on the sum of KL divergences of the label owner's Marvell noise (``marvell_noise``)."""
 
     clip_noise: ClipNoise | None = None
     max_norm: bool = False
-    label_dp: float | None = None
+    label_dp: LabelDP | None = None
     nopeek: float | None = None
     marvell: float | None = None
     dp_sgd: float | None = None      # the label owner's own update as DP-SGD: its per-example clip bound
@@ -88,7 +89,7 @@ class Defenses:
         if self.max_norm:
             table["max_norm"] = True
         if self.label_dp is not None:
-            table["label_dp"] = {"epsilon": self.label_dp}
+            table["label_dp"] = self.label_dp.as_table()
         if self.nopeek is not None:
             table["nopeek"] = {"weight": self.nopeek}
         if self.marvell is not None:
@@ -356,27 +357,24 @@ def parse_defenses(table: Mapping[str, Any], stage: str) -> Defenses:
         raise ConfigError(f"stage {stage!r}: 'max_norm' must be true or false, got {max_norm!r}")
     label_dp = table.get("label_dp")
     if label_dp is not None:
-        if not isinstance(label_dp, dict) or set(label_dp) != {"epsilon"}:
-            raise ConfigError(f"stage {stage!r}: 'label_dp' must be {{ epsilon = e }}, got {label_dp!r}")
-        label_dp = _positive(label_dp["epsilon"], f"stage {stage!r}: 'label_dp' epsilon")
-    nopeek = table.get("nopeek")
-    if nopeek is not None:
-        if not isinstance(nopeek, dict) or set(nopeek) != {"weight"}:
-            raise ConfigError(f"stage {stage!r}: 'nopeek' must be {{ weight = w }}, got {nopeek!r}")
-        nopeek = _positive(nopeek["weight"], f"stage {stage!r}: 'nopeek' weight")
-    marvell = table.get("marvell")
-    if marvell is not None:
-        if not isinstance(marvell, dict) or set(marvell) != {"bound"}:
-            raise ConfigError(f"stage {stage!r}: 'marvell' must be {{ bound = P }} (the bound on the sum of the "
-                              f"KL divergences between the two classes' rows), got {marvell!r}")
-        marvell = _positive(marvell["bound"], f"stage {stage!r}: 'marvell' bound")
-    dp_sgd = table.get("dp_sgd")
-    if dp_sgd is not None:
-        if not isinstance(dp_sgd, dict) or set(dp_sgd) != {"max_norm"}:
-            raise ConfigError(f"stage {stage!r}: 'dp_sgd' must be {{ max_norm = C }} (the bound of each example's "
-                              f"parameter gradient; the noise is clip_noise's sigma), got {dp_sgd!r}")
-        dp_sgd = _positive(dp_sgd["max_norm"], f"stage {stage!r}: 'dp_sgd' max_norm")
+        label_dp = parse_label_dp(label_dp, stage)
+    nopeek = _one_number_table(table, stage, "nopeek", "weight", "{ weight = w }")
+    marvell = _one_number_table(table, stage, "marvell", "bound", "{ bound = P } (the bound on the sum of the KL "
+                                "divergences between the two classes' rows)")
+    dp_sgd = _one_number_table(table, stage, "dp_sgd", "max_norm", "{ max_norm = C } (the bound of each example's "
+                               "parameter gradient; the noise is clip_noise's sigma)")
     return Defenses(clip, max_norm, label_dp, nopeek, marvell, dp_sgd)
+
+
+def _one_number_table(table: Mapping[str, Any], stage: str, key: str, field: str, form: str) -> float | None:
+    """The number > 0 of a defense written ``key = { field = number }`` in ``stage``'s table (None when
+    absent); ``ConfigError`` naming the key and the form it must have otherwise."""
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {field}:
+        raise ConfigError(f"stage {stage!r}: {key!r} must be {form}, got {value!r}")
+    return _positive(value[field], f"stage {stage!r}: {key!r} {field}")
 
 
 def _clip_noise(value: Any, stage: str) -> ClipNoise:

@@ -222,3 +222,151 @@ def input_figures(batches: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, flo
         return {}
     return {"distance_correlation": float(np.mean([dcor for dcor, _ in pairs])),
             "distance_correlation_chance": float(np.mean([chance for _, chance in pairs]))}
+
+
+# The strongest attacks known, as the meters run them: a per-row average of every gradient row a data owner
+# received, clustered from a few known rows; and the label owner's best linear decoder of the inputs.
+
+KNOWN_ROWS_KEY = 33        # the seed of the known rows' draws (a constant: the figure is a function of its rows)
+KMEANS_ITERATIONS = 30     # Lloyd's iterations of the anchored k-means at most (it stops once no row moves)
+RIDGE_ALPHAS = (1e-6, 1e-4, 1e-2, 1e-1, 1.0)   # ridge strengths tried, times the activations' mean square
+PUBLIC_EVERY = 5           # the label owner's public share: the rows whose number is a multiple of 5 (a fifth)
+
+
+def anchored_recovery(rows: np.ndarray, labels: np.ndarray, known: int, draws: int = 1) -> float:
+    """The accuracy of anchored k-means on the directions of ``rows`` (one per example, e.g. each row's mean
+    received gradient), the mean over ``draws`` choices of the known rows (``_known_rows``; with one known row
+    the result depends much on which, and the mean is what an attacker can expect): each class's
+    centre starts at the mean of its known rows' directions, every row joins the centre its cosine is
+    largest with (known rows stay in their class), centres move to their rows' mean, until no row moves.
+    Scored on the rows not known; raises ``ValueError`` when every row is known or a class has one row."""
+    x = _unit(_flat(rows))
+    y = _labels(labels, len(x))
+    classes = np.unique(y)
+    if len(classes) < 2:
+        raise ValueError("anchored k-means needs rows of two classes at least")
+    anchors = np.stack([_known_rows(y, classes, known, draw) for draw in range(draws)])     # (draws, rows)
+    if anchors.all(axis=1).any():
+        raise ValueError("every row is known: no row left to score")
+    index = np.searchsorted(classes, y)
+    member = np.eye(len(classes))[index]                                                  # (rows, classes)
+    # Every draw's k-means at once (draws x classes x elements centres): a few large products per iteration.
+    known_members = anchors[:, :, None] * member[None]                                   # (draws, rows, classes)
+    centres = (known_members.transpose(0, 2, 1) @ x) / known_members.sum(1)[:, :, None]
+    assigned = np.full(anchors.shape, -1)
+    for _ in range(KMEANS_ITERATIONS):
+        norms = np.linalg.norm(centres, axis=2, keepdims=True)
+        unit = np.divide(centres, norms, out=np.zeros_like(centres), where=norms > TINY)
+        new = np.argmax(x @ unit.transpose(0, 2, 1), axis=2)
+        new = np.where(anchors, index[None], new)
+        if np.array_equal(new, assigned):
+            break
+        assigned = new
+        onehot = np.eye(len(classes))[assigned]                                           # (draws, rows, classes)
+        counts = onehot.sum(1)
+        sums = onehot.transpose(0, 2, 1) @ x
+        centres = np.where(counts[:, :, None] > 0, sums / np.maximum(counts, 1.0)[:, :, None], centres)
+    right = (assigned == index[None]) & ~anchors
+    return float(np.mean(right.sum(1) / (~anchors).sum(1)))
+
+
+def _known_rows(y: np.ndarray, classes: np.ndarray, known: int, draw: int) -> np.ndarray:
+    """Draw ``draw``'s known rows: ``known`` rows of each class chosen by a permutation of its rows seeded with
+    the draw alone (so the same rows give the same figure; rows of one class that are neighbours in the data,
+    often alike, are not taken together)."""
+    anchors = np.zeros(len(y), bool)
+    rng = np.random.default_rng([KNOWN_ROWS_KEY, draw])     # one stream for every class: independent choices
+    for c in classes:
+        anchors[rng.permutation(np.flatnonzero(y == c))[:known]] = True
+    return anchors
+
+
+def few_shot_accuracy(rows: np.ndarray, labels: np.ndarray, known: int, draws: int = 1) -> float:
+    """Model completion: the accuracy of a nearest-class-mean classifier fitted on ``known`` rows of each class
+    (features standardised by the known rows' mean and spread) over every other row; the mean over ``draws``
+    choices of the known rows, as ``anchored_recovery`` chooses them. Raises ``ValueError`` when every
+    row is known or fewer than two classes are given."""
+    x = _flat(rows)
+    y = _labels(labels, len(x))
+    classes = np.unique(y)
+    if len(classes) < 2:
+        raise ValueError("a classifier needs rows of two classes at least")
+    scores = []
+    for draw in range(draws):
+        anchors = _known_rows(y, classes, known, draw)
+        if anchors.all():
+            raise ValueError("every row is known: no row left to score")
+        mean, scale = x[anchors].mean(0), x[anchors].std(0) + 1e-8
+        z = (x - mean) / scale
+        centres = np.stack([z[anchors & (y == c)].mean(0) for c in classes])
+        distances = (z[~anchors] ** 2).sum(1)[:, None] - 2 * z[~anchors] @ centres.T + (centres ** 2).sum(1)[None]
+        scores.append(np.mean(classes[np.argmin(distances, axis=1)] == y[~anchors]))
+    return float(np.mean(scores))
+
+
+class RidgeStats:
+    """What a ridge decoder of inputs from activations needs of a set of (activation, input) row pairs, summed
+    over the rows (float64): ``zz`` (activations with a constant 1 appended, Gram), ``zx`` (their products
+    with the inputs), ``xx`` (the inputs' total sum of squares), ``xsum`` and ``count``. Adding rows and
+    merging sets are sums, so the stats of a whole run cost no more memory than one step's."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.zz, self.zx, self.xsum = np.zeros((0, 0)), np.zeros((0, 0)), np.zeros(0)
+        self.xx = 0.0
+
+    def add(self, z: np.ndarray, x: np.ndarray) -> None:
+        """Rows ``z`` (activations) paired with rows ``x`` (inputs), each flattened."""
+        z1, xf = _flat(z), _flat(x)
+        if len(z1) != len(xf):
+            raise ValueError(f"{len(z1)} activation rows for {len(xf)} input rows")
+        z1 = np.hstack([z1, np.ones((len(z1), 1))])
+        if self.count == 0:
+            self.zz, self.zx = np.zeros((z1.shape[1], z1.shape[1])), np.zeros((z1.shape[1], xf.shape[1]))
+            self.xsum = np.zeros(xf.shape[1])
+        elif self.zz.shape[0] != z1.shape[1] or self.zx.shape[1] != xf.shape[1]:
+            raise ValueError("rows of another width than the ones added before")
+        self.zz = self.zz + z1.T @ z1
+        self.zx = self.zx + z1.T @ xf
+        self.xx += float(np.sum(xf * xf))
+        self.xsum = self.xsum + xf.sum(0)
+        self.count += len(z1)
+
+    def merged(self, other: "RidgeStats") -> "RidgeStats":
+        """The stats of both sets of rows."""
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        out = RidgeStats()
+        out.count, out.xx = self.count + other.count, self.xx + other.xx
+        out.zz, out.zx, out.xsum = self.zz + other.zz, self.zx + other.zx, self.xsum + other.xsum
+        return out
+
+
+def ridge_r2(public: RidgeStats, private: RidgeStats) -> float:
+    """The reconstruction R^2 of the private rows' inputs by the best ridge decoder (an affine map, its bias
+    not penalised) fitted on the public rows: 1 - (squared error) / (squared deviation from the private rows'
+    mean input), pooled over every input element; the best over ``RIDGE_ALPHAS`` (times the public
+    activations' mean square). 0 is what the private mean predicts; raises ``ValueError`` without rows on
+    either side or when the private inputs do not vary."""
+    if public.count < 2 or private.count < 1:
+        raise ValueError(f"a decoder needs public rows ({public.count}) and private rows ({private.count})")
+    total = private.xx - float(private.xsum @ private.xsum) / private.count
+    if total <= TINY:
+        raise ValueError("the private inputs do not vary: nothing to reconstruct")
+    width = public.zz.shape[0] - 1
+    penalty = np.eye(width + 1)
+    penalty[-1, -1] = 0.0
+    scale = max(float(np.trace(public.zz[:-1, :-1])) / max(width * public.count, 1), TINY)
+    best = -np.inf
+    for alpha in RIDGE_ALPHAS:
+        w = np.linalg.solve(public.zz + alpha * scale * public.count * penalty, public.zx)
+        error = private.xx - 2.0 * float(np.vdot(w, private.zx)) + float(np.vdot(w, private.zz @ w))
+        best = max(best, 1.0 - max(error, 0.0) / total)
+    return float(best)
+
+
+def public_rows(rows: np.ndarray) -> np.ndarray:
+    """Which of the row numbers ``rows`` are in the label owner's public share (a multiple of ``PUBLIC_EVERY``)."""
+    return np.asarray(rows).reshape(-1) % PUBLIC_EVERY == 0

@@ -28,11 +28,19 @@ Figures (each beside its chance level, ``NAME_chance``):
 The offline audit reports the same figures through the same two functions,
 so on the same rows the two agree exactly.
 
+``AttackMeter`` plays the strongest attacks known against the whole run so
+far (fed every step's every micro-batch, not a sample): the per-row averaging
+of the gradients a data owner received, model completion, and the label
+owner's best ridge decoder of the inputs; ``extremes`` sums each figure up as
+its worst window, mean, last and whole-run value.
+
 A figure that cannot be scored on a window (a single class, a regression's
 real-valued targets) is left out of it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -110,3 +118,175 @@ class LeakMeter:
     @staticmethod
     def _inputs(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
         return leaks.input_figures(taken)
+
+
+KNOWN_ROWS = (1, 10)        # rows of each class the averaging attacker knows (one figure each)
+ANCHOR_DRAWS = {1: 64, 10: 8}   # by known rows per class: the choices of them a figure is the mean over (one
+                                # known row swings the figure by about 0.1 from one choice to another)
+COMPLETION_KNOWN = 10       # labelled rows per class of the model-completion classifier
+ATTACK_FIGURES = ("averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2", "ridge_r2_run")
+RUN_FIGURES = {"averaged_recovery_1": "averaged_recovery_1", "averaged_recovery_10": "averaged_recovery_10",
+               "model_completion": "model_completion", "ridge_r2": "ridge_r2_run"}   # a figure -> its whole-run one
+
+
+def _grown(array: np.ndarray, size: int, fill: float = 0.0) -> np.ndarray:
+    """``array`` with at least ``size`` rows (new rows ``fill``)."""
+    if len(array) >= size:
+        return array
+    extra = np.full((max(size, 2 * len(array)) - len(array),) + array.shape[1:], fill, array.dtype)
+    return np.concatenate([array, extra])
+
+
+class AttackMeter:
+    """The strongest attacks known on what one stage sends, over the whole run so far (``kind``: ``LABELS`` or
+    ``INPUTS``), closed with the same windows as ``LeakMeter`` but fed every step's every micro-batch.
+
+    * labels (the data owner knows each row's number, and averages every gradient row it received of that
+      row, over every step so far, then clusters the means): ``averaged_recovery_K``, anchored k-means
+      (``leaks.anchored_recovery``) of each row's mean received gradient with K known rows per class, K in
+      ``KNOWN_ROWS``; and ``model_completion``, a few-shot classifier (``leaks.few_shot_accuracy``,
+      ``COMPLETION_KNOWN`` labels per class) of each row's latest activation row as the label owner received
+      it (``observe_activations``): what the data owner gets from its own f. Chance 1/k.
+    * inputs: ``ridge_r2``, the reconstruction R^2 of the private rows' inputs by the best ridge decoder fitted
+      on the public rows (``leaks.public_rows``: the label owner's public share) of the window, and
+      ``ridge_r2_run``, the same over every step so far; chance 0.
+
+    A micro-batch observed again before its window closes replaces the first; after, it is ignored (the
+    closed window's figures stand). Without row numbers (data that does not number its rows) the label
+    figures are not scored, and the public share is every ``leaks.PUBLIC_EVERY``-th row of a micro-batch.
+    The meter only reads what it is given."""
+
+    def __init__(self, kind: str, window: int) -> None:
+        if kind not in (LABELS, INPUTS):
+            raise ValueError(f"unknown meter kind {kind!r}; use {LABELS!r} or {INPUTS!r}")
+        self.kind, self.window = kind, window
+        self.closed_through = 0
+        self._open: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._sums = np.zeros((0, 0))           # row number -> sum of its received gradient rows
+        self._counts = np.zeros(0)
+        self._labels = np.zeros(0, np.int64)     # row number -> its class (-1: not seen)
+        self._latest = np.zeros((0, 0))          # row number -> its latest activation row (model completion)
+        self._seen = np.zeros(0, bool)
+        self._run = (leaks.RidgeStats(), leaks.RidgeStats())     # (public, private) stats of closed windows
+
+    def observe(self, step: int, mb: int, secret: np.ndarray, sent: np.ndarray, rows: np.ndarray | None) -> None:
+        """Micro-batch ``mb`` of ``step``: its secret rows, the rows sent for them as received, and their row
+        numbers (None: unnumbered)."""
+        if step <= self.closed_through:
+            return
+        secret, sent = np.asarray(secret), np.asarray(sent)
+        if len(secret) != len(sent) or (rows is not None and len(rows) != len(sent)):
+            raise ValueError(f"{len(secret)} secret rows for {len(sent)} sent rows")
+        if self.kind == LABELS:
+            if rows is not None and np.array_equal(secret, np.round(secret)):   # class ids, not real targets
+                labels = leaks._labels(secret, len(secret))
+                self._open[(step, mb)] = (np.asarray(rows).copy(), labels, leaks._flat(sent))
+            return
+        public = (leaks.public_rows(rows) if rows is not None
+                  else np.arange(len(sent)) % leaks.PUBLIC_EVERY == 0)
+        stats = (leaks.RidgeStats(), leaks.RidgeStats())
+        for side, chosen in zip(stats, (public, ~public)):
+            if chosen.any():
+                side.add(sent[chosen], secret[chosen])
+        self._open[(step, mb)] = stats
+
+    def observe_activations(self, rows: np.ndarray, activations: np.ndarray) -> None:
+        """The label owner received ``activations`` for row numbers ``rows`` (model completion's input)."""
+        flat = leaks._flat(activations)
+        rows = np.asarray(rows).reshape(-1)
+        if len(rows) != len(flat):
+            raise ValueError(f"{len(rows)} row numbers for {len(flat)} activation rows")
+        size = int(rows.max()) + 1 if len(rows) else 0
+        if self._latest.shape[1:] != flat.shape[1:]:
+            self._latest = np.zeros((0, flat.shape[1]))
+        self._latest = _grown(self._latest, size)
+        self._latest[rows] = flat
+
+    def close(self, step: int, last: bool = False) -> dict[str, float] | None:
+        """As ``LeakMeter.close``: when a window closes, its figures (None when nothing is scored)."""
+        if step % self.window and not last:
+            return None
+        keys = sorted(key for key in self._open if key[0] <= step)
+        taken = [self._open.pop(key) for key in keys]
+        self.closed_through = max(self.closed_through, step)
+        return (self._fold_labels(taken) if self.kind == LABELS else self._fold_inputs(taken)) or None
+
+    def _fold_labels(self, taken: list[tuple[Any, ...]]) -> dict[str, float]:
+        for rows, labels, sent in taken:
+            size = int(rows.max()) + 1 if len(rows) else 0
+            if self._sums.shape[1:] != sent.shape[1:]:
+                self._sums = np.zeros((0, sent.shape[1]))
+            self._sums = _grown(self._sums, size)
+            self._counts, self._seen = _grown(self._counts, size), _grown(self._seen, size, False)
+            self._labels = _grown(self._labels, size, -1)
+            np.add.at(self._sums, rows, sent)
+            np.add.at(self._counts, rows, 1.0)
+            self._labels[rows], self._seen[rows] = labels, True
+        seen = np.flatnonzero(self._seen)
+        if len(seen) == 0:
+            return {}
+        labels = self._labels[seen]
+        chance = 1.0 / len(np.unique(labels))
+        means = self._sums[seen] / self._counts[seen][:, None]
+        figures: dict[str, float] = {}
+        for known in KNOWN_ROWS:
+            try:
+                figures[f"averaged_recovery_{known}"] = leaks.anchored_recovery(means, labels, known,
+                                                                                  ANCHOR_DRAWS[known])
+            except ValueError:
+                continue
+            figures[f"averaged_recovery_{known}_chance"] = chance
+        if len(self._latest) and self._latest.shape[1]:
+            have = seen[seen < len(self._latest)]
+            have = have[np.abs(self._latest[have]).sum(1) > 0] if len(have) else have
+            try:
+                figures["model_completion"] = leaks.few_shot_accuracy(self._latest[have], self._labels[have],
+                                                                      COMPLETION_KNOWN,
+                                                                      ANCHOR_DRAWS[COMPLETION_KNOWN])
+                figures["model_completion_chance"] = 1.0 / len(np.unique(self._labels[have]))
+            except ValueError:
+                pass
+        return figures
+
+    def _fold_inputs(self, taken: list[tuple[Any, ...]]) -> dict[str, float]:
+        public, private = leaks.RidgeStats(), leaks.RidgeStats()
+        for pub, priv in taken:
+            public, private = public.merged(pub), private.merged(priv)
+        self._run = (self._run[0].merged(public), self._run[1].merged(private))
+        figures: dict[str, float] = {}
+        for name, stats in (("ridge_r2", (public, private)), ("ridge_r2_run", self._run)):
+            try:
+                figures[name] = leaks.ridge_r2(*stats)
+            except (ValueError, np.linalg.LinAlgError):
+                continue
+            figures[f"{name}_chance"] = 0.0
+        return figures
+
+
+def leaking(name: str, value: float, chance: float) -> float:
+    """How far ``value`` of figure ``name`` is toward a leak: an AUC leaks on either side of 0.5 (a flipped
+    score is as good), every other figure upward."""
+    return abs(value - chance) if name.endswith("_auc") else value
+
+
+def extremes(windows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """For each figure of ``windows`` (each ``{"step": ..., NAME: value, NAME_chance: ...}``): its ``worst``
+    window (the one that leaks most, ``leaking``; ``worst_step`` is its step), the ``mean`` over the windows,
+    the ``last`` window's, its ``chance`` there, and where the figure has a whole-run form (``RUN_FIGURES``)
+    the ``run`` figure after the last window."""
+    out: dict[str, dict[str, float]] = {}
+    names = dict.fromkeys(name for window in windows for name in window
+                          if name != "step" and not name.endswith("_chance") and name not in ("ridge_r2_run",))
+    for name in names:
+        scored = [w for w in windows if name in w]
+        worst = max(scored, key=lambda w: leaking(name, w[name], w.get(name + "_chance", 0.0)))
+        entry = {"worst": worst[name], "worst_step": worst["step"],
+                 "mean": float(np.mean([w[name] for w in scored])), "last": scored[-1][name],
+                 "chance": scored[-1].get(name + "_chance", 0.0)}
+        run_name = RUN_FIGURES.get(name)
+        if run_name is not None:
+            runs = [w for w in windows if run_name in w]
+            if runs:
+                entry["run"] = runs[-1][run_name]
+        out[name] = entry
+    return out

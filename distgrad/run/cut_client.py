@@ -87,23 +87,26 @@ class Cut:
         self.stopped = False        # the label owner's last evaluation said stop (early stopping)
         self.refused = False        # the label owner refused this side's last hello: it is not this run's peer
         self.peer_stopped = False   # the label owner said it stopped (an aborted notice)
-        self.below = self.exp.stage_names[1]
+        self.below = self.exp.downstream(side.stage)
 
     @classmethod
     def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *, step: int = 0,
                 run: str | None = None, state: Mapping[str, Any] | None = None, timeout_s: float | None = None,
                 liveness_s: float | None = None, peer_deadline_s: float | None = None,
                 curve_secret: str | Path | None = None, server_key: str | Path | None = None,
-                ctx: zmq.Context | None = None, **fields: Any) -> "Cut":
+                ctx: zmq.Context | None = None, party: int | str | None = None, client: int | None = None,
+                **fields: Any) -> "Cut":
         """A ``Cut`` to the label owner at ``endpoint`` for ``interface`` (this party's stage file, or its
         fields as keyword arguments: ``run.cut_interface.cut_side``), standing at ``step`` (the steps this
         loop has applied) of run ``run`` (its ``run_id``; needed with a ``step`` > 0), or at the ``state`` a
-        ``state_dict`` gave. ``timeout_s``, ``liveness_s`` and
+        ``state_dict`` gave. ``party``: which feature party of a vertical interface this loop is (its
+        index or stage name; a party's stage file names it already); ``client``: which data owner of an
+        interface with ``[clients]`` (0 to count - 1; its shard of the rows). ``timeout_s``, ``liveness_s`` and
         ``peer_deadline_s`` bound the waits as the daemons' flags do; ``curve_secret`` and ``server_key``
         are CURVE's key files. Raises ``ConfigError`` for a bad interface or setting."""
         given = {k: v for k, v in (("timeout_s", timeout_s), ("liveness_s", liveness_s),
                                    ("peer_deadline_s", peer_deadline_s)) if v is not None}
-        cut = cls(cut_side(FIRST, interface, fields), endpoint, step=step, run=run, bounds=Bounds(**given),
+        cut = cls(cut_side(FIRST, interface, fields, party, client), endpoint, step=step, run=run, bounds=Bounds(**given),
                   curve_secret=curve_secret, server_key=server_key, ctx=ctx)
         if state is not None:
             try:
@@ -312,7 +315,7 @@ class Cut:
     def _handshake(self) -> None:
         """Hello at ``step``; the label owner must take this run up there."""
         hello = handshake.hello(self.exp, self.side.stage, self.exp.seed, self.side.shape, self.run_id, [self.applied],
-                                self.exp.steps, self.mbs)
+                                self.exp.steps, self.mbs, self.side.client)
         try:
             self.link.handshake(hello)
         except PeerRejected as e:

@@ -7,10 +7,12 @@ a combined experiment's interface and data as ``distgrad split`` writes them,
 or the interface's fields as keyword arguments. ``CutSide`` holds it with the
 connection settings both sides share (timeouts, CURVE key files), so the
 client (``run.cut_client``) and the server (``run.cut_server``) read one
-thing. The library covers two-party cuts of one data owner:
-labels with the label owner, no ``[clients]``, no ``aggregate``, and a ``Cut``
-in lockstep (staleness 0; a ``CutServer`` serves a daemon's steps in flight);
-anything else is refused here, naming the field and the reason.
+thing. The library covers cuts with the labels at the label owner: one data
+owner, several in turn (``[clients]``: a ``Cut`` names its ``client``) or
+vertical feature parties (``aggregate``: a ``Cut`` is one party, named by its
+stage or ``party`` index); a ``Cut`` in lockstep (staleness 0; a ``CutServer``
+serves one daemon's steps in flight). Anything else is refused here, naming
+the field and the reason.
 """
 
 from __future__ import annotations
@@ -58,15 +60,21 @@ class Bounds:
 @dataclass(frozen=True)
 class CutSide:
     """One party's end of the cut: the interface (``exp``), which end it is (``FIRST`` or ``LAST``), its
-    stage's name, and the activation it sends or receives for a whole batch (``shape``)."""
+    stage's name, which data owner it is with ``[clients]`` (``client``; None otherwise and at the label
+    owner), and the activation it sends or receives for a whole batch (``shape``: a feature party's own
+    embedding; at a vertical label owner, the parties' embeddings combined)."""
 
     exp: Experiment
     end: str
     stage: str
+    client: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.exp.cuts[0] if self.end == FIRST else self.exp.cuts[-1]
+        exp = self.exp
+        if exp.vertical:
+            return exp.input_shape(self.stage) if self.end == LAST else exp.cuts[exp.stage_index(self.stage)]
+        return exp.cuts[0] if self.end == FIRST else exp.cuts[-1]
 
     @property
     def micro_batches(self) -> int:
@@ -96,34 +104,79 @@ class CutSide:
     @cached_property
     def data(self) -> Any | None:
         """This party's ``[data]`` as the daemons build it (None without one)."""
-        return self.exp.build_data(stage=self.stage) if self.exp.spec(self.stage).data else None
+        return self.data_of(self.client)
+
+    def data_of(self, client: int | None) -> Any | None:
+        """This party's ``[data]`` as the daemons build it, with ``[clients]`` data owner ``client``'s shard
+        of the training rows (None without a ``[data]``)."""
+        if not self.exp.spec(self.stage).data:
+            return None
+        return self.exp.build_data(stage=self.stage, client=client)
 
 
-def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> CutSide:
+def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any],
+             party: int | str | None = None, client: int | None = None) -> CutSide:
     """The ``end`` (``FIRST`` or ``LAST``) of the cut that ``interface`` describes: a stage-file path, a
     stage-file table, a combined experiment (a built-in's name or its file; ``fields`` may then hold only
     ``stage``), or None with the interface's fields as ``fields`` (``name``, ``stages``, ``batch``,
     ``activation``, ``steps``, ...; ``stage``: this party's stage, by default the first or last of
-    ``stages``; ``data``: its ``[data]`` table). Raises ``ConfigError`` naming what is wrong."""
+    ``stages``; ``data``: its ``[data]`` table; ``parties`` N: N feature parties ``p0`` ... and the label
+    owner ``g`` when ``stages`` is not given; ``clients`` N: ``[clients] count = N``). A data owner's end
+    of a vertical interface is feature party ``party`` (its index among the parties, or its stage name;
+    by default the stage the file or ``stage=`` names, else the first); of an interface with
+    ``[clients]``, data owner ``client`` (0 to count - 1, required). Raises ``ConfigError`` naming what is
+    wrong."""
     fields = dict(fields)
     if interface is not None and not isinstance(interface, Mapping) and _is_combined(interface):
         stage = fields.pop("stage", None)
         if fields:
             raise ConfigError(f"a combined experiment takes only stage= beside it, got {sorted(fields)}")
-        raw, source = _raw_from_combined(end, interface, stage)
+        raw, source = _raw_from_combined(end, interface, stage, party)
     elif interface is not None and fields:
         raise ConfigError(f"give the interface as a stage file or as its fields, not both (got a file and "
                           f"{sorted(fields)}; only a combined experiment takes stage=)")
     elif interface is None:
-        raw, source = _raw_from_fields(end, fields), "the interface's arguments"
+        raw, source = _raw_from_fields(end, fields, party), "the interface's arguments"
     elif isinstance(interface, Mapping):
         raw, source = dict(interface), "the interface table"
     else:
         raw, source = read_toml(Path(interface), "stage file"), str(interface)
     exp = parse_own_loop(raw, source)
-    side = CutSide(exp, end, exp.stages[0].name)
+    side = CutSide(exp, end, exp.stages[0].name, _check_client(exp, end, client, source))
+    if party is not None and side.stage != _party_stage(exp, party, source):
+        raise ConfigError(f"{source}: [stage] is {side.stage!r}, but party={party!r} is stage "
+                          f"{_party_stage(exp, party, source)!r}: give the party's own stage file")
     _check_supported(side, source)
     return side
+
+
+def _party_stage(exp: Experiment, party: int | str, source: str) -> str:
+    """The stage of feature party ``party`` (its index among the parties, or its stage name)."""
+    if not exp.vertical:
+        raise ConfigError(f"{source}: party={party!r} names a feature party, but this interface has no "
+                          f"'aggregate' (no vertical parties)")
+    parties = exp.data_owners
+    if isinstance(party, str) and party in parties:
+        return party
+    if is_whole(party) and 0 <= party < len(parties):        # type: ignore[operator]
+        return parties[party]                                # type: ignore[index]
+    raise ConfigError(f"{source}: party={party!r} is not a feature party: give its index (0 to "
+                      f"{len(parties) - 1}) or its stage name, one of {parties}")
+
+
+def _check_client(exp: Experiment, end: str, client: Any, source: str) -> int | None:
+    """``client`` checked: a data owner's end of an interface with ``[clients]`` needs it (0 to count - 1);
+    anywhere else it is refused."""
+    count = exp.clients.count
+    if end == FIRST and exp.federated:
+        if not is_whole(client) or not 0 <= client < count:
+            raise ConfigError(f"{source}: the interface has [clients] count = {count}: give this data owner's "
+                              f"client=, an integer from 0 to {count - 1}, got {client!r}")
+        return int(client)
+    if client is not None:
+        where = "the label owner serves every client" if end == LAST else "the interface has no [clients]"
+        raise ConfigError(f"{source}: client={client!r} names one of several data owners, but {where}")
+    return None
 
 
 def _is_combined(interface: str | Path) -> bool:
@@ -135,12 +188,15 @@ def _is_combined(interface: str | Path) -> bool:
     return "interface" not in read_toml(path, "experiment or stage file")
 
 
-def _raw_from_combined(end: str, interface: str | Path, stage: str | None) -> tuple[dict[str, Any], str]:
+def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
+                       party: int | str | None = None) -> tuple[dict[str, Any], str]:
     """The own-loop stage-file table (and its source: the experiment's file) of stage ``stage`` (by default the first or the last) of a combined
     experiment: its interface as ``distgrad split`` writes it, the stage's name and the experiment's
     ``[data]`` (paths relative to the experiment's folder, as before). The models, optimisers and losses
     the file gives its stages are the daemons': the loop's own replace them."""
     exp = load_experiment(interface)
+    if stage is None and party is not None and end == FIRST:
+        stage = _party_stage(exp, party, str(interface))
     if stage is None:
         stage = exp.stage_names[0] if end == FIRST else exp.stage_names[-1]
     if stage not in exp.stage_names:
@@ -157,15 +213,38 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None) -> tu
             exp.source)
 
 
-def _raw_from_fields(end: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """A stage-file table from keyword arguments: ``activation`` may be the per-row shape alone."""
+def _raw_from_fields(end: str, fields: dict[str, Any], party: int | str | None = None) -> dict[str, Any]:
+    """A stage-file table from keyword arguments: ``activation`` may be the per-row shape alone (with
+    ``parties``, every party's), ``parties`` N names N feature parties, ``clients`` N is ``[clients]``."""
     stage, data = fields.pop("stage", None), fields.pop("data", None)
+    parties = fields.pop("parties", None)
+    if parties is not None:
+        if not is_whole(parties) or parties < 1:
+            raise ConfigError(f"parties must be the number of feature parties, an integer >= 1, got {parties!r}")
+        fields.setdefault("stages", [*(f"p{i}" for i in range(parties)), "g"])
+        if not isinstance(fields["stages"], (list, tuple)) or len(fields["stages"]) != parties + 1:
+            raise ConfigError(f"parties={parties} feature parties and the label owner are {parties + 1} stages, "
+                              f"but stages= names {wire.show(fields['stages'])}")
+    if is_whole(fields.get("clients")):
+        fields["clients"] = {"count": fields["clients"]}
+    names = fields.get("stages")
+    if parties is None and fields.get("aggregate") is not None and isinstance(names, (list, tuple)):
+        parties = len(names) - 1
     activation = fields.get("activation")
     if isinstance(activation, (list, tuple)) and all(isinstance(n, int) for n in activation):
         fields["activation"] = {"shape": list(activation), "dtype": "float32"}
-    names = fields.get("stages")
+        if parties is not None and parties > 1:          # every party's embedding of that shape
+            fields["activation"] = [fields["activation"]] * parties
+    elif isinstance(activation, (list, tuple)) and all(isinstance(a, (list, tuple)) for a in activation):
+        fields["activation"] = [{"shape": list(a), "dtype": "float32"} for a in activation]
     if stage is None and isinstance(names, (list, tuple)) and names:
-        stage = names[0] if end == FIRST else names[-1]
+        if end == FIRST and party is not None and fields.get("aggregate") is not None:
+            if isinstance(party, str) and party in names[:-1]:
+                stage = party
+            elif is_whole(party) and 0 <= party < len(names) - 1:     # type: ignore[operator]
+                stage = names[party]                                  # type: ignore[index]
+        if stage is None:
+            stage = names[0] if end == FIRST else names[-1]
     if isinstance(names, tuple):
         fields["stages"] = list(names)
     return {"interface": fields, "stage": {"name": stage}, **({"data": data} if data is not None else {})}
@@ -173,18 +252,21 @@ def _raw_from_fields(end: str, fields: dict[str, Any]) -> dict[str, Any]:
 
 def _check_supported(side: CutSide, source: str) -> None:
     exp, names = side.exp, side.exp.stage_names
-    expected = names[0] if side.end == FIRST else names[-1]
-    who = "a Cut drives the first stage" if side.end == FIRST else "a CutServer serves the last stage"
-    if side.stage != expected:
-        raise ConfigError(f"{source}: [stage] is {side.stage!r}, but {who} ({expected!r} of {names})")
+    expected = exp.data_owners if side.end == FIRST else [names[-1]]
+    who = ("a Cut drives " + ("a feature party" if exp.vertical else "the first stage") if side.end == FIRST
+           else "a CutServer serves the last stage")
+    if side.stage not in expected:
+        raise ConfigError(f"{source}: [stage] is {side.stage!r}, but {who} "
+                          f"({' or '.join(map(repr, expected))} of {names})")
     refused = {"labels": (exp.labels != "last", "labels travel with the activations (labels = 'first')"),
-               "clients": (exp.clients.count > 1, "several data owners ([clients])"),
-               "aggregate": (exp.vertical, "vertical feature parties ('aggregate')")}
+               "clients": (exp.federated and exp.clients.mode != "separate",
+                           f"[clients] mode = {exp.clients.mode!r} (the data owners' models averaged; only "
+                           f"'separate' is)"),
+               "aggregate": (exp.vertical and exp.federated, "vertical parties and [clients] together")}
     for key, (bad, what) in refused.items():
         if bad:
-            raise ConfigError(f"{source}: the cut library does not support {what} yet: its loop runs one data "
-                              f"owner, the labels with the label owner; remove '{key}' or run the daemons "
-                              f"(distgrad-stage)")
+            raise ConfigError(f"{source}: the cut library does not support {what} yet: its loops keep the "
+                              f"labels with the label owner; remove '{key}' or run the daemons (distgrad-stage)")
     if side.end == FIRST and exp.staleness > 0:
         raise ConfigError(f"{source}: a Cut runs the data owner's loop in lockstep (cut.step returns step k's "
                           f"gradient before step k+1 is sent), so it cannot keep staleness = {exp.staleness} steps "
@@ -225,10 +307,12 @@ def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
     return check_step(state["step"], exp.steps)
 
 
-def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int) -> None:
+def check_residuals(residuals: Mapping[str, np.ndarray], side: CutSide, direction: str, mbs: int,
+                    whole: tuple[int, ...] | None = None) -> None:
     """Check a state's error-feedback residuals (from ``check_state``) against what this side sends: the
-    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (``ConfigError``)."""
-    shape = side.micro_shape(mbs)
+    ``direction``'s streams of ``mbs`` micro-batches, each of a micro-batch's shape (of ``whole``, a whole
+    batch's, by default the side's) (``ConfigError``)."""
+    shape = micro_shape(whole, mbs) if whole is not None else side.micro_shape(mbs)
     streams = {STATE_PREFIX + stream_name(direction, mb, mbs) for mb in range(mbs)}
     for name, array in residuals.items():
         if name not in streams or array.shape != shape:

@@ -42,7 +42,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import numpy as np
 import zmq
@@ -80,7 +80,9 @@ class Batch:
     ``rows`` (its row numbers, int64: with ``send_rows`` those the data owner sent, checked by
     ``accepts.refuse_rows``; else in the shared sample order when this party has ``[data]``; else reading
     it raises ``CutMisuse``: nothing numbers the rows), micro-batch ``mb`` of ``mbs`` (``last``: the step's
-    last). Answer it once with ``reply``."""
+    last). With several data owners (``run.cut_group``): ``client``, the data owner it is from
+    (``[clients]``; else None), and ``parts``, each feature party's own embedding in party order, which
+    ``h`` combines (vertical; else None). Answer it once with ``reply``."""
 
     step: int
     mb: int
@@ -91,6 +93,8 @@ class Batch:
     envelope: list[bytes] = field(repr=False, default_factory=list)
     replied: bool = False
     started: float = field(default_factory=time.perf_counter, repr=False)
+    client: int | None = None
+    parts: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
 
     @property
     def last(self) -> bool:
@@ -121,12 +125,22 @@ class CutServer:
     full). Not thread-safe: one loop drives it.
     """
 
+    # The server of several data owners (vertical parties, clients in turn) ``bind`` builds for their
+    # interface: ``run.cut_group.GroupServer``, which names itself here when its module is imported
+    # (``distgrad.cut`` imports it), as it builds on this class.
+    several: ClassVar[type["CutServer"] | None] = None
+
+    def __init_subclass__(cls, serves_several: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves_several:
+            CutServer.several = cls
+
     def __init__(self, side: CutSide, endpoint: str, *, bounds: Bounds = Bounds(),
                  curve_secret: str | Path | None = None, allow: str | Path | None = None,
                  evaluate: Evaluate | None = None, ctx: zmq.Context | None = None) -> None:
-        if (curve_secret is None) != (allow is None):
-            raise ConfigError("CURVE needs curve_secret and allow together (the --curve-secret and --allow of a "
-                              "daemon)")
+        if type(self) is CutServer and (side.exp.vertical or side.exp.federated):
+            raise ConfigError("an interface of several data owners ('aggregate' or [clients]) is served by "
+                              "CutServer.bind, which builds the server for them")
         self.side, self.exp, self.bounds = side, side.exp, bounds
         self.log = logging.getLogger(f"distgrad.{side.stage}")
         self.upstream = self.exp.stage_names[-2]
@@ -154,19 +168,29 @@ class CutServer:
         specs = [self._expected(1, self.exp.send_rows).specs]
         if self.test_rows is not None:
             specs.append(self._expected(1).with_rows(len(self.test_rows)).specs)   # may exceed a batch
+        self._bind_socket(endpoint, specs, ctx, curve_secret, allow)
+        self.heard = time.monotonic()    # when the data owner was last heard (for the bounded wait)
+
+    def _bind_socket(self, endpoint: str, specs: list[Any], ctx: zmq.Context | None,
+                     curve_secret: str | Path | None, allow: str | Path | None) -> None:
+        """Bind the server socket at ``endpoint``, its size limits those of the biggest of the messages
+        ``specs`` describe, with CURVE when ``curve_secret`` and ``allow`` are given (both or neither:
+        ``ConfigError``)."""
+        if (curve_secret is None) != (allow is None):
+            raise ConfigError("CURVE needs curve_secret and allow together (the --curve-secret and --allow of a "
+                              "daemon)")
         limits = [frame_limit(spec) for spec in specs]
         self.max_frame, self.max_tensor = max(m for m, _ in limits), max(t for _, t in limits)
         ctx = ctx or zmq.Context.instance()
         self.curve = (CurveServer(ctx, Path(curve_secret), Path(allow))
                       if curve_secret is not None and allow is not None else None)
         try:
-            self.server = Server(ctx, endpoint, self.max_frame, bounds.liveness_s, self.curve)
+            self.server = Server(ctx, endpoint, self.max_frame, self.bounds.liveness_s, self.curve)
         except Exception:
             if self.curve is not None:
                 self.curve.stop()
             raise
         self.endpoint = self.server.endpoint
-        self.heard = time.monotonic()    # when the data owner was last heard (for the bounded wait)
         self.log.info("cut server of %s serving on %s (%s)", self.exp.name, self.endpoint,
                       "CURVE" if self.curve is not None else "plaintext")
 
@@ -187,6 +211,11 @@ class CutServer:
         given = {k: v for k, v in (("liveness_s", liveness_s), ("peer_deadline_s", peer_deadline_s))
                  if v is not None}
         side = cut_side(LAST, interface, fields)
+        if side.exp.vertical or side.exp.federated:
+            if CutServer.several is None:
+                raise ConfigError("an interface of several data owners is served by distgrad.run.cut_group's "
+                                  "server: import distgrad.cut (or distgrad.torch), which brings it")
+            cls = CutServer.several
         server = cls(side, endpoint, bounds=Bounds(**given), curve_secret=curve_secret, allow=allow,
                      evaluate=evaluate, ctx=ctx)
         if state is not None:
@@ -400,14 +429,17 @@ class CutServer:
             rows = micro_batch(self.side.rows(k), msg.mb, self.mbs)
         return Batch(k, msg.mb, self.mbs, h, rows, self, envelope)
 
-    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+    def _checked(self, batch: Batch, loss: Any, grad: Any, shape: tuple[int, ...]) -> tuple[Any, str | None]:
+        """The loop's reply to ``batch`` checked, one rule for every cut server: ``CutMisuse`` for a closed
+        server, a second reply, a batch not in progress, or a gradient that is not float32 of ``shape``; then the
+        loss as one number and, where it or the gradient is not finite (and the interface does not allow it),
+        the text of the step's failure (else None)."""
         self._check_open()
         if batch.replied:
             raise CutMisuse(f"step {batch.step} micro-batch {batch.mb}/{batch.mbs} was replied to already; each "
                             f"batch gets exactly one reply")
         if batch is not self.batch:
             raise CutMisuse(f"step {batch.step} micro-batch {batch.mb} is not the batch in progress")
-        shape = self.side.micro_shape(batch.mbs)
         if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.shape != shape:
             raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
@@ -415,8 +447,14 @@ class CutServer:
         value = _one_number(loss, f"the loss of step {batch.step}")
         if not self.exp.allow_nonfinite and not (np.isfinite(value) and np.isfinite(grad).all()):
             what = "loss" if not np.isfinite(value) else "activation_grad"
-            self._fail(batch, f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
-                              f"step was applied")
+            return value, (f"stage {self.side.stage}: non-finite {what} at step {batch.step}; nothing of this "
+                           f"step was applied")
+        return value, None
+
+    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+        value, nonfinite = self._checked(batch, loss, grad, self.side.micro_shape(batch.mbs))
+        if nonfinite is not None:
+            self._fail(batch, nonfinite)
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
             tensors = self.senders.message_tensors(GRADIENT, np.ascontiguousarray(grad), stream, batch.step)
@@ -490,32 +528,8 @@ class CutServer:
         self.senders.load_state_arrays(state["residuals"])
 
     def _saved_reply(self, r: Any, run: str, step: int, mbs: int) -> Message:
-        """One reply of a state's ``replies`` as the message it was, checked as the data owner will check it
-        when it is sent again (``ConfigError`` naming what is wrong)."""
-        if not isinstance(r, Mapping) or set(r) != REPLY_KEYS:
-            raise ConfigError(f"a reply of the state must hold exactly {sorted(REPLY_KEYS)}, got {wire.show(r)}")
-        numbers = [r["loss"], r["compute_s"]]
-        if not (is_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and is_whole(r["mb"])
-                and 0 <= r["mb"] < mbs and isinstance(r["tensors"], Mapping)
-                and all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in numbers)):
-            raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
-                              f"with a number loss and tensors: step {wire.show(r['step'])} mb "
-                              f"{wire.show(r['mb'])}/{wire.show(r['mbs'])}")
-        where = f"the state's reply to step {r['step']} micro-batch {r['mb']}"
-        if not self.exp.allow_nonfinite and not np.isfinite(r["loss"]):
-            raise ConfigError(f"{where} has loss {r['loss']!r}; this interface forbids NaN and Inf "
-                              f"(allow_nonfinite), so it is not a reply this side saved")
-        if not (np.isfinite(r["compute_s"]) and r["compute_s"] >= 0):
-            raise ConfigError(f"{where} has compute_s {r['compute_s']!r}, not a number of seconds >= 0")
-        reply = Message(wire.BACKWARD, run, r["step"], r["mb"], mbs,
-                        body={"loss": float(r["loss"]), "compute_s": float(r["compute_s"])},
-                        tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
-        grad = Expected(WireTensor(GRADIENT, self.side.micro_shape(mbs), self.exp.codecs[GRADIENT]))
-        try:       # decodes a copy, checked as the data owner checks the reply when it is sent again
-            grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=self.exp.allow_nonfinite)
-        except (ProtocolError, ValueError, TypeError) as e:
-            raise ConfigError(f"{where} is not a gradient of this interface: {e}") from e
-        return reply
+        """One reply of a state's ``replies`` as the message it was (``saved_reply``)."""
+        return saved_reply(r, run, step, mbs, self.side.micro_shape(mbs), self.exp)
 
     # -- the end
     def close(self) -> None:
@@ -628,3 +642,33 @@ def _one_number(loss: Any, what: str) -> np.float32:
         raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
                         f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
     return np.float32(value)
+
+
+def saved_reply(r: Any, run: str, step: int, mbs: int, shape: tuple[int, ...], exp: Any) -> Message:
+    """One reply of a saved state's ``replies`` (of run ``run``, steps 1..``step``, micro-batches of ``mbs``,
+    a gradient of ``shape`` under ``exp``'s interface) as the message it was, checked as the data owner will
+    check it when it is sent again (``ConfigError`` naming what is wrong)."""
+    if not isinstance(r, Mapping) or set(r) != REPLY_KEYS:
+        raise ConfigError(f"a reply of the state must hold exactly {sorted(REPLY_KEYS)}, got {wire.show(r)}")
+    numbers = [r["loss"], r["compute_s"]]
+    if not (is_whole(r["step"]) and 1 <= r["step"] <= step and r["mbs"] == mbs and is_whole(r["mb"])
+            and 0 <= r["mb"] < mbs and isinstance(r["tensors"], Mapping)
+            and all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in numbers)):
+        raise ConfigError(f"a reply of the state is not one of its steps 1..{step} (micro-batch of {mbs}) "
+                          f"with a number loss and tensors: step {wire.show(r['step'])} mb "
+                          f"{wire.show(r['mb'])}/{wire.show(r['mbs'])}")
+    where = f"the state's reply to step {r['step']} micro-batch {r['mb']}"
+    if not exp.allow_nonfinite and not np.isfinite(r["loss"]):
+        raise ConfigError(f"{where} has loss {r['loss']!r}; this interface forbids NaN and Inf "
+                          f"(allow_nonfinite), so it is not a reply this side saved")
+    if not (np.isfinite(r["compute_s"]) and r["compute_s"] >= 0):
+        raise ConfigError(f"{where} has compute_s {r['compute_s']!r}, not a number of seconds >= 0")
+    reply = Message(wire.BACKWARD, run, r["step"], r["mb"], mbs,
+                    body={"loss": float(r["loss"]), "compute_s": float(r["compute_s"])},
+                    tensors={n: np.asarray(t) for n, t in r["tensors"].items()})
+    grad = Expected(WireTensor(GRADIENT, shape, exp.codecs[GRADIENT]))
+    try:       # decodes a copy, checked as the data owner checks the reply when it is sent again
+        grad.receive(replace(reply, tensors=dict(reply.tensors)), allow_nonfinite=exp.allow_nonfinite)
+    except (ProtocolError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where} is not a gradient of this interface: {e}") from e
+    return reply

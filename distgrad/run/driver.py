@@ -30,7 +30,7 @@ from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
-from distgrad.run.metering import Metering
+from distgrad.run.metering import Guarding, Metering, step_rows
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
@@ -73,8 +73,13 @@ class _Driver:
         # The privacy meter reads what this stage sends; its latest window's figures join the step's record.
         self.leaks: dict[str, float] = {}
         self.metering = (Metering(opts.meter_kind, self.state.engine, self.data.features,
-                                  self.eval_every if self.holds_out else 0, self.steps, self._leaked, self.log)
+                                  self.eval_every if self.holds_out else 0, self.steps, self._leaked, self.log,
+                                  step_rows(self.data))
                          if opts.meter_kind else None)
+        max_r2 = exp.spec(opts.stage).input_guard if exp.has_stage(opts.stage) else None
+        self.guarding = (Guarding(self.state.engine, self.data.features, max_r2, opts.stage, self.log,
+                                  step_rows(self.data))
+                         if max_r2 is not None else None)
         self.g_compute_s = 0.0
         params = self.state.stage.params
         self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,
@@ -458,7 +463,8 @@ class _Driver:
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
                              **best_evaluation_fields(self.evaluations, state.verdicts.best_step),
-                             **(self.metering.summary_fields() if self.metering else {}))
+                             **(self.metering.summary_fields() if self.metering else {}),
+                             **(self.guarding.summary_fields() if self.guarding else {}))
 
     def _waiting_for(self) -> list[str]:
         """The feature parties the stage below says it waits for (a vertical run), asked once after this

@@ -25,7 +25,8 @@ from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_fl
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
-from distgrad.run.metering import Metering
+from distgrad.run.metering import Guarding, Metering, step_rows
+from distgrad.privacy.meter import LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, scores_text, to_lists, write_json)
 from distgrad.stage.selection import Selection, Verdicts
@@ -396,8 +397,16 @@ class _Reference:
         self.holds_out = len(self.data.test_rows) > 0
         self.meters = [Metering(meter_kind(exp, stage.name), engine,
                                 self.labels.true_targets if stage is self.stages[-1] else self.data.features,
-                                eval_every if self.holds_out else 0, steps)
+                                eval_every if self.holds_out else 0, steps,
+                                rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
                        for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
+        max_r2 = exp.spec(exp.stage_names[0]).input_guard if exp.has_stage(exp.stage_names[0]) else None
+        self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0],
+                                  rows_of=step_rows(self.data))
+                         if max_r2 is not None else None)
+        for metering in self.meters:
+            if metering.kind == LABELS:     # model completion: what the label owner receives
+                metering.tap_received(self.engines[-2].senders)
         self.spec = exp.spec(exp.stage_names[-1])
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
@@ -489,6 +498,7 @@ class _Reference:
             **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines),
                              held_out=_ledgers(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
+            **(self.guarding.summary_fields() if self.guarding else {}),
             "params": {s.name: to_lists(s.params) for s in self.stages},
         }
 

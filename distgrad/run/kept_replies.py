@@ -48,27 +48,39 @@ def kept_arrays(peers: list[Peer], step: int) -> dict[str, np.ndarray]:
     return arrays
 
 
-def restore(peers: list[Peer], arrays: dict[str, np.ndarray], step: int) -> list[Peer]:
-    """Put the replies of round ``step`` that ``arrays`` (``kept_arrays``) hold back in ``peers``' caches
-    (each peer's ``run`` already restored); return the peers that got any."""
-    got: dict[int, Peer] = {}
+Kept = dict[int, tuple[dict[tuple[int, int], Message], Message | None]]
+
+
+def kept(runs: dict[int, str], arrays: dict[str, np.ndarray], step: int) -> Kept:
+    """The replies of round ``step`` that ``arrays`` (``kept_arrays``) hold, by client (``runs``: each
+    client's run, as restored): its replies by (step, micro-batch) and its average's reply (None: none),
+    for the clients that got any, in client order."""
+    cached: dict[int, dict[tuple[int, int], Message]] = {}
+    averaged: dict[int, Message] = {}
     for name in arrays:
         if name.startswith(REPLY) and name.endswith("/ids"):
             index, mb = (int(part) for part in name[len(REPLY):].split("/")[:2])
             prefix = f"{REPLY}{index}/{mb}/"
             loss, compute_s = (float(value) for value in arrays[prefix + "body"])
-            peer = peers[index]
-            peer.cached[(step, mb)] = Message(wire.BACKWARD, peer.run, step, mb, int(arrays[name][0]),
-                                              body={"loss": loss, "compute_s": compute_s},
-                                              tensors=_untensors(prefix, arrays))
-            got[index] = peer
+            cached.setdefault(index, {})[(step, mb)] = Message(
+                wire.BACKWARD, runs.get(index, ""), step, mb, int(arrays[name][0]),
+                body={"loss": loss, "compute_s": compute_s}, tensors=_untensors(prefix, arrays))
     if AVERAGE + "peers" in arrays:
         mean = _untensors(AVERAGE, arrays)
         for index in arrays[AVERAGE + "peers"].tolist():
-            peer = peers[index]
-            peer.averaged = Message(wire.AVERAGE, peer.run, step, tensors=mean)
-            got[index] = peer
-    return [got[index] for index in sorted(got)]
+            averaged[index] = Message(wire.AVERAGE, runs.get(index, ""), step, tensors=mean)
+    return {index: (cached.get(index, {}), averaged.get(index)) for index in sorted({*cached, *averaged})}
+
+
+def restore(peers: list[Peer], arrays: dict[str, np.ndarray], step: int) -> list[Peer]:
+    """Put the replies of round ``step`` that ``arrays`` hold (``kept``) back in ``peers``' caches (each
+    peer's ``run`` already restored); return the peers that got any."""
+    found = kept({peer.index: peer.run for peer in peers}, arrays, step)
+    for index, (replies, average) in found.items():
+        peers[index].cached.update(replies)
+        if average is not None:
+            peers[index].averaged = average
+    return [peers[index] for index in found]
 
 
 def _tensors(prefix: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

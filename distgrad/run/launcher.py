@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from distgrad.errors import ConfigError, StageError
+from distgrad.errors import ConfigError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
@@ -35,6 +35,9 @@ from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
+GUARD_EXIT = 5              # a stage's exit code when its input_guard stopped it (distgrad.cli)
+ABORTED_EXIT = 4            # a stage's exit code when its peer refused it or stopped and said why
+ABORT_GRACE_S = 2.0         # how long the others then get to exit with their own reason (a guard's stop)
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
 WAIT_TICK_S = 0.05
 
@@ -538,11 +541,20 @@ def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
     stage timeout to follow (the server exits after the driver's bye).
     """
     first_done: float | None = None
+    aborted_at: float | None = None       # when a stage exited because its peer stopped and told it why
     while True:
         check_stop()
         codes = [child.proc.poll() for child in children]
+        for child, code in zip(children, codes):     # a guard's stop first: the other stage fails because of it
+            if code == GUARD_EXIT:
+                raise InputGuardStop(f"stage {child.name} stopped the run: its input_guard found its activations "
+                                     f"invertible beyond its max_r2 (its log says the step and the R^2)")
         for child, code in zip(children, codes):
             if code not in (None, 0):
+                if code == ABORTED_EXIT and aborted_at is None and None in codes:
+                    aborted_at = time.monotonic()    # told by a peer that stopped: let that peer say why
+                if aborted_at is not None and time.monotonic() - aborted_at < ABORT_GRACE_S and None in codes:
+                    break
                 raise StageError(f"stage {child.name} failed with exit code {code}")
         if all(code == 0 for code in codes):
             return

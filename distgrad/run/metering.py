@@ -19,14 +19,34 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distgrad.privacy.meter import INPUTS, LABELS, LeakMeter, window_steps
+from distgrad.errors import InputGuardStop
+from distgrad.privacy.guard import InputGuard
+from distgrad.privacy.meter import INPUTS, LABELS, AttackMeter, LeakMeter, extremes, window_steps
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_micro_batch
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
 
 SUMMARY_KEYS = {LABELS: "label_leaks", INPUTS: "input_leaks"}     # the summary's list of windows, by kind
 COST_KEYS = {LABELS: "label_meter_s", INPUTS: "input_meter_s"}     # the summary's wall seconds spent metering
+ATTACK_KEYS = {LABELS: "label_attacks", INPUTS: "input_attacks"}   # the strongest attacks' windows, by kind
+EXTREME_KEYS = {LABELS: "label_leak_extremes", INPUTS: "input_leak_extremes"}   # worst, mean, last, run
 Report = Callable[[int, dict[str, float]], None]
+
+
+def extremes_text(extreme: Mapping[str, Mapping[str, Any]]) -> str:
+    """``ridge_r2 worst 0.812 (step 50), run 0.790, mean 0.640 (chance 0.000)``: each figure's worst window, its
+    whole-run figure where it has one, and its mean over the windows."""
+    parts = []
+    for name, e in extreme.items():
+        run = f", run {e['run']:.3f}" if "run" in e else ""
+        parts.append(f"{name} worst {e['worst']:.3f} (step {e['worst_step']}){run}, mean {e['mean']:.3f} "
+                     f"(chance {e['chance']:.3f})")
+    return "; ".join(parts)
+
+
+def step_rows(data: Any) -> Callable[[int], np.ndarray] | None:
+    """The row numbers of a step's batch of ``data`` (``RowBatches.step_rows``), None for data without them."""
+    return getattr(data, "step_rows", None)
 
 
 def figures_text(figures: Mapping[str, Any]) -> str:
@@ -44,6 +64,9 @@ class NoMetering:
     def set_run(self, eval_every: int, last_step: Any) -> None:
         """Nothing to set."""
 
+    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray) -> None:
+        """Nothing to classify."""
+
     def finish(self, step: int) -> None:
         """No window to close."""
 
@@ -57,37 +80,61 @@ class NoMetering:
 
 class Metering:
     """The meter of the stage ``engine`` runs, guarding ``kind``; ``secret_of(step)`` is the whole batch of
-    that step's secret rows (labels or inputs); ``eval_every`` the run's evaluation period (0: none, or no
+    that step's secret rows (labels or inputs); ``rows_of(step)`` its row numbers (None: the data does not
+    number its rows, and the per-row attacks are not scored); ``eval_every`` the run's evaluation period (0: none, or no
     held-out rows) sets the window; ``last_step`` the run's last step when this stage knows it (else the
     runner calls ``finish``)."""
 
     def __init__(self, kind: str, engine: StepEngine, secret_of: Callable[[int], np.ndarray],
                  eval_every: int, last_step: int | None = None, report: Report | None = None,
-                 log: logging.Logger | None = None) -> None:
+                 log: logging.Logger | None = None,
+                 rows_of: Callable[[int], np.ndarray] | None = None) -> None:
         self.kind, self.secret_of, self.report, self.last_step = kind, secret_of, report, last_step
+        self.rows_of = rows_of
         self.meter = LeakMeter(kind, window_steps(eval_every))
+        self.attacks = AttackMeter(kind, window_steps(eval_every))
         self.windows: list[dict[str, Any]] = []
+        self.attack_windows: list[dict[str, Any]] = []
         self.spent_s = 0.0                  # wall time in the tap and the windows: the meter's own cost
         self.log = log or logging.getLogger("distgrad.privacy")
-        self._secret: tuple[int, np.ndarray] | None = None
+        self._secret: tuple[int, np.ndarray, np.ndarray | None] | None = None
         engine.senders.taps[GRADIENT if kind == LABELS else ACTIVATION].append(self._tap)
         engine.observers.append(self._after_update)
 
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
-        if not self.meter.wants(step):
-            return
         started = time.perf_counter()
         mb, mbs = stream_micro_batch(stream)
         if self._secret is None or self._secret[0] != step:
-            self._secret = (step, np.asarray(self.secret_of(step)))
-        self.meter.observe(step, mb, micro_batch(self._secret[1], mb, mbs), received())
+            rows = None if self.rows_of is None else np.asarray(self.rows_of(step))
+            self._secret = (step, np.asarray(self.secret_of(step)), rows)
+        secret, rows = micro_batch(self._secret[1], mb, mbs), self._secret[2]
+        sent = received()
+        if self.meter.wants(step):
+            self.meter.observe(step, mb, secret, sent)
+        self.attacks.observe(step, mb, secret, sent, None if rows is None else micro_batch(rows, mb, mbs))
         self.spent_s += time.perf_counter() - started
+
+    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray) -> None:
+        """The label owner received ``activations`` for micro-batch ``mb`` of ``mbs`` of ``step`` (what the
+        model-completion figure classifies; a stage whose data does not number its rows skips it)."""
+        if self.rows_of is None or self.kind != LABELS:
+            return
+        started = time.perf_counter()
+        self.attacks.observe_activations(micro_batch(np.asarray(self.rows_of(step)), mb, mbs), activations)
+        self.spent_s += time.perf_counter() - started
+
+    def tap_received(self, senders: Senders) -> None:
+        """Read what the label owner receives from the ``senders`` of the stage above it (in one process)."""
+        def tap(received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+            mb, mbs = stream_micro_batch(stream)
+            self.received_activations(step, mb, mbs, received())
+        senders.taps[ACTIVATION].append(tap)
 
     def set_run(self, eval_every: int, last_step: Any) -> None:
         """The run's evaluation period and last step, as a serving stage learns them from the hello: the
         windows follow the period and end at the last step (a last step that is no whole number: ``finish``
         closes the last window)."""
-        self.meter.window = window_steps(eval_every)
+        self.meter.window = self.attacks.window = window_steps(eval_every)
         self.last_step = last_step if isinstance(last_step, int) and not isinstance(last_step, bool) else None
 
     def _after_update(self, record: StepRecord) -> None:
@@ -100,26 +147,98 @@ class Metering:
     def _close(self, step: int, last: bool) -> None:
         started = time.perf_counter()
         figures = self.meter.close(step, last)
+        attacks = self.attacks.close(step, last)
         self.spent_s += time.perf_counter() - started
+        if attacks and not any(w["step"] == step for w in self.attack_windows):
+            self.attack_windows.append({"step": step, **attacks})
+        else:
+            attacks = None
         if not figures or any(w["step"] == step for w in self.windows):
-            return           # nothing to score, or a window closed again after a rollback: the first stands
-        self.windows.append({"step": step, **figures})
-        self.log.info("privacy meter (%s) after step %d: %s", self.kind, step, figures_text(figures))
+            figures = None   # nothing to score, or a window closed again after a rollback: the first stands
+        else:
+            self.windows.append({"step": step, **figures})
+        if not figures and not attacks:
+            return
+        both = {**(figures or {}), **(attacks or {})}
+        self.log.info("privacy meter (%s) after step %d: %s", self.kind, step, figures_text(both))
         if self.report is not None:
-            self.report(step, figures)
+            self.report(step, both)
 
     def figures_at(self, step: int) -> dict[str, float]:
         """The figures of the window that closed after ``step`` (none closed then: empty), for that step's
         record (``progress.StageRecords``, an observer after this one)."""
-        latest = self.windows[-1] if self.windows else {}
-        return {k: v for k, v in latest.items() if k != "step"} if latest.get("step") == step else {}
+        figures: dict[str, float] = {}
+        for windows in (self.windows, self.attack_windows):
+            latest = windows[-1] if windows else {}
+            if latest.get("step") == step:
+                figures.update({k: v for k, v in latest.items() if k != "step"})
+        return figures
 
     def reset(self) -> None:
         """A new run: no window, no figures yet."""
         self.meter.rollback(-1)
-        self.windows, self.spent_s = [], 0.0
+        self.attacks = AttackMeter(self.kind, self.attacks.window)
+        self.windows, self.attack_windows, self.spent_s = [], [], 0.0
 
     def summary_fields(self) -> dict[str, Any]:
-        """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures; and
-        ``label_meter_s`` | ``input_meter_s``: the wall seconds the meter spent (its cost to the run)."""
-        return {SUMMARY_KEYS[self.kind]: self.windows, COST_KEYS[self.kind]: self.spent_s}
+        """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures;
+        ``label_attacks`` | ``input_attacks``: every window's figures of the strongest attacks
+        (``AttackMeter``); ``label_leak_extremes`` | ``input_leak_extremes``: each figure's worst window, mean,
+        last and whole-run figure (``meter.extremes``); and ``label_meter_s`` | ``input_meter_s``: the wall
+        seconds the meter spent (its cost to the run)."""
+        fields: dict[str, Any] = {SUMMARY_KEYS[self.kind]: self.windows, COST_KEYS[self.kind]: self.spent_s}
+        if self.attack_windows:
+            fields[ATTACK_KEYS[self.kind]] = self.attack_windows
+        if self.windows or self.attack_windows:
+            fields[EXTREME_KEYS[self.kind]] = extremes(self.windows) | extremes(self.attack_windows)
+        return fields
+
+
+class Guarding:
+    """A data owner's ``input_guard`` in a run: a tap on the activations ``engine``'s stage sends that feeds
+    each micro-batch, as the receiver decodes it, with its input rows (``inputs_of(step)``: the step's batch)
+    to an ``InputGuard``, and raises ``InputGuardStop`` before the micro-batch leaves when its inversion
+    R^2 passes ``max_r2`` after its first ``after`` steps (the caller stops the run: nothing of the step is applied or checkpointed). It
+    reads only: a guarded run that is not stopped is bitwise the unguarded. ``peak`` is the highest R^2 it
+    measured."""
+
+    def __init__(self, engine: StepEngine, inputs_of: Callable[[int], np.ndarray], setting: tuple[float, int],
+                 stage: str, log: logging.Logger | None = None,
+                 rows_of: Callable[[int], np.ndarray] | None = None) -> None:
+        self.guard, self.inputs_of, self.stage, self.rows_of = InputGuard(*setting), inputs_of, stage, rows_of
+        self.log = log or logging.getLogger("distgrad.privacy")
+        self.peak: tuple[float, int] | None = None        # (R^2, step)
+        self._inputs: tuple[int, np.ndarray, np.ndarray | None] | None = None
+        engine.senders.taps[ACTIVATION].append(self._tap)
+
+    def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        mb, mbs = stream_micro_batch(stream)
+        if self._inputs is None or self._inputs[0] != step:
+            rows = None if self.rows_of is None else np.asarray(self.rows_of(step))
+            self._inputs = (step, np.asarray(self.inputs_of(step)), rows)
+        rows = self._inputs[2]
+        self.guard.observe(step, mb, micro_batch(self._inputs[1], mb, mbs), received(),
+                           None if rows is None else micro_batch(rows, mb, mbs))
+        if not self.guard.judges(step):
+            return
+        score = self.guard.score()
+        if score is None:
+            return
+        if self.peak is None or score > self.peak[0]:
+            self.peak = (score, step)
+        if score > self.guard.max_r2:
+            self.log.error("input_guard: step %d's activations reconstruct the inputs with R^2 %.3f > max_r2 %g",
+                           step, score, self.guard.max_r2)
+            raise InputGuardStop(
+                f"stage {self.stage!r}: input_guard stopped the run before sending step {step}: its activations "
+                f"reconstruct its inputs with R^2 {score:.3f} (the best ridge decoder fitted on the public fifth of "
+                f"its latest {self.guard.need}+ rows), above max_r2 {self.guard.max_r2:g}. The label owner may be training "
+                f"this stage towards its own decoder instead of the task; nothing of step {step} was sent, "
+                f"applied or checkpointed")
+
+    def summary_fields(self) -> dict[str, Any]:
+        """``input_guard``: its ``max_r2``, ``after``, and the highest R^2 it judged (``peak_r2``, at ``peak_step``)."""
+        entry: dict[str, Any] = {"max_r2": self.guard.max_r2, "after": self.guard.after}
+        if self.peak is not None:
+            entry.update(peak_r2=self.peak[0], peak_step=self.peak[1])
+        return {"input_guard": entry}

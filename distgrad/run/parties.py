@@ -10,7 +10,7 @@ needs every party), never dropped.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -18,27 +18,28 @@ from distgrad.model import aggregate
 
 from distgrad.wire import messages as wire
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
+from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join, Liveness, Scores, Take, Transition
 from distgrad.run.handshake import check_hello, common_step, same_exactly
-from distgrad.run.peers import Peer, PeerStatus, Phase, Reply
+from distgrad.run.peers import Peer, PeerStatus, Phase
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import micro_batch
-from distgrad.run.topology import Topology
+from distgrad.run.topology import LabelSource, ServingView, Topology, label_sources
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT
-from distgrad.wire.link import evaluation_reply
 
 
 class Parties(Topology):
     """Vertical feature parties, combined by the experiment's ``aggregate`` into one step."""
 
-    def __init__(self, serving: Any, count: int) -> None:
+    def __init__(self, serving: ServingView, count: int) -> None:
         super().__init__(serving, count)
         self.found = 0      # a hint: parties 0 .. found - 1 had sent their part of the micro-batch (``all_in``)
         self.widths = [self.input_shape(index)[-1] for index in range(count)]   # of each party's embedding
+        self.aggregate = serving.exp.aggregate_kind     # how the parties' embeddings combine
 
-    def build_data(self, seed: int, stage: str) -> list[Any]:
+    def build_data(self, seed: int, stage: str) -> list[LabelSource]:
         """Every party's rows are the same rows: one label source."""
-        return [self.serving.exp.build_data(seed, stage=stage)] * self.count
+        return label_sources([self.serving.exp.build_data(seed, stage=stage)] * self.count)
 
     def input_shape(self, index: int) -> tuple[int, ...]:
         """A party's forwards carry its own embedding."""
@@ -58,6 +59,7 @@ class Parties(Topology):
         if role not in s.parties:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this stage serves the "
                                                     f"feature parties {s.parties}")
+        assert isinstance(role, str)
         index = s.parties.index(role)
         return check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
 
@@ -68,7 +70,7 @@ class Parties(Topology):
                                                     f"stage")
         return self.serving.parties.index(body["role"])
 
-    def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> int:
+    def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> Join:
         """It goes on from the newest step it and this stage both hold, no later than where this stage
         stands. When that is earlier, this stage rolls back to it and every other party must say hello
         again (``STALE``), so all of them go on from one step. After the last step only a party of the run
@@ -76,34 +78,36 @@ class Parties(Topology):
         s = self.serving
         held = msg.body.get("held")
         common_step([0], held)                          # validates the list
+        assert isinstance(held, list)
         self._check_join(peer, msg, mbs, eval_every, peer_key, now)
-        s.open_run()
         live = s.stage.step
         common = max([step for step in set(s.state.held()) & set(held) if step <= live] or [0])
         if peer.run and peer.run != msg.run:
             s.log.warning("%s starts a new run (%s, holding steps %s) in place of run %s", self.name(peer),
                           msg.run, held[-8:], peer.run)
+        owner, since = (peer_key, time.time()) if peer.run != msg.run else (peer.owner, peer.since)
         if common < live:
-            self._roll_back(common, peer)
-        else:
-            # The round in progress goes on; the party's replies of it stay, so a micro-batch it sends
-            # again (it computes the same values) gets the same reply.
-            peer.cached = {k: v for k, v in peer.cached.items() if k[0] == common + 1}
-        if peer.run != msg.run:
-            peer.owner, peer.since = peer_key, time.time()
-        peer.run, peer.status, peer.step = msg.run, PeerStatus.ACTIVE, common
-        return common + 1
+            s.log.warning("%s goes on from step %d: this stage and every other party go back to it",
+                          self.name(peer), common)
+            return Join(common + 1, PeerStatus.ACTIVE, common, msg.run, owner, since, None, open_run=True,
+                        rollback=common, restart=True, reset_engine=True, still_owes=True,
+                        stale=f"{self.name(peer)} went back to step {common}; the run goes on from there: "
+                              f"say hello again")
+        # The round in progress goes on; the party's replies of it stay, so a micro-batch it sends
+        # again (it computes the same values) gets the same reply.
+        return Join(common + 1, PeerStatus.ACTIVE, common, msg.run, owner, since, (common + 1, common + 1),
+                    open_run=True, still_owes=True)
 
     def _check_join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> None:
         """What every party must agree on (steps, micro-batches, evaluations), one key per party, and no
         second process in a live party's place; ``ProtocolError`` otherwise."""
-        s = self.serving
+        s, run = self.serving, self.run
         steps = msg.body.get("steps")
-        if not same_exactly(steps, s.steps):
+        if not same_exactly(steps, run.steps):
             # This stage counts the run's steps itself: a party that would stop elsewhere would stall the rest.
             raise ProtocolError(ErrorCode.MISMATCH, f"{self.name(peer)} runs {wire.show(steps)} steps, this stage "
-                                                    f"{s.steps} (give every stage the same --steps)")
-        for other in s.peers:
+                                                    f"{run.steps} (give every stage the same --steps)")
+        for other in run.peers:
             if peer_key and other is not peer and other.owner == peer_key:
                 # With CURVE a key is one party: the key of party a cannot also take party b's place.
                 raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {self.name(other)}; it cannot "
@@ -113,41 +117,16 @@ class Parties(Topology):
             # take the live party's place and send every party back to its step.
             busy = wire.busy_text("run", peer.run, peer.since, self.name(peer), now - peer.last_seen, s.opts.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
-        for other in s.peers:
+        for other in run.peers:
             if other is not peer and other.status is PeerStatus.ACTIVE and (other.mbs, other.eval_every) != (
                     mbs, eval_every):
                 raise ProtocolError(ErrorCode.MISMATCH, f"{self.name(peer)} asks for {mbs} micro-batches and an "
                                                         f"evaluation every {eval_every} steps, {self.name(other)} "
                                                         f"for {other.mbs} and {other.eval_every}")
-        if s.phase is Phase.DONE and not (peer.run == msg.run and peer.status is not PeerStatus.FINISHED
-                                          and s.stage.step in msg.body["held"]):
+        if run.phase is Phase.DONE and not (peer.run == msg.run and peer.status is not PeerStatus.FINISHED
+                                            and s.stage.step in msg.body["held"]):
             raise ProtocolError(ErrorCode.RUN, f"every step of this run is done; {self.name(peer)} cannot "
                                                f"join now")
-
-    def _roll_back(self, step: int, cause: Peer) -> None:
-        """Go back to ``step`` (a step this stage holds) because ``cause`` holds nothing later; every other
-        party taking part is told (its waiting forwards get an error reply) and must say hello again."""
-        s = self.serving
-        s.log.warning("%s goes on from step %d: this stage and every other party go back to it",
-                      self.name(cause), step)
-        s.state.rollback(step)
-        s.engine.reset()
-        s.new_run(start_round=step + 1, fresh=False)
-        for other in s.peers:
-            other.cached = {}
-            if other is cause or other.status is not PeerStatus.ACTIVE:
-                continue
-            text = (f"{self.name(cause)} went back to step {step}; the run goes on from there: "
-                    f"say hello again")
-            s.notices += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text, m.mb, m.mbs))
-                          for m in other.waiting.values()]
-            if other.evaluate is not None:
-                m = other.evaluate
-                s.notices.append((other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text)))
-            other.status, other.waiting, other.evaluate = PeerStatus.STALE, {}, None
-
-    def after_join(self, peer: Peer) -> None:
-        """A party's evaluation due stays owed: every party evaluates the same step."""
 
     # -- the rounds
     def round_order(self) -> list[int]:
@@ -155,30 +134,26 @@ class Parties(Topology):
 
     def turn_peers(self) -> list[Peer]:
         """Every feature party of the round, whose embeddings combine."""
-        s = self.serving
-        if s.phase is not Phase.ROUND or s.turn >= 1:
+        run = self.run
+        if run.phase is not Phase.ROUND or run.turn >= 1:
             return []
-        return [s.peers[i] for i in s.order]
+        return [run.peers[i] for i in run.order]
 
     def in_turn(self, peer: Peer) -> bool:
         """Every party takes part in every round: no scan of the parties."""
-        s = self.serving
-        return s.phase is Phase.ROUND and s.turn < 1
+        return self.run.phase is Phase.ROUND and self.run.turn < 1
 
     def current(self) -> Peer | None:
         return None
 
-    def advance_round(self, now: float, replies: list[Reply]) -> bool:
-        s = self.serving
-        if s.turn == 0:
-            key = (s.round, s.engine.done)
+    def advance_round(self) -> Take | Transition:
+        run = self.run
+        if run.turn == 0:
+            key = (run.round, self.serving.engine.done)
             if not self.all_in(key):
-                return False            # a step needs every party's embedding
-            group = self.turn_peers()
-            replies += self.compute(group, [p.waiting.pop(key) for p in group], now)
-            return True
-        s.end_round()
-        return True
+                return Transition.WAIT      # a step needs every party's embedding
+            return Take(tuple(self.turn_peers()), key)
+        return Transition.END_ROUND
 
     def all_in(self, key: tuple[int, int]) -> bool:
         """Every party taking part has sent its part of micro-batch ``key`` (step, micro-batch).
@@ -187,7 +162,7 @@ class Parties(Topology):
         (``found``), so a micro-batch costs O(parties) checks in all, not O(parties) per message. Before
         the parts combine every party is checked again (one may have said hello again meanwhile, which
         drops what it had sent, or the run gone back to an earlier step)."""
-        peers, found, active = self.serving.peers, self.found, PeerStatus.ACTIVE
+        peers, found, active = self.run.peers, self.found, PeerStatus.ACTIVE
         while found < self.count and peers[found].status is active and key in peers[found].waiting:
             found += 1
         if found < self.count:
@@ -196,37 +171,30 @@ class Parties(Topology):
         self.found = 0
         return all(p.status is active and key in p.waiting for p in peers)
 
-    def advance_joining(self, now: float) -> bool:
-        s = self.serving
-        if any(p.status is not PeerStatus.ACTIVE or p.step != s.round for p in s.peers):
-            return False                # a step needs every party: no round starts without one
+    def advance_joining(self, now: float) -> Transition:
+        run = self.run
+        if any(p.status is not PeerStatus.ACTIVE or p.step != run.round for p in run.peers):
+            return Transition.WAIT      # a step needs every party: no round starts without one
         # Going on after a step whose evaluation is due (a resume or a rollback to it): every party
         # evaluates it again after its hello (``driver._owes_evaluation``) before the next step.
-        s.order = list(range(self.count))
-        if s.round > 0:
-            s.round_done()
-        else:
-            s.start_round()
-        return True
+        return Transition.ROUND_DONE if run.round > 0 else Transition.START_ROUND
 
-    def advance_evaluating(self, replies: list[Reply]) -> bool:
-        s = self.serving
-        group = [s.peers[i] for i in sorted(s.owed)]
-        if any(p.evaluate is None or p.evaluate.step != s.round + 1 for p in group):
-            return False                # every party's held-out embeddings combine
-        replies += self.evaluation(group)
-        s.owed = set()
-        s.start_round()
-        return True
+    def advance_evaluating(self) -> Evaluate | None:
+        run = self.run
+        group = tuple(run.peers[i] for i in sorted(run.owed))
+        if any(p.evaluate is None or p.evaluate.step != run.round + 1 for p in group):
+            return None                 # every party's held-out embeddings combine
+        return Evaluate((group,), then_start=True)
 
-    def answer_evaluations(self) -> list[Reply]:
+    def answer_evaluations(self) -> Evaluate | None:
         """After the last round: once every party has sent its held-out embeddings of the last step."""
-        s = self.serving
-        if s.phase is Phase.DONE and all(p.evaluate is not None and p.evaluate.step == s.round for p in s.peers):
-            return self.evaluation(s.peers)
-        return []
+        run = self.run
+        if run.phase is Phase.DONE and all(p.evaluate is not None and p.evaluate.step == run.round
+                                           for p in run.peers):
+            return Evaluate((tuple(run.peers),))
+        return None
 
-    def compute(self, group: list[Peer], msgs: list[Message], now: float) -> list[Reply]:
+    def compute(self, peers: tuple[Peer, ...], msgs: list[Message], now: float) -> Computed:
         """One micro-batch: the parties' embeddings combined (``aggregate``), the loss, and each party's
         reply with the gradient of its own embedding; the gradients and the update are deferred until the
         replies have left. A non-finite loss or gradient fails the run, applying nothing."""
@@ -234,53 +202,33 @@ class Parties(Topology):
         stage, first = s.stage, msgs[0]
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
-        rows = self.common_rows(group, msgs)
+        rows = self.common_rows(peers, msgs)
         if isinstance(rows, str):
-            return [(p.envelope, wire.error_message(m.run, step, ErrorCode.MISMATCH, rows, mb, mbs))
-                    for p, m in zip(group, msgs)]
+            return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, rows, mb, mbs))
+                             for p, m in zip(peers, msgs)])
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
             else:           # send_rows: the label owner's own columns of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
             target = self.micro_targets(0, step, mb, mbs, rows)
-            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
+            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
-            parts = aggregate.split_input(dz, s.exp.own_bottom, s.exp.aggregate, self.widths)
-            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step, rows) for peer, dy in zip(group, parts)]
+            parts = aggregate.split_input(dz, s.exp.own_bottom, self.aggregate, self.widths)
+            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step, rows) for peer, dy in zip(peers, parts)]
         except (NonFiniteError, StageError) as e:
             code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
             s.log.error("%s", e)
-            s.engine.reset()
-            if isinstance(e, NonFiniteError):
-                s.failure = e
-            return [(p.envelope, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(group, msgs)]
-        replies = []
-        key = (step, mb)
+            return Computed([(p, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(peers, msgs)],
+                            failure=Failure(peers, e, ends_run=isinstance(e, NonFiniteError), reset_engine=True))
         body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}   # every reply's (read only)
-        for peer, msg, tensors in zip(group, msgs, sent):
-            reply = Message(wire.BACKWARD, msg.run, step, mb, mbs, body=body, tensors=tensors)
-            # The party holds every reply of its previous step: a step's first reply replaces them.
-            if mb == 0:
-                peer.cached = {key: reply}
-            else:
-                peer.cached[key] = reply
-            peer.last_seen = now
-            replies.append((peer.envelope, reply))
-        s.defer(group, lambda: self.after_reply(group, step, mb, mbs, grads_later, mb_loss, dz))
-        return replies
+        answers = [(peer, Message(wire.BACKWARD, msg.run, step, mb, mbs, body=body, tensors=tensors))
+                   for peer, msg, tensors in zip(peers, msgs, sent)]
+        return Computed(answers, Gradients(peers, step, mb, mbs, grads_later, mb_loss, dz, self.client_of(peers), 0))
 
-    def after_reply(self, group: list[Peer], step: int, mb: int, mbs: int,
-                    grads_later: Callable[[], dict[str, np.ndarray]], mb_loss: np.float32, dz: np.ndarray) -> None:
-        """What ``compute`` deferred: the micro-batch's gradients (and the update, after which the next step's
-        targets are looked up)."""
-        self.serving.accumulate(group, step, mb, mbs, grads_later, mb_loss, dz)
-        if mb == mbs - 1:
-            self.prefetch(0, step + 1)
-
-    def common_rows(self, group: list[Peer], msgs: list[Message]) -> Any:
+    def common_rows(self, group: tuple[Peer, ...], msgs: list[Message]) -> np.ndarray | str | None:
         """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when
         two parties sent different rows, the refusal's text (each party gets a ``mismatch``; nothing of the
         micro-batch is applied)."""
@@ -296,67 +244,55 @@ class Parties(Topology):
                         f"same rows (nothing was applied)")
         return rows
 
-    def evaluation(self, group: list[Peer]) -> list[Reply]:
-        """Every party's held-out embeddings combined and scored; the same scores go to each. Changes no
-        state but the parties' last evaluation."""
+    def score(self, group: tuple[Peer, ...], requests: list[Message]) -> Scores:
+        """Every party's held-out embeddings combined and scored; the same scores go to each."""
         s = self.serving
-        msgs = [p.evaluate for p in group]
+        step = requests[0].step - 1
         try:
             own = s.data[0].test_features() if s.exp.own_bottom else None
-            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, s.exp.aggregate)
-            result = self.judged(msgs[0].step - 1, s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics),
-                                 s.steps)
+            z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate)
+            result = s.stage.evaluate_last(z, s.data[0].test_targets(), s.metrics)
         except StageError as e:
-            result = None
-            error = str(e)
-        replies = []
-        for peer, msg in zip(group, msgs):
-            peer.evaluate = None
-            if result is None:
-                replies.append((peer.envelope, wire.error_message(msg.run, msg.step, ErrorCode.STAGE, error)))
-                continue
-            peer.evaluation = result
-            peer.evaluated = evaluation_reply(msg.run, msg.step, result)
-            replies.append((peer.envelope, peer.evaluated))
-        return replies
+            return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps)
+        return Scores(step, result, None, s.run.steps)
 
     # -- liveness and the end of the run
-    def tick(self, now: float) -> list[Reply]:
+    def tick(self, now: float) -> Liveness:
         """Log which silent party the run waits for (the others wait, nothing is dropped), and when it is
         back; ``lost_since`` tells ``serve`` how long the run has been stuck."""
-        s = self.serving
+        s, run = self.serving, self.run
         missing = self.missing(now)
-        if missing and s.lost_since is None:
-            s.lost_since = now
+        if missing and run.lost_since is None:
             s.log.warning("waiting for %s: silent for more than %g s at step %d; a step needs every party, "
                           "the others wait (restart it with --resume to go on)",
-                          ", ".join(self.name(p) for p in missing), s.opts.liveness_s, s.round)
-        elif not missing and s.lost_since is not None:
-            s.lost_since = None
-            s.log.info("every party is back at step %d", s.round)
-        return []
+                          ", ".join(self.name(p) for p in missing), s.opts.liveness_s, run.round)
+            return Liveness((), now)
+        if not missing and run.lost_since is not None:
+            s.log.info("every party is back at step %d", run.round)
+            return Liveness((), None)
+        return Liveness((), run.lost_since)
 
     def missing(self, now: float) -> list[Peer]:
         """The parties the run waits for that have been silent for ``liveness_s``: not (back) in the run,
         or without their part of the micro-batch or evaluation in progress."""
-        s = self.serving
-        since = lambda p: max(p.last_seen, s.joined_at)     # noqa: E731
-        if s.phase is Phase.DONE:
+        s, run = self.serving, self.run
+        since = lambda p: max(p.last_seen, run.joined_at)     # noqa: E731
+        if run.phase is Phase.DONE:
             # Every step is done: a party that has not said bye still owes its evaluation and bye.
-            awaited = [p for p in s.peers if p.status is not PeerStatus.FINISHED]
-        elif s.phase is Phase.ROUND:
-            key = (s.round, s.engine.done)
-            awaited = [p for p in s.peers if p.status is not PeerStatus.ACTIVE or key not in p.waiting]
-        elif s.phase is Phase.EVALUATING:
-            awaited = [s.peers[i] for i in sorted(s.owed) if s.peers[i].evaluate is None]
+            awaited = [p for p in run.peers if p.status is not PeerStatus.FINISHED]
+        elif run.phase is Phase.ROUND:
+            key = (run.round, s.engine.done)
+            awaited = [p for p in run.peers if p.status is not PeerStatus.ACTIVE or key not in p.waiting]
+        elif run.phase is Phase.EVALUATING:
+            awaited = [run.peers[i] for i in sorted(run.owed) if run.peers[i].evaluate is None]
         else:
-            awaited = [p for p in s.peers if p.status is not PeerStatus.ACTIVE or p.step != s.round]
+            awaited = [p for p in run.peers if p.status is not PeerStatus.ACTIVE or p.step != run.round]
         return [p for p in awaited if now - since(p) > s.opts.liveness_s]
 
     def lost_message(self) -> str:
-        s = self.serving
-        names = ", ".join(self.name(p) for p in self.missing(s.now)) or "a party"
-        return (f"{names} silent for more than {s.opts.liveness_s + s.opts.peer_deadline_s:g} s at step {s.round}; "
+        s, run = self.serving, self.run
+        names = ", ".join(self.name(p) for p in self.missing(run.now)) or "a party"
+        return (f"{names} silent for more than {s.opts.liveness_s + s.opts.peer_deadline_s:g} s at step {run.round}; "
                 f"giving up (a step needs every feature party)")
 
     def completed_message(self, finished: dict[str, Any]) -> str:
@@ -366,8 +302,8 @@ class Parties(Topology):
         return {"waiting_for": [self.serving.parties[p.index] for p in self.missing(now)]}
 
     def summary_fields(self) -> dict[str, Any]:
-        s = self.serving
+        s, run = self.serving, self.run
         return {"parties": [{"party": s.parties[p.index], "run_id": p.run, "steps": p.step,
                              "status": "completed" if p.status is PeerStatus.FINISHED else p.status.value}
-                            for p in s.peers],
-                "rounds": min(s.rounds_done, s.steps or 0), **evaluation_fields(s.peers[0].evaluation)}
+                            for p in run.peers],
+                "rounds": min(run.rounds_done, run.steps or 0), **evaluation_fields(run.peers[0].evaluation)}

@@ -1,6 +1,8 @@
-"""What a serving stage knows of its peers, and where its run stands: ``Peer``, ``PeerStatus``, ``Phase``.
+"""What a serving stage knows of its peers, and where its run stands: ``Peer``, ``PeerStatus``, ``Phase``,
+``RunState``.
 
-Plain records: ``serving.ServingStage`` changes them, its ``topology`` decides how.
+Plain records: ``serving.ServingStage`` changes them; its ``topology`` reads them and returns what to do
+(``decisions``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from distgrad.errors import NonFiniteError
+from distgrad.errors import DistgradError
 from distgrad.wire.messages import Message
 from distgrad.wire.wirecodec import Expected
 
@@ -69,7 +71,7 @@ class Peer:
     evaluated: Message | None = None  # the reply to its last evaluation (a resent request gets it again)
     loss: float | None = None
     evaluation: dict[str, Any] | None = None
-    failure: NonFiniteError | None = None   # its step failed after the reply: told on its next message
+    failure: DistgradError | None = None    # its step failed after the reply: told on its next message
 
     def taking_part(self) -> bool:
         return self.status in (PeerStatus.ACTIVE, PeerStatus.REJOINING)
@@ -77,3 +79,28 @@ class Peer:
     def live(self, now: float, liveness_s: float) -> bool:
         return self.taking_part() and now - self.last_seen <= liveness_s
 
+
+
+@dataclass
+class RunState:
+    """Where a serving stage's run stands: what its topology reads to decide, and only the serving stage
+    changes (applying the topology's decisions)."""
+
+    peers: list[Peer]
+    steps: int | None                 # the run's steps when this stage counts them (several peers), else None
+    phase: Phase = Phase.JOINING
+    round: int = 0                    # the round in progress (while joining: the last one done)
+    order: list[int] = field(default_factory=list)   # the peers taking part in it, in turn order
+    turn: int = 0                     # index into ``order``
+    owed: set[int] = field(default_factory=set)      # peers whose evaluation ends the round (phase EVALUATING)
+    first_hello: float | None = None  # the first hello of the run's joining
+    joined_at: float = 0.0            # when this stage began waiting for its peers (vertical: all)
+    lost_since: float | None = None   # since when every peer the run needs is lost (None: it is not)
+    active: bool = False              # a run is open (possibly resumed from a checkpoint)
+    now: float = 0.0                  # the time of the latest message or tick
+    bye_replies: dict[str, Message] = field(default_factory=dict)   # by run: a repeated bye gets its reply
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds (steps of the run) completed."""
+        return self.round if self.phase in (Phase.JOINING, Phase.EVALUATING) else self.round - 1

@@ -9,7 +9,11 @@ one: a ``Peer`` per peer, each with an explicit ``PeerStatus``. What differs
 between these is its topology's (``topology.OnePeer``, ``topology.Clients``,
 ``parties.Parties``): who takes part in a step and in what order, what a
 hello must agree on, how the messages of a step and the evaluations combine,
-and what a rollback does. The rules it shares with the cut library's
+and what a rollback does. The topology decides and this stage acts: the
+topology reads the run's state (``peers.RunState``, which only this stage
+changes) and returns typed decisions (``decisions``: ``Take``, ``Computed``,
+``Join``, ``Failure``, ``Evaluate``, ``Liveness``, ...), each applied here in
+one place. The rules it shares with the cut library's
 ``CutServer`` and with ``distgrad predict`` (refusals, ping, the owner key,
 step order, the bye and its replay, the reply and evaluation caches) are
 ``run.protocol``'s.
@@ -56,16 +60,18 @@ from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import is_whole
-from distgrad.run.metering import Metering, NoMetering
-from distgrad.wire.link import DownstreamLink
+from distgrad.run.metering import Metering, NoMetering, step_rows
+from distgrad.wire.link import DownstreamLink, evaluation_reply
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
-from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply
+from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
+                                    Resume, ScoreAgain, Transition)
+from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
                                     hello_fields, log_refusal, not_accepted, pong, refusal,
                                     resent_evaluation)
 from distgrad.run.progress import StageRecords
-from distgrad.stage.stage import backward_specs
+from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.run.topology import Clients, OnePeer, Topology
@@ -93,9 +99,14 @@ class ServingStage:
     raises ``PeerTimeout``.
 
     This class is the one state machine of every topology: the phases, the
-    reply cache, liveness and checkpoints. Who takes part in a step, what a
-    hello must agree on and how the messages of a step combine is its
-    ``topology``'s (``topology.OnePeer``, ``topology.Clients``, ``parties.Parties``).
+    reply cache, liveness and checkpoints; it alone changes the run's state
+    (``run``, a ``peers.RunState``) and its peers. Who takes part in a step,
+    what a hello must agree on and how the messages of a step combine is its
+    ``topology``'s (``topology.OnePeer``, ``topology.Clients``,
+    ``parties.Parties``), which reads ``run`` and returns its decisions
+    (``decisions``); each kind is applied here in one place (``apply_join``,
+    ``apply_computed``, ``apply_failure``, ``apply_liveness``, ``apply_resume``,
+    ``answer``, ``transition``).
     """
 
     def __init__(self, opts: StageOptions, connect: str | None = None, stop: StopFlag | None = None,
@@ -104,10 +115,12 @@ class ServingStage:
         self.exp.check_role(opts.stage, binds=True, connects=connect is not None)
         self.parties = self.exp.upstream(opts.stage)   # the stages above (a vertical experiment's parties)
         self.upstream = self.parties[0]
+        self.run = RunState(peers=[], steps=None, now=time.monotonic())
         self.topology = topology_for(self)
         self.count = self.topology.count
+        self.run.peers = [Peer(c) for c in range(self.count)]
         # With several peers this stage runs its own steps; one peer says when its run ends (bye).
-        self.steps: int | None = self.topology.steps()
+        self.run.steps = self.topology.steps()
         self.state = StageState(opts, checkpoint_each_step=False)
         self.log = self.state.log
         self.engine = self.state.engine
@@ -117,7 +130,8 @@ class ServingStage:
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
         # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
         self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
-                                  log=self.log) if opts.meter_kind else NoMetering())
+                                  log=self.log, rows_of=step_rows(self.data[0])) if opts.meter_kind
+                         else NoMetering())
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -126,28 +140,71 @@ class ServingStage:
         self.accepts = Accepts(self.state, self.exp, self.input_shapes, self.data, self.link is not None,
                                self.upstream, opts.seed, opts.init)
         self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
-        self.peers = [Peer(c) for c in range(self.count)]
         self.metrics = self.exp.spec(opts.stage).metrics   # the last stage's held-out scores beyond the loss
-        self.now = time.monotonic()                        # the time of the latest message or tick
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
         self.new_run(start_round=1)
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
-        self.bye_replies: dict[str, Message] = {}          # by run: a repeated bye gets its reply again
-        self.deferred: Callable[[], None] | None = None    # gradients (and update) of a micro-batch answered
-        self.deferred_peers: list[Peer] = []               # whose micro-batch that is
+        self.deferred: Gradients | None = None             # gradients (and update) of a micro-batch answered
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
-            wire.FORWARD: self._forward, wire.AVERAGE: self.topology.average, wire.EVALUATE: self._evaluate,
-            wire.BYE: self._bye, wire.ERROR: self.topology.notice}
+            wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
+            wire.BYE: self._bye, wire.ERROR: self._notice}
         if opts.resume and self.state.resume_latest():
-            self.topology.resumed(time.monotonic())
+            now = time.monotonic()
+            self.apply_resume(self.topology.resumed(now), now)
             self.state.open_trace(append=True)
 
-    # -- the run
+    # -- the run, as tests and tools read it
     @property
-    def stage(self):
+    def stage(self) -> Stage:
         return self.state.stage
+
+    @property
+    def peers(self) -> list[Peer]:
+        return self.run.peers
+
+    @peers.setter
+    def peers(self, peers: list[Peer]) -> None:
+        self.run.peers = peers
+
+    @property
+    def steps(self) -> int | None:
+        """The run's steps when this stage counts them (several peers; early stopping ends them sooner)."""
+        return self.run.steps
+
+    @property
+    def phase(self) -> Phase:
+        return self.run.phase
+
+    @property
+    def round(self) -> int:
+        return self.run.round
+
+    @property
+    def order(self) -> list[int]:
+        return self.run.order
+
+    @property
+    def turn(self) -> int:
+        return self.run.turn
+
+    @property
+    def owed(self) -> set[int]:
+        return self.run.owed
+
+    @property
+    def active(self) -> bool:
+        return self.run.active
+
+    @property
+    def lost_since(self) -> float | None:
+        return self.run.lost_since
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds (steps of the run) this stage has completed."""
+        return self.run.rounds_done
 
     def encode(self, direction: str, x: np.ndarray, stream: str, step: int,
                rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -162,37 +219,30 @@ class ServingStage:
     def new_run(self, start_round: int, fresh: bool = True) -> None:
         """Wait for the peers of a run whose first round is ``start_round``; ``fresh``: a new run (not
         the same one going on after a rollback)."""
-        self.phase = Phase.JOINING
-        self.round = start_round - 1        # the round in progress (while joining: the last one done)
-        self.order: list[int] = []          # the peers taking part in it, in turn order
-        self.turn = 0                       # index into ``order``
-        self.first_hello: float | None = None
-        self.joined_at = self.now           # when this stage began waiting for its peers (vertical: all)
-        self.lost_since: float | None = None
-        self.owed: set[int] = set()         # peers whose evaluation ends the round (phase EVALUATING)
+        run = self.run
+        run.phase = Phase.JOINING
+        run.round = start_round - 1
+        run.order, run.turn, run.owed = [], 0, set()
+        run.first_hello, run.lost_since = None, None
+        run.joined_at = run.now
         self.closing = False                # its last bye was answered; ``finish_run`` completes it
         self.failure: DistgradError | None = None    # the one peer's run failed: it ends once told
         if fresh:
             self.metering.reset()
             self.started = time.perf_counter()
             self.loss: float | None = None
-            self.active = False             # a run is open (possibly resumed from a checkpoint)
+            run.active = False
         self.state.extra_meta, self.state.extra_arrays = self.topology.checkpoint_meta, self.topology.checkpoint_arrays
 
     def open_run(self) -> None:
         """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""
-        if not self.active:
-            self.active = True
+        if not self.run.active:
+            self.run.active = True
             if not self.state.run_id:
                 self.state.begin(uuid.uuid4().hex)
 
-    @property
-    def rounds_done(self) -> int:
-        """Rounds (steps of the run) this stage has completed."""
-        return self.round if self.phase in (Phase.JOINING, Phase.EVALUATING) else self.round - 1
-
     def live(self, now: float) -> bool:
-        return self.active and any(p.live(now, self.opts.liveness_s) for p in self.peers)
+        return self.run.active and any(p.live(now, self.opts.liveness_s) for p in self.run.peers)
 
     # -- messages
     def handle(self, envelope: Envelope, msg: Message, now: float, peer_key: str = "") -> list[Reply]:
@@ -201,7 +251,7 @@ class ServingStage:
         With CURVE, a peer's run belongs to the key that opened it: other keys
         may not drive, rewind or end it.
         """
-        self.now = now
+        self.run.now = now
         earlier = self.settle()
         if msg.type == wire.PING:
             return earlier + [(envelope, self._pong(msg, now))]
@@ -209,33 +259,40 @@ class ServingStage:
             welcome = self._hello(envelope, msg, now, peer_key)
             notices, self.notices = self.notices, []
             return earlier + notices + [(envelope, welcome)] + self.advance(now)
-        if (resent := self.topology.resent_reply(msg, peer_key)) is not None:   # answered before: the same reply
+        resent = self.topology.resent_reply(msg, peer_key)
+        if isinstance(resent, ScoreAgain):              # the evaluation of a restarted stage's last round
+            return earlier + [(envelope, reply) for _, reply in self.answer((resent.peer,), [resent.request])]
+        if resent is not None:                          # answered before: the same reply
             return earlier + [(envelope, resent)]
         peer = self.topology.peer_of(msg)
         check_owner(peer.owner, peer_key, msg)
         if peer.status is PeerStatus.STALE and msg.type != wire.BYE:
-            raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.round}: "
+            raise ProtocolError(ErrorCode.RUN, f"the run went back to step {self.run.round}: "
                                                f"{self.topology.name(peer)} must say hello again")
         if peer.failure is not None:
             failure, peer.failure = peer.failure, None
-            self.topology.failed(peer, failure)
+            self.apply_failure(self.topology.failed(peer, failure))
             raise ProtocolError(ErrorCode.NONFINITE_STEP, str(failure))
         handler = self.handlers.get(msg.type)
         if handler is None:
             raise not_accepted(msg)
         replies = handler(peer, envelope, msg)
-        if self.topology.hears_from(peer):
-            self._seen(peer, now)
+        self._seen(peer, now)
         peer.envelope = envelope
         return earlier + replies + self.advance(now)
 
     def _pong(self, msg: Message, now: float) -> Message:
         return pong(msg, self.opts.stage, self.exp.name, run=self.topology.pong_run(),
-                    step=self.topology.reported_step(), client_live=self.live(now), phase=self.phase.value,
-                    clients_active=sum(p.taking_part() for p in self.peers), **self.topology.pong_fields(now))
+                    step=self.topology.reported_step(), client_live=self.live(now), phase=self.run.phase.value,
+                    clients_active=sum(p.taking_part() for p in self.run.peers), **self.topology.pong_fields(now))
 
     def _seen(self, peer: Peer, now: float) -> None:
-        self.topology.seen(peer)
+        """A message from ``peer``: a sign of life, unless its topology says otherwise (``Hearing``)."""
+        hearing = self.topology.heard(peer)
+        if hearing is Hearing.IGNORED:
+            return
+        if hearing is Hearing.BACK:
+            self.run.lost_since = None
         peer.last_seen = now
 
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
@@ -244,23 +301,87 @@ class ServingStage:
         mbs = topology.check_hello(body)
         eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
-        peer = self.peers[topology.peer_index(body)]
+        peer = self.run.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
-        next_step = topology.join(peer, msg, mbs, eval_every, peer_key, now)
+        joined = topology.join(peer, msg, mbs, eval_every, peer_key, now)
+        self.apply_join(peer, joined)
         self.expect(peer, mbs)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
         self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
-        topology.after_join(peer)
+        if not joined.still_owes:
+            self.run.owed.discard(peer.index)       # it starts again after the step it would have evaluated
         self._seen(peer, now)
         peer.envelope = envelope
-        if self.first_hello is None:
-            self.first_hello = now
+        if self.run.first_hello is None:
+            self.run.first_hello = now
         self.log.info("%s said hello (run %s, %d micro-batches): next step %d", topology.name(peer), msg.run, mbs,
-                      next_step)
-        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": next_step})
+                      joined.next_step)
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step})
+
+    def apply_join(self, peer: Peer, d: Join) -> None:
+        """Place ``peer`` as its topology decided (``Join``): the run this stage opens, rolls back to, begins
+        or restarts for it, the other parties made stale, then the peer's own record."""
+        if d.open_run:
+            self.open_run()
+        if d.rollback is not None:
+            self.state.rollback(d.rollback)
+        if d.begin:
+            self.state.begin(d.run, owner=d.owner)
+            self.finished, self.run.bye_replies = None, {}
+            peer.evaluation, peer.evaluated, peer.loss = None, None, None
+        if d.restart:
+            self.new_run(start_round=d.step + 1, fresh=d.begin)
+            self.run.active = True
+        if d.stale:
+            self._make_stale(peer, d.stale)
+        if d.kept is None:
+            peer.cached = {}
+        else:
+            first, last = d.kept
+            peer.cached = {k: v for k, v in peer.cached.items() if first <= k[0] <= last}
+        peer.run, peer.owner, peer.since = d.run, d.owner, d.since
+        peer.status, peer.step = d.status, d.step
+        if d.reset_engine:
+            self.engine.reset()
+
+    def _make_stale(self, cause: Peer, text: str) -> None:
+        """Every party but ``cause`` must say hello again (the run went back): the replies they wait for
+        are dropped, and each request of theirs waiting here gets an error reply saying ``text``."""
+        for other in self.run.peers:
+            other.cached = {}
+            if other is cause or other.status is not PeerStatus.ACTIVE:
+                continue
+            self.notices += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text, m.mb, m.mbs))
+                             for m in other.waiting.values()]
+            if other.evaluate is not None:
+                m = other.evaluate
+                self.notices.append((other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text)))
+            other.status, other.waiting, other.evaluate = PeerStatus.STALE, {}, None
+
+    def apply_resume(self, d: Resume, now: float) -> None:
+        """Go on with the run of the checkpoint just loaded (``Resume``): the peers' runs as saved, the
+        replies kept with it, and one peer's round at once."""
+        for saved in d.peers:
+            peer = self.run.peers[saved.peer]
+            peer.run, peer.owner, peer.loss = saved.run, saved.owner, saved.loss
+            if saved.step is not None:
+                peer.step = saved.step
+            if saved.status is not None:
+                peer.status, peer.last_seen = saved.status, now
+        self.new_run(start_round=d.round)
+        self.run.active, self.run.now = True, now
+        for index, (replies, averaged) in d.kept.items():
+            peer = self.run.peers[index]
+            peer.cached.update(replies)
+            if averaged is not None:
+                peer.averaged = averaged
+        if d.begin_round:
+            peer = self.run.peers[0]
+            self.expect(peer, peer.mbs)             # until its hello says otherwise
+            self.start_round()
 
     def expect(self, peer: Peer, mbs: int) -> None:
         """``peer`` sends ``mbs`` micro-batches a step: what its forwards carry and the stream of each reply's
@@ -306,14 +427,28 @@ class ServingStage:
                                              f"activations than the first time (computed again on other input): "
                                              f"refused; its first answer stands")
 
+    def _average(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        """A SplitFed peer's parameters for the average after its round (answered once every peer's are
+        in: ``advance``); a resent request gets the same reply."""
+        again = self.topology.check_average(peer, msg)
+        if again is not None:
+            return [(envelope, again)]
+        peer.average = msg
+        return []
+
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
-        if self.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
+        if self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
             return [(envelope, again)]                    # resent: the same scores
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
         # (``round_done``), else once every round is done.
         peer.evaluate = msg
         self.evaluating = True
+        return []
+
+    def _notice(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
+        """An aborted notice from the peer whose run it is: as its topology says (``Topology.notice``)."""
+        self.apply_failure(self.topology.notice(peer, msg))
         return []
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
@@ -327,7 +462,7 @@ class ServingStage:
             self.log.info("%s finished after %d steps", self.topology.name(peer), peer.step)
         peer.status = PeerStatus.FINISHED
         reply = bye_reply(msg, peer.step)
-        self.bye_replies[msg.run] = reply
+        self.run.bye_replies[msg.run] = reply
         # The checkpoint and the summary (slow for a big model) are written by ``finish_run``
         # after this reply has left, so the driver never waits for them.
         self.closing = self.complete()
@@ -335,14 +470,18 @@ class ServingStage:
 
     # -- the phases
     def start_round(self) -> None:
-        """The next round, or the end of the run after the last."""
-        self.round += 1
-        if self.steps is not None and self.round > self.steps:
-            self.phase = Phase.DONE
+        """The next round, or the end of the run after the last. A peer rejoining takes part from it."""
+        run = self.run
+        run.round += 1
+        if run.steps is not None and run.round > run.steps:
+            run.phase = Phase.DONE
             self.log.info("every step is done; answering evaluations and byes")
             return
-        self.order = self.topology.round_order()
-        self.turn, self.phase = 0, Phase.ROUND
+        for peer in run.peers:
+            if peer.status is PeerStatus.REJOINING:
+                peer.status = PeerStatus.ACTIVE
+        run.order = self.topology.round_order()
+        run.turn, run.phase = 0, Phase.ROUND
 
     def advance(self, now: float) -> list[Reply]:
         """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
@@ -350,56 +489,156 @@ class ServingStage:
         while self.deferred is None and self._advance_phase(now, replies):
             pass                            # a reply's gradients and update come before any later work
         if self.evaluating:
-            replies += self.topology.answer_evaluations()
-            self.evaluating = any(peer.evaluate is not None for peer in self.peers)
+            answers = self.topology.answer_evaluations()
+            if answers is not None:
+                replies += self._answer_all(answers)
+            self.evaluating = any(peer.evaluate is not None for peer in self.run.peers)
         return replies
 
     def _advance_phase(self, now: float, replies: list[Reply]) -> bool:
         """Do the next piece of work of the phase, adding its replies; False while it waits."""
-        if self.phase is Phase.ROUND:       # the hot path first
-            return self.topology.advance_round(now, replies)
-        if self.phase is Phase.JOINING:
-            return self.topology.advance_joining(now)
-        if self.phase is Phase.AVERAGING:
-            return self.topology.advance_averaging(now, replies)
-        if self.phase is Phase.EVALUATING:
-            return self.topology.advance_evaluating(replies)
+        phase = self.run.phase
+        if phase is Phase.ROUND:            # the hot path first
+            take = self.topology.advance_round()
+            if isinstance(take, Transition):
+                return self.transition(take)
+            msgs = [peer.waiting.pop(take.key) for peer in take.peers]
+            replies += self.apply_computed(self.topology.compute(take.peers, msgs, now), now)
+            return True
+        if phase is Phase.JOINING:
+            return self.transition(self.topology.advance_joining(now))
+        if phase is Phase.AVERAGING:
+            average = self.topology.advance_averaging()
+            if average is None:
+                return False
+            replies += self._averaged(average, now)
+            return True
+        if phase is Phase.EVALUATING:
+            evaluate = self.topology.advance_evaluating()
+            if evaluate is None:
+                return False
+            replies += self._answer_all(evaluate)
+            self.run.owed -= {peer.index for group in evaluate.groups for peer in group}
+            if evaluate.then_start:
+                self.run.owed = set()
+                self.start_round()
+            return evaluate.then_start
         return False
+
+    def transition(self, to: Transition) -> bool:
+        """Move the phase on as the topology decided; False for ``WAIT``."""
+        if to is Transition.WAIT:
+            return False
+        if to is Transition.NEXT_TURN:
+            self.run.turn += 1
+        elif to is Transition.START_ROUND:
+            self.start_round()
+        elif to is Transition.END_ROUND:
+            self.end_round()
+        else:                               # ROUND_DONE: the round before the first, done before
+            self.run.order = self.topology.round_order()
+            self.round_done()
+        return True
 
     def end_round(self) -> None:
         """Every peer of the round had its turn: its average (SplitFed), or its checkpoint and the next round.
-        A round with an average is checkpointed with it (``advance_averaging``), never without it."""
-        if self.exp.clients.mode == "splitfed" and self.round % self.exp.clients.average_every == 0:
-            self.phase = Phase.AVERAGING
+        A round with an average is checkpointed with it (``_averaged``), never without it."""
+        run = self.run
+        if self.exp.clients.mode == "splitfed" and run.round % self.exp.clients.average_every == 0:
+            run.phase = Phase.AVERAGING
             return
-        self.state.after_step(self.round)
+        self.state.after_step(run.round)
         self.round_done()
+
+    def _averaged(self, d: Average, now: float) -> list[Reply]:
+        """SplitFed: each peer of the round gets back the mean (``Average``); then the round's checkpoint,
+        taken before these replies leave, holds them: a client whose reply the stage's kill lost gets it
+        from the restarted stage (``Clients.resent_reply``)."""
+        replies = []
+        for p in d.peers:
+            p.averaged = Message(wire.AVERAGE, p.run, self.run.round, tensors=d.mean)
+            p.average, p.last_seen = None, now
+            replies.append((p.envelope, p.averaged))
+        self.state.after_step(self.run.round)
+        self.round_done()
+        return replies
 
     def round_done(self) -> None:
         """After a round (and its average): the peers due to evaluate after it are answered (phase
         EVALUATING) before the next round starts."""
         owed = self.topology.owed_after_round()
         if owed:
-            self.owed, self.phase = owed, Phase.EVALUATING
+            self.run.owed, self.run.phase = owed, Phase.EVALUATING
             return
         self.start_round()
 
-    # -- a micro-batch's deferred work
-    def defer(self, peers: list[Peer], work: Callable[[], None]) -> None:
-        """Run ``work`` (``peers``' micro-batch's gradients) once its replies have left (``settle``)."""
-        self.deferred, self.deferred_peers = work, peers
+    # -- evaluations
+    def _answer_all(self, d: Evaluate) -> list[Reply]:
+        replies: list[Reply] = []
+        for group in d.groups:
+            requests = [peer.evaluate for peer in group]
+            replies += self.answer(group, [m for m in requests if m is not None])
+        return replies
 
-    def accumulate(self, peers: list[Peer], step: int, mb: int, mbs: int,
-                   grads_later: Callable[[], dict[str, np.ndarray]], loss: np.float32, dx: np.ndarray) -> None:
+    def answer(self, group: tuple[Peer, ...], requests: list[Message]) -> list[Reply]:
+        """Score ``group``'s evaluation ``requests`` (``topology.score``), give the verdicts and answer each
+        peer; no state changes but the peers' last evaluation (and the verdicts recorded)."""
+        scores = self.topology.score(group, requests)
+        result = None if scores.result is None else self.judged(scores.step, scores.result, scores.last)
+        replies = []
+        for peer, msg in zip(group, requests):
+            peer.evaluate = None
+            if result is None:
+                code, text = scores.error or (ErrorCode.STAGE, "")
+                replies.append((peer.envelope, wire.error_message(msg.run, msg.step, code, text)))
+                continue
+            peer.evaluation = result
+            peer.evaluated = evaluation_reply(msg.run, msg.step, result)
+            replies.append((peer.envelope, peer.evaluated))
+        return replies
+
+    def judged(self, step: int, result: dict[str, Any], last: int | None) -> dict[str, Any]:
+        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``; ``last``:
+        the run's last step); early stopping ends the rounds after ``step`` when this stage counts them."""
+        result = self.state.judged(step, result, step == last, gives=self.link is None)
+        if result.get("stop") and self.run.steps is not None:
+            self.run.steps = step
+        return result
+
+    # -- a micro-batch
+    def apply_computed(self, d: Computed, now: float) -> list[Reply]:
+        """What computing a micro-batch gave (``Computed``): its replies (each cached, its peer seen, when
+        the step went through), the gradients deferred until they have left, or the failure (raising the
+        refusal, if any, after it)."""
+        if d.failure is not None:
+            self.apply_failure(d.failure)
+        if d.refusal is not None:
+            raise d.refusal
+        if d.gradients is not None:
+            key = (d.gradients.step, d.gradients.mb)
+            for peer, reply in d.answers:
+                peer.cached[key] = reply
+                peer.last_seen = now
+            self.deferred = d.gradients
+        return [(peer.envelope, reply) for peer, reply in d.answers]
+
+    def accumulate(self, g: Gradients) -> None:
         """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update
-        (``peers``: whose turn it is, every party of a vertical round)."""
-        self.engine.add(mb, mbs, grads_later(), loss, dx)
-        if mb < mbs - 1:
+        (``g.peers``: whose turn it is, every party of a vertical round) and the next step's targets looked
+        up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
+        steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
+        if g.mb == 0:
+            for peer in g.peers:
+                peer.cached = {k: v for k, v in peer.cached.items()
+                               if g.step - peer.staleness <= k[0] < g.step or k == (g.step, 0)}
+        self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
+        if g.mb < g.mbs - 1:
             return
-        self.loss = self.engine.update(step, mbs, client=self.topology.client_of(peers))
-        for peer in peers:
-            peer.loss, peer.step = self.loss, step
-        self.turn += 1
+        self.loss = self.engine.update(g.step, g.mbs, client=g.client)
+        for peer in g.peers:
+            peer.loss, peer.step = self.loss, g.step
+        self.run.turn += 1
+        self.topology.prefetch(g.data, g.step + 1)
 
     def settle(self) -> list[Reply]:
         """Run what ``handle`` deferred until its reply had been sent (gradients, update, pruning the reply
@@ -407,32 +646,56 @@ class ServingStage:
 
         A non-finite gradient there applies nothing; the peer hears of it in
         reply to its next message (with several clients, it is dropped)."""
-        work, self.deferred = self.deferred, None
-        if work is None:
+        gradients, self.deferred = self.deferred, None
+        if gradients is None:
             return []
         try:
-            work()
+            self.accumulate(gradients)
         except NonFiniteError as e:
             self.log.error("%s", e)
-            self.topology.deferred_failed(self.deferred_peers, e)   # whose micro-batch it was
-        return self.advance(self.now)
+            self.apply_failure(self.topology.deferred_failed(gradients.peers, e))   # whose micro-batch it was
+        return self.advance(self.run.now)
+
+    def apply_failure(self, d: Failure) -> None:
+        """A failed step, as its topology decided (``Failure``)."""
+        for peer in d.peers:
+            if d.clear_waiting:
+                peer.waiting.clear()
+            if d.told_later:
+                peer.failure = d.error
+            if d.drop:
+                self.drop(peer)
+        if d.reset_engine:
+            self.engine.reset()
+        if d.ends_run:
+            self.failure = d.error
 
     def drop(self, peer: Peer) -> None:
         """``peer`` no longer takes part (it may say hello again); its turn, if it was, ends."""
         if self.topology.current() is peer:
             self.engine.reset()
-            self.turn += 1
+            self.run.turn += 1
         peer.status, peer.waiting = PeerStatus.DROPPED, {}
-        self.owed.discard(peer.index)
+        self.run.owed.discard(peer.index)
 
     # -- liveness and the end of the run
     def tick(self, now: float) -> list[Reply]:
         """Report (one peer, parties) or drop (several clients) a peer this stage waits for that has been
         silent for ``liveness_s``; return the replies that unblocks."""
-        self.now = now
-        if not self.active:
+        self.run.now = now
+        if not self.run.active:
             return []
-        return self.topology.tick(now)
+        return self.apply_liveness(self.topology.tick(now), now)
+
+    def apply_liveness(self, d: Liveness, now: float) -> list[Reply]:
+        """Drop the silent peers its topology gave up on (``Liveness``), note since when the run is lost,
+        and do the work that unblocks."""
+        for peer in d.drop:
+            self.drop(peer)
+        self.run.lost_since = d.lost_since
+        if d.drop:
+            self.closing = self.complete()
+        return self.advance(now) if d.drop or d.advance else []
 
     def missing_parties(self, now: float) -> list[Peer]:
         """The feature parties a vertical run waits for that have been silent for ``liveness_s``."""
@@ -445,10 +708,10 @@ class ServingStage:
     def complete(self) -> bool:
         """The run is over: its rounds are done (several peers) and every peer still taking part has said
         bye, one at least."""
-        if self.steps is not None and self.phase is not Phase.DONE:
+        if self.run.steps is not None and self.run.phase is not Phase.DONE:
             return False
-        return (all(p.status is not PeerStatus.ACTIVE for p in self.peers)
-                and any(p.status is PeerStatus.FINISHED for p in self.peers))
+        return (all(p.status is not PeerStatus.ACTIVE for p in self.run.peers)
+                and any(p.status is PeerStatus.FINISHED for p in self.run.peers))
 
     def finish_run(self) -> dict[str, Any] | None:
         """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
@@ -467,7 +730,7 @@ class ServingStage:
         """Once the one peer whose step failed has been told: close its run ("failed", no checkpoint
         written) and return the failure; None while there is none."""
         failure, self.failure = self.failure, None
-        if failure is not None and self.active:
+        if failure is not None and self.run.active:
             self.close_run("failed")
         return failure
 
@@ -481,8 +744,8 @@ class ServingStage:
         summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
                                      **self.metering.summary_fields())
         self.state.close()
-        self.active = False
-        for peer in self.peers:
+        self.run.active = False
+        for peer in self.run.peers:
             peer.cached = {}
             if peer.taking_part():
                 peer.status = PeerStatus.ABSENT     # the run is over: nobody takes part in it any more

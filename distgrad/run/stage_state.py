@@ -146,7 +146,8 @@ class StageState:
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
         # More arrays to save with the checkpoint of a step (stored under ``EXTRA_PREFIX``).
         self.extra_arrays: Callable[[int], dict[str, np.ndarray]] = lambda step: {}
-        self.resumed_step, self.resumed_meta = 0, {}           # of the checkpoint ``resume_latest`` loaded
+        self.resumed_step = 0                                  # of the checkpoint ``resume_latest`` loaded
+        self.resumed_meta: dict[str, Any] = {}                 # its metadata
         self.resumed_extra: dict[str, np.ndarray] = {}         # its ``extra_arrays``
         self.run_id = ""
         self.owner = ""          # CURVE key of the client that opened the run ("" in plaintext)
@@ -207,6 +208,7 @@ class StageState:
         if self.opts.stage_factory is not None:
             stage = self.opts.stage_factory()
             stage.allow_nonfinite = self.opts.experiment.allow_nonfinite
+            stage.label_dp = self.opts.experiment.training_labels(self.opts.stage, self.opts.seed)
         else:
             stage = Stage.from_experiment(self.opts.experiment, self.opts.stage, self.opts.seed, self.opts.init)
         if self.opts.load_path is not None:
@@ -226,6 +228,7 @@ class StageState:
 
     def _write_parameters(self, which: str) -> None:
         path = self.opts.save_path
+        assert path is not None                 # only with --save
         try:
             self.stage.save_parameters(path)
         except OSError as e:
@@ -354,7 +357,9 @@ class StageState:
         if step == self.stage.step:
             return
         if step == 0:
-            self.stage = self._fresh()
+            fresh = self._fresh()
+            fresh.keep_label_releases(self.stage)       # label_dp: a label is released once in a run
+            self.stage = fresh
             self.history.clear()
             self.senders.reset()
             self._load_verdicts(None, 0)

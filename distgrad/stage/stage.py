@@ -27,6 +27,7 @@ from distgrad.model.nn import DTYPE, ForwardContext, Grads, Sequential, Shape
 from distgrad.config.npzfile import check_values, read_npz, write_npz
 from distgrad.model.optim import Optimizer
 from distgrad.privacy.defenses import nopeek_gradient
+from distgrad.privacy.labeldp import TrainingLabels
 from distgrad.stage.records import write_atomic
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
 
@@ -236,6 +237,7 @@ class Stage:
     allow_nonfinite = False
     seed = 0        # the run's seed (``from_experiment`` sets it); a torch stage seeds its RNG from it
     nopeek: float | None = None     # a data owner's NoPeek weight (its stage's 'nopeek'; ``with_objective``)
+    label_dp: TrainingLabels | None = None   # a label owner's training loss under 'label_dp' (``training_loss``)
     # The label owner's DP-SGD (its 'dp_sgd', bound by ``config.defended.attach_dp_sgd``): the parameter
     # gradients of a micro-batch from its input, d(loss)/d(output) and index, replacing the exact ones.
     private_update: Callable[[np.ndarray, np.ndarray, int], Grads] | None = None
@@ -273,6 +275,7 @@ class Stage:
         check_cut(exp, stage, seed)
         stage.allow_nonfinite, stage.seed = exp.allow_nonfinite, seed
         stage.nopeek = exp.spec(name).defenses.nopeek
+        stage.label_dp = exp.training_labels(name, seed)
         return stage
 
     @property
@@ -372,6 +375,38 @@ class Stage:
         except (ValueError, ArithmeticError) as e:
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
 
+    def training_loss(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
+        """A training micro-batch's loss value and d(loss)/d(y): ``loss_backward``, or under ``label_dp``
+        its training loss (``privacy.labeldp.TrainingLabels.loss``: the flip-rate-aware loss, and with stages
+        the labels released as it first sees each row, ``target`` then holding the rows' numbers)."""
+        if self.label_dp is None:
+            return self.loss_backward(y, target)
+        assert self.loss is not None, f"stage {self.name} has no loss"
+        try:
+            return self.label_dp.loss(y, target, self.step, self.loss.reduction)
+        except (ValueError, ArithmeticError) as e:
+            raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
+
+    def label_state(self) -> dict[str, np.ndarray]:
+        """The labels released so far under ``label_dp`` with stages (checkpoint arrays; else none)."""
+        release = self.label_dp.release if self.label_dp is not None else None
+        return release.state_arrays() if release is not None else {}
+
+    def load_label_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore the released labels ``label_state`` returned (none in ``arrays``: none released), keeping
+        those released since (``LabelRelease.load_state_arrays``: a label is never drawn twice in a run)."""
+        release = self.label_dp.release if self.label_dp is not None else None
+        if release is not None:
+            release.load_state_arrays(arrays)
+
+    def keep_label_releases(self, before: "Stage") -> None:
+        """This stage rebuilt at step 0 for a rollback of the run that ``before`` trained: keep the labels
+        ``before`` released (``LabelRelease.keep_released``)."""
+        mine = self.label_dp.release if self.label_dp is not None else None
+        theirs = before.label_dp.release if before.label_dp is not None else None
+        if mine is not None and theirs is not None:
+            mine.keep_released(theirs)
+
     def apply(self, grads: Grads) -> None:
         """One optimiser update; counts the step."""
         self.optimizer.step(self.model.params, grads)
@@ -396,7 +431,7 @@ class Stage:
                 arrays.update({f"opt/{key}/{name}": v for name, v in value.items()})
             else:
                 arrays[f"opt/{key}"] = np.asarray(value)
-        return arrays
+        return {**arrays, **self.label_state()}
 
     def _saved_param_names(self, arrays: Mapping[str, np.ndarray]) -> set[str]:
         """The parameter names in checkpoint ``arrays``; ``ValueError`` unless they are this stage's."""
@@ -438,6 +473,7 @@ class Stage:
             self.optimizer.load_state_dict(state)
         except KeyError as e:
             raise ValueError(f"stage {self.name}: checkpoint lacks optimizer state {e.args[0]!r}") from e
+        self.load_label_state(arrays)
         self.step = step
 
     parameters_suffix = ".npz"      # what ``save_parameters`` writes: a numpy archive, one array per parameter
@@ -472,7 +508,7 @@ class Stage:
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
         """Forward, loss and backward of micro-batch ``mb`` on the last stage, without an update."""
         y, cache = self.forward(x, mb)
-        loss, dy = self.loss_backward(y, target)
+        loss, dy = self.training_loss(y, target)
         dx, grads = self.backward(cache, dy)
         if self.private_update is not None:
             grads = self.private_update(x, dy, mb)
@@ -482,7 +518,7 @@ class Stage:
                                   ) -> tuple[np.float32, np.ndarray, Callable[[], Grads]]:
         """``loss_micro_batch`` with the parameter gradients computed when the returned function is called."""
         y, cache = self.forward(x, mb)
-        loss, dy = self.loss_backward(y, target)
+        loss, dy = self.training_loss(y, target)
         dx, grads_later = self.backward_deferred(cache, dy)
         private = self.private_update
         if private is not None:

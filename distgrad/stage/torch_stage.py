@@ -797,6 +797,20 @@ class TorchStage(Stage):
         assert self.loss is not None and self._loss_fn is not None, f"stage {self.name} has no loss"
         return self._loss_fn(y_t, _tensor(target, self.loss.target_dtype, self.device))
 
+    def _training_loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
+        """A training micro-batch's loss: the stage's own, or under ``label_dp`` its training loss
+        (``privacy.labeldp``: -log sum_c w[i, c] softmax(y)[i, c], the flip-rate-aware weights or one-hot on the
+        randomized label; rows whose labels are not released count zero), reduced as the stage's loss."""
+        if self.label_dp is None:
+            return self._loss_value(y_t, target)
+        assert self.loss is not None, f"stage {self.name} has no loss"
+        batch = self.label_dp.labels(target, _host(y_t.detach()), self.step)
+        weights = _tensor(self.label_dp.weights(batch, y_t.shape[1]), device=self.device)
+        losses = -torch.logsumexp(nn.functional.log_softmax(y_t, dim=1) + torch.log(weights), dim=1)
+        if batch.active is not None:
+            losses = torch.where(_tensor(batch.active, np.bool_, self.device), losses, torch.zeros_like(losses))
+        return losses.sum() if self.loss.reduction == "sum" else losses.sum() / len(losses)
+
     def loss_backward(self, y: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
         """Loss value and d(loss)/d(y), computed by torch; last stage only."""
         try:
@@ -813,7 +827,7 @@ class TorchStage(Stage):
         try:
             x_t, y_t, leaves = self._graph(x, mb)
             with torch.enable_grad():
-                loss_t = self._loss_value(y_t, target)
+                loss_t = self._training_loss_value(y_t, target)
             dx, grads = self._gradients(loss_t, None, x_t, leaves, True)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
@@ -886,7 +900,7 @@ class TorchStage(Stage):
             for key, value in state.items():
                 if value is not None:
                     arrays[f"opt/{key}/{names[id(tensor)]}"] = _host(torch.as_tensor(value)).copy()
-        return arrays
+        return {**arrays, **self.label_state()}
 
     def _saved_buffers(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The buffers in checkpoint ``arrays``; ``ValueError`` unless they are this module's, alike in shape and dtype."""
@@ -929,6 +943,7 @@ class TorchStage(Stage):
                 p.tensor.copy_(p.from_numpy(np.array(arrays[f"param/{name}"], np.float32)))
         self.restore_forward_state(buffers)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.load_label_state(arrays)
         self.step = step
         # As Stage.load_state_arrays: a checkpoint from before schedules counts its step as its updates.
         self.updates = int(arrays[_UPDATES]) if _UPDATES in arrays else step

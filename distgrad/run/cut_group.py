@@ -1,0 +1,712 @@
+"""The label owner's end of the cut for several data owners: vertical feature parties, or clients in turn.
+
+``CutServer.bind`` builds a ``GroupServer`` when the interface has
+``aggregate`` (vertical feature parties, each a ``Cut`` of its own) or
+``[clients]`` (several data owners, each a ``Cut`` with its ``client``). The
+loop is the one of a single data owner: iterate for ``Batch``es, reply to each
+once. What a batch is follows the daemons' topologies:
+
+- vertical: micro-batch ``mb`` of step k of every party's embedding of the
+  same rows, combined as a daemon label owner combines them
+  (``model.aggregate.combine``, party order): ``batch.h`` is the combined
+  activation, ``batch.parts`` each party's own. The loop's gradient with
+  respect to ``batch.h`` is split by ``model.aggregate.split`` and each party
+  gets its own part. A step needs every party: one silent past the bounds is a
+  ``PeerTimeout`` naming it.
+- clients: each step, every client's micro-batches in client order (a daemon's
+  turn order; a client that said bye early is skipped); ``batch.client`` is
+  whose. Each client has its own shard of the rows (``batch.rows``) and its own
+  codec streams. The client whose turn it is, silent past the bounds, is a
+  ``PeerTimeout`` naming it (a daemon drops it and goes on; a loop decides
+  itself: resume it, or end the run).
+
+Every peer has its own run id (its ``Cut``'s), owner key, codec streams and
+cache of its last step's replies, under the rules of one data owner
+(``run.protocol``, ``run.cut_server``): the hello through
+``run.handshake.check_hello``, a resent step answered from the cache, the
+replies leaving at the next ``__next__`` (after whatever the loop saved), a
+``state_dict`` between steps that resumes every peer. Lockstep only (no steps
+in flight), as a daemon serving several peers. Held-out rows are scored for
+vertical parties (``evaluate=``: every party's held-out embeddings combined,
+the same scores to each, as a daemon label owner scores them); with clients
+``evaluate=`` is refused (a daemon scores each client between rounds, which a
+loop of its own cannot interleave).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import zmq
+
+from distgrad.config.experiment import is_whole
+from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted,
+                             PeerTimeout, ProtocolError)
+from distgrad.model import aggregate
+from distgrad.run.accepts import refuse_rows
+from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
+from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, saved_reply
+from distgrad.run.handshake import check_hello, common_step
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+                                   hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
+                                   resent_evaluation, unknown_run)
+from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
+from distgrad.wire import messages as wire
+from distgrad.wire.link import evaluation_reply
+from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+
+GROUP_STATE_KEYS = ("version", "interface", "step", "turn", "micro_batches", "peers")   # a GroupServer's state
+PEER_STATE_KEYS = {"run", "step", "finished", "replies", "residuals"}                               # each peer's in it
+
+
+@dataclass
+class Peer:
+    """One data owner of a ``GroupServer``: a feature party or a client, with its own run and replies."""
+
+    index: int
+    name: str                        # how messages name it: "party b", "client 1"
+    role: str                        # the stage its hello names
+    shape: tuple[int, ...]           # its activation (and gradient) for a whole batch
+    data: Any | None                 # the rows it may send (``send_rows``) and, for a client, its shard's order
+    senders: Senders
+    run: str = ""                    # its run ("" before its first hello)
+    since: float = 0.0               # when that run started here (seconds since the epoch)
+    owner: str = ""                  # with CURVE: the key that opened the run
+    joined: bool = False             # said hello to this server (a resumed run is taken up at a hello)
+    step: int = 0                    # its steps replied to in full
+    taken: int = 0                   # micro-batches of step + 1 the loop has taken
+    cache: dict[tuple[int, int], Message] = field(default_factory=dict)    # its replies of its last step
+    waiting: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
+    step_rows: dict[int, np.ndarray] = field(default_factory=dict)         # send_rows: of step + 1, by mb
+    envelope: list[bytes] | None = None    # where it was last heard from (its replies go there)
+    heard: float = 0.0               # when it was last heard (time.monotonic; 0: never)
+    bye: Message | None = None       # the reply to its bye
+    evaluate: tuple[int, np.ndarray] | None = None   # its held-out embeddings sent for step (step, h)
+    evaluated: Message | None = None                 # its last evaluation reply (a resent one gets it again)
+
+
+class GroupServer(CutServer, serves_several=True):
+    """A ``CutServer`` for several data owners (see the module's docstring); build it with
+    ``CutServer.bind``. ``step`` counts the steps applied: a step of every party (vertical), or a round
+    of every client's step (clients). Not thread-safe: one loop drives it."""
+
+    def __init__(self, side: CutSide, endpoint: str, *, bounds: Bounds = Bounds(),
+                 curve_secret: str | Path | None = None, allow: str | Path | None = None,
+                 evaluate: Evaluate | None = None, ctx: zmq.Context | None = None) -> None:
+        exp = side.exp
+        if evaluate is not None and not exp.vertical:
+            raise ConfigError("evaluate=: a CutServer of several clients scores no held-out rows (a daemon scores "
+                              "each client between rounds, which a loop of its own cannot interleave); give the "
+                              "clients' [data] test_fraction = 0, or run the label owner as the daemon")
+        self.side, self.exp, self.bounds = side, exp, bounds
+        self.log = logging.getLogger(f"distgrad.{side.stage}")
+        self.vertical = exp.vertical
+        self.mbs = side.micro_batches
+        if self.vertical:
+            data = side.data
+            self.peers = [Peer(i, f"party {name}", name, exp.cuts[exp.stage_index(name)], data, Senders(exp.codecs))
+                          for i, name in enumerate(exp.data_owners)]
+            self.widths = [p.shape[-1] for p in self.peers]
+        else:
+            first = exp.stage_names[0]
+            self.peers = [Peer(c, f"client {c}", first, side.shape, side.data_of(c), Senders(exp.codecs))
+                          for c in range(exp.clients.count)]
+        self.step = 0                    # steps applied (vertical) or rounds done (clients)
+        self.turn = 0                    # clients: whose turn it is in the round
+        self.next_mb = 0                 # micro-batches of the step (or turn) in progress replied to
+        self.unsent: list[tuple[Peer, Message]] = []      # replies to send at the next ``__next__``
+        self.batch: Batch | None = None
+        self.done, self.closed = False, False
+        self.failure: DistgradError | None = None
+        self.told: set[int] = set()      # peers that need no notice when this side stops (they know)
+        self.refused = ""
+        self.evaluate = evaluate
+        self.test_rows = self._test_rows() if evaluate is not None else None
+        specs = [self._forward_specs(p).specs for p in self.peers]
+        if self.test_rows is not None:      # the held-out rows' embeddings may exceed a batch
+            specs += [self._forward_specs(p).with_rows(len(self.test_rows)).specs for p in self.peers]
+        self._bind_socket(endpoint, specs, ctx, curve_secret, allow)
+
+    def runs(self) -> str:
+        """The runs served, one per data owner, comma-separated (each ``Cut`` has its own)."""
+        return ",".join(p.run for p in self.peers)
+
+    # -- the batches
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        """The next micro-batch to compute (every party's, combined; or the next client's in turn); first
+        sends the replies the loop made since the last call. Stops after every data owner's bye. Raises
+        ``CutMisuse`` when the batch given out last has no reply, ``PeerTimeout`` when a data owner this
+        side waits for stays silent for ``liveness_s + peer_deadline_s`` (naming it), ``PeerAborted`` when
+        one said it stopped."""
+        self._check_open()
+        if self.batch is not None and not self.batch.replied:
+            raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
+                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
+        self.batch = None
+        self._flush()
+        started = time.monotonic()
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            if self.done or self._all_said_bye():
+                self.done = True
+                raise StopIteration
+            self._score_held_out()
+            batch = self._ready()
+            if batch is not None:
+                self.batch = batch
+                return batch
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                self._check_silence(started)
+                continue
+            self._answer(request, self._handle)
+
+    def _ready(self) -> Batch | None:
+        """The next batch when its data owners' forwards are all in, else None."""
+        if self._complete():
+            return None
+        k, mb = self.step + 1, self.next_mb
+        if self.vertical:
+            if not all((k, mb) in p.waiting for p in self.peers):
+                return None
+            taken = [p.waiting.pop((k, mb)) for p in self.peers]
+            for p in self.peers:
+                p.taken = mb + 1
+            parts = tuple(h for h, _ in taken)
+            rows = self._common_rows(k, mb, [r for _, r in taken])
+            if isinstance(rows, str):
+                for p in self.peers:
+                    p.taken = mb
+                    p.step_rows.pop(mb, None)
+                    if p.envelope is not None:
+                        self.server.reply(p.envelope, wire.error_message(p.run, k, ErrorCode.MISMATCH, rows, mb,
+                                                                         self.mbs))
+                return None
+            h = aggregate.combine(str(self.exp.aggregate), list(parts))
+            h.setflags(write=False)
+            return Batch(k, mb, self.mbs, h, rows, self, parts=parts)
+        peer = self.peers[self.turn]
+        if (k, mb) not in peer.waiting:
+            return None
+        h, sent = peer.waiting.pop((k, mb))
+        peer.taken = mb + 1
+        rows = sent if sent is not None else (
+            None if peer.data is None else micro_batch(np.asarray(peer.data.step_rows(k), np.int64), mb, self.mbs))
+        return Batch(k, mb, self.mbs, h, rows, self, client=peer.index)
+
+    def _common_rows(self, k: int, mb: int, sent: list[np.ndarray | None]) -> np.ndarray | str | None:
+        """The rows of a vertical micro-batch: those every party sent (``send_rows``; the refusal's text when
+        two differ), else the shared order's (None without ``[data]``)."""
+        if not self.exp.send_rows:
+            data = self.side.data
+            return None if data is None else micro_batch(np.asarray(data.step_rows(k), np.int64), mb, self.mbs)
+        rows = sent[0]
+        assert rows is not None        # send_rows: every forward carries its rows
+        for peer, other in zip(self.peers[1:], sent[1:]):
+            assert other is not None
+            if not np.array_equal(other, rows):
+                at = int(np.argmax(other != rows))
+                return (f"the feature parties sent different rows for step {k} micro-batch {mb}: "
+                        f"{self.peers[0].name} row {int(rows[at])}, {peer.name} row {int(other[at])} at position "
+                        f"{at}; every party must send the same rows (nothing was applied)")
+        return rows
+
+    def _awaited(self) -> list[Peer]:
+        """The data owners this side waits for now: those whose part of the next batch is missing, or after
+        the last step those that have not said bye."""
+        if self._complete():
+            return [p for p in self.peers if p.bye is None]
+        key = (self.step + 1, self.next_mb)
+        if self.vertical:
+            return [p for p in self.peers if key not in p.waiting]
+        return [self.peers[self.turn]]
+
+    def _check_silence(self, started: float) -> None:
+        """``PeerTimeout`` naming the data owners waited for that were silent for ``liveness_s +
+        peer_deadline_s`` (counted from the start of this wait at the earliest)."""
+        limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
+        now = time.monotonic()
+        silent = [p for p in self._awaited() if now - max(p.heard, started) > limit]
+        if not silent:
+            return
+        names = ", ".join(p.name for p in silent)
+        why = ("a step needs every feature party" if self.vertical and not self._complete()
+               else "its turn has come" if not self._complete() else "its bye is due")
+        raise PeerTimeout(f"{names} of {self.exp.name} silent for more than {limit:g} s at step {self.step + 1} "
+                          f"({why}; liveness {self.bounds.liveness_s:g} s + peer deadline "
+                          f"{self.bounds.peer_deadline_s:g} s); restart it from its checkpoint, or every side from "
+                          f"checkpoints of the same step"
+                          f"{'; the last message refused here: ' + self.refused if self.refused else ''}")
+
+    # -- the messages
+    def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
+        """Answer ``msg`` (or keep a forward until its batch is ready); raises ``ProtocolError`` to refuse it
+        (nothing changes then)."""
+        if msg.type == wire.PING:
+            now = time.monotonic()
+            self.server.reply(envelope, pong(msg, self.side.stage, self.exp.name, run="", step=self.step,
+                                             waiting_for=[p.role if self.vertical else p.index
+                                                          for p in self._awaited()],
+                                             client_live=any(now - p.heard < self.bounds.liveness_s
+                                                             for p in self.peers)))
+            return None
+        if is_abort_notice(msg):
+            self._aborted(msg, peer_key)
+        if msg.type == wire.HELLO:
+            self.server.reply(envelope, self._welcome(envelope, msg, peer_key))
+            return None
+        peer = self._peer_of(msg)
+        if msg.type == wire.BYE and peer.bye is not None:
+            self.server.reply(envelope, peer.bye)      # a repeated bye: its reply again
+            return None
+        check_owner(peer.owner, peer_key)
+        if msg.type == wire.FORWARD:
+            self._keep_forward(peer, envelope, msg)
+        elif msg.type == wire.BYE:
+            self._bye(peer, envelope, msg)
+        elif msg.type == wire.EVALUATE:
+            self._keep_evaluation(peer, envelope, msg)
+        else:
+            raise not_accepted(msg)
+        peer.heard, peer.envelope = time.monotonic(), envelope
+        return None
+
+    def _peer_of(self, msg: Message) -> Peer:
+        """The data owner whose run ``msg`` is (``ProtocolError``, code ``run``, for none)."""
+        for peer in self.peers:
+            if peer.joined and peer.run == msg.run:
+                return peer
+        raise unknown_run(msg, "a hello first" if not any(p.run for p in self.peers)
+                          else f"one of the runs {self.runs()}")
+
+    def _aborted(self, msg: Message, peer_key: str) -> None:
+        """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
+        are told when this side closes. A notice of no run served here, or from another key than the one
+        that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``); any is
+        taken before the first run (a data owner may stop before its hello)."""
+        joined = [p for p in self.peers if p.run]
+        sender = next((p for p in joined if p.run == msg.run), None)
+        if joined and sender is None:
+            raise unknown_run(msg, f"one of the runs {self.runs()}")
+        if sender is not None:
+            check_owner(sender.owner, peer_key, msg)
+            self.told.add(sender.index)
+        who = sender.name if sender is not None else "a data owner"
+        self.failure = PeerAborted(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} "
+                                   f"steps)")
+        self.log.warning("%s", self.failure)
+        raise self.failure
+
+    def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
+        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``."""
+        if self.vertical:
+            if "client" in body:
+                raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
+                                                        f"parties of {self.exp.name!r} are told apart by their stage")
+            names = [p.role for p in self.peers]
+            role = body.get("role")
+            if role not in names:
+                raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this label owner "
+                                                        f"serves the feature parties {names}")
+            return self.peers[names.index(role)]
+        index = body.get("client")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.peers):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this label owner serves "
+                                                    f"clients 0 to {len(self.peers) - 1} (Cut.connect(..., client=C))")
+        return self.peers[index]
+
+    def _welcome(self, envelope: list[bytes], msg: Message, peer_key: str) -> Message:
+        """Take a data owner's run up at its step, or at the step before it when its replies of that step
+        are cached here; anything else is refused naming both steps (as with one data owner)."""
+        body = msg.body
+        peer = self._peer_for_hello(body)
+        mbs = check_hello(body, peer.role, self.exp, self.exp.seed, peer.shape, here=self.side.stage)
+        _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
+        if staleness:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a label owner serving "
+                                                    f"several data owners takes lockstep steps only")
+        held: list[int] = body.get("held")          # type: ignore[assignment]
+        common_step([], held)                                    # validates ``held``
+        now = time.monotonic()
+        if peer.run and msg.run != peer.run and (peer.step or peer.taken):
+            raise ProtocolError(ErrorCode.RUN, f"{peer.name} is in run {peer.run} at step {peer.step} here, the "
+                                               f"hello is of run {msg.run!r}: resume it with its run's checkpoint, "
+                                               f"or start the label owner afresh")
+        if peer.run and msg.run != peer.run and now - peer.heard < self.bounds.liveness_s:
+            busy = wire.busy_text("run", peer.run, peer.since, peer.name, now - peer.heard, self.bounds.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
+        if peer.run == msg.run:
+            check_owner(peer.owner, peer_key)
+        for other in self.peers:
+            if other is peer:
+                continue
+            if other.run == msg.run:
+                raise ProtocolError(ErrorCode.RUN, f"run {msg.run!r} is {other.name}'s; {peer.name} needs a run of "
+                                                   f"its own (each Cut has its own run id)")
+            if peer_key and other.owner == peer_key:
+                raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {other.name}; it cannot also be "
+                                                   f"{peer.name} (each data owner has its own key)")
+        if mbs != self.mbs and (self.step or self.next_mb or any(p.run for p in self.peers if p is not peer)):
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but this run's other "
+                                                    f"data owners take {self.mbs}")
+        answerable = [h for h in held if h <= peer.step and all(
+            (t, mb) in peer.cache for t in range(h + 1, peer.step + 1) for mb in range(mbs))]
+        if not answerable:
+            again = sorted({t for t, _ in peer.cache if t <= peer.step})
+            cached = f" (and can answer steps {wire.show(again)} again)" if again else ""
+            raise ProtocolError(ErrorCode.RUN, f"{peer.name} can return to steps {wire.show(held)} of run {msg.run}, "
+                                               f"this label owner has it at step {peer.step}{cached}: resume every "
+                                               f"side from checkpoints of the same step")
+        if msg.run != peer.run:
+            self.log.info("%s starts run %s", peer.name, msg.run)
+            peer.cache, peer.senders, peer.since = {}, Senders(self.exp.codecs), time.time()
+        peer.run, peer.owner, peer.bye, peer.joined = msg.run, peer_key, None, True
+        peer.waiting, peer.evaluate = {}, None     # what it sent before this hello, it sends again
+        peer.heard, peer.envelope = now, envelope
+        self.mbs = mbs
+        next_step = max(answerable) + 1
+        self.log.info("%s said hello (run %s, %d micro-batches); next step %d", peer.name, msg.run, mbs, next_step)
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
+
+    def _forward_specs(self, peer: Peer, mbs: int = 1) -> Expected:
+        """What a forward of ``peer`` of one of ``mbs`` micro-batches carries (its rows with ``send_rows``)."""
+        shape = micro_shape(peer.shape, mbs)
+        others: dict[str, tuple[tuple[int, ...], Any]] = {"rows": ((shape[0],), ROWS_DTYPE)} if self.exp.send_rows else {}
+        return Expected(WireTensor(ACTIVATION, shape, self.exp.codecs[ACTIVATION]), others)
+
+    def _keep_forward(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
+        """Keep ``peer``'s forward until its batch is ready; a resent one gets its cached reply, or (the loop
+        computes it now) its reply when it is made."""
+        cached = peer.cache.get((msg.step, msg.mb))
+        if cached is not None:
+            self.server.reply(envelope, cached)      # a resent request: its reply again, computed once
+            return
+        k = peer.step + 1
+        if msg.step == k and msg.mbs == self.mbs and 0 <= msg.mb < peer.taken:
+            return                                   # resent while the loop computes it: replied when made
+        check_forward_order(msg, k, msg.mb if peer.taken <= msg.mb < self.mbs else peer.taken, self.mbs)
+        if k > self.exp.steps:
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        h = self._forward_specs(peer, self.mbs).receive(msg, self.exp.allow_nonfinite)
+        rows = None
+        if self.exp.send_rows:
+            refuse_rows(peer.data, msg, [r for mb, r in peer.step_rows.items() if mb != msg.mb])
+            rows = np.array(msg.tensors["rows"])
+            peer.step_rows[msg.mb] = rows
+        peer.waiting[(msg.step, msg.mb)] = (h, rows)
+
+    def _keep_evaluation(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
+        """Keep ``peer``'s held-out embeddings until every party's of the step are in (``_score_held_out``); a
+        resent evaluation gets its reply again."""
+        if self.evaluate is None or self.test_rows is None:
+            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
+                                                f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
+                                                f"give the data owners' [data] test_fraction = 0")
+        if (again := resent_evaluation(peer.evaluated, msg)) is not None:
+            self.server.reply(envelope, again)
+            return
+        if msg.step != peer.step + 1 or peer.taken or msg.step != self.step + 1:
+            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; {peer.name} has applied "
+                                                f"{peer.step} steps here (every party evaluates between steps)")
+        specs = self._forward_specs(peer).with_rows(len(self.test_rows))
+        peer.evaluate = (msg.step, specs.receive(msg, self.exp.allow_nonfinite))
+
+    def _score_held_out(self) -> None:
+        """Once every party sent its held-out embeddings of the same step: combined as a batch is, scored by
+        the loop's ``evaluate``, the same scores to each party (a daemon label owner's evaluation)."""
+        sent = [p.evaluate for p in self.peers]
+        if self.evaluate is None or self.test_rows is None or not all(sent):
+            return
+        steps = {e[0] for e in sent if e is not None}
+        if steps != {self.step + 1}:
+            return
+        h = aggregate.combine(str(self.exp.aggregate), [e[1] for e in sent if e is not None])
+        h.setflags(write=False)
+        loss, correct = self.evaluate(h, self.test_rows)
+        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
+            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
+        body = {"loss": float(_one_number(loss, "the loss evaluate returned")),
+                "correct": None if correct is None else int(correct), "count": len(self.test_rows)}
+        for p in self.peers:
+            p.evaluated = evaluation_reply(p.run, self.step + 1, body)
+            p.evaluate = None
+            if p.envelope is not None:
+                self.server.reply(p.envelope, p.evaluated)
+
+    def _bye(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
+        """``peer``'s bye: it has applied its steps. A feature party says it after the last step (a step needs
+        every party); a client may leave earlier, and its turns are skipped then."""
+        check_bye(msg, peer.step, f"{peer.name} has applied {peer.step} here", complete=not peer.taken)
+        if self.vertical and peer.step < self.exp.steps:
+            raise ProtocolError(ErrorCode.STEP, f"bye after {peer.step} steps of {self.exp.steps}: every feature "
+                                                f"party takes part in every step (end the run with every party's "
+                                                f"loop, or stop it)")
+        peer.bye = bye_reply(msg, peer.step)
+        self.server.reply(envelope, peer.bye)
+        self.log.info("%s finished run %s after %d steps", peer.name, peer.run, peer.step)
+        if not self.vertical and not self._complete() and peer.index == self.turn and not self.next_mb:
+            self._next_turn()
+
+    # -- the replies
+    def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
+        value, nonfinite = self._checked(batch, loss, grad, batch.h.shape)
+        peers = self.peers if batch.client is None else [self.peers[batch.client]]
+        if nonfinite is not None:
+            self._fail_step(batch, peers, nonfinite)
+        grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
+                 else [np.ascontiguousarray(grad)])
+        stream = stream_name(GRADIENT, batch.mb, batch.mbs)
+        try:
+            sent = [p.senders.message_tensors(GRADIENT, np.ascontiguousarray(g), stream, batch.step)
+                    for p, g in zip(peers, grads)]
+        except CodecRangeError as e:
+            for p in peers:
+                p.senders.discard()
+            self._fail_step(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
+        body = {"loss": float(value), "compute_s": time.perf_counter() - batch.started}
+        for p, tensors in zip(peers, sent):
+            reply = Message(wire.BACKWARD, p.run, batch.step, batch.mb, batch.mbs, tensors=tensors, body=dict(body))
+            p.cache[(batch.step, batch.mb)] = reply
+            self.unsent.append((p, reply))
+        batch.replied = True
+        if not batch.last:
+            self.next_mb += 1
+            return
+        for p in peers:
+            p.step, p.taken, p.step_rows = batch.step, 0, {}
+            p.senders.commit()
+            p.cache = prune_replies(p.cache, p.step)
+        self.next_mb = 0
+        if self.vertical:
+            self.step = batch.step
+        else:
+            self._next_turn()
+
+    def _next_turn(self) -> None:
+        """Clients: the next client in client order that has not said bye; after the last, the round is done."""
+        following = [p.index for p in self.peers[self.turn + 1:] if p.bye is None]
+        if following:
+            self.turn = following[0]
+            return
+        self.step += 1
+        staying = [p.index for p in self.peers if p.bye is None]
+        self.turn = staying[0] if staying and not self._complete() else 0
+
+    def _fail_step(self, batch: Batch, peers: list[Peer], text: str) -> None:
+        """The loop's step failed: its data owners are told (``nonfinite_step``), the loop gets the error."""
+        batch.replied = True
+        self.failure = NonFiniteError(text)
+        for p in peers:
+            self.told.add(p.index)
+            if p.envelope is not None:
+                self.server.reply(p.envelope, wire.error_message(p.run, batch.step, ErrorCode.NONFINITE_STEP, text,
+                                                                 batch.mb, batch.mbs))
+        raise self.failure
+
+    def _flush(self) -> None:
+        unsent, self.unsent = self.unsent, []
+        for peer, reply in unsent:
+            if peer.envelope is not None:
+                self.server.reply(peer.envelope, reply)
+
+    # -- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
+        (with clients: a client's turn's) last micro-batch (``CutMisuse`` otherwise): the step, whose turn
+        it is, and each data owner's run, step, replies of its last step and codec residuals, as plain
+        values and numpy arrays."""
+        if self.batch is not None and not self.batch.replied:
+            raise CutMisuse(f"state_dict before replying to step {self.batch.step} micro-batch {self.batch.mb}: "
+                            f"reply first, then save (the saved state must hold the reply)")
+        if self.next_mb:
+            raise CutMisuse(f"state_dict in the middle of step {self.step + 1} (micro-batch {self.next_mb} of "
+                            f"{self.mbs} is next): save after the reply to its last micro-batch (batch.last)")
+        peers = [{"run": p.run, "step": p.step, "finished": p.bye is not None, "residuals": p.senders.state_arrays(),
+                  "replies": [{"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"],
+                               "compute_s": m.body["compute_s"],
+                               "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
+                              for m in p.cache.values()]}
+                 for p in self.peers]
+        return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "step": self.step,
+                "turn": self.turn, "micro_batches": self.mbs, "peers": peers}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Stand where ``state`` (a ``state_dict`` of a server of this interface) says, before the first
+        batch; every data owner says hello again. ``ConfigError`` naming what is wrong, before anything
+        changes."""
+        self._check_open()
+        if any(p.joined for p in self.peers) or self.batch is not None:
+            raise CutMisuse("load_state_dict after the run began; load it before the first batch "
+                            "(or CutServer.bind(..., state=...))")
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
+        if set(state) != set(GROUP_STATE_KEYS):
+            raise ConfigError(f"not the state_dict of a CutServer of several data owners: it holds "
+                              f"{sorted(map(str, state))}, that one exactly {list(GROUP_STATE_KEYS)} (a Cut's and a "
+                              f"CutServer's of one data owner differ)")
+        if state["interface"] != self.exp.interface_fingerprint:
+            raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
+                              "interface it was saved under")
+        step, mbs, turn = check_step(state["step"], self.exp.steps), state["micro_batches"], state["turn"]
+        if not is_whole(mbs) or mbs < 1 or self.exp.batch % mbs:
+            raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
+                              f"batch ({self.exp.batch})")
+        entries = state["peers"]
+        if not isinstance(entries, (list, tuple)) or len(entries) != len(self.peers):
+            raise ConfigError(f"the state's peers must be a list of {len(self.peers)} (one per data owner), got "
+                              f"{wire.show(entries)}")
+        if not is_whole(turn) or not 0 <= turn < len(self.peers) or (self.vertical and turn):
+            raise ConfigError(f"the state's turn {wire.show(turn)} is not a data owner's index here")
+        loaded = [self._saved_peer(p, e, step, turn, mbs) for p, e in zip(self.peers, entries)]
+        if not self.vertical and step < self.exp.steps and entries[turn]["finished"]:
+            raise ConfigError(f"the state's turn is client {turn}'s, which said bye")
+        for peer, (run, peer_step, cache), entry in zip(self.peers, loaded, entries):
+            peer.run, peer.step, peer.cache = run, peer_step, cache
+            if entry["finished"]:    # a bye it sends again is answered
+                peer.bye = Message(wire.BYE, run, peer_step + 1, body={"steps": peer_step})
+        for peer, entry in zip(self.peers, entries):
+            peer.senders.load_state_arrays(entry["residuals"])
+        self.step, self.turn, self.mbs = step, turn, mbs
+
+    def _saved_peer(self, peer: Peer, entry: Any, step: int, turn: int, mbs: int
+                    ) -> tuple[str, int, dict[tuple[int, int], Message]]:
+        """One data owner's part of a state, checked: its run, step and cached replies."""
+        where = f"the state's entry of {peer.name}"
+        if not isinstance(entry, Mapping) or set(entry) != PEER_STATE_KEYS:
+            raise ConfigError(f"{where} must hold exactly {sorted(PEER_STATE_KEYS)}, got {wire.show(entry)}")
+        run, peer_step, replies, residuals = entry["run"], entry["step"], entry["replies"], entry["residuals"]
+        finished = entry["finished"]
+        # Vertical: every party stands at the step; clients: those before the turn have done this round too
+        # (one that said bye may have left earlier).
+        expected = step if self.vertical or peer.index >= turn else step + 1
+        if not isinstance(finished, bool) or (self.vertical and finished and step < self.exp.steps):
+            raise ConfigError(f"{where} has finished={wire.show(finished)}; expected a bool (a feature party "
+                              f"finishes at the last step)")
+        if not is_whole(peer_step) or not (peer_step == expected or finished and 0 <= peer_step <= expected):
+            raise ConfigError(f"{where} has step {wire.show(peer_step)}; at step {step} (turn {turn}) it stands at "
+                              f"{expected}")
+        if run == "":
+            if peer_step or replies:
+                raise ConfigError(f"{where} has no run but steps or replies")
+        else:
+            check_run(run)
+        if not isinstance(replies, (list, tuple)):
+            raise ConfigError(f"{where}: its replies must be a list, got {type(replies).__name__}")
+        if not isinstance(residuals, Mapping) or not all(isinstance(a, np.ndarray) and a.dtype == np.float32
+                                                          for a in residuals.values()):
+            raise ConfigError(f"{where}: its residuals must map names to float32 arrays, got {wire.show(residuals)}")
+        check_residuals(residuals, self.side, GRADIENT, mbs, peer.shape)
+        cache = {}
+        for r in replies:
+            reply = saved_reply(r, run, peer_step, mbs, micro_shape(peer.shape, mbs), self.exp)
+            cache[(reply.step, reply.mb)] = reply
+        return run, peer_step, cache
+
+    # -- the end
+    def _complete(self) -> bool:
+        """Every step of the run is replied to here."""
+        return self.step >= self.exp.steps and not self.next_mb
+
+    def _all_said_bye(self) -> bool:
+        return all(p.bye is not None for p in self.peers)
+
+    def _close(self, failure: str | None) -> None:
+        """Close as ``close`` does, for every data owner: after the last step, serve them until each said
+        bye (at most ``liveness_s`` of their silence); mid-run, or when ``failure`` says why this side's
+        loop failed, tell each that has not stopped itself (an ``aborted`` notice) instead."""
+        if self.closed:
+            return
+        notice = failure
+        try:
+            if failure is not None:
+                self.unsent = []
+            else:
+                self._flush()
+                if not self._all_said_bye() and self._complete() and self.failure is None:
+                    self._await_byes()
+                elif not self._all_said_bye():
+                    notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
+                              f"every data owner's bye")
+            if any(p.bye is not None for p in self.peers):
+                self._linger_after_byes()
+        finally:
+            self.closed = True
+            told = self._tell_stopped(notice) if notice is not None else False
+            self.server.close(NOTICE_LINGER_MS if told else LINGER_MS)
+            if self.curve is not None:
+                self.curve.stop()
+
+    def _tell_stopped(self, reason: str) -> bool:
+        """Tell every data owner that has neither said bye nor stopped itself that this side stopped
+        (``reason``), where it was last heard from. A live one waiting for its reply resends its request on
+        a fresh socket every ``timeout_s`` of its own, so the notice may miss it there: what each sends
+        next is answered with the notice too, until every live one got it so (at most ``liveness_s``).
+        Whether there was anyone to tell."""
+        targets = [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
+        for p in targets:
+            assert p.envelope is not None
+            self.server.reply(p.envelope, wire.abort_notice(p.run, self.side.stage, reason))
+        if targets:
+            self.log.warning("told %s that this side stopped: %s", ", ".join(p.name for p in targets), reason)
+        now = time.monotonic()
+        runs = {p.run for p in targets}
+        live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
+        deadline = now + self.bounds.liveness_s
+        while live and time.monotonic() < deadline:
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                continue
+            envelope, frames, _ = request
+            try:
+                msg = wire.decode(frames, self.max_tensor)
+            except ProtocolError:
+                continue
+            if msg.run in runs and not is_abort_notice(msg):
+                self.server.reply(envelope, wire.abort_notice(msg.run, self.side.stage, reason))
+                live.discard(msg.run)
+        return bool(targets)
+
+    def _await_byes(self) -> None:
+        """After the run's last step: serve the data owners (a resent step, a ping) until each said bye, or
+        until those that have not are silent for ``liveness_s`` (at most ``liveness_s + peer_deadline_s``)."""
+        started = time.monotonic()
+        latest = started + self.bounds.liveness_s + self.bounds.peer_deadline_s
+        while not self._all_said_bye():
+            now = time.monotonic()
+            heard = max([started] + [p.heard for p in self.peers if p.bye is None])
+            if now >= min(latest, heard + self.bounds.liveness_s):
+                self.log.warning("no bye from %s within liveness_s = %g s after the last step; closing (every "
+                                 "step is replied to here)", ", ".join(p.name for p in self.peers if p.bye is None),
+                                 self.bounds.liveness_s)
+                return
+            request = self.server.receive(POLL_TICK_S)
+            if request is not None:
+                self._answer(request, self._handle)
+                self._score_held_out()
+        self.done = True
+
+    def _linger_after_byes(self) -> None:
+        """After the byes: answer what is still arriving (a bye resent because its reply was lost, a ping;
+        anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
+        def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
+            if msg.type == wire.PING or msg.type == wire.BYE and any(p.bye and p.run == msg.run for p in self.peers):
+                return self._handle(envelope, msg, peer_key)
+            raise ProtocolError(ErrorCode.RUN, "this label owner is closing; its data owners said bye")
+
+        deadline = time.monotonic() + self.bounds.liveness_s
+        while time.monotonic() < deadline:
+            request = self.server.receive(POLL_TICK_S)
+            if request is None:
+                return
+            self._answer(request, ended)
