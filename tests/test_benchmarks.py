@@ -45,6 +45,7 @@ SMOKE_TESTS = {
     "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
     "_torch_split.py": "test_torch_split",
+    "held_out_reconstruction.py": "test_held_out_reconstruction",
     "per_message.py": "test_per_message",
     "privacy.py": "test_privacy_tradeoff",
     "label_dp.py": "test_label_dp_curve",
@@ -94,6 +95,16 @@ def test_bench_smoke_runs_every_section(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_held_out_reconstruction():
+    """A few steps: a row per setting (accuracy, R^2 of the evaluation activations received, R^2 of the clean
+    ones); the undefended row's two R^2 are one figure."""
+    result = run_script("held_out_reconstruction.py", "--steps", "30")
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("|")]
+    assert [row[0].strip() for row in rows][0] == "undefended" and len(rows) == 4
+    assert rows[0][2] == rows[0][3]
+
+
 def test_per_message(tmp_path):
     out = tmp_path / "per_message.json"
     run_script("per_message.py", "--repeats", "1", "--json", out)

@@ -25,6 +25,7 @@ from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng
 from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
+EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
 NO_GUARANTEE = "no differential-privacy guarantee"
 
 
@@ -292,14 +293,19 @@ def _parties(exp: Experiment, stage: str) -> int:
 
 
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
-                   released: dict[str, int] | None = None, planned_steps: int | None = None) -> dict[str, Any]:
+                   released: dict[str, int] | None = None, planned_steps: int | None = None,
+                   held_out: dict[str, NoiseLedger] | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
     ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
-    sigma was chosen for (default ``steps``)."""
-    released = released or {}
+    sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
+    rows (its evaluations, when there were any) its entry counts (``held_out_budget``)."""
+    released, held_out = released or {}, held_out or {}
     entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps)
                for stage in stages if exp.has_stage(stage)}
+    for stage, ledger in held_out.items():
+        if entries.get(stage) and ledger.held_out.get(EVALUATION) and not label_owner_sends_gradients(exp, stage):
+            entries[stage].update(held_out_budget(ledger, EVALUATION))
     entries = {stage: entry for stage, entry in entries.items() if entry}
     return {"privacy": entries} if entries else {}
 
@@ -337,6 +343,17 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         entry["noise_seed"] = noise_seed(exp, stage)
         entry["drawn_by"] = drawn
     return entry
+
+
+def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:
+    """A data owner's releases of held-out rows for ``purpose`` (``"evaluation"``: every evaluation releases
+    each held-out row once more; ``"predict"``: each new row once), as its budget entry's
+    ``evaluation_releases`` or ``prediction_releases``: ``{"releases": tensors sent, "rows": rows in them,
+    "per_row": releases of each row}``. Its ``clip_noise`` states no guarantee for them either."""
+    releases, rows = ledger.held_out.get(purpose, 0), ledger.held_out_rows.get(purpose, 0)
+    per_row = releases if purpose == EVALUATION else min(releases, 1)
+    key = "evaluation_releases" if purpose == EVALUATION else "prediction_releases"
+    return {key: {"releases": releases, "rows": rows, "per_row": per_row}}
 
 
 def random_defenses(exp: Experiment, stage: str) -> list[str]:
@@ -378,6 +395,10 @@ def _entry_text(entry: dict[str, Any]) -> str:
             else:
                 scope = f" ({value['guarantee']})" if "guarantee" in value else ""
                 parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}{scope}")
+        elif isinstance(value, dict) and "per_row" in value:
+            what = "held-out rows in evaluations" if key == "evaluation_releases" else "new rows in predictions"
+            parts.append(f"{what}: {value['rows']} row releases in {value['releases']} tensors, each row released "
+                         f"{value['per_row']} times with the clip_noise noise ({NO_GUARANTEE})")
         elif isinstance(value, dict):
             parts.append(f"{key}: {value.get('error', value)}")
         else:

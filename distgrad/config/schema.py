@@ -243,8 +243,9 @@ _STAGE_COMMON: dict[str, Key] = {
                    "counting every step a row is in), a data owner's on the activations it sends down (no DP "
                    "guarantee stated). The label owner's target form { max_norm = C, epsilon = E } chooses s for "
                    "the run's planned releases (each row once per epoch of its steps) and refuses the step that "
-                   "would release a row more often. Training steps only: evaluations and predictions cross "
-                   "undefended. Not on a middle stage"),
+                   "would release a row more often. A data owner's acts on its evaluations' and predictions' "
+                   "activations too (counted in its budget entry); the label owner's on training gradients only. "
+                   "Not on a middle stage"),
     "max_norm": Key(None, kind="boolean", shown="false", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "

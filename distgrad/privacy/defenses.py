@@ -33,6 +33,8 @@ DTYPE = np.float32
 TINY_VARIANCE = 1e-30      # a class's variance below this counts as this (a KL divergence stays finite)
 DEFAULT_DELTA = 1e-5       # the delta of the clip_noise label-DP budget when the stage file gives none
 
+ACTIVATION = "activation"   # the wire direction of a data owner's rows (distgrad.wire.wirecodec)
+
 MARVELL_SPLITS = 64         # Marvell's search: how its KL bound is split between the two parts of the noise
 MARVELL_GRID = 256          # and the grid of the negative class's variance along the class-mean difference
 
@@ -144,10 +146,28 @@ class SentRows:
         return self.defenses.send(x, defense_rng(self.ledger.secret, self.stage, stream, step, values),
                                   lambda: self._labels(step, micro_batch, len(x)))
 
+    def held_out(self, x: np.ndarray, purpose: str, step: int) -> np.ndarray:
+        """What crosses for held-out or new rows' activations ``x`` sent by a data owner: an evaluation after
+        step ``step - 1`` (``purpose`` ``"evaluation"``) or chunk ``step`` of a prediction (``"predict"``).
+        The data owner's ``clip_noise`` acts on them as on its training rows, keyed by a stream of their own
+        (never a training stream's draw) and the digest of ``x``, and the release is counted in the ledger
+        (``NoiseLedger.release_held_out``). A label owner's defenses act on the gradients of training rows
+        only: an evaluation sends none, so ``x`` is returned as it is."""
+        if self.direction != ACTIVATION:
+            return x
+        values = digest(x)
+        self.ledger.release_held_out(step, purpose, values, len(x))
+        return self.defenses.send(x, defense_rng(self.ledger.secret, self.stage, f"{purpose}/{ACTIVATION}", step,
+                                                 values), _no_labels)
+
     def _labels(self, step: int, micro_batch: int, rows: int) -> np.ndarray:
         if self.labels is None:
             raise ValueError("Marvell needs the rows' labels: bind the stage's labels to its SentRows")
         return np.asarray(self.labels(step))[micro_batch * rows:(micro_batch + 1) * rows]
+
+
+def _no_labels() -> np.ndarray:
+    raise ValueError("Marvell is the label owner's: held-out rows' activations carry no labels")
 
 
 def defense_rng(secret: int, stage: str, stream: str, step: int, values: str = "") -> np.random.Generator:

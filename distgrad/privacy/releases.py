@@ -13,6 +13,10 @@ The ledger also counts how many times each row was released (each step it is in,
 goes to) for the per-row budget (``privacy.budget``); with a ``limit`` (the target form of ``clip_noise``) it
 refuses the release that would take a row past it (``BudgetExhausted``), before anything is sent.
 
+A data owner's evaluations and predictions (held-out or new rows) are released with noise too; the ledger
+counts them apart (``release_held_out``: each evaluation releases every held-out row once more; a prediction
+chunk releases its rows once), since their rows are not the training rows the per-row counts number.
+
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
 both. ``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only:
 it makes every run draw from the same secret, so two runs then repeat their noise.
@@ -32,6 +36,8 @@ from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
 NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
 SECRET_BYTES = 16                                  # 128 random bits a run
 COUNTS = "privacy/releases"                        # the checkpoint array of the per-row release counts
+HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations)
+HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 
 
 def fresh_secret(override: int | None = None) -> int:
@@ -92,10 +98,35 @@ class NoiseLedger:
         self.on_release = on_release
         self.pending: dict[tuple[int, str], Release] = {}
         self.counts = np.zeros(0, np.int64)
+        self.held_out: dict[str, int] = {}          # purpose ("evaluation", "predict") -> releases
+        self.held_out_rows: dict[str, int] = {}     # purpose -> rows in them
+        self._held_out_seen: set[tuple[int, str, str]] = set()
 
     def new_run(self, secret: int) -> None:
         """A new run: a new secret, nothing released."""
         self.secret, self.pending, self.counts = secret, {}, np.zeros(0, np.int64)
+        self.held_out, self.held_out_rows, self._held_out_seen = {}, {}, set()
+
+    def release_held_out(self, step: int, purpose: str, values: str, rows: int) -> None:
+        """Record that held-out or new rows (``rows`` of them, values of digest ``values``) are sent with noise
+        for ``purpose`` (``"evaluation"`` after step ``step - 1``, ``"predict"`` chunk ``step``). The same
+        values again at the same step draw the same noise (a resent message): nothing new."""
+        if (step, purpose, values) in self._held_out_seen:
+            return
+        release = Release(step, f"{HELD_OUT_STREAM}/{purpose}/{int(rows)}", values, None)
+        if self.on_release is not None:      # in the file of releases since the checkpoint: a kill -9 keeps it
+            self.on_release(release)
+        self._count_held_out(release)
+
+    def _count_held_out(self, release: Release) -> None:
+        """Count a ``release_held_out`` release (its stream ``held_out/PURPOSE/ROWS``) once."""
+        _, purpose, rows = release.stream.split("/")
+        key = (release.step, purpose, release.digest)
+        if key in self._held_out_seen:
+            return
+        self._held_out_seen.add(key)
+        self.held_out[purpose] = self.held_out.get(purpose, 0) + 1
+        self.held_out_rows[purpose] = self.held_out_rows.get(purpose, 0) + int(rows)
 
     @property
     def worst(self) -> int:
@@ -156,7 +187,10 @@ class NoiseLedger:
     def arrays(self, step: int) -> dict[str, np.ndarray]:
         """The checkpoint of ``step``'s counts: every release up to ``step`` (later ones, of steps in
         flight, stay pending and come back with ``restore``)."""
-        return {COUNTS: self.counts - self._pending_counts(step)}
+        evaluations = self.held_out.get("evaluation", 0)
+        return {COUNTS: self.counts - self._pending_counts(step),
+                **({HELD_OUT: np.array([evaluations, self.held_out_rows.get("evaluation", 0)], np.int64)}
+                   if evaluations else {})}
 
     def checkpointed(self, step: int) -> list[Release]:
         """Step ``step`` is checkpointed: forget the releases up to it (a resume starts after it); return
@@ -164,11 +198,23 @@ class NoiseLedger:
         self.pending = {key: r for key, r in self.pending.items() if r.step > step}
         return list(self.pending.values())
 
-    def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int) -> None:
+    def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
+                held_out: np.ndarray | None = None) -> None:
         """Back to the checkpoint of ``step`` of the same run: its ``secret`` and ``counts`` (None: none
-        released), with the releases after ``step`` that were already made (``pending``) kept and counted."""
+        released), with the releases after ``step`` that were already made (``pending``) kept and counted;
+        ``held_out``: the checkpoint's evaluations and their rows (``HELD_OUT``; None: the counts stay as
+        they are, a rollback within the process)."""
         self.secret = secret
-        kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending] if r.step > step}
+        if held_out is not None:
+            evaluations, rows = (int(v) for v in np.asarray(held_out, np.int64).reshape(-1)[:2])
+            self.held_out, self.held_out_rows = {"evaluation": evaluations}, {"evaluation": rows}
+            self._held_out_seen = set()
+        pending = list(pending)
+        kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending]
+                if r.step > step and not r.stream.startswith(HELD_OUT_STREAM + "/")}
+        for release in pending:      # held-out rows released after the checkpoint, before a kill -9
+            if release.stream.startswith(HELD_OUT_STREAM + "/"):
+                self._count_held_out(release)
         self.counts = np.array(counts, np.int64) if counts is not None else np.zeros(0, np.int64)
         self.pending = {}
         for release in sorted(kept.values(), key=lambda r: (r.step, r.stream)):

@@ -57,6 +57,7 @@ from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_for
                                    resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
+from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
@@ -438,7 +439,7 @@ class GroupServer(CutServer, serves_several=True):
         body = {"loss": float(_one_number(loss, "the loss evaluate returned")),
                 "correct": None if correct is None else int(correct), "count": len(self.test_rows)}
         for p in self.peers:
-            p.evaluated = Message(wire.EVALUATION, p.run, self.step + 1, body=dict(body))
+            p.evaluated = evaluation_reply(p.run, self.step + 1, body)
             p.evaluate = None
             if p.envelope is not None:
                 self.server.reply(p.envelope, p.evaluated)

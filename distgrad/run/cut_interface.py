@@ -206,6 +206,12 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
         stage = exp.stage_names[0] if end == FIRST else exp.stage_names[-1]
     if stage not in exp.stage_names:
         raise ConfigError(f"{interface}: no stage {stage!r}; its stages are {list(exp.stage_names)}")
+    defended = sorted(exp.spec(stage).defenses.as_table())
+    if defended:
+        raise ConfigError(f"{interface}: stage {stage!r} has {defended}, but the cut library's loop sends what it "
+                          f"computes: it applies no stage's defenses, to its steps or its evaluations. Remove them "
+                          f"from stage {stage!r} and add any noise in the loop itself, or run the stage as the "
+                          f"daemon (distgrad-stage), which applies them")
     data = exp.spec(stage).data
     data = dict(exp.data if data is None else data)
     return ({"interface": interface_table(exp), "stage": {"name": stage}, **({"data": data} if data else {})},

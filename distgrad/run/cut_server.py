@@ -61,6 +61,7 @@ from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
+from distgrad.wire.link import evaluation_reply
 from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, TensorSpecs, WireTensor, stream_name
 
@@ -398,7 +399,7 @@ class CutServer:
         loss, correct = self.evaluate(h, self.test_rows)
         if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
             raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
-        self.evaluation = Message(wire.EVALUATION, msg.run, msg.step, body={
+        self.evaluation = evaluation_reply(msg.run, msg.step, {
             "loss": float(_one_number(loss, "the loss evaluate returned")), "correct": None if correct is None else int(correct),
             "count": len(self.test_rows)})
         return self.evaluation

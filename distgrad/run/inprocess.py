@@ -116,6 +116,12 @@ def _step(engines: list[StepEngine], step: int, features: np.ndarray, targets: n
     return loss
 
 
+def _ledgers(engines: list[StepEngine]) -> dict[str, Any]:
+    """The noise ledger of each stage that has one (its held-out rows' releases, ``privacy_budget``)."""
+    return {engine.stage.name: engine.senders.defense.ledger for engine in engines
+            if engine.senders.defense is not None}
+
+
 def _worst_rows(engines: list[StepEngine]) -> dict[str, int]:
     """The worst row's count of releases of each stage whose defense counts them (its ledger)."""
     return {engine.stage.name: engine.senders.defense.ledger.worst for engine in engines
@@ -235,12 +241,12 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
 
 
 def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
-                       step: int) -> dict[str, Any]:
-    """Every party's held-out rows forward (each crossing as ``Senders.evaluation_roundtrip`` makes it, as the
-    evaluation message after ``step`` carries it), combined, scored by the last stage."""
-    senders = Senders(exp.codecs)
-    z = aggregate.join_input([senders.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
-                                                           step + 1) for party, d in zip(parties, data)],
+                       step: int, senders: list[Senders]) -> dict[str, Any]:
+    """Every party's held-out rows forward (each crossing as its ``senders`` entry's ``evaluation_roundtrip``
+    makes it, with the party's defenses, as the evaluation message after ``step`` carries it), combined,
+    scored by the last stage."""
+    z = aggregate.join_input([sent.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
+                                                        step + 1) for party, d, sent in zip(parties, data, senders)],
                              labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
     return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
                              labels.validation_count)
@@ -279,15 +285,16 @@ class _ParameterFiles:
             write_preparation(path, self.exp.preparation(self.seed, client, stage))
 
 
-def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: Senders, step: int,
+def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: list[Senders], step: int,
               metrics: Sequence[str]) -> dict[str, Any]:
     """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
-    activation crosses as ``senders.evaluation_roundtrip`` makes it (no error feedback: an evaluation changes
-    nothing), as the evaluation message after ``step`` carries it; ``metrics``: the scores besides the loss."""
+    activation crosses as its stage's ``senders`` entry's ``evaluation_roundtrip`` makes it (the data owner's
+    defenses, no error feedback: an evaluation changes nothing), as the evaluation message after ``step``
+    carries it; ``metrics``: the scores besides the loss."""
     x = data.test_features()
-    for stage in upstream:
+    for stage, sent in zip(upstream, senders, strict=True):
         x, _ = stage.forward(x, training=False)
-        x = senders.evaluation_roundtrip(x, step + 1)
+        x = sent.evaluation_roundtrip(x, step + 1)
     return evaluate_held_out(last, x, labels.test_targets(), metrics, labels.validation_count)
 
 
@@ -341,7 +348,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         if evaluation_due(step, steps, eval_every):
             for c, client in enumerate(clients):
                 if len(data[c].test_rows):
-                    scores[c] = score = _evaluate([client], last, data[c], labels[c], Senders(exp.codecs), step,
+                    scores[c] = score = _evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], step,
                                                   exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, score))
                     if "test" in score:
@@ -364,7 +371,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
         "status": "completed", "mode": "in-process", "transport": None,
         "clients": per_client,
-        **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine])),
+        **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine]),
+                         held_out=_ledgers([pairs[0][0]])),     # every client evaluates as often
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
     }
@@ -458,9 +466,10 @@ class _Reference:
         """Score the held-out rows after ``step`` (with keep_best, a new best step's parameters are saved);
         True when early stopping ends the run there."""
         exp, (*upstream, last) = self.exp, self.stages
-        self.evaluation = (_evaluate_vertical(upstream, last, exp, self.owners, self.labels, step) if exp.vertical
-                           else _evaluate(upstream, last, self.data, self.labels, Senders(exp.codecs), step,
-                                          self.spec.metrics))
+        senders = [engine.senders for engine in self.engines[:-1]]
+        self.evaluation = (_evaluate_vertical(upstream, last, exp, self.owners, self.labels, step, senders)
+                           if exp.vertical else _evaluate(upstream, last, self.data, self.labels, senders, step,
+                                                          self.spec.metrics))
         self.evaluations.append(evaluation_entry(step, self.evaluation))
         if "test" in self.evaluation:
             self.tests[step] = self.evaluation["test"]
@@ -500,7 +509,8 @@ class _Reference:
             **self.verdicts.summary(),
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
             **kept_test_fields(self.tests, self.verdicts.best_step),
-            **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines)),
+            **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines),
+                             held_out=_ledgers(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             **(self.guarding.summary_fields() if self.guarding else {}),
             "params": {s.name: to_lists(s.params) for s in self.stages},

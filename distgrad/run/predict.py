@@ -12,7 +12,8 @@ Messages (docs/protocol.md): a ``hello`` with ``purpose = "predict"``, the
 interface check of training, and the number of rows; ``predict`` messages
 (``step`` = chunk number n from 1, tensor ``activation`` of
 ``min(batch, rows - (n - 1) * batch)`` rows, coded as an evaluation's activations are:
-``Senders.evaluation_tensors``), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
+``Senders.evaluation_tensors``, with the data owner's ``clip_noise`` drawn from a noise secret fresh
+for each prediction), each answered by ``predicted`` (``body.rows``); a ``bye`` with the
 chunk and row counts, answered once the file is written. A chunk sent again
 (a retry) replaces itself, so a retry never duplicates rows.
 
@@ -52,6 +53,8 @@ from distgrad.model import aggregate
 from distgrad.run import handshake
 
 from distgrad.wire import messages as wire
+from distgrad.config.defended import budget_text, held_out_budget
+from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
@@ -65,7 +68,7 @@ from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import ACTIVATION, Expected, WireTensor
+from distgrad.wire.wirecodec import ACTIVATION, PREDICT, Expected, WireTensor
 
 MAX_CHUNKS = 1 << 20        # chunks one prediction may send (a bound on the label owner's memory)
 OUTPUT_SUFFIXES = (".csv", ".npy")
@@ -336,6 +339,8 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
     id_chunks = _id_chunks(new_rows, chunk_rows)
     state = StageState(opts)
     stage, log = state.stage, state.log
+    if state.ledger is not None:            # each prediction is a run of its own: its noise is never a training run's
+        state.ledger.new_run(fresh_secret())
     link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
     run = uuid.uuid4().hex
     chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
@@ -349,13 +354,15 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
         for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
             y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
             reply = link.exchange(Message(wire.PREDICT, run, number, body={} if ids is None else {"ids": ids},
-                                          tensors=state.senders.evaluation_tensors(y, number)))
+                                          tensors=state.senders.evaluation_tensors(y, number, PREDICT)))
             acknowledged += _acknowledged(reply, number, len(chunk))
         reply = link.exchange(Message(wire.BYE, run, len(chunks) + 1, body={"chunks": len(chunks),
                                                                                "rows": len(rows)}))
         if reply.type != wire.BYE or reply.body.get("rows") != len(rows):
             raise ProtocolError(ErrorCode.TYPE, f"expected the bye of {len(rows)} rows, got {reply.describe()}")
         log.info("sent %d rows in %d chunks; the label owner wrote their predictions", acknowledged, len(chunks))
+        if state.ledger is not None:
+            log.info("privacy: %s", budget_text({opts.stage: held_out_budget(state.ledger, PREDICT)}))
         return acknowledged
     finally:
         link.close()
@@ -553,7 +560,7 @@ class PredictionServer:
         if self.link is not None:
             body = {} if ids is None else {"ids": ids}
             reply = self.link.exchange(Message(wire.PREDICT, msg.run, msg.step, body=body,
-                                               tensors=self.state.senders.evaluation_tensors(y, msg.step)))
+                                               tensors=self.state.senders.evaluation_tensors(y, msg.step, PREDICT)))
             _acknowledged(reply, msg.step, rows)
         else:
             session.chunks[msg.step], scores = self._outputs(y if batched else y[None])

@@ -61,7 +61,7 @@ from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import is_whole
 from distgrad.run.metering import Metering, NoMetering, step_rows
-from distgrad.wire.link import DownstreamLink
+from distgrad.wire.link import DownstreamLink, evaluation_reply
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
@@ -593,7 +593,7 @@ class ServingStage:
                 replies.append((peer.envelope, wire.error_message(msg.run, msg.step, code, text)))
                 continue
             peer.evaluation = result
-            peer.evaluated = Message(wire.EVALUATION, msg.run, msg.step, body=result)
+            peer.evaluated = evaluation_reply(msg.run, msg.step, result)
             replies.append((peer.envelope, peer.evaluated))
         return replies
 

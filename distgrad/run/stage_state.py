@@ -20,7 +20,7 @@ import numpy as np
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import COUNTS, Release, fresh_secret
+from distgrad.privacy.releases import COUNTS, HELD_OUT, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -285,7 +285,7 @@ class StageState:
                 raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
                                   f"defenses drew from one; start a new run (without --resume)")
             self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), self._released_since(ckpt.run, ckpt.step),
-                                ckpt.step)
+                                ckpt.step, ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
 
     def _append_release(self, release: Release) -> None:
         """Before a release leaves: its line in the file of releases since the last checkpoint."""
@@ -458,7 +458,7 @@ class StageState:
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
-                             self.opts.total_steps),
+                             self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger}),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:

@@ -288,3 +288,52 @@ def _scores(body: Any, reply: Message) -> dict[str, Any]:
                 raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has {verdict}={wire.show(body[verdict])}")
             out[verdict] = body[verdict]
     return out
+
+
+EVALUATION_SCORES = ("loss", "correct", "count", "metrics", "best", "stop")   # all an evaluation reply carries
+TEST_SCORES = ("loss", "correct", "count", "metrics")     # with a validation split: the test rows' own, as ``test``
+
+
+def evaluation_reply(run: str, step: int, result: Mapping[str, Any]) -> Message:
+    """The label owner's reply to an evaluation: only the aggregate scores of ``result`` (``EVALUATION_SCORES``:
+    the loss, the rows right, the rows scored, each metric's one number, the ``best``/``stop`` verdicts; with a
+    validation split, the test rows' ``TEST_SCORES`` as ``test``), no tensor and nothing per row, whatever else
+    ``result`` holds. Raises ``ValueError`` for a score that is not one number (a metric computed per row)."""
+    body = _aggregate_scores(result, EVALUATION_SCORES)
+    test = result.get("test")
+    if test is not None:
+        if not isinstance(test, Mapping):
+            raise ValueError(f"an evaluation's test scores are a map of names to numbers, got {type(test).__name__}")
+        body["test"] = _aggregate_scores(test, TEST_SCORES)
+    return Message(wire.EVALUATION, run, step, body=body)
+
+
+def _aggregate_scores(result: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The ``keys`` of ``result`` each as one number (metrics: a map of one number each; verdicts: bools)."""
+    body: dict[str, Any] = {}
+    for key in keys:
+        if key not in result:
+            continue
+        value = result[key]
+        if key == "metrics":
+            if not isinstance(value, Mapping):
+                raise ValueError(f"an evaluation's metrics are a map of names to numbers, got {type(value).__name__}")
+            value = {str(name): _one_score(score, f"metric {name!r}") for name, score in value.items()}
+        elif key in ("best", "stop"):
+            value = bool(value)
+        elif key == "loss":
+            value = _one_score(value, "the loss")
+        elif value is not None:
+            value = int(_one_score(value, key))
+        body[key] = value
+    return body
+
+
+def _one_score(value: Any, what: str) -> Any:
+    """``value`` as one float (None stays None); ``ValueError`` for anything with more than one number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or np.ndim(value) != 0:
+        raise ValueError(f"an evaluation reply carries one number for {what}, got {type(value).__name__} "
+                         f"of shape {np.shape(value)}: nothing per row leaves the label owner")
+    return float(value)

@@ -16,8 +16,8 @@ runners need:
 * ``Senders``: the one pipeline of what leaves a stage, in every runner (the
   in-process reference, the driver, the serving and middle stages, vertical
   parties, predictions): the stage's output, then what is done to what is sent
-  (the stage's defenses on its training rows, ``distgrad.privacy.defenses``, then
-  the codec), then the message tensors. It holds the
+  (the stage's defenses, ``distgrad.privacy.defenses``: on its training rows, and a
+  data owner's on its evaluation and prediction rows too; then the codec), then the message tensors. It holds the
   error-feedback residuals of ``topk:K+ef``. A residual belongs to a tensor
   *stream* (one direction, one peer, one micro-batch index); a step's new
   residuals are pending until the step is applied (``commit``, called by the
@@ -50,6 +50,7 @@ from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, 
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
 DIRECTIONS = (ACTIVATION, GRADIENT)
+EVALUATION, PREDICT = "evaluation", "predict"      # why held-out or new rows' activations are sent
 WIRE_TENSORS_KEPT = 16      # (direction, shape) pairs a Senders keeps its WireTensor of (a step's, an evaluation's)
 STATE_PREFIX = "codec/"     # checkpoint array names of error-feedback residuals: codec/DIRECTION/STREAM
 
@@ -185,7 +186,8 @@ class Senders:
     ``max_norm`` or ``marvell``; None: nothing), a pure function of the run's noise secret, the stream, the
     step, the values and (Marvell) the labels of the stream's micro-batch; its ledger records each release
     (and refuses a step computed again on other values, or past the budget: nothing is sent then).
-    Evaluations and predictions are not defended.
+    A data owner's defense acts on its evaluations and predictions too (``evaluation_tensors``), with
+    noise of its own stream, counted apart in the ledger.
     """
 
     def __init__(self, codecs: Mapping[str, Codec], defense: SentRows | None = None) -> None:
@@ -253,15 +255,23 @@ class Senders:
             wire_tensor = self._wire_tensors[key] = WireTensor(direction, x.shape, self.codecs[direction])
         return wire_tensor.pack(self._send(direction, x, stream, step, "encode", rows))
 
-    def evaluation_tensors(self, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
-        """The message tensors of held-out activations ``x``: the activation codec without error feedback
-        (an evaluation changes no state)."""
+    def evaluation_tensors(self, x: np.ndarray, step: int, purpose: str = EVALUATION) -> dict[str, np.ndarray]:
+        """The message tensors of held-out activations ``x`` (``purpose`` ``EVALUATION``, after step
+        ``step - 1``) or of new rows' (``PREDICT``, chunk ``step``): a data owner's defense
+        (``SentRows.held_out``: its ``clip_noise``, counted in its ledger), then the activation codec without
+        error feedback (an evaluation changes no state)."""
+        x = self._held_out(x, step, purpose)
         codec = self.codecs[ACTIVATION]
         return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, ACTIVATION, step))
 
-    def evaluation_roundtrip(self, x: np.ndarray, step: int) -> np.ndarray:
+    def evaluation_roundtrip(self, x: np.ndarray, step: int, purpose: str = EVALUATION) -> np.ndarray:
         """What the receiver computes with for held-out activations ``x`` (twin of ``evaluation_tensors``)."""
-        return self.codecs[ACTIVATION].roundtrip(x, ACTIVATION, step)
+        return self.codecs[ACTIVATION].roundtrip(self._held_out(x, step, purpose), ACTIVATION, step)
+
+    def _held_out(self, x: np.ndarray, step: int, purpose: str) -> np.ndarray:
+        if purpose not in (EVALUATION, PREDICT):
+            raise ValueError(f"held-out rows are sent for {EVALUATION!r} or {PREDICT!r}, not {purpose!r}")
+        return x if self.defense is None else self.defense.held_out(x, purpose, step)
 
     def _feedback(self, codec: Codec, stream: str) -> ErrorFeedback:
         """An ``ErrorFeedback`` holding ``stream``'s committed residual (none yet: zeros)."""
