@@ -52,7 +52,7 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
 from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, saved_reply
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
                                    resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
@@ -148,12 +148,7 @@ class GroupServer(CutServer, serves_several=True):
         ``CutMisuse`` when the batch given out last has no reply, ``PeerTimeout`` when a data owner this
         side waits for stays silent for ``liveness_s + peer_deadline_s`` (naming it), ``PeerAborted`` when
         one said it stopped."""
-        self._check_open()
-        if self.batch is not None and not self.batch.replied:
-            raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
-                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
-        self.batch = None
-        self._flush()
+        self._next_batch_asked()
         started = time.monotonic()
         while True:
             if self.failure is not None:
@@ -360,14 +355,7 @@ class GroupServer(CutServer, serves_several=True):
         if mbs != self.mbs and (self.step or self.next_mb or any(p.run for p in self.peers if p is not peer)):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but this run's other "
                                                     f"data owners take {self.mbs}")
-        answerable = [h for h in held if h <= peer.step and all(
-            (t, mb) in peer.cache for t in range(h + 1, peer.step + 1) for mb in range(mbs))]
-        if not answerable:
-            again = sorted({t for t, _ in peer.cache if t <= peer.step})
-            cached = f" (and can answer steps {wire.show(again)} again)" if again else ""
-            raise ProtocolError(ErrorCode.RUN, f"{peer.name} can return to steps {wire.show(held)} of run {msg.run}, "
-                                               f"this label owner has it at step {peer.step}{cached}: resume every "
-                                               f"side from checkpoints of the same step")
+        next_step = rejoin_step(held, peer.step, peer.cache, mbs, peer.name, msg.run)
         if msg.run != peer.run:
             self.log.info("%s starts run %s", peer.name, msg.run)
             peer.cache, peer.senders, peer.since = {}, Senders(self.exp.codecs), time.time()
@@ -375,7 +363,6 @@ class GroupServer(CutServer, serves_several=True):
         peer.waiting, peer.evaluate = {}, None     # what it sent before this hello, it sends again
         peer.heard, peer.envelope = now, envelope
         self.mbs = mbs
-        next_step = max(answerable) + 1
         self.log.info("%s said hello (run %s, %d micro-batches); next step %d", peer.name, msg.run, mbs, next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
 

@@ -54,7 +54,7 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    decode_and_handle, hello_fields, is_abort_notice, not_accepted, pong,
                                    prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
@@ -241,12 +241,7 @@ class CutServer:
         Stops after the data owner's bye. Raises ``CutMisuse`` when the batch given out last has no reply,
         ``PeerTimeout`` when the data owner stays silent for ``liveness_s + peer_deadline_s``,
         ``PeerAborted`` when it said it stopped (its reason in the message)."""
-        self._check_open()
-        if self.batch is not None and not self.batch.replied:
-            raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
-                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
-        self.batch = None
-        self._flush()
+        self._next_batch_asked()
         if self.failure is not None:
             raise self.failure
         if self.done:
@@ -269,6 +264,16 @@ class CutServer:
             if isinstance(out, Batch):
                 self.batch = out
                 return out
+
+    def _next_batch_asked(self) -> None:
+        """The loop asks for its next batch, one rule for every cut server: ``CutMisuse`` unless the server is
+        open and the batch given out last has its reply; then the replies the loop made since leave."""
+        self._check_open()
+        if self.batch is not None and not self.batch.replied:
+            raise CutMisuse(f"the loop asked for the next batch without replying to step {self.batch.step} "
+                            f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
+        self.batch = None
+        self._flush()
 
     def _answer(self, request: tuple[list[bytes], list[Any], str],
                 handle: Callable[[list[bytes], Message, str], Any]) -> Any:
@@ -355,15 +360,7 @@ class CutServer:
                                                     f"is under way here in {self.mbs}")
         # The newest step the data owner holds from which every later step this side applied can be
         # answered again from the cache (the steps it sent but did not see answered, or had in flight).
-        answerable = [h for h in held if h <= self.step and all(
-            (t, mb) in self.cache for t in range(h + 1, self.step + 1) for mb in range(self.mbs))]
-        if not answerable:
-            again = sorted({t for t, _ in self.cache if t <= self.step})
-            cached = f" (and can answer steps {wire.show(again)} again)" if again else ""
-            raise ProtocolError(ErrorCode.RUN, f"the data owner can return to steps {wire.show(held)} of run "
-                                               f"{msg.run}, this label owner stands at step {self.step}{cached}: "
-                                               f"resume both sides from checkpoints of the same step")
-        next_step = max(answerable) + 1
+        next_step = rejoin_step(held, self.step, self.cache, self.mbs, "the data owner", msg.run)
         if msg.run != self.run_id:
             self.log.info("run %s started by %s", msg.run, body.get("role"))
             self.cache, self.senders = {}, Senders(self.exp.codecs)

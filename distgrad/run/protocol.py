@@ -129,6 +129,23 @@ def prune_replies(cache: dict[tuple[int, int], Cached], oldest: int) -> dict[tup
     return {key: reply for key, reply in cache.items() if key[0] >= oldest}
 
 
+def rejoin_step(held: list[int], step: int, cache: Mapping[tuple[int, int], Any], mbs: int, who: str,
+                run: str) -> int:
+    """The step a returning data owner (``who``) goes on from: the newest step it holds (``held``) from which
+    every later step this side applied (up to ``step``) can be answered again from ``cache`` (its replies by
+    step and micro-batch, ``mbs`` a step), plus one; ``ProtocolError`` (code ``run``) naming both sides' steps
+    when there is none."""
+    answerable = [h for h in held if h <= step and all(
+        (t, mb) in cache for t in range(h + 1, step + 1) for mb in range(mbs))]
+    if not answerable:
+        again = sorted({t for t, _ in cache if t <= step})
+        cached = f" (and can answer steps {wire.show(again)} again)" if again else ""
+        raise ProtocolError(ErrorCode.RUN, f"{who} can return to steps {wire.show(held)} of run {run}, this label "
+                                           f"owner stands at step {step}{cached}: resume both sides from "
+                                           f"checkpoints of the same step")
+    return max(answerable) + 1
+
+
 def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
     """The reply ``answered`` when evaluate ``msg`` repeats the one it answered (same run and step: the
     same scores, computed once), else None."""
