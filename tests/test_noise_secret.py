@@ -176,3 +176,28 @@ def test_a_resent_forward_with_other_activations_is_refused_and_the_run_goes_on(
         cut.step(h, cut.rows(2))
         cut.close(finished=False)
     assert g.proc.poll() is None
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+@pytest.mark.parametrize("back_to", [0, 2])
+def test_a_rollback_behind_the_last_checkpoint_still_refuses_other_activations(tmp_path, start_server, back_to):
+    """The label owner checkpoints steps 2 and 4; the data owner rejoins its run at an earlier step (0, or
+    the checkpoint of step 2: its own newest), so the label owner rolls back behind its last checkpoint. Step
+    ``back_to + 1`` was released before: other activations for it are refused, the same are answered alike,
+    and the per-row counts still hold every release made."""
+    f_file, g_file = _parties(tmp_path)
+    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--keep-serving")
+    g, endpoint = start_server(str(g_file), *flags)
+    hs = [_activations(i) for i in range(4)]
+    cut = Cut.connect(endpoint, interface=f_file, **BOUNDS)
+    replies = [cut.step(h, cut.rows(step))[1] for step, h in enumerate(hs, 1)]
+    run = cut.run_id
+    cut.closed = True
+    cut.link.close(linger_ms=0)
+    where = dict(run=run, step=back_to) if back_to else dict(run=run)
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        _one_step(endpoint, f_file, _activations(9), vanish=True, **where)
+    assert g.proc.poll() is None
+    np.testing.assert_array_equal(_one_step(endpoint, f_file, hs[back_to], vanish=True, **where)[1],
+                                  replies[back_to])

@@ -132,7 +132,7 @@ class StageState:
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance, opts.total_steps)))
-        # The run's noise secret and the releases of the steps since the last checkpoint (None: no defense
+        # The run's noise secret and every release of the run (None: no defense
         # draws noise). With a checkpoint directory they are also appended to a file there before each
         # release leaves, so that a resume after kill -9 still refuses a step computed again on other input.
         self.ledger = self.senders.defense.ledger if self.senders.defense is not None else None
@@ -284,11 +284,11 @@ class StageState:
             if not isinstance(secret, str):
                 raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
                                   f"defenses drew from one; start a new run (without --resume)")
-            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), self._released_since(ckpt.run, ckpt.step),
+            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), self._released_since(ckpt.run, 0),
                                 ckpt.step, ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
 
     def _append_release(self, release: Release) -> None:
-        """Before a release leaves: its line in the file of releases since the last checkpoint."""
+        """Before a release leaves: its line in the file of the run's releases."""
         assert self.released_file is not None
         try:
             with open(self.released_file, "a", encoding="utf-8") as f:
@@ -313,7 +313,7 @@ class StageState:
         return found
 
     def _rewrite_released(self, releases: list[Release]) -> None:
-        """The file of releases holds only ``releases`` (those after the checkpoint just written)."""
+        """The file of releases holds only ``releases`` (every release of the run)."""
         if self.released_file is None:
             return
         text = "".join(json_text({"run": self.run_id, **r.as_json()}) + "\n" for r in releases)
