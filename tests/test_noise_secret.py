@@ -176,3 +176,75 @@ def test_a_resent_forward_with_other_activations_is_refused_and_the_run_goes_on(
         cut.step(h, cut.rows(2))
         cut.close(finished=False)
     assert g.proc.poll() is None
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+@pytest.mark.parametrize("back_to", [0, 2])
+def test_a_rollback_behind_the_last_checkpoint_still_refuses_other_activations(tmp_path, start_server, back_to):
+    """The label owner checkpoints steps 2 and 4; the data owner rejoins its run at an earlier step (0, or
+    the checkpoint of step 2: its own newest), so the label owner rolls back behind its last checkpoint. Step
+    ``back_to + 1`` was released before: other activations for it are refused, the same are answered alike,
+    and the per-row counts still hold every release made."""
+    f_file, g_file = _parties(tmp_path)
+    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--keep-serving")
+    g, endpoint = start_server(str(g_file), *flags)
+    hs = [_activations(i) for i in range(4)]
+    cut = Cut.connect(endpoint, interface=f_file, **BOUNDS)
+    replies = [cut.step(h, cut.rows(step))[1] for step, h in enumerate(hs, 1)]
+    run = cut.run_id
+    cut.closed = True
+    cut.link.close(linger_ms=0)
+    where = dict(run=run, step=back_to) if back_to else dict(run=run)
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        _one_step(endpoint, f_file, _activations(9), vanish=True, **where)
+    assert g.proc.poll() is None
+    np.testing.assert_array_equal(_one_step(endpoint, f_file, hs[back_to], vanish=True, **where)[1],
+                                  replies[back_to])
+
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_a_release_recorded_after_a_torn_line_outlives_the_next_kill_9(tmp_path, start_server):
+    """A kill -9 while a release's line is being appended leaves a torn last line (that release never left).
+    The resumed label owner's next release must not be glued to it, where it could not be read back: after
+    a second kill -9, step 5 (released after the torn line) on other activations is still refused."""
+    f_file, g_file = _parties(tmp_path)
+    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "3", "--resume")
+    g, endpoint = start_server(str(g_file), *flags)
+    hs = [_activations(i) for i in range(5)]
+
+    def steps(endpoint: str, first: int, last: int, **where) -> list[np.ndarray]:
+        cut = Cut.connect(endpoint, interface=f_file, **BOUNDS, **where)
+        try:
+            return [cut.step(hs[step - 1], cut.rows(step))[1] for step in range(first, last + 1)]
+        finally:
+            cut.closed = True
+            cut.link.close(linger_ms=0)
+
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        for step in range(1, 5):                    # the checkpoint of step 3, then step 4
+            cut.step(hs[step - 1], cut.rows(step))
+        run = cut.run_id
+        g.signal(signal.SIGKILL)
+        g.wait(10)
+        cut.closed = True
+        cut.link.close(linger_ms=0)
+    [released] = (tmp_path / "ckpt").glob(".*.released")
+    with open(released, "a", encoding="utf-8") as f:
+        f.write('{"run": "' + run + '", "step": 5, "stream": "activ')        # torn by the kill
+    g2, endpoint2 = start_server(str(g_file), *flags, name="g2")
+    fifth = steps(endpoint2, 4, 5, run=run, step=3)[1]
+    g2.signal(signal.SIGKILL)
+    g2.wait(10)
+    g3, endpoint3 = start_server(str(g_file), *flags, name="g3")
+    hs[3] = _activations(8)                 # step 4, released before the torn line: kept as well
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        steps(endpoint3, 4, 4, run=run, step=3)
+    hs[3] = _activations(3)
+    hs[4] = _activations(9)
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        steps(endpoint3, 4, 5, run=run, step=3)
+    hs[4] = _activations(4)
+    np.testing.assert_array_equal(steps(endpoint3, 4, 5, run=run, step=3)[1], fifth)

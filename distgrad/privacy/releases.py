@@ -6,8 +6,8 @@ stream, the step and the digest of the values the noise is added to (``defenses.
 never share a draw, and a step computed again on the same values (a resume, a rollback) draws the same noise:
 the resumed run is bitwise the uninterrupted one. A step computed again on *other* values would be answered
 with independent noise, a second release of the same rows; the ledger refuses it instead
-(``NoiseReuseError``), from the digests of the steps computed since the last checkpoint (a stage process
-keeps them in a file beside its checkpoints, so they outlive a kill -9).
+(``NoiseReuseError``), from the digests of every step of the run released so far (a stage process keeps
+them in a file beside its checkpoints, so they outlive a kill -9 and a rollback behind the last checkpoint).
 
 The ledger also counts how many times each row was released (each step it is in, each peer its gradient
 goes to) for the per-row budget (``privacy.budget``); with a ``limit`` (the target form of ``clip_noise``) it
@@ -193,15 +193,16 @@ class NoiseLedger:
                    if evaluations else {})}
 
     def checkpointed(self, step: int) -> list[Release]:
-        """Step ``step`` is checkpointed: forget the releases up to it (a resume starts after it); return
-        those still pending, for the file."""
-        self.pending = {key: r for key, r in self.pending.items() if r.step > step}
+        """Step ``step`` is checkpointed: return every release of the run, for the file. None is forgotten:
+        a rollback may go back behind this checkpoint (to an older one, or to step 0, when the peer holds
+        no newer step), and the steps after it were released all the same."""
         return list(self.pending.values())
 
     def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
                 held_out: np.ndarray | None = None) -> None:
         """Back to the checkpoint of ``step`` of the same run: its ``secret`` and ``counts`` (None: none
-        released), with the releases after ``step`` that were already made (``pending``) kept and counted;
+        released), with the releases of the run that were already made (``pending``, and those this ledger
+        holds) kept, so a step released before is refused on other values, and those after ``step`` counted;
         ``held_out``: the checkpoint's evaluations and their rows (``HELD_OUT``; None: the counts stay as
         they are, a rollback within the process)."""
         self.secret = secret
@@ -211,11 +212,14 @@ class NoiseLedger:
             self._held_out_seen = set()
         pending = list(pending)
         kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending]
-                if r.step > step and not r.stream.startswith(HELD_OUT_STREAM + "/")}
+                if not r.stream.startswith(HELD_OUT_STREAM + "/")}
         for release in pending:      # held-out rows released after the checkpoint, before a kill -9
-            if release.stream.startswith(HELD_OUT_STREAM + "/"):
+            if release.stream.startswith(HELD_OUT_STREAM + "/") and release.step > step:
                 self._count_held_out(release)
         self.counts = np.array(counts, np.int64) if counts is not None else np.zeros(0, np.int64)
         self.pending = {}
         for release in sorted(kept.values(), key=lambda r: (r.step, r.stream)):
-            self._record(release)
+            if release.step > step:
+                self._record(release)
+            else:
+                self.pending[(release.step, release.stream)] = release     # counted in ``counts`` already

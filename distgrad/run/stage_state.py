@@ -20,7 +20,7 @@ import numpy as np
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import COUNTS, HELD_OUT, Release, fresh_secret
+from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -132,7 +132,7 @@ class StageState:
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance, opts.total_steps)))
-        # The run's noise secret and the releases of the steps since the last checkpoint (None: no defense
+        # The run's noise secret and every release of the run (None: no defense
         # draws noise). With a checkpoint directory they are also appended to a file there before each
         # release leaves, so that a resume after kill -9 still refuses a step computed again on other input.
         self.ledger = self.senders.defense.ledger if self.senders.defense is not None else None
@@ -284,11 +284,17 @@ class StageState:
             if not isinstance(secret, str):
                 raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
                                   f"defenses drew from one; start a new run (without --resume)")
-            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), self._released_since(ckpt.run, ckpt.step),
-                                ckpt.step, ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
+            released = self._released_since(ckpt.run, 0)
+            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
+                                ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
+            # Written again whole: a line a kill -9 tore would otherwise take the next release appended. The
+            # held-out releases after the checkpoint stay (the checkpoint does not count them).
+            self._rewrite_released([*self.ledger.pending.values(),
+                                    *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/")
+                                      and r.step > ckpt.step)], ckpt.run)
 
     def _append_release(self, release: Release) -> None:
-        """Before a release leaves: its line in the file of releases since the last checkpoint."""
+        """Before a release leaves: its line in the file of the run's releases."""
         assert self.released_file is not None
         try:
             with open(self.released_file, "a", encoding="utf-8") as f:
@@ -312,11 +318,13 @@ class StageState:
                 found.append(release)
         return found
 
-    def _rewrite_released(self, releases: list[Release]) -> None:
-        """The file of releases holds only ``releases`` (those after the checkpoint just written)."""
+    def _rewrite_released(self, releases: list[Release], run: str | None = None) -> None:
+        """The file of releases holds only ``releases`` (every release of the run ``run``, by default the
+        live one)."""
         if self.released_file is None:
             return
-        text = "".join(json_text({"run": self.run_id, **r.as_json()}) + "\n" for r in releases)
+        run = self.run_id if run is None else run
+        text = "".join(json_text({"run": run, **r.as_json()}) + "\n" for r in releases)
         tmp = self.released_file.with_name(self.released_file.name + ".tmp")
         try:
             tmp.write_text(text, encoding="utf-8")
