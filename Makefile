@@ -1,13 +1,14 @@
 # Two entry points for a fresh clone; each builds .venv first if needed.
 #   make demo        train the seed's model in two processes over ZeroMQ
-#   make test        run the default test suite on every core (TEST_WORKERS=N: N workers; 0: serially)
+#   make test        run the default test suite, one worker more than the cores (TEST_WORKERS=N: N workers; 0: serially)
 #   make test-slow   run the slow set alone (soak, benchmark smoke runs, ...): CI runs it after `make test`
 #   make test-all    run both at once
 #   make lint        ruff, then mypy on the modules pyproject.toml lists: CI runs it
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
-TEST_WORKERS ?= auto
+# Most tests wait on sockets and child processes rather than compute: one worker more than the cores.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print((os.cpu_count() or 1) + 1)')
 PYTEST = $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 .PHONY: demo test test-slow test-all lint install clean

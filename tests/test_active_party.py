@@ -126,8 +126,10 @@ def _torch_active(tmp_path: Path, kind: str) -> Path:
     return path
 
 
-# A torch layer list is the module path with distgrad building the module: slow (the module stays).
-@pytest.mark.parametrize("kind", [pytest.param("framework", marks=pytest.mark.slow), "module"])
+# A torch label owner's own bottom over processes (three torch processes): slow. The numpy bottom's runs over
+# processes stay in the default suite; a torch layer list is the module path with distgrad building the module.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["framework", "module"])
 def test_a_torch_label_owners_own_bottom_over_processes_equals_in_process(tmp_path, kind):
     """The label owner's bottom built in torch, before its layers (framework "torch") or its module."""
     pytest.importorskip("torch", reason="torch is not installed: the torch label owner's bottom is not tested")

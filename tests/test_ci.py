@@ -70,9 +70,10 @@ def test_ci_runs_the_readme_commands_on_an_empty_home_then_the_slow_set():
     assert fresh < position["make demo"] < position["make test"] < position["make test-slow"]
 
 
-def test_make_test_runs_on_every_core_and_test_slow_runs_the_slow_set():
+def test_make_test_runs_one_worker_more_than_the_cores_and_test_slow_runs_the_slow_set():
     makefile = (TESTS.parent / "Makefile").read_text()
-    assert "TEST_WORKERS ?= auto" in makefile and "-m pytest -n $(TEST_WORKERS)" in makefile
+    assert "TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print((os.cpu_count() or 1) + 1)')" in makefile
+    assert "-m pytest -n $(TEST_WORKERS)" in makefile
     recipes = dict(re.findall(r"^([a-z-]+): \$\(BIN\)/\.installed\n\t(.+)$", makefile, re.M))
     assert recipes["test"] == "$(PYTEST)" and recipes["test-slow"] == "$(PYTEST) -m slow"
 

@@ -111,6 +111,9 @@ def _experiment(directory, *, steps=10, data=CLASSIFY, f_module="mymodel:encoder
 
 PROCESS_STEPS = 100
 
+# Trains the built-in's whole run in this process besides: slow. A torch module in a daemon against a numpy
+# stage, bitwise, stays in the default suite (test_a_user_module_in_a_stage_file_trains_in_a_daemon_against_a_numpy_stage).
+@pytest.mark.slow
 def test_the_builtin_cnn_trains_in_two_processes_bitwise_as_in_one(tmp_path):
     """A user-written torch module, named by import path, trains in a daemon against a numpy
     g-stage; the digits CNN reaches >= 97% held-out accuracy.

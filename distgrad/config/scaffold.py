@@ -386,6 +386,26 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
         raise ConfigError("distgrad init needs a CSV file (or one per party)")
     _check_out_dir(out_dir, force)
     notes: list[str] = []
+    tables, label_table, plan, ids, id_name = _planned_rows(csvs, label, parties, id_column, notes)
+    classify, classes = _task([row[label_table.header.index(label)] for row in plan[-1].table.rows], label, task,
+                              notes)
+    batch = _batch(len(ids))
+    epochs = _epochs(len(ids), batch)
+    vertical = len(plan) > 2 or bool(parties) or len(tables) > 1
+    chosen = _Chosen(label, id_name, ids, batch, epochs, seed, classify, len(classes) if classify else 1, vertical,
+                     framework, label_table.path.stem, ", ".join(str(Path(p).name) for p in csvs))
+    paths, widths = _write_parties(out_dir, plan, chosen, notes)
+    notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
+                    f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
+                    f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
+    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name))
+
+
+def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None,
+                  notes: list[str]) -> tuple[list[Table], Table, list[Party], list[str], str]:
+    """The tables read, the one holding the label, each party's plan with its rows in one order (a join on the
+    IDs for several files), the rows' IDs and the ID column's name; what was chosen is added to ``notes``.
+    ``ConfigError`` for a file named twice, a missing label, too few rows or a party with no usable column."""
     tables = [read_table(Path(p)) for p in csvs]
     if len({t.path.resolve() for t in tables}) != len(tables):
         raise ConfigError(f"{[str(p) for p in csvs]} name one file twice: give one CSV per party")
@@ -418,11 +438,33 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
             raise ConfigError(f"party {party.name!r} holds no usable column")
     if len(plan) == 2 and not plan[0].columns:
         raise ConfigError("no usable feature column: nothing to learn from")
-    classify, classes = _task([row[label_table.header.index(label)] for row in plan[-1].table.rows], label, task,
-                              notes)
-    batch = _batch(len(ids))
-    epochs = _epochs(len(ids), batch)
-    vertical = len(plan) > 2 or bool(parties) or len(tables) > 1
+    return tables, label_table, plan, ids, id_name
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """What init chose for every party's files: the label and ID columns, the rows' IDs, the batch and epochs,
+    the seed, the task (``classify``, ``outputs``), whether the run is vertical, the framework, the run's name
+    and the source files named in each stage file's header."""
+    label: str
+    id_name: str
+    ids: list[str]
+    batch: int
+    epochs: int
+    seed: int
+    classify: bool
+    outputs: int
+    vertical: bool
+    framework: str
+    name: str
+    sources: str
+
+
+def _write_parties(out_dir: Path, plan: list[Party], chosen: _Chosen, notes: list[str]
+                   ) -> tuple[list[Path], dict[str, int]]:
+    """Each party's rows (``NAME.csv``) and stage file (``NAME.toml``) in ``out_dir/NAME/``, loaded back as one
+    run; the stage files' paths and each party's input width. On any failure the files and folders written
+    here are removed again and the error raised (a ``ConfigError`` when they do not load)."""
     written: list[Path] = []
     made = [folder for folder in [out_dir, *(out_dir / p.name for p in plan)] if not folder.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -433,24 +475,26 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
         for party in plan:
             folder = out_dir / party.name
             folder.mkdir(exist_ok=True)
-            names = [*party.columns, *([label] if party.labels else [])]
+            names = [*party.columns, *([chosen.label] if party.labels else [])]
             indices = [party.table.header.index(n) for n in names]
-            _write_rows(folder / f"{party.name}.csv", [id_name, *names],
-                        [[i, *(row[c] for c in indices)] for i, row in zip(ids, party.table.rows)])
+            _write_rows(folder / f"{party.name}.csv", [chosen.id_name, *names],
+                        [[i, *(row[c] for c in indices)] for i, row in zip(chosen.ids, party.table.rows)])
             written.append(folder / f"{party.name}.csv")
             comments[party.name] = {}
-            data_tables[party.name] = _party_data(party, id_name, label, batch, classify, seed, comments[party.name])
+            data_tables[party.name] = _party_data(party, chosen.id_name, chosen.label, chosen.batch, chosen.classify,
+                                                  chosen.seed, comments[party.name])
             notes.extend(f"{party.name} [data]: {key} = {toml_value(data_tables[party.name][key])}: {why}"
                          for key, why in comments[party.name].items())
-            widths[party.name] = _width(data_tables[party.name], seed, folder) if party.columns else 0
-        stage_tables = _models(plan, widths, vertical, len(classes) if classify else 1, classify, framework)
-        interface = _interface(plan, stage_tables, vertical, batch, epochs, seed, label_table.path.stem)
+            widths[party.name] = _width(data_tables[party.name], chosen.seed, folder) if party.columns else 0
+        stage_tables = _models(plan, widths, chosen.vertical, chosen.outputs, chosen.classify, chosen.framework)
+        interface = _interface(plan, stage_tables, chosen.vertical, chosen.batch, chosen.epochs, chosen.seed,
+                               chosen.name)
         paths = []
         for party in plan:
             text = toml_document({"interface": interface, "stage": stage_tables[party.name],
                                   "data": data_tables[party.name]})
-            header = (f"# {party.name}'s own stage file, written by distgrad init from "
-                      f"{', '.join(str(Path(p).name) for p in csvs)}: its data is {party.name}.csv beside it.\n"
+            header = (f"# {party.name}'s own stage file, written by distgrad init from {chosen.sources}: its data "
+                      f"is {party.name}.csv beside it.\n"
                       f"# Edit freely (docs/stage-files.md lists every key); every party's [interface] must stay "
                       f"alike.\n")
             path = out_dir / party.name / f"{party.name}.toml"
@@ -458,17 +502,16 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
             written.append(path)
             paths.append(path)
         load_experiment(paths)
-    except ConfigError as e:
+    except (ConfigError, OSError) as e:
         for path in written:
             path.unlink(missing_ok=True)
         for folder in reversed(made):           # the folders init made, now empty again
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
-        raise ConfigError(f"internal error: the stage files distgrad init wrote do not load: {e}") from e
-    notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
-                    f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
-                    f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
-    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name))
+        if isinstance(e, ConfigError):
+            raise ConfigError(f"internal error: the stage files distgrad init wrote do not load: {e}") from e
+        raise
+    return paths, widths
 
 
 def _width(data: dict[str, Any], seed: int, folder: Path) -> int:
