@@ -469,6 +469,9 @@ loss = { type = "%s" }
 """
 
 
+# Torch processes on both sides: slow (CI runs the slow set too); a numpy label owner's probabilities stay
+# (test_output_scores_writes_the_class_probabilities_beside_the_class_and_the_ids).
+@pytest.mark.slow
 def test_a_torch_label_owner_writes_its_losss_probabilities(tmp_path: Path):
     """A torch label owner's scores over processes: torch's softmax of CrossEntropyLoss's logits."""
     torch = pytest.importorskip("torch")

@@ -421,6 +421,9 @@ def test_a_module_stage_on_cuda_trains_as_on_the_cpu(tmp_path):
     assert all(isinstance(v, np.ndarray) for v in arrays.values())
 
 
+# Four torch processes and two in-process runs: slow (CI runs the slow set too). Saving and loading a module's
+# state_dict in a daemon stays in the default suite (test_a_mistyped_or_non_finite_state_dict_is_refused...).
+@pytest.mark.slow
 def test_save_writes_a_torch_state_dict_and_load_starts_from_it(tmp_path):
     """``--save``: a module stage's file is its ``state_dict`` (``torch.load`` reads it, weights only); a
     numpy stage's an npz. ``--load`` of both starts a later run, the same in one process or two."""
