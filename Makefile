@@ -3,7 +3,7 @@
 #   make test        run the default test suite, one worker more than the cores (TEST_WORKERS=N: N workers; 0: serially)
 #   make test-slow   run the slow set alone (soak, benchmark smoke runs, ...): CI runs it after `make test`
 #   make test-all    run both at once
-#   make lint        ruff, then mypy on the modules pyproject.toml lists: CI runs it
+#   make lint        ruff on the repository, then mypy on the whole package: CI runs it
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
