@@ -50,7 +50,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, saved_reply
+from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
@@ -513,17 +513,9 @@ class GroupServer(CutServer, serves_several=True):
         (with clients: a client's turn's) last micro-batch (``CutMisuse`` otherwise): the step, whose turn
         it is, and each data owner's run, step, replies of its last step and codec residuals, as plain
         values and numpy arrays."""
-        if self.batch is not None and not self.batch.replied:
-            raise CutMisuse(f"state_dict before replying to step {self.batch.step} micro-batch {self.batch.mb}: "
-                            f"reply first, then save (the saved state must hold the reply)")
-        if self.next_mb:
-            raise CutMisuse(f"state_dict in the middle of step {self.step + 1} (micro-batch {self.next_mb} of "
-                            f"{self.mbs} is next): save after the reply to its last micro-batch (batch.last)")
+        self._check_savable()
         peers = [{"run": p.run, "step": p.step, "finished": p.bye is not None, "residuals": p.senders.state_arrays(),
-                  "replies": [{"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"],
-                               "compute_s": m.body["compute_s"],
-                               "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
-                              for m in p.cache.values()]}
+                  "replies": [reply_state(m) for m in p.cache.values()]}
                  for p in self.peers]
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "step": self.step,
                 "turn": self.turn, "micro_batches": self.mbs, "peers": peers}
@@ -691,9 +683,4 @@ class GroupServer(CutServer, serves_several=True):
                 return self._handle(envelope, msg, peer_key)
             raise ProtocolError(ErrorCode.RUN, "this label owner is closing; its data owners said bye")
 
-        deadline = time.monotonic() + self.bounds.liveness_s
-        while time.monotonic() < deadline:
-            request = self.server.receive(POLL_TICK_S)
-            if request is None:
-                return
-            self._answer(request, ended)
+        self._answer_until_quiet(ended)

@@ -485,19 +485,22 @@ class CutServer:
             self.server.reply(envelope, reply)
 
     # -- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
-        last micro-batch (``CutMisuse`` otherwise): the run, the step and the replies of that step (so a
-        resent step is answered from them), as plain values and numpy arrays; no pickle is needed."""
+    def _check_savable(self) -> None:
+        """``CutMisuse`` unless the loop may save now, one rule for every cut server: after the reply to a
+        step's last micro-batch."""
         if self.batch is not None and not self.batch.replied:
             raise CutMisuse(f"state_dict before replying to step {self.batch.step} micro-batch {self.batch.mb}: "
                             f"reply first, then save (the saved state must hold the reply)")
         if self.next_mb:
             raise CutMisuse(f"state_dict in the middle of step {self.step + 1} (micro-batch {self.next_mb} of "
                             f"{self.mbs} is next): save after the reply to its last micro-batch (batch.last)")
-        replies = [{"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"],
-                    "compute_s": m.body["compute_s"], "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
-                   for m in self.cache.values()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
+        last micro-batch (``CutMisuse`` otherwise): the run, the step and the replies of that step (so a
+        resent step is answered from them), as plain values and numpy arrays; no pickle is needed."""
+        self._check_savable()
+        replies = [reply_state(m) for m in self.cache.values()]
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "run": self.run_id,
                 "step": self.step, "micro_batches": self.mbs, "replies": replies,
                 "residuals": self.senders.state_arrays()}
@@ -607,12 +610,17 @@ class CutServer:
             raise ProtocolError(ErrorCode.RUN, f"run {bye.run} ended with its bye; this label owner is "
                                                f"closing")
 
+        self._answer_until_quiet(ended)
+
+    def _answer_until_quiet(self, handle: Callable[[list[bytes], Message, str], Any]) -> None:
+        """Answer what still arrives with ``handle`` (refusals get the protocol's error reply) until nothing has
+        for ``POLL_TICK_S``, at most ``liveness_s``: one rule for every cut server's closing."""
         deadline = time.monotonic() + self.bounds.liveness_s
         while time.monotonic() < deadline:
             request = self.server.receive(POLL_TICK_S)
             if request is None:
                 return
-            self._answer(request, ended)
+            self._answer(request, handle)
 
     def __enter__(self) -> "CutServer":
         return self
@@ -639,6 +647,12 @@ def _one_number(loss: Any, what: str) -> np.float32:
         raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
                         f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
     return np.float32(value)
+
+
+def reply_state(m: Message) -> dict[str, Any]:
+    """A cached reply as a saved state holds it (plain values and numpy arrays; ``saved_reply`` reads it)."""
+    return {"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"], "compute_s": m.body["compute_s"],
+            "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
 
 
 def saved_reply(r: Any, run: str, step: int, mbs: int, shape: tuple[int, ...], exp: Any) -> Message:
