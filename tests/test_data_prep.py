@@ -414,18 +414,12 @@ def test_kill_9_and_resume_keep_the_statistics_bitwise(tmp_path: Path, stage_gro
     """Both stages killed with SIGKILL mid-run and restarted with --resume: the parameters equal the in-process
     run's bit for bit, and every checkpoint holds the party's statistics."""
     from distgrad.stage.checkpoint import load
-    from test_faults import Pair
+    from test_faults import run_killing_each_stage
 
     experiment = write_combined(tmp_path, "median", steps=120)
     steps = "120"
     reference = read_json_in_process(tmp_path, experiment, steps)
-    pair = stage_group(Pair, tmp_path, str(experiment), steps, f"ipc://{tmp_path}/g.sock")
-    pair.start("g")
-    pair.start("f")
-    for fraction, victim in ((0.3, "g"), (0.6, "f")):
-        pair.wait_for_step(int(int(steps) * fraction))
-        pair.kill_9_and_restart(victim)
-    f_summary, g_summary = pair.finish()
+    f_summary, g_summary, _ = run_killing_each_stage(stage_group, tmp_path, experiment, int(steps))
     assert f_summary["params"]["f"] == reference["f"] and g_summary["params"]["g"] == reference["g"]
     exp = load_experiment(experiment)
     for name in ("f", "g"):

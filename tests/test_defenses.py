@@ -25,7 +25,7 @@ from distgrad.privacy.defenses import (clip_noise, clip_rows, defense_rng, dista
 from distgrad.run.inprocess import train_in_process
 
 from conftest import read_json, run_launcher, run_main
-from test_faults import Pair
+from test_faults import run_killing_each_stage
 
 F_DEFENSE = 'clip_noise = { max_norm = 4.0, sigma = 0.05 }\nnopeek = { weight = 0.5 }'
 G_DEFENSE = 'clip_noise = { max_norm = 0.05, sigma = 0.5 }\nmax_norm = true\nlabel_dp = { epsilon = 2.0 }'
@@ -340,13 +340,7 @@ def test_defended_run_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_gr
 def _kill_9_of_either_stage_is_bitwise(tmp_path: Path, stage_group, path: Path) -> None:
     steps = "300"
     reference = train_in_process(load_experiment(path), steps=int(steps))["params"]
-    pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")
-    pair.start("g")
-    pair.start("f")
-    for fraction, victim in ((0.3, "g"), (0.6, "f")):
-        pair.wait_for_step(int(int(steps) * fraction))
-        pair.kill_9_and_restart(victim)
-    f_summary, g_summary = pair.finish()
+    f_summary, g_summary, pair = run_killing_each_stage(stage_group, tmp_path, path, int(steps))
     assert f_summary["params"]["f"] == reference["f"]
     assert g_summary["params"]["g"] == reference["g"]
     assert pair.starts["g"] == pair.starts["f"] == 2

@@ -52,6 +52,19 @@ class Pair(StageGroup):
         return read_json(self.tmp / "f.json"), read_json(self.tmp / "g.json")
 
 
+def run_killing_each_stage(stage_group, tmp_path: Path, experiment: str | Path, steps: int
+                           ) -> tuple[dict, dict, Pair]:
+    """``experiment``'s two stages over ipc for ``steps`` steps, g killed -9 and restarted at 30% of them and f at
+    60%: their summaries (f's, g's) and the finished ``Pair``."""
+    pair = stage_group(Pair, tmp_path, str(experiment), str(steps), f"ipc://{tmp_path}/g.sock")
+    pair.start("g")
+    pair.start("f")
+    for fraction, victim in ((0.3, "g"), (0.6, "f")):
+        pair.wait_for_step(int(steps * fraction))
+        pair.kill_9_and_restart(victim)
+    return (*pair.finish(), pair)
+
+
 @pytest.fixture
 def pair_factory(tmp_path, stage_group):
     def make(experiment: str, steps: str, endpoint: str | None = None) -> Pair:

@@ -229,18 +229,12 @@ def test_the_cut_library_refuses_a_combined_experiments_defenses_rather_than_ign
 @pytest.mark.usefixtures("fixed_noise_secret")
 def test_evaluation_releases_are_counted_through_kill_9_of_either_stage(tmp_path, stage_group):
     from distgrad.run.inprocess import train_in_process
-    from test_faults import Pair
+    from test_faults import run_killing_each_stage
     path = _digits(tmp_path, F_CLIP)
     path.write_text(path.read_text().replace("seed = 0\n", "seed = 0\neval_every = 20\n", 1))
     steps = "300"
     reference = train_in_process(load_experiment(path), steps=int(steps))
-    pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")
-    pair.start("g")
-    pair.start("f")
-    for fraction, victim in ((0.3, "g"), (0.6, "f")):
-        pair.wait_for_step(int(int(steps) * fraction))
-        pair.kill_9_and_restart(victim)
-    f_summary, _ = pair.finish()
+    f_summary, _, _ = run_killing_each_stage(stage_group, tmp_path, path, int(steps))
     assert f_summary["params"]["f"] == reference["params"]["f"]
     assert reference["privacy"]["f"]["evaluation_releases"]["per_row"] == 15
     assert f_summary["privacy"]["f"]["evaluation_releases"] == reference["privacy"]["f"]["evaluation_releases"]

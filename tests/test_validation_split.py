@@ -167,19 +167,13 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
 
 
 def test_plateau_survives_kill_9_of_either_stage_bitwise(tmp_path: Path, stage_group):
-    from test_faults import Pair
+    from test_faults import run_killing_each_stage
 
     steps = "150"
     path = _plateau_penguins(tmp_path, steps=int(steps))
     assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
     reference = read_json(tmp_path / "ref.json")
-    pair = stage_group(Pair, tmp_path, str(path), steps, f"ipc://{tmp_path}/g.sock")
-    pair.start("g")
-    pair.start("f")
-    for fraction, victim in ((0.3, "g"), (0.6, "f")):
-        pair.wait_for_step(int(int(steps) * fraction))
-        pair.kill_9_and_restart(victim)
-    f_summary, g_summary = pair.finish()
+    f_summary, g_summary, _ = run_killing_each_stage(stage_group, tmp_path, path, int(steps))
     assert f_summary["params"]["f"] == reference["params"]["f"]
     assert g_summary["params"]["g"] == reference["params"]["g"]
     assert g_summary["test_accuracy"] == reference["test_accuracy"] and g_summary["test_step"] == reference["test_step"]
