@@ -756,17 +756,21 @@ def _print_headline(summary: dict) -> None:
         loss = "none" if client.get("final_loss") is None else _number(client["final_loss"])
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
-    for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
-        if summary.get(key):
-            print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
-                  f"{figures_text(summary[key][-1])}")
-        extreme = summary.get(key.replace("_leaks", "_leak_extremes"))
-        if extreme:
-            print(f"privacy meter, {party}, worst window and whole run: {extremes_text(extreme)}")
-    guard = summary.get("input_guard")
-    if guard and "peak_r2" in guard:
-        print(f"input_guard: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
-              f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
+    # One data owner: its fields at the top; several (clients, feature parties): by data owner.
+    owned = [("", summary)] + [(f" ({owner})", fields) for key in ("input_meters", "label_meters")
+                               for owner, fields in summary.get(key, {}).items()]
+    for owner, fields in owned:
+        for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
+            if fields.get(key):
+                print(f"privacy meter, {party}{owner} after step {fields[key][-1]['step']}: "
+                      f"{figures_text(fields[key][-1])}")
+            extreme = fields.get(key.replace("_leaks", "_leak_extremes"))
+            if extreme:
+                print(f"privacy meter, {party}{owner}, worst window and whole run: {extremes_text(extreme)}")
+        guard = fields.get("input_guard")
+        if guard and "peak_r2" in guard:
+            print(f"input_guard{owner}: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
+                  f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
 
 
 def _print_held_out(summary: dict) -> None:

@@ -104,7 +104,7 @@ def test_the_guard_scores_invertible_rows_high_and_noise_low_and_judges_after_it
     assert not guard.judges(3) and guard.judges(4)
 
 
-def test_input_guard_is_a_setting_of_the_one_data_owner(tmp_path):
+def test_input_guard_is_a_setting_of_each_data_owner(tmp_path):
     for table, extra, message in ((0, 'input_guard = { max_r2 = 1.5 }', "max_r2 = R"),
                                   (0, 'input_guard = { max_r2 = 0.5, before = 2 }', "max_r2 = R"),
                                   (1, 'input_guard = { max_r2 = 0.5 }', "data owner")):
@@ -115,12 +115,12 @@ def test_input_guard_is_a_setting_of_the_one_data_owner(tmp_path):
         '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace(
         'name = "f"\n', 'name = "f"\ninput_guard = { max_r2 = 0.5 }\n', 1)
     (tmp_path / "clients.toml").write_text(clients)
-    with pytest.raises(ConfigError, match=r"input_guard.*\[clients\]"):
-        load_experiment(tmp_path / "clients.toml")
+    assert load_experiment(tmp_path / "clients.toml").spec("f").input_guard == (0.5, 50)   # each client's own
     vertical = load_experiment("vertical-classify")
-    party = vertical.stages[0]
-    with pytest.raises(ConfigError, match=r"input_guard.*'aggregate'"):
-        check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
+    party, *others, label_owner = vertical.stages
+    check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
+    with pytest.raises(ConfigError, match=r"input_guard.*a feature party"):
+        check_defenses(replace(vertical, stages=[party, *others, replace(label_owner, input_guard=(0.5, 0))]))
 
 
 def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_never_an_honest_run(monkeypatch):

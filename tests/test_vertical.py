@@ -9,6 +9,7 @@ run everywhere with exit 3, naming it.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -174,15 +175,24 @@ def test_bad_columns_are_refused():
 
 # -- over the wire
 
+GUARD = "input_guard = { max_r2 = 1.0, after = 0 }"     # judges every step, never stops (R^2 <= 1)
+
+
 @pytest.mark.parametrize("kind,transport,micro_batches,extra", [
-    ("concat", "tcp", 1, ["--secure"]), ("concat", "ipc", 2, []), ("sum", "tcp", 2, []),
+    ("concat", "tcp", 1, ["--secure"]), ("concat", "ipc", 2, []), ("sum", "tcp", 2, ["--privacy-meter"]),
     ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"])])
 def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches, extra):
     """Also with CURVE (a key pair per party), and the output files: each stage's saved parameters and one
     metrics line per step, in each process's own file (the first party's at PATH, every other's at
-    PATH.STAGE: each with its own learning rate)."""
+    PATH.STAGE: each with its own learning rate). Metered (``_check_party_meters``), as in one process."""
     experiment = _experiment(tmp_path, kind)
-    flags = ["--micro-batches", str(micro_batches)]
+    plain = None
+    if "--privacy-meter" in extra:          # and parties a and c guarded
+        plain, experiment = experiment, tmp_path / "guarded.toml"
+        experiment.write_text(plain.read_text().replace('name = "a"\n', f'name = "a"\n{GUARD}\n').replace(
+            'name = "c"\n', f'name = "c"\n{GUARD}\n'))
+    flags = ["--micro-batches", str(micro_batches), *(["--privacy-meter"] if plain else [])]
+    extra = [e for e in extra if e != "--privacy-meter"]
     path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
     extra = [str(tmp_path / e) if e in ("saved", "metrics.jsonl") else e for e in extra]
     result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, "--trace", trace, *flags,
@@ -204,6 +214,51 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
     lines = [line for line in map(__import__("json").loads, trace.read_text().splitlines())]
     assert [line["step"] for line in lines] == list(range(1, 61))
     assert {"a1.W", "b1.W", "c1.W", "g1.W"} <= set(lines[-1]["params"])
+    if plain is not None:
+        _check_party_meters(summary, reference, _reference(tmp_path, plain, "--micro-batches", str(micro_batches)),
+                            guarded=["a", "c"])
+
+
+def _check_party_meters(summary: dict, reference: dict, unmetered: dict, guarded: list[str]) -> None:
+    """Each party's own input meter (and guard), and the label owner's meter of each party, named by the
+    party: the same figures over processes as in one, and a metered, guarded run trains bitwise the plain."""
+    assert summary["params"] == unmetered["params"]
+    assert "input_leaks" not in summary and "label_leaks" not in summary     # by party, not one of them
+    for key, kinds in (("input_meters", ("input_leaks", "input_attacks", "input_leak_extremes")),
+                       ("label_meters", ("label_leaks", "label_attacks", "label_leak_extremes"))):
+        assert sorted(summary[key]) == PARTIES, key
+        for party in PARTIES:
+            for field in kinds:
+                assert summary[key][party][field] == reference[key][party][field], (key, party, field)
+            assert summary[key][party][kinds[0]], (key, party)
+    for party in PARTIES:
+        assert ("input_guard" in summary["input_meters"][party]) == (party in guarded), party
+        if party in guarded:
+            guard = summary["input_meters"][party]["input_guard"]
+            assert guard == reference["input_meters"][party]["input_guard"] and 0 < guard["peak_r2"] <= 1
+    # Each party's gradient rows leak the labels, and each its own columns: the figures differ by party.
+    assert summary["label_meters"]["a"]["label_attacks"] != summary["label_meters"]["b"]["label_attacks"]
+    assert summary["input_meters"]["a"]["input_leaks"] != summary["input_meters"]["b"]["input_leaks"]
+
+
+# A torch feature party and label owner (four processes, two of them torch): slow. The numpy parties' meters and
+# guards over processes are test_three_parties_equal_the_in_process_reference's sum case, in the default suite.
+@pytest.mark.slow
+def test_a_torch_partys_meter_and_guard_over_processes_equal_in_process(tmp_path):
+    pytest.importorskip("torch")
+    torch = 'framework = "torch"\n'
+    experiment = tmp_path / "torch.toml"
+    experiment.write_text(BUILTIN.read_text().replace('name = "a"\n', f'name = "a"\n{torch}{GUARD}\n').replace(
+        'loss = "softmax', f'{torch}loss = "softmax'))
+    plain = tmp_path / "plain.toml"
+    plain.write_text(experiment.read_text().replace(GUARD, ""))
+    flags = ["--steps", "20", "--micro-batches", "2"]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", experiment, "--summary", path, *flags, "--privacy-meter"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_party_meters(read_json(path), _reference(tmp_path, experiment, *flags, "--privacy-meter"),
+                        _reference(tmp_path, plain, *flags), guarded=["a"])
+    assert "privacy meter, label owner's labels (a)" in result.stdout
 
 
 def test_digits_halves_reaches_95_percent_held_out():
@@ -269,11 +324,12 @@ def test_parties_of_unequal_widths_run_in_process_bitwise_as_over_processes(tmp_
 
 
 class Parties(StageGroup):
-    """The label owner and three feature parties of one run, each a process with its own log."""
+    """The label owner and three feature parties of one run (of ``experiment``, default vertical-classify), each
+    a process with its own log."""
 
-    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str, experiment: Path = BUILTIN) -> None:
         super().__init__(tmp_path)
-        common = ["--experiment", str(BUILTIN), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+        common = ["--experiment", str(experiment), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
                   "--checkpoint-every", "1", "--resume", *flags]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
         for name in PARTIES:
@@ -321,6 +377,27 @@ def test_a_party_that_stays_away_ends_the_run_everywhere_naming_it(tmp_path, sta
         assert "waiting for c" in logs[name], logs[name]
 
 
+
+
+def test_a_partys_input_guard_stops_it_and_every_other_stage_is_told_why_at_once(tmp_path, stage_group):
+    """Party a's input_guard stops it before it sends step 6 (exit 5; its newest checkpoint is step 5's): the
+    label owner and the parties b and c exit at once (4, naming a's guard), none waiting out its deadline."""
+    experiment = tmp_path / "guarded.toml"
+    experiment.write_text(BUILTIN.read_text().replace('name = "a"\n',
+                                                      'name = "a"\ninput_guard = { max_r2 = 0.2, after = 5 }\n'))
+    run = stage_group(Parties, tmp_path, 40, f"ipc://{tmp_path}/g.sock", "--peer-deadline", "120",
+                      experiment=experiment)
+    for who in ["g", *PARTIES]:
+        run.start(who)
+    assert run.procs["a"].wait(60) == 5, run.logs()
+    stopped = int(re.search(r"input_guard stopped the run before sending step (\d+)", run.logs()).group(1))
+    assert stopped > 5
+    for name in ["g", "b", "c"]:
+        assert run.procs[name].wait(30) == 4, f"{name}:\n{run.logs()}"      # long before the 120 s deadline
+        assert "input_guard stopped the run before sending step" in run.procs[name].output, name
+    saved = sorted(int(m.group(1)) for p in (tmp_path / "ckpt").glob("a-*.ckpt")
+                   if (m := re.search(r"-(\d+)\.ckpt$", p.name)))
+    assert saved and max(saved) == stopped - 1        # the last checkpoint before the breach, nothing newer
 
 
 # -- the label owner's message handling, without sockets

@@ -37,21 +37,20 @@ def label_owner_sends_gradients(exp: Experiment, stage: str) -> bool:
 
 def meter_kind(exp: Experiment, stage: str) -> str:
     """What a privacy meter at ``stage`` guards (``distgrad.privacy.meter``): ``"labels"`` at the label owner
-    that sends gradients up, ``"inputs"`` at the data owner (the first stage). Raises ``ConfigError`` naming
+    that sends gradients up (with several data owners, one meter per client or feature party:
+    ``metering.PeerMeters``), ``"inputs"`` at a data owner (the first stage, each client's copy of it, a
+    feature party: each meters its own rows). Raises ``ConfigError`` naming
     'privacy_meter' and why any other stage cannot meter."""
     def refuse(reason: str) -> ConfigError:
         return ConfigError(f"stage {stage!r}: 'privacy_meter' (or --privacy-meter) {reason}")
     if len(exp.stage_names) < 2:
         raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
-    if exp.federated or exp.vertical:
-        raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's rows "
-                     "against one label owner's")
     if label_owner_sends_gradients(exp, stage):
         if exp.send_rows:
             raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "
                          "are the data owner's to choose")
         return "labels"
-    if exp.stage_index(stage) == 0:
+    if stage in exp.data_owners:        # the first stage, each client's copy of it, or a feature party
         return "inputs"
     if stage == exp.stage_names[-1]:
         raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
@@ -83,17 +82,16 @@ def check_meter_flag(exp: Experiment) -> None:
 
 
 def check_input_guard(exp: Experiment, stage: str) -> None:
-    """Raise ``ConfigError`` naming 'input_guard' and the reason unless ``stage`` is the one data owner of a run
-    of several stages (the first stage, without [clients] or 'aggregate')."""
+    """Raise ``ConfigError`` naming 'input_guard' and the reason unless ``stage`` is a data owner of a run of
+    several stages: the first stage (each client's copy of it guards its own rows) or a feature party of a
+    vertical experiment (each party its own columns)."""
     where = f"stage {stage!r}: 'input_guard'"
     if len(exp.stage_names) < 2:
         raise ConfigError(f"{where} guards what crosses a cut, and a one-stage experiment has none")
-    if exp.federated or exp.vertical:
-        raise ConfigError(f"{where} is not supported with [clients] or 'aggregate' yet: it measures one data "
-                          f"owner's rows against the activations it sends alone")
-    if exp.stage_index(stage) != 0:
-        raise ConfigError(f"{where} is a setting of the data owner (the first stage), which holds the inputs; "
-                          f"{stage!r} receives activations")
+    if stage not in exp.data_owners:
+        owners = "a feature party" if exp.vertical else "the data owner (the first stage)"
+        raise ConfigError(f"{where} is a setting of {owners}, which holds the inputs; {stage!r} receives "
+                          f"activations")
 
 
 def check_defenses(exp: Experiment) -> None:

@@ -23,14 +23,15 @@ from typing import Any, Iterator
 import numpy as np
 import zmq
 
-from distgrad.config.experiment import MAX_STALENESS
+from distgrad.config.experiment import MAX_STALENESS, client_stage_name
 from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
-from distgrad.run.metering import Guarding, Metering, step_rows
+from distgrad.run.metering import Guarding, Metering, by_owner, step_rows
+from distgrad.privacy.meter import INPUTS
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
@@ -77,7 +78,8 @@ class _Driver:
                                   step_rows(self.data))
                          if opts.meter_kind else None)
         max_r2 = exp.spec(opts.stage).input_guard if exp.has_stage(opts.stage) else None
-        self.guarding = (Guarding(self.state.engine, self.data.features, max_r2, opts.stage, self.log,
+        self.guarding = (Guarding(self.state.engine, self.data.features, max_r2,
+                                  client_stage_name(opts.stage, opts.client), self.log,
                                   step_rows(self.data))
                          if max_r2 is not None else None)
         self.g_compute_s = 0.0
@@ -463,8 +465,16 @@ class _Driver:
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
                              **best_evaluation_fields(self.evaluations, state.verdicts.best_step),
-                             **(self.metering.summary_fields() if self.metering else {}),
-                             **(self.guarding.summary_fields() if self.guarding else {}))
+                             **self._meter_fields())
+
+    def _meter_fields(self) -> dict[str, Any]:
+        """The summary's fields of this data owner's meter and guard; in a run of several data owners
+        (clients, feature parties) under ``input_meters``, named by this one (``metering.by_owner``)."""
+        fields = {**(self.metering.summary_fields() if self.metering else {}),
+                  **(self.guarding.summary_fields() if self.guarding else {})}
+        if self.exp.federated or self.exp.vertical:
+            return by_owner(INPUTS, client_stage_name(self.opts.stage, self.opts.client), fields)
+        return fields
 
     def _waiting_for(self) -> list[str]:
         """The feature parties the stage below says it waits for (a vertical run), asked once after this

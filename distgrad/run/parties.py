@@ -212,6 +212,8 @@ class Parties(Topology):
             else:           # send_rows: the label owner's own columns of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
             target = self.micro_targets(0, step, mb, mbs, rows)
+            for peer, msg in zip(peers, msgs):      # each party's meter: model completion's input
+                s.metering.received_activations(step, mb, mbs, msg.tensors["activation"], peer.index)
             z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)

@@ -213,12 +213,12 @@ class StageRecords:
     """A serving or middle stage's own step records (``--metrics``, ``--tensorboard`` on it), written by an
     observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
     middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
-    serving several clients, the ``client`` whose step it was; ``extra(step)``: more fields of the step (the
-    label owner's privacy-meter window that closed after it). A stage that keeps serving writes every run's
-    steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    serving several clients, the ``client`` whose step it was; ``extra(step, client)``: more fields of the step
+    (the label owner's privacy-meter window that closed after that client's update). A stage that keeps
+    serving writes every run's steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
 
     def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None,
-                 extra: Callable[[int], Mapping[str, Any]] | None = None) -> None:
+                 extra: Callable[[int, int | None], Mapping[str, Any]] | None = None) -> None:
         self.writers = step_writers(metrics_path, tensorboard_dir)
         self.started = time.perf_counter()
         self.extra = extra
@@ -228,7 +228,7 @@ class StageRecords:
         if step.client is not None:
             record["client"] = step.client
         if self.extra is not None:
-            record.update(self.extra(step.step))
+            record.update(self.extra(step.step, step.client))
         for writer in self.writers:
             writer.write(record)
 

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from distgrad.config.data import DataSource
     from distgrad.config.experiment import Experiment
     from distgrad.run.accepts import Accepts
-    from distgrad.run.metering import Metering, NoMetering
+    from distgrad.run.metering import Metering, NoMetering, PeerMeters
     from distgrad.run.options import StageOptions
     from distgrad.run.stage_state import StageState
     from distgrad.stage.engine import StepEngine
@@ -96,7 +96,7 @@ class ServingView(Protocol):
     @property
     def log(self) -> logging.Logger: ...
     @property
-    def metering(self) -> Metering | NoMetering: ...     # the privacy meters a computed input feeds
+    def metering(self) -> Metering | PeerMeters | NoMetering: ...     # the privacy meters a computed input feeds
 
     def encode(self, direction: str, x: np.ndarray, stream: str, step: int,
                rows: np.ndarray | None = None) -> dict[str, np.ndarray]: ...
@@ -546,7 +546,7 @@ class Turns(Topology):
             target = self.micro_targets(peer.index, msg.step, msg.mb, msg.mbs, rows)
         mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
         s.stage.check_finite("loss", mb_loss, msg.step)
-        s.metering.received_activations(msg.step, msg.mb, msg.mbs, x)     # model completion's input
+        s.metering.received_activations(msg.step, msg.mb, msg.mbs, x, peer.index)     # model completion's input
         return mb_loss, dx, grads_later
 
     @abc.abstractmethod

@@ -248,12 +248,12 @@ def read_trace(path: str | Path, tolerate_torn: bool = False) -> list[dict[str, 
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One summary from per-stage summaries: ``params``, ``privacy`` and ``cpu_s`` joined by stage
-    (``{stage: ...}``), every other field from the first summary that has it
+    (``{stage: ...}``), the meters of several data owners (``input_meters``, ``label_meters``) by data owner, every other field from the first summary that has it
     (pass the driving stage's first)."""
     merged: dict[str, Any] = {"params": {}}
     for summary in summaries:
         for key, value in summary.items():
-            if key in ("params", "privacy"):
+            if key in ("params", "privacy", "input_meters", "label_meters"):
                 merged.setdefault(key, {}).update(value)
             elif key == "cpu_s":
                 merged.setdefault("cpu_s", {})[summary.get("stage", "?")] = value
@@ -342,7 +342,8 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
     The top level holds only what is true of the whole run: ``experiment``, ``steps`` (rounds),
     ``seed``, ``micro_batches``, ``elapsed_s`` (the longest process's), ``cpu_s`` and ``params``
     (``{process: ...}``), ``status`` (the serving stage's, else the clients' if they agree), then
-    ``run`` (e.g. ``mode``, ``transport``), ``privacy`` (by stage, when defended). Each client's ``run_id``, ``steps``, ``final_loss``,
+    ``run`` (e.g. ``mode``, ``transport``), ``privacy`` (by stage, when defended), the privacy meters
+    (``input_meters``: each client's own, ``label_meters``: the label owner's of each client, by ``f@K``). Each client's ``run_id``, ``steps``, ``final_loss``,
     ``status`` and evaluation are in ``clients``, one entry per client; the serving stage's view
     of a client's status (``dropped``) wins over the client's own.
     """
@@ -371,5 +372,6 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
         **run,
         "clients": per_client,
         **({"privacy": merged["privacy"]} if "privacy" in merged else {}),
+        **{key: merged[key] for key in ("input_meters", "label_meters") if key in merged},
         "params": merged["params"],
     }
