@@ -150,7 +150,8 @@ class TensorBoardWriter:
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
     traffic counts in the step after it); ``privacy/NAME`` and ``privacy/NAME_chance`` for each privacy meter
-    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window. Written by tensorboardX, imported
+    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window (the label owner's meter of
+    feature party P: ``privacy/P/NAME``; of client K, on its record: ``privacy/clientK/NAME``). Written by tensorboardX, imported
     only here; without it the constructor raises ``ConfigError``.
     """
 
@@ -182,10 +183,11 @@ class TensorBoardWriter:
                 add("/".join(key.split("_", 1)), value, step)     # test/accuracy, validation/accuracy
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
-        for name in FIGURES:
-            if record.get(name) is not None:
-                add(f"privacy/{name}", record[name], step)
-                add(f"privacy/{name}_chance", record[f"{name}_chance"], step)
+        owner = f"client{record['client']}/" if record.get("client") is not None else ""
+        for key, value in record.items():   # NAME, or PARTY/NAME: the label owner's meter of a feature party
+            if key.rsplit("/", 1)[-1] in FIGURES and value is not None:
+                add(f"privacy/{owner}{key}", value, step)
+                add(f"privacy/{owner}{key}_chance", record[f"{key}_chance"], step)
         if "bytes_sent" in record:
             total = record["bytes_sent"] + record["bytes_received"]
             add("speed/bytes_per_step", total - self._bytes, step)
