@@ -19,7 +19,7 @@ from typing import AbstractSet, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from distgrad.model import aggregate
-from distgrad.stage.engine import StepEngine, crossed_direction
+from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_flag, meter_kind, metered,
                                       privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
@@ -89,7 +89,9 @@ def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_la
     scale = exp.micro_batch_scale
     engines = [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
-                       trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
+                       trace_crossed=crossed_direction(exp, i == 0 or stage.name in exp.data_owners,
+                                                       stage is stages[-1]),
+                       crossed_names=crossed_names(exp, stage.name),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
                                                                    if i == 0 else stage.name, steps, secret)))

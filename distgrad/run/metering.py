@@ -24,7 +24,7 @@ from distgrad.privacy.guard import InputGuard
 from distgrad.privacy.meter import INPUTS, LABELS, AttackMeter, LeakMeter, extremes, window_steps
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch, stream_peer
 
 SUMMARY_KEYS = {LABELS: "label_leaks", INPUTS: "input_leaks"}     # the summary's list of windows, by kind
 COST_KEYS = {LABELS: "label_meter_s", INPUTS: "input_meter_s"}     # the summary's wall seconds spent metering
@@ -201,12 +201,6 @@ class Metering:
         if self.windows or self.attack_windows:
             fields[EXTREME_KEYS[self.kind]] = extremes(self.windows) | extremes(self.attack_windows)
         return fields
-
-
-def stream_peer(stream: str) -> str:
-    """The peer part of a ``stream_name`` (``activation_grad/a/mb0of1`` -> ``a``; "" for one peer)."""
-    parts = stream.split("/")
-    return "/".join(parts[1:-1])
 
 
 OWNER_KEYS = {LABELS: "label_meters", INPUTS: "input_meters"}   # the summary's meters, by data owner

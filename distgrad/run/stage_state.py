@@ -22,7 +22,7 @@ from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
 from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
-from distgrad.stage.engine import StepEngine, crossed_direction
+from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
@@ -129,6 +129,7 @@ class StageState:
                                  trace_sent=opts.role == "serving",
                                  trace_crossed=crossed_direction(opts.experiment, opts.role == "driving",
                                                                  opts.role == "serving"),
+                                 crossed_names=crossed_names(opts.experiment, opts.stage),
                                  senders=Senders(opts.experiment.codecs,
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance, opts.total_steps)))

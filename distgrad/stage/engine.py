@@ -27,14 +27,14 @@ equal to the in-process reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
 from distgrad.config.experiment import Experiment
 from distgrad.model.nn import Grads
 from distgrad.stage.stage import Stage
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch, stream_peer
 
 
 class GradAccumulator:
@@ -99,12 +99,26 @@ def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
 
 def crossed_direction(exp: Experiment, first: bool, last: bool) -> str | None:
     """What a stage of ``exp`` sends across the cut, recorded in its trace as ``sent_DIRECTION``
-    (``trace_crossed``): the data owner's (first stage's) activations, the label owner's (last stage's)
-    activation gradients. A middle stage, the only stage, and the stages of experiments with several data
-    owners (``[clients]``, feature parties: not audited yet) record nothing."""
-    if first == last or exp.federated or exp.vertical:
+    (``trace_crossed``): a data owner's (a first stage's, a client's, a feature party's) activations, the
+    label owner's (last stage's) activation gradients. A middle stage and the only stage record nothing."""
+    if first == last:
         return None
     return ACTIVATION if first else GRADIENT
+
+
+def crossed_names(exp: Experiment, stage: str) -> dict[str, str] | None:
+    """How ``stage`` of a vertical experiment names what crossed by feature party, ``sent_DIRECTION/PARTY``
+    (``StepEngine``'s ``crossed_names``: a stream's peer part -> the party): a party its own sends, the label
+    owner each party's gradient by the stream it goes on. None elsewhere: one data owner, and ``[clients]``,
+    whose trace lines each name their client."""
+    if not exp.vertical:
+        return None
+    parties = exp.data_owners
+    if stage in parties:
+        return {"": stage}
+    if stage != exp.stage_names[-1]:
+        return None
+    return {**{party: party for party in parties}, **({"": parties[0]} if len(parties) == 1 else {})}
 
 
 class TraceSink(Protocol):
@@ -142,7 +156,8 @@ class StepEngine:
     """
 
     def __init__(self, stage: Stage, loss_scale: Callable[[int], np.float32], trace: TraceSink | None = None,
-                 trace_sent: bool = False, senders: Senders | None = None, trace_crossed: str | None = None) -> None:
+                 trace_sent: bool = False, senders: Senders | None = None, trace_crossed: str | None = None,
+                 crossed_names: Mapping[str, str] | None = None) -> None:
         self.stage = stage
         self.senders = senders if senders is not None else Senders({})
         self.loss_scale = loss_scale
@@ -152,15 +167,22 @@ class StepEngine:
         self._accumulator = GradAccumulator()
         self._losses: list[np.float32] = []
         self._sent: list[np.ndarray] = []
-        self._crossed: dict[tuple[int, int], np.ndarray] = {}     # (step, micro-batch) -> what was received
+        # (step, name, micro-batch) -> what was received; the name is ``sent_DIRECTION``, with ``crossed_names``
+        # (a vertical experiment's stages) ``sent_DIRECTION/PARTY`` by the stream's peer part
+        self._crossed: dict[tuple[int, str, int], np.ndarray] = {}
         self._crossed_name = f"sent_{trace_crossed}" if trace_crossed is not None else ""
+        self._crossed_names = crossed_names
         if trace_crossed is not None:       # the trace may be given later (``engine.trace``)
             self.senders.taps[trace_crossed].append(self._record_crossed)
 
     def _record_crossed(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
         """A tap: keep what crossed on a step the trace writes (a micro-batch sent again replaces it)."""
         if self.trace is not None and self.trace.wants(step):
-            self._crossed[(step, stream_micro_batch(stream)[0])] = np.array(received(), copy=True)
+            name = self._crossed_name
+            if self._crossed_names is not None:
+                peer = stream_peer(stream)
+                name = f"{name}/{self._crossed_names.get(peer, peer)}"
+            self._crossed[(step, name, stream_micro_batch(stream)[0])] = np.array(received(), copy=True)
 
     @property
     def done(self) -> int:
@@ -231,9 +253,11 @@ class StepEngine:
         if traced is not None and self.trace is not None:
             if sent:
                 traced["activation_grad"] = np.concatenate(sent) if len(sent) > 1 else sent[0]
-            crossed = [self._crossed.pop(key) for key in sorted(key for key in self._crossed if key[0] == step)]
-            if crossed:
-                traced[self._crossed_name] = np.concatenate(crossed) if len(crossed) > 1 else crossed[0]
+            crossed: dict[str, list[np.ndarray]] = {}
+            for key in sorted(key for key in self._crossed if key[0] == step):     # by name, micro-batch order
+                crossed.setdefault(key[1], []).append(self._crossed.pop(key))
+            for name, parts in crossed.items():
+                traced[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
             extra = {} if client is None else {"client": client}
             self.trace.write(step, loss, traced, stage.params, **extra)
         if self.observers:

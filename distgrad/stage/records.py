@@ -125,7 +125,8 @@ def check_trace_filter(names: AbstractSet[str] | None, every: int, known: Abstra
 
     ``known`` is every parameter name of the experiment (any stage: each stage
     keeps the names it owns); ``activation_grad``, ``sent_activation`` and ``sent_activation_grad`` (the
-    tensors that crossed, ``StepEngine``) are always valid names.
+    tensors that crossed, ``StepEngine``; with feature parties they keep every party's ``NAME/PARTY``) are
+    always valid names.
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"--trace-every must be an integer >= 1, got {every!r}")
@@ -199,7 +200,9 @@ class TraceWriter:
         return self._file is not None and (step % self.every == 0 or step == self.last_step)
 
     def _kept(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return to_lists({k: v for k, v in arrays.items() if self.names is None or k in self.names})
+        # ``sent_activation`` keeps each feature party's ``sent_activation/PARTY`` too (``StepEngine``)
+        return to_lists({k: v for k, v in arrays.items()
+                         if self.names is None or k in self.names or k.split("/", 1)[0] in self.names})
 
     def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
               params: Mapping[str, np.ndarray], client: int | None = None) -> None:

@@ -149,6 +149,11 @@ def stream_name(direction: str, micro_batch: int, micro_batches: int, peer: str 
     return f"{direction}/{peer + '/' if peer else ''}mb{micro_batch}of{micro_batches}"
 
 
+def stream_peer(stream: str) -> str:
+    """The peer part of a ``stream_name`` (``activation_grad/a/mb0of1`` -> ``a``; "" for one peer)."""
+    return "/".join(stream.split("/")[1:-1])
+
+
 def stream_micro_batch(stream: str) -> tuple[int, int]:
     """The micro-batch and the micro-batch count of a ``stream_name``."""
     mb, mbs = stream.rsplit("/", 1)[-1].removeprefix("mb").split("of")
