@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.run.auditing import run_audit
 
 from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
 
@@ -45,13 +46,21 @@ def test_three_clients_equal_the_in_process_order(tmp_path, experiment, transpor
         Path(experiment).write_text((BUILTIN_DIR / f"{plain}.toml").read_text().replace(
             '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace('name = "f"\n', f'name = "f"\n{GUARD}\n'))
     path = tmp_path / "run.json"
-    metrics = ["--metrics", str(tmp_path / "m.jsonl")] if plain is not None else []
+    metrics = ["--metrics", str(tmp_path / "m.jsonl"), "--trace", str(tmp_path / "t.jsonl"), "--trace-params",
+               "sent_activation,sent_activation_grad"] if plain is not None else []
     result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, *flags, *metrics])
     assert result.returncode == 0, result.stdout + result.stderr
     summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
     if plain is not None:
         unmetered = _reference(tmp_path, plain, *[f for f in flags if f != "--privacy-meter"])
         _check_client_meters(summary, reference, unmetered, read_lines(tmp_path / "m.g.jsonl"))
+        # Each client's lines of the trace hold its views; the audit of each reproduces its meters' first window.
+        report = run_audit(experiment, tmp_path / "t.jsonl", first=1, last=25, run_steps=60, window=25)
+        for client in CLIENTS:
+            labels = summary["label_meters"][client]["label_leaks"][0]
+            inputs = summary["input_meters"][client]["input_leaks"][0]
+            assert report[f"labels/{client}"]["label_recovery"] == labels["label_recovery"], client
+            assert report[f"inputs/{client}"]["distance_correlation"] == inputs["distance_correlation"], client
     assert sorted(summary["params"]) == [*CLIENTS, "g"]
     assert summary["params"] == reference["params"]
     assert summary["params"]["f@0"] != summary["params"]["f@1"] or experiment == "digits-splitfed"

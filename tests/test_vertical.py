@@ -24,6 +24,7 @@ from distgrad.model import aggregate
 from distgrad.errors import ConfigError
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
+from distgrad.run.auditing import run_audit
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.serving import ServingStage
 from distgrad.wire.transport import POLL_TICK_S
@@ -217,6 +218,19 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
     if plain is not None:
         _check_party_meters(summary, reference, _reference(tmp_path, plain, "--micro-batches", str(micro_batches)),
                             guarded=["a", "c"])
+        # The trace names each party's views; the audit of each reproduces its meter's first window.
+        assert {f"sent_activation/{p}" for p in PARTIES} | {f"sent_activation_grad/{p}" for p in PARTIES} <= set(
+            lines[0]["grads"])
+        report = run_audit(str(experiment), trace, first=1, last=50, micro_batches=micro_batches, run_steps=60,
+                           window=50)
+        for party in PARTIES:
+            labels, inputs = (summary[key][party][field][0] for key, field in (
+                ("label_meters", "label_leaks"), ("input_meters", "input_leaks")))
+            assert labels["step"] == inputs["step"] == 50
+            for name in ("label_recovery", "cosine_auc"):
+                assert report[f"labels/{party}"][name] == labels[name], (party, name)
+            for name in ("distance_correlation", "distance_correlation_chance"):
+                assert report[f"inputs/{party}"][name] == inputs[name], (party, name)
 
 
 def _check_party_meters(summary: dict, reference: dict, unmetered: dict, guarded: list[str]) -> None:
