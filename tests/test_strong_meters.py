@@ -226,3 +226,18 @@ def test_the_strong_meters_and_the_guard_meter_over_processes_as_in_one_and_chan
     assert set(run["input_attacks"][-1]) >= {"ridge_r2", "ridge_r2_run", "ridge_r2_chance"}
     assert 0 < run["input_guard"]["peak_r2"] <= 1
     assert "worst" in metered.stdout and "ridge_r2" in metered.stdout
+
+
+@pytest.mark.parametrize("end,party", [("first", "b"), ("last", "g")])
+def test_the_cut_library_refuses_a_combined_experiments_meter_and_guard_rather_than_ignoring_them(tmp_path, end,
+                                                                                                  party):
+    """A ``Cut`` driving a feature party (or a ``CutServer``) given a combined experiment whose stage meters or
+    guards is refused naming the key: the library's loop would send unmetered and unguarded."""
+    from distgrad.run.cut_interface import cut_side
+    text = (BUILTIN_DIR / "vertical-classify.toml").read_text()
+    setting = "input_guard = { max_r2 = 0.5 }" if party == "b" else "privacy_meter = true"
+    path = tmp_path / "v.toml"
+    path.write_text(text.replace(f'name = "{party}"\n', f'name = "{party}"\n{setting}\n'))
+    with pytest.raises(ConfigError, match=f"stage '{party}' has .*{setting.split()[0]}.* meters and guards nothing"):
+        cut_side(end, path, {}, party=party if end == "first" else None)
+    assert cut_side("first", path, {}, party="a").stage == "a"        # another party's own setting is its own

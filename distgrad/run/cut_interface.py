@@ -212,7 +212,14 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
                           f"computes: it applies no stage's defenses, to its steps or its evaluations. Remove them "
                           f"from stage {stage!r} and add any noise in the loop itself, or run the stage as the "
                           f"daemon (distgrad-stage), which applies them")
-    data = exp.spec(stage).data
+    spec = exp.spec(stage)
+    private = [key for key, on in (("privacy_meter", spec.privacy_meter), ("input_guard", spec.input_guard is not None))
+               if on]
+    if private:
+        raise ConfigError(f"{interface}: stage {stage!r} has {private}, but the cut library's loop meters and "
+                          f"guards nothing of what it sends. Remove them from stage {stage!r}, or run the stage as "
+                          f"the daemon (distgrad-stage), which meters and guards it")
+    data = spec.data
     data = dict(exp.data if data is None else data)
     return ({"interface": interface_table(exp), "stage": {"name": stage}, **({"data": data} if data else {})},
             exp.source)
