@@ -27,7 +27,6 @@ from distgrad.errors import ConfigError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
-from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
@@ -39,6 +38,8 @@ GUARD_EXIT = 5              # a stage's exit code when its input_guard stopped i
 ABORTED_EXIT = 4            # a stage's exit code when its peer refused it or stopped and said why
 ABORT_GRACE_S = 2.0         # how long the others then get to exit with their own reason (a guard's stop)
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
+FINISH_GRACE_S = 30.0       # once one stage has finished, how long the others may take to follow: writing the
+                            # summary and parameters and a torch interpreter's exit take seconds on a loaded machine
 WAIT_TICK_S = 0.05
 
 
@@ -537,8 +538,9 @@ def _wait_ready(child: _Child, ready: Path, bind: str, check_stop: Callable[[], 
 def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
     """Wait until every child exits 0; raise ``StageError`` as soon as one fails.
 
-    Once one stage has finished, the others get ``STOP_GRACE_S`` plus the
-    stage timeout to follow (the server exits after the driver's bye).
+    Once one stage has finished, the others get ``FINISH_GRACE_S`` to follow
+    (the server exits after the driver's bye; the driver writes its summary
+    and parameters after the last reply), then ``StageError`` names them.
     """
     first_done: float | None = None
     aborted_at: float | None = None       # when a stage exited because its peer stopped and told it why
@@ -560,7 +562,7 @@ def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
             return
         if any(code == 0 for code in codes):
             first_done = first_done or time.monotonic()
-            if time.monotonic() - first_done > STOP_GRACE_S + DEFAULT_TIMEOUT_S:
+            if time.monotonic() - first_done > FINISH_GRACE_S:
                 late = [c.name for c, code in zip(children, codes) if code is None]
                 raise StageError(f"stage(s) {late} still running long after the others finished")
         time.sleep(WAIT_TICK_S)
