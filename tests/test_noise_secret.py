@@ -79,7 +79,6 @@ def test_the_ledger_refuses_other_values_for_a_step_and_keeps_releases_through_a
         ledger.release(1, "s", "bb", np.array([0, 1]))
     ledger.release(2, "s", "cc", np.array([1, 2]))
     saved = ledger.arrays(1)                                 # the checkpoint of step 1: step 2 still pending
-    ledger.checkpointed(1)
     ledger.restore(1, saved["privacy/releases"], [], 1)      # back to step 1: step 2 was released already
     assert ledger.counts.tolist() == [1, 2, 1]
     with pytest.raises(NoiseReuseError):

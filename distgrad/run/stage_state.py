@@ -287,11 +287,11 @@ class StageState:
             released = self._released_since(ckpt.run, 0)
             self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
                                 ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
-            # Written again whole: a line a kill -9 tore would otherwise take the next release appended. The
-            # held-out releases after the checkpoint stay (the checkpoint does not count them).
+            # Written again whole: a line a kill -9 tore would otherwise take the next release appended. Every
+            # held-out release of the run stays: a later rollback to an older checkpoint counts those after it.
             self._rewrite_released([*self.ledger.pending.values(),
-                                    *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/")
-                                      and r.step > ckpt.step)], ckpt.run)
+                                    *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/"))],
+                                   ckpt.run)
 
     def _append_release(self, release: Release) -> None:
         """Before a release leaves: its line in the file of the run's releases."""
@@ -434,8 +434,6 @@ class StageState:
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
                                                     **self.history.arrays(), **extra, **released}, meta)
-                if self.ledger is not None:
-                    self._rewrite_released(self.ledger.checkpointed(step))
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise
