@@ -16,7 +16,7 @@ import numpy as np
 
 from distgrad.model import aggregate
 
-from distgrad.wire import messages as wire
+from distgrad.wire import masking, messages as wire
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join, Liveness, Scores, Take, Transition
 from distgrad.run.handshake import check_hello, common_step, same_exactly
@@ -36,6 +36,8 @@ class Parties(Topology):
         self.found = 0      # a hint: parties 0 .. found - 1 had sent their part of the micro-batch (``all_in``)
         self.widths = [self.input_shape(index)[-1] for index in range(count)]   # of each party's embedding
         self.aggregate = serving.exp.aggregate_kind     # how the parties' embeddings combine
+        self.secure = serving.exp.secure_aggregation    # their parts are masked fixed point (``masking``)
+        self.tags: dict[str, dict[str, str]] = {}       # secure: each party's hello's pair tags, by party
 
     def build_data(self, seed: int, stage: str) -> list[LabelSource]:
         """Every party's rows are the same rows: one label source."""
@@ -61,7 +63,10 @@ class Parties(Topology):
                                                     f"feature parties {s.parties}")
         assert isinstance(role, str)
         index = s.parties.index(role)
-        return check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
+        micro_batches = check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
+        if self.secure:
+            self.tags[role] = masking.read_tags(body.get("mask_tags"), s.parties, role)
+        return micro_batches
 
     def peer_index(self, body: dict[str, Any]) -> int:
         if "client" in body:
@@ -203,16 +208,18 @@ class Parties(Topology):
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
         rows = self.common_rows(peers, msgs)
-        if isinstance(rows, str):
-            return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, rows, mb, mbs))
+        refused = rows if isinstance(rows, str) else masking.check_tags(self.tags) if self.secure else None
+        if refused is not None:     # nothing of the micro-batch is applied
+            return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, refused, mb, mbs))
                              for p, m in zip(peers, msgs)])
+        assert not isinstance(rows, str)
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
             else:           # send_rows: the label owner's own columns of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
             target = self.micro_targets(0, step, mb, mbs, rows)
-            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate)
+            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate, self.secure)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
@@ -248,9 +255,12 @@ class Parties(Topology):
         """Every party's held-out embeddings combined and scored; the same scores go to each."""
         s = self.serving
         step = requests[0].step - 1
+        unpaired = masking.check_tags(self.tags) if self.secure else None
+        if unpaired is not None:
+            return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps)
         try:
             own = s.data[0].test_features() if s.exp.own_bottom else None
-            z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate)
+            z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate, self.secure)
             result = evaluate_held_out(s.stage, z, s.data[0].test_targets(), s.metrics, s.data[0].validation_count)
         except StageError as e:
             return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps)
