@@ -302,8 +302,9 @@ class Parties(Topology):
     def lost_message(self) -> str:
         s, run = self.serving, self.run
         names = ", ".join(self.name(p) for p in self.missing(run.now)) or "a party"
+        unmask = "; with secure_aggregation the sum cannot be unmasked without every party's part" if self.secure else ""
         return (f"{names} silent for more than {s.opts.liveness_s + s.opts.peer_deadline_s:g} s at step {run.round}; "
-                f"giving up (a step needs every feature party)")
+                f"giving up (a step needs every feature party{unmask})")
 
     def completed_message(self, finished: dict[str, Any]) -> str:
         return f"run completed: {finished.get('rounds', 0)} steps with parties {self.serving.parties}"
