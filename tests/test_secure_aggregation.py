@@ -237,6 +237,27 @@ def test_one_party_a_bottom_and_a_codec_flag_are_refused():
         parse_experiment({**_raw("concat", secure=False), "secure_aggregation": "yes"})
 
 
+def test_a_party_masks_with_its_curve_key_pair_and_the_party_keys(tmp_path):
+    """A feature party's stage process (CURVE key pair, --party-keys) sends with the masks of its pairs;
+    the label owner's codec holds none (it cannot mask, nor unmask one part)."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import sent_codecs
+    from distgrad.wire.keys import CurveClient
+    from distgrad.wire.wirecodec import ACTIVATION
+
+    exp = parse_experiment(_raw())
+    masks = _keys(tmp_path)
+    keygen(tmp_path / "server", "g")
+    security = CurveClient(tmp_path / "keys" / "b.key_secret", tmp_path / "server" / "g.key")
+    codec = sent_codecs(StageOptions(exp, "b", exp.seed, security=security, party_keys=tmp_path / "keys"))[ACTIVATION]
+    assert isinstance(codec, masking.SecureSumCodec) and codec.masks is not None
+    assert codec.masks.tags() == masks["b"].tags()
+    x = np.float32([[0.25, -0.5]])
+    assert np.array_equal(codec.encode(x, "activation/mb0of1", 1)["masked"],
+                          masking.SecureSumCodec(3, masks["b"]).encode(x, "activation/mb0of1", 1)["masked"])
+    assert sent_codecs(StageOptions(exp, "g", exp.seed))[ACTIVATION].masks is None
+
+
 def test_a_party_without_keys_and_keys_without_secure_aggregation_are_refused(tmp_path):
     from distgrad.run.options import StageOptions
     from distgrad.run.stage_state import sent_codecs
