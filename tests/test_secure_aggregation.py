@@ -299,3 +299,26 @@ def test_split_stage_files_keep_secure_aggregation(tmp_path):
     assert exp.interface_parts()["secure_aggregation"] is True
     assert "secure_aggregation" not in plain.interface_parts()
     assert exp.interface_fingerprint != plain.interface_fingerprint
+
+
+# Slow: torch in four processes. The same path with numpy stages is test_vertical's secure-sum case (slow too);
+# by default, test_the_label_owner_sees_masked_integers_and_their_sum_only covers it without processes.
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # four PyTorch processes
+def test_torch_stages_over_processes_equal_the_reference(tmp_path):
+    """Torch feature parties and a torch label owner, securely aggregated over processes: bitwise equal to
+    the in-process reference."""
+    pytest.importorskip("torch")
+    from conftest import read_json, run_launcher
+    from distgrad.config.split import toml_document
+
+    raw = _raw()
+    raw["stages"] = [dict(stage, framework="torch") for stage in raw["stages"]]
+    path = tmp_path / "secure-torch.toml"
+    path.write_text(toml_document({"data": raw["data"]}, {k: v for k, v in raw.items() if k != "data"}))
+    flags = ["--steps", "10", "--micro-batches", "2"]
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json", *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference = train_in_process(parse_experiment(read_toml(path), str(path)), steps=10, micro_batches=2)
+    summary = read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
