@@ -65,7 +65,7 @@ class Parties(Topology):
         index = s.parties.index(role)
         micro_batches = check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
         if self.secure:
-            self.tags[role] = masking.read_tags(body.get("mask_tags"), s.parties, role)
+            masking.read_tags(body.get("mask_tags"), s.parties, role)     # kept once ``join`` accepts the hello
         return micro_batches
 
     def peer_index(self, body: dict[str, Any]) -> int:
@@ -85,6 +85,9 @@ class Parties(Topology):
         common_step([0], held)                          # validates the list
         assert isinstance(held, list)
         self._check_join(peer, msg, mbs, eval_every, peer_key, now)
+        if self.secure:
+            name = s.parties[peer.index]
+            self.tags[name] = masking.read_tags(msg.body.get("mask_tags"), s.parties, name)
         live = s.stage.step
         common = max([step for step in set(s.state.held()) & set(held) if step <= live] or [0])
         if peer.run and peer.run != msg.run:
@@ -208,7 +211,7 @@ class Parties(Topology):
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
         rows = self.common_rows(peers, msgs)
-        refused = rows if isinstance(rows, str) else masking.check_tags(self.tags) if self.secure else None
+        refused = rows if isinstance(rows, str) else self.unpaired()
         if refused is not None:     # nothing of the micro-batch is applied
             return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, refused, mb, mbs))
                              for p, m in zip(peers, msgs)])
@@ -235,6 +238,13 @@ class Parties(Topology):
                    for peer, msg, tensors in zip(peers, msgs, sent)]
         return Computed(answers, Gradients(peers, step, mb, mbs, grads_later, mb_loss, dz, self.client_of(peers), 0))
 
+    def unpaired(self) -> str | None:
+        """Secure aggregation: why two parties' masks would not cancel (their hellos' tags of their pair
+        differ; ``masking.check_tags``, in party order), else None."""
+        if not self.secure:
+            return None
+        return masking.check_tags({name: self.tags[name] for name in self.serving.parties if name in self.tags})
+
     def common_rows(self, group: tuple[Peer, ...], msgs: list[Message]) -> np.ndarray | str | None:
         """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when
         two parties sent different rows, the refusal's text (each party gets a ``mismatch``; nothing of the
@@ -255,7 +265,7 @@ class Parties(Topology):
         """Every party's held-out embeddings combined and scored; the same scores go to each."""
         s = self.serving
         step = requests[0].step - 1
-        unpaired = masking.check_tags(self.tags) if self.secure else None
+        unpaired = self.unpaired()
         if unpaired is not None:
             return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps)
         try:
