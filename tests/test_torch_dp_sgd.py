@@ -27,7 +27,7 @@ from distgrad.privacy.defenses import dp_sgd_gradients
 from distgrad.run.inprocess import train_in_process
 from distgrad.stage.stage import Stage
 
-from conftest import read_json
+from conftest import read_json, run_main
 from test_defenses import _digits, _equal_over_processes
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
@@ -185,6 +185,14 @@ def test_a_module_that_mixes_or_draws_across_the_batch_is_refused_when_built(tmp
         Stage.from_experiment(exp, "g")
     Stage.from_experiment(load_experiment(_module_digits(tmp_path, "", f'extra = "{extra}"', name="plain.toml")),
                           "g")      # without dp_sgd the same module is a stage
+
+
+def test_distgrad_run_refuses_a_batch_norm_module_with_dp_sgd_before_any_stage_starts(tmp_path):
+    result = run_main(["run", _module_digits(tmp_path, module_args='extra = "batch"'), "--steps", "2"])
+    assert result.returncode == 2, result.stderr
+    assert "'dp_sgd' needs each example's parameter gradient" in result.stderr and "BatchNorm1d" in result.stderr
+    out = result.stdout + result.stderr
+    assert "[f]" not in out and "[g]" not in out, f"a stage was started:\n{out}"      # the launcher's prefixes
 
 
 def test_a_module_drawing_at_random_in_its_forward_fails_the_step_naming_the_reason(tmp_path):

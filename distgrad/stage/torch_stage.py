@@ -87,6 +87,12 @@ thread count changes how torch splits a reduction, hence its rounding. On
 import this module sets ``torch.set_num_threads(1)``; a run's computation
 sets it again for its duration (``one_compute_thread``).
 
+A label owner's DP-SGD (its ``dp_sgd``): ``per_example_grads`` computes each row's parameter gradient with
+``torch.func`` (``vmap`` of ``grad`` through ``functional_call``, each row forwarded alone); the clipping, sum
+and noise are then the numpy stage's (``privacy.defenses.dp_sgd_gradients``), so such a run is bitwise in
+one process or two and after a resume. Modules with batch norm or dropout are refused when built
+(``per_example_refusal``).
+
 Modules train in whatever mode they are in (``train()`` by default) and
 are evaluated in ``eval()`` mode (their mode restored after). Before each
 training forward, torch's RNG is seeded from (the run's seed, the stage's
