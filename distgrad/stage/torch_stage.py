@@ -814,8 +814,8 @@ class TorchStage(Stage):
         Computed by ``torch.func``: ``grad`` of that sum through ``functional_call``, mapped over the rows by
         ``vmap`` (one batched pass, the same values as a loop of single-row backward passes to float32
         rounding). A parameter the output ignores gets zeros. Raises ``StageError`` when the module cannot be
-        mapped over single rows (a random draw or an in-place buffer update in its forward; ``build_stage``
-        refuses batch norm and dropout modules before that).
+        mapped over single rows (a random draw, an in-place buffer update or a branch on a tensor's value in
+        its forward; ``build_stage`` refuses batch norm and dropout modules before that).
         """
         names = [self._module_names[id(p.tensor)] for p in self._trainable]
         values = {name: p.tensor.detach() for name, p in zip(names, self._trainable)}
@@ -830,9 +830,9 @@ class TorchStage(Stage):
                 found = torch.func.vmap(torch.func.grad(contribution), in_dims=(None, 0, 0))(values, x_t, dy_t)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: dp_sgd's per-example gradients failed at step {self.step + 1}: "
-                             f"torch.func cannot map the module over single rows ({e}); a module that draws "
-                             f"random numbers or updates buffers in its forward has no per-example gradient "
-                             f"here") from e
+                             f"torch.func cannot map the module over single rows ({e}); a forward that draws "
+                             f"random numbers, updates buffers in place or branches on tensor values (.item(), "
+                             f"if on a tensor) has no per-example gradient here") from e
         return [{p.name: p.view(found[name][i]) for name, p in zip(names, self._trainable)} for i in range(len(x))]
 
     def _loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
