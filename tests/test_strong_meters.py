@@ -121,6 +121,9 @@ def test_input_guard_is_a_setting_of_each_data_owner(tmp_path):
     check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
     with pytest.raises(ConfigError, match=r"input_guard.*a feature party"):
         check_defenses(replace(vertical, stages=[party, *others, replace(label_owner, input_guard=(0.5, 0))]))
+    with pytest.raises(ConfigError, match=r"input_guard.*secure_aggregation.*masked sum"):
+        check_defenses(replace(vertical, aggregate="sum", secure_aggregation=True,
+                               stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
 
 
 def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_never_an_honest_run(monkeypatch):

@@ -34,8 +34,12 @@ BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-
 
 
 def _experiment(tmp_path: Path, aggregate_kind: str = "concat") -> Path:
-    """vertical-classify with another aggregation (sum and mean need equal widths: g takes 8 columns)."""
+    """vertical-classify with another aggregation (sum and mean need equal widths: g takes 8 columns;
+    "secure-sum": sum with secure_aggregation)."""
     text = BUILTIN.read_text()
+    if aggregate_kind == "secure-sum":
+        text = text.replace('aggregate = "concat"', 'aggregate = "concat"\nsecure_aggregation = true')
+        aggregate_kind = "sum"
     if aggregate_kind != "concat":
         text = text.replace('aggregate = "concat"', f'aggregate = "{aggregate_kind}"').replace("in = 24", "in = 8")
     path = tmp_path / f"vertical-{aggregate_kind}.toml"
@@ -181,11 +185,17 @@ GUARD = "input_guard = { max_r2 = 1.0, after = 0 }"     # judges every step, nev
 
 @pytest.mark.parametrize("kind,transport,micro_batches,extra", [
     ("concat", "tcp", 1, ["--secure"]), ("concat", "ipc", 2, []), ("sum", "tcp", 2, ["--privacy-meter"]),
-    ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"])])
+    ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"]),
+    # Slow: four processes more. By default test_secure_aggregation covers the same path without processes:
+    # the parties' masked forwards (their codecs as sent_codecs builds them from --party-keys) at the label
+    # owner, bitwise with the reference, and the masks cancelling exactly.
+    pytest.param("secure-sum", "ipc", 2, [], marks=pytest.mark.slow)])
 def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches, extra):
     """Also with CURVE (a key pair per party), and the output files: each stage's saved parameters and one
     metrics line per step, in each process's own file (the first party's at PATH, every other's at
-    PATH.STAGE: each with its own learning rate). Metered (``_check_party_meters``), as in one process."""
+    PATH.STAGE: each with its own learning rate). With secure aggregation (always CURVE: each party masks
+    with its key pair and the others' public keys, --party-keys) the label owner adds masked fixed point,
+    the reference unmasked fixed point: bitwise equal. Metered (``_check_party_meters``), as in one process."""
     experiment = _experiment(tmp_path, kind)
     plain = None
     if "--privacy-meter" in extra:          # and parties a and c guarded
@@ -253,6 +263,21 @@ def _check_party_meters(summary: dict, reference: dict, unmetered: dict, guarded
     # Each party's gradient rows leak the labels, and each its own columns: the figures differ by party.
     assert summary["label_meters"]["a"]["label_attacks"] != summary["label_meters"]["b"]["label_attacks"]
     assert summary["input_meters"]["a"]["input_leaks"] != summary["input_meters"]["b"]["input_leaks"]
+
+
+def test_with_secure_aggregation_the_label_owner_meters_each_party_but_no_embedding_is_traced(tmp_path):
+    """Masked, a party's embedding reaches no one alone: the label owner meters the gradient rows it sends
+    each party (no model completion: it holds no party's embedding), and no party's sends are traced."""
+    exp = load_experiment(_experiment(tmp_path, "secure-sum"))
+    trace = tmp_path / "trace.jsonl"
+    summary = train_in_process(exp, steps=12, privacy_meter=True, trace_path=trace)
+    assert "input_meters" not in summary and sorted(summary["label_meters"]) == PARTIES
+    for party in PARTIES:
+        attacks = summary["label_meters"][party]["label_attacks"][-1]
+        assert "averaged_recovery_1" in attacks and "model_completion" not in attacks, party
+    names = set(read_lines(trace)[0]["grads"])
+    assert {f"sent_activation_grad/{p}" for p in PARTIES} <= names
+    assert not [name for name in names if name.startswith("sent_activation/")]
 
 
 # A torch feature party and label owner (four processes, two of them torch): slow. The numpy parties' meters and

@@ -41,6 +41,7 @@ from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_d
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, Traffic
 from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.masking import SecureSumCodec
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
 
 BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
@@ -112,10 +113,14 @@ class _Driver:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
         stage = self.state.stage
         held = self.state.held()
-        common = self.link.handshake(handshake.hello(
+        hello = handshake.hello(
             self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
             self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0,
-            staleness=self.staleness), self.opts.client)
+            staleness=self.staleness)
+        masked = self.state.senders.codec(ACTIVATION)
+        if isinstance(masked, SecureSumCodec) and masked.masks is not None:
+            hello.body["mask_tags"] = masked.masks.tags()   # the label owner checks that every pair agrees
+        common = self.link.handshake(hello, self.opts.client)
         self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)

@@ -417,8 +417,11 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting and msg.mbs == peer.mbs:     # another count is refused below, as it is first
+            digest = frames_digest(msg) if self.state.ledger is not None else None   # before it is read
             self.accepts.receive(peer, msg)
-            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
+            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting,
+            if digest is not None:                      # and this is what the step will be computed on
+                peer.received[key] = digest
             return []
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)

@@ -100,8 +100,9 @@ def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
 def crossed_direction(exp: Experiment, first: bool, last: bool) -> str | None:
     """What a stage of ``exp`` sends across the cut, recorded in its trace as ``sent_DIRECTION``
     (``trace_crossed``): a data owner's (a first stage's, a client's, a feature party's) activations, the
-    label owner's (last stage's) activation gradients. A middle stage and the only stage record nothing."""
-    if first == last:
+    label owner's (last stage's) activation gradients. A middle stage and the only stage record nothing, nor
+    does a feature party of ``secure_aggregation`` (what crosses is masked: its embedding reaches no one)."""
+    if first == last or (first and exp.secure_aggregation):
         return None
     return ACTIVATION if first else GRADIENT
 
