@@ -418,6 +418,10 @@ def test_a_party_that_stays_away_ends_the_run_everywhere_naming_it(tmp_path, sta
 
 
 
+# Four processes: slow. By default test_a_party_that_stops_ends_the_run_and_every_other_party_is_told_why covers the
+# label owner telling the other parties (without sockets), and test_strong_meters's
+# test_a_guard_stop_over_processes_exits_5_and_writes_no_newer_checkpoint a guard's stop over processes.
+@pytest.mark.slow
 def test_a_partys_input_guard_stops_it_and_every_other_stage_is_told_why_at_once(tmp_path, stage_group):
     """Party a's input_guard stops it before it sends step 6 (exit 5; its newest checkpoint is step 5's): the
     label owner and the parties b and c exit at once (4, naming a's guard), none waiting out its deadline."""
@@ -500,6 +504,29 @@ def test_a_rollback_to_a_step_due_for_evaluation_evaluates_it_again_before_going
     assert _replies(g, right, right.evaluate(2), now) == [("left", "evaluation", 3), ("right", "evaluation", 3)]
     assert _replies(g, left, left.forward(3), now) == []
     assert _replies(g, right, right.forward(3), now) == [("left", "backward", 3), ("right", "backward", 3)]
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_a_party_that_stops_ends_the_run_and_every_other_party_is_told_why(tmp_path, waiting):
+    """Right stops (its input_guard, or any failure of its own: an aborted notice): the run fails at g, and left
+    is told why in reply to its forward waiting there, or else to its next request (``answer_untold``), never
+    left to wait out its deadline for a step that cannot come."""
+    from distgrad.wire import messages as wire
+    g, (left, right), now = _label_owner(tmp_path, steps=10)
+    for party in (left, right):
+        _replies(g, party, party.hello([0], 10), now)
+    if waiting:
+        assert _replies(g, left, left.forward(1), now) == []        # waits for right's part
+    why = "it failed: stage 'right': input_guard stopped the run before sending step 1"
+    replies = g.handle(right.envelope, wire.abort_notice(right.run, "right", why), now)
+    assert g.end_failed_run() is not None                           # the run fails at g
+    if not waiting:
+        assert replies == [] and left.run in g.untold
+        replies = [(left.envelope, reply) for reply in g.answer_untold(left.forward(1))]
+    [(envelope, reply)] = replies
+    assert envelope == left.envelope and reply.type == wire.ERROR and reply.step == 1
+    assert reply.body["code"] == wire.ErrorCode.ABORTED and "input_guard stopped the run" in reply.body["message"]
+    assert "party right stopped" in reply.body["message"] and not g.untold
 
 
 def test_a_party_back_after_the_last_step_gets_its_evaluation_and_says_bye(tmp_path):
