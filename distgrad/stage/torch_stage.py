@@ -157,6 +157,11 @@ def _tensor(array: np.ndarray, dtype: np.dtype | type = np.float32, device: torc
     blocking this thread.
     """
     if device.type == "cpu":
+        if type(array) is np.ndarray and array.dtype != dtype:
+            # Converted while copied, in one pass (``torch.tensor(np.asarray(array, dtype))`` copies twice).
+            out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
+            np.copyto(out.numpy(), array, casting="unsafe")
+            return out
         return torch.tensor(np.asarray(array, dtype))
     array = np.asarray(array, dtype)
     pinned = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
