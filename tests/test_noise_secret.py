@@ -3,8 +3,10 @@
 A data owner that opens two runs with the same activations (a label owner with ``--keep-serving``, or
 restarted with the same stage file) gets other noise each time; a step computed again (a resend after a
 rollback, a resume after kill -9) on other activations than the first time is refused; on the same
-activations it is answered bitwise as the first time. The data owner here is the cut library (``Cut``): it
-sends exactly the activations the test chooses, as a determined party would.
+activations it is answered bitwise as the first time. The label owner's randomized labels (``label_dp``) are
+drawn from the same per-run secret: another run, other labels, whatever seed the data owner knows. The data
+owner here is the cut library (``Cut``): it sends exactly the activations the test chooses, as a determined
+party would.
 """
 
 from __future__ import annotations

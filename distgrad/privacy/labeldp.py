@@ -10,10 +10,10 @@ knows the flip rate. Pure functions of numpy arrays and one state keyed by the r
   prior: the answer's distribution for two labels differs by at most e^eps. With a good prior the set is
   small and the answer is right far more often.
 * In stages (``LabelRelease``): the training rows are split into K equal parts by a shuffle keyed, like every
-  answer, by the stage's run secret (never the seed: a party that knows the seed cannot redraw the answers). Stage 1
-  trains on part 1 with plain randomized response (a uniform prior); from stage t on, part t's rows take part,
-  and each row's label is drawn the first time the label owner sees the row in a training step, with the
-  model's own softmax output for that row as the prior: a model trained so far only on randomized labels.
+  answer, by the stage's run secret (never the seed: a party that knows the seed cannot redraw the answers).
+  Stage 1 trains on part 1 with plain randomized response (a uniform prior); from stage t on, part t's rows
+  take part, and each row's label is drawn the first time the label owner sees the row in a training step, with
+  the model's own softmax output for that row as the prior: a model trained so far only on randomized labels.
   Each row's label is released once in the run, so the run is epsilon-label-DP exactly.
 * ``corrected_loss``: forward correction (Patrini et al., 2017) by the known transition of the mechanism:
   the model's probabilities p(y | x) become the probability of the answer actually released,

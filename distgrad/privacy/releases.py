@@ -19,8 +19,10 @@ chunk releases its rows once), since their rows are not the training rows the pe
 
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
 both. The secret lives in a ``RunSecret``, which a label owner's randomized labels (``label_dp``) share with
-its ledger: they are drawn from the same secret as its noise, never from the seed. ``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only:
-it makes every run draw from the same secret, so two runs then repeat their noise.
+its ledger: they are drawn from the same secret as its noise, never from the seed.
+
+``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only: it makes
+every run draw from the same secret, so two runs then repeat their noise (and their randomized labels).
 """
 
 from __future__ import annotations
