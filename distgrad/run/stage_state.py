@@ -276,6 +276,8 @@ class StageState:
         return True
 
     def _load(self, ckpt: Any) -> None:
+        if ckpt.run != self.run_id and self.stage.label_dp is not None:
+            self.stage = self._fresh()      # no label another run released is kept (LabelRelease keeps its own)
         self.engine.reset()
         try:
             self.stage.load_state_arrays(without_codec_state(ckpt.arrays), ckpt.step)
