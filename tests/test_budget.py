@@ -170,6 +170,7 @@ def test_the_budget_chosen_setting_holds_against_the_per_row_averaging_attack():
 
 
 @pytest.mark.slow       # 3 x 30 epochs with a trace; the target form's sigma and counts: the in-process test above
+@pytest.mark.timeout(600)       # each run traces 1,320 steps of 32 x 256 gradients: a minute or two on busy cores
 @pytest.mark.usefixtures("fixed_noise_secret")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_recommended_experiment_meets_the_budget_target_on_every_split_seed(seed):
