@@ -1,6 +1,7 @@
 """The privacy trade-off, measured: held-out accuracy against every leak figure, for each defense's parameter.
 
 Usage: python benchmarks/privacy.py [--smoke] [--seeds N] [--json PATH] [--plot PNG] [--write-docs]
+       python benchmarks/privacy.py --averaging EXPERIMENT [--seeds N] [--secrets K] [--epochs E]
 
 Three tasks: ``digits`` (the built-in experiment, 10 classes), ``digits-0-vs-rest``
 (the same images relabelled: 1 for a zero, 0 for any other digit, and a
@@ -23,6 +24,15 @@ section) and the plot to docs/privacy_tradeoff.png.
 
 ``--smoke``: one seed, 60 steps, two settings per task (the smoke test of
 tests/test_benchmarks.py).
+
+``--averaging EXPERIMENT``: instead of the sweep, the data owner's strongest
+attack on the label owner's noised gradients (``averaging_attack``: each
+row's received gradients averaged over the run, then k-means anchored on 1 or
+10 known rows per class) against a built-in experiment with its own
+``clip_noise`` (the recommended ``digits-budget``), on ``--seeds`` split seeds
+with ``--secrets`` noise secrets each: a markdown table of sigma, epsilon,
+held-out accuracy and the labels recovered (docs/privacy.md, "Recommended
+settings: chosen by a budget").
 """
 
 from __future__ import annotations
@@ -413,26 +423,29 @@ def averaging_attack(step_rows: np.ndarray, received: np.ndarray, labels: np.nda
     return anchored_kmeans(means, np.asarray(labels)[seen], known, seed)
 
 
-def averaging_run(clip: dict[str, Any], epochs: int = 30, seed: int = 0, known: tuple[int, ...] = (1, 10)
-                  ) -> dict[str, Any]:
-    """The built-in digits experiment for ``epochs`` epochs with the label owner's ``clip_noise = clip``, in
-    one process, its trace keeping what the data owner received (``sent_activation_grad``): the held-out
-    accuracy, the summary's budget and ``averaging_attack``'s recovery with each count of ``known`` rows
-    per class."""
+def averaging_run(clip: dict[str, Any] | None, epochs: int = 30, seed: int = 0, known: tuple[int, ...] = (1, 10),
+                  experiment: str = "digits", noise_secret: int | None = None) -> dict[str, Any]:
+    """The built-in ``experiment`` (digits, or a variant of it such as ``digits-budget``) for ``epochs`` epochs
+    with the label owner's ``clip_noise = clip`` (None: the experiment's own), in one process, its trace keeping
+    what the data owner received (``sent_activation_grad``): the held-out accuracy, the summary's budget and
+    ``averaging_attack``'s recovery with each count of ``known`` rows per class. ``noise_secret``: the run's
+    (None: a fresh one, or ``DISTGRAD_NOISE_SECRET``)."""
     from distgrad.config.parse import load_experiment
     with tempfile.TemporaryDirectory(prefix="distgrad-averaging-") as name:
-        path = Path(name) / "digits.toml"
-        text = (ROOT / "distgrad" / "experiments" / "digits.toml").read_text().replace(
+        path = Path(name) / f"{experiment}.toml"
+        text = (ROOT / "distgrad" / "experiments" / f"{experiment}.toml").read_text().replace(
             '"../datasets/', f'"{DATASETS}/')
-        inline = ", ".join(f"{k} = {v}" for k, v in clip.items())
-        head, f_stage, g_stage = text.split("[[stages]]")
-        path.write_text("[[stages]]".join([head, f_stage, g_stage.rstrip() + f"\nclip_noise = {{ {inline} }}\n"]))
+        if clip is not None:
+            inline = ", ".join(f"{k} = {v}" for k, v in clip.items())
+            head, f_stage, g_stage = text.split("[[stages]]")
+            text = "[[stages]]".join([head, f_stage, g_stage.rstrip() + f"\nclip_noise = {{ {inline} }}\n"])
+        path.write_text(text)
         exp = load_experiment(path)
         data = exp.build_data(seed, stage="g")
         steps = epochs * data.batches_per_epoch
         trace = Path(name) / "trace.jsonl"
         summary = train_in_process(exp, steps=steps, seed=seed, trace_path=trace,
-                                   trace_params={"sent_activation_grad"})
+                                   trace_params={"sent_activation_grad"}, noise_secret=noise_secret)
         received, rows = [], []
         with trace.open() as lines:
             for line in lines:
@@ -448,6 +461,24 @@ def averaging_run(clip: dict[str, Any], epochs: int = 30, seed: int = 0, known: 
                                for k in known for w in (False, True)}}
 
 
+def averaging_table(experiment: str, seeds: int, secrets: int, epochs: int) -> str:
+    """``averaging_run`` of the built-in ``experiment`` (its own clip_noise) on split seeds 0..``seeds``-1, each
+    with noise secrets 1..``secrets``: one markdown row per run (seed, secret, sigma, epsilon, held-out
+    accuracy, the labels recovered with 1 and 10 known rows per class, plain / weighted by epoch)."""
+    lines = ["| seed | secret | sigma | epsilon (worst row, releases) | held-out accuracy | recovered, 1 known "
+             "(plain / weighted) | recovered, 10 known (plain / weighted) |", "|---|---|---|---|---|---|---|"]
+    for seed in range(seeds):
+        for secret in range(1, secrets + 1):
+            r = averaging_run(None, epochs, seed, experiment=experiment, noise_secret=secret)
+            budget = r["privacy"]
+            lines.append(f"| {seed} | {secret} | {budget['sigma']:.3f} | {budget['epsilon']:.2f} "
+                         f"({budget['releases']}) | {r['test_accuracy']:.4f} | {r['recovery_known_1']:.3f} / "
+                         f"{r['recovery_known_1_weighted']:.3f} | {r['recovery_known_10']:.3f} / "
+                         f"{r['recovery_known_10_weighted']:.3f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one seed, 60 steps, two settings per task")
@@ -457,7 +488,16 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true",
                         help=f"write the table and targets into {DOC.relative_to(ROOT)} and the plot to "
                              f"{PLOT.relative_to(ROOT)}")
+    parser.add_argument("--averaging", metavar="EXPERIMENT",
+                        help="instead of the sweep: the per-row averaging attack against the built-in EXPERIMENT "
+                             "(e.g. digits-budget) with its own clip_noise, on split seeds 0..--seeds-1, "
+                             "each with --secrets noise secrets, --epochs epochs")
+    parser.add_argument("--secrets", type=int, default=2, help="with --averaging: noise secrets per seed")
+    parser.add_argument("--epochs", type=int, default=30, help="with --averaging: epochs of each run")
     args = parser.parse_args()
+    if args.averaging is not None:
+        print(averaging_table(args.averaging, args.seeds, args.secrets, 2 if args.smoke else args.epochs))
+        return
     if args.write_docs and args.smoke:
         parser.error("--write-docs takes the full sweep's figures only, not --smoke's")
     seeds = 1 if args.smoke else args.seeds

@@ -181,6 +181,23 @@ def test_the_budget_chosen_setting_holds_against_the_per_row_averaging_attack():
     assert len(recoveries) == 4 and max(recoveries.values()) <= 0.20, recoveries
 
 
+@pytest.mark.slow       # 3 x 30 epochs with a trace; the target form's sigma and counts: the in-process test above
+@pytest.mark.timeout(600)       # each run traces 1,320 steps of 32 x 256 gradients: a minute or two on busy cores
+@pytest.mark.usefixtures("fixed_noise_secret")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_recommended_experiment_meets_the_budget_target_on_every_split_seed(seed):
+    """The built-in digits-budget (docs/privacy.md, "Recommended settings: chosen by a budget"): on split seeds
+    0, 1 and 2 the printed epsilon is at most 8 over its 30 releases per row, held-out accuracy is at least
+    0.90, and the per-row averaging attack recovers at most 0.20 of the labels from 1 or 10 known rows a class."""
+    bench = _privacy_benchmark()
+    result = bench.averaging_run(None, epochs=30, seed=seed, experiment="digits-budget")
+    assert result["privacy"]["epsilon"] <= 8.0 and result["privacy"]["releases"] == 30
+    assert result["privacy"]["target_epsilon"] == 8.0 and result["privacy"]["planned_releases"] == 30
+    assert result["test_accuracy"] >= 0.90, result["test_accuracy"]
+    recoveries = {k: v for k, v in result.items() if k.startswith("recovery")}
+    assert len(recoveries) == 4 and max(recoveries.values()) <= 0.20, recoveries
+
+
 def test_the_averaging_attack_recovers_labels_from_noiseless_gradients_and_not_from_noise():
     """The attack itself: rows whose gradients point one way per class (plus noise that averages out over
     the epochs) are recovered; pure noise gives chance."""

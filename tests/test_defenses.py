@@ -347,15 +347,15 @@ def _kill_9_of_either_stage_is_bitwise(tmp_path: Path, stage_group, path: Path) 
 
 
 @pytest.mark.usefixtures("fixed_noise_secret")
-def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tmp_path):
-    """``distgrad split`` writes each party's defenses into its own stage file; the label owner given its own
-    ``seed`` draws its noise and its randomized labels from it (another seed, other draws), the summary says
-    whose seed it was, and the stage processes still train what one process does."""
+def test_stage_files_keep_each_partys_defenses_and_draw_from_the_runs_secret_not_the_seed(tmp_path):
+    """``distgrad split`` writes each party's defenses into its own stage file; the label owner's randomized
+    labels follow the run's secret, not its seed (its own ``seed`` changes none of them, and nothing says
+    a defense draws from a seed), and the stage processes still train what one process does."""
     assert run_main(["split", _digits(tmp_path, F_DEFENSE, G_DEFENSE), tmp_path / "parts"]).returncode == 0
     f_file, g_file = tmp_path / "parts" / "f" / "f.toml", tmp_path / "parts" / "g" / "g.toml"
     assert "clip_noise" in f_file.read_text() and "label_dp" in g_file.read_text()
     shared = train_in_process(load_experiment([f_file, g_file]), steps=10)
-    assert shared["privacy"]["g"]["noise_seed"].startswith("the run's")
+    assert "noise_seed" not in shared["privacy"]["g"] and "drawn_by" not in shared["privacy"]["g"]
     shared_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
     g_file.write_text(g_file.read_text().replace('[stage]\nname = "g"\n', '[stage]\nname = "g"\nseed = 7\n'))
     args = ["run", f_file, g_file, "--steps", "20", "--micro-batches", "2"]
@@ -364,10 +364,11 @@ def test_stage_files_keep_each_partys_defenses_and_draw_from_its_private_seed(tm
     assert result.returncode == 0, result.stdout + result.stderr
     reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert summary["params"] == reference["params"]
-    assert summary["privacy"]["g"]["noise_seed"] == "the stage's own"
-    assert "run's seed" not in result.stdout          # f's clip_noise draws from the run's secret, not its seed
-    own_labels = load_experiment([f_file, g_file]).build_data(stage="g").noisy
-    assert not np.array_equal(own_labels, shared_labels)
+    assert "noise_seed" not in summary["privacy"]["g"] and "run's seed" not in result.stdout
+    own_seed = load_experiment([f_file, g_file])
+    np.testing.assert_array_equal(own_seed.build_data(stage="g").noisy, shared_labels)    # the same secret
+    own_seed.run_secret("g").value += 1                                                    # another run's
+    assert not np.array_equal(own_seed.build_data(stage="g").noisy, shared_labels)
 
 
 @pytest.mark.usefixtures("fixed_noise_secret")

@@ -103,18 +103,18 @@ def test_defenses_that_draw_nothing_are_not_said_to_draw_noise(tmp_path, f_extra
     assert "seed" not in budget_text(privacy["privacy"]) and "drawing" not in budget_text(privacy["privacy"])
 
 
-def test_only_defenses_that_draw_from_the_seed_are_named_with_it(tmp_path):
-    """Randomized labels follow the stage's seed, which the other party may know; the noise of clip_noise and
-    max_norm follows the run's secret, so they are not said to draw from the seed."""
+def test_no_defense_is_said_to_draw_from_the_seed(tmp_path):
+    """Randomized labels and the noise of clip_noise and max_norm all follow the run's secret, never the seed
+    the other party may know: no defense is said to draw from the seed."""
     from distgrad.config.defended import budget_text, privacy_budget
     from distgrad.config.parse import load_experiment
     exp = load_experiment(_digits_with(tmp_path, "nopeek = { weight = 0.5 }\nclip_noise = { max_norm = 4.0, sigma = 0.1 }",
                                        "max_norm = true\nlabel_dp = { epsilon = 2.0 }"))
     privacy = privacy_budget(exp, ["f", "g"], 10, 0)["privacy"]
-    assert "drawn_by" not in privacy["f"] and privacy["g"]["drawn_by"] == ["label_dp"]
+    assert not {"drawn_by", "noise_seed"} & (set(privacy["f"]) | set(privacy["g"]))
     text = budget_text(privacy)
-    assert "f: clip_noise: " in text and "clip_noise drawing" not in text and "max_norm drawing" not in text
-    assert "label_dp drawing from the run's seed" in text
+    assert "f: clip_noise: " in text and "g: label_dp: label-DP epsilon 2" in text
+    assert "seed" not in text and "drawing" not in text
 
 
 @pytest.mark.parametrize("body, needle", [({"loss": 0.5, "correct": 3, "count": 0}, "count=0"),

@@ -104,6 +104,7 @@ def test_corrected_loss_is_cross_entropy_on_the_released_labels_probability():
     np.testing.assert_allclose(grad, plain_grad, atol=1e-7)
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")     # both stages release the same labels
 def test_a_torch_label_owner_trains_with_the_same_loss(tmp_path):
     """A torch stage's training loss under label_dp (one torch graph) has the numpy stage's value and input
     gradient, for the same parameters, activations and released labels."""
@@ -128,7 +129,7 @@ def test_a_torch_label_owner_trains_with_the_same_loss(tmp_path):
 def test_label_release_draws_each_row_once_in_its_stage_and_resumes_from_its_state():
     labels = np.arange(40) % 4
     setting = LabelDP(2.0, stages=2, epochs_per_stage=1.0)
-    release = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=0, stage="g")
+    release = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, secret=0, stage="g")
     assert sorted(np.bincount(release.part[:32])[1:]) == [16, 16] and not release.part[32:].any()
     first = np.flatnonzero(release.part == 1)[:8]
     second = np.flatnonzero(release.part == 2)[:8]
@@ -147,7 +148,7 @@ def test_label_release_draws_each_row_once_in_its_stage_and_resumes_from_its_sta
     np.testing.assert_array_equal(batch.answers[8:], labels[second])
     again = release.release(rows, -confident, update=9)     # released once: later outputs change nothing
     np.testing.assert_array_equal(again.answers, batch.answers)
-    resumed = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=0, stage="g")
+    resumed = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, secret=0, stage="g")
     resumed.load_state_arrays(release.state_arrays())
     np.testing.assert_array_equal(resumed.release(rows, confident, 9).answers, batch.answers)
     np.testing.assert_array_equal(resumed.sets, release.sets)
@@ -156,11 +157,63 @@ def test_label_release_draws_each_row_once_in_its_stage_and_resumes_from_its_sta
     release.load_state_arrays(saved)
     assert release.release(rows, -confident, update=4).active.tolist() == [True] * 8 + [False] * 8   # as before
     np.testing.assert_array_equal(release.release(rows, -confident, update=5).answers, batch.answers)
-    fresh = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=0, stage="g")
+    fresh = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, secret=0, stage="g")
     fresh.keep_released(release)                            # a rollback to step 0: the stage rebuilt
     np.testing.assert_array_equal(fresh.release(rows, -confident, update=5).answers, batch.answers)
-    other = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, seed=1, stage="g")
+    other = LabelRelease(setting, labels, np.arange(32), 4, updates_per_stage=5, secret=1, stage="g")
     assert not np.array_equal(other.part, release.part)
+
+
+@pytest.mark.parametrize("label_dp", ["label_dp = { epsilon = 2.0 }", STAGED])
+def test_randomized_labels_are_drawn_from_the_runs_secret_not_from_the_seed(tmp_path, label_dp):
+    """A data owner knows the run's seed (it is in the interface): it cannot redraw the randomized labels from it.
+    They follow the run's secret alone: the same secret (and only it) gives the same labels and parameters,
+    whatever the seed; another secret, other labels; an experiment loaded anew (a party without the secret)
+    draws its own."""
+    path = _digits(tmp_path, g_extra=label_dp)
+
+    def trained(secret: int, seed: int = 0) -> dict:
+        return train_in_process(load_experiment(path), steps=20, seed=seed, noise_secret=secret)["params"]
+
+    assert trained(1) == trained(1) and trained(1)["g"] != trained(2)["g"]
+
+    def labels(exp, secret: int | None, seed: int = 0) -> np.ndarray:
+        """The answers released by the label owner's stage for the first 3 steps (with stages: drawn as it
+        trains on them, from its own outputs), or its data's randomized labels."""
+        if secret is not None:
+            exp.run_secret("g").value = secret
+        data, stage = exp.build_data(seed, stage="g"), Stage.from_experiment(exp, "g", seed)
+        if stage.label_dp is None or stage.label_dp.release is None:
+            return data.noisy
+        x = np.random.default_rng(3).normal(size=(32, 64)).astype(np.float32)
+        for step in range(1, 4):
+            stage.loss_micro_batch(x, data.targets(step))
+        return stage.label_dp.release.answers
+
+    run = labels(load_experiment(path), 1)
+    np.testing.assert_array_equal(labels(load_experiment(path), 1), run)
+    if "stages" not in label_dp:        # every row's label, whatever the seed (which also splits the rows)
+        np.testing.assert_array_equal(labels(load_experiment(path), 1, seed=5), run)
+    assert not np.array_equal(labels(load_experiment(path), 2), run)
+    assert not np.array_equal(labels(load_experiment(path), None), run)       # a fresh secret: not the run's
+
+
+def test_a_torch_label_owner_draws_its_labels_from_the_runs_secret(tmp_path):
+    """The torch stage's released labels are the numpy stage's for the same secret, and other ones for another."""
+    pytest.importorskip("torch")
+    numpy_exp = load_experiment(_digits(tmp_path, g_extra=STAGED, name="numpy.toml"))
+    torch_exp = load_experiment(_digits(tmp_path, g_extra='framework = "torch"\n' + STAGED, name="torch.toml"))
+    x = np.random.default_rng(3).normal(size=(32, 64)).astype(np.float32)
+    rows = numpy_exp.build_data(stage="g").targets(1)
+
+    def answers(exp, secret: int) -> np.ndarray:
+        exp.run_secret("g").value = secret
+        stage = Stage.from_experiment(exp, "g")
+        stage.loss_micro_batch(x, rows)
+        return stage.label_dp.release.answers
+
+    np.testing.assert_array_equal(answers(torch_exp, 1), answers(numpy_exp, 1))
+    assert not np.array_equal(answers(torch_exp, 2), answers(torch_exp, 1))
 
 
 def test_parse_label_dp_reads_back_its_table():
@@ -243,7 +296,7 @@ def test_digits_at_epsilon_2_keeps_held_out_accuracy_at_0_90():
     were true: 0.87); the summary states the epsilon of every label."""
     for seed in range(3):
         exp = parse_experiment(_digits_table({"epsilon": 2.0, "stages": 2, "epochs_per_stage": 9}), "<digits>")
-        summary = train_in_process(exp, seed=seed)
+        summary = train_in_process(exp, seed=seed, noise_secret=seed)      # the labels are drawn from the secret
         assert summary["test_accuracy"] >= 0.90, (seed, summary["test_accuracy"])
         assert summary["privacy"]["g"]["label_dp"] == {"epsilon": 2.0, "stages": 2}
 
@@ -254,7 +307,8 @@ def test_the_corrected_loss_learns_more_from_the_same_randomized_labels():
     corrected, plain = [], []
     for seed in range(3):
         for keys, kept in (({"epsilon": 1.0}, corrected), ({"epsilon": 1.0, "loss": "plain"}, plain)):
-            kept.append(train_in_process(parse_experiment(_digits_table(keys), "<digits>"), seed=seed)["test_accuracy"])
+            kept.append(train_in_process(parse_experiment(_digits_table(keys), "<digits>"), seed=seed,
+                                         noise_secret=seed)["test_accuracy"])      # the same randomized labels
     assert np.mean(corrected) >= np.mean(plain) + 0.05, (corrected, plain)
 
 
@@ -293,8 +347,8 @@ def test_a_two_class_task_at_epsilon_1_beats_always_answering_the_majority_class
                             "optimizer": {"type": "adam", "lr": 0.01}, "loss": "softmax_cross_entropy",
                             "label_dp": label_dp}]}
     for label_dp in ({"epsilon": 1.0}, {"epsilon": 1.0, "stages": 2, "epochs_per_stage": 8}):
-        accuracies = [train_in_process(parse_experiment(raw(label_dp), "<penguins>"), seed=seed)["test_accuracy"]
-                      for seed in range(4)]
+        accuracies = [train_in_process(parse_experiment(raw(label_dp), "<penguins>"), seed=seed,
+                                       noise_secret=seed)["test_accuracy"] for seed in range(4)]
         assert min(accuracies) > majority, (label_dp, accuracies, majority)
 
 
@@ -317,6 +371,7 @@ def test_with_stages_the_label_owners_data_hands_its_stage_the_rows_numbers(tmp_
     assert isinstance(plain.build_data(stage="g"), RandomizedLabels)
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_over_processes_is_bitwise_the_in_process_run(tmp_path):
     """Stage 2 begins at update 11 of 20: labels released during training from the model's outputs, with two
     micro-batches and int8 on both directions, are exactly what one process releases and trains on."""
@@ -325,6 +380,7 @@ def test_rr_with_prior_over_processes_is_bitwise_the_in_process_run(tmp_path):
     assert summary["privacy"]["g"]["label_dp"] == {"epsilon": 2.0, "stages": 2}
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_with_clients_vertical_parties_and_sent_rows_is_bitwise_the_in_process_run(tmp_path):
     _equal_over_processes(tmp_path, _defended(tmp_path, "digits-clients", {1: STAGED}, "clients.toml"))
     _equal_over_processes(tmp_path, _defended(tmp_path, "vertical-classify", {3: STAGED}, "vertical.toml"))
@@ -335,12 +391,14 @@ def test_rr_with_prior_with_clients_vertical_parties_and_sent_rows_is_bitwise_th
 
 
 @pytest.mark.slow       # the same path as clients and a two-stage run, which the default suite runs
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_with_splitfed_and_a_u_shape_is_bitwise_the_in_process_run(tmp_path):
     _equal_over_processes(tmp_path, _defended(tmp_path, "digits-splitfed", {1: STAGED}, "splitfed.toml"))
     _equal_over_processes(tmp_path, _defended(tmp_path, "digits-ushaped", {2: STAGED}, "ushaped.toml"))
 
 
 @pytest.mark.slow       # the numpy run above covers the release by default; torch adds only its loss (unit-tested)
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_on_torch_stages_over_processes_is_bitwise_the_in_process_run(tmp_path):
     pytest.importorskip("torch")
     torch_lines = 'framework = "torch"\n'
@@ -349,6 +407,7 @@ def test_rr_with_prior_on_torch_stages_over_processes_is_bitwise_the_in_process_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)    # PyTorch in both stage processes and the reference: slower beside the slow set
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_on_a_torch_module_label_owner_is_bitwise_the_in_process_run(tmp_path):
     """A label owner that is the user's own module with torch's CrossEntropyLoss (reduction sum): the training
     loss keeps its reduction."""
@@ -358,6 +417,7 @@ def test_rr_with_prior_on_a_torch_module_label_owner_is_bitwise_the_in_process_r
     _equal_over_processes(tmp_path, module, "--micro-batches", "2")
 
 
+@pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     """Three stages of 88 updates, checkpoints every 25 steps; the label owner is killed after step 90 (in
     stage 2: it resumes from a checkpoint of stage 1 or 2 and releases the labels after it again), the data

@@ -3,8 +3,10 @@
 A data owner that opens two runs with the same activations (a label owner with ``--keep-serving``, or
 restarted with the same stage file) gets other noise each time; a step computed again (a resend after a
 rollback, a resume after kill -9) on other activations than the first time is refused; on the same
-activations it is answered bitwise as the first time. The data owner here is the cut library (``Cut``): it
-sends exactly the activations the test chooses, as a determined party would.
+activations it is answered bitwise as the first time. The label owner's randomized labels (``label_dp``) are
+drawn from the same per-run secret: another run, other labels, whatever seed the data owner knows. The data
+owner here is the cut library (``Cut``): it sends exactly the activations the test chooses, as a determined
+party would.
 """
 
 from __future__ import annotations
@@ -83,6 +85,48 @@ def test_the_ledger_refuses_other_values_for_a_step_and_keeps_releases_through_a
     assert ledger.counts.tolist() == [1, 2, 1]
     with pytest.raises(NoiseReuseError):
         ledger.release(2, "s", "dd", np.array([1, 2]))
+
+
+# --- randomized labels (label_dp) draw from the run's secret too --------------------------------------------
+
+PLAIN_LABEL_DP = "label_dp = { epsilon = 2.0 }"
+STAGED_LABEL_DP = "label_dp = { epsilon = 2.0, stages = 2, epochs_per_stage = 0.05 }"     # stage 2 from step 3
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+@pytest.mark.parametrize("label_dp", [PLAIN_LABEL_DP, STAGED_LABEL_DP])
+def test_two_runs_of_a_keep_serving_label_owner_train_on_other_randomized_labels(tmp_path, start_server, label_dp):
+    """The randomized labels are a fresh release each run, keyed by the run's secret, not by the seed the data
+    owner knows: two runs against the same label owner (no other defense) answer the same activations of
+    the same rows with other gradients, as other labels give."""
+    f_file, g_file = _parties(tmp_path, label_dp)
+    g, endpoint = start_server(str(g_file), "--keep-serving")
+    h = _activations()
+    first, second = (_one_step(endpoint, f_file, h)[1] for _ in range(2))
+    assert not np.array_equal(first, second)
+    assert g.proc.poll() is None
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("fresh_secrets")
+def test_after_kill_9_the_resumed_label_owner_draws_the_same_randomized_labels(tmp_path, start_server):
+    """The secret of the randomized labels is kept in the checkpoint (the label owner has no other defense):
+    after kill -9 and --resume from the checkpoint of step 2, step 3 (whose rows' labels are drawn in stage 2,
+    after the checkpoint) is answered bitwise as before the kill."""
+    f_file, g_file = _parties(tmp_path, STAGED_LABEL_DP)
+    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--resume")
+    g, endpoint = start_server(str(g_file), *flags)
+    hs = [_activations(i) for i in range(3)]
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        replies = [cut.step(h, cut.rows(step))[1] for step, h in enumerate(hs, 1)]
+        run = cut.run_id
+        g.signal(signal.SIGKILL)
+        g.wait(10)
+        cut.closed = True
+        cut.link.close(linger_ms=0)
+    g2, endpoint2 = start_server(str(g_file), *flags, name="g2")
+    np.testing.assert_array_equal(_one_step(endpoint2, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
 
 
 # --- over processes ---------------------------------------------------------------------------------------

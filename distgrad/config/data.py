@@ -24,6 +24,7 @@ from distgrad.config.prepare import MISSING_HINT, MISSING_MODES, Preparation, cl
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
 from distgrad.privacy.defenses import randomized_response
+from distgrad.privacy.releases import RunSecret
 
 ROW_ID_DIGEST_HEX = 16          # hex digits of the row IDs' SHA-256 a party tells the others
 
@@ -856,22 +857,33 @@ class RandomizedLabels(DataSource):
     """A label owner's rows with its training labels randomized once (``label_dp``): k-ary randomized response
     at ``epsilon`` (``privacy.defenses.randomized_response``), k the classes its labels hold (0 to the largest).
 
-    Each row's randomized label is drawn once from (``seed``: the stage's own, ``stage``) for every row, so it
-    is the same in every epoch, in every process and after a restart; the held-out labels (``test_targets``)
-    stay true.
-    Everything else is the source's own.
+    Each row's randomized label is drawn once for every row from (the stage's run secret ``key``, ``stage``):
+    never from the seed, which the other party may know. ``key`` is read when the labels are asked for, so they
+    are the same in every epoch of a run, the same after a resume (the secret is kept in the checkpoint) and
+    in every process that holds the run's secret, and another run's (another secret's) are drawn afresh. The
+    held-out labels (``test_targets``) stay true. Everything else is the source's own.
     """
 
-    def __init__(self, source: RowBatches, epsilon: float, seed: int, stage: str) -> None:
+    def __init__(self, source: RowBatches, epsilon: float, key: RunSecret, stage: str) -> None:
         labels = source.all_targets()       # type: ignore[attr-defined]
-        classes = int(labels.max()) + 1 if len(labels) else 0
-        if classes < 2:
-            raise ConfigError(f"'label_dp' randomizes class ids among at least 2 classes; the labels hold {classes}")
-        rng = np.random.default_rng([seed, zlib.crc32(stage.encode()), zlib.crc32(b"label_dp")])
-        self._source, self.noisy = source, randomized_response(labels, classes, epsilon, rng)
+        self.classes = int(labels.max()) + 1 if len(labels) else 0
+        if self.classes < 2:
+            raise ConfigError(f"'label_dp' randomizes class ids among at least 2 classes; the labels hold "
+                              f"{self.classes}")
+        self._source, self._labels, self.epsilon, self.key, self.stage = source, labels, epsilon, key, stage
+        self._drawn: tuple[int, np.ndarray] | None = None        # (the secret, its randomized labels)
         self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
         self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
         self.validation_count = source.validation_count
+
+    @property
+    def noisy(self) -> np.ndarray:
+        """Every row's randomized label, by row number, drawn from the run secret's current value."""
+        secret = self.key.value
+        if self._drawn is None or self._drawn[0] != secret:
+            rng = np.random.default_rng([secret, zlib.crc32(self.stage.encode()), zlib.crc32(b"label_dp")])
+            self._drawn = secret, randomized_response(self._labels, self.classes, self.epsilon, rng)
+        return self._drawn[1]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)      # rows, batches, test_targets, ...: the source's

@@ -23,7 +23,7 @@ from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
 from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
-from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
+from distgrad.privacy.releases import NoiseLedger, RunSecret, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
@@ -240,7 +240,10 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     limit = (_cut_releases(exp, stage, exp.steps if steps is None else steps, seed)
              if gradients and defenses.clip_noise is not None and defenses.clip_noise.epsilon is not None else None)
     rows = _row_order(exp, stage, seed) if gradients else None
-    return SentRows(defenses, direction, instance or stage, NoiseLedger(fresh_secret(secret), limit), labels, rows)
+    # A label owner's randomized labels draw from the secret of its noise (one per stage in this process).
+    key = exp.run_secret(stage) if defenses.label_dp is not None else RunSecret()
+    key.value = fresh_secret(secret)
+    return SentRows(defenses, direction, instance or stage, NoiseLedger(key, limit), labels, rows)
 
 
 def _row_order(exp: Experiment, stage: str, seed: int) -> Any:
@@ -348,10 +351,6 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         entry["marvell"] = NO_GUARANTEE
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
-    drawn = random_defenses(exp, stage)
-    if drawn:                               # noise is drawn from the run's secret, not the seed
-        entry["noise_seed"] = noise_seed(exp, stage)
-        entry["drawn_by"] = drawn
     return entry
 
 
@@ -366,20 +365,6 @@ def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:
     return {key: {"releases": releases, "rows": rows, "per_row": per_row}}
 
 
-def random_defenses(exp: Experiment, stage: str) -> list[str]:
-    """The defenses of ``stage`` whose draws follow its seed: ``label_dp`` (the randomized labels). The noise
-    of ``clip_noise``, ``max_norm`` and ``marvell`` is keyed by the run's noise secret
-    (``privacy.releases.fresh_secret``), which never leaves the stage, so it is not named here."""
-    return ["label_dp"] if exp.spec(stage).defenses.label_dp is not None else []
-
-
-def noise_seed(exp: Experiment, stage: str) -> str:
-    """Whose seed the defenses of ``stage`` draw from: its own (a stage file's private ``seed``), or the run's,
-    which every party knows, so the other party can recompute the noise and the randomized labels."""
-    return ("the stage's own" if exp.spec(stage).seed is not None else
-            "the run's, which the other party knows: give this stage its own 'seed' in its stage file")
-
-
 def budget_text(privacy: dict[str, Any]) -> str:
     """One line of a summary's ``privacy`` field, for the log and the command line."""
     return "; ".join(f"{stage}: {_entry_text(entry)}" for stage, entry in privacy.items())
@@ -388,13 +373,6 @@ def budget_text(privacy: dict[str, Any]) -> str:
 def _entry_text(entry: dict[str, Any]) -> str:
     parts = []
     for key, value in entry.items():
-        if key == "noise_seed":
-            if not value.startswith("the stage's own"):
-                parts.append(f"{' and '.join(entry.get('drawn_by', ['its defenses']))} drawing from the run's "
-                             f"seed, which the other party knows")
-            continue
-        if key == "drawn_by":
-            continue
         if isinstance(value, dict) and "epsilon" in value:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""
             epsilon = float(value["epsilon"])

@@ -45,6 +45,7 @@ from distgrad.model.optim import Optimizer, build_optimizer
 from distgrad.model.schedules import PLATEAU, PLATEAU_OPTIONS, Plateau
 from distgrad.privacy.defenses import Defenses
 from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
+from distgrad.privacy.releases import RunSecret
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -170,6 +171,8 @@ class Experiment:
     flag_origins: tuple[tuple[str, str], ...] = ()   # interface fields a command-line flag set, and the flag
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Each stage's noise secret of its current run in this process (``run_secret``), shared by its copies.
+    _secrets: dict[str, RunSecret] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def vertical(self) -> bool:
@@ -261,6 +264,15 @@ class Experiment:
         raise ConfigError(f"stage {name!r} of {self.name!r} is another party's: {files} defines only "
                           f"{[s.name for s in self.stages]}; run stage {name!r} with its own stage file")
 
+    def run_secret(self, name: str) -> RunSecret:
+        """Stage ``name``'s noise secret of its current run in this process: what its randomized labels
+        (``label_dp``) and its noise ledger draw from. One per stage, created fresh (``fresh_secret``); the
+        stage's runner sets it when a run begins or resumes from a checkpoint, and everything built from this
+        experiment (its data, its stage) reads it when it draws."""
+        if name not in self._secrets:
+            self._secrets[name] = RunSecret()
+        return self._secrets[name]
+
     def has_stage(self, name: str) -> bool:
         return any(spec.name == name for spec in self.stages)
 
@@ -282,7 +294,7 @@ class Experiment:
                 data = ReleasedLabels(data)  # type: ignore[arg-type]
             else:
                 data = RandomizedLabels(data, label_dp.epsilon,  # type: ignore[arg-type]
-                                        spec.init_seed(self.seed if seed is None else seed), spec.name)
+                                        self.run_secret(spec.name), spec.name)
         return data if spec.columns is None else ColumnView(data, spec.columns)
 
     def _check_preparation(self, spec: StageSpec, table: Mapping[str, Any]) -> None:
@@ -328,7 +340,7 @@ class Experiment:
     def training_labels(self, name: str, seed: int | None = None) -> TrainingLabels | None:
         """What label owner ``name``'s stage adds to its training loss under ``label_dp`` (None: nothing; its
         data's randomized labels with its own loss): the flip-rate-aware loss, and with ``stages`` the release
-        of the labels during training (``privacy.labeldp``), drawn from the stage's own seed. Raises
+        of the labels during training (``privacy.labeldp``), drawn from the stage's run secret (``run_secret``). Raises
         ``ConfigError`` when the stage's loss cannot take it."""
         if not self.has_stage(name) or name != self.stage_names[-1] or self.labels_travel:
             return None
@@ -359,7 +371,7 @@ class Experiment:
             per_epoch = len(data.train_rows) // data.batch      # type: ignore[attr-defined]
             run_updates = self.steps * (self.clients.count if self.federated else 1)
             release = LabelRelease(setting, labels, data.train_rows, classes,  # type: ignore[attr-defined]
-                                   setting.updates_per_stage(per_epoch, run_updates), spec.init_seed(seed), name)
+                                   setting.updates_per_stage(per_epoch, run_updates), self.run_secret(name), name)
         return TrainingLabels(setting, classes, loss_name, release)
 
     @property

@@ -264,8 +264,9 @@ _STAGE_COMMON: dict[str, Key] = {
                  "guarantee)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
-                 "once (epsilon-label-DP, exactly); held-out labels stay true. prior = \"stages\" with stages = K (default "
-                 "2; stages >= 2 alone says the same) and optionally epochs_per_stage = E (default: the experiment's "
+                 "once a run (epsilon-label-DP, exactly), drawn from a secret fresh for each run (kept in the "
+                 "stage's checkpoints; never the seed); held-out labels stay true. prior = \"stages\" with stages = K "
+                 "(default 2; stages >= 2 alone says the same) and optionally epochs_per_stage = E (default: the experiment's "
                  "steps / K): randomized response with a prior (Ghazi et al. 2021) in K stages: the "
                  "training rows split into K equal parts, part t joins after (t-1)*E epochs' worth of updates and "
                  "each of its labels is drawn when the row is first trained on, among the classes the model (trained "

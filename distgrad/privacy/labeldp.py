@@ -1,5 +1,5 @@
 """Label differential privacy that keeps accuracy: randomized response with a prior, in stages, and a loss that
-knows the flip rate. Pure functions of numpy arrays and one seeded state (``LabelRelease``).
+knows the flip rate. Pure functions of numpy arrays and one state keyed by the run's secret (``LabelRelease``).
 
 * ``randomized_response`` (``privacy.defenses``) answers a label truthfully with probability
   e^eps / (e^eps + K - 1), else one of the other K - 1 classes: epsilon-label-DP.
@@ -9,10 +9,11 @@ knows the flip rate. Pure functions of numpy arrays and one seeded state (``Labe
   answered by a class of the set drawn uniformly). Still epsilon-label-DP for each row, exactly, whatever the
   prior: the answer's distribution for two labels differs by at most e^eps. With a good prior the set is
   small and the answer is right far more often.
-* In stages (``LabelRelease``): the training rows are split into K equal parts by a seeded shuffle. Stage 1
-  trains on part 1 with plain randomized response (a uniform prior); from stage t on, part t's rows take part,
-  and each row's label is drawn the first time the label owner sees the row in a training step, with the
-  model's own softmax output for that row as the prior: a model trained so far only on randomized labels.
+* In stages (``LabelRelease``): the training rows are split into K equal parts by a shuffle keyed, like every
+  answer, by the stage's run secret (never the seed: a party that knows the seed cannot redraw the answers).
+  Stage 1 trains on part 1 with plain randomized response (a uniform prior); from stage t on, part t's rows
+  take part, and each row's label is drawn the first time the label owner sees the row in a training step, with
+  the model's own softmax output for that row as the prior: a model trained so far only on randomized labels.
   Each row's label is released once in the run, so the run is epsilon-label-DP exactly.
 * ``corrected_loss``: forward correction (Patrini et al., 2017) by the known transition of the mechanism:
   the model's probabilities p(y | x) become the probability of the answer actually released,
@@ -30,6 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.privacy.releases import RunSecret
 
 DTYPE = np.float32
 LOSSES = ("corrected", "plain")      # the label owner's training loss under label_dp (LabelDP.loss)
@@ -236,27 +238,45 @@ class ReleasedBatch:
 
 class LabelRelease:
     """RR-with-prior in stages over one label owner's training rows: which stage each row belongs to, and
-    each row's answer and answer set once released. The answers are a function of the stage's seed, the
-    rows' true labels and the model outputs the stage computed, so a run in processes releases exactly what
-    the in-process reference does; the state is checkpointed with the stage (``state_arrays``).
+    each row's answer and answer set once released. The answers are a function of the stage's run secret
+    (never of the seed, which the other party may know), the rows' true labels and the model outputs the stage
+    computed, so a run in processes releases exactly what the in-process reference given the same secret
+    does; the state is checkpointed with the stage (``state_arrays``; the secret with its checkpoint).
 
     ``labels``: every row's true class id, by row number; ``train_rows``: the rows that may be trained on (of
     every data owner); ``classes``: K; ``updates_per_stage``: the label owner's updates of each stage but the
-    last; ``seed``/``stage``: what the draws are keyed by."""
+    last; ``secret``/``stage``: what the draws are keyed by: the run's secret, or the ``RunSecret`` holding
+    it, read when a row is drawn (a new run's secret, a new draw)."""
 
     def __init__(self, setting: LabelDP, labels: np.ndarray, train_rows: np.ndarray, classes: int,
-                 updates_per_stage: int, seed: int, stage: str) -> None:
+                 updates_per_stage: int, secret: int | RunSecret, stage: str) -> None:
         self.setting, self.classes = setting, classes
         self.updates_per_stage = max(1, int(updates_per_stage))
         self._labels = np.asarray(labels, np.int64)
-        rng = np.random.default_rng([seed, zlib.crc32(stage.encode()), zlib.crc32(b"label_dp prior")])
-        self._uniforms = rng.random((len(labels), 2))
-        shuffled = np.asarray(train_rows, np.int64)[rng.permutation(len(train_rows))]
-        self.part = np.zeros(len(labels), np.int64)         # 1-based stage of each training row (0: none)
-        for t, rows in enumerate(np.array_split(shuffled, setting.stages), start=1):
-            self.part[rows] = t
+        self._train_rows = np.asarray(train_rows, np.int64)
+        self.key = secret if isinstance(secret, RunSecret) else RunSecret(secret)
+        self.stage = stage
+        self._drawn: tuple[int, np.ndarray, np.ndarray] | None = None     # (secret, uniforms, part)
         self.answers = np.full(len(labels), UNRELEASED, np.int64)
         self.sets = np.zeros((len(labels), classes), bool)
+
+    def _draws(self) -> tuple[np.ndarray, np.ndarray]:
+        """The uniforms of every row's answer and the stage (``part``) of each, from the secret's value."""
+        secret = self.key.value
+        if self._drawn is None or self._drawn[0] != secret:
+            rng = np.random.default_rng([secret, zlib.crc32(self.stage.encode()), zlib.crc32(b"label_dp prior")])
+            uniforms = rng.random((len(self._labels), 2))
+            shuffled = self._train_rows[rng.permutation(len(self._train_rows))]
+            part = np.zeros(len(self._labels), np.int64)
+            for t, rows in enumerate(np.array_split(shuffled, self.setting.stages), start=1):
+                part[rows] = t
+            self._drawn = secret, uniforms, part
+        return self._drawn[1], self._drawn[2]
+
+    @property
+    def part(self) -> np.ndarray:
+        """The 1-based stage of each training row, by row number (0: not a training row)."""
+        return self._draws()[1]
 
     def stage_at(self, update: int) -> int:
         """The stage (1-based) of the label owner's update ``update`` (0-based: its updates applied so far)."""
@@ -272,18 +292,19 @@ class LabelRelease:
             raise ValueError(f"label_dp: row numbers must lie in [0, {len(self._labels)}), got "
                              f"{rows.min()}..{rows.max()}")
         current = self.stage_at(update)
+        uniforms, part = self._draws()
         _, first = np.unique(rows, return_index=True)
         fresh = np.zeros(len(rows), bool)
         fresh[first] = True
         # A row kept from before a rollback is released but waits, as it did, for its stage to begin.
-        begun = (self.part[rows] >= 1) & (self.part[rows] <= current)
+        begun = (part[rows] >= 1) & (part[rows] <= current)
         fresh &= (self.answers[rows] == UNRELEASED) & begun
         if fresh.any():
             new = rows[fresh]
             prior = _softmax64(np.asarray(logits)[fresh][:, :self.classes])
-            sets = np.where((self.part[new] == 1)[:, None], True, prior_sets(prior, self.setting.epsilon))
+            sets = np.where((part[new] == 1)[:, None], True, prior_sets(prior, self.setting.epsilon))
             self.sets[new] = sets
-            self.answers[new] = rr_with_prior(self._labels[new], sets, self.setting.epsilon, self._uniforms[new])
+            self.answers[new] = rr_with_prior(self._labels[new], sets, self.setting.epsilon, uniforms[new])
         answers = self.answers[rows]
         active = (answers != UNRELEASED) & begun
         return ReleasedBatch(np.where(active, answers, 0), self.sets[rows], active)

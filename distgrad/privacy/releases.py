@@ -18,8 +18,11 @@ counts them apart (``release_held_out``: each evaluation releases every held-out
 chunk releases its rows once), since their rows are not the training rows the per-row counts number.
 
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
-both. ``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only:
-it makes every run draw from the same secret, so two runs then repeat their noise.
+both. The secret lives in a ``RunSecret``, which a label owner's randomized labels (``label_dp``) share with
+its ledger: they are drawn from the same secret as its noise, never from the seed.
+
+``NOISE_SECRET_VARIABLE`` is for tests and for reproducing a run with the in-process reference only: it makes
+every run draw from the same secret, so two runs then repeat their noise (and their randomized labels).
 """
 
 from __future__ import annotations
@@ -62,6 +65,19 @@ def digest(x: np.ndarray) -> str:
     return h.hexdigest()
 
 
+class RunSecret:
+    """The noise secret of one stage's current run (``value``, an int of ``SECRET_BYTES`` random bytes), shared
+    by everything of the stage that draws from it: its ``NoiseLedger`` and its randomized labels
+    (``label_dp``), which read ``value`` each time they draw, so a new run (``NoiseLedger.new_run``) or a
+    resume (``NoiseLedger.restore``) rekeys them all at once. ``value`` defaults to ``fresh_secret()``."""
+
+    def __init__(self, value: int | None = None) -> None:
+        self.value = fresh_secret(value)
+
+    def __repr__(self) -> str:
+        return "RunSecret(...)"          # never printed: it is what the other party must not learn
+
+
 @dataclass(frozen=True, eq=False)
 class Release:
     """One tensor sent with noise: its ``step``, ``stream``, the ``digest`` of the values the noise was
@@ -88,12 +104,13 @@ class NoiseLedger:
     """One stage's noise secret in its current run, the releases since its last checkpoint, and the
     per-row release counts of the run.
 
+    ``secret``: the run's secret, or the ``RunSecret`` holding it (shared with the stage's randomized labels).
     ``limit``: the most releases a row may have in the run (None: no limit). ``on_release`` is called with
     each new release before its values are noised (a stage process appends it to its file)."""
 
-    def __init__(self, secret: int, limit: int | None = None,
+    def __init__(self, secret: int | RunSecret, limit: int | None = None,
                  on_release: Callable[[Release], None] | None = None) -> None:
-        self.secret = secret
+        self.key = secret if isinstance(secret, RunSecret) else RunSecret(secret)
         self.limit = limit
         self.on_release = on_release
         self.pending: dict[tuple[int, str], Release] = {}
@@ -101,6 +118,15 @@ class NoiseLedger:
         self.held_out: dict[str, int] = {}          # purpose ("evaluation", "predict") -> releases
         self.held_out_rows: dict[str, int] = {}     # purpose -> rows in them
         self._held_out_seen: set[tuple[int, str, str]] = set()
+
+    @property
+    def secret(self) -> int:
+        """The run's noise secret (``key.value``)."""
+        return self.key.value
+
+    @secret.setter
+    def secret(self, value: int) -> None:
+        self.key.value = value
 
     def new_run(self, secret: int) -> None:
         """A new run: a new secret, nothing released."""

@@ -24,6 +24,7 @@ from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_fl
                                       privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
+from distgrad.privacy.releases import fresh_secret
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Guarding, Metering, PeerMeters, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS, LABELS
@@ -623,8 +624,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     do (``distgrad.run.metering``), over the same windows as a run in processes; the summary's
     ``input_leaks`` and ``label_leaks`` list each window's figures.
     ``noise_secret``: for tests and for reproducing one run of stage processes only: the secret every
-    defense draws its noise from (``privacy.releases.fresh_secret``; None: a fresh one, as each stage
-    process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
+    defense draws its noise and its randomized labels (``label_dp``) from (``privacy.releases.fresh_secret``;
+    None: a fresh one, as each stage process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
     """
     check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
                        eval_every=eval_every, staleness=staleness)
@@ -636,6 +637,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     eval_every = exp.eval_every if eval_every is None else eval_every
     check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
     files = _ParameterFiles(exp, save_dir, load_dir, bool(init), seed)
+    for name in exp.stage_names:        # a new run: the label owner's randomized labels are drawn afresh
+        if exp.has_stage(name) and exp.spec(name).defenses.label_dp is not None:
+            exp.run_secret(name).value = fresh_secret(noise_secret)
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:

@@ -161,6 +161,11 @@ class StageState:
         # draws noise). With a checkpoint directory they are also appended to a file there before each
         # release leaves, so that a resume after kill -9 still refuses a step computed again on other input.
         self.ledger = self.senders.defense.ledger if self.senders.defense is not None else None
+        # The run's secret: the ledger's, which a label owner's randomized labels (label_dp) share, or theirs
+        # alone (None: nothing of this stage draws from one). Kept in each checkpoint's meta.
+        exp = opts.experiment
+        self.secret = (self.ledger.key if self.ledger is not None else exp.run_secret(opts.stage)
+                       if exp.has_stage(opts.stage) and exp.spec(opts.stage).defenses.label_dp is not None else None)
         self.released_file = (opts.checkpoint_dir / f".{opts.instance}.released"
                               if opts.checkpoint_dir is not None and self.ledger is not None else None)
         if self.ledger is not None and self.released_file is not None:
@@ -296,6 +301,8 @@ class StageState:
         return True
 
     def _load(self, ckpt: Any) -> None:
+        if ckpt.run != self.run_id and self.stage.label_dp is not None:
+            self.stage = self._fresh()      # no label another run released is kept (LabelRelease keeps its own)
         self.engine.reset()
         try:
             self.stage.load_state_arrays(without_codec_state(ckpt.arrays), ckpt.step)
@@ -304,13 +311,15 @@ class StageState:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
         self.history.load(ckpt.arrays)
         self._load_verdicts(ckpt.meta.get("verdicts"), ckpt.step)
-        if self.ledger is not None:
+        if self.secret is not None:
             secret = ckpt.meta.get("noise_secret")
             if not isinstance(secret, str):
                 raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
                                   f"defenses drew from one; start a new run (without --resume)")
+            self.secret.value = int(secret, 16)
+        if self.ledger is not None:
             released = self._released_since(ckpt.run, 0)
-            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
+            self.ledger.restore(self.ledger.secret, ckpt.arrays.get(COUNTS), released, ckpt.step,
                                 ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
             # Written again whole: a line a kill -9 tore would otherwise take the next release appended. Every
             # held-out release of the run stays: a later rollback to an older checkpoint counts those after it.
@@ -377,15 +386,17 @@ class StageState:
 
     def begin(self, run_id: str, owner: str = "") -> None:
         """Start ``run_id`` from the initial state (other runs' checkpoints stay where they are)."""
-        if self.stage.step != 0:
+        if self.stage.step != 0 or self.stage.label_dp is not None:    # no label of another run is kept
             self.stage = self._fresh()
         self.history.clear()
         self.senders.reset()
         self._load_verdicts(None, 0)
         self.run_id, self.owner = run_id, owner
         if self.ledger is not None:
-            self.ledger.new_run(fresh_secret())     # two runs never share a noise draw
+            self.ledger.new_run(fresh_secret())     # two runs never share a noise draw (nor randomized labels)
             self._rewrite_released([])
+        elif self.secret is not None:
+            self.secret.value = fresh_secret()
         self.cpu_started = time.process_time()
         if self.store is not None:
             self.save()
@@ -449,8 +460,8 @@ class StageState:
                                   "keeping_best": self.keeping_best,
                                   "tests": [[step, test] for step, test in sorted(self.tests.items())],
                                   "plateau_at": self.plateau_at})
-            if self.ledger is not None:
-                meta["noise_secret"] = f"{self.ledger.secret:x}"
+            if self.secret is not None:
+                meta["noise_secret"] = f"{self.secret.value:x}"
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
