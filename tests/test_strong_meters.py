@@ -226,3 +226,33 @@ def test_the_strong_meters_and_the_guard_meter_over_processes_as_in_one_and_chan
     assert set(run["input_attacks"][-1]) >= {"ridge_r2", "ridge_r2_run", "ridge_r2_chance"}
     assert 0 < run["input_guard"]["peak_r2"] <= 1
     assert "worst" in metered.stdout and "ridge_r2" in metered.stdout
+
+
+METER_FIELDS = ("label_leaks", "input_leaks", "label_attacks", "input_attacks", "label_leak_extremes",
+                "input_leak_extremes", "input_guard")
+
+
+def _metered_and_guarded(tmp_path: Path) -> Path:
+    """Digits metered at both stages, windows of 20 steps, the data owner guarded by an input_guard that never
+    stops (max_r2 1.0, judged from step 1)."""
+    path = _digits(tmp_path, "privacy_meter = true\ninput_guard = { max_r2 = 1.0, after = 0 }", "privacy_meter = true")
+    path.write_text(path.read_text().replace("seed = 0\n", "seed = 0\neval_every = 20\n", 1))
+    return path
+
+
+def test_the_meters_and_the_guard_survive_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
+    """g killed -9 at step 36 and resumed from its checkpoint of step 25 (f rolls back to it), f killed at 72 and
+    resumed from 50: every meter figure and the guard's peak are bitwise the uninterrupted run's (whose figures
+    the in-process run gives), on both parties: a resumed meter is the attacker that kept what it received."""
+    from test_faults import run_killing_each_stage
+
+    path = _metered_and_guarded(tmp_path)
+    reference = train_in_process(load_experiment(path), steps=120)
+    f_summary, g_summary, pair = run_killing_each_stage(stage_group, tmp_path, path, 120)
+    assert pair.starts["g"] == pair.starts["f"] == 2 and "resumed run" in pair.logs()
+    assert f_summary["params"] == {"f": reference["params"]["f"]} and g_summary["params"] == {"g": reference["params"]["g"]}
+    assert [w["step"] for w in g_summary["label_attacks"]] == [20, 40, 60, 80, 100, 120]
+    assert "ridge_r2_run" in f_summary["input_attacks"][0] and f_summary["input_guard"]["peak_step"] >= 1
+    for key in METER_FIELDS:
+        summary = g_summary if key.startswith("label") else f_summary
+        assert summary[key] == reference[key], key

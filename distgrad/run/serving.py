@@ -132,6 +132,8 @@ class ServingStage:
         self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
                                   log=self.log, rows_of=step_rows(self.data[0])) if opts.meter_kind
                          else NoMetering())
+        if isinstance(self.metering, Metering):
+            self.state.keep("meter", self.metering)       # checkpointed with the stage: it outlives a restart
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -371,7 +373,7 @@ class ServingStage:
                 peer.step = saved.step
             if saved.status is not None:
                 peer.status, peer.last_seen = saved.status, now
-        self.new_run(start_round=d.round)
+        self.new_run(start_round=d.round, fresh=False)     # the same run goes on: the meter keeps what it loaded
         self.run.active, self.run.now = True, now
         for index, (replies, averaged) in d.kept.items():
             peer = self.run.peers[index]
