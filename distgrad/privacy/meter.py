@@ -339,7 +339,7 @@ class AttackMeter:
         """What the attacker holds after ``step`` (the steps up to it folded in first), as arrays: ``through``
         (the last window closed, the last step folded); for labels each row's gradient sum, count, class, and
         latest activation (``sums``, ``counts``, ``labels``, ``seen``, ``latest``: rows x width, up to the
-        highest row seen); for inputs the ridge statistics of the open window and of the closed ones
+        highest row seen; ``latest`` in float32 when that holds it exactly); for inputs the ridge statistics of the open window and of the closed ones
         (``window/public/...``, ``window/private/...``, ``run/...``: each (width + 1) x (width + 1 + inputs)).
         Raises ``ValueError`` for a step before the last folded in (its state is gone)."""
         if step < self.folded_through:
@@ -351,9 +351,11 @@ class AttackMeter:
             seen = np.flatnonzero(self._seen)
             used = int(seen[-1]) + 1 if len(seen) else 0
             written = np.flatnonzero(np.any(self._latest != 0, axis=1)) if self._latest.size else np.zeros(0, int)
+            latest = self._latest[:int(written[-1]) + 1 if len(written) else 0]
+            narrow = latest.astype(np.float32)      # received rows are float32 values: half the bytes, exactly
             arrays.update(sums=self._sums[:used], counts=self._counts[:used], labels=self._labels[:used],
                           seen=self._seen[:used],
-                          latest=self._latest[:int(written[-1]) + 1 if len(written) else 0])
+                          latest=narrow if np.array_equal(narrow, latest, equal_nan=True) else latest)
             return arrays
         for name, (public, private) in (("window", self._window), ("run", self._run)):
             arrays.update(prefixed(f"{name}/public/", public.arrays()))
