@@ -23,6 +23,8 @@ from distgrad.privacy import leaks
 from distgrad.privacy.guard import InputGuard
 from distgrad.privacy.meter import AttackMeter, INPUTS, LABELS, LeakMeter, extremes
 from distgrad.run.inprocess import train_in_process
+from distgrad.run.options import StageOptions
+from distgrad.run.stage_state import finished_run, nothing_to_do
 
 from conftest import read_json, run_launcher
 from hijacking import hijack
@@ -349,3 +351,9 @@ def test_the_meters_and_the_guard_survive_kill_9_of_either_stage_bitwise(tmp_pat
     for key in METER_FIELDS:
         summary = g_summary if key.startswith("label") else f_summary
         assert summary[key] == reference[key], key
+    for name, summary in (("f", f_summary), ("g", g_summary)):    # resumed once finished: nothing to do
+        opts = StageOptions(exp, name, exp.seed, steps=100, checkpoint_dir=tmp_path / "ckpt", resume=True,
+                            privacy_meter=True)
+        again = nothing_to_do(opts, finished_run(opts))
+        assert again["status"] == "finished" and [again[key] == summary[key] for key in METER_FIELDS
+                                                  if key in summary] == [True] * (4 if name == "f" else 3)

@@ -62,6 +62,62 @@ def figures_text(figures: Mapping[str, Any]) -> str:
                      for name, value in figures.items() if name + "_chance" in figures)
 
 
+def meter_fields(kind: str, windows: list[dict[str, Any]], attack_windows: list[dict[str, Any]],
+                 spent_s: float) -> dict[str, Any]:
+    """A meter's summary fields (``Metering.summary_fields`` says which) from its windows' figures."""
+    fields: dict[str, Any] = {SUMMARY_KEYS[kind]: windows, COST_KEYS[kind]: spent_s}
+    if attack_windows:
+        fields[ATTACK_KEYS[kind]] = attack_windows
+    if windows or attack_windows:
+        fields[EXTREME_KEYS[kind]] = extremes(windows) | extremes(attack_windows)
+    return fields
+
+
+def guard_fields(setting: tuple[float, int], peak: tuple[float, int] | None) -> dict[str, Any]:
+    """``input_guard``: its ``max_r2``, ``after`` (``setting``) and the highest R^2 it judged (``peak_r2``, at
+    ``peak_step``)."""
+    entry: dict[str, Any] = {"max_r2": setting[0], "after": setting[1]}
+    if peak is not None:
+        entry.update(peak_r2=peak[0], peak_step=peak[1])
+    return {"input_guard": entry}
+
+
+def read_figures(arrays: Mapping[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The closed windows' figures (window meter's, strongest attacks') of a meter's ``checkpoint_state``;
+    ``ValueError`` when they cannot be read."""
+    try:
+        figures = msgpack.unpackb(np.asarray(arrays["figures"], np.uint8).tobytes(), raw=False)
+    except (KeyError, ValueError, msgpack.UnpackException) as e:
+        raise ValueError(f"its closed windows' figures cannot be read: {e}") from e
+    if not (isinstance(figures, list) and len(figures) == 2 and all(
+            isinstance(ws, list) and all(isinstance(w, dict) and isinstance(w.get("step"), int) for w in ws)
+            for ws in figures)):
+        raise ValueError("its closed windows' figures are not two lists of {step, figures} windows")
+    return figures[0], figures[1]
+
+
+def read_peak(arrays: Mapping[str, np.ndarray]) -> tuple[float, int] | None:
+    """The guard's peak (R^2, step) of its ``checkpoint_state`` (None: none judged); ``ValueError`` when it is
+    not one."""
+    peak = np.asarray(arrays.get("peak", np.zeros(0)), np.float64)
+    if peak.shape not in ((0,), (2,)):
+        raise ValueError(f"its peak is not [R^2, step]: {peak!r}")
+    return (float(peak[0]), int(peak[1])) if len(peak) else None
+
+
+def checkpointed_fields(kind: str | None, setting: tuple[float, int] | None, meter: Mapping[str, np.ndarray],
+                        guard: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The summary fields of a meter guarding ``kind`` and of a guard set to ``setting`` (None: none) as a
+    finished run's final checkpoint holds them (their ``checkpoint_state`` arrays; the meter's time is not
+    kept: 0). ``ValueError`` when they cannot be read."""
+    fields: dict[str, Any] = {}
+    if kind is not None and meter:
+        fields.update(meter_fields(kind, *read_figures(meter), 0.0))
+    if setting is not None and guard:
+        fields.update(guard_fields(setting, read_peak(guard)))
+    return fields
+
+
 class NoMetering:
     """A stage that meters nothing: ``Metering``'s calls do nothing, so a runner calls them unconditionally."""
 
@@ -207,17 +263,10 @@ class Metering:
                                  "without the meter): its windows and whole-run figures count from step %d",
                                  self.kind, step, step + 1)
             return
-        try:
-            figures = msgpack.unpackb(np.asarray(arrays["figures"], np.uint8).tobytes(), raw=False)
-        except (KeyError, ValueError, msgpack.UnpackException) as e:
-            raise ValueError(f"its closed windows' figures cannot be read: {e}") from e
-        if not (isinstance(figures, list) and len(figures) == 2 and all(
-                isinstance(ws, list) and all(isinstance(w, dict) and isinstance(w.get("step"), int) for w in ws)
-                for ws in figures)):
-            raise ValueError("its closed windows' figures are not two lists of {step, figures} windows")
+        windows, attack_windows = read_figures(arrays)
         self.meter.load_state(under("window/", arrays))
         self.attacks.load_state(under("attacks/", arrays))
-        self.windows, self.attack_windows = figures
+        self.windows, self.attack_windows = windows, attack_windows
 
     def summary_fields(self) -> dict[str, Any]:
         """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures;
@@ -225,12 +274,7 @@ class Metering:
         (``AttackMeter``); ``label_leak_extremes`` | ``input_leak_extremes``: each figure's worst window, mean,
         last and whole-run figure (``meter.extremes``); and ``label_meter_s`` | ``input_meter_s``: the wall
         seconds the meter spent (its cost to the run)."""
-        fields: dict[str, Any] = {SUMMARY_KEYS[self.kind]: self.windows, COST_KEYS[self.kind]: self.spent_s}
-        if self.attack_windows:
-            fields[ATTACK_KEYS[self.kind]] = self.attack_windows
-        if self.windows or self.attack_windows:
-            fields[EXTREME_KEYS[self.kind]] = extremes(self.windows) | extremes(self.attack_windows)
-        return fields
+        return meter_fields(self.kind, self.windows, self.attack_windows, self.spent_s)
 
 
 class Guarding:
@@ -306,16 +350,10 @@ class Guarding:
                 self.log.warning("input_guard: the checkpoint of step %d holds no guard state (written without "
                                  "the guard): it judges the rows sent from step %d on", step, step + 1)
             return
-        peak = np.asarray(arrays.get("peak", np.zeros(0)), np.float64)
-        if peak.shape not in ((0,), (2,)):
-            raise ValueError(f"its peak is not [R^2, step]: {peak!r}")
+        peak = read_peak(arrays)
         self.guard.load_state(under("guard/", arrays), step)
-        self.peak = (float(peak[0]), int(peak[1])) if len(peak) else None
+        self.peak = peak
 
     def summary_fields(self) -> dict[str, Any]:
         """``input_guard``: its ``max_r2``, ``after``, and the highest R^2 it judged (``peak_r2``, at ``peak_step``)."""
-        entry: dict[str, Any] = {"max_r2": self.guard.max_r2, "after": self.guard.after}
-        peak = self._peak(float("inf"))
-        if peak is not None:
-            entry.update(peak_r2=peak[0], peak_step=peak[1])
-        return {"input_guard": entry}
+        return guard_fields((self.guard.max_r2, self.guard.after), self._peak(float("inf")))

@@ -24,6 +24,7 @@ from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
+from distgrad.run.metering import checkpointed_fields
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
                                     to_lists, write_json, write_preparation)
@@ -561,8 +562,16 @@ def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
     logging.getLogger(f"distgrad.{opts.instance}").info(
         "run %s finished at step %d; nothing to do (start without --resume for a new run)", ckpt.run, ckpt.step)
     params = {name[len("param/"):]: value for name, value in ckpt.arrays.items() if name.startswith("param/")}
-    return {"experiment": opts.experiment.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
+    exp = opts.experiment
+    kept = {name: {key[len(f"{KEPT_PREFIX}{name}/"):]: value for key, value in ckpt.arrays.items()
+                   if key.startswith(f"{KEPT_PREFIX}{name}/")} for name in ("meter", "guard")}
+    try:        # the figures of the meter and the guard that ran it, as its last checkpoint holds them
+        metered = checkpointed_fields(opts.meter_kind, exp.spec(opts.stage).input_guard
+                                      if exp.has_stage(opts.stage) else None, kept["meter"], kept["guard"])
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {ckpt.path}: the figures of its meter or guard cannot be read: {e}") from e
+    return {"experiment": exp.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
             "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
-            "params": {opts.instance: to_lists(params)}}
+            **metered, "params": {opts.instance: to_lists(params)}}
 
 
