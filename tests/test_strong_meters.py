@@ -332,8 +332,8 @@ def _metered_and_guarded(tmp_path: Path, settings: str = "", framework: str = ""
     pytest.param("staleness = 1\nmicro_batches = 2", "", marks=pytest.mark.slow),
     pytest.param("", 'framework = "torch"', marks=[pytest.mark.slow, pytest.mark.timeout(240)])])   # 4 torch starts
 def test_the_meters_and_the_guard_survive_kill_9_of_either_stage_bitwise(tmp_path, stage_group, settings, framework):
-    """g killed -9 at step 30 and resumed from its checkpoint of step 25 (f rolls back to it), then f killed at
-    60 and resumed from 50: every meter figure and the guard's peak are bitwise the uninterrupted run's (whose
+    """g killed -9 at step 36 and resumed from its checkpoint of step 25 (f rolls back to it), then f killed at
+    72 and resumed from 50: every meter figure and the guard's peak are bitwise the uninterrupted run's (whose
     figures the in-process run gives), on both parties: a resumed meter is the attacker that kept what it
     received, not one that forgot every step before the kill."""
     from test_faults import run_killing_each_stage
@@ -342,17 +342,17 @@ def test_the_meters_and_the_guard_survive_kill_9_of_either_stage_bitwise(tmp_pat
         pytest.importorskip("torch")
     path = _metered_and_guarded(tmp_path, settings, framework)
     exp = load_experiment(path)
-    reference = train_in_process(exp, steps=100, micro_batches=exp.micro_batches)
-    f_summary, g_summary, pair = run_killing_each_stage(stage_group, tmp_path, path, 100)
+    reference = train_in_process(exp, steps=120, micro_batches=exp.micro_batches)
+    f_summary, g_summary, pair = run_killing_each_stage(stage_group, tmp_path, path, 120)
     assert pair.starts["g"] == pair.starts["f"] == 2 and "resumed run" in pair.logs()
     assert f_summary["params"]["f"] == reference["params"]["f"] and g_summary["params"]["g"] == reference["params"]["g"]
-    assert [w["step"] for w in g_summary["label_attacks"]] == [20, 40, 60, 80, 100]
+    assert [w["step"] for w in g_summary["label_attacks"]] == [20, 40, 60, 80, 100, 120]
     assert "ridge_r2_run" in f_summary["input_attacks"][0] and f_summary["input_guard"]["peak_step"] >= 1
     for key in METER_FIELDS:
         summary = g_summary if key.startswith("label") else f_summary
         assert summary[key] == reference[key], key
     for name, summary in (("f", f_summary), ("g", g_summary)):    # resumed once finished: nothing to do
-        opts = StageOptions(exp, name, exp.seed, steps=100, checkpoint_dir=tmp_path / "ckpt", resume=True,
+        opts = StageOptions(exp, name, exp.seed, steps=120, checkpoint_dir=tmp_path / "ckpt", resume=True,
                             privacy_meter=True)
         again = nothing_to_do(opts, finished_run(opts))
         assert again["status"] == "finished" and [again[key] == summary[key] for key in METER_FIELDS
