@@ -132,8 +132,6 @@ class ServingStage:
         self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
                                   log=self.log, rows_of=step_rows(self.data[0])) if opts.meter_kind
                          else NoMetering())
-        if isinstance(self.metering, Metering):
-            self.state.keep("meter", self.metering)       # checkpointed with the stage: it outlives a restart
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -152,6 +150,8 @@ class ServingStage:
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
             wire.BYE: self._bye, wire.ERROR: self._notice}
+        if isinstance(self.metering, Metering):
+            self.state.keep("meter", self.metering)       # checkpointed with the stage: it outlives a restart
         if opts.resume and self.state.resume_latest():
             now = time.monotonic()
             self.apply_resume(self.topology.resumed(now), now)
