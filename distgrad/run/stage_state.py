@@ -472,11 +472,11 @@ class StageState:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
             extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
+            extra.update(self._kept_arrays(step))      # the meters' and the guard's (``keep``)
             released = self.ledger.arrays(step) if self.ledger is not None else {}
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
-                                                    **self.history.arrays(), **extra, **released,
-                                                    **self._kept_arrays(step)}, meta)
+                                                    **self.history.arrays(), **extra, **released}, meta)
                 if self.ledger is not None:
                     self._rewrite_released(self.ledger.checkpointed(step))
             except CheckpointWriteError:
