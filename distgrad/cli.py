@@ -193,6 +193,9 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p.add_argument("--bind", metavar="ENDPOINT", help="serve the stage above on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="connect to the stage below, serving here")
     _curve_flags(p)
+    p.add_argument("--party-keys", type=Path, metavar="DIR",
+                   help="a feature party of an experiment with secure_aggregation (with --curve-secret): DIR "
+                        "holds NAME.key, the public key, of every other feature party")
     p.add_argument("--client", type=int, metavar="K",
                    help="first stage of an experiment with [clients]: this is data owner K (0, 1, ...)")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
@@ -539,7 +542,7 @@ def _stage_options(exp: Experiment, stage: str, args: argparse.Namespace, *, dri
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         **pipeline, metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=progress, client=client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=save_path, load_path=load_path,
-        privacy_meter=privacy_meter)
+        privacy_meter=privacy_meter, party_keys=getattr(args, "party_keys", None))
 
 
 @contextlib.contextmanager
@@ -756,17 +759,21 @@ def _print_headline(summary: dict) -> None:
         loss = "none" if client.get("final_loss") is None else _number(client["final_loss"])
         status = "" if client.get("status", "completed") == "completed" else f" ({client['status']})"
         print(f"  client {client['client']}: final loss {loss}{accuracy}{status}")
-    for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
-        if summary.get(key):
-            print(f"privacy meter, {party} after step {summary[key][-1]['step']}: "
-                  f"{figures_text(summary[key][-1])}")
-        extreme = summary.get(key.replace("_leaks", "_leak_extremes"))
-        if extreme:
-            print(f"privacy meter, {party}, worst window and whole run: {extremes_text(extreme)}")
-    guard = summary.get("input_guard")
-    if guard and "peak_r2" in guard:
-        print(f"input_guard: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
-              f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
+    # One data owner: its fields at the top; several (clients, feature parties): by data owner.
+    owned = [("", summary)] + [(f" ({owner})", fields) for key in ("input_meters", "label_meters")
+                               for owner, fields in summary.get(key, {}).items()]
+    for owner, fields in owned:
+        for key, party in (("input_leaks", "data owner's inputs"), ("label_leaks", "label owner's labels")):
+            if fields.get(key):
+                print(f"privacy meter, {party}{owner} after step {fields[key][-1]['step']}: "
+                      f"{figures_text(fields[key][-1])}")
+            extreme = fields.get(key.replace("_leaks", "_leak_extremes"))
+            if extreme:
+                print(f"privacy meter, {party}{owner}, worst window and whole run: {extremes_text(extreme)}")
+        guard = fields.get("input_guard")
+        if guard and "peak_r2" in guard:
+            print(f"input_guard{owner}: highest R^2 {guard['peak_r2']:.3f} at step {guard['peak_step']} "
+                  f"(max_r2 {guard['max_r2']:g}, judged after step {guard['after']})")
 
 
 def _print_held_out(summary: dict) -> None:

@@ -87,7 +87,10 @@ def draw_metrics(records: list[dict], title: str):
     names = sorted({key for record in records for key in record
                     if key.startswith(f"{kind}_") and key not in (f"{kind}_loss", f"{kind}_count")})
     scores = {name: _held_out(records, name) for name in names}
-    leaks = {name: _held_out(records, name) for name in FIGURES}
+    # NAME, or PARTY/NAME: the label owner's meter of a feature party (its figures of each party)
+    leak_names = sorted({key for record in records for key in record if key.rsplit("/", 1)[-1] in FIGURES},
+                        key=lambda key: (FIGURES.index(key.rsplit("/", 1)[-1]), key))
+    leaks = {name: _held_out(records, name) for name in leak_names}
     leaks = {name: points for name, points in leaks.items() if points}
     panels = 2 + bool(scores) + bool(rates) + bool(leaks)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)

@@ -118,6 +118,18 @@ def test_every_party_a_label_owner_answers_releases_each_row_again(tmp_path):
     assert summary["privacy"]["g"]["clip_noise"]["releases"] == len(exp.data_owners)
 
 
+def test_each_clients_rows_are_released_once_per_epoch_of_its_own_shard(tmp_path):
+    """[clients]: the label owner answers each client on that client's own rows, so a row is released once per
+    epoch its client's steps reach (not once per client); the target form plans exactly that."""
+    from test_defenses import _defended
+    path = _defended(tmp_path, "digits-clients", {1: "clip_noise = { max_norm = 0.1, epsilon = 8 }"}, "c.toml")
+    exp = load_experiment(path)
+    epochs = [exp.build_data(0, client=c, stage="g").batches_per_epoch for c in range(exp.clients.count)]
+    steps = min(epochs) + 1                 # the shortest shard's clients start their second epoch
+    clip = train_in_process(exp, steps=steps)["privacy"]["g"]["clip_noise"]
+    assert clip["releases"] == clip["planned_releases"] == 2
+
+
 @pytest.mark.integration
 def test_a_row_the_data_owner_puts_in_every_step_is_counted_every_time(tmp_path, start_server):
     """send_rows: the data owner chooses each step's rows; one row in all 4 steps is released 4 times, and the
@@ -240,7 +252,6 @@ def test_split_writes_dp_sgd_into_the_label_owners_own_file(tmp_path):
 
 @pytest.mark.parametrize("g_extra, message", [
     ("dp_sgd = { max_norm = 1.0 }", "give the stage clip_noise too"),
-    ('framework = "torch"\n' + DP_SGD, "torch.func, which is not supported yet"),
     ("dp_sgd = { max_norm = 0 }", "'dp_sgd' max_norm must be a number > 0")])
 def test_dp_sgd_settings_it_cannot_honour_are_refused_naming_the_reason(tmp_path, g_extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.run.auditing import run_audit
+
 from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
 
 GATED_STAGE = [sys.executable, Path(__file__).resolve().parent / "gated_stage.py"]
@@ -28,15 +31,36 @@ def _reference(tmp_path: Path, experiment: str, *flags: str) -> dict:
     return read_json(path)
 
 
+GUARD = "input_guard = { max_r2 = 1.0, after = 0 }"     # judges every step, never stops (R^2 <= 1)
+
+
 @pytest.mark.parametrize("experiment,transport,flags", [
-    ("digits-clients", "tcp", ["--steps", "60"]),
+    ("digits-clients", "tcp", ["--steps", "60", "--privacy-meter", "--eval-every", "25"]),
     ("digits-splitfed", "ipc", ["--steps", "40", "--micro-batches", "2"]),
 ])
 def test_three_clients_equal_the_in_process_order(tmp_path, experiment, transport, flags):
+    """Metered and guarded (digits-clients): as ``_check_client_meters`` says."""
+    plain = None
+    if "--privacy-meter" in flags:          # and every client guarded
+        plain, experiment = experiment, str(tmp_path / "guarded.toml")
+        Path(experiment).write_text((BUILTIN_DIR / f"{plain}.toml").read_text().replace(
+            '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace('name = "f"\n', f'name = "f"\n{GUARD}\n'))
     path = tmp_path / "run.json"
-    result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, *flags])
+    metrics = ["--metrics", str(tmp_path / "m.jsonl"), "--trace", str(tmp_path / "t.jsonl"), "--trace-params",
+               "sent_activation,sent_activation_grad"] if plain is not None else []
+    result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, *flags, *metrics])
     assert result.returncode == 0, result.stdout + result.stderr
     summary, reference = read_json(path), _reference(tmp_path, experiment, *flags)
+    if plain is not None:
+        unmetered = _reference(tmp_path, plain, *[f for f in flags if f != "--privacy-meter"])
+        _check_client_meters(summary, reference, unmetered, read_lines(tmp_path / "m.g.jsonl"))
+        # Each client's lines of the trace hold its views; the audit of each reproduces its meters' first window.
+        report = run_audit(experiment, tmp_path / "t.jsonl", first=1, last=25, run_steps=60, window=25)
+        for client in CLIENTS:
+            labels = summary["label_meters"][client]["label_leaks"][0]
+            inputs = summary["input_meters"][client]["input_leaks"][0]
+            assert report[f"labels/{client}"]["label_recovery"] == labels["label_recovery"], client
+            assert report[f"inputs/{client}"]["distance_correlation"] == inputs["distance_correlation"], client
     assert sorted(summary["params"]) == [*CLIENTS, "g"]
     assert summary["params"] == reference["params"]
     assert summary["params"]["f@0"] != summary["params"]["f@1"] or experiment == "digits-splitfed"
@@ -46,6 +70,25 @@ def test_three_clients_equal_the_in_process_order(tmp_path, experiment, transpor
             assert ours[key] == theirs[key], key
     for client in range(3):
         assert f"client {client}: final loss" in result.stdout
+
+
+def _check_client_meters(summary: dict, reference: dict, unmetered: dict, label_lines: list[dict]) -> None:
+    """Each client's own input meter and guard, and the label owner's meter of each client, named by the client
+    (``f@K``): the same figures over processes as in one, windows of the evaluations closed by each client's own
+    update, the label owner's in its metrics on that client's line; and the metered, guarded run trains bitwise
+    the plain one."""
+    assert summary["params"] == unmetered["params"]
+    for key, kinds in (("input_meters", ("input_leaks", "input_attacks", "input_leak_extremes", "input_guard")),
+                       ("label_meters", ("label_leaks", "label_attacks", "label_leak_extremes"))):
+        assert sorted(summary[key]) == CLIENTS, key
+        for client in CLIENTS:
+            for field in kinds:
+                assert summary[key][client][field] == reference[key][client][field], (key, client, field)
+            assert [w["step"] for w in summary[key][client][kinds[0]]] == [25, 50, 60], (key, client)
+    assert 0 < summary["input_meters"]["f@1"]["input_guard"]["peak_r2"] <= 1
+    line = next(line for line in label_lines if line["step"] == 25 and line["client"] == 1)
+    assert line["label_recovery"] == summary["label_meters"]["f@1"]["label_leaks"][0]["label_recovery"]
+    assert summary["label_meters"]["f@0"]["label_attacks"] != summary["label_meters"]["f@1"]["label_attacks"]
 
 
 def test_splitfed_clients_hold_the_same_parameters_after_an_average(tmp_path):

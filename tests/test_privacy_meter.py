@@ -4,6 +4,7 @@ changes nothing: a metered run is bitwise the unmetered one, over processes and 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -109,8 +110,15 @@ def test_bad_meter_settings_are_refused_naming_the_key(tmp_path):
     chain = load_experiment("chain4-classify")
     with pytest.raises(ConfigError, match="'privacy_meter'.*a middle stage holds neither"):
         meter_kind(chain, chain.stage_names[1])
-    with pytest.raises(ConfigError, match="'privacy_meter'.*with \\[clients\\] or 'aggregate'"):
-        meter_kind(load_experiment("digits-clients"), "g")
+    # Several data owners: each meters its own inputs, the label owner its labels (one meter per data owner).
+    clients, vertical = load_experiment("digits-clients"), load_experiment("vertical-classify")
+    assert (meter_kind(clients, "f"), meter_kind(clients, "g")) == (INPUTS, LABELS)
+    assert [meter_kind(vertical, name) for name in vertical.stage_names] == [INPUTS, INPUTS, INPUTS, LABELS]
+    # With secure aggregation no party's embedding reaches the label owner alone: nothing of a party's to meter.
+    secure = replace(vertical, aggregate="sum", secure_aggregation=True)
+    with pytest.raises(ConfigError, match="'privacy_meter'.*secure_aggregation.*masked sum"):
+        meter_kind(secure, "a")
+    assert meter_kind(secure, "g") == LABELS
     with pytest.raises(ConfigError, match="--privacy-meter.*middle stage"):
         StageOptions(chain, chain.stage_names[1], 0, privacy_meter=True)
     # A refused meter exits 2 before any stage starts.

@@ -104,7 +104,7 @@ def test_the_guard_scores_invertible_rows_high_and_noise_low_and_judges_after_it
     assert not guard.judges(3) and guard.judges(4)
 
 
-def test_input_guard_is_a_setting_of_the_one_data_owner(tmp_path):
+def test_input_guard_is_a_setting_of_each_data_owner(tmp_path):
     for table, extra, message in ((0, 'input_guard = { max_r2 = 1.5 }', "max_r2 = R"),
                                   (0, 'input_guard = { max_r2 = 0.5, before = 2 }', "max_r2 = R"),
                                   (1, 'input_guard = { max_r2 = 0.5 }', "data owner")):
@@ -115,12 +115,15 @@ def test_input_guard_is_a_setting_of_the_one_data_owner(tmp_path):
         '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace(
         'name = "f"\n', 'name = "f"\ninput_guard = { max_r2 = 0.5 }\n', 1)
     (tmp_path / "clients.toml").write_text(clients)
-    with pytest.raises(ConfigError, match=r"input_guard.*\[clients\]"):
-        load_experiment(tmp_path / "clients.toml")
+    assert load_experiment(tmp_path / "clients.toml").spec("f").input_guard == (0.5, 50)   # each client's own
     vertical = load_experiment("vertical-classify")
-    party = vertical.stages[0]
-    with pytest.raises(ConfigError, match=r"input_guard.*'aggregate'"):
-        check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
+    party, *others, label_owner = vertical.stages
+    check_defenses(replace(vertical, stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
+    with pytest.raises(ConfigError, match=r"input_guard.*a feature party"):
+        check_defenses(replace(vertical, stages=[party, *others, replace(label_owner, input_guard=(0.5, 0))]))
+    with pytest.raises(ConfigError, match=r"input_guard.*secure_aggregation.*masked sum"):
+        check_defenses(replace(vertical, aggregate="sum", secure_aggregation=True,
+                               stages=[replace(party, input_guard=(0.5, 0)), *vertical.stages[1:]]))
 
 
 def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_never_an_honest_run(monkeypatch):
@@ -226,3 +229,18 @@ def test_the_strong_meters_and_the_guard_meter_over_processes_as_in_one_and_chan
     assert set(run["input_attacks"][-1]) >= {"ridge_r2", "ridge_r2_run", "ridge_r2_chance"}
     assert 0 < run["input_guard"]["peak_r2"] <= 1
     assert "worst" in metered.stdout and "ridge_r2" in metered.stdout
+
+
+@pytest.mark.parametrize("end,party", [("first", "b"), ("last", "g")])
+def test_the_cut_library_refuses_a_combined_experiments_meter_and_guard_rather_than_ignoring_them(tmp_path, end,
+                                                                                                  party):
+    """A ``Cut`` driving a feature party (or a ``CutServer``) given a combined experiment whose stage meters or
+    guards is refused naming the key: the library's loop would send unmetered and unguarded."""
+    from distgrad.run.cut_interface import cut_side
+    text = (BUILTIN_DIR / "vertical-classify.toml").read_text()
+    setting = "input_guard = { max_r2 = 0.5 }" if party == "b" else "privacy_meter = true"
+    path = tmp_path / "v.toml"
+    path.write_text(text.replace(f'name = "{party}"\n', f'name = "{party}"\n{setting}\n'))
+    with pytest.raises(ConfigError, match=f"stage '{party}' has .*{setting.split()[0]}.* meters and guards nothing"):
+        cut_side(end, path, {}, party=party if end == "first" else None)
+    assert cut_side("first", path, {}, party="a").stage == "a"        # another party's own setting is its own

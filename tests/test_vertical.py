@@ -9,6 +9,7 @@ run everywhere with exit 3, naming it.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ from distgrad.model import aggregate
 from distgrad.errors import ConfigError
 from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.config.tomlfile import read_toml
+from distgrad.run.auditing import run_audit
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.serving import ServingStage
 from distgrad.wire.transport import POLL_TICK_S
@@ -32,8 +34,12 @@ BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-
 
 
 def _experiment(tmp_path: Path, aggregate_kind: str = "concat") -> Path:
-    """vertical-classify with another aggregation (sum and mean need equal widths: g takes 8 columns)."""
+    """vertical-classify with another aggregation (sum and mean need equal widths: g takes 8 columns;
+    "secure-sum": sum with secure_aggregation)."""
     text = BUILTIN.read_text()
+    if aggregate_kind == "secure-sum":
+        text = text.replace('aggregate = "concat"', 'aggregate = "concat"\nsecure_aggregation = true')
+        aggregate_kind = "sum"
     if aggregate_kind != "concat":
         text = text.replace('aggregate = "concat"', f'aggregate = "{aggregate_kind}"').replace("in = 24", "in = 8")
     path = tmp_path / f"vertical-{aggregate_kind}.toml"
@@ -174,15 +180,30 @@ def test_bad_columns_are_refused():
 
 # -- over the wire
 
+GUARD = "input_guard = { max_r2 = 1.0, after = 0 }"     # judges every step, never stops (R^2 <= 1)
+
+
 @pytest.mark.parametrize("kind,transport,micro_batches,extra", [
-    ("concat", "tcp", 1, ["--secure"]), ("concat", "ipc", 2, []), ("sum", "tcp", 2, []),
-    ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"])])
+    ("concat", "tcp", 1, ["--secure"]), ("concat", "ipc", 2, []), ("sum", "tcp", 2, ["--privacy-meter"]),
+    ("mean", "ipc", 1, ["--save", "saved", "--metrics", "metrics.jsonl"]),
+    # Slow: four processes more. By default test_secure_aggregation covers the same path without processes:
+    # the parties' masked forwards (their codecs as sent_codecs builds them from --party-keys) at the label
+    # owner, bitwise with the reference, and the masks cancelling exactly.
+    pytest.param("secure-sum", "ipc", 2, [], marks=pytest.mark.slow)])
 def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport, micro_batches, extra):
     """Also with CURVE (a key pair per party), and the output files: each stage's saved parameters and one
     metrics line per step, in each process's own file (the first party's at PATH, every other's at
-    PATH.STAGE: each with its own learning rate)."""
+    PATH.STAGE: each with its own learning rate). With secure aggregation (always CURVE: each party masks
+    with its key pair and the others' public keys, --party-keys) the label owner adds masked fixed point,
+    the reference unmasked fixed point: bitwise equal. Metered (``_check_party_meters``), as in one process."""
     experiment = _experiment(tmp_path, kind)
-    flags = ["--micro-batches", str(micro_batches)]
+    plain = None
+    if "--privacy-meter" in extra:          # and parties a and c guarded
+        plain, experiment = experiment, tmp_path / "guarded.toml"
+        experiment.write_text(plain.read_text().replace('name = "a"\n', f'name = "a"\n{GUARD}\n').replace(
+            'name = "c"\n', f'name = "c"\n{GUARD}\n'))
+    flags = ["--micro-batches", str(micro_batches), *(["--privacy-meter"] if plain else [])]
+    extra = [e for e in extra if e != "--privacy-meter"]
     path, trace = tmp_path / "run.json", tmp_path / "trace.jsonl"
     extra = [str(tmp_path / e) if e in ("saved", "metrics.jsonl") else e for e in extra]
     result = run_launcher(["run", experiment, "--transport", transport, "--summary", path, "--trace", trace, *flags,
@@ -204,6 +225,79 @@ def test_three_parties_equal_the_in_process_reference(tmp_path, kind, transport,
     lines = [line for line in map(__import__("json").loads, trace.read_text().splitlines())]
     assert [line["step"] for line in lines] == list(range(1, 61))
     assert {"a1.W", "b1.W", "c1.W", "g1.W"} <= set(lines[-1]["params"])
+    if plain is not None:
+        _check_party_meters(summary, reference, _reference(tmp_path, plain, "--micro-batches", str(micro_batches)),
+                            guarded=["a", "c"])
+        # The trace names each party's views; the audit of each reproduces its meter's first window.
+        assert {f"sent_activation/{p}" for p in PARTIES} | {f"sent_activation_grad/{p}" for p in PARTIES} <= set(
+            lines[0]["grads"])
+        report = run_audit(str(experiment), trace, first=1, last=50, micro_batches=micro_batches, run_steps=60,
+                           window=50)
+        for party in PARTIES:
+            labels, inputs = (summary[key][party][field][0] for key, field in (
+                ("label_meters", "label_leaks"), ("input_meters", "input_leaks")))
+            assert labels["step"] == inputs["step"] == 50
+            for name in ("label_recovery", "cosine_auc"):
+                assert report[f"labels/{party}"][name] == labels[name], (party, name)
+            for name in ("distance_correlation", "distance_correlation_chance"):
+                assert report[f"inputs/{party}"][name] == inputs[name], (party, name)
+
+
+def _check_party_meters(summary: dict, reference: dict, unmetered: dict, guarded: list[str]) -> None:
+    """Each party's own input meter (and guard), and the label owner's meter of each party, named by the
+    party: the same figures over processes as in one, and a metered, guarded run trains bitwise the plain."""
+    assert summary["params"] == unmetered["params"]
+    assert "input_leaks" not in summary and "label_leaks" not in summary     # by party, not one of them
+    for key, kinds in (("input_meters", ("input_leaks", "input_attacks", "input_leak_extremes")),
+                       ("label_meters", ("label_leaks", "label_attacks", "label_leak_extremes"))):
+        assert sorted(summary[key]) == PARTIES, key
+        for party in PARTIES:
+            for field in kinds:
+                assert summary[key][party][field] == reference[key][party][field], (key, party, field)
+            assert summary[key][party][kinds[0]], (key, party)
+    for party in PARTIES:
+        assert ("input_guard" in summary["input_meters"][party]) == (party in guarded), party
+        if party in guarded:
+            guard = summary["input_meters"][party]["input_guard"]
+            assert guard == reference["input_meters"][party]["input_guard"] and 0 < guard["peak_r2"] <= 1
+    # Each party's gradient rows leak the labels, and each its own columns: the figures differ by party.
+    assert summary["label_meters"]["a"]["label_attacks"] != summary["label_meters"]["b"]["label_attacks"]
+    assert summary["input_meters"]["a"]["input_leaks"] != summary["input_meters"]["b"]["input_leaks"]
+
+
+def test_with_secure_aggregation_the_label_owner_meters_each_party_but_no_embedding_is_traced(tmp_path):
+    """Masked, a party's embedding reaches no one alone: the label owner meters the gradient rows it sends
+    each party (no model completion: it holds no party's embedding), and no party's sends are traced."""
+    exp = load_experiment(_experiment(tmp_path, "secure-sum"))
+    trace = tmp_path / "trace.jsonl"
+    summary = train_in_process(exp, steps=12, privacy_meter=True, trace_path=trace)
+    assert "input_meters" not in summary and sorted(summary["label_meters"]) == PARTIES
+    for party in PARTIES:
+        attacks = summary["label_meters"][party]["label_attacks"][-1]
+        assert "averaged_recovery_1" in attacks and "model_completion" not in attacks, party
+    names = set(read_lines(trace)[0]["grads"])
+    assert {f"sent_activation_grad/{p}" for p in PARTIES} <= names
+    assert not [name for name in names if name.startswith("sent_activation/")]
+
+
+# A torch feature party and label owner (four processes, two of them torch): slow. The numpy parties' meters and
+# guards over processes are test_three_parties_equal_the_in_process_reference's sum case, in the default suite.
+@pytest.mark.slow
+def test_a_torch_partys_meter_and_guard_over_processes_equal_in_process(tmp_path):
+    pytest.importorskip("torch")
+    torch = 'framework = "torch"\n'
+    experiment = tmp_path / "torch.toml"
+    experiment.write_text(BUILTIN.read_text().replace('name = "a"\n', f'name = "a"\n{torch}{GUARD}\n').replace(
+        'loss = "softmax', f'{torch}loss = "softmax'))
+    plain = tmp_path / "plain.toml"
+    plain.write_text(experiment.read_text().replace(GUARD, ""))
+    flags = ["--steps", "20", "--micro-batches", "2"]
+    path = tmp_path / "run.json"
+    result = run_launcher(["run", experiment, "--summary", path, *flags, "--privacy-meter"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_party_meters(read_json(path), _reference(tmp_path, experiment, *flags, "--privacy-meter"),
+                        _reference(tmp_path, plain, *flags), guarded=["a"])
+    assert "privacy meter, label owner's labels (a)" in result.stdout
 
 
 def test_digits_halves_reaches_95_percent_held_out():
@@ -269,11 +363,12 @@ def test_parties_of_unequal_widths_run_in_process_bitwise_as_over_processes(tmp_
 
 
 class Parties(StageGroup):
-    """The label owner and three feature parties of one run, each a process with its own log."""
+    """The label owner and three feature parties of one run (of ``experiment``, default vertical-classify), each
+    a process with its own log."""
 
-    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str, experiment: Path = BUILTIN) -> None:
         super().__init__(tmp_path)
-        common = ["--experiment", str(BUILTIN), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
+        common = ["--experiment", str(experiment), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
                   "--checkpoint-every", "1", "--resume", *flags]
         self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
         for name in PARTIES:
@@ -321,6 +416,31 @@ def test_a_party_that_stays_away_ends_the_run_everywhere_naming_it(tmp_path, sta
         assert "waiting for c" in logs[name], logs[name]
 
 
+
+
+# Four processes: slow. By default test_a_party_that_stops_ends_the_run_and_every_other_party_is_told_why covers the
+# label owner telling the other parties (without sockets), and test_strong_meters's
+# test_a_guard_stop_over_processes_exits_5_and_writes_no_newer_checkpoint a guard's stop over processes.
+@pytest.mark.slow
+def test_a_partys_input_guard_stops_it_and_every_other_stage_is_told_why_at_once(tmp_path, stage_group):
+    """Party a's input_guard stops it before it sends step 6 (exit 5; its newest checkpoint is step 5's): the
+    label owner and the parties b and c exit at once (4, naming a's guard), none waiting out its deadline."""
+    experiment = tmp_path / "guarded.toml"
+    experiment.write_text(BUILTIN.read_text().replace('name = "a"\n',
+                                                      'name = "a"\ninput_guard = { max_r2 = 0.2, after = 5 }\n'))
+    run = stage_group(Parties, tmp_path, 40, f"ipc://{tmp_path}/g.sock", "--peer-deadline", "120",
+                      experiment=experiment)
+    for who in ["g", *PARTIES]:
+        run.start(who)
+    assert run.procs["a"].wait(60) == 5, run.logs()
+    stopped = int(re.search(r"input_guard stopped the run before sending step (\d+)", run.logs()).group(1))
+    assert stopped > 5
+    for name in ["g", "b", "c"]:
+        assert run.procs[name].wait(30) == 4, f"{name}:\n{run.logs()}"      # long before the 120 s deadline
+        assert "input_guard stopped the run before sending step" in run.procs[name].output, name
+    saved = sorted(int(m.group(1)) for p in (tmp_path / "ckpt").glob("a-*.ckpt")
+                   if (m := re.search(r"-(\d+)\.ckpt$", p.name)))
+    assert saved and max(saved) == stopped - 1        # the last checkpoint before the breach, nothing newer
 
 
 # -- the label owner's message handling, without sockets
@@ -384,6 +504,29 @@ def test_a_rollback_to_a_step_due_for_evaluation_evaluates_it_again_before_going
     assert _replies(g, right, right.evaluate(2), now) == [("left", "evaluation", 3), ("right", "evaluation", 3)]
     assert _replies(g, left, left.forward(3), now) == []
     assert _replies(g, right, right.forward(3), now) == [("left", "backward", 3), ("right", "backward", 3)]
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_a_party_that_stops_ends_the_run_and_every_other_party_is_told_why(tmp_path, waiting):
+    """Right stops (its input_guard, or any failure of its own: an aborted notice): the run fails at g, and left
+    is told why in reply to its forward waiting there, or else to its next request (``answer_untold``), never
+    left to wait out its deadline for a step that cannot come."""
+    from distgrad.wire import messages as wire
+    g, (left, right), now = _label_owner(tmp_path, steps=10)
+    for party in (left, right):
+        _replies(g, party, party.hello([0], 10), now)
+    if waiting:
+        assert _replies(g, left, left.forward(1), now) == []        # waits for right's part
+    why = "it failed: stage 'right': input_guard stopped the run before sending step 1"
+    replies = g.handle(right.envelope, wire.abort_notice(right.run, "right", why), now)
+    assert g.end_failed_run() is not None                           # the run fails at g
+    if not waiting:
+        assert replies == [] and left.run in g.untold
+        replies = [(left.envelope, reply) for reply in g.answer_untold(left.forward(1))]
+    [(envelope, reply)] = replies
+    assert envelope == left.envelope and reply.type == wire.ERROR and reply.step == 1
+    assert reply.body["code"] == wire.ErrorCode.ABORTED and "input_guard stopped the run" in reply.body["message"]
+    assert "party right stopped" in reply.body["message"] and not g.untold
 
 
 def test_a_party_back_after_the_last_step_gets_its_evaluation_and_says_bye(tmp_path):

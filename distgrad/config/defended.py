@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.config.experiment import Experiment
+from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
+from distgrad.model.losses import TorchLoss
 from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
@@ -27,6 +28,9 @@ from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
 NO_GUARANTEE = "no differential-privacy guarantee"
+SECURE_REASON = ("is not supported on a feature party with secure_aggregation: the label owner receives only the "
+                 "masked sum of every party's embedding, never this party's alone, so this party's rows against "
+                 "what it sends measure nothing the label owner can invert")
 
 
 def label_owner_sends_gradients(exp: Experiment, stage: str) -> bool:
@@ -37,21 +41,22 @@ def label_owner_sends_gradients(exp: Experiment, stage: str) -> bool:
 
 def meter_kind(exp: Experiment, stage: str) -> str:
     """What a privacy meter at ``stage`` guards (``distgrad.privacy.meter``): ``"labels"`` at the label owner
-    that sends gradients up, ``"inputs"`` at the data owner (the first stage). Raises ``ConfigError`` naming
+    that sends gradients up (with several data owners, one meter per client or feature party:
+    ``metering.PeerMeters``), ``"inputs"`` at a data owner (the first stage, each client's copy of it, a
+    feature party: each meters its own rows). Raises ``ConfigError`` naming
     'privacy_meter' and why any other stage cannot meter."""
     def refuse(reason: str) -> ConfigError:
         return ConfigError(f"stage {stage!r}: 'privacy_meter' (or --privacy-meter) {reason}")
     if len(exp.stage_names) < 2:
         raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
-    if exp.federated or exp.vertical:
-        raise refuse("is not supported with [clients] or 'aggregate' yet: the meter reads one data owner's rows "
-                     "against one label owner's")
     if label_owner_sends_gradients(exp, stage):
         if exp.send_rows:
             raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "
                          "are the data owner's to choose")
         return "labels"
-    if exp.stage_index(stage) == 0:
+    if stage in exp.data_owners:        # the first stage, each client's copy of it, or a feature party
+        if exp.secure_aggregation:
+            raise refuse(SECURE_REASON)
         return "inputs"
     if stage == exp.stage_names[-1]:
         raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
@@ -83,17 +88,18 @@ def check_meter_flag(exp: Experiment) -> None:
 
 
 def check_input_guard(exp: Experiment, stage: str) -> None:
-    """Raise ``ConfigError`` naming 'input_guard' and the reason unless ``stage`` is the one data owner of a run
-    of several stages (the first stage, without [clients] or 'aggregate')."""
+    """Raise ``ConfigError`` naming 'input_guard' and the reason unless ``stage`` is a data owner of a run of
+    several stages: the first stage (each client's copy of it guards its own rows) or a feature party of a
+    vertical experiment (each party its own columns)."""
     where = f"stage {stage!r}: 'input_guard'"
     if len(exp.stage_names) < 2:
         raise ConfigError(f"{where} guards what crosses a cut, and a one-stage experiment has none")
-    if exp.federated or exp.vertical:
-        raise ConfigError(f"{where} is not supported with [clients] or 'aggregate' yet: it measures one data "
-                          f"owner's rows against the activations it sends alone")
-    if exp.stage_index(stage) != 0:
-        raise ConfigError(f"{where} is a setting of the data owner (the first stage), which holds the inputs; "
-                          f"{stage!r} receives activations")
+    if stage not in exp.data_owners:
+        owners = "a feature party" if exp.vertical else "the data owner (the first stage)"
+        raise ConfigError(f"{where} is a setting of {owners}, which holds the inputs; {stage!r} receives "
+                          f"activations")
+    if exp.secure_aggregation:
+        raise ConfigError(f"{where} {SECURE_REASON}")
 
 
 def check_defenses(exp: Experiment) -> None:
@@ -148,17 +154,21 @@ def check_defenses(exp: Experiment) -> None:
 
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
-    (whose sigma and budget it shares), numpy layers without batch statistics or dropout (each example is
-    forwarded alone), one data owner's rows or vertical parties without a bottom model of its own."""
+    (whose sigma and budget it shares), layers without batch statistics or dropout (each example is forwarded
+    alone; a torch module's are checked when it is built, ``torch_stage.per_example_refusal``), a loss whose
+    mean is over the rows, one data owner's rows or vertical parties without a bottom model of its own."""
     where = f"stage {stage!r}: 'dp_sgd'"
     spec = exp.spec(stage)
     if not label_owner_sends_gradients(exp, stage):
         raise ConfigError(f"{where} is the label owner's own update (its labels); {stage!r} is not the label owner")
     if spec.defenses.clip_noise is None:
         raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
-    if spec.framework != "numpy" or spec.module is not None:
-        raise ConfigError(f"{where} needs each example's parameter gradient; a torch stage would compute them with "
-                          f"torch.func, which is not supported yet: use numpy layers")
+    loss = stage_loss(spec)
+    weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
+    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+        raise ConfigError(f"{where}: {loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides "
+                          f"by the batch's total weight, which each example's label changes, so no example's "
+                          f"gradient is its own: use reduction = \"sum\"")
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
                           f"one label owner, counted apart")

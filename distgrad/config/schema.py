@@ -25,6 +25,7 @@ ENDS = "the first or the last stage"
 LABEL_OWNER = "the label owner (the last stage)"
 DATA_OWNERS = "a data owner (the first stage, a client, a feature party)"
 COLUMN_OWNERS = "a data owner, or the label owner with 'bottom'"
+OWNERS = "a data owner (the first stage, a client, a feature party) or the label owner"
 LOSS_OWNER = "the last stage, which must give it"
 MODULES_BEFORE_LAST = "a 'module' stage before the last"
 _SCORES = "it holds the labels and scores the held-out rows"
@@ -82,6 +83,13 @@ SHARED_KEYS: dict[str, Key] = {
                   "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
                   "embeddings of a step before its own model: side by side in party order (concat), or their sum "
                   "or mean; each party gets back exactly the gradient of its own embedding"),
+    "secure_aggregation": Key(FLAG, default=False, help=
+                           "with aggregate = \"sum\" or \"mean\" and two or more feature parties: each party adds "
+                           "pairwise masks (from X25519 keys it shares with every other party) to its embedding in "
+                           "fixed point (2**-32 units), so the label owner sees only the parties' sum, exactly. "
+                           "Each party runs with CURVE (--curve-secret) and --party-keys DIR holding every other "
+                           "party's NAME.key. Not with concat, a label owner's 'bottom', an activation_codec, "
+                           "allow_nonfinite, the cut library or predictions (docs/privacy.md)"),
     "activation_codec": Key(CODEC, default="none", help=
                          "how activations cross the wire: none (float32), float16, bfloat16, int8 (per row, with a "
                          "float32 scale), topk:K (per row the K largest magnitudes) or topk:K+ef (with error feedback: "
@@ -217,19 +225,23 @@ _STAGE_COMMON: dict[str, Key] = {
                "it learns from the gradient of its own embedding and its parameters are saved with the stage's. "
                "Layer tables (see Layers) for every kind of stage: a torch stage (framework \"torch\" or a "
                "'module') builds them in torch, before its layers or module"),
-    "privacy_meter": Key(FLAG, default=False, who=ENDS, help=
+    "privacy_meter": Key(FLAG, default=False, who=OWNERS, help=
                       "private to this party: meter, live, what the other party could learn from what this stage "
                       "sends across the cut (the label owner: label recovery and AUCs from the gradient rows; the "
                       "data owner: the distance correlation of inputs and activations) over windows of "
-                      "'eval_every' steps (else 50); sends and changes nothing (docs/privacy.md). Only the first and "
-                      "the last stage; not with [clients] or 'aggregate'. '--privacy-meter' sets it"),
+                      "'eval_every' steps (else 50); sends and changes nothing (docs/privacy.md). Only a data owner (the "
+                      "first stage, each client's copy of it, a feature party: each meters its own rows) and the "
+                      "label owner (with [clients] or 'aggregate': one meter per client or party, the summary's "
+                      "'label_meters'). '--privacy-meter' sets it"),
     "input_guard": Key(INPUT_GUARD, shown="absent", who=DATA_OWNERS, help=
-                    "the data owner (the first stage), private to it: { max_r2 = R, after = K } (K default 50): "
+                    "a data owner (the first stage, each client, each feature party: its own rows and guard), "
+                    "private to it: { max_r2 = R, after = K } (K default 50): "
                     "before each micro-batch's activations are sent, the R^2 of its inputs reconstructed by the "
                     "best ridge decoder of its latest activation rows (fitted on their public fifth, the rows whose "
                     "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
                     "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
-                    "honest pilot run). Not with [clients] or 'aggregate'"),
+                    "honest pilot run). In a vertical run the label owner and the other parties are told why and stop "
+                    "too; with [clients] that client is dropped and the others go on"),
     "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
@@ -273,8 +285,9 @@ _STAGE_COMMON: dict[str, Key] = {
                "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
                "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
                "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
-               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers "
-               "without batch norm or dropout; not with [clients] or a bottom model of its own"),
+               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers, "
+               "or a torch stage (layer list or module: per-example gradients by torch.func), without batch norm "
+               "or dropout; not with [clients] or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

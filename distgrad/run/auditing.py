@@ -3,7 +3,10 @@
 The view is a trace (``--trace``) holding what crossed on its traced steps,
 exactly as the receiver decoded it (after the sender's defenses and codec):
 ``sent_activation_grad`` (the label owner's, what the data owner received) and
-``sent_activation`` (the data owner's, what the label owner received). The
+``sent_activation`` (the data owner's, what the label owner received). With
+several data owners each is audited apart: a client's on its own lines (each
+names its ``client``), a feature party's views named ``NAME/PARTY``; the
+report names each (``labels/a``, ``inputs/f@1``). The
 secret rows they belong to come from the experiment's own data, rebuilt with
 the run's seed, as the meter takes them: the label owner's true labels of
 each traced step, the data owner's raw input rows. The attacks are
@@ -15,7 +18,8 @@ regular file of at most ``max_bytes`` (``DEFAULT_MAX_TRACE_BYTES``; read with
 that cap, line by line), each line a JSON object (no key twice), with a
 whole ``step`` from 1 to the run's last, the steps strictly increasing (a
 step written twice would be scored twice), ``grads`` and ``params`` objects
-of numbers or arrays, a number ``loss``, no ``client``; and each view a
+of numbers or arrays, a number ``loss``, a ``client`` only in a run with
+[clients] (then on every line, each client's steps increasing); and each view a
 regular array of finite float32-range numbers of exactly the cut's shape for
 a batch. Anything else, and bad settings, raise ``ConfigError`` (exit 2)
 naming the line, the step and the problem.
@@ -26,12 +30,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from distgrad.config.experiment import Experiment, is_whole
+from distgrad.config.experiment import Experiment, client_stage_name, is_whole
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
 from distgrad.jsontext import json_text
@@ -155,11 +160,15 @@ def _rows(value: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
 
 
 def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
-               max_bytes: int = DEFAULT_MAX_TRACE_BYTES) -> dict[str, View]:
+               max_bytes: int = DEFAULT_MAX_TRACE_BYTES, clients: int = 0) -> dict[str, View]:
     """Every line of the trace at ``path`` validated (see the module's contract), and the rows of the views
-    named in ``shapes`` (each a step's shape) on every step that holds them. Raises ``ConfigError``."""
-    views: dict[str, View] = {name: [] for name in shapes}
-    previous: tuple[int, int] | None = None               # (step, line number) of the last line
+    named in ``shapes`` (each a step's shape) on every step that holds them. ``clients``: a run with that many
+    clients, whose lines each name theirs (``client``: 0 to ``clients`` - 1; each client's steps increase),
+    and whose views are returned per client as ``NAME@K``; 0: a line naming a client is refused. Raises
+    ``ConfigError``."""
+    views: dict[str, View] = ({f"{name}@{k}": [] for name in shapes for k in range(clients)} if clients
+                              else {name: [] for name in shapes})
+    previous_of: dict[Any, tuple[int, int]] = {}         # by client: (step, line number) of its last line
     for number, text in _trace_texts(path, max_bytes):
         where = f"audit: {path}: line {number}"
         if not text.strip():
@@ -171,16 +180,22 @@ def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
         if not 1 <= step <= last_step:
             raise ConfigError(f"{where} is of step {_describe(step)}, outside the run's steps 1 to {last_step} "
                               f"(the experiment's; --run-steps N for a run given --steps N)")
+        client = line.get("client")
+        if "client" in line and not clients:
+            raise ConfigError(f"{where} (step {step}) is of client {_describe(client)}: a run with [clients], "
+                              f"and this experiment has none")
+        if clients and not (isinstance(client, int) and not isinstance(client, bool) and 0 <= client < clients):
+            raise ConfigError(f"{where} (step {step}) names no client of the run's {clients} (got "
+                              f"{_describe(client)}): each line of a run with [clients] is one client's")
+        previous = previous_of.get(client)
+        of = "" if client is None else f" of client {client}"
         if previous is not None and step <= previous[0]:
-            raise ConfigError(f"{where}: step {step} is written twice (lines {previous[1]} and {number})"
+            raise ConfigError(f"{where}: step {step}{of} is written twice (lines {previous[1]} and {number})"
                               if step == previous[0] else
-                              f"{where}: step {step} comes after step {previous[0]} (line {previous[1]}): "
+                              f"{where}: step {step}{of} comes after step {previous[0]} (line {previous[1]}): "
                               f"a trace's steps only increase")
-        previous = (step, number)
-        where = f"{where} (step {step})"
-        if "client" in line:
-            raise ConfigError(f"{where} is of client {_describe(line['client'])}: a run with [clients], "
-                              f"which the audit does not support yet")
+        previous_of[client] = (step, number)
+        where = f"{where} (step {step}{of})"
         if "loss" in line and not _is_number(line["loss"]):
             raise ConfigError(f"{where}: 'loss' must be a number, got {_describe(line['loss'])}")
         for field in ("grads", "params"):
@@ -192,7 +207,8 @@ def read_views(path: Path, shapes: dict[str, tuple[int, ...]], last_step: int,
                     raise ConfigError(f"{where}: {field}.{name} must be an array of numbers")
         for name, shape in shapes.items():
             if name in line.get("grads", {}):
-                views[name].append((step, _rows(line["grads"][name], shape, f"{where}: {name}")))
+                views[name if client is None else f"{name}@{client}"].append(
+                    (step, _rows(line["grads"][name], shape, f"{where}: {name}")))
     return views
 
 
@@ -233,9 +249,6 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
     missing, oversized or malformed trace, one that holds neither view, an experiment whose data cannot pair
     with it, or bad settings."""
     exp = load_experiment(experiment)
-    if exp.federated or exp.vertical:
-        raise ConfigError("audit: experiments with [clients] or feature parties are not supported yet "
-                          "(the audit pairs one data owner's rows with one label owner's)")
     if len(exp.stage_names) < 2:
         raise ConfigError("audit: a one-stage experiment has no cut to audit")
     seed = exp.seed if seed is None else seed
@@ -248,43 +261,75 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         window = last - first + 1 if last is not None else window_steps(exp.eval_every)
     # A party's stage file holds only its own data: it audits what the other party learns of its secret.
     # Both views are validated, whichever this party can pair with its data.
-    shapes = {LABEL_VIEW: tuple(exp.cuts[-1]),         # what the last stage sends back up
-              INPUT_VIEW: tuple(exp.cuts[0])}          # what the first stage sends down
-    views = read_views(trace, shapes, run_steps, max_bytes)
-    if not exp.has_stage(exp.label_owner):
-        views.pop(LABEL_VIEW)
-    if not exp.has_stage(exp.data_owners[0]):
-        views.pop(INPUT_VIEW)
+    owners = _owners(exp)
+    shapes = {name: shape for owner in owners for name, shape in owner.shapes.items()}
+    views = read_views(trace, shapes, run_steps, max_bytes, exp.clients.count if exp.federated else 0)
     views = {name: [(step, rows) for step, rows in view if first <= step and (last is None or step <= last)]
              for name, view in views.items()}
     report: dict[str, dict[str, float]] = {}
-    if views.get(LABEL_VIEW):
-        data = exp.build_data(seed, stage=exp.label_owner)
-        rows, labels = _paired(views[LABEL_VIEW], data.true_targets, "labels", trace)
-        try:
-            metered = _metered(views[LABEL_VIEW], first, window, 1)
-            report["labels"] = audit.label_attacks(rows, labels, seed, metered)
-        except ValueError as e:
-            raise ConfigError(f"audit: the labels of {exp.label_owner!r} cannot be attacked: {e}") from None
-    if views.get(INPUT_VIEW):
-        data = exp.build_data(seed, stage=exp.data_owners[0])
-        z, x = _paired(views[INPUT_VIEW], data.features, "input rows", trace)
-        per_step = [len(rows) for _, rows in views[INPUT_VIEW]]
-        batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
-        batches_metered = [bool(flag) for flag in _metered(views[INPUT_VIEW], first, window, micro_batches,
-                                                           per_row=False)]
-        try:
-            report["inputs"] = audit.input_attacks(z, x, public_fraction, seed, mlp, batches=batches,
-                                                   metered=batches_metered)
-        except ValueError as e:
-            raise ConfigError(f"audit: the inputs cannot be attacked: {e}") from None
+    for owner in owners:
+        label_view, input_view = views.get(owner.label_view), views.get(owner.input_view)
+        if label_view and exp.has_stage(exp.label_owner):
+            data = exp.build_data(seed, client=owner.client, stage=exp.label_owner)
+            rows, labels = _paired(label_view, data.true_targets, "labels", trace)
+            try:
+                metered = _metered(label_view, first, window, 1)
+                report["labels" + owner.suffix] = audit.label_attacks(rows, labels, seed, metered)
+            except ValueError as e:
+                raise ConfigError(f"audit: the labels of {exp.label_owner!r}{owner.suffix} cannot be attacked: "
+                                  f"{e}") from None
+        if input_view and exp.has_stage(owner.stage):
+            data = exp.build_data(seed, client=owner.client, stage=owner.stage)
+            z, x = _paired(input_view, data.features, "input rows", trace)
+            per_step = [len(rows) for _, rows in input_view]
+            batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
+            batches_metered = [bool(flag) for flag in _metered(input_view, first, window, micro_batches,
+                                                               per_row=False)]
+            try:
+                report["inputs" + owner.suffix] = audit.input_attacks(z, x, public_fraction, seed, mlp,
+                                                                      batches=batches, metered=batches_metered)
+            except ValueError as e:
+                raise ConfigError(f"audit: the inputs{owner.suffix} cannot be attacked: {e}") from None
     if not report:
-        names = list(views)
+        pairable = [name for owner in owners for name, have in ((owner.label_view, exp.label_owner),
+                                                                   (owner.input_view, owner.stage))
+                    if exp.has_stage(have)]
+        names = list(dict.fromkeys(name.split("@")[0] for name in pairable))
         raise ConfigError(f"audit: {trace} holds no {' or '.join(names)} on steps {first} to "
                           f"{'the last' if last is None else last}, which is what {experiment}'s data can be "
                           f"paired with: trace the run with --trace (and, with --trace-params, name "
                           f"{' or '.join(names)})")
     return report
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """One data owner of a run as the audit pairs it: the trace's views of what it sent (``input_view``) and
+    was sent (``label_view``), each a step's ``shapes``, its ``stage`` and ``client`` (its data), and the
+    ``suffix`` that names it in the report (``labels/a``, ``inputs/f@1``; "" for a run's one data owner)."""
+
+    stage: str
+    client: int | None
+    label_view: str
+    input_view: str
+    shapes: dict[str, tuple[int, ...]]
+    suffix: str
+
+
+def _owners(exp: Experiment) -> list[_Owner]:
+    """The data owners of ``exp``: the first stage; each client (its lines name it: ``read_views``' ``NAME@K``);
+    each feature party (its views named ``NAME/PARTY``, as its stage and the label owner trace them)."""
+    first = exp.stage_names[0]
+    if exp.vertical:        # a party's embedding and its gradient have its own cut's shape
+        return [_Owner(party, None, f"{LABEL_VIEW}/{party}", f"{INPUT_VIEW}/{party}",
+                       {f"{view}/{party}": tuple(exp.cuts[index]) for view in (LABEL_VIEW, INPUT_VIEW)},
+                       f"/{party}") for index, party in enumerate(exp.data_owners)]
+    shapes = {LABEL_VIEW: tuple(exp.cuts[-1]),         # what the last stage sends back up
+              INPUT_VIEW: tuple(exp.cuts[0])}          # what the first stage sends down
+    if exp.federated:
+        return [_Owner(first, k, f"{LABEL_VIEW}@{k}", f"{INPUT_VIEW}@{k}", shapes if k == 0 else {},
+                       f"/{client_stage_name(first, k)}") for k in range(exp.clients.count)]
+    return [_Owner(first, None, LABEL_VIEW, INPUT_VIEW, shapes, "")]
 
 
 def _metered(view: View, first: int, window: int, parts: int, per_row: bool = True) -> np.ndarray:

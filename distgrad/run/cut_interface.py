@@ -212,7 +212,14 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
                           f"computes: it applies no stage's defenses, to its steps or its evaluations. Remove them "
                           f"from stage {stage!r} and add any noise in the loop itself, or run the stage as the "
                           f"daemon (distgrad-stage), which applies them")
-    data = exp.spec(stage).data
+    spec = exp.spec(stage)
+    private = [key for key, on in (("privacy_meter", spec.privacy_meter), ("input_guard", spec.input_guard is not None))
+               if on]
+    if private:
+        raise ConfigError(f"{interface}: stage {stage!r} has {private}, but the cut library's loop meters and "
+                          f"guards nothing of what it sends. Remove them from stage {stage!r}, or run the stage as "
+                          f"the daemon (distgrad-stage), which meters and guards it")
+    data = spec.data
     data = dict(exp.data if data is None else data)
     return ({"interface": interface_table(exp), "stage": {"name": stage}, **({"data": data} if data else {})},
             exp.source)
@@ -267,7 +274,9 @@ def _check_supported(side: CutSide, source: str) -> None:
                "clients": (exp.federated and exp.clients.mode != "separate",
                            f"[clients] mode = {exp.clients.mode!r} (the data owners' models averaged; only "
                            f"'separate' is)"),
-               "aggregate": (exp.vertical and exp.federated, "vertical parties and [clients] together")}
+               "aggregate": (exp.vertical and exp.federated, "vertical parties and [clients] together"),
+               "secure_aggregation": (exp.secure_aggregation, "secure aggregation (the feature parties' pairwise "
+                                                              "masks)")}
     for key, (bad, what) in refused.items():
         if bad:
             raise ConfigError(f"{source}: the cut library does not support {what} yet: its loops keep the "

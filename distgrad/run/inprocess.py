@@ -19,14 +19,14 @@ from typing import AbstractSet, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from distgrad.model import aggregate
-from distgrad.stage.engine import StepEngine, crossed_direction
+from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_flag, meter_kind, metered,
                                       privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.run.protocol import evaluation_due
-from distgrad.run.metering import Guarding, Metering, step_rows
-from distgrad.privacy.meter import LABELS
+from distgrad.run.metering import Guarding, Metering, PeerMeters, by_owner, step_rows
+from distgrad.privacy.meter import INPUTS, LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
                                     evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
                                     write_preparation)
@@ -89,7 +89,9 @@ def _engines(stages: list[Stage], exp: Experiment, lines: _TraceLines, shared_la
     scale = exp.micro_batch_scale
     engines = [StepEngine(stage, scale, lines.part(snapshot=copied or (shared_last and stage is stages[-1])),
                        trace_sent=stage is stages[-1] and len(stages) > 1,
-                       trace_crossed=crossed_direction(exp, i == 0, stage is stages[-1]),
+                       trace_crossed=crossed_direction(exp, i == 0 or stage.name in exp.data_owners,
+                                                       stage is stages[-1]),
+                       crossed_names=crossed_names(exp, stage.name),
                        senders=Senders(exp.codecs, row_defense(exp, stage.name, seed,
                                                                    client_stage_name(stage.name, client)
                                                                    if i == 0 else stage.name, steps, secret)))
@@ -224,7 +226,8 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
         outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
         z = aggregate.join_input([_cross(engine, ACTIVATION, y, i, micro_batches, step)
                                   for engine, (y, _) in zip(parties, outputs)],
-                                 None if own is None else micro_batch(own, i, micro_batches), kind)
+                                 None if own is None else micro_batch(own, i, micro_batches), kind,
+                                 exp.secure_aggregation)
         mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
         stage.check_finite("loss", mb_loss, step)
         stage.check_finite("activation_grad", dz, step)
@@ -247,7 +250,8 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     scored by the last stage."""
     z = aggregate.join_input([sent.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
                                                         step + 1) for party, d, sent in zip(parties, data, senders)],
-                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind)
+                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind,
+                             exp.secure_aggregation)
     return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
                              labels.validation_count)
 
@@ -310,7 +314,8 @@ def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.nd
 
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
-                     files: _ParameterFiles, eval_every: int, noise_secret: int | None = None) -> dict[str, Any]:
+                     files: _ParameterFiles, eval_every: int, noise_secret: int | None = None,
+                     privacy_meter: bool = False) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -330,6 +335,13 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
              for c, client in enumerate(clients)]
     data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
     labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
+    # Each client's own meter and guard, and the label owner's meter of each client (as the processes run
+    # them: a client's windows follow its own evaluations; the label owner's, those its hellos announce).
+    owned = [_OwnerMeters(exp, first_name, pair[0], data[c], eval_every if len(data[c].test_rows) else 0, steps,
+                          privacy_meter, c) for c, pair in enumerate(pairs)]
+    peer_meters = _peer_meters(exp, last_engine, [pair[0] for pair in pairs],
+                               [f"client{c}" for c in range(len(pairs))], labels,
+                               eval_every if len(data[-1].test_rows) else 0, steps, privacy_meter, True)
     losses: list[float | None] = [None] * len(clients)
     evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
     scores: list[dict[str, Any] | None] = [None] * len(clients)
@@ -373,12 +385,59 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         "clients": per_client,
         **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine]),
                          held_out=_ledgers([pairs[0][0]])),     # every client evaluates as often
+        **owners_fields(owned, peer_meters),
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
     }
     if summary_path is not None:
         write_json(summary_path, summary)
     return summary
+
+
+class _OwnerMeters:
+    """A data owner's own meter and guard in a run of several data owners (a feature party ``stage``, or
+    client ``client``'s copy of the first stage), on its ``engine`` and its own ``data``, as its stage
+    process runs them (``driver._Driver``)."""
+
+    def __init__(self, exp: Experiment, stage: str, engine: StepEngine, data: Any, window: int, steps: int,
+                 privacy_meter: bool, client: int | None = None) -> None:
+        self.name = client_stage_name(stage, client)
+        self.metering = (Metering(INPUTS, engine, data.features, window, steps, rows_of=step_rows(data))
+                         if metered(exp, stage, privacy_meter) else None)
+        max_r2 = exp.spec(stage).input_guard if exp.has_stage(stage) else None
+        self.guarding = (Guarding(engine, data.features, max_r2, self.name, rows_of=step_rows(data))
+                         if max_r2 is not None else None)
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {**(self.metering.summary_fields() if self.metering else {}),
+                **(self.guarding.summary_fields() if self.guarding else {})}
+
+
+def _peer_meters(exp: Experiment, last: StepEngine, owners: list[StepEngine], streams: list[str], labels: list[Any],
+                 window: int, steps: int, privacy_meter: bool, clients: bool) -> PeerMeters | None:
+    """The label owner's meter of each data owner (``owners``' engines, whose sends it reads for model
+    completion; ``streams``: the peer part of the streams it answers each on), when it is metered."""
+    name = exp.stage_names[-1]
+    if not metered(exp, name, privacy_meter):
+        return None
+    first = exp.stage_names[0]
+    names = [client_stage_name(first, c) for c in range(len(owners))] if clients else list(exp.data_owners)
+    meters = PeerMeters(last, names, streams, [source.true_targets for source in labels],
+                        [step_rows(source) for source in labels], window, steps, clients=clients)
+    for index, engine in enumerate(owners):
+        if not exp.secure_aggregation:      # masked, a party's embedding reaches no one alone
+            meters.tap_received(engine.senders, index)
+    return meters
+
+
+def owners_fields(owned: list[_OwnerMeters], peer_meters: PeerMeters | None) -> dict[str, Any]:
+    """The summary's ``input_meters`` (each data owner's own) and ``label_meters`` (the label owner's of
+    each), as the merged summary of the stage processes holds them."""
+    fields: dict[str, Any] = {}
+    for owner in owned:
+        for key, value in by_owner(INPUTS, owner.name, owner.summary_fields()).items():
+            fields.setdefault(key, {}).update(value)
+    return {**fields, **(peer_meters.summary_fields() if peer_meters is not None else {})}
 
 
 class _Reference:
@@ -403,18 +462,30 @@ class _Reference:
         self.data = self.owners[0]
         self.labels = exp.build_data(seed, stage=exp.label_owner)
         self.holds_out = len(self.data.test_rows) > 0
-        self.meters = [Metering(meter_kind(exp, stage.name), engine,
-                                self.labels.true_targets if stage is self.stages[-1] else self.data.features,
-                                eval_every if self.holds_out else 0, steps,
-                                rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
-                       for stage, engine in zip(self.stages, self.engines) if metered(exp, stage.name, privacy_meter)]
-        max_r2 = exp.spec(exp.stage_names[0]).input_guard if exp.has_stage(exp.stage_names[0]) else None
-        self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0],
-                                  rows_of=step_rows(self.data))
-                         if max_r2 is not None else None)
-        for metering in self.meters:
-            if metering.kind == LABELS:     # model completion: what the label owner receives
-                metering.tap_received(self.engines[-2].senders)
+        window = eval_every if self.holds_out else 0
+        if exp.vertical:        # each party's own meter and guard; the label owner's meter of each party
+            parties = self.engines[:-1]
+            self.owned = [_OwnerMeters(exp, name, engine, data, window, steps, privacy_meter)
+                          for name, engine, data in zip(exp.data_owners, parties, self.owners)]
+            self.peer_meters = _peer_meters(exp, self.engines[-1], parties, exp.data_owners,
+                                            [self.labels] * len(parties), window, steps, privacy_meter, False)
+            self.meters: list[Metering] = []
+            self.guarding: Guarding | None = None
+        else:
+            self.owned, self.peer_meters = [], None
+            self.meters = [Metering(meter_kind(exp, stage.name), engine,
+                                    self.labels.true_targets if stage is self.stages[-1] else self.data.features,
+                                    window, steps,
+                                    rows_of=step_rows(self.labels if stage is self.stages[-1] else self.data))
+                           for stage, engine in zip(self.stages, self.engines)
+                           if metered(exp, stage.name, privacy_meter)]
+            max_r2 = exp.spec(exp.stage_names[0]).input_guard if exp.has_stage(exp.stage_names[0]) else None
+            self.guarding = (Guarding(self.engines[0], self.data.features, max_r2, exp.stage_names[0],
+                                      rows_of=step_rows(self.data))
+                             if max_r2 is not None else None)
+            for metering in self.meters:
+                if metering.kind == LABELS:     # model completion: what the label owner receives
+                    metering.tap_received(self.engines[-2].senders)
         self.spec = exp.spec(exp.stage_names[-1])
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
@@ -513,6 +584,7 @@ class _Reference:
                              held_out=_ledgers(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             **(self.guarding.summary_fields() if self.guarding else {}),
+            **owners_fields(self.owned, self.peer_meters),
             "params": {s.name: to_lists(s.params) for s in self.stages},
         }
 
@@ -568,7 +640,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         lines = _TraceLines(trace)
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every,
-                                    noise_secret)
+                                    noise_secret, privacy_meter)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
         run.train()

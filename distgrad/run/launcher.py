@@ -321,8 +321,9 @@ def plan_processes(exp: Any, experiment: str | Path | Sequence[str | Path], tmp:
             metrics[name] = stage_metrics_path(metrics_path, name)
         if tensorboard_dir is not None and name not in boards:
             boards[name] = tensorboard_dir / name
+    # Secure aggregation masks with the parties' CURVE key pairs: it always runs with CURVE.
     curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _, _ in processes])
-             if secure else {label: [] for label, _, _, _ in processes})
+             if secure or exp.secure_aggregation else {label: [] for label, _, _, _ in processes})
     planned = []
     for label, stage, client, driving in processes:
         summary, trace_file = tmp / f"{label}.summary.json", tmp / f"{label}.trace.jsonl"
@@ -519,6 +520,8 @@ def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]
             flags[process] += ["--allow", str(directory / f"allowed-by-{process}")]
         if stage != last:
             flags[process] += ["--server-key", str(keys[exp.downstream(stage)][0])]
+        if exp.secure_aggregation and stage in exp.data_owners:     # the other parties' public keys
+            flags[process] += ["--party-keys", str(directory / f"allowed-by-{last}")]
     return flags
 
 

@@ -30,7 +30,7 @@ from distgrad.privacy.meter import (INPUTS, LABELS, AttackMeter, LeakMeter, extr
                                     window_steps)
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch, stream_peer
 
 SUMMARY_KEYS = {LABELS: "label_leaks", INPUTS: "input_leaks"}     # the summary's list of windows, by kind
 COST_KEYS = {LABELS: "label_meter_s", INPUTS: "input_meter_s"}     # the summary's wall seconds spent metering
@@ -111,7 +111,7 @@ def checkpointed_fields(kind: str | None, setting: tuple[float, int] | None, met
     finished run's final checkpoint holds them (their ``checkpoint_state`` arrays; the meter's time is not
     kept: 0). ``ValueError`` when they cannot be read."""
     fields: dict[str, Any] = {}
-    if kind is not None and meter:
+    if kind is not None and "figures" in meter:         # one meter (a label owner's of several peers: not kept)
         fields.update(meter_fields(kind, *read_figures(meter), 0.0))
     if setting is not None and guard:
         fields.update(guard_fields(setting, read_peak(guard)))
@@ -126,7 +126,7 @@ class NoMetering:
     def set_run(self, eval_every: int, last_step: Any) -> None:
         """Nothing to set."""
 
-    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray) -> None:
+    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray, peer: int = 0) -> None:
         """Nothing to classify."""
 
     def finish(self, step: int) -> None:
@@ -150,9 +150,13 @@ class Metering:
     def __init__(self, kind: str, engine: StepEngine, secret_of: Callable[[int], np.ndarray],
                  eval_every: int, last_step: int | None = None, report: Report | None = None,
                  log: logging.Logger | None = None,
-                 rows_of: Callable[[int], np.ndarray] | None = None) -> None:
+                 rows_of: Callable[[int], np.ndarray] | None = None, peer: str = "",
+                 client: int | None = None) -> None:
         self.kind, self.secret_of, self.report, self.last_step = kind, secret_of, report, last_step
         self.rows_of = rows_of
+        # A label owner serving several data owners meters each apart (``PeerMeters``): only the streams sent
+        # to ``peer`` (``stream_name``'s peer part), and windows closed by ``client``'s updates alone.
+        self.peer, self.client = peer, client
         self.meter = LeakMeter(kind, window_steps(eval_every))
         self.attacks = AttackMeter(kind, window_steps(eval_every))
         self.windows: list[dict[str, Any]] = []
@@ -164,6 +168,8 @@ class Metering:
         engine.observers.append(self._after_update)
 
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        if self.peer and stream_peer(stream) != self.peer:
+            return
         started = time.perf_counter()
         mb, mbs = stream_micro_batch(stream)
         if self._secret is None or self._secret[0] != step:
@@ -176,9 +182,10 @@ class Metering:
         self.attacks.observe(step, mb, secret, sent, None if rows is None else micro_batch(rows, mb, mbs))
         self.spent_s += time.perf_counter() - started
 
-    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray) -> None:
+    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray, peer: int = 0) -> None:
         """The label owner received ``activations`` for micro-batch ``mb`` of ``mbs`` of ``step`` (what the
-        model-completion figure classifies; a stage whose data does not number its rows skips it)."""
+        model-completion figure classifies; a stage whose data does not number its rows skips it); ``peer``:
+        from which of several data owners (``PeerMeters`` routes it; one meter reads its own)."""
         if self.rows_of is None or self.kind != LABELS:
             return
         started = time.perf_counter()
@@ -200,6 +207,8 @@ class Metering:
         self.last_step = last_step if isinstance(last_step, int) and not isinstance(last_step, bool) else None
 
     def _after_update(self, record: StepRecord) -> None:
+        if self.client is not None and record.client != self.client:
+            return          # another client's update: its step's rows for this client may not be sent yet
         self._close(record.step, record.step == self.last_step)
 
     def finish(self, step: int) -> None:
@@ -226,9 +235,9 @@ class Metering:
         if self.report is not None:
             self.report(step, both)
 
-    def figures_at(self, step: int) -> dict[str, float]:
+    def figures_at(self, step: int, client: int | None = None) -> dict[str, float]:
         """The figures of the window that closed after ``step`` (none closed then: empty), for that step's
-        record (``progress.StageRecords``, an observer after this one)."""
+        record (``progress.StageRecords``, an observer after this one; ``client``: the record's, unused)."""
         figures: dict[str, float] = {}
         for windows in (self.windows, self.attack_windows):
             latest = windows[-1] if windows else {}
@@ -275,6 +284,77 @@ class Metering:
         last and whole-run figure (``meter.extremes``); and ``label_meter_s`` | ``input_meter_s``: the wall
         seconds the meter spent (its cost to the run)."""
         return meter_fields(self.kind, self.windows, self.attack_windows, self.spent_s)
+
+
+OWNER_KEYS = {LABELS: "label_meters", INPUTS: "input_meters"}   # the summary's meters, by data owner
+
+
+def by_owner(kind: str, owner: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A meter's (or guard's) summary ``fields`` in a run of several data owners (clients, feature parties):
+    ``{"input_meters" | "label_meters": {owner: fields}}``, ``owner`` naming the data owner they are about
+    (a feature party's stage, a client's ``f@K``); {} for no fields."""
+    return {OWNER_KEYS[kind]: {owner: dict(fields)}} if fields else {}
+
+
+class PeerMeters:
+    """The label owner's meters when it serves several data owners: one ``Metering`` per client or feature
+    party, each fed only the gradient rows sent to it (its streams) against its own rows' labels
+    (``secrets[i]``, ``rows[i]``: as ``Metering``'s ``secret_of``, ``rows_of``), and each party's received
+    activations (``received_activations``' ``peer``). With ``clients`` each meter's windows close on that
+    client's updates (a round holds one update per client). ``names[i]`` names peer ``i`` in the summary
+    (``label_meters``), ``streams[i]`` its streams' peer part (``clientK`` or the party's stage)."""
+
+    def __init__(self, engine: StepEngine, names: list[str], streams: list[str],
+                 secrets: list[Callable[[int], np.ndarray]], rows: list[Callable[[int], np.ndarray] | None],
+                 eval_every: int, last_step: int | None = None, clients: bool = False,
+                 log: logging.Logger | None = None) -> None:
+        self.names, self.clients = names, clients
+        self.meters = [Metering(LABELS, engine, secret, eval_every, last_step, log=log, rows_of=row,
+                                peer=stream, client=index if clients else None)
+                       for index, (stream, secret, row) in enumerate(zip(streams, secrets, rows))]
+
+    def set_run(self, eval_every: int, last_step: Any) -> None:
+        """As ``Metering.set_run``, for every peer's meter."""
+        for meter in self.meters:
+            meter.set_run(eval_every, last_step)
+
+    def received_activations(self, step: int, mb: int, mbs: int, activations: np.ndarray, peer: int = 0) -> None:
+        """Peer ``peer`` sent ``activations`` (its meter's model-completion input)."""
+        self.meters[peer].received_activations(step, mb, mbs, activations)
+
+    def tap_received(self, senders: Senders, peer: int) -> None:
+        """Read what the label owner receives from peer ``peer``'s ``senders`` (in one process)."""
+        self.meters[peer].tap_received(senders)
+
+    def finish(self, step: int) -> None:
+        for meter in self.meters:
+            meter.finish(step)
+
+    def reset(self) -> None:
+        for meter in self.meters:
+            meter.reset()
+
+    def figures_at(self, step: int, client: int | None = None) -> dict[str, float]:
+        """With clients, the figures of ``client``'s window that closed after ``step`` (its record's); with
+        feature parties every party's, each named ``PARTY/NAME``."""
+        if self.clients:
+            return {} if client is None else self.meters[client].figures_at(step)
+        return {f"{name}/{key}": value for name, meter in zip(self.names, self.meters)
+                for key, value in meter.figures_at(step).items()}
+
+    def checkpoint_state(self, step: int) -> dict[str, np.ndarray]:
+        """Every peer's meter after ``step`` (``I/...``: peer I's ``Metering.checkpoint_state``)."""
+        return {f"{index}/{key}": value for index, meter in enumerate(self.meters)
+                for key, value in meter.checkpoint_state(step).items()}
+
+    def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
+        """Every peer's meter as ``checkpoint_state`` gave it (None: as at the run's start)."""
+        for index, meter in enumerate(self.meters):
+            meter.load_checkpoint_state(None if arrays is None else under(f"{index}/", arrays) or None, step)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """``{"label_meters": {peer name: that peer's meter's ``Metering.summary_fields``}}``."""
+        return {OWNER_KEYS[LABELS]: {name: meter.summary_fields() for name, meter in zip(self.names, self.meters)}}
 
 
 class Guarding:

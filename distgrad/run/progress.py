@@ -150,7 +150,8 @@ class TensorBoardWriter:
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
     traffic counts in the step after it); ``privacy/NAME`` and ``privacy/NAME_chance`` for each privacy meter
-    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window. Written by tensorboardX, imported
+    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window (the label owner's meter of
+    feature party P: ``privacy/P/NAME``; of client K, on its record: ``privacy/clientK/NAME``). Written by tensorboardX, imported
     only here; without it the constructor raises ``ConfigError``.
     """
 
@@ -182,10 +183,11 @@ class TensorBoardWriter:
                 add("/".join(key.split("_", 1)), value, step)     # test/accuracy, validation/accuracy
         if record.get("step_s", 0) > 0:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
-        for name in FIGURES:
-            if record.get(name) is not None:
-                add(f"privacy/{name}", record[name], step)
-                add(f"privacy/{name}_chance", record[f"{name}_chance"], step)
+        owner = f"client{record['client']}/" if record.get("client") is not None else ""
+        for key, value in record.items():   # NAME, or PARTY/NAME: the label owner's meter of a feature party
+            if key.rsplit("/", 1)[-1] in FIGURES and value is not None:
+                add(f"privacy/{owner}{key}", value, step)
+                add(f"privacy/{owner}{key}_chance", record[f"{key}_chance"], step)
         if "bytes_sent" in record:
             total = record["bytes_sent"] + record["bytes_received"]
             add("speed/bytes_per_step", total - self._bytes, step)
@@ -213,12 +215,12 @@ class StageRecords:
     """A serving or middle stage's own step records (``--metrics``, ``--tensorboard`` on it), written by an
     observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
     middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
-    serving several clients, the ``client`` whose step it was; ``extra(step)``: more fields of the step (the
-    label owner's privacy-meter window that closed after it). A stage that keeps serving writes every run's
-    steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    serving several clients, the ``client`` whose step it was; ``extra(step, client)``: more fields of the step
+    (the label owner's privacy-meter window that closed after that client's update). A stage that keeps
+    serving writes every run's steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
 
     def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None,
-                 extra: Callable[[int], Mapping[str, Any]] | None = None) -> None:
+                 extra: Callable[[int, int | None], Mapping[str, Any]] | None = None) -> None:
         self.writers = step_writers(metrics_path, tensorboard_dir)
         self.started = time.perf_counter()
         self.extra = extra
@@ -228,7 +230,7 @@ class StageRecords:
         if step.client is not None:
             record["client"] = step.client
         if self.extra is not None:
-            record.update(self.extra(step.step))
+            record.update(self.extra(step.step, step.client))
         for writer in self.writers:
             writer.write(record)
 

@@ -45,6 +45,7 @@ which a restarted stage gives again to a client whose reply the kill lost
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -59,8 +60,8 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.config.experiment import is_whole
-from distgrad.run.metering import Metering, NoMetering, step_rows
+from distgrad.config.experiment import client_stage_name, is_whole
+from distgrad.run.metering import Metering, NoMetering, PeerMeters, step_rows
 from distgrad.wire.link import DownstreamLink, evaluation_reply
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
@@ -78,6 +79,8 @@ from distgrad.run.topology import Clients, OnePeer, Topology
 from distgrad.wire.transport import POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT, stream_name
+
+UNTOLD_WAIT_S = 10.0    # after one party stopped a run, how long the others' next requests are answered with why
 
 # ``decode_and_handle``, ``hello_fields``, ``log_refusal`` and ``refusal`` are the protocol core's, named here too.
 __all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_and_handle", "hello_fields", "log_refusal",
@@ -128,10 +131,20 @@ class ServingStage:
         # held out (its stage file may hold no data: it then evaluates nothing).
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
-        # The label owner's privacy meter: the gradient rows it sends, against its own labels (one data owner).
-        self.metering = (Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
-                                  log=self.log, rows_of=step_rows(self.data[0])) if opts.meter_kind
-                         else NoMetering())
+        # The label owner's privacy meter: the gradient rows it sends, against its own labels (several data
+        # owners: one meter per client or feature party, each reading what that one receives).
+        self.metering: Metering | PeerMeters | NoMetering = NoMetering()
+        if opts.meter_kind and (self.exp.federated or self.exp.vertical):
+            first = self.exp.stage_names[0]
+            names = [client_stage_name(first, p.index) if self.exp.federated else self.parties[p.index]
+                     for p in self.run.peers]
+            self.metering = PeerMeters(self.engine, names, [self.topology.stream(p) for p in self.run.peers],
+                                       [source.true_targets for source in self.data],
+                                       [step_rows(source) for source in self.data], 0,
+                                       clients=self.exp.federated, log=self.log)
+        elif opts.meter_kind:
+            self.metering = Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
+                                     log=self.log, rows_of=step_rows(self.data[0]))
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -146,11 +159,12 @@ class ServingStage:
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.deferred: Gradients | None = None             # gradients (and update) of a micro-batch answered
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
+        self.untold: dict[str, str] = {}                   # a failed run's parties not yet told why (by run id)
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
             wire.BYE: self._bye, wire.ERROR: self._notice}
-        if isinstance(self.metering, Metering):
+        if isinstance(self.metering, (Metering, PeerMeters)):
             self.state.keep("meter", self.metering)       # checkpointed with the stage: it outlives a restart
         if opts.resume and self.state.resume_latest():
             now = time.monotonic()
@@ -214,7 +228,7 @@ class ServingStage:
         a value its codec cannot carry fails the step (``NonFiniteError``: it would cross as Inf), naming the
         codec, the tensor and the step."""
         try:
-            return self.state.senders.message_tensors(direction, x, stream, step, rows)
+            return self.engine.senders.message_tensors(direction, x, stream, step, rows)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
 
@@ -254,7 +268,7 @@ class ServingStage:
         may not drive, rewind or end it.
         """
         self.run.now = now
-        earlier = self.settle()
+        earlier = self.settle() if self.deferred is not None else []
         if msg.type == wire.PING:
             return earlier + [(envelope, self._pong(msg, now))]
         if msg.type == wire.HELLO:
@@ -406,8 +420,11 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting and msg.mbs == peer.mbs:     # another count is refused below, as it is first
+            digest = frames_digest(msg) if self.state.ledger is not None else None   # before it is read
             self.accepts.receive(peer, msg)
-            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
+            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting,
+            if digest is not None:                      # and this is what the step will be computed on
+                peer.received[key] = digest
             return []
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
@@ -449,9 +466,35 @@ class ServingStage:
         return []
 
     def _notice(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        """An aborted notice from the peer whose run it is: as its topology says (``Topology.notice``)."""
-        self.apply_failure(self.topology.notice(peer, msg))
-        return []
+        """An aborted notice from the peer whose run it is: as its topology says (``Topology.notice``). When
+        that ends a run of several parties, every other party is told why (``_tell_the_others``)."""
+        failure = self.topology.notice(peer, msg)
+        self.apply_failure(failure)
+        return self._tell_the_others(peer, failure.error) if failure.ends_run and self.count > 1 else []
+
+    def _tell_the_others(self, cause: Peer, error: DistgradError) -> list[Reply]:
+        """The run ends because ``cause`` stopped: each other party's requests waiting here are answered with
+        why (code ``aborted``, so its driver stops at once instead of waiting out its deadline); the parties
+        with none waiting are ``untold`` (run id -> the text), which ``answer_untold`` answers next."""
+        text = f"the run ends: {self.topology.name(cause)} stopped: {error}"
+        replies: list[Reply] = []
+        for other in self.run.peers:
+            if other is cause or not other.run or other.status is PeerStatus.FINISHED:
+                continue
+            pending = [*other.waiting.values(), *([other.evaluate] if other.evaluate is not None else [])]
+            replies += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.ABORTED, text, m.mb, m.mbs))
+                        for m in pending]
+            other.waiting, other.evaluate = {}, None
+            if not pending:
+                self.untold[other.run] = text
+        return replies
+
+    def answer_untold(self, msg: Message) -> list[Message]:
+        """After a run of several parties ended because one stopped: the reply to ``msg`` from a party not yet
+        told why (``_tell_the_others``; an ``aborted`` error), which is then told; nothing for another."""
+        text = self.untold.pop(msg.run, None)
+        return [] if text is None else [wire.error_message(msg.run, msg.step, ErrorCode.ABORTED, text, msg.mb,
+                                                           msg.mbs)]
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         check_bye(msg, peer.step, f"{self.topology.name(peer)} has {peer.step} here")
@@ -503,7 +546,7 @@ class ServingStage:
         if phase is Phase.ROUND:            # the hot path first
             take = self.topology.advance_round()
             if isinstance(take, Transition):
-                return self.transition(take)
+                return take is not Transition.WAIT and self.transition(take)
             msgs = [peer.waiting.pop(take.key) for peer in take.peers]
             replies += self.apply_computed(self.topology.compute(take.peers, msgs, now), now)
             return True
@@ -630,9 +673,14 @@ class ServingStage:
         up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
         steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
         if g.mb == 0:
+            key = (g.step, 0)
             for peer in g.peers:
-                peer.cached = {k: v for k, v in peer.cached.items()
-                               if g.step - peer.staleness <= k[0] < g.step or k == (g.step, 0)}
+                if peer.staleness:
+                    peer.cached = {k: v for k, v in peer.cached.items()
+                                   if g.step - peer.staleness <= k[0] < g.step or k == key}
+                else:           # in lockstep only this reply may be asked for again
+                    reply = peer.cached.get(key)
+                    peer.cached = {} if reply is None else {key: reply}
         self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
         if g.mb < g.mbs - 1:
             return
@@ -717,14 +765,16 @@ class ServingStage:
 
     def finish_run(self) -> dict[str, Any] | None:
         """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
-        self.settle()
+        if self.deferred is not None:
+            self.settle()
         if not self.closing:
             return None
         self.closing = False
         # a rerun with --resume has nothing to do
         self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
         self.state.save_parameters()
-        self.metering.finish(self.stage.step)
+        done = self.topology.checkpoint_step()      # several clients: the rounds, not the updates
+        self.metering.finish(self.stage.step if done is None else done)
         self.finished = self.close_run("completed")
         return self.finished
 
@@ -825,6 +875,21 @@ def _lost(server: Server, logic: ServingStage, now: float, keep_serving: bool) -
     return False
 
 
+def _answer_untold(server: Server, logic: ServingStage) -> None:
+    """A run of several parties ended because one stopped: answer each other party's next request with why
+    (``ServingStage.answer_untold``), for at most ``UNTOLD_WAIT_S``, so that none waits out its deadline."""
+    deadline = time.monotonic() + UNTOLD_WAIT_S
+    while logic.untold and time.monotonic() < deadline:
+        request = server.receive(POLL_TICK_S)
+        if request is None:
+            continue
+        envelope, frames, _ = request
+        _, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes, logic.answer_untold, logic.log)
+        for reply in [answer] if refused else answer:
+            server.reply(envelope, reply)
+    logic.untold = {}
+
+
 def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
     """Send ``replies``, then run the work they deferred, and send what that work answered, until none."""
     while replies:                      # each reply leaves before the work it defers is done
@@ -855,18 +920,21 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     raise PeerTimeout(logic.lost_message())
             if request is not None:
                 envelope, frames, peer_key = request
-                msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
-                                                         lambda m: logic.handle(envelope, m, now, peer_key), logic.log)
+                msg, answer, refused = decode_and_handle(
+                    frames, logic.max_tensor_bytes, functools.partial(logic.handle, envelope, now=now, peer_key=peer_key),
+                    logic.log)
                 _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
-            failure = logic.end_failed_run()
+            # Asked only when there is something to end or complete (a step's path is short).
+            failure = logic.end_failed_run() if logic.failure is not None else None
             if failure is not None:
                 status = "failed"
+                _answer_untold(server, logic)
                 if not keep_serving:
                     raise failure
                 logic.log.error("the run failed; waiting for the next run")
                 status = "interrupted"
                 continue
-            finished = logic.finish_run()
+            finished = logic.finish_run() if logic.closing or logic.deferred is not None else None
             if finished is not None:
                 status = "completed"
                 logic.log.info("%s", logic.topology.completed_message(finished))

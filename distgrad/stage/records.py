@@ -125,7 +125,8 @@ def check_trace_filter(names: AbstractSet[str] | None, every: int, known: Abstra
 
     ``known`` is every parameter name of the experiment (any stage: each stage
     keeps the names it owns); ``activation_grad``, ``sent_activation`` and ``sent_activation_grad`` (the
-    tensors that crossed, ``StepEngine``) are always valid names.
+    tensors that crossed, ``StepEngine``; with feature parties they keep every party's ``NAME/PARTY``) are
+    always valid names.
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"--trace-every must be an integer >= 1, got {every!r}")
@@ -199,7 +200,9 @@ class TraceWriter:
         return self._file is not None and (step % self.every == 0 or step == self.last_step)
 
     def _kept(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return to_lists({k: v for k, v in arrays.items() if self.names is None or k in self.names})
+        # ``sent_activation`` keeps each feature party's ``sent_activation/PARTY`` too (``StepEngine``)
+        return to_lists({k: v for k, v in arrays.items()
+                         if self.names is None or k in self.names or k.split("/", 1)[0] in self.names})
 
     def write(self, step: int, loss: float | None, grads: Mapping[str, np.ndarray],
               params: Mapping[str, np.ndarray], client: int | None = None) -> None:
@@ -248,12 +251,12 @@ def read_trace(path: str | Path, tolerate_torn: bool = False) -> list[dict[str, 
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One summary from per-stage summaries: ``params``, ``privacy`` and ``cpu_s`` joined by stage
-    (``{stage: ...}``), every other field from the first summary that has it
+    (``{stage: ...}``), the meters of several data owners (``input_meters``, ``label_meters``) by data owner, every other field from the first summary that has it
     (pass the driving stage's first)."""
     merged: dict[str, Any] = {"params": {}}
     for summary in summaries:
         for key, value in summary.items():
-            if key in ("params", "privacy"):
+            if key in ("params", "privacy", "input_meters", "label_meters"):
                 merged.setdefault(key, {}).update(value)
             elif key == "cpu_s":
                 merged.setdefault("cpu_s", {})[summary.get("stage", "?")] = value
@@ -342,7 +345,8 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
     The top level holds only what is true of the whole run: ``experiment``, ``steps`` (rounds),
     ``seed``, ``micro_batches``, ``elapsed_s`` (the longest process's), ``cpu_s`` and ``params``
     (``{process: ...}``), ``status`` (the serving stage's, else the clients' if they agree), then
-    ``run`` (e.g. ``mode``, ``transport``), ``privacy`` (by stage, when defended). Each client's ``run_id``, ``steps``, ``final_loss``,
+    ``run`` (e.g. ``mode``, ``transport``), ``privacy`` (by stage, when defended), the privacy meters
+    (``input_meters``: each client's own, ``label_meters``: the label owner's of each client, by ``f@K``). Each client's ``run_id``, ``steps``, ``final_loss``,
     ``status`` and evaluation are in ``clients``, one entry per client; the serving stage's view
     of a client's status (``dropped``) wins over the client's own.
     """
@@ -371,5 +375,6 @@ def merge_client_summaries(clients: Sequence[Mapping[str, Any]], serving: Mappin
         **run,
         "clients": per_client,
         **({"privacy": merged["privacy"]} if "privacy" in merged else {}),
+        **{key: merged[key] for key in ("input_meters", "label_meters") if key in merged},
         "params": merged["params"],
     }
