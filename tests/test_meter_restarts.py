@@ -18,6 +18,7 @@ from distgrad.run.inprocess import train_in_process
 from distgrad.run.options import StageOptions
 from distgrad.run.stage_state import finished_run, nothing_to_do
 
+from conftest import read_json
 from test_strong_meters import _digits
 
 
@@ -146,3 +147,35 @@ def test_the_meters_and_the_guard_survive_kill_9_of_either_stage_bitwise(tmp_pat
         again = nothing_to_do(opts, finished_run(opts))
         assert again["status"] == "finished" and [again[key] == summary[key] for key in METER_FIELDS
                                                   if key in summary] == [True] * (4 if name == "f" else 3)
+
+
+def _without_cost(fields: dict) -> dict:
+    """A peer's meter fields without the meter's own time (which counts from a restart)."""
+    return {key: value for key, value in fields.items() if not key.endswith("_meter_s")}
+
+
+@pytest.mark.slow       # five processes; the default kill -9 test above covers the same kept meter and guard
+def test_each_clients_meters_and_guard_survive_a_kill_9_of_the_label_owner(tmp_path, stage_group):
+    """Three metered, guarded clients: the label owner killed -9 at round 25 resumes from round 20 and the clients
+    roll back to it; the label owner's meter of each client and each client's own meter and guard end bitwise
+    as in the uninterrupted run."""
+    from distgrad.config.experiment import BUILTIN_DIR
+    from test_clients import CLIENTS, GUARD, Clients, _reference
+
+    experiment = tmp_path / "guarded.toml"
+    experiment.write_text((BUILTIN_DIR / "digits-clients.toml").read_text().replace(
+        '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace('name = "f"\n', f'name = "f"\n{GUARD}\n'))
+    run = stage_group(Clients, tmp_path, str(experiment), 60, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
+                      "--peer-deadline", "30", "--privacy-meter")
+    run.args["g"] += ["--checkpoint-dir", tmp_path / "g-ckpt", "--checkpoint-every", "10", "--resume"]
+    run.start_all_then_kill("g", when="f@0", at_step=25)
+    run.start("g")
+    run.wait_all()
+    assert "resumed run" in run.logs()
+    reference = _reference(tmp_path, str(experiment), "--steps", "60", "--privacy-meter")
+    g = read_json(tmp_path / "g.json")
+    for client in CLIENTS:
+        assert _without_cost(g["label_meters"][client]) == _without_cost(reference["label_meters"][client]), client
+        own = read_json(tmp_path / f"{client}.json")["input_meters"][client]
+        assert _without_cost(own) == _without_cost(reference["input_meters"][client]), client
+        assert own["input_guard"]["peak_r2"] > 0 and "ridge_r2_run" in own["input_attacks"][-1]
