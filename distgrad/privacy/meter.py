@@ -93,7 +93,7 @@ def read_keys(arrays: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
     return [(int(step), int(mb)) for step, mb in keys]
 
 
-def _rows_of(arrays: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+def _array(arrays: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     if name not in arrays:
         raise ValueError(f"no array {name!r}")
     return np.array(arrays[name])
@@ -143,7 +143,7 @@ class LeakMeter:
         """The open window ``state`` gave, instead of this one; ``ValueError`` when ``arrays`` are not one."""
         rows = {}
         for i, key in enumerate(read_keys(arrays)):
-            secret, sent = _rows_of(arrays, f"secret/{i}"), _rows_of(arrays, f"sent/{i}")
+            secret, sent = _array(arrays, f"secret/{i}"), _array(arrays, f"sent/{i}")
             if secret.ndim < 1 or sent.ndim < 1 or len(secret) != len(sent):
                 raise ValueError(f"micro-batch {key}: secret rows of shape {secret.shape} for sent rows of shape "
                                  f"{sent.shape}")
@@ -365,11 +365,11 @@ class AttackMeter:
     def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
         """The state ``state`` gave, instead of this one (rows observed since are forgotten); ``ValueError``
         when ``arrays`` are not one."""
-        through = _rows_of(arrays, "through")
+        through = _array(arrays, "through")
         if through.shape != (2,) or through.dtype.kind not in "iu":
             raise ValueError(f"'through' is not two step numbers: {through!r}")
         if self.kind == LABELS:
-            sums, counts, labels, seen, latest = (_rows_of(arrays, name) for name in
+            sums, counts, labels, seen, latest = (_array(arrays, name) for name in
                                                   ("sums", "counts", "labels", "seen", "latest"))
             if sums.ndim != 2 or latest.ndim != 2 or any(a.shape != (len(sums),) for a in (counts, labels, seen)):
                 raise ValueError(f"per-row arrays of shapes {sums.shape}, {counts.shape}, {labels.shape}, "
