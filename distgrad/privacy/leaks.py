@@ -23,6 +23,8 @@ Learning", ICLR 2022 (norm and direction leaks); Vepakomma et al.,
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
 TINY = 1e-30        # norms below this count as zero (a zero row has cosine 0 with everything)
@@ -342,6 +344,27 @@ class RidgeStats:
         out.count, out.xx = self.count + other.count, self.xx + other.xx
         out.zz, out.zx, out.xsum = self.zz + other.zz, self.zx + other.zx, self.xsum + other.xsum
         return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stats as arrays (``count``, ``xx``, ``zz``, ``zx``, ``xsum``), which ``from_arrays`` reads back
+        bit for bit: what a checkpoint keeps of them."""
+        return {"count": np.array(self.count, np.int64), "xx": np.array(self.xx, np.float64), "zz": self.zz,
+                "zx": self.zx, "xsum": self.xsum}
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "RidgeStats":
+        """The stats ``arrays`` gave; ``ValueError`` naming what is missing or of the wrong shape."""
+        missing = sorted({"count", "xx", "zz", "zx", "xsum"} - set(arrays))
+        if missing:
+            raise ValueError(f"ridge statistics without {missing}")
+        stats = cls()
+        stats.count, stats.xx = int(arrays["count"]), float(arrays["xx"])
+        stats.zz, stats.zx, stats.xsum = (np.array(arrays[name], np.float64) for name in ("zz", "zx", "xsum"))
+        if stats.count < 0 or stats.zz.ndim != 2 or stats.zx.ndim != 2 or stats.xsum.ndim != 1 or \
+                stats.zz.shape[0] != stats.zz.shape[1] or stats.zx.shape != (stats.zz.shape[0], len(stats.xsum)):
+            raise ValueError(f"ridge statistics of {stats.count} rows with zz {stats.zz.shape}, zx {stats.zx.shape} "
+                             f"and xsum {stats.xsum.shape}: not one set of rows")
+        return stats
 
 
 def ridge_r2(public: RidgeStats, private: RidgeStats) -> float:

@@ -13,8 +13,13 @@ Only a sample of a window's steps is scored (``wants``: ``SAMPLED_STEPS``
 evenly spaced ones, every micro-batch of each), which keeps the meter's cost
 low; the sample is a function of the step alone, so every runner scores the
 same rows. A micro-batch observed again (sent again after a rollback) replaces the
-earlier one; steps rolled back past are dropped (``rollback``). After a
-restart from a checkpoint a window holds only the steps run since.
+earlier one; steps rolled back past are dropped (``rollback``).
+
+Both meters survive a restart: ``state(step)`` is what a meter holds after a
+step as arrays for that step's checkpoint (only what the steps up to it sent:
+a later step in flight is sent again after a restart), and ``load_state``
+takes it back, so a run resumed from a checkpoint scores what the
+uninterrupted run scores, bit for bit.
 
 Figures (each beside its chance level, ``NAME_chance``):
 
@@ -40,7 +45,7 @@ real-valued targets) is left out of it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -62,6 +67,36 @@ def sampled(offset: int, window: int) -> bool:
 def window_steps(eval_every: int) -> int:
     """A meter's window: the run's evaluation period, else ``DEFAULT_WINDOW``."""
     return eval_every if eval_every > 0 else DEFAULT_WINDOW
+
+
+def prefixed(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` with each name after ``prefix``: one part of a meter's ``state``."""
+    return {prefix + name: value for name, value in arrays.items()}
+
+
+def under(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays named ``prefix``..., without it: the part ``prefixed`` put there."""
+    return {name[len(prefix):]: value for name, value in arrays.items() if name.startswith(prefix)}
+
+
+def keys_array(keys: list[tuple[int, int]]) -> np.ndarray:
+    """(step, micro-batch) keys as an int64 array of two columns."""
+    return np.array(keys, np.int64).reshape(len(keys), 2)
+
+
+def read_keys(arrays: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
+    """The (step, micro-batch) keys ``keys_array`` wrote as ``keys``; ``ValueError`` when they are not."""
+    keys = np.asarray(arrays.get("keys", np.zeros((0, 2), np.int64)))
+    if keys.ndim != 2 or keys.shape[1] != 2 or keys.dtype.kind not in "iu":
+        raise ValueError(f"its micro-batch keys are not (step, micro-batch) pairs (shape {keys.shape}, "
+                         f"dtype {keys.dtype})")
+    return [(int(step), int(mb)) for step, mb in keys]
+
+
+def _array(arrays: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    if name not in arrays:
+        raise ValueError(f"no array {name!r}")
+    return np.array(arrays[name])
 
 
 class LeakMeter:
@@ -93,6 +128,27 @@ class LeakMeter:
     def rollback(self, step: int) -> None:
         """The run stands at ``step`` again: forget what later steps sent."""
         self._rows = {key: value for key, value in self._rows.items() if key[0] <= step}
+
+    def state(self, step: int) -> dict[str, np.ndarray]:
+        """The open window after ``step`` as arrays (``keys``; ``secret/I``, ``sent/I``: the rows of the I-th
+        micro-batch kept, the steps up to ``step`` only): at most ``SAMPLED_STEPS`` steps' rows (every step of
+        a window shorter than twice that)."""
+        keys = sorted(key for key in self._rows if key[0] <= step)
+        arrays = {"keys": keys_array(keys)}
+        for i, key in enumerate(keys):
+            arrays[f"secret/{i}"], arrays[f"sent/{i}"] = self._rows[key]
+        return arrays
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The open window ``state`` gave, instead of this one; ``ValueError`` when ``arrays`` are not one."""
+        rows = {}
+        for i, key in enumerate(read_keys(arrays)):
+            secret, sent = _array(arrays, f"secret/{i}"), _array(arrays, f"sent/{i}")
+            if secret.ndim < 1 or sent.ndim < 1 or len(secret) != len(sent):
+                raise ValueError(f"micro-batch {key}: secret rows of shape {secret.shape} for sent rows of shape "
+                                 f"{sent.shape}")
+            rows[key] = (secret, sent)
+        self._rows = rows
 
     def close(self, step: int, last: bool = False) -> dict[str, float] | None:
         """After applying ``step`` (``last``: the run's last): when a window closes (every ``window`` steps and
@@ -151,28 +207,32 @@ class AttackMeter:
       on the public rows (``leaks.public_rows``: the label owner's public share) of the window, and
       ``ridge_r2_run``, the same over every step so far; chance 0.
 
-    A micro-batch observed again before its window closes replaces the first; after, it is ignored (the
-    closed window's figures stand). Without row numbers (data that does not number its rows) the label
-    figures are not scored, and the public share is every ``leaks.PUBLIC_EVERY``-th row of a micro-batch.
-    The meter only reads what it is given."""
+    Each ``close`` (after every applied step) folds the steps up to it into the per-row sums (labels) or the
+    window's ridge statistics (inputs), in (step, micro-batch) order. A micro-batch observed again before its
+    step is folded replaces the first; after, it is ignored (a rollback behind it restores an earlier
+    ``state`` instead). Without row numbers (data that does not number its rows) the label figures are not
+    scored, and the public share is every ``leaks.PUBLIC_EVERY``-th row of a micro-batch. The meter only
+    reads what it is given."""
 
     def __init__(self, kind: str, window: int) -> None:
         if kind not in (LABELS, INPUTS):
             raise ValueError(f"unknown meter kind {kind!r}; use {LABELS!r} or {INPUTS!r}")
         self.kind, self.window = kind, window
-        self.closed_through = 0
-        self._open: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.closed_through = 0                  # the last step a window closed at
+        self.folded_through = 0                  # the last step folded in (its rows, and every earlier step's)
+        self._open: dict[tuple[int, int], tuple[Any, ...]] = {}     # (step, mb) -> its rows, not folded yet
         self._sums = np.zeros((0, 0))           # row number -> sum of its received gradient rows
         self._counts = np.zeros(0)
         self._labels = np.zeros(0, np.int64)     # row number -> its class (-1: not seen)
         self._latest = np.zeros((0, 0))          # row number -> its latest activation row (model completion)
         self._seen = np.zeros(0, bool)
+        self._window = (leaks.RidgeStats(), leaks.RidgeStats())  # (public, private) stats of the open window
         self._run = (leaks.RidgeStats(), leaks.RidgeStats())     # (public, private) stats of closed windows
 
     def observe(self, step: int, mb: int, secret: np.ndarray, sent: np.ndarray, rows: np.ndarray | None) -> None:
         """Micro-batch ``mb`` of ``step``: its secret rows, the rows sent for them as received, and their row
         numbers (None: unnumbered)."""
-        if step <= self.closed_through:
+        if step <= self.folded_through:
             return
         secret, sent = np.asarray(secret), np.asarray(sent)
         if len(secret) != len(sent) or (rows is not None and len(rows) != len(sent)):
@@ -203,15 +263,28 @@ class AttackMeter:
         self._latest[rows] = flat
 
     def close(self, step: int, last: bool = False) -> dict[str, float] | None:
-        """As ``LeakMeter.close``: when a window closes, its figures (None when nothing is scored)."""
-        if step % self.window and not last:
+        """After applying ``step`` (``last``: the run's last): fold its rows in, and when a window closes (every
+        ``window`` steps and at the last; once), its figures (None when nothing is scored)."""
+        self._fold(step)
+        if (step % self.window and not last) or step <= self.closed_through:
             return None
+        self.closed_through = step
+        return (self._label_figures() if self.kind == LABELS else self._input_figures()) or None
+
+    def _fold(self, step: int) -> None:
+        """Fold the rows of the steps up to ``step`` in, in (step, micro-batch) order."""
+        if step <= self.folded_through:
+            return
         keys = sorted(key for key in self._open if key[0] <= step)
         taken = [self._open.pop(key) for key in keys]
-        self.closed_through = max(self.closed_through, step)
-        return (self._fold_labels(taken) if self.kind == LABELS else self._fold_inputs(taken)) or None
+        if self.kind == LABELS:
+            self._add_labels(taken)
+        else:
+            for pub, priv in taken:
+                self._window = (self._window[0].merged(pub), self._window[1].merged(priv))
+        self.folded_through = step
 
-    def _fold_labels(self, taken: list[tuple[Any, ...]]) -> dict[str, float]:
+    def _add_labels(self, taken: list[tuple[Any, ...]]) -> None:
         for rows, labels, sent in taken:
             size = int(rows.max()) + 1 if len(rows) else 0
             if self._sums.shape[1:] != sent.shape[1:]:
@@ -222,6 +295,8 @@ class AttackMeter:
             np.add.at(self._sums, rows, sent)
             np.add.at(self._counts, rows, 1.0)
             self._labels[rows], self._seen[rows] = labels, True
+
+    def _label_figures(self) -> dict[str, float]:
         seen = np.flatnonzero(self._seen)
         if len(seen) == 0:
             return {}
@@ -248,19 +323,67 @@ class AttackMeter:
                 pass
         return figures
 
-    def _fold_inputs(self, taken: list[tuple[Any, ...]]) -> dict[str, float]:
-        public, private = leaks.RidgeStats(), leaks.RidgeStats()
-        for pub, priv in taken:
-            public, private = public.merged(pub), private.merged(priv)
-        self._run = (self._run[0].merged(public), self._run[1].merged(private))
+    def _input_figures(self) -> dict[str, float]:
+        window, self._window = self._window, (leaks.RidgeStats(), leaks.RidgeStats())
+        self._run = (self._run[0].merged(window[0]), self._run[1].merged(window[1]))
         figures: dict[str, float] = {}
-        for name, stats in (("ridge_r2", (public, private)), ("ridge_r2_run", self._run)):
+        for name, stats in (("ridge_r2", window), ("ridge_r2_run", self._run)):
             try:
                 figures[name] = leaks.ridge_r2(*stats)
             except (ValueError, np.linalg.LinAlgError):
                 continue
             figures[f"{name}_chance"] = 0.0
         return figures
+
+    def state(self, step: int) -> dict[str, np.ndarray]:
+        """What the attacker holds after ``step`` (the steps up to it folded in first), as arrays: ``through``
+        (the last window closed, the last step folded); for labels each row's gradient sum, count, class, and
+        latest activation (``sums``, ``counts``, ``labels``, ``seen``, ``latest``: rows x width, up to the
+        highest row seen; ``latest`` in float32 when that holds it exactly); for inputs the ridge statistics of the open window and of the closed ones
+        (``window/public/...``, ``window/private/...``, ``run/...``: each (width + 1) x (width + 1 + inputs)).
+        Raises ``ValueError`` for a step before the last folded in (its state is gone)."""
+        if step < self.folded_through:
+            raise ValueError(f"the attack meter folded step {self.folded_through} in: its state after step "
+                             f"{step} is gone")
+        self._fold(step)
+        arrays: dict[str, np.ndarray] = {"through": np.array([self.closed_through, self.folded_through], np.int64)}
+        if self.kind == LABELS:
+            seen = np.flatnonzero(self._seen)
+            used = int(seen[-1]) + 1 if len(seen) else 0
+            written = np.flatnonzero(np.any(self._latest != 0, axis=1)) if self._latest.size else np.zeros(0, int)
+            latest = self._latest[:int(written[-1]) + 1 if len(written) else 0]
+            narrow = latest.astype(np.float32)      # received rows are float32 values: half the bytes, exactly
+            arrays.update(sums=self._sums[:used], counts=self._counts[:used], labels=self._labels[:used],
+                          seen=self._seen[:used],
+                          latest=narrow if np.array_equal(narrow, latest, equal_nan=True) else latest)
+            return arrays
+        for name, (public, private) in (("window", self._window), ("run", self._run)):
+            arrays.update(prefixed(f"{name}/public/", public.arrays()))
+            arrays.update(prefixed(f"{name}/private/", private.arrays()))
+        return arrays
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The state ``state`` gave, instead of this one (rows observed since are forgotten); ``ValueError``
+        when ``arrays`` are not one."""
+        through = _array(arrays, "through")
+        if through.shape != (2,) or through.dtype.kind not in "iu":
+            raise ValueError(f"'through' is not two step numbers: {through!r}")
+        if self.kind == LABELS:
+            sums, counts, labels, seen, latest = (_array(arrays, name) for name in
+                                                  ("sums", "counts", "labels", "seen", "latest"))
+            if sums.ndim != 2 or latest.ndim != 2 or any(a.shape != (len(sums),) for a in (counts, labels, seen)):
+                raise ValueError(f"per-row arrays of shapes {sums.shape}, {counts.shape}, {labels.shape}, "
+                                 f"{seen.shape}: not one row each")
+            self._sums, self._counts = sums.astype(np.float64), counts.astype(np.float64)
+            self._labels, self._seen, self._latest = labels.astype(np.int64), seen.astype(bool), \
+                latest.astype(np.float64)
+        else:
+            stats = {name: (leaks.RidgeStats.from_arrays(under(f"{name}/public/", arrays)),
+                            leaks.RidgeStats.from_arrays(under(f"{name}/private/", arrays)))
+                     for name in ("window", "run")}
+            self._window, self._run = stats["window"], stats["run"]
+        self.closed_through, self.folded_through = int(through[0]), int(through[1])
+        self._open = {}
 
 
 def leaking(name: str, value: float, chance: float) -> float:

@@ -83,6 +83,9 @@ class _Driver:
                                   client_stage_name(opts.stage, opts.client), self.log,
                                   step_rows(self.data))
                          if max_r2 is not None else None)
+        for name, kept in (("meter", self.metering), ("guard", self.guarding)):
+            if kept is not None:
+                self.state.keep(name, kept)       # checkpointed with the stage: they outlive a restart
         self.g_compute_s = 0.0
         params = self.state.stage.params
         self.link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, self.reply_specs,

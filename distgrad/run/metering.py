@@ -9,6 +9,10 @@ own data). After each applied update (a step-engine observer) it closes the
 meter's window when due and hands the figures to ``report``; every window's
 figures are kept for the summary (``summary_fields``). It reads only: the
 run's parameters are bitwise those of an unmetered run.
+
+``Metering`` and ``Guarding`` are checkpointed with their stage
+(``checkpoint_state``, ``load_checkpoint_state``; ``StageState.keep``): a run
+killed and resumed, or rolled back, meters and guards as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
+import msgpack
 import numpy as np
 
 from distgrad.errors import InputGuardStop
 from distgrad.privacy.guard import InputGuard
-from distgrad.privacy.meter import INPUTS, LABELS, AttackMeter, LeakMeter, extremes, window_steps
+from distgrad.privacy.meter import (INPUTS, LABELS, AttackMeter, LeakMeter, extremes, prefixed, under,
+                                    window_steps)
 from distgrad.stage.engine import StepEngine, StepRecord
 from distgrad.stage.stage import micro_batch
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_micro_batch, stream_peer
@@ -54,6 +60,62 @@ def figures_text(figures: Mapping[str, Any]) -> str:
     (other entries, such as a window's ``step``, are left out)."""
     return ", ".join(f"{name} {value:.3f} (chance {figures[name + '_chance']:.3f})"
                      for name, value in figures.items() if name + "_chance" in figures)
+
+
+def meter_fields(kind: str, windows: list[dict[str, Any]], attack_windows: list[dict[str, Any]],
+                 spent_s: float) -> dict[str, Any]:
+    """A meter's summary fields (``Metering.summary_fields`` says which) from its windows' figures."""
+    fields: dict[str, Any] = {SUMMARY_KEYS[kind]: windows, COST_KEYS[kind]: spent_s}
+    if attack_windows:
+        fields[ATTACK_KEYS[kind]] = attack_windows
+    if windows or attack_windows:
+        fields[EXTREME_KEYS[kind]] = extremes(windows) | extremes(attack_windows)
+    return fields
+
+
+def guard_fields(setting: tuple[float, int], peak: tuple[float, int] | None) -> dict[str, Any]:
+    """``input_guard``: its ``max_r2``, ``after`` (``setting``) and the highest R^2 it judged (``peak_r2``, at
+    ``peak_step``)."""
+    entry: dict[str, Any] = {"max_r2": setting[0], "after": setting[1]}
+    if peak is not None:
+        entry.update(peak_r2=peak[0], peak_step=peak[1])
+    return {"input_guard": entry}
+
+
+def read_figures(arrays: Mapping[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The closed windows' figures (window meter's, strongest attacks') of a meter's ``checkpoint_state``;
+    ``ValueError`` when they cannot be read."""
+    try:
+        figures = msgpack.unpackb(np.asarray(arrays["figures"], np.uint8).tobytes(), raw=False)
+    except (KeyError, ValueError, msgpack.UnpackException) as e:
+        raise ValueError(f"its closed windows' figures cannot be read: {e}") from e
+    if not (isinstance(figures, list) and len(figures) == 2 and all(
+            isinstance(ws, list) and all(isinstance(w, dict) and isinstance(w.get("step"), int) for w in ws)
+            for ws in figures)):
+        raise ValueError("its closed windows' figures are not two lists of {step, figures} windows")
+    return figures[0], figures[1]
+
+
+def read_peak(arrays: Mapping[str, np.ndarray]) -> tuple[float, int] | None:
+    """The guard's peak (R^2, step) of its ``checkpoint_state`` (None: none judged); ``ValueError`` when it is
+    not one."""
+    peak = np.asarray(arrays.get("peak", np.zeros(0)), np.float64)
+    if peak.shape not in ((0,), (2,)):
+        raise ValueError(f"its peak is not [R^2, step]: {peak!r}")
+    return (float(peak[0]), int(peak[1])) if len(peak) else None
+
+
+def checkpointed_fields(kind: str | None, setting: tuple[float, int] | None, meter: Mapping[str, np.ndarray],
+                        guard: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The summary fields of a meter guarding ``kind`` and of a guard set to ``setting`` (None: none) as a
+    finished run's final checkpoint holds them (their ``checkpoint_state`` arrays; the meter's time is not
+    kept: 0). ``ValueError`` when they cannot be read."""
+    fields: dict[str, Any] = {}
+    if kind is not None and "figures" in meter:         # one meter (a label owner's of several peers: not kept)
+        fields.update(meter_fields(kind, *read_figures(meter), 0.0))
+    if setting is not None and guard:
+        fields.update(guard_fields(setting, read_peak(guard)))
+    return fields
 
 
 class NoMetering:
@@ -189,18 +251,39 @@ class Metering:
         self.attacks = AttackMeter(self.kind, self.attacks.window)
         self.windows, self.attack_windows, self.spent_s = [], [], 0.0
 
+    def checkpoint_state(self, step: int) -> dict[str, np.ndarray]:
+        """The meter after ``step`` as arrays for that step's checkpoint: the open window (``window/...``), the
+        strongest attacks' state (``attacks/...``) and the figures of every window closed up to ``step``
+        (``figures``: msgpack). The window due at ``step`` is closed first (a no-op once closed): the
+        checkpoint holds it whichever observer of the update runs first. Its time spent is not kept."""
+        self._close(step, step == self.last_step)
+        figures = [[w for w in windows if w["step"] <= step] for windows in (self.windows, self.attack_windows)]
+        return {"figures": np.frombuffer(msgpack.packb(figures), np.uint8),
+                **prefixed("window/", self.meter.state(step)), **prefixed("attacks/", self.attacks.state(step))}
+
+    def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
+        """The meter as ``checkpoint_state`` gave it after ``step`` (None: as at the run's start, which a
+        checkpoint written without a meter gives too: the meter then counts from ``step`` on, and says so).
+        Raises ``ValueError`` when ``arrays`` are not a meter's state."""
+        self.reset()
+        if arrays is None:
+            if step:
+                self.log.warning("privacy meter (%s): the checkpoint of step %d holds no meter state (written "
+                                 "without the meter): its windows and whole-run figures count from step %d",
+                                 self.kind, step, step + 1)
+            return
+        windows, attack_windows = read_figures(arrays)
+        self.meter.load_state(under("window/", arrays))
+        self.attacks.load_state(under("attacks/", arrays))
+        self.windows, self.attack_windows = windows, attack_windows
+
     def summary_fields(self) -> dict[str, Any]:
         """``{"label_leaks" | "input_leaks": [{"step": ..., figures}, ...]}``: every window's figures;
         ``label_attacks`` | ``input_attacks``: every window's figures of the strongest attacks
         (``AttackMeter``); ``label_leak_extremes`` | ``input_leak_extremes``: each figure's worst window, mean,
         last and whole-run figure (``meter.extremes``); and ``label_meter_s`` | ``input_meter_s``: the wall
         seconds the meter spent (its cost to the run)."""
-        fields: dict[str, Any] = {SUMMARY_KEYS[self.kind]: self.windows, COST_KEYS[self.kind]: self.spent_s}
-        if self.attack_windows:
-            fields[ATTACK_KEYS[self.kind]] = self.attack_windows
-        if self.windows or self.attack_windows:
-            fields[EXTREME_KEYS[self.kind]] = extremes(self.windows) | extremes(self.attack_windows)
-        return fields
+        return meter_fields(self.kind, self.windows, self.attack_windows, self.spent_s)
 
 
 OWNER_KEYS = {LABELS: "label_meters", INPUTS: "input_meters"}   # the summary's meters, by data owner
@@ -259,6 +342,16 @@ class PeerMeters:
         return {f"{name}/{key}": value for name, meter in zip(self.names, self.meters)
                 for key, value in meter.figures_at(step).items()}
 
+    def checkpoint_state(self, step: int) -> dict[str, np.ndarray]:
+        """Every peer's meter after ``step`` (``I/...``: peer I's ``Metering.checkpoint_state``)."""
+        return {f"{index}/{key}": value for index, meter in enumerate(self.meters)
+                for key, value in meter.checkpoint_state(step).items()}
+
+    def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
+        """Every peer's meter as ``checkpoint_state`` gave it (None: as at the run's start)."""
+        for index, meter in enumerate(self.meters):
+            meter.load_checkpoint_state(None if arrays is None else under(f"{index}/", arrays) or None, step)
+
     def summary_fields(self) -> dict[str, Any]:
         """``{"label_meters": {peer name: that peer's meter's ``Metering.summary_fields``}}``."""
         return {OWNER_KEYS[LABELS]: {name: meter.summary_fields() for name, meter in zip(self.names, self.meters)}}
@@ -277,9 +370,11 @@ class Guarding:
                  rows_of: Callable[[int], np.ndarray] | None = None) -> None:
         self.guard, self.inputs_of, self.stage, self.rows_of = InputGuard(*setting), inputs_of, stage, rows_of
         self.log = log or logging.getLogger("distgrad.privacy")
-        self.peak: tuple[float, int] | None = None        # (R^2, step)
+        self.peak: tuple[float, int] | None = None        # (R^2, step) over the applied steps
+        self._judged: list[tuple[float, int]] = []         # (R^2, step) of the steps sent, not applied yet
         self._inputs: tuple[int, np.ndarray, np.ndarray | None] | None = None
         engine.senders.taps[ACTIVATION].append(self._tap)
+        engine.observers.append(lambda record: self._applied(record.step))
 
     def _tap(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
         mb, mbs = stream_micro_batch(stream)
@@ -294,8 +389,7 @@ class Guarding:
         score = self.guard.score()
         if score is None:
             return
-        if self.peak is None or score > self.peak[0]:
-            self.peak = (score, step)
+        self._judged.append((score, step))
         if score > self.guard.max_r2:
             self.log.error("input_guard: step %d's activations reconstruct the inputs with R^2 %.3f > max_r2 %g",
                            step, score, self.guard.max_r2)
@@ -306,9 +400,40 @@ class Guarding:
                 f"this stage towards its own decoder instead of the task; nothing of step {step} was sent, "
                 f"applied or checkpointed")
 
+    def _applied(self, step: int) -> None:
+        self.guard.applied(step)
+        self.peak, self._judged = self._peak(step), [j for j in self._judged if j[1] > step]
+
+    def _peak(self, step: float) -> tuple[float, int] | None:
+        """The highest R^2 judged of the steps up to ``step`` (the first such step on a tie)."""
+        peak = self.peak
+        for score, judged in self._judged:
+            if judged <= step and (peak is None or score > peak[0]):
+                peak = (score, judged)
+        return peak
+
+    def checkpoint_state(self, step: int) -> dict[str, np.ndarray]:
+        """The guard after ``step`` as arrays for that step's checkpoint: its latest rows (``guard/...``,
+        ``InputGuard.state``) and the highest R^2 judged up to it (``peak``: [R^2, step], empty for none)."""
+        peak = self._peak(step)
+        return {"peak": np.array(peak if peak is not None else [], np.float64),
+                **prefixed("guard/", self.guard.state(step))}
+
+    def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
+        """The guard as ``checkpoint_state`` gave it after ``step`` (None: as at the run's start; a checkpoint
+        written without the guard gives that too, and the guard says so). Raises ``ValueError`` when
+        ``arrays`` are not a guard's state."""
+        self._judged, self.peak = [], None
+        if arrays is None:
+            self.guard.load_state({}, step)
+            if step:
+                self.log.warning("input_guard: the checkpoint of step %d holds no guard state (written without "
+                                 "the guard): it judges the rows sent from step %d on", step, step + 1)
+            return
+        peak = read_peak(arrays)
+        self.guard.load_state(under("guard/", arrays), step)
+        self.peak = peak
+
     def summary_fields(self) -> dict[str, Any]:
         """``input_guard``: its ``max_r2``, ``after``, and the highest R^2 it judged (``peak_r2``, at ``peak_step``)."""
-        entry: dict[str, Any] = {"max_r2": self.guard.max_r2, "after": self.guard.after}
-        if self.peak is not None:
-            entry.update(peak_r2=self.peak[0], peak_step=self.peak[1])
-        return {"input_guard": entry}
+        return guard_fields((self.guard.max_r2, self.guard.after), self._peak(float("inf")))

@@ -164,6 +164,8 @@ class ServingStage:
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
             wire.BYE: self._bye, wire.ERROR: self._notice}
+        if isinstance(self.metering, (Metering, PeerMeters)):
+            self.state.keep("meter", self.metering)       # checkpointed with the stage: it outlives a restart
         if opts.resume and self.state.resume_latest():
             now = time.monotonic()
             self.apply_resume(self.topology.resumed(now), now)
@@ -385,7 +387,7 @@ class ServingStage:
                 peer.step = saved.step
             if saved.status is not None:
                 peer.status, peer.last_seen = saved.status, now
-        self.new_run(start_round=d.round)
+        self.new_run(start_round=d.round, fresh=False)     # the same run goes on: the meter keeps what it loaded
         self.run.active, self.run.now = True, now
         for index, (replies, averaged) in d.kept.items():
             peer = self.run.peers[index]

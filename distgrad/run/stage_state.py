@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
+from distgrad.run.metering import checkpointed_fields
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
                                     to_lists, write_json, write_preparation)
@@ -36,6 +37,18 @@ from distgrad.wire.wirecodec import ACTIVATION, Senders, without_codec_state
 
 
 EXTRA_PREFIX = "extra/"      # a checkpoint's arrays of its runner (``StageState.extra_arrays``), not of the stage
+KEPT_PREFIX = "kept/"        # a checkpoint's arrays of what rolls back with the stage (``StageState.keep``)
+
+
+class Kept(Protocol):
+    """What rolls back with a stage and is checkpointed with it (a privacy meter, an input guard)."""
+
+    def checkpoint_state(self, step: int) -> dict[str, np.ndarray]:
+        """Its state after ``step``, the stage's live step, as arrays (at least one)."""
+
+    def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
+        """Back to what ``checkpoint_state`` gave after ``step`` (None: the run's start, or a checkpoint
+        without it); ``ValueError`` for arrays it cannot take."""
 
 
 class ParameterHistory:
@@ -178,6 +191,7 @@ class StageState:
         self.extra_meta: Callable[[], dict[str, Any]] = dict   # more to save with each checkpoint
         # More arrays to save with the checkpoint of a step (stored under ``EXTRA_PREFIX``).
         self.extra_arrays: Callable[[int], dict[str, np.ndarray]] = lambda step: {}
+        self.kept: dict[str, Kept] = {}      # checkpointed and rolled back with the stage, by name (``keep``)
         self.resumed_step = 0                                  # of the checkpoint ``resume_latest`` loaded
         self.resumed_meta: dict[str, Any] = {}                 # its metadata
         self.resumed_extra: dict[str, np.ndarray] = {}         # its ``extra_arrays``
@@ -232,6 +246,28 @@ class StageState:
         if ("best" in evaluation or "stop" in evaluation or stepped) and self.store is not None \
                 and self.stage.step == step:
             self.save(step)     # the checkpoint of this step holds its verdict: a resume here keeps it
+
+    def keep(self, name: str, kept: Kept) -> None:
+        """Checkpoint ``kept`` with the stage (arrays ``kept/NAME/...``) and take it back with it: at a new run
+        and a rollback to step 0 its start, at a resume or a rollback its state of that step."""
+        if not name or "/" in name or name in self.kept:
+            raise ValueError(f"cannot keep {name!r} with the stage: a name without '/' used once is needed")
+        self.kept[name] = kept
+
+    def _kept_arrays(self, step: int) -> dict[str, np.ndarray]:
+        return {f"{KEPT_PREFIX}{name}/{key}": value for name, kept in self.kept.items()
+                for key, value in kept.checkpoint_state(step).items()}
+
+    def _load_kept(self, arrays: Mapping[str, np.ndarray] | None, step: int, source: str) -> None:
+        """Each kept thing's state of ``step`` from ``arrays`` (None: its start); ``ConfigError`` naming
+        ``source`` when one cannot be read."""
+        for name, kept in self.kept.items():
+            prefix = f"{KEPT_PREFIX}{name}/"
+            mine = {key[len(prefix):]: value for key, value in (arrays or {}).items() if key.startswith(prefix)}
+            try:
+                kept.load_checkpoint_state(mine or None, step)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"{source}: the state of its {name} cannot be read: {e}") from e
 
     @property
     def stage(self) -> Stage:
@@ -311,6 +347,7 @@ class StageState:
             raise ConfigError(f"checkpoint {ckpt.path} does not fit this stage's model: {e}") from e
         self.history.load(ckpt.arrays)
         self._load_verdicts(ckpt.meta.get("verdicts"), ckpt.step)
+        self._load_kept(ckpt.arrays, ckpt.step, f"checkpoint {ckpt.path}")
         if self.secret is not None:
             secret = ckpt.meta.get("noise_secret")
             if not isinstance(secret, str):
@@ -391,6 +428,7 @@ class StageState:
         self.history.clear()
         self.senders.reset()
         self._load_verdicts(None, 0)
+        self._load_kept(None, 0, "a new run")
         self.run_id, self.owner = run_id, owner
         if self.ledger is not None:
             self.ledger.new_run(fresh_secret())     # two runs never share a noise draw (nor randomized labels)
@@ -423,6 +461,9 @@ class StageState:
     def rollback(self, step: int) -> None:
         """Return to the state after ``step`` (one of ``held()``)."""
         if step == self.stage.step:
+            # What the steps in flight beyond it sent is forgotten: they are sent again.
+            for name, kept in self.kept.items():
+                kept.load_checkpoint_state(kept.checkpoint_state(step), step)
             return
         if step == 0:
             fresh = self._fresh()
@@ -431,6 +472,7 @@ class StageState:
             self.history.clear()
             self.senders.reset()
             self._load_verdicts(None, 0)
+            self._load_kept(None, 0, "the rollback to step 0")
             if self.ledger is not None:      # the same run: its secret, and the releases it already made
                 self.ledger.restore(self.ledger.secret, None, [], 0)
         else:
@@ -466,6 +508,7 @@ class StageState:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
             extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
+            extra.update(self._kept_arrays(step))      # the meters' and the guard's (``keep``)
             released = self.ledger.arrays(step) if self.ledger is not None else {}
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
@@ -553,8 +596,16 @@ def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
     logging.getLogger(f"distgrad.{opts.instance}").info(
         "run %s finished at step %d; nothing to do (start without --resume for a new run)", ckpt.run, ckpt.step)
     params = {name[len("param/"):]: value for name, value in ckpt.arrays.items() if name.startswith("param/")}
-    return {"experiment": opts.experiment.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
+    exp = opts.experiment
+    kept = {name: {key[len(f"{KEPT_PREFIX}{name}/"):]: value for key, value in ckpt.arrays.items()
+                   if key.startswith(f"{KEPT_PREFIX}{name}/")} for name in ("meter", "guard")}
+    try:        # the figures of the meter and the guard that ran it, as its last checkpoint holds them
+        metered = checkpointed_fields(opts.meter_kind, exp.spec(opts.stage).input_guard
+                                      if exp.has_stage(opts.stage) else None, kept["meter"], kept["guard"])
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {ckpt.path}: the figures of its meter or guard cannot be read: {e}") from e
+    return {"experiment": exp.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
             "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
-            "params": {opts.instance: to_lists(params)}}
+            **metered, "params": {opts.instance: to_lists(params)}}
 
 
