@@ -36,8 +36,14 @@ from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
 NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
 SECRET_BYTES = 16                                  # 128 random bits a run
 COUNTS = "privacy/releases"                        # the checkpoint array of the per-row release counts
-HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations)
+HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations;
+                                                   # then the final evaluation's of the test rows, if any)
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
+
+
+# The purposes whose held-out releases a checkpoint counts (``HELD_OUT``: releases, rows of each, in this order):
+# every evaluation's, and the final evaluation's of the test rows (with a validation split).
+_CHECKPOINTED_HELD_OUT = ("evaluation", "test")
 
 
 def fresh_secret(override: int | None = None) -> int:
@@ -187,10 +193,11 @@ class NoiseLedger:
     def arrays(self, step: int) -> dict[str, np.ndarray]:
         """The checkpoint of ``step``'s counts: every release up to ``step`` (later ones, of steps in
         flight, stay pending and come back with ``restore``)."""
-        evaluations = self.held_out.get("evaluation", 0)
+        counted = [(self.held_out.get(p, 0), self.held_out_rows.get(p, 0)) for p in _CHECKPOINTED_HELD_OUT]
+        if not counted[-1][0]:
+            counted.pop()               # no test rows released: the layout of a checkpoint without them
         return {COUNTS: self.counts - self._pending_counts(step),
-                **({HELD_OUT: np.array([evaluations, self.held_out_rows.get("evaluation", 0)], np.int64)}
-                   if evaluations else {})}
+                **({HELD_OUT: np.array([n for pair in counted for n in pair], np.int64)} if counted[0][0] else {})}
 
     def checkpointed(self, step: int) -> list[Release]:
         """Step ``step`` is checkpointed: return every release of the run, for the file. None is forgotten:
@@ -207,9 +214,11 @@ class NoiseLedger:
         they are, a rollback within the process)."""
         self.secret = secret
         if held_out is not None:
-            evaluations, rows = (int(v) for v in np.asarray(held_out, np.int64).reshape(-1)[:2])
-            self.held_out, self.held_out_rows = {"evaluation": evaluations}, {"evaluation": rows}
-            self._held_out_seen = set()
+            values = [int(v) for v in np.asarray(held_out, np.int64).reshape(-1)]
+            self.held_out, self.held_out_rows, self._held_out_seen = {}, {}, set()
+            for purpose, (releases, rows) in zip(_CHECKPOINTED_HELD_OUT, zip(values[0::2], values[1::2])):
+                if releases:
+                    self.held_out[purpose], self.held_out_rows[purpose] = releases, rows
         pending = list(pending)
         kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending]
                 if not r.stream.startswith(HELD_OUT_STREAM + "/")}
