@@ -29,7 +29,7 @@ from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluat
                                     scores_text, to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
-from distgrad.wire.link import HELD_OUT, VALIDATION_ROWS
+from distgrad.wire import link
 from distgrad.wire.wirecodec import Senders, without_codec_state
 
 
@@ -199,7 +199,7 @@ class StageState:
             self.plateau_at = step
         self.keeping_best = self.keeping_best or "best" in evaluation
         if self.verdicts.note(step, evaluation):
-            if evaluation.get(HELD_OUT) == VALIDATION_ROWS:     # the final evaluation scores these on the test rows
+            if evaluation.get(link.HELD_OUT) == link.VALIDATION_ROWS:     # the final evaluation scores these on the test rows
                 self.kept = {"params": {name: value.copy() for name, value in self.stage.params.items()},
                              "state": self.stage.forward_state()}
             if self.opts.save_path is not None:
