@@ -205,3 +205,62 @@ def test_keep_best_may_name_the_validation_figure(tmp_path: Path):
         summaries.append(read_json(tmp_path / f"{name}.json"))
     assert summaries[0]["best_step"] == summaries[1]["best_step"] and summaries[0]["params"] == summaries[1]["params"]
     assert summaries[0]["stopped_early"] == summaries[1]["stopped_early"]
+
+
+# --- the test rows cross once, after the last step, with the kept model ------------------------------------
+
+F_CLIP = "clip_noise = { max_norm = 4.0, sigma = 0.5 }\n"      # f's held-out releases are counted in its budget
+
+
+def _clipped(path: Path) -> Path:
+    """``path`` with f's clip_noise, so its budget counts what it released of the validation and test rows."""
+    path.write_text(path.read_text().replace('name = "f"\n', 'name = "f"\n' + F_CLIP, 1))
+    return path
+
+
+def _assert_test_rows_released_once(summary: dict, stage: str = "f") -> None:
+    """The data owner ``stage`` released the validation rows at each evaluation and the test rows once."""
+    budget = summary["privacy"][stage]
+    evaluations, validation = len(summary["evaluations"]), summary["validation_count"]
+    assert budget["evaluation_releases"] == {"releases": evaluations, "rows": evaluations * validation,
+                                             "per_row": evaluations}
+    assert budget["test_releases"] == {"releases": 1, "rows": summary["test_count"], "per_row": 1}
+
+
+def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path: Path, stage_group,
+                                                                        fixed_noise_secret):
+    """g is killed -9 once it has scored the final evaluation (checkpointed, before its reply left), then f once it
+    has recorded the reply (before its bye), each restarted with --resume: the restarted g answers from its
+    checkpoint, the restarted f does not evaluate again; f released the test rows once, and every figure and
+    parameter equals the uninterrupted in-process run's."""
+    from test_clients import GATED_STAGE
+    from test_faults import Pair
+
+    path = _clipped(_validated(tmp_path, 'keep_best = "test_accuracy"\nmetrics = ["f1"]\n'))
+    path.write_text(path.read_text().replace("steps = 200", "steps = 60"))
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    reference = read_json(tmp_path / "ref.json")
+    assert 0 < reference["test_step"] == reference["best_step"] < 60
+    _assert_test_rows_released_once(reference)
+    pair = stage_group(Pair, tmp_path, str(path), "60", f"ipc://{tmp_path}/g.sock")
+    held = {name: tmp_path / f"{name}-tested.gate" for name in ("g", "f")}
+    for name, gate in held.items():
+        pair.commands[name] = [*GATED_STAGE, "--hold-after-test", gate, "--"]
+    pair.start("g")
+    pair.start("f")
+    for name, gate in held.items():
+        pair.wait_until(gate.exists, f"{name} to record the final evaluation", timeout=60)
+        pair.commands.pop(name)
+        pair.kill_9_and_restart(name)
+    f_summary, g_summary = pair.finish()
+    for name in ("g", "f"):
+        before, after = ((tmp_path / f"{name}.{start}.log").read_text() for start in (1, 2))
+        assert "the kept model, after step" in before and "resumed run" in after
+        assert "the kept model, after step" not in after, after        # not scored (g) nor sent (f) again
+    for summary, stage in ((f_summary, "f"), (g_summary, "g")):
+        assert summary["params"][stage] == reference["params"][stage]
+        for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "best_step"):
+            assert summary[key] == reference[key], key
+    assert f_summary["privacy"]["f"] == reference["privacy"]["f"]
+    assert f_summary["evaluations"] == reference["evaluations"]
+    _assert_test_rows_released_once({**f_summary, "validation_count": reference["validation_count"]})

@@ -101,6 +101,9 @@ class _Driver:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
+        # Checkpointed with the stage, so that a resumed run neither evaluates (and releases) a step again
+        # nor loses the entries before the kill.
+        self.state.extra_meta = lambda: {"evaluations": self.evaluations}
         # Fixed for the run: the micro-batches kept in flight, each one's error-feedback stream.
         self.window = opts.window
         self.streams = [stream_name(ACTIVATION, i, opts.micro_batches) for i in range(opts.micro_batches)]
@@ -439,6 +442,9 @@ class _Driver:
             state.begin(uuid.uuid4().hex)
         else:
             state.open_trace(append=True)
+            saved = state.resumed_meta.get("evaluations", [])
+            self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
+                                and e["step"] <= state.stage.step] if isinstance(saved, list) else []
         started = time.perf_counter()
         told = False
         try:
