@@ -229,20 +229,20 @@ def _assert_test_rows_released_once(summary: dict, stage: str = "f") -> None:
 
 def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path: Path, stage_group,
                                                                         fixed_noise_secret):
-    """g is killed -9 once it has scored the final evaluation (checkpointed, before its reply left), then f once it
-    has recorded the reply (before its bye), each restarted with --resume: the restarted g answers from its
-    checkpoint, the restarted f does not evaluate again; f released the test rows once, and every figure and
-    parameter equals the uninterrupted in-process run's."""
+    """A run that stops early: g is killed -9 once it has scored the final evaluation (checkpointed, before its
+    reply left), then f once it has recorded the reply (before its bye), each restarted with --resume: the
+    restarted g answers from its checkpoint, the restarted f neither evaluates again nor goes on past the early
+    stop; f released the test rows once, and every figure and parameter equals the uninterrupted in-process
+    run's."""
     from test_clients import GATED_STAGE
     from test_faults import Pair
 
-    path = _clipped(_validated(tmp_path, 'keep_best = "test_accuracy"\nmetrics = ["f1"]\n'))
-    path.write_text(path.read_text().replace("steps = 200", "steps = 60"))
+    path = _clipped(_validated(tmp_path))          # keep_best and early_stopping: the run stops before step 200
     assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
     reference = read_json(tmp_path / "ref.json")
-    assert 0 < reference["test_step"] == reference["best_step"] < 60
+    assert 0 < reference["test_step"] == reference["best_step"] < reference["stopped_early"] < 200
     _assert_test_rows_released_once(reference)
-    pair = stage_group(Pair, tmp_path, str(path), "60", f"ipc://{tmp_path}/g.sock")
+    pair = stage_group(Pair, tmp_path, str(path), "200", f"ipc://{tmp_path}/g.sock")
     held = {name: tmp_path / f"{name}-tested.gate" for name in ("g", "f")}
     for name, gate in held.items():
         pair.commands[name] = [*GATED_STAGE, "--hold-after-test", gate, "--"]
@@ -259,7 +259,8 @@ def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path:
         assert "the kept model, after step" not in after, after        # not scored (g) nor sent (f) again
     for summary, stage in ((f_summary, "f"), (g_summary, "g")):
         assert summary["params"][stage] == reference["params"][stage]
-        for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "best_step"):
+        for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "best_step", "stopped_early",
+                    "steps"):
             assert summary[key] == reference[key], key
     assert f_summary["privacy"]["f"] == reference["privacy"]["f"]
     assert f_summary["evaluations"] == reference["evaluations"]

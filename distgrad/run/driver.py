@@ -445,6 +445,8 @@ class _Driver:
             saved = state.resumed_meta.get("evaluations", [])
             self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
                                 and e["step"] <= state.stage.step] if isinstance(saved, list) else []
+            if state.verdicts.stopped_at:       # early stopping ended the run there before the kill
+                self.steps = min(self.steps, state.verdicts.stopped_at)
         started = time.perf_counter()
         told = False
         try:

@@ -538,8 +538,11 @@ def start_meta(opts: StageOptions) -> dict[str, Any]:
 
 def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
     """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
-    experiment's): a larger ``--steps`` continues the run instead."""
-    return ckpt.meta.get("finished") is True and ckpt.step >= opts.total_steps
+    experiment's; a larger ``--steps`` continues the run instead), or which early stopping ended there."""
+    verdicts = ckpt.meta.get("verdicts")
+    taken = verdicts.get("taken") if isinstance(verdicts, dict) else None
+    stopped = isinstance(taken, dict) and taken.get("stopped_at") == ckpt.step > 0      # early stopping ended it
+    return ckpt.meta.get("finished") is True and (ckpt.step >= opts.total_steps or stopped)
 
 
 def finished_run(opts: StageOptions) -> Checkpoint | None:
