@@ -153,6 +153,9 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
     if framework == "torch":
         pytest.importorskip("torch")
     path = _plateau_penguins(tmp_path, 'framework = "torch"\n' if framework == "torch" else "")
+    # keep_best too: the final evaluation scores the test rows with every stage's kept parameters (f's torch ones)
+    path.write_text(path.read_text().replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n'
+                                                                          'keep_best = "test_accuracy"'))
     from conftest import run_launcher
 
     assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
@@ -160,6 +163,10 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert run["params"] == ref["params"]
+    assert 0 < ref["test_step"] == ref["best_step"] < 60      # the kept model is not the last one
+    for key in ("test_loss", "test_accuracy", "test_count", "test_step", "evaluations"):
+        assert run[key] == ref[key], key
+    assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
     plain = tmp_path / "plain.toml"
     plain.write_text(path.read_text().replace(PLATEAU, "").replace(PLATEAU.strip(), ""))
     assert run_main(["run", plain, "--in-process", "--summary", tmp_path / "plain.json"]).returncode == 0
@@ -265,3 +272,27 @@ def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path:
     assert f_summary["privacy"]["f"] == reference["privacy"]["f"]
     assert f_summary["evaluations"] == reference["evaluations"]
     _assert_test_rows_released_once({**f_summary, "validation_count": reference["validation_count"]})
+
+
+def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_path: Path, fixed_noise_secret):
+    """Two feature parties (digits-halves), keep_best on the validation rows: over processes as in process, the
+    evaluations during the run carry the validation rows' figures only, each party released the test rows once
+    (left's clip_noise counts it), and the test figures are the kept model's, equal to the in-process run's."""
+    from test_defenses import _defended
+
+    from conftest import run_launcher
+
+    path = _defended(tmp_path, "digits-halves", {0: F_CLIP, 2: 'keep_best = "test_accuracy"\nmetrics = ["f1"]'})
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n")
+                    .replace("lr = 0.003", "lr = 0.03"))       # the validation accuracy is best at step 100
+    args = ["run", path, "--steps", "120", "--eval-every", "20"]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    assert 0 < ref["test_step"] == ref["best_step"] < 120
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
+        assert run[key] == ref[key], key
+    assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
+    _assert_test_rows_released_once(ref, "left")
