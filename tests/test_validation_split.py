@@ -296,3 +296,46 @@ def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_p
         assert run[key] == ref[key], key
     assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
     _assert_test_rows_released_once(ref, "left")
+
+
+def test_each_client_sends_its_test_rows_once_after_the_last_step_bitwise_over_processes(tmp_path: Path,
+                                                                                         fixed_noise_secret):
+    """SplitFed clients (several data owners, each its own held-out rows) with a validation split: each client's
+    evaluations during the run score its validation rows, and after the last round its test rows cross once, scored
+    with the final model; over processes as in process."""
+    from test_defenses import _defended
+
+    from conftest import run_launcher
+
+    path = _defended(tmp_path, "digits-splitfed", {0: F_CLIP})
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
+    args = ["run", path, "--steps", "20", "--eval-every", "10"]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    assert run["clients"] == [{**entry, "run_id": client["run_id"]} for entry, client in zip(ref["clients"],
+                                                                                            run["clients"])]
+    for client in ref["clients"]:
+        assert client["test_step"] == 20 and [e["step"] for e in client["evaluations"]] == [10, 20]
+        assert all(not any(key.startswith("test_") for key in e) for e in client["evaluations"])
+    assert run["privacy"] == ref["privacy"]
+    _assert_test_rows_released_once({**ref, **ref["clients"][0]})
+
+
+def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_path: Path):
+    """A chain f -> m -> g with keep_best and early stopping on the validation rows: m forwards the test rows with
+    its own kept parameters and passes the final evaluation on to g; over processes as in process."""
+    from conftest import run_launcher
+
+    path = _digits(tmp_path, JUDGED, middle=True)
+    path.write_text(path.read_text().replace(digits_data_table(), digits_data_table() + "validation_fraction = 0.2\n"))
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"] and set(ref["params"]) == {"f", "m", "g"}
+    assert 0 < ref["test_step"] == ref["best_step"] < ref["stopped_early"] < 200
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations"):
+        assert run[key] == ref[key], key
