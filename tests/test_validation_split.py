@@ -298,6 +298,9 @@ def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_p
     _assert_test_rows_released_once(ref, "left")
 
 
+# Slow (five processes): by default, test_vertical_parties_send_their_test_rows_once_bitwise_over_processes covers
+# several data owners' final evaluation, and the two-stage tests the one peer's (Turns.score) that a client's uses.
+@pytest.mark.slow
 def test_each_client_sends_its_test_rows_once_after_the_last_step_bitwise_over_processes(tmp_path: Path,
                                                                                          fixed_noise_secret):
     """SplitFed clients (several data owners, each its own held-out rows) with a validation split: each client's
@@ -339,3 +342,14 @@ def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_p
     assert 0 < ref["test_step"] == ref["best_step"] < ref["stopped_early"] < 200
     for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations"):
         assert run[key] == ref[key], key
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_the_cut_library_refuses_a_validation_split_with_the_reason(tmp_path: Path, end: str):
+    """A loop of one's own decides when it evaluates and which parameters it keeps: the cut library refuses
+    validation_fraction at once (either end), saying so, rather than accepting it and leaving it unused."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    with pytest.raises(ConfigError, match="validation_fraction is the daemons' rule: .* the test rows cross once"):
+        cut_side(FIRST if end == "first" else LAST, _validated(tmp_path, ""), {})
+    assert cut_side(FIRST if end == "first" else LAST, _digits(tmp_path, ""), {}).data is not None
