@@ -353,3 +353,39 @@ def test_the_cut_library_refuses_a_validation_split_with_the_reason(tmp_path: Pa
     with pytest.raises(ConfigError, match="validation_fraction is the daemons' rule: .* the test rows cross once"):
         cut_side(FIRST if end == "first" else LAST, _validated(tmp_path, ""), {})
     assert cut_side(FIRST if end == "first" else LAST, _digits(tmp_path, ""), {}).data is not None
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_the_kept_model_stands_in_for_the_live_one_and_is_put_back(tmp_path: Path, framework: str):
+    """``stage.kept_model``: inside it the stage computes with the kept parameters and forward state (a torch
+    module's batch-norm statistics too), set through the stage (on a GPU too), and afterwards with its own."""
+    from distgrad.stage.stage import kept_model
+
+    x = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    if framework == "numpy":
+        exp = load_experiment(_digits(tmp_path))
+
+        def build() -> Stage:
+            return Stage.from_experiment(exp, "f")
+    else:
+        torch = pytest.importorskip("torch")
+        from distgrad.stage.torch_stage import TorchStage
+
+        def build() -> Stage:
+            torch.manual_seed(1)
+            module = torch.nn.Sequential(torch.nn.Linear(64, 3), torch.nn.BatchNorm1d(3))
+            return TorchStage.from_module("f", module, torch.optim.SGD(module.parameters(), lr=0.1), (6, 64))
+    stage, kept_stage = build(), build()
+    for _ in range(2):                  # the kept one trains on: other parameters (and batch-norm statistics)
+        y, cache = kept_stage.forward(x * 3)
+        for name, grad in kept_stage.backward(cache, np.ones_like(y))[1].items():
+            kept_stage.params[name][...] -= np.float32(0.5) * grad
+    kept = {"params": {n: v.copy() for n, v in kept_stage.params.items()}, "state": kept_stage.forward_state()}
+    live = {n: v.copy() for n, v in stage.params.items()}
+    before = stage.forward(x, training=False)[0]
+    with kept_model(stage, kept):
+        inside = stage.forward(x, training=False)[0]
+    assert np.array_equal(inside, kept_stage.forward(x, training=False)[0])
+    assert not np.array_equal(inside, before)
+    assert all(np.array_equal(stage.params[n], v) for n, v in live.items())
+    assert np.array_equal(stage.forward(x, training=False)[0], before)

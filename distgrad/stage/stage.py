@@ -177,13 +177,14 @@ def kept_model(stage: Any, kept: Mapping[str, Mapping[str, np.ndarray]] | None) 
     if kept is None:
         yield
         return
-    live_state = stage.forward_state()
-    with as_of(stage, kept["params"], stage.step + 1):
-        try:
-            stage.restore_forward_state(kept["state"])
-            yield
-        finally:
-            stage.restore_forward_state(live_state)
+    live, live_state = {name: value.copy() for name, value in stage.params.items()}, stage.forward_state()
+    try:
+        stage.set_params(kept["params"])        # on a GPU too (``params`` are host copies there)
+        stage.restore_forward_state(kept["state"])
+        yield
+    finally:
+        stage.set_params(live)
+        stage.restore_forward_state(live_state)
 
 
 def check_saved_parameters(stage: str, path: str | Path, saved: Mapping[str, Any],
@@ -373,6 +374,11 @@ class Stage:
         if not isinstance(cache, _ObjectiveCache):
             return cache, dy
         return cache.inner, nopeek_gradient(cache.x, cache.y, dy, self.nopeek)  # type: ignore[arg-type]
+
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set every parameter, in place, to ``values[name]`` (float32, its shape: what ``params`` gave)."""
+        for name, value in self.params.items():
+            value[...] = values[name]
 
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of what a training forward changes besides its output (a torch module's buffers: batch
