@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distgrad.config.parse import load_experiment
-from distgrad.errors import ConfigError
+from distgrad.errors import ConfigError, ProtocolError
 from distgrad.stage.stage import Stage
 
 from conftest import digits_data_table, read_json, run_cli, run_main
@@ -389,3 +389,60 @@ def test_the_kept_model_stands_in_for_the_live_one_and_is_put_back(tmp_path: Pat
     assert not np.array_equal(inside, before)
     assert all(np.array_equal(stage.params[n], v) for n, v in live.items())
     assert np.array_equal(stage.forward(x, training=False)[0], before)
+
+
+def test_the_label_owner_scores_the_test_rows_once_after_the_last_step_only(tmp_path: Path):
+    """The serving stage's rules for the final evaluation (``held_out`` "test"): an evaluation during the run
+    carries and scores the validation rows; a final one before the last step, or of the validation rows' count,
+    is refused and changes nothing; after the last step it scores the test rows, with no verdict, and the same
+    request again gets the same reply; without a validation split a final evaluation is refused."""
+    from handshake import hello_message, only_reply
+
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    from distgrad.wire import messages as wire
+    from distgrad.wire.link import final_body
+    from distgrad.wire.messages import Message
+
+    path = _validated(tmp_path)
+    path.write_text(path.read_text().replace("steps = 200", "steps = 2").replace("validation_fraction = 0.2",
+                                                                                  "validation_fraction = 0.1"))
+    exp = load_experiment(path)
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    server.handle([b"f"], hello_message(exp, "r"), 0.0)
+    f, data = Stage.from_experiment(exp, "f"), exp.build_data(stage="f")
+    held_out = f.forward(data.test_features(), training=False)[0]
+    validation, test = held_out[:data.validation_count], held_out[data.validation_count:]
+
+    def evaluate(step: int, x: np.ndarray, final: bool) -> wire.Message:
+        return Message(wire.EVALUATE, "r", step, body=final_body(final), tensors={"activation": x})
+
+    for step in (1, 2):
+        server.handle([b"f"], Message(wire.FORWARD, "r", step, tensors={"activation": f.forward(data.features(step))[0]}),
+                      0.0)
+        server.settle()
+        if step == 1:
+            reply = only_reply(server.handle([b"f"], evaluate(2, validation, False), 0.0))
+            assert reply.body["held_out"] == "validation" and reply.body["count"] == data.validation_count
+            with pytest.raises(ProtocolError, match="after the run's last step, 2; got one after step 1"):
+                server.handle([b"f"], evaluate(2, test, True), 0.0)
+    with pytest.raises(ProtocolError, match=rf"expected float32\({len(test)}, 32\), got float32\({len(validation)}, "):
+        server.handle([b"f"], evaluate(3, validation, True), 0.0)      # the validation rows' count: not the test's
+    assert server.state.final_test is None
+    reply = only_reply(server.handle([b"f"], evaluate(3, test, True), 0.0))
+    expected = Stage.from_experiment(exp, "g")          # the kept model: step 1's, the one evaluation judged
+    expected.load_state_arrays({**server.stage.state_arrays(), **{f"param/{name}": value for name, value
+                                                                   in server.state.kept["params"].items()}}, 1)
+    scores = expected.evaluate_last(test, data.test_targets()[data.validation_count:])
+    assert reply.body["held_out"] == "test" and "best" not in reply.body and "stop" not in reply.body
+    assert (reply.body["loss"], reply.body["correct"], reply.body["count"]) == (
+        scores["loss"], scores["correct"], len(test))
+    assert server.state.final_test["step"] == server.state.verdicts.best_step == 1
+    assert not np.array_equal(server.state.kept["params"]["g1.W"], server.stage.params["g1.W"])
+    assert only_reply(server.handle([b"f"], evaluate(3, test, True), 0.0)) is reply
+
+    plain = load_experiment(_digits(tmp_path))
+    server = ServingStage(StageOptions(plain, "g", plain.seed))
+    server.handle([b"f"], hello_message(plain, "r"), 0.0)
+    with pytest.raises(ProtocolError, match="needs a validation split"):
+        server.handle([b"f"], evaluate(1, f.forward(plain.build_data().test_features(), training=False)[0], True), 0.0)

@@ -443,6 +443,11 @@ class ServingStage:
             if again is not None:
                 peer.tested = again
                 return [(envelope, again)]
+            last = self.state.verdicts.stopped_at or self.run.steps or peer.steps
+            if last and msg.step != last + 1:
+                raise ProtocolError(ErrorCode.STEP, f"a final evaluation (the kept model on the test rows) comes "
+                                                    f"once, after the run's last step, {last}; got one after step "
+                                                    f"{msg.step - 1}")
         elif self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
             return [(envelope, again)]                    # resent: the same scores
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
