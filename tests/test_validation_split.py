@@ -327,12 +327,13 @@ def test_each_client_sends_its_test_rows_once_after_the_last_step_bitwise_over_p
     _assert_test_rows_released_once({**ref, **ref["clients"][0]})
 
 
-def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_path: Path):
+def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_path: Path, fixed_noise_secret):
     """A chain f -> m -> g with keep_best and early stopping on the validation rows: m forwards the test rows with
-    its own kept parameters and passes the final evaluation on to g; over processes as in process."""
+    its own kept parameters and passes the final evaluation on to g; over processes as in process, f having
+    released its test rows once."""
     from conftest import run_launcher
 
-    path = _digits(tmp_path, JUDGED, middle=True)
+    path = _clipped(_digits(tmp_path, JUDGED, middle=True))
     path.write_text(path.read_text().replace(digits_data_table(), digits_data_table() + "validation_fraction = 0.2\n"))
     assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
     result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
@@ -340,8 +341,9 @@ def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_p
     ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert run["params"] == ref["params"] and set(ref["params"]) == {"f", "m", "g"}
     assert 0 < ref["test_step"] == ref["best_step"] < ref["stopped_early"] < 200
-    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations"):
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
         assert run[key] == ref[key], key
+    _assert_test_rows_released_once(ref)
 
 
 @pytest.mark.parametrize("end", ["first", "last"])
