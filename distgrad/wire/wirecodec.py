@@ -172,6 +172,13 @@ def _once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
     return get
 
 
+def _coded_as(purpose: str) -> str:
+    """The tensor name held-out activations sent for ``purpose`` are coded under: the final evaluation's test
+    rows under one of their own, since they share the step of the last evaluation, so that no codec keyed by
+    the tensor's name and step (a mask, a stochastic rounding) draws for them what it drew for that one."""
+    return f"{TEST}/{ACTIVATION}" if purpose == TEST else ACTIVATION
+
+
 class Senders:
     """What one stage encodes its outgoing activations and activation gradients with.
 
@@ -264,11 +271,11 @@ class Senders:
         error feedback (an evaluation changes no state)."""
         x = self._held_out(x, step, purpose)
         codec = self.codecs[ACTIVATION]
-        return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, ACTIVATION, step))
+        return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, _coded_as(purpose), step))
 
     def evaluation_roundtrip(self, x: np.ndarray, step: int, purpose: str = EVALUATION) -> np.ndarray:
         """What the receiver computes with for held-out activations ``x`` (twin of ``evaluation_tensors``)."""
-        return self.codecs[ACTIVATION].roundtrip(self._held_out(x, step, purpose), ACTIVATION, step)
+        return self.codecs[ACTIVATION].roundtrip(self._held_out(x, step, purpose), _coded_as(purpose), step)
 
     def _held_out(self, x: np.ndarray, step: int, purpose: str) -> np.ndarray:
         if purpose not in (EVALUATION, TEST, PREDICT):
