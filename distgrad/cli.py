@@ -193,6 +193,9 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p.add_argument("--bind", metavar="ENDPOINT", help="serve the stage above on this endpoint (tcp://HOST:PORT, tcp://HOST:*, ipc://PATH)")
     p.add_argument("--connect", metavar="ENDPOINT", help="connect to the stage below, serving here")
     _curve_flags(p)
+    p.add_argument("--party-keys", type=Path, metavar="DIR",
+                   help="a feature party of an experiment with secure_aggregation (with --curve-secret): DIR "
+                        "holds NAME.key, the public key, of every other feature party")
     p.add_argument("--client", type=int, metavar="K",
                    help="first stage of an experiment with [clients]: this is data owner K (0, 1, ...)")
     p.add_argument("--keep-serving", action="store_true", help="after a run ends, wait for the next one")
@@ -539,7 +542,7 @@ def _stage_options(exp: Experiment, stage: str, args: argparse.Namespace, *, dri
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         **pipeline, metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=progress, client=client,
         spin_s=0.0 if args.spin_us is None else args.spin_us * 1e-6, save_path=save_path, load_path=load_path,
-        privacy_meter=privacy_meter)
+        privacy_meter=privacy_meter, party_keys=getattr(args, "party_keys", None))
 
 
 @contextlib.contextmanager

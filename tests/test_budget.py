@@ -240,7 +240,6 @@ def test_split_writes_dp_sgd_into_the_label_owners_own_file(tmp_path):
 
 @pytest.mark.parametrize("g_extra, message", [
     ("dp_sgd = { max_norm = 1.0 }", "give the stage clip_noise too"),
-    ('framework = "torch"\n' + DP_SGD, "torch.func, which is not supported yet"),
     ("dp_sgd = { max_norm = 0 }", "'dp_sgd' max_norm must be a number > 0")])
 def test_dp_sgd_settings_it_cannot_honour_are_refused_naming_the_reason(tmp_path, g_extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from distgrad.cut import Cut
-from distgrad.errors import NoiseReuseError, PeerRejected
+from distgrad.errors import NoiseReuseError, PeerRejected, ProtocolError
 from distgrad.privacy.releases import NOISE_SECRET_VARIABLE, NoiseLedger, fresh_secret
 
 from conftest import run_main
@@ -79,7 +79,6 @@ def test_the_ledger_refuses_other_values_for_a_step_and_keeps_releases_through_a
         ledger.release(1, "s", "bb", np.array([0, 1]))
     ledger.release(2, "s", "cc", np.array([1, 2]))
     saved = ledger.arrays(1)                                 # the checkpoint of step 1: step 2 still pending
-    ledger.checkpointed(1)
     ledger.restore(1, saved["privacy/releases"], [], 1)      # back to step 1: step 2 was released already
     assert ledger.counts.tolist() == [1, 2, 1]
     with pytest.raises(NoiseReuseError):
@@ -248,3 +247,48 @@ def test_a_release_recorded_after_a_torn_line_outlives_the_next_kill_9(tmp_path,
         steps(endpoint3, 4, 5, run=run, step=3)
     hs[4] = _activations(4)
     np.testing.assert_array_equal(steps(endpoint3, 4, 5, run=run, step=3)[1], fifth)
+
+
+
+def test_a_forward_resent_while_it_waits_for_its_turn_counts_as_what_the_step_received(tmp_path):
+    """Client 1's forward arrives during client 0's turn and waits; sent again with other activations
+    before its turn, it replaces the first. The step is computed on the second: a later resend of the second
+    is answered from the reply cache with the same reply, a resend of the first (not what the step received)
+    is refused."""
+    from distgrad.config.parse import load_experiment
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    from distgrad.wire import messages as wire
+
+    from handshake import hello_message, only_reply
+    from test_defenses import _defended
+
+    exp = load_experiment(_defended(tmp_path, "digits-clients", {1: G_CLIP}, "clients.toml"))
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
+
+    def forward(c: int, seed: int) -> wire.Message:   # as received: decoded from its frames
+        msg = wire.Message(wire.FORWARD, f"run{c}", 1, tensors={"activation": _activations(seed)[:32]})
+        return wire.decode(wire.encode(msg))
+
+    def answer(c: int, msg: wire.Message) -> list:
+        replies = server.handle(peers[c], msg, 0.0)
+        while True:
+            more = server.settle()
+            if not more:
+                return replies
+            replies += more
+
+    assert answer(1, forward(1, 1)) == []               # not its turn: it waits
+    assert answer(1, forward(1, 2)) == []               # sent again, other activations: replaces the first
+    computed = [reply for reply in answer(0, forward(0, 0)) if reply[0] == peers[1]]
+    assert len(computed) == 1 and computed[0][1].type == wire.BACKWARD
+    again = only_reply(answer(1, forward(1, 2)))
+    assert again.type == wire.BACKWARD
+    assert again.tensors.keys() == computed[0][1].tensors.keys()
+    for name, tensor in again.tensors.items():
+        np.testing.assert_array_equal(tensor, computed[0][1].tensors[name])
+    with pytest.raises(ProtocolError, match="sent again with other activations"):
+        answer(1, forward(1, 1))

@@ -100,6 +100,17 @@ def _vertical_sum() -> tuple[dict, str]:
     return raw, source
 
 
+def _vertical_sum_stage_file(tmp_path: Path, stage: str) -> tuple[dict, str]:
+    """``stage``'s file of ``_vertical_sum``."""
+    from distgrad.config.tomlfile import read_toml
+    folder = tmp_path / "vertical-sum-parts"
+    if not folder.is_dir():
+        raw, source = _vertical_sum()
+        split_experiment(parse_experiment(raw, source), folder)
+    path = folder / stage / f"{stage}.toml"
+    return read_toml(path), str(path)
+
+
 def _stage_file(tmp_path: Path, name: str, stage: str) -> tuple[dict, str]:
     from distgrad.config.tomlfile import read_toml
     folder = tmp_path / f"{name}-parts"
@@ -168,6 +179,9 @@ def _changes(tmp_path: Path) -> dict[tuple[str, str], tuple[tuple[dict, str], Ca
     changes[("interface", "stages")] = (file_f, _set("interface.stages", ["f", "h"]))
     changes[("interface", "aggregate")] = (_stage_file(tmp_path, "vertical-classify", "a"),
                                            _set("interface.aggregate", "sum"))
+    changes[("top", "secure_aggregation")] = (_vertical_sum(), _set("secure_aggregation", True))
+    changes[("interface", "secure_aggregation")] = (_vertical_sum_stage_file(tmp_path, "a"),
+                                                    _set("interface.secure_aggregation", True))
     for key, (name, value) in _STAGE_VALUES.items():
         changes[("stages", key)] = (_combined(name), _set(f"stages.0.{key}", value))
     changes[("stages", "name")] = (digits, _set("stages.0.name", "e"))

@@ -326,7 +326,7 @@ def test_split_keeps_every_key_of_a_stage_table(tmp_path):
     shared = set(schema.COMBINED_STAGE_KEYS) & set(schema.STAGE_KEYS)
     # marvell needs a two-class task (digits has ten): test_defenses reads back what split writes of it
     # bottom needs a vertical experiment: test_active_party runs what split writes of it
-    # dp_sgd needs a numpy layer list (this experiment's stages are torch): test_budget splits it
+    # dp_sgd needs the label owner's clip_noise too: test_budget splits it
     untried = shared - set_keys - {"framework", "model", "columns", "device", "label_dp", "nopeek", "marvell",
                                    "bottom", "dp_sgd"}
     assert not untried, f"give these keys a value here: {sorted(untried)}"

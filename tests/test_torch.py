@@ -409,3 +409,21 @@ def test_without_torch_a_torch_stage_says_how_to_install_it(monkeypatch, tmp_pat
     with pytest.raises(ConfigError, match=r"pip install 'distgrad\[torch\]'"):
         Stage.from_experiment(exp, "f")
     assert type(Stage.from_experiment(exp, "g")) is Stage     # numpy stages do not need it
+
+
+def test_an_array_of_another_dtype_crosses_into_torch_in_one_copy():
+    """A target of another dtype (int32 class ids for an int64 loss) is converted while copied into torch's
+    memory: no numpy copy of it first (tracemalloc sees numpy's arrays, not torch's), and the same values."""
+    import tracemalloc
+
+    from distgrad.stage.torch_stage import _tensor
+
+    labels = np.arange(1 << 20, dtype=np.int32) % 10
+    tracemalloc.start()
+    try:
+        tensor = _tensor(labels, np.int64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < labels.nbytes, f"a numpy copy of {peak} bytes was made on the way"
+    assert tensor.dtype == torch.int64 and torch.equal(tensor, torch.from_numpy(labels.astype(np.int64)))

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.config.experiment import Experiment
+from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
+from distgrad.model.losses import TorchLoss
 from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import NoiseLedger, digest, fresh_secret
@@ -149,17 +150,21 @@ def check_defenses(exp: Experiment) -> None:
 
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
-    (whose sigma and budget it shares), numpy layers without batch statistics or dropout (each example is
-    forwarded alone), one data owner's rows or vertical parties without a bottom model of its own."""
+    (whose sigma and budget it shares), layers without batch statistics or dropout (each example is forwarded
+    alone; a torch module's are checked when it is built, ``torch_stage.per_example_refusal``), a loss whose
+    mean is over the rows, one data owner's rows or vertical parties without a bottom model of its own."""
     where = f"stage {stage!r}: 'dp_sgd'"
     spec = exp.spec(stage)
     if not label_owner_sends_gradients(exp, stage):
         raise ConfigError(f"{where} is the label owner's own update (its labels); {stage!r} is not the label owner")
     if spec.defenses.clip_noise is None:
         raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
-    if spec.framework != "numpy" or spec.module is not None:
-        raise ConfigError(f"{where} needs each example's parameter gradient; a torch stage would compute them with "
-                          f"torch.func, which is not supported yet: use numpy layers")
+    loss = stage_loss(spec)
+    weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
+    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+        raise ConfigError(f"{where}: {loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides "
+                          f"by the batch's total weight, which each example's label changes, so no example's "
+                          f"gradient is its own: use reduction = \"sum\"")
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
                           f"one label owner, counted apart")

@@ -32,6 +32,7 @@ import numpy as np
 
 from distgrad.model.aggregate import OwnBottom, combined_shape
 from distgrad.wire.codecs import Codec, parse_codec
+from distgrad.wire.masking import SecureSumCodec
 from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, ReleasedLabels, build_data
 from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
@@ -165,6 +166,7 @@ class Experiment:
     activation_codec: str = "none"             # how activations cross the wire (``distgrad.wire.codecs``, canonical)
     gradient_codec: str = "none"               # how activation gradients cross it
     send_rows: bool = False                    # every training forward carries its rows' numbers (``rows``)
+    secure_aggregation: bool = False           # vertical sum/mean: the label owner sees only the parties' sum
     flag_origins: tuple[tuple[str, str], ...] = ()   # interface fields a command-line flag set, and the flag
     # Values derived from the fields above, computed once (see ``final_loss``, ``interface_parts``).
     _derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -185,7 +187,11 @@ class Experiment:
     def codecs(self) -> dict[str, Codec]:
         """The wire codec of each direction: ``{"activation": ..., "activation_grad": ...}``
         (``distgrad.wire.wirecodec``)."""
-        return {"activation": parse_codec(self.activation_codec), "activation_grad": parse_codec(self.gradient_codec)}
+        if self.secure_aggregation:      # the parties' fixed-point parts, unmasked (``distgrad.wire.masking``)
+            activation: Codec = SecureSumCodec(len(self.data_owners))
+        else:
+            activation = parse_codec(self.activation_codec)
+        return {"activation": activation, "activation_grad": parse_codec(self.gradient_codec)}
 
     def with_codecs(self, activation: str | None = None, gradient: str | None = None) -> "Experiment":
         """This experiment with the codecs ``--activation-codec`` / ``--gradient-codec`` give (None: the
@@ -204,6 +210,7 @@ class Experiment:
                                   _derived={},
                                   flag_origins=(*self.flag_origins, *flags))
         check_codecs(exp)
+        check_secure_aggregation(exp)
         return exp
 
     @property
@@ -512,6 +519,7 @@ class Experiment:
                      **({"aggregate": self.aggregate} if self.vertical else {}),
                      **({"staleness": self.staleness} if self.staleness else {}),
                      **({"send_rows": True} if self.send_rows else {}),
+                     **({"secure_aggregation": True} if self.secure_aggregation else {}),
 
                      # Only when set, so that experiments without codecs keep their fingerprints.
                      **({"activation_codec": self.activation_codec} if self.activation_codec != "none" else {}),
@@ -617,6 +625,34 @@ def check_codecs(exp: "Experiment") -> None:
             except ConfigError as e:
                 raise ConfigError(f"{key} {codec.name!r} cannot carry activation {i + 1} of shape {tuple(cut)}: "
                                   f"{e}") from e
+
+
+def check_secure_aggregation(exp: "Experiment") -> None:
+    """Raise ``ConfigError`` with the reason when ``secure_aggregation`` is on where it cannot hide the
+    parties' embeddings: it needs aggregate = sum or mean (concat hands the label owner each party's own
+    columns), two or more feature parties (the sum of one is its embedding), the parties' embeddings alone
+    (not a label owner's own 'bottom'), no activation codec (the masked integers cross exactly), finite
+    values (fixed point has no NaN)."""
+    if not exp.secure_aggregation:
+        return
+    why = None
+    if not exp.vertical:
+        why = "it hides each feature party's embedding in their sum: give aggregate = \"sum\" or \"mean\""
+    elif exp.aggregate not in ("sum", "mean"):
+        why = (f"aggregate = {exp.aggregate!r} hands the label owner each party's own embedding; only \"sum\" "
+               f"and \"mean\" can hide them in their sum")
+    elif len(exp.data_owners) < 2:
+        why = "the sum of one feature party's embedding is that embedding: it needs two or more feature parties"
+    elif exp.own_bottom:
+        why = ("the label owner's own 'bottom' joins the parties' embeddings in the clear; secure aggregation "
+               "hides the feature parties' embeddings only: leave out 'bottom' (or secure_aggregation)")
+    elif exp.activation_codec != "none":
+        why = (f"the masked integers must cross exactly, so activation_codec {exp.activation_codec!r} cannot "
+               f"carry them (use \"none\")")
+    elif exp.allow_nonfinite:
+        why = "fixed point has no NaN or Inf: allow_nonfinite cannot be kept"
+    if why is not None:
+        raise ConfigError(f"secure_aggregation: {why}")
 
 
 def softmax_cross_entropy(loss: Loss) -> bool:

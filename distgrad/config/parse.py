@@ -19,7 +19,7 @@ from distgrad.config.data import ColumnView, DataSource, build_data
 from distgrad.config.defended import check_defenses
 from distgrad.errors import ConfigError
 from distgrad.config.experiment import (BUILTIN_DIR, FILE_KINDS, FRAMEWORKS,
-                                        builtin_names, check_codecs, check_evaluation_keys,
+                                        builtin_names, check_codecs, check_evaluation_keys, check_secure_aggregation,
                                         check_send_rows, check_staleness, check_targets, Clients,
                                         Experiment, file_error, interface_differences, loss_reduction, StageSpec, value_digest)
 from distgrad.model.nn import Sequential, Shape, build_model
@@ -263,7 +263,8 @@ def _experiment(settings: Mapping[str, Any], raw: dict[str, Any], source: str, d
                       reduction, settings["micro_batches"], settings["eval_every"], settings["epochs"],
                       settings["description"], target, aggregate=aggregate,
                       activation_codec=settings["activation_codec"], gradient_codec=settings["gradient_codec"],
-                      staleness=settings["staleness"], send_rows=settings["send_rows"])
+                      staleness=settings["staleness"], send_rows=settings["send_rows"],
+                      secure_aggregation=settings["secure_aggregation"])
 
 
 def _steps(settings: Mapping[str, Any], data: DataSource | None) -> int:
@@ -402,6 +403,7 @@ def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
         check_staleness(exp, exp.staleness)
         check_send_rows(exp)
         check_codecs(exp)
+        check_secure_aggregation(exp)
         check_defenses(exp)
         if any(spec.bottom is not None for spec in exp.stages) and not exp.vertical:
             raise ConfigError(f"stage {exp.stage_names[-1]!r}: 'bottom' is the label owner's own bottom model in a "

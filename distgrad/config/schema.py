@@ -82,6 +82,13 @@ SHARED_KEYS: dict[str, Key] = {
                   "the same rows (see 'columns'), and the last stage, which holds the labels, combines the parties' "
                   "embeddings of a step before its own model: side by side in party order (concat), or their sum "
                   "or mean; each party gets back exactly the gradient of its own embedding"),
+    "secure_aggregation": Key(FLAG, default=False, help=
+                           "with aggregate = \"sum\" or \"mean\" and two or more feature parties: each party adds "
+                           "pairwise masks (from X25519 keys it shares with every other party) to its embedding in "
+                           "fixed point (2**-32 units), so the label owner sees only the parties' sum, exactly. "
+                           "Each party runs with CURVE (--curve-secret) and --party-keys DIR holding every other "
+                           "party's NAME.key. Not with concat, a label owner's 'bottom', an activation_codec, "
+                           "allow_nonfinite, the cut library or predictions (docs/privacy.md)"),
     "activation_codec": Key(CODEC, default="none", help=
                          "how activations cross the wire: none (float32), float16, bfloat16, int8 (per row, with a "
                          "float32 scale), topk:K (per row the K largest magnitudes) or topk:K+ef (with error feedback: "
@@ -273,8 +280,9 @@ _STAGE_COMMON: dict[str, Key] = {
                "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
                "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
                "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
-               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers "
-               "without batch norm or dropout; not with [clients] or a bottom model of its own"),
+               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers, "
+               "or a torch stage (layer list or module: per-example gradients by torch.func), without batch norm "
+               "or dropout; not with [clients] or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

@@ -90,6 +90,8 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
         table["clients"] = dict(raw["clients"])
     if exp.aggregate is not None:
         table["aggregate"] = exp.aggregate
+    if exp.secure_aggregation:
+        table["secure_aggregation"] = True
     for key in ("activation_codec", "gradient_codec"):
         if getattr(exp, key) != "none":
             table[key] = getattr(exp, key)

@@ -14,6 +14,14 @@ party exactly the gradient of its own embedding:
 
 The in-process reference and the serving stage call these same functions in
 the same order, so a vertical run over the wire is bitwise equal to it.
+
+With ``secure_aggregation`` (``sum`` and ``mean`` only) every party's
+embedding is first rounded to fixed point (``quantise``: int64 of
+``round(x * 2**FRACTION_BITS)``, as uint64 bits) and the parts are added as
+integers modulo 2**64 (``combine_fixed``): pairwise masks a party adds to its
+part over the wire (``distgrad.wire.masking``) cancel exactly in that sum,
+and the in-process reference adds the unmasked integers, so the two stay
+bitwise equal. The total becomes float32 once, at the end (``dequantise``).
 """
 
 from __future__ import annotations
@@ -23,10 +31,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distgrad.errors import ConfigError
+from distgrad.errors import CodecRangeError, ConfigError
 from distgrad.model.nn import DTYPE, ForwardContext, Grads, Layer, Sequential, Shape
 
 AGGREGATES = ("concat", "sum", "mean")
+SECURE_AGGREGATES = ("sum", "mean")     # the aggregates ``secure_aggregation`` can hide the parts of
+FRACTION_BITS = 32      # fixed point of secure aggregation: a unit is 2**-32 (about 2.3e-10)
+SUM_BITS = 62           # the parts' exact total stays below 2**62 in magnitude: no int64 overflow
+SECURE_SUM = "secure_sum"   # the name secure aggregation's values cross the wire under (its codec's)
 
 
 def combined_shape(kind: str, shapes: Sequence[Shape]) -> Shape:
@@ -123,9 +135,14 @@ class OwnBottom(Layer):
         return dx, grads
 
 
-def join_input(parts: Sequence[np.ndarray], own: np.ndarray | None, kind: str) -> np.ndarray:
+def join_input(parts: Sequence[np.ndarray], own: np.ndarray | None, kind: str, secure: bool = False) -> np.ndarray:
     """The label owner's input: the parties' embeddings combined, or (a label owner with its own
-    ``bottom``) them and its own feature columns side by side, for ``OwnBottom`` to combine."""
+    ``bottom``) them and its own feature columns side by side, for ``OwnBottom`` to combine. ``secure``:
+    the parts are fixed point (``combine_fixed``; no own columns then)."""
+    if secure:
+        if own is not None:
+            raise ConfigError("secure aggregation does not combine the label owner's own 'bottom'")
+        return combine_fixed(kind, parts)
     if own is None:
         return combine(kind, parts)
     return np.concatenate([*parts, own.astype(DTYPE, copy=False)], axis=-1)
@@ -136,3 +153,47 @@ def split_input(grad: np.ndarray, own: bool, kind: str, widths: Sequence[int]) -
     if not own:
         return split(kind, grad, widths)
     return columns(grad, widths)
+
+
+def fixed_point_limit(parties: int) -> float:
+    """The largest magnitude a party's embedding value may have under secure aggregation of ``parties``
+    parts: ``2**(SUM_BITS - FRACTION_BITS) / parties`` (2**30 / K, about 1.07e9 / K), so that the exact
+    total of the K rounded parts fits in int64."""
+    return float(2.0 ** (SUM_BITS - FRACTION_BITS) / parties)
+
+
+def quantise(x: np.ndarray, parties: int, tensor: str = "activation", step: int = 0) -> np.ndarray:
+    """float32 ``x`` in fixed point: ``round(x * 2**FRACTION_BITS)`` (half to even, computed exactly in
+    float64) as the uint64 bits of that int64. Raises ``CodecRangeError`` naming the first value that is
+    NaN, infinite or beyond ``fixed_point_limit(parties)`` (``tensor`` and ``step`` name it)."""
+    wide = np.asarray(x, np.float64)
+    limit = fixed_point_limit(parties)
+    bad = ~(np.abs(wide) < limit)                # NaN compares False: it is bad too
+    if bad.any():
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), wide.shape))
+        raise CodecRangeError(SECURE_SUM, tensor, step,
+                              f"value {float(wide[index])!r} at index {index} cannot be summed securely: secure "
+                              f"aggregation of {parties} parties carries finite values of magnitude below "
+                              f"{limit:.6g} (2**{SUM_BITS - FRACTION_BITS} / {parties})")
+    return np.rint(np.ldexp(wide, FRACTION_BITS)).astype(np.int64).view(np.uint64)
+
+
+def dequantise(total: np.ndarray) -> np.ndarray:
+    """The float32 of a fixed-point total (uint64 bits of an int64): ``float32(float64(t) * 2**-F)``."""
+    return np.ldexp(total.view(np.int64).astype(np.float64), -FRACTION_BITS).astype(DTYPE)
+
+
+def combine_fixed(kind: str, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The label owner's float32 input from the parties' fixed-point parts (``quantise``'s, masked or
+    not: int64 or uint64 bits), added modulo 2**64 in party order; ``mean`` divides by ``float32(K)``
+    after, as ``combine`` does. Masks that cancel pairwise leave exactly the unmasked total."""
+    if kind not in SECURE_AGGREGATES:
+        raise ConfigError(f"secure aggregation adds the parties' embeddings: aggregate must be one of "
+                          f"{list(SECURE_AGGREGATES)}, got {kind!r}")
+    total = np.array(parts[0], copy=True).view(np.uint64)
+    for part in parts[1:]:
+        total += np.asarray(part).view(np.uint64)        # wraps modulo 2**64 by design
+    result = dequantise(total)
+    if kind == "mean":
+        result = result / DTYPE(len(parts))
+    return result

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.model.buffers import REUSE_MIN_BYTES, BufferRing
 from distgrad.model.nn import DTYPE, Shape
 
 
@@ -65,16 +66,23 @@ def sigmoid(pred: np.ndarray) -> np.ndarray:
 class SumSquaredError(Loss):
     """``sum((pred - target)**2)``: the seed's ``tf.square(output - y)`` over its one element.
 
-    The gradient is ``(pred - target) * 2``, TensorFlow's Square gradient.
+    The gradient is ``(pred - target) * 2``, TensorFlow's Square gradient. For a prediction and target of the
+    same float32 shape it is written into an array of ``BufferRing`` (the same values): a large gradient of a
+    fixed shape is then not allocated afresh every step once nothing holds the last one.
     """
 
     reduction = "sum"
 
     def __init__(self) -> None:
         self._square: np.ndarray | None = None     # reused for diff * diff (never returned)
+        self._gradients = BufferRing()
 
     def forward_backward(self, pred: np.ndarray, target: np.ndarray) -> tuple[np.float32, np.ndarray]:
-        diff = pred - target
+        if (type(pred) is np.ndarray and pred.nbytes >= REUSE_MIN_BYTES and type(target) is np.ndarray
+                and pred.dtype == DTYPE and target.dtype == DTYPE and pred.shape == target.shape):
+            diff = np.subtract(pred, target, out=self._gradients.take(pred.shape, pred.dtype))
+        else:
+            diff = pred - target
         square = self._square
         if square is None or square.shape != diff.shape or square.dtype != diff.dtype:
             square = self._square = np.empty_like(diff)

@@ -199,12 +199,6 @@ class NoiseLedger:
         return {COUNTS: self.counts - self._pending_counts(step),
                 **({HELD_OUT: np.array([n for pair in counted for n in pair], np.int64)} if counted[0][0] else {})}
 
-    def checkpointed(self, step: int) -> list[Release]:
-        """Step ``step`` is checkpointed: return every release of the run, for the file. None is forgotten:
-        a rollback may go back behind this checkpoint (to an older one, or to step 0, when the peer holds
-        no newer step), and the steps after it were released all the same."""
-        return list(self.pending.values())
-
     def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
                 held_out: np.ndarray | None = None) -> None:
         """Back to the checkpoint of ``step`` of the same run: its ``secret`` and ``counts`` (None: none

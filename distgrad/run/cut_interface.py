@@ -262,7 +262,9 @@ def _check_supported(side: CutSide, source: str) -> None:
                "clients": (exp.federated and exp.clients.mode != "separate",
                            f"[clients] mode = {exp.clients.mode!r} (the data owners' models averaged; only "
                            f"'separate' is)"),
-               "aggregate": (exp.vertical and exp.federated, "vertical parties and [clients] together")}
+               "aggregate": (exp.vertical and exp.federated, "vertical parties and [clients] together"),
+               "secure_aggregation": (exp.secure_aggregation, "secure aggregation (the feature parties' pairwise "
+                                                              "masks)")}
     for key, (bad, what) in refused.items():
         if bad:
             raise ConfigError(f"{source}: the cut library does not support {what} yet: its loops keep the "

@@ -40,6 +40,7 @@ from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_d
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, Traffic
 from distgrad.wire.messages import ErrorCode, Message
+from distgrad.wire.masking import SecureSumCodec
 from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, stream_name
 
 BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
@@ -111,15 +112,26 @@ class _Driver:
         # (step, batch), and the applied steps not yet reported (``_after_step`` queues them for ``_report``).
         self.next_batch: tuple[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] | None = None
         self.unreported: list[tuple[int, float | None, float, dict[str, Any] | None, dict[str, Any]]] = []
+        # Decisions fixed for the run, taken once rather than asked of the experiment and stage every step
+        # (the lockstep step's path is short: ``step_once``). Whether the rate follows the evaluations
+        # depends on the stage file's schedule, which a rollback's rebuilt stage keeps.
+        self.labels_travel, self.send_rows, self.vertical = exp.labels_travel, exp.send_rows, exp.vertical
+        self.plateau = self.state.stage.plateau
+        self.may_owe = self.holds_out and (self.plateau or self.vertical)     # ``_owes_evaluation`` can be True
+        self.micro_batches, self.auto_staleness = opts.micro_batches, opts.auto_staleness
 
     def handshake(self) -> None:
         """Hello/welcome; afterwards every stage stands at the newest step they all hold."""
         stage = self.state.stage
         held = self.state.held()
-        common = self.link.handshake(handshake.hello(
+        hello = handshake.hello(
             self.exp, self.opts.stage, self.opts.seed, stage.output_shape, self.state.run_id, held, self.steps,
             self.opts.micro_batches, self.opts.client, self.eval_every if self.holds_out else 0,
-            staleness=self.staleness), self.opts.client)
+            staleness=self.staleness)
+        masked = self.state.senders.codec(ACTIVATION)
+        if isinstance(masked, SecureSumCodec) and masked.masks is not None:
+            hello.body["mask_tags"] = masked.masks.tags()   # the label owner checks that every pair agrees
+        common = self.link.handshake(hello, self.opts.client)
         self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)
@@ -151,14 +163,17 @@ class _Driver:
         Once the first forwards are sent it does what needs no reply
         (``_while_waiting``). With staleness S > 0, ``_step_in_flight`` instead.
         """
-        if self.opts.auto_staleness and self.probe is None:
+        if self.auto_staleness and self.probe is None:
             self._probe_step()
             return
         if self.staleness:
             self._step_in_flight()
             return
-        stage, engine, count = self.state.stage, self.state.engine, self.opts.micro_batches
+        stage, engine, count = self.state.stage, self.state.engine, self.micro_batches
         step = stage.step + 1
+        if count == 1 and not (self.average_every and step % self.average_every == 0):
+            self._lockstep_step(step)
+            return
         batch = self._batch(step)
         window = self.window
         pending: dict[tuple[int, int], Message] = {}
@@ -180,6 +195,21 @@ class _Driver:
         self.loss = engine.apply_step(step, count, micro_batches(),
                                       between=(lambda: self._average(step)) if averaging else None)
 
+    def _lockstep_step(self, step: int) -> None:
+        """``step_once`` of a step of one micro-batch, in lockstep (no steps in flight, no average after it):
+        the same messages, checks and update in the same order, without the machinery of a window of
+        micro-batches (the common case, so the one whose per-step cost counts most)."""
+        engine = self.state.engine
+        msg, cache = self._forward(step, 0, self._batch(step))
+        pending = {(step, 0): msg}
+        self.link.arrived.clear()
+        self.link.send(msg)
+        self._while_waiting(step)
+        loss, dy = self._reply(pending, step, 0)
+        _, grads = engine.stage.backward(cache, dy, need_dx=False)
+        engine.add(0, 1, grads, loss)
+        self.loss = engine.update(step, 1)
+
     def _send(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None],
               pending: dict[tuple[int, int], Message], caches: dict[int, Any]) -> None:
         """Send the forward of micro-batch ``i`` of step ``step``; keep the request in ``pending`` and the
@@ -193,7 +223,8 @@ class _Driver:
         replies are awaited, instead of between a reply and the next forward: the reports of the steps
         applied so far (``_report``), and the batch of step ``last_sent + 1`` (a function of the step alone,
         not of the parameters), which ``_batch`` then returns."""
-        self._report()
+        if self.unreported:
+            self._report()
         if last_sent < self.steps and (self.next_batch is None or self.next_batch[0] != last_sent + 1):
             self.next_batch = (last_sent + 1, self._fetch_batch(last_sent + 1))
 
@@ -204,21 +235,21 @@ class _Driver:
 
     def _fetch_batch(self, step: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Step ``step``'s features, its targets when they travel, and its row numbers with ``send_rows``."""
-        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.exp.labels_travel else None
+        targets = np.asarray(self.data.targets(step), self.target_dtype) if self.labels_travel else None
         # send_rows is refused for data without numbered rows (``check_send_rows``); ``step_rows`` is theirs
         # (``RowBatches``, forwarded by ``ColumnView``'s __getattr__), not ``DataSource``'s.
         rows = (np.asarray(self.data.step_rows(step), ROWS_DTYPE)  # type: ignore[attr-defined]
-                if self.exp.send_rows else None)
+                if self.send_rows else None)
         return self.data.features(step), targets, rows
 
     def _forward(self, step: int, i: int, batch: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
                  ) -> tuple[Message, Any]:
         """Micro-batch ``i`` of step ``step`` forward through this stage: the message and the cache."""
         features, targets, rows = batch
-        count = self.opts.micro_batches
-        y, cache = self.state.stage.forward(micro_batch(features, i, count), i)
+        count = self.micro_batches
+        y, cache = self.state.engine.stage.forward(micro_batch(features, i, count), i)
         # This stage computes on with ``y`` itself; only what crosses is coded.
-        return forward_message(self.state.senders, self.state.run_id, step, i, count, y, self.streams[i],
+        return forward_message(self.state.engine.senders, self.state.run_id, step, i, count, y, self.streams[i],
                                target=None if targets is None else micro_batch(targets, i, count),
                                rows=None if rows is None else micro_batch(rows, i, count)), cache
 
@@ -388,7 +419,7 @@ class _Driver:
         """After each applied step: the evaluation when it is due (its verdicts may end the run here), then
         the step's record (with the evaluation's scores) queued for ``_report``. The record is queued even
         when the evaluation fails (without its scores): the step was applied."""
-        step, now, loss = self.state.stage.step, time.perf_counter(), self.loss
+        step, now, loss = self.state.engine.stage.step, time.perf_counter(), self.loss
         record = None
         if self.writers:
             wait = self.traffic.wait_s - self.wait_before
@@ -400,7 +431,7 @@ class _Driver:
                 "g_compute_s": self.g_compute_s - self.g_before}
         test: dict[str, Any] = {}
         try:
-            if self._evaluation_due(step):
+            if self.holds_out and self._evaluation_due(step):
                 test.update((key, value) for key, value in self.evaluate().items() if key != "step")
         finally:
             if self.leaks:
@@ -507,10 +538,12 @@ class _Driver:
         """A feature party back in a vertical run at a step whose evaluation it has not taken: the stage
         below waits for every party's held-out embeddings of that step before the next step. A stage with
         ReduceLROnPlateau back at a step whose evaluation its scheduler has not taken owes it too."""
+        if not self.may_owe:
+            return False                # nothing is owed without held-out rows (``_evaluation_due``)
         step = self.state.stage.step
-        if self.state.stage.plateau and 0 < step < self.steps and self._evaluation_due(step):
+        if self.plateau and 0 < step < self.steps and self._evaluation_due(step):
             return self.state.plateau_at < step     # its scheduler steps on that evaluation before the next update
-        return (self.exp.vertical and 0 < step < self.steps and self._evaluation_due(step)
+        return (self.vertical and 0 < step < self.steps and self._evaluation_due(step)
                 and not (self.evaluations and self.evaluations[-1]["step"] == step))
 
     def _run(self) -> None:
@@ -519,7 +552,7 @@ class _Driver:
         self.started = self.last_report = time.perf_counter()
         self.last_step = self.state.stage.step
         while True:
-            stage = self.state.stage
+            stage = self.state.engine.stage
             self.step_started, self.wait_before, self.g_before = (time.perf_counter(), self.traffic.wait_s,
                                                                   self.g_compute_s)
             try:
@@ -534,7 +567,7 @@ class _Driver:
                     self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
                     self.state.save_parameters()
                     return
-                if self._owes_evaluation():
+                if self.may_owe and self._owes_evaluation():
                     self.evaluate()
                     continue
                 self.step_once()

@@ -226,7 +226,8 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
         outputs = [engine.stage.forward(micro_batch(x, i, micro_batches), i) for engine, x in zip(parties, features)]
         z = aggregate.join_input([_cross(engine, ACTIVATION, y, i, micro_batches, step)
                                   for engine, (y, _) in zip(parties, outputs)],
-                                 None if own is None else micro_batch(own, i, micro_batches), kind)
+                                 None if own is None else micro_batch(own, i, micro_batches), kind,
+                                 exp.secure_aggregation)
         mb_loss, dz, grads = stage.loss_micro_batch(z, micro_batch(targets, i, micro_batches), i)
         stage.check_finite("loss", mb_loss, step)
         stage.check_finite("activation_grad", dz, step)
@@ -253,7 +254,8 @@ def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data:
     z = aggregate.join_input([sent.evaluation_roundtrip(party.forward(d.test_features()[part], training=False)[0],
                                                         step + 1, purpose)
                               for party, d, sent in zip(parties, data, senders)],
-                             labels.test_features()[part] if exp.own_bottom else None, exp.aggregate_kind)
+                             labels.test_features()[part] if exp.own_bottom else None, exp.aggregate_kind,
+                             exp.secure_aggregation)
     return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
                              labels.validation_count, final)
 

@@ -27,7 +27,6 @@ from distgrad.errors import ConfigError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.parse import load_experiment, parse_init_overrides
-from distgrad.wire.transport import DEFAULT_TIMEOUT_S
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
@@ -39,6 +38,8 @@ GUARD_EXIT = 5              # a stage's exit code when its input_guard stopped i
 ABORTED_EXIT = 4            # a stage's exit code when its peer refused it or stopped and said why
 ABORT_GRACE_S = 2.0         # how long the others then get to exit with their own reason (a guard's stop)
 STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit before SIGKILL
+FINISH_GRACE_S = 30.0       # once one stage has finished, how long the others may take to follow: writing the
+                            # summary and parameters and a torch interpreter's exit take seconds on a loaded machine
 WAIT_TICK_S = 0.05
 
 
@@ -320,8 +321,9 @@ def plan_processes(exp: Any, experiment: str | Path | Sequence[str | Path], tmp:
             metrics[name] = stage_metrics_path(metrics_path, name)
         if tensorboard_dir is not None and name not in boards:
             boards[name] = tensorboard_dir / name
+    # Secure aggregation masks with the parties' CURVE key pairs: it always runs with CURVE.
     curve = (_curve_flags(tmp / "keys", exp, [(label, stage) for label, stage, _, _ in processes])
-             if secure else {label: [] for label, _, _, _ in processes})
+             if secure or exp.secure_aggregation else {label: [] for label, _, _, _ in processes})
     planned = []
     for label, stage, client, driving in processes:
         summary, trace_file = tmp / f"{label}.summary.json", tmp / f"{label}.trace.jsonl"
@@ -518,6 +520,8 @@ def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]
             flags[process] += ["--allow", str(directory / f"allowed-by-{process}")]
         if stage != last:
             flags[process] += ["--server-key", str(keys[exp.downstream(stage)][0])]
+        if exp.secure_aggregation and stage in exp.data_owners:     # the other parties' public keys
+            flags[process] += ["--party-keys", str(directory / f"allowed-by-{last}")]
     return flags
 
 
@@ -537,8 +541,9 @@ def _wait_ready(child: _Child, ready: Path, bind: str, check_stop: Callable[[], 
 def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
     """Wait until every child exits 0; raise ``StageError`` as soon as one fails.
 
-    Once one stage has finished, the others get ``STOP_GRACE_S`` plus the
-    stage timeout to follow (the server exits after the driver's bye).
+    Once one stage has finished, the others get ``FINISH_GRACE_S`` to follow
+    (the server exits after the driver's bye; the driver writes its summary
+    and parameters after the last reply), then ``StageError`` names them.
     """
     first_done: float | None = None
     aborted_at: float | None = None       # when a stage exited because its peer stopped and told it why
@@ -560,7 +565,7 @@ def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
             return
         if any(code == 0 for code in codes):
             first_done = first_done or time.monotonic()
-            if time.monotonic() - first_done > STOP_GRACE_S + DEFAULT_TIMEOUT_S:
+            if time.monotonic() - first_done > FINISH_GRACE_S:
                 late = [c.name for c, code in zip(children, codes) if code is None]
                 raise StageError(f"stage(s) {late} still running long after the others finished")
         time.sleep(WAIT_TICK_S)

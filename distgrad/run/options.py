@@ -96,6 +96,7 @@ class StageOptions:
     save_path: Path | None = None      # write the final parameters here (--save)
     load_path: Path | None = None      # start from the parameters in this file (--load)
     privacy_meter: bool = False        # --privacy-meter: meter what this stage sends (see Experiment.metered)
+    party_keys: Path | None = None     # a feature party of secure aggregation: the other parties' NAME.key files
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None

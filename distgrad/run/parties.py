@@ -16,7 +16,7 @@ import numpy as np
 
 from distgrad.model import aggregate
 
-from distgrad.wire import messages as wire
+from distgrad.wire import masking, messages as wire
 from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join, Liveness, Scores, Take, Transition
 from distgrad.run.handshake import check_hello, common_step, same_exactly
@@ -37,6 +37,8 @@ class Parties(Topology):
         self.found = 0      # a hint: parties 0 .. found - 1 had sent their part of the micro-batch (``all_in``)
         self.widths = [self.input_shape(index)[-1] for index in range(count)]   # of each party's embedding
         self.aggregate = serving.exp.aggregate_kind     # how the parties' embeddings combine
+        self.secure = serving.exp.secure_aggregation    # their parts are masked fixed point (``masking``)
+        self.tags: dict[str, dict[str, str]] = {}       # secure: each party's hello's pair tags, by party
 
     def build_data(self, seed: int, stage: str) -> list[LabelSource]:
         """Every party's rows are the same rows: one label source."""
@@ -62,7 +64,10 @@ class Parties(Topology):
                                                     f"feature parties {s.parties}")
         assert isinstance(role, str)
         index = s.parties.index(role)
-        return check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
+        micro_batches = check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
+        if self.secure:
+            masking.read_tags(body.get("mask_tags"), s.parties, role)     # kept once ``join`` accepts the hello
+        return micro_batches
 
     def peer_index(self, body: dict[str, Any]) -> int:
         if "client" in body:
@@ -81,6 +86,9 @@ class Parties(Topology):
         common_step([0], held)                          # validates the list
         assert isinstance(held, list)
         self._check_join(peer, msg, mbs, eval_every, peer_key, now)
+        if self.secure:
+            name = s.parties[peer.index]
+            self.tags[name] = masking.read_tags(msg.body.get("mask_tags"), s.parties, name)
         live = s.stage.step
         common = max([step for step in set(s.state.held()) & set(held) if step <= live] or [0])
         if peer.run and peer.run != msg.run:
@@ -206,16 +214,18 @@ class Parties(Topology):
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
         rows = self.common_rows(peers, msgs)
-        if isinstance(rows, str):
-            return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, rows, mb, mbs))
+        refused = rows if isinstance(rows, str) else self.unpaired()
+        if refused is not None:     # nothing of the micro-batch is applied
+            return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, refused, mb, mbs))
                              for p, m in zip(peers, msgs)])
+        assert not isinstance(rows, str)
         try:
             if rows is None:
                 own = micro_batch(s.data[0].features(step), mb, mbs) if s.exp.own_bottom else None
             else:           # send_rows: the label owner's own columns of the rows the parties sent
                 own = s.data[0].features_at(rows) if s.exp.own_bottom else None
             target = self.micro_targets(0, step, mb, mbs, rows)
-            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate)
+            z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate, self.secure)
             mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
             stage.check_finite("loss", mb_loss, step)
             stage.check_finite("activation_grad", dz, step)
@@ -230,6 +240,13 @@ class Parties(Topology):
         answers = [(peer, Message(wire.BACKWARD, msg.run, step, mb, mbs, body=body, tensors=tensors))
                    for peer, msg, tensors in zip(peers, msgs, sent)]
         return Computed(answers, Gradients(peers, step, mb, mbs, grads_later, mb_loss, dz, self.client_of(peers), 0))
+
+    def unpaired(self) -> str | None:
+        """Secure aggregation: why two parties' masks would not cancel (their hellos' tags of their pair
+        differ; ``masking.check_tags``, in party order), else None."""
+        if not self.secure:
+            return None
+        return masking.check_tags({name: self.tags[name] for name in self.serving.parties if name in self.tags})
 
     def common_rows(self, group: tuple[Peer, ...], msgs: list[Message]) -> np.ndarray | str | None:
         """The rows every party's forward of a micro-batch carries (``send_rows``; None without), or, when
@@ -252,12 +269,15 @@ class Parties(Topology):
         evaluation (``link.is_final``): their test rows', scored with the kept model (``StageState.kept_model``)."""
         s = self.serving
         step, final = requests[0].step - 1, is_final(requests[0])
+        unpaired = self.unpaired()
+        if unpaired is not None:
+            return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps, final)
         data = s.data[0]
         try:
             part, _ = held_out_part(data.validation_count, final)
             own = data.test_features()[part] if s.exp.own_bottom else None
             with kept_model(s.stage, s.state.kept_model() if final else None):
-                z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate)
+                z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate, self.secure)
                 result = evaluate_held_out(s.stage, z, data.test_targets(), s.metrics, data.validation_count, final)
         except StageError as e:
             return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps, final)
@@ -299,8 +319,9 @@ class Parties(Topology):
     def lost_message(self) -> str:
         s, run = self.serving, self.run
         names = ", ".join(self.name(p) for p in self.missing(run.now)) or "a party"
+        unmask = "; with secure_aggregation the sum cannot be unmasked without every party's part" if self.secure else ""
         return (f"{names} silent for more than {s.opts.liveness_s + s.opts.peer_deadline_s:g} s at step {run.round}; "
-                f"giving up (a step needs every feature party)")
+                f"giving up (a step needs every feature party{unmask})")
 
     def completed_message(self, finished: dict[str, Any]) -> str:
         return f"run completed: {finished.get('rounds', 0)} steps with parties {self.serving.parties}"

@@ -56,6 +56,7 @@ from distgrad.wire import messages as wire
 from distgrad.config.defended import budget_text, held_out_budget
 from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
+from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
 from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
@@ -316,6 +317,18 @@ def _id_chunks(rows: NewRows, chunk_rows: int) -> Sequence[list[str] | None]:
     return chunks
 
 
+def check_predicts(exp: Experiment) -> None:
+    """Raise ``ConfigError`` for predictions an experiment cannot make: with ``secure_aggregation``, a party's
+    prediction chunks would cross under masks that repeat (every prediction numbers its chunks from 1, as
+    an evaluation numbers its step), so the label owner could subtract two of them."""
+    if exp.secure_aggregation:
+        raise ConfigError("predictions of an experiment with secure_aggregation are not supported: their masks "
+                          "would repeat between predictions, showing the label owner the difference of a "
+                          "party's embeddings. Score held-out rows with the run's evaluations instead, or predict "
+                          "with a copy of the stage files without secure_aggregation if the label owner may see "
+                          "each embedding")
+
+
 def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None) -> None:
     """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
     one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
@@ -334,6 +347,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
     ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
+    check_predicts(exp)
     rows = new_rows.features
     chunk_rows = exp.batch or 1
     id_chunks = _id_chunks(new_rows, chunk_rows)
@@ -393,6 +407,7 @@ class PredictionServer:
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
         self.output_scores = output_scores
         self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
+        check_predicts(self.exp)
         self.state = StageState(opts)
         self.stage, self.log = self.state.stage, self.state.log
         # The label owner's class names by id (its [data]'s class_names, saved beside its parameters).

@@ -190,7 +190,9 @@ def forward_message(senders: Senders, run: str, step: int, mb: int, mbs: int, y:
     ``rows``: this micro-batch's; None: not sent). Raises ``CodecRangeError`` for a value the codec
     cannot carry."""
     tensors = senders.message_tensors(ACTIVATION, y, stream, step)
-    tensors.update({name: value for name, value in travel.items() if value is not None})
+    for name, value in travel.items():
+        if value is not None:
+            tensors[name] = value
     return Message(wire.FORWARD, run, step, mb, mbs, tensors=tensors)
 
 

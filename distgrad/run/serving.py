@@ -45,6 +45,7 @@ which a restarted stage gives again to a client whose reply the kill lost
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -212,7 +213,7 @@ class ServingStage:
         a value its codec cannot carry fails the step (``NonFiniteError``: it would cross as Inf), naming the
         codec, the tensor and the step."""
         try:
-            return self.state.senders.message_tensors(direction, x, stream, step, rows)
+            return self.engine.senders.message_tensors(direction, x, stream, step, rows)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
 
@@ -252,7 +253,7 @@ class ServingStage:
         may not drive, rewind or end it.
         """
         self.run.now = now
-        earlier = self.settle()
+        earlier = self.settle() if self.deferred is not None else []
         if msg.type == wire.PING:
             return earlier + [(envelope, self._pong(msg, now))]
         if msg.type == wire.HELLO:
@@ -404,8 +405,11 @@ class ServingStage:
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} was dropped (silent for more than "
                                                f"{self.opts.liveness_s:g} s when its turn came); say hello again")
         if key in peer.waiting and msg.mbs == peer.mbs:     # another count is refused below, as it is first
+            digest = frames_digest(msg) if self.state.ledger is not None else None   # before it is read
             self.accepts.receive(peer, msg)
-            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting
+            peer.waiting[key] = msg                     # resent while waiting for its turn: still waiting,
+            if digest is not None:                      # and this is what the step will be computed on
+                peer.received[key] = digest
             return []
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
@@ -511,7 +515,7 @@ class ServingStage:
         if phase is Phase.ROUND:            # the hot path first
             take = self.topology.advance_round()
             if isinstance(take, Transition):
-                return self.transition(take)
+                return take is not Transition.WAIT and self.transition(take)
             msgs = [peer.waiting.pop(take.key) for peer in take.peers]
             replies += self.apply_computed(self.topology.compute(take.peers, msgs, now), now)
             return True
@@ -656,9 +660,14 @@ class ServingStage:
         up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
         steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
         if g.mb == 0:
+            key = (g.step, 0)
             for peer in g.peers:
-                peer.cached = {k: v for k, v in peer.cached.items()
-                               if g.step - peer.staleness <= k[0] < g.step or k == (g.step, 0)}
+                if peer.staleness:
+                    peer.cached = {k: v for k, v in peer.cached.items()
+                                   if g.step - peer.staleness <= k[0] < g.step or k == key}
+                else:           # in lockstep only this reply may be asked for again
+                    reply = peer.cached.get(key)
+                    peer.cached = {} if reply is None else {key: reply}
         self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
         if g.mb < g.mbs - 1:
             return
@@ -743,7 +752,8 @@ class ServingStage:
 
     def finish_run(self) -> dict[str, Any] | None:
         """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
-        self.settle()
+        if self.deferred is not None:
+            self.settle()
         if not self.closing:
             return None
         self.closing = False
@@ -881,10 +891,12 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     raise PeerTimeout(logic.lost_message())
             if request is not None:
                 envelope, frames, peer_key = request
-                msg, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
-                                                         lambda m: logic.handle(envelope, m, now, peer_key), logic.log)
+                msg, answer, refused = decode_and_handle(
+                    frames, logic.max_tensor_bytes, functools.partial(logic.handle, envelope, now=now, peer_key=peer_key),
+                    logic.log)
                 _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
-            failure = logic.end_failed_run()
+            # Asked only when there is something to end or complete (a step's path is short).
+            failure = logic.end_failed_run() if logic.failure is not None else None
             if failure is not None:
                 status = "failed"
                 if not keep_serving:
@@ -892,7 +904,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                 logic.log.error("the run failed; waiting for the next run")
                 status = "interrupted"
                 continue
-            finished = logic.finish_run()
+            finished = logic.finish_run() if logic.closing or logic.deferred is not None else None
             if finished is not None:
                 status = "completed"
                 logic.log.info("%s", logic.topology.completed_message(finished))

@@ -30,7 +30,10 @@ from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluat
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
 from distgrad.wire import link
-from distgrad.wire.wirecodec import Senders, without_codec_state
+from distgrad.wire.codecs import Codec
+from distgrad.wire.keys import CurveClient
+from distgrad.wire.masking import SecureSumCodec, load_party_keys
+from distgrad.wire.wirecodec import ACTIVATION, Senders, without_codec_state
 
 
 EXTRA_PREFIX = "extra/"      # a checkpoint's arrays of its runner (``StageState.extra_arrays``), not of the stage
@@ -116,6 +119,27 @@ class ParameterHistory:
                     kept.setdefault(int(number), {})[name] = np.array(value)
 
 
+def sent_codecs(opts: StageOptions) -> dict[str, Codec]:
+    """The codecs this stage sends with: the experiment's, except that a feature party of secure aggregation
+    masks its activations with the keys it shares with every other party (its CURVE key pair and
+    ``--party-keys``, ``masking.load_party_keys``). Raises ``ConfigError`` when such a party lacks them, or
+    when ``--party-keys`` is given to any other stage."""
+    exp = opts.experiment
+    party = exp.secure_aggregation and opts.role == "driving"
+    if opts.party_keys is not None and not party:
+        raise ConfigError("--party-keys is for a feature party of an experiment with secure_aggregation: the "
+                          "other parties' public keys, whose pairwise masks hide its embedding")
+    if not party:
+        return exp.codecs
+    if opts.party_keys is None or not isinstance(opts.security, CurveClient):
+        raise ConfigError(f"secure_aggregation: feature party {opts.stage} needs its key pair and every other "
+                          f"party's public key: run it with CURVE (--curve-secret, --server-key) and "
+                          f"--party-keys DIR holding NAME.key of each other feature party")
+    masks = load_party_keys(opts.party_keys, exp.data_owners, opts.stage, opts.security.public,
+                            opts.security.secret)
+    return {**exp.codecs, ACTIVATION: SecureSumCodec(len(exp.data_owners), masks)}
+
+
 class StageState:
     """A stage with its run id, checkpoints and trace: what rolls back together.
 
@@ -131,7 +155,7 @@ class StageState:
                                  trace_sent=opts.role == "serving",
                                  trace_crossed=crossed_direction(opts.experiment, opts.role == "driving",
                                                                  opts.role == "serving"),
-                                 senders=Senders(opts.experiment.codecs,
+                                 senders=Senders(sent_codecs(opts),
                                                  row_defense(opts.experiment, opts.stage, opts.seed,
                                                              opts.instance, opts.total_steps)))
         # The run's noise secret and every release of the run (None: no defense
@@ -320,11 +344,11 @@ class StageState:
             released = self._released_since(ckpt.run, 0)
             self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
                                 ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
-            # Written again whole: a line a kill -9 tore would otherwise take the next release appended. The
-            # held-out releases after the checkpoint stay (the checkpoint does not count them).
+            # Written again whole: a line a kill -9 tore would otherwise take the next release appended. Every
+            # held-out release of the run stays: a later rollback to an older checkpoint counts those after it.
             self._rewrite_released([*self.ledger.pending.values(),
-                                    *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/")
-                                      and r.step > ckpt.step)], ckpt.run)
+                                    *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/"))],
+                                   ckpt.run)
 
     def _append_release(self, release: Release) -> None:
         """Before a release leaves: its line in the file of the run's releases."""
@@ -471,8 +495,6 @@ class StageState:
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
                                                     **self.history.arrays(), **extra, **released, **kept}, meta)
-                if self.ledger is not None:
-                    self._rewrite_released(self.ledger.checkpointed(step))
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise

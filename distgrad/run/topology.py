@@ -174,7 +174,7 @@ class Topology(abc.ABC):
         the micro-batch's slice of the step's (``targets``)."""
         if rows is not None:
             return self.serving.data[index].targets_at(rows)
-        return micro_batch(self.targets(index, step), mb, mbs)
+        return self.targets(index, step) if mbs == 1 else micro_batch(self.targets(index, step), mb, mbs)
 
     def prefetch(self, index: int, step: int) -> None:
         """Look up step ``step``'s targets (``targets``) now, if this stage looks up peer ``index``'s at all
@@ -444,9 +444,10 @@ class Turns(Topology):
                 return Transition.NEXT_TURN
             key = (run.round, self.serving.engine.done)
             return Take((peer,), key) if key in peer.waiting else Transition.WAIT
-        if not any(p.taking_part() for p in run.peers):
-            return Transition.WAIT      # nobody takes part (any more): wait for a hello or the bye's end
-        return Transition.END_ROUND
+        for p in run.peers:
+            if p.taking_part():
+                return Transition.END_ROUND
+        return Transition.WAIT      # nobody takes part (any more): wait for a hello or the bye's end
 
     def advance_joining(self, now: float) -> Transition:
         s, run = self.serving, self.run
@@ -518,7 +519,7 @@ class Turns(Topology):
         started = time.perf_counter()
         try:
             mb_loss, dx, grads_later = self._loss_and_gradient(peer, msg)
-            s.stage.check_finite("activation_grad", dx, msg.step)
+            s.engine.stage.check_finite("activation_grad", dx, msg.step)
             tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step, msg.tensors.get("rows"))
         except NonFiniteError as e:
             s.log.error("%s", e)
@@ -544,8 +545,9 @@ class Turns(Topology):
         target, rows = msg.tensors.get("target"), msg.tensors.get("rows")
         if rows is not None or target is None:      # else the peer sent them (the first stage holds labels)
             target = self.micro_targets(peer.index, msg.step, msg.mb, msg.mbs, rows)
-        mb_loss, dx, grads_later = s.stage.loss_micro_batch_deferred(x, target, msg.mb)
-        s.stage.check_finite("loss", mb_loss, msg.step)
+        stage = s.engine.stage          # ``s.stage``, without two properties on the way
+        mb_loss, dx, grads_later = stage.loss_micro_batch_deferred(x, target, msg.mb)
+        stage.check_finite("loss", mb_loss, msg.step)
         s.metering.received_activations(msg.step, msg.mb, msg.mbs, x)     # model completion's input
         return mb_loss, dx, grads_later
 

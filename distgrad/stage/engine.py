@@ -48,13 +48,13 @@ class GradAccumulator:
     def __init__(self) -> None:
         self._sum: Grads = {}
         self._single: Grads | None = None
-        self._count = 0
+        self.count = 0          # micro-batches of the step in progress added so far (read-only outside)
 
     def add(self, grads: Grads, index: int, count: int) -> None:
         """Add micro-batch ``index`` of ``count``; ``index`` must follow the previous one."""
-        if index != self._count:
-            raise ValueError(f"micro-batch {index} accumulated out of order (expected {self._count})")
-        self._count += 1
+        if index != self.count:
+            raise ValueError(f"micro-batch {index} accumulated out of order (expected {self.count})")
+        self.count += 1
         if count == 1:
             self._single = grads
             return
@@ -69,7 +69,7 @@ class GradAccumulator:
 
     def take(self, scale: np.float32) -> Grads:
         """The accumulated gradients times ``scale`` (skipped when it is 1); resets the count."""
-        count, self._count = self._count, 0
+        count, self.count = self.count, 0
         if self._single is not None:
             grads, self._single = self._single, None
             return grads
@@ -82,11 +82,7 @@ class GradAccumulator:
 
     def reset(self) -> None:
         """Forget a partly accumulated step (a rollback)."""
-        self._count, self._single = 0, None
-
-    @property
-    def count(self) -> int:
-        return self._count
+        self.count, self._single = 0, None
 
 
 def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
@@ -146,20 +142,38 @@ class StepEngine:
         self.stage = stage
         self.senders = senders if senders is not None else Senders({})
         self.loss_scale = loss_scale
-        self.trace = trace
         self.trace_sent = trace_sent
         self.observers: list[Callable[[StepRecord], None]] = []
+        self._scales: dict[int, np.float32] = {}        # loss_scale(M), computed once per M
         self._accumulator = GradAccumulator()
         self._losses: list[np.float32] = []
         self._sent: list[np.ndarray] = []
         self._crossed: dict[tuple[int, int], np.ndarray] = {}     # (step, micro-batch) -> what was received
         self._crossed_name = f"sent_{trace_crossed}" if trace_crossed is not None else ""
-        if trace_crossed is not None:       # the trace may be given later (``engine.trace``)
-            self.senders.taps[trace_crossed].append(self._record_crossed)
+        self._crossed_taps = self.senders.taps[trace_crossed] if trace_crossed is not None else None
+        self.trace = trace
+
+    @property
+    def trace(self) -> TraceSink | None:
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: TraceSink | None) -> None:
+        """The trace may be given later (``StageState.open_trace``). What crosses is tapped (``_record_crossed``)
+        only while a trace can write a line: a disabled ``TraceWriter`` (no ``--trace``) costs no tap per send."""
+        self._trace = trace
+        # A disabled ``TraceWriter`` stays so (``wants`` is always False): it is not asked every step.
+        self._tracing = tapping = trace is not None and getattr(trace, "enabled", True)
+        taps = self._crossed_taps
+        if taps is not None:
+            if tapping and self._record_crossed not in taps:
+                taps.append(self._record_crossed)
+            elif not tapping and self._record_crossed in taps:
+                taps.remove(self._record_crossed)
 
     def _record_crossed(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
         """A tap: keep what crossed on a step the trace writes (a micro-batch sent again replaces it)."""
-        if self.trace is not None and self.trace.wants(step):
+        if self._trace is not None and self._trace.wants(step):
             self._crossed[(step, stream_micro_batch(stream)[0])] = np.array(received(), copy=True)
 
     @property
@@ -181,7 +195,7 @@ class StepEngine:
         self._accumulator.add(grads, mb, mbs)
         if loss is not None:
             self._losses.append(loss)
-        if sent is not None and self.trace_sent and self.trace is not None:
+        if sent is not None and self.trace_sent and self._trace is not None:
             self._sent.append(sent)
 
     def apply_step(self, step: int, mbs: int, micro_batches: Iterable[tuple[Grads, np.float32 | None]],
@@ -213,29 +227,33 @@ class StepEngine:
         runs after the update and before the trace line and the observers.
         """
         stage = self.stage
-        scale = self.loss_scale(mbs)
+        scale = self._scales.get(mbs)
+        if scale is None:
+            scale = self._scales[mbs] = self.loss_scale(mbs)
         grads = self._accumulator.take(scale)
         try:
             stage.check_grads(grads)
         except Exception:
             self.reset()
             raise
+        trace = self._trace
         traced = ({name: g.copy() for name, g in grads.items()}
-                  if self.trace is not None and self.trace.wants(step) else None)
+                  if self._tracing and trace is not None and trace.wants(step) else None)
         stage.apply(grads)
         self.senders.commit()           # before the observers: a checkpoint holds the residuals of this step
-        loss = float(combine_losses(self._losses, scale)) if self._losses else None
+        losses = self._losses
+        loss = (float(losses[0]) if len(losses) == 1 else float(combine_losses(losses, scale))) if losses else None
         sent, self._losses, self._sent = self._sent, [], []
         if between is not None:
             between()
-        if traced is not None and self.trace is not None:
+        if traced is not None and trace is not None:
             if sent:
                 traced["activation_grad"] = np.concatenate(sent) if len(sent) > 1 else sent[0]
             crossed = [self._crossed.pop(key) for key in sorted(key for key in self._crossed if key[0] == step)]
             if crossed:
                 traced[self._crossed_name] = np.concatenate(crossed) if len(crossed) > 1 else crossed[0]
             extra = {} if client is None else {"client": client}
-            self.trace.write(step, loss, traced, stage.params, **extra)
+            trace.write(step, loss, traced, stage.params, **extra)
         if self.observers:
             record = StepRecord(step, loss, client, stage.learning_rate())
             for observer in self.observers:

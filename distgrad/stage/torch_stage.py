@@ -87,6 +87,12 @@ thread count changes how torch splits a reduction, hence its rounding. On
 import this module sets ``torch.set_num_threads(1)``; a run's computation
 sets it again for its duration (``one_compute_thread``).
 
+A label owner's DP-SGD (its ``dp_sgd``): ``per_example_grads`` computes each row's parameter gradient with
+``torch.func`` (``vmap`` of ``grad`` through ``functional_call``, each row forwarded alone); the clipping, sum
+and noise are then the numpy stage's (``privacy.defenses.dp_sgd_gradients``), so such a run is bitwise in
+one process or two and after a resume. Modules with batch norm or dropout are refused when built
+(``per_example_refusal``).
+
 Modules train in whatever mode they are in (``train()`` by default) and
 are evaluated in ``eval()`` mode (their mode restored after). Before each
 training forward, torch's RNG is seeded from (the run's seed, the stage's
@@ -151,6 +157,11 @@ def _tensor(array: np.ndarray, dtype: np.dtype | type = np.float32, device: torc
     blocking this thread.
     """
     if device.type == "cpu":
+        if type(array) is np.ndarray and array.dtype != dtype:
+            # Converted while copied, in one pass (``torch.tensor(np.asarray(array, dtype))`` copies twice).
+            out = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
+            np.copyto(out.numpy(), array, casting="unsafe")
+            return out
         return torch.tensor(np.asarray(array, dtype))
     array = np.asarray(array, dtype)
     pinned = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
@@ -800,6 +811,35 @@ class TorchStage(Stage):
         loss, dx, grads = self.loss_micro_batch(x, target, mb)
         return loss, dx, lambda: grads
 
+    def per_example_grads(self, x: np.ndarray, dy: np.ndarray, mb: int) -> list[Grads]:
+        """Each row's contribution to the parameter gradients of micro-batch ``mb`` of input ``x`` given
+        d(loss)/d(output) ``dy``: the gradient of ``sum(module(x[i:i+1]) * dy[i:i+1])`` for each trainable
+        parameter (distgrad's names and layouts, float32), row i forwarded alone, as ``Stage.per_example_grads``.
+
+        Computed by ``torch.func``: ``grad`` of that sum through ``functional_call``, mapped over the rows by
+        ``vmap`` (one batched pass, the same values as a loop of single-row backward passes to float32
+        rounding). A parameter the output ignores gets zeros. Raises ``StageError`` when the module cannot be
+        mapped over single rows (a random draw, an in-place buffer update or a branch on a tensor's value in
+        its forward; ``build_stage`` refuses batch norm and dropout modules before that).
+        """
+        names = [self._module_names[id(p.tensor)] for p in self._trainable]
+        values = {name: p.tensor.detach() for name, p in zip(names, self._trainable)}
+
+        def contribution(params: dict[str, torch.Tensor], row: torch.Tensor, d_row: torch.Tensor) -> torch.Tensor:
+            out = torch.func.functional_call(self.module, params, (row.unsqueeze(0),))
+            return (out * d_row.unsqueeze(0)).sum()
+
+        try:
+            x_t, dy_t = _tensor(x, device=self.device), _tensor(dy, device=self.device)
+            with self._forward_mode(mb, training=True):
+                found = torch.func.vmap(torch.func.grad(contribution), in_dims=(None, 0, 0))(values, x_t, dy_t)
+        except _COMPUTE_ERRORS as e:
+            raise StageError(f"stage {self.name}: dp_sgd's per-example gradients failed at step {self.step + 1}: "
+                             f"torch.func cannot map the module over single rows ({e}); a forward that draws "
+                             f"random numbers, updates buffers in place or branches on tensor values (.item(), "
+                             f"if on a tensor) has no per-example gradient here") from e
+        return [{p.name: p.view(found[name][i]) for name, p in zip(names, self._trainable)} for i in range(len(x))]
+
     def _loss_value(self, y_t: torch.Tensor, target: np.ndarray) -> torch.Tensor:
         assert self.loss is not None and self._loss_fn is not None, f"stage {self.name} has no loss"
         return self._loss_fn(y_t, _tensor(target, self.loss.target_dtype, self.device))
@@ -830,14 +870,26 @@ class TorchStage(Stage):
         return np.float32(loss_t.item()), _host(dy)
 
     def loss_micro_batch(self, x: np.ndarray, target: np.ndarray, mb: int = 0) -> tuple[np.float32, np.ndarray, Grads]:
-        """Forward, loss and backward of micro-batch ``mb`` on the last stage, in one torch graph, without an update."""
+        """Forward, loss and backward of micro-batch ``mb`` on the last stage, in one torch graph, without an update.
+
+        Under DP-SGD (``private_update``) the parameter gradients are its, from the input and d(loss)/d(output),
+        for the parameters the exact backward reaches (a parameter the output ignores stays without a gradient).
+        """
         try:
             x_t, y_t, leaves = self._graph(x, mb)
             with torch.enable_grad():
                 loss_t = self._training_loss_value(y_t, target)
-            dx, grads = self._gradients(loss_t, None, x_t, leaves, True)
+            dy_t = None
+            if self.private_update is None:
+                dx, grads = self._gradients(loss_t, None, x_t, leaves, True)
+            else:
+                (dy_t,) = torch.autograd.grad(loss_t, [y_t], retain_graph=True)
+                dx, grads = self._gradients(y_t, dy_t, x_t, leaves, True)
         except _COMPUTE_ERRORS as e:
             raise StageError(f"stage {self.name}: loss failed at step {self.step + 1}: {e}") from e
+        if self.private_update is not None and dy_t is not None:
+            private = self.private_update(x, _host(dy_t), mb)
+            grads = {name: value for name, value in private.items() if name in grads}
         assert dx is not None
         return np.float32(loss_t.item()), dx, grads
 
@@ -1036,6 +1088,23 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+def per_example_refusal(module: nn.Module) -> str | None:
+    """Why ``module`` has no per-example parameter gradients for DP-SGD (None: it has them): the submodules
+    that mix the rows of a batch or draw at random in a training forward, each named with its type."""
+    def named(kind: Callable[[nn.Module], bool]) -> str:
+        return ", ".join(f"{name or 'the module'} ({type(m).__name__})" for name, m in module.named_modules()
+                         if kind(m))
+    mixing = named(lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm) or (
+        isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats))
+    if mixing:
+        return (f"batch norm normalises each row by the batch's statistics, and a norm with running statistics "
+                f"updates them in its forward, so no example's gradient exists alone: {mixing}")
+    drawing = named(lambda m: isinstance(m, nn.modules.dropout._DropoutNd))
+    if drawing:
+        return f"dropout draws one mask for the batch, and each example's gradient would need its own: {drawing}"
+    return None
+
+
 def build_stage(exp: Experiment, name: str, seed: int | None = None,
                 init: Mapping[str, float] | None = None) -> TorchStage:
     """The builder ``Stage.from_experiment`` calls for a stage with ``framework = "torch"``: a layer list
@@ -1054,5 +1123,9 @@ def build_stage(exp: Experiment, name: str, seed: int | None = None,
     else:
         stage = TorchStage.from_spec(exp, name, seed, init)
         check_cut(exp, stage, seed)
+    refusal = per_example_refusal(stage.module) if spec.defenses.dp_sgd is not None else None
+    if refusal is not None:
+        raise ConfigError(f"stage {name!r}: 'dp_sgd' needs each example's parameter gradient, forwarded alone "
+                          f"(torch.func): {refusal}; remove them or dp_sgd")
     stage.allow_nonfinite = exp.allow_nonfinite
     return stage

@@ -173,7 +173,7 @@ class DownstreamLink:
                 for request_key in sorted(pending):
                     self.client.send(pending[request_key])
                 continue
-            if (reply.step, reply.mb) == key and _wanted(reply.type, types):
+            if (reply.step, reply.mb) == key and (types is None or _wanted(reply.type, types)):
                 return reply
             self.arrived[(reply.step, reply.mb, reply.type)] = reply     # another's: kept until asked for
 

@@ -148,7 +148,7 @@ def encode(msg: Message) -> list[Any]:
     if msg.frames is not None:
         raise ValueError(f"{msg.describe()}: its tensor frames were never read (wire.expect_tensors)")
     code = BINARY_TYPES.get(msg.type)
-    if code is not None and _rows_as_read(msg):
+    if code is not None and ("rows" not in msg.tensors or _rows_as_read(msg)):
         return _encode_binary(msg, code)
     specs, frames = [], []
     for name, array in msg.tensors.items():
@@ -233,7 +233,9 @@ def _encode_binary(msg: Message, code: int) -> list[Any]:
         raise ValueError(f"{msg.describe()}: does not fit the binary header: {e}") from e
     frames: list[Any] = [header]
     for name, array in tensors.items():
-        frames.append(_wire_array(name, array)[0])
+        # an array the wire carries as it is (``_wire_array``'s first case) is taken without the call
+        frames.append(array if type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in _WIRE_NAMES
+                      else _wire_array(name, array)[0])
     return frames
 
 

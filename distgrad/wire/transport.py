@@ -403,6 +403,8 @@ class Server:
             tick_refusal_logs()             # idle: the repeats of a flood that stopped are logged now
             return None
         split = _envelope_size(parts)
+        if split == 1 and not self.authenticated:       # a DEALER's request in plaintext: its id is bytes already
+            return [parts[0]], parts[1:], ""
         peer_key = ""
         if self.authenticated:
             try:

@@ -48,6 +48,8 @@ from distgrad.privacy.defenses import SentRows
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, expect_tensors
 
+_F32 = np.dtype("<f4")
+
 ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
 DIRECTIONS = (ACTIVATION, GRADIENT)
 EVALUATION, PREDICT = "evaluation", "predict"      # why held-out or new rows' activations are sent
@@ -129,8 +131,12 @@ class Expected:
         """Check ``msg``'s tensors (``wire.expect_tensors``; a binary-header message's frames are read against
         ``layout``), then decode the coded one in place (``WireTensor.unpack``) and return it. Raises
         ``ProtocolError``; ``msg`` is unchanged then."""
-        expect_tensors(msg, self.layout, allow_nonfinite)
-        return self.coded.unpack(msg, allow_nonfinite)
+        if msg.frames is not None:          # a binary header's frames: ``expect_tensors`` without its dispatch
+            msg.tensors, msg.frames = self.layout.read(msg, allow_nonfinite), None
+        else:
+            expect_tensors(msg, self.layout, allow_nonfinite)
+        coded = self.coded
+        return msg.tensors[coded.name] if coded.codec.name == "none" else coded.unpack(msg, allow_nonfinite)
 
     def with_rows(self, rows: int) -> "Expected":
         """The same tensors with ``rows`` rows (the held-out rows of an evaluation). Raises ``ProtocolError``
@@ -203,6 +209,8 @@ class Senders:
         if unknown:
             raise ValueError(f"unknown codec directions {sorted(unknown)}; use {list(DIRECTIONS)}")
         self.codecs = {direction: codecs.get(direction, NoneCodec()) for direction in DIRECTIONS}
+        # The directions sent as the float32 tensor itself (``none``): ``message_tensors`` takes a short way.
+        self._plain = frozenset(d for d, codec in self.codecs.items() if type(codec) is NoneCodec)
         self.defense = defense
         self._committed: dict[str, np.ndarray] = {}
         self._pending: dict[str, np.ndarray] = {}
@@ -255,6 +263,9 @@ class Senders:
         """``encode`` as the message tensors that carry ``x`` (named for the direction, ``WireTensor``);
         ``rows``: the row numbers ``x`` holds when the peer chose them (``send_rows``; None: the stage's own
         order), for the defense's per-row count."""
+        if (direction in self._plain and self.defense is None and not self.taps[direction] and type(x) is np.ndarray
+                and x.dtype == _F32 and x.ndim and x.flags.c_contiguous):
+            return {direction: x}       # what ``none`` encodes and names so, with nothing to defend or tap
         key = (direction, x.shape)
         wire_tensor = self._wire_tensors.get(key)
         if wire_tensor is None:

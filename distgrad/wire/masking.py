@@ -1,0 +1,210 @@
+"""Secure aggregation's pairwise masks: what a vertical feature party adds to its fixed-point embedding so
+that the label owner sees only the parties' sum (``secure_aggregation``; docs/privacy.md).
+
+Every pair of feature parties ``(i, j)``, ``i < j`` in stage order, shares a
+key that only the two of them can derive: X25519 of one's CURVE secret key and
+the other's public key (``crypto_scalarmult`` through PyNaCl, as ``distgrad
+align`` does), hashed with both public keys (``pair_key``). Each party is
+configured with the other parties' public keys (``--party-keys DIR``, one
+``NAME.key`` per party, ``load_party_keys``); nothing the label owner relays
+goes into a key, so it cannot put a key of its own in a party's place.
+
+For a tensor named ``tensor`` (its stream: ``activation/mb0of2``, or
+``activation`` for held-out rows) at ``step``, the pair's mask is the first
+``8 * n`` bytes of SHAKE-256 of the pair key and that context, read as ``n``
+little-endian uint64 (``pair_mask``). Party ``i`` adds the masks of the pairs
+``(i, j > i)`` and subtracts those of ``(j < i, i)``, modulo 2**64
+(``PairMasks.mask``): summed over every party the masks cancel exactly, and
+each party's masked part alone is uniformly distributed to anyone without
+the keys of its pairs. ``SecureSumCodec`` is the activation codec that
+rounds the embedding to fixed point (``aggregate.quantise``) and adds the
+mask; the receiver keeps the masked integers for ``aggregate.combine_fixed``.
+
+A mask is a function of the pair's keys, the tensor's stream and the step
+only: a tensor sent again with the same values (a resend, a rollback) crosses
+as the same integers, but two runs with the same key pairs reuse their masks
+(docs/privacy.md says what that shows; make new keys per run to avoid it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from distgrad.errors import ConfigError, ProtocolError
+from distgrad.model.aggregate import SECURE_SUM, quantise
+from distgrad.wire.codecs import Codec, Parts, Shape, WireSpecs
+from distgrad.wire.messages import ErrorCode
+
+PAIR_DOMAIN = b"distgrad-secure-aggregation-pair-v1\x00"   # domain separation of a pair's key
+MASK_DOMAIN = b"distgrad-secure-aggregation-mask-v1\x00"   # of a mask drawn from it
+TAG_DOMAIN = b"distgrad-secure-aggregation-tag-v1\x00"     # of the tag that shows two parties share it
+KEY_BYTES = 32                                              # an X25519 key
+_I64 = np.dtype("<i8")
+_U64 = np.dtype("<u8")
+
+
+def raw_key(z85_key: bytes | str, what: str) -> bytes:
+    """A CURVE key's 32 raw bytes from its 40 Z85 characters; ``ConfigError`` naming ``what`` otherwise."""
+    from zmq.utils import z85
+    try:
+        raw = z85.decode(z85_key) if len(z85_key) == 40 else b""
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{what} is not a Z85 CURVE key") from e
+    if len(raw) != KEY_BYTES:
+        raise ConfigError(f"{what} is not a CURVE key (40 Z85 characters)")
+    return raw
+
+
+def pair_key(secret: bytes, own_public: bytes, peer_public: bytes, own_first: bool) -> bytes:
+    """The key a pair of parties shares: BLAKE2b of X25519(``secret``, ``peer_public``) and both public
+    keys, the pair's first party's (lower stage index) first, so both parties derive the same.
+    Raises ``ConfigError`` for a peer key that is a low-order point."""
+    from nacl.bindings import crypto_scalarmult
+    from nacl.exceptions import CryptoError
+
+    try:
+        shared = crypto_scalarmult(secret, peer_public)
+    except CryptoError as e:
+        raise ConfigError("a party's public key is a low-order point: it shares no secret with anyone") from e
+    first, second = (own_public, peer_public) if own_first else (peer_public, own_public)
+    return hashlib.blake2b(PAIR_DOMAIN + shared + first + second, digest_size=KEY_BYTES).digest()
+
+
+def pair_mask(key: bytes, tensor: str, step: int, count: int) -> np.ndarray:
+    """``count`` uint64 of the pair ``key``'s mask for ``tensor`` at ``step`` (SHAKE-256, little-endian)."""
+    name = tensor.encode("utf-8")
+    context = MASK_DOMAIN + key + len(name).to_bytes(8, "little") + name + int(step).to_bytes(8, "little")
+    return np.frombuffer(hashlib.shake_256(context).digest(8 * count), _U64).copy()
+
+
+def pair_tag(key: bytes) -> str:
+    """A short public digest of a pair key: the two parties of a pair give the same tag exactly when they
+    derived the same key (the label owner compares them; the tag tells it nothing of the key)."""
+    return hashlib.blake2b(TAG_DOMAIN + key, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class PairMasks:
+    """Party ``own`` (an index into ``parties``, the feature parties in stage order) and the key it shares
+    with every other party (``keys[name]``)."""
+
+    parties: tuple[str, ...]
+    own: int
+    keys: Mapping[str, bytes] = field(repr=False)
+
+    def mask(self, shape: Shape, tensor: str, step: int) -> np.ndarray:
+        """This party's uint64 mask of ``shape`` for ``tensor`` at ``step``: + the pairs where it comes
+        first, - those where it comes second (mod 2**64); the masks of all parties sum to zero."""
+        count = math.prod(shape)
+        total = np.zeros(count, _U64)
+        for index, name in enumerate(self.parties):
+            if index != self.own:
+                drawn = pair_mask(self.keys[name], tensor, step, count)
+                if index > self.own:
+                    total += drawn
+                else:
+                    total -= drawn
+        return total.reshape(shape)
+
+    def tags(self) -> dict[str, str]:
+        """``{other party: pair_tag}``: what this party says it shares with each other party."""
+        return {name: pair_tag(key) for name, key in self.keys.items()}
+
+
+def load_party_keys(directory: Path, parties: Sequence[str], own: str, public_z85: bytes,
+                    secret_z85: bytes) -> PairMasks:
+    """The masks of feature party ``own`` of ``parties``, from its CURVE key pair (Z85, as
+    ``keys.CurveClient`` holds it) and ``directory/NAME.key`` of every other party. Raises ``ConfigError``
+    naming the directory or the file (missing, not a key, this party's own key, the same key twice)."""
+    from distgrad.wire.keys import load_public
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"--party-keys {directory} is not a directory of the other feature parties' public "
+                          f"keys (NAME.key each)")
+    own_public = raw_key(public_z85, "this party's public key")
+    secret = raw_key(secret_z85, "this party's secret key")
+    index = list(parties).index(own)
+    keys, seen = {}, {own_public: f"this party's own key ({own})"}
+    for position, name in enumerate(parties):
+        if name == own:
+            continue
+        path = directory / f"{name}.key"
+        if not path.is_file():
+            raise ConfigError(f"--party-keys {directory} has no {name}.key: secure aggregation needs the public "
+                              f"key of every other feature party, named by its stage ({', '.join(parties)})")
+        public = raw_key(load_public(path), str(path))
+        if public in seen:
+            raise ConfigError(f"{path} holds the same key as {seen[public]}: every feature party has its own key")
+        seen[public] = str(path)
+        try:
+            keys[name] = pair_key(secret, own_public, public, index < position)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+    return PairMasks(tuple(parties), index, keys)
+
+
+def check_tags(tags: Mapping[str, Mapping[str, str]]) -> str | None:
+    """What is wrong with the tags every feature party said (``{party: {other: tag}}``, ``PairMasks.tags``),
+    or None when every pair agrees: then their masks cancel in the sum."""
+    names = list(tags)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            one, other = tags[first].get(second), tags[second].get(first)
+            if one is None or one != other:
+                return (f"feature parties {first} and {second} do not share a mask key (their --party-keys "
+                        f"disagree with the keys they run with: {first}'s {second}.key must be {second}'s public "
+                        f"key and the other way round); their masks would not cancel")
+    return None
+
+
+def read_tags(value: object, parties: Sequence[str], own: str) -> dict[str, str]:
+    """A hello's ``mask_tags`` from party ``own``, checked: one 32-hex-digit tag per other party. Raises
+    ``ProtocolError`` (``mismatch``) otherwise."""
+    others = [name for name in parties if name != own]
+    if not isinstance(value, dict) or sorted(value) != sorted(others) or not all(
+            isinstance(tag, str) and len(tag) == 32 and all(c in "0123456789abcdef" for c in tag)
+            for tag in value.values()):
+        raise ProtocolError(ErrorCode.MISMATCH, f"party {own} says no mask key for each other party "
+                                                f"({', '.join(others)}): with secure aggregation every feature "
+                                                f"party runs with --party-keys")
+    return {str(name): str(tag) for name, tag in value.items()}
+
+
+@dataclass(frozen=True)
+class SecureSumCodec(Codec):
+    """The activation codec of a feature party under secure aggregation among ``parties`` parties: the
+    embedding in fixed point (``aggregate.quantise``), plus this party's ``masks`` (None: unmasked, what
+    the in-process reference and a receiver hold), as int64. ``decode`` gives the (masked) integers
+    themselves, not float32: only their sum over every party means something
+    (``aggregate.combine_fixed``). ``roundtrip`` is the unmasked fixed point, whose sum equals the sum of
+    the masked parts exactly."""
+
+    parties: int = 2
+    masks: PairMasks | None = field(default=None, compare=False, repr=False)
+
+    name = SECURE_SUM
+
+    def _specs(self, shape: Shape) -> WireSpecs:
+        return {"masked": (shape, _I64)}
+
+    def _encode(self, x: np.ndarray, tensor_name: str, step: int) -> Parts:
+        if self.masks is None:
+            raise ConfigError("secure aggregation: this party has no mask keys (--curve-secret and --party-keys)")
+        fixed = quantise(x, self.parties, tensor_name, step)
+        fixed += self.masks.mask(x.shape, tensor_name, step)
+        return {"masked": fixed.view(_I64)}
+
+    def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:
+        return parts["masked"]
+
+    def roundtrip(self, x: np.ndarray, tensor_name: str = "tensor", step: int = 0) -> np.ndarray:
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+            raise TypeError(f"codec {self.name}: tensor {tensor_name!r} must be a float32 ndarray")
+        return quantise(x, self.parties, tensor_name, step).view(_I64)

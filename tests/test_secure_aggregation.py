@@ -1,0 +1,324 @@
+"""Secure aggregation of vertical feature parties (``secure_aggregation``): the label owner sees only their sum.
+
+Each party's embedding crosses in fixed point plus pairwise masks that cancel
+in the sum (``distgrad.wire.masking``); the label owner adds the integers
+(``aggregate.combine_fixed``), the in-process reference adds the unmasked
+ones, so runs stay bitwise. Checked here without sockets (the math, the
+masks, the label owner's handling of masked forwards, the refusals);
+tests/test_vertical.py runs three parties over processes against the
+in-process reference.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgrad.config.parse import load_experiment, parse_experiment
+from distgrad.config.tomlfile import read_toml
+from distgrad.errors import CodecRangeError, ConfigError
+from distgrad.model import aggregate
+from distgrad.run.inprocess import train_in_process
+from distgrad.wire import masking
+from distgrad.wire.keys import keygen, load_secret
+
+PARTIES = ["a", "b", "c"]
+BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
+
+
+def _raw(kind: str = "sum", secure: bool = True) -> dict:
+    """vertical-classify's table with the parties' embeddings summed (g takes 8 columns), secure or not."""
+    raw = read_toml(BUILTIN)
+    last = dict(raw["stages"][3], model=[{"type": "dense", "name": "g1", "in": 8 if kind != "concat" else 24,
+                                          "out": 4}])
+    return {**raw, "aggregate": kind, "secure_aggregation": secure, "stages": [*raw["stages"][:3], last]}
+
+
+def _keys(tmp_path: Path, names=PARTIES) -> dict[str, masking.PairMasks]:
+    """A CURVE key pair per party (distgrad keygen), every party's public key in one directory, and each
+    party's masks loaded as a stage process loads them (``--party-keys``)."""
+    for name in names:
+        keygen(tmp_path / "keys", name)
+    return {name: masking.load_party_keys(tmp_path / "keys", names, name,
+                                          *load_secret(tmp_path / "keys" / f"{name}.key_secret"))
+            for name in names}
+
+
+# -- the fixed-point math
+
+def test_fixed_point_sum_is_the_exact_sum_rounded_once():
+    """Values rounded to 2**-32 and added as integers: the float32 result is the exact sum of the rounded
+    values, rounded once (within one float32 rounding of the float64 sum); mean divides after."""
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(3)]
+    fixed = [aggregate.quantise(p, 3) for p in parts]
+    exact = sum(p.astype(np.float64) for p in parts)
+    total = aggregate.combine_fixed("sum", fixed)
+    assert total.dtype == np.float32
+    np.testing.assert_allclose(total, exact, rtol=2 ** -23, atol=2 ** -31)
+    assert np.array_equal(aggregate.combine_fixed("mean", fixed), total / np.float32(3))
+    back = aggregate.dequantise(aggregate.quantise(np.float32([1e-9, -0.5, 3.25]), 2))
+    assert np.array_equal(back, np.float32([np.float32(round(1e-9 * 2 ** 32) / 2 ** 32), -0.5, 3.25]))
+
+
+def test_a_value_fixed_point_cannot_carry_is_a_clear_error():
+    """NaN, Inf and magnitudes at 2**30 / K or beyond (the exact total must fit int64) name the value."""
+    limit = aggregate.fixed_point_limit(4)
+    assert limit == 2.0 ** 28
+    for bad in (np.nan, np.inf, limit, -limit * 2):
+        x = np.float32([[0.0, bad]])
+        with pytest.raises(CodecRangeError, match=r"at index \(0, 1\).*below 2\.68435e\+08 \(2\*\*30 / 4\)"):
+            aggregate.quantise(x, 4, "activation/mb0of1", 7)
+    aggregate.quantise(np.float32([np.nextafter(np.float32(limit), np.float32(0))]), 4)
+
+
+# -- the masks
+
+def test_masks_cancel_exactly_and_hide_each_part(tmp_path):
+    """What each party sends is its fixed point plus masks: no part equals (or is near) the party's own
+    values, the parts look uniform over 64 bits, and their sum is exactly the unmasked sum, so the label
+    owner's input equals the in-process reference's. A mask depends on the stream and the step."""
+    masks = _keys(tmp_path)
+    rng = np.random.default_rng(1)
+    parts = [np.tanh(rng.standard_normal((32, 8))).astype(np.float32) for _ in PARTIES]
+    codecs = [masking.SecureSumCodec(3, masks[name]) for name in PARTIES]
+    sent = [codec.encode(x, "activation/mb0of1", 5)["masked"] for codec, x in zip(codecs, parts)]
+    plain = [masking.SecureSumCodec(3).roundtrip(x, "activation/mb0of1", 5) for x in parts]
+    for masked, fixed in zip(sent, plain):
+        assert masked.dtype == np.int64 and not np.any(masked == fixed)
+        assert np.mean(np.abs(masked.astype(np.float64)) > 2.0 ** 40) > 0.99   # fixed point is below 2**32
+        bits = masked.view(np.uint64)
+        assert 0.4 < np.mean((bits >> np.uint64(63)) == 1) < 0.6
+    assert np.array_equal(aggregate.combine_fixed("sum", sent), aggregate.combine_fixed("sum", plain))
+    assert np.array_equal(aggregate.combine_fixed("mean", sent), aggregate.combine_fixed("mean", plain))
+    again = codecs[0].encode(parts[0], "activation/mb0of1", 5)["masked"]
+    assert np.array_equal(again, sent[0])                    # the same values sent again cross the same
+    for stream, step in (("activation/mb0of1", 6), ("activation/mb1of2", 5), ("activation", 5)):
+        assert not np.any(codecs[0].encode(parts[0], stream, step)["masked"] == sent[0])
+    tags = {name: masks[name].tags() for name in PARTIES}
+    assert masking.check_tags(tags) is None
+
+
+def test_party_keys_are_checked(tmp_path):
+    """Each other party's NAME.key must be there, a key, and not this party's own; without a key for c, a
+    party cannot run. Parties with keys that do not pair up are told apart by their tags."""
+    masks = _keys(tmp_path)
+    secret = load_secret(tmp_path / "keys" / "a.key_secret")
+    with pytest.raises(ConfigError, match=r"has no d\.key: secure aggregation needs the public key of every other"):
+        masking.load_party_keys(tmp_path / "keys", [*PARTIES, "d"], "a", *secret)
+    (tmp_path / "keys" / "b.key").write_bytes((tmp_path / "keys" / "a.key").read_bytes())
+    with pytest.raises(ConfigError, match=r"b\.key holds the same key as this party's own key \(a\)"):
+        masking.load_party_keys(tmp_path / "keys", PARTIES, "a", *secret)
+    with pytest.raises(ConfigError, match="not a directory"):
+        masking.load_party_keys(tmp_path / "nowhere", PARTIES, "a", *secret)
+    bad = dict(masks["b"].tags(), c="0" * 32)
+    assert "feature parties b and c do not share a mask key" in masking.check_tags(
+        {"a": masks["a"].tags(), "b": bad, "c": masks["c"].tags()})
+
+
+# -- the runs
+
+def test_in_process_reference_sums_in_fixed_point():
+    """The reference applies the same fixed-point rounding: a secure run ends close to, not necessarily
+    bitwise with, a run that adds float32 embeddings."""
+    secure = train_in_process(parse_experiment(_raw()), steps=30)
+    plain = train_in_process(parse_experiment(_raw(secure=False)), steps=30)
+    assert abs(secure["final_loss"] - plain["final_loss"]) < 1e-4
+    for stage, params in plain["params"].items():
+        for name, values in params.items():
+            np.testing.assert_allclose(np.array(secure["params"][stage][name], np.float64), values, atol=1e-4)
+
+
+class _Parties:
+    """The three feature parties as the label owner sees them: hellos and masked forwards, as their
+    processes send them (the parties themselves do not learn here)."""
+
+    def __init__(self, exp, masks: dict[str, masking.PairMasks]) -> None:
+        from distgrad.stage.stage import Stage
+        self.exp, self.masks = exp, masks
+        self.stages = {name: Stage.from_experiment(exp, name) for name in PARTIES}
+        self.data = {name: exp.build_data(stage=name) for name in PARTIES}
+        self.codecs = {name: masking.SecureSumCodec(3, masks[name]) for name in PARTIES}
+
+    def hello(self, g, name: str, now: float, tags: dict[str, str] | None = None) -> None:
+        from distgrad.run import handshake
+        hello = handshake.hello(self.exp, name, self.exp.seed, self.stages[name].output_shape, f"run-{name}", [0],
+                                3, 1)
+        hello.body["mask_tags"] = self.masks[name].tags() if tags is None else tags
+        g.handle([name.encode()], hello, now)
+
+    def forwards(self, g, step: int, now: float) -> list:
+        """Every party's masked forward of ``step``; the label owner's replies."""
+        from distgrad.wire import messages as wire
+        replies = []
+        for name in PARTIES:
+            y, _ = self.stages[name].forward(self.data[name].features(step))
+            sent = self.codecs[name].encode(y, "activation/mb0of1", step)["masked"]
+            assert sent.dtype == np.int64
+            assert not np.any(sent == self.codecs[name].roundtrip(y, "activation/mb0of1", step))
+            replies += g.handle([name.encode()], wire.Message(wire.FORWARD, f"run-{name}", step,
+                                                              tensors={"activation.masked": sent}), now)
+        return replies
+
+
+def _serving(exp):
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    return ServingStage(StageOptions(exp, "g", exp.seed, steps=3, liveness_s=1.0, peer_deadline_s=2.0))
+
+
+def test_the_label_owner_sees_masked_integers_and_their_sum_only(tmp_path):
+    """g serves three parties whose forwards carry masked fixed point (int64, none equal to a party's own
+    fixed point): it answers each with the gradient of the sum (the same to each), and after step 1 stands
+    exactly where the in-process reference does. A party silent past the bound is named, and why the run
+    cannot go on without it."""
+    exp = parse_experiment(_raw())
+    parties, g, now = _Parties(exp, _keys(tmp_path)), _serving(exp), time.monotonic()
+    for name in PARTIES:
+        parties.hello(g, name, now)
+    for step in (1, 2):
+        replies = parties.forwards(g, step, now)
+        assert [(e[0].decode(), r.type) for e, r in replies] == [(n, "backward") for n in PARTIES]
+        grads = [r.tensors["activation_grad"] for _, r in replies]
+        assert all(np.array_equal(grad, grads[0]) for grad in grads)
+        g.settle()
+        if step == 1:       # these parties do not learn: after step 1 only, g stands where the reference does
+            assert {k: v.tolist() for k, v in g.stage.params.items()} == train_in_process(exp, steps=1)["params"]["g"]
+    g.tick(now + 5.0)
+    assert "party a, party b, party c silent" in g.lost_message()
+    assert "cannot be unmasked without every party's part" in g.lost_message()
+
+
+def test_parties_whose_keys_do_not_pair_up_are_refused_naming_the_pair(tmp_path):
+    """b runs with a key for c that is not c's: every party's forward gets a mismatch naming b and c (their
+    masks would not cancel), nothing of the step is applied; a hello without tags is refused."""
+    from distgrad.errors import ProtocolError
+    exp = parse_experiment(_raw())
+    masks = _keys(tmp_path)
+    parties, g, now = _Parties(exp, masks), _serving(exp), time.monotonic()
+    with pytest.raises(ProtocolError, match="party a says no mask key for each other party"):
+        parties.hello(g, "a", now, tags={})
+    for name in PARTIES:
+        parties.hello(g, name, now, tags=dict(masks["b"].tags(), c="0" * 32) if name == "b" else None)
+    replies = parties.forwards(g, 1, now)
+    assert [r.type for _, r in replies] == ["error"] * 3
+    assert all("feature parties b and c do not share a mask key" in r.body["message"] for _, r in replies)
+    assert g.stage.step == 0
+
+
+# -- refusals
+
+@pytest.mark.parametrize("change,message", [
+    (dict(aggregate="concat"), "aggregate = 'concat' hands the label owner each party's own embedding"),
+    (dict(activation_codec="int8"), "the masked integers must cross exactly, so activation_codec 'int8'"),
+    (dict(allow_nonfinite=True), "fixed point has no NaN or Inf"),
+])
+def test_secure_aggregation_is_refused_where_it_cannot_hide_the_parts(change, message):
+    raw = _raw(change.get("aggregate", "sum"))
+    with pytest.raises(ConfigError, match=f"secure_aggregation: {message}"):
+        parse_experiment({**raw, **change})
+
+
+def test_one_party_a_bottom_and_a_codec_flag_are_refused():
+    raw = _raw()
+    one = {**raw, "stages": [raw["stages"][0], dict(raw["stages"][3])]}
+    with pytest.raises(ConfigError, match="needs two or more feature parties"):
+        parse_experiment(one)
+    bottom = {**raw, "data": dict(raw["data"], features=14), "stages": [*raw["stages"][:3], dict(
+        raw["stages"][3], columns=[12, 13], bottom=[{"type": "dense", "name": "gb", "in": 2, "out": 8}])]}
+    with pytest.raises(ConfigError, match="the label owner's own 'bottom' joins"):
+        parse_experiment(bottom)
+    with pytest.raises(ConfigError, match="activation_codec 'float16' cannot carry them"):
+        parse_experiment(raw).with_codecs("float16")
+    with pytest.raises(ConfigError, match="'secure_aggregation' must be true or false, got 'yes'"):
+        parse_experiment({**_raw("concat", secure=False), "secure_aggregation": "yes"})
+
+
+def test_a_party_masks_with_its_curve_key_pair_and_the_party_keys(tmp_path):
+    """A feature party's stage process (CURVE key pair, --party-keys) sends with the masks of its pairs;
+    the label owner's codec holds none (it cannot mask, nor unmask one part)."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import sent_codecs
+    from distgrad.wire.keys import CurveClient
+    from distgrad.wire.wirecodec import ACTIVATION
+
+    exp = parse_experiment(_raw())
+    masks = _keys(tmp_path)
+    keygen(tmp_path / "server", "g")
+    security = CurveClient(tmp_path / "keys" / "b.key_secret", tmp_path / "server" / "g.key")
+    codec = sent_codecs(StageOptions(exp, "b", exp.seed, security=security, party_keys=tmp_path / "keys"))[ACTIVATION]
+    assert isinstance(codec, masking.SecureSumCodec) and codec.masks is not None
+    assert codec.masks.tags() == masks["b"].tags()
+    x = np.float32([[0.25, -0.5]])
+    assert np.array_equal(codec.encode(x, "activation/mb0of1", 1)["masked"],
+                          masking.SecureSumCodec(3, masks["b"]).encode(x, "activation/mb0of1", 1)["masked"])
+    assert sent_codecs(StageOptions(exp, "g", exp.seed))[ACTIVATION].masks is None
+
+
+def test_a_party_without_keys_and_keys_without_secure_aggregation_are_refused(tmp_path):
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import sent_codecs
+
+    exp = parse_experiment(_raw())
+    with pytest.raises(ConfigError, match="feature party a needs its key pair and every other party's public key"):
+        sent_codecs(StageOptions(exp, "a", exp.seed))
+    plain = parse_experiment(_raw(secure=False))
+    with pytest.raises(ConfigError, match="--party-keys is for a feature party of an experiment with secure_agg"):
+        sent_codecs(StageOptions(plain, "a", plain.seed, party_keys=tmp_path))
+    with pytest.raises(ConfigError, match="--party-keys is for a feature party"):
+        sent_codecs(StageOptions(exp, "g", exp.seed, party_keys=tmp_path))
+
+
+def test_predictions_and_the_cut_library_are_refused(tmp_path):
+    """Predictions would repeat their masks (every prediction numbers its chunks from 1); the cut library
+    has no party keys: both say so."""
+    from distgrad.config.split import toml_document
+    from distgrad.run.cut_interface import FIRST, cut_side
+    from distgrad.run.predict import check_predicts
+
+    with pytest.raises(ConfigError, match="predictions of an experiment with secure_aggregation are not supported"):
+        check_predicts(parse_experiment(_raw()))
+    check_predicts(load_experiment("vertical-classify"))
+    raw = _raw()
+    path = tmp_path / "secure.toml"
+    path.write_text(toml_document({"data": raw["data"]}, {k: v for k, v in raw.items() if k != "data"}))
+    parse_experiment(read_toml(path))
+    with pytest.raises(ConfigError, match="the cut library does not support secure aggregation"):
+        cut_side(FIRST, path, {}, "a")
+
+
+def test_split_stage_files_keep_secure_aggregation(tmp_path):
+    """`distgrad split` writes it into every party's [interface], and it is part of the interface the
+    handshake compares (a party whose file lacks it is refused, naming the field)."""
+    from distgrad.config.split import interface_table
+    exp, plain = parse_experiment(_raw()), parse_experiment(_raw(secure=False))
+    assert interface_table(exp)["secure_aggregation"] is True and "secure_aggregation" not in interface_table(plain)
+    assert exp.interface_parts()["secure_aggregation"] is True
+    assert "secure_aggregation" not in plain.interface_parts()
+    assert exp.interface_fingerprint != plain.interface_fingerprint
+
+
+# Slow: torch in four processes. The same path with numpy stages is test_vertical's secure-sum case (slow too);
+# by default, test_the_label_owner_sees_masked_integers_and_their_sum_only covers it without processes.
+@pytest.mark.slow
+@pytest.mark.timeout(180)    # four PyTorch processes
+def test_torch_stages_over_processes_equal_the_reference(tmp_path):
+    """Torch feature parties and a torch label owner, securely aggregated over processes: bitwise equal to
+    the in-process reference."""
+    pytest.importorskip("torch")
+    from conftest import read_json, run_launcher
+    from distgrad.config.split import toml_document
+
+    raw = _raw()
+    raw["stages"] = [dict(stage, framework="torch") for stage in raw["stages"]]
+    path = tmp_path / "secure-torch.toml"
+    path.write_text(toml_document({"data": raw["data"]}, {k: v for k, v in raw.items() if k != "data"}))
+    flags = ["--steps", "10", "--micro-batches", "2"]
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json", *flags])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference = train_in_process(parse_experiment(read_toml(path), str(path)), steps=10, micro_batches=2)
+    summary = read_json(tmp_path / "run.json")
+    assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
