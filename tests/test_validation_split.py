@@ -448,3 +448,24 @@ def test_the_label_owner_scores_the_test_rows_once_after_the_last_step_only(tmp_
     server.handle([b"f"], hello_message(plain, "r"), 0.0)
     with pytest.raises(ProtocolError, match="needs a validation split"):
         server.handle([b"f"], evaluate(1, f.forward(plain.build_data().test_features(), training=False)[0], True), 0.0)
+
+
+def test_a_checkpoint_saved_after_the_evaluations_that_follow_its_step_counts_them_once():
+    """The last evaluation and the final one (releases of step k + 1) made before the checkpoint of step k was
+    saved: it counts them, names them (``HELD_OUT_AHEAD``), and a ledger restored from it with the file of
+    releases, which holds them too, counts each once, and once more sent after the resume, still once."""
+    from distgrad.privacy.releases import HELD_OUT, HELD_OUT_AHEAD, NoiseLedger
+
+    written: list = []
+    ledger = NoiseLedger(7, on_release=written.append)
+    ledger.release_held_out(11, "evaluation", "ab" * 32, 72)       # the last evaluation, after step 10
+    ledger.release_held_out(11, "test", "cd" * 32, 90)             # then the final one
+    arrays = ledger.arrays(10)
+    assert arrays[HELD_OUT].tolist() == [1, 72, 1, 90]
+    restored = NoiseLedger(0)
+    restored.restore(7, None, written, 10, arrays[HELD_OUT], arrays[HELD_OUT_AHEAD])
+    assert restored.held_out == {"evaluation": 1, "test": 1} and restored.held_out_rows == {"evaluation": 72,
+                                                                                           "test": 90}
+    restored.release_held_out(11, "test", "cd" * 32, 90)           # sent again after the resume: the same
+    assert restored.held_out == {"evaluation": 1, "test": 1}
+    assert restored.arrays(10)[HELD_OUT_AHEAD].tobytes() == arrays[HELD_OUT_AHEAD].tobytes()

@@ -20,7 +20,7 @@ import numpy as np
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release, fresh_secret
+from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -342,8 +342,11 @@ class StageState:
                 raise ConfigError(f"checkpoint {ckpt.path} holds no noise secret: it was written before the "
                                   f"defenses drew from one; start a new run (without --resume)")
             released = self._released_since(ckpt.run, 0)
-            self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
-                                ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
+            try:
+                self.ledger.restore(int(secret, 16), ckpt.arrays.get(COUNTS), released, ckpt.step,
+                                    ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)), ckpt.arrays.get(HELD_OUT_AHEAD))
+            except ValueError as e:
+                raise ConfigError(f"checkpoint {ckpt.path}: its count of releases cannot be read: {e}") from e
             # Written again whole: a line a kill -9 tore would otherwise take the next release appended. Every
             # held-out release of the run stays: a later rollback to an older checkpoint counts those after it.
             self._rewrite_released([*self.ledger.pending.values(),
