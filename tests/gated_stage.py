@@ -1,7 +1,7 @@
 """``distgrad stage``, held at gates (files) that the test creates.
 
     python tests/gated_stage.py [--start-gate FILE] [--step-gate STEP FILE] [--average-gate STEP FILE]
-                                [--hold-after-save STEP FILE] -- f --experiment ...
+                                [--hold-after-save STEP FILE] [--hold-after-test FILE] -- f --experiment ...
 
 A test orders events across stage processes with these gates instead of timing them:
 
@@ -13,6 +13,9 @@ A test orders events across stage processes with these gates instead of timing t
 - ``--hold-after-save STEP FILE``: any stage (a serving one too), once it has written its checkpoint of
   step STEP, creates FILE and stops there, as if frozen, until it is killed: a test kills it between that
   checkpoint and whatever the stage would have done next (its replies).
+- ``--hold-after-test FILE``: any stage, once it has recorded the final evaluation of a validation split (the
+  kept model's test rows: ``StageState.record_test``, which checkpoints it), creates FILE and stops there until
+  it is killed: the label owner before its reply leaves, a data owner before its bye.
 
 The first three are for a first stage (``distgrad stage f``).
 
@@ -49,6 +52,8 @@ def main(argv: list[str]) -> int:
                         help="wait for FILE before sending the SplitFed average of step STEP")
     parser.add_argument("--hold-after-save", nargs=2, metavar=("STEP", "FILE"),
                         help="after the checkpoint of step STEP, create FILE and wait to be killed")
+    parser.add_argument("--hold-after-test", type=Path,
+                        help="after recording the final evaluation, create this file and wait to be killed")
     parser.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then the arguments of distgrad stage")
     args = parser.parse_args(argv)
     stage_args = args.stage_args[1:] if args.stage_args[:1] == ["--"] else args.stage_args
@@ -87,6 +92,8 @@ def main(argv: list[str]) -> int:
         driver._Driver._average = gated_average
     if args.hold_after_save is not None:
         _hold_after_save(int(args.hold_after_save[0]), Path(args.hold_after_save[1]))
+    if args.hold_after_test is not None:
+        _hold_after_test(args.hold_after_test)
     return cli.stage_main(stage_args)
 
 
@@ -106,6 +113,21 @@ def _hold_after_save(step: int, reached: Path) -> None:
                              f"step {step}")
 
     stage_state.StageState.save = save_then_hold
+
+
+def _hold_after_test(reached: Path) -> None:
+    """After the final evaluation is recorded (and checkpointed): create ``reached`` and wait to be killed."""
+    from distgrad.run import stage_state
+
+    record = stage_state.StageState.record_test
+
+    def record_then_hold(self, *a, **kw):
+        record(self, *a, **kw)
+        reached.touch()
+        time.sleep(GATE_DEADLINE_S)
+        raise SystemExit(f"gated_stage: not killed within {GATE_DEADLINE_S:g} s after the final evaluation")
+
+    stage_state.StageState.record_test = record_then_hold
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distgrad.config.parse import load_experiment
-from distgrad.errors import ConfigError
+from distgrad.errors import ConfigError, ProtocolError
 from distgrad.stage.stage import Stage
 
 from conftest import digits_data_table, read_json, run_cli, run_main
@@ -153,6 +153,9 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
     if framework == "torch":
         pytest.importorskip("torch")
     path = _plateau_penguins(tmp_path, 'framework = "torch"\n' if framework == "torch" else "")
+    # keep_best too: the final evaluation scores the test rows with every stage's kept parameters (f's torch ones)
+    path.write_text(path.read_text().replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n'
+                                                                          'keep_best = "test_accuracy"'))
     from conftest import run_launcher
 
     assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
@@ -160,6 +163,10 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert run["params"] == ref["params"]
+    assert 0 < ref["test_step"] == ref["best_step"] < 60      # the kept model is not the last one
+    for key in ("test_loss", "test_accuracy", "test_count", "test_step", "evaluations"):
+        assert run[key] == ref[key], key
+    assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
     plain = tmp_path / "plain.toml"
     plain.write_text(path.read_text().replace(PLATEAU, "").replace(PLATEAU.strip(), ""))
     assert run_main(["run", plain, "--in-process", "--summary", tmp_path / "plain.json"]).returncode == 0
@@ -205,3 +212,260 @@ def test_keep_best_may_name_the_validation_figure(tmp_path: Path):
         summaries.append(read_json(tmp_path / f"{name}.json"))
     assert summaries[0]["best_step"] == summaries[1]["best_step"] and summaries[0]["params"] == summaries[1]["params"]
     assert summaries[0]["stopped_early"] == summaries[1]["stopped_early"]
+
+
+# --- the test rows cross once, after the last step, with the kept model ------------------------------------
+
+F_CLIP = "clip_noise = { max_norm = 4.0, sigma = 0.5 }\n"      # f's held-out releases are counted in its budget
+
+
+def _clipped(path: Path) -> Path:
+    """``path`` with f's clip_noise, so its budget counts what it released of the validation and test rows."""
+    path.write_text(path.read_text().replace('name = "f"\n', 'name = "f"\n' + F_CLIP, 1))
+    return path
+
+
+def _assert_test_rows_released_once(summary: dict, stage: str = "f") -> None:
+    """The data owner ``stage`` released the validation rows at each evaluation and the test rows once."""
+    budget = summary["privacy"][stage]
+    evaluations, validation = len(summary["evaluations"]), summary["validation_count"]
+    assert budget["evaluation_releases"] == {"releases": evaluations, "rows": evaluations * validation,
+                                             "per_row": evaluations}
+    assert budget["test_releases"] == {"releases": 1, "rows": summary["test_count"], "per_row": 1}
+
+
+def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path: Path, stage_group,
+                                                                        fixed_noise_secret):
+    """A run that stops early: g is killed -9 once it has scored the final evaluation (checkpointed, before its
+    reply left), then f once it has recorded the reply (before its bye), each restarted with --resume: the
+    restarted g answers from its checkpoint, the restarted f neither evaluates again nor goes on past the early
+    stop; f released the test rows once, and every figure and parameter equals the uninterrupted in-process
+    run's."""
+    from test_clients import GATED_STAGE
+    from test_faults import Pair
+
+    path = _clipped(_validated(tmp_path))          # keep_best and early_stopping: the run stops before step 200
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    reference = read_json(tmp_path / "ref.json")
+    assert 0 < reference["test_step"] == reference["best_step"] < reference["stopped_early"] < 200
+    _assert_test_rows_released_once(reference)
+    pair = stage_group(Pair, tmp_path, str(path), "200", f"ipc://{tmp_path}/g.sock")
+    held = {name: tmp_path / f"{name}-tested.gate" for name in ("g", "f")}
+    for name, gate in held.items():
+        pair.commands[name] = [*GATED_STAGE, "--hold-after-test", gate, "--"]
+    pair.start("g")
+    pair.start("f")
+    for name, gate in held.items():
+        pair.wait_until(gate.exists, f"{name} to record the final evaluation", timeout=60)
+        pair.commands.pop(name)
+        pair.kill_9_and_restart(name)
+    f_summary, g_summary = pair.finish()
+    for name in ("g", "f"):
+        before, after = ((tmp_path / f"{name}.{start}.log").read_text() for start in (1, 2))
+        assert "the kept model, after step" in before and "resumed run" in after
+        assert "the kept model, after step" not in after, after        # not scored (g) nor sent (f) again
+    for summary, stage in ((f_summary, "f"), (g_summary, "g")):
+        assert summary["params"][stage] == reference["params"][stage]
+        for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "best_step", "stopped_early",
+                    "steps"):
+            assert summary[key] == reference[key], key
+    assert f_summary["privacy"]["f"] == reference["privacy"]["f"]
+    assert f_summary["evaluations"] == reference["evaluations"]
+    _assert_test_rows_released_once({**f_summary, "validation_count": reference["validation_count"]})
+
+
+def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_path: Path, fixed_noise_secret):
+    """Two feature parties (digits-halves), keep_best on the validation rows: over processes as in process, the
+    evaluations during the run carry the validation rows' figures only, each party released the test rows once
+    (left's clip_noise counts it), and the test figures are the kept model's, equal to the in-process run's."""
+    from test_defenses import _defended
+
+    from conftest import run_launcher
+
+    path = _defended(tmp_path, "digits-halves", {0: F_CLIP, 2: 'keep_best = "test_accuracy"\nmetrics = ["f1"]'})
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n")
+                    .replace("lr = 0.003", "lr = 0.03"))       # the validation accuracy is best at step 100
+    args = ["run", path, "--steps", "120", "--eval-every", "20"]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    assert 0 < ref["test_step"] == ref["best_step"] < 120
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
+        assert run[key] == ref[key], key
+    assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
+    _assert_test_rows_released_once(ref, "left")
+
+
+# Slow (five processes): by default, test_vertical_parties_send_their_test_rows_once_bitwise_over_processes covers
+# several data owners' final evaluation, and the two-stage tests the one peer's (Turns.score) that a client's uses.
+@pytest.mark.slow
+def test_each_client_sends_its_test_rows_once_after_the_last_step_bitwise_over_processes(tmp_path: Path,
+                                                                                         fixed_noise_secret):
+    """SplitFed clients (several data owners, each its own held-out rows) with a validation split: each client's
+    evaluations during the run score its validation rows, and after the last round its test rows cross once, scored
+    with the final model; over processes as in process."""
+    from test_defenses import _defended
+
+    from conftest import run_launcher
+
+    path = _defended(tmp_path, "digits-splitfed", {0: F_CLIP})
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
+    args = ["run", path, "--steps", "20", "--eval-every", "10"]
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"]
+    assert run["clients"] == [{**entry, "run_id": client["run_id"]} for entry, client in zip(ref["clients"],
+                                                                                            run["clients"])]
+    for client in ref["clients"]:
+        assert client["test_step"] == 20 and [e["step"] for e in client["evaluations"]] == [10, 20]
+        assert all(not any(key.startswith("test_") for key in e) for e in client["evaluations"])
+    assert run["privacy"] == ref["privacy"]
+    _assert_test_rows_released_once({**ref, **ref["clients"][0]})
+
+
+def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_path: Path, fixed_noise_secret):
+    """A chain f -> m -> g with keep_best and early stopping on the validation rows: m forwards the test rows with
+    its own kept parameters and passes the final evaluation on to g; over processes as in process, f having
+    released its test rows once."""
+    from conftest import run_launcher
+
+    path = _clipped(_digits(tmp_path, JUDGED, middle=True))
+    path.write_text(path.read_text().replace(digits_data_table(), digits_data_table() + "validation_fraction = 0.2\n"))
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    assert run["params"] == ref["params"] and set(ref["params"]) == {"f", "m", "g"}
+    assert 0 < ref["test_step"] == ref["best_step"] < ref["stopped_early"] < 200
+    for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
+        assert run[key] == ref[key], key
+    _assert_test_rows_released_once(ref)
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_the_cut_library_refuses_a_validation_split_with_the_reason(tmp_path: Path, end: str):
+    """A loop of one's own decides when it evaluates and which parameters it keeps: the cut library refuses
+    validation_fraction at once (either end), saying so, rather than accepting it and leaving it unused."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    with pytest.raises(ConfigError, match="validation_fraction is the daemons' rule: .* the test rows cross once"):
+        cut_side(FIRST if end == "first" else LAST, _validated(tmp_path, ""), {})
+    assert cut_side(FIRST if end == "first" else LAST, _digits(tmp_path, ""), {}).data is not None
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_the_kept_model_stands_in_for_the_live_one_and_is_put_back(tmp_path: Path, framework: str):
+    """``stage.kept_model``: inside it the stage computes with the kept parameters and forward state (a torch
+    module's batch-norm statistics too), set through the stage (on a GPU too), and afterwards with its own."""
+    from distgrad.stage.stage import kept_model
+
+    x = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    if framework == "numpy":
+        exp = load_experiment(_digits(tmp_path))
+
+        def build() -> Stage:
+            return Stage.from_experiment(exp, "f")
+    else:
+        torch = pytest.importorskip("torch")
+        from distgrad.stage.torch_stage import TorchStage
+
+        def build() -> Stage:
+            torch.manual_seed(1)
+            module = torch.nn.Sequential(torch.nn.Linear(64, 3), torch.nn.BatchNorm1d(3))
+            return TorchStage.from_module("f", module, torch.optim.SGD(module.parameters(), lr=0.1), (6, 64))
+    stage, kept_stage = build(), build()
+    for _ in range(2):                  # the kept one trains on: other parameters (and batch-norm statistics)
+        y, cache = kept_stage.forward(x * 3)
+        for name, grad in kept_stage.backward(cache, np.ones_like(y))[1].items():
+            kept_stage.params[name][...] -= np.float32(0.5) * grad
+    kept = {"params": {n: v.copy() for n, v in kept_stage.params.items()}, "state": kept_stage.forward_state()}
+    live = {n: v.copy() for n, v in stage.params.items()}
+    before = stage.forward(x, training=False)[0]
+    with kept_model(stage, kept):
+        inside = stage.forward(x, training=False)[0]
+    assert np.array_equal(inside, kept_stage.forward(x, training=False)[0])
+    assert not np.array_equal(inside, before)
+    assert all(np.array_equal(stage.params[n], v) for n, v in live.items())
+    assert np.array_equal(stage.forward(x, training=False)[0], before)
+
+
+def test_the_label_owner_scores_the_test_rows_once_after_the_last_step_only(tmp_path: Path):
+    """The serving stage's rules for the final evaluation (``held_out`` "test"): an evaluation during the run
+    carries and scores the validation rows; a final one before the last step, or of the validation rows' count,
+    is refused and changes nothing; after the last step it scores the test rows, with no verdict, and the same
+    request again gets the same reply; without a validation split a final evaluation is refused."""
+    from handshake import hello_message, only_reply
+
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    from distgrad.wire import messages as wire
+    from distgrad.wire.link import final_body
+    from distgrad.wire.messages import Message
+
+    path = _validated(tmp_path)
+    path.write_text(path.read_text().replace("steps = 200", "steps = 2").replace("validation_fraction = 0.2",
+                                                                                  "validation_fraction = 0.1"))
+    exp = load_experiment(path)
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    server.handle([b"f"], hello_message(exp, "r"), 0.0)
+    f, data = Stage.from_experiment(exp, "f"), exp.build_data(stage="f")
+    held_out = f.forward(data.test_features(), training=False)[0]
+    validation, test = held_out[:data.validation_count], held_out[data.validation_count:]
+
+    def evaluate(step: int, x: np.ndarray, final: bool) -> wire.Message:
+        return Message(wire.EVALUATE, "r", step, body=final_body(final), tensors={"activation": x})
+
+    for step in (1, 2):
+        server.handle([b"f"], Message(wire.FORWARD, "r", step, tensors={"activation": f.forward(data.features(step))[0]}),
+                      0.0)
+        server.settle()
+        if step == 1:
+            reply = only_reply(server.handle([b"f"], evaluate(2, validation, False), 0.0))
+            assert reply.body["held_out"] == "validation" and reply.body["count"] == data.validation_count
+            with pytest.raises(ProtocolError, match="after the run's last step, 2; got one after step 1"):
+                server.handle([b"f"], evaluate(2, test, True), 0.0)
+    with pytest.raises(ProtocolError, match=rf"expected float32\({len(test)}, 32\), got float32\({len(validation)}, "):
+        server.handle([b"f"], evaluate(3, validation, True), 0.0)      # the validation rows' count: not the test's
+    assert server.state.final_test is None
+    reply = only_reply(server.handle([b"f"], evaluate(3, test, True), 0.0))
+    expected = Stage.from_experiment(exp, "g")          # the kept model: step 1's, the one evaluation judged
+    expected.load_state_arrays({**server.stage.state_arrays(), **{f"param/{name}": value for name, value
+                                                                   in server.state.best_copy["params"].items()}}, 1)
+    scores = expected.evaluate_last(test, data.test_targets()[data.validation_count:])
+    assert reply.body["held_out"] == "test" and "best" not in reply.body and "stop" not in reply.body
+    assert (reply.body["loss"], reply.body["correct"], reply.body["count"]) == (
+        scores["loss"], scores["correct"], len(test))
+    assert server.state.final_test["step"] == server.state.verdicts.best_step == 1
+    assert not np.array_equal(server.state.best_copy["params"]["g1.W"], server.stage.params["g1.W"])
+    assert only_reply(server.handle([b"f"], evaluate(3, test, True), 0.0)) is reply
+
+    plain = load_experiment(_digits(tmp_path))
+    server = ServingStage(StageOptions(plain, "g", plain.seed))
+    server.handle([b"f"], hello_message(plain, "r"), 0.0)
+    with pytest.raises(ProtocolError, match="needs a validation split"):
+        server.handle([b"f"], evaluate(1, f.forward(plain.build_data().test_features(), training=False)[0], True), 0.0)
+
+
+def test_a_checkpoint_saved_after_the_evaluations_that_follow_its_step_counts_them_once():
+    """The last evaluation and the final one (releases of step k + 1) made before the checkpoint of step k was
+    saved: it counts them, names them (``HELD_OUT_AHEAD``), and a ledger restored from it with the file of
+    releases, which holds them too, counts each once, and once more sent after the resume, still once."""
+    from distgrad.privacy.releases import HELD_OUT, HELD_OUT_AHEAD, NoiseLedger
+
+    written: list = []
+    ledger = NoiseLedger(7, on_release=written.append)
+    ledger.release_held_out(11, "evaluation", "ab" * 32, 72)       # the last evaluation, after step 10
+    ledger.release_held_out(11, "test", "cd" * 32, 90)             # then the final one
+    arrays = ledger.arrays(10)
+    assert arrays[HELD_OUT].tolist() == [1, 72, 1, 90]
+    restored = NoiseLedger(0)
+    restored.restore(7, None, written, 10, arrays[HELD_OUT], arrays[HELD_OUT_AHEAD])
+    assert restored.held_out == {"evaluation": 1, "test": 1} and restored.held_out_rows == {"evaluation": 72,
+                                                                                           "test": 90}
+    restored.release_held_out(11, "test", "cd" * 32, 90)           # sent again after the resume: the same
+    assert restored.held_out == {"evaluation": 1, "test": 1}
+    assert restored.arrays(10)[HELD_OUT_AHEAD].tobytes() == arrays[HELD_OUT_AHEAD].tobytes()

@@ -27,6 +27,7 @@ from distgrad.privacy.releases import NoiseLedger, RunSecret, digest, fresh_secr
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
+TEST = "test"                   # with a validation split: its test rows', once, in the final evaluation
 NO_GUARANTEE = "no differential-privacy guarantee"
 SECURE_REASON = ("is not supported on a feature party with secure_aggregation: the label owner receives only the "
                  "masked sum of every party's embedding, never this party's alone, so this party's rows against "
@@ -317,8 +318,10 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
     entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps)
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
-        if entries.get(stage) and ledger.held_out.get(EVALUATION) and not label_owner_sends_gradients(exp, stage):
-            entries[stage].update(held_out_budget(ledger, EVALUATION))
+        if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
+            for purpose in (EVALUATION, TEST):
+                if ledger.held_out.get(purpose):
+                    entries[stage].update(held_out_budget(ledger, purpose))
     entries = {stage: entry for stage, entry in entries.items() if entry}
     return {"privacy": entries} if entries else {}
 
@@ -356,12 +359,13 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
 
 def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:
     """A data owner's releases of held-out rows for ``purpose`` (``"evaluation"``: every evaluation releases
-    each held-out row once more; ``"predict"``: each new row once), as its budget entry's
-    ``evaluation_releases`` or ``prediction_releases``: ``{"releases": tensors sent, "rows": rows in them,
+    each held-out row once more, the validation rows with a validation split; ``"test"``: then the final
+    evaluation releases each test row once; ``"predict"``: each new row once), as its budget entry's
+    ``evaluation_releases``, ``test_releases`` or ``prediction_releases``: ``{"releases": tensors sent, "rows": rows in them,
     "per_row": releases of each row}``. Its ``clip_noise`` states no guarantee for them either."""
     releases, rows = ledger.held_out.get(purpose, 0), ledger.held_out_rows.get(purpose, 0)
     per_row = releases if purpose == EVALUATION else min(releases, 1)
-    key = "evaluation_releases" if purpose == EVALUATION else "prediction_releases"
+    key = {EVALUATION: "evaluation_releases", TEST: "test_releases"}.get(purpose, "prediction_releases")
     return {key: {"releases": releases, "rows": rows, "per_row": per_row}}
 
 
@@ -384,7 +388,8 @@ def _entry_text(entry: dict[str, Any]) -> str:
                 scope = f" ({value['guarantee']})" if "guarantee" in value else ""
                 parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}{scope}")
         elif isinstance(value, dict) and "per_row" in value:
-            what = "held-out rows in evaluations" if key == "evaluation_releases" else "new rows in predictions"
+            what = {"evaluation_releases": "held-out rows in evaluations",
+                    "test_releases": "test rows in the final evaluation"}.get(key, "new rows in predictions")
             parts.append(f"{what}: {value['rows']} row releases in {value['releases']} tensors, each row released "
                          f"{value['per_row']} times with the clip_noise noise ({NO_GUARANTEE})")
         elif isinstance(value, dict):

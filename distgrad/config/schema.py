@@ -339,9 +339,11 @@ DATA_OPTIONS: dict[str, str] = {
     "validation_fraction": "file kinds: the share of rows set apart as validation rows (the next rows of the same "
                            "shuffle, so the test rows are those of test_fraction alone): the evaluations during "
                            "training (eval_every, the last step) score them and keep_best / early_stopping choose "
-                           "on them (their 'test_NAME' judges the validation figure), and the test rows are "
-                           "reported once, for the kept model: the summary's test_* figures and test_step, and the "
-                           "last printed line. Every party's [data] must give the same; 0: no validation rows",
+                           "on them (their 'test_NAME' judges the validation figure); the test rows cross once, "
+                           "after the last step (or the early stop), forwarded by the kept model (keep_best's "
+                           "best step on every stage, else the last) and scored once: the summary's test_* figures "
+                           "and test_step, and the last printed line. Every party's [data] must give the same; not "
+                           "with labels = \"first\" nor in the cut library; 0: no validation rows",
     "feature_scale": "file kinds: features are float32 times this",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
     "path": "npz and csv: the file (relative to the file that names it)",

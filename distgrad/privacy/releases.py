@@ -28,6 +28,7 @@ every run draw from the same secret, so two runs then repeat their noise (and th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -39,8 +40,29 @@ from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
 NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
 SECRET_BYTES = 16                                  # 128 random bits a run
 COUNTS = "privacy/releases"                        # the checkpoint array of the per-row release counts
-HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations)
+HELD_OUT = "privacy/held_out_releases"             # and of the releases of held-out rows (evaluations;
+                                                   # then the final evaluation's of the test rows, if any)
+# and those of steps after the checkpoint's that it counted (made before it was saved: the evaluation after its
+# step, the final one), which a resume finds in the file of releases too and must not count again: JSON as uint8
+HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
+
+
+# The purposes whose held-out releases a checkpoint counts (``HELD_OUT``: releases, rows of each, in this order):
+# every evaluation's, and the final evaluation's of the test rows (with a validation split).
+_CHECKPOINTED_HELD_OUT = ("evaluation", "test")
+
+
+def _ahead_keys(ahead: np.ndarray | None) -> set[tuple[int, str, str]]:
+    """The (step, purpose, digest) of each held-out release a checkpoint's ``HELD_OUT_AHEAD`` names."""
+    if ahead is None:
+        return set()
+    keys = json.loads(np.asarray(ahead, np.uint8).tobytes().decode())       # ValueError when damaged
+    if not isinstance(keys, list) or not all(isinstance(k, list) and len(k) == 3 and isinstance(k[0], int)
+                                             and isinstance(k[1], str) and isinstance(k[2], str) for k in keys):
+        raise ValueError(f"the held-out releases ahead of the checkpoint are not [step, purpose, digest] "
+                         f"triples: {keys!r:.80}")
+    return {(k[0], k[1], k[2]) for k in keys}
 
 
 def fresh_secret(override: int | None = None) -> int:
@@ -213,23 +235,29 @@ class NoiseLedger:
     def arrays(self, step: int) -> dict[str, np.ndarray]:
         """The checkpoint of ``step``'s counts: every release up to ``step`` (later ones, of steps in
         flight, stay pending and come back with ``restore``)."""
-        evaluations = self.held_out.get("evaluation", 0)
+        counted = [(self.held_out.get(p, 0), self.held_out_rows.get(p, 0)) for p in _CHECKPOINTED_HELD_OUT]
+        if not counted[-1][0]:
+            counted.pop()               # no test rows released: the layout of a checkpoint without them
+        ahead = sorted(key for key in self._held_out_seen if key[0] > step)
         return {COUNTS: self.counts - self._pending_counts(step),
-                **({HELD_OUT: np.array([evaluations, self.held_out_rows.get("evaluation", 0)], np.int64)}
-                   if evaluations else {})}
+                **({HELD_OUT: np.array([n for pair in counted for n in pair], np.int64)} if counted[0][0] else {}),
+                **({HELD_OUT_AHEAD: np.frombuffer(json.dumps(ahead).encode(), np.uint8).copy()} if ahead else {})}
 
     def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
-                held_out: np.ndarray | None = None) -> None:
+                held_out: np.ndarray | None = None, ahead: np.ndarray | None = None) -> None:
         """Back to the checkpoint of ``step`` of the same run: its ``secret`` and ``counts`` (None: none
         released), with the releases of the run that were already made (``pending``, and those this ledger
         holds) kept, so a step released before is refused on other values, and those after ``step`` counted;
         ``held_out``: the checkpoint's evaluations and their rows (``HELD_OUT``; None: the counts stay as
-        they are, a rollback within the process)."""
+        they are, a rollback within the process), ``ahead`` those of later steps it counted already
+        (``HELD_OUT_AHEAD``). Raises ``ValueError`` for an ``ahead`` that is not what ``arrays`` writes."""
         self.secret = secret
         if held_out is not None:
-            evaluations, rows = (int(v) for v in np.asarray(held_out, np.int64).reshape(-1)[:2])
-            self.held_out, self.held_out_rows = {"evaluation": evaluations}, {"evaluation": rows}
-            self._held_out_seen = set()
+            values = [int(v) for v in np.asarray(held_out, np.int64).reshape(-1)]
+            self.held_out, self.held_out_rows, self._held_out_seen = {}, {}, _ahead_keys(ahead)
+            for purpose, (releases, rows) in zip(_CHECKPOINTED_HELD_OUT, zip(values[0::2], values[1::2])):
+                if releases:
+                    self.held_out[purpose], self.held_out_rows[purpose] = releases, rows
         pending = list(pending)
         kept = {(r.step, r.stream): r for r in [*self.pending.values(), *pending]
                 if not r.stream.startswith(HELD_OUT_STREAM + "/")}

@@ -13,8 +13,9 @@ import numpy as np
 
 from distgrad.errors import ProtocolError
 from distgrad.config.experiment import build_stage_parts
-from distgrad.stage.stage import TensorSpecs, forward_specs, target_spec
+from distgrad.stage.stage import TensorSpecs, forward_specs, held_out_part, target_spec
 from distgrad.run.stage_state import StageState
+from distgrad.wire.link import is_final
 from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import ACTIVATION, Expected
 
@@ -87,8 +88,10 @@ class Accepts:
         self.step_rows[index] = {**earlier, (msg.step, msg.mb): rows}
 
     def evaluation(self, index: int, msg: Message) -> Expected:
-        """What an evaluation of peer ``index`` carries; ``ProtocolError`` when this stage evaluates nothing
-        or a passed-on evaluation carries too many rows or none."""
+        """What an evaluation of peer ``index`` carries (with a validation split, its validation rows, or in the
+        final evaluation its test rows: ``held_out_part``); ``ProtocolError`` when this stage evaluates nothing,
+        for a final evaluation without a validation split, or when a passed-on evaluation carries too many rows
+        or none."""
         if self.passed_on:
             single = self._specs(1, index, rows=False)
             # The rows are the first axis of the coded activation's first part (the values, codes or bits).
@@ -101,7 +104,12 @@ class Accepts:
         specs = self.evaluations[index]
         if specs is None or not self.data or not len(self.data[index].test_rows):
             raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r} holds out no rows to evaluate")
-        return specs
+        validation = self.data[index].validation_count
+        if is_final(msg) and not validation:
+            raise ProtocolError(ErrorCode.TYPE, f"a final evaluation (of the test rows) needs a validation split; "
+                                                f"experiment {self.exp.name!r} has no validation_fraction")
+        part, _ = held_out_part(validation, is_final(msg))
+        return specs.with_rows(len(self.data[index].test_rows[part]))
 
 
 def refuse_rows(data: Any | None, msg: Message, earlier: list[np.ndarray]) -> None:

@@ -111,12 +111,7 @@ class CutSide:
         of the training rows (None without a ``[data]``)."""
         if not self.exp.spec(self.stage).data:
             return None
-        data = self.exp.build_data(stage=self.stage, client=client)
-        if data.validation_count:
-            raise ConfigError(f"stage {self.stage!r}: validation_fraction splits the held-out rows for the daemons' "
-                              f"keep_best and early_stopping; a loop of your own scores its held-out rows itself: "
-                              f"leave validation_fraction out of [data] and set rows apart in your loop")
-        return data
+        return self.exp.build_data(stage=self.stage, client=client)
 
 
 def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields: Mapping[str, Any],
@@ -281,6 +276,15 @@ def _check_supported(side: CutSide, source: str) -> None:
         if bad:
             raise ConfigError(f"{source}: the cut library does not support {what} yet: its loops keep the "
                               f"labels with the label owner; remove '{key}' or run the daemons (distgrad-stage)")
+    spec = exp.spec(side.stage)
+    table = exp.data if spec.data is None else spec.data
+    if (table or {}).get("validation_fraction"):
+        raise ConfigError(f"{source}: stage {side.stage!r}: validation_fraction is the daemons' rule: their "
+                          f"keep_best and early_stopping choose on the validation rows and the test rows cross "
+                          f"once, after the last step, with the kept model; a loop of your own decides when it "
+                          f"evaluates, when it stops and which parameters it keeps, so the cut library cannot "
+                          f"apply it: leave validation_fraction out of [data], set validation rows apart in your "
+                          f"loop and score your test rows once, at its end")
     if side.end == FIRST and exp.staleness > 0:
         raise ConfigError(f"{source}: a Cut runs the data owner's loop in lockstep (cut.step returns step k's "
                           f"gradient before step k+1 is sent), so it cannot keep staleness = {exp.staleness} steps "

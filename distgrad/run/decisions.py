@@ -149,12 +149,14 @@ class ScoreAgain(NamedTuple):
 
 class Scores(NamedTuple):
     """The scores of the evaluation after ``step`` (before the verdicts, which the serving stage gives),
-    or the ``error`` every peer of the group is answered with; ``last``: the run's last step, if known."""
+    or the ``error`` every peer of the group is answered with; ``last``: the run's last step, if known;
+    ``final``: the final evaluation (the kept model on the test rows: recorded, never judged)."""
 
     step: int
     result: dict[str, Any] | None
     error: tuple[str, str] | None   # (``ErrorCode``, text)
     last: int | None
+    final: bool = False
 
 
 class Average(NamedTuple):

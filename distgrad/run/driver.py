@@ -29,20 +29,20 @@ from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
 from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
-from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply
+from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply, final_body, is_final
 from distgrad.run.metering import Guarding, Metering, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
-from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, micro_batch
+from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, held_out_part, kept_model, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.wire.transport import NOTICE_LINGER_MS, Traffic
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.masking import SecureSumCodec
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, stream_name
 
 BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
 EVALUATION_TYPES = frozenset({wire.EVALUATION})    # may share its step and micro-batch)
@@ -72,6 +72,9 @@ class _Driver:
         self.progress = Progress(opts.progress, self.steps)
         self.eval_every = opts.evaluate_every
         self.holds_out = len(self.data.test_rows) > 0
+        # With a validation split: the evaluations during the run forward the validation rows only; the test rows
+        # cross once, after the last step, with the kept model (``evaluate(final=True)``).
+        self.validation = self.data.validation_count
         # The privacy meter reads what this stage sends; its latest window's figures join the step's record.
         self.leaks: dict[str, float] = {}
         self.metering = (Metering(opts.meter_kind, self.state.engine, self.data.features,
@@ -104,6 +107,9 @@ class _Driver:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
+        # Checkpointed with the stage, so that a resumed run neither evaluates (and releases) a step again
+        # nor loses the entries before the kill.
+        self.state.extra_meta = lambda: {"evaluations": self.evaluations}
         # Fixed for the run: the micro-batches kept in flight, each one's error-feedback stream.
         self.window = opts.window
         self.streams = [stream_name(ACTIVATION, i, opts.micro_batches) for i in range(opts.micro_batches)]
@@ -364,17 +370,23 @@ class _Driver:
         for name, value in params.items():
             value[...] = reply.tensors[name]
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, final: bool = False) -> dict[str, Any]:
         """Held-out rows forward through every stage (changing none); the label owner scores them.
-        Returns and records ``records.evaluation_entry`` of the step this stage stands at."""
+        Returns and records ``records.evaluation_entry`` of the step this stage stands at. With a validation
+        split these are the validation rows; ``final``: the test rows instead, once, after the last step, with
+        the kept model on every stage (``StageState.kept_model``), recorded for the summary only
+        (``StageState.record_test``; returned as they came)."""
         step = self.state.stage.step
+        part, _ = held_out_part(self.validation, final)
         # Called only for data that holds out rows (``holds_out``): the held-out rows' methods are those
         # sources' (forwarded by the wrappers' __getattr__), not ``DataSource``'s.
-        y, _ = self.state.stage.forward(self.data.test_features(), training=False)  # type: ignore[attr-defined]
-        tensors = self.state.senders.evaluation_tensors(y, step + 1)
+        with kept_model(self.state.stage, self.state.kept_model() if final else None):
+            y, _ = self.state.stage.forward(self.data.test_features()[part],  # type: ignore[attr-defined]
+                                            training=False)
+        tensors = self.state.senders.evaluation_tensors(y, step + 1, TEST if final else EVALUATION)
         if self.exp.labels_travel:
-            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)  # type: ignore[attr-defined]
-        msg = Message(wire.EVALUATE, self.state.run_id, step + 1, tensors=tensors)
+            tensors["target"] = np.asarray(self.data.test_targets(), self.target_dtype)[part]  # type: ignore[attr-defined]
+        msg = Message(wire.EVALUATE, self.state.run_id, step + 1, body=final_body(final), tensors=tensors)
         if self.in_flight:
             # Replies to the steps in flight may come first (one shares this step and micro-batch): kept.
             pending = {key: request for requests in self.pending.values() for key, request in requests.items()}
@@ -383,10 +395,18 @@ class _Driver:
             reply = self.link.await_reply(pending, (msg.step, msg.mb), EVALUATION_TYPES)
         else:
             reply = self.link.exchange(msg)
-        body = self.evaluation = check_evaluation(reply)
+        body = check_evaluation(reply)
+        if final != is_final(reply):
+            raise ProtocolError(ErrorCode.MALFORMED, f"stage {self.below} answered the {'final ' if final else ''}"
+                                                     f"evaluation after step {step} with scores of other rows")
+        if final:
+            self.state.record_test(body)
+            return body
+        self.evaluation = body
         entry = evaluation_entry(step, body)
         self.evaluations.append(entry)
-        self.log.info("step %d: test loss %.6g%s", step, body["loss"], scores_text(entry))
+        self.log.info("step %d: %s loss %.6g%s", step, "validation" if self.validation else "test", body["loss"],
+                      scores_text(entry))
         self.state.take_verdict(step, body)
         if body.get("stop"):
             self.steps = step       # early stopping: the label owner ends the run on every party here
@@ -458,6 +478,11 @@ class _Driver:
             state.begin(uuid.uuid4().hex)
         else:
             state.open_trace(append=True)
+            saved = state.resumed_meta.get("evaluations", [])
+            self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
+                                and e["step"] <= state.stage.step] if isinstance(saved, list) else []
+            if state.verdicts.stopped_at:       # early stopping ended the run there before the kill
+                self.steps = min(self.steps, state.verdicts.stopped_at)
         started = time.perf_counter()
         told = False
         try:
@@ -549,6 +574,8 @@ class _Driver:
                     self.state.save()
                     if self.holds_out and not (self.evaluations and self.evaluations[-1]["step"] == stage.step):
                         self.evaluate()     # e.g. resumed after the last step, or its evaluation was refused
+                    if self.validation and self.state.final_test is None:
+                        self.evaluate(final=True)   # the test rows, once: the kept model's (resumed: done before)
                     self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
                     self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
                     self.state.save_parameters()

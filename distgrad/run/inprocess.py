@@ -11,6 +11,7 @@ assert that runs over the wire end bitwise equal to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -33,9 +34,10 @@ from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_t
                                     write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files,
-                                  evaluate_held_out, make_save_dir, micro_batch, parameters_file)
+                                  evaluate_held_out, held_out_part, kept_model, make_save_dir, micro_batch,
+                                  parameters_file)
 from distgrad.threads import one_compute_thread
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, Senders, stream_name
 
 log = logging.getLogger("distgrad.run.inprocess")
 
@@ -245,16 +247,20 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
 
 
 def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
-                       step: int, senders: list[Senders]) -> dict[str, Any]:
+                       step: int, senders: list[Senders], final: bool = False) -> dict[str, Any]:
     """Every party's held-out rows forward (each crossing as its ``senders`` entry's ``evaluation_roundtrip``
     makes it, with the party's defenses, as the evaluation message after ``step`` carries it), combined,
-    scored by the last stage."""
-    z = aggregate.join_input([sent.evaluation_roundtrip(party.forward(d.test_features(), training=False)[0],
-                                                        step + 1) for party, d, sent in zip(parties, data, senders)],
-                             labels.test_features() if exp.own_bottom else None, exp.aggregate_kind,
+    scored by the last stage; with a validation split the validation rows, or the test rows when ``final``
+    (``held_out_part``)."""
+    part, _ = held_out_part(labels.validation_count, final)
+    purpose = TEST if final else EVALUATION
+    z = aggregate.join_input([sent.evaluation_roundtrip(party.forward(d.test_features()[part], training=False)[0],
+                                                        step + 1, purpose)
+                              for party, d, sent in zip(parties, data, senders)],
+                             labels.test_features()[part] if exp.own_bottom else None, exp.aggregate_kind,
                              exp.secure_aggregation)
     return evaluate_held_out(last, z, labels.test_targets(), exp.spec(exp.stage_names[-1]).metrics,
-                             labels.validation_count)
+                             labels.validation_count, final)
 
 
 class _ParameterFiles:
@@ -291,16 +297,18 @@ class _ParameterFiles:
 
 
 def _evaluate(upstream: list[Stage], last: Stage, data, labels, senders: list[Senders], step: int,
-              metrics: Sequence[str]) -> dict[str, Any]:
+              metrics: Sequence[str], final: bool = False) -> dict[str, Any]:
     """The held-out rows forward through every stage, scored by the last (``Stage.evaluate_last``); each
     activation crosses as its stage's ``senders`` entry's ``evaluation_roundtrip`` makes it (the data owner's
     defenses, no error feedback: an evaluation changes nothing), as the evaluation message after ``step``
-    carries it; ``metrics``: the scores besides the loss."""
-    x = data.test_features()
+    carries it; ``metrics``: the scores besides the loss. With a validation split the validation rows, or the
+    test rows when ``final`` (``held_out_part``)."""
+    part, _ = held_out_part(labels.validation_count, final)
+    x = data.test_features()[part]
     for stage, sent in zip(upstream, senders, strict=True):
         x, _ = stage.forward(x, training=False)
-        x = sent.evaluation_roundtrip(x, step + 1)
-    return evaluate_held_out(last, x, labels.test_targets(), metrics, labels.validation_count)
+        x = sent.evaluation_roundtrip(x, step + 1, TEST if final else EVALUATION)
+    return evaluate_held_out(last, x, labels.test_targets(), metrics, labels.validation_count, final)
 
 
 def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -346,7 +354,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     losses: list[float | None] = [None] * len(clients)
     evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
     scores: list[dict[str, Any] | None] = [None] * len(clients)
-    tests: list[dict[int, dict[str, Any]]] = [{} for _ in clients]      # validation split: test-row figures
+    tests: list[dict[str, Any] | None] = [None] * len(clients)    # validation split: the final evaluations
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         for c, engines in enumerate(pairs):
@@ -364,10 +372,12 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                     scores[c] = score = _evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], step,
                                                   exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, score))
-                    if "test" in score:
-                        tests[c][step] = score["test"]
         if step % max(1, steps // 10) == 0 or step == steps:
             log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
+    for c, client in enumerate(clients):      # the test rows, once, after every step: each client's own
+        if data[c].validation_count:
+            tests[c] = {**_evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], steps,
+                                    exp.spec(last_name).metrics, final=True), "step": steps}
     for c, client in enumerate(clients):
         files.save(client, first_name, c)
     files.save(last, last_name)
@@ -377,7 +387,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
                                  "status": "completed"}
         if len(data[c].test_rows):
-            entry.update(evaluation_fields(scores[c]), **kept_test_fields(tests[c], 0), evaluations=evaluations[c])
+            entry.update(evaluation_fields(scores[c]), **kept_test_fields(tests[c]), evaluations=evaluations[c])
         per_client.append(entry)
     summary = {
         "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
@@ -492,7 +502,10 @@ class _Reference:
         self.loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
-        self.tests: dict[int, dict[str, Any]] = {}       # validation split: each evaluation's test-row figures
+        # With a validation split: every stage's kept model (keep_best's copy of its parameters and forward state
+        # at the best evaluation), and the final evaluation of the test rows with it (``evaluate_test``).
+        self.kept: list[dict[str, dict[str, np.ndarray]]] | None = None
+        self.test: dict[str, Any] | None = None
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
     def applied(self) -> Iterator[int]:
@@ -543,17 +556,38 @@ class _Reference:
                            if exp.vertical else _evaluate(upstream, last, self.data, self.labels, senders, step,
                                                           self.spec.metrics))
         self.evaluations.append(evaluation_entry(step, self.evaluation))
-        if "test" in self.evaluation:
-            self.tests[step] = self.evaluation["test"]
         for stage in self.stages:           # ReduceLROnPlateau steps on the loss, before the next update
             stage.evaluated(self.evaluation["loss"])
-        log.info("step %d: held-out loss %.6g%s", step, self.evaluation["loss"], scores_text(self.evaluations[-1]))
+        log.info("step %d: %s loss %.6g%s", step, "validation" if self.labels.validation_count else "test",
+                 self.evaluation["loss"], scores_text(self.evaluations[-1]))
         if not self.selection.active:
             return False
         verdict = self.selection.judge(step, evaluation_fields(self.evaluation), step == self.steps)
         if self.verdicts.note(step, verdict):
             self.save_all()                 # keep_best: --save writes every stage's of this step
+            if self.labels.validation_count:
+                self.kept = [{"params": {name: value.copy() for name, value in stage.params.items()},
+                              "state": stage.forward_state()} for stage in self.stages]
         return bool(verdict.get("stop"))
+
+    def evaluate_test(self) -> None:
+        """With a validation split, after the last step (or the early stop): the test rows, once, through every
+        stage with its kept model (keep_best's, else the live one), as the final evaluation message carries them."""
+        if not (self.holds_out and self.labels.validation_count):
+            return
+        exp, (*upstream, last), step = self.exp, self.stages, self.steps
+        senders = [engine.senders for engine in self.engines[:-1]]
+        kept = self.kept if self.kept is not None and self.verdicts.best_step else [None] * len(self.stages)
+        with contextlib.ExitStack() as models:
+            for stage, model in zip(self.stages, kept):
+                models.enter_context(kept_model(stage, model))
+            result = (_evaluate_vertical(upstream, last, exp, self.owners, self.labels, step, senders, final=True)
+                      if exp.vertical else _evaluate(upstream, last, self.data, self.labels, senders, step,
+                                                     self.spec.metrics, final=True))
+        self.test = {**result, "step": self.verdicts.best_step if self.kept is not None and self.verdicts.best_step
+                     else step}
+        log.info("the kept model, after step %d, on %d test rows: test loss %.6g%s", self.test["step"],
+                 result["count"], result["loss"], scores_text(kept_test_fields(self.test)))
 
     def save_all(self) -> None:
         for stage in self.stages:
@@ -580,7 +614,7 @@ class _Reference:
             **({"evaluations": evaluations} if self.holds_out else {}),
             **self.verdicts.summary(),
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
-            **kept_test_fields(self.tests, self.verdicts.best_step),
+            **kept_test_fields(self.test),
             **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines),
                              held_out=_ledgers(self.engines)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
@@ -648,6 +682,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
         run.train()
+        run.evaluate_test()
     run.save()
     summary = run.summary()
     if "privacy" in summary:

@@ -22,7 +22,8 @@ from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join,
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.peers import Peer, PeerStatus, Phase
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import evaluate_held_out, micro_batch
+from distgrad.stage.stage import evaluate_held_out, held_out_part, kept_model, micro_batch
+from distgrad.wire.link import is_final
 from distgrad.run.topology import LabelSource, ServingView, Topology, label_sources
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT
@@ -190,15 +191,17 @@ class Parties(Topology):
     def advance_evaluating(self) -> Evaluate | None:
         run = self.run
         group = tuple(run.peers[i] for i in sorted(run.owed))
-        if any(p.evaluate is None or p.evaluate.step != run.round + 1 for p in group):
+        if any(p.evaluate is None or p.evaluate.step != run.round + 1 or is_final(p.evaluate) for p in group):
             return None                 # every party's held-out embeddings combine
         return Evaluate((group,), then_start=True)
 
     def answer_evaluations(self) -> Evaluate | None:
-        """After the last round: once every party has sent its held-out embeddings of the last step."""
+        """After the last round: once every party has sent its held-out embeddings of the last step (then, with
+        a validation split, once every party has sent its test rows' for the final evaluation)."""
         run = self.run
-        if run.phase is Phase.DONE and all(p.evaluate is not None and p.evaluate.step == run.round
-                                           for p in run.peers):
+        requests = [p.evaluate for p in run.peers]
+        if run.phase is Phase.DONE and all(m is not None and m.step == run.round for m in requests) \
+                and len({is_final(m) for m in requests if m is not None}) == 1:
             return Evaluate((tuple(run.peers),))
         return None
 
@@ -265,19 +268,23 @@ class Parties(Topology):
         return rows
 
     def score(self, group: tuple[Peer, ...], requests: list[Message]) -> Scores:
-        """Every party's held-out embeddings combined and scored; the same scores go to each."""
+        """Every party's held-out embeddings combined and scored; the same scores go to each. The final
+        evaluation (``link.is_final``): their test rows', scored with the kept model (``StageState.kept_model``)."""
         s = self.serving
-        step = requests[0].step - 1
+        step, final = requests[0].step - 1, is_final(requests[0])
         unpaired = self.unpaired()
         if unpaired is not None:
-            return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps)
+            return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps, final)
+        data = s.data[0]
         try:
-            own = s.data[0].test_features() if s.exp.own_bottom else None
-            z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate, self.secure)
-            result = evaluate_held_out(s.stage, z, s.data[0].test_targets(), s.metrics, s.data[0].validation_count)
+            part, _ = held_out_part(data.validation_count, final)
+            own = data.test_features()[part] if s.exp.own_bottom else None
+            with kept_model(s.stage, s.state.kept_model() if final else None):
+                z = aggregate.join_input([m.tensors["activation"] for m in requests], own, self.aggregate, self.secure)
+                result = evaluate_held_out(s.stage, z, data.test_targets(), s.metrics, data.validation_count, final)
         except StageError as e:
-            return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps)
-        return Scores(step, result, None, s.run.steps)
+            return Scores(step, None, (ErrorCode.STAGE, str(e)), s.run.steps, final)
+        return Scores(step, result, None, s.run.steps, final)
 
     # -- liveness and the end of the run
     def tick(self, now: float) -> Liveness:

@@ -69,6 +69,7 @@ class Peer:
     averaged: Message | None = None   # the reply to its last averaging
     evaluate: Message | None = None   # its evaluation request, answered once no other peer can change us
     evaluated: Message | None = None  # the reply to its last evaluation (a resent request gets it again)
+    tested: Message | None = None     # the reply to its final evaluation (the kept model's test rows): sent again
     loss: float | None = None
     evaluation: dict[str, Any] | None = None
     failure: DistgradError | None = None    # its step failed after the reply: told on its next message

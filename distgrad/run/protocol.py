@@ -22,6 +22,7 @@ from distgrad.config.experiment import MAX_STALENESS
 from distgrad.errors import PeerBusy, PeerRejected, ProtocolError
 from distgrad.run.handshake import same_exactly
 from distgrad.wire import messages as wire
+from distgrad.wire.link import HELD_OUT
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import refusal_log
 from distgrad.wire.wirecodec import ACTIVATION, Senders
@@ -147,9 +148,10 @@ def rejoin_step(held: list[int], step: int, cache: Mapping[tuple[int, int], Any]
 
 
 def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
-    """The reply ``answered`` when evaluate ``msg`` repeats the one it answered (same run and step: the
-    same scores, computed once), else None."""
-    if answered is not None and (answered.run, answered.step) == (msg.run, msg.step):
+    """The reply ``answered`` when evaluate ``msg`` repeats the one it answered (same run, step and held-out
+    rows, ``link.HELD_OUT``: the same scores, computed once), else None."""
+    if answered is not None and (answered.run, answered.step) == (msg.run, msg.step) \
+            and answered.body.get(HELD_OUT) == msg.body.get(HELD_OUT):
         return answered
     return None
 

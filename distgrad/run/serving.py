@@ -62,7 +62,7 @@ from distgrad.run.accepts import Accepts
 from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import client_stage_name, is_whole
 from distgrad.run.metering import Metering, NoMetering, PeerMeters, step_rows
-from distgrad.wire.link import DownstreamLink, evaluation_reply
+from distgrad.wire.link import DownstreamLink, evaluation_reply, is_final
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
@@ -347,7 +347,7 @@ class ServingStage:
         if d.begin:
             self.state.begin(d.run, owner=d.owner)
             self.finished, self.run.bye_replies = None, {}
-            peer.evaluation, peer.evaluated, peer.loss = None, None, None
+            peer.evaluation, peer.evaluated, peer.tested, peer.loss = None, None, None, None
         if d.restart:
             self.new_run(start_round=d.step + 1, fresh=d.begin)
             self.run.active = True
@@ -457,7 +457,17 @@ class ServingStage:
 
     def _evaluate(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         self.accepts.evaluation(peer.index, msg).receive(msg, self.exp.allow_nonfinite)
-        if self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
+        if is_final(msg):                               # the test rows are scored once: a resent one, same reply
+            again = resent_evaluation(peer.tested, msg) or self._tested_before(msg)
+            if again is not None:
+                peer.tested = again
+                return [(envelope, again)]
+            last = self.state.verdicts.stopped_at or self.run.steps or peer.steps
+            if last and msg.step != last + 1:
+                raise ProtocolError(ErrorCode.STEP, f"a final evaluation (the kept model on the test rows) comes "
+                                                    f"once, after the run's last step, {last}; got one after step "
+                                                    f"{msg.step - 1}")
+        elif self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
             return [(envelope, again)]                    # resent: the same scores
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
         # (``round_done``), else once every round is done.
@@ -627,20 +637,38 @@ class ServingStage:
 
     def answer(self, group: tuple[Peer, ...], requests: list[Message]) -> list[Reply]:
         """Score ``group``'s evaluation ``requests`` (``topology.score``), give the verdicts and answer each
-        peer; no state changes but the peers' last evaluation (and the verdicts recorded)."""
+        peer; no state changes but the peers' last evaluation (and the verdicts recorded). The final
+        evaluation (``Scores.final``: the kept model's test rows) is recorded instead (``StageState.record_test``;
+        with several clients, each client's own summary holds its figures), never judged."""
         scores = self.topology.score(group, requests)
-        result = None if scores.result is None else self.judged(scores.step, scores.result, scores.last)
+        result = scores.result
+        if result is not None and scores.final:
+            if not self.exp.federated:
+                self.state.record_test(result, self.topology.checkpoint_step())
+        elif result is not None:
+            result = self.judged(scores.step, result, scores.last)
         replies = []
         for peer, msg in zip(group, requests):
             peer.evaluate = None
             if result is None:
                 code, text = scores.error or (ErrorCode.STAGE, "")
                 replies.append((peer.envelope, wire.error_message(msg.run, msg.step, code, text)))
-                continue
-            peer.evaluation = result
-            peer.evaluated = evaluation_reply(msg.run, msg.step, result)
-            replies.append((peer.envelope, peer.evaluated))
+            elif scores.final:
+                peer.tested = evaluation_reply(msg.run, msg.step, result)
+                replies.append((peer.envelope, peer.tested))
+            else:
+                peer.evaluation = result
+                peer.evaluated = evaluation_reply(msg.run, msg.step, result)
+                replies.append((peer.envelope, peer.evaluated))
         return replies
+
+    def _tested_before(self, msg: Message) -> Message | None:
+        """A final evaluation this stage scored before it was restarted (its checkpoint holds the scores,
+        ``StageState.final_test``): the reply, from those scores, without scoring the test rows again."""
+        test = self.state.final_test
+        if test is None or msg.run != self.state.run_id or msg.step != test["after"] + 1:
+            return None
+        return evaluation_reply(msg.run, msg.step, test)
 
     def judged(self, step: int, result: dict[str, Any], last: int | None) -> dict[str, Any]:
         """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``; ``last``:

@@ -20,16 +20,17 @@ import numpy as np
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_STREAM, Release, fresh_secret
+from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, Release, fresh_secret
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
 from distgrad.run.metering import checkpointed_fields
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
-                                    to_lists, write_json, write_preparation)
+                                    scores_text, to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import Stage
+from distgrad.wire import link
 from distgrad.wire.codecs import Codec
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.masking import SecureSumCodec, load_party_keys
@@ -49,6 +50,7 @@ class Kept(Protocol):
     def load_checkpoint_state(self, arrays: Mapping[str, np.ndarray] | None, step: int) -> None:
         """Back to what ``checkpoint_state`` gave after ``step`` (None: the run's start, or a checkpoint
         without it); ``ValueError`` for arrays it cannot take."""
+BEST_PREFIX = "best/"        # and of the kept model (``StageState.best_copy``): best/params/NAME, best/state/NAME
 
 
 class ParameterHistory:
@@ -213,8 +215,11 @@ class StageState:
         self.selection = Selection(spec.keep_best, spec.early_stopping) if spec else Selection(None, None)
         self.verdicts = Verdicts()
         self.keeping_best = False       # the verdicts say which evaluation is the best: --save writes its step
-        # With a validation split: each evaluated step's test-row figures, reported for the kept model only.
-        self.tests: dict[int, dict[str, Any]] = {}
+        # With a validation split: the kept model (keep_best's best step's parameters and forward state, copied
+        # when the verdict arrives; None: the live ones), which the final evaluation scores on the test rows,
+        # and that evaluation's scores with the step of the kept model (``record_test``; None: not yet).
+        self.best_copy: dict[str, dict[str, np.ndarray]] | None = None
+        self.final_test: dict[str, Any] | None = None
         self.plateau_at = 0             # the step whose evaluation's loss a ReduceLROnPlateau took last
 
     def judged(self, step: int, result: dict[str, Any], last: bool, gives: bool) -> dict[str, Any]:
@@ -230,8 +235,6 @@ class StageState:
         """Record the verdict an evaluation after ``step`` carries (``best``, ``stop``); at the best so far,
         ``--save`` writes this stage's parameters now, and not again at the end. With checkpoints, step
         ``step``'s is saved again with the verdict (and, on the label owner, the evaluations it judged)."""
-        if isinstance(evaluation.get("test"), Mapping):
-            self.tests[step] = dict(evaluation["test"])
         # ReduceLROnPlateau steps once on each evaluation's loss, after the update of ``step``, before the next.
         stepped = self.stage.plateau and self.stage.step == step and step > self.plateau_at \
             and isinstance(evaluation.get("loss"), float)
@@ -239,8 +242,12 @@ class StageState:
             self.stage.evaluated(evaluation["loss"])
             self.plateau_at = step
         self.keeping_best = self.keeping_best or "best" in evaluation
-        if self.verdicts.note(step, evaluation) and self.opts.save_path is not None:
-            self._write_parameters("the best evaluation so far (keep_best)")
+        if self.verdicts.note(step, evaluation):
+            if evaluation.get(link.HELD_OUT) == link.VALIDATION_ROWS:     # the final evaluation scores these on the test rows
+                self.best_copy = {"params": {name: value.copy() for name, value in self.stage.params.items()},
+                                  "state": self.stage.forward_state()}
+            if self.opts.save_path is not None:
+                self._write_parameters("the best evaluation so far (keep_best)")
         if evaluation.get("stop"):
             self.log.info("early stopping after step %d: the label owner ends the run here", step)
         if ("best" in evaluation or "stop" in evaluation or stepped) and self.store is not None \
@@ -268,6 +275,26 @@ class StageState:
                 kept.load_checkpoint_state(mine or None, step)
             except (KeyError, TypeError, ValueError) as e:
                 raise ConfigError(f"{source}: the state of its {name} cannot be read: {e}") from e
+
+    def kept_model(self) -> dict[str, dict[str, np.ndarray]] | None:
+        """The model the final evaluation scores (``stage.kept_model``): keep_best's copy of the best step's
+        parameters and forward state; None (the live ones) without one."""
+        return self.best_copy if self.verdicts.best_step else None
+
+    def record_test(self, scores: Mapping[str, Any], checkpoint_step: int | None = None) -> None:
+        """The final evaluation's ``scores`` (the kept model on the test rows, scored once), with the step the
+        kept model comes from (keep_best's best step, else the live one): kept for the summary
+        (``records.kept_test_fields``) and, with checkpoints, saved at once as step ``checkpoint_step`` (default:
+        the stage's step), so that a stage resumed after a kill -9 answers or skips it again instead of
+        releasing or scoring the test rows a second time."""
+        after = self.stage.step if checkpoint_step is None else checkpoint_step
+        step = self.verdicts.best_step if self.kept_model() is not None else after
+        self.final_test = {**{k: v for k, v in scores.items() if k not in ("best", "stop")}, "step": step,
+                           "after": after}
+        self.log.info("the kept model, after step %d, on %d test rows: test loss %.6g%s", step, scores["count"],
+                      scores["loss"], scores_text(kept_test_fields(self.final_test)))
+        if self.store is not None:
+            self.save(after)
 
     @property
     def stage(self) -> Stage:
@@ -348,6 +375,12 @@ class StageState:
         self.history.load(ckpt.arrays)
         self._load_verdicts(ckpt.meta.get("verdicts"), ckpt.step)
         self._load_kept(ckpt.arrays, ckpt.step, f"checkpoint {ckpt.path}")
+        kept: dict[str, dict[str, np.ndarray]] = {"params": {}, "state": {}}
+        for name, value in ckpt.arrays.items():
+            if name.startswith(BEST_PREFIX):
+                part, key = name[len(BEST_PREFIX):].split("/", 1)
+                kept.setdefault(part, {})[key] = np.array(value)
+        self.best_copy = kept if kept["params"] and self.verdicts.best_step else None
         if self.secret is not None:
             secret = ckpt.meta.get("noise_secret")
             if not isinstance(secret, str):
@@ -356,8 +389,11 @@ class StageState:
             self.secret.value = int(secret, 16)
         if self.ledger is not None:
             released = self._released_since(ckpt.run, 0)
-            self.ledger.restore(self.ledger.secret, ckpt.arrays.get(COUNTS), released, ckpt.step,
-                                ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)))
+            try:
+                self.ledger.restore(self.ledger.secret, ckpt.arrays.get(COUNTS), released, ckpt.step,
+                                    ckpt.arrays.get(HELD_OUT, np.zeros(2, np.int64)), ckpt.arrays.get(HELD_OUT_AHEAD))
+            except ValueError as e:
+                raise ConfigError(f"checkpoint {ckpt.path}: its count of releases cannot be read: {e}") from e
             # Written again whole: a line a kill -9 tore would otherwise take the next release appended. Every
             # held-out release of the run stays: a later rollback to an older checkpoint counts those after it.
             self._rewrite_released([*self.ledger.pending.values(),
@@ -413,11 +449,13 @@ class StageState:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"checkpoint of step {step}: its verdicts cannot be read: {e}") from e
         self.keeping_best = bool(saved.get("keeping_best"))
-        tests = saved.get("tests", [])
-        if not isinstance(tests, list) or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], int)
-                                                  and isinstance(t[1], dict) for t in tests):
-            raise ConfigError(f"checkpoint of step {step}: its test figures are not [step, scores] pairs")
-        self.tests = {s: t for s, t in tests if s <= step}
+        test = saved.get("final_test")
+        if test is not None and not (isinstance(test, dict) and isinstance(test.get("step"), int)
+                                     and isinstance(test.get("after"), int) and isinstance(test.get("count"), int)):
+            raise ConfigError(f"checkpoint of step {step}: its final evaluation is not a map of scores")
+        self.final_test = test if test is not None and test["after"] == step else None
+        if step == 0:
+            self.best_copy = None
         plateau_at = saved.get("plateau_at", 0)
         self.plateau_at = plateau_at if isinstance(plateau_at, int) and plateau_at <= step else 0
 
@@ -500,7 +538,7 @@ class StageState:
             meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
                         verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
                                   "keeping_best": self.keeping_best,
-                                  "tests": [[step, test] for step, test in sorted(self.tests.items())],
+                                  "final_test": self.final_test,
                                   "plateau_at": self.plateau_at})
             if self.secret is not None:
                 meta["noise_secret"] = f"{self.secret.value:x}"
@@ -510,9 +548,11 @@ class StageState:
             extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
             extra.update(self._kept_arrays(step))      # the meters' and the guard's (``keep``)
             released = self.ledger.arrays(step) if self.ledger is not None else {}
+            kept = {f"{BEST_PREFIX}{part}/{name}": value for part, values in (self.best_copy or {}).items()
+                    for name, value in values.items()}
             try:
                 self.store.save(self.run_id, step, {**self.stage.state_arrays(), **self.senders.state_arrays(),
-                                                    **self.history.arrays(), **extra, **released}, meta)
+                                                    **self.history.arrays(), **extra, **released, **kept}, meta)
             except CheckpointWriteError:
                 self.write_failed = True    # the exit save must not report it a second time
                 raise
@@ -539,7 +579,7 @@ class StageState:
             **extra,
             **self.verdicts.summary(),
             **({} if "best_evaluation" in extra else self._best_evaluation()),
-            **kept_test_fields(self.tests, self.verdicts.best_step),
+            **kept_test_fields(self.final_test),
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
@@ -578,8 +618,11 @@ def start_meta(opts: StageOptions) -> dict[str, Any]:
 
 def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
     """The final checkpoint of a completed run with at least the steps asked for (``--steps``, else the
-    experiment's): a larger ``--steps`` continues the run instead."""
-    return ckpt.meta.get("finished") is True and ckpt.step >= opts.total_steps
+    experiment's; a larger ``--steps`` continues the run instead), or which early stopping ended there."""
+    verdicts = ckpt.meta.get("verdicts")
+    taken = verdicts.get("taken") if isinstance(verdicts, dict) else None
+    stopped = isinstance(taken, dict) and taken.get("stopped_at") == ckpt.step > 0      # early stopping ended it
+    return ckpt.meta.get("finished") is True and (ckpt.step >= opts.total_steps or stopped)
 
 
 def finished_run(opts: StageOptions) -> Checkpoint | None:

@@ -43,13 +43,13 @@ from distgrad.run import kept_replies
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
                                     Resume, SavedPeer, ScoreAgain, Scores, Take, Transition)
 from distgrad.run.handshake import check_hello, common_step, hello
-from distgrad.wire.link import check_evaluation, check_reply
+from distgrad.wire.link import check_evaluation, check_reply, final_body, is_final
 from distgrad.run.peers import Peer, PeerStatus, Phase, RunState
 from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, resent_evaluation, unknown_run)
 from distgrad.stage.records import evaluation_fields
-from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, micro_batch
+from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, kept_model, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, stream_name
+from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, stream_name
 
 if TYPE_CHECKING:
     from distgrad.config.data import DataSource
@@ -469,7 +469,7 @@ class Turns(Topology):
 
     @staticmethod
     def _requested(peer: Peer, step: int) -> bool:
-        return peer.evaluate is not None and peer.evaluate.step == step
+        return peer.evaluate is not None and peer.evaluate.step == step and not is_final(peer.evaluate)
 
     def answer_evaluations(self) -> Evaluate | None:
         ready = tuple((peer,) for peer in self.run.peers if peer.evaluate is not None and self.settled_for(peer))
@@ -582,28 +582,31 @@ class Turns(Topology):
         return loss, dx, grads_later
 
     def score(self, group: tuple[Peer, ...], requests: list[Message]) -> Scores:
-        """The peer's evaluation: forward only on the held-out rows (here, or passed on below)."""
+        """The peer's evaluation: forward only on the held-out rows (here, or passed on below); the final one
+        (``link.is_final``) with the kept model (``StageState.kept_model``) on the test rows."""
         s, (peer,), (msg,) = self.serving, group, requests
         last = s.run.steps or peer.steps
         target = msg.tensors.get("target")
+        final = is_final(msg)
         try:
-            if s.link is None:
-                data = s.data[peer.index]
-                result = evaluate_held_out(s.stage, msg.tensors["activation"],
-                                           data.test_targets() if target is None else target, s.metrics,
-                                           data.validation_count if target is None else 0)
-            else:
-                y, _ = s.stage.forward(msg.tensors["activation"], training=False)
-                tensors = {**s.state.senders.evaluation_tensors(y, msg.step),
-                           **({"target": target} if target is not None else {})}
-                try:
-                    result = check_evaluation(s.link.exchange(
-                        Message(wire.EVALUATE, msg.run, msg.step, tensors=tensors)))
-                except PeerRejected as e:
-                    return Scores(msg.step - 1, None, (e.code, str(s.refused_below(e, msg))), last)
+            with kept_model(s.stage, s.state.kept_model() if final else None):
+                if s.link is None:
+                    data = s.data[peer.index]
+                    result = evaluate_held_out(s.stage, msg.tensors["activation"],
+                                               data.test_targets() if target is None else target, s.metrics,
+                                               data.validation_count if target is None else 0, final)
+                else:
+                    y, _ = s.stage.forward(msg.tensors["activation"], training=False)
+                    tensors = {**s.state.senders.evaluation_tensors(y, msg.step, TEST if final else EVALUATION),
+                               **({"target": target} if target is not None else {})}
+                    try:
+                        result = check_evaluation(s.link.exchange(
+                            Message(wire.EVALUATE, msg.run, msg.step, body=final_body(final), tensors=tensors)))
+                    except PeerRejected as e:
+                        return Scores(msg.step - 1, None, (e.code, str(s.refused_below(e, msg))), last, final)
         except (StageError, CodecRangeError) as e:
-            return Scores(msg.step - 1, None, (ErrorCode.STAGE, str(e)), last)
-        return Scores(msg.step - 1, result, None, last)
+            return Scores(msg.step - 1, None, (ErrorCode.STAGE, str(e)), last, final)
+        return Scores(msg.step - 1, result, None, last, final)
 
 
 class Clients(Turns):

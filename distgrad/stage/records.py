@@ -32,12 +32,12 @@ def to_lists(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
     """Summary fields for a held-out evaluation: ``test_loss``, ``test_count``, ``test_accuracy`` when
     classifying, and ``test_NAME`` for each of the label owner's ``metrics`` (None where undefined). With a
-    validation split (the evaluation holds the test rows' figures apart, under ``test``) the same fields of
-    the validation rows, named ``validation_*``: the test rows' figures are never an evaluation's field
-    (``kept_test_fields`` reports them for the kept model only)."""
+    validation split, an evaluation during the run scores the validation rows (``held_out`` "validation"):
+    the same fields named ``validation_*``; the test rows are scored once, at the end, for the kept model
+    only (``kept_test_fields``)."""
     if evaluation is None:
         return {}
-    prefix = "validation_" if "test" in evaluation else "test_"
+    prefix = "validation_" if evaluation.get("held_out") == "validation" else "test_"
     fields = {f"{prefix}loss": evaluation["loss"], f"{prefix}count": evaluation["count"]}
     if evaluation.get("correct") is not None:
         fields[f"{prefix}accuracy"] = evaluation["correct"] / evaluation["count"]
@@ -45,13 +45,15 @@ def evaluation_fields(evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
     return fields
 
 
-def kept_test_fields(tests: Mapping[int, Mapping[str, Any]], best_step: int) -> dict[str, Any]:
-    """With a validation split: the test rows' figures of the kept model (``evaluation_fields``: ``test_loss``,
-    ``test_count``, ``test_accuracy``, ``test_NAME``) and ``test_step``, the step it comes from: keep_best's
-    best step, else the last evaluated; ``tests`` holds each evaluated step's test figures. {} without."""
-    step = best_step or max(tests, default=0)
-    test = tests.get(step)
-    return {**evaluation_fields(test), "test_step": step} if test is not None else {}
+def kept_test_fields(test: Mapping[str, Any] | None) -> dict[str, Any]:
+    """With a validation split: the kept model's scores of the test rows, from the final evaluation
+    (``test``: its scores and ``step``, the step the kept model comes from: keep_best's best step, else the
+    last), as summary fields: ``test_loss``, ``test_count``, ``test_accuracy``, ``test_NAME`` (``evaluation_fields``)
+    and ``test_step``. {} when there was none."""
+    if test is None:
+        return {}
+    return {**evaluation_fields({k: v for k, v in test.items() if k not in ("held_out", "step")}),
+            "test_step": test["step"]}
 
 
 def evaluation_entry(step: int, evaluation: Mapping[str, Any]) -> dict[str, Any]:

@@ -149,15 +149,42 @@ def check_cut(exp: Experiment, stage: "Stage", seed: int) -> None:
 _PLATEAU = "sched/plateau"      # the checkpoint array of a numpy stage's ReduceLROnPlateau state
 
 
-def evaluate_held_out(stage: "Stage", x: np.ndarray, target: np.ndarray, metrics: Sequence[str],
-                      validation: int) -> dict[str, Any]:
-    """The last stage's scores of the held-out rows ``x`` (``Stage.evaluate_last``); with a validation split
-    (the first ``validation`` rows are validation rows, the rest test rows), the validation rows' scores with
-    the test rows' beside them under ``test``: what keep_best and early_stopping judge is the former only."""
+def held_out_part(validation: int, final: bool) -> tuple[slice, str | None]:
+    """Which of a party's held-out rows an evaluation forwards and scores, and its ``link.HELD_OUT`` name:
+    with a validation split (the first ``validation`` held-out rows are validation rows) the validation rows
+    during the run and the test rows in the ``final`` evaluation; without one, every held-out row (None)."""
     if not validation:
-        return stage.evaluate_last(x, target, metrics)
-    return {**stage.evaluate_last(x[:validation], target[:validation], metrics),
-            "test": stage.evaluate_last(x[validation:], target[validation:], metrics)}
+        return slice(None), None
+    return (slice(validation, None), "test") if final else (slice(None, validation), "validation")
+
+
+def evaluate_held_out(stage: "Stage", x: np.ndarray, target: np.ndarray, metrics: Sequence[str],
+                      validation: int, final: bool = False) -> dict[str, Any]:
+    """The last stage's scores (``Stage.evaluate_last``) of the held-out rows an evaluation carries, ``x``
+    (``held_out_part``: the validation rows, or in the ``final`` evaluation the test rows, with a validation
+    split of ``validation`` rows), against their part of ``target`` (every held-out row's); with a split the
+    result names its rows (``held_out``)."""
+    part, name = held_out_part(validation, final)
+    result = stage.evaluate_last(x, target[part], metrics)
+    return result if name is None else {**result, "held_out": name}
+
+
+@contextlib.contextmanager
+def kept_model(stage: Any, kept: Mapping[str, Mapping[str, np.ndarray]] | None) -> Iterator[None]:
+    """The stage with the kept model (``kept``: ``{"params": ..., "state": ...}``, its parameters and forward
+    state, ``Stage.forward_state``, as keep_best copied them; None: the live ones) in place of its live
+    ones, both restored after, whatever happens."""
+    if kept is None:
+        yield
+        return
+    live, live_state = {name: value.copy() for name, value in stage.params.items()}, stage.forward_state()
+    try:
+        stage.set_params(kept["params"])        # on a GPU too (``params`` are host copies there)
+        stage.restore_forward_state(kept["state"])
+        yield
+    finally:
+        stage.set_params(live)
+        stage.restore_forward_state(live_state)
 
 
 def check_saved_parameters(stage: str, path: str | Path, saved: Mapping[str, Any],
@@ -347,6 +374,11 @@ class Stage:
         if not isinstance(cache, _ObjectiveCache):
             return cache, dy
         return cache.inner, nopeek_gradient(cache.x, cache.y, dy, self.nopeek)  # type: ignore[arg-type]
+
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set every parameter, in place, to ``values[name]`` (float32, its shape: what ``params`` gave)."""
+        for name, value in self.params.items():
+            value[...] = values[name]
 
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of what a training forward changes besides its output (a torch module's buffers: batch

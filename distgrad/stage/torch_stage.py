@@ -947,6 +947,12 @@ class TorchStage(Stage):
             return float(self.schedule(self.updates + 1))
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set every parameter, in place on its device, to ``values[name]`` (distgrad's layout, as ``params``)."""
+        with torch.no_grad():
+            for p in self._params:
+                p.tensor.copy_(p.from_numpy(np.asarray(values[p.name], np.float32)))
+
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of the module's buffers in host memory (a training forward updates batch norm's)."""
         return {name: _host(b).copy() for name, b in self.buffers.items()}

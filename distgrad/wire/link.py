@@ -250,16 +250,17 @@ def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: boo
 
 def check_evaluation(reply: Message) -> dict[str, Any]:
     """The body of an evaluation reply (``loss``, ``correct``, ``count``; ``metrics``, ``best`` and ``stop``
-    when it has them; with a validation split ``test``, the test rows' ``loss``, ``correct``, ``count`` and
-    ``metrics``); raises ``ProtocolError`` if it is not one."""
+    when it has them; ``held_out``, which rows were scored, with a validation split: ``VALIDATION_ROWS`` or
+    ``TEST_ROWS``); raises ``ProtocolError`` if it is not one."""
     if reply.type != wire.EVALUATION:
         raise ProtocolError(ErrorCode.MALFORMED, f"expected an evaluation reply, got {reply.describe()}")
     out = _scores(reply.body, reply)
-    test = reply.body.get("test")
-    if test is not None:
-        if not isinstance(test, dict):
-            raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has test={wire.show(test)}: a map of scores")
-        out["test"] = {k: v for k, v in _scores(test, reply).items() if k not in ("best", "stop")}
+    rows = reply.body.get(HELD_OUT)
+    if rows is not None:
+        if rows not in (VALIDATION_ROWS, TEST_ROWS):
+            raise ProtocolError(ErrorCode.MALFORMED, f"evaluation reply has {HELD_OUT}={wire.show(rows)}: "
+                                                     f"{VALIDATION_ROWS!r} or {TEST_ROWS!r}")
+        out[HELD_OUT] = rows
     return out
 
 
@@ -291,20 +292,31 @@ def _scores(body: Any, reply: Message) -> dict[str, Any]:
 
 
 EVALUATION_SCORES = ("loss", "correct", "count", "metrics", "best", "stop")   # all an evaluation reply carries
-TEST_SCORES = ("loss", "correct", "count", "metrics")     # with a validation split: the test rows' own, as ``test``
+# With a validation split an evaluation says which held-out rows it scores (request and reply body ``held_out``):
+# the validation rows (every evaluation during the run, judged by keep_best and early_stopping), or the test
+# rows (once, after the last step, with the kept model: ``is_final``). Without one the key is absent.
+HELD_OUT, VALIDATION_ROWS, TEST_ROWS = "held_out", "validation", "test"
+
+
+def is_final(msg: Message) -> bool:
+    """``msg`` (an evaluate request or its reply) is the final evaluation: the kept model on the test rows."""
+    return msg.body.get(HELD_OUT) == TEST_ROWS
+
+
+def final_body(final: bool) -> dict[str, Any]:
+    """The body of an evaluate request: ``{held_out: "test"}`` for the final evaluation, else empty (the label
+    owner's own data says whether an evaluation during the run scores validation rows)."""
+    return {HELD_OUT: TEST_ROWS} if final else {}
 
 
 def evaluation_reply(run: str, step: int, result: Mapping[str, Any]) -> Message:
     """The label owner's reply to an evaluation: only the aggregate scores of ``result`` (``EVALUATION_SCORES``:
-    the loss, the rows right, the rows scored, each metric's one number, the ``best``/``stop`` verdicts; with a
-    validation split, the test rows' ``TEST_SCORES`` as ``test``), no tensor and nothing per row, whatever else
-    ``result`` holds. Raises ``ValueError`` for a score that is not one number (a metric computed per row)."""
+    the loss, the rows right, the rows scored, each metric's one number, the ``best``/``stop`` verdicts; and
+    ``held_out``, which rows, with a validation split), no tensor and nothing per row, whatever else ``result``
+    holds. Raises ``ValueError`` for a score that is not one number (a metric computed per row)."""
     body = _aggregate_scores(result, EVALUATION_SCORES)
-    test = result.get("test")
-    if test is not None:
-        if not isinstance(test, Mapping):
-            raise ValueError(f"an evaluation's test scores are a map of names to numbers, got {type(test).__name__}")
-        body["test"] = _aggregate_scores(test, TEST_SCORES)
+    if result.get(HELD_OUT) in (VALIDATION_ROWS, TEST_ROWS):
+        body[HELD_OUT] = result[HELD_OUT]
     return Message(wire.EVALUATION, run, step, body=body)
 
 

@@ -53,6 +53,7 @@ _F32 = np.dtype("<f4")
 ACTIVATION, GRADIENT = "activation", "activation_grad"     # the two coded tensors, by direction
 DIRECTIONS = (ACTIVATION, GRADIENT)
 EVALUATION, PREDICT = "evaluation", "predict"      # why held-out or new rows' activations are sent
+TEST = "test"        # and, with a validation split, the test rows' in the final evaluation (once, the kept model)
 WIRE_TENSORS_KEPT = 16      # (direction, shape) pairs a Senders keeps its WireTensor of (a step's, an evaluation's)
 STATE_PREFIX = "codec/"     # checkpoint array names of error-feedback residuals: codec/DIRECTION/STREAM
 
@@ -182,6 +183,13 @@ def _once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
     return get
 
 
+def _coded_as(purpose: str) -> str:
+    """The tensor name held-out activations sent for ``purpose`` are coded under: the final evaluation's test
+    rows under one of their own, since they share the step of the last evaluation, so that no codec keyed by
+    the tensor's name and step (a mask, a stochastic rounding) draws for them what it drew for that one."""
+    return f"{TEST}/{ACTIVATION}" if purpose == TEST else ACTIVATION
+
+
 class Senders:
     """What one stage encodes its outgoing activations and activation gradients with.
 
@@ -273,20 +281,21 @@ class Senders:
 
     def evaluation_tensors(self, x: np.ndarray, step: int, purpose: str = EVALUATION) -> dict[str, np.ndarray]:
         """The message tensors of held-out activations ``x`` (``purpose`` ``EVALUATION``, after step
-        ``step - 1``) or of new rows' (``PREDICT``, chunk ``step``): a data owner's defense
+        ``step - 1``; ``TEST``, the final evaluation's test rows) or of new rows' (``PREDICT``, chunk ``step``):
+        a data owner's defense
         (``SentRows.held_out``: its ``clip_noise``, counted in its ledger), then the activation codec without
         error feedback (an evaluation changes no state)."""
         x = self._held_out(x, step, purpose)
         codec = self.codecs[ACTIVATION]
-        return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, ACTIVATION, step))
+        return WireTensor(ACTIVATION, x.shape, codec).pack(codec.encode(x, _coded_as(purpose), step))
 
     def evaluation_roundtrip(self, x: np.ndarray, step: int, purpose: str = EVALUATION) -> np.ndarray:
         """What the receiver computes with for held-out activations ``x`` (twin of ``evaluation_tensors``)."""
-        return self.codecs[ACTIVATION].roundtrip(self._held_out(x, step, purpose), ACTIVATION, step)
+        return self.codecs[ACTIVATION].roundtrip(self._held_out(x, step, purpose), _coded_as(purpose), step)
 
     def _held_out(self, x: np.ndarray, step: int, purpose: str) -> np.ndarray:
-        if purpose not in (EVALUATION, PREDICT):
-            raise ValueError(f"held-out rows are sent for {EVALUATION!r} or {PREDICT!r}, not {purpose!r}")
+        if purpose not in (EVALUATION, TEST, PREDICT):
+            raise ValueError(f"held-out rows are sent for {EVALUATION!r}, {TEST!r} or {PREDICT!r}, not {purpose!r}")
         return x if self.defense is None else self.defense.held_out(x, purpose, step)
 
     def _feedback(self, codec: Codec, stream: str) -> ErrorFeedback:
