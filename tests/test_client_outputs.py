@@ -109,7 +109,8 @@ def test_splitfed_trace_is_one_line_per_step_and_client_with_both_stages_values(
     assert [(line["step"], line["client"]) for line in lines] == [
         (step, client) for step in range(1, STEPS + 1) for client in range(CLIENTS)]
     for line in lines:
-        assert set(line["grads"]) == {*params["f@0"], *params["g"], "activation_grad"}
+        assert set(line["grads"]) == {*params["f@0"], *params["g"], "activation_grad",
+                                      "sent_activation", "sent_activation_grad"}    # what crossed, as in two stages
         assert set(line["params"]) == {*params["f@0"], *params["g"]}
         assert isinstance(line["loss"], float)
     for client in range(CLIENTS):

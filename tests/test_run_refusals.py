@@ -1,15 +1,16 @@
 """``distgrad run`` never accepts and ignores a setting: what a stage process would refuse (exit 2) it
-refuses too, with the same reason, before any stage starts; ``--privacy-meter`` on an experiment none of
-whose stages can meter (feature parties, clients, one stage) is refused with the stage's reason."""
+refuses too, with the same reason, before any stage starts; ``--privacy-meter`` meters every data owner and the
+label owner of feature parties and clients alike."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli, run_main
+from conftest import read_json, run_cli, run_main
+from test_defenses import _defended
 
 EXIT_USAGE = 2
-METER_REASON = "'privacy_meter' (or --privacy-meter) is not supported with [clients] or 'aggregate' yet"
+GUARD_REASON = "'input_guard' is a setting of a feature party, which holds the inputs"
 
 
 def _error(result) -> str:
@@ -17,22 +18,24 @@ def _error(result) -> str:
 
 
 @pytest.mark.integration
-def test_the_privacy_meter_of_a_vertical_run_is_refused_through_the_cli_as_the_stage_refuses_it(tmp_path):
-    result = run_cli(["run", "vertical-classify", "--privacy-meter", "--steps", "2", "--summary", tmp_path / "s.json"])
+def test_an_input_guard_on_the_label_owner_is_refused_through_the_cli_as_the_stage_refuses_it(tmp_path):
+    path = _defended(tmp_path, "vertical-classify", {3: "input_guard = { max_r2 = 0.75 }"}, "guarded.toml")
+    result = run_cli(["run", path, "--steps", "2", "--summary", tmp_path / "s.json"])
     assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
-    assert METER_REASON in result.stderr
+    assert GUARD_REASON in result.stderr
     assert not (tmp_path / "s.json").exists() and "stage" not in result.stdout     # nothing ran
-    stage = run_main(["stage", "g", "--experiment", "vertical-classify", "--bind", "tcp://127.0.0.1:*",
-                      "--privacy-meter"])
-    assert stage.returncode == EXIT_USAGE and METER_REASON in stage.stderr
+    stage = run_main(["stage", "g", "--experiment", path, "--bind", "tcp://127.0.0.1:*"])
+    assert stage.returncode == EXIT_USAGE and GUARD_REASON in stage.stderr
 
 
-@pytest.mark.parametrize("experiment, extra", [("vertical-classify", []), ("vertical-classify", ["--in-process"]),
-                                               ("digits-clients", []), ("digits-splitfed", ["--in-process"])])
-def test_the_privacy_meter_is_refused_where_no_stage_can_meter(experiment, extra):
-    result = run_main(["run", experiment, "--privacy-meter", "--steps", "2", *extra])
-    assert result.returncode == EXIT_USAGE, result.stderr
-    assert METER_REASON in result.stderr
+@pytest.mark.parametrize("experiment, owners", [("vertical-classify", {"a", "b", "c"}),
+                                                ("digits-splitfed", {"f@0", "f@1", "f@2"})])
+def test_the_privacy_meter_meters_every_data_owner_of_parties_and_clients(experiment, owners, tmp_path):
+    result = run_main(["run", experiment, "--privacy-meter", "--steps", "2", "--in-process",
+                       "--summary", tmp_path / "s.json"])
+    assert result.returncode == 0, result.stderr
+    summary = read_json(tmp_path / "s.json")
+    assert set(summary["input_meters"]) == owners and set(summary["label_meters"]) == owners, sorted(summary)
 
 
 @pytest.mark.parametrize("experiment", ["seed-reverse", "vertical-classify", "digits-clients", "chain4-classify"])

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
+from distgrad.jsontext import json_text
 
 NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
 SECRET_BYTES = 16                                  # 128 random bits a run
@@ -241,7 +242,7 @@ class NoiseLedger:
         ahead = sorted(key for key in self._held_out_seen if key[0] > step)
         return {COUNTS: self.counts - self._pending_counts(step),
                 **({HELD_OUT: np.array([n for pair in counted for n in pair], np.int64)} if counted[0][0] else {}),
-                **({HELD_OUT_AHEAD: np.frombuffer(json.dumps(ahead).encode(), np.uint8).copy()} if ahead else {})}
+                **({HELD_OUT_AHEAD: np.frombuffer(json_text(ahead).encode(), np.uint8).copy()} if ahead else {})}
 
     def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
                 held_out: np.ndarray | None = None, ahead: np.ndarray | None = None) -> None:

@@ -436,7 +436,7 @@ class _Driver:
                 "g_compute_s": self.g_compute_s - self.g_before}
         test: dict[str, Any] = {}
         try:
-            if self.holds_out and self._evaluation_due(step):
+            if self._evaluation_due(step):
                 test.update((key, value) for key, value in self.evaluate().items() if key != "step")
         finally:
             if self.leaks:
