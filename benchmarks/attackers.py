@@ -121,26 +121,39 @@ def ridge_attack(activations: np.ndarray, inputs: np.ndarray, seed: int = 0, pub
 
 
 def attack_run(experiment: str, trace: str, seeds: int = 20) -> dict[str, float]:
-    """Every independent attack on the run of ``experiment`` that ``trace`` recorded, each the mean over
-    ``seeds`` random choices of its known rows or public share (the whole run, as the meters' whole-run
-    figures)."""
+    """Every independent attack on the run of ``experiment`` (a path or built-in name) that ``trace`` recorded:
+    ``attack_experiment`` of the loaded experiment."""
     from distgrad.config.parse import load_experiment
-    exp = load_experiment(experiment)
-    data = exp.build_data(exp.seed, stage=exp.stage_names[-1])
-    features = exp.build_data(exp.seed, stage=exp.stage_names[0])
+    return attack_experiment(load_experiment(experiment), trace, seeds)
+
+
+def attack_experiment(exp: Any, trace: str, seeds: int = 20, seed: int | None = None,
+                      first_epoch: bool = False) -> dict[str, float]:
+    """Every independent attack on the run of the experiment ``exp`` (run with ``seed``, default its own) that
+    ``trace`` recorded, each the mean over ``seeds`` random choices of its known rows or public share (the
+    whole run, as the meters' whole-run figures); with ``first_epoch`` also ``averaged_recovery_1_first_epoch``:
+    one known row per class, each row's gradients of the run's first epoch only (each row received once)."""
+    seed = exp.seed if seed is None else seed
+    data = exp.build_data(seed, stage=exp.stage_names[-1])
+    features = exp.build_data(seed, stage=exp.stage_names[0])
     labels = data.all_targets()
     grads = trace_tensors(trace, "sent_activation_grad")
     acts = trace_tensors(trace, "sent_activation")
     rows, means = row_means(grads, data.step_rows)
-    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, seed)
-                                                   for seed in range(seeds * (5 if k == 1 else 1))]))
+    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, s)
+                                                   for s in range(seeds * (5 if k == 1 else 1))]))
            for k in (1, 10)}
-    out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, seed)
-                                             for seed in range(seeds)]))
+    if first_epoch:
+        first = {step: g for step, g in grads.items() if step <= data.batches_per_epoch}
+        rows, means = row_means(first, data.step_rows)
+        out["averaged_recovery_1_first_epoch"] = float(np.mean([averaging_attack(rows, means, labels, 1, s)
+                                                                for s in range(seeds * 5)]))
+    out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, s)
+                                             for s in range(seeds)]))
     steps = sorted(acts)
     z = np.concatenate([acts[s] for s in steps])
     x = np.concatenate([features.features(s) for s in steps])
-    out["ridge_r2_run"] = float(np.mean([ridge_attack(z, x, seed) for seed in range(seeds)]))
+    out["ridge_r2_run"] = float(np.mean([ridge_attack(z, x, s) for s in range(seeds)]))
     return out
 
 
