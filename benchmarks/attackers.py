@@ -131,7 +131,8 @@ def attack_experiment(exp: Any, trace: str, seeds: int = 20, seed: int | None = 
                       first_epoch: bool = False) -> dict[str, float]:
     """Every independent attack on the run of the experiment ``exp`` (run with ``seed``, default its own) that
     ``trace`` recorded, each the mean over ``seeds`` random choices of its known rows or public share (the
-    whole run, as the meters' whole-run figures); with ``first_epoch`` also ``averaged_recovery_1_first_epoch``:
+    whole run, as the meters' whole-run figures; the activations' attacks only when the trace holds
+    ``sent_activation``); with ``first_epoch`` also ``averaged_recovery_1_first_epoch``:
     one known row per class, each row's gradients of the run's first epoch only (each row received once)."""
     seed = exp.seed if seed is None else seed
     data = exp.build_data(seed, stage=exp.stage_names[-1])
@@ -148,6 +149,8 @@ def attack_experiment(exp: Any, trace: str, seeds: int = 20, seed: int | None = 
         rows, means = row_means(first, data.step_rows)
         out["averaged_recovery_1_first_epoch"] = float(np.mean([averaging_attack(rows, means, labels, 1, s)
                                                                 for s in range(seeds * 5)]))
+    if not acts:           # a trace of the gradients only: no attack on the activations
+        return out
     out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, s)
                                              for s in range(seeds)]))
     steps = sorted(acts)

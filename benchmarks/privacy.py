@@ -488,6 +488,20 @@ class Case:
     party: str = ""
     keys: dict[str, Any] | None = None
     kind: str = "metered"
+    traced: frozenset[str] = TRACED     # what the run's trace keeps (the attackers read it)
+
+
+def budget_task() -> Task:
+    """The recommended experiment of a label owner's budget (docs/privacy.md, "Recommended settings: chosen by
+    a budget"; the built-in ``digits-budget``): digits with a wider, slower f (Dense 64->256 + ReLU, Adam
+    0.0003), g Dense 256->10 (Adam 0.003), 30 epochs (1,320 steps); the label owner's defenses are the row's."""
+    stages = _model(64, 256, 10, 0.003)
+    stages[0]["optimizer"] = {"type": "adam", "lr": 0.0003}
+    return Task("digits-budget", 1320, 0.05, 8.0,
+                {"name": "digits-budget", "labels": "last", "seed": 0,
+                 "data": {"kind": "npz", "path": str(DATASETS / "digits.npz"), "features": "pixels",
+                          "labels": "digit", "feature_scale": 0.0625, "batch": 32, "test_fraction": 0.2},
+                 "stages": stages})
 
 
 def cases() -> list[Case]:
@@ -528,10 +542,12 @@ def cases() -> list[Case]:
              kind="hijack"),
         Case("11", "label owner reconstructs held-out rows from the last evaluation's activations (ridge on a "
              "public fifth)", "data owner `clip_noise = { max_norm = 10, sigma = 0.25 }`", kind="held_out"),
-        Case("12", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, epsilon = 8 }` (recommended)",
-             **g({"clip_noise": target})),
+        Case("12", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, epsilon = 8 }` (recommended; "
+             "`digits-budget`: f 64->256, Adam 0.0003, 30 epochs)", task="digits-budget",
+             traced=frozenset({"sent_activation_grad"}), **g({"clip_noise": target})),
         Case("13", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, epsilon = 8 }`, `dp_sgd = { "
-             "max_norm = 1 }`", **g({"clip_noise": target, "dp_sgd": {"max_norm": 1.0}})),
+             "max_norm = 1 }` (`digits-budget`)", task="digits-budget", traced=frozenset({"sent_activation_grad"}),
+             **g({"clip_noise": target, "dp_sgd": {"max_norm": 1.0}})),
     ]
 
 
@@ -580,13 +596,13 @@ def metered_case(task: Task, case: Case, steps: int, seed: int, workdir: Path, a
     note = ""
     try:
         summary = train_in_process(exp, steps=steps, seed=seed, privacy_meter=True, trace_path=trace,
-                                   trace_params=TRACED)
+                                   trace_params=case.traced)
     except InputGuardStop as stop:          # an honest run the guard stopped: say so, measure it unguarded
         note = f"the guard stopped the honest run: {stop}"
         keys = {k: v for k, v in (case.keys or {}).items() if k != "input_guard"}
         exp = _experiment(task, case.party, keys, steps)
         summary = train_in_process(exp, steps=steps, seed=seed, privacy_meter=True, trace_path=trace,
-                                   trace_params=TRACED)
+                                   trace_params=case.traced)
     try:
         independent = attackers.attack_experiment(exp, str(trace), attacker_seeds, seed, first_epoch=True)
     finally:
@@ -700,7 +716,8 @@ def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]
         h = _initial_activations(exp, rows, seed)
         swaps = [rng.permutation(len(h)).reshape(-1, 2) for _ in range(pairings)]
         replies = []
-        with _LabelOwner(g_file, "--keep-serving") as endpoint:
+        summary_path = workdir / f"two-runs-{name}.json"
+        with _LabelOwner(g_file, "--keep-serving", "--summary", str(summary_path)) as endpoint:
             for k in range(pairings + 2):          # the first two send h itself, the others swap its pairs
                 sent = h.copy()
                 if k > 1:
@@ -711,6 +728,9 @@ def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]
                     replies.append(np.asarray(cut.step(sent, cut.rows(1))[1], np.float64).reshape(len(h), -1))
                 finally:
                     cut.close(finished=False)
+            deadline = time.monotonic() + 30.0      # the last run's summary: written as that run ends
+            while not summary_path.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         scores, same = [], []
         for k, pairs in enumerate(swaps, start=2):
             for i, j in pairs:
@@ -722,6 +742,9 @@ def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]
             out["replies_equal"] = bool(np.array_equal(replies[0], replies[1]))
             out["noise_std_of_difference"] = float(np.std(replies[0] - replies[1]))
             out["pairs"], out["same_label_pairs"] = len(same), int(np.sum(same))
+            out["runs"] = len(replies)
+            if summary_path.exists():     # a run's budget: the releases of that run only
+                out["epsilon_per_run"] = _short_budget(json.loads(summary_path.read_text()).get("privacy", {}))
     return out
 
 
@@ -824,7 +847,7 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
     results: dict[str, Any] = dict(reuse["rows"]) if reuse else {}
     with tempfile.TemporaryDirectory(prefix="distgrad-table-") as name:
         workdir = Path(name)
-        tasks = {task.name: task for task in prepare(workdir)}
+        tasks = {task.name: task for task in [*prepare(workdir), budget_task()]}
         for case in cases():
             if only is not None and case.number not in only:
                 continue
@@ -847,8 +870,12 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
             results[case.number] = result
             print(f"row {case.number} ({case.setting}): {json.dumps(_brief(result))} "
                   f"[{result['wall_s']:.0f} s]", flush=True)
-    return {"smoke": smoke, "seed": seed, "attacker_seeds": attacker_seeds, "rows": results,
-            "elapsed_s": time.monotonic() - started, "load_before": load, "load_after": _load()}
+    from label_dp import commit
+    return {"smoke": smoke, "seed": seed, "attacker_seeds": attacker_seeds, "rows": results, "commit": commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "elapsed_s": time.monotonic() - started,
+            "load_before": load, "load_after": _load(),
+            **({"measured_now": sorted(only or []), "others_from": {k: reuse.get(k) for k in (
+                "date", "commit", "elapsed_s", "load_before", "load_after")}} if reuse else {})}
 
 
 def _load() -> list[float]:
@@ -919,9 +946,10 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                 if case.number == "4":
                     got = (f"first epoch, 1 known: {_f(ind['averaged_recovery_1_first_epoch'])}; " + got)
                     best = max(best, ind["averaged_recovery_1_first_epoch"])
-                if "label_dp" in (case.keys or {}):
-                    bound = rr_limit(2.0, 10)
-                    got += f" (randomized response keeps {bound:.3f} of the labels)"
+                if "label_dp" in (case.keys or {}):      # DP bounds what is learned beyond what the inputs give
+                    bound = max(rr_limit(2.0, 10), ind["model_completion"])
+                    got += (f" (randomized response keeps {rr_limit(2.0, 10):.3f} of the labels; model completion "
+                            f"{_f(ind['model_completion'])})")
                 got += f" (chance {chance:.2f})"
                 verdict = _verdict(best <= bound + HOLDS_MARGIN) if case.party else "(no defense)"
                 if case.party == "" and case.task == "digits":
@@ -930,7 +958,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                               f"{_f(m.get('ridge_r2', {}).get('run'))}; {_meter(m, 'distance_correlation')}")
             cells += [accuracy, epsilon, shown, got, verdict]
         elif case.kind == "two_runs":
-            cells += ["-", "per run: one release a row (each run's budget counts its own)",
+            cells += ["-", f"each run's own: {r.get('epsilon_per_run', '-')}; the {r.get('runs', '-')} runs "
+                      "release each row's label that many times, and no budget adds them up",
                       "- (nothing to meter: one step)",
                       f"label-equality AUC {_f(r['label_equality_auc_now'])} over {r['pairs']} pairs "
                       f"({r['same_label_pairs']} same-label; chance 0.5); with noise that repeats (sigma 0: "
@@ -955,9 +984,9 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
             pieces = []
             for other in cases():
                 o = rows.get(other.number, {})
-                if o and other.kind == "metered" and other.task == "digits" and other.party != "f":
+                if o and other.kind == "metered" and other.task != "digits-0-vs-rest" and other.party != "f":
                     pieces.append(f"{other.number}: {_f(o['meters'].get('model_completion', {}).get('run'))} / "
-                                  f"{_f(o['independent']['model_completion'])}")
+                                  f"{_f(o['independent'].get('model_completion'))}")
             cells += ["(each run's)", "-", "`model_completion`, run / attacker, by row: " + ", ".join(pieces),
                       "the same (chance 0.10)", "**no channel defense can hold** (labels that follow from the "
                       "inputs)"]
@@ -991,15 +1020,18 @@ def table_markdown(results: dict[str, Any]) -> str:
 def write_table_docs(results: dict[str, Any], table: str) -> None:
     """Replace (or add, before '## Defenses') docs/privacy.md's section TABLE_SECTION: the table, its command,
     date, commit and machine load; the prose around it is the doc's own (kept between the markers)."""
-    import datetime
-    from label_dp import commit
     text = DOC.read_text()
-    intro = (f"Measured on {datetime.date.today().isoformat()} at commit {commit()} (`{TABLE_COMMAND}`, "
+    intro = (f"Measured on {results['date']} at commit {results['commit']} (`{TABLE_COMMAND}`, "
              f"{results['elapsed_s'] / 60:.0f} min on the shared two-core development machine, load average "
              f"{results['load_before'][0]:g} before and {results['load_after'][0]:g} after; it rewrites the "
              "table below). Seed {seed}; every attacker figure is the mean over {n} random choices of its known "
              "rows or public share ({n5} for one known row per class).").format(
         seed=results["seed"], n=results["attacker_seeds"], n5=5 * results["attacker_seeds"])
+    if "others_from" in results:
+        earlier = results["others_from"]
+        intro += (f" Rows {', '.join(results['measured_now'])} were measured then; the others on {earlier['date']} "
+                  f"at commit {earlier['commit']} ({earlier['elapsed_s'] / 60:.0f} min, load "
+                  f"{earlier['load_before'][0]:g} before and {earlier['load_after'][0]:g} after).")
     begin, end = "<!-- table: benchmarks/privacy.py --table -->", "<!-- end of table -->"
     block = f"{begin}\n{_fill(intro)}\n\n{table}{end}"
     if begin in text:
@@ -1027,6 +1059,13 @@ def table_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps({**results, "table": table}, indent=1, default=str))
     if args.write_docs:
         write_table_docs(results, table)
+
+
+def table_docs_from(path: Path) -> None:
+    """Write docs/privacy.md's table from the ``--table --json`` output at ``path`` (a run measured
+    without ``--write-docs``)."""
+    results = json.loads(path.read_text())
+    write_table_docs(results, table_markdown(results))
 
 
 def main() -> None:
