@@ -934,10 +934,11 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                 got = f"ridge R^2 (whole run) {_f(ind['ridge_r2_run'])} (chance 0)"
                 verdict = _verdict(ind["ridge_r2_run"] <= INPUT_HOLDS_R2)
             else:
-                window = ("direction_auc" if case.task != "digits" else "label_recovery")
+                two_classes = case.task == "digits-0-vs-rest"
+                window = "direction_auc" if two_classes else "label_recovery"
                 shown = (f"{_meter(m, window)}; {_meter(m, 'averaged_recovery_1', True)}; "
                          f"{_meter(m, 'averaged_recovery_10', True)}")
-                if case.task != "digits":
+                if two_classes:
                     shown = f"{_meter(m, 'norm_auc')}; " + shown
                 got = (f"averaged, 1 / 10 known: {_f(ind['averaged_recovery_1'])} / "
                        f"{_f(ind['averaged_recovery_10'])}")
