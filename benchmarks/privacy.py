@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.config.parse import parse_experiment
+from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.run.inprocess import train_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -710,7 +710,7 @@ def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]
     for name, sigma in (("now", 0.5), ("repeated_noise", 0.0)):
         path = _digits_file(workdir, f"two-runs-{name}", f"clip_noise = {{ max_norm = 0.05, sigma = {sigma} }}")
         f_file, g_file = _parties(path)
-        exp = load_experiment_file(path)
+        exp = load_experiment(path)
         labels = exp.build_data(seed, stage="g").targets(1)
         rows = exp.build_data(seed, stage="f").step_rows(1)
         h = _initial_activations(exp, rows, seed)
@@ -748,11 +748,6 @@ def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]
     return out
 
 
-def load_experiment_file(path: Path) -> Any:
-    from distgrad.config.parse import load_experiment
-    return load_experiment(path)
-
-
 def send_rows_case(workdir: Path, steps: int, seed: int = 0) -> dict[str, Any]:
     """A data owner with ``send_rows`` (the cut library) puts the same 32 rows in each of ``steps`` steps: one
     known row per class and 22 others; it averages each row's received gradients and gives each other row the
@@ -766,7 +761,7 @@ def send_rows_case(workdir: Path, steps: int, seed: int = 0) -> dict[str, Any]:
         path = _digits_file(workdir, f"send-rows-{name}", f"clip_noise = {{ {clip} }}", "send_rows = true")
         path.write_text(path.read_text().replace("steps = 800\n", f"steps = {steps}\n", 1))
         f_file, g_file = _parties(path)
-        exp = load_experiment_file(path)
+        exp = load_experiment(path)
         g_data = exp.build_data(seed, stage="g")
         order = np.concatenate([g_data.step_rows(s) for s in range(1, g_data.batches_per_epoch + 1)])
         labels_of = g_data.targets_at(order)
