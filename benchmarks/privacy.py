@@ -866,11 +866,14 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
             print(f"row {case.number} ({case.setting}): {json.dumps(_brief(result))} "
                   f"[{result['wall_s']:.0f} s]", flush=True)
     from label_dp import commit
-    return {"smoke": smoke, "seed": seed, "attacker_seeds": attacker_seeds, "rows": results, "commit": commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "elapsed_s": time.monotonic() - started,
-            "load_before": load, "load_after": _load(),
-            **({"measured_now": sorted(only or []), "others_from": {k: reuse.get(k) for k in (
-                "date", "commit", "elapsed_s", "load_before", "load_after")}} if reuse else {})}
+    batch = {"rows": [c.number for c in cases() if c.number in results and (only is None or c.number in only)],
+             "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "elapsed_s": time.monotonic() - started, "load_before": load, "load_after": _load()}
+    earlier = (reuse.get("batches") or [{**{k: reuse.get(k) for k in batch}, "rows": list(reuse["rows"])}]
+               if reuse else [])
+    earlier = [{**b, "rows": [r for r in b["rows"] if r not in batch["rows"]]} for b in earlier]
+    return {"smoke": smoke, "seed": seed, "attacker_seeds": attacker_seeds, "rows": results,
+            "batches": [b for b in earlier if b["rows"]] + [batch]}
 
 
 def _load() -> list[float]:
@@ -939,6 +942,9 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                        f"{_f(ind['averaged_recovery_10'])}")
                 best = max(ind["averaged_recovery_1"], ind["averaged_recovery_10"])
                 bound = chance
+                if "averaged_direction_auc_10" in ind:   # unbalanced classes: the AUC's chance is 0.5 regardless
+                    got += f"; averaged direction AUC, 10 known: {_f(ind['averaged_direction_auc_10'])}"
+                    best = max(best, 0.5 + abs(ind["averaged_direction_auc_10"] - 0.5))
                 if case.number == "4":
                     got = (f"first epoch, 1 known: {_f(ind['averaged_recovery_1_first_epoch'])}; " + got)
                     best = max(best, ind["averaged_recovery_1_first_epoch"])
@@ -1017,17 +1023,16 @@ def write_table_docs(results: dict[str, Any], table: str) -> None:
     """Replace (or add, before '## Defenses') docs/privacy.md's section TABLE_SECTION: the table, its command,
     date, commit and machine load; the prose around it is the doc's own (kept between the markers)."""
     text = DOC.read_text()
-    intro = (f"Measured on {results['date']} at commit {results['commit']} (`{TABLE_COMMAND}`, "
-             f"{results['elapsed_s'] / 60:.0f} min on the shared two-core development machine, load average "
-             f"{results['load_before'][0]:g} before and {results['load_after'][0]:g} after; it rewrites the "
-             "table below). Seed {seed}; every attacker figure is the mean over {n} random choices of its known "
-             "rows or public share ({n5} for one known row per class).").format(
-        seed=results["seed"], n=results["attacker_seeds"], n5=5 * results["attacker_seeds"])
-    if "others_from" in results:
-        earlier = results["others_from"]
-        intro += (f" Rows {', '.join(results['measured_now'])} were measured then; the others on {earlier['date']} "
-                  f"at commit {earlier['commit']} ({earlier['elapsed_s'] / 60:.0f} min, load "
-                  f"{earlier['load_before'][0]:g} before and {earlier['load_after'][0]:g} after).")
+    batches = results["batches"]
+    when = "; ".join(
+        (f"rows {', '.join(b['rows'])} " if len(batches) > 1 else "")
+        + f"on {b['date']} at commit {b['commit']} ({b['elapsed_s'] / 60:.0f} min, load average "
+        f"{b['load_before'][0]:g} before and {b['load_after'][0]:g} after)" for b in batches)
+    intro = (f"Measured {when}, on the shared two-core development machine, by `{TABLE_COMMAND}` (it rewrites "
+             f"the table below; `--rows` measures some rows again and `--reuse` keeps the others). Seed "
+             f"{results['seed']}; every attacker figure is the mean over {results['attacker_seeds']} random "
+             f"choices of its known rows or public share ({5 * results['attacker_seeds']} for one known row per "
+             "class).")
     begin, end = "<!-- table: benchmarks/privacy.py --table -->", "<!-- end of table -->"
     block = f"{begin}\n{_fill(intro)}\n\n{table}{end}"
     if begin in text:
@@ -1050,7 +1055,8 @@ def table_main(args: argparse.Namespace) -> None:
     results = measure_table(args.smoke, seed=args.seed, attacker_seeds=args.attacker_seeds, only=only,
                             reuse=reuse)
     table = table_markdown(results)
-    print(f"\n{table}\ntook {results['elapsed_s']:.0f} s, load {results['load_before']} -> {results['load_after']}")
+    last = results["batches"][-1]
+    print(f"\n{table}\ntook {last['elapsed_s']:.0f} s, load {last['load_before']} -> {last['load_after']}")
     if args.json is not None:
         args.json.write_text(json.dumps({**results, "table": table}, indent=1, default=str))
     if args.write_docs:
