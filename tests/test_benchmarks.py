@@ -343,6 +343,7 @@ def test_privacy_table(tmp_path):
                         timeout=BENCH_SMOKE_DEADLINE_S)
     figures = json.loads(out.read_text())
     assert figures["smoke"] is True and sorted(figures["rows"]) == sorted(rows)
+    assert [batch["rows"] for batch in figures["batches"]] == [rows]       # when and where each row was measured
     for number in ("0", "3a", "5b", "9"):
         row = figures["rows"][number]
         assert 0 < row["test_accuracy"] <= 1
@@ -350,6 +351,7 @@ def test_privacy_table(tmp_path):
             row["independent"]), number
         assert {"averaged_recovery_1", "model_completion", "ridge_r2"} <= set(row["meters"]), number
     assert figures["rows"]["5b"]["epsilon"] == "label_dp 2 (exact)"
+    assert 0 <= figures["rows"]["3a"]["independent"]["averaged_direction_auc_10"] <= 1      # two classes only
     two = figures["rows"]["6"]
     assert two["replies_equal"] is False and 0 <= two["label_equality_auc_now"] <= 1
     assert two["label_equality_auc_repeated_noise"] > 0.9        # noise that repeats cancels: equality shows
