@@ -837,7 +837,7 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
     """Every row of ``cases()``, measured (``only``: those rows, the others taken from ``reuse``, the JSON of
     an earlier run); ``smoke``: a tiny configuration (30 steps, 4 pairings, 3 steps of ``send_rows``, 3
     attacker seeds) that only checks the code runs."""
-    started, load = time.monotonic(), _load()
+    started, load, date = time.monotonic(), _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     attacker_seeds = 3 if smoke else attacker_seeds
     results: dict[str, Any] = dict(reuse["rows"]) if reuse else {}
     with tempfile.TemporaryDirectory(prefix="distgrad-table-") as name:
@@ -867,7 +867,7 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
                   f"[{result['wall_s']:.0f} s]", flush=True)
     from label_dp import commit
     batch = {"rows": [c.number for c in cases() if c.number in results and (only is None or c.number in only)],
-             "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "commit": commit(), "date": date,
              "elapsed_s": time.monotonic() - started, "load_before": load, "load_after": _load()}
     earlier = (reuse.get("batches") or [{**{k: reuse.get(k) for k in batch}, "rows": list(reuse["rows"])}]
                if reuse else [])
