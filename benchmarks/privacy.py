@@ -526,8 +526,8 @@ def cases() -> list[Case]:
              **g({"label_dp": {"epsilon": 2.0}})),
         Case("5b", AVERAGING, "label owner `label_dp = { epsilon = 2, stages = 2 }` (RR-with-prior)",
              **g({"label_dp": {"epsilon": 2.0, "stages": 2}})),
-        Case("6", "data owner opens one-step runs with the same activation rows (pairs swapped after the first) "
-             "and tells from the replies' differences which pairs share a label", "label owner `clip_noise = { "
+        Case("6", "data owner opens 18 one-step runs with the same activation rows (in pairs swapped from the "
+             "third on) and tells from the replies' differences which pairs share a label", "label owner `clip_noise = { "
              "max_norm = 0.05, sigma = 0.5 }`, a fresh noise secret per run", kind="two_runs"),
         Case("7", "data owner (`send_rows`) puts the same 32 rows (1 known per class, 22 others) in every step "
              "of an epoch, averages each row's gradients", "label owner `clip_noise`, sigma = 0.5; then "
