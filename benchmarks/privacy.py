@@ -1,7 +1,6 @@
 """The privacy trade-off, measured: held-out accuracy against every leak figure, for each defense's parameter.
 
 Usage: python benchmarks/privacy.py [--smoke] [--seeds N] [--json PATH] [--plot PNG] [--write-docs]
-       python benchmarks/privacy.py --table [--smoke] [--rows 12,13 [--reuse PATH]] [--json PATH] [--write-docs]
 
 Three tasks: ``digits`` (the built-in experiment, 10 classes), ``digits-0-vs-rest``
 (the same images relabelled: 1 for a zero, 0 for any other digit, and a
@@ -22,10 +21,8 @@ writes the table, the plot and the privacy targets (label recovery and accuracy)
 docs/privacy.md's section "The trade-off, measured" (replacing only that
 section) and the plot to docs/privacy_tradeoff.png.
 
-``--smoke``: one seed, 60 steps, two settings per task (the smoke test of
-tests/test_benchmarks.py).
-
-``--table`` (the section "what protects what" below) measures instead each defense against the attack it
+``python benchmarks/privacy.py --table [--smoke] [--rows 12,13 [--reuse PATH]] [--json PATH]
+[--write-docs]`` (the section "what protects what" below) measures instead each defense against the attack it
 is meant for, one run per row of ``cases()`` (seed 0): held-out accuracy, the epsilon the run prints, what
 the live meters show (the window meters and the strongest-attack meters, whole run and worst window) and
 what an independent attacker (benchmarks/attackers.py, tests/hijacking.py,
@@ -35,6 +32,9 @@ send); the one-step runs and ``send_rows`` rows run a real label-owner process a
 the data owner. ``--write-docs`` writes the table, with date, commit and load, into docs/privacy.md's
 section "What protects what, measured"; ``--rows`` measures only some rows, ``--reuse`` takes the others
 from an earlier ``--json``.
+
+``--smoke``: one seed, 60 steps, two settings per task (the smoke test of
+tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
@@ -356,108 +356,6 @@ def write_docs(results: dict[str, dict[str, dict[str, Any]]], table: str, target
     else:
         text = text.replace("\n## Not done\n", f"\n{body}## Not done\n", 1)
     DOC.write_text(text)
-
-
-# --- the per-row averaging attack (a data owner that knows every row's id) ---------------------------------
-
-def row_means(step_rows: np.ndarray, received: np.ndarray, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's mean received gradient (``step_rows[s]``: the row ids of step s, ``received[s]``: its
-    gradient rows in that order): the row ids seen and their means, scaled to norm 1 (k-means then compares
-    directions). ``weighted``: each epoch's gradient of a row is weighted by how much label signal that epoch
-    carries, estimated without labels from the products of a row's gradients in different epochs (the noise
-    of two epochs is independent, the signal is not): early epochs, whose gradients are large, count more."""
-    ids = np.asarray(step_rows, np.int64)
-    flat = np.asarray(received, np.float64).reshape(ids.size, -1)
-    seen = np.unique(ids)
-    weights = np.ones(len(ids))
-    if weighted:
-        # rows are walked once per epoch: epoch e holds steps whose rows complete a pass over the seen rows
-        per_epoch = max(1, len(seen) // ids.shape[1])
-        epochs = np.arange(len(ids)) // per_epoch
-        count = int(epochs.max()) + 1
-        by_epoch = np.zeros((count, int(ids.max()) + 1, flat.shape[1]))
-        for e in range(count):
-            at = np.repeat(epochs == e, ids.shape[1])
-            by_epoch[e, ids.reshape(-1)[at]] = flat[at]
-        total = by_epoch.sum(axis=0)
-        signal = np.array([np.mean(np.sum(by_epoch[e][seen] * (total[seen] - by_epoch[e][seen]), axis=1))
-                           for e in range(count)])
-        weights = np.maximum(signal, 0.0)[epochs] if count > 1 else weights
-    sums = np.zeros((int(ids.max()) + 1, flat.shape[1]))
-    np.add.at(sums, ids.reshape(-1), flat * np.repeat(weights, ids.shape[1])[:, None])
-    means = sums[seen]
-    norms = np.linalg.norm(means, axis=1, keepdims=True)
-    return seen, means / np.where(norms > 0, norms, 1.0)
-
-
-def anchored_kmeans(points: np.ndarray, truth: np.ndarray, known: int = 1, seed: int = 0,
-                    iterations: int = 50) -> float:
-    """The share of ``points`` whose class (``truth``) k-means anchored on ``known`` points per class with
-    known labels gets right: each class's first centroid is its known points' mean, and they stay in their
-    class. Scored on the other points; chance is about the largest class's share."""
-    classes = np.unique(truth)
-    rng = np.random.default_rng(seed)
-    anchors = {int(c): rng.choice(np.flatnonzero(truth == c), size=min(known, int((truth == c).sum())),
-                                  replace=False) for c in classes}
-    anchored = np.full(len(points), -1)
-    for c, rows in anchors.items():
-        anchored[rows] = c
-    centroids = np.stack([points[anchors[int(c)]].mean(axis=0) for c in classes])
-    assigned = np.full(len(points), -2)
-    for _ in range(iterations):
-        distances = ((points[:, None, :] - centroids[None, :, :]) ** 2).sum(axis=2)
-        nearest = np.where(anchored >= 0, anchored, classes[np.argmin(distances, axis=1)])
-        if np.array_equal(nearest, assigned):
-            break
-        assigned = nearest
-        centroids = np.stack([points[assigned == c].mean(axis=0) if (assigned == c).any() else centroids[i]
-                              for i, c in enumerate(classes)])
-    scored = anchored < 0
-    return float(np.mean(assigned[scored] == truth[scored]))
-
-
-def averaging_attack(step_rows: np.ndarray, received: np.ndarray, labels: np.ndarray, known: int = 1,
-                     seed: int = 0, weighted: bool = False) -> float:
-    """The share of labels a data owner that knows every row's id recovers from the gradient rows it
-    received: each row's gradients averaged over the steps it was in (``row_means``), then k-means anchored
-    on ``known`` rows per class (``anchored_kmeans``). ``labels``: every row's true class, by row id."""
-    seen, means = row_means(step_rows, received, weighted)
-    return anchored_kmeans(means, np.asarray(labels)[seen], known, seed)
-
-
-def averaging_run(clip: dict[str, Any], epochs: int = 30, seed: int = 0, known: tuple[int, ...] = (1, 10)
-                  ) -> dict[str, Any]:
-    """The built-in digits experiment for ``epochs`` epochs with the label owner's ``clip_noise = clip``, in
-    one process, its trace keeping what the data owner received (``sent_activation_grad``): the held-out
-    accuracy, the summary's budget and ``averaging_attack``'s recovery with each count of ``known`` rows
-    per class."""
-    from distgrad.config.parse import load_experiment
-    with tempfile.TemporaryDirectory(prefix="distgrad-averaging-") as name:
-        path = Path(name) / "digits.toml"
-        text = (ROOT / "distgrad" / "experiments" / "digits.toml").read_text().replace(
-            '"../datasets/', f'"{DATASETS}/')
-        inline = ", ".join(f"{k} = {v}" for k, v in clip.items())
-        head, f_stage, g_stage = text.split("[[stages]]")
-        path.write_text("[[stages]]".join([head, f_stage, g_stage.rstrip() + f"\nclip_noise = {{ {inline} }}\n"]))
-        exp = load_experiment(path)
-        data = exp.build_data(seed, stage="g")
-        steps = epochs * data.batches_per_epoch
-        trace = Path(name) / "trace.jsonl"
-        summary = train_in_process(exp, steps=steps, seed=seed, trace_path=trace,
-                                   trace_params={"sent_activation_grad"})
-        received, rows = [], []
-        with trace.open() as lines:
-            for line in lines:
-                entry = json.loads(line)
-                received.append(np.array(entry["grads"]["sent_activation_grad"], np.float32))
-                rows.append(data.step_rows(entry["step"]))
-    labels = np.zeros(data.row_count, np.int64)
-    everything = np.concatenate(rows)
-    labels[everything] = np.concatenate([data.targets_at(r) for r in rows])
-    return {"test_accuracy": summary["test_accuracy"], "privacy": summary["privacy"]["g"]["clip_noise"],
-            "steps": steps, **{f"recovery_known_{k}{'_weighted' if w else ''}":
-                               averaging_attack(np.stack(rows), np.stack(received), labels, k, seed, w)
-                               for k in known for w in (False, True)}}
 
 
 # --- what protects what: each attack against the defense meant for it, on one run ----------------------------
@@ -1078,15 +976,112 @@ def table_docs_from(path: Path) -> None:
     write_table_docs(results, table_markdown(results))
 
 
+# --- the per-row averaging attack (a data owner that knows every row's id) ---------------------------------
+
+def row_means(step_rows: np.ndarray, received: np.ndarray, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's mean received gradient (``step_rows[s]``: the row ids of step s, ``received[s]``: its
+    gradient rows in that order): the row ids seen and their means, scaled to norm 1 (k-means then compares
+    directions). ``weighted``: each epoch's gradient of a row is weighted by how much label signal that epoch
+    carries, estimated without labels from the products of a row's gradients in different epochs (the noise
+    of two epochs is independent, the signal is not): early epochs, whose gradients are large, count more."""
+    ids = np.asarray(step_rows, np.int64)
+    flat = np.asarray(received, np.float64).reshape(ids.size, -1)
+    seen = np.unique(ids)
+    weights = np.ones(len(ids))
+    if weighted:
+        # rows are walked once per epoch: epoch e holds steps whose rows complete a pass over the seen rows
+        per_epoch = max(1, len(seen) // ids.shape[1])
+        epochs = np.arange(len(ids)) // per_epoch
+        count = int(epochs.max()) + 1
+        by_epoch = np.zeros((count, int(ids.max()) + 1, flat.shape[1]))
+        for e in range(count):
+            at = np.repeat(epochs == e, ids.shape[1])
+            by_epoch[e, ids.reshape(-1)[at]] = flat[at]
+        total = by_epoch.sum(axis=0)
+        signal = np.array([np.mean(np.sum(by_epoch[e][seen] * (total[seen] - by_epoch[e][seen]), axis=1))
+                           for e in range(count)])
+        weights = np.maximum(signal, 0.0)[epochs] if count > 1 else weights
+    sums = np.zeros((int(ids.max()) + 1, flat.shape[1]))
+    np.add.at(sums, ids.reshape(-1), flat * np.repeat(weights, ids.shape[1])[:, None])
+    means = sums[seen]
+    norms = np.linalg.norm(means, axis=1, keepdims=True)
+    return seen, means / np.where(norms > 0, norms, 1.0)
+
+
+def anchored_kmeans(points: np.ndarray, truth: np.ndarray, known: int = 1, seed: int = 0,
+                    iterations: int = 50) -> float:
+    """The share of ``points`` whose class (``truth``) k-means anchored on ``known`` points per class with
+    known labels gets right: each class's first centroid is its known points' mean, and they stay in their
+    class. Scored on the other points; chance is about the largest class's share."""
+    classes = np.unique(truth)
+    rng = np.random.default_rng(seed)
+    anchors = {int(c): rng.choice(np.flatnonzero(truth == c), size=min(known, int((truth == c).sum())),
+                                  replace=False) for c in classes}
+    anchored = np.full(len(points), -1)
+    for c, rows in anchors.items():
+        anchored[rows] = c
+    centroids = np.stack([points[anchors[int(c)]].mean(axis=0) for c in classes])
+    assigned = np.full(len(points), -2)
+    for _ in range(iterations):
+        distances = ((points[:, None, :] - centroids[None, :, :]) ** 2).sum(axis=2)
+        nearest = np.where(anchored >= 0, anchored, classes[np.argmin(distances, axis=1)])
+        if np.array_equal(nearest, assigned):
+            break
+        assigned = nearest
+        centroids = np.stack([points[assigned == c].mean(axis=0) if (assigned == c).any() else centroids[i]
+                              for i, c in enumerate(classes)])
+    scored = anchored < 0
+    return float(np.mean(assigned[scored] == truth[scored]))
+
+
+def averaging_attack(step_rows: np.ndarray, received: np.ndarray, labels: np.ndarray, known: int = 1,
+                     seed: int = 0, weighted: bool = False) -> float:
+    """The share of labels a data owner that knows every row's id recovers from the gradient rows it
+    received: each row's gradients averaged over the steps it was in (``row_means``), then k-means anchored
+    on ``known`` rows per class (``anchored_kmeans``). ``labels``: every row's true class, by row id."""
+    seen, means = row_means(step_rows, received, weighted)
+    return anchored_kmeans(means, np.asarray(labels)[seen], known, seed)
+
+
+def averaging_run(clip: dict[str, Any], epochs: int = 30, seed: int = 0, known: tuple[int, ...] = (1, 10)
+                  ) -> dict[str, Any]:
+    """The built-in digits experiment for ``epochs`` epochs with the label owner's ``clip_noise = clip``, in
+    one process, its trace keeping what the data owner received (``sent_activation_grad``): the held-out
+    accuracy, the summary's budget and ``averaging_attack``'s recovery with each count of ``known`` rows
+    per class."""
+    from distgrad.config.parse import load_experiment
+    with tempfile.TemporaryDirectory(prefix="distgrad-averaging-") as name:
+        path = Path(name) / "digits.toml"
+        text = (ROOT / "distgrad" / "experiments" / "digits.toml").read_text().replace(
+            '"../datasets/', f'"{DATASETS}/')
+        inline = ", ".join(f"{k} = {v}" for k, v in clip.items())
+        head, f_stage, g_stage = text.split("[[stages]]")
+        path.write_text("[[stages]]".join([head, f_stage, g_stage.rstrip() + f"\nclip_noise = {{ {inline} }}\n"]))
+        exp = load_experiment(path)
+        data = exp.build_data(seed, stage="g")
+        steps = epochs * data.batches_per_epoch
+        trace = Path(name) / "trace.jsonl"
+        summary = train_in_process(exp, steps=steps, seed=seed, trace_path=trace,
+                                   trace_params={"sent_activation_grad"})
+        received, rows = [], []
+        with trace.open() as lines:
+            for line in lines:
+                entry = json.loads(line)
+                received.append(np.array(entry["grads"]["sent_activation_grad"], np.float32))
+                rows.append(data.step_rows(entry["step"]))
+    labels = np.zeros(data.row_count, np.int64)
+    everything = np.concatenate(rows)
+    labels[everything] = np.concatenate([data.targets_at(r) for r in rows])
+    return {"test_accuracy": summary["test_accuracy"], "privacy": summary["privacy"]["g"]["clip_noise"],
+            "steps": steps, **{f"recovery_known_{k}{'_weighted' if w else ''}":
+                               averaging_attack(np.stack(rows), np.stack(received), labels, k, seed, w)
+                               for k in known for w in (False, True)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one seed, 60 steps, two settings per task")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--json", type=Path, help="write every run's figures here")
-    parser.add_argument("--plot", type=Path, help="draw the trade-off here (PNG; needs matplotlib)")
-    parser.add_argument("--write-docs", action="store_true",
-                        help=f"write the table and targets into {DOC.relative_to(ROOT)} and the plot to "
-                             f"{PLOT.relative_to(ROOT)}")
     parser.add_argument("--table", action="store_true",
                         help="instead of the sweep: the defense x attack table (one run per row; --smoke: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="--table: the runs' seed")
@@ -1094,6 +1089,11 @@ def main() -> None:
     parser.add_argument("--reuse", type=Path, help="--table: the --json of an earlier table, for the other rows")
     parser.add_argument("--attacker-seeds", type=int, default=20,
                         help="--table: random choices of known rows each attacker figure is the mean over")
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("--plot", type=Path, help="draw the trade-off here (PNG; needs matplotlib)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"write the table and targets into {DOC.relative_to(ROOT)} and the plot to "
+                             f"{PLOT.relative_to(ROOT)}")
     args = parser.parse_args()
     if args.write_docs and args.smoke:
         parser.error("--write-docs takes the full sweep's figures only, not --smoke's")
