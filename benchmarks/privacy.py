@@ -918,7 +918,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def table_markdown(results: dict[str, Any]) -> str:
-    head = ["#", "what a party does", "defense, documented setting", "held-out accuracy", "ε (as printed)",
+    head = ["#", "what a party does", "defense, documented setting", "held-out accuracy", "ε (as printed, short)",
             "what the meter shows", "what an independent attacker obtains", "holds?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |" for cells in table_rows(results)]
