@@ -81,6 +81,22 @@ def averaging_attack(rows: np.ndarray, means: np.ndarray, labels_of_rows: np.nda
     return float((classes[cluster] == labels)[~chosen].mean())
 
 
+def averaged_direction_auc(rows: np.ndarray, means: np.ndarray, labels_of_rows: np.ndarray, known: int,
+                           seed: int = 0) -> float:
+    """Two classes (0 and 1): the AUC, over the unknown rows, of each row's mean gradient's cosine with the
+    known class-1 rows' mean direction minus its cosine with the known class-0 rows', as the score of class 1
+    (``known`` random rows per class known). Chance 0.5 whatever the classes' shares."""
+    means = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-30)
+    labels = labels_of_rows[rows]
+    chosen = _known(labels, known, seed)
+    centres = [means[chosen & (labels == c)].mean(0) for c in (0, 1)]
+    centres = [c / max(float(np.linalg.norm(c)), 1e-30) for c in centres]
+    score = means @ centres[1] - means @ centres[0]
+    positive, negative = score[~chosen & (labels == 1)], score[~chosen & (labels == 0)]
+    return float(((positive[:, None] > negative[None, :]).sum() + 0.5 * (positive[:, None] == negative[None, :]).sum())
+                 / (len(positive) * len(negative)))
+
+
 def completion_attack(received: dict[int, np.ndarray], rows_of: Any, labels_of_rows: np.ndarray, known: int,
                       seed: int = 0) -> float:
     """The accuracy of a few-shot nearest-class-mean classifier of each row's latest received activation."""
@@ -121,26 +137,46 @@ def ridge_attack(activations: np.ndarray, inputs: np.ndarray, seed: int = 0, pub
 
 
 def attack_run(experiment: str, trace: str, seeds: int = 20) -> dict[str, float]:
-    """Every independent attack on the run of ``experiment`` that ``trace`` recorded, each the mean over
-    ``seeds`` random choices of its known rows or public share (the whole run, as the meters' whole-run
-    figures)."""
+    """Every independent attack on the run of ``experiment`` (a path or built-in name) that ``trace`` recorded:
+    ``attack_experiment`` of the loaded experiment."""
     from distgrad.config.parse import load_experiment
-    exp = load_experiment(experiment)
-    data = exp.build_data(exp.seed, stage=exp.stage_names[-1])
-    features = exp.build_data(exp.seed, stage=exp.stage_names[0])
+    return attack_experiment(load_experiment(experiment), trace, seeds)
+
+
+def attack_experiment(exp: Any, trace: str, seeds: int = 20, seed: int | None = None,
+                      first_epoch: bool = False) -> dict[str, float]:
+    """Every independent attack on the run of the experiment ``exp`` (run with ``seed``, default its own) that
+    ``trace`` recorded, each the mean over ``seeds`` random choices of its known rows or public share (the
+    whole run, as the meters' whole-run figures; the activations' attacks only when the trace holds
+    ``sent_activation``); with ``first_epoch`` also ``averaged_recovery_1_first_epoch``:
+    one known row per class, each row's gradients of the run's first epoch only (each row received once); on
+    two classes also ``averaged_direction_auc_10``."""
+    seed = exp.seed if seed is None else seed
+    data = exp.build_data(seed, stage=exp.stage_names[-1])
+    features = exp.build_data(seed, stage=exp.stage_names[0])
     labels = data.all_targets()
     grads = trace_tensors(trace, "sent_activation_grad")
     acts = trace_tensors(trace, "sent_activation")
     rows, means = row_means(grads, data.step_rows)
-    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, seed)
-                                                   for seed in range(seeds * (5 if k == 1 else 1))]))
+    out = {f"averaged_recovery_{k}": float(np.mean([averaging_attack(rows, means, labels, k, s)
+                                                   for s in range(seeds * (5 if k == 1 else 1))]))
            for k in (1, 10)}
-    out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, seed)
-                                             for seed in range(seeds)]))
+    if set(np.unique(labels[rows]).tolist()) == {0, 1}:
+        out["averaged_direction_auc_10"] = float(np.mean([averaged_direction_auc(rows, means, labels, 10, s)
+                                                          for s in range(seeds)]))
+    if first_epoch:
+        first = {step: g for step, g in grads.items() if step <= data.batches_per_epoch}
+        rows, means = row_means(first, data.step_rows)
+        out["averaged_recovery_1_first_epoch"] = float(np.mean([averaging_attack(rows, means, labels, 1, s)
+                                                                for s in range(seeds * 5)]))
+    if not acts:           # a trace of the gradients only: no attack on the activations
+        return out
+    out["model_completion"] = float(np.mean([completion_attack(acts, data.step_rows, labels, 10, s)
+                                             for s in range(seeds)]))
     steps = sorted(acts)
     z = np.concatenate([acts[s] for s in steps])
     x = np.concatenate([features.features(s) for s in steps])
-    out["ridge_r2_run"] = float(np.mean([ridge_attack(z, x, seed) for seed in range(seeds)]))
+    out["ridge_r2_run"] = float(np.mean([ridge_attack(z, x, s) for s in range(seeds)]))
     return out
 
 

@@ -22,6 +22,18 @@ writes the table, the plot and the privacy targets (label recovery and accuracy)
 docs/privacy.md's section "The trade-off, measured" (replacing only that
 section) and the plot to docs/privacy_tradeoff.png.
 
+``python benchmarks/privacy.py --table [--smoke] [--rows 12,13 [--reuse PATH]] [--json PATH]
+[--write-docs]`` (the section "what protects what" below) measures instead each defense against the attack it
+is meant for, one run per row of ``cases()`` (seed 0): held-out accuracy, the epsilon the run prints, what
+the live meters show (the window meters and the strongest-attack meters, whole run and worst window) and
+what an independent attacker (benchmarks/attackers.py, tests/hijacking.py,
+benchmarks/held_out_reconstruction.py) obtains on the same run. A row whose attack needs only what
+crossed trains in one process, traced (``train_in_process``: bitwise what the stage processes train and
+send); the one-step runs and ``send_rows`` rows run a real label-owner process against the cut library as
+the data owner. ``--write-docs`` writes the table, with date, commit and load, into docs/privacy.md's
+section "What protects what, measured"; ``--rows`` measures only some rows, ``--reuse`` takes the others
+from an earlier ``--json``.
+
 ``--smoke``: one seed, 60 steps, two settings per task (the smoke test of
 tests/test_benchmarks.py).
 
@@ -51,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.config.parse import parse_experiment
+from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.run.inprocess import train_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,6 +368,624 @@ def write_docs(results: dict[str, dict[str, dict[str, Any]]], table: str, target
     DOC.write_text(text)
 
 
+# --- what protects what: each attack against the defense meant for it, on one run ----------------------------
+
+TABLE_SECTION = "## What protects what, measured"
+TABLE_COMMAND = "python benchmarks/privacy.py --table --write-docs"
+TRACED = frozenset({"sent_activation_grad", "sent_activation"})   # what crossed, as the receiver decoded it
+G_CLIP = {"max_norm": 0.05, "sigma": 0.5}          # the label owner's documented clip_noise example
+F_CLIP_HELD_OUT = "clip_noise = { max_norm = 10.0, sigma = 0.25 }"   # the data owner's, on evaluations
+HOLDS_MARGIN = 0.05        # a label attack is held when its best figure is within this of chance (or of RR's limit)
+INPUT_HOLDS_R2 = 0.25      # an input attack is held when its reconstruction R^2 is at most this
+HIJACK_TARGET_R2 = 0.8     # the hijacker must be stopped before its reconstruction passes this
+AVERAGING = ("data owner averages each row's received gradients over the run, then anchored k-means from 1 "
+             "(and 10) known rows per class")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the defense x attack table: ``attack``, what a party does; ``setting``, the defense as
+    documented, whose stage-table ``keys`` go to ``party`` on ``task``; ``kind``, how it is measured:
+    ``metered`` (one metered, traced run in one process, attacked on what its trace recorded as crossing),
+    ``two_runs`` and ``send_rows`` (stage processes and the cut library as the data owner), ``hijack``,
+    ``held_out``, ``completion`` (read off the metered rows)."""
+    number: str
+    attack: str
+    setting: str
+    task: str = "digits"
+    party: str = ""
+    keys: dict[str, Any] | None = None
+    kind: str = "metered"
+    traced: frozenset[str] = TRACED     # what the run's trace keeps (the attackers read it)
+
+
+def budget_task(builtin: Path = ROOT / "distgrad" / "experiments" / "digits-budget.toml") -> Task:
+    """The recommended experiment of a label owner's budget (docs/privacy.md, "Recommended settings: chosen by
+    a budget"): the built-in ``digits-budget`` where it exists (its own ``clip_noise`` left out: each row gives
+    the label owner its defenses), else the same model written out: digits with a wider, slower f (Dense
+    64->256 + ReLU, Adam 0.0003), g Dense 256->10 (Adam 0.003), 30 epochs (1,320 steps)."""
+    if builtin.exists():
+        import tomllib
+        raw = tomllib.loads(builtin.read_text())
+        raw["data"]["path"] = str((builtin.parent / raw["data"]["path"]).resolve())
+        for stage in raw["stages"]:
+            stage.pop("clip_noise", None)
+        return Task("digits-budget", int(raw.pop("steps")), 0.05, 8.0, raw)
+    stages = _model(64, 256, 10, 0.003)
+    stages[0]["optimizer"] = {"type": "adam", "lr": 0.0003}
+    return Task("digits-budget", 1320, 0.05, 8.0,
+                {"name": "digits-budget", "labels": "last", "seed": 0,
+                 "data": {"kind": "npz", "path": str(DATASETS / "digits.npz"), "features": "pixels",
+                          "labels": "digit", "feature_scale": 0.0625, "batch": 32, "test_fraction": 0.2},
+                 "stages": stages})
+
+
+def cases() -> list[Case]:
+    """The rows of the table, in order."""
+    def g(keys: dict[str, Any]) -> dict[str, Any]:
+        return {"party": "g", "keys": keys}
+    clip = {"clip_noise": G_CLIP}
+    target = {"max_norm": 0.05, "epsilon": 8.0}
+    return [
+        Case("0", "every attack below; nothing defended", "undefended"),
+        Case("1", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, sigma = 0.5 }`", **g(clip)),
+        Case("2a", AVERAGING, "label owner `clip_noise`, sigma = 1", **g({"clip_noise": {**G_CLIP, "sigma": 1.0}})),
+        Case("2b", AVERAGING, "label owner `clip_noise`, sigma = 2", **g({"clip_noise": {**G_CLIP, "sigma": 2.0}})),
+        Case("3", "the same, two classes (digit 0 against the rest)", "undefended", task="digits-0-vs-rest"),
+        Case("3a", "the same, two classes", "label owner `marvell = { bound = 0.5 }`", task="digits-0-vs-rest",
+             **g({"marvell": {"bound": 0.5}})),
+        Case("3b", "the same, two classes", "label owner `marvell = { bound = 2 }`", task="digits-0-vs-rest",
+             **g({"marvell": {"bound": 2.0}})),
+        Case("4", "data owner reads one epoch: each row's gradient as first received, 1 known row per class "
+             "(and the whole run averaged)", "label owner `max_norm = true`", **g({"max_norm": True})),
+        Case("5a", AVERAGING, "label owner `label_dp = { epsilon = 2 }` (randomized response, corrected loss)",
+             **g({"label_dp": {"epsilon": 2.0}})),
+        Case("5b", AVERAGING, "label owner `label_dp = { epsilon = 2, stages = 2 }` (RR-with-prior)",
+             **g({"label_dp": {"epsilon": 2.0, "stages": 2}})),
+        Case("6", "data owner opens 18 one-step runs with the same activation rows (in pairs swapped from the "
+             "third on) and tells from the replies' differences which pairs share a label", "label owner `clip_noise = { "
+             "max_norm = 0.05, sigma = 0.5 }`, a fresh noise secret per run", kind="two_runs"),
+        Case("7", "data owner (`send_rows`) puts the same 32 rows (1 known per class, 22 others) in every step "
+             "of an epoch, averages each row's gradients", "label owner `clip_noise`, sigma = 0.5; then "
+             "`epsilon = 8`", kind="send_rows"),
+        Case("8", "data owner fits a classifier on its own f(x) with 10 labels per class (model completion)",
+             "any label-owner defense", kind="completion"),
+        Case("9", "label owner fits the best ridge decoder of the inputs on a public fifth of the rows",
+             "data owner `nopeek = { weight = 7 }`, `input_guard = { max_r2 = 0.75 }`", party="f",
+             keys={"nopeek": {"weight": 7.0}, "input_guard": {"max_r2": 0.75}}),
+        Case("10", "malicious label owner returns its decoder's error gradient (feature-space hijacking)",
+             "data owner `nopeek = { weight = 7 }`; with and without `input_guard = { max_r2 = 0.75 }`",
+             kind="hijack"),
+        Case("11", "label owner reconstructs held-out rows from the last evaluation's activations (ridge on a "
+             "public fifth)", "data owner `clip_noise = { max_norm = 10, sigma = 0.25 }`", kind="held_out"),
+        Case("12", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, epsilon = 8 }` (recommended; "
+             "`digits-budget`: f 64->256, Adam 0.0003, 30 epochs)", task="digits-budget",
+             traced=frozenset({"sent_activation_grad"}), **g({"clip_noise": target})),
+        Case("13", AVERAGING, "label owner `clip_noise = { max_norm = 0.05, epsilon = 8 }`, `dp_sgd = { "
+             "max_norm = 1 }` (`digits-budget`)", task="digits-budget", traced=frozenset({"sent_activation_grad"}),
+             **g({"clip_noise": target, "dp_sgd": {"max_norm": 1.0}})),
+    ]
+
+
+def _experiment(task: Task, party: str, keys: dict[str, Any] | None, steps: int) -> Any:
+    """``task`` with ``keys`` in the stage table of ``party`` (label_dp's ``stages`` get half the run each)."""
+    raw = json.loads(json.dumps(task.raw))
+    keys = json.loads(json.dumps(keys or {}))
+    if "stages" in keys.get("label_dp", {}):
+        from label_dp import label_dp
+        keys["label_dp"] = label_dp("RR-with-prior, 2 stages", keys["label_dp"]["epsilon"], task, steps)
+    for stage in raw["stages"]:
+        if stage["name"] == party:
+            stage.update(keys)
+    return parse_experiment(raw, f"<{task.name}>")
+
+
+def _short_budget(privacy: dict[str, Any]) -> str:
+    """The label-DP epsilon the run prints, short ('233.6 over 19 releases: no meaningful guarantee'), or '-'."""
+    out = []
+    for entry in privacy.values():
+        for key, value in entry.items():
+            if isinstance(value, dict) and "epsilon" in value:
+                epsilon = value["epsilon"]
+                text = "∞" if epsilon == "inf" else f"{float(epsilon):.4g}"
+                if "releases" in value:
+                    text += f" over {value['releases']} releases"
+                if key == "label_dp":
+                    text += " (exact)"
+                elif "scope" in value:
+                    text += ", end to end" if "end to end" in value["scope"] else ", per release"
+                if epsilon == "inf" or float(epsilon) >= 10:
+                    text += ": no meaningful guarantee"
+                out.append(f"{key} {text}")
+    return "; ".join(out) or "-"
+
+
+def metered_case(task: Task, case: Case, steps: int, seed: int, workdir: Path, attacker_seeds: int
+                 ) -> dict[str, Any]:
+    """``case`` trained in one process (bitwise what the stage processes train and send) with both meters on
+    and a trace of what crossed; the meters' figures (``label_leak_extremes``, ``input_leak_extremes``) and
+    the independent attackers' (benchmarks/attackers.py) on the trace."""
+    import attackers
+    from distgrad.errors import InputGuardStop
+    exp = _experiment(task, case.party, case.keys, steps)
+    trace = workdir / f"trace-{case.number}.jsonl"
+    note = ""
+    try:
+        summary = train_in_process(exp, steps=steps, seed=seed, privacy_meter=True, trace_path=trace,
+                                   trace_params=case.traced)
+    except InputGuardStop as stop:          # an honest run the guard stopped: say so, measure it unguarded
+        note = f"the guard stopped the honest run: {stop}"
+        keys = {k: v for k, v in (case.keys or {}).items() if k != "input_guard"}
+        exp = _experiment(task, case.party, keys, steps)
+        summary = train_in_process(exp, steps=steps, seed=seed, privacy_meter=True, trace_path=trace,
+                                   trace_params=case.traced)
+    try:
+        independent = attackers.attack_experiment(exp, str(trace), attacker_seeds, seed, first_epoch=True)
+    finally:
+        trace.unlink()
+    meters = {name: entry for kind in ("label_leak_extremes", "input_leak_extremes")
+              for name, entry in summary.get(kind, {}).items()}
+    return {"test_accuracy": summary["test_accuracy"], "privacy": summary.get("privacy", {}),
+            "epsilon": _short_budget(summary.get("privacy", {})), "meters": meters, "independent": independent,
+            "input_guard": summary.get("input_guard"), "note": note, "elapsed_s": summary["elapsed_s"]}
+
+
+def _digits_file(workdir: Path, name: str, g_lines: str, head_lines: str = "") -> Path:
+    """The built-in digits experiment (its data by absolute path) with ``g_lines`` in the label owner's table
+    and ``head_lines`` at the top level."""
+    text = (ROOT / "distgrad" / "experiments" / "digits.toml").read_text().replace('"../datasets/',
+                                                                                 f'"{DATASETS}/')
+    text = text.replace("[data]", f"{head_lines}\n[data]", 1)
+    path = workdir / f"{name}.toml"
+    path.write_text(f"{text.rstrip()}\n{g_lines}\n")
+    return path
+
+
+def _parties(path: Path) -> tuple[Path, Path]:
+    """``distgrad split`` of ``path``: the data owner's stage file for its own loop (``Cut``; its [stage]
+    names it only), the label owner's stage file."""
+    import subprocess
+    import sys
+    parts = path.with_suffix("")
+    subprocess.run([sys.executable, "-m", "distgrad.cli", "split", str(path), str(parts)], check=True,
+                   capture_output=True, timeout=60)
+    f_file = parts / "f" / "f.toml"
+    head, rest = f_file.read_text().split("[stage]\n")
+    own_loop = f_file.with_name("f-lib.toml")
+    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + rest.split("[data]", 1)[1])
+    return own_loop, parts / "g" / "g.toml"
+
+
+class _LabelOwner:
+    """A ``distgrad-stage`` label-owner process serving ``stage_file`` on a free port (its noise secret its
+    own: ``DISTGRAD_NOISE_SECRET`` is removed from its environment); stopped on leaving."""
+
+    def __init__(self, stage_file: Path, *extra: str) -> None:
+        import os
+        import subprocess
+        import sys
+        from distgrad.privacy.releases import NOISE_SECRET_VARIABLE
+        self.ready = stage_file.with_name(f"{stage_file.stem}-{time.monotonic_ns()}.ready")
+        env = {k: v for k, v in os.environ.items() if k != NOISE_SECRET_VARIABLE}
+        self.log = open(self.ready.with_suffix(".log"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "distgrad.cli", "stage", "g", "--experiment",
+                                      str(stage_file), "--bind", "tcp://127.0.0.1:*", "--ready-file",
+                                      str(self.ready), *extra], stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+
+    def __enter__(self) -> str:
+        deadline = time.monotonic() + 60.0
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"the label owner did not start: {self.ready.with_suffix('.log').read_text()}")
+            time.sleep(0.02)
+        return self.ready.read_text().strip()
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _initial_activations(exp: Any, rows: np.ndarray, seed: int) -> np.ndarray:
+    """The data owner's first-layer activations of ``rows`` at its initial parameters (what it sends)."""
+    from distgrad.stage.stage import Stage
+    f = Stage.from_experiment(exp, exp.stage_names[0], seed)
+    out, _ = f.forward(exp.build_data(seed, stage=exp.stage_names[0]).features_at(rows), training=False)
+    return np.ascontiguousarray(out, np.float32)
+
+
+def _auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """The AUC of ``scores`` for ``positive`` (ties half), or NaN with one class only."""
+    pos, neg = scores[positive], scores[~positive]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+                 / (len(pos) * len(neg)))
+
+
+def two_runs_case(workdir: Path, pairings: int, seed: int = 0) -> dict[str, Any]:
+    """The data owner (the cut library) opens ``pairings`` + 2 one-step runs of a ``--keep-serving`` label owner
+    with ``clip_noise`` C 0.05 sigma 0.5: the first two with its activations h of step 1's rows (are the
+    replies equal? the spread of their difference), each other with h's rows swapped in random pairs (i, j). Were the noise the same in every run (keyed by step and position,
+    not by a per-run secret), (r_k[i] - r_0[i]) + (r_k[j] - r_0[j]) would be exactly zero when rows i and j
+    share a label and not otherwise; the AUC of minus its norm as the score of "same label", over every pair,
+    now and with sigma 0 (what repeated noise leaves: it cancels). Chance 0.5."""
+    from distgrad.cut import Cut
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, sigma in (("now", 0.5), ("repeated_noise", 0.0)):
+        path = _digits_file(workdir, f"two-runs-{name}", f"clip_noise = {{ max_norm = 0.05, sigma = {sigma} }}")
+        f_file, g_file = _parties(path)
+        exp = load_experiment(path)
+        labels = exp.build_data(seed, stage="g").targets(1)
+        rows = exp.build_data(seed, stage="f").step_rows(1)
+        h = _initial_activations(exp, rows, seed)
+        swaps = [rng.permutation(len(h)).reshape(-1, 2) for _ in range(pairings)]
+        replies = []
+        summary_path = workdir / f"two-runs-{name}.json"
+        with _LabelOwner(g_file, "--keep-serving", "--summary", str(summary_path)) as endpoint:
+            for k in range(pairings + 2):          # the first two send h itself, the others swap its pairs
+                sent = h.copy()
+                if k > 1:
+                    pairs = swaps[k - 2]
+                    sent[pairs[:, 0]], sent[pairs[:, 1]] = h[pairs[:, 1]], h[pairs[:, 0]]
+                cut = Cut.connect(endpoint, interface=f_file, timeout_s=10.0, peer_deadline_s=60.0)
+                try:
+                    replies.append(np.asarray(cut.step(sent, cut.rows(1))[1], np.float64).reshape(len(h), -1))
+                finally:
+                    cut.close(finished=False)
+            deadline = time.monotonic() + 30.0      # the last run's summary: written as that run ends
+            while not summary_path.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        scores, same = [], []
+        for k, pairs in enumerate(swaps, start=2):
+            for i, j in pairs:
+                diff = (replies[k][i] - replies[0][i]) + (replies[k][j] - replies[0][j])
+                scores.append(-float(np.linalg.norm(diff)))
+                same.append(labels[i] == labels[j])
+        out[f"label_equality_auc_{name}"] = _auc(np.array(scores), np.array(same))
+        if name == "now":
+            out["replies_equal"] = bool(np.array_equal(replies[0], replies[1]))
+            out["noise_std_of_difference"] = float(np.std(replies[0] - replies[1]))
+            out["pairs"], out["same_label_pairs"] = len(same), int(np.sum(same))
+            out["runs"] = len(replies)
+            if summary_path.exists():     # a run's budget: the releases of that run only
+                out["epsilon_per_run"] = _short_budget(json.loads(summary_path.read_text()).get("privacy", {}))
+    return out
+
+
+def send_rows_case(workdir: Path, steps: int, seed: int = 0) -> dict[str, Any]:
+    """A data owner with ``send_rows`` (the cut library) puts the same 32 rows in each of ``steps`` steps: one
+    known row per class and 22 others; it averages each row's received gradients and gives each other row the
+    class of the known row its mean is closest to (cosine). Against the label owner's ``clip_noise`` sigma 0.5
+    (its summary's budget: every release counted), then ``epsilon = 8`` (planned one release a row in an
+    epoch: the second step is refused)."""
+    from distgrad.cut import Cut
+    from distgrad.errors import PeerRejected
+    out: dict[str, Any] = {}
+    for name, clip in (("sigma", "max_norm = 0.05, sigma = 0.5"), ("target", "max_norm = 0.05, epsilon = 8.0")):
+        path = _digits_file(workdir, f"send-rows-{name}", f"clip_noise = {{ {clip} }}", "send_rows = true")
+        path.write_text(path.read_text().replace("steps = 800\n", f"steps = {steps}\n", 1))
+        f_file, g_file = _parties(path)
+        exp = load_experiment(path)
+        g_data = exp.build_data(seed, stage="g")
+        order = np.concatenate([g_data.step_rows(s) for s in range(1, g_data.batches_per_epoch + 1)])
+        labels_of = g_data.targets_at(order)
+        known = np.array([order[np.flatnonzero(labels_of == c)[0]] for c in np.unique(labels_of)])
+        others = np.array([r for r in order if r not in known])[:32 - len(known)]
+        rows = np.concatenate([known, others]).astype(np.int64)
+        h = _initial_activations(exp, rows, seed)
+        summary_path = workdir / f"send-rows-{name}.json"
+        received, refused = [], ""
+        owner = _LabelOwner(g_file, "--summary", str(summary_path))
+        with owner as endpoint:
+            cut = Cut.connect(endpoint, interface=f_file, timeout_s=10.0, peer_deadline_s=60.0)
+            try:
+                for _ in range(steps):
+                    received.append(np.asarray(cut.step(h, rows)[1], np.float64).reshape(len(rows), -1))
+                cut.close()
+            except PeerRejected as e:
+                refused = f"refused at step {len(received) + 1}: {e}"
+                cut.closed = True
+                cut.link.close(linger_ms=0)
+            if not refused:
+                owner.wait()
+        labels = g_data.targets_at(rows)
+        mean = np.mean(received, axis=0)
+        unit = mean / np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), 1e-30)
+        guess = labels[np.argmax(unit[len(known):] @ unit[:len(known)].T, axis=1)]
+        entry = {"steps_answered": len(received), "recovery": float(np.mean(guess == labels[len(known):])),
+                 "chance": 1.0 / len(known), "refused": refused}
+        if summary_path.exists():
+            privacy = json.loads(summary_path.read_text()).get("privacy", {})
+            entry.update(privacy=privacy, epsilon=_short_budget(privacy))
+        out[name] = entry
+    return out
+
+
+def hijack_case(task: Task, steps: int, seed: int, after: int = 50) -> dict[str, Any]:
+    """tests/hijacking.py's label owner against the data owner's NoPeek weight 7, guarded by ``input_guard =
+    { max_r2 = 0.75, after }`` (the step it is stopped before, the guard's R^2 there, the hijacker's best
+    reconstruction R^2 of a step's private rows before it), then unguarded (its best over the run)."""
+    import sys
+    import pytest
+    from distgrad.errors import InputGuardStop
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hijacking import hijack
+    out: dict[str, Any] = {}
+    for name, keys in (("guarded", {"nopeek": {"weight": 7.0}, "input_guard": {"max_r2": 0.75, "after": after}}),
+                       ("unguarded", {"nopeek": {"weight": 7.0}})):
+        exp = _experiment(task, "f", keys, steps)
+        with pytest.MonkeyPatch.context() as patch:
+            attacker = hijack(patch, exp.build_data(seed, stage="g"), 64)
+            stopped, guard_r2 = None, None
+            try:
+                train_in_process(exp, steps=steps, seed=seed)
+            except InputGuardStop as stop:
+                stopped = int(re.search(r"before sending step (\d+)", str(stop)).group(1))  # type: ignore[union-attr]
+                guard_r2 = float(re.search(r"R\^2 ([0-9.]+)", str(stop)).group(1))         # type: ignore[union-attr]
+        reached = [max(r2) for step, r2 in attacker.reconstruction.items() if stopped is None or step < stopped]
+        out[name] = {"stopped_before": stopped, "guard_r2": guard_r2,
+                     "hijacker_best_r2": max(reached) if reached else float("nan")}
+    return out
+
+
+def held_out_case(steps: int, workdir: Path, seed: int) -> dict[str, Any]:
+    """benchmarks/held_out_reconstruction.py's attack, undefended and with the data owner's clip_noise C 10
+    sigma 0.25 on its evaluations."""
+    import held_out_reconstruction
+    return {name: held_out_reconstruction.measure(extra, steps, workdir, seed)
+            for name, extra in (("undefended", ""), ("defended", F_CLIP_HELD_OUT))}
+
+
+def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, only: set[str] | None = None,
+                  reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every row of ``cases()``, measured (``only``: those rows, the others taken from ``reuse``, the JSON of
+    an earlier run); ``smoke``: a tiny configuration (30 steps, 4 pairings, 3 steps of ``send_rows``, 3
+    attacker seeds) that only checks the code runs."""
+    started, load, date = time.monotonic(), _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    attacker_seeds = 3 if smoke else attacker_seeds
+    results: dict[str, Any] = dict(reuse["rows"]) if reuse else {}
+    with tempfile.TemporaryDirectory(prefix="distgrad-table-") as name:
+        workdir = Path(name)
+        tasks = {task.name: task for task in [*prepare(workdir), budget_task()]}
+        for case in cases():
+            if only is not None and case.number not in only:
+                continue
+            task = tasks[case.task]
+            steps = 30 if smoke else task.steps
+            began = time.monotonic()
+            if case.kind == "metered":
+                result = metered_case(task, case, steps, seed, workdir, attacker_seeds)
+            elif case.kind == "two_runs":
+                result = two_runs_case(workdir, 4 if smoke else 16, seed)
+            elif case.kind == "send_rows":
+                result = send_rows_case(workdir, 3 if smoke else 44, seed)
+            elif case.kind == "hijack":
+                result = hijack_case(task, steps, seed, after=10 if smoke else 50)
+            elif case.kind == "held_out":
+                result = held_out_case(steps, workdir, seed)
+            else:
+                result = {}
+            result["wall_s"] = time.monotonic() - began
+            results[case.number] = result
+            print(f"row {case.number} ({case.setting}): {json.dumps(_brief(result))} "
+                  f"[{result['wall_s']:.0f} s]", flush=True)
+    from label_dp import commit
+    batch = {"rows": [c.number for c in cases() if c.number in results and (only is None or c.number in only)],
+             "commit": commit(), "date": date,
+             "elapsed_s": time.monotonic() - started, "load_before": load, "load_after": _load()}
+    earlier = (reuse.get("batches") or [{**{k: reuse.get(k) for k in batch}, "rows": list(reuse["rows"])}]
+               if reuse else [])
+    earlier = [{**b, "rows": [r for r in b["rows"] if r not in batch["rows"]]} for b in earlier]
+    return {"smoke": smoke, "seed": seed, "attacker_seeds": attacker_seeds, "rows": results,
+            "batches": [b for b in earlier if b["rows"]] + [batch]}
+
+
+def _load() -> list[float]:
+    import os
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k not in ("meters", "privacy")}
+
+
+def _f(value: Any, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _meter(meters: dict[str, Any], name: str, run: bool = False) -> str:
+    entry = meters.get(name)
+    if not entry:
+        return f"`{name}` -"
+    head = f"run {_f(entry['run'])}, " if run and "run" in entry else f"mean {_f(entry['mean'])}, "
+    return f"`{name}` {head}worst {_f(entry['worst'])} (step {entry['worst_step']})"
+
+
+def rr_limit(epsilon: float, classes: int) -> float:
+    """The share of labels randomized response over ``classes`` classes keeps (e^ε / (e^ε + k - 1)): the most
+    any attack learns of the released labels recovers of the true ones, beyond what the inputs say."""
+    return float(np.exp(epsilon) / (np.exp(epsilon) + classes - 1))
+
+
+def _verdict(held: bool) -> str:
+    return "holds" if held else "**does not hold**"
+
+
+def table_rows(results: dict[str, Any]) -> list[list[str]]:
+    """The table's cells, one list per case measured: number, attack, setting, accuracy, epsilon, meter,
+    attacker, verdict."""
+    out = []
+    rows = results["rows"]
+    for case in cases():
+        if case.number not in rows:
+            continue
+        r = rows[case.number]
+        cells = [case.number, case.attack, case.setting]
+        if case.kind == "metered":
+            m, ind = r["meters"], r["independent"]
+            chance = m.get("averaged_recovery_1", {}).get("chance", 0.1)
+            accuracy, epsilon = _f(r["test_accuracy"], 4), r["epsilon"]
+            if case.party == "f":
+                guard = r.get("input_guard") or {}
+                shown = (f"{_meter(m, 'distance_correlation')}; {_meter(m, 'ridge_r2')}; `ridge_r2_run` "
+                         f"{_f(m.get('ridge_r2', {}).get('run'))}")
+                if guard:
+                    shown += f"; guard: not stopped, peak R^2 {_f(guard.get('peak_r2'))}"
+                if r.get("note"):
+                    shown += f"; {r['note']}"
+                got = f"ridge R^2 (whole run) {_f(ind['ridge_r2_run'])} (chance 0)"
+                verdict = _verdict(ind["ridge_r2_run"] <= INPUT_HOLDS_R2)
+            else:
+                two_classes = case.task == "digits-0-vs-rest"
+                window = "direction_auc" if two_classes else "label_recovery"
+                shown = (f"{_meter(m, window)}; {_meter(m, 'averaged_recovery_1', True)}; "
+                         f"{_meter(m, 'averaged_recovery_10', True)}")
+                if two_classes:
+                    shown = f"{_meter(m, 'norm_auc')}; " + shown
+                got = (f"averaged, 1 / 10 known: {_f(ind['averaged_recovery_1'])} / "
+                       f"{_f(ind['averaged_recovery_10'])}")
+                best = max(ind["averaged_recovery_1"], ind["averaged_recovery_10"])
+                bound = chance
+                if "averaged_direction_auc_10" in ind:   # unbalanced classes: the AUC's chance is 0.5 regardless
+                    got += f"; averaged direction AUC, 10 known: {_f(ind['averaged_direction_auc_10'])}"
+                    best = max(best, 0.5 + abs(ind["averaged_direction_auc_10"] - 0.5))
+                if case.number == "4":
+                    got = (f"first epoch, 1 known: {_f(ind['averaged_recovery_1_first_epoch'])}; " + got)
+                    best = max(best, ind["averaged_recovery_1_first_epoch"])
+                if "label_dp" in (case.keys or {}):      # DP bounds what is learned beyond what the inputs give
+                    bound = max(rr_limit(2.0, 10), ind["model_completion"])
+                    got += (f" (randomized response keeps {rr_limit(2.0, 10):.3f} of the labels; model completion "
+                            f"{_f(ind['model_completion'])})")
+                got += f" (chance {chance:.2f})"
+                verdict = _verdict(best <= bound + HOLDS_MARGIN) if case.party else "(no defense)"
+                if case.party == "" and case.task == "digits":
+                    got += (f"; completion {_f(ind['model_completion'])}; ridge R^2 {_f(ind['ridge_r2_run'])}")
+                    shown += (f"; {_meter(m, 'model_completion', True)}; {_meter(m, 'ridge_r2')}, `ridge_r2_run` "
+                              f"{_f(m.get('ridge_r2', {}).get('run'))}; {_meter(m, 'distance_correlation')}")
+            cells += [accuracy, epsilon, shown, got, verdict]
+        elif case.kind == "two_runs":
+            cells += ["-", f"each run's own: {r.get('epsilon_per_run', '-')}; the {r.get('runs', '-')} runs "
+                      "release each row's label that many times, and no budget adds them up",
+                      "- (nothing to meter: one step)",
+                      f"label-equality AUC {_f(r['label_equality_auc_now'])} over {r['pairs']} pairs "
+                      f"({r['same_label_pairs']} same-label; chance 0.5); with noise that repeats (sigma 0: "
+                      f"it cancels) {_f(r['label_equality_auc_repeated_noise'])}; two replies to the same rows "
+                      f"{'equal' if r['replies_equal'] else 'differ'} (spread of the difference "
+                      f"{r['noise_std_of_difference']:.4f}, sqrt(2)·sigma·C = {np.sqrt(2) * 0.025:.4f})",
+                      _verdict(abs(r["label_equality_auc_now"] - 0.5) <= 0.1)]
+        elif case.kind == "send_rows":
+            sigma, target = r["sigma"], r["target"]
+            counted = sigma.get("privacy", {}).get("g", {}).get("clip_noise", {}).get("releases")
+            refused = re.search(r"step (\d+).*?(more than the \d+ its privacy budget allows)", target["refused"])
+            stop = f"refused at step {refused.group(1)}: {refused.group(2)}" if refused else "not refused"
+            cells += ["-", f"sigma 0.5: {sigma.get('epsilon', '-')}; epsilon 8: {target.get('epsilon', '-')}, {stop}",
+                      "- (the label owner's meter is refused with `send_rows`)",
+                      f"sigma 0.5, {sigma['steps_answered']} steps: recovery {_f(sigma['recovery'])} (chance "
+                      f"{sigma['chance']:.2f}); epsilon 8: {target['steps_answered']} step answered, recovery "
+                      f"{_f(target['recovery'])}",
+                      "budget counts every release: " + _verdict(counted == sigma["steps_answered"])
+                      + "; sigma 0.5 itself: " + _verdict(sigma["recovery"] <= sigma["chance"] + HOLDS_MARGIN)
+                      + "; epsilon 8: " + _verdict(bool(refused))]
+        elif case.kind == "completion":
+            pieces = []
+            for other in cases():
+                o = rows.get(other.number, {})
+                if o and other.kind == "metered" and other.task != "digits-0-vs-rest" and other.party != "f":
+                    pieces.append(f"{other.number}: {_f(o['meters'].get('model_completion', {}).get('run'))} / "
+                                  f"{_f(o['independent'].get('model_completion'))}")
+            cells += ["(each run's)", "-", "`model_completion`, run / attacker, by row: " + ", ".join(pieces),
+                      "the same (chance 0.10)", "**no channel defense can hold** (labels that follow from the "
+                      "inputs)"]
+        elif case.kind == "hijack":
+            g, u = r["guarded"], r["unguarded"]
+            stop = (f"stopped before step {g['stopped_before']}, guard R^2 {_f(g['guard_r2'])}"
+                    if g["stopped_before"] else "never stopped")
+            cells += ["-", "-", f"guard: {stop}",
+                      f"hijacker's best R^2 of a step's private rows: guarded {_f(g['hijacker_best_r2'])} (before "
+                      f"the stop); NoPeek alone, unguarded {_f(u['hijacker_best_r2'])}",
+                      f"NoPeek alone: {_verdict(u['hijacker_best_r2'] < HIJACK_TARGET_R2)}; with the guard: "
+                      + _verdict(bool(g["stopped_before"]) and g["hijacker_best_r2"] < HIJACK_TARGET_R2)]
+        elif case.kind == "held_out":
+            d, u = r["defended"], r["undefended"]
+            cells += [f"{_f(d['accuracy'], 4)} (undefended {_f(u['accuracy'], 4)})", "none stated (releases counted)",
+                      "- (the meters judge training steps)",
+                      f"held-out R^2 {_f(d['r2'])}; undefended {_f(u['r2'])}",
+                      _verdict(d["r2"] <= INPUT_HOLDS_R2) + " (at that accuracy)"]
+        out.append(cells)
+    return out
+
+
+def table_markdown(results: dict[str, Any]) -> str:
+    head = ["#", "what a party does", "defense, documented setting", "held-out accuracy", "ε (as printed, short)",
+            "what the meter shows", "what an independent attacker obtains", "holds?"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |" for cells in table_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def write_table_docs(results: dict[str, Any], table: str) -> None:
+    """Replace (or add, before '## Defenses') docs/privacy.md's section TABLE_SECTION: the table, its command,
+    date, commit and machine load; the prose around it is the doc's own (kept between the markers)."""
+    text = DOC.read_text()
+    batches = results["batches"]
+    when = "; ".join(
+        (f"rows {', '.join(b['rows'])} " if len(batches) > 1 else "")
+        + f"on {b['date']} at commit {b['commit']} ({b['elapsed_s'] / 60:.0f} min, load average "
+        f"{b['load_before'][0]:g} before and {b['load_after'][0]:g} after)" for b in batches)
+    intro = (f"Measured {when}, on the shared two-core development machine, by `{TABLE_COMMAND}` (it rewrites "
+             f"the table below; `--rows` measures some rows again and `--reuse` keeps the others). Seed "
+             f"{results['seed']}; every attacker figure is the mean over {results['attacker_seeds']} random "
+             f"choices of its known rows or public share ({5 * results['attacker_seeds']} for one known row per "
+             "class).")
+    begin, end = "<!-- table: benchmarks/privacy.py --table -->", "<!-- end of table -->"
+    block = f"{begin}\n{_fill(intro)}\n\n{table}{end}"
+    if begin in text:
+        text = re.sub(rf"{re.escape(begin)}.*?{re.escape(end)}", lambda _: block, text, flags=re.S)
+    else:
+        text = text.replace("\n## Defenses\n", f"\n{TABLE_SECTION}\n\n{block}\n\n## Defenses\n", 1)
+    DOC.write_text(text)
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, 110, break_on_hyphens=False)
+
+
+def table_main(args: argparse.Namespace) -> None:
+    """``--table``: measure every row of ``cases()``, print the table, optionally write JSON and the docs."""
+    reuse = json.loads(args.reuse.read_text()) if args.reuse else None
+    only = set(args.rows.split(",")) if args.rows else None
+    if reuse is not None and only is None:
+        raise SystemExit("--reuse takes the rows not named by --rows from the JSON: name the rows to measure")
+    results = measure_table(args.smoke, seed=args.seed, attacker_seeds=args.attacker_seeds, only=only,
+                            reuse=reuse)
+    table = table_markdown(results)
+    last = results["batches"][-1]
+    print(f"\n{table}\ntook {last['elapsed_s']:.0f} s, load {last['load_before']} -> {last['load_after']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({**results, "table": table}, indent=1, default=str))
+    if args.write_docs:
+        write_table_docs(results, table)
+
+
+def table_docs_from(path: Path) -> None:
+    """Write docs/privacy.md's table from the ``--table --json`` output at ``path`` (a run measured
+    without ``--write-docs``)."""
+    results = json.loads(path.read_text())
+    write_table_docs(results, table_markdown(results))
+
+
 # --- the per-row averaging attack (a data owner that knows every row's id) ---------------------------------
 
 def row_means(step_rows: np.ndarray, received: np.ndarray, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -483,6 +1113,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one seed, 60 steps, two settings per task")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--table", action="store_true",
+                        help="instead of the sweep: the defense x attack table (one run per row; --smoke: tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="--table: the runs' seed")
+    parser.add_argument("--rows", help="--table: measure only these rows (e.g. 12,13)")
+    parser.add_argument("--reuse", type=Path, help="--table: the --json of an earlier table, for the other rows")
+    parser.add_argument("--attacker-seeds", type=int, default=20,
+                        help="--table: random choices of known rows each attacker figure is the mean over")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot", type=Path, help="draw the trade-off here (PNG; needs matplotlib)")
     parser.add_argument("--write-docs", action="store_true",
@@ -500,6 +1137,9 @@ def main() -> None:
         return
     if args.write_docs and args.smoke:
         parser.error("--write-docs takes the full sweep's figures only, not --smoke's")
+    if args.table:
+        table_main(args)
+        return
     seeds = 1 if args.smoke else args.seeds
     started = time.monotonic()
     results: dict[str, dict[str, dict[str, Any]]] = {}

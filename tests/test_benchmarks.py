@@ -328,3 +328,37 @@ def test_privacy_tradeoff(tmp_path):
         assert rows["g clip_noise C=0.05 sigma=0.5"]["figures"]["cosine_auc"] < 0.7
     assert "| undefended |" in result.stdout and "Digits, anchor recovery" in result.stdout
     assert png.stat().st_size > 0
+
+
+@pytest.mark.slow       # stage processes and several short runs: 30 s to 80 s on the two shared cores
+@pytest.mark.timeout(BENCH_SMOKE_DEADLINE_S + 30)
+def test_privacy_table(tmp_path):
+    """--table --smoke: a row of each kind (a metered in-process run attacked on its trace, two classes,
+    RR-with-prior, the data owner's defenses, the one-step runs and send_rows over stage processes, hijacking,
+    held-out rows, model completion) measured at the tiny configuration; each has its figures and the table
+    prints a line for each."""
+    out = tmp_path / "table.json"
+    rows = ["0", "3a", "5b", "6", "7", "8", "9", "10", "11"]
+    result = run_script("privacy.py", "--table", "--smoke", "--rows", ",".join(rows), "--json", out,
+                        timeout=BENCH_SMOKE_DEADLINE_S)
+    figures = json.loads(out.read_text())
+    assert figures["smoke"] is True and sorted(figures["rows"]) == sorted(rows)
+    assert [batch["rows"] for batch in figures["batches"]] == [rows]       # when and where each row was measured
+    for number in ("0", "3a", "5b", "9"):
+        row = figures["rows"][number]
+        assert 0 < row["test_accuracy"] <= 1
+        assert {"averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2_run"} <= set(
+            row["independent"]), number
+        assert {"averaged_recovery_1", "model_completion", "ridge_r2"} <= set(row["meters"]), number
+    assert figures["rows"]["5b"]["epsilon"] == "label_dp 2 (exact)"
+    assert 0 <= figures["rows"]["3a"]["independent"]["averaged_direction_auc_10"] <= 1      # two classes only
+    two = figures["rows"]["6"]
+    assert two["replies_equal"] is False and 0 <= two["label_equality_auc_now"] <= 1
+    assert two["label_equality_auc_repeated_noise"] > 0.9        # noise that repeats cancels: equality shows
+    sent = figures["rows"]["7"]
+    assert sent["sigma"]["privacy"]["g"]["clip_noise"]["releases"] == sent["sigma"]["steps_answered"] == 3
+    assert "privacy budget allows" in sent["target"]["refused"] and sent["target"]["steps_answered"] == 1
+    assert set(figures["rows"]["10"]) >= {"guarded", "unguarded"}
+    assert figures["rows"]["11"]["defended"]["r2"] < figures["rows"]["11"]["undefended"]["r2"]
+    for number in rows:
+        assert f"\n| {number} |" in result.stdout, number
