@@ -291,12 +291,13 @@ def test_privacy_meter_cost(tmp_path):
 
 
 def test_label_dp_curve(tmp_path):
-    """--smoke: plain randomized response (plain and corrected loss) and RR-with-prior at epsilon 2 on digits
-    and breast cancer, one seed, 60 steps; each has a held-out accuracy and the table prints."""
+    """--smoke: plain randomized response (plain and corrected loss) and RR-with-prior at epsilon 2 on digits,
+    the recommended digits-label-dp model and breast cancer, one seed, 60 steps; each has a held-out accuracy
+    and the table prints."""
     out = tmp_path / "label_dp.json"
     result = run_script("label_dp.py", "--smoke", "--json", out)
     figures = json.loads(out.read_text())
-    assert figures["smoke"] is True and set(figures["results"]) == {"digits", "breast-cancer"}
+    assert figures["smoke"] is True and set(figures["results"]) == {"digits", "digits-label-dp", "breast-cancer"}
     for task, rows in figures["results"].items():
         assert list(rows) == ["undefended", "plain RR, plain loss", "plain RR, corrected loss",
                               "RR-with-prior, 2 stages"], task

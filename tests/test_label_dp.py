@@ -290,15 +290,34 @@ def _torch_module_digits(tmp_path: Path, loss_line: str) -> Path:
 
 # --- runs: the accuracy targets -------------------------------------------------------------------------
 
+def _recommended_label_dp_accuracy(seed: int, secret: int) -> float:
+    """Held-out accuracy of the built-in digits-label-dp (the recommended epsilon-2 setting) at split ``seed``
+    with its labels drawn from noise secret ``secret``; checks the summary states the epsilon of every label."""
+    summary = train_in_process(load_experiment("digits-label-dp"), seed=seed, noise_secret=secret)
+    assert summary["privacy"]["g"]["label_dp"] == {"epsilon": 2.0, "stages": 2}
+    return float(summary["test_accuracy"])
+
+
 def test_digits_at_epsilon_2_keeps_held_out_accuracy_at_0_90():
-    """RR-with-prior in two stages of half the run each (800 steps, 18 epochs) with the corrected loss: every
-    seed's held-out accuracy >= 0.90 at epsilon 2, exactly (plain randomized response trained as if its labels
-    were true: 0.87); the summary states the epsilon of every label."""
-    for seed in range(3):
-        exp = parse_experiment(_digits_table({"epsilon": 2.0, "stages": 2, "epochs_per_stage": 9}), "<digits>")
-        summary = train_in_process(exp, seed=seed, noise_secret=seed)      # the labels are drawn from the secret
-        assert summary["test_accuracy"] >= 0.90, (seed, summary["test_accuracy"])
-        assert summary["privacy"]["g"]["label_dp"] == {"epsilon": 2.0, "stages": 2}
+    """The recommended setting (built-in digits-label-dp: RR-with-prior in two stages, 11 epochs then 7, the
+    corrected loss, f Dense 64->256 at Adam 0.0003, g at Adam 0.001; 800 steps): held-out accuracy >= 0.90 at
+    epsilon 2, exactly, for each split seed 0-2 with a draw of its own (the secret is not the seed). The
+    labels are drawn from the run's secret: the slow test below checks 8 secrets per seed."""
+    for seed, secret in ((0, 100), (1, 101), (2, 102)):
+        accuracy = _recommended_label_dp_accuracy(seed, secret)
+        assert accuracy >= 0.90, (seed, secret, accuracy)
+
+
+@pytest.mark.slow       # 24 runs; the default test above runs the same setting on one draw per seed
+def test_digits_at_epsilon_2_keeps_held_out_accuracy_at_0_90_for_every_draw():
+    """The recommended setting over split seeds 0-2 x 8 noise secrets each: every draw's held-out accuracy
+    >= 0.90 (measured: 0.905-0.967; the former two stages of 9 epochs on the 64-wide digits model gave 0.833 at
+    worst, 4 of 24 draws below 0.90)."""
+    accuracies = {(seed, secret): _recommended_label_dp_accuracy(seed, secret)
+                  for seed in range(3) for secret in range(100, 108)}
+    below = {key: value for key, value in accuracies.items() if value < 0.90}
+    assert not below, below
+    assert sum(accuracies.values()) / len(accuracies) >= 0.93, accuracies
 
 
 def test_the_corrected_loss_learns_more_from_the_same_randomized_labels():
