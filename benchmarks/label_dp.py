@@ -29,7 +29,6 @@ import datetime
 import json
 import re
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from distgrad.config.parse import parse_experiment
 from distgrad.config.tomlfile import read_toml
 from distgrad.run.inprocess import train_in_process
 
-from privacy import ROOT, Task, prepare
+from privacy import ROOT, Task, commit, prepare, staged_label_dp
 
 DOC = ROOT / "docs" / "privacy.md"
 SECTION = "## Label DP: accuracy against epsilon"
@@ -60,9 +59,7 @@ def label_dp(method: str, epsilon: float, task: Task, steps: int) -> dict[str, A
         return {"epsilon": epsilon}
     if task.name == RECOMMENDED and steps == task.steps:
         return {**recommended_label_dp(), "epsilon": epsilon}
-    data = parse_experiment(json.loads(json.dumps(task.raw)), f"<{task.name}>").build_data()
-    epochs = steps / data.batches_per_epoch      # type: ignore[attr-defined]
-    return {"epsilon": epsilon, "stages": 2, "epochs_per_stage": round(epochs / 2, 2)}
+    return staged_label_dp(epsilon, task, steps)
 
 
 def recommended_label_dp() -> dict[str, Any]:
@@ -118,14 +115,6 @@ def markdown(results: dict[str, Any], seeds: int, secrets: int = 1) -> str:
                                                      for c in cells) + " |")
         out.append("")
     return "\n".join(out)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def write_docs(results: dict[str, Any], table: str, seeds: int, secrets: int, elapsed_s: float) -> None:

@@ -467,13 +467,29 @@ def cases() -> list[Case]:
     ]
 
 
+def staged_label_dp(epsilon: float, task: Task, steps: int) -> dict[str, Any]:
+    """RR-with-prior in 2 stages of half a run of ``steps`` steps of ``task`` each: its ``label_dp`` table."""
+    data = parse_experiment(json.loads(json.dumps(task.raw)), f"<{task.name}>").build_data()
+    epochs = steps / data.batches_per_epoch      # type: ignore[attr-defined]
+    return {"epsilon": epsilon, "stages": 2, "epochs_per_stage": round(epochs / 2, 2)}
+
+
+def commit() -> str:
+    """The repository's short commit id ('unknown' outside a git checkout)."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _experiment(task: Task, party: str, keys: dict[str, Any] | None, steps: int) -> Any:
     """``task`` with ``keys`` in the stage table of ``party`` (label_dp's ``stages`` get half the run each)."""
     raw = json.loads(json.dumps(task.raw))
     keys = json.loads(json.dumps(keys or {}))
     if "stages" in keys.get("label_dp", {}):
-        from label_dp import label_dp
-        keys["label_dp"] = label_dp("RR-with-prior, 2 stages", keys["label_dp"]["epsilon"], task, steps)
+        keys["label_dp"] = staged_label_dp(keys["label_dp"]["epsilon"], task, steps)
     for stage in raw["stages"]:
         if stage["name"] == party:
             stage.update(keys)
@@ -781,7 +797,6 @@ def measure_table(smoke: bool = False, seed: int = 0, attacker_seeds: int = 20, 
             results[case.number] = result
             print(f"row {case.number} ({case.setting}): {json.dumps(_brief(result))} "
                   f"[{result['wall_s']:.0f} s]", flush=True)
-    from label_dp import commit
     batch = {"rows": [c.number for c in cases() if c.number in results and (only is None or c.number in only)],
              "commit": commit(), "date": date,
              "elapsed_s": time.monotonic() - started, "load_before": load, "load_after": _load()}
