@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError
+from distgrad.jsontext import json_text
 
 NOISE_SECRET_VARIABLE = "DISTGRAD_NOISE_SECRET"   # testing only: a fixed secret (hex) for every run
 SECRET_BYTES = 16                                  # 128 random bits a run
@@ -168,7 +169,7 @@ class Lifetime:
         self.runs[run] = (float(sigma), np.array(counts, np.int64))
         if self.path is None:
             return
-        text = json.dumps({"runs": {r: {"sigma": noise, "counts": c.tolist()} for r, (noise, c) in self.runs.items()}})
+        text = json_text({"runs": {r: {"sigma": noise, "counts": c.tolist()} for r, (noise, c) in self.runs.items()}})
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, self.path)
@@ -356,7 +357,7 @@ class NoiseLedger:
         ahead = sorted(key for key in self._held_out_seen if key[0] > step)
         return {COUNTS: self.counts - self._pending_counts(step),
                 **({HELD_OUT: np.array([n for pair in counted for n in pair], np.int64)} if counted[0][0] else {}),
-                **({HELD_OUT_AHEAD: np.frombuffer(json.dumps(ahead).encode(), np.uint8).copy()} if ahead else {})}
+                **({HELD_OUT_AHEAD: np.frombuffer(json_text(ahead).encode(), np.uint8).copy()} if ahead else {})}
 
     def restore(self, secret: int, counts: np.ndarray | None, pending: Iterable[Release], step: int,
                 held_out: np.ndarray | None = None, ahead: np.ndarray | None = None) -> None:
