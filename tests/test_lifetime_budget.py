@@ -60,6 +60,21 @@ def test_releases_at_another_noise_count_as_their_renyi_cost_at_this_runs():
     assert lifetime.earlier("a", 1.0).tolist() == [1.0]
 
 
+def test_a_release_without_noise_in_an_earlier_run_leaves_no_lifetime_bound(tmp_path):
+    """sigma 0 releases a row as it is: every later run's lifetime epsilon is infinite (and valid JSON)."""
+    from distgrad.config.defended import _add_lifetime
+    from distgrad.privacy.releases import UNBOUNDED_RELEASES
+    lifetime = Lifetime()
+    lifetime.record("a", 0.0, np.array([1]))
+    ledger = NoiseLedger(secret=1)
+    ledger.earlier = lifetime.earlier("b", 1.0)
+    assert ledger.lifetime_worst == UNBOUNDED_RELEASES
+    entry = {"epsilon": 1.0, "sigma": 1.0, "delta": 1e-5}
+    _add_lifetime(entry, ledger.lifetime_worst)
+    assert entry["lifetime_epsilon"] == float("inf")
+    assert "NO meaningful guarantee" in budget_text({"g": {"clip_noise": {**entry, "releases": 1}}})
+
+
 def test_a_damaged_lifetime_file_is_refused_with_what_to_do(tmp_path):
     path = tmp_path / f".g{LIFETIME_SUFFIX}"
     path.write_text("{not json")

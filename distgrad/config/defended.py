@@ -24,7 +24,7 @@ from distgrad.model.losses import TorchLoss
 from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, gaussian_label_dp, label_budget,
                                      sigma_for_target)
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
-from distgrad.privacy.releases import NoiseLedger, RunSecret, digest, fresh_secret
+from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
@@ -368,6 +368,9 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
 def _add_lifetime(entry: dict[str, Any], releases: int) -> None:
     """A label owner's ``clip_noise`` budget ``entry`` with its worst row's ``releases`` over every run it
     served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``)."""
+    if releases >= UNBOUNDED_RELEASES:      # an earlier run released a row without noise: nothing bounds it
+        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf)
+        return
     entry["lifetime_releases"] = releases
     if "epsilon" in entry:
         entry["lifetime_epsilon"] = gaussian_label_dp(entry["sigma"], releases, entry["delta"]) if releases else 0.0

@@ -56,6 +56,7 @@ HELD_OUT = "privacy/held_out_releases"             # and of the releases of held
 HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 LIFETIME_SUFFIX = ".lifetime.json"                 # DIR/.INSTANCE.lifetime.json: every run's per-row counts
+UNBOUNDED_RELEASES = 2**62                         # ``lifetime_worst`` after a release without noise: no bound
 
 
 # The purposes whose held-out releases a checkpoint counts (``HELD_OUT``: releases, rows of each, in this order):
@@ -276,9 +277,10 @@ class NoiseLedger:
     @property
     def lifetime_worst(self) -> int:
         """The most releases any one row had over every run of the stage (releases at this run's noise,
-        rounded up: ``Lifetime.earlier``); ``worst`` when no other run released a row."""
+        rounded up: ``Lifetime.earlier``); ``worst`` when no other run released a row; ``UNBOUNDED_RELEASES``
+        when an earlier run released one without noise (sigma 0) and this one has noise."""
         top = float(self.lifetime().max(initial=0.0))
-        return int(math.ceil(top - 1e-9)) if math.isfinite(top) else 2**62
+        return int(math.ceil(top - 1e-9)) if math.isfinite(top) else UNBOUNDED_RELEASES
 
     def release(self, step: int, stream: str, values: str, rows: np.ndarray | None) -> None:
         """Record that ``step`` sends on ``stream`` noise added to values of digest ``values`` holding

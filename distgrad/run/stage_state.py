@@ -441,6 +441,12 @@ class StageState:
             merged[:len(recorded[1])] = np.maximum(merged[:len(recorded[1])], recorded[1])
             self.ledger.counts = merged
         self.ledger.earlier = self.lifetime.earlier(run, self._sigma)
+        spent = float(self.ledger.earlier.max(initial=0.0))
+        if spent > 0:
+            self.log.info("privacy: earlier runs of this stage released a row up to %.4g times (at this run's "
+                          "noise, counted in %s); the run's releases compose with theirs%s", spent,
+                          self.lifetime.source, "" if self.ledger.limit is None else
+                          f", against the budget of {self.ledger.limit} releases its sigma was chosen for")
         if self.ledger.counts.any():
             self._count_lifetime(self.ledger.counts, run)
 
