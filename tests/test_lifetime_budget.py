@@ -65,9 +65,10 @@ def test_a_release_without_noise_in_an_earlier_run_leaves_no_lifetime_bound(tmp_
     from distgrad.config.defended import _add_lifetime
     from distgrad.privacy.releases import UNBOUNDED_RELEASES
     lifetime = Lifetime()
-    lifetime.record("a", 0.0, np.array([1]))
+    lifetime.record("a", 0.0, np.array([1, 0]))
     ledger = NoiseLedger(secret=1)
     ledger.earlier = lifetime.earlier("b", 1.0)
+    assert ledger.earlier.tolist() == [float("inf"), 0.0]           # the row never released costs nothing
     assert ledger.lifetime_worst == UNBOUNDED_RELEASES
     entry = {"epsilon": 1.0, "sigma": 1.0, "delta": 1e-5}
     _add_lifetime(entry, ledger.lifetime_worst)
@@ -77,9 +78,10 @@ def test_a_release_without_noise_in_an_earlier_run_leaves_no_lifetime_bound(tmp_
 
 def test_a_damaged_lifetime_file_is_refused_with_what_to_do(tmp_path):
     path = tmp_path / f".g{LIFETIME_SUFFIX}"
-    path.write_text("{not json")
-    with pytest.raises(ConfigError, match="delete it knowingly"):
-        Lifetime(path)
+    for damaged in ("{not json", '{"runs": {"a": {"sigma": 1.0}}}', '{"runs": {"a": {"sigma": 1.0, "counts": [-1]}}}'):
+        path.write_text(damaged)
+        with pytest.raises(ConfigError, match="delete it knowingly"):
+            Lifetime(path)
 
 
 # --- a stage's lifetime across processes, kill -9 and resume --------------------------------------------------

@@ -140,6 +140,8 @@ class Lifetime:
                 saved = json.loads(path.read_text(encoding="utf-8"))
                 self.runs = {str(run): (float(entry["sigma"]), np.array([int(c) for c in entry["counts"]], np.int64))
                              for run, entry in saved["runs"].items()}
+                if any(noise < 0 or not math.isfinite(noise) or (counts < 0).any() for noise, counts in self.runs.values()):
+                    raise ValueError("a negative or non-finite sigma, or a negative count")
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{path}: the per-row release counts of this stage's earlier runs cannot be "
                                   f"read ({e}); it is what the privacy budget of every run is counted against. "
@@ -161,7 +163,12 @@ class Lifetime:
                 continue
             if len(counts) > len(total):
                 total = np.concatenate([total, np.zeros(len(counts) - len(total))])
-            total[:len(counts)] += counts * _weight(sigma, noise)
+            weight, cost = _weight(sigma, noise), counts.astype(np.float64)
+            if math.isinf(weight):
+                cost[counts > 0] = math.inf          # (0 * inf would be nan: a row never released costs nothing)
+            else:
+                cost *= weight
+            total[:len(counts)] += cost
         return total
 
     def record(self, run: str, sigma: float, counts: np.ndarray) -> None:
