@@ -47,6 +47,9 @@ def test_the_limit_counts_the_releases_of_earlier_runs_and_says_how_to_reset():
     with pytest.raises(BudgetExhausted, match=r"spent by earlier runs.*DIR/\.g\.lifetime\.json.*delete"):
         second.release(2, "s", "cc", ROWS[:1])
     assert second.worst == 1                       # refused: not counted
+    second.earlier_source = lifetime.source         # no checkpoint directory: kept in memory
+    with pytest.raises(BudgetExhausted, match=r"spent by earlier runs.*restart the label owner.*knowingly"):
+        second.release(2, "s", "cc", ROWS[:1])
     assert lifetime.earlier("a", 1.0).tolist() == []          # its own run is not earlier than itself
 
 

@@ -183,6 +183,14 @@ class Lifetime:
         os.replace(tmp, self.path)
 
 
+def reset_text(source: str) -> str:
+    """How to reset a lifetime budget kept in ``source`` (``Lifetime.source``), and why only knowingly."""
+    where = (f"delete {source} (with the label owner stopped)" if source.endswith(LIFETIME_SUFFIX)
+             else "restart the label owner (its counts are in memory only)")
+    return (f"To reset the budget, {where}, knowingly: the data owner keeps every earlier release, so the rows' "
+            f"real epsilon is that of all of them")
+
+
 @dataclass(frozen=True, eq=False)
 class Release:
     """One tensor sent with noise: its ``step``, ``stream``, the ``digest`` of the values the noise was
@@ -325,9 +333,7 @@ class NoiseLedger:
                         f"privacy budget allows (clip_noise epsilon): the budget was spent by earlier runs of "
                         f"this label owner ({before[at]:.4g} releases of the row at this run's noise, counted "
                         f"in {self.earlier_source or 'its memory'}), and their releases compose with this "
-                        f"run's. Nothing of this step was sent or applied. To reset the budget, delete that "
-                        f"file (or restart the label owner without it) knowingly: the data owner keeps every "
-                        f"earlier release, so the real epsilon of the rows is that of all of them")
+                        f"run's. Nothing of this step was sent or applied. {reset_text(self.earlier_source)}")
                 raise BudgetExhausted(
                     f"step {step}: row {row} would be released {told} times, more than the "
                     f"{self.limit} its privacy budget allows (clip_noise epsilon); nothing of this step was sent "
