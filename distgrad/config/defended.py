@@ -21,9 +21,10 @@ import numpy as np
 from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
-from distgrad.privacy.budget import END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, label_budget, sigma_for_target
+from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, gaussian_label_dp, label_budget,
+                                     sigma_for_target)
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
-from distgrad.privacy.releases import NoiseLedger, RunSecret, digest, fresh_secret
+from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
@@ -308,14 +309,16 @@ def _parties(exp: Experiment, stage: str) -> int:
 
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
                    released: dict[str, int] | None = None, planned_steps: int | None = None,
-                   held_out: dict[str, NoiseLedger] | None = None) -> dict[str, Any]:
+                   held_out: dict[str, NoiseLedger] | None = None,
+                   lifetime: dict[str, int] | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
     ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
     sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
-    rows (its evaluations, when there were any) its entry counts (``held_out_budget``)."""
-    released, held_out = released or {}, held_out or {}
-    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps)
+    rows (its evaluations, when there were any) its entry counts (``held_out_budget``); ``lifetime``: the
+    worst row's count of releases of a stage over every run it served (``NoiseLedger.lifetime_worst``)."""
+    released, held_out, lifetime = released or {}, held_out or {}, lifetime or {}
+    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage))
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
         if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
@@ -327,11 +330,14 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
 
 
 def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: int | None = None,
-                 planned_steps: int | None = None) -> dict[str, Any]:
+                 planned_steps: int | None = None, lifetime: int | None = None) -> dict[str, Any]:
     """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
     owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``) of its worst
     row, released ``released`` times (None: once per epoch the steps reach), and for every other defense
-    the statement that it has no differential-privacy guarantee. docs/privacy.md states the assumptions."""
+    the statement that it has no differential-privacy guarantee. With ``lifetime`` (the worst row's releases
+    over every run the stage served) other than ``released``, the ``clip_noise`` entry adds
+    ``lifetime_releases`` and ``lifetime_epsilon``: the same row composed over all of them. docs/privacy.md
+    states the assumptions."""
     d = exp.spec(stage).defenses
     if label_owner_sends_gradients(exp, stage):
         planned = steps if planned_steps is None else planned_steps
@@ -346,6 +352,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
                                              END_TO_END_SCOPE if d.dp_sgd is not None else GUARANTEE_SCOPE)
+        if clip is not None and lifetime is not None and released is not None and lifetime != released:
+            _add_lifetime(entry["clip_noise"], lifetime + (lifetime // _parties(exp, stage) if d.dp_sgd else 0))
     else:
         entry = {"clip_noise": NO_GUARANTEE + " is stated for the inputs"} if d.clip_noise is not None else {}
     if d.max_norm:
@@ -355,6 +363,17 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
     if d.nopeek is not None:
         entry["nopeek"] = NO_GUARANTEE
     return entry
+
+
+def _add_lifetime(entry: dict[str, Any], releases: int) -> None:
+    """A label owner's ``clip_noise`` budget ``entry`` with its worst row's ``releases`` over every run it
+    served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``)."""
+    if releases >= UNBOUNDED_RELEASES:      # an earlier run released a row without noise: nothing bounds it
+        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf)
+        return
+    entry["lifetime_releases"] = releases
+    if "epsilon" in entry:
+        entry["lifetime_epsilon"] = gaussian_label_dp(entry["sigma"], releases, entry["delta"]) if releases else 0.0
 
 
 def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:
@@ -381,7 +400,10 @@ def _entry_text(entry: dict[str, Any]) -> str:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""
             epsilon = float(value["epsilon"])
             worth = (f" over {value['releases']} releases of the worst row" if "releases" in value else "")
-            if not epsilon < MEANINGFUL_EPSILON:
+            if "lifetime_epsilon" in value:     # the worst row's releases compose over every run served
+                worth += (f" in this run; label-DP epsilon {float(value['lifetime_epsilon']):.4g} over "
+                          f"{value['lifetime_releases']} releases of the worst row in every run this stage served")
+            if not max(epsilon, float(value.get("lifetime_epsilon", 0.0))) < MEANINGFUL_EPSILON:
                 parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}: NO meaningful guarantee "
                              f"(epsilon >= {MEANINGFUL_EPSILON:g})")
             else:

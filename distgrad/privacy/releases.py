@@ -17,6 +17,12 @@ A data owner's evaluations and predictions (held-out or new rows) are released w
 counts them apart (``release_held_out``: each evaluation releases every held-out row once more; a prediction
 chunk releases its rows once), since their rows are not the training rows the per-row counts number.
 
+The counts are a row's releases in *this* run; a label owner serves many runs (``--keep-serving``, a restart with
+the same stage file), each with fresh noise, and a row's releases compose over all of them. ``Lifetime`` holds
+every run's counts by run id (in memory, and with a checkpoint directory in a file there, rewritten atomically
+before each release leaves); the ledger's ``earlier`` is what the other runs released of each row, which the
+limit counts too (``lifetime_worst``).
+
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
 both. The secret lives in a ``RunSecret``, which a label owner's randomized labels (``label_dp``) share with
 its ledger: they are drawn from the same secret as its noise, never from the seed.
@@ -29,8 +35,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -47,6 +55,8 @@ HELD_OUT = "privacy/held_out_releases"             # and of the releases of held
 # step, the final one), which a resume finds in the file of releases too and must not count again: JSON as uint8
 HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
+LIFETIME_SUFFIX = ".lifetime.json"                 # DIR/.INSTANCE.lifetime.json: every run's per-row counts
+UNBOUNDED_RELEASES = 2**62                         # ``lifetime_worst`` after a release without noise: no bound
 
 
 # The purposes whose held-out releases a checkpoint counts (``HELD_OUT``: releases, rows of each, in this order):
@@ -101,6 +111,86 @@ class RunSecret:
         return "RunSecret(...)"          # never printed: it is what the other party must not learn
 
 
+def _weight(sigma: float, other: float) -> float:
+    """What one release at noise ``other`` costs in releases at noise ``sigma`` (both in units of C): a
+    Gaussian mechanism's Renyi divergence is proportional to 1 / sigma^2 at every order, so k releases at
+    ``other`` compose exactly as k * (sigma / other)^2 at ``sigma``. Without noise a release costs everything."""
+    if sigma == other or sigma == 0:
+        return 1.0
+    return math.inf if other == 0 else (sigma / other) ** 2
+
+
+class Lifetime:
+    """Every run's per-row release counts a stage has served, by run id, with the sigma (noise in units of C)
+    of each run's releases: what a row's budget is spent by over the stage's lifetime, not only in one run.
+
+    ``path``: the file that keeps them across processes (``DIR/.INSTANCE.lifetime.json``; None: in memory
+    only, for the life of this process). Each ``record`` rewrites it atomically (a temporary file, then
+    ``os.replace``), so a kill -9 leaves the old or the new one whole. A run's entry is *replaced* by its
+    counts, never added to, so a resumed run (whose ledger holds the run's every release again: its
+    checkpoint's counts and the file of releases since) does not count its releases twice. Deleting the
+    file resets the lifetime budget: only do it knowingly (every earlier release still composes).
+    Raises ``ConfigError`` for a file that is not one this class wrote."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.runs: dict[str, tuple[float, np.ndarray]] = {}
+        if path is not None and path.exists():
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))
+                self.runs = {str(run): (float(entry["sigma"]), np.array([int(c) for c in entry["counts"]], np.int64))
+                             for run, entry in saved["runs"].items()}
+                if any(noise < 0 or not math.isfinite(noise) or (counts < 0).any() for noise, counts in self.runs.values()):
+                    raise ValueError("a negative or non-finite sigma, or a negative count")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{path}: the per-row release counts of this stage's earlier runs cannot be "
+                                  f"read ({e}); it is what the privacy budget of every run is counted against. "
+                                  f"Restore it, or delete it knowingly (the earlier releases still compose)") from e
+
+    def __repr__(self) -> str:
+        return f"Lifetime({self.path}, {len(self.runs)} runs)"
+
+    @property
+    def source(self) -> str:
+        """Where the counts are kept, for messages."""
+        return str(self.path) if self.path is not None else "this process's memory (no --checkpoint-dir)"
+
+    def earlier(self, run: str, sigma: float) -> np.ndarray:
+        """Each row's releases by every run but ``run``, in releases at noise ``sigma`` (``_weight``; float)."""
+        total = np.zeros(0, np.float64)
+        for other, (noise, counts) in self.runs.items():
+            if other == run or not counts.any():
+                continue
+            if len(counts) > len(total):
+                total = np.concatenate([total, np.zeros(len(counts) - len(total))])
+            weight, cost = _weight(sigma, noise), counts.astype(np.float64)
+            if math.isinf(weight):
+                cost[counts > 0] = math.inf          # (0 * inf would be nan: a row never released costs nothing)
+            else:
+                cost *= weight
+            total[:len(counts)] += cost
+        return total
+
+    def record(self, run: str, sigma: float, counts: np.ndarray) -> None:
+        """``run``'s per-row counts are now ``counts`` (released at noise ``sigma``); the file is rewritten
+        before this returns. Raises ``OSError`` when it cannot be."""
+        self.runs[run] = (float(sigma), np.array(counts, np.int64))
+        if self.path is None:
+            return
+        text = json_text({"runs": {r: {"sigma": noise, "counts": c.tolist()} for r, (noise, c) in self.runs.items()}})
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def reset_text(source: str) -> str:
+    """How to reset a lifetime budget kept in ``source`` (``Lifetime.source``), and why only knowingly."""
+    where = (f"delete {source} (with the label owner stopped)" if source.endswith(LIFETIME_SUFFIX)
+             else "restart the label owner (its counts are in memory only)")
+    return (f"To reset the budget, {where}, knowingly: the data owner keeps every earlier release, so the rows' "
+            f"real epsilon is that of all of them")
+
+
 @dataclass(frozen=True, eq=False)
 class Release:
     """One tensor sent with noise: its ``step``, ``stream``, the ``digest`` of the values the noise was
@@ -128,8 +218,14 @@ class NoiseLedger:
     per-row release counts of the run.
 
     ``secret``: the run's secret, or the ``RunSecret`` holding it (shared with the stage's randomized labels).
-    ``limit``: the most releases a row may have in the run (None: no limit). ``on_release`` is called with
-    each new release before its values are noised (a stage process appends it to its file)."""
+    ``limit``: the most releases a row may have, counting those of earlier runs (``earlier``; None: no limit).
+    ``on_release`` is called with each new release before its values are noised (a stage process appends it
+    to its file), ``on_count`` with the run's per-row counts after each release that counted rows, before its
+    values are noised (a stage process records them in its ``Lifetime``).
+
+    ``earlier``: each row's releases by the stage's other runs (float: releases at this run's noise,
+    ``Lifetime.earlier``; empty: none, as in the in-process reference, whose one run is its lifetime), set by
+    the stage when a run begins or resumes, and ``earlier_source`` where they are kept (for the message)."""
 
     def __init__(self, secret: int | RunSecret, limit: int | None = None,
                  on_release: Callable[[Release], None] | None = None) -> None:
@@ -141,6 +237,9 @@ class NoiseLedger:
         self.held_out: dict[str, int] = {}          # purpose ("evaluation", "predict") -> releases
         self.held_out_rows: dict[str, int] = {}     # purpose -> rows in them
         self._held_out_seen: set[tuple[int, str, str]] = set()
+        self.on_count: Callable[[np.ndarray], None] | None = None
+        self.earlier = np.zeros(0, np.float64)
+        self.earlier_source = ""
 
     @property
     def secret(self) -> int:
@@ -152,7 +251,7 @@ class NoiseLedger:
         self.key.value = value
 
     def new_run(self, secret: int) -> None:
-        """A new run: a new secret, nothing released."""
+        """A new run: a new secret, nothing released in it (``earlier`` is the stage's to set)."""
         self.secret, self.pending, self.counts = secret, {}, np.zeros(0, np.int64)
         self.held_out, self.held_out_rows, self._held_out_seen = {}, {}, set()
 
@@ -182,6 +281,22 @@ class NoiseLedger:
         """The most times any one row was released so far."""
         return int(self.counts.max(initial=0))
 
+    def lifetime(self) -> np.ndarray:
+        """Each row's releases by every run of the stage: ``earlier`` plus this run's (float)."""
+        size = max(len(self.counts), len(self.earlier))
+        total = np.zeros(size, np.float64)
+        total[:len(self.earlier)] += self.earlier
+        total[:len(self.counts)] += self.counts
+        return total
+
+    @property
+    def lifetime_worst(self) -> int:
+        """The most releases any one row had over every run of the stage (releases at this run's noise,
+        rounded up: ``Lifetime.earlier``); ``worst`` when no other run released a row; ``UNBOUNDED_RELEASES``
+        when an earlier run released one without noise (sigma 0) and this one has noise."""
+        top = float(self.lifetime().max(initial=0.0))
+        return int(math.ceil(top - 1e-9)) if math.isfinite(top) else UNBOUNDED_RELEASES
+
     def release(self, step: int, stream: str, values: str, rows: np.ndarray | None) -> None:
         """Record that ``step`` sends on ``stream`` noise added to values of digest ``values`` holding
         ``rows``. The same values again (a step computed again): nothing new. Raises ``NoiseReuseError``
@@ -203,11 +318,24 @@ class NoiseLedger:
             top = int(counted.max()) + 1
             if top > len(self.counts):
                 self.counts = np.concatenate([self.counts, np.zeros(top - len(self.counts), np.int64)])
-            after = self.counts[counted] + np.bincount(counted, minlength=top)[counted]
-            if self.limit is not None and after.max() > self.limit:
-                row = int(counted[int(np.argmax(after))])
+            ours = self.counts[counted] + np.bincount(counted, minlength=top)[counted]
+            before = np.zeros(len(counted))
+            inside = counted < len(self.earlier)
+            before[inside] = self.earlier[counted[inside]]
+            after = ours + before
+            if self.limit is not None and after.max() > self.limit + 1e-9:
+                at = int(np.argmax(after))
+                row, total = int(counted[at]), float(after[at])
+                told = f"{total:.4g}" if not float(total).is_integer() else f"{int(total)}"
+                if before[at] > 0:
+                    raise BudgetExhausted(
+                        f"step {step}: row {row} would be released {told} times, more than the {self.limit} its "
+                        f"privacy budget allows (clip_noise epsilon): the budget was spent by earlier runs of "
+                        f"this label owner ({before[at]:.4g} releases of the row at this run's noise, counted "
+                        f"in {self.earlier_source or 'its memory'}), and their releases compose with this "
+                        f"run's. Nothing of this step was sent or applied. {reset_text(self.earlier_source)}")
                 raise BudgetExhausted(
-                    f"step {step}: row {row} would be released {int(after.max())} times, more than the "
+                    f"step {step}: row {row} would be released {told} times, more than the "
                     f"{self.limit} its privacy budget allows (clip_noise epsilon); nothing of this step was sent "
                     f"or applied, and the checkpoints are kept. The run stops here: a new run with more "
                     f"planned steps (sigma is chosen for them) or a larger epsilon can go further")
@@ -215,6 +343,8 @@ class NoiseLedger:
         if self.on_release is not None:
             self.on_release(release)
         self._record(release)
+        if self.on_count is not None and release.rows is not None and len(release.rows):
+            self.on_count(self.counts)      # before its values are noised and sent: a kill -9 loses none
 
     def _record(self, release: Release) -> None:
         self.pending[(release.step, release.stream)] = release

@@ -20,7 +20,8 @@ import numpy as np
 from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, Release, fresh_secret
+from distgrad.privacy.releases import (COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, LIFETIME_SUFFIX, Lifetime,
+                                      Release, fresh_secret)
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.errors import CheckpointWriteError, ConfigError, StageError
@@ -185,6 +186,13 @@ class StageState:
                               if opts.checkpoint_dir is not None and self.ledger is not None else None)
         if self.ledger is not None and self.released_file is not None:
             self.ledger.on_release = self._append_release
+        # Every run's per-row release counts (a row's budget is spent over all the runs this stage serves): in
+        # memory across the runs of this process, and in DIR/.INSTANCE.lifetime.json with a checkpoint directory.
+        self.lifetime = (Lifetime(opts.checkpoint_dir / f".{opts.instance}{LIFETIME_SUFFIX}"
+                                  if opts.checkpoint_dir is not None else None) if self.ledger is not None else None)
+        if self.ledger is not None:
+            self.ledger.on_count = self._count_lifetime
+            self.ledger.earlier_source = self.lifetime.source if self.lifetime is not None else ""
         attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
@@ -399,6 +407,48 @@ class StageState:
             self._rewrite_released([*self.ledger.pending.values(),
                                     *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/"))],
                                    ckpt.run)
+            self._join_lifetime(ckpt.run)
+
+    @property
+    def _sigma(self) -> float:
+        """The noise (in units of C) of the label owner's cut gradients in this run (0: none)."""
+        defense = self.senders.defense
+        clip = defense.defenses.clip_noise if defense is not None else None
+        return float(clip.sigma or 0.0) if clip is not None else 0.0
+
+    def _count_lifetime(self, counts: np.ndarray, run: str | None = None) -> None:
+        """Before a release leaves: the per-row ``counts`` of ``run`` (default: the live one) in the stage's
+        ``Lifetime`` (its file rewritten)."""
+        assert self.lifetime is not None
+        try:
+            self.lifetime.record(self.run_id if run is None else run, self._sigma, counts)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot record the per-row release counts in {self.lifetime.path}: "
+                                       f"{e.strerror or e}") from e
+
+    def _join_lifetime(self, run: str) -> None:
+        """The ledger counts ``run``'s releases against every other run's (``Lifetime.earlier``). Its own
+        counts are those the ledger holds now (a resume's: its checkpoint's and the releases since), or those
+        the lifetime file recorded, if more (releases the file of releases no longer holds): never added to."""
+        if self.ledger is None or self.lifetime is None:
+            return
+        recorded = self.lifetime.runs.get(run)
+        if recorded is not None and len(recorded[1]):
+            counts = self.ledger.counts
+            size = max(len(counts), len(recorded[1]))
+            merged = np.zeros(size, np.int64)
+            merged[:len(counts)] = counts
+            merged[:len(recorded[1])] = np.maximum(merged[:len(recorded[1])], recorded[1])
+            self.ledger.counts = merged
+        self.ledger.earlier = self.lifetime.earlier(run, self._sigma)
+        spent = float(self.ledger.earlier.max(initial=0.0))
+        if spent > 0:
+            self.log.info("privacy: earlier runs of this stage released a row up to %.4g times (at this run's "
+                          "noise, counted in %s); the run's releases compose with theirs%s", spent,
+                          self.lifetime.source, "" if self.ledger.limit is None else
+                          f", against the budget of {self.ledger.limit} releases its sigma was chosen for")
+        if self.ledger.counts.any():
+            self._count_lifetime(self.ledger.counts, run)
 
     def _append_release(self, release: Release) -> None:
         """Before a release leaves: its line in the file of the run's releases."""
@@ -471,6 +521,7 @@ class StageState:
         if self.ledger is not None:
             self.ledger.new_run(fresh_secret())     # two runs never share a noise draw (nor randomized labels)
             self._rewrite_released([])
+            self._join_lifetime(run_id)             # but a row's releases compose over all of them
         elif self.secret is not None:
             self.secret.value = fresh_secret()
         self.cpu_started = time.process_time()
@@ -583,7 +634,8 @@ class StageState:
             # with several clients or parties, a step of the run is a round of updates
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
-                             self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger}),
+                             self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger},
+                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst}),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:
