@@ -892,7 +892,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
             cells += [accuracy, epsilon, shown, got, verdict]
         elif case.kind == "two_runs":
             cells += ["-", f"each run's own: {r.get('epsilon_per_run', '-')}; the {r.get('runs', '-')} runs "
-                      "release each row's label that many times, and no budget adds them up",
+                      "release each row's label that many times (the label owner's `lifetime_epsilon` adds them up; "
+                      "measured before it did)",
                       "- (nothing to meter: one step)",
                       f"label-equality AUC {_f(r['label_equality_auc_now'])} over {r['pairs']} pairs "
                       f"({r['same_label_pairs']} same-label; chance 0.5); with noise that repeats (sigma 0: "
