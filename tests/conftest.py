@@ -485,6 +485,7 @@ def start_server(tmp_path: Path):
         started.append(proc)
         return proc, wait_for_file(ready, proc)
 
+    start.adopt = started.append        # a serving process started otherwise, stopped with the others
     yield start
     for proc in started:
         proc.stop()

@@ -971,6 +971,7 @@ def start_end(kind: str, tmp_path: Path, start_server, liveness_s: float) -> Liv
         ready = tmp_path / "cut.ready"
         proc = StageProcess([CUT_SERVING, ready, summary, liveness_s], tmp_path / "cut.log",
                             command=[sys.executable])
+        start_server.adopt(proc)                # stopped at the test's end, as the daemon is
         endpoint = wait_for_file(ready, proc)
     return LiveEnd(ENDS[kind], proc, endpoint, summary)
 
