@@ -436,6 +436,10 @@ def test_rr_with_prior_on_a_torch_module_label_owner_is_bitwise_the_in_process_r
     _equal_over_processes(tmp_path, module, "--micro-batches", "2")
 
 
+# Slow (two kills and restarts of digits over 270 steps). By default
+# test_noise_secret.py::test_after_kill_9_the_resumed_label_owner_draws_the_same_randomized_labels covers a staged
+# label_dp label owner killed -9 and resumed bitwise, and test_faults.py the kill -9 of either stage.
+@pytest.mark.slow
 @pytest.mark.usefixtures("fixed_noise_secret")     # the processes draw as the reference does
 def test_rr_with_prior_survives_kill_9_of_either_stage_bitwise(tmp_path, stage_group):
     """Three stages of 88 updates, checkpoints every 25 steps; the label owner is killed after step 90 (in

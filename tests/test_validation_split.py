@@ -146,7 +146,9 @@ def _plateau_penguins(tmp_path: Path, f_extra: str = "", steps: int = 60) -> Pat
     return path
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+# torch is slow (a PyTorch process); by default the numpy case covers the path over processes and
+# test_the_kept_model_stands_in_for_the_live_one_and_is_put_back[torch] a torch stage's kept model.
+@pytest.mark.parametrize("framework", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
 def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path, framework: str):
     """f and g each with ReduceLROnPlateau (f computed by torch in one case): over processes the parameters equal
     the in-process run's, and the scheduler changed them (the run without it differs)."""
