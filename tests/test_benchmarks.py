@@ -95,7 +95,6 @@ def test_bench_smoke_runs_every_section(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_held_out_reconstruction():
     """A few steps: a row per setting (accuracy, R^2 of the evaluation activations received, R^2 of the clean
     ones); the undefended row's two R^2 are one figure."""
@@ -105,6 +104,7 @@ def test_held_out_reconstruction():
     assert rows[0][2] == rows[0][3]
 
 
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
 def test_per_message(tmp_path):
     out = tmp_path / "per_message.json"
     run_script("per_message.py", "--repeats", "1", "--json", out)
@@ -188,6 +188,7 @@ def test_soak(tmp_path):
     assert result["samples"]
 
 
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
 def test_wan_link(tmp_path):
     """--self-test: a round trip and a bulk transfer through the emulated link, measured and reported (how near
     the model they come is a measurement, not asserted; tests/test_wan_link.py checks the link is never faster
@@ -235,6 +236,7 @@ def test_copies_per_step_stay_within_the_path_s_own_arrays(tmp_path):
     assert abs(result["f"]["kept_per_byte"]) < 0.01 and abs(result["g"]["kept_per_byte"]) < 0.01, result
 
 
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_zero_copy_threshold(tmp_path, transport):
     out = tmp_path / "zc.json"
@@ -281,6 +283,7 @@ def test_attackers(tmp_path):
         "averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2_run"}
 
 
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
 def test_privacy_meter_cost(tmp_path):
     out = tmp_path / "meter.json"
     run_script("privacy_meter_cost.py", "--steps", "60", "--repeats", "1", "--json", out)
@@ -290,6 +293,7 @@ def test_privacy_meter_cost(tmp_path):
         assert f"{where}_overhead" in result
 
 
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
 def test_label_dp_curve(tmp_path):
     """--smoke: plain randomized response (plain and corrected loss) and RR-with-prior at epsilon 2 on digits,
     the recommended digits-label-dp model and breast cancer, one seed, 60 steps; each has a held-out accuracy
