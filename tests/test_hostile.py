@@ -1356,8 +1356,8 @@ MAX_FLOOD_PINGS = 8               # pings started during a flood's drain, half a
 
 
 # A hang guard, not a timing claim: draining 2 million frames is CPU work that a loaded machine slows several
-# times over (it passed the default 60 s once beside two busy processes, and once did not).
-@pytest.mark.timeout(240)
+# times over (beside two busy processes, sending the flood alone took over a minute).
+@pytest.mark.timeout(300)
 @FLOOD_ENDS
 def test_a_flood_whose_sender_disconnects_during_the_drain_costs_other_peers_only_time(kind, start_server, tmp_path,
                                                                                        zmq_ctx):
@@ -1380,9 +1380,10 @@ def test_a_flood_whose_sender_disconnects_during_the_drain_costs_other_peers_onl
     attacker.send(b"")
     attacker.disable_monitor()
     monitor.close(0)
-    attacker.close(60_000)          # ZeroMQ sends the rest in the background, then disconnects
+    attacker.close(200_000)         # ZeroMQ sends the rest in the background, then disconnects: on a busy machine
+                                    # that takes over a minute, and what is left at the linger's end is dropped
     pings = []
-    deadline = time.monotonic() + 120       # a hang guard: the drain takes seconds, more on a busy machine
+    deadline = time.monotonic() + 200       # a hang guard: the drain takes seconds, minutes on a busy machine
     while "too many frames" not in g.output or len(pings) < 3:
         assert time.monotonic() < deadline, f"the stage never logged the flood:\n{g.output[-2000:]}"
         if len(pings) < MAX_FLOOD_PINGS:    # more would only take the stage's CPU on a busy machine
