@@ -114,7 +114,15 @@ def test_after_kill_9_the_resumed_label_owner_draws_the_same_randomized_labels(t
     """The secret of the randomized labels is kept in the checkpoint (the label owner has no other defense):
     after kill -9 and --resume from the checkpoint of step 2, step 3 (whose rows' labels are drawn in stage 2,
     after the checkpoint) is answered bitwise as before the kill."""
-    f_file, g_file = _parties(tmp_path, STAGED_LABEL_DP)
+    f_file, endpoint, run, hs, replies = _three_steps_then_kill_9_and_resume(tmp_path, start_server, STAGED_LABEL_DP)
+    np.testing.assert_array_equal(_one_step(endpoint, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
+
+
+def _three_steps_then_kill_9_and_resume(tmp_path: Path, start_server, g_extra: str = G_CLIP) -> tuple:
+    """A label owner with ``g_extra`` checkpointing every 2 steps answers steps 1-3 of a run through ``Cut``,
+    is killed -9 and started again with --resume: ``(f_file, its endpoint, the run id, the three activations,
+    the three replies)``."""
+    f_file, g_file = _parties(tmp_path, g_extra)
     flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--resume")
     g, endpoint = start_server(str(g_file), *flags)
     hs = [_activations(i) for i in range(3)]
@@ -125,8 +133,7 @@ def test_after_kill_9_the_resumed_label_owner_draws_the_same_randomized_labels(t
         g.wait(10)
         cut.closed = True
         cut.link.close(linger_ms=0)
-    g2, endpoint2 = start_server(str(g_file), *flags, name="g2")
-    np.testing.assert_array_equal(_one_step(endpoint2, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
+    return (f_file, start_server(str(g_file), *flags, name="g2")[1], run, hs, replies)
 
 
 # --- over processes ---------------------------------------------------------------------------------------
@@ -175,21 +182,10 @@ def test_after_kill_9_the_resumed_label_owner_answers_alike_and_refuses_other_ac
     """The secret is kept in the checkpoint and the digests of the steps after it in a file beside it: after
     kill -9 and --resume, step 3 (after the checkpoint of step 2) on its first activations is answered bitwise
     as before the kill, and on others it is refused."""
-    f_file, g_file = _parties(tmp_path)
-    flags = ("--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2", "--resume")
-    g, endpoint = start_server(str(g_file), *flags)
-    hs = [_activations(i) for i in range(3)]
-    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
-        replies = [cut.step(h, cut.rows(step))[1] for step, h in enumerate(hs, 1)]
-        run = cut.run_id
-        g.signal(signal.SIGKILL)
-        g.wait(10)
-        cut.closed = True
-        cut.link.close(linger_ms=0)
-    g2, endpoint2 = start_server(str(g_file), *flags, name="g2")
+    f_file, endpoint, run, hs, replies = _three_steps_then_kill_9_and_resume(tmp_path, start_server)
     with pytest.raises(PeerRejected, match="computed again on other input"):
-        _one_step(endpoint2, f_file, _activations(9), vanish=True, run=run, step=2)
-    np.testing.assert_array_equal(_one_step(endpoint2, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
+        _one_step(endpoint, f_file, _activations(9), vanish=True, run=run, step=2)
+    np.testing.assert_array_equal(_one_step(endpoint, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
 
 
 @pytest.mark.integration
