@@ -99,7 +99,18 @@ def test_the_readme_has_the_commands_this_test_expects():
     assert any("seed-simple" in c for c in flat) and any(c.startswith("distgrad plot") for c in flat)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: " | ".join(" ".join(a[:3]) for a in BLOCKS[i]))
+# Whole recommended runs (digits-budget: 1,320 steps; digits-label-dp: 800) are slow: the same commands on the
+# other experiments run by default, and tests/test_budget.py and tests/test_label_dp.py train both settings.
+LONG_RUNS = ("distgrad run digits-budget", "distgrad run digits-label-dp")
+
+
+def _block_param(index: int):
+    long = any(" ".join(argv).startswith(LONG_RUNS) for argv in BLOCKS[index])
+    return pytest.param(index, marks=pytest.mark.slow) if long else index
+
+
+@pytest.mark.parametrize("index", [_block_param(i) for i in range(len(BLOCKS))],
+                         ids=lambda i: " | ".join(" ".join(a[:3]) for a in BLOCKS[i]))
 def test_readme_block_runs(tmp_path, monkeypatch, index):
     port = str(free_tcp_port())
     background: list[subprocess.Popen] = []
