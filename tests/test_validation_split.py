@@ -158,12 +158,7 @@ def test_plateau_takes_the_validation_loss_bitwise_over_processes(tmp_path: Path
     # keep_best too: the final evaluation scores the test rows with every stage's kept parameters (f's torch ones)
     path.write_text(path.read_text().replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n'
                                                                           'keep_best = "test_accuracy"'))
-    from conftest import run_launcher
-
-    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
-    result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
-    assert result.returncode == 0, result.stdout + result.stderr
-    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    ref, run = _in_process_and_over_processes(tmp_path, ["run", path])
     assert run["params"] == ref["params"]
     assert 0 < ref["test_step"] == ref["best_step"] < 60      # the kept model is not the last one
     for key in ("test_loss", "test_accuracy", "test_count", "test_step", "evaluations"):
@@ -276,22 +271,27 @@ def test_a_kill_9_after_the_final_evaluation_scores_the_test_rows_once(tmp_path:
     _assert_test_rows_released_once({**f_summary, "validation_count": reference["validation_count"]})
 
 
+def _in_process_and_over_processes(tmp_path: Path, args: list) -> tuple[dict, dict]:
+    """``distgrad run ARGS`` in one process, then as stage processes: the two summaries."""
+    from conftest import run_launcher
+
+    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
+    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+
+
 def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_path: Path, fixed_noise_secret):
     """Two feature parties (digits-halves), keep_best on the validation rows: over processes as in process, the
     evaluations during the run carry the validation rows' figures only, each party released the test rows once
     (left's clip_noise counts it), and the test figures are the kept model's, equal to the in-process run's."""
     from test_defenses import _defended
 
-    from conftest import run_launcher
-
     path = _defended(tmp_path, "digits-halves", {0: F_CLIP, 2: 'keep_best = "test_accuracy"\nmetrics = ["f1"]'})
     path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n")
                     .replace("lr = 0.003", "lr = 0.03"))       # the validation accuracy is best at step 100
     args = ["run", path, "--steps", "120", "--eval-every", "20"]
-    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
-    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
-    assert result.returncode == 0, result.stdout + result.stderr
-    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    ref, run = _in_process_and_over_processes(tmp_path, args)
     assert run["params"] == ref["params"]
     assert 0 < ref["test_step"] == ref["best_step"] < 120
     for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
@@ -310,15 +310,10 @@ def test_each_client_sends_its_test_rows_once_after_the_last_step_bitwise_over_p
     with the final model; over processes as in process."""
     from test_defenses import _defended
 
-    from conftest import run_launcher
-
     path = _defended(tmp_path, "digits-splitfed", {0: F_CLIP})
     path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
     args = ["run", path, "--steps", "20", "--eval-every", "10"]
-    assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
-    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
-    assert result.returncode == 0, result.stdout + result.stderr
-    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    ref, run = _in_process_and_over_processes(tmp_path, args)
     assert run["params"] == ref["params"]
     assert run["clients"] == [{**entry, "run_id": client["run_id"]} for entry, client in zip(ref["clients"],
                                                                                             run["clients"])]
@@ -333,14 +328,9 @@ def test_a_middle_stage_passes_the_final_evaluation_on_with_its_kept_model(tmp_p
     """A chain f -> m -> g with keep_best and early stopping on the validation rows: m forwards the test rows with
     its own kept parameters and passes the final evaluation on to g; over processes as in process, f having
     released its test rows once."""
-    from conftest import run_launcher
-
     path = _clipped(_digits(tmp_path, JUDGED, middle=True))
     path.write_text(path.read_text().replace(digits_data_table(), digits_data_table() + "validation_fraction = 0.2\n"))
-    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
-    result = run_launcher(["run", path, "--summary", tmp_path / "run.json"])
-    assert result.returncode == 0, result.stdout + result.stderr
-    ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
+    ref, run = _in_process_and_over_processes(tmp_path, ["run", path])
     assert run["params"] == ref["params"] and set(ref["params"]) == {"f", "m", "g"}
     assert 0 < ref["test_step"] == ref["best_step"] < ref["stopped_early"] < 200
     for key in ("test_loss", "test_accuracy", "test_f1", "test_count", "test_step", "evaluations", "privacy"):
