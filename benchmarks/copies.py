@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Bytes a step allocates per byte moved, on each side of a split: a count, not a timing.
+"""Bytes a step allocates, copies and checks per byte moved, on each side of a split: a count, not a timing.
 
     .venv/bin/python benchmarks/copies.py [--sizes BYTES,...] [--steps N] [--json PATH]
 
@@ -12,6 +12,11 @@ two sends is one step. For each step it records
 - ``peak``: the most bytes allocated at once during the step beyond what was held when the previous
   send returned (every full-size temporary alive at the same moment counts: a copy, a mask, an output),
 - ``kept``: the growth of held bytes over the step (an allocation per step that is never freed),
+- ``copied``: the bytes of received tensors copied out of their frames (``FrameLayout._aligned``, ``_received``:
+  a frame libzmq hands out off alignment is copied into an aligned buffer before the compute reads it),
+- ``checked_apart``: the bytes checked for finiteness in a pass of their own (``all_finite`` called on a
+  whole array), and ``checked_in_copy``: those checked while they were copied (``copy_checking``, a block
+  at a time, while the block is in cache),
 - ``python_calls``: the Python function calls the main thread made during the step (``sys.setprofile``),
 - ``page_faults``: the minor page faults of the process during the step (``getrusage``), per MiB moved:
   memory mapped afresh and touched (glibc maps every allocation above 32 MiB anew, so an array of that
@@ -55,13 +60,59 @@ READY_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 300.0
 
 
+# The modules that call ``all_finite`` by that name (imported from distgrad.wire.messages).
+FINITE_CHECKERS = ("distgrad.wire.messages", "distgrad.stage.stage", "distgrad.wire.wirecodec", "distgrad.wire.codecs")
+
+
+def count_copies_and_checks(counts: dict[str, int]) -> None:
+    """Wrap the receive path's copies and finiteness checks so that ``counts`` adds up their bytes:
+    ``copied``, ``checked_apart`` and ``checked_in_copy`` (see the module's docstring)."""
+    import importlib
+
+    import distgrad.wire.messages as messages
+    inside_copy = [False]
+    all_finite, copy_checking = messages.all_finite, messages.copy_checking
+    aligned, received = messages.FrameLayout._aligned, messages._received
+
+    def counted_all_finite(array: Any) -> bool:
+        if not inside_copy[0]:
+            counts["checked_apart"] += array.nbytes
+        return all_finite(array)
+
+    def counted_copy_checking(target: Any, source: Any) -> bool:
+        counts["checked_in_copy"] += source.nbytes
+        inside_copy[0] = True
+        try:
+            return copy_checking(target, source)
+        finally:
+            inside_copy[0] = False
+
+    def counted_aligned(self: Any, view: Any, buffers: Any, check: bool) -> Any:
+        counts["copied"] += view.nbytes
+        return aligned(self, view, buffers, check)
+
+    def counted_received(array: Any) -> Any:
+        out = received(array)
+        if out is not array:
+            counts["copied"] += array.nbytes
+        return out
+
+    for name in FINITE_CHECKERS:
+        setattr(importlib.import_module(name), "all_finite", counted_all_finite)
+    messages.copy_checking = counted_copy_checking  # type: ignore[assignment]
+    messages.FrameLayout._aligned = counted_aligned  # type: ignore[method-assign]
+    messages._received = counted_received  # type: ignore[assignment]
+
+
 def child(out: Path, argv: list[str]) -> int:
     """Run ``distgrad stage ARGV`` with tracemalloc on and every send recorded; write the records to ``out``."""
     import distgrad.wire.transport as transport
     from distgrad.cli import main as cli_main
 
+    counts = {"copied": 0, "checked_apart": 0, "checked_in_copy": 0}
+    count_copies_and_checks(counts)
     tracemalloc.start()
-    records: list[tuple[int, int, int, int]] = []
+    records: list[tuple[int, ...]] = []
     held = [tracemalloc.get_traced_memory()[0]]
     calls = [0]
     faults = [resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
@@ -74,8 +125,11 @@ def child(out: Path, argv: list[str]) -> int:
     def recorded_send(sock: Any, frames: Any, envelope: Any = ()) -> int:
         current, peak = tracemalloc.get_traced_memory()
         minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        records.append((peak - held[0], current - held[0], calls[0] - 1, minflt - faults[0]))  # less this call
+        records.append((peak - held[0], current - held[0], calls[0] - 1, minflt - faults[0],  # less this call
+                        counts["copied"], counts["checked_apart"], counts["checked_in_copy"]))
         sent = send(sock, frames, envelope)
+        for key in counts:
+            counts[key] = 0
         tracemalloc.reset_peak()
         held[0], calls[0] = tracemalloc.get_traced_memory()[0], 0
         faults[0] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -144,7 +198,10 @@ def measure(size: int, steps: int, workdir: Path) -> dict[str, Any]:
                         "kept_per_byte": statistics.median(r[1] for r in big) / size,
                         "max_peak_per_byte": max(r[0] for r in big) / size, "steps_counted": len(big),
                         "python_calls": statistics.median(r[2] for r in big),
-                        "page_faults_per_mib": statistics.median(r[3] for r in big) / (size / (1 << 20))}
+                        "page_faults_per_mib": statistics.median(r[3] for r in big) / (size / (1 << 20)),
+                        "copied_per_byte": statistics.median(r[4] for r in big) / size,
+                        "checked_apart_per_byte": statistics.median(r[5] for r in big) / size,
+                        "checked_in_copy_per_byte": statistics.median(r[6] for r in big) / size}
     return result
 
 
@@ -162,14 +219,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="distgrad-copies-") as tmp:
         for size in (int(s) for s in args.sizes.split(",")):
             results.append(measure(size, args.steps, Path(tmp)))
-    print("| activation | f: peak bytes / byte moved | f: kept | f: Python calls | f: page faults / MiB | "
-          "g: peak bytes / byte moved | g: kept | g: Python calls | g: page faults / MiB |")
+    print("Per byte moved, each side: bytes allocated at the step's peak, kept; bytes copied out of frames, "
+          "checked for finiteness in a pass of their own, checked while copied; Python calls; page faults per MiB.")
+    print("| activation | side | peak | kept | copied | checked apart | checked in copy | Python calls | "
+          "page faults / MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        f, g = r["f"], r["g"]
-        print(f"| {r['bytes']} B | {f['peak_per_byte']:.2f} | {f['kept_per_byte']:.2f} | {f['python_calls']:.0f} | "
-              f"{f['page_faults_per_mib']:.0f} | {g['peak_per_byte']:.2f} | {g['kept_per_byte']:.2f} | "
-              f"{g['python_calls']:.0f} | {g['page_faults_per_mib']:.0f} |")
+        for side in "fg":
+            x = r[side]
+            print(f"| {r['bytes']} B | {side} | {x['peak_per_byte']:.2f} | {x['kept_per_byte']:.2f} | "
+                  f"{x['copied_per_byte']:.2f} | {x['checked_apart_per_byte']:.2f} | "
+                  f"{x['checked_in_copy_per_byte']:.2f} | {x['python_calls']:.0f} | {x['page_faults_per_mib']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps({"sizes": results, "load": os.getloadavg()}, indent=1))
     return 0

@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """Profile both stage processes of a running split with py-spy, and print the top functions.
 
-    .venv/bin/python benchmarks/profile_step.py tiny|mlp [--seconds 10] [--rate 250] [--top 25] [--out DIR]
+    .venv/bin/python benchmarks/profile_step.py tiny|mlp [--bytes N] [--native] [--seconds 10] [--rate 250]
+        [--top 25] [--out DIR]
 
 Not part of the test suite. Starts the two stage processes as ``benchmarks/bench.py``
 does (``python -m distgrad.cli stage g`` bound on tcp 127.0.0.1, ``stage f``
 connected to it, ``launcher.pinned_env()``, OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE
 removed) on the benchmark's generated experiments: ``tiny`` is section A's
-4-byte identity model, ``mlp`` section B's mlp-classify split at batch 32,
+identity model (4 bytes, or ``--bytes N``: the size group's model at that
+activation size), ``mlp`` section B's mlp-classify split at batch 32,
 unpipelined. After a warm-up it attaches ``py-spy record --format raw`` to
 each process for ``--seconds`` (``--nonblocking``, so the processes are
-never paused; ``--idle``, so the time spent blocked in ``poll`` shows too),
+never paused, unless ``--native``: C frames too, numpy's and pyzmq's, which
+py-spy reads only by pausing the process, so the shares of waiting and
+work are then skewed; ``--idle``, so the time spent blocked in ``poll`` shows too),
 then stops both. For each process it prints the main thread's functions by
 own time (the innermost frame of a sample) and by total time (any frame of
 a sample), as shares of that thread's samples. The raw profiles stay in
@@ -45,9 +49,9 @@ READY_TIMEOUT_S = 60.0
 WARM_UP_S = 3.0
 
 
-def experiment(kind: str) -> str:
+def experiment(kind: str, size_bytes: int) -> str:
     if kind == "tiny":
-        return trivial_toml(4)
+        return trivial_toml(size_bytes)
     return mlp_toml("bench-mlp-b32", [("dense", 784, HIDDEN), ("relu",)], [("dense", HIDDEN, 10)], 32)
 
 
@@ -88,6 +92,8 @@ def summarise(raw: str, top: int) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=["tiny", "mlp"])
+    p.add_argument("--bytes", type=int, default=4, help="tiny: the activation's size in bytes (the size group's model)")
+    p.add_argument("--native", action="store_true", help="py-spy --native: C frames too (numpy, pyzmq)")
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--rate", type=int, default=250, help="samples per second")
     p.add_argument("--top", type=int, default=25)
@@ -102,7 +108,7 @@ def main() -> int:
         env.pop(name, None)
     env["PYTHONPATH"] = str(ROOT)
     exp = out / f"{args.kind}.toml"
-    exp.write_text(experiment(args.kind))
+    exp.write_text(experiment(args.kind, args.bytes))
     ready = out / "g.ready"
     ready.unlink(missing_ok=True)
     stage = [sys.executable, "-m", "distgrad.cli", "stage"]
@@ -123,7 +129,8 @@ def main() -> int:
         time.sleep(WARM_UP_S)
         spies = [subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--duration", str(args.seconds),
                                    "--rate", str(args.rate), "--format", "raw", "--threads", "--idle",
-                                   *([] if args.lines else ["--nolineno"]), "--nonblocking", "--output", str(out / f"{name}.raw")],
+                                   *([] if args.lines else ["--nolineno"]), *(["--native"] if args.native else []),
+                                   *([] if args.native else ["--nonblocking"]), "--output", str(out / f"{name}.raw")],
                                   stdout=subprocess.DEVNULL, stderr=open(out / f"py-spy-{name}.log", "w"))
                  for name, proc in (("g", procs[0]), ("f", procs[1]))]
         for spy, name in zip(spies, "gf"):
