@@ -54,6 +54,7 @@ SMOKE_TESTS = {
     "scaling.py": "test_scaling",
     "soak.py": "test_soak",
     "step_cpu.py": "test_step_cpu",
+    "timeline.py": "test_timeline",
     "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
     "zero_copy_threshold.py": "test_zero_copy_threshold",
@@ -373,3 +374,18 @@ def test_privacy_table(tmp_path):
     assert figures["rows"]["11"]["defended"]["r2"] < figures["rows"]["11"]["undefended"]["r2"]
     for number in rows:
         assert f"\n| {number} |" in result.stdout, number
+
+
+@pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)
+@pytest.mark.parametrize("model", ["tiny", "mlp"])
+def test_timeline(tmp_path, model):
+    """benchmarks/timeline.py: every step splits into six intervals whose sum is the step (both processes read
+    one monotonic clock)."""
+    out = tmp_path / "timeline.json"
+    run_script("timeline.py", "--model", model, "--steps", 80, "--json", out)
+    result = json.loads(out.read_text())
+    parts = ("f work", "f send", "down", "g work", "g send", "up")
+    assert result["steps_counted"] >= 50 and result["raw_rt_s"] > 0, result
+    median = result["median_s"]
+    assert all(median[k] > 0 for k in ("f work", "g work", "step")), result
+    assert abs(sum(median[k] for k in parts) - median["step"]) < 0.5 * median["step"], result
