@@ -35,12 +35,9 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -50,14 +47,11 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from bench_sections.common import BLAS_OVERRIDES  # noqa: E402
 from bench_sections.configs import trivial_toml  # noqa: E402
-from distgrad.run.launcher import pinned_env  # noqa: E402
+from bench_sections.wrapped_pair import bench_env, child_argv, run_wrapped_pair  # noqa: E402
 
 SIZES = [256 << 10, 4 << 20, 64 << 20]
 WARM_STEPS = 3                # the first steps allocate what later steps reuse
-READY_TIMEOUT_S = 60.0
-RUN_TIMEOUT_S = 300.0
 
 
 # The modules that call ``all_finite`` by that name (imported from distgrad.wire.messages).
@@ -148,45 +142,8 @@ def child(out: Path, argv: list[str]) -> int:
 def measure(size: int, steps: int, workdir: Path) -> dict[str, Any]:
     """One run of the identity split at ``size`` bytes; the per-step figures of each side."""
     exp = workdir / f"copies-{size}.toml"
-    text = trivial_toml(size).replace("steps = 100", f"steps = {steps}")
-    exp.write_text(text)
-    env = pinned_env()
-    for name in BLAS_OVERRIDES:
-        env.pop(name, None)
-    env["PYTHONPATH"] = str(ROOT)
-    ready = workdir / f"g-{size}.ready"
-    ready.unlink(missing_ok=True)
-    me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--experiment", str(exp), "--steps", str(steps), "--timeout", "60", "--log-level", "WARNING"]
-    logs = {side: open(workdir / f"{side}-{size}.log", "w") for side in "gf"}
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        procs["g"] = subprocess.Popen([*me, "--child", str(workdir / f"g-{size}.json"), "--", "g", *common,
-                                       "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=logs["g"])
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not (ready.exists() and ready.read_text().strip()):
-            if time.monotonic() > deadline or procs["g"].poll() is not None:
-                raise RuntimeError(f"the g stage did not start; see {workdir / f'g-{size}.log'}")
-            time.sleep(0.05)
-        procs["f"] = subprocess.Popen([*me, "--child", str(workdir / f"f-{size}.json"), "--", "f", *common,
-                                       "--connect", ready.read_text().strip()],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=logs["f"])
-        for side in "fg":
-            if procs[side].wait(RUN_TIMEOUT_S) != 0:
-                raise RuntimeError(f"stage {side} exited {procs[side].returncode}; "
-                                   f"see {workdir / f'{side}-{size}.log'}")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for log in logs.values():
-            log.close()
+    exp.write_text(trivial_toml(size))
+    run_wrapped_pair(Path(__file__).resolve(), exp, steps, workdir, str(size), bench_env(ROOT))
     result: dict[str, Any] = {"bytes": size, "steps": steps}
     for side in "fg":
         records = json.loads((workdir / f"{side}-{size}.json").read_text())
@@ -206,10 +163,9 @@ def measure(size: int, steps: int, workdir: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    if "--child" in sys.argv:
-        at = sys.argv.index("--child")
-        rest = sys.argv[at + 2:]
-        return child(Path(sys.argv[at + 1]), rest[1:] if rest[:1] == ["--"] else rest)
+    wrapped = child_argv(sys.argv)
+    if wrapped is not None:
+        return child(*wrapped)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="activation bytes, comma-separated")
     p.add_argument("--steps", type=int, default=20)

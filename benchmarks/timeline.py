@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,13 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from bench_sections.common import BLAS_OVERRIDES, HIDDEN  # noqa: E402
+from bench_sections.common import HIDDEN  # noqa: E402
 from bench_sections.configs import mlp_toml, trivial_toml  # noqa: E402
-from distgrad.run.launcher import pinned_env  # noqa: E402
+from bench_sections.wrapped_pair import bench_env, child_argv, run_wrapped_pair, stop, wait_ready  # noqa: E402
 
 WARM_STEPS = 20               # the first steps allocate and connect
-READY_TIMEOUT_S = 60.0
-RUN_TIMEOUT_S = 300.0
 RAW_SECONDS = 2.0
+RAW_TIMEOUT_S = 60.0
 
 
 def child(out: Path, argv: list[str]) -> int:
@@ -91,31 +89,12 @@ def raw_round_trip(size: int, workdir: Path, env: dict[str, str]) -> float:
     server = subprocess.Popen([sys.executable, peers, "raw-server", str(ready), "tcp://127.0.0.1:*"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        endpoint = wait_ready(ready, server)
+        endpoint = wait_ready(ready, server, "the raw echo server")
         out = subprocess.run([sys.executable, peers, "raw-client", endpoint, str(size), str(RAW_SECONDS)], env=env,
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=True).stdout
+                             capture_output=True, text=True, timeout=RAW_TIMEOUT_S, check=True).stdout
         return float(json.loads(out.strip().splitlines()[-1])["rt_s"])
     finally:
         stop(server)
-
-
-def wait_ready(ready: Path, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not (ready.exists() and ready.read_text().strip()):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[2]} did not start")
-        time.sleep(0.05)
-    return ready.read_text().strip()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def phases(f_events: list[list[Any]], g_events: list[list[Any]]) -> dict[str, list[float]]:
@@ -145,32 +124,11 @@ def phases(f_events: list[list[Any]], g_events: list[list[Any]]) -> dict[str, li
 def measure(model: str, size: int, steps: int, workdir: Path) -> dict[str, Any]:
     exp = workdir / f"timeline-{model}-{size}.toml"
     exp.write_text(experiment(model, size))
-    env = pinned_env()
-    for name in BLAS_OVERRIDES:
-        env.pop(name, None)
-    env["PYTHONPATH"] = str(ROOT)
+    env = bench_env(ROOT)
     frame_bytes = size if model == "tiny" else 32 * HIDDEN * 4
     raw_s = raw_round_trip(frame_bytes, workdir, env)
-    ready = workdir / "g.ready"
-    ready.unlink(missing_ok=True)
-    me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--experiment", str(exp), "--steps", str(steps), "--timeout", "60", "--log-level", "WARNING"]
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        procs["g"] = subprocess.Popen([*me, "--child", str(workdir / "g.json"), "--", "g", *common,
-                                       "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "g.log", "w"))
-        endpoint = wait_ready(ready, procs["g"])
-        procs["f"] = subprocess.Popen([*me, "--child", str(workdir / "f.json"), "--", "f", *common,
-                                       "--connect", endpoint],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "f.log", "w"))
-        for side in "fg":
-            if procs[side].wait(RUN_TIMEOUT_S) != 0:
-                raise RuntimeError(f"stage {side} exited {procs[side].returncode}; see {workdir / f'{side}.log'}")
-    finally:
-        for proc in procs.values():
-            stop(proc)
-    intervals = phases(json.loads((workdir / "f.json").read_text()), json.loads((workdir / "g.json").read_text()))
+    outs = run_wrapped_pair(Path(__file__).resolve(), exp, steps, workdir, model, env)
+    intervals = phases(json.loads(outs["f"].read_text()), json.loads(outs["g"].read_text()))
     if not intervals["step"]:
         raise RuntimeError(f"too few steps recorded for {steps} steps")
     medians = {k: statistics.median(v) for k, v in intervals.items()}
@@ -179,10 +137,9 @@ def measure(model: str, size: int, steps: int, workdir: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    if "--child" in sys.argv:
-        at = sys.argv.index("--child")
-        rest = sys.argv[at + 2:]
-        return child(Path(sys.argv[at + 1]), rest[1:] if rest[:1] == ["--"] else rest)
+    wrapped = child_argv(sys.argv)
+    if wrapped is not None:
+        return child(*wrapped)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["tiny", "mlp"], default="tiny")
     p.add_argument("--bytes", type=int, default=4, help="tiny: the activation's bytes")
