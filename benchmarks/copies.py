@@ -14,9 +14,8 @@ two sends is one step. For each step it records
 - ``kept``: the growth of held bytes over the step (an allocation per step that is never freed),
 - ``copied``: the bytes of received tensors copied out of their frames (``FrameLayout._aligned``, ``_received``:
   a frame libzmq hands out off alignment is copied into an aligned buffer before the compute reads it),
-- ``checked_apart``: the bytes checked for finiteness in a pass of their own (``all_finite`` called on a
-  whole array), and ``checked_in_copy``: those checked while they were copied (``copy_checking``, a block
-  at a time, while the block is in cache),
+- ``checked``: the bytes checked for finiteness (``all_finite``: one pass over an array, received or about
+  to be sent),
 - ``python_calls``: the Python function calls the main thread made during the step (``sys.setprofile``),
 - ``page_faults``: the minor page faults of the process during the step (``getrusage``), per MiB moved:
   memory mapped afresh and touched (glibc maps every allocation above 32 MiB anew, so an array of that
@@ -59,31 +58,20 @@ FINITE_CHECKERS = ("distgrad.wire.messages", "distgrad.stage.stage", "distgrad.w
 
 
 def count_copies_and_checks(counts: dict[str, int]) -> None:
-    """Wrap the receive path's copies and finiteness checks so that ``counts`` adds up their bytes:
-    ``copied``, ``checked_apart`` and ``checked_in_copy`` (see the module's docstring)."""
+    """Wrap the receive path's copies and the finiteness checks so that ``counts`` adds up their bytes:
+    ``copied`` and ``checked`` (see the module's docstring)."""
     import importlib
 
     import distgrad.wire.messages as messages
-    inside_copy = [False]
-    all_finite, copy_checking = messages.all_finite, messages.copy_checking
-    aligned, received = messages.FrameLayout._aligned, messages._received
+    all_finite, aligned, received = messages.all_finite, messages.FrameLayout._aligned, messages._received
 
     def counted_all_finite(array: Any) -> bool:
-        if not inside_copy[0]:
-            counts["checked_apart"] += array.nbytes
+        counts["checked"] += array.nbytes
         return all_finite(array)
 
-    def counted_copy_checking(target: Any, source: Any) -> bool:
-        counts["checked_in_copy"] += source.nbytes
-        inside_copy[0] = True
-        try:
-            return copy_checking(target, source)
-        finally:
-            inside_copy[0] = False
-
-    def counted_aligned(self: Any, view: Any, buffers: Any, check: bool) -> Any:
+    def counted_aligned(self: Any, view: Any, *args: Any) -> Any:
         counts["copied"] += view.nbytes
-        return aligned(self, view, buffers, check)
+        return aligned(self, view, *args)
 
     def counted_received(array: Any) -> Any:
         out = received(array)
@@ -93,7 +81,6 @@ def count_copies_and_checks(counts: dict[str, int]) -> None:
 
     for name in FINITE_CHECKERS:
         setattr(importlib.import_module(name), "all_finite", counted_all_finite)
-    messages.copy_checking = counted_copy_checking  # type: ignore[assignment]
     messages.FrameLayout._aligned = counted_aligned  # type: ignore[method-assign]
     messages._received = counted_received  # type: ignore[assignment]
 
@@ -103,7 +90,7 @@ def child(out: Path, argv: list[str]) -> int:
     import distgrad.wire.transport as transport
     from distgrad.cli import main as cli_main
 
-    counts = {"copied": 0, "checked_apart": 0, "checked_in_copy": 0}
+    counts = {"copied": 0, "checked": 0}
     count_copies_and_checks(counts)
     tracemalloc.start()
     records: list[tuple[int, ...]] = []
@@ -120,7 +107,7 @@ def child(out: Path, argv: list[str]) -> int:
         current, peak = tracemalloc.get_traced_memory()
         minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         records.append((peak - held[0], current - held[0], calls[0] - 1, minflt - faults[0],  # less this call
-                        counts["copied"], counts["checked_apart"], counts["checked_in_copy"]))
+                        counts["copied"], counts["checked"]))
         sent = send(sock, frames, envelope)
         for key in counts:
             counts[key] = 0
@@ -157,8 +144,7 @@ def measure(size: int, steps: int, workdir: Path) -> dict[str, Any]:
                         "python_calls": statistics.median(r[2] for r in big),
                         "page_faults_per_mib": statistics.median(r[3] for r in big) / (size / (1 << 20)),
                         "copied_per_byte": statistics.median(r[4] for r in big) / size,
-                        "checked_apart_per_byte": statistics.median(r[5] for r in big) / size,
-                        "checked_in_copy_per_byte": statistics.median(r[6] for r in big) / size}
+                        "checked_per_byte": statistics.median(r[5] for r in big) / size}
     return result
 
 
@@ -176,16 +162,15 @@ def main() -> int:
         for size in (int(s) for s in args.sizes.split(",")):
             results.append(measure(size, args.steps, Path(tmp)))
     print("Per byte moved, each side: bytes allocated at the step's peak, kept; bytes copied out of frames, "
-          "checked for finiteness in a pass of their own, checked while copied; Python calls; page faults per MiB.")
-    print("| activation | side | peak | kept | copied | checked apart | checked in copy | Python calls | "
-          "page faults / MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "checked for finiteness; Python calls; page faults per MiB.")
+    print("| activation | side | peak | kept | copied | checked | Python calls | page faults / MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         for side in "fg":
             x = r[side]
             print(f"| {r['bytes']} B | {side} | {x['peak_per_byte']:.2f} | {x['kept_per_byte']:.2f} | "
-                  f"{x['copied_per_byte']:.2f} | {x['checked_apart_per_byte']:.2f} | "
-                  f"{x['checked_in_copy_per_byte']:.2f} | {x['python_calls']:.0f} | {x['page_faults_per_mib']:.0f} |")
+                  f"{x['copied_per_byte']:.2f} | {x['checked_per_byte']:.2f} | {x['python_calls']:.0f} | "
+                  f"{x['page_faults_per_mib']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps({"sizes": results, "load": os.getloadavg()}, indent=1))
     return 0

@@ -235,12 +235,11 @@ def test_copies_per_step_stay_within_the_path_s_own_arrays(tmp_path):
     assert result["f"]["peak_per_byte"] <= COPIES_F_MAX, result
     assert result["g"]["peak_per_byte"] <= COPIES_G_MAX, result
     assert abs(result["f"]["kept_per_byte"]) < 0.01 and abs(result["g"]["kept_per_byte"]) < 0.01, result
-    # Each side copies what it receives once (libzmq's frames are misaligned) and checks it while copying;
-    # g checks the gradient it sends back in a pass of its own.
-    for side, apart in (("f", 0.0), ("g", 1.0)):
+    # Each side copies what it receives once (libzmq hands large frames out misaligned) and checks it once;
+    # g also checks the gradient it sends back.
+    for side, checked in (("f", 1.0), ("g", 2.0)):
         assert result[side]["copied_per_byte"] == 1.0, result
-        assert result[side]["checked_in_copy_per_byte"] == 1.0, result
-        assert result[side]["checked_apart_per_byte"] == apart, result
+        assert result[side]["checked_per_byte"] == checked, result
 
 
 @pytest.mark.slow       # a benchmark run: the slow set (CI's make test-slow)

@@ -820,26 +820,8 @@ def test_a_refused_misaligned_frame_leaves_the_tensors_held_unchanged():
     assert info.value.code == ErrorCode.NONFINITE and msg.frames is not None and (kept == 1).all()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("where", [None, 0, "block edge", -1])
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_a_copy_checked_block_by_block_finds_every_non_finite_value_and_copies_every_value(dtype, where, bad):
-    """``copy_checking`` (a misaligned frame's copy, checked for finiteness a block at a time while in cache)
-    gives ``all_finite``'s answer and an exact copy, over several blocks, with squares beyond the dtype's range
-    (finite values whose sum of squares is not) and a non-finite value first, at a block's edge or last."""
-    itemsize = np.dtype(dtype).itemsize
-    block = wire.COPY_BLOCK_BYTES // itemsize
-    source = np.linspace(-1, 1, 3 * block + 7).astype(dtype)
-    source[block // 2] = np.finfo(dtype).max          # finite; its square is not
-    if where is not None:
-        source[{"block edge": block}.get(where, where)] = bad
-    target = np.empty_like(source)
-    assert wire.copy_checking(target, source) is (where is None) is wire.all_finite(source)
-    assert target.tobytes() == source.tobytes()
-
-
 def test_a_misaligned_frame_of_non_finite_values_is_read_when_the_experiment_allows_them():
-    n = wire.COPY_BLOCK_BYTES // 4 * 3
+    n = wire.ALWAYS_COPY_BYTES // 4 * 3
     layout = wire.FrameLayout({"activation": ((n,), np.float32)})
     x = np.full(n, 2, np.float32)
     x[n - 1] = np.inf

@@ -45,7 +45,6 @@ DEFAULT_MAX_TENSOR_BYTES = 1 << 30    # without an expectation, 1 GiB per messag
 ALIGN_BYTES = 16                      # received tensors at other addresses are copied (see decode)
 ALWAYS_COPY_BYTES = 64 * 1024         # received tensors smaller than this are copied whatever their address
 RECEIVE_BUFFERS = 4                   # aligned buffers kept per expected tensor for misaligned frames (FrameLayout)
-COPY_BLOCK_BYTES = 256 * 1024        # a misaligned frame is copied and checked for finiteness this much at a time
 
 # Message types. "checkpoint" is reserved (receivers reject it as unsupported).
 HELLO, WELCOME, FORWARD, BACKWARD, ERROR, BYE = "hello", "welcome", "forward", "backward", "error", "bye"
@@ -464,56 +463,33 @@ class FrameLayout:
                 raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {_WIRE_NAMES[dtype]}{shape} needs {size} "
                                                       f"bytes, frame has {got}")
             array = _frombuffer_nd(shape, dtype, frame)                 # a view of the frame, no copy
-            check = floating and not allow_nonfinite
-            finite = None                           # known already: checked while it was copied
             if small:                                                   # as _received, its size known here
                 array = array.copy()
             elif array.ctypes.data % ALIGN_BYTES:
-                array, finite = self._aligned(array, buffers, check)
+                array = self._aligned(array, buffers)
             array.setflags(write=False)
-            if check and not (all_finite(array) if finite is None else finite):
+            if floating and not allow_nonfinite and not all_finite(array):
                 raise ProtocolError(ErrorCode.NONFINITE, f"tensor {name!r} holds NaN or Inf, which this "
                                                          f"experiment forbids")
             tensors[name] = array
         return tensors
 
-    def _aligned(self, view: np.ndarray, buffers: list[np.ndarray], check: bool) -> tuple[np.ndarray, bool | None]:
+    def _aligned(self, view: np.ndarray, buffers: list[np.ndarray]) -> np.ndarray:
         """A copy of ``view`` (a misaligned frame) at an aligned address, in one of ``buffers`` that nobody
         else holds any more (no view, no tensor, no frame in flight refers to it: its reference count says
         so), or in a new array, kept in ``buffers`` while they are fewer than ``RECEIVE_BUFFERS``. A step
         of fixed shapes thus copies into the same memory each time instead of allocating (and page-faulting)
-        a new array; a tensor the receiver still holds is never written to. With ``check``, also whether
-        every element is finite (``copy_checking``: each block checked while it is in cache), else None."""
+        a new array; a tensor the receiver still holds is never written to."""
         with self._lock:
-            target = None
             for buffer in buffers:
                 if _refcount(buffer) == _FREE_REFS:
                     buffer.setflags(write=True)
-                    target = buffer
-                    break
-            if target is None:
-                target = np.empty(view.shape, view.dtype)
-                if len(buffers) < RECEIVE_BUFFERS:
-                    buffers.append(target)
-            if check:
-                return target, copy_checking(target, view)
-            np.copyto(target, view)
-            return target, None
-
-
-def copy_checking(target: np.ndarray, source: np.ndarray) -> bool:
-    """Copy ``source`` into ``target`` (C-contiguous arrays of one shape and float dtype) and return whether
-    every element is finite (``all_finite``), a block of ``COPY_BLOCK_BYTES`` at a time: each block is checked
-    right after it is copied, while it is still in cache, instead of a second trip through memory."""
-    flat_target, flat_source = target.reshape(-1), source.reshape(-1)
-    step = max(1, COPY_BLOCK_BYTES // target.dtype.itemsize)
-    finite = True
-    for start in range(0, flat_target.size, step):
-        block = flat_target[start:start + step]
-        np.copyto(block, flat_source[start:start + step])
-        if finite and not all_finite(block):
-            finite = False
-    return finite
+                    np.copyto(buffer, view)
+                    return buffer
+            buffer = view.copy()
+            if len(buffers) < RECEIVE_BUFFERS:
+                buffers.append(buffer)
+            return buffer
 
 
 _refcount = sys.getrefcount
