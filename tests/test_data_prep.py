@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -499,3 +500,72 @@ def test_clients_train_bitwise_on_prepared_rows(tmp_path: Path):
     experiment.write_text(experiment.read_text().replace("[[stages]]", "[clients]\ncount = 2\n\n[[stages]]", 1))
     _runs_agree(tmp_path, [experiment], "saved")
     assert (tmp_path / "saved" / "f@0.prep.json").read_bytes() == (tmp_path / "saved" / "f@1.prep.json").read_bytes()
+
+
+# --- a setting is used or refused, never accepted and left unused --------------------------------------------
+
+@pytest.mark.parametrize("party, key, value, needle", [
+    ("g", "standardize", "true", "standardize scales feature columns, but this \\[data\\] holds none"),
+    ("g", "missing", '"mean"', "missing = \"mean\" fills feature cells, but this \\[data\\] holds none"),
+    ("g", "missing", '"median"', "missing = \"median\" fills feature cells, but this \\[data\\] holds none"),
+    ("f", "class_names", "true", "class_names names the label column's values, but this \\[data\\] holds no labels"),
+])
+def test_a_partys_preparation_key_that_has_nothing_to_prepare_is_refused(tmp_path: Path, party: str, key: str,
+                                                                          value: str, needle: str):
+    """In a party's own stage file, a label owner's [data] holds no features to scale or fill (labels are never
+    filled in) and a data owner's no labels to name: the key would do nothing, so the run is refused (exit 2)
+    naming it, as in the in-process reference."""
+    f, g = write_parties(tmp_path)
+    path = f if party == "f" else g
+    text = path.read_text()
+    key_line = f"{key} = {value}\n"
+    path.write_text(text.replace(f"\n{key} = ", f"\n# {key} = ") + key_line)
+    for args in (["run", f, g, "--in-process"], ["run", f, g]):
+        result = run_main(args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert re.search(needle, result.stderr), result.stderr
+
+
+def test_a_huge_value_is_standardised_and_filled_with_finite_statistics(tmp_path: Path):
+    """Values near float64's limit (+-1.7e308) have a mean, median and standard deviation that fit in float64:
+    the statistics stay finite (so they can be saved as JSON) and the column is prepared as the same column
+    on an ordinary scale is (standardising does not depend on the scale)."""
+    small = np.linspace(-1.0, 1.0, 40).reshape(20, 2)
+    small[5, 0] = np.nan
+    np.savez(tmp_path / "small.npz", x=small, y=np.arange(20) % 2)
+    np.savez(tmp_path / "huge.npz", x=small * [1.7e308, 1.0], y=np.arange(20) % 2)
+    for missing in ("mean", "median"):
+        prepared = []
+        for name in ("small", "huge"):
+            data = build_data({"kind": "npz", "path": f"{name}.npz", "features": "x", "labels": "y", "batch": 4,
+                               "missing": missing, "standardize": True}, 0, tmp_path)
+            json.dumps(data.preparation().to_json(), allow_nan=False)       # finite, savable statistics
+            prepared.append(data.features_at(np.arange(20)))
+        assert np.isfinite(prepared[1]).all()
+        np.testing.assert_allclose(prepared[1], prepared[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+@pytest.mark.parametrize("option", ['standardize = true', 'missing = "median"', 'class_names = true',
+                                    'categorical = ["colour"]'])
+def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path, end: str, option: str):
+    """A loop of one's own reads its own features and labels (the cut library takes only the sample order from
+    [data]), so a preparation key there would be left unused: refused at either end, naming the key."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    rows = [["id", "colour", "size", "kind"]] + [[f"r{i}", str(i % 3), str(i), str(i % 2)] for i in range(40)]
+    (tmp_path / "t.csv").write_text("".join(",".join(row) + "\n" for row in rows))
+    data = {"kind": "csv", "path": str(tmp_path / "t.csv"), "header": True, "id_column": "id", "batch": 16,
+            "test_fraction": 0.2, **({"features": ["colour", "size"]} if end == "first" else {"labels": "kind"})}
+    if end == "first":
+        data["labels"] = None
+    key, value = (part.strip() for part in option.split("="))
+    if key == "categorical" and end == "last":
+        option, key, value = 'missing = "mean"', "missing", '"mean"'
+    fields = {"name": "penguins", "stages": ["f", "g"], "batch": 16, "activation": {"shape": [8]}, "steps": 4}
+    side = FIRST if end == "first" else LAST
+    assert cut_side(side, None, {**fields, "data": data}).data is not None
+    bad = {**data, key: json.loads(value)}
+    # (a [data] without the features or labels a key prepares refuses it for that reason already)
+    with pytest.raises(ConfigError, match=f"{key}.*(the cut library.*your loop reads|holds no)"):
+        cut_side(side, None, {**fields, "data": bad})

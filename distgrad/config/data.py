@@ -587,6 +587,16 @@ class ArrayFile(RowBatches):
         if self.class_names and self.target_dtype.kind != "i":
             raise ConfigError("class_names maps the label column's values to class ids; it needs label_dtype = "
                               "\"int64\", not \"float32\" values")
+        # A party's own [data] may hold only labels or only features: a key for the other part would do nothing.
+        if self.feature_ref is None and (self.standardize or self.missing in ("mean", "median")):
+            what = "standardize scales feature columns" if self.standardize else \
+                f"missing = \"{self.missing}\" fills feature cells"
+            raise ConfigError(f"{what}, but this [data] holds none (only "
+                              f"labels, which are never filled in or scaled): remove it from this party's [data], "
+                              f"and give it to the [data] of the party that holds the features")
+        if self.label_ref is None and self.class_names:
+            raise ConfigError("class_names names the label column's values, but this [data] holds no labels: remove "
+                              "it from this party's [data], and give it to the label owner's")
         if self.categorical_ref is None:
             return
         refs = self.categorical_ref
