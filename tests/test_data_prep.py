@@ -569,3 +569,17 @@ def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path
     # (a [data] without the features or labels a key prepares refuses it for that reason already)
     with pytest.raises(ConfigError, match=f"{key}.*(the cut library.*your loop reads|holds no)"):
         cut_side(side, None, {**fields, "data": bad})
+
+
+def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_the_reason(tmp_path: Path):
+    """Class labels of any type: an npz's text array gives class names; an array of Python objects (what numpy
+    saves for a pandas column of text) cannot be read without unpickling, so it is refused with what to do."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    table = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4, "class_names": True}
+    np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10))
+    data = build_data(table, 0, tmp_path)
+    assert data.preparation().classes == ["cat", "dog", "emu"]
+    assert data.targets_at(np.arange(3)).tolist() == [2, 0, 1]
+    np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10, dtype=object))
+    with pytest.raises(ConfigError, match=r"d.npz member 'y' cannot be read: .*never unpickles.*astype\(str\)"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))

@@ -500,13 +500,19 @@ class ArrayFile(RowBatches):
         return names[self.id_ref] if isinstance(self.id_ref, int) and self.id_ref < len(names) else "id"
 
     def _read_part(self, ref: Any) -> np.ndarray:
-        """One part (features or labels) from the file(s), and nothing else."""
-        if self.kind == "npz":
-            with np.load(self._file(None), allow_pickle=False) as npz:
-                self._check_member(npz, ref)
-                return npz[ref]
-        if self.kind == "npy":
-            return np.load(self._file(ref), allow_pickle=False)
+        """One part (features or labels) from the file(s), and nothing else; ``ConfigError`` for an array numpy
+        cannot load without unpickling (Python objects, as a pandas column of text is saved)."""
+        try:
+            if self.kind == "npz":
+                with np.load(self._file(None), allow_pickle=False) as npz:
+                    self._check_member(npz, ref)
+                    return npz[ref]
+            if self.kind == "npy":
+                return np.load(self._file(ref), allow_pickle=False)
+        except ValueError as e:
+            where = f"{self.path} member {ref!r}" if self.kind == "npz" else f"{self._file(ref)}"
+            raise ConfigError(f"{where} cannot be read: {e}; distgrad never unpickles a data file: save text "
+                              f"as a text array (.astype(str)) and numbers as a number array") from e
         return self._read_csv(self._csv_columns(ref))
 
     def _all_features(self) -> np.ndarray:
