@@ -133,6 +133,16 @@ def test_the_numpy_plateau_rule_is_torchs(options: dict):
         assert ours(1) == np.float32(ours.rate)
 
 
+@pytest.mark.parametrize("options, needle", [({"factor": "x"}, "factor must be a number in \\(0, 1\\), got 'x'"),
+                                             ({"factor": 1.5}, "factor must be a number in \\(0, 1\\)"),
+                                             ({"patience": -1}, "patience must be a non-negative integer")])
+def test_a_bad_plateau_option_is_refused_naming_it(options: dict, needle: str):
+    from distgrad.model.schedules import Plateau
+
+    with pytest.raises(ConfigError, match=needle):
+        Plateau(0.1, **options)
+
+
 PLATEAU = 'scheduler = { type = "ReduceLROnPlateau", patience = 0, factor = 0.5, threshold = 0.5 }\n'
 
 
