@@ -583,3 +583,18 @@ def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_t
     np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10, dtype=object))
     with pytest.raises(ConfigError, match=r"d.npz member 'y' cannot be read: .*never unpickles.*astype\(str\)"):
         build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
+@pytest.mark.parametrize("kind", ["csv", "npz"])
+def test_text_labels_without_class_names_are_refused_pointing_to_class_names(tmp_path: Path, kind: str):
+    """Labels of text need class_names = true: a [data] without it is refused with that advice (a ConfigError,
+    never a traceback), for a csv column as for an npz array of text."""
+    if kind == "csv":
+        table = {"kind": "csv", "path": "penguins.csv", "header": True, "id_column": "id", "batch": 16,
+                 "features": ["bill_depth_mm"], "labels": "species"}
+        write_penguins(tmp_path)
+    else:
+        table = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4}
+        np.savez(tmp_path / "d.npz", x=np.zeros((30, 3)), y=np.array(["emu", "cat", "dog"] * 10))
+    with pytest.raises(ConfigError, match="set class_names = true"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))

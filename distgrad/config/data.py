@@ -552,10 +552,14 @@ class ArrayFile(RowBatches):
         except ConfigError as e:
             if self.kind != "csv" or "not a number" not in str(e):
                 raise
-            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; give each name its "
-                              f"number in the file)") from e
+            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; for class names, set "
+                              f"class_names = true in this [data])") from e
         if self.kind == "csv":
             raw = raw[:, 0]
+        elif raw.dtype.kind not in "biuf":
+            where = f"{self.path} member {self.label_ref!r}" if self.kind == "npz" else f"{self._file(self.label_ref)}"
+            raise ConfigError(f"{where}: the labels are {raw.dtype} values, not numbers (class ids 0, 1, ... or "
+                              f"values): for class names, set class_names = true in this [data]")
         return np.asarray(raw).reshape(len(raw))
 
     def _all_labels(self) -> np.ndarray:
