@@ -310,6 +310,26 @@ def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_p
     _assert_test_rows_released_once(ref, "left")
 
 
+def test_each_clients_kept_model_test_figures_are_the_last_printed_lines(tmp_path: Path):
+    """Several data owners with a validation split: the summary gives each client's test figures and step, and
+    the printed output ends with one line per client saying them (in process; the lines come from the summary)."""
+    builtin = Path(__file__).resolve().parent.parent / "distgrad" / "experiments" / "digits-clients.toml"
+    path = tmp_path / "clients.toml"
+    path.write_text(builtin.read_text().replace('"../datasets/digits.npz"', f'"{builtin.parent.parent}/datasets/'
+                                                                           f'digits.npz"')
+                    .replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
+    result = run_main(["run", path, "--in-process", "--steps", "20", "--eval-every", "10", "--summary",
+                       tmp_path / "s.json"])
+    assert result.returncode == 0, result.stderr
+    clients = read_json(tmp_path / "s.json")["clients"]
+    last = result.stdout.strip().splitlines()[-len(clients):]
+    for line, client in zip(last, clients):
+        assert client["test_step"] == 20
+        assert line == (f"kept model of client {client['client']}, after step 20 (chosen on "
+                        f"{client['validation_count']} validation rows): test accuracy {client['test_accuracy']:.4f}, "
+                        f"test loss {client['test_loss']:.6g} on {client['test_count']} test rows"), line
+
+
 # Slow (five processes): by default, test_vertical_parties_send_their_test_rows_once_bitwise_over_processes covers
 # several data owners' final evaluation, and the two-stage tests the one peer's (Turns.score) that a client's uses.
 @pytest.mark.slow
