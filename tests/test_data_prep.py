@@ -598,3 +598,32 @@ def test_text_labels_without_class_names_are_refused_pointing_to_class_names(tmp
         np.savez(tmp_path / "d.npz", x=np.zeros((30, 3)), y=np.array(["emu", "cat", "dog"] * 10))
     with pytest.raises(ConfigError, match="set class_names = true"):
         build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
+@pytest.mark.parametrize("stages", [["f"], ["a", "b"]])
+def test_split_of_a_standardized_experiment_trains_as_the_experiment(tmp_path: Path, stages: list[str]):
+    """distgrad split copies standardize to each party holding features (one data owner, or vertical parties)
+    and not to the label owner, whose [data] holds none: the parties' files train bitwise as the experiment
+    (in process)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4)) * [1.0, 10.0, 100.0, 1000.0]
+    np.savez(tmp_path / "d.npz", x=x, y=(x[:, 0] + x[:, 3] / 1000 > 0).astype(np.int64))
+    width = 4 // len(stages)
+    parties = "".join(f'[[stages]]\nname = "{name}"\n' + (f"columns = {list(range(i * width, (i + 1) * width))}\n"
+                                                          if len(stages) > 1 else "")
+                      + f'model = [{{ type = "dense", name = "{name}1", in = {width}, out = 4 }}, {{ type = "tanh" }}]\n'
+                      f'optimizer = {{ type = "adam", lr = 0.02 }}\n' for i, name in enumerate(stages))
+    path = tmp_path / "e.toml"
+    vertical = 'aggregate = "concat"' if len(stages) > 1 else ""
+    path.write_text(f'name = "e"\nsteps = 12\nseed = 0\n{vertical}\n'
+                    f'[data]\nkind = "npz"\npath = "d.npz"\nfeatures = "x"\nlabels = "y"\nbatch = 8\n'
+                    f'standardize = true\n\n{parties}[[stages]]\nname = "g"\n'
+                    f'model = [{{ type = "dense", name = "g1", in = {4 * len(stages)}, out = 2 }}]\n'
+                    f'optimizer = {{ type = "adam", lr = 0.02 }}\nloss = "softmax_cross_entropy"\n')
+    assert run_main(["split", path, tmp_path / "parties"]).returncode == 0
+    files = [tmp_path / "parties" / name / f"{name}.toml" for name in [*stages, "g"]]
+    assert all(("standardize = true" in f.read_text()) == (f.stem != "g") for f in files)
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "e.json"]).returncode == 0
+    result = run_main(["run", *files, "--in-process", "--summary", tmp_path / "p.json"])
+    assert result.returncode == 0, result.stderr
+    assert read_json(tmp_path / "p.json")["params"] == read_json(tmp_path / "e.json")["params"]
