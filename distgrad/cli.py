@@ -730,16 +730,19 @@ def _print_result(summary: dict) -> None:
 
 
 def _print_kept_test(summary: dict) -> None:
-    """With a validation split, the last line: the kept model's test figures and the step it comes from."""
+    """With a validation split, the last line: the kept model's test figures and the step it comes from (with
+    several clients, one such line per client, each client's kept model)."""
     from distgrad.stage.records import scores_text
 
-    if "test_step" not in summary:
-        return
-    accuracy = f"test accuracy {summary['test_accuracy']:.4f}, " if "test_accuracy" in summary else ""
-    others = scores_text({k: v for k, v in summary.items() if k.startswith("test_") and k != "test_accuracy"})
-    print(f"kept model, after step {summary['test_step']} (chosen on {summary.get('validation_count', '?')} "
-          f"validation rows): {accuracy}test loss {_number(summary['test_loss'])} on {summary['test_count']} test "
-          f"rows{others}")
+    for fields in [summary, *summary.get("clients", [])]:
+        if "test_step" not in fields or "test_loss" not in fields:
+            continue
+        whose = f" of client {fields['client']}" if "client" in fields else ""
+        accuracy = f"test accuracy {fields['test_accuracy']:.4f}, " if "test_accuracy" in fields else ""
+        others = scores_text({k: v for k, v in fields.items() if k.startswith("test_") and k != "test_accuracy"})
+        print(f"kept model{whose}, after step {fields['test_step']} (chosen on {fields.get('validation_count', '?')} "
+              f"validation rows): {accuracy}test loss {_number(fields['test_loss'])} on {fields['test_count']} test "
+              f"rows{others}")
 
 
 def _print_headline(summary: dict) -> None:

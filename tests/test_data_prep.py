@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -499,3 +500,130 @@ def test_clients_train_bitwise_on_prepared_rows(tmp_path: Path):
     experiment.write_text(experiment.read_text().replace("[[stages]]", "[clients]\ncount = 2\n\n[[stages]]", 1))
     _runs_agree(tmp_path, [experiment], "saved")
     assert (tmp_path / "saved" / "f@0.prep.json").read_bytes() == (tmp_path / "saved" / "f@1.prep.json").read_bytes()
+
+
+# --- a setting is used or refused, never accepted and left unused --------------------------------------------
+
+@pytest.mark.parametrize("party, key, value, needle", [
+    ("g", "standardize", "true", "standardize scales feature columns, but this \\[data\\] holds none"),
+    ("g", "missing", '"mean"', "missing = \"mean\" fills feature cells, but this \\[data\\] holds none"),
+    ("g", "missing", '"median"', "missing = \"median\" fills feature cells, but this \\[data\\] holds none"),
+    ("f", "class_names", "true", "class_names names the label column's values, but this \\[data\\] holds no labels"),
+])
+def test_a_partys_preparation_key_that_has_nothing_to_prepare_is_refused(tmp_path: Path, party: str, key: str,
+                                                                          value: str, needle: str):
+    """In a party's own stage file, a label owner's [data] holds no features to scale or fill (labels are never
+    filled in) and a data owner's no labels to name: the key would do nothing, so the run is refused (exit 2)
+    naming it, as in the in-process reference."""
+    f, g = write_parties(tmp_path)
+    path = f if party == "f" else g
+    text = path.read_text()
+    key_line = f"{key} = {value}\n"
+    path.write_text(text.replace(f"\n{key} = ", f"\n# {key} = ") + key_line)
+    for args in (["run", f, g, "--in-process"], ["run", f, g]):
+        result = run_main(args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert re.search(needle, result.stderr), result.stderr
+
+
+def test_a_huge_value_is_standardised_and_filled_with_finite_statistics(tmp_path: Path):
+    """Values near float64's limit (+-1.7e308) have a mean, median and standard deviation that fit in float64:
+    the statistics stay finite (so they can be saved as JSON) and the column is prepared as the same column
+    on an ordinary scale is (standardising does not depend on the scale)."""
+    small = np.linspace(-1.0, 1.0, 40).reshape(20, 2)
+    small[5, 0] = np.nan
+    np.savez(tmp_path / "small.npz", x=small, y=np.arange(20) % 2)
+    np.savez(tmp_path / "huge.npz", x=small * [1.7e308, 1.0], y=np.arange(20) % 2)
+    for missing in ("mean", "median"):
+        prepared = []
+        for name in ("small", "huge"):
+            data = build_data({"kind": "npz", "path": f"{name}.npz", "features": "x", "labels": "y", "batch": 4,
+                               "missing": missing, "standardize": True}, 0, tmp_path)
+            json.dumps(data.preparation().to_json(), allow_nan=False)       # finite, savable statistics
+            prepared.append(data.features_at(np.arange(20)))
+        assert np.isfinite(prepared[1]).all()
+        np.testing.assert_allclose(prepared[1], prepared[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+@pytest.mark.parametrize("option", ['standardize = true', 'missing = "median"', 'class_names = true',
+                                    'categorical = ["colour"]'])
+def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path, end: str, option: str):
+    """A loop of one's own reads its own features and labels (the cut library takes only the sample order from
+    [data]), so a preparation key there would be left unused: refused at either end, naming the key."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    rows = [["id", "colour", "size", "kind"]] + [[f"r{i}", str(i % 3), str(i), str(i % 2)] for i in range(40)]
+    (tmp_path / "t.csv").write_text("".join(",".join(row) + "\n" for row in rows))
+    data = {"kind": "csv", "path": str(tmp_path / "t.csv"), "header": True, "id_column": "id", "batch": 16,
+            "test_fraction": 0.2, **({"features": ["colour", "size"]} if end == "first" else {"labels": "kind"})}
+    if end == "first":
+        data["labels"] = None
+    key, value = (part.strip() for part in option.split("="))
+    if key == "categorical" and end == "last":
+        option, key, value = 'missing = "mean"', "missing", '"mean"'
+    fields = {"name": "penguins", "stages": ["f", "g"], "batch": 16, "activation": {"shape": [8]}, "steps": 4}
+    side = FIRST if end == "first" else LAST
+    assert cut_side(side, None, {**fields, "data": data}).data is not None
+    bad = {**data, key: json.loads(value)}
+    # (a [data] without the features or labels a key prepares refuses it for that reason already)
+    with pytest.raises(ConfigError, match=f"{key}.*(the cut library.*your loop reads|holds no)"):
+        cut_side(side, None, {**fields, "data": bad})
+
+
+def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_the_reason(tmp_path: Path):
+    """Class labels of any type: an npz's text array gives class names; an array of Python objects (what numpy
+    saves for a pandas column of text) cannot be read without unpickling, so it is refused with what to do."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    table = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4, "class_names": True}
+    np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10))
+    data = build_data(table, 0, tmp_path)
+    assert data.preparation().classes == ["cat", "dog", "emu"]
+    assert data.targets_at(np.arange(3)).tolist() == [2, 0, 1]
+    np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10, dtype=object))
+    with pytest.raises(ConfigError, match=r"d.npz member 'y' cannot be read: .*never unpickles.*astype\(str\)"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
+@pytest.mark.parametrize("kind", ["csv", "npz"])
+def test_text_labels_without_class_names_are_refused_pointing_to_class_names(tmp_path: Path, kind: str):
+    """Labels of text need class_names = true: a [data] without it is refused with that advice (a ConfigError,
+    never a traceback), for a csv column as for an npz array of text."""
+    if kind == "csv":
+        table = {"kind": "csv", "path": "penguins.csv", "header": True, "id_column": "id", "batch": 16,
+                 "features": ["bill_depth_mm"], "labels": "species"}
+        write_penguins(tmp_path)
+    else:
+        table = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4}
+        np.savez(tmp_path / "d.npz", x=np.zeros((30, 3)), y=np.array(["emu", "cat", "dog"] * 10))
+    with pytest.raises(ConfigError, match="set class_names = true"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
+@pytest.mark.parametrize("stages", [["f"], ["a", "b"]])
+def test_split_of_a_standardized_experiment_trains_as_the_experiment(tmp_path: Path, stages: list[str]):
+    """distgrad split copies standardize to each party holding features (one data owner, or vertical parties)
+    and not to the label owner, whose [data] holds none: the parties' files train bitwise as the experiment
+    (in process)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4)) * [1.0, 10.0, 100.0, 1000.0]
+    np.savez(tmp_path / "d.npz", x=x, y=(x[:, 0] + x[:, 3] / 1000 > 0).astype(np.int64))
+    width = 4 // len(stages)
+    parties = "".join(f'[[stages]]\nname = "{name}"\n' + (f"columns = {list(range(i * width, (i + 1) * width))}\n"
+                                                          if len(stages) > 1 else "")
+                      + f'model = [{{ type = "dense", name = "{name}1", in = {width}, out = 4 }}, {{ type = "tanh" }}]\n'
+                      f'optimizer = {{ type = "adam", lr = 0.02 }}\n' for i, name in enumerate(stages))
+    path = tmp_path / "e.toml"
+    vertical = 'aggregate = "concat"' if len(stages) > 1 else ""
+    path.write_text(f'name = "e"\nsteps = 12\nseed = 0\n{vertical}\n'
+                    f'[data]\nkind = "npz"\npath = "d.npz"\nfeatures = "x"\nlabels = "y"\nbatch = 8\n'
+                    f'standardize = true\n\n{parties}[[stages]]\nname = "g"\n'
+                    f'model = [{{ type = "dense", name = "g1", in = {4 * len(stages)}, out = 2 }}]\n'
+                    f'optimizer = {{ type = "adam", lr = 0.02 }}\nloss = "softmax_cross_entropy"\n')
+    assert run_main(["split", path, tmp_path / "parties"]).returncode == 0
+    files = [tmp_path / "parties" / name / f"{name}.toml" for name in [*stages, "g"]]
+    assert all(("standardize = true" in f.read_text()) == (f.stem != "g") for f in files)
+    assert run_main(["run", path, "--in-process", "--summary", tmp_path / "e.json"]).returncode == 0
+    result = run_main(["run", *files, "--in-process", "--summary", tmp_path / "p.json"])
+    assert result.returncode == 0, result.stderr
+    assert read_json(tmp_path / "p.json")["params"] == read_json(tmp_path / "e.json")["params"]

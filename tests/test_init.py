@@ -264,6 +264,8 @@ def test_init_takes_an_unnamed_first_column_of_distinct_values_as_the_ids(tmp_pa
     ("unknown column", "does not hold"),
     ("bad spec", "NAME:COLUMN,COLUMN"),
     ("one class", "one value only"),
+    ("infinite number", "column 'bill_length_mm' holds numbers, but '1e400' is not a finite number"),
+    ("infinity", "column 'bill_length_mm' holds numbers, but '-inf' is not a finite number"),
 ])
 def test_init_refuses_with_the_reason_and_writes_nothing(tmp_path: Path, case: str, expected: str):
     table = write_penguins(tmp_path / "penguins.csv")
@@ -287,6 +289,11 @@ def test_init_refuses_with_the_reason_and_writes_nothing(tmp_path: Path, case: s
         with open(tmp_path / "one.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
         args = [tmp_path / "one.csv", "--label", "y"]
+    elif case in ("infinite number", "infinity"):      # a number column, not 300 categories of text
+        rows = _read_csv(table)
+        rows[9][2] = "1e400" if case == "infinite number" else "-inf"
+        with open(table, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
     out = tmp_path / "out"
     result = run_main(["init", *args, "--out", out])
     assert result.returncode == 2 and expected in result.stderr, result.stderr

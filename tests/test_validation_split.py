@@ -133,6 +133,16 @@ def test_the_numpy_plateau_rule_is_torchs(options: dict):
         assert ours(1) == np.float32(ours.rate)
 
 
+@pytest.mark.parametrize("options, needle", [({"factor": "x"}, "factor must be a number in \\(0, 1\\), got 'x'"),
+                                             ({"factor": 1.5}, "factor must be a number in \\(0, 1\\)"),
+                                             ({"patience": -1}, "patience must be a non-negative integer")])
+def test_a_bad_plateau_option_is_refused_naming_it(options: dict, needle: str):
+    from distgrad.model.schedules import Plateau
+
+    with pytest.raises(ConfigError, match=needle):
+        Plateau(0.1, **options)
+
+
 PLATEAU = 'scheduler = { type = "ReduceLROnPlateau", patience = 0, factor = 0.5, threshold = 0.5 }\n'
 
 
@@ -298,6 +308,26 @@ def test_vertical_parties_send_their_test_rows_once_bitwise_over_processes(tmp_p
         assert run[key] == ref[key], key
     assert all(not any(key.startswith("test_") for key in e) for e in ref["evaluations"])
     _assert_test_rows_released_once(ref, "left")
+
+
+def test_each_clients_kept_model_test_figures_are_the_last_printed_lines(tmp_path: Path):
+    """Several data owners with a validation split: the summary gives each client's test figures and step, and
+    the printed output ends with one line per client saying them (in process; the lines come from the summary)."""
+    builtin = Path(__file__).resolve().parent.parent / "distgrad" / "experiments" / "digits-clients.toml"
+    path = tmp_path / "clients.toml"
+    path.write_text(builtin.read_text().replace('"../datasets/digits.npz"', f'"{builtin.parent.parent}/datasets/'
+                                                                           f'digits.npz"')
+                    .replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
+    result = run_main(["run", path, "--in-process", "--steps", "20", "--eval-every", "10", "--summary",
+                       tmp_path / "s.json"])
+    assert result.returncode == 0, result.stderr
+    clients = read_json(tmp_path / "s.json")["clients"]
+    last = result.stdout.strip().splitlines()[-len(clients):]
+    for line, client in zip(last, clients):
+        assert client["test_step"] == 20
+        assert line == (f"kept model of client {client['client']}, after step 20 (chosen on "
+                        f"{client['validation_count']} validation rows): test accuracy {client['test_accuracy']:.4f}, "
+                        f"test loss {client['test_loss']:.6g} on {client['test_count']} test rows"), line
 
 
 # Slow (five processes): by default, test_vertical_parties_send_their_test_rows_once_bitwise_over_processes covers

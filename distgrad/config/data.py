@@ -500,13 +500,19 @@ class ArrayFile(RowBatches):
         return names[self.id_ref] if isinstance(self.id_ref, int) and self.id_ref < len(names) else "id"
 
     def _read_part(self, ref: Any) -> np.ndarray:
-        """One part (features or labels) from the file(s), and nothing else."""
-        if self.kind == "npz":
-            with np.load(self._file(None), allow_pickle=False) as npz:
-                self._check_member(npz, ref)
-                return npz[ref]
-        if self.kind == "npy":
-            return np.load(self._file(ref), allow_pickle=False)
+        """One part (features or labels) from the file(s), and nothing else; ``ConfigError`` for an array numpy
+        cannot load without unpickling (Python objects, as a pandas column of text is saved)."""
+        try:
+            if self.kind == "npz":
+                with np.load(self._file(None), allow_pickle=False) as npz:
+                    self._check_member(npz, ref)
+                    return npz[ref]
+            if self.kind == "npy":
+                return np.load(self._file(ref), allow_pickle=False)
+        except ValueError as e:
+            where = f"{self.path} member {ref!r}" if self.kind == "npz" else f"{self._file(ref)}"
+            raise ConfigError(f"{where} cannot be read: {e}; distgrad never unpickles a data file: save text "
+                              f"as a text array (.astype(str)) and numbers as a number array") from e
         return self._read_csv(self._csv_columns(ref))
 
     def _all_features(self) -> np.ndarray:
@@ -546,10 +552,14 @@ class ArrayFile(RowBatches):
         except ConfigError as e:
             if self.kind != "csv" or "not a number" not in str(e):
                 raise
-            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; give each name its "
-                              f"number in the file)") from e
+            raise ConfigError(f"{e} (labels are numbers: class ids 0, 1, ... or values; for class names, set "
+                              f"class_names = true in this [data])") from e
         if self.kind == "csv":
             raw = raw[:, 0]
+        elif raw.dtype.kind not in "biuf":
+            where = f"{self.path} member {self.label_ref!r}" if self.kind == "npz" else f"{self._file(self.label_ref)}"
+            raise ConfigError(f"{where}: the labels are {raw.dtype} values, not numbers (class ids 0, 1, ... or "
+                              f"values): for class names, set class_names = true in this [data]")
         return np.asarray(raw).reshape(len(raw))
 
     def _all_labels(self) -> np.ndarray:
@@ -587,6 +597,16 @@ class ArrayFile(RowBatches):
         if self.class_names and self.target_dtype.kind != "i":
             raise ConfigError("class_names maps the label column's values to class ids; it needs label_dtype = "
                               "\"int64\", not \"float32\" values")
+        # A party's own [data] may hold only labels or only features: a key for the other part would do nothing.
+        if self.feature_ref is None and (self.standardize or self.missing in ("mean", "median")):
+            what = "standardize scales feature columns" if self.standardize else \
+                f"missing = \"{self.missing}\" fills feature cells"
+            raise ConfigError(f"{what}, but this [data] holds none (only "
+                              f"labels, which are never filled in or scaled): remove it from this party's [data], "
+                              f"and give it to the [data] of the party that holds the features")
+        if self.label_ref is None and self.class_names:
+            raise ConfigError("class_names names the label column's values, but this [data] holds no labels: remove "
+                              "it from this party's [data], and give it to the label owner's")
         if self.categorical_ref is None:
             return
         refs = self.categorical_ref

@@ -146,12 +146,12 @@ class Preparation:
                     raise ConfigError(f"feature column {name!r} holds no value in the training rows, so it has no "
                                       f"mean or median to fill with or scale by")
             if missing == "mean":
-                column.fill = float(np.mean(present))
+                column.fill = _finite(np.mean, present)
             elif missing == "median":
-                column.fill = float(np.median(present))
+                column.fill = _finite(np.median, present)
             if standardize:
-                column.mean = float(np.mean(present))
-                std = float(np.std(present))
+                column.mean = _finite(np.mean, present)
+                std = _finite(np.std, present)
                 column.std = std if std > 0 else 1.0
             prep.columns.append(column)
         return prep
@@ -198,7 +198,11 @@ class Preparation:
                                           f"\"median\" or \"drop_rows\" in [data] to accept missing cells)")
                     values[gaps] = column.fill
                 if column.mean is not None and column.std is not None:
-                    values = (values - column.mean) / column.std
+                    with np.errstate(over="ignore"):
+                        scaled = (values - column.mean) / column.std
+                    far = ~np.isfinite(scaled)      # x - mean beyond float64 (values near its limit): divide first
+                    scaled[far] = values[far] / column.std - column.mean / column.std
+                    values = scaled
                 out[:, at] = values
             at += column.width
         return out
@@ -214,6 +218,18 @@ class Preparation:
                 raise ConfigError(f"{where(i)}: label {shown(label)} is not one of the classes {self.classes[:12]}")
             out[i] = k
         return out
+
+
+def _finite(statistic: Any, present: np.ndarray) -> float:
+    """``statistic`` (``np.mean``, ``np.median`` or ``np.std``) of the finite float64 ``present`` values, computed
+    on the values divided by their largest magnitude (and multiplied back) where the plain sum overflows: a
+    column with values near float64's limit still gets a finite statistic."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        value = float(statistic(present))
+    if not np.isfinite(value):
+        scale = float(np.max(np.abs(present)))
+        value = scale * float(statistic(present / scale))
+    return value
 
 
 MISSING_HINT = " (set missing = \"mean\", \"median\" or \"drop_rows\" in [data] to accept missing cells)"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from distgrad.config.csvfile import number
+from distgrad.config.csvfile import cell_problem, number
 from distgrad.config.data import build_data
 from distgrad.config.parse import load_experiment
 from distgrad.config.prepare import is_missing
@@ -191,6 +191,23 @@ def _drop_missing_labels(table: Table, label: str, notes: list[str]) -> Table:
     return Table(table.path, table.header, kept)
 
 
+def _check_finite(table: Table, name: str, present: Sequence[str]) -> None:
+    """``ConfigError`` for a column of numbers with a cell that reads as a number but no finite one (``inf``,
+    ``1e400``): the run refuses such a cell, and taking the column as text would one-hot every value."""
+    damaged = [c for c in present if number(c) is None]
+    if damaged and len(damaged) < len(present) and all(_reads_as_number(c) for c in damaged):
+        raise ConfigError(f"{table.path}: column {name!r} holds numbers, but {cell_problem(damaged[0])}: give that "
+                          f"cell a finite number, or leave it empty (a missing cell, filled in training)")
+
+
+def _reads_as_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
 def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party: str) -> list[str]:
     """``names`` less the columns no model can use: every cell missing, or text with more than
     ``CATEGORIES_MAX`` distinct values (an identifier or free text); each one left out is noted."""
@@ -198,6 +215,7 @@ def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party:
     for name in names:
         cells = table.column(name)
         present = [c for c in cells if not is_missing(c)]
+        _check_finite(table, name, present)
         if not present:
             notes.append(f"{party}: left out column {name!r}: every cell is missing")
         elif not _is_numbers(cells) and len(set(present)) > CATEGORIES_MAX:

@@ -360,16 +360,19 @@ DATA_OPTIONS: dict[str, str] = {
                "\"error\" (refused, naming its line and column), \"mean\" or \"median\" (of the column's values "
                "in this party's training rows; a categorical cell: an all-zero one-hot row) or \"drop_rows\" (the "
                "row is left out before the split; only where one [data] table holds every part of the rows: a "
-               "combined experiment, or a data owner with the labels and labels = \"first\"; refused elsewhere)",
+               "combined experiment, or a data owner with the labels and labels = \"first\"; refused elsewhere); \"mean\" and \"median\" are refused in a [data] "
+               "without features; every mode but \"error\" in the cut library (its loop reads its own rows)",
     "standardize": "file kinds: each number feature column becomes (x - mean) / std, the mean and standard "
                    "deviation of its values in this party's training rows (a constant column: std 1); one-hot "
-                   "columns stay 0/1",
+                   "columns stay 0/1; refused in a [data] without features and in the cut library",
     "categorical": "csv: feature columns (header names or indices) holding categories (any text), each one-hot "
                    "encoded into one column per category of this party's training rows, sorted, in its place; a "
-                   "held-out row's category never seen in training is all zeros, a predicted row's is refused",
+                   "held-out row's category never seen in training is all zeros, a predicted row's is refused; "
+                   "refused in the cut library",
     "class_names": "file kinds, the label owner: the label column holds class names (any text, or numbers): "
                    "its distinct values, sorted (by value when all are numbers), are class ids 0, 1, ...; "
-                   "distgrad predict writes the names, and --output-scores heads its columns score_NAME",
+                   "distgrad predict writes the names, and --output-scores heads its columns score_NAME; refused "
+                   "in a [data] without labels and in the cut library",
     "feature_names": "npz and npy: the names of the feature columns, in order (distgrad split writes a csv "
                      "header's); distgrad predict matches a CSV --input's header to them by name",
 }

@@ -165,8 +165,9 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
                           f"carry [data]'s {carried} (text cells, missing cells): give each party a stage file "
                           f"whose [data] reads its own CSV with these keys instead")
     held = {"features": first, "labels": owner}
-    source = build_data({**data, **{part: None for part, mine in held.items() if not mine}}, exp.seed,
-                        exp.spec(name).base_dir)
+    features_only = {} if first else {"standardize": False}     # the features' preparation, where they are held
+    source = build_data({**data, **features_only, **{part: None for part, mine in held.items() if not mine}},
+                        exp.seed, exp.spec(name).base_dir)
     parts = source.own_parts()          # type: ignore[attr-defined]   # a file kind is an ArrayFile
     names = source.feature_names() if "features" in parts else None     # type: ignore[attr-defined]
     columns = exp.spec(name).columns

@@ -261,8 +261,8 @@ class Plateau(Schedule):
         if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
             raise ConfigError(f"{PLATEAU}: mode is \"min\" or \"max\" and threshold_mode \"rel\" or \"abs\", got "
                               f"{mode!r} and {threshold_mode!r}")
-        if not 0 < factor < 1:
-            raise ConfigError(f"{PLATEAU}: factor must be in (0, 1), got {factor}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+            raise ConfigError(f"{PLATEAU}: factor must be a number in (0, 1), got {factor!r}")
         for name, value in (("patience", patience), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{PLATEAU}: {name} must be a non-negative integer, got {value!r}")

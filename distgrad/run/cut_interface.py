@@ -26,6 +26,7 @@ import numpy as np
 
 from distgrad.config.experiment import BUILTIN_DIR, Experiment, is_whole
 from distgrad.config.parse import load_experiment, parse_own_loop
+from distgrad.config.prepare import PREPARATION_OPTIONS
 from distgrad.config.split import interface_table
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
@@ -278,6 +279,12 @@ def _check_supported(side: CutSide, source: str) -> None:
                               f"labels with the label owner; remove '{key}' or run the daemons (distgrad-stage)")
     spec = exp.spec(side.stage)
     table = exp.data if spec.data is None else spec.data
+    prepared = [key for key in PREPARATION_OPTIONS if (table or {}).get(key) not in (None, False, "error")]
+    if prepared:
+        raise ConfigError(f"{source}: stage {side.stage!r}: [data] sets {', '.join(prepared)}, which prepare the rows "
+                          f"the daemons read, but the cut library takes only the sample order from [data] and your loop "
+                          f"reads its own features and labels, so it cannot apply them: leave them out of [data] "
+                          f"and prepare the rows in your loop, or run the daemons (distgrad-stage)")
     if (table or {}).get("validation_fraction"):
         raise ConfigError(f"{source}: stage {side.stage!r}: validation_fraction is the daemons' rule: their "
                           f"keep_best and early_stopping choose on the validation rows and the test rows cross "
