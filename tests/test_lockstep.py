@@ -1,0 +1,260 @@
+"""The lockstep path (one data owner, one label owner, no staleness, one micro-batch) keeps every guarantee.
+
+That path is short on both sides (``driver._Driver._lockstep_step``; the serving stage's shortcuts, the reply
+cache of a lockstep peer pruned to its one reply, binary headers read against a precomputed layout,
+misaligned frames copied into reused aligned buffers, ``wire.RECEIVE_BUFFERS``). Each test here runs real
+stage processes over real sockets with activations of 256 KiB (64 x 1024 float32: every frame of that size
+is copied into an aligned receive buffer, libzmq's frames being 8-byte aligned), a numpy label owner and a
+PyTorch module one, and checks a guarantee against the in-process reference, bitwise:
+
+- exactly-once replies: a resent forward gets the very bytes of its first reply and changes nothing, before
+  and after its update was applied; a duplicate of an older step is refused (``step``) and changes nothing;
+- hostile input refused: a future step, another run, a wrong size, dtype or shape, NaN and Inf, an extra or
+  a missing frame, a truncated binary header, a frame bigger than the layout: each a clear error (a frame over
+  the stage's frame limit, its largest expected frame: the connection dropped by ZeroMQ before anything is
+  allocated, as docs/protocol.md says; the peer's wait for a reply times out), the daemon serves on, its
+  checkpoint files are byte for byte unchanged and the run ends bitwise equal to the reference;
+- bounded waits: a frozen peer (SIGSTOP) is a clear timeout error on the other side within its deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+import uuid
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from distgrad.config.parse import load_experiment
+from distgrad.stage.stage import Stage
+from distgrad.wire import messages as wire
+from distgrad.wire.messages import ErrorCode, Message
+
+from conftest import StageProcess, free_tcp_endpoint, hello_message, read_json, run_main, wait_for_file
+
+ROWS, WIDTH = 64, 1024          # the activation: 64 x 1024 float32 = 256 KiB, over wire.ALWAYS_COPY_BYTES
+STEPS = 6
+REPLY_TIMEOUT_MS = 20_000       # a hang guard: a reply that does not come fails the test
+
+NUMPY_G = """
+name = "lockstep-{kind}"
+steps = {steps}
+seed = 5
+labels = "last"
+[data]
+kind = "synthetic_regression"
+samples = 512
+features = 8
+outputs = 1
+batch = {rows}
+[[stages]]
+name = "f"
+model = [{{ type = "dense", name = "a", in = 8, out = {width} }}, {{ type = "tanh" }}]
+optimizer = {{ type = "adam", lr = 0.01 }}
+[[stages]]
+name = "g"
+{g}
+"""
+G_STAGES = {
+    "numpy": ('model = [{ type = "dense", name = "b", in = %d, out = 1 }]\noptimizer = { type = "adam", lr = 0.01 }\n'
+              'loss = "mean_squared_error"' % WIDTH),
+    "torch": 'module = "lockstep_head:head"\noptimizer = { type = "Adam", lr = 0.01 }\nloss = { type = "MSELoss" }',
+}
+TORCH_HEAD = f"""
+from torch import nn
+
+
+def head():
+    return nn.Sequential(nn.Linear({WIDTH}, 16), nn.Tanh(), nn.Linear(16, 1))
+"""
+# The torch label owner takes the same serving path as the numpy one (the default case); only its stage's
+# compute differs, and torch's import costs seconds a process: slow.
+KINDS = pytest.mark.parametrize("kind", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
+DROPPED_WAIT_MS = 1000          # how long a request whose connection ZeroMQ drops is given before it counts as unanswered
+
+
+def write_experiment(tmp_path: Path, kind: str, steps: int = STEPS) -> Path:
+    """The lockstep experiment with a label owner of ``kind`` (a numpy layer list or a torch module); torch
+    cases are skipped without torch."""
+    if kind == "torch":
+        pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]')")
+        (tmp_path / "lockstep_head.py").write_text(TORCH_HEAD)
+    path = tmp_path / f"lockstep-{kind}.toml"
+    path.write_text(NUMPY_G.format(kind=kind, steps=steps, rows=ROWS, width=WIDTH, g=G_STAGES[kind]))
+    return path
+
+
+def in_process_params(tmp_path: Path, experiment: Path, steps: int) -> dict:
+    path = tmp_path / "reference.json"
+    result = run_main(["run", str(experiment), "--in-process", "--steps", str(steps), "--summary", path])
+    assert result.returncode == 0, result.stderr
+    return read_json(path)["params"]
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (checkpoints, their metadata) by relative path: its SHA-256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class RawPeer:
+    """A DEALER on which the test sends frames as it builds them, and reads each reply as bytes."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.ctx, self.endpoint = ctx, endpoint
+        self.sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def request(self, frames: list, timeout_ms: int = REPLY_TIMEOUT_MS) -> list[bytes] | None:
+        """The reply's frames, or None when none came within ``timeout_ms`` (the socket is then made anew)."""
+        self.sock.send_multipart(frames, copy=True)
+        if not self.sock.poll(timeout_ms):
+            self.sock.close(0)
+            self.sock = self._connect()
+            return None
+        return self.sock.recv_multipart()
+
+    def message(self, msg: Message) -> tuple[Message, list[bytes]]:
+        """``msg`` sent; its reply decoded (its tensors read as a backward's, when it is one) and as bytes."""
+        raw = self.request(wire.encode(msg))
+        assert raw is not None, f"no reply to {msg.describe()}"
+        reply = wire.decode(raw)
+        if reply.frames is not None:
+            wire.expect_tensors(reply, {"activation_grad": ((ROWS, WIDTH), np.dtype("<f4"))})
+        return reply, raw
+
+    def error_code(self, frames: list, timeout_ms: int = REPLY_TIMEOUT_MS) -> str | None:
+        """The code of the error ``frames`` got (None: no reply, the connection dropped)."""
+        raw = self.request(frames, timeout_ms)
+        if raw is None:
+            return None
+        reply = wire.decode(raw)
+        assert reply.type == wire.ERROR, f"expected an error reply, got {reply.describe()} {reply.body}"
+        return reply.body["code"]
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def binary_forward(run: str, step: int, frames: list, count: int | None = None) -> list:
+    """A forward's binary header (declaring ``count`` tensors, by default as many as ``frames``) and ``frames``."""
+    header = wire.encode(Message(wire.FORWARD, run, step, tensors={"activation": np.zeros(1, np.float32)}))[0]
+    header = bytearray(header)
+    header[4] = len(frames) if count is None else count       # the tensor count's byte (BINARY_HEADER)
+    return [bytes(header), *frames]
+
+
+def msgpack_forward(run: str, step: int, dtype: str, shape: list[int], frame: bytes) -> list:
+    """A forward with a self-describing header naming ``dtype`` and ``shape`` for ``frame``."""
+    header = {"v": wire.PROTOCOL_VERSION, "type": wire.FORWARD, "run": run, "step": step, "mb": 0, "mbs": 1,
+              "body": {}, "tensors": [["activation", dtype, shape]]}
+    return [msgpack.packb(header, use_bin_type=True), frame]
+
+
+def hostile_forwards(run: str, step: int, good: np.ndarray) -> list[tuple[str, list, str | None]]:
+    """(what, frames, the error code it must get; None: ZeroMQ drops the connection) of forwards for step
+    ``step`` of ``run`` that the label owner must refuse, changing nothing; ``good`` is a valid activation."""
+    data = good.tobytes()
+    nan, inf = good.copy(), good.copy()
+    nan.reshape(-1)[-1] = np.nan          # at the very end: a check that stops short misses it
+    inf.reshape(-1)[0] = -np.inf
+    half = np.ascontiguousarray(good, np.float16).tobytes()
+    return [
+        ("a future step", binary_forward(run, step + 1, [data]), ErrorCode.STEP),
+        ("another run", binary_forward(uuid.uuid4().hex, step, [data]), ErrorCode.RUN),
+        ("a frame 4 bytes short", binary_forward(run, step, [data[:-4]]), ErrorCode.TENSOR),
+        # the stage's frame limit is its largest expected frame: one byte more and ZeroMQ drops the connection
+        ("a frame 4 bytes long", binary_forward(run, step, [data + b"\0" * 4]), None),
+        ("float16 bytes", binary_forward(run, step, [half]), ErrorCode.TENSOR),
+        ("float64 declared", msgpack_forward(run, step, "float64", [ROWS, WIDTH // 2], data), ErrorCode.TENSOR),
+        ("another shape", msgpack_forward(run, step, "float32", [ROWS * 2, WIDTH // 2], data), ErrorCode.TENSOR),
+        ("NaN", binary_forward(run, step, [nan.tobytes()]), ErrorCode.NONFINITE),
+        ("-Inf", binary_forward(run, step, [inf.tobytes()]), ErrorCode.NONFINITE),
+        ("an extra frame", binary_forward(run, step, [data, data]), ErrorCode.TENSOR),
+        ("no frame", binary_forward(run, step, []), ErrorCode.TENSOR),
+        ("a count of 2 with one frame", binary_forward(run, step, [data], count=2), ErrorCode.TENSOR),
+        ("a truncated binary header", [binary_forward(run, step, [data])[0][:20], data], ErrorCode.MALFORMED),
+        ("a frame 8 times the layout", binary_forward(run, step, [data * 8]), None),
+    ]
+
+
+class HonestF:
+    """The experiment's data owner, step by step in this process (what ``distgrad stage f`` computes)."""
+
+    def __init__(self, experiment: Path) -> None:
+        self.exp = load_experiment(str(experiment))
+        self.f, self.data, self.caches = Stage.from_experiment(self.exp, "f"), self.exp.build_data(), {}
+
+    def forward(self, run: str, step: int) -> Message:
+        y, self.caches[step] = self.f.forward(self.data.features(step))
+        return Message(wire.FORWARD, run, step, tensors={"activation": y})
+
+    def took(self, step: int, reply: Message) -> None:
+        _, grads = self.f.backward(self.caches.pop(step), reply.tensors["activation_grad"].copy())
+        self.f.apply(grads)
+
+
+def ping_step(peer: RawPeer, run: str) -> int:
+    """The label owner's applied steps, as its pong says (a barrier: the reply before it has left)."""
+    reply, _ = peer.message(Message(wire.PING, run, 0))
+    assert reply.type == wire.PONG
+    return reply.body["step"]
+
+
+@KINDS
+def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, tmp_path, start_server, zmq_ctx):
+    """A hand-driven lockstep run against a ``distgrad-stage g`` daemon: every forward is sent twice (its reply
+    lost) and gets the same reply bytes, before and after its update; a duplicate of the step before is refused;
+    between steps, every hostile forward of ``hostile_forwards`` gets its error, leaves the checkpoint files
+    byte for byte as they were, and the run ends bitwise equal to the in-process one."""
+    experiment = write_experiment(tmp_path, kind)
+    reference = in_process_params(tmp_path, experiment, STEPS)
+    bind = free_tcp_endpoint() if kind == "numpy" else f"ipc://{tmp_path}/g.sock"
+    checkpoints = tmp_path / "ckpt"
+    g, endpoint = start_server(str(experiment), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
+                               "--summary", str(tmp_path / "g.json"), bind=bind)
+    peer, hostile = RawPeer(zmq_ctx, endpoint), RawPeer(zmq_ctx, endpoint)
+    honest, run = HonestF(experiment), uuid.uuid4().hex
+    welcome, _ = peer.message(hello_message(honest.exp, run))
+    assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1
+    previous = None
+    for step in range(1, STEPS + 1):
+        forward = honest.forward(run, step)
+        frames = wire.encode(forward)
+        if step == 3:       # before this step's forward: every hostile one, each refused, changing nothing
+            before = files_digest(checkpoints)
+            assert before, "no checkpoint was written"
+            for what, bad, code in hostile_forwards(run, step, forward.tensors["activation"]):
+                assert hostile.error_code(bad, DROPPED_WAIT_MS if code is None else REPLY_TIMEOUT_MS) == code, what
+                assert ping_step(peer, run) == step - 1, what
+                assert files_digest(checkpoints) == before, what
+                assert g.proc.poll() is None, g.output
+        reply, first = peer.message(forward)
+        assert reply.type == wire.BACKWARD, (reply.describe(), reply.body)
+        again = peer.request(frames)           # the first reply was lost: the same bytes, no second update
+        assert again == first
+        assert ping_step(peer, run) == step
+        assert peer.request(frames) == first   # and once the update is applied
+        if previous is not None:               # a duplicate of the step before: refused, nothing changes
+            assert peer.error_code(previous) == ErrorCode.STEP
+            assert peer.request(frames) == first
+        honest.took(step, reply)
+        previous = frames
+    bye, _ = peer.message(Message(wire.BYE, run, STEPS + 1, body={"steps": STEPS}))
+    assert bye.type == wire.BYE
+    assert g.wait() == 0, g.output
+    summary = read_json(tmp_path / "g.json")
+    assert summary["steps"] == STEPS and summary["params"]["g"] == reference["g"]
+    assert {name: value.tolist() for name, value in honest.f.params.items()} == reference["f"]
+    peer.close()
+    hostile.close()
