@@ -258,3 +258,35 @@ def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, t
     assert {name: value.tolist() for name, value in honest.f.params.items()} == reference["f"]
     peer.close()
     hostile.close()
+
+
+# ---------------------------------------------------------------- a frozen peer
+
+FROZEN_STEPS = 100_000          # more than the run reaches before its peer is frozen
+FROZEN_TIMEOUTS = ["--timeout", "0.3", "--liveness", "1", "--peer-deadline", "2"]
+
+
+@pytest.mark.parametrize("frozen", ["g", "f"])
+def test_a_frozen_peer_is_a_clear_timeout_on_the_other_side_not_a_hang(frozen, tmp_path, start_server):
+    """SIGSTOP of either stage of a lockstep run in progress: the other exits 3 (``PeerTimeout``) with a message
+    naming what it waited for, within its deadlines (the wait for it is a hang guard, not a timing claim)."""
+    experiment = write_experiment(tmp_path, "numpy", FROZEN_STEPS)
+    g, endpoint = start_server(str(experiment), *FROZEN_TIMEOUTS)
+    metrics = tmp_path / "f.metrics.jsonl"
+    with StageProcess(["f", "--experiment", experiment, "--connect", endpoint, "--metrics", metrics,
+                       *FROZEN_TIMEOUTS], tmp_path / "f.log") as f:
+        wait_for_file(metrics, f)
+        while metrics.read_text().count("\n") < 3:   # a few steps applied: the run is in its lockstep loop
+            assert f.proc.poll() is None and g.proc.poll() is None, f.output + g.output
+        victim, survivor = (g, f) if frozen == "g" else (f, g)
+        victim.signal(signal.SIGSTOP)
+        try:
+            code = survivor.wait(60)
+        finally:
+            victim.signal(signal.SIGKILL)
+        assert code == 3, survivor.output
+        if frozen == "g":
+            assert f"no reply from {endpoint}" in survivor.output and "gave up after" in survivor.output, survivor.output
+        else:
+            assert "lost for more than" in survivor.output and "giving up" in survivor.output, survivor.output
+        assert "Traceback" not in survivor.output, survivor.output
