@@ -290,3 +290,74 @@ def test_a_frozen_peer_is_a_clear_timeout_on_the_other_side_not_a_hang(frozen, t
         else:
             assert "lost for more than" in survivor.output and "giving up" in survivor.output, survivor.output
         assert "Traceback" not in survivor.output, survivor.output
+
+
+# ---------------------------------------------------------------- kill -9 and resume, large tensors
+
+# g's model is an identity over a 1024 x 8192 activation (32 MiB) with the sum of squared errors: its activation
+# gradient is the loss's, written into the loss's ``BufferRing`` (arrays from ``buffers.REUSE_MIN_BYTES`` up are
+# reused once nothing holds them) and sent, and kept for a resend, as it is.
+RING = """
+name = "lockstep-ring"
+steps = {steps}
+seed = 5
+labels = "last"
+[data]
+kind = "synthetic_regression"
+samples = 2048
+features = 8
+outputs = 8192
+batch = 1024
+[[stages]]
+name = "f"
+model = [{{ type = "dense", name = "a", in = 8, out = 8192 }}, {{ type = "tanh" }}]
+optimizer = {{ type = "adam", lr = 0.01 }}
+[[stages]]
+name = "g"
+model = [{{ type = "identity" }}]
+loss = "sum_squared_error"
+"""
+
+
+def checkpointed(folder: Path, stage: str) -> int:
+    """The newest step ``stage`` has a checkpoint of in ``folder`` (0: none yet)."""
+    return max((int(p.stem.rsplit("-", 1)[1]) for p in folder.glob(f"{stage}-*.ckpt")), default=0)
+
+
+# The default suite kills stages of a lockstep run (one micro-batch, no staleness, two stages) with small
+# tensors: tests/test_faults.py::test_sigkill_at_several_steps_then_restart_gives_bitwise_equal_parameters. These
+# add tensors on the aligned-buffer path (256 KiB), a torch label owner, and the 32 MiB gradient ring: slow.
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind,steps,transport", [("numpy", 60, "tcp"), ("torch", 60, "ipc"), ("ring", 24, "ipc")])
+def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, steps, transport, tmp_path,
+                                                                        stage_group):
+    """g killed -9 a third of the way, f two thirds of the way, each restarted with ``--resume``: the final
+    parameters are bitwise those of the in-process run, every tensor having crossed in reused receive buffers
+    (and, for ``ring``, the label owner's gradients in its reused ring)."""
+    from conftest import StageGroup
+
+    if kind == "ring":
+        experiment = tmp_path / "lockstep-ring.toml"
+        experiment.write_text(RING.format(steps=steps))
+    else:
+        experiment = write_experiment(tmp_path, kind, steps)
+    reference = in_process_params(tmp_path, experiment, steps)
+    endpoint = free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/g.sock"
+    common = ["--experiment", experiment, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2",
+              "--resume", "--timeout", "2", "--peer-deadline", "60"]
+    pair = stage_group(StageGroup, tmp_path)
+    pair.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
+                 "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", *common]}
+    pair.start("g")
+    pair.start("f")
+    for fraction, victim in ((1 / 3, "g"), (2 / 3, "f")):
+        target = int(steps * fraction)
+        pair.wait_until(lambda: checkpointed(tmp_path / "ckpt", "f") >= target, f"step {target}", timeout=300)
+        pair.kill_9_and_restart(victim)
+    pair.wait_all(timeout=300)
+    f_summary, g_summary = read_json(tmp_path / "f.json"), read_json(tmp_path / "g.json")
+    assert f_summary["steps"] == g_summary["steps"] == steps
+    assert f_summary["params"]["f"] == reference["f"]
+    assert g_summary["params"].get("g", {}) == reference.get("g", {})
+    assert "resumed" in pair.logs()
