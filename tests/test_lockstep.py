@@ -146,11 +146,13 @@ class RawPeer:
         self.sock.close(0)
 
 
-def binary_forward(run: str, step: int, frames: list, count: int | None = None) -> list:
-    """A forward's binary header (declaring ``count`` tensors, by default as many as ``frames``) and ``frames``."""
+def binary_forward(run: str, step: int, frames: list, count: int | None = None, mb: int = 0) -> list:
+    """A forward's binary header (declaring ``count`` tensors, by default as many as ``frames``, and micro-batch
+    ``mb`` of one, whatever it is) and ``frames``."""
     header = wire.encode(Message(wire.FORWARD, run, step, tensors={"activation": np.zeros(1, np.float32)}))[0]
     header = bytearray(header)
     header[4] = len(frames) if count is None else count       # the tensor count's byte (BINARY_HEADER)
+    header[16:20] = mb.to_bytes(4, "little")                  # mb, then mbs (1)
     return [bytes(header), *frames]
 
 
@@ -185,6 +187,13 @@ def hostile_forwards(run: str, step: int, good: np.ndarray) -> list[tuple[str, l
         ("a count of 2 with one frame", binary_forward(run, step, [data], count=2), ErrorCode.TENSOR),
         ("a truncated binary header", [binary_forward(run, step, [data])[0][:20], data], ErrorCode.MALFORMED),
         ("a frame 8 times the layout", binary_forward(run, step, [data * 8]), None),
+        ("micro-batch 0 of 2", wire.encode(Message(wire.FORWARD, run, step, 0, 2, tensors={"activation": good})),
+         ErrorCode.STEP),
+        ("micro-batch 1 of 1", binary_forward(run, step, [data], mb=1), ErrorCode.MALFORMED),
+        ("a bye before the last step", wire.encode(Message(wire.BYE, run, step, body={"steps": step})),
+         ErrorCode.STEP),
+        ("an evaluation of the wrong rows", wire.encode(Message(wire.EVALUATE, run, step,
+                                                                tensors={"activation": good[:3]})), ErrorCode.TYPE),
     ]
 
 
