@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -223,7 +224,8 @@ def ping_step(peer: RawPeer, run: str) -> int:
 @KINDS
 def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, tmp_path, start_server, zmq_ctx):
     """A hand-driven lockstep run against a ``distgrad-stage g`` daemon: every forward is sent twice (its reply
-    lost) and gets the same reply bytes, before and after its update; a duplicate of the step before is refused;
+    lost) and gets the same reply bytes, before and after its update; a duplicate of the step before, or of the
+    first step, is refused;
     between steps, every hostile forward of ``hostile_forwards`` gets its error, leaves the checkpoint files
     byte for byte as they were, and the run ends bitwise equal to the in-process one."""
     experiment = write_experiment(tmp_path, kind)
@@ -236,7 +238,7 @@ def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, t
     honest, run = HonestF(experiment), uuid.uuid4().hex
     welcome, _ = peer.message(hello_message(honest.exp, run))
     assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1
-    previous = None
+    sent: list[list] = []                      # every step's forward, as sent
     for step in range(1, STEPS + 1):
         forward = honest.forward(run, step)
         frames = wire.encode(forward)
@@ -254,11 +256,11 @@ def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, t
         assert again == first
         assert ping_step(peer, run) == step
         assert peer.request(frames) == first   # and once the update is applied
-        if previous is not None:               # a duplicate of the step before: refused, nothing changes
-            assert peer.error_code(previous) == ErrorCode.STEP
+        for old in sent[-1:] + sent[:1]:       # a duplicate of the step before, of the first: refused, no change
+            assert peer.error_code(old) == ErrorCode.STEP
             assert peer.request(frames) == first
         honest.took(step, reply)
-        previous = frames
+        sent.append(frames)
     bye, _ = peer.message(Message(wire.BYE, run, STEPS + 1, body={"steps": STEPS}))
     assert bye.type == wire.BYE
     assert g.wait() == 0, g.output
@@ -370,3 +372,42 @@ def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, st
     assert f_summary["params"]["f"] == reference["f"]
     assert g_summary["params"].get("g", {}) == reference.get("g", {})
     assert "resumed" in pair.logs()
+
+
+# ---------------------------------------------------------------- a reply lost on a real link
+
+RELAY = Path(__file__).resolve().parent / "tcp_relay.py"
+STEP_BYTES = 2 * 4 * ROWS * WIDTH       # a step's forward and reply, tensors only, both directions
+
+
+# The default suite resends forwards and checks each reply's bytes over a real socket (the hand-driven run above);
+# this one lets the real driver do it after a real cut, as tests/test_netns.py does in namespaces: slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("cut_in", ["forward", "reply"])
+def test_a_link_cut_mid_step_is_resent_and_answered_once_bitwise(cut_in, tmp_path, start_server):
+    """A relay between the stages resets both connections once, inside step 11's forward or its reply (the
+    reply lost after g applied the step): the driver resends on a fresh connection, g answers from its reply
+    cache or computes the step then, and both stages end bitwise equal to the in-process run."""
+    steps = 30
+    experiment = write_experiment(tmp_path, "numpy", steps)
+    reference = in_process_params(tmp_path, experiment, steps)
+    g, endpoint = start_server(str(experiment), "--summary", str(tmp_path / "g.json"), "--liveness", "5",
+                               bind=free_tcp_endpoint())
+    listen = free_tcp_endpoint().removeprefix("tcp://")
+    cut = 10 * STEP_BYTES + (STEP_BYTES // 4 if cut_in == "forward" else 3 * STEP_BYTES // 4)
+    relay = StageProcess([RELAY, "--listen", listen, "--target", endpoint.removeprefix("tcp://"),
+                          "--cut-after-bytes", cut, "--report", tmp_path / "relay.json",
+                          "--ready-file", tmp_path / "relay.ready"], tmp_path / "relay.log",
+                         command=[sys.executable])
+    with relay:
+        wait_for_file(tmp_path / "relay.ready", relay)
+        with StageProcess(["f", "--experiment", experiment, "--connect", f"tcp://{listen}", "--summary",
+                           tmp_path / "f.json", "--timeout", "0.5", "--peer-deadline", "30"],
+                          tmp_path / "f.log") as f:
+            assert f.wait() == 0, f.output
+        assert g.wait() == 0, g.output
+        assert read_json(tmp_path / "relay.json")["cuts"] == 1
+    f_summary, g_summary = read_json(tmp_path / "f.json"), read_json(tmp_path / "g.json")
+    assert f_summary["params"]["f"] == reference["f"] and g_summary["params"]["g"] == reference["g"]
+    assert f_summary["steps"] == g_summary["steps"] == steps
+    assert "reconnecting" in f.output and "shaking hands again" not in f.output, f.output
