@@ -20,7 +20,6 @@ PyTorch module one, and checks a guarantee against the in-process reference, bit
 from __future__ import annotations
 
 import hashlib
-import math
 import signal
 import sys
 import uuid
