@@ -4,8 +4,8 @@ That path is short on both sides (``driver._Driver._lockstep_step``; the serving
 cache of a lockstep peer pruned to its one reply, binary headers read against a precomputed layout,
 misaligned frames copied into reused aligned buffers, ``wire.RECEIVE_BUFFERS``). Each test here runs real
 stage processes over real sockets with activations of 256 KiB (64 x 1024 float32: every frame of that size
-is copied into an aligned receive buffer, libzmq's frames being 8-byte aligned), a numpy label owner and a
-PyTorch module one, and checks a guarantee against the in-process reference, bitwise:
+is copied into an aligned receive buffer, libzmq's frames being 8-byte aligned), with numpy layer lists or
+PyTorch modules on both sides, and checks a guarantee against the in-process reference, bitwise:
 
 - exactly-once replies: a resent forward gets the very bytes of its first reply and changes nothing, before
   and after its update was applied; a duplicate of an older step is refused (``step``) and changes nothing;
@@ -14,6 +14,9 @@ PyTorch module one, and checks a guarantee against the in-process reference, bit
   the stage's frame limit, its largest expected frame: the connection dropped by ZeroMQ before anything is
   allocated, as docs/protocol.md says; the peer's wait for a reply times out), the daemon serves on, its
   checkpoint files are byte for byte unchanged and the run ends bitwise equal to the reference;
+- resume: either stage killed -9 mid-run and restarted with ``--resume`` ends bitwise as an uninterrupted run,
+  the received tensors in reused aligned buffers and, with a 32 MiB gradient, the label owner's in its reused
+  ``BufferRing``; a link cut inside a step's forward or reply is resent and answered once;
 - bounded waits: a frozen peer (SIGSTOP) is a clear timeout error on the other side within its deadline.
 """
 
@@ -42,7 +45,7 @@ ROWS, WIDTH = 64, 1024          # the activation: 64 x 1024 float32 = 256 KiB, o
 STEPS = 6
 REPLY_TIMEOUT_MS = 20_000       # a hang guard: a reply that does not come fails the test
 
-NUMPY_G = """
+EXPERIMENT = """
 name = "lockstep-{kind}"
 steps = {steps}
 seed = 5
@@ -55,37 +58,45 @@ outputs = 1
 batch = {rows}
 [[stages]]
 name = "f"
-model = [{{ type = "dense", name = "a", in = 8, out = {width} }}, {{ type = "tanh" }}]
-optimizer = {{ type = "adam", lr = 0.01 }}
+{f}
 [[stages]]
 name = "g"
 {g}
 """
+F_STAGES = {
+    "numpy": ('model = [{ type = "dense", name = "a", in = 8, out = %d }, { type = "tanh" }]\n'
+              'optimizer = { type = "adam", lr = 0.01 }' % WIDTH),
+    "torch": 'module = "lockstep_torch:body"\noutput = [%d]\noptimizer = { type = "Adam", lr = 0.01 }' % WIDTH,
+}
 G_STAGES = {
     "numpy": ('model = [{ type = "dense", name = "b", in = %d, out = 1 }]\noptimizer = { type = "adam", lr = 0.01 }\n'
               'loss = "mean_squared_error"' % WIDTH),
-    "torch": 'module = "lockstep_head:head"\noptimizer = { type = "Adam", lr = 0.01 }\nloss = { type = "MSELoss" }',
+    "torch": 'module = "lockstep_torch:head"\noptimizer = { type = "Adam", lr = 0.01 }\nloss = { type = "MSELoss" }',
 }
-TORCH_HEAD = f"""
+TORCH_MODULES = f"""
 from torch import nn
+
+
+def body():
+    return nn.Sequential(nn.Linear(8, {WIDTH}), nn.Tanh())
 
 
 def head():
     return nn.Sequential(nn.Linear({WIDTH}, 16), nn.Tanh(), nn.Linear(16, 1))
 """
-# The torch label owner takes the same serving path as the numpy one (the default case); only its stage's
-# compute differs, and torch's import costs seconds a process: slow.
+# Torch stages take the same paths as numpy ones (the default case); only their compute differs, and torch's
+# import costs seconds a process: slow.
 KINDS = pytest.mark.parametrize("kind", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
 
 
 def write_experiment(tmp_path: Path, kind: str, steps: int = STEPS) -> Path:
-    """The lockstep experiment with a label owner of ``kind`` (a numpy layer list or a torch module); torch
-    cases are skipped without torch."""
+    """The lockstep experiment with stages of ``kind`` (numpy layer lists, or torch modules); torch cases are
+    skipped without torch."""
     if kind == "torch":
         pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]')")
-        (tmp_path / "lockstep_head.py").write_text(TORCH_HEAD)
+        (tmp_path / "lockstep_torch.py").write_text(TORCH_MODULES)
     path = tmp_path / f"lockstep-{kind}.toml"
-    path.write_text(NUMPY_G.format(kind=kind, steps=steps, rows=ROWS, width=WIDTH, g=G_STAGES[kind]))
+    path.write_text(EXPERIMENT.format(kind=kind, steps=steps, rows=ROWS, f=F_STAGES[kind], g=G_STAGES[kind]))
     return path
 
 
