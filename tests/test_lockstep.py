@@ -100,9 +100,10 @@ def write_experiment(tmp_path: Path, kind: str, steps: int = STEPS) -> Path:
     return path
 
 
-def in_process_params(tmp_path: Path, experiment: Path, steps: int) -> dict:
+def in_process_params(tmp_path: Path, experiment: Path, steps: int, *extra: str) -> dict:
+    """Both stages' parameters after ``steps`` steps of ``experiment`` in one process (``extra``: options)."""
     path = tmp_path / "reference.json"
-    result = run_main(["run", str(experiment), "--in-process", "--steps", str(steps), "--summary", path])
+    result = run_main(["run", str(experiment), "--in-process", "--steps", str(steps), "--summary", path, *extra])
     assert result.returncode == 0, result.stderr
     return read_json(path)["params"]
 
@@ -361,12 +362,16 @@ def checkpointed(folder: Path, stage: str) -> int:
 # add tensors on the aligned-buffer path (256 KiB), a torch label owner, and the 32 MiB gradient ring: slow.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind,steps,transport", [("numpy", 60, "tcp"), ("torch", 60, "ipc"), ("ring", 24, "ipc")])
-def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, steps, transport, tmp_path,
+@pytest.mark.parametrize("kind,steps,transport,extra", [
+    ("numpy", 60, "tcp", []), ("torch", 60, "ipc", []), ("ring", 24, "ipc", []),
+    # codecs with error feedback and the privacy meters on both sides: tensors a codec and a meter hold
+    ("numpy", 60, "ipc", ["--activation-codec", "int8", "--gradient-codec", "topk:1000+ef", "--privacy-meter"])],
+    ids=["numpy", "torch", "ring", "codecs-meter"])
+def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, steps, transport, extra, tmp_path,
                                                                         stage_group):
     """g killed -9 a third of the way, f two thirds of the way, each restarted with ``--resume``: the final
-    parameters are bitwise those of the in-process run, every tensor having crossed in reused receive buffers
-    (and, for ``ring``, the label owner's gradients in its reused ring)."""
+    parameters are bitwise those of the in-process run (with the same ``extra`` options), every tensor having
+    crossed in reused receive buffers (and, for ``ring``, the label owner's gradients in its reused ring)."""
     from conftest import StageGroup
 
     if kind == "ring":
@@ -374,9 +379,9 @@ def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, st
         experiment.write_text(RING.format(steps=steps))
     else:
         experiment = write_experiment(tmp_path, kind, steps)
-    reference = in_process_params(tmp_path, experiment, steps)
+    reference = in_process_params(tmp_path, experiment, steps, *extra)
     endpoint = free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/g.sock"
-    common = ["--experiment", experiment, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2",
+    common = [*extra, "--experiment", experiment, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2",
               "--resume", "--timeout", "2", "--peer-deadline", "60"]
     pair = stage_group(StageGroup, tmp_path)
     pair.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
