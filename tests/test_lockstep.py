@@ -276,6 +276,7 @@ def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, t
         assert again == first
         assert ping_step(peer, run) == step
         assert peer.request(frames) == first   # and once the update is applied
+        assert hostile.request(frames) == first     # and on a fresh connection, as the driver resends
         for old in sent[-1:] + sent[:1]:       # a duplicate of the step before, of the first: refused, no change
             assert peer.error_code(old) == ErrorCode.STEP
             assert peer.request(frames) == first
