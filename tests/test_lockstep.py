@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -438,3 +439,39 @@ def test_a_link_cut_mid_step_is_resent_and_answered_once_bitwise(cut_in, tmp_pat
     assert f_summary["params"]["f"] == reference["f"] and g_summary["params"]["g"] == reference["g"]
     assert f_summary["steps"] == g_summary["steps"] == steps
     assert "reconnecting" in f.output and "shaking hands again" not in f.output, f.output
+
+
+# The default suite covers a driver retrying on fresh connections until its peer answers again
+# (tests/test_faults.py::test_server_restarted_while_the_driver_waits); a thawed peer, which then finds every
+# resend queued, is slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", ["g", "f"])
+def test_a_peer_frozen_within_the_deadlines_then_thawed_changes_nothing(frozen, tmp_path, start_server):
+    """SIGSTOP of either stage for longer than several reply timeouts but within every deadline, then SIGCONT:
+    the driver's resends (each on a fresh connection) reach g together once it thaws, each is answered from the
+    reply cache or refused as an older step, and both stages end bitwise equal to the in-process run."""
+    steps = 40
+    timeouts = ["--timeout", "0.2", "--liveness", "10", "--peer-deadline", "30"]
+    experiment = write_experiment(tmp_path, "numpy", steps)
+    reference = in_process_params(tmp_path, experiment, steps)
+    g, endpoint = start_server(str(experiment), "--summary", str(tmp_path / "g.json"), *timeouts)
+    metrics = tmp_path / "f.metrics.jsonl"
+    with StageProcess(["f", "--experiment", experiment, "--connect", endpoint, "--metrics", metrics,
+                       "--summary", tmp_path / "f.json", *timeouts], tmp_path / "f.log") as f:
+        wait_for_file(metrics, f)
+        while metrics.read_text().count("\n") < 3:     # a few steps applied: the run is in its lockstep loop
+            assert f.proc.poll() is None and g.proc.poll() is None, f.output + g.output
+        victim = g if frozen == "g" else f
+        victim.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):      # past several of f's 0.2 s reply timeouts
+                (f if frozen == "g" else g).proc.wait(1.5)
+        finally:
+            victim.signal(signal.SIGCONT)
+        assert f.wait() == 0, f.output
+    assert g.wait() == 0, g.output
+    f_summary, g_summary = read_json(tmp_path / "f.json"), read_json(tmp_path / "g.json")
+    assert f_summary["params"]["f"] == reference["f"] and g_summary["params"]["g"] == reference["g"]
+    assert f_summary["steps"] == g_summary["steps"] == steps
+    if frozen == "g":
+        assert f.output.count("reconnecting") >= 2, f.output
