@@ -96,6 +96,24 @@ def test_an_epsilon_of_10_or_more_is_printed_as_no_meaningful_guarantee(tmp_path
     assert "on the cut gradients only" in budget_text(tight)
 
 
+def test_a_label_dp_or_lifetime_epsilon_of_10_or_more_is_no_meaningful_guarantee_in_the_summary_too(tmp_path):
+    """The summary's JSON says what the printed line says: a label_dp epsilon of 10 or more, and a row's
+    epsilon over every run the label owner served (``lifetime_epsilon``) of 10 or more, bound nothing."""
+    loose = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 12 }", "rr.toml")),
+                           ["g"], 10, 0)["privacy"]
+    assert "no meaningful" in loose["g"]["label_dp"]["guarantee"] and "NO meaningful" in budget_text(loose)
+    tight = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2 }", "rr2.toml")),
+                           ["g"], 10, 0)["privacy"]
+    assert "guarantee" not in tight["g"]["label_dp"]
+    exp = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 8 }", "life.toml"))
+    one_run = privacy_budget(exp, ["g"], 44, 0, released={"g": 1}, lifetime={"g": 2})["privacy"]["g"]["clip_noise"]
+    assert one_run["lifetime_epsilon"] < 10 and "no meaningful" not in one_run["guarantee"]
+    many = privacy_budget(exp, ["g"], 44, 0, released={"g": 1}, lifetime={"g": 400})["privacy"]
+    clip = many["g"]["clip_noise"]
+    assert clip["epsilon"] < 10 <= clip["lifetime_epsilon"]
+    assert "no meaningful" in clip["guarantee"] and "NO meaningful" in budget_text(many)
+
+
 # --- runs -------------------------------------------------------------------------------------------------
 
 def test_the_target_form_in_process_reports_the_planned_budget_and_the_worst_rows_releases(tmp_path):

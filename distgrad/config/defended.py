@@ -21,8 +21,8 @@ import numpy as np
 from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
-from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, gaussian_label_dp, label_budget,
-                                     sigma_for_target)
+from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, NO_MEANINGFUL_GUARANTEE,
+                                     gaussian_label_dp, label_budget, sigma_for_target)
 from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
@@ -367,13 +367,16 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
 
 def _add_lifetime(entry: dict[str, Any], releases: int) -> None:
     """A label owner's ``clip_noise`` budget ``entry`` with its worst row's ``releases`` over every run it
-    served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``)."""
+    served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``); when
+    that is ``MEANINGFUL_EPSILON`` or more, the entry's ``guarantee`` says it bounds nothing, as the printed line does."""
     if releases >= UNBOUNDED_RELEASES:      # an earlier run released a row without noise: nothing bounds it
-        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf)
+        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf, guarantee=NO_MEANINGFUL_GUARANTEE)
         return
     entry["lifetime_releases"] = releases
     if "epsilon" in entry:
         entry["lifetime_epsilon"] = gaussian_label_dp(entry["sigma"], releases, entry["delta"]) if releases else 0.0
+    if not float(entry.get("lifetime_epsilon", 0.0)) < MEANINGFUL_EPSILON:
+        entry["guarantee"] = NO_MEANINGFUL_GUARANTEE        # the row's runs together bound nothing
 
 
 def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:

@@ -92,10 +92,12 @@ def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int
     adds its ``target_epsilon`` and the ``planned_releases`` its sigma was chosen for. ``scope`` says which
     guarantee the run has (``GUARANTEE_SCOPE``: per release, on the cut gradients only; the label owner's own
     update is not privatised), ``guarantee`` the same, or that an epsilon of ``MEANINGFUL_EPSILON`` or more
-    bounds nothing."""
+    bounds nothing; a ``label_dp`` epsilon that large gets that ``guarantee`` too."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
         budget["label_dp"] = label_dp.budget()
+        if not label_dp.epsilon < MEANINGFUL_EPSILON:      # exact, and still no bound an attacker cares about
+            budget["label_dp"]["guarantee"] = NO_MEANINGFUL_GUARANTEE
     if clip is not None:
         sigma = clip.noise
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": sigma / 2.0,
