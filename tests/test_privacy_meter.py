@@ -127,6 +127,23 @@ def test_bad_meter_settings_are_refused_naming_the_key(tmp_path):
     assert result.returncode == 2 and "privacy_meter" in result.stderr
 
 
+def test_a_label_owner_with_real_valued_targets_refuses_its_meter_rather_than_measuring_nothing(tmp_path):
+    """The label meter scores class labels; a regression's label owner (real-valued targets) would run with
+    'privacy_meter' on and report no figure. It is refused with the reason; --privacy-meter meters the data
+    owner alone there."""
+    text = (BUILTIN_DIR / "chain-regression.toml").read_text()
+    path = tmp_path / "metered.toml"
+    path.write_text(text.replace('name = "g"\n', 'name = "g"\nprivacy_meter = true\n'))
+    with pytest.raises(ConfigError, match="'privacy_meter'.*real-valued"):
+        load_experiment(path)
+    tanh = load_experiment("tanh-regression")
+    with pytest.raises(ConfigError, match="'privacy_meter'.*real-valued"):
+        meter_kind(tanh, tanh.stage_names[-1])
+    summary = train_in_process(tanh, steps=60, privacy_meter=True)
+    assert summary["input_leaks"] and "label_leaks" not in summary
+    assert meter_kind(load_experiment("digits"), "g") == LABELS
+
+
 def test_a_metered_run_over_processes_is_bitwise_the_unmetered_and_meters_as_in_process(tmp_path):
     """Micro-batches and a gradient codec; both stages metered (the key on g, the flag on f)."""
     path = _combined(tmp_path, s1={"privacy_meter": True})

@@ -55,6 +55,9 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         if exp.send_rows:
             raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "
                          "are the data owner's to choose")
+        if exp.has_stage(stage) and not _class_ids(exp, stage):
+            raise refuse("scores what the gradients tell of class labels (recovery by class, averaging, model "
+                         "completion); this label owner's targets are real-valued, so it would measure nothing")
         return "labels"
     if stage in exp.data_owners:        # the first stage, each client's copy of it, or a feature party
         if exp.secure_aggregation:
@@ -64,6 +67,19 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
                      "so its gradients tell the data owner nothing it does not hold")
     raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
+
+
+def _class_ids(exp: Experiment, stage: str) -> bool:
+    """Whether the targets of ``stage`` are class ids (integers, or whole-valued floats such as 0/1 or one-hot
+    rows): what the label meter scores."""
+    data = exp.build_data(stage=stage)
+    if data.target_dtype.kind in "iub":
+        return True
+    every = getattr(data, "all_targets", None)
+    if every is None:
+        return False
+    targets = np.asarray(every(), np.float64)
+    return bool(np.isfinite(targets).all() and np.array_equal(targets, np.round(targets)))
 
 
 def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
