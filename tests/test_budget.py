@@ -303,3 +303,14 @@ def test_dp_sgd_over_processes_is_bitwise_the_in_process_run(tmp_path):
 def test_a_data_owners_clip_noise_with_a_target_epsilon_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="target epsilon is the label owner's"):
         load_experiment(_digits(tmp_path, "clip_noise = { max_norm = 4.0, epsilon = 8.0 }", ""))
+
+
+@pytest.mark.parametrize("builtin,owner", [("digits", 0), ("vertical-classify", 1), ("digits-clients", 0)])
+def test_a_data_owners_clip_noise_delta_is_refused_rather_than_ignored(tmp_path, builtin, owner):
+    """delta is the label owner's label-DP budget's; a data owner's clip_noise states no guarantee, so a delta
+    there would be accepted and do nothing."""
+    from test_defenses import _defended
+    with pytest.raises(ConfigError, match="'clip_noise' delta .* would change nothing"):
+        load_experiment(_defended(tmp_path, builtin, {owner: "clip_noise = { max_norm = 4.0, sigma = 0.1, "
+                                                             "delta = 1e-6 }"}))
+    load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0, delta = 1e-6 }"))

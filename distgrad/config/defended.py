@@ -23,7 +23,7 @@ from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
 from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, NO_MEANINGFUL_GUARANTEE,
                                      gaussian_label_dp, label_budget, sigma_for_target)
-from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
+from distgrad.privacy.defenses import DEFAULT_DELTA, ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
@@ -151,6 +151,10 @@ def check_defenses(exp: Experiment) -> None:
         if d.clip_noise is not None and d.clip_noise.epsilon is not None and not label_owner:
             raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is the label owner's (a label-DP budget); "
                               f"a data owner's clip_noise states no guarantee for its inputs: give it a sigma")
+        if d.clip_noise is not None and d.clip_noise.delta != DEFAULT_DELTA and not label_owner:
+            raise ConfigError(f"{where}: 'clip_noise' delta is the delta of the label owner's label-DP budget; a data "
+                              f"owner's clip_noise states no guarantee for its inputs, so its delta would change "
+                              f"nothing: remove it")
         if d.nopeek is not None and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
                               f"sends from its inputs); {spec.name!r} receives activations")
