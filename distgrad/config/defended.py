@@ -250,13 +250,18 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from with the run's noise ``secret``
     (default: a fresh one, ``fresh_secret``). The label owner's ledger counts each row's releases (the rows of
     its own data's order, or those a forward names) and, for a target form, refuses the release that would
-    pass the planned count."""
+    pass the planned count. A label owner with RR-with-prior (``label_dp`` in stages) gets one too, which
+    sends its rows unchanged and refuses a step computed again on other values."""
     if not exp.has_stage(stage):
         return None
     defenses = stage_defenses(exp, stage, exp.steps if steps is None else steps, seed)
-    if not defenses.on_rows:
-        return None
     gradients = label_owner_sends_gradients(exp, stage)
+    # RR-with-prior draws a row's label with the prior of the forward that first trains on it: a step computed
+    # again on other activations (a resume after kill -9 lost its answers) would draw it again, so its
+    # releases are recorded and such a step refused, as a noised one's are (nothing is added to the rows).
+    staged = gradients and defenses.label_dp is not None and defenses.label_dp.staged
+    if not defenses.on_rows and not staged:
+        return None
     direction = GRADIENT if gradients else ACTIVATION
     labels = exp.build_data(seed, stage=stage).targets if defenses.marvell is not None else None
     limit = (_cut_releases(exp, stage, exp.steps if steps is None else steps, seed)
