@@ -314,3 +314,26 @@ def test_a_data_owners_clip_noise_delta_is_refused_rather_than_ignored(tmp_path,
         load_experiment(_defended(tmp_path, builtin, {owner: "clip_noise = { max_norm = 4.0, sigma = 0.1, "
                                                              "delta = 1e-6 }"}))
     load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0, delta = 1e-6 }"))
+
+
+def test_a_target_form_run_resumed_with_more_planned_releases_is_refused(tmp_path):
+    """The target form's sigma is chosen for the run's planned steps; a resume with --steps that plan more
+    releases would noise the rest with another sigma while the budget counts every release at one. It is
+    refused naming the steps the run began with; --steps that plan the same releases resume it."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+    exp = load_experiment(_digits(tmp_path, "", TARGET))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def state(steps: int) -> StageState:
+        return StageState(StageOptions(exp, "g", exp.seed, steps=steps, checkpoint_dir=ckpt, checkpoint_every=1,
+                                       resume=True))
+    first = state(44)                       # one epoch: one release per row planned
+    first.begin("run-a")
+    first.ledger.release(1, "grad", "d1", np.arange(32))
+    first.save(1)
+    with pytest.raises(ConfigError, match=r"chosen for the releases of its 44 planned steps.*--steps 44"):
+        state(176).resume_latest()          # four epochs: another sigma
+    again = state(40)                       # still one epoch: the same sigma
+    assert again.resume_latest() and again.run_id == "run-a" and again.ledger.worst == 1
