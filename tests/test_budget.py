@@ -337,3 +337,14 @@ def test_a_target_form_run_resumed_with_more_planned_releases_is_refused(tmp_pat
         state(176).resume_latest()          # four epochs: another sigma
     again = state(40)                       # still one epoch: the same sigma
     assert again.resume_latest() and again.run_id == "run-a" and again.ledger.worst == 1
+
+
+def test_with_label_dp_the_clip_noise_scope_says_the_update_trains_on_the_randomized_labels(tmp_path):
+    """With label_dp the label owner's update trains on its randomized labels, not the true ones: the scope
+    says so, and that the run is then label_dp's epsilon end to end (not only per release)."""
+    both = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2 }\nclip_noise = { "
+                                                  "max_norm = 0.05, sigma = 2.0 }", "both.toml")), ["g"], 44, 0)
+    clip = both["privacy"]["g"]["clip_noise"]
+    assert clip["scope"].startswith("per release, on the cut gradients only") and "true labels" not in clip["scope"]
+    assert "randomized labels" in clip["scope"] and "end to end" in clip["scope"] == clip["guarantee"]
+    assert "randomized labels" in budget_text(both["privacy"])

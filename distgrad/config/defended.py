@@ -21,8 +21,8 @@ import numpy as np
 from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
-from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, NO_MEANINGFUL_GUARANTEE,
-                                     gaussian_label_dp, label_budget, sigma_for_target)
+from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, LABEL_DP_SCOPE, MEANINGFUL_EPSILON,
+                                     NO_MEANINGFUL_GUARANTEE, gaussian_label_dp, label_budget, sigma_for_target)
 from distgrad.privacy.defenses import DEFAULT_DELTA, ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
@@ -376,7 +376,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
-                                             END_TO_END_SCOPE if d.dp_sgd is not None else GUARANTEE_SCOPE)
+                                             END_TO_END_SCOPE if d.dp_sgd is not None else
+                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE)
         if clip is not None and lifetime is not None and released is not None and lifetime != released:
             _add_lifetime(entry["clip_noise"], lifetime + (lifetime // _parties(exp, stage) if d.dp_sgd else 0))
     else:

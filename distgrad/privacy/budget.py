@@ -31,6 +31,9 @@ MEANINGFUL_EPSILON = 10.0     # an epsilon this large or larger bounds nothing a
 NO_MEANINGFUL_GUARANTEE = "no meaningful guarantee (epsilon >= 10)"
 GUARANTEE_SCOPE = ("per release, on the cut gradients only: given the label owner's parameters, which its own "
                    "update trains on the true labels without noise")
+LABEL_DP_SCOPE = ("per release, on the cut gradients only, given the label owner's parameters; its own update trains "
+                  "on its randomized labels (label_dp), so end to end the run is label_dp's epsilon-label-DP: "
+                  "everything the data owner receives is computed from those labels")
 END_TO_END_SCOPE = ("end to end: the cut gradients and the label owner's own update (DP-SGD) are the private "
                     "releases, composed per row; everything else the data owner receives is computed from them, "
                     "except the training loss each reply carries, which is not privatised")
