@@ -188,11 +188,13 @@ class StageState:
             self.ledger.on_release = self._append_release
         # Every run's per-row release counts (a row's budget is spent over all the runs this stage serves): in
         # memory across the runs of this process, and in DIR/.INSTANCE.lifetime.json with a checkpoint directory.
+        # (A ledger kept only to refuse a step computed again on other input, RR-with-prior's, noises nothing.)
+        noised = self.senders.defense is not None and self.senders.defense.defenses.on_rows
         self.lifetime = (Lifetime(opts.checkpoint_dir / f".{opts.instance}{LIFETIME_SUFFIX}"
-                                  if opts.checkpoint_dir is not None else None) if self.ledger is not None else None)
-        if self.ledger is not None:
+                                  if opts.checkpoint_dir is not None else None) if noised else None)
+        if self.ledger is not None and self.lifetime is not None:
             self.ledger.on_count = self._count_lifetime
-            self.ledger.earlier_source = self.lifetime.source if self.lifetime is not None else ""
+            self.ledger.earlier_source = self.lifetime.source
         attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
