@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from distgrad.errors import ConfigError
-from distgrad.privacy.meter import FIGURES
+from distgrad.privacy.meter import METER_FIGURES
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 
@@ -88,8 +88,8 @@ def draw_metrics(records: list[dict], title: str):
                     if key.startswith(f"{kind}_") and key not in (f"{kind}_loss", f"{kind}_count")})
     scores = {name: _held_out(records, name) for name in names}
     # NAME, or PARTY/NAME: the label owner's meter of a feature party (its figures of each party)
-    leak_names = sorted({key for record in records for key in record if key.rsplit("/", 1)[-1] in FIGURES},
-                        key=lambda key: (FIGURES.index(key.rsplit("/", 1)[-1]), key))
+    leak_names = sorted({key for record in records for key in record if key.rsplit("/", 1)[-1] in METER_FIGURES},
+                        key=lambda key: (METER_FIGURES.index(key.rsplit("/", 1)[-1]), key))
     leaks = {name: _held_out(records, name) for name in leak_names}
     leaks = {name: points for name, points in leaks.items() if points}
     panels = 2 + bool(scores) + bool(rates) + bool(leaks)

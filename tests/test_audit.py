@@ -130,6 +130,11 @@ def test_the_audit_agrees_with_the_live_meter_and_a_defense_lowers_recovery(tmp_
                                                                          abs=1e-12)
     assert report["labels"]["label_recovery"] == 1.0 and report["labels"]["clustering_accuracy"] > 0.8
     assert report["inputs"]["linear_reconstruction_mse"] < report["inputs"]["reconstruction_mse_chance"]
+    # The strongest attack too: each row's gradients averaged over every audited step, as the meter's whole run.
+    whole = _audit(plain, trace, tmp_path)["labels"]
+    for name in ("averaged_recovery_1", "averaged_recovery_10"):
+        assert whole[name] == pytest.approx(summary["label_attacks"][-1][name], abs=1e-12), name
+        assert whole[name + "_chance"] == pytest.approx(0.1)
     # Each party audits with its own stage file, which holds only its own secret.
     assert run_main(["split", plain, tmp_path / "parties"]).returncode == 0
     for stage, view in (("g", "labels"), ("f", "inputs")):
@@ -145,6 +150,9 @@ def test_the_audit_agrees_with_the_live_meter_and_a_defense_lowers_recovery(tmp_
     assert report["labels"]["label_recovery"] == pytest.approx(meter["label_recovery"], abs=1e-12)   # defended
     assert report["labels"]["cosine_auc"] == pytest.approx(meter["cosine_auc"], abs=1e-12)
     assert report["labels"]["label_recovery"] < 0.6 and report["labels"]["clustering_accuracy"] < 0.6
+    whole = _audit(clipped, trace, defended)["labels"]
+    assert whole["averaged_recovery_1"] == pytest.approx(summary["label_attacks"][-1]["averaged_recovery_1"],
+                                                         abs=1e-12)
 
 
 @pytest.mark.parametrize("window", [6, 20])

@@ -96,6 +96,24 @@ def test_an_epsilon_of_10_or_more_is_printed_as_no_meaningful_guarantee(tmp_path
     assert "on the cut gradients only" in budget_text(tight)
 
 
+def test_a_label_dp_or_lifetime_epsilon_of_10_or_more_is_no_meaningful_guarantee_in_the_summary_too(tmp_path):
+    """The summary's JSON says what the printed line says: a label_dp epsilon of 10 or more, and a row's
+    epsilon over every run the label owner served (``lifetime_epsilon``) of 10 or more, bound nothing."""
+    loose = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 12 }", "rr.toml")),
+                           ["g"], 10, 0)["privacy"]
+    assert "no meaningful" in loose["g"]["label_dp"]["guarantee"] and "NO meaningful" in budget_text(loose)
+    tight = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2 }", "rr2.toml")),
+                           ["g"], 10, 0)["privacy"]
+    assert "guarantee" not in tight["g"]["label_dp"]
+    exp = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 8 }", "life.toml"))
+    one_run = privacy_budget(exp, ["g"], 44, 0, released={"g": 1}, lifetime={"g": 2})["privacy"]["g"]["clip_noise"]
+    assert one_run["lifetime_epsilon"] < 10 and "no meaningful" not in one_run["guarantee"]
+    many = privacy_budget(exp, ["g"], 44, 0, released={"g": 1}, lifetime={"g": 400})["privacy"]
+    clip = many["g"]["clip_noise"]
+    assert clip["epsilon"] < 10 <= clip["lifetime_epsilon"]
+    assert "no meaningful" in clip["guarantee"] and "NO meaningful" in budget_text(many)
+
+
 # --- runs -------------------------------------------------------------------------------------------------
 
 def test_the_target_form_in_process_reports_the_planned_budget_and_the_worst_rows_releases(tmp_path):
@@ -285,3 +303,48 @@ def test_dp_sgd_over_processes_is_bitwise_the_in_process_run(tmp_path):
 def test_a_data_owners_clip_noise_with_a_target_epsilon_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="target epsilon is the label owner's"):
         load_experiment(_digits(tmp_path, "clip_noise = { max_norm = 4.0, epsilon = 8.0 }", ""))
+
+
+@pytest.mark.parametrize("builtin,owner", [("digits", 0), ("vertical-classify", 1), ("digits-clients", 0)])
+def test_a_data_owners_clip_noise_delta_is_refused_rather_than_ignored(tmp_path, builtin, owner):
+    """delta is the label owner's label-DP budget's; a data owner's clip_noise states no guarantee, so a delta
+    there would be accepted and do nothing."""
+    from test_defenses import _defended
+    with pytest.raises(ConfigError, match="'clip_noise' delta .* would change nothing"):
+        load_experiment(_defended(tmp_path, builtin, {owner: "clip_noise = { max_norm = 4.0, sigma = 0.1, "
+                                                             "delta = 1e-6 }"}))
+    load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0, delta = 1e-6 }"))
+
+
+def test_a_target_form_run_resumed_with_more_planned_releases_is_refused(tmp_path):
+    """The target form's sigma is chosen for the run's planned steps; a resume with --steps that plan more
+    releases would noise the rest with another sigma while the budget counts every release at one. It is
+    refused naming the steps the run began with; --steps that plan the same releases resume it."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+    exp = load_experiment(_digits(tmp_path, "", TARGET))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def state(steps: int) -> StageState:
+        return StageState(StageOptions(exp, "g", exp.seed, steps=steps, checkpoint_dir=ckpt, checkpoint_every=1,
+                                       resume=True))
+    first = state(44)                       # one epoch: one release per row planned
+    first.begin("run-a")
+    first.ledger.release(1, "grad", "d1", np.arange(32))
+    first.save(1)
+    with pytest.raises(ConfigError, match=r"chosen for the releases of its 44 planned steps.*--steps 44"):
+        state(176).resume_latest()          # four epochs: another sigma
+    again = state(40)                       # still one epoch: the same sigma
+    assert again.resume_latest() and again.run_id == "run-a" and again.ledger.worst == 1
+
+
+def test_with_label_dp_the_clip_noise_scope_says_the_update_trains_on_the_randomized_labels(tmp_path):
+    """With label_dp the label owner's update trains on its randomized labels, not the true ones: the scope
+    says so, and that the run is then label_dp's epsilon end to end (not only per release)."""
+    both = privacy_budget(load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2 }\nclip_noise = { "
+                                                  "max_norm = 0.05, sigma = 2.0 }", "both.toml")), ["g"], 44, 0)
+    clip = both["privacy"]["g"]["clip_noise"]
+    assert clip["scope"].startswith("per release, on the cut gradients only") and "true labels" not in clip["scope"]
+    assert "randomized labels" in clip["scope"] and "end to end" in clip["scope"] == clip["guarantee"]
+    assert "randomized labels" in budget_text(both["privacy"])

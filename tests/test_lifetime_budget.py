@@ -18,7 +18,7 @@ import pytest
 from distgrad.config.defended import budget_text
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut
-from distgrad.errors import BudgetExhausted, ConfigError, PeerRejected
+from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError, PeerRejected
 from distgrad.privacy.releases import LIFETIME_SUFFIX, Lifetime, NoiseLedger
 from distgrad.run.options import StageOptions
 from distgrad.run.stage_state import StageState
@@ -170,3 +170,19 @@ def test_a_keep_serving_label_owner_counts_every_run_and_refuses_the_run_past_th
         cut.closed = True
         cut.link.close(linger_ms=0)
     assert g.proc.poll() is None
+
+
+def test_rr_with_prior_alone_keeps_its_releases_digests_but_no_lifetime_count(tmp_path):
+    """A label owner with label_dp in stages and no noise records what each step sent (a step computed again
+    on other activations is refused) but counts no noised release across runs: a later run of the same
+    label owner with clip_noise is not charged for gradients that carried no Gaussian noise of its own."""
+    exp = load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2.0, stages = 2 }"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = _state(exp, ckpt)
+    assert state.ledger is not None and state.lifetime is None
+    state.begin("run-a")
+    state.ledger.release(1, "grad", "d1", ROWS)
+    with pytest.raises(NoiseReuseError, match="computed again on other input"):
+        state.ledger.release(1, "grad", "d2", ROWS)
+    assert (ckpt / ".g.released").exists() and not (ckpt / f".g{LIFETIME_SUFFIX}").exists()

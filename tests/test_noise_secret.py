@@ -113,8 +113,11 @@ def test_two_runs_of_a_keep_serving_label_owner_train_on_other_randomized_labels
 def test_after_kill_9_the_resumed_label_owner_draws_the_same_randomized_labels(tmp_path, start_server):
     """The secret of the randomized labels is kept in the checkpoint (the label owner has no other defense):
     after kill -9 and --resume from the checkpoint of step 2, step 3 (whose rows' labels are drawn in stage 2,
-    after the checkpoint) is answered bitwise as before the kill."""
+    after the checkpoint) is answered bitwise as before the kill. On other activations it is refused: their
+    prior would draw those labels a second time (another answer from the same random numbers)."""
     f_file, endpoint, run, hs, replies = _three_steps_then_kill_9_and_resume(tmp_path, start_server, STAGED_LABEL_DP)
+    with pytest.raises(PeerRejected, match="computed again on other input"):
+        _one_step(endpoint, f_file, _activations(9), vanish=True, run=run, step=2)
     np.testing.assert_array_equal(_one_step(endpoint, f_file, hs[2], vanish=True, run=run, step=2)[1], replies[2])
 
 

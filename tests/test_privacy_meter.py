@@ -85,6 +85,28 @@ def test_the_bar_shows_a_window_beside_its_chance():
     assert "label_recovery 0.900/0.100" in bar
 
 
+def test_the_bar_the_board_and_the_plot_show_the_strongest_attacks_beside_the_windows():
+    """A window's figure alone understates what a determined party gets: the progress bar, TensorBoard and
+    the plot show the whole-run attacks' figures (averaging, model completion, the ridge decoder) too."""
+    window = {"distance_correlation": 0.9, "distance_correlation_chance": 0.7, "ridge_r2": 0.8,
+              "ridge_r2_chance": 0.0, "ridge_r2_run": 0.85, "ridge_r2_run_chance": 0.0}
+    bar = render_bar(5, 10, 0.5, None, window)
+    assert "ridge_r2 0.800/0.000" in bar and "ridge_r2_run 0.850/0.000" in bar
+    from distgrad.run.progress import TensorBoardWriter
+    board, tags = TensorBoardWriter(None), []
+    board._writer = type("Recorder", (), {"add_scalar": lambda self, tag, value, step: tags.append(tag)})()
+    board.write({"step": 50, "averaged_recovery_1": 0.7, "averaged_recovery_1_chance": 0.1,
+                 "model_completion": 0.9, "model_completion_chance": 0.1, **window})
+    assert {"privacy/averaged_recovery_1", "privacy/model_completion_chance", "privacy/ridge_r2",
+            "privacy/ridge_r2_run", "privacy/distance_correlation"} <= set(tags)
+    pytest.importorskip("matplotlib")
+    from distgrad.plot import draw_metrics
+    records = [{"step": s, "loss": 1.0 / s, "wall_s": 0.01 * s, **window} for s in (50, 100)]
+    figure = draw_metrics(records, "metered")
+    labels = {text.get_text() for ax in figure.axes if ax.get_legend() for text in ax.get_legend().get_texts()}
+    assert {"ridge_r2", "ridge_r2_run", "distance_correlation"} <= labels
+
+
 def _toml(value):
     """``value`` as a TOML value (inline tables for dicts)."""
     if isinstance(value, dict):
@@ -125,6 +147,23 @@ def test_bad_meter_settings_are_refused_naming_the_key(tmp_path):
     bad = _combined(tmp_path, s1={"privacy_meter": 1})
     result = run_cli(["run", bad, "--steps", 2])
     assert result.returncode == 2 and "privacy_meter" in result.stderr
+
+
+def test_a_label_owner_with_real_valued_targets_refuses_its_meter_rather_than_measuring_nothing(tmp_path):
+    """The label meter scores class labels; a regression's label owner (real-valued targets) would run with
+    'privacy_meter' on and report no figure. It is refused with the reason; --privacy-meter meters the data
+    owner alone there."""
+    text = (BUILTIN_DIR / "chain-regression.toml").read_text()
+    path = tmp_path / "metered.toml"
+    path.write_text(text.replace('name = "g"\n', 'name = "g"\nprivacy_meter = true\n'))
+    with pytest.raises(ConfigError, match="'privacy_meter'.*real-valued"):
+        load_experiment(path)
+    tanh = load_experiment("tanh-regression")
+    with pytest.raises(ConfigError, match="'privacy_meter'.*real-valued"):
+        meter_kind(tanh, tanh.stage_names[-1])
+    summary = train_in_process(tanh, steps=60, privacy_meter=True)
+    assert summary["input_leaks"] and "label_leaks" not in summary
+    assert meter_kind(load_experiment("digits"), "g") == LABELS
 
 
 def test_a_metered_run_over_processes_is_bitwise_the_unmetered_and_meters_as_in_process(tmp_path):

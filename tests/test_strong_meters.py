@@ -104,6 +104,31 @@ def test_the_guard_scores_invertible_rows_high_and_noise_low_and_judges_after_it
     assert not guard.judges(3) and guard.judges(4)
 
 
+def test_a_guard_stop_in_a_later_micro_batch_says_which_of_the_step_crossed_and_nothing_after_does():
+    """Micro-batches: the guard judges each one before it leaves. When the second of a step passes max_r2 the
+    first has crossed already; the stop says so instead of claiming nothing of the step was sent."""
+    from types import SimpleNamespace
+    from distgrad.run.metering import Guarding
+    from distgrad.wire.wirecodec import ACTIVATION, stream_name
+    rng = np.random.default_rng(3)
+    engine = SimpleNamespace(senders=SimpleNamespace(taps={ACTIVATION: []}), observers=[])
+    inputs = {step: rng.normal(size=(128, 8)) for step in range(1, 8)}
+    Guarding(engine, inputs.__getitem__, (0.3, 3), "f")
+    tap, mix, sent = engine.senders.taps[ACTIVATION][0], rng.normal(size=(8, 16)), []
+    with pytest.raises(InputGuardStop) as stop:
+        for step in range(1, 8):
+            for mb in range(2):
+                x = inputs[step][mb * 64:(mb + 1) * 64]
+                z = x @ mix if (step, mb) == (5, 1) else rng.normal(size=(64, 16))    # invertible, then stop
+                tap(lambda z=z: z, stream_name(ACTIVATION, mb, 2), step)
+                sent.append((step, mb))
+            for observe in engine.observers:
+                observe(SimpleNamespace(step=step))
+    assert sent[-1] == (5, 0)
+    assert "micro-batches 2 to 2 of step 5 were not sent (micro-batches 1 to 1 had crossed" in str(stop.value)
+    assert "nothing of the step was applied or checkpointed" in str(stop.value)
+
+
 def test_input_guard_is_a_setting_of_each_data_owner(tmp_path):
     for table, extra, message in ((0, 'input_guard = { max_r2 = 1.5 }', "max_r2 = R"),
                                   (0, 'input_guard = { max_r2 = 0.5, before = 2 }', "max_r2 = R"),

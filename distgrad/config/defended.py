@@ -21,9 +21,9 @@ import numpy as np
 from distgrad.config.experiment import Experiment, stage_loss
 from distgrad.errors import ConfigError
 from distgrad.model.losses import TorchLoss
-from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, MEANINGFUL_EPSILON, gaussian_label_dp, label_budget,
-                                     sigma_for_target)
-from distgrad.privacy.defenses import ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
+from distgrad.privacy.budget import (END_TO_END_SCOPE, GUARANTEE_SCOPE, LABEL_DP_SCOPE, MEANINGFUL_EPSILON,
+                                     NO_MEANINGFUL_GUARANTEE, gaussian_label_dp, label_budget, sigma_for_target)
+from distgrad.privacy.defenses import DEFAULT_DELTA, ClipNoise, Defenses, SentRows, defense_rng, dp_sgd_gradients
 from distgrad.privacy.releases import UNBOUNDED_RELEASES, NoiseLedger, RunSecret, digest, fresh_secret
 
 ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions (distgrad.wire.wirecodec)
@@ -55,6 +55,9 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         if exp.send_rows:
             raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "
                          "are the data owner's to choose")
+        if exp.has_stage(stage) and not _class_ids(exp, stage):
+            raise refuse("scores what the gradients tell of class labels (recovery by class, averaging, model "
+                         "completion); this label owner's targets are real-valued, so it would measure nothing")
         return "labels"
     if stage in exp.data_owners:        # the first stage, each client's copy of it, or a feature party
         if exp.secure_aggregation:
@@ -64,6 +67,19 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         raise refuse("needs labels of its own: with labels = \"first\" the data owner sends them to this stage, "
                      "so its gradients tell the data owner nothing it does not hold")
     raise refuse("needs a stage that holds labels or inputs: a middle stage holds neither")
+
+
+def _class_ids(exp: Experiment, stage: str) -> bool:
+    """Whether the targets of ``stage`` are class ids (integers, or whole-valued floats such as 0/1 or one-hot
+    rows): what the label meter scores."""
+    data = exp.build_data(stage=stage)
+    if data.target_dtype.kind in "iub":
+        return True
+    every = getattr(data, "all_targets", None)
+    if every is None:
+        return False
+    targets = np.asarray(every(), np.float64)
+    return bool(np.isfinite(targets).all() and np.array_equal(targets, np.round(targets)))
 
 
 def metered(exp: Experiment, stage: str, flag: bool = False) -> bool:
@@ -135,6 +151,10 @@ def check_defenses(exp: Experiment) -> None:
         if d.clip_noise is not None and d.clip_noise.epsilon is not None and not label_owner:
             raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is the label owner's (a label-DP budget); "
                               f"a data owner's clip_noise states no guarantee for its inputs: give it a sigma")
+        if d.clip_noise is not None and d.clip_noise.delta != DEFAULT_DELTA and not label_owner:
+            raise ConfigError(f"{where}: 'clip_noise' delta is the delta of the label owner's label-DP budget; a data "
+                              f"owner's clip_noise states no guarantee for its inputs, so its delta would change "
+                              f"nothing: remove it")
         if d.nopeek is not None and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'nopeek' is a setting of a data owner (it decorrelates the activations it "
                               f"sends from its inputs); {spec.name!r} receives activations")
@@ -230,13 +250,18 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     stage, ``f@2``; default: the stage's), which ``defense_rng`` draws from with the run's noise ``secret``
     (default: a fresh one, ``fresh_secret``). The label owner's ledger counts each row's releases (the rows of
     its own data's order, or those a forward names) and, for a target form, refuses the release that would
-    pass the planned count."""
+    pass the planned count. A label owner with RR-with-prior (``label_dp`` in stages) gets one too, which
+    sends its rows unchanged and refuses a step computed again on other values."""
     if not exp.has_stage(stage):
         return None
     defenses = stage_defenses(exp, stage, exp.steps if steps is None else steps, seed)
-    if not defenses.on_rows:
-        return None
     gradients = label_owner_sends_gradients(exp, stage)
+    # RR-with-prior draws a row's label with the prior of the forward that first trains on it: a step computed
+    # again on other activations (a resume after kill -9 lost its answers) would draw it again, so its
+    # releases are recorded and such a step refused, as a noised one's are (nothing is added to the rows).
+    staged = gradients and defenses.label_dp is not None and defenses.label_dp.staged
+    if not defenses.on_rows and not staged:
+        return None
     direction = GRADIENT if gradients else ACTIVATION
     labels = exp.build_data(seed, stage=stage).targets if defenses.marvell is not None else None
     limit = (_cut_releases(exp, stage, exp.steps if steps is None else steps, seed)
@@ -351,7 +376,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
-                                             END_TO_END_SCOPE if d.dp_sgd is not None else GUARANTEE_SCOPE)
+                                             END_TO_END_SCOPE if d.dp_sgd is not None else
+                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE)
         if clip is not None and lifetime is not None and released is not None and lifetime != released:
             _add_lifetime(entry["clip_noise"], lifetime + (lifetime // _parties(exp, stage) if d.dp_sgd else 0))
     else:
@@ -367,13 +393,16 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
 
 def _add_lifetime(entry: dict[str, Any], releases: int) -> None:
     """A label owner's ``clip_noise`` budget ``entry`` with its worst row's ``releases`` over every run it
-    served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``)."""
+    served (earlier runs' counted at this run's sigma) and their composed epsilon (``lifetime_epsilon``); when
+    that is ``MEANINGFUL_EPSILON`` or more, the entry's ``guarantee`` says it bounds nothing, as the printed line does."""
     if releases >= UNBOUNDED_RELEASES:      # an earlier run released a row without noise: nothing bounds it
-        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf)
+        entry.update(lifetime_releases=math.inf, lifetime_epsilon=math.inf, guarantee=NO_MEANINGFUL_GUARANTEE)
         return
     entry["lifetime_releases"] = releases
     if "epsilon" in entry:
         entry["lifetime_epsilon"] = gaussian_label_dp(entry["sigma"], releases, entry["delta"]) if releases else 0.0
+    if not float(entry.get("lifetime_epsilon", 0.0)) < MEANINGFUL_EPSILON:
+        entry["guarantee"] = NO_MEANINGFUL_GUARANTEE        # the row's runs together bound nothing
 
 
 def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:

@@ -31,6 +31,9 @@ MEANINGFUL_EPSILON = 10.0     # an epsilon this large or larger bounds nothing a
 NO_MEANINGFUL_GUARANTEE = "no meaningful guarantee (epsilon >= 10)"
 GUARANTEE_SCOPE = ("per release, on the cut gradients only: given the label owner's parameters, which its own "
                    "update trains on the true labels without noise")
+LABEL_DP_SCOPE = ("per release, on the cut gradients only, given the label owner's parameters; its own update trains "
+                  "on its randomized labels (label_dp), so end to end the run is label_dp's epsilon-label-DP: "
+                  "everything the data owner receives is computed from those labels")
 END_TO_END_SCOPE = ("end to end: the cut gradients and the label owner's own update (DP-SGD) are the private "
                     "releases, composed per row; everything else the data owner receives is computed from them, "
                     "except the training loss each reply carries, which is not privatised")
@@ -92,10 +95,12 @@ def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int
     adds its ``target_epsilon`` and the ``planned_releases`` its sigma was chosen for. ``scope`` says which
     guarantee the run has (``GUARANTEE_SCOPE``: per release, on the cut gradients only; the label owner's own
     update is not privatised), ``guarantee`` the same, or that an epsilon of ``MEANINGFUL_EPSILON`` or more
-    bounds nothing."""
+    bounds nothing; a ``label_dp`` epsilon that large gets that ``guarantee`` too."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
         budget["label_dp"] = label_dp.budget()
+        if not label_dp.epsilon < MEANINGFUL_EPSILON:      # exact, and still no bound an attacker cares about
+            budget["label_dp"]["guarantee"] = NO_MEANINGFUL_GUARANTEE
     if clip is not None:
         sigma = clip.noise
         entry: dict[str, Any] = {"delta": clip.delta, "releases": releases, "noise_multiplier": sigma / 2.0,

@@ -181,6 +181,9 @@ ANCHOR_DRAWS = {1: 64, 10: 8}   # by known rows per class: the choices of them a
                                 # known row swings the figure by about 0.1 from one choice to another)
 COMPLETION_KNOWN = 10       # labelled rows per class of the model-completion classifier
 ATTACK_FIGURES = ("averaged_recovery_1", "averaged_recovery_10", "model_completion", "ridge_r2", "ridge_r2_run")
+# Every figure a meter reports, each beside NAME_chance: what the progress bar, TensorBoard and the plot show,
+# the strongest attacks' too (a window's figure alone understates what a determined party gets).
+METER_FIGURES = FIGURES + ATTACK_FIGURES
 RUN_FIGURES = {"averaged_recovery_1": "averaged_recovery_1", "averaged_recovery_10": "averaged_recovery_10",
                "model_completion": "model_completion", "ridge_r2": "ridge_r2_run"}   # a figure -> its whole-run one
 

@@ -12,6 +12,10 @@ the run's seed, as the meter takes them: the label owner's true labels of
 each traced step, the data owner's raw input rows. The attacks are
 ``distgrad.privacy.audit``'s; the figures the live meter reports too are
 computed by the same functions (``leaks.label_figures``, ``leaks.input_figures``).
+The labels' report adds the strongest attack the live meter plays, the data
+owner's per-row averaging over every audited step (``averaged_recovery_1``,
+``averaged_recovery_10``: ``meter.AttackMeter``), which a window's figures
+understate against a defense that noises each release.
 
 A trace is untrusted input, validated whole before anything is scored: a
 regular file of at most ``max_bytes`` (``DEFAULT_MAX_TRACE_BYTES``; read with
@@ -41,7 +45,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
 from distgrad.jsontext import json_text
 from distgrad.privacy import audit
-from distgrad.privacy.meter import sampled, window_steps
+from distgrad.privacy.meter import LABELS, AttackMeter, sampled, window_steps
 
 LABEL_VIEW, INPUT_VIEW = "sent_activation_grad", "sent_activation"
 DEFAULT_MAX_TRACE_BYTES = 512 * 2 ** 20     # the largest trace read (bytes); settable, --max-trace-bytes
@@ -274,7 +278,8 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
             rows, labels = _paired(label_view, data.true_targets, "labels", trace)
             try:
                 metered = _metered(label_view, first, window, 1)
-                report["labels" + owner.suffix] = audit.label_attacks(rows, labels, seed, metered)
+                report["labels" + owner.suffix] = {**audit.label_attacks(rows, labels, seed, metered),
+                                                   **_averaged(label_view, data)}
             except ValueError as e:
                 raise ConfigError(f"audit: the labels of {exp.label_owner!r}{owner.suffix} cannot be attacked: "
                                   f"{e}") from None
@@ -342,6 +347,19 @@ def _metered(view: View, first: int, window: int, parts: int, per_row: bool = Tr
     if per_row:
         return np.concatenate([np.full(len(rows), flag) for flag, (_, rows) in zip(flags, view)])
     return np.repeat(np.array(flags, bool), parts)
+
+
+def _averaged(view: View, data: Any) -> dict[str, float]:
+    """The data owner's per-row averaging attack on the gradient rows of ``view`` (every audited step, each row
+    numbered as ``data`` walks its rows): ``averaged_recovery_1`` and ``_10`` beside their chance, as the live
+    meter's whole-run figures (``AttackMeter``) are over the same steps; {} for data without row numbers."""
+    if not view or not hasattr(data, "step_rows"):
+        return {}
+    meter = AttackMeter(LABELS, window=view[-1][0])
+    for step, sent in view:
+        meter.observe(step, 0, np.asarray(data.true_targets(step)), sent, np.asarray(data.step_rows(step)))
+    figures = meter.close(view[-1][0], last=True) or {}
+    return {name: value for name, value in figures.items() if name.startswith("averaged_recovery")}
 
 
 def _paired(view: View, secret_of: Any, what: str, path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -357,6 +357,15 @@ class PeerMeters:
         return {OWNER_KEYS[LABELS]: {name: meter.summary_fields() for name, meter in zip(self.names, self.meters)}}
 
 
+def _unsent(step: int, mb: int, mbs: int) -> str:
+    """What a guard stop at micro-batch ``mb`` of ``mbs`` of ``step`` kept back: the step's activations from
+    that micro-batch on (those before it crossed already), and every part of the step's update."""
+    if mb == 0:
+        return f"nothing of step {step} was sent, applied or checkpointed"
+    return (f"micro-batches {mb + 1} to {mbs} of step {step} were not sent (micro-batches 1 to {mb} had crossed "
+            f"already), and nothing of the step was applied or checkpointed")
+
+
 class Guarding:
     """A data owner's ``input_guard`` in a run: a tap on the activations ``engine``'s stage sends that feeds
     each micro-batch, as the receiver decodes it, with its input rows (``inputs_of(step)``: the step's batch)
@@ -397,8 +406,7 @@ class Guarding:
                 f"stage {self.stage!r}: input_guard stopped the run before sending step {step}: its activations "
                 f"reconstruct its inputs with R^2 {score:.3f} (the best ridge decoder fitted on the public fifth of "
                 f"its latest {self.guard.need}+ rows), above max_r2 {self.guard.max_r2:g}. The label owner may be training "
-                f"this stage towards its own decoder instead of the task; nothing of step {step} was sent, "
-                f"applied or checkpointed")
+                f"this stage towards its own decoder instead of the task; {_unsent(step, mb, mbs)}")
 
     def _applied(self, step: int) -> None:
         self.guard.applied(step)

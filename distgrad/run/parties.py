@@ -229,11 +229,12 @@ class Parties(Topology):
                 if not self.secure:
                     s.metering.received_activations(step, mb, mbs, msg.tensors["activation"], peer.index)
             z = aggregate.join_input([m.tensors["activation"] for m in msgs], own, self.aggregate, self.secure)
-            mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
-            stage.check_finite("loss", mb_loss, step)
-            stage.check_finite("activation_grad", dz, step)
-            parts = aggregate.split_input(dz, s.exp.own_bottom, self.aggregate, self.widths)
-            sent = [s.encode(GRADIENT, dy, peer.streams[mb], step, rows) for peer, dy in zip(peers, parts)]
+            with stage.labels_drawn_if_sent():      # a label drawn for replies refused is not released
+                mb_loss, dz, grads_later = stage.loss_micro_batch_deferred(z, target, mb)
+                stage.check_finite("loss", mb_loss, step)
+                stage.check_finite("activation_grad", dz, step)
+                parts = aggregate.split_input(dz, s.exp.own_bottom, self.aggregate, self.widths)
+                sent = [s.encode(GRADIENT, dy, peer.streams[mb], step, rows) for peer, dy in zip(peers, parts)]
         except (NonFiniteError, StageError) as e:
             code = ErrorCode.NONFINITE_STEP if isinstance(e, NonFiniteError) else ErrorCode.STAGE
             s.log.error("%s", e)

@@ -19,7 +19,7 @@ from typing import IO, Any, Callable, Mapping
 
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
-from distgrad.privacy.meter import FIGURES
+from distgrad.privacy.meter import METER_FIGURES
 from distgrad.stage.engine import StepRecord
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
@@ -50,7 +50,7 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
         held_out = f" {kind} {test[f'{kind}_loss']:.4g}"
         held_out += "".join(f" {'acc' if key.endswith('_accuracy') else key.split('_', 1)[1]} {value:.3f}"
                             for key, value in test.items() if _is_score(key) and value is not None)
-    for name in FIGURES:     # the data owner's privacy meter: its latest window beside the chance level
+    for name in METER_FIGURES:   # the data owner's privacy meter: its latest window beside the chance level
         if test and test.get(name) is not None:
             held_out += f" {name} {test[name]:.3f}/{test[name + '_chance']:.3f}"
     return f"[{'#' * done}{'-' * (BAR_WIDTH - done)}] {step}/{steps} loss {loss_text}{held_out} {speed}"
@@ -150,8 +150,8 @@ class TensorBoardWriter:
     (1 / ``step_s``); ``speed/bytes_per_step`` (sent + received since the
     previous record: the first counts the handshake too, and an evaluation's
     traffic counts in the step after it); ``privacy/NAME`` and ``privacy/NAME_chance`` for each privacy meter
-    figure (``distgrad.privacy.meter.FIGURES``) at the steps that closed a window (the label owner's meter of
-    feature party P: ``privacy/P/NAME``; of client K, on its record: ``privacy/clientK/NAME``). Written by tensorboardX, imported
+    figure (``distgrad.privacy.meter.METER_FIGURES``: the windows' and the strongest attacks') at the steps
+    that closed a window (the label owner's meter of feature party P: ``privacy/P/NAME``; of client K, on its record: ``privacy/clientK/NAME``). Written by tensorboardX, imported
     only here; without it the constructor raises ``ConfigError``.
     """
 
@@ -185,7 +185,7 @@ class TensorBoardWriter:
             add("speed/steps_per_s", 1.0 / record["step_s"], step)
         owner = f"client{record['client']}/" if record.get("client") is not None else ""
         for key, value in record.items():   # NAME, or PARTY/NAME: the label owner's meter of a feature party
-            if key.rsplit("/", 1)[-1] in FIGURES and value is not None:
+            if key.rsplit("/", 1)[-1] in METER_FIGURES and value is not None:
                 add(f"privacy/{owner}{key}", value, step)
                 add(f"privacy/{owner}{key}_chance", record[f"{key}_chance"], step)
         if "bytes_sent" in record:

@@ -188,11 +188,13 @@ class StageState:
             self.ledger.on_release = self._append_release
         # Every run's per-row release counts (a row's budget is spent over all the runs this stage serves): in
         # memory across the runs of this process, and in DIR/.INSTANCE.lifetime.json with a checkpoint directory.
+        # (A ledger kept only to refuse a step computed again on other input, RR-with-prior's, noises nothing.)
+        noised = self.senders.defense is not None and self.senders.defense.defenses.on_rows
         self.lifetime = (Lifetime(opts.checkpoint_dir / f".{opts.instance}{LIFETIME_SUFFIX}"
-                                  if opts.checkpoint_dir is not None else None) if self.ledger is not None else None)
-        if self.ledger is not None:
+                                  if opts.checkpoint_dir is not None else None) if noised else None)
+        if self.ledger is not None and self.lifetime is not None:
             self.ledger.on_count = self._count_lifetime
-            self.ledger.earlier_source = self.lifetime.source if self.lifetime is not None else ""
+            self.ledger.earlier_source = self.lifetime.source
         attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
@@ -372,6 +374,7 @@ class StageState:
         return True
 
     def _load(self, ckpt: Any) -> None:
+        self._check_target_sigma(ckpt)
         if ckpt.run != self.run_id and self.stage.label_dp is not None:
             self.stage = self._fresh()      # no label another run released is kept (LabelRelease keeps its own)
         self.engine.reset()
@@ -408,6 +411,27 @@ class StageState:
                                     *(r for r in released if r.stream.startswith(HELD_OUT_STREAM + "/"))],
                                    ckpt.run)
             self._join_lifetime(ckpt.run)
+
+    @property
+    def _target_sigma(self) -> float | None:
+        """The sigma a target form ``clip_noise = { epsilon = E }`` chose for this run's planned steps (None:
+        no target form)."""
+        defense = self.senders.defense
+        clip = defense.defenses.clip_noise if defense is not None else None
+        return float(clip.noise) if clip is not None and clip.epsilon is not None else None
+
+    def _check_target_sigma(self, ckpt: Any) -> None:
+        """``ConfigError`` when ``ckpt``'s releases were noised with another target-form sigma than this run
+        would use (a resume with other ``--steps``): the releases before and after would compose to more than
+        the target, which counts every release at one sigma."""
+        saved, sigma = ckpt.meta.get("clip_target"), self._target_sigma
+        if sigma is None or not isinstance(saved, dict) or saved.get("sigma") == sigma:
+            return
+        raise ConfigError(
+            f"checkpoint {ckpt.path}: this run's clip_noise sigma {saved.get('sigma')} was chosen for the releases "
+            f"of its {saved.get('steps')} planned steps; with {self.opts.total_steps} steps the target form would "
+            f"choose {sigma:g}, and the releases before and after would compose to more than its epsilon. Resume "
+            f"with --steps {saved.get('steps')}, or start a new run (without --resume) planned for more steps")
 
     @property
     def _sigma(self) -> float:
@@ -593,6 +617,8 @@ class StageState:
                                   "plateau_at": self.plateau_at})
             if self.secret is not None:
                 meta["noise_secret"] = f"{self.secret.value:x}"
+            if self._target_sigma is not None:      # what the releases so far were noised with (``_load``)
+                meta["clip_target"] = {"sigma": self._target_sigma, "steps": self.opts.total_steps}
             if finished:
                 meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step

@@ -518,9 +518,10 @@ class Turns(Topology):
         s, (peer,), (msg,) = self.serving, peers, msgs
         started = time.perf_counter()
         try:
-            mb_loss, dx, grads_later = self._loss_and_gradient(peer, msg)
-            s.engine.stage.check_finite("activation_grad", dx, msg.step)
-            tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step, msg.tensors.get("rows"))
+            with s.engine.stage.labels_drawn_if_sent():     # a label drawn for a reply refused is not released
+                mb_loss, dx, grads_later = self._loss_and_gradient(peer, msg)
+                s.engine.stage.check_finite("activation_grad", dx, msg.step)
+                tensors = s.encode(GRADIENT, dx, peer.streams[msg.mb], msg.step, msg.tensors.get("rows"))
         except NonFiniteError as e:
             s.log.error("%s", e)
             return self.step_failed(peer, msg, ErrorCode.NONFINITE_STEP, e, self.failed(peer, e))

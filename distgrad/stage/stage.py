@@ -447,6 +447,24 @@ class Stage:
         if release is not None:
             release.load_state_arrays(arrays)
 
+    @contextlib.contextmanager
+    def labels_drawn_if_sent(self) -> Iterator[None]:
+        """Around computing and sending one micro-batch's gradient: RR-with-prior (``label_dp`` in stages)
+        draws a row's label in the forward that first trains on it, and the label is released only with that
+        gradient. When the block raises (the step refused, e.g. computed again on other activations, or
+        failed before its reply left) the labels drawn in it are forgotten, so the step computed again on its
+        first activations draws them as the uninterrupted run did."""
+        release = self.label_dp.release if self.label_dp is not None else None
+        if release is None:
+            yield
+            return
+        answers, sets = release.answers.copy(), release.sets.copy()
+        try:
+            yield
+        except BaseException:
+            release.answers[...], release.sets[...] = answers, sets
+            raise
+
     def keep_label_releases(self, before: "Stage") -> None:
         """This stage rebuilt at step 0 for a rollback of the run that ``before`` trained: keep the labels
         ``before`` released (``LabelRelease.keep_released``)."""
