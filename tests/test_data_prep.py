@@ -727,10 +727,11 @@ def test_a_huge_value_is_standardised_and_filled_with_finite_statistics(tmp_path
 
 @pytest.mark.parametrize("end", ["first", "last"])
 @pytest.mark.parametrize("option", ['standardize = true', 'missing = "median"', 'class_names = true',
-                                    'categorical = ["colour"]'])
+                                    'categorical = ["colour"]', 'feature_scale = 0.5'])
 def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path, end: str, option: str):
     """A loop of one's own reads its own features and labels (the cut library takes only the sample order from
-    [data]), so a preparation key there would be left unused: refused at either end, naming the key."""
+    [data]), so a preparation key there would be left unused: refused at either end, naming the key. So is a
+    feature_scale other than 1 (which is what the daemons do without it)."""
     from distgrad.run.cut_interface import FIRST, LAST, cut_side
 
     rows = [["id", "colour", "size", "kind"]] + [[f"r{i}", str(i % 3), str(i), str(i % 2)] for i in range(40)]
@@ -749,6 +750,8 @@ def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path
     # (a [data] without the features or labels a key prepares refuses it for that reason already)
     with pytest.raises(ConfigError, match=f"{key}.*(the cut library.*your loop reads|holds no)"):
         cut_side(side, None, {**fields, "data": bad})
+    if key == "feature_scale":
+        assert cut_side(side, None, {**fields, "data": {**data, key: 1.0}}).data is not None
 
 
 def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_the_reason(tmp_path: Path):

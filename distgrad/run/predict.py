@@ -26,8 +26,9 @@ spreadsheet evaluates and no terminal obeys (``text_cell``).
 With ``--output-scores`` the label owner also writes each row's scores
 (``Loss.scores``: class probabilities for a classifying loss, the raw output
 otherwise) beside its prediction: CSV columns ``score_0`` .. ``score_{K-1}`` (``score_NAME``
-with the class names of a [data]'s ``class_names``, whose predictions are those names)
-after ``prediction``; for ``.npy`` output a second file beside it,
+with the class names of a [data]'s ``class_names``, whose predictions are those names;
+with ``labels = "first"`` the data owner holds them, and its hello carries them to the last stage as
+``class_names``, passed on by every middle stage) after ``prediction``; for ``.npy`` output a second file beside it,
 ``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
 crosses the wire: the scores are computed where the predictions are. A data owner that
 fails before it is done (bad input, a damaged ``--load`` file) sends the
