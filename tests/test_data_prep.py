@@ -458,6 +458,20 @@ optimizer = { type = "adam", lr = 0.02 }
 '''
 
 
+def write_labels_first_combined(folder: Path, framework: str = "numpy", topology: str = "chain") -> Path:
+    """The combined penguins experiment with labels = "first" and a middle stage m (``topology = "chain"``) or
+    two data owners (``"clients"``), its stages computed by ``framework``; 8 steps (predictions are checked,
+    not training)."""
+    torch = '\nframework = "torch"\n' if framework == "torch" else "\n"
+    experiment = write_combined(folder, steps=8)
+    text = experiment.read_text().replace("seed = 3\n", "seed = 3\nlabels = \"first\"\n", 1)
+    head, f_part, g_part = text.split("[[stages]]\n")
+    g_part = g_part.replace("\nloss", f"{torch}loss")
+    middle = f"[[stages]]\n{M_STAGE.rstrip()}{torch}\n" if topology == "chain" else "[clients]\ncount = 2\n\n"
+    experiment.write_text(f"{head}[[stages]]\n{f_part.rstrip()}{torch}\n{middle}[[stages]]\n{g_part}")
+    return experiment
+
+
 def _serve_in_a_thread(opts: Any, output: Path | None, connect: str | None, ready: Path, ctx: Any,
                        failures: list[BaseException], scores: bool = False) -> threading.Thread:
     """``serve_predictions`` of ``opts``'s stage in a thread of this process, on a real socket (its endpoint
@@ -494,13 +508,7 @@ def test_labels_at_the_data_owner_name_the_classes_it_predicts_in_every_topology
 
     if framework == "torch":
         pytest.importorskip("torch")
-    torch = '\nframework = "torch"\n' if framework == "torch" else "\n"
-    experiment = write_combined(tmp_path)
-    text = experiment.read_text().replace("seed = 3\n", "seed = 3\nlabels = \"first\"\n", 1)
-    head, f_part, g_part = text.split("[[stages]]\n")
-    g_part = g_part.replace("\nloss", f"{torch}loss")
-    middle = f"[[stages]]\n{M_STAGE.rstrip()}{torch}\n" if topology == "chain" else "[clients]\ncount = 2\n\n"
-    experiment.write_text(f"{head}[[stages]]\n{f_part.rstrip()}{torch}\n{middle}[[stages]]\n{g_part}")
+    experiment = write_labels_first_combined(tmp_path, framework, topology)
     saved = tmp_path / "saved"
     assert run_main(["run", experiment, "--in-process", "--save", saved]).returncode == 0
     f_file = "f@1" if topology == "clients" else "f"
@@ -587,6 +595,35 @@ def test_a_prediction_hellos_class_names_are_checked_and_a_refused_one_changes_n
     monkeypatch.setattr(predict, "CLASS_NAMES_MAX_BYTES", 20)
     with pytest.raises(ConfigError, match="travel to the last stage in the prediction's hello"):
         travelling_class_names(first, "f", first.seed, None)
+
+
+def test_a_middle_stage_refuses_a_prediction_the_stage_below_refused_saying_why(tmp_path: Path):
+    """A middle stage passes a prediction's hello on (the class names too); when the stage below refuses it
+    (names for another count of outputs, IDs for an .npy output, ...), the middle stage refuses the data owner's
+    hello with that reason and opens no prediction, instead of failing and leaving the data owner waiting."""
+    from distgrad.errors import PeerRejected, ProtocolError
+    from distgrad.run import handshake
+    from distgrad.run.options import StageOptions
+    from distgrad.run.predict import PredictionServer
+
+    exp = load_experiment(write_labels_first_combined(tmp_path))
+
+    class Below:
+        """The link to a last stage that refuses every hello, keeping the ones it was sent."""
+        sent: list = []
+
+        def handshake(self, hello: Any) -> int:
+            self.sent.append(hello)
+            raise PeerRejected("mismatch", "the data owner's labels name 2 classes ['a', 'b'], and ...")
+
+    server = PredictionServer(StageOptions(exp, "m", exp.seed), None, Below())   # type: ignore[arg-type]
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=2, class_names=["a", "b"])
+    with pytest.raises(ProtocolError, match="the stage below refused this prediction: the data owner's labels") \
+            as info:
+        server.handle(hello, 0.0)
+    assert info.value.code == "mismatch" and server.sessions == {}
+    assert Below.sent[0].body["class_names"] == ["a", "b"] and Below.sent[0].body["role"] == "m"
 
 
 # --- kill -9 -------------------------------------------------------------------------------------------------

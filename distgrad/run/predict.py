@@ -59,7 +59,7 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
+from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
@@ -585,15 +585,18 @@ class PredictionServer:
         if self.own is not None:
             self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
-            batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
-                                             owner=peer_key, classes=classes)
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
                 own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}),
                                 **({"class_names": classes} if classes is not None else {}))
-                self.link.handshake(own)
+                try:
+                    self.link.handshake(own)
+                except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
+                    raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
+            batch = self.exp.batch or 1
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
+                                             owner=peer_key, classes=classes)
             self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
 
