@@ -559,7 +559,8 @@ def _digits_file(workdir: Path, name: str, g_lines: str, head_lines: str = "") -
 
 def _parties(path: Path) -> tuple[Path, Path]:
     """``distgrad split`` of ``path``: the data owner's stage file for its own loop (``Cut``; its [stage]
-    names it only), the label owner's stage file."""
+    names it only, its [data] has no feature_scale: the loop scales its own features, as
+    ``_initial_activations`` does), the label owner's stage file."""
     import subprocess
     import sys
     parts = path.with_suffix("")
@@ -568,7 +569,8 @@ def _parties(path: Path) -> tuple[Path, Path]:
     f_file = parts / "f" / "f.toml"
     head, rest = f_file.read_text().split("[stage]\n")
     own_loop = f_file.with_name("f-lib.toml")
-    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + rest.split("[data]", 1)[1])
+    data = re.sub(r"(?m)^feature_scale = .*\n", "", rest.split("[data]", 1)[1])
+    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + data)
     return own_loop, parts / "g" / "g.toml"
 
 

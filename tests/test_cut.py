@@ -947,10 +947,22 @@ def test_rows_nothing_numbers_are_a_clear_error_not_none():
 def test_a_combined_experiment_is_an_interface_and_agrees_with_its_split_stage_files(tmp_path):
     """interface= may name a combined experiment (a built-in's name or its file; stage= picks the party, by
     default the first or the last stage): the hello is the daemons' for that experiment, so a loop given the
-    built-in's name shakes hands with a loop given the stage file `distgrad split` writes, and steps."""
+    built-in's name shakes hands with a loop given the stage file `distgrad split` writes, and steps. The
+    built-in digits scales its pixels (feature_scale), which the data owner's loop of its own does itself: its
+    end refuses it with the reason (the label owner's takes the [data] without it, as distgrad split writes
+    it); the digits file without feature_scale is an interface like the built-in's."""
     from distgrad.config.split import split_experiment
     from distgrad.run.cut_interface import FIRST, LAST, cut_side
-    for name in ("tanh-regression", "digits"):
+    with pytest.raises(ConfigError, match="sets feature_scale.*your loop reads its own features"):
+        cut_side(FIRST, "digits", {})
+    digits = load_experiment("digits")
+    assert cut_side(LAST, "digits", {}).exp.interface_parts() == digits.interface_parts()
+    unscaled = tmp_path / "digits-unscaled.toml"
+    unscaled.write_text(Path(digits.source).read_text().replace("feature_scale = 0.0625\n", "").replace(
+        '"../datasets/digits.npz"', f'"{DIGITS_NPZ}"'))
+    assert "feature_scale" not in unscaled.read_text()
+    assert cut_side(FIRST, unscaled, {}).exp.interface_parts() == digits.interface_parts()   # the same interface
+    for name in ("tanh-regression", unscaled):
         exp = load_experiment(name)
         assert cut_side(FIRST, name, {}).exp.interface_parts() == exp.interface_parts()
         assert cut_side(LAST, exp.source, {}).stage == exp.stage_names[-1]

@@ -8,7 +8,10 @@ from __future__ import annotations
 import csv
 import json
 import re
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -409,6 +412,220 @@ def test_predict_without_the_saved_statistics_is_refused_with_the_reason(trained
     assert code == 2 and "f.prep.json is missing" in err, err
 
 
+# --- predict with the labels at the data owner (labels = "first") ----------------------------------------------
+
+LABELS_FIRST = 'labels = "first"\ntarget = { shape = [], dtype = "int64" }\n'
+
+
+def write_labels_first_parties(folder: Path) -> tuple[Path, Path]:
+    """Stage files f.toml (features and the species names: it holds the labels and sends them, labels =
+    "first") and g.toml (the model's top, no [data])."""
+    (folder / "f").mkdir(parents=True, exist_ok=True)
+    (folder / "g").mkdir(parents=True, exist_ok=True)
+    write_penguins(folder / "f")
+    interface = INTERFACE.format(steps=30) + LABELS_FIRST
+    f, g = folder / "f" / "f.toml", folder / "g" / "g.toml"
+    f.write_text(interface + f"\n[stage]\n{F_STAGE.format(width=WIDTH, extra='')}\n[data]\n"
+                 f"{F_DATA.format(missing='mean')}labels = \"species\"\nclass_names = true\n")
+    g.write_text(interface + f"\n[stage]\n{G_STAGE.format()}")
+    return f, g
+
+
+def test_predict_with_the_labels_at_the_data_owner_writes_its_class_names(tmp_path: Path):
+    """labels = "first": the data owner holds the labels and their names, saved beside its parameters; the last
+    stage computes the predictions. Its CSV still gives class names, and the score columns are headed by them,
+    both as computed in this process from the saved parameters and the data owner's names."""
+    f, g = write_labels_first_parties(tmp_path)
+    saved = tmp_path / "saved"
+    assert run_main(["run", f, g, "--in-process", "--save", saved]).returncode == 0
+    assert read_preparation(saved / "f.npz").classes == sorted(SPECIES) and not (saved / "g.prep.json").exists()
+    code, table, err = _predict(f, g, saved, tmp_path)
+    assert code == 0, err
+    assert table[0] == ["id", "prediction", "score_Adelie", "score_Chinstrap", "score_Gentoo"]
+    data = load_experiment(f).build_data(stage="f")
+    f_stage, g_stage = Stage.from_experiment(load_experiment(f), "f"), Stage.from_experiment(load_experiment(g), "g")
+    f_stage.load_parameters(saved / "f.npz")
+    g_stage.load_parameters(saved / "g.npz")
+    y = g_stage.forward(f_stage.forward(data.test_features(), training=False)[0], training=False)[0]
+    loss = load_experiment(g).final_loss
+    assert [line[1] for line in table[1:]] == [sorted(SPECIES)[k] for k in loss.predict(y).tolist()]
+    np.testing.assert_allclose([[float(v) for v in line[2:]] for line in table[1:]], loss.scores(y), rtol=1e-6)
+
+
+M_STAGE = '''name = "m"
+model = [{ type = "dense", name = "m1", in = 8, out = 8 }, { type = "tanh" }]
+optimizer = { type = "adam", lr = 0.02 }
+'''
+
+
+def write_labels_first_combined(folder: Path, framework: str = "numpy", topology: str = "chain") -> Path:
+    """The combined penguins experiment with labels = "first" and a middle stage m (``topology = "chain"``) or
+    two data owners (``"clients"``), its stages computed by ``framework``; 8 steps (predictions are checked,
+    not training)."""
+    torch = '\nframework = "torch"\n' if framework == "torch" else "\n"
+    experiment = write_combined(folder, steps=8)
+    text = experiment.read_text().replace("seed = 3\n", "seed = 3\nlabels = \"first\"\n", 1)
+    head, f_part, g_part = text.split("[[stages]]\n")
+    g_part = g_part.replace("\nloss", f"{torch}loss")
+    middle = f"[[stages]]\n{M_STAGE.rstrip()}{torch}\n" if topology == "chain" else "[clients]\ncount = 2\n\n"
+    experiment.write_text(f"{head}[[stages]]\n{f_part.rstrip()}{torch}\n{middle}[[stages]]\n{g_part}")
+    return experiment
+
+
+def _serve_in_a_thread(opts: Any, output: Path | None, connect: str | None, ready: Path, ctx: Any,
+                       failures: list[BaseException], scores: bool = False) -> threading.Thread:
+    """``serve_predictions`` of ``opts``'s stage in a thread of this process, on a real socket (its endpoint
+    written to ``ready``); an exception it raises is appended to ``failures``."""
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import serve_predictions
+
+    def serve() -> None:
+        try:
+            serve_predictions(opts, "tcp://127.0.0.1:*", output, StopFlag(), connect, ready, ctx, scores)
+        except BaseException as e:      # noqa: BLE001  (reported by the test)
+            failures.append(e)
+
+    ready.unlink(missing_ok=True)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not ready.exists() and not failures and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready.exists(), failures
+    return thread
+
+
+@pytest.mark.parametrize("framework, topology", [("numpy", "chain"), ("torch", "chain"), ("numpy", "clients")])
+def test_labels_at_the_data_owner_name_the_classes_it_predicts_in_every_topology(tmp_path: Path, framework: str,
+                                                                                  topology: str):
+    """labels = "first" in a combined experiment: three stages (data owner, middle, last; numpy and torch), or
+    [clients] (the second data owner predicts). The data owner's class names pass any middle stage on to the
+    last, whose .npy predictions are the names and whose scores come from the same outputs; the last stage
+    keeps no statistics, and needs none."""
+    import zmq
+    from distgrad.run.options import StageOptions, StopFlag
+    from distgrad.run.predict import NewRows, held_out_rows, send_predictions
+
+    if framework == "torch":
+        pytest.importorskip("torch")
+    experiment = write_labels_first_combined(tmp_path, framework, topology)
+    saved = tmp_path / "saved"
+    assert run_main(["run", experiment, "--in-process", "--save", saved]).returncode == 0
+    f_file = "f@1" if topology == "clients" else "f"
+    assert sorted(p.name for p in saved.glob("*.prep.json")) == sorted(
+        ["f@0.prep.json", "f@1.prep.json"] if topology == "clients" else ["f.prep.json"])
+    exp = load_experiment(experiment)
+    suffix = ".pt" if framework == "torch" else ".npz"
+    options = {name: StageOptions(exp, name, exp.seed, load_path=saved / f"{f_file if name == 'f' else name}{suffix}",
+                                  timeout_s=15, peer_deadline_s=15, client=1 if topology == "clients" and name == "f"
+                                  else None) for name in exp.stage_names}
+    output, failures, ctx = tmp_path / "out.npy", [], zmq.Context()
+    try:
+        threads = [_serve_in_a_thread(options["g"], output, None, tmp_path / "g.ready", ctx, failures, scores=True)]
+        endpoint = (tmp_path / "g.ready").read_text().strip()
+        if topology == "chain":
+            threads.append(_serve_in_a_thread(options["m"], None, endpoint, tmp_path / "m.ready", ctx, failures))
+            endpoint = (tmp_path / "m.ready").read_text().strip()
+        rows = NewRows(held_out_rows(exp, "f", exp.seed, options["f"].load_path).features)     # no IDs: .npy output
+        sent = send_predictions(options["f"], endpoint, rows, StopFlag(), ctx)
+        for thread in threads:
+            thread.join(20)
+            assert not thread.is_alive()
+    finally:
+        ctx.term()
+    assert not failures, failures
+    x = rows.features
+    for name in exp.stage_names:
+        stage = Stage.from_experiment(exp, name)
+        stage.load_parameters(options[name].load_path)
+        x = stage.forward(x, training=False)[0]
+    names = np.load(output)
+    assert sent == len(names) and names.dtype.kind == "U"
+    assert names.tolist() == [sorted(SPECIES)[k] for k in exp.final_loss.predict(x).tolist()]
+    np.testing.assert_allclose(np.load(tmp_path / "out.scores.npy"), exp.final_loss.scores(x), rtol=1e-6)
+
+
+def test_a_prediction_hellos_class_names_are_checked_and_a_refused_one_changes_nothing(tmp_path: Path,
+                                                                                          monkeypatch):
+    """The class names a data owner's hello carries (labels = "first") are refused unless they are one distinct,
+    non-empty string per output of the last stage, and always where the labels stay at the last stage (its
+    own [data] names its classes); a refused hello opens no prediction. Accepted, they name the predictions
+    and the score columns. The data owner refuses to send names too long for a hello's header."""
+    from distgrad.run import handshake
+    from distgrad.run import predict
+    from distgrad.run.options import StageOptions
+    from distgrad.run.predict import PredictionServer, travelling_class_names
+    from distgrad.errors import ProtocolError
+    from distgrad.wire import messages as wire
+    from distgrad.wire.messages import ErrorCode, Message
+
+    experiment = write_combined(tmp_path)
+    last = load_experiment(experiment)
+    experiment.write_text(experiment.read_text().replace("seed = 3\n", "seed = 3\nlabels = \"first\"\n", 1))
+    first = load_experiment(experiment)
+
+    def hello(exp: Any, names: Any) -> Message:
+        message = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+        message.body.update(purpose="predict", rows=2, class_names=names)
+        return message
+
+    server = PredictionServer(StageOptions(first, "g", first.seed), tmp_path / "out.csv", None, output_scores=True)
+    for names, code in ((["a", "b"], ErrorCode.MISMATCH), (["a", "a", "b"], ErrorCode.MALFORMED),
+                        ("abc", ErrorCode.MALFORMED), (["a", 3, "c"], ErrorCode.MALFORMED),
+                        (["a", "", "c"], ErrorCode.MALFORMED), ([], ErrorCode.MALFORMED)):
+        with pytest.raises(ProtocolError) as info:
+            server.handle(hello(first, names), 0.0)
+        assert info.value.code == code and server.sessions == {}, names
+    assert server.handle(hello(first, ["x", "=y", "z"]), 0.0).type == wire.WELCOME
+    chunk = np.array([[1.0] * 8, [-1.0] * 8], np.float32)
+    server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": chunk}), 0.1)
+    server.handle(Message(wire.BYE, "run1", 2, body={"chunks": 1, "rows": 2}), 0.2)
+    with open(tmp_path / "out.csv", newline="", encoding="utf-8") as file:
+        table = list(csv.reader(file))
+    assert table[0] == ["row", "prediction", "score_x", "score_'=y", "score_z"]
+    assert all(line[1] in ("x", "'=y", "z") for line in table[1:]) and len(table) == 3
+
+    with pytest.raises(ProtocolError, match="labels stay at the last stage") as info:
+        PredictionServer(StageOptions(last, "g", last.seed), tmp_path / "out.csv", None).handle(
+            hello(last, ["x", "y", "z"]), 0.0)
+    assert info.value.code == ErrorCode.MISMATCH
+
+    assert travelling_class_names(first, "f", first.seed, None) == sorted(SPECIES)
+    assert travelling_class_names(last, "f", last.seed, None) is None
+    monkeypatch.setattr(predict, "CLASS_NAMES_MAX_BYTES", 20)
+    with pytest.raises(ConfigError, match="travel to the last stage in the prediction's hello"):
+        travelling_class_names(first, "f", first.seed, None)
+
+
+def test_a_middle_stage_refuses_a_prediction_the_stage_below_refused_saying_why(tmp_path: Path):
+    """A middle stage passes a prediction's hello on (the class names too); when the stage below refuses it
+    (names for another count of outputs, IDs for an .npy output, ...), the middle stage refuses the data owner's
+    hello with that reason and opens no prediction, instead of failing and leaving the data owner waiting."""
+    from distgrad.errors import PeerRejected, ProtocolError
+    from distgrad.run import handshake
+    from distgrad.run.options import StageOptions
+    from distgrad.run.predict import PredictionServer
+
+    exp = load_experiment(write_labels_first_combined(tmp_path))
+
+    class Below:
+        """The link to a last stage that refuses every hello, keeping the ones it was sent."""
+        sent: list = []
+
+        def handshake(self, hello: Any) -> int:
+            self.sent.append(hello)
+            raise PeerRejected("mismatch", "the data owner's labels name 2 classes ['a', 'b'], and ...")
+
+    server = PredictionServer(StageOptions(exp, "m", exp.seed), None, Below())   # type: ignore[arg-type]
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=2, class_names=["a", "b"])
+    with pytest.raises(ProtocolError, match="the stage below refused this prediction: the data owner's labels") \
+            as info:
+        server.handle(hello, 0.0)
+    assert info.value.code == "mismatch" and server.sessions == {}
+    assert Below.sent[0].body["class_names"] == ["a", "b"] and Below.sent[0].body["role"] == "m"
+
+
 # --- kill -9 -------------------------------------------------------------------------------------------------
 
 def test_kill_9_and_resume_keep_the_statistics_bitwise(tmp_path: Path, stage_group):
@@ -547,10 +764,11 @@ def test_a_huge_value_is_standardised_and_filled_with_finite_statistics(tmp_path
 
 @pytest.mark.parametrize("end", ["first", "last"])
 @pytest.mark.parametrize("option", ['standardize = true', 'missing = "median"', 'class_names = true',
-                                    'categorical = ["colour"]'])
+                                    'categorical = ["colour"]', 'feature_scale = 0.5'])
 def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path, end: str, option: str):
     """A loop of one's own reads its own features and labels (the cut library takes only the sample order from
-    [data]), so a preparation key there would be left unused: refused at either end, naming the key."""
+    [data]), so a preparation key there would be left unused: refused at either end, naming the key. So is a
+    feature_scale other than 1 (which is what the daemons do without it)."""
     from distgrad.run.cut_interface import FIRST, LAST, cut_side
 
     rows = [["id", "colour", "size", "kind"]] + [[f"r{i}", str(i % 3), str(i), str(i % 2)] for i in range(40)]
@@ -569,6 +787,8 @@ def test_the_cut_library_refuses_data_preparation_with_the_reason(tmp_path: Path
     # (a [data] without the features or labels a key prepares refuses it for that reason already)
     with pytest.raises(ConfigError, match=f"{key}.*(the cut library.*your loop reads|holds no)"):
         cut_side(side, None, {**fields, "data": bad})
+    if key == "feature_scale":
+        assert cut_side(side, None, {**fields, "data": {**data, key: 1.0}}).data is not None
 
 
 def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_the_reason(tmp_path: Path):

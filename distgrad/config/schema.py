@@ -344,7 +344,9 @@ DATA_OPTIONS: dict[str, str] = {
                            "best step on every stage, else the last) and scored once: the summary's test_* figures "
                            "and test_step, and the last printed line. Every party's [data] must give the same; not "
                            "with labels = \"first\" nor in the cut library; 0: no validation rows",
-    "feature_scale": "file kinds: features are float32 times this",
+    "feature_scale": "file kinds: features are float32 times this (distgrad predict scales its --input rows alike); "
+                     "refused in the cut library unless 1 (a loop of its own reads its own features; a combined "
+                     "experiment's is its data owner's end's alone)",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
     "path": "npz and csv: the file (relative to the file that names it)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
@@ -371,8 +373,9 @@ DATA_OPTIONS: dict[str, str] = {
                    "refused in the cut library",
     "class_names": "file kinds, the label owner: the label column holds class names (any text, or numbers): "
                    "its distinct values, sorted (by value when all are numbers), are class ids 0, 1, ...; "
-                   "distgrad predict writes the names, and --output-scores heads its columns score_NAME; refused "
-                   "in a [data] without labels and in the cut library",
+                   "distgrad predict writes the names, and --output-scores heads its columns score_NAME (with "
+                   "labels = \"first\" the data owner's names travel in its prediction hello to the last stage, "
+                   "which writes them); refused in a [data] without labels and in the cut library",
     "feature_names": "npz and npy: the names of the feature columns, in order (distgrad split writes a csv "
                      "header's); distgrad predict matches a CSV --input's header to them by name",
 }

@@ -217,6 +217,8 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
                           f"the daemon (distgrad-stage), which meters and guards it")
     data = spec.data
     data = dict(exp.data if data is None else data)
+    if stage not in exp.data_owners:
+        data.pop("feature_scale", None)     # the data owner's, as distgrad split leaves it to the data owner's file
     return ({"interface": interface_table(exp), "stage": {"name": stage}, **({"data": data} if data else {})},
             exp.source)
 
@@ -280,11 +282,15 @@ def _check_supported(side: CutSide, source: str) -> None:
     spec = exp.spec(side.stage)
     table = exp.data if spec.data is None else spec.data
     prepared = [key for key in PREPARATION_OPTIONS if (table or {}).get(key) not in (None, False, "error")]
+    scale = (table or {}).get("feature_scale", 1.0)
+    if isinstance(scale, bool) or scale != 1:        # scaling by 1 is what the daemons do without the key
+        prepared.append("feature_scale")
     if prepared:
         raise ConfigError(f"{source}: stage {side.stage!r}: [data] sets {', '.join(prepared)}, which prepare the rows "
                           f"the daemons read, but the cut library takes only the sample order from [data] and your loop "
                           f"reads its own features and labels, so it cannot apply them: leave them out of [data] "
-                          f"and prepare the rows in your loop, or run the daemons (distgrad-stage)")
+                          f"and prepare the rows in your loop (feature_scale: multiply your features by it), or run "
+                          f"the daemons (distgrad-stage)")
     if (table or {}).get("validation_fraction"):
         raise ConfigError(f"{source}: stage {side.stage!r}: validation_fraction is the daemons' rule: their "
                           f"keep_best and early_stopping choose on the validation rows and the test rows cross "

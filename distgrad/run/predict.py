@@ -26,8 +26,9 @@ spreadsheet evaluates and no terminal obeys (``text_cell``).
 With ``--output-scores`` the label owner also writes each row's scores
 (``Loss.scores``: class probabilities for a classifying loss, the raw output
 otherwise) beside its prediction: CSV columns ``score_0`` .. ``score_{K-1}`` (``score_NAME``
-with the class names of a [data]'s ``class_names``, whose predictions are those names)
-after ``prediction``; for ``.npy`` output a second file beside it,
+with the class names of a [data]'s ``class_names``, whose predictions are those names;
+with ``labels = "first"`` the data owner holds them, and its hello carries them to the last stage as
+``class_names``, passed on by every middle stage) after ``prediction``; for ``.npy`` output a second file beside it,
 ``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
 crosses the wire: the scores are computed where the predictions are. A data owner that
 fails before it is done (bad input, a damaged ``--load`` file) sends the
@@ -58,7 +59,7 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, PeerTimeout, ProtocolError
+from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
@@ -77,6 +78,8 @@ ABORTED = ErrorCode.ABORTED    # the error code of a data owner's notice that it
 ID_NAME_MAX = 128           # characters of the ID column's name
 IDS_MAX_BYTES = 48 * 1024   # the IDs of one chunk, UTF-8 and msgpack framing: they travel in its header
 IDS_MAX_COUNT = 4096        # IDs in one chunk (a header's arrays are at most that long)
+CLASS_NAMES_MAX_COUNT = 4096    # class names a prediction's hello carries (labels = "first")
+CLASS_NAMES_MAX_BYTES = 32 * 1024   # their UTF-8 and msgpack framing: they travel in the hello's header
 
 
 class PredictionAborted(DistgradError, RuntimeError):
@@ -107,6 +110,7 @@ class _Session:
     scores: dict[int, np.ndarray] = field(default_factory=dict)   # chunk -> its rows' scores (--output-scores)
     since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
     owner: str = ""                          # with CURVE: the key that said its hello ("" in plaintext)
+    classes: list[str] | None = None         # labels = "first": the data owner's class names (its hello's)
 
 
 def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
@@ -209,13 +213,57 @@ def _prepared(reader: CsvColumns, columns: list[int], prep: Preparation) -> np.n
 
 def saved_preparation(exp: Any, stage: str, load: Path | None) -> Preparation | None:
     """The data preparation statistics saved beside stage ``stage``'s ``--load`` file
-    (``prepare.read_preparation``), or None when its [data] prepares nothing; ``ConfigError`` when they are
-    needed and missing."""
+    (``prepare.read_preparation``), or None when its [data] prepares nothing or the stage keeps none of it
+    (it holds neither feature columns nor, as the label owner, the class names: ``Experiment.preparation``
+    saves nothing for it); ``ConfigError`` when they are needed and missing."""
     spec = exp.spec(stage)
     table = exp.data if spec.data is None else spec.data
     if not prepares(table) or load is None:
         return None
+    holds_features = stage in exp.data_owners or (stage == exp.stage_names[-1] and exp.own_bottom)
+    if not holds_features and not (stage == exp.label_owner and table.get("class_names")):
+        return None
     return read_preparation(load)
+
+
+def travelling_class_names(exp: Experiment, stage: str, seed: int, load: Path | None) -> list[str] | None:
+    """The class names a data owner's prediction hello carries (``class_names``), or None: with
+    ``labels = "first"`` the data owner holds the labels and their names (saved beside its ``load`` file;
+    learnt from its [data] without one), while the last stage writes the predictions, so the names travel
+    to it. ``ConfigError`` when they are too many or too long for a hello's header."""
+    if not exp.labels_travel or stage != exp.label_owner:
+        return None
+    prep = saved_preparation(exp, stage, load) if load is not None else exp.preparation(seed, stage=stage)
+    classes = prep.classes if prep is not None else None
+    if classes is None:
+        return None
+    size = sum(len(name.encode("utf-8")) + 5 for name in classes)
+    if len(classes) > CLASS_NAMES_MAX_COUNT or size > CLASS_NAMES_MAX_BYTES:
+        raise ConfigError(f"the {len(classes)} class names take {size} bytes; with labels = \"first\" they travel "
+                          f"to the last stage in the prediction's hello, at most {CLASS_NAMES_MAX_COUNT} names and "
+                          f"{CLASS_NAMES_MAX_BYTES} bytes: shorten the names in the label column")
+    return classes
+
+
+def check_class_names(names: Any, labels_travel: bool, outputs: tuple[int, ...] | None) -> list[str]:
+    """A prediction hello's ``class_names``, checked: refused (``ProtocolError``) unless the labels travel
+    (``labels = "first"``: else the label owner names its own classes), unless a list of at most
+    ``CLASS_NAMES_MAX_COUNT`` distinct non-empty strings, and (``outputs``: the shape of the last stage's
+    output row, None for a middle stage) unless that row holds one score per name."""
+    if not labels_travel:
+        raise ProtocolError(ErrorCode.MISMATCH, "the hello carries class_names, but the labels stay at the last "
+                                                "stage (labels = \"last\"), whose own [data] names its classes")
+    if (type(names) is not list or not 0 < len(names) <= CLASS_NAMES_MAX_COUNT
+            or not all(type(name) is str and name for name in names) or len(set(names)) != len(names)
+            or sum(len(name.encode("utf-8")) + 5 for name in names) > CLASS_NAMES_MAX_BYTES):
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has class_names={wire.show(names)}; expected 1 to "
+                                                 f"{CLASS_NAMES_MAX_COUNT} distinct non-empty strings of at most "
+                                                 f"{CLASS_NAMES_MAX_BYTES} bytes in all")
+    if outputs is not None and outputs != (len(names),):
+        raise ProtocolError(ErrorCode.MISMATCH, f"the data owner's labels name {len(names)} classes "
+                                                f"{wire.show(names[:12])}, and the last stage outputs rows of shape "
+                                                f"{outputs}: one score per class is needed to write the class names")
+    return names
 
 
 def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None,
@@ -351,6 +399,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
     rows = new_rows.features
     chunk_rows = exp.batch or 1
     id_chunks = _id_chunks(new_rows, chunk_rows)
+    classes = travelling_class_names(exp, opts.stage, opts.seed, opts.load_path)
     state = StageState(opts)
     stage, log = state.stage, state.log
     if state.ledger is not None:            # each prediction is a run of its own: its noise is never a training run's
@@ -363,6 +412,8 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
         hello.body.update(purpose="predict", rows=len(rows))
         if new_rows.ids is not None:
             hello.body["id_column"] = new_rows.id_name
+        if classes is not None:
+            hello.body["class_names"] = classes
         link.handshake(hello)
         acknowledged = 0
         for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
@@ -528,17 +579,24 @@ class PredictionServer:
                                                         f"{wire.show(id_name)}, party {other} of column "
                                                         f"{wire.show(theirs.id_name)}: every party keeps the ID "
                                                         f"column, or none")
+        names = body.get("class_names")
+        classes = None if names is None else check_class_names(
+            names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
         if self.own is not None:
             self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
-            batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
-                                             owner=peer_key)
             if self.link is not None:
                 own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
                                       [0], 0, 1, relayed=body.get("parts"))
-                own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}))
-                self.link.handshake(own)
+                own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}),
+                                **({"class_names": classes} if classes is not None else {}))
+                try:
+                    self.link.handshake(own)
+                except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
+                    raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
+            batch = self.exp.batch or 1
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
+                                             owner=peer_key, classes=classes)
             self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
 
@@ -661,17 +719,19 @@ class PredictionServer:
             if missing or extra or have != rows:
                 raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
-            self.written = self._write_chunks(chunks, session.chunks, session.ids, session.scores, session.id_name)
+            self.written = self._write_chunks(chunks, session.chunks, session.ids, session.scores, session.id_name,
+                                              session.classes)
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
 
     def _write_chunks(self, chunks: int, predictions: Mapping[int, np.ndarray], ids: Mapping[int, list[str]],
-                      scores: Mapping[int, np.ndarray], id_name: str | None) -> int:
+                      scores: Mapping[int, np.ndarray], id_name: str | None, classes: list[str] | None = None) -> int:
         """Write the predictions of chunks 1..``chunks`` in order, with their rows' IDs and scores where kept
-        (``_write``); returns the rows written."""
+        (``_write``; ``classes``: the data owner's class names when the labels travel); returns the rows
+        written."""
         numbers = range(1, chunks + 1)
         return self._write(np.concatenate([np.atleast_1d(predictions[n]) for n in numbers]), id_name,
-                           [k for n in numbers for k in ids.get(n, [])], _joined(scores, numbers))
+                           [k for n in numbers for k in ids.get(n, [])], _joined(scores, numbers), classes)
 
     def _bye_party(self, session: _Session, msg: Message, envelope: Any, chunks: int, rows: int) -> Message | None:
         """A feature party's bye: kept (its latest envelope) until every party's is in and every chunk
@@ -699,14 +759,16 @@ class PredictionServer:
         return reply
 
     def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None,
-               scores: np.ndarray | None = None) -> int:
+               scores: np.ndarray | None = None, travelled: list[str] | None = None) -> int:
         """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
         headed ``id_name``, both as ``text_cell`` writes them, or without IDs ``row``, the row's number from
         0), and their ``scores`` when
-        given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows."""
+        given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows. Class ids
+        are written as the class names: the label owner's own, or those that ``travelled`` in the hello."""
         assert self.output is not None
-        if self.classes is not None:
-            predictions = self._named(predictions)
+        classes = self.classes if travelled is None else travelled
+        if classes is not None:
+            predictions = self._named(predictions, classes)
         if self.output.suffix == ".npy":
             if scores is not None:
                 write_atomic(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
@@ -717,8 +779,8 @@ class PredictionServer:
             fmt = "%d" if predictions.dtype.kind == "i" else "%s" if predictions.dtype.kind == "U" else "%.9g"
             cells = [[text_cell(v) if isinstance(v, str) else fmt % v for v in row] for row in table.tolist()]
             if scores is not None:
-                columns += ([f"score_{text_cell(c)}" for c in self.classes]
-                            if self.classes is not None and len(self.classes) == scores.shape[1]
+                columns += ([f"score_{text_cell(c)}" for c in classes]
+                            if classes is not None and len(classes) == scores.shape[1]
                             else [f"score_{i}" for i in range(scores.shape[1])])
                 cells = [row + ["%.9g" % v for v in values] for row, values in zip(cells, scores)]
             keys = ([text_cell(key) for key in ids] if id_name is not None and ids is not None
@@ -733,15 +795,15 @@ class PredictionServer:
         return len(predictions)
 
 
-    def _named(self, predictions: np.ndarray) -> np.ndarray:
-        """Class ids as the label owner's class names (a text array); ``ConfigError`` for an id without one
-        (a model with more outputs than the training labels had classes)."""
-        assert self.classes is not None
+    @staticmethod
+    def _named(predictions: np.ndarray, classes: list[str]) -> np.ndarray:
+        """Class ids as the class names (a text array); ``ConfigError`` for an id without one (a model with
+        more outputs than the training labels had classes)."""
         ids = np.asarray(predictions)
-        if ids.dtype.kind not in "iu" or (len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < len(self.classes)):
-            raise ConfigError(f"the predictions are not class ids 0 to {len(self.classes) - 1}, the classes "
-                              f"{self.classes[:12]} the labels named")
-        return np.array(self.classes, dtype=str)[ids]
+        if ids.dtype.kind not in "iu" or (len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < len(classes)):
+            raise ConfigError(f"the predictions are not class ids 0 to {len(classes) - 1}, the classes "
+                              f"{classes[:12]} the labels named")
+        return np.array(classes, dtype=str)[ids]
 
 
 class OwnRows:
