@@ -49,7 +49,7 @@ READY_TIMEOUT_S = 60.0
 WARM_UP_S = 3.0
 
 
-def experiment(kind: str, size_bytes: int) -> str:
+def experiment(kind: str, size_bytes: int = 4) -> str:
     if kind == "tiny":
         return trivial_toml(size_bytes)
     return mlp_toml("bench-mlp-b32", [("dense", 784, HIDDEN), ("relu",)], [("dense", HIDDEN, 10)], 32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Wall time and CPU time per step of the two real stage processes of a split.
 
-    .venv/bin/python benchmarks/step_cpu.py tiny|mlp [--steps N] [--pin G,F] [--repeats R]
+    .venv/bin/python benchmarks/step_cpu.py tiny|mlp [--steps N] [--pin G,F] [--repeats R] [--f-flags FLAGS]
 
 Not part of the test suite. Starts ``python -m distgrad.cli stage g`` (bound on
 tcp 127.0.0.1) and ``stage f`` as ``benchmarks/profile_step.py`` does, on the
@@ -18,12 +18,18 @@ are a small share.
 ``any`` pins that stage to nothing, and ``any,any`` is the default). CPU time per step moves less with the load of a
 shared machine than wall time does, which makes it the figure to compare
 before and after a change (run both in the same minute, alternating).
+
+``--f-flags`` gives the driving stage more flags, e.g. ``--f-flags '--spin-us 300'``
+(the driver spins before it blocks for the reply; the serving stage does not),
+and each repeat then runs with and without them, alternating, so the two
+lines of a repeat compare in the same minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,7 +50,8 @@ READY_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 600.0
 
 
-def run_once(kind: str, steps: int, pin: tuple[str, str], workdir: Path) -> dict[str, float]:
+def run_once(kind: str, steps: int, pin: tuple[str, str], workdir: Path,
+             f_flags: list[str] | None = None) -> dict[str, float]:
     """One run of ``steps`` steps; µs per step: ``wall``, ``f``, ``g``, ``both`` (CPU)."""
     env = pinned_env()
     for name in BLAS_OVERRIDES:
@@ -70,7 +77,7 @@ def run_once(kind: str, steps: int, pin: tuple[str, str], workdir: Path) -> dict
                 raise SystemExit(f"the g stage did not start; see {workdir / 'g.log'}")
             time.sleep(0.02)
         f = subprocess.run([*taskset(pin[1]), *stage, "f", *common, "--connect", ready.read_text().strip(),
-                            "--summary", str(workdir / "f.json")], env=env, stdout=subprocess.DEVNULL,
+                            "--summary", str(workdir / "f.json"), *(f_flags or [])], env=env, stdout=subprocess.DEVNULL,
                            stderr=open(workdir / "f.log", "w"), timeout=RUN_TIMEOUT_S)
         if f.returncode != 0:
             raise SystemExit(f"the f stage exited with {f.returncode}; see {workdir / 'f.log'}")
@@ -91,16 +98,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, help="steps per run (default: 8000 tiny, 2000 mlp)")
     p.add_argument("--pin", default="any,any", help="taskset CPUs of g and f, 'any' for none (default any,any)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--f-flags", default="", help="more flags for the driving stage; each repeat then runs "
+                                                  "without and with them")
     args = p.parse_args()
     pin = tuple(args.pin.split(","))
     if len(pin) != 2:
         p.error("--pin takes two CPUs (or 'any'), g's then f's: e.g. 0,0 or any,any")
     steps = args.steps or (8000 if args.kind == "tiny" else 2000)
+    variants = [[], shlex.split(args.f_flags)] if args.f_flags else [[]]
     for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="distgrad-step-cpu-") as tmp:
-            r = run_once(args.kind, steps, pin, Path(tmp))
-        print(f"{args.kind} g@{pin[0]} f@{pin[1]}: {r['wall']:.1f} us/step wall; CPU per step: f {r['f']:.1f} us, "
-              f"g {r['g']:.1f} us, both {r['both']:.1f} us", flush=True)
+        for f_flags in variants:
+            with tempfile.TemporaryDirectory(prefix="distgrad-step-cpu-") as tmp:
+                r = run_once(args.kind, steps, pin, Path(tmp), f_flags)
+            print(f"{args.kind} g@{pin[0]} f@{pin[1]}{' f ' + ' '.join(f_flags) if f_flags else ''}: "
+                  f"{r['wall']:.1f} us/step wall; CPU per step: f {r['f']:.1f} us, g {r['g']:.1f} us, "
+                  f"both {r['both']:.1f} us", flush=True)
     return 0
 
 

@@ -149,6 +149,9 @@ def test_step_cpu():
         result = run_script("step_cpu.py", "tiny", "--steps", "200", "--pin", f"{g},{f}")
         line = result.stdout.strip().splitlines()[-1]
         assert line.startswith(f"tiny g@{g} f@{f}: ") and "CPU per step: f " in line, line
+    result = run_script("step_cpu.py", "tiny", "--steps", "200", "--f-flags", "--spin-us 300")
+    lines = result.stdout.strip().splitlines()[-2:]
+    assert lines[0].startswith("tiny g@any f@any: ") and lines[1].startswith("tiny g@any f@any f --spin-us 300: "), lines
 
 
 @pytest.mark.slow
