@@ -9,6 +9,7 @@ of 10 or more is printed as no meaningful guarantee.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,9 @@ def _rows_parties(tmp_path: Path, g_extra: str, steps: int = 4) -> tuple[Path, P
     f_file = tmp_path / "parts" / "f" / "f.toml"
     head, rest = f_file.read_text().split("[stage]\n")
     own_loop = f_file.with_name("f-lib.toml")
-    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + rest.split("[data]", 1)[1])
+    # The loop reads its own features (the cut library refuses feature_scale, which it could not apply).
+    data = re.sub(r"\nfeature_scale = [^\n]*", "", rest.split("[data]", 1)[1])
+    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + data)
     return own_loop, tmp_path / "parts" / "g" / "g.toml"
 
 

@@ -11,6 +11,7 @@ party would.
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def _parties(tmp_path: Path, g_extra: str = G_CLIP) -> tuple[Path, Path]:
     f_file = tmp_path / "parts" / "f" / "f.toml"
     head, rest = f_file.read_text().split("[stage]\n")
     own_loop = f_file.with_name("f-lib.toml")            # the cut library's party: [stage] names it only
-    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + rest.split("[data]", 1)[1])
+    # The loop reads its own features (the cut library refuses feature_scale, which it could not apply).
+    data = re.sub(r"\nfeature_scale = [^\n]*", "", rest.split("[data]", 1)[1])
+    own_loop.write_text(head + '[stage]\nname = "f"\n\n[data]' + data)
     return own_loop, tmp_path / "parts" / "g" / "g.toml"
 
 
