@@ -326,6 +326,16 @@ def free_tcp_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
+def watched_dealer(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to ``endpoint`` (LINGER 0) and a monitor socket that receives its
+    ``EVENT_DISCONNECTED``: a test sees at once that the stage dropped the connection (a frame over its limit)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(endpoint)
+    return sock, monitor
+
+
 DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 
 

@@ -68,7 +68,7 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.transport import MAX_FRAMES, Client
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file
+from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file, watched_dealer
 
 
 def summary_of(path, run: str, timeout: float = 10.0) -> dict:
@@ -819,10 +819,7 @@ class Link:
         self._connect()
 
     def _connect(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(self.endpoint)
+        self.sock, self.monitor = watched_dealer(self.ctx, self.endpoint)
 
     def close(self) -> None:
         self.sock.disable_monitor()

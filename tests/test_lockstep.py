@@ -40,7 +40,8 @@ from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, free_tcp_endpoint, hello_message, read_json, run_main, wait_for_file
+from conftest import (StageProcess, free_tcp_endpoint, hello_message, read_json, run_main, wait_for_file,
+                      watched_dealer)
 
 ROWS, WIDTH = 64, 1024          # the activation: 64 x 1024 float32 = 256 KiB, over wire.ALWAYS_COPY_BYTES
 STEPS = 6
@@ -123,10 +124,7 @@ class RawPeer:
         self._connect()
 
     def _connect(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(self.endpoint)
+        self.sock, self.monitor = watched_dealer(self.ctx, self.endpoint)
 
     def request(self, frames: list, timeout_ms: int = REPLY_TIMEOUT_MS) -> list[bytes] | None:
         """The reply's frames, or None when the stage dropped the connection instead (a frame over its limit:
