@@ -336,6 +336,24 @@ def watched_dealer(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Soc
     return sock, monitor
 
 
+class HonestDataOwner:
+    """An experiment's data owner driven by hand in the test's process, step by step (what ``distgrad stage f``
+    computes): ``forward`` makes step ``step``'s forward message of run ``run``; ``took`` applies its reply."""
+
+    def __init__(self, exp: Any) -> None:
+        from distgrad.stage.stage import Stage
+        self.exp, self.f, self.data, self.caches = exp, Stage.from_experiment(exp, "f"), exp.build_data(), {}
+
+    def forward(self, run: str, step: int) -> Any:
+        from distgrad.wire import messages as wire
+        y, self.caches[step] = self.f.forward(self.data.features(step))
+        return wire.Message(wire.FORWARD, run, step, tensors={"activation": y})
+
+    def took(self, step: int, reply: Any) -> None:
+        _, grads = self.f.backward(self.caches.pop(step), reply.tensors["activation_grad"].copy())
+        self.f.apply(grads)
+
+
 DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 
 

@@ -68,7 +68,7 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.transport import MAX_FRAMES, Client
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file, watched_dealer
+from conftest import HonestDataOwner, StageProcess, hello_message, read_json, run_main, wait_for_file, watched_dealer
 
 
 def summary_of(path, run: str, timeout: float = 10.0) -> dict:
@@ -1020,20 +1020,13 @@ def reference(tmp_path: Path, *extra: str) -> dict:
     return read_json(path)["params"]
 
 
-class HonestDaemonPeer:
+class HonestDaemonPeer(HonestDataOwner):
     """An honest data owner of the daemon driven by hand: seed-reverse's f stage, step by step; ``check``
     compares both stages' parameters with the in-process run of ``steps`` (``params``)."""
 
     def __init__(self, params: dict) -> None:
-        self.params, self.f, self.data, self.caches = params, Stage.from_experiment(EXP, "f"), EXP.build_data(), {}
-
-    def forward(self, run: str, step: int) -> Message:
-        y, self.caches[step] = self.f.forward(self.data.features(step))
-        return Message(wire.FORWARD, run, step, tensors={"activation": y})
-
-    def took(self, step: int, reply: Message) -> None:
-        _, grads = self.f.backward(self.caches.pop(step), reply.tensors["activation_grad"].copy())
-        self.f.apply(grads)
+        super().__init__(EXP)
+        self.params = params
 
     def check(self, summary: dict) -> None:
         assert summary["params"]["g"] == self.params["g"]

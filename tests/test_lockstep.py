@@ -36,12 +36,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from distgrad.config.parse import load_experiment
-from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import (StageProcess, free_tcp_endpoint, hello_message, read_json, run_main, wait_for_file,
-                      watched_dealer)
+from conftest import (HonestDataOwner, StageProcess, free_tcp_endpoint, hello_message, read_json, run_main,
+                      wait_for_file, watched_dealer)
 
 ROWS, WIDTH = 64, 1024          # the activation: 64 x 1024 float32 = 256 KiB, over wire.ALWAYS_COPY_BYTES
 STEPS = 6
@@ -217,22 +216,6 @@ def hostile_forwards(run: str, step: int, good: np.ndarray) -> list[tuple[str, l
     ]
 
 
-class HonestF:
-    """The experiment's data owner, step by step in this process (what ``distgrad stage f`` computes)."""
-
-    def __init__(self, experiment: Path) -> None:
-        self.exp = load_experiment(str(experiment))
-        self.f, self.data, self.caches = Stage.from_experiment(self.exp, "f"), self.exp.build_data(), {}
-
-    def forward(self, run: str, step: int) -> Message:
-        y, self.caches[step] = self.f.forward(self.data.features(step))
-        return Message(wire.FORWARD, run, step, tensors={"activation": y})
-
-    def took(self, step: int, reply: Message) -> None:
-        _, grads = self.f.backward(self.caches.pop(step), reply.tensors["activation_grad"].copy())
-        self.f.apply(grads)
-
-
 def ping_step(peer: RawPeer, run: str) -> int:
     """The label owner's applied steps, as its pong says (a barrier: the reply before it has left)."""
     reply, _ = peer.message(Message(wire.PING, run, 0))
@@ -254,7 +237,7 @@ def test_resent_and_hostile_forwards_on_the_lockstep_path_change_nothing(kind, t
     g, endpoint = start_server(str(experiment), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
                                "--summary", str(tmp_path / "g.json"), bind=bind)
     peer, hostile = RawPeer(zmq_ctx, endpoint), RawPeer(zmq_ctx, endpoint)
-    honest, run = HonestF(experiment), uuid.uuid4().hex
+    honest, run = HonestDataOwner(load_experiment(str(experiment))), uuid.uuid4().hex
     welcome, _ = peer.message(hello_message(honest.exp, run))
     assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1
     sent: list[list] = []                      # every step's forward, as sent
