@@ -345,13 +345,14 @@ def checkpointed(folder: Path, stage: str) -> int:
 # add tensors on the aligned-buffer path (256 KiB), a torch label owner, and the 32 MiB gradient ring: slow.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind,steps,transport,extra", [
-    ("numpy", 60, "tcp", []), ("torch", 60, "ipc", []), ("ring", 24, "ipc", []),
-    # codecs with error feedback and the privacy meters on both sides: tensors a codec and a meter hold
-    ("numpy", 60, "ipc", ["--activation-codec", "int8", "--gradient-codec", "topk:1000+ef", "--privacy-meter"])],
+@pytest.mark.parametrize("kind,steps,transport,extra,f_extra", [
+    ("numpy", 60, "tcp", [], []), ("torch", 60, "ipc", [], []), ("ring", 24, "ipc", [], []),
+    # codecs with error feedback and the data owner's privacy meter (the label owner's targets are real-valued,
+    # so it has none and refuses one): tensors a codec and a meter hold
+    ("numpy", 60, "ipc", ["--activation-codec", "int8", "--gradient-codec", "topk:1000+ef"], ["--privacy-meter"])],
     ids=["numpy", "torch", "ring", "codecs-meter"])
-def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, steps, transport, extra, tmp_path,
-                                                                        stage_group):
+def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, steps, transport, extra, f_extra,
+                                                                        tmp_path, stage_group):
     """g killed -9 a third of the way, f two thirds of the way, each restarted with ``--resume``: the final
     parameters are bitwise those of the in-process run (with the same ``extra`` options), every tensor having
     crossed in reused receive buffers (and, for ``ring``, the label owner's gradients in its reused ring)."""
@@ -362,13 +363,13 @@ def test_lockstep_stages_killed_9_and_resumed_end_bitwise_as_in_process(kind, st
         experiment.write_text(RING.format(steps=steps))
     else:
         experiment = write_experiment(tmp_path, kind, steps)
-    reference = in_process_params(tmp_path, experiment, steps, *extra)
+    reference = in_process_params(tmp_path, experiment, steps, *extra, *f_extra)
     endpoint = free_tcp_endpoint() if transport == "tcp" else f"ipc://{tmp_path}/g.sock"
     common = [*extra, "--experiment", experiment, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "2",
               "--resume", "--timeout", "2", "--peer-deadline", "60"]
     pair = stage_group(StageGroup, tmp_path)
     pair.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common],
-                 "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", *common]}
+                 "f": ["f", "--connect", endpoint, "--summary", tmp_path / "f.json", *common, *f_extra]}
     pair.start("g")
     pair.start("f")
     for fraction, victim in ((1 / 3, "g"), (2 / 3, "f")):
