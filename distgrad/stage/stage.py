@@ -14,7 +14,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -267,6 +267,20 @@ class _ObjectiveCache:
     y: np.ndarray
 
 
+_NOTHING_DRAWN = contextlib.nullcontext()      # stateless: one for every stage without labels to draw
+
+
+@contextlib.contextmanager
+def _labels_restored_on_error(release: Any) -> Iterator[None]:
+    """``release``'s drawn labels (its answers and sets) as they were before the block, if the block raises."""
+    answers, sets = release.answers.copy(), release.sets.copy()
+    try:
+        yield
+    except BaseException:
+        release.answers[...], release.sets[...] = answers, sets
+        raise
+
+
 class Stage:
     """A model slice with its own optimiser; the last stage also owns the loss.
 
@@ -447,23 +461,15 @@ class Stage:
         if release is not None:
             release.load_state_arrays(arrays)
 
-    @contextlib.contextmanager
-    def labels_drawn_if_sent(self) -> Iterator[None]:
+    def labels_drawn_if_sent(self) -> ContextManager[None]:
         """Around computing and sending one micro-batch's gradient: RR-with-prior (``label_dp`` in stages)
         draws a row's label in the forward that first trains on it, and the label is released only with that
         gradient. When the block raises (the step refused, e.g. computed again on other activations, or
         failed before its reply left) the labels drawn in it are forgotten, so the step computed again on its
-        first activations draws them as the uninterrupted run did."""
+        first activations draws them as the uninterrupted run did. Without ``label_dp`` in stages, a shared
+        context that does nothing (this is on every step's path)."""
         release = self.label_dp.release if self.label_dp is not None else None
-        if release is None:
-            yield
-            return
-        answers, sets = release.answers.copy(), release.sets.copy()
-        try:
-            yield
-        except BaseException:
-            release.answers[...], release.sets[...] = answers, sets
-            raise
+        return _NOTHING_DRAWN if release is None else _labels_restored_on_error(release)
 
     def keep_label_releases(self, before: "Stage") -> None:
         """This stage rebuilt at step 0 for a rollback of the run that ``before`` trained: keep the labels
