@@ -55,6 +55,7 @@ SMOKE_TESTS = {
     "soak.py": "test_soak",
     "step_cpu.py": "test_step_cpu",
     "timeline.py": "test_timeline",
+    "wake_cost.py": "test_wake_cost",
     "wan.py": "test_wan",
     "wan_link.py": "test_wan_link",
     "zero_copy_threshold.py": "test_zero_copy_threshold",
@@ -152,6 +153,18 @@ def test_step_cpu():
     result = run_script("step_cpu.py", "tiny", "--steps", "200", "--f-flags", "--spin-us 300")
     lines = result.stdout.strip().splitlines()[-2:]
     assert lines[0].startswith("tiny g@any f@any: ") and lines[1].startswith("tiny g@any f@any f --spin-us 300: "), lines
+
+
+@pytest.mark.slow
+def test_wake_cost(tmp_path):
+    """wake_cost.py: a short ping-pong in every mode; each row has the step and both sides' work and penalty."""
+    out = tmp_path / "wake.json"
+    result = run_script("wake_cost.py", "--work-us", "5", "--round-trips", "50", "--repeats", "1", "--json", out)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["block", "spin", "spin-yield"], result.stdout
+    for row in rows:
+        assert row["step_us"] > 0 and len(row["work_after_wake_us"]) == len(row["work_hot_us"]) == 2
+        assert all(p is None or p > 0 for p in row["penalty"])
 
 
 @pytest.mark.slow
