@@ -247,3 +247,16 @@ def test_a_cut_server_with_send_rows_refuses_rows_that_are_not_one_integer_per_r
         server.close()
 
 
+
+
+@pytest.mark.integration
+def test_micro_batches_that_do_not_split_the_batch_are_a_config_error_at_bind_and_connect():
+    """The interface's micro_batches must split its batch into equal parts, as every run checks before its first
+    step: both ends refuse at bind/connect (before, the server bound and refused every hello until its
+    peer deadline, and the data owner's first step was refused)."""
+    fields = {**FIELDS, "micro_batches": 3}                 # a batch of 4 rows
+    with pytest.raises(ConfigError, match="4 rows: they do not split into 3 equal micro-batches"):
+        CutServer.bind("tcp://127.0.0.1:*", **fields)
+    with pytest.raises(ConfigError, match="4 rows: they do not split into 3 equal micro-batches"):
+        Cut.connect("tcp://127.0.0.1:9", **fields)
+    Cut.connect("tcp://127.0.0.1:9", **{**FIELDS, "micro_batches": 2}).close(finished=False)   # 2 do split 4
