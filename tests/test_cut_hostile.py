@@ -6,6 +6,7 @@ are checked against both in test_protocol_ends.py (fixed cases) and test_hostile
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import zmq
 
 from conftest import hello_message
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
+from distgrad.run.cut_server import evaluation_scores
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen, load_public, load_secret
 from distgrad.wire.messages import ErrorCode, Message
@@ -260,3 +262,36 @@ def test_micro_batches_that_do_not_split_the_batch_are_a_config_error_at_bind_an
     with pytest.raises(ConfigError, match="4 rows: they do not split into 3 equal micro-batches"):
         Cut.connect("tcp://127.0.0.1:9", **fields)
     Cut.connect("tcp://127.0.0.1:9", **{**FIELDS, "micro_batches": 2}).close(finished=False)   # 2 do split 4
+
+
+@pytest.mark.parametrize("result, text", [
+    ((0.5, 9), "correct=9"), ((0.5, -1), "correct=-1"), ((0.5, 2.5), "correct=2.5"), ((0.5, True), "correct=True"),
+    ((0.5, 2, 1), "must return (loss, correct)"), (0.5, "must return (loss, correct)"),
+    (("x", 2), "must be one number"), ((np.ones(2), 2), "must be one number")])
+def test_what_a_loops_evaluate_returns_is_checked_in_that_loop(result, text):
+    """evaluate(h, rows) returns (loss, correct): one number, and the rows right from 0 to the held-out count
+    or None; anything else is CutMisuse at the label owner whose loop returned it (not a malformed reply the
+    data owner refuses, nor a bare unpacking error)."""
+    assert evaluation_scores((np.float32(0.5), np.int64(8)), 8) == {"loss": 0.5, "correct": 8, "count": 8}
+    assert evaluation_scores([0.25, None], 8) == {"loss": 0.25, "correct": None, "count": 8}
+    with pytest.raises(CutMisuse, match=re.escape(text)):
+        evaluation_scores(result, 8)
+
+
+@pytest.mark.integration
+def test_an_evaluation_count_out_of_range_stops_the_label_owners_loop_not_the_data_owners(tmp_path):
+    """A CutServer's evaluate that says more rows are right than it scored fails in the label owner's loop
+    (CutMisuse), which tells the data owner why (PeerAborted); before, the reply went out malformed and the
+    data owner's loop failed with a ProtocolError instead."""
+    np.save(tmp_path / "x.npy", np.ones((20, 3), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(20, np.int64))
+    fields = {**FIELDS, "steps": 2}
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, evaluate=lambda h, rows: (0.5, 99),
+                            data=dict(kind="npy", labels=str(tmp_path / "y.npy"), batch=4, test_fraction=0.2), **fields)
+    loop = Loop(server)
+    with pytest.raises(PeerAborted, match="CutMisuse: evaluate returned correct=99"):
+        with Cut.connect(server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields,
+                         data=dict(kind="npy", features=str(tmp_path / "x.npy"), batch=4, test_fraction=0.2)) as cut:
+            cut.step(np.ones((4, 3), np.float32))
+            cut.evaluate(np.ones((len(cut.test_rows), 3), np.float32))
+    assert isinstance(loop.result(), CutMisuse) and loop.seen == [(1, 0)]

@@ -50,7 +50,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, reply_state, saved_reply
+from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
@@ -420,11 +420,7 @@ class GroupServer(CutServer, serves_several=True):
             return
         h = aggregate.combine(str(self.exp.aggregate), [e[1] for e in sent if e is not None])
         h.setflags(write=False)
-        loss, correct = self.evaluate(h, self.test_rows)
-        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
-            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
-        body = {"loss": float(_one_number(loss, "the loss evaluate returned")),
-                "correct": None if correct is None else int(correct), "count": len(self.test_rows)}
+        body = evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows))
         for p in self.peers:
             p.evaluated = evaluation_reply(p.run, self.step + 1, body)
             p.evaluate = None
