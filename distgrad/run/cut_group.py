@@ -288,11 +288,12 @@ class GroupServer(CutServer, serves_several=True):
     def _aborted(self, msg: Message, peer_key: str) -> None:
         """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
         are told when this side closes. A notice of no run served here, or from another key than the one
-        that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``); any is
-        taken before the first run (a data owner may stop before its hello)."""
+        that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``) once
+        every data owner has a run here; until then any is taken (a data owner may stop before its hello,
+        e.g. its loop's first ``h`` has the wrong shape, while the others have begun)."""
         joined = [p for p in self.peers if p.run]
         sender = next((p for p in joined if p.run == msg.run), None)
-        if joined and sender is None:
+        if len(joined) == len(self.peers) and sender is None:
             raise unknown_run(msg, f"one of the runs {self.runs()}")
         if sender is not None:
             check_owner(sender.owner, peer_key, msg)
