@@ -21,6 +21,7 @@ from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.cut_server import evaluation_scores
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen, load_public, load_secret
+from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
 
 FIELDS = dict(name="cut-hostile", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
@@ -295,3 +296,57 @@ def test_an_evaluation_count_out_of_range_stops_the_label_owners_loop_not_the_da
             cut.step(np.ones((4, 3), np.float32))
             cut.evaluate(np.ones((len(cut.test_rows), 3), np.float32))
     assert isinstance(loop.result(), CutMisuse) and loop.seen == [(1, 0)]
+
+
+class StoppingLabelOwner:
+    """A label owner (a ROUTER on a thread) whose evaluations all say stop, as a daemon's early stopping does:
+    it welcomes a hello, answers a forward with a gradient of ones, an evaluate with stop, a bye with a bye;
+    ``forwards`` counts the steps it was sent."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.forwards, self.done = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _answer(self, msg: Message) -> Message:
+        if msg.type == wire.HELLO:
+            return Message(wire.WELCOME, msg.run, msg.step, body={"stage": "g", "next_step": 1})
+        if msg.type == wire.FORWARD:
+            self.forwards.append(msg.step)
+            return Message(wire.BACKWARD, msg.run, msg.step, body={"loss": 0.5, "compute_s": 0.0},
+                           tensors={"activation_grad": np.ones((4, 3), np.float32)})
+        if msg.type == wire.EVALUATE:
+            return evaluation_reply(msg.run, msg.step, {"loss": 0.5, "correct": None, "count": 4, "stop": True})
+        return Message(wire.BYE, msg.run, msg.step, body={"steps": msg.body["steps"]})
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            if self.sock.poll(50):
+                identity, *frames = self.sock.recv_multipart()
+                self.sock.send_multipart([identity, *wire.encode(self._answer(wire.decode(frames)))])
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.integration
+def test_a_step_after_the_label_owners_early_stopping_said_stop_is_misuse_and_close_ends_the_run():
+    """early_stopping ends the run on every party at the same step: once an evaluation says stop, the next
+    cut.step is CutMisuse before anything is sent (before, it was sent, and a daemon label owner trained on
+    past its own stop), and close() says bye after the steps applied."""
+    owner = StoppingLabelOwner()
+    try:
+        with Cut.connect(owner.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+            cut.step(np.ones((4, 3), np.float32))
+            assert cut.evaluate(np.ones((4, 3), np.float32))["stop"] and cut.stopped
+            with pytest.raises(CutMisuse, match="early stopping ended the run after step 1"):
+                cut.step(np.ones((4, 3), np.float32))
+            assert cut.applied == 1
+        assert owner.forwards == [1]
+    finally:
+        owner.close()

@@ -158,8 +158,9 @@ class Cut:
         micro-batches, ``h`` is sent as M of them; the loss and ``dh`` are the daemons' (their sums times
         the micro-batch scale; ``step_micro_batches`` gives each micro-batch's own).
 
-        Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, or a closed cut; ``PeerTimeout`` when
-        the label owner stays silent past ``peer_deadline_s``; ``PeerRejected`` when it refuses;
+        Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, a closed cut, or a run the label owner's
+        early stopping ended (``stopped``); ``PeerTimeout`` when the label owner stays silent past
+        ``peer_deadline_s``; ``PeerRejected`` when it refuses;
         ``NonFiniteError`` for a NaN or Inf in its reply (unless the interface allows them).
         """
         losses, grads = self._step(h, rows, step)
@@ -177,6 +178,10 @@ class Cut:
                             f"load_state_dict)")
         if k > self.exp.steps:
             raise CutMisuse(f"all {self.exp.steps} steps of the interface are done; call close()")
+        if self.stopped:
+            raise CutMisuse(f"the label owner's early stopping ended the run after step {self.applied} (its last "
+                            f"evaluation said stop, cut.stopped): end the loop and call close(), which ends the run "
+                            f"on both sides at that step")
         h = self._checked(h)
         sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:
