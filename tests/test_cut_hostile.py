@@ -350,3 +350,18 @@ def test_a_step_after_the_label_owners_early_stopping_said_stop_is_misuse_and_cl
         assert owner.forwards == [1]
     finally:
         owner.close()
+
+
+@pytest.mark.integration
+def test_a_state_given_with_a_step_or_run_is_a_config_error_not_one_of_them_ignored():
+    """Cut.connect stands at a state_dict's step and run, or at step= and run=: given both, which one the
+    loop meant is unknown, so it is refused (before, step= and run= were silently replaced by the state's)."""
+    saved = Cut.connect("tcp://127.0.0.1:9", step=2, run="saved", **FIELDS)
+    state = saved.state_dict()
+    saved.close(finished=False)
+    for extra in (dict(step=1, run="other"), dict(step=2), dict(run="saved")):
+        with pytest.raises(ConfigError, match="state= .* or step= and run=, not both"):
+            Cut.connect("tcp://127.0.0.1:9", state=state, **extra, **FIELDS)
+    cut = Cut.connect("tcp://127.0.0.1:9", state=state, **FIELDS)
+    assert (cut.applied, cut.run_id) == (2, "saved")
+    cut.close(finished=False)
