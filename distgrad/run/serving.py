@@ -426,6 +426,10 @@ class ServingStage:
             if digest is not None:                      # and this is what the step will be computed on
                 peer.received[key] = digest
             return []
+        stopped_at = self.state.verdicts.stopped_at
+        if stopped_at and msg.step > stopped_at:        # the parties stop there; a data owner that goes on is refused
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step}: early stopping ended the run after "
+                                                f"step {stopped_at} (the evaluation after it said stop); say bye")
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         check_forward_order(msg, peer.step + 1, expected, peer.mbs)
