@@ -15,10 +15,13 @@ import pytest
 import zmq
 
 from conftest import hello_message
+from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
 from distgrad.errors import ConfigError, CutMisuse, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.cut_server import evaluation_scores
+from distgrad.run.options import StageOptions, StopFlag
+from distgrad.run.serving import serve
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen, load_public, load_secret
 from distgrad.wire.link import evaluation_reply
@@ -365,3 +368,47 @@ def test_a_state_given_with_a_step_or_run_is_a_config_error_not_one_of_them_igno
     cut = Cut.connect("tcp://127.0.0.1:9", state=state, **FIELDS)
     assert (cut.applied, cut.run_id) == (2, "saved")
     cut.close(finished=False)
+
+
+@pytest.mark.integration
+def test_a_middle_stage_passes_the_notice_of_the_stage_above_down_so_the_label_owner_stops_at_once():
+    """A chain with the cut library at both ends and a middle-stage daemon (distgrad-stage m) between: the data
+    owner's loop stops mid-run and tells m, which fails its run and passes the notice down; the label owner's
+    loop raises PeerAborted naming why (before, m did not pass it on and the label owner waited out its
+    liveness and peer deadline: PeerTimeout)."""
+    server = CutServer.bind("tcp://127.0.0.1:*", interface="chain-regression", liveness_s=5.0, peer_deadline_s=10.0)
+    below: dict = {}
+
+    def label_owner() -> None:
+        try:
+            with server:
+                for batch in server:
+                    batch.reply(0.5, np.ones_like(batch.h))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            below["error"] = e
+    loop = threading.Thread(target=label_owner, daemon=True)
+    loop.start()
+    exp = load_experiment("chain-regression")
+    middle: dict = {}
+    ready = threading.Event()
+
+    def run_middle() -> None:
+        try:
+            serve(StageOptions(exp, "m", exp.seed, liveness_s=5.0, peer_deadline_s=10.0), "tcp://127.0.0.1:*",
+                  StopFlag(), connect=server.endpoint, on_ready=lambda endpoint: (middle.update(endpoint=endpoint),
+                                                                                   ready.set()))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            middle["error"] = e
+    thread = threading.Thread(target=run_middle, daemon=True)
+    thread.start()
+    assert ready.wait(30), middle
+    with Cut.connect(middle["endpoint"], interface="chain-regression", timeout_s=2.0, peer_deadline_s=10.0) as cut:
+        cut.step(np.ones(cut_side(FIRST, "chain-regression", {}).shape, np.float32))
+        cut.close(finished=False)
+    thread.join(30)
+    assert isinstance(middle.get("error"), PeerAborted), middle
+    loop.join(30)
+    error = below.get("error")
+    assert isinstance(error, PeerAborted), error
+    assert "stage m stopped: the stage above stopped: stage f stopped: its loop closed the cut after step 1" in \
+        str(error)
