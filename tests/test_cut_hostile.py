@@ -290,7 +290,8 @@ def test_an_evaluation_count_out_of_range_stops_the_label_owners_loop_not_the_da
     np.save(tmp_path / "x.npy", np.ones((20, 3), np.float32))
     np.save(tmp_path / "y.npy", np.zeros(20, np.int64))
     fields = {**FIELDS, "steps": 2}
-    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0, evaluate=lambda h, rows: (0.5, 99),
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0,
+                            evaluate=lambda h, rows: (0.5, 99),
                             data=dict(kind="npy", labels=str(tmp_path / "y.npy"), batch=4, test_fraction=0.2), **fields)
     loop = Loop(server)
     with pytest.raises(PeerAborted, match="CutMisuse: evaluate returned correct=99"):

@@ -68,8 +68,8 @@ from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
-                                    hello_fields, log_refusal, not_accepted, pong, refusal,
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+                                    decode_and_handle, hello_fields, log_refusal, not_accepted, pong, refusal,
                                     resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
