@@ -253,13 +253,19 @@ class CutServer:
 
 
 def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]
-                      ) -> Callable[[np.ndarray, np.ndarray], tuple[float, Any]]:
+                      ) -> Callable[[np.ndarray, np.ndarray], Any]:
     """The numpy layer's ``evaluate`` calling a loop's torch one, without autograd."""
-    def call(h: np.ndarray, rows: np.ndarray) -> tuple[float, Any]:
+    def call(h: np.ndarray, rows: np.ndarray) -> Any:
         with torch.no_grad():
-            loss, correct = evaluate(torch.tensor(h, dtype=torch.float32), torch.from_numpy(rows))
-        value = float(loss) if isinstance(loss, torch.Tensor) else loss
-        return value, int(correct) if isinstance(correct, torch.Tensor) else correct
+            result = evaluate(torch.tensor(h, dtype=torch.float32), torch.from_numpy(rows))
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            return result           # not (loss, correct): the numpy layer says so (CutMisuse)
+        loss, correct = result
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().double().cpu().numpy()     # one number, or refused by the numpy layer
+        if isinstance(correct, torch.Tensor) and correct.numel() == 1 and float(correct) == int(correct):
+            correct = int(correct)                          # e.g. (pred == y).sum(), or its .float()
+        return loss, correct
     return call
 
 

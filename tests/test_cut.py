@@ -988,3 +988,23 @@ def test_a_combined_experiment_is_an_interface_and_agrees_with_its_split_stage_f
     (step, h_shape), failure = served.result()
     assert failure is None, failure
     assert (float(loss), step, h_shape) == (0.5, 1, shape) and np.array_equal(dh, np.ones(shape, np.float32))
+
+
+def test_a_torch_loops_evaluate_result_reaches_the_numpy_layers_checks():
+    """distgrad.torch hands what the loop's evaluate returns to distgrad.cut's checks: tensors of one
+    number as numbers (a count of rows right as an int, also a float tensor of a whole count), anything else
+    as it is, so a result that is not (loss, correct) is CutMisuse naming it, not an unpacking error."""
+    from distgrad.run.cut_server import evaluation_scores
+    from distgrad.torch import _evaluate_tensors
+
+    def scored(result):
+        return evaluation_scores(_evaluate_tensors(lambda h, rows: result)(np.ones((2, 3), np.float32),
+                                                                            np.arange(2)), 2)
+
+    loss = torch.tensor(0.1, dtype=torch.float32)
+    assert scored((loss, torch.tensor(2))) == {"loss": float(np.float32(0.1)), "correct": 2, "count": 2}
+    assert scored((loss, torch.tensor([True, False]).float().sum()))["correct"] == 1
+    assert scored((loss, None))["correct"] is None
+    for result, text in [((loss, 1, 2), "must return (loss, correct)"), (loss, "must return (loss, correct)"),
+                         ((torch.ones(2), 1), "must be one number"), ((loss, torch.tensor(1.5)), "correct=")]:
+        assert text in caught(lambda: scored(result)), result

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -597,3 +598,25 @@ def test_vertical_parties_held_out_embeddings_are_combined_and_scored_once_for_a
     assert rows.tolist() == list(test_rows) and np.array_equal(h, np.full((len(test_rows), 3), 30, np.float32))
     expected = {"loss": float(h.sum()), "correct": None, "count": len(test_rows)}
     assert scores[0] == scores[1] == scores[(0, "again")] == scores[(1, "again")] == expected
+
+
+def test_a_party_whose_loop_fails_before_its_hello_stops_the_label_owner_and_the_others_are_told():
+    """Party 1's loop fails at its first step before anything is sent (an h of the wrong shape) while party 0
+    has begun: its notice (a data owner may stop before its hello) stops the label owner's loop at once
+    (PeerAborted naming party 1's reason), and party 0, waiting for its reply, is told so; before, the notice
+    was refused (no run of it here) and party 0 waited out its peer deadline (PeerTimeout)."""
+    fields = dict(FIELDS, parties=2, aggregate="concat")
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=20.0, **fields), _answer_all)
+    results: dict = {}
+    first = _parties(served.server.endpoint, 1, fields, results)[0]
+    deadline = time.monotonic() + 30
+    while not served.server.peers[0].joined:        # party 0's hello was taken: its step 1 waits for party 1
+        assert time.monotonic() < deadline, "party 0 never said hello"
+        time.sleep(0.01)
+    with pytest.raises(CutMisuse, match=r"h has shape \(4, 6\)"):
+        with Cut.connect(served.server.endpoint, party=1, timeout_s=1.0, peer_deadline_s=20.0, **fields) as cut:
+            cut.step(np.zeros((4, 6), np.float32))
+    first.join(30)
+    _, error = served.result()
+    assert isinstance(error, PeerAborted) and "stage p1 stopped: its loop failed: CutMisuse: h has shape" in str(error)
+    assert isinstance(results[0], PeerAborted) and "stage p1 stopped" in str(results[0]), results

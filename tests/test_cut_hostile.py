@@ -6,6 +6,7 @@ are checked against both in test_protocol_ends.py (fixed cases) and test_hostile
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -14,11 +15,16 @@ import pytest
 import zmq
 
 from conftest import hello_message
+from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
+from distgrad.run.cut_server import evaluation_scores
+from distgrad.run.options import StageOptions, StopFlag
+from distgrad.run.serving import serve
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import keygen, load_public, load_secret
+from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
 
 FIELDS = dict(name="cut-hostile", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
@@ -247,3 +253,163 @@ def test_a_cut_server_with_send_rows_refuses_rows_that_are_not_one_integer_per_r
         server.close()
 
 
+
+
+@pytest.mark.integration
+def test_micro_batches_that_do_not_split_the_batch_are_a_config_error_at_bind_and_connect():
+    """The interface's micro_batches must split its batch into equal parts, as every run checks before its first
+    step: both ends refuse at bind/connect (before, the server bound and refused every hello until its
+    peer deadline, and the data owner's first step was refused)."""
+    fields = {**FIELDS, "micro_batches": 3}                 # a batch of 4 rows
+    with pytest.raises(ConfigError, match="4 rows: they do not split into 3 equal micro-batches"):
+        CutServer.bind("tcp://127.0.0.1:*", **fields)
+    with pytest.raises(ConfigError, match="4 rows: they do not split into 3 equal micro-batches"):
+        Cut.connect("tcp://127.0.0.1:9", **fields)
+    Cut.connect("tcp://127.0.0.1:9", **{**FIELDS, "micro_batches": 2}).close(finished=False)   # 2 do split 4
+
+
+@pytest.mark.parametrize("result, text", [
+    ((0.5, 9), "correct=9"), ((0.5, -1), "correct=-1"), ((0.5, 2.5), "correct=2.5"), ((0.5, True), "correct=True"),
+    ((0.5, 2, 1), "must return (loss, correct)"), (0.5, "must return (loss, correct)"),
+    (("x", 2), "must be one number"), ((np.ones(2), 2), "must be one number")])
+def test_what_a_loops_evaluate_returns_is_checked_in_that_loop(result, text):
+    """evaluate(h, rows) returns (loss, correct): one number, and the rows right from 0 to the held-out count
+    or None; anything else is CutMisuse at the label owner whose loop returned it (not a malformed reply the
+    data owner refuses, nor a bare unpacking error)."""
+    assert evaluation_scores((np.float32(0.5), np.int64(8)), 8) == {"loss": 0.5, "correct": 8, "count": 8}
+    assert evaluation_scores([0.25, None], 8) == {"loss": 0.25, "correct": None, "count": 8}
+    with pytest.raises(CutMisuse, match=re.escape(text)):
+        evaluation_scores(result, 8)
+
+
+@pytest.mark.integration
+def test_an_evaluation_count_out_of_range_stops_the_label_owners_loop_not_the_data_owners(tmp_path):
+    """A CutServer's evaluate that says more rows are right than it scored fails in the label owner's loop
+    (CutMisuse), which tells the data owner why (PeerAborted); before, the reply went out malformed and the
+    data owner's loop failed with a ProtocolError instead."""
+    np.save(tmp_path / "x.npy", np.ones((20, 3), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(20, np.int64))
+    fields = {**FIELDS, "steps": 2}
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=5.0,
+                            evaluate=lambda h, rows: (0.5, 99),
+                            data=dict(kind="npy", labels=str(tmp_path / "y.npy"), batch=4, test_fraction=0.2), **fields)
+    loop = Loop(server)
+    with pytest.raises(PeerAborted, match="CutMisuse: evaluate returned correct=99"):
+        with Cut.connect(server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields,
+                         data=dict(kind="npy", features=str(tmp_path / "x.npy"), batch=4, test_fraction=0.2)) as cut:
+            cut.step(np.ones((4, 3), np.float32))
+            cut.evaluate(np.ones((len(cut.test_rows), 3), np.float32))
+    assert isinstance(loop.result(), CutMisuse) and loop.seen == [(1, 0)]
+
+
+class StoppingLabelOwner:
+    """A label owner (a ROUTER on a thread) whose evaluations all say stop, as a daemon's early stopping does:
+    it welcomes a hello, answers a forward with a gradient of ones, an evaluate with stop, a bye with a bye;
+    ``forwards`` counts the steps it was sent."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.forwards, self.done = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _answer(self, msg: Message) -> Message:
+        if msg.type == wire.HELLO:
+            return Message(wire.WELCOME, msg.run, msg.step, body={"stage": "g", "next_step": 1})
+        if msg.type == wire.FORWARD:
+            self.forwards.append(msg.step)
+            return Message(wire.BACKWARD, msg.run, msg.step, body={"loss": 0.5, "compute_s": 0.0},
+                           tensors={"activation_grad": np.ones((4, 3), np.float32)})
+        if msg.type == wire.EVALUATE:
+            return evaluation_reply(msg.run, msg.step, {"loss": 0.5, "correct": None, "count": 4, "stop": True})
+        return Message(wire.BYE, msg.run, msg.step, body={"steps": msg.body["steps"]})
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            if self.sock.poll(50):
+                identity, *frames = self.sock.recv_multipart()
+                self.sock.send_multipart([identity, *wire.encode(self._answer(wire.decode(frames)))])
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.integration
+def test_a_step_after_the_label_owners_early_stopping_said_stop_is_misuse_and_close_ends_the_run():
+    """early_stopping ends the run on every party at the same step: once an evaluation says stop, the next
+    cut.step is CutMisuse before anything is sent (before, it was sent, and a daemon label owner trained on
+    past its own stop), and close() says bye after the steps applied."""
+    owner = StoppingLabelOwner()
+    try:
+        with Cut.connect(owner.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+            cut.step(np.ones((4, 3), np.float32))
+            assert cut.evaluate(np.ones((4, 3), np.float32))["stop"] and cut.stopped
+            with pytest.raises(CutMisuse, match="early stopping ended the run after step 1"):
+                cut.step(np.ones((4, 3), np.float32))
+            assert cut.applied == 1
+        assert owner.forwards == [1]
+    finally:
+        owner.close()
+
+
+@pytest.mark.integration
+def test_a_state_given_with_a_step_or_run_is_a_config_error_not_one_of_them_ignored():
+    """Cut.connect stands at a state_dict's step and run, or at step= and run=: given both, which one the
+    loop meant is unknown, so it is refused (before, step= and run= were silently replaced by the state's)."""
+    saved = Cut.connect("tcp://127.0.0.1:9", step=2, run="saved", **FIELDS)
+    state = saved.state_dict()
+    saved.close(finished=False)
+    for extra in (dict(step=1, run="other"), dict(step=2), dict(run="saved")):
+        with pytest.raises(ConfigError, match="state= .* or step= and run=, not both"):
+            Cut.connect("tcp://127.0.0.1:9", state=state, **extra, **FIELDS)
+    cut = Cut.connect("tcp://127.0.0.1:9", state=state, **FIELDS)
+    assert (cut.applied, cut.run_id) == (2, "saved")
+    cut.close(finished=False)
+
+
+@pytest.mark.integration
+def test_a_middle_stage_passes_the_notice_of_the_stage_above_down_so_the_label_owner_stops_at_once():
+    """A chain with the cut library at both ends and a middle-stage daemon (distgrad-stage m) between: the data
+    owner's loop stops mid-run and tells m, which fails its run and passes the notice down; the label owner's
+    loop raises PeerAborted naming why (before, m did not pass it on and the label owner waited out its
+    liveness and peer deadline: PeerTimeout)."""
+    server = CutServer.bind("tcp://127.0.0.1:*", interface="chain-regression", liveness_s=5.0, peer_deadline_s=10.0)
+    below: dict = {}
+
+    def label_owner() -> None:
+        try:
+            with server:
+                for batch in server:
+                    batch.reply(0.5, np.ones_like(batch.h))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            below["error"] = e
+    loop = threading.Thread(target=label_owner, daemon=True)
+    loop.start()
+    exp = load_experiment("chain-regression")
+    middle: dict = {}
+    ready = threading.Event()
+
+    def run_middle() -> None:
+        try:
+            serve(StageOptions(exp, "m", exp.seed, liveness_s=5.0, peer_deadline_s=10.0), "tcp://127.0.0.1:*",
+                  StopFlag(), connect=server.endpoint, on_ready=lambda endpoint: (middle.update(endpoint=endpoint),
+                                                                                   ready.set()))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            middle["error"] = e
+    thread = threading.Thread(target=run_middle, daemon=True)
+    thread.start()
+    assert ready.wait(30), middle
+    with Cut.connect(middle["endpoint"], interface="chain-regression", timeout_s=2.0, peer_deadline_s=10.0) as cut:
+        cut.step(np.ones(cut_side(FIRST, "chain-regression", {}).shape, np.float32))
+        cut.close(finished=False)
+    thread.join(30)
+    assert isinstance(middle.get("error"), PeerAborted), middle
+    loop.join(30)
+    error = below.get("error")
+    assert isinstance(error, PeerAborted), error
+    assert "stage m stopped: the stage above stopped: stage f stopped: its loop closed the cut after step 1" in \
+        str(error)

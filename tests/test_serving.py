@@ -12,6 +12,7 @@ import pytest
 
 from distgrad.wire import messages as wire
 from distgrad.errors import ConfigError, ProtocolError
+from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.run.handshake import hello
 from distgrad.run.options import StageOptions
@@ -543,3 +544,32 @@ def test_a_steps_targets_are_looked_up_once_and_before_its_first_forward():
         reference.settle()
         assert lookups == list(range(1, step + 2))         # the next step's, after this step's update
     assert _same(_params(server), _params(reference))
+
+
+def test_a_forward_after_the_early_stop_is_refused_and_changes_nothing(tmp_path):
+    """early_stopping ends the run on every party at the step whose evaluation said stop: a data owner that
+    sends a later step anyway (a hand-made one; the daemons and the cut library stop there) is refused
+    (step) and the label owner trains no further; the bye after that step ends the run, stopped there."""
+    path = tmp_path / "digits.toml"
+    path.write_text((BUILTIN_DIR / "digits.toml").read_text()
+                    .replace('path = "../datasets/', f'path = "{BUILTIN_DIR.parent}/datasets/')
+                    .replace('loss = "softmax_cross_entropy"', 'loss = "softmax_cross_entropy"\n'
+                             'early_stopping = { metric = "test_loss", patience = 1 }')
+                    .replace("steps = 800", "steps = 800\neval_every = 1"))
+    exp = load_experiment(path)
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    server.handle(PEER, hello_message(exp, "r"), 0.0)
+    held_out = _evaluate_message(exp, "r", 2).tensors["activation"]
+    for step, h in ((1, held_out), (2, held_out * 100)):     # the second evaluation's loss is worse: stop
+        assert only_reply(server.handle(PEER, _forward(exp, "r", step), 0.0)).type == wire.BACKWARD
+        server.settle()
+        evaluation = only_reply(server.handle(PEER, Message(wire.EVALUATE, "r", step + 1,
+                                                             tensors={"activation": h}), 0.0))
+    assert evaluation.body["stop"] and server.stage.step == 2
+    before = _params(server)
+    with pytest.raises(ProtocolError, match="forward for step 3: early stopping ended the run after step 2") as e:
+        server.handle(PEER, _forward(exp, "r", 3), 0.0)
+    assert e.value.code == ErrorCode.STEP
+    server.settle()
+    assert server.stage.step == 2 and _same(before, server.stage.params)
+    assert only_reply(server.handle(PEER, Message(wire.BYE, "r", 3, body={"steps": 2}), 0.0)).type == wire.BYE

@@ -99,13 +99,16 @@ class Cut:
         """A ``Cut`` to the label owner at ``endpoint`` for ``interface`` (this party's stage file, or its
         fields as keyword arguments: ``run.cut_interface.cut_side``), standing at ``step`` (the steps this
         loop has applied) of run ``run`` (its ``run_id``; needed with a ``step`` > 0), or at the ``state`` a
-        ``state_dict`` gave. ``party``: which feature party of a vertical interface this loop is (its
+        ``state_dict`` gave (not both). ``party``: which feature party of a vertical interface this loop is (its
         index or stage name; a party's stage file names it already); ``client``: which data owner of an
         interface with ``[clients]`` (0 to count - 1; its shard of the rows). ``timeout_s``, ``liveness_s`` and
         ``peer_deadline_s`` bound the waits as the daemons' flags do; ``curve_secret`` and ``server_key``
         are CURVE's key files. Raises ``ConfigError`` for a bad interface or setting."""
         given = {k: v for k, v in (("timeout_s", timeout_s), ("liveness_s", liveness_s),
                                    ("peer_deadline_s", peer_deadline_s)) if v is not None}
+        if state is not None and (step or run is not None):
+            raise ConfigError(f"give the cut's state= (which holds its step and run) or step= and run=, not both "
+                              f"(got state= with step={step!r}, run={wire.show(run)})")
         cut = cls(cut_side(FIRST, interface, fields, party, client), endpoint, step=step, run=run, bounds=Bounds(**given),
                   curve_secret=curve_secret, server_key=server_key, ctx=ctx)
         if state is not None:
@@ -158,8 +161,9 @@ class Cut:
         micro-batches, ``h`` is sent as M of them; the loss and ``dh`` are the daemons' (their sums times
         the micro-batch scale; ``step_micro_batches`` gives each micro-batch's own).
 
-        Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, or a closed cut; ``PeerTimeout`` when
-        the label owner stays silent past ``peer_deadline_s``; ``PeerRejected`` when it refuses;
+        Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, a closed cut, or a run the label owner's
+        early stopping ended (``stopped``); ``PeerTimeout`` when the label owner stays silent past
+        ``peer_deadline_s``; ``PeerRejected`` when it refuses;
         ``NonFiniteError`` for a NaN or Inf in its reply (unless the interface allows them).
         """
         losses, grads = self._step(h, rows, step)
@@ -177,6 +181,10 @@ class Cut:
                             f"load_state_dict)")
         if k > self.exp.steps:
             raise CutMisuse(f"all {self.exp.steps} steps of the interface are done; call close()")
+        if self.stopped:
+            raise CutMisuse(f"the label owner's early stopping ended the run after step {self.applied} (its last "
+                            f"evaluation said stop, cut.stopped): end the loop and call close(), which ends the run "
+                            f"on both sides at that step")
         h = self._checked(h)
         sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:

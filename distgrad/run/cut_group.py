@@ -50,7 +50,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, _one_number, reply_state, saved_reply
+from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
@@ -288,11 +288,12 @@ class GroupServer(CutServer, serves_several=True):
     def _aborted(self, msg: Message, peer_key: str) -> None:
         """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
         are told when this side closes. A notice of no run served here, or from another key than the one
-        that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``); any is
-        taken before the first run (a data owner may stop before its hello)."""
+        that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``) once
+        every data owner has a run here; until then any is taken (a data owner may stop before its hello,
+        e.g. its loop's first ``h`` has the wrong shape, while the others have begun)."""
         joined = [p for p in self.peers if p.run]
         sender = next((p for p in joined if p.run == msg.run), None)
-        if joined and sender is None:
+        if len(joined) == len(self.peers) and sender is None:
             raise unknown_run(msg, f"one of the runs {self.runs()}")
         if sender is not None:
             check_owner(sender.owner, peer_key, msg)
@@ -420,11 +421,7 @@ class GroupServer(CutServer, serves_several=True):
             return
         h = aggregate.combine(str(self.exp.aggregate), [e[1] for e in sent if e is not None])
         h.setflags(write=False)
-        loss, correct = self.evaluate(h, self.test_rows)
-        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
-            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
-        body = {"loss": float(_one_number(loss, "the loss evaluate returned")),
-                "correct": None if correct is None else int(correct), "count": len(self.test_rows)}
+        body = evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows))
         for p in self.peers:
             p.evaluated = evaluation_reply(p.run, self.step + 1, body)
             p.evaluate = None

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distgrad.config.experiment import BUILTIN_DIR, Experiment, is_whole
+from distgrad.config.experiment import BUILTIN_DIR, Experiment, check_run_settings, is_whole
 from distgrad.config.parse import load_experiment, parse_own_loop
 from distgrad.config.prepare import PREPARATION_OPTIONS
 from distgrad.config.split import interface_table
@@ -143,6 +143,10 @@ def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields:
     else:
         raw, source = read_toml(Path(interface), "stage file"), str(interface)
     exp = parse_own_loop(raw, source)
+    try:        # the checks every path of a run makes before its first step (the daemons', --in-process)
+        check_run_settings(exp, micro_batches=exp.micro_batches)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
     side = CutSide(exp, end, exp.stages[0].name, _check_client(exp, end, client, source))
     if party is not None and side.stage != _party_stage(exp, party, source):
         raise ConfigError(f"{source}: [stage] is {side.stage!r}, but party={party!r} is stage "

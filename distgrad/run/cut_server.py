@@ -393,12 +393,8 @@ class CutServer:
             raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
                                                 f"{self.step} steps (staleness {self.staleness})")
         h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
-        loss, correct = self.evaluate(h, self.test_rows)
-        if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)):
-            raise CutMisuse(f"evaluate returned correct={correct!r}; give the number of rows right, or None")
-        self.evaluation = evaluation_reply(msg.run, msg.step, {
-            "loss": float(_one_number(loss, "the loss evaluate returned")), "correct": None if correct is None else int(correct),
-            "count": len(self.test_rows)})
+        self.evaluation = evaluation_reply(msg.run, msg.step,
+                                           evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows)))
         return self.evaluation
 
     def _expected(self, mbs: int, rows: bool = False) -> Expected:
@@ -647,6 +643,23 @@ def _one_number(loss: Any, what: str) -> np.float32:
         raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
                         f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
     return np.float32(value)
+
+
+def evaluation_scores(result: Any, count: int) -> dict[str, Any]:
+    """The body of an evaluation reply from what the loop's ``evaluate`` returned for ``count`` held-out rows:
+    ``(loss, correct)``, the loss one number and ``correct`` the rows right (a whole number from 0 to
+    ``count``) or None. ``CutMisuse`` for anything else, here in the loop that returned it, rather than a
+    malformed reply that the data owner would refuse."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CutMisuse(f"evaluate must return (loss, correct): the held-out rows' loss and how many are right "
+                        f"(None when the loss does not classify), got {wire.show(result)}")
+    loss, correct = result
+    if correct is not None and (not isinstance(correct, (int, np.integer)) or isinstance(correct, bool)
+                                or not 0 <= correct <= count):
+        raise CutMisuse(f"evaluate returned correct={wire.show(correct)}; give the number of rows right, from 0 to "
+                        f"the {count} held-out rows, or None")
+    return {"loss": float(_one_number(loss, "the loss evaluate returned")),
+            "correct": None if correct is None else int(correct), "count": count}
 
 
 def reply_state(m: Message) -> dict[str, Any]:

@@ -68,15 +68,15 @@ from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
-                                    hello_fields, log_refusal, not_accepted, pong, refusal,
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
+                                    decode_and_handle, hello_fields, log_refusal, not_accepted, pong, refusal,
                                     resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.run.topology import Clients, OnePeer, Topology
-from distgrad.wire.transport import POLL_TICK_S, Server
+from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.wirecodec import GRADIENT, stream_name
 
@@ -160,6 +160,7 @@ class ServingStage:
         self.deferred: Gradients | None = None             # gradients (and update) of a micro-batch answered
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
         self.untold: dict[str, str] = {}                   # a failed run's parties not yet told why (by run id)
+        self.told_below = False                            # a middle stage passed an aborted notice down
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
@@ -426,6 +427,10 @@ class ServingStage:
             if digest is not None:                      # and this is what the step will be computed on
                 peer.received[key] = digest
             return []
+        stopped_at = self.state.verdicts.stopped_at
+        if stopped_at and msg.step > stopped_at:        # the parties stop there; a data owner that goes on is refused
+            raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step}: early stopping ended the run after "
+                                                f"step {stopped_at} (the evaluation after it said stop); say bye")
         in_turn = self.topology.in_turn(peer)
         expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
         check_forward_order(msg, peer.step + 1, expected, peer.mbs)
@@ -480,6 +485,9 @@ class ServingStage:
         that ends a run of several parties, every other party is told why (``_tell_the_others``)."""
         failure = self.topology.notice(peer, msg)
         self.apply_failure(failure)
+        if failure.ends_run and self.link is not None:     # a middle stage: the stages below stop at once too
+            self.link.send(wire.abort_notice(msg.run, self.opts.stage, f"the stage above stopped: {abort_reason(msg)}"))
+            self.told_below = True
         return self._tell_the_others(peer, failure.error) if failure.ends_run and self.count > 1 else []
 
     def _tell_the_others(self, cause: Peer, error: DistgradError) -> list[Reply]:
@@ -983,7 +991,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
             server.close()
             records.close()
             if logic.link is not None:
-                logic.link.close(linger_ms=0)
+                logic.link.close(linger_ms=NOTICE_LINGER_MS if logic.told_below else 0)
 
 
 def frames_digest(msg: Message) -> str:
