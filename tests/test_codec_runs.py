@@ -145,6 +145,23 @@ def test_a_bad_codec_is_a_configuration_error(tmp_path):
     assert result.returncode == 2 and "'gradient_codec'" in result.stderr and "int4" in result.stderr
 
 
+def test_a_codec_of_a_one_stage_experiment_is_refused_not_ignored(tmp_path):
+    """Nothing crosses a wire in an experiment of one stage: a codec there (flag or key) is refused, naming
+    the direction, rather than accepted and never applied."""
+    from test_staleness import ONE_STAGE
+
+    experiment = tmp_path / "one.toml"
+    experiment.write_text(ONE_STAGE)
+    for flag, key in (("--activation-codec", "activation_codec"), ("--gradient-codec", "gradient_codec")):
+        result = run_main(["run", experiment, "--in-process", flag, "int8"])
+        assert result.returncode == 2 and f"{key} 'int8'" in result.stderr and "one stage" in result.stderr
+        keyed = tmp_path / f"{key}.toml"
+        keyed.write_text(ONE_STAGE.replace("steps = 4\n", f'steps = 4\n{key} = "float16"\n'))
+        result = run_main(["run", keyed])
+        assert result.returncode == 2 and f"{key} 'float16'" in result.stderr, result.stderr
+    assert run_main(["run", experiment, "--in-process", "--activation-codec", "none"]).returncode == 0
+
+
 def test_no_codec_keeps_the_interface_and_a_codec_is_part_of_it():
     exp = load_experiment("tanh-regression")
     assert exp.with_codecs("none", "none") is exp

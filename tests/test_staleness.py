@@ -124,6 +124,38 @@ def test_where_staleness_is_not_supported_it_is_refused():
     assert result.returncode == 2 and "driving stage" in result.stderr
 
 
+ONE_STAGE = """
+name = "one"
+steps = 4
+[data]
+kind = "synthetic_regression"
+samples = 64
+features = 4
+outputs = 1
+hidden = 8
+batch = 16
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 4, out = 1 }]
+loss = "sum_squared_error"
+"""
+
+
+def test_staleness_of_a_one_stage_experiment_is_refused_with_the_reason(tmp_path):
+    """One stage has no stage below to keep steps in flight for: the flag and the file's key are refused
+    (exit 2, the reason), in one process as through the launcher, instead of failing mid-run."""
+    experiment = tmp_path / "one.toml"
+    experiment.write_text(ONE_STAGE)
+    for flags in (["--in-process", "--staleness", "1"], ["--staleness", "2"], ["--staleness", "auto"]):
+        result = run_main(["run", experiment, *flags])
+        assert result.returncode == 2 and "has one stage" in result.stderr, (flags, result.stderr)
+    keyed = tmp_path / "one-stale.toml"
+    keyed.write_text(ONE_STAGE.replace("steps = 4\n", "steps = 4\nstaleness = 1\n"))
+    result = run_main(["run", keyed, "--in-process"])
+    assert result.returncode == 2 and "staleness 1" in result.stderr and "has one stage" in result.stderr
+    assert run_main(["run", experiment, "--in-process", "--staleness", "0"]).returncode == 0
+
+
 def test_a_first_stage_on_a_gpu_is_refused_before_any_cuda_is_touched(tmp_path, monkeypatch):
     """Staleness keeps the first stage's earlier parameters in host memory: a first stage with
     ``device = "cuda"`` is refused with that reason, as a flag and as the experiment's key, in one

@@ -628,7 +628,13 @@ def codec_name(text: Any, where: str) -> str:
 
 def check_codecs(exp: "Experiment") -> None:
     """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
-    ``topk:K`` need an axis; ``K`` at most the entries of a row)."""
+    ``topk:K`` need an axis; ``K`` at most the entries of a row), and unless every codec is ``none`` in an
+    experiment of one stage (no tensor crosses a wire there)."""
+    if len(exp.stage_names) < 2:
+        for key, name in (("activation_codec", exp.activation_codec), ("gradient_codec", exp.gradient_codec)):
+            if name != "none":
+                raise ConfigError(f"{key} {name!r}: experiment {exp.name!r} has one stage, so no tensor crosses "
+                                  f"a wire for a codec to code; use \"none\"")
     for direction, codec in exp.codecs.items():
         key = "activation_codec" if direction == "activation" else "gradient_codec"
         for i, cut in enumerate(exp.cuts):
@@ -859,6 +865,9 @@ def check_staleness(exp: Experiment, staleness: Any) -> None:
         raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS} or 'auto', got {staleness!r}")
     if not staleness:
         return
+    if len(exp.stage_names) < 2:
+        raise ConfigError(f"staleness {staleness}: experiment {exp.name!r} has one stage, so no step is ever in "
+                          f"flight (there is no stage below to wait for); use staleness = 0")
     if exp.federated or exp.vertical:
         raise ConfigError(f"staleness {staleness}: asynchronous pipelining is for two stages and chains; "
                           f"experiment {exp.name!r} has {'[clients]' if exp.federated else 'feature parties'} "
