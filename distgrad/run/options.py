@@ -27,11 +27,16 @@ SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: -
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
 
 
-def check_in_flight(in_flight: Any, micro_batches: int, schedule: str) -> None:
+def check_in_flight(in_flight: Any, micro_batches: int, schedule: str, staleness: Any = 0) -> None:
     """``--in-flight N`` (None: the default) for ``schedule`` with ``micro_batches`` M: an integer from 1 to M,
-    and only with 1f1b (gpipe keeps all M in flight). Raises ``ConfigError`` naming the bad value."""
+    and only with 1f1b (gpipe keeps all M in flight) in lockstep (``staleness`` 0: with steps in flight every
+    micro-batch of a step is sent at once). Raises ``ConfigError`` naming the bad value."""
     if in_flight is None:
         return
+    if staleness:
+        raise ConfigError(f"--in-flight is for lockstep runs: with staleness {staleness} every micro-batch of a step "
+                          f"is sent at once, so a window of {in_flight!r} would not apply (drop --in-flight, or "
+                          f"use staleness 0)")
     if schedule != "1f1b":
         raise ConfigError(f"--in-flight is for the 1f1b schedule; {schedule} keeps all {micro_batches} "
                           f"micro-batches in flight (drop --in-flight or use --schedule 1f1b)")
@@ -178,7 +183,8 @@ class StageOptions:
             check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        check_in_flight(self.in_flight, self.micro_batches, self.schedule)
+        check_in_flight(self.in_flight, self.micro_batches, self.schedule,
+                        self.experiment.staleness if self.staleness is None else self.staleness)
         exp = self.experiment
         exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
         if self.privacy_meter:
