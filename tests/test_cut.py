@@ -668,9 +668,14 @@ def test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds():
 def test_a_handshake_mismatch_names_the_field_and_both_values():
     served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=1.0, **FIELDS),
                     lambda server: list(server))
-    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 4})
-    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3"):
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                      **{**FIELDS, "steps": 4, "gradient_codec": "float16"})
+    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3") as refused:
         cut.step(h_of(1))
+    # A peer speaking another codec is named with its codec; fields given in code are said to be (not a "file").
+    assert "gradient_codec: f has 'float16', g has nothing" in str(refused.value)
+    assert ("comes from f's interface given as keyword arguments and g's interface given as keyword arguments"
+            in str(refused.value))
     cut.close(finished=False)
     _, error = served.result()       # the refused cut is not its data owner: it tells nothing, but the timeout
     assert isinstance(error, PeerTimeout) and "the last message refused here: hello" in str(error)   # says why

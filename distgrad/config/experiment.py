@@ -572,7 +572,8 @@ class Experiment:
         set, the flag (``--gradient-codec``)."""
         name = Path(self.source).name
         path = name if len(name) <= ORIGIN_MAX // 2 else "..." + name[3 - ORIGIN_MAX // 2:]
-        origin = (f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
+        origin = (NOT_A_FILE[self.source] if self.source in NOT_A_FILE
+                  else f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
                   else f"{'experiment' if self.data else 'stage'} file {path}")
         return {"*": origin[:ORIGIN_MAX], **dict(self.flag_origins)}
 
@@ -919,6 +920,10 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
 PART_VALUE_MAX = 64       # a part's string value is at most this long (a longer one is cut: ``fitted_parts``)
 PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
 MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
+# A cut library party's interface given in code rather than in a file: its ``source``, and how a refusal names
+# where that party's interface fields come from (``interface_origins``).
+ARGUMENTS_SOURCE, TABLE_SOURCE = "the interface's arguments", "the interface table"
+NOT_A_FILE = {ARGUMENTS_SOURCE: "interface given as keyword arguments", TABLE_SOURCE: "interface given as a table"}
 ORIGIN_MAX = 200          # characters of a hello's origin of interface fields (a flag, a file)
 
 
