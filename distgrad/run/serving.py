@@ -926,10 +926,21 @@ def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) 
         replies = logic.settle()
 
 
+def _record_fields(logic: ServingStage, step: int, client: int | None) -> dict[str, Any]:
+    """A step's metrics beyond the step, loss and rate: the privacy meter's window that closed after it, and a
+    middle stage's bytes sent to and received from the stage below so far (coded as they crossed, counted as
+    the driving stage counts its own link's)."""
+    figures = logic.metering.figures_at           # None without a meter
+    fields: dict[str, Any] = dict(figures(step, client)) if figures is not None else {}
+    if logic.link is not None:
+        fields.update(bytes_sent=logic.link.traffic.sent, bytes_received=logic.link.traffic.received)
+    return fields
+
+
 def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
-    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, logic.metering.figures_at)
+    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, functools.partial(_record_fields, logic))
     if records.writers:
         logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)
