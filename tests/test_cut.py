@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'): the cut library's tests, torch and numpy loops alike, need it; CI installs it")
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
+from distgrad.config.experiment import BUILTIN_DIR  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
@@ -811,6 +812,15 @@ def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_l
                                           "refuses.*distgrad-stage --staleness S"):
         cut_side(FIRST, None, {**FIELDS, "staleness": 1})
     assert cut_side(LAST, None, {**FIELDS, "staleness": 1}).exp.staleness == 1
+    # A combined experiment's staleness is part of the interface it gives a party (it was dropped: the label
+    # owner's end then disagreed with the daemon data owner's, and a Cut ran it in lockstep).
+    combined = tmp_path / "stale-tanh.toml"
+    combined.write_text((BUILTIN_DIR / "tanh-regression.toml").read_text()
+                        .replace('labels = "last"', 'labels = "last"\nstaleness = 1'))
+    assert cut_side(LAST, combined, {}).exp.staleness == 1
+    assert cut_side(LAST, combined, {}).exp.interface_parts() == load_experiment(combined).interface_parts()
+    with pytest.raises(ConfigError, match="cannot keep staleness = 1 steps in flight"):
+        cut_side(FIRST, combined, {})
     with pytest.raises(ConfigError, match="a Cut drives the first stage"):
         cut_side(FIRST, None, {**FIELDS, "stage": "g"})
     with pytest.raises(ConfigError, match="not both"):
