@@ -162,6 +162,23 @@ def test_a_codec_of_a_one_stage_experiment_is_refused_not_ignored(tmp_path):
     assert run_main(["run", experiment, "--in-process", "--activation-codec", "none"]).returncode == 0
 
 
+def test_a_codec_of_finite_values_only_is_refused_where_nan_may_cross(tmp_path):
+    """int8 and topk:K carry finite values only: with allow_nonfinite (NaN and Inf may cross) they are refused
+    at configuration, naming the direction, rather than failing the first step that holds one; float16 and
+    bfloat16 carry NaN and Inf and are taken."""
+    experiment = tmp_path / "nonfinite.toml"
+    experiment.write_text((BUILTIN_DIR / "tanh-regression.toml").read_text()
+                          .replace('labels = "last"', 'labels = "last"\nallow_nonfinite = true'))
+    for flag, key, codec in (("--activation-codec", "activation_codec", "int8"),
+                             ("--gradient-codec", "gradient_codec", "topk:4+ef")):
+        result = run_main(["run", experiment, "--in-process", "--steps", "2", flag, codec])
+        assert result.returncode == 2, result.stderr
+        assert f"{key} {codec!r} carries only finite values" in result.stderr and "allow_nonfinite" in result.stderr
+    for codec in ("float16", "bfloat16"):
+        assert run_main(["run", experiment, "--in-process", "--steps", "2", "--activation-codec", codec,
+                         "--gradient-codec", codec]).returncode == 0
+
+
 def test_no_codec_keeps_the_interface_and_a_codec_is_part_of_it():
     exp = load_experiment("tanh-regression")
     assert exp.with_codecs("none", "none") is exp

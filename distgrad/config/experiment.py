@@ -629,7 +629,8 @@ def codec_name(text: Any, where: str) -> str:
 
 def check_codecs(exp: "Experiment") -> None:
     """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
-    ``topk:K`` need an axis; ``K`` at most the entries of a row), and unless every codec is ``none`` in an
+    ``topk:K`` need an axis; ``K`` at most the entries of a row; both only finite values, so not with
+    ``allow_nonfinite``), and unless every codec is ``none`` in an
     experiment of one stage (no tensor crosses a wire there)."""
     if len(exp.stage_names) < 2:
         for key, name in (("activation_codec", exp.activation_codec), ("gradient_codec", exp.gradient_codec)):
@@ -638,6 +639,10 @@ def check_codecs(exp: "Experiment") -> None:
                                   f"a wire for a codec to code; use \"none\"")
     for direction, codec in exp.codecs.items():
         key = "activation_codec" if direction == "activation" else "gradient_codec"
+        if exp.allow_nonfinite and not codec.carries_nonfinite:
+            raise ConfigError(f"{key} {codec.name!r} carries only finite values, and allow_nonfinite lets NaN and "
+                              f"Inf cross: a step holding one would fail rather than send it. Use none, float16 or "
+                              f"bfloat16 for {key}, or drop allow_nonfinite")
         for i, cut in enumerate(exp.cuts):
             try:
                 codec.check_shape(tuple(cut))
