@@ -75,6 +75,9 @@ def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):
     assert summary["final_loss"] == reference["final_loss"]
     assert summary.get("evaluations") == reference.get("evaluations")
     assert read_lines(trace) == read_lines(tmp_path / "ref.jsonl")     # each stage's parameters after its step
+    # With steps in flight every micro-batch of a step leaves at once: the summary says so, not 1f1b's window.
+    micro_batches = int(flags[flags.index("--micro-batches") + 1]) if "--micro-batches" in flags else 1
+    assert summary["in_flight"] == micro_batches and summary["staleness"] == int(flags[1])
 
 
 class StalePair(StageGroup):

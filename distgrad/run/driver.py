@@ -519,7 +519,9 @@ class _Driver:
                 self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
-                             in_flight=self.opts.window, staleness=self.staleness,
+                             # with steps in flight every micro-batch of a step is sent at once
+                             in_flight=self.opts.micro_batches if self.staleness else self.opts.window,
+                             staleness=self.staleness,
                              **({"staleness_auto": self.probe.fields(self.staleness)} if self.probe else {}),
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
