@@ -92,6 +92,20 @@ class StalePair(StageGroup):
                            "2", *common]}
 
 
+def _kill_9_f_and_resume_it_once_with_another_staleness(pair: StalePair) -> None:
+    """kill -9 of f, resumed first with staleness 2 from its checkpoints of staleness 1: exit 2 naming both
+    (their steps in flight are those of S = 1; a larger S once failed mid-run wanting parameter versions never
+    kept, a smaller one went on as no run's computation); then with its own command line."""
+    original = pair.args["f"]
+    at = original.index("--staleness") + 1
+    pair.args["f"] = [*original[:at], "2", *original[at + 1:]]
+    pair.kill_9_and_restart("f")
+    assert pair.procs["f"].wait(30) == 2, pair.logs()
+    assert "was written with staleness 1, and this run asks for 2" in pair.procs["f"].output
+    pair.args["f"] = original
+    pair.start("f")
+
+
 def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, stage_group):
     """kill -9 of f, then of g, mid-run with a step in flight and both directions coded; each restarted with
     its command line: both stages' parameters and the trace (no step lost or doubled) equal the
@@ -102,7 +116,10 @@ def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, s
     pair.start("f")
     for victim, at in (("f", 100), ("g", 250)):
         pair.wait_until(lambda: pair.lines("f.jsonl") >= at, f"f to reach step {at}")
-        pair.kill_9_and_restart(victim)
+        if victim == "f":
+            _kill_9_f_and_resume_it_once_with_another_staleness(pair)
+        else:
+            pair.kill_9_and_restart(victim)
     pair.wait_all()
     reference = _reference(tmp_path, "tanh-regression", "--steps", str(steps), "--staleness", "1",
                            "--micro-batches", "2", "--activation-codec", "float16", "--gradient-codec",
