@@ -198,6 +198,29 @@ def test_a_hello_with_other_codecs_is_refused_naming_the_field():
     assert "activation_codec: f has nothing, g has 'float16'" in str(refused.value)
 
 
+@pytest.mark.integration        # the cut library's label owner binds a socket (it receives nothing)
+def test_a_hello_keeping_steps_in_flight_is_refused_where_error_feedback_cannot_follow():
+    """Steps in flight with an error-feedback codec are refused by the data owner's configuration; a peer
+    whose hello asks for them anyway is refused by the serving stage and by the cut library's label owner
+    for the same reason (and taken without the codec's +ef)."""
+    from distgrad.run.cut_server import CutServer
+
+    exp = load_experiment("tanh-regression").with_codecs(None, "topk:8+ef")
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    with pytest.raises(wire.ProtocolError) as refused:
+        server.handle(PEER, hello_message(exp, "r", staleness=1), 0.0)
+    assert refused.value.code == ErrorCode.MISMATCH and "error feedback" in str(refused.value)
+    with CutServer.bind("tcp://127.0.0.1:*", name="cut-unit", stages=["f", "g"], batch=4, activation=[3],
+                        steps=3, seed=0, gradient_codec="topk:2+ef", liveness_s=1.0, peer_deadline_s=1.0) as library:
+        with pytest.raises(wire.ProtocolError, match="error feedback"):
+            library._hello(hello_message(library.exp, "r", staleness=1), "")
+        library._hello(hello_message(library.exp, "r"), "")           # in lockstep it serves
+    plain = load_experiment("tanh-regression").with_codecs(None, "topk:8")
+    reply = only_reply(ServingStage(StageOptions(plain, "g", plain.seed)).handle(
+        PEER, hello_message(plain, "r", staleness=1), 0.0))
+    assert reply.type == wire.WELCOME
+
+
 # ---------------------------------------------------------------- the receiver, hostile parts
 
 def _topk_server():

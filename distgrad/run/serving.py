@@ -68,7 +68,8 @@ from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, decode_and_handle,
+from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, check_served_staleness,
+                                    decode_and_handle,
                                     hello_fields, log_refusal, not_accepted, pong, refusal,
                                     resent_evaluation)
 from distgrad.run.progress import StageRecords
@@ -317,6 +318,7 @@ class ServingStage:
         mbs = topology.check_hello(body)
         eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
+        check_served_staleness(self.exp, staleness)
         peer = self.run.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
