@@ -630,8 +630,8 @@ def codec_name(text: Any, where: str) -> str:
 def check_codecs(exp: "Experiment") -> None:
     """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
     ``topk:K`` need an axis; ``K`` at most the entries of a row; both only finite values, so not with
-    ``allow_nonfinite``), and unless every codec is ``none`` in an
-    experiment of one stage (no tensor crosses a wire there)."""
+    ``allow_nonfinite``), and unless every codec is ``none`` in an experiment of one stage (no tensor crosses
+    a wire there)."""
     if len(exp.stage_names) < 2:
         for key, name in (("activation_codec", exp.activation_codec), ("gradient_codec", exp.gradient_codec)):
             if name != "none":

@@ -55,9 +55,8 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness,
-                                   decode_and_handle, hello_fields, is_abort_notice, not_accepted, pong,
-                                   prune_replies, refused_text, resent_evaluation, unknown_run)
+                                   check_served_staleness, decode_and_handle, hello_fields, is_abort_notice,
+                                   not_accepted, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer

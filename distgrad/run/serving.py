@@ -69,8 +69,7 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (bye_reply, check_bye, check_forward_order, check_owner, check_served_staleness,
-                                    decode_and_handle,
-                                    hello_fields, log_refusal, not_accepted, pong, refusal,
+                                    decode_and_handle, hello_fields, log_refusal, not_accepted, pong, refusal,
                                     resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
