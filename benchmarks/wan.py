@@ -160,11 +160,13 @@ class Schedule:
             return self.micro_batches
         return min(self.micro_batches, 2 if self.in_flight is None else self.in_flight)
 
-    def flags(self) -> list[str]:
+    def flags(self, window: bool = True) -> list[str]:
+        """The driving stage's flags; ``window`` False leaves out ``--in-flight`` (refused with steps in
+        flight, which send every micro-batch of a step at once)."""
         if self.micro_batches == 1:
             return []
         flags = ["--micro-batches", str(self.micro_batches), "--schedule", self.schedule]
-        return flags + (["--in-flight", str(self.in_flight)] if self.in_flight is not None else [])
+        return flags + (["--in-flight", str(self.in_flight)] if self.in_flight is not None and window else [])
 
 
 LOCKSTEP = Schedule("lockstep")
@@ -206,7 +208,9 @@ class Config:
 
     def driver_flags(self) -> list[str]:
         """Flags only the driving stage takes (the serving stage follows its hello): schedule, staleness."""
-        return self.schedule.flags() + (["--staleness", str(self.staleness)] if self.staleness else [])
+        if not self.staleness:
+            return self.schedule.flags()
+        return self.schedule.flags(window=False) + ["--staleness", str(self.staleness)]
 
     def shared_flags(self) -> list[str]:
         """Flags both stages take: the codecs (part of the interface the handshake compares)."""

@@ -87,7 +87,9 @@ def serve_stage(experiment: str | Path | Experiment, bind: str = "tcp://127.0.0.
                 keep_serving: bool = False, **options: Any) -> ServedStage:
     """Serve the last stage in a background thread: ``with serve_stage("seed-reverse") as g: ... g.endpoint``.
 
-    ``options`` are ``StageOptions`` fields (``steps``, ``init``, ``timeout_s``, ``checkpoint_dir``, ...).
+    ``options`` are ``StageOptions`` fields (``steps``, ``init``, ``timeout_s``, ``checkpoint_dir``, ...);
+    the driving stage's pipeline settings (``staleness``, ``in_flight``, ``schedule``, ``eval_every``,
+    ``micro_batches``) are refused with ``ConfigError``: the served stage follows the driving stage's hello.
     """
     return ServedStage(_options(experiment, stage, False, **options), bind, keep_serving)
 

@@ -136,7 +136,8 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "result either way")
     p.add_argument("--in-flight", type=int, metavar="N",
                    help="1f1b: micro-batches in flight at once, 1 to M (default 2, or M if fewer); the driving "
-                        "stage holds at most N micro-batches' forward caches; same result whatever N")
+                        "stage holds at most N micro-batches' forward caches; same result whatever N; lockstep only "
+                        "(with --staleness S > 0 every micro-batch of a step is sent at once)")
     p.add_argument("--staleness", type=_staleness, metavar="S|auto",
                    help="asynchronous pipelining: S steps in flight; the first stage's forward of step t uses its "
                         "parameters after step t-1-S (default: the experiment's staleness, else 0: lockstep). A "
@@ -611,7 +612,8 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
                        eval_every=args.eval_every, staleness=args.staleness)
     # Checked with --in-process too, although one process has nothing in flight: the same command line
     # must be valid either way, and the result does not depend on it.
-    check_in_flight(args.in_flight, args.micro_batches, args.schedule)
+    check_in_flight(args.in_flight, args.micro_batches, args.schedule,
+                    exp.staleness if args.staleness is None else args.staleness)
     if args.spin_us is not None:
         check_spin(args.spin_us * 1e-6)
     for flag, given in (("--metrics", args.metrics), ("--tensorboard", args.tensorboard)):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import StageGroup, free_tcp_endpoint, read_json, read_lines, run_cli, run_launcher, run_main
+from distgrad.config.parse import load_experiment
 
 CHAINS = {"chain-regression": ["f", "m", "g"], "chain4-classify": ["f", "m1", "m2", "g"]}
 
@@ -64,10 +66,20 @@ def test_chain_trace_equals_the_in_process_trace(tmp_path):
     run_main(["run", "chain4-classify", "--steps", "5", "--in-process", "--trace", tmp_path / "one.jsonl"])
     assert read_lines(tmp_path / "two.jsonl") == read_lines(tmp_path / "one.jsonl")
     losses = [line["loss"] for line in read_lines(tmp_path / "m.jsonl")]
-    for name in ("m1", "m2", "g"):
+    cuts = load_experiment("chain4-classify").cuts
+    for index, name in enumerate(("m1", "m2", "g"), start=1):
         lines = read_lines(tmp_path / f"m.{name}.jsonl")
         assert [(line["step"], line["lr"]) for line in lines] == [(t, pytest.approx(0.003)) for t in range(1, 6)]
         assert [line["loss"] for line in lines] == losses, name
+        if name == "g":
+            assert not any("bytes_sent" in line for line in lines)      # no link below the last stage
+            continue
+        # A middle stage counts its link to the stage below, as the driving stage counts its own: each step
+        # at least the activation it sends down and the gradient it gets back.
+        tensor = 4 * int(np.prod(cuts[index]))
+        for before, after in zip(lines, lines[1:]):
+            assert after["bytes_sent"] - before["bytes_sent"] >= tensor, name
+            assert after["bytes_received"] - before["bytes_received"] >= tensor, name
 
 
 class Chain(StageGroup):

@@ -145,6 +145,40 @@ def test_a_bad_codec_is_a_configuration_error(tmp_path):
     assert result.returncode == 2 and "'gradient_codec'" in result.stderr and "int4" in result.stderr
 
 
+def test_a_codec_of_a_one_stage_experiment_is_refused_not_ignored(tmp_path):
+    """Nothing crosses a wire in an experiment of one stage: a codec there (flag or key) is refused, naming
+    the direction, rather than accepted and never applied."""
+    from test_staleness import ONE_STAGE
+
+    experiment = tmp_path / "one.toml"
+    experiment.write_text(ONE_STAGE)
+    for flag, key in (("--activation-codec", "activation_codec"), ("--gradient-codec", "gradient_codec")):
+        result = run_main(["run", experiment, "--in-process", flag, "int8"])
+        assert result.returncode == 2 and f"{key} 'int8'" in result.stderr and "one stage" in result.stderr
+        keyed = tmp_path / f"{key}.toml"
+        keyed.write_text(ONE_STAGE.replace("steps = 4\n", f'steps = 4\n{key} = "float16"\n'))
+        result = run_main(["run", keyed])
+        assert result.returncode == 2 and f"{key} 'float16'" in result.stderr, result.stderr
+    assert run_main(["run", experiment, "--in-process", "--activation-codec", "none"]).returncode == 0
+
+
+def test_a_codec_of_finite_values_only_is_refused_where_nan_may_cross(tmp_path):
+    """int8 and topk:K carry finite values only: with allow_nonfinite (NaN and Inf may cross) they are refused
+    at configuration, naming the direction, rather than failing the first step that holds one; float16 and
+    bfloat16 carry NaN and Inf and are taken."""
+    experiment = tmp_path / "nonfinite.toml"
+    experiment.write_text((BUILTIN_DIR / "tanh-regression.toml").read_text()
+                          .replace('labels = "last"', 'labels = "last"\nallow_nonfinite = true'))
+    for flag, key, codec in (("--activation-codec", "activation_codec", "int8"),
+                             ("--gradient-codec", "gradient_codec", "topk:4+ef")):
+        result = run_main(["run", experiment, "--in-process", "--steps", "2", flag, codec])
+        assert result.returncode == 2, result.stderr
+        assert f"{key} {codec!r} carries only finite values" in result.stderr and "allow_nonfinite" in result.stderr
+    for codec in ("float16", "bfloat16"):
+        assert run_main(["run", experiment, "--in-process", "--steps", "2", "--activation-codec", codec,
+                         "--gradient-codec", codec]).returncode == 0
+
+
 def test_no_codec_keeps_the_interface_and_a_codec_is_part_of_it():
     exp = load_experiment("tanh-regression")
     assert exp.with_codecs("none", "none") is exp
@@ -162,6 +196,29 @@ def test_a_hello_with_other_codecs_is_refused_naming_the_field():
         server.handle(PEER, hello_message(exp, "r"), 0.0)
     assert refused.value.code == ErrorCode.MISMATCH
     assert "activation_codec: f has nothing, g has 'float16'" in str(refused.value)
+
+
+@pytest.mark.integration        # the cut library's label owner binds a socket (it receives nothing)
+def test_a_hello_keeping_steps_in_flight_is_refused_where_error_feedback_cannot_follow():
+    """Steps in flight with an error-feedback codec are refused by the data owner's configuration; a peer
+    whose hello asks for them anyway is refused by the serving stage and by the cut library's label owner
+    for the same reason (and taken without the codec's +ef)."""
+    from distgrad.run.cut_server import CutServer
+
+    exp = load_experiment("tanh-regression").with_codecs(None, "topk:8+ef")
+    server = ServingStage(StageOptions(exp, "g", exp.seed))
+    with pytest.raises(wire.ProtocolError) as refused:
+        server.handle(PEER, hello_message(exp, "r", staleness=1), 0.0)
+    assert refused.value.code == ErrorCode.MISMATCH and "error feedback" in str(refused.value)
+    with CutServer.bind("tcp://127.0.0.1:*", name="cut-unit", stages=["f", "g"], batch=4, activation=[3],
+                        steps=3, seed=0, gradient_codec="topk:2+ef", liveness_s=1.0, peer_deadline_s=1.0) as library:
+        with pytest.raises(wire.ProtocolError, match="error feedback"):
+            library._hello(hello_message(library.exp, "r", staleness=1), "")
+        library._hello(hello_message(library.exp, "r"), "")           # in lockstep it serves
+    plain = load_experiment("tanh-regression").with_codecs(None, "topk:8")
+    reply = only_reply(ServingStage(StageOptions(plain, "g", plain.seed)).handle(
+        PEER, hello_message(plain, "r", staleness=1), 0.0))
+    assert reply.type == wire.WELCOME
 
 
 # ---------------------------------------------------------------- the receiver, hostile parts

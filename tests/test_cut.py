@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'): the cut library's tests, torch and numpy loops alike, need it; CI installs it")
 
 from conftest import DIGITS_NPZ, StageProcess, free_tcp_endpoint, read_json, wait_for_file  # noqa: E402
+from distgrad.config.experiment import BUILTIN_DIR  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerRejected, PeerTimeout  # noqa: E402
 from distgrad.run.inprocess import train_in_process  # noqa: E402
@@ -668,9 +669,14 @@ def test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds():
 def test_a_handshake_mismatch_names_the_field_and_both_values():
     served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=1.0, **FIELDS),
                     lambda server: list(server))
-    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **{**FIELDS, "steps": 4})
-    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3"):
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0,
+                      **{**FIELDS, "steps": 4, "gradient_codec": "float16"})
+    with pytest.raises(PeerRejected, match="steps: f has 4, g has 3") as refused:
         cut.step(h_of(1))
+    # A peer speaking another codec is named with its codec; fields given in code are said to be (not a "file").
+    assert "gradient_codec: f has 'float16', g has nothing" in str(refused.value)
+    assert ("comes from f's interface given as keyword arguments and g's interface given as keyword arguments"
+            in str(refused.value))
     cut.close(finished=False)
     _, error = served.result()       # the refused cut is not its data owner: it tells nothing, but the timeout
     assert isinstance(error, PeerTimeout) and "the last message refused here: hello" in str(error)   # says why
@@ -806,6 +812,15 @@ def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_l
                                           "refuses.*distgrad-stage --staleness S"):
         cut_side(FIRST, None, {**FIELDS, "staleness": 1})
     assert cut_side(LAST, None, {**FIELDS, "staleness": 1}).exp.staleness == 1
+    # A combined experiment's staleness is part of the interface it gives a party (it was dropped: the label
+    # owner's end then disagreed with the daemon data owner's, and a Cut ran it in lockstep).
+    combined = tmp_path / "stale-tanh.toml"
+    combined.write_text((BUILTIN_DIR / "tanh-regression.toml").read_text()
+                        .replace('labels = "last"', 'labels = "last"\nstaleness = 1'))
+    assert cut_side(LAST, combined, {}).exp.staleness == 1
+    assert cut_side(LAST, combined, {}).exp.interface_parts() == load_experiment(combined).interface_parts()
+    with pytest.raises(ConfigError, match="cannot keep staleness = 1 steps in flight"):
+        cut_side(FIRST, combined, {})
     with pytest.raises(ConfigError, match="a Cut drives the first stage"):
         cut_side(FIRST, None, {**FIELDS, "stage": "g"})
     with pytest.raises(ConfigError, match="not both"):

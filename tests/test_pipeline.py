@@ -82,6 +82,8 @@ def test_in_flight_three_of_four_equals_the_in_process_accumulation(tmp_path):
     (["--micro-batches", "4", "--in-flight", "5"], "--in-flight 5 is more than the 4 micro-batch(es)"),
     (["--in-flight", "2"], "--in-flight 2 is more than the 1 micro-batch(es)"),
     (["--micro-batches", "4", "--schedule", "gpipe", "--in-flight", "2"], "--in-flight is for the 1f1b schedule"),
+    # Steps in flight send every micro-batch of a step at once: a window would be accepted and not applied.
+    (["--micro-batches", "4", "--in-flight", "2", "--staleness", "1"], "--in-flight is for lockstep runs"),
 ])
 def test_in_flight_is_checked_before_anything_starts(args, message):
     for extra in ([], ["--in-process"]):
@@ -95,6 +97,21 @@ def test_in_flight_is_for_the_driving_stage():
     result = run_main(["stage", "g", "--experiment", "tanh-regression", "--bind", "tcp://127.0.0.1:*",
                        "--in-flight", "2"])
     assert result.returncode == 2 and "--in-flight" in result.stderr and "driving stage" in result.stderr
+
+
+def test_in_flight_is_refused_with_steps_in_flight_from_the_file_or_auto():
+    """The experiment's own ``staleness`` and ``--staleness auto`` (which may choose S > 0) refuse a window too."""
+    import dataclasses
+
+    from distgrad.errors import ConfigError
+    from distgrad.run.options import StageOptions
+
+    exp = load_experiment("tanh-regression")
+    stale = dataclasses.replace(exp, staleness=2)
+    for experiment, staleness in ((stale, None), (exp, "auto"), (exp, 1)):
+        with pytest.raises(ConfigError, match="--in-flight is for lockstep runs"):
+            StageOptions(experiment, "f", 0, micro_batches=4, in_flight=2, staleness=staleness)
+    assert StageOptions(stale, "f", 0, micro_batches=4, in_flight=2, staleness=0).window == 2
 
 
 def test_in_flight_sets_the_window():

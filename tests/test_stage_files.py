@@ -233,6 +233,25 @@ def test_every_builtin_splits_into_files_with_its_interface(tmp_path: Path, name
     assert load_experiment(paths).interface_parts() == exp.interface_parts()
 
 
+def test_split_carries_staleness_and_codecs_into_every_partys_interface(tmp_path: Path):
+    """An experiment's ``staleness`` (steps in flight) and codecs are interface fields: every party's stage
+    file says them (the split once failed with an internal error for staleness), and the files train
+    bitwise as the combined experiment does."""
+    digits = load_experiment("digits")
+    raw = {**digits.raw, "staleness": 2, "activation_codec": "int8", "gradient_codec": "topk:8"}
+    raw["data"] = {**raw["data"], "path": str(Path(digits.source).parent / raw["data"]["path"])}
+    experiment = parse_experiment(raw, str(tmp_path / "stale-digits.toml"))
+    paths = split_experiment(experiment, tmp_path / "parties")
+    for path in paths:
+        interface = tomllib.loads(path.read_text())["interface"]
+        assert (interface["staleness"], interface["activation_codec"], interface["gradient_codec"]) == \
+            (2, "int8", "topk:8")
+    parties = load_experiment(paths)
+    assert parties.interface_parts() == experiment.interface_parts() and parties.staleness == 2
+    combined = train_in_process(experiment, steps=12, micro_batches=2)
+    assert train_in_process(parties, steps=12, micro_batches=2)["params"] == combined["params"]
+
+
 def test_a_chain_of_stage_files_evaluates_through_a_middle_stage_without_data(tmp_path: Path):
     digits = load_experiment("digits")
     raw = {"name": "digits-chain", "steps": 30, "seed": 1, "data": dict(digits.data),

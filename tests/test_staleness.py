@@ -75,6 +75,9 @@ def test_stale_runs_equal_the_in_process_reference(tmp_path, experiment, flags):
     assert summary["final_loss"] == reference["final_loss"]
     assert summary.get("evaluations") == reference.get("evaluations")
     assert read_lines(trace) == read_lines(tmp_path / "ref.jsonl")     # each stage's parameters after its step
+    # With steps in flight every micro-batch of a step leaves at once: the summary says so, not 1f1b's window.
+    micro_batches = int(flags[flags.index("--micro-batches") + 1]) if "--micro-batches" in flags else 1
+    assert summary["in_flight"] == micro_batches and summary["staleness"] == int(flags[1])
 
 
 class StalePair(StageGroup):
@@ -89,6 +92,20 @@ class StalePair(StageGroup):
                            "2", *common]}
 
 
+def _kill_9_f_and_resume_it_once_with_another_staleness(pair: StalePair) -> None:
+    """kill -9 of f, resumed first with staleness 2 from its checkpoints of staleness 1: exit 2 naming both
+    (their steps in flight are those of S = 1; a larger S once failed mid-run wanting parameter versions never
+    kept, a smaller one went on as no run's computation); then with its own command line."""
+    original = pair.args["f"]
+    at = original.index("--staleness") + 1
+    pair.args["f"] = [*original[:at], "2", *original[at + 1:]]
+    pair.kill_9_and_restart("f")
+    assert pair.procs["f"].wait(30) == 2, pair.logs()
+    assert "was written with staleness 1, and this run asks for 2" in pair.procs["f"].output
+    pair.args["f"] = original
+    pair.start("f")
+
+
 def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, stage_group):
     """kill -9 of f, then of g, mid-run with a step in flight and both directions coded; each restarted with
     its command line: both stages' parameters and the trace (no step lost or doubled) equal the
@@ -99,7 +116,10 @@ def test_kill_9_of_either_stage_with_steps_in_flight_changes_nothing(tmp_path, s
     pair.start("f")
     for victim, at in (("f", 100), ("g", 250)):
         pair.wait_until(lambda: pair.lines("f.jsonl") >= at, f"f to reach step {at}")
-        pair.kill_9_and_restart(victim)
+        if victim == "f":
+            _kill_9_f_and_resume_it_once_with_another_staleness(pair)
+        else:
+            pair.kill_9_and_restart(victim)
     pair.wait_all()
     reference = _reference(tmp_path, "tanh-regression", "--steps", str(steps), "--staleness", "1",
                            "--micro-batches", "2", "--activation-codec", "float16", "--gradient-codec",
@@ -122,6 +142,38 @@ def test_where_staleness_is_not_supported_it_is_refused():
     assert result.returncode == 2 and "two stages and chains" in result.stderr
     result = run_main(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--staleness", "1"])
     assert result.returncode == 2 and "driving stage" in result.stderr
+
+
+ONE_STAGE = """
+name = "one"
+steps = 4
+[data]
+kind = "synthetic_regression"
+samples = 64
+features = 4
+outputs = 1
+hidden = 8
+batch = 16
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "g1", in = 4, out = 1 }]
+loss = "sum_squared_error"
+"""
+
+
+def test_staleness_of_a_one_stage_experiment_is_refused_with_the_reason(tmp_path):
+    """One stage has no stage below to keep steps in flight for: the flag and the file's key are refused
+    (exit 2, the reason), in one process as through the launcher, instead of failing mid-run."""
+    experiment = tmp_path / "one.toml"
+    experiment.write_text(ONE_STAGE)
+    for flags in (["--in-process", "--staleness", "1"], ["--staleness", "2"], ["--staleness", "auto"]):
+        result = run_main(["run", experiment, *flags])
+        assert result.returncode == 2 and "has one stage" in result.stderr, (flags, result.stderr)
+    keyed = tmp_path / "one-stale.toml"
+    keyed.write_text(ONE_STAGE.replace("steps = 4\n", "steps = 4\nstaleness = 1\n"))
+    result = run_main(["run", keyed, "--in-process"])
+    assert result.returncode == 2 and "staleness 1" in result.stderr and "has one stage" in result.stderr
+    assert run_main(["run", experiment, "--in-process", "--staleness", "0"]).returncode == 0
 
 
 def test_a_first_stage_on_a_gpu_is_refused_before_any_cuda_is_touched(tmp_path, monkeypatch):

@@ -90,6 +90,9 @@ def test_codec_and_staleness_rows_name_the_flags_they_need():
     assert math.prod(len(x) for x in (wan.CODECS, wan.STALENESS)) * len(wan.SCHEDULES) + deep + auto == \
         len(wan.grid(full=True))
     assert wan.Config(wan.LOCKSTEP, "int8", wan.AUTO).driver_flags() == ["--staleness", "auto"]
+    # Steps in flight send all M micro-batches at once: the row's window is not given (distgrad refuses it).
+    assert wan.Config(wan.Schedule("1f1b M=8 N=4", 8, in_flight=4), "int8", 1).driver_flags() == \
+        ["--micro-batches", "8", "--schedule", "1f1b", "--staleness", "1"]
     assert wan.Config(wan.LOCKSTEP, "int8", wan.AUTO).chosen(7) == wan.Config(wan.LOCKSTEP, "int8", 7)
 
 

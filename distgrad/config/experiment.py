@@ -572,7 +572,8 @@ class Experiment:
         set, the flag (``--gradient-codec``)."""
         name = Path(self.source).name
         path = name if len(name) <= ORIGIN_MAX // 2 else "..." + name[3 - ORIGIN_MAX // 2:]
-        origin = (f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
+        origin = (NOT_A_FILE[self.source] if self.source in NOT_A_FILE
+                  else f"built-in experiment {Path(self.source).stem!r}" if Path(self.source).parent == BUILTIN_DIR
                   else f"{'experiment' if self.data else 'stage'} file {path}")
         return {"*": origin[:ORIGIN_MAX], **dict(self.flag_origins)}
 
@@ -628,9 +629,20 @@ def codec_name(text: Any, where: str) -> str:
 
 def check_codecs(exp: "Experiment") -> None:
     """Raise ``ConfigError`` unless each direction's codec can carry the tensors of every cut (``int8`` and
-    ``topk:K`` need an axis; ``K`` at most the entries of a row)."""
+    ``topk:K`` need an axis; ``K`` at most the entries of a row; both only finite values, so not with
+    ``allow_nonfinite``), and unless every codec is ``none`` in an experiment of one stage (no tensor crosses
+    a wire there)."""
+    if len(exp.stage_names) < 2:
+        for key, name in (("activation_codec", exp.activation_codec), ("gradient_codec", exp.gradient_codec)):
+            if name != "none":
+                raise ConfigError(f"{key} {name!r}: experiment {exp.name!r} has one stage, so no tensor crosses "
+                                  f"a wire for a codec to code; use \"none\"")
     for direction, codec in exp.codecs.items():
         key = "activation_codec" if direction == "activation" else "gradient_codec"
+        if exp.allow_nonfinite and not codec.carries_nonfinite:
+            raise ConfigError(f"{key} {codec.name!r} carries only finite values, and allow_nonfinite lets NaN and "
+                              f"Inf cross: a step holding one would fail rather than send it. Use none, float16 or "
+                              f"bfloat16 for {key}, or drop allow_nonfinite")
         for i, cut in enumerate(exp.cuts):
             try:
                 codec.check_shape(tuple(cut))
@@ -859,6 +871,9 @@ def check_staleness(exp: Experiment, staleness: Any) -> None:
         raise ConfigError(f"--staleness must be an integer from 0 to {MAX_STALENESS} or 'auto', got {staleness!r}")
     if not staleness:
         return
+    if len(exp.stage_names) < 2:
+        raise ConfigError(f"staleness {staleness}: experiment {exp.name!r} has one stage, so no step is ever in "
+                          f"flight (there is no stage below to wait for); use staleness = 0")
     if exp.federated or exp.vertical:
         raise ConfigError(f"staleness {staleness}: asynchronous pipelining is for two stages and chains; "
                           f"experiment {exp.name!r} has {'[clients]' if exp.federated else 'feature parties'} "
@@ -910,6 +925,10 @@ def build_stage_parts(exp: Experiment, stage_name: str, seed: int,
 PART_VALUE_MAX = 64       # a part's string value is at most this long (a longer one is cut: ``fitted_parts``)
 PART_DIGEST_HEX = 16      # hex digits of SHA-256 kept in a digest part: enough to tell two files apart
 MAX_PARTS = 128           # parts a hello may name (msgpack maps are limited to 256 entries)
+# A cut library party's interface given in code rather than in a file: its ``source``, and how a refusal names
+# where that party's interface fields come from (``interface_origins``).
+ARGUMENTS_SOURCE, TABLE_SOURCE = "the interface's arguments", "the interface table"
+NOT_A_FILE = {ARGUMENTS_SOURCE: "interface given as keyword arguments", TABLE_SOURCE: "interface given as a table"}
 ORIGIN_MAX = 200          # characters of a hello's origin of interface fields (a flag, a file)
 
 

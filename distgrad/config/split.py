@@ -83,7 +83,8 @@ def interface_table(exp: Experiment) -> dict[str, Any]:
     if exp.target is not None:
         shape, dtype = exp.target
         table["target"] = {"shape": list(shape[1:] if exp.batch is not None else shape), "dtype": dtype}
-    for key, default in (("micro_batches", 1), ("eval_every", 0), ("allow_nonfinite", False), ("send_rows", False)):
+    for key, default in (("micro_batches", 1), ("eval_every", 0), ("allow_nonfinite", False), ("send_rows", False),
+                         ("staleness", 0)):
         if raw.get(key, default) != default:
             table[key] = raw[key]
     if "clients" in raw:

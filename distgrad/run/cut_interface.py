@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distgrad.config.experiment import BUILTIN_DIR, Experiment, check_run_settings, is_whole
+from distgrad.config.experiment import (ARGUMENTS_SOURCE, BUILTIN_DIR, TABLE_SOURCE, Experiment,
+                                         check_run_settings, is_whole)
 from distgrad.config.parse import load_experiment, parse_own_loop
 from distgrad.config.prepare import PREPARATION_OPTIONS
 from distgrad.config.split import interface_table
@@ -137,9 +138,9 @@ def cut_side(end: str, interface: str | Path | Mapping[str, Any] | None, fields:
         raise ConfigError(f"give the interface as a stage file or as its fields, not both (got a file and "
                           f"{sorted(fields)}; only a combined experiment takes stage=)")
     elif interface is None:
-        raw, source = _raw_from_fields(end, fields, party), "the interface's arguments"
+        raw, source = _raw_from_fields(end, fields, party), ARGUMENTS_SOURCE
     elif isinstance(interface, Mapping):
-        raw, source = dict(interface), "the interface table"
+        raw, source = dict(interface), TABLE_SOURCE
     else:
         raw, source = read_toml(Path(interface), "stage file"), str(interface)
     exp = parse_own_loop(raw, source)

@@ -55,8 +55,8 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   decode_and_handle, hello_fields, is_abort_notice, not_accepted, pong,
-                                   prune_replies, refused_text, resent_evaluation, unknown_run)
+                                   check_served_staleness, decode_and_handle, hello_fields, is_abort_notice,
+                                   not_accepted, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -343,6 +343,7 @@ class CutServer:
         body = msg.body
         mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
+        check_served_staleness(self.exp, staleness)
         held: Any = body.get("held")                             # from the wire: common_step checks it
         common_step([], held)                                    # validates ``held``
         if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):

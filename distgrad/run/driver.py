@@ -28,7 +28,7 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply, final_body, is_final
 from distgrad.run.metering import Guarding, Metering, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS
@@ -109,7 +109,7 @@ class _Driver:
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
         # Checkpointed with the stage, so that a resumed run neither evaluates (and releases) a step again
         # nor loses the entries before the kill.
-        self.state.extra_meta = lambda: {"evaluations": self.evaluations}
+        self.state.extra_meta = lambda: {"evaluations": self.evaluations, **self._staleness_meta()}
         # Fixed for the run: the micro-batches kept in flight, each one's error-feedback stream.
         self.window = opts.window
         self.streams = [stream_name(ACTIVATION, i, opts.micro_batches) for i in range(opts.micro_batches)]
@@ -472,11 +472,28 @@ class _Driver:
             return False
         return True
 
+    def _staleness_meta(self) -> dict[str, Any]:
+        """The staleness S a checkpoint's steps in flight belong to (not yet known before ``--staleness auto``
+        has chosen it)."""
+        return {} if self.auto_staleness and self.probe is None else {"staleness": self.staleness}
+
+    def _check_resumed_staleness(self) -> None:
+        """Raise ``ConfigError`` when the checkpoint just resumed was written with another staleness: its
+        parameter versions and forwards are those of its steps in flight, and a run that changed S part way
+        would be no run's computation (with a larger S the versions it needs are not even kept)."""
+        saved = self.state.resumed_meta.get("staleness")
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved != self.staleness:
+            raise ConfigError(f"stage {self.opts.instance}: the checkpoint of step {self.state.resumed_step} was "
+                              f"written with staleness {saved}, and this run asks for {self.staleness}: its steps "
+                              f"in flight are those of staleness {saved}. Resume with --staleness {saved}, or start "
+                              f"a new run (without --resume)")
+
     def run(self) -> dict[str, Any]:
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
             state.begin(uuid.uuid4().hex)
         else:
+            self._check_resumed_staleness()
             state.open_trace(append=True)
             saved = state.resumed_meta.get("evaluations", [])
             self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
@@ -519,7 +536,9 @@ class _Driver:
                 self.progress.close()
         return state.summary("completed", started, self.loss, endpoint=self.connect,
                              micro_batches=self.opts.micro_batches, schedule=self.opts.schedule,
-                             in_flight=self.opts.window, staleness=self.staleness,
+                             # with steps in flight every micro-batch of a step is sent at once
+                             in_flight=self.opts.micro_batches if self.staleness else self.opts.window,
+                             staleness=self.staleness,
                              **({"staleness_auto": self.probe.fields(self.staleness)} if self.probe else {}),
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),

@@ -27,11 +27,16 @@ SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: -
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
 
 
-def check_in_flight(in_flight: Any, micro_batches: int, schedule: str) -> None:
+def check_in_flight(in_flight: Any, micro_batches: int, schedule: str, staleness: Any = 0) -> None:
     """``--in-flight N`` (None: the default) for ``schedule`` with ``micro_batches`` M: an integer from 1 to M,
-    and only with 1f1b (gpipe keeps all M in flight). Raises ``ConfigError`` naming the bad value."""
+    and only with 1f1b (gpipe keeps all M in flight) in lockstep (``staleness`` 0: with steps in flight every
+    micro-batch of a step is sent at once). Raises ``ConfigError`` naming the bad value."""
     if in_flight is None:
         return
+    if staleness:
+        raise ConfigError(f"--in-flight is for lockstep runs: with staleness {staleness} every micro-batch of a step "
+                          f"is sent at once, so a window of {in_flight!r} would not apply (drop --in-flight, or "
+                          f"use staleness 0)")
     if schedule != "1f1b":
         raise ConfigError(f"--in-flight is for the 1f1b schedule; {schedule} keeps all {micro_batches} "
                           f"micro-batches in flight (drop --in-flight or use --schedule 1f1b)")
@@ -154,6 +159,20 @@ class StageOptions:
         """This process's name in logs, checkpoints and summaries: the stage, or ``f@2`` for client 2."""
         return client_stage_name(self.stage, self.client)
 
+    def _check_follows_the_hello(self) -> None:
+        """Raise ``ConfigError`` naming the pipeline settings given to a stage that is not the driving one: it
+        takes micro-batches, staleness and evaluations from the driving stage's hello, so they would be
+        accepted and not applied (``micro_batches`` may be 1, the default, or the experiment's)."""
+        given = [name for name, value, default in (("staleness", self.staleness, None),
+                                                   ("in_flight", self.in_flight, None),
+                                                   ("schedule", self.schedule, "1f1b"),
+                                                   ("eval_every", self.eval_every, None)) if value != default]
+        if self.micro_batches not in (1, self.experiment.micro_batches):
+            given.insert(0, "micro_batches")
+        if given:
+            raise ConfigError(f"{', '.join(given)}: stage {self.stage!r} is the {self.role} stage, which follows the "
+                              f"driving stage's hello; give the pipeline settings to the driving stage only")
+
     def __post_init__(self) -> None:
         check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
@@ -178,9 +197,11 @@ class StageOptions:
             check_trace_filter(self.trace_params, self.trace_every, known or set(), self.trace_path is not None)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        check_in_flight(self.in_flight, self.micro_batches, self.schedule)
+        check_in_flight(self.in_flight, self.micro_batches, self.schedule,
+                        self.experiment.staleness if self.staleness is None else self.staleness)
         exp = self.experiment
-        exp.role(self.stage)                       # an unknown stage name fails here, naming the stages
+        if exp.role(self.stage) != "driving":      # an unknown stage name fails here, naming the stages
+            self._check_follows_the_hello()
         if self.privacy_meter:
             meter_kind(exp, self.stage)            # a stage that cannot meter is refused, with the reason
         if exp.federated and exp.stage_index(self.stage) == 0:

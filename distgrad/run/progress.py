@@ -216,8 +216,9 @@ class StageRecords:
     observer of its step engine: one per applied update with ``step``, ``loss`` (the step's loss, which a
     middle stage passes up and so knows too), ``lr`` (its learning rate), ``wall_s`` (since it began serving) and,
     serving several clients, the ``client`` whose step it was; ``extra(step, client)``: more fields of the step
-    (the label owner's privacy-meter window that closed after that client's update). A stage that keeps
-    serving writes every run's steps, in order. Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    (the label owner's privacy-meter window that closed after that client's update; a middle stage's bytes to
+    and from the stage below). A stage that keeps serving writes every run's steps, in order. Raises
+    ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
 
     def __init__(self, metrics_path: Path | None, tensorboard_dir: Path | None,
                  extra: Callable[[int, int | None], Mapping[str, Any]] | None = None) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
-from distgrad.config.experiment import MAX_STALENESS
-from distgrad.errors import PeerBusy, PeerRejected, ProtocolError
+from distgrad.config.experiment import MAX_STALENESS, Experiment, check_staleness
+from distgrad.errors import ConfigError, PeerBusy, PeerRejected, ProtocolError
 from distgrad.run.handshake import same_exactly
 from distgrad.wire import messages as wire
 from distgrad.wire.link import HELD_OUT
@@ -113,6 +113,17 @@ def hello_fields(body: Mapping[str, Any], predicts: str = TRAINS_TEXT) -> tuple[
         raise ProtocolError(ErrorCode.MALFORMED, f"hello has staleness={wire.show(staleness)}; expected an "
                                                  f"integer from 0 to {MAX_STALENESS}")
     return eval_every, staleness
+
+
+def check_served_staleness(exp: Experiment, staleness: int) -> None:
+    """Refuse (``ProtocolError``, ``mismatch``) a hello asking to keep ``staleness`` steps in flight that this
+    end's experiment does not support (``config.experiment.check_staleness``: e.g. a codec with error
+    feedback), as the data owner's own configuration would have: the same rule at both ends."""
+    if staleness:
+        try:
+            check_staleness(exp, staleness)
+        except ConfigError as e:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}: {e}") from e
 
 
 # -- a step's forwards

@@ -69,8 +69,8 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                    decode_and_handle, hello_fields, log_refusal, not_accepted, pong, refusal,
-                                    resent_evaluation)
+                                   check_served_staleness, decode_and_handle, hello_fields, log_refusal,
+                                   not_accepted, pong, refusal, resent_evaluation)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -318,6 +318,7 @@ class ServingStage:
         mbs = topology.check_hello(body)
         eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
+        check_served_staleness(self.exp, staleness)
         peer = self.run.peers[topology.peer_index(body)]
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
@@ -934,10 +935,21 @@ def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) 
         replies = logic.settle()
 
 
+def _record_fields(logic: ServingStage, step: int, client: int | None) -> dict[str, Any]:
+    """A step's metrics beyond the step, loss and rate: the privacy meter's window that closed after it, and a
+    middle stage's bytes sent to and received from the stage below so far (coded as they crossed, counted as
+    the driving stage counts its own link's)."""
+    figures = logic.metering.figures_at           # None without a meter
+    fields: dict[str, Any] = dict(figures(step, client)) if figures is not None else {}
+    if logic.link is not None:
+        fields.update(bytes_sent=logic.link.traffic.sent, bytes_received=logic.link.traffic.received)
+    return fields
+
+
 def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, keep_serving: bool,
            ready_file: Path | None, ctx: zmq.Context, on_ready: Callable[[str], None] | None) -> dict[str, Any] | None:
     logic = ServingStage(opts, connect, stop, ctx)
-    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, logic.metering.figures_at)
+    records = StageRecords(opts.metrics_path, opts.tensorboard_dir, functools.partial(_record_fields, logic))
     if records.writers:
         logic.engine.observers.append(records)
     server = Server(ctx, bind, logic.max_frame_bytes, opts.liveness_s, opts.security, opts.spin_s)

@@ -109,6 +109,7 @@ class Codec(abc.ABC):
 
     name: str = ""
     error_feedback: bool = False      # only topk:K+ef: the sender keeps an ErrorFeedback residual
+    carries_nonfinite: bool = True    # NaN and Inf cross as themselves (int8 and topk:K refuse them)
 
     def __str__(self) -> str:
         return self.name
@@ -285,7 +286,9 @@ class BFloat16Codec(Codec):
 
 
 class _RowCodec(Codec):
-    """A codec that works per row: tensors need at least one axis."""
+    """A codec that works per row: tensors need at least one axis, and values must be finite."""
+
+    carries_nonfinite = False
 
     def check_shape(self, shape: Shape) -> None:
         super().check_shape(shape)
