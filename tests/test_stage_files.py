@@ -290,6 +290,53 @@ def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
         split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
 
 
+SHARED_MODULES = """
+from torch import nn
+
+
+def first():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+
+
+def middle():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+"""
+
+
+def test_split_copies_a_module_file_that_two_stages_share_to_both_parties(tmp_path: Path):
+    """Two stages whose modules come from one file: each party's folder gets its own copy (the second
+    stage's copy used to replace the first's, leaving the data owner without its code)."""
+    pytest.importorskip("torch", reason="a module stage is computed by torch (pip install 'distgrad[torch]')")
+    from distgrad.stage.stage import Stage
+    (tmp_path / "mods.py").write_text(SHARED_MODULES)
+    (tmp_path / "chain.toml").write_text("""
+name = "shared-module"
+steps = 4
+[data]
+kind = "synthetic_regression"
+seed = 5
+samples = 64
+features = 4
+batch = 16
+[[stages]]
+name = "f"
+module = "mods:first"
+output = [8]
+[[stages]]
+name = "m"
+module = "mods:middle"
+output = [8]
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "d", in = 8, out = 1 }]
+loss = "mean_squared_error"
+""")
+    paths = split_experiment(load_experiment(tmp_path / "chain.toml"), tmp_path / "parties")
+    assert [(path.parent / "mods.py").is_file() for path in paths] == [True, True, False]
+    for path, name in zip(paths, ["f", "m", "g"]):
+        assert Stage.from_experiment(load_experiment(path), name).output_shape[1:] == ((1,) if name == "g" else (8,))
+
+
 def test_stage_files_that_differ_in_their_micro_batches_or_eval_every_are_refused(tmp_path: Path):
     """Whichever file comes first must not decide: the default micro-batches and evaluations are interface."""
     for field, value in (("micro_batches", 4), ("eval_every", 5)):
