@@ -332,13 +332,53 @@ def test_the_model_next_to_each_file_comes_first_then_sys_path(tmp_path, monkeyp
     ({"f_optimizer": '{ type = "LBFGS" }'}, r"LBFGS re-evaluates the whole model through a closure"),
     ({"g_stage": 'module = "mymodel:head"\nloss = { type = "MSELoss", size = 3 }'},
      r"torch.nn.MSELoss\(\*\*\{'size': 3\}\) failed"),
+    ({"f_optimizer": '{ type = "Adam", betas = [0.9] }'}, r"torch.optim.Adam rejects .*'betas': \(0.9,\)"),
+    # accepted by the constructor, refused by torch at the first update: found when the stage is built
+    ({"f_optimizer": '{ type = "SparseAdam" }'},
+     r"torch.optim.SparseAdam with \{\} cannot update this stage's parameters: .*dense gradients"),
+    ({"f_optimizer": '{ type = "Adam", differentiable = true }'},
+     r"torch.optim.Adam with \{'differentiable': True\} cannot update this stage's parameters"),
 ], ids=["no-module", "no-factory", "factory-raises", "not-a-module", "cut-shape", "unknown-optimizer",
-        "optimizer-arguments", "closure-optimizer", "loss-arguments"])
+        "optimizer-arguments", "closure-optimizer", "loss-arguments", "optimizer-option-shape",
+        "optimizer-for-sparse-gradients", "optimizer-step-fails"])
 def test_a_bad_module_stage_is_a_config_error_naming_it(tmp_path, change, needle):
     exp = load_experiment(_experiment(tmp_path, **change))
     with pytest.raises(ConfigError, match=needle):
         for name in exp.stage_names:
             Stage.from_experiment(exp, name)
+
+
+RELU_FIRST = """
+name = "relu-first"
+steps = 6
+[data]
+{data}
+batch = 16
+[[stages]]
+name = "f"
+{f_stage}
+[[stages]]
+name = "g"
+{g_stage}
+"""
+
+
+@pytest.mark.parametrize("f_stage", [
+    'module = "torch.nn:ReLU"\noutput = [4]\noptimizer = { type = "SGD", lr = 0.1 }',
+    'module = "torch.nn:ReLU"\noutput = [4]',                 # the default optimizer, distgrad's adam
+    'model = [{ type = "relu" }]\nframework = "torch"',
+], ids=["module-torch-optimizer", "module-default-optimizer", "torch-layers"])
+def test_a_first_stage_with_nothing_to_train_runs_in_torch_as_in_numpy(tmp_path, f_stage):
+    """A stage of activations alone trains nothing, in either framework (a torch one was refused by
+    torch.optim's empty parameter list, or failed with a traceback); the stage below trains alike."""
+    g_stage = NUMPY_G.replace("in = 8", "in = 4")
+    runs = []
+    for name, stage in (("torch", f_stage), ("numpy", 'model = [{ type = "relu" }]')):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(RELU_FIRST.format(data=CLASSIFY, f_stage=stage, g_stage=g_stage))
+        summary = train_in_process(load_experiment(path))
+        runs.append((summary["params"], summary["final_loss"]))
+    assert runs[0] == runs[1] and runs[0][0]["f"] == {} and set(runs[0][0]["g"]) == {"g1.W", "g1.b"}
 
 
 @pytest.mark.parametrize("loss,needle", [

@@ -349,11 +349,27 @@ def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.
     Its ``lr`` is the rate of update 1; ``TorchStage.apply`` sets each later one from ``optimizer.schedule``.
     """
     if isinstance(optimizer, Adam):
-        return torch.optim.Adam(params, lr=float(optimizer.lr), betas=(float(optimizer.beta1), float(optimizer.beta2)),
-                                eps=float(optimizer.epsilon))
+        return torch.optim.Adam(_group(params), lr=float(optimizer.lr),
+                                betas=(float(optimizer.beta1), float(optimizer.beta2)), eps=float(optimizer.epsilon))
     if isinstance(optimizer, SGD):
-        return torch.optim.SGD(params, lr=float(optimizer.lr))
+        return torch.optim.SGD(_group(params), lr=float(optimizer.lr))
     raise ConfigError(f"optimizer {type(optimizer).__name__} has no torch version")
+
+
+def _group(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """``params`` as one param group: what torch makes of a list of tensors, and also of an empty one (a stage
+    with nothing to train, as a numpy stage of activations alone; torch refuses an empty list itself)."""
+    return [{"params": list(params)}]
+
+
+def _trial_step(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], params: list[nn.Parameter]) -> None:
+    """Raise what ``cls(params, **options).step()`` raises, on copies of ``params`` with zero gradients: an
+    optimizer that cannot update these parameters (SparseAdam's dense gradients, ``capturable`` on the CPU,
+    ``differentiable`` leaves) fails when the stage is built, not at its first update."""
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for copy in copies:
+        copy.grad = torch.zeros_like(copy)
+    cls(_group(copies), **options).step()
 
 
 _CLOSURE_OPTIMIZERS = ("lbfgs",)      # their step re-evaluates the model through a closure: not a split stage's
@@ -404,9 +420,15 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
             default_lr = inspect.signature(cls).parameters["lr"].default
             schedule = optimizer_schedule(kind, schedule_spec, lr, default_lr)
         try:
-            return cls(params, **options), schedule
-        except (TypeError, ValueError) as e:
+            optimizer = cls(_group(params), **options)
+        except Exception as e:      # torch's checks of the options raise many kinds (betas = [0.9]: IndexError)
             raise ConfigError(f"torch.optim.{kind} rejects {options!r}: {e}") from e
+        try:
+            _trial_step(cls, options, params)
+        except Exception as e:      # whatever its step raises
+            raise ConfigError(f"torch.optim.{kind} with {options!r} cannot update this stage's parameters: "
+                              f"{type(e).__name__}: {e}") from e
+        return optimizer, schedule
     except ConfigError as e:
         raise ConfigError(f"stage {stage!r}: {e}") from e
 
@@ -765,7 +787,10 @@ class TorchStage(Stage):
         when ``need_dx`` is false). A parameter the output does not depend on
         gets no gradient, as in torch.
         """
-        found = torch.autograd.grad(out, leaves + ([x_t] if need_dx else []), grad_outputs=d_out, allow_unused=True)
+        wanted = leaves + ([x_t] if need_dx else [])
+        if not wanted:          # a first stage with nothing to train: no gradient to compute
+            return None, {}
+        found = torch.autograd.grad(out, wanted, grad_outputs=d_out, allow_unused=True)
         grads = {p.name: p.view(g) for p, g in zip(self._trainable, found) if g is not None}
         if not need_dx:
             return None, grads
