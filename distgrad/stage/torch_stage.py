@@ -356,13 +356,13 @@ def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.
     raise ConfigError(f"optimizer {type(optimizer).__name__} has no torch version")
 
 
-def _group(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+def _group(params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
     """``params`` as one param group: what torch makes of a list of tensors, and also of an empty one (a stage
     with nothing to train, as a numpy stage of activations alone; torch refuses an empty list itself)."""
     return [{"params": list(params)}]
 
 
-def _trial_step(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], params: list[nn.Parameter]) -> None:
+def _trial_step(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], params: Sequence[torch.Tensor]) -> None:
     """Raise what ``cls(params, **options).step()`` raises, on copies of ``params`` with zero gradients: an
     optimizer that cannot update these parameters (SparseAdam's dense gradients, ``capturable`` on the CPU,
     ``differentiable`` leaves) fails when the stage is built, not at its first update."""
