@@ -761,6 +761,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
                    exp.staleness if staleness is None else staleness)
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
+    check_scheduler_horizon(exp, exp.steps if steps is None else steps)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -825,6 +826,24 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if exp.federated:
         raise ConfigError(f"{where}: with [clients] each data owner is scored on its own held-out rows, so no one "
                           f"loss steps the shared stage; drop the scheduler or the [clients] table")
+
+
+def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
+    """Raise ``ConfigError`` where a stage's ``scheduler = { type = "OneCycleLR", ... }`` ends before the run
+    does: torch refuses to step it past its ``total_steps`` (or ``epochs`` x ``steps_per_epoch``), which
+    would stop the run at that update. A serving stage of several clients updates once per client a step."""
+    for spec in exp.stages:
+        table = spec.scheduler or {}
+        if table.get("type") != "OneCycleLR":
+            continue
+        total = table.get("total_steps")
+        if total is None and is_whole(table.get("epochs")) and is_whole(table.get("steps_per_epoch")):
+            total = table["epochs"] * table["steps_per_epoch"]
+        serving = exp.federated and spec.name == exp.stage_names[-1]
+        updates = steps * (exp.clients.count if serving else 1)
+        if is_whole(total) and total < updates:
+            raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
+                              f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
 
 
 def check_send_rows(exp: Experiment) -> None:

@@ -189,7 +189,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
                   "party that has it, before its next update; it needs eval_every > 0, staleness 0 and no "
-                  "[clients]. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
+                  "[clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
+                  "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "

@@ -946,9 +946,12 @@ class TorchStage(Stage):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        if self.scheduler is not None and not is_plateau(self.scheduler):
-            self.scheduler.step()
+        try:
+            self.optimizer.step()
+            if self.scheduler is not None and not is_plateau(self.scheduler):
+                self.scheduler.step()
+        except Exception as e:      # torch's optimizers and schedulers raise many kinds
+            raise StageError(f"stage {self.name}: update {self.updates} failed: {type(e).__name__}: {e}") from e
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
