@@ -841,7 +841,7 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
             total = table["epochs"] * table["steps_per_epoch"]
         serving = exp.federated and spec.name == exp.stage_names[-1]
         updates = steps * (exp.clients.count if serving else 1)
-        if is_whole(total) and total < updates:
+        if isinstance(total, int) and is_whole(total) and total < updates:
             raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
 
