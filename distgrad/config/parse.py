@@ -138,6 +138,16 @@ def _check_scored(exp: Experiment) -> None:
                           f"test_fraction in [data] (a file kind) or drop {given}")
 
 
+def _check_plateau_fed(exp: Experiment) -> None:
+    """Raise ``ConfigError`` when a stage of these files has a ``ReduceLROnPlateau`` scheduler and the data
+    holds out no rows: with no evaluation its rate would never change."""
+    named = [spec.name for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    if named:
+        raise ConfigError(f"stage(s) {named}: scheduler ReduceLROnPlateau is stepped with the loss of each "
+                          f"evaluation of the held-out rows, and the data holds out none: set test_fraction in "
+                          f"[data] (a file kind) or drop the scheduler")
+
+
 def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
     """``read_keys`` with the file named in its error."""
     try:
@@ -431,6 +441,8 @@ def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
                 if spec.name == exp.label_owner and not len(data.test_rows):
                     _check_scored(exp)
+                if not len(data.test_rows):
+                    _check_plateau_fed(exp)
                 if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
                                                          ) != exp.target:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "

@@ -188,8 +188,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "threshold, threshold_mode, cooldown, min_lr, eps), on a numpy stage too (the same rule in "
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
-                  "party that has it, before its next update; it needs eval_every > 0, staleness 0 and no "
-                  "[clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
+                  "party that has it, before its next update; it needs held-out rows, eval_every > 0, staleness 0 "
+                  "and no [clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
                   "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
