@@ -105,10 +105,12 @@ statistics) are part of a stage's state: its checkpoints hold them
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import json
 import sys
+import traceback
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,8 +369,8 @@ def _trial_step(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], pa
     optimizer that cannot update these parameters (SparseAdam's dense gradients, ``capturable`` on the CPU,
     ``differentiable`` leaves) fails when the stage is built, not at its first update."""
     copies = [p.detach().clone().requires_grad_() for p in params]
-    for copy in copies:
-        copy.grad = torch.zeros_like(copy)
+    for twin in copies:
+        twin.grad = torch.zeros_like(twin)
     cls(_group(copies), **options).step()
 
 
@@ -475,7 +477,8 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
     ``ReduceLROnPlateau``, once after each evaluation with its loss
     (``TorchStage.evaluated``), and checkpointed with the stage. ``ConfigError`` naming the stage for an unknown class, a
     refused one (``_REFUSED_SCHEDULERS``: the reason), arguments the class
-    rejects, or a state that cannot be checkpointed as JSON.
+    rejects or its first step cannot use (tried on a copy of the optimizer), or a state that cannot be
+    checkpointed as JSON.
     """
     if table is None:
         return None
@@ -486,10 +489,20 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
         raise ConfigError(f"{where} is not supported: {_REFUSED_SCHEDULERS[kind]}")
     if not isinstance(kind, str) or kind not in _scheduler_classes():
         raise ConfigError(f"{where}: name a torch.optim.lr_scheduler class: {', '.join(_scheduler_classes())}")
+    cls = getattr(torch.optim.lr_scheduler, kind)
+    twin = copy.deepcopy(optimizer)     # made before the scheduler sets the rate and initial_lr of the real one
     try:
-        scheduler = getattr(torch.optim.lr_scheduler, kind)(optimizer, **options)
-    except (TypeError, ValueError, KeyError) as e:
+        scheduler = cls(optimizer, **options)
+    except Exception as e:      # torch's checks of the options raise many kinds
         raise ConfigError(f"{where}: torch.optim.lr_scheduler.{kind} rejects {options!r}: {e}") from e
+    try:
+        # One update and one step of a twin: options its step cannot use (step_size = 0) fail here, not in an
+        # update of the run.
+        twin_scheduler = cls(twin, **options)
+        twin.step()
+        twin_scheduler.step(*([1.0] if is_plateau(twin_scheduler) else []))
+    except Exception as e:      # whatever its step raises
+        raise ConfigError(f"{where} with {options!r} cannot be stepped: {type(e).__name__}: {e}") from e
     try:
         _scheduler_state(scheduler, optimizer)
     except (TypeError, ValueError) as e:
@@ -531,7 +544,16 @@ def _import_module(path: str, base_dir: Path, where: str) -> Any:
         raise ConfigError(f"{where}: no module {path!r}: put {path.replace('.', '/')}.py next to the file that "
                           f"names it ({folder}), or install it or add its folder to PYTHONPATH") from e
     except Exception as e:       # the user's module raised anything while being imported
-        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}{_raised_at(e)}") from e
+
+
+def _raised_at(error: BaseException) -> str:
+    """`` (at FILE line N)``: where the innermost frame of ``error``'s traceback is (the user's code that raised),
+    or nothing without one. A syntax error names its own file and line in its message."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or isinstance(error, SyntaxError):
+        return ""
+    return f" (at {frames[-1].filename} line {frames[-1].lineno})"
 
 
 def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | None = None) -> nn.Module:
@@ -543,7 +565,8 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
     the caller's random state is left as it was), so every process draws the
     same initial values. Raises ``ConfigError`` naming the module path for an
     import that fails, a missing or uncallable factory, a factory that raises
-    or returns something other than a module, or parameters other than float32.
+    or returns something other than a module, or parameters other than float32
+    (the file and line of the user's code that raised, when it did).
     """
     assert spec.module is not None, f"stage {spec.name} has no module"
     path, function = spec.module.split(":")
@@ -559,7 +582,8 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
         try:
             module = factory(**spec.module_args)
         except Exception as e:       # the user's factory raised anything
-            raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}") from e
+            raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}"
+                              f"{_raised_at(e)}") from e
     if not isinstance(module, nn.Module):
         raise ConfigError(f"{where}: {function} returned {type(module).__name__}, not a torch.nn.Module: return the "
                           f"model itself (e.g. torch.nn.Sequential(...))")
