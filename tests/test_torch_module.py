@@ -338,9 +338,15 @@ def test_the_model_next_to_each_file_comes_first_then_sys_path(tmp_path, monkeyp
      r"torch.optim.SparseAdam with \{\} cannot update this stage's parameters: .*dense gradients"),
     ({"f_optimizer": '{ type = "Adam", differentiable = true }'},
      r"torch.optim.Adam with \{'differentiable': True\} cannot update this stage's parameters"),
+    # a loss torch makes with these options but cannot compute on this output: found when built, not at step 1
+    ({"g_stage": 'module = "mymodel:head"\nloss = { type = "CrossEntropyLoss", weight = [1.0, 2.0] }'},
+     r"stage g: its loss cannot be computed on its output of shape \(16, 3\): weight tensor should be defined "
+     r"either for all 3 classes"),
+    ({"g_stage": 'module = "mymodel:head"\nloss = { type = "CrossEntropyLoss", label_smoothing = 1.5 }'},
+     r"its loss cannot be computed on its output of shape \(16, 3\): label_smoothing must be between"),
 ], ids=["no-module", "no-factory", "factory-raises", "not-a-module", "cut-shape", "unknown-optimizer",
         "optimizer-arguments", "closure-optimizer", "loss-arguments", "optimizer-option-shape",
-        "optimizer-for-sparse-gradients", "optimizer-step-fails"])
+        "optimizer-for-sparse-gradients", "optimizer-step-fails", "loss-weight-per-class", "loss-option-range"])
 def test_a_bad_module_stage_is_a_config_error_naming_it(tmp_path, change, needle):
     exp = load_experiment(_experiment(tmp_path, **change))
     with pytest.raises(ConfigError, match=needle):

@@ -676,6 +676,8 @@ class TorchStage(Stage):
         self._loss_fn = _torch_loss(loss, self.device, name) if loss is not None else None
         self.input_shape = tuple(input_shape)        # the probe below needs it
         self._setup(name, optimizer, loss, input_shape, self._probe_output_shape())
+        if self._loss_fn is not None:
+            self._probe_loss()
 
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
@@ -762,6 +764,21 @@ class TorchStage(Stage):
                               f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}; a stage's "
                               f"output is one float32 tensor")
         return tuple(out.shape)
+
+    def _probe_loss(self) -> None:
+        """Compute the loss once, on zeros of the output's shape against zero targets (class 0): options torch
+        takes when the loss is made but not with this output (a class ``weight`` of another length,
+        ``label_smoothing`` above 1) are a ``ConfigError`` when the stage is built, not a failure at step 1."""
+        assert self.loss is not None and self._loss_fn is not None
+        dtype = torch.from_numpy(np.empty(0, self.loss.target_dtype)).dtype
+        try:
+            target_shape = tuple(self.loss.target_shape(tuple(self.output_shape)))
+            with torch.no_grad():
+                self._loss_fn(torch.zeros(self.output_shape, dtype=torch.float32, device=self.device),
+                              torch.zeros(target_shape, dtype=dtype, device=self.device))
+        except _COMPUTE_ERRORS as e:
+            raise ConfigError(f"stage {self.name}: its loss cannot be computed on its output of shape "
+                              f"{tuple(self.output_shape)}: {e}") from e
 
     @property
     def params(self) -> dict[str, np.ndarray]:
