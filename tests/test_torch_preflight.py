@@ -87,6 +87,9 @@ SIZE = math.sqrt(-1)
 @pytest.mark.parametrize("module,args,optimizer,needle", [
     ("prefmodel:boom", "", None, r"boom\(\*\*\{\}\) raised RuntimeError: kaboom \(at .*prefmodel.py line 10\)"),
     ("raising:make", "", None, r"importing 'raising' failed: ValueError: math domain error \(at .*raising.py line 4\)"),
+    # raised inside torch: the line named is the user's that called it
+    ("prefmodel:make", 'module_args = { out = "wide" }', None, r"raised TypeError: .*\(at .*prefmodel.py line 6\)$"),
+    ("prefmodel:make", 'module_args = { width = 3 }', None, r"unexpected keyword argument 'width'$"),
     ("prefmodel:make", "module_args = { out = 7 }", None,
      r"outputs shape \(16, 7\), but the interface says the activation it sends is \(16, 16\)"),
     ("prefmodel:make", "", '{ type = "SparseAdam" }', r"torch.optim.SparseAdam with \{\} cannot update"),
@@ -94,7 +97,7 @@ SIZE = math.sqrt(-1)
      r"scheduler 'StepLR' with \{'step_size': 0\} cannot be stepped: ZeroDivisionError"),
     ("prefmodel:make", 'scheduler = { type = "ExponentialLR", gamma = "half" }', None,
      r"scheduler 'ExponentialLR' with \{'gamma': 'half'\} cannot be stepped: TypeError"),
-], ids=["factory-raises", "import-raises", "cut-shape", "optimizer-step", "scheduler-step", "scheduler-option-type"])
+], ids=["factory-raises", "import-raises", "torch-raises", "factory-arguments", "cut-shape", "optimizer-step", "scheduler-step", "scheduler-option-type"])
 def test_what_only_building_a_module_stage_finds_names_the_stage_file_and_the_line(tmp_path, module, args, optimizer,
                                                                                      needle):
     """The errors a module stage's build finds (its code raising, its output, an optimizer or scheduler torch
@@ -106,6 +109,6 @@ def test_what_only_building_a_module_stage_finds_names_the_stage_file_and_the_li
         path.write_text(path.read_text().replace('{ type = "Adam", lr = 0.01 }', optimizer))
     result = run_main(["run", path, "--steps", "2"])
     assert result.returncode == 2, result.stderr
-    assert re.search(f"ERROR distgrad: experiment {re.escape(str(path))}: stage 'f'.*{needle}", result.stderr), \
+    assert re.search(f"ERROR distgrad: experiment {re.escape(str(path))}: stage 'f'.*{needle}", result.stderr, re.M), \
         result.stderr
     assert "Traceback" not in result.stderr

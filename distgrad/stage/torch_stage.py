@@ -544,16 +544,20 @@ def _import_module(path: str, base_dir: Path, where: str) -> Any:
         raise ConfigError(f"{where}: no module {path!r}: put {path.replace('.', '/')}.py next to the file that "
                           f"names it ({folder}), or install it or add its folder to PYTHONPATH") from e
     except Exception as e:       # the user's module raised anything while being imported
-        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}{_raised_at(e)}") from e
+        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}"
+                          f"{_raised_at(e, folder if local else None)}") from e
 
 
-def _raised_at(error: BaseException) -> str:
-    """`` (at FILE line N)``: where the innermost frame of ``error``'s traceback is (the user's code that raised),
-    or nothing without one. A syntax error names its own file and line in its message."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames or isinstance(error, SyntaxError):
+def _raised_at(error: BaseException, folder: Path | None) -> str:
+    """`` (at FILE line N)``: the innermost line of ``error``'s traceback in the user's code: the files under
+    ``folder`` (None: any file but distgrad's and Python's import machinery); nothing when there is none
+    (the call itself failed: a wrong keyword argument says so). A syntax error names its file and line itself."""
+    if isinstance(error, SyntaxError):
         return ""
-    return f" (at {frames[-1].filename} line {frames[-1].lineno})"
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if (Path(frame.filename).resolve().is_relative_to(folder) if folder is not None
+                  else not frame.filename.startswith("<") and Path(frame.filename).resolve() != Path(__file__).resolve())]
+    return f" (at {frames[-1].filename} line {frames[-1].lineno})" if frames else ""
 
 
 def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | None = None) -> nn.Module:
@@ -572,6 +576,7 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
     path, function = spec.module.split(":")
     where = f"stage {spec.name!r} (module {spec.module!r})"
     imported = _import_module(path, spec.base_dir, where)
+    folder = spec.base_dir.resolve()         # the user's code, when the module was found there
     factory = getattr(imported, function, None)
     if not callable(factory):
         public = sorted(n for n, v in vars(imported).items() if callable(v) and not n.startswith("_"))
@@ -583,7 +588,7 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
             module = factory(**spec.module_args)
         except Exception as e:       # the user's factory raised anything
             raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}"
-                              f"{_raised_at(e)}") from e
+                              f"{_raised_at(e, folder if _inside(imported, folder) else None)}") from e
     if not isinstance(module, nn.Module):
         raise ConfigError(f"{where}: {function} returned {type(module).__name__}, not a torch.nn.Module: return the "
                           f"model itself (e.g. torch.nn.Sequential(...))")
