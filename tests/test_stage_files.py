@@ -9,6 +9,7 @@ named with both values.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -335,6 +336,24 @@ loss = "mean_squared_error"
     assert [(path.parent / "mods.py").is_file() for path in paths] == [True, True, False]
     for path, name in zip(paths, ["f", "m", "g"]):
         assert Stage.from_experiment(load_experiment(path), name).output_shape[1:] == ((1,) if name == "g" else (8,))
+
+
+@pytest.mark.parametrize("party,part,needle", [
+    ("f", {"labels": "nowhere.npy"}, "stage 'f' names 'labels' in its [data], which it never reads: 'g' holds the "
+                                     "labels (labels = 'last'); drop 'labels'"),
+    ("g", {"features": "id"}, "stage 'g' names 'features' in its [data], which it never reads: the data owner(s) "
+                              "['f'] hold the features; drop 'features'"),
+], ids=["labels-at-the-data-owner", "features-at-the-label-owner"])
+def test_a_party_naming_a_part_of_the_rows_it_never_reads_is_refused(tmp_path: Path, party: str, part: dict,
+                                                                     needle: str):
+    """Each party names only its own part: the other's part in its [data] was accepted and never read (a
+    labels file that did not even exist)."""
+    paths = dict(zip("fg", _hosts(tmp_path)))
+    doc = tomllib.loads(paths[party].read_text())
+    doc["data"].update(part)
+    paths[party].write_text(toml_document(doc))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_experiment(paths[party])
 
 
 def test_stage_files_that_differ_in_their_micro_batches_or_eval_every_are_refused(tmp_path: Path):
