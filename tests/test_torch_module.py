@@ -318,6 +318,46 @@ def test_the_model_next_to_each_file_comes_first_then_sys_path(tmp_path, monkeyp
     assert type(stage.module).__module__ == "installed_model" and "inp.weight" in stage.params
 
 
+HELPED_MODEL = """
+from torch import nn
+
+import helpers
+
+
+def encoder(hidden):
+    return nn.Linear(4, helpers.width(hidden))
+
+
+def late_encoder(hidden):
+    import late_helpers        # imported when the factory runs: found next to this file too
+    return nn.Linear(4, late_helpers.WIDTH)
+"""
+
+
+def test_each_folder_s_module_imports_its_own_helpers_in_one_process(tmp_path):
+    """Two folders, each with its mymodel.py importing its own helpers.py: built in one process (as
+    --in-process, the launcher's check and the API do), each gets its own folder's helpers, however often
+    they alternate (the second used to get the first's from sys.modules); a factory's own imports find its
+    folder's files."""
+    experiments = []
+    for folder, width in (("a", "hidden"), ("b", "hidden * 2")):
+        (tmp_path / folder).mkdir()
+        path = _experiment(tmp_path / folder, f_module="mymodel:encoder", cut=8 if folder == "a" else 16,
+                           g_stage=NUMPY_G.replace("in = 8", "in = 8" if folder == "a" else "in = 16"))
+        (tmp_path / folder / "mymodel.py").write_text(HELPED_MODEL)
+        (tmp_path / folder / "helpers.py").write_text(f"def width(hidden):\n    return {width}\n")
+        (tmp_path / folder / "late_helpers.py").write_text(f"WIDTH = {8 if folder == 'a' else 16}\n")
+        experiments.append(load_experiment(path))
+    for exp, width in ((experiments[0], 8), (experiments[1], 16), (experiments[0], 8)):
+        assert Stage.from_experiment(exp, "f").output_shape == (16, width)
+    late = _experiment(tmp_path / "b", f_module="mymodel:late_encoder", cut=16, name="late.toml",
+                       g_stage=NUMPY_G.replace("in = 8", "in = 16"))
+    (tmp_path / "b" / "mymodel.py").write_text(HELPED_MODEL)
+    assert Stage.from_experiment(load_experiment(late), "f").output_shape == (16, 16)
+    summary = train_in_process(experiments[1], steps=2)
+    assert np.array(summary["params"]["f"]["weight"]).shape == (16, 4)
+
+
 # ---------------------------------------------------------------- clear errors
 
 @pytest.mark.parametrize("change,needle", [

@@ -110,6 +110,7 @@ import importlib
 import inspect
 import json
 import sys
+import threading
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -518,25 +519,51 @@ def _inside(module: Any, folder: Path) -> bool:
     return any(origin is not None and Path(origin).resolve().is_relative_to(folder) for origin in origins)
 
 
+# The modules imported from a stage file's folder (its module and whatever of that folder its code imports), by
+# name: the folder they came from. Another folder's stage must not find them in sys.modules under that name.
+_FOLDER_MODULES: dict[str, Path] = {}
+_FOLDER_LOCK = threading.RLock()        # sys.path and sys.modules are the process's: one stage folder at a time
+
+
+@contextlib.contextmanager
+def _stage_folder(folder: Path) -> Iterator[None]:
+    """Run an import of a stage's code, or its factory, with ``folder`` first on ``sys.path`` and without the
+    modules another stage folder put in ``sys.modules`` (two parties' ``model.py``, or the ``helpers.py`` each
+    one's imports, in one process: ``--in-process``, the launcher's check of every stage, the API); the modules
+    this folder's code imports are recorded as its own. Stages built before keep the modules they hold."""
+    with _FOLDER_LOCK:
+        for name, origin in list(_FOLDER_MODULES.items()):
+            if origin != folder:
+                sys.modules.pop(name, None)
+                del _FOLDER_MODULES[name]
+        before = set(sys.modules)
+        sys.path.insert(0, str(folder))
+        try:
+            yield
+        finally:
+            sys.path.remove(str(folder))
+            for name in set(sys.modules) - before:
+                if _inside(sys.modules[name], folder):
+                    _FOLDER_MODULES[name] = folder
+
+
 def _import_module(path: str, base_dir: Path, where: str) -> Any:
     """Import ``path`` ("pkg.mod"), from ``base_dir`` when it holds ``pkg`` (a ``.py`` or a folder), else
     from ``sys.path``. A module of the same name already imported from elsewhere is replaced in
-    ``sys.modules`` (two stage files may each have their own ``model.py``)."""
+    ``sys.modules`` (two stage files may each have their own ``model.py``, and each its own modules that
+    it imports: ``_stage_folder``)."""
     top = path.split(".")[0]
     folder = base_dir.resolve()
     local = (folder / f"{top}.py").is_file() or (folder / top).is_dir()
     try:
         if not local:
             return importlib.import_module(path)
-        stale = [name for name, module in list(sys.modules.items())
-                 if (name == top or name.startswith(top + ".")) and not _inside(module, folder)]
-        for name in stale:
-            del sys.modules[name]
-        sys.path.insert(0, str(folder))
-        try:
+        with _stage_folder(folder):
+            stale = [name for name, module in list(sys.modules.items())
+                     if (name == top or name.startswith(top + ".")) and not _inside(module, folder)]
+            for name in stale:
+                del sys.modules[name]
             return importlib.import_module(path)
-        finally:
-            sys.path.remove(str(folder))
     except ModuleNotFoundError as e:
         if e.name is not None and path != e.name and not path.startswith(e.name + "."):
             raise ConfigError(f"{where}: importing {path!r} failed: it imports {e.name!r}, which is not installed "
@@ -582,13 +609,14 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
         public = sorted(n for n, v in vars(imported).items() if callable(v) and not n.startswith("_"))
         raise ConfigError(f"{where}: {path} ({getattr(imported, '__file__', '?')}) has no function {function!r}"
                           f"{'' if factory is None else ' (it is not callable)'}; its callables: {', '.join(public) or 'none'}")
-    with torch.random.fork_rng(devices=[]):
+    local = _inside(imported, folder)
+    with torch.random.fork_rng(devices=[]), _stage_folder(folder) if local else contextlib.nullcontext():
         torch.manual_seed(spec.init_seed(seed))
         try:
-            module = factory(**spec.module_args)
+            module = factory(**spec.module_args)      # its imports find its folder's files too
         except Exception as e:       # the user's factory raised anything
             raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}"
-                              f"{_raised_at(e, folder if _inside(imported, folder) else None)}") from e
+                              f"{_raised_at(e, folder if local else None)}") from e
     if not isinstance(module, nn.Module):
         raise ConfigError(f"{where}: {function} returned {type(module).__name__}, not a torch.nn.Module: return the "
                           f"model itself (e.g. torch.nn.Sequential(...))")
