@@ -17,6 +17,7 @@ Oracles and tolerances:
 from __future__ import annotations
 
 import importlib.util
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -425,6 +426,24 @@ def test_a_first_stage_with_nothing_to_train_runs_in_torch_as_in_numpy(tmp_path,
         summary = train_in_process(load_experiment(path))
         runs.append((summary["params"], summary["final_loss"]))
     assert runs[0] == runs[1] and runs[0][0]["f"] == {} and set(runs[0][0]["g"]) == {"g1.W", "g1.b"}
+
+
+@pytest.mark.parametrize("g_stage,loss_name", [
+    (NUMPY_G.replace("out = 3", "out = 2"), "softmax_cross_entropy"),
+    ('module = "mymodel:head"\nmodule_args = { outputs = 2 }\nloss = { type = "CrossEntropyLoss" }', "CrossEntropyLoss"),
+    ('module = "mymodel:head"\nmodule_args = { outputs = 2 }\nloss = { type = "NLLLoss" }', "NLLLoss"),
+], ids=["numpy", "module", "module-nll"])
+def test_labels_beyond_the_last_stage_s_classes_are_refused_before_training(tmp_path, g_stage, loss_name):
+    """Three classes of labels against two scores a row: refused when the stage is built, numpy or torch alike
+    (it failed at the first step or evaluation whose batch held class 2)."""
+    with pytest.raises(ConfigError, match=re.escape(
+            f"the labels hold class ids 0..2, but the last stage 'g' outputs scores for 2 classes (shape (16, 2)), "
+            f"so {loss_name} takes class ids 0..1")):
+        exp = load_experiment(_experiment(tmp_path, g_stage=g_stage))
+        Stage.from_experiment(exp, "g")
+    ignoring = g_stage.replace('"CrossEntropyLoss" }', '"CrossEntropyLoss", ignore_index = 2 }')
+    if ignoring != g_stage:       # class 2 is the ignored one: its rows count for nothing, and nothing is refused
+        Stage.from_experiment(load_experiment(_experiment(tmp_path, g_stage=ignoring)), "g")
 
 
 @pytest.mark.parametrize("loss,needle", [

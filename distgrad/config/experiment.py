@@ -729,6 +729,16 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
         raise ConfigError(f"the last stage {last!r} outputs shape {tuple(output_shape)}, so {loss_name} needs "
                           f"targets of shape {expected}, but the data gives targets of shape "
                           f"{tuple(data.target_shape)}")
+    if loss.classifies and len(output_shape) >= 2 and hasattr(data, "all_targets"):
+        # Found here, not at the step or evaluation whose batch first holds such a label.
+        labels = np.asarray(data.all_targets())
+        ignored = loss.options.get("ignore_index") if isinstance(loss, TorchLoss) else None
+        labels = labels[labels != ignored] if ignored is not None else labels
+        classes = int(output_shape[1])
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+            raise ConfigError(f"the labels hold class ids {int(labels.min())}..{int(labels.max())}, but the last "
+                              f"stage {last!r} outputs scores for {classes} classes (shape {tuple(output_shape)}), "
+                              f"so {loss_name} takes class ids 0..{classes - 1}")
 
 
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
