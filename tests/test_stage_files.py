@@ -9,6 +9,7 @@ named with both values.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -307,6 +308,71 @@ def test_split_copies_a_module_stage_s_code_next_to_its_file(tmp_path: Path):
     assert stage.output_shape == (32, 256)
     with pytest.raises(ConfigError, match="already exist"):
         split_experiment(load_experiment("digits-cnn-torch"), tmp_path)
+
+
+SHARED_MODULES = """
+from torch import nn
+
+
+def first():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+
+
+def middle():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+"""
+
+
+def test_split_copies_a_module_file_that_two_stages_share_to_both_parties(tmp_path: Path):
+    """Two stages whose modules come from one file: each party's folder gets its own copy (the second
+    stage's copy used to replace the first's, leaving the data owner without its code)."""
+    pytest.importorskip("torch", reason="a module stage is computed by torch (pip install 'distgrad[torch]')")
+    from distgrad.stage.stage import Stage
+    (tmp_path / "mods.py").write_text(SHARED_MODULES)
+    (tmp_path / "chain.toml").write_text("""
+name = "shared-module"
+steps = 4
+[data]
+kind = "synthetic_regression"
+seed = 5
+samples = 64
+features = 4
+batch = 16
+[[stages]]
+name = "f"
+module = "mods:first"
+output = [8]
+[[stages]]
+name = "m"
+module = "mods:middle"
+output = [8]
+[[stages]]
+name = "g"
+model = [{ type = "dense", name = "d", in = 8, out = 1 }]
+loss = "mean_squared_error"
+""")
+    paths = split_experiment(load_experiment(tmp_path / "chain.toml"), tmp_path / "parties")
+    assert [(path.parent / "mods.py").is_file() for path in paths] == [True, True, False]
+    for path, name in zip(paths, ["f", "m", "g"]):
+        assert Stage.from_experiment(load_experiment(path), name).output_shape[1:] == ((1,) if name == "g" else (8,))
+
+
+@pytest.mark.parametrize("party,part,needle", [
+    ("f", {"labels": "nowhere.npy"}, "stage 'f' names 'labels' in its [data], which it never reads: 'g' holds the "
+                                     "labels (labels = 'last'); drop 'labels'"),
+    ("g", {"features": "id"}, "stage 'g' names 'features' in its [data], which it never reads: the data owner(s) "
+                              "['f'] hold the features; drop 'features'"),
+], ids=["labels-at-the-data-owner", "features-at-the-label-owner"])
+def test_a_party_naming_a_part_of_the_rows_it_never_reads_is_refused(tmp_path: Path, party: str, part: dict,
+                                                                     needle: str):
+    """Each party names only its own part: the other's part in its [data] was accepted and never read (a
+    labels file that did not even exist)."""
+    paths = dict(zip("fg", _hosts(tmp_path)))
+    doc = tomllib.loads(paths[party].read_text())
+    doc["data"].update(part)
+    paths[party].write_text(toml_document(doc))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_experiment(paths[party])
 
 
 def test_stage_files_that_differ_in_their_micro_batches_or_eval_every_are_refused(tmp_path: Path):

@@ -17,6 +17,7 @@ Oracles and tolerances:
 from __future__ import annotations
 
 import importlib.util
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -318,6 +319,46 @@ def test_the_model_next_to_each_file_comes_first_then_sys_path(tmp_path, monkeyp
     assert type(stage.module).__module__ == "installed_model" and "inp.weight" in stage.params
 
 
+HELPED_MODEL = """
+from torch import nn
+
+import helpers
+
+
+def encoder(hidden):
+    return nn.Linear(4, helpers.width(hidden))
+
+
+def late_encoder(hidden):
+    import late_helpers        # imported when the factory runs: found next to this file too
+    return nn.Linear(4, late_helpers.WIDTH)
+"""
+
+
+def test_each_folder_s_module_imports_its_own_helpers_in_one_process(tmp_path):
+    """Two folders, each with its mymodel.py importing its own helpers.py: built in one process (as
+    --in-process, the launcher's check and the API do), each gets its own folder's helpers, however often
+    they alternate (the second used to get the first's from sys.modules); a factory's own imports find its
+    folder's files."""
+    experiments = []
+    for folder, width in (("a", "hidden"), ("b", "hidden * 2")):
+        (tmp_path / folder).mkdir()
+        path = _experiment(tmp_path / folder, f_module="mymodel:encoder", cut=8 if folder == "a" else 16,
+                           g_stage=NUMPY_G.replace("in = 8", "in = 8" if folder == "a" else "in = 16"))
+        (tmp_path / folder / "mymodel.py").write_text(HELPED_MODEL)
+        (tmp_path / folder / "helpers.py").write_text(f"def width(hidden):\n    return {width}\n")
+        (tmp_path / folder / "late_helpers.py").write_text(f"WIDTH = {8 if folder == 'a' else 16}\n")
+        experiments.append(load_experiment(path))
+    for exp, width in ((experiments[0], 8), (experiments[1], 16), (experiments[0], 8)):
+        assert Stage.from_experiment(exp, "f").output_shape == (16, width)
+    late = _experiment(tmp_path / "b", f_module="mymodel:late_encoder", cut=16, name="late.toml",
+                       g_stage=NUMPY_G.replace("in = 8", "in = 16"))
+    (tmp_path / "b" / "mymodel.py").write_text(HELPED_MODEL)
+    assert Stage.from_experiment(load_experiment(late), "f").output_shape == (16, 16)
+    summary = train_in_process(experiments[1], steps=2)
+    assert np.array(summary["params"]["f"]["weight"]).shape == (16, 4)
+
+
 # ---------------------------------------------------------------- clear errors
 
 @pytest.mark.parametrize("change,needle", [
@@ -332,13 +373,77 @@ def test_the_model_next_to_each_file_comes_first_then_sys_path(tmp_path, monkeyp
     ({"f_optimizer": '{ type = "LBFGS" }'}, r"LBFGS re-evaluates the whole model through a closure"),
     ({"g_stage": 'module = "mymodel:head"\nloss = { type = "MSELoss", size = 3 }'},
      r"torch.nn.MSELoss\(\*\*\{'size': 3\}\) failed"),
+    ({"f_optimizer": '{ type = "Adam", betas = [0.9] }'}, r"torch.optim.Adam rejects .*'betas': \(0.9,\)"),
+    # accepted by the constructor, refused by torch at the first update: found when the stage is built
+    ({"f_optimizer": '{ type = "SparseAdam" }'},
+     r"torch.optim.SparseAdam with \{\} cannot update this stage's parameters: .*dense gradients"),
+    ({"f_optimizer": '{ type = "Adam", differentiable = true }'},
+     r"torch.optim.Adam with \{'differentiable': True\} cannot update this stage's parameters"),
+    # a loss torch makes with these options but cannot compute on this output: found when built, not at step 1
+    ({"g_stage": 'module = "mymodel:head"\nloss = { type = "CrossEntropyLoss", weight = [1.0, 2.0] }'},
+     r"stage g: its loss cannot be computed on its output of shape \(16, 3\): weight tensor should be defined "
+     r"either for all 3 classes"),
+    ({"g_stage": 'module = "mymodel:head"\nloss = { type = "CrossEntropyLoss", label_smoothing = 1.5 }'},
+     r"its loss cannot be computed on its output of shape \(16, 3\): label_smoothing must be between"),
 ], ids=["no-module", "no-factory", "factory-raises", "not-a-module", "cut-shape", "unknown-optimizer",
-        "optimizer-arguments", "closure-optimizer", "loss-arguments"])
+        "optimizer-arguments", "closure-optimizer", "loss-arguments", "optimizer-option-shape",
+        "optimizer-for-sparse-gradients", "optimizer-step-fails", "loss-weight-per-class", "loss-option-range"])
 def test_a_bad_module_stage_is_a_config_error_naming_it(tmp_path, change, needle):
     exp = load_experiment(_experiment(tmp_path, **change))
     with pytest.raises(ConfigError, match=needle):
         for name in exp.stage_names:
             Stage.from_experiment(exp, name)
+
+
+RELU_FIRST = """
+name = "relu-first"
+steps = 6
+[data]
+{data}
+batch = 16
+[[stages]]
+name = "f"
+{f_stage}
+[[stages]]
+name = "g"
+{g_stage}
+"""
+
+
+@pytest.mark.parametrize("f_stage", [
+    'module = "torch.nn:ReLU"\noutput = [4]\noptimizer = { type = "SGD", lr = 0.1 }',
+    'module = "torch.nn:ReLU"\noutput = [4]',                 # the default optimizer, distgrad's adam
+    'model = [{ type = "relu" }]\nframework = "torch"',
+], ids=["module-torch-optimizer", "module-default-optimizer", "torch-layers"])
+def test_a_first_stage_with_nothing_to_train_runs_in_torch_as_in_numpy(tmp_path, f_stage):
+    """A stage of activations alone trains nothing, in either framework (a torch one was refused by
+    torch.optim's empty parameter list, or failed with a traceback); the stage below trains alike."""
+    g_stage = NUMPY_G.replace("in = 8", "in = 4")
+    runs = []
+    for name, stage in (("torch", f_stage), ("numpy", 'model = [{ type = "relu" }]')):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(RELU_FIRST.format(data=CLASSIFY, f_stage=stage, g_stage=g_stage))
+        summary = train_in_process(load_experiment(path))
+        runs.append((summary["params"], summary["final_loss"]))
+    assert runs[0] == runs[1] and runs[0][0]["f"] == {} and set(runs[0][0]["g"]) == {"g1.W", "g1.b"}
+
+
+@pytest.mark.parametrize("g_stage,loss_name", [
+    (NUMPY_G.replace("out = 3", "out = 2"), "softmax_cross_entropy"),
+    ('module = "mymodel:head"\nmodule_args = { outputs = 2 }\nloss = { type = "CrossEntropyLoss" }', "CrossEntropyLoss"),
+    ('module = "mymodel:head"\nmodule_args = { outputs = 2 }\nloss = { type = "NLLLoss" }', "NLLLoss"),
+], ids=["numpy", "module", "module-nll"])
+def test_labels_beyond_the_last_stage_s_classes_are_refused_before_training(tmp_path, g_stage, loss_name):
+    """Three classes of labels against two scores a row: refused when the stage is built, numpy or torch alike
+    (it failed at the first step or evaluation whose batch held class 2)."""
+    with pytest.raises(ConfigError, match=re.escape(
+            f"the labels hold class ids 0..2, but the last stage 'g' outputs scores for 2 classes (shape (16, 2)), "
+            f"so {loss_name} takes class ids 0..1")):
+        exp = load_experiment(_experiment(tmp_path, g_stage=g_stage))
+        Stage.from_experiment(exp, "g")
+    ignoring = g_stage.replace('"CrossEntropyLoss" }', '"CrossEntropyLoss", ignore_index = 2 }')
+    if ignoring != g_stage:       # class 2 is the ignored one: its rows count for nothing, and nothing is refused
+        Stage.from_experiment(load_experiment(_experiment(tmp_path, g_stage=ignoring)), "g")
 
 
 @pytest.mark.parametrize("loss,needle", [

@@ -11,6 +11,7 @@ before the check.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,40 @@ def test_a_bad_module_stage_exits_2_before_any_stage_starts(tmp_path, module, ar
     assert needle in result.stderr
     out = result.stdout + result.stderr
     assert "[f]" not in out and "[g]" not in out, f"a stage was started:\n{out}"      # the launcher's prefixes
+
+
+RAISES_ON_IMPORT = '''
+import math
+
+SIZE = math.sqrt(-1)
+'''
+
+
+@pytest.mark.parametrize("module,args,optimizer,needle", [
+    ("prefmodel:boom", "", None, r"boom\(\*\*\{\}\) raised RuntimeError: kaboom \(at .*prefmodel.py line 10\)"),
+    ("raising:make", "", None, r"importing 'raising' failed: ValueError: math domain error \(at .*raising.py line 4\)"),
+    # raised inside torch: the line named is the user's that called it
+    ("prefmodel:make", 'module_args = { out = "wide" }', None, r"raised TypeError: .*\(at .*prefmodel.py line 6\)$"),
+    ("prefmodel:make", 'module_args = { width = 3 }', None, r"unexpected keyword argument 'width'$"),
+    ("prefmodel:make", "module_args = { out = 7 }", None,
+     r"outputs shape \(16, 7\), but the interface says the activation it sends is \(16, 16\)"),
+    ("prefmodel:make", "", '{ type = "SparseAdam" }', r"torch.optim.SparseAdam with \{\} cannot update"),
+    ("prefmodel:make", 'scheduler = { type = "StepLR", step_size = 0 }', None,
+     r"scheduler 'StepLR' with \{'step_size': 0\} cannot be stepped: ZeroDivisionError"),
+    ("prefmodel:make", 'scheduler = { type = "ExponentialLR", gamma = "half" }', None,
+     r"scheduler 'ExponentialLR' with \{'gamma': 'half'\} cannot be stepped: TypeError"),
+], ids=["factory-raises", "import-raises", "torch-raises", "factory-arguments", "cut-shape", "optimizer-step", "scheduler-step", "scheduler-option-type"])
+def test_what_only_building_a_module_stage_finds_names_the_stage_file_and_the_line(tmp_path, module, args, optimizer,
+                                                                                     needle):
+    """The errors a module stage's build finds (its code raising, its output, an optimizer or scheduler torch
+    accepts but cannot step) name the file that declared the stage, as the errors of reading it do, and the
+    line of the user's code that raised; none is a traceback or a failure in the run."""
+    path = _experiment(tmp_path, module, args)
+    (tmp_path / "raising.py").write_text(RAISES_ON_IMPORT)
+    if optimizer is not None:
+        path.write_text(path.read_text().replace('{ type = "Adam", lr = 0.01 }', optimizer))
+    result = run_main(["run", path, "--steps", "2"])
+    assert result.returncode == 2, result.stderr
+    assert re.search(f"ERROR distgrad: experiment {re.escape(str(path))}: stage 'f'.*{needle}", result.stderr, re.M), \
+        result.stderr
+    assert "Traceback" not in result.stderr

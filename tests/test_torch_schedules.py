@@ -211,3 +211,27 @@ def test_a_schedule_or_scheduler_that_would_do_nothing_is_refused_before_any_sta
     with pytest.raises(ConfigError, match="stage 'f'"):
         exp = load_experiment(path)
         TorchStage.from_spec(exp, "f")
+
+
+def test_a_one_cycle_scheduler_shorter_than_the_run_is_refused_before_any_stage_starts(tmp_path):
+    """torch refuses to step OneCycleLR past its total_steps: a run longer than that would stop at that update."""
+    path = _experiment(tmp_path, '{ type = "Adam" }', 'scheduler = { type = "OneCycleLR", max_lr = 0.1, total_steps = 5 }')
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 2, result.stderr
+    assert "stage 'f': scheduler OneCycleLR has 5 steps and the stage makes 12 updates in this run" in result.stderr
+    assert run_main(["run", path, "--in-process", "--steps", "5"]).returncode == 0
+    by_epochs = _experiment(tmp_path, '{ type = "Adam" }',
+                            'scheduler = { type = "OneCycleLR", max_lr = 0.1, epochs = 2, steps_per_epoch = 3 }')
+    assert "has 6 steps and the stage makes 12 updates" in run_main(["run", by_epochs, "--in-process"]).stderr
+
+
+def test_an_update_that_torch_refuses_is_the_stage_s_error(tmp_path):
+    """What torch's optimizer or scheduler raises in an update is a StageError naming the stage and update."""
+    from distgrad.errors import StageError
+    exp = load_experiment(_experiment(tmp_path, '{ type = "Adam" }',
+                                      'scheduler = { type = "OneCycleLR", max_lr = 0.1, total_steps = 3 }'))
+    stage = TorchStage.from_spec(exp, "f")
+    for t in range(1, 4):
+        stage.apply(_grads(stage, t))
+    with pytest.raises(StageError, match="stage f: update 4 failed: ValueError: Tried to step 4 times"):
+        stage.apply(_grads(stage, 4))

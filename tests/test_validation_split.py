@@ -193,11 +193,19 @@ def test_plateau_survives_kill_9_of_either_stage_bitwise(tmp_path: Path, stage_g
     assert g_summary["test_accuracy"] == reference["test_accuracy"] and g_summary["test_step"] == reference["test_step"]
 
 
-@pytest.mark.parametrize("change, needle", [("eval_every = 5", "eval_every is 0"),
-                                            ("seed = 3", "with staleness 1")])
-def test_plateau_is_refused_where_no_evaluation_loss_reaches_it_alike(tmp_path: Path, change: str, needle: str):
+@pytest.mark.parametrize("change, to, needle", [
+    ("eval_every = 5", "eval_every = 0", "eval_every is 0"),
+    ("seed = 3", "seed = 3\nstaleness = 1", "with staleness 1"),
+    # no held-out rows: no evaluation, so the rate would never change (it was accepted and ignored)
+    ("test_fraction = 0.2\nvalidation_fraction = 0.2\n", "test_fraction = 0.0\n",
+     "scheduler ReduceLROnPlateau is stepped with the loss of each evaluation of the held-out rows, and the data "
+     "holds out none"),
+], ids=["no-evaluations", "staleness", "no-held-out-rows"])
+def test_plateau_is_refused_where_no_evaluation_loss_reaches_it_alike(tmp_path: Path, change: str, to: str,
+                                                                       needle: str):
     path = _plateau_penguins(tmp_path)
-    path.write_text(path.read_text().replace(change, "eval_every = 0" if "eval" in change else "seed = 3\nstaleness = 1"))
+    assert change in path.read_text()
+    path.write_text(path.read_text().replace(change, to))
     result = run_main(["run", path, "--in-process"])
     assert result.returncode == 2 and needle in result.stderr, result.stderr
 

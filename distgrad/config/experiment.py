@@ -741,6 +741,16 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
         raise ConfigError(f"the last stage {last!r} outputs shape {tuple(output_shape)}, so {loss_name} needs "
                           f"targets of shape {expected}, but the data gives targets of shape "
                           f"{tuple(data.target_shape)}")
+    if loss.classifies and len(output_shape) >= 2 and hasattr(data, "all_targets"):
+        # Found here, not at the step or evaluation whose batch first holds such a label.
+        labels = np.asarray(data.all_targets())
+        ignored = loss.options.get("ignore_index") if isinstance(loss, TorchLoss) else None
+        labels = labels[labels != ignored] if ignored is not None else labels
+        classes = int(output_shape[1])
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+            raise ConfigError(f"the labels hold class ids {int(labels.min())}..{int(labels.max())}, but the last "
+                              f"stage {last!r} outputs scores for {classes} classes (shape {tuple(output_shape)}), "
+                              f"so {loss_name} takes class ids 0..{classes - 1}")
 
 
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
@@ -773,6 +783,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
                    exp.staleness if staleness is None else staleness)
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
+    check_scheduler_horizon(exp, exp.steps if steps is None else steps)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -837,6 +848,24 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if exp.federated:
         raise ConfigError(f"{where}: with [clients] each data owner is scored on its own held-out rows, so no one "
                           f"loss steps the shared stage; drop the scheduler or the [clients] table")
+
+
+def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
+    """Raise ``ConfigError`` where a stage's ``scheduler = { type = "OneCycleLR", ... }`` ends before the run
+    does: torch refuses to step it past its ``total_steps`` (or ``epochs`` x ``steps_per_epoch``), which
+    would stop the run at that update. A serving stage of several clients updates once per client a step."""
+    for spec in exp.stages:
+        table = spec.scheduler or {}
+        if table.get("type") != "OneCycleLR":
+            continue
+        total = table.get("total_steps")
+        if total is None and is_whole(table.get("epochs")) and is_whole(table.get("steps_per_epoch")):
+            total = table["epochs"] * table["steps_per_epoch"]
+        serving = exp.federated and spec.name == exp.stage_names[-1]
+        updates = steps * (exp.clients.count if serving else 1)
+        if isinstance(total, int) and is_whole(total) and total < updates:
+            raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
+                              f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
 
 
 def check_send_rows(exp: Experiment) -> None:

@@ -138,6 +138,32 @@ def _check_scored(exp: Experiment) -> None:
                           f"test_fraction in [data] (a file kind) or drop {given}")
 
 
+def _check_parts_held(exp: Experiment, spec: StageSpec) -> None:
+    """Raise ``ConfigError`` when a party's own [data] (a stage file's, of a file kind) names a part of the rows
+    its stage never reads: labels at a stage that is not the label owner, features at one that is not a data
+    owner (nor a vertical label owner with its own 'bottom'). They would be accepted and ignored, and a party
+    that holds another's part of the rows is no split."""
+    if spec.data is None or spec.data.get("kind") not in FILE_KINDS:
+        return
+    reads_features = spec.name in exp.data_owners or (spec.name == exp.stage_names[-1] and exp.own_bottom)
+    for part, reads, who in (("labels", spec.name == exp.label_owner, f"{exp.label_owner!r} holds the labels "
+                                                                        f"(labels = {exp.labels!r})"),
+                             ("features", reads_features, f"the data owner(s) {exp.data_owners} hold the features")):
+        if spec.data.get(part) is not None and not reads:
+            raise ConfigError(f"stage {spec.name!r} names {part!r} in its [data], which it never reads: {who}; "
+                              f"drop {part!r} from its [data]")
+
+
+def _check_plateau_fed(exp: Experiment) -> None:
+    """Raise ``ConfigError`` when a stage of these files has a ``ReduceLROnPlateau`` scheduler and the data
+    holds out no rows: with no evaluation its rate would never change."""
+    named = [spec.name for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    if named:
+        raise ConfigError(f"stage(s) {named}: scheduler ReduceLROnPlateau is stepped with the loss of each "
+                          f"evaluation of the held-out rows, and the data holds out none: set test_fraction in "
+                          f"[data] (a file kind) or drop the scheduler")
+
+
 def _read(source: str, table: Mapping[str, Any], keys: Mapping[str, Key], where: str) -> dict[str, Any]:
     """``read_keys`` with the file named in its error."""
     try:
@@ -419,6 +445,8 @@ def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
             if not holds_data and not own_loop and (first or spec.name == exp.label_owner):
                 raise ConfigError(f"stage {spec.name!r} needs a [data] table with its "
                                   f"{'features' if first else 'labels'}")
+            if holds_data and not own_loop:
+                _check_parts_held(exp, spec)
             if holds_data:
                 data = exp.build_data(stage=spec.name)
                 if exp.federated and first:
@@ -431,6 +459,8 @@ def _check_built(exp: Experiment, source: str, own_loop: bool = False) -> None:
                     raise ConfigError(f"stage {spec.name!r} holds the labels: its [data] needs labels")
                 if spec.name == exp.label_owner and not len(data.test_rows):
                     _check_scored(exp)
+                if not len(data.test_rows):
+                    _check_plateau_fed(exp)
                 if exp.target is not None and first and (tuple(data.target_shape), np.dtype(data.target_dtype).name
                                                          ) != exp.target:
                     raise ConfigError(f"the interface's targets are {exp.target}, but the data gives "

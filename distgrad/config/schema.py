@@ -171,7 +171,8 @@ _STAGE_COMMON: dict[str, Key] = {
               "the stage's layers, in order (see Layers); give 'model' or 'module', one of them"),
     "module": Key(MODULE, help=
                "a function returning a torch.nn.Module, imported from the folder of this file first, then "
-               "sys.path; the stage is then computed by torch (framework \"torch\")"),
+               "sys.path (and so are the modules its code imports: each stage file's folder its own); the stage "
+               "is then computed by torch (framework \"torch\")"),
     "module_args": Key(TABLE, default={}, help="keyword arguments for the 'module' factory"),
     "optimizer": Key(OPTIMIZER, default={}, shown='{ type = "adam" }', help=
                   "how the stage learns: a numpy optimiser (see Optimisers) for a 'model'; for a 'module', a "
@@ -188,8 +189,9 @@ _STAGE_COMMON: dict[str, Key] = {
                   "threshold, threshold_mode, cooldown, min_lr, eps), on a numpy stage too (the same rule in "
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
-                  "party that has it, before its next update; it needs eval_every > 0, staleness 0 and no "
-                  "[clients]. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
+                  "party that has it, before its next update; it needs held-out rows, eval_every > 0, staleness 0 "
+                  "and no [clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
+                  "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
              "required on the last stage, and only there: its loss (see Losses); for a 'module', also a torch.nn "
@@ -328,7 +330,8 @@ DATA_OPTIONS: dict[str, str] = {
     "seed": "synthetic kinds: the seed of the generated rows (default: the run's seed)",
     "samples": "synthetic kinds: rows generated",
     "features": "synthetic kinds: feature columns; file kinds: the features (an npz member, an npy path, csv "
-                "columns by index or header name). In a stage file, absent means this party does not hold them",
+                "columns by index or header name). In a stage file, absent means this party does not hold them (and "
+                "a stage that never reads them, a label owner without its own 'bottom', may not name them)",
     "outputs": "synthetic_regression: target columns",
     "hidden": "synthetic_regression: width of the random teacher tanh(X A) B",
     "batch": "rows a step; must equal the interface's batch in a stage file",
@@ -350,7 +353,7 @@ DATA_OPTIONS: dict[str, str] = {
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
     "path": "npz and csv: the file (relative to the file that names it)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
-              "this party does not hold them",
+              "this party does not hold them (and a stage that is not the label owner may not name them)",
     "header": "csv: the first line names the columns (else every line is a row of data; a field that is no "
               "finite number is refused naming its line and column)",
     "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",

@@ -210,7 +210,7 @@ def stage_files(exp: Experiment) -> dict[str, tuple[str, dict[str, np.ndarray]]]
 def module_sources(exp: Experiment) -> dict[str, Path]:
     """The files (a ``NAME.py`` or a package folder) of the module stages' code that sits next to the
     experiment, by stage: a stage file written elsewhere needs them next to it (modules on ``sys.path`` are
-    found wherever the file is)."""
+    found wherever the file is). Stages whose modules share a file each name it."""
     sources = {}
     for spec in exp.stages:
         if spec.module is None:
@@ -238,14 +238,15 @@ def split_experiment(exp: Experiment, out_dir: Path, force: bool = False) -> lis
     folders = {name: out_dir / name for name in files}
     paths = [folders[name] / f"{name}.toml" for name in files]
     data_files = {folders[name] / f"{name}.npz": arrays for name, (_, arrays) in files.items() if arrays}
-    code = {source: folders[name] / source.name for name, source in module_sources(exp).items()
-            if source.resolve() != (folders[name] / source.name).resolve()}
-    existing = [str(p) for p in [*paths, *data_files, *code.values()] if p.exists()]
+    # (source, target) pairs, not a mapping by source: stages sharing one module file each get a copy
+    code = [(source, folders[name] / source.name) for name, source in module_sources(exp).items()
+            if source.resolve() != (folders[name] / source.name).resolve()]
+    existing = [str(p) for p in [*paths, *data_files, *(target for _, target in code)] if p.exists()]
     if existing and not force:
         raise ConfigError(f"{', '.join(existing)} already exist(s); remove them or give --force")
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
-    for source, target in code.items():
+    for source, target in code:
         if source.is_dir():
             shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:

@@ -20,7 +20,7 @@ import numpy as np
 
 from distgrad.wire.codecs import Codec, NoneCodec
 from distgrad.errors import ConfigError, NonFiniteError, StageError
-from distgrad.config.experiment import Experiment, build_stage_parts, check_targets
+from distgrad.config.experiment import Experiment, build_stage_parts, check_targets, file_error
 from distgrad.model.losses import Loss
 from distgrad.model.metrics import score
 from distgrad.model.nn import DTYPE, ForwardContext, Grads, Sequential, Shape
@@ -315,21 +315,29 @@ class Stage:
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
                         init: Mapping[str, float] | None = None) -> "Stage":
-        """Build stage ``name`` of ``exp``; raises ``ConfigError`` on a bad name or override.
+        """Build stage ``name`` of ``exp``; raises ``ConfigError`` on a bad name or override, and for what only
+        building finds (a module stage's code, its output against the cut), naming the file of the stage.
 
         A stage whose ``framework`` is ``"torch"`` is a ``distgrad.stage.torch_stage.TorchStage``
         with the same interface.
         """
         seed = exp.seed if seed is None else seed
-        framework = exp.spec(name).framework
-        if framework in FRAMEWORK_BUILDERS:
-            module, function = FRAMEWORK_BUILDERS[framework].split(":")
-            # imported only when a stage asks for it (torch is an optional extra)
-            stage: Stage = getattr(importlib.import_module(module), function)(exp, name, seed, init)
-        else:
-            model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
-            stage = cls(name, model, optimizer, loss, exp.input_shape(name, seed))
-        check_cut(exp, stage, seed)
+        spec = exp.spec(name)
+        try:
+            if spec.framework in FRAMEWORK_BUILDERS:
+                module, function = FRAMEWORK_BUILDERS[spec.framework].split(":")
+                # imported only when a stage asks for it (torch is an optional extra)
+                stage: Stage = getattr(importlib.import_module(module), function)(exp, name, seed, init)
+            else:
+                model, optimizer, loss = build_stage_parts(exp, name, seed, init or {})
+                stage = cls(name, model, optimizer, loss, exp.input_shape(name, seed))
+            check_cut(exp, stage, seed)
+        except ConfigError as e:
+            # What only building finds (a module's import, factory, output; an optimizer torch refuses) names
+            # the file that declared the stage, as the errors of loading it do.
+            if not spec.source or str(e).startswith(f"experiment {spec.source}:"):
+                raise
+            raise file_error(spec.source, str(e)) from e
         stage.allow_nonfinite, stage.seed = exp.allow_nonfinite, seed
         stage.nopeek = exp.spec(name).defenses.nopeek
         stage.label_dp = exp.training_labels(name, seed)

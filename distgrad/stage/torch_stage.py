@@ -105,10 +105,13 @@ statistics) are part of a stage's state: its checkpoints hold them
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import json
 import sys
+import threading
+import traceback
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,11 +352,27 @@ def _torch_optimizer(optimizer: Optimizer, params: list[nn.Parameter]) -> torch.
     Its ``lr`` is the rate of update 1; ``TorchStage.apply`` sets each later one from ``optimizer.schedule``.
     """
     if isinstance(optimizer, Adam):
-        return torch.optim.Adam(params, lr=float(optimizer.lr), betas=(float(optimizer.beta1), float(optimizer.beta2)),
-                                eps=float(optimizer.epsilon))
+        return torch.optim.Adam(_group(params), lr=float(optimizer.lr),
+                                betas=(float(optimizer.beta1), float(optimizer.beta2)), eps=float(optimizer.epsilon))
     if isinstance(optimizer, SGD):
-        return torch.optim.SGD(params, lr=float(optimizer.lr))
+        return torch.optim.SGD(_group(params), lr=float(optimizer.lr))
     raise ConfigError(f"optimizer {type(optimizer).__name__} has no torch version")
+
+
+def _group(params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    """``params`` as one param group: what torch makes of a list of tensors, and also of an empty one (a stage
+    with nothing to train, as a numpy stage of activations alone; torch refuses an empty list itself)."""
+    return [{"params": list(params)}]
+
+
+def _trial_step(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], params: Sequence[torch.Tensor]) -> None:
+    """Raise what ``cls(params, **options).step()`` raises, on copies of ``params`` with zero gradients: an
+    optimizer that cannot update these parameters (SparseAdam's dense gradients, ``capturable`` on the CPU,
+    ``differentiable`` leaves) fails when the stage is built, not at its first update."""
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for twin in copies:
+        twin.grad = torch.zeros_like(twin)
+    cls(_group(copies), **options).step()
 
 
 _CLOSURE_OPTIMIZERS = ("lbfgs",)      # their step re-evaluates the model through a closure: not a split stage's
@@ -404,9 +423,15 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
             default_lr = inspect.signature(cls).parameters["lr"].default
             schedule = optimizer_schedule(kind, schedule_spec, lr, default_lr)
         try:
-            return cls(params, **options), schedule
-        except (TypeError, ValueError) as e:
+            optimizer = cls(_group(params), **options)
+        except Exception as e:      # torch's checks of the options raise many kinds (betas = [0.9]: IndexError)
             raise ConfigError(f"torch.optim.{kind} rejects {options!r}: {e}") from e
+        try:
+            _trial_step(cls, options, params)
+        except Exception as e:      # whatever its step raises
+            raise ConfigError(f"torch.optim.{kind} with {options!r} cannot update this stage's parameters: "
+                              f"{type(e).__name__}: {e}") from e
+        return optimizer, schedule
     except ConfigError as e:
         raise ConfigError(f"stage {stage!r}: {e}") from e
 
@@ -453,7 +478,8 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
     ``ReduceLROnPlateau``, once after each evaluation with its loss
     (``TorchStage.evaluated``), and checkpointed with the stage. ``ConfigError`` naming the stage for an unknown class, a
     refused one (``_REFUSED_SCHEDULERS``: the reason), arguments the class
-    rejects, or a state that cannot be checkpointed as JSON.
+    rejects or its first step cannot use (tried on a copy of the optimizer), or a state that cannot be
+    checkpointed as JSON.
     """
     if table is None:
         return None
@@ -464,10 +490,20 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
         raise ConfigError(f"{where} is not supported: {_REFUSED_SCHEDULERS[kind]}")
     if not isinstance(kind, str) or kind not in _scheduler_classes():
         raise ConfigError(f"{where}: name a torch.optim.lr_scheduler class: {', '.join(_scheduler_classes())}")
+    cls = getattr(torch.optim.lr_scheduler, kind)
+    twin = copy.deepcopy(optimizer)     # made before the scheduler sets the rate and initial_lr of the real one
     try:
-        scheduler = getattr(torch.optim.lr_scheduler, kind)(optimizer, **options)
-    except (TypeError, ValueError, KeyError) as e:
+        scheduler = cls(optimizer, **options)
+    except Exception as e:      # torch's checks of the options raise many kinds
         raise ConfigError(f"{where}: torch.optim.lr_scheduler.{kind} rejects {options!r}: {e}") from e
+    try:
+        # One update and one step of a twin: options its step cannot use (step_size = 0) fail here, not in an
+        # update of the run.
+        twin_scheduler = cls(twin, **options)
+        twin.step()
+        twin_scheduler.step(*([1.0] if is_plateau(twin_scheduler) else []))
+    except Exception as e:      # whatever its step raises
+        raise ConfigError(f"{where} with {options!r} cannot be stepped: {type(e).__name__}: {e}") from e
     try:
         _scheduler_state(scheduler, optimizer)
     except (TypeError, ValueError) as e:
@@ -483,25 +519,51 @@ def _inside(module: Any, folder: Path) -> bool:
     return any(origin is not None and Path(origin).resolve().is_relative_to(folder) for origin in origins)
 
 
+# The modules imported from a stage file's folder (its module and whatever of that folder its code imports), by
+# name: the folder they came from. Another folder's stage must not find them in sys.modules under that name.
+_FOLDER_MODULES: dict[str, Path] = {}
+_FOLDER_LOCK = threading.RLock()        # sys.path and sys.modules are the process's: one stage folder at a time
+
+
+@contextlib.contextmanager
+def _stage_folder(folder: Path) -> Iterator[None]:
+    """Run an import of a stage's code, or its factory, with ``folder`` first on ``sys.path`` and without the
+    modules another stage folder put in ``sys.modules`` (two parties' ``model.py``, or the ``helpers.py`` each
+    one's imports, in one process: ``--in-process``, the launcher's check of every stage, the API); the modules
+    this folder's code imports are recorded as its own. Stages built before keep the modules they hold."""
+    with _FOLDER_LOCK:
+        for name, origin in list(_FOLDER_MODULES.items()):
+            if origin != folder:
+                sys.modules.pop(name, None)
+                del _FOLDER_MODULES[name]
+        before = set(sys.modules)
+        sys.path.insert(0, str(folder))
+        try:
+            yield
+        finally:
+            sys.path.remove(str(folder))
+            for name in set(sys.modules) - before:
+                if _inside(sys.modules[name], folder):
+                    _FOLDER_MODULES[name] = folder
+
+
 def _import_module(path: str, base_dir: Path, where: str) -> Any:
     """Import ``path`` ("pkg.mod"), from ``base_dir`` when it holds ``pkg`` (a ``.py`` or a folder), else
     from ``sys.path``. A module of the same name already imported from elsewhere is replaced in
-    ``sys.modules`` (two stage files may each have their own ``model.py``)."""
+    ``sys.modules`` (two stage files may each have their own ``model.py``, and each its own modules that
+    it imports: ``_stage_folder``)."""
     top = path.split(".")[0]
     folder = base_dir.resolve()
     local = (folder / f"{top}.py").is_file() or (folder / top).is_dir()
     try:
         if not local:
             return importlib.import_module(path)
-        stale = [name for name, module in list(sys.modules.items())
-                 if (name == top or name.startswith(top + ".")) and not _inside(module, folder)]
-        for name in stale:
-            del sys.modules[name]
-        sys.path.insert(0, str(folder))
-        try:
+        with _stage_folder(folder):
+            stale = [name for name, module in list(sys.modules.items())
+                     if (name == top or name.startswith(top + ".")) and not _inside(module, folder)]
+            for name in stale:
+                del sys.modules[name]
             return importlib.import_module(path)
-        finally:
-            sys.path.remove(str(folder))
     except ModuleNotFoundError as e:
         if e.name is not None and path != e.name and not path.startswith(e.name + "."):
             raise ConfigError(f"{where}: importing {path!r} failed: it imports {e.name!r}, which is not installed "
@@ -509,7 +571,20 @@ def _import_module(path: str, base_dir: Path, where: str) -> Any:
         raise ConfigError(f"{where}: no module {path!r}: put {path.replace('.', '/')}.py next to the file that "
                           f"names it ({folder}), or install it or add its folder to PYTHONPATH") from e
     except Exception as e:       # the user's module raised anything while being imported
-        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{where}: importing {path!r} failed: {type(e).__name__}: {e}"
+                          f"{_raised_at(e, folder if local else None)}") from e
+
+
+def _raised_at(error: BaseException, folder: Path | None) -> str:
+    """`` (at FILE line N)``: the innermost line of ``error``'s traceback in the user's code: the files under
+    ``folder`` (None: any file but distgrad's and Python's import machinery); nothing when there is none
+    (the call itself failed: a wrong keyword argument says so). A syntax error names its file and line itself."""
+    if isinstance(error, SyntaxError):
+        return ""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if (Path(frame.filename).resolve().is_relative_to(folder) if folder is not None
+                  else not frame.filename.startswith("<") and Path(frame.filename).resolve() != Path(__file__).resolve())]
+    return f" (at {frames[-1].filename} line {frames[-1].lineno})" if frames else ""
 
 
 def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | None = None) -> nn.Module:
@@ -521,23 +596,27 @@ def build_module(spec: StageSpec, seed: int, overrides: Mapping[str, float] | No
     the caller's random state is left as it was), so every process draws the
     same initial values. Raises ``ConfigError`` naming the module path for an
     import that fails, a missing or uncallable factory, a factory that raises
-    or returns something other than a module, or parameters other than float32.
+    or returns something other than a module, or parameters other than float32
+    (the file and line of the user's code that raised, when it did).
     """
     assert spec.module is not None, f"stage {spec.name} has no module"
     path, function = spec.module.split(":")
     where = f"stage {spec.name!r} (module {spec.module!r})"
     imported = _import_module(path, spec.base_dir, where)
+    folder = spec.base_dir.resolve()         # the user's code, when the module was found there
     factory = getattr(imported, function, None)
     if not callable(factory):
         public = sorted(n for n, v in vars(imported).items() if callable(v) and not n.startswith("_"))
         raise ConfigError(f"{where}: {path} ({getattr(imported, '__file__', '?')}) has no function {function!r}"
                           f"{'' if factory is None else ' (it is not callable)'}; its callables: {', '.join(public) or 'none'}")
-    with torch.random.fork_rng(devices=[]):
+    local = _inside(imported, folder)
+    with torch.random.fork_rng(devices=[]), _stage_folder(folder) if local else contextlib.nullcontext():
         torch.manual_seed(spec.init_seed(seed))
         try:
-            module = factory(**spec.module_args)
+            module = factory(**spec.module_args)      # its imports find its folder's files too
         except Exception as e:       # the user's factory raised anything
-            raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}") from e
+            raise ConfigError(f"{where}: {function}(**{spec.module_args!r}) raised {type(e).__name__}: {e}"
+                              f"{_raised_at(e, folder if local else None)}") from e
     if not isinstance(module, nn.Module):
         raise ConfigError(f"{where}: {function} returned {type(module).__name__}, not a torch.nn.Module: return the "
                           f"model itself (e.g. torch.nn.Sequential(...))")
@@ -630,6 +709,8 @@ class TorchStage(Stage):
         self._loss_fn = _torch_loss(loss, self.device, name) if loss is not None else None
         self.input_shape = tuple(input_shape)        # the probe below needs it
         self._setup(name, optimizer, loss, input_shape, self._probe_output_shape())
+        if self._loss_fn is not None:
+            self._probe_loss()
 
     @classmethod
     def from_experiment(cls, exp: Experiment, name: str, seed: int | None = None,
@@ -717,6 +798,21 @@ class TorchStage(Stage):
                               f"output is one float32 tensor")
         return tuple(out.shape)
 
+    def _probe_loss(self) -> None:
+        """Compute the loss once, on zeros of the output's shape against zero targets (class 0): options torch
+        takes when the loss is made but not with this output (a class ``weight`` of another length,
+        ``label_smoothing`` above 1) are a ``ConfigError`` when the stage is built, not a failure at step 1."""
+        assert self.loss is not None and self._loss_fn is not None
+        dtype = torch.from_numpy(np.empty(0, self.loss.target_dtype)).dtype
+        try:
+            target_shape = tuple(self.loss.target_shape(tuple(self.output_shape)))
+            with torch.no_grad():
+                self._loss_fn(torch.zeros(self.output_shape, dtype=torch.float32, device=self.device),
+                              torch.zeros(target_shape, dtype=dtype, device=self.device))
+        except _COMPUTE_ERRORS as e:
+            raise ConfigError(f"stage {self.name}: its loss cannot be computed on its output of shape "
+                              f"{tuple(self.output_shape)}: {e}") from e
+
     @property
     def params(self) -> dict[str, np.ndarray]:
         return {p.name: p.view(p.tensor) for p in self._params}
@@ -765,7 +861,10 @@ class TorchStage(Stage):
         when ``need_dx`` is false). A parameter the output does not depend on
         gets no gradient, as in torch.
         """
-        found = torch.autograd.grad(out, leaves + ([x_t] if need_dx else []), grad_outputs=d_out, allow_unused=True)
+        wanted = leaves + ([x_t] if need_dx else [])
+        if not wanted:          # a first stage with nothing to train: no gradient to compute
+            return None, {}
+        found = torch.autograd.grad(out, wanted, grad_outputs=d_out, allow_unused=True)
         grads = {p.name: p.view(g) for p, g in zip(self._trainable, found) if g is not None}
         if not need_dx:
             return None, grads
@@ -921,9 +1020,12 @@ class TorchStage(Stage):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        if self.scheduler is not None and not is_plateau(self.scheduler):
-            self.scheduler.step()
+        try:
+            self.optimizer.step()
+            if self.scheduler is not None and not is_plateau(self.scheduler):
+                self.scheduler.step()
+        except Exception as e:      # torch's optimizers and schedulers raise many kinds
+            raise StageError(f"stage {self.name}: update {self.updates} failed: {type(e).__name__}: {e}") from e
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
