@@ -343,11 +343,21 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
         server.handle(hello("right", None), 0.0)
     server.handle(hello("right", "person"), 0.0)
     server.handle(chunk("left", ["a", "b"]), 0.1)
-    with pytest.raises(ProtocolError, match="row 2 of the chunk: ID 'c', not 'b'") as info:
+    with pytest.raises(ProtocolError, match=r"party right's row 2 of the chunk \(ID 'c'\) is not party left's") \
+            as info:
         server.handle(chunk("right", ["a", "c"]), 0.2)
     assert info.value.code == ErrorCode.MISMATCH and server.sessions["right"].chunks == {}
+    assert "'b'" not in str(info.value)         # the refused party learns no ID of the other party's rows
     server.handle(chunk("right", ["a", "b"]), 0.3)
     assert server.predictions[1].shape == (2,) and server.prediction_ids[1] == ["a", "b"]
+    # The same when the first party's chunk comes last: it is told its own ID, not the other's.
+    server = PredictionServer(StageOptions(exp, "g", exp.seed), tmp_path / "out.csv", None)
+    server.handle(hello("left", "person"), 0.0)
+    server.handle(hello("right", "person"), 0.0)
+    server.handle(chunk("right", ["x-right-only", "d"]), 0.1)
+    with pytest.raises(ProtocolError, match=r"party left's row 1 of the chunk \(ID 'x-left-only'\)") as info:
+        server.handle(chunk("left", ["x-left-only", "d"]), 0.2)
+    assert "x-right-only" not in str(info.value) and server.sessions["left"].chunks == {}
 
 
 def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):

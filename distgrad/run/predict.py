@@ -623,7 +623,7 @@ class PredictionServer:
                 if ids is not None:
                     session.ids[msg.step] = ids
                 try:
-                    self._combine(msg.step)
+                    self._combine(msg.step, sender)
                 except ProtocolError:                     # refused: this chunk is not kept
                     session.chunks.pop(msg.step, None)
                     session.ids.pop(msg.step, None)
@@ -667,8 +667,10 @@ class PredictionServer:
                                                      f"rows (column {session.id_name!r}), as strings")
         return ids
 
-    def _combine(self, number: int) -> None:
-        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
+    def _combine(self, number: int, sender: str) -> None:
+        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived (the
+        last from party ``sender``). A refusal goes to ``sender`` and names only its own rows' IDs: a
+        party learns no ID of another party's --input."""
         arrived = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
         parts = [part for part in arrived if part is not None]
         if len(parts) < len(arrived) or number in self.predictions:
@@ -677,17 +679,18 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
                                                   f"rows; every party sends the same rows")
         ids = [self.sessions[name].ids.get(number) for name in self.parties]
-        differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
+        mine = ids[self.parties.index(sender)]
+        differ = next((i for i, other in enumerate(ids) if other != mine), None)
         if differ is not None:
-            ours, theirs = ids[0], ids[differ]
-            if ours is None or theirs is None:    # their hellos named the same ID column, or none
+            theirs = ids[differ]
+            if mine is None or theirs is None:    # their hellos named the same ID column, or none
                 raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]} and party "
-                                                        f"{self.parties[0]} do not both send their rows' IDs")
-            row = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), 0)
-            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
-                                                    f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
-                                                    f"{wire.show(theirs[row])}, not {wire.show(ours[row])}): "
-                                                    f"the parties' --input files are not aligned")
+                                                        f"{sender} do not both send their rows' IDs")
+            row = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), 0)
+            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {sender}'s row {row + 1} of the chunk "
+                                                    f"(ID {wire.show(mine[row])}) is not party "
+                                                    f"{self.parties[differ]}'s row there: the parties' --input "
+                                                    f"files are not aligned (hold the same IDs in the same order)")
         own = self.own.chunk(number, ids[0], len(parts[0])) if self.own is not None else None
         y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate_kind), training=False)
         self.predictions[number], scores = self._outputs(y)
