@@ -360,6 +360,42 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     assert "x-right-only" not in str(info.value) and server.sessions["left"].chunks == {}
 
 
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_vertical_prediction_a_party_never_joins_ends_naming_it_and_the_waiting_party_is_told(tmp_path: Path):
+    """The label owner waits for every feature party's rows: one that never comes (or stops sending) is named
+    after --peer-deadline, and a party whose bye waits for it is answered with that reason at once (it was
+    left to wait out its own deadline and end on "no reply"). The label owner in a thread, over tcp."""
+    import threading
+    from distgrad.errors import PeerRejected, PeerTimeout
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import NewRows, send_predictions, serve_predictions
+    exp = load_experiment("digits-halves")
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.npy", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, peer_deadline_s=1.5, liveness_s=1.0),
+                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    rows = NewRows(exp.build_data(stage="left").test_features()[:5])
+    with pytest.raises(PeerRejected, match="party right said no hello for 1.5 s") as info:
+        send_predictions(StageOptions(exp, "left", exp.seed, timeout_s=0.5, liveness_s=1.0, peer_deadline_s=15),
+                         ready.read_text(), rows, StopFlag())
+    assert info.value.code == ErrorCode.ABORTED
+    thread.join(10)
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PeerTimeout), raised
+    assert "party right said no hello" in str(raised[0]) and not output.exists()
+
+
 def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):
     """What leaves a stage passes one pipeline in every runner (``Senders``); a prediction's
     activations cross as an evaluation's do, coded with the interface's activation codec (chunk n at step n),

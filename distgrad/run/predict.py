@@ -497,6 +497,33 @@ class PredictionServer:
         ready, self.ready = self.ready, []
         return ready
 
+    def silent(self, now: float, started: float) -> str | None:
+        """Why this stage gives up waiting at ``now`` (it began at ``started``), or None. One sender: when it
+        has sent nothing for ``peer_deadline_s``. Vertical: when any party whose rows are not all in has sent
+        nothing that long (its predictions need every party's rows): that party is named."""
+        deadline = self.opts.peer_deadline_s
+        if not self.vertical:
+            seen = max((s.last_seen for s in self.sessions.values()), default=started)
+            if now - seen <= deadline:
+                return None
+            return f"no prediction {'came' if self.session is None else 'message came'} for {deadline:g} s; giving up"
+        for name in self.parties:
+            session = self.sessions.get(name)
+            if session is not None and (session.done or session.bye is not None):
+                continue                    # its rows are all in (a held bye is answered at the end)
+            if now - (started if session is None else session.last_seen) > deadline:
+                what = "said no hello" if session is None else "sent nothing more"
+                return (f"party {name} {what} for {deadline:g} s; giving up (a prediction needs every feature "
+                        f"party's rows)")
+        return None
+
+    def abandon(self, why: str) -> list[tuple[Any, Message]]:
+        """The notices to send when this stage gives up (``why``): each feature party whose bye is held is
+        answered with an ``aborted`` error naming why, rather than left to wait out its own deadline."""
+        text = f"stage {self.opts.stage} gave up this prediction: {why}"
+        return [(s.bye[0], wire.error_message(s.run, s.bye[1].step, ABORTED, text))
+                for s in self.sessions.values() if s.bye is not None and s.bye[0] is not None and not s.done]
+
     def handle(self, msg: Message, now: float, envelope: Any = None, peer_key: str = "") -> Message | None:
         """The reply to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext), None for
         none yet; raises ``ProtocolError`` to refuse it. A prediction belongs to the key that said its hello."""
@@ -906,6 +933,7 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
     started = time.monotonic()
+    linger: int | None = None           # a notice to the feature parties waiting for their bye: time to leave
     try:
         announce(server, opts, ready_file, None)
         while True:
@@ -922,12 +950,17 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                     server.reply(held, reply)
                 if logic.finished():
                     return logic.written if last else int(msg.body.get("rows", 0)) if msg else 0
-            seen = max((s.last_seen for s in logic.sessions.values()), default=started)
-            if now - seen > opts.peer_deadline_s:
-                raise PeerTimeout(f"no prediction {'came' if logic.session is None else 'message came'} for "
-                                  f"{opts.peer_deadline_s:g} s; giving up")
+            why = logic.silent(now, started)
+            if why is not None:
+                raise PeerTimeout(why)
+    except DistgradError as e:
+        notices = logic.abandon(str(e))
+        for held, notice in notices:
+            server.reply(held, notice)
+        linger = NOTICE_LINGER_MS if notices else None
+        raise
     finally:
-        server.close()
+        server.close(*(() if linger is None else (linger,)))
         if link is not None:
             link.close(linger_ms=NOTICE_LINGER_MS if logic.aborted else 0)
         logic.state.close()
