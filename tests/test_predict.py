@@ -387,13 +387,13 @@ def test_a_vertical_prediction_a_party_never_joins_ends_naming_it_and_the_waitin
         thread.join(0.02)
     assert ready.exists(), raised
     rows = NewRows(exp.build_data(stage="left").test_features()[:5])
-    with pytest.raises(PeerRejected, match="party right said no hello for 1.5 s") as info:
+    with pytest.raises(PeerRejected, match=r"party right has not joined \(no hello accepted\) for 1\.5 s") as info:
         send_predictions(StageOptions(exp, "left", exp.seed, timeout_s=0.5, liveness_s=1.0, peer_deadline_s=15),
                          ready.read_text(), rows, StopFlag())
     assert info.value.code == ErrorCode.ABORTED
     thread.join(10)
     assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PeerTimeout), raised
-    assert "party right said no hello" in str(raised[0]) and not output.exists()
+    assert "party right has not joined" in str(raised[0]) and not output.exists()
 
 
 def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):

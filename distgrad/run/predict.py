@@ -512,7 +512,7 @@ class PredictionServer:
             if session is not None and (session.done or session.bye is not None):
                 continue                    # its rows are all in (a held bye is answered at the end)
             if now - (started if session is None else session.last_seen) > deadline:
-                what = "said no hello" if session is None else "sent nothing more"
+                what = "has not joined (no hello accepted)" if session is None else "has sent nothing more"
                 return (f"party {name} {what} for {deadline:g} s; giving up (a prediction needs every feature "
                         f"party's rows)")
         return None
