@@ -204,11 +204,15 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
     alignment of the same files is the same file whatever the protocol's
     random keys and shuffles were (and a training run on it is reproducible).
     The file appears whole or not at all (a temporary file beside it, then a
-    rename), with mode 0600: it holds the party's private columns.
+    rename), with mode 0600: it holds the party's private columns. Raises
+    ``ConfigError`` naming ``out`` when it cannot be written.
     """
     rows = _agreed_rows(table, rows)
     out = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as e:
+        raise ConfigError(f"cannot write the aligned rows to {out}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f, lineterminator="\n")
@@ -217,6 +221,9 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"cannot write the aligned rows to {out}: {e.strerror or e}") from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -976,6 +983,11 @@ class AlignOptions:
         self.input, self.out = Path(self.input), Path(self.out)
         if not self.out.parent.is_dir():
             raise ConfigError(f"cannot write {self.out}: directory {self.out.parent} does not exist")
+        if self.out.exists() and not self.out.is_file():
+            raise ConfigError(f"--out {self.out} exists and is not a file (a directory?): give the path of the "
+                              f"aligned CSV file to write")
+        if not os.access(self.out.parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot write {self.out}: directory {self.out.parent} is not writable")
         if self.out.exists() and self.input.exists() and self.out.samefile(self.input):
             raise ConfigError(f"--out {self.out} is the input file: write the aligned rows to another file")
 

@@ -174,6 +174,11 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
         ([good, "--id-column", "id", "--out", good, "--connect", "tcp://127.0.0.1:5"], "is the input file"),
         ([good, "--id-column", "id", "--out", tmp_path / "no" / "o.csv", "--connect", "tcp://127.0.0.1:5"],
          "does not exist"),
+        # A folder as --out: refused now, not once the protocol is done (the coordinator failed there, with a
+        # traceback, after the other parties had written their files).
+        ([good, "--id-column", "id", "--out", tmp_path, "--bind", "tcp://127.0.0.1:*", "--parties", "2"],
+         "is not a file"),
+        ([good, "--id-column", "id", "--out", tmp_path, "--connect", "tcp://127.0.0.1:5"], "is not a file"),
         ([good, "--id-column", "nope", "--out", out, "--connect", "tcp://127.0.0.1:5"], "no column named 'nope'"),
         ([dup, "--id-column", "person", "--out", out, "--connect", "tcp://127.0.0.1:5"],
          "ID 'p1' appears twice in column 'person', on lines 2 and 4"),
