@@ -17,7 +17,7 @@ from distgrad.run.predict import PredictionServer
 from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, read_json, run_cli, run_launcher, wait_for_file
+from conftest import StageProcess, read_json, run_cli, run_launcher, run_main, wait_for_file
 
 
 @pytest.fixture(scope="module")
@@ -481,6 +481,12 @@ def test_output_scores_is_for_the_label_owner(trained: Path, tmp_path: Path):
     result = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
                       trained / "halves" / "f.npz", "--output-scores"])
     assert result.returncode == 2 and "--output-scores is for the label owner" in result.stderr
+    # Nor does the data owner take --output or --ready-file (they were accepted and left unused).
+    for flag, value in (("--output", tmp_path / "mine.csv"), ("--ready-file", tmp_path / "ready")):
+        result = run_main(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9",
+                           "--load", trained / "halves" / "f.npz", flag, value, "--timeout", "0.2",
+                           "--peer-deadline", "0.5"])
+        assert result.returncode == 2 and f"{flag} is for a stage that serves (--bind)" in result.stderr, flag
 
 
 TORCH_HEAD = """
