@@ -298,7 +298,8 @@ def test_no_common_id_is_an_error_everywhere_and_no_file_is_written(tmp_path):
         write_party(tmp_path / f"{n}.csv", n, ids, rng)
     ready = tmp_path / "ready"
     procs = [start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "a.out", "--bind",
-                    "tcp://127.0.0.1:*", "--parties", "3", "--ready-file", ready], tmp_path / "a.log")]
+                    "tcp://127.0.0.1:*", "--parties", "3", "--ready-file", ready, "--name", "hospital-a"],
+                   tmp_path / "a.log")]
     try:
         endpoint = wait_for_file(ready, procs[0])
         procs += [start([tmp_path / f"{n}.csv", "--id-column", "person", "--out", tmp_path / f"{n}.out",
@@ -309,6 +310,7 @@ def test_no_common_id_is_an_error_everywhere_and_no_file_is_written(tmp_path):
             p.stop()
     for p in procs:
         assert "no ID in common" in p.output
+        assert "(hospital-a 3, " in p.output, p.output     # the coordinator's --name, not ignored (then b, c as they joined)
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
         [*(f"{n}.csv" for n in names), *(f"{n}.log" for n in names), "ready"])
 
