@@ -59,7 +59,7 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
@@ -517,12 +517,20 @@ class PredictionServer:
                         f"party's rows)")
         return None
 
-    def abandon(self, why: str) -> list[tuple[Any, Message]]:
-        """The notices to send when this stage gives up (``why``): each feature party whose bye is held is
-        answered with an ``aborted`` error naming why, rather than left to wait out its own deadline."""
-        text = f"stage {self.opts.stage} gave up this prediction: {why}"
-        return [(s.bye[0], wire.error_message(s.run, s.bye[1].step, ABORTED, text))
+    def abandon(self, why: str, now: float) -> tuple[list[tuple[Any, Message]], set[str]]:
+        """What to tell the senders when this stage gives up (``why``), rather than leave them to wait out
+        their own deadlines: an ``aborted`` error naming why for each feature party whose bye is held, and
+        the runs of the predictions still live (heard within ``liveness_s`` and ``peer_deadline_s``), whose
+        next request (a bye or chunk sent again) gets that error too (``notice``)."""
+        held = [(s.bye[0], self.notice(s.run, s.bye[1].step, why))
                 for s in self.sessions.values() if s.bye is not None and s.bye[0] is not None and not s.done]
+        recent = min(self.opts.liveness_s, self.opts.peer_deadline_s)      # a sender silent longer is gone
+        live = {s.run for s in self.sessions.values() if not s.done and now - s.last_seen <= recent}
+        return held, live
+
+    def notice(self, run: str, step: int, why: str) -> Message:
+        """The ``aborted`` error that tells the sender of ``run`` this stage gave up its prediction (``why``)."""
+        return wire.error_message(run, step, ABORTED, f"stage {self.opts.stage} gave up this prediction: {why}")
 
     def handle(self, msg: Message, now: float, envelope: Any = None, peer_key: str = "") -> Message | None:
         """The reply to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext), None for
@@ -562,6 +570,8 @@ class PredictionServer:
     def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
+        for session in self.sessions.values():
+            session.done = session.done or session.run == msg.run      # it stopped: nothing more to tell it
         if self.link is not None:
             self.link.send(wire.error_message("", 0, ABORTED, text))
             self.aborted = True
@@ -900,6 +910,33 @@ def _joined(scores: Mapping[int, np.ndarray], numbers: range) -> np.ndarray | No
 
 
 @one_compute_thread()
+def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_frame: int, wait: bool) -> bool:
+    """This stage gave up (``why``): answer the held byes with the notice, then (``wait``) for at most
+    ``liveness_s`` every request of a live prediction with it, until each has had one in reply to a request
+    it sent (a held bye's reply may miss a sender that has just reconnected to send it again). Returns
+    whether any notice was sent."""
+    now = time.monotonic()
+    held, live = logic.abandon(why, now)
+    for envelope, notice in held:
+        server.reply(envelope, notice)
+    deadline = now + logic.opts.liveness_s
+    sent = bool(held)
+    while wait and live and time.monotonic() < deadline:
+        request = server.receive(POLL_TICK_S)
+        if request is None:
+            continue
+        envelope, frames, _ = request
+        try:
+            msg = wire.decode(frames, max_frame)
+        except ProtocolError:
+            continue
+        if msg.run in live and msg.type != wire.PING:
+            server.reply(envelope, logic.notice(msg.run, msg.step, why))
+            live.discard(msg.run)
+            sent = True
+    return sent
+
+
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None, output_scores: bool = False,
@@ -954,10 +991,8 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
             if why is not None:
                 raise PeerTimeout(why)
     except DistgradError as e:
-        notices = logic.abandon(str(e))
-        for held, notice in notices:
-            server.reply(held, notice)
-        linger = NOTICE_LINGER_MS if notices else None
+        if _tell_the_senders(server, logic, str(e), max_frame, wait=not isinstance(e, Interrupted)):
+            linger = NOTICE_LINGER_MS
         raise
     finally:
         server.close(*(() if linger is None else (linger,)))
