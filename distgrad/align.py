@@ -204,11 +204,15 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
     alignment of the same files is the same file whatever the protocol's
     random keys and shuffles were (and a training run on it is reproducible).
     The file appears whole or not at all (a temporary file beside it, then a
-    rename), with mode 0600: it holds the party's private columns.
+    rename), with mode 0600: it holds the party's private columns. Raises
+    ``ConfigError`` naming ``out`` when it cannot be written.
     """
     rows = _agreed_rows(table, rows)
     out = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as e:
+        raise ConfigError(f"cannot write the aligned rows to {out}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f, lineterminator="\n")
@@ -217,6 +221,9 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"cannot write the aligned rows to {out}: {e.strerror or e}") from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -485,6 +492,7 @@ class _Coordinator:
     deadline_s: float
     check_stop: StopCheck
     max_bytes: int
+    name: str = "coordinator"           # its --name, in log lines and errors
     run: str = field(default_factory=lambda: secrets.token_hex(8))
     parties: dict[bytes, _Party] = field(default_factory=dict)    # by routing id
     joining: bool = True
@@ -564,7 +572,7 @@ class _Coordinator:
                     f"{self.parties_wanted} (--parties)")
             self.refuse(envelope, MISMATCH, text)
             raise ConfigError(text)
-        if any(p.name == name for p in self.parties.values()) or name == COORDINATOR_NAME:
+        if any(p.name == name for p in self.parties.values()) or name == self.name:
             self.refused.append(f"a second party named {name!r}")
             self.refuse(envelope, MISMATCH, f"another party is already named {name!r}: give each party its own --name")
             return
@@ -626,7 +634,7 @@ def _coordinate(coord: _Coordinator, table: Table, out: Path, min_common: int) -
     positions = common_positions(lists)
     common = len(positions[0])
     log.info("%d IDs are common to all %d parties", common, n)
-    sizes = ", ".join([f"{COORDINATOR_NAME} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
+    sizes = ", ".join([f"{coord.name} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
     if common == 0:
         raise NoCommonIds(f"the {n} parties have no ID in common ({sizes} IDs): there is nothing to align")
     if common < min_common:
@@ -654,7 +662,7 @@ def _exchange(coord: _Coordinator, table: Table) -> tuple[list[_Party], np.ndarr
     ring = sorted(coord.parties.values(), key=lambda p: p.index)
     for party in ring:
         lists[party.index] = _values_of(party.answer, party.rows, f"party {party.name}")
-    sizes = ", ".join([f"{COORDINATOR_NAME} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
+    sizes = ", ".join([f"{coord.name} {len(table.rows)}", *(f"{p.name} {p.rows}" for p in ring)])
     log.info("every party's list is in (%s IDs); %d rounds of encryption follow", sizes, n - 1)
     for r in range(1, n):
         for party in ring:
@@ -700,7 +708,7 @@ def _settle(coord: _Coordinator, ring: list[_Party], final: dict[int, np.ndarray
               if not hmac.compare_digest(answers[p.index]["digest"], aligned_digest(coord.run, p.index, ids))]
     if differ:
         raise AlignmentDiffers(f"the aligned ID lists differ: {', '.join(differ)} ended with other IDs (or another "
-                               f"order) than {COORDINATOR_NAME} ({len(differ)} of {n - 1} parties). A party did "
+                               f"order) than {coord.name} ({len(differ)} of {n - 1} parties). A party did "
                                f"not follow the protocol (it reordered a list it encrypted, or undid its shuffle "
                                f"wrongly); no party writes its file")
     log.info("every party holds the same %d IDs in the same order", len(ids))
@@ -976,6 +984,11 @@ class AlignOptions:
         self.input, self.out = Path(self.input), Path(self.out)
         if not self.out.parent.is_dir():
             raise ConfigError(f"cannot write {self.out}: directory {self.out.parent} does not exist")
+        if self.out.exists() and not self.out.is_file():
+            raise ConfigError(f"--out {self.out} exists and is not a file (a directory?): give the path of the "
+                              f"aligned CSV file to write")
+        if not os.access(self.out.parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot write {self.out}: directory {self.out.parent} is not writable")
         if self.out.exists() and self.input.exists() and self.out.samefile(self.input):
             raise ConfigError(f"--out {self.out} is the input file: write the aligned rows to another file")
 
@@ -1008,7 +1021,8 @@ def align(options: AlignOptions, table: Table | None = None, *, security: Socket
     if options.bind is not None:
         assert options.parties is not None          # AlignOptions requires --parties with --bind
         server = Server(ctx, options.bind, max_bytes + wire.HEADER_MAX_BYTES, options.liveness_s, security)
-        coord = _Coordinator(server, options.parties, options.peer_deadline_s, check_stop, max_bytes)
+        coord = _Coordinator(server, options.parties, options.peer_deadline_s, check_stop, max_bytes,
+                             name=cast(str, options.name))
         try:
             log.info("coordinating the alignment of %d parties on %s (%s); %d IDs here", options.parties,
                      server.endpoint, "CURVE: encrypted, allowed keys only" if server.authenticated else "plaintext",

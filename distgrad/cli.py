@@ -884,6 +884,11 @@ def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, 
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
+    if role == "driving" and (args.output is not None or args.ready_file is not None):
+        flag = "--output" if args.output is not None else "--ready-file"
+        raise ConfigError(f"{flag} is for a stage that serves (--bind): the label owner writes the predictions "
+                          f"(--output) and a serving stage its endpoint (--ready-file); the data owner (--connect) "
+                          f"sends its rows and keeps nothing of the predictions")
     return stage, role, own
 
 

@@ -174,6 +174,11 @@ def test_usage_errors_exit_2_before_anything_connects(tmp_path):
         ([good, "--id-column", "id", "--out", good, "--connect", "tcp://127.0.0.1:5"], "is the input file"),
         ([good, "--id-column", "id", "--out", tmp_path / "no" / "o.csv", "--connect", "tcp://127.0.0.1:5"],
          "does not exist"),
+        # A folder as --out: refused now, not once the protocol is done (the coordinator failed there, with a
+        # traceback, after the other parties had written their files).
+        ([good, "--id-column", "id", "--out", tmp_path, "--bind", "tcp://127.0.0.1:*", "--parties", "2"],
+         "is not a file"),
+        ([good, "--id-column", "id", "--out", tmp_path, "--connect", "tcp://127.0.0.1:5"], "is not a file"),
         ([good, "--id-column", "nope", "--out", out, "--connect", "tcp://127.0.0.1:5"], "no column named 'nope'"),
         ([dup, "--id-column", "person", "--out", out, "--connect", "tcp://127.0.0.1:5"],
          "ID 'p1' appears twice in column 'person', on lines 2 and 4"),
@@ -293,7 +298,8 @@ def test_no_common_id_is_an_error_everywhere_and_no_file_is_written(tmp_path):
         write_party(tmp_path / f"{n}.csv", n, ids, rng)
     ready = tmp_path / "ready"
     procs = [start([tmp_path / "a.csv", "--id-column", "person", "--out", tmp_path / "a.out", "--bind",
-                    "tcp://127.0.0.1:*", "--parties", "3", "--ready-file", ready], tmp_path / "a.log")]
+                    "tcp://127.0.0.1:*", "--parties", "3", "--ready-file", ready, "--name", "hospital-a"],
+                   tmp_path / "a.log")]
     try:
         endpoint = wait_for_file(ready, procs[0])
         procs += [start([tmp_path / f"{n}.csv", "--id-column", "person", "--out", tmp_path / f"{n}.out",
@@ -304,6 +310,7 @@ def test_no_common_id_is_an_error_everywhere_and_no_file_is_written(tmp_path):
             p.stop()
     for p in procs:
         assert "no ID in common" in p.output
+        assert "(hospital-a 3, " in p.output, p.output     # the coordinator's --name, not ignored (then b, c as they joined)
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
         [*(f"{n}.csv" for n in names), *(f"{n}.log" for n in names), "ready"])
 

@@ -258,6 +258,10 @@ def test_a_missing_party_is_a_clear_error_within_the_bounds_and_the_others_are_t
     assert outcome["error"] == "PeerTimeout"
     assert "party p1 of group-test silent for more than 5 s at step 1 (a step needs every feature party" in \
         outcome["message"]
+    # As a daemon label owner does, the loop's server logs which party it waits for once it is silent past
+    # its liveness bound, before it gives up.
+    assert "waiting for party p1: silent for more than 2 s at step 1 (a step needs every feature party)" in \
+        g.output, g.output
     told = _outcome(folder, "p0")
     assert told["error"] == "PeerAborted"
     assert "stage g stopped: its loop failed: PeerTimeout: party p1" in told["message"]

@@ -17,7 +17,7 @@ from distgrad.run.predict import PredictionServer
 from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import StageProcess, read_json, run_cli, run_launcher, wait_for_file
+from conftest import StageProcess, read_json, run_cli, run_launcher, run_main, wait_for_file
 
 
 @pytest.fixture(scope="module")
@@ -343,11 +343,57 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
         server.handle(hello("right", None), 0.0)
     server.handle(hello("right", "person"), 0.0)
     server.handle(chunk("left", ["a", "b"]), 0.1)
-    with pytest.raises(ProtocolError, match="row 2 of the chunk: ID 'c', not 'b'") as info:
+    with pytest.raises(ProtocolError, match=r"party right's row 2 of the chunk \(ID 'c'\) is not party left's") \
+            as info:
         server.handle(chunk("right", ["a", "c"]), 0.2)
     assert info.value.code == ErrorCode.MISMATCH and server.sessions["right"].chunks == {}
+    assert "'b'" not in str(info.value)         # the refused party learns no ID of the other party's rows
     server.handle(chunk("right", ["a", "b"]), 0.3)
     assert server.predictions[1].shape == (2,) and server.prediction_ids[1] == ["a", "b"]
+    # The same when the first party's chunk comes last: it is told its own ID, not the other's.
+    server = PredictionServer(StageOptions(exp, "g", exp.seed), tmp_path / "out.csv", None)
+    server.handle(hello("left", "person"), 0.0)
+    server.handle(hello("right", "person"), 0.0)
+    server.handle(chunk("right", ["x-right-only", "d"]), 0.1)
+    with pytest.raises(ProtocolError, match=r"party left's row 1 of the chunk \(ID 'x-left-only'\)") as info:
+        server.handle(chunk("left", ["x-left-only", "d"]), 0.2)
+    assert "x-right-only" not in str(info.value) and server.sessions["left"].chunks == {}
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_vertical_prediction_a_party_never_joins_ends_naming_it_and_the_waiting_party_is_told(tmp_path: Path):
+    """The label owner waits for every feature party's rows: one that never comes (or stops sending) is named
+    after --peer-deadline, and a party whose bye waits for it is answered with that reason at once (it was
+    left to wait out its own deadline and end on "no reply"). The label owner in a thread, over tcp."""
+    import threading
+    from distgrad.errors import PeerRejected, PeerTimeout
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import NewRows, send_predictions, serve_predictions
+    exp = load_experiment("digits-halves")
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.npy", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, peer_deadline_s=1.5, liveness_s=1.0),
+                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    rows = NewRows(exp.build_data(stage="left").test_features()[:5])
+    with pytest.raises(PeerRejected, match=r"party right has not joined \(no hello accepted\) for 1\.5 s") as info:
+        send_predictions(StageOptions(exp, "left", exp.seed, timeout_s=0.5, liveness_s=1.0, peer_deadline_s=15),
+                         ready.read_text(), rows, StopFlag())
+    assert info.value.code == ErrorCode.ABORTED
+    thread.join(10)
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PeerTimeout), raised
+    assert "party right has not joined" in str(raised[0]) and not output.exists()
 
 
 def test_predictions_cross_with_the_activation_codec_as_evaluations_do(trained: Path, tmp_path: Path):
@@ -435,6 +481,12 @@ def test_output_scores_is_for_the_label_owner(trained: Path, tmp_path: Path):
     result = run_cli(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
                       trained / "halves" / "f.npz", "--output-scores"])
     assert result.returncode == 2 and "--output-scores is for the label owner" in result.stderr
+    # Nor does the data owner take --output or --ready-file (they were accepted and left unused).
+    for flag, value in (("--output", tmp_path / "mine.csv"), ("--ready-file", tmp_path / "ready")):
+        result = run_main(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9",
+                           "--load", trained / "halves" / "f.npz", flag, value, "--timeout", "0.2",
+                           "--peer-deadline", "0.5"])
+        assert result.returncode == 2 and f"{flag} is for a stage that serves (--bind)" in result.stderr, flag
 
 
 TORCH_HEAD = """

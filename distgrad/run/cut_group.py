@@ -127,6 +127,7 @@ class GroupServer(CutServer, serves_several=True):
         self.failure: DistgradError | None = None
         self.told: set[int] = set()      # peers that need no notice when this side stops (they know)
         self.refused = ""
+        self.waiting_logged: tuple[str, ...] = ()    # the silent data owners the last waiting warning named
         self.evaluate = evaluate
         self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._forward_specs(p).specs for p in self.peers]
@@ -228,16 +229,26 @@ class GroupServer(CutServer, serves_several=True):
         return [self.peers[self.turn]]
 
     def _check_silence(self, started: float) -> None:
-        """``PeerTimeout`` naming the data owners waited for that were silent for ``liveness_s +
+        """Log which data owners this side waits for once they are silent for ``liveness_s`` (and when they
+        are back), as a daemon label owner does; ``PeerTimeout`` naming those silent for ``liveness_s +
         peer_deadline_s`` (counted from the start of this wait at the earliest)."""
         limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
         now = time.monotonic()
-        silent = [p for p in self._awaited() if now - max(p.heard, started) > limit]
+        awaited = [(p, now - max(p.heard, started)) for p in self._awaited()]
+        why = ("a step needs every feature party" if self.vertical and not self._complete()
+               else "its turn has come" if not self._complete() else "its bye is due")
+        lost = tuple(p.name for p, quiet in awaited if quiet > self.bounds.liveness_s)
+        if lost and lost != self.waiting_logged:
+            self.log.warning("waiting for %s: silent for more than %g s at step %d (%s); the others wait, up to "
+                             "peer_deadline_s = %g s more", ", ".join(lost), self.bounds.liveness_s, self.step + 1,
+                             why, self.bounds.peer_deadline_s)
+        elif not lost and self.waiting_logged:
+            self.log.info("%s back at step %d", ", ".join(self.waiting_logged), self.step + 1)
+        self.waiting_logged = lost
+        silent = [p for p, quiet in awaited if quiet > limit]
         if not silent:
             return
         names = ", ".join(p.name for p in silent)
-        why = ("a step needs every feature party" if self.vertical and not self._complete()
-               else "its turn has come" if not self._complete() else "its bye is due")
         raise PeerTimeout(f"{names} of {self.exp.name} silent for more than {limit:g} s at step {self.step + 1} "
                           f"({why}; liveness {self.bounds.liveness_s:g} s + peer deadline "
                           f"{self.bounds.peer_deadline_s:g} s); restart it from its checkpoint, or every side from "

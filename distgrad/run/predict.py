@@ -59,7 +59,7 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
@@ -497,6 +497,41 @@ class PredictionServer:
         ready, self.ready = self.ready, []
         return ready
 
+    def silent(self, now: float, started: float) -> str | None:
+        """Why this stage gives up waiting at ``now`` (it began at ``started``), or None. One sender: when it
+        has sent nothing for ``peer_deadline_s``. Vertical: when any party whose rows are not all in has sent
+        nothing that long (its predictions need every party's rows): that party is named."""
+        deadline = self.opts.peer_deadline_s
+        if not self.vertical:
+            seen = max((s.last_seen for s in self.sessions.values()), default=started)
+            if now - seen <= deadline:
+                return None
+            return f"no prediction {'came' if self.session is None else 'message came'} for {deadline:g} s; giving up"
+        for name in self.parties:
+            session = self.sessions.get(name)
+            if session is not None and (session.done or session.bye is not None):
+                continue                    # its rows are all in (a held bye is answered at the end)
+            if now - (started if session is None else session.last_seen) > deadline:
+                what = "has not joined (no hello accepted)" if session is None else "has sent nothing more"
+                return (f"party {name} {what} for {deadline:g} s; giving up (a prediction needs every feature "
+                        f"party's rows)")
+        return None
+
+    def abandon(self, why: str, now: float) -> tuple[list[tuple[Any, Message]], set[str]]:
+        """What to tell the senders when this stage gives up (``why``), rather than leave them to wait out
+        their own deadlines: an ``aborted`` error naming why for each feature party whose bye is held, and
+        the runs of the predictions still live (heard within ``liveness_s`` and ``peer_deadline_s``), whose
+        next request (a bye or chunk sent again) gets that error too (``notice``)."""
+        held = [(s.bye[0], self.notice(s.run, s.bye[1].step, why))
+                for s in self.sessions.values() if s.bye is not None and s.bye[0] is not None and not s.done]
+        recent = min(self.opts.liveness_s, self.opts.peer_deadline_s)      # a sender silent longer is gone
+        live = {s.run for s in self.sessions.values() if not s.done and now - s.last_seen <= recent}
+        return held, live
+
+    def notice(self, run: str, step: int, why: str) -> Message:
+        """The ``aborted`` error that tells the sender of ``run`` this stage gave up its prediction (``why``)."""
+        return wire.error_message(run, step, ABORTED, f"stage {self.opts.stage} gave up this prediction: {why}")
+
     def handle(self, msg: Message, now: float, envelope: Any = None, peer_key: str = "") -> Message | None:
         """The reply to ``msg`` (from ``envelope``, authenticated as ``peer_key``, "" in plaintext), None for
         none yet; raises ``ProtocolError`` to refuse it. A prediction belongs to the key that said its hello."""
@@ -535,6 +570,8 @@ class PredictionServer:
     def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
+        for session in self.sessions.values():
+            session.done = session.done or session.run == msg.run      # it stopped: nothing more to tell it
         if self.link is not None:
             self.link.send(wire.error_message("", 0, ABORTED, text))
             self.aborted = True
@@ -623,7 +660,7 @@ class PredictionServer:
                 if ids is not None:
                     session.ids[msg.step] = ids
                 try:
-                    self._combine(msg.step)
+                    self._combine(msg.step, sender)
                 except ProtocolError:                     # refused: this chunk is not kept
                     session.chunks.pop(msg.step, None)
                     session.ids.pop(msg.step, None)
@@ -667,8 +704,10 @@ class PredictionServer:
                                                      f"rows (column {session.id_name!r}), as strings")
         return ids
 
-    def _combine(self, number: int) -> None:
-        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived."""
+    def _combine(self, number: int, sender: str) -> None:
+        """Vertical: chunk ``number``'s predictions, once every party's embedding of it has arrived (the
+        last from party ``sender``). A refusal goes to ``sender`` and names only its own rows' IDs: a
+        party learns no ID of another party's --input."""
         arrived = [self.sessions[name].chunks.get(number) if name in self.sessions else None for name in self.parties]
         parts = [part for part in arrived if part is not None]
         if len(parts) < len(arrived) or number in self.predictions:
@@ -677,17 +716,18 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
                                                   f"rows; every party sends the same rows")
         ids = [self.sessions[name].ids.get(number) for name in self.parties]
-        differ = next((i for i, other in enumerate(ids[1:], start=1) if other != ids[0]), None)
+        mine = ids[self.parties.index(sender)]
+        differ = next((i for i, other in enumerate(ids) if other != mine), None)
         if differ is not None:
-            ours, theirs = ids[0], ids[differ]
-            if ours is None or theirs is None:    # their hellos named the same ID column, or none
+            theirs = ids[differ]
+            if mine is None or theirs is None:    # their hellos named the same ID column, or none
                 raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]} and party "
-                                                        f"{self.parties[0]} do not both send their rows' IDs")
-            row = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), 0)
-            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {self.parties[differ]}'s rows are not "
-                                                    f"party {self.parties[0]}'s (row {row + 1} of the chunk: ID "
-                                                    f"{wire.show(theirs[row])}, not {wire.show(ours[row])}): "
-                                                    f"the parties' --input files are not aligned")
+                                                        f"{sender} do not both send their rows' IDs")
+            row = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), 0)
+            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: party {sender}'s row {row + 1} of the chunk "
+                                                    f"(ID {wire.show(mine[row])}) is not party "
+                                                    f"{self.parties[differ]}'s row there: the parties' --input "
+                                                    f"files are not aligned (hold the same IDs in the same order)")
         own = self.own.chunk(number, ids[0], len(parts[0])) if self.own is not None else None
         y, _ = self.stage.forward(aggregate.join_input(parts, own, self.exp.aggregate_kind), training=False)
         self.predictions[number], scores = self._outputs(y)
@@ -870,6 +910,33 @@ def _joined(scores: Mapping[int, np.ndarray], numbers: range) -> np.ndarray | No
 
 
 @one_compute_thread()
+def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_frame: int, wait: bool) -> bool:
+    """This stage gave up (``why``): answer the held byes with the notice, then (``wait``) for at most
+    ``liveness_s`` every request of a live prediction with it, until each has had one in reply to a request
+    it sent (a held bye's reply may miss a sender that has just reconnected to send it again). Returns
+    whether any notice was sent."""
+    now = time.monotonic()
+    held, live = logic.abandon(why, now)
+    for envelope, notice in held:
+        server.reply(envelope, notice)
+    deadline = now + logic.opts.liveness_s
+    sent = bool(held)
+    while wait and live and time.monotonic() < deadline:
+        request = server.receive(POLL_TICK_S)
+        if request is None:
+            continue
+        envelope, frames, _ = request
+        try:
+            msg = wire.decode(frames, max_frame)
+        except ProtocolError:
+            continue
+        if msg.run in live and msg.type != wire.PING:
+            server.reply(envelope, logic.notice(msg.run, msg.step, why))
+            live.discard(msg.run)
+            sent = True
+    return sent
+
+
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None, output_scores: bool = False,
@@ -903,6 +970,7 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
     started = time.monotonic()
+    linger: int | None = None           # a notice to the feature parties waiting for their bye: time to leave
     try:
         announce(server, opts, ready_file, None)
         while True:
@@ -919,12 +987,15 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                     server.reply(held, reply)
                 if logic.finished():
                     return logic.written if last else int(msg.body.get("rows", 0)) if msg else 0
-            seen = max((s.last_seen for s in logic.sessions.values()), default=started)
-            if now - seen > opts.peer_deadline_s:
-                raise PeerTimeout(f"no prediction {'came' if logic.session is None else 'message came'} for "
-                                  f"{opts.peer_deadline_s:g} s; giving up")
+            why = logic.silent(now, started)
+            if why is not None:
+                raise PeerTimeout(why)
+    except DistgradError as e:
+        if _tell_the_senders(server, logic, str(e), max_frame, wait=not isinstance(e, Interrupted)):
+            linger = NOTICE_LINGER_MS
+        raise
     finally:
-        server.close()
+        server.close(*(() if linger is None else (linger,)))
         if link is not None:
             link.close(linger_ms=NOTICE_LINGER_MS if logic.aborted else 0)
         logic.state.close()
