@@ -10,8 +10,12 @@ frame each way), and each side runs a fixed piece of pure-Python work (a diction
 count calibrated once to about ``--work-us`` in a hot loop) between receiving a message and sending the
 next, as a stage's per-message logic does. Per mode it prints the round trip, each side's work in the
 ping-pong (median of ``time.thread_time`` around the work: CPU time, so time the thread spent descheduled
-is not in it) and the same work timed in a hot loop in the same process right after, and their ratio:
-the penalty the Python after a wake-up pays on this machine (cold caches, a core woken from idle).
+is not in it) and the same work timed in a hot loop in the same process, and their ratio: the penalty the
+Python after a wake-up pays on this machine (cold caches, a core woken from idle). The hot runs are
+interleaved with the ping-pong (after every ``BLOCK`` round trips, each side runs the work ``BLOCK`` times
+back to back before it sends or answers), so both figures come from the same seconds: on a shared virtual
+machine the speed of a core moves by half from one second to the next, and a hot loop timed before or
+after the ping-pong measures another machine.
 
 Modes (how each side waits for its next message):
 
@@ -40,7 +44,7 @@ import zmq
 
 MODES = ("block", "spin", "spin-yield")
 WARM_ROUND_TRIPS = 500          # the first round trips connect and fill caches; not counted
-HOT_REPEATS = 2000              # the hot loop's runs of the work, after the ping-pong
+BLOCK = 100                     # round trips between two hot blocks, and the runs of the work in a hot block
 WAIT_S = 10.0                   # a bound on every wait: a peer that is gone is an error, not a hang
 CALIBRATION_RUNS = 200
 
@@ -90,11 +94,14 @@ def timed_work(iterations: int, samples: list[float]) -> None:
     samples.append(time.thread_time() - started)
 
 
-def hot(iterations: int) -> float:
-    samples: list[float] = []
-    for _ in range(HOT_REPEATS):
-        timed_work(iterations, samples)
-    return statistics.median(samples[HOT_REPEATS // 4:])
+def hot_block(i: int, iterations: int, samples: list[float]) -> None:
+    """After every ``BLOCK`` round trips (``i`` counts them from 0), ``BLOCK`` runs of the work back to back;
+    the first of them runs after a wake-up and is not kept."""
+    if i % BLOCK == BLOCK - 1:
+        block: list[float] = []
+        for _ in range(BLOCK + 1):
+            timed_work(iterations, block)
+        samples.extend(block[1:])
 
 
 def echo(endpoint_file: str, mode: str, iterations: int) -> None:
@@ -108,7 +115,7 @@ def echo(endpoint_file: str, mode: str, iterations: int) -> None:
     with open(tmp, "w") as out:
         out.write(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     os.replace(tmp, endpoint_file)
-    wait, samples = waiter(sock, mode), []
+    wait, samples, hot_samples, i = waiter(sock, mode), [], [], 0
     try:
         while True:
             wait()
@@ -116,11 +123,14 @@ def echo(endpoint_file: str, mode: str, iterations: int) -> None:
             if payload == b"q":
                 break
             timed_work(iterations, samples)
+            if i >= WARM_ROUND_TRIPS:
+                hot_block(i, iterations, hot_samples)
+            i += 1
             sock.send_multipart([ident, payload])
     finally:
         sock.close(0)
         ctx.term()
-    print(json.dumps({"after_wake_s": statistics.median(samples[WARM_ROUND_TRIPS:]), "hot_s": hot(iterations)}))
+    print(json.dumps({"after_wake_s": statistics.median(samples[WARM_ROUND_TRIPS:]), "hot_s": statistics.median(hot_samples)}))
 
 
 def drive(mode: str, iterations: int, round_trips: int, workdir: str) -> dict[str, Any]:
@@ -141,8 +151,10 @@ def drive(mode: str, iterations: int, round_trips: int, workdir: str) -> dict[st
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
         sock.connect(open(endpoint_file).read())
-        wait, samples, round_trip = waiter(sock, mode), [], []
+        wait, samples, round_trip, hot_samples = waiter(sock, mode), [], [], []
         for i in range(WARM_ROUND_TRIPS + round_trips):
+            if i >= WARM_ROUND_TRIPS:
+                hot_block(i, iterations, hot_samples)
             started = time.perf_counter()
             timed_work(iterations, samples)
             sock.send(b"abcd")
@@ -160,7 +172,7 @@ def drive(mode: str, iterations: int, round_trips: int, workdir: str) -> dict[st
             child.wait()
     echoed = json.loads(out.strip().splitlines()[-1])
     after = (statistics.median(samples[WARM_ROUND_TRIPS:]), echoed["after_wake_s"])
-    hot_s = (hot(iterations), echoed["hot_s"])
+    hot_s = (statistics.median(hot_samples), echoed["hot_s"])
     return {"mode": mode, "step_us": 1e6 * statistics.median(round_trip),
             "work_after_wake_us": [1e6 * a for a in after], "work_hot_us": [1e6 * h for h in hot_s],
             "penalty": [a / h if h else None for a, h in zip(after, hot_s)]}
@@ -180,6 +192,8 @@ def main() -> int:
     if args.echo:
         echo(args.echo, args.mode, args.iterations)
         return 0
+    if args.round_trips < BLOCK:
+        p.error(f"--round-trips must be at least {BLOCK} (a hot block comes after every {BLOCK})")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

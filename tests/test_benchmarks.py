@@ -159,7 +159,7 @@ def test_step_cpu():
 def test_wake_cost(tmp_path):
     """wake_cost.py: a short ping-pong in every mode; each row has the step and both sides' work and penalty."""
     out = tmp_path / "wake.json"
-    result = run_script("wake_cost.py", "--work-us", "5", "--round-trips", "50", "--repeats", "1", "--json", out)
+    result = run_script("wake_cost.py", "--work-us", "5", "--round-trips", "200", "--repeats", "1", "--json", out)
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["block", "spin", "spin-yield"], result.stdout
     for row in rows:
