@@ -270,8 +270,22 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                               metrics_path=None if metrics_path is None else Path(metrics_path),
                               tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
                               progress_bar=progress_bar)
+        _check_outputs(plan, summary_path, trace_path, metrics_path)
         _start_and_watch(plan, out, check_stop, progress_bar)
         return _collect(plan, transport, summary_path, trace_path, metrics_path)
+
+
+def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path: str | Path | None,
+                   metrics_path: str | Path | None) -> None:
+    """``ConfigError`` when two files the run writes are one: ``--summary``, ``--trace``, ``--metrics`` and the
+    metrics each other process writes beside it (``stage_metrics_path``: ``--metrics m.jsonl --summary
+    m.g.jsonl`` would lose one of them)."""
+    from distgrad.run.options import check_distinct_outputs
+
+    beside = [(f"--metrics of process {label} ({path.name}, beside --metrics)", path)
+              for label, path in plan.metrics.items() if metrics_path is None or path != Path(metrics_path)]
+    check_distinct_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
+                            *beside])
 
 
 def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, Interrupted
 from distgrad.config.defended import meter_kind, metered
@@ -25,6 +25,20 @@ DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost 
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
 SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
+
+
+def check_distinct_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """``ConfigError`` naming both when two of ``outputs`` (what writes it, e.g. ``--summary``, and its path;
+    None: not written) are one file: each would overwrite the other, and one of them would be lost."""
+    seen: dict[Path, str] = {}
+    for what, path in outputs:
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise ConfigError(f"{seen[where]} and {what} both name {path}: each output needs a file of its own "
+                              f"(one would overwrite the other)")
+        seen[where] = what
 
 
 def check_in_flight(in_flight: Any, micro_batches: int, schedule: str, staleness: Any = 0) -> None:
@@ -186,6 +200,8 @@ class StageOptions:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
         check_parameter_files(self.save_path, self.load_path, bool(self.init))
+        check_distinct_outputs([("--summary", self.summary_path), ("--trace", self.trace_path),
+                                ("--metrics", self.metrics_path), ("--save", self.save_path)])
 
 
         if self.tensorboard_dir is not None:
