@@ -217,3 +217,16 @@ def test_npy_labels_of_another_shape_or_beyond_int64_are_refused(tmp_path, label
     table = {"kind": "npy", "features": "x.npy", "labels": "y.npy", "batch": 4, "label_dtype": label_dtype}
     with pytest.raises(ConfigError, match=needle):
         build_data(table, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("table", [
+    {"kind": "csv", "path": "d.csv", "header": True, "features": ["p", "q", "label"], "labels": "label"},
+    {"kind": "csv", "path": "d.csv", "header": True, "features": [0, 1, 5], "labels": "label"},
+    {"kind": "npz", "path": "d.npz", "features": "labs", "labels": "labs"},
+    {"kind": "npy", "features": "y.npy", "labels": "./y.npy"},
+])
+def test_labels_among_the_features_are_refused(files, table):
+    """Features stay with the data owner and labels with the label owner: a [data] whose features include the
+    label column (member, file) would hand the labels to the data owner, and is refused saying so."""
+    with pytest.raises(ConfigError, match=r"are also among the features .*only the label owner may read"):
+        build_data({**table, "batch": 4}, 0, files)

@@ -336,6 +336,8 @@ class ArrayFile(RowBatches):
         self.id_ref = id_column
         if id_column is not None:
             self._check_id_column()
+        if features is not None and labels is not None:
+            self._check_labels_apart()
         self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
@@ -526,6 +528,23 @@ class ArrayFile(RowBatches):
             if ref is not None and index in self._csv_columns(ref):
                 raise ConfigError(f"id_column {self.id_ref!r} is also one of the {part}: the ID column holds "
                                   f"the rows' IDs, not data")
+
+    def _check_labels_apart(self) -> None:
+        """``ConfigError`` when the labels are also among the features (a csv column, an npz member, an npy
+        file): the stage that reads the features would hold the labels, which only the label owner reads."""
+        if self.kind == "csv":
+            if isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str)):
+                return                      # refused where the labels are read, with the reason
+            shared = self.csv is not None and self.csv.path.is_file() and \
+                self._csv_columns(self.label_ref)[0] in self._csv_columns(self.feature_ref)
+        elif self.kind == "npy":
+            shared = (self.base_dir / str(self.label_ref)).resolve() == (self.base_dir / str(self.feature_ref)).resolve()
+        else:
+            shared = self.label_ref == self.feature_ref
+        if shared:
+            raise ConfigError(f"{self.kind} data: labels {self.label_ref!r} are also among the features "
+                              f"{self.feature_ref!r}: the stage that reads the features would hold the labels, "
+                              f"which only the label owner may read")
 
     def row_ids(self) -> list[str] | None:
         """The rows' IDs in file order; None without ``id_column``."""
