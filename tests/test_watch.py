@@ -177,6 +177,24 @@ def test_two_outputs_of_one_file_exit_2_before_anything_runs(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", [["run", "tanh-regression"], ["run", "tanh-regression", "--in-process"],
+                                     ["stage", "g", "--experiment", "tanh-regression", "--bind", "tcp://127.0.0.1:9"]])
+@pytest.mark.parametrize("flag", ["--summary", "--trace", "--metrics"])
+def test_an_output_that_cannot_be_written_exits_2_before_anything_runs(tmp_path, monkeypatch, command, flag):
+    """An output under a file (a folder that cannot be made) or naming a folder is refused with the reason before
+    training, not once the run has ended (which lost the run to a traceback)."""
+    if flag == "--metrics" and "--in-process" in command:
+        return                                   # --in-process writes no metrics (refused with its own reason)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    for path, needle in (("afile/sub/out.json", f"cannot write {flag} afile/sub/out.json: afile is a file, not a "
+                                                "folder"), ("adir", f"{flag} adir is a folder; name a file")):
+        result = run_main([*command, flag, path])
+        assert result.returncode == 2 and needle in result.stderr, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
 def test_plot_to_a_format_or_a_place_it_cannot_write_exits_2_naming_it(tmp_path):
     """``distgrad plot --out`` whose suffix is no image format, or whose folder cannot be made, exits 2 with the
     reason (never a traceback); no suffix draws a PNG."""

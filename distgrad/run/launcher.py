@@ -280,11 +280,11 @@ def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path
     """``ConfigError`` when two files the run writes are one: ``--summary``, ``--trace``, ``--metrics`` and the
     metrics each other process writes beside it (``stage_metrics_path``: ``--metrics m.jsonl --summary
     m.g.jsonl`` would lose one of them)."""
-    from distgrad.run.options import check_distinct_outputs
+    from distgrad.run.options import check_outputs
 
     beside = [(f"--metrics of process {label} ({path.name}, beside --metrics)", path)
               for label, path in plan.metrics.items() if metrics_path is None or path != Path(metrics_path)]
-    check_distinct_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
+    check_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
                             *beside])
 
 
