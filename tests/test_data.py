@@ -230,3 +230,34 @@ def test_labels_among_the_features_are_refused(files, table):
     label column (member, file) would hand the labels to the data owner, and is refused saying so."""
     with pytest.raises(ConfigError, match=r"are also among the features .*only the label owner may read"):
         build_data({**table, "batch": 4}, 0, files)
+
+
+@pytest.mark.parametrize("kind", ["csv", "npy"])
+def test_a_float_label_beyond_float32_is_refused_naming_its_row(tmp_path, kind):
+    """A finite label that float32 cannot hold (1e39) would become Inf and fail the run at its step: it is refused
+    when the data is read, naming the row (a NaN label in an array file is kept: see test_nonfinite.py)."""
+    y = np.linspace(-1, 1, 40)
+    y[5] = 1e39
+    np.save(tmp_path / "x.npy", np.ones((40, 2)))
+    np.save(tmp_path / "y.npy", y)
+    np.savetxt(tmp_path / "d.csv", np.column_stack([np.ones((40, 2)), y]), delimiter=",", fmt="%.9g")
+    table = ({"kind": "csv", "path": "d.csv", "features": [0, 1], "labels": 2} if kind == "csv"
+             else {"kind": "npy", "features": "x.npy", "labels": "y.npy"})
+    where = "d.csv line 6, column 3" if kind == "csv" else "y.npy: data row 6"
+    with pytest.raises(ConfigError, match=rf"{where}: label 1e\+39 is beyond float32's range"):
+        build_data({**table, "batch": 4, "label_dtype": "float32"}, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("label, label_dtype, needle", [("1e30", "int64", r"label 1e\+30 is not a class id: it is beyond "
+                                                                          r"int64's range"),
+                                                        ("1e39", "float32", r"label 1e\+39 is beyond float32's range")])
+def test_prepared_csv_labels_that_a_cast_would_change_are_refused(tmp_path, label, label_dtype, needle):
+    """With data preparation (``standardize``), labels are read cell by cell; a value the cast to ``label_dtype``
+    would wrap around or make infinite is refused there too, naming the line."""
+    rows = [f"{k},{k % 2}" for k in range(20)]
+    rows[4] = f"4,{label}"
+    (tmp_path / "d.csv").write_text("a,y\n" + "\n".join(rows) + "\n")
+    table = {"kind": "csv", "path": "d.csv", "header": True, "features": ["a"], "labels": "y", "batch": 4,
+             "standardize": True, "label_dtype": label_dtype}
+    with pytest.raises(ConfigError, match=rf"d.csv line 6, column 2 'y': {needle}"):
+        build_data(table, 0, tmp_path).check_readable()

@@ -661,14 +661,27 @@ class ArrayFile(RowBatches):
                     row = int(np.argmin(whole))
                     raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {float(raw[row])!r} is not a "
                                       f"class id (a whole number); for values, set label_dtype = \"float32\"")
-            if self.target_dtype.kind == "i" and raw.dtype.kind in "uf":
-                beyond = (raw >= 2.0 ** 63) | (raw < -2.0 ** 63)      # int64's range; a cast would wrap around
-                if beyond.any():
-                    row = int(np.argmax(beyond))
-                    raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {raw[row].item()!r} is not a "
-                                      f"class id: it is beyond int64's range")
-            self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
+            labels = self._cast_labels(raw, lambda row: self._where_row(row, self.label_ref))
+            self._labels = labels.reshape((self.rows, *self.target_shape[1:]))
         return self._labels
+
+    def _cast_labels(self, raw: np.ndarray, where: Any) -> np.ndarray:
+        """``raw`` as ``label_dtype``; ``ConfigError`` naming the row (``where(row)``) of a value the cast would
+        change: a class id beyond int64 (it would wrap around), a finite value float32 makes infinite (1e39)."""
+        if self.target_dtype.kind == "i" and raw.dtype.kind in "uf":
+            beyond = (raw >= 2.0 ** 63) | (raw < -2.0 ** 63)
+            if beyond.any():
+                row = int(np.argmax(beyond))
+                raise ConfigError(f"{where(row)}: label {raw[row].item()!r} is not a class id: it is beyond int64's "
+                                  f"range")
+        with np.errstate(over="ignore", invalid="ignore"):     # what a cast cannot hold is refused
+            labels = raw.astype(self.target_dtype)
+        if self.target_dtype.kind == "f":
+            beyond = np.isfinite(raw) & ~np.isfinite(labels)
+            if beyond.any():
+                row = int(np.argmax(beyond))
+                raise ConfigError(f"{where(row)}: label {float(raw[row])!r} is beyond {self.target_dtype}'s range")
+        return labels
 
     def own_parts(self) -> dict[str, np.ndarray]:
         """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
@@ -846,7 +859,7 @@ class ArrayFile(RowBatches):
                 row = int(np.argmin(whole))
                 raise ConfigError(f"{where(row)}: label {float(values[row])!r} is not a class id (a whole number); "
                                   f"for values, set label_dtype = \"float32\", for names class_names = true")
-        return values.astype(self.target_dtype)
+        return self._cast_labels(values, where)
 
     def classes(self) -> list[str]:
         """class_names: the class names by id, from every row's label (``prepare.class_order``)."""
