@@ -261,3 +261,24 @@ def test_prepared_csv_labels_that_a_cast_would_change_are_refused(tmp_path, labe
              "standardize": True, "label_dtype": label_dtype}
     with pytest.raises(ConfigError, match=rf"d.csv line 6, column 2 'y': {needle}"):
         build_data(table, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_a_csv_line_with_more_fields_than_the_first_is_refused_naming_it(tmp_path, header):
+    """An unquoted comma inside a field shifts every field after it: the line has more fields than the header (or
+    the first line), and is refused naming it, never read with its columns shifted. Quoted commas, CRLF line ends,
+    a byte-order mark and trailing blank lines are fine."""
+    lines = [f'{k},"{k % 3}",{k % 2}' for k in range(20)]
+    head = "a,note,y\r\n" if header else ""
+    (tmp_path / "ok.csv").write_bytes(("\ufeff" + head + "\r\n".join(lines) + '\r\n21,"1,5",1\r\n\r\n\r\n')
+                                      .encode())
+    table = {"kind": "csv", "header": header, "features": [0], "labels": 2, "batch": 4}
+    data = build_data({**table, "path": "ok.csv"}, 0, tmp_path)
+    data.check_readable()
+    assert data.rows == 21
+    lines[6] = "6,1,5,0"
+    (tmp_path / "bad.csv").write_text(head + "\n".join(lines) + "\n")
+    line = 8 if header else 7
+    with pytest.raises(ConfigError, match=rf"bad.csv line {line}: 4 fields, but line 1 has 3: is a comma inside a "
+                                          rf"field that is not quoted\?"):
+        build_data({**table, "path": "bad.csv"}, 0, tmp_path).check_readable()
