@@ -30,7 +30,7 @@ from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
+from distgrad.stage.records import (is_special, merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -404,7 +404,10 @@ def _collect(plan: LaunchPlan, transport: str, summary_path: str | Path | None, 
 
 def stage_metrics_path(metrics_path: Path, name: str) -> Path:
     """Where ``distgrad run --metrics PATH`` puts the metrics of process ``name`` that is not the (first)
-    driving stage: ``metrics.jsonl`` -> ``metrics.g.jsonl``."""
+    driving stage: ``metrics.jsonl`` -> ``metrics.g.jsonl``; a device such as ``/dev/null`` takes them all
+    (``records.is_special``: no file is made beside it)."""
+    if is_special(metrics_path):
+        return metrics_path
     return metrics_path.with_name(f"{metrics_path.stem}.{name}{metrics_path.suffix}")
 
 

@@ -37,6 +37,8 @@ def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
         if path is None:
             continue
         where = Path(path).resolve()
+        if where.exists() and not where.is_file():
+            continue                  # a device such as /dev/null takes every output; a folder is refused below
         if where in seen:
             raise ConfigError(f"{seen[where]} and {what} both name {path}: each output needs a file of its own "
                               f"(one would overwrite the other)")
