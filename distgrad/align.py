@@ -79,6 +79,7 @@ import numpy as np
 import zmq
 
 from distgrad.wire import messages as wire
+from distgrad.stage.records import is_special
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.wire.transport import (LINGER_MS, Client, Server, SocketSecurity, check_endpoint, poll_frames,
                                      send_frames)
@@ -209,6 +210,15 @@ def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:
     """
     rows = _agreed_rows(table, rows)
     out = Path(out)
+    if is_special(out):             # /dev/null, a FIFO: written into, never replaced by the rename
+        try:
+            with open(out, "w", newline="", encoding="utf-8") as f:
+                writer = csv.writer(f, lineterminator="\n")
+                writer.writerow(table.header)
+                writer.writerows(table.rows[i] for i in rows)
+        except OSError as e:
+            raise ConfigError(f"cannot write the aligned rows to {out}: {e.strerror or e}") from e
+        return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as e:

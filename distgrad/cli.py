@@ -601,7 +601,7 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
     from distgrad.config.defended import check_meter_flag
     from distgrad.config.experiment import check_run_settings
     from distgrad.config.parse import parse_init_overrides
-    from distgrad.run.options import check_in_flight
+    from distgrad.run.options import check_in_flight, check_outputs
     from distgrad.run.progress import check_tensorboard
     from distgrad.stage.records import check_trace_filter, parse_trace_params
     from distgrad.wire.transport import check_spin
@@ -625,6 +625,7 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
         check_tensorboard()
     if args.privacy_meter:
         check_meter_flag(exp)
+    check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)])
     if not in_process:
         _check_stage_processes(exp, args)
         trace_params = parse_trace_params(args.trace_params)

@@ -152,12 +152,25 @@ def draw_metrics(records: list[dict], title: str):
 def plot_metrics(path: Path, out: Path) -> Path:
     """Draw loss per step and steps/s per step from ``path`` into the PNG ``out``; return ``out``.
 
-    A metrics file of several clients (lines with ``client``) gets one line per client.
+    A metrics file of several clients (lines with ``client``) gets one line per client. ``ConfigError`` for an
+    ``out`` whose suffix names no image format matplotlib writes (``.png``, ``.svg``, ``.pdf``, ...; no suffix: a
+    PNG, written to ``out`` as named), or that cannot be written.
     """
-    fig = draw_metrics(read_metrics(path), path.name)
+    records = read_metrics(path)
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    fig = draw_metrics(records, path.name)
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+        suffix = out.suffix[1:].lower()
+        if suffix and suffix not in formats:
+            raise ConfigError(f"--out {out}: {suffix!r} is no image format matplotlib writes; use .png (or one of "
+                              f"{', '.join(sorted(formats))})")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out, dpi=100, format=suffix or "png")      # exactly ``out``, no suffix added
+        except OSError as e:
+            raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from e
+    finally:
+        plt.close(fig)
     return out

@@ -820,3 +820,25 @@ def test_an_old_party_and_an_old_coordinator_are_refused_with_the_version(tmp_pa
     assert "the coordinator speaks align protocol 1, this party 2" in party.output
     assert [m.type for m in sent if m.type != wire.PING] == [wire.ERROR]
     assert not (tmp_path / "b.out").exists()
+
+
+def test_aligned_rows_to_a_device_or_fifo_are_written_into_it_never_replaced(tmp_path):
+    """``align --out /dev/null`` (shown with a FIFO, which a test may make) writes into the device: the atomic
+    rename of a temporary file would put a regular file where the device was."""
+    import os
+    import select
+    import stat
+
+    path = tmp_path / "t.csv"
+    path.write_text("id,x\nb,2\na,1\n")
+    table = al.read_table(path, "id")
+    fifo = tmp_path / "aligned.csv"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        al.write_aligned(table, [0, 1], fifo)
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a file"
+        assert select.select([reader], [], [], 5.0)[0], "nothing was written into the FIFO"
+        assert os.read(reader, 1 << 16).decode().splitlines()[0] == "id,x"
+    finally:
+        os.close(reader)

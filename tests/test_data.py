@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import fnmatch
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from distgrad.errors import ConfigError
+from distgrad.config.data import build_data
 from distgrad.config.parse import load_experiment
 
 from conftest import read_json, run_cli, run_launcher, run_main
@@ -131,3 +133,152 @@ def test_the_breast_cancer_file_has_569_rows_of_30_features_and_a_binary_diagnos
     assert set(diagnosis) == {"0", "1"} and diagnosis.count("0") == 212     # 0 malignant, 1 benign
     shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["distgrad"]
     assert any(fnmatch.fnmatch("datasets/breast_cancer.csv", pattern) for pattern in shipped)
+
+
+def _npy_experiment(tmp_path: Path, x, y) -> Path:
+    """An experiment over ``x.npy`` and ``y.npy`` in ``tmp_path`` (5 features, 3 classes), written there."""
+    np.save(tmp_path / "x.npy", x, allow_pickle=x.dtype.hasobject)
+    np.save(tmp_path / "y.npy", y)
+    exp = tmp_path / "npy.toml"
+    exp.write_text(FILE_EXPERIMENT.format(data=DATA_SPECS["npy"]))
+    return exp
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (np.nan, r"x.npy: data row 7, feature column 3: nan is not a finite number \(for missing values set missing"),
+    (np.inf, r"x.npy: data row 7, feature column 3: inf is not a finite number"),
+    (1e300, r"x.npy: data row 7, feature column 3: 1e\+300 is beyond float32's range"),
+])
+def test_npy_and_npz_features_that_are_no_finite_float32_are_refused_before_any_stage_starts(tmp_path, bad, needle):
+    """A NaN, an Inf or a value float32 cannot hold in an npy or npz file's features exits 2 naming the file, the
+    row and the column before any stage starts, as a csv field does, never a failed run once training began."""
+    x = np.random.default_rng(0).normal(size=(40, 5))
+    x[6, 2] = bad
+    y = np.arange(40) % 3
+    result = run_main(["run", _npy_experiment(tmp_path, x, y)])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert re.search(needle, result.stderr), result.stderr
+    np.savez(tmp_path / "d.npz", feats=x, labs=y)
+    with pytest.raises(ConfigError, match=r"d.npz: data row 7, feature column 3: "):
+        build_data({"kind": "npz", "path": "d.npz", "features": "feats", "labels": "labs", "batch": 4}, 0,
+                   tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("features, needle", [
+    (np.ones((40, 5), complex), r"x.npy are complex128, not numbers"),
+    (np.full((40, 5), "1.5"), r"x.npy are <U3, not numbers"),
+    (np.ones((40, 5), object), r"x.npy cannot be read: it holds Python objects .*never unpickles"),
+])
+def test_npy_features_that_are_no_real_numbers_are_refused(tmp_path, features, needle):
+    """Complex values (whose imaginary part a cast would drop), text and Python objects are no features."""
+    result = run_main(["run", _npy_experiment(tmp_path, features, np.arange(40) % 3)])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert re.search(needle, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"hello, not an array", r"x.npy is not a .npy file as numpy.save writes it"),
+    (b"", r"x.npy is not a .npy file"),
+    ("cut", r"x.npy cannot be read: the file is damaged or not what numpy.save writes"),
+])
+def test_an_npy_file_that_numpy_cannot_read_is_a_config_error_naming_it(tmp_path, content, needle):
+    """A foreign, empty or cut-short ``.npy`` exits 2 naming the file (never numpy's traceback, nor its advice
+    to unpickle the file)."""
+    exp = _npy_experiment(tmp_path, np.ones((40, 5)), np.arange(40) % 3)
+    whole = (tmp_path / "x.npy").read_bytes()
+    (tmp_path / "x.npy").write_bytes(whole[:len(whole) // 2] if content == "cut" else content)
+    result = run_main(["run", exp])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert re.search(needle, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and "allow_pickle" not in result.stderr
+
+
+def test_an_npz_file_that_is_no_archive_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "d.npz").write_bytes(b"PK\x03\x04 but no zip after all")
+    with pytest.raises(ConfigError, match=r"d.npz is not a readable .npz archive"):
+        build_data({"kind": "npz", "path": "d.npz", "features": "feats", "labels": "labs", "batch": 4}, 0, tmp_path)
+    (tmp_path / "d.npz").write_bytes(b"x,y\n1,2\n")
+    with pytest.raises(ConfigError, match=r"d.npz is not a .npz file as numpy.savez writes it"):
+        build_data({"kind": "npz", "path": "d.npz", "features": "feats", "labels": "labs", "batch": 4}, 0, tmp_path)
+
+
+@pytest.mark.parametrize("labels, label_dtype, needle", [
+    (np.zeros((40, 2), np.int64), "int64", r"y.npy: the labels must be one value per row, shape \(rows,\), got "
+                                           r"shape \(40, 2\)"),
+    (np.where(np.arange(40) == 5, 1e30, 0.0), "int64", r"y.npy: data row 6: label 1e\+30 is not a class id: it is "
+                                                        r"beyond int64's range"),
+    (np.where(np.arange(40) == 5, 2 ** 63, 0).astype(np.uint64), "int64",
+     r"y.npy: data row 6: label 9223372036854775808 is not a class id: it is beyond int64's range"),
+])
+def test_npy_labels_of_another_shape_or_beyond_int64_are_refused(tmp_path, labels, label_dtype, needle):
+    """Labels are one value per row; a class id a cast to int64 would wrap around is named as it is."""
+    np.save(tmp_path / "x.npy", np.ones((40, 5)))
+    np.save(tmp_path / "y.npy", labels)
+    table = {"kind": "npy", "features": "x.npy", "labels": "y.npy", "batch": 4, "label_dtype": label_dtype}
+    with pytest.raises(ConfigError, match=needle):
+        build_data(table, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("table", [
+    {"kind": "csv", "path": "d.csv", "header": True, "features": ["p", "q", "label"], "labels": "label"},
+    {"kind": "csv", "path": "d.csv", "header": True, "features": [0, 1, 5], "labels": "label"},
+    {"kind": "npz", "path": "d.npz", "features": "labs", "labels": "labs"},
+    {"kind": "npy", "features": "y.npy", "labels": "./y.npy"},
+])
+def test_labels_among_the_features_are_refused(files, table):
+    """Features stay with the data owner and labels with the label owner: a [data] whose features include the
+    label column (member, file) would hand the labels to the data owner, and is refused saying so."""
+    with pytest.raises(ConfigError, match=r"are also among the features .*only the label owner may read"):
+        build_data({**table, "batch": 4}, 0, files)
+
+
+@pytest.mark.parametrize("kind", ["csv", "npy"])
+def test_a_float_label_beyond_float32_is_refused_naming_its_row(tmp_path, kind):
+    """A finite label that float32 cannot hold (1e39) would become Inf and fail the run at its step: it is refused
+    when the data is read, naming the row (a NaN label in an array file is kept: see test_nonfinite.py)."""
+    y = np.linspace(-1, 1, 40)
+    y[5] = 1e39
+    np.save(tmp_path / "x.npy", np.ones((40, 2)))
+    np.save(tmp_path / "y.npy", y)
+    np.savetxt(tmp_path / "d.csv", np.column_stack([np.ones((40, 2)), y]), delimiter=",", fmt="%.9g")
+    table = ({"kind": "csv", "path": "d.csv", "features": [0, 1], "labels": 2} if kind == "csv"
+             else {"kind": "npy", "features": "x.npy", "labels": "y.npy"})
+    where = "d.csv line 6, column 3" if kind == "csv" else "y.npy: data row 6"
+    with pytest.raises(ConfigError, match=rf"{where}: label 1e\+39 is beyond float32's range"):
+        build_data({**table, "batch": 4, "label_dtype": "float32"}, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("label, label_dtype, needle", [("1e30", "int64", r"label 1e\+30 is not a class id: it is beyond "
+                                                                          r"int64's range"),
+                                                        ("1e39", "float32", r"label 1e\+39 is beyond float32's range")])
+def test_prepared_csv_labels_that_a_cast_would_change_are_refused(tmp_path, label, label_dtype, needle):
+    """With data preparation (``standardize``), labels are read cell by cell; a value the cast to ``label_dtype``
+    would wrap around or make infinite is refused there too, naming the line."""
+    rows = [f"{k},{k % 2}" for k in range(20)]
+    rows[4] = f"4,{label}"
+    (tmp_path / "d.csv").write_text("a,y\n" + "\n".join(rows) + "\n")
+    table = {"kind": "csv", "path": "d.csv", "header": True, "features": ["a"], "labels": "y", "batch": 4,
+             "standardize": True, "label_dtype": label_dtype}
+    with pytest.raises(ConfigError, match=rf"d.csv line 6, column 2 'y': {needle}"):
+        build_data(table, 0, tmp_path).check_readable()
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_a_csv_line_with_more_fields_than_the_first_is_refused_naming_it(tmp_path, header):
+    """An unquoted comma inside a field shifts every field after it: the line has more fields than the header (or
+    the first line), and is refused naming it, never read with its columns shifted. Quoted commas, CRLF line ends,
+    a byte-order mark and trailing blank lines are fine."""
+    lines = [f'{k},"{k % 3}",{k % 2}' for k in range(20)]
+    head = "a,note,y\r\n" if header else ""
+    (tmp_path / "ok.csv").write_bytes(("\ufeff" + head + "\r\n".join(lines) + '\r\n21,"1,5",1\r\n\r\n\r\n')
+                                      .encode())
+    table = {"kind": "csv", "header": header, "features": [0], "labels": 2, "batch": 4}
+    data = build_data({**table, "path": "ok.csv"}, 0, tmp_path)
+    data.check_readable()
+    assert data.rows == 21
+    lines[6] = "6,1,5,0"
+    (tmp_path / "bad.csv").write_text(head + "\n".join(lines) + "\n")
+    line = 8 if header else 7
+    with pytest.raises(ConfigError, match=rf"bad.csv line {line}: 4 fields, but line 1 has 3: is a comma inside a "
+                                          rf"field that is not quoted\?"):
+        build_data({**table, "path": "bad.csv"}, 0, tmp_path).check_readable()

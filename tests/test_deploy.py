@@ -1131,6 +1131,28 @@ def test_systemd_units_are_unprivileged_restartable_templates():
         assert "WantedBy" in dict(sections.get("Install", []))
 
 
+# The exit codes a restart cannot fix: a usage or configuration error, a refusal by the peer, and a run the
+# data owner's input_guard stopped (resumed before that step, it is judged and stopped there again).
+FINAL_EXIT_CODES = {cli.EXIT_USAGE, cli.EXIT_REJECTED, cli.EXIT_GUARD}
+
+
+def test_no_deployment_restarts_a_stage_on_an_exit_a_restart_cannot_fix():
+    """Every systemd unit prevents a restart, and the k8s Job of the driving stage fails at once, on each exit
+    code that a retry only repeats (``FINAL_EXIT_CODES``, from the CLI's own constants)."""
+    for path, _, sections in systemd_units():
+        prevented = {int(code) for code in dict(sections["Service"]).get("RestartPreventExitStatus", "").split()}
+        assert FINAL_EXIT_CODES <= prevented, f"{path.name}: RestartPreventExitStatus lacks " \
+                                              f"{sorted(FINAL_EXIT_CODES - prevented)}"
+    jobs = [(file, doc) for file, doc in k8s_docs() if doc.get("kind") == "Job"]
+    assert jobs
+    for file, doc in jobs:
+        if _pod_spec(doc).get("restartPolicy") != "Never":
+            continue              # podFailurePolicy needs restartPolicy Never
+        failing = {code for rule in doc["spec"]["podFailurePolicy"]["rules"] if rule["action"] == "FailJob"
+                   for code in rule.get("onExitCodes", {}).get("values", [])}
+        assert FINAL_EXIT_CODES <= failing, f"k8s/{file} Job: FailJob lacks {sorted(FINAL_EXIT_CODES - failing)}"
+
+
 def test_systemd_command_lines_are_accepted_by_the_cli():
     parsed = []
     for path, unit, sections in systemd_units():

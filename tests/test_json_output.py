@@ -129,3 +129,28 @@ def test_an_evaluation_reply_with_meaningless_counts_is_refused(body, needle):
         check_evaluation(reply)
     assert check_evaluation(wire.Message(wire.EVALUATION, "run-1", 3, body={"loss": math.inf, "correct": 4,
                                                                              "count": 4}))["count"] == 4
+
+
+def test_a_summary_to_a_device_or_fifo_is_written_into_it_never_replaced(tmp_path):
+    """``--summary /dev/null`` (or a FIFO) is written into: the atomic rename of a regular file would put a file
+    where the device was (as root, a /dev/null that is a regular file). Shown with a FIFO, which a test may
+    make: after each write it is still a FIFO and its reader got the whole text."""
+    import os
+    import select
+    import stat
+
+    from distgrad.stage.records import write_atomic
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)      # a reader, so that opening it to write does not wait
+    try:
+        for write in (lambda: write_json(fifo, {"loss": 0.5}), lambda: write_atomic(fifo, lambda f: f.write(b"[1]\n"))):
+            write()
+            assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a file"
+            assert select.select([reader], [], [], 5.0)[0], "nothing was written into the FIFO"
+            json.loads(os.read(reader, 1 << 16).decode())
+    finally:
+        os.close(reader)
+    from distgrad.run.launcher import stage_metrics_path
+    assert stage_metrics_path(fifo, "g") == fifo            # no m.g.jsonl made beside a device

@@ -153,3 +153,59 @@ def test_experiments_lists_every_description_whole():
         words = str(load_experiment(name).raw.get("description", "")).split()
         start = listed.index(f"{name}:")
         assert listed[start + 5:start + 5 + len(words)] == words, name     # after "NAME: K stage(s), N steps"
+
+
+@pytest.mark.parametrize("command, flags, needle", [
+    (["run", "tanh-regression"], ["--summary", "x.json", "--metrics", "x.json"],
+     "--summary and --metrics both name"),
+    (["run", "tanh-regression", "--in-process"], ["--summary", "x.json", "--trace", "./x.json"],
+     "--summary and --trace both name"),
+    (["run", "tanh-regression"], ["--metrics", "m.jsonl", "--trace", "m.g.jsonl"],
+     "--trace and --metrics of process g (m.g.jsonl, beside --metrics) both name"),
+    (["run", "tanh-regression"], ["--metrics", "m.jsonl", "--summary", "m.g.jsonl"],
+     "--summary and --metrics of process g (m.g.jsonl, beside --metrics) both name"),
+    (["stage", "f", "--experiment", "tanh-regression", "--connect", "tcp://127.0.0.1:9"],
+     ["--trace", "x.jsonl", "--metrics", "x.jsonl"], "--trace and --metrics both name"),
+])
+def test_two_outputs_of_one_file_exit_2_before_anything_runs(tmp_path, monkeypatch, command, flags, needle):
+    """A run whose summary, trace or metrics (or a stage's metrics that ``distgrad run`` puts beside them) would
+    be one file is refused naming both: one would overwrite the other, and an output would be lost."""
+    monkeypatch.chdir(tmp_path)
+    result = run_main([*command, *flags])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert needle in result.stderr and "each output needs a file of its own" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["run", "tanh-regression"], ["run", "tanh-regression", "--in-process"],
+                                     ["stage", "g", "--experiment", "tanh-regression", "--bind", "tcp://127.0.0.1:9"]])
+@pytest.mark.parametrize("flag", ["--summary", "--trace", "--metrics"])
+def test_an_output_that_cannot_be_written_exits_2_before_anything_runs(tmp_path, monkeypatch, command, flag):
+    """An output under a file (a folder that cannot be made) or naming a folder is refused with the reason before
+    training, not once the run has ended (which lost the run to a traceback)."""
+    if flag == "--metrics" and "--in-process" in command:
+        return                                   # --in-process writes no metrics (refused with its own reason)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    for path, needle in (("afile/sub/out.json", f"cannot write {flag} afile/sub/out.json: afile is a file, not a "
+                                                "folder"), ("adir", f"{flag} adir is a folder; name a file")):
+        result = run_main([*command, flag, path])
+        assert result.returncode == 2 and needle in result.stderr, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
+def test_plot_to_a_format_or_a_place_it_cannot_write_exits_2_naming_it(tmp_path):
+    """``distgrad plot --out`` whose suffix is no image format, or whose folder cannot be made, exits 2 with the
+    reason (never a traceback); no suffix draws a PNG."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(f'{{"step": {k}, "loss": {1 / k}, "wall_s": {k / 100}}}\n' for k in range(1, 30)))
+    result = run_main(["plot", metrics, "--out", tmp_path / "loss.txt"])
+    assert result.returncode == 2 and "'txt' is no image format matplotlib writes; use .png" in result.stderr
+    assert not (tmp_path / "loss.txt").exists()
+    (tmp_path / "a-file").write_text("")
+    result = run_main(["plot", metrics, "--out", tmp_path / "a-file" / "loss.png"])
+    assert result.returncode == 2 and "cannot write --out" in result.stderr, result.stderr
+    assert run_main(["plot", metrics, "--out", tmp_path / "loss"]).returncode == 0
+    assert (tmp_path / "loss").read_bytes().startswith(b"\x89PNG")

@@ -2,7 +2,9 @@
 
 * UTF-8 text; a byte-order mark at the start (what spreadsheet programs write
   as "CSV UTF-8") is dropped. Fields are quoted with ``"`` as the csv module
-  writes them; blank lines are skipped.
+  writes them; blank lines are skipped. No line may have more fields than the
+  first (the header, where there is one): an unquoted comma in a field would
+  shift every field after it.
 * A header is taken only where one is declared (``header = true``) or, where
   a reader may guess (``looks_like_header``), when every field of the first
   line is a name (``is_name``; or empty): a line of numbers with one bad field
@@ -163,6 +165,11 @@ class CsvColumns:
         lines, rows = self.data()
         if not rows:
             raise ConfigError(f"csv data {self.path} holds no data rows")
+        first_line, first = self.records()[0][0], self.records()[1][0]
+        wide = next((i for i, row in enumerate(rows) if len(row) > len(first)), None)
+        if wide is not None:        # a text field's unquoted comma: every field after it would be misread
+            raise ConfigError(f"csv data {self.path} line {lines[wide]}: {len(rows[wide])} fields, but line "
+                              f"{first_line} has {len(first)}: is a comma inside a field that is not quoted?")
         need = max(columns) + 1
         short = next((i for i, row in enumerate(rows) if len(row) < need), None)
         if short is not None:

@@ -12,6 +12,7 @@ import abc
 import copy
 import hashlib
 import inspect
+import math
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,6 +21,7 @@ import numpy as np
 
 from distgrad.config.csvfile import CsvColumns, checked_ids, number
 from distgrad.config.keys import is_whole
+from distgrad.config.npzfile import READ_ERRORS
 from distgrad.config.prepare import MISSING_HINT, MISSING_MODES, Preparation, class_order, is_missing, read_cells
 from distgrad.errors import ConfigError
 from distgrad.model.nn import DTYPE, Shape
@@ -27,6 +29,30 @@ from distgrad.privacy.defenses import randomized_response
 from distgrad.privacy.releases import RunSecret
 
 ROW_ID_DIGEST_HEX = 16          # hex digits of the row IDs' SHA-256 a party tells the others
+NPY_MAGIC = b"\x93NUMPY"        # how every .npy file (and every member of an .npz) begins
+ZIP_MAGIC = b"PK"               # how a zip archive (an .npz) begins
+
+
+def _npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype from the ``.npy`` header at the start of the open file ``f``."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    return tuple(shape), bool(fortran), np.dtype(dtype)
+
+
+def _shaped(header: tuple[tuple[int, ...], bool, np.dtype]) -> np.ndarray:
+    """A zero-byte stand-in with the header's shape and dtype (``np.lib.stride_tricks`` view, no allocation)."""
+    shape, _, dtype = header
+    return np.lib.stride_tricks.as_strided(np.empty(1, dtype), shape=shape, strides=(0,) * len(shape))
+
+
+def _refuse_objects(where: str, dtype: np.dtype) -> None:
+    """``ConfigError`` for an array of Python objects: numpy reads one only by unpickling it."""
+    if dtype.hasobject:
+        raise ConfigError(f"{where} cannot be read: it holds Python objects (dtype {dtype}), which numpy reads only "
+                          f"by unpickling; distgrad never unpickles a data file: save text as a text array "
+                          f"(.astype(str)) and numbers as a number array")
 
 
 class DataSource(abc.ABC):
@@ -310,6 +336,8 @@ class ArrayFile(RowBatches):
         self.id_ref = id_column
         if id_column is not None:
             self._check_id_column()
+        if features is not None and labels is not None:
+            self._check_labels_apart()
         self.has_labels = labels is not None
         self.feature_scale, self.test_fraction = DTYPE(feature_scale), float(test_fraction)
         self.target_dtype = np.dtype(label_dtype)
@@ -418,22 +446,54 @@ class ArrayFile(RowBatches):
                     else len(self._file_label_cells())), 0
         if self.feature_ref is None:
             return len(self._all_labels_raw()), 0
-        if self.kind == "npz":
-            with np.load(self._file(None), allow_pickle=False) as npz:
-                self._check_member(npz, self.feature_ref)
-                with npz.zip.open(f"{self.feature_ref}.npy") as member:
-                    version = np.lib.format.read_magic(member)
-                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                   else np.lib.format.read_array_header_2_0)
-                    shape = read_header(member)[0]
-        elif self.kind == "npy":
-            shape = np.load(self._file(self.feature_ref), mmap_mode="r", allow_pickle=False).shape
+        if self.kind in ("npz", "npy"):
+            shape = self._array(self.feature_ref, header_only=True).shape
         else:
             columns = self._csv_columns(self.feature_ref)
             shape = (len(self._read_csv(columns[:1])), len(columns))
         if len(shape) < 2:
             raise ConfigError(f"features must be a 2-D array (rows, columns), got shape {shape}")
         return int(shape[0]), int(np.prod(shape[1:]))
+
+    def _array(self, ref: Any, header_only: bool = False) -> np.ndarray:
+        """Part ``ref`` of npz or npy data, read without unpickling (``header_only``: an empty array of its
+        shape and dtype, read from the ``.npy`` header alone). ``ConfigError`` naming the file (and member) for a
+        file that is no ``.npy`` / ``.npz``, one that is damaged or cut short, or an array of Python objects."""
+        path = self._file(None if self.kind == "npz" else ref)
+        where = f"{path} member {ref!r}" if self.kind == "npz" else str(path)
+        writer = "numpy.savez" if self.kind == "npz" else "numpy.save"
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(len(NPY_MAGIC))
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+        if not magic.startswith(NPY_MAGIC if self.kind == "npy" else ZIP_MAGIC):
+            raise ConfigError(f"{path} is not a .{self.kind} file as {writer} writes it (it begins with "
+                              f"{magic!r})")
+        try:
+            if self.kind == "npy":
+                with open(path, "rb") as f:
+                    header = _npy_header(f)
+                    _refuse_objects(where, header[2])
+                    if header_only:
+                        return _shaped(header)
+                return np.load(path, allow_pickle=False)
+            try:
+                npz = np.load(path, allow_pickle=False)
+            except READ_ERRORS as e:
+                raise ConfigError(f"{path} is not a readable .npz archive ({type(e).__name__}: {e})") from e
+            with npz:
+                self._check_member(npz, ref)
+                names = set(npz.zip.namelist())
+                with npz.zip.open(f"{ref}.npy" if f"{ref}.npy" in names else ref) as member:
+                    header = _npy_header(member)
+                _refuse_objects(where, header[2])
+                return _shaped(header) if header_only else npz[ref]
+        except ConfigError:
+            raise
+        except READ_ERRORS as e:
+            raise ConfigError(f"{where} cannot be read: the file is damaged or not what {writer} writes "
+                              f"({type(e).__name__}: {e})") from e
 
     def _check_member(self, npz: Any, ref: Any) -> None:
         """``ConfigError`` unless ``ref`` names an array of the npz file, listing the ones it has."""
@@ -469,6 +529,23 @@ class ArrayFile(RowBatches):
                 raise ConfigError(f"id_column {self.id_ref!r} is also one of the {part}: the ID column holds "
                                   f"the rows' IDs, not data")
 
+    def _check_labels_apart(self) -> None:
+        """``ConfigError`` when the labels are also among the features (a csv column, an npz member, an npy
+        file): the stage that reads the features would hold the labels, which only the label owner reads."""
+        if self.kind == "csv":
+            if isinstance(self.label_ref, (list, bool)) or not isinstance(self.label_ref, (int, str)):
+                return                      # refused where the labels are read, with the reason
+            shared = self.csv is not None and self.csv.path.is_file() and \
+                self._csv_columns(self.label_ref)[0] in self._csv_columns(self.feature_ref)
+        elif self.kind == "npy":
+            shared = (self.base_dir / str(self.label_ref)).resolve() == (self.base_dir / str(self.feature_ref)).resolve()
+        else:
+            shared = self.label_ref == self.feature_ref
+        if shared:
+            raise ConfigError(f"{self.kind} data: labels {self.label_ref!r} are also among the features "
+                              f"{self.feature_ref!r}: the stage that reads the features would hold the labels, "
+                              f"which only the label owner may read")
+
     def row_ids(self) -> list[str] | None:
         """The rows' IDs in file order; None without ``id_column``."""
         if self.id_ref is None:
@@ -502,17 +579,8 @@ class ArrayFile(RowBatches):
     def _read_part(self, ref: Any) -> np.ndarray:
         """One part (features or labels) from the file(s), and nothing else; ``ConfigError`` for an array numpy
         cannot load without unpickling (Python objects, as a pandas column of text is saved)."""
-        try:
-            if self.kind == "npz":
-                with np.load(self._file(None), allow_pickle=False) as npz:
-                    self._check_member(npz, ref)
-                    return npz[ref]
-            if self.kind == "npy":
-                return np.load(self._file(ref), allow_pickle=False)
-        except ValueError as e:
-            where = f"{self.path} member {ref!r}" if self.kind == "npz" else f"{self._file(ref)}"
-            raise ConfigError(f"{where} cannot be read: {e}; distgrad never unpickles a data file: save text "
-                              f"as a text array (.astype(str)) and numbers as a number array") from e
+        if self.kind in ("npz", "npy"):
+            return self._array(ref)
         return self._read_csv(self._csv_columns(ref))
 
     def _all_features(self) -> np.ndarray:
@@ -530,15 +598,21 @@ class ArrayFile(RowBatches):
             self._features = features
         if self._features is None:
             raw = self._read_part(self.feature_ref)
-            with np.errstate(over="ignore"):           # an overflow is refused below (csv) or kept, as it is
-                features = raw.reshape(len(raw), -1).astype(DTYPE) * self.feature_scale
-            if self.kind == "csv" and not np.isfinite(features).all():     # a csv field is finite in float64
+            if raw.dtype.kind not in "biuf":
+                raise ConfigError(f"the features of {self.path or self.base_dir / str(self.feature_ref)} are "
+                                  f"{raw.dtype}, not numbers (real numbers: ints, floats or bools)")
+            raw = raw.reshape(len(raw), -1)
+            with np.errstate(over="ignore"):           # an overflow is refused below
+                features = raw.astype(DTYPE) * self.feature_scale
+            if not np.isfinite(features).all():
                 row, column = (int(i) for i in np.argwhere(~np.isfinite(features))[0])
-                csv_file = self._csv_file()
-                raise ConfigError(f"csv data {self.path} line {csv_file.data()[0][row]}, "
-                                  f"{csv_file.column_label(self._csv_columns(self.feature_ref)[column])}: "
-                                  f"{float(raw[row, column])!r} is beyond float32's range (once scaled by "
-                                  f"feature_scale)")
+                value = float(raw[row, column])
+                why = ("is beyond float32's range (once scaled by feature_scale)" if math.isfinite(value) else
+                       "is not a finite number (for missing values set missing = \"mean\", \"median\" or "
+                       "\"drop_rows\" in [data])")
+                where = (self._where_cell(row, column) if self.kind != "csv"
+                         else self._where_row(row, self._csv_columns(self.feature_ref)[column]))
+                raise ConfigError(f"{where}: {value!r} {why}")
             self._features = features
         return self._features
 
@@ -557,9 +631,21 @@ class ArrayFile(RowBatches):
         if self.kind == "csv":
             raw = raw[:, 0]
         elif raw.dtype.kind not in "biuf":
-            where = f"{self.path} member {self.label_ref!r}" if self.kind == "npz" else f"{self._file(self.label_ref)}"
-            raise ConfigError(f"{where}: the labels are {raw.dtype} values, not numbers (class ids 0, 1, ... or "
-                              f"values): for class names, set class_names = true in this [data]")
+            raise ConfigError(f"{self._label_file()}: the labels are {raw.dtype} values, not numbers (class ids 0, "
+                              f"1, ... or values): for class names, set class_names = true in this [data]")
+        return self._label_vector(raw)
+
+    def _label_file(self) -> str:
+        """How an error names the labels' file (and member)."""
+        return f"{self.path} member {self.label_ref!r}" if self.kind == "npz" else f"{self._file(self.label_ref)}"
+
+    def _label_vector(self, raw: np.ndarray) -> np.ndarray:
+        """The labels ``raw`` as a vector, one per row (shape ``(rows,)`` or ``(rows, 1)`` in the file);
+        ``ConfigError`` for any other shape. (A NaN among float32 values is kept: the run fails at that step,
+        or studies it under ``allow_nonfinite``; a class id is checked whole and in range by ``_all_labels``.)"""
+        if raw.ndim == 0 or raw.size != len(raw):
+            raise ConfigError(f"{self._label_file()}: the labels must be one value per row, shape (rows,), got "
+                              f"shape {raw.shape}")
         return np.asarray(raw).reshape(len(raw))
 
     def _all_labels(self) -> np.ndarray:
@@ -575,8 +661,27 @@ class ArrayFile(RowBatches):
                     row = int(np.argmin(whole))
                     raise ConfigError(f"{self._where_row(row, self.label_ref)}: label {float(raw[row])!r} is not a "
                                       f"class id (a whole number); for values, set label_dtype = \"float32\"")
-            self._labels = raw.astype(self.target_dtype).reshape((self.rows, *self.target_shape[1:]))
+            labels = self._cast_labels(raw, lambda row: self._where_row(row, self.label_ref))
+            self._labels = labels.reshape((self.rows, *self.target_shape[1:]))
         return self._labels
+
+    def _cast_labels(self, raw: np.ndarray, where: Any) -> np.ndarray:
+        """``raw`` as ``label_dtype``; ``ConfigError`` naming the row (``where(row)``) of a value the cast would
+        change: a class id beyond int64 (it would wrap around), a finite value float32 makes infinite (1e39)."""
+        if self.target_dtype.kind == "i" and raw.dtype.kind in "uf":
+            beyond = (raw >= 2.0 ** 63) | (raw < -2.0 ** 63)
+            if beyond.any():
+                row = int(np.argmax(beyond))
+                raise ConfigError(f"{where(row)}: label {raw[row].item()!r} is not a class id: it is beyond int64's "
+                                  f"range")
+        with np.errstate(over="ignore", invalid="ignore"):     # what a cast cannot hold is refused
+            labels = raw.astype(self.target_dtype)
+        if self.target_dtype.kind == "f":
+            beyond = np.isfinite(raw) & ~np.isfinite(labels)
+            if beyond.any():
+                row = int(np.argmax(beyond))
+                raise ConfigError(f"{where(row)}: label {float(raw[row])!r} is beyond {self.target_dtype}'s range")
+        return labels
 
     def own_parts(self) -> dict[str, np.ndarray]:
         """Every row of the parts this party holds, as its file stores them (before ``feature_scale`` and
@@ -675,6 +780,9 @@ class ArrayFile(RowBatches):
                 raise ConfigError(f"csv labels are one column, by index or header name, got {self.label_ref!r}")
             return self._csv_file().texts(self._csv_columns(self.label_ref)[0])[1]
         raw = np.asarray(self._read_part(self.label_ref))
+        if raw.ndim == 0 or raw.size != len(raw):
+            raise ConfigError(f"{self._label_file()}: the labels must be one value per row, shape (rows,), got "
+                              f"shape {raw.shape}")
         raw = raw.reshape(len(raw))
         return ["" if raw.dtype.kind == "f" and np.isnan(v) else str(v) for v in raw.tolist()]
 
@@ -751,7 +859,7 @@ class ArrayFile(RowBatches):
                 row = int(np.argmin(whole))
                 raise ConfigError(f"{where(row)}: label {float(values[row])!r} is not a class id (a whole number); "
                                   f"for values, set label_dtype = \"float32\", for names class_names = true")
-        return values.astype(self.target_dtype)
+        return self._cast_labels(values, where)
 
     def classes(self) -> list[str]:
         """class_names: the class names by id, from every row's label (``prepare.class_order``)."""

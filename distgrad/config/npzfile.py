@@ -23,7 +23,7 @@ from distgrad.errors import ConfigError
 # What a damaged or foreign file raises while numpy opens or reads it: zipfile's BadZipFile ("File is not a
 # zip file", "Bad CRC-32"), zlib's error, EOFError for a cut-short member, ValueError for a bad ``.npy``
 # header or an object (pickled) member, OSError for what the file system says.
-_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError)
+READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError)
 
 
 def write_npz(file: str | Path | IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
@@ -73,7 +73,7 @@ def read_npz(path: str | Path, what: str) -> dict[str, np.ndarray]:
     """
     try:
         archive = np.load(path, allow_pickle=False)
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         raise ConfigError(f"{what} {path}: not a readable npz archive ({type(e).__name__}: {e})") from e
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise ConfigError(f"{what} {path}: not an npz archive of named arrays (a plain .npy array?)")
@@ -82,7 +82,7 @@ def read_npz(path: str | Path, what: str) -> dict[str, np.ndarray]:
         for name in archive.files:
             try:
                 arrays[name] = archive[name]
-            except _READ_ERRORS as e:
+            except READ_ERRORS as e:
                 raise member_error(what, path, name, f"cannot be read: the file is damaged or not what "
                                                      f"numpy.savez writes ({type(e).__name__}: {e})") from e
     return arrays

@@ -30,7 +30,7 @@ from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import (merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
+from distgrad.stage.records import (is_special, merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
                                     write_json)
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
@@ -270,8 +270,22 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                               metrics_path=None if metrics_path is None else Path(metrics_path),
                               tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
                               progress_bar=progress_bar)
+        _check_outputs(plan, summary_path, trace_path, metrics_path)
         _start_and_watch(plan, out, check_stop, progress_bar)
         return _collect(plan, transport, summary_path, trace_path, metrics_path)
+
+
+def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path: str | Path | None,
+                   metrics_path: str | Path | None) -> None:
+    """``ConfigError`` when two files the run writes are one: ``--summary``, ``--trace``, ``--metrics`` and the
+    metrics each other process writes beside it (``stage_metrics_path``: ``--metrics m.jsonl --summary
+    m.g.jsonl`` would lose one of them)."""
+    from distgrad.run.options import check_outputs
+
+    beside = [(f"--metrics of process {label} ({path.name}, beside --metrics)", path)
+              for label, path in plan.metrics.items() if metrics_path is None or path != Path(metrics_path)]
+    check_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
+                            *beside])
 
 
 def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
@@ -390,7 +404,10 @@ def _collect(plan: LaunchPlan, transport: str, summary_path: str | Path | None, 
 
 def stage_metrics_path(metrics_path: Path, name: str) -> Path:
     """Where ``distgrad run --metrics PATH`` puts the metrics of process ``name`` that is not the (first)
-    driving stage: ``metrics.jsonl`` -> ``metrics.g.jsonl``."""
+    driving stage: ``metrics.jsonl`` -> ``metrics.g.jsonl``; a device such as ``/dev/null`` takes them all
+    (``records.is_special``: no file is made beside it)."""
+    if is_special(metrics_path):
+        return metrics_path
     return metrics_path.with_name(f"{metrics_path.stem}.{name}{metrics_path.suffix}")
 
 

@@ -6,10 +6,11 @@ every ``transport.POLL_TICK_S``.
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from distgrad.errors import ConfigError, Interrupted
 from distgrad.config.defended import meter_kind, metered
@@ -25,6 +26,40 @@ DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost 
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
 SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
+
+
+def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """``ConfigError``, before anything runs, for ``outputs`` (what writes it, e.g. ``--summary``, and its path;
+    None: not written) that could not all be written: two of them one file (each would overwrite the other, one
+    would be lost), a path that is a folder, or one whose folder cannot be made or written (a file in its way)."""
+    seen: dict[Path, str] = {}
+    for what, path in outputs:
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where.exists() and not where.is_file():
+            continue                  # a device such as /dev/null takes every output; a folder is refused below
+        if where in seen:
+            raise ConfigError(f"{seen[where]} and {what} both name {path}: each output needs a file of its own "
+                              f"(one would overwrite the other)")
+        seen[where] = what
+    for what, path in outputs:
+        if path is not None:
+            _check_writable(what, Path(path))
+
+
+def _check_writable(what: str, path: Path) -> None:
+    """``ConfigError`` unless ``path`` can be written: not a folder, and its nearest existing ancestor (the
+    folders between are made when it is written) a folder this process may write in."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a folder; name a file")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write {what} {path}: {folder} is a file, not a folder")
+    if not os.access(folder if not path.exists() else path, os.W_OK) or not os.access(folder, os.X_OK):
+        raise ConfigError(f"cannot write {what} {path}: no permission to write in {folder}")
 
 
 def check_in_flight(in_flight: Any, micro_batches: int, schedule: str, staleness: Any = 0) -> None:
@@ -186,6 +221,8 @@ class StageOptions:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
         check_parameter_files(self.save_path, self.load_path, bool(self.init))
+        check_outputs([("--summary", self.summary_path), ("--trace", self.trace_path),
+                                ("--metrics", self.metrics_path), ("--save", self.save_path)])
 
 
         if self.tensorboard_dir is not None:

@@ -84,11 +84,24 @@ def scores_text(fields: Mapping[str, Any]) -> str:
 _NOT_SCORES = ("test_loss", "test_count", "test_step", "validation_loss", "validation_count")
 
 
-def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
+def is_special(path: str | Path) -> bool:
+    """Whether ``path`` is something other than a regular file or folder (``/dev/null``, ``/dev/stdout``, a
+    FIFO): written into as it is, never replaced by a rename (which would put a file where the device was)."""
     path = Path(path)
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
+    """Write ``obj`` as JSON to ``path`` under a temporary name renamed into place (``path`` is never seen half
+    written); a device or FIFO (``is_special``) is written into directly."""
+    path = Path(path)
+    text = json_text(obj, indent=1, sort_keys=True) + "\n"
+    if is_special(path):
+        path.write_text(text, encoding="utf-8")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json_text(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
 
@@ -104,6 +117,10 @@ def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path
     """Write a file through ``write(file)`` under a temporary name, fsync it and rename it into place, so
     ``path`` is never seen half written; the temporary file is removed on failure. Raises ``OSError``."""
     path = Path(path)
+    if is_special(path):                # a device or FIFO: written into, never replaced
+        with open(path, "wb") as f:
+            write(f)
+        return path
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -181,8 +198,8 @@ class TraceWriter:
 
         A torn last line, left by a crash, is dropped too.
         """
-        if self._file is None or self.path is None:
-            return
+        if self._file is None or self.path is None or is_special(self.path):
+            return                      # a device or FIFO keeps no lines to drop
         self._file.close()
         kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
