@@ -82,3 +82,28 @@ def test_an_unknown_name_on_a_module_lists_the_accepted_ones():
         module_optimizer({"type": "Adamm"}, _params(), "f")
     with pytest.raises(ConfigError, match="re-evaluates the whole model"):
         module_optimizer({"type": "lbfgs"}, _params(), "f")
+
+
+@pytest.mark.parametrize("kind", ["Adam", "RMSprop", "adamw"])
+def test_a_module_optimizer_option_the_torch_class_does_not_take_lists_the_valid_ones(kind):
+    from distgrad.stage.torch_stage import module_optimizer
+    with pytest.raises(ConfigError, match=r"stage 'f': torch.optim.\w+ rejects .*unknown option\(s\) "
+                                          r"\['learning_rate'\]; valid options: type, lr, .*schedule"):
+        module_optimizer({"type": kind, "learning_rate": 0.01}, _params(), "f")
+
+
+@pytest.mark.parametrize("option, value", [("lr", "0.01"), ("lr", True), ("weight_decay", "0")])
+def test_a_module_optimizer_option_that_is_not_a_number_is_refused_naming_it(option, value):
+    from distgrad.stage.torch_stage import module_optimizer
+    with pytest.raises(ConfigError, match=f"torch.optim.Adam rejects .*option '{option}': .* is not a number"):
+        module_optimizer({"type": "Adam", option: value}, _params(), "f")
+
+
+def test_a_scheduler_option_the_torch_class_does_not_take_lists_the_valid_ones():
+    from distgrad.stage.torch_stage import module_optimizer, stage_scheduler
+    optimizer, _ = module_optimizer({"type": "Adam", "lr": 0.01}, _params(), "f")
+    with pytest.raises(ConfigError, match=r"stage 'f': scheduler 'StepLR': .*StepLR rejects .*unknown option\(s\) "
+                                          r"\['stepsize'\]; valid options: type, step_size, gamma"):
+        stage_scheduler({"type": "StepLR", "stepsize": 10}, optimizer, "f")
+    with pytest.raises(ConfigError, match="option 'gamma': '0.5' is not a number"):
+        stage_scheduler({"type": "StepLR", "step_size": 10, "gamma": "0.5"}, optimizer, "f")
