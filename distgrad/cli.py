@@ -603,9 +603,11 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
     from distgrad.config.parse import parse_init_overrides
     from distgrad.run.options import check_in_flight
     from distgrad.run.progress import check_tensorboard
-    from distgrad.stage.records import check_trace_filter, parse_trace_params
+    from distgrad.stage.records import check_output_file, check_trace_filter, parse_trace_params
     from distgrad.wire.transport import check_spin
 
+    for flag, path in (("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)):
+        check_output_file(path, flag)
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
                        init=parse_init_overrides(args.init), checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, in_process=in_process,

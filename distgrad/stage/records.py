@@ -117,6 +117,25 @@ def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path
     return path
 
 
+def check_output_file(path: str | Path | None, flag: str) -> None:
+    """Refuse, before a run starts, an output file (``--summary``, ``--trace``, ``--metrics``) that cannot be
+    written: a path that is a directory, or whose nearest existing folder is a file or not writable (missing
+    folders below it are made when the file is written). ``ConfigError`` naming the flag and the path;
+    without it the run trained, then lost its output to a traceback."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory: give the path of the file to write")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
