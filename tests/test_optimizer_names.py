@@ -107,3 +107,15 @@ def test_a_scheduler_option_the_torch_class_does_not_take_lists_the_valid_ones()
         stage_scheduler({"type": "StepLR", "stepsize": 10}, optimizer, "f")
     with pytest.raises(ConfigError, match="option 'gamma': '0.5' is not a number"):
         stage_scheduler({"type": "StepLR", "step_size": 10, "gamma": "0.5"}, optimizer, "f")
+
+
+def test_a_torch_loss_option_the_class_does_not_take_lists_the_valid_ones():
+    from distgrad.model.losses import build_module_loss
+    from distgrad.stage.torch_stage import _torch_loss
+    for options, needle in [({"size": 3}, r"unknown option\(s\) \['size'\]; valid options: type, size_average, "
+                                          r"reduce, reduction"),
+                            ({"label_smoothing": "0.1"}, r"option 'label_smoothing': '0.1' is not a number")]:
+        kind = "MSELoss" if "size" in options else "CrossEntropyLoss"
+        loss = build_module_loss({"type": kind, **options})
+        with pytest.raises(ConfigError, match=rf"stage g: torch.nn.{kind}\(.*\) failed: {needle}"):
+            _torch_loss(loss, torch.device("cpu"), "g")

@@ -233,6 +233,7 @@ def _torch_loss(loss: Loss, device: torch.device, stage: str) -> Callable[[torch
     options = {k: torch.tensor(v, dtype=torch.float32, device=device) if k in _TENSOR_LOSS_OPTIONS and
                isinstance(v, list) else v for k, v in loss.options.items()}
     try:
+        check_keyword_options(getattr(nn, loss.type), options)
         module = getattr(nn, loss.type)(**options).to(device)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"stage {stage}: torch.nn.{loss.type}(**{loss.options!r}) failed: {e}") from e
@@ -386,9 +387,9 @@ def _torch_optimizer_classes() -> list[str]:
 
 def check_keyword_options(cls: type, options: Mapping[str, Any], given: str = "", also: Sequence[str] = ()) -> None:
     """Refuse, before ``cls(...)`` is called, the options of a table that names a torch class
-    (``torch.optim.Adam``, a ``torch.optim.lr_scheduler`` class): a name ``cls`` does not take (``ConfigError``
-    listing the valid ones, as distgrad's own tables do) and a string or boolean where ``cls``'s default is a
-    number (``lr = "0.01"``: torch would fail on a comparison, or take it). ``given`` names the option
+    (``torch.optim.Adam``, a ``torch.optim.lr_scheduler`` class, a ``torch.nn`` loss): a name ``cls`` does
+    not take (``ConfigError`` listing the valid ones, as distgrad's own tables do) and a string or boolean
+    where ``cls``'s default is a number (``lr = "0.01"``: torch would fail on a comparison, or take it). ``given`` names the option
     positions the caller fills itself (the parameters, the optimizer), which a table may not give; ``also``
     the table's keys that distgrad reads itself (listed among the valid ones).
     """
