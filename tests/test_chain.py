@@ -151,6 +151,20 @@ def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_serve
     assert m.proc.poll() is None                      # the middle stage keeps serving
 
 
+def test_a_middle_stage_whose_stage_below_never_answers_tells_the_driver_why(tmp_path, start_server):
+    """Nothing serves below m: m gives up after its own deadline and answers the driver's pending hello (and
+    its resends) with why, naming the endpoint below, so the driver exits 4 with that reason; it waited out
+    its own deadline and asked whether m was running (exit 3)."""
+    below = free_tcp_endpoint()
+    m, m_endpoint = start_server("chain-regression", "--connect", below, "--timeout", "1", "--peer-deadline", "2",
+                                 stage="m", name="m")
+    result = run_cli(["stage", "f", "--experiment", "chain-regression", "--connect", m_endpoint, "--timeout", "1",
+                      "--peer-deadline", "30"])
+    assert result.returncode == 4, result.stderr
+    assert f"error aborted: stage m stopped: no reply from {below}" in result.stderr, result.stderr
+    assert "stage m stopped: no reply from" in m.output     # and m says so itself (it exits 3 afterwards)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["m", "--bind", "tcp://127.0.0.1:*"], "is the middle stage of 'chain-regression'"),
     (["m", "--connect", "tcp://127.0.0.1:5"], "give --bind ENDPOINT and --connect ENDPOINT"),

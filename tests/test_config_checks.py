@@ -118,6 +118,19 @@ def test_checkpoint_every_without_a_directory_exits_2_on_every_path():
         _assert_usage_error([*args, "--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint-dir")
 
 
+@pytest.mark.parametrize("flag", ["--summary", "--trace", "--metrics"])
+def test_an_output_file_that_cannot_be_written_exits_2_on_every_path_before_anything_runs(tmp_path, flag):
+    """A directory given as the file, or a path under a file: refused naming the flag before any stage starts
+    (it was a traceback after the whole run had trained, its output lost)."""
+    (tmp_path / "a-file").write_text("")
+    for target, needle in ((tmp_path, f"{flag} {tmp_path} is a folder; name a file"),
+                           (tmp_path / "a-file" / "out.json", f"{tmp_path / 'a-file'} is a file, not a folder")):
+        for args in _paths("tanh-regression"):
+            if flag == "--metrics" and args[-1] == "--in-process":
+                continue            # --in-process refuses --metrics whatever the path (writes none)
+            _assert_usage_error([*args, flag, target], needle)
+
+
 def test_in_process_refuses_checkpoint_flags_it_would_ignore(tmp_path):
     """Documented: --in-process keeps no checkpoints, so it refuses the flags rather than ignore them."""
     _assert_usage_error(["run", "tanh-regression", "--in-process", "--checkpoint-dir", tmp_path,

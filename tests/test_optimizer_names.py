@@ -82,3 +82,40 @@ def test_an_unknown_name_on_a_module_lists_the_accepted_ones():
         module_optimizer({"type": "Adamm"}, _params(), "f")
     with pytest.raises(ConfigError, match="re-evaluates the whole model"):
         module_optimizer({"type": "lbfgs"}, _params(), "f")
+
+
+@pytest.mark.parametrize("kind", ["Adam", "RMSprop", "adamw"])
+def test_a_module_optimizer_option_the_torch_class_does_not_take_lists_the_valid_ones(kind):
+    from distgrad.stage.torch_stage import module_optimizer
+    with pytest.raises(ConfigError, match=r"stage 'f': torch.optim.\w+ rejects .*unknown option\(s\) "
+                                          r"\['learning_rate'\]; valid options: type, lr, .*schedule"):
+        module_optimizer({"type": kind, "learning_rate": 0.01}, _params(), "f")
+
+
+@pytest.mark.parametrize("option, value", [("lr", "0.01"), ("lr", True), ("weight_decay", "0")])
+def test_a_module_optimizer_option_that_is_not_a_number_is_refused_naming_it(option, value):
+    from distgrad.stage.torch_stage import module_optimizer
+    with pytest.raises(ConfigError, match=f"torch.optim.Adam rejects .*option '{option}': .* is not a number"):
+        module_optimizer({"type": "Adam", option: value}, _params(), "f")
+
+
+def test_a_scheduler_option_the_torch_class_does_not_take_lists_the_valid_ones():
+    from distgrad.stage.torch_stage import module_optimizer, stage_scheduler
+    optimizer, _ = module_optimizer({"type": "Adam", "lr": 0.01}, _params(), "f")
+    with pytest.raises(ConfigError, match=r"stage 'f': scheduler 'StepLR': .*StepLR rejects .*unknown option\(s\) "
+                                          r"\['stepsize'\]; valid options: type, step_size, gamma"):
+        stage_scheduler({"type": "StepLR", "stepsize": 10}, optimizer, "f")
+    with pytest.raises(ConfigError, match="option 'gamma': '0.5' is not a number"):
+        stage_scheduler({"type": "StepLR", "step_size": 10, "gamma": "0.5"}, optimizer, "f")
+
+
+def test_a_torch_loss_option_the_class_does_not_take_lists_the_valid_ones():
+    from distgrad.model.losses import build_module_loss
+    from distgrad.stage.torch_stage import _torch_loss
+    for options, needle in [({"size": 3}, r"unknown option\(s\) \['size'\]; valid options: type, size_average, "
+                                          r"reduce, reduction"),
+                            ({"label_smoothing": "0.1"}, r"option 'label_smoothing': '0.1' is not a number")]:
+        kind = "MSELoss" if "size" in options else "CrossEntropyLoss"
+        loss = build_module_loss({"type": kind, **options})
+        with pytest.raises(ConfigError, match=rf"stage g: torch.nn.{kind}\(.*\) failed: {needle}"):
+            _torch_loss(loss, torch.device("cpu"), "g")

@@ -346,13 +346,14 @@ class GroupServer(CutServer, serves_several=True):
         held: list[int] = body.get("held")          # type: ignore[assignment]
         common_step([], held)                                    # validates ``held``
         now = time.monotonic()
+        # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
+        if peer.run and msg.run != peer.run and now - peer.heard < self.bounds.liveness_s:
+            busy = wire.busy_text("run", peer.run, peer.since, peer.name, now - peer.heard, self.bounds.liveness_s)
+            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         if peer.run and msg.run != peer.run and (peer.step or peer.taken):
             raise ProtocolError(ErrorCode.RUN, f"{peer.name} is in run {peer.run} at step {peer.step} here, the "
                                                f"hello is of run {msg.run!r}: resume it with its run's checkpoint, "
                                                f"or start the label owner afresh")
-        if peer.run and msg.run != peer.run and now - peer.heard < self.bounds.liveness_s:
-            busy = wire.busy_text("run", peer.run, peer.since, peer.name, now - peer.heard, self.bounds.liveness_s)
-            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
         if peer.run == msg.run:
             check_owner(peer.owner, peer_key)
         for other in self.peers:

@@ -346,14 +346,15 @@ class CutServer:
         check_served_staleness(self.exp, staleness)
         held: Any = body.get("held")                             # from the wire: common_step checks it
         common_step([], held)                                    # validates ``held``
-        if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
-            raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
-                                               f"hello is of run {msg.run!r}: resume the data owner with the "
-                                               f"run's checkpoint, or start the label owner afresh")
+        # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
         if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
             busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
                              self.bounds.liveness_s)
             raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
+        if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
+            raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
+                                               f"hello is of run {msg.run!r}: resume the data owner with the "
+                                               f"run's checkpoint, or start the label owner afresh")
         if self.run_id == msg.run:
             check_owner(self.owner, peer_key)
         if self.next_mb and mbs != self.mbs:

@@ -222,9 +222,7 @@ class StageOptions:
         check_spin(self.spin_s)
         check_parameter_files(self.save_path, self.load_path, bool(self.init))
         check_outputs([("--summary", self.summary_path), ("--trace", self.trace_path),
-                                ("--metrics", self.metrics_path), ("--save", self.save_path)])
-
-
+                       ("--metrics", self.metrics_path), ("--save", self.save_path)])
         if self.tensorboard_dir is not None:
             check_tensorboard()                    # ConfigError naming the extra to install
         if self.trace_params is not None or self.trace_every != 1:

@@ -927,6 +927,35 @@ def _answer_untold(server: Server, logic: ServingStage) -> None:
     logic.untold = {}
 
 
+def _tell_above(server: Server, logic: ServingStage, envelope: Envelope, frames: list[Any],
+                error: PeerTimeout, stop: StopFlag) -> None:
+    """A middle stage whose stage below stopped answering while it passed ``frames`` on stops: the request
+    is answered with why (code ``aborted``), and so is every request of that run for ``UNTOLD_WAIT_S`` (the
+    driver's resends, each on a fresh socket: only the newest is still heard, and silence is the only sign
+    that it was told); so the driver stops with the reason instead of waiting out its own deadline and
+    asking whether this stage is running. A signal ends the wait (the stage then exits with ``error``)."""
+    try:
+        msg = wire.decode(frames, logic.max_tensor_bytes)
+    except ProtocolError:
+        return
+    text = f"stage {logic.opts.stage} stopped: {error}"
+    logic.log.error("%s; telling the stage above", text)
+    server.reply(envelope, wire.error_message(msg.run, msg.step, ErrorCode.ABORTED, text, msg.mb, msg.mbs))
+    deadline = time.monotonic() + UNTOLD_WAIT_S
+    while time.monotonic() < deadline and stop.signum is None:
+        request = server.receive(POLL_TICK_S)
+        if request is None:
+            continue
+        envelope, frames, _ = request
+        try:
+            resent = wire.decode(frames, logic.max_tensor_bytes)
+        except ProtocolError:
+            continue
+        if resent.run == msg.run and resent.type != wire.ERROR:
+            server.reply(envelope, wire.error_message(resent.run, resent.step, ErrorCode.ABORTED, text,
+                                                      resent.mb, resent.mbs))
+
+
 def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
     """Send ``replies``, then run the work they deferred, and send what that work answered, until none."""
     while replies:                      # each reply leaves before the work it defers is done
@@ -968,9 +997,14 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     raise PeerTimeout(logic.lost_message())
             if request is not None:
                 envelope, frames, peer_key = request
-                msg, answer, refused = decode_and_handle(
-                    frames, logic.max_tensor_bytes, functools.partial(logic.handle, envelope, now=now, peer_key=peer_key),
-                    logic.log)
+                try:
+                    msg, answer, refused = decode_and_handle(
+                        frames, logic.max_tensor_bytes,
+                        functools.partial(logic.handle, envelope, now=now, peer_key=peer_key), logic.log)
+                except PeerTimeout as e:
+                    if logic.link is not None:      # the stage below is gone: tell the stage above why
+                        _tell_above(server, logic, envelope, frames, e, stop)
+                    raise
                 _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
             # Asked only when there is something to end or complete (a step's path is short).
             failure = logic.end_failed_run() if logic.failure is not None else None

@@ -233,6 +233,7 @@ def _torch_loss(loss: Loss, device: torch.device, stage: str) -> Callable[[torch
     options = {k: torch.tensor(v, dtype=torch.float32, device=device) if k in _TENSOR_LOSS_OPTIONS and
                isinstance(v, list) else v for k, v in loss.options.items()}
     try:
+        check_keyword_options(getattr(nn, loss.type), options)
         module = getattr(nn, loss.type)(**options).to(device)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"stage {stage}: torch.nn.{loss.type}(**{loss.options!r}) failed: {e}") from e
@@ -384,6 +385,29 @@ def _torch_optimizer_classes() -> list[str]:
                   and name.lower() not in _CLOSURE_OPTIMIZERS)
 
 
+def check_keyword_options(cls: type, options: Mapping[str, Any], given: str = "", also: Sequence[str] = ()) -> None:
+    """Refuse, before ``cls(...)`` is called, the options of a table that names a torch class
+    (``torch.optim.Adam``, a ``torch.optim.lr_scheduler`` class, a ``torch.nn`` loss): a name ``cls`` does
+    not take (``ConfigError`` listing the valid ones, as distgrad's own tables do) and a string or boolean
+    where ``cls``'s default is a number (``lr = "0.01"``: torch would fail on a comparison, or take it). ``given`` names the option
+    positions the caller fills itself (the parameters, the optimizer), which a table may not give; ``also``
+    the table's keys that distgrad reads itself (listed among the valid ones).
+    """
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return      # a class taking any keyword: its constructor is the judge
+    valid = [name for name, p in parameters.items() if name != given
+             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; valid options: {', '.join(['type', *valid, *also])}")
+    for name, value in options.items():
+        default = parameters[name].default
+        numeric_default = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if numeric_default and (isinstance(value, (str, bool)) or value is None):
+            raise ConfigError(f"option {name!r}: {value!r} is not a number")
+
+
 def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage: str
                      ) -> tuple[torch.optim.Optimizer, Schedule | None]:
     """A module stage's optimizer and its learning-rate schedule (None without one).
@@ -423,6 +447,7 @@ def module_optimizer(table: Mapping[str, Any], params: list[nn.Parameter], stage
             default_lr = inspect.signature(cls).parameters["lr"].default
             schedule = optimizer_schedule(kind, schedule_spec, lr, default_lr)
         try:
+            check_keyword_options(cls, options, given="params", also=("schedule",))
             optimizer = cls(_group(params), **options)
         except Exception as e:      # torch's checks of the options raise many kinds (betas = [0.9]: IndexError)
             raise ConfigError(f"torch.optim.{kind} rejects {options!r}: {e}") from e
@@ -493,6 +518,7 @@ def stage_scheduler(table: Mapping[str, Any] | None, optimizer: torch.optim.Opti
     cls = getattr(torch.optim.lr_scheduler, kind)
     twin = copy.deepcopy(optimizer)     # made before the scheduler sets the rate and initial_lr of the real one
     try:
+        check_keyword_options(cls, options, given="optimizer")
         scheduler = cls(optimizer, **options)
     except Exception as e:      # torch's checks of the options raise many kinds
         raise ConfigError(f"{where}: torch.optim.lr_scheduler.{kind} rejects {options!r}: {e}") from e
