@@ -1060,6 +1060,12 @@ def _guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         # The reader of our output went away (``distgrad experiments | head``): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:
+        # A file that could not be written or read (disk full, a read-only folder) where no writer named
+        # it (``OutputWriteError`` does): still one line, with the traceback at --log-level DEBUG.
+        log.debug("the failed operation", exc_info=True)
+        log.error("%s", e)
+        return EXIT_FAILED
 
 
 def stage_main(argv: Sequence[str] | None = None) -> int:
