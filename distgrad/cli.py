@@ -603,7 +603,7 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
     from distgrad.config.parse import parse_init_overrides
     from distgrad.run.options import check_in_flight
     from distgrad.run.progress import check_tensorboard
-    from distgrad.stage.records import check_trace_filter, parse_trace_params
+    from distgrad.stage.records import check_output_file, check_trace_filter, parse_trace_params
     from distgrad.wire.transport import check_spin
 
     check_run_settings(exp, steps=args.steps, seed=args.seed, micro_batches=args.micro_batches,
@@ -625,6 +625,8 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
         check_tensorboard()
     if args.privacy_meter:
         check_meter_flag(exp)
+    if args.summary is not None:
+        check_output_file("--summary", args.summary)    # written at the end: found unwritable now
     if not in_process:
         _check_stage_processes(exp, args)
         trace_params = parse_trace_params(args.trace_params)

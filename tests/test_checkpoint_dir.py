@@ -134,6 +134,18 @@ def test_a_full_disk_under_an_output_file_is_one_clear_error_naming_it(tmp_path,
         assert not [p.name for p in small.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("command", [["run", "seed-reverse"], ["run", "seed-reverse", "--in-process"],
+                                     ["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:9"]])
+def test_a_summary_in_a_read_only_folder_is_refused_at_start(tmp_path, command):
+    # The summary is written after the last step: found unwritable then, the whole run was spent for nothing.
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        result = run_main([*command, "--summary", ro / "sub" / "s.json"])
+        assert result.returncode == 2, result.stderr
+        assert f"--summary {ro / 'sub' / 's.json'}: the folder {ro} is not writable: Read-only file system" \
+            in result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_a_full_disk_under_the_metrics_is_an_output_write_error_naming_them(tmp_path):
     # What a stage process's --metrics meets; its command then ends on this one line (exit 1), as above.
     with _tmpfs(tmp_path / "small", "size=8k") as small:

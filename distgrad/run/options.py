@@ -16,7 +16,7 @@ from distgrad.config.defended import meter_kind, metered
 from distgrad.config.experiment import AUTO_STALENESS, Experiment, check_run_settings, client_stage_name
 from distgrad.wire.link import LinkSettings
 from distgrad.run.progress import check_tensorboard
-from distgrad.stage.records import check_trace_filter
+from distgrad.stage.records import check_output_file, check_trace_filter
 from distgrad.stage.stage import Stage, check_parameter_files
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
 
@@ -186,6 +186,8 @@ class StageOptions:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         check_spin(self.spin_s)
         check_parameter_files(self.save_path, self.load_path, bool(self.init))
+        if self.summary_path is not None:
+            check_output_file("--summary", self.summary_path)    # written at the end: found unwritable now
 
 
         if self.tensorboard_dir is not None:

@@ -7,6 +7,7 @@ bit-for-bit the value that was written.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -95,6 +96,24 @@ def writing(path: str | Path | None, what: str = "") -> Iterator[None]:
         raise
     except OSError as e:
         raise OutputWriteError(f"cannot write {what + ' ' if what else ''}{path}: {e.strerror or e}") from e
+
+
+def check_output_file(flag: str, path: str | Path) -> None:
+    """Refuse, at start, a file the run would write only at its end (``--summary``): one that is a folder, or
+    whose folder (the nearest that exists: the writer creates the rest) cannot be written, a read-only
+    mount too. Raises ``ConfigError`` naming the flag, the path and the reason."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory: name the file to write")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: {folder} is not a folder")
+    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    if read_only or not os.access(folder, os.W_OK | os.X_OK):    # as root, os.access says yes to a read-only mount
+        reason = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        raise ConfigError(f"{flag} {path}: the folder {folder} is not writable: {reason}")
 
 
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
