@@ -68,6 +68,9 @@ class Checkpoint:
     saved_ns: int | None = None     # wall clock of the save (None in files older than this field)
 
 
+_HEADER_TYPES: dict[str, type] = {"stage": str, "run": str, "step": int, "fingerprint": str, "meta": dict}
+
+
 def _digest(fields: Mapping[str, Any], payload: bytes) -> str:
     """SHA-256 over the header fields and the payload: a flipped bit anywhere is caught."""
     digest = hashlib.sha256(msgpack.packb(dict(sorted(fields.items()))))
@@ -168,6 +171,11 @@ def load(path: Path) -> Checkpoint:
         fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns") if k in header}
         if _digest(fields, payload) != header["sha256"]:
             raise CheckpointError(f"{path} fails its checksum (torn or corrupt)")
+        for key, kind in _HEADER_TYPES.items():     # a file of another writer may pass its checksum
+            value = header.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CheckpointError(f"{path} is not a checkpoint of this format: its header's {key!r} is "
+                                      f"{type(value).__name__}, not {kind.__name__}")
         if not zipfile.is_zipfile(io.BytesIO(payload)):
             raise _pickled(path, "its arrays are not an npz archive (a pickle?)")
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
