@@ -459,6 +459,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     from distgrad.run.launcher import check_data
     from distgrad.run.options import StopFlag
     from distgrad.run.serving import serve
+    from distgrad.stage.records import check_output_file
 
     exp = _load_experiment(args)
     role = exp.check_role(args.stage, binds=args.bind is not None, connects=args.connect is not None)
@@ -472,6 +473,8 @@ def _run_stage(args: argparse.Namespace) -> int:
                           privacy_meter=args.privacy_meter)
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
+    if args.ready_file is not None:
+        check_output_file("--ready-file", args.ready_file)     # before binding, not once bound
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes

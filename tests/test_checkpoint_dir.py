@@ -134,14 +134,19 @@ def test_a_full_disk_under_an_output_file_is_one_clear_error_naming_it(tmp_path,
         assert not [p.name for p in small.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("command", [["run", "seed-reverse"], ["run", "seed-reverse", "--in-process"],
-                                     ["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:9"]])
-def test_a_summary_in_a_read_only_folder_is_refused_at_start(tmp_path, command):
-    # The summary is written after the last step: found unwritable then, the whole run was spent for nothing.
+SERVING_G = ["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize("command, flag", [(["run", "seed-reverse"], "--summary"),
+                                           (["run", "seed-reverse", "--in-process"], "--summary"),
+                                           (SERVING_G, "--summary"), (SERVING_G, "--ready-file")])
+def test_an_output_in_a_read_only_folder_is_refused_at_start(tmp_path, command, flag):
+    # The summary is written after the last step: found unwritable then, the whole run was spent for nothing;
+    # the ready file once the stage is bound.
     with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
-        result = run_main([*command, "--summary", ro / "sub" / "s.json"])
+        result = run_main([*command, flag, ro / "sub" / "s.json"])
         assert result.returncode == 2, result.stderr
-        assert f"--summary {ro / 'sub' / 's.json'}: the folder {ro} is not writable: Read-only file system" \
+        assert f"{flag} {ro / 'sub' / 's.json'}: the folder {ro} is not writable: Read-only file system" \
             in result.stderr
         assert "Traceback" not in result.stderr
 
