@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import struct
+import threading
 from pathlib import Path
 
 import msgpack
@@ -119,6 +120,28 @@ def test_a_checkpoint_whose_header_fields_have_other_types_is_skipped_as_not_our
     assert store.latest().step == 1
     assert [c.step for c in store.valid("run")] == [1]
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+
+
+def test_a_fifo_under_a_checkpoints_name_is_skipped_not_waited_on(tmp_path):
+    """Reading a FIFO blocks until someone writes to it (and SIGTERM does not end the read): a file under a
+    checkpoint's name that is not a regular file is skipped with the reason, and the previous one serves."""
+    store = _store(tmp_path)
+    store.save("run", 1, _arrays(1.0), {})
+    fifo = tmp_path / "ckpt" / "g-run-000000002.ckpt"
+    os.mkfifo(fifo)
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(store.latest()), daemon=True)
+    reader.start()
+    reader.join(10)
+    try:
+        assert not reader.is_alive(), "the store waited on the FIFO"
+        assert found[0].step == 1
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            checkpoint.load(fifo)
+    finally:
+        if reader.is_alive():                   # the old behaviour: let the blocked read end
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
 
 
 def test_no_temporary_files_are_left_and_nothing_is_pickled(tmp_path):

@@ -27,6 +27,7 @@ import io
 import logging
 import os
 import re
+import stat
 import struct
 import time
 import zipfile
@@ -155,7 +156,7 @@ def load(path: Path) -> Checkpoint:
     """Read and verify one checkpoint; raises ``CheckpointError`` if it is torn or corrupt, and
     ``ConfigError`` if it verifies but holds pickled data (``_pickled``)."""
     try:
-        data = path.read_bytes()
+        data = _read_regular(path)
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
@@ -190,6 +191,22 @@ def load(path: Path) -> Checkpoint:
         raise
     except Exception as e:  # msgpack/numpy raise many types on corrupt bytes
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from e
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, refused (``CheckpointError``) unless it is a regular file: opened without
+    blocking, so a FIFO or device under a checkpoint's name cannot hold the stage forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1                         # closed by the file object
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _files(directory: Path, stage: str) -> list[tuple[int, str | None]]:
