@@ -457,7 +457,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     drive until the run ends."""
     from distgrad.run.driver import drive_first_stage
     from distgrad.run.launcher import check_data
-    from distgrad.run.options import StopFlag
+    from distgrad.run.options import StopFlag, check_outputs
     from distgrad.run.serving import serve
 
     exp = _load_experiment(args)
@@ -472,6 +472,8 @@ def _run_stage(args: argparse.Namespace) -> int:
                           privacy_meter=args.privacy_meter)
     if not serving and (args.keep_serving or args.ready_file or args.allow):
         raise ConfigError("--keep-serving, --ready-file and --allow are for a serving stage")
+    if args.ready_file is not None:
+        check_outputs([("--ready-file", args.ready_file)])     # before binding, not once bound
     if not args.connect and args.server_key:
         raise ConfigError("--server-key is for a stage that connects (--connect)")
     check_data(exp, opts.seed, [args.client], [args.stage])     # a bad data file exits 2 before any peer comes
@@ -1061,6 +1063,12 @@ def _guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         # The reader of our output went away (``distgrad experiments | head``): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:
+        # A file that could not be written or read (disk full, a read-only folder) where no writer named
+        # it (``OutputWriteError`` does): still one line, with the traceback at --log-level DEBUG.
+        log.debug("the failed operation", exc_info=True)
+        log.error("%s", e)
+        return EXIT_FAILED
 
 
 def stage_main(argv: Sequence[str] | None = None) -> int:

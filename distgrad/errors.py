@@ -89,7 +89,12 @@ class CutMisuse(DistgradError, RuntimeError):
     the message says what to do instead."""
 
 
-class CheckpointWriteError(DistgradError, OSError):
+class OutputWriteError(DistgradError, OSError):
+    """A file the run writes (summary, trace, metrics, checkpoint) could not be written (disk full, read-only
+    folder); names the file and the cause. Exit code 1, one log line, no traceback."""
+
+
+class CheckpointWriteError(OutputWriteError):
     """A checkpoint could not be written (disk full, read-only directory); names the directory and cause."""
 
 

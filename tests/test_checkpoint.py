@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import struct
+import threading
 from pathlib import Path
 
 import msgpack
@@ -97,6 +98,50 @@ def _rewrite(path, payload: bytes) -> None:
     fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns")}
     packed = msgpack.packb(dict(fields, sha256=checkpoint._digest(fields, payload)))
     path.write_bytes(checkpoint.MAGIC + struct.pack("<I", len(packed)) + packed + payload)
+
+
+@pytest.mark.parametrize("field, value", [("run", 7), ("step", "2"), ("step", 2.5), ("step", True),
+                                          ("stage", None), ("fingerprint", 1), ("meta", [1, 2])])
+def test_a_checkpoint_whose_header_fields_have_other_types_is_skipped_as_not_ours(tmp_path, field, value):
+    """A file of another writer passes its checksum (anyone can compute it); a header field of another type
+    makes it not a checkpoint of this format: skipped with the reason (the previous one serves), never a crash
+    or a step read from a string, and no file changes."""
+    store = _store(tmp_path)
+    store.save("run", 1, _arrays(1.0), {})
+    path = store.save("run", 2, _arrays(2.0), {})
+    header, payload = _payload(path)
+    fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns")}
+    fields[field] = value
+    packed = msgpack.packb(dict(fields, sha256=checkpoint._digest(fields, payload)))
+    path.write_bytes(checkpoint.MAGIC + struct.pack("<I", len(packed)) + packed + payload)
+    with pytest.raises(CheckpointError, match=f"its header's '{field}' is {type(value).__name__}, not"):
+        checkpoint.load(path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    assert store.latest().step == 1
+    assert [c.step for c in store.valid("run")] == [1]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+
+
+def test_a_fifo_under_a_checkpoints_name_is_skipped_not_waited_on(tmp_path):
+    """Reading a FIFO blocks until someone writes to it (and SIGTERM does not end the read): a file under a
+    checkpoint's name that is not a regular file is skipped with the reason, and the previous one serves."""
+    store = _store(tmp_path)
+    store.save("run", 1, _arrays(1.0), {})
+    fifo = tmp_path / "ckpt" / "g-run-000000002.ckpt"
+    os.mkfifo(fifo)
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(store.latest()), daemon=True)
+    reader.start()
+    reader.join(10)
+    try:
+        assert not reader.is_alive(), "the store waited on the FIFO"
+        assert found[0].step == 1
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            checkpoint.load(fifo)
+    finally:
+        if reader.is_alive():                   # the old behaviour: let the blocked read end
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
 
 
 def test_no_temporary_files_are_left_and_nothing_is_pickled(tmp_path):

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import StageProcess, read_json, run_cli, run_main
+from distgrad.errors import OutputWriteError
+from distgrad.run.progress import MetricsWriter
 
 from test_faults import Pair
 
@@ -114,6 +116,50 @@ def test_a_full_disk_mid_run_is_one_clear_error_and_leaves_no_partial_file(tmp_p
         finally:
             f.stop()
             g.stop()
+
+
+@pytest.mark.parametrize("output", ["--trace", "--summary"])
+def test_a_full_disk_under_an_output_file_is_one_clear_error_naming_it(tmp_path, output):
+    # seed-reverse's trace takes about 100 bytes a step: 900 steps overflow 8 KiB mid-run. The summary is
+    # written at the end, onto a disk already full.
+    with _tmpfs(tmp_path / "small", "size=8k") as small:
+        if output == "--summary":
+            (small / "filler").write_bytes(bytes(8192))
+        path = small / "out.json"
+        result = run_main(["run", "seed-reverse", "--in-process", output, path])
+        assert result.returncode == 1, result.stderr
+        what = {"--trace": "the trace ", "--summary": ""}[output]
+        assert f"cannot write {what}{path}: No space left on device" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert not [p.name for p in small.iterdir() if p.name.endswith(".tmp")]
+
+
+SERVING_G = ["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize("command, flag", [(["run", "seed-reverse"], "--summary"),
+                                           (["run", "seed-reverse", "--in-process"], "--summary"),
+                                           (SERVING_G, "--summary"), (SERVING_G, "--ready-file")])
+def test_an_output_in_a_read_only_folder_is_refused_at_start(tmp_path, command, flag):
+    # The summary is written after the last step: found unwritable then, the whole run was spent for nothing;
+    # the ready file once the stage is bound.
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        result = run_main([*command, flag, ro / "sub" / "s.json"])
+        assert result.returncode == 2, result.stderr
+        assert f"cannot write {flag} {ro / 'sub' / 's.json'}: the folder {ro} is not writable: Read-only file system" \
+            in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_full_disk_under_the_metrics_is_an_output_write_error_naming_them(tmp_path):
+    # What a stage process's --metrics meets; its command then ends on this one line (exit 1), as above.
+    with _tmpfs(tmp_path / "small", "size=8k") as small:
+        writer = MetricsWriter(small / "m.jsonl")
+        with pytest.raises(OutputWriteError, match=f"cannot write the metrics {small / 'm.jsonl'}: No space left"):
+            for step in range(1, 1000):
+                writer.write({"step": step, "loss": 0.5, "wall_s": 0.001})
+            writer.close()
+        writer.close()          # closed once, whatever failed
 
 
 def _outputs(tmp_path: Path) -> dict[str, bytes]:

@@ -6,6 +6,7 @@ every ``transport.POLL_TICK_S``.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
 
 def _check_writable(what: str, path: Path) -> None:
     """``ConfigError`` unless ``path`` can be written: not a folder, and its nearest existing ancestor (the
-    folders between are made when it is written) a folder this process may write in."""
+    folders between are made when it is written) a folder this process may write in, on a mount that is not
+    read-only (as root, ``os.access`` says yes to a read-only mount)."""
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a folder; name a file")
     folder = path.parent
@@ -58,8 +60,10 @@ def _check_writable(what: str, path: Path) -> None:
         folder = folder.parent
     if not folder.is_dir():
         raise ConfigError(f"cannot write {what} {path}: {folder} is a file, not a folder")
-    if not os.access(folder if not path.exists() else path, os.W_OK) or not os.access(folder, os.X_OK):
-        raise ConfigError(f"cannot write {what} {path}: no permission to write in {folder}")
+    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    if read_only or not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        reason = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        raise ConfigError(f"cannot write {what} {path}: the folder {folder} is not writable: {reason}")
 
 
 def check_in_flight(in_flight: Any, micro_batches: int, schedule: str, staleness: Any = 0) -> None:

@@ -21,6 +21,7 @@ from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.privacy.meter import METER_FIGURES
 from distgrad.stage.engine import StepRecord
+from distgrad.stage.records import writing
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
 BAR_WIDTH = 24
@@ -110,10 +111,13 @@ class MetricsWriter:
     ``test_NAME`` scores on the lines of the steps that evaluated (a serving stage's lines: ``StageRecords``)."""
 
     def __init__(self, path: Path | None) -> None:
-        self._file = None
+        """Raises ``OutputWriteError`` naming ``path`` when it cannot be written (as do ``write`` and ``close``)."""
+        self._file: IO[str] | None = None
+        self.path = path
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
+            with writing(path, "the metrics"):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(path, "w", encoding="utf-8")
 
     @property
     def enabled(self) -> bool:
@@ -121,12 +125,14 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json_text(record, separators=(",", ":")) + "\n")
+            with writing(self.path, "the metrics"):
+                self._file.write(json_text(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            with writing(self.path, "the metrics"):
+                file.close()
 
 
 

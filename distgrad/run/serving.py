@@ -75,6 +75,7 @@ from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
+from distgrad.stage.records import writing
 from distgrad.run.topology import Clients, OnePeer, Topology
 from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
@@ -862,8 +863,10 @@ def announce(server: Server, opts: StageOptions, ready_file: Path | None,
                     else "plaintext: not encrypted, any client accepted")
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
-        tmp.write_text(server.endpoint)
-        tmp.replace(ready_file)
+        with writing(ready_file, "the ready file"):
+            ready_file.parent.mkdir(parents=True, exist_ok=True)      # as every file the run writes
+            tmp.write_text(server.endpoint)
+            tmp.replace(ready_file)
     if on_ready is not None:
         on_ready(server.endpoint)
 

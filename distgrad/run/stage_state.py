@@ -24,7 +24,7 @@ from distgrad.privacy.releases import (COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OU
                                       Release, fresh_secret)
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
-from distgrad.errors import CheckpointWriteError, ConfigError, StageError
+from distgrad.errors import CheckpointWriteError, ConfigError, OutputWriteError, StageError
 from distgrad.run.metering import checkpointed_fields
 from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
@@ -609,7 +609,11 @@ class StageState:
         Raises ``CheckpointWriteError`` (and every later save is skipped)."""
         if self.store is not None and self.run_id and not self.write_failed:
             if self.trace is not None:
-                self.trace.flush()          # the trace then holds every step the checkpoint has
+                try:
+                    self.trace.flush()      # the trace then holds every step the checkpoint has
+                except OutputWriteError:
+                    self.write_failed = True    # the exit save must not report it a second time
+                    raise
             meta = dict(self.meta, owner=self.owner, **self.extra_meta(),
                         verdicts={"judged": self.selection.state(), "taken": self.verdicts.state(),
                                   "keeping_best": self.keeping_best,

@@ -27,6 +27,7 @@ import io
 import logging
 import os
 import re
+import stat
 import struct
 import time
 import zipfile
@@ -66,6 +67,9 @@ class Checkpoint:
     meta: dict[str, Any]
     path: Path
     saved_ns: int | None = None     # wall clock of the save (None in files older than this field)
+
+
+_HEADER_TYPES: dict[str, type] = {"stage": str, "run": str, "step": int, "fingerprint": str, "meta": dict}
 
 
 def _digest(fields: Mapping[str, Any], payload: bytes) -> str:
@@ -152,7 +156,7 @@ def load(path: Path) -> Checkpoint:
     """Read and verify one checkpoint; raises ``CheckpointError`` if it is torn or corrupt, and
     ``ConfigError`` if it verifies but holds pickled data (``_pickled``)."""
     try:
-        data = path.read_bytes()
+        data = _read_regular(path)
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
@@ -168,6 +172,11 @@ def load(path: Path) -> Checkpoint:
         fields = {k: header[k] for k in ("stage", "run", "step", "fingerprint", "meta", "saved_ns") if k in header}
         if _digest(fields, payload) != header["sha256"]:
             raise CheckpointError(f"{path} fails its checksum (torn or corrupt)")
+        for key, kind in _HEADER_TYPES.items():     # a file of another writer may pass its checksum
+            value = header.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CheckpointError(f"{path} is not a checkpoint of this format: its header's {key!r} is "
+                                      f"{type(value).__name__}, not {kind.__name__}")
         if not zipfile.is_zipfile(io.BytesIO(payload)):
             raise _pickled(path, "its arrays are not an npz archive (a pickle?)")
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
@@ -182,6 +191,22 @@ def load(path: Path) -> Checkpoint:
         raise
     except Exception as e:  # msgpack/numpy raise many types on corrupt bytes
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from e
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, refused (``CheckpointError``) unless it is a regular file: opened without
+    blocking, so a FIFO or device under a checkpoint's name cannot hold the stage forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1                         # closed by the file object
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _files(directory: Path, stage: str) -> list[tuple[int, str | None]]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+from typing import IO, AbstractSet, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
-from distgrad.errors import ConfigError, StageError
+from distgrad.errors import ConfigError, OutputWriteError, StageError
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
 
@@ -91,18 +92,36 @@ def is_special(path: str | Path) -> bool:
     return path.exists() and not path.is_file() and not path.is_dir()
 
 
+@contextmanager
+def writing(path: str | Path | None, what: str = "") -> Iterator[None]:
+    """Turn an ``OSError`` of the block (disk full, read-only folder, a lost mount) into an
+    ``OutputWriteError`` naming ``path`` and the cause, so a command ends on one clear line, not a traceback."""
+    try:
+        yield
+    except OutputWriteError:
+        raise
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {what + ' ' if what else ''}{path}: {e.strerror or e}") from e
+
+
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
-    """Write ``obj`` as JSON to ``path`` under a temporary name renamed into place (``path`` is never seen half
-    written); a device or FIFO (``is_special``) is written into directly."""
+    """Write ``obj`` as JSON to ``path`` through a temporary file renamed into place: ``path`` is never half
+    written and, on failure, the temporary file is removed; a device or FIFO (``is_special``) is written into
+    directly. Raises ``OutputWriteError`` naming ``path``."""
     path = Path(path)
     text = json_text(obj, indent=1, sort_keys=True) + "\n"
-    if is_special(path):
-        path.write_text(text, encoding="utf-8")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    with writing(path):
+        if is_special(path):
+            path.write_text(text, encoding="utf-8")
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
@@ -184,14 +203,16 @@ class TraceWriter:
         self.every, self.last_step = every, last_step
         self._warned = False
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+            with writing(self.path, "the trace"):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def flush(self) -> None:
         """Make every line written so far durable (called before a checkpoint is saved)."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with writing(self.path, "the trace"):
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def rollback(self, step: int) -> None:
         """Drop the lines of steps after ``step`` (a rollback to that step's state).
@@ -200,15 +221,21 @@ class TraceWriter:
         """
         if self._file is None or self.path is None or is_special(self.path):
             return                      # a device or FIFO keeps no lines to drop
-        self._file.close()
-        kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:       # replaced atomically: a crash keeps the old file
-            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        file, self._file = self._file, None
+        with writing(self.path, "the trace"):
+            file.close()
+            kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:     # replaced atomically: a crash keeps the old file
+                    f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            self._file = open(self.path, "a", encoding="utf-8")
 
     @property
     def enabled(self) -> bool:
@@ -239,12 +266,15 @@ class TraceWriter:
             self._warned = True
             log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
                         "--trace-params NAME,... and --trace-every K make it smaller", self.path, len(text) / 1e6)
-        self._file.write(text)
+        with writing(self.path, "the trace"):
+            self._file.write(text)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Raises ``OutputWriteError`` when the last lines cannot be written; the file is closed all the same."""
+        file, self._file = self._file, None
+        if file is not None:
+            with writing(self.path, "the trace"):
+                file.close()
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -306,11 +336,13 @@ def _by_step_and_client(key: tuple[int, int | None]) -> tuple[int, int]:
     return key[0], -1 if key[1] is None else key[1]
 
 
-def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]]) -> None:
+def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]], what: str) -> None:
+    """Raises ``OutputWriteError`` naming ``out``."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
+    with writing(out, what):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
 
 
 def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:
@@ -322,7 +354,7 @@ def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequenc
         for line in _read_part(path, "metrics"):
             merged.append({**line, "client": _client_of(line, client, path)})
     merged.sort(key=lambda line: (line["step"], line["client"]))
-    _write_lines(out, merged)
+    _write_lines(out, merged, "the metrics")
 
 
 def merge_traces(paths: Sequence[str | Path], out: str | Path,
@@ -350,7 +382,7 @@ def merge_traces(paths: Sequence[str | Path], out: str | Path,
             entry["params"].update(line.get("params", {}))
             if "loss" in line:
                 entry["loss"] = line["loss"]
-    _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)))
+    _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)), "the trace")
 
 
 CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "evaluations")   # and every test_ score

@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 
 from distgrad.wire import messages as wire
-from distgrad.errors import ConfigError, PeerRejected, PeerTimeout, TooManyFrames
+from distgrad.errors import ConfigError, PeerRejected, PeerTimeout, ProtocolError, TooManyFrames
 
 log = logging.getLogger("distgrad.wire.transport")
 
@@ -498,14 +498,17 @@ class Client:
             if left <= 0:
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"({self.unreachable_hint()})")
-            frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
-            spin_s = 0.0                    # only the first tick spins
-            waited, now = now, clock()
-            traffic.wait_s += now - waited
-            if frames is None:
-                continue
-            traffic.received += sum(map(len, frames))      # a Frame's len is its byte length
-            reply = wire.decode(frames, self.max_reply_bytes)
+            try:
+                frames = poll_frames(sock, left if left < POLL_TICK_S else POLL_TICK_S, spin_s)
+                spin_s = 0.0                    # only the first tick spins
+                waited, now = now, clock()
+                traffic.wait_s += now - waited
+                if frames is None:
+                    continue
+                traffic.received += sum(map(len, frames))      # a Frame's len is its byte length
+                reply = wire.decode(frames, self.max_reply_bytes)
+            except ProtocolError as e:          # says whose reply it was: the peer's, not this side's bug
+                raise ProtocolError(e.code, f"the reply from {self.endpoint} to {what()}: {e.args[0]}") from e
             key = (reply.step, reply.mb)
             if reply.type == wire.ERROR and (key in keys or key == (0, 0)):
                 raise PeerRejected(str(reply.body.get("code", "?")), str(reply.body.get("message", "")))
