@@ -54,7 +54,7 @@ from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_score
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
-                                   resent_evaluation, unknown_run)
+                                   resent_evaluation, tell_why_stopped, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
@@ -648,21 +648,9 @@ class GroupServer(CutServer, serves_several=True):
         if targets:
             self.log.warning("told %s that this side stopped: %s", ", ".join(p.name for p in targets), reason)
         now = time.monotonic()
-        runs = {p.run for p in targets}
         live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
-        deadline = now + self.bounds.liveness_s
-        while live and time.monotonic() < deadline:
-            request = self.server.receive(POLL_TICK_S)
-            if request is None:
-                continue
-            envelope, frames, _ = request
-            try:
-                msg = wire.decode(frames, self.max_tensor)
-            except ProtocolError:
-                continue
-            if msg.run in runs and not is_abort_notice(msg):
-                self.server.reply(envelope, wire.abort_notice(msg.run, self.side.stage, reason))
-                live.discard(msg.run)
+        tell_why_stopped(self.server, self.max_tensor, live, now + self.bounds.liveness_s,
+                         lambda msg: wire.abort_notice(msg.run, self.side.stage, reason))
         return bool(targets)
 
     def _await_byes(self) -> None:

@@ -64,7 +64,7 @@ from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
 from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, is_abort_notice, not_accepted, pong,
-                                   unknown_run)
+                                   tell_why_stopped, unknown_run)
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -919,22 +919,9 @@ def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_fra
     held, live = logic.abandon(why, now)
     for envelope, notice in held:
         server.reply(envelope, notice)
-    deadline = now + logic.opts.liveness_s
-    sent = bool(held)
-    while wait and live and time.monotonic() < deadline:
-        request = server.receive(POLL_TICK_S)
-        if request is None:
-            continue
-        envelope, frames, _ = request
-        try:
-            msg = wire.decode(frames, max_frame)
-        except ProtocolError:
-            continue
-        if msg.run in live and msg.type != wire.PING:
-            server.reply(envelope, logic.notice(msg.run, msg.step, why))
-            live.discard(msg.run)
-            sent = True
-    return sent
+    told = wait and tell_why_stopped(server, max_frame, live, now + logic.opts.liveness_s,
+                                     lambda msg: logic.notice(msg.run, msg.step, why))
+    return bool(held) or told
 
 
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,

@@ -14,7 +14,8 @@ made here once and holds at every end.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, TypeVar
+import time
+from typing import AbstractSet, Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from distgrad.run.handshake import same_exactly
 from distgrad.wire import messages as wire
 from distgrad.wire.link import HELD_OUT
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.transport import refusal_log
+from distgrad.wire.transport import POLL_TICK_S, Server, refusal_log
 from distgrad.wire.wirecodec import ACTIVATION, Senders
 
 OWNER_KEY_TEXT = "this run belongs to another client key"   # a run driven from a key other than its opener's
@@ -177,6 +178,33 @@ def is_abort_notice(msg: Message) -> bool:
 def abort_reason(msg: Message) -> str:
     """Why the peer of abort notice ``msg`` stopped, as it said (cut to ``wire.ERROR_TEXT_MAX``)."""
     return str(msg.body.get("message", ""))[:wire.ERROR_TEXT_MAX]
+
+
+def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[str], until: float,
+                     answer: Callable[[Message], Message], once: bool = True,
+                     stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Once an end has stopped, answer what the peers of ``runs`` send next with why (``answer(request)``, an
+    ``aborted`` error), so none waits out its own deadline: a peer waiting for a reply resends its request on
+    a fresh socket, where a reply sent earlier cannot reach it. Until ``until`` (``time.monotonic``) or
+    ``stopped()``, each request of one of ``runs`` that decodes and is neither a ping nor an error (a stop
+    notice) is answered; with ``once`` a run answered is not waited for again and the wait ends when each
+    has been. Anything else is dropped unanswered. Returns whether any request was answered."""
+    waiting, told = set(runs), False
+    while waiting and not stopped() and time.monotonic() < until:
+        request = server.receive(POLL_TICK_S)
+        if request is None:
+            continue
+        envelope, frames, _ = request
+        try:
+            msg = wire.decode(frames, max_tensor_bytes)
+        except ProtocolError:
+            continue
+        if msg.run in waiting and msg.type not in (wire.PING, wire.ERROR):
+            server.reply(envelope, answer(msg))
+            told = True
+            if once:
+                waiting.discard(msg.run)
+    return told
 
 
 # -- the end of a run

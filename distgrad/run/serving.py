@@ -70,7 +70,7 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    check_served_staleness, decode_and_handle, hello_fields, log_refusal,
-                                   not_accepted, pong, refusal, resent_evaluation)
+                                   not_accepted, pong, refusal, resent_evaluation, tell_why_stopped)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -943,20 +943,12 @@ def _tell_above(server: Server, logic: ServingStage, envelope: Envelope, frames:
         return
     text = f"stage {logic.opts.stage} stopped: {error}"
     logic.log.error("%s; telling the stage above", text)
-    server.reply(envelope, wire.error_message(msg.run, msg.step, ErrorCode.ABORTED, text, msg.mb, msg.mbs))
-    deadline = time.monotonic() + UNTOLD_WAIT_S
-    while time.monotonic() < deadline and stop.signum is None:
-        request = server.receive(POLL_TICK_S)
-        if request is None:
-            continue
-        envelope, frames, _ = request
-        try:
-            resent = wire.decode(frames, logic.max_tensor_bytes)
-        except ProtocolError:
-            continue
-        if resent.run == msg.run and resent.type != wire.ERROR:
-            server.reply(envelope, wire.error_message(resent.run, resent.step, ErrorCode.ABORTED, text,
-                                                      resent.mb, resent.mbs))
+    def why(request: Message) -> Message:
+        return wire.error_message(request.run, request.step, ErrorCode.ABORTED, text, request.mb, request.mbs)
+
+    server.reply(envelope, why(msg))
+    tell_why_stopped(server, logic.max_tensor_bytes, {msg.run}, time.monotonic() + UNTOLD_WAIT_S, why,
+                     once=False, stopped=lambda: stop.signum is not None)
 
 
 def _send_and_settle(server: Server, logic: ServingStage, replies: list[Reply]) -> None:
