@@ -177,3 +177,51 @@ def test_middle_stage_usage_errors_exit_2(args, needle):
     result = run_main(["stage", *args, "--experiment", "chain-regression"])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
+
+
+
+def test_a_link_that_gives_up_names_the_stage_below_that_welcomed_it(zmq_ctx):
+    """A stage below that welcomed the hello and then stops answering (frozen, or itself waiting on a
+    stage further down) is named in the error with its endpoint: in a chain over tcp the endpoint alone
+    does not say which stage froze."""
+    import threading
+
+    import zmq
+
+    from distgrad.errors import PeerTimeout
+    from distgrad.wire import messages as wire
+    from distgrad.wire.link import DownstreamLink, LinkSettings
+    from handshake import hello_message
+
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    done = threading.Event()
+
+    def stage_m2_that_freezes_after_its_welcome() -> None:
+        while not done.is_set():
+            if router.poll(50):
+                envelope, *frames = router.recv_multipart()
+                msg = wire.decode(frames)
+                if msg.type == wire.HELLO:
+                    router.send_multipart([envelope, *wire.encode(wire.Message(
+                        wire.WELCOME, msg.run, 0, body={"stage": "m2", "next_step": 1}))])
+
+    below = threading.Thread(target=stage_m2_that_freezes_after_its_welcome, daemon=True)
+    below.start()
+    link = DownstreamLink(LinkSettings("m1", timeout_s=0.2, liveness_s=1.0, peer_deadline_s=0.8),
+                          f"tcp://127.0.0.1:{port}", lambda: None, zmq_ctx, None, None)
+    try:
+        hello = hello_message(load_experiment("chain4-classify"), "0123456789abcdef")
+        assert link.handshake(hello) == 0
+        forward = wire.Message(wire.FORWARD, hello.run, 1)
+        link.send(forward)
+        with pytest.raises(PeerTimeout) as raised:
+            link.await_reply({(1, 0): forward}, (1, 0))
+    finally:
+        done.set()
+        below.join(5)
+        link.close(0)
+        router.close(0)
+    assert "stage 'm2' did not answer" in str(raised.value)
+    assert f"tcp://127.0.0.1:{port}" in str(raised.value)

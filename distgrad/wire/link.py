@@ -75,6 +75,7 @@ class DownstreamLink:
         # (staleness) a forward's reply and an evaluation's may share a step and micro-batch.
         self.arrived: dict[tuple[int, int, str], Message] = {}
         self.run_id = ""
+        self.below = ""            # the stage below's name, from its welcome: its timeout names it
         self.client = self._new_client()
 
     def set_reply_specs(self, reply_specs: Expected) -> None:
@@ -150,8 +151,9 @@ class DownstreamLink:
 
         After each ``timeout_s`` without it, reconnect on a fresh socket and
         resend every pending request in order, until ``peer_deadline_s``; then
-        raise ``PeerTimeout`` naming the endpoint. Raises ``PeerRejected`` for
-        an error reply, ``ProtocolError`` for a malformed one.
+        raise ``PeerTimeout`` naming the endpoint and, once its welcome named
+        it, the stage below. Raises ``PeerRejected`` for an error reply,
+        ``ProtocolError`` for a malformed one.
         """
         if self.arrived:
             reply = self._take(key, types)
@@ -165,7 +167,8 @@ class DownstreamLink:
                                          pending[key].describe)
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
-                    raise PeerTimeout(f"{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
+                    who = f"stage {self.below!r} did not answer: " if self.below else ""
+                    raise PeerTimeout(f"{who}{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
                 self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
                                  self.connect, self.opts.timeout_s, deadline - time.monotonic())
                 self._reconnect(pause)
@@ -205,6 +208,8 @@ class DownstreamLink:
                 or not (next_step - 1 in held or (client is not None and next_step - 1 > max(held)))):
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
+        stage = welcome.body.get("stage")
+        self.below = stage if isinstance(stage, str) and stage.isprintable() and len(stage) <= 64 else ""
         self.log.info("run %s: connected to stage %s at %s (%s); at step %d", hello.run,
                       wire.show(welcome.body.get("stage")), self.connect,
                       "CURVE: the link is encrypted" if self.security is not None else "plaintext", next_step - 1)
