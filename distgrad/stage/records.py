@@ -105,23 +105,12 @@ def writing(path: str | Path | None, what: str = "") -> Iterator[None]:
 
 
 def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file renamed into place: ``path`` is never half
-    written and, on failure, the temporary file is removed; a device or FIFO (``is_special``) is written into
-    directly. Raises ``OutputWriteError`` naming ``path``."""
-    path = Path(path)
-    text = json_text(obj, indent=1, sort_keys=True) + "\n"
+    """Write ``obj`` as JSON to ``path`` (``write_atomic``: never seen half written, no temporary file left on
+    failure, a device or FIFO written into). Raises ``OutputWriteError`` naming ``path``."""
+    data = (json_text(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
     with writing(path):
-        if is_special(path):
-            path.write_text(text, encoding="utf-8")
-            return
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(data))
 
 
 def write_preparation(parameters: str | Path, prep: Preparation | None) -> None:
@@ -225,16 +214,8 @@ class TraceWriter:
         with writing(self.path, "the trace"):
             file.close()
             kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            try:
-                with open(tmp, "w", encoding="utf-8") as f:     # replaced atomically: a crash keeps the old file
-                    f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in kept)
-                    f.flush()
-                    os.fsync(f.fileno())
-                tmp.replace(self.path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            text = "".join(json_text(line, separators=(",", ":")) + "\n" for line in kept).encode("utf-8")
+            write_atomic(self.path, lambda f: f.write(text))     # a crash keeps the old file
             self._file = open(self.path, "a", encoding="utf-8")
 
     @property
