@@ -56,6 +56,7 @@ HELD_OUT = "privacy/held_out_releases"             # and of the releases of held
 HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 LIFETIME_SUFFIX = ".lifetime.json"                 # DIR/.INSTANCE.lifetime.json: every run's per-row counts
+LABEL_RUNS_SUFFIX = ".label_dp_runs.json"          # DIR/.INSTANCE.label_dp_runs.json: runs that released labels
 UNBOUNDED_RELEASES = 2**62                         # ``lifetime_worst`` after a release without noise: no bound
 
 
@@ -181,6 +182,55 @@ class Lifetime:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+class LabelRuns:
+    """The runs whose randomized labels (``label_dp``) a label owner has released: each run draws its own
+    randomized response of every label from its fresh secret, so a data owner that opens k runs against the
+    same label owner (``--keep-serving``, or a restart with the same stage file) gets k independent responses
+    of each label, and their epsilons add up (pure differential privacy composes by addition: k runs at
+    epsilon e are at most k*e-label-DP). A run counts once it has sent a gradient computed from its labels,
+    however often it resumes.
+
+    ``path``: the file that keeps the run ids across processes (``DIR/.INSTANCE.label_dp_runs.json``; None: in
+    memory only, for the life of this process), rewritten atomically (a temporary file, then ``os.replace``)
+    when a run first releases, before its gradient leaves. Deleting it resets the count: only do it knowingly
+    (every earlier response still composes). Raises ``ConfigError`` for a file that is not one this class
+    wrote."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.runs: list[str] = []
+        if path is not None and path.exists():
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))["runs"]
+                if not isinstance(saved, list) or not all(isinstance(run, str) for run in saved):
+                    raise ValueError(f"'runs' is not a list of run ids: {saved!r:.80}")
+                self.runs = list(saved)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}: the runs whose randomized labels this stage released cannot be read "
+                                  f"({e}); the label_dp epsilon of every run adds up over them. Restore it, or "
+                                  f"delete it knowingly (the earlier runs' labels still compose)") from e
+
+    def __repr__(self) -> str:
+        return f"LabelRuns({self.path}, {len(self.runs)} runs)"
+
+    def record(self, run: str) -> None:
+        """``run`` released randomized labels (nothing new when it is known); the file is rewritten before
+        this returns. Raises ``OSError`` when it cannot be."""
+        if run in self.runs:
+            return
+        self.runs.append(run)
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json_text({"runs": self.runs}), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def lifetime(self, run: str) -> int | None:
+        """The runs that released the labels, ``run`` included if it did; None when no run but ``run`` did
+        (the run's own epsilon is the lifetime's)."""
+        return len(self.runs) if any(other != run for other in self.runs) else None
 
 
 def reset_text(source: str) -> str:
