@@ -246,3 +246,29 @@ def test_the_in_process_reference_counts_its_one_run_of_randomized_labels(tmp_pa
     state.begin("second")
     _send_gradient(state, 1)
     assert state.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]["lifetime_epsilon"] == 4.0
+
+
+def test_a_new_run_under_the_id_of_an_earlier_one_counts_that_run_as_earlier_at_its_own_noise(tmp_path):
+    """A data owner names its run: one that opens a new run under the id of a run the label owner served before
+    (after a restart with other settings, another sigma) must not take over that run's entry, which would count its
+    releases at the new sigma (and, for label_dp, not count the new run's fresh labels at all). The earlier run
+    stays an earlier run, at its own sigma; the new one starts from no release."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    loud = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 0.5 }\n"
+                                                 "label_dp = { epsilon = 1.0 }"))
+    first = _state(loud, ckpt)
+    first.begin("same-id")
+    _send_gradient(first, 1)                    # releases the rows of step 1's batch once, with noise 0.5
+    del first
+    quiet = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0 }\n"
+                                                  "label_dp = { epsilon = 1.0 }", name="quiet.toml"))
+    second = _state(quiet, ckpt)                # the label owner restarted with four times less noise per release
+    second.begin("same-id")
+    assert second.ledger.worst == 0 and second.ledger.lifetime_worst == 4     # 1 release at 0.5 = 4 at 1.0
+    _send_gradient(second, 1)
+    privacy = second.summary("finished", 0.0, None)["privacy"]["g"]
+    assert privacy["clip_noise"]["releases"] == 1 and privacy["clip_noise"]["lifetime_releases"] == 5
+    assert privacy["label_dp"]["lifetime_releases"] == 2 and privacy["label_dp"]["lifetime_epsilon"] == 2.0
+    saved = json.loads((ckpt / f".g{LIFETIME_SUFFIX}").read_text())["runs"]
+    assert saved["same-id/earlier-1"]["sigma"] == 0.5 and saved["same-id"]["sigma"] == 1.0

@@ -172,10 +172,22 @@ class Lifetime:
             total[:len(counts)] += cost
         return total
 
+    def retire(self, run: str) -> None:
+        """A *new* run begins with the id ``run`` of a run served before (a data owner may name its run): the
+        earlier run's counts are kept apart, under a name of their own (``retired_name``), at their own sigma,
+        so the new run starts from none and counts the earlier one as earlier (``earlier``), never taking over
+        its entry. Nothing when ``run`` is unknown. Raises ``OSError`` when the file cannot be rewritten."""
+        if run in self.runs:
+            self.runs[retired_name(run, self.runs)] = self.runs.pop(run)
+            self._write()
+
     def record(self, run: str, sigma: float, counts: np.ndarray) -> None:
         """``run``'s per-row counts are now ``counts`` (released at noise ``sigma``); the file is rewritten
         before this returns. Raises ``OSError`` when it cannot be."""
         self.runs[run] = (float(sigma), np.array(counts, np.int64))
+        self._write()
+
+    def _write(self) -> None:
         if self.path is None:
             return
         text = json_text({"runs": {r: {"sigma": noise, "counts": c.tolist()} for r, (noise, c) in self.runs.items()}})
@@ -221,16 +233,37 @@ class LabelRuns:
         if run in self.runs:
             return
         self.runs.append(run)
+        self._write()
+
+    def _write(self) -> None:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json_text({"runs": self.runs}), encoding="utf-8")
         os.replace(tmp, self.path)
 
+    def retire(self, run: str) -> None:
+        """A *new* run begins with the id ``run`` of a run that released labels before: the earlier one is kept
+        under a name of its own (``retired_name``), so the new run counts once more when it releases. Raises
+        ``OSError`` when the file cannot be rewritten."""
+        if run in self.runs:
+            self.runs[self.runs.index(run)] = retired_name(run, self.runs)
+            self._write()
+
     def lifetime(self, run: str) -> int | None:
         """The runs that released the labels, ``run`` included if it did; None when no run but ``run`` did
         (the run's own epsilon is the lifetime's)."""
         return len(self.runs) if any(other != run for other in self.runs) else None
+
+
+def retired_name(run: str, taken: Iterable[str]) -> str:
+    """The name an earlier run ``run`` is kept under when a new run takes its id: ``RUN/earlier-K``, the first K
+    not in ``taken`` (a run id of the wire never holds "/")."""
+    names = set(taken)
+    k = 1
+    while f"{run}/earlier-{k}" in names:
+        k += 1
+    return f"{run}/earlier-{k}"
 
 
 def reset_text(source: str) -> str:

@@ -566,6 +566,13 @@ class StageState:
         self._load_verdicts(None, 0)
         self._load_kept(None, 0, "a new run")
         self.run_id, self.owner = run_id, owner
+        try:        # a run served before under this id (the data owner names its run) stays an earlier run
+            for counted in (self.lifetime, self.label_runs):
+                if counted is not None:
+                    counted.retire(run_id)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot keep the release counts of the earlier run {run_id}: "
+                                       f"{e.strerror or e}") from e
         if self.ledger is not None:
             self.ledger.new_run(fresh_secret())     # two runs never share a noise draw (nor randomized labels)
             self._rewrite_released([])
