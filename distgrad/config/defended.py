@@ -270,7 +270,10 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     # A label owner's randomized labels draw from the secret of its noise (one per stage in this process).
     key = exp.run_secret(stage) if defenses.label_dp is not None else RunSecret()
     key.value = fresh_secret(secret)
-    return SentRows(defenses, direction, instance or stage, NoiseLedger(key, limit), labels, rows)
+    # A label owner whose data numbers no rows (the ramp) counts each release as one more of one example, as
+    # the plan does (``_releases``: every step), never as none: its budget then composes every release.
+    return SentRows(defenses, direction, instance or stage, NoiseLedger(key, limit, unnumbered=gradients and rows is None),
+                    labels, rows)
 
 
 def _row_order(exp: Experiment, stage: str, seed: int) -> Any:

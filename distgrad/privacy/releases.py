@@ -57,6 +57,7 @@ HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 LIFETIME_SUFFIX = ".lifetime.json"                 # DIR/.INSTANCE.lifetime.json: every run's per-row counts
 LABEL_RUNS_SUFFIX = ".label_dp_runs.json"          # DIR/.INSTANCE.label_dp_runs.json: runs that released labels
+UNNUMBERED_ROW = 0                                 # what a release of data without numbered rows counts as
 UNBOUNDED_RELEASES = 2**62                         # ``lifetime_worst`` after a release without noise: no bound
 
 
@@ -308,12 +309,18 @@ class NoiseLedger:
 
     ``earlier``: each row's releases by the stage's other runs (float: releases at this run's noise,
     ``Lifetime.earlier``; empty: none, as in the in-process reference, whose one run is its lifetime), set by
-    the stage when a run begins or resumes, and ``earlier_source`` where they are kept (for the message)."""
+    the stage when a run begins or resumes, and ``earlier_source`` where they are kept (for the message).
+
+    ``unnumbered``: the stage's rows have no numbers (data without numbered rows, such as the ramp), so a
+    release that names none counts as one more release of one example (``UNNUMBERED_ROW``), as the budget's
+    plan assumes (every step releases it), never as no release. Without it such a release is not counted
+    per row (a data owner's activations)."""
 
     def __init__(self, secret: int | RunSecret, limit: int | None = None,
-                 on_release: Callable[[Release], None] | None = None) -> None:
+                 on_release: Callable[[Release], None] | None = None, unnumbered: bool = False) -> None:
         self.key = secret if isinstance(secret, RunSecret) else RunSecret(secret)
         self.limit = limit
+        self.unnumbered = unnumbered
         self.on_release = on_release
         self.pending: dict[tuple[int, str], Release] = {}
         self.counts = np.zeros(0, np.int64)
@@ -394,6 +401,8 @@ class NoiseLedger:
                 f"resend whose activations differ): answering would release the step's rows a second time. "
                 f"Refused; the first answer stands. Send the step's activations as they were the first time, "
                 f"or start a new run")
+        if rows is None and self.unnumbered:
+            rows = np.full(1, UNNUMBERED_ROW, np.int64)
         counted = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
         if counted is not None and len(counted):
             if counted.min() < 0:
