@@ -21,7 +21,9 @@ The counts are a row's releases in *this* run; a label owner serves many runs (`
 the same stage file), each with fresh noise, and a row's releases compose over all of them. ``Lifetime`` holds
 every run's counts by run id (in memory, and with a checkpoint directory in a file there, rewritten atomically
 before each release leaves); the ledger's ``earlier`` is what the other runs released of each row, which the
-limit counts too (``lifetime_worst``).
+limit counts too (``lifetime_worst``). A new run under the id of a run served before keeps that run apart
+(``Lifetime.retire``). The runs whose randomized labels (``label_dp``) left the stage are counted the same way
+(``LabelRuns``): each is a fresh response of every label, and their epsilons add up.
 
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
 both. The secret lives in a ``RunSecret``, which a label owner's randomized labels (``label_dp``) share with
