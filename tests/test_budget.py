@@ -384,3 +384,32 @@ def test_with_label_dp_the_clip_noise_scope_says_the_update_trains_on_the_random
     assert clip["scope"].startswith("per release, on the cut gradients only") and "true labels" not in clip["scope"]
     assert "randomized labels" in clip["scope"] and "end to end" in clip["scope"] == clip["guarantee"]
     assert "randomized labels" in budget_text(both["privacy"])
+
+
+@pytest.mark.parametrize("g_extra", ["max_norm = true", "marvell = { bound = 0.5 }"])
+def test_a_row_defense_that_needs_the_other_rows_of_its_micro_batch_refuses_micro_batches_of_one_row(tmp_path,
+                                                                                                   g_extra):
+    """max_norm noises each row up to the largest norm among the rows sent with it, Marvell by the two classes
+    among them: a micro-batch of one row would cross as computed. Refused, naming why: in the run's settings
+    (every path), and in the label owner's hello, since the data owner chooses the micro-batches (a determined
+    one would ask for 32 micro-batches of 1 row to switch the defense off). Micro-batches of 2 rows are served."""
+    from test_defenses import _zero_vs_rest
+    from distgrad.run.handshake import check_hello, hello
+    from distgrad.stage.stage import Stage
+    from distgrad.errors import ProtocolError
+    from distgrad.wire.messages import ErrorCode
+    exp = load_experiment(_zero_vs_rest(tmp_path, "", g_extra))
+    with pytest.raises(ConfigError, match=r"one row at a time, which would cross without noise"):
+        train_in_process(exp, steps=1, micro_batches=32)
+    f = Stage.from_experiment(exp, "f")
+    for micro_batches in (32, 16):
+        body = hello(exp, "f", exp.seed, f.output_shape, "r", [0], 1, micro_batches).body
+        if micro_batches == 32:
+            with pytest.raises(ProtocolError, match=r"32 micro-batches: .*one row at a time") as refused:
+                check_hello(body, "f", exp, exp.seed, f.output_shape, "g")
+            assert refused.value.code == ErrorCode.MISMATCH
+        else:
+            assert check_hello(body, "f", exp, exp.seed, f.output_shape, "g") == 16
+    ramp = load_experiment(_ramp(tmp_path, "max_norm = true"))
+    with pytest.raises(ConfigError, match=r"data without batches send one row at a time"):
+        train_in_process(ramp, steps=1)

@@ -174,6 +174,26 @@ def check_defenses(exp: Experiment) -> None:
             _check_dp_sgd(exp, spec.name)
 
 
+def check_rows_sent_together(exp: Experiment, stage: str, micro_batches: int) -> None:
+    """Raise ``ConfigError`` when the label owner ``stage``'s ``max_norm`` or ``marvell`` would act on
+    micro-batches of one row (``micro_batches`` of the experiment's batch; data without batches sends one row):
+    both shape a row's noise by the other rows sent with it (max_norm: the largest norm among them; Marvell:
+    the two classes among them), so a row sent alone would cross as computed, the defense accepted and doing
+    nothing. The data owner chooses the micro-batches of a run (its hello), so the label owner checks them."""
+    if not exp.has_stage(stage) or not label_owner_sends_gradients(exp, stage):
+        return
+    d = exp.spec(stage).defenses
+    keys = [key for key, on in (("max_norm", d.max_norm), ("marvell", d.marvell is not None)) if on]
+    rows = (exp.batch or 1) // max(micro_batches, 1)
+    if keys and rows < 2:
+        sent = (f"batches of {exp.batch} rows in {micro_batches} micro-batches" if exp.batch
+                else "data without batches")
+        raise ConfigError(f"stage {stage!r}: {' and '.join(repr(key) for key in keys)} noise each row by the other "
+                          f"rows sent with it (max_norm up to the largest norm among them, Marvell by the two classes "
+                          f"among them); {sent} send one row at a time, which would cross without noise: use "
+                          f"micro-batches of 2 rows or more")
+
+
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
     (whose sigma and budget it shares), layers without batch statistics or dropout (each example is forwarded
