@@ -644,13 +644,26 @@ class Clients(Turns):
             return Join(start + 1, PeerStatus.ACTIVE, start, msg.run, owner, since, None, open_run=True)
         if same_run and peer.status is PeerStatus.ACTIVE:
             # Still taking part: it continues where this stage has it; a turn of its in progress
-            # starts again from its first micro-batch.
-            return Join(peer.step + 1, PeerStatus.ACTIVE, peer.step, msg.run, owner, since, (0, peer.step),
-                        open_run=True, reset_engine=self.current() is peer)
+            # starts again from its first micro-batch. A client restarted without the update of its
+            # last step here (killed after this stage's replies, before its own checkpoint of it) that
+            # holds the step before sends that step again: it gets the kept replies and applies the
+            # update once, instead of skipping it.
+            again = self._sends_again(peer, held, mbs)
+            return Join(peer.step + (0 if again else 1), PeerStatus.ACTIVE, peer.step, msg.run, owner, since,
+                        (0, peer.step), open_run=True, reset_engine=self.current() is peer, still_owes=again)
         s.log.warning("client %d rejoins (run %s); it takes part again from step %d", peer.index, msg.run,
                       run.round + 1)
         # it takes part from the next round that starts
         return Join(run.round + 1, PeerStatus.REJOINING, run.round, msg.run, owner, since, None, open_run=True)
+
+    @staticmethod
+    def _sends_again(peer: Peer, held: list[int], mbs: int) -> bool:
+        """Whether ``peer``, saying hello again in its run holding ``held`` steps with ``mbs`` micro-batches,
+        redoes its latest step here from the replies kept of it: it holds the step before but not that one,
+        and every reply of that step is kept (the same micro-batch count)."""
+        step = peer.step
+        return (step > 0 and step not in held and step - 1 in held and mbs == peer.mbs
+                and all((step, mb) in peer.cached for mb in range(mbs)))
 
     def checkpoint_arrays(self, step: int) -> dict[str, np.ndarray]:
         """The replies of round ``step`` (``kept_replies``)."""
