@@ -45,7 +45,8 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply, final_body, is_final
 from distgrad.run.peers import Peer, PeerStatus, Phase, RunState
-from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, resent_evaluation, unknown_run)
+from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, rejoin_step, resent_evaluation,
+                                   unknown_run)
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, kept_model, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -648,22 +649,27 @@ class Clients(Turns):
             # last step here (killed after this stage's replies, before its own checkpoint of it) that
             # holds the step before sends that step again: it gets the kept replies and applies the
             # update once, instead of skipping it.
-            again = self._sends_again(peer, held, mbs)
-            return Join(peer.step + (0 if again else 1), PeerStatus.ACTIVE, peer.step, msg.run, owner, since,
-                        (0, peer.step), open_run=True, reset_engine=self.current() is peer, still_owes=again)
+            next_step = self._rejoin_step(peer, held, mbs)
+            return Join(next_step, PeerStatus.ACTIVE, peer.step, msg.run, owner, since, (0, peer.step),
+                        open_run=True, reset_engine=self.current() is peer, still_owes=next_step <= peer.step)
         s.log.warning("client %d rejoins (run %s); it takes part again from step %d", peer.index, msg.run,
                       run.round + 1)
         # it takes part from the next round that starts
         return Join(run.round + 1, PeerStatus.REJOINING, run.round, msg.run, owner, since, None, open_run=True)
 
     @staticmethod
-    def _sends_again(peer: Peer, held: list[int], mbs: int) -> bool:
-        """Whether ``peer``, saying hello again in its run holding ``held`` steps with ``mbs`` micro-batches,
-        redoes its latest step here from the replies kept of it: it holds the step before but not that one,
-        and every reply of that step is kept (the same micro-batch count)."""
-        step = peer.step
-        return (step > 0 and step not in held and step - 1 in held and mbs == peer.mbs
-                and all((step, mb) in peer.cached for mb in range(mbs)))
+    def _rejoin_step(peer: Peer, held: list[int], mbs: int) -> int:
+        """The step ``peer``, saying hello again in its run holding ``held`` steps with ``mbs`` micro-batches,
+        goes on from: as for one data owner (``protocol.rejoin_step``), the newest step it holds from which
+        every later step it took here is answered again from its kept replies, plus one; when there is none
+        (or it asks for another micro-batch count than they were sent in), the step after its latest here,
+        the steps in between skipped."""
+        if mbs == peer.mbs:
+            try:
+                return rejoin_step(held, peer.step, peer.cached, mbs, f"client {peer.index}", peer.run)
+            except ProtocolError:
+                pass
+        return peer.step + 1
 
     def checkpoint_arrays(self, step: int) -> dict[str, np.ndarray]:
         """The replies of round ``step`` (``kept_replies``)."""
