@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from distgrad.config.data import RandomizedLabels
+from distgrad.config.defended import budget_text
 from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
@@ -260,6 +261,26 @@ def test_marvell_is_refused_for_real_valued_targets_and_clients(tmp_path):
                          f"{builtin}.toml")
         result = run_main(["run", path, "--in-process", "--steps", "1"])
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_clip_noise_states_no_budget_where_marvell_shapes_every_rows_noise(tmp_path):
+    """The clip_noise label-DP budget rests on one label reaching only its own gradient row (sensitivity 2C).
+    Marvell's noise after it is shaped by the batch's classes, so one label changes every row's noise: the
+    summary states no guarantee and why (no epsilon), and the settings that promise one, the target form and
+    dp_sgd's end-to-end budget, are refused naming the reason."""
+    both = "clip_noise = { max_norm = 0.05, sigma = 4.0 }\nmarvell = { bound = 0.5 }"
+    privacy = train_in_process(load_experiment(_zero_vs_rest(tmp_path, "", both)), steps=2)["privacy"]
+    clip = privacy["g"]["clip_noise"]
+    assert "epsilon" not in clip and clip["releases"] == 1 and clip["sigma"] == 4.0
+    assert clip["guarantee"].startswith("no differential-privacy guarantee: 'marvell' adds noise shaped by")
+    assert budget_text(privacy) == (f"g: clip_noise: {clip['guarantee']}, marvell: no differential-privacy "
+                                    f"guarantee")
+    for i, (extra, message) in enumerate([
+            ("clip_noise = { max_norm = 0.05, epsilon = 8.0 }\nmarvell = { bound = 0.5 }",
+             "'clip_noise' with a target epsilon is a label-DP budget.*'marvell' adds noise"),
+            (f"{both}\ndp_sgd = {{ max_norm = 1.0 }}", "'dp_sgd' makes the run end-to-end label-DP, and 'marvell'")]):
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(_zero_vs_rest(tmp_path, "", extra, f"refused{i}.toml"))
 
 
 def test_parse_defenses_reads_back_what_split_writes():

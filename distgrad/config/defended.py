@@ -172,6 +172,37 @@ def check_defenses(exp: Experiment) -> None:
             _check_marvell(exp, spec.name)
         if d.dp_sgd is not None:
             _check_dp_sgd(exp, spec.name)
+        shared = shared_label_reason(exp, spec.name) if label_owner and d.clip_noise is not None else None
+        if shared is not None and d.clip_noise is not None and d.clip_noise.epsilon is not None:
+            raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is a label-DP budget, which needs each "
+                              f"label to reach only its own gradient row; here {shared}: give clip_noise a sigma "
+                              f"(its summary then states no guarantee), or remove the cause")
+
+
+def shared_label_reason(exp: Experiment, stage: str, mixing: str | None = None) -> str | None:
+    """Why one training label of the label owner ``stage`` reaches more than its own gradient row of a step
+    (None: it reaches only its own, the premise of the ``clip_noise`` label-DP budget, sensitivity 2C):
+    its ``marvell`` (whose noise is shaped by the classes of the whole batch), a class-id loss whose mean is
+    weighted (divided by the batch's total weight, which each label changes), or ``mixing``, what its built
+    stage says mixes the rows of a batch (``Stage.batch_mixing``: a torch module's batch norm)."""
+    spec = exp.spec(stage)
+    if spec.defenses.marvell is not None:
+        return ("'marvell' adds noise shaped by the class means and variances of the whole batch, so one "
+                "label changes the noise of every row")
+    weighted = _weighted_mean(stage_loss(spec))
+    if weighted is not None:
+        return weighted
+    return mixing
+
+
+def _weighted_mean(loss: Any) -> str | None:
+    """Why a class-id ``loss`` divides each row's gradient by a total every label changes (None: it does not):
+    a torch loss with ``weight`` or ``ignore_index`` and reduction "mean"."""
+    weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
+    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+        return (f"{loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides by the batch's total "
+                f"weight, which each example's label changes, so every row's gradient depends on every label")
+    return None
 
 
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
@@ -187,10 +218,14 @@ def _check_dp_sgd(exp: Experiment, stage: str) -> None:
         raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
     loss = stage_loss(spec)
     weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
-    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+    if isinstance(loss, TorchLoss) and _weighted_mean(loss) is not None:
         raise ConfigError(f"{where}: {loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides "
                           f"by the batch's total weight, which each example's label changes, so no example's "
                           f"gradient is its own: use reduction = \"sum\"")
+    if spec.defenses.marvell is not None:
+        raise ConfigError(f"{where} makes the run end-to-end label-DP, and 'marvell' adds noise shaped by the "
+                          f"classes of the whole batch to the gradient rows sent, so one label changes every "
+                          f"row's noise: remove marvell or dp_sgd")
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
                           f"one label owner, counted apart")
@@ -335,15 +370,17 @@ def _parties(exp: Experiment, stage: str) -> int:
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
                    released: dict[str, int] | None = None, planned_steps: int | None = None,
                    held_out: dict[str, NoiseLedger] | None = None,
-                   lifetime: dict[str, int] | None = None) -> dict[str, Any]:
+                   lifetime: dict[str, int] | None = None, mixing: dict[str, str] | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
-    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
+    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``mixing``: what a
+    built stage mixes the rows of a batch with (``Stage.batch_mixing``), by stage; ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
     sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
     rows (its evaluations, when there were any) its entry counts (``held_out_budget``); ``lifetime``: the
     worst row's count of releases of a stage over every run it served (``NoiseLedger.lifetime_worst``)."""
-    released, held_out, lifetime = released or {}, held_out or {}, lifetime or {}
-    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage))
+    released, held_out, lifetime, mixing = released or {}, held_out or {}, lifetime or {}, mixing or {}
+    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage),
+                                   mixing.get(stage))
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
         if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
@@ -355,11 +392,14 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
 
 
 def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: int | None = None,
-                 planned_steps: int | None = None, lifetime: int | None = None) -> dict[str, Any]:
+                 planned_steps: int | None = None, lifetime: int | None = None,
+                 mixing: str | None = None) -> dict[str, Any]:
     """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
     owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``) of its worst
     row, released ``released`` times (None: once per epoch the steps reach), and for every other defense
-    the statement that it has no differential-privacy guarantee. With ``lifetime`` (the worst row's releases
+    the statement that it has no differential-privacy guarantee. Where one label reaches more than its own
+    gradient row (``shared_label_reason``, ``mixing`` the built stage's part of it) the ``clip_noise`` entry
+    has no epsilon: its ``guarantee`` says there is none, and why. With ``lifetime`` (the worst row's releases
     over every run the stage served) other than ``released``, the ``clip_noise`` entry adds
     ``lifetime_releases`` and ``lifetime_epsilon``: the same row composed over all of them. docs/privacy.md
     states the assumptions."""
@@ -373,11 +413,13 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
                                                         if clip is not None else 0)
         if d.dp_sgd is not None:        # each step a row is in also releases its part of the update
             worst += worst // _parties(exp, stage)
+        shared = shared_label_reason(exp, stage, mixing) if clip is not None else None
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
                                              END_TO_END_SCOPE if d.dp_sgd is not None else
-                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE)
+                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE,
+                                             None if shared is None else f"{NO_GUARANTEE}: {shared}")
         if clip is not None and lifetime is not None and released is not None and lifetime != released:
             _add_lifetime(entry["clip_noise"], lifetime + (lifetime // _parties(exp, stage) if d.dp_sgd else 0))
     else:
@@ -438,6 +480,8 @@ def _entry_text(entry: dict[str, Any]) -> str:
             else:
                 scope = f" ({value['guarantee']})" if "guarantee" in value else ""
                 parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}{scope}")
+        elif isinstance(value, dict) and "guarantee" in value and "error" not in value:
+            parts.append(f"{key}: {value['guarantee']}")      # no epsilon: it states why there is none
         elif isinstance(value, dict) and "per_row" in value:
             what = {"evaluation_releases": "held-out rows in evaluations",
                     "test_releases": "test rows in the final evaluation"}.get(key, "new rows in predictions")

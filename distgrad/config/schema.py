@@ -254,8 +254,10 @@ _STAGE_COMMON: dict[str, Key] = {
                    "computation and before the codec, drawn from a secret fresh for each run (kept in the stage's "
                    "checkpoints); the label owner's on the activation gradients it sends up (its own parameter "
                    "gradients stay exact; its summary reports the label-DP (epsilon, delta) of its worst row, "
-                   "counting every step a row is in), a data owner's on the activations it sends down (no DP "
-                   "guarantee stated). The label owner's target form { max_norm = C, epsilon = E } chooses s for "
+                   "counting every step a row is in; none, saying why, where one label reaches other rows: with "
+                   "marvell, a class-id mean weighted by the labels, a module's batch norm), a data owner's on the "
+                   "activations it sends down (no DP guarantee stated). The label owner's target form "
+                   "{ max_norm = C, epsilon = E } (refused where no epsilon can be stated) chooses s for "
                    "the run's planned releases (each row once per epoch of its steps) and refuses the step that "
                    "would release a row more often. A data owner's acts on its evaluations' and predictions' "
                    "activations too (counted in its budget entry); the label owner's on training gradients only. "
@@ -290,7 +292,7 @@ _STAGE_COMMON: dict[str, Key] = {
                "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
                "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers, "
                "or a torch stage (layer list or module: per-example gradients by torch.func), without batch norm "
-               "or dropout; not with [clients] or a bottom model of its own"),
+               "or dropout; not with [clients], marvell or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

@@ -30,7 +30,7 @@ from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
                                     scores_text, to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import Stage
+from distgrad.stage.stage import Stage, batch_mixing_of
 from distgrad.wire import link
 from distgrad.wire.codecs import Codec
 from distgrad.wire.keys import CurveClient
@@ -665,7 +665,8 @@ class StageState:
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
                              self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger},
-                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst}),
+                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst},
+                             batch_mixing_of([self.stage])),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:
