@@ -232,6 +232,16 @@ def test_label_owner_defenses_are_refused_when_the_labels_travel(tmp_path):
     assert result.returncode == 2 and "labels cross the wire with the activations" in result.stderr
 
 
+def test_clip_noise_on_a_last_stage_that_is_sent_the_labels_is_refused_for_that_reason(tmp_path):
+    """With labels = "first" the last stage is no middle stage: its clip_noise is refused because the labels
+    already cross with the activations."""
+    path = _defended(tmp_path, "chain4-classify", {3: "clip_noise = { max_norm = 1.0, sigma = 0.1 }"}, "last.toml")
+    with pytest.raises(ConfigError, match="'clip_noise' on the last stage .* the labels cross the wire with the "
+                                          "activations") as refused:
+        load_experiment(path)
+    assert "middle stage" not in str(refused.value)
+
+
 def test_clip_noise_on_a_middle_stage_is_refused(tmp_path):
     text = (BUILTIN_DIR / "chain4-classify.toml").read_text()
     head, *stages = text.split("[[stages]]")

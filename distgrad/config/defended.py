@@ -145,6 +145,10 @@ def check_defenses(exp: Experiment) -> None:
                       "to defend" if exp.labels_travel else
                       f"it defends the label owner's labels, and the label owner is {exp.label_owner!r}")
             raise ConfigError(f"{where}: '{label_keys[0]}' is a setting of the label owner: {reason}")
+        if d.clip_noise is not None and not label_owner and spec.name == exp.stage_names[-1]:
+            raise ConfigError(f"{where}: 'clip_noise' on the last stage defends the labels through the gradients "
+                              f"it sends up, and the labels cross the wire with the activations (labels = "
+                              f"\"first\"): there is nothing left to defend")
         if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
                               f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
