@@ -293,6 +293,34 @@ def test_clip_noise_states_no_budget_where_marvell_shapes_every_rows_noise(tmp_p
             load_experiment(_zero_vs_rest(tmp_path, "", extra, f"refused{i}.toml"))
 
 
+BINARY_HEAD = "from torch import nn\n\n\ndef make(out=1):\n    return nn.Sequential(nn.Linear(64, 16), nn.ReLU(), " \
+              "nn.Linear(16, out))\n"
+
+
+def _binary_cross_entropy(tmp_path: Path, g_extra: str, name: str, out: int = 1) -> Path:
+    """Digit 0 against the rest with a torch label owner (``bhead:make``) trained by BCEWithLogitsLoss on
+    float 0/1 targets: Li et al.'s own two-class setting."""
+    (tmp_path / "bhead.py").write_text(BINARY_HEAD)
+    path = _zero_vs_rest(tmp_path, "", g_extra, name)
+    text = path.read_text().replace('model = [{ type = "dense", name = "g1", in = 64, out = 2 }]',
+                                    f'module = "bhead:make"\nmodule_args = {{ out = {out} }}')
+    path.write_text(text.replace('loss = "softmax_cross_entropy"', 'loss = { type = "BCEWithLogitsLoss" }')
+                    .replace("batch = 32", 'batch = 32\nlabel_dtype = "float32"'))
+    return path
+
+
+def test_marvell_defends_a_binary_cross_entropy_label_owner(tmp_path):
+    """A two-class loss is also a binary cross-entropy of one 0/1 target per row: Marvell defends it as it
+    defends class ids 0 and 1 (it was refused, as if its targets were real-valued)."""
+    pytest.importorskip("torch")
+    plain = train_in_process(load_experiment(_binary_cross_entropy(tmp_path, "", "plain.toml")), steps=3,
+                             noise_secret=3)
+    defended = train_in_process(load_experiment(_binary_cross_entropy(tmp_path, "marvell = { bound = 0.5 }",
+                                                                      "marvell.toml")), steps=3, noise_secret=3)
+    assert defended["privacy"] == {"g": {"marvell": "no differential-privacy guarantee"}}
+    assert defended["params"]["f"] != plain["params"]["f"]      # f trained on other (noised) gradients
+
+
 def test_parse_defenses_reads_back_what_split_writes():
     table = {"clip_noise": {"max_norm": 2.0, "sigma": 0.5, "delta": 1e-6}, "max_norm": True,
              "label_dp": {"epsilon": 1.5}, "marvell": {"bound": 0.5}}

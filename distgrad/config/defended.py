@@ -30,6 +30,7 @@ ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
 TEST = "test"                   # with a validation split: its test rows', once, in the final evaluation
 NO_GUARANTEE = "no differential-privacy guarantee"
+BINARY_LOSSES = ("BCEWithLogitsLoss", "BCELoss")    # two-class losses of 0/1 float targets: Marvell's too
 SECURE_REASON = ("is not supported on a feature party with secure_aggregation: the label owner receives only the "
                  "masked sum of every party's embedding, never this party's alone, so this party's rows against "
                  "what it sends measure nothing the label owner can invert")
@@ -262,18 +263,24 @@ def attach_dp_sgd(exp: Experiment, stage: Any, defense: SentRows | None) -> None
 
 def _check_marvell(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can apply Marvell: a two-class loss of class ids
-    0 and 1, one data owner's rows (not [clients])."""
+    0 and 1 (or a binary cross-entropy of one 0/1 target per row), one data owner's rows (not [clients])."""
     where = f"stage {stage!r}: 'marvell'"
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's rows would need their "
                           f"own labels at the label owner")
     if not exp.has_stage(stage):
         return
-    if not exp.final_loss.classifies:
-        raise ConfigError(f"{where} is defined for a two-class loss of class ids (0 and 1); this loss has "
-                          f"real-valued targets")
+    loss = exp.final_loss
+    binary = isinstance(loss, TorchLoss) and loss.type in BINARY_LOSSES
+    if not loss.classifies and not binary:
+        raise ConfigError(f"{where} is defined for a two-class loss of class ids (0 and 1, or the 0/1 targets of "
+                          f"a binary cross-entropy: {', '.join(BINARY_LOSSES)}); this loss has real-valued targets")
     data = exp.build_data(stage=stage)
-    classes = np.unique(data.all_targets()) if hasattr(data, "all_targets") else None
+    targets = np.asarray(data.all_targets()) if hasattr(data, "all_targets") else None
+    if binary and targets is not None and len(targets) and targets[0].size != 1:
+        raise ConfigError(f"{where} needs one 0/1 target per row (a two-class task); these rows have "
+                          f"{targets[0].size} targets each (several labels at once)")
+    classes = np.unique(targets) if targets is not None else None
     if classes is None or classes.tolist() != [0, 1]:
         held = "no table of rows" if classes is None else f"the class ids {classes.tolist()[:10]}"
         raise ConfigError(f"{where} is defined for a two-class task, labels 0 and 1 (Li et al.'s norm and "

@@ -282,7 +282,8 @@ _STAGE_COMMON: dict[str, Key] = {
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
                "is added to the activation gradient it receives before its backward (no DP guarantee)"),
     "marvell": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
-                "the label owner of a two-class task (class ids 0 and 1): { bound = P }: Marvell (Li et al., "
+                "the label owner of a two-class task (class ids 0 and 1, or a binary cross-entropy's one 0/1 target "
+                "per row): { bound = P }: Marvell (Li et al., "
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
                 "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients]"),
