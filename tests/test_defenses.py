@@ -321,6 +321,27 @@ def test_marvell_defends_a_binary_cross_entropy_label_owner(tmp_path):
     assert defended["params"]["f"] != plain["params"]["f"]      # f trained on other (noised) gradients
 
 
+def test_max_norm_and_marvell_in_micro_batches_of_one_row_are_refused_not_idle(tmp_path):
+    """max_norm brings each row to the largest norm of its micro-batch and Marvell shapes its noise by the two
+    classes of it: in micro-batches of one row both add nothing (the run was the undefended one, bitwise).
+    Refused naming the key and the reason, where the run is set up and at the label owner's handshake (the
+    data owner chooses the micro-batches); two rows a micro-batch are defended."""
+    from distgrad.errors import ProtocolError
+    from distgrad.run.handshake import check_hello, hello
+    max_norm = load_experiment(_digits(tmp_path, "", "max_norm = true"))
+    marvell = load_experiment(_zero_vs_rest(tmp_path, "", "marvell = { bound = 0.5 }"))
+    for exp, key in ((max_norm, "max_norm"), (marvell, "marvell")):
+        with pytest.raises(ConfigError, match=f"stage 'g': '{key}' .* a micro-batch of 1 row"):
+            train_in_process(exp, steps=1, micro_batches=32, noise_secret=1)
+        body = hello(exp, "f", exp.seed, (32, 64), "run", [0], 1, 32).body
+        with pytest.raises(ProtocolError, match=f"hello asks for 32 micro-batches of 1 row; stage g: '{key}'"):
+            check_hello(body, "f", exp, exp.seed, (32, 64), "g")
+        assert check_hello(hello(exp, "f", exp.seed, (32, 64), "run", [0], 1, 16).body, "f", exp, exp.seed,
+                           (32, 64), "g") == 16
+    plain = train_in_process(load_experiment("digits"), steps=1, micro_batches=16)
+    assert train_in_process(max_norm, steps=1, micro_batches=16, noise_secret=1)["params"] != plain["params"]
+
+
 def test_parse_defenses_reads_back_what_split_writes():
     table = {"clip_noise": {"max_norm": 2.0, "sigma": 0.5, "delta": 1e-6}, "max_norm": True,
              "label_dp": {"epsilon": 1.5}, "marvell": {"bound": 0.5}}

@@ -265,7 +265,7 @@ _STAGE_COMMON: dict[str, Key] = {
     "max_norm": Key(None, kind="boolean", shown="false", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
-                 "guarantee)"),
+                 "guarantee; refused in micro-batches of one row, where it would add nothing)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
                  "once a run (epsilon-label-DP, exactly), drawn from a secret fresh for each run (kept in the "
@@ -286,7 +286,8 @@ _STAGE_COMMON: dict[str, Key] = {
                 "per row): { bound = P }: Marvell (Li et al., "
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
-                "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients]"),
+                "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients], nor in "
+                "micro-batches of one row (one class: no noise)"),
     "dp_sgd": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
                "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "

@@ -15,7 +15,7 @@ from typing import Any
 from distgrad.wire import messages as wire
 from distgrad.errors import ProtocolError
 from distgrad.config.experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment,
-                                        interface_differences, interface_digest)
+                                        idle_row_defense, interface_differences, interface_digest)
 from distgrad.wire.messages import ErrorCode, Message
 
 
@@ -76,6 +76,10 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
             len(input_shape) < 2 or input_shape[0] % mbs)):
         raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
                                                 f"shape {input_shape} do not split into that many equal parts")
+    idle = idle_row_defense(exp, here, input_shape[0] // mbs if len(input_shape) >= 2 else None)
+    if idle is not None:        # the label owner's own setting, which the data owner's choice would make idle
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches of {input_shape[0] // mbs} "
+                                                f"row; stage {here}: {idle}")
     return mbs
 
 
