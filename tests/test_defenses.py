@@ -321,11 +321,12 @@ def test_marvell_defends_a_binary_cross_entropy_label_owner(tmp_path):
     assert defended["params"]["f"] != plain["params"]["f"]      # f trained on other (noised) gradients
 
 
-def test_max_norm_and_marvell_in_micro_batches_of_one_row_are_refused_not_idle(tmp_path):
+def test_max_norm_marvell_and_nopeek_in_micro_batches_too_small_to_act_are_refused_not_idle(tmp_path):
     """max_norm brings each row to the largest norm of its micro-batch and Marvell shapes its noise by the two
     classes of it: in micro-batches of one row both add nothing (the run was the undefended one, bitwise).
     Refused naming the key and the reason, where the run is set up and at the label owner's handshake (the
-    data owner chooses the micro-batches); two rows a micro-batch are defended."""
+    data owner chooses the micro-batches); two rows a micro-batch are defended. NoPeek's gradient is zero in
+    micro-batches of one or two rows: refused there, acting in four."""
     from distgrad.errors import ProtocolError
     from distgrad.run.handshake import check_hello, hello
     max_norm = load_experiment(_digits(tmp_path, "", "max_norm = true"))
@@ -340,6 +341,12 @@ def test_max_norm_and_marvell_in_micro_batches_of_one_row_are_refused_not_idle(t
                            (32, 64), "g") == 16
     plain = train_in_process(load_experiment("digits"), steps=1, micro_batches=16)
     assert train_in_process(max_norm, steps=1, micro_batches=16, noise_secret=1)["params"] != plain["params"]
+    nopeek = load_experiment(_digits(tmp_path, "nopeek = { weight = 0.5 }", "", "nopeek.toml"))
+    for mbs in (16, 32):        # NoPeek's term: dCor of two rows is 1, of one 0, whatever the activations
+        with pytest.raises(ConfigError, match=f"stage 'f': 'nopeek' .* a micro-batch of {32 // mbs} row"):
+            train_in_process(nopeek, steps=1, micro_batches=mbs)
+    assert train_in_process(nopeek, steps=1, micro_batches=8)["params"] != train_in_process(
+        load_experiment("digits"), steps=1, micro_batches=8)["params"]
 
 
 def test_parse_defenses_reads_back_what_split_writes():

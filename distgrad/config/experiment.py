@@ -757,10 +757,17 @@ def idle_row_defense(exp: Experiment, stage: str, rows: int | None) -> str | Non
     """Why a defense of ``stage`` that acts within each micro-batch would do nothing in micro-batches of
     ``rows`` rows (None: it acts, or ``rows`` is unknown): the label owner's ``max_norm`` (noise up to the
     largest norm of the micro-batch) and ``marvell`` (noise from the difference of its two classes) add no
-    noise to a micro-batch of one row."""
-    if rows is None or rows > 1 or not exp.has_stage(stage):
+    noise to a micro-batch of one row; a data owner's ``nopeek`` has no gradient in one of two rows or fewer
+    (the distance correlation of two rows is 1 whatever they are)."""
+    if rows is None or rows > 2 or not exp.has_stage(stage):
         return None
     defenses, fix = exp.spec(stage).defenses, "use fewer micro-batches or larger batches"
+    if defenses.nopeek is not None:
+        return (f"'nopeek' adds the gradient of each micro-batch's distance correlation, which is constant in "
+                f"a micro-batch of {rows} row{'s' if rows > 1 else ''} (0 for one, 1 for two): it would change "
+                f"nothing ({fix})")
+    if rows > 1:
+        return None
     if defenses.max_norm:
         return (f"'max_norm' adds to each row the noise that brings it to the largest norm of its micro-batch, "
                 f"and a micro-batch of {rows} row has no other: it would add no noise ({fix})")

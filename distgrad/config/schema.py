@@ -280,7 +280,8 @@ _STAGE_COMMON: dict[str, Key] = {
     "nopeek": Key(None, kind="table", who=DATA_OWNERS, checked_by=_DEFENSES, help=
                "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
-               "is added to the activation gradient it receives before its backward (no DP guarantee)"),
+               "is added to the activation gradient it receives before its backward (no DP guarantee; refused in "
+               "micro-batches of one or two rows, where it has no gradient)"),
     "marvell": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                 "the label owner of a two-class task (class ids 0 and 1, or a binary cross-entropy's one 0/1 target "
                 "per row): { bound = P }: Marvell (Li et al., "
