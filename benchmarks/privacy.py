@@ -176,6 +176,8 @@ def budget(privacy: dict[str, Any]) -> str:
     clip = entry.get("clip_noise", {})
     if "epsilon" in clip:
         parts.append(f"{clip['epsilon']:.3g} at δ={clip['delta']:g}")
+    elif "guarantee" in clip:       # no epsilon can be stated there (one label reaches other rows)
+        parts.append("none")
     elif clip:
         parts.append("needs dp-accounting")
     return " + ".join(parts) if parts else "none"

@@ -352,8 +352,8 @@ def _audit_arguments(audit: argparse.ArgumentParser) -> None:
     audit.add_argument("--mlp", action="store_true", help="fit a small MLP decoder too, beside the linear one")
     audit.add_argument("--json", type=Path, metavar="PATH", help="also write the figures to this JSON file")
     audit.add_argument("--micro-batches", type=int, metavar="M",
-                       help="the run's --micro-batches, when it was given them (default: the experiment's): the "
-                            "distance correlation is scored per micro-batch, as the live meter does")
+                       help="the run's --micro-batches, when it was given them (default: the experiment's): "
+                            "checked against the batch; every figure is of whole batches, as the live meter's")
     audit.add_argument("--run-steps", type=int, metavar="N",
                        help="the run's --steps, when it was given them (default: the experiment's): a traced step "
                             "past the run's last is refused")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from distgrad.config.data import RandomizedLabels
+from distgrad.config.defended import budget_text
 from distgrad.config.experiment import BUILTIN_DIR
 from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError
@@ -231,6 +232,16 @@ def test_label_owner_defenses_are_refused_when_the_labels_travel(tmp_path):
     assert result.returncode == 2 and "labels cross the wire with the activations" in result.stderr
 
 
+def test_clip_noise_on_a_last_stage_that_is_sent_the_labels_is_refused_for_that_reason(tmp_path):
+    """With labels = "first" the last stage is no middle stage: its clip_noise is refused because the labels
+    already cross with the activations."""
+    path = _defended(tmp_path, "chain4-classify", {3: "clip_noise = { max_norm = 1.0, sigma = 0.1 }"}, "last.toml")
+    with pytest.raises(ConfigError, match="'clip_noise' on the last stage .* the labels cross the wire with the "
+                                          "activations") as refused:
+        load_experiment(path)
+    assert "middle stage" not in str(refused.value)
+
+
 def test_clip_noise_on_a_middle_stage_is_refused(tmp_path):
     text = (BUILTIN_DIR / "chain4-classify.toml").read_text()
     head, *stages = text.split("[[stages]]")
@@ -260,6 +271,82 @@ def test_marvell_is_refused_for_real_valued_targets_and_clients(tmp_path):
                          f"{builtin}.toml")
         result = run_main(["run", path, "--in-process", "--steps", "1"])
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_clip_noise_states_no_budget_where_marvell_shapes_every_rows_noise(tmp_path):
+    """The clip_noise label-DP budget rests on one label reaching only its own gradient row (sensitivity 2C).
+    Marvell's noise after it is shaped by the batch's classes, so one label changes every row's noise: the
+    summary states no guarantee and why (no epsilon), and the settings that promise one, the target form and
+    dp_sgd's end-to-end budget, are refused naming the reason."""
+    both = "clip_noise = { max_norm = 0.05, sigma = 4.0 }\nmarvell = { bound = 0.5 }"
+    privacy = train_in_process(load_experiment(_zero_vs_rest(tmp_path, "", both)), steps=2)["privacy"]
+    clip = privacy["g"]["clip_noise"]
+    assert "epsilon" not in clip and clip["releases"] == 1 and clip["sigma"] == 4.0
+    assert clip["guarantee"].startswith("no differential-privacy guarantee: 'marvell' adds noise shaped by")
+    assert budget_text(privacy) == (f"g: clip_noise: {clip['guarantee']}, marvell: no differential-privacy "
+                                    f"guarantee")
+    for i, (extra, message) in enumerate([
+            ("clip_noise = { max_norm = 0.05, epsilon = 8.0 }\nmarvell = { bound = 0.5 }",
+             "'clip_noise' with a target epsilon is a label-DP budget.*'marvell' adds noise"),
+            (f"{both}\ndp_sgd = {{ max_norm = 1.0 }}", "'dp_sgd' makes the run end-to-end label-DP, and 'marvell'")]):
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(_zero_vs_rest(tmp_path, "", extra, f"refused{i}.toml"))
+
+
+BINARY_HEAD = "from torch import nn\n\n\ndef make(out=1):\n    return nn.Sequential(nn.Linear(64, 16), nn.ReLU(), " \
+              "nn.Linear(16, out))\n"
+
+
+def _binary_cross_entropy(tmp_path: Path, g_extra: str, name: str, out: int = 1) -> Path:
+    """Digit 0 against the rest with a torch label owner (``bhead:make``) trained by BCEWithLogitsLoss on
+    float 0/1 targets: Li et al.'s own two-class setting."""
+    (tmp_path / "bhead.py").write_text(BINARY_HEAD)
+    path = _zero_vs_rest(tmp_path, "", g_extra, name)
+    text = path.read_text().replace('model = [{ type = "dense", name = "g1", in = 64, out = 2 }]',
+                                    f'module = "bhead:make"\nmodule_args = {{ out = {out} }}')
+    path.write_text(text.replace('loss = "softmax_cross_entropy"', 'loss = { type = "BCEWithLogitsLoss" }')
+                    .replace("batch = 32", 'batch = 32\nlabel_dtype = "float32"'))
+    return path
+
+
+def test_marvell_defends_a_binary_cross_entropy_label_owner(tmp_path):
+    """A two-class loss is also a binary cross-entropy of one 0/1 target per row: Marvell defends it as it
+    defends class ids 0 and 1 (it was refused, as if its targets were real-valued)."""
+    pytest.importorskip("torch")
+    plain = train_in_process(load_experiment(_binary_cross_entropy(tmp_path, "", "plain.toml")), steps=3,
+                             noise_secret=3)
+    defended = train_in_process(load_experiment(_binary_cross_entropy(tmp_path, "marvell = { bound = 0.5 }",
+                                                                      "marvell.toml")), steps=3, noise_secret=3)
+    assert defended["privacy"] == {"g": {"marvell": "no differential-privacy guarantee"}}
+    assert defended["params"]["f"] != plain["params"]["f"]      # f trained on other (noised) gradients
+
+
+def test_max_norm_marvell_and_nopeek_in_micro_batches_too_small_to_act_are_refused_not_idle(tmp_path):
+    """max_norm brings each row to the largest norm of its micro-batch and Marvell shapes its noise by the two
+    classes of it: in micro-batches of one row both add nothing (the run was the undefended one, bitwise).
+    Refused naming the key and the reason, where the run is set up and at the label owner's handshake (the
+    data owner chooses the micro-batches); two rows a micro-batch are defended. NoPeek's gradient is zero in
+    micro-batches of one or two rows: refused there, acting in four."""
+    from distgrad.errors import ProtocolError
+    from distgrad.run.handshake import check_hello, hello
+    max_norm = load_experiment(_digits(tmp_path, "", "max_norm = true"))
+    marvell = load_experiment(_zero_vs_rest(tmp_path, "", "marvell = { bound = 0.5 }"))
+    for exp, key in ((max_norm, "max_norm"), (marvell, "marvell")):
+        with pytest.raises(ConfigError, match=f"stage 'g': '{key}' .* a micro-batch of 1 row"):
+            train_in_process(exp, steps=1, micro_batches=32, noise_secret=1)
+        body = hello(exp, "f", exp.seed, (32, 64), "run", [0], 1, 32).body
+        with pytest.raises(ProtocolError, match=f"hello asks for 32 micro-batches of 1 row; stage g: '{key}'"):
+            check_hello(body, "f", exp, exp.seed, (32, 64), "g")
+        assert check_hello(hello(exp, "f", exp.seed, (32, 64), "run", [0], 1, 16).body, "f", exp, exp.seed,
+                           (32, 64), "g") == 16
+    plain = train_in_process(load_experiment("digits"), steps=1, micro_batches=16)
+    assert train_in_process(max_norm, steps=1, micro_batches=16, noise_secret=1)["params"] != plain["params"]
+    nopeek = load_experiment(_digits(tmp_path, "nopeek = { weight = 0.5 }", "", "nopeek.toml"))
+    for mbs in (16, 32):        # NoPeek's term: dCor of two rows is 1, of one 0, whatever the activations
+        with pytest.raises(ConfigError, match=f"stage 'f': 'nopeek' .* a micro-batch of {32 // mbs} row"):
+            train_in_process(nopeek, steps=1, micro_batches=mbs)
+    assert train_in_process(nopeek, steps=1, micro_batches=8)["params"] != train_in_process(
+        load_experiment("digits"), steps=1, micro_batches=8)["params"]
 
 
 def test_parse_defenses_reads_back_what_split_writes():

@@ -22,7 +22,7 @@ from distgrad.cut import Cut
 from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError, PeerRejected
 from distgrad.privacy.releases import LABEL_RUNS_SUFFIX, LIFETIME_SUFFIX, Lifetime, NoiseLedger
 from distgrad.run.options import StageOptions
-from distgrad.run.stage_state import StageState
+from distgrad.run.stage_state import StageState, finished_run, nothing_to_do
 from distgrad.wire.wirecodec import GRADIENT
 
 from conftest import wait_for_file
@@ -94,6 +94,33 @@ def test_a_damaged_lifetime_file_is_refused_with_what_to_do(tmp_path):
 def _state(exp, ckpt: Path, resume: bool = False) -> StageState:
     return StageState(StageOptions(exp, "g", exp.seed, steps=4, checkpoint_dir=ckpt, checkpoint_every=1,
                                    resume=resume))
+
+
+def test_a_finished_run_resumed_with_nothing_to_do_states_the_budget_it_ended_with(tmp_path):
+    """--resume of a finished run runs nothing: its summary comes from the final checkpoints, and states each
+    party's privacy budget as the run's own summary did (the label owner's worst row's releases and label_dp,
+    the data owner's held-out releases), not a summary without one."""
+    exp = load_experiment(_digits(tmp_path, "clip_noise = { max_norm = 4.0, sigma = 0.1 }",
+                                  "clip_noise = { max_norm = 0.05, sigma = 1.0 }\nlabel_dp = { epsilon = 2.0 }"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    states = {name: StageState(StageOptions(exp, name, exp.seed, steps=4, checkpoint_dir=ckpt, checkpoint_every=1))
+              for name in ("f", "g")}
+    for state in states.values():
+        state.begin("run-a")
+    for step in (1, 2):
+        states["g"].ledger.release(step, "grad", f"d{step}", ROWS)
+    states["f"].ledger.release_held_out(5, "evaluation", "e1", 359)
+    privacy = {}
+    for name, state in states.items():
+        ran = state.summary("completed", 0.0, 0.5)["privacy"]
+        state.save(4, final_loss=0.5, finished=True)
+        opts = StageOptions(exp, name, exp.seed, steps=4, checkpoint_dir=ckpt, resume=True)
+        again = nothing_to_do(opts, finished_run(opts))
+        assert again["status"] == "finished" and again["privacy"] == ran, name
+        privacy.update(again["privacy"])
+    assert privacy["g"]["clip_noise"]["releases"] == 2 and privacy["g"]["label_dp"]["epsilon"] == 2
+    assert "held-out rows in evaluations: 359 row releases" in budget_text(privacy)
 
 
 def test_the_lifetime_file_outlives_the_process_and_a_resume_does_not_count_twice(tmp_path):

@@ -48,6 +48,26 @@ def test_a_window_scores_the_rows_of_its_steps_with_the_shared_measures():
     assert set(meter.close(4, last=True)) >= {"label_recovery", "norm_auc"}      # the last step closes one
 
 
+def test_the_input_figure_is_each_whole_batchs_however_the_run_splits_it(tmp_path):
+    """The data owner's distance correlation is of each batch's input and activation rows, its micro-batches
+    together: in micro-batches of one row it was not scored at all (and of two rows it is always 1)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 5))
+    z = np.tanh(x @ rng.normal(size=(5, 3)))
+    meter = LeakMeter(INPUTS, window=1)
+    for mb in range(8):
+        meter.observe(1, mb, x[mb:mb + 1], z[mb:mb + 1])
+    dcor, chance = leaks.distance_correlations(x, z)
+    assert meter.close(1) == {"distance_correlation": dcor, "distance_correlation_chance": chance}
+    path = tmp_path / "metered.toml"
+    path.write_text((BUILTIN_DIR / "digits.toml").read_text().replace(
+        '"../datasets/', f'"{BUILTIN_DIR.parent / "datasets"}/').replace(
+        'optimizer = { type = "adam", lr = 0.003 }\n', 'optimizer = { type = "adam", lr = 0.003 }\nprivacy_meter = true\n', 1))
+    whole, split = (train_in_process(load_experiment(path), steps=1, micro_batches=mbs)["input_leaks"][0]
+                    for mbs in (1, 32))
+    assert split["distance_correlation"] == pytest.approx(whole["distance_correlation"], rel=1e-5)
+
+
 def test_a_micro_batch_sent_again_replaces_the_first_and_a_rollback_forgets_later_steps():
     meter = LeakMeter(INPUTS, window=10)
     x = np.arange(12, dtype=np.float32).reshape(4, 3)

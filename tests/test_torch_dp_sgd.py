@@ -16,6 +16,7 @@ mean is weighted, [clients], the label owner's own bottom.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,27 @@ def test_a_class_id_loss_whose_mean_is_weighted_is_refused(tmp_path, loss, refus
         return
     with pytest.raises(ConfigError, match="'dp_sgd': CrossEntropyLoss with .* total weight.*reduction = \"sum\""):
         load_experiment(path)
+
+
+@pytest.mark.parametrize("module_args, loss, reason", [
+    ('extra = "batch"', '{ type = "CrossEntropyLoss" }', r"batch norm normalises each row .*BatchNorm1d"),
+    ("", '{ type = "CrossEntropyLoss", ignore_index = 3 }', r"CrossEntropyLoss with ignore_index and reduction"),
+    ("", '{ type = "CrossEntropyLoss", weight = [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0] }',
+     r"CrossEntropyLoss with weight and reduction \"mean\" divides")])
+def test_clip_noise_states_no_budget_where_one_label_reaches_every_row(tmp_path, module_args, loss, reason):
+    """The label owner's clip_noise budget (sensitivity 2C) needs each label to reach only its own gradient
+    row: a module's batch norm and a class-id mean weighted by the labels make every row depend on every
+    label. The summary then states no guarantee and why, and the target form (a budget) is refused."""
+    clip = "clip_noise = { max_norm = 0.05, sigma = 4.0 }"
+    path = _module_digits(tmp_path, clip, module_args, loss)
+    entry = train_in_process(load_experiment(path), steps=2, noise_secret=3)["privacy"]["g"]["clip_noise"]
+    assert "epsilon" not in entry and entry["releases"] == 1, entry
+    assert re.match(f"no differential-privacy guarantee: {reason}", entry["guarantee"]), entry
+    target = _module_digits(tmp_path, "clip_noise = { max_norm = 0.05, epsilon = 8.0 }", module_args, loss,
+                            "target.toml")
+    with pytest.raises(ConfigError, match=f"'clip_noise' with a target epsilon is a label-DP budget.*{reason}"):
+        Stage.from_experiment(load_experiment(target), "g")
+    # (without them the same label owner states its epsilon: test_defenses.py and test_budget.py)
 
 
 # Slow (torch.func's first use imports torch._dynamo in each process: 15-25 s under load). By default

@@ -30,6 +30,7 @@ ACTIVATION, GRADIENT = "activation", "activation_grad"   # the wire's directions
 EVALUATION = "evaluation"       # a data owner's held-out rows' releases (``Senders.evaluation_tensors``' purpose)
 TEST = "test"                   # with a validation split: its test rows', once, in the final evaluation
 NO_GUARANTEE = "no differential-privacy guarantee"
+BINARY_LOSSES = ("BCEWithLogitsLoss", "BCELoss")    # two-class losses of 0/1 float targets: Marvell's too
 SECURE_REASON = ("is not supported on a feature party with secure_aggregation: the label owner receives only the "
                  "masked sum of every party's embedding, never this party's alone, so this party's rows against "
                  "what it sends measure nothing the label owner can invert")
@@ -145,6 +146,10 @@ def check_defenses(exp: Experiment) -> None:
                       "to defend" if exp.labels_travel else
                       f"it defends the label owner's labels, and the label owner is {exp.label_owner!r}")
             raise ConfigError(f"{where}: '{label_keys[0]}' is a setting of the label owner: {reason}")
+        if d.clip_noise is not None and not label_owner and spec.name == exp.stage_names[-1]:
+            raise ConfigError(f"{where}: 'clip_noise' on the last stage defends the labels through the gradients "
+                              f"it sends up, and the labels cross the wire with the activations (labels = "
+                              f"\"first\"): there is nothing left to defend")
         if d.clip_noise is not None and not label_owner and spec.name not in exp.data_owners:
             raise ConfigError(f"{where}: 'clip_noise' is a setting of the label owner (on the gradients it sends) "
                               f"or of a data owner (on the activations it sends); {spec.name!r} is a middle stage")
@@ -172,26 +177,37 @@ def check_defenses(exp: Experiment) -> None:
             _check_marvell(exp, spec.name)
         if d.dp_sgd is not None:
             _check_dp_sgd(exp, spec.name)
+        shared = shared_label_reason(exp, spec.name) if label_owner and d.clip_noise is not None else None
+        if shared is not None and d.clip_noise is not None and d.clip_noise.epsilon is not None:
+            raise ConfigError(f"{where}: 'clip_noise' with a target epsilon is a label-DP budget, which needs each "
+                              f"label to reach only its own gradient row; here {shared}: give clip_noise a sigma "
+                              f"(its summary then states no guarantee), or remove the cause")
 
 
-def check_rows_sent_together(exp: Experiment, stage: str, micro_batches: int) -> None:
-    """Raise ``ConfigError`` when the label owner ``stage``'s ``max_norm`` or ``marvell`` would act on
-    micro-batches of one row (``micro_batches`` of the experiment's batch; data without batches sends one row):
-    both shape a row's noise by the other rows sent with it (max_norm: the largest norm among them; Marvell:
-    the two classes among them), so a row sent alone would cross as computed, the defense accepted and doing
-    nothing. The data owner chooses the micro-batches of a run (its hello), so the label owner checks them."""
-    if not exp.has_stage(stage) or not label_owner_sends_gradients(exp, stage):
-        return
-    d = exp.spec(stage).defenses
-    keys = [key for key, on in (("max_norm", d.max_norm), ("marvell", d.marvell is not None)) if on]
-    rows = (exp.batch or 1) // max(micro_batches, 1)
-    if keys and rows < 2:
-        sent = (f"batches of {exp.batch} rows in {micro_batches} micro-batches" if exp.batch
-                else "data without batches")
-        raise ConfigError(f"stage {stage!r}: {' and '.join(repr(key) for key in keys)} noise each row by the other "
-                          f"rows sent with it (max_norm up to the largest norm among them, Marvell by the two classes "
-                          f"among them); {sent} send one row at a time, which would cross without noise: use "
-                          f"micro-batches of 2 rows or more")
+def shared_label_reason(exp: Experiment, stage: str, mixing: str | None = None) -> str | None:
+    """Why one training label of the label owner ``stage`` reaches more than its own gradient row of a step
+    (None: it reaches only its own, the premise of the ``clip_noise`` label-DP budget, sensitivity 2C):
+    its ``marvell`` (whose noise is shaped by the classes of the whole batch), a class-id loss whose mean is
+    weighted (divided by the batch's total weight, which each label changes), or ``mixing``, what its built
+    stage says mixes the rows of a batch (``Stage.batch_mixing``: a torch module's batch norm)."""
+    spec = exp.spec(stage)
+    if spec.defenses.marvell is not None:
+        return ("'marvell' adds noise shaped by the class means and variances of the whole batch, so one "
+                "label changes the noise of every row")
+    weighted = _weighted_mean(stage_loss(spec))
+    if weighted is not None:
+        return weighted
+    return mixing
+
+
+def _weighted_mean(loss: Any) -> str | None:
+    """Why a class-id ``loss`` divides each row's gradient by a total every label changes (None: it does not):
+    a torch loss with ``weight`` or ``ignore_index`` and reduction "mean"."""
+    weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
+    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+        return (f"{loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides by the batch's total "
+                f"weight, which each example's label changes, so every row's gradient depends on every label")
+    return None
 
 
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
@@ -207,10 +223,14 @@ def _check_dp_sgd(exp: Experiment, stage: str) -> None:
         raise ConfigError(f"{where} shares clip_noise's sigma and budget: give the stage clip_noise too")
     loss = stage_loss(spec)
     weighted = sorted({"weight", "ignore_index"} & set(loss.options)) if isinstance(loss, TorchLoss) else []
-    if isinstance(loss, TorchLoss) and loss.classifies and loss.reduction == "mean" and weighted:
+    if isinstance(loss, TorchLoss) and _weighted_mean(loss) is not None:
         raise ConfigError(f"{where}: {loss.type} with {' and '.join(weighted)} and reduction \"mean\" divides "
                           f"by the batch's total weight, which each example's label changes, so no example's "
                           f"gradient is its own: use reduction = \"sum\"")
+    if spec.defenses.marvell is not None:
+        raise ConfigError(f"{where} makes the run end-to-end label-DP, and 'marvell' adds noise shaped by the "
+                          f"classes of the whole batch to the gradient rows sent, so one label changes every "
+                          f"row's noise: remove marvell or dp_sgd")
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's steps are updates of the "
                           f"one label owner, counted apart")
@@ -243,18 +263,24 @@ def attach_dp_sgd(exp: Experiment, stage: Any, defense: SentRows | None) -> None
 
 def _check_marvell(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can apply Marvell: a two-class loss of class ids
-    0 and 1, one data owner's rows (not [clients])."""
+    0 and 1 (or a binary cross-entropy of one 0/1 target per row), one data owner's rows (not [clients])."""
     where = f"stage {stage!r}: 'marvell'"
     if exp.federated:
         raise ConfigError(f"{where} is not supported with [clients] yet: each client's rows would need their "
                           f"own labels at the label owner")
     if not exp.has_stage(stage):
         return
-    if not exp.final_loss.classifies:
-        raise ConfigError(f"{where} is defined for a two-class loss of class ids (0 and 1); this loss has "
-                          f"real-valued targets")
+    loss = exp.final_loss
+    binary = isinstance(loss, TorchLoss) and loss.type in BINARY_LOSSES
+    if not loss.classifies and not binary:
+        raise ConfigError(f"{where} is defined for a two-class loss of class ids (0 and 1, or the 0/1 targets of "
+                          f"a binary cross-entropy: {', '.join(BINARY_LOSSES)}); this loss has real-valued targets")
     data = exp.build_data(stage=stage)
-    classes = np.unique(data.all_targets()) if hasattr(data, "all_targets") else None
+    targets = np.asarray(data.all_targets()) if hasattr(data, "all_targets") else None
+    if binary and targets is not None and len(targets) and targets[0].size != 1:
+        raise ConfigError(f"{where} needs one 0/1 target per row (a two-class task); these rows have "
+                          f"{targets[0].size} targets each (several labels at once)")
+    classes = np.unique(targets) if targets is not None else None
     if classes is None or classes.tolist() != [0, 1]:
         held = "no table of rows" if classes is None else f"the class ids {classes.tolist()[:10]}"
         raise ConfigError(f"{where} is defined for a two-class task, labels 0 and 1 (Li et al.'s norm and "
@@ -358,18 +384,20 @@ def _parties(exp: Experiment, stage: str) -> int:
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
                    released: dict[str, int] | None = None, planned_steps: int | None = None,
                    held_out: dict[str, NoiseLedger] | None = None,
-                   lifetime: dict[str, int] | None = None,
+                   lifetime: dict[str, int] | None = None, mixing: dict[str, str] | None = None,
                    label_runs: dict[str, int | None] | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
-    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
+    ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``mixing``: what a
+    built stage mixes the rows of a batch with (``Stage.batch_mixing``), by stage; ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
     sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
     rows (its evaluations, when there were any) its entry counts (``held_out_budget``); ``lifetime``: the
     worst row's count of releases of a stage over every run it served (``NoiseLedger.lifetime_worst``);
     ``label_runs``: the runs of a stage that released its randomized labels (``LabelRuns.lifetime``)."""
-    released, held_out, lifetime, label_runs = released or {}, held_out or {}, lifetime or {}, label_runs or {}
+    released, held_out, lifetime, mixing = released or {}, held_out or {}, lifetime or {}, mixing or {}
+    label_runs = label_runs or {}
     entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage),
-                                   label_runs.get(stage))
+                                   mixing.get(stage), label_runs.get(stage))
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
         if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
@@ -382,11 +410,13 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
 
 def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: int | None = None,
                  planned_steps: int | None = None, lifetime: int | None = None,
-                 label_runs: int | None = None) -> dict[str, Any]:
+                 mixing: str | None = None, label_runs: int | None = None) -> dict[str, Any]:
     """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
     owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``) of its worst
     row, released ``released`` times (None: once per epoch the steps reach), and for every other defense
-    the statement that it has no differential-privacy guarantee. With ``lifetime`` (the worst row's releases
+    the statement that it has no differential-privacy guarantee. Where one label reaches more than its own
+    gradient row (``shared_label_reason``, ``mixing`` the built stage's part of it) the ``clip_noise`` entry
+    has no epsilon: its ``guarantee`` says there is none, and why. With ``lifetime`` (the worst row's releases
     over every run the stage served) other than ``released``, the ``clip_noise`` entry adds
     ``lifetime_releases`` and ``lifetime_epsilon``: the same row composed over all of them. With ``label_runs``
     (the runs of the stage that released randomized labels, when runs other than this one did) the ``label_dp``
@@ -402,11 +432,13 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
                                                         if clip is not None else 0)
         if d.dp_sgd is not None:        # each step a row is in also releases its part of the update
             worst += worst // _parties(exp, stage)
+        shared = shared_label_reason(exp, stage, mixing) if clip is not None else None
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
                                              END_TO_END_SCOPE if d.dp_sgd is not None else
-                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE)
+                                             LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE,
+                                             None if shared is None else f"{NO_GUARANTEE}: {shared}")
         if d.label_dp is not None and label_runs:
             _add_label_lifetime(entry["label_dp"], label_runs)
         if clip is not None and lifetime is not None and released is not None and lifetime != released:
@@ -482,6 +514,8 @@ def _entry_text(entry: dict[str, Any]) -> str:
             else:
                 scope = f" ({value['guarantee']})" if "guarantee" in value else ""
                 parts.append(f"{key}: label-DP epsilon {epsilon:.4g}{delta}{worth}{scope}")
+        elif isinstance(value, dict) and "guarantee" in value and "error" not in value:
+            parts.append(f"{key}: {value['guarantee']}")      # no epsilon: it states why there is none
         elif isinstance(value, dict) and "per_row" in value:
             what = {"evaluation_releases": "held-out rows in evaluations",
                     "test_releases": "test rows in the final evaluation"}.get(key, "new rows in predictions")

@@ -753,6 +753,30 @@ def check_targets(exp: Experiment, data: DataSource, output_shape: Shape) -> Non
                               f"so {loss_name} takes class ids 0..{classes - 1}")
 
 
+def idle_row_defense(exp: Experiment, stage: str, rows: int | None) -> str | None:
+    """Why a defense of ``stage`` that acts within each micro-batch would do nothing in micro-batches of
+    ``rows`` rows (None: it acts, or ``rows`` is unknown): the label owner's ``max_norm`` (noise up to the
+    largest norm of the micro-batch) and ``marvell`` (noise from the difference of its two classes) add no
+    noise to a micro-batch of one row; a data owner's ``nopeek`` has no gradient in one of two rows or fewer
+    (the distance correlation of two rows is 1 whatever they are)."""
+    if rows is None or rows > 2 or not exp.has_stage(stage):
+        return None
+    defenses, fix = exp.spec(stage).defenses, "use fewer micro-batches or larger batches"
+    if defenses.nopeek is not None:
+        return (f"'nopeek' adds the gradient of each micro-batch's distance correlation, which is constant in "
+                f"a micro-batch of {rows} row{'s' if rows > 1 else ''} (0 for one, 1 for two): it would change "
+                f"nothing ({fix})")
+    if rows > 1:
+        return None
+    if defenses.max_norm:
+        return (f"'max_norm' adds to each row the noise that brings it to the largest norm of its micro-batch, "
+                f"and a micro-batch of {rows} row has no other: it would add no noise ({fix})")
+    if defenses.marvell is not None:
+        return (f"'marvell' shapes its noise by the two classes of each micro-batch, and a micro-batch of {rows} "
+                f"row holds one class: every row would cross as computed ({fix})")
+    return None
+
+
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
@@ -776,9 +800,10 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
         raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
                           f"they do not split into {micro_batches} equal micro-batches")
-    from distgrad.config.defended import check_rows_sent_together     # (defended builds on this module)
-    for name in exp.stage_names:
-        check_rows_sent_together(exp, name, micro_batches)
+    for spec in exp.stages:         # a defense of each micro-batch's rows that would do nothing there
+        idle = idle_row_defense(exp, spec.name, exp.batch // micro_batches if exp.batch else 1)
+        if idle is not None:
+            raise ConfigError(f"stage {spec.name!r}: {idle}")
     check_init_overrides(exp, init or {})
     check_staleness(exp, exp.staleness if staleness is None else staleness)
     _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")

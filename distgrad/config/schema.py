@@ -254,8 +254,10 @@ _STAGE_COMMON: dict[str, Key] = {
                    "computation and before the codec, drawn from a secret fresh for each run (kept in the stage's "
                    "checkpoints); the label owner's on the activation gradients it sends up (its own parameter "
                    "gradients stay exact; its summary reports the label-DP (epsilon, delta) of its worst row, "
-                   "counting every step a row is in), a data owner's on the activations it sends down (no DP "
-                   "guarantee stated). The label owner's target form { max_norm = C, epsilon = E } chooses s for "
+                   "counting every step a row is in; none, saying why, where one label reaches other rows: with "
+                   "marvell, a class-id mean weighted by the labels, a module's batch norm), a data owner's on the "
+                   "activations it sends down (no DP guarantee stated). The label owner's target form "
+                   "{ max_norm = C, epsilon = E } (refused where no epsilon can be stated) chooses s for "
                    "the run's planned releases (each row once per epoch of its steps) and refuses the step that "
                    "would release a row more often. A data owner's acts on its evaluations' and predictions' "
                    "activations too (counted in its budget entry); the label owner's on training gradients only. "
@@ -263,7 +265,7 @@ _STAGE_COMMON: dict[str, Key] = {
     "max_norm": Key(None, kind="boolean", shown="false", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: Li et al.'s max-norm heuristic on the activation gradients it sends up: each "
                  "row gets Gaussian noise that brings its expected squared norm to the batch's largest (no DP "
-                 "guarantee)"),
+                 "guarantee; refused in micro-batches of one row, where it would add nothing)"),
     "label_dp": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                  "the label owner: { epsilon = e }: k-ary randomized response on each of its training class labels, "
                  "once a run (epsilon-label-DP, exactly), drawn from a secret fresh for each run (kept in the "
@@ -278,19 +280,22 @@ _STAGE_COMMON: dict[str, Key] = {
     "nopeek": Key(None, kind="table", who=DATA_OWNERS, checked_by=_DEFENSES, help=
                "a data owner: { weight = w }: NoPeek's term w * dCor(input rows, activation rows) (distance "
                "correlation of each micro-batch, Vepakomma et al. 2020) added to its own objective: its gradient "
-               "is added to the activation gradient it receives before its backward (no DP guarantee)"),
+               "is added to the activation gradient it receives before its backward (no DP guarantee; refused in "
+               "micro-batches of one or two rows, where it has no gradient)"),
     "marvell": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
-                "the label owner of a two-class task (class ids 0 and 1): { bound = P }: Marvell (Li et al., "
+                "the label owner of a two-class task (class ids 0 and 1, or a binary cross-entropy's one 0/1 target "
+                "per row): { bound = P }: Marvell (Li et al., "
                 "ICLR 2022): Gaussian noise on the activation gradients it sends up, per micro-batch, with "
                 "class-dependent covariances of the least power that bounds the sum of the KL divergences between "
-                "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients]"),
+                "the two classes' rows by P (smaller: more noise; no DP guarantee). Not with [clients], nor in "
+                "micro-batches of one row (one class: no noise)"),
     "dp_sgd": Key(None, kind="table", who=LABEL_OWNER, checked_by=_DEFENSES, help=
                "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
                "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
                "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
                "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers, "
                "or a torch stage (layer list or module: per-example gradients by torch.func), without batch norm "
-               "or dropout; not with [clients] or a bottom model of its own"),
+               "or dropout; not with [clients], marvell or a bottom model of its own"),
 }
 
 COMBINED_STAGE_KEYS: dict[str, Key] = {

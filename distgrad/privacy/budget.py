@@ -86,7 +86,8 @@ def sigma_for_target(epsilon: float, releases: int, delta: float) -> float:
 
 
 def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int,
-                 planned: int | None = None, scope: str = GUARANTEE_SCOPE) -> dict[str, Any]:
+                 planned: int | None = None, scope: str = GUARANTEE_SCOPE,
+                 no_guarantee: str | None = None) -> dict[str, Any]:
     """The label owner's budget for its summary: ``{"label_dp": {"epsilon": e}}`` for randomized response (with
     ``stages`` for RR-with-prior: ``LabelDP.budget``) and
     ``{"clip_noise": {"epsilon", "delta", "releases", "noise_multiplier", "sigma", "scope", "guarantee"}}`` for
@@ -95,7 +96,9 @@ def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int
     adds its ``target_epsilon`` and the ``planned_releases`` its sigma was chosen for. ``scope`` says which
     guarantee the run has (``GUARANTEE_SCOPE``: per release, on the cut gradients only; the label owner's own
     update is not privatised), ``guarantee`` the same, or that an epsilon of ``MEANINGFUL_EPSILON`` or more
-    bounds nothing; a ``label_dp`` epsilon that large gets that ``guarantee`` too."""
+    bounds nothing; a ``label_dp`` epsilon that large gets that ``guarantee`` too. ``no_guarantee``: why the
+    Gaussian mechanism's premise fails for ``clip`` (one label reaches other rows): its entry then has no
+    epsilon and no scope, and that ``guarantee``."""
     budget: dict[str, Any] = {}
     if label_dp is not None:
         budget["label_dp"] = label_dp.budget()
@@ -107,6 +110,10 @@ def label_budget(label_dp: LabelDP | None, clip: ClipNoise | None, releases: int
                                  "sigma": sigma, "scope": scope}
         if clip.epsilon is not None:
             entry.update(target_epsilon=clip.epsilon, planned_releases=planned)
+        if no_guarantee is not None:
+            del entry["scope"]
+            budget["clip_noise"] = {**entry, "guarantee": no_guarantee}
+            return budget
         try:
             epsilon = gaussian_label_dp(sigma, releases, clip.delta) if releases else 0.0
             entry["epsilon"] = epsilon

@@ -27,8 +27,8 @@ Figures (each beside its chance level, ``NAME_chance``):
   and ``cosine_auc``; ``norm_auc`` and ``direction_auc`` when its labels are
   the two classes 0 and 1 (Li et al.);
 * inputs: ``leaks.input_figures``: ``distance_correlation``, the mean over
-  the window's micro-batches of each one's distance correlation between
-  input and activation rows.
+  the window's batches of each one's distance correlation between input and
+  activation rows (a step's micro-batches together: ``whole_batches``).
 
 The offline audit reports the same figures through the same two functions,
 so on the same rows the two agree exactly.
@@ -159,7 +159,7 @@ class LeakMeter:
         taken = [self._rows.pop(key) for key in keys]
         if not taken:
             return None
-        return self._labels(taken) if self.kind == LABELS else self._inputs(taken)
+        return self._labels(taken) if self.kind == LABELS else self._inputs(whole_batches(keys, taken))
 
     @staticmethod
     def _labels(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
@@ -174,6 +174,17 @@ class LeakMeter:
     @staticmethod
     def _inputs(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
         return leaks.input_figures(taken)
+
+
+def whole_batches(keys: list[tuple[int, int]], taken: list[tuple[np.ndarray, np.ndarray]]
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (secret rows, sent rows) of each step's whole batch, from its micro-batches ``taken`` under ``keys``
+    ((step, micro-batch), sorted): the input figures are each batch's, however the run split it."""
+    steps: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for (step, _), pair in zip(keys, taken):
+        steps.setdefault(step, []).append(pair)
+    return [(np.concatenate([secret for secret, _ in parts]), np.concatenate([sent for _, sent in parts]))
+            for parts in steps.values()]
 
 
 KNOWN_ROWS = (1, 10)        # rows of each class the averaging attacker knows (one figure each)

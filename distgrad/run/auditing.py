@@ -286,10 +286,8 @@ def run_audit(experiment: str, trace: Path, seed: int | None = None, first: int 
         if input_view and exp.has_stage(owner.stage):
             data = exp.build_data(seed, client=owner.client, stage=owner.stage)
             z, x = _paired(input_view, data.features, "input rows", trace)
-            per_step = [len(rows) for _, rows in input_view]
-            batches = [n // micro_batches for n in per_step for _ in range(micro_batches)]
-            batches_metered = [bool(flag) for flag in _metered(input_view, first, window, micro_batches,
-                                                               per_row=False)]
+            batches = [len(rows) for _, rows in input_view]       # each step's whole batch, as the meter
+            batches_metered = [bool(flag) for flag in _metered(input_view, first, window, 1, per_row=False)]
             try:
                 report["inputs" + owner.suffix] = audit.input_attacks(z, x, public_fraction, seed, mlp,
                                                                       batches=batches, metered=batches_metered)

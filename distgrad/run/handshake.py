@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from distgrad.wire import messages as wire
-from distgrad.config.defended import check_rows_sent_together
-from distgrad.errors import ConfigError, ProtocolError
+from distgrad.errors import ProtocolError
 from distgrad.config.experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment,
-                                        interface_differences, interface_digest)
+                                        idle_row_defense, interface_differences, interface_digest)
 from distgrad.wire.messages import ErrorCode, Message
 
 
@@ -77,10 +76,11 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
             len(input_shape) < 2 or input_shape[0] % mbs)):
         raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
                                                 f"shape {input_shape} do not split into that many equal parts")
-    try:        # the data owner chooses the micro-batches: none may leave this stage's row defenses idle
-        check_rows_sent_together(exp, here, mbs)
-    except ConfigError as e:
-        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches: {e}") from e
+    rows = input_shape[0] // mbs if len(input_shape) >= 2 else 1      # data without batches: one row a step
+    idle = idle_row_defense(exp, here, rows)
+    if idle is not None:        # the label owner's own setting, which the data owner's choice would make idle
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches of {rows} row"
+                                                f"{'s' if rows > 1 else ''}; stage {here}: {idle}")
     return mbs
 
 

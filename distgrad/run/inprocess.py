@@ -33,8 +33,8 @@ from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_t
                                     evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
                                     write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, check_parameter_files,
-                                  evaluate_held_out, held_out_part, kept_model, make_save_dir, micro_batch,
+from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, batch_mixing_of,
+                                  check_parameter_files, evaluate_held_out, held_out_part, kept_model, make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
 from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, Senders, stream_name
@@ -395,7 +395,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
         "status": "completed", "mode": "in-process", "transport": None,
         "clients": per_client,
         **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine]),
-                         held_out=_ledgers([pairs[0][0]])),     # every client evaluates as often
+                         held_out=_ledgers([pairs[0][0]]),      # every client evaluates as often
+                         mixing=batch_mixing_of([last_engine.stage])),
         **owners_fields(owned, peer_meters),
         "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
                    last_name: to_lists(last.params)},
@@ -616,7 +617,7 @@ class _Reference:
             **best_evaluation_fields(evaluations, self.verdicts.best_step),
             **kept_test_fields(self.test),
             **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows(self.engines),
-                             held_out=_ledgers(self.engines)),
+                             held_out=_ledgers(self.engines), mixing=batch_mixing_of(self.stages)),
             **{key: value for metering in self.meters for key, value in metering.summary_fields().items()},
             **(self.guarding.summary_fields() if self.guarding else {}),
             **owners_fields(self.owned, self.peer_meters),

@@ -31,7 +31,7 @@ from distgrad.run.options import StageOptions
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, evaluation_fields, kept_test_fields,
                                     scores_text, to_lists, write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
-from distgrad.stage.stage import Stage
+from distgrad.stage.stage import Stage, batch_mixing_of
 from distgrad.wire import link
 from distgrad.wire.codecs import Codec
 from distgrad.wire.keys import CurveClient
@@ -654,9 +654,9 @@ class StageState:
                 meta["noise_secret"] = f"{self.secret.value:x}"
             if self._target_sigma is not None:      # what the releases so far were noised with (``_load``)
                 meta["clip_target"] = {"sigma": self._target_sigma, "steps": self.opts.total_steps}
-            if finished:
-                meta.update(finished=True, final_loss=final_loss)
             step = self.stage.step if step is None else step
+            if finished:        # and the run's privacy budget, which a --resume with nothing to do reports
+                meta.update(finished=True, final_loss=final_loss, **self.privacy_fields(step))
             extra = {EXTRA_PREFIX + name: value for name, value in self.extra_arrays(step).items()}
             extra.update(self._kept_arrays(step))      # the meters' and the guard's (``keep``)
             released = self.ledger.arrays(step) if self.ledger is not None else {}
@@ -677,6 +677,16 @@ class StageState:
                                                          if k not in ("test_count", "validation_count")}}
                                        for step, fields in judged.items()], self.verdicts.best_step)
 
+    def privacy_fields(self, steps: int) -> dict[str, Any]:
+        """The summary's ``privacy`` field of this stage after ``steps`` steps (rounds, with several clients):
+        what its defenses guarantee (``config.defended.privacy_budget``); {} without defenses."""
+        ledger, stage = self.ledger, self.opts.stage
+        return privacy_budget(self.opts.experiment, [stage], steps, self.opts.seed,
+                              {} if ledger is None else {stage: ledger.worst}, self.opts.total_steps,
+                              {} if ledger is None else {stage: ledger},
+                              {} if ledger is None else {stage: ledger.lifetime_worst}, batch_mixing_of([self.stage]),
+                              {} if self.label_runs is None else {stage: self.label_runs.lifetime(self.run_id)})
+
     def summary(self, status: str, started: float, loss: float | None, **extra: Any) -> dict[str, Any]:
         summary = {
             "experiment": self.opts.experiment.name,
@@ -693,11 +703,7 @@ class StageState:
             **({} if "best_evaluation" in extra else self._best_evaluation()),
             **kept_test_fields(self.final_test),
             # with several clients or parties, a step of the run is a round of updates
-            **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
-                             self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
-                             self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger},
-                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst},
-                             {} if self.label_runs is None else {self.opts.stage: self.label_runs.lifetime(self.run_id)}),
+            **self.privacy_fields(extra.get("rounds", self.stage.step)),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:
@@ -763,6 +769,7 @@ def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {ckpt.path}: the figures of its meter or guard cannot be read: {e}") from e
     return {"experiment": exp.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
             "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
-            **metered, "params": {opts.instance: to_lists(params)}}
+            **metered, **({"privacy": privacy} if isinstance(privacy := ckpt.meta.get("privacy"), dict) else {}),
+            "params": {opts.instance: to_lists(params)}}
 
 

@@ -14,7 +14,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -281,6 +281,12 @@ def _labels_restored_on_error(release: Any) -> Iterator[None]:
         raise
 
 
+def batch_mixing_of(stages: Iterable[Stage]) -> dict[str, str]:
+    """What each of ``stages`` mixes the rows of a training batch with (``Stage.batch_mixing``), by stage name,
+    for ``config.defended.privacy_budget``; stages that mix nothing are left out."""
+    return {stage.name: mixing for stage in stages if (mixing := stage.batch_mixing()) is not None}
+
+
 class Stage:
     """A model slice with its own optimiser; the last stage also owns the loss.
 
@@ -396,6 +402,11 @@ class Stage:
         if not isinstance(cache, _ObjectiveCache):
             return cache, dy
         return cache.inner, nopeek_gradient(cache.x, cache.y, dy, self.nopeek)  # type: ignore[arg-type]
+
+    def batch_mixing(self) -> str | None:
+        """What in this stage mixes the rows of a training batch, so that one row's target reaches every
+        row's gradient (None: nothing; no numpy layer does). A torch stage names its batch norms."""
+        return None
 
     def set_params(self, values: Mapping[str, np.ndarray]) -> None:
         """Set every parameter, in place, to ``values[name]`` (float32, its shape: what ``params`` gave)."""

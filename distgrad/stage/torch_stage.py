@@ -122,6 +122,7 @@ import numpy as np
 from distgrad.jsontext import finite_or_text, json_text
 from distgrad.errors import ConfigError, StageError
 from distgrad.config.experiment import Experiment, StageSpec, build_stage_parts, check_init_overrides, stage_loss
+from distgrad.config.defended import label_owner_sends_gradients
 from distgrad.model.losses import Loss, MeanSquaredError, SoftmaxCrossEntropy, SumSquaredError, TorchLoss, build_loss
 from distgrad.model.metrics import score
 from distgrad.model.aggregate import OwnBottom
@@ -1081,6 +1082,13 @@ class TorchStage(Stage):
             for p in self._params:
                 p.tensor.copy_(p.from_numpy(np.asarray(values[p.name], np.float32)))
 
+    def batch_mixing(self) -> str | None:
+        """The module's batch norms (``batch_norms``), which normalise each row of a training batch by the
+        batch's statistics, so one row's target reaches every row's gradient; None without one."""
+        norms = batch_norms(self.module)
+        return (f"batch norm normalises each row by the batch's statistics, so one label reaches every row's "
+                f"gradient: {norms}") if norms else None
+
     def forward_state(self) -> dict[str, np.ndarray]:
         """Copies of the module's buffers in host memory (a training forward updates batch norm's)."""
         return {name: _host(b).copy() for name, b in self.buffers.items()}
@@ -1216,6 +1224,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+def batch_norms(module: nn.Module) -> str:
+    """The submodules of ``module`` that normalise each row by its batch's statistics in a training forward,
+    each named with its type ("" for none)."""
+    return ", ".join(f"{name or 'the module'} ({type(m).__name__})" for name, m in module.named_modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm))
+
+
 def per_example_refusal(module: nn.Module) -> str | None:
     """Why ``module`` has no per-example parameter gradients for DP-SGD (None: it has them): the submodules
     that mix the rows of a batch or draw at random in a training forward, each named with its type."""
@@ -1255,5 +1270,11 @@ def build_stage(exp: Experiment, name: str, seed: int | None = None,
     if refusal is not None:
         raise ConfigError(f"stage {name!r}: 'dp_sgd' needs each example's parameter gradient, forwarded alone "
                           f"(torch.func): {refusal}; remove them or dp_sgd")
+    clip = spec.defenses.clip_noise
+    mixing = stage.batch_mixing()
+    if mixing and clip is not None and clip.epsilon is not None and label_owner_sends_gradients(exp, name):
+        raise ConfigError(f"stage {name!r}: 'clip_noise' with a target epsilon is a label-DP budget, which needs "
+                          f"each label to reach only its own gradient row; here {mixing}: give clip_noise a "
+                          f"sigma (its summary then states no guarantee), or remove the batch norm")
     stage.allow_nonfinite = exp.allow_nonfinite
     return stage
