@@ -50,36 +50,35 @@ import hashlib
 import logging
 import math
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import zmq
 
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
-from distgrad.errors import CodecRangeError, ConfigError, DistgradError, NonFiniteError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.experiment import client_stage_name, is_whole
 from distgrad.run.metering import Metering, NoMetering, PeerMeters, step_rows
-from distgrad.wire.link import DownstreamLink, evaluation_reply, is_final
+from distgrad.wire.link import DownstreamLink, is_final
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.run.parties import Parties
-from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
-                                    Resume, ScoreAgain, Transition)
+from distgrad.run.decisions import (Gradients, Liveness,
+                                    Resume, ScoreAgain)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
                                    check_served_staleness, decode_and_handle, hello_fields, log_refusal,
                                    not_accepted, pong, refusal, resent_evaluation, tell_why_stopped)
 from distgrad.run.progress import StageRecords
-from distgrad.stage.stage import Stage, backward_specs
+from distgrad.run.serving_rounds import RoundMachine
+from distgrad.stage.stage import backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
 from distgrad.stage.records import writing
 from distgrad.run.topology import Clients, OnePeer, Topology
 from distgrad.wire.transport import NOTICE_LINGER_MS, POLL_TICK_S, Server
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.wirecodec import GRADIENT, stream_name
+from distgrad.wire.wirecodec import GRADIENT
 
 UNTOLD_WAIT_S = 10.0    # after one party stopped a run, how long the others' next requests are answered with why
 
@@ -89,7 +88,7 @@ __all__ = ["Peer", "PeerStatus", "Phase", "ServingStage", "announce", "decode_an
 
 
 
-class ServingStage:
+class ServingStage(RoundMachine):
     """Protocol logic of a serving stage, free of its own socket so tests can call it.
 
     ``handle(envelope, msg, now, peer_key)`` returns the replies to send now
@@ -132,20 +131,7 @@ class ServingStage:
         # held out (its stage file may hold no data: it then evaluates nothing).
         holds_data = self.exp.spec(opts.stage).data != {}
         self.data = self.topology.build_data(opts.seed, opts.stage) if holds_data else []
-        # The label owner's privacy meter: the gradient rows it sends, against its own labels (several data
-        # owners: one meter per client or feature party, each reading what that one receives).
-        self.metering: Metering | PeerMeters | NoMetering = NoMetering()
-        if opts.meter_kind and (self.exp.federated or self.exp.vertical):
-            first = self.exp.stage_names[0]
-            names = [client_stage_name(first, p.index) if self.exp.federated else self.parties[p.index]
-                     for p in self.run.peers]
-            self.metering = PeerMeters(self.engine, names, [self.topology.stream(p) for p in self.run.peers],
-                                       [source.true_targets for source in self.data],
-                                       [step_rows(source) for source in self.data], 0,
-                                       clients=self.exp.federated, log=self.log)
-        elif opts.meter_kind:
-            self.metering = Metering(opts.meter_kind, self.engine, lambda step: self.data[0].true_targets(step), 0,
-                                     log=self.log, rows_of=step_rows(self.data[0]))
+        self.metering = self._meter()
         self.input_shapes = [self.topology.input_shape(index) for index in range(self.count)]
         self.codecs = self.exp.codecs
         self.link = None if connect is None else DownstreamLink(
@@ -173,94 +159,21 @@ class ServingStage:
             self.apply_resume(self.topology.resumed(now), now)
             self.state.open_trace(append=True)
 
-    # -- the run, as tests and tools read it
-    @property
-    def stage(self) -> Stage:
-        return self.state.stage
-
-    @property
-    def peers(self) -> list[Peer]:
-        return self.run.peers
-
-    @peers.setter
-    def peers(self, peers: list[Peer]) -> None:
-        self.run.peers = peers
-
-    @property
-    def steps(self) -> int | None:
-        """The run's steps when this stage counts them (several peers; early stopping ends them sooner)."""
-        return self.run.steps
-
-    @property
-    def phase(self) -> Phase:
-        return self.run.phase
-
-    @property
-    def round(self) -> int:
-        return self.run.round
-
-    @property
-    def order(self) -> list[int]:
-        return self.run.order
-
-    @property
-    def turn(self) -> int:
-        return self.run.turn
-
-    @property
-    def owed(self) -> set[int]:
-        return self.run.owed
-
-    @property
-    def active(self) -> bool:
-        return self.run.active
-
-    @property
-    def lost_since(self) -> float | None:
-        return self.run.lost_since
-
-    @property
-    def rounds_done(self) -> int:
-        """Rounds (steps of the run) this stage has completed."""
-        return self.run.rounds_done
-
-    def encode(self, direction: str, x: np.ndarray, stream: str, step: int,
-               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """The message tensors of ``x`` sent on ``stream`` (holding the peer's ``rows`` with ``send_rows``);
-        a value its codec cannot carry fails the step (``NonFiniteError``: it would cross as Inf), naming the
-        codec, the tensor and the step."""
-        try:
-            return self.engine.senders.message_tensors(direction, x, stream, step, rows)
-        except CodecRangeError as e:
-            raise NonFiniteError(f"stage {self.opts.stage}: {e}; nothing of this step was applied") from e
-
-    def new_run(self, start_round: int, fresh: bool = True) -> None:
-        """Wait for the peers of a run whose first round is ``start_round``; ``fresh``: a new run (not
-        the same one going on after a rollback)."""
-        run = self.run
-        run.phase = Phase.JOINING
-        run.round = start_round - 1
-        run.order, run.turn, run.owed = [], 0, set()
-        run.first_hello, run.lost_since = None, None
-        run.joined_at = run.now
-        self.closing = False                # its last bye was answered; ``finish_run`` completes it
-        self.failure: DistgradError | None = None    # the one peer's run failed: it ends once told
-        if fresh:
-            self.metering.reset()
-            self.started = time.perf_counter()
-            self.loss: float | None = None
-            run.active = False
-        self.state.extra_meta, self.state.extra_arrays = self.topology.checkpoint_meta, self.topology.checkpoint_arrays
-
-    def open_run(self) -> None:
-        """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""
-        if not self.run.active:
-            self.run.active = True
-            if not self.state.run_id:
-                self.state.begin(uuid.uuid4().hex)
-
-    def live(self, now: float) -> bool:
-        return self.run.active and any(p.live(now, self.opts.liveness_s) for p in self.run.peers)
+    def _meter(self) -> Metering | PeerMeters | NoMetering:
+        """The label owner's privacy meter (``--meter``): the gradient rows it sends, against its own labels
+        (several data owners: one meter per client or feature party, each reading what that one receives)."""
+        kind, exp = self.opts.meter_kind, self.exp
+        if not kind:
+            return NoMetering()
+        if exp.federated or exp.vertical:
+            first = exp.stage_names[0]
+            names = [client_stage_name(first, p.index) if exp.federated else self.parties[p.index]
+                     for p in self.run.peers]
+            return PeerMeters(self.engine, names, [self.topology.stream(p) for p in self.run.peers],
+                              [source.true_targets for source in self.data],
+                              [step_rows(source) for source in self.data], 0, clients=exp.federated, log=self.log)
+        return Metering(kind, self.engine, lambda step: self.data[0].true_targets(step), 0, log=self.log,
+                        rows_of=step_rows(self.data[0]))
 
     # -- messages
     def handle(self, envelope: Envelope, msg: Message, now: float, peer_key: str = "") -> list[Reply]:
@@ -304,15 +217,6 @@ class ServingStage:
                     step=self.topology.reported_step(), client_live=self.live(now), phase=self.run.phase.value,
                     clients_active=sum(p.taking_part() for p in self.run.peers), **self.topology.pong_fields(now))
 
-    def _seen(self, peer: Peer, now: float) -> None:
-        """A message from ``peer``: a sign of life, unless its topology says otherwise (``Hearing``)."""
-        hearing = self.topology.heard(peer)
-        if hearing is Hearing.IGNORED:
-            return
-        if hearing is Hearing.BACK:
-            self.run.lost_since = None
-        peer.last_seen = now
-
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         """A peer (re)joins: the hello is checked (``ProtocolError``), then its topology places it."""
         topology, body = self.topology, msg.body
@@ -340,46 +244,6 @@ class ServingStage:
                       joined.next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step})
 
-    def apply_join(self, peer: Peer, d: Join) -> None:
-        """Place ``peer`` as its topology decided (``Join``): the run this stage opens, rolls back to, begins
-        or restarts for it, the other parties made stale, then the peer's own record."""
-        if d.open_run:
-            self.open_run()
-        if d.rollback is not None:
-            self.state.rollback(d.rollback)
-        if d.begin:
-            self.state.begin(d.run, owner=d.owner)
-            self.finished, self.run.bye_replies = None, {}
-            peer.evaluation, peer.evaluated, peer.tested, peer.loss = None, None, None, None
-        if d.restart:
-            self.new_run(start_round=d.step + 1, fresh=d.begin)
-            self.run.active = True
-        if d.stale:
-            self._make_stale(peer, d.stale)
-        if d.kept is None:
-            peer.cached = {}
-        else:
-            first, last = d.kept
-            peer.cached = {k: v for k, v in peer.cached.items() if first <= k[0] <= last}
-        peer.run, peer.owner, peer.since = d.run, d.owner, d.since
-        peer.status, peer.step = d.status, d.step
-        if d.reset_engine:
-            self.engine.reset()
-
-    def _make_stale(self, cause: Peer, text: str) -> None:
-        """Every party but ``cause`` must say hello again (the run went back): the replies they wait for
-        are dropped, and each request of theirs waiting here gets an error reply saying ``text``."""
-        for other in self.run.peers:
-            other.cached = {}
-            if other is cause or other.status is not PeerStatus.ACTIVE:
-                continue
-            self.notices += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text, m.mb, m.mbs))
-                             for m in other.waiting.values()]
-            if other.evaluate is not None:
-                m = other.evaluate
-                self.notices.append((other.envelope, wire.error_message(m.run, m.step, ErrorCode.RUN, text)))
-            other.status, other.waiting, other.evaluate = PeerStatus.STALE, {}, None
-
     def apply_resume(self, d: Resume, now: float) -> None:
         """Go on with the run of the checkpoint just loaded (``Resume``): the peers' runs as saved, the
         replies kept with it, and one peer's round at once."""
@@ -401,17 +265,6 @@ class ServingStage:
             peer = self.run.peers[0]
             self.expect(peer, peer.mbs)             # until its hello says otherwise
             self.start_round()
-
-    def expect(self, peer: Peer, mbs: int) -> None:
-        """``peer`` sends ``mbs`` micro-batches a step: what its forwards carry and the stream of each reply's
-        gradient (``topology.stream``), found once per hello rather than per message."""
-        peer.mbs, peer.specs = mbs, self.accepts.forward(mbs, peer.index)
-        peer.streams = [stream_name(GRADIENT, mb, mbs, self.topology.stream(peer)) for mb in range(mbs)]
-
-    def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
-        """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
-        below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
-        return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
 
     def _forward(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         key = (msg.step, msg.mb)
@@ -492,30 +345,6 @@ class ServingStage:
             self.told_below = True
         return self._tell_the_others(peer, failure.error) if failure.ends_run and self.count > 1 else []
 
-    def _tell_the_others(self, cause: Peer, error: DistgradError) -> list[Reply]:
-        """The run ends because ``cause`` stopped: each other party's requests waiting here are answered with
-        why (code ``aborted``, so its driver stops at once instead of waiting out its deadline); the parties
-        with none waiting are ``untold`` (run id -> the text), which ``answer_untold`` answers next."""
-        text = f"the run ends: {self.topology.name(cause)} stopped: {error}"
-        replies: list[Reply] = []
-        for other in self.run.peers:
-            if other is cause or not other.run or other.status is PeerStatus.FINISHED:
-                continue
-            pending = [*other.waiting.values(), *([other.evaluate] if other.evaluate is not None else [])]
-            replies += [(other.envelope, wire.error_message(m.run, m.step, ErrorCode.ABORTED, text, m.mb, m.mbs))
-                        for m in pending]
-            other.waiting, other.evaluate = {}, None
-            if not pending:
-                self.untold[other.run] = text
-        return replies
-
-    def answer_untold(self, msg: Message) -> list[Message]:
-        """After a run of several parties ended because one stopped: the reply to ``msg`` from a party not yet
-        told why (``_tell_the_others``; an ``aborted`` error), which is then told; nothing for another."""
-        text = self.untold.pop(msg.run, None)
-        return [] if text is None else [wire.error_message(msg.run, msg.step, ErrorCode.ABORTED, text, msg.mb,
-                                                           msg.mbs)]
-
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
         check_bye(msg, peer.step, f"{self.topology.name(peer)} has {peer.step} here")
         if self.link is not None:
@@ -532,239 +361,6 @@ class ServingStage:
         # after this reply has left, so the driver never waits for them.
         self.closing = self.complete()
         return [(envelope, reply)]
-
-    # -- the phases
-    def start_round(self) -> None:
-        """The next round, or the end of the run after the last. A peer rejoining takes part from it."""
-        run = self.run
-        run.round += 1
-        if run.steps is not None and run.round > run.steps:
-            run.phase = Phase.DONE
-            self.log.info("every step is done; answering evaluations and byes")
-            return
-        for peer in run.peers:
-            if peer.status is PeerStatus.REJOINING:
-                peer.status = PeerStatus.ACTIVE
-        run.order = self.topology.round_order()
-        run.turn, run.phase = 0, Phase.ROUND
-
-    def advance(self, now: float) -> list[Reply]:
-        """Do every piece of work whose inputs have arrived, in the fixed order; return the replies."""
-        replies: list[Reply] = []
-        while self.deferred is None and self._advance_phase(now, replies):
-            pass                            # a reply's gradients and update come before any later work
-        if self.evaluating:
-            answers = self.topology.answer_evaluations()
-            if answers is not None:
-                replies += self._answer_all(answers)
-            self.evaluating = any(peer.evaluate is not None for peer in self.run.peers)
-        return replies
-
-    def _advance_phase(self, now: float, replies: list[Reply]) -> bool:
-        """Do the next piece of work of the phase, adding its replies; False while it waits."""
-        phase = self.run.phase
-        if phase is Phase.ROUND:            # the hot path first
-            take = self.topology.advance_round()
-            if isinstance(take, Transition):
-                return take is not Transition.WAIT and self.transition(take)
-            msgs = [peer.waiting.pop(take.key) for peer in take.peers]
-            replies += self.apply_computed(self.topology.compute(take.peers, msgs, now), now)
-            return True
-        if phase is Phase.JOINING:
-            return self.transition(self.topology.advance_joining(now))
-        if phase is Phase.AVERAGING:
-            average = self.topology.advance_averaging()
-            if average is None:
-                return False
-            replies += self._averaged(average, now)
-            return True
-        if phase is Phase.EVALUATING:
-            evaluate = self.topology.advance_evaluating()
-            if evaluate is None:
-                return False
-            replies += self._answer_all(evaluate)
-            self.run.owed -= {peer.index for group in evaluate.groups for peer in group}
-            if evaluate.then_start:
-                self.run.owed = set()
-                self.start_round()
-            return evaluate.then_start
-        return False
-
-    def transition(self, to: Transition) -> bool:
-        """Move the phase on as the topology decided; False for ``WAIT``."""
-        if to is Transition.WAIT:
-            return False
-        if to is Transition.NEXT_TURN:
-            self.run.turn += 1
-        elif to is Transition.START_ROUND:
-            self.start_round()
-        elif to is Transition.END_ROUND:
-            self.end_round()
-        else:                               # ROUND_DONE: the round before the first, done before
-            self.run.order = self.topology.round_order()
-            self.round_done()
-        return True
-
-    def end_round(self) -> None:
-        """Every peer of the round had its turn: its average (SplitFed), or its checkpoint and the next round.
-        A round with an average is checkpointed with it (``_averaged``), never without it."""
-        run = self.run
-        if self.exp.clients.mode == "splitfed" and run.round % self.exp.clients.average_every == 0:
-            run.phase = Phase.AVERAGING
-            return
-        self.state.after_step(run.round)
-        self.round_done()
-
-    def _averaged(self, d: Average, now: float) -> list[Reply]:
-        """SplitFed: each peer of the round gets back the mean (``Average``); then the round's checkpoint,
-        taken before these replies leave, holds them: a client whose reply the stage's kill lost gets it
-        from the restarted stage (``Clients.resent_reply``)."""
-        replies = []
-        for p in d.peers:
-            p.averaged = Message(wire.AVERAGE, p.run, self.run.round, tensors=d.mean)
-            p.average, p.last_seen = None, now
-            replies.append((p.envelope, p.averaged))
-        self.state.after_step(self.run.round)
-        self.round_done()
-        return replies
-
-    def round_done(self) -> None:
-        """After a round (and its average): the peers due to evaluate after it are answered (phase
-        EVALUATING) before the next round starts."""
-        owed = self.topology.owed_after_round()
-        if owed:
-            self.run.owed, self.run.phase = owed, Phase.EVALUATING
-            return
-        self.start_round()
-
-    # -- evaluations
-    def _answer_all(self, d: Evaluate) -> list[Reply]:
-        replies: list[Reply] = []
-        for group in d.groups:
-            requests = [peer.evaluate for peer in group]
-            replies += self.answer(group, [m for m in requests if m is not None])
-        return replies
-
-    def answer(self, group: tuple[Peer, ...], requests: list[Message]) -> list[Reply]:
-        """Score ``group``'s evaluation ``requests`` (``topology.score``), give the verdicts and answer each
-        peer; no state changes but the peers' last evaluation (and the verdicts recorded). The final
-        evaluation (``Scores.final``: the kept model's test rows) is recorded instead (``StageState.record_test``;
-        with several clients, each client's own summary holds its figures), never judged."""
-        scores = self.topology.score(group, requests)
-        result = scores.result
-        if result is not None and scores.final:
-            if not self.exp.federated:
-                self.state.record_test(result, self.topology.checkpoint_step())
-        elif result is not None:
-            result = self.judged(scores.step, result, scores.last)
-        replies = []
-        for peer, msg in zip(group, requests):
-            peer.evaluate = None
-            if result is None:
-                code, text = scores.error or (ErrorCode.STAGE, "")
-                replies.append((peer.envelope, wire.error_message(msg.run, msg.step, code, text)))
-            elif scores.final:
-                peer.tested = evaluation_reply(msg.run, msg.step, result)
-                replies.append((peer.envelope, peer.tested))
-            else:
-                peer.evaluation = result
-                peer.evaluated = evaluation_reply(msg.run, msg.step, result)
-                replies.append((peer.envelope, peer.evaluated))
-        return replies
-
-    def _tested_before(self, msg: Message) -> Message | None:
-        """A final evaluation this stage scored before it was restarted (its checkpoint holds the scores,
-        ``StageState.final_test``): the reply, from those scores, without scoring the test rows again."""
-        test = self.state.final_test
-        if test is None or msg.run != self.state.run_id or msg.step != test["after"] + 1:
-            return None
-        return evaluation_reply(msg.run, msg.step, test)
-
-    def judged(self, step: int, result: dict[str, Any], last: int | None) -> dict[str, Any]:
-        """``result`` of the evaluation after ``step`` with its verdicts (``StageState.judged``; ``last``:
-        the run's last step); early stopping ends the rounds after ``step`` when this stage counts them."""
-        result = self.state.judged(step, result, step == last, gives=self.link is None)
-        if result.get("stop") and self.run.steps is not None:
-            self.run.steps = step
-        return result
-
-    # -- a micro-batch
-    def apply_computed(self, d: Computed, now: float) -> list[Reply]:
-        """What computing a micro-batch gave (``Computed``): its replies (each cached, its peer seen, when
-        the step went through), the gradients deferred until they have left, or the failure (raising the
-        refusal, if any, after it)."""
-        if d.failure is not None:
-            self.apply_failure(d.failure)
-        if d.refusal is not None:
-            raise d.refusal
-        if d.gradients is not None:
-            key = (d.gradients.step, d.gradients.mb)
-            for peer, reply in d.answers:
-                peer.cached[key] = reply
-                peer.last_seen = now
-            self.deferred = d.gradients
-        return [(peer.envelope, reply) for peer, reply in d.answers]
-
-    def accumulate(self, g: Gradients) -> None:
-        """A micro-batch's parameter gradients, added in micro-batch order; after the last, the update
-        (``g.peers``: whose turn it is, every party of a vertical round) and the next step's targets looked
-        up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
-        steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
-        if g.mb == 0:
-            key = (g.step, 0)
-            for peer in g.peers:
-                if peer.staleness:
-                    peer.cached = {k: v for k, v in peer.cached.items()
-                                   if g.step - peer.staleness <= k[0] < g.step or k == key}
-                else:           # in lockstep only this reply may be asked for again
-                    reply = peer.cached.get(key)
-                    peer.cached = {} if reply is None else {key: reply}
-        self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
-        if g.mb < g.mbs - 1:
-            return
-        self.loss = self.engine.update(g.step, g.mbs, client=g.client)
-        for peer in g.peers:
-            peer.loss, peer.step = self.loss, g.step
-        self.run.turn += 1
-        self.topology.prefetch(g.data, g.step + 1)
-
-    def settle(self) -> list[Reply]:
-        """Run what ``handle`` deferred until its reply had been sent (gradients, update, pruning the reply
-        cache), if any; return the replies of the work that then became possible (send, then settle again).
-
-        A non-finite gradient there applies nothing; the peer hears of it in
-        reply to its next message (with several clients, it is dropped)."""
-        gradients, self.deferred = self.deferred, None
-        if gradients is None:
-            return []
-        try:
-            self.accumulate(gradients)
-        except NonFiniteError as e:
-            self.log.error("%s", e)
-            self.apply_failure(self.topology.deferred_failed(gradients.peers, e))   # whose micro-batch it was
-        return self.advance(self.run.now)
-
-    def apply_failure(self, d: Failure) -> None:
-        """A failed step, as its topology decided (``Failure``)."""
-        for peer in d.peers:
-            if d.clear_waiting:
-                peer.waiting.clear()
-            if d.told_later:
-                peer.failure = d.error
-            if d.drop:
-                self.drop(peer)
-        if d.reset_engine:
-            self.engine.reset()
-        if d.ends_run:
-            self.failure = d.error
-
-    def drop(self, peer: Peer) -> None:
-        """``peer`` no longer takes part (it may say hello again); its turn, if it was, ends."""
-        if self.topology.current() is peer:
-            self.engine.reset()
-            self.run.turn += 1
-        peer.status, peer.waiting = PeerStatus.DROPPED, {}
-        self.run.owed.discard(peer.index)
 
     # -- liveness and the end of the run
     def tick(self, now: float) -> list[Reply]:
@@ -792,14 +388,6 @@ class ServingStage:
     def lost_message(self) -> str:
         """Why ``serve`` gives up on a run whose peers stayed lost for ``peer_deadline_s``."""
         return self.topology.lost_message()
-
-    def complete(self) -> bool:
-        """The run is over: its rounds are done (several peers) and every peer still taking part has said
-        bye, one at least."""
-        if self.run.steps is not None and self.run.phase is not Phase.DONE:
-            return False
-        return (all(p.status is not PeerStatus.ACTIVE for p in self.run.peers)
-                and any(p.status is PeerStatus.FINISHED for p in self.run.peers))
 
     def finish_run(self) -> dict[str, Any] | None:
         """Complete the run whose last bye was answered: final checkpoint and summary (returned)."""
@@ -991,16 +579,7 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     status = logic.topology.lost_status()
                     raise PeerTimeout(logic.lost_message())
             if request is not None:
-                envelope, frames, peer_key = request
-                try:
-                    msg, answer, refused = decode_and_handle(
-                        frames, logic.max_tensor_bytes,
-                        functools.partial(logic.handle, envelope, now=now, peer_key=peer_key), logic.log)
-                except PeerTimeout as e:
-                    if logic.link is not None:      # the stage below is gone: tell the stage above why
-                        _tell_above(server, logic, envelope, frames, e, stop)
-                    raise
-                _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
+                _answer(server, logic, request, now, stop)
             # Asked only when there is something to end or complete (a step's path is short).
             failure = logic.end_failed_run() if logic.failure is not None else None
             if failure is not None:
@@ -1019,20 +598,44 @@ def _serve(opts: StageOptions, bind: str, stop: StopFlag, connect: str | None, k
                     return finished
     finally:
         try:
-            logic.settle()
-            if logic.active and logic.failure is None:
-                if logic.at_round_boundary():
-                    logic.state.save(logic.topology.checkpoint_step())   # skipped once a save failed
-                else:
-                    logic.log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
-                logic.close_run(status)
-            elif logic.active:
-                logic.close_run("failed")   # no checkpoint: the last one saved stays the newest
+            _leave_run(logic, status)
         finally:
             server.close()
             records.close()
             if logic.link is not None:
                 logic.link.close(linger_ms=NOTICE_LINGER_MS if logic.told_below else 0)
+
+
+def _answer(server: Server, logic: ServingStage, request: tuple[Envelope, list[Any], str], now: float,
+            stop: StopFlag) -> None:
+    """One request (envelope, frames, the sender's key): decoded, handled (``ServingStage.handle``) or refused,
+    and answered, then what the replies deferred. A middle stage whose stage below is gone (``PeerTimeout``)
+    tells the stage above why (``_tell_above``) before the error ends ``serve``."""
+    envelope, frames, peer_key = request
+    try:
+        _, answer, refused = decode_and_handle(frames, logic.max_tensor_bytes,
+                                               functools.partial(logic.handle, envelope, now=now, peer_key=peer_key),
+                                               logic.log)
+    except PeerTimeout as e:
+        if logic.link is not None:
+            _tell_above(server, logic, envelope, frames, e, stop)
+        raise
+    _send_and_settle(server, logic, [(envelope, answer)] if refused else answer)
+
+
+def _leave_run(logic: ServingStage, status: str) -> None:
+    """``serve`` stops (a return, an error, a signal): the deferred work is done, and a run still open is
+    closed with ``status``, checkpointed first when the stage stands between rounds; a failed one is closed
+    "failed" without a checkpoint (the last one saved stays the newest)."""
+    logic.settle()
+    if logic.active and logic.failure is None:
+        if logic.at_round_boundary():
+            logic.state.save(logic.topology.checkpoint_step())   # skipped once a save failed
+        else:
+            logic.log.warning("stopped mid-round: no checkpoint of it (the last one saved is kept)")
+        logic.close_run(status)
+    elif logic.active:
+        logic.close_run("failed")
 
 
 def frames_digest(msg: Message) -> str:
