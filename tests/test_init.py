@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from distgrad.config.parse import load_experiment
+from distgrad.stage.stage import parameters_file
 
 from conftest import StageProcess, read_json, run_cli, run_main, wait_for_file
 
@@ -231,6 +232,26 @@ def test_init_torch_stages_train_in_process_as_over_processes(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (read_json(s) for s in summaries)
     assert first["params"] == second["params"] and first["final_loss"] == second["final_loss"]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_init_commands_load_the_parameter_files_training_saves(tmp_path: Path, framework: str):
+    """Every parameters file the printed commands save or load is named as `distgrad run --save` names it for
+    the stage's framework (NAME.pt for torch, NAME.npz for numpy), so the predict commands load what training
+    wrote (a torch run's NAME.npz does not exist, and a torch state_dict saved under .npz is no npz)."""
+    pytest.importorskip(framework)
+    table = write_penguins(tmp_path / "penguins.csv", rows=60)
+    out = tmp_path / "parties"
+    init = run_main(["init", table, "--label", "species", "--out", out, "--framework", framework, "--parties",
+                     "a:island,bill_length_mm", "b:bill_depth_mm,sex"])
+    assert init.returncode == 0, init.stderr
+    exp = load_experiment([out / n / f"{n}.toml" for n in ("a", "b", "g")])
+    expected = {str(parameters_file(out / "trained", n, exp, n)) for n in ("a", "b", "g")}
+    named = {word for line in init.stdout.splitlines() if line.startswith(("distgrad predict", "distgrad-stage"))
+             for flag, word in zip(line.split(), line.split()[1:]) if flag in ("--save", "--load")}
+    assert named == expected, init.stdout
+    assert f"distgrad run {out / 'a' / 'a.toml'} {out / 'b' / 'b.toml'} {out / 'g' / 'g.toml'} --save " \
+           f"{out / 'trained'}" in init.stdout
 
 
 def test_init_refuses_the_label_as_the_id_column(tmp_path: Path):

@@ -416,7 +416,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
                     f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
                     f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
-    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name))
+    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework))
 
 
 def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None,
@@ -580,27 +580,31 @@ def _interface(plan: Sequence[Party], stages: dict[str, dict[str, Any]], vertica
     return table
 
 
-def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str) -> list[str]:
+def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str) -> list[str]:
     """The commands to train (one machine, then one host per party), predict and, with one CSV per party
-    (``raw``), align the rows privately where each party keeps its file on its host."""
+    (``raw``), align the rows privately where each party keeps its file on its host. Each party's parameters
+    file is named as ``distgrad run --save`` names it (``stage.parameters_file``): ``NAME.npz`` for numpy
+    stages, ``NAME.pt`` (a torch ``state_dict``) for torch ones, so the predict commands load what training
+    wrote."""
     files = " ".join(str(p) for p in paths)
     saved = paths[0].parent.parent / "trained"
+    suffix = ".pt" if framework == "torch" else ".npz"
     owner, feature_parties = plan[-1], plan[:-1]
     lines = ["# train: every party a process of its own on this machine; the trained halves go to "
-             f"{saved}/NAME.npz",
+             f"{saved}/NAME{suffix}",
              f"distgrad run {files} --save {saved}",
              "# or one party per host (the label owner serves, the others connect; across hosts add CURVE keys)",
              f"distgrad-stage {owner.name} --experiment {paths[-1]} --bind tcp://0.0.0.0:5555 "
-             f"--save {saved / owner.name}.npz"]
+             f"--save {saved / owner.name}{suffix}"]
     for party, path in zip(feature_parties, paths):
         lines.append(f"distgrad-stage {party.name} --experiment {path} --connect tcp://LABEL_OWNER_HOST:5555 "
-                     f"--save {saved / party.name}.npz")
+                     f"--save {saved / party.name}{suffix}")
     lines += ["# predict the held-out rows (or new ones: --input NEW.csv with the data owners' columns and the "
               f"rows' IDs in column {id_name!r}): the label owner writes predictions.csv, by row ID",
-              f"distgrad predict {paths[-1]} --load {saved / owner.name}.npz --bind tcp://127.0.0.1:5556 "
+              f"distgrad predict {paths[-1]} --load {saved / owner.name}{suffix} --bind tcp://127.0.0.1:5556 "
               f"--output predictions.csv &"]
     for party, path in zip(feature_parties, paths):
-        lines.append(f"distgrad predict {path} --load {saved / party.name}.npz --connect tcp://127.0.0.1:5556")
+        lines.append(f"distgrad predict {path} --load {saved / party.name}{suffix} --connect tcp://127.0.0.1:5556")
     if raw:
         lines += ["# init joined the files on this machine; where each party keeps its CSV on its own host, each "
                   "aligns it with the others' by ID instead, privately, into the file its stage file reads (the "
