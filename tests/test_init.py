@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distgrad.config.data import held_out_split
 from distgrad.config.parse import load_experiment
 from distgrad.stage.stage import parameters_file
 
@@ -162,6 +163,28 @@ def test_init_chooses_the_preparation_from_the_table_and_says_why(tmp_path: Path
     exp = load_experiment([out / "f" / "f.toml", out / "g" / "g.toml"])
     assert exp.stage_names == ["f", "g"]
     assert "median" in result.stdout and "classification" in result.stdout
+
+
+def test_init_leaves_out_a_column_whose_values_are_all_in_held_out_rows(tmp_path: Path):
+    """A sparse column (a number column and a text column, each with one value) whose only value lies in a
+    held-out row has no training-row statistics: init leaves it out and says why, instead of writing stage
+    files that do not load."""
+    rows = 40
+    held_out = int(held_out_split(rows, 0, 0.2)[0][0])        # a test row of the split the files will use
+    rng = np.random.default_rng(3)
+    lines = [["x", "rare_number", "rare_text", "y"]] + [
+        [f"{rng.normal():.3f}", "5.0" if i == held_out else "", "z" if i == held_out else "NA", "ab"[i % 2]]
+        for i in range(rows)]
+    with open(tmp_path / "t.csv", "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(lines)
+    out = tmp_path / "parties"
+    result = run_main(["init", tmp_path / "t.csv", "--label", "y", "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert _toml(out / "f" / "f.toml")["data"]["features"] == ["x"]
+    for name in ("rare_number", "rare_text"):
+        assert f"left out column {name!r}: every cell of the training rows is missing" in result.stdout
+    assert run_main(["run", out / "f" / "f.toml", out / "g" / "g.toml", "--in-process", "--steps", "3"]
+                    ).returncode == 0
 
 
 def test_init_regression_for_a_label_of_many_numbers(tmp_path: Path):

@@ -269,6 +269,26 @@ def row_id_digest(ids: list[str]) -> str:
     return digest.hexdigest()[:ROW_ID_DIGEST_HEX]
 
 
+def held_out_split(rows: int, seed: int, test_fraction: float, validation_fraction: float = 0.0
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
+    """How a file's ``rows`` (numbered from 0) are split by ``seed`` (its ``split_seed``): ``(held-out rows,
+    training rows, validation count)``. The rows are shuffled once; the first ``round(rows * test_fraction)``
+    are the test rows, the next ``round(rows * validation_fraction)`` the validation rows; the held-out rows
+    are the validation rows then the test rows, each sorted; the training rows the rest, in shuffled order.
+    ``ConfigError`` when a validation split leaves no validation or no test row."""
+    order = np.random.default_rng([seed, 17]).permutation(rows)
+    n_test = int(round(rows * test_fraction))
+    if validation_fraction <= 0:
+        return np.sort(order[:n_test]), order[n_test:], 0
+    n_validation = int(round(rows * validation_fraction))
+    if n_validation < 1 or n_test < 1:
+        raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} of "
+                          f"{rows} rows leave {n_validation} validation and {n_test} test rows: each needs at "
+                          f"least one")
+    validation = np.sort(order[n_test:n_test + n_validation])
+    return np.concatenate([validation, np.sort(order[:n_test])]), order[n_test + n_validation:], n_validation
+
+
 class ArrayFile(RowBatches):
     """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
 
@@ -358,18 +378,8 @@ class ArrayFile(RowBatches):
         self.seed = seed if split_seed is None else int(split_seed)
         rows, width = self._feature_geometry()
         self.rows = rows
-        order = np.random.default_rng([self.seed, 17]).permutation(rows)
-        n_test = int(round(rows * self.test_fraction))
-        self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
-        if validation_fraction > 0:
-            n_validation = int(round(rows * validation_fraction))
-            if n_validation < 1 or n_test < 1:
-                raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} "
-                                  f"of {rows} rows leave {n_validation} validation and {n_test} test rows: each "
-                                  f"needs at least one")
-            validation = np.sort(order[n_test:n_test + n_validation])
-            self.test_rows = np.concatenate([validation, self.test_rows])
-            self.train_rows, self.validation_count = order[n_test + n_validation:], n_validation
+        self.test_rows, self.train_rows, self.validation_count = held_out_split(
+            rows, self.seed, self.test_fraction, validation_fraction)
         if not 1 <= self.batch <= len(self.train_rows):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distgrad.config.csvfile import cell_problem, number
-from distgrad.config.data import build_data
+from distgrad.config.data import build_data, held_out_split
 from distgrad.config.parse import load_experiment
 from distgrad.config.prepare import is_missing
 from distgrad.config.split import toml_document, toml_value
@@ -208,9 +208,12 @@ def _reads_as_number(cell: str) -> bool:
     return True
 
 
-def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party: str) -> list[str]:
-    """``names`` less the columns no model can use: every cell missing, or text with more than
-    ``CATEGORIES_MAX`` distinct values (an identifier or free text); each one left out is noted."""
+def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party: str, train: Sequence[int]
+                    ) -> list[str]:
+    """``names`` less the columns no model can use: every cell missing, every cell of the training rows
+    ``train`` (row indices of ``table``) missing (the statistics come from them alone: a column whose values
+    are all held out has nothing to fill with, scale by or one-hot), or text with more than ``CATEGORIES_MAX``
+    distinct values (an identifier or free text); each one left out is noted."""
     kept = []
     for name in names:
         cells = table.column(name)
@@ -218,6 +221,10 @@ def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party:
         _check_finite(table, name, present)
         if not present:
             notes.append(f"{party}: left out column {name!r}: every cell is missing")
+        elif all(is_missing(cells[i]) for i in train):
+            notes.append(f"{party}: left out column {name!r}: every cell of the training rows is missing (its "
+                         f"{len(present)} values are all in held-out rows, and the statistics come from the "
+                         f"training rows alone)")
         elif not _is_numbers(cells) and len(set(present)) > CATEGORIES_MAX:
             notes.append(f"{party}: left out column {name!r}: text with {len(set(present))} distinct values "
                          f"(more than {CATEGORIES_MAX}: an identifier or free text, not categories)")
@@ -404,7 +411,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
         raise ConfigError("distgrad init needs a CSV file (or one per party)")
     _check_out_dir(out_dir, force)
     notes: list[str] = []
-    tables, label_table, plan, ids, id_name = _planned_rows(csvs, label, parties, id_column, notes)
+    tables, label_table, plan, ids, id_name = _planned_rows(csvs, label, parties, id_column, seed, notes)
     classify, classes = _task([row[label_table.header.index(label)] for row in plan[-1].table.rows], label, task,
                               notes)
     batch = _batch(len(ids))
@@ -419,10 +426,11 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework))
 
 
-def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None,
+def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None, seed: int,
                   notes: list[str]) -> tuple[list[Table], Table, list[Party], list[str], str]:
     """The tables read, the one holding the label, each party's plan with its rows in one order (a join on the
     IDs for several files), the rows' IDs and the ID column's name; what was chosen is added to ``notes``.
+    ``seed`` is the ``split_seed`` of the files written: it says which rows are training rows.
     ``ConfigError`` for a file named twice, a missing label, too few rows or a party with no usable column."""
     tables = [read_table(Path(p)) for p in csvs]
     if len({t.path.resolve() for t in tables}) != len(tables):
@@ -450,8 +458,9 @@ def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_c
         party.table = Table(party.table.path, party.table.header, list(rows_by_table[k].values()))
     if len(ids) < COMMON_ROWS_MIN:
         raise ConfigError(f"{len(ids)} rows with a label are too few to train (at least {COMMON_ROWS_MIN})")
+    _, train, _ = held_out_split(len(ids), seed, TEST_FRACTION)       # as the written [data] splits the rows
     for party in plan:
-        party.columns = _usable_columns(party.table, party.columns, notes, party.name)
+        party.columns = _usable_columns(party.table, party.columns, notes, party.name, train.tolist())
         if not party.columns and not party.labels:
             raise ConfigError(f"party {party.name!r} holds no usable column")
     if len(plan) == 2 and not plan[0].columns:
