@@ -187,6 +187,24 @@ def test_init_leaves_out_a_column_whose_values_are_all_in_held_out_rows(tmp_path
                     ).returncode == 0
 
 
+def test_init_sizes_the_output_to_the_classes_of_labels_with_stray_spaces(tmp_path: Path):
+    """Label cells with spaces around them ("Gentoo " beside "Gentoo") are one class, as the label owner's data
+    reads them: the model has one output per class, so predict can name every score's class."""
+    table = write_penguins(tmp_path / "penguins.csv", rows=60)
+    lines = _read_csv(table)
+    for i, row in enumerate(lines[1:]):
+        row[0] = row[0] + " " if i % 3 == 0 and row[0] != "NA" else row[0]
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(lines)
+    out = tmp_path / "parties"
+    result = run_main(["init", table, "--label", "species", "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert "classification of 3 classes" in result.stdout
+    g = out / "g" / "g.toml"
+    assert _toml(g)["stage"]["model"][-1]["out"] == 3
+    assert load_experiment(g).build_data(stage="g").preparation().classes == SPECIES
+
+
 def test_init_regression_for_a_label_of_many_numbers(tmp_path: Path):
     rng = np.random.default_rng(1)
     rows = [["id", "x1", "color", "y"]] + [[f"r{i}", f"{rng.normal() * 1000:.2f}", ["red", "blue"][i % 2],

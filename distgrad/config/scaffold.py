@@ -303,7 +303,7 @@ def _plan_parties(tables: list[Table], label: str, specs: Sequence[str], label_o
 def _task(cells: Sequence[str], label: str, task: str, notes: list[str]) -> tuple[bool, list[str]]:
     """``(classification, class names in order)`` of the label cells: text, or at most ``CLASSES_MAX``
     distinct whole numbers, make a classification (unless ``task`` says which)."""
-    distinct = sorted(set(cells))
+    distinct = sorted({c.strip() for c in cells})      # the classes as the data source reads them
     numbers = _is_numbers(cells)
     if task == "auto":
         classify = not numbers or (_whole_numbers(distinct) and len(distinct) <= CLASSES_MAX)
