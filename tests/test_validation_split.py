@@ -391,6 +391,22 @@ def test_the_cut_library_refuses_a_validation_split_with_the_reason(tmp_path: Pa
     assert cut_side(FIRST if end == "first" else LAST, unscaled(_digits(tmp_path, "")), {}).data is not None
 
 
+@pytest.mark.parametrize("judged", [JUDGED, 'keep_best = "test_loss"\n', 'metrics = ["f1"]\n',
+                                    'early_stopping = { metric = "test_accuracy", patience = 2 }\n'])
+def test_a_cut_server_refuses_the_label_owners_model_selection_it_cannot_apply(tmp_path: Path, judged: str):
+    """A CutServer's loop scores the held-out rows itself (evaluate=) and keeps and stops as it decides: a combined
+    experiment whose label owner sets keep_best, early_stopping or metrics (the daemon's rules) is refused with the
+    reason, not accepted and left unused; a Cut (the data owner's end, whose daemon label owner applies them)
+    takes it."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    path = _digits(tmp_path, judged)
+    path.write_text(path.read_text().replace("feature_scale = 0.0625\n", ""))
+    with pytest.raises(ConfigError, match="a CutServer's loop scores the held-out rows itself .* would do nothing"):
+        cut_side(LAST, path, {})
+    assert cut_side(FIRST, path, {}).data is not None
+
+
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 def test_the_kept_model_stands_in_for_the_live_one_and_is_put_back(tmp_path: Path, framework: str):
     """``stage.kept_model``: inside it the stage computes with the kept parameters and forward state (a torch
