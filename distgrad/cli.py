@@ -715,6 +715,12 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+# Printed when keep_best or early_stopping chose on the held-out rows whose figures are reported as the test ones.
+SELECTED_ON_TEST_ROWS = ("note: keep_best / early_stopping chose on the same held-out rows these test figures are "
+                         "measured on, so they are optimistic; set validation_fraction in [data] to choose on "
+                         "validation rows and score the test rows once, with the kept model")
+
+
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, the privacy meters' last
     windows, and the parameters."""
@@ -724,6 +730,8 @@ def _print_result(summary: dict) -> None:
         print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
     if "stopped_early" in summary:
         print(f"early stopping: the run ended after step {summary['stopped_early']}")
+    if ("best_step" in summary or "stopped_early" in summary) and "validation_loss" not in summary:
+        print(SELECTED_ON_TEST_ROWS)
     if "privacy" in summary:
         from distgrad.config.defended import budget_text
         print(f"privacy: {budget_text(summary['privacy'])}")
