@@ -207,6 +207,28 @@ def test_a_held_out_rows_unseen_category_is_all_zeros(tmp_path: Path):
     assert again.features_at(np.array([row]))[0, :3].tolist() == [0.0, 0.0, 0.0]
 
 
+def test_cells_are_read_as_one_cell_at_a_time_reads_them():
+    """read_cells parses a column at once where it can: the values, the missing cells (NaN) and the refusals
+    are those of the rule for one cell (csvfile.number, prepare.is_missing), for every mix of cells."""
+    from distgrad.config.csvfile import number
+    from distgrad.config.prepare import is_missing, read_cells
+
+    kinds = [" 1.5 ", "-2e-3", "3", "1e308", "+4.", " .5", "1e-320", "", "NA", " nan ", "?", "-", "inf", "x",
+             "1_0", "\u0661", "1e400", "  "]
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        cells = [kinds[i] for i in rng.integers(0, len(kinds), int(rng.integers(0, 6)))]
+        for allow in (False, True):
+            one = [number(c) if number(c) is not None else np.nan if allow and is_missing(c) else None
+                   for c in cells]
+            if None in one:
+                with pytest.raises(ConfigError):
+                    read_cells(cells, lambda i: f"row {i}", allow)
+            else:
+                got = read_cells(cells, lambda i: f"row {i}", allow)
+                assert got.dtype == np.float64 and np.array_equal(got, np.array(one, np.float64), equal_nan=True)
+
+
 def test_the_statistics_survive_json_exactly(tmp_path: Path):
     prep = _source(tmp_path, missing="median", standardize=True, categorical=["island", "sex"],
                    class_names=True).preparation()

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from distgrad.config.csvfile import cell_problem, number
 from distgrad.config.data import build_data, held_out_split
 from distgrad.config.parse import load_experiment
-from distgrad.config.prepare import is_missing
+from distgrad.config.prepare import finite_numbers, is_missing
 from distgrad.config.split import toml_document, toml_value
 from distgrad.errors import ConfigError
 
@@ -107,7 +107,7 @@ def read_table(path: Path) -> Table:
 
 def _is_numbers(cells: Sequence[str]) -> bool:
     present = [c for c in cells if not is_missing(c)]
-    return bool(present) and all(number(c) is not None for c in present)
+    return bool(present) and (finite_numbers(present) is not None or all(number(c) is not None for c in present))
 
 
 def _whole_numbers(cells: Sequence[str]) -> bool:
