@@ -800,8 +800,9 @@ def _print_held_out(summary: dict) -> None:
     if "validation_loss" in summary:          # a validation split: the kept model's test line comes last
         fields = summary.get("best_evaluation", summary)
         kept = f" of the kept model, after step {fields['step']}" if "step" in fields else ""
+        validation = {k: v for k, v in fields.items() if k.startswith("validation_")}   # the test rows' come last
         print(f"validation loss {_number(fields['validation_loss'])} on {summary['validation_count']} validation "
-              f"rows{kept}{scores_text(fields)}")
+              f"rows{kept}{scores_text(validation)}")
         return
     best = summary.get("best_evaluation")
     scored = best if best is not None else summary

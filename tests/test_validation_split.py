@@ -92,6 +92,18 @@ def test_without_keep_best_the_last_models_test_figures_are_reported(tmp_path: P
     assert summary["test_accuracy"] == fresh["correct"] / fresh["count"]
 
 
+def test_the_validation_line_holds_validation_figures_only(tmp_path: Path):
+    """Without keep_best the printed validation line names the validation rows' figures alone (before, the
+    test rows' followed on it, as if measured on the validation rows); the kept model's line gives the test ones."""
+    path = _validated(tmp_path, 'metrics = ["f1"]\n')
+    path.write_text(path.read_text().replace("steps = 200", "steps = 8"))
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("validation loss "))
+    assert "validation f1 " in line and "test" not in line, line
+    assert "test f1 " in result.stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("table, needle", [
     ("validation_fraction = 0.9\n", "validation_fraction must be in"),
     ("validation_fraction = 0.2\ntest_fraction = 0\n", "needs test_fraction > 0"),
