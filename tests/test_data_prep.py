@@ -827,6 +827,30 @@ def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_t
         build_data(table, 0, tmp_path).targets_at(np.arange(3))
 
 
+@pytest.mark.parametrize("kind", ["npz", "npy"])
+def test_class_names_of_bytes_labels_are_their_text(tmp_path: Path, kind: str):
+    """Labels saved as bytes (dtype S, as numpy keeps a bytes array) name their classes by their text, not by
+    Python's "b'...'" spelling; bytes that are no UTF-8 are refused with what to do."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    table = {"kind": kind, "features": "x" if kind == "npz" else "x.npy", "labels": "y" if kind == "npz" else "y.npy",
+             "batch": 4, "class_names": True, **({"path": "d.npz"} if kind == "npz" else {})}
+
+    def save(y: np.ndarray) -> None:
+        if kind == "npz":
+            np.savez(tmp_path / "d.npz", x=x, y=y)
+        else:
+            np.save(tmp_path / "x.npy", x)
+            np.save(tmp_path / "y.npy", y)
+
+    save(np.array([b"emu", b"cat", "dog".encode()] * 10))
+    data = build_data(table, 0, tmp_path)
+    assert data.preparation().classes == ["cat", "dog", "emu"]
+    assert data.targets_at(np.arange(3)).tolist() == [2, 0, 1]
+    save(np.array([b"\xff", b"cat"] * 15))
+    with pytest.raises(ConfigError, match=r"the labels are bytes that are not UTF-8 text .*astype\(str\)"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
 @pytest.mark.parametrize("kind", ["csv", "npz"])
 def test_text_labels_without_class_names_are_refused_pointing_to_class_names(tmp_path: Path, kind: str):
     """Labels of text need class_names = true: a [data] without it is refused with that advice (a ConfigError,

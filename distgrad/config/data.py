@@ -794,6 +794,12 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{self._label_file()}: the labels must be one value per row, shape (rows,), got "
                               f"shape {raw.shape}")
         raw = raw.reshape(len(raw))
+        if raw.dtype.kind == "S":           # bytes (as numpy.savez keeps a bytes array): their text, not "b'...'"
+            try:
+                return [v.decode("utf-8") for v in raw.tolist()]
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{self._label_file()}: the labels are bytes that are not UTF-8 text ({e}): save "
+                                  f"them as a text array (.astype(str))") from e
         return ["" if raw.dtype.kind == "f" and np.isnan(v) else str(v) for v in raw.tolist()]
 
     def _kept_rows(self) -> np.ndarray:
