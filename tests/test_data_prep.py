@@ -270,6 +270,19 @@ def test_npz_nan_cells_are_filled_and_standardised(tmp_path: Path):
     np.testing.assert_allclose(values[data.train_rows].mean(axis=0), 0, atol=0.2)
 
 
+@pytest.mark.parametrize("options", [{"missing": "mean"}, {"standardize": True},
+                                     {"missing": "drop_rows", "standardize": True}])
+def test_an_infinite_npz_value_is_refused_as_such_when_the_rows_are_prepared(tmp_path: Path, options: dict):
+    """An inf among npz features is no missing value (NaN is): with a preparation it is refused naming its row
+    and column as not finite, as without one (before: statistics of inf, then "beyond float32's range")."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    x[5, 1], x[7, 2] = -np.inf, np.nan
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(30) % 2)
+    with pytest.raises(ConfigError, match=r"d.npz: data row 6, feature column 2: -inf is not a finite number"):
+        build_data({"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4, **options}, 0,
+                   tmp_path).check_readable()
+
+
 def test_drop_rows_is_refused_where_the_parties_rows_could_not_stay_aligned(tmp_path: Path):
     f, g = write_parties(tmp_path, missing="drop_rows")
     result = run_main(["run", f, g])

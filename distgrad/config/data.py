@@ -763,6 +763,12 @@ class ArrayFile(RowBatches):
             if raw.dtype.kind not in "biuf":
                 raise ConfigError(f"the features of {self.path or self.base_dir} are {raw.dtype}, not numbers")
             numbers = raw.reshape(len(raw), -1).astype(np.float64)
+            if np.isinf(numbers).any():         # no value to fill in or scale (a missing one is NaN)
+                row, column = (int(i) for i in np.argwhere(np.isinf(numbers))[0])
+                where = self.path if self.kind == "npz" else self.base_dir / str(self.feature_ref)
+                raise ConfigError(f"{where}: data row {row + 1}, feature column {column + 1}: {float(numbers[row, column])!r} "
+                                  f"is not a finite number (a missing value is NaN, which missing = \"mean\", "
+                                  f"\"median\" or \"drop_rows\" accept)")
             if not allow and np.isnan(numbers).any():
                 row, column = (int(i) for i in np.argwhere(np.isnan(numbers))[0])
                 raise ConfigError(f"{self._where_cell(row, column)}: the value is missing (NaN); set missing = "
