@@ -761,6 +761,7 @@ def test_clients_train_bitwise_on_prepared_rows(tmp_path: Path):
     ("g", "missing", '"mean"', "missing = \"mean\" fills feature cells, but this \\[data\\] holds none"),
     ("g", "missing", '"median"', "missing = \"median\" fills feature cells, but this \\[data\\] holds none"),
     ("f", "class_names", "true", "class_names names the label column's values, but this \\[data\\] holds no labels"),
+    ("g", "feature_scale", "2.0", "feature_scale = 2 scales feature columns, but this \\[data\\] holds none"),
 ])
 def test_a_partys_preparation_key_that_has_nothing_to_prepare_is_refused(tmp_path: Path, party: str, key: str,
                                                                           value: str, needle: str):

@@ -719,6 +719,10 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{what}, but this [data] holds none (only "
                               f"labels, which are never filled in or scaled): remove it from this party's [data], "
                               f"and give it to the [data] of the party that holds the features")
+        if self.feature_ref is None and self.feature_scale != 1:
+            raise ConfigError(f"feature_scale = {float(self.feature_scale):g} scales feature columns, but this [data] "
+                              f"holds none (only labels, which are never scaled): remove it from this party's "
+                              f"[data], and give it to the [data] of the party that holds the features")
         if self.label_ref is None and self.class_names:
             raise ConfigError("class_names names the label column's values, but this [data] holds no labels: remove "
                               "it from this party's [data], and give it to the label owner's")
