@@ -715,6 +715,12 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+# Printed when keep_best or early_stopping chose on the held-out rows whose figures are reported as the test ones.
+SELECTED_ON_TEST_ROWS = ("note: keep_best / early_stopping chose on the same held-out rows these test figures are "
+                         "measured on, so they are optimistic; set validation_fraction in [data] to choose on "
+                         "validation rows and score the test rows once, with the kept model")
+
+
 def _print_result(summary: dict) -> None:
     """The run's headline, each client's line (several clients) or the test scores, the privacy meters' last
     windows, and the parameters."""
@@ -724,6 +730,8 @@ def _print_result(summary: dict) -> None:
         print(f"keep_best: the best evaluation was after step {summary['best_step']} (--save writes its parameters)")
     if "stopped_early" in summary:
         print(f"early stopping: the run ended after step {summary['stopped_early']}")
+    if ("best_step" in summary or "stopped_early" in summary) and "validation_loss" not in summary:
+        print(SELECTED_ON_TEST_ROWS)
     if "privacy" in summary:
         from distgrad.config.defended import budget_text
         print(f"privacy: {budget_text(summary['privacy'])}")
@@ -792,8 +800,9 @@ def _print_held_out(summary: dict) -> None:
     if "validation_loss" in summary:          # a validation split: the kept model's test line comes last
         fields = summary.get("best_evaluation", summary)
         kept = f" of the kept model, after step {fields['step']}" if "step" in fields else ""
+        validation = {k: v for k, v in fields.items() if k.startswith("validation_")}   # the test rows' come last
         print(f"validation loss {_number(fields['validation_loss'])} on {summary['validation_count']} validation "
-              f"rows{kept}{scores_text(fields)}")
+              f"rows{kept}{scores_text(validation)}")
         return
     best = summary.get("best_evaluation")
     scored = best if best is not None else summary

@@ -207,6 +207,28 @@ def test_a_held_out_rows_unseen_category_is_all_zeros(tmp_path: Path):
     assert again.features_at(np.array([row]))[0, :3].tolist() == [0.0, 0.0, 0.0]
 
 
+def test_cells_are_read_as_one_cell_at_a_time_reads_them():
+    """read_cells parses a column at once where it can: the values, the missing cells (NaN) and the refusals
+    are those of the rule for one cell (csvfile.number, prepare.is_missing), for every mix of cells."""
+    from distgrad.config.csvfile import number
+    from distgrad.config.prepare import is_missing, read_cells
+
+    kinds = [" 1.5 ", "-2e-3", "3", "1e308", "+4.", " .5", "1e-320", "", "NA", " nan ", "?", "-", "inf", "x",
+             "1_0", "\u0661", "1e400", "  "]
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        cells = [kinds[i] for i in rng.integers(0, len(kinds), int(rng.integers(0, 6)))]
+        for allow in (False, True):
+            one = [number(c) if number(c) is not None else np.nan if allow and is_missing(c) else None
+                   for c in cells]
+            if None in one:
+                with pytest.raises(ConfigError):
+                    read_cells(cells, lambda i: f"row {i}", allow)
+            else:
+                got = read_cells(cells, lambda i: f"row {i}", allow)
+                assert got.dtype == np.float64 and np.array_equal(got, np.array(one, np.float64), equal_nan=True)
+
+
 def test_the_statistics_survive_json_exactly(tmp_path: Path):
     prep = _source(tmp_path, missing="median", standardize=True, categorical=["island", "sex"],
                    class_names=True).preparation()
@@ -246,6 +268,19 @@ def test_npz_nan_cells_are_filled_and_standardised(tmp_path: Path):
     values = data.features_at(np.arange(20))
     assert np.isfinite(values).all()
     np.testing.assert_allclose(values[data.train_rows].mean(axis=0), 0, atol=0.2)
+
+
+@pytest.mark.parametrize("options", [{"missing": "mean"}, {"standardize": True},
+                                     {"missing": "drop_rows", "standardize": True}])
+def test_an_infinite_npz_value_is_refused_as_such_when_the_rows_are_prepared(tmp_path: Path, options: dict):
+    """An inf among npz features is no missing value (NaN is): with a preparation it is refused naming its row
+    and column as not finite, as without one (before: statistics of inf, then "beyond float32's range")."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    x[5, 1], x[7, 2] = -np.inf, np.nan
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(30) % 2)
+    with pytest.raises(ConfigError, match=r"d.npz: data row 6, feature column 2: -inf is not a finite number"):
+        build_data({"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4, **options}, 0,
+                   tmp_path).check_readable()
 
 
 def test_drop_rows_is_refused_where_the_parties_rows_could_not_stay_aligned(tmp_path: Path):
@@ -726,6 +761,7 @@ def test_clients_train_bitwise_on_prepared_rows(tmp_path: Path):
     ("g", "missing", '"mean"', "missing = \"mean\" fills feature cells, but this \\[data\\] holds none"),
     ("g", "missing", '"median"', "missing = \"median\" fills feature cells, but this \\[data\\] holds none"),
     ("f", "class_names", "true", "class_names names the label column's values, but this \\[data\\] holds no labels"),
+    ("g", "feature_scale", "2.0", "feature_scale = 2 scales feature columns, but this \\[data\\] holds none"),
 ])
 def test_a_partys_preparation_key_that_has_nothing_to_prepare_is_refused(tmp_path: Path, party: str, key: str,
                                                                           value: str, needle: str):
@@ -802,6 +838,30 @@ def test_class_names_of_an_npz_take_text_labels_and_refuse_python_objects_with_t
     assert data.targets_at(np.arange(3)).tolist() == [2, 0, 1]
     np.savez(tmp_path / "d.npz", x=x, y=np.array(["emu", "cat", "dog"] * 10, dtype=object))
     with pytest.raises(ConfigError, match=r"d.npz member 'y' cannot be read: .*never unpickles.*astype\(str\)"):
+        build_data(table, 0, tmp_path).targets_at(np.arange(3))
+
+
+@pytest.mark.parametrize("kind", ["npz", "npy"])
+def test_class_names_of_bytes_labels_are_their_text(tmp_path: Path, kind: str):
+    """Labels saved as bytes (dtype S, as numpy keeps a bytes array) name their classes by their text, not by
+    Python's "b'...'" spelling; bytes that are no UTF-8 are refused with what to do."""
+    x = np.random.default_rng(0).normal(size=(30, 3))
+    table = {"kind": kind, "features": "x" if kind == "npz" else "x.npy", "labels": "y" if kind == "npz" else "y.npy",
+             "batch": 4, "class_names": True, **({"path": "d.npz"} if kind == "npz" else {})}
+
+    def save(y: np.ndarray) -> None:
+        if kind == "npz":
+            np.savez(tmp_path / "d.npz", x=x, y=y)
+        else:
+            np.save(tmp_path / "x.npy", x)
+            np.save(tmp_path / "y.npy", y)
+
+    save(np.array([b"emu", b"cat", "dog".encode()] * 10))
+    data = build_data(table, 0, tmp_path)
+    assert data.preparation().classes == ["cat", "dog", "emu"]
+    assert data.targets_at(np.arange(3)).tolist() == [2, 0, 1]
+    save(np.array([b"\xff", b"cat"] * 15))
+    with pytest.raises(ConfigError, match=r"the labels are bytes that are not UTF-8 text .*astype\(str\)"):
         build_data(table, 0, tmp_path).targets_at(np.arange(3))
 
 

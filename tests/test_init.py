@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distgrad.config.data import held_out_split
 from distgrad.config.parse import load_experiment
+from distgrad.stage.stage import parameters_file
 
 from conftest import StageProcess, read_json, run_cli, run_main, wait_for_file
 
@@ -163,6 +165,46 @@ def test_init_chooses_the_preparation_from_the_table_and_says_why(tmp_path: Path
     assert "median" in result.stdout and "classification" in result.stdout
 
 
+def test_init_leaves_out_a_column_whose_values_are_all_in_held_out_rows(tmp_path: Path):
+    """A sparse column (a number column and a text column, each with one value) whose only value lies in a
+    held-out row has no training-row statistics: init leaves it out and says why, instead of writing stage
+    files that do not load."""
+    rows = 40
+    held_out = int(held_out_split(rows, 0, 0.2)[0][0])        # a test row of the split the files will use
+    rng = np.random.default_rng(3)
+    lines = [["x", "rare_number", "rare_text", "y"]] + [
+        [f"{rng.normal():.3f}", "5.0" if i == held_out else "", "z" if i == held_out else "NA", "ab"[i % 2]]
+        for i in range(rows)]
+    with open(tmp_path / "t.csv", "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(lines)
+    out = tmp_path / "parties"
+    result = run_main(["init", tmp_path / "t.csv", "--label", "y", "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert _toml(out / "f" / "f.toml")["data"]["features"] == ["x"]
+    for name in ("rare_number", "rare_text"):
+        assert f"left out column {name!r}: every cell of the training rows is missing" in result.stdout
+    assert run_main(["run", out / "f" / "f.toml", out / "g" / "g.toml", "--in-process", "--steps", "3"]
+                    ).returncode == 0
+
+
+def test_init_sizes_the_output_to_the_classes_of_labels_with_stray_spaces(tmp_path: Path):
+    """Label cells with spaces around them ("Gentoo " beside "Gentoo") are one class, as the label owner's data
+    reads them: the model has one output per class, so predict can name every score's class."""
+    table = write_penguins(tmp_path / "penguins.csv", rows=60)
+    lines = _read_csv(table)
+    for i, row in enumerate(lines[1:]):
+        row[0] = row[0] + " " if i % 3 == 0 and row[0] != "NA" else row[0]
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, lineterminator="\n").writerows(lines)
+    out = tmp_path / "parties"
+    result = run_main(["init", table, "--label", "species", "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert "classification of 3 classes" in result.stdout
+    g = out / "g" / "g.toml"
+    assert _toml(g)["stage"]["model"][-1]["out"] == 3
+    assert load_experiment(g).build_data(stage="g").preparation().classes == SPECIES
+
+
 def test_init_regression_for_a_label_of_many_numbers(tmp_path: Path):
     rng = np.random.default_rng(1)
     rows = [["id", "x1", "color", "y"]] + [[f"r{i}", f"{rng.normal() * 1000:.2f}", ["red", "blue"][i % 2],
@@ -231,6 +273,26 @@ def test_init_torch_stages_train_in_process_as_over_processes(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (read_json(s) for s in summaries)
     assert first["params"] == second["params"] and first["final_loss"] == second["final_loss"]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_init_commands_load_the_parameter_files_training_saves(tmp_path: Path, framework: str):
+    """Every parameters file the printed commands save or load is named as `distgrad run --save` names it for
+    the stage's framework (NAME.pt for torch, NAME.npz for numpy), so the predict commands load what training
+    wrote (a torch run's NAME.npz does not exist, and a torch state_dict saved under .npz is no npz)."""
+    pytest.importorskip(framework)
+    table = write_penguins(tmp_path / "penguins.csv", rows=60)
+    out = tmp_path / "parties"
+    init = run_main(["init", table, "--label", "species", "--out", out, "--framework", framework, "--parties",
+                     "a:island,bill_length_mm", "b:bill_depth_mm,sex"])
+    assert init.returncode == 0, init.stderr
+    exp = load_experiment([out / n / f"{n}.toml" for n in ("a", "b", "g")])
+    expected = {str(parameters_file(out / "trained", n, exp, n)) for n in ("a", "b", "g")}
+    named = {word for line in init.stdout.splitlines() if line.startswith(("distgrad predict", "distgrad-stage"))
+             for flag, word in zip(line.split(), line.split()[1:]) if flag in ("--save", "--load")}
+    assert named == expected, init.stdout
+    assert f"distgrad run {out / 'a' / 'a.toml'} {out / 'b' / 'b.toml'} {out / 'g' / 'g.toml'} --save " \
+           f"{out / 'trained'}" in init.stdout
 
 
 def test_init_refuses_the_label_as_the_id_column(tmp_path: Path):

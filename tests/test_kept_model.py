@@ -32,3 +32,19 @@ def test_the_kept_models_accuracy_and_step_are_printed_and_in_the_summary(tmp_pa
         assert accuracy == round(kept["test_accuracy"], 4), line
         assert f"of the kept model, after step {BEST}" in line
         assert f"after the last step, {STOPPED}: {summary['test_accuracy']:.4f}" in line
+
+
+def test_a_choice_on_the_reported_rows_is_said_to_be_optimistic_and_a_validation_split_is_not(tmp_path):
+    """keep_best and early_stopping without validation_fraction choose on the held-out rows whose figures are
+    reported as the test ones: the printed result says the figure is optimistic and how to get an honest one;
+    with a validation split (the test rows never seen by the choice) it does not."""
+    from distgrad.cli import SELECTED_ON_TEST_ROWS
+
+    path = _digits(tmp_path, JUDGED, steps=80)
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 0, result.stderr
+    assert SELECTED_ON_TEST_ROWS in result.stdout.splitlines()
+    path.write_text(path.read_text().replace("test_fraction = 0.2\n", "test_fraction = 0.2\nvalidation_fraction = 0.2\n"))
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 0, result.stderr
+    assert "validation rows" in result.stdout and SELECTED_ON_TEST_ROWS not in result.stdout

@@ -92,6 +92,18 @@ def test_without_keep_best_the_last_models_test_figures_are_reported(tmp_path: P
     assert summary["test_accuracy"] == fresh["correct"] / fresh["count"]
 
 
+def test_the_validation_line_holds_validation_figures_only(tmp_path: Path):
+    """Without keep_best the printed validation line names the validation rows' figures alone (before, the
+    test rows' followed on it, as if measured on the validation rows); the kept model's line gives the test ones."""
+    path = _validated(tmp_path, 'metrics = ["f1"]\n')
+    path.write_text(path.read_text().replace("steps = 200", "steps = 8"))
+    result = run_main(["run", path, "--in-process"])
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("validation loss "))
+    assert "validation f1 " in line and "test" not in line, line
+    assert "test f1 " in result.stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("table, needle", [
     ("validation_fraction = 0.9\n", "validation_fraction must be in"),
     ("validation_fraction = 0.2\ntest_fraction = 0\n", "needs test_fraction > 0"),
@@ -389,6 +401,22 @@ def test_the_cut_library_refuses_a_validation_split_with_the_reason(tmp_path: Pa
     with pytest.raises(ConfigError, match="validation_fraction is the daemons' rule: .* the test rows cross once"):
         cut_side(FIRST if end == "first" else LAST, unscaled(_validated(tmp_path, "")), {})
     assert cut_side(FIRST if end == "first" else LAST, unscaled(_digits(tmp_path, "")), {}).data is not None
+
+
+@pytest.mark.parametrize("judged", [JUDGED, 'keep_best = "test_loss"\n', 'metrics = ["f1"]\n',
+                                    'early_stopping = { metric = "test_accuracy", patience = 2 }\n'])
+def test_a_cut_server_refuses_the_label_owners_model_selection_it_cannot_apply(tmp_path: Path, judged: str):
+    """A CutServer's loop scores the held-out rows itself (evaluate=) and keeps and stops as it decides: a combined
+    experiment whose label owner sets keep_best, early_stopping or metrics (the daemon's rules) is refused with the
+    reason, not accepted and left unused; a Cut (the data owner's end, whose daemon label owner applies them)
+    takes it."""
+    from distgrad.run.cut_interface import FIRST, LAST, cut_side
+
+    path = _digits(tmp_path, judged)
+    path.write_text(path.read_text().replace("feature_scale = 0.0625\n", ""))
+    with pytest.raises(ConfigError, match="a CutServer's loop scores the held-out rows itself .* would do nothing"):
+        cut_side(LAST, path, {})
+    assert cut_side(FIRST, path, {}).data is not None
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])

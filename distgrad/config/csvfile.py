@@ -88,6 +88,7 @@ class CsvColumns:
     def __init__(self, path: Path, header: bool) -> None:
         self.path, self.header = path, header
         self._records: tuple[list[int], list[list[str]]] | None = None
+        self._shortest: int | None = None      # the fewest fields of a data row (once ``_check_width`` read them)
 
     def records(self) -> tuple[list[int], list[list[str]]]:
         """Every non-blank line's 1-based line number in the file and its fields (the header's included)."""
@@ -165,13 +166,15 @@ class CsvColumns:
         lines, rows = self.data()
         if not rows:
             raise ConfigError(f"csv data {self.path} holds no data rows")
-        first_line, first = self.records()[0][0], self.records()[1][0]
-        wide = next((i for i, row in enumerate(rows) if len(row) > len(first)), None)
-        if wide is not None:        # a text field's unquoted comma: every field after it would be misread
-            raise ConfigError(f"csv data {self.path} line {lines[wide]}: {len(rows[wide])} fields, but line "
-                              f"{first_line} has {len(first)}: is a comma inside a field that is not quoted?")
+        if self._shortest is None:          # the rows' widths are checked once, whatever the columns asked for
+            first_line, first = self.records()[0][0], self.records()[1][0]
+            wide = next((i for i, row in enumerate(rows) if len(row) > len(first)), None)
+            if wide is not None:        # a text field's unquoted comma: every field after it would be misread
+                raise ConfigError(f"csv data {self.path} line {lines[wide]}: {len(rows[wide])} fields, but line "
+                                  f"{first_line} has {len(first)}: is a comma inside a field that is not quoted?")
+            self._shortest = min(len(row) for row in rows)
         need = max(columns) + 1
-        short = next((i for i, row in enumerate(rows) if len(row) < need), None)
+        short = None if need <= self._shortest else next(i for i, row in enumerate(rows) if len(row) < need)
         if short is not None:
             raise ConfigError(f"csv data {self.path} line {lines[short]}: {len(rows[short])} fields, so no "
                               f"{self.column_label(need - 1)}")

@@ -269,6 +269,26 @@ def row_id_digest(ids: list[str]) -> str:
     return digest.hexdigest()[:ROW_ID_DIGEST_HEX]
 
 
+def held_out_split(rows: int, seed: int, test_fraction: float, validation_fraction: float = 0.0
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
+    """How a file's ``rows`` (numbered from 0) are split by ``seed`` (its ``split_seed``): ``(held-out rows,
+    training rows, validation count)``. The rows are shuffled once; the first ``round(rows * test_fraction)``
+    are the test rows, the next ``round(rows * validation_fraction)`` the validation rows; the held-out rows
+    are the validation rows then the test rows, each sorted; the training rows the rest, in shuffled order.
+    ``ConfigError`` when a validation split leaves no validation or no test row."""
+    order = np.random.default_rng([seed, 17]).permutation(rows)
+    n_test = int(round(rows * test_fraction))
+    if validation_fraction <= 0:
+        return np.sort(order[:n_test]), order[n_test:], 0
+    n_validation = int(round(rows * validation_fraction))
+    if n_validation < 1 or n_test < 1:
+        raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} of "
+                          f"{rows} rows leave {n_validation} validation and {n_test} test rows: each needs at "
+                          f"least one")
+    validation = np.sort(order[n_test:n_test + n_validation])
+    return np.concatenate([validation, np.sort(order[:n_test])]), order[n_test + n_validation:], n_validation
+
+
 class ArrayFile(RowBatches):
     """Rows read from ``.npz``, ``.npy`` or CSV files, split into train and test rows.
 
@@ -358,18 +378,8 @@ class ArrayFile(RowBatches):
         self.seed = seed if split_seed is None else int(split_seed)
         rows, width = self._feature_geometry()
         self.rows = rows
-        order = np.random.default_rng([self.seed, 17]).permutation(rows)
-        n_test = int(round(rows * self.test_fraction))
-        self.test_rows, self.train_rows = np.sort(order[:n_test]), order[n_test:]
-        if validation_fraction > 0:
-            n_validation = int(round(rows * validation_fraction))
-            if n_validation < 1 or n_test < 1:
-                raise ConfigError(f"validation_fraction = {validation_fraction} and test_fraction = {test_fraction} "
-                                  f"of {rows} rows leave {n_validation} validation and {n_test} test rows: each "
-                                  f"needs at least one")
-            validation = np.sort(order[n_test:n_test + n_validation])
-            self.test_rows = np.concatenate([validation, self.test_rows])
-            self.train_rows, self.validation_count = order[n_test + n_validation:], n_validation
+        self.test_rows, self.train_rows, self.validation_count = held_out_split(
+            rows, self.seed, self.test_fraction, validation_fraction)
         if not 1 <= self.batch <= len(self.train_rows):
             raise ConfigError(f"batch must be in [1, {len(self.train_rows)}] (the training rows), got {self.batch}")
         self.batches_per_epoch = len(self.train_rows) // self.batch
@@ -709,6 +719,10 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{what}, but this [data] holds none (only "
                               f"labels, which are never filled in or scaled): remove it from this party's [data], "
                               f"and give it to the [data] of the party that holds the features")
+        if self.feature_ref is None and self.feature_scale != 1:
+            raise ConfigError(f"feature_scale = {float(self.feature_scale):g} scales feature columns, but this [data] "
+                              f"holds none (only labels, which are never scaled): remove it from this party's "
+                              f"[data], and give it to the [data] of the party that holds the features")
         if self.label_ref is None and self.class_names:
             raise ConfigError("class_names names the label column's values, but this [data] holds no labels: remove "
                               "it from this party's [data], and give it to the label owner's")
@@ -753,6 +767,12 @@ class ArrayFile(RowBatches):
             if raw.dtype.kind not in "biuf":
                 raise ConfigError(f"the features of {self.path or self.base_dir} are {raw.dtype}, not numbers")
             numbers = raw.reshape(len(raw), -1).astype(np.float64)
+            if np.isinf(numbers).any():         # no value to fill in or scale (a missing one is NaN)
+                row, column = (int(i) for i in np.argwhere(np.isinf(numbers))[0])
+                where = self.path if self.kind == "npz" else self.base_dir / str(self.feature_ref)
+                raise ConfigError(f"{where}: data row {row + 1}, feature column {column + 1}: {float(numbers[row, column])!r} "
+                                  f"is not a finite number (a missing value is NaN, which missing = \"mean\", "
+                                  f"\"median\" or \"drop_rows\" accept)")
             if not allow and np.isnan(numbers).any():
                 row, column = (int(i) for i in np.argwhere(np.isnan(numbers))[0])
                 raise ConfigError(f"{self._where_cell(row, column)}: the value is missing (NaN); set missing = "
@@ -784,6 +804,12 @@ class ArrayFile(RowBatches):
             raise ConfigError(f"{self._label_file()}: the labels must be one value per row, shape (rows,), got "
                               f"shape {raw.shape}")
         raw = raw.reshape(len(raw))
+        if raw.dtype.kind == "S":           # bytes (as numpy.savez keeps a bytes array): their text, not "b'...'"
+            try:
+                return [v.decode("utf-8") for v in raw.tolist()]
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{self._label_file()}: the labels are bytes that are not UTF-8 text ({e}): save "
+                                  f"them as a text array (.astype(str))") from e
         return ["" if raw.dtype.kind == "f" and np.isnan(v) else str(v) for v in raw.tolist()]
 
     def _kept_rows(self) -> np.ndarray:

@@ -235,10 +235,30 @@ def _finite(statistic: Any, present: np.ndarray) -> float:
 MISSING_HINT = " (set missing = \"mean\", \"median\" or \"drop_rows\" in [data] to accept missing cells)"
 
 
+def finite_numbers(cells: Sequence[str]) -> np.ndarray | None:
+    """``cells`` as float64 when every one is a number ``number`` takes (ASCII, no ``_``, finite), parsed at
+    once; None when one is not (``read_cells`` then says which)."""
+    try:            # numpy parses text as float() does; what float() takes beyond ``number`` is caught after
+        values = np.array(cells, dtype=np.float64)
+    except ValueError:
+        return None
+    joined = "".join(cells)
+    return values if joined.isascii() and "_" not in joined and bool(np.isfinite(values).all()) else None
+
+
 def read_cells(cells: Sequence[str], where: Any, allow_missing: bool, hint: str = "") -> np.ndarray:
     """Number cells as float64, NaN for a missing one (``is_missing``) when ``allow_missing``; ``ConfigError``
     (``where(i)`` names the cell; ``hint`` follows when the cell is a missing one) for a cell that is neither
     a finite number nor, when allowed, missing."""
+    gaps = np.zeros(len(cells), bool)
+    if allow_missing and len(cells):
+        gaps = np.isin(np.char.strip(np.array(cells, dtype=str)), sorted(MISSING_CELLS))
+    present = [c for c, gap in zip(cells, gaps.tolist()) if not gap] if gaps.any() else list(cells)
+    numbers = finite_numbers(present)
+    if numbers is not None:         # every cell a finite number or a missing one: no call per cell
+        out = np.full(len(cells), np.nan)
+        out[~gaps] = numbers
+        return out
     out = np.empty(len(cells), np.float64)
     for i, cell in enumerate(cells):
         value = number(cell)

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distgrad.config.csvfile import cell_problem, number
-from distgrad.config.data import build_data
+from distgrad.config.data import build_data, held_out_split
 from distgrad.config.parse import load_experiment
-from distgrad.config.prepare import is_missing
+from distgrad.config.prepare import finite_numbers, is_missing
 from distgrad.config.split import toml_document, toml_value
 from distgrad.errors import ConfigError
 
@@ -107,7 +107,7 @@ def read_table(path: Path) -> Table:
 
 def _is_numbers(cells: Sequence[str]) -> bool:
     present = [c for c in cells if not is_missing(c)]
-    return bool(present) and all(number(c) is not None for c in present)
+    return bool(present) and (finite_numbers(present) is not None or all(number(c) is not None for c in present))
 
 
 def _whole_numbers(cells: Sequence[str]) -> bool:
@@ -208,9 +208,12 @@ def _reads_as_number(cell: str) -> bool:
     return True
 
 
-def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party: str) -> list[str]:
-    """``names`` less the columns no model can use: every cell missing, or text with more than
-    ``CATEGORIES_MAX`` distinct values (an identifier or free text); each one left out is noted."""
+def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party: str, train: Sequence[int]
+                    ) -> list[str]:
+    """``names`` less the columns no model can use: every cell missing, every cell of the training rows
+    ``train`` (row indices of ``table``) missing (the statistics come from them alone: a column whose values
+    are all held out has nothing to fill with, scale by or one-hot), or text with more than ``CATEGORIES_MAX``
+    distinct values (an identifier or free text); each one left out is noted."""
     kept = []
     for name in names:
         cells = table.column(name)
@@ -218,6 +221,10 @@ def _usable_columns(table: Table, names: Sequence[str], notes: list[str], party:
         _check_finite(table, name, present)
         if not present:
             notes.append(f"{party}: left out column {name!r}: every cell is missing")
+        elif all(is_missing(cells[i]) for i in train):
+            notes.append(f"{party}: left out column {name!r}: every cell of the training rows is missing (its "
+                         f"{len(present)} values are all in held-out rows, and the statistics come from the "
+                         f"training rows alone)")
         elif not _is_numbers(cells) and len(set(present)) > CATEGORIES_MAX:
             notes.append(f"{party}: left out column {name!r}: text with {len(set(present))} distinct values "
                          f"(more than {CATEGORIES_MAX}: an identifier or free text, not categories)")
@@ -296,7 +303,7 @@ def _plan_parties(tables: list[Table], label: str, specs: Sequence[str], label_o
 def _task(cells: Sequence[str], label: str, task: str, notes: list[str]) -> tuple[bool, list[str]]:
     """``(classification, class names in order)`` of the label cells: text, or at most ``CLASSES_MAX``
     distinct whole numbers, make a classification (unless ``task`` says which)."""
-    distinct = sorted(set(cells))
+    distinct = sorted({c.strip() for c in cells})      # the classes as the data source reads them
     numbers = _is_numbers(cells)
     if task == "auto":
         classify = not numbers or (_whole_numbers(distinct) and len(distinct) <= CLASSES_MAX)
@@ -404,7 +411,7 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
         raise ConfigError("distgrad init needs a CSV file (or one per party)")
     _check_out_dir(out_dir, force)
     notes: list[str] = []
-    tables, label_table, plan, ids, id_name = _planned_rows(csvs, label, parties, id_column, notes)
+    tables, label_table, plan, ids, id_name = _planned_rows(csvs, label, parties, id_column, seed, notes)
     classify, classes = _task([row[label_table.header.index(label)] for row in plan[-1].table.rows], label, task,
                               notes)
     batch = _batch(len(ids))
@@ -416,13 +423,14 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
                     f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
                     f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
-    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name))
+    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework))
 
 
-def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None,
+def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None, seed: int,
                   notes: list[str]) -> tuple[list[Table], Table, list[Party], list[str], str]:
     """The tables read, the one holding the label, each party's plan with its rows in one order (a join on the
     IDs for several files), the rows' IDs and the ID column's name; what was chosen is added to ``notes``.
+    ``seed`` is the ``split_seed`` of the files written: it says which rows are training rows.
     ``ConfigError`` for a file named twice, a missing label, too few rows or a party with no usable column."""
     tables = [read_table(Path(p)) for p in csvs]
     if len({t.path.resolve() for t in tables}) != len(tables):
@@ -450,8 +458,9 @@ def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_c
         party.table = Table(party.table.path, party.table.header, list(rows_by_table[k].values()))
     if len(ids) < COMMON_ROWS_MIN:
         raise ConfigError(f"{len(ids)} rows with a label are too few to train (at least {COMMON_ROWS_MIN})")
+    _, train, _ = held_out_split(len(ids), seed, TEST_FRACTION)       # as the written [data] splits the rows
     for party in plan:
-        party.columns = _usable_columns(party.table, party.columns, notes, party.name)
+        party.columns = _usable_columns(party.table, party.columns, notes, party.name, train.tolist())
         if not party.columns and not party.labels:
             raise ConfigError(f"party {party.name!r} holds no usable column")
     if len(plan) == 2 and not plan[0].columns:
@@ -580,27 +589,31 @@ def _interface(plan: Sequence[Party], stages: dict[str, dict[str, Any]], vertica
     return table
 
 
-def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str) -> list[str]:
+def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str) -> list[str]:
     """The commands to train (one machine, then one host per party), predict and, with one CSV per party
-    (``raw``), align the rows privately where each party keeps its file on its host."""
+    (``raw``), align the rows privately where each party keeps its file on its host. Each party's parameters
+    file is named as ``distgrad run --save`` names it (``stage.parameters_file``): ``NAME.npz`` for numpy
+    stages, ``NAME.pt`` (a torch ``state_dict``) for torch ones, so the predict commands load what training
+    wrote."""
     files = " ".join(str(p) for p in paths)
     saved = paths[0].parent.parent / "trained"
+    suffix = ".pt" if framework == "torch" else ".npz"
     owner, feature_parties = plan[-1], plan[:-1]
     lines = ["# train: every party a process of its own on this machine; the trained halves go to "
-             f"{saved}/NAME.npz",
+             f"{saved}/NAME{suffix}",
              f"distgrad run {files} --save {saved}",
              "# or one party per host (the label owner serves, the others connect; across hosts add CURVE keys)",
              f"distgrad-stage {owner.name} --experiment {paths[-1]} --bind tcp://0.0.0.0:5555 "
-             f"--save {saved / owner.name}.npz"]
+             f"--save {saved / owner.name}{suffix}"]
     for party, path in zip(feature_parties, paths):
         lines.append(f"distgrad-stage {party.name} --experiment {path} --connect tcp://LABEL_OWNER_HOST:5555 "
-                     f"--save {saved / party.name}.npz")
+                     f"--save {saved / party.name}{suffix}")
     lines += ["# predict the held-out rows (or new ones: --input NEW.csv with the data owners' columns and the "
               f"rows' IDs in column {id_name!r}): the label owner writes predictions.csv, by row ID",
-              f"distgrad predict {paths[-1]} --load {saved / owner.name}.npz --bind tcp://127.0.0.1:5556 "
+              f"distgrad predict {paths[-1]} --load {saved / owner.name}{suffix} --bind tcp://127.0.0.1:5556 "
               f"--output predictions.csv &"]
     for party, path in zip(feature_parties, paths):
-        lines.append(f"distgrad predict {path} --load {saved / party.name}.npz --connect tcp://127.0.0.1:5556")
+        lines.append(f"distgrad predict {path} --load {saved / party.name}{suffix} --connect tcp://127.0.0.1:5556")
     if raw:
         lines += ["# init joined the files on this machine; where each party keeps its CSV on its own host, each "
                   "aligns it with the others' by ID instead, privately, into the file its stage file reads (the "

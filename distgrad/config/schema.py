@@ -354,7 +354,8 @@ DATA_OPTIONS: dict[str, str] = {
                            "with labels = \"first\" nor in the cut library; 0: no validation rows",
     "feature_scale": "file kinds: features are float32 times this (distgrad predict scales its --input rows alike); "
                      "refused in the cut library unless 1 (a loop of its own reads its own features; a combined "
-                     "experiment's is its data owner's end's alone)",
+                     "experiment's is its data owner's end's alone), and unless 1 in a [data] without features "
+                     "(a label owner's own: it would scale nothing)",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
     "path": "npz and csv: the file (relative to the file that names it)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "

@@ -166,7 +166,7 @@ def party_data(exp: Experiment, name: str) -> tuple[dict[str, Any], dict[str, np
                           f"carry [data]'s {carried} (text cells, missing cells): give each party a stage file "
                           f"whose [data] reads its own CSV with these keys instead")
     held = {"features": first, "labels": owner}
-    features_only = {} if first else {"standardize": False}     # the features' preparation, where they are held
+    features_only = {} if first else {"standardize": False, "feature_scale": 1.0}   # the features' own, where held
     source = build_data({**data, **features_only, **{part: None for part, mine in held.items() if not mine}},
                         exp.seed, exp.spec(name).base_dir)
     parts = source.own_parts()          # type: ignore[attr-defined]   # a file kind is an ArrayFile

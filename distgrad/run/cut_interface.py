@@ -220,6 +220,15 @@ def _raw_from_combined(end: str, interface: str | Path, stage: str | None,
         raise ConfigError(f"{interface}: stage {stage!r} has {private}, but the cut library's loop meters and "
                           f"guards nothing of what it sends. Remove them from stage {stage!r}, or run the stage as "
                           f"the daemon (distgrad-stage), which meters and guards it")
+    judged = [key for key, on in (("metrics", spec.metrics), ("keep_best", spec.keep_best),
+                                  ("early_stopping", spec.early_stopping)) if on]
+    if end == LAST and judged:
+        raise ConfigError(f"{interface}: stage {stage!r} has {judged}, which a daemon label owner applies to its "
+                          f"evaluations (the scores it reports, the step whose parameters every party keeps, the "
+                          f"step the run stops after), but a CutServer's loop scores the held-out rows itself "
+                          f"(evaluate= gives the loss and the rows right) and decides itself what it keeps and "
+                          f"when it stops, so they would do nothing. Remove them from stage {stage!r}, or run the "
+                          f"label owner as the daemon (distgrad-stage)")
     data = spec.data
     data = dict(exp.data if data is None else data)
     if stage not in exp.data_owners:
