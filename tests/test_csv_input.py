@@ -337,6 +337,20 @@ def test_a_training_csv_value_beyond_float32_is_refused_naming_its_line(tmp_path
         result.stderr
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("person,c,a,b\nx1,2,0.5,-1\nx2,1,2,1e39\n", "line 3, column 4 'b' (data row 2): 1e+39 is not a finite number"),
+    ("0.5,-1,2\n1,-1e39,3\n", "line 2, column 2 (data row 2): -1e+39 is not a finite number")],
+    ids=["header-in-another-order", "no-header"])
+def test_a_predict_input_value_beyond_float32_names_the_files_line_and_column(trained: Path, tmp_path: Path,
+                                                                              text: str, needle: str):
+    """A value beyond float32 in a CSV --input is named as every other bad field is: the file's line and its
+    column in the file (with the header's name), not the position among the features read."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text(text, encoding="utf-8")
+    extra = ["--id-column", "person"] if text.startswith("person") else []
+    assert needle in _refused(trained, rows, *extra)
+
+
 def test_a_header_with_an_unnamed_index_column_is_a_header(trained: Path, tmp_path: Path):
     """pandas writes its index under an empty name: the line is still a header, matched by name."""
     rows = tmp_path / "rows.csv"
