@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from distgrad.config.csvfile import cell_problem, is_name, number
+from distgrad.config.csvfile import cell_problem, is_name, number, open_csv
 from distgrad.config.data import build_data
 from distgrad.config.parse import load_experiment
 from distgrad.config.prepare import is_missing
@@ -84,7 +84,7 @@ def read_table(path: Path) -> Table:
     """``path`` as a ``Table``; ``ConfigError`` for a file that cannot be read, has no header line or no data
     row, names a column twice or has a line of another length than its header."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with open_csv(path) as f:
             lines = [line for line in csv.reader(f) if any(cell.strip() for cell in line)]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
