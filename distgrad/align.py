@@ -81,6 +81,7 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.stage.records import is_special
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.config.csvfile import open_csv
 from distgrad.wire.transport import (LINGER_MS, Client, Server, SocketSecurity, check_endpoint, poll_frames,
                                      send_frames)
 
@@ -156,7 +157,7 @@ def read_table(path: Path, id_column: str) -> Table:
     """
     path = Path(path)
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:    # a leading byte-order mark is no name
+        with open_csv(path) as f:       # a regular file only; a leading byte-order mark is no name
             reader = csv.reader(f)
             header = next(reader, None)
             while header == []:

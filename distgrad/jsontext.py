@@ -5,6 +5,10 @@ A float that is not finite is written as a string: ``"inf"``, ``"-inf"`` or ``"n
 e.g. a loss that diverged). ``float(value)`` reads each back; ``null`` stays what it always meant, a figure
 that was not measured or has no value (a metric undefined on one class). ``strict=True`` refuses them
 instead, for text that must read back as the same numbers (a scheduler's state).
+
+Reading JSON that a file holds goes through ``parse_json``: whatever is wrong with the text (not UTF-8, not
+JSON, nested deeper than Python's parser recurses) is a ``ConfigError`` naming where it came from, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+
+from distgrad.errors import ConfigError
 
 NONFINITE_TEXT = {math.inf: "inf", -math.inf: "-inf"}     # and NaN: "nan"
 
@@ -41,3 +47,17 @@ def json_text(obj: Any, *, strict: bool = False, **options: Any) -> str:
     never with ``NaN`` or ``Infinity``: a non-finite float is written as ``"inf"``, ``"-inf"`` or ``"nan"``;
     with ``strict``, it raises ``ValueError`` instead."""
     return json.dumps(obj if strict else _replace_nonfinite(obj), allow_nan=False, **options)
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """``text`` (bytes as UTF-8) parsed as one JSON value. ``ConfigError`` naming ``where`` when it is not
+    UTF-8, not JSON, or nested too deeply for the parser (``RecursionError``: no file distgrad writes comes
+    near that depth)."""
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is JSON nested too deeply to be one distgrad wrote") from None
+    except ValueError as e:          # JSONDecodeError, a number too long to convert
+        raise ConfigError(f"{where} is not JSON: {e}") from None

@@ -9,28 +9,75 @@ Needs matplotlib (``pip install 'distgrad[plot]'``); it is imported only here.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from distgrad.errors import ConfigError
+from distgrad.jsontext import json_text, parse_json
 from distgrad.privacy.meter import METER_FIGURES
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
+MAX_LINE_BYTES = 16 * 2 ** 20     # the longest metrics line read (a line is a few hundred bytes to a few KiB)
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics file; raises ``ConfigError`` if it is missing, empty or not JSON lines."""
+    """The records of a metrics file (one JSON object a line, as ``--metrics`` writes). Raises
+    ``ConfigError`` naming the file (and the line) when it is missing, no regular file (a directory, a
+    device such as ``/dev/zero``, a pipe: never read without bound), empty, or holds a line that is not a
+    metrics record: not JSON, nested too deeply, over ``MAX_LINE_BYTES``, or not an object whose ``step``
+    is a whole number, ``wall_s`` a finite number, ``client`` (if any) a whole number and every figure
+    drawn (``figure_keys``) a number, ``null`` or a non-finite figure's text (``"nan"``, ``"inf"``)."""
     try:
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read metrics file {path}: {e}") from e
-    if not records or not all("step" in r and "wall_s" in r for r in records):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"metrics file {path} is not a regular file: give the file --metrics wrote")
+        records = []
+        with open(path, "rb") as f:
+            for number, text in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+                where = f"metrics file {path} line {number}"
+                if len(text) > MAX_LINE_BYTES:
+                    raise ConfigError(f"{where} is over {MAX_LINE_BYTES} bytes: no metrics line is that long")
+                if text.strip():
+                    records.append(_record(parse_json(text, where), where))
+    except OSError as e:
+        raise ConfigError(f"cannot read metrics file {path}: {e.strerror or e}") from e
+    if not records:
         raise ConfigError(f"{path} holds no distgrad metrics lines (write one with --metrics)")
     return records
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def figure_keys(record: dict) -> list[str]:
+    """The keys of a metrics record whose values ``draw_metrics`` draws (besides ``step`` and ``wall_s``)."""
+    return [key for key in record if key in ("loss", "lr") or key.startswith(("test_", "validation_"))
+            or key.rsplit("/", 1)[-1].removesuffix("_chance") in METER_FIGURES]
+
+
+def _record(record: Any, where: str) -> dict:
+    """``record`` if it is a metrics record ``draw_metrics`` can draw (``read_metrics``), else ``ConfigError``."""
+    if not isinstance(record, dict) or "step" not in record or "wall_s" not in record:
+        raise ConfigError(f"{where} is no distgrad metrics line (a JSON object with 'step' and 'wall_s', as "
+                          f"--metrics writes)")
+    step, wall, client = record["step"], record["wall_s"], record.get("client")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{where}: 'step' must be a whole number >= 0, got {json_text(step)[:40]}")
+    if not _is_number(wall) or not math.isfinite(wall):
+        raise ConfigError(f"{where}: 'wall_s' must be a finite number, got {json_text(wall)[:40]}")
+    if client is not None and (not isinstance(client, int) or isinstance(client, bool) or client < 0):
+        raise ConfigError(f"{where}: 'client' must be a whole number >= 0, got {json_text(client)[:40]}")
+    for key in figure_keys(record):
+        value = record[key]
+        if not (value is None or _is_number(value) or value in ("nan", "inf", "-inf")):
+            raise ConfigError(f"{where}: {key!r} must be a number, got {json_text(value)[:40]}")
+    return record
 
 
 def _curves(records: list[dict]) -> dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -54,8 +101,9 @@ def _held_out(records: list[dict], key: str) -> dict[int | None, tuple[np.ndarra
     for record in records:
         if record.get(key) is not None:
             points.setdefault(record.get("client"), []).append((record["step"], record[key]))
-    return {client: (np.array([p[0] for p in sorted(rows)], float), np.array([p[1] for p in sorted(rows)], float))
-            for client, rows in sorted(points.items(), key=lambda item: -1 if item[0] is None else item[0])}
+    ordered = {client: sorted(rows, key=lambda point: point[0]) for client, rows in points.items()}
+    return {client: (np.array([p[0] for p in rows], float), np.array([p[1] for p in rows], float))
+            for client, rows in sorted(ordered.items(), key=lambda item: -1 if item[0] is None else item[0])}
 
 
 def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -104,8 +152,9 @@ def draw_metrics(records: list[dict], title: str):
             for client, (steps, values) in leaks[name].items():
                 suffix = "" if client is None else f" (client {client})"
                 (line,) = ax_leak.plot(steps, values, "o-", lw=1, ms=4, label=name + suffix)
-                _, chance = _held_out(records, f"{name}_chance")[client]
-                ax_leak.plot(steps, chance, "--", lw=1, color=line.get_color())
+                chances = _held_out(records, f"{name}_chance").get(client)
+                if chances is not None:         # each figure's line holds its chance level as distgrad writes it
+                    ax_leak.plot(*chances, "--", lw=1, color=line.get_color())
         ax_leak.set_ylabel("leak (dashed: chance)")
         ax_leak.legend(loc="lower left", fontsize="small")
     window, positive = 1, True

@@ -337,6 +337,49 @@ def test_a_training_csv_value_beyond_float32_is_refused_naming_its_line(tmp_path
         result.stderr
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("person,c,a,b\nx1,2,0.5,-1\nx2,1,2,1e39\n", "line 3, column 4 'b' (data row 2): 1e+39 is not a finite number"),
+    ("0.5,-1,2\n1,-1e39,3\n", "line 2, column 2 (data row 2): -1e+39 is not a finite number")],
+    ids=["header-in-another-order", "no-header"])
+def test_a_predict_input_value_beyond_float32_names_the_files_line_and_column(trained: Path, tmp_path: Path,
+                                                                              text: str, needle: str):
+    """A value beyond float32 in a CSV --input is named as every other bad field is: the file's line and its
+    column in the file (with the header's name), not the position among the features read."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text(text, encoding="utf-8")
+    extra = ["--id-column", "person"] if text.startswith("person") else []
+    assert needle in _refused(trained, rows, *extra)
+
+
+def test_a_predict_input_that_is_a_device_is_refused_unread(trained: Path):
+    """/dev/zero as --input was read without bound (20 GB within seconds): only a regular file is read."""
+    assert "/dev/zero is not a regular file" in _refused(trained, Path("/dev/zero"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device"])
+def test_every_csv_reader_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str):
+    """The [data] and --input reader, distgrad init's and distgrad align's: a pipe (which would block or be
+    read without end), a folder or a device is refused with the reason, before anything is read."""
+    import os
+
+    from distgrad.align import read_table
+    from distgrad.config.csvfile import CsvColumns
+    from distgrad.config.scaffold import read_table as init_table
+    from distgrad.errors import ConfigError
+
+    path = tmp_path / "rows.csv"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")
+    for read in (lambda: CsvColumns(path, False).records(), lambda: CsvColumns(path, True).first_row(),
+                 lambda: init_table(path), lambda: read_table(path, "id")):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            read()
+
+
 def test_a_header_with_an_unnamed_index_column_is_a_header(trained: Path, tmp_path: Path):
     """pandas writes its index under an empty name: the line is still a header, matched by name."""
     rows = tmp_path / "rows.csv"

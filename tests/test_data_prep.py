@@ -435,6 +435,16 @@ def test_predict_refuses_a_category_never_seen_in_training(trained_parties, tmp_
     assert "line 2, column 2 'island'" in err and "category 'Atlantis'" in err and "never seen" in err, err
 
 
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "{not json", "\udcff"],
+                         ids=["nested-100000-deep", "not-json", "not-utf8"])
+def test_damaged_saved_statistics_are_a_config_error_naming_the_file(tmp_path: Path, text: str):
+    """The statistics beside a --load file are a file a user copies between hosts: whatever is wrong with
+    it is a ConfigError naming it (exit 2), never a RecursionError traceback."""
+    (tmp_path / "f.prep.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ConfigError, match="cannot read the saved data preparation: .*f.prep.json"):
+        read_preparation(tmp_path / "f.npz")
+
+
 def test_predict_without_the_saved_statistics_is_refused_with_the_reason(trained_parties, tmp_path):
     f, g, saved = trained_parties
     copy = tmp_path / "copy"

@@ -328,6 +328,8 @@ def test_init_takes_an_unnamed_first_column_of_distinct_values_as_the_ids(tmp_pa
     ("one class", "one value only"),
     ("infinite number", "column 'bill_length_mm' holds numbers, but '1e400' is not a finite number"),
     ("infinity", "column 'bill_length_mm' holds numbers, but '-inf' is not a finite number"),
+    ("damaged number", "penguins.csv line 10: column 'bill_length_mm' holds numbers, but '0x13' is not a number"),
+    ("number with a NUL", "line 10: column 'bill_length_mm' holds numbers, but '4\\x002' is not a number"),
 ])
 def test_init_refuses_with_the_reason_and_writes_nothing(tmp_path: Path, case: str, expected: str):
     table = write_penguins(tmp_path / "penguins.csv")
@@ -351,9 +353,10 @@ def test_init_refuses_with_the_reason_and_writes_nothing(tmp_path: Path, case: s
         with open(tmp_path / "one.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
         args = [tmp_path / "one.csv", "--label", "y"]
-    elif case in ("infinite number", "infinity"):      # a number column, not 300 categories of text
-        rows = _read_csv(table)
-        rows[9][2] = "1e400" if case == "infinite number" else "-inf"
+    elif case in ("infinite number", "infinity", "damaged number", "number with a NUL"):
+        rows = _read_csv(table)         # a number column, not 300 categories of text, nor left out as text
+        rows[9][2] = {"infinite number": "1e400", "infinity": "-inf", "damaged number": "0x13",
+                      "number with a NUL": "4\x002"}[case]
         with open(table, "w", newline="") as f:
             csv.writer(f).writerows(rows)
     out = tmp_path / "out"

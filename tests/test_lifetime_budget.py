@@ -83,7 +83,8 @@ def test_a_release_without_noise_in_an_earlier_run_leaves_no_lifetime_bound(tmp_
 
 def test_a_damaged_lifetime_file_is_refused_with_what_to_do(tmp_path):
     path = tmp_path / f".g{LIFETIME_SUFFIX}"
-    for damaged in ("{not json", '{"runs": {"a": {"sigma": 1.0}}}', '{"runs": {"a": {"sigma": 1.0, "counts": [-1]}}}'):
+    for damaged in ("{not json", '{"runs": {"a": {"sigma": 1.0}}}', '{"runs": {"a": {"sigma": 1.0, "counts": [-1]}}}',
+                    '{"runs": ' + "[" * 100_000 + "]" * 100_000 + "}"):     # too deep for the parser
         path.write_text(damaged)
         with pytest.raises(ConfigError, match="delete it knowingly"):
             Lifetime(path)

@@ -109,6 +109,16 @@ def test_a_scheduler_option_the_torch_class_does_not_take_lists_the_valid_ones()
         stage_scheduler({"type": "StepLR", "step_size": 10, "gamma": "0.5"}, optimizer, "f")
 
 
+@pytest.mark.parametrize("kind, option, value", [("StepLR", "step_size", True), ("CosineAnnealingLR", "T_max", False)])
+def test_a_boolean_for_a_required_scheduler_number_is_refused_naming_it(kind, option, value):
+    """A required option has no default to compare with: torch took ``step_size = true`` as 1 (a decay every
+    step) and trained."""
+    from distgrad.stage.torch_stage import module_optimizer, stage_scheduler
+    optimizer, _ = module_optimizer({"type": "Adam", "lr": 0.01}, _params(), "f")
+    with pytest.raises(ConfigError, match=f"scheduler '{kind}': .*option '{option}': {value!r} is not a number"):
+        stage_scheduler({"type": kind, option: value}, optimizer, "f")
+
+
 def test_a_torch_loss_option_the_class_does_not_take_lists_the_valid_ones():
     from distgrad.model.losses import build_module_loss
     from distgrad.stage.torch_stage import _torch_loss

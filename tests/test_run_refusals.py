@@ -47,3 +47,13 @@ def test_what_a_stage_process_refuses_run_refuses_before_any_stage_starts(experi
     result = run_main(["run", experiment, "--steps", "2", flag, value])
     assert result.returncode == EXIT_USAGE, result.stderr
     assert reason in _error(result)
+
+
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["run", "in-process"])
+def test_the_privacy_meter_of_an_experiment_without_batches_is_refused_not_ignored(mode):
+    """seed-reverse steps one sample at a time: no figure of a meter (each scores a batch of rows) has
+    anything to score, so the flag is refused with the reason, before any stage starts, not accepted with
+    empty figures."""
+    result = run_main(["run", "seed-reverse", "--privacy-meter", "--steps", "2", *mode])
+    assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
+    assert "'privacy_meter' (or --privacy-meter) scores a batch of rows" in result.stderr

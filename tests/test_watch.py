@@ -7,6 +7,7 @@ import pty
 import select
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -209,3 +210,51 @@ def test_plot_to_a_format_or_a_place_it_cannot_write_exits_2_naming_it(tmp_path)
     assert result.returncode == 2 and "cannot write --out" in result.stderr, result.stderr
     assert run_main(["plot", metrics, "--out", tmp_path / "loss"]).returncode == 0
     assert (tmp_path / "loss").read_bytes().startswith(b"\x89PNG")
+
+
+GOOD_METRICS_LINE = '{"step": 1, "loss": 0.5, "wall_s": 0.01}\n'
+DAMAGED_METRICS = [      # (name, the file's text, or "DIR" / a device's path, a part of the message)
+    ("JSON nested 100,000 deep", GOOD_METRICS_LINE + "[" * 100_000 + "]" * 100_000 + "\n",
+     "line 2 is JSON nested too deeply"),
+    ("a line that is a list naming the keys", '["step", "wall_s"]\n', "line 1 is no distgrad metrics line"),
+    ("a line that is not JSON", GOOD_METRICS_LINE + "{step: 2}\n", "line 2 is not JSON"),
+    ("a string step", '{"step": "2", "loss": 0.5, "wall_s": 0.01}\n', "'step' must be a whole number"),
+    ("a boolean client", '{"step": 1, "loss": 0.5, "wall_s": 0.01, "client": true}\n', "'client' must be"),
+    ("an infinite wall time", '{"step": 1, "loss": 0.5, "wall_s": 1e999}\n', "'wall_s' must be a finite number"),
+    ("an object for the loss", '{"step": 1, "loss": {"a": 1}, "wall_s": 0.01}\n', "'loss' must be a number"),
+    ("a string score", GOOD_METRICS_LINE + '{"step": 2, "loss": 0.4, "wall_s": 0.02, "test_accuracy": "high"}\n',
+     "line 2: 'test_accuracy' must be a number"),
+    ("bytes that are not UTF-8", GOOD_METRICS_LINE.replace("0.5", '"\udcff"'), "line 1 is not UTF-8 text"),
+    ("a directory", "DIR", "is not a regular file"),
+    ("/dev/zero", "/dev/zero", "is not a regular file"),
+]
+
+
+@pytest.mark.parametrize("text, message", [case[1:] for case in DAMAGED_METRICS],
+                         ids=[case[0] for case in DAMAGED_METRICS])
+def test_plot_of_a_damaged_or_hostile_metrics_file_exits_2_naming_the_problem(tmp_path, text, message):
+    """A metrics file is read as the audit reads a trace: a regular file only (never /dev/zero without bound),
+    line by line, each line a metrics record of numbers; anything else exits 2 naming the file, the line and
+    the problem, never a traceback (``RecursionError``, ``AttributeError``, ``ValueError``)."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "m.jsonl"
+    if text == "DIR":
+        path.mkdir()
+    elif text.startswith("/dev/"):
+        path = Path(text)
+    else:
+        path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    result = run_main(["plot", path, "--out", tmp_path / "loss.png"])
+    assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_plot_draws_non_finite_figures_written_as_text_and_a_meter_figure_without_its_chance(tmp_path):
+    """What distgrad writes for a diverged loss (``"nan"``, ``"inf"``) is drawn as such, in any order of steps."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 2, "loss": "nan", "wall_s": 0.02, "label_recovery": 0.5}\n'
+                       '{"step": 1, "loss": 0.5, "wall_s": 0.01, "label_recovery": "inf"}\n'
+                       '{"step": 2, "loss": 0.4, "wall_s": 0.03, "label_recovery": 0.25}\n')
+    assert run_main(["plot", metrics, "--out", tmp_path / "loss.png"]).returncode == 0
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -21,14 +21,30 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from distgrad.errors import ConfigError
 
 CELL_SHOWN_MAX = 40          # characters of a refused field quoted in an error
+
+
+def open_csv(path: Path) -> IO[str]:
+    """``path`` opened to read as CSV text (UTF-8, a leading byte-order mark dropped). ``ConfigError`` unless
+    it is a regular file: a device (``/dev/zero``), a pipe or a folder is never read (without bound, or
+    blocking); ``OSError`` when it cannot be opened. Every reader of a CSV table opens it so."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))    # a pipe must not hold the open
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path} is not a regular file (a folder, a device or a pipe): give a CSV file")
+        return open(fd, newline="", encoding="utf-8-sig", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def number(cell: str) -> float | None:
@@ -96,7 +112,7 @@ class CsvColumns:
             lines: list[int] = []
             rows: list[list[str]] = []
             try:
-                with open(self.path, newline="", encoding="utf-8-sig") as f:
+                with open_csv(self.path) as f:
                     reader = csv.reader(f)
                     while True:
                         start = reader.line_num + 1
@@ -120,10 +136,10 @@ class CsvColumns:
         no further than that line unless the file was parsed already."""
         if self._records is None:
             try:
-                with open(self.path, newline="", encoding="utf-8-sig") as f:
+                with open_csv(self.path) as f:
                     return next((row for row in csv.reader(f) if row and not (len(row) == 1 and not row[0].strip())),
                                 [])
-            except (OSError, UnicodeDecodeError, csv.Error):
+            except (OSError, UnicodeDecodeError, csv.Error, ConfigError):
                 pass                    # records() says what is wrong, naming the line
         rows = self.records()[1]
         return rows[0] if rows else []

@@ -52,6 +52,9 @@ def meter_kind(exp: Experiment, stage: str) -> str:
         return ConfigError(f"stage {stage!r}: 'privacy_meter' (or --privacy-meter) {reason}")
     if len(exp.stage_names) < 2:
         raise refuse("needs a cut: a one-stage experiment sends nothing to another party")
+    if exp.batch is None:
+        raise refuse("scores a batch of rows at a time (how their activations or gradients relate), and this "
+                      "experiment's data has no batch (one sample a step): it would measure nothing")
     if label_owner_sends_gradients(exp, stage):
         if exp.send_rows:
             raise refuse("reads the label owner's labels in its own sample order; with send_rows a step's rows "

@@ -21,7 +21,6 @@ training rows, its held-out rows and the new rows of ``distgrad predict``:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 
 from distgrad.config.csvfile import cell_problem, number, shown
 from distgrad.errors import ConfigError
-from distgrad.jsontext import json_text
+from distgrad.jsontext import json_text, parse_json
 
 MISSING_MODES = ("error", "mean", "median", "drop_rows")
 # What a cell holds when its value is missing (compared with the cell stripped of spaces).
@@ -288,13 +287,15 @@ def read_preparation(parameters: str | Path) -> Preparation:
     ``ConfigError`` when they are missing or unreadable."""
     path = preparation_path(parameters)
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = parse_json(path.read_bytes(), str(path))
     except FileNotFoundError as e:
         raise ConfigError(f"{path} is missing: the [data] of this stage prepares its rows (missing, standardize, "
                           f"categorical or class_names), and their statistics were saved there beside "
                           f"{Path(parameters).name} by --save; copy it along with the parameters") from e
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise ConfigError(f"{path}: cannot read the saved data preparation: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"cannot read the saved data preparation: {e}") from e
     return Preparation.from_json(saved, str(path))
 
 

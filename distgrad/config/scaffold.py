@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from distgrad.config.csvfile import cell_problem, number
+from distgrad.config.csvfile import cell_problem, is_name, number, open_csv
 from distgrad.config.data import build_data, held_out_split
 from distgrad.config.parse import load_experiment
 from distgrad.config.prepare import finite_numbers, is_missing
@@ -84,7 +84,7 @@ def read_table(path: Path) -> Table:
     """``path`` as a ``Table``; ``ConfigError`` for a file that cannot be read, has no header line or no data
     row, names a column twice or has a line of another length than its header."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with open_csv(path) as f:
             lines = [line for line in csv.reader(f) if any(cell.strip() for cell in line)]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
@@ -192,12 +192,42 @@ def _drop_missing_labels(table: Table, label: str, notes: list[str]) -> Table:
 
 
 def _check_finite(table: Table, name: str, present: Sequence[str]) -> None:
-    """``ConfigError`` for a column of numbers with a cell that reads as a number but no finite one (``inf``,
-    ``1e400``): the run refuses such a cell, and taking the column as text would one-hot every value."""
+    """``ConfigError`` for a column of numbers with a damaged number in it: a cell that reads as a number but
+    no finite one (``inf``, ``1e400``), where every other cell is a number, or a cell that is neither a number
+    nor a name (``0x13``, ``1_000``, a NUL byte: ``csvfile.is_name``) in a column mostly of numbers. The run
+    refuses such a cell, and taking the column as text would one-hot every value (or leave the column out).
+    The message names the file's line and the column."""
     damaged = [c for c in present if number(c) is None]
-    if damaged and len(damaged) < len(present) and all(_reads_as_number(c) for c in damaged):
-        raise ConfigError(f"{table.path}: column {name!r} holds numbers, but {cell_problem(damaged[0])}: give that "
-                          f"cell a finite number, or leave it empty (a missing cell, filled in training)")
+    numbers = len(present) - len(damaged)
+    if not damaged or not numbers:
+        return
+    bad: str | None = damaged[0]
+    if not all(_reads_as_number(c) for c in damaged):
+        bad = next((c for c in damaged if _reads_as_number(c) or not is_name(c)), None)
+        if bad is None or numbers * 2 <= len(present):       # text with a few numbers among it: categories
+            return
+    assert bad is not None
+    raise ConfigError(f"{table.path}{_line_of(table, name, bad)}: column {name!r} holds numbers, but "
+                      f"{cell_problem(bad)}: give that cell a finite number, or leave it empty (a missing cell, "
+                      f"filled in training)")
+
+
+def _line_of(table: Table, name: str, cell: str) -> str:
+    """`` line N`` of ``table``'s file where column ``name`` first holds ``cell`` (as an editor counts lines),
+    or "" when the file does not say (a column init made)."""
+    try:
+        with open(table.path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next((row for row in reader if any(c.strip() for c in row)), [])
+            names = [c.strip() or UNNAMED.format(i + 1) for i, c in enumerate(header)]
+            if name in names:
+                index = names.index(name)
+                for row in reader:
+                    if index < len(row) and row[index] == cell:
+                        return f" line {reader.line_num}"
+    except (OSError, UnicodeDecodeError, csv.Error):
+        pass
+    return ""
 
 
 def _reads_as_number(cell: str) -> bool:

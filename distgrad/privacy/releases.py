@@ -146,7 +146,7 @@ class Lifetime:
                              for run, entry in saved["runs"].items()}
                 if any(noise < 0 or not math.isfinite(noise) or (counts < 0).any() for noise, counts in self.runs.values()):
                     raise ValueError("a negative or non-finite sigma, or a negative count")
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
                 raise ConfigError(f"{path}: the per-row release counts of this stage's earlier runs cannot be "
                                   f"read ({e}); it is what the privacy budget of every run is counted against. "
                                   f"Restore it, or delete it knowingly (the earlier releases still compose)") from e

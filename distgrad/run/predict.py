@@ -44,7 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 import zmq
@@ -138,8 +138,10 @@ def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] |
 
 def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[str] | None,
               header_given: bool | None = None, prep: Preparation | None = None
-              ) -> tuple[np.ndarray, list[str] | None, str]:
-    """A CSV's feature columns (float64), IDs and ID column name, read as a csv ``[data]`` table reads them.
+              ) -> tuple[np.ndarray, list[str] | None, str, Callable[[int, int], str]]:
+    """A CSV's feature columns (float64), IDs, ID column name, and where value ``(i, j)`` of the features
+    is in the file (its line, and its column with the header's name), read as a csv ``[data]`` table reads
+    them.
 
     The first line is a header where ``header_given`` (``--header``/``--no-header``) says so, else where
     the stage's csv ``table`` declares one (``header = true``; a first line of numbers is then refused,
@@ -188,7 +190,13 @@ def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[s
     ids = reader.ids(id_ref) if id_ref is not None else None
     name = first[id_index].strip() if reader.header and id_index is not None else (
         id_ref if isinstance(id_ref, str) else "id")
-    return values, ids, name
+    lines = reader.data()[0]
+
+    def where(i: int, j: int) -> str:
+        column = reader.column_label(columns[j]) if prep is None else f"prepared feature column {j + 1}"
+        return f"line {lines[i]}, {column} (data row {i + 1})"
+
+    return values, ids, name, where
 
 
 def _prepared(reader: CsvColumns, columns: list[int], prep: Preparation) -> np.ndarray:
@@ -266,6 +274,11 @@ def check_class_names(names: Any, labels_travel: bool, outputs: tuple[int, ...] 
     return names
 
 
+def _array_cell(i: int, j: int) -> str:
+    """Where value ``(i, j)`` of an array of rows is."""
+    return f"data row {i + 1}, column {j + 1}"
+
+
 def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None,
               header: bool | None = None, load: Path | None = None) -> NewRows:
     """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
@@ -290,6 +303,9 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
     prep = saved_preparation(exp, stage, load)
     prep = prep if prep is not None and prep.columns else None
     ids, name = None, "id"
+
+    where: Callable[[int, int], str] = _array_cell       # a CSV's cells: their line and named column (_read_csv)
+
     try:
         if path.suffix == ".npy":
             if id_column is not None:
@@ -307,7 +323,8 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
                 raw = prep.encode(raw.astype(np.float64), {}, lambda i, j: f"data row {i + 1}, column {j + 1}",
                                   unseen="error")
         else:
-            raw, ids, name = _read_csv(path, table, id_column, feature_names(exp, stage, table), header, prep)
+            raw, ids, name, where = _read_csv(path, table, id_column, feature_names(exp, stage, table), header,
+                                              prep)
         if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
             raise ValueError("expected a non-empty numeric array of rows")
         with np.errstate(over="ignore", invalid="ignore"):        # a value beyond float32 is refused below
@@ -316,7 +333,7 @@ def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = No
         if not finite.all():
             row, column = (int(i) for i in np.argwhere(~finite)[0])
             value = raw.reshape(len(raw), -1)[row, column]
-            raise ConfigError(f"data row {row + 1}, column {column + 1}: {float(value)!r} is not a finite number"
+            raise ConfigError(f"{where(row, column)}: {float(value)!r} is not a finite number"
                               f"{' within float32 range (once scaled)' if np.isfinite(value) else ''}")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--input {path}: cannot read rows: {e}") from e

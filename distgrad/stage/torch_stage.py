@@ -390,7 +390,8 @@ def check_keyword_options(cls: type, options: Mapping[str, Any], given: str = ""
     """Refuse, before ``cls(...)`` is called, the options of a table that names a torch class
     (``torch.optim.Adam``, a ``torch.optim.lr_scheduler`` class, a ``torch.nn`` loss): a name ``cls`` does
     not take (``ConfigError`` listing the valid ones, as distgrad's own tables do) and a string or boolean
-    where ``cls``'s default is a number (``lr = "0.01"``: torch would fail on a comparison, or take it). ``given`` names the option
+    where ``cls``'s default is a number (``lr = "0.01"``: torch would fail on a comparison, or take it), and
+    a boolean for a required option annotated as a number (``step_size = true``, which torch takes as 1). ``given`` names the option
     positions the caller fills itself (the parameters, the optimizer), which a table may not give; ``also``
     the table's keys that distgrad reads itself (listed among the valid ones).
     """
@@ -403,9 +404,13 @@ def check_keyword_options(cls: type, options: Mapping[str, Any], given: str = ""
     if unknown:
         raise ConfigError(f"unknown option(s) {unknown}; valid options: {', '.join(['type', *valid, *also])}")
     for name, value in options.items():
-        default = parameters[name].default
+        default, annotation = parameters[name].default, parameters[name].annotation
         numeric_default = isinstance(default, (int, float)) and not isinstance(default, bool)
         if numeric_default and (isinstance(value, (str, bool)) or value is None):
+            raise ConfigError(f"option {name!r}: {value!r} is not a number")
+        # A required number (StepLR's step_size, annotated 'int'): torch would take true as 1. A string fails
+        # when the class is first used, which building a stage does (its own error names it).
+        if annotation in (int, float, "int", "float") and isinstance(value, bool):
             raise ConfigError(f"option {name!r}: {value!r} is not a number")
 
 
