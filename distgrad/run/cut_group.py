@@ -52,9 +52,9 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
 from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
-                                   resent_evaluation, tell_why_stopped, unknown_run)
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order,
+                                   check_lockstep, check_owner, hello_fields, hello_peer, is_abort_notice, not_accepted,
+                                   pong, prune_replies, resent_evaluation, tell_why_stopped, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
@@ -316,22 +316,11 @@ class GroupServer(CutServer, serves_several=True):
         raise self.failure
 
     def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
-        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``."""
+        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``
+        (``protocol.hello_peer``, the rule of every serving end)."""
         if self.vertical:
-            if "client" in body:
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
-                                                        f"parties of {self.exp.name!r} are told apart by their stage")
-            names = [p.role for p in self.peers]
-            role = body.get("role")
-            if role not in names:
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this label owner "
-                                                        f"serves the feature parties {names}")
-            return self.peers[names.index(role)]
-        index = body.get("client")
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.peers):
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this label owner serves "
-                                                    f"clients 0 to {len(self.peers) - 1} (Cut.connect(..., client=C))")
-        return self.peers[index]
+            return self.peers[hello_peer(body, self.exp.name, parties=[p.role for p in self.peers])]
+        return self.peers[hello_peer(body, self.exp.name, clients=len(self.peers))]
 
     def _welcome(self, envelope: list[bytes], msg: Message, peer_key: str) -> Message:
         """Take a data owner's run up at its step, or at the step before it when its replies of that step
@@ -340,9 +329,7 @@ class GroupServer(CutServer, serves_several=True):
         peer = self._peer_for_hello(body)
         mbs = check_hello(body, peer.role, self.exp, self.exp.seed, peer.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
-        if staleness:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a label owner serving "
-                                                    f"several data owners takes lockstep steps only")
+        check_lockstep(staleness)
         held: list[int] = body.get("held")          # type: ignore[assignment]
         common_step([], held)                                    # validates ``held``
         now = time.monotonic()
@@ -443,7 +430,7 @@ class GroupServer(CutServer, serves_several=True):
     def _bye(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """``peer``'s bye: it has applied its steps. A feature party says it after the last step (a step needs
         every party); a client may leave earlier, and its turns are skipped then."""
-        check_bye(msg, peer.step, f"{peer.name} has applied {peer.step} here", complete=not peer.taken)
+        check_bye(msg, peer.step, peer.name, peer.taken)
         if self.vertical and peer.step < self.exp.steps:
             raise ProtocolError(ErrorCode.STEP, f"bye after {peer.step} steps of {self.exp.steps}: every feature "
                                                 f"party takes part in every step (end the run with every party's "

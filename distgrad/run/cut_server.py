@@ -55,7 +55,7 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness, decode_and_handle, hello_fields, is_abort_notice,
+                                   check_served_staleness, decode_and_handle, hello_fields, hello_peer, is_abort_notice,
                                    not_accepted, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
@@ -312,7 +312,7 @@ class CutServer:
         if msg.type == wire.FORWARD:
             out = self._forward(envelope, msg)
         elif msg.type == wire.BYE:
-            check_bye(msg, self.step, f"this label owner has applied {self.step}", complete=not self.next_mb)
+            check_bye(msg, self.step, f"client of run {self.run_id}", self.next_mb)
             self.bye, out = bye_reply(msg, self.step), _BYE
             self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
@@ -341,6 +341,7 @@ class CutServer:
         """Take the run up at the data owner's step, or at the step before it when this side can answer
         that step again from its cache; anything else is refused naming both steps."""
         body = msg.body
+        hello_peer(body, self.exp.name)                          # one data owner: a hello naming a client is refused
         mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
         check_served_staleness(self.exp, staleness)

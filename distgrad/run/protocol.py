@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import AbstractSet, Any, Callable, Mapping, TypeVar
+from typing import AbstractSet, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -100,6 +100,41 @@ def check_owner(owner: str, peer_key: str, msg: Message | None = None) -> None:
 
 
 # -- hello
+def hello_peer(body: Mapping[str, Any], experiment: str, clients: int = 0, parties: Sequence[str] = ()) -> int:
+    """Which data owner a hello (``body``) comes from, one rule for every serving end of ``experiment``: one of
+    the feature ``parties`` (vertical: told apart by its ``role``, with no ``client``), one of ``clients`` data
+    owners in turn (its ``client``, 0 to ``clients`` - 1), else the one data owner (no ``client``, or 0).
+    Anything else is refused (``ProtocolError``, code ``mismatch``) naming what the hello said."""
+    if parties:
+        if "client" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
+                                                    f"parties of {experiment!r} are told apart by their stage")
+        role, names = body.get("role"), list(parties)
+        if not isinstance(role, str) or role not in names:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this label owner serves the "
+                                                    f"feature parties {names}")
+        return names.index(role)
+    index = body.get("client", None if clients else 0)
+    if clients:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < clients:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
+                                                    f"clients 0 to {clients - 1} (give --client, or "
+                                                    f"Cut.connect(..., client=C))")
+        return index
+    if not same_exactly(index, 0):
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment {experiment!r} "
+                                                f"has no [clients]")
+    return 0
+
+
+def check_lockstep(staleness: int) -> None:
+    """A stage serving several data owners (clients or feature parties) takes lockstep steps only: a hello
+    asking to keep ``staleness`` > 0 steps in flight is refused (``ProtocolError``, code ``mismatch``)."""
+    if staleness:
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a stage serving several data "
+                                                f"owners (clients or feature parties) takes lockstep steps only")
+
+
 def hello_fields(body: Mapping[str, Any], predicts: str = TRAINS_TEXT) -> tuple[int, int]:
     """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict
     (``predicts``: why not, here)."""
@@ -208,12 +243,16 @@ def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[st
 
 
 # -- the end of a run
-def check_bye(msg: Message, steps: int, holder: str, complete: bool = True) -> None:
-    """A bye must say the ``steps`` applied here (``holder``: who has them, for the message) and come
-    between steps (``complete``); else it is refused (``ProtocolError``, code ``step``)."""
+def check_bye(msg: Message, steps: int, who: str, under_way: int = 0) -> None:
+    """A bye of data owner ``who`` (as messages name it) must say exactly the ``steps`` applied here for it,
+    and come between steps: with none of step ``steps + 1``'s micro-batches taken (``under_way``: how many
+    are). Else it is refused (``ProtocolError``, code ``step``), with the same words at every end."""
     said = msg.body.get("steps")
-    if not same_exactly(said, steps) or not complete:
-        raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(said)} steps, but {holder}")
+    if not same_exactly(said, steps):
+        raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(said)} steps, but {who} has {steps} applied here")
+    if under_way:
+        raise ProtocolError(ErrorCode.STEP, f"bye after {steps} steps, but step {steps + 1} of {who} is under way "
+                                            f"here ({under_way} of its micro-batches taken): say bye between steps")
 
 
 def bye_reply(msg: Message, steps: int) -> Message:

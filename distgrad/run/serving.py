@@ -316,11 +316,12 @@ class ServingStage:
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         """A peer (re)joins: the hello is checked (``ProtocolError``), then its topology places it."""
         topology, body = self.topology, msg.body
+        index = topology.peer_index(body)          # whose hello, first: as every serving end asks
         mbs = topology.check_hello(body)
         eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
         check_served_staleness(self.exp, staleness)
-        peer = self.run.peers[topology.peer_index(body)]
+        peer = self.run.peers[index]
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
         joined = topology.join(peer, msg, mbs, eval_every, peer_key, now)
@@ -433,15 +434,18 @@ class ServingStage:
         if stopped_at and msg.step > stopped_at:        # the parties stop there; a data owner that goes on is refused
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step}: early stopping ended the run after "
                                                 f"step {stopped_at} (the evaluation after it said stop); say bye")
-        in_turn = self.topology.in_turn(peer)
-        expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
-        check_forward_order(msg, peer.step + 1, expected, peer.mbs)
+        check_forward_order(msg, peer.step + 1, self.taken(peer), peer.mbs)
         if self.state.ledger is not None:               # kept while its reply may be asked for again
             peer.received = {k: v for k, v in peer.received.items() if k in peer.cached or k in peer.waiting}
             peer.received[key] = frames_digest(msg)
         self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
+
+    def taken(self, peer: Peer) -> int:
+        """How many micro-batches of ``peer``'s next step this stage has taken: computed (in its turn) or
+        waiting for it. The next forward must be that micro-batch; a bye, none (between steps)."""
+        return (self.engine.done if self.topology.in_turn(peer) else 0) + len(peer.waiting)
 
     def _same_as_first(self, peer: Peer, key: tuple[int, int], msg: Message) -> None:
         """A resent forward answered from the reply cache by a stage whose defense draws noise must carry the
@@ -517,7 +521,7 @@ class ServingStage:
                                                            msg.mbs)]
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        check_bye(msg, peer.step, f"{self.topology.name(peer)} has {peer.step} here")
+        check_bye(msg, peer.step, self.topology.name(peer), self.taken(peer))
         if self.link is not None:
             try:
                 self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step}))
