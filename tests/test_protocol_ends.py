@@ -11,6 +11,7 @@ dicts, its loop's misuse) in test_cut_hostile.py.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ import zmq
 from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import PeerAborted, PeerTimeout, ProtocolError
+from distgrad.align import AlignOptions
+from distgrad.errors import ConfigError, PeerAborted, PeerTimeout, ProtocolError
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.options import StageOptions
+from distgrad.run.predict import PredictionServer
 from distgrad.run.serving import ServingStage
 from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
@@ -356,10 +359,54 @@ def test_a_bye_in_the_middle_of_a_step_is_refused_alike_and_the_step_goes_on(dea
 
 
 @pytest.mark.integration
-def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words_as_the_cut_library(dealers):
+def test_an_evaluation_for_a_step_the_data_owner_has_not_reached_is_refused_alike_and_changes_nothing(tmp_path,
+                                                                                                    dealers):
+    """The held-out rows are scored after a step: an ``evaluate`` whose step is not the next (a hostile data
+    owner's step 500 at step 0, or step 0) is refused (code ``step``, the same words) by the daemon's serving
+    logic, which scored and judged it before, and by the cut library's server; neither scores or records
+    anything, and the honest evaluation after it is answered."""
+    exp = load_experiment("digits")
+    serving = ServingStage(StageOptions(exp, "g", exp.seed))
+    data = exp.build_data()
+    h = Stage.from_experiment(exp, "f").forward(data.test_features(), training=False)[0]
+    assert only_reply(serving.handle([b"peer"], hello_message(exp, "a"), 0.0)).type == wire.WELCOME
+    daemon = [_daemon_refusal(serving, Message(wire.EVALUATE, "a", step, tensors={"activation": h}))
+              for step in (500, 0)]
+    assert serving.peers[0].evaluation is None and serving.state.verdicts.best_step == 0     # nothing judged
+    honest = only_reply(serving.handle([b"peer"], Message(wire.EVALUATE, "a", 1, tensors={"activation": h}), 0.0))
+    assert honest.type == wire.EVALUATION and honest.step == 1
+
+    np.save(tmp_path / "y.npy", np.zeros(20, np.int64))
+    scored = []
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=LIVENESS_S, peer_deadline_s=10.0,
+                            evaluate=lambda h, rows: scored.append(len(rows)) or (0.5, 1),
+                            data=dict(kind="npy", labels=str(tmp_path / "y.npy"), batch=4, test_fraction=0.2),
+                            **CUT_FIELDS)
+    thread, a = _serve_on_a_thread(server), dealers(server.endpoint)
+    held_out = np.full((4, 3), 0.5, np.float32)
+    try:
+        assert ask(a, hello_message(cut_side(FIRST, None, CUT_FIELDS).exp, "a")).type == wire.WELCOME
+        cut = [_cut_refusal(a, Message(wire.EVALUATE, "a", step, tensors={"activation": held_out}))
+               for step in (500, 0)]
+        assert scored == []
+        assert ask(a, Message(wire.EVALUATE, "a", 1, tensors={"activation": held_out})).type == wire.EVALUATION
+        assert ask(a, Message(wire.BYE, "a", 1, body={"steps": 0})).body == {"steps": 0}
+    finally:
+        a.close()
+        thread.join(LIVENESS_S + 10.0)
+    assert scored == [4]
+    assert daemon == cut == [(ErrorCode.STEP, f"evaluate for step {step}, but client of run a has 0 steps applied "
+                                              f"here: the held-out rows are scored after a step, before the next "
+                                              f"one's forwards") for step in (500, 0)]
+
+
+@pytest.mark.integration
+def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words_as_the_cut_library(dealers,
+                                                                                                  tmp_path):
     """Which data owner a hello is from, and that several take lockstep steps: the daemon's serving logic for
     clients in turn and for feature parties refuses a hello naming none it serves, or asking for steps in
-    flight, with the words of the cut library's server of several data owners."""
+    flight, with the words of the cut library's server of several data owners; so does ``distgrad predict``'s
+    label owner of feature parties (its logic, in this process)."""
     clients = load_experiment("digits-clients")
     vertical = load_experiment("vertical-classify")
     on_clients = ServingStage(StageOptions(clients, "g", clients.seed))
@@ -376,6 +423,13 @@ def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words
               _daemon_refusal(on_parties, party_hello(vertical, "a", client=1)),
               _daemon_refusal(on_parties, party_hello(vertical, "z")),
               _daemon_refusal(on_parties, party_hello(vertical, "a", staleness=1))]
+    predicting = PredictionServer(StageOptions(vertical, "g", vertical.seed), tmp_path / "predictions.csv", None)
+    predict = []
+    for role, changes in (("a", {"client": 1}), ("z", {})):
+        with pytest.raises(ProtocolError) as refusal:
+            predicting.handle(party_hello(vertical, role, purpose="predict", rows=10, **changes), 0.0)
+        predict.append((refusal.value.code, refusal.value.args[0]))
+    assert predict == daemon[2:4]
     group_fields = dict(name="group-words", batch=4, activation=[3], steps=2, seed=0)
     cut = []
     for fields, ask_for in (
@@ -402,6 +456,27 @@ def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words
                                             "their stage")
     assert named[4][1] == ("hello has staleness=1; a stage serving several data owners (clients or feature "
                            "parties) takes lockstep steps only")
+
+
+@pytest.mark.parametrize("seconds", ["inf", "0"])
+def test_every_end_refuses_a_wait_that_is_not_bounded(seconds, tmp_path):
+    """Every wait is bounded: a timeout, liveness window or peer deadline of infinite (or no) seconds is refused
+    with the same words by a daemon's flags (``distgrad-stage``, ``distgrad run``, ``distgrad align``) and the
+    cut library's arguments, before anything starts; an infinite one was taken, and a dead peer then hung the
+    other side for ever."""
+    value = float(seconds)
+    text = f"must be > 0 seconds and finite (every wait is bounded), got {value!r}"
+    stage = run_main(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*", "--liveness",
+                      seconds])
+    assert stage.returncode == 2 and f"--liveness {text}" in stage.stderr, stage.stderr
+    run = run_main(["run", "seed-reverse", "--steps", "2", "--peer-deadline", seconds])
+    assert run.returncode == 2 and f"--peer-deadline {text}" in run.stderr, run.stderr
+    with pytest.raises(ConfigError, match=re.escape(f"--liveness {text}")):
+        AlignOptions(tmp_path / "ids.csv", "id", tmp_path / "out.csv", connect="tcp://127.0.0.1:5", liveness_s=value)
+    with pytest.raises(ConfigError, match=re.escape(f"liveness_s {text}")):
+        Cut.connect("tcp://127.0.0.1:5", liveness_s=value, **CUT_FIELDS)
+    with pytest.raises(ConfigError, match=re.escape(f"peer_deadline_s {text}")):
+        CutServer.bind("tcp://127.0.0.1:*", peer_deadline_s=value, **CUT_FIELDS)
 
 
 # -- the label owner of ``distgrad predict``, which serves its own messages (predict, predicted) by the same rules

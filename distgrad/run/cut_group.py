@@ -52,8 +52,8 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
 from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order,
-                                   check_lockstep, check_owner, hello_fields, hello_peer, is_abort_notice, not_accepted,
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
+                                   check_forward_order, check_lockstep, check_owner, hello_fields, hello_peer, is_abort_notice, not_accepted,
                                    pong, prune_replies, resent_evaluation, tell_why_stopped, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
@@ -403,9 +403,10 @@ class GroupServer(CutServer, serves_several=True):
         if (again := resent_evaluation(peer.evaluated, msg)) is not None:
             self.server.reply(envelope, again)
             return
-        if msg.step != peer.step + 1 or peer.taken or msg.step != self.step + 1:
-            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; {peer.name} has applied "
-                                                f"{peer.step} steps here (every party evaluates between steps)")
+        check_evaluation_step(msg, peer.step, peer.name, under_way=peer.taken)
+        if msg.step != self.step + 1:       # every data owner evaluates between the run's steps
+            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but this run has {self.step} steps "
+                                                f"applied here: the held-out rows are scored between its steps")
         specs = self._forward_specs(peer).with_rows(len(self.test_rows))
         peer.evaluate = (msg.step, specs.receive(msg, self.exp.allow_nonfinite))
 

@@ -54,9 +54,10 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness, decode_and_handle, hello_fields, hello_peer, is_abort_notice,
-                                   not_accepted, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
+                                   check_forward_order, check_owner, check_served_staleness, decode_and_handle,
+                                   hello_fields, hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
+                                   refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -390,11 +391,7 @@ class CutServer:
                                                 f"give the data owner's [data] test_fraction = 0")
         if (again := resent_evaluation(self.evaluation, msg)) is not None:
             return again
-        # With steps in flight the data owner evaluates after step k once it has applied k, by when this side
-        # may have applied up to k + staleness (as the daemons and --in-process --staleness do).
-        if not self.step + 1 - self.staleness <= msg.step <= self.step + 1 or self.next_mb:
-            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
-                                                f"{self.step} steps (staleness {self.staleness})")
+        check_evaluation_step(msg, self.step, f"client of run {self.run_id}", self.staleness, self.next_mb)
         h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
         self.evaluation = evaluation_reply(msg.run, msg.step,
                                            evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows)))

@@ -194,6 +194,21 @@ def rejoin_step(held: list[int], step: int, cache: Mapping[tuple[int, int], Any]
     return max(answerable) + 1
 
 
+def check_evaluation_step(msg: Message, applied: int, who: str, staleness: int = 0, under_way: int = 0) -> None:
+    """An evaluation (not the final one) scores the held-out rows after step k, so it comes with step k + 1
+    once the data owner ``who`` has applied k: between steps, when ``applied`` of its steps are applied here,
+    or, with ``staleness`` S steps in flight, up to S steps before (this side may be that far ahead, even
+    within a step: ``under_way``, the micro-batches of step ``applied + 1`` taken, refuse it in lockstep
+    only). Anything else is refused (``ProtocolError``, code ``step``), with the same words at every end."""
+    if applied + 1 - staleness <= msg.step <= applied + 1 and not (under_way and not staleness):
+        return
+    within = f" with step {applied + 1} under way" if under_way and not staleness else ""
+    flight = f" ({staleness} steps in flight)" if staleness else ""
+    raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but {who} has {applied} steps applied "
+                                        f"here{within}{flight}: the held-out rows are scored after a step, before "
+                                        f"the next one's forwards")
+
+
 def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
     """The reply ``answered`` when evaluate ``msg`` repeats the one it answered (same run, step and held-out
     rows, ``link.HELD_OUT``: the same scores, computed once), else None."""

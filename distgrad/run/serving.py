@@ -68,8 +68,8 @@ from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradients, Hearing, Join, Liveness,
                                     Resume, ScoreAgain, Transition)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness, decode_and_handle, hello_fields, log_refusal,
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_evaluation_step, check_forward_order,
+                                   check_owner, check_served_staleness, decode_and_handle, hello_fields, log_refusal,
                                    not_accepted, pong, refusal, resent_evaluation, tell_why_stopped)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
@@ -480,6 +480,8 @@ class ServingStage:
                                                     f"{msg.step - 1}")
         elif self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
             return [(envelope, again)]                    # resent: the same scores
+        else:
+            check_evaluation_step(msg, peer.step, self.topology.name(peer), peer.staleness, self.taken(peer))
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
         # (``round_done``), else once every round is done.
         peer.evaluate = msg
