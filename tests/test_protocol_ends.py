@@ -157,7 +157,8 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
                 f"hello has client=1; experiment {end.exp.name!r} has no [clients]")
         welcome = ask(a, hello_message(end.exp, "a"))
         assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1, welcome.body
-        refused(b, hello_message(end.exp, "b"), ErrorCode.RUN, "busy")       # a second client while a is live
+        busy = refused(b, hello_message(end.exp, "b"), ErrorCode.RUN, "busy")   # a second client while a is live
+        assert busy.startswith("busy with run 'a' since ") and busy.endswith("; cannot start run 'b'"), busy
         refused(b, forward(end, "b", 1), ErrorCode.RUN, "forward for run 'b', expected run a")
         refused(a, forward(end, "other", 1), ErrorCode.RUN, "forward for run 'other', expected run a")
         refused(a, Message(wire.WELCOME, "a", 1), ErrorCode.TYPE, "does not accept 'welcome' messages")

@@ -53,8 +53,9 @@ from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_res
 from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
-                                   check_forward_order, check_lockstep, check_owner, hello_fields, hello_peer, is_abort_notice, not_accepted,
-                                   pong, prune_replies, resent_evaluation, tell_why_stopped, unknown_run)
+                                   check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
+                                   hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
+                                   resent_evaluation, tell_why_stopped, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
@@ -334,15 +335,8 @@ class GroupServer(CutServer, serves_several=True):
         common_step([], held)                                    # validates ``held``
         now = time.monotonic()
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
-        if peer.run and msg.run != peer.run and now - peer.heard < self.bounds.liveness_s:
-            busy = wire.busy_text("run", peer.run, peer.since, peer.name, now - peer.heard, self.bounds.liveness_s)
-            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
-        if peer.run and msg.run != peer.run and (peer.step or peer.taken):
-            raise ProtocolError(ErrorCode.RUN, f"{peer.name} is in run {peer.run} at step {peer.step} here, the "
-                                               f"hello is of run {msg.run!r}: resume it with its run's checkpoint, "
-                                               f"or start the label owner afresh")
-        if peer.run == msg.run:
-            check_owner(peer.owner, peer_key)
+        check_takeover(msg, peer.run, peer.since, now - peer.heard, self.bounds.liveness_s, peer.name, peer.step,
+                       peer.taken, peer.owner, peer_key)
         for other in self.peers:
             if other is peer:
                 continue
@@ -382,9 +376,8 @@ class GroupServer(CutServer, serves_several=True):
         k = peer.step + 1
         if msg.step == k and msg.mbs == self.mbs and 0 <= msg.mb < peer.taken:
             return                                   # resent while the loop computes it: replied when made
-        check_forward_order(msg, k, msg.mb if peer.taken <= msg.mb < self.mbs else peer.taken, self.mbs)
-        if k > self.exp.steps:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        check_forward_order(msg, k, msg.mb if peer.taken <= msg.mb < self.mbs else peer.taken, self.mbs,
+                            self.exp.steps)
         h = self._forward_specs(peer, self.mbs).receive(msg, self.exp.allow_nonfinite)
         rows = None
         if self.exp.send_rows:

@@ -56,8 +56,8 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_owner, check_served_staleness, decode_and_handle,
-                                   hello_fields, hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
-                                   refused_text, resent_evaluation, unknown_run)
+                                   check_takeover, hello_fields, hello_peer, is_abort_notice, not_accepted, pong,
+                                   prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -349,16 +349,8 @@ class CutServer:
         held: Any = body.get("held")                             # from the wire: common_step checks it
         common_step([], held)                                    # validates ``held``
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
-        if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
-            busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
-                             self.bounds.liveness_s)
-            raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
-        if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
-            raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
-                                               f"hello is of run {msg.run!r}: resume the data owner with the "
-                                               f"run's checkpoint, or start the label owner afresh")
-        if self.run_id == msg.run:
-            check_owner(self.owner, peer_key)
+        check_takeover(msg, self.run_id, self.run_since, time.monotonic() - self.heard, self.bounds.liveness_s,
+                       "the data owner", self.step, self.next_mb, self.owner, peer_key)
         if self.next_mb and mbs != self.mbs:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but step {self.step + 1} "
                                                     f"is under way here in {self.mbs}")
@@ -410,9 +402,7 @@ class CutServer:
             self.server.reply(envelope, cached)      # a resent request: its reply again, computed once
             return None
         k = self.step + 1
-        check_forward_order(msg, k, self.next_mb, self.mbs)
-        if k > self.exp.steps:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        check_forward_order(msg, k, self.next_mb, self.mbs, self.exp.steps)
         h = self._expected(self.mbs, self.exp.send_rows).receive(msg, self.exp.allow_nonfinite)
         rows = None
         if self.exp.send_rows:           # the data owner's loader chose them: checked as the daemons do

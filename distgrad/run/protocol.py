@@ -127,6 +127,25 @@ def hello_peer(body: Mapping[str, Any], experiment: str, clients: int = 0, parti
     return 0
 
 
+def check_takeover(msg: Message, run: str, since: float, silent_s: float, liveness_s: float, who: str, step: int,
+                   under_way: int, owner: str, peer_key: str) -> None:
+    """Whether hello ``msg`` may take the place of data owner ``who`` at a cut library's server, which serves
+    ``run`` (opened at ``since``, seconds since the epoch; "" for none) for it, heard ``silent_s`` ago, with
+    ``step`` steps applied and ``under_way`` micro-batches of the next taken: another run is refused while
+    ``who`` is live (``liveness_s``: busy, naming the run and since when) or once that run has begun (the
+    server never replaces a run at a step: docs/cut.md); the same run only from the key that opened it
+    (``owner``; ``check_owner``). ``ProtocolError``, code ``run``."""
+    if run and msg.run != run and silent_s < liveness_s:
+        busy = wire.busy_text("run", run, since, who, silent_s, liveness_s)
+        raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
+    if run and msg.run != run and (step or under_way):
+        raise ProtocolError(ErrorCode.RUN, f"{who} is in run {run} at step {step} here, the hello is of run "
+                                           f"{msg.run!r}: resume it with its run's checkpoint, or start the label "
+                                           f"owner afresh")
+    if run == msg.run:
+        check_owner(owner, peer_key)
+
+
 def check_lockstep(staleness: int) -> None:
     """A stage serving several data owners (clients or feature parties) takes lockstep steps only: a hello
     asking to keep ``staleness`` > 0 steps in flight is refused (``ProtocolError``, code ``mismatch``)."""
@@ -163,12 +182,15 @@ def check_served_staleness(exp: Experiment, staleness: int) -> None:
 
 
 # -- a step's forwards
-def check_forward_order(msg: Message, step: int, mb: int, mbs: int) -> None:
-    """A forward must be micro-batch ``mb`` of ``mbs`` of step ``step``, the next one this end expects;
-    anything else is refused (``ProtocolError``, code ``step``) naming both."""
+def check_forward_order(msg: Message, step: int, mb: int, mbs: int, steps: int | None = None) -> None:
+    """A forward must be micro-batch ``mb`` of ``mbs`` of step ``step``, the next one this end expects, and
+    (when this end knows them: the cut library's interface) one of the run's ``steps``; anything else is
+    refused (``ProtocolError``, code ``step``) naming both."""
     if msg.step != step or msg.mb != mb or msg.mbs != mbs:
         raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                             f"expected step {step} micro-batch {mb}/{mbs}")
+    if steps is not None and step > steps:
+        raise ProtocolError(ErrorCode.STEP, f"forward for step {step}, but the interface has {steps} steps")
 
 
 def prune_replies(cache: dict[tuple[int, int], Cached], oldest: int) -> dict[tuple[int, int], Cached]:

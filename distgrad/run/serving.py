@@ -70,7 +70,7 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
 from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_evaluation_step, check_forward_order,
                                    check_owner, check_served_staleness, decode_and_handle, hello_fields, log_refusal,
-                                   not_accepted, pong, refusal, resent_evaluation, tell_why_stopped)
+                                   not_accepted, pong, prune_replies, refusal, resent_evaluation, tell_why_stopped)
 from distgrad.run.progress import StageRecords
 from distgrad.stage.stage import Stage, backward_specs
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
@@ -716,15 +716,9 @@ class ServingStage:
         (``g.peers``: whose turn it is, every party of a vertical round) and the next step's targets looked
         up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
         steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
-        if g.mb == 0:
-            key = (g.step, 0)
+        if g.mb == 0:           # in lockstep only this step's replies may be asked for again
             for peer in g.peers:
-                if peer.staleness:
-                    peer.cached = {k: v for k, v in peer.cached.items()
-                                   if g.step - peer.staleness <= k[0] < g.step or k == key}
-                else:           # in lockstep only this reply may be asked for again
-                    reply = peer.cached.get(key)
-                    peer.cached = {} if reply is None else {key: reply}
+                peer.cached = prune_replies(peer.cached, g.step - peer.staleness)
         self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
         if g.mb < g.mbs - 1:
             return
