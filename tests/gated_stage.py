@@ -1,7 +1,8 @@
 """``distgrad stage``, held at gates (files) that the test creates.
 
     python tests/gated_stage.py [--start-gate FILE] [--step-gate STEP FILE] [--average-gate STEP FILE]
-                                [--hold-after-save STEP FILE] [--hold-after-test FILE] -- f --experiment ...
+                                [--hold-after-save STEP FILE] [--hold-after-test FILE]
+                                [--exit-before-update STEP FILE] -- f --experiment ...
 
 A test orders events across stage processes with these gates instead of timing them:
 
@@ -16,6 +17,9 @@ A test orders events across stage processes with these gates instead of timing t
 - ``--hold-after-test FILE``: any stage, once it has recorded the final evaluation of a validation split (the
   kept model's test rows: ``StageState.record_test``, which checkpoints it), creates FILE and stops there until
   it is killed: the label owner before its reply leaves, a data owner before its bye.
+- ``--exit-before-update STEP FILE``: any stage, once step STEP is complete (a first stage: its replies
+  arrived) and before its update, creates FILE and exits at once with status 9, writing nothing more, as a
+  SIGKILL there would (once: a start that finds FILE runs on).
 
 The first three are for a first stage (``distgrad stage f``).
 
@@ -54,6 +58,8 @@ def main(argv: list[str]) -> int:
                         help="after the checkpoint of step STEP, create FILE and wait to be killed")
     parser.add_argument("--hold-after-test", type=Path,
                         help="after recording the final evaluation, create this file and wait to be killed")
+    parser.add_argument("--exit-before-update", nargs=2, metavar=("STEP", "FILE"),
+                        help="before the update of step STEP, create FILE and exit 9 (unless FILE exists)")
     parser.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then the arguments of distgrad stage")
     args = parser.parse_args(argv)
     stage_args = args.stage_args[1:] if args.stage_args[:1] == ["--"] else args.stage_args
@@ -94,6 +100,8 @@ def main(argv: list[str]) -> int:
         _hold_after_save(int(args.hold_after_save[0]), Path(args.hold_after_save[1]))
     if args.hold_after_test is not None:
         _hold_after_test(args.hold_after_test)
+    if args.exit_before_update is not None:
+        _exit_before_update(int(args.exit_before_update[0]), Path(args.exit_before_update[1]))
     return cli.stage_main(stage_args)
 
 
@@ -128,6 +136,24 @@ def _hold_after_test(reached: Path) -> None:
         raise SystemExit(f"gated_stage: not killed within {GATE_DEADLINE_S:g} s after the final evaluation")
 
     stage_state.StageState.record_test = record_then_hold
+
+
+def _exit_before_update(step: int, reached: Path) -> None:
+    """Before the update of ``step`` (``StepEngine.update``): create ``reached`` and exit 9 at once, as a
+    SIGKILL would (no checkpoint, no exit handler); a process that finds ``reached`` already there runs on."""
+    import os
+
+    from distgrad.stage import engine
+
+    update = engine.StepEngine.update
+
+    def exit_then_update(self, at_step, *a, **kw):
+        if at_step == step and not reached.exists():
+            reached.touch()
+            os._exit(9)
+        return update(self, at_step, *a, **kw)
+
+    engine.StepEngine.update = exit_then_update
 
 
 if __name__ == "__main__":

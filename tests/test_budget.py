@@ -129,6 +129,39 @@ def test_the_target_form_in_process_reports_the_planned_budget_and_the_worst_row
     assert "on the cut gradients only" in clip["scope"] == clip["guarantee"]
 
 
+def _ramp(tmp_path: Path, g_extra: str) -> Path:
+    """The seed's two-stage ramp (data without numbered rows: one example a step) with the label owner's
+    ``g_extra``."""
+    from test_defenses import _defended
+    return _defended(tmp_path, "seed-reverse", {1: g_extra}, "ramp.toml")
+
+
+def test_data_without_numbered_rows_counts_every_release_and_never_prints_epsilon_0(tmp_path):
+    """The ramp numbers no rows. Each step still sends a noised gradient: the budget counts each as one more
+    release of one example (what its plan assumes), so 5 steps compose 5 releases, never "epsilon 0 over 0
+    releases" (a guarantee nothing was released). The target form chooses sigma for those 5 and refuses a
+    6th release, in a stage process's state as in process."""
+    summary = train_in_process(load_experiment(_ramp(tmp_path, "clip_noise = { max_norm = 1.0, sigma = 1.0 }")),
+                               steps=5)
+    clip = summary["privacy"]["g"]["clip_noise"]
+    assert clip["releases"] == 5 and clip["epsilon"] == gaussian_label_dp(1.0, 5, 1e-5) > 10
+    assert "NO meaningful guarantee" in budget_text(summary["privacy"])
+    target = load_experiment(_ramp(tmp_path, "clip_noise = { max_norm = 1.0, epsilon = 8.0 }"))
+    clip = train_in_process(target, steps=5)["privacy"]["g"]["clip_noise"]
+    assert clip["releases"] == clip["planned_releases"] == 5 and 7.98 <= clip["epsilon"] <= 8.0
+    from distgrad.errors import BudgetExhausted
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+    from distgrad.wire.wirecodec import GRADIENT
+    state = StageState(StageOptions(target, "g", target.seed, steps=5))
+    state.begin("ramp")
+    for step in range(1, 6):
+        state.senders.roundtrip(GRADIENT, np.full((1,), step, np.float32), "g/mb0of1", step)
+    with pytest.raises(BudgetExhausted, match=r"step 6: row 0 would be released 6 times, more than the 5"):
+        state.senders.roundtrip(GRADIENT, np.full((1,), 6, np.float32), "g/mb0of1", 6)
+    assert state.ledger.worst == 5
+
+
 def test_every_party_a_label_owner_answers_releases_each_row_again(tmp_path):
     """Vertical parties: the label owner sends each party the gradient of its own embedding, each a release
     of the row's label."""
@@ -351,3 +384,32 @@ def test_with_label_dp_the_clip_noise_scope_says_the_update_trains_on_the_random
     assert clip["scope"].startswith("per release, on the cut gradients only") and "true labels" not in clip["scope"]
     assert "randomized labels" in clip["scope"] and "end to end" in clip["scope"] == clip["guarantee"]
     assert "randomized labels" in budget_text(both["privacy"])
+
+
+@pytest.mark.parametrize("g_extra", ["max_norm = true", "marvell = { bound = 0.5 }"])
+def test_a_row_defense_that_needs_the_other_rows_of_its_micro_batch_refuses_micro_batches_of_one_row(tmp_path,
+                                                                                                   g_extra):
+    """max_norm noises each row up to the largest norm among the rows sent with it, Marvell by the two classes
+    among them: a micro-batch of one row would cross as computed. Refused, naming why: in the run's settings
+    (every path), and in the label owner's hello, since the data owner chooses the micro-batches (a determined
+    one would ask for 32 micro-batches of 1 row to switch the defense off). Micro-batches of 2 rows are served."""
+    from test_defenses import _zero_vs_rest
+    from distgrad.run.handshake import check_hello, hello
+    from distgrad.stage.stage import Stage
+    from distgrad.errors import ProtocolError
+    from distgrad.wire.messages import ErrorCode
+    exp = load_experiment(_zero_vs_rest(tmp_path, "", g_extra))
+    with pytest.raises(ConfigError, match=r"one row at a time, which would cross without noise"):
+        train_in_process(exp, steps=1, micro_batches=32)
+    f = Stage.from_experiment(exp, "f")
+    for micro_batches in (32, 16):
+        body = hello(exp, "f", exp.seed, f.output_shape, "r", [0], 1, micro_batches).body
+        if micro_batches == 32:
+            with pytest.raises(ProtocolError, match=r"32 micro-batches: .*one row at a time") as refused:
+                check_hello(body, "f", exp, exp.seed, f.output_shape, "g")
+            assert refused.value.code == ErrorCode.MISMATCH
+        else:
+            assert check_hello(body, "f", exp, exp.seed, f.output_shape, "g") == 16
+    ramp = load_experiment(_ramp(tmp_path, "max_norm = true"))
+    with pytest.raises(ConfigError, match=r"data without batches send one row at a time"):
+        train_in_process(ramp, steps=1)

@@ -330,3 +330,33 @@ def test_reading_an_experiment_of_many_clients_builds_its_data_a_fixed_number_of
     path.write_text(path.read_text().replace("count = 40", "count = 45"))     # 31 or 32 rows: the last has 31
     with pytest.raises(ConfigError, match="data owner 44 of 45 gets 31 training rows, fewer than a batch of 32"):
         load_experiment(str(path))
+
+
+# Slow (four processes): test_serving.py::test_a_client_restarted_without_the_update_of_its_last_step_gets_its_
+# replies_again_and_skips_nothing checks the same decision of the serving stage by default, without sockets.
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment,step", [("digits-clients", 5), ("digits-splitfed", 10)])   # 10: an average
+def test_a_client_killed_between_its_replies_and_its_update_redoes_that_step_bitwise(tmp_path, stage_group,
+                                                                                     experiment, step):
+    """Client 1 checkpoints every step and dies (as SIGKILL would) once the replies of ``step`` arrived, before
+    its update; restarted with the same command line it resumes at the step before and sends ``step`` again:
+    the label owner answers it from its kept replies (then takes its part of the average), and every
+    parameter is bitwise the uninterrupted run's."""
+    steps = 12
+    run = stage_group(Clients, tmp_path, experiment, steps, f"ipc://{tmp_path}/g.sock", "--timeout", "0.5",
+                      "--peer-deadline", "30")
+    every = run.args["f@1"].index("--checkpoint-every") + 1
+    run.args["f@1"][every] = "1"
+    died = tmp_path / "f1-died"
+    run.gate("f@1", "--exit-before-update", str(step), died)
+    run.start("g")
+    for client in CLIENTS:
+        run.start(client)
+    assert run.procs["f@1"].wait(60) == 9 and died.exists()
+    run.start("f@1")                                        # the same command line; the gate is passed
+    run.wait_all()
+    assert f"steps {step} to {step} are skipped" not in run.logs()
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
+    for name in [*CLIENTS, "g"]:
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
+    assert [line["step"] for line in read_lines(tmp_path / "f@1.jsonl")] == list(range(1, steps + 1))

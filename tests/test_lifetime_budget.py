@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from distgrad.config.defended import budget_text
+from distgrad.privacy.budget import NO_MEANINGFUL_GUARANTEE
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut
 from distgrad.errors import BudgetExhausted, ConfigError, NoiseReuseError, PeerRejected
-from distgrad.privacy.releases import LIFETIME_SUFFIX, Lifetime, NoiseLedger
+from distgrad.privacy.releases import LABEL_RUNS_SUFFIX, LIFETIME_SUFFIX, Lifetime, NoiseLedger
 from distgrad.run.options import StageOptions
 from distgrad.run.stage_state import StageState
+from distgrad.wire.wirecodec import GRADIENT
 
 from conftest import wait_for_file
 from test_defenses import _digits
@@ -186,3 +188,87 @@ def test_rr_with_prior_alone_keeps_its_releases_digests_but_no_lifetime_count(tm
     with pytest.raises(NoiseReuseError, match="computed again on other input"):
         state.ledger.release(1, "grad", "d2", ROWS)
     assert (ckpt / ".g.released").exists() and not (ckpt / f".g{LIFETIME_SUFFIX}").exists()
+
+
+# --- label_dp: each run is another randomized response of every label ------------------------------------------
+
+def _send_gradient(state: StageState, step: int) -> None:
+    """The label owner sends step ``step``'s gradient rows (what its randomized labels reach the data owner by)."""
+    state.senders.roundtrip(GRADIENT, np.ones((32, 64), np.float32), "g/mb0of1", step)
+
+
+def test_every_run_that_released_randomized_labels_adds_its_epsilon_and_a_resume_does_not_count_twice(tmp_path):
+    """Each run draws its own randomized response of every label (a fresh secret), so k runs against one label owner
+    release each label k times: label_dp's epsilon e becomes k*e. The label owner counts the runs that sent a gradient
+    (in its checkpoint directory, across processes), reports ``lifetime_releases``/``lifetime_epsilon`` and says
+    "NO meaningful guarantee" once that reaches 10. A resumed run is the same run; a run that sent nothing is none."""
+    exp = load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 4.0 }"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    first = _state(exp, ckpt)
+    first.begin("run-a")
+    _send_gradient(first, 1)
+    label_dp = first.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]
+    assert label_dp == {"epsilon": 4.0}                   # its one run is its lifetime
+    first.save(1)
+    first.begin("run-b")
+    assert first.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]["lifetime_releases"] == 1  # sent nothing
+    _send_gradient(first, 1)
+    first.save(1)
+    label_dp = first.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]
+    assert label_dp["lifetime_releases"] == 2 and label_dp["lifetime_epsilon"] == 8.0 and "guarantee" not in label_dp
+    assert "label-DP epsilon 8 over the 2 runs" in budget_text({"g": {"label_dp": label_dp}})
+    del first
+
+    resumed = _state(exp, ckpt, resume=True)              # a new process resumes run b: still two runs
+    assert resumed.resume_latest() and resumed.run_id == "run-b"
+    _send_gradient(resumed, 2)
+    assert resumed.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]["lifetime_releases"] == 2
+    resumed.begin("run-c")
+    _send_gradient(resumed, 1)
+    label_dp = resumed.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]
+    assert label_dp["lifetime_releases"] == 3 and label_dp["lifetime_epsilon"] == 12.0
+    assert label_dp["guarantee"] == NO_MEANINGFUL_GUARANTEE
+    assert "NO meaningful guarantee" in budget_text({"g": {"label_dp": label_dp}})
+
+    (ckpt / f".g{LABEL_RUNS_SUFFIX}").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"label_dp_runs\.json.*cannot be read.*delete it knowingly"):
+        _state(exp, ckpt)
+
+
+def test_the_in_process_reference_counts_its_one_run_of_randomized_labels(tmp_path):
+    """Without a checkpoint directory the runs are counted in the process's memory; one run has no lifetime."""
+    exp = load_experiment(_digits(tmp_path, "", "label_dp = { epsilon = 2.0, stages = 2 }"))
+    state = StageState(StageOptions(exp, "g", exp.seed, steps=4))
+    state.begin("only")
+    _send_gradient(state, 1)
+    assert state.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"] == {"epsilon": 2.0, "stages": 2}
+    state.begin("second")
+    _send_gradient(state, 1)
+    assert state.summary("finished", 0.0, None)["privacy"]["g"]["label_dp"]["lifetime_epsilon"] == 4.0
+
+
+def test_a_new_run_under_the_id_of_an_earlier_one_counts_that_run_as_earlier_at_its_own_noise(tmp_path):
+    """A data owner names its run: one that opens a new run under the id of a run the label owner served before
+    (after a restart with other settings, another sigma) must not take over that run's entry, which would count its
+    releases at the new sigma (and, for label_dp, not count the new run's fresh labels at all). The earlier run
+    stays an earlier run, at its own sigma; the new one starts from no release."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    loud = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 0.5 }\n"
+                                                 "label_dp = { epsilon = 1.0 }"))
+    first = _state(loud, ckpt)
+    first.begin("same-id")
+    _send_gradient(first, 1)                    # releases the rows of step 1's batch once, with noise 0.5
+    del first
+    quiet = load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0 }\n"
+                                                  "label_dp = { epsilon = 1.0 }", name="quiet.toml"))
+    second = _state(quiet, ckpt)                # the label owner restarted with four times less noise per release
+    second.begin("same-id")
+    assert second.ledger.worst == 0 and second.ledger.lifetime_worst == 4     # 1 release at 0.5 = 4 at 1.0
+    _send_gradient(second, 1)
+    privacy = second.summary("finished", 0.0, None)["privacy"]["g"]
+    assert privacy["clip_noise"]["releases"] == 1 and privacy["clip_noise"]["lifetime_releases"] == 5
+    assert privacy["label_dp"]["lifetime_releases"] == 2 and privacy["label_dp"]["lifetime_epsilon"] == 2.0
+    saved = json.loads((ckpt / f".g{LIFETIME_SUFFIX}").read_text())["runs"]
+    assert saved["same-id/earlier-1"]["sigma"] == 0.5 and saved["same-id"]["sigma"] == 1.0

@@ -11,6 +11,7 @@ party would.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -22,7 +23,7 @@ from distgrad.cut import Cut
 from distgrad.errors import NoiseReuseError, PeerRejected, ProtocolError
 from distgrad.privacy.releases import NOISE_SECRET_VARIABLE, NoiseLedger, fresh_secret
 
-from conftest import run_main
+from conftest import run_main, wait_for_file
 from test_defenses import _digits
 
 G_CLIP = "clip_noise = { max_norm = 0.05, sigma = 1.0 }"
@@ -102,12 +103,19 @@ STAGED_LABEL_DP = "label_dp = { epsilon = 2.0, stages = 2, epochs_per_stage = 0.
 def test_two_runs_of_a_keep_serving_label_owner_train_on_other_randomized_labels(tmp_path, start_server, label_dp):
     """The randomized labels are a fresh release each run, keyed by the run's secret, not by the seed the data
     owner knows: two runs against the same label owner (no other defense) answer the same activations of
-    the same rows with other gradients, as other labels give."""
+    the same rows with other gradients, as other labels give. So each label was released twice: the second
+    run's summary says so, its label_dp epsilons added up."""
     f_file, g_file = _parties(tmp_path, label_dp)
-    g, endpoint = start_server(str(g_file), "--keep-serving")
+    summary = tmp_path / "g.json"
+    g, endpoint = start_server(str(g_file), "--keep-serving", "--summary", summary)
     h = _activations()
-    first, second = (_one_step(endpoint, f_file, h)[1] for _ in range(2))
+    first = _one_step(endpoint, f_file, h)[1]
+    assert "lifetime_epsilon" not in json.loads(wait_for_file(summary, g))["privacy"]["g"]["label_dp"]
+    summary.unlink()
+    second = _one_step(endpoint, f_file, h)[1]
     assert not np.array_equal(first, second)
+    label_dp = json.loads(wait_for_file(summary, g))["privacy"]["g"]["label_dp"]
+    assert label_dp["epsilon"] == 2.0 and label_dp["lifetime_releases"] == 2 and label_dp["lifetime_epsilon"] == 4.0
     assert g.proc.poll() is None
 
 

@@ -573,3 +573,33 @@ def test_a_forward_after_the_early_stop_is_refused_and_changes_nothing(tmp_path)
     server.settle()
     assert server.stage.step == 2 and _same(before, server.stage.params)
     assert only_reply(server.handle(PEER, Message(wire.BYE, "r", 3, body={"steps": 2}), 0.0)).type == wire.BYE
+
+
+def test_a_client_restarted_without_the_update_of_its_last_step_gets_its_replies_again_and_skips_nothing():
+    # Killed after this stage answered its step 1 and before it checkpointed its own update, client 1
+    # restarts (same run, --resume) holding only step 0: it redoes step 1 from the kept replies (exactly once
+    # on both sides) instead of being told to go on at step 2 without that update.
+    server, exp = _serving("digits-clients")
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(exp, f"run{c}", client=c), 0.0)
+    replies = {}
+    for c in range(3):
+        for envelope, reply in server.handle(peers[c], _forward(exp, f"run{c}", 1, client=c), 0.0):
+            replies[envelope[0]] = reply
+        server.settle()
+    assert server.round == 2 and server.stage.step == 3
+    before = _params(server)
+    again = [reply for _, reply in server.handle([b"c1 again"], hello_message(exp, "run1", client=1, held=[0],
+                                                                                step=0), 0.0)
+             if reply.type == wire.WELCOME]
+    assert [welcome.body["next_step"] for welcome in again] == [1]
+    resent = only_reply(server.handle([b"c1 again"], _forward(exp, "run1", 1, client=1), 0.0))
+    server.settle()
+    assert resent is replies[b"c1"]
+    assert server.stage.step == 3 and _same(before, server.stage.params)
+    # A client that holds its latest step here goes on after it, as before.
+    held = [reply for _, reply in server.handle([b"c2 again"], hello_message(exp, "run2", client=2, held=[0, 1],
+                                                                               step=1), 0.0)
+            if reply.type == wire.WELCOME]
+    assert [welcome.body["next_step"] for welcome in held] == [2]

@@ -427,3 +427,35 @@ def test_an_array_of_another_dtype_crosses_into_torch_in_one_copy():
         tracemalloc.stop()
     assert peak < labels.nbytes, f"a numpy copy of {peak} bytes was made on the way"
     assert tensor.dtype == torch.int64 and torch.equal(tensor, torch.from_numpy(labels.astype(np.int64)))
+
+
+class _SometimesBiased(torch.nn.Module):
+    """``x @ W``, plus ``b`` only for a micro-batch whose inputs sum above 0: a graph that depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.full((3, 2), 0.5))
+        self.b = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        y = x @ self.W
+        return y + self.b if float(x.detach().sum()) > 0 else y
+
+
+def test_a_module_parameter_no_micro_batch_of_a_step_uses_is_left_alone_as_torch_leaves_it():
+    """torch leaves a parameter whose ``grad`` is None alone; the step engine's micro-batch sums must too, even
+    after an earlier step gave it a gradient (the accumulator once applied that step's buffer again)."""
+    from distgrad.stage.engine import StepEngine
+    from distgrad.stage.stage import micro_batch
+
+    module = _SometimesBiased()
+    stage = TorchStage.from_module("f", module, torch.optim.Adam(module.parameters(), lr=0.1), (4, 3))
+    engine = StepEngine(stage, lambda count: np.float32(1.0 / count))
+    dy = np.ones((2, 2), np.float32)
+    for step, sign in ((1, 1.0), (2, -1.0)):
+        x = np.full((4, 3), sign, np.float32)
+        caches = [stage.forward(micro_batch(x, i, 2), i)[1] for i in range(2)]
+        b_before = stage.params["b"].copy()
+        engine.apply_step(step, 2, ((stage.backward(cache, dy, need_dx=False)[1], None) for cache in caches))
+    assert not np.array_equal(stage.params["W"], np.full((3, 2), 0.5, np.float32))
+    assert np.array_equal(stage.params["b"], b_before)      # step 2 never used b

@@ -174,6 +174,26 @@ def check_defenses(exp: Experiment) -> None:
             _check_dp_sgd(exp, spec.name)
 
 
+def check_rows_sent_together(exp: Experiment, stage: str, micro_batches: int) -> None:
+    """Raise ``ConfigError`` when the label owner ``stage``'s ``max_norm`` or ``marvell`` would act on
+    micro-batches of one row (``micro_batches`` of the experiment's batch; data without batches sends one row):
+    both shape a row's noise by the other rows sent with it (max_norm: the largest norm among them; Marvell:
+    the two classes among them), so a row sent alone would cross as computed, the defense accepted and doing
+    nothing. The data owner chooses the micro-batches of a run (its hello), so the label owner checks them."""
+    if not exp.has_stage(stage) or not label_owner_sends_gradients(exp, stage):
+        return
+    d = exp.spec(stage).defenses
+    keys = [key for key, on in (("max_norm", d.max_norm), ("marvell", d.marvell is not None)) if on]
+    rows = (exp.batch or 1) // max(micro_batches, 1)
+    if keys and rows < 2:
+        sent = (f"batches of {exp.batch} rows in {micro_batches} micro-batches" if exp.batch
+                else "data without batches")
+        raise ConfigError(f"stage {stage!r}: {' and '.join(repr(key) for key in keys)} noise each row by the other "
+                          f"rows sent with it (max_norm up to the largest norm among them, Marvell by the two classes "
+                          f"among them); {sent} send one row at a time, which would cross without noise: use "
+                          f"micro-batches of 2 rows or more")
+
+
 def _check_dp_sgd(exp: Experiment, stage: str) -> None:
     """Raise ``ConfigError`` unless the label owner ``stage`` can train by DP-SGD: with its ``clip_noise``
     (whose sigma and budget it shares), layers without batch statistics or dropout (each example is forwarded
@@ -270,7 +290,10 @@ def row_defense(exp: Experiment, stage: str, seed: int, instance: str | None = N
     # A label owner's randomized labels draw from the secret of its noise (one per stage in this process).
     key = exp.run_secret(stage) if defenses.label_dp is not None else RunSecret()
     key.value = fresh_secret(secret)
-    return SentRows(defenses, direction, instance or stage, NoiseLedger(key, limit), labels, rows)
+    # A label owner whose data numbers no rows (the ramp) counts each release as one more of one example, as
+    # the plan does (``_releases``: every step), never as none: its budget then composes every release.
+    return SentRows(defenses, direction, instance or stage, NoiseLedger(key, limit, unnumbered=gradients and rows is None),
+                    labels, rows)
 
 
 def _row_order(exp: Experiment, stage: str, seed: int) -> Any:
@@ -335,15 +358,18 @@ def _parties(exp: Experiment, stage: str) -> int:
 def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
                    released: dict[str, int] | None = None, planned_steps: int | None = None,
                    held_out: dict[str, NoiseLedger] | None = None,
-                   lifetime: dict[str, int] | None = None) -> dict[str, Any]:
+                   lifetime: dict[str, int] | None = None,
+                   label_runs: dict[str, int | None] | None = None) -> dict[str, Any]:
     """A summary's ``privacy`` field after ``steps`` steps, ``{"privacy": {stage: entry}}`` for those of
     ``stages`` this experiment defines that have defenses ({} for none; ``stage_budget``); ``released``: the
     worst row's count of releases of a stage (its ledger's), ``planned_steps`` the steps a target form's
     sigma was chosen for (default ``steps``); ``held_out``: a data owner's ledger, whose releases of held-out
     rows (its evaluations, when there were any) its entry counts (``held_out_budget``); ``lifetime``: the
-    worst row's count of releases of a stage over every run it served (``NoiseLedger.lifetime_worst``)."""
-    released, held_out, lifetime = released or {}, held_out or {}, lifetime or {}
-    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage))
+    worst row's count of releases of a stage over every run it served (``NoiseLedger.lifetime_worst``);
+    ``label_runs``: the runs of a stage that released its randomized labels (``LabelRuns.lifetime``)."""
+    released, held_out, lifetime, label_runs = released or {}, held_out or {}, lifetime or {}, label_runs or {}
+    entries = {stage: stage_budget(exp, stage, steps, seed, released.get(stage), planned_steps, lifetime.get(stage),
+                                   label_runs.get(stage))
                for stage in stages if exp.has_stage(stage)}
     for stage, ledger in held_out.items():
         if entries.get(stage) and not label_owner_sends_gradients(exp, stage):
@@ -355,14 +381,17 @@ def privacy_budget(exp: Experiment, stages: list[str], steps: int, seed: int,
 
 
 def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: int | None = None,
-                 planned_steps: int | None = None, lifetime: int | None = None) -> dict[str, Any]:
+                 planned_steps: int | None = None, lifetime: int | None = None,
+                 label_runs: int | None = None) -> dict[str, Any]:
     """What ``stage``'s defenses guarantee after ``steps`` steps ({} without defenses): the label
     owner's label-DP (epsilon, delta) for ``label_dp`` and ``clip_noise`` (``privacy.budget``) of its worst
     row, released ``released`` times (None: once per epoch the steps reach), and for every other defense
     the statement that it has no differential-privacy guarantee. With ``lifetime`` (the worst row's releases
     over every run the stage served) other than ``released``, the ``clip_noise`` entry adds
-    ``lifetime_releases`` and ``lifetime_epsilon``: the same row composed over all of them. docs/privacy.md
-    states the assumptions."""
+    ``lifetime_releases`` and ``lifetime_epsilon``: the same row composed over all of them. With ``label_runs``
+    (the runs of the stage that released randomized labels, when runs other than this one did) the ``label_dp``
+    entry adds them as ``lifetime_releases`` and ``lifetime_epsilon`` (each run is another response of every
+    label: their epsilons add up). docs/privacy.md states the assumptions."""
     d = exp.spec(stage).defenses
     if label_owner_sends_gradients(exp, stage):
         planned = steps if planned_steps is None else planned_steps
@@ -378,6 +407,8 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
                                              if clip is not None and clip.epsilon is not None else None,
                                              END_TO_END_SCOPE if d.dp_sgd is not None else
                                              LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE)
+        if d.label_dp is not None and label_runs:
+            _add_label_lifetime(entry["label_dp"], label_runs)
         if clip is not None and lifetime is not None and released is not None and lifetime != released:
             _add_lifetime(entry["clip_noise"], lifetime + (lifetime // _parties(exp, stage) if d.dp_sgd else 0))
     else:
@@ -405,6 +436,16 @@ def _add_lifetime(entry: dict[str, Any], releases: int) -> None:
         entry["guarantee"] = NO_MEANINGFUL_GUARANTEE        # the row's runs together bound nothing
 
 
+def _add_label_lifetime(entry: dict[str, Any], runs: int) -> None:
+    """A label owner's ``label_dp`` budget ``entry`` with the ``runs`` that released its randomized labels
+    (``lifetime_releases``: each a fresh response of every label) and their composed epsilon, the sum of theirs
+    (``lifetime_epsilon``); when that is ``MEANINGFUL_EPSILON`` or more, its ``guarantee`` says it bounds
+    nothing, as the printed line does."""
+    entry.update(lifetime_releases=runs, lifetime_epsilon=runs * float(entry["epsilon"]))
+    if not entry["lifetime_epsilon"] < MEANINGFUL_EPSILON:
+        entry["guarantee"] = NO_MEANINGFUL_GUARANTEE
+
+
 def held_out_budget(ledger: NoiseLedger, purpose: str) -> dict[str, Any]:
     """A data owner's releases of held-out rows for ``purpose`` (``"evaluation"``: every evaluation releases
     each held-out row once more, the validation rows with a validation split; ``"test"``: then the final
@@ -429,7 +470,10 @@ def _entry_text(entry: dict[str, Any]) -> str:
             delta = f", delta {value['delta']:g}" if "delta" in value else ""
             epsilon = float(value["epsilon"])
             worth = (f" over {value['releases']} releases of the worst row" if "releases" in value else "")
-            if "lifetime_epsilon" in value:     # the worst row's releases compose over every run served
+            if "lifetime_epsilon" in value and key == "label_dp":    # each run is another response of each label
+                worth += (f" in this run; label-DP epsilon {float(value['lifetime_epsilon']):.4g} over the "
+                          f"{value['lifetime_releases']} runs this stage served that released randomized labels")
+            elif "lifetime_epsilon" in value:     # the worst row's releases compose over every run served
                 worth += (f" in this run; label-DP epsilon {float(value['lifetime_epsilon']):.4g} over "
                           f"{value['lifetime_releases']} releases of the worst row in every run this stage served")
             if not max(epsilon, float(value.get("lifetime_epsilon", 0.0))) < MEANINGFUL_EPSILON:

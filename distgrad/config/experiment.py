@@ -776,6 +776,9 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
         raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
                           f"they do not split into {micro_batches} equal micro-batches")
+    from distgrad.config.defended import check_rows_sent_together     # (defended builds on this module)
+    for name in exp.stage_names:
+        check_rows_sent_together(exp, name, micro_batches)
     check_init_overrides(exp, init or {})
     check_staleness(exp, exp.staleness if staleness is None else staleness)
     _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")

@@ -21,7 +21,9 @@ The counts are a row's releases in *this* run; a label owner serves many runs (`
 the same stage file), each with fresh noise, and a row's releases compose over all of them. ``Lifetime`` holds
 every run's counts by run id (in memory, and with a checkpoint directory in a file there, rewritten atomically
 before each release leaves); the ledger's ``earlier`` is what the other runs released of each row, which the
-limit counts too (``lifetime_worst``).
+limit counts too (``lifetime_worst``). A new run under the id of a run served before keeps that run apart
+(``Lifetime.retire``). The runs whose randomized labels (``label_dp``) left the stage are counted the same way
+(``LabelRuns``): each is a fresh response of every label, and their epsilons add up.
 
 The secret and the counts are checkpointed with the stage (``arrays`` / ``restore``), so a resumed run keeps
 both. The secret lives in a ``RunSecret``, which a label owner's randomized labels (``label_dp``) share with
@@ -56,6 +58,8 @@ HELD_OUT = "privacy/held_out_releases"             # and of the releases of held
 HELD_OUT_AHEAD = "privacy/held_out_ahead"
 HELD_OUT_STREAM = "held_out"                       # a held-out release's stream in the file: held_out/PURPOSE/ROWS
 LIFETIME_SUFFIX = ".lifetime.json"                 # DIR/.INSTANCE.lifetime.json: every run's per-row counts
+LABEL_RUNS_SUFFIX = ".label_dp_runs.json"          # DIR/.INSTANCE.label_dp_runs.json: runs that released labels
+UNNUMBERED_ROW = 0                                 # what a release of data without numbered rows counts as
 UNBOUNDED_RELEASES = 2**62                         # ``lifetime_worst`` after a release without noise: no bound
 
 
@@ -171,16 +175,98 @@ class Lifetime:
             total[:len(counts)] += cost
         return total
 
+    def retire(self, run: str) -> None:
+        """A *new* run begins with the id ``run`` of a run served before (a data owner may name its run): the
+        earlier run's counts are kept apart, under a name of their own (``retired_name``), at their own sigma,
+        so the new run starts from none and counts the earlier one as earlier (``earlier``), never taking over
+        its entry. Nothing when ``run`` is unknown. Raises ``OSError`` when the file cannot be rewritten."""
+        if run in self.runs:
+            self.runs[retired_name(run, self.runs)] = self.runs.pop(run)
+            self._write()
+
     def record(self, run: str, sigma: float, counts: np.ndarray) -> None:
         """``run``'s per-row counts are now ``counts`` (released at noise ``sigma``); the file is rewritten
         before this returns. Raises ``OSError`` when it cannot be."""
         self.runs[run] = (float(sigma), np.array(counts, np.int64))
+        self._write()
+
+    def _write(self) -> None:
         if self.path is None:
             return
         text = json_text({"runs": {r: {"sigma": noise, "counts": c.tolist()} for r, (noise, c) in self.runs.items()}})
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+class LabelRuns:
+    """The runs whose randomized labels (``label_dp``) a label owner has released: each run draws its own
+    randomized response of every label from its fresh secret, so a data owner that opens k runs against the
+    same label owner (``--keep-serving``, or a restart with the same stage file) gets k independent responses
+    of each label, and their epsilons add up (pure differential privacy composes by addition: k runs at
+    epsilon e are at most k*e-label-DP). A run counts once it has sent a gradient computed from its labels,
+    however often it resumes.
+
+    ``path``: the file that keeps the run ids across processes (``DIR/.INSTANCE.label_dp_runs.json``; None: in
+    memory only, for the life of this process), rewritten atomically (a temporary file, then ``os.replace``)
+    when a run first releases, before its gradient leaves. Deleting it resets the count: only do it knowingly
+    (every earlier response still composes). Raises ``ConfigError`` for a file that is not one this class
+    wrote."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.runs: list[str] = []
+        if path is not None and path.exists():
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))["runs"]
+                if not isinstance(saved, list) or not all(isinstance(run, str) for run in saved):
+                    raise ValueError(f"'runs' is not a list of run ids: {saved!r:.80}")
+                self.runs = list(saved)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}: the runs whose randomized labels this stage released cannot be read "
+                                  f"({e}); the label_dp epsilon of every run adds up over them. Restore it, or "
+                                  f"delete it knowingly (the earlier runs' labels still compose)") from e
+
+    def __repr__(self) -> str:
+        return f"LabelRuns({self.path}, {len(self.runs)} runs)"
+
+    def record(self, run: str) -> None:
+        """``run`` released randomized labels (nothing new when it is known); the file is rewritten before
+        this returns. Raises ``OSError`` when it cannot be."""
+        if run in self.runs:
+            return
+        self.runs.append(run)
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json_text({"runs": self.runs}), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def retire(self, run: str) -> None:
+        """A *new* run begins with the id ``run`` of a run that released labels before: the earlier one is kept
+        under a name of its own (``retired_name``), so the new run counts once more when it releases. Raises
+        ``OSError`` when the file cannot be rewritten."""
+        if run in self.runs:
+            self.runs[self.runs.index(run)] = retired_name(run, self.runs)
+            self._write()
+
+    def lifetime(self, run: str) -> int | None:
+        """The runs that released the labels, ``run`` included if it did; None when no run but ``run`` did
+        (the run's own epsilon is the lifetime's)."""
+        return len(self.runs) if any(other != run for other in self.runs) else None
+
+
+def retired_name(run: str, taken: Iterable[str]) -> str:
+    """The name an earlier run ``run`` is kept under when a new run takes its id: ``RUN/earlier-K``, the first K
+    not in ``taken`` (a run id of the wire never holds "/")."""
+    names = set(taken)
+    k = 1
+    while f"{run}/earlier-{k}" in names:
+        k += 1
+    return f"{run}/earlier-{k}"
 
 
 def reset_text(source: str) -> str:
@@ -225,12 +311,18 @@ class NoiseLedger:
 
     ``earlier``: each row's releases by the stage's other runs (float: releases at this run's noise,
     ``Lifetime.earlier``; empty: none, as in the in-process reference, whose one run is its lifetime), set by
-    the stage when a run begins or resumes, and ``earlier_source`` where they are kept (for the message)."""
+    the stage when a run begins or resumes, and ``earlier_source`` where they are kept (for the message).
+
+    ``unnumbered``: the stage's rows have no numbers (data without numbered rows, such as the ramp), so a
+    release that names none counts as one more release of one example (``UNNUMBERED_ROW``), as the budget's
+    plan assumes (every step releases it), never as no release. Without it such a release is not counted
+    per row (a data owner's activations)."""
 
     def __init__(self, secret: int | RunSecret, limit: int | None = None,
-                 on_release: Callable[[Release], None] | None = None) -> None:
+                 on_release: Callable[[Release], None] | None = None, unnumbered: bool = False) -> None:
         self.key = secret if isinstance(secret, RunSecret) else RunSecret(secret)
         self.limit = limit
+        self.unnumbered = unnumbered
         self.on_release = on_release
         self.pending: dict[tuple[int, str], Release] = {}
         self.counts = np.zeros(0, np.int64)
@@ -311,6 +403,8 @@ class NoiseLedger:
                 f"resend whose activations differ): answering would release the step's rows a second time. "
                 f"Refused; the first answer stands. Send the step's activations as they were the first time, "
                 f"or start a new run")
+        if rows is None and self.unnumbered:
+            rows = np.full(1, UNNUMBERED_ROW, np.int64)
         counted = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
         if counted is not None and len(counted):
             if counted.min() < 0:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from distgrad.wire import messages as wire
-from distgrad.errors import ProtocolError
+from distgrad.config.defended import check_rows_sent_together
+from distgrad.errors import ConfigError, ProtocolError
 from distgrad.config.experiment import (DATA_PARTS, MAX_PARTS, ORIGIN_MAX, PART_VALUE_MAX, Experiment,
                                         interface_differences, interface_digest)
 from distgrad.wire.messages import ErrorCode, Message
@@ -76,6 +77,10 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
             len(input_shape) < 2 or input_shape[0] % mbs)):
         raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {wire.show(mbs)} micro-batches; batches of "
                                                 f"shape {input_shape} do not split into that many equal parts")
+    try:        # the data owner chooses the micro-batches: none may leave this stage's row defenses idle
+        check_rows_sent_together(exp, here, mbs)
+    except ConfigError as e:
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches: {e}") from e
     return mbs
 
 

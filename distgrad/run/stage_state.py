@@ -17,11 +17,12 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from distgrad.config.defended import attach_dp_sgd, budget_text, privacy_budget, row_defense
+from distgrad.config.defended import (attach_dp_sgd, budget_text, label_owner_sends_gradients, privacy_budget,
+                                      row_defense)
 from distgrad.config.prepare import Preparation
 from distgrad.jsontext import json_text
-from distgrad.privacy.releases import (COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, LIFETIME_SUFFIX, Lifetime,
-                                      Release, fresh_secret)
+from distgrad.privacy.releases import (COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, LABEL_RUNS_SUFFIX,
+                                      LIFETIME_SUFFIX, LabelRuns, Lifetime, Release, fresh_secret)
 from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.errors import CheckpointWriteError, ConfigError, OutputWriteError, StageError
@@ -35,7 +36,7 @@ from distgrad.wire import link
 from distgrad.wire.codecs import Codec
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.masking import SecureSumCodec, load_party_keys
-from distgrad.wire.wirecodec import ACTIVATION, Senders, without_codec_state
+from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, without_codec_state
 
 
 EXTRA_PREFIX = "extra/"      # a checkpoint's arrays of its runner (``StageState.extra_arrays``), not of the stage
@@ -195,6 +196,14 @@ class StageState:
         if self.ledger is not None and self.lifetime is not None:
             self.ledger.on_count = self._count_lifetime
             self.ledger.earlier_source = self.lifetime.source
+        # The runs whose randomized labels (label_dp) crossed: each run draws its own, so a label's epsilons add
+        # up over the runs this stage serves; kept as the release counts are (``LabelRuns``).
+        self.label_runs = (LabelRuns(opts.checkpoint_dir / f".{opts.instance}{LABEL_RUNS_SUFFIX}"
+                                     if opts.checkpoint_dir is not None else None)
+                           if exp.has_stage(opts.stage) and exp.spec(opts.stage).defenses.label_dp is not None
+                           and label_owner_sends_gradients(exp, opts.stage) else None)
+        if self.label_runs is not None:
+            self.senders.taps[GRADIENT].append(self._labels_released)
         attach_dp_sgd(opts.experiment, self.stage, self.senders.defense)     # the label owner's DP-SGD
         # A driving stage with steps in flight keeps its parameters of the last S updates (staleness S).
         self.history = ParameterHistory(opts.steps_in_flight if opts.role == "driving" else 0)
@@ -450,6 +459,21 @@ class StageState:
             raise CheckpointWriteError(f"cannot record the per-row release counts in {self.lifetime.path}: "
                                        f"{e.strerror or e}") from e
 
+    def _labels_released(self, received: Callable[[], np.ndarray], stream: str, step: int) -> None:
+        """Before a gradient computed from the run's randomized labels leaves: the run in ``label_runs``."""
+        assert self.label_runs is not None
+        if self.run_id in self.label_runs.runs:
+            return
+        try:
+            self.label_runs.record(self.run_id)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot record the run's randomized labels in {self.label_runs.path}: "
+                                       f"{e.strerror or e}") from e
+        earlier = len(self.label_runs.runs) - 1
+        if earlier:
+            self.log.warning("privacy: %d earlier run(s) of this stage released other randomized labels of the same "
+                             "rows; their label_dp epsilons add up with this run's", earlier)
+
     def _join_lifetime(self, run: str) -> None:
         """The ledger counts ``run``'s releases against every other run's (``Lifetime.earlier``). Its own
         counts are those the ledger holds now (a resume's: its checkpoint's and the releases since), or those
@@ -542,6 +566,13 @@ class StageState:
         self._load_verdicts(None, 0)
         self._load_kept(None, 0, "a new run")
         self.run_id, self.owner = run_id, owner
+        try:        # a run served before under this id (the data owner names its run) stays an earlier run
+            for counted in (self.lifetime, self.label_runs):
+                if counted is not None:
+                    counted.retire(run_id)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot keep the release counts of the earlier run {run_id}: "
+                                       f"{e.strerror or e}") from e
         if self.ledger is not None:
             self.ledger.new_run(fresh_secret())     # two runs never share a noise draw (nor randomized labels)
             self._rewrite_released([])
@@ -665,7 +696,8 @@ class StageState:
             **privacy_budget(self.opts.experiment, [self.opts.stage], extra.get("rounds", self.stage.step),
                              self.opts.seed, {} if self.ledger is None else {self.opts.stage: self.ledger.worst},
                              self.opts.total_steps, {} if self.ledger is None else {self.opts.stage: self.ledger},
-                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst}),
+                             {} if self.ledger is None else {self.opts.stage: self.ledger.lifetime_worst},
+                             {} if self.label_runs is None else {self.opts.stage: self.label_runs.lifetime(self.run_id)}),
             "params": {self.opts.instance: to_lists(self.stage.params)},
         }
         if "privacy" in summary:

@@ -46,7 +46,7 @@ from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply, final_body, is_final
 from distgrad.run.peers import Peer, PeerStatus, Phase, RunState
 from distgrad.run.protocol import (abort_reason, check_lockstep, check_owner, hello_peer, is_abort_notice,
-                                   resent_evaluation, unknown_run)
+                                   rejoin_step, resent_evaluation, unknown_run)
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, kept_model, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -639,13 +639,31 @@ class Clients(Turns):
             return Join(start + 1, PeerStatus.ACTIVE, start, msg.run, owner, since, None, open_run=True)
         if same_run and peer.status is PeerStatus.ACTIVE:
             # Still taking part: it continues where this stage has it; a turn of its in progress
-            # starts again from its first micro-batch.
-            return Join(peer.step + 1, PeerStatus.ACTIVE, peer.step, msg.run, owner, since, (0, peer.step),
-                        open_run=True, reset_engine=self.current() is peer)
+            # starts again from its first micro-batch. A client restarted without the update of its
+            # last step here (killed after this stage's replies, before its own checkpoint of it) that
+            # holds the step before sends that step again: it gets the kept replies and applies the
+            # update once, instead of skipping it.
+            next_step = self._rejoin_step(peer, held, mbs)
+            return Join(next_step, PeerStatus.ACTIVE, peer.step, msg.run, owner, since, (0, peer.step),
+                        open_run=True, reset_engine=self.current() is peer, still_owes=next_step <= peer.step)
         s.log.warning("client %d rejoins (run %s); it takes part again from step %d", peer.index, msg.run,
                       run.round + 1)
         # it takes part from the next round that starts
         return Join(run.round + 1, PeerStatus.REJOINING, run.round, msg.run, owner, since, None, open_run=True)
+
+    @staticmethod
+    def _rejoin_step(peer: Peer, held: list[int], mbs: int) -> int:
+        """The step ``peer``, saying hello again in its run holding ``held`` steps with ``mbs`` micro-batches,
+        goes on from: as for one data owner (``protocol.rejoin_step``), the newest step it holds from which
+        every later step it took here is answered again from its kept replies, plus one; when there is none
+        (or it asks for another micro-batch count than they were sent in), the step after its latest here,
+        the steps in between skipped."""
+        if mbs == peer.mbs:
+            try:
+                return rejoin_step(held, peer.step, peer.cached, mbs, f"client {peer.index}", peer.run)
+            except ProtocolError:
+                pass
+        return peer.step + 1
 
     def checkpoint_arrays(self, step: int) -> dict[str, np.ndarray]:
         """The replies of round ``step`` (``kept_replies``)."""

@@ -42,11 +42,15 @@ class GradAccumulator:
 
     Buffers are reused from step to step. With one micro-batch the gradients
     pass through untouched, so an unsplit step computes exactly what it would
-    without this class.
+    without this class. A parameter some micro-batches give no gradient (a torch
+    module whose graph depends on the data) sums those that do, as torch's
+    ``grad`` accumulation does; one no micro-batch of the step gives a gradient
+    gets none, whatever an earlier step left in its buffer.
     """
 
     def __init__(self) -> None:
         self._sum: Grads = {}
+        self._step: Grads = {}     # the buffers of ``_sum`` this step's micro-batches wrote, in first-seen order
         self._single: Grads | None = None
         self.count = 0          # micro-batches of the step in progress added so far (read-only outside)
 
@@ -58,14 +62,19 @@ class GradAccumulator:
         if count == 1:
             self._single = grads
             return
+        if index == 0:
+            self._step = {}
+        summed = self._step
         for name, g in grads.items():
-            if index == 0:
-                buffer = self._sum.get(name)
-                if buffer is None or buffer.shape != g.shape:
-                    buffer = self._sum[name] = np.empty_like(g)
-                np.copyto(buffer, g)
-            else:
-                self._sum[name] += g
+            buffer = summed.get(name)
+            if buffer is not None:
+                buffer += g
+                continue
+            buffer = self._sum.get(name)
+            if buffer is None or buffer.shape != g.shape or buffer.dtype != g.dtype:
+                buffer = self._sum[name] = np.empty_like(g)
+            np.copyto(buffer, g)
+            summed[name] = buffer
 
     def take(self, scale: np.float32) -> Grads:
         """The accumulated gradients times ``scale`` (skipped when it is 1); resets the count."""
@@ -75,14 +84,15 @@ class GradAccumulator:
             return grads
         if count == 0:
             raise ValueError("no micro-batch was accumulated")
+        grads, self._step = self._step, {}
         if scale != 1:
-            for buffer in self._sum.values():
+            for buffer in grads.values():
                 buffer *= scale
-        return self._sum
+        return grads
 
     def reset(self) -> None:
         """Forget a partly accumulated step (a rollback)."""
-        self.count, self._single = 0, None
+        self.count, self._single, self._step = 0, None, {}
 
 
 def combine_losses(losses: list[np.float32], scale: np.float32) -> np.float32:
