@@ -82,6 +82,7 @@ from distgrad.wire import messages as wire
 from distgrad.stage.records import is_special
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
 from distgrad.config.csvfile import open_csv
+from distgrad.run.options import check_wait
 from distgrad.wire.transport import (LINGER_MS, Client, Server, SocketSecurity, check_endpoint, poll_frames,
                                      send_frames)
 
@@ -980,9 +981,8 @@ class AlignOptions:
             raise ConfigError("the coordinator (--bind) needs --parties N: how many parties align, itself included")
         if self.connect is not None and self.ready_file is not None:
             raise ConfigError("--ready-file is for the coordinator (--bind)")
-        if not self.peer_deadline_s > 0 or not self.liveness_s > 0:
-            raise ConfigError(f"--peer-deadline and --liveness must be positive, got {self.peer_deadline_s} and "
-                              f"{self.liveness_s}")
+        check_wait("--peer-deadline", self.peer_deadline_s)     # the stages' rule: every wait is bounded
+        check_wait("--liveness", self.liveness_s)
         if type(self.min_common) is not int or not 1 <= self.min_common <= MAX_IDS:
             raise ConfigError(f"--min-common must be a whole number from 1 to {MAX_IDS}, got {self.min_common!r}")
         if self.party_keys is not None and self.bind is not None:

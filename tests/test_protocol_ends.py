@@ -11,6 +11,7 @@ dicts, its loop's misuse) in test_cut_hostile.py.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -24,14 +25,19 @@ import zmq
 from conftest import StageProcess, hello_message, read_json, run_main, wait_for_file
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import PeerAborted
+from distgrad.align import AlignOptions
+from distgrad.errors import ConfigError, PeerAborted, PeerTimeout, ProtocolError
 from distgrad.run.cut_interface import FIRST, cut_side
+from distgrad.run.options import StageOptions
+from distgrad.run.predict import PredictionServer
+from distgrad.run.serving import ServingStage
 from distgrad.stage.stage import Stage
 from distgrad.wire import messages as wire
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import MAX_FRAMES
 from test_bad_input import UNDECODABLE
 from test_cut_hostile import FIELDS, Loop, ask, curve_keys, dealer, refused
+from handshake import only_reply
 
 LIVENESS_S = 2.0
 CUT_FIELDS = dict(name="protocol-ends", stages=["f", "g"], batch=4, activation=[3], steps=3, seed=0)
@@ -147,9 +153,12 @@ def test_every_serving_end_follows_the_same_rules(end_kind, start_server, dealer
         assert pong.type == wire.PONG and {"stage", "experiment", "run", "step"} <= set(pong.body), pong.body
         refused(a, hello_message(end.exp, "a", purpose="predict"), ErrorCode.MISMATCH, "hello has purpose=")
         refused(a, hello_message(end.exp, "a", eval_every=-1), ErrorCode.MALFORMED, "eval_every=")
+        refused(a, hello_message(end.exp, "a", client=1), ErrorCode.MISMATCH,          # one data owner here
+                f"hello has client=1; experiment {end.exp.name!r} has no [clients]")
         welcome = ask(a, hello_message(end.exp, "a"))
         assert welcome.type == wire.WELCOME and welcome.body["next_step"] == 1, welcome.body
-        refused(b, hello_message(end.exp, "b"), ErrorCode.RUN, "busy")       # a second client while a is live
+        busy = refused(b, hello_message(end.exp, "b"), ErrorCode.RUN, "busy")   # a second client while a is live
+        assert busy.startswith("busy with run 'a' since ") and busy.endswith("; cannot start run 'b'"), busy
         refused(b, forward(end, "b", 1), ErrorCode.RUN, "forward for run 'b', expected run a")
         refused(a, forward(end, "other", 1), ErrorCode.RUN, "forward for run 'other', expected run a")
         refused(a, Message(wire.WELCOME, "a", 1), ErrorCode.TYPE, "does not accept 'welcome' messages")
@@ -280,6 +289,195 @@ def test_an_aborted_notice_ends_the_run_only_from_its_own_data_owner(end_kind, s
         b.close()
         if end.kind == "daemon":
             assert end.stop() is None
+
+
+# -- a hello's and a bye's rules at the daemon's serving logic (``ServingStage``, in this process: the code a
+# distgrad-stage runs) and at the cut library's servers (over a socket): the same code and words
+
+def _daemon_refusal(serving: ServingStage, msg: Message) -> tuple[str, str]:
+    """The code and text of the error the serving daemon's logic answers ``msg`` with."""
+    with pytest.raises(ProtocolError) as refusal:
+        serving.handle([b"peer"], msg, 0.0)
+    return refusal.value.code, refusal.value.args[0]
+
+
+def _cut_refusal(sock: zmq.Socket, msg: Message) -> tuple[str, str]:
+    reply = ask(sock, msg)
+    assert reply.type == wire.ERROR, reply.describe()
+    return reply.body["code"], reply.body["message"]
+
+
+def _serve_on_a_thread(server: CutServer) -> threading.Thread:
+    """``server``'s loop on a thread, answering each micro-batch (loss = its step, a gradient of ones) until the
+    data owner's bye, its stop notice (``PeerAborted``) or its silence (``PeerTimeout``)."""
+    def loop() -> None:
+        try:
+            with server:
+                for batch in server:
+                    batch.reply(float(batch.step), np.ones(batch.h.shape, np.float32))
+        except (PeerAborted, PeerTimeout):
+            pass
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.integration
+def test_a_bye_in_the_middle_of_a_step_is_refused_alike_and_the_step_goes_on(dealers):
+    """A bye comes between steps: one after the first of a step's two micro-batches is refused (code ``step``,
+    the same words) by the daemon's serving logic and by the cut library's server, which both go on: the
+    step's second micro-batch is answered, and then the bye is taken."""
+    bye = Message(wire.BYE, "a", 1, body={"steps": 0})
+    exp = load_experiment("tanh-regression")
+    serving = ServingStage(StageOptions(exp, "g", exp.seed))
+    shape = tuple(serving.stage.input_shape)
+    half = np.full((shape[0] // 2, *shape[1:]), 0.5, np.float32)
+    assert only_reply(serving.handle([b"peer"], hello_message(exp, "a", micro_batches=2), 0.0)).type == wire.WELCOME
+    assert only_reply(serving.handle([b"peer"], Message(wire.FORWARD, "a", 1, 0, 2, tensors={"activation": half}),
+                                     0.0)).type == wire.BACKWARD
+    daemon = _daemon_refusal(serving, bye)
+    assert only_reply(serving.handle([b"peer"], Message(wire.FORWARD, "a", 1, 1, 2, tensors={"activation": half}),
+                                     0.0)).type == wire.BACKWARD
+    serving.settle()
+    done = only_reply(serving.handle([b"peer"], Message(wire.BYE, "a", 2, body={"steps": 1}), 0.0))
+    assert done.type == wire.BYE and done.body == {"steps": 1} and serving.stage.step == 1
+
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=LIVENESS_S, peer_deadline_s=10.0, **CUT_FIELDS)
+    thread, a = _serve_on_a_thread(server), dealers(server.endpoint)
+    cut_exp = cut_side(FIRST, None, CUT_FIELDS).exp
+    h = np.full((2, 3), 0.5, np.float32)
+    try:
+        assert ask(a, hello_message(cut_exp, "a", micro_batches=2)).type == wire.WELCOME
+        assert ask(a, Message(wire.FORWARD, "a", 1, 0, 2, tensors={"activation": h})).type == wire.BACKWARD
+        cut = _cut_refusal(a, bye)
+        assert ask(a, Message(wire.FORWARD, "a", 1, 1, 2, tensors={"activation": h})).type == wire.BACKWARD
+        assert ask(a, Message(wire.BYE, "a", 2, body={"steps": 1})).body == {"steps": 1}
+    finally:
+        a.close()
+        thread.join(LIVENESS_S + 10.0)
+    assert daemon == cut == (ErrorCode.STEP, "bye after 0 steps, but step 1 of client of run a is under way here "
+                                             "(1 of its micro-batches taken): say bye between steps")
+
+
+@pytest.mark.integration
+def test_an_evaluation_for_a_step_the_data_owner_has_not_reached_is_refused_alike_and_changes_nothing(tmp_path,
+                                                                                                    dealers):
+    """The held-out rows are scored after a step: an ``evaluate`` whose step is not the next (a hostile data
+    owner's step 500 at step 0, or step 0) is refused (code ``step``, the same words) by the daemon's serving
+    logic, which scored and judged it before, and by the cut library's server; neither scores or records
+    anything, and the honest evaluation after it is answered."""
+    exp = load_experiment("digits")
+    serving = ServingStage(StageOptions(exp, "g", exp.seed))
+    data = exp.build_data()
+    h = Stage.from_experiment(exp, "f").forward(data.test_features(), training=False)[0]
+    assert only_reply(serving.handle([b"peer"], hello_message(exp, "a"), 0.0)).type == wire.WELCOME
+    daemon = [_daemon_refusal(serving, Message(wire.EVALUATE, "a", step, tensors={"activation": h}))
+              for step in (500, 0)]
+    assert serving.peers[0].evaluation is None and serving.state.verdicts.best_step == 0     # nothing judged
+    honest = only_reply(serving.handle([b"peer"], Message(wire.EVALUATE, "a", 1, tensors={"activation": h}), 0.0))
+    assert honest.type == wire.EVALUATION and honest.step == 1
+
+    np.save(tmp_path / "y.npy", np.zeros(20, np.int64))
+    scored = []
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=LIVENESS_S, peer_deadline_s=10.0,
+                            evaluate=lambda h, rows: scored.append(len(rows)) or (0.5, 1),
+                            data=dict(kind="npy", labels=str(tmp_path / "y.npy"), batch=4, test_fraction=0.2),
+                            **CUT_FIELDS)
+    thread, a = _serve_on_a_thread(server), dealers(server.endpoint)
+    held_out = np.full((4, 3), 0.5, np.float32)
+    try:
+        assert ask(a, hello_message(cut_side(FIRST, None, CUT_FIELDS).exp, "a")).type == wire.WELCOME
+        cut = [_cut_refusal(a, Message(wire.EVALUATE, "a", step, tensors={"activation": held_out}))
+               for step in (500, 0)]
+        assert scored == []
+        assert ask(a, Message(wire.EVALUATE, "a", 1, tensors={"activation": held_out})).type == wire.EVALUATION
+        assert ask(a, Message(wire.BYE, "a", 1, body={"steps": 0})).body == {"steps": 0}
+    finally:
+        a.close()
+        thread.join(LIVENESS_S + 10.0)
+    assert scored == [4]
+    assert daemon == cut == [(ErrorCode.STEP, f"evaluate for step {step}, but client of run a has 0 steps applied "
+                                              f"here: the held-out rows are scored after a step, before the next "
+                                              f"one's forwards") for step in (500, 0)]
+
+
+@pytest.mark.integration
+def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words_as_the_cut_library(dealers,
+                                                                                                  tmp_path):
+    """Which data owner a hello is from, and that several take lockstep steps: the daemon's serving logic for
+    clients in turn and for feature parties refuses a hello naming none it serves, or asking for steps in
+    flight, with the words of the cut library's server of several data owners; so does ``distgrad predict``'s
+    label owner of feature parties (its logic, in this process)."""
+    clients = load_experiment("digits-clients")
+    vertical = load_experiment("vertical-classify")
+    on_clients = ServingStage(StageOptions(clients, "g", clients.seed))
+    on_parties = ServingStage(StageOptions(vertical, "g", vertical.seed))
+    count = clients.clients.count
+
+    def party_hello(exp, role: str, **changes) -> Message:
+        message = hello_message(exp, "a", **changes)
+        message.body["role"] = role
+        return message
+
+    daemon = [_daemon_refusal(on_clients, hello_message(clients, "a", client=count)),
+              _daemon_refusal(on_clients, hello_message(clients, "a", client=0, staleness=1)),
+              _daemon_refusal(on_parties, party_hello(vertical, "a", client=1)),
+              _daemon_refusal(on_parties, party_hello(vertical, "z")),
+              _daemon_refusal(on_parties, party_hello(vertical, "a", staleness=1))]
+    predicting = PredictionServer(StageOptions(vertical, "g", vertical.seed), tmp_path / "predictions.csv", None)
+    predict = []
+    for role, changes in (("a", {"client": 1}), ("z", {})):
+        with pytest.raises(ProtocolError) as refusal:
+            predicting.handle(party_hello(vertical, role, purpose="predict", rows=10, **changes), 0.0)
+        predict.append((refusal.value.code, refusal.value.args[0]))
+    assert predict == daemon[2:4]
+    group_fields = dict(name="group-words", batch=4, activation=[3], steps=2, seed=0)
+    cut = []
+    for fields, ask_for in (
+            (dict(group_fields, stages=["f", "g"], clients=count,
+                  data={"kind": "synthetic_regression", "features": 2, "batch": 4, "samples": 64}),
+             lambda exp: [hello_message(exp, "a", client=count), hello_message(exp, "a", client=0, staleness=1)]),
+            (dict(group_fields, stages=["a", "b", "c", "g"], aggregate="concat"),
+             lambda exp: [party_hello(exp, "a", client=1), party_hello(exp, "z"), party_hello(exp, "a", staleness=1)])):
+        server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=LIVENESS_S, peer_deadline_s=10.0, **fields)
+        thread, sock = _serve_on_a_thread(server), dealers(server.endpoint)
+        exp = cut_side(FIRST, None, fields, **({"client": 0} if "clients" in fields else {"party": 0})).exp
+        try:
+            cut += [_cut_refusal(sock, msg) for msg in ask_for(exp)]
+            sock.send_multipart(wire.encode(wire.abort_notice("", "f", "the test is done")))   # ends the loop
+        finally:
+            sock.close()
+            thread.join(LIVENESS_S + 10.0)
+    named = [(code, text.replace("'group-words'", "EXP").replace("'vertical-classify'", "EXP"))
+             for code, text in daemon + cut]
+    assert named[:len(daemon)] == named[len(daemon):], (daemon, cut)
+    assert named[0] == (ErrorCode.MISMATCH, f"hello has client={count}; this stage serves clients 0 to {count - 1} "
+                                            f"(give --client, or Cut.connect(..., client=C))")
+    assert named[2] == (ErrorCode.MISMATCH, "hello has client=1; the feature parties of EXP are told apart by "
+                                            "their stage")
+    assert named[4][1] == ("hello has staleness=1; a stage serving several data owners (clients or feature "
+                           "parties) takes lockstep steps only")
+
+
+@pytest.mark.parametrize("seconds", ["inf", "0"])
+def test_every_end_refuses_a_wait_that_is_not_bounded(seconds, tmp_path):
+    """Every wait is bounded: a timeout, liveness window or peer deadline of infinite (or no) seconds is refused
+    with the same words by a daemon's flags (``distgrad-stage``, ``distgrad run``, ``distgrad align``) and the
+    cut library's arguments, before anything starts; an infinite one was taken, and a dead peer then hung the
+    other side for ever."""
+    value = float(seconds)
+    text = f"must be > 0 seconds and finite (every wait is bounded), got {value!r}"
+    stage = run_main(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*", "--liveness",
+                      seconds])
+    assert stage.returncode == 2 and f"--liveness {text}" in stage.stderr, stage.stderr
+    run = run_main(["run", "seed-reverse", "--steps", "2", "--peer-deadline", seconds])
+    assert run.returncode == 2 and f"--peer-deadline {text}" in run.stderr, run.stderr
+    with pytest.raises(ConfigError, match=re.escape(f"--liveness {text}")):
+        AlignOptions(tmp_path / "ids.csv", "id", tmp_path / "out.csv", connect="tcp://127.0.0.1:5", liveness_s=value)
+    with pytest.raises(ConfigError, match=re.escape(f"liveness_s {text}")):
+        Cut.connect("tcp://127.0.0.1:5", liveness_s=value, **CUT_FIELDS)
+    with pytest.raises(ConfigError, match=re.escape(f"peer_deadline_s {text}")):
+        CutServer.bind("tcp://127.0.0.1:*", peer_deadline_s=value, **CUT_FIELDS)
 
 
 # -- the label owner of ``distgrad predict``, which serves its own messages (predict, predicted) by the same rules

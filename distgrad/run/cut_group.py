@@ -52,8 +52,9 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
 from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   hello_fields, is_abort_notice, not_accepted, pong, prune_replies,
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
+                                   check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
+                                   hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
                                    resent_evaluation, tell_why_stopped, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
@@ -316,22 +317,11 @@ class GroupServer(CutServer, serves_several=True):
         raise self.failure
 
     def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
-        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``."""
+        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``
+        (``protocol.hello_peer``, the rule of every serving end)."""
         if self.vertical:
-            if "client" in body:
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
-                                                        f"parties of {self.exp.name!r} are told apart by their stage")
-            names = [p.role for p in self.peers]
-            role = body.get("role")
-            if role not in names:
-                raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this label owner "
-                                                        f"serves the feature parties {names}")
-            return self.peers[names.index(role)]
-        index = body.get("client")
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.peers):
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this label owner serves "
-                                                    f"clients 0 to {len(self.peers) - 1} (Cut.connect(..., client=C))")
-        return self.peers[index]
+            return self.peers[hello_peer(body, self.exp.name, parties=[p.role for p in self.peers])]
+        return self.peers[hello_peer(body, self.exp.name, clients=len(self.peers))]
 
     def _welcome(self, envelope: list[bytes], msg: Message, peer_key: str) -> Message:
         """Take a data owner's run up at its step, or at the step before it when its replies of that step
@@ -340,22 +330,13 @@ class GroupServer(CutServer, serves_several=True):
         peer = self._peer_for_hello(body)
         mbs = check_hello(body, peer.role, self.exp, self.exp.seed, peer.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
-        if staleness:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a label owner serving "
-                                                    f"several data owners takes lockstep steps only")
+        check_lockstep(staleness)
         held: list[int] = body.get("held")          # type: ignore[assignment]
         common_step([], held)                                    # validates ``held``
         now = time.monotonic()
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
-        if peer.run and msg.run != peer.run and now - peer.heard < self.bounds.liveness_s:
-            busy = wire.busy_text("run", peer.run, peer.since, peer.name, now - peer.heard, self.bounds.liveness_s)
-            raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
-        if peer.run and msg.run != peer.run and (peer.step or peer.taken):
-            raise ProtocolError(ErrorCode.RUN, f"{peer.name} is in run {peer.run} at step {peer.step} here, the "
-                                               f"hello is of run {msg.run!r}: resume it with its run's checkpoint, "
-                                               f"or start the label owner afresh")
-        if peer.run == msg.run:
-            check_owner(peer.owner, peer_key)
+        check_takeover(msg, peer.run, peer.since, now - peer.heard, self.bounds.liveness_s, peer.name, peer.step,
+                       peer.taken, peer.owner, peer_key)
         for other in self.peers:
             if other is peer:
                 continue
@@ -395,9 +376,8 @@ class GroupServer(CutServer, serves_several=True):
         k = peer.step + 1
         if msg.step == k and msg.mbs == self.mbs and 0 <= msg.mb < peer.taken:
             return                                   # resent while the loop computes it: replied when made
-        check_forward_order(msg, k, msg.mb if peer.taken <= msg.mb < self.mbs else peer.taken, self.mbs)
-        if k > self.exp.steps:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        check_forward_order(msg, k, msg.mb if peer.taken <= msg.mb < self.mbs else peer.taken, self.mbs,
+                            self.exp.steps)
         h = self._forward_specs(peer, self.mbs).receive(msg, self.exp.allow_nonfinite)
         rows = None
         if self.exp.send_rows:
@@ -416,9 +396,10 @@ class GroupServer(CutServer, serves_several=True):
         if (again := resent_evaluation(peer.evaluated, msg)) is not None:
             self.server.reply(envelope, again)
             return
-        if msg.step != peer.step + 1 or peer.taken or msg.step != self.step + 1:
-            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; {peer.name} has applied "
-                                                f"{peer.step} steps here (every party evaluates between steps)")
+        check_evaluation_step(msg, peer.step, peer.name, under_way=peer.taken)
+        if msg.step != self.step + 1:       # every data owner evaluates between the run's steps
+            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but this run has {self.step} steps "
+                                                f"applied here: the held-out rows are scored between its steps")
         specs = self._forward_specs(peer).with_rows(len(self.test_rows))
         peer.evaluate = (msg.step, specs.receive(msg, self.exp.allow_nonfinite))
 
@@ -443,7 +424,7 @@ class GroupServer(CutServer, serves_several=True):
     def _bye(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """``peer``'s bye: it has applied its steps. A feature party says it after the last step (a step needs
         every party); a client may leave earlier, and its turns are skipped then."""
-        check_bye(msg, peer.step, f"{peer.name} has applied {peer.step} here", complete=not peer.taken)
+        check_bye(msg, peer.step, peer.name, peer.taken)
         if self.vertical and peer.step < self.exp.steps:
             raise ProtocolError(ErrorCode.STEP, f"bye after {peer.step} steps of {self.exp.steps}: every feature "
                                                 f"party takes part in every step (end the run with every party's "

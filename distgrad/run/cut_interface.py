@@ -31,7 +31,7 @@ from distgrad.config.prepare import PREPARATION_OPTIONS
 from distgrad.config.split import interface_table
 from distgrad.config.tomlfile import read_toml
 from distgrad.errors import ConfigError
-from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S
+from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, check_wait
 from distgrad.stage.stage import micro_shape
 from distgrad.wire import messages as wire
 from distgrad.wire.transport import DEFAULT_TIMEOUT_S
@@ -54,9 +54,7 @@ class Bounds:
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+            check_wait(name, getattr(self, name))           # the daemons' rule for their flags
 
 
 @dataclass(frozen=True)

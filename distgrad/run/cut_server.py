@@ -54,9 +54,10 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
                                        check_state, cut_side)
 from distgrad.run.handshake import check_hello, common_step
-from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness, decode_and_handle, hello_fields, is_abort_notice,
-                                   not_accepted, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
+from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
+                                   check_forward_order, check_owner, check_served_staleness, decode_and_handle,
+                                   check_takeover, hello_fields, hello_peer, is_abort_notice, not_accepted, pong,
+                                   prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -312,7 +313,7 @@ class CutServer:
         if msg.type == wire.FORWARD:
             out = self._forward(envelope, msg)
         elif msg.type == wire.BYE:
-            check_bye(msg, self.step, f"this label owner has applied {self.step}", complete=not self.next_mb)
+            check_bye(msg, self.step, f"client of run {self.run_id}", self.next_mb)
             self.bye, out = bye_reply(msg, self.step), _BYE
             self.server.reply(envelope, self.bye)
             self.log.info("run %s finished after %d steps", self.run_id, self.step)
@@ -341,22 +342,15 @@ class CutServer:
         """Take the run up at the data owner's step, or at the step before it when this side can answer
         that step again from its cache; anything else is refused naming both steps."""
         body = msg.body
+        hello_peer(body, self.exp.name)                          # one data owner: a hello naming a client is refused
         mbs = check_hello(body, self.upstream, self.exp, self.exp.seed, self.side.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
         check_served_staleness(self.exp, staleness)
         held: Any = body.get("held")                             # from the wire: common_step checks it
         common_step([], held)                                    # validates ``held``
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
-        if self.run_id and msg.run != self.run_id and time.monotonic() - self.heard < self.bounds.liveness_s:
-            busy = wire.busy_text("run", self.run_id, self.run_since, "its data owner", time.monotonic() - self.heard,
-                             self.bounds.liveness_s)
-            raise ProtocolError(ErrorCode.RUN, f"{busy}; this label owner serves one run at a time")
-        if self.run_id and msg.run != self.run_id and (self.step or self.next_mb):
-            raise ProtocolError(ErrorCode.RUN, f"this label owner is in run {self.run_id} at step {self.step}, the "
-                                               f"hello is of run {msg.run!r}: resume the data owner with the "
-                                               f"run's checkpoint, or start the label owner afresh")
-        if self.run_id == msg.run:
-            check_owner(self.owner, peer_key)
+        check_takeover(msg, self.run_id, self.run_since, time.monotonic() - self.heard, self.bounds.liveness_s,
+                       "the data owner", self.step, self.next_mb, self.owner, peer_key)
         if self.next_mb and mbs != self.mbs:
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but step {self.step + 1} "
                                                     f"is under way here in {self.mbs}")
@@ -389,11 +383,7 @@ class CutServer:
                                                 f"give the data owner's [data] test_fraction = 0")
         if (again := resent_evaluation(self.evaluation, msg)) is not None:
             return again
-        # With steps in flight the data owner evaluates after step k once it has applied k, by when this side
-        # may have applied up to k + staleness (as the daemons and --in-process --staleness do).
-        if not self.step + 1 - self.staleness <= msg.step <= self.step + 1 or self.next_mb:
-            raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}; this label owner has applied "
-                                                f"{self.step} steps (staleness {self.staleness})")
+        check_evaluation_step(msg, self.step, f"client of run {self.run_id}", self.staleness, self.next_mb)
         h = self._expected(1).with_rows(len(self.test_rows)).receive(msg, self.exp.allow_nonfinite)
         self.evaluation = evaluation_reply(msg.run, msg.step,
                                            evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows)))
@@ -412,9 +402,7 @@ class CutServer:
             self.server.reply(envelope, cached)      # a resent request: its reply again, computed once
             return None
         k = self.step + 1
-        check_forward_order(msg, k, self.next_mb, self.mbs)
-        if k > self.exp.steps:
-            raise ProtocolError(ErrorCode.STEP, f"forward for step {k}, but the interface has {self.exp.steps} steps")
+        check_forward_order(msg, k, self.next_mb, self.mbs, self.exp.steps)
         h = self._expected(self.mbs, self.exp.send_rows).receive(msg, self.exp.allow_nonfinite)
         rows = None
         if self.exp.send_rows:           # the data owner's loader chose them: checked as the daemons do

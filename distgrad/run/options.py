@@ -7,6 +7,7 @@ every ``transport.POLL_TICK_S``.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 from dataclasses import dataclass, field
@@ -25,6 +26,15 @@ from distgrad.wire.transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spi
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
 DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
+
+
+def check_wait(name: str, value: Any) -> float:
+    """A bound on a wait (a timeout, a liveness window, a peer deadline), one rule for the daemons' flags and
+    the cut library's arguments: a number of seconds > 0 and finite, since every wait is bounded (an infinite
+    one would hang on a dead peer). ``ConfigError`` naming ``name`` and the value otherwise."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be > 0 seconds and finite (every wait is bounded), got {value!r}")
+    return value
 SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
 
@@ -251,5 +261,4 @@ class StageOptions:
             raise ConfigError(f"--client is for the first stage of an experiment with [clients]; "
                               f"{exp.name!r} stage {self.stage!r} is not one")
         for name in ("timeout_s", "liveness_s", "peer_deadline_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+            check_wait(f"--{name[:-2].replace('_', '-')}", getattr(self, name))

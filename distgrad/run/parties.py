@@ -21,6 +21,7 @@ from distgrad.errors import NonFiniteError, ProtocolError, StageError
 from distgrad.run.decisions import Computed, Evaluate, Failure, Gradients, Join, Liveness, Scores, Take, Transition
 from distgrad.run.handshake import check_hello, common_step, same_exactly
 from distgrad.run.peers import Peer, PeerStatus, Phase
+from distgrad.run.protocol import hello_peer
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import evaluate_held_out, held_out_part, kept_model, micro_batch
 from distgrad.wire.link import is_final
@@ -58,23 +59,15 @@ class Parties(Topology):
     # -- hello
     def check_hello(self, body: dict[str, Any]) -> int:
         s = self.serving
-        role = body.get("role")
-        if role not in s.parties:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this stage serves the "
-                                                    f"feature parties {s.parties}")
-        assert isinstance(role, str)
-        index = s.parties.index(role)
+        index = self.peer_index(body)
+        role = s.parties[index]
         micro_batches = check_hello(body, role, s.exp, s.opts.seed, s.input_shapes[index], s.opts.stage)
         if self.secure:
             masking.read_tags(body.get("mask_tags"), s.parties, role)     # kept once ``join`` accepts the hello
         return micro_batches
 
     def peer_index(self, body: dict[str, Any]) -> int:
-        if "client" in body:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
-                                                    f"parties of {self.serving.exp.name!r} are told apart by their "
-                                                    f"stage")
-        return self.serving.parties.index(body["role"])
+        return hello_peer(body, self.serving.exp.name, parties=self.serving.parties)
 
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> Join:
         """It goes on from the newest step it and this stage both hold, no later than where this stage

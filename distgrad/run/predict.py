@@ -63,8 +63,8 @@ from distgrad.errors import ConfigError, DistgradError, Interrupted, PeerRejecte
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic
-from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, is_abort_notice, not_accepted, pong,
-                                   tell_why_stopped, unknown_run)
+from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, hello_peer, is_abort_notice,
+                                   not_accepted, pong, tell_why_stopped, unknown_run)
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -596,10 +596,8 @@ class PredictionServer:
 
     def _hello(self, msg: Message, now: float, peer_key: str = "") -> Message:
         body = msg.body
-        sender = body.get("role") if self.vertical else self.upstream
-        if sender not in self.row_shapes:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(sender)}; this stage serves the "
-                                                    f"feature parties {self.parties}")
+        # Which party: its role (``protocol.hello_peer``, the rule of every serving end).
+        sender = self.parties[hello_peer(body, self.exp.name, parties=self.parties)] if self.vertical else self.upstream
         shape = self.exp.cuts[self.exp.stage_index(sender)] if self.vertical else self.stage.input_shape
         handshake.check_hello(body, sender, self.exp, self.opts.seed, shape, self.opts.stage)
         if body.get("purpose") != "predict":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import AbstractSet, Any, Callable, Mapping, TypeVar
+from typing import AbstractSet, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -100,6 +100,60 @@ def check_owner(owner: str, peer_key: str, msg: Message | None = None) -> None:
 
 
 # -- hello
+def hello_peer(body: Mapping[str, Any], experiment: str, clients: int = 0, parties: Sequence[str] = ()) -> int:
+    """Which data owner a hello (``body``) comes from, one rule for every serving end of ``experiment``: one of
+    the feature ``parties`` (vertical: told apart by its ``role``, with no ``client``), one of ``clients`` data
+    owners in turn (its ``client``, 0 to ``clients`` - 1), else the one data owner (no ``client``, or 0).
+    Anything else is refused (``ProtocolError``, code ``mismatch``) naming what the hello said."""
+    if parties:
+        if "client" in body:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(body['client'])}; the feature "
+                                                    f"parties of {experiment!r} are told apart by their stage")
+        role, names = body.get("role"), list(parties)
+        if not isinstance(role, str) or role not in names:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello from stage {wire.show(role)}; this label owner serves the "
+                                                    f"feature parties {names}")
+        return names.index(role)
+    index = body.get("client", None if clients else 0)
+    if clients:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < clients:
+            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
+                                                    f"clients 0 to {clients - 1} (give --client, or "
+                                                    f"Cut.connect(..., client=C))")
+        return index
+    if not same_exactly(index, 0):
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment {experiment!r} "
+                                                f"has no [clients]")
+    return 0
+
+
+def check_takeover(msg: Message, run: str, since: float, silent_s: float, liveness_s: float, who: str, step: int,
+                   under_way: int, owner: str, peer_key: str) -> None:
+    """Whether hello ``msg`` may take the place of data owner ``who`` at a cut library's server, which serves
+    ``run`` (opened at ``since``, seconds since the epoch; "" for none) for it, heard ``silent_s`` ago, with
+    ``step`` steps applied and ``under_way`` micro-batches of the next taken: another run is refused while
+    ``who`` is live (``liveness_s``: busy, naming the run and since when) or once that run has begun (the
+    server never replaces a run at a step: docs/cut.md); the same run only from the key that opened it
+    (``owner``; ``check_owner``). ``ProtocolError``, code ``run``."""
+    if run and msg.run != run and silent_s < liveness_s:
+        busy = wire.busy_text("run", run, since, who, silent_s, liveness_s)
+        raise ProtocolError(ErrorCode.RUN, f"{busy}; cannot start run {msg.run!r}")
+    if run and msg.run != run and (step or under_way):
+        raise ProtocolError(ErrorCode.RUN, f"{who} is in run {run} at step {step} here, the hello is of run "
+                                           f"{msg.run!r}: resume it with its run's checkpoint, or start the label "
+                                           f"owner afresh")
+    if run == msg.run:
+        check_owner(owner, peer_key)
+
+
+def check_lockstep(staleness: int) -> None:
+    """A stage serving several data owners (clients or feature parties) takes lockstep steps only: a hello
+    asking to keep ``staleness`` > 0 steps in flight is refused (``ProtocolError``, code ``mismatch``)."""
+    if staleness:
+        raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a stage serving several data "
+                                                f"owners (clients or feature parties) takes lockstep steps only")
+
+
 def hello_fields(body: Mapping[str, Any], predicts: str = TRAINS_TEXT) -> tuple[int, int]:
     """A hello's ``eval_every`` and ``staleness``, checked (``ProtocolError``); it may not ask to predict
     (``predicts``: why not, here)."""
@@ -128,12 +182,15 @@ def check_served_staleness(exp: Experiment, staleness: int) -> None:
 
 
 # -- a step's forwards
-def check_forward_order(msg: Message, step: int, mb: int, mbs: int) -> None:
-    """A forward must be micro-batch ``mb`` of ``mbs`` of step ``step``, the next one this end expects;
-    anything else is refused (``ProtocolError``, code ``step``) naming both."""
+def check_forward_order(msg: Message, step: int, mb: int, mbs: int, steps: int | None = None) -> None:
+    """A forward must be micro-batch ``mb`` of ``mbs`` of step ``step``, the next one this end expects, and
+    (when this end knows them: the cut library's interface) one of the run's ``steps``; anything else is
+    refused (``ProtocolError``, code ``step``) naming both."""
     if msg.step != step or msg.mb != mb or msg.mbs != mbs:
         raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step} micro-batch {msg.mb}/{msg.mbs}; "
                                             f"expected step {step} micro-batch {mb}/{mbs}")
+    if steps is not None and step > steps:
+        raise ProtocolError(ErrorCode.STEP, f"forward for step {step}, but the interface has {steps} steps")
 
 
 def prune_replies(cache: dict[tuple[int, int], Cached], oldest: int) -> dict[tuple[int, int], Cached]:
@@ -157,6 +214,21 @@ def rejoin_step(held: list[int], step: int, cache: Mapping[tuple[int, int], Any]
                                            f"owner stands at step {step}{cached}: resume both sides from "
                                            f"checkpoints of the same step")
     return max(answerable) + 1
+
+
+def check_evaluation_step(msg: Message, applied: int, who: str, staleness: int = 0, under_way: int = 0) -> None:
+    """An evaluation (not the final one) scores the held-out rows after step k, so it comes with step k + 1
+    once the data owner ``who`` has applied k: between steps, when ``applied`` of its steps are applied here,
+    or, with ``staleness`` S steps in flight, up to S steps before (this side may be that far ahead, even
+    within a step: ``under_way``, the micro-batches of step ``applied + 1`` taken, refuse it in lockstep
+    only). Anything else is refused (``ProtocolError``, code ``step``), with the same words at every end."""
+    if applied + 1 - staleness <= msg.step <= applied + 1 and not (under_way and not staleness):
+        return
+    within = f" with step {applied + 1} under way" if under_way and not staleness else ""
+    flight = f" ({staleness} steps in flight)" if staleness else ""
+    raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but {who} has {applied} steps applied "
+                                        f"here{within}{flight}: the held-out rows are scored after a step, before "
+                                        f"the next one's forwards")
 
 
 def resent_evaluation(answered: Message | None, msg: Message) -> Message | None:
@@ -208,12 +280,16 @@ def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[st
 
 
 # -- the end of a run
-def check_bye(msg: Message, steps: int, holder: str, complete: bool = True) -> None:
-    """A bye must say the ``steps`` applied here (``holder``: who has them, for the message) and come
-    between steps (``complete``); else it is refused (``ProtocolError``, code ``step``)."""
+def check_bye(msg: Message, steps: int, who: str, under_way: int = 0) -> None:
+    """A bye of data owner ``who`` (as messages name it) must say exactly the ``steps`` applied here for it,
+    and come between steps: with none of step ``steps + 1``'s micro-batches taken (``under_way``: how many
+    are). Else it is refused (``ProtocolError``, code ``step``), with the same words at every end."""
     said = msg.body.get("steps")
-    if not same_exactly(said, steps) or not complete:
-        raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(said)} steps, but {holder}")
+    if not same_exactly(said, steps):
+        raise ProtocolError(ErrorCode.STEP, f"bye after {wire.show(said)} steps, but {who} has {steps} applied here")
+    if under_way:
+        raise ProtocolError(ErrorCode.STEP, f"bye after {steps} steps, but step {steps + 1} of {who} is under way "
+                                            f"here ({under_way} of its micro-batches taken): say bye between steps")
 
 
 def bye_reply(msg: Message, steps: int) -> Message:

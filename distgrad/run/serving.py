@@ -66,8 +66,8 @@ from distgrad.run.parties import Parties
 from distgrad.run.decisions import (Gradients, Liveness,
                                     Resume, ScoreAgain)
 from distgrad.run.peers import Envelope, Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_forward_order, check_owner,
-                                   check_served_staleness, decode_and_handle, hello_fields, log_refusal,
+from distgrad.run.protocol import (abort_reason, bye_reply, check_bye, check_evaluation_step, check_forward_order,
+                                   check_owner, check_served_staleness, decode_and_handle, hello_fields, log_refusal,
                                    not_accepted, pong, refusal, resent_evaluation, tell_why_stopped)
 from distgrad.run.progress import StageRecords
 from distgrad.run.serving_rounds import RoundMachine
@@ -220,11 +220,12 @@ class ServingStage(RoundMachine):
     def _hello(self, envelope: Envelope, msg: Message, now: float, peer_key: str) -> Message:
         """A peer (re)joins: the hello is checked (``ProtocolError``), then its topology places it."""
         topology, body = self.topology, msg.body
+        index = topology.peer_index(body)          # whose hello, first: as every serving end asks
         mbs = topology.check_hello(body)
         eval_every, staleness = hello_fields(body)
         topology.check_staleness(staleness)
         check_served_staleness(self.exp, staleness)
-        peer = self.run.peers[topology.peer_index(body)]
+        peer = self.run.peers[index]
         topology.check_owner(peer, msg, peer_key)
         topology.runs.clear()                       # whose run is whose may change: ``peer_of`` looks again
         joined = topology.join(peer, msg, mbs, eval_every, peer_key, now)
@@ -286,15 +287,18 @@ class ServingStage(RoundMachine):
         if stopped_at and msg.step > stopped_at:        # the parties stop there; a data owner that goes on is refused
             raise ProtocolError(ErrorCode.STEP, f"forward for step {msg.step}: early stopping ended the run after "
                                                 f"step {stopped_at} (the evaluation after it said stop); say bye")
-        in_turn = self.topology.in_turn(peer)
-        expected = (self.engine.done if in_turn else 0) + len(peer.waiting)
-        check_forward_order(msg, peer.step + 1, expected, peer.mbs)
+        check_forward_order(msg, peer.step + 1, self.taken(peer), peer.mbs)
         if self.state.ledger is not None:               # kept while its reply may be asked for again
             peer.received = {k: v for k, v in peer.received.items() if k in peer.cached or k in peer.waiting}
             peer.received[key] = frames_digest(msg)
         self.accepts.receive(peer, msg)                 # checked, and decoded: nothing else sees parts
         peer.waiting[key] = msg                         # answered in its turn (``advance``)
         return []
+
+    def taken(self, peer: Peer) -> int:
+        """How many micro-batches of ``peer``'s next step this stage has taken: computed (in its turn) or
+        waiting for it. The next forward must be that micro-batch; a bye, none (between steps)."""
+        return (self.engine.done if self.topology.in_turn(peer) else 0) + len(peer.waiting)
 
     def _same_as_first(self, peer: Peer, key: tuple[int, int], msg: Message) -> None:
         """A resent forward answered from the reply cache by a stage whose defense draws noise must carry the
@@ -329,6 +333,8 @@ class ServingStage(RoundMachine):
                                                     f"{msg.step - 1}")
         elif self.run.steps is not None and (again := resent_evaluation(peer.evaluated, msg)) is not None:
             return [(envelope, again)]                    # resent: the same scores
+        else:
+            check_evaluation_step(msg, peer.step, self.topology.name(peer), peer.staleness, self.taken(peer))
         # Several peers: answered at the end of its round when its hello's eval_every says it is due then
         # (``round_done``), else once every round is done.
         peer.evaluate = msg
@@ -346,7 +352,7 @@ class ServingStage(RoundMachine):
         return self._tell_the_others(peer, failure.error) if failure.ends_run and self.count > 1 else []
 
     def _bye(self, peer: Peer, envelope: Envelope, msg: Message) -> list[Reply]:
-        check_bye(msg, peer.step, f"{self.topology.name(peer)} has {peer.step} here")
+        check_bye(msg, peer.step, self.topology.name(peer), self.taken(peer))
         if self.link is not None:
             try:
                 self.link.exchange(Message(wire.BYE, msg.run, msg.step, body={"steps": peer.step}))

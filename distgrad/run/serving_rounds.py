@@ -14,6 +14,7 @@ from distgrad.wire import messages as wire
 from distgrad.errors import NonFiniteError
 from distgrad.wire.link import evaluation_reply
 from distgrad.run.decisions import (Average, Computed, Evaluate, Gradients, Transition)
+from distgrad.run.protocol import prune_replies
 from distgrad.run.peers import Peer, PeerStatus, Phase, Reply
 from distgrad.wire.messages import ErrorCode, Message
 
@@ -201,15 +202,9 @@ class RoundMachine(ServedRun):
         (``g.peers``: whose turn it is, every party of a vertical round) and the next step's targets looked
         up (``Topology.prefetch``). After a step's first micro-batch each peer holds every reply of its earlier
         steps but those still in flight (staleness), so its reply cache keeps only these and this reply."""
-        if g.mb == 0:
-            key = (g.step, 0)
+        if g.mb == 0:           # in lockstep only this step's replies may be asked for again
             for peer in g.peers:
-                if peer.staleness:
-                    peer.cached = {k: v for k, v in peer.cached.items()
-                                   if g.step - peer.staleness <= k[0] < g.step or k == key}
-                else:           # in lockstep only this reply may be asked for again
-                    reply = peer.cached.get(key)
-                    peer.cached = {} if reply is None else {key: reply}
+                peer.cached = prune_replies(peer.cached, g.step - peer.staleness)
         self.engine.add(g.mb, g.mbs, g.later(), g.loss, g.dx)
         if g.mb < g.mbs - 1:
             return

@@ -45,8 +45,8 @@ from distgrad.run.decisions import (Average, Computed, Evaluate, Failure, Gradie
 from distgrad.run.handshake import check_hello, common_step, hello
 from distgrad.wire.link import check_evaluation, check_reply, final_body, is_final
 from distgrad.run.peers import Peer, PeerStatus, Phase, RunState
-from distgrad.run.protocol import (abort_reason, check_owner, is_abort_notice, rejoin_step, resent_evaluation,
-                                   unknown_run)
+from distgrad.run.protocol import (abort_reason, check_lockstep, check_owner, hello_peer, is_abort_notice,
+                                   rejoin_step, resent_evaluation, unknown_run)
 from distgrad.stage.records import evaluation_fields
 from distgrad.stage.stage import average_parameters, backward_specs, evaluate_held_out, kept_model, micro_batch
 from distgrad.wire.messages import ErrorCode, Message
@@ -203,17 +203,11 @@ class Topology(abc.ABC):
 
     def peer_index(self, body: dict[str, Any]) -> int:
         """Which peer a hello comes from (``ProtocolError`` when it names none this stage serves)."""
-        index = body.get("client")
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; this stage serves "
-                                                    f"clients 0 to {self.count - 1} (give --client)")
-        return index
+        return hello_peer(body, self.serving.exp.name, clients=self.count)
 
     def check_staleness(self, staleness: int) -> None:
         """Several peers take lockstep steps only: a hello asking for steps in flight is refused."""
-        if staleness:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has staleness={staleness}; a stage serving several "
-                                                    f"clients or parties takes lockstep steps only")
+        check_lockstep(staleness)
 
     def check_owner(self, peer: Peer, msg: Message, peer_key: str) -> None:
         """With CURVE a peer is the key it first said hello with."""
@@ -791,11 +785,7 @@ class OnePeer(Turns):
         return ""
 
     def peer_index(self, body: dict[str, Any]) -> int:
-        index = body.get("client", 0)
-        if index != 0:
-            raise ProtocolError(ErrorCode.MISMATCH, f"hello has client={wire.show(index)}; experiment "
-                                                    f"{self.serving.exp.name!r} has no [clients]")
-        return 0
+        return hello_peer(body, self.serving.exp.name)
 
     def check_staleness(self, staleness: int) -> None:
         """One peer may keep steps in flight."""
