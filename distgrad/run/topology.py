@@ -301,7 +301,9 @@ class Topology(abc.ABC):
         if s.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
             raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
                                                 f"{peer.step}; this run averages every {every or 'never'} steps")
-        wire.expect_tensors(msg, s.accepts.params, s.exp.allow_nonfinite)
+        run = self.run
+        others = [m for p in run.peers if p is not peer for m in (p.average, p.averaged) if m is not None]
+        wire.expect_tensors(msg, s.accepts.average_specs(msg, others), s.exp.allow_nonfinite)
         return None
 
     def advance_averaging(self) -> Average | None:
