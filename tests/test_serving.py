@@ -681,3 +681,14 @@ def test_a_splitfed_client_whose_parameters_differ_from_the_others_is_refused_an
     assert len(refused) == 1 and refused[0].code == ErrorCode.TENSOR, replies
     assert "expected float32" in str(refused[0])
     assert not any(getattr(reply, "type", None) == wire.AVERAGE for _, reply in replies)
+
+
+def test_an_average_to_a_stage_that_averages_nothing_is_refused_saying_so():
+    server, exp = _serving("digits-clients")
+    for c in range(3):
+        server.handle([b"c%d" % c], hello_message(exp, f"run{c}", client=c), 0.0)
+    before = _params(server)
+    with pytest.raises(ProtocolError, match="averages nothing") as refused:
+        server.handle([b"c0"], Message(wire.AVERAGE, "run0", 0, tensors={"x": np.ones(2, np.float32)}), 0.0)
+    assert refused.value.code == ErrorCode.TYPE and "never" not in str(refused.value)
+    assert _same(before, server.stage.params) and server.peers[0].average is None

@@ -298,7 +298,10 @@ class Topology(abc.ABC):
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} does not take part in this average "
                                                f"(it was dropped or is rejoining); say hello again")
         every = s.exp.clients.average_every
-        if s.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
+        if s.exp.clients.mode != "splitfed":
+            raise ProtocolError(ErrorCode.TYPE, f"an average is for SplitFed clients; experiment {s.exp.name!r} "
+                                                f"averages nothing (its [clients] mode is not \"splitfed\")")
+        if msg.step != peer.step or msg.step % every:
             raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
                                                 f"{peer.step}; this run averages every {every or 'never'} steps")
         run = self.run
