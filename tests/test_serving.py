@@ -679,6 +679,7 @@ def test_a_splitfed_client_whose_parameters_differ_from_the_others_is_refused_an
     replies = _through_first_average(server, f_exp, sent)
     refused = [reply for _, reply in replies if isinstance(reply, ProtocolError)]
     assert len(refused) == 1 and refused[0].code == ErrorCode.TENSOR, replies
+    assert "client 2's parameters are not the model client 0 averages" in str(refused[0])
     assert "expected float32" in str(refused[0])
     assert not any(getattr(reply, "type", None) == wire.AVERAGE for _, reply in replies)
 

@@ -304,10 +304,22 @@ class Topology(abc.ABC):
         if msg.step != peer.step or msg.step % every:
             raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
                                                 f"{peer.step}; this run averages every {every or 'never'} steps")
-        run = self.run
-        others = [m for p in run.peers if p is not peer for m in (p.average, p.averaged) if m is not None]
-        wire.expect_tensors(msg, s.accepts.average_specs(msg, others), s.exp.allow_nonfinite)
+        self._check_parameters(peer, msg)
         return None
+
+    def _check_parameters(self, peer: Peer, msg: Message) -> None:
+        """An average's tensors (``Accepts.average_specs``): the first stage's parameters, or, where this
+        stage's file does not define that stage, those the other clients' averages of the run carry."""
+        s = self.serving
+        others = [(p, m) for p in self.run.peers if p is not peer for m in (p.average, p.averaged) if m is not None]
+        try:
+            wire.expect_tensors(msg, s.accepts.average_specs(msg, [m for _, m in others]), s.exp.allow_nonfinite)
+        except ProtocolError as e:
+            if s.accepts.params is not None or not others or e.code != ErrorCode.TENSOR:
+                raise
+            raise ProtocolError(ErrorCode.TENSOR, f"client {peer.index}'s parameters are not the model client "
+                                                  f"{others[0][0].index} averages (every client of a SplitFed run "
+                                                  f"has the same first stage): {e.args[0]}") from e
 
     def advance_averaging(self) -> Average | None:
         """SplitFed: once every peer of the round sent its parameters, their mean, for each of them; None
