@@ -360,3 +360,25 @@ def test_a_client_killed_between_its_replies_and_its_update_redoes_that_step_bit
     for name in [*CLIENTS, "g"]:
         assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
     assert [line["step"] for line in read_lines(tmp_path / "f@1.jsonl")] == list(range(1, steps + 1))
+
+
+# Slow (four processes): test_serving.py::test_a_splitfed_label_owner_from_its_own_stage_file_averages_what_the_
+# clients_send checks the same path of the serving stage by default, without sockets.
+@pytest.mark.slow
+def test_splitfed_from_stage_files_equals_the_in_process_order(tmp_path, stage_group):
+    """digits-splitfed as `distgrad split` writes it, each party started with its own stage file (the label
+    owner's does not hold the clients' model): bitwise the combined experiment's in-process run."""
+    from distgrad.config.parse import load_experiment
+    from distgrad.config.split import split_experiment
+    steps = 25
+    files = {path.stem: path for path in split_experiment(load_experiment("digits-splitfed"), tmp_path / "parties")}
+    run = stage_group(Clients, tmp_path, str(files["f"]), steps, f"ipc://{tmp_path}/g.sock", "--timeout", "2")
+    run.args["g"][run.args["g"].index("--experiment") + 1] = str(files["g"])
+    run.start("g")
+    for client in CLIENTS:
+        run.start(client)
+    run.wait_all()
+    reference = _reference(tmp_path, "digits-splitfed", "--steps", str(steps))["params"]
+    assert read_json(tmp_path / "g.json")["params"]["g"] == reference["g"]
+    for name in CLIENTS:
+        assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name

@@ -620,3 +620,76 @@ def test_the_serving_stage_is_in_parts_a_reader_can_hold():
                 if size > (400 if isinstance(node, ast.ClassDef) else 50):
                     too_big.append(f"{module}.{node.name}: {size} lines")
     assert not too_big, too_big
+
+
+def _splitfed_parties(tmp_path) -> tuple[ServingStage, object]:
+    """digits-splitfed as stage files (``distgrad split``): the label owner's serving stage, built from its own
+    file, which does not define the data owners' model, and the data owners' experiment (their file)."""
+    from distgrad.config.split import split_experiment
+    files = {path.stem: path for path in split_experiment(load_experiment("digits-splitfed"), tmp_path / "parties")}
+    g_exp, f_exp = load_experiment(str(files["g"])), load_experiment(str(files["f"]))
+    assert not g_exp.has_stage("f")
+    return ServingStage(StageOptions(g_exp, "g", g_exp.seed)), f_exp
+
+
+def _through_first_average(server: ServingStage, f_exp, tensors: list[dict[str, np.ndarray]]) -> list:
+    """Three clients' hellos and forwards up to the first average, then their averages (``tensors[c]``): the
+    replies to the averages."""
+    peers = [[b"c0"], [b"c1"], [b"c2"]]
+    for c in range(3):
+        server.handle(peers[c], hello_message(f_exp, f"run{c}", client=c), 0.0)
+    every = f_exp.clients.average_every
+    for step in range(1, every + 1):
+        for c in range(3):
+            server.handle(peers[c], _forward(f_exp, f"run{c}", step, client=c), 0.0)
+            while server.settle():
+                pass
+    replies = []
+    for c in range(3):
+        try:
+            replies += server.handle(peers[c], Message(wire.AVERAGE, f"run{c}", every, tensors=tensors[c]), 0.0)
+        except ProtocolError as refused:
+            replies.append((peers[c], refused))
+        replies += server.settle()
+    return replies
+
+
+def test_a_splitfed_label_owner_from_its_own_stage_file_averages_what_the_clients_send(tmp_path):
+    """The label owner's stage file does not hold the clients' model: it still serves SplitFed, taking the
+    parameters' names and shapes from the clients' averages (every client's alike), and answers each with
+    their mean in client order."""
+    server, f_exp = _splitfed_parties(tmp_path)
+    f = Stage.from_experiment(f_exp, "f")
+    sent = [{name: value + np.float32(c) for name, value in f.params.items()} for c in range(3)]
+    replies = _through_first_average(server, f_exp, sent)
+    assert [reply.type for _, reply in replies] == [wire.AVERAGE] * 3
+    for name in f.params:
+        expected = (sent[0][name] + sent[1][name] + sent[2][name]) / np.float32(3)
+        for _, reply in replies:
+            assert np.array_equal(reply.tensors[name], expected), name
+
+
+def test_a_splitfed_client_whose_parameters_differ_from_the_others_is_refused_and_nothing_changes(tmp_path):
+    """A client with another model (another stage file) sends parameters of other shapes: refused with the
+    reason (code tensor), the others' average is not answered with them."""
+    server, f_exp = _splitfed_parties(tmp_path)
+    f = Stage.from_experiment(f_exp, "f")
+    sent = [dict(f.params), dict(f.params), {name: np.zeros((2, *value.shape), np.float32)
+                                             for name, value in f.params.items()}]
+    replies = _through_first_average(server, f_exp, sent)
+    refused = [reply for _, reply in replies if isinstance(reply, ProtocolError)]
+    assert len(refused) == 1 and refused[0].code == ErrorCode.TENSOR, replies
+    assert "client 2's parameters are not the model client 0 averages" in str(refused[0])
+    assert "expected float32" in str(refused[0])
+    assert not any(getattr(reply, "type", None) == wire.AVERAGE for _, reply in replies)
+
+
+def test_an_average_to_a_stage_that_averages_nothing_is_refused_saying_so():
+    server, exp = _serving("digits-clients")
+    for c in range(3):
+        server.handle([b"c%d" % c], hello_message(exp, f"run{c}", client=c), 0.0)
+    before = _params(server)
+    with pytest.raises(ProtocolError, match="averages nothing") as refused:
+        server.handle([b"c0"], Message(wire.AVERAGE, "run0", 0, tensors={"x": np.ones(2, np.float32)}), 0.0)
+    assert refused.value.code == ErrorCode.TYPE and "never" not in str(refused.value)
+    assert _same(before, server.stage.params) and server.peers[0].average is None

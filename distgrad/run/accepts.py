@@ -21,6 +21,9 @@ from distgrad.wire.wirecodec import ACTIVATION, Expected
 
 MAX_EVAL_ROWS = 1 << 16    # held-out rows a middle stage without data passes on in one evaluation,
 MAX_EVAL_BYTES = 1 << 27   # and at most this many bytes of them (128 MiB)
+# A SplitFed average's parameters at most, when this stage's file does not define the first stage's model
+# (a label owner's own stage file): their names and shapes are then the first average's of the run.
+MAX_AVERAGE_BYTES = 1 << 27
 
 
 class Accepts:
@@ -48,14 +51,31 @@ class Accepts:
         rows = len(data[0].test_rows) if data else self.rows_max if middle else 0
         self.evaluations = [single.with_rows(rows) if rows else None for single in singles]    # per peer
         limits += [frame_limit(specs.specs) for specs in self.evaluations if specs]
-        self.params: TensorSpecs = {}        # what a SplitFed average carries: the first stage's parameters
-        if exp.clients.mode == "splitfed":
+        # What a SplitFed average carries: the first stage's parameters; None when this stage's file does not
+        # define that stage (``average_specs``).
+        self.params: TensorSpecs | None = {}
+        if exp.clients.mode == "splitfed" and exp.has_stage(upstream):
             first_model, _, _ = build_stage_parts(exp, upstream, seed, init)
             self.params = {name: (value.shape, value.dtype) for name, value in first_model.params.items()}
             limits.append(frame_limit(self.params))
+        elif exp.clients.mode == "splitfed":
+            self.params = None
+            limits.append((MAX_AVERAGE_BYTES, MAX_AVERAGE_BYTES))
         # The largest message this stage accepts: a whole batch, the held-out rows, or SplitFed parameters.
         self.max_frame_bytes = max(limit[0] for limit in limits)
         self.max_tensor_bytes = max(limit[1] for limit in limits)
+
+    def average_specs(self, msg: Message, others: list[Message]) -> TensorSpecs:
+        """The parameters a SplitFed average ``msg`` must carry: the first stage's, when this stage's file
+        defines its model; else those of ``others`` (the run's averages and mean so far: every client's alike),
+        or, for the run's first, its own, float32, at least one."""
+        if self.params is not None:
+            return self.params
+        for other in others:
+            return {name: (value.shape, np.dtype(np.float32)) for name, value in other.tensors.items()}
+        if not msg.tensors:
+            raise ProtocolError(ErrorCode.TENSOR, "an average must carry the first stage's parameters; got none")
+        return {name: (value.shape, np.dtype(np.float32)) for name, value in msg.tensors.items()}
 
     def forward(self, mbs: int, index: int) -> Expected:
         """What a forward of peer ``index`` carries with ``mbs`` micro-batches: its activation, coded (and

@@ -292,11 +292,28 @@ class Topology(abc.ABC):
             raise ProtocolError(ErrorCode.RUN, f"client {peer.index} does not take part in this average "
                                                f"(it was dropped or is rejoining); say hello again")
         every = s.exp.clients.average_every
-        if s.exp.clients.mode != "splitfed" or msg.step != peer.step or msg.step % every:
+        if s.exp.clients.mode != "splitfed":
+            raise ProtocolError(ErrorCode.TYPE, f"an average is for SplitFed clients; experiment {s.exp.name!r} "
+                                                f"averages nothing (its [clients] mode is not \"splitfed\")")
+        if msg.step != peer.step or msg.step % every:
             raise ProtocolError(ErrorCode.STEP, f"average at step {msg.step}: client {peer.index} is at step "
                                                 f"{peer.step}; this run averages every {every or 'never'} steps")
-        wire.expect_tensors(msg, s.accepts.params, s.exp.allow_nonfinite)
+        self._check_parameters(peer, msg)
         return None
+
+    def _check_parameters(self, peer: Peer, msg: Message) -> None:
+        """An average's tensors (``Accepts.average_specs``): the first stage's parameters, or, where this
+        stage's file does not define that stage, those the other clients' averages of the run carry."""
+        s = self.serving
+        others = [(p, m) for p in self.run.peers if p is not peer for m in (p.average, p.averaged) if m is not None]
+        try:
+            wire.expect_tensors(msg, s.accepts.average_specs(msg, [m for _, m in others]), s.exp.allow_nonfinite)
+        except ProtocolError as e:
+            if s.accepts.params is not None or not others or e.code != ErrorCode.TENSOR:
+                raise
+            raise ProtocolError(ErrorCode.TENSOR, f"client {peer.index}'s parameters are not the model client "
+                                                  f"{others[0][0].index} averages (every client of a SplitFed run "
+                                                  f"has the same first stage): {e.args[0]}") from e
 
     def advance_averaging(self) -> Average | None:
         """SplitFed: once every peer of the round sent its parameters, their mean, for each of them; None
