@@ -1023,3 +1023,38 @@ def test_a_torch_loops_evaluate_result_reaches_the_numpy_layers_checks():
     for result, text in [((loss, 1, 2), "must return (loss, correct)"), (loss, "must return (loss, correct)"),
                          ((torch.ones(2), 1), "must be one number"), ((loss, torch.tensor(1.5)), "correct=")]:
         assert text in caught(lambda: scored(result)), result
+
+
+@pytest.mark.integration
+def test_a_reply_keeps_the_gradient_the_loop_gave_when_the_loop_reuses_one_array_for_every_gradient():
+    """A loop that writes each micro-batch's gradient into one array it keeps (no allocation per step) and
+    gives it to ``batch.reply``: the reply kept for a resend (here in the saved state, sent again to a data
+    owner resumed one step behind) holds what the gradient was when it was replied, not the array's later
+    values. (The reply's array used to be the loop's own, kept by reference.)"""
+    fields = {**FIELDS, "micro_batches": 2, "steps": 1}
+
+    def reused(server):
+        grad = np.empty((2, 3), np.float32)
+        for batch in server:
+            grad[...] = batch.mb + 1                 # the same array for every micro-batch
+            batch.reply(float(batch.mb + 1), grad)
+            if batch.last:
+                grad[...] = -1                       # and written again once the step is done
+                return server.state_dict()
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", **fields), reused)
+    cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields)
+    start = cut.state_dict()
+    first = cut.step(h_of(1))
+    state, error = served.result()
+    assert error is None, error
+    cut.close(finished=False)
+    assert first[1].tolist() == [[0.5] * 3] * 2 + [[1.0] * 3] * 2     # each micro-batch's, scaled by 1/2
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", state=state, liveness_s=0.5, peer_deadline_s=1.5,
+                                   **fields), lambda server: list(server))
+    with Cut.connect(served.server.endpoint, step=0, run=start["run"], timeout_s=1.0, peer_deadline_s=5.0,
+                     **fields) as cut:
+        again = cut.step(h_of(1))                    # answered from the kept replies, computed once
+        cut.close(finished=False)
+    served.result()
+    assert again[0] == first[0] and again[1].tolist() == first[1].tolist()

@@ -624,3 +624,34 @@ def test_a_party_whose_loop_fails_before_its_hello_stops_the_label_owner_and_the
     _, error = served.result()
     assert isinstance(error, PeerAborted) and "stage p1 stopped: its loop failed: CutMisuse: h has shape" in str(error)
     assert isinstance(results[0], PeerAborted) and "stage p1 stopped" in str(results[0]), results
+
+
+@pytest.mark.parametrize("aggregate", ["sum", "concat"])
+def test_replies_keep_the_gradient_the_loop_gave_when_the_loop_reuses_one_array(aggregate):
+    """A label owner's loop that writes every gradient into one array it keeps and writes it again after
+    ``batch.reply``: each party receives, and its kept replies (the saved state) hold, the gradient as it was
+    when replied. (A party's part that was the loop's own array was sent at the next ``__next__`` and kept by
+    reference, so it carried the array's later values.)"""
+    fields = dict(FIELDS, parties=2, aggregate=aggregate)
+    width = 6 if aggregate == "concat" else 3
+    states = []
+
+    def body(server):
+        grad = np.empty((4, width), np.float32)
+        for batch in server:
+            grad[...] = batch.step
+            batch.reply(1.0, grad)
+            grad[...] = -1                  # the loop's array, written again before the replies leave
+            states.append(server.state_dict())
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), body)
+    results: dict = {}
+    for t in _parties(served.server.endpoint, 2, fields, results):
+        t.join(30)
+    _, error = served.result()
+    assert error is None, error
+    for step in range(1, fields["steps"] + 1):
+        for i in range(2):
+            assert results[(i, step)][1].tolist() == [[float(step)] * 3] * 4, (i, step)
+    kept = [(r["step"], t) for state in states for p in state["peers"] for r in p["replies"]
+            for t in r["tensors"].values()]
+    assert kept and all(np.all(t == step) for step, t in kept)

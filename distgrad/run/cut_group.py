@@ -50,7 +50,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, reply_state, saved_reply
+from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, owned_copy, reply_state, saved_reply
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
@@ -442,10 +442,12 @@ class GroupServer(CutServer, serves_several=True):
         if nonfinite is not None:
             self._fail_step(batch, peers, nonfinite)
         grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
-                 else [np.ascontiguousarray(grad)])
+                 else [grad])
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
-            sent = [p.senders.message_tensors(GRADIENT, np.ascontiguousarray(g), stream, batch.step)
+            # A part that is still the loop's array is copied (``owned_copy``): the loop may write it again.
+            sent = [p.senders.message_tensors(GRADIENT, owned_copy(g) if np.may_share_memory(g, grad)
+                                              else np.ascontiguousarray(g), stream, batch.step)
                     for p, g in zip(peers, grads)]
         except CodecRangeError as e:
             for p in peers:

@@ -440,7 +440,7 @@ class CutServer:
             self._fail(batch, nonfinite)
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
-            tensors = self.senders.message_tensors(GRADIENT, np.ascontiguousarray(grad), stream, batch.step)
+            tensors = self.senders.message_tensors(GRADIENT, owned_copy(grad), stream, batch.step)
         except CodecRangeError as e:
             self._fail(batch, f"stage {self.side.stage}: {e}; nothing of this step was applied")
         reply = Message(wire.BACKWARD, self.run_id, batch.step, batch.mb, batch.mbs, tensors=tensors,
@@ -656,6 +656,13 @@ def reply_state(m: Message) -> dict[str, Any]:
     """A cached reply as a saved state holds it (plain values and numpy arrays; ``saved_reply`` reads it)."""
     return {"step": m.step, "mb": m.mb, "mbs": m.mbs, "loss": m.body["loss"], "compute_s": m.body["compute_s"],
             "tensors": {n: np.array(t) for n, t in m.tensors.items()}}
+
+
+def owned_copy(grad: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of a gradient the loop gave ``Batch.reply``: the reply keeps it (for a resend, a
+    saved state) and may send it without a copy, while the loop may write its array again at once (one array
+    reused for every gradient)."""
+    return np.array(grad, order="C")
 
 
 def saved_reply(r: Any, run: str, step: int, mbs: int, shape: tuple[int, ...], exp: Any) -> Message:
