@@ -1042,7 +1042,8 @@ def test_a_reply_keeps_the_gradient_the_loop_gave_when_the_loop_reuses_one_array
                 grad[...] = -1                       # and written again once the step is done
                 return server.state_dict()
 
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", **fields), reused)
+    # The loop ends with the step: the server waits liveness_s for a bye that never comes (short here).
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.5, peer_deadline_s=5.0, **fields), reused)
     cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields)
     start = cut.state_dict()
     first = cut.step(h_of(1))
