@@ -23,8 +23,8 @@ applied in, and equal values mean equal IDs.
    party holds (``L_0`` under keys {0..m} and ``L_1`` under keys {1..m} differ
    by the coordinator's key alone).
 2. The coordinator intersects the fully encrypted lists and sorts the common
-   values: that is the agreed order. For each list it finds the positions of
-   the common values in that order; those of ``L_0`` travel back through
+   values (random to everyone; positions travel in that order). For each list
+   it finds the positions of the common values in that order; those of ``L_0`` travel back through
    parties n-1 .. 1, each undoing its shuffle.
 3. Each party receives its positions and maps them to its rows through its
    permutation: its rows of the common IDs, sorted by ID (the order every

@@ -119,6 +119,20 @@ class CodecRangeError(DistgradError, ValueError):
         super().__init__(f"codec {codec}: tensor {tensor!r} at step {step}: {message}")
         self.codec, self.tensor, self.step = codec, tensor, step
 
+    @property
+    def public(self) -> str:
+        """What a peer may be told (``peer_text``): the codec, the tensor and the step, not the value or its
+        index, which are the sender's own data (under secure aggregation, what no one else may see)."""
+        return (f"codec {self.codec}: tensor {self.tensor!r} at step {self.step} holds a value the codec cannot "
+                f"carry (the log of the stage that sent it names the value)")
+
+
+def peer_text(error: BaseException) -> str:
+    """The text of ``error`` that a stage may send its peer (an abort notice, which a label owner of vertical
+    parties relays to every other party): ``CodecRangeError.public`` for a value out of a codec's range,
+    else ``str(error)``."""
+    return error.public if isinstance(error, CodecRangeError) else str(error)
+
 
 class InputGuardStop(DistgradError, RuntimeError):
     """A data owner's ``input_guard`` found its activations invertible beyond its ``max_r2``: the run stops

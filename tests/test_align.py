@@ -118,6 +118,18 @@ def test_common_positions_match_set_intersection():
     assert [len(p) for p in al.common_positions([values[0][:5], values[0][5:10]])] == [0, 0]
 
 
+
+def test_the_documented_agreed_order_is_the_order_the_files_are_written_in():
+    """docs/security.md says what order the aligned files hold (what a party learns from it): ascending ID
+    text, not the order of the encrypted values, which is what ``_agreed_rows`` does."""
+    table = al.Table(Path("t.csv"), ["id", "x"], [["b", "1"], ["c", "2"], ["a", "3"]], 0)
+    assert [table.rows[i][0] for i in al._agreed_rows(table, [2, 0, 1])] == ["a", "b", "c"]
+    text = (Path(__file__).parent.parent / "docs" / "security.md").read_text()
+    section = text.split("## Aligning the parties' rows")[1].split("\n## ")[0]
+    flat = " ".join(section.split())
+    assert "The agreed order is the order of the fully encrypted common values" not in flat
+    assert "by ascending ID text, the agreed order its file is written and trained in" in flat
+
 def test_digests_are_bound_to_their_sender_and_tags_to_both_ends():
     """A digest names its sender, so a party's own digest never passes for another's; a tag from A to B is
     what B computes with its own secret and A's public key, and neither B to A's nor C's."""

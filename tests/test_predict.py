@@ -321,6 +321,27 @@ loss = "softmax_cross_entropy"
         f"new-{i + 1},{p}\n" for i, p in enumerate(expected.tolist()))
 
 
+def test_a_vertical_partys_refused_hello_or_chunk_names_none_of_another_partys_rows(tmp_path: Path):
+    """A party whose prediction hello announces another row count or ID column than another party is
+    refused with its own count and column only: it learns neither of the other party's --input."""
+    from distgrad.run import handshake
+    exp = load_experiment("digits-halves")
+
+    def hello(name: str, rows: int, id_column: str | None) -> Message:
+        message = handshake.hello(exp, name, exp.seed, exp.cuts[exp.stage_index(name)], f"run-{name}", [0], 0, 1)
+        message.body.update(purpose="predict", rows=rows, **({"id_column": id_column} if id_column else {}))
+        return message
+
+    server = PredictionServer(StageOptions(exp, "g", exp.seed), tmp_path / "out.csv", None)
+    server.handle(hello("left", 43, "secret_column"), 0.0)
+    with pytest.raises(ProtocolError, match="party right announces 31 rows") as info:
+        server.handle(hello("right", 31, "secret_column"), 0.0)
+    assert "43" not in str(info.value) and info.value.code == ErrorCode.MISMATCH
+    with pytest.raises(ProtocolError, match="every party keeps the ID column, or none") as info:
+        server.handle(hello("right", 43, "person"), 0.0)
+    assert "secret_column" not in str(info.value)
+    server.handle(hello("right", 43, "secret_column"), 0.0)       # the same rows: accepted
+
 def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     """Each feature party sends its rows' IDs: the label owner refuses a chunk whose IDs are not the other
     party's (their files are not aligned), keeping nothing of it, and a party that sends no IDs."""

@@ -322,3 +322,25 @@ def test_torch_stages_over_processes_equal_the_reference(tmp_path):
     reference = train_in_process(parse_experiment(read_toml(path), str(path)), steps=10, micro_batches=2)
     summary = read_json(tmp_path / "run.json")
     assert summary["params"] == reference["params"] and summary["final_loss"] == reference["final_loss"]
+
+
+def test_a_value_out_of_range_is_not_told_to_the_label_owner_nor_relayed_to_the_other_parties():
+    """A feature party whose embedding holds a value secure aggregation cannot carry stops; its abort notice
+    (which the label owner relays to every other party) names the codec, the stream and the step, never the
+    value or its index: those are the party's embedding, which no one else may see."""
+    from types import SimpleNamespace
+    from distgrad.run.driver import _Driver
+    from distgrad.wire import messages as wire
+
+    x = np.zeros((4, 3), np.float32)
+    x[2, 1] = 7.25e8
+    with pytest.raises(CodecRangeError) as e:
+        aggregate.quantise(x, 3, "activation/mb0of1", 5)
+    assert "725000000" in str(e.value) and "(2, 1)" in str(e.value)      # the party's own log names them
+    sent: list = []
+    driver = SimpleNamespace(state=SimpleNamespace(run_id="r1"), opts=SimpleNamespace(stage="a"),
+                             link=SimpleNamespace(send=sent.append))
+    assert _Driver._tell_below(driver, e.value)
+    text = str(sent[0].body["message"])
+    assert sent[0].type == wire.ERROR and "'activation/mb0of1' at step 5" in text and "secure_sum" in text
+    assert "725000000" not in text and "7.25e" not in text and "(2, 1)" not in text and "index" not in text

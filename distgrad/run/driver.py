@@ -28,7 +28,8 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import PINGS, LinkProbe, time_compute
 
 from distgrad.wire import messages as wire
-from distgrad.errors import ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError
+from distgrad.errors import (ConfigError, Interrupted, PeerRejected, PeerTimeout, ProtocolError, StageError,
+                             peer_text)
 from distgrad.wire.link import DownstreamLink, check_evaluation, check_reply, final_body, is_final
 from distgrad.run.metering import Guarding, Metering, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS
@@ -462,12 +463,12 @@ class _Driver:
                 self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
 
     def _tell_below(self, error: Exception) -> bool:
-        """Send the stage below an ``aborted`` notice naming ``error`` (best effort: the link is closing);
-        True when it was sent. Not once the run is over, nor before it has an id."""
+        """Send the stage below an ``aborted`` notice naming ``error`` (``peer_text``: no value of this stage's
+        own; best effort: the link is closing); True when it was sent. Not once the run is over, nor before it has an id."""
         if not self.state.run_id:
             return False
         try:
-            self.link.send(wire.abort_notice(self.state.run_id, self.opts.stage, f"it failed: {error}"))
+            self.link.send(wire.abort_notice(self.state.run_id, self.opts.stage, f"it failed: {peer_text(error)}"))
         except Exception:           # noqa: BLE001 - the notice is a courtesy; the failure is what is raised
             return False
         return True

@@ -622,15 +622,20 @@ class PredictionServer:
                 now - session.last_seen <= self.opts.liveness_s:
             raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
                                                          now - session.last_seen, self.opts.liveness_s))
+        # A refusal names the sender's own row count and ID column only: a party learns neither of another
+        # party's --input (this stage's log has both).
         for other, theirs in self.sessions.items():
             if other != sender and theirs.rows != rows:
-                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, party {other} "
-                                                        f"{theirs.rows}: every party predicts the same rows")
+                self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
+                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, not as many as "
+                                                        f"party {other}: every party predicts the same rows (its "
+                                                        f"--input files aligned, distgrad align)")
             if other != sender and theirs.id_name != id_name:
+                self.log.warning("party %s sends the IDs of column %s, party %s of column %s", sender,
+                                 wire.show(id_name), other, wire.show(theirs.id_name))
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
-                                                        f"{wire.show(id_name)}, party {other} of column "
-                                                        f"{wire.show(theirs.id_name)}: every party keeps the ID "
-                                                        f"column, or none")
+                                                        f"{wire.show(id_name)}, party {other} not of that column: "
+                                                        f"every party keeps the ID column, or none")
         names = body.get("class_names")
         classes = None if names is None else check_class_names(
             names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
@@ -728,8 +733,10 @@ class PredictionServer:
         if len(parts) < len(arrived) or number in self.predictions:
             return
         if len({len(part) for part in parts}) != 1:
-            raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: the parties sent {[len(p) for p in parts]} "
-                                                  f"rows; every party sends the same rows")
+            self.log.warning("chunk %d: the parties sent %s rows", number, [len(p) for p in parts])
+            raise ProtocolError(ErrorCode.TENSOR, f"chunk {number}: party {sender} sent "
+                                                  f"{len(parts[self.parties.index(sender)])} rows, not as many "
+                                                  f"as every other party; every party sends the same rows")
         ids = [self.sessions[name].ids.get(number) for name in self.parties]
         mine = ids[self.parties.index(sender)]
         differ = next((i for i, other in enumerate(ids) if other != mine), None)
