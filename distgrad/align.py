@@ -317,11 +317,12 @@ class PartyKeys:
     def load(cls, public_z85: bytes, secret_z85: bytes, server_z85: bytes, directory: Path) -> "PartyKeys":
         """The key pair (Z85, as ``keys.CurveClient`` holds it) and every ``*.key`` in ``directory`` but this
         party's own and the coordinator's. Raises ``ConfigError`` naming the directory or the file."""
-        from distgrad.wire.keys import load_public
+        from distgrad.wire.keys import check_trusted, load_public
 
         directory = Path(directory)
         if not directory.is_dir():
             raise ConfigError(f"--party-keys {directory} is not a directory of the other parties' public keys")
+        check_trusted(directory, "--party-keys directory")
         files = sorted(directory.glob("*.key"))
         if not files:
             raise ConfigError(f"--party-keys {directory} holds no *.key files: copy each other party's NAME.key "
@@ -332,6 +333,7 @@ class PartyKeys:
         secret = _raw_key(secret_z85, "this party's secret key")
         trusted = set()
         for path in files:
+            check_trusted(path, "party key file")
             key = _raw_key(load_public(path), str(path))
             try:
                 digest_tag(secret, key, own, key, "0" * 64)

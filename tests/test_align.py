@@ -771,6 +771,12 @@ def test_party_keys_that_are_not_usable_exit_2_before_anything_connects(tmp_path
     zero = z85.encode(bytes(32)).decode()
     (low_order / "zero.key").write_text(text.replace(text.split('public-key = "')[1].split('"')[0], zero))
     cases.append((low_order, "holds no usable public key"))
+    keygen(tmp_path / "others", "p2")               # a usable key, but other users may swap it or add one
+    (tmp_path / "others").chmod(0o777)
+    cases.append((tmp_path / "others", "others is writable by other users"))
+    keygen(tmp_path / "loose", "p2")
+    (tmp_path / "loose" / "p2.key").chmod(0o620)
+    cases.append((tmp_path / "loose", "p2.key is writable by other users"))
     for directory, message in cases:
         result = run_main(["align", good, "--id-column", "id", "--out", tmp_path / "o.csv", "--connect",
                            "tcp://127.0.0.1:5", *curve, "--party-keys", directory])
