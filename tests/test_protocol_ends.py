@@ -480,6 +480,22 @@ def test_every_end_refuses_a_wait_that_is_not_bounded(seconds, tmp_path):
         CutServer.bind("tcp://127.0.0.1:*", peer_deadline_s=value, **CUT_FIELDS)
 
 
+def test_every_end_refuses_a_liveness_no_heartbeat_can_carry(tmp_path):
+    """ZeroMQ's heartbeat carries its time-to-live in 16 bits of deciseconds: a liveness window over 6553 s was
+    taken and then failed inside ZeroMQ with a traceback (exit 1) at the first socket. It is refused before
+    anything starts, with the same words, by a daemon's flags and the cut library's arguments."""
+    text = "must be at most 6553 seconds (the longest ZeroMQ heartbeat), got 7000.0"
+    stage = run_main(["stage", "f", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:5",
+                      "--liveness", "7000"])
+    assert stage.returncode == 2 and f"--liveness {text}" in stage.stderr, stage.stderr
+    run = run_main(["run", "seed-reverse", "--steps", "2", "--liveness", "7000"])
+    assert run.returncode == 2 and f"--liveness {text}" in run.stderr, run.stderr
+    with pytest.raises(ConfigError, match=re.escape(f"--liveness {text}")):
+        AlignOptions(tmp_path / "ids.csv", "id", tmp_path / "out.csv", connect="tcp://127.0.0.1:5", liveness_s=7000.0)
+    with pytest.raises(ConfigError, match=re.escape(f"liveness_s {text}")):
+        Cut.connect("tcp://127.0.0.1:5", liveness_s=7000.0, **CUT_FIELDS)
+
+
 # -- the label owner of ``distgrad predict``, which serves its own messages (predict, predicted) by the same rules
 
 @pytest.fixture(scope="module")
