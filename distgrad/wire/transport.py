@@ -496,7 +496,7 @@ class Client:
             if check_stop is not None:
                 check_stop()
             left = deadline - now
-            if left <= 0:
+            if not left > 0:                    # a NaN timeout too: never a wait without end
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"({self.unreachable_hint()})")
             try:
