@@ -510,7 +510,8 @@ class _Coordinator:
     run: str = field(default_factory=lambda: secrets.token_hex(8))
     parties: dict[bytes, _Party] = field(default_factory=dict)    # by routing id
     joining: bool = True
-    refused: list[str] = field(default_factory=list)
+    refused: dict[str, int] = field(default_factory=dict)     # why a join was refused -> how often (bounded:
+    #                                                              one entry per joined party's name)
     started: float = field(default_factory=time.monotonic)
     beat: float = field(default_factory=time.monotonic)
 
@@ -587,7 +588,8 @@ class _Coordinator:
             self.refuse(envelope, MISMATCH, text)
             raise ConfigError(text)
         if any(p.name == name for p in self.parties.values()) or name == self.name:
-            self.refused.append(f"a second party named {name!r}")
+            why = f"a second party named {name!r}"
+            self.refused[why] = self.refused.get(why, 0) + 1
             self.refuse(envelope, MISMATCH, f"another party is already named {name!r}: give each party its own --name")
             return
         party = _Party(envelope, name, len(self.parties) + 1, rows, time.monotonic())
@@ -616,7 +618,8 @@ class _Coordinator:
     def check_deadlines(self, now: float) -> None:
         if self.joining and now - self.started > self.deadline_s:
             joined = ", ".join(p.name for p in self.parties.values()) or "none"
-            refused = f"; refused: {', '.join(self.refused)}" if self.refused else ""
+            refused = "; refused: " + ", ".join(why + (f" ({n} times)" if n > 1 else "")
+                                                for why, n in self.refused.items()) if self.refused else ""
             raise PeerTimeout(f"only {len(self.parties)} of the {self.parties_wanted - 1} other parties joined within "
                               f"{self.deadline_s:g} s (joined: {joined}{refused}); is every party running and "
                               f"connecting to {self.server.endpoint}?")
