@@ -317,11 +317,12 @@ class PartyKeys:
     def load(cls, public_z85: bytes, secret_z85: bytes, server_z85: bytes, directory: Path) -> "PartyKeys":
         """The key pair (Z85, as ``keys.CurveClient`` holds it) and every ``*.key`` in ``directory`` but this
         party's own and the coordinator's. Raises ``ConfigError`` naming the directory or the file."""
-        from distgrad.wire.keys import load_public
+        from distgrad.wire.keys import check_trusted, load_public
 
         directory = Path(directory)
         if not directory.is_dir():
             raise ConfigError(f"--party-keys {directory} is not a directory of the other parties' public keys")
+        check_trusted(directory, "--party-keys directory")
         files = sorted(directory.glob("*.key"))
         if not files:
             raise ConfigError(f"--party-keys {directory} holds no *.key files: copy each other party's NAME.key "
@@ -332,6 +333,7 @@ class PartyKeys:
         secret = _raw_key(secret_z85, "this party's secret key")
         trusted = set()
         for path in files:
+            check_trusted(path, "party key file")
             key = _raw_key(load_public(path), str(path))
             try:
                 digest_tag(secret, key, own, key, "0" * 64)
@@ -508,7 +510,8 @@ class _Coordinator:
     run: str = field(default_factory=lambda: secrets.token_hex(8))
     parties: dict[bytes, _Party] = field(default_factory=dict)    # by routing id
     joining: bool = True
-    refused: list[str] = field(default_factory=list)
+    refused: dict[str, int] = field(default_factory=dict)     # why a join was refused -> how often (bounded:
+    #                                                              one entry per joined party's name)
     started: float = field(default_factory=time.monotonic)
     beat: float = field(default_factory=time.monotonic)
 
@@ -585,7 +588,8 @@ class _Coordinator:
             self.refuse(envelope, MISMATCH, text)
             raise ConfigError(text)
         if any(p.name == name for p in self.parties.values()) or name == self.name:
-            self.refused.append(f"a second party named {name!r}")
+            why = f"a second party named {name!r}"
+            self.refused[why] = self.refused.get(why, 0) + 1
             self.refuse(envelope, MISMATCH, f"another party is already named {name!r}: give each party its own --name")
             return
         party = _Party(envelope, name, len(self.parties) + 1, rows, time.monotonic())
@@ -614,7 +618,8 @@ class _Coordinator:
     def check_deadlines(self, now: float) -> None:
         if self.joining and now - self.started > self.deadline_s:
             joined = ", ".join(p.name for p in self.parties.values()) or "none"
-            refused = f"; refused: {', '.join(self.refused)}" if self.refused else ""
+            refused = "; refused: " + ", ".join(why + (f" ({n} times)" if n > 1 else "")
+                                                for why, n in self.refused.items()) if self.refused else ""
             raise PeerTimeout(f"only {len(self.parties)} of the {self.parties_wanted - 1} other parties joined within "
                               f"{self.deadline_s:g} s (joined: {joined}{refused}); is every party running and "
                               f"connecting to {self.server.endpoint}?")

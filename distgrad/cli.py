@@ -1039,9 +1039,11 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _ping(args: argparse.Namespace) -> int:
     """``distgrad ping``: one bounded request; the serving stage's state printed as ``key=value`` pairs."""
+    from distgrad.run.options import check_wait
     from distgrad.wire import messages as wire
     from distgrad.wire.transport import Client
 
+    check_wait("--timeout", args.timeout)       # an infinite or NaN one waited for ever on a silent endpoint
     ctx = _zmq_context()
     security = _curve(args, "driving", ctx)[1] if (args.curve_secret or args.server_key) else None
     client = Client(ctx, args.endpoint, security=security)

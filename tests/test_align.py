@@ -783,6 +783,12 @@ def test_party_keys_that_are_not_usable_exit_2_before_anything_connects(tmp_path
     zero = z85.encode(bytes(32)).decode()
     (low_order / "zero.key").write_text(text.replace(text.split('public-key = "')[1].split('"')[0], zero))
     cases.append((low_order, "holds no usable public key"))
+    keygen(tmp_path / "others", "p2")               # a usable key, but other users may swap it or add one
+    (tmp_path / "others").chmod(0o777)
+    cases.append((tmp_path / "others", "others is writable by other users"))
+    keygen(tmp_path / "loose", "p2")
+    (tmp_path / "loose" / "p2.key").chmod(0o620)
+    cases.append((tmp_path / "loose", "p2.key is writable by other users"))
     for directory, message in cases:
         result = run_main(["align", good, "--id-column", "id", "--out", tmp_path / "o.csv", "--connect",
                            "tcp://127.0.0.1:5", *curve, "--party-keys", directory])
@@ -854,3 +860,29 @@ def test_aligned_rows_to_a_device_or_fifo_are_written_into_it_never_replaced(tmp
         assert os.read(reader, 1 << 16).decode().splitlines()[0] == "id,x"
     finally:
         os.close(reader)
+
+
+def test_repeated_joins_under_a_taken_name_keep_the_coordinator_bounded(zmq_ctx):
+    """A sender that keeps joining under a name already taken is refused each time, and the coordinator keeps
+    one line per name with a count: its list of refusals (named by its timeout's message) grew by one entry per
+    attempt, without bound."""
+    from distgrad.wire.transport import Server
+
+    server = Server(zmq_ctx, "tcp://127.0.0.1:*")
+    try:
+        coord = al._Coordinator(server, 3, 60.0, lambda: None, 1 << 20)
+
+        def join(routing_id: bytes, name: str) -> None:
+            coord.join([routing_id], wire.Message(wire.ALIGN_JOIN, "", 0, body={
+                "name": name, "rows": 5, "parties": 3, "version": al.ALIGN_VERSION}))
+
+        join(b"first", "p1")
+        for i in range(500):
+            join(b"again%d" % i, "p1")
+        assert len(coord.parties) == 1 and coord.joining
+        assert coord.refused == {"a second party named 'p1'": 500}
+        coord.started -= 61.0
+        with pytest.raises(Exception, match=r"refused: a second party named 'p1' \(500 times\)\);"):
+            coord.check_deadlines(time.monotonic())
+    finally:
+        server.close(0)

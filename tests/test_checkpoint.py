@@ -365,3 +365,17 @@ def test_a_trace_rolled_back_on_resume_keeps_the_checkpoints_steps_and_drops_a_t
     lines = read_trace(path)
     assert [line["step"] for line in lines] == [1, 2, 3] and lines[-1]["loss"] == 0.25
     assert lines[0]["params"] == {"w": [1.5, -2.0]}
+
+
+def test_checkpoints_past_a_billion_steps_are_found_and_pruned(tmp_path: Path) -> None:
+    """A step number of ten digits or more gets a longer name, not a name the stage then ignores: such a
+    checkpoint was never found again (a restart started over) and never pruned (the directory grew without
+    bound). Names of nine digits are read as before."""
+    arrays = {"param/w": np.zeros(2, np.float32)}
+    steps = [999_999_999, 1_000_000_000, 1_000_000_001, 12_345_678_901, 12_345_678_902]
+    for step in steps:
+        checkpoint.save(tmp_path, "g", "run1", step, "fp", arrays)
+    assert checkpoint.steps_on_disk(tmp_path, "g") == steps[-checkpoint.KEEP_LAST:]
+    assert len(list(tmp_path.glob("*.ckpt"))) == checkpoint.KEEP_LAST
+    newest = checkpoint.load(sorted(tmp_path.glob("*12345678902.ckpt"))[0])
+    assert newest.step == 12_345_678_902

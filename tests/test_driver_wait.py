@@ -98,3 +98,36 @@ def test_a_step_whose_evaluation_fails_is_still_reported(monkeypatch, tmp_path: 
     lines = _metrics_of_a_failing_run(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert not any(key.startswith("test_") for key in lines[-1])
+
+
+def test_no_wait_for_a_reply_outlasts_the_peer_deadline(monkeypatch):
+    """A --timeout longer than --peer-deadline: each wait for a reply is cut to what is left of the deadline,
+    so a silent peer makes the driver give up within --peer-deadline, not after one whole --timeout."""
+    import time
+
+    import zmq
+
+    from distgrad.errors import PeerTimeout
+    from distgrad.wire import messages as wire
+    from distgrad.wire.link import LinkSettings
+    from distgrad.wire.transport import Client
+
+    asked: list[float] = []
+
+    def silent_wait(self, run, keys, timeout_s, check_stop=None, what=lambda: ""):
+        asked.append(timeout_s)
+        time.sleep(min(timeout_s, 0.02))       # stands for a peer that never answers
+        raise PeerTimeout(f"no reply within {timeout_s:g} s")
+
+    monkeypatch.setattr(Client, "wait", silent_wait)
+    ctx = zmq.Context()
+    try:
+        settings = LinkSettings("f", timeout_s=1000.0, liveness_s=10.0, peer_deadline_s=0.3)
+        link = DownstreamLink(settings, "tcp://127.0.0.1:9", lambda: None, ctx, None, None)
+        request = wire.Message(wire.FORWARD, "run", 1)
+        with pytest.raises(PeerTimeout, match="gave up after retrying for 0.3 s"):
+            link.await_reply({(1, 0): request}, (1, 0))
+        link.client.close(0)
+    finally:
+        ctx.destroy(linger=0)
+    assert asked and max(asked) <= 0.3, asked

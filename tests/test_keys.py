@@ -266,3 +266,26 @@ def test_curve_server_checks_its_secret_file(ctx: zmq.Context, keys: Keys) -> No
         CurveServer(ctx, keys.server_secret, keys.allow_dir)
     keys.server_secret.chmod(0o600)
     CurveServer(ctx, keys.server_secret, keys.allow_dir).stop()  # no authenticator was left behind
+
+
+@pytest.mark.parametrize("loose", ["allow_dir", "client_key", "server_key"])
+@pytest.mark.parametrize("bits", [0o020, 0o002])
+def test_key_files_others_may_write_are_refused(ctx: zmq.Context, keys: Keys, loose: str, bits: int) -> None:
+    """Another local user who may write to --allow, to a key in it or to --server-key could add or swap a public
+    key and get in (or stand in for the server): the stage refuses to start, naming the path, as ssh does."""
+    from distgrad.wire.keys import CurveClient
+
+    client_key = next(keys.allow_dir.glob("*.key"))
+    path = {"allow_dir": keys.allow_dir, "client_key": client_key, "server_key": keys.server_public}[loose]
+    path.chmod(stat.S_IMODE(path.stat().st_mode) | bits)
+    if loose == "server_key":
+        with pytest.raises(ConfigError, match=rf"{path.name} is writable by other users.*chmod go-w"):
+            CurveClient(keys.client_secret, path)
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~bits)
+        CurveClient(keys.client_secret, path)
+        return
+    with pytest.raises(ConfigError, match=rf"{path.name} is writable by other users.*chmod go-w"):
+        CurveServer(ctx, keys.server_secret, keys.allow_dir)
+    CurveClient(keys.client_secret, keys.server_public)      # the client does not read the allow directory
+    path.chmod(stat.S_IMODE(path.stat().st_mode) & ~bits)
+    CurveServer(ctx, keys.server_secret, keys.allow_dir).stop()          # no authenticator was left behind

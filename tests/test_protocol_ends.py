@@ -459,12 +459,12 @@ def test_a_stage_serving_several_data_owners_refuses_a_hello_with_the_same_words
                            "parties) takes lockstep steps only")
 
 
-@pytest.mark.parametrize("seconds", ["inf", "0"])
+@pytest.mark.parametrize("seconds", ["inf", "0", "nan"])
 def test_every_end_refuses_a_wait_that_is_not_bounded(seconds, tmp_path):
-    """Every wait is bounded: a timeout, liveness window or peer deadline of infinite (or no) seconds is refused
-    with the same words by a daemon's flags (``distgrad-stage``, ``distgrad run``, ``distgrad align``) and the
-    cut library's arguments, before anything starts; an infinite one was taken, and a dead peer then hung the
-    other side for ever."""
+    """Every wait is bounded: a timeout, liveness window or peer deadline of infinite, NaN (or no) seconds is
+    refused with the same words by a daemon's flags (``distgrad-stage``, ``distgrad run``, ``distgrad align``,
+    ``distgrad ping``) and the cut library's arguments, before anything starts; an infinite one was taken, and
+    a dead peer then hung the other side for ever."""
     value = float(seconds)
     text = f"must be > 0 seconds and finite (every wait is bounded), got {value!r}"
     stage = run_main(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*", "--liveness",
@@ -472,12 +472,30 @@ def test_every_end_refuses_a_wait_that_is_not_bounded(seconds, tmp_path):
     assert stage.returncode == 2 and f"--liveness {text}" in stage.stderr, stage.stderr
     run = run_main(["run", "seed-reverse", "--steps", "2", "--peer-deadline", seconds])
     assert run.returncode == 2 and f"--peer-deadline {text}" in run.stderr, run.stderr
+    ping = run_main(["ping", "tcp://127.0.0.1:5", "--timeout", seconds])     # it waited for ever on inf and NaN
+    assert ping.returncode == 2 and f"--timeout {text}" in ping.stderr, ping.stderr
     with pytest.raises(ConfigError, match=re.escape(f"--liveness {text}")):
         AlignOptions(tmp_path / "ids.csv", "id", tmp_path / "out.csv", connect="tcp://127.0.0.1:5", liveness_s=value)
     with pytest.raises(ConfigError, match=re.escape(f"liveness_s {text}")):
         Cut.connect("tcp://127.0.0.1:5", liveness_s=value, **CUT_FIELDS)
     with pytest.raises(ConfigError, match=re.escape(f"peer_deadline_s {text}")):
         CutServer.bind("tcp://127.0.0.1:*", peer_deadline_s=value, **CUT_FIELDS)
+
+
+def test_every_end_refuses_a_liveness_no_heartbeat_can_carry(tmp_path):
+    """ZeroMQ's heartbeat carries its time-to-live in 16 bits of deciseconds: a liveness window over 6553 s was
+    taken and then failed inside ZeroMQ with a traceback (exit 1) at the first socket. It is refused before
+    anything starts, with the same words, by a daemon's flags and the cut library's arguments."""
+    text = "must be at most 6553 seconds (the longest ZeroMQ heartbeat), got 7000.0"
+    stage = run_main(["stage", "f", "--experiment", "seed-reverse", "--connect", "tcp://127.0.0.1:5",
+                      "--liveness", "7000"])
+    assert stage.returncode == 2 and f"--liveness {text}" in stage.stderr, stage.stderr
+    run = run_main(["run", "seed-reverse", "--steps", "2", "--liveness", "7000"])
+    assert run.returncode == 2 and f"--liveness {text}" in run.stderr, run.stderr
+    with pytest.raises(ConfigError, match=re.escape(f"--liveness {text}")):
+        AlignOptions(tmp_path / "ids.csv", "id", tmp_path / "out.csv", connect="tcp://127.0.0.1:5", liveness_s=7000.0)
+    with pytest.raises(ConfigError, match=re.escape(f"liveness_s {text}")):
+        Cut.connect("tcp://127.0.0.1:5", liveness_s=7000.0, **CUT_FIELDS)
 
 
 # -- the label owner of ``distgrad predict``, which serves its own messages (predict, predicted) by the same rules

@@ -114,6 +114,13 @@ def test_party_keys_are_checked(tmp_path):
         masking.load_party_keys(tmp_path / "keys", PARTIES, "a", *secret)
     with pytest.raises(ConfigError, match="not a directory"):
         masking.load_party_keys(tmp_path / "nowhere", PARTIES, "a", *secret)
+    (tmp_path / "keys" / "b.key").write_bytes((tmp_path / "keys" / "b.key_secret").read_bytes())
+    for path in (tmp_path / "keys" / "c.key", tmp_path / "keys"):     # another user could swap a party's key
+        path.chmod(path.stat().st_mode | 0o002)
+        with pytest.raises(ConfigError, match=rf"{path.name} is writable by other users.*chmod go-w"):
+            masking.load_party_keys(tmp_path / "keys", PARTIES, "a", *secret)
+        path.chmod(path.stat().st_mode & ~0o002)
+    masking.load_party_keys(tmp_path / "keys", PARTIES, "a", *secret)
     bad = dict(masks["b"].tags(), c="0" * 32)
     assert "feature parties b and c do not share a mask key" in masking.check_tags(
         {"a": masks["a"].tags(), "b": bad, "c": masks["c"].tags()})

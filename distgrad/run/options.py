@@ -21,7 +21,7 @@ from distgrad.wire.link import LinkSettings
 from distgrad.run.progress import check_tensorboard
 from distgrad.stage.records import check_trace_filter
 from distgrad.stage.stage import Stage, check_parameter_files
-from distgrad.wire.transport import DEFAULT_TIMEOUT_S, SocketSecurity, check_spin
+from distgrad.wire.transport import DEFAULT_TIMEOUT_S, MAX_LIVENESS_S, SocketSecurity, check_spin
 
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
 DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
@@ -31,9 +31,13 @@ DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to c
 def check_wait(name: str, value: Any) -> float:
     """A bound on a wait (a timeout, a liveness window, a peer deadline), one rule for the daemons' flags and
     the cut library's arguments: a number of seconds > 0 and finite, since every wait is bounded (an infinite
-    one would hang on a dead peer). ``ConfigError`` naming ``name`` and the value otherwise."""
+    one would hang on a dead peer), and for a liveness (``name`` says so) at most ``MAX_LIVENESS_S``, which
+    the ZeroMQ heartbeat can carry. ``ConfigError`` naming ``name`` and the value otherwise."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
         raise ConfigError(f"{name} must be > 0 seconds and finite (every wait is bounded), got {value!r}")
+    if "liveness" in name and value > MAX_LIVENESS_S:      # the heartbeat's time-to-live on the wire
+        raise ConfigError(f"{name} must be at most {MAX_LIVENESS_S:g} seconds (the longest ZeroMQ heartbeat), "
+                          f"got {value!r}")
     return value
 SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise

@@ -46,7 +46,7 @@ KEEP_LAST = 3                      # checkpoints kept per stage and run (at leas
 HEADER_MAX_BYTES = 1 << 20
 RUN_TOKEN_MAX = 64                 # a longer run id, or one with other characters, is named by its hash
 _STAGE = r"(?P<stage>[A-Za-z0-9_.@-]+)"                                      # f@2: client 2 of stage f
-_NAME = re.compile(rf"^{_STAGE}-(?P<run>[A-Za-z0-9]{{1,{RUN_TOKEN_MAX}}})-(?P<step>\d{{9}})\.ckpt$")
+_NAME = re.compile(rf"^{_STAGE}-(?P<run>[A-Za-z0-9]{{1,{RUN_TOKEN_MAX}}})-(?P<step>\d{{9,}})\.ckpt$")
 _OLD_NAME = re.compile(rf"^{_STAGE}-(?P<step>\d{{9}})\.ckpt$")            # before run ids were in names
 _TMP = re.compile(r"^\.(?P<name>.+\.ckpt)\.(?P<pid>\d+)\.tmp$")              # a save's temporary file
 

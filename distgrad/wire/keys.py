@@ -85,6 +85,18 @@ def check_private(path: Path) -> None:
                           f"run `chmod 600 {path}`")
 
 
+def check_trusted(path: Path, what: str) -> None:
+    """Raise ``ConfigError`` if ``path`` (a file or directory that decides whom this stage trusts) may be
+    written by anyone but its owner: another local user could then add or swap a public key and get in."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return      # a missing file or directory is reported by whoever reads it, naming it
+    if mode & 0o022:
+        raise ConfigError(f"{what} {path} is writable by other users (mode {stat.filemode(mode)}), so any of "
+                          f"them could add or replace a public key: run `chmod go-w {path}`")
+
+
 def _load(path: Path) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
@@ -126,10 +138,13 @@ class CurveServer:
         allow_dir = Path(allow_dir)
         if not allow_dir.is_dir():
             raise ConfigError(f"client key directory {allow_dir} does not exist")
+        check_trusted(allow_dir, "client key directory")
         allowed = sorted(allow_dir.glob("*.key"))  # the same files zmq.auth reads
         if not allowed:
             raise ConfigError(f"client key directory {allow_dir} holds no *.key files: "
                               f"copy each allowed client's NAME.key there")
+        for path in allowed:
+            check_trusted(path, "client key file")
         self.allowed = frozenset(load_public(path) for path in allowed)
         self.allow_dir = allow_dir
         self.refusals = RefusalLog(log)
@@ -190,6 +205,7 @@ class CurveClient:
 
     def __init__(self, secret_file: Path, server_key_file: Path) -> None:
         self.public, self.secret = load_secret(secret_file)
+        check_trusted(server_key_file, "server key file")
         self.server_key = load_public(server_key_file)
 
     def apply(self, sock: zmq.Socket) -> None:

@@ -2,8 +2,8 @@
 
 The first stage drives its chain through a ``DownstreamLink``; a middle stage
 passes what it receives on through one. Every wait is bounded by
-``timeout_s``; an unanswered request is resent on a fresh socket (the Lazy
-Pirate pattern) until ``peer_deadline_s``, which is safe because the stage
+``timeout_s`` and by what is left of ``peer_deadline_s``; an unanswered request is resent on a fresh socket
+(the Lazy Pirate pattern) until ``peer_deadline_s``, which is safe because the stage
 below answers a repeated request from its cache without a second update.
 """
 
@@ -25,6 +25,7 @@ from distgrad.wire.messages import ErrorCode, Message, frame_limit
 from distgrad.wire.wirecodec import Expected
 
 RETRY_BACKOFF_S = (0.1, 2.0)       # first and largest pause between reconnection attempts
+MIN_WAIT_S = 0.01                  # the shortest last wait before the peer deadline
 # A hello refused as busy is sent again after at least BUSY_PROBE_S, while the other run's client stays silent
 # (it may have stopped). Unheard, its silence grows by the time between the stage's two refusals, which is at
 # least the time from the first refusal's arrival to the second hello's sending, whatever the round trips took;
@@ -162,15 +163,17 @@ class DownstreamLink:
         deadline = time.monotonic() + self.opts.peer_deadline_s
         pause = RETRY_BACKOFF_S[0]
         while True:
+            # No wait outlasts the deadline, even with a --timeout longer than --peer-deadline.
+            timeout_s = min(self.opts.timeout_s, max(deadline - time.monotonic(), MIN_WAIT_S))
             try:
-                reply = self.client.wait(pending[key].run, pending.keys(), self.opts.timeout_s, self.check_stop,
+                reply = self.client.wait(pending[key].run, pending.keys(), timeout_s, self.check_stop,
                                          pending[key].describe)
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
                     who = f"stage {self.below!r} did not answer: " if self.below else ""
                     raise PeerTimeout(f"{who}{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
                 self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
-                                 self.connect, self.opts.timeout_s, deadline - time.monotonic())
+                                 self.connect, timeout_s, deadline - time.monotonic())
                 self._reconnect(pause)
                 pause = min(pause * 2, RETRY_BACKOFF_S[1])
                 for request_key in sorted(pending):

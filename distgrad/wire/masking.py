@@ -122,12 +122,13 @@ def load_party_keys(directory: Path, parties: Sequence[str], own: str, public_z8
     """The masks of feature party ``own`` of ``parties``, from its CURVE key pair (Z85, as
     ``keys.CurveClient`` holds it) and ``directory/NAME.key`` of every other party. Raises ``ConfigError``
     naming the directory or the file (missing, not a key, this party's own key, the same key twice)."""
-    from distgrad.wire.keys import load_public
+    from distgrad.wire.keys import check_trusted, load_public
 
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--party-keys {directory} is not a directory of the other feature parties' public "
                           f"keys (NAME.key each)")
+    check_trusted(directory, "--party-keys directory")
     own_public = raw_key(public_z85, "this party's public key")
     secret = raw_key(secret_z85, "this party's secret key")
     index = list(parties).index(own)
@@ -139,6 +140,7 @@ def load_party_keys(directory: Path, parties: Sequence[str], own: str, public_z8
         if not path.is_file():
             raise ConfigError(f"--party-keys {directory} has no {name}.key: secure aggregation needs the public "
                               f"key of every other feature party, named by its stage ({', '.join(parties)})")
+        check_trusted(path, "party key file")
         public = raw_key(load_public(path), str(path))
         if public in seen:
             raise ConfigError(f"{path} holds the same key as {seen[public]}: every feature party has its own key")

@@ -39,6 +39,7 @@ NOTICE_LINGER_MS = 1000       # how long closing waits for an ``aborted`` notice
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than pyzmq's zero-copy bookkeeping
 IPC_PATH_MAX = 100            # sun_path is 108 bytes on Linux; leave room
 HEARTBEATS_PER_LIVENESS = 5   # ZMTP heartbeat interval = liveness / this
+MAX_LIVENESS_S = 6553.0       # ZMTP carries the heartbeat TTL in deciseconds in 16 bits (libzmq: 6553599 ms)
 SEND_TIMEOUT_MS = 1000        # a send with no usable connection (e.g. refused by CURVE) gives up after this
 MAX_SPIN_S = 0.01             # the longest spin-before-block a socket accepts (well below a tick)
 # The most frames a valid message has: routing id and empty delimiter, header, one per tensor.
@@ -495,7 +496,7 @@ class Client:
             if check_stop is not None:
                 check_stop()
             left = deadline - now
-            if left <= 0:
+            if not left > 0:                    # a NaN timeout too: never a wait without end
                 raise PeerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {what()} "
                                   f"({self.unreachable_hint()})")
             try:
