@@ -802,6 +802,41 @@ def test_the_torch_layer_refuses_a_detached_h_and_a_reply_without_a_gradient():
     assert "loss.backward()" in error and rest == []
 
 
+@pytest.mark.integration
+def test_the_torch_layer_backpropagates_micro_batches_of_one_graph_and_refuses_an_h_sent_already():
+    """Micro-batches that are the chunks of one encoder(x) share its graph: each gets its gradient (the graph is
+    kept until the last backward), not a RuntimeError after the step was applied on both sides. An h that a step
+    sent and back-propagated already (its graph freed) is CutMisuse before anything is sent: nothing changes."""
+    import distgrad.torch as dt
+    fields = {**FIELDS, "micro_batches": 2, "steps": 2}
+
+    def body(server):
+        seen = []
+        for batch in server:
+            (batch.h * (batch.mb + 1)).sum().backward()
+            batch.reply(torch.tensor(1.0))
+            seen.append((batch.step, batch.mb))
+        return seen
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **fields), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields) as cut:
+        torch.manual_seed(0)
+        encoder = torch.nn.Linear(3, 3)
+        parts = list(torch.relu(encoder(torch.ones(4, 3))).chunk(2))
+        assert cut.step(parts) == 1.0 and cut.applied == 1
+        expected = torch.zeros_like(encoder.bias)
+        for i, part in enumerate(torch.relu(encoder(torch.ones(4, 3))).chunk(2)):    # each chunk's own gradient
+            expected += torch.autograd.grad(part, encoder.bias, torch.full_like(part, i + 1.0), retain_graph=True)[0]
+        assert torch.equal(encoder.bias.grad, expected)
+        error = caught(lambda: cut.step(parts))
+        assert "sent and back-propagated by step 1 already" in error and "encoder(x)" in error
+        assert cut.applied == 1
+        assert cut.step(list(encoder(torch.ones(4, 3)).chunk(2)), step=2) == 1.0
+    seen, failure = served.result()
+    assert failure is None, failure
+    assert seen == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
 def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_library_cannot_do(tmp_path):
     from distgrad.run.cut_interface import FIRST, LAST, cut_side
     path = tmp_path / "f.toml"
