@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from distgrad import cut as numpy_cut
-from distgrad.errors import CutMisuse
+from distgrad.errors import ConfigError, CutMisuse
 
 
 def _to_numpy(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -289,10 +289,16 @@ def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]
 def batch_sampler(cut: Cut | numpy_cut.Cut, start: int | None = None) -> Iterable[list[int]]:
     """The row numbers of each step from ``start`` (default: the step after the cut's applied ones) to the
     interface's last, in the shared sample order: a ``batch_sampler`` for ``torch.utils.data.DataLoader``
-    whose batches are exactly the steps the label owner expects."""
+    whose batches are exactly the steps the label owner expects. ``ConfigError`` at once for a ``start`` that
+    is not a step (an integer from 1; the step after the last gives no batches)."""
     numpy = cut.numpy if isinstance(cut, Cut) else cut
     first = numpy.applied + 1 if start is None else start
-    return _StepRows(numpy, first)
+    steps = numpy.exp.steps
+    if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or not 1 <= first <= steps + 1:
+        raise ConfigError(f"batch_sampler's start={first!r} is not a step of this run: give an integer from 1 to "
+                          f"{steps} (or {steps + 1}, after the last: no batches), or leave it out for the step "
+                          f"after the cut's applied ones")
+    return _StepRows(numpy, int(first))
 
 
 class _StepRows:

@@ -1094,3 +1094,25 @@ def test_a_reply_keeps_the_gradient_the_loop_gave_when_the_loop_reuses_one_array
         cut.close(finished=False)
     served.result()
     assert again[0] == first[0] and again[1].tolist() == first[1].tolist()
+
+
+@pytest.mark.integration
+def test_a_step_that_is_not_an_integer_of_the_run_is_refused_by_rows_and_batch_sampler_at_once(tmp_path):
+    """cut.rows(step) takes an integer step of the run (a numpy integer too), not 1.5 (a TypeError deep in the
+    data) or True (read as step 1); batch_sampler refuses a start that is not a step when it is built, not
+    when a DataLoader first iterates it (its len() counting a step 0 meanwhile)."""
+    import distgrad.torch as dt
+    folder = write_parties(tmp_path / "parties")
+    cut = dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml")
+    try:
+        assert torch.equal(cut.rows(np.int64(2)), cut.rows(2))
+        for step in (0, STEPS + 1, 1.5, True):
+            with pytest.raises(ConfigError, match=f"step {step!r} is not a step of this run"):
+                cut.rows(step)
+        for start in (0, -5, 1.5, True, STEPS + 2):
+            with pytest.raises(ConfigError, match=f"start={start!r} is not a step"):
+                dt.batch_sampler(cut, start=start)
+        assert len(dt.batch_sampler(cut, start=STEPS + 1)) == 0 and list(dt.batch_sampler(cut, start=STEPS)) == [
+            cut.rows(STEPS).tolist()]
+    finally:
+        cut.close(finished=False)

@@ -95,8 +95,8 @@ class CutSide:
             raise ConfigError(f"stage {self.stage!r} has no [data], so the shared sample order is unknown here: "
                               f"give the interface a [data] table (its kind, rows and batch; the same as the "
                               f"daemons' file) to get the rows of a step")
-        if not 1 <= step <= self.exp.steps:
-            raise ConfigError(f"step {step} is not a step of this run (1 to {self.exp.steps})")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= self.exp.steps:
+            raise ConfigError(f"step {step!r} is not a step of this run (an integer, 1 to {self.exp.steps})")
         if not hasattr(self.data, "step_rows"):
             raise ConfigError(f"stage {self.stage!r}'s data ({self.data.__class__.__name__}) has no numbered rows")
         return np.asarray(self.data.step_rows(step), np.int64)
