@@ -903,6 +903,14 @@ def test_the_docs_example_runs_as_written(tmp_path):
     assert "data owner: 88 steps" in result.stdout and "label owner: 88 steps" in result.stdout
     loss = float(re.search(r"last loss ([0-9.]+)", result.stdout).group(1))
     assert loss < 1.0, result.stdout
+    # Started again with the same command after the run's end, both resume from their last checkpoints (step 88)
+    # and end at once, with no step left (the data owner's loop runs no step: its print must still work).
+    (tmp_path / "label-owner" / "endpoint").unlink()
+    body = [b for lang, b in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S) if b.startswith("# run\n")][0]
+    again = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env, text=True,
+                           capture_output=True, timeout=170, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, f"{again.stdout}\n{again.stderr}"
+    assert "data owner: 88 steps, last loss nan" in again.stdout and "label owner: 88 steps" in again.stdout
 
 
 @pytest.mark.integration
