@@ -618,6 +618,10 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
         errors["shape"] = caught(lambda: first.reply(0.5, np.zeros((4, 2), np.float32)))
         errors["dtype"] = caught(lambda: first.reply(0.5, np.zeros((4, 3))))
         errors["save"] = caught(server.state_dict)
+        # A torch loss that requires grad (a RuntimeError in numpy) and a torch gradient: misuse naming the cure.
+        errors["torch loss"] = caught(lambda: first.reply(torch.tensor(0.5, requires_grad=True) * 1,
+                                                          np.ones((4, 3), np.float32)))
+        errors["torch grad"] = caught(lambda: first.reply(0.5, torch.ones(4, 3)))
         first.reply(0.5, np.ones((4, 3), np.float32))
         errors["twice"] = caught(lambda: first.reply(0.5, np.ones((4, 3), np.float32)))
         next(batches)
@@ -631,6 +635,7 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
     cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=10.0, **FIELDS)
     assert "shape (4, 2)" in caught(lambda: cut.step(np.zeros((4, 2), np.float32)))
     assert "float32" in caught(lambda: cut.step(np.zeros((4, 3))))
+    assert "distgrad.torch takes tensors" in caught(lambda: cut.step(torch.zeros(4, 3, requires_grad=True)))
     assert cut.step(h_of(1))[0] == np.float32(0.5)
     assert "next is 2" in caught(lambda: cut.step(h_of(1), step=1))
     assert cut.step(h_of(2))[0] == np.float32(0.25)
@@ -643,6 +648,8 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
     assert "shape (4, 3)" in errors["shape"] and "float32" in errors["dtype"]
     assert "reply first" in errors["save"] and "already" in errors["twice"]
     assert "without replying to step 2" in errors["unanswered"]
+    assert "must be one number" in errors["torch loss"] and "loss.item()" in errors["torch loss"]
+    assert "distgrad.torch takes tensors" in errors["torch grad"]
 
 
 # A hang guard, not a speed check: over 10 times the longest bound below (1 s), and well under the 60 s

@@ -41,7 +41,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteE
 from distgrad.run import handshake
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
-                                       check_run, check_state, check_step, cut_side)
+                                       check_run, check_state, check_step, cut_side, torch_hint)
 from distgrad.stage.engine import combine_losses
 from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
@@ -147,7 +147,8 @@ class Cut:
         for i, part in enumerate(hs):
             if not isinstance(part, np.ndarray) or part.dtype != np.float32 or part.shape != shape:
                 raise CutMisuse(f"micro-batch {i} must be a float32 array of shape {shape}, got "
-                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}")
+                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}"
+                                f"{torch_hint(part)}")
         losses, grads = self._step(np.concatenate(hs), rows, step)
         return combine_losses(losses, self.scale), [np.array(g, np.float32) for g in grads]
 
@@ -250,7 +251,7 @@ class Cut:
         self._check_open()
         if not isinstance(h, np.ndarray) or h.dtype != np.float32:
             raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip())
+                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
         rows = len(self.side.data.test_rows) if self.side.data is not None else None
         if h.shape[1:] != self.side.shape[1:] or len(h) < 1 or rows is not None and len(h) != rows:
             wanted = f"({rows if rows is not None else 'rows'}, {', '.join(map(str, self.side.shape[1:]))})"
@@ -269,7 +270,7 @@ class Cut:
     def _checked(self, h: Any) -> np.ndarray:
         if not isinstance(h, np.ndarray) or h.dtype != np.float32:
             raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip())
+                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
         if h.shape != self.side.shape:
             raise CutMisuse(f"h has shape {h.shape}, the interface's activation for a batch is {self.side.shape}")
         return np.ascontiguousarray(h)

@@ -319,6 +319,15 @@ def _check_supported(side: CutSide, source: str) -> None:
                           f"(distgrad-stage --staleness S), which a CutServer serves with steps in flight")
 
 
+def torch_hint(value: Any) -> str:
+    """What to do about a torch tensor given to the numpy layer (``distgrad.cut``), to end its ``CutMisuse``
+    message with; "" for anything else."""
+    if not type(value).__module__.startswith("torch"):
+        return ""
+    return (": distgrad.cut takes numpy arrays and numbers (t.detach().cpu().numpy(), loss.item()); "
+            "distgrad.torch takes tensors and back-propagates for you")
+
+
 def check_step(step: Any, steps: int) -> int:
     """``step`` (the steps a side has applied) checked against the run's ``steps`` (``ConfigError``)."""
     if not is_whole(step) or not 0 <= step <= steps:
