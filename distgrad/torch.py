@@ -249,8 +249,13 @@ class CutServer:
         return float(self.numpy.scale)
 
     def __iter__(self) -> Iterator[Batch]:
-        for batch in self.numpy:
-            yield Batch(batch)
+        return self
+
+    def __next__(self) -> Batch:
+        """The next micro-batch (``distgrad.cut.CutServer.__next__``). The server is its own iterator, as the
+        numpy one is: after an error the loop may handle (``CutMisuse`` for a batch left unanswered: reply, then
+        ask again), the next ``next`` goes on serving rather than ending the loop as a finished generator would."""
+        return Batch(next(self.numpy))
 
     def state_dict(self) -> dict[str, Any]:
         """As ``distgrad.cut.CutServer.state_dict``, arrays as tensors: ``torch.save`` it with your model."""

@@ -1131,3 +1131,32 @@ def test_a_step_that_is_not_an_integer_of_the_run_is_refused_by_rows_and_batch_s
             cut.rows(STEPS).tolist()]
     finally:
         cut.close(finished=False)
+
+
+@pytest.mark.integration
+def test_the_torch_server_goes_on_serving_after_the_loop_handles_a_batch_left_unanswered():
+    """distgrad.torch's CutServer is its own iterator, as distgrad.cut's is: a loop that catches the CutMisuse
+    of asking before replying, replies, and asks again gets the next step, not a StopIteration that ends its loop
+    mid-run (a generator ends for good once an error leaves it)."""
+    import distgrad.torch as dt
+
+    def body(server):
+        batches = iter(server)
+        first = next(batches)
+        error = caught(lambda: next(batches))
+        first.h.sum().backward()
+        first.reply(0.0)
+        served = [first.step]
+        for batch in batches:
+            batch.h.sum().backward()
+            batch.reply(0.0)
+            served.append(batch.step)
+        return error, served
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+        for _ in range(FIELDS["steps"]):
+            cut.step(torch.ones(4, 3, requires_grad=True) * 1)
+    (error, steps), failure = served.result()
+    assert failure is None, failure
+    assert "call batch.reply first" in error and steps == [1, 2, 3]
