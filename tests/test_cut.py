@@ -508,6 +508,9 @@ def test_cut_evaluate_against_a_cut_server_gets_its_loops_scores_and_a_wrong_sha
         cut.step(h_of(1))
         assert cut.evaluation_due
         assert cut.evaluate(h) == {"loss": float(h.sum()), "correct": 7, "count": len(held)}
+        assert cut.evaluate(h.copy()) == {"loss": float(h.sum()), "correct": 7, "count": len(held)}   # a resend
+        # Other activations at the same step: the label owner would answer with the first scores (a resend).
+        assert "scored after step 1 already" in caught(lambda: cut.evaluate(h * 2))
     _, error = served.result()
     assert error is None, error
     assert len(seen) == 1 and seen[0][0].tolist() == h.tolist() and seen[0][1].tolist() == held.tolist()

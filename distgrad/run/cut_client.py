@@ -28,6 +28,7 @@ owner's notice reaches this side the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from pathlib import Path
@@ -88,6 +89,7 @@ class Cut:
         self.refused = False        # the label owner refused this side's last hello: it is not this run's peer
         self.peer_stopped = False   # the label owner said it stopped (an aborted notice)
         self.below = self.exp.downstream(side.stage)
+        self.evaluated: tuple[str, int, bytes] | None = None   # run, step and digest of the last evaluation sent
 
     @classmethod
     def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *, step: int = 0,
@@ -244,7 +246,8 @@ class Cut:
         ``loss``, ``correct`` (rows right, None when the loss does not classify), ``count`` (rows
         scored) and, when the label owner gives them, ``metrics``, ``best`` and ``stop`` (a daemon's
         ``keep_best`` and ``early_stopping`` verdicts; after ``stop``, end the loop: ``close()`` then
-        ends the run). Changes nothing on either side but the verdicts.
+        ends the run). Changes nothing on either side but the verdicts. Once per step: the same ``h`` again
+        gets the same reply (the label owner's, kept), other activations at the same step are ``CutMisuse``.
 
         Raises ``CutMisuse`` for a wrong dtype or shape, ``PeerRejected`` when the label owner refuses
         (it holds no rows out, or another count), ``PeerTimeout`` as ``step`` does."""
@@ -258,10 +261,18 @@ class Cut:
             raise CutMisuse(f"the held-out activations have shape {h.shape}; expected {wanted}: one row per "
                             f"held-out row{' of [data]' if rows is not None else ''}")
         k = self.applied + 1
+        h = np.ascontiguousarray(h)
+        digest = hashlib.sha256(h.tobytes()).digest()
+        if self.evaluated is not None and self.evaluated[:2] == (self.run_id, k) and self.evaluated[2] != digest:
+            raise CutMisuse(f"the held-out rows were scored after step {self.applied} already, from other "
+                            f"activations: the label owner answers a repeated evaluation at one step with its first "
+                            f"scores (as a resent request), so these would not be scored. Evaluate once per step, "
+                            f"with the model as it stands (e.g. model.eval() and torch.no_grad() for h)")
         try:
-            tensors = self.senders.evaluation_tensors(np.ascontiguousarray(h), k)
+            tensors = self.senders.evaluation_tensors(h, k)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.side.stage}: {e}; the evaluation was not sent") from e
+        self.evaluated = (self.run_id, k, digest)
         result = self._joined(lambda: check_evaluation(
             self.link.exchange(Message(wire.EVALUATE, self.run_id, k, tensors=tensors))))
         self.stopped = bool(result.get("stop"))
