@@ -1134,6 +1134,16 @@ def test_a_step_that_is_not_an_integer_of_the_run_is_refused_by_rows_and_batch_s
             cut.rows(STEPS).tolist()]
     finally:
         cut.close(finished=False)
+    # A resume point read back as a numpy integer (e.g. from an array of the user's checkpoint) is a step too.
+    import uuid
+    resumed = dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", step=np.int64(2),
+                             run=uuid.uuid4().hex)
+    try:
+        assert resumed.applied == 2 and type(resumed.applied) is int and len(dt.batch_sampler(resumed)) == STEPS - 2
+    finally:
+        resumed.close(finished=False)
+    with pytest.raises(ConfigError, match="an integer from 0 to"):
+        dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", step=2.0, run=uuid.uuid4().hex)
 
 
 @pytest.mark.integration

@@ -329,10 +329,11 @@ def torch_hint(value: Any) -> str:
 
 
 def check_step(step: Any, steps: int) -> int:
-    """``step`` (the steps a side has applied) checked against the run's ``steps`` (``ConfigError``)."""
-    if not is_whole(step) or not 0 <= step <= steps:
+    """``step`` (the steps a side has applied; a numpy integer too) checked against the run's ``steps``
+    (``ConfigError``), as an int."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= steps:
         raise ConfigError(f"step must be the steps applied, an integer from 0 to {steps}, got {step!r}")
-    return step
+    return int(step)
 
 
 def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:
