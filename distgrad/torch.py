@@ -20,6 +20,7 @@ plain ``torch.utils.data`` example on both sides.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from distgrad import cut as numpy_cut
-from distgrad.errors import CutMisuse
+from distgrad.errors import ConfigError, CutMisuse
 
 
 def _to_numpy(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,6 +85,7 @@ class Cut:
 
     def __init__(self, numpy: numpy_cut.Cut) -> None:
         self.numpy = numpy
+        self._sent: list[weakref.ref[torch.Tensor]] = []   # the graph outputs of the last step, back-propagated
 
     @classmethod
     def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *,
@@ -116,19 +118,34 @@ class Cut:
         ``h`` may be a list of the step's M micro-batches' activations, each computed from its micro-batch
         alone (``encoder(x_i)`` for ``x_i`` in ``x.chunk(M)``): each gets its own gradient, unscaled, by its
         own ``backward``, in order, so your parameter gradients add up as a daemon's do; multiply them by
-        ``cut.scale`` before ``opt.step()`` to train bit for bit as ``--micro-batches M``."""
+        ``cut.scale`` before ``opt.step()`` to train bit for bit as ``--micro-batches M``. The micro-batches
+        may share one graph (the chunks of one ``encoder(x)``): it is kept until the last one's backward.
+
+        ``CutMisuse`` (nothing sent) for an ``h`` that is not float32, does not require grad, or was sent and
+        back-propagated by a step already (compute ``h`` for every step)."""
+        parts = list(h) if isinstance(h, (list, tuple)) else [h]
+        for part in parts:
+            _check_h(part)
+            self._check_not_sent(part)
         if isinstance(h, (list, tuple)):
-            for part in h:
-                _check_h(part)
             loss, grads = self.numpy.step_micro_batches(
-                [part.detach().cpu().contiguous().numpy() for part in h], _rows_array(rows), step)
-            for part, grad in zip(h, grads):
-                part.backward(torch.from_numpy(grad).to(part.device))
-            return float(loss)
-        _check_h(h)
-        loss, dh = self.numpy.step(h.detach().cpu().contiguous().numpy(), _rows_array(rows), step)
-        h.backward(torch.from_numpy(dh).to(h.device))
+                [part.detach().cpu().contiguous().numpy() for part in parts], _rows_array(rows), step)
+        else:
+            loss, dh = self.numpy.step(h.detach().cpu().contiguous().numpy(), _rows_array(rows), step)
+            grads = [dh]
+        self._sent = [weakref.ref(part) for part in parts if part.grad_fn is not None]
+        for i, (part, grad) in enumerate(zip(parts, grads)):
+            # The micro-batches may share one graph (the chunks of one encoder(x)): keep it for the later ones.
+            part.backward(torch.from_numpy(grad).to(part.device), retain_graph=i < len(parts) - 1)
         return float(loss)
+
+    def _check_not_sent(self, h: torch.Tensor) -> None:
+        """``CutMisuse`` for an ``h`` (not a leaf) that a step sent and back-propagated already: its graph is
+        freed, so the next step's gradient could not reach the model (checked before anything is sent)."""
+        if h.grad_fn is not None and any(ref() is h for ref in self._sent):
+            raise CutMisuse(f"this h was sent and back-propagated by step {self.numpy.applied} already (its graph "
+                            f"is freed, so step {self.numpy.applied + 1}'s gradient could not reach your model): "
+                            f"compute h again from the step's batch (h = encoder(x)) for every step")
 
     @property
     def test_rows(self) -> torch.Tensor:
@@ -232,8 +249,13 @@ class CutServer:
         return float(self.numpy.scale)
 
     def __iter__(self) -> Iterator[Batch]:
-        for batch in self.numpy:
-            yield Batch(batch)
+        return self
+
+    def __next__(self) -> Batch:
+        """The next micro-batch (``distgrad.cut.CutServer.__next__``). The server is its own iterator, as the
+        numpy one is: after an error the loop may handle (``CutMisuse`` for a batch left unanswered: reply, then
+        ask again), the next ``next`` goes on serving rather than ending the loop as a finished generator would."""
+        return Batch(next(self.numpy))
 
     def state_dict(self) -> dict[str, Any]:
         """As ``distgrad.cut.CutServer.state_dict``, arrays as tensors: ``torch.save`` it with your model."""
@@ -272,10 +294,16 @@ def _evaluate_tensors(evaluate: Callable[[torch.Tensor, torch.Tensor], Any]
 def batch_sampler(cut: Cut | numpy_cut.Cut, start: int | None = None) -> Iterable[list[int]]:
     """The row numbers of each step from ``start`` (default: the step after the cut's applied ones) to the
     interface's last, in the shared sample order: a ``batch_sampler`` for ``torch.utils.data.DataLoader``
-    whose batches are exactly the steps the label owner expects."""
+    whose batches are exactly the steps the label owner expects. ``ConfigError`` at once for a ``start`` that
+    is not a step (an integer from 1; the step after the last gives no batches)."""
     numpy = cut.numpy if isinstance(cut, Cut) else cut
     first = numpy.applied + 1 if start is None else start
-    return _StepRows(numpy, first)
+    steps = numpy.exp.steps
+    if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or not 1 <= first <= steps + 1:
+        raise ConfigError(f"batch_sampler's start={first!r} is not a step of this run: give an integer from 1 to "
+                          f"{steps} (or {steps + 1}, after the last: no batches), or leave it out for the step "
+                          f"after the cut's applied ones")
+    return _StepRows(numpy, int(first))
 
 
 class _StepRows:

@@ -508,6 +508,9 @@ def test_cut_evaluate_against_a_cut_server_gets_its_loops_scores_and_a_wrong_sha
         cut.step(h_of(1))
         assert cut.evaluation_due
         assert cut.evaluate(h) == {"loss": float(h.sum()), "correct": 7, "count": len(held)}
+        assert cut.evaluate(h.copy()) == {"loss": float(h.sum()), "correct": 7, "count": len(held)}   # a resend
+        # Other activations at the same step: the label owner would answer with the first scores (a resend).
+        assert "scored after step 1 already" in caught(lambda: cut.evaluate(h * 2))
     _, error = served.result()
     assert error is None, error
     assert len(seen) == 1 and seen[0][0].tolist() == h.tolist() and seen[0][1].tolist() == held.tolist()
@@ -618,6 +621,10 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
         errors["shape"] = caught(lambda: first.reply(0.5, np.zeros((4, 2), np.float32)))
         errors["dtype"] = caught(lambda: first.reply(0.5, np.zeros((4, 3))))
         errors["save"] = caught(server.state_dict)
+        # A torch loss that requires grad (a RuntimeError in numpy) and a torch gradient: misuse naming the cure.
+        errors["torch loss"] = caught(lambda: first.reply(torch.tensor(0.5, requires_grad=True) * 1,
+                                                          np.ones((4, 3), np.float32)))
+        errors["torch grad"] = caught(lambda: first.reply(0.5, torch.ones(4, 3)))
         first.reply(0.5, np.ones((4, 3), np.float32))
         errors["twice"] = caught(lambda: first.reply(0.5, np.ones((4, 3), np.float32)))
         next(batches)
@@ -631,6 +638,7 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
     cut = Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=10.0, **FIELDS)
     assert "shape (4, 2)" in caught(lambda: cut.step(np.zeros((4, 2), np.float32)))
     assert "float32" in caught(lambda: cut.step(np.zeros((4, 3))))
+    assert "distgrad.torch takes tensors" in caught(lambda: cut.step(torch.zeros(4, 3, requires_grad=True)))
     assert cut.step(h_of(1))[0] == np.float32(0.5)
     assert "next is 2" in caught(lambda: cut.step(h_of(1), step=1))
     assert cut.step(h_of(2))[0] == np.float32(0.25)
@@ -643,6 +651,8 @@ def test_misuse_on_either_side_is_a_clear_error_and_changes_nothing():
     assert "shape (4, 3)" in errors["shape"] and "float32" in errors["dtype"]
     assert "reply first" in errors["save"] and "already" in errors["twice"]
     assert "without replying to step 2" in errors["unanswered"]
+    assert "must be one number" in errors["torch loss"] and "loss.item()" in errors["torch loss"]
+    assert "distgrad.torch takes tensors" in errors["torch grad"]
 
 
 # A hang guard, not a speed check: over 10 times the longest bound below (1 s), and well under the 60 s
@@ -802,6 +812,41 @@ def test_the_torch_layer_refuses_a_detached_h_and_a_reply_without_a_gradient():
     assert "loss.backward()" in error and rest == []
 
 
+@pytest.mark.integration
+def test_the_torch_layer_backpropagates_micro_batches_of_one_graph_and_refuses_an_h_sent_already():
+    """Micro-batches that are the chunks of one encoder(x) share its graph: each gets its gradient (the graph is
+    kept until the last backward), not a RuntimeError after the step was applied on both sides. An h that a step
+    sent and back-propagated already (its graph freed) is CutMisuse before anything is sent: nothing changes."""
+    import distgrad.torch as dt
+    fields = {**FIELDS, "micro_batches": 2, "steps": 2}
+
+    def body(server):
+        seen = []
+        for batch in server:
+            (batch.h * (batch.mb + 1)).sum().backward()
+            batch.reply(torch.tensor(1.0))
+            seen.append((batch.step, batch.mb))
+        return seen
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **fields), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **fields) as cut:
+        torch.manual_seed(0)
+        encoder = torch.nn.Linear(3, 3)
+        parts = list(torch.relu(encoder(torch.ones(4, 3))).chunk(2))
+        assert cut.step(parts) == 1.0 and cut.applied == 1
+        expected = torch.zeros_like(encoder.bias)
+        for i, part in enumerate(torch.relu(encoder(torch.ones(4, 3))).chunk(2)):    # each chunk's own gradient
+            expected += torch.autograd.grad(part, encoder.bias, torch.full_like(part, i + 1.0), retain_graph=True)[0]
+        assert torch.equal(encoder.bias.grad, expected)
+        error = caught(lambda: cut.step(parts))
+        assert "sent and back-propagated by step 1 already" in error and "encoder(x)" in error
+        assert cut.applied == 1
+        assert cut.step(list(encoder(torch.ones(4, 3)).chunk(2)), step=2) == 1.0
+    seen, failure = served.result()
+    assert failure is None, failure
+    assert seen == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
 def test_an_own_loop_stage_file_takes_only_the_stage_name_and_refuses_what_the_library_cannot_do(tmp_path):
     from distgrad.run.cut_interface import FIRST, LAST, cut_side
     path = tmp_path / "f.toml"
@@ -868,6 +913,14 @@ def test_the_docs_example_runs_as_written(tmp_path):
     assert "data owner: 88 steps" in result.stdout and "label owner: 88 steps" in result.stdout
     loss = float(re.search(r"last loss ([0-9.]+)", result.stdout).group(1))
     assert loss < 1.0, result.stdout
+    # Started again with the same command after the run's end, both resume from their last checkpoints (step 88)
+    # and end at once, with no step left (the data owner's loop runs no step: its print must still work).
+    (tmp_path / "label-owner" / "endpoint").unlink()
+    body = [b for lang, b in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S) if b.startswith("# run\n")][0]
+    again = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env, text=True,
+                           capture_output=True, timeout=170, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, f"{again.stdout}\n{again.stderr}"
+    assert "data owner: 88 steps, last loss nan" in again.stdout and "label owner: 88 steps" in again.stdout
 
 
 @pytest.mark.integration
@@ -1059,3 +1112,64 @@ def test_a_reply_keeps_the_gradient_the_loop_gave_when_the_loop_reuses_one_array
         cut.close(finished=False)
     served.result()
     assert again[0] == first[0] and again[1].tolist() == first[1].tolist()
+
+
+@pytest.mark.integration
+def test_a_step_that_is_not_an_integer_of_the_run_is_refused_by_rows_and_batch_sampler_at_once(tmp_path):
+    """cut.rows(step) takes an integer step of the run (a numpy integer too), not 1.5 (a TypeError deep in the
+    data) or True (read as step 1); batch_sampler refuses a start that is not a step when it is built, not
+    when a DataLoader first iterates it (its len() counting a step 0 meanwhile)."""
+    import distgrad.torch as dt
+    folder = write_parties(tmp_path / "parties")
+    cut = dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml")
+    try:
+        assert torch.equal(cut.rows(np.int64(2)), cut.rows(2))
+        for step in (0, STEPS + 1, 1.5, True):
+            with pytest.raises(ConfigError, match=f"step {step!r} is not a step of this run"):
+                cut.rows(step)
+        for start in (0, -5, 1.5, True, STEPS + 2):
+            with pytest.raises(ConfigError, match=f"start={start!r} is not a step"):
+                dt.batch_sampler(cut, start=start)
+        assert len(dt.batch_sampler(cut, start=STEPS + 1)) == 0 and list(dt.batch_sampler(cut, start=STEPS)) == [
+            cut.rows(STEPS).tolist()]
+    finally:
+        cut.close(finished=False)
+    # A resume point read back as a numpy integer (e.g. from an array of the user's checkpoint) is a step too.
+    import uuid
+    resumed = dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", step=np.int64(2),
+                             run=uuid.uuid4().hex)
+    try:
+        assert resumed.applied == 2 and type(resumed.applied) is int and len(dt.batch_sampler(resumed)) == STEPS - 2
+    finally:
+        resumed.close(finished=False)
+    with pytest.raises(ConfigError, match="an integer from 0 to"):
+        dt.Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", step=2.0, run=uuid.uuid4().hex)
+
+
+@pytest.mark.integration
+def test_the_torch_server_goes_on_serving_after_the_loop_handles_a_batch_left_unanswered():
+    """distgrad.torch's CutServer is its own iterator, as distgrad.cut's is: a loop that catches the CutMisuse
+    of asking before replying, replies, and asks again gets the next step, not a StopIteration that ends its loop
+    mid-run (a generator ends for good once an error leaves it)."""
+    import distgrad.torch as dt
+
+    def body(server):
+        batches = iter(server)
+        first = next(batches)
+        error = caught(lambda: next(batches))
+        first.h.sum().backward()
+        first.reply(0.0)
+        served = [first.step]
+        for batch in batches:
+            batch.h.sum().backward()
+            batch.reply(0.0)
+            served.append(batch.step)
+        return error, served
+
+    served = Served(dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS), body)
+    with dt.Cut.connect(served.server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS) as cut:
+        for _ in range(FIELDS["steps"]):
+            cut.step(torch.ones(4, 3, requires_grad=True) * 1)
+    (error, steps), failure = served.result()
+    assert failure is None, failure
+    assert "call batch.reply first" in error and steps == [1, 2, 3]

@@ -28,6 +28,7 @@ owner's notice reaches this side the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from pathlib import Path
@@ -41,7 +42,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteE
 from distgrad.run import handshake
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
-                                       check_run, check_state, check_step, cut_side)
+                                       check_run, check_state, check_step, cut_side, torch_hint)
 from distgrad.stage.engine import combine_losses
 from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
@@ -88,6 +89,7 @@ class Cut:
         self.refused = False        # the label owner refused this side's last hello: it is not this run's peer
         self.peer_stopped = False   # the label owner said it stopped (an aborted notice)
         self.below = self.exp.downstream(side.stage)
+        self.evaluated: tuple[str, int, bytes] | None = None   # run, step and digest of the last evaluation sent
 
     @classmethod
     def connect(cls, endpoint: str, interface: str | Path | Mapping[str, Any] | None = None, *, step: int = 0,
@@ -147,7 +149,8 @@ class Cut:
         for i, part in enumerate(hs):
             if not isinstance(part, np.ndarray) or part.dtype != np.float32 or part.shape != shape:
                 raise CutMisuse(f"micro-batch {i} must be a float32 array of shape {shape}, got "
-                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}")
+                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}"
+                                f"{torch_hint(part)}")
         losses, grads = self._step(np.concatenate(hs), rows, step)
         return combine_losses(losses, self.scale), [np.array(g, np.float32) for g in grads]
 
@@ -243,24 +246,33 @@ class Cut:
         ``loss``, ``correct`` (rows right, None when the loss does not classify), ``count`` (rows
         scored) and, when the label owner gives them, ``metrics``, ``best`` and ``stop`` (a daemon's
         ``keep_best`` and ``early_stopping`` verdicts; after ``stop``, end the loop: ``close()`` then
-        ends the run). Changes nothing on either side but the verdicts.
+        ends the run). Changes nothing on either side but the verdicts. Once per step: the same ``h`` again
+        gets the same reply (the label owner's, kept), other activations at the same step are ``CutMisuse``.
 
         Raises ``CutMisuse`` for a wrong dtype or shape, ``PeerRejected`` when the label owner refuses
         (it holds no rows out, or another count), ``PeerTimeout`` as ``step`` does."""
         self._check_open()
         if not isinstance(h, np.ndarray) or h.dtype != np.float32:
             raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip())
+                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
         rows = len(self.side.data.test_rows) if self.side.data is not None else None
         if h.shape[1:] != self.side.shape[1:] or len(h) < 1 or rows is not None and len(h) != rows:
             wanted = f"({rows if rows is not None else 'rows'}, {', '.join(map(str, self.side.shape[1:]))})"
             raise CutMisuse(f"the held-out activations have shape {h.shape}; expected {wanted}: one row per "
                             f"held-out row{' of [data]' if rows is not None else ''}")
         k = self.applied + 1
+        h = np.ascontiguousarray(h)
+        digest = hashlib.sha256(h.tobytes()).digest()
+        if self.evaluated is not None and self.evaluated[:2] == (self.run_id, k) and self.evaluated[2] != digest:
+            raise CutMisuse(f"the held-out rows were scored after step {self.applied} already, from other "
+                            f"activations: the label owner answers a repeated evaluation at one step with its first "
+                            f"scores (as a resent request), so these would not be scored. Evaluate once per step, "
+                            f"with the model as it stands (e.g. model.eval() and torch.no_grad() for h)")
         try:
-            tensors = self.senders.evaluation_tensors(np.ascontiguousarray(h), k)
+            tensors = self.senders.evaluation_tensors(h, k)
         except CodecRangeError as e:
             raise NonFiniteError(f"stage {self.side.stage}: {e}; the evaluation was not sent") from e
+        self.evaluated = (self.run_id, k, digest)
         result = self._joined(lambda: check_evaluation(
             self.link.exchange(Message(wire.EVALUATE, self.run_id, k, tensors=tensors))))
         self.stopped = bool(result.get("stop"))
@@ -269,7 +281,7 @@ class Cut:
     def _checked(self, h: Any) -> np.ndarray:
         if not isinstance(h, np.ndarray) or h.dtype != np.float32:
             raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip())
+                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
         if h.shape != self.side.shape:
             raise CutMisuse(f"h has shape {h.shape}, the interface's activation for a batch is {self.side.shape}")
         return np.ascontiguousarray(h)

@@ -95,8 +95,8 @@ class CutSide:
             raise ConfigError(f"stage {self.stage!r} has no [data], so the shared sample order is unknown here: "
                               f"give the interface a [data] table (its kind, rows and batch; the same as the "
                               f"daemons' file) to get the rows of a step")
-        if not 1 <= step <= self.exp.steps:
-            raise ConfigError(f"step {step} is not a step of this run (1 to {self.exp.steps})")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= self.exp.steps:
+            raise ConfigError(f"step {step!r} is not a step of this run (an integer, 1 to {self.exp.steps})")
         if not hasattr(self.data, "step_rows"):
             raise ConfigError(f"stage {self.stage!r}'s data ({self.data.__class__.__name__}) has no numbered rows")
         return np.asarray(self.data.step_rows(step), np.int64)
@@ -319,11 +319,21 @@ def _check_supported(side: CutSide, source: str) -> None:
                           f"(distgrad-stage --staleness S), which a CutServer serves with steps in flight")
 
 
+def torch_hint(value: Any) -> str:
+    """What to do about a torch tensor given to the numpy layer (``distgrad.cut``), to end its ``CutMisuse``
+    message with; "" for anything else."""
+    if not type(value).__module__.startswith("torch"):
+        return ""
+    return (": distgrad.cut takes numpy arrays and numbers (t.detach().cpu().numpy(), loss.item()); "
+            "distgrad.torch takes tensors and back-propagates for you")
+
+
 def check_step(step: Any, steps: int) -> int:
-    """``step`` (the steps a side has applied) checked against the run's ``steps`` (``ConfigError``)."""
-    if not is_whole(step) or not 0 <= step <= steps:
+    """``step`` (the steps a side has applied; a numpy integer too) checked against the run's ``steps``
+    (``ConfigError``), as an int."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= steps:
         raise ConfigError(f"step must be the steps applied, an integer from 0 to {steps}, got {step!r}")
-    return step
+    return int(step)
 
 
 def check_state(state: Any, exp: Any, keys: tuple[str, ...], owner: str) -> int:

@@ -52,7 +52,7 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradEr
                              PeerTimeout, ProtocolError)
 from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
-                                       check_state, cut_side)
+                                       check_state, cut_side, torch_hint)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_owner, check_served_staleness, decode_and_handle,
@@ -426,7 +426,7 @@ class CutServer:
         if not isinstance(grad, np.ndarray) or grad.dtype != np.float32 or grad.shape != shape:
             raise CutMisuse(f"the gradient of step {batch.step} micro-batch {batch.mb} must be a float32 array of "
                             f"h's shape {shape}, got {type(grad).__name__} {getattr(grad, 'dtype', '')} "
-                            f"{getattr(grad, 'shape', '')}")
+                            f"{getattr(grad, 'shape', '')}{torch_hint(grad)}")
         value = _one_number(loss, f"the loss of step {batch.step}")
         if not self.exp.allow_nonfinite and not (np.isfinite(value) and wire.all_finite(grad)):
             what = "loss" if not np.isfinite(value) else "activation_grad"
@@ -627,11 +627,11 @@ def _one_number(loss: Any, what: str) -> np.float32:
     ``CutMisuse`` naming ``what`` for anything else (a string, a loss per row: reduce it first)."""
     try:
         value = None if loss is None or isinstance(loss, (str, bytes)) else np.float32(loss)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):      # RuntimeError: a torch tensor that requires grad
         value = None
     if value is None or np.ndim(value) != 0:
         raise CutMisuse(f"{what} must be one number (reduced over the rows as the interface's reduction says), "
-                        f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip())
+                        f"got {type(loss).__name__} {getattr(loss, 'shape', '')}".rstrip() + torch_hint(loss))
     return np.float32(value)
 
 
