@@ -78,6 +78,9 @@ def test_make_test_runs_one_worker_more_than_the_cores_and_test_slow_runs_the_sl
     assert recipes["test"] == "$(PYTEST)" and recipes["test-slow"] == "$(PYTEST) -m slow"
 
 
+# Slow: a nested pytest on a fresh matplotlib cache. CI's own `make test` runs on an empty HOME with no caches
+# (test_ci_runs_the_readme_commands_on_an_empty_home_then_the_slow_set holds that it does), which is this check.
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib is not installed: the plot tests skip (pip install 'distgrad[plot]')")
 def test_the_plot_tests_pass_with_an_empty_home_and_no_caches(tmp_path):

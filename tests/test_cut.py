@@ -321,6 +321,10 @@ BREAKING_ENCODER = ("from torch import nn\n\n\nclass Breaking(nn.Sequential):\n"
 
 
 @pytest.mark.integration
+# Slow (two daemons, about 10 s): the notice a failing driver sends is test_secure_aggregation's
+# test_a_value_out_of_range_is_not_told_to_the_label_owner_nor_relayed_to_the_other_parties, and the serving stage
+# ending the run on it test_vertical's test_a_party_that_stops_ends_the_run_and_every_other_party_is_told_why.
+@pytest.mark.slow
 def test_a_label_owner_daemon_is_told_when_the_data_owner_daemon_fails_mid_run(tmp_path):
     """Daemons on both sides: a data owner whose own module raises at its third batch tells the label owner
     why (an aborted notice) as it exits; the label owner ends the run as failed at once (exit 4) naming the

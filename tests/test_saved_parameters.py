@@ -180,7 +180,9 @@ def test_a_damaged_or_mistyped_parameters_file_is_refused_with_exit_2_naming_fil
     assert first.returncode == 0, first.stderr
     for name, folder in _damaged_copies(saved, tmp_path).items():
         before = (folder / "f.npz").read_bytes()
-        for mode in ([], ["--in-process"]):
+        # Both modes refuse through Stage.load_parameters: over processes for two of the damages, in one
+        # process for every one (each run over processes starts the launcher: the suite's time).
+        for mode in ([], ["--in-process"]) if name in ("cut short", "object") else (["--in-process"],):
             result = run_cli(["run", "digits", "--steps", "2", "--load", folder, "--summary",
                               tmp_path / "s.json", *mode])
             assert result.returncode == 2, (name, mode, result.stderr)

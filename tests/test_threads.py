@@ -65,6 +65,9 @@ def test_in_process_with_two_threads_in_the_environment_equals_processes(tmp_pat
     _assert_same_files(tmp_path / "inproc", tmp_path / "procs")
 
 
+# Slow (a Python program running both, about 7 s): the pools' limit is test_one_compute_thread_limits_every_pool_and_restores_it's,
+# and an unpinned in-process run against processes is test_in_process_with_two_threads_in_the_environment_equals_processes'.
+@pytest.mark.slow
 def test_train_in_process_after_numpy_equals_run_local(tmp_path):
     """A Python program that imports numpy first (its pools sized by an environment asking for two
     threads), then calls ``train_in_process`` and ``run_local``, gets the same parameters from both."""
