@@ -322,6 +322,19 @@ def _answer_all(server) -> list:
     return seen
 
 
+def _serve_parties(fields: dict, body, count: int) -> tuple[object, dict]:
+    """``body`` as the label owner's loop of a ``CutServer`` bound with ``fields``, against ``count`` party
+    threads (``_parties``): what the loop returned, and each party's results by (party, step). The loop must
+    not fail."""
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), body)
+    results: dict = {}
+    for t in _parties(served.server.endpoint, count, fields, results):
+        t.join(30)
+    returned, error = served.result()
+    assert error is None, error
+    return returned, results
+
+
 def _parties(endpoint: str, count: int, fields: dict, results: dict, **options) -> list[threading.Thread]:
     def party(i: int) -> None:
         try:
@@ -340,12 +353,7 @@ def _parties(endpoint: str, count: int, fields: dict, results: dict, **options) 
 @pytest.mark.parametrize("aggregate", ["concat", "sum", "mean"])
 def test_each_party_gets_its_own_part_of_the_gradient_of_the_combined_batch(aggregate):
     fields = dict(FIELDS, parties=3, aggregate=aggregate)
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), _answer_all)
-    results: dict = {}
-    for t in _parties(served.server.endpoint, 3, fields, results):
-        t.join(30)
-    seen, error = served.result()
-    assert error is None, error
+    seen, results = _serve_parties(fields, _answer_all, 3)
     assert seen == [(1, 0, None, 3), (2, 0, None, 3)]
     for step in (1, 2):
         hs = [np.full((4, 3), 10 * i + step, np.float32) for i in range(3)]
@@ -427,12 +435,7 @@ def test_a_group_state_resumes_and_a_bad_one_is_refused_before_anything_changes(
                 with pytest.raises(CutMisuse):
                     batch.reply(1.0, np.ones_like(batch.h))
             states.append(server.state_dict())
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), body)
-    results: dict = {}
-    for t in _parties(served.server.endpoint, 2, fields, results):
-        t.join(30)
-    _, error = served.result()
-    assert error is None, error
+    _, results = _serve_parties(fields, body, 2)
     state = states[0]
     assert state["step"] == 1 and [p["step"] for p in state["peers"]] == [1, 1]
     resumed = CutServer.bind("tcp://127.0.0.1:*", state=state, **fields)
@@ -547,12 +550,7 @@ def test_vertical_micro_batches_combine_micro_batch_by_micro_batch():
     """With micro_batches = 2 each party's step is two micro-batches; the loop sees each combined, and each
     party gets the daemons' combination of its parts' gradients (their sum times the scale, 1/2 for a mean)."""
     fields = dict(FIELDS, parties=2, aggregate="concat", micro_batches=2)
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), _answer_all)
-    results: dict = {}
-    for t in _parties(served.server.endpoint, 2, fields, results):
-        t.join(30)
-    seen, error = served.result()
-    assert error is None, error
+    seen, results = _serve_parties(fields, _answer_all, 2)
     assert seen == [(1, 0, None, 2), (1, 1, None, 2), (2, 0, None, 2), (2, 1, None, 2)]
     for step in (1, 2):
         for i in range(2):
@@ -643,12 +641,7 @@ def test_replies_keep_the_gradient_the_loop_gave_when_the_loop_reuses_one_array(
             batch.reply(1.0, grad)
             grad[...] = -1                  # the loop's array, written again before the replies leave
             states.append(server.state_dict())
-    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), body)
-    results: dict = {}
-    for t in _parties(served.server.endpoint, 2, fields, results):
-        t.join(30)
-    _, error = served.result()
-    assert error is None, error
+    _, results = _serve_parties(fields, body, 2)
     for step in range(1, fields["steps"] + 1):
         for i in range(2):
             assert results[(i, step)][1].tolist() == [[float(step)] * 3] * 4, (i, step)
