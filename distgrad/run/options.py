@@ -26,6 +26,8 @@ from distgrad.wire.transport import DEFAULT_TIMEOUT_S, MAX_LIVENESS_S, SocketSec
 PROGRESS_UPDATES = 10              # progress lines per run on the driving stage
 DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost (its state is kept)
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
+SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
+DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
 
 
 def check_wait(name: str, value: Any) -> float:
@@ -39,8 +41,6 @@ def check_wait(name: str, value: Any) -> float:
         raise ConfigError(f"{name} must be at most {MAX_LIVENESS_S:g} seconds (the longest ZeroMQ heartbeat), "
                           f"got {value!r}")
     return value
-SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
-DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
 
 
 def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
