@@ -22,6 +22,12 @@ microseconds per call:
   (``step_once`` and its after-step work) against that serving stage, each
   message encoded and decoded as it would cross, for seed-reverse and
   mlp-classify: everything both processes do per step but the socket calls;
+- the same step of seed-reverse ``after other work``: between two steps (not
+  timed) other code runs over other data (``other_work``: a dict of 300
+  entries built, an 8 MiB array summed), as the kernel, ZeroMQ's I/O threads
+  and the other stage do between a stage's messages in a two-process run;
+  the median step, so what the step's own code and data lose from the
+  caches shows beside the hot figure;
 - ``transport round trip``: ``send_frames`` / ``poll_frames`` both ways over
   ``inproc://`` against the same calls in bare pyzmq (``send_multipart`` /
   ``recv_multipart``), 4 B;
@@ -141,11 +147,36 @@ def g_handles(name: str, repeats: int) -> float:
     return min(samples)
 
 
-def step_both_sides(name: str, repeats: int) -> float:
+OTHER_DATA = np.ones(1 << 20)      # 8 MiB of float64
+
+
+def other_work() -> None:
+    """Code and data that are not the step's: what runs between two steps of a stage process."""
+    table = {str(i): 2 * i for i in range(300)}
+    OTHER_DATA.sum() + len(table)
+
+
+def median_step_us(step, repeats: int, between, steps: int = 2000) -> float:
+    """The median thread CPU time of ``step`` (µs) over ``steps`` calls with ``between()`` run (untimed)
+    before each; the least of ``repeats`` such medians."""
+    medians = []
+    for _ in range(repeats):
+        times = []
+        for _ in range(steps):
+            between()
+            t0 = time.thread_time()
+            step()
+            times.append(time.thread_time() - t0)
+        medians.append(sorted(times)[steps // 2] * 1e6)
+    return min(medians)
+
+
+def step_both_sides(name: str, repeats: int, between=None) -> float:
     """One whole unpipelined step of both stages, the sockets left out: the driving stage's ``step_once`` and
     its after-step work, each message encoded, handed to a ``ServingStage`` (decode, handle, encode of the
     reply, settle) and the reply decoded back, as ``transport.Client.send`` / ``wait`` would. Averaged over
-    many consecutive steps; everything both processes do per step but the socket calls."""
+    many consecutive steps; everything both processes do per step but the socket calls. With ``between``,
+    that is run before each step, untimed, and the figure is ``median_step_us``'s."""
     exp = load_experiment(name)
     logic = ServingStage(StageOptions(exp, exp.stage_names[-1], exp.seed, steps=10**9))
     driver = _Driver(StageOptions(exp, exp.stage_names[0], exp.seed, steps=10**9), "tcp://127.0.0.1:9",
@@ -177,7 +208,7 @@ def step_both_sides(name: str, repeats: int) -> float:
     try:
         for _ in range(20):         # the first steps allocate (Adam's state, scratch buffers)
             step()
-        return best_us(step, repeats)
+        return best_us(step, repeats) if between is None else median_step_us(step, repeats, between)
     finally:
         driver.link.close(0)
 
@@ -238,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         results[f"g handles a forward ({name})"] = g_handles(name, args.repeats)
     for name in ("seed-reverse", "mlp-classify"):
         results[f"a step of f and g, no sockets ({name})"] = step_both_sides(name, args.repeats)
+    results["a step of f and g, no sockets (seed-reverse), after other work"] = step_both_sides(
+        "seed-reverse", args.repeats, other_work)
     results.update(round_trips(args.repeats))
     results.update(optimisers(args.repeats))
     width = max(map(len, results))

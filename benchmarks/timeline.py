@@ -19,7 +19,9 @@ message has been received. Every step of the lockstep case is then six intervals
 It prints the median of each over the steps after ``WARM_STEPS`` (milliseconds), their sum beside the
 measured step, and one raw round trip of the same frames (bench.py's bare DEALER/ROUTER echo) measured
 just before: ``down + up`` against it is what the wire path costs beyond the raw frames, and ``f work +
-g work`` against the in-process step is what the stages do beyond the model's compute.
+g work`` against the in-process step is what the stages do beyond the model's compute. Each event also
+notes the main thread's CPU time (``time.thread_time``), so a second line gives the CPU of ``f work`` and
+``g work``: equal to their wall time when the thread runs throughout (not preempted, not waiting).
 """
 
 from __future__ import annotations
@@ -49,23 +51,24 @@ RAW_TIMEOUT_S = 60.0
 
 
 def child(out: Path, argv: list[str]) -> int:
-    """Run ``distgrad stage ARGV`` with every send and receive timed; write ``[[event, time], ...]`` to ``out``."""
+    """Run ``distgrad stage ARGV`` with every send and receive timed; write ``[[event, time, thread CPU time],
+    ...]`` to ``out``."""
     import distgrad.wire.transport as transport
     from distgrad.cli import main as cli_main
 
-    events: list[tuple[str, float]] = []
-    clock, send, poll = time.monotonic, transport.send_frames, transport.poll_frames
+    events: list[tuple[str, float, float]] = []
+    clock, cpu, send, poll = time.monotonic, time.thread_time, transport.send_frames, transport.poll_frames
 
     def timed_send(sock: Any, frames: Any, envelope: Any = ()) -> int:
-        events.append(("send", clock()))
+        events.append(("send", clock(), cpu()))
         sent = send(sock, frames, envelope)
-        events.append(("sent", clock()))
+        events.append(("sent", clock(), cpu()))
         return sent
 
     def timed_poll(*args: Any, **kwargs: Any) -> Any:
         parts = poll(*args, **kwargs)
         if parts is not None:
-            events.append(("received", clock()))
+            events.append(("received", clock(), cpu()))
         return parts
 
     transport.send_frames = timed_send  # type: ignore[assignment]
@@ -98,19 +101,23 @@ def raw_round_trip(size: int, workdir: Path, env: dict[str, str]) -> float:
 
 
 def phases(f_events: list[list[Any]], g_events: list[list[Any]]) -> dict[str, list[float]]:
-    """The six intervals of each lockstep step (seconds), from both sides' events: f's sends after its hello
-    (its forwards) and g's sends after its welcome (its replies) pair up one per step."""
-    f_ev = [(name, t) for name, t in f_events]
-    g_ev = [(name, t) for name, t in g_events]
+    """The six intervals of each lockstep step (seconds), and the main thread's CPU time of each side's work,
+    from both sides' events: f's sends after its hello (its forwards) and g's sends after its welcome (its
+    replies) pair up one per step."""
 
-    def starts(events: list[tuple[str, float]], name: str) -> list[float]:
-        return [t for e, t in events if e == name]
+    def starts(events: list[list[Any]], name: str, column: int = 1) -> list[float]:
+        return [event[column] for event in events if event[0] == name][1:]
 
-    f_send, f_sent, f_recv = starts(f_ev, "send")[1:], starts(f_ev, "sent")[1:], starts(f_ev, "received")[1:]
-    g_send, g_sent, g_recv = starts(g_ev, "send")[1:], starts(g_ev, "sent")[1:], starts(g_ev, "received")[1:]
+    f_send, f_sent, f_recv = starts(f_events, "send"), starts(f_events, "sent"), starts(f_events, "received")
+    g_send, g_sent, g_recv = starts(g_events, "send"), starts(g_events, "sent"), starts(g_events, "received")
+    f_send_cpu, f_recv_cpu = starts(f_events, "send", 2), starts(f_events, "received", 2)
+    g_send_cpu, g_recv_cpu = starts(g_events, "send", 2), starts(g_events, "received", 2)
     steps = min(len(f_send), len(f_recv), len(g_send), len(g_recv), len(f_sent), len(g_sent))
-    out: dict[str, list[float]] = {k: [] for k in ("f work", "f send", "down", "g work", "g send", "up", "step")}
+    out: dict[str, list[float]] = {k: [] for k in ("f work", "f send", "down", "g work", "g send", "up", "step",
+                                                   "f work CPU", "g work CPU")}
     for i in range(WARM_STEPS, steps - 1):
+        out["f work CPU"].append(f_send_cpu[i + 1] - f_recv_cpu[i])
+        out["g work CPU"].append(g_send_cpu[i] - g_recv_cpu[i])
         out["f send"].append(f_sent[i] - f_send[i])
         out["down"].append(g_recv[i] - f_sent[i])
         out["g work"].append(g_send[i] - g_recv[i])
@@ -156,6 +163,7 @@ def main() -> int:
     print("| " + " | ".join(f"{m[k] * 1e3:.3f}" for k in parts)
           + f" | {sum(m[k] for k in parts) * 1e3:.3f} | {m['step'] * 1e3:.3f} | {r['raw_rt_s'] * 1e3:.3f} | "
           f"{(m['down'] + m['up']) * 1e3:.3f} | {(m['f work'] + m['g work']) * 1e3:.3f} |")
+    print(f"main thread CPU: f work {m['f work CPU'] * 1e3:.3f}, g work {m['g work CPU'] * 1e3:.3f} ms")
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

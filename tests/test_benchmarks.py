@@ -114,6 +114,7 @@ def test_per_message(tmp_path):
     for key in ("encode forward 4 B", "decode backward 32768 B", "expect_tensors 4194304 B",
                 "g handles a forward (seed-reverse)", "g handles a forward (mlp-classify)",
                 "a step of f and g, no sockets (seed-reverse)", "a step of f and g, no sockets (mlp-classify)",
+                "a step of f and g, no sockets (seed-reverse), after other work",
                 "transport round trip inproc 4 B", "Adam step, 784x256 + 256"):
         assert figures[key] > 0, key
 
@@ -404,3 +405,5 @@ def test_timeline(tmp_path, model):
     median = result["median_s"]
     assert all(median[k] > 0 for k in ("f work", "g work", "step")), result
     assert abs(sum(median[k] for k in parts) - median["step"]) < 0.5 * median["step"], result
+    # A thread's CPU time over an interval is at most its wall time (clock resolution aside).
+    assert all(0 < median[f"{side} work CPU"] <= median[f"{side} work"] + 1e-3 for side in "fg"), result
