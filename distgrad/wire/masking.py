@@ -17,7 +17,11 @@ checkpoint's on ``--resume``) and learns the others' from the label owner
 run id at its place), so a party's masks are new in every run it begins,
 whatever run ids the other parties or the label owner name: the masked
 values of two runs made with the same keys do not share a mask. A resumed
-run names the same run ids, so it draws the same masks, bit for bit.
+run names the same run ids, so it draws the same masks, bit for bit. All
+parties of a run bind to the one list the label owner relays, and a party
+that begins a new run sends every other party to say hello again and bind
+to the new list (``Parties.join``); a list that names other runs for the
+other parties gives masks that do not cancel, never an earlier run's.
 
 For a tensor named ``tensor`` (its stream: ``activation/mb0of2``, or
 ``activation`` for held-out rows) at ``step``, the pair's mask is the first
