@@ -12,6 +12,7 @@ in-process reference.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from distgrad.wire import masking
 from distgrad.wire.keys import keygen, load_secret
 
 PARTIES = ["a", "b", "c"]
+RUNS = [f"run-{name}" for name in PARTIES]      # each party's run id: its masks are bound to them all
 BUILTIN = Path(__file__).parent.parent / "distgrad" / "experiments" / "vertical-classify.toml"
 
 
@@ -84,7 +86,7 @@ def test_masks_cancel_exactly_and_hide_each_part(tmp_path):
     masks = _keys(tmp_path)
     rng = np.random.default_rng(1)
     parts = [np.tanh(rng.standard_normal((32, 8))).astype(np.float32) for _ in PARTIES]
-    codecs = [masking.SecureSumCodec(3, masks[name]) for name in PARTIES]
+    codecs = [masking.SecureSumCodec(3, masks[name]).for_run(RUNS) for name in PARTIES]
     sent = [codec.encode(x, "activation/mb0of1", 5)["masked"] for codec, x in zip(codecs, parts)]
     plain = [masking.SecureSumCodec(3).roundtrip(x, "activation/mb0of1", 5) for x in parts]
     for masked, fixed in zip(sent, plain):
@@ -100,6 +102,56 @@ def test_masks_cancel_exactly_and_hide_each_part(tmp_path):
         assert not np.any(codecs[0].encode(parts[0], stream, step)["masked"] == sent[0])
     tags = {name: masks[name].tags() for name in PARTIES}
     assert masking.check_tags(tags) is None
+
+
+def test_two_runs_with_the_same_keys_share_no_mask_and_each_runs_masks_cancel(tmp_path):
+    """Masks are bound to the run (every party's run id, ``mask_session``): the masked parts of two runs made
+    with the same key pairs differ by more than the parties' values do, so subtracting them does not cancel
+    the masks (it did while a mask was a function of the keys, the stream and the step only); in each run
+    the masks cancel exactly. A party's own new run id alone renews every mask of its pairs, whatever run
+    ids the other parties are said to hold (a label owner naming an earlier run's); the same run ids again
+    (a resumed run) draw the same masks, bit for bit."""
+    masks = _keys(tmp_path)
+    rng = np.random.default_rng(2)
+    first = [np.tanh(rng.standard_normal((32, 8))).astype(np.float32) for _ in PARTIES]
+    second = [x + np.float32(0.125) for x in first]          # the next run's values: other data, other weights
+    again = [f"again-{name}" for name in PARTIES]
+    plain = masking.SecureSumCodec(3)
+
+    def sent(runs, parts):
+        return [masking.SecureSumCodec(3, masks[name]).for_run(runs).encode(x, "activation/mb0of1", 5)["masked"]
+                for name, x in zip(PARTIES, parts)]
+
+    one, two = sent(RUNS, first), sent(again, second)
+    for parts, masked in ((first, one), (second, two)):
+        assert np.array_equal(aggregate.combine_fixed("sum", masked), aggregate.combine_fixed(
+            "sum", [plain.roundtrip(x, "activation/mb0of1", 5) for x in parts]))
+    for i in range(3):
+        shown = one[i] - two[i]          # what a label owner that saw both runs can compute (mod 2**64)
+        truth = plain.roundtrip(first[i], "activation/mb0of1", 5) - plain.roundtrip(second[i], "activation/mb0of1", 5)
+        assert not np.any(shown == truth)
+        assert np.mean(np.abs(shown.astype(np.float64)) > 2.0 ** 40) > 0.99
+    replayed = ["again-a", *RUNS[1:]]          # b and c named as in the first run: a's new run renews its pairs
+    assert all(not np.any(new == old) for new, old in zip(sent(replayed, first), one))
+    assert all(np.array_equal(new, old) for new, old in zip(sent(list(RUNS), first), one))      # resumed
+    assert masking.mask_session(RUNS) != masking.mask_session(["run-a", "run-bc", "-"])
+    assert masking.mask_session(["ab", "c"]) != masking.mask_session(["a", "bc"])
+
+
+def test_masks_bind_only_to_every_partys_run_with_this_partys_own_at_its_place(tmp_path):
+    """What the label owner relays is checked: one valid run id per party, in order, and this party's own
+    run id at its place (no one else chooses its part of the session); nothing is masked before."""
+    from distgrad.errors import ProtocolError
+    masks = _keys(tmp_path)
+    with pytest.raises(ProtocolError, match="names run 'run-c' for party b, whose run is run-b: its masks are bound"):
+        masks["b"].for_run(["run-a", "run-c", "run-c"], "run-b")
+    for bad in (RUNS[:2], [*RUNS, "run-d"], "run-a", None, ["run-a", 7, "run-c"], ["run-a", "", "run-c"],
+                ["run-a", "run b", "run-c"]):
+        with pytest.raises(ProtocolError, match="mask_runs"):
+            masks["b"].for_run(bad)
+    assert masks["b"].for_run(RUNS, "run-b").runs == tuple(RUNS)
+    with pytest.raises(ConfigError, match="masks are drawn for a run"):
+        masks["b"].mask((2, 3), "activation/mb0of1", 1)
 
 
 def test_party_keys_are_checked(tmp_path):
@@ -150,25 +202,46 @@ class _Parties:
         self.data = {name: exp.build_data(stage=name) for name in PARTIES}
         self.codecs = {name: masking.SecureSumCodec(3, masks[name]) for name in PARTIES}
 
-    def hello(self, g, name: str, now: float, tags: dict[str, str] | None = None) -> None:
-        from distgrad.run import handshake
-        hello = handshake.hello(self.exp, name, self.exp.seed, self.stages[name].output_shape, f"run-{name}", [0],
-                                3, 1)
-        hello.body["mask_tags"] = self.masks[name].tags() if tags is None else tags
-        g.handle([name.encode()], hello, now)
+        self.runs = dict(zip(PARTIES, RUNS))
 
-    def forwards(self, g, step: int, now: float) -> list:
-        """Every party's masked forward of ``step``; the label owner's replies."""
+    def hello(self, g, name: str, now: float, tags: dict[str, str] | None = None, run: str | None = None,
+              held: tuple[int, ...] = (0,)):
+        """``name``'s hello (of run ``run``: a new run of it); its masks bound to the runs its welcome names
+        (none until every party's hello). Returns the welcome."""
+        from distgrad.run import handshake
+        self.runs[name] = run or self.runs[name]
+        hello = handshake.hello(self.exp, name, self.exp.seed, self.stages[name].output_shape, self.runs[name],
+                                list(held), 3, 1)
+        hello.body["mask_tags"] = self.masks[name].tags() if tags is None else tags
+        welcome = [r for _, r in g.handle([name.encode()], hello, now) if r.type == "welcome"][0]
+        if "mask_runs" in welcome.body:
+            self.codecs[name] = self.codecs[name].for_run(welcome.body["mask_runs"], self.runs[name])
+        return welcome
+
+    def bind_all(self, g, now: float) -> None:
+        """Every party's masks bound to the runs a pong names, as a party does that said hello first."""
+        from distgrad.wire import messages as wire
+        for name in PARTIES:
+            pong = [r for _, r in g.handle([name.encode()], wire.Message(wire.PING, self.runs[name]), now)][0]
+            self.codecs[name] = self.codecs[name].for_run(pong.body["mask_runs"], self.runs[name])
+
+    def forwards(self, g, step: int, now: float, names=PARTIES) -> list:
+        """The masked forward of ``step`` of every party (of ``names``); the label owner's replies."""
         from distgrad.wire import messages as wire
         replies = []
-        for name in PARTIES:
-            y, _ = self.stages[name].forward(self.data[name].features(step))
-            sent = self.codecs[name].encode(y, "activation/mb0of1", step)["masked"]
+        for name in names:
+            sent = self.masked(name, step)
             assert sent.dtype == np.int64
-            assert not np.any(sent == self.codecs[name].roundtrip(y, "activation/mb0of1", step))
-            replies += g.handle([name.encode()], wire.Message(wire.FORWARD, f"run-{name}", step,
+            replies += g.handle([name.encode()], wire.Message(wire.FORWARD, self.runs[name], step,
                                                               tensors={"activation.masked": sent}), now)
         return replies
+
+    def masked(self, name: str, step: int) -> np.ndarray:
+        """What party ``name`` sends of step ``step``: its embedding in fixed point, masked."""
+        y, _ = self.stages[name].forward(self.data[name].features(step))
+        sent = self.codecs[name].encode(y, "activation/mb0of1", step)["masked"]
+        assert not np.any(sent == self.codecs[name].roundtrip(y, "activation/mb0of1", step))
+        return sent
 
 
 def _serving(exp):
@@ -186,6 +259,9 @@ def test_the_label_owner_sees_masked_integers_and_their_sum_only(tmp_path):
     parties, g, now = _Parties(exp, _keys(tmp_path)), _serving(exp), time.monotonic()
     for name in PARTIES:
         parties.hello(g, name, now)
+    # Only the last hello's welcome names every party's run; the others ask with a ping.
+    assert [parties.codecs[name].masks.runs for name in PARTIES] == [None, None, tuple(RUNS)]
+    parties.bind_all(g, now)
     for step in (1, 2):
         replies = parties.forwards(g, step, now)
         assert [(e[0].decode(), r.type) for e, r in replies] == [(n, "backward") for n in PARTIES]
@@ -210,10 +286,110 @@ def test_parties_whose_keys_do_not_pair_up_are_refused_naming_the_pair(tmp_path)
         parties.hello(g, "a", now, tags={})
     for name in PARTIES:
         parties.hello(g, name, now, tags=dict(masks["b"].tags(), c="0" * 32) if name == "b" else None)
+    parties.bind_all(g, now)
     replies = parties.forwards(g, 1, now)
     assert [r.type for _, r in replies] == ["error"] * 3
     assert all("feature parties b and c do not share a mask key" in r.body["message"] for _, r in replies)
     assert g.stage.step == 0
+
+
+def test_a_partys_new_run_sends_every_other_party_to_bind_its_masks_again(tmp_path):
+    """Before the first step party c begins a new run (a new run id): the masks' session changes, so every
+    other party says hello again (the forward a had sent is refused naming c's new run; b's is refused
+    until its hello), learns the new runs from its welcome, and the step then stands where the reference
+    does: the masks of all three cancel."""
+    from distgrad.errors import ProtocolError
+    exp = parse_experiment(_raw())
+    parties, g, now = _Parties(exp, _keys(tmp_path)), _serving(exp), time.monotonic()
+    for name in PARTIES:
+        parties.hello(g, name, now)
+    parties.bind_all(g, now)
+    assert parties.forwards(g, 1, now, ["a"]) == []           # waiting for b and c
+    first = parties.masked("a", 1)
+    now += 1.5                                                  # c's last process is gone (liveness 1 s)
+    parties.runs["c"] = "run-c2"
+    replies = g.handle([b"c"], _hello_of(parties, "c"), now)
+    assert [(e[0], r.type) for e, r in replies] == [(b"a", "error"), (b"c", "welcome")]
+    assert "party c began a new run: its masks changed; say hello again" in replies[0][1].body["message"]
+    assert replies[1][1].body["mask_runs"] == ["run-a", "run-b", "run-c2"]
+    parties.codecs["c"] = parties.codecs["c"].for_run(replies[1][1].body["mask_runs"], "run-c2")
+    again = g.handle([b"c"], _hello_of(parties, "c"), now)      # its hello again: the same run, nothing renewed
+    assert [r.type for _, r in again] == ["welcome"]
+    with pytest.raises(ProtocolError, match="party b must say hello again") as e:
+        parties.forwards(g, 1, now, ["b"])
+    assert e.value.code == "run"
+    for name in ("a", "b"):
+        assert parties.hello(g, name, now).body["mask_runs"] == ["run-a", "run-b", "run-c2"]
+    assert not np.any(parties.masked("a", 1) == first)         # the same values, the new run's masks
+    replies = parties.forwards(g, 1, now)
+    assert [r.type for _, r in replies] == ["backward"] * 3
+    g.settle()
+    assert {k: v.tolist() for k, v in g.stage.params.items()} == train_in_process(exp, steps=1)["params"]["g"]
+
+
+def _hello_of(parties, name: str):
+    from distgrad.run import handshake
+    hello = handshake.hello(parties.exp, name, parties.exp.seed, parties.stages[name].output_shape,
+                            parties.runs[name], [0], 3, 1)
+    hello.body["mask_tags"] = parties.masks[name].tags()
+    return hello
+
+
+def test_a_resumed_run_draws_the_same_masks(tmp_path):
+    """kill -9 and --resume keep every run id, hence the masks: the label owner resumed from its checkpoint
+    names the same runs, and a party resumed from its own binds its masks to its run again (``_bind_masks``,
+    asking with pings until every party's run is known), so what it sends again is the same integers."""
+    from types import SimpleNamespace
+    from distgrad.errors import PeerTimeout, ProtocolError
+    from distgrad.run.driver import _Driver
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    from distgrad.run.stage_state import StageState
+    from distgrad.wire.keys import CurveClient
+    from distgrad.wire import messages as wire
+    from distgrad.wire.wirecodec import ACTIVATION
+
+    exp = parse_experiment(_raw())
+    masks = _keys(tmp_path)
+    label = StageOptions(exp, "g", exp.seed, steps=3, liveness_s=1.0, peer_deadline_s=2.0,
+                         checkpoint_dir=tmp_path / "g", checkpoint_every=1)
+    parties, g, now = _Parties(exp, masks), ServingStage(label), time.monotonic()
+    for name in PARTIES:
+        parties.hello(g, name, now)
+    parties.bind_all(g, now)
+    parties.forwards(g, 1, now)
+    g.settle()
+    g.state.close()
+    resumed = ServingStage(replace(label, resume=True))             # the label owner after kill -9, --resume
+    pong = resumed.handle([b"a"], wire.Message(wire.PING, "run-a"), now)[0][1]
+    assert pong.body["mask_runs"] == RUNS
+    before = parties.masked("b", 2)
+
+    keygen(tmp_path / "server", "g")
+    party = StageOptions(exp, "b", exp.seed, checkpoint_dir=tmp_path / "b", party_keys=tmp_path / "keys",
+                         security=CurveClient(tmp_path / "keys" / "b.key_secret", tmp_path / "server" / "g.key"))
+    state = StageState(party)
+    state.begin("run-b")
+    state.save()
+    again = StageState(replace(party, resume=True))                 # party b after kill -9, --resume
+    assert again.resume_latest() and again.run_id == "run-b"
+    pongs = iter([{}, {"waiting_for": ["c"]}, {"mask_runs": pong.body["mask_runs"]}])
+    link = SimpleNamespace(welcome={"stage": "g", "next_step": 2},
+                           ping=lambda run, timeout: SimpleNamespace(body=next(pongs)))
+    driver = SimpleNamespace(state=again, link=link, opts=party, stop=SimpleNamespace(check=lambda: None),
+                             below="g", log=again.log)
+    _Driver._bind_masks(driver, again.senders.codec(ACTIVATION))
+    y, _ = parties.stages["b"].forward(parties.data["b"].features(2))
+    assert np.array_equal(again.senders.codec(ACTIVATION).encode(y, "activation/mb0of1", 2)["masked"], before)
+    link.welcome = {"mask_runs": ["run-a", "run-x", "run-c"]}      # the label owner names another run for b
+    with pytest.raises(ProtocolError, match="names run 'run-x' for party b, whose run is run-b"):
+        _Driver._bind_masks(driver, again.senders.codec(ACTIVATION))
+    link.welcome, link.ping = {}, lambda run, timeout: SimpleNamespace(body={})
+    with pytest.raises(PeerTimeout, match="did not name every feature party's run within 0.01 s"):
+        _Driver._bind_masks(SimpleNamespace(**{**vars(driver), "opts": replace(party, peer_deadline_s=0.01)}),
+                            again.senders.codec(ACTIVATION))
+    again.close()
+    state.close()
 
 
 # -- refusals
@@ -260,8 +436,10 @@ def test_a_party_masks_with_its_curve_key_pair_and_the_party_keys(tmp_path):
     assert isinstance(codec, masking.SecureSumCodec) and codec.masks is not None
     assert codec.masks.tags() == masks["b"].tags()
     x = np.float32([[0.25, -0.5]])
-    assert np.array_equal(codec.encode(x, "activation/mb0of1", 1)["masked"],
-                          masking.SecureSumCodec(3, masks["b"]).encode(x, "activation/mb0of1", 1)["masked"])
+    with pytest.raises(ConfigError, match="masks are drawn for a run; bind them to it first"):
+        codec.encode(x, "activation/mb0of1", 1)          # no masks before the run is known
+    assert np.array_equal(codec.for_run(RUNS, "run-b").encode(x, "activation/mb0of1", 1)["masked"],
+                          masking.SecureSumCodec(3, masks["b"]).for_run(RUNS).encode(x, "activation/mb0of1", 1)["masked"])
     assert sent_codecs(StageOptions(exp, "g", exp.seed))[ACTIVATION].masks is None
 
 

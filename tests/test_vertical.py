@@ -366,14 +366,26 @@ class Parties(StageGroup):
     """The label owner and three feature parties of one run (of ``experiment``, default vertical-classify), each
     a process with its own log."""
 
-    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str, experiment: Path = BUILTIN) -> None:
+    def __init__(self, tmp_path: Path, steps: int, endpoint: str, *flags: str, experiment: Path = BUILTIN,
+                 secure: bool = False) -> None:
+        """``secure``: with CURVE, a key pair per process, and each party's --party-keys (secure_aggregation)."""
         super().__init__(tmp_path)
         common = ["--experiment", str(experiment), "--steps", str(steps), "--checkpoint-dir", tmp_path / "ckpt",
                   "--checkpoint-every", "1", "--resume", *flags]
-        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common]}
+        keys = {name: [] for name in ["g", *PARTIES]}
+        if secure:
+            from distgrad.wire.keys import keygen
+            keygen(tmp_path / "server", "g")
+            keys["g"] = ["--curve-secret", tmp_path / "server" / "g.key_secret", "--allow", tmp_path / "parties"]
+            for name in PARTIES:
+                keygen(tmp_path / "parties", name)
+                keys[name] = ["--curve-secret", tmp_path / "parties" / f"{name}.key_secret", "--server-key",
+                              tmp_path / "server" / "g.key", "--party-keys", tmp_path / "parties"]
+        self.args = {"g": ["g", "--bind", endpoint, "--summary", tmp_path / "g.json", *common, *keys["g"]]}
         for name in PARTIES:
             self.args[name] = [name, "--connect", endpoint, "--summary", tmp_path / f"{name}.json",
-                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", f"{name}1.b", *common]
+                               "--trace", tmp_path / f"{name}.jsonl", "--trace-params", f"{name}1.b", *common,
+                               *keys[name]]
 
     def start_all_then_kill(self, name: str, at_step: int) -> None:
         for who in ["g", *PARTIES]:
@@ -383,22 +395,33 @@ class Parties(StageGroup):
         assert self.procs[name].wait(10) == -signal.SIGKILL, f"{name} ended before the kill"
 
 
-@pytest.mark.parametrize("killed,transport", [("b", "tcp"), ("g", "ipc")])
-def test_kill_9_and_restart_of_a_party_changes_nothing(tmp_path, stage_group, killed, transport):
+@pytest.mark.parametrize("killed,transport,secure", [
+    ("b", "tcp", False), ("g", "ipc", False),
+    # Slow: four processes more. By default test_secure_aggregation's test_a_resumed_run_draws_the_same_masks
+    # covers a resumed party and label owner binding the same masks (without processes), and the cases above
+    # the kill and the resume.
+    pytest.param("b", "ipc", True, marks=pytest.mark.slow)])
+def test_kill_9_and_restart_of_a_party_changes_nothing(tmp_path, stage_group, killed, transport, secure):
     """kill -9 of feature party b (or of the label owner g) mid-run; the others wait for it (g names the
     party it waits for); restarted with the same command line (--resume) the run goes on, and every
-    stage ends bitwise equal to the uninterrupted in-process run."""
+    stage ends bitwise equal to the uninterrupted in-process run. With secure aggregation the restarted
+    party binds its masks to the same runs as before the kill (its own run id from its checkpoint)."""
     steps = 300
     endpoint = f"ipc://{tmp_path}/g.sock" if transport == "ipc" else free_tcp_endpoint()
+    experiment = _experiment(tmp_path, "secure-sum") if secure else BUILTIN
     run = stage_group(Parties, tmp_path, steps, endpoint, "--timeout", "0.5", "--liveness", "0.5",
-                      "--peer-deadline", "30")
+                      "--peer-deadline", "30", experiment=experiment, secure=secure)
     run.start_all_then_kill(killed, at_step=40)
     if killed == "b":
         run.wait_until(lambda: "waiting for party b" in run.logs(), "g to name party b", all_running=False)
     run.start(killed)                                       # the same command line
     run.wait_all()
     assert "resumed run" in run.logs()
-    reference = _reference(tmp_path, BUILTIN, "--steps", str(steps))["params"]
+    if secure:
+        bound = [re.findall(r"masks bound to the feature parties' runs (\[.*\])", (tmp_path / f"b.{n}.log").read_text())
+                 for n in (1, 2)]
+        assert bound[0] and bound[1] and set(bound[0]) == set(bound[1]), bound
+    reference = _reference(tmp_path, experiment, "--steps", str(steps))["params"]
     for name in [*PARTIES, "g"]:
         assert read_json(tmp_path / f"{name}.json")["params"][name] == reference[name], name
 

@@ -48,6 +48,7 @@ from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, stre
 BACKWARD_TYPES = frozenset({wire.BACKWARD})        # a forward's reply (with steps in flight, an evaluation's
 EVALUATION_TYPES = frozenset({wire.EVALUATION})    # may share its step and micro-batch)
 PING_TIMEOUT_S = 1.0      # how long to wait for the stage below to say whom it waits for, after giving up on it
+MASK_RUNS_POLL_S = 0.05   # between pings asking the label owner for every feature party's run (secure aggregation)
 
 
 class _Driver:
@@ -138,6 +139,8 @@ class _Driver:
         if isinstance(masked, SecureSumCodec) and masked.masks is not None:
             hello.body["mask_tags"] = masked.masks.tags()   # the label owner checks that every pair agrees
         common = self.link.handshake(hello, self.opts.client)
+        if isinstance(masked, SecureSumCodec) and masked.masks is not None:
+            self._bind_masks(masked)
         self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)
@@ -157,6 +160,23 @@ class _Driver:
         self.evaluations = [e for e in self.evaluations if e["step"] < step or (e["step"] == step and not again)]
         self.state.verdicts.forget_after(step)
         self.log.info("run %s: at step %d of %d", self.state.run_id, self.state.stage.step, self.steps)
+
+    def _bind_masks(self, masked: SecureSumCodec) -> None:
+        """Secure aggregation: bind this party's masks to the run (``PairMasks.for_run``), every party's run
+        id as the label owner names them (``mask_runs``, this party's own at its place), from the welcome or,
+        until every party has said hello, from pongs asked every ``MASK_RUNS_POLL_S``. Raises ``PeerTimeout``
+        after ``peer_deadline_s`` without them, ``ProtocolError`` for run ids that are not this run's."""
+        runs, started = self.link.welcome.get("mask_runs"), time.monotonic()
+        while runs is None:
+            if time.monotonic() - started > self.opts.peer_deadline_s:
+                raise PeerTimeout(f"stage {self.below} did not name every feature party's run within "
+                                  f"{self.opts.peer_deadline_s:g} s (--peer-deadline): the masks of secure "
+                                  f"aggregation need every party's hello first")
+            self.stop.check()
+            time.sleep(MASK_RUNS_POLL_S)
+            runs = self.link.ping(self.state.run_id, self.opts.timeout_s).body.get("mask_runs")
+        self.state.senders.use(ACTIVATION, masked.for_run(runs, self.state.run_id))
+        self.log.info("run %s: masks bound to the feature parties' runs %s", self.state.run_id, runs)
 
     def step_once(self) -> None:
         """One step: every micro-batch's forward and backward, then one update.

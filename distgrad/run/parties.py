@@ -87,6 +87,10 @@ class Parties(Topology):
         if peer.run and peer.run != msg.run:
             s.log.warning("%s starts a new run (%s, holding steps %s) in place of run %s", self.name(peer),
                           msg.run, held[-8:], peer.run)
+        # Secure: the masks' session is every party's run id (``mask_runs``): a party's new run changes it, and
+        # every other party must say hello again to learn it (masks of two sessions would not cancel).
+        renewed = f"{self.name(peer)} began a new run: its masks changed; say hello again" if (
+            self.secure and peer.run and peer.run != msg.run) else ""
         owner, since = (peer_key, time.time()) if peer.run != msg.run else (peer.owner, peer.since)
         if common < live:
             s.log.warning("%s goes on from step %d: this stage and every other party go back to it",
@@ -98,7 +102,7 @@ class Parties(Topology):
         # The round in progress goes on; the party's replies of it stay, so a micro-batch it sends
         # again (it computes the same values) gets the same reply.
         return Join(common + 1, PeerStatus.ACTIVE, common, msg.run, owner, since, (common + 1, common + 1),
-                    open_run=True, still_owes=True)
+                    open_run=True, still_owes=True, stale=renewed)
 
     def _check_join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> None:
         """What every party must agree on (steps, micro-batches, evaluations), one key per party, and no
@@ -324,7 +328,13 @@ class Parties(Topology):
         return f"run completed: {finished.get('rounds', 0)} steps with parties {self.serving.parties}"
 
     def pong_fields(self, now: float) -> dict[str, Any]:
-        return {"waiting_for": [self.serving.parties[p.index] for p in self.missing(now)]}
+        return {"waiting_for": [self.serving.parties[p.index] for p in self.missing(now)], **self.welcome_fields()}
+
+    def welcome_fields(self) -> dict[str, Any]:
+        """Secure: ``mask_runs``, every party's run id in party order, once each party has said hello (a
+        party binds its masks to them, ``PairMasks.for_run``; until then it asks again with pings)."""
+        runs = [peer.run for peer in self.run.peers]
+        return {"mask_runs": runs} if self.secure and all(runs) else {}
 
     def summary_fields(self) -> dict[str, Any]:
         s, run = self.serving, self.run

@@ -243,7 +243,8 @@ class ServingStage(RoundMachine):
             self.run.first_hello = now
         self.log.info("%s said hello (run %s, %d micro-batches): next step %d", topology.name(peer), msg.run, mbs,
                       joined.next_step)
-        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step})
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step,
+                                                              **topology.welcome_fields()})
 
     def apply_resume(self, d: Resume, now: float) -> None:
         """Go on with the run of the checkpoint just loaded (``Resume``): the peers' runs as saved, the

@@ -403,6 +403,10 @@ class Topology(abc.ABC):
         """What a pong adds for this topology."""
         return {}
 
+    def welcome_fields(self) -> dict[str, Any]:
+        """What a welcome adds for this topology."""
+        return {}
+
     def reported_step(self) -> int:
         """The steps done, as a pong reports them."""
         return min(self.run.rounds_done, self.run.steps or 0)

@@ -77,6 +77,7 @@ class DownstreamLink:
         self.arrived: dict[tuple[int, int, str], Message] = {}
         self.run_id = ""
         self.below = ""            # the stage below's name, from its welcome: its timeout names it
+        self.welcome: dict[str, Any] = {}       # the body of the last handshake's welcome
         self.client = self._new_client()
 
     def set_reply_specs(self, reply_specs: Expected) -> None:
@@ -212,6 +213,7 @@ class DownstreamLink:
             raise ProtocolError(ErrorCode.RUN, f"expected a welcome at a step this stage holds {held}, "
                                                f"got {welcome.describe()} {wire.show(welcome.body)}")
         stage = welcome.body.get("stage")
+        self.welcome = welcome.body
         self.below = stage if isinstance(stage, str) and stage.isprintable() and len(stage) <= 64 else ""
         self.log.info("run %s: connected to stage %s at %s (%s); at step %d", hello.run,
                       wire.show(welcome.body.get("stage")), self.connect,

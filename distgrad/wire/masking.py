@@ -9,28 +9,47 @@ configured with the other parties' public keys (``--party-keys DIR``, one
 ``NAME.key`` per party, ``load_party_keys``); nothing the label owner relays
 goes into a key, so it cannot put a key of its own in a party's place.
 
+A run's masks are bound to the run: its session (``mask_session``) is
+BLAKE2b of every feature party's run id, in party order. Each party
+contributes its own (a fresh random id for every run it begins, its
+checkpoint's on ``--resume``) and learns the others' from the label owner
+(the welcome's or a pong's ``mask_runs``, which must name this party's own
+run id at its place), so a party's masks are new in every run it begins,
+whatever run ids the other parties or the label owner name: the masked
+values of two runs made with the same keys do not share a mask. A resumed
+run names the same run ids, so it draws the same masks, bit for bit. All
+parties of a run bind to the one list the label owner relays, and a party
+that begins a new run sends every other party to say hello again and bind
+to the new list (``Parties.join``); a list that names other runs for the
+other parties gives masks that do not cancel, never an earlier run's.
+
 For a tensor named ``tensor`` (its stream: ``activation/mb0of2``, or
 ``activation`` for held-out rows) at ``step``, the pair's mask is the first
-``8 * n`` bytes of SHAKE-256 of the pair key and that context, read as ``n``
-little-endian uint64 (``pair_mask``). Party ``i`` adds the masks of the pairs
-``(i, j > i)`` and subtracts those of ``(j < i, i)``, modulo 2**64
-(``PairMasks.mask``): summed over every party the masks cancel exactly, and
-each party's masked part alone is uniformly distributed to anyone without
-the keys of its pairs. ``SecureSumCodec`` is the activation codec that
-rounds the embedding to fixed point (``aggregate.quantise``) and adds the
-mask; the receiver keeps the masked integers for ``aggregate.combine_fixed``.
+``8 * n`` bytes of SHAKE-256 of the pair key, the session and that context,
+read as ``n`` little-endian uint64 (``pair_mask``). Party ``i`` adds the
+masks of the pairs ``(i, j > i)`` and subtracts those of ``(j < i, i)``,
+modulo 2**64 (``PairMasks.mask``): summed over every party the masks cancel
+exactly, and each party's masked part alone is uniformly distributed to
+anyone without the keys of its pairs. Masks are drawn only once bound to a
+run (``PairMasks.for_run``; unbound, encoding raises ``ConfigError``).
+``SecureSumCodec`` is the activation codec that rounds the embedding to
+fixed point (``aggregate.quantise``) and adds the mask; the receiver keeps
+the masked integers for ``aggregate.combine_fixed``. The in-process
+reference masks nothing: it adds the unmasked fixed point, which the masked
+parts sum to exactly, so the masks never change a result.
 
-A mask is a function of the pair's keys, the tensor's stream and the step
-only: a tensor sent again with the same values (a resend, a rollback) crosses
-as the same integers, but two runs with the same key pairs reuse their masks
-(docs/privacy.md says what that shows; make new keys per run to avoid it).
+Within a run a mask is a function of the pair, the stream and the step: a
+tensor sent again with the same values (a resend, a rollback, a resume)
+crosses as the same integers. A label owner that sent a party other
+gradients the second time would see two values under one mask (their
+difference): docs/privacy.md says what that means.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -39,10 +58,11 @@ import numpy as np
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.model.aggregate import SECURE_SUM, quantise
 from distgrad.wire.codecs import Codec, Parts, Shape, WireSpecs
-from distgrad.wire.messages import ErrorCode
+from distgrad.wire.messages import RUN_ID, ErrorCode, show
 
 PAIR_DOMAIN = b"distgrad-secure-aggregation-pair-v1\x00"   # domain separation of a pair's key
-MASK_DOMAIN = b"distgrad-secure-aggregation-mask-v1\x00"   # of a mask drawn from it
+MASK_DOMAIN = b"distgrad-secure-aggregation-mask-v2\x00"   # of a mask drawn from it (v2: bound to the run)
+SESSION_DOMAIN = b"distgrad-secure-aggregation-session-v1\x00"   # of a run's session (every party's run id)
 TAG_DOMAIN = b"distgrad-secure-aggregation-tag-v1\x00"     # of the tag that shows two parties share it
 KEY_BYTES = 32                                              # an X25519 key
 _I64 = np.dtype("<i8")
@@ -76,10 +96,27 @@ def pair_key(secret: bytes, own_public: bytes, peer_public: bytes, own_first: bo
     return hashlib.blake2b(PAIR_DOMAIN + shared + first + second, digest_size=KEY_BYTES).digest()
 
 
-def pair_mask(key: bytes, tensor: str, step: int, count: int) -> np.ndarray:
-    """``count`` uint64 of the pair ``key``'s mask for ``tensor`` at ``step`` (SHAKE-256, little-endian)."""
+def mask_session(runs: Sequence[str]) -> bytes:
+    """The session of a run's masks: BLAKE2b of ``runs``, every feature party's run id in party order
+    (each length-prefixed, so no two lists give the same bytes). Raises ``ValueError`` for a run id that is
+    not one (``messages.RUN_ID``, not empty)."""
+    parts = [SESSION_DOMAIN, len(runs).to_bytes(8, "little")]
+    for run in runs:
+        if not isinstance(run, str) or not run or not RUN_ID.fullmatch(run):
+            raise ValueError(f"{show(run)} is not a run id (1 to 128 of A-Z a-z 0-9 _ . -)")
+        raw = run.encode("ascii")
+        parts += [len(raw).to_bytes(8, "little"), raw]
+    return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+
+
+def pair_mask(key: bytes, session: bytes, tensor: str, step: int, count: int) -> np.ndarray:
+    """``count`` uint64 of the pair ``key``'s mask in run ``session`` (``mask_session``) for ``tensor`` at
+    ``step`` (SHAKE-256, little-endian)."""
+    if len(session) != KEY_BYTES:
+        raise ValueError(f"a mask session is {KEY_BYTES} bytes (mask_session), got {len(session)}")
     name = tensor.encode("utf-8")
-    context = MASK_DOMAIN + key + len(name).to_bytes(8, "little") + name + int(step).to_bytes(8, "little")
+    context = (MASK_DOMAIN + key + session + len(name).to_bytes(8, "little") + name
+               + int(step).to_bytes(8, "little"))
     return np.frombuffer(hashlib.shake_256(context).digest(8 * count), _U64).copy()
 
 
@@ -91,21 +128,47 @@ def pair_tag(key: bytes) -> str:
 
 @dataclass(frozen=True)
 class PairMasks:
-    """Party ``own`` (an index into ``parties``, the feature parties in stage order) and the key it shares
-    with every other party (``keys[name]``)."""
+    """Party ``own`` (an index into ``parties``, the feature parties in stage order), the key it shares
+    with every other party (``keys[name]``) and the run its masks are bound to (``for_run``; None: none
+    yet, and ``mask`` refuses)."""
 
     parties: tuple[str, ...]
     own: int
     keys: Mapping[str, bytes] = field(repr=False)
+    runs: tuple[str, ...] | None = None
+    session: bytes | None = field(default=None, repr=False)
+
+    def for_run(self, runs: object, own_run: str | None = None) -> PairMasks:
+        """These keys bound to the run of ``runs``, every feature party's run id in party order (what the
+        label owner relays: ``mask_runs``). ``own_run``: this party's own run id, which ``runs`` must name at
+        its place (no one else chooses this party's part of the session). Raises ``ProtocolError``
+        (``mismatch``) unless ``runs`` is one valid run id per party."""
+        if (not isinstance(runs, (list, tuple)) or len(runs) != len(self.parties)
+                or not all(isinstance(run, str) for run in runs)):
+            raise ProtocolError(ErrorCode.MISMATCH, f"mask_runs={show(runs)}: expected the run id of each "
+                                                    f"feature party ({', '.join(self.parties)}), in that order")
+        if own_run is not None and runs[self.own] != own_run:
+            raise ProtocolError(ErrorCode.MISMATCH, f"mask_runs names run {show(runs[self.own])} for party "
+                                                    f"{self.parties[self.own]}, whose run is {own_run}: its masks "
+                                                    f"are bound to its own run")
+        try:
+            session = mask_session(runs)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.MISMATCH, f"mask_runs: {e}") from e
+        return replace(self, runs=tuple(runs), session=session)
 
     def mask(self, shape: Shape, tensor: str, step: int) -> np.ndarray:
-        """This party's uint64 mask of ``shape`` for ``tensor`` at ``step``: + the pairs where it comes
-        first, - those where it comes second (mod 2**64); the masks of all parties sum to zero."""
+        """This party's uint64 mask of ``shape`` for ``tensor`` at ``step`` of its run (``for_run``): + the
+        pairs where it comes first, - those where it comes second (mod 2**64); the masks of all parties of
+        the run sum to zero. Raises ``ConfigError`` when the masks are bound to no run."""
+        if self.session is None:
+            raise ConfigError("secure aggregation: masks are drawn for a run; bind them to it first "
+                              "(PairMasks.for_run with every feature party's run id)")
         count = math.prod(shape)
         total = np.zeros(count, _U64)
         for index, name in enumerate(self.parties):
             if index != self.own:
-                drawn = pair_mask(self.keys[name], tensor, step, count)
+                drawn = pair_mask(self.keys[name], self.session, tensor, step, count)
                 if index > self.own:
                     total += drawn
                 else:
@@ -205,6 +268,12 @@ class SecureSumCodec(Codec):
 
     def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:
         return parts["masked"]
+
+    def for_run(self, runs: object, own_run: str | None = None) -> SecureSumCodec:
+        """This codec with its masks bound to the run of ``runs`` (``PairMasks.for_run``)."""
+        if self.masks is None:
+            raise ConfigError("secure aggregation: this party has no mask keys (--curve-secret and --party-keys)")
+        return replace(self, masks=self.masks.for_run(runs, own_run))
 
     def roundtrip(self, x: np.ndarray, tensor_name: str = "tensor", step: int = 0) -> np.ndarray:
         if not isinstance(x, np.ndarray) or x.dtype != np.float32:

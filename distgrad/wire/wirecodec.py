@@ -226,6 +226,13 @@ class Senders:
     def codec(self, direction: str) -> Codec:
         return self.codecs[direction]
 
+    def use(self, direction: str, codec: Codec) -> None:
+        """Send ``direction`` with ``codec`` from now on: the same kind of codec, differently keyed (secure
+        aggregation's masks bound to a run, ``SecureSumCodec.for_run``). Raises ``ValueError`` for another."""
+        if codec.name != self.codecs[direction].name or codec.error_feedback != self.codecs[direction].error_feedback:
+            raise ValueError(f"{direction} is sent with {self.codecs[direction].name}, not {codec.name}")
+        self.codecs[direction] = codec
+
     @property
     def stateful(self) -> bool:
         """Whether any direction keeps error-feedback residuals."""
