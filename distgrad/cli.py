@@ -769,7 +769,8 @@ def _print_headline(summary: dict) -> None:
     if "clients" in summary:        # several clients: no loss belongs to the whole run
         print(f"{head}, {len(summary['clients'])} clients")
     else:
-        print(f"{head}, final loss {_number(summary['final_loss'])}")
+        withheld = summary.get("final_loss") is None and isinstance(summary.get("training_loss"), str)
+        print(f"{head}, final loss {summary['training_loss'] if withheld else _number(summary['final_loss'])}")
     for client in summary.get("clients", []):
         accuracy = scores_text(client)     # test accuracy and the label owner's other metrics
         loss = "none" if client.get("final_loss") is None else _number(client["final_loss"])

@@ -21,6 +21,7 @@ import numpy as np
 from distgrad.errors import ConfigError
 from distgrad.jsontext import json_text, parse_json
 from distgrad.privacy.meter import METER_FIGURES
+from distgrad.wire.messages import LOSS_WITHHELD
 
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 MAX_LINE_BYTES = 16 * 2 ** 20     # the longest metrics line read (a line is a few hundred bytes to a few KiB)
@@ -176,7 +177,10 @@ def draw_metrics(records: list[dict], title: str):
                                label=name.split('_', 1)[1] if client is None else f"{label} {name.split('_', 1)[1]}")
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
-        positive = positive and bool(np.nanmin(loss) > 0)
+        positive = positive and bool(not np.isnan(loss).all() and np.nanmin(loss) > 0)
+    if all(record.get("loss") is None for record in records):      # the label owner's replies carried none
+        ax_loss.text(0.5, 0.5, f"training loss {LOSS_WITHHELD}", transform=ax_loss.transAxes, ha="center",
+                     va="center", color="gray")
     if positive:
         ax_loss.set_yscale("log")
     ax_loss.set_ylabel("loss")

@@ -109,9 +109,10 @@ class Cut:
         """The factor on a step's summed micro-batch gradients (``distgrad.cut.Cut.scale``)."""
         return float(self.numpy.scale)
 
-    def step(self, h: torch.Tensor | list[torch.Tensor], rows: Any = None, step: int | None = None) -> float:
+    def step(self, h: torch.Tensor | list[torch.Tensor], rows: Any = None, step: int | None = None) -> float | None:
         """Send ``h`` (float32, the interface's activation for a whole batch, part of the encoder's graph),
-        wait for d(loss)/d(h), call ``h.backward`` with it and return the label owner's loss of the step.
+        wait for d(loss)/d(h), call ``h.backward`` with it and return the label owner's loss of the step (None
+        when the label owner withholds it: ``distgrad.cut.Cut.step``).
         Step your optimiser after it. ``rows``: as ``distgrad.cut.Cut.step`` (sent with ``send_rows``, else
         optional and checked against the shared order).
 
@@ -137,7 +138,7 @@ class Cut:
         for i, (part, grad) in enumerate(zip(parts, grads)):
             # The micro-batches may share one graph (the chunks of one encoder(x)): keep it for the later ones.
             part.backward(torch.from_numpy(grad).to(part.device), retain_graph=i < len(parts) - 1)
-        return float(loss)
+        return None if loss is None else float(loss)
 
     def _check_not_sent(self, h: torch.Tensor) -> None:
         """``CutMisuse`` for an ``h`` (not a leaf) that a step sent and back-propagated already: its graph is

@@ -8,6 +8,7 @@ of 10 or more is printed as no meaningful guarantee.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -332,8 +333,160 @@ def test_dp_sgd_settings_it_cannot_honour_are_refused_naming_the_reason(tmp_path
 @pytest.mark.integration
 @pytest.mark.usefixtures("fixed_noise_secret")
 def test_dp_sgd_over_processes_is_bitwise_the_in_process_run(tmp_path):
-    summary = _equal_over_processes(tmp_path, _digits(tmp_path, "", DP_SGD), "--micro-batches", "2")
+    """Bitwise the in-process run, and end to end: the data owner receives no training loss (its metrics hold
+    null at every step, the summary says it was withheld, as the in-process reference's does), while the label
+    owner's own metrics and the merged trace keep its loss."""
+    metrics = tmp_path / "metrics.jsonl"
+    summary = _equal_over_processes(tmp_path, _digits(tmp_path, "", DP_SGD), "--micro-batches", "2",
+                                    processes=("--metrics", metrics, "--trace", tmp_path / "trace.jsonl",
+                                               "--trace-params", "g1.b"))
     assert summary["privacy"]["g"]["clip_noise"]["scope"].startswith("end to end")
+    assert "withheld by the label owner" in summary["privacy"]["g"]["clip_noise"]["scope"]
+    for run in (summary, read_json(tmp_path / "ref.json")):
+        assert run["final_loss"] is None and run["training_loss"] == "withheld by the label owner", run
+    f_lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    g_lines = [json.loads(line) for line in metrics.with_name("metrics.g.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in f_lines] == list(range(1, 21)) and all(line["loss"] is None for line in f_lines)
+    assert len(g_lines) == 20 and all(isinstance(line["loss"], float) for line in g_lines)
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [line["loss"] for line in trace] == [line["loss"] for line in g_lines]     # the label owner's own
+
+
+def _served_replies(exp, micro_batches: int = 1, staleness: int = 0) -> tuple[list, object]:
+    """The label owner of ``exp`` as its daemon serves it (its serving stage, in this process) answering step 1
+    of each data owner (the first stage, or every feature party) in ``micro_batches`` micro-batches: each
+    backward reply as its data owner decodes it from the wire, and the serving stage."""
+    from distgrad.run.handshake import hello
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    from distgrad.stage.stage import Stage, micro_batch
+    from distgrad.wire import messages as wire
+    server = ServingStage(StageOptions(exp, exp.stage_names[-1], exp.seed, steps=4))
+    owners = exp.data_owners
+    for name in owners:
+        said = hello(exp, name, exp.seed, exp.cuts[exp.stage_index(name)], f"run-{name}", [0], 4, micro_batches,
+                     staleness=staleness)
+        assert [m.type for _, m in server.handle([name.encode()], said, 0.0)] == [wire.WELCOME]
+    replies = []
+    for mb in range(micro_batches):
+        for name in owners:
+            x = Stage.from_experiment(exp, name).forward(exp.build_data(stage=name).features(1))[0]
+            forward = wire.Message(wire.FORWARD, f"run-{name}", 1, mb, micro_batches,
+                                   tensors={"activation": micro_batch(x, mb, micro_batches)})
+            answered = server.handle([name.encode()], forward, 0.0) + server.settle()
+            replies += [wire.decode(wire.encode(reply)) for _, reply in answered if reply.type == wire.BACKWARD]
+    assert len(replies) == micro_batches * len(owners) and server.stage.step == 1
+    return replies, server
+
+
+@pytest.mark.parametrize("builtin, label_owner, micro_batches, staleness", [
+    ("digits", 1, 1, 0), ("digits", 1, 2, 1), ("digits-halves", 2, 2, 0)])
+def test_with_dp_sgd_the_label_owners_replies_carry_no_training_loss_on_every_serving_path(
+        tmp_path, builtin, label_owner, micro_batches, staleness):
+    """The daemon's replies to a data owner (one driver, micro-batches, steps in flight) and to every feature
+    party of a vertical run: with dp_sgd and clip_noise none carries the loss (computed from the true labels,
+    no mechanism covers it), on the wire too, so the data owner reads None; the label owner keeps its own
+    loss. Without dp_sgd the same replies carry it in the binary header."""
+    from distgrad.stage.stage import Stage, backward_specs
+    from distgrad.wire.link import check_reply
+    from test_defenses import _defended
+    private = load_experiment(_defended(tmp_path, builtin, {label_owner: DP_SGD}, "private.toml"))
+    replies, server = _served_replies(private, micro_batches, staleness)
+    assert all("loss" not in reply.body and reply.body["loss_withheld"] is True and reply.body["compute_s"] >= 0
+               for reply in replies)
+    first = Stage.from_experiment(private, private.data_owners[0])
+    loss, dy = check_reply(replies[0], 1, backward_specs(first, micro_batches), False, "g")
+    assert loss is None and np.isfinite(dy).all()
+    assert isinstance(server.loss, float) and math.isfinite(server.loss)      # the label owner's own
+    plain = load_experiment(_defended(tmp_path, builtin, {label_owner: "clip_noise = { max_norm = 0.05, sigma = 1.0 "
+                                                                       "}"}, "plain.toml"))
+    replies, server = _served_replies(plain, micro_batches, staleness)
+    assert all(isinstance(reply.body["loss"], float) and "loss_withheld" not in reply.body for reply in replies)
+    assert check_reply(replies[0], 1, backward_specs(first, micro_batches), False, "g")[0] is not None
+
+
+def test_a_withheld_loss_crosses_as_said_and_a_reply_that_garbles_it_is_refused():
+    """A withheld loss is said explicitly (``loss_withheld: true``, no ``loss``) and survives the wire and a
+    checkpoint of kept replies as such; a reply that says it with another value, or with a loss as well, is
+    malformed (a reply saying neither still is)."""
+    from distgrad.errors import ProtocolError
+    from distgrad.run.kept_replies import kept, kept_arrays
+    from distgrad.run.peers import Peer
+    from distgrad.stage.stage import Stage, backward_specs
+    from distgrad.wire import messages as wire
+    from distgrad.wire.link import check_reply
+    stage = Stage.from_experiment(load_experiment("digits"), "f")
+    grad = np.full(stage.output_shape, 0.5, np.float32)
+
+    def reply(**body) -> wire.Message:
+        return wire.Message(wire.BACKWARD, "run", 3, 0, 1, body={**body, "compute_s": 0.5},
+                            tensors={"activation_grad": grad})
+    withheld = reply(loss_withheld=True)
+    through = wire.decode(wire.encode(withheld))
+    assert through.body == {"loss_withheld": True, "compute_s": 0.5}
+    assert check_reply(through, 3, backward_specs(stage, 1), False, "g")[0] is None
+    peer = Peer(0, run="run", cached={(3, 0): withheld})
+    assert kept({0: "run"}, kept_arrays([peer], 3), 3)[0][0][(3, 0)].body == withheld.body
+    for body in ({"loss_withheld": 1}, {"loss_withheld": True, "loss": 0.5}, {"loss_withheld": False}, {}):
+        with pytest.raises(ProtocolError) as told:
+            check_reply(reply(**body), 3, backward_specs(stage, 1), False, "g")
+        assert told.value.code == "malformed", body
+
+
+def test_the_in_process_reference_withholds_the_loss_as_the_label_owner_does(tmp_path):
+    """The in-process run decides as the label owner's replies do: with dp_sgd (a two-stage run, a chain
+    whose middle stage passes the loss up, vertical parties) the data owner's summary has no final loss and
+    says why, and the trace keeps the label owner's own loss at every step; without dp_sgd the loss is there."""
+    from test_defenses import _defended
+    for builtin, label_owner in (("digits", 1), ("chain-regression", 2), ("digits-halves", 2)):
+        path = _defended(tmp_path, builtin, {label_owner: DP_SGD}, f"{builtin}.toml")
+        summary = train_in_process(load_experiment(path), steps=3, noise_secret=3, trace_path=tmp_path / "t.jsonl")
+        assert summary["final_loss"] is None and summary["training_loss"] == "withheld by the label owner"
+        trace = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+        assert len(trace) == 3 and all(isinstance(line["loss"], float) for line in trace), builtin
+    plain = train_in_process(load_experiment(_digits(tmp_path, "", "clip_noise = { max_norm = 0.05, sigma = 1.0 }",
+                                                     "plain.toml")), steps=3, noise_secret=3)
+    assert isinstance(plain["final_loss"], float) and "training_loss" not in plain
+
+
+def test_a_withheld_loss_is_said_so_where_a_human_reads_it_and_null_in_json(tmp_path, capsys):
+    """The data owner's bar, log line, run headline and plot of a run whose label owner withheld the loss say
+    "withheld by the label owner"; its metrics and progress lines hold null (valid JSON, no NaN)."""
+    import io
+    from distgrad.cli import _print_headline
+    from distgrad.run.progress import Progress, render_bar
+    from distgrad.stage.records import loss_text
+    assert "loss withheld by the label owner test 0.25" in render_bar(2, 10, None, None, {"test_loss": 0.25})
+    assert loss_text(None) == "withheld by the label owner" and loss_text(0.5) == "0.5"
+    stream = io.StringIO()
+    Progress("lines", 10, stream).update(1, None, force=True)
+    assert json.loads(stream.getvalue().removeprefix("progress "))["loss"] is None
+    _print_headline({"experiment": "e", "steps": 3, "elapsed_s": 1.0, "final_loss": None,
+                     "training_loss": "withheld by the label owner"})
+    assert "final loss withheld by the label owner" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    from distgrad.plot import draw_metrics
+    fig = draw_metrics([{"step": s, "loss": None, "wall_s": 0.01 * s} for s in range(1, 5)], "t")
+    assert "training loss withheld by the label owner" in [text.get_text() for text in fig.axes[0].texts]
+
+
+# Slow (a daemon process for a library loop): by default test_dp_sgd_over_processes_is_bitwise_the_in_process_run
+# covers the daemon withholding the loss over the wire, and the tests above the data owner's reading of it
+# (``check_reply``, which the cut library calls too).
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_cut_library_gets_no_loss_from_a_dp_sgd_label_owner(tmp_path, start_server):
+    """``Cut.step`` (and ``step_micro_batches``) against a label owner daemon with dp_sgd: the gradient, and
+    None for the loss, which the label owner withholds; its own summary keeps its loss."""
+    f_file, g_file = _rows_parties(tmp_path, DP_SGD, steps=2)
+    g, endpoint = start_server(str(g_file), "--summary", tmp_path / "g.json")
+    with Cut.connect(endpoint, interface=f_file, **BOUNDS) as cut:
+        loss, dh = cut.step(np.zeros((32, 64), np.float32), cut.rows(1))
+        assert loss is None and dh.shape == (32, 64) and np.isfinite(dh).all()
+        loss, grads = cut.step_micro_batches([np.zeros((32, 64), np.float32)], cut.rows(2))
+        assert loss is None and len(grads) == 1
+    assert g.wait(20) == 0, g.output
+    assert isinstance(read_json(tmp_path / "g.json")["final_loss"], float)
 
 
 def test_a_data_owners_clip_noise_with_a_target_epsilon_is_refused(tmp_path):

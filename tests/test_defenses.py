@@ -58,12 +58,13 @@ def _zero_vs_rest(tmp_path: Path, f_extra: str = "", g_extra: str = "", name: st
     return path
 
 
-def _equal_over_processes(tmp_path: Path, path: Path, *extra: str) -> dict:
-    """``distgrad run PATH`` over stage processes and ``--in-process``: the same parameters, test loss and
-    privacy entries; returns the processes' summary."""
+def _equal_over_processes(tmp_path: Path, path: Path, *extra: str, processes: tuple = ()) -> dict:
+    """``distgrad run PATH`` over stage processes (with the flags ``processes`` too, e.g. ``--metrics``) and
+    ``--in-process`` (its summary in ``ref.json``): the same parameters, test loss and privacy entries;
+    returns the processes' summary."""
     args = ["run", path, "--steps", "20", *extra]
     assert run_main([*args, "--in-process", "--summary", tmp_path / "ref.json"]).returncode == 0
-    result = run_launcher([*args, "--summary", tmp_path / "run.json"])
+    result = run_launcher([*args, *processes, "--summary", tmp_path / "run.json"])
     assert result.returncode == 0, result.stdout + result.stderr
     reference, summary = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert summary["params"] == reference["params"]

@@ -439,7 +439,7 @@ def stage_budget(exp: Experiment, stage: str, steps: int, seed: int, released: i
         entry: dict[str, Any] = label_budget(d.label_dp, clip, worst,
                                              planned_releases(exp, stage, planned, seed)
                                              if clip is not None and clip.epsilon is not None else None,
-                                             END_TO_END_SCOPE if d.dp_sgd is not None else
+                                             END_TO_END_SCOPE if d.withholds_loss else
                                              LABEL_DP_SCOPE if d.label_dp is not None else GUARANTEE_SCOPE,
                                              None if shared is None else f"{NO_GUARANTEE}: {shared}")
         if d.label_dp is not None and label_runs:

@@ -293,7 +293,8 @@ _STAGE_COMMON: dict[str, Key] = {
                "the label owner, with its clip_noise: { max_norm = C }: its own update by DP-SGD: each training "
                "example's parameter gradient (the example forwarded alone) scaled to norm at most C, summed, "
                "and N(0, (s*C)^2) noise added, s being clip_noise's sigma (given or chosen for the target); "
-               "counted in the same per-row budget, which is then end to end (docs/privacy.md). numpy layers, "
+               "counted in the same per-row budget, which is then end to end (docs/privacy.md): its replies "
+               "withhold the training loss (the data owner records none). numpy layers, "
                "or a torch stage (layer list or module: per-example gradients by torch.func), without batch norm "
                "or dropout; not with [clients], marvell or a bottom model of its own"),
 }

@@ -9,7 +9,9 @@
   ``privacy.releases``) and composed per row (Renyi DP, Google's ``dp-accounting``), without amplification
   by sampling (the batches are a seeded shuffle, not Poisson samples); the worst row's (epsilon, delta) is
   the run's. This is a guarantee on the cut gradients only, *given* the label owner's parameters, which its
-  own update trains on the true labels without noise (``GUARANTEE_SCOPE``).
+  own update trains on the true labels without noise (``GUARANTEE_SCOPE``). With ``dp_sgd`` that update is a
+  private release too, and the label owner withholds the training loss from its replies: the guarantee is then
+  end to end, of everything the data owner receives (``END_TO_END_SCOPE``).
 * The target form ``clip_noise = { max_norm = C, epsilon = E }`` chooses the least sigma whose budget over the
   run's planned releases is at most E (``sigma_for_target``, a bisection as Opacus's
   ``get_noise_multiplier`` does), and the run stops before a row would be released more often.
@@ -34,9 +36,11 @@ GUARANTEE_SCOPE = ("per release, on the cut gradients only: given the label owne
 LABEL_DP_SCOPE = ("per release, on the cut gradients only, given the label owner's parameters; its own update trains "
                   "on its randomized labels (label_dp), so end to end the run is label_dp's epsilon-label-DP: "
                   "everything the data owner receives is computed from those labels")
+# With it (``Defenses.withholds_loss``) the label owner's backward replies carry no training loss: computed from
+# the true labels of the micro-batch, it would be a release no mechanism covers.
 END_TO_END_SCOPE = ("end to end: the cut gradients and the label owner's own update (DP-SGD) are the private "
-                    "releases, composed per row; everything else the data owner receives is computed from them, "
-                    "except the training loss each reply carries, which is not privatised")
+                    "releases, composed per row; everything else the data owner receives is computed from them "
+                    "(the training loss is withheld by the label owner: its replies carry none)")
 TARGET_TOLERANCE = 0.01       # the chosen sigma's epsilon is within this of the target, below it
 SIGMA_CEILING = 1e6           # no sigma above this is searched (a target that needs more is refused)
 

@@ -99,6 +99,14 @@ class Defenses:
         return table
 
     @property
+    def withholds_loss(self) -> bool:
+        """Whether the label owner's backward replies leave out the training loss: with ``dp_sgd`` and its
+        ``clip_noise`` its guarantee is end to end (everything the data owner receives is a private release or
+        computed from them), and the loss of a training micro-batch, a function of its true labels released
+        without noise, would break it. The one place this is decided (``privacy.budget.END_TO_END_SCOPE``)."""
+        return self.dp_sgd is not None and self.clip_noise is not None
+
+    @property
     def on_rows(self) -> bool:
         """Whether anything is done to the rows the stage sends."""
         return self.clip_noise is not None or self.max_norm or self.marvell is not None

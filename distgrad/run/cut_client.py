@@ -134,7 +134,7 @@ class Cut:
         return self.side.scale(self.mbs)
 
     def step_micro_batches(self, hs: list[np.ndarray], rows: Any = None, step: int | None = None
-                           ) -> tuple[np.float32, list[np.ndarray]]:
+                           ) -> tuple[np.float32 | None, list[np.ndarray]]:
         """``step`` with ``h`` as its M micro-batches (``hs``: M float32 arrays, each a micro-batch's
         activation, computed from it alone, as a daemon computes them): returns the step's loss and each
         micro-batch's own gradient d(loss_i)/d(h_i), unscaled. A loop that back-propagates them in order,
@@ -152,9 +152,10 @@ class Cut:
                                 f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}"
                                 f"{torch_hint(part)}")
         losses, grads = self._step(np.concatenate(hs), rows, step)
-        return combine_losses(losses, self.scale), [np.array(g, np.float32) for g in grads]
+        return _step_loss(losses, self.scale), [np.array(g, np.float32) for g in grads]
 
-    def step(self, h: np.ndarray, rows: Any = None, step: int | None = None) -> tuple[np.float32, np.ndarray]:
+    def step(self, h: np.ndarray, rows: Any = None, step: int | None = None
+             ) -> tuple[np.float32 | None, np.ndarray]:
         """One step: send ``h`` (float32, the interface's activation shape for a whole batch), wait for the
         label owner's replies and return ``(loss, dh)``: the step's loss and d(loss)/d(h), float32, the
         same shape as ``h``. ``rows``: the row numbers ``h`` was computed from, one per row; with the
@@ -162,7 +163,9 @@ class Cut:
         by ``_sent_rows`` here and refused by the label owner naming a row it may not train on), else
         optional and checked against the shared order. ``step`` (optional) must be the next step. With M
         micro-batches, ``h`` is sent as M of them; the loss and ``dh`` are the daemons' (their sums times
-        the micro-batch scale; ``step_micro_batches`` gives each micro-batch's own).
+        the micro-batch scale; ``step_micro_batches`` gives each micro-batch's own). The loss is None when
+        the label owner withholds it (its replies carry none: a guarantee of its, ``dp_sgd`` with
+        ``clip_noise``, covers everything it sends, and the training loss is computed from the true labels).
 
         Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, a closed cut, or a run the label owner's
         early stopping ended (``stopped``); ``PeerTimeout`` when the label owner stays silent past
@@ -172,9 +175,10 @@ class Cut:
         losses, grads = self._step(h, rows, step)
         if len(grads) == 1:
             return losses[0], np.array(grads[0], np.float32)
-        return combine_losses(losses, self.scale), np.concatenate(grads) * self.scale
+        return _step_loss(losses, self.scale), np.concatenate(grads) * self.scale
 
-    def _step(self, h: np.ndarray, rows: Any, step: int | None) -> tuple[list[np.float32], list[np.ndarray]]:
+    def _step(self, h: np.ndarray, rows: Any, step: int | None
+              ) -> tuple[list[np.float32 | None], list[np.ndarray]]:
         """Step ``applied + 1`` of the whole batch ``h``: its micro-batches' losses and gradients."""
         self._check_open()
         k = self.applied + 1
@@ -308,7 +312,7 @@ class Cut:
         return given.astype(np.int64)
 
     def _exchange(self, k: int, h: np.ndarray, rows: np.ndarray | None
-                  ) -> tuple[list[np.float32], list[np.ndarray]]:
+                  ) -> tuple[list[np.float32 | None], list[np.ndarray]]:
         """Send step ``k``'s micro-batches (all at once; with ``rows``, each with its row numbers) and
         collect their replies in order."""
         count = self.mbs
@@ -324,7 +328,8 @@ class Cut:
                 raise NonFiniteError(f"stage {self.side.stage}: {e}; nothing of step {k} was sent") from e
             pending[(k, i)] = msg
             self.link.send(msg)
-        losses, grads = [], []
+        losses: list[np.float32 | None] = []
+        grads = []
         for i in range(count):
             reply = self.link.await_reply(pending, (k, i))
             loss, dy = check_reply(reply, k, self.reply_specs, self.exp.allow_nonfinite, self.below)
@@ -436,6 +441,13 @@ class Cut:
     def _check_open(self) -> None:
         if self.closed:
             raise CutMisuse("this cut is closed; connect a new one (Cut.connect) to go on")
+
+
+def _step_loss(losses: list[np.float32 | None], scale: np.float32) -> np.float32 | None:
+    """A step's loss from its micro-batches' (``combine_losses``); None when the label owner withheld them."""
+    if any(loss is None for loss in losses):
+        return None
+    return combine_losses([loss for loss in losses if loss is not None], scale)
 
 
 def _rows_differ(given: np.ndarray, expected: np.ndarray) -> str:

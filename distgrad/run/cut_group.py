@@ -453,7 +453,7 @@ class GroupServer(CutServer, serves_several=True):
             for p in peers:
                 p.senders.discard()
             self._fail_step(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
-        body = {"loss": float(value), "compute_s": time.perf_counter() - batch.started}
+        body = {**peers[0].senders.reply_body(value), "compute_s": time.perf_counter() - batch.started}
         for p, tensors in zip(peers, sent):
             reply = Message(wire.BACKWARD, p.run, batch.step, batch.mb, batch.mbs, tensors=tensors, body=dict(body))
             p.cache[(batch.step, batch.mb)] = reply

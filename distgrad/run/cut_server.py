@@ -444,7 +444,7 @@ class CutServer:
         except CodecRangeError as e:
             self._fail(batch, f"stage {self.side.stage}: {e}; nothing of this step was applied")
         reply = Message(wire.BACKWARD, self.run_id, batch.step, batch.mb, batch.mbs, tensors=tensors,
-                        body={"loss": float(value), "compute_s": time.perf_counter() - batch.started})
+                        body={**self.senders.reply_body(value), "compute_s": time.perf_counter() - batch.started})
         batch.replied = True
         self.cache[(batch.step, batch.mb)] = reply
         self.pending.append((batch.envelope, reply))

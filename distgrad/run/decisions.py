@@ -73,7 +73,7 @@ class Gradients(NamedTuple):
     mb: int
     mbs: int
     later: Callable[[], dict[str, np.ndarray]]
-    loss: np.float32
+    loss: np.float32 | None         # None: the stage below withheld it (this stage passes none up)
     dx: np.ndarray
     client: int | None              # whose step the update is (metrics), None for a run's one source of steps
     data: int                       # whose targets this stage looks up (``Topology.prefetch``)

@@ -36,7 +36,8 @@ from distgrad.privacy.meter import INPUTS
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.progress import Progress, step_writers
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
-from distgrad.stage.records import best_evaluation_fields, evaluation_entry, evaluation_fields, scores_text
+from distgrad.stage.records import (best_evaluation_fields, evaluation_entry, evaluation_fields, loss_text,
+                                    scores_text)
 from distgrad.stage.stage import ROWS_DTYPE, as_of, backward_specs, held_out_part, kept_model, micro_batch
 from distgrad.run.stage_state import StageState, finished_run, lock_checkpoint_dir, nothing_to_do
 from distgrad.threads import one_compute_thread
@@ -107,11 +108,15 @@ class _Driver:
         self.in_flight: dict[int, tuple[int, dict[int, Any]]] = {}
         self.pending: dict[int, dict[tuple[int, int], Message]] = {}
         self.loss: float | None = None
+        # The label owner's replies carry no training loss (it withholds it, ``wire.LOSS_WITHHELD``): the
+        # records then hold null, and the log, the bar and the summary say why.
+        self.loss_withheld = False
         self.evaluation: dict[str, Any] | None = None          # the latest evaluation's reply
         self.evaluations: list[dict[str, Any]] = []            # every one: ``records.evaluation_entry``
         # Checkpointed with the stage, so that a resumed run neither evaluates (and releases) a step again
         # nor loses the entries before the kill.
-        self.state.extra_meta = lambda: {"evaluations": self.evaluations, **self._staleness_meta()}
+        self.state.extra_meta = lambda: {"evaluations": self.evaluations, **self._staleness_meta(),
+                                         **self._loss_fields()}
         # Fixed for the run: the micro-batches kept in flight, each one's error-feedback stream.
         self.window = opts.window
         self.streams = [stream_name(ACTIVATION, i, opts.micro_batches) for i in range(opts.micro_batches)]
@@ -209,7 +214,7 @@ class _Driver:
             self._send(step, i, batch, pending, caches)
         self._while_waiting(step)
 
-        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32 | None]]:
             for i in range(count):          # each reply's backward, then the forward the window lets out
                 loss, dy = self._reply(pending, step, i)
                 _, grads = stage.backward(caches.pop(i), dy, need_dx=False)
@@ -279,13 +284,16 @@ class _Driver:
                                target=None if targets is None else micro_batch(targets, i, count),
                                rows=None if rows is None else micro_batch(rows, i, count)), cache
 
-    def _reply(self, pending: dict[tuple[int, int], Message], step: int, i: int) -> tuple[np.float32, np.ndarray]:
-        """The loss and activation gradient of micro-batch ``i`` of step ``step`` (one of ``pending``, which
-        loses it), with the stage below's compute time counted."""
+    def _reply(self, pending: dict[tuple[int, int], Message], step: int,
+               i: int) -> tuple[np.float32 | None, np.ndarray]:
+        """The loss (None: withheld by the label owner) and activation gradient of micro-batch ``i`` of step
+        ``step`` (one of ``pending``, which loses it), with the stage below's compute time counted."""
         # With steps in flight a reply of another type may share the key (an evaluation's): it waits its turn.
         reply = self.link.await_reply(pending, (step, i), BACKWARD_TYPES if self.staleness else None)
         del pending[(step, i)]
         loss, dy = check_reply(reply, step, self.reply_specs, self.exp.allow_nonfinite, self.below)
+        if loss is None:
+            self.loss_withheld = True
         compute = reply.body.get("compute_s")
         if isinstance(compute, float):
             self.g_compute_s += compute
@@ -310,7 +318,7 @@ class _Driver:
         version, caches = self.in_flight[step]
         pending = {key: msg for entry_step in sorted(self.in_flight) for key, msg in self.pending[entry_step].items()}
 
-        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32]]:
+        def micro_batches() -> Iterator[tuple[dict[str, np.ndarray], np.float32 | None]]:
             for i in range(count):          # each backward with the parameters its forward had
                 loss, dy = self._reply(pending, step, i)
                 del self.pending[step][(step, i)]
@@ -480,7 +488,7 @@ class _Driver:
                 elapsed = now - self.last_report
                 rate = (step - self.last_step) / elapsed if elapsed > 0 else float("nan")
                 self.last_report, self.last_step = now, step
-                self.log.info("step %d/%d loss %.6g (%.0f steps/s)", step, self.steps, loss, rate)
+                self.log.info("step %d/%d loss %s (%.0f steps/s)", step, self.steps, loss_text(loss), rate)
 
     def _tell_below(self, error: Exception) -> bool:
         """Send the stage below an ``aborted`` notice naming ``error`` (``peer_text``: no value of this stage's
@@ -516,6 +524,7 @@ class _Driver:
         else:
             self._check_resumed_staleness()
             state.open_trace(append=True)
+            self.loss_withheld = state.resumed_meta.get("training_loss") == wire.LOSS_WITHHELD
             saved = state.resumed_meta.get("evaluations", [])
             self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
                                 and e["step"] <= state.stage.step] if isinstance(saved, list) else []
@@ -564,7 +573,12 @@ class _Driver:
                              **evaluation_fields(self.evaluation),
                              **({"evaluations": self.evaluations} if self.holds_out else {}),
                              **best_evaluation_fields(self.evaluations, state.verdicts.best_step),
-                             **self._meter_fields())
+                             **self._meter_fields(), **self._loss_fields())
+
+    def _loss_fields(self) -> dict[str, Any]:
+        """``training_loss``: ``wire.LOSS_WITHHELD`` once a reply came without a loss (the summary's
+        ``final_loss`` is then null), else nothing."""
+        return {"training_loss": wire.LOSS_WITHHELD} if self.loss_withheld else {}
 
     def _meter_fields(self) -> dict[str, Any]:
         """The summary's fields of this data owner's meter and guard; in a run of several data owners

@@ -30,13 +30,14 @@ from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Guarding, Metering, PeerMeters, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS, LABELS
 from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
-                                    evaluation_fields, kept_test_fields, scores_text, to_lists, write_json,
-                                    write_preparation)
+                                    evaluation_fields, kept_test_fields, loss_text, scores_text, to_lists,
+                                    write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
 from distgrad.stage.stage import (Stage, as_of, asked_dx, average_parameters, batch_mixing_of,
                                   check_parameter_files, evaluate_held_out, held_out_part, kept_model, make_save_dir, micro_batch,
                                   parameters_file)
 from distgrad.threads import one_compute_thread
+from distgrad.wire.messages import LOSS_WITHHELD
 from distgrad.wire.wirecodec import ACTIVATION, EVALUATION, GRADIENT, TEST, Senders, stream_name
 
 log = logging.getLogger("distgrad.run.inprocess")
@@ -144,7 +145,8 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
            client: int | None = None, above: bool = True) -> tuple[float | None, list[np.ndarray]]:
     """Step ``step`` through the stages below the first (``engines``), as they serve it: each micro-batch's
     input ``ys[i]`` forward, the loss, back to the activation gradient the stage above receives; then their
-    updates from the last up. Returns the step's loss and those gradients. ``client``: whose step it is,
+    updates from the last up. Returns the step's loss as the stage above receives it (None: the label owner
+    withholds it, ``Senders.sent_loss``, as its replies do) and those gradients. ``client``: whose step it is,
     when the last stage serves several data owners; ``above`` False: ``engines`` are a one-stage
     experiment's, whose input gradient goes nowhere."""
     *middle, last = [engine.stage for engine in engines]
@@ -173,7 +175,7 @@ def _below(engines: list[StepEngine], step: int, ys: list[np.ndarray], targets: 
     for engine in reversed(engines):
         done = engine.update(step, micro_batches, client=client)
         loss = done if engine is engines[-1] else loss
-    return loss, dys
+    return (engines[-1].senders.sent_loss(loss) if above or middle else loss), dys
 
 
 class _InFlight:
@@ -220,7 +222,8 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     """One step of a vertical experiment in the serving stage's order: per micro-batch, every party's
     forward (party order), the combined input, the loss, and each party's backward of its own part of the
     input's gradient; then the last stage's update and the parties'. ``own``: the label owner's own feature
-    columns (``Experiment.own_bottom``), else None. Returns the step's loss."""
+    columns (``Experiment.own_bottom``), else None. Returns the step's loss as the parties receive it (None:
+    the label owner withholds it, ``Senders.sent_loss``)."""
     kind = exp.aggregate_kind
     widths = [cut[-1] for cut in exp.cuts]
     stage = last.stage
@@ -243,7 +246,7 @@ def _vertical_step(parties: list[StepEngine], last: StepEngine, exp: Experiment,
     loss = last.update(step, micro_batches)
     for engine in parties:
         engine.update(step, micro_batches)
-    return loss
+    return last.senders.sent_loss(loss)
 
 
 def _evaluate_vertical(parties: list[Stage], last: Stage, exp: Experiment, data: list, labels,
@@ -373,7 +376,7 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
                                                   exp.spec(last_name).metrics)
                     evaluations[c].append(evaluation_entry(step, score))
         if step % max(1, steps // 10) == 0 or step == steps:
-            log.info("step %d/%d losses %s", step, steps, " ".join(f"{loss:.6g}" for loss in losses))
+            log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in losses))
     for c, client in enumerate(clients):      # the test rows, once, after every step: each client's own
         if data[c].validation_count:
             tests[c] = {**_evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], steps,
@@ -542,7 +545,7 @@ class _Reference:
         for step in self.applied():
             self.lines.flush(upto=step)
             if step % log_every == 0 or step == self.steps:
-                log.info("step %d/%d loss %.6g", step, self.steps, self.loss)
+                log.info("step %d/%d loss %s", step, self.steps, loss_text(self.loss))
             if self.holds_out and evaluation_due(step, self.steps, self.eval_every) and self.evaluate(step):
                 log.info("early stopping after step %d", step)
                 self.steps = step
@@ -608,6 +611,8 @@ class _Reference:
             "seed": self.seed,
             "micro_batches": self.micro_batches,
             "final_loss": float(self.loss) if self.loss is not None else None,
+            # as the data owner's summary says it: the label owner's replies carry no loss (``Senders.sent_loss``)
+            **({"training_loss": LOSS_WITHHELD} if self.engines[-1].senders.withholds_loss else {}),
             "elapsed_s": time.perf_counter() - self.started,
             "cpu_s": time.process_time() - self.cpu_started,
             "mode": "in-process",

@@ -11,7 +11,8 @@ Arrays (under the checkpoint's ``extra/``; ``P`` a client, ``MB`` a
 micro-batch, ``I`` a tensor's position in its message):
 
 - ``reply/P/MB/ids``: int64 ``[mbs]``; ``reply/P/MB/body``: float64
-  ``[loss, compute_s]``; ``reply/P/MB/I/NAME``: the backward's tensors as sent;
+  ``[loss, compute_s]``, or ``[compute_s]`` for a reply whose loss is withheld (``Senders.reply_body``);
+  ``reply/P/MB/I/NAME``: the backward's tensors as sent;
 - ``average/peers``: int64, the clients the average of round R was sent to;
   ``average/I/NAME``: the mean, once for all of them.
 """
@@ -36,8 +37,8 @@ def kept_arrays(peers: list[Peer], step: int) -> dict[str, np.ndarray]:
             if at == step and reply.type == wire.BACKWARD:
                 prefix = f"{REPLY}{peer.index}/{mb}/"
                 arrays[prefix + "ids"] = np.array([reply.mbs], np.int64)
-                arrays[prefix + "body"] = np.array([reply.body["loss"], reply.body.get("compute_s", 0.0)],
-                                                   np.float64)
+                arrays[prefix + "body"] = np.array([*([reply.body["loss"]] if "loss" in reply.body else []),
+                                                    reply.body.get("compute_s", 0.0)], np.float64)
                 arrays.update(_tensors(prefix, reply.tensors))
     averaged = [peer for peer in peers if peer.averaged is not None and peer.averaged.step == step]
     if averaged:
@@ -61,10 +62,11 @@ def kept(runs: dict[int, str], arrays: dict[str, np.ndarray], step: int) -> Kept
         if name.startswith(REPLY) and name.endswith("/ids"):
             index, mb = (int(part) for part in name[len(REPLY):].split("/")[:2])
             prefix = f"{REPLY}{index}/{mb}/"
-            loss, compute_s = (float(value) for value in arrays[prefix + "body"])
+            *loss, compute_s = (float(value) for value in arrays[prefix + "body"])
             cached.setdefault(index, {})[(step, mb)] = Message(
                 wire.BACKWARD, runs.get(index, ""), step, mb, int(arrays[name][0]),
-                body={"loss": loss, "compute_s": compute_s}, tensors=_untensors(prefix, arrays))
+                body={**({"loss": loss[0]} if loss else {wire.LOSS_WITHHELD_KEY: True}), "compute_s": compute_s},
+                tensors=_untensors(prefix, arrays))
     if AVERAGE + "peers" in arrays:
         mean = _untensors(AVERAGE, arrays)
         for index in arrays[AVERAGE + "peers"].tolist():

@@ -513,7 +513,10 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
         return merge_client_summaries(summaries, None, mode="finished earlier")
     summary = merge_summaries(summaries)
     losses = [s["final_loss"] for s in summaries if isinstance(s.get("final_loss"), float)]
-    summary.update(mode="finished earlier", final_loss=losses[0] if losses else float("nan"))
+    # A data owner whose label owner withheld the training loss reports none (``training_loss`` says so), as the
+    # completed run's merged summary did, rather than the label owner's own loss.
+    summary.update(mode="finished earlier", final_loss=None if "training_loss" in summary
+                   else losses[0] if losses else float("nan"))
     return summary
 
 

@@ -237,7 +237,8 @@ class Parties(Topology):
             s.log.error("%s", e)
             return Computed([(p, wire.error_message(m.run, step, code, str(e), mb, mbs)) for p, m in zip(peers, msgs)],
                             failure=Failure(peers, e, ends_run=isinstance(e, NonFiniteError), reset_engine=True))
-        body = {"loss": float(mb_loss), "compute_s": time.perf_counter() - started}   # every reply's (read only)
+        # every reply's (read only); without the loss when this stage withholds it
+        body = {**s.engine.senders.reply_body(mb_loss), "compute_s": time.perf_counter() - started}
         answers = [(peer, Message(wire.BACKWARD, msg.run, step, mb, mbs, body=body, tensors=tensors))
                    for peer, msg, tensors in zip(peers, msgs, sent)]
         return Computed(answers, Gradients(peers, step, mb, mbs, grads_later, mb_loss, dz, self.client_of(peers), 0))

@@ -22,6 +22,7 @@ from distgrad.errors import ConfigError
 from distgrad.privacy.meter import METER_FIGURES
 from distgrad.stage.engine import StepRecord
 from distgrad.stage.records import writing
+from distgrad.wire.messages import LOSS_WITHHELD
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
 BAR_WIDTH = 24
@@ -32,6 +33,8 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
                test: Mapping[str, Any] | None = None) -> str:
     """``[#####-----] 450/900 loss 1.2e-03 test 0.31 acc 0.912 auc 0.987 2300 steps/s ETA 0.2 s``.
 
+    ``loss`` None: the label owner's replies carried none (``loss withheld by the label owner``).
+
     ``rate`` (steps/s) is None or not positive before it can be measured
     (the first step seen): the bar then shows ``- steps/s ETA -``. ``test``
     is the latest evaluation (``test_loss``, ``test_accuracy`` when
@@ -40,7 +43,7 @@ def render_bar(step: int, steps: int, loss: float | None, rate: float | None,
     this stage's latest privacy-meter window, shown as ``NAME value/chance``.
     """
     done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
-    loss_text = f"{loss:.4g}" if loss is not None else "-"
+    loss_text = f"{loss:.4g}" if loss is not None else LOSS_WITHHELD
     if rate is not None and rate > 0:
         speed = f"{rate:.0f} steps/s ETA {(steps - step) / rate:.1f} s"
     else:

@@ -36,6 +36,7 @@ from distgrad.wire import link
 from distgrad.wire.codecs import Codec
 from distgrad.wire.keys import CurveClient
 from distgrad.wire.masking import SecureSumCodec, load_party_keys
+from distgrad.wire.messages import LOSS_WITHHELD
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Senders, without_codec_state
 
 
@@ -770,6 +771,8 @@ def nothing_to_do(opts: StageOptions, ckpt: Checkpoint) -> dict[str, Any]:
     return {"experiment": exp.name, "stage": opts.instance, "run_id": ckpt.run, "status": "finished",
             "steps": ckpt.step, "seed": opts.seed, "final_loss": ckpt.meta.get("final_loss"), "elapsed_s": 0.0,
             **metered, **({"privacy": privacy} if isinstance(privacy := ckpt.meta.get("privacy"), dict) else {}),
+            # the label owner withheld the training loss from this data owner (``wire.LOSS_WITHHELD``)
+            **({"training_loss": LOSS_WITHHELD} if ckpt.meta.get("training_loss") == LOSS_WITHHELD else {}),
             "params": {opts.instance: to_lists(params)}}
 
 

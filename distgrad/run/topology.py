@@ -546,15 +546,15 @@ class Turns(Topology):
         except ProtocolError as e:
             # Refused from below: the peer sends again after its handshake.
             return Computed([], failure=Failure((peer,), e, clear_waiting=True), refusal=e)
-        body = {"loss": float(mb_loss)}
+        body = s.engine.senders.reply_body(mb_loss)     # without the loss when this stage withholds it
         reply = Message(wire.BACKWARD, msg.run, msg.step, msg.mb, msg.mbs, body=body, tensors=tensors)
         body["compute_s"] = time.perf_counter() - started     # for the driver's metrics: this stage and below
         return Computed([(peer, reply)], Gradients(peers, msg.step, msg.mb, msg.mbs, grads_later, mb_loss, dx,
                                                    self.client_of(peers), peer.index))
 
-    def _loss_and_gradient(self, peer: Peer, msg: Message) -> tuple[np.float32, np.ndarray, GradsLater]:
-        """The micro-batch's loss (here or below), its activation gradient and its parameter gradients
-        to compute later."""
+    def _loss_and_gradient(self, peer: Peer, msg: Message) -> tuple[np.float32 | None, np.ndarray, GradsLater]:
+        """The micro-batch's loss (here or below; None when the label owner below withheld it), its activation
+        gradient and its parameter gradients to compute later."""
         s = self.serving
         x = msg.tensors["activation"]
         if s.link is not None:
@@ -574,7 +574,8 @@ class Turns(Topology):
         """``peer``'s micro-batch failed (``code``; ``failure``: what that does, if decided already): the
         reply it gets, or the refusal to raise."""
 
-    def _through(self, link: DownstreamLink, msg: Message, x: np.ndarray) -> tuple[np.float32, np.ndarray, GradsLater]:
+    def _through(self, link: DownstreamLink, msg: Message, x: np.ndarray
+                 ) -> tuple[np.float32 | None, np.ndarray, GradsLater]:
         """A middle stage's micro-batch: forward, the stage below's reply, the backward's activation
         gradient, and a function computing its parameter gradients (no update)."""
         s = self.serving

@@ -19,6 +19,7 @@ import numpy as np
 from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, OutputWriteError, StageError
+from distgrad.wire.messages import LOSS_WITHHELD
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
 
@@ -70,6 +71,12 @@ def best_evaluation_fields(evaluations: Sequence[Mapping[str, Any]], best_step: 
     0) or its entry is not among ``evaluations``."""
     entry = next((e for e in evaluations if e["step"] == best_step), None) if best_step else None
     return {"best_evaluation": dict(entry)} if entry is not None else {}
+
+
+def loss_text(loss: float | None) -> str:
+    """A step's training loss for a log line: ``0.123456``, or ``withheld by the label owner`` for None (its
+    replies carried none: ``wire.LOSS_WITHHELD``)."""
+    return LOSS_WITHHELD if loss is None else f"{loss:.6g}"
 
 
 def scores_text(fields: Mapping[str, Any]) -> str:

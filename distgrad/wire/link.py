@@ -233,9 +233,10 @@ def _wanted(kind: str, types: Collection[str] | None) -> bool:
 
 
 def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: bool,
-                below: str) -> tuple[np.float32, np.ndarray]:
+                below: str) -> tuple[np.float32 | None, np.ndarray]:
     """``(loss, activation_grad)`` of stage ``below``'s backward reply to step ``step``, the gradient decoded
-    with its codec (``specs.receive``). A NaN or Inf in it raises ``NonFiniteError`` (a stage failed, exit 1)
+    with its codec (``specs.receive``); the loss is None when the reply says it is withheld (instead of a loss:
+    ``wire.LOSS_WITHHELD_KEY``). A NaN or Inf in it raises ``NonFiniteError`` (a stage failed, exit 1)
     rather than a refusal, since this side sent nothing wrong; anything else that makes it no backward reply
     raises ``ProtocolError`` naming the stage, the step and the micro-batch of the reply."""
     try:
@@ -243,6 +244,13 @@ def check_reply(reply: Message, step: int, specs: Expected, allow_nonfinite: boo
             raise ProtocolError(ErrorCode.TYPE, f"expected a backward reply to step {step}, got {reply.type!r}")
         dy = specs.receive(reply, allow_nonfinite)
         loss = reply.body.get("loss")
+        withheld = reply.body.get(wire.LOSS_WITHHELD_KEY, False)
+        if withheld is not False and (withheld is not True or "loss" in reply.body):
+            raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has "
+                                                     f"{wire.LOSS_WITHHELD_KEY} {wire.show(withheld)} and loss "
+                                                     f"{wire.show(loss)}: true without a loss, or absent")
+        if withheld:
+            return None, dy
         if not isinstance(loss, (int, float)) or isinstance(loss, bool):
             raise ProtocolError(ErrorCode.MALFORMED, f"backward reply to step {step} has loss {wire.show(loss)}")
     except ProtocolError as e:

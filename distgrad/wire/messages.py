@@ -70,6 +70,12 @@ BINARY_TYPES: dict[str, int] = {FORWARD: 1, BACKWARD: 2}
 _BINARY_NAMES = {code: name for name, code in BINARY_TYPES.items()}
 _BACKWARD_CODE = BINARY_TYPES[BACKWARD]
 RUN_ID_MAX = 128                       # characters (bytes) in a run id
+# A backward reply's body says ``{LOSS_WITHHELD_KEY: true}`` instead of carrying a ``loss`` when its sender, the
+# label owner, withholds the training loss (a guarantee of its covers everything it sends:
+# ``Defenses.withholds_loss``); such a reply has the self-describing header (the binary one always has a loss).
+# Records then hold null, and what a human reads says ``LOSS_WITHHELD``.
+LOSS_WITHHELD_KEY = "loss_withheld"
+LOSS_WITHHELD = "withheld by the label owner"
 # BINARY_HEADER followed by the run id, one Struct per run id length: one call packs or unpacks a header frame,
 # its run id included.
 _HEADERS = [struct.Struct(BINARY_HEADER.format + f"{size}s") for size in range(RUN_ID_MAX + 1)]
@@ -139,7 +145,9 @@ class Message:
 
 
 def encode(msg: Message) -> list[Any]:
-    """Frames for ``msg``: the header bytes, then each tensor's C-contiguous array.
+    """Frames for ``msg``: the header bytes, then each tensor's C-contiguous array. A ``forward`` or
+    ``backward`` has the binary header, but for rows it would not carry as read (``_rows_as_read``) and a
+    ``backward`` whose loss is withheld (``LOSS_WITHHELD_KEY``), which have the msgpack one.
 
     Arrays are passed as themselves (buffer protocol), so the transport can
     send them without a copy. Raises ``ValueError`` for a dtype the wire does
@@ -148,7 +156,10 @@ def encode(msg: Message) -> list[Any]:
     if msg.frames is not None:
         raise ValueError(f"{msg.describe()}: its tensor frames were never read (wire.expect_tensors)")
     code = BINARY_TYPES.get(msg.type)
-    if code is not None and ("rows" not in msg.tensors or _rows_as_read(msg)):
+    # A backward whose loss is withheld (``LOSS_WITHHELD_KEY``) is self-describing: the binary header's loss
+    # field cannot say "none".
+    if (code is not None and ("rows" not in msg.tensors or _rows_as_read(msg))
+            and (code != _BACKWARD_CODE or LOSS_WITHHELD_KEY not in msg.body)):
         return _encode_binary(msg, code)
     specs, frames = [], []
     for name, array in msg.tensors.items():

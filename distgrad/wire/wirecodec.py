@@ -17,7 +17,9 @@ runners need:
   in-process reference, the driver, the serving and middle stages, vertical
   parties, predictions): the stage's output, then what is done to what is sent
   (the stage's defenses, ``distgrad.privacy.defenses``: on its training rows, and a
-  data owner's on its evaluation and prediction rows too; then the codec), then the message tensors. It holds the
+  data owner's on its evaluation and prediction rows too; then the codec), then the message tensors; and the
+  training loss a backward reply carries, which a label owner whose guarantee is end to end withholds
+  (``reply_body``). It holds the
   error-feedback residuals of ``topk:K+ef``. A residual belongs to a tensor
   *stream* (one direction, one peer, one micro-batch index); a step's new
   residuals are pending until the step is applied (``commit``, called by the
@@ -46,7 +48,7 @@ import numpy as np
 from distgrad.wire.codecs import Codec, ErrorFeedback, NoneCodec, Parts
 from distgrad.privacy.defenses import SentRows
 from distgrad.errors import ConfigError, ProtocolError
-from distgrad.wire.messages import ErrorCode, FrameLayout, Message, all_finite, expect_tensors
+from distgrad.wire.messages import LOSS_WITHHELD_KEY, ErrorCode, FrameLayout, Message, all_finite, expect_tensors
 
 _F32 = np.dtype("<f4")
 
@@ -304,6 +306,26 @@ class Senders:
         if purpose not in (EVALUATION, TEST, PREDICT):
             raise ValueError(f"held-out rows are sent for {EVALUATION!r}, {TEST!r} or {PREDICT!r}, not {purpose!r}")
         return x if self.defense is None else self.defense.held_out(x, purpose, step)
+
+    @property
+    def withholds_loss(self) -> bool:
+        """Whether this stage's backward replies leave out the training loss: it is the label owner sending
+        gradients with a guarantee that covers everything it sends (``Defenses.withholds_loss``)."""
+        defense = self.defense
+        return defense is not None and defense.direction == GRADIENT and defense.defenses.withholds_loss
+
+    def sent_loss(self, loss: float | np.floating | None) -> float | None:
+        """The training loss of a micro-batch as it leaves this stage in a backward reply: ``loss`` as a
+        float, or None when the stage withholds it (``withholds_loss``) or has none to pass up (the stage
+        below withheld it). The in-process reference asks the same of the label owner's loss."""
+        return None if loss is None or self.withholds_loss else float(loss)
+
+    def reply_body(self, loss: float | np.floating | None) -> dict[str, Any]:
+        """A backward reply's body for a micro-batch of training ``loss``: ``{"loss": loss}``, or
+        ``{"loss_withheld": True}`` when the loss does not leave (``sent_loss``; ``wire.LOSS_WITHHELD_KEY``),
+        which ``wire.encode`` sends with a self-describing header (the binary one always has a loss)."""
+        sent = self.sent_loss(loss)
+        return {LOSS_WITHHELD_KEY: True} if sent is None else {"loss": sent}
 
     def _feedback(self, codec: Codec, stream: str) -> ErrorFeedback:
         """An ``ErrorFeedback`` holding ``stream``'s committed residual (none yet: zeros)."""
