@@ -10,13 +10,14 @@ test_cli.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from distgrad.run.options import StageOptions
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.experiment import BUILTIN_DIR, check_run_settings
 from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.launcher import run_local
@@ -204,3 +205,60 @@ def test_toml_nested_to_the_bound_is_read():
     from distgrad.config.tomlfile import nesting_depth, tomllib
     assert nesting_depth(tomllib.loads("a = " + "[" * 32 + "]" * 32)) == 33       # the document is a table
     assert nesting_depth({"a": 1, "b": [1, {"c": []}]}) == 4 and nesting_depth(1.5) == 0
+
+
+# -- a setting accepted and doing nothing: an input_guard that would judge no step
+
+def _guarded_variant(tmp_path: Path, builtin: str, stage: str, guard: str, name: str = "guarded.toml") -> Path:
+    """Built-in ``builtin`` with ``guard`` in stage ``stage``'s table, its data path made absolute."""
+    text = (BUILTIN_DIR / f"{builtin}.toml").read_text().replace('"../datasets/',
+                                                                 f'"{BUILTIN_DIR.parent / "datasets"}/')
+    assert f'name = "{stage}"\n' in text
+    path = tmp_path / name
+    path.write_text(text.replace(f'name = "{stage}"\n', f'name = "{stage}"\n{guard}\n', 1))
+    return path
+
+
+def test_an_input_guard_whose_after_reaches_the_last_step_exits_2_on_every_path(tmp_path):
+    """'after' (the steps the guard does not judge) at or past the run's last step, given or by default (50),
+    in the file's steps or --steps: refused naming the key, its value and the steps, before anything starts."""
+    explicit = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75, after = 30 }")
+    for args in _paths(explicit):
+        _assert_usage_error([*args, "--steps", "30"], "'input_guard' { max_r2 = 0.75, after = 30 }",
+                            "judges only the steps after step 30", "this run has 30 steps (--steps 30)")
+    by_default = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75 }", "default.toml")
+    _assert_usage_error(["run", by_default, "--steps", "50", "--in-process"], "after = 50 } (50 when not given)",
+                        "this run has 50 steps")
+    exp = load_experiment(by_default)
+    check_run_settings(exp, steps=51)                                   # step 51 is judged
+    with pytest.raises(ConfigError, match=r"after = 50 .*this run has 40 steps \(steps = 40\)"):
+        check_run_settings(replace(exp, steps=40))                      # the file's steps
+    with pytest.raises(ConfigError, match=r"this run has 20 steps \(epochs = 2 of 10 steps\)"):
+        check_run_settings(replace(exp, steps=20, epochs=2))
+    with pytest.raises(ConfigError, match="after = 50"):                # a resumed run: the same steps
+        StageOptions(exp, "f", exp.seed, steps=50, checkpoint_dir=tmp_path / "ck", resume=True)
+
+
+def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_refused():
+    """The guard scores once it holds rows_needed rows; a run that sends fewer in all (steps x batch) would
+    never judge: refused saying how many steps it takes. Each data owner counts its own: a feature party of
+    a vertical experiment, each client (its batch a step)."""
+    from distgrad.privacy.guard import rows_needed
+    digits = load_experiment("digits")
+    f, g = digits.stages
+    guarded = replace(digits, stages=[replace(f, input_guard=(0.75, 0)), g])
+    assert rows_needed(64) == 260                                       # digits: 64 values a row, 32 rows a step
+    check_run_settings(guarded, steps=9)                                # 288 rows by step 9
+    with pytest.raises(ConfigError, match=r"holds 260 of them .* sends 256 \(8 steps of 32 rows, --steps 8\)"
+                                          r".*Run at least 9 steps"):
+        check_run_settings(guarded, steps=8)
+    vertical = load_experiment("vertical-classify")
+    a, *others = vertical.stages
+    party = replace(vertical, stages=[a, replace(others[0], input_guard=(0.5, 0)), *others[1:]])
+    check_run_settings(party, steps=4)                                  # 8 values a row: 128 rows
+    with pytest.raises(ConfigError, match=r"stage 'b': 'input_guard' .* sends 96 \(3 steps of 32 rows"):
+        check_run_settings(party, steps=3)
+    clients = load_experiment("digits-splitfed")
+    cf, cg = clients.stages
+    with pytest.raises(ConfigError, match=r"stage 'f': 'input_guard' .*after = 40 .* 40 steps"):
+        check_run_settings(replace(clients, stages=[replace(cf, input_guard=(0.5, 40)), cg]), steps=40)

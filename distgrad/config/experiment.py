@@ -37,13 +37,14 @@ from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, Relea
 from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
-from distgrad.config.keys import is_whole, whole
+from distgrad.config.keys import GUARD_AFTER_STEPS, is_whole, whole
 from distgrad.model.losses import Loss, SoftmaxCrossEntropy, TorchLoss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
 from distgrad.model.schedules import PLATEAU, PLATEAU_OPTIONS, Plateau
 from distgrad.privacy.defenses import Defenses
+from distgrad.privacy.guard import rows_needed
 from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
 from distgrad.privacy.releases import RunSecret
 
@@ -792,7 +793,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
     negative, or above 0 or ``auto`` where it is not supported (several
     clients, vertical parties, a first stage computing off the CPU), and
-    ``auto`` with ``in_process`` (no link to measure) or ``resume``.
+    ``auto`` with ``in_process`` (no link to measure) or ``resume``; a data
+    owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``).
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -812,6 +814,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
+    check_guard_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -894,6 +897,35 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
         if isinstance(total, int) and is_whole(total) and total < updates:
             raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
+
+
+def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming the stage, 'input_guard', its value and the run's ``steps`` where a data
+    owner's guard would judge no step of the run, and so be accepted and do nothing: its ``after`` (the steps
+    it does not judge) at or beyond the last step, or fewer rows sent in the whole run than it needs to score
+    (``privacy.guard.rows_needed``: each data owner, each client, sends a batch of its own rows a step).
+    ``steps`` are the run's (``--steps`` when ``flag`` names it); a resumed run's are the same, and the
+    guard's rows and peak come back from its checkpoints, so the rule is the same for it."""
+    given = (f"{flag} {steps}" if flag else f"steps = {steps}" if exp.epochs is None
+             else f"epochs = {exp.epochs} of {steps // exp.epochs} steps")
+    for spec in exp.stages:
+        if spec.input_guard is None or spec.name not in exp.data_owners or not exp.cuts:
+            continue
+        max_r2, after = spec.input_guard
+        where = f"stage {spec.name!r}: 'input_guard' {{ max_r2 = {max_r2:g}, after = {after} }}"
+        if after >= steps:
+            default = f" ({GUARD_AFTER_STEPS} when not given)" if after == GUARD_AFTER_STEPS else ""
+            raise ConfigError(f"{where}{default} judges only the steps after step {after}, and this run has "
+                              f"{steps} steps ({given}): it would judge none and let every row leave unjudged. "
+                              f"Give after = K below {steps}, or run more steps")
+        cut = exp.cuts[exp.stage_index(spec.name)]
+        rows = cut[0] if cut else 1
+        need = rows_needed(int(np.prod(cut[1:])))
+        if steps * rows < need:
+            raise ConfigError(f"{where} scores the rows it sent once it holds {need} of them (its activation has "
+                              f"{int(np.prod(cut[1:]))} values a row), and this run sends {steps * rows} ({steps} "
+                              f"steps of {rows} rows, {given}): it would judge none and let every row leave "
+                              f"unjudged. Run at least {-(-need // rows)} steps, or drop 'input_guard'")
 
 
 def check_send_rows(exp: Experiment) -> None:

@@ -243,7 +243,9 @@ _STAGE_COMMON: dict[str, Key] = {
                     "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
                     "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
                     "honest pilot run). In a vertical run the label owner and the other parties are told why and stop "
-                    "too; with [clients] that client is dropped and the others go on"),
+                    "too; with [clients] that client is dropped and the others go on. Refused where it would judge no "
+                    "step: K at or past the run's last step (50 too when K is not given), or fewer rows sent "
+                    "in the whole run than the decoder needs (at least 128)"),
     "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
