@@ -262,3 +262,25 @@ def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_refused():
     cf, cg = clients.stages
     with pytest.raises(ConfigError, match=r"stage 'f': 'input_guard' .*after = 40 .* 40 steps"):
         check_run_settings(replace(clients, stages=[replace(cf, input_guard=(0.5, 40)), cg]), steps=40)
+
+
+def test_splitfed_that_would_average_no_step_is_refused(tmp_path):
+    """SplitFed averages after every average_every-th step: a run of fewer steps (the file's, --steps, epochs)
+    averages none and its clients train apart, so it is refused naming average_every and the steps; one
+    client has nothing to average with."""
+    splitfed = load_experiment("digits-splitfed")                      # average_every = 10
+    check_run_settings(splitfed, steps=10)                              # averaged once, after the last step
+    with pytest.raises(ConfigError, match=r"average_every = 10\), and this run has 9 steps \(--steps 9\): it "
+                                          r"would average none"):
+        check_run_settings(splitfed, steps=9)
+    with pytest.raises(ConfigError, match=r"this run has 6 steps \(steps = 6\)"):
+        check_run_settings(replace(splitfed, steps=6))
+    with pytest.raises(ConfigError, match="average_every = 10"):     # every path: a client's process, the run
+        StageOptions(splitfed, "f", splitfed.seed, steps=5, client=0)
+    _assert_usage_error(["run", "digits-splitfed", "--steps", "5", "--in-process"], "average_every = 10",
+                        "this run has 5 steps")
+    text = (BUILTIN_DIR / "digits-splitfed.toml").read_text().replace("count = 3", "count = 1")
+    (tmp_path / "one.toml").write_text(text)
+    with pytest.raises(ConfigError, match=r"mode = 'splitfed' averages the first stages of several clients, and "
+                                          r"count is 1"):
+        load_experiment(tmp_path / "one.toml")

@@ -794,7 +794,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     negative, or above 0 or ``auto`` where it is not supported (several
     clients, vertical parties, a first stage computing off the CPU), and
     ``auto`` with ``in_process`` (no link to measure) or ``resume``; a data
-    owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``).
+    owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``), and SplitFed
+    clients that would average none (``check_average_horizon``).
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -815,6 +816,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
     check_guard_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
+    check_average_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -899,6 +901,13 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
 
 
+def _steps_given(exp: Experiment, steps: int, flag: str) -> str:
+    """Where a run's ``steps`` come from, for an error: the flag, else the file's steps or epochs."""
+    if flag:
+        return f"{flag} {steps}"
+    return f"steps = {steps}" if exp.epochs is None else f"epochs = {exp.epochs} of {steps // exp.epochs} steps"
+
+
 def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
     """Raise ``ConfigError`` naming the stage, 'input_guard', its value and the run's ``steps`` where a data
     owner's guard would judge no step of the run, and so be accepted and do nothing: its ``after`` (the steps
@@ -906,8 +915,7 @@ def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
     (``privacy.guard.rows_needed``: each data owner, each client, sends a batch of its own rows a step).
     ``steps`` are the run's (``--steps`` when ``flag`` names it); a resumed run's are the same, and the
     guard's rows and peak come back from its checkpoints, so the rule is the same for it."""
-    given = (f"{flag} {steps}" if flag else f"steps = {steps}" if exp.epochs is None
-             else f"epochs = {exp.epochs} of {steps // exp.epochs} steps")
+    given = _steps_given(exp, steps, flag)
     for spec in exp.stages:
         if spec.input_guard is None or spec.name not in exp.data_owners or not exp.cuts:
             continue
@@ -926,6 +934,20 @@ def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
                               f"{int(np.prod(cut[1:]))} values a row), and this run sends {steps * rows} ({steps} "
                               f"steps of {rows} rows, {given}): it would judge none and let every row leave "
                               f"unjudged. Run at least {-(-need // rows)} steps, or drop 'input_guard'")
+
+
+def check_average_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming [clients] average_every and the run's ``steps`` (``--steps`` when ``flag``
+    names it) where SplitFed would average no step: every K-th step is averaged, and a run of fewer than K
+    steps has none, so its clients train apart as with mode = "separate" while the file says they average."""
+    every = exp.clients.average_every
+    if exp.clients.mode != "splitfed" or every <= steps:
+        return
+    given = _steps_given(exp, steps, flag)
+    raise ConfigError(f"[clients] mode = 'splitfed' averages the clients' first stages every {every} steps "
+                      f"(average_every = {every}), and this run has {steps} steps ({given}): it would "
+                      f"average none, the clients training apart. Give average_every = K of at most {steps}, "
+                      f"or run at least {every} steps")
 
 
 def check_send_rows(exp: Experiment) -> None:

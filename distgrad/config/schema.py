@@ -159,10 +159,11 @@ CLIENT_KEYS: dict[str, Key] = {
                                                 "stage (several: exactly two stages)"),
     "mode": Key(one_of(CLIENT_MODES), default="separate",
                 help="'separate': each data owner trains its own first stage; 'splitfed': their first stages' "
-                     "parameters are averaged every 'average_every' steps"),
+                     "parameters are averaged every 'average_every' steps (count >= 2)"),
     "average_every": Key(whole(0), default=0,
                          help="splitfed: average the first stages' parameters every K steps (K > 0 with "
-                              "mode = \"splitfed\" only)"),
+                              "mode = \"splitfed\" only; a run of fewer than K steps, which would average none, "
+                              "is refused)"),
 }
 
 _STAGE_COMMON: dict[str, Key] = {
