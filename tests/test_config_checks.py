@@ -284,3 +284,22 @@ def test_splitfed_that_would_average_no_step_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"mode = 'splitfed' averages the first stages of several clients, and "
                                           r"count is 1"):
         load_experiment(tmp_path / "one.toml")
+
+
+def test_csv_options_on_npz_or_npy_data_and_a_path_for_npy_are_refused(tmp_path):
+    """header = true names a csv file's columns and npy data names its files by features and labels: given
+    where they do nothing, they are refused saying so, rather than read and ignored."""
+    import numpy as np
+    from distgrad.config.data import build_data
+    x, y = np.zeros((20, 3), np.float32), np.arange(20) % 2
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    npz = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4}
+    npy = {"kind": "npy", "features": "x.npy", "labels": "y.npy", "batch": 4}
+    for table in (npz, npy):
+        assert build_data({**table, "header": False}, 0, tmp_path).rows == 20       # the default, said
+        with pytest.raises(ConfigError, match=f"header = true .*; {table['kind']} data has no lines"):
+            build_data({**table, "header": True}, 0, tmp_path)
+    with pytest.raises(ConfigError, match="npy data reads one .npy file .* so 'path' would do nothing"):
+        build_data({**npy, "path": "d.npz"}, 0, tmp_path)

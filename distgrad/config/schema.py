@@ -360,11 +360,12 @@ DATA_OPTIONS: dict[str, str] = {
                      "experiment's is its data owner's end's alone), and unless 1 in a [data] without features "
                      "(a label owner's own: it would scale nothing)",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
-    "path": "npz and csv: the file (relative to the file that names it)",
+    "path": "npz and csv: the file (relative to the file that names it); refused for npy (its files are its "
+            "features and labels)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
               "this party does not hold them (and a stage that is not the label owner may not name them)",
     "header": "csv: the first line names the columns (else every line is a row of data; a field that is no "
-              "finite number is refused naming its line and column)",
+              "finite number is refused naming its line and column); header = true is refused for npz and npy",
     "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
     "id_column": "csv: the column of the rows' IDs (index or header name), no feature or label; npz: the member "
                  "of the IDs (distgrad split writes 'ids'); the handshake "
