@@ -303,3 +303,40 @@ def test_csv_options_on_npz_or_npy_data_and_a_path_for_npy_are_refused(tmp_path)
             build_data({**table, "header": True}, 0, tmp_path)
     with pytest.raises(ConfigError, match="npy data reads one .npy file .* so 'path' would do nothing"):
         build_data({**npy, "path": "d.npz"}, 0, tmp_path)
+
+
+def test_verdicts_and_a_plateau_scheduler_that_could_not_act_before_the_last_step_are_refused(tmp_path):
+    """The last step is evaluated anyway and ends the run: keep_best needs an evaluation before it, early
+    stopping patience + 1 of them (the first sets the best), ReduceLROnPlateau patience + 2. Otherwise each is
+    refused naming itself, eval_every and the steps; a stage that follows the hello leaves it to the driving
+    stage, which knows the run's eval_every."""
+    digits = load_experiment("digits")
+    f, g = digits.stages
+
+    def last(**keys):
+        return replace(digits, stages=[f, replace(g, **keys)])
+
+    kept = last(keep_best="test_loss")
+    check_run_settings(kept, steps=40, eval_every=39)
+    with pytest.raises(ConfigError, match=r"keep_best = 'test_loss' .* eval_every = 40 and 40 steps \(--steps 40\) "
+                                          r"the run evaluates only after its last step"):
+        check_run_settings(kept, steps=40, eval_every=40)
+    with pytest.raises(ConfigError, match=r"keep_best .* eval_every = 0 and 800 steps \(steps = 800\)"):
+        check_run_settings(kept)                                        # digits: eval_every 0
+    stopping = last(early_stopping={"metric": "test_loss", "patience": 3})
+    check_run_settings(stopping, steps=41, eval_every=10)               # evaluation 4 at step 40 may stop
+    with pytest.raises(ConfigError, match=r"early_stopping \(patience = 3\) can stop the run after its evaluation "
+                                          r"4 at the earliest, .* evaluates 3 time\(s\) before its last step"):
+        check_run_settings(stopping, steps=40, eval_every=10)
+    plateau = last(scheduler={"type": "ReduceLROnPlateau", "patience": 1})
+    check_run_settings(plateau, steps=31, eval_every=10)
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 1\) can lower its rate after its "
+                                          r"evaluation 3 .*eval_every = K of at most 9"):
+        check_run_settings(plateau, steps=30, eval_every=10)
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 10\)"):     # torch's default
+        check_run_settings(last(scheduler={"type": "ReduceLROnPlateau"}), steps=100, eval_every=10)
+    StageOptions(kept, "g", kept.seed, steps=40)             # the label owner: the driver's hello says eval_every
+    with pytest.raises(ConfigError, match="keep_best"):
+        StageOptions(kept, "f", kept.seed, steps=40, eval_every=40)
+    _assert_usage_error(["run", _guarded_variant(tmp_path, "digits", "g", 'keep_best = "test_loss"'), "--steps",
+                         "20", "--eval-every", "20"], "keep_best = 'test_loss'", "eval_every = 20 and 20 steps")

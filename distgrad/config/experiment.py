@@ -781,7 +781,7 @@ def idle_row_defense(exp: Experiment, stage: str, rows: int | None) -> str | Non
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
-                       eval_every: Any = None, staleness: Any = None) -> None:
+                       eval_every: Any = None, staleness: Any = None, evaluations_known: bool = True) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -795,7 +795,11 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     clients, vertical parties, a first stage computing off the CPU), and
     ``auto`` with ``in_process`` (no link to measure) or ``resume``; a data
     owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``), and SplitFed
-    clients that would average none (``check_average_horizon``).
+    clients that would average none (``check_average_horizon``); unless the
+    evaluations are another process's to say (``evaluations_known`` False: a
+    stage that follows the driving stage's hello, or a launcher that passes
+    the driving stage its flags), verdicts and schedulers the evaluations
+    could not act on (``check_evaluation_horizon``).
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -815,6 +819,10 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
+    if evaluations_known:
+        check_evaluation_horizon(exp, exp.steps if steps is None else steps,
+                                 exp.eval_every if eval_every is None else eval_every,
+                                 "--steps" if steps is not None else "")
     check_guard_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
     check_average_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
     _check_flag("--checkpoint-every", checkpoint_every, 0)
@@ -881,6 +889,42 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
     if exp.federated:
         raise ConfigError(f"{where}: with [clients] each data owner is scored on its own held-out rows, so no one "
                           f"loss steps the shared stage; drop the scheduler or the [clients] table")
+
+
+def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming the key, its value, ``eval_every`` and the run's ``steps`` (``--steps`` when
+    ``flag`` names it) where what the evaluations during the run decide could not act before the last step,
+    which is evaluated anyway and ends the run: ``keep_best`` with no evaluation before it (the last model
+    would be kept, as without it), ``early_stopping`` whose patience cannot run out before it (its earliest
+    stop is after evaluation patience + 1: the first sets the best), and a ``ReduceLROnPlateau`` scheduler that
+    cannot lower its rate before it (the earliest after evaluation patience + 2). The evaluations are after
+    every ``eval_every``-th step (0: none during the run), on every path alike, a resumed run too."""
+    during = (steps - 1) // eval_every if eval_every > 0 else 0     # evaluations before the last step
+    given = f"eval_every = {eval_every} and {steps} steps ({_steps_given(exp, steps, flag)})"
+    last = next((spec for spec in exp.stages if spec.name == exp.stage_names[-1]), None)
+    if last is not None and last.keep_best is not None and during == 0:
+        raise ConfigError(f"stage {last.name!r}: keep_best = {last.keep_best!r} keeps the parameters of the best "
+                          f"evaluation, and with {given} the run evaluates only after its last step: it would keep "
+                          f"the last model, as without it. Set eval_every (or --eval-every) to K below {steps}, or "
+                          f"drop keep_best")
+    waits = [(f"stage {last.name!r}: early_stopping (patience = {last.early_stopping['patience']})",
+              int(last.early_stopping["patience"]) + 1, "stop the run")] if last and last.early_stopping else []
+    waits += [(f"stage {spec.name!r}: scheduler ReduceLROnPlateau (patience = {_plateau_patience(spec)})",
+               _plateau_patience(spec) + 2, "lower its rate")
+              for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    for what, needed, acts in waits:
+        if eval_every > 0 and during < needed:
+            most = (steps - 1) // needed
+            fix = f"eval_every = K of at most {most} (or --eval-every K), " if most else ""
+            raise ConfigError(f"{what} can {acts} after its evaluation {needed} at the earliest, and with "
+                              f"{given} the run evaluates {during} time(s) before its last step: it never would. "
+                              f"Give {fix}a lower patience or more steps")
+
+
+def _plateau_patience(spec: StageSpec) -> int:
+    """A ``ReduceLROnPlateau`` scheduler's patience (torch's default when its table gives none)."""
+    patience = (spec.scheduler or {}).get("patience", Plateau.DEFAULT_PATIENCE)
+    return patience if is_whole(patience) and patience >= 0 else Plateau.DEFAULT_PATIENCE
 
 
 def check_scheduler_horizon(exp: Experiment, steps: int) -> None:

@@ -191,7 +191,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
                   "party that has it, before its next update; it needs held-out rows, eval_every > 0, staleness 0 "
-                  "and no [clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
+                  "and no [clients], and is refused where it could not lower the rate before the last step (patience + 2 "
+                  "evaluations before it). OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
                   "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
@@ -210,11 +211,13 @@ _STAGE_COMMON: dict[str, Key] = {
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
                   "'--save' writes instead of the last; the summary's best_step says which step. With [data]'s "
-                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same)"),
+                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same). Refused "
+                  "where no evaluation comes before the last step (eval_every 0, or at least the steps)"),
     "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
-                       "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0; "
+                       "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0 and "
+                       "K + 1 evaluations before the last step (refused where it could never stop the run); "
                        "not with [clients]"),
     "framework": Key(one_of(FRAMEWORKS), shown='"numpy" ("torch" with a module)', help=
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
