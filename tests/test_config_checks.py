@@ -237,6 +237,7 @@ def test_an_input_guard_whose_after_reaches_the_last_step_exits_2_on_every_path(
         check_run_settings(replace(exp, steps=20, epochs=2))
     with pytest.raises(ConfigError, match="after = 50"):                # a resumed run: the same steps
         StageOptions(exp, "f", exp.seed, steps=50, checkpoint_dir=tmp_path / "ck", resume=True)
+    StageOptions(replace(exp, steps=40), "f", exp.seed, trains=False)   # predictions: no training run to judge
 
 
 def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_refused():

@@ -781,7 +781,8 @@ def idle_row_defense(exp: Experiment, stage: str, rows: int | None) -> str | Non
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
-                       eval_every: Any = None, staleness: Any = None, evaluations_known: bool = True) -> None:
+                       eval_every: Any = None, staleness: Any = None, evaluations_known: bool = True,
+                       trains: bool = True) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -799,7 +800,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     evaluations are another process's to say (``evaluations_known`` False: a
     stage that follows the driving stage's hello, or a launcher that passes
     the driving stage its flags), verdicts and schedulers the evaluations
-    could not act on (``check_evaluation_horizon``).
+    could not act on (``check_evaluation_horizon``). These three need a
+    training run: ``trains`` False (a stage serving predictions) skips them.
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -819,12 +821,12 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
-    if evaluations_known:
-        check_evaluation_horizon(exp, exp.steps if steps is None else steps,
-                                 exp.eval_every if eval_every is None else eval_every,
-                                 "--steps" if steps is not None else "")
-    check_guard_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
-    check_average_horizon(exp, exp.steps if steps is None else steps, "--steps" if steps is not None else "")
+    if trains:                  # what would act during the training steps: nothing to do for a prediction
+        run_steps, flag = exp.steps if steps is None else steps, "--steps" if steps is not None else ""
+        if evaluations_known:
+            check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
+        check_guard_horizon(exp, run_steps, flag)
+        check_average_horizon(exp, run_steps, flag)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")

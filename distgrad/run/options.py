@@ -158,6 +158,7 @@ class StageOptions:
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None
+    trains: bool = True                # False: the stage serves predictions (no training run to check)
 
     @property
     def role(self) -> str:
@@ -232,7 +233,8 @@ class StageOptions:
         check_run_settings(exp, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
                            checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every,
-                           staleness=self.staleness, evaluations_known=driving)   # else the hello's
+                           staleness=self.staleness, evaluations_known=driving,   # else the hello's
+                           trains=self.trains)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:
