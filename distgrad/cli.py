@@ -865,7 +865,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment)
     stage, role, own = _predict_role(exp, args)
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, **_waits(args))
+    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, **_waits(args))
     ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
         opts.security = upstream if role != "driving" else downstream

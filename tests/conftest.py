@@ -357,6 +357,18 @@ class HonestDataOwner:
 DIGITS_NPZ = Path(__file__).resolve().parent.parent / "distgrad" / "datasets" / "digits.npz"
 
 
+def splitfed_every(tmp_path: Path, every: int) -> Path:
+    """The built-in digits-splitfed averaging every ``every`` steps (a short run must average at least once:
+    a SplitFed run of fewer steps than average_every is refused), written under ``tmp_path``."""
+    builtin = Path(__file__).resolve().parent.parent / "distgrad" / "experiments" / "digits-splitfed.toml"
+    text = builtin.read_text()
+    assert "average_every = 10" in text and '"../datasets/digits.npz"' in text
+    path = tmp_path / f"splitfed-every-{every}.toml"
+    path.write_text(text.replace("average_every = 10", f"average_every = {every}").replace(
+        '"../datasets/digits.npz"', f'"{DIGITS_NPZ}"'))
+    return path
+
+
 def digits_data_table(batch: int = 32, test_fraction: float = 0.2) -> str:
     """The ``[data]`` table of the built-in digits (its npz; pixels scaled to [0, 1]) for an experiment a test
     writes, ending in a newline."""

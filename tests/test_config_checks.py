@@ -10,13 +10,14 @@ test_cli.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from distgrad.run.options import StageOptions
 from distgrad.errors import ConfigError
-from distgrad.config.experiment import BUILTIN_DIR
+from distgrad.config.experiment import BUILTIN_DIR, check_run_settings
 from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.launcher import run_local
@@ -204,3 +205,139 @@ def test_toml_nested_to_the_bound_is_read():
     from distgrad.config.tomlfile import nesting_depth, tomllib
     assert nesting_depth(tomllib.loads("a = " + "[" * 32 + "]" * 32)) == 33       # the document is a table
     assert nesting_depth({"a": 1, "b": [1, {"c": []}]}) == 4 and nesting_depth(1.5) == 0
+
+
+# -- a setting accepted and doing nothing: an input_guard that would judge no step
+
+def _guarded_variant(tmp_path: Path, builtin: str, stage: str, guard: str, name: str = "guarded.toml") -> Path:
+    """Built-in ``builtin`` with ``guard`` in stage ``stage``'s table, its data path made absolute."""
+    text = (BUILTIN_DIR / f"{builtin}.toml").read_text().replace('"../datasets/',
+                                                                 f'"{BUILTIN_DIR.parent / "datasets"}/')
+    assert f'name = "{stage}"\n' in text
+    path = tmp_path / name
+    path.write_text(text.replace(f'name = "{stage}"\n', f'name = "{stage}"\n{guard}\n', 1))
+    return path
+
+
+def test_an_input_guard_whose_after_reaches_the_last_step_exits_2_on_every_path(tmp_path):
+    """'after' (the steps the guard does not judge) at or past the run's last step, given or by default (50),
+    in the file's steps or --steps: refused naming the key, its value and the steps, before anything starts."""
+    explicit = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75, after = 30 }")
+    for args in _paths(explicit):
+        _assert_usage_error([*args, "--steps", "30"], "'input_guard' { max_r2 = 0.75, after = 30 }",
+                            "judges only the steps after step 30", "this run has 30 steps (--steps 30)")
+    by_default = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75 }", "default.toml")
+    _assert_usage_error(["run", by_default, "--steps", "50", "--in-process"], "after = 50 } (50 when not given)",
+                        "this run has 50 steps")
+    exp = load_experiment(by_default)
+    check_run_settings(exp, steps=51)                                   # step 51 is judged
+    with pytest.raises(ConfigError, match=r"after = 50 .*this run has 40 steps \(steps = 40\)"):
+        check_run_settings(replace(exp, steps=40))                      # the file's steps
+    with pytest.raises(ConfigError, match=r"this run has 20 steps \(epochs = 2 of 10 steps\)"):
+        check_run_settings(replace(exp, steps=20, epochs=2))
+    with pytest.raises(ConfigError, match="after = 50"):                # a resumed run: the same steps
+        StageOptions(exp, "f", exp.seed, steps=50, checkpoint_dir=tmp_path / "ck", resume=True)
+    StageOptions(replace(exp, steps=40), "f", exp.seed, trains=False)   # predictions: no training run to judge
+
+
+def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_refused():
+    """The guard scores once it holds rows_needed rows; a run that sends fewer in all (steps x batch) would
+    never judge: refused saying how many steps it takes. Each data owner counts its own: a feature party of
+    a vertical experiment, each client (its batch a step)."""
+    from distgrad.privacy.guard import rows_needed
+    digits = load_experiment("digits")
+    f, g = digits.stages
+    guarded = replace(digits, stages=[replace(f, input_guard=(0.75, 0)), g])
+    assert rows_needed(64) == 260                                       # digits: 64 values a row, 32 rows a step
+    check_run_settings(guarded, steps=9)                                # 288 rows by step 9
+    with pytest.raises(ConfigError, match=r"holds 260 of them .* sends 256 \(8 steps of 32 rows, --steps 8\)"
+                                          r".*Run at least 9 steps"):
+        check_run_settings(guarded, steps=8)
+    vertical = load_experiment("vertical-classify")
+    a, *others = vertical.stages
+    party = replace(vertical, stages=[a, replace(others[0], input_guard=(0.5, 0)), *others[1:]])
+    check_run_settings(party, steps=4)                                  # 8 values a row: 128 rows
+    with pytest.raises(ConfigError, match=r"stage 'b': 'input_guard' .* sends 96 \(3 steps of 32 rows"):
+        check_run_settings(party, steps=3)
+    clients = load_experiment("digits-splitfed")
+    cf, cg = clients.stages
+    with pytest.raises(ConfigError, match=r"stage 'f': 'input_guard' .*after = 40 .* 40 steps"):
+        check_run_settings(replace(clients, stages=[replace(cf, input_guard=(0.5, 40)), cg]), steps=40)
+
+
+def test_splitfed_that_would_average_no_step_is_refused(tmp_path):
+    """SplitFed averages after every average_every-th step: a run of fewer steps (the file's, --steps, epochs)
+    averages none and its clients train apart, so it is refused naming average_every and the steps; one
+    client has nothing to average with."""
+    splitfed = load_experiment("digits-splitfed")                      # average_every = 10
+    check_run_settings(splitfed, steps=10)                              # averaged once, after the last step
+    with pytest.raises(ConfigError, match=r"average_every = 10\), and this run has 9 steps \(--steps 9\): it "
+                                          r"would average none"):
+        check_run_settings(splitfed, steps=9)
+    with pytest.raises(ConfigError, match=r"this run has 6 steps \(steps = 6\)"):
+        check_run_settings(replace(splitfed, steps=6))
+    with pytest.raises(ConfigError, match="average_every = 10"):     # every path: a client's process, the run
+        StageOptions(splitfed, "f", splitfed.seed, steps=5, client=0)
+    _assert_usage_error(["run", "digits-splitfed", "--steps", "5", "--in-process"], "average_every = 10",
+                        "this run has 5 steps")
+    text = (BUILTIN_DIR / "digits-splitfed.toml").read_text().replace("count = 3", "count = 1")
+    (tmp_path / "one.toml").write_text(text)
+    with pytest.raises(ConfigError, match=r"mode = 'splitfed' averages the first stages of several clients, and "
+                                          r"count is 1"):
+        load_experiment(tmp_path / "one.toml")
+
+
+def test_csv_options_on_npz_or_npy_data_and_a_path_for_npy_are_refused(tmp_path):
+    """header = true names a csv file's columns and npy data names its files by features and labels: given
+    where they do nothing, they are refused saying so, rather than read and ignored."""
+    import numpy as np
+    from distgrad.config.data import build_data
+    x, y = np.zeros((20, 3), np.float32), np.arange(20) % 2
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    npz = {"kind": "npz", "path": "d.npz", "features": "x", "labels": "y", "batch": 4}
+    npy = {"kind": "npy", "features": "x.npy", "labels": "y.npy", "batch": 4}
+    for table in (npz, npy):
+        assert build_data({**table, "header": False}, 0, tmp_path).rows == 20       # the default, said
+        with pytest.raises(ConfigError, match=f"header = true .*; {table['kind']} data has no lines"):
+            build_data({**table, "header": True}, 0, tmp_path)
+    with pytest.raises(ConfigError, match="npy data reads one .npy file .* so 'path' would do nothing"):
+        build_data({**npy, "path": "d.npz"}, 0, tmp_path)
+
+
+def test_verdicts_and_a_plateau_scheduler_that_could_not_act_before_the_last_step_are_refused(tmp_path):
+    """The last step is evaluated anyway and ends the run: keep_best needs an evaluation before it, early
+    stopping patience + 1 of them (the first sets the best), ReduceLROnPlateau patience + 2. Otherwise each is
+    refused naming itself, eval_every and the steps; a stage that follows the hello leaves it to the driving
+    stage, which knows the run's eval_every."""
+    digits = load_experiment("digits")
+    f, g = digits.stages
+
+    def last(**keys):
+        return replace(digits, stages=[f, replace(g, **keys)])
+
+    kept = last(keep_best="test_loss")
+    check_run_settings(kept, steps=40, eval_every=39)
+    with pytest.raises(ConfigError, match=r"keep_best = 'test_loss' .* eval_every = 40 and 40 steps \(--steps 40\) "
+                                          r"the run evaluates only after its last step"):
+        check_run_settings(kept, steps=40, eval_every=40)
+    with pytest.raises(ConfigError, match=r"keep_best .* eval_every = 0 and 800 steps \(steps = 800\)"):
+        check_run_settings(kept)                                        # digits: eval_every 0
+    stopping = last(early_stopping={"metric": "test_loss", "patience": 3})
+    check_run_settings(stopping, steps=41, eval_every=10)               # evaluation 4 at step 40 may stop
+    with pytest.raises(ConfigError, match=r"early_stopping \(patience = 3\) can stop the run after its evaluation "
+                                          r"4 at the earliest, .* evaluates 3 time\(s\) before its last step"):
+        check_run_settings(stopping, steps=40, eval_every=10)
+    plateau = last(scheduler={"type": "ReduceLROnPlateau", "patience": 1})
+    check_run_settings(plateau, steps=31, eval_every=10)
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 1\) can lower its rate after its "
+                                          r"evaluation 3 .*eval_every = K of at most 9"):
+        check_run_settings(plateau, steps=30, eval_every=10)
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 10\)"):     # torch's default
+        check_run_settings(last(scheduler={"type": "ReduceLROnPlateau"}), steps=100, eval_every=10)
+    StageOptions(kept, "g", kept.seed, steps=40)             # the label owner: the driver's hello says eval_every
+    with pytest.raises(ConfigError, match="keep_best"):
+        StageOptions(kept, "f", kept.seed, steps=40, eval_every=40)
+    _assert_usage_error(["run", _guarded_variant(tmp_path, "digits", "g", 'keep_best = "test_loss"'), "--steps",
+                         "20", "--eval-every", "20"], "keep_best = 'test_loss'", "eval_every = 20 and 20 steps")

@@ -15,7 +15,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.run.progress import PROGRESS_PREFIX, Progress, render_bar
 
-from conftest import DIGITS_NPZ, digits_data_table, read_json, read_lines, run_launcher
+from conftest import DIGITS_NPZ, digits_data_table, read_json, read_lines, run_launcher, splitfed_every
 
 
 # Three stages on the digits: the held-out rows go through a middle stage too.
@@ -73,7 +73,7 @@ def test_through_a_middle_stage_with_the_experiments_eval_every(tmp_path):
 
 
 def test_several_clients_are_each_scored_with_the_serving_stage_of_the_same_step(tmp_path):
-    reference, summary = _both(tmp_path, "digits-splitfed", "--steps", "6", "--eval-every", "3",
+    reference, summary = _both(tmp_path, str(splitfed_every(tmp_path, 3)), "--steps", "6", "--eval-every", "3",
                                "--micro-batches", "2", steps=6, eval_every=3, micro_batches=2)
     for ours, theirs in zip(summary["clients"], reference["clients"], strict=True):
         assert [e["step"] for e in theirs["evaluations"]] == [3, 6]

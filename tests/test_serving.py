@@ -632,9 +632,9 @@ def _splitfed_parties(tmp_path) -> tuple[ServingStage, object]:
     return ServingStage(StageOptions(g_exp, "g", g_exp.seed)), f_exp
 
 
-def _through_first_average(server: ServingStage, f_exp, tensors: list[dict[str, np.ndarray]]) -> list:
-    """Three clients' hellos and forwards up to the first average, then their averages (``tensors[c]``): the
-    replies to the averages."""
+def _through_first_average(server: ServingStage, f_exp, tensors: list[dict[str, np.ndarray] | None]) -> list:
+    """Three clients' hellos and forwards up to the first average, then their averages (``tensors[c]``; None:
+    client c sends none): the replies to the averages, or the refusals."""
     peers = [[b"c0"], [b"c1"], [b"c2"]]
     for c in range(3):
         server.handle(peers[c], hello_message(f_exp, f"run{c}", client=c), 0.0)
@@ -646,6 +646,8 @@ def _through_first_average(server: ServingStage, f_exp, tensors: list[dict[str, 
                 pass
     replies = []
     for c in range(3):
+        if tensors[c] is None:          # this client sends none yet
+            continue
         try:
             replies += server.handle(peers[c], Message(wire.AVERAGE, f"run{c}", every, tensors=tensors[c]), 0.0)
         except ProtocolError as refused:
@@ -682,6 +684,33 @@ def test_a_splitfed_client_whose_parameters_differ_from_the_others_is_refused_an
     assert "client 2's parameters are not the model client 0 averages" in str(refused[0])
     assert "expected float32" in str(refused[0])
     assert not any(getattr(reply, "type", None) == wire.AVERAGE for _, reply in replies)
+    assert server.peers[2].average is None                      # nothing of the refused average is kept
+    # The stage goes on serving: client 2's parameters of the model, sent then, complete the average.
+    replies = server.handle([b"c2"], Message(wire.AVERAGE, "run2", f_exp.clients.average_every,
+                                             tensors=dict(f.params)), 0.0) + server.settle()
+    assert [reply.type for _, reply in replies] == [wire.AVERAGE] * 3
+    mean = {name: (value + value + value) / np.float32(3) for name, value in f.params.items()}
+    assert all(np.array_equal(reply.tensors[name], mean[name]) for _, reply in replies for name in f.params)
+
+
+def test_a_splitfed_client_sending_its_average_again_with_other_shapes_is_refused(tmp_path):
+    """The first average of the run sets the model a label owner without the clients' model averages, also for
+    the client that sent it: the same client's average sent again with other shapes is refused (it replaced
+    the first, and the other clients' averages of the model were refused), and the average goes on."""
+    server, f_exp = _splitfed_parties(tmp_path)
+    f = Stage.from_experiment(f_exp, "f")
+    other = {name: np.zeros((2, *value.shape), np.float32) for name, value in f.params.items()}
+    every = f_exp.clients.average_every
+    assert _through_first_average(server, f_exp, [dict(f.params), None, None]) == []   # only client 0's is in
+    with pytest.raises(ProtocolError, match="client 0's parameters are not the model it sent before") as refused:
+        server.handle([b"c0"], Message(wire.AVERAGE, "run0", every, tensors=other), 0.0)
+    assert refused.value.code == ErrorCode.TENSOR
+    assert server.peers[0].average.tensors["f1.W"].shape == f.params["f1.W"].shape
+    replies = []
+    for c in (1, 2):
+        replies += server.handle([b"c%d" % c], Message(wire.AVERAGE, f"run{c}", every, tensors=dict(f.params)),
+                                 0.0) + server.settle()
+    assert [reply.type for _, reply in replies] == [wire.AVERAGE] * 3
 
 
 def test_an_average_to_a_stage_that_averages_nothing_is_refused_saying_so():

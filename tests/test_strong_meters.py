@@ -41,10 +41,12 @@ def _digits(tmp_path: Path, f_extra: str = "", g_extra: str = "") -> Path:
     return path
 
 
-def _guarded(max_r2: float, after: int = 50, nopeek: float = 7.0):
+def _guarded(max_r2: float | None, after: int = 50, nopeek: float = 7.0):
+    """Digits with the data owner's NoPeek ``nopeek`` and ``input_guard = { max_r2, after }`` (None: unguarded)."""
     exp = load_experiment("digits")
     f = exp.stages[0]
-    f = replace(f, defenses=replace(f.defenses, nopeek=nopeek), input_guard=(max_r2, after))
+    f = replace(f, defenses=replace(f.defenses, nopeek=nopeek),
+                input_guard=None if max_r2 is None else (max_r2, after))
     return replace(exp, stages=[f, *exp.stages[1:]])
 
 
@@ -157,7 +159,7 @@ def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_neve
     never stopped, and trains bitwise as the unguarded run."""
     honest = train_in_process(_guarded(0.75))
     assert honest["input_guard"]["peak_r2"] <= 0.75
-    plain = train_in_process(_guarded(1.0, after=10 ** 6))
+    plain = train_in_process(_guarded(None))
     assert honest["params"] == plain["params"]
     exp = _guarded(0.75)
     attacker = hijack(monkeypatch, exp.build_data(0, stage="g"), 64)
@@ -167,7 +169,7 @@ def test_the_guard_stops_a_hijacking_label_owner_before_it_reconstructs_and_neve
     assert stopped < 200
     reached = [max(r2) for step, r2 in attacker.reconstruction.items() if step < stopped]
     assert max(reached) < 0.8
-    unguarded = _guarded(1.0, after=10 ** 6)
+    unguarded = _guarded(None)
     monkeypatch.undo()
     attacker = hijack(monkeypatch, unguarded.build_data(0, stage="g"), 64)
     train_in_process(unguarded, steps=400)

@@ -342,6 +342,13 @@ class ArrayFile(RowBatches):
         if validation_fraction > 0 and test_fraction == 0:
             raise ConfigError("validation_fraction splits validation rows from the test rows: it needs "
                               "test_fraction > 0 (rows to score the kept model on)")
+        if header and kind != "csv":
+            raise ConfigError(f"header = true says the first line of a csv file names its columns; {kind} data has "
+                              f"no lines to name them, so it would do nothing: leave it out")
+        if path is not None and kind == "npy":
+            raise ConfigError("npy data reads one .npy file for the features and one for the labels, named by "
+                              "'features' and 'labels', so 'path' would do nothing: leave it out (npz and csv "
+                              "data name their one file by 'path')")
         self.kind, self.base_dir, self.batch = kind, base_dir, int(batch)
         self.path = base_dir / path if path is not None else None
         if features is None and labels is None:

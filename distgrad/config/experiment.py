@@ -37,13 +37,14 @@ from distgrad.config.data import ColumnView, DataSource, RandomizedLabels, Relea
 from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
-from distgrad.config.keys import is_whole, whole
+from distgrad.config.keys import GUARD_AFTER_STEPS, is_whole, whole
 from distgrad.model.losses import Loss, SoftmaxCrossEntropy, TorchLoss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
 from distgrad.model.optim import Optimizer, build_optimizer
 from distgrad.model.schedules import PLATEAU, PLATEAU_OPTIONS, Plateau
 from distgrad.privacy.defenses import Defenses
+from distgrad.privacy.guard import rows_needed
 from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
 from distgrad.privacy.releases import RunSecret
 
@@ -780,7 +781,8 @@ def idle_row_defense(exp: Experiment, stage: str, rows: int | None) -> str | Non
 def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, micro_batches: Any = 1,
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
-                       eval_every: Any = None, staleness: Any = None) -> None:
+                       eval_every: Any = None, staleness: Any = None, evaluations_known: bool = True,
+                       trains: bool = True) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -792,7 +794,14 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
     negative, or above 0 or ``auto`` where it is not supported (several
     clients, vertical parties, a first stage computing off the CPU), and
-    ``auto`` with ``in_process`` (no link to measure) or ``resume``.
+    ``auto`` with ``in_process`` (no link to measure) or ``resume``; a data
+    owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``), and SplitFed
+    clients that would average none (``check_average_horizon``); unless the
+    evaluations are another process's to say (``evaluations_known`` False: a
+    stage that follows the driving stage's hello, or a launcher that passes
+    the driving stage its flags), verdicts and schedulers the evaluations
+    could not act on (``check_evaluation_horizon``). These three need a
+    training run: ``trains`` False (a stage serving predictions) skips them.
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -812,6 +821,12 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
+    if trains:                  # what would act during the training steps: nothing to do for a prediction
+        run_steps, flag = exp.steps if steps is None else steps, "--steps" if steps is not None else ""
+        if evaluations_known:
+            check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
+        check_guard_horizon(exp, run_steps, flag)
+        check_average_horizon(exp, run_steps, flag)
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
@@ -878,6 +893,42 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
                           f"loss steps the shared stage; drop the scheduler or the [clients] table")
 
 
+def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming the key, its value, ``eval_every`` and the run's ``steps`` (``--steps`` when
+    ``flag`` names it) where what the evaluations during the run decide could not act before the last step,
+    which is evaluated anyway and ends the run: ``keep_best`` with no evaluation before it (the last model
+    would be kept, as without it), ``early_stopping`` whose patience cannot run out before it (its earliest
+    stop is after evaluation patience + 1: the first sets the best), and a ``ReduceLROnPlateau`` scheduler that
+    cannot lower its rate before it (the earliest after evaluation patience + 2). The evaluations are after
+    every ``eval_every``-th step (0: none during the run), on every path alike, a resumed run too."""
+    during = (steps - 1) // eval_every if eval_every > 0 else 0     # evaluations before the last step
+    given = f"eval_every = {eval_every} and {steps} steps ({_steps_given(exp, steps, flag)})"
+    last = next((spec for spec in exp.stages if spec.name == exp.stage_names[-1]), None)
+    if last is not None and last.keep_best is not None and during == 0:
+        raise ConfigError(f"stage {last.name!r}: keep_best = {last.keep_best!r} keeps the parameters of the best "
+                          f"evaluation, and with {given} the run evaluates only after its last step: it would keep "
+                          f"the last model, as without it. Set eval_every (or --eval-every) to K below {steps}, or "
+                          f"drop keep_best")
+    waits = [(f"stage {last.name!r}: early_stopping (patience = {last.early_stopping['patience']})",
+              int(last.early_stopping["patience"]) + 1, "stop the run")] if last and last.early_stopping else []
+    waits += [(f"stage {spec.name!r}: scheduler ReduceLROnPlateau (patience = {_plateau_patience(spec)})",
+               _plateau_patience(spec) + 2, "lower its rate")
+              for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
+    for what, needed, acts in waits:
+        if eval_every > 0 and during < needed:
+            most = (steps - 1) // needed
+            fix = f"eval_every = K of at most {most} (or --eval-every K), " if most else ""
+            raise ConfigError(f"{what} can {acts} after its evaluation {needed} at the earliest, and with "
+                              f"{given} the run evaluates {during} time(s) before its last step: it never would. "
+                              f"Give {fix}a lower patience or more steps")
+
+
+def _plateau_patience(spec: StageSpec) -> int:
+    """A ``ReduceLROnPlateau`` scheduler's patience (torch's default when its table gives none)."""
+    patience = (spec.scheduler or {}).get("patience", Plateau.DEFAULT_PATIENCE)
+    return patience if is_whole(patience) and patience >= 0 else Plateau.DEFAULT_PATIENCE
+
+
 def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
     """Raise ``ConfigError`` where a stage's ``scheduler = { type = "OneCycleLR", ... }`` ends before the run
     does: torch refuses to step it past its ``total_steps`` (or ``epochs`` x ``steps_per_epoch``), which
@@ -894,6 +945,55 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
         if isinstance(total, int) and is_whole(total) and total < updates:
             raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
+
+
+def _steps_given(exp: Experiment, steps: int, flag: str) -> str:
+    """Where a run's ``steps`` come from, for an error: the flag, else the file's steps or epochs."""
+    if flag:
+        return f"{flag} {steps}"
+    return f"steps = {steps}" if exp.epochs is None else f"epochs = {exp.epochs} of {steps // exp.epochs} steps"
+
+
+def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming the stage, 'input_guard', its value and the run's ``steps`` where a data
+    owner's guard would judge no step of the run, and so be accepted and do nothing: its ``after`` (the steps
+    it does not judge) at or beyond the last step, or fewer rows sent in the whole run than it needs to score
+    (``privacy.guard.rows_needed``: each data owner, each client, sends a batch of its own rows a step).
+    ``steps`` are the run's (``--steps`` when ``flag`` names it); a resumed run's are the same, and the
+    guard's rows and peak come back from its checkpoints, so the rule is the same for it."""
+    given = _steps_given(exp, steps, flag)
+    for spec in exp.stages:
+        if spec.input_guard is None or spec.name not in exp.data_owners or not exp.cuts:
+            continue
+        max_r2, after = spec.input_guard
+        where = f"stage {spec.name!r}: 'input_guard' {{ max_r2 = {max_r2:g}, after = {after} }}"
+        if after >= steps:
+            default = f" ({GUARD_AFTER_STEPS} when not given)" if after == GUARD_AFTER_STEPS else ""
+            raise ConfigError(f"{where}{default} judges only the steps after step {after}, and this run has "
+                              f"{steps} steps ({given}): it would judge none and let every row leave unjudged. "
+                              f"Give after = K below {steps}, or run more steps")
+        cut = exp.cuts[exp.stage_index(spec.name)]
+        rows = cut[0] if cut else 1
+        need = rows_needed(int(np.prod(cut[1:])))
+        if steps * rows < need:
+            raise ConfigError(f"{where} scores the rows it sent once it holds {need} of them (its activation has "
+                              f"{int(np.prod(cut[1:]))} values a row), and this run sends {steps * rows} ({steps} "
+                              f"steps of {rows} rows, {given}): it would judge none and let every row leave "
+                              f"unjudged. Run at least {-(-need // rows)} steps, or drop 'input_guard'")
+
+
+def check_average_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
+    """Raise ``ConfigError`` naming [clients] average_every and the run's ``steps`` (``--steps`` when ``flag``
+    names it) where SplitFed would average no step: every K-th step is averaged, and a run of fewer than K
+    steps has none, so its clients train apart as with mode = "separate" while the file says they average."""
+    every = exp.clients.average_every
+    if exp.clients.mode != "splitfed" or every <= steps:
+        return
+    given = _steps_given(exp, steps, flag)
+    raise ConfigError(f"[clients] mode = 'splitfed' averages the clients' first stages every {every} steps "
+                      f"(average_every = {every}), and this run has {steps} steps ({given}): it would "
+                      f"average none, the clients training apart. Give average_every = K of at most {steps}, "
+                      f"or run at least {every} steps")
 
 
 def check_send_rows(exp: Experiment) -> None:

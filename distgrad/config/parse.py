@@ -525,6 +525,10 @@ def _parse_clients(source: str, table: Mapping[str, Any] | None, stage_count: in
     if (mode == "splitfed") != (every > 0):
         raise file_error(source, f"[clients] average_every must be a positive integer with mode = 'splitfed' "
                                  f"(and absent otherwise), got {every!r}")
+    if mode == "splitfed" and count < 2:
+        raise file_error(source, f"[clients] mode = 'splitfed' averages the first stages of several clients, and "
+                                 f"count is {count}: one client's average is its own parameters, unchanged. Give "
+                                 f"count >= 2, or leave out mode and average_every")
     if count > 1 and stage_count != 2:
         raise file_error(source, f"several clients share one serving stage: the experiment needs exactly two "
                                  f"stages, it has {stage_count}")

@@ -159,10 +159,11 @@ CLIENT_KEYS: dict[str, Key] = {
                                                 "stage (several: exactly two stages)"),
     "mode": Key(one_of(CLIENT_MODES), default="separate",
                 help="'separate': each data owner trains its own first stage; 'splitfed': their first stages' "
-                     "parameters are averaged every 'average_every' steps"),
+                     "parameters are averaged every 'average_every' steps (count >= 2)"),
     "average_every": Key(whole(0), default=0,
                          help="splitfed: average the first stages' parameters every K steps (K > 0 with "
-                              "mode = \"splitfed\" only)"),
+                              "mode = \"splitfed\" only; a run of fewer than K steps, which would average none, "
+                              "is refused)"),
 }
 
 _STAGE_COMMON: dict[str, Key] = {
@@ -190,7 +191,8 @@ _STAGE_COMMON: dict[str, Key] = {
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
                   "party that has it, before its next update; it needs held-out rows, eval_every > 0, staleness 0 "
-                  "and no [clients]. OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
+                  "and no [clients], and is refused where it could not lower the rate before the last step (patience + 2 "
+                  "evaluations before it). OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
                   "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
     "loss": Key(None, kind="string or table", who=LOSS_OWNER, checked_by="the loss registries", help=
@@ -209,11 +211,13 @@ _STAGE_COMMON: dict[str, Key] = {
                   "test_NAME of 'metrics'); every party keeps its stage's parameters of the evaluation where it "
                   "was best (the lowest loss, mse or mae, the highest of the others; the earlier on a tie), which "
                   "'--save' writes instead of the last; the summary's best_step says which step. With [data]'s "
-                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same)"),
+                  "validation_fraction it judges the validation rows' figure (validation_NAME names the same). Refused "
+                  "where no evaluation comes before the last step (eval_every 0, or at least the steps)"),
     "early_stopping": Key(EARLY_STOPPING, who=LAST, why=_SCORES, help=
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
-                       "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0; "
+                       "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0 and "
+                       "K + 1 evaluations before the last step (refused where it could never stop the run); "
                        "not with [clients]"),
     "framework": Key(one_of(FRAMEWORKS), shown='"numpy" ("torch" with a module)', help=
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
@@ -243,7 +247,9 @@ _STAGE_COMMON: dict[str, Key] = {
                     "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
                     "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
                     "honest pilot run). In a vertical run the label owner and the other parties are told why and stop "
-                    "too; with [clients] that client is dropped and the others go on"),
+                    "too; with [clients] that client is dropped and the others go on. Refused where it would judge no "
+                    "step: K at or past the run's last step (50 too when K is not given), or fewer rows sent "
+                    "in the whole run than the decoder needs (at least 128)"),
     "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
@@ -358,11 +364,12 @@ DATA_OPTIONS: dict[str, str] = {
                      "experiment's is its data owner's end's alone), and unless 1 in a [data] without features "
                      "(a label owner's own: it would scale nothing)",
     "label_dtype": "file kinds: \"int64\" class ids, shape (batch,), or \"float32\" values, shape (batch, 1)",
-    "path": "npz and csv: the file (relative to the file that names it)",
+    "path": "npz and csv: the file (relative to the file that names it); refused for npy (its files are its "
+            "features and labels)",
     "labels": "file kinds: the labels (an npz member, an npy path, one csv column). In a stage file, absent means "
               "this party does not hold them (and a stage that is not the label owner may not name them)",
     "header": "csv: the first line names the columns (else every line is a row of data; a field that is no "
-              "finite number is refused naming its line and column)",
+              "finite number is refused naming its line and column); header = true is refused for npz and npy",
     "split_seed": "file kinds: the seed of the held-out split and the shuffles (default: the run's seed)",
     "id_column": "csv: the column of the rows' IDs (index or header name), no feature or label; npz: the member "
                  "of the IDs (distgrad split writes 'ids'); the handshake "

@@ -255,7 +255,9 @@ class Plateau(Schedule):
     row have not improved on the best (``mode`` "min": lower than ``best * (1 - threshold)``, or with
     ``threshold_mode`` "abs" ``best - threshold``; "max" the reverse), then waits ``cooldown`` reports."""
 
-    def __init__(self, lr: float, mode: str = "min", factor: float = 0.1, patience: int = 10,
+    DEFAULT_PATIENCE = 10       # torch's: the reports in a row without improvement before a reduction
+
+    def __init__(self, lr: float, mode: str = "min", factor: float = 0.1, patience: int = DEFAULT_PATIENCE,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: float = 0.0,
                  eps: float = 1e-8) -> None:
         if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):

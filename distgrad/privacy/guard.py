@@ -26,6 +26,12 @@ MIN_ROWS_PER_WIDTH = 4      # the guard judges once it holds this many rows per 
 MIN_ROWS = 128              # ... and at least this many: fewer would fit the decoder to noise
 
 
+def rows_needed(width: int) -> int:
+    """The rows the guard holds before it scores activations of ``width`` elements a row: ``MIN_ROWS``, and
+    ``MIN_ROWS_PER_WIDTH`` per element (+1). A run that sends fewer in all is never judged."""
+    return max(MIN_ROWS, MIN_ROWS_PER_WIDTH * (width + 1))
+
+
 Sent = tuple[np.ndarray, np.ndarray, np.ndarray, tuple[leaks.RidgeStats, leaks.RidgeStats]]
 """A micro-batch as the guard keeps it: its input rows, activation rows, which rows are public, and the ridge
 statistics of its (public, private) rows."""
@@ -71,7 +77,7 @@ class InputGuard:
         public = leaks.public_rows(rows) if rows is not None else np.arange(len(z)) % leaks.PUBLIC_EVERY == 0
         self._steps.pop((step, mb), None)
         self._steps[(step, mb)] = _sent(x, z, public)
-        self.need = max(MIN_ROWS, MIN_ROWS_PER_WIDTH * (int(np.prod(z.shape[1:])) + 1))
+        self.need = rows_needed(int(np.prod(z.shape[1:])))
         self._forget()
 
     def applied(self, step: int) -> None:

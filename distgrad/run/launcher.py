@@ -295,7 +295,8 @@ def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | Non
     if len(exp.stage_names) < 2:
         raise ConfigError(f"'distgrad run' launches one process per stage; {exp.name!r} has one stage: "
                           f"use --in-process")
-    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init))
+    # The driving stage's flags (--eval-every) are its own: it checks what its evaluations decide.
+    check_run_settings(exp, steps=steps, seed=seed, init=parse_init_overrides(init), evaluations_known=False)
     if privacy_meter:
         check_meter_flag(exp)                  # never accepted and ignored
     if transport not in ("tcp", "ipc"):

@@ -158,6 +158,7 @@ class StageOptions:
     # Builds this stage (again on a rollback to step 0) instead of the experiment's table,
     # e.g. ``lambda: TorchStage.from_module(...)`` for a hand-written module (Python API only).
     stage_factory: Callable[[], Stage] | None = None
+    trains: bool = True                # False: the stage serves predictions (no training run to check)
 
     @property
     def role(self) -> str:
@@ -227,10 +228,13 @@ class StageOptions:
                               f"driving stage's hello; give the pipeline settings to the driving stage only")
 
     def __post_init__(self) -> None:
-        check_run_settings(self.experiment, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
+        exp = self.experiment
+        driving = self.stage in exp.stage_names and exp.role(self.stage) == "driving"
+        check_run_settings(exp, steps=self.steps, seed=self.seed, micro_batches=self.micro_batches,
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
                            checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every,
-                           staleness=self.staleness)
+                           staleness=self.staleness, evaluations_known=driving,   # else the hello's
+                           trains=self.trains)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:

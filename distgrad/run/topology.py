@@ -303,17 +303,22 @@ class Topology(abc.ABC):
 
     def _check_parameters(self, peer: Peer, msg: Message) -> None:
         """An average's tensors (``Accepts.average_specs``): the first stage's parameters, or, where this
-        stage's file does not define that stage, those the other clients' averages of the run carry."""
+        stage's file does not define that stage, those every average of the run accepted so far carries (the
+        other clients' first, then this client's own earlier ones: a client sending its average again with
+        other shapes does not change the model the run averages). Raises ``ProtocolError``; nothing changes."""
         s = self.serving
-        others = [(p, m) for p in self.run.peers if p is not peer for m in (p.average, p.averaged) if m is not None]
+        earlier = sorted(((p, m) for p in self.run.peers for m in (p.average, p.averaged)
+                          if m is not None and m is not msg), key=lambda pm: pm[0] is peer)
         try:
-            wire.expect_tensors(msg, s.accepts.average_specs(msg, [m for _, m in others]), s.exp.allow_nonfinite)
+            wire.expect_tensors(msg, s.accepts.average_specs(msg, [m for _, m in earlier]), s.exp.allow_nonfinite)
         except ProtocolError as e:
-            if s.accepts.params is not None or not others or e.code != ErrorCode.TENSOR:
+            if s.accepts.params is not None or not earlier or e.code != ErrorCode.TENSOR:
                 raise
-            raise ProtocolError(ErrorCode.TENSOR, f"client {peer.index}'s parameters are not the model client "
-                                                  f"{others[0][0].index} averages (every client of a SplitFed run "
-                                                  f"has the same first stage): {e.args[0]}") from e
+            model = ("the model it sent before in this run" if earlier[0][0] is peer
+                     else f"the model client {earlier[0][0].index} averages")
+            raise ProtocolError(ErrorCode.TENSOR, f"client {peer.index}'s parameters are not {model} (every "
+                                                  f"client of a SplitFed run has the same first stage): "
+                                                  f"{e.args[0]}") from e
 
     def advance_averaging(self) -> Average | None:
         """SplitFed: once every peer of the round sent its parameters, their mean, for each of them; None
