@@ -265,9 +265,9 @@ def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[st
     ``stopped()``, each request of one of ``runs`` that decodes and is neither a ping nor an error (a stop
     notice) is answered; with ``once`` a run answered is not waited for again and the wait ends when each
     has been. With ``awaited`` (``notify_stopped``: the runs not reached otherwise) only those are waited
-    for: every request of ``runs`` is answered, and the wait ends once each of ``awaited`` has been and no
-    request came for ``NOTICE_QUIET_S`` (those on their way are answered too). Anything else is dropped
-    unanswered. Returns whether any request was answered."""
+    for: every request of ``runs`` is answered, and the wait ends once each of ``awaited`` has been at a
+    socket still connected (``Server.notify``) and no request came for ``NOTICE_QUIET_S`` (those on their
+    way are answered too). Anything else is dropped unanswered. Returns whether any peer was answered."""
     answering, waiting, told = set(runs), set(runs if awaited is None else awaited), False
     heard = time.monotonic()
     while not stopped() and time.monotonic() < until:
@@ -283,9 +283,13 @@ def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[st
         except ProtocolError:
             continue
         if msg.run in answering and msg.type not in (wire.PING, wire.ERROR):
-            server.reply(envelope, answer(msg))
-            told = True
-            if once:
+            if awaited is None:
+                server.reply(envelope, answer(msg))
+                reached = True
+            else:       # a request resent long ago may come from a socket closed since: that one tells no one
+                reached = server.notify(envelope, answer(msg))
+            told = told or reached
+            if once and reached:
                 waiting.discard(msg.run)
                 if awaited is None:
                     answering.discard(msg.run)
