@@ -967,7 +967,7 @@ def test_a_label_owner_loop_that_fails_while_the_data_owner_resends_tells_it_at_
     def failing(server):
         with server:
             for _ in server:
-                time.sleep(0.3)           # the data owner (timeout_s 0.1) resends meanwhile
+                time.sleep(0.25)          # the data owner (timeout_s 0.1) resends meanwhile
                 raise failure
 
     served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=30.0, peer_deadline_s=30.0, **FIELDS), failing)

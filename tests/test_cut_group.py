@@ -663,7 +663,7 @@ def test_a_label_owner_loop_that_fails_ends_at_once_and_every_waiting_party_is_t
 
     def body(server):
         for _ in server:
-            time.sleep(0.3)               # party 1 (timeout_s 0.1) resends meanwhile
+            time.sleep(0.25)              # party 1 (timeout_s 0.1) resends meanwhile
             raise failure
 
     served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=30.0, peer_deadline_s=30.0, **fields), body)

@@ -33,7 +33,7 @@ TRAINS_TEXT = "this stage trains (start 'distgrad predict' on this side to predi
 
 # After an end's stop notices, how long with no request ends its wait for resent ones: a peer that closed its
 # socket as the notice left resends on a fresh one after its first reconnection pause (link.RETRY_BACKOFF_S, 0.1 s).
-NOTICE_QUIET_S = 0.3
+NOTICE_QUIET_S = 0.2
 
 Cached = TypeVar("Cached")
 
