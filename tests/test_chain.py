@@ -168,7 +168,8 @@ def test_a_stage_frozen_below_a_middle_stage_is_named_in_the_drivers_error(tmp_p
     output = chain.procs[names[0]].output
     above = names[names.index(frozen) - 1]
     assert code == 4, output
-    assert f"stage {above} stopped: stage '{frozen}' did not answer" in output, output
+    # As that stage said it: a stage in between passes a reason up unchanged (not as its refusal).
+    assert f"error aborted: stage {above} stopped: stage '{frozen}' did not answer" in output, output
 
 def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_server):
     """g runs another seed than f and m: the mismatch found by g comes up through m, exit 4."""
