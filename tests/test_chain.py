@@ -140,6 +140,37 @@ def test_killing_a_middle_stage_and_restarting_it_changes_nothing(tmp_path, stag
         assert "resumed run" in chain.logs()
 
 
+
+# test_a_middle_stage_whose_stage_below_never_answers_tells_the_driver_why covers the same path by default (a
+# middle stage's reason for a silent stage below reaches a driver of the same bounds); these freeze a running chain.
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment,frozen", [("chain-regression", "g"), ("chain4-classify", "g"),
+                                               ("chain4-classify", "m2")])
+def test_a_stage_frozen_below_a_middle_stage_is_named_in_the_drivers_error(tmp_path, stage_group, experiment,
+                                                                           frozen):
+    """SIGSTOP of a stage two or three levels below the driver, every stage with the same bounds (peer deadline
+    3 s): the driver exits 4 with the reason of the stage right above the frozen one, naming the frozen one;
+    it named the stage below it (exit 3), having given up before that stage's own wait ended."""
+    import signal
+
+    names = CHAINS[experiment]
+    chain = stage_group(Chain, tmp_path, experiment, 100_000, {name: free_tcp_endpoint() for name in names[1:]},
+                        resume=False)
+    for args in chain.args.values():
+        args[args.index("--peer-deadline") + 1] = "3"
+    chain.start_all()
+    chain.wait_for_step(20)
+    chain.procs[frozen].signal(signal.SIGSTOP)
+    try:
+        code = chain.procs[names[0]].wait(60)
+    finally:
+        chain.procs[frozen].signal(signal.SIGCONT)
+    output = chain.procs[names[0]].output
+    above = names[names.index(frozen) - 1]
+    assert code == 4, output
+    # As that stage said it: a stage in between passes a reason up unchanged (not as its refusal).
+    assert f"error aborted: stage {above} stopped: stage '{frozen}' did not answer" in output, output
+
 def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_server):
     """g runs another seed than f and m: the mismatch found by g comes up through m, exit 4."""
     _, g_endpoint = start_server("chain-regression", "--seed", "7", name="g")
@@ -154,12 +185,14 @@ def test_a_refusal_below_a_middle_stage_reaches_the_driver(tmp_path, start_serve
 def test_a_middle_stage_whose_stage_below_never_answers_tells_the_driver_why(tmp_path, start_server):
     """Nothing serves below m: m gives up after its own deadline and answers the driver's pending hello (and
     its resends) with why, naming the endpoint below, so the driver exits 4 with that reason; it waited out
-    its own deadline and asked whether m was running (exit 3)."""
+    its own deadline and asked whether m was running (exit 3). With the same bounds on both (as ``distgrad
+    run`` gives them), the driver waits past its own deadline for m's reason (link.RELAY_GRACE_S): m's wait
+    began after the driver's, and the driver gave up first, naming m as the stage that did not answer."""
     below = free_tcp_endpoint()
     m, m_endpoint = start_server("chain-regression", "--connect", below, "--timeout", "1", "--peer-deadline", "2",
                                  stage="m", name="m")
     result = run_cli(["stage", "f", "--experiment", "chain-regression", "--connect", m_endpoint, "--timeout", "1",
-                      "--peer-deadline", "30"])
+                      "--peer-deadline", "2"])
     assert result.returncode == 4, result.stderr
     assert f"error aborted: stage m stopped: no reply from {below}" in result.stderr, result.stderr
     assert "stage m stopped: no reply from" in m.output     # and m says so itself (it exits 3 afterwards)

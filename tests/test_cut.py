@@ -957,6 +957,36 @@ def test_a_label_owner_loop_that_fails_after_replying_sends_no_reply_it_may_not_
 
 
 @pytest.mark.integration
+def test_a_label_owner_loop_that_fails_while_the_data_owner_resends_tells_it_at_its_fresh_socket():
+    """The loop computes past the data owner's timeout_s, so the data owner resends its step on a fresh socket,
+    then fails: the data owner is told why in reply to its resent request (PeerAborted), and the loop's
+    exception leaves the with block as raised. Before, the notice went only where the data owner had been
+    heard (its closed socket), and it waited out its peer deadline (PeerTimeout)."""
+    failure = RuntimeError("the loop's own bug")
+
+    def failing(server):
+        with server:
+            for _ in server:
+                time.sleep(0.25)          # the data owner (timeout_s 0.1) resends meanwhile
+                raise failure
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=30.0, peer_deadline_s=30.0, **FIELDS), failing)
+    told: list = []
+
+    def data_owner() -> None:
+        try:
+            with Cut.connect(served.server.endpoint, timeout_s=0.1, peer_deadline_s=30.0, **FIELDS) as cut:
+                cut.step(h_of(1))
+        except PeerAborted as e:
+            told.append(str(e))
+    thread = threading.Thread(target=data_owner, daemon=True)
+    thread.start()
+    assert served.result(timeout=10.0)[1] is failure
+    thread.join(10.0)
+    assert len(told) == 1 and "stage g stopped: its loop failed: RuntimeError: the loop's own bug" in told[0], told
+
+
+@pytest.mark.integration
 def test_rows_of_another_length_or_order_say_where_they_differ(tmp_path):
     folder = write_parties(tmp_path)
     cut = Cut.connect(free_tcp_endpoint(), interface=folder / "f-lib.toml", timeout_s=0.2, peer_deadline_s=1.0)

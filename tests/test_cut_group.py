@@ -648,3 +648,41 @@ def test_replies_keep_the_gradient_the_loop_gave_when_the_loop_reuses_one_array(
     kept = [(r["step"], t) for state in states for p in state["peers"] for r in p["replies"]
             for t in r["tensors"].values()]
     assert kept and all(np.all(t == step) for step, t in kept)
+
+
+
+def test_a_label_owner_loop_that_fails_ends_at_once_and_every_waiting_party_is_told_why():
+    """The loop computes past party 1's timeout_s (it resends on a fresh socket, which the notice sent where
+    it was heard cannot reach), then fails. Its exception leaves the with block as it was raised, at once,
+    not after liveness_s (30 s here); party 0, still at the socket it sent from, is told there, and party 1 in
+    reply to its resent request. Before, the close waited liveness_s for party 0 to resend (it never did:
+    it had the notice) and took a resend of party 1 from a socket it had closed as told, so party 1 waited
+    out its peer deadline (PeerTimeout)."""
+    fields = dict(FIELDS, parties=2, aggregate="concat")
+    failure = RuntimeError("the loop's own bug")
+
+    def body(server):
+        for _ in server:
+            time.sleep(0.25)              # party 1 (timeout_s 0.1) resends meanwhile
+            raise failure
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=30.0, peer_deadline_s=30.0, **fields), body)
+    results: dict = {}
+
+    def party(i: int, timeout_s: float) -> None:
+        try:
+            with Cut.connect(served.server.endpoint, party=i, timeout_s=timeout_s, peer_deadline_s=30.0,
+                             **fields) as cut:
+                cut.step(np.full((4, 3), i, np.float32))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            results[i] = e
+    threads = [threading.Thread(target=party, args=(i, timeout), daemon=True) for i, timeout in ((0, 30.0), (1, 0.1))]
+    for t in threads:
+        t.start()
+    _, error = served.result(timeout=10.0)
+    assert error is failure
+    for t in threads:
+        t.join(10.0)
+    for i in (0, 1):
+        assert isinstance(results.get(i), PeerAborted), results
+        assert "stage g stopped: its loop failed: RuntimeError: the loop's own bug" in str(results[i])

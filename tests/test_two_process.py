@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -276,6 +277,8 @@ def test_launcher_stops_the_other_stage_when_one_fails(tmp_path):
     assert result.returncode == 1
     assert "failed with exit code 1" in result.stderr
     assert "stage g: non-finite loss at step 1" in result.stdout
+    # The run's own error carries the stage's words (a reason from below naming the stage at fault).
+    assert re.search(r"stage [fg] failed with exit code 1: stage g: non-finite loss at step 1", result.stderr)
     assert _processes_mentioning(str(exp)) == []
 
 

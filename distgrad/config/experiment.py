@@ -227,6 +227,14 @@ class Experiment:
         index = self.stage_index(name)
         return self.stage_names[-1] if self.vertical else self.stage_names[index + 1]
 
+    def relays_below(self, name: str) -> int:
+        """How many stages beneath ``name``'s stage below pass its requests on (the middle stages of a chain
+        under it; none in a vertical run): each tells the stage above why it stopped only once its own wait
+        below gives up."""
+        if self.vertical:
+            return 0
+        return max(0, len(self.stage_names) - self.stage_index(name) - 2)
+
     def upstream(self, name: str) -> list[str]:
         """The stages that send ``name`` their activations: every feature party for the last stage of a
         vertical experiment, else the one stage above (none for a data owner)."""

@@ -81,7 +81,8 @@ class Cut:
                     if curve_secret is not None and server_key is not None else None)
         self.reply_specs = Expected(WireTensor(GRADIENT, side.micro_shape(self.mbs), self.exp.codecs[GRADIENT]))
         self.link = DownstreamLink(LinkSettings(side.stage, bounds.timeout_s, bounds.liveness_s,
-                                                bounds.peer_deadline_s), endpoint, lambda: None,
+                                                bounds.peer_deadline_s, relays=self.exp.relays_below(side.stage)),
+                                   endpoint, lambda: None,
                                    ctx or zmq.Context.instance(), security, self.reply_specs)
         self.joined = False         # shook hands at ``step``
         self.closed = False

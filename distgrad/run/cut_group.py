@@ -55,7 +55,7 @@ from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
                                    hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
-                                   resent_evaluation, tell_why_stopped, unknown_run)
+                                   notify_stopped, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
@@ -620,21 +620,19 @@ class GroupServer(CutServer, serves_several=True):
 
     def _tell_stopped(self, reason: str) -> bool:
         """Tell every data owner that has neither said bye nor stopped itself that this side stopped
-        (``reason``), where it was last heard from. A live one waiting for its reply resends its request on
-        a fresh socket every ``timeout_s`` of its own, so the notice may miss it there: what each sends
-        next is answered with the notice too, until every live one got it so (at most ``liveness_s``).
-        Whether there was anyone to tell."""
+        (``reason``), where it was last heard from, at once (``protocol.notify_stopped``, the rule of every
+        cut server): one that resends on a fresh socket meanwhile, which the notice cannot reach there, gets
+        it in reply to its next request (awaited while it is live, at most ``liveness_s``). Whether there was
+        anyone to tell."""
         targets = [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
-        for p in targets:
-            assert p.envelope is not None
-            self.server.reply(p.envelope, wire.abort_notice(p.run, self.side.stage, reason))
+        now = time.monotonic()
+        places = {p.run: [p.envelope] for p in targets if p.envelope is not None}
+        live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
+        told = notify_stopped(self.server, self.max_tensor, places, live, now + self.bounds.liveness_s,
+                              lambda run: wire.abort_notice(run, self.side.stage, reason))
         if targets:
             self.log.warning("told %s that this side stopped: %s", ", ".join(p.name for p in targets), reason)
-        now = time.monotonic()
-        live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
-        tell_why_stopped(self.server, self.max_tensor, live, now + self.bounds.liveness_s,
-                         lambda msg: wire.abort_notice(msg.run, self.side.stage, reason))
-        return bool(targets)
+        return told
 
     def _await_byes(self) -> None:
         """After the run's last step: serve the data owners (a resent step, a ping) until each said bye, or

@@ -56,8 +56,8 @@ from distgrad.run.cut_interface import (LAST, STATE_KEYS, STATE_VERSION, Bounds,
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_owner, check_served_staleness, decode_and_handle,
-                                   check_takeover, hello_fields, hello_peer, is_abort_notice, not_accepted, pong,
-                                   prune_replies, refused_text, resent_evaluation, unknown_run)
+                                   check_takeover, hello_fields, hello_peer, is_abort_notice, not_accepted,
+                                   notify_stopped, pong, prune_replies, refused_text, resent_evaluation, unknown_run)
 from distgrad.stage.stage import ROWS_DTYPE, micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.keys import CurveServer
@@ -562,16 +562,23 @@ class CutServer:
 
     def _notify(self, reason: str, unsent: list[list[bytes]]) -> bool:
         """Tell the data owner that this side stopped (``reason``), wherever it waits: the batch not replied
-        to, the replies ``unsent``, where it was last heard from. Whether there was anyone to tell."""
+        to, the replies ``unsent``, where it was last heard from; at once (``protocol.notify_stopped``, the
+        rule of every cut server): resending on a fresh socket meanwhile, which the notice cannot reach there,
+        it gets it in reply to its next request (awaited while it is live, at most ``liveness_s``). Whether
+        there was anyone to tell."""
         envelopes = [*unsent, self.peer_envelope]
         if self.batch is not None and not self.batch.replied:
             envelopes.append(self.batch.envelope)
-        targets = {tuple(e): e for e in envelopes if e}
-        for envelope in targets.values():
-            self.server.reply(envelope, wire.abort_notice(self.run_id, self.side.stage, reason))
-        if targets:
-            self.log.warning("told the data owner of run %s that this side stopped: %s", self.run_id, reason)
-        return bool(targets)
+        targets = list({tuple(e): e for e in envelopes if e}.values())
+        if not targets:
+            return False
+        now = time.monotonic()
+        live = {self.run_id} if self.joined and now - self.heard < self.bounds.liveness_s else set()
+        told = notify_stopped(self.server, self.max_tensor, {self.run_id: targets}, live,
+                              now + self.bounds.liveness_s,
+                              lambda run: wire.abort_notice(run, self.side.stage, reason))
+        self.log.warning("told the data owner of run %s that this side stopped: %s", self.run_id, reason)
+        return told
 
     def _await_bye(self) -> None:
         """After the run's last step: serve the data owner (an evaluation, a step resent, a ping) until its

@@ -41,6 +41,7 @@ STOP_GRACE_S = 5.0          # after SIGTERM, how long a stage may take to exit b
 FINISH_GRACE_S = 30.0       # once one stage has finished, how long the others may take to follow: writing the
                             # summary and parameters and a torch interpreter's exit take seconds on a loaded machine
 WAIT_TICK_S = 0.05
+FATAL_MARK = " ERROR distgrad: "   # how a stage's log line of the error that ends it reads (cli._guarded, LOG_FORMAT)
 
 
 
@@ -119,6 +120,7 @@ class _Child:
     def __init__(self, name: str, argv: Sequence[str], out: IO[str], lock: threading.Lock,
                  bar: "_BarLine | None" = None) -> None:
         self.name, self.bar = name, bar
+        self.reason = ""       # the stage's own error, as its last words logged it (``cli``: "ERROR distgrad: ...")
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
         self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
@@ -127,6 +129,8 @@ class _Child:
     def _pump(self, out: IO[str], lock: threading.Lock) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            if FATAL_MARK in line:
+                self.reason = line.split(FATAL_MARK, 1)[1].strip()
             with lock:
                 if self.bar is not None and line.startswith(PROGRESS_PREFIX):
                     self.bar.draw(line[len(PROGRESS_PREFIX):])
@@ -581,7 +585,9 @@ def _wait_all(children: list[_Child], check_stop: Callable[[], None]) -> None:
                     aborted_at = time.monotonic()    # told by a peer that stopped: let that peer say why
                 if aborted_at is not None and time.monotonic() - aborted_at < ABORT_GRACE_S and None in codes:
                     break
-                raise StageError(f"stage {child.name} failed with exit code {code}")
+                # Its own words: the reason a stage below gave, naming the stage that stopped, reaches the user.
+                raise StageError(f"stage {child.name} failed with exit code {code}"
+                                 + (f": {child.reason}" if child.reason else ""))
         if all(code == 0 for code in codes):
             return
         if any(code == 0 for code in codes):

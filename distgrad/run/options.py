@@ -206,7 +206,8 @@ class StageOptions:
     @property
     def link(self) -> LinkSettings:
         """The bounds of this stage's connection to the stage below."""
-        return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s)
+        return LinkSettings(self.instance, self.timeout_s, self.liveness_s, self.peer_deadline_s, self.spin_s,
+                            relays=self.experiment.relays_below(self.stage))
 
     @property
     def instance(self) -> str:

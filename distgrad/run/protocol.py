@@ -31,6 +31,10 @@ from distgrad.wire.wirecodec import ACTIVATION, Senders
 OWNER_KEY_TEXT = "this run belongs to another client key"   # a run driven from a key other than its opener's
 TRAINS_TEXT = "this stage trains (start 'distgrad predict' on this side to predict)"   # a hello asking to predict
 
+# After an end's stop notices, how long with no request ends its wait for resent ones: a peer that closed its
+# socket as the notice left resends on a fresh one after its first reconnection pause (link.RETRY_BACKOFF_S, 0.1 s).
+NOTICE_QUIET_S = 0.2
+
 Cached = TypeVar("Cached")
 
 
@@ -254,29 +258,58 @@ def abort_reason(msg: Message) -> str:
 
 def tell_why_stopped(server: Server, max_tensor_bytes: int, runs: AbstractSet[str], until: float,
                      answer: Callable[[Message], Message], once: bool = True,
-                     stopped: Callable[[], bool] = lambda: False) -> bool:
+                     stopped: Callable[[], bool] = lambda: False, awaited: AbstractSet[str] | None = None) -> bool:
     """Once an end has stopped, answer what the peers of ``runs`` send next with why (``answer(request)``, an
     ``aborted`` error), so none waits out its own deadline: a peer waiting for a reply resends its request on
     a fresh socket, where a reply sent earlier cannot reach it. Until ``until`` (``time.monotonic``) or
     ``stopped()``, each request of one of ``runs`` that decodes and is neither a ping nor an error (a stop
     notice) is answered; with ``once`` a run answered is not waited for again and the wait ends when each
-    has been. Anything else is dropped unanswered. Returns whether any request was answered."""
-    waiting, told = set(runs), False
-    while waiting and not stopped() and time.monotonic() < until:
+    has been. With ``awaited`` (``notify_stopped``: the runs not reached otherwise) only those are waited
+    for: every request of ``runs`` is answered, and the wait ends once each of ``awaited`` has been at a
+    socket still connected (``Server.notify``) and no request came for ``NOTICE_QUIET_S`` (those on their
+    way are answered too). Anything else is dropped unanswered. Returns whether any peer was answered."""
+    answering, waiting, told = set(runs), set(runs if awaited is None else awaited), False
+    heard = time.monotonic()
+    while not stopped() and time.monotonic() < until:
+        if not waiting and (awaited is None or time.monotonic() - heard >= NOTICE_QUIET_S):
+            break
         request = server.receive(POLL_TICK_S)
         if request is None:
             continue
+        heard = time.monotonic()
         envelope, frames, _ = request
         try:
             msg = wire.decode(frames, max_tensor_bytes)
         except ProtocolError:
             continue
-        if msg.run in waiting and msg.type not in (wire.PING, wire.ERROR):
-            server.reply(envelope, answer(msg))
-            told = True
-            if once:
+        if msg.run in answering and msg.type not in (wire.PING, wire.ERROR):
+            if awaited is None:
+                server.reply(envelope, answer(msg))
+                reached = True
+            else:       # a request resent long ago may come from a socket closed since: that one tells no one
+                reached = server.notify(envelope, answer(msg))
+            told = told or reached
+            if once and reached:
                 waiting.discard(msg.run)
+                if awaited is None:
+                    answering.discard(msg.run)
     return told
+
+
+def notify_stopped(server: Server, max_tensor_bytes: int, places: Mapping[str, Sequence[Sequence[bytes]]],
+                   live: AbstractSet[str], until: float, notice: Callable[[str], Message]) -> bool:
+    """A serving end whose loop stopped tells the peer of each run of ``places`` why (``notice(run)``, an
+    ``aborted`` error), at every envelope it may wait at (``places[run]``), at once. A peer whose sockets there
+    are all gone (it resends on a fresh one) gets it in reply to its next request instead: those of ``live``
+    runs are waited for, until ``until`` (``time.monotonic``) at most; a peer reached is not, so the end
+    stops at once (``tell_why_stopped``, which answers the requests already on their way too). One rule for
+    every cut server. Returns whether any peer was told."""
+    # Every place is tried (a list, not any's generator): which of them is the peer's live socket is unknown.
+    reached = {run for run, envelopes in places.items()
+               if any([server.notify(envelope, notice(run)) for envelope in envelopes])}
+    told = tell_why_stopped(server, max_tensor_bytes, set(places), until, lambda msg: notice(msg.run),
+                            awaited=set(live) & (set(places) - reached))
+    return told or bool(reached)
 
 
 # -- the end of a run

@@ -219,7 +219,11 @@ class ServedRun:
         peer.streams = [stream_name(GRADIENT, mb, mbs, self.topology.stream(peer)) for mb in range(mbs)]
 
     def refused_below(self, e: PeerRejected, msg: Message) -> ProtocolError:
-        """A refusal from the stage below, passed up with its code (so the driver can shake hands again)."""
+        """A refusal from the stage below, passed up with its code (so the driver can shake hands again); a
+        stage below that stopped (``aborted``) is no refusal: its reason (``stage M stopped: ...``, naming the
+        stage that went silent under it) goes up as it said it."""
+        if e.code == ErrorCode.ABORTED:
+            return ProtocolError(e.code, e.peer_message)
         below = self.exp.stage_names[self.exp.stage_index(self.opts.stage) + 1]
         return ProtocolError(e.code, f"stage {below} refused {msg.type} step {msg.step}: {e.peer_message}")
 

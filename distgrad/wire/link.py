@@ -33,6 +33,11 @@ MIN_WAIT_S = 0.01                  # the shortest last wait before the peer dead
 # the two figures, written with two decimals).
 BUSY_PROBE_S = 0.5
 BUSY_HEARD_SLACK_S = 0.02
+# How much longer than its peer deadline a side waits for a reply, per stage beneath the stage below that passes
+# requests on (a middle stage of a chain): that stage answers with why it stopped (naming the stage that went
+# silent under it) only once its own wait there gives up, which began after this side's and may end a
+# reconnection pause later (RETRY_BACKOFF_S[1]); the rest is for its answer's way up.
+RELAY_GRACE_S = 3.0
 
 Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
@@ -41,13 +46,21 @@ Specs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 class LinkSettings:
     """The bounds of one connection: who this side is (``name``, in logs and hellos) and, in seconds,
     how long one reply may take, how long a silent peer is still live, how long to retry before
-    giving up, and how long to spin before blocking."""
+    giving up, and how long to spin before blocking; ``relays``: the stages beneath the stage below
+    that pass requests on (``Experiment.relays_below``), each adding ``RELAY_GRACE_S`` to the wait."""
 
     name: str
     timeout_s: float
     liveness_s: float
     peer_deadline_s: float
     spin_s: float = 0.0
+    relays: int = 0
+
+    @property
+    def give_up_s(self) -> float:
+        """How long a request is retried before ``PeerTimeout``: the peer deadline, and the time a stage
+        below that passes requests on needs to say why it stopped first."""
+        return self.peer_deadline_s + self.relays * RELAY_GRACE_S
 
 
 class DownstreamLink:
@@ -152,16 +165,18 @@ class DownstreamLink:
         pending requests, and of other types, are kept for later.
 
         After each ``timeout_s`` without it, reconnect on a fresh socket and
-        resend every pending request in order, until ``peer_deadline_s``; then
-        raise ``PeerTimeout`` naming the endpoint and, once its welcome named
-        it, the stage below. Raises ``PeerRejected`` for an error reply,
-        ``ProtocolError`` for a malformed one.
+        resend every pending request in order, until ``peer_deadline_s`` (and
+        a stage below that passes requests on has had the time to say why it
+        stopped: ``LinkSettings.give_up_s``); then raise ``PeerTimeout`` naming
+        the endpoint and, once its welcome named it, the stage below. Raises
+        ``PeerRejected`` for an error reply (the reason of a stage below that
+        stopped, too), ``ProtocolError`` for a malformed one.
         """
         if self.arrived:
             reply = self._take(key, types)
             if reply is not None:
                 return reply
-        deadline = time.monotonic() + self.opts.peer_deadline_s
+        deadline = time.monotonic() + self.opts.give_up_s
         pause = RETRY_BACKOFF_S[0]
         while True:
             # No wait outlasts the deadline, even with a --timeout longer than --peer-deadline.
@@ -172,7 +187,7 @@ class DownstreamLink:
             except PeerTimeout as e:
                 if time.monotonic() + pause > deadline:
                     who = f"stage {self.below!r} did not answer: " if self.below else ""
-                    raise PeerTimeout(f"{who}{e}; gave up after retrying for {self.opts.peer_deadline_s:g} s") from e
+                    raise PeerTimeout(f"{who}{e}; gave up after retrying for {self.opts.give_up_s:g} s") from e
                 self.log.warning("no reply from %s within %g s; reconnecting and retrying for up to %.0f s more",
                                  self.connect, timeout_s, deadline - time.monotonic())
                 self._reconnect(pause)

@@ -428,6 +428,19 @@ class Server:
     def reply(self, envelope: Sequence[bytes], msg: wire.Message) -> None:
         send_frames(self.sock, wire.encode(msg), envelope)
 
+    def notify(self, envelope: Sequence[bytes], msg: wire.Message) -> bool:
+        """Send ``msg`` to ``envelope`` only while the socket that sent from it is still connected
+        (``ROUTER_MANDATORY``): whether it was, so ``msg`` is on its way to it. A peer that has since
+        resent on a fresh socket (or is gone) is not reached, where ``reply`` would drop ``msg`` silently."""
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.reply(envelope, msg)
+            return True
+        except zmq.ZMQError:         # EHOSTUNREACH: not connected; EAGAIN: its queue full for SEND_TIMEOUT_MS
+            return False
+        finally:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+
     def close(self, linger_ms: int = LINGER_MS) -> None:
         self.handshakes.close()
         self.sock.close(linger_ms)
