@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import logging
+import re
+
 import pytest
 
 from distgrad.run.options import StageOptions
@@ -219,67 +222,82 @@ def _guarded_variant(tmp_path: Path, builtin: str, stage: str, guard: str, name:
     return path
 
 
-def test_an_input_guard_whose_after_reaches_the_last_step_exits_2_on_every_path(tmp_path):
+def _warned(caplog, check, *needles: str) -> None:
+    """``check()`` passes, logging one WARNING of distgrad's that holds every needle."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distgrad"):
+        check()
+    texts = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(all(re.search(n, text) for n in needles) for text in texts), texts
+
+
+def _silent(caplog, check) -> None:
+    """``check()`` passes and warns of nothing."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distgrad"):
+        check()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_an_input_guard_whose_after_reaches_the_last_step_is_said_on_every_path(tmp_path, caplog):
     """'after' (the steps the guard does not judge) at or past the run's last step, given or by default (50),
-    in the file's steps or --steps: refused naming the key, its value and the steps, before anything starts."""
+    in the file's steps or --steps: a WARNING names the key, its value and the steps before anything starts
+    (a short trial of a file made for a longer run is ordinary use, so it is not refused)."""
     explicit = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75, after = 30 }")
-    for args in _paths(explicit):
-        _assert_usage_error([*args, "--steps", "30"], "'input_guard' { max_r2 = 0.75, after = 30 }",
-                            "judges only the steps after step 30", "this run has 30 steps (--steps 30)")
-    by_default = _guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75 }", "default.toml")
-    _assert_usage_error(["run", by_default, "--steps", "50", "--in-process"], "after = 50 } (50 when not given)",
-                        "this run has 50 steps")
-    exp = load_experiment(by_default)
-    check_run_settings(exp, steps=51)                                   # step 51 is judged
-    with pytest.raises(ConfigError, match=r"after = 50 .*this run has 40 steps \(steps = 40\)"):
-        check_run_settings(replace(exp, steps=40))                      # the file's steps
-    with pytest.raises(ConfigError, match=r"this run has 20 steps \(epochs = 2 of 10 steps\)"):
-        check_run_settings(replace(exp, steps=20, epochs=2))
-    with pytest.raises(ConfigError, match="after = 50"):                # a resumed run: the same steps
-        StageOptions(exp, "f", exp.seed, steps=50, checkpoint_dir=tmp_path / "ck", resume=True)
-    StageOptions(replace(exp, steps=40), "f", exp.seed, trains=False)   # predictions: no training run to judge
+    exp = load_experiment(explicit)
+    _warned(caplog, lambda: check_run_settings(exp, steps=30), r"'input_guard' \{ max_r2 = 0.75, after = 30 \}",
+            "judges only the steps after step 30", r"this run has 30 steps \(--steps 30\)", "judge none")
+    by_default = load_experiment(_guarded_variant(tmp_path, "digits", "f", "input_guard = { max_r2 = 0.75 }",
+                                                  "default.toml"))
+    _warned(caplog, lambda: check_run_settings(by_default, steps=50), r"after = 50 \} \(50 when not given\)",
+            "this run has 50 steps")
+    _silent(caplog, lambda: check_run_settings(by_default, steps=51))             # step 51 is judged
+    _warned(caplog, lambda: check_run_settings(replace(by_default, steps=40)),     # the file's steps
+            r"after = 50 .*this run has 40 steps \(steps = 40\)")
+    _warned(caplog, lambda: check_run_settings(replace(by_default, steps=20, epochs=2)),
+            r"this run has 20 steps \(epochs = 2 of 10 steps\)")
+    _warned(caplog, lambda: StageOptions(by_default, "f", by_default.seed, steps=50,      # a resumed run: the same
+                                         checkpoint_dir=tmp_path / "ck", resume=True), "after = 50")
+    _silent(caplog, lambda: StageOptions(replace(by_default, steps=40), "f", by_default.seed, trains=False))
+    result = run_main(["run", explicit, "--steps", "30", "--in-process", "--seed", "0"])   # said, then it runs
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "judges only the steps after step 30" in result.stderr
 
 
-def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_refused():
-    """The guard scores once it holds rows_needed rows; a run that sends fewer in all (steps x batch) would
-    never judge: refused saying how many steps it takes. Each data owner counts its own: a feature party of
-    a vertical experiment, each client (its batch a step)."""
+def test_an_input_guard_that_can_never_hold_the_rows_it_scores_is_said(caplog):
+    """The guard scores once it holds rows_needed rows; a run that sends fewer in all (steps x batch) never
+    judges: a WARNING says how many steps it takes. Each data owner counts its own: a feature party of a
+    vertical experiment, each client (its batch a step)."""
     from distgrad.privacy.guard import rows_needed
     digits = load_experiment("digits")
     f, g = digits.stages
     guarded = replace(digits, stages=[replace(f, input_guard=(0.75, 0)), g])
     assert rows_needed(64) == 260                                       # digits: 64 values a row, 32 rows a step
-    check_run_settings(guarded, steps=9)                                # 288 rows by step 9
-    with pytest.raises(ConfigError, match=r"holds 260 of them .* sends 256 \(8 steps of 32 rows, --steps 8\)"
-                                          r".*Run at least 9 steps"):
-        check_run_settings(guarded, steps=8)
+    _silent(caplog, lambda: check_run_settings(guarded, steps=9))       # 288 rows by step 9
+    _warned(caplog, lambda: check_run_settings(guarded, steps=8),
+            r"holds 260 of them .* sends 256 \(8 steps of 32 rows, --steps 8\).*Run at least 9 steps")
     vertical = load_experiment("vertical-classify")
     a, *others = vertical.stages
     party = replace(vertical, stages=[a, replace(others[0], input_guard=(0.5, 0)), *others[1:]])
-    check_run_settings(party, steps=4)                                  # 8 values a row: 128 rows
-    with pytest.raises(ConfigError, match=r"stage 'b': 'input_guard' .* sends 96 \(3 steps of 32 rows"):
-        check_run_settings(party, steps=3)
+    _silent(caplog, lambda: check_run_settings(party, steps=4))        # 8 values a row: 128 rows
+    _warned(caplog, lambda: check_run_settings(party, steps=3),
+            r"stage 'b': 'input_guard' .* sends 96 \(3 steps of 32 rows")
     clients = load_experiment("digits-splitfed")
     cf, cg = clients.stages
-    with pytest.raises(ConfigError, match=r"stage 'f': 'input_guard' .*after = 40 .* 40 steps"):
-        check_run_settings(replace(clients, stages=[replace(cf, input_guard=(0.5, 40)), cg]), steps=40)
+    _warned(caplog, lambda: check_run_settings(replace(clients, stages=[replace(cf, input_guard=(0.5, 40)), cg]),
+                                               steps=40), r"stage 'f': 'input_guard' .*after = 40 .* 40 steps")
 
 
-def test_splitfed_that_would_average_no_step_is_refused(tmp_path):
+def test_splitfed_that_would_average_no_step_is_said_and_one_client_is_refused(tmp_path, caplog):
     """SplitFed averages after every average_every-th step: a run of fewer steps (the file's, --steps, epochs)
-    averages none and its clients train apart, so it is refused naming average_every and the steps; one
-    client has nothing to average with."""
+    averages none and its clients train apart, which a WARNING says naming average_every and the steps; one
+    client has nothing to average with, which is refused."""
     splitfed = load_experiment("digits-splitfed")                      # average_every = 10
-    check_run_settings(splitfed, steps=10)                              # averaged once, after the last step
-    with pytest.raises(ConfigError, match=r"average_every = 10\), and this run has 9 steps \(--steps 9\): it "
-                                          r"would average none"):
-        check_run_settings(splitfed, steps=9)
-    with pytest.raises(ConfigError, match=r"this run has 6 steps \(steps = 6\)"):
-        check_run_settings(replace(splitfed, steps=6))
-    with pytest.raises(ConfigError, match="average_every = 10"):     # every path: a client's process, the run
-        StageOptions(splitfed, "f", splitfed.seed, steps=5, client=0)
-    _assert_usage_error(["run", "digits-splitfed", "--steps", "5", "--in-process"], "average_every = 10",
-                        "this run has 5 steps")
+    _silent(caplog, lambda: check_run_settings(splitfed, steps=10))    # averaged once, after the last step
+    _warned(caplog, lambda: check_run_settings(splitfed, steps=9),
+            r"average_every = 10\), and this run has 9 steps \(--steps 9\): it will average none")
+    _warned(caplog, lambda: check_run_settings(replace(splitfed, steps=6)), r"this run has 6 steps \(steps = 6\)")
+    _warned(caplog, lambda: StageOptions(splitfed, "f", splitfed.seed, steps=5, client=0), "average_every = 10")
     text = (BUILTIN_DIR / "digits-splitfed.toml").read_text().replace("count = 3", "count = 1")
     (tmp_path / "one.toml").write_text(text)
     with pytest.raises(ConfigError, match=r"mode = 'splitfed' averages the first stages of several clients, and "
@@ -306,11 +324,11 @@ def test_csv_options_on_npz_or_npy_data_and_a_path_for_npy_are_refused(tmp_path)
         build_data({**npy, "path": "d.npz"}, 0, tmp_path)
 
 
-def test_verdicts_and_a_plateau_scheduler_that_could_not_act_before_the_last_step_are_refused(tmp_path):
+def test_verdicts_and_a_plateau_scheduler_that_could_not_act_before_the_last_step_are_said(tmp_path, caplog):
     """The last step is evaluated anyway and ends the run: keep_best needs an evaluation before it, early
-    stopping patience + 1 of them (the first sets the best), ReduceLROnPlateau patience + 2. Otherwise each is
-    refused naming itself, eval_every and the steps; a stage that follows the hello leaves it to the driving
-    stage, which knows the run's eval_every."""
+    stopping patience + 1 of them (the first sets the best), ReduceLROnPlateau patience + 2. A shorter run
+    gets a WARNING naming the setting, eval_every and the steps, and runs. A stage that follows the hello leaves it to the driving stage, which knows
+    the run's eval_every."""
     digits = load_experiment("digits")
     f, g = digits.stages
 
@@ -318,26 +336,27 @@ def test_verdicts_and_a_plateau_scheduler_that_could_not_act_before_the_last_ste
         return replace(digits, stages=[f, replace(g, **keys)])
 
     kept = last(keep_best="test_loss")
-    check_run_settings(kept, steps=40, eval_every=39)
-    with pytest.raises(ConfigError, match=r"keep_best = 'test_loss' .* eval_every = 40 and 40 steps \(--steps 40\) "
-                                          r"the run evaluates only after its last step"):
-        check_run_settings(kept, steps=40, eval_every=40)
-    with pytest.raises(ConfigError, match=r"keep_best .* eval_every = 0 and 800 steps \(steps = 800\)"):
-        check_run_settings(kept)                                        # digits: eval_every 0
+    _silent(caplog, lambda: check_run_settings(kept, steps=40, eval_every=39))
+    _warned(caplog, lambda: check_run_settings(kept, steps=40, eval_every=40),
+            r"keep_best = 'test_loss' .* eval_every = 40 and 40 steps \(--steps 40\) the run evaluates only after "
+            r"its last step")
+    _warned(caplog, lambda: check_run_settings(kept),                  # digits: eval_every 0
+            r"keep_best .* eval_every = 0 and 800 steps \(steps = 800\)")
     stopping = last(early_stopping={"metric": "test_loss", "patience": 3})
-    check_run_settings(stopping, steps=41, eval_every=10)               # evaluation 4 at step 40 may stop
-    with pytest.raises(ConfigError, match=r"early_stopping \(patience = 3\) can stop the run after its evaluation "
-                                          r"4 at the earliest, .* evaluates 3 time\(s\) before its last step"):
-        check_run_settings(stopping, steps=40, eval_every=10)
+    _silent(caplog, lambda: check_run_settings(stopping, steps=41, eval_every=10))    # evaluation 4 at step 40
+    _warned(caplog, lambda: check_run_settings(stopping, steps=40, eval_every=10),
+            r"early_stopping \(patience = 3\) can stop the run after its evaluation 4 at the earliest, .* "
+            r"evaluates 3 time\(s\) before its last step")
     plateau = last(scheduler={"type": "ReduceLROnPlateau", "patience": 1})
-    check_run_settings(plateau, steps=31, eval_every=10)
-    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 1\) can lower its rate after its "
-                                          r"evaluation 3 .*eval_every = K of at most 9"):
-        check_run_settings(plateau, steps=30, eval_every=10)
-    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau \(patience = 10\)"):     # torch's default
-        check_run_settings(last(scheduler={"type": "ReduceLROnPlateau"}), steps=100, eval_every=10)
-    StageOptions(kept, "g", kept.seed, steps=40)             # the label owner: the driver's hello says eval_every
-    with pytest.raises(ConfigError, match="keep_best"):
-        StageOptions(kept, "f", kept.seed, steps=40, eval_every=40)
-    _assert_usage_error(["run", _guarded_variant(tmp_path, "digits", "g", 'keep_best = "test_loss"'), "--steps",
-                         "20", "--eval-every", "20"], "keep_best = 'test_loss'", "eval_every = 20 and 20 steps")
+    _silent(caplog, lambda: check_run_settings(plateau, steps=31, eval_every=10))
+    _warned(caplog, lambda: check_run_settings(plateau, steps=30, eval_every=10),
+            r"ReduceLROnPlateau \(patience = 1\) can lower its rate after its evaluation 3 .*eval_every = K of at "
+            r"most 9")
+    _warned(caplog, lambda: check_run_settings(last(scheduler={"type": "ReduceLROnPlateau"}), steps=100,
+                                               eval_every=10), r"ReduceLROnPlateau \(patience = 10\)")   # torch's
+    _silent(caplog, lambda: StageOptions(kept, "g", kept.seed, steps=40))   # the hello says eval_every
+    _warned(caplog, lambda: StageOptions(kept, "f", kept.seed, steps=40, eval_every=40), "keep_best")
+    result = run_main(["run", _guarded_variant(tmp_path, "digits", "g", 'keep_best = "test_loss"'), "--steps", "20",
+                       "--eval-every", "0", "--in-process"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "keep_best = 'test_loss'" in result.stderr and "eval_every = 0 and 20 steps" in result.stderr

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Any, Mapping
@@ -47,6 +48,8 @@ from distgrad.privacy.defenses import Defenses
 from distgrad.privacy.guard import rows_needed
 from distgrad.privacy.labeldp import LabelRelease, TrainingLabels
 from distgrad.privacy.releases import RunSecret
+
+log = logging.getLogger("distgrad.config")
 
 BUILTIN_DIR = Path(__file__).parent.parent / "experiments"
 CLIENT_MODES = ("separate", "splitfed")
@@ -802,14 +805,17 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     negative ``eval_every``; a ``staleness`` (None: the experiment's) that is
     negative, or above 0 or ``auto`` where it is not supported (several
     clients, vertical parties, a first stage computing off the CPU), and
-    ``auto`` with ``in_process`` (no link to measure) or ``resume``; a data
-    owner's ``input_guard`` that would judge no step of ``steps`` (``check_guard_horizon``), and SplitFed
-    clients that would average none (``check_average_horizon``); unless the
-    evaluations are another process's to say (``evaluations_known`` False: a
-    stage that follows the driving stage's hello, or a launcher that passes
-    the driving stage its flags), verdicts and schedulers the evaluations
-    could not act on (``check_evaluation_horizon``). These three need a
-    training run: ``trains`` False (a stage serving predictions) skips them.
+    ``auto`` with ``in_process`` (no link to measure) or ``resume``. Settings
+    that a run of ``steps`` is too short to let act are logged at WARNING,
+    not refused (a short trial of a file made for a longer run is ordinary
+    use): a data owner's ``input_guard`` that would judge no step
+    (``check_guard_horizon``), SplitFed clients that would average none
+    (``check_average_horizon``) and, unless the evaluations are another
+    process's to say (``evaluations_known`` False: a stage that follows the
+    driving stage's hello, or a launcher that passes the driving stage its
+    flags), verdicts and schedulers the evaluations could not act on before
+    the last step (``check_evaluation_horizon``). These need a training run:
+    ``trains`` False (a stage serving predictions) skips them.
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -902,21 +908,21 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
 
 
 def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag: str = "") -> None:
-    """Raise ``ConfigError`` naming the key, its value, ``eval_every`` and the run's ``steps`` (``--steps`` when
-    ``flag`` names it) where what the evaluations during the run decide could not act before the last step,
-    which is evaluated anyway and ends the run: ``keep_best`` with no evaluation before it (the last model
-    would be kept, as without it), ``early_stopping`` whose patience cannot run out before it (its earliest
-    stop is after evaluation patience + 1: the first sets the best), and a ``ReduceLROnPlateau`` scheduler that
-    cannot lower its rate before it (the earliest after evaluation patience + 2). The evaluations are after
-    every ``eval_every``-th step (0: none during the run), on every path alike, a resumed run too."""
+    """Where what the evaluations during the run decide could not act before the last step, which is evaluated
+    anyway and ends the run, log a WARNING naming the key, its value, ``eval_every`` and the run's ``steps``
+    (``--steps`` when ``flag`` names it): ``keep_best`` with no evaluation before it (the last model is kept,
+    as without it), ``early_stopping`` whose patience cannot run out before it (its earliest stop is after
+    evaluation patience + 1: the first sets the best), and a ``ReduceLROnPlateau`` scheduler that cannot lower
+    its rate before it (the earliest after evaluation patience + 2). A run that long would let them act: each
+    watches every evaluation. The evaluations are after every ``eval_every``-th step (0: none during the run),
+    on every path alike, a resumed run too."""
     during = (steps - 1) // eval_every if eval_every > 0 else 0     # evaluations before the last step
     given = f"eval_every = {eval_every} and {steps} steps ({_steps_given(exp, steps, flag)})"
     last = next((spec for spec in exp.stages if spec.name == exp.stage_names[-1]), None)
     if last is not None and last.keep_best is not None and during == 0:
-        raise ConfigError(f"stage {last.name!r}: keep_best = {last.keep_best!r} keeps the parameters of the best "
-                          f"evaluation, and with {given} the run evaluates only after its last step: it would keep "
-                          f"the last model, as without it. Set eval_every (or --eval-every) to K below {steps}, or "
-                          f"drop keep_best")
+        log.warning("stage %r: keep_best = %r keeps the parameters of the best evaluation, and with %s the run "
+                    "evaluates only after its last step: it keeps the last model, as without it. Set eval_every "
+                    "(or --eval-every) to K below %d, or drop keep_best", last.name, last.keep_best, given, steps)
     waits = [(f"stage {last.name!r}: early_stopping (patience = {last.early_stopping['patience']})",
               int(last.early_stopping["patience"]) + 1, "stop the run")] if last and last.early_stopping else []
     waits += [(f"stage {spec.name!r}: scheduler ReduceLROnPlateau (patience = {_plateau_patience(spec)})",
@@ -926,9 +932,9 @@ def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag:
         if eval_every > 0 and during < needed:
             most = (steps - 1) // needed
             fix = f"eval_every = K of at most {most} (or --eval-every K), " if most else ""
-            raise ConfigError(f"{what} can {acts} after its evaluation {needed} at the earliest, and with "
-                              f"{given} the run evaluates {during} time(s) before its last step: it never would. "
-                              f"Give {fix}a lower patience or more steps")
+            log.warning("%s can %s after its evaluation %d at the earliest, and with %s the run evaluates %d "
+                        "time(s) before its last step: it will not in this run. Give %sa lower patience or more "
+                        "steps", what, acts, needed, given, during, fix)
 
 
 def _plateau_patience(spec: StageSpec) -> int:
@@ -963,9 +969,9 @@ def _steps_given(exp: Experiment, steps: int, flag: str) -> str:
 
 
 def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
-    """Raise ``ConfigError`` naming the stage, 'input_guard', its value and the run's ``steps`` where a data
-    owner's guard would judge no step of the run, and so be accepted and do nothing: its ``after`` (the steps
-    it does not judge) at or beyond the last step, or fewer rows sent in the whole run than it needs to score
+    """Log a WARNING naming the stage, 'input_guard', its value and the run's ``steps`` where a data owner's
+    guard will judge no step of this run, so that every row leaves unjudged: its ``after`` (the steps it does
+    not judge) at or beyond the last step, or fewer rows sent in the whole run than it needs to score
     (``privacy.guard.rows_needed``: each data owner, each client, sends a batch of its own rows a step).
     ``steps`` are the run's (``--steps`` when ``flag`` names it); a resumed run's are the same, and the
     guard's rows and peak come back from its checkpoints, so the rule is the same for it."""
@@ -977,31 +983,31 @@ def check_guard_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
         where = f"stage {spec.name!r}: 'input_guard' {{ max_r2 = {max_r2:g}, after = {after} }}"
         if after >= steps:
             default = f" ({GUARD_AFTER_STEPS} when not given)" if after == GUARD_AFTER_STEPS else ""
-            raise ConfigError(f"{where}{default} judges only the steps after step {after}, and this run has "
-                              f"{steps} steps ({given}): it would judge none and let every row leave unjudged. "
-                              f"Give after = K below {steps}, or run more steps")
+            log.warning("%s%s judges only the steps after step %d, and this run has %d steps (%s): it will "
+                        "judge none and every row leaves unjudged. Give after = K below %d, or run more steps",
+                        where, default, after, steps, given, steps)
+            continue
         cut = exp.cuts[exp.stage_index(spec.name)]
         rows = cut[0] if cut else 1
         need = rows_needed(int(np.prod(cut[1:])))
         if steps * rows < need:
-            raise ConfigError(f"{where} scores the rows it sent once it holds {need} of them (its activation has "
-                              f"{int(np.prod(cut[1:]))} values a row), and this run sends {steps * rows} ({steps} "
-                              f"steps of {rows} rows, {given}): it would judge none and let every row leave "
-                              f"unjudged. Run at least {-(-need // rows)} steps, or drop 'input_guard'")
+            log.warning("%s scores the rows it sent once it holds %d of them (its activation has %d values a "
+                        "row), and this run sends %d (%d steps of %d rows, %s): it will judge none and every row "
+                        "leaves unjudged. Run at least %d steps", where, need, int(np.prod(cut[1:])),
+                        steps * rows, steps, rows, given, -(-need // rows))
 
 
 def check_average_horizon(exp: Experiment, steps: int, flag: str = "") -> None:
-    """Raise ``ConfigError`` naming [clients] average_every and the run's ``steps`` (``--steps`` when ``flag``
-    names it) where SplitFed would average no step: every K-th step is averaged, and a run of fewer than K
-    steps has none, so its clients train apart as with mode = "separate" while the file says they average."""
+    """Log a WARNING naming [clients] average_every and the run's ``steps`` (``--steps`` when ``flag`` names it)
+    where SplitFed will average no step: every K-th step is averaged, and a run of fewer than K steps has
+    none, so its clients train apart as with mode = "separate" while the file says they average."""
     every = exp.clients.average_every
     if exp.clients.mode != "splitfed" or every <= steps:
         return
-    given = _steps_given(exp, steps, flag)
-    raise ConfigError(f"[clients] mode = 'splitfed' averages the clients' first stages every {every} steps "
-                      f"(average_every = {every}), and this run has {steps} steps ({given}): it would "
-                      f"average none, the clients training apart. Give average_every = K of at most {steps}, "
-                      f"or run at least {every} steps")
+    log.warning("[clients] mode = 'splitfed' averages the clients' first stages every %d steps (average_every = "
+                "%d), and this run has %d steps (%s): it will average none, the clients training apart. Give "
+                "average_every = K of at most %d, or run at least %d steps", every, every, steps,
+                _steps_given(exp, steps, flag), steps, every)
 
 
 def check_send_rows(exp: Experiment) -> None:

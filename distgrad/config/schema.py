@@ -162,8 +162,8 @@ CLIENT_KEYS: dict[str, Key] = {
                      "parameters are averaged every 'average_every' steps (count >= 2)"),
     "average_every": Key(whole(0), default=0,
                          help="splitfed: average the first stages' parameters every K steps (K > 0 with "
-                              "mode = \"splitfed\" only; a run of fewer than K steps, which would average none, "
-                              "is refused)"),
+                              "mode = \"splitfed\" only; a run of fewer than K steps averages none, "
+                              "which a warning says)"),
 }
 
 _STAGE_COMMON: dict[str, Key] = {
@@ -191,7 +191,7 @@ _STAGE_COMMON: dict[str, Key] = {
                   "numpy), is stepped instead once after each evaluation during the run (eval_every, and the last "
                   "step's), with that evaluation's loss (the validation rows' with validation_fraction), by every "
                   "party that has it, before its next update; it needs held-out rows, eval_every > 0, staleness 0 "
-                  "and no [clients], and is refused where it could not lower the rate before the last step (patience + 2 "
+                  "and no [clients]; a warning says so where it could not lower the rate before the last step (patience + 2 "
                   "evaluations before it). OneCycleLR's total_steps (or epochs x steps_per_epoch) must cover the stage's updates of "
                   "the run. Refused: LambdaLR and MultiplicativeLR (a function), SequentialLR and "
                   "ChainedScheduler (other schedulers)"),
@@ -217,7 +217,7 @@ _STAGE_COMMON: dict[str, Key] = {
                        "the last stage only: { metric = \"test_loss\", patience = K } ends the run on every party "
                        "after the evaluation that is the K-th in a row not to improve on the best of that score "
                        "(as 'keep_best' judges); the summary's stopped_early says the step. Needs eval_every > 0 and "
-                       "K + 1 evaluations before the last step (refused where it could never stop the run); "
+                       "K + 1 evaluations before the last step to stop it (a warning says so where a run is shorter); "
                        "not with [clients]"),
     "framework": Key(one_of(FRAMEWORKS), shown='"numpy" ("torch" with a module)', help=
                   "what computes the stage; \"torch\" with a 'model' builds the same layers in PyTorch"),
@@ -247,9 +247,9 @@ _STAGE_COMMON: dict[str, Key] = {
                     "number is a multiple of 5, scored on the others: the data owner's ridge meter) is measured; after step K, above R the run stops (exit 5) before they are sent, "
                     "nothing of that step applied or checkpointed (docs/privacy.md: how to choose R from an "
                     "honest pilot run). In a vertical run the label owner and the other parties are told why and stop "
-                    "too; with [clients] that client is dropped and the others go on. Refused where it would judge no "
-                    "step: K at or past the run's last step (50 too when K is not given), or fewer rows sent "
-                    "in the whole run than the decoder needs (at least 128)"),
+                    "too; with [clients] that client is dropped and the others go on. A warning says so where it will "
+                    "judge no step: K at or past the run's last step (50 too when K is not given), or fewer rows "
+                    "sent in the whole run than the decoder needs (at least 128)"),
     "device": Key(DEVICE, default="cpu", help=
                "where a torch stage computes: its module and optimizer state live there; tensors cross the wire "
                "from host memory (copied to a GPU through pinned memory)"),
