@@ -628,11 +628,27 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
     if args.privacy_meter:
         check_meter_flag(exp)
     check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)])
-    if not in_process:
+    if in_process:
+        _say_wire_flags_unused(args)
+    else:
         _check_stage_processes(exp, args)
         trace_params = parse_trace_params(args.trace_params)
         check_trace_filter(trace_params, args.trace_every, exp.known_param_names(trace_params, args.seed),
                            args.trace is not None)
+
+
+def _say_wire_flags_unused(args: argparse.Namespace) -> None:
+    """A run in one process has no sockets: the flags of the stages' link, given, are said to do nothing (a
+    WARNING naming them), not refused, so that one command line runs either way."""
+    unused = [flag for flag, given in (("--transport ipc", args.transport == "ipc"), ("--secure", args.secure),
+                                       ("--timeout", args.timeout is not None),
+                                       ("--liveness", args.liveness is not None),
+                                       ("--peer-deadline", args.peer_deadline is not None),
+                                       ("--spin-us", args.spin_us is not None)) if given]
+    if unused:
+        logging.getLogger("distgrad").warning(
+            "%s: a run in one process has no sockets between its stages, so %s nothing here (the run is the "
+            "same computation as in processes)", ", ".join(unused), "these do" if len(unused) > 1 else "it does")
 
 
 def _train_here(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:

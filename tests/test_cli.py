@@ -167,3 +167,14 @@ def test_the_modules_mypy_checks_are_clean():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Success: no issues found" in result.stdout
+
+
+def test_link_flags_given_to_a_run_in_one_process_are_said_to_do_nothing():
+    """--in-process has no sockets between its stages: --transport ipc, --secure and the wait flags are
+    accepted (one command line runs either way) and a WARNING names each as doing nothing there."""
+    result = run_main(["run", "seed-simple", "--in-process", "--steps", "2", "--transport", "ipc", "--secure",
+                       "--timeout", "3", "--peer-deadline", "4"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--transport ipc, --secure, --timeout, --peer-deadline: a run in one process has no sockets" in result.stderr
+    quiet = run_main(["run", "seed-simple", "--in-process", "--steps", "2"])
+    assert quiet.returncode == 0 and "no sockets" not in quiet.stderr
