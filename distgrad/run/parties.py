@@ -182,7 +182,7 @@ class Parties(Topology):
         if any(p.status is not PeerStatus.ACTIVE or p.step != run.round for p in run.peers):
             return Transition.WAIT      # a step needs every party: no round starts without one
         # Going on after a step whose evaluation is due (a resume or a rollback to it): every party
-        # evaluates it again after its hello (``driver._owes_evaluation``) before the next step.
+        # evaluates it again after its hello (``driver_records._owes_evaluation``) before the next step.
         return Transition.ROUND_DONE if run.round > 0 else Transition.START_ROUND
 
     def advance_evaluating(self) -> Evaluate | None:
