@@ -314,18 +314,19 @@ class Senders:
         defense = self.defense
         return defense is not None and defense.direction == GRADIENT and defense.defenses.withholds_loss
 
-    def sent_loss(self, loss: float | np.floating | None) -> float | None:
-        """The training loss of a micro-batch as it leaves this stage in a backward reply: ``loss`` as a
-        float, or None when the stage withholds it (``withholds_loss``) or has none to pass up (the stage
-        below withheld it). The in-process reference asks the same of the label owner's loss."""
-        return None if loss is None or self.withholds_loss else float(loss)
-
     def reply_body(self, loss: float | np.floating | None) -> dict[str, Any]:
-        """A backward reply's body for a micro-batch of training ``loss``: ``{"loss": loss}``, or
-        ``{"loss_withheld": True}`` when the loss does not leave (``sent_loss``; ``wire.LOSS_WITHHELD_KEY``),
-        which ``wire.encode`` sends with a self-describing header (the binary one always has a loss)."""
-        sent = self.sent_loss(loss)
-        return {LOSS_WITHHELD_KEY: True} if sent is None else {"loss": sent}
+        """A backward reply's body for a micro-batch of training ``loss``: ``{"loss": loss}`` as a float, or
+        ``{"loss_withheld": True}`` when the loss does not leave this stage: it withholds it
+        (``withholds_loss``) or has none to pass up (the stage below withheld it). ``wire.encode`` sends the
+        latter with a self-describing header (the binary one always has a loss); ``LOSS_WITHHELD_KEY``."""
+        if loss is None or self.withholds_loss:
+            return {LOSS_WITHHELD_KEY: True}
+        return {"loss": float(loss)}
+
+    def sent_loss(self, loss: float | np.floating | None) -> float | None:
+        """The training loss as it leaves this stage (``reply_body``'s), None when it does not: what the
+        in-process reference asks of the label owner's loss."""
+        return self.reply_body(loss).get("loss")
 
     def _feedback(self, codec: Codec, stream: str) -> ErrorFeedback:
         """An ``ErrorFeedback`` holding ``stream``'s committed residual (none yet: zeros)."""
