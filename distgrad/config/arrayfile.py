@@ -106,10 +106,11 @@ class ArrayFile(RowBatches):
     (``feature_shape`` is None without features, ``has_labels`` False without
     labels), so the split and the shuffles are the same on every side.
 
-    Its parts: ``files`` (``fileparts.FileParts``: reading a part), ``ids``
-    (``rowids.IdColumn``), ``table`` (``preparedtable.PreparedTable``: the
-    rows kept, statistics, class names); the split and the walk of the
-    training rows are ``RowBatches``'s.
+    Its parts: ``files`` (``fileparts.FileParts``: reading a part),
+    ``id_column`` (``rowids.IdColumn``: the rows' IDs), ``table``
+    (``preparedtable.PreparedTable``: the rows kept, the statistics, the
+    class names). The held-out split (``batches.held_out_split``) and the
+    walk of the training rows (``RowBatches``) are ``batches``'s.
     """
 
     def __init__(self, kind: str, base_dir: Path, seed: int, batch: int = 32, test_fraction: float = 0.2,
@@ -127,7 +128,7 @@ class ArrayFile(RowBatches):
         self.files = FileParts(kind, base_dir, self.path, self.header)
         self.files.check_header_line()
         self.id_ref = id_column
-        self.ids = IdColumn(self.files, id_column, features, labels)
+        self.id_column = IdColumn(self.files, id_column, features, labels)
         if features is not None and labels is not None:
             self.files.check_apart(features, labels)
         self.has_labels = labels is not None
@@ -199,7 +200,7 @@ class ArrayFile(RowBatches):
 
     def row_ids(self) -> list[str] | None:
         """The rows' IDs in file order; None without ``id_column``."""
-        return self.ids.ids(self.table.kept, self.rows)
+        return self.id_column.ids(self.table.kept, self.rows)
 
     def row_id_digest(self) -> str | None:
         """The digest of the rows' IDs in file order (``row_id_digest``); None without ``id_column``."""
@@ -208,7 +209,7 @@ class ArrayFile(RowBatches):
 
     def id_name(self) -> str:
         """The ID column's name: its header name, or ``id`` for a column given by index without a header."""
-        return self.ids.name()
+        return self.id_column.name()
 
     # -- reading, each part only when it is asked for
 
