@@ -282,3 +282,35 @@ def test_a_csv_line_with_more_fields_than_the_first_is_refused_naming_it(tmp_pat
     with pytest.raises(ConfigError, match=rf"bad.csv line {line}: 4 fields, but line 1 has 3: is a comma inside a "
                                           rf"field that is not quoted\?"):
         build_data({**table, "path": "bad.csv"}, 0, tmp_path).check_readable()
+
+
+def test_a_files_split_order_statistics_and_ids_are_the_ones_every_release_has_drawn(tmp_path):
+    """The held-out split, the per-epoch orders, the learnt statistics, the prepared features, the IDs' digest
+    and a shard of one small csv file, as distgrad has always computed them: a party of an older release and
+    one of this release hold the same rows and the same statistics, bit for bit."""
+    lines = ["id,size,colour,weight,label"] + [
+        f"r{i},{'' if i == 4 else 0.5 * i + 1},{'red blue green'.split()[i % 3]},{(i * 7) % 5 - 1.25},"
+        f"{'ab'[i % 2] if i != 9 else 'c'}" for i in range(16)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    data = build_data({"kind": "csv", "path": "t.csv", "header": True, "features": ["size", "colour", "weight"],
+                       "labels": "label", "id_column": "id", "missing": "mean", "standardize": True,
+                       "categorical": ["colour"], "class_names": True, "test_fraction": 0.25,
+                       "validation_fraction": 0.125, "batch": 3}, 5, tmp_path)
+    assert data.test_rows.tolist() == [7, 9, 0, 1, 3, 11] and data.validation_count == 2
+    assert data.train_rows.tolist() == [13, 12, 10, 8, 6, 2, 5, 4, 15, 14]
+    assert data.epoch_order(0).tolist() == [2, 10, 5, 15, 8, 12, 13, 14, 6, 4]
+    assert data.epoch_order(1).tolist() == [14, 15, 13, 12, 2, 6, 10, 8, 5, 4]
+    assert data.step_rows(5).tolist() == [12, 2, 6]
+    assert data.preparation().to_json() == {
+        "format": 1, "missing": "mean", "standardize": True, "classes": ["a", "b", "c"],
+        "columns": [{"name": "size", "fill": 5.722222222222222, "mean": 5.722222222222222, "std": 2.1096486162275028},
+                    {"name": "colour", "categories": ["blue", "green", "red"]},
+                    {"name": "weight", "fill": 0.55, "mean": 0.55, "std": 1.5362291495737217}]}
+    np.testing.assert_array_equal(data.features(2), np.array(
+        [[1.3167016506195068, 0.0, 0.0, 1.0, -1.1717002391815186],
+         [-0.34234243631362915, 0.0, 1.0, 0.0, -0.5207556486129761],
+         [0.6056827306747437, 0.0, 0.0, 1.0, 1.4320780038833618]], np.float32))
+    assert data.targets(2).tolist() == [1, 0, 0] and data.targets(2).dtype == np.int64
+    assert data.row_ids()[:3] == ["r0", "r1", "r2"] and data.row_id_digest() == "cf3517c024fbb884"
+    data.shard(1, 2)
+    assert data.train_rows.tolist() == [12, 8, 2, 4, 14] and data.step_rows(2).tolist() == [12, 8, 2]

@@ -32,6 +32,16 @@ HELD_MODULES = [
     "run/driver_state.py",
     "run/driver_records.py",
     "run/driver_steps.py",
+    # data sources: the registry, the row walk, generated data, file data and its parts, views over a source
+    "config/data.py",
+    "config/batches.py",
+    "config/generated.py",
+    "config/arrayfile.py",
+    "config/fileparts.py",
+    "config/rowids.py",
+    "config/preparedtable.py",
+    "config/labelvalues.py",
+    "config/views.py",
 ]
 
 
