@@ -42,6 +42,12 @@ HELD_MODULES = [
     "config/preparedtable.py",
     "config/labelvalues.py",
     "config/views.py",
+    # a stage's run state (``StageState``): checkpoints and rollback, the privacy records of its runs, the
+    # verdicts on its evaluations with the kept model and the final test, the parameter history of steps in flight
+    "run/stage_state.py",
+    "run/release_records.py",
+    "run/run_verdicts.py",
+    "stage/history.py",
 ]
 
 

@@ -2,6 +2,7 @@
 
 ``stage`` (a numpy stage: forward, backward, optimiser, the shapes it expects), ``torch_stage`` (the same
 contract for PyTorch modules), ``engine`` (a step's forward and backward over micro-batches), ``checkpoint``
-(atomic checkpoint files, no pickle) and ``records`` (metrics, traces, atomic writes). Imports the layers
+(atomic checkpoint files, no pickle), ``records`` (metrics, traces, atomic writes), ``selection`` (the verdicts
+on evaluations) and ``history`` (a driving stage's parameters for its steps in flight). Imports the layers
 below; never a process, a socket or a front end.
 """
