@@ -35,36 +35,35 @@ loop of its own cannot interleave).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping, NoReturn
 
 import numpy as np
 import zmq
 
-from distgrad.config.experiment import is_whole
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted,
-                             PeerTimeout, ProtocolError)
+from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, PeerTimeout, ProtocolError
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, owned_copy, reply_state, saved_reply
+from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide
+from distgrad.run.cut_loop import Batch, Evaluate, LoopServer, evaluation_scores, owned_copy
+from distgrad.run.cut_server import CutServer
+from distgrad.run.cut_state import (GROUP_STATE_KEYS, PEER_STATE_KEYS, check_group_state, reply_state, saved_peer)
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
                                    hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
-                                   notify_stopped, resent_evaluation, unknown_run)
-from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
+                                   resent_evaluation, unknown_run)
+from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+from distgrad.wire.transport import POLL_TICK_S
+from distgrad.wire.wirecodec import GRADIENT, Expected, Senders, stream_name
 
-GROUP_STATE_KEYS = ("version", "interface", "step", "turn", "micro_batches", "peers")   # a GroupServer's state
-PEER_STATE_KEYS = {"run", "step", "finished", "replies", "residuals"}                               # each peer's in it
+# Where they were defined before ``run.cut_state`` held them: still importable from here.
+__all__ = ["GROUP_STATE_KEYS", "PEER_STATE_KEYS", "GroupServer", "Peer"]
 
 
 @dataclass
@@ -106,10 +105,9 @@ class GroupServer(CutServer, serves_several=True):
             raise ConfigError("evaluate=: a CutServer of several clients scores no held-out rows (a daemon scores "
                               "each client between rounds, which a loop of its own cannot interleave); give the "
                               "clients' [data] test_fraction = 0, or run the label owner as the daemon")
-        self.side, self.exp, self.bounds = side, exp, bounds
-        self.log = logging.getLogger(f"distgrad.{side.stage}")
+        # Not CutServer's __init__: the state of its one data owner is each ``Peer``'s here.
+        LoopServer.__init__(self, side, bounds, evaluate)
         self.vertical = exp.vertical
-        self.mbs = side.micro_batches
         if self.vertical:
             data = side.data
             self.peers = [Peer(i, f"party {name}", name, exp.cuts[exp.stage_index(name)], data, Senders(exp.codecs))
@@ -119,18 +117,12 @@ class GroupServer(CutServer, serves_several=True):
             first = exp.stage_names[0]
             self.peers = [Peer(c, f"client {c}", first, side.shape, side.data_of(c), Senders(exp.codecs))
                           for c in range(exp.clients.count)]
-        self.step = 0                    # steps applied (vertical) or rounds done (clients)
+        # ``step``: steps applied (vertical) or rounds done (clients); ``next_mb``: micro-batches of the step
+        # (or turn) in progress replied to.
         self.turn = 0                    # clients: whose turn it is in the round
-        self.next_mb = 0                 # micro-batches of the step (or turn) in progress replied to
         self.unsent: list[tuple[Peer, Message]] = []      # replies to send at the next ``__next__``
-        self.batch: Batch | None = None
-        self.done, self.closed = False, False
-        self.failure: DistgradError | None = None
         self.told: set[int] = set()      # peers that need no notice when this side stops (they know)
-        self.refused = ""
         self.waiting_logged: tuple[str, ...] = ()    # the silent data owners the last waiting warning named
-        self.evaluate = evaluate
-        self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._forward_specs(p).specs for p in self.peers]
         if self.test_rows is not None:      # the held-out rows' embeddings may exceed a batch
             specs += [self._forward_specs(p).with_rows(len(self.test_rows)).specs for p in self.peers]
@@ -141,9 +133,6 @@ class GroupServer(CutServer, serves_several=True):
         return ",".join(p.run for p in self.peers)
 
     # -- the batches
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
     def __next__(self) -> Batch:
         """The next micro-batch to compute (every party's, combined; or the next client's in turn); first
         sends the replies the loop made since the last call. Stops after every data owner's bye. Raises
@@ -297,7 +286,7 @@ class GroupServer(CutServer, serves_several=True):
         raise unknown_run(msg, "a hello first" if not any(p.run for p in self.peers)
                           else f"one of the runs {self.runs()}")
 
-    def _aborted(self, msg: Message, peer_key: str) -> None:
+    def _aborted(self, msg: Message, peer_key: str) -> NoReturn:
         """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
         are told when this side closes. A notice of no run served here, or from another key than the one
         that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``) once
@@ -311,10 +300,7 @@ class GroupServer(CutServer, serves_several=True):
             check_owner(sender.owner, peer_key, msg)
             self.told.add(sender.index)
         who = sender.name if sender is not None else "a data owner"
-        self.failure = PeerAborted(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} "
-                                   f"steps)")
-        self.log.warning("%s", self.failure)
-        raise self.failure
+        self._peer_stopped(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} steps)")
 
     def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
         """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``
@@ -362,9 +348,7 @@ class GroupServer(CutServer, serves_several=True):
 
     def _forward_specs(self, peer: Peer, mbs: int = 1) -> Expected:
         """What a forward of ``peer`` of one of ``mbs`` micro-batches carries (its rows with ``send_rows``)."""
-        shape = micro_shape(peer.shape, mbs)
-        others: dict[str, tuple[tuple[int, ...], Any]] = {"rows": ((shape[0],), ROWS_DTYPE)} if self.exp.send_rows else {}
-        return Expected(WireTensor(ACTIVATION, shape, self.exp.codecs[ACTIVATION]), others)
+        return self._forward_expected(peer.shape, mbs, self.exp.send_rows)
 
     def _keep_forward(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """Keep ``peer``'s forward until its batch is ready; a resent one gets its cached reply, or (the loop
@@ -389,10 +373,7 @@ class GroupServer(CutServer, serves_several=True):
     def _keep_evaluation(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """Keep ``peer``'s held-out embeddings until every party's of the step are in (``_score_held_out``); a
         resent evaluation gets its reply again."""
-        if self.evaluate is None or self.test_rows is None:
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
-                                                f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
-                                                f"give the data owners' [data] test_fraction = 0")
+        _, test_rows = self._scored_rows("the data owners'")
         if (again := resent_evaluation(peer.evaluated, msg)) is not None:
             self.server.reply(envelope, again)
             return
@@ -400,7 +381,7 @@ class GroupServer(CutServer, serves_several=True):
         if msg.step != self.step + 1:       # every data owner evaluates between the run's steps
             raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but this run has {self.step} steps "
                                                 f"applied here: the held-out rows are scored between its steps")
-        specs = self._forward_specs(peer).with_rows(len(self.test_rows))
+        specs = self._forward_specs(peer).with_rows(len(test_rows))
         peer.evaluate = (msg.step, specs.receive(msg, self.exp.allow_nonfinite))
 
     def _score_held_out(self) -> None:
@@ -440,7 +421,7 @@ class GroupServer(CutServer, serves_several=True):
         value, nonfinite = self._checked(batch, loss, grad, batch.h.shape)
         peers = self.peers if batch.client is None else [self.peers[batch.client]]
         if nonfinite is not None:
-            self._fail_step(batch, peers, nonfinite)
+            self._fail_peers(batch, peers, nonfinite)
         grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
                  else [grad])
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
@@ -452,7 +433,7 @@ class GroupServer(CutServer, serves_several=True):
         except CodecRangeError as e:
             for p in peers:
                 p.senders.discard()
-            self._fail_step(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
+            self._fail_peers(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
         body = {**peers[0].senders.reply_body(value), "compute_s": time.perf_counter() - batch.started}
         for p, tensors in zip(peers, sent):
             reply = Message(wire.BACKWARD, p.run, batch.step, batch.mb, batch.mbs, tensors=tensors, body=dict(body))
@@ -482,22 +463,20 @@ class GroupServer(CutServer, serves_several=True):
         staying = [p.index for p in self.peers if p.bye is None]
         self.turn = staying[0] if staying and not self._complete() else 0
 
-    def _fail_step(self, batch: Batch, peers: list[Peer], text: str) -> None:
-        """The loop's step failed: its data owners are told (``nonfinite_step``), the loop gets the error."""
-        batch.replied = True
-        self.failure = NonFiniteError(text)
-        for p in peers:
-            self.told.add(p.index)
-            if p.envelope is not None:
-                self.server.reply(p.envelope, wire.error_message(p.run, batch.step, ErrorCode.NONFINITE_STEP, text,
-                                                                 batch.mb, batch.mbs))
-        raise self.failure
+    def _fail_peers(self, batch: Batch, peers: list[Peer], text: str) -> NoReturn:
+        """The loop's step failed: its data owners are told (``nonfinite_step``) and need no other notice,
+        the loop gets the error."""
+        self.told.update(p.index for p in peers)
+        self._fail_step(batch, text, [(p.run, p.envelope) for p in peers if p.envelope is not None])
 
     def _flush(self) -> None:
         unsent, self.unsent = self.unsent, []
         for peer, reply in unsent:
             if peer.envelope is not None:
                 self.server.reply(peer.envelope, reply)
+
+    def _drop_unsent(self) -> None:
+        self.unsent = []
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -520,26 +499,9 @@ class GroupServer(CutServer, serves_several=True):
         if any(p.joined for p in self.peers) or self.batch is not None:
             raise CutMisuse("load_state_dict after the run began; load it before the first batch "
                             "(or CutServer.bind(..., state=...))")
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
-        if set(state) != set(GROUP_STATE_KEYS):
-            raise ConfigError(f"not the state_dict of a CutServer of several data owners: it holds "
-                              f"{sorted(map(str, state))}, that one exactly {list(GROUP_STATE_KEYS)} (a Cut's and a "
-                              f"CutServer's of one data owner differ)")
-        if state["interface"] != self.exp.interface_fingerprint:
-            raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
-                              "interface it was saved under")
-        step, mbs, turn = check_step(state["step"], self.exp.steps), state["micro_batches"], state["turn"]
-        if not is_whole(mbs) or mbs < 1 or self.exp.batch % mbs:
-            raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
-                              f"batch ({self.exp.batch})")
-        entries = state["peers"]
-        if not isinstance(entries, (list, tuple)) or len(entries) != len(self.peers):
-            raise ConfigError(f"the state's peers must be a list of {len(self.peers)} (one per data owner), got "
-                              f"{wire.show(entries)}")
-        if not is_whole(turn) or not 0 <= turn < len(self.peers) or (self.vertical and turn):
-            raise ConfigError(f"the state's turn {wire.show(turn)} is not a data owner's index here")
-        loaded = [self._saved_peer(p, e, step, turn, mbs) for p, e in zip(self.peers, entries)]
+        step, mbs, turn, entries = check_group_state(state, self.exp, len(self.peers))
+        loaded = [saved_peer(e, p.name, p.index, p.shape, self.side, step, turn, mbs)
+                  for p, e in zip(self.peers, entries)]
         if not self.vertical and step < self.exp.steps and entries[turn]["finished"]:
             raise ConfigError(f"the state's turn is client {turn}'s, which said bye")
         for peer, (run, peer_step, cache), entry in zip(self.peers, loaded, entries):
@@ -550,40 +512,6 @@ class GroupServer(CutServer, serves_several=True):
             peer.senders.load_state_arrays(entry["residuals"])
         self.step, self.turn, self.mbs = step, turn, mbs
 
-    def _saved_peer(self, peer: Peer, entry: Any, step: int, turn: int, mbs: int
-                    ) -> tuple[str, int, dict[tuple[int, int], Message]]:
-        """One data owner's part of a state, checked: its run, step and cached replies."""
-        where = f"the state's entry of {peer.name}"
-        if not isinstance(entry, Mapping) or set(entry) != PEER_STATE_KEYS:
-            raise ConfigError(f"{where} must hold exactly {sorted(PEER_STATE_KEYS)}, got {wire.show(entry)}")
-        run, peer_step, replies, residuals = entry["run"], entry["step"], entry["replies"], entry["residuals"]
-        finished = entry["finished"]
-        # Vertical: every party stands at the step; clients: those before the turn have done this round too
-        # (one that said bye may have left earlier).
-        expected = step if self.vertical or peer.index >= turn else step + 1
-        if not isinstance(finished, bool) or (self.vertical and finished and step < self.exp.steps):
-            raise ConfigError(f"{where} has finished={wire.show(finished)}; expected a bool (a feature party "
-                              f"finishes at the last step)")
-        if not is_whole(peer_step) or not (peer_step == expected or finished and 0 <= peer_step <= expected):
-            raise ConfigError(f"{where} has step {wire.show(peer_step)}; at step {step} (turn {turn}) it stands at "
-                              f"{expected}")
-        if run == "":
-            if peer_step or replies:
-                raise ConfigError(f"{where} has no run but steps or replies")
-        else:
-            check_run(run)
-        if not isinstance(replies, (list, tuple)):
-            raise ConfigError(f"{where}: its replies must be a list, got {type(replies).__name__}")
-        if not isinstance(residuals, Mapping) or not all(isinstance(a, np.ndarray) and a.dtype == np.float32
-                                                          for a in residuals.values()):
-            raise ConfigError(f"{where}: its residuals must map names to float32 arrays, got {wire.show(residuals)}")
-        check_residuals(residuals, self.side, GRADIENT, mbs, peer.shape)
-        cache = {}
-        for r in replies:
-            reply = saved_reply(r, run, peer_step, mbs, micro_shape(peer.shape, mbs), self.exp)
-            cache[(reply.step, reply.mb)] = reply
-        return run, peer_step, cache
-
     # -- the end
     def _complete(self) -> bool:
         """Every step of the run is replied to here."""
@@ -592,73 +520,44 @@ class GroupServer(CutServer, serves_several=True):
     def _all_said_bye(self) -> bool:
         return all(p.bye is not None for p in self.peers)
 
-    def _close(self, failure: str | None) -> None:
-        """Close as ``close`` does, for every data owner: after the last step, serve them until each said
-        bye (at most ``liveness_s`` of their silence); mid-run, or when ``failure`` says why this side's
-        loop failed, tell each that has not stopped itself (an ``aborted`` notice) instead."""
-        if self.closed:
-            return
-        notice = failure
-        try:
-            if failure is not None:
-                self.unsent = []
-            else:
-                self._flush()
-                if not self._all_said_bye() and self._complete() and self.failure is None:
-                    self._await_byes()
-                elif not self._all_said_bye():
-                    notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
-                              f"every data owner's bye")
-            if any(p.bye is not None for p in self.peers):
-                self._linger_after_byes()
-        finally:
-            self.closed = True
-            told = self._tell_stopped(notice) if notice is not None else False
-            self.server.close(NOTICE_LINGER_MS if told else LINGER_MS)
-            if self.curve is not None:
-                self.curve.stop()
+    _whose_bye = "every data owner's bye"
 
-    def _tell_stopped(self, reason: str) -> bool:
-        """Tell every data owner that has neither said bye nor stopped itself that this side stopped
-        (``reason``), where it was last heard from, at once (``protocol.notify_stopped``, the rule of every
-        cut server): one that resends on a fresh socket meanwhile, which the notice cannot reach there, gets
-        it in reply to its next request (awaited while it is live, at most ``liveness_s``). Whether there was
-        anyone to tell."""
-        targets = [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
+    def _byes_due(self) -> bool:
+        return self._complete() and self.failure is None
+
+    def _owing_bye_heard(self) -> float:
+        return max([0.0] + [p.heard for p in self.peers if p.bye is None])
+
+    def _no_bye_yet(self) -> str:
+        return f"no bye from {', '.join(p.name for p in self.peers if p.bye is None)}"
+
+    def _ended_runs(self) -> set[str]:
+        return {p.run for p in self.peers if p.bye is not None}
+
+    def _closing_text(self) -> str:
+        return "this label owner is closing; its data owners said bye"
+
+    def _serve(self, request: tuple[list[bytes], list[Any], str]) -> None:
+        """Answer one request received while the byes are awaited; the held-out rows are scored once every
+        party's are in."""
+        self._answer(request, self._handle)
+        self._score_held_out()
+
+    def _waiting(self) -> list[Peer]:
+        """The data owners heard from that have neither said bye nor stopped themselves."""
+        return [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
+
+    def _waiting_places(self) -> dict[str, list[list[bytes]]]:
+        """Each data owner that may wait (``_waiting``), where it was last heard from."""
+        return {p.run: [p.envelope] for p in self._waiting() if p.envelope is not None}
+
+    def _tell_stopped(self, reason: str, places: dict[str, list[list[bytes]]]) -> bool:
+        """Tell the data owners at ``places`` that this side stopped (``reason``, ``_send_stop_notice``).
+        Whether there was anyone to tell."""
+        targets = self._waiting()
         now = time.monotonic()
-        places = {p.run: [p.envelope] for p in targets if p.envelope is not None}
         live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
-        told = notify_stopped(self.server, self.max_tensor, places, live, now + self.bounds.liveness_s,
-                              lambda run: wire.abort_notice(run, self.side.stage, reason))
+        told = self._send_stop_notice(places, live, reason)
         if targets:
             self.log.warning("told %s that this side stopped: %s", ", ".join(p.name for p in targets), reason)
         return told
-
-    def _await_byes(self) -> None:
-        """After the run's last step: serve the data owners (a resent step, a ping) until each said bye, or
-        until those that have not are silent for ``liveness_s`` (at most ``liveness_s + peer_deadline_s``)."""
-        started = time.monotonic()
-        latest = started + self.bounds.liveness_s + self.bounds.peer_deadline_s
-        while not self._all_said_bye():
-            now = time.monotonic()
-            heard = max([started] + [p.heard for p in self.peers if p.bye is None])
-            if now >= min(latest, heard + self.bounds.liveness_s):
-                self.log.warning("no bye from %s within liveness_s = %g s after the last step; closing (every "
-                                 "step is replied to here)", ", ".join(p.name for p in self.peers if p.bye is None),
-                                 self.bounds.liveness_s)
-                return
-            request = self.server.receive(POLL_TICK_S)
-            if request is not None:
-                self._answer(request, self._handle)
-                self._score_held_out()
-        self.done = True
-
-    def _linger_after_byes(self) -> None:
-        """After the byes: answer what is still arriving (a bye resent because its reply was lost, a ping;
-        anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
-        def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
-            if msg.type == wire.PING or msg.type == wire.BYE and any(p.bye and p.run == msg.run for p in self.peers):
-                return self._handle(envelope, msg, peer_key)
-            raise ProtocolError(ErrorCode.RUN, "this label owner is closing; its data owners said bye")
-
-        self._answer_until_quiet(ended)
