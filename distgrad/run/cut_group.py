@@ -31,12 +31,16 @@ vertical parties (``evaluate=``: every party's held-out embeddings combined,
 the same scores to each, as a daemon label owner scores them); with clients
 ``evaluate=`` is refused (a daemon scores each client between rounds, which a
 loop of its own cannot interleave).
+
+What every label-owner end keeps with its loop (the socket, the loop's turn, a
+failed step, the byes and the stop notice at the end) is its base's,
+``run.cut_loop.LoopServer``; each data owner's record, and what concerns them
+all, is ``run.cut_owners``; what a checkpoint holds, ``run.cut_state``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
@@ -49,47 +53,21 @@ from distgrad.run.accepts import refuse_rows
 from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide
 from distgrad.run.cut_loop import Batch, Evaluate, LoopServer, evaluation_scores, owned_copy
 from distgrad.run.cut_server import CutServer
-from distgrad.run.cut_state import (GROUP_STATE_KEYS, PEER_STATE_KEYS, check_group_state, reply_state, saved_peer)
+from distgrad.run.cut_owners import DataOwners, Peer
+from distgrad.run.cut_state import GROUP_STATE_KEYS, PEER_STATE_KEYS, check_group_state, saved_peer
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
-                                   hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
+                                   is_abort_notice, not_accepted, pong, prune_replies,
                                    resent_evaluation, unknown_run)
-from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.transport import POLL_TICK_S
-from distgrad.wire.wirecodec import GRADIENT, Expected, Senders, stream_name
+from distgrad.wire.wirecodec import GRADIENT, Expected, stream_name
 
-# Where they were defined before ``run.cut_state`` held them: still importable from here.
+# Where they were defined before ``run.cut_state`` and ``run.cut_owners`` held them: still importable from here.
 __all__ = ["GROUP_STATE_KEYS", "PEER_STATE_KEYS", "GroupServer", "Peer"]
-
-
-@dataclass
-class Peer:
-    """One data owner of a ``GroupServer``: a feature party or a client, with its own run and replies."""
-
-    index: int
-    name: str                        # how messages name it: "party b", "client 1"
-    role: str                        # the stage its hello names
-    shape: tuple[int, ...]           # its activation (and gradient) for a whole batch
-    data: Any | None                 # the rows it may send (``send_rows``) and, for a client, its shard's order
-    senders: Senders
-    run: str = ""                    # its run ("" before its first hello)
-    since: float = 0.0               # when that run started here (seconds since the epoch)
-    owner: str = ""                  # with CURVE: the key that opened the run
-    joined: bool = False             # said hello to this server (a resumed run is taken up at a hello)
-    step: int = 0                    # its steps replied to in full
-    taken: int = 0                   # micro-batches of step + 1 the loop has taken
-    cache: dict[tuple[int, int], Message] = field(default_factory=dict)    # its replies of its last step
-    waiting: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
-    step_rows: dict[int, np.ndarray] = field(default_factory=dict)         # send_rows: of step + 1, by mb
-    envelope: list[bytes] | None = None    # where it was last heard from (its replies go there)
-    heard: float = 0.0               # when it was last heard (time.monotonic; 0: never)
-    bye: Message | None = None       # the reply to its bye
-    evaluate: tuple[int, np.ndarray] | None = None   # its held-out embeddings sent for step (step, h)
-    evaluated: Message | None = None                 # its last evaluation reply (a resent one gets it again)
 
 
 class GroupServer(CutServer, serves_several=True):
@@ -108,15 +86,8 @@ class GroupServer(CutServer, serves_several=True):
         # Not CutServer's __init__: the state of its one data owner is each ``Peer``'s here.
         LoopServer.__init__(self, side, bounds, evaluate)
         self.vertical = exp.vertical
-        if self.vertical:
-            data = side.data
-            self.peers = [Peer(i, f"party {name}", name, exp.cuts[exp.stage_index(name)], data, Senders(exp.codecs))
-                          for i, name in enumerate(exp.data_owners)]
-            self.widths = [p.shape[-1] for p in self.peers]
-        else:
-            first = exp.stage_names[0]
-            self.peers = [Peer(c, f"client {c}", first, side.shape, side.data_of(c), Senders(exp.codecs))
-                          for c in range(exp.clients.count)]
+        self.owners = DataOwners(side)
+        self.peers = self.owners.peers
         # ``step``: steps applied (vertical) or rounds done (clients); ``next_mb``: micro-batches of the step
         # (or turn) in progress replied to.
         self.turn = 0                    # clients: whose turn it is in the round
@@ -127,10 +98,6 @@ class GroupServer(CutServer, serves_several=True):
         if self.test_rows is not None:      # the held-out rows' embeddings may exceed a batch
             specs += [self._forward_specs(p).with_rows(len(self.test_rows)).specs for p in self.peers]
         self._bind_socket(endpoint, specs, ctx, curve_secret, allow)
-
-    def runs(self) -> str:
-        """The runs served, one per data owner, comma-separated (each ``Cut`` has its own)."""
-        return ",".join(p.run for p in self.peers)
 
     # -- the batches
     def __next__(self) -> Batch:
@@ -164,17 +131,14 @@ class GroupServer(CutServer, serves_several=True):
             return None
         k, mb = self.step + 1, self.next_mb
         if self.vertical:
-            if not all((k, mb) in p.waiting for p in self.peers):
+            taken = self.owners.take_all(k, mb)
+            if taken is None:
                 return None
-            taken = [p.waiting.pop((k, mb)) for p in self.peers]
-            for p in self.peers:
-                p.taken = mb + 1
             parts = tuple(h for h, _ in taken)
-            rows = self._common_rows(k, mb, [r for _, r in taken])
+            rows = self.owners.common_rows(k, mb, self.mbs, [r for _, r in taken])
             if isinstance(rows, str):
+                self.owners.give_back(mb)
                 for p in self.peers:
-                    p.taken = mb
-                    p.step_rows.pop(mb, None)
                     if p.envelope is not None:
                         self.server.reply(p.envelope, wire.error_message(p.run, k, ErrorCode.MISMATCH, rows, mb,
                                                                          self.mbs))
@@ -182,31 +146,8 @@ class GroupServer(CutServer, serves_several=True):
             h = aggregate.combine(str(self.exp.aggregate), list(parts))
             h.setflags(write=False)
             return Batch(k, mb, self.mbs, h, rows, self, parts=parts)
-        peer = self.peers[self.turn]
-        if (k, mb) not in peer.waiting:
-            return None
-        h, sent = peer.waiting.pop((k, mb))
-        peer.taken = mb + 1
-        rows = sent if sent is not None else (
-            None if peer.data is None else micro_batch(np.asarray(peer.data.step_rows(k), np.int64), mb, self.mbs))
-        return Batch(k, mb, self.mbs, h, rows, self, client=peer.index)
-
-    def _common_rows(self, k: int, mb: int, sent: list[np.ndarray | None]) -> np.ndarray | str | None:
-        """The rows of a vertical micro-batch: those every party sent (``send_rows``; the refusal's text when
-        two differ), else the shared order's (None without ``[data]``)."""
-        if not self.exp.send_rows:
-            data = self.side.data
-            return None if data is None else micro_batch(np.asarray(data.step_rows(k), np.int64), mb, self.mbs)
-        rows = sent[0]
-        assert rows is not None        # send_rows: every forward carries its rows
-        for peer, other in zip(self.peers[1:], sent[1:]):
-            assert other is not None
-            if not np.array_equal(other, rows):
-                at = int(np.argmax(other != rows))
-                return (f"the feature parties sent different rows for step {k} micro-batch {mb}: "
-                        f"{self.peers[0].name} row {int(rows[at])}, {peer.name} row {int(other[at])} at position "
-                        f"{at}; every party must send the same rows (nothing was applied)")
-        return rows
+        forward = self.owners.take_turn(self.turn, k, mb, self.mbs)
+        return None if forward is None else Batch(k, mb, self.mbs, *forward, self, client=self.turn)
 
     def _awaited(self) -> list[Peer]:
         """The data owners this side waits for now: those whose part of the next batch is missing, or after
@@ -262,7 +203,7 @@ class GroupServer(CutServer, serves_several=True):
         if msg.type == wire.HELLO:
             self.server.reply(envelope, self._welcome(envelope, msg, peer_key))
             return None
-        peer = self._peer_of(msg)
+        peer = self.owners.of_run(msg)
         if msg.type == wire.BYE and peer.bye is not None:
             self.server.reply(envelope, peer.bye)      # a repeated bye: its reply again
             return None
@@ -278,14 +219,6 @@ class GroupServer(CutServer, serves_several=True):
         peer.heard, peer.envelope = time.monotonic(), envelope
         return None
 
-    def _peer_of(self, msg: Message) -> Peer:
-        """The data owner whose run ``msg`` is (``ProtocolError``, code ``run``, for none)."""
-        for peer in self.peers:
-            if peer.joined and peer.run == msg.run:
-                return peer
-        raise unknown_run(msg, "a hello first" if not any(p.run for p in self.peers)
-                          else f"one of the runs {self.runs()}")
-
     def _aborted(self, msg: Message, peer_key: str) -> NoReturn:
         """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
         are told when this side closes. A notice of no run served here, or from another key than the one
@@ -295,25 +228,18 @@ class GroupServer(CutServer, serves_several=True):
         joined = [p for p in self.peers if p.run]
         sender = next((p for p in joined if p.run == msg.run), None)
         if len(joined) == len(self.peers) and sender is None:
-            raise unknown_run(msg, f"one of the runs {self.runs()}")
+            raise unknown_run(msg, f"one of the runs {self.owners.runs()}")
         if sender is not None:
             check_owner(sender.owner, peer_key, msg)
             self.told.add(sender.index)
         who = sender.name if sender is not None else "a data owner"
         self._peer_stopped(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} steps)")
 
-    def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
-        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``
-        (``protocol.hello_peer``, the rule of every serving end)."""
-        if self.vertical:
-            return self.peers[hello_peer(body, self.exp.name, parties=[p.role for p in self.peers])]
-        return self.peers[hello_peer(body, self.exp.name, clients=len(self.peers))]
-
     def _welcome(self, envelope: list[bytes], msg: Message, peer_key: str) -> Message:
         """Take a data owner's run up at its step, or at the step before it when its replies of that step
         are cached here; anything else is refused naming both steps (as with one data owner)."""
         body = msg.body
-        peer = self._peer_for_hello(body)
+        peer = self.owners.of_hello(body)
         mbs = check_hello(body, peer.role, self.exp, self.exp.seed, peer.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
         check_lockstep(staleness)
@@ -323,25 +249,14 @@ class GroupServer(CutServer, serves_several=True):
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
         check_takeover(msg, peer.run, peer.since, now - peer.heard, self.bounds.liveness_s, peer.name, peer.step,
                        peer.taken, peer.owner, peer_key)
-        for other in self.peers:
-            if other is peer:
-                continue
-            if other.run == msg.run:
-                raise ProtocolError(ErrorCode.RUN, f"run {msg.run!r} is {other.name}'s; {peer.name} needs a run of "
-                                                   f"its own (each Cut has its own run id)")
-            if peer_key and other.owner == peer_key:
-                raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {other.name}; it cannot also be "
-                                                   f"{peer.name} (each data owner has its own key)")
+        self.owners.check_own(peer, msg.run, peer_key)
         if mbs != self.mbs and (self.step or self.next_mb or any(p.run for p in self.peers if p is not peer)):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but this run's other "
                                                     f"data owners take {self.mbs}")
         next_step = rejoin_step(held, peer.step, peer.cache, mbs, peer.name, msg.run)
         if msg.run != peer.run:
             self.log.info("%s starts run %s", peer.name, msg.run)
-            peer.cache, peer.senders, peer.since = {}, Senders(self.exp.codecs), time.time()
-        peer.run, peer.owner, peer.bye, peer.joined = msg.run, peer_key, None, True
-        peer.waiting, peer.evaluate = {}, None     # what it sent before this hello, it sends again
-        peer.heard, peer.envelope = now, envelope
+        peer.take_up(msg.run, peer_key, envelope, now, self.exp.codecs)
         self.mbs = mbs
         self.log.info("%s said hello (run %s, %d micro-batches); next step %d", peer.name, msg.run, mbs, next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
@@ -387,13 +302,12 @@ class GroupServer(CutServer, serves_several=True):
     def _score_held_out(self) -> None:
         """Once every party sent its held-out embeddings of the same step: combined as a batch is, scored by
         the loop's ``evaluate``, the same scores to each party (a daemon label owner's evaluation)."""
-        sent = [p.evaluate for p in self.peers]
-        if self.evaluate is None or self.test_rows is None or not all(sent):
+        if self.evaluate is None or self.test_rows is None:
             return
-        steps = {e[0] for e in sent if e is not None}
-        if steps != {self.step + 1}:
+        parts = self.owners.held_out(self.step + 1)
+        if parts is None:
             return
-        h = aggregate.combine(str(self.exp.aggregate), [e[1] for e in sent if e is not None])
+        h = aggregate.combine(str(self.exp.aggregate), parts)
         h.setflags(write=False)
         body = evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows))
         for p in self.peers:
@@ -422,8 +336,8 @@ class GroupServer(CutServer, serves_several=True):
         peers = self.peers if batch.client is None else [self.peers[batch.client]]
         if nonfinite is not None:
             self._fail_peers(batch, peers, nonfinite)
-        grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
-                 else [grad])
+        grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.owners.widths)
+                 if self.vertical else [grad])
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
             # A part that is still the loop's array is copied (``owned_copy``): the loop may write it again.
@@ -485,11 +399,8 @@ class GroupServer(CutServer, serves_several=True):
         it is, and each data owner's run, step, replies of its last step and codec residuals, as plain
         values and numpy arrays."""
         self._check_savable()
-        peers = [{"run": p.run, "step": p.step, "finished": p.bye is not None, "residuals": p.senders.state_arrays(),
-                  "replies": [reply_state(m) for m in p.cache.values()]}
-                 for p in self.peers]
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "step": self.step,
-                "turn": self.turn, "micro_batches": self.mbs, "peers": peers}
+                "turn": self.turn, "micro_batches": self.mbs, "peers": self.owners.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict`` of a server of this interface) says, before the first
@@ -504,12 +415,7 @@ class GroupServer(CutServer, serves_several=True):
                   for p, e in zip(self.peers, entries)]
         if not self.vertical and step < self.exp.steps and entries[turn]["finished"]:
             raise ConfigError(f"the state's turn is client {turn}'s, which said bye")
-        for peer, (run, peer_step, cache), entry in zip(self.peers, loaded, entries):
-            peer.run, peer.step, peer.cache = run, peer_step, cache
-            if entry["finished"]:    # a bye it sends again is answered
-                peer.bye = Message(wire.BYE, run, peer_step + 1, body={"steps": peer_step})
-        for peer, entry in zip(self.peers, entries):
-            peer.senders.load_state_arrays(entry["residuals"])
+        self.owners.load(loaded, entries)
         self.step, self.turn, self.mbs = step, turn, mbs
 
     # -- the end
@@ -518,7 +424,7 @@ class GroupServer(CutServer, serves_several=True):
         return self.step >= self.exp.steps and not self.next_mb
 
     def _all_said_bye(self) -> bool:
-        return all(p.bye is not None for p in self.peers)
+        return self.owners.all_said_bye()
 
     _whose_bye = "every data owner's bye"
 

@@ -17,8 +17,11 @@ of those and computation happens between two calls of ``__next__``, on the
 caller's thread. Hosting it would mean an adapter stage whose every method
 hands control back to the caller mid-``handle`` (inverting the serving loop)
 and a checkpoint format that is the caller's: more code than this one-peer
-machine, which reuses the same mechanisms instead: ``wire.transport.Server``
-(bounded polls, CURVE, size limits), ``wire.messages.decode``,
+machine, which reuses the same mechanisms instead: its base
+``run.cut_loop.LoopServer`` (the rules every label-owner end keeps with its
+loop, written once for this class and ``run.cut_group.GroupServer``),
+``run.cut_state`` (its checkpoint), ``wire.transport.Server`` (bounded
+polls, CURVE, size limits), ``wire.messages.decode``,
 ``wire.wirecodec`` (codecs, error feedback), ``run.handshake.check_hello``
 (the interface compared field by field) and ``run.protocol``, the rules it
 shares with the daemons (refusals, ping, owner key, step order, the bye and its
