@@ -32,6 +32,12 @@ HELD_MODULES = [
     "run/driver_state.py",
     "run/driver_records.py",
     "run/driver_steps.py",
+    # the cut library's label-owner end: one data owner, several, what they share, their data owners, their state
+    "run/cut_server.py",
+    "run/cut_group.py",
+    "run/cut_loop.py",
+    "run/cut_owners.py",
+    "run/cut_state.py",
     # data sources: the registry, the row walk, generated data, file data and its parts, views over a source
     "config/data.py",
     "config/batches.py",

@@ -31,66 +31,43 @@ vertical parties (``evaluate=``: every party's held-out embeddings combined,
 the same scores to each, as a daemon label owner scores them); with clients
 ``evaluate=`` is refused (a daemon scores each client between rounds, which a
 loop of its own cannot interleave).
+
+What every label-owner end keeps with its loop (the socket, the loop's turn, a
+failed step, the byes and the stop notice at the end) is its base's,
+``run.cut_loop.LoopServer``; each data owner's record, and what concerns them
+all, is ``run.cut_owners``; what a checkpoint holds, ``run.cut_state``.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping, NoReturn
 
 import numpy as np
 import zmq
 
-from distgrad.config.experiment import is_whole
-from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted,
-                             PeerTimeout, ProtocolError)
+from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, PeerTimeout, ProtocolError
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, check_residuals, check_run, check_step
-from distgrad.run.cut_server import Batch, CutServer, Evaluate, evaluation_scores, owned_copy, reply_state, saved_reply
+from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide
+from distgrad.run.cut_loop import Batch, Evaluate, LoopServer, evaluation_scores, owned_copy
+from distgrad.run.cut_server import CutServer
+from distgrad.run.cut_owners import DataOwners, Peer
+from distgrad.run.cut_state import GROUP_STATE_KEYS, PEER_STATE_KEYS, check_group_state, saved_peer
 from distgrad.run.handshake import check_hello, common_step
 from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_bye, check_evaluation_step,
                                    check_forward_order, check_lockstep, check_owner, check_takeover, hello_fields,
-                                   hello_peer, is_abort_notice, not_accepted, pong, prune_replies,
-                                   notify_stopped, resent_evaluation, unknown_run)
-from distgrad.stage.stage import ROWS_DTYPE, micro_batch, micro_shape
+                                   is_abort_notice, not_accepted, pong, prune_replies,
+                                   resent_evaluation, unknown_run)
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.transport import LINGER_MS, NOTICE_LINGER_MS, POLL_TICK_S
-from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, Senders, WireTensor, stream_name
+from distgrad.wire.transport import POLL_TICK_S
+from distgrad.wire.wirecodec import GRADIENT, Expected, stream_name
 
-GROUP_STATE_KEYS = ("version", "interface", "step", "turn", "micro_batches", "peers")   # a GroupServer's state
-PEER_STATE_KEYS = {"run", "step", "finished", "replies", "residuals"}                               # each peer's in it
-
-
-@dataclass
-class Peer:
-    """One data owner of a ``GroupServer``: a feature party or a client, with its own run and replies."""
-
-    index: int
-    name: str                        # how messages name it: "party b", "client 1"
-    role: str                        # the stage its hello names
-    shape: tuple[int, ...]           # its activation (and gradient) for a whole batch
-    data: Any | None                 # the rows it may send (``send_rows``) and, for a client, its shard's order
-    senders: Senders
-    run: str = ""                    # its run ("" before its first hello)
-    since: float = 0.0               # when that run started here (seconds since the epoch)
-    owner: str = ""                  # with CURVE: the key that opened the run
-    joined: bool = False             # said hello to this server (a resumed run is taken up at a hello)
-    step: int = 0                    # its steps replied to in full
-    taken: int = 0                   # micro-batches of step + 1 the loop has taken
-    cache: dict[tuple[int, int], Message] = field(default_factory=dict)    # its replies of its last step
-    waiting: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
-    step_rows: dict[int, np.ndarray] = field(default_factory=dict)         # send_rows: of step + 1, by mb
-    envelope: list[bytes] | None = None    # where it was last heard from (its replies go there)
-    heard: float = 0.0               # when it was last heard (time.monotonic; 0: never)
-    bye: Message | None = None       # the reply to its bye
-    evaluate: tuple[int, np.ndarray] | None = None   # its held-out embeddings sent for step (step, h)
-    evaluated: Message | None = None                 # its last evaluation reply (a resent one gets it again)
+# Where they were defined before ``run.cut_state`` and ``run.cut_owners`` held them: still importable from here.
+__all__ = ["GROUP_STATE_KEYS", "PEER_STATE_KEYS", "GroupServer", "Peer"]
 
 
 class GroupServer(CutServer, serves_several=True):
@@ -106,44 +83,23 @@ class GroupServer(CutServer, serves_several=True):
             raise ConfigError("evaluate=: a CutServer of several clients scores no held-out rows (a daemon scores "
                               "each client between rounds, which a loop of its own cannot interleave); give the "
                               "clients' [data] test_fraction = 0, or run the label owner as the daemon")
-        self.side, self.exp, self.bounds = side, exp, bounds
-        self.log = logging.getLogger(f"distgrad.{side.stage}")
+        # Not CutServer's __init__: the state of its one data owner is each ``Peer``'s here.
+        LoopServer.__init__(self, side, bounds, evaluate)
         self.vertical = exp.vertical
-        self.mbs = side.micro_batches
-        if self.vertical:
-            data = side.data
-            self.peers = [Peer(i, f"party {name}", name, exp.cuts[exp.stage_index(name)], data, Senders(exp.codecs))
-                          for i, name in enumerate(exp.data_owners)]
-            self.widths = [p.shape[-1] for p in self.peers]
-        else:
-            first = exp.stage_names[0]
-            self.peers = [Peer(c, f"client {c}", first, side.shape, side.data_of(c), Senders(exp.codecs))
-                          for c in range(exp.clients.count)]
-        self.step = 0                    # steps applied (vertical) or rounds done (clients)
+        self.owners = DataOwners(side)
+        self.peers = self.owners.peers
+        # ``step``: steps applied (vertical) or rounds done (clients); ``next_mb``: micro-batches of the step
+        # (or turn) in progress replied to.
         self.turn = 0                    # clients: whose turn it is in the round
-        self.next_mb = 0                 # micro-batches of the step (or turn) in progress replied to
         self.unsent: list[tuple[Peer, Message]] = []      # replies to send at the next ``__next__``
-        self.batch: Batch | None = None
-        self.done, self.closed = False, False
-        self.failure: DistgradError | None = None
         self.told: set[int] = set()      # peers that need no notice when this side stops (they know)
-        self.refused = ""
         self.waiting_logged: tuple[str, ...] = ()    # the silent data owners the last waiting warning named
-        self.evaluate = evaluate
-        self.test_rows = self._test_rows() if evaluate is not None else None
         specs = [self._forward_specs(p).specs for p in self.peers]
         if self.test_rows is not None:      # the held-out rows' embeddings may exceed a batch
             specs += [self._forward_specs(p).with_rows(len(self.test_rows)).specs for p in self.peers]
         self._bind_socket(endpoint, specs, ctx, curve_secret, allow)
 
-    def runs(self) -> str:
-        """The runs served, one per data owner, comma-separated (each ``Cut`` has its own)."""
-        return ",".join(p.run for p in self.peers)
-
     # -- the batches
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
     def __next__(self) -> Batch:
         """The next micro-batch to compute (every party's, combined; or the next client's in turn); first
         sends the replies the loop made since the last call. Stops after every data owner's bye. Raises
@@ -175,17 +131,14 @@ class GroupServer(CutServer, serves_several=True):
             return None
         k, mb = self.step + 1, self.next_mb
         if self.vertical:
-            if not all((k, mb) in p.waiting for p in self.peers):
+            taken = self.owners.take_all(k, mb)
+            if taken is None:
                 return None
-            taken = [p.waiting.pop((k, mb)) for p in self.peers]
-            for p in self.peers:
-                p.taken = mb + 1
             parts = tuple(h for h, _ in taken)
-            rows = self._common_rows(k, mb, [r for _, r in taken])
+            rows = self.owners.common_rows(k, mb, self.mbs, [r for _, r in taken])
             if isinstance(rows, str):
+                self.owners.give_back(mb)
                 for p in self.peers:
-                    p.taken = mb
-                    p.step_rows.pop(mb, None)
                     if p.envelope is not None:
                         self.server.reply(p.envelope, wire.error_message(p.run, k, ErrorCode.MISMATCH, rows, mb,
                                                                          self.mbs))
@@ -193,31 +146,8 @@ class GroupServer(CutServer, serves_several=True):
             h = aggregate.combine(str(self.exp.aggregate), list(parts))
             h.setflags(write=False)
             return Batch(k, mb, self.mbs, h, rows, self, parts=parts)
-        peer = self.peers[self.turn]
-        if (k, mb) not in peer.waiting:
-            return None
-        h, sent = peer.waiting.pop((k, mb))
-        peer.taken = mb + 1
-        rows = sent if sent is not None else (
-            None if peer.data is None else micro_batch(np.asarray(peer.data.step_rows(k), np.int64), mb, self.mbs))
-        return Batch(k, mb, self.mbs, h, rows, self, client=peer.index)
-
-    def _common_rows(self, k: int, mb: int, sent: list[np.ndarray | None]) -> np.ndarray | str | None:
-        """The rows of a vertical micro-batch: those every party sent (``send_rows``; the refusal's text when
-        two differ), else the shared order's (None without ``[data]``)."""
-        if not self.exp.send_rows:
-            data = self.side.data
-            return None if data is None else micro_batch(np.asarray(data.step_rows(k), np.int64), mb, self.mbs)
-        rows = sent[0]
-        assert rows is not None        # send_rows: every forward carries its rows
-        for peer, other in zip(self.peers[1:], sent[1:]):
-            assert other is not None
-            if not np.array_equal(other, rows):
-                at = int(np.argmax(other != rows))
-                return (f"the feature parties sent different rows for step {k} micro-batch {mb}: "
-                        f"{self.peers[0].name} row {int(rows[at])}, {peer.name} row {int(other[at])} at position "
-                        f"{at}; every party must send the same rows (nothing was applied)")
-        return rows
+        forward = self.owners.take_turn(self.turn, k, mb, self.mbs)
+        return None if forward is None else Batch(k, mb, self.mbs, *forward, self, client=self.turn)
 
     def _awaited(self) -> list[Peer]:
         """The data owners this side waits for now: those whose part of the next batch is missing, or after
@@ -273,7 +203,7 @@ class GroupServer(CutServer, serves_several=True):
         if msg.type == wire.HELLO:
             self.server.reply(envelope, self._welcome(envelope, msg, peer_key))
             return None
-        peer = self._peer_of(msg)
+        peer = self.owners.of_run(msg)
         if msg.type == wire.BYE and peer.bye is not None:
             self.server.reply(envelope, peer.bye)      # a repeated bye: its reply again
             return None
@@ -289,15 +219,7 @@ class GroupServer(CutServer, serves_several=True):
         peer.heard, peer.envelope = time.monotonic(), envelope
         return None
 
-    def _peer_of(self, msg: Message) -> Peer:
-        """The data owner whose run ``msg`` is (``ProtocolError``, code ``run``, for none)."""
-        for peer in self.peers:
-            if peer.joined and peer.run == msg.run:
-                return peer
-        raise unknown_run(msg, "a hello first" if not any(p.run for p in self.peers)
-                          else f"one of the runs {self.runs()}")
-
-    def _aborted(self, msg: Message, peer_key: str) -> None:
+    def _aborted(self, msg: Message, peer_key: str) -> NoReturn:
         """A data owner's notice that it stopped: ``PeerAborted`` for the loop, now and later; the others
         are told when this side closes. A notice of no run served here, or from another key than the one
         that opened that run, is refused as the daemons refuse it (``unknown_run``, ``check_owner``) once
@@ -306,28 +228,18 @@ class GroupServer(CutServer, serves_several=True):
         joined = [p for p in self.peers if p.run]
         sender = next((p for p in joined if p.run == msg.run), None)
         if len(joined) == len(self.peers) and sender is None:
-            raise unknown_run(msg, f"one of the runs {self.runs()}")
+            raise unknown_run(msg, f"one of the runs {self.owners.runs()}")
         if sender is not None:
             check_owner(sender.owner, peer_key, msg)
             self.told.add(sender.index)
         who = sender.name if sender is not None else "a data owner"
-        self.failure = PeerAborted(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} "
-                                   f"steps)")
-        self.log.warning("%s", self.failure)
-        raise self.failure
-
-    def _peer_for_hello(self, body: Mapping[str, Any]) -> Peer:
-        """The data owner a hello is from: a party by its stage (``role``), a client by its ``client``
-        (``protocol.hello_peer``, the rule of every serving end)."""
-        if self.vertical:
-            return self.peers[hello_peer(body, self.exp.name, parties=[p.role for p in self.peers])]
-        return self.peers[hello_peer(body, self.exp.name, clients=len(self.peers))]
+        self._peer_stopped(f"{abort_reason(msg)} ({who}, run {msg.run}; this side has applied {self.step} steps)")
 
     def _welcome(self, envelope: list[bytes], msg: Message, peer_key: str) -> Message:
         """Take a data owner's run up at its step, or at the step before it when its replies of that step
         are cached here; anything else is refused naming both steps (as with one data owner)."""
         body = msg.body
-        peer = self._peer_for_hello(body)
+        peer = self.owners.of_hello(body)
         mbs = check_hello(body, peer.role, self.exp, self.exp.seed, peer.shape, here=self.side.stage)
         _, staleness = hello_fields(body, "this label owner trains in its own loop and predicts nothing")
         check_lockstep(staleness)
@@ -337,34 +249,21 @@ class GroupServer(CutServer, serves_several=True):
         # A live run is busy whatever its step; a silent one mid-run cannot be taken over by another run.
         check_takeover(msg, peer.run, peer.since, now - peer.heard, self.bounds.liveness_s, peer.name, peer.step,
                        peer.taken, peer.owner, peer_key)
-        for other in self.peers:
-            if other is peer:
-                continue
-            if other.run == msg.run:
-                raise ProtocolError(ErrorCode.RUN, f"run {msg.run!r} is {other.name}'s; {peer.name} needs a run of "
-                                                   f"its own (each Cut has its own run id)")
-            if peer_key and other.owner == peer_key:
-                raise ProtocolError(ErrorCode.RUN, f"this client key said hello as {other.name}; it cannot also be "
-                                                   f"{peer.name} (each data owner has its own key)")
+        self.owners.check_own(peer, msg.run, peer_key)
         if mbs != self.mbs and (self.step or self.next_mb or any(p.run for p in self.peers if p is not peer)):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello asks for {mbs} micro-batches, but this run's other "
                                                     f"data owners take {self.mbs}")
         next_step = rejoin_step(held, peer.step, peer.cache, mbs, peer.name, msg.run)
         if msg.run != peer.run:
             self.log.info("%s starts run %s", peer.name, msg.run)
-            peer.cache, peer.senders, peer.since = {}, Senders(self.exp.codecs), time.time()
-        peer.run, peer.owner, peer.bye, peer.joined = msg.run, peer_key, None, True
-        peer.waiting, peer.evaluate = {}, None     # what it sent before this hello, it sends again
-        peer.heard, peer.envelope = now, envelope
+        peer.take_up(msg.run, peer_key, envelope, now, self.exp.codecs)
         self.mbs = mbs
         self.log.info("%s said hello (run %s, %d micro-batches); next step %d", peer.name, msg.run, mbs, next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.side.stage, "next_step": next_step})
 
     def _forward_specs(self, peer: Peer, mbs: int = 1) -> Expected:
         """What a forward of ``peer`` of one of ``mbs`` micro-batches carries (its rows with ``send_rows``)."""
-        shape = micro_shape(peer.shape, mbs)
-        others: dict[str, tuple[tuple[int, ...], Any]] = {"rows": ((shape[0],), ROWS_DTYPE)} if self.exp.send_rows else {}
-        return Expected(WireTensor(ACTIVATION, shape, self.exp.codecs[ACTIVATION]), others)
+        return self._forward_expected(peer.shape, mbs, self.exp.send_rows)
 
     def _keep_forward(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """Keep ``peer``'s forward until its batch is ready; a resent one gets its cached reply, or (the loop
@@ -389,10 +288,7 @@ class GroupServer(CutServer, serves_several=True):
     def _keep_evaluation(self, peer: Peer, envelope: list[bytes], msg: Message) -> None:
         """Keep ``peer``'s held-out embeddings until every party's of the step are in (``_score_held_out``); a
         resent evaluation gets its reply again."""
-        if self.evaluate is None or self.test_rows is None:
-            raise ProtocolError(ErrorCode.TYPE, f"experiment {self.exp.name!r}: this label owner's own loop "
-                                                f"scores no held-out rows (it gave CutServer.bind no evaluate=); "
-                                                f"give the data owners' [data] test_fraction = 0")
+        _, test_rows = self._scored_rows("the data owners'")
         if (again := resent_evaluation(peer.evaluated, msg)) is not None:
             self.server.reply(envelope, again)
             return
@@ -400,19 +296,18 @@ class GroupServer(CutServer, serves_several=True):
         if msg.step != self.step + 1:       # every data owner evaluates between the run's steps
             raise ProtocolError(ErrorCode.STEP, f"evaluate for step {msg.step}, but this run has {self.step} steps "
                                                 f"applied here: the held-out rows are scored between its steps")
-        specs = self._forward_specs(peer).with_rows(len(self.test_rows))
+        specs = self._forward_specs(peer).with_rows(len(test_rows))
         peer.evaluate = (msg.step, specs.receive(msg, self.exp.allow_nonfinite))
 
     def _score_held_out(self) -> None:
         """Once every party sent its held-out embeddings of the same step: combined as a batch is, scored by
         the loop's ``evaluate``, the same scores to each party (a daemon label owner's evaluation)."""
-        sent = [p.evaluate for p in self.peers]
-        if self.evaluate is None or self.test_rows is None or not all(sent):
+        if self.evaluate is None or self.test_rows is None:
             return
-        steps = {e[0] for e in sent if e is not None}
-        if steps != {self.step + 1}:
+        parts = self.owners.held_out(self.step + 1)
+        if parts is None:
             return
-        h = aggregate.combine(str(self.exp.aggregate), [e[1] for e in sent if e is not None])
+        h = aggregate.combine(str(self.exp.aggregate), parts)
         h.setflags(write=False)
         body = evaluation_scores(self.evaluate(h, self.test_rows), len(self.test_rows))
         for p in self.peers:
@@ -440,9 +335,9 @@ class GroupServer(CutServer, serves_several=True):
         value, nonfinite = self._checked(batch, loss, grad, batch.h.shape)
         peers = self.peers if batch.client is None else [self.peers[batch.client]]
         if nonfinite is not None:
-            self._fail_step(batch, peers, nonfinite)
-        grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.widths) if self.vertical
-                 else [grad])
+            self._fail_peers(batch, peers, nonfinite)
+        grads = (aggregate.split(str(self.exp.aggregate), np.ascontiguousarray(grad), self.owners.widths)
+                 if self.vertical else [grad])
         stream = stream_name(GRADIENT, batch.mb, batch.mbs)
         try:
             # A part that is still the loop's array is copied (``owned_copy``): the loop may write it again.
@@ -452,7 +347,7 @@ class GroupServer(CutServer, serves_several=True):
         except CodecRangeError as e:
             for p in peers:
                 p.senders.discard()
-            self._fail_step(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
+            self._fail_peers(batch, peers, f"stage {self.side.stage}: {e}; nothing of this step was applied")
         body = {**peers[0].senders.reply_body(value), "compute_s": time.perf_counter() - batch.started}
         for p, tensors in zip(peers, sent):
             reply = Message(wire.BACKWARD, p.run, batch.step, batch.mb, batch.mbs, tensors=tensors, body=dict(body))
@@ -482,22 +377,20 @@ class GroupServer(CutServer, serves_several=True):
         staying = [p.index for p in self.peers if p.bye is None]
         self.turn = staying[0] if staying and not self._complete() else 0
 
-    def _fail_step(self, batch: Batch, peers: list[Peer], text: str) -> None:
-        """The loop's step failed: its data owners are told (``nonfinite_step``), the loop gets the error."""
-        batch.replied = True
-        self.failure = NonFiniteError(text)
-        for p in peers:
-            self.told.add(p.index)
-            if p.envelope is not None:
-                self.server.reply(p.envelope, wire.error_message(p.run, batch.step, ErrorCode.NONFINITE_STEP, text,
-                                                                 batch.mb, batch.mbs))
-        raise self.failure
+    def _fail_peers(self, batch: Batch, peers: list[Peer], text: str) -> NoReturn:
+        """The loop's step failed: its data owners are told (``nonfinite_step``) and need no other notice,
+        the loop gets the error."""
+        self.told.update(p.index for p in peers)
+        self._fail_step(batch, text, [(p.run, p.envelope) for p in peers if p.envelope is not None])
 
     def _flush(self) -> None:
         unsent, self.unsent = self.unsent, []
         for peer, reply in unsent:
             if peer.envelope is not None:
                 self.server.reply(peer.envelope, reply)
+
+    def _drop_unsent(self) -> None:
+        self.unsent = []
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -506,11 +399,8 @@ class GroupServer(CutServer, serves_several=True):
         it is, and each data owner's run, step, replies of its last step and codec residuals, as plain
         values and numpy arrays."""
         self._check_savable()
-        peers = [{"run": p.run, "step": p.step, "finished": p.bye is not None, "residuals": p.senders.state_arrays(),
-                  "replies": [reply_state(m) for m in p.cache.values()]}
-                 for p in self.peers]
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "step": self.step,
-                "turn": self.turn, "micro_batches": self.mbs, "peers": peers}
+                "turn": self.turn, "micro_batches": self.mbs, "peers": self.owners.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict`` of a server of this interface) says, before the first
@@ -520,69 +410,13 @@ class GroupServer(CutServer, serves_several=True):
         if any(p.joined for p in self.peers) or self.batch is not None:
             raise CutMisuse("load_state_dict after the run began; load it before the first batch "
                             "(or CutServer.bind(..., state=...))")
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ConfigError(f"not a cut state of version {STATE_VERSION}: {wire.show(state)}")
-        if set(state) != set(GROUP_STATE_KEYS):
-            raise ConfigError(f"not the state_dict of a CutServer of several data owners: it holds "
-                              f"{sorted(map(str, state))}, that one exactly {list(GROUP_STATE_KEYS)} (a Cut's and a "
-                              f"CutServer's of one data owner differ)")
-        if state["interface"] != self.exp.interface_fingerprint:
-            raise ConfigError("this state is of another interface (its fingerprint differs): resume with the "
-                              "interface it was saved under")
-        step, mbs, turn = check_step(state["step"], self.exp.steps), state["micro_batches"], state["turn"]
-        if not is_whole(mbs) or mbs < 1 or self.exp.batch % mbs:
-            raise ConfigError(f"the state's micro_batches {wire.show(mbs)} is not a count that divides the "
-                              f"batch ({self.exp.batch})")
-        entries = state["peers"]
-        if not isinstance(entries, (list, tuple)) or len(entries) != len(self.peers):
-            raise ConfigError(f"the state's peers must be a list of {len(self.peers)} (one per data owner), got "
-                              f"{wire.show(entries)}")
-        if not is_whole(turn) or not 0 <= turn < len(self.peers) or (self.vertical and turn):
-            raise ConfigError(f"the state's turn {wire.show(turn)} is not a data owner's index here")
-        loaded = [self._saved_peer(p, e, step, turn, mbs) for p, e in zip(self.peers, entries)]
+        step, mbs, turn, entries = check_group_state(state, self.exp, len(self.peers))
+        loaded = [saved_peer(e, p.name, p.index, p.shape, self.side, step, turn, mbs)
+                  for p, e in zip(self.peers, entries)]
         if not self.vertical and step < self.exp.steps and entries[turn]["finished"]:
             raise ConfigError(f"the state's turn is client {turn}'s, which said bye")
-        for peer, (run, peer_step, cache), entry in zip(self.peers, loaded, entries):
-            peer.run, peer.step, peer.cache = run, peer_step, cache
-            if entry["finished"]:    # a bye it sends again is answered
-                peer.bye = Message(wire.BYE, run, peer_step + 1, body={"steps": peer_step})
-        for peer, entry in zip(self.peers, entries):
-            peer.senders.load_state_arrays(entry["residuals"])
+        self.owners.load(loaded, entries)
         self.step, self.turn, self.mbs = step, turn, mbs
-
-    def _saved_peer(self, peer: Peer, entry: Any, step: int, turn: int, mbs: int
-                    ) -> tuple[str, int, dict[tuple[int, int], Message]]:
-        """One data owner's part of a state, checked: its run, step and cached replies."""
-        where = f"the state's entry of {peer.name}"
-        if not isinstance(entry, Mapping) or set(entry) != PEER_STATE_KEYS:
-            raise ConfigError(f"{where} must hold exactly {sorted(PEER_STATE_KEYS)}, got {wire.show(entry)}")
-        run, peer_step, replies, residuals = entry["run"], entry["step"], entry["replies"], entry["residuals"]
-        finished = entry["finished"]
-        # Vertical: every party stands at the step; clients: those before the turn have done this round too
-        # (one that said bye may have left earlier).
-        expected = step if self.vertical or peer.index >= turn else step + 1
-        if not isinstance(finished, bool) or (self.vertical and finished and step < self.exp.steps):
-            raise ConfigError(f"{where} has finished={wire.show(finished)}; expected a bool (a feature party "
-                              f"finishes at the last step)")
-        if not is_whole(peer_step) or not (peer_step == expected or finished and 0 <= peer_step <= expected):
-            raise ConfigError(f"{where} has step {wire.show(peer_step)}; at step {step} (turn {turn}) it stands at "
-                              f"{expected}")
-        if run == "":
-            if peer_step or replies:
-                raise ConfigError(f"{where} has no run but steps or replies")
-        else:
-            check_run(run)
-        if not isinstance(replies, (list, tuple)):
-            raise ConfigError(f"{where}: its replies must be a list, got {type(replies).__name__}")
-        if not isinstance(residuals, Mapping) or not all(isinstance(a, np.ndarray) and a.dtype == np.float32
-                                                          for a in residuals.values()):
-            raise ConfigError(f"{where}: its residuals must map names to float32 arrays, got {wire.show(residuals)}")
-        check_residuals(residuals, self.side, GRADIENT, mbs, peer.shape)
-        cache = {}
-        for r in replies:
-            reply = saved_reply(r, run, peer_step, mbs, micro_shape(peer.shape, mbs), self.exp)
-            cache[(reply.step, reply.mb)] = reply
-        return run, peer_step, cache
 
     # -- the end
     def _complete(self) -> bool:
@@ -590,75 +424,46 @@ class GroupServer(CutServer, serves_several=True):
         return self.step >= self.exp.steps and not self.next_mb
 
     def _all_said_bye(self) -> bool:
-        return all(p.bye is not None for p in self.peers)
+        return self.owners.all_said_bye()
 
-    def _close(self, failure: str | None) -> None:
-        """Close as ``close`` does, for every data owner: after the last step, serve them until each said
-        bye (at most ``liveness_s`` of their silence); mid-run, or when ``failure`` says why this side's
-        loop failed, tell each that has not stopped itself (an ``aborted`` notice) instead."""
-        if self.closed:
-            return
-        notice = failure
-        try:
-            if failure is not None:
-                self.unsent = []
-            else:
-                self._flush()
-                if not self._all_said_bye() and self._complete() and self.failure is None:
-                    self._await_byes()
-                elif not self._all_said_bye():
-                    notice = (f"its loop closed the CutServer after step {self.step} of {self.exp.steps}, before "
-                              f"every data owner's bye")
-            if any(p.bye is not None for p in self.peers):
-                self._linger_after_byes()
-        finally:
-            self.closed = True
-            told = self._tell_stopped(notice) if notice is not None else False
-            self.server.close(NOTICE_LINGER_MS if told else LINGER_MS)
-            if self.curve is not None:
-                self.curve.stop()
+    _whose_bye = "every data owner's bye"
 
-    def _tell_stopped(self, reason: str) -> bool:
-        """Tell every data owner that has neither said bye nor stopped itself that this side stopped
-        (``reason``), where it was last heard from, at once (``protocol.notify_stopped``, the rule of every
-        cut server): one that resends on a fresh socket meanwhile, which the notice cannot reach there, gets
-        it in reply to its next request (awaited while it is live, at most ``liveness_s``). Whether there was
-        anyone to tell."""
-        targets = [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
+    def _byes_due(self) -> bool:
+        return self._complete() and self.failure is None
+
+    def _owing_bye_heard(self) -> float:
+        return max([0.0] + [p.heard for p in self.peers if p.bye is None])
+
+    def _no_bye_yet(self) -> str:
+        return f"no bye from {', '.join(p.name for p in self.peers if p.bye is None)}"
+
+    def _ended_runs(self) -> set[str]:
+        return {p.run for p in self.peers if p.bye is not None}
+
+    def _closing_text(self) -> str:
+        return "this label owner is closing; its data owners said bye"
+
+    def _serve(self, request: tuple[list[bytes], list[Any], str]) -> None:
+        """Answer one request received while the byes are awaited; the held-out rows are scored once every
+        party's are in."""
+        self._answer(request, self._handle)
+        self._score_held_out()
+
+    def _waiting(self) -> list[Peer]:
+        """The data owners heard from that have neither said bye nor stopped themselves."""
+        return [p for p in self.peers if p.bye is None and p.index not in self.told and p.envelope is not None]
+
+    def _waiting_places(self) -> dict[str, list[list[bytes]]]:
+        """Each data owner that may wait (``_waiting``), where it was last heard from."""
+        return {p.run: [p.envelope] for p in self._waiting() if p.envelope is not None}
+
+    def _tell_stopped(self, reason: str, places: dict[str, list[list[bytes]]]) -> bool:
+        """Tell the data owners at ``places`` that this side stopped (``reason``, ``_send_stop_notice``).
+        Whether there was anyone to tell."""
+        targets = self._waiting()
         now = time.monotonic()
-        places = {p.run: [p.envelope] for p in targets if p.envelope is not None}
         live = {p.run for p in targets if now - p.heard < self.bounds.liveness_s}
-        told = notify_stopped(self.server, self.max_tensor, places, live, now + self.bounds.liveness_s,
-                              lambda run: wire.abort_notice(run, self.side.stage, reason))
+        told = self._send_stop_notice(places, live, reason)
         if targets:
             self.log.warning("told %s that this side stopped: %s", ", ".join(p.name for p in targets), reason)
         return told
-
-    def _await_byes(self) -> None:
-        """After the run's last step: serve the data owners (a resent step, a ping) until each said bye, or
-        until those that have not are silent for ``liveness_s`` (at most ``liveness_s + peer_deadline_s``)."""
-        started = time.monotonic()
-        latest = started + self.bounds.liveness_s + self.bounds.peer_deadline_s
-        while not self._all_said_bye():
-            now = time.monotonic()
-            heard = max([started] + [p.heard for p in self.peers if p.bye is None])
-            if now >= min(latest, heard + self.bounds.liveness_s):
-                self.log.warning("no bye from %s within liveness_s = %g s after the last step; closing (every "
-                                 "step is replied to here)", ", ".join(p.name for p in self.peers if p.bye is None),
-                                 self.bounds.liveness_s)
-                return
-            request = self.server.receive(POLL_TICK_S)
-            if request is not None:
-                self._answer(request, self._handle)
-                self._score_held_out()
-        self.done = True
-
-    def _linger_after_byes(self) -> None:
-        """After the byes: answer what is still arriving (a bye resent because its reply was lost, a ping;
-        anything else is refused) until nothing has for ``POLL_TICK_S``, at most ``liveness_s``."""
-        def ended(envelope: list[bytes], msg: Message, peer_key: str) -> Any:
-            if msg.type == wire.PING or msg.type == wire.BYE and any(p.bye and p.run == msg.run for p in self.peers):
-                return self._handle(envelope, msg, peer_key)
-            raise ProtocolError(ErrorCode.RUN, "this label owner is closing; its data owners said bye")
-
-        self._answer_until_quiet(ended)
