@@ -62,6 +62,24 @@ def _compile_the_sources_once() -> None:
             compileall.compile_dir(directory, quiet=2, workers=1)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    """Keep the test modules' assertion-rewritten code in tests/__pycache__, whatever PYTHONDONTWRITEBYTECODE says.
+
+    pytest rewrites the asserts of every test module it imports and caches the result in a .pyc of its own,
+    which it reads whatever PYTHONDONTWRITEBYTECODE says but writes only without it: with it set (as on some
+    CI and sandbox images) every collection, in every xdist worker, rewrote and compiled all of tests/ again,
+    about 5 s of CPU each (more than half of collecting the suite). Only collection writes them: the imports
+    a test makes while it runs (modules a test writes into its tmp_path) still follow the environment.
+    """
+    saved = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = saved
+
+
 def _build_matplotlib_font_cache() -> None:
     """Build matplotlib's font cache before any test runs, where matplotlib is installed.
 
