@@ -62,6 +62,24 @@ def _compile_the_sources_once() -> None:
             compileall.compile_dir(directory, quiet=2, workers=1)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    """Keep the test modules' assertion-rewritten code in tests/__pycache__, whatever PYTHONDONTWRITEBYTECODE says.
+
+    pytest rewrites the asserts of every test module it imports and caches the result in a .pyc of its own,
+    which it reads whatever PYTHONDONTWRITEBYTECODE says but writes only without it: with it set (as on some
+    CI and sandbox images) every collection, in every xdist worker, rewrote and compiled all of tests/ again,
+    about 5 s of CPU each (more than half of collecting the suite). Only collection writes them: the imports
+    a test makes while it runs (modules a test writes into its tmp_path) still follow the environment.
+    """
+    saved = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = saved
+
+
 def _build_matplotlib_font_cache() -> None:
     """Build matplotlib's font cache before any test runs, where matplotlib is installed.
 
@@ -186,11 +204,28 @@ def integration_reason(item: pytest.Item) -> str | None:
     return None
 
 
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture of tests/ (set up once for the module's tests in a row)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(fixturedef.scope == "module" and _is_test_code(fixturedef.func)
+               for fixture in getattr(item, "fixturenames", ()) for fixturedef in defs.get(fixture, ()))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the integration tests; then run the unit tests after all the others.
+
+    The order is for pytest-xdist's balance: its workers take the tests in this order, so the last ones to
+    start were integration tests of a few seconds each (several PyTorch or kill -9 runs among them), and a
+    worker that started one late kept the run going while the others had nothing left. The unit tests, some
+    1800 of a fraction of a second, now fill that end instead. Each part keeps its order (files, then
+    tests), and a unit test that shares a module fixture stays with its module's other tests, so that the
+    fixture is not set up twice.
+    """
     for item in items:
         reason = integration_reason(item)
         if reason is not None and item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.integration(reason=reason))
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None and not _shares_a_module_fixture(item))
 
 
 def _forbidden(item: pytest.Item, what: str):

@@ -20,7 +20,7 @@ import pytest
 
 from distgrad.run.launcher import pinned_env
 
-from conftest import free_tcp_port, run_cli
+from conftest import free_tcp_port, run_main
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT_DEADLINE_S = 60.0          # each script's smallest run takes seconds; this only bounds a hang
@@ -297,8 +297,8 @@ def test_torch_split(tmp_path):
 def test_attackers(tmp_path):
     """The independent attackers on a short traced, metered run print each figure beside the meter's."""
     trace, summary = tmp_path / "run.jsonl", tmp_path / "run.json"
-    result = run_cli(["run", "digits", "--steps", "20", "--privacy-meter", "--in-process", "--trace", trace,
-                      "--trace-params", "sent_activation_grad,sent_activation", "--summary", summary])
+    result = run_main(["run", "digits", "--steps", "20", "--privacy-meter", "--in-process", "--trace", trace,
+                       "--trace-params", "sent_activation_grad,sent_activation", "--summary", summary])
     assert result.returncode == 0, result.stderr
     result = run_script("attackers.py", "digits", trace, "--summary", summary, "--seeds", "2")
     figures = json.loads(result.stdout.splitlines()[-1])

@@ -23,7 +23,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.stage.records import TraceWriter, read_trace
 from distgrad.stage.stage import Stage
 
-from conftest import run_cli, train_last_step
+from conftest import run_launcher, train_last_step
 
 
 def _store(tmp_path, stage="g"):
@@ -199,7 +199,7 @@ def test_resuming_from_a_pickled_checkpoint_exits_2_before_any_stage_starts(tmp_
     """No pickle in a checkpoint, end to end: `distgrad run --resume` over a checkpoint directory where one stage's newest
     checkpoint verifies but holds an object member exits 2 naming it, and leaves every file as it was."""
     folder = tmp_path / "ckpt"
-    first = run_cli(["run", "digits", "--steps", "2", "--checkpoint-dir", folder, "--checkpoint-every", "1"])
+    first = run_launcher(["run", "digits", "--steps", "2", "--checkpoint-dir", folder, "--checkpoint-every", "1"])
     assert first.returncode == 0, first.stderr
     newest = max(folder.glob("g-*.ckpt"))
     with np.load(io.BytesIO(_payload(newest)[1]), allow_pickle=False) as npz:
@@ -209,7 +209,7 @@ def test_resuming_from_a_pickled_checkpoint_exits_2_before_any_stage_starts(tmp_
     np.savez(payload, **arrays)
     _rewrite(newest, payload.getvalue())
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    result = run_cli(["run", "digits", "--steps", "4", "--checkpoint-dir", folder, "--resume"])
+    result = run_launcher(["run", "digits", "--steps", "4", "--checkpoint-dir", folder, "--resume"])
     assert result.returncode == 2, result.stderr
     assert f"checkpoint {newest} passes its checksum" in result.stderr and "[g]" not in result.stdout
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

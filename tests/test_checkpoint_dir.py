@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import StageProcess, read_json, run_cli, run_main
+from conftest import StageProcess, read_json, run_launcher, run_main
 from distgrad.errors import OutputWriteError
 from distgrad.run.progress import MetricsWriter
 
@@ -28,8 +28,8 @@ def _ckpts(directory: Path) -> dict[str, float]:
 
 def test_a_second_run_keeps_the_first_runs_checkpoints_and_resumes_its_own(tmp_path, stage_group):
     ck = tmp_path / "ckpt"
-    first = run_cli(["run", "tanh-regression", "--seed", "7", "--steps", "400", "--checkpoint-dir", ck,
-                     "--checkpoint-every", "50"])
+    first = run_launcher(["run", "tanh-regression", "--seed", "7", "--steps", "400", "--checkpoint-dir", ck,
+                          "--checkpoint-every", "50"])
     assert first.returncode == 0, first.stderr
     first_files = _ckpts(ck)
     assert len(first_files) == 6                   # f and g: the newest three each
@@ -171,16 +171,16 @@ def test_rerunning_a_finished_run_with_resume_does_nothing_and_touches_nothing(t
     args = ["run", "seed-reverse", "--steps", "100", "--checkpoint-dir", ck, "--checkpoint-every", "50", "--resume",
             "--summary", tmp_path / "out.summary.json", "--trace", tmp_path / "out.trace.jsonl",
             "--metrics", tmp_path / "out.metrics.jsonl"]
-    first = run_cli(args)
+    first = run_launcher(args)
     assert first.returncode == 0, first.stderr
     before, files = _outputs(tmp_path), _ckpts(ck)
     assert sorted(before) == ["out.metrics.g.jsonl", "out.metrics.jsonl", "out.summary.json", "out.trace.jsonl"]
-    again = run_cli(args, timeout=30)
+    again = run_launcher(args)
     assert again.returncode == 0, again.stderr
     assert "finished at step 100; nothing to do (start without --resume for a new run)" in again.stdout + again.stderr
     assert _outputs(tmp_path) == before and _ckpts(ck) == files
     old_run = read_json(tmp_path / "out.summary.json")["run_id"]
-    fresh = run_cli([a for a in args if a != "--resume"])     # told to: a new run
+    fresh = run_launcher([a for a in args if a != "--resume"])     # told to: a new run
     assert fresh.returncode == 0, fresh.stderr
     assert read_json(tmp_path / "out.summary.json")["run_id"] != old_run
 
@@ -216,8 +216,8 @@ def test_the_python_api_returns_a_finished_runs_summary(tmp_path):
 def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
     ck = tmp_path / "ckpt"
     common = ["run", "seed-reverse", "--checkpoint-dir", ck, "--checkpoint-every", "25", "--resume"]
-    assert run_cli([*common, "--steps", "60"]).returncode == 0
-    more = run_cli([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
+    assert run_launcher([*common, "--steps", "60"]).returncode == 0
+    more = run_launcher([*common, "--steps", "120", "--summary", tmp_path / "more.json"])
     assert more.returncode == 0, more.stderr
     reference = run_main(["run", "seed-reverse", "--in-process", "--steps", "120", "--summary", tmp_path / "ref.json"])
     assert reference.returncode == 0, reference.stderr

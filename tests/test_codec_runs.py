@@ -21,7 +21,7 @@ from distgrad.run.serving import ServingStage
 from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode, Message
 
-from conftest import free_tcp_endpoint, read_json, read_lines, run_cli, run_launcher, run_main
+from conftest import free_tcp_endpoint, read_json, read_lines, run_launcher, run_main
 from handshake import hello_message, only_reply
 from test_faults import Pair
 
@@ -304,8 +304,8 @@ def test_a_float16_overflow_fails_the_run_naming_tensor_and_step(tmp_path):
     assert "beyond float16's range" in result.stderr
     # The gradient direction, over processes: the serving stage fails the step, nothing is applied, and
     # every stage exits 1 (as for a non-finite gradient).
-    result = run_cli(["run", experiment, "--gradient-codec", "float16", "--init", "g1.W=30000",
-                      "--summary", tmp_path / "s.json"])
+    result = run_launcher(["run", experiment, "--gradient-codec", "float16", "--init", "g1.W=30000",
+                           "--summary", tmp_path / "s.json"])
     assert result.returncode == 1, result.stdout + result.stderr
     message = "stage g: codec float16: tensor 'activation_grad/mb0of1' at step 1"
     for stage in ("f", "g"):            # both name the tensor and the step (and both exit 1)

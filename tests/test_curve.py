@@ -13,7 +13,7 @@ from distgrad.wire import messages as wire
 from distgrad.config.parse import load_experiment
 from distgrad.wire.keys import apply_curve_client, keygen
 
-from conftest import StageProcess, hello_message, read_json, run_cli, run_main, splitfed_every
+from conftest import StageProcess, hello_message, read_json, run_cli, run_launcher, run_main, splitfed_every
 
 NO_REPLY_MS = 1500
 
@@ -131,7 +131,7 @@ def test_a_flood_of_refused_keys_is_logged_in_bounded_lines(tmp_path):
 
 def test_launcher_secure_run_is_bitwise_equal(tmp_path):
     summary, reference = tmp_path / "s.json", tmp_path / "r.json"
-    result = run_cli(["run", "seed-reverse", "--secure", "--summary", summary])
+    result = run_launcher(["run", "seed-reverse", "--secure", "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "INFO distgrad.g: stage g of seed-reverse serving on" in result.stdout
     assert "(CURVE: the link is encrypted, and only allowed client keys are accepted)" in result.stdout
@@ -147,7 +147,7 @@ def test_launcher_secure_run_of_clients_or_parties_is_bitwise_equal(tmp_path, ex
     summary, reference = tmp_path / "s.json", tmp_path / "r.json"
     if experiment == "digits-splitfed":             # averaging within the run's 6 steps
         experiment = str(splitfed_every(tmp_path, 3))
-    result = run_cli(["run", experiment, "--secure", "--steps", "6", "--summary", summary])
+    result = run_launcher(["run", experiment, "--secure", "--steps", "6", "--summary", summary])
     assert result.returncode == 0, result.stdout + result.stderr
     assert run_main(["run", experiment, "--in-process", "--steps", "6", "--summary", reference]).returncode == 0
     assert read_json(summary)["params"] == read_json(reference)["params"]
@@ -178,11 +178,11 @@ def test_a_curve_server_takes_a_frame_of_exactly_its_largest_size(tmp_path, keys
 
 
 def test_keygen_cli_writes_0600_files_and_group_readable_secrets_are_refused(tmp_path):
-    result = run_cli(["keygen", tmp_path / "k", "g"])
+    result = run_main(["keygen", tmp_path / "k", "g"])
     assert result.returncode == 0, result.stderr
     for name in ("g.key", "g.key_secret"):
         assert os.stat(tmp_path / "k" / name).st_mode & 0o777 == 0o600
-    assert run_cli(["keygen", tmp_path / "k", "g"]).returncode == 2                      # no overwrite
+    assert run_main(["keygen", tmp_path / "k", "g"]).returncode == 2                      # no overwrite
     os.chmod(tmp_path / "k" / "g.key_secret", 0o640)
     keygen(tmp_path / "allow", "f")
     result = run_cli(["stage", "g", "--experiment", "seed-reverse", "--bind", "tcp://127.0.0.1:*",

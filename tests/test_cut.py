@@ -65,6 +65,24 @@ def write_parties(folder: Path, steps: int = STEPS, extra: str = "", test_fracti
     return folder
 
 
+# The same cut computed by numpy in a daemon's stage file: for the tests whose point is the protocol's notices,
+# not the framework (a PyTorch daemon's start is seconds of CPU; the torch daemons' runs are the tests of the
+# configured run's numbers).
+NUMPY_STAGES = {
+    "f": 'model = [{ type = "dense", name = "f1", in = 64, out = 16 }, { type = "relu" }]\n'
+         'optimizer = { type = "adam", lr = 0.003 }\n',
+    "g": 'model = [{ type = "dense", name = "g1", in = 16, out = 10 }]\noptimizer = { type = "adam", lr = 0.003 }\n'
+         'loss = "softmax_cross_entropy"\n',
+}
+
+
+def with_numpy_stage(folder: Path, stage: str) -> None:
+    """``folder``'s daemon stage file ``stage``.toml with a numpy model of the same shapes in place of its module."""
+    path = folder / f"{stage}.toml"
+    head, rest = path.read_text().split("[stage]\n", 1)
+    path.write_text(f'{head}[stage]\nname = "{stage}"\n{NUMPY_STAGES[stage]}\n[data]{rest.split("[data]", 1)[1]}')
+
+
 def reference(folder: Path, micro_batches: int = 1) -> dict:
     """The configured run of the same model, in one process."""
     return train_in_process(load_experiment([folder / "f.toml", folder / "g.toml"]),
@@ -282,6 +300,7 @@ def test_a_data_owner_daemon_is_told_when_the_label_owners_loop_fails(tmp_path):
     naming the loop's error, not after its peer deadline (kept short, so a daemon left waiting would time
     out instead)."""
     folder = write_parties(tmp_path / "p", steps=4)
+    with_numpy_stage(folder, "f")
     ready = folder / "g.ready"
     with loop(folder, "g", ready, "--numpy", "--forget-reply-at", "2") as g:
         endpoint = wait_for_file(ready, g)
@@ -300,6 +319,7 @@ def test_a_label_owner_daemon_is_told_when_the_data_owners_loop_fails(tmp_path):
     so a daemon left waiting would still be running when the test's bound expires), and writes no
     checkpoint of the step it never finished."""
     folder = write_parties(tmp_path / "p", steps=4)
+    with_numpy_stage(folder, "g")
     ready = folder / "g.ready"
     with daemon(folder, "g", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready, "--liveness", "600",
                 "--peer-deadline", "600") as g:

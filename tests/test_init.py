@@ -17,7 +17,7 @@ from distgrad.config.data import held_out_split
 from distgrad.config.parse import load_experiment
 from distgrad.stage.stage import parameters_file
 
-from conftest import StageProcess, read_json, run_cli, run_main, wait_for_file
+from conftest import StageProcess, read_json, run_launcher, run_main, wait_for_file
 
 SPECIES = ["Adelie", "Chinstrap", "Gentoo"]
 ISLANDS = ["Biscoe", "Dream", "Torgersen"]
@@ -90,13 +90,13 @@ def test_init_then_run_trains_a_raw_table_and_predict_names_the_classes(tmp_path
     `distgrad predict` writes class names by row ID."""
     table = write_penguins(tmp_path / "penguins.csv")
     out = tmp_path / "parties"
-    init = run_cli(["init", table, "--label", "species", "--out", out])
+    init = run_main(["init", table, "--label", "species", "--out", out])
     assert init.returncode == 0, init.stderr
     f, g = out / "f" / "f.toml", out / "g" / "g.toml"
     assert f"wrote {f}" in init.stdout and f"distgrad run {f} {g}" in init.stdout, init.stdout
     assert "distgrad predict" in init.stdout
     saved, summary = tmp_path / "saved", tmp_path / "summary.json"
-    run = run_cli(["run", f, g, "--save", saved, "--summary", summary], timeout=240)
+    run = run_launcher(["run", f, g, "--save", saved, "--summary", summary])
     assert run.returncode == 0, run.stderr[-3000:]
     result = read_json(summary)
     labels = [row[0] for row in _read_csv(table)[1:] if row[0] != "NA"]
@@ -120,14 +120,14 @@ def test_init_vertical_parties_of_one_table_train_over_processes(tmp_path: Path)
     (one with text categories and missing cells), train together over processes."""
     table = write_penguins(tmp_path / "penguins.csv")
     out = tmp_path / "v"
-    init = run_cli(["init", table, "--label", "species", "--out", out, "--parties",
-                    "a:island,bill_length_mm,sex", "b:bill_depth_mm,flipper_length_mm,body_mass_g"])
+    init = run_main(["init", table, "--label", "species", "--out", out, "--parties",
+                     "a:island,bill_length_mm,sex", "b:bill_depth_mm,flipper_length_mm,body_mass_g"])
     assert init.returncode == 0, init.stderr
     paths = [out / name / f"{name}.toml" for name in ("a", "b", "g")]
     assert _read_csv(out / "a" / "a.csv")[0] == ["row_id", "island", "bill_length_mm", "sex"]
     assert _read_csv(out / "g" / "g.csv")[0] == ["row_id", "species"]
     summary = tmp_path / "summary.json"
-    run = run_cli(["run", *paths, "--summary", summary, "--steps", "250"], timeout=240)
+    run = run_launcher(["run", *paths, "--summary", summary, "--steps", "250"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert read_json(summary)["test_accuracy"] >= 0.75
 
@@ -269,7 +269,7 @@ def test_init_torch_stages_train_in_process_as_over_processes(tmp_path: Path):
     assert all(_toml(p)["stage"]["framework"] == "torch" for p in paths)
     summaries = [tmp_path / "inprocess.json", tmp_path / "processes.json"]
     assert run_main(["run", *paths, "--in-process", "--steps", "20", "--summary", summaries[0]]).returncode == 0
-    run = run_cli(["run", *paths, "--steps", "20", "--summary", summaries[1]], timeout=240)
+    run = run_launcher(["run", *paths, "--steps", "20", "--summary", summaries[1]])
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (read_json(s) for s in summaries)
     assert first["params"] == second["params"] and first["final_loss"] == second["final_loss"]

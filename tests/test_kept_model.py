@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import read_json, run_cli, run_main
+from conftest import read_json, run_launcher, run_main
 from test_metrics import BEST, JUDGED, STOPPED, _digits
 
 
@@ -19,8 +19,8 @@ def test_the_kept_models_accuracy_and_step_are_printed_and_in_the_summary(tmp_pa
     path = _digits(tmp_path, JUDGED)
     reference = run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json"])
     assert reference.returncode == 0, reference.stderr
-    result = run_cli(["run", path, "--summary", tmp_path / "run.json", "--save", tmp_path / "saved",
-                      "--progress", "off"])
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json", "--save", tmp_path / "saved",
+                           "--progress", "off"])
     assert result.returncode == 0, result.stdout + result.stderr
     for stdout, summary in ((reference.stdout, read_json(tmp_path / "ref.json")),
                             (result.stdout, read_json(tmp_path / "run.json"))):

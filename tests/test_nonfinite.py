@@ -26,7 +26,7 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode, Message
 
 from handshake import only_reply
-from conftest import StageProcess, hello_message, read_json, run_cli, run_main, wait_for_file
+from conftest import StageProcess, hello_message, read_json, run_launcher, run_main, wait_for_file
 
 BATCH = 8
 NAN_STEP_RE = re.compile(r"stage g: non-finite loss at step (\d+)")
@@ -92,8 +92,8 @@ def test_nan_label_python_api_raises_naming_the_stage_and_the_step(tmp_path):
 def test_nan_label_over_processes_leaves_g_untouched_and_exits_1(tmp_path):
     """distgrad run: g logs the failure, f reports it (not 'refused'), no NaN checkpoint, exit 1."""
     ckpt = tmp_path / "ckpt"
-    result = run_cli(["run", _nan_labels_experiment(tmp_path), "--checkpoint-dir", ckpt, "--checkpoint-every", "1",
-                      "--peer-deadline", "5"])
+    result = run_launcher(["run", _nan_labels_experiment(tmp_path), "--checkpoint-dir", ckpt, "--checkpoint-every",
+                           "1", "--peer-deadline", "5"])
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     step = _nan_step(out)
@@ -122,7 +122,7 @@ def test_nan_label_by_hand_both_stages_exit_1_and_g_keeps_its_parameters(tmp_pat
 
 
 def test_nan_label_in_a_chain_ends_every_stage_with_exit_1(tmp_path):
-    result = run_cli(["run", _nan_labels_experiment(tmp_path, chain=True), "--peer-deadline", "5"])
+    result = run_launcher(["run", _nan_labels_experiment(tmp_path, chain=True), "--peer-deadline", "5"])
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     _nan_step(out)

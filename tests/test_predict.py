@@ -24,7 +24,7 @@ from conftest import StageProcess, read_json, run_cli, run_launcher, run_main, w
 def trained(tmp_path_factory) -> Path:
     """The digits experiment split into two parties' files and trained; their halves saved."""
     root = tmp_path_factory.mktemp("predict")
-    assert run_cli(["split", "digits", root / "parties"]).returncode == 0
+    assert run_main(["split", "digits", root / "parties"]).returncode == 0
     result = run_launcher(["run", root / "parties" / "f" / "f.toml", root / "parties" / "g" / "g.toml",
                            "--steps", "150", "--save", root / "halves", "--summary", root / "summary.json"])
     assert result.returncode == 0, result.stderr
@@ -148,7 +148,7 @@ def _predict_through_a_chain(parties: Path, halves: Path, tmp_path: Path, rows: 
 
 def test_a_middle_stage_passes_activations_on_and_sees_no_prediction(tmp_path: Path):
     parties = tmp_path / "parties"
-    assert run_cli(["split", "chain4-classify", parties]).returncode == 0
+    assert run_main(["split", "chain4-classify", parties]).returncode == 0
     files = [parties / name / f"{name}.toml" for name in ("f", "m1", "m2", "g")]
     trained = run_launcher(["run", *files, "--steps", "20", "--save", tmp_path / "halves"])
     assert trained.returncode == 0, trained.stderr
@@ -306,7 +306,7 @@ model = [{ type = "dense", name = "g1", in = 3, out = 2 }]
 optimizer = { type = "sgd", lr = 0.1 }
 loss = "softmax_cross_entropy"
 ''')
-    assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
+    assert run_main(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
     with open(tmp_path / "new.csv", "w", newline="") as f:
         csv.writer(f).writerows([["b", "person", "a"], ["0.5", "new-1", "-1"], ["2", "new-2", "0.25"]])
     output = tmp_path / "out.csv"
@@ -551,7 +551,7 @@ def test_a_torch_label_owner_writes_its_losss_probabilities(tmp_path: Path):
     (tmp_path / "scorehead.py").write_text(TORCH_HEAD)
     experiment = tmp_path / "e.toml"
     experiment.write_text(TORCH_EXPERIMENT % "CrossEntropyLoss")
-    assert run_cli(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
+    assert run_main(["run", experiment, "--in-process", "--save", tmp_path / "halves"]).returncode == 0
     rows = np.random.default_rng(6).normal(size=(11, 5)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)
     output = tmp_path / "out.csv"

@@ -21,7 +21,7 @@ from distgrad.run.progress import render_bar
 from distgrad.wire.codecs import parse_codec
 from distgrad.wire.wirecodec import GRADIENT, Senders, stream_micro_batch, stream_name
 
-from conftest import read_json, read_lines, run_cli, run_launcher, run_main
+from conftest import read_json, read_lines, run_launcher, run_main
 
 STEPS = 60
 
@@ -165,7 +165,7 @@ def test_bad_meter_settings_are_refused_naming_the_key(tmp_path):
         StageOptions(chain, chain.stage_names[1], 0, privacy_meter=True)
     # A refused meter exits 2 before any stage starts.
     bad = _combined(tmp_path, s1={"privacy_meter": 1})
-    result = run_cli(["run", bad, "--steps", 2])
+    result = run_launcher(["run", bad, "--steps", 2])
     assert result.returncode == 2 and "privacy_meter" in result.stderr
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import read_json, run_cli, run_main, splitfed_every
+from conftest import read_json, run_launcher, run_main, splitfed_every
 from test_defenses import _defended
 
 EXIT_USAGE = 2
@@ -20,7 +20,7 @@ def _error(result) -> str:
 @pytest.mark.integration
 def test_an_input_guard_on_the_label_owner_is_refused_through_the_cli_as_the_stage_refuses_it(tmp_path):
     path = _defended(tmp_path, "vertical-classify", {3: "input_guard = { max_r2 = 0.75 }"}, "guarded.toml")
-    result = run_cli(["run", path, "--steps", "2", "--summary", tmp_path / "s.json"])
+    result = run_launcher(["run", path, "--steps", "2", "--summary", tmp_path / "s.json"])
     assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
     assert GUARD_REASON in result.stderr
     assert not (tmp_path / "s.json").exists() and "stage" not in result.stdout     # nothing ran

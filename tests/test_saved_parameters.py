@@ -13,7 +13,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.stage.stage import Stage
 
-from conftest import read_json, run_cli, run_launcher
+from conftest import read_json, run_cli, run_launcher, run_main
 
 
 def _arrays(path: Path) -> dict[str, np.ndarray]:
@@ -91,7 +91,7 @@ def test_a_parameters_file_that_does_not_fit_is_a_configuration_error(tmp_path: 
     result = run_cli(["stage", "g", "--experiment", "digits", "--bind", "tcp://127.0.0.1:*", "--load",
                       tmp_path / "f.npz"])
     assert result.returncode == 2 and "does not fit stage g" in result.stderr
-    missing = run_cli(["run", "digits", "--load", tmp_path / "nowhere"])
+    missing = run_launcher(["run", "digits", "--load", tmp_path / "nowhere"])
     assert missing.returncode == 2 and "--load" in missing.stderr and "no such file" in missing.stderr
     both = run_cli(["stage", "f", "--experiment", "digits", "--connect", "tcp://127.0.0.1:9", "--load",
                     tmp_path / "f.npz", "--init", "f1.b=0"])
@@ -176,15 +176,17 @@ def test_a_damaged_or_mistyped_parameters_file_is_refused_with_exit_2_naming_fil
     or float64 1e300, a complex or int64 member: each refused before any stage starts, over processes and
     in one process, exit 2 naming the file and the member; nothing is cast, nothing trains."""
     saved = tmp_path / "saved"
-    first = run_cli(["run", "digits", "--steps", "2", "--in-process", "--save", saved])
+    first = run_main(["run", "digits", "--steps", "2", "--in-process", "--save", saved])
     assert first.returncode == 0, first.stderr
     for name, folder in _damaged_copies(saved, tmp_path).items():
         before = (folder / "f.npz").read_bytes()
         # Both modes refuse through Stage.load_parameters: over processes for two of the damages, in one
-        # process for every one (each run over processes starts the launcher: the suite's time).
+        # process for every one (each run over processes starts the launcher: the suite's time). The
+        # launcher runs in this process (run_launcher; its stage processes would be real ones) and so does
+        # the command of the in-process runs: no interpreter is started for a refusal.
         for mode in ([], ["--in-process"]) if name in ("cut short", "object") else (["--in-process"],):
-            result = run_cli(["run", "digits", "--steps", "2", "--load", folder, "--summary",
-                              tmp_path / "s.json", *mode])
+            result = (run_main if mode else run_launcher)(["run", "digits", "--steps", "2", "--load", folder,
+                                                           "--summary", tmp_path / "s.json", *mode])
             assert result.returncode == 2, (name, mode, result.stderr)
             assert f"--load {folder / 'f.npz'}" in result.stderr, (name, result.stderr)
             if name != "cut short":                  # no member can be told from a file that is no archive

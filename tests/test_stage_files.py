@@ -155,14 +155,15 @@ def test_epochs_count_the_batches_of_the_training_rows_on_every_side(tmp_path: P
 
 
 def test_split_writes_files_that_train_bitwise_like_the_combined_experiment(tmp_path: Path):
-    result = run_cli(["split", "digits", tmp_path / "parties"])
+    # In this process (the README's blocks run `distgrad split` as a command): a unit test.
+    result = run_main(["split", "digits", tmp_path / "parties"])
     assert result.returncode == 0, result.stderr
     f_file, g_file = tmp_path / "parties" / "f" / "f.toml", tmp_path / "parties" / "g" / "g.toml"
     f_raw, g_raw = tomllib.loads(f_file.read_text()), tomllib.loads(g_file.read_text())
     assert f_raw["interface"] == g_raw["interface"]
     assert "labels" not in f_raw["data"] and "features" not in g_raw["data"]
     assert "loss" not in f_raw["stage"] and g_raw["stage"]["model"] != f_raw["stage"]["model"]
-    again = run_cli(["split", "digits", tmp_path / "parties"])
+    again = run_main(["split", "digits", tmp_path / "parties"])
     assert again.returncode == 2 and "already exist" in again.stderr
     combined = train_in_process(load_experiment("digits"), steps=30)
     parties = train_in_process(load_experiment([f_file, g_file]), steps=30)

@@ -19,7 +19,6 @@ torch Adam mapping is checked against torch's Adam on the composed model.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from distgrad.run.inprocess import train_in_process
 from distgrad.model.nn import build_model
 from distgrad.stage.stage import Stage
 
-from conftest import read_json, read_lines, run_cli, train_last_step
+from conftest import read_json, read_lines, run_launcher, train_last_step
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
@@ -79,8 +78,10 @@ def _tanh(directory, f: str, g: str, optimizer: str = SGD, steps: int = STEPS):
 
 
 def _run_two_processes(path, *extra: str) -> tuple[dict, list[dict]]:
+    """``distgrad run PATH`` with each stage a process of its own; the launcher runs in this process, which has
+    imported torch already (a launcher process would import it again, a torch stage's start of CPU time)."""
     summary, trace = path.with_suffix(".json"), path.with_suffix(".trace.jsonl")
-    result = run_cli(["run", path, "--summary", summary, "--trace", trace, "--progress", "off", *extra])
+    result = run_launcher(["run", path, "--summary", summary, "--trace", trace, "--progress", "off", *extra])
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_json(summary)
     assert summary["mode"] == "two-process"
@@ -105,9 +106,7 @@ def mixed_runs(tmp_path_factory):
     """Two-process SGD runs of tanh-regression, torch f + numpy g and numpy f + torch g, by experiment path."""
     directory = tmp_path_factory.mktemp("mixed")
     paths = {frameworks: _tanh(directory, *frameworks) for frameworks in (("torch", "numpy"), ("numpy", "torch"))}
-    with ThreadPoolExecutor(len(paths)) as pool:     # each launch waits on one torch import at a time
-        runs = dict(zip(paths, pool.map(_run_two_processes, paths.values())))
-    return {frameworks: (paths[frameworks], *runs[frameworks]) for frameworks in paths}
+    return {frameworks: (path, *_run_two_processes(path)) for frameworks, path in paths.items()}
 
 
 def _composed_torch_model(exp) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -30,7 +30,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.run.inprocess import train_in_process
 from distgrad.stage.stage import Stage
 
-from conftest import StageProcess, read_json, run_cli, train_last_step
+from conftest import StageProcess, read_json, run_cli, run_launcher, train_last_step
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'distgrad[torch]'); "
                                                "CI installs it and sets DISTGRAD_REQUIRE=torch")
@@ -592,8 +592,10 @@ def test_a_mistyped_or_non_finite_state_dict_is_refused_naming_file_and_entry(tm
     Stage.from_experiment(load_experiment(path), "g").save_parameters(tmp_path / "bad" / "g.npz")
     with pytest.raises(ConfigError, match=needle):
         stage.load_parameters(tmp_path / "bad" / "f.pt")
+    # The launcher in this process (torch is imported here already; a launcher process would import it again):
+    # it refuses the file before it starts any stage process.
     for where in (["--in-process"], []):
-        result = run_cli(["run", path, "--load", tmp_path / "bad", "--steps", "2", *where])
+        result = run_launcher(["run", path, "--load", tmp_path / "bad", "--steps", "2", *where])
         assert result.returncode == 2, (where, result.stderr)
         assert str(tmp_path / "bad" / "f.pt") in result.stderr and needle.split("'")[1] in result.stderr, result.stderr
         assert "stage f failed" not in result.stderr and "started" not in result.stdout, result.stdout

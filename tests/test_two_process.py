@@ -244,7 +244,7 @@ def test_keep_serving_runs_one_run_after_another(start_server, tmp_path):
 
 
 def test_launcher_checks_the_configuration_before_starting_stages():
-    result = run_cli(["run", "seed-reverse", "--init", "nope=1"])
+    result = run_launcher(["run", "seed-reverse", "--init", "nope=1"])
     assert result.returncode == 2
     assert "unknown parameters ['nope']" in result.stderr
     assert "[g]" not in result.stdout
@@ -273,7 +273,7 @@ def test_launcher_stops_the_other_stage_when_one_fails(tmp_path):
     # Weights so large that g's loss overflows: g finds it non-finite and fails (exit 1),
     # f reports g's failure (exit 1, not 4: it sent nothing wrong).
     exp = _copy_builtin(tmp_path, "seed-reverse")
-    result = run_cli(["run", exp, "--init", "fW=1e30,gW=1e30"])
+    result = run_launcher(["run", exp, "--init", "fW=1e30,gW=1e30"])
     assert result.returncode == 1
     assert "failed with exit code 1" in result.stderr
     assert "stage g: non-finite loss at step 1" in result.stdout

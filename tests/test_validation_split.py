@@ -14,7 +14,7 @@ from distgrad.config.parse import load_experiment
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.stage.stage import Stage
 
-from conftest import digits_data_table, read_json, run_cli, run_main
+from conftest import digits_data_table, read_json, run_launcher, run_main
 from test_metrics import _digits
 
 JUDGED = """keep_best = "test_accuracy"
@@ -55,8 +55,8 @@ def test_selection_is_on_validation_rows_and_the_kept_models_test_figures_are_re
     path = _validated(tmp_path)
     reference = run_main(["run", path, "--in-process", "--summary", tmp_path / "ref.json", "--save", tmp_path / "ref"])
     assert reference.returncode == 0, reference.stderr
-    result = run_cli(["run", path, "--summary", tmp_path / "run.json", "--save", tmp_path / "saved", "--progress",
-                      "off"])
+    result = run_launcher(["run", path, "--summary", tmp_path / "run.json", "--save", tmp_path / "saved",
+                           "--progress", "off"])
     assert result.returncode == 0, result.stdout + result.stderr
     ref, run = read_json(tmp_path / "ref.json"), read_json(tmp_path / "run.json")
     assert run["params"] == ref["params"]

@@ -830,3 +830,34 @@ def test_a_misaligned_frame_of_non_finite_values_is_read_when_the_experiment_all
     with pytest.raises(ProtocolError) as info:
         layout.read(misaligned_forward(x))
     assert info.value.code == ErrorCode.NONFINITE
+
+
+class _Frames:
+    """A stand-in for a monitor socket: ``recv_multipart`` gives ``frames``."""
+
+    def __init__(self, *frames: bytes) -> None:
+        self.frames, self.flags = list(frames), None
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        self.flags = flags
+        return self.frames
+
+
+def test_a_monitor_event_is_read_as_zeromq_writes_it():
+    """The handshake watches read ZeroMQ's monitor events themselves (zmq.utils.monitor would load asyncio into
+    every stage process): the event id and value of the first frame, whatever the endpoint; anything else is
+    refused."""
+    import zmq
+
+    from distgrad.wire.transport import describe_handshake_failure, read_monitor_event
+
+    for event, value in ((zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC),
+                         (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)):
+        sock = _Frames(struct.pack("=HI", event, value), b"tcp://127.0.0.1:5555")
+        assert read_monitor_event(sock, 7) == (event, value) and sock.flags == 7
+    sock = _Frames(struct.pack("=HI", zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), b"")
+    assert describe_handshake_failure(*read_monitor_event(sock), server=False) == \
+        "the CURVE server refused this client's key (ZAP status 400)"
+    for frames in ((b"\x00" * 5, b""), (b"\x00" * 6,), (b"\x00" * 6, b"", b"")):
+        with pytest.raises(ValueError, match="not a ZeroMQ monitor event"):
+            read_monitor_event(_Frames(*frames))

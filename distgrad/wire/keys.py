@@ -17,13 +17,16 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from distgrad.errors import ConfigError
 from distgrad.wire.transport import RefusalLog
+
+if TYPE_CHECKING:     # imported where a CURVE server starts: zmq.auth.thread loads asyncio and ssl, which
+    from zmq.auth.thread import ThreadAuthenticator     # every stage process paid for at start without --secure
 
 log = logging.getLogger("distgrad.wire.keys")
 
@@ -148,6 +151,8 @@ class CurveServer:
         self.allowed = frozenset(load_public(path) for path in allowed)
         self.allow_dir = allow_dir
         self.refusals = RefusalLog(log)
+        from zmq.auth.thread import ThreadAuthenticator
+
         self._auth: ThreadAuthenticator | None = ThreadAuthenticator(ctx)
         try:
             self._auth.start()
