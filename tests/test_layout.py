@@ -48,6 +48,8 @@ HELD_MODULES = [
     "run/release_records.py",
     "run/run_verdicts.py",
     "stage/history.py",
+    # the wire's messages: encoding, and decoding with its limits
+    "wire/messages.py",
 ]
 
 
