@@ -164,7 +164,7 @@ def _draw_scores(ax_scores: Any, scores: dict[str, dict[int | None, tuple[np.nda
                            label=name.split('_', 1)[1] if client is None else f"{label} {name.split('_', 1)[1]}")
 
 
-def _title_loss_panel(ax_loss: Any, records: list[dict], curves: dict[int | None, tuple[np.ndarray, ...]],
+def _title_loss_panel(ax_loss: Any, records: list[dict], curves: dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]],
                       title: str, positive: bool, legend: bool) -> None:
     """The loss panel's title (steps, seconds, clients), label and scale (log when every loss drawn is
     ``positive``), a note when no line carried a training loss, and the ``legend`` if asked."""
