@@ -50,6 +50,8 @@ HELD_MODULES = [
     "stage/history.py",
     # the wire's messages: encoding, and decoding with its limits
     "wire/messages.py",
+    # the in-process reference and the local launcher
+    "run/inprocess.py",
     # the tools users call
     "plot.py",
 ]
