@@ -52,6 +52,7 @@ HELD_MODULES = [
     "wire/messages.py",
     # the in-process reference and the local launcher
     "run/inprocess.py",
+    "run/launcher.py",
     # the tools users call
     "plot.py",
 ]
