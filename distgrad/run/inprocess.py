@@ -505,7 +505,8 @@ class _Reference:
     """The stages of an experiment with one data owner (or vertical parties) in this process, stepped and
     evaluated as the stage processes of ``distgrad run`` step and evaluate them: ``train`` runs the steps
     (``applied``) and scores the held-out rows when due (``evaluate``), ``save`` writes the parameters,
-    ``summary`` is what ``train_in_process`` returns. The settings are checked by the caller."""
+    ``summary`` is what ``train_in_process`` returns (``finish``: both, and the summary written). The settings
+    are checked by the caller."""
 
     def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                  files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
