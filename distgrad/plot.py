@@ -114,13 +114,8 @@ def _rate(steps: np.ndarray, wall: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return steps[window:], rate, window
 
 
-def draw_metrics(records: list[dict], title: str):
-    """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
-    records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
-    ``test_loss`` add the held-out loss to the top panel (markers), with other held-out scores
-    (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
-    line per score (and client), with ``lr`` a panel of the learning rate, and with privacy-meter figures
-    a panel of them, above steps/s."""
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed); ``ConfigError`` without matplotlib."""
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
@@ -129,6 +124,72 @@ def draw_metrics(records: list[dict], title: str):
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ConfigError("distgrad plot needs matplotlib: pip install 'distgrad[plot]'") from e
+    return plt
+
+
+def _meter_figures(records: list[dict]) -> dict[str, dict[int | None, tuple[np.ndarray, np.ndarray]]]:
+    """The privacy meter's figures in ``records`` (``_held_out`` of each), in ``METER_FIGURES`` order, those
+    without any point left out. A figure's name is NAME, or PARTY/NAME: the label owner's meter of a feature
+    party (its figures of each party)."""
+    leak_names = sorted({key for record in records for key in record if key.rsplit("/", 1)[-1] in METER_FIGURES},
+                        key=lambda key: (METER_FIGURES.index(key.rsplit("/", 1)[-1]), key))
+    leaks = {name: _held_out(records, name) for name in leak_names}
+    return {name: points for name, points in leaks.items() if points}
+
+
+def _draw_leaks(ax_leak: Any, records: list[dict],
+                leaks: dict[str, dict[int | None, tuple[np.ndarray, np.ndarray]]]) -> None:
+    """The privacy meter's panel: each figure of ``leaks`` (``_meter_figures``) per client, its chance level
+    dashed in the same colour."""
+    for name in leaks:
+        for client, (steps, values) in leaks[name].items():
+            suffix = "" if client is None else f" (client {client})"
+            (line,) = ax_leak.plot(steps, values, "o-", lw=1, ms=4, label=name + suffix)
+            chances = _held_out(records, f"{name}_chance").get(client)
+            if chances is not None:         # each figure's line holds its chance level as distgrad writes it
+                ax_leak.plot(*chances, "--", lw=1, color=line.get_color())
+    ax_leak.set_ylabel("leak (dashed: chance)")
+    ax_leak.legend(loc="lower left", fontsize="small")
+
+
+def _draw_scores(ax_scores: Any, scores: dict[str, dict[int | None, tuple[np.ndarray, np.ndarray]]],
+                 names: list[str], client: int | None, color: Any, label: str | None) -> None:
+    """The held-out scores ``names`` of ``client`` on the scores panel: a single score in the client's
+    ``color`` (as its loss), several each with its own marker and label."""
+    for name, marker in zip(names, "os^vD<>ph*"):
+        if client in scores[name] and len(names) == 1:      # the client's colour, as its loss
+            ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=color, label=label)
+        elif client in scores[name]:
+            ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
+                           label=name.split('_', 1)[1] if client is None else f"{label} {name.split('_', 1)[1]}")
+
+
+def _title_loss_panel(ax_loss: Any, records: list[dict], curves: dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                      title: str, positive: bool, legend: bool) -> None:
+    """The loss panel's title (steps, seconds, clients), label and scale (log when every loss drawn is
+    ``positive``), a note when no line carried a training loss, and the ``legend`` if asked."""
+    if all(record.get("loss") is None for record in records):      # the label owner's replies carried none
+        ax_loss.text(0.5, 0.5, f"training loss {LOSS_WITHHELD}", transform=ax_loss.transAxes, ha="center",
+                     va="center", color="gray")
+    if positive:
+        ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("loss")
+    last_step = max(int(steps[-1]) for steps, _, _ in curves.values())
+    wall_s = max(float(wall[-1]) for _, _, wall in curves.values())
+    clients = "" if None in curves else f", {len(curves)} clients"
+    ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
+    if legend:
+        ax_loss.legend(loc="upper right")
+
+
+def draw_metrics(records: list[dict], title: str):
+    """A matplotlib figure of loss per step (top) and steps/s (bottom): one line per client when the
+    records carry ``client`` (the merged metrics of several clients, labelled), else one. Records with
+    ``test_loss`` add the held-out loss to the top panel (markers), with other held-out scores
+    (``test_accuracy``, the label owner's ``test_NAME`` metrics) a panel of them between the two, one
+    line per score (and client), with ``lr`` a panel of the learning rate, and with privacy-meter figures
+    a panel of them, above steps/s."""
+    plt = _pyplot()
     curves = _curves(records)
     # With a validation split the evaluations during training are the validation rows' figures.
     kind = "validation" if any("validation_loss" in record for record in records) else "test"
@@ -136,11 +197,7 @@ def draw_metrics(records: list[dict], title: str):
     names = sorted({key for record in records for key in record
                     if key.startswith(f"{kind}_") and key not in (f"{kind}_loss", f"{kind}_count")})
     scores = {name: _held_out(records, name) for name in names}
-    # NAME, or PARTY/NAME: the label owner's meter of a feature party (its figures of each party)
-    leak_names = sorted({key for record in records for key in record if key.rsplit("/", 1)[-1] in METER_FIGURES},
-                        key=lambda key: (METER_FIGURES.index(key.rsplit("/", 1)[-1]), key))
-    leaks = {name: _held_out(records, name) for name in leak_names}
-    leaks = {name: points for name, points in leaks.items() if points}
+    leaks = _meter_figures(records)
     panels = 2 + bool(scores) + bool(rates) + bool(leaks)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_loss, ax_rate = axes[0], axes[-1]
@@ -148,16 +205,7 @@ def draw_metrics(records: list[dict], title: str):
     ax_scores: Any = axes[1] if scores else None
     ax_lr: Any = axes[-2 - bool(leaks)] if rates else None
     if leaks:
-        ax_leak = axes[-2]
-        for name in leaks:
-            for client, (steps, values) in leaks[name].items():
-                suffix = "" if client is None else f" (client {client})"
-                (line,) = ax_leak.plot(steps, values, "o-", lw=1, ms=4, label=name + suffix)
-                chances = _held_out(records, f"{name}_chance").get(client)
-                if chances is not None:         # each figure's line holds its chance level as distgrad writes it
-                    ax_leak.plot(*chances, "--", lw=1, color=line.get_color())
-        ax_leak.set_ylabel("leak (dashed: chance)")
-        ax_leak.legend(loc="lower left", fontsize="small")
+        _draw_leaks(axes[-2], records, leaks)
     window, positive = 1, True
     for client, (steps, loss, wall) in curves.items():
         label = None if client is None else f"client {client}"
@@ -169,27 +217,11 @@ def draw_metrics(records: list[dict], title: str):
             positive = positive and bool(np.nanmin(held) > 0)
         if client in rates:
             ax_lr.plot(*rates[client], lw=1, color=line.get_color(), label=label)
-        for name, marker in zip(names, "os^vD<>ph*"):
-            if client in scores[name] and len(names) == 1:      # the client's colour, as its loss
-                ax_scores.plot(*scores[name][client], "o-", lw=1, ms=4, color=line.get_color(), label=label)
-            elif client in scores[name]:
-                ax_scores.plot(*scores[name][client], f"{marker}-", lw=1, ms=4,
-                               label=name.split('_', 1)[1] if client is None else f"{label} {name.split('_', 1)[1]}")
+        _draw_scores(ax_scores, scores, names, client, line.get_color(), label)
         rate_steps, rate, window = _rate(steps, wall)
         ax_rate.plot(rate_steps, rate, lw=1, label=label, **({"color": "tab:orange"} if client is None else {}))
         positive = positive and bool(not np.isnan(loss).all() and np.nanmin(loss) > 0)
-    if all(record.get("loss") is None for record in records):      # the label owner's replies carried none
-        ax_loss.text(0.5, 0.5, f"training loss {LOSS_WITHHELD}", transform=ax_loss.transAxes, ha="center",
-                     va="center", color="gray")
-    if positive:
-        ax_loss.set_yscale("log")
-    ax_loss.set_ylabel("loss")
-    last_step = max(int(steps[-1]) for steps, _, _ in curves.values())
-    wall_s = max(float(wall[-1]) for _, _, wall in curves.values())
-    clients = "" if None in curves else f", {len(curves)} clients"
-    ax_loss.set_title(f"{title}: {last_step} steps in {wall_s:.2f} s{clients}")
-    if None not in curves or test_loss:
-        ax_loss.legend(loc="upper right")
+    _title_loss_panel(ax_loss, records, curves, title, positive, None not in curves or bool(test_loss))
     if scores:
         ax_scores.set_ylabel(f"held-out {names[0].split('_', 1)[1]}" if len(names) == 1 else "held-out scores")
         if len(names) > 1:

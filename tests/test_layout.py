@@ -54,6 +54,13 @@ HELD_MODULES = [
     "run/release_records.py",
     "run/run_verdicts.py",
     "stage/history.py",
+    # the wire's messages: encoding, and decoding with its limits
+    "wire/messages.py",
+    # the in-process reference and the local launcher
+    "run/inprocess.py",
+    "run/launcher.py",
+    # the tools users call
+    "plot.py",
 ]
 
 

@@ -819,14 +819,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
-    _check_flag("--micro-batches", micro_batches, 1)
-    if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
-        raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
-                          f"they do not split into {micro_batches} equal micro-batches")
-    for spec in exp.stages:         # a defense of each micro-batch's rows that would do nothing there
-        idle = idle_row_defense(exp, spec.name, exp.batch // micro_batches if exp.batch else 1)
-        if idle is not None:
-            raise ConfigError(f"stage {spec.name!r}: {idle}")
+    _check_micro_batches(exp, micro_batches)
     check_init_overrides(exp, init or {})
     check_staleness(exp, exp.staleness if staleness is None else staleness)
     _check_flag("--eval-every", eval_every, 0, " (0: only after the last step)")
@@ -841,6 +834,28 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
             check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
         check_guard_horizon(exp, run_steps, flag)
         check_average_horizon(exp, run_steps, flag)
+    _check_run_mode(checkpoint_dir, checkpoint_every, resume, in_process, staleness)
+
+
+def _check_micro_batches(exp: Experiment, micro_batches: Any) -> None:
+    """``ConfigError`` unless ``micro_batches`` is a whole number >= 1 that splits ``exp``'s batch into equal
+    micro-batches, in each of which every stage's row defenses would act (``idle_row_defense``)."""
+    _check_flag("--micro-batches", micro_batches, 1)
+    if micro_batches > 1 and (exp.batch is None or exp.batch % micro_batches):
+        raise ConfigError(f"experiment {exp.name!r} has batches of {exp.batch or 'no'} rows: "
+                          f"they do not split into {micro_batches} equal micro-batches")
+    for spec in exp.stages:         # a defense of each micro-batch's rows that would do nothing there
+        idle = idle_row_defense(exp, spec.name, exp.batch // micro_batches if exp.batch else 1)
+        if idle is not None:
+            raise ConfigError(f"stage {spec.name!r}: {idle}")
+
+
+def _check_run_mode(checkpoint_dir: Any, checkpoint_every: Any, resume: bool, in_process: bool,
+                    staleness: Any) -> None:
+    """``ConfigError`` for checkpoint and staleness settings the way the run is made cannot take:
+    ``checkpoint_every`` (a whole number >= 0) or ``resume`` without ``checkpoint_dir``; any checkpoint setting
+    ``in_process`` (which keeps none); ``--staleness auto`` ``in_process`` (no link to measure) or on
+    ``resume`` (the run goes on with the S it chose)."""
     _check_flag("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_dir is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")

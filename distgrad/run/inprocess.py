@@ -324,6 +324,108 @@ def _labelled(exp: Experiment, data: Any, labels: Any, step: int) -> tuple[np.nd
     return labels.targets_at(rows), labels.features_at(rows) if exp.own_bottom else None
 
 
+class _Federation:
+    """Several data owners (clients) against one serving stage, as ``_train_federated`` runs them: each
+    client's copy of the first stage, the one last stage, their engines (a pair per client, sharing the last),
+    each client's data and labels, the meters, and each client's loss and evaluations so far."""
+
+    def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
+                 lines: _TraceLines, files: _ParameterFiles, eval_every: int, noise_secret: int | None,
+                 privacy_meter: bool) -> None:
+        self.exp, self.steps, self.seed, self.files = exp, steps, seed, files
+        first_name, last_name = self.names = exp.stage_names
+        self.clients = clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
+                                  for c in range(exp.clients.count)]
+        self.last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
+        self.last_engine = last_engine = _engines([clients[0], self.last], exp, lines, shared_last=True,
+                                                  seed=seed, steps=steps, secret=noise_secret)[1]
+        self.pairs = pairs = [[_engines([client, self.last], exp, lines, shared_last=True, seed=seed, client=c,
+                                        steps=steps, secret=noise_secret)[0], last_engine]
+                              for c, client in enumerate(clients)]
+        self.data = data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
+        self.labels = labels = [exp.build_data(seed, client=c, stage=exp.label_owner)
+                                for c in range(exp.clients.count)]
+        # Each client's own meter and guard, and the label owner's meter of each client (as the processes run
+        # them: a client's windows follow its own evaluations; the label owner's, those its hellos announce).
+        self.owned = [_OwnerMeters(exp, first_name, pair[0], data[c], eval_every if len(data[c].test_rows) else 0,
+                                   steps, privacy_meter, c) for c, pair in enumerate(pairs)]
+        self.peer_meters = _peer_meters(exp, last_engine, [pair[0] for pair in pairs],
+                                        [f"client{c}" for c in range(len(pairs))], labels,
+                                        eval_every if len(data[-1].test_rows) else 0, steps, privacy_meter, True)
+        self.losses: list[float | None] = [None] * len(clients)
+        self.evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
+        self.scores: list[dict[str, Any] | None] = [None] * len(clients)
+        self.tests: list[dict[str, Any] | None] = [None] * len(clients)    # validation split: the final ones
+
+    def step(self, step: int, micro_batches: int) -> None:
+        """Step ``step`` of client 0, 1, ... in turn (its forward, the serving stage's update, its own update);
+        with ``splitfed``, after every ``average_every`` steps each client's first-stage parameters become
+        their mean."""
+        exp, clients = self.exp, self.clients
+        for c, engines in enumerate(self.pairs):
+            self.losses[c] = _step(engines, step, self.data[c].features(step),
+                                   _labelled(exp, self.data[c], self.labels[c], step)[0], micro_batches, c)
+        if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
+            mean = average_parameters([client.params for client in clients])
+            for client in clients:
+                for name, value in mean.items():
+                    client.params[name][...] = value
+
+    def evaluate(self, step: int) -> None:
+        """Each client holding out rows scored after ``step`` with the serving stage of that step."""
+        for c, client in enumerate(self.clients):
+            if len(self.data[c].test_rows):
+                self.scores[c] = score = _evaluate([client], self.last, self.data[c], self.labels[c],
+                                                   [self.pairs[c][0].senders], step,
+                                                   self.exp.spec(self.names[1]).metrics)
+                self.evaluations[c].append(evaluation_entry(step, score))
+
+    def evaluate_test(self) -> None:
+        """The test rows, once, after every step: each client's own (with a validation split only)."""
+        for c, client in enumerate(self.clients):
+            if self.data[c].validation_count:
+                self.tests[c] = {**_evaluate([client], self.last, self.data[c], self.labels[c],
+                                             [self.pairs[c][0].senders], self.steps,
+                                             self.exp.spec(self.names[1]).metrics, final=True), "step": self.steps}
+
+    def save(self) -> None:
+        """Every client's first stage, then the last stage, to their parameter files (``_ParameterFiles``)."""
+        first_name, last_name = self.names
+        for c, client in enumerate(self.clients):
+            self.files.save(client, first_name, c)
+        self.files.save(self.last, last_name)
+
+    def client_entries(self) -> list[dict[str, Any]]:
+        """Each client's part of the summary: the shape of the launcher's merged summary
+        (``records.merge_client_summaries``), with no run ids in one process."""
+        per_client = []
+        for c in range(len(self.clients)):
+            entry: dict[str, Any] = {"client": c, "run_id": None, "steps": self.steps, "final_loss": self.losses[c],
+                                     "status": "completed"}
+            if len(self.data[c].test_rows):
+                entry.update(evaluation_fields(self.scores[c]), **kept_test_fields(self.tests[c]),
+                             evaluations=self.evaluations[c])
+            per_client.append(entry)
+        return per_client
+
+    def summary(self, micro_batches: int, started: float, cpu_started: float) -> dict[str, Any]:
+        """The run's summary (``train_in_process`` says what it holds), timed from ``started``
+        (``time.perf_counter``) and ``cpu_started`` (``time.process_time``)."""
+        exp, steps, (first_name, last_name) = self.exp, self.steps, self.names
+        return {
+            "experiment": exp.name, "steps": steps, "seed": self.seed, "micro_batches": micro_batches,
+            "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "status": "completed", "mode": "in-process", "transport": None,
+            "clients": self.client_entries(),
+            **privacy_budget(exp, exp.stage_names, steps, self.seed, _worst_rows([self.last_engine]),
+                             held_out=_ledgers([self.pairs[0][0]]),      # every client evaluates as often
+                             mixing=batch_mixing_of([self.last_engine.stage])),
+            **owners_fields(self.owned, self.peer_meters),
+            "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(self.clients)},
+                       last_name: to_lists(self.last.params)},
+        }
+
+
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
                      files: _ParameterFiles, eval_every: int, noise_secret: int | None = None,
@@ -336,74 +438,18 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     every ``eval_every``-th step (after the average) and the last, each
     client holding out rows is scored with the serving stage of that step.
     """
-    first_name, last_name = exp.stage_names
-    clients = [files.loaded(Stage.from_experiment(exp, first_name, seed, init), first_name, c)
-               for c in range(exp.clients.count)]
-    last = files.loaded(Stage.from_experiment(exp, last_name, seed, init), last_name)
-    last_engine = _engines([clients[0], last], exp, lines, shared_last=True, seed=seed, steps=steps,
-                           secret=noise_secret)[1]
-    pairs = [[_engines([client, last], exp, lines, shared_last=True, seed=seed, client=c, steps=steps,
-                       secret=noise_secret)[0], last_engine]
-             for c, client in enumerate(clients)]
-    data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
-    labels = [exp.build_data(seed, client=c, stage=exp.label_owner) for c in range(exp.clients.count)]
-    # Each client's own meter and guard, and the label owner's meter of each client (as the processes run
-    # them: a client's windows follow its own evaluations; the label owner's, those its hellos announce).
-    owned = [_OwnerMeters(exp, first_name, pair[0], data[c], eval_every if len(data[c].test_rows) else 0, steps,
-                          privacy_meter, c) for c, pair in enumerate(pairs)]
-    peer_meters = _peer_meters(exp, last_engine, [pair[0] for pair in pairs],
-                               [f"client{c}" for c in range(len(pairs))], labels,
-                               eval_every if len(data[-1].test_rows) else 0, steps, privacy_meter, True)
-    losses: list[float | None] = [None] * len(clients)
-    evaluations: list[list[dict[str, Any]]] = [[] for _ in clients]
-    scores: list[dict[str, Any] | None] = [None] * len(clients)
-    tests: list[dict[str, Any] | None] = [None] * len(clients)    # validation split: the final evaluations
+    run = _Federation(exp, steps, seed, init, lines, files, eval_every, noise_secret, privacy_meter)
     started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
-        for c, engines in enumerate(pairs):
-            losses[c] = _step(engines, step, data[c].features(step), _labelled(exp, data[c], labels[c], step)[0],
-                              micro_batches, c)
-        if exp.clients.mode == "splitfed" and step % exp.clients.average_every == 0:
-            mean = average_parameters([client.params for client in clients])
-            for client in clients:
-                for name, value in mean.items():
-                    client.params[name][...] = value
+        run.step(step, micro_batches)
         lines.flush()
         if evaluation_due(step, steps, eval_every):
-            for c, client in enumerate(clients):
-                if len(data[c].test_rows):
-                    scores[c] = score = _evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], step,
-                                                  exp.spec(last_name).metrics)
-                    evaluations[c].append(evaluation_entry(step, score))
+            run.evaluate(step)
         if step % max(1, steps // 10) == 0 or step == steps:
-            log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in losses))
-    for c, client in enumerate(clients):      # the test rows, once, after every step: each client's own
-        if data[c].validation_count:
-            tests[c] = {**_evaluate([client], last, data[c], labels[c], [pairs[c][0].senders], steps,
-                                    exp.spec(last_name).metrics, final=True), "step": steps}
-    for c, client in enumerate(clients):
-        files.save(client, first_name, c)
-    files.save(last, last_name)
-    per_client = []
-    for c, client in enumerate(clients):
-        # The shape of the launcher's merged summary (records.merge_client_summaries); no run ids in one process.
-        entry: dict[str, Any] = {"client": c, "run_id": None, "steps": steps, "final_loss": losses[c],
-                                 "status": "completed"}
-        if len(data[c].test_rows):
-            entry.update(evaluation_fields(scores[c]), **kept_test_fields(tests[c]), evaluations=evaluations[c])
-        per_client.append(entry)
-    summary = {
-        "experiment": exp.name, "steps": steps, "seed": seed, "micro_batches": micro_batches,
-        "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
-        "status": "completed", "mode": "in-process", "transport": None,
-        "clients": per_client,
-        **privacy_budget(exp, exp.stage_names, steps, seed, _worst_rows([last_engine]),
-                         held_out=_ledgers([pairs[0][0]]),      # every client evaluates as often
-                         mixing=batch_mixing_of([last_engine.stage])),
-        **owners_fields(owned, peer_meters),
-        "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(clients)},
-                   last_name: to_lists(last.params)},
-    }
+            log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in run.losses))
+    run.evaluate_test()
+    run.save()
+    summary = run.summary(micro_batches, started, cpu_started)
     if summary_path is not None:
         write_json(summary_path, summary)
     return summary
@@ -459,7 +505,8 @@ class _Reference:
     """The stages of an experiment with one data owner (or vertical parties) in this process, stepped and
     evaluated as the stage processes of ``distgrad run`` step and evaluate them: ``train`` runs the steps
     (``applied``) and scores the held-out rows when due (``evaluate``), ``save`` writes the parameters,
-    ``summary`` is what ``train_in_process`` returns. The settings are checked by the caller."""
+    ``summary`` is what ``train_in_process`` returns (``finish``: both, and the summary written). The settings
+    are checked by the caller."""
 
     def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                  files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
@@ -602,6 +649,17 @@ class _Reference:
         if not (self.spec.keep_best and self.verdicts.best_step):
             self.save_all()
 
+    def finish(self, summary_path: str | Path | None) -> dict[str, Any]:
+        """After the run: the parameters saved (``save``), the privacy budget logged, and the summary returned
+        and written to ``summary_path`` when given."""
+        self.save()
+        summary = self.summary()
+        if "privacy" in summary:
+            log.info("privacy after %d steps: %s", self.steps, budget_text(summary["privacy"]))
+        if summary_path is not None:
+            write_json(summary_path, summary)
+        return summary
+
     def summary(self) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds)."""
         exp, steps, evaluations = self.exp, self.steps, self.evaluations
@@ -667,19 +725,10 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     defense draws its noise and its randomized labels (``label_dp``) from (``privacy.releases.fresh_secret``;
     None: a fresh one, as each stage process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
     """
-    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
-                       eval_every=eval_every, staleness=staleness)
-    if privacy_meter:
-        check_meter_flag(exp)                  # never accepted and ignored
-    staleness = exp.staleness if staleness is None else staleness
-    steps = exp.steps if steps is None else steps
-    seed = exp.seed if seed is None else seed
-    eval_every = exp.eval_every if eval_every is None else eval_every
-    check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
+    steps, seed, eval_every, staleness = _checked_settings(exp, steps, seed, micro_batches, init, eval_every, staleness,
+                                                           privacy_meter, trace_params, trace_every, trace_path)
     files = _ParameterFiles(exp, save_dir, load_dir, bool(init), seed)
-    for name in exp.stage_names:        # a new run: the label owner's randomized labels are drawn afresh
-        if exp.has_stage(name) and exp.spec(name).defenses.label_dp is not None:
-            exp.run_secret(name).value = fresh_secret(noise_secret)
+    _draw_label_secrets(exp, noise_secret)
     with TraceWriter(trace_path, params=trace_params, every=trace_every, last_step=steps) as trace:
         lines = _TraceLines(trace)
         if exp.federated:
@@ -689,10 +738,31 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                          noise_secret)
         run.train()
         run.evaluate_test()
-    run.save()
-    summary = run.summary()
-    if "privacy" in summary:
-        log.info("privacy after %d steps: %s", steps, budget_text(summary["privacy"]))
-    if summary_path is not None:
-        write_json(summary_path, summary)
-    return summary
+    return run.finish(summary_path)
+
+
+def _checked_settings(exp: Experiment, steps: int | None, seed: int | None, micro_batches: int,
+                      init: Mapping[str, float] | None, eval_every: int | None, staleness: int | None,
+                      privacy_meter: bool, trace_params: AbstractSet[str] | None, trace_every: int,
+                      trace_path: str | Path | None) -> tuple[int, int, int, int]:
+    """``train_in_process``'s settings checked (``ConfigError`` from ``check_run_settings``,
+    ``check_meter_flag`` and ``check_trace_filter``, in that order), and ``(steps, seed, eval_every,
+    staleness)`` with the experiment's for each None."""
+    check_run_settings(exp, steps=steps, seed=seed, micro_batches=micro_batches, init=init, in_process=True,
+                       eval_every=eval_every, staleness=staleness)
+    if privacy_meter:
+        check_meter_flag(exp)                  # never accepted and ignored
+    staleness = exp.staleness if staleness is None else staleness
+    steps = exp.steps if steps is None else steps
+    seed = exp.seed if seed is None else seed
+    eval_every = exp.eval_every if eval_every is None else eval_every
+    check_trace_filter(trace_params, trace_every, exp.known_param_names(trace_params, seed), trace_path is not None)
+    return steps, seed, eval_every, staleness
+
+
+def _draw_label_secrets(exp: Experiment, noise_secret: int | None) -> None:
+    """A new run: the secret of each stage with ``label_dp`` (its randomized labels) drawn afresh
+    (``fresh_secret``: ``noise_secret`` when given)."""
+    for name in exp.stage_names:
+        if exp.has_stage(name) and exp.spec(name).defenses.label_dp is not None:
+            exp.run_secret(name).value = fresh_secret(noise_secret)

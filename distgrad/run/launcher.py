@@ -213,16 +213,13 @@ class LaunchPlan:
 
 
 def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | None = None, seed: int | None = None,
-              init: str | None = None, summary_path: str | Path | None = None,
-              trace_path: str | Path | None = None, metrics_path: str | Path | None = None,
-              tensorboard_dir: str | Path | None = None, transport: str = "tcp",
-              timeout_s: float | None = None, log_level: str = "INFO",
-              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None,
-              stage_flags: Sequence[str] = (), secure: bool = False,
-              driver_flags: Sequence[str] = (), progress_bar: bool = False,
-              save_dir: str | Path | None = None, load_dir: str | Path | None = None,
-              activation_codec: str | None = None, gradient_codec: str | None = None,
-              privacy_meter: bool = False) -> dict[str, Any]:
+              init: str | None = None, summary_path: str | Path | None = None, trace_path: str | Path | None = None,
+              metrics_path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
+              transport: str = "tcp", timeout_s: float | None = None, log_level: str = "INFO",
+              out: IO[str] | None = None, check_stop: Callable[[], None] = lambda: None, stage_flags: Sequence[str] = (),
+              secure: bool = False, driver_flags: Sequence[str] = (), progress_bar: bool = False,
+              save_dir: str | Path | None = None, load_dir: str | Path | None = None, activation_codec: str | None = None,
+              gradient_codec: str | None = None, privacy_meter: bool = False) -> dict[str, Any]:
     """Run an experiment (a name or file, or several parties' stage files) as one local process per stage;
     return the merged summary. Each stage process reads only its own file.
 
@@ -250,33 +247,72 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     """
     out = out or sys.stdout
     exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
-    stage_flags = [*stage_flags, *(["--activation-codec", activation_codec] if activation_codec is not None else []),
-                   *(["--gradient-codec", gradient_codec] if gradient_codec is not None else [])]
-    _check_launch(exp, steps, seed, init, privacy_meter, transport)
-    clients = _clients(exp)
-    parameter_flags = _parameter_flags(exp, clients, save_dir, load_dir)
-    _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
-    check_data(exp, seed, clients)
+    stage_flags = _with_codec_flags(stage_flags, activation_codec, gradient_codec)
+    clients, parameter_flags = _preflight(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir)
     done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
-        runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
-        out.write(f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
-                  f"(start without --resume for a new run)\n")
+        out.write(_nothing_to_do(exp, done))
         return done
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
-        common = ["--log-level", log_level, *stage_flags]
-        for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
-            if value is not None:
-                common += [option, str(value)]
+        common = _common_flags(log_level, stage_flags, steps, seed, init, timeout_s)
         plan = plan_processes(exp, experiment, Path(tmp_name), common_flags=common, driver_flags=driver_flags,
                               parameter_flags=parameter_flags, transport=transport, secure=secure,
                               trace=trace_path is not None, privacy_meter=privacy_meter,
                               metrics_path=None if metrics_path is None else Path(metrics_path),
                               tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
                               progress_bar=progress_bar)
-        _check_outputs(plan, summary_path, trace_path, metrics_path)
-        _start_and_watch(plan, out, check_stop, progress_bar)
-        return _collect(plan, transport, summary_path, trace_path, metrics_path)
+        return _launch(plan, out, check_stop, progress_bar, transport, summary_path, trace_path, metrics_path)
+
+
+def _preflight(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
+               transport: str, save_dir: str | Path | None,
+               load_dir: str | Path | None) -> tuple[list[int | None], dict[str, list[str]]]:
+    """What ``run_local`` checks and builds before any process starts, in this order: the launch
+    (``_check_launch``), the parameter files (``_parameter_flags``), the stages (``_build_stages``) and the
+    data (``check_data``); each raises ``ConfigError`` for what it finds wrong. Returns the clients
+    (``_clients``) and every stage process's ``--save`` / ``--load`` flags."""
+    _check_launch(exp, steps, seed, init, privacy_meter, transport)
+    clients = _clients(exp)
+    parameter_flags = _parameter_flags(exp, clients, save_dir, load_dir)
+    _build_stages(exp, seed, parse_init_overrides(init), clients, load_dir)
+    check_data(exp, seed, clients)
+    return clients, parameter_flags
+
+
+def _nothing_to_do(exp: Any, done: dict[str, Any]) -> str:
+    """The line ``run_local`` writes when ``--resume`` finds the run ``done`` (``_finished``) already finished."""
+    runs = [entry["run_id"] for entry in done["clients"]] if exp.federated else [done["run_id"]]
+    return (f"run {', '.join(runs)} finished at step {done['steps']}; nothing to do "
+            f"(start without --resume for a new run)\n")
+
+
+def _with_codec_flags(stage_flags: Sequence[str], activation_codec: str | None,
+                      gradient_codec: str | None) -> list[str]:
+    """``stage_flags`` and, for each codec given, ``--activation-codec`` / ``--gradient-codec``: every stage
+    codes what crosses as the run asks."""
+    return [*stage_flags, *(["--activation-codec", activation_codec] if activation_codec is not None else []),
+            *(["--gradient-codec", gradient_codec] if gradient_codec is not None else [])]
+
+
+def _common_flags(log_level: str, stage_flags: Sequence[str], steps: int | None, seed: int | None,
+                  init: str | None, timeout_s: float | None) -> list[str]:
+    """The flags every stage process gets: ``--log-level``, ``stage_flags``, then ``--steps``, ``--seed``,
+    ``--init`` and ``--timeout`` for each of these settings that is not None."""
+    common = ["--log-level", log_level, *stage_flags]
+    for option, value in (("--steps", steps), ("--seed", seed), ("--init", init), ("--timeout", timeout_s)):
+        if value is not None:
+            common += [option, str(value)]
+    return common
+
+
+def _launch(plan: LaunchPlan, out: IO[str], check_stop: Callable[[], None], progress_bar: bool, transport: str,
+            summary_path: str | Path | None, trace_path: str | Path | None,
+            metrics_path: str | Path | None) -> dict[str, Any]:
+    """Run ``plan``: its output files checked (``_check_outputs``), its processes started and watched to their
+    end (``_start_and_watch``), and the merged summary returned (``_collect``)."""
+    _check_outputs(plan, summary_path, trace_path, metrics_path)
+    _start_and_watch(plan, out, check_stop, progress_bar)
+    return _collect(plan, transport, summary_path, trace_path, metrics_path)
 
 
 def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path: str | Path | None,

@@ -292,16 +292,7 @@ def _decode_msgpack(frames: Sequence[Any], first: memoryview, max_tensor_bytes: 
     """A message with a msgpack header (``first``, a view of frames[0])."""
     # The checks below are the specification's, in its order; they test exact types
     # (``type(x) is int`` is False for bools, as msgpack's True is not the integer 1).
-    header_size = first.nbytes
-    if header_size > HEADER_MAX_BYTES:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
-    try:
-        header = _unpackb(first, **_UNPACK_LIMITS)
-    except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
-    if type(header) is not dict:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
-    get = header.get
+    get = _unpack_header(first).get
     version = get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION, f"protocol version {show(version)} is not supported; this side speaks {PROTOCOL_VERSION}")
@@ -320,7 +311,31 @@ def _decode_msgpack(frames: Sequence[Any], first: memoryview, max_tensor_bytes: 
     body = get("body")
     if type(body) is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, f"'body' must be a map, got {type(body).__name__}")
-    specs = get("tensors")
+    tensors = _msgpack_tensors(frames, get("tensors"), max_tensor_bytes)
+    return Message(msg_type, run, step, mb, mbs, body, tensors)
+
+
+def _unpack_header(first: memoryview) -> dict[Any, Any]:
+    """The map of a msgpack header frame ``first``, unpacked within ``_UNPACK_LIMITS``. Raises
+    ``ProtocolError`` (MALFORMED) for a frame over ``HEADER_MAX_BYTES``, bytes that are not msgpack, or a
+    header that is not a map."""
+    header_size = first.nbytes
+    if header_size > HEADER_MAX_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is {header_size} bytes; the limit is {HEADER_MAX_BYTES}")
+    try:
+        header = _unpackb(first, **_UNPACK_LIMITS)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+    if type(header) is not dict:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def _msgpack_tensors(frames: Sequence[Any], specs: Any, max_tensor_bytes: int) -> dict[str, np.ndarray]:
+    """The tensors of a msgpack-header message: ``specs`` (its header's ``tensors``, a list of
+    ``[name, dtype, shape]``) checked entry by entry against ``frames[1:]``, each tensor a read-only view of its
+    frame (``_received``). Raises ``ProtocolError`` at the first entry, count, size or total over
+    ``max_tensor_bytes`` that is wrong."""
     if type(specs) is not list or len(specs) > MAX_TENSORS:
         raise ProtocolError(ErrorCode.MALFORMED, f"'tensors' must be a list of at most {MAX_TENSORS} entries")
     if len(frames) != 1 + len(specs):
@@ -356,7 +371,7 @@ def _decode_msgpack(frames: Sequence[Any], first: memoryview, max_tensor_bytes: 
         if got != expected:
             raise ProtocolError(ErrorCode.TENSOR, f"tensor {name!r}: {dtype_name}{tuple(shape)} needs {expected} bytes, frame has {got}")
         tensors[name] = _received(_frombuffer_nd(shape, dtype, buffer))    # a view of the frame, no copy
-    return Message(msg_type, run, step, mb, mbs, body, tensors)
+    return tensors
 
 
 def _received(array: np.ndarray) -> np.ndarray:
@@ -405,14 +420,8 @@ def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: i
                                                  f"{declared_run_size} (at most {RUN_ID_MAX}) after "
                                                  f"{BINARY_HEADER.size}")
     run = _RUN_NAMES.get(raw_run)
-    if run is None:
-        run = raw_run.decode("latin-1")          # any byte decodes; RUN_ID then admits ASCII only
-        if not RUN_ID.fullmatch(run):
-            raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be at most 128 characters from "
-                                                     f"[A-Za-z0-9_.-], got {show(raw_run)}")
-        if len(_RUN_NAMES) >= _RUNS_SEEN_MAX:
-            _RUN_NAMES.clear()
-        _RUN_NAMES[raw_run] = run
+    if run is None:                             # a run's first message: its later ones skip the call
+        run = _admit_binary_run(raw_run)
     if not 0 <= mb < mbs:
         raise ProtocolError(ErrorCode.MALFORMED, f"need 0 <= mb < mbs, got mb={mb} mbs={mbs}")
     if code == _BACKWARD_CODE and not (math.isfinite(compute_s) and compute_s >= 0):
@@ -429,6 +438,19 @@ def _decode_binary(frames: Sequence[Any], first: memoryview, max_tensor_bytes: i
                                               f"{max_tensor_bytes}")
     return Message(msg_type, run, step, mb, mbs, {"loss": loss, "compute_s": compute_s} if code == _BACKWARD_CODE
                    else {}, {}, tensor_frames)
+
+
+def _admit_binary_run(raw_run: bytes) -> str:
+    """The run id of a binary header's run bytes ``raw_run``, remembered in ``_RUN_NAMES`` once it passes
+    ``RUN_ID``. Raises ``ProtocolError`` (MALFORMED) for any other bytes."""
+    run = raw_run.decode("latin-1")              # any byte decodes; RUN_ID then admits ASCII only
+    if not RUN_ID.fullmatch(run):
+        raise ProtocolError(ErrorCode.MALFORMED, f"'run' must be at most 128 characters from "
+                                                 f"[A-Za-z0-9_.-], got {show(raw_run)}")
+    if len(_RUN_NAMES) >= _RUNS_SEEN_MAX:
+        _RUN_NAMES.clear()
+    _RUN_NAMES[raw_run] = run
+    return run
 
 
 class FrameLayout:
