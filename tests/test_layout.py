@@ -48,6 +48,16 @@ HELD_MODULES = [
     "run/release_records.py",
     "run/run_verdicts.py",
     "stage/history.py",
+    # the torch stage: the stage and its builder, what it holds and checkpoints, tensors and devices at its boundary,
+    # distgrad's layers and losses in torch, its optimizer and scheduler, your own module, DP-SGD's per-example
+    # gradients
+    "stage/torch_stage.py",
+    "stage/torch_state.py",
+    "stage/torch_tensors.py",
+    "stage/torch_layers.py",
+    "stage/torch_optim.py",
+    "stage/torch_module.py",
+    "stage/torch_per_example.py",
 ]
 
 
