@@ -61,6 +61,16 @@ HELD_MODULES = [
     "run/launcher.py",
     # the tools users call
     "plot.py",
+    # the torch stage: the stage and its builder, what it holds and checkpoints, tensors and devices at its boundary,
+    # distgrad's layers and losses in torch, its optimizer and scheduler, your own module, DP-SGD's per-example
+    # gradients
+    "stage/torch_stage.py",
+    "stage/torch_state.py",
+    "stage/torch_tensors.py",
+    "stage/torch_layers.py",
+    "stage/torch_optim.py",
+    "stage/torch_module.py",
+    "stage/torch_per_example.py",
 ]
 
 
