@@ -303,7 +303,7 @@ class Experiment:
         label_dp = spec.defenses.label_dp
         if label_dp is not None and data.has_labels and hasattr(data, "all_targets"):
             if label_dp.staged:         # released during training by the stage (``training_labels``)
-                data = ReleasedLabels(data)  # type: ignore[arg-type]
+                data = ReleasedLabels(data)
             else:
                 data = RandomizedLabels(data, label_dp.epsilon,  # type: ignore[arg-type]
                                         self.run_secret(spec.name), spec.name)

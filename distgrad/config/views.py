@@ -20,7 +20,37 @@ from distgrad.privacy.defenses import randomized_response
 from distgrad.privacy.releases import RunSecret
 
 
-class ColumnView(DataSource):
+class SourceView(DataSource):
+    """A source over ``source``: its rows, order, shards and held-out rows are the source's, as are its shapes
+    and label kind (copied at construction) and every attribute a subclass does not define (``__getattr__``).
+    A subclass defines what it changes: the features it shows, or the training targets."""
+
+    def __init__(self, source: DataSource) -> None:
+        self._source = source
+        self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
+        self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
+        self.validation_count = source.validation_count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)      # rows, batches, epoch_order, test_targets, ...: the source's
+
+    def features(self, step: int) -> np.ndarray:
+        return self._source.features(step)
+
+    def targets(self, step: int) -> np.ndarray:
+        return self._source.targets(step)
+
+    def true_targets(self, step: int) -> np.ndarray:
+        return self._source.true_targets(step)
+
+    def shard(self, index: int, count: int) -> None:
+        self._source.shard(index, count)
+
+    def check_readable(self) -> None:
+        self._source.check_readable()
+
+
+class ColumnView(SourceView):
     """A feature party's columns of another source's features (a vertical experiment's ``columns``).
 
     ``features``/``test_features`` keep only ``columns`` (indices into the
@@ -38,14 +68,9 @@ class ColumnView(DataSource):
         if (not columns or len(set(columns)) != len(columns)
                 or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < width for c in columns)):
             raise ConfigError(f"'columns' must list distinct feature columns from 0 to {width - 1}, got {columns!r}")
-        self._source, self._columns = source, np.asarray(columns, np.intp)
+        super().__init__(source)
+        self._columns = np.asarray(columns, np.intp)
         self.feature_shape = (*shape[:-1], len(columns))
-        self.target_shape, self.target_dtype = source.target_shape, source.target_dtype
-        self.has_labels, self.test_rows = source.has_labels, source.test_rows
-        self.validation_count = source.validation_count
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)      # rows, batches, epoch_order, ...: the source's
 
     def features(self, step: int) -> np.ndarray:
         return np.ascontiguousarray(self._source.features(step)[..., self._columns])
@@ -72,20 +97,8 @@ class ColumnView(DataSource):
             full.columns[c] = column
         self._source.adopt(full, where)  # type: ignore[attr-defined]
 
-    def targets(self, step: int) -> np.ndarray:
-        return self._source.targets(step)
 
-    def true_targets(self, step: int) -> np.ndarray:
-        return self._source.true_targets(step)
-
-    def shard(self, index: int, count: int) -> None:
-        self._source.shard(index, count)
-
-    def check_readable(self) -> None:
-        self._source.check_readable()
-
-
-class RandomizedLabels(DataSource):
+class RandomizedLabels(SourceView):
     """A label owner's rows with its training labels randomized once (``label_dp``): k-ary randomized response
     at ``epsilon`` (``privacy.defenses.randomized_response``), k the classes its labels hold (0 to the largest).
 
@@ -102,11 +115,9 @@ class RandomizedLabels(DataSource):
         if self.classes < 2:
             raise ConfigError(f"'label_dp' randomizes class ids among at least 2 classes; the labels hold "
                               f"{self.classes}")
-        self._source, self._labels, self.epsilon, self.key, self.stage = source, labels, epsilon, key, stage
+        super().__init__(source)
+        self._labels, self.epsilon, self.key, self.stage = labels, epsilon, key, stage
         self._drawn: tuple[int, np.ndarray] | None = None        # (the secret, its randomized labels)
-        self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
-        self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
-        self.validation_count = source.validation_count
 
     @property
     def noisy(self) -> np.ndarray:
@@ -117,14 +128,8 @@ class RandomizedLabels(DataSource):
             self._drawn = secret, randomized_response(self._labels, self.classes, self.epsilon, rng)
         return self._drawn[1]
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)      # rows, batches, test_targets, ...: the source's
-
-    def features(self, step: int) -> np.ndarray:
-        return self._source.features(step)
-
     def targets(self, step: int) -> np.ndarray:
-        return self.noisy[self._source._rows(step)]
+        return self.noisy[self._source._rows(step)]  # type: ignore[attr-defined]
 
     def targets_at(self, rows: np.ndarray) -> np.ndarray:
         return self.noisy[rows]
@@ -132,43 +137,19 @@ class RandomizedLabels(DataSource):
     def true_targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
 
-    def shard(self, index: int, count: int) -> None:
-        self._source.shard(index, count)
 
-    def check_readable(self) -> None:
-        self._source.check_readable()
-
-
-class ReleasedLabels(DataSource):
+class ReleasedLabels(SourceView):
     """A label owner's rows whose training labels are released during training (``label_dp`` with ``stages``,
     RR-with-prior: ``privacy.labeldp.LabelRelease``, which the label owner's stage holds): its training targets
     are the rows' numbers (int64, ``(batch,)`` like class ids), which the stage turns into randomized labels
     when it first trains on each row. The held-out labels (``test_targets``) and ``true_targets`` stay true;
     everything else is the source's own."""
 
-    def __init__(self, source: RowBatches) -> None:
-        self._source = source
-        self.feature_shape, self.target_shape = source.feature_shape, source.target_shape
-        self.target_dtype, self.has_labels, self.test_rows = source.target_dtype, source.has_labels, source.test_rows
-        self.validation_count = source.validation_count
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)      # rows, batches, test_targets, all_targets, ...: the source's
-
-    def features(self, step: int) -> np.ndarray:
-        return self._source.features(step)
-
     def targets(self, step: int) -> np.ndarray:
-        return np.asarray(self._source._rows(step), np.int64)
+        return np.asarray(self._source._rows(step), np.int64)  # type: ignore[attr-defined]
 
     def targets_at(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(rows, np.int64)
 
     def true_targets(self, step: int) -> np.ndarray:
         return self._source.targets(step)
-
-    def shard(self, index: int, count: int) -> None:
-        self._source.shard(index, count)
-
-    def check_readable(self) -> None:
-        self._source.check_readable()
