@@ -16,6 +16,7 @@ checkpoint holds) is each subclass's, behind the hooks named below.
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class Batch:
         self.server._reply(self, loss, grad)
 
 
-class LoopServer:
+class LoopServer(abc.ABC):
     """The rules every label-owner end of the cut keeps with its loop and its data owners (the module's
     docstring). A subclass serves one topology: it binds with ``_bind_socket`` and provides ``__next__``,
     ``_handle`` (one request), ``_reply`` (the loop's answer to a batch), ``_flush`` and ``_drop_unsent``
@@ -149,8 +150,9 @@ class LoopServer:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    @abc.abstractmethod
     def __next__(self) -> Batch:
-        raise NotImplementedError
+        """The loop's next batch (``_next_batch_asked`` first), serving messages until one is ready."""
 
     def _next_batch_asked(self) -> None:
         """The loop asks for its next batch, one rule for every cut server: ``CutMisuse`` unless the server is
@@ -162,8 +164,9 @@ class LoopServer:
         self.batch = None
         self._flush()
 
+    @abc.abstractmethod
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
-        raise NotImplementedError
+        """The loop's reply to ``batch`` (``_checked`` first), kept to leave at the next ``_flush``."""
 
     def _checked(self, batch: Batch, loss: Any, grad: Any, shape: tuple[int, ...]) -> tuple[Any, str | None]:
         """The loop's reply to ``batch`` checked, one rule for every cut server: ``CutMisuse`` for a closed
@@ -197,17 +200,19 @@ class LoopServer:
                                                            batch.mb, batch.mbs))
         raise self.failure
 
+    @abc.abstractmethod
     def _flush(self) -> None:
         """Send the replies the loop made since the last batch was asked for."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _drop_unsent(self) -> None:
         """Forget the replies not sent yet (the loop failed, maybe before saving them)."""
-        raise NotImplementedError
 
     # -- the messages
+    @abc.abstractmethod
     def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
-        raise NotImplementedError
+        """The replies to ``msg`` from ``envelope`` (authenticated as ``peer_key``); raises ``ProtocolError`` to
+        refuse it."""
 
     def _serve(self, request: tuple[list[bytes], list[Any], str]) -> None:
         """Answer one ``request`` received while the byes are awaited (``_await_byes``)."""
@@ -307,38 +312,39 @@ class LoopServer:
 
     _whose_bye = "the data owner's bye"     # what a run closed mid-run still waited for, in its notice
 
+    @abc.abstractmethod
     def _all_said_bye(self) -> bool:
-        raise NotImplementedError
+        """Whether every data owner of the run has said bye."""
 
+    @abc.abstractmethod
     def _byes_due(self) -> bool:
         """Whether the byes not said yet are awaited at the close (every step is replied to)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _owing_bye_heard(self) -> float:
         """When the data owners that have not said bye were last heard (``time.monotonic``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _no_bye_yet(self) -> str:
         """The start of the warning that the byes did not come: who did not say it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _ended_runs(self) -> set[str]:
         """The runs that ended here with their bye."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _closing_text(self) -> str:
         """Why a request other than a ping or a bye resent is refused after the byes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _waiting_places(self) -> dict[str, list[list[bytes]]]:
         """Where the data owners that may still wait for this side wait (each one's run: its envelopes), as
         the close begins, before the replies not sent yet leave or are dropped."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _tell_stopped(self, reason: str, places: dict[str, list[list[bytes]]]) -> bool:
         """Tell the data owners waiting at ``places`` (``_waiting_places``) that this side stopped
         (``reason``); whether anyone was told."""
-        raise NotImplementedError
 
     def _await_byes(self) -> None:
         """After the run's last step: serve the data owners (an evaluation, a step resent, a ping) until each
