@@ -303,12 +303,18 @@ def measure_sizes(runner: Runner, results: dict[str, Any], sizes: list[int], min
     """The size group: the two-stage identity model per activation size, beside one raw round trip of it."""
     results["size"] = measure_group(runner, "size", sizes, trivial_toml, lambda b: [["f"]], min_steps)
     raw = [Variant(str(b), lambda s, b=b: runner.round_trip("raw", "tcp", b, s), timed=True) for b in sizes]
-    runner.interleave("raw", raw)
-    for v in raw:
+    # The floor: the same split written bare (_bare_identity.py), in the same minutes as the raw round trips.
+    estimate = {b: max(2e-4, 2 * b / 5e8) for b in sizes}          # seconds per step, generous: 0.5 GB/s
+    bare = [Variant(f"bare {b}", lambda n, b=b: runner.bare_identity("tcp", b, int(n), n * estimate[b]),
+                    min_steps=min_steps, est_s=estimate[b]) for b in sizes]
+    runner.interleave("raw and bare", [v for pair in zip(raw, bare) for v in pair])
+    for v, floor in zip(raw, bare):
         row = results["size"][v.key]
         row["raw_rt_s"] = v.t
         row["bound_steps_per_s"] = 1 / v.t if v.t else None        # the link: 2 x size bytes per step
         row["share_of_bound"] = ratio(row["steps_per_s"], row["bound_steps_per_s"])
+        row["bare_step_s"] = floor.t
+        row["bare_share_of_bound"] = ratio(v.t, floor.t)
         if int(v.key) >= 256 * KIB:         # per byte only where the bytes, not the messages, cost
             row["g_cpu_per_mib_s"] = ratio(row["g_cpu_per_step_s"], 2 * int(v.key) / MIB)
 
@@ -397,11 +403,13 @@ def report(results: dict[str, Any], out: TextIO) -> None:
             out.write(f"| {key} | {_f(r['cpu_per_step_s'], 1e3, 3)} | {_f(r['cpu_per_party_s'], 1e6, 1)} | "
                       f"{_f(r['bound_cpu_per_step_s'], 1e3, 3)} |\n")
         out.write("\n")
-    out.write("| activation | steps/s | raw round trip | bound steps/s (link) | share of bound | g CPU ms/step "
-              "| g CPU ms per MiB moved | all processes' CPU ms/step |\n|" + "---|" * 8 + "\n")
+    out.write("| activation | steps/s | raw round trip | bound steps/s (link) | share of bound | bare split's share "
+              "(the floor) | g CPU ms/step | g CPU ms per MiB moved | all processes' CPU ms/step |\n|" + "---|" * 9
+              + "\n")
     for key, r in results.get("size", {}).items():
         out.write(f"| {fmt_size(int(key))} | {_f(r['steps_per_s'], 1, 1)} | {_f(r.get('raw_rt_s'), 1e3, 3)} ms | "
                   f"{_f(r.get('bound_steps_per_s'), 1, 1)} | {_f(r.get('share_of_bound'), 1, 2)} | "
+                  f"{_f(r.get('bare_share_of_bound'), 1, 2)} | "
                   f"{_f(r['g_cpu_per_step_s'], 1e3, 3)} | {_f(r.get('g_cpu_per_mib_s'), 1e3, 2)} | "
                   f"{_f(r['all_cpu_per_step_s'], 1e3, 3)} |\n")
     t = results.get("target", {})

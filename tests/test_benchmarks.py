@@ -44,6 +44,7 @@ SMOKE_TESTS = {
     "copies.py": "test_copies_per_step_stay_within_the_path_s_own_arrays",
     "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
+    "_bare_identity.py": "test_bench_smoke_runs_every_section",  # the "bare" variant of section A (and scaling's)
     "_torch_split.py": "test_torch_split",
     "held_out_reconstruction.py": "test_held_out_reconstruction",
     "per_message.py": "test_per_message",
@@ -80,7 +81,8 @@ def test_bench_smoke_runs_every_section(tmp_path):
     assert figures["failures"] == [] and figures["meta"]["smoke"] is True
     assert "error" not in figures["meta"]["machine"]["children"]            # _peers.py info
     tcp = figures["message_path"]["4"]["tcp"]
-    for key in ("raw_rt_s", "wire_rt_s", "distgrad_step_s", "spin_step_s"):      # _peers.py raw/wire peers
+    for key in ("raw_rt_s", "wire_rt_s", "distgrad_step_s", "spin_step_s",       # _peers.py raw/wire peers
+                "bare_step_s"):                                                  # _bare_identity.py
         assert tcp[key] > 0, key
     assert figures["message_path"]["4"]["inprocess_step_s"] > 0                  # _peers.py inprocess
     model = figures["model"]["32"]["steps_per_s"]
@@ -191,6 +193,7 @@ def test_scaling(tmp_path):
     for group in ("vertical", "clients", "size"):
         assert figures[group] and all(row["steps_per_s"] > 0 for row in figures[group].values()), group
     assert figures["size"]["4"]["bound_steps_per_s"] > 0 and png.stat().st_size > 0
+    assert figures["size"]["4"]["bare_step_s"] > 0                           # _bare_identity.py, the floor
     assert figures["logic"]["2"]["cpu_per_step_s"] > 0                        # the label owner's logic alone
     report = run_script("scaling.py", "--report", out, "--plot", tmp_path / "again.png")
     assert "| parties K |" in report.stdout and "| data owners N |" in report.stdout

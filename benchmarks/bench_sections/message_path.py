@@ -22,6 +22,9 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
                 variants[f"{role}-{tr}"] = Variant(
                     f"{role}-{tr}", lambda s, role=role, tr=tr, size=size: runner.round_trip(role, tr, size, s),
                     timed=True)
+            variants[f"bare-{tr}"] = Variant(
+                f"bare-{tr}", lambda n, tr=tr, size=size, est=est_dg: runner.bare_identity(tr, size, int(n), n * est),
+                est_s=est_dg, min_steps=12 if size >= 64 * MIB else 5)
             small = size <= SPIN_SIZES_MAX
             variants[f"distgrad-{tr}"] = Variant(
                 f"distgrad-{tr}", lambda n, tr=tr, exp=exp, est=est_dg, extra=extra, small=small: runner.distgrad_pair(
@@ -40,10 +43,13 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
         row: dict[str, Any] = {"size_bytes": size, "inprocess": summarise(variants["inprocess"]),
                                "inprocess_step_s": inproc}
         for tr in transports:
-            raw, wire, dg = (variants[f"{k}-{tr}"].t for k in ("raw", "wire", "distgrad"))
+            raw, wire, dg, bare = (variants[f"{k}-{tr}"].t for k in ("raw", "wire", "distgrad", "bare"))
             fig: dict[str, Any] = {
                 "raw_rt_s": raw, "wire_rt_s": wire, "distgrad_step_s": dg,
                 "distgrad_over_raw": ratio(dg, raw), "wire_over_raw": ratio(wire, raw),
+                # The floor: the same split written bare (_bare_identity.py), beside the same raw round trip.
+                "bare_step_s": bare, "bare_over_raw": ratio(bare, raw), "distgrad_over_bare": ratio(dg, bare),
+                "bare": summarise(variants[f"bare-{tr}"]),
                 "lockstep_ideal_s": (inproc + raw) if inproc is not None and raw is not None else None,
                 "raw": summarise(variants[f"raw-{tr}"]), "wire": summarise(variants[f"wire-{tr}"]),
                 "distgrad": summarise(variants[f"distgrad-{tr}"]),

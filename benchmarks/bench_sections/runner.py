@@ -226,17 +226,27 @@ class Runner:
     # -- the other implementations of the same split
 
     def bare_pair(self, batch: int, steps: int, expected_s: float) -> dict[str, Any]:
-        tag = f"bare-b{batch}"
+        """The bare raw-frame numpy split of mlp-classify (``_raw_split.py``) at ``batch``, over tcp."""
+        return self._bare(f"bare-b{batch}", "_raw_split.py", "tcp", [str(batch), str(HIDDEN)], steps, expected_s)
+
+    def bare_identity(self, transport: str, size: int, steps: int, expected_s: float) -> dict[str, Any]:
+        """The bare lockstep split of the identity model of ``size`` activation bytes (``_bare_identity.py``):
+        the floor a split step reaches on this machine beside the raw round trip of the same frames."""
+        return self._bare(f"bare-identity-{size}-{transport}", "_bare_identity.py", transport, [str(size)], steps,
+                          expected_s)
+
+    def _bare(self, tag: str, script_name: str, transport: str, args: list[str], steps: int,
+              expected_s: float) -> dict[str, Any]:
+        """One run of a bare split script's two processes: ``g READY ENDPOINT *args``, ``f ENDPOINT *args STEPS``."""
         ready = self.workdir / f"{tag}.ready"
         ready.unlink(missing_ok=True)
-        script = [sys.executable, str(HERE / "_raw_split.py")]
+        script = [sys.executable, str(HERE / script_name)]
         deadline = time.monotonic() + STARTUP_ALLOWANCE_S + 5 * expected_s
         g = f = None
         try:
-            g = self.spawn(f"g-{tag}", [*script, "g", str(ready), self.bind_endpoint("tcp", tag), str(batch),
-                                        str(HIDDEN)])
+            g = self.spawn(f"g-{tag}", [*script, "g", str(ready), self.bind_endpoint(transport, tag), *args])
             endpoint = self.wait_ready(g, ready)
-            f = self.spawn(f"f-{tag}", [*script, "f", endpoint, str(batch), str(HIDDEN), str(steps)])
+            f = self.spawn(f"f-{tag}", [*script, "f", endpoint, *args, str(steps)])
             code = f.wait(deadline)
             if code != 0:
                 raise BenchError(f"bare f exited with code {code}\n{f.tail()}\n{g.tail()}")
