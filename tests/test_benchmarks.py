@@ -45,6 +45,7 @@ SMOKE_TESTS = {
     "_peers.py": "test_bench_smoke_runs_every_section",          # every role, through bench.py
     "_raw_split.py": "test_bench_smoke_runs_every_section",      # the "bare" variant of section B
     "_bare_identity.py": "test_bench_smoke_runs_every_section",  # the "bare" variant of section A (and scaling's)
+    "_parts_identity.py": "test_bench_smoke_runs_every_section",  # the "parts" variant of section A
     "_torch_split.py": "test_torch_split",
     "held_out_reconstruction.py": "test_held_out_reconstruction",
     "per_message.py": "test_per_message",
@@ -82,7 +83,7 @@ def test_bench_smoke_runs_every_section(tmp_path):
     assert "error" not in figures["meta"]["machine"]["children"]            # _peers.py info
     tcp = figures["message_path"]["4"]["tcp"]
     for key in ("raw_rt_s", "wire_rt_s", "distgrad_step_s", "spin_step_s",       # _peers.py raw/wire peers
-                "bare_step_s"):                                                  # _bare_identity.py
+                "bare_step_s", "parts_step_s"):                  # _bare_identity.py, _parts_identity.py
         assert tcp[key] > 0, key
     assert figures["message_path"]["4"]["inprocess_step_s"] > 0                  # _peers.py inprocess
     model = figures["model"]["32"]["steps_per_s"]

@@ -22,9 +22,10 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
                 variants[f"{role}-{tr}"] = Variant(
                     f"{role}-{tr}", lambda s, role=role, tr=tr, size=size: runner.round_trip(role, tr, size, s),
                     timed=True)
-            variants[f"bare-{tr}"] = Variant(
-                f"bare-{tr}", lambda n, tr=tr, size=size, est=est_dg: runner.bare_identity(tr, size, int(n), n * est),
-                est_s=est_dg, min_steps=12 if size >= 64 * MIB else 5)
+            for role, script in (("bare", "_bare_identity.py"), ("parts", "_parts_identity.py")):
+                variants[f"{role}-{tr}"] = Variant(
+                    f"{role}-{tr}", lambda n, tr=tr, size=size, est=est_dg, script=script: runner.bare_identity(
+                        tr, size, int(n), n * est, script), est_s=est_dg, min_steps=12 if size >= 64 * MIB else 5)
             small = size <= SPIN_SIZES_MAX
             variants[f"distgrad-{tr}"] = Variant(
                 f"distgrad-{tr}", lambda n, tr=tr, exp=exp, est=est_dg, extra=extra, small=small: runner.distgrad_pair(
@@ -43,13 +44,16 @@ def message_path(runner: Runner, sizes: list[int], transports: list[str]) -> dic
         row: dict[str, Any] = {"size_bytes": size, "inprocess": summarise(variants["inprocess"]),
                                "inprocess_step_s": inproc}
         for tr in transports:
-            raw, wire, dg, bare = (variants[f"{k}-{tr}"].t for k in ("raw", "wire", "distgrad", "bare"))
+            raw, wire, dg, bare, parts = (variants[f"{k}-{tr}"].t for k in ("raw", "wire", "distgrad", "bare", "parts"))
             fig: dict[str, Any] = {
                 "raw_rt_s": raw, "wire_rt_s": wire, "distgrad_step_s": dg,
                 "distgrad_over_raw": ratio(dg, raw), "wire_over_raw": ratio(wire, raw),
                 # The floor: the same split written bare (_bare_identity.py), beside the same raw round trip.
                 "bare_step_s": bare, "bare_over_raw": ratio(bare, raw), "distgrad_over_bare": ratio(dg, bare),
                 "bare": summarise(variants[f"bare-{tr}"]),
+                # distgrad's model and wire calls in the same bare loop (_parts_identity.py): what a dedicated
+                # lockstep lane made of them could reach, without the driver's and serving stage's protocol.
+                "parts_step_s": parts, "parts_over_raw": ratio(parts, raw), "parts": summarise(variants[f"parts-{tr}"]),
                 "lockstep_ideal_s": (inproc + raw) if inproc is not None and raw is not None else None,
                 "raw": summarise(variants[f"raw-{tr}"]), "wire": summarise(variants[f"wire-{tr}"]),
                 "distgrad": summarise(variants[f"distgrad-{tr}"]),

@@ -229,10 +229,12 @@ class Runner:
         """The bare raw-frame numpy split of mlp-classify (``_raw_split.py``) at ``batch``, over tcp."""
         return self._bare(f"bare-b{batch}", "_raw_split.py", "tcp", [str(batch), str(HIDDEN)], steps, expected_s)
 
-    def bare_identity(self, transport: str, size: int, steps: int, expected_s: float) -> dict[str, Any]:
+    def bare_identity(self, transport: str, size: int, steps: int, expected_s: float,
+                      script: str = "_bare_identity.py") -> dict[str, Any]:
         """The bare lockstep split of the identity model of ``size`` activation bytes (``_bare_identity.py``):
-        the floor a split step reaches on this machine beside the raw round trip of the same frames."""
-        return self._bare(f"bare-identity-{size}-{transport}", "_bare_identity.py", transport, [str(size)], steps,
+        the floor a split step reaches on this machine beside the raw round trip of the same frames; with
+        ``script="_parts_identity.py"``, the same loop made of distgrad's model and wire calls."""
+        return self._bare(f"{Path(script).stem}-{size}-{transport}", script, transport, [str(size)], steps,
                           expected_s)
 
     def _bare(self, tag: str, script_name: str, transport: str, args: list[str], steps: int,
