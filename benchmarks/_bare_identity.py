@@ -22,6 +22,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -32,6 +33,43 @@ IDLE_EXIT_S = 120.0                # the g side exits by itself after this long 
 HEADER = struct.Struct("<2sB16sQf")  # magic, kind, run id, step, loss
 MAGIC, FORWARD, BACKWARD, QUIT = b"DB", 1, 2, 3
 RUN = b"bare-identity-00"
+
+
+def write_ready(sock, ready_file: str) -> None:
+    """Write the bound endpoint of ``sock`` to ``ready_file`` at once (a rename): the driver's start signal."""
+    import zmq
+    tmp = Path(ready_file + ".tmp")
+    tmp.write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    tmp.replace(ready_file)
+
+
+def drive(ctx, sock, one_step: Callable[[int], None], steps: int, quit_frame: bytes) -> None:
+    """Step 0 untimed (it connects), then steps 1..``steps`` timed; then ``quit_frame`` to the g side, the
+    figures printed (``{"steps", "elapsed_s"}``) and ``sock`` and ``ctx`` closed."""
+    try:
+        one_step(0)
+        started = time.perf_counter()
+        for step in range(1, steps + 1):
+            one_step(step)
+        elapsed = time.perf_counter() - started
+        sock.send(quit_frame)
+        print(json.dumps({"steps": steps, "elapsed_s": elapsed}), flush=True)
+    finally:
+        sock.close(200)
+        ctx.term()
+
+
+def run_role(argv: list[str], serve_g: Callable[[str, str, int], None], drive_f: Callable[[str, int, int], None],
+             usage: str | None) -> int:
+    """``g READY_FILE ENDPOINT BYTES`` or ``f ENDPOINT BYTES STEPS``: run that side; 2 with ``usage`` otherwise."""
+    if argv[:1] == ["g"] and len(argv) == 4:
+        serve_g(argv[1], argv[2], int(argv[3]))
+    elif argv[:1] == ["f"] and len(argv) == 4:
+        drive_f(argv[1], int(argv[2]), int(argv[3]))
+    else:
+        print(usage, file=sys.stderr)
+        return 2
+    return 0
 
 
 def _checked_tensor(frame, size: int, what: str) -> np.ndarray:
@@ -52,9 +90,7 @@ def serve_g(ready_file: str, endpoint: str, size: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(IDLE_EXIT_S * 1000))
     sock.bind(endpoint)
-    tmp = Path(ready_file + ".tmp")
-    tmp.write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-    tmp.replace(ready_file)
+    write_ready(sock, ready_file)
     copy = size < ZERO_COPY_MIN_BYTES
     target = np.empty(size // 4, F32)
     square = np.empty(size // 4, F32)
@@ -111,29 +147,8 @@ def drive_f(endpoint: str, size: int, steps: int) -> None:
             raise RuntimeError(f"unexpected reply: kind {kind}, step {got} (expected {step})")
         _checked_tensor(tensor[0], size, "gradient")  # the identity's backward passes it on: nothing to do
 
-    try:
-        one_step(0)                               # connects; not timed
-        started = time.perf_counter()
-        for step in range(1, steps + 1):
-            one_step(step)
-        elapsed = time.perf_counter() - started
-        sock.send(HEADER.pack(MAGIC, QUIT, RUN, 0, 0.0))
-        print(json.dumps({"steps": steps, "elapsed_s": elapsed}), flush=True)
-    finally:
-        sock.close(200)
-        ctx.term()
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["g"] and len(argv) == 4:
-        serve_g(argv[1], argv[2], int(argv[3]))
-    elif argv[:1] == ["f"] and len(argv) == 4:
-        drive_f(argv[1], int(argv[2]), int(argv[3]))
-    else:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return 0
+    drive(ctx, sock, one_step, steps, HEADER.pack(MAGIC, QUIT, RUN, 0, 0.0))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_role(sys.argv[1:], serve_g, drive_f, __doc__))

@@ -17,10 +17,8 @@ finiteness), ``Stage.forward``, ``Stage.loss_backward``, ``Stage.backward``, ``S
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,6 +29,7 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from _bare_identity import drive, run_role, write_ready  # noqa: E402
 from bench_sections.configs import trivial_toml  # noqa: E402
 from distgrad.config.parse import load_experiment  # noqa: E402
 from distgrad.stage.stage import Stage, backward_specs, forward_specs  # noqa: E402
@@ -59,9 +58,7 @@ def serve_g(ready_file: str, endpoint: str, size: int) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
-    tmp = Path(ready_file + ".tmp")
-    tmp.write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-    tmp.replace(ready_file)
+    write_ready(sock, ready_file)
     step = 0
     try:
         while True:
@@ -108,29 +105,8 @@ def drive_f(endpoint: str, size: int, steps: int) -> None:
         _, grads = stage.backward(cache, backward.receive(msg, False), need_dx=False)
         stage.apply(grads)
 
-    try:
-        one_step(0)                               # connects; not timed
-        started = time.perf_counter()
-        for step in range(1, steps + 1):
-            one_step(step)
-        elapsed = time.perf_counter() - started
-        sock.send(QUIT)
-        print(json.dumps({"steps": steps, "elapsed_s": elapsed}), flush=True)
-    finally:
-        sock.close(200)
-        ctx.term()
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["g"] and len(argv) == 4:
-        serve_g(argv[1], argv[2], int(argv[3]))
-    elif argv[:1] == ["f"] and len(argv) == 4:
-        drive_f(argv[1], int(argv[2]), int(argv[3]))
-    else:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return 0
+    drive(ctx, sock, one_step, steps, QUIT)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_role(sys.argv[1:], serve_g, drive_f, __doc__))

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from _bare_identity import write_ready
 
 F32 = np.float32
 FEATURES, CLASSES, SPREAD, SEED = 784, 10, 4.0, 0
@@ -102,9 +103,7 @@ def serve_g(ready_file: str, endpoint: str, batch: int, hidden: int) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
-    tmp = Path(ready_file + ".tmp")
-    tmp.write_text(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-    tmp.replace(ready_file)
+    write_ready(sock, ready_file)
     copy = batch * hidden * 4 < ZERO_COPY_MIN_BYTES
     step = 0
     try:
