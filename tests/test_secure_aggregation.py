@@ -329,7 +329,8 @@ def test_a_part_masked_for_another_session_is_refused_and_the_label_owner_goes_o
     good, bad = (masking.session_tag(masking.mask_session(runs)).hex() for runs in (RUNS, stale))
     assert text.startswith("secure aggregation: the masks of step 1 micro-batch 0 would not cancel, so nothing "
                            "was summed or applied: party b masked for another session than the runs this stage "
-                           "names; it must say hello again to bind its masks to them (restart it with --resume)")
+                           "names, and must say hello again to bind its masks to them (restart the parties with "
+                           "--resume)")
     assert f"party a, party c masked for session {good}; party b masked for session {bad}" in text
     assert f"session {good}" in text.split("(mask_runs)")[1] and "'run-c'" in text
     assert g.stage.step == 0 and all(np.array_equal(g.stage.params[k], v) for k, v in before.items())
@@ -413,7 +414,7 @@ def test_the_session_crosses_with_every_masked_part_and_the_check_names_who_diff
         x, "activation/mb0of1", 1)] * 3))                   # the honest case sums exactly as before
     other = ["run-a", "run-b", "run-c2"]           # every party bound to one list, g naming another
     text = masking.unmatched_sessions([(f"party {n}", received(n, other)) for n in PARTIES], RUNS, "step 1 micro-batch 0")
-    assert "party a, party b, party c masked for another session" in text and "they must say hello again" in text
+    assert "party a, party b, party c masked for another session" in text and "bind their masks" in text
     bare = wire.Message(wire.FORWARD, "r", 1, tensors={"activation": honest[2][1].tensors["activation"]})
     text = masking.unmatched_sessions([*honest[:2], ("party c", bare)], RUNS, "step 1 micro-batch 0")
     assert "party c masked for another session" in text and "party c named no session" in text

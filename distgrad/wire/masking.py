@@ -323,7 +323,7 @@ def unmatched_sessions(contributions: Sequence[tuple[str, Message]], runs: Seque
     message must name (``received_tag``) the session of ``runs``: masks of two sessions do not cancel. The
     text names each party whose session differs, the sessions, and what to do."""
     try:
-        expected: bytes | None = session_tag(mask_session([str(run) if isinstance(run, str) else "" for run in runs]))
+        expected: bytes | None = session_tag(mask_session([run if isinstance(run, str) else "" for run in runs]))
     except ValueError:
         expected = None             # not every party's run is known: no contribution can be bound to them
     tags = [(who, received_tag(msg)) for who, msg in contributions]
@@ -337,8 +337,7 @@ def unmatched_sessions(contributions: Sequence[tuple[str, Message]], runs: Seque
                      f"{', '.join(names)} named no session" for tag, names in by_tag.items())
     named = (f"this stage names the runs {show(list(runs))} (mask_runs), session {expected.hex()}"
              if expected is not None else "this stage has not named every feature party's run yet")
-    one = len(off) == 1
     return (f"secure aggregation: the masks of {what} would not cancel, so nothing was summed or applied: "
-            f"{', '.join(off)} masked for another session than the runs this stage names; "
-            f"{'it' if one else 'they'} must say hello again to bind {'its' if one else 'their'} masks to them "
-            f"(restart {'it' if one else 'them'} with --resume). {said}; {named}")
+            f"{', '.join(off)} masked for another session than the runs this stage names, and must say hello "
+            f"again to bind {'its' if len(off) == 1 else 'their'} masks to them (restart the parties with "
+            f"--resume). {said}; {named}")
