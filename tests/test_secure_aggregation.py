@@ -230,18 +230,22 @@ class _Parties:
         from distgrad.wire import messages as wire
         replies = []
         for name in names:
-            sent = self.masked(name, step)
-            assert sent.dtype == np.int64
-            replies += g.handle([name.encode()], wire.Message(wire.FORWARD, self.runs[name], step,
-                                                              tensors={"activation.masked": sent}), now)
+            sent = self.tensors(name, step)
+            assert sent["activation.masked"].dtype == np.int64
+            replies += g.handle([name.encode()], wire.Message(wire.FORWARD, self.runs[name], step, tensors=sent), now)
         return replies
+
+    def tensors(self, name: str, step: int, stream: str = "activation/mb0of1") -> dict[str, np.ndarray]:
+        """The message tensors party ``name`` sends of step ``step``: its embedding in fixed point, masked
+        (``activation.masked``), and the tag of the session its masks are bound to (``activation.session``)."""
+        y, _ = self.stages[name].forward(self.data[name].features(step))
+        parts = self.codecs[name].encode(y, stream, step)
+        assert not np.any(parts["masked"] == self.codecs[name].roundtrip(y, stream, step))
+        return {f"activation.{part}": value for part, value in parts.items()}
 
     def masked(self, name: str, step: int) -> np.ndarray:
         """What party ``name`` sends of step ``step``: its embedding in fixed point, masked."""
-        y, _ = self.stages[name].forward(self.data[name].features(step))
-        sent = self.codecs[name].encode(y, "activation/mb0of1", step)["masked"]
-        assert not np.any(sent == self.codecs[name].roundtrip(y, "activation/mb0of1", step))
-        return sent
+        return self.tensors(name, step)["activation.masked"]
 
 
 def _serving(exp):
@@ -291,6 +295,131 @@ def test_parties_whose_keys_do_not_pair_up_are_refused_naming_the_pair(tmp_path)
     assert [r.type for _, r in replies] == ["error"] * 3
     assert all("feature parties b and c do not share a mask key" in r.body["message"] for _, r in replies)
     assert g.stage.step == 0
+
+
+def _label_owner(exp, tmp_path: Path):
+    """g with a checkpoint after every step in ``tmp_path/g``."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+    return ServingStage(StageOptions(exp, "g", exp.seed, steps=3, liveness_s=1.0, peer_deadline_s=2.0,
+                                     checkpoint_dir=tmp_path / "g", checkpoint_every=1))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_part_masked_for_another_session_is_refused_and_the_label_owner_goes_on(tmp_path):
+    """Party b still masks for the session of an earlier list of runs (c's former run) while g names the
+    current runs: the masks would not cancel, so g refuses every party's forward of the micro-batch with a
+    mismatch naming b, both sessions and what to do, applies nothing and writes nothing. Once b binds its
+    masks to the runs g names, the same step is summed and g stands bitwise where the reference does."""
+    exp = parse_experiment(_raw())
+    parties, g, now = _Parties(exp, _keys(tmp_path)), _label_owner(exp, tmp_path), time.monotonic()
+    for name in PARTIES:
+        parties.hello(g, name, now)
+    parties.bind_all(g, now)
+    before, files = {k: v.copy() for k, v in g.stage.params.items()}, _files(tmp_path / "g")
+    stale = ["run-a", "run-b", "run-c0"]
+    parties.codecs["b"] = parties.codecs["b"].for_run(stale, "run-b")
+    replies = parties.forwards(g, 1, now)
+    assert [(e[0], r.type, r.body["code"]) for e, r in replies] == [(n.encode(), "error", "mismatch") for n in PARTIES]
+    text = replies[0][1].body["message"]
+    assert all(r.body["message"] == text for _, r in replies)
+    good, bad = (masking.session_tag(masking.mask_session(runs)).hex() for runs in (RUNS, stale))
+    assert text.startswith("secure aggregation: the masks of step 1 micro-batch 0 would not cancel, so nothing "
+                           "was summed or applied: party b masked for another session than the runs this stage "
+                           "names, and must say hello again to bind its masks to them (restart the parties with "
+                           "--resume)")
+    assert f"party a, party c masked for session {good}; party b masked for session {bad}" in text
+    assert f"session {good}" in text.split("(mask_runs)")[1] and "'run-c'" in text
+    assert g.stage.step == 0 and all(np.array_equal(g.stage.params[k], v) for k, v in before.items())
+    assert _files(tmp_path / "g") == files
+    parties.bind_all(g, now)                          # b's masks bound to the runs g names: the step goes on
+    replies = parties.forwards(g, 1, now)
+    assert [r.type for _, r in replies] == ["backward"] * 3
+    g.settle()
+    assert {k: v.tolist() for k, v in g.stage.params.items()} == train_in_process(exp, steps=1)["params"]["g"]
+
+
+def test_an_evaluation_masked_for_another_session_is_refused_and_answered_once_bound(tmp_path):
+    """digits-halves' two parties, summed securely: after the last step their held-out embeddings are
+    summed, and right's, masked for another session (a list naming left's former run), gets both parties
+    a mismatch naming right; no scores are recorded. The same evaluations masked for g's runs are scored."""
+    from distgrad.run import handshake
+    from distgrad.stage.stage import Stage
+    from distgrad.wire import messages as wire
+    digits = BUILTIN.parent / "digits-halves.toml"
+    raw = read_toml(digits)
+    raw = {**raw, "aggregate": "sum", "secure_aggregation": True,
+           "stages": [*raw["stages"][:2], dict(raw["stages"][2], model=[{"type": "dense", "name": "g1", "in": 32,
+                                                                          "out": 10}])]}
+    exp, names = parse_experiment(raw, str(digits)), ["left", "right"]
+    masks, g, now = _keys(tmp_path, names), _label_owner(exp, tmp_path), time.monotonic()
+    runs = [f"run-{name}" for name in names]
+    stages = {name: Stage.from_experiment(exp, name) for name in names}
+    data = {name: exp.build_data(stage=name) for name in names}
+    codecs = {name: masking.SecureSumCodec(2, masks[name]).for_run(runs) for name in names}
+
+    def send(name: str, kind: str, step: int, rows: np.ndarray, stream: str) -> list:
+        y, _ = stages[name].forward(rows, training=False)
+        tensors = {f"activation.{part}": value for part, value in codecs[name].encode(y, stream, step).items()}
+        return [r for _, r in g.handle([name.encode()], wire.Message(kind, f"run-{name}", step, tensors=tensors), now)]
+
+    for name, run in zip(names, runs):
+        hello = handshake.hello(exp, name, exp.seed, stages[name].output_shape, run, [0], 3, 1)
+        hello.body["mask_tags"] = masks[name].tags()
+        g.handle([name.encode()], hello, now)
+    for step in (1, 2, 3):
+        replies = [r for name in names for r in send(name, wire.FORWARD, step, data[name].features(step),
+                                                      "activation/mb0of1")]
+        assert [r.type for r in replies] == ["backward"] * 2
+        g.settle()
+    good, files = codecs["right"], _files(tmp_path / "g")
+    codecs["right"] = good.for_run(["run-left0", "run-right"], "run-right")
+    replies = [r for name in names for r in send(name, wire.EVALUATE, 4, data[name].test_features(), "activation")]
+    assert [(r.type, r.body["code"]) for r in replies] == [("error", "mismatch")] * 2
+    assert all("the masks of the evaluation after step 3 would not cancel" in r.body["message"]
+               and "party right masked for another session" in r.body["message"] for r in replies)
+    assert g.stage.step == 3 and _files(tmp_path / "g") == files
+    codecs["right"] = good
+    replies = [r for name in names for r in send(name, wire.EVALUATE, 4, data[name].test_features(), "activation")]
+    assert [r.type for r in replies] == ["evaluation"] * 2
+    assert replies[0].body == replies[1].body and replies[0].body["count"] == len(data["left"].test_rows)
+
+
+def test_the_session_crosses_with_every_masked_part_and_the_check_names_who_differs(tmp_path):
+    """A masked part carries the tag of its session (8 bytes, ``activation.session``) through the binary
+    header, and the receiver keeps it beside the masked integers. ``unmatched_sessions`` passes parts of
+    the session of the runs named, and names every party whose part has another session or none."""
+    from distgrad.wire import messages as wire
+    from distgrad.wire.wirecodec import ACTIVATION, Expected, WireTensor
+    masks = _keys(tmp_path)
+    x = np.float32([[0.25, -0.5], [1.0, 2.0]])
+
+    def received(name: str, runs: list[str]) -> wire.Message:
+        codec = masking.SecureSumCodec(3, masks[name]).for_run(runs)
+        tensor = WireTensor(ACTIVATION, x.shape, codec)
+        msg = wire.decode(wire.encode(wire.Message(wire.FORWARD, "r", 1, tensors=tensor.pack(
+            codec.encode(x, "activation/mb0of1", 1)))))
+        Expected(WireTensor(ACTIVATION, x.shape, masking.SecureSumCodec(3))).receive(msg, False)
+        assert list(msg.tensors) == ["activation", "activation.session"] and msg.tensors["activation"].dtype == np.int64
+        return msg
+
+    honest = [(f"party {name}", received(name, RUNS)) for name in PARTIES]
+    assert honest[1][1].tensors["activation.session"].tobytes() == masking.mask_session(RUNS)[:8]
+    assert masking.unmatched_sessions(honest, RUNS, "step 1 micro-batch 0") is None
+    total = aggregate.combine_fixed("sum", [m.tensors["activation"] for _, m in honest])
+    assert np.array_equal(total, aggregate.combine_fixed("sum", [masking.SecureSumCodec(3).roundtrip(
+        x, "activation/mb0of1", 1)] * 3))                   # the honest case sums exactly as before
+    other = ["run-a", "run-b", "run-c2"]           # every party bound to one list, g naming another
+    text = masking.unmatched_sessions([(f"party {n}", received(n, other)) for n in PARTIES], RUNS, "step 1 micro-batch 0")
+    assert "party a, party b, party c masked for another session" in text and "bind their masks" in text
+    bare = wire.Message(wire.FORWARD, "r", 1, tensors={"activation": honest[2][1].tensors["activation"]})
+    text = masking.unmatched_sessions([*honest[:2], ("party c", bare)], RUNS, "step 1 micro-batch 0")
+    assert "party c masked for another session" in text and "party c named no session" in text
+    text = masking.unmatched_sessions(honest, ["run-a", "", "run-c"], "step 1 micro-batch 0")
+    assert "this stage has not named every feature party's run yet" in text
 
 
 def test_a_partys_new_run_sends_every_other_party_to_bind_its_masks_again(tmp_path):

@@ -211,8 +211,9 @@ class Parties(Topology):
         step, mb, mbs = first.step, first.mb, first.mbs
         started = time.perf_counter()
         rows = self.common_rows(peers, msgs)
-        refused = rows if isinstance(rows, str) else self.unpaired()
+        refused = rows if isinstance(rows, str) else self.unsummable(peers, msgs, f"step {step} micro-batch {mb}")
         if refused is not None:     # nothing of the micro-batch is applied
+            s.log.warning("%s", refused)
             return Computed([(p, wire.error_message(m.run, step, ErrorCode.MISMATCH, refused, mb, mbs))
                              for p, m in zip(peers, msgs)])
         assert not isinstance(rows, str)
@@ -243,6 +244,19 @@ class Parties(Topology):
                    for peer, msg, tensors in zip(peers, msgs, sent)]
         return Computed(answers, Gradients(peers, step, mb, mbs, grads_later, mb_loss, dz, self.client_of(peers), 0))
 
+    def unsummable(self, peers: tuple[Peer, ...], msgs: list[Message], what: str) -> str | None:
+        """Secure aggregation: why the parties' masked parts of ``what`` would not cancel in their sum (two
+        parties' keys of their pair differ, ``unpaired``; a part masked for another session than the one of
+        the runs this stage names, ``masking.unmatched_sessions``), else None."""
+        if not self.secure:
+            return None
+        return self.unpaired() or masking.unmatched_sessions(
+            [(self.name(peer), msg) for peer, msg in zip(peers, msgs)], self.mask_runs(), what)
+
+    def mask_runs(self) -> list[str]:
+        """Every party's run id in party order ("" for a party not heard yet): the runs its masks bind to."""
+        return [peer.run for peer in self.run.peers]
+
     def unpaired(self) -> str | None:
         """Secure aggregation: why two parties' masks would not cancel (their hellos' tags of their pair
         differ; ``masking.check_tags``, in party order), else None."""
@@ -271,9 +285,10 @@ class Parties(Topology):
         evaluation (``link.is_final``): their test rows', scored with the kept model (``StageState.kept_model``)."""
         s = self.serving
         step, final = requests[0].step - 1, is_final(requests[0])
-        unpaired = self.unpaired()
-        if unpaired is not None:
-            return Scores(step, None, (ErrorCode.MISMATCH, unpaired), s.run.steps, final)
+        refused = self.unsummable(group, requests, f"the {'final ' if final else ''}evaluation after step {step}")
+        if refused is not None:
+            s.log.warning("%s", refused)
+            return Scores(step, None, (ErrorCode.MISMATCH, refused), s.run.steps, final)
         data = s.data[0]
         try:
             part, _ = held_out_part(data.validation_count, final)
@@ -334,7 +349,7 @@ class Parties(Topology):
     def welcome_fields(self) -> dict[str, Any]:
         """Secure: ``mask_runs``, every party's run id in party order, once each party has said hello (a
         party binds its masks to them, ``PairMasks.for_run``; until then it asks again with pings)."""
-        runs = [peer.run for peer in self.run.peers]
+        runs = self.mask_runs()
         return {"mask_runs": runs} if self.secure and all(runs) else {}
 
     def summary_fields(self) -> dict[str, Any]:

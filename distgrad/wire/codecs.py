@@ -110,6 +110,9 @@ class Codec(abc.ABC):
     name: str = ""
     error_feedback: bool = False      # only topk:K+ef: the sender keeps an ErrorFeedback residual
     carries_nonfinite: bool = True    # NaN and Inf cross as themselves (int8 and topk:K refuse them)
+    # Parts the receiver keeps beside the decoded tensor, under their message names (``NAME.PART``): what a
+    # check across several messages reads (secure aggregation's session tag, ``masking.SecureSumCodec``).
+    kept_parts: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name

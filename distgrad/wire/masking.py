@@ -34,7 +34,15 @@ anyone without the keys of its pairs. Masks are drawn only once bound to a
 run (``PairMasks.for_run``; unbound, encoding raises ``ConfigError``).
 ``SecureSumCodec`` is the activation codec that rounds the embedding to
 fixed point (``aggregate.quantise``) and adds the mask; the receiver keeps
-the masked integers for ``aggregate.combine_fixed``. The in-process
+the masked integers for ``aggregate.combine_fixed``.
+
+Every masked contribution says which session it was masked for: its
+``session`` part, the first ``SESSION_TAG_BYTES`` bytes of the session
+(``session_tag``; public, as the run ids are). The party that sums refuses,
+through ``unmatched_sessions``, the contributions of a micro-batch or an
+evaluation whose tags differ from one another or from the session of the
+run ids it names itself (``mask_runs``): masks of two sessions do not
+cancel, and their sum is noise, not the parties' embeddings. The in-process
 reference masks nothing: it adds the unmasked fixed point, which the masked
 parts sum to exactly, so the masks never change a result.
 
@@ -58,13 +66,17 @@ import numpy as np
 from distgrad.errors import ConfigError, ProtocolError
 from distgrad.model.aggregate import SECURE_SUM, quantise
 from distgrad.wire.codecs import Codec, Parts, Shape, WireSpecs
-from distgrad.wire.messages import RUN_ID, ErrorCode, show
+from distgrad.wire.messages import RUN_ID, ErrorCode, Message, show
+from distgrad.wire.wirecodec import ACTIVATION
 
 PAIR_DOMAIN = b"distgrad-secure-aggregation-pair-v1\x00"   # domain separation of a pair's key
 MASK_DOMAIN = b"distgrad-secure-aggregation-mask-v2\x00"   # of a mask drawn from it (v2: bound to the run)
 SESSION_DOMAIN = b"distgrad-secure-aggregation-session-v1\x00"   # of a run's session (every party's run id)
 TAG_DOMAIN = b"distgrad-secure-aggregation-tag-v1\x00"     # of the tag that shows two parties share it
 KEY_BYTES = 32                                              # an X25519 key
+SESSION_TAG_BYTES = 8          # of its session a masked contribution names (``session_tag``): crosses every step
+SESSION_PART = "session"       # the ``SecureSumCodec`` part that carries it (``activation.session``)
+_I8 = np.dtype("i1")
 _I64 = np.dtype("<i8")
 _U64 = np.dtype("<u8")
 
@@ -107,6 +119,15 @@ def mask_session(runs: Sequence[str]) -> bytes:
         raw = run.encode("ascii")
         parts += [len(raw).to_bytes(8, "little"), raw]
     return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+
+
+def session_tag(session: bytes) -> bytes:
+    """What a masked contribution says of the session it was masked for (``mask_session``): its first
+    ``SESSION_TAG_BYTES`` bytes. The session is a hash of run ids the label owner relays, so the tag hides
+    nothing and tells two sessions apart."""
+    if len(session) != KEY_BYTES:
+        raise ValueError(f"a mask session is {KEY_BYTES} bytes (mask_session), got {len(session)}")
+    return bytes(session[:SESSION_TAG_BYTES])
 
 
 def pair_mask(key: bytes, session: bytes, tensor: str, step: int, count: int) -> np.ndarray:
@@ -246,8 +267,10 @@ def read_tags(value: object, parties: Sequence[str], own: str) -> dict[str, str]
 class SecureSumCodec(Codec):
     """The activation codec of a feature party under secure aggregation among ``parties`` parties: the
     embedding in fixed point (``aggregate.quantise``), plus this party's ``masks`` (None: unmasked, what
-    the in-process reference and a receiver hold), as int64. ``decode`` gives the (masked) integers
-    themselves, not float32: only their sum over every party means something
+    the in-process reference and a receiver hold), as int64 (part ``masked``), and the tag of the session
+    the masks are bound to (part ``session``: ``SESSION_TAG_BYTES`` int8, ``session_tag``), which the
+    receiver keeps beside the decoded tensor (``kept_parts``) for ``unmatched_sessions``. ``decode`` gives
+    the (masked) integers themselves, not float32: only their sum over every party means something
     (``aggregate.combine_fixed``). ``roundtrip`` is the unmasked fixed point, whose sum equals the sum of
     the masked parts exactly."""
 
@@ -255,16 +278,19 @@ class SecureSumCodec(Codec):
     masks: PairMasks | None = field(default=None, compare=False, repr=False)
 
     name = SECURE_SUM
+    kept_parts = (SESSION_PART,)    # the summing party compares the sessions of every contribution
 
     def _specs(self, shape: Shape) -> WireSpecs:
-        return {"masked": (shape, _I64)}
+        return {"masked": (shape, _I64), SESSION_PART: ((SESSION_TAG_BYTES,), _I8)}
 
     def _encode(self, x: np.ndarray, tensor_name: str, step: int) -> Parts:
         if self.masks is None:
             raise ConfigError("secure aggregation: this party has no mask keys (--curve-secret and --party-keys)")
         fixed = quantise(x, self.parties, tensor_name, step)
-        fixed += self.masks.mask(x.shape, tensor_name, step)
-        return {"masked": fixed.view(_I64)}
+        fixed += self.masks.mask(x.shape, tensor_name, step)     # raises unless bound to a session
+        assert self.masks.session is not None
+        return {"masked": fixed.view(_I64),
+                SESSION_PART: np.frombuffer(session_tag(self.masks.session), _I8).copy()}
 
     def _decode(self, parts: Mapping[str, np.ndarray], shape: Shape) -> np.ndarray:
         return parts["masked"]
@@ -279,3 +305,39 @@ class SecureSumCodec(Codec):
         if not isinstance(x, np.ndarray) or x.dtype != np.float32:
             raise TypeError(f"codec {self.name}: tensor {tensor_name!r} must be a float32 ndarray")
         return quantise(x, self.parties, tensor_name, step).view(_I64)
+
+
+def received_tag(msg: Message, tensor: str = ACTIVATION) -> bytes | None:
+    """The session tag a received message's masked ``tensor`` names (its ``TENSOR.session`` part, which
+    ``WireTensor.unpack`` keeps), None when it carries none."""
+    tag = msg.tensors.get(f"{tensor}.{SESSION_PART}")
+    if not isinstance(tag, np.ndarray) or tag.dtype != _I8 or tag.shape != (SESSION_TAG_BYTES,):
+        return None
+    return tag.tobytes()
+
+
+def unmatched_sessions(contributions: Sequence[tuple[str, Message]], runs: Sequence[object], what: str) -> str | None:
+    """Why the masked contributions of ``what`` (e.g. ``step 3 micro-batch 0``) may not be summed, or None
+    when they may: ``contributions`` are ``(who, message)`` of every party summed (``who`` names it in the
+    text, e.g. ``party b``), ``runs`` the run ids the summing party names itself (its ``mask_runs``). Every
+    message must name (``received_tag``) the session of ``runs``: masks of two sessions do not cancel. The
+    text names each party whose session differs, the sessions, and what to do."""
+    try:
+        expected: bytes | None = session_tag(mask_session([run if isinstance(run, str) else "" for run in runs]))
+    except ValueError:
+        expected = None             # not every party's run is known: no contribution can be bound to them
+    tags = [(who, received_tag(msg)) for who, msg in contributions]
+    off = [who for who, tag in tags if tag is None or tag != expected]
+    if not off:
+        return None
+    by_tag: dict[bytes | None, list[str]] = {}
+    for who, tag in tags:
+        by_tag.setdefault(tag, []).append(who)
+    said = "; ".join(f"{', '.join(names)} masked for session {tag.hex()}" if tag is not None else
+                     f"{', '.join(names)} named no session" for tag, names in by_tag.items())
+    named = (f"this stage names the runs {show(list(runs))} (mask_runs), session {expected.hex()}"
+             if expected is not None else "this stage has not named every feature party's run yet")
+    return (f"secure aggregation: the masks of {what} would not cancel, so nothing was summed or applied: "
+            f"{', '.join(off)} masked for another session than the runs this stage names, and must say hello "
+            f"again to bind {'its' if len(off) == 1 else 'their'} masks to them (restart the parties with "
+            f"--resume). {said}; {named}")

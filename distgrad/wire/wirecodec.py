@@ -91,7 +91,8 @@ class WireTensor:
         return {names[part]: array for part, array in parts.items()}
 
     def unpack(self, msg: Message, allow_nonfinite: bool) -> np.ndarray:
-        """The decoded float32 tensor, put in ``msg.tensors`` under ``name`` in place of its parts (first).
+        """The decoded float32 tensor, put in ``msg.tensors`` under ``name`` in place of its parts (first;
+        the codec's ``kept_parts`` stay, after it, under their part names).
 
         ``msg`` must already have passed ``wire.expect_tensors`` against
         ``specs``. Raises ``ProtocolError``: ``tensor`` for parts no encoder
@@ -106,8 +107,9 @@ class WireTensor:
         if not allow_nonfinite and not all_finite(value):
             raise ProtocolError(ErrorCode.NONFINITE, f"tensor {self.name!r} ({self.codec.name}) holds NaN or Inf, "
                                                      f"which this experiment forbids")
+        kept = {names[part]: msg.tensors[names[part]] for part in self.codec.kept_parts}
         rest = {k: v for k, v in msg.tensors.items() if k not in names.values()}
-        msg.tensors = {self.name: value, **rest}
+        msg.tensors = {self.name: value, **kept, **rest}
         return value
 
 
