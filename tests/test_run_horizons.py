@@ -74,7 +74,8 @@ def test_a_serving_stage_of_several_clients_counts_an_update_per_client(caplog):
 
 def test_a_torch_scheduler_or_schedule_whose_steps_lie_past_the_last_update_is_said(caplog):
     """torch steps a scheduler once after each update: StepLR first changes the rate for update step_size + 1,
-    MultiStepLR for its first milestone + 1; a torch stage's optimizer schedule is the numpy one's."""
+    MultiStepLR for its first milestone + 1, ConstantLR for total_iters + 1 (back to lr); a torch stage's
+    optimizer schedule is the numpy one's. ExponentialLR changes it at every update."""
     torch_exp = load_experiment("digits-cnn-torch")
     step = _with(torch_exp, "f", scheduler={"type": "StepLR", "step_size": 50, "gamma": 0.5})
     _warned(caplog, lambda: check_run_settings(step, steps=50),
@@ -85,6 +86,10 @@ def test_a_torch_scheduler_or_schedule_whose_steps_lie_past_the_last_update_is_s
     _warned(caplog, lambda: check_run_settings(multi, steps=20),
             r"scheduler MultiStepLR \(milestones = \[60, 20\]\) .*\(its first milestone, 20\)")
     _silent(caplog, lambda: check_run_settings(multi, steps=21))
+    constant = _with(torch_exp, "f", scheduler={"type": "ConstantLR", "factor": 0.5})     # 5 updates at lr / 2
+    _warned(caplog, lambda: check_run_settings(constant, steps=5),
+            r"scheduler ConstantLR \(total_iters = 5, torch's default\) first changes the rate for update 6")
+    _silent(caplog, lambda: check_run_settings(constant, steps=6))
     _silent(caplog, lambda: check_run_settings(_with(torch_exp, "f", scheduler={"type": "ExponentialLR",
                                                                                 "gamma": 0.9}), steps=2))
     _warned(caplog, lambda: check_run_settings(_scheduled(torch_exp, "f", PIECEWISE), steps=100),

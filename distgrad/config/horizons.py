@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("distgrad.config")
 
+CONSTANT_LR_ITERS = 5       # torch's ConstantLR default: the updates at the lowered rate before it returns to lr
+
 
 def stage_updates(exp: "Experiment", stage: str, steps: int) -> int:
     """The optimizer updates stage ``stage`` makes in a run of ``steps`` steps: one a step, and a serving stage
@@ -32,7 +34,8 @@ def rate_steps(spec: "StageSpec") -> Iterator[tuple[str, int, int, str, str]]:
     schedule's own count, ``placed`` names the value that places it and ``key`` the setting to change.
     Covered: the optimizer's ``schedule``, numpy's or a torch stage's ("piecewise": its first boundary;
     "exponential" with staircase: decay_steps), and a torch stage's ``scheduler`` (StepLR: step_size;
-    MultiStepLR: its first milestone; torch steps it once after each update). The other schedules change the
+    MultiStepLR: its first milestone; ConstantLR: total_iters, after which it returns to lr; torch steps it
+    once after each update). The other schedules change the
     rate at every update, or on evaluations (ReduceLROnPlateau: ``check_evaluation_horizon``)."""
     schedule: Any = spec.optimizer.get("schedule") if isinstance(spec.optimizer, Mapping) else None
     if isinstance(schedule, Mapping):
@@ -50,6 +53,11 @@ def rate_steps(spec: "StageSpec") -> Iterator[tuple[str, int, int, str, str]]:
     size, milestone = _count(table.get("step_size")), _first(table.get("milestones"))
     if table.get("type") == "StepLR" and size is not None:
         yield f"scheduler StepLR (step_size = {size})", size, 0, f"step_size = {size}", "step_size"
+    iters = _count(table.get("total_iters", CONSTANT_LR_ITERS))
+    if table.get("type") == "ConstantLR" and iters is not None:
+        default = "" if "total_iters" in table else ", torch's default"
+        yield (f"scheduler ConstantLR (total_iters = {iters}{default})", iters, 0, f"total_iters = {iters}",
+               "total_iters")
     if table.get("type") == "MultiStepLR" and milestone is not None:
         yield (f"scheduler MultiStepLR (milestones = {table['milestones']})", milestone, 0,
                f"its first milestone, {milestone}", "a first milestone")
