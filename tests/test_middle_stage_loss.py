@@ -93,8 +93,8 @@ def _finish(m: ServingStage) -> dict:
 
 def test_a_middle_stage_records_a_withheld_loss_as_null_with_the_data_owners_note(tmp_path, monkeypatch):
     """With dp_sgd at the label owner m passes up no loss and its summary says why, as the data owner's does:
-    final_loss null and training_loss "withheld by the label owner"; its checkpoints keep it, so a resumed m
-    and the summary of the run found finished say it too."""
+    final_loss null and training_loss "withheld by the label owner" (and its log line of the completed run);
+    its checkpoints keep it, so a resumed m and the summary of the run found finished say it too."""
     ck = tmp_path / "ck"
     m, middle = _chain(tmp_path, monkeypatch, DP_SGD, checkpoint_dir=ck, checkpoint_every=1)
     assert wire.LOSS_WITHHELD_KEY in _step(m, 1).body
@@ -104,6 +104,7 @@ def test_a_middle_stage_records_a_withheld_loss_as_null_with_the_data_owners_not
     summary = _finish(m)
     assert summary["final_loss"] is None and summary["training_loss"] == wire.LOSS_WITHHELD == \
         "withheld by the label owner", summary
+    assert m.topology.completed_message(summary).endswith("2 steps, final loss withheld by the label owner")
     opts = StageOptions(m.exp, "m", m.exp.seed, steps=2, checkpoint_dir=ck, resume=True)
     again = nothing_to_do(opts, finished_run(opts))
     assert again["final_loss"] is None and again["training_loss"] == wire.LOSS_WITHHELD, again
