@@ -35,8 +35,8 @@ def rate_steps(spec: "StageSpec") -> Iterator[tuple[str, int, int, str, str]]:
     Covered: the optimizer's ``schedule``, numpy's or a torch stage's ("piecewise": its first boundary;
     "exponential" with staircase: decay_steps), and a torch stage's ``scheduler`` (StepLR: step_size;
     MultiStepLR: its first milestone; ConstantLR: total_iters, after which it returns to lr; torch steps it
-    once after each update). The other schedules change the
-    rate at every update, or on evaluations (ReduceLROnPlateau: ``check_evaluation_horizon``)."""
+    once after each update). The other schedules change the rate at every update, or on evaluations
+    (ReduceLROnPlateau: ``check_evaluation_horizon``)."""
     schedule: Any = spec.optimizer.get("schedule") if isinstance(spec.optimizer, Mapping) else None
     if isinstance(schedule, Mapping):
         warmup = _count(schedule.get("warmup_steps", 0)) or 0
