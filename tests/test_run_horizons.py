@@ -145,3 +145,21 @@ def test_checkpoint_every_at_or_past_the_last_step_is_said_with_what_is_saved(tm
                        "--checkpoint-every", "10", "--summary", tmp_path / "s.json", "--trace", tmp_path / "s.json"])
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--checkpoint-every 10 saves a checkpoint every 10 steps, and this run has 10 steps" in result.stderr
+
+
+def test_one_command_says_each_warning_once(tmp_path, caplog):
+    """A command checks the same run in several places (``distgrad run --in-process``: its front end, then the
+    in-process run): each warning is said once, and a later command says it again."""
+    from distgrad.config.horizons import each_warning_once
+    path = _piecewise_file(tmp_path)
+    for _ in range(2):
+        result = run_main(["run", path, "--steps", "3", "--in-process"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stderr.count("stage 'g': optimizer schedule 'piecewise'") == 1, result.stderr
+    exp = load_experiment(path)
+    caplog.clear()
+    with each_warning_once():
+        for steps in (3, 3, 4):
+            check_run_settings(exp, steps=steps)
+    said = [r.getMessage() for r in caplog.records if "piecewise" in r.getMessage()]
+    assert len(said) == 2 and "3 updates" in said[0] and "4 updates" in said[1], said

@@ -8,6 +8,7 @@ checks cannot read is left to the check that builds the setting (the stage's opt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -19,6 +20,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("distgrad.config")
 
 CONSTANT_LR_ITERS = 5       # torch's ConstantLR default: the updates at the lowered rate before it returns to lr
+
+
+class _Once(logging.Filter):
+    """Passes each WARNING text once; every other record always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        if text in self.said:
+            return False
+        self.said.add(text)
+        return True
+
+
+@contextlib.contextmanager
+def each_warning_once() -> Iterator[None]:
+    """While it lasts, a WARNING of the configuration checks (this module's logger, ``distgrad.config``) that
+    was logged already is not logged again: one command checks the same run in several places (its front end,
+    the launcher, the options of each stage it looks at for a finished run), and says each warning once. Each
+    stage process checks again and says it in its own log."""
+    once = _Once()
+    log.addFilter(once)
+    try:
+        yield
+    finally:
+        log.removeFilter(once)
 
 
 def stage_updates(exp: "Experiment", stage: str, steps: int) -> int:
