@@ -586,13 +586,17 @@ def _curve(args: argparse.Namespace, role: str, ctx: zmq.Context) -> tuple[Curve
 
 def _run_experiment(args: argparse.Namespace) -> int:
     """``distgrad run``: check every setting before any stage starts, then train in this process or launch
-    one process per stage, and print the result."""
+    one process per stage, and print the result. Each warning of the checks is said once, though several
+    parts of the command check the run (``each_warning_once``)."""
+    from distgrad.config.horizons import each_warning_once
+
     exp = _load_experiment(args)
     if args.micro_batches is None:
         args.micro_batches = exp.micro_batches
     in_process = args.in_process or len(exp.stage_names) == 1
-    _check_run(exp, args, in_process)
-    summary = _train_here(exp, args) if in_process else _launch(exp, args)
+    with each_warning_once():
+        _check_run(exp, args, in_process)
+        summary = _train_here(exp, args) if in_process else _launch(exp, args)
     _print_result(summary)
     return EXIT_OK
 

@@ -39,6 +39,7 @@ from distgrad.config.prepare import Preparation, prepares
 from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError
 from distgrad.config.keys import GUARD_AFTER_STEPS, is_whole, whole
+from distgrad.config.horizons import check_checkpoint_horizon, check_rate_horizon
 from distgrad.model.losses import Loss, SoftmaxCrossEntropy, TorchLoss, build_loss, build_module_loss
 from distgrad.model.metrics import check_metrics
 from distgrad.model.nn import DTYPE, Sequential, Shape, build_model
@@ -810,8 +811,11 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     not refused (a short trial of a file made for a longer run is ordinary
     use): a data owner's ``input_guard`` that would judge no step
     (``check_guard_horizon``), SplitFed clients that would average none
-    (``check_average_horizon``) and, unless the evaluations are another
-    process's to say (``evaluations_known`` False: a stage that follows the
+    (``check_average_horizon``), a learning-rate schedule or scheduler whose
+    steps all lie past the last update (``horizons.check_rate_horizon``), a
+    ``checkpoint_every`` that saves nothing before the last step
+    (``horizons.check_checkpoint_horizon``) and, unless the evaluations are
+    another process's to say (``evaluations_known`` False: a stage that follows the
     driving stage's hello, or a launcher that passes the driving stage its
     flags), verdicts and schedulers the evaluations could not act on before
     the last step (``check_evaluation_horizon``). These need a training run:
@@ -828,13 +832,16 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     check_plateau(exp, exp.eval_every if eval_every is None else eval_every,
                   exp.staleness if staleness is None else staleness)
     check_scheduler_horizon(exp, exp.steps if steps is None else steps)
+    run_steps, flag = exp.steps if steps is None else steps, "--steps" if steps is not None else ""
     if trains:                  # what would act during the training steps: nothing to do for a prediction
-        run_steps, flag = exp.steps if steps is None else steps, "--steps" if steps is not None else ""
         if evaluations_known:
             check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
         check_guard_horizon(exp, run_steps, flag)
         check_average_horizon(exp, run_steps, flag)
+        check_rate_horizon(exp, run_steps, _steps_given(exp, run_steps, flag))
     _check_run_mode(checkpoint_dir, checkpoint_every, resume, in_process, staleness)
+    if trains:
+        check_checkpoint_horizon(checkpoint_every, run_steps, _steps_given(exp, run_steps, flag))
 
 
 def _check_micro_batches(exp: Experiment, micro_batches: Any) -> None:

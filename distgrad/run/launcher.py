@@ -26,6 +26,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from distgrad.errors import ConfigError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
+from distgrad.config.horizons import each_warning_once
 from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
@@ -248,8 +249,9 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     out = out or sys.stdout
     exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
     stage_flags = _with_codec_flags(stage_flags, activation_codec, gradient_codec)
-    clients, parameter_flags = _preflight(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir)
-    done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
+    with each_warning_once():       # the launch and each stage's options check the run: a warning said once
+        clients, parameter_flags = _preflight(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir)
+        done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
     if done is not None:
         out.write(_nothing_to_do(exp, done))
         return done

@@ -257,6 +257,7 @@ class ServingStage(RoundMachine):
             if saved.status is not None:
                 peer.status, peer.last_seen = saved.status, now
         self.new_run(start_round=d.round, fresh=False)     # the same run goes on: the meter keeps what it loaded
+        self.loss_withheld = self.state.resumed_meta.get("training_loss") == wire.LOSS_WITHHELD
         self.run.active, self.run.now = True, now
         for index, (replies, averaged) in d.kept.items():
             peer = self.run.peers[index]
@@ -427,7 +428,7 @@ class ServingStage(RoundMachine):
         """End the run with ``status``: its summary (returned); nobody takes part in it any more."""
         self.settle()
         summary = self.state.summary(status, self.started, self.loss, **self.topology.summary_fields(),
-                                     **self.metering.summary_fields())
+                                     **self.metering.summary_fields(), **self.loss_fields())
         self.state.close()
         self.run.active = False
         for peer in self.run.peers:

@@ -209,6 +209,8 @@ class RoundMachine(ServedRun):
         if g.mb < g.mbs - 1:
             return
         self.loss = self.engine.update(g.step, g.mbs, client=g.client)
+        if self.loss is None and self.link is not None:    # the label owner below withheld it (its replies)
+            self.loss_withheld = True
         for peer in g.peers:
             peer.loss, peer.step = self.loss, g.step
         self.run.turn += 1

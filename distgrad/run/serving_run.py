@@ -73,6 +73,7 @@ class ServedRun:
     failure: DistgradError | None       # the one peer's run failed: it ends once told
     started: float                      # ``time.perf_counter()`` when the run began
     loss: float | None                  # the last update's loss
+    loss_withheld: bool                 # a middle stage: the stage below passed up no training loss
 
     # -- the run, as tests and tools read it
     @property
@@ -150,8 +151,19 @@ class ServedRun:
             self.metering.reset()
             self.started = time.perf_counter()
             self.loss: float | None = None
+            self.loss_withheld = False
             run.active = False
-        self.state.extra_meta, self.state.extra_arrays = self.topology.checkpoint_meta, self.topology.checkpoint_arrays
+        self.state.extra_meta, self.state.extra_arrays = self._checkpoint_meta, self.topology.checkpoint_arrays
+
+    def loss_fields(self) -> dict[str, Any]:
+        """``training_loss``: ``wire.LOSS_WITHHELD`` once the stage below passed up no training loss (a middle
+        stage whose label owner withholds it: its ``final_loss`` is then null, as the data owner's is), else
+        nothing. Checkpointed, so a resumed run (or one with nothing left to do) says it too."""
+        return {"training_loss": wire.LOSS_WITHHELD} if self.loss_withheld else {}
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the stage: the topology's, and whether the loss was withheld."""
+        return {**self.topology.checkpoint_meta(), **self.loss_fields()}
 
     def open_run(self) -> None:
         """A run is open from the first hello of several peers; this stage names it (each peer has its own)."""

@@ -905,7 +905,8 @@ class OnePeer(Turns):
         return "interrupted"
 
     def completed_message(self, finished: dict[str, Any]) -> str:
-        return f"run {finished['run_id']} completed: {finished['steps']} steps, final loss {finished['final_loss']}"
+        loss = finished.get("training_loss", finished["final_loss"])    # a middle stage's withheld loss says so
+        return f"run {finished['run_id']} completed: {finished['steps']} steps, final loss {loss}"
 
     def expected_run(self) -> str:
         return f"run {self.run.peers[0].run}" if self.run.active else "a hello first"

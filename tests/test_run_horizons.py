@@ -1,0 +1,165 @@
+"""Settings a run is too short to let act are said at WARNING before anything starts, on every path.
+
+A learning-rate schedule or scheduler whose every change of rate lies at or past the run's last update, and a
+``--checkpoint-every`` that saves nothing before the last step, are accepted (a short trial of a file made for a
+longer run is ordinary use) and said, naming the setting, the value that would act and the run's steps; where
+the setting acts, nothing is said. Unit tests: every path is reached in this process (``run_main``'s guard
+fails a test that starts a process or opens a socket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from distgrad.config.experiment import BUILTIN_DIR, check_run_settings
+from distgrad.config.parse import load_experiment
+from distgrad.run.options import StageOptions
+
+from conftest import run_main
+from test_config_checks import _silent, _warned
+
+PIECEWISE = {"type": "piecewise", "boundaries": [100, 200], "values": [0.1, 0.01, 0.001]}
+
+
+def _with(exp, stage: str, **keys):
+    """``exp`` with stage ``stage``'s spec given ``keys``."""
+    return replace(exp, stages=[replace(s, **keys) if s.name == stage else s for s in exp.stages])
+
+
+def _scheduled(exp, stage: str, schedule: dict):
+    """``exp`` with ``schedule`` in stage ``stage``'s optimizer table."""
+    spec = next(s for s in exp.stages if s.name == stage)
+    return _with(exp, stage, optimizer={**spec.optimizer, "schedule": schedule})
+
+
+def test_a_numpy_schedule_whose_steps_lie_past_the_last_update_is_said(caplog):
+    """piecewise: boundary b is the last update at the first rate, so a run of b updates or fewer never changes
+    it; exponential with staircase likewise at decay_steps, counted after a warm-up. A schedule that changes
+    the rate at every update, or a boundary within the run, is silent."""
+    digits = load_experiment("digits")
+    piecewise = _scheduled(digits, "f", PIECEWISE)
+    _warned(caplog, lambda: check_run_settings(piecewise, steps=100),
+            r"stage 'f': optimizer schedule 'piecewise' \(boundaries = \[100, 200\]\) first changes the rate for "
+            r"update 101 \(its first boundary, 100\), and the stage makes 100 updates in this run \(--steps 100\): "
+            r"its rate never changes in this run", "run at least 101 steps")
+    _silent(caplog, lambda: check_run_settings(piecewise, steps=101))
+    _warned(caplog, lambda: check_run_settings(replace(piecewise, steps=40)), r"40 updates .*\(steps = 40\)")
+    staircase = {"type": "exponential", "decay_rate": 0.5, "decay_steps": 50, "staircase": True, "warmup_steps": 10}
+    stepped = _scheduled(digits, "g", staircase)
+    _warned(caplog, lambda: check_run_settings(stepped, steps=60),
+            r"stage 'g': optimizer schedule 'exponential' \(staircase, decay_steps = 50, warmup_steps = 10\) first "
+            r"changes the rate for update 61 \(decay_steps = 50 after the warm-up of 10 updates\)",
+            "60 updates", "never changes after the warm-up")
+    _silent(caplog, lambda: check_run_settings(stepped, steps=61))
+    _silent(caplog, lambda: check_run_settings(_scheduled(digits, "g", {**staircase, "staircase": False}),
+                                               steps=5))
+    _silent(caplog, lambda: check_run_settings(_scheduled(digits, "g", {"type": "cosine", "decay_steps": 900}),
+                                               steps=5))
+
+
+def test_a_serving_stage_of_several_clients_counts_an_update_per_client(caplog):
+    """The last stage of [clients] updates once per client a step: 3 clients x 10 steps are 30 updates."""
+    clients = load_experiment("digits-splitfed")
+    assert clients.clients.count == 3
+    _warned(caplog, lambda: check_run_settings(_scheduled(clients, "g", {**PIECEWISE, "boundaries": [30]}),
+                                               steps=10),
+            r"stage 'g'.*30 updates in this run \(3 clients a step, --steps 10\)", "run at least 11 steps")
+    _silent(caplog, lambda: check_run_settings(_scheduled(clients, "g", {**PIECEWISE, "boundaries": [29],
+                                                                         "values": [0.1, 0.01]}), steps=10))
+    _warned(caplog, lambda: check_run_settings(_scheduled(clients, "f", {**PIECEWISE, "boundaries": [10],
+                                                                         "values": [0.1, 0.01]}), steps=10),
+            r"stage 'f'.*10 updates in this run \(--steps 10\)")
+
+
+def test_a_torch_scheduler_or_schedule_whose_steps_lie_past_the_last_update_is_said(caplog):
+    """torch steps a scheduler once after each update: StepLR first changes the rate for update step_size + 1,
+    MultiStepLR for its first milestone + 1, ConstantLR for total_iters + 1 (back to lr); a torch stage's
+    optimizer schedule is the numpy one's. ExponentialLR changes it at every update."""
+    torch_exp = load_experiment("digits-cnn-torch")
+    step = _with(torch_exp, "f", scheduler={"type": "StepLR", "step_size": 50, "gamma": 0.5})
+    _warned(caplog, lambda: check_run_settings(step, steps=50),
+            r"stage 'f': scheduler StepLR \(step_size = 50\) first changes the rate for update 51 \(step_size = 50\), "
+            r"and the stage makes 50 updates in this run \(--steps 50\)", "step_size below 50")
+    _silent(caplog, lambda: check_run_settings(step, steps=51))
+    multi = _with(torch_exp, "f", scheduler={"type": "MultiStepLR", "milestones": [60, 20]})
+    _warned(caplog, lambda: check_run_settings(multi, steps=20),
+            r"scheduler MultiStepLR \(milestones = \[60, 20\]\) .*\(its first milestone, 20\)")
+    _silent(caplog, lambda: check_run_settings(multi, steps=21))
+    constant = _with(torch_exp, "f", scheduler={"type": "ConstantLR", "factor": 0.5})     # 5 updates at lr / 2
+    _warned(caplog, lambda: check_run_settings(constant, steps=5),
+            r"scheduler ConstantLR \(total_iters = 5, torch's default\) first changes the rate for update 6")
+    _silent(caplog, lambda: check_run_settings(constant, steps=6))
+    _silent(caplog, lambda: check_run_settings(_with(torch_exp, "f", scheduler={"type": "ExponentialLR",
+                                                                                "gamma": 0.9}), steps=2))
+    _warned(caplog, lambda: check_run_settings(_scheduled(torch_exp, "f", PIECEWISE), steps=100),
+            r"stage 'f': optimizer schedule 'piecewise'")
+
+
+def _piecewise_file(tmp_path: Path) -> Path:
+    """tanh-regression with a piecewise schedule on g whose first boundary is update 100."""
+    text = (BUILTIN_DIR / "tanh-regression.toml").read_text()
+    old = 'loss = "mean_squared_error"'
+    path = tmp_path / "piecewise.toml"
+    path.write_text(text.replace('optimizer = { type = "adam", lr = 0.01 }\n' + old,
+                                 'optimizer = { type = "adam", schedule = { type = "piecewise", boundaries = [100], '
+                                 'values = [0.01, 0.001] } }\n' + old))
+    assert "boundaries = [100]" in path.read_text()
+    return path
+
+
+def test_every_path_says_a_schedule_that_would_never_step(tmp_path, caplog):
+    """``distgrad run`` and ``distgrad-stage`` with --steps (the steps known only there), and the Python API's
+    options, say it before anything starts; a stage serving predictions (no training run) does not."""
+    path = _piecewise_file(tmp_path)
+    clash = ["--summary", tmp_path / "out.json", "--trace", tmp_path / "out.json"]    # exit 2 after the check
+    for args in (["run", path], ["stage", "g", "--experiment", path, "--bind", "tcp://127.0.0.1:*"]):
+        result = run_main([*args, "--steps", "100", *clash])
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "stage 'g': optimizer schedule 'piecewise'" in result.stderr, result.stderr
+        assert "100 updates in this run (--steps 100)" in result.stderr
+        result = run_main([*args, "--steps", "101", *clash])
+        assert result.returncode == 2 and "piecewise" not in result.stderr, result.stderr
+    exp = load_experiment(path)
+    _warned(caplog, lambda: StageOptions(exp, "f", exp.seed, steps=100), r"stage 'g'.*its first boundary, 100")
+    _silent(caplog, lambda: StageOptions(exp, "g", exp.seed, steps=100, trains=False))
+
+
+def test_checkpoint_every_at_or_past_the_last_step_is_said_with_what_is_saved(tmp_path, caplog):
+    """Every K-th step is saved; a stage saves step 0 and the last step anyway, so K at or above the run's
+    steps adds none: a WARNING names --checkpoint-every, the steps, and the checkpoints the run writes."""
+    exp = load_experiment("tanh-regression")
+    ck = tmp_path / "ck"
+    _warned(caplog, lambda: check_run_settings(exp, steps=30, checkpoint_dir=ck, checkpoint_every=30),
+            r"--checkpoint-every 30 saves a checkpoint every 30 steps, and this run has 30 steps \(--steps 30\): "
+            r"it saves none before the last one", "step 0 when the run begins, step 30 at its end")
+    _warned(caplog, lambda: check_run_settings(exp, checkpoint_dir=ck, checkpoint_every=500),
+            r"this run has 300 steps \(steps = 300\)")
+    _silent(caplog, lambda: check_run_settings(exp, steps=30, checkpoint_dir=ck, checkpoint_every=29))
+    _silent(caplog, lambda: check_run_settings(exp, steps=30, checkpoint_dir=ck, checkpoint_every=0))
+    _warned(caplog, lambda: StageOptions(exp, "g", exp.seed, steps=20, checkpoint_dir=ck, checkpoint_every=25,
+                                         resume=True), "--checkpoint-every 25")
+    _warned(caplog, lambda: StageOptions(exp, "f", exp.seed, steps=20, checkpoint_dir=ck, checkpoint_every=20),
+            "--checkpoint-every 20")
+    result = run_main(["run", BUILTIN_DIR / "tanh-regression.toml", "--steps", "10", "--checkpoint-dir", ck,
+                       "--checkpoint-every", "10", "--summary", tmp_path / "s.json", "--trace", tmp_path / "s.json"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--checkpoint-every 10 saves a checkpoint every 10 steps, and this run has 10 steps" in result.stderr
+
+
+def test_one_command_says_each_warning_once(tmp_path, caplog):
+    """A command checks the same run in several places (``distgrad run --in-process``: its front end, then the
+    in-process run): each warning is said once, and a later command says it again."""
+    from distgrad.config.horizons import each_warning_once
+    path = _piecewise_file(tmp_path)
+    for _ in range(2):
+        result = run_main(["run", path, "--steps", "3", "--in-process"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stderr.count("stage 'g': optimizer schedule 'piecewise'") == 1, result.stderr
+    exp = load_experiment(path)
+    caplog.clear()
+    with each_warning_once():
+        for steps in (3, 3, 4):
+            check_run_settings(exp, steps=steps)
+    said = [r.getMessage() for r in caplog.records if "piecewise" in r.getMessage()]
+    assert len(said) == 2 and "3 updates" in said[0] and "4 updates" in said[1], said
