@@ -838,7 +838,8 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
             check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
         check_guard_horizon(exp, run_steps, flag)
         check_average_horizon(exp, run_steps, flag)
-        check_rate_horizon(exp, run_steps, _steps_given(exp, run_steps, flag))
+        check_rate_horizon([(spec, stage_updates(exp, spec.name, run_steps)) for spec in exp.stages], run_steps,
+                           _steps_given(exp, run_steps, flag))
     _check_run_mode(checkpoint_dir, checkpoint_every, resume, in_process, staleness)
     if trains:
         check_checkpoint_horizon(checkpoint_every, run_steps, _steps_given(exp, run_steps, flag))
@@ -981,6 +982,13 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
         if isinstance(total, int) and is_whole(total) and total < updates:
             raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
+
+
+def stage_updates(exp: Experiment, stage: str, steps: int) -> int:
+    """The optimizer updates stage ``stage`` makes in a run of ``steps`` steps: one a step, and a serving stage
+    of several clients one per client a step."""
+    serving = exp.federated and stage == exp.stage_names[-1]
+    return steps * (exp.clients.count if serving else 1)
 
 
 def _steps_given(exp: Experiment, steps: int, flag: str) -> str:

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from distgrad.config.keys import is_whole
-
-if TYPE_CHECKING:
-    from distgrad.config.experiment import Experiment, StageSpec
 
 log = logging.getLogger("distgrad.config")
 
@@ -53,14 +50,20 @@ def each_warning_once() -> Iterator[None]:
         log.removeFilter(once)
 
 
-def stage_updates(exp: "Experiment", stage: str, steps: int) -> int:
-    """The optimizer updates stage ``stage`` makes in a run of ``steps`` steps: one a step, and a serving stage
-    of several clients one per client a step."""
-    serving = exp.federated and stage == exp.stage_names[-1]
-    return steps * (exp.clients.count if serving else 1)
+class StageSchedules(Protocol):
+    """What these checks read of a stage's settings (``experiment.StageSpec`` has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    @property
+    def scheduler(self) -> Mapping[str, Any] | None: ...
 
 
-def rate_steps(spec: "StageSpec") -> Iterator[tuple[str, int, int, str, str]]:
+def rate_steps(spec: StageSchedules) -> Iterator[tuple[str, int, int, str, str]]:
     """Where stage ``spec``'s learning rate changes in steps, as ``(what, last, offset, placed, key)``: the rate
     first changes for update ``offset + last + 1`` (1-based updates), ``offset`` being a warm-up before the
     schedule's own count, ``placed`` names the value that places it and ``key`` the setting to change.
@@ -107,12 +110,12 @@ def _first(value: Any) -> int | None:
     return None if None in counts else min(c for c in counts if c is not None)
 
 
-def check_rate_horizon(exp: "Experiment", steps: int, given: str) -> None:
+def check_rate_horizon(stages: Iterable[tuple[StageSchedules, int]], steps: int, given: str) -> None:
     """Log a WARNING naming the stage, its schedule or scheduler, the step that places the first change of its
     rate and the run's ``steps`` (``given``: where they come from, e.g. ``--steps 50``) where every change lies
-    at or past the stage's last update, so its rate never changes in this run (``rate_steps``)."""
-    for spec in exp.stages:
-        updates = stage_updates(exp, spec.name, steps)
+    at or past the stage's last update, so its rate never changes in this run (``rate_steps``). ``stages``:
+    each stage's settings with the optimizer updates it makes in the run (a multiple of ``steps``)."""
+    for spec, updates in stages:
         per_step = updates // steps
         for what, last, offset, placed, key in rate_steps(spec):
             if offset + last < updates:
