@@ -246,14 +246,11 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
     override the experiment's wire codecs (``--activation-codec``, ``--gradient-codec`` of every stage).
     ``privacy_meter`` gives ``--privacy-meter`` to every stage that can meter (``Experiment.metered``).
     """
-    out = out or sys.stdout
     exp = load_experiment(experiment).with_codecs(activation_codec, gradient_codec)
     stage_flags = _with_codec_flags(stage_flags, activation_codec, gradient_codec)
-    with each_warning_once():       # the launch and each stage's options check the run: a warning said once
-        clients, parameter_flags = _preflight(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir)
-        done = _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
+    parameter_flags, done = _checked(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir, stage_flags)
     if done is not None:
-        out.write(_nothing_to_do(exp, done))
+        (out or sys.stdout).write(_nothing_to_do(exp, done))
         return done
     with tempfile.TemporaryDirectory(prefix="distgrad-") as tmp_name:
         common = _common_flags(log_level, stage_flags, steps, seed, init, timeout_s)
@@ -263,7 +260,19 @@ def run_local(experiment: str | Path | Sequence[str | Path], *, steps: int | Non
                               metrics_path=None if metrics_path is None else Path(metrics_path),
                               tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
                               progress_bar=progress_bar)
-        return _launch(plan, out, check_stop, progress_bar, transport, summary_path, trace_path, metrics_path)
+        return _launch(plan, out or sys.stdout, check_stop, progress_bar, transport, summary_path, trace_path,
+                       metrics_path)
+
+
+def _checked(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool, transport: str,
+             save_dir: str | Path | None, load_dir: str | Path | None,
+             stage_flags: Sequence[str]) -> tuple[dict[str, list[str]], dict[str, Any] | None]:
+    """The launch's checks (``_preflight``): each stage's parameter flags, and the summary of the run when it
+    is found finished already (``_finished``), else None. The launch and each stage's options check the run:
+    each warning is said once."""
+    with each_warning_once():
+        clients, parameter_flags = _preflight(exp, steps, seed, init, privacy_meter, transport, save_dir, load_dir)
+        return parameter_flags, _finished(exp, clients, steps, seed, init, stage_flags, load_dir)
 
 
 def _preflight(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
