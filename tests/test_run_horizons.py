@@ -163,3 +163,21 @@ def test_one_command_says_each_warning_once(tmp_path, caplog):
             check_run_settings(exp, steps=steps)
     said = [r.getMessage() for r in caplog.records if "piecewise" in r.getMessage()]
     assert len(said) == 2 and "3 updates" in said[0] and "4 updates" in said[1], said
+
+
+def test_one_commands_filter_hides_no_warning_of_another_thread(tmp_path, caplog):
+    """While one command says each warning once, a run checked by another thread of the same process (its own
+    ``run_local``, a ``serve_stage``) says its warnings, though their text is the same; the command's own
+    thread still says each once."""
+    import threading
+    from distgrad.config.horizons import each_warning_once
+    exp = load_experiment(_piecewise_file(tmp_path))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distgrad"), each_warning_once():
+        check_run_settings(exp, steps=3)
+        other = threading.Thread(target=lambda: check_run_settings(exp, steps=3))
+        other.start()
+        other.join(10)
+        check_run_settings(exp, steps=3)
+    said = [r for r in caplog.records if "piecewise" in r.getMessage()]
+    assert len(said) == 2 and said[0].thread != said[1].thread, [(r.thread, r.getMessage()) for r in said]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from distgrad.config.keys import is_whole
@@ -20,14 +21,17 @@ CONSTANT_LR_ITERS = 5       # torch's ConstantLR default: the updates at the low
 
 
 class _Once(logging.Filter):
-    """Passes each WARNING text once; every other record always."""
+    """Passes each WARNING text logged by the thread that made it once; every other record always (another
+    thread's, such as a run of its own in the same process, is never hidden)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.said: set[str] = set()
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
+        # A filter runs in the thread that logs: ``get_ident`` holds even where records keep no thread.
+        if record.levelno != logging.WARNING or threading.get_ident() != self.thread:
             return True
         text = record.getMessage()
         if text in self.said:
@@ -41,7 +45,9 @@ def each_warning_once() -> Iterator[None]:
     """While it lasts, a WARNING of the configuration checks (this module's logger, ``distgrad.config``) that
     was logged already is not logged again: one command checks the same run in several places (its front end,
     the launcher, the options of each stage it looks at for a finished run), and says each warning once. Each
-    stage process checks again and says it in its own log."""
+    stage process checks again and says it in its own log. Only this thread's warnings are filtered: a run
+    checked meanwhile by another thread of the process (its own command, ``run_local``, ``serve_stage``)
+    says its own."""
     once = _Once()
     log.addFilter(once)
     try:
