@@ -2,7 +2,8 @@
 
 ``check_run_settings`` (config/experiment.py) calls these once the run's steps are known (``--steps``, else the
 file's steps or epochs), on every path that starts a training run: ``distgrad run``, ``distgrad-stage``, the
-Python API. A short trial of a file made for a longer run is ordinary use, so nothing here raises; a value these
+Python API; a stage that runs the steps its driving stage's hello says (``StageOptions.follows_steps``) at that
+hello (``check_step_horizons``). A short trial of a file made for a longer run is ordinary use, so nothing here raises; a value these
 checks cannot read is left to the check that builds the setting (the stage's optimizer, its scheduler).
 """
 
