@@ -163,3 +163,48 @@ def test_one_command_says_each_warning_once(tmp_path, caplog):
             check_run_settings(exp, steps=steps)
     said = [r.getMessage() for r in caplog.records if "piecewise" in r.getMessage()]
     assert len(said) == 2 and "3 updates" in said[0] and "4 updates" in said[1], said
+
+
+def test_one_commands_filter_hides_no_warning_of_another_thread(tmp_path, caplog):
+    """While one command says each warning once, a run checked by another thread of the same process (its own
+    ``run_local``, a ``serve_stage``) says its warnings, though their text is the same; the command's own
+    thread still says each once."""
+    import threading
+    from distgrad.config.horizons import each_warning_once
+    exp = load_experiment(_piecewise_file(tmp_path))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distgrad"), each_warning_once():
+        check_run_settings(exp, steps=3)
+        other = threading.Thread(target=lambda: check_run_settings(exp, steps=3))
+        other.start()
+        other.join(10)
+        check_run_settings(exp, steps=3)
+    said = [r for r in caplog.records if "piecewise" in r.getMessage()]
+    assert len(said) == 2 and said[0].thread != said[1].thread, [(r.thread, r.getMessage()) for r in said]
+
+
+def test_a_stage_that_runs_its_drivers_steps_says_the_horizons_at_its_hello(tmp_path, caplog):
+    """A stage serving one data owner, started without --steps, runs the steps the driving stage's hello says
+    (its file's are only the driver's default): it says nothing of them when it starts, and at a hello says
+    what a run of that many steps would not let act, once a run. With --steps it says it when it starts."""
+    import time
+    from distgrad.run import handshake
+    from distgrad.run.serving import ServingStage
+    from distgrad.stage.stage import Stage
+    exp = replace(load_experiment(_piecewise_file(tmp_path)), steps=50)       # g's first boundary: update 100
+    options = dict(checkpoint_dir=tmp_path / "ck", checkpoint_every=60)
+    _silent(caplog, lambda: StageOptions(exp, "g", exp.seed, **options))
+    _warned(caplog, lambda: StageOptions(exp, "g", exp.seed, steps=50, **options), "50 updates in this run")
+    g, shape = ServingStage(StageOptions(exp, "g", exp.seed, **options)), Stage.from_experiment(exp, "f").output_shape
+    now = time.monotonic()
+
+    def hello(run: str, steps: int) -> None:
+        g.handle([b"f"], handshake.hello(exp, "f", exp.seed, shape, run, [0], steps, 1), now)
+
+    _silent(caplog, lambda: hello("run-1", 200))           # the run's 200 steps let both act
+    now += 1000.0                                           # run-1's driver is gone: another run may begin
+    _warned(caplog, lambda: hello("run-2", 60),
+            r"stage 'g': optimizer schedule 'piecewise'.*60 updates in this run \(the driving stage's hello\)")
+    now += 1000.0
+    _warned(caplog, lambda: hello("run-3", 60), r"--checkpoint-every 60 .* this run has 60 steps \(the driving")
+    _silent(caplog, lambda: hello("run-3", 60))             # the same run again: said once

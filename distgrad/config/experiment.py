@@ -794,7 +794,7 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
                        init: Mapping[str, float] | None = None, checkpoint_dir: Any = None,
                        checkpoint_every: Any = None, resume: bool = False, in_process: bool = False,
                        eval_every: Any = None, staleness: Any = None, evaluations_known: bool = True,
-                       trains: bool = True) -> None:
+                       steps_known: bool = True, trains: bool = True) -> None:
     """The settings of one run, checked once before any process or step starts (every path calls it:
     ``distgrad run``, ``--in-process``, ``distgrad-stage``, the Python API).
 
@@ -819,7 +819,10 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     driving stage's hello, or a launcher that passes the driving stage its
     flags), verdicts and schedulers the evaluations could not act on before
     the last step (``check_evaluation_horizon``). These need a training run:
-    ``trains`` False (a stage serving predictions) skips them.
+    ``trains`` False (a stage serving predictions) skips them. ``steps_known``
+    False (a stage whose run's steps its driving stage's hello says,
+    ``StageOptions.follows_steps``): the schedule and ``checkpoint_every``
+    warnings wait for them (``check_step_horizons``, at the hello).
     """
     _check_flag("--steps", steps, 1)
     _check_flag("--seed", seed, 0)
@@ -838,10 +841,11 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
             check_evaluation_horizon(exp, run_steps, exp.eval_every if eval_every is None else eval_every, flag)
         check_guard_horizon(exp, run_steps, flag)
         check_average_horizon(exp, run_steps, flag)
-        check_rate_horizon([(spec, stage_updates(exp, spec.name, run_steps)) for spec in exp.stages], run_steps,
-                           _steps_given(exp, run_steps, flag))
+        if steps_known:
+            check_rate_horizon([(spec, stage_updates(exp, spec.name, run_steps)) for spec in exp.stages], run_steps,
+                               _steps_given(exp, run_steps, flag))
     _check_run_mode(checkpoint_dir, checkpoint_every, resume, in_process, staleness)
-    if trains:
+    if trains and steps_known:
         check_checkpoint_horizon(checkpoint_every, run_steps, _steps_given(exp, run_steps, flag))
 
 
@@ -982,6 +986,14 @@ def check_scheduler_horizon(exp: Experiment, steps: int) -> None:
         if isinstance(total, int) and is_whole(total) and total < updates:
             raise ConfigError(f"stage {spec.name!r}: scheduler OneCycleLR has {total} steps and the stage makes "
                               f"{updates} updates in this run: give total_steps >= {updates} (or fewer steps)")
+
+
+def check_step_horizons(exp: Experiment, steps: int, given: str, checkpoint_every: Any = None) -> None:
+    """What ``check_run_settings`` says of a run of ``steps`` steps (``given``: where they come from) once they
+    are known: a schedule or scheduler that would never change the rate (``horizons.check_rate_horizon``) and a
+    ``checkpoint_every`` that would save nothing before the last step (``horizons.check_checkpoint_horizon``)."""
+    check_rate_horizon([(spec, stage_updates(exp, spec.name, steps)) for spec in exp.stages], steps, given)
+    check_checkpoint_horizon(checkpoint_every, steps, given)
 
 
 def stage_updates(exp: Experiment, stage: str, steps: int) -> int:

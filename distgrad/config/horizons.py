@@ -2,7 +2,8 @@
 
 ``check_run_settings`` (config/experiment.py) calls these once the run's steps are known (``--steps``, else the
 file's steps or epochs), on every path that starts a training run: ``distgrad run``, ``distgrad-stage``, the
-Python API. A short trial of a file made for a longer run is ordinary use, so nothing here raises; a value these
+Python API; a stage that runs the steps its driving stage's hello says (``StageOptions.follows_steps``) at that
+hello (``check_step_horizons``). A short trial of a file made for a longer run is ordinary use, so nothing here raises; a value these
 checks cannot read is left to the check that builds the setting (the stage's optimizer, its scheduler).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from distgrad.config.keys import is_whole
@@ -20,14 +22,17 @@ CONSTANT_LR_ITERS = 5       # torch's ConstantLR default: the updates at the low
 
 
 class _Once(logging.Filter):
-    """Passes each WARNING text once; every other record always."""
+    """Passes each WARNING text logged by the thread that made it once; every other record always (another
+    thread's, such as a run of its own in the same process, is never hidden)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.said: set[str] = set()
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
+        # A filter runs in the thread that logs: ``get_ident`` holds even where records keep no thread.
+        if record.levelno != logging.WARNING or threading.get_ident() != self.thread:
             return True
         text = record.getMessage()
         if text in self.said:
@@ -41,7 +46,9 @@ def each_warning_once() -> Iterator[None]:
     """While it lasts, a WARNING of the configuration checks (this module's logger, ``distgrad.config``) that
     was logged already is not logged again: one command checks the same run in several places (its front end,
     the launcher, the options of each stage it looks at for a finished run), and says each warning once. Each
-    stage process checks again and says it in its own log."""
+    stage process checks again and says it in its own log. Only this thread's warnings are filtered: a run
+    checked meanwhile by another thread of the process (its own command, ``run_local``, ``serve_stage``)
+    says its own."""
     once = _Once()
     log.addFilter(once)
     try:

@@ -176,6 +176,15 @@ class StageOptions:
         return self.staleness == AUTO_STALENESS
 
     @property
+    def follows_steps(self) -> bool:
+        """Whether the run's steps are the ones the driving stage's hello says, not this stage's own: a stage
+        serving one data owner, or a middle stage, started without ``--steps`` (its file's steps are then only
+        the driver's default; a stage serving several clients or parties counts the steps itself)."""
+        exp = self.experiment
+        return (self.steps is None and self.stage in exp.stage_names and exp.role(self.stage) != "driving"
+                and not (exp.federated or exp.vertical))
+
+    @property
     def steps_in_flight(self) -> int:
         """The driving stage's staleness S: ``--staleness``, else the experiment's (0: lockstep); with
         ``--staleness auto`` 0, that of the first step, after which the driver chooses S."""
@@ -235,7 +244,7 @@ class StageOptions:
                            init=self.init, checkpoint_dir=self.checkpoint_dir,
                            checkpoint_every=self.checkpoint_every, resume=self.resume, eval_every=self.eval_every,
                            staleness=self.staleness, evaluations_known=driving,   # else the hello's
-                           trains=self.trains)
+                           steps_known=not self.follows_steps, trains=self.trains)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 0:

@@ -58,7 +58,7 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.config.experiment import client_stage_name, is_whole
+from distgrad.config.experiment import check_step_horizons, client_stage_name, is_whole
 from distgrad.run.metering import Metering, NoMetering, PeerMeters, step_rows
 from distgrad.wire.link import DownstreamLink, is_final
 from distgrad.run.options import StageOptions, StopFlag
@@ -148,6 +148,7 @@ class ServingStage(RoundMachine):
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
         self.untold: dict[str, str] = {}                   # a failed run's parties not yet told why (by run id)
         self.told_below = False                            # a middle stage passed an aborted notice down
+        self.horizons_said: tuple[str, int] | None = None  # the run and steps ``_say_horizons`` spoke of
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
@@ -233,6 +234,7 @@ class ServingStage(RoundMachine):
         self.expect(peer, mbs)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
+        self._say_horizons(msg.run, peer.steps)
         self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         if not joined.still_owes:
@@ -245,6 +247,14 @@ class ServingStage(RoundMachine):
                       joined.next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step,
                                                               **topology.welcome_fields()})
+
+    def _say_horizons(self, run: str, steps: int) -> None:
+        """A stage that runs the steps its driving stage's hello says (``StageOptions.follows_steps``) says what
+        a run of that many would not let act (``check_step_horizons``), once a run: its start could not."""
+        if not (self.opts.follows_steps and self.opts.trains and steps >= 1) or self.horizons_said == (run, steps):
+            return
+        self.horizons_said = (run, steps)
+        check_step_horizons(self.exp, steps, "the driving stage's hello", self.opts.checkpoint_every)
 
     def apply_resume(self, d: Resume, now: float) -> None:
         """Go on with the run of the checkpoint just loaded (``Resume``): the peers' runs as saved, the
