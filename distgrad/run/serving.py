@@ -142,6 +142,7 @@ class ServingStage(RoundMachine):
         self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
         self.metrics = self.exp.spec(opts.stage).metrics   # the last stage's held-out scores beyond the loss
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
+        self.horizon_said = None                           # nothing said yet (``say_evaluation_horizon``)
         self.new_run(start_round=1)
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.deferred: Gradients | None = None             # gradients (and update) of a micro-batch answered
@@ -234,6 +235,7 @@ class ServingStage(RoundMachine):
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
         self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
+        self.say_evaluation_horizon(peer)
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         if not joined.still_owes:
             self.run.owed.discard(peer.index)       # it starts again after the step it would have evaluated
