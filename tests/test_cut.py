@@ -509,6 +509,44 @@ def test_a_torch_loop_evaluates_with_a_label_owner_daemon_as_the_configured_run(
 
 
 @pytest.mark.integration
+def test_a_cut_data_owners_hello_announces_the_evaluations_its_loop_makes(tmp_path, caplog):
+    """The loop evaluates after every interface eval_every-th step (``evaluation_due``), and its hello says so
+    as a daemon data owner's does: a daemon label owner's keep_best then knows it acts (nothing said), and one
+    the announced evaluations leave idle is said. Without held-out rows it announces none."""
+    import logging
+    import zmq
+    from distgrad.run.options import StageOptions
+    from distgrad.run.serving import ServingStage
+
+    def hello_of(lib_file: Path):
+        cut = Cut.connect("tcp://127.0.0.1:9", lib_file, ctx=zmq.Context.instance())
+        hellos: list = []
+        cut.link.handshake = lambda hello, client=None: hellos.append(hello) or 0    # what it would send
+        try:
+            cut._handshake()
+        finally:
+            cut.link.close(0)
+        return hellos[0]
+
+    for every, steps, said in ((4, STEPS, False), (STEPS, STEPS, True)):
+        folder = write_parties(tmp_path / str(every), extra=f"eval_every = {every}", test_fraction=0.2)
+        with_numpy_stage(folder, "g")
+        g_file = folder / "g.toml"
+        g_file.write_text(g_file.read_text().replace("loss = ", 'keep_best = "test_loss"\nloss = '))
+        hello = hello_of(folder / "f-lib.toml")
+        assert hello.body["eval_every"] == every and hello.body["steps"] == steps
+        g_exp = load_experiment(g_file)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            assert [m.type for _, m in ServingStage(StageOptions(g_exp, "g", 0)).handle([b"f"], hello, 0.0)] == [
+                "welcome"]
+        warned = [r.getMessage() for r in caplog.records if r.name == "distgrad.config"]
+        assert bool(warned) == said and all(f"eval_every = {every} and {steps} steps" in w for w in warned), warned
+    folder = write_parties(tmp_path / "none", extra="eval_every = 4")
+    assert "eval_every" not in hello_of(folder / "f-lib.toml").body
+
+
+@pytest.mark.integration
 def test_cut_evaluate_against_a_cut_server_gets_its_loops_scores_and_a_wrong_shape_is_misuse(tmp_path):
     folder = write_parties(tmp_path / "p", test_fraction=0.2)
     data = {"kind": "npy", "batch": 4, "test_fraction": 0.2}

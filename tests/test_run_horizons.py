@@ -9,6 +9,8 @@ fails a test that starts a process or opens a socket).
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,3 +210,136 @@ def test_a_stage_that_runs_its_drivers_steps_says_the_horizons_at_its_hello(tmp_
     now += 1000.0
     _warned(caplog, lambda: hello("run-3", 60), r"--checkpoint-every 60 .* this run has 60 steps \(the driving")
     _silent(caplog, lambda: hello("run-3", 60))             # the same run again: said once
+
+
+# --- what the driving stage's evaluations let act, said where the setting is ---------------------------------
+
+def _kept_stage_files(tmp_path: Path, keys: str, eval_every: int = 0) -> tuple:
+    """digits (its file's eval_every: ``eval_every``) split into stage files (each party its own file, as
+    ``distgrad split`` writes them) with ``keys`` in the label owner g's [stage]: the experiments of f's file
+    and of g's file."""
+    from distgrad.config.split import split_experiment
+    from test_config_checks import _guarded_variant
+    path = _guarded_variant(tmp_path, "digits", "g", keys)
+    path.write_text(path.read_text().replace("steps = 800\n", f"steps = 800\neval_every = {eval_every}\n", 1))
+    f_path, g_path = split_experiment(load_experiment(path), tmp_path / "split")
+    return load_experiment(f_path), load_experiment(g_path)
+
+
+def _hello(caplog, serving, exp, run: str, now: float, **fields) -> list[str]:
+    """``serving`` welcomes a hello of run ``run`` from exp's driving stage with body ``fields``; the WARNINGs
+    of the configuration checks (``distgrad.config``) said meanwhile."""
+    from distgrad.wire import messages as wire
+    from handshake import hello_message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distgrad"):
+        replies = serving.handle([b"peer"], hello_message(exp, run, **fields), now)
+    assert [m.type for _, m in replies] == [wire.WELCOME], replies
+    return [r.getMessage() for r in caplog.records if r.name == "distgrad.config" and r.levelno == logging.WARNING]
+
+
+def test_a_label_owner_says_at_the_hello_what_the_driving_stages_evaluations_cannot_let_act(tmp_path, caplog):
+    """In a run of stage files the label owner's keep_best acts on the evaluations the data owner asks for
+    (its eval_every and steps, sent in its hello), which its own file cannot tell at start: the serving stage
+    says the WARNING of ``check_evaluation_horizon`` when the hello arrives, naming the driving stage's
+    eval_every as the reason and where to change it; once a run (a hello again of the same run says nothing
+    more), again for a new run; silent where it acts."""
+    from distgrad.run.serving import ServingStage
+    f_exp, g_exp = _kept_stage_files(tmp_path, 'keep_best = "test_loss"')
+    assert not f_exp.has_stage("g") and not g_exp.has_stage("f")     # each party knows its own settings only
+    _silent(caplog, lambda: StageOptions(f_exp, "f", f_exp.seed, steps=40, eval_every=40))
+    _silent(caplog, lambda: StageOptions(g_exp, "g", g_exp.seed))    # its evaluations are not known yet
+    serving = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
+    said = _hello(caplog, serving, g_exp, "a" * 32, 0.0, steps=40, eval_every=40)
+    assert len(said) == 1 and re.search(
+        r"stage 'g': keep_best = 'test_loss' .* with eval_every = 40 and 40 steps \(as the driving stage 'f' asked in "
+        r"its hello\) the run evaluates only after its last step: it keeps the last model, as without it. Set "
+        r"eval_every to K below 40 on the data owner's side \(the driving stage 'f': eval_every in its stage file, "
+        r"or its --eval-every K\)", said[0]), said
+    assert _hello(caplog, serving, g_exp, "a" * 32, 1.0, steps=40, eval_every=40) == []     # the same run again
+    for run, now in (("b" * 32, 100.0), ("c" * 32, 200.0)):                       # each new run, told again
+        said = _hello(caplog, serving, g_exp, run, now, steps=40)
+        assert len(said) == 1 and "keep_best" in said[0] and "eval_every = 0 and 40 steps" in said[0], said
+    said = _hello(caplog, serving, g_exp, "c" * 32, 201.0, steps=40, eval_every=20)   # the same run, other values
+    assert len(said) == 0, said                                                      # ... under which it acts
+    said = _hello(caplog, serving, g_exp, "c" * 32, 202.0, steps=20, eval_every=20)
+    assert len(said) == 1 and "eval_every = 20 and 20 steps" in said[0], said
+
+
+def test_a_middle_stage_passes_the_evaluations_on_and_feature_parties_are_told_once(caplog):
+    """A middle stage's own ReduceLROnPlateau is said at the driving stage's hello as the label owner's keys
+    are, and its hello to the stage below asks for the same evaluations (the label owner behind it judges
+    them); the label owner of feature parties says it once for the run, naming every party."""
+    import zmq
+    from distgrad.run import handshake
+    from distgrad.run.serving import ServingStage
+    ushaped = load_experiment("digits-ushaped")
+    middle = replace(_with(ushaped, "body", scheduler={"type": "ReduceLROnPlateau", "patience": 1}), eval_every=10)
+    serving = ServingStage(StageOptions(middle, "body", middle.seed), connect="tcp://127.0.0.1:9",
+                           ctx=zmq.Context.instance())      # its link below is never used: the hello is answered
+    below: list = []
+    serving.link.handshake = lambda hello, client=None: below.append(hello) or 0    # the stage below welcomes it
+    try:
+        said = _hello(caplog, serving, middle, "a" * 32, 0.0, steps=30, eval_every=10)
+    finally:
+        serving.link.close(0)
+    assert len(said) == 1 and re.search(
+        r"stage 'body': scheduler ReduceLROnPlateau \(patience = 1\) can lower its rate after its evaluation 3 .* "
+        r"eval_every = 10 and 30 steps \(as the driving stage 'f' asked in its hello\) .*Give eval_every = K of at "
+        r"most 9 on the data owner's side \(the driving stage 'f'", said[0]), said
+    assert below[0].body.get("eval_every") == 10 and below[0].body["steps"] == 30
+
+    halves = load_experiment("digits-halves")
+    kept = replace(_with(halves, "g", keep_best="test_loss"), eval_every=0)
+    serving = ServingStage(StageOptions(kept, "g", kept.seed, steps=50))   # the parties' steps, as each says
+    said = []
+    for index, party in enumerate(kept.data_owners):
+        hello = handshake.hello(kept, party, kept.seed, kept.cuts[index], str(index) * 32, [0], 50, 1, eval_every=50)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            serving.handle([party.encode()], hello, 0.0)
+        said += [r.getMessage() for r in caplog.records if r.name == "distgrad.config"]
+    assert len(said) == 1 and "as the driving stages 'left', 'right' asked in their hellos" in said[0], said
+
+
+def test_early_stopping_that_a_hello_without_evaluations_leaves_idle_is_said(tmp_path, caplog):
+    """The label owner's file asks for evaluations (eval_every 10, which early_stopping needs to be taken), but
+    the driving stage's hello asks for none during the run (its --eval-every 0): early_stopping cannot stop the
+    run, which the label owner says at the hello; a hello with evaluations enough says nothing."""
+    from distgrad.run.serving import ServingStage
+    _, g_exp = _kept_stage_files(tmp_path, 'early_stopping = { metric = "test_loss", patience = 2 }', 10)
+    serving = ServingStage(StageOptions(g_exp, "g", g_exp.seed))
+    said = _hello(caplog, serving, g_exp, "a" * 32, 0.0, steps=40)
+    assert len(said) == 1 and re.search(
+        r"stage 'g': early_stopping \(patience = 2\) can stop the run after its evaluation 3 at the earliest, and "
+        r"with eval_every = 0 and 40 steps \(as the driving stage 'f' asked in its hello\) the run evaluates 0 "
+        r"time\(s\) before its last step: it will not in this run. Give eval_every = K of at most 13 on the data "
+        r"owner's side", said[0]), said
+    assert _hello(caplog, serving, g_exp, "b" * 32, 100.0, steps=40, eval_every=13) == []
+
+
+def test_evaluations_asked_of_a_data_owner_whose_data_holds_out_no_rows_are_said(caplog):
+    """eval_every > 0 with no held-out rows evaluates nothing, during the run or after it: the data owner's
+    process and the in-process run say so at WARNING before the first step (naming --eval-every when the flag
+    gave it); with held-out rows, or eval_every 0, nothing is said."""
+    import zmq
+    from distgrad.run.driver import _Driver
+    from distgrad.run.inprocess import train_in_process
+    from distgrad.run.options import StopFlag
+    tanh = load_experiment("tanh-regression")
+    assert not len(tanh.build_data(stage="f").test_rows)
+
+    def driver(exp, **options) -> None:
+        _Driver(StageOptions(exp, "f", exp.seed, **options), "tcp://127.0.0.1:9", StopFlag(),
+                zmq.Context.instance()).link.close(0)
+
+    _warned(caplog, lambda: driver(tanh, eval_every=5),
+            r"stage 'f': --eval-every 5 asks for an evaluation of the held-out rows every 5 step\(s\), and its "
+            r"\[data\] holds out none: nothing is evaluated, during the run or after its last step",
+            r"test_fraction")
+    _warned(caplog, lambda: driver(replace(tanh, eval_every=7)), r"stage 'f': eval_every = 7 asks")
+    _warned(caplog, lambda: train_in_process(tanh, steps=2, eval_every=3), r"stage 'f': eval_every = 3 asks")
+    _silent(caplog, lambda: driver(tanh))
+    _silent(caplog, lambda: train_in_process(tanh, steps=2))
+    digits = load_experiment("digits")
+    _silent(caplog, lambda: driver(digits, eval_every=5, steps=40))

@@ -27,7 +27,7 @@ import importlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -816,11 +816,11 @@ def check_run_settings(exp: Experiment, *, steps: Any = None, seed: Any = None, 
     ``checkpoint_every`` that saves nothing before the last step
     (``horizons.check_checkpoint_horizon``) and, unless the evaluations are
     another process's to say (``evaluations_known`` False: a stage that follows the
-    driving stage's hello, or a launcher that passes the driving stage its
-    flags), verdicts and schedulers the evaluations could not act on before
-    the last step (``check_evaluation_horizon``). These need a training run:
-    ``trains`` False (a stage serving predictions) skips them. ``steps_known``
-    False (a stage whose run's steps its driving stage's hello says,
+    driving stage's hello, which says them once the hello arrives, or a launcher
+    that passes the driving stage its flags), verdicts and schedulers the
+    evaluations could not act on before the last step (``check_evaluation_horizon``).
+    These need a training run: ``trains`` False (a stage serving predictions) skips them.
+    ``steps_known`` False (a stage whose run's steps its driving stage's hello says,
     ``StageOptions.follows_steps``): the schedule and ``checkpoint_every``
     warnings wait for them (``check_step_horizons``, at the hello).
     """
@@ -934,7 +934,8 @@ def check_plateau(exp: Experiment, eval_every: Any, staleness: Any) -> None:
                           f"loss steps the shared stage; drop the scheduler or the [clients] table")
 
 
-def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag: str = "") -> None:
+def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag: str = "", *,
+                             drivers: Sequence[str] = ()) -> None:
     """Where what the evaluations during the run decide could not act before the last step, which is evaluated
     anyway and ends the run, log a WARNING naming the key, its value, ``eval_every`` and the run's ``steps``
     (``--steps`` when ``flag`` names it): ``keep_best`` with no evaluation before it (the last model is kept,
@@ -942,26 +943,49 @@ def check_evaluation_horizon(exp: Experiment, steps: int, eval_every: int, flag:
     evaluation patience + 1: the first sets the best), and a ``ReduceLROnPlateau`` scheduler that cannot lower
     its rate before it (the earliest after evaluation patience + 2). A run that long would let them act: each
     watches every evaluation. The evaluations are after every ``eval_every``-th step (0: none during the run),
-    on every path alike, a resumed run too."""
+    on every path alike, a resumed run too. ``drivers``: a stage that follows the hello of these driving
+    stages, whose ``eval_every`` and ``steps`` these are: the WARNING names them as where to change them."""
     during = (steps - 1) // eval_every if eval_every > 0 else 0     # evaluations before the last step
-    given = f"eval_every = {eval_every} and {steps} steps ({_steps_given(exp, steps, flag)})"
+    if not drivers:
+        given = f"eval_every = {eval_every} and {steps} steps ({_steps_given(exp, steps, flag)})"
+        setting, where = "eval_every (or --eval-every)", ""
+    else:
+        several = len(drivers) > 1
+        who = f"the driving stage{'s' if several else ''} {', '.join(map(repr, drivers))}"
+        their, plural = ("their", "s") if several else ("its", "")
+        given = f"eval_every = {eval_every} and {steps} steps (as {who} asked in {their} hello{plural})"
+        setting = "eval_every"
+        where = (f" on the data owner's side ({who}: eval_every in {their} stage file{plural}, or {their} "
+                 f"--eval-every K)")
     last = next((spec for spec in exp.stages if spec.name == exp.stage_names[-1]), None)
     if last is not None and last.keep_best is not None and during == 0:
         log.warning("stage %r: keep_best = %r keeps the parameters of the best evaluation, and with %s the run "
-                    "evaluates only after its last step: it keeps the last model, as without it. Set eval_every "
-                    "(or --eval-every) to K below %d, or drop keep_best", last.name, last.keep_best, given, steps)
+                    "evaluates only after its last step: it keeps the last model, as without it. Set %s to K "
+                    "below %d%s, or drop keep_best", last.name, last.keep_best, given, setting, steps, where)
     waits = [(f"stage {last.name!r}: early_stopping (patience = {last.early_stopping['patience']})",
               int(last.early_stopping["patience"]) + 1, "stop the run")] if last and last.early_stopping else []
     waits += [(f"stage {spec.name!r}: scheduler ReduceLROnPlateau (patience = {_plateau_patience(spec)})",
                _plateau_patience(spec) + 2, "lower its rate")
               for spec in exp.stages if (spec.scheduler or {}).get("type") == PLATEAU]
     for what, needed, acts in waits:
-        if eval_every > 0 and during < needed:
+        if during < needed:         # eval_every 0 is refused where the run is configured; a hello may ask it
             most = (steps - 1) // needed
-            fix = f"eval_every = K of at most {most} (or --eval-every K), " if most else ""
+            fix = f"eval_every = K of at most {most}{where or ' (or --eval-every K)'}, " if most else ""
             log.warning("%s can %s after its evaluation %d at the earliest, and with %s the run evaluates %d "
                         "time(s) before its last step: it will not in this run. Give %sa lower patience or more "
                         "steps", what, acts, needed, given, during, fix)
+
+
+def check_held_out(stage: str, eval_every: int, held_out: int, flag: str = "") -> None:
+    """Log a WARNING when data owner ``stage`` asks for an evaluation after every ``eval_every``-th step
+    (``--eval-every`` when ``flag`` names it) and its data holds out no rows (``held_out`` 0): nothing is
+    evaluated, during the run or after it, so the setting would do nothing."""
+    if eval_every > 0 and held_out == 0:
+        setting = f"{flag} {eval_every}" if flag else f"eval_every = {eval_every}"
+        log.warning("stage %r: %s asks for an evaluation of the held-out rows every %d step(s), and its "
+                    "[data] holds out none: nothing is evaluated, during the run or after its last step. Set "
+                    "test_fraction in its [data] (a file kind), or drop %s", stage, setting, eval_every,
+                    flag or "eval_every")
 
 
 def _plateau_patience(spec: StageSpec) -> int:

@@ -338,10 +338,19 @@ class Cut:
             grads.append(dy)
         return losses, grads
 
+    def _announced_evaluations(self) -> int:
+        """The ``eval_every`` this data owner's hello announces: the interface's when it holds rows out and is
+        the one data owner (a daemon label owner then tells what its verdicts can act on, as for a daemon data
+        owner's hello); else 0, since with several a daemon would wait for each announced evaluation at the end of
+        its round, which this loop makes only when it calls ``evaluate``."""
+        one = not (self.exp.federated or self.exp.vertical)
+        holds_out = self.side.data is not None and len(self.side.data.test_rows) > 0
+        return self.exp.eval_every if one and holds_out else 0
+
     def _handshake(self) -> None:
         """Hello at ``step``; the label owner must take this run up there."""
         hello = handshake.hello(self.exp, self.side.stage, self.exp.seed, self.side.shape, self.run_id, [self.applied],
-                                self.exp.steps, self.mbs, self.side.client)
+                                self.exp.steps, self.mbs, self.side.client, self._announced_evaluations())
         try:
             self.link.handshake(hello)
         except PeerRejected as e:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from distgrad.config.experiment import MAX_STALENESS, client_stage_name
+from distgrad.config.experiment import MAX_STALENESS, check_held_out, client_stage_name
 from distgrad.errors import ConfigError, PeerTimeout
 from distgrad.run import handshake
 from distgrad.run.autostaleness import LinkProbe
@@ -74,6 +74,8 @@ class DriverState:
         self.progress = Progress(opts.progress, self.steps)
         self.eval_every = opts.evaluate_every
         self.holds_out = len(self.data.test_rows) > 0
+        check_held_out(opts.instance, self.eval_every, len(self.data.test_rows),
+                       "--eval-every" if opts.eval_every is not None else "")
         # With a validation split: the evaluations during the run forward the validation rows only; the test rows
         # cross once, after the last step, with the kept model (``evaluate(final=True)``).
         self.validation = self.data.validation_count

@@ -23,7 +23,7 @@ from distgrad.model import aggregate
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_flag, meter_kind, metered,
                                       privacy_budget, row_defense)
-from distgrad.config.experiment import Experiment, check_run_settings, client_stage_name
+from distgrad.config.experiment import Experiment, check_held_out, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
 from distgrad.privacy.releases import fresh_secret
 from distgrad.run.protocol import evaluation_due
@@ -343,6 +343,8 @@ class _Federation:
                                         steps=steps, secret=noise_secret)[0], last_engine]
                               for c, client in enumerate(clients)]
         self.data = data = [exp.build_data(seed, client=c, stage=first_name) for c in range(exp.clients.count)]
+        for c, source in enumerate(data):
+            _holds_out(client_stage_name(first_name, c), source, eval_every)
         self.labels = labels = [exp.build_data(seed, client=c, stage=exp.label_owner)
                                 for c in range(exp.clients.count)]
         # Each client's own meter and guard, and the label owner's meter of each client (as the processes run
@@ -455,6 +457,13 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     return summary
 
 
+def _holds_out(stage: str, data: Any, eval_every: int) -> bool:
+    """Whether data owner ``stage``'s ``data`` holds out rows to evaluate; evaluations every ``eval_every``
+    steps of none are said at WARNING (``check_held_out``), as the stage's process says them."""
+    check_held_out(stage, eval_every, len(data.test_rows))
+    return len(data.test_rows) > 0
+
+
 class _OwnerMeters:
     """A data owner's own meter and guard in a run of several data owners (a feature party ``stage``, or
     client ``client``'s copy of the first stage), on its ``engine`` and its own ``data``, as its stage
@@ -523,7 +532,7 @@ class _Reference:
         self.owners = [exp.build_data(seed, stage=name) for name in exp.data_owners]
         self.data = self.owners[0]
         self.labels = exp.build_data(seed, stage=exp.label_owner)
-        self.holds_out = len(self.data.test_rows) > 0
+        self.holds_out = _holds_out(exp.data_owners[0], self.data, eval_every)
         window = eval_every if self.holds_out else 0
         if exp.vertical:        # each party's own meter and guard; the label owner's meter of each party
             parties = self.engines[:-1]

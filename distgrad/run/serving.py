@@ -58,7 +58,7 @@ import zmq
 from distgrad.wire import messages as wire
 from distgrad.run.accepts import Accepts
 from distgrad.errors import ConfigError, DistgradError, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.config.experiment import check_step_horizons, client_stage_name, is_whole
+from distgrad.config.experiment import client_stage_name, is_whole
 from distgrad.run.metering import Metering, NoMetering, PeerMeters, step_rows
 from distgrad.wire.link import DownstreamLink, is_final
 from distgrad.run.options import StageOptions, StopFlag
@@ -142,13 +142,13 @@ class ServingStage(RoundMachine):
         self.max_frame_bytes, self.max_tensor_bytes = self.accepts.max_frame_bytes, self.accepts.max_tensor_bytes
         self.metrics = self.exp.spec(opts.stage).metrics   # the last stage's held-out scores beyond the loss
         self.evaluating = False                            # some peer's evaluation waits (``advance``)
+        self.horizon_said = None                           # nothing said yet (``say_horizons``)
         self.new_run(start_round=1)
         self.finished: dict[str, Any] | None = None       # summary of the last completed run
         self.deferred: Gradients | None = None             # gradients (and update) of a micro-batch answered
         self.notices: list[Reply] = []                     # error replies to parties a rollback made stale
         self.untold: dict[str, str] = {}                   # a failed run's parties not yet told why (by run id)
         self.told_below = False                            # a middle stage passed an aborted notice down
-        self.horizons_said: tuple[str, int] | None = None  # the run and steps ``_say_horizons`` spoke of
         # What handles each message of a peer's run, by type (hello and ping: ``handle`` itself).
         self.handlers: dict[str, Callable[[Peer, Envelope, Message], list[Reply]]] = {
             wire.FORWARD: self._forward, wire.AVERAGE: self._average, wire.EVALUATE: self._evaluate,
@@ -234,8 +234,8 @@ class ServingStage(RoundMachine):
         self.expect(peer, mbs)
         peer.eval_every, peer.staleness = eval_every, staleness
         peer.steps = body["steps"] if is_whole(body.get("steps")) else 0
-        self._say_horizons(msg.run, peer.steps)
         self.metering.set_run(eval_every, body.get("steps"))   # windows follow the evaluations, end as it says
+        self.say_horizons(peer)
         peer.waiting, peer.average, peer.evaluate, peer.failure = {}, None, None, None
         if not joined.still_owes:
             self.run.owed.discard(peer.index)       # it starts again after the step it would have evaluated
@@ -247,14 +247,6 @@ class ServingStage(RoundMachine):
                       joined.next_step)
         return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": joined.next_step,
                                                               **topology.welcome_fields()})
-
-    def _say_horizons(self, run: str, steps: int) -> None:
-        """A stage that runs the steps its driving stage's hello says (``StageOptions.follows_steps``) says what
-        a run of that many would not let act (``check_step_horizons``), once a run: its start could not."""
-        if not (self.opts.follows_steps and self.opts.trains and steps >= 1) or self.horizons_said == (run, steps):
-            return
-        self.horizons_said = (run, steps)
-        check_step_horizons(self.exp, steps, "the driving stage's hello", self.opts.checkpoint_every)
 
     def apply_resume(self, d: Resume, now: float) -> None:
         """Go on with the run of the checkpoint just loaded (``Resume``): the peers' runs as saved, the

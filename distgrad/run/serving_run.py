@@ -24,7 +24,7 @@ from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions
 from distgrad.run.decisions import Failure, Gradients, Hearing, Join
 from distgrad.run.peers import Peer, PeerStatus, Phase, Reply, RunState
-from distgrad.config.experiment import Experiment
+from distgrad.config.experiment import Experiment, check_evaluation_horizon, check_step_horizons
 from distgrad.stage.engine import StepEngine
 from distgrad.model.nn import Shape
 from distgrad.wire.codecs import Codec
@@ -74,6 +74,7 @@ class ServedRun:
     started: float                      # ``time.perf_counter()`` when the run began
     loss: float | None                  # the last update's loss
     loss_withheld: bool                 # a middle stage: the stage below passed up no training loss
+    horizon_said: tuple[str, int, int] | None   # the run, eval_every and steps ``say_horizons`` said
 
     # -- the run, as tests and tools read it
     @property
@@ -171,6 +172,23 @@ class ServedRun:
             self.run.active = True
             if not self.state.run_id:
                 self.state.begin(uuid.uuid4().hex)
+
+    def say_horizons(self, peer: Peer) -> None:
+        """At ``peer``'s hello, log at WARNING what of this stage's settings the run it asks for cannot let act
+        before its last step: the evaluations its ``eval_every`` and ``steps`` ask for, naming the driving
+        stage as where to change them (``config.experiment.check_evaluation_horizon``), and, for a stage that
+        runs the steps its driving stage's hello says (``StageOptions.follows_steps``), its schedules and
+        ``checkpoint_every`` (``check_step_horizons``). Its start could not tell: these are the driving stage's
+        to say. Said once per run of this stage (a peer's hello again for the same run says nothing more), and
+        again for other evaluations or steps."""
+        said = (self.state.run_id, peer.eval_every, peer.steps)
+        if said == self.horizon_said or peer.steps < 1:
+            return
+        self.horizon_said = said
+        if self.opts.follows_steps and self.opts.trains:
+            check_step_horizons(self.exp, peer.steps, "the driving stage's hello", self.opts.checkpoint_every)
+        drivers = self.parties if self.exp.vertical else self.exp.stage_names[:1]
+        check_evaluation_horizon(self.exp, peer.steps, peer.eval_every, drivers=drivers)
 
     def live(self, now: float) -> bool:
         return self.run.active and any(p.live(now, self.opts.liveness_s) for p in self.run.peers)

@@ -858,6 +858,7 @@ class OnePeer(Turns):
             return s.link.handshake(hello(s.exp, s.opts.stage, s.opts.seed, s.stage.output_shape,
                                           msg.run, both, steps if isinstance(steps, int)
                                           and not isinstance(steps, bool) else 0, mbs,
+                                          eval_every=msg.body.get("eval_every", 0),   # checked: hello_fields
                                           relayed=msg.body.get("parts"),
                                           staleness=msg.body.get("staleness", 0)))
         except PeerRejected as e:
