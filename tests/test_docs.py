@@ -185,3 +185,19 @@ def test_the_stage_help_lists_the_exit_codes_the_command_line_page_gives():
     described = " ".join(cli.build_stage_parser().description.split())
     missing = sorted(c for c in codes if not re.search(rf"\b{c}\b", described))
     assert not missing, f"distgrad-stage --help lists no exit code {missing}: {described}"
+
+
+def test_an_init_command_into_a_folder_the_repository_ships_says_force():
+    """``distgrad init`` refuses an ``--out`` folder that holds files unless ``--force``: a page's init command
+    that writes the repository's own folders again (deploy/parties/...) gives it, so it runs as written."""
+    import shlex
+
+    refused = []
+    for page in PAGES:
+        for line in _command_lines(page):
+            argv = shlex.split(line, comments=True) if line.lstrip().startswith("distgrad init") else []
+            if "--out" in argv and argv.index("--out") + 1 < len(argv):
+                out = ROOT / argv[argv.index("--out") + 1]
+                if out.is_dir() and any(out.iterdir()) and "--force" not in argv:
+                    refused.append(f"{page.relative_to(ROOT)}: {line.strip()}")
+    assert not refused, "--out holds files, so init exits 2 without --force:\n" + "\n".join(refused)
