@@ -201,3 +201,45 @@ def test_an_init_command_into_a_folder_the_repository_ships_says_force():
                 if out.is_dir() and any(out.iterdir()) and "--force" not in argv:
                     refused.append(f"{page.relative_to(ROOT)}: {line.strip()}")
     assert not refused, "--out holds files, so init exits 2 without --force:\n" + "\n".join(refused)
+
+
+def _defines(source: str, name: str) -> bool:
+    """Whether a module's source defines or imports ``name``: a function, class, method, field, constant or import."""
+    return bool(re.search(rf"^\s*(?:async def|def|class) {name}\b|^\s*(?:self\.)?{name}\s*[:=]|\bimport\b[^\n]*\b{name}\b"
+                          rf"|^\s+{name},|[\'\"]{name}[\'\"]", source, re.M))
+
+
+def _unreachable_names(page: Path) -> list[str]:
+    """The ``distgrad.MODULE.NAME`` spans, ``distgrad/...``, ``tests/...`` and ``benchmarks/...`` paths (with a
+    ``::test`` name) of a page that name no module, definition, file or test of the repository."""
+    wrong = []
+    for span in set(re.findall(r"`([^`\s]+)`", FENCE.sub("", page.read_text()))):
+        span = span.rstrip(".,;:")
+        path = re.fullmatch(r"((?:distgrad|tests|benchmarks)/[\w./*-]+?)(?:::(\w+))?", span)
+        if path:
+            found = sorted(ROOT.glob(path.group(1)))
+            if not found:
+                wrong.append(span)
+            elif path.group(2) and not any(_defines(f.read_text(), path.group(2)) for f in found if f.is_file()):
+                wrong.append(span)
+            continue
+        dotted = re.fullmatch(r"distgrad(?:\.\w+)+", re.sub(r"\(.*", "", span))
+        if not dotted:
+            continue
+        parts = dotted.group(0).split(".")
+        for n in range(len(parts), 0, -1):
+            module = ROOT.joinpath(*parts[:n])
+            file = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
+            if file.is_file():
+                break
+        rest = parts[n:]
+        if rest and not _defines(file.read_text(), rest[-1]):
+            wrong.append(span)
+    return wrong
+
+
+def test_every_module_name_and_file_a_page_names_exists():
+    """``distgrad.wire.link.evaluation_reply``, ``distgrad/run/driver.py``, ``tests/test_x.py::test_y``: each
+    module, definition, file and test a page names in code spans is in the repository (read, not imported)."""
+    wrong = [f"{page.relative_to(ROOT)}: {name}" for page in PAGES for name in _unreachable_names(page)]
+    assert not wrong, "\n".join(wrong)
