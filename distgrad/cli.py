@@ -9,6 +9,7 @@ map errors to exit codes:
 2     usage or configuration error (bad flag, experiment, endpoint, --init)
 3     the peer did not answer in time, or fell silent mid-run
 4     the peer refused us (error reply: mismatched experiment, bad step...)
+5     a data owner's input_guard stopped the run (its activations could be inverted beyond its max_r2)
 130   stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM
 ====  ==========================================================
 """
@@ -185,7 +186,8 @@ def build_stage_parser(prog: str = "distgrad-stage") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=(
         "Run one stage of an experiment as a daemon. The last stage serves (--bind); the first "
         "drives the training loop (--connect); a middle stage does both. Exit codes: 0 ok, 1 stage failed, 2 usage, "
-        "3 peer timeout, 4 peer refused, 130/143 stopped by SIGINT/SIGTERM."))
+        "3 peer timeout, 4 peer refused, 5 the data owner's input_guard stopped the run, 130/143 stopped by "
+        "SIGINT/SIGTERM."))
     p.add_argument("stage", help="stage name in the experiment (f or g for the built-ins)")
     _common_flags(p, experiment_required=True)
     _pipeline_flags(p)
