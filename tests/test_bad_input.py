@@ -77,6 +77,9 @@ def test_undecodable_messages_get_error_replies_and_a_real_run_follows(start_ser
         (_hello(exp, "r", fingerprint="0" * 64), ErrorCode.MISMATCH),
         (_hello(exp, "r", seed=7), ErrorCode.MISMATCH),
         (_hello(exp, "r", activation={"shape": [2], "dtype": "float32"}), ErrorCode.MISMATCH),
+        # parts that the hello's (matching) fingerprint is not the digest of: another interface than it names
+        (_hello(exp, "r", parts={**exp.interface_parts(), "steps": 1}), ErrorCode.MALFORMED),
+        (_hello(exp, "r", parts={}), ErrorCode.MALFORMED),
         (Message(wire.BACKWARD, "r", 1, body={"loss": 0.0}), ErrorCode.RUN),
     ]:
         with pytest.raises(Exception) as info:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import zmq
 from conftest import hello_message
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse, PeerAborted
+from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerTimeout
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.cut_server import evaluation_scores
 from distgrad.run.options import StageOptions, StopFlag
@@ -119,6 +120,31 @@ def test_a_repeated_bye_gets_the_first_byes_reply_while_the_server_closes():
     finally:
         a.close()
         server.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fields", [FIELDS, {**FIELDS, "clients": {"count": 2, "mode": "separate"}}],
+                         ids=["one data owner", "clients"])
+def test_a_peer_that_keeps_sending_cannot_hold_off_the_timeout_of_a_silent_data_owner(fields):
+    """Every wait is bounded, whatever else arrives: a peer pinging the server without pause (a monitor, or
+    anyone) while the data owner it waits for stays silent. The loop's wait ends with PeerTimeout after
+    liveness_s + peer_deadline_s; it once checked the silence only in a tick when nothing came, so a ping
+    every few milliseconds kept it waiting for ever (a CutServer and a GroupServer alike)."""
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.1, peer_deadline_s=0.1, **fields)
+    loop = Loop(server)
+    pinger = dealer(zmq.Context.instance(), server.endpoint)
+    try:
+        pongs, hang_guard = 0, time.monotonic() + 10.0     # a hang guard, not a timing claim
+        while loop.thread.is_alive() and time.monotonic() < hang_guard:
+            pinger.send_multipart(wire.encode(Message(wire.PING, "", 0)))
+            if pinger.poll(20):
+                pongs += wire.decode(pinger.recv_multipart()).type == wire.PONG
+        ended_under_pings = not loop.thread.is_alive()
+    finally:
+        pinger.close()
+        error = loop.result()           # the pings stopped: it ends now in any case (and closes the server)
+    assert ended_under_pings, "the loop still waited for its silent data owner while the pings came"
+    assert pongs > 0 and isinstance(error, PeerTimeout) and "silent for more than 0.2 s" in str(error), error
 
 
 def _saved_states() -> tuple[dict, dict]:

@@ -573,6 +573,23 @@ def test_the_prediction_server_follows_the_same_rules(tmp_path, halves, dealers)
         proc.stop()
 
 
+def test_refused_messages_do_not_keep_a_prediction_live(tmp_path):
+    """protocol.md, *live*, at ``distgrad predict``'s label owner too (no sockets: its rules at given times): a
+    prediction's sender is heard by what is accepted, so its refused chunks neither keep the prediction busy
+    for another sender's hello nor hold off the wait's end (they once did both: any message of its run
+    counted)."""
+    exp = load_experiment("seed-reverse")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, liveness_s=0.5, peer_deadline_s=1.0),
+                              tmp_path / "predictions.npy", None)
+    assert server.handle(hello_message(exp, "a", purpose="predict", rows=2), 0.0).type == wire.WELCOME
+    for now in (0.3, 0.6, 0.9, 1.2):
+        with pytest.raises(ProtocolError) as refusal:
+            server.handle(chunk("a", 3), now)
+        assert refusal.value.code == ErrorCode.STEP
+    assert "giving up" in (server.silent(1.2, 0.0) or "")
+    assert server.handle(hello_message(exp, "b", purpose="predict", rows=2), 1.2).type == wire.WELCOME
+
+
 @pytest.mark.integration
 def test_with_curve_a_prediction_belongs_to_the_key_that_said_its_hello(tmp_path, halves, dealers):
     """protocol.md, *Owner*, at ``distgrad predict``'s label owner too: another allowed key may not send the

@@ -63,7 +63,6 @@ from distgrad.run.protocol import (rejoin_step, abort_reason, bye_reply, check_b
 from distgrad.wire import messages as wire
 from distgrad.wire.link import evaluation_reply
 from distgrad.wire.messages import ErrorCode, Message
-from distgrad.wire.transport import POLL_TICK_S
 from distgrad.wire.wirecodec import GRADIENT, Expected, stream_name
 
 # Where they were defined before ``run.cut_state`` and ``run.cut_owners`` held them: still importable from here.
@@ -119,11 +118,9 @@ class GroupServer(CutServer, serves_several=True):
             if batch is not None:
                 self.batch = batch
                 return batch
-            request = self.server.receive(POLL_TICK_S)
-            if request is None:
-                self._check_silence(started)
-                continue
-            self._answer(request, self._handle)
+            request = self._receive(started)
+            if request is not None:
+                self._answer(request, self._handle)
 
     def _ready(self) -> Batch | None:
         """The next batch when its data owners' forwards are all in, else None."""

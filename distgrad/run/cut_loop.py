@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,7 @@ class LoopServer(abc.ABC):
         self.refused = ""                # the last message refused, for a timeout's message
         self.evaluate = evaluate                            # the loop's scoring
         self.test_rows = self._test_rows() if evaluate is not None else None
+        self.silence_checked = -math.inf  # when ``_receive`` last checked the data owners' silence (monotonic)
 
     def _bind_socket(self, endpoint: str, specs: list[Any], ctx: zmq.Context | None,
                      curve_secret: str | Path | None, allow: str | Path | None) -> None:
@@ -163,6 +165,23 @@ class LoopServer(abc.ABC):
                             f"micro-batch {self.batch.mb}/{self.batch.mbs}: call batch.reply first, in every iteration")
         self.batch = None
         self._flush()
+
+    def _receive(self, started: float) -> tuple[list[bytes], list[Any], str] | None:
+        """The next request, waiting a tick at most (None if none came). The silence of the data owners this
+        side waits for is checked at least once a tick (``_check_silence``, ``started``: when this wait began)
+        whether a request came or not: a peer that keeps sending (pings, refused messages, another run's)
+        cannot hold off the ``PeerTimeout`` of a data owner that went silent."""
+        request = self.server.receive(POLL_TICK_S)
+        now = time.monotonic()
+        if request is None or now - self.silence_checked >= POLL_TICK_S:
+            self.silence_checked = now
+            self._check_silence(started)
+        return request
+
+    @abc.abstractmethod
+    def _check_silence(self, started: float) -> None:
+        """``PeerTimeout`` naming the data owners this side waits for that have been silent for
+        ``liveness_s + peer_deadline_s`` (counted from ``started`` at the earliest where the subclass says so)."""
 
     @abc.abstractmethod
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:

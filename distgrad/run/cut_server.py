@@ -63,7 +63,6 @@ from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
 from distgrad.wire.messages import ErrorCode, Message
 from distgrad.wire.link import evaluation_reply
-from distgrad.wire.transport import POLL_TICK_S
 from distgrad.wire.wirecodec import GRADIENT, Expected, Senders, stream_name
 
 # Where they were defined before ``run.cut_loop`` and ``run.cut_state`` held them: still importable from here.
@@ -161,16 +160,10 @@ class CutServer(LoopServer):
             raise self.failure
         if self.done:
             raise StopIteration
-        limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
+        started = time.monotonic()
         while True:
-            request = self.server.receive(POLL_TICK_S)
+            request = self._receive(started)
             if request is None:
-                if time.monotonic() - self.heard > limit:
-                    raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
-                                      f"silent for more than {limit:g} s at step {self.step} (liveness "
-                                      f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
-                                      f"s); restart it, or both sides from checkpoints of the same step"
-                                      f"{'; the last message refused here: ' + self.refused if self.refused else ''}")
                 continue
             out = self._answer(request, self._handle)
             if out is _BYE:
@@ -179,6 +172,17 @@ class CutServer(LoopServer):
             if isinstance(out, Batch):
                 self.batch = out
                 return out
+
+    def _check_silence(self, started: float) -> None:
+        """``PeerTimeout`` once the data owner has been silent (nothing of it accepted) for ``liveness_s +
+        peer_deadline_s``."""
+        limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
+        if time.monotonic() - self.heard > limit:
+            raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
+                              f"silent for more than {limit:g} s at step {self.step} (liveness "
+                              f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
+                              f"s); restart it, or both sides from checkpoints of the same step"
+                              f"{'; the last message refused here: ' + self.refused if self.refused else ''}")
 
     def _handle(self, envelope: list[bytes], msg: Message, peer_key: str) -> Any:
         """Answer ``msg`` now, or return what the loop must see (a ``Batch``, ``_BYE``); raises

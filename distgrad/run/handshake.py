@@ -49,7 +49,7 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
     return the micro-batch count it asks for. Raises ``ProtocolError``: ``MISMATCH`` (for a
     fingerprint, naming the interface fields that differ with both values and where each side's
     came from, its ``origins``; ``here`` is this stage's name), or ``MALFORMED`` for ``parts`` or
-    ``origins`` that are not a valid map."""
+    ``origins`` that are not a valid map, or ``parts`` that the hello's fingerprint is not the digest of."""
     expected = {
         "role": upstream,
         "experiment": exp.name,
@@ -69,7 +69,15 @@ def check_hello(body: dict[str, Any], upstream: str, exp: Experiment, seed: int,
         if not same_exactly(body.get(key), value):
             raise ProtocolError(ErrorCode.MISMATCH, f"hello has {key}={wire.show(body.get(key))}, "
                                                     f"this stage expects {value!r}")
-    check_parts(body.get("parts"))
+    parts = check_parts(body.get("parts"))
+    if body.get("fingerprint") == expected["fingerprint"] and interface_digest(parts) != expected["fingerprint"]:
+        # The fingerprint is the SHA-256 of the parts: parts it is not the digest of say another interface than
+        # the fingerprint does, so the hello is refused rather than read by its fingerprint alone.
+        names = interface_differences(exp.interface_parts(), parts) or ["(the values' types)"]
+        raise ProtocolError(ErrorCode.MALFORMED, f"hello has parts that its fingerprint is not the digest of (they "
+                                                 f"differ from the interface it names in: "
+                                                 f"{wire.show(names[:PARTS_SHOWN])}); a sender sends the parts it "
+                                                 f"took the fingerprint of")
     check_origins(body.get("origins", {}))
     mbs = body.get("micro_batches", 1)
     if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1 or (mbs > 1 and (

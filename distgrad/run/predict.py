@@ -563,12 +563,14 @@ class PredictionServer:
         if session is None:
             raise unknown_run(msg, self._expected_run())
         check_owner(session.owner, peer_key, msg)
-        session.last_seen = now
         if msg.type == wire.PREDICT:
-            return self._predict(session, msg)
-        if msg.type == wire.BYE:
-            return self._bye(session, msg, envelope)
-        raise not_accepted(msg, "a prediction stage")
+            reply: Message | None = self._predict(session, msg)
+        elif msg.type == wire.BYE:
+            reply = self._bye(session, msg, envelope)
+        else:
+            raise not_accepted(msg, "a prediction stage")
+        session.last_seen = now         # heard: what is accepted, as at every end (not what is refused)
+        return reply
 
     def _expected_run(self) -> str:
         runs = [s.run for s in self.sessions.values()]
