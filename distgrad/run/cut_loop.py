@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from distgrad.errors import ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted, ProtocolError
-from distgrad.run.cut_interface import Bounds, CutSide, torch_hint
+from distgrad.run.cut_interface import Bounds, CutSide, one_loop, torch_hint
 from distgrad.run.protocol import decode_and_handle, notify_stopped, refused_text
 from distgrad.stage.stage import ROWS_DTYPE, micro_shape
 from distgrad.wire import messages as wire
@@ -283,6 +283,7 @@ class LoopServer(abc.ABC):
         while it is served here."""
         self._close(None)
 
+    @one_loop
     def _close(self, failure: str | None) -> None:
         """Close as ``close`` does; ``failure``: why this side's loop failed, told to the data owners
         instead of the replies not sent yet (the loop may have failed before saving them: a data owner
