@@ -59,8 +59,8 @@ class Cut:
     """A connection from the data owner's own loop to the label owner serving at ``endpoint``.
 
     Build it with ``Cut.connect``. The handshake happens at the first
-    ``step`` (so ``load_state_dict`` may come first). Not thread-safe: one
-    loop drives it.
+    ``step`` (so ``load_state_dict`` may come first). One loop drives it: a
+    call from a second thread while one is inside is ``CutMisuse`` (``cut_interface.one_loop``).
     """
 
     def __init__(self, side: CutSide, endpoint: str, *, step: int = 0, run: str | None = None,
@@ -172,7 +172,8 @@ class Cut:
         Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, a closed cut, or a run the label owner's
         early stopping ended (``stopped``); ``PeerTimeout`` when the label owner stays silent past
         ``peer_deadline_s``; ``PeerRejected`` when it refuses;
-        ``NonFiniteError`` for a NaN or Inf in its reply (unless the interface allows them).
+        ``NonFiniteError`` for a NaN or Inf in ``h`` (nothing sent) or in its reply (unless the interface allows
+        them).
         """
         losses, grads = self._step(h, rows, step)
         if len(grads) == 1:

@@ -79,7 +79,8 @@ class CutServer(LoopServer):
 
     Build it with ``CutServer.bind``; iterate it for the batches; it stops
     after the data owner's bye. ``step`` is the steps applied (replied to in
-    full). Not thread-safe: one loop drives it.
+    full). One loop drives it: a call from a second thread while one is inside is ``CutMisuse``
+    (``cut_interface.one_loop``).
     """
 
     # The server of several data owners (vertical parties, clients in turn) ``bind`` builds for their
