@@ -50,7 +50,7 @@ import zmq
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, PeerTimeout, ProtocolError
 from distgrad.model import aggregate
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide, one_loop
+from distgrad.run.cut_interface import STATE_VERSION, Bounds, CutSide
 from distgrad.run.cut_loop import Batch, Evaluate, LoopServer, evaluation_scores, owned_copy
 from distgrad.run.cut_server import CutServer
 from distgrad.run.cut_owners import DataOwners, Peer
@@ -100,7 +100,6 @@ class GroupServer(CutServer, serves_several=True):
         self._bind_socket(endpoint, specs, ctx, curve_secret, allow)
 
     # -- the batches
-    @one_loop
     def __next__(self) -> Batch:
         """The next micro-batch to compute (every party's, combined; or the next client's in turn); first
         sends the replies the loop made since the last call. Stops after every data owner's bye. Raises
@@ -332,7 +331,6 @@ class GroupServer(CutServer, serves_several=True):
             self._next_turn()
 
     # -- the replies
-    @one_loop
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
         value, nonfinite = self._checked(batch, loss, grad, batch.h.shape)
         peers = self.peers if batch.client is None else [self.peers[batch.client]]
@@ -395,7 +393,6 @@ class GroupServer(CutServer, serves_several=True):
         self.unsent = []
 
     # -- checkpoints
-    @one_loop
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
         (with clients: a client's turn's) last micro-batch (``CutMisuse`` otherwise): the step, whose turn
@@ -405,7 +402,6 @@ class GroupServer(CutServer, serves_several=True):
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "step": self.step,
                 "turn": self.turn, "micro_batches": self.mbs, "peers": self.owners.state()}
 
-    @one_loop
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict`` of a server of this interface) says, before the first
         batch; every data owner says hello again. ``ConfigError`` naming what is wrong, before anything

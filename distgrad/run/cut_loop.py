@@ -100,6 +100,15 @@ class LoopServer(abc.ABC):
 
     server: Server
     curve: CurveServer | None
+    # The calls of the loop, each of which one thread at a time may be inside (``cut_interface.one_loop``): they
+    # are guarded wherever a subclass defines them.
+    ONE_LOOP_CALLS = ("__next__", "_reply", "state_dict", "load_state_dict", "_close")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in LoopServer.ONE_LOOP_CALLS:
+            if name in cls.__dict__:
+                setattr(cls, name, one_loop(cls.__dict__[name]))
     endpoint: str
     max_frame: int
     max_tensor: int

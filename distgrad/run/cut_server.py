@@ -50,8 +50,7 @@ import zmq
 
 from distgrad.errors import CodecRangeError, ConfigError, CutMisuse, PeerTimeout, ProtocolError
 from distgrad.run.accepts import refuse_rows
-from distgrad.run.cut_interface import (LAST, STATE_VERSION, Bounds, CutSide, check_residuals, check_state, cut_side,
-                                       one_loop)
+from distgrad.run.cut_interface import LAST, STATE_VERSION, Bounds, CutSide, check_residuals, check_state, cut_side
 from distgrad.run.cut_loop import (REFUSED_TEXT_MAX, Batch, Evaluate, LoopServer, evaluation_scores, owned_copy)
 from distgrad.run.cut_state import (REPLY_KEYS, SERVER_STATE_KEYS, check_micro_batches, reply_state, saved_replies,
                                     saved_reply)
@@ -153,7 +152,6 @@ class CutServer(LoopServer):
         return server
 
     # -- the batches
-    @one_loop
     def __next__(self) -> Batch:
         """The next micro-batch to compute; first sends the replies the loop made since the last call.
         Stops after the data owner's bye. Raises ``CutMisuse`` when the batch given out last has no reply,
@@ -290,7 +288,6 @@ class CutServer(LoopServer):
             rows = micro_batch(self.side.rows(k), msg.mb, self.mbs)
         return Batch(k, msg.mb, self.mbs, h, rows, self, envelope)
 
-    @one_loop
     def _reply(self, batch: Batch, loss: Any, grad: Any) -> None:
         value, nonfinite = self._checked(batch, loss, grad, self.side.micro_shape(batch.mbs))
         if nonfinite is not None:
@@ -324,7 +321,6 @@ class CutServer(LoopServer):
         self.pending = []
 
     # -- checkpoints
-    @one_loop
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint of this loop must hold to resume the cut, taken after the reply to a step's
         last micro-batch (``CutMisuse`` otherwise): the run, the step and the replies of that step (so a
@@ -335,7 +331,6 @@ class CutServer(LoopServer):
                 "step": self.step, "micro_batches": self.mbs, "replies": replies,
                 "residuals": self.senders.state_arrays()}
 
-    @one_loop
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict``) says, before the first batch; the data owner must say
         hello again."""
