@@ -19,7 +19,7 @@ import zmq
 from conftest import free_tcp_endpoint, hello_message
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerTimeout
+from distgrad.errors import ConfigError, CutMisuse, NonFiniteError, PeerAborted
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.cut_server import evaluation_scores
 from distgrad.run.options import StageOptions, StopFlag
@@ -463,14 +463,18 @@ def test_a_second_thread_calling_a_cut_end_while_one_is_inside_is_misuse_not_a_s
     assert not serving.is_alive() and seen == [1, 2, 3]
     server.close()
     # The server of several data owners keeps the same rule (its own next, waiting here for two parties).
-    group = CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.2, peer_deadline_s=0.2, name="v", parties=2,
+    group = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=3.0, name="v", parties=2,
                            aggregate="concat", activation=[3], batch=4, steps=3)
-    waiting = threading.Thread(target=lambda: pytest.raises(PeerTimeout, next, group), daemon=True)
+    stopped: list = []
+    waiting = threading.Thread(target=lambda: stopped.append(pytest.raises(PeerAborted, next, group)), daemon=True)
     waiting.start()
     _inside(group)
     with pytest.raises(CutMisuse, match=r"GroupServer.next was called from thread .* inside its next"):
         next(group)
-    waiting.join(REPLY_MS / 1000)
+    with zmq.Context() as ctx, dealer(ctx, group.endpoint) as party:     # a party stopping before its hello
+        party.send_multipart(wire.encode(wire.abort_notice("r1", "p0", "its loop failed")))   # ends that next
+        waiting.join(REPLY_MS / 1000)
+    assert "its loop failed" in str(stopped[0].value)
     group.close()
 
 
