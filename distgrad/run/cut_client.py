@@ -412,7 +412,8 @@ class Cut:
         resume later from checkpoints of the same step. After the last step, a bye the label owner leaves
         unanswered (it left after replying to every step) is logged, not raised: the run is complete on
         both sides. Raises ``PeerTimeout`` or ``PeerRejected`` (``PeerAborted``) for a bye before the last
-        step that is not answered or refused."""
+        step that is not answered or refused; a refused one (a feature party may not leave early) tells the
+        label owner that this side stopped, as ``finished=False`` does."""
         self._close(finished, None)
 
     @one_loop
@@ -425,7 +426,15 @@ class Cut:
         try:
             complete = self.applied >= self.exp.steps or self.stopped
             if failure is None and (complete if finished is None else finished):
-                self._bye()
+                try:
+                    self._bye()
+                except PeerRejected as e:
+                    # A bye refused before the run's end (a feature party may not leave early): the label owner
+                    # would wait for this side's next step, so it is told that this side stopped.
+                    if not complete:
+                        notice = (f"its loop closed the cut after step {self.applied} of {self.exp.steps} and "
+                                  f"its bye was refused ({e.peer_message})")
+                    raise
             elif failure is None and not complete:
                 notice = (f"its loop closed the cut after step {self.applied} of {self.exp.steps}, before the run's "
                           f"end (close(finished=False))")
