@@ -1265,3 +1265,23 @@ def test_the_torch_server_goes_on_serving_after_the_loop_handles_a_batch_left_un
     (error, steps), failure = served.result()
     assert failure is None, failure
     assert "call batch.reply first" in error and steps == [1, 2, 3]
+
+
+def test_the_torch_cut_names_its_run_and_interface_so_a_loop_can_resume_with_step_and_run():
+    """docs/cut.md: ``Cut.connect(..., step=k, run=RUN_ID)`` resumes run ``cut.run_id``; the torch layer takes
+    ``step=`` and ``run=`` as the numpy one does, so its ``Cut`` names its run (and its interface, ``cut.exp``,
+    as the numpy loops of the docs read ``cut.exp.steps``) too. Before, both were missing from it
+    (AttributeError), and only ``state_dict()`` held the run id."""
+    import distgrad.torch as dt
+
+    endpoint = free_tcp_endpoint()           # nothing is sent: the handshake is the first step's
+    first = dt.Cut.connect(endpoint, **FIELDS)
+    assert first.run_id == first.state_dict()["run"] and first.exp.steps == FIELDS["steps"]
+    again = dt.Cut.connect(endpoint, step=2, run=first.run_id, **FIELDS)
+    assert (again.applied, again.run_id) == (2, first.run_id)
+    assert len(dt.batch_sampler(again)) == again.exp.steps - 2 == 1
+    server = dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS)
+    assert server.exp.interface_fingerprint == first.state_dict()["interface"]
+    for cut in (first, again):
+        cut.close(finished=False)
+    server.close()
