@@ -1285,3 +1285,30 @@ def test_the_torch_cut_names_its_run_and_interface_so_a_loop_can_resume_with_ste
     for cut in (first, again):
         cut.close(finished=False)
     server.close()
+
+
+# Slow (about a second of waits): the default test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds
+# covers the same wait for a batch and its PeerTimeout.
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_label_owner_loop_computing_past_its_bounds_still_waits_its_bounds_for_the_next_batch():
+    """The silence that makes a ``PeerTimeout`` counts from when the loop asks for its next batch: while the
+    loop computed, its data owner waited for the reply (no resend here: its timeout_s is long). Before, the
+    loop's computing time counted as the data owner's silence, so a loop slower than ``liveness_s +
+    peer_deadline_s`` got a ``PeerTimeout`` at the first poll after sending its reply, although the data owner
+    was live and about to send the next step (a single data owner's server; the server of several counted
+    from the ask already). The same holds for a loop asking again after a ``PeerTimeout``."""
+    def body(server):
+        for batch in server:
+            if batch.step == 1:
+                time.sleep(0.6)            # longer than liveness_s + peer_deadline_s = 0.4 s
+            batch.reply(1.0, np.zeros((4, 3), np.float32))
+        return server.step
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.2, peer_deadline_s=0.2, **FIELDS), body)
+    with Cut.connect(served.server.endpoint, timeout_s=5.0, peer_deadline_s=10.0, **FIELDS) as cut:
+        for k in range(1, FIELDS["steps"] + 1):
+            cut.step(h_of(k))
+            time.sleep(0.15)               # the data owner's own computing before its next step
+    steps, error = served.result()
+    assert error is None and steps == FIELDS["steps"], error

@@ -163,10 +163,11 @@ class CutServer(LoopServer):
         if self.done:
             raise StopIteration
         limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
+        started = time.monotonic()      # silence counts from here: while the loop computed, the data owner waited
         while True:
             request = self.server.receive(POLL_TICK_S)
             if request is None:
-                if time.monotonic() - self.heard > limit:
+                if time.monotonic() - max(self.heard, started) > limit:
                     raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
                                       f"silent for more than {limit:g} s at step {self.step} (liveness "
                                       f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
