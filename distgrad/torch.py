@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from distgrad import cut as numpy_cut
+from distgrad.config.experiment import Experiment
 from distgrad.errors import ConfigError, CutMisuse
 
 
@@ -99,6 +100,17 @@ class Cut:
     def applied(self) -> int:
         """The steps this loop has applied."""
         return self.numpy.applied
+
+    @property
+    def run_id(self) -> str:
+        """The run's id, which names it on both sides: with ``applied``, what ``Cut.connect(..., step=, run=)``
+        resumes from (``state_dict`` holds both)."""
+        return self.numpy.run_id
+
+    @property
+    def exp(self) -> Experiment:
+        """The interface (``config.experiment.Experiment``): ``exp.steps``, ``exp.batch``, ..."""
+        return self.numpy.exp
 
     def rows(self, step: int | None = None) -> torch.Tensor:
         """The row numbers of ``step`` (default: the next) in the shared sample order, int64."""
@@ -238,6 +250,11 @@ class CutServer:
     @property
     def endpoint(self) -> str:
         return self.numpy.endpoint
+
+    @property
+    def exp(self) -> Experiment:
+        """The interface (``config.experiment.Experiment``): ``exp.steps``, ``exp.batch``, ..."""
+        return self.numpy.exp
 
     @property
     def step(self) -> int:

@@ -1265,3 +1265,50 @@ def test_the_torch_server_goes_on_serving_after_the_loop_handles_a_batch_left_un
     (error, steps), failure = served.result()
     assert failure is None, failure
     assert "call batch.reply first" in error and steps == [1, 2, 3]
+
+
+def test_the_torch_cut_names_its_run_and_interface_so_a_loop_can_resume_with_step_and_run():
+    """docs/cut.md: ``Cut.connect(..., step=k, run=RUN_ID)`` resumes run ``cut.run_id``; the torch layer takes
+    ``step=`` and ``run=`` as the numpy one does, so its ``Cut`` names its run (and its interface, ``cut.exp``,
+    as the numpy loops of the docs read ``cut.exp.steps``) too. Before, both were missing from it
+    (AttributeError), and only ``state_dict()`` held the run id."""
+    import distgrad.torch as dt
+
+    endpoint = free_tcp_endpoint()           # nothing is sent: the handshake is the first step's
+    first = dt.Cut.connect(endpoint, **FIELDS)
+    assert first.run_id == first.state_dict()["run"] and first.exp.steps == FIELDS["steps"]
+    again = dt.Cut.connect(endpoint, step=2, run=first.run_id, **FIELDS)
+    assert (again.applied, again.run_id) == (2, first.run_id)
+    assert len(dt.batch_sampler(again)) == again.exp.steps - 2 == 1
+    server = dt.CutServer.bind("tcp://127.0.0.1:*", **FIELDS)
+    assert server.exp.interface_fingerprint == first.state_dict()["interface"]
+    for cut in (first, again):
+        cut.close(finished=False)
+    server.close()
+
+
+# Slow (about a second of waits): the default test_a_dead_peer_is_a_peer_timeout_on_either_side_within_its_bounds
+# covers the same wait for a batch and its PeerTimeout.
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_label_owner_loop_computing_past_its_bounds_still_waits_its_bounds_for_the_next_batch():
+    """The silence that makes a ``PeerTimeout`` counts from when the loop asks for its next batch: while the
+    loop computed, its data owner waited for the reply (no resend here: its timeout_s is long). Before, the
+    loop's computing time counted as the data owner's silence, so a loop slower than ``liveness_s +
+    peer_deadline_s`` got a ``PeerTimeout`` at the first poll after sending its reply, although the data owner
+    was live and about to send the next step (a single data owner's server; the server of several counted
+    from the ask already). The same holds for a loop asking again after a ``PeerTimeout``."""
+    def body(server):
+        for batch in server:
+            if batch.step == 1:
+                time.sleep(0.6)            # longer than liveness_s + peer_deadline_s = 0.4 s
+            batch.reply(1.0, np.zeros((4, 3), np.float32))
+        return server.step
+
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=0.2, peer_deadline_s=0.2, **FIELDS), body)
+    with Cut.connect(served.server.endpoint, timeout_s=5.0, peer_deadline_s=10.0, **FIELDS) as cut:
+        for k in range(1, FIELDS["steps"] + 1):
+            cut.step(h_of(k))
+            time.sleep(0.15)               # the data owner's own computing before its next step
+    steps, error = served.result()
+    assert error is None and steps == FIELDS["steps"], error

@@ -686,3 +686,34 @@ def test_a_label_owner_loop_that_fails_ends_at_once_and_every_waiting_party_is_t
     for i in (0, 1):
         assert isinstance(results.get(i), PeerAborted), results
         assert "stage g stopped: its loop failed: RuntimeError: the loop's own bug" in str(results[i])
+
+
+def test_a_party_whose_early_bye_is_refused_tells_the_label_owner_it_stopped():
+    """A feature party's ``close(finished=True)`` before the last step: its bye is refused (every party takes
+    part in every step) and its loop gets that ``PeerRejected``; the label owner, whose next step waits for
+    that party, is told at once that it stopped (``PeerAborted`` naming it and the refusal), and the other
+    party, waiting for its reply, is told in turn. Before, nothing was said: the label owner waited for the
+    party for ``liveness_s + peer_deadline_s`` and then timed out (``PeerTimeout``)."""
+    fields = dict(FIELDS, parties=2, aggregate="concat")
+    served = Served(CutServer.bind("tcp://127.0.0.1:*", liveness_s=3.0, peer_deadline_s=5.0, **fields), _answer_all)
+    results: dict = {}
+
+    def party(i: int) -> None:
+        try:
+            with Cut.connect(served.server.endpoint, party=i, timeout_s=1.0, peer_deadline_s=10.0, **fields) as cut:
+                cut.step(np.full((4, 3), i, np.float32))
+                if i == 0:
+                    cut.close(finished=True)
+                cut.step(np.full((4, 3), i, np.float32))
+        except Exception as e:          # noqa: BLE001 - handed to the test
+            results[i] = e
+    threads = [threading.Thread(target=party, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    _, error = served.result()
+    assert isinstance(results[0], PeerRejected) and "bye after 1 steps of 2" in str(results[0]), results
+    assert isinstance(error, PeerAborted), error
+    assert "stage p0 stopped: its loop closed the cut after step 1 of 2 and its bye was refused" in str(error)
+    assert isinstance(results[1], PeerAborted) and "stage g stopped" in str(results[1]), results

@@ -6,6 +6,7 @@ are checked against both in test_protocol_ends.py (fixed cases) and test_hostile
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import hello_message
+from conftest import free_tcp_endpoint, hello_message
 from distgrad.config.parse import load_experiment
 from distgrad.cut import Cut, CutServer
-from distgrad.errors import ConfigError, CutMisuse, PeerAborted, PeerTimeout
+from distgrad.errors import ConfigError, CutMisuse, NonFiniteError, PeerAborted, PeerTimeout
 from distgrad.run.cut_interface import FIRST, cut_side
 from distgrad.run.cut_server import evaluation_scores
 from distgrad.run.options import StageOptions, StopFlag
@@ -439,3 +440,79 @@ def test_a_middle_stage_passes_the_notice_of_the_stage_above_down_so_the_label_o
     assert isinstance(error, PeerAborted), error
     assert "stage m stopped: the stage above stopped: stage f stopped: its loop closed the cut after step 1" in \
         str(error)
+
+
+def _inside(end) -> None:
+    """Wait until a thread is inside one of ``end``'s calls (the end marks its driving thread), for at most
+    ``REPLY_MS``; the test's next call then shows whether a second thread is refused."""
+    deadline = time.monotonic() + REPLY_MS / 1000
+    while end.__dict__.get("_driver") is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@pytest.mark.integration
+def test_a_second_thread_calling_a_cut_end_while_one_is_inside_is_misuse_not_a_second_reply_to_one_step():
+    """One loop drives a cut end: a call from another thread while one is inside (a step awaiting its reply, a
+    ``next`` awaiting a batch) is ``CutMisuse`` at once. Before, two threads' ``cut.step`` both sent step 1 and
+    both returned its one reply: two gradients back-propagated for a step applied once on each side. Calls
+    that take turns from different threads go on as one loop's."""
+    server = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=3.0, **FIELDS)
+    batches, release, seen = queue.Queue(), threading.Event(), []
+
+    def loop() -> None:
+        for batch in server:
+            seen.append(batch.step)
+            batches.put(batch)
+            release.wait(REPLY_MS / 1000)
+            batch.reply(float(batch.step), np.ones((4, 3), np.float32))
+
+    serving = threading.Thread(target=loop, daemon=True)
+    serving.start()
+    _inside(server)                                      # the loop's thread waits for a batch in next()
+    with pytest.raises(CutMisuse, match=r"CutServer.next was called from thread .* inside its next: one loop"):
+        next(server)
+    cut = Cut.connect(server.endpoint, timeout_s=1.0, peer_deadline_s=5.0, **FIELDS)
+    first: dict = {}
+    stepping = threading.Thread(target=lambda: first.update(loss=cut.step(np.full((4, 3), 1, np.float32))[0]))
+    stepping.start()
+    batches.get(timeout=REPLY_MS / 1000)                 # step 1 reached the loop: its thread awaits the reply
+    with pytest.raises(CutMisuse, match=r"Cut.step was called from thread .* inside its step"):
+        cut.step(np.full((4, 3), 2, np.float32))
+    release.set()
+    stepping.join(REPLY_MS / 1000)
+    assert first == {"loss": np.float32(1.0)} and cut.applied == 1
+    for k in (2, 3):                                     # this thread's turn now: its steps are the next ones
+        assert cut.step(np.full((4, 3), k, np.float32))[0] == np.float32(k)
+    cut.close()
+    serving.join(REPLY_MS / 1000)
+    assert not serving.is_alive() and seen == [1, 2, 3]
+    server.close()
+    # The server of several data owners keeps the same rule (its own next, waiting here for two parties).
+    group = CutServer.bind("tcp://127.0.0.1:*", liveness_s=2.0, peer_deadline_s=3.0, name="v", parties=2,
+                           aggregate="concat", activation=[3], batch=4, steps=3)
+    stopped: list = []
+    waiting = threading.Thread(target=lambda: stopped.append(pytest.raises(PeerAborted, next, group)), daemon=True)
+    waiting.start()
+    _inside(group)
+    with pytest.raises(CutMisuse, match=r"GroupServer.next was called from thread .* inside its next"):
+        next(group)
+    with zmq.Context() as ctx, dealer(ctx, group.endpoint) as party:     # a party stopping before its hello
+        party.send_multipart(wire.encode(wire.abort_notice("r1", "p0", "its loop failed")))   # ends that next
+        waiting.join(REPLY_MS / 1000)
+    assert "its loop failed" in str(stopped[0].value)
+    group.close()
+
+
+def test_a_non_finite_activation_is_a_non_finite_error_before_anything_is_sent():
+    """A NaN or Inf in ``h`` (the interface does not allow them) stops the data owner's loop here, naming the
+    step, as a daemon data owner stops on its own activation; before, it crossed and came back as the label
+    owner's refusal (or a timeout, with no label owner up). Nothing listens at the endpoint: nothing is sent."""
+    cut = Cut.connect(free_tcp_endpoint(), timeout_s=0.2, peer_deadline_s=0.5, **FIELDS)
+    h = np.ones((4, 3), np.float32)
+    h[2, 1] = np.nan
+    with pytest.raises(NonFiniteError, match=r"h holds NaN or Inf\) for step 1; nothing was sent"):
+        cut.step(h)
+    with pytest.raises(NonFiniteError, match=r"for the evaluation after step 0; nothing was sent"):
+        cut.evaluate(np.full((2, 3), np.inf, np.float32))
+    assert cut.applied == 0
+    cut.close(finished=False)

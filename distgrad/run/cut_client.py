@@ -42,7 +42,8 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteE
 from distgrad.run import handshake
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
-                                       check_run, check_state, check_step, cut_side, torch_hint)
+                                       check_run, check_state, check_step, cut_side, one_loop,
+                                       torch_hint)
 from distgrad.stage.engine import combine_losses
 from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
@@ -58,8 +59,8 @@ class Cut:
     """A connection from the data owner's own loop to the label owner serving at ``endpoint``.
 
     Build it with ``Cut.connect``. The handshake happens at the first
-    ``step`` (so ``load_state_dict`` may come first). Not thread-safe: one
-    loop drives it.
+    ``step`` (so ``load_state_dict`` may come first). One loop drives it: a
+    call from a second thread while one is inside is ``CutMisuse`` (``cut_interface.one_loop``).
     """
 
     def __init__(self, side: CutSide, endpoint: str, *, step: int = 0, run: str | None = None,
@@ -171,13 +172,15 @@ class Cut:
         Raises ``CutMisuse`` for a wrong shape, dtype, rows or step, a closed cut, or a run the label owner's
         early stopping ended (``stopped``); ``PeerTimeout`` when the label owner stays silent past
         ``peer_deadline_s``; ``PeerRejected`` when it refuses;
-        ``NonFiniteError`` for a NaN or Inf in its reply (unless the interface allows them).
+        ``NonFiniteError`` for a NaN or Inf in ``h`` (nothing sent) or in its reply (unless the interface allows
+        them).
         """
         losses, grads = self._step(h, rows, step)
         if len(grads) == 1:
             return losses[0], np.array(grads[0], np.float32)
         return _step_loss(losses, self.scale), np.concatenate(grads) * self.scale
 
+    @one_loop
     def _step(self, h: np.ndarray, rows: Any, step: int | None
               ) -> tuple[list[np.float32 | None], list[np.ndarray]]:
         """Step ``applied + 1`` of the whole batch ``h``: its micro-batches' losses and gradients."""
@@ -193,7 +196,7 @@ class Cut:
             raise CutMisuse(f"the label owner's early stopping ended the run after step {self.applied} (its last "
                             f"evaluation said stop, cut.stopped): end the loop and call close(), which ends the run "
                             f"on both sides at that step")
-        h = self._checked(h)
+        h = self._finite(self._checked(h), f"step {k}")
         sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:
             expected = self.side.rows(k)
@@ -244,6 +247,7 @@ class Cut:
         ``eval_every = 0`` but after the last step)."""
         return evaluation_due(self.applied, self.exp.steps, self.exp.eval_every)
 
+    @one_loop
     def evaluate(self, h: np.ndarray) -> dict[str, Any]:
         """Score the held-out rows with the label owner as it stands after the steps applied: send ``h``,
         their activations (float32, one row per held-out row of ``test_rows`` in that order, each of the
@@ -266,7 +270,7 @@ class Cut:
             raise CutMisuse(f"the held-out activations have shape {h.shape}; expected {wanted}: one row per "
                             f"held-out row{' of [data]' if rows is not None else ''}")
         k = self.applied + 1
-        h = np.ascontiguousarray(h)
+        h = self._finite(np.ascontiguousarray(h), f"the evaluation after step {self.applied}")
         digest = hashlib.sha256(h.tobytes()).digest()
         if self.evaluated is not None and self.evaluated[:2] == (self.run_id, k) and self.evaluated[2] != digest:
             raise CutMisuse(f"the held-out rows were scored after step {self.applied} already, from other "
@@ -290,6 +294,15 @@ class Cut:
         if h.shape != self.side.shape:
             raise CutMisuse(f"h has shape {h.shape}, the interface's activation for a batch is {self.side.shape}")
         return np.ascontiguousarray(h)
+
+    def _finite(self, h: np.ndarray, what: str) -> np.ndarray:
+        """``h``, unless it holds a NaN or Inf the interface does not allow: ``NonFiniteError`` here, before it is
+        sent, as a daemon data owner stops on its own activation (the label owner would refuse it)."""
+        if not self.exp.allow_nonfinite and not wire.all_finite(h):
+            raise NonFiniteError(f"stage {self.side.stage}: non-finite activation (h holds NaN or Inf) for {what}; "
+                                 f"nothing was sent. The interface does not allow_nonfinite: find where the "
+                                 f"encoder or its input went NaN or Inf (a learning rate too high, a bad row)")
+        return h
 
     @staticmethod
     def _sent_rows(rows: Any, count: int, k: int) -> np.ndarray:
@@ -372,6 +385,7 @@ class Cut:
                            f"{self.applied} steps)")
 
     # -- checkpoints
+    @one_loop
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint of this loop must hold to resume the cut: a small dict of plain values and
         float32 arrays (the codec's error-feedback residuals, with ``topk:K+ef``). Save it with the
@@ -379,6 +393,7 @@ class Cut:
         return {"version": STATE_VERSION, "interface": self.exp.interface_fingerprint, "run": self.run_id,
                 "step": self.applied, "residuals": self.senders.state_arrays()}
 
+    @one_loop
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Stand where ``state`` (a ``state_dict``) says; the next step shakes hands there."""
         self._check_open()
@@ -397,9 +412,11 @@ class Cut:
         resume later from checkpoints of the same step. After the last step, a bye the label owner leaves
         unanswered (it left after replying to every step) is logged, not raised: the run is complete on
         both sides. Raises ``PeerTimeout`` or ``PeerRejected`` (``PeerAborted``) for a bye before the last
-        step that is not answered or refused."""
+        step that is not answered or refused; a refused one (a feature party may not leave early) tells the
+        label owner that this side stopped, as ``finished=False`` does."""
         self._close(finished, None)
 
+    @one_loop
     def _close(self, finished: bool | None, failure: str | None) -> None:
         """Close, saying bye when ``finished`` (as ``close``); ``failure``: why this side's loop failed, sent
         to the label owner instead (no bye)."""
@@ -409,7 +426,15 @@ class Cut:
         try:
             complete = self.applied >= self.exp.steps or self.stopped
             if failure is None and (complete if finished is None else finished):
-                self._bye()
+                try:
+                    self._bye()
+                except PeerRejected as e:
+                    # A bye refused before the run's end (a feature party may not leave early): the label owner
+                    # would wait for this side's next step, so it is told that this side stopped.
+                    if not complete:
+                        notice = (f"its loop closed the cut after step {self.applied} of {self.exp.steps} and "
+                                  f"its bye was refused ({e.peer_message})")
+                    raise
             elif failure is None and not complete:
                 notice = (f"its loop closed the cut after step {self.applied} of {self.exp.steps}, before the run's "
                           f"end (close(finished=False))")

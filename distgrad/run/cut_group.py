@@ -72,7 +72,7 @@ __all__ = ["GROUP_STATE_KEYS", "PEER_STATE_KEYS", "GroupServer", "Peer"]
 class GroupServer(CutServer, serves_several=True):
     """A ``CutServer`` for several data owners (see the module's docstring); build it with
     ``CutServer.bind``. ``step`` counts the steps applied: a step of every party (vertical), or a round
-    of every client's step (clients). Not thread-safe: one loop drives it."""
+    of every client's step (clients). One loop drives it (``cut_interface.one_loop``)."""
 
     def __init__(self, side: CutSide, endpoint: str, *, bounds: Bounds = Bounds(),
                  curve_secret: str | Path | None = None, allow: str | Path | None = None,

@@ -17,10 +17,11 @@ the field and the reason.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, wraps
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar, cast
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from distgrad.config.parse import load_experiment, parse_own_loop
 from distgrad.config.prepare import PREPARATION_OPTIONS
 from distgrad.config.split import interface_table
 from distgrad.config.tomlfile import read_toml
-from distgrad.errors import ConfigError
+from distgrad.errors import ConfigError, CutMisuse
 from distgrad.run.options import DEFAULT_LIVENESS_S, DEFAULT_PEER_DEADLINE_S, check_wait
 from distgrad.stage.stage import micro_shape
 from distgrad.wire import messages as wire
@@ -40,6 +41,39 @@ from distgrad.wire.wirecodec import STATE_PREFIX, stream_name
 STATE_VERSION = 1
 STATE_KEYS = ("version", "interface", "run", "step", "residuals")    # what a Cut's state_dict holds
 FIRST, LAST = "first", "last"        # which end of the cut a library party is: the data owner, the label owner
+
+Call = TypeVar("Call", bound=Callable[..., Any])
+_DRIVER_LOCK = threading.Lock()      # guards the check-and-set of an end's driving thread (``one_loop``)
+
+
+def one_loop(method: Call) -> Call:
+    """``method`` of a cut end (a ``Cut``, a ``CutServer``), refused with ``CutMisuse`` while another thread is
+    inside one of the end's methods so marked: one loop drives an end, one call at a time. Its socket and step
+    count are that loop's: two threads' steps at once would both send step k and both get its one reply, two
+    gradients for one step applied once (and ZeroMQ sockets are not thread-safe). The same thread may nest
+    (``close`` saying bye, ``connect`` loading a state); threads taking turns, one call after another, are
+    fine."""
+    @wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        with _DRIVER_LOCK:
+            driver = self.__dict__.get("_driver")
+            if driver is not None and driver[0] != me:
+                raise CutMisuse(f"{type(self).__name__}.{method.__name__.strip('_')} was called from thread "
+                                f"{threading.current_thread().name!r} while thread {driver[2]!r} is inside its "
+                                f"{driver[3].strip('_')}: one loop drives a cut end, one call at a time (its socket "
+                                f"and its step count are that loop's). Call it from one thread, or hold a lock "
+                                f"around every call")
+            # (thread id, calls of it inside, its name, the outermost call): the thread driving the end now
+            self._driver = ((me, 1, threading.current_thread().name, method.__name__) if driver is None
+                            else (me, driver[1] + 1, driver[2], driver[3]))
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with _DRIVER_LOCK:
+                me, depth, name, outer = self._driver
+                self._driver = None if depth == 1 else (me, depth - 1, name, outer)
+    return cast(Call, guarded)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 
 from distgrad.errors import ConfigError, CutMisuse, DistgradError, NonFiniteError, PeerAborted, ProtocolError
-from distgrad.run.cut_interface import Bounds, CutSide, torch_hint
+from distgrad.run.cut_interface import Bounds, CutSide, one_loop, torch_hint
 from distgrad.run.protocol import decode_and_handle, notify_stopped, refused_text
 from distgrad.stage.stage import ROWS_DTYPE, micro_shape
 from distgrad.wire import messages as wire
@@ -101,6 +101,15 @@ class LoopServer(abc.ABC):
 
     server: Server
     curve: CurveServer | None
+    # The calls of the loop, each of which one thread at a time may be inside (``cut_interface.one_loop``): they
+    # are guarded wherever a subclass defines them.
+    ONE_LOOP_CALLS = ("__next__", "_reply", "state_dict", "load_state_dict", "_close")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in LoopServer.ONE_LOOP_CALLS:
+            if name in cls.__dict__:
+                setattr(cls, name, one_loop(cls.__dict__[name]))
     endpoint: str
     max_frame: int
     max_tensor: int
@@ -302,6 +311,7 @@ class LoopServer(abc.ABC):
         while it is served here."""
         self._close(None)
 
+    @one_loop
     def _close(self, failure: str | None) -> None:
         """Close as ``close`` does; ``failure``: why this side's loop failed, told to the data owners
         instead of the replies not sent yet (the loop may have failed before saving them: a data owner

@@ -77,7 +77,8 @@ class CutServer(LoopServer):
 
     Build it with ``CutServer.bind``; iterate it for the batches; it stops
     after the data owner's bye. ``step`` is the steps applied (replied to in
-    full). Not thread-safe: one loop drives it.
+    full). One loop drives it: a call from a second thread while one is inside is ``CutMisuse``
+    (``cut_interface.one_loop``).
     """
 
     # The server of several data owners (vertical parties, clients in turn) ``bind`` builds for their
@@ -160,7 +161,7 @@ class CutServer(LoopServer):
             raise self.failure
         if self.done:
             raise StopIteration
-        started = time.monotonic()
+        started = time.monotonic()      # silence counts from here: while the loop computed, the data owner waited
         while True:
             request = self._receive(started)
             if request is None:
@@ -175,9 +176,10 @@ class CutServer(LoopServer):
 
     def _check_silence(self, started: float) -> None:
         """``PeerTimeout`` once the data owner has been silent (nothing of it accepted) for ``liveness_s +
-        peer_deadline_s``."""
+        peer_deadline_s`` while the loop waits: counted from ``started`` (when the loop asked for the next batch)
+        or the data owner's last message, whichever is later; the loop's own computing is not its silence."""
         limit = self.bounds.liveness_s + self.bounds.peer_deadline_s
-        if time.monotonic() - self.heard > limit:
+        if time.monotonic() - max(self.heard, started) > limit:
             raise PeerTimeout(f"the data owner ({self.upstream}) of run {self.run_id or '(none yet)'} was "
                               f"silent for more than {limit:g} s at step {self.step} (liveness "
                               f"{self.bounds.liveness_s:g} s + peer deadline {self.bounds.peer_deadline_s:g} "
