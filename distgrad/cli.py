@@ -403,6 +403,8 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
                          help="label owner: write each row's scores beside its prediction (class probabilities "
                               "for a classifying loss, else the raw outputs): CSV columns score_0..score_K-1, or "
                               "NAME.scores.npy beside an .npy --output")
+    predict.add_argument("--force", action="store_true",
+                         help="label owner: overwrite an --output file (and its .scores.npy) already there")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
@@ -919,6 +921,9 @@ def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, 
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
+    if args.force and (role == "driving" or args.output is None):
+        raise ConfigError("--force lets the label owner overwrite its --output file; give it with --output (the "
+                          "data owner and a middle stage write no file)")
     if role == "driving" and (args.output is not None or args.ready_file is not None):
         flag = "--output" if args.output is not None else "--ready-file"
         raise ConfigError(f"{flag} is for a stage that serves (--bind): the label owner writes the predictions "
@@ -964,7 +969,7 @@ def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: ar
 
     own_rows = _predict_rows(exp, stage, opts.seed, args) if own else None
     count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
-                              args.output_scores, own_rows)
+                              args.output_scores, own_rows, args.force)
     print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
 
 

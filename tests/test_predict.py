@@ -588,3 +588,45 @@ def test_each_loss_scores_as_torch_would():
                        atol=1e-7)
     for loss in (TorchLoss("MSELoss", {}), TorchLoss("BCELoss", {}), MeanSquaredError()):
         assert np.array_equal(loss.scores(logits), logits)
+
+
+def test_the_label_owner_never_overwrites_a_file_already_there_unless_forced(trained: Path, tmp_path: Path):
+    """An --output (or, with --output-scores, its NAME.scores.npy) already there is another prediction's,
+    say: refused before anything is served, the file left as it is; a folder of that name too, even with
+    --force. --force overwrites; the data owner, which writes nothing, refuses it."""
+    g = [trained / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--load", trained / "halves" / "g.npz"]
+    (tmp_path / "mine.csv").write_text("row,prediction\n0,3\n")
+    (tmp_path / "out.scores.npy").write_text("another run's scores")
+    (tmp_path / "folder.csv").mkdir()
+    for output, extra, what in (("mine.csv", [], "mine.csv exists"), ("out.npy", ["--output-scores"],
+                                "out.scores.npy exists"), ("folder.csv", ["--force"], "is a folder")):
+        result = run_main(["predict", *g, "--output", tmp_path / output, *extra, "--peer-deadline", "0.3"])
+        assert result.returncode == 2 and what in result.stderr, result.stderr
+    assert (tmp_path / "mine.csv").read_text() == "row,prediction\n0,3\n" and not (tmp_path / "out.npy").exists()
+    assert (tmp_path / "out.scores.npy").read_text() == "another run's scores"
+    result = run_main(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
+                       trained / "halves" / "f.npz", "--force", "--timeout", "0.2", "--peer-deadline", "0.3"])
+    assert result.returncode == 2 and "--force lets the label owner overwrite its --output" in result.stderr
+
+    # A file that appears while the prediction runs is left as it is: the prediction fails naming it.
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
+    f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
+    from distgrad.errors import OutputWriteError
+    from distgrad.run import handshake
+    for overwrite in (False, True):
+        output = tmp_path / f"late-{overwrite}.npy"
+        server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"), output,
+                                  None, output_scores=True, overwrite=overwrite)
+        hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
+        hello.body.update(purpose="predict", rows=8)
+        server.handle(hello, 0.0)
+        server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": np.ones((8, 64), np.float32)}), 0.1)
+        output.write_text("written meanwhile")
+        bye = Message(wire.BYE, "run1", 2, body={"chunks": 1, "rows": 8})
+        if overwrite:
+            assert server.handle(bye, 0.2).type == wire.BYE and np.load(output).shape == (8,)
+            continue
+        with pytest.raises(OutputWriteError, match="the file appeared while this prediction ran"):
+            server.handle(bye, 0.2)
+        assert output.read_text() == "written meanwhile"
+        assert sorted(p.name for p in tmp_path.glob("*late-False*")) == ["late-False.npy"]  # no scores, no temporary

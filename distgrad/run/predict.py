@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -59,10 +60,11 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
+from distgrad.errors import (ConfigError, DistgradError, Interrupted, OutputWriteError, PeerRejected, PeerTimeout,
+                             ProtocolError)
 from distgrad.wire.link import DownstreamLink
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.stage.records import write_atomic
+from distgrad.stage.records import write_atomic, writing
 from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, hello_peer, is_abort_notice,
                                    not_accepted, pong, tell_why_stopped, unknown_run)
 from distgrad.run.serving import announce
@@ -469,11 +471,13 @@ class PredictionServer:
     rows are in and the file is written."""
 
     def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None,
-                 output_scores: bool = False, own_rows: NewRows | None = None) -> None:
+                 output_scores: bool = False, own_rows: NewRows | None = None, overwrite: bool = False) -> None:
         """``output_scores``: the label owner writes each row's scores beside its prediction (module doc);
-        ``own_rows``: an active label owner's own feature columns of the rows to predict (``OwnRows``)."""
+        ``own_rows``: an active label owner's own feature columns of the rows to predict (``OwnRows``);
+        ``overwrite``: the output files may replace existing ones (``--force``), else a file found there
+        when they are written is left as it is and the prediction fails (``OutputWriteError``)."""
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
-        self.output_scores = output_scores
+        self.output_scores, self.overwrite = output_scores, overwrite
         self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
         check_predicts(self.exp)
         self.state = StageState(opts)
@@ -833,8 +837,13 @@ class PredictionServer:
             predictions = self._named(predictions, classes)
         if self.output.suffix == ".npy":
             if scores is not None:
-                write_atomic(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
-            write_atomic(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
+                self._put(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
+            try:
+                self._put(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
+            except OutputWriteError:
+                if scores is not None and not self.overwrite:     # written by this prediction: no half pair left
+                    scores_path(self.output).unlink(missing_ok=True)
+                raise
         else:
             table = predictions.reshape(len(predictions), -1)
             columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
@@ -852,10 +861,27 @@ class PredictionServer:
             writer.writerow([text_cell(id_name) if id_name is not None else "row", *columns])
             writer.writerows([key, *row] for key, row in zip(keys, cells))
             text = out.getvalue().encode()
-            write_atomic(self.output, lambda f: f.write(text))
+            self._put(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
 
+
+    def _put(self, path: Path, write: Callable[[Any], object]) -> None:
+        """Write ``path`` whole through ``write(file)``, never seen half written (``write_atomic``); unless
+        ``overwrite``, a file that is there already (written since this stage checked at its start) is left as
+        it is. Raises ``OutputWriteError`` naming ``path``: the prediction fails, its senders are told."""
+        with writing(path, "the predictions to"):
+            if self.overwrite:
+                write_atomic(path, write)
+                return
+            whole = write_atomic(path.with_name(f".{path.name}.{os.getpid()}.whole"), write)
+            try:
+                os.link(whole, path)                  # atomic, and refused when ``path`` exists
+            except FileExistsError as e:
+                raise OutputWriteError(f"cannot write the predictions to {path}: the file appeared while this "
+                                       f"prediction ran (another process wrote it); it is left as it is") from e
+            finally:
+                whole.unlink(missing_ok=True)
 
     @staticmethod
     def _named(predictions: np.ndarray, classes: list[str]) -> np.ndarray:
@@ -921,6 +947,21 @@ def text_cell(text: str) -> str:
     return "'" + escaped if text.lstrip(" ").startswith(FORMULA_STARTS) else escaped
 
 
+def check_output(output: Path, output_scores: bool, overwrite: bool) -> None:
+    """Refuse (``ConfigError``), before anything is served, an ``output`` that cannot be written: its folder
+    missing, a folder of that name, or a file already there (another prediction's, say: ``NAME.scores.npy``
+    too with ``output_scores`` and ``.npy``) unless ``overwrite`` (``--force``)."""
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    paths = [output, scores_path(output)] if output_scores and output.suffix == ".npy" else [output]
+    for path in paths:
+        if path.is_dir():
+            raise ConfigError(f"--output {output}: {path} is a folder; give a file name")
+        if (path.exists() or path.is_symlink()) and not overwrite:
+            raise ConfigError(f"--output {output}: {path} exists (another prediction's file?); give another name, "
+                              f"or --force to overwrite it")
+
+
 def scores_path(output: Path) -> Path:
     """Where an ``.npy`` output's scores go: ``NAME.scores.npy`` beside ``NAME.npy``."""
     return output.with_name(f"{output.stem}.scores.npy")
@@ -949,12 +990,13 @@ def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_fra
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None, output_scores: bool = False,
-                      own_rows: NewRows | None = None) -> int:
+                      own_rows: NewRows | None = None, overwrite: bool = False) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
     ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage. ``own_rows``: a label owner with its
-    own ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
+    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage, or for an ``output`` (or its scores
+    file) already there unless ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own
+    ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
@@ -966,15 +1008,15 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                           f"{f', not {output}' if output is not None else ''}")
     if not last and output is not None:
         raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    if output is not None:
+        check_output(output, output_scores, overwrite)
     if (own_rows is not None) != (last and exp.own_bottom):
         raise ConfigError(f"stage {opts.stage!r}: own rows are for a label owner with its own 'bottom', which "
                           f"needs them" if own_rows is not None else
                           f"stage {opts.stage!r} has its own 'bottom': give it its own columns of the rows")
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
-    logic = PredictionServer(opts, output, link, output_scores, own_rows)
+    logic = PredictionServer(opts, output, link, output_scores, own_rows, overwrite)
     max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
