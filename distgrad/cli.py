@@ -952,12 +952,11 @@ def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: arg
     from distgrad.run.predict import send_abort_notice, send_predictions
 
     try:
-        count = send_predictions(opts, args.connect, _predict_rows(exp, stage, opts.seed, args), stop, ctx)
-    except (PeerRejected, PeerTimeout):
-        raise                       # the stage below refused us (it knows) or cannot be reached
+        rows = _predict_rows(exp, stage, opts.seed, args)
     except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
         send_abort_notice(opts, args.connect, str(e), ctx)
         raise
+    count = send_predictions(opts, args.connect, rows, stop, ctx)      # tells the stage below itself on an error
     print(f"sent {count} rows; the label owner holds their predictions")
 
 

@@ -630,3 +630,73 @@ def test_the_label_owner_never_overwrites_a_file_already_there_unless_forced(tra
             server.handle(bye, 0.2)
         assert output.read_text() == "written meanwhile"
         assert sorted(p.name for p in tmp_path.glob("*late-False*")) == ["late-False.npy"]  # no scores, no temporary
+
+
+def test_an_aborted_notice_naming_no_run_stops_no_live_prediction(tmp_path: Path):
+    """A notice naming no run comes from a data owner that stopped before its hello (a second one whose
+    --input is bad, say): it stops the label owner only while no prediction is live there, so it cannot end
+    another data owner's prediction (refused with ``run``, its chunks kept); one naming the run does."""
+    from distgrad.run import handshake
+    from distgrad.run.predict import PredictionAborted
+    exp = load_experiment("digits")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, liveness_s=10.0), tmp_path / "out.npy", None)
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=40)
+    server.handle(hello, 0.0)
+    server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": np.ones((32, 64), np.float32)}), 1.0)
+    with pytest.raises(ProtocolError, match="names no run") as info:
+        server.handle(wire.abort_notice("", "f", "another data owner's --input is bad"), 2.0)
+    assert info.value.code == ErrorCode.RUN and list(server.session.chunks) == [1] and not server.session.done
+    with pytest.raises(PredictionAborted, match="its own failure"):      # the prediction's own data owner
+        server.handle(wire.abort_notice("run1", "f", "its own failure"), 3.0)
+    # Once the prediction's sender has been silent for liveness_s, its place is free: a notice naming no run
+    # may be the next data owner's, and stops the label owner (it would otherwise wait out its deadline).
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, liveness_s=10.0), tmp_path / "out.npy", None)
+    server.handle(hello, 0.0)
+    with pytest.raises(PredictionAborted, match="bad input"):
+        server.handle(wire.abort_notice("", "f", "bad input"), 10.5)
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_data_owner_that_fails_after_its_hello_stops_the_label_owner_naming_its_run(tmp_path: Path):
+    """The data owner's stage fails on its second chunk (after its hello was accepted): it tells the label
+    owner, naming its run, and the label owner stops at once (PredictionAborted) rather than waiting out its
+    60 s deadline. The label owner in a thread, over tcp."""
+    import threading
+    from distgrad.errors import StageError
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import NewRows, PredictionAborted, send_predictions, serve_predictions
+    exp = load_experiment("digits")
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False), "tcp://127.0.0.1:*", output,
+                              StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    def failing_stage() -> Stage:
+        stage, forward, calls = Stage.from_experiment(exp, "f"), None, []
+
+        def fails_second(x, training=True):
+            calls.append(1)
+            if len(calls) == 2:
+                raise StageError("a forward failed on the second chunk")
+            return forward(x, training=training)
+        forward, stage.forward = stage.forward, fails_second      # type: ignore[method-assign]
+        return stage
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    with pytest.raises(StageError, match="second chunk"):
+        send_predictions(StageOptions(exp, "f", exp.seed, trains=False, stage_factory=failing_stage),
+                         ready.read_text(), NewRows(np.ones((40, 64), np.float32)), StopFlag())
+    thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
+    assert "a forward failed on the second chunk" in str(raised[0]) and not output.exists()

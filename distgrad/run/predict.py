@@ -396,12 +396,15 @@ def check_predicts(exp: Experiment) -> None:
                           "each embedding")
 
 
-def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None) -> None:
+def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None,
+                      run: str = "") -> None:
     """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
-    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
+    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave.
+    ``run``: its prediction's run id once its hello was accepted ("" before: the stage below takes a notice
+    naming no run only while no other data owner's prediction is live there)."""
     link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
     try:
-        link.send(wire.abort_notice("", opts.stage, reason))
+        link.send(wire.abort_notice(run, opts.stage, reason))
     finally:
         link.close(linger_ms=NOTICE_LINGER_MS)
 
@@ -411,7 +414,23 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
                      ctx: zmq.Context | None = None) -> int:
     """The data owner's side: forward ``new_rows`` in chunks through the stages below ``connect``, their
     IDs along; returns the number of rows the label owner acknowledged. Raises ``PeerTimeout``,
-    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel)."""
+    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel); on any error but a refusal
+    or a timeout of the stage below (a damaged ``--load``, a signal, ...) it tells that stage first
+    (``send_abort_notice``, naming its run once its hello was accepted), so that it stops at once."""
+    ctx = ctx or zmq.Context.instance()
+    opened: list[str] = []              # the run, once the stage below accepted its hello
+    try:
+        return _send_rows(opts, connect, new_rows, stop, ctx, opened)
+    except (PeerRejected, PeerTimeout):
+        raise                           # the stage below refused us (it knows) or cannot be reached
+    except DistgradError as e:
+        send_abort_notice(opts, connect, str(e), ctx, opened[0] if opened else "")
+        raise
+
+
+def _send_rows(opts: StageOptions, connect: str, new_rows: NewRows, stop: StopFlag, ctx: zmq.Context,
+               opened: list[str]) -> int:
+    """``send_predictions``' work; the run id is appended to ``opened`` once its hello is accepted."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
     check_predicts(exp)
@@ -423,7 +442,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
     stage, log = state.stage, state.log
     if state.ledger is not None:            # each prediction is a run of its own: its noise is never a training run's
         state.ledger.new_run(fresh_secret())
-    link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
+    link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, None)
     run = uuid.uuid4().hex
     chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
     try:
@@ -434,6 +453,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
         if classes is not None:
             hello.body["class_names"] = classes
         link.handshake(hello)
+        opened.append(run)
         acknowledged = 0
         for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
             y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
@@ -561,7 +581,7 @@ class PredictionServer:
         if msg.type == wire.HELLO:
             return self._hello(msg, now, peer_key)
         if is_abort_notice(msg):
-            self._check_notice(msg, peer_key)
+            self._check_notice(msg, peer_key, now)
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
@@ -578,23 +598,32 @@ class PredictionServer:
         runs = [s.run for s in self.sessions.values()]
         return f"run {' or '.join(runs)}" if runs else "a hello first"
 
-    def _check_notice(self, msg: Message, peer_key: str) -> None:
-        """A data owner's notice names no run (it may stop before its hello: ``send_abort_notice``) or one of
-        the predictions here, and once one is open it comes from a key that opened one; else it is refused
-        as any message of another run or key is."""
+    def _check_notice(self, msg: Message, peer_key: str, now: float) -> None:
+        """A data owner's notice names one of the predictions here, and once one is open it comes from a key
+        that opened one; or it names no run (it stopped before its hello: ``send_abort_notice``). In
+        plaintext, where no key says who sent it, one naming no run is accepted only while a sender's place
+        here holds no live prediction (none, or one silent for ``liveness_s``): a data owner that never said
+        hello cannot stop another's prediction. Else it is refused as any message of another run or key is."""
         if msg.run and all(s.run != msg.run for s in self.sessions.values()):
             raise unknown_run(msg, self._expected_run())
         owners = [s.owner for s in self.sessions.values() if not msg.run or s.run == msg.run]
         if owners and peer_key not in owners:
             check_owner(owners[0], peer_key, msg)
+        if not msg.run and not peer_key:
+            live = [self.sessions.get(name) for name in self.row_shapes]
+            live = [s for s in live if s is not None and not s.done and now - s.last_seen <= self.opts.liveness_s]
+            if len(live) == len(self.row_shapes):
+                raise ProtocolError(ErrorCode.RUN, f"an aborted notice that names no run, while "
+                                                   f"{self._expected_run()} is live here: it stops a prediction "
+                                                   f"only from its own data owner, naming its run")
 
     def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
         for session in self.sessions.values():
             session.done = session.done or session.run == msg.run      # it stopped: nothing more to tell it
-        if self.link is not None:
-            self.link.send(wire.error_message("", 0, ABORTED, text))
+        if self.link is not None:       # the stage below knows the prediction by the same run id
+            self.link.send(wire.error_message(msg.run, 0, ABORTED, text))
             self.aborted = True
         raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
 
