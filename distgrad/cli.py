@@ -382,6 +382,9 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--load", type=Path, metavar="PATH", required=True,
                          help="the trained parameters of this stage (what --save wrote)")
     predict.add_argument("--connect", metavar="ENDPOINT", help="data owner or middle stage: the stage below")
+    predict.add_argument("--client", type=int, metavar="K",
+                         help="data owner of an experiment with [clients]: this is client K (0, 1, ...), whose "
+                              "--load file (f@K.npz) it predicts with")
     predict.add_argument("--bind", metavar="ENDPOINT", help="label owner or middle stage: serve the stage above")
     predict.add_argument("--input", type=Path, metavar="FILE",
                          help="data owner: the rows to predict (.npy, or .csv read as its csv [data] reads its "
@@ -889,7 +892,8 @@ def _predict(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment)
     stage, role, own = _predict_role(exp, args)
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, **_waits(args))
+    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, client=args.client,
+                        **_waits(args))
     ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
         opts.security = upstream if role != "driving" else downstream

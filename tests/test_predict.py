@@ -700,3 +700,45 @@ def test_a_data_owner_that_fails_after_its_hello_stops_the_label_owner_naming_it
     thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
     assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
     assert "a forward failed on the second chunk" in str(raised[0]) and not output.exists()
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_client_of_an_experiment_with_clients_predicts_with_its_own_parameters(tmp_path: Path):
+    """A data owner of an experiment with [clients] is told to say which client it is: `distgrad predict`
+    takes --client K (it was asked for and refused as an unknown flag) and predicts with that client's
+    parameters. The label owner in a thread, over tcp; the data owner through the CLI in this process."""
+    import threading
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import serve_predictions
+    exp = load_experiment("digits-clients")
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.save_parameters(tmp_path / "f@1.npz")
+    g.save_parameters(tmp_path / "g.npz")
+    rows = np.random.default_rng(3).normal(size=(40, 64)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    f_args = ["predict", "digits-clients", "--stage", "f", "--load", tmp_path / "f@1.npz", "--input",
+              tmp_path / "rows.npy", "--timeout", "2", "--peer-deadline", "5"]
+    result = run_main([*f_args, "--connect", "tcp://127.0.0.1:9"])      # refused before it connects
+    assert result.returncode == 2 and "give --client 0 to 2" in result.stderr
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.npy", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, load_path=tmp_path / "g.npz", trains=False,
+                                           peer_deadline_s=20), "tcp://127.0.0.1:*", output, StopFlag(),
+                              ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    result = run_main([*f_args, "--client", "1", "--connect", ready.read_text()])
+    assert result.returncode == 0, result.stderr
+    thread.join(20)
+    assert not thread.is_alive() and not raised, raised
+    assert np.array_equal(np.load(output), exp.final_loss.predict(g.forward(f.forward(rows)[0])[0]))
