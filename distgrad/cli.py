@@ -888,14 +888,13 @@ def _predict(args: argparse.Namespace) -> int:
     """``distgrad predict``: check the flags against this stage's role, then send the rows (the data owner) or
     serve them (the label owner writes the predictions; a middle stage passes them on)."""
     from distgrad.config.parse import load_experiment
-    from distgrad.run.options import StageOptions, StopFlag
+    from distgrad.run.options import StopFlag
 
     exp = load_experiment(args.experiment)
     stage, role, own = _predict_role(exp, args)
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, client=args.client,
-                        **_waits(args))
     ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
+        opts = _predict_options(exp, stage, role, args, downstream, ctx)
         opts.security = upstream if role != "driving" else downstream
         opts.downstream_security = downstream
         stop = StopFlag().install()
@@ -904,6 +903,26 @@ def _predict(args: argparse.Namespace) -> int:
         else:
             _serve_predictions(exp, stage, opts, args, stop, ctx, own)
     return EXIT_OK
+
+
+def _predict_options(exp: Experiment, stage: str, role: str, args: argparse.Namespace, downstream: Any,
+                     ctx: zmq.Context) -> Any:
+    """The ``StageOptions`` of a ``distgrad predict`` process. A data owner whose options fail (a damaged or
+    missing --load, a --client it cannot be) tells the stage below first (``predict.tell_below``), which
+    would otherwise wait out its deadline; the error is raised."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.predict import tell_below
+    from distgrad.wire.link import LinkSettings
+
+    waits = _waits(args)
+    try:
+        return StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, client=args.client, **waits)
+    except DistgradError as e:
+        if role == "driving":
+            link = LinkSettings(stage, waits["timeout_s"], waits["liveness_s"], waits["peer_deadline_s"],
+                                relays=exp.relays_below(stage))
+            tell_below(link, downstream, stage, args.connect, str(e), ctx)
+        raise
 
 
 def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, bool]:

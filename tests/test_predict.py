@@ -742,3 +742,38 @@ def test_a_client_of_an_experiment_with_clients_predicts_with_its_own_parameters
     thread.join(20)
     assert not thread.is_alive() and not raised, raised
     assert np.array_equal(np.load(output), exp.final_loss.predict(g.forward(f.forward(rows)[0])[0]))
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_data_owner_whose_load_file_is_damaged_tells_the_label_owner(tmp_path: Path):
+    """A damaged --load fails the data owner's options, before it reads a row: it tells the label owner all
+    the same, which stops at once naming it rather than waiting out its deadline. The label owner in a
+    thread, over tcp; the data owner through the CLI in this process."""
+    import threading
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import PredictionAborted, serve_predictions
+    exp = load_experiment("digits")
+    Stage.from_experiment(exp, "f").save_parameters(tmp_path / "f.npz")
+    (tmp_path / "damaged.npz").write_bytes((tmp_path / "f.npz").read_bytes()[:1000])
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False, peer_deadline_s=60),
+                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    result = run_main(["predict", "digits", "--stage", "f", "--load", tmp_path / "damaged.npz", "--connect",
+                       ready.read_text()])
+    assert result.returncode == 2 and "damaged.npz" in result.stderr, result.stderr
+    thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
+    assert "stage f stopped: --load" in str(raised[0]) and not output.exists()

@@ -62,7 +62,7 @@ from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
 from distgrad.errors import (ConfigError, DistgradError, Interrupted, OutputWriteError, PeerRejected, PeerTimeout,
                              ProtocolError)
-from distgrad.wire.link import DownstreamLink
+from distgrad.wire.link import DownstreamLink, LinkSettings
 from distgrad.run.options import StageOptions, StopFlag
 from distgrad.stage.records import write_atomic, writing
 from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, hello_peer, is_abort_notice,
@@ -398,15 +398,23 @@ def check_predicts(exp: Experiment) -> None:
 
 def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None,
                       run: str = "") -> None:
-    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
-    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave.
-    ``run``: its prediction's run id once its hello was accepted ("" before: the stage below takes a notice
-    naming no run only while no other data owner's prediction is live there)."""
-    link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
+    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once
+    (``tell_below`` with ``opts``' link, security and stage name). ``run``: its prediction's run id once its
+    hello was accepted ("" before: the stage below takes a notice naming no run only while no other data
+    owner's prediction is live there)."""
+    tell_below(opts.link, opts.security, opts.stage, connect, reason, ctx, run)
+
+
+def tell_below(link: LinkSettings, security: Any, stage: str, connect: str, reason: str,
+               ctx: zmq.Context | None = None, run: str = "") -> None:
+    """One ``error`` with code ``aborted`` from ``stage`` (``reason``, ``run``) to the stage below ``connect``,
+    best effort: waiting at most ``NOTICE_LINGER_MS`` for it to leave. Also for a data owner whose options
+    could not be built (``StageOptions`` refused them), hence the parts rather than the options."""
+    below = DownstreamLink(link, connect, lambda: None, ctx or zmq.Context.instance(), security, None)
     try:
-        link.send(wire.abort_notice(run, opts.stage, reason))
+        below.send(wire.abort_notice(run, stage, reason))
     finally:
-        link.close(linger_ms=NOTICE_LINGER_MS)
+        below.close(linger_ms=NOTICE_LINGER_MS)
 
 
 @one_compute_thread()
