@@ -777,3 +777,23 @@ def test_a_data_owner_whose_load_file_is_damaged_tells_the_label_owner(tmp_path:
     thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
     assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
     assert "stage f stopped: --load" in str(raised[0]) and not output.exists()
+
+
+def test_an_output_is_placed_whole_and_never_over_a_file_even_without_hard_links(tmp_path: Path, monkeypatch):
+    """``_place_new`` puts a written file where no file is, by a hard link or, on a file system without them,
+    a rename; a file already there is left as it is (``OutputWriteError``), the written one stays for the
+    caller to remove."""
+    import os
+    from distgrad.errors import OutputWriteError
+    from distgrad.run.predict import _place_new
+    for links in (True, False):
+        if not links:
+            monkeypatch.setattr(os, "link", lambda *_: (_ for _ in ()).throw(PermissionError(1, "no hard links")))
+        whole, path, there = tmp_path / f"whole-{links}", tmp_path / f"new-{links}.csv", tmp_path / f"old-{links}.csv"
+        whole.write_text("predictions")
+        there.write_text("another run's")
+        with pytest.raises(OutputWriteError, match="the file appeared while this prediction ran"):
+            _place_new(whole, there)
+        assert there.read_text() == "another run's" and whole.exists()
+        _place_new(whole, path)
+        assert path.read_text() == "predictions"

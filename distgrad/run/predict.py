@@ -913,10 +913,7 @@ class PredictionServer:
                 return
             whole = write_atomic(path.with_name(f".{path.name}.{os.getpid()}.whole"), write)
             try:
-                os.link(whole, path)                  # atomic, and refused when ``path`` exists
-            except FileExistsError as e:
-                raise OutputWriteError(f"cannot write the predictions to {path}: the file appeared while this "
-                                       f"prediction ran (another process wrote it); it is left as it is") from e
+                _place_new(whole, path)
             finally:
                 whole.unlink(missing_ok=True)
 
@@ -982,6 +979,23 @@ def text_cell(text: str) -> str:
     spaces) prefixed with a single quote, so a spreadsheet shows it rather than evaluating it."""
     escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
     return "'" + escaped if text.lstrip(" ").startswith(FORMULA_STARTS) else escaped
+
+
+def _place_new(whole: Path, path: Path) -> None:
+    """Put the written file ``whole`` at ``path``, which must not exist: a hard link, which is atomic and
+    refused when ``path`` is there; where the file system has no hard links, a rename once ``path`` is
+    found absent. ``OutputWriteError`` when ``path`` is there (another process wrote it meanwhile)."""
+    try:
+        os.link(whole, path)
+        return
+    except FileExistsError:
+        pass
+    except OSError:                           # no hard links here (some network or FAT file systems)
+        if not (path.exists() or path.is_symlink()):
+            os.replace(whole, path)
+            return
+    raise OutputWriteError(f"cannot write the predictions to {path}: the file appeared while this prediction ran "
+                           f"(another process wrote it); it is left as it is")
 
 
 def check_output(output: Path, output_scores: bool, overwrite: bool) -> None:
