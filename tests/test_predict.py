@@ -797,3 +797,25 @@ def test_an_output_is_placed_whole_and_never_over_a_file_even_without_hard_links
         assert there.read_text() == "another run's" and whole.exists()
         _place_new(whole, path)
         assert path.read_text() == "predictions"
+
+
+def test_more_rows_than_one_prediction_sends_are_refused_saying_the_bound(tmp_path: Path, monkeypatch):
+    """The data owner refuses rows of more chunks than a prediction may send before it connects, telling the
+    stage below (a notice naming no run: it said no hello); the label owner's refusal of such a hello names
+    the bound too."""
+    from distgrad.errors import ConfigError
+    from distgrad.run import handshake, predict
+    from distgrad.run.options import StopFlag
+    exp = load_experiment("digits")
+    monkeypatch.setattr(predict, "MAX_CHUNKS", 2)
+    told: list = []
+    monkeypatch.setattr(predict, "send_abort_notice", lambda *args: told.append(args))
+    with pytest.raises(ConfigError, match="65 rows make more than 2 chunks of 32 .* predict them in parts"):
+        predict.send_predictions(StageOptions(exp, "f", exp.seed, trains=False), "tcp://127.0.0.1:9",
+                                 predict.NewRows(np.ones((65, 64), np.float32)), StopFlag())
+    assert len(told) == 1 and told[0][-1] == "" and "predict them in parts" in told[0][2]
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, trains=False), tmp_path / "out.npy", None)
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=65)
+    with pytest.raises(ProtocolError, match=r"hello has rows=65; expected 1 to 64 \(2 chunks of the batch at most\)"):
+        server.handle(hello, 0.0)

@@ -444,6 +444,9 @@ def _send_rows(opts: StageOptions, connect: str, new_rows: NewRows, stop: StopFl
     check_predicts(exp)
     rows = new_rows.features
     chunk_rows = exp.batch or 1
+    if len(rows) > MAX_CHUNKS * chunk_rows:
+        raise ConfigError(f"{len(rows)} rows make more than {MAX_CHUNKS} chunks of {chunk_rows} (the batch), the "
+                          f"most one prediction sends: predict them in parts")
     id_chunks = _id_chunks(new_rows, chunk_rows)
     classes = travelling_class_names(exp, opts.stage, opts.seed, opts.load_path)
     state = StageState(opts)
@@ -646,7 +649,9 @@ class PredictionServer:
                                                     "training run")
         rows = body.get("rows")
         if type(rows) is not int or not 1 <= rows <= MAX_CHUNKS * (self.exp.batch or 1):
-            raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}; expected 1 to "
+                                                     f"{MAX_CHUNKS * (self.exp.batch or 1)} ({MAX_CHUNKS} chunks "
+                                                     f"of the batch at most)")
         id_name = body.get("id_column")
         if id_name is not None and (type(id_name) is not str or not 0 < len(id_name) <= ID_NAME_MAX
                                     or not id_name.isprintable()):
