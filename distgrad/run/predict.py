@@ -32,8 +32,11 @@ with ``labels = "first"`` the data owner holds them, and its hello carries them 
 ``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
 crosses the wire: the scores are computed where the predictions are. A data owner that
 fails before it is done (bad input, a damaged ``--load`` file) sends the
-stage below an ``error`` with code ``aborted``, so the label owner stops at
-once instead of waiting out its deadline.
+stage below an ``error`` with code ``aborted`` (naming its run once its hello was accepted), so the label
+owner stops at once instead of waiting out its deadline.
+
+The label owner writes its files whole (``write_atomic``) and never over a file already there unless told
+to (``--force``: ``check_output`` at its start, ``_place_new`` when it writes).
 """
 
 from __future__ import annotations
@@ -906,7 +909,6 @@ class PredictionServer:
             self._put(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
-
 
     def _put(self, path: Path, write: Callable[[Any], object]) -> None:
         """Write ``path`` whole through ``write(file)``, never seen half written (``write_atomic``); unless
