@@ -382,6 +382,9 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--load", type=Path, metavar="PATH", required=True,
                          help="the trained parameters of this stage (what --save wrote)")
     predict.add_argument("--connect", metavar="ENDPOINT", help="data owner or middle stage: the stage below")
+    predict.add_argument("--client", type=int, metavar="K",
+                         help="data owner of an experiment with [clients]: this is client K (0, 1, ...), whose "
+                              "--load file (f@K.npz) it predicts with")
     predict.add_argument("--bind", metavar="ENDPOINT", help="label owner or middle stage: serve the stage above")
     predict.add_argument("--input", type=Path, metavar="FILE",
                          help="data owner: the rows to predict (.npy, or .csv read as its csv [data] reads its "
@@ -403,6 +406,8 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
                          help="label owner: write each row's scores beside its prediction (class probabilities "
                               "for a classifying loss, else the raw outputs): CSV columns score_0..score_K-1, or "
                               "NAME.scores.npy beside an .npy --output")
+    predict.add_argument("--force", action="store_true",
+                         help="label owner: overwrite an --output file (and its .scores.npy) already there")
     predict.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound endpoint here")
     _curve_flags(predict)
     for flag, what in (("--timeout", "how long to wait for one reply before resending (default 5)"),
@@ -883,13 +888,13 @@ def _predict(args: argparse.Namespace) -> int:
     """``distgrad predict``: check the flags against this stage's role, then send the rows (the data owner) or
     serve them (the label owner writes the predictions; a middle stage passes them on)."""
     from distgrad.config.parse import load_experiment
-    from distgrad.run.options import StageOptions, StopFlag
+    from distgrad.run.options import StopFlag
 
     exp = load_experiment(args.experiment)
     stage, role, own = _predict_role(exp, args)
-    opts = StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, **_waits(args))
     ctx = _zmq_context()
     with _security(args, role, ctx) as (upstream, downstream):
+        opts = _predict_options(exp, stage, role, args, downstream, ctx)
         opts.security = upstream if role != "driving" else downstream
         opts.downstream_security = downstream
         stop = StopFlag().install()
@@ -898,6 +903,26 @@ def _predict(args: argparse.Namespace) -> int:
         else:
             _serve_predictions(exp, stage, opts, args, stop, ctx, own)
     return EXIT_OK
+
+
+def _predict_options(exp: Experiment, stage: str, role: str, args: argparse.Namespace, downstream: Any,
+                     ctx: zmq.Context) -> Any:
+    """The ``StageOptions`` of a ``distgrad predict`` process. A data owner whose options fail (a damaged or
+    missing --load, a --client it cannot be) tells the stage below first (``predict.tell_below``), which
+    would otherwise wait out its deadline; the error is raised."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.predict import tell_below
+    from distgrad.wire.link import LinkSettings
+
+    waits = _waits(args)
+    try:
+        return StageOptions(exp, stage, exp.seed, load_path=args.load, trains=False, client=args.client, **waits)
+    except DistgradError as e:
+        if role == "driving":
+            link = LinkSettings(stage, waits["timeout_s"], waits["liveness_s"], waits["peer_deadline_s"],
+                                relays=exp.relays_below(stage))
+            tell_below(link, downstream, stage, args.connect, str(e), ctx)
+        raise
 
 
 def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, bool]:
@@ -919,6 +944,9 @@ def _predict_role(exp: Experiment, args: argparse.Namespace) -> tuple[str, str, 
     if args.output_scores and role == "driving":
         raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
                           "predictions and their scores")
+    if args.force and (role == "driving" or args.output is None):
+        raise ConfigError("--force lets the label owner overwrite its --output file; give it with --output (the "
+                          "data owner and a middle stage write no file)")
     if role == "driving" and (args.output is not None or args.ready_file is not None):
         flag = "--output" if args.output is not None else "--ready-file"
         raise ConfigError(f"{flag} is for a stage that serves (--bind): the label owner writes the predictions "
@@ -947,12 +975,11 @@ def _send_predictions(exp: Experiment, stage: str, opts: StageOptions, args: arg
     from distgrad.run.predict import send_abort_notice, send_predictions
 
     try:
-        count = send_predictions(opts, args.connect, _predict_rows(exp, stage, opts.seed, args), stop, ctx)
-    except (PeerRejected, PeerTimeout):
-        raise                       # the stage below refused us (it knows) or cannot be reached
+        rows = _predict_rows(exp, stage, opts.seed, args)
     except DistgradError as e:      # tell the stage below, which would otherwise wait out its deadline
         send_abort_notice(opts, args.connect, str(e), ctx)
         raise
+    count = send_predictions(opts, args.connect, rows, stop, ctx)      # tells the stage below itself on an error
     print(f"sent {count} rows; the label owner holds their predictions")
 
 
@@ -964,7 +991,7 @@ def _serve_predictions(exp: Experiment, stage: str, opts: StageOptions, args: ar
 
     own_rows = _predict_rows(exp, stage, opts.seed, args) if own else None
     count = serve_predictions(opts, args.bind, args.output, stop, args.connect, args.ready_file, ctx,
-                              args.output_scores, own_rows)
+                              args.output_scores, own_rows, args.force)
     print(f"wrote {count} predictions to {args.output}" if args.output else f"passed on {count} rows")
 
 

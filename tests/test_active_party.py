@@ -227,8 +227,8 @@ def test_predict_matches_an_active_label_owners_own_rows_by_id(tmp_path):
     assert table[:, 0].tolist() == ids and table[:, 1].astype(np.int64).tolist() == expected.tolist()
     short = write(tmp_path / "g-short.csv", slice(8, 12), [r for r in order if r != 7])
     ready = tmp_path / "short.ready"
-    with StageProcess(["predict", one, *g_args, "--input", short, "--bind", "tcp://127.0.0.1:*", "--ready-file",
-                       ready, "--peer-deadline", "5"], tmp_path / "g-short.log", distgrad=True) as g:
+    with StageProcess(["predict", one, *g_args, "--input", short, "--force", "--bind", "tcp://127.0.0.1:*",
+                       "--ready-file", ready, "--peer-deadline", "5"], tmp_path / "g-short.log", distgrad=True) as g:
         a = run_cli(["predict", one, *a_args, "--connect", wait_for_file(ready, g)])
     assert a.returncode == 4 and "row ID 'p007' is not among the label owner's own rows" in a.stderr, a.stderr
 

@@ -588,3 +588,234 @@ def test_each_loss_scores_as_torch_would():
                        atol=1e-7)
     for loss in (TorchLoss("MSELoss", {}), TorchLoss("BCELoss", {}), MeanSquaredError()):
         assert np.array_equal(loss.scores(logits), logits)
+
+
+def test_the_label_owner_never_overwrites_a_file_already_there_unless_forced(trained: Path, tmp_path: Path):
+    """An --output (or, with --output-scores, its NAME.scores.npy) already there is another prediction's,
+    say: refused before anything is served, the file left as it is; a folder of that name too, even with
+    --force. --force overwrites; the data owner, which writes nothing, refuses it."""
+    g = [trained / "parties" / "g" / "g.toml", "--bind", "tcp://127.0.0.1:*", "--load", trained / "halves" / "g.npz"]
+    (tmp_path / "mine.csv").write_text("row,prediction\n0,3\n")
+    (tmp_path / "out.scores.npy").write_text("another run's scores")
+    (tmp_path / "folder.csv").mkdir()
+    for output, extra, what in (("mine.csv", [], "mine.csv exists"), ("out.npy", ["--output-scores"],
+                                "out.scores.npy exists"), ("folder.csv", ["--force"], "is a folder")):
+        result = run_main(["predict", *g, "--output", tmp_path / output, *extra, "--peer-deadline", "0.3"])
+        assert result.returncode == 2 and what in result.stderr, result.stderr
+    assert (tmp_path / "mine.csv").read_text() == "row,prediction\n0,3\n" and not (tmp_path / "out.npy").exists()
+    assert (tmp_path / "out.scores.npy").read_text() == "another run's scores"
+    result = run_main(["predict", trained / "parties" / "f" / "f.toml", "--connect", "tcp://127.0.0.1:9", "--load",
+                       trained / "halves" / "f.npz", "--force", "--timeout", "0.2", "--peer-deadline", "0.3"])
+    assert result.returncode == 2 and "--force lets the label owner overwrite its --output" in result.stderr
+
+    # A file that appears while the prediction runs is left as it is: the prediction fails naming it.
+    exp = load_experiment(trained / "parties" / "g" / "g.toml")
+    f_exp = load_experiment(trained / "parties" / "f" / "f.toml")
+    from distgrad.errors import OutputWriteError
+    from distgrad.run import handshake
+    for overwrite in (False, True):
+        output = tmp_path / f"late-{overwrite}.npy"
+        server = PredictionServer(StageOptions(exp, "g", exp.seed, load_path=trained / "halves" / "g.npz"), output,
+                                  None, output_scores=True, overwrite=overwrite)
+        hello = handshake.hello(f_exp, "f", f_exp.seed, f_exp.cuts[0], "run1", [0], 0, 1)
+        hello.body.update(purpose="predict", rows=8)
+        server.handle(hello, 0.0)
+        server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": np.ones((8, 64), np.float32)}), 0.1)
+        output.write_text("written meanwhile")
+        bye = Message(wire.BYE, "run1", 2, body={"chunks": 1, "rows": 8})
+        if overwrite:
+            assert server.handle(bye, 0.2).type == wire.BYE and np.load(output).shape == (8,)
+            continue
+        with pytest.raises(OutputWriteError, match="the file appeared while this prediction ran"):
+            server.handle(bye, 0.2)
+        assert output.read_text() == "written meanwhile"
+        assert sorted(p.name for p in tmp_path.glob("*late-False*")) == ["late-False.npy"]  # no scores, no temporary
+
+
+def test_an_aborted_notice_naming_no_run_stops_no_live_prediction(tmp_path: Path):
+    """A notice naming no run comes from a data owner that stopped before its hello (a second one whose
+    --input is bad, say): it stops the label owner only while no prediction is live there, so it cannot end
+    another data owner's prediction (refused with ``run``, its chunks kept); one naming the run does."""
+    from distgrad.run import handshake
+    from distgrad.run.predict import PredictionAborted
+    exp = load_experiment("digits")
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, liveness_s=10.0), tmp_path / "out.npy", None)
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=40)
+    server.handle(hello, 0.0)
+    server.handle(Message(wire.PREDICT, "run1", 1, tensors={"activation": np.ones((32, 64), np.float32)}), 1.0)
+    with pytest.raises(ProtocolError, match="names no run") as info:
+        server.handle(wire.abort_notice("", "f", "another data owner's --input is bad"), 2.0)
+    assert info.value.code == ErrorCode.RUN and list(server.session.chunks) == [1] and not server.session.done
+    with pytest.raises(PredictionAborted, match="its own failure"):      # the prediction's own data owner
+        server.handle(wire.abort_notice("run1", "f", "its own failure"), 3.0)
+    # Once the prediction's sender has been silent for liveness_s, its place is free: a notice naming no run
+    # may be the next data owner's, and stops the label owner (it would otherwise wait out its deadline).
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, liveness_s=10.0), tmp_path / "out.npy", None)
+    server.handle(hello, 0.0)
+    with pytest.raises(PredictionAborted, match="bad input"):
+        server.handle(wire.abort_notice("", "f", "bad input"), 10.5)
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_data_owner_that_fails_after_its_hello_stops_the_label_owner_naming_its_run(tmp_path: Path):
+    """The data owner's stage fails on its second chunk (after its hello was accepted): it tells the label
+    owner, naming its run, and the label owner stops at once (PredictionAborted) rather than waiting out its
+    60 s deadline. The label owner in a thread, over tcp."""
+    import threading
+    from distgrad.errors import StageError
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import NewRows, PredictionAborted, send_predictions, serve_predictions
+    exp = load_experiment("digits")
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False), "tcp://127.0.0.1:*", output,
+                              StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    def failing_stage() -> Stage:
+        stage, forward, calls = Stage.from_experiment(exp, "f"), None, []
+
+        def fails_second(x, training=True):
+            calls.append(1)
+            if len(calls) == 2:
+                raise StageError("a forward failed on the second chunk")
+            return forward(x, training=training)
+        forward, stage.forward = stage.forward, fails_second      # type: ignore[method-assign]
+        return stage
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    with pytest.raises(StageError, match="second chunk"):
+        send_predictions(StageOptions(exp, "f", exp.seed, trains=False, stage_factory=failing_stage),
+                         ready.read_text(), NewRows(np.ones((40, 64), np.float32)), StopFlag())
+    thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
+    assert "a forward failed on the second chunk" in str(raised[0]) and not output.exists()
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_client_of_an_experiment_with_clients_predicts_with_its_own_parameters(tmp_path: Path):
+    """A data owner of an experiment with [clients] is told to say which client it is: `distgrad predict`
+    takes --client K (it was asked for and refused as an unknown flag) and predicts with that client's
+    parameters. The label owner in a thread, over tcp; the data owner through the CLI in this process."""
+    import threading
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import serve_predictions
+    exp = load_experiment("digits-clients")
+    f, g = Stage.from_experiment(exp, "f"), Stage.from_experiment(exp, "g")
+    f.save_parameters(tmp_path / "f@1.npz")
+    g.save_parameters(tmp_path / "g.npz")
+    rows = np.random.default_rng(3).normal(size=(40, 64)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    f_args = ["predict", "digits-clients", "--stage", "f", "--load", tmp_path / "f@1.npz", "--input",
+              tmp_path / "rows.npy", "--timeout", "2", "--peer-deadline", "5"]
+    result = run_main([*f_args, "--connect", "tcp://127.0.0.1:9"])      # refused before it connects
+    assert result.returncode == 2 and "give --client 0 to 2" in result.stderr
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.npy", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, load_path=tmp_path / "g.npz", trains=False,
+                                           peer_deadline_s=20), "tcp://127.0.0.1:*", output, StopFlag(),
+                              ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    result = run_main([*f_args, "--client", "1", "--connect", ready.read_text()])
+    assert result.returncode == 0, result.stderr
+    thread.join(20)
+    assert not thread.is_alive() and not raised, raised
+    assert np.array_equal(np.load(output), exp.final_loss.predict(g.forward(f.forward(rows)[0])[0]))
+
+
+@pytest.mark.integration(reason="the label owner serves in a thread, over tcp")
+def test_a_data_owner_whose_load_file_is_damaged_tells_the_label_owner(tmp_path: Path):
+    """A damaged --load fails the data owner's options, before it reads a row: it tells the label owner all
+    the same, which stops at once naming it rather than waiting out its deadline. The label owner in a
+    thread, over tcp; the data owner through the CLI in this process."""
+    import threading
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import PredictionAborted, serve_predictions
+    exp = load_experiment("digits")
+    Stage.from_experiment(exp, "f").save_parameters(tmp_path / "f.npz")
+    (tmp_path / "damaged.npz").write_bytes((tmp_path / "f.npz").read_bytes()[:1000])
+    ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False, peer_deadline_s=60),
+                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            raised.append(e)
+
+    thread = threading.Thread(target=label_owner, daemon=True)
+    thread.start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    result = run_main(["predict", "digits", "--stage", "f", "--load", tmp_path / "damaged.npz", "--connect",
+                       ready.read_text()])
+    assert result.returncode == 2 and "damaged.npz" in result.stderr, result.stderr
+    thread.join(20)                         # a third of its 60 s deadline: it did not wait it out
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], PredictionAborted), raised
+    assert "stage f stopped: --load" in str(raised[0]) and not output.exists()
+
+
+def test_an_output_is_placed_whole_and_never_over_a_file_even_without_hard_links(tmp_path: Path, monkeypatch):
+    """``_place_new`` puts a written file where no file is, by a hard link or, on a file system without them,
+    a rename; a file already there is left as it is (``OutputWriteError``), the written one stays for the
+    caller to remove."""
+    import os
+    from distgrad.errors import OutputWriteError
+    from distgrad.run.predict import _place_new
+    for links in (True, False):
+        if not links:
+            monkeypatch.setattr(os, "link", lambda *_: (_ for _ in ()).throw(PermissionError(1, "no hard links")))
+        whole, path, there = tmp_path / f"whole-{links}", tmp_path / f"new-{links}.csv", tmp_path / f"old-{links}.csv"
+        whole.write_text("predictions")
+        there.write_text("another run's")
+        with pytest.raises(OutputWriteError, match="the file appeared while this prediction ran"):
+            _place_new(whole, there)
+        assert there.read_text() == "another run's" and whole.exists()
+        _place_new(whole, path)
+        assert path.read_text() == "predictions"
+
+
+def test_more_rows_than_one_prediction_sends_are_refused_saying_the_bound(tmp_path: Path, monkeypatch):
+    """The data owner refuses rows of more chunks than a prediction may send before it connects, telling the
+    stage below (a notice naming no run: it said no hello); the label owner's refusal of such a hello names
+    the bound too."""
+    from distgrad.errors import ConfigError
+    from distgrad.run import handshake, predict
+    from distgrad.run.options import StopFlag
+    exp = load_experiment("digits")
+    monkeypatch.setattr(predict, "MAX_CHUNKS", 2)
+    told: list = []
+    monkeypatch.setattr(predict, "send_abort_notice", lambda *args: told.append(args))
+    with pytest.raises(ConfigError, match="65 rows make more than 2 chunks of 32 .* predict them in parts"):
+        predict.send_predictions(StageOptions(exp, "f", exp.seed, trains=False), "tcp://127.0.0.1:9",
+                                 predict.NewRows(np.ones((65, 64), np.float32)), StopFlag())
+    assert len(told) == 1 and told[0][-1] == "" and "predict them in parts" in told[0][2]
+    server = PredictionServer(StageOptions(exp, "g", exp.seed, trains=False), tmp_path / "out.npy", None)
+    hello = handshake.hello(exp, "f", exp.seed, exp.cuts[0], "run1", [0], 0, 1)
+    hello.body.update(purpose="predict", rows=65)
+    with pytest.raises(ProtocolError, match=r"hello has rows=65; expected 1 to 64 \(2 chunks of the batch at most\)"):
+        server.handle(hello, 0.0)

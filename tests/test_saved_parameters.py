@@ -197,3 +197,19 @@ def test_a_damaged_or_mistyped_parameters_file_is_refused_with_exit_2_naming_fil
     stage = Stage.from_experiment(load_experiment("digits"), "f")
     with pytest.raises(ConfigError, match=r"member 'f1.W' is int64, the parameter is float32"):
         stage.load_parameters(tmp_path / "int64" / "f.npz")
+
+
+def test_a_load_file_that_is_no_archive_is_named_for_what_it_is_never_a_pickle(tmp_path: Path):
+    """numpy takes a file that is neither a zip archive nor an .npy array for a pickle, and says so with advice
+    to load it unsafely: --load names what it is instead (a distgrad checkpoint, or the file's first bytes)
+    and what it takes."""
+    from distgrad.stage.checkpoint import MAGIC
+    exp = load_experiment("digits")
+    (tmp_path / "g.ckpt").write_bytes(MAGIC + b"\x10\x00\x00\x00rest of a checkpoint")
+    (tmp_path / "notes.npz").write_bytes(b"just some text")
+    for name, what in (("g.ckpt", "it is a distgrad checkpoint (of --checkpoint-dir)"),
+                       ("notes.npz", "it is a file beginning b'just s'")):
+        with pytest.raises(ConfigError, match="not a readable npz archive") as info:
+            Stage.from_experiment(exp, "g").load_parameters(tmp_path / name)
+        assert what in str(info.value) and "--save writes" in str(info.value)
+        assert "pickle" not in str(info.value), info.value

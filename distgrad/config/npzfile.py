@@ -24,6 +24,9 @@ from distgrad.errors import ConfigError
 # zip file", "Bad CRC-32"), zlib's error, EOFError for a cut-short member, ValueError for a bad ``.npy``
 # header or an object (pickled) member, OSError for what the file system says.
 READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError)
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")     # a zip archive's first member, or an empty archive
+NPY_MAGIC = b"\x93NUMPY"                         # a plain .npy array (refused below, naming it)
+CHECKPOINT_START = b"DGCKPT"                      # how a distgrad checkpoint begins (stage/checkpoint.MAGIC)
 
 
 def write_npz(file: str | Path | IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
@@ -72,9 +75,16 @@ def read_npz(path: str | Path, what: str) -> dict[str, np.ndarray]:
     when it is not an npz archive.
     """
     try:
-        archive = np.load(path, allow_pickle=False)
+        with open(path, "rb") as f:
+            start = f.read(len(NPY_MAGIC))
+        archive = np.load(path, allow_pickle=False) if start.startswith(ZIP_MAGIC) or start == NPY_MAGIC else None
     except READ_ERRORS as e:
         raise ConfigError(f"{what} {path}: not a readable npz archive ({type(e).__name__}: {e})") from e
+    if archive is None:     # numpy would take it for a pickle and say so, advising an unsafe load: name what it is
+        kind = ("a distgrad checkpoint (of --checkpoint-dir), which holds a whole run's state"
+                if start.startswith(CHECKPOINT_START) else f"a file beginning {start!r}")
+        raise ConfigError(f"{what} {path}: not a readable npz archive: it is {kind}; {what} takes the parameters "
+                          f"file that --save writes (.npz; .pt for a torch stage)")
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise ConfigError(f"{what} {path}: not an npz archive of named arrays (a plain .npy array?)")
     arrays = {}

@@ -32,14 +32,18 @@ with ``labels = "first"`` the data owner holds them, and its hello carries them 
 ``NAME.scores.npy`` (float32, one row of K per prediction). Nothing of this
 crosses the wire: the scores are computed where the predictions are. A data owner that
 fails before it is done (bad input, a damaged ``--load`` file) sends the
-stage below an ``error`` with code ``aborted``, so the label owner stops at
-once instead of waiting out its deadline.
+stage below an ``error`` with code ``aborted`` (naming its run once its hello was accepted), so the label
+owner stops at once instead of waiting out its deadline.
+
+The label owner writes its files whole (``write_atomic``) and never over a file already there unless told
+to (``--force``: ``check_output`` at its start, ``_place_new`` when it writes).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -59,10 +63,11 @@ from distgrad.privacy.releases import fresh_secret
 from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
 from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout, ProtocolError
-from distgrad.wire.link import DownstreamLink
+from distgrad.errors import (ConfigError, DistgradError, Interrupted, OutputWriteError, PeerRejected, PeerTimeout,
+                             ProtocolError)
+from distgrad.wire.link import DownstreamLink, LinkSettings
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.stage.records import write_atomic
+from distgrad.stage.records import write_atomic, writing
 from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, hello_peer, is_abort_notice,
                                    not_accepted, pong, tell_why_stopped, unknown_run)
 from distgrad.run.serving import announce
@@ -394,14 +399,25 @@ def check_predicts(exp: Experiment) -> None:
                           "each embedding")
 
 
-def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None) -> None:
-    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once:
-    one ``error`` with code ``aborted``, best effort, waiting at most ``NOTICE_LINGER_MS`` for it to leave."""
-    link = DownstreamLink(opts.link, connect, lambda: None, ctx or zmq.Context.instance(), opts.security, None)
+def send_abort_notice(opts: StageOptions, connect: str, reason: str, ctx: zmq.Context | None = None,
+                      run: str = "") -> None:
+    """Tell the stage below ``connect`` that this data owner stopped (``reason``), so that it stops at once
+    (``tell_below`` with ``opts``' link, security and stage name). ``run``: its prediction's run id once its
+    hello was accepted ("" before: the stage below takes a notice naming no run only while no other data
+    owner's prediction is live there)."""
+    tell_below(opts.link, opts.security, opts.stage, connect, reason, ctx, run)
+
+
+def tell_below(link: LinkSettings, security: Any, stage: str, connect: str, reason: str,
+               ctx: zmq.Context | None = None, run: str = "") -> None:
+    """One ``error`` with code ``aborted`` from ``stage`` (``reason``, ``run``) to the stage below ``connect``,
+    best effort: waiting at most ``NOTICE_LINGER_MS`` for it to leave. Also for a data owner whose options
+    could not be built (``StageOptions`` refused them), hence the parts rather than the options."""
+    below = DownstreamLink(link, connect, lambda: None, ctx or zmq.Context.instance(), security, None)
     try:
-        link.send(wire.abort_notice("", opts.stage, reason))
+        below.send(wire.abort_notice(run, stage, reason))
     finally:
-        link.close(linger_ms=NOTICE_LINGER_MS)
+        below.close(linger_ms=NOTICE_LINGER_MS)
 
 
 @one_compute_thread()
@@ -409,19 +425,38 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
                      ctx: zmq.Context | None = None) -> int:
     """The data owner's side: forward ``new_rows`` in chunks through the stages below ``connect``, their
     IDs along; returns the number of rows the label owner acknowledged. Raises ``PeerTimeout``,
-    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel)."""
+    ``PeerRejected``, ``ProtocolError``, ``ConfigError`` (IDs too long to travel); on any error but a refusal
+    or a timeout of the stage below (a damaged ``--load``, a signal, ...) it tells that stage first
+    (``send_abort_notice``, naming its run once its hello was accepted), so that it stops at once."""
+    ctx = ctx or zmq.Context.instance()
+    opened: list[str] = []              # the run, once the stage below accepted its hello
+    try:
+        return _send_rows(opts, connect, new_rows, stop, ctx, opened)
+    except (PeerRejected, PeerTimeout):
+        raise                           # the stage below refused us (it knows) or cannot be reached
+    except DistgradError as e:
+        send_abort_notice(opts, connect, str(e), ctx, opened[0] if opened else "")
+        raise
+
+
+def _send_rows(opts: StageOptions, connect: str, new_rows: NewRows, stop: StopFlag, ctx: zmq.Context,
+               opened: list[str]) -> int:
+    """``send_predictions``' work; the run id is appended to ``opened`` once its hello is accepted."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=False, connects=True)
     check_predicts(exp)
     rows = new_rows.features
     chunk_rows = exp.batch or 1
+    if len(rows) > MAX_CHUNKS * chunk_rows:
+        raise ConfigError(f"{len(rows)} rows make more than {MAX_CHUNKS} chunks of {chunk_rows} (the batch), the "
+                          f"most one prediction sends: predict them in parts")
     id_chunks = _id_chunks(new_rows, chunk_rows)
     classes = travelling_class_names(exp, opts.stage, opts.seed, opts.load_path)
     state = StageState(opts)
     stage, log = state.stage, state.log
     if state.ledger is not None:            # each prediction is a run of its own: its noise is never a training run's
         state.ledger.new_run(fresh_secret())
-    link = DownstreamLink(opts.link, connect, stop.check, ctx or zmq.Context.instance(), opts.security, None)
+    link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.security, None)
     run = uuid.uuid4().hex
     chunks = [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
     try:
@@ -432,6 +467,7 @@ def send_predictions(opts: StageOptions, connect: str, new_rows: NewRows, stop: 
         if classes is not None:
             hello.body["class_names"] = classes
         link.handshake(hello)
+        opened.append(run)
         acknowledged = 0
         for number, (chunk, ids) in enumerate(zip(chunks, id_chunks), start=1):
             y, _ = stage.forward(chunk if exp.batch else chunk[0], training=False)
@@ -469,11 +505,13 @@ class PredictionServer:
     rows are in and the file is written."""
 
     def __init__(self, opts: StageOptions, output: Path | None, link: DownstreamLink | None,
-                 output_scores: bool = False, own_rows: NewRows | None = None) -> None:
+                 output_scores: bool = False, own_rows: NewRows | None = None, overwrite: bool = False) -> None:
         """``output_scores``: the label owner writes each row's scores beside its prediction (module doc);
-        ``own_rows``: an active label owner's own feature columns of the rows to predict (``OwnRows``)."""
+        ``own_rows``: an active label owner's own feature columns of the rows to predict (``OwnRows``);
+        ``overwrite``: the output files may replace existing ones (``--force``), else a file found there
+        when they are written is left as it is and the prediction fails (``OutputWriteError``)."""
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
-        self.output_scores = output_scores
+        self.output_scores, self.overwrite = output_scores, overwrite
         self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
         check_predicts(self.exp)
         self.state = StageState(opts)
@@ -557,7 +595,7 @@ class PredictionServer:
         if msg.type == wire.HELLO:
             return self._hello(msg, now, peer_key)
         if is_abort_notice(msg):
-            self._check_notice(msg, peer_key)
+            self._check_notice(msg, peer_key, now)
             return self._aborted(msg)
         session = next((s for s in self.sessions.values() if s.run == msg.run), None)
         if session is None:
@@ -576,23 +614,32 @@ class PredictionServer:
         runs = [s.run for s in self.sessions.values()]
         return f"run {' or '.join(runs)}" if runs else "a hello first"
 
-    def _check_notice(self, msg: Message, peer_key: str) -> None:
-        """A data owner's notice names no run (it may stop before its hello: ``send_abort_notice``) or one of
-        the predictions here, and once one is open it comes from a key that opened one; else it is refused
-        as any message of another run or key is."""
+    def _check_notice(self, msg: Message, peer_key: str, now: float) -> None:
+        """A data owner's notice names one of the predictions here, and once one is open it comes from a key
+        that opened one; or it names no run (it stopped before its hello: ``send_abort_notice``). In
+        plaintext, where no key says who sent it, one naming no run is accepted only while a sender's place
+        here holds no live prediction (none, or one silent for ``liveness_s``): a data owner that never said
+        hello cannot stop another's prediction. Else it is refused as any message of another run or key is."""
         if msg.run and all(s.run != msg.run for s in self.sessions.values()):
             raise unknown_run(msg, self._expected_run())
         owners = [s.owner for s in self.sessions.values() if not msg.run or s.run == msg.run]
         if owners and peer_key not in owners:
             check_owner(owners[0], peer_key, msg)
+        if not msg.run and not peer_key:
+            live = [self.sessions.get(name) for name in self.row_shapes]
+            live = [s for s in live if s is not None and not s.done and now - s.last_seen <= self.opts.liveness_s]
+            if len(live) == len(self.row_shapes):
+                raise ProtocolError(ErrorCode.RUN, f"an aborted notice that names no run, while "
+                                                   f"{self._expected_run()} is live here: it stops a prediction "
+                                                   f"only from its own data owner, naming its run")
 
     def _aborted(self, msg: Message) -> NoReturn:
         """A data owner's notice that it stopped: passed on below (a middle stage), then ``PredictionAborted``."""
         text = abort_reason(msg)
         for session in self.sessions.values():
             session.done = session.done or session.run == msg.run      # it stopped: nothing more to tell it
-        if self.link is not None:
-            self.link.send(wire.error_message("", 0, ABORTED, text))
+        if self.link is not None:       # the stage below knows the prediction by the same run id
+            self.link.send(wire.error_message(msg.run, 0, ABORTED, text))
             self.aborted = True
         raise PredictionAborted(f"the stage above gave up, so no prediction will come: {text}")
 
@@ -607,7 +654,9 @@ class PredictionServer:
                                                     "training run")
         rows = body.get("rows")
         if type(rows) is not int or not 1 <= rows <= MAX_CHUNKS * (self.exp.batch or 1):
-            raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"hello has rows={wire.show(rows)}; expected 1 to "
+                                                     f"{MAX_CHUNKS * (self.exp.batch or 1)} ({MAX_CHUNKS} chunks "
+                                                     f"of the batch at most)")
         id_name = body.get("id_column")
         if id_name is not None and (type(id_name) is not str or not 0 < len(id_name) <= ID_NAME_MAX
                                     or not id_name.isprintable()):
@@ -835,8 +884,13 @@ class PredictionServer:
             predictions = self._named(predictions, classes)
         if self.output.suffix == ".npy":
             if scores is not None:
-                write_atomic(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
-            write_atomic(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
+                self._put(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
+            try:
+                self._put(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
+            except OutputWriteError:
+                if scores is not None and not self.overwrite:     # written by this prediction: no half pair left
+                    scores_path(self.output).unlink(missing_ok=True)
+                raise
         else:
             table = predictions.reshape(len(predictions), -1)
             columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
@@ -854,10 +908,23 @@ class PredictionServer:
             writer.writerow([text_cell(id_name) if id_name is not None else "row", *columns])
             writer.writerows([key, *row] for key, row in zip(keys, cells))
             text = out.getvalue().encode()
-            write_atomic(self.output, lambda f: f.write(text))
+            self._put(self.output, lambda f: f.write(text))
         self.log.info("wrote %d predictions to %s", len(predictions), self.output)
         return len(predictions)
 
+    def _put(self, path: Path, write: Callable[[Any], object]) -> None:
+        """Write ``path`` whole through ``write(file)``, never seen half written (``write_atomic``); unless
+        ``overwrite``, a file that is there already (written since this stage checked at its start) is left as
+        it is. Raises ``OutputWriteError`` naming ``path``: the prediction fails, its senders are told."""
+        with writing(path, "the predictions to"):
+            if self.overwrite:
+                write_atomic(path, write)
+                return
+            whole = write_atomic(path.with_name(f".{path.name}.{os.getpid()}.whole"), write)
+            try:
+                _place_new(whole, path)
+            finally:
+                whole.unlink(missing_ok=True)
 
     @staticmethod
     def _named(predictions: np.ndarray, classes: list[str]) -> np.ndarray:
@@ -923,6 +990,38 @@ def text_cell(text: str) -> str:
     return "'" + escaped if text.lstrip(" ").startswith(FORMULA_STARTS) else escaped
 
 
+def _place_new(whole: Path, path: Path) -> None:
+    """Put the written file ``whole`` at ``path``, which must not exist: a hard link, which is atomic and
+    refused when ``path`` is there; where the file system has no hard links, a rename once ``path`` is
+    found absent. ``OutputWriteError`` when ``path`` is there (another process wrote it meanwhile)."""
+    try:
+        os.link(whole, path)
+        return
+    except FileExistsError:
+        pass
+    except OSError:                           # no hard links here (some network or FAT file systems)
+        if not (path.exists() or path.is_symlink()):
+            os.replace(whole, path)
+            return
+    raise OutputWriteError(f"cannot write the predictions to {path}: the file appeared while this prediction ran "
+                           f"(another process wrote it); it is left as it is")
+
+
+def check_output(output: Path, output_scores: bool, overwrite: bool) -> None:
+    """Refuse (``ConfigError``), before anything is served, an ``output`` that cannot be written: its folder
+    missing, a folder of that name, or a file already there (another prediction's, say: ``NAME.scores.npy``
+    too with ``output_scores`` and ``.npy``) unless ``overwrite`` (``--force``)."""
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    paths = [output, scores_path(output)] if output_scores and output.suffix == ".npy" else [output]
+    for path in paths:
+        if path.is_dir():
+            raise ConfigError(f"--output {output}: {path} is a folder; give a file name")
+        if (path.exists() or path.is_symlink()) and not overwrite:
+            raise ConfigError(f"--output {output}: {path} exists (another prediction's file?); give another name, "
+                              f"or --force to overwrite it")
+
+
 def scores_path(output: Path) -> Path:
     """Where an ``.npy`` output's scores go: ``NAME.scores.npy`` beside ``NAME.npy``."""
     return output.with_name(f"{output.stem}.scores.npy")
@@ -951,12 +1050,13 @@ def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_fra
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None, output_scores: bool = False,
-                      own_rows: NewRows | None = None) -> int:
+                      own_rows: NewRows | None = None, overwrite: bool = False) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
     ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage. ``own_rows``: a label owner with its
-    own ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
+    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage, or for an ``output`` (or its scores
+    file) already there unless ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own
+    ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
     exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
@@ -968,15 +1068,15 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                           f"{f', not {output}' if output is not None else ''}")
     if not last and output is not None:
         raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    if output is not None:
+        check_output(output, output_scores, overwrite)
     if (own_rows is not None) != (last and exp.own_bottom):
         raise ConfigError(f"stage {opts.stage!r}: own rows are for a label owner with its own 'bottom', which "
                           f"needs them" if own_rows is not None else
                           f"stage {opts.stage!r} has its own 'bottom': give it its own columns of the rows")
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
-    logic = PredictionServer(opts, output, link, output_scores, own_rows)
+    logic = PredictionServer(opts, output, link, output_scores, own_rows, overwrite)
     max_frame = 4 * max(int(np.prod((exp.batch or 1, *shape))) for shape in logic.row_shapes.values()) \
         + wire.HEADER_MAX_BYTES
     server = Server(ctx, bind, max_frame, opts.liveness_s, opts.security, opts.spin_s)
