@@ -61,6 +61,10 @@ HELD_MODULES = [
     "run/launcher.py",
     # the tools users call
     "plot.py",
+    # ``distgrad predict``: both ends and the serving loop, the rows a prediction takes, the label owner's files
+    "run/predict.py",
+    "run/predict_rows.py",
+    "run/predict_output.py",
     # the torch stage: the stage and its builder, what it holds and checkpoints, tensors and devices at its boundary,
     # distgrad's layers and losses in torch, its optimizer and scheduler, your own module, DP-SGD's per-example
     # gradients
