@@ -38,6 +38,9 @@ HELD_MODULES = [
     "run/cut_loop.py",
     "run/cut_owners.py",
     "run/cut_state.py",
+    # the cut library's data-owner end: the connection, and the checks of what its loop hands it
+    "run/cut_client.py",
+    "run/cut_inputs.py",
     # data sources: the registry, the row walk, generated data, file data and its parts, views over a source
     "config/data.py",
     "config/batches.py",
