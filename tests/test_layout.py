@@ -38,6 +38,9 @@ HELD_MODULES = [
     "run/cut_loop.py",
     "run/cut_owners.py",
     "run/cut_state.py",
+    # the cut library's data-owner end: the connection, and the checks of what its loop hands it
+    "run/cut_client.py",
+    "run/cut_inputs.py",
     # data sources: the registry, the row walk, generated data, file data and its parts, views over a source
     "config/data.py",
     "config/batches.py",
@@ -61,6 +64,10 @@ HELD_MODULES = [
     "run/launcher.py",
     # the tools users call
     "plot.py",
+    # ``distgrad predict``: both ends and the serving loop, the rows a prediction takes, the label owner's files
+    "run/predict.py",
+    "run/predict_rows.py",
+    "run/predict_output.py",
     # the torch stage: the stage and its builder, what it holds and checkpoints, tensors and devices at its boundary,
     # distgrad's layers and losses in torch, its optimizer and scheduler, your own module, DP-SGD's per-example
     # gradients

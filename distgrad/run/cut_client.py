@@ -10,7 +10,8 @@ and retries through ``wire.link.DownstreamLink`` (a request unanswered for
 ``PeerTimeout``; the label owner answers a resent step from its cache), the
 codecs through ``wire.wirecodec.Senders``, and the rules it shares with the
 driver (when an evaluation is due, when a refusal calls for a new handshake)
-through ``run.protocol``. docs/cut.md is the contract.
+through ``run.protocol``. What the loop hands it (an activation, its micro-batches, a step's rows, held-out
+activations) is checked before anything is sent, in ``run.cut_inputs``. docs/cut.md is the contract.
 
 Steps are the caller's: ``step`` counts the steps this side has applied, and
 a loop resuming from its own checkpoint says where it stands
@@ -41,9 +42,10 @@ from distgrad.errors import (CodecRangeError, ConfigError, CutMisuse, NonFiniteE
                              PeerTimeout, ProtocolError)
 from distgrad.run import handshake
 from distgrad.run.protocol import evaluation_due, forward_message, shake_hands_again
+from distgrad.run.cut_inputs import (check_held_out, check_micro_batches, check_order_rows, checked_activation,
+                                    finite_activation, sent_rows)
 from distgrad.run.cut_interface import (FIRST, STATE_KEYS, STATE_VERSION, Bounds, CutSide, check_residuals,
-                                       check_run, check_state, check_step, cut_side, one_loop,
-                                       torch_hint)
+                                       check_run, check_state, check_step, cut_side, one_loop)
 from distgrad.stage.engine import combine_losses
 from distgrad.stage.stage import micro_batch
 from distgrad.wire import messages as wire
@@ -143,16 +145,7 @@ class Cut:
         adding up its parameter gradients, and multiplies the sum by ``scale`` before stepping computes
         bit for bit what a daemon data owner does with ``--micro-batches M`` (``step`` returns the
         combined gradient, which back-propagated at once is equal only to float32 rounding)."""
-        shape = self.side.micro_shape(self.mbs)
-        if not isinstance(hs, (list, tuple)) or len(hs) != self.mbs:
-            got = f"{len(hs)} of them" if isinstance(hs, (list, tuple)) else type(hs).__name__
-            raise CutMisuse(f"step_micro_batches takes the step's {self.mbs} micro-batches as a list (the "
-                            f"interface's micro_batches), got {got}")
-        for i, part in enumerate(hs):
-            if not isinstance(part, np.ndarray) or part.dtype != np.float32 or part.shape != shape:
-                raise CutMisuse(f"micro-batch {i} must be a float32 array of shape {shape}, got "
-                                f"{type(part).__name__} {getattr(part, 'dtype', '')} {getattr(part, 'shape', '')}"
-                                f"{torch_hint(part)}")
+        check_micro_batches(hs, self.mbs, self.side.micro_shape(self.mbs))
         losses, grads = self._step(np.concatenate(hs), rows, step)
         return _step_loss(losses, self.scale), [np.array(g, np.float32) for g in grads]
 
@@ -196,19 +189,11 @@ class Cut:
             raise CutMisuse(f"the label owner's early stopping ended the run after step {self.applied} (its last "
                             f"evaluation said stop, cut.stopped): end the loop and call close(), which ends the run "
                             f"on both sides at that step")
-        h = self._finite(self._checked(h), f"step {k}")
-        sent = self._sent_rows(rows, len(h), k) if self.exp.send_rows else None
+        h = finite_activation(checked_activation(h, self.side.shape), self.exp.allow_nonfinite, self.side.stage,
+                              f"step {k}")
+        sent = sent_rows(rows, len(h), k) if self.exp.send_rows else None
         if sent is None and rows is not None:
-            expected = self.side.rows(k)
-            given = np.asarray(rows)
-            if given.ndim != 1 or given.dtype.kind not in "iu":
-                raise CutMisuse(f"the rows of step {k} must be one integer per row of h, shape ({len(h)},), got "
-                                f"{given.dtype}{given.shape}")
-            if given.shape != expected.shape or not np.array_equal(given, expected):
-                raise CutMisuse(f"step {k} was given {_rows_differ(given, expected)}: take each step's rows from "
-                                f"cut.rows(step) (or distgrad.torch.batch_sampler), which the label owner uses too; "
-                                f"or, to let this loop use its own loader (its own shuffle or sampler), set "
-                                f"send_rows = true in both parties' [interface]: the rows then travel with h")
+            check_order_rows(rows, self.side.rows(k), len(h), k)
         losses, grads = self._joined(lambda: self._exchange(k, h, sent))
         self.senders.commit()
         self.applied = k
@@ -261,16 +246,10 @@ class Cut:
         Raises ``CutMisuse`` for a wrong dtype or shape, ``PeerRejected`` when the label owner refuses
         (it holds no rows out, or another count), ``PeerTimeout`` as ``step`` does."""
         self._check_open()
-        if not isinstance(h, np.ndarray) or h.dtype != np.float32:
-            raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
-        rows = len(self.side.data.test_rows) if self.side.data is not None else None
-        if h.shape[1:] != self.side.shape[1:] or len(h) < 1 or rows is not None and len(h) != rows:
-            wanted = f"({rows if rows is not None else 'rows'}, {', '.join(map(str, self.side.shape[1:]))})"
-            raise CutMisuse(f"the held-out activations have shape {h.shape}; expected {wanted}: one row per "
-                            f"held-out row{' of [data]' if rows is not None else ''}")
+        check_held_out(h, self.side)
         k = self.applied + 1
-        h = self._finite(np.ascontiguousarray(h), f"the evaluation after step {self.applied}")
+        h = finite_activation(np.ascontiguousarray(h), self.exp.allow_nonfinite, self.side.stage,
+                              f"the evaluation after step {self.applied}")
         digest = hashlib.sha256(h.tobytes()).digest()
         if self.evaluated is not None and self.evaluated[:2] == (self.run_id, k) and self.evaluated[2] != digest:
             raise CutMisuse(f"the held-out rows were scored after step {self.applied} already, from other "
@@ -286,44 +265,6 @@ class Cut:
             self.link.exchange(Message(wire.EVALUATE, self.run_id, k, tensors=tensors))))
         self.stopped = bool(result.get("stop"))
         return result
-
-    def _checked(self, h: Any) -> np.ndarray:
-        if not isinstance(h, np.ndarray) or h.dtype != np.float32:
-            raise CutMisuse(f"h must be a float32 numpy array, got {type(h).__name__} "
-                            f"{getattr(h, 'dtype', '')}".rstrip() + torch_hint(h))
-        if h.shape != self.side.shape:
-            raise CutMisuse(f"h has shape {h.shape}, the interface's activation for a batch is {self.side.shape}")
-        return np.ascontiguousarray(h)
-
-    def _finite(self, h: np.ndarray, what: str) -> np.ndarray:
-        """``h``, unless it holds a NaN or Inf the interface does not allow: ``NonFiniteError`` here, before it is
-        sent, as a daemon data owner stops on its own activation (the label owner would refuse it)."""
-        if not self.exp.allow_nonfinite and not wire.all_finite(h):
-            raise NonFiniteError(f"stage {self.side.stage}: non-finite activation (h holds NaN or Inf) for {what}; "
-                                 f"nothing was sent. The interface does not allow_nonfinite: find where the "
-                                 f"encoder or its input went NaN or Inf (a learning rate too high, a bad row)")
-        return h
-
-    @staticmethod
-    def _sent_rows(rows: Any, count: int, k: int) -> np.ndarray:
-        """``send_rows``: the row numbers the loop gives for step ``k``, as the int64 array that crosses:
-        integers, one per row of ``h`` (``count``), none twice (``CutMisuse`` otherwise). The label owner
-        checks the rest (each row in range, a training row) and refuses the step naming the row."""
-        if rows is None:
-            raise CutMisuse(f"the interface has send_rows = true, so step {k} needs the row numbers h was "
-                            f"computed from: cut.step(h, rows)")
-        given = np.asarray(rows)
-        if given.dtype.kind not in "iu" or (given.dtype.kind == "u" and given.size
-                                             and given.max() > np.iinfo(np.int64).max):
-            raise CutMisuse(f"the rows of step {k} must be integers (int64), got {given.dtype}")
-        if given.shape != (count,):
-            raise CutMisuse(f"the rows of step {k} have shape {given.shape}; send_rows takes one row number "
-                            f"per row of h, shape ({count},)")
-        unique, counts = np.unique(given, return_counts=True)
-        if (counts > 1).any():
-            raise CutMisuse(f"row {int(unique[np.argmax(counts > 1)])} appears twice in step {k}; a step trains "
-                            f"on each row once")
-        return given.astype(np.int64)
 
     def _exchange(self, k: int, h: np.ndarray, rows: np.ndarray | None
                   ) -> tuple[list[np.float32 | None], list[np.ndarray]]:
@@ -483,14 +424,3 @@ def _step_loss(losses: list[np.float32 | None], scale: np.float32) -> np.float32
     if any(loss is None for loss in losses):
         return None
     return combine_losses([loss for loss in losses if loss is not None], scale)
-
-
-def _rows_differ(given: np.ndarray, expected: np.ndarray) -> str:
-    """How ``given`` rows differ from the step's ``expected`` ones, where a reader sees it: the counts when they
-    differ, else the first position that does."""
-    if len(given) != len(expected):
-        return (f"{len(given)} rows {wire.show(given.tolist())}, but the shared sample order has {len(expected)} "
-                f"for it, {wire.show(expected.tolist())}")
-    at = int(np.flatnonzero(given != expected)[0])
-    return (f"rows {wire.show(given.tolist())}, but the shared sample order has {wire.show(expected.tolist())}: "
-            f"position {at} is row {given[at]}, the order's is {expected[at]}")

@@ -37,18 +37,20 @@ owner stops at once instead of waiting out its deadline.
 
 The label owner writes its files whole (``write_atomic``) and never over a file already there unless told
 to (``--force``: ``check_output`` at its start, ``_place_new`` when it writes).
+
+Here: both ends' messages, the data owner's side (``send_predictions``) and the serving side
+(``PredictionServer``, ``serve_predictions``). The rows a prediction takes are read in ``predict_rows``
+(``read_rows``, ``held_out_rows``, ``OwnRows``), and the label owner's files written in ``predict_output``
+(``PredictionFile``, ``check_output``, ``text_cell``); their names are importable from here too.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 import zmq
@@ -60,16 +62,17 @@ from distgrad.run import handshake
 from distgrad.wire import messages as wire
 from distgrad.config.defended import budget_text, held_out_budget
 from distgrad.privacy.releases import fresh_secret
-from distgrad.config.csvfile import CsvColumns, looks_like_header, number, shown
 from distgrad.config.experiment import Experiment
-from distgrad.config.prepare import Preparation, prepares, read_cells, read_preparation
-from distgrad.errors import (ConfigError, DistgradError, Interrupted, OutputWriteError, PeerRejected, PeerTimeout,
+from distgrad.errors import (ConfigError, DistgradError, Interrupted, PeerRejected, PeerTimeout,
                              ProtocolError)
 from distgrad.wire.link import DownstreamLink, LinkSettings
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.stage.records import write_atomic, writing
 from distgrad.run.protocol import (abort_reason, check_owner, decode_and_handle, hello_peer, is_abort_notice,
                                    not_accepted, pong, tell_why_stopped, unknown_run)
+from distgrad.run.predict_output import (FORMULA_STARTS, PredictionFile, _place_new, check_output,  # noqa: F401
+                                         scores_path, text_cell)
+from distgrad.run.predict_rows import (NewRows, OwnRows, feature_names, held_out_rows, read_rows,  # noqa: F401
+                                       saved_preparation)
 from distgrad.run.serving import announce
 from distgrad.run.stage_state import StageState
 from distgrad.threads import one_compute_thread
@@ -92,16 +95,6 @@ class PredictionAborted(DistgradError, RuntimeError):
 
 
 @dataclass
-class NewRows:
-    """Rows to predict: float32 ``features`` ``(rows, ...)`` and, when they have them, their ``ids`` (one
-    per row) from the column named ``id_name``."""
-
-    features: np.ndarray
-    ids: list[str] | None = None
-    id_name: str = "id"
-
-
-@dataclass
 class _Session:
     run: str
     chunks: dict[int, np.ndarray]
@@ -116,127 +109,6 @@ class _Session:
     since: float = field(default_factory=time.time)                # when it started (seconds since the epoch)
     owner: str = ""                          # with CURVE: the key that said its hello ("" in plaintext)
     classes: list[str] | None = None         # labels = "first": the data owner's class names (its hello's)
-
-
-def feature_names(exp: Any, stage: str, table: Mapping[str, Any]) -> list[str] | None:
-    """The names of stage ``stage``'s feature columns, in the order it takes them, or None when its data
-    does not name them: an npz/npy ``[data]``'s ``feature_names`` (as ``distgrad split`` writes them), or
-    a csv ``[data]`` with a header (its features given by name, or by index into its file's header);
-    a vertical party's ``columns`` of them."""
-    kind, names = table.get("kind"), None
-    if kind in ("npz", "npy"):
-        names = table.get("feature_names")
-    elif kind == "csv" and table.get("header") and table.get("features") is not None:
-        refs = table["features"] if isinstance(table["features"], list) else [table["features"]]
-        if all(isinstance(ref, str) for ref in refs):
-            names = list(refs)
-        elif isinstance(table.get("path"), str) and (exp.spec(stage).base_dir / table["path"]).is_file():
-            training = CsvColumns(exp.spec(stage).base_dir / table["path"], True)
-            header = [name.strip() for name in training.first_row()]
-            if all(isinstance(ref, str) or (isinstance(ref, int) and 0 <= ref < len(header)) for ref in refs):
-                names = [ref if isinstance(ref, str) else header[ref] for ref in refs]
-    columns = exp.spec(stage).columns
-    if names is not None and columns is not None:
-        names = [names[c] for c in columns] if all(0 <= c < len(names) for c in columns) else None
-    return names
-
-
-def _read_csv(path: Path, table: Any, id_column: int | str | None, names: list[str] | None,
-              header_given: bool | None = None, prep: Preparation | None = None
-              ) -> tuple[np.ndarray, list[str] | None, str, Callable[[int, int], str]]:
-    """A CSV's feature columns (float64), IDs, ID column name, and where value ``(i, j)`` of the features
-    is in the file (its line, and its column with the header's name), read as a csv ``[data]`` table reads
-    them.
-
-    The first line is a header where ``header_given`` (``--header``/``--no-header``) says so, else where
-    the stage's csv ``table`` declares one (``header = true``; a first line of numbers is then refused,
-    never dropped), or else when every one of its fields is a name (``csvfile.looks_like_header``). With
-    a header and the stage's feature ``names``, the features are the columns of those names, in the
-    stage's order (a header that does not name them all is refused); else a csv ``table``'s
-    ``features``, or every column but the ID column. ``id_column`` (else the csv
-    table's) names the ID column. With ``prep`` (the stage's saved data preparation) the feature columns
-    are prepared by it (missing cells, categories, standardisation: ``Preparation.encode``)."""
-    form = table if table.get("kind") == "csv" else {}
-    reader = CsvColumns(path, False)
-    first = reader.first_row()
-    if not first:
-        raise ConfigError("the file holds no rows")
-    declared = bool(form.get("header", False))
-    if header_given is None and declared and all(number(cell) is not None for cell in first):
-        raise ConfigError("its first line holds only numbers, but the stage's [data] declares a header (header = "
-                          "true): give the file a first line naming its columns (or --no-header)")
-    reader.header = header_given if header_given is not None else declared or looks_like_header(first)
-    header = reader.names()
-    id_ref = id_column if id_column is not None else form.get("id_column")
-    features = form.get("features")
-    by_name = [ref for ref in [id_ref, *(features if isinstance(features, list) else [features])]
-               if isinstance(ref, str)]
-    if header is None and by_name:
-        raise ConfigError(f"columns are given by name ({by_name[0]!r}), but its first line is no header (a header is "
-                          f"a line of names only, none a number, or --header): it holds "
-                          f"{', '.join(shown(c) for c in first[:8])}{' ...' if len(first) > 8 else ''}")
-    id_index = reader.indices(id_ref)[0] if id_ref is not None else None
-    if id_index is not None and not 0 <= id_index < len(first):
-        raise ConfigError(f"the ID column {id_ref!r} is not one of its {len(first)} columns")
-    if header is not None and names is not None:
-        missing = [name for name in names if name not in header]
-        if missing:
-            raise ConfigError(f"its header does not name the feature column(s) {missing[:8]} of the stage, whose "
-                              f"features are {names[:8]}{' ...' if len(names) > 8 else ''} (matched by name, in any "
-                              f"order); its header is {header[:8]}{' ...' if len(header) > 8 else ''}")
-        columns = reader.indices(list(names))
-    elif features is not None:
-        columns = reader.indices(features)
-    else:
-        columns = [i for i in range(len(first)) if i != id_index]
-    if id_index is not None and id_index in columns:
-        raise ConfigError(f"the ID column {id_ref!r} is also one of the features {features or names!r}")
-    values = reader.numbers(columns) if prep is None else _prepared(reader, columns, prep)
-    ids = reader.ids(id_ref) if id_ref is not None else None
-    name = first[id_index].strip() if reader.header and id_index is not None else (
-        id_ref if isinstance(id_ref, str) else "id")
-    lines = reader.data()[0]
-
-    def where(i: int, j: int) -> str:
-        column = reader.column_label(columns[j]) if prep is None else f"prepared feature column {j + 1}"
-        return f"line {lines[i]}, {column} (data row {i + 1})"
-
-    return values, ids, name, where
-
-
-def _prepared(reader: CsvColumns, columns: list[int], prep: Preparation) -> np.ndarray:
-    """The CSV's feature ``columns`` prepared as the stage's training rows were (float64): a category never
-    seen in training, or a missing cell with nothing to fill it, is a ``ConfigError`` naming its line."""
-    if len(columns) != len(prep.columns):
-        raise ConfigError(f"{len(columns)} feature columns, but the stage's saved data preparation has "
-                          f"{len(prep.columns)} ({[c.name for c in prep.columns][:8]})")
-    lines, _ = reader.data()
-    numbers = np.full((len(lines), len(columns)), np.nan)
-    texts: dict[int, list[str]] = {}
-    for j, (column, stats) in enumerate(zip(columns, prep.columns)):
-        cells = reader.texts(column)[1]
-        if stats.categories is not None:
-            texts[j] = cells
-        else:
-            numbers[:, j] = read_cells(cells, lambda i, c=column: f"line {lines[i]}, {reader.column_label(c)} "
-                                       f"(data row {i + 1})", prep.missing != "error")
-    return prep.encode(numbers, texts, lambda i, j: f"line {lines[i]}, {reader.column_label(columns[j])} "
-                       f"(data row {i + 1})", unseen="error")
-
-
-def saved_preparation(exp: Any, stage: str, load: Path | None) -> Preparation | None:
-    """The data preparation statistics saved beside stage ``stage``'s ``--load`` file
-    (``prepare.read_preparation``), or None when its [data] prepares nothing or the stage keeps none of it
-    (it holds neither feature columns nor, as the label owner, the class names: ``Experiment.preparation``
-    saves nothing for it); ``ConfigError`` when they are needed and missing."""
-    spec = exp.spec(stage)
-    table = exp.data if spec.data is None else spec.data
-    if not prepares(table) or load is None:
-        return None
-    holds_features = stage in exp.data_owners or (stage == exp.stage_names[-1] and exp.own_bottom)
-    if not holds_features and not (stage == exp.label_owner and table.get("class_names")):
-        return None
-    return read_preparation(load)
 
 
 def travelling_class_names(exp: Experiment, stage: str, seed: int, load: Path | None) -> list[str] | None:
@@ -277,96 +149,6 @@ def check_class_names(names: Any, labels_travel: bool, outputs: tuple[int, ...] 
                                                 f"{wire.show(names[:12])}, and the last stage outputs rows of shape "
                                                 f"{outputs}: one score per class is needed to write the class names")
     return names
-
-
-def _array_cell(i: int, j: int) -> str:
-    """Where value ``(i, j)`` of an array of rows is."""
-    return f"data row {i + 1}, column {j + 1}"
-
-
-def read_rows(path: Path, exp: Any, stage: str, id_column: int | str | None = None,
-              header: bool | None = None, load: Path | None = None) -> NewRows:
-    """New rows from ``path``, scaled like the stage's training data (its ``feature_scale``).
-
-    ``.npy``: an array of rows. ``.csv``: read as the stage's csv ``[data]``
-    reads its file (``header``, ``features`` by index or name, ``id_column``),
-    or, when its data is of another kind, every column is a feature (but
-    the ID column) and the first line is a header only when every field of
-    it is a name; ``header`` (``--header``/``--no-header``) says whether it is
-    one (``_read_csv``). When the stage's features have names
-    (``feature_names``), a CSV header is matched to them by name. Every value
-    must be a finite number. ``id_column`` (``--id-column``: a header name or
-    an index) names the ID column, whose values travel with the rows and
-    reach the label owner's output. When the stage's [data] prepares its
-    rows, the statistics saved beside ``load`` (its ``--load`` file) prepare
-    these rows alike (``saved_preparation``). Raises ``ConfigError`` naming
-    ``--input`` (and, for a CSV, the line and column of a bad field).
-    """
-    spec = exp.spec(stage)
-    table = exp.data if spec.data is None else spec.data
-    scale = np.float32(table.get("feature_scale", 1.0))
-    prep = saved_preparation(exp, stage, load)
-    prep = prep if prep is not None and prep.columns else None
-    ids, name = None, "id"
-
-    where: Callable[[int, int], str] = _array_cell       # a CSV's cells: their line and named column (_read_csv)
-
-    try:
-        if path.suffix == ".npy":
-            if id_column is not None:
-                raise ConfigError("--id-column names a column of a .csv --input; an .npy file has no IDs")
-            if header is not None:
-                raise ConfigError("--header and --no-header are about a .csv --input; an .npy file has no header")
-            raw = np.load(path, allow_pickle=False)
-            if prep is not None:
-                if any(c.categories is not None for c in prep.columns):
-                    raise ConfigError("the stage one-hot encodes categorical columns, which an .npy file of numbers "
-                                      "cannot hold: give the rows as a .csv --input")
-                if not isinstance(raw, np.ndarray) or raw.dtype.kind not in "biuf" or raw.ndim != 2 \
-                        or raw.shape[1] != len(prep.columns):
-                    raise ValueError(f"expected rows of the {len(prep.columns)} feature columns the stage prepares")
-                raw = prep.encode(raw.astype(np.float64), {}, lambda i, j: f"data row {i + 1}, column {j + 1}",
-                                  unseen="error")
-        else:
-            raw, ids, name, where = _read_csv(path, table, id_column, feature_names(exp, stage, table), header,
-                                              prep)
-        if not isinstance(raw, np.ndarray) or raw.ndim < 1 or raw.dtype.kind not in "biuf" or not len(raw):
-            raise ValueError("expected a non-empty numeric array of rows")
-        with np.errstate(over="ignore", invalid="ignore"):        # a value beyond float32 is refused below
-            rows = raw.reshape(len(raw), -1).astype(np.float32) * scale
-        finite = np.isfinite(rows)
-        if not finite.all():
-            row, column = (int(i) for i in np.argwhere(~finite)[0])
-            value = raw.reshape(len(raw), -1)[row, column]
-            raise ConfigError(f"{where(row, column)}: {float(value)!r} is not a finite number"
-                              f"{' within float32 range (once scaled)' if np.isfinite(value) else ''}")
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"--input {path}: cannot read rows: {e}") from e
-    except ConfigError as e:
-        raise ConfigError(f"--input {path}: {e}") from e
-    # An active label owner's rows are its own feature columns, not what it receives.
-    shape = exp.own_features_shape() if stage == exp.stage_names[-1] and exp.own_bottom else exp.input_shape(stage)
-    width = shape[1:] if exp.batch is not None else shape
-    if tuple(rows.shape[1:]) != tuple(width) or not len(rows):
-        raise ConfigError(f"--input {path} has rows of shape {tuple(rows.shape[1:])} ({len(rows)} rows); stage "
-                          f"{stage} takes rows of shape {tuple(width)}")
-    return NewRows(rows, ids, name)
-
-
-def held_out_rows(exp: Any, stage: str, seed: int, load: Path | None = None) -> NewRows:
-    """The stage's held-out test rows (the default ``--input``; a validation split's validation rows left out),
-    with their IDs when its data has an ``id_column``;
-    prepared by the statistics saved beside ``load`` when its [data] prepares its rows."""
-    data = exp.build_data(seed, stage=stage)
-    prep = saved_preparation(exp, stage, load)
-    if prep is not None and prep.columns:
-        data.adopt(prep, f"{load}")
-    if not len(data.test_rows):
-        raise ConfigError(f"stage {stage}'s data holds out no rows: give --input FILE")
-    ids = data.row_ids() if hasattr(data, "row_ids") else None
-    tests = data.test_rows[data.validation_count:]          # not the validation rows of a validation split
-    return NewRows(data.test_features()[data.validation_count:], None if ids is None else [ids[i] for i in tests],
-                   data.id_name() if ids is not None else "id")
 
 
 def _id_chunks(rows: NewRows, chunk_rows: int) -> Sequence[list[str] | None]:
@@ -511,7 +293,7 @@ class PredictionServer:
         ``overwrite``: the output files may replace existing ones (``--force``), else a file found there
         when they are written is left as it is and the prediction fails (``OutputWriteError``)."""
         self.opts, self.exp, self.output, self.link = opts, opts.experiment, output, link
-        self.output_scores, self.overwrite = output_scores, overwrite
+        self.output_scores = output_scores
         self.own = OwnRows(own_rows, self.exp.batch or 1) if own_rows is not None else None
         check_predicts(self.exp)
         self.state = StageState(opts)
@@ -523,6 +305,7 @@ class PredictionServer:
             raise ConfigError(f"stage {opts.stage!r} outputs rows of shape {tuple(self.stage.output_shape[1:])}, "
                               f"and its labels name {len(self.classes)} classes {self.classes[:12]}: one score per "
                               f"class is needed to write the class names")
+        self.file = PredictionFile(output, overwrite, self.classes, self.log)    # the label owner's output
         self.parties = self.exp.upstream(opts.stage)        # the stages that send here
         self.upstream = self.parties[0]
         # Vertical: several parties, or one and the label owner's own bottom, whose embeddings combine.
@@ -649,6 +432,33 @@ class PredictionServer:
         sender = self.parties[hello_peer(body, self.exp.name, parties=self.parties)] if self.vertical else self.upstream
         shape = self.exp.cuts[self.exp.stage_index(sender)] if self.vertical else self.stage.input_shape
         handshake.check_hello(body, sender, self.exp, self.opts.seed, shape, self.opts.stage)
+        rows, id_name = self._announced(body)
+        session = self.sessions.get(sender)
+        if session is not None and session.run == msg.run:
+            check_owner(session.owner, peer_key)
+        if session is not None and session.run != msg.run and not session.done and \
+                now - session.last_seen <= self.opts.liveness_s:
+            raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
+                                                         now - session.last_seen, self.opts.liveness_s))
+        self._check_parties_agree(sender, rows, id_name)
+        names = body.get("class_names")
+        classes = None if names is None else check_class_names(
+            names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
+        if self.own is not None:
+            self.own.check(rows, id_name)
+        if session is None or session.run != msg.run:
+            if self.link is not None:
+                self._pass_hello_on(msg, rows, id_name, classes)
+            batch = self.exp.batch or 1
+            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
+                                             owner=peer_key, classes=classes)
+            self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
+        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
+
+    def _announced(self, body: dict[str, Any]) -> tuple[int, str | None]:
+        """A prediction hello's row count and ID column (None: no IDs), checked: ``ProtocolError`` for a hello
+        of another purpose, a row count beyond ``MAX_CHUNKS`` chunks, a bad column name, or IDs that the label
+        owner's ``.npy`` output cannot keep."""
         if body.get("purpose") != "predict":
             raise ProtocolError(ErrorCode.MISMATCH, "this stage serves predictions (distgrad predict), not a "
                                                     "training run")
@@ -666,15 +476,12 @@ class PredictionServer:
             raise ProtocolError(ErrorCode.MISMATCH, f"the rows carry IDs (column {id_name!r}), but the label owner "
                                                     f"writes {self.output.name}, an .npy file, which cannot keep "
                                                     f"them: give it --output FILE.csv")
-        session = self.sessions.get(sender)
-        if session is not None and session.run == msg.run:
-            check_owner(session.owner, peer_key)
-        if session is not None and session.run != msg.run and not session.done and \
-                now - session.last_seen <= self.opts.liveness_s:
-            raise ProtocolError(ErrorCode.RUN, wire.busy_text("prediction", session.run, session.since, "its sender",
-                                                         now - session.last_seen, self.opts.liveness_s))
-        # A refusal names the sender's own row count and ID column only: a party learns neither of another
-        # party's --input (this stage's log has both).
+        return rows, id_name
+
+    def _check_parties_agree(self, sender: str, rows: int, id_name: str | None) -> None:
+        """Refuse (``mismatch``) a hello of party ``sender`` whose ``rows`` or ID column differ from another
+        party's prediction here. A refusal names the sender's own row count and ID column only: a party learns
+        neither of another party's --input (this stage's log has both)."""
         for other, theirs in self.sessions.items():
             if other != sender and theirs.rows != rows:
                 self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
@@ -687,26 +494,19 @@ class PredictionServer:
                 raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
                                                         f"{wire.show(id_name)}, party {other} not of that column: "
                                                         f"every party keeps the ID column, or none")
-        names = body.get("class_names")
-        classes = None if names is None else check_class_names(
-            names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
-        if self.own is not None:
-            self.own.check(rows, id_name)
-        if session is None or session.run != msg.run:
-            if self.link is not None:
-                own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
-                                      [0], 0, 1, relayed=body.get("parts"))
-                own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}),
-                                **({"class_names": classes} if classes is not None else {}))
-                try:
-                    self.link.handshake(own)
-                except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
-                    raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
-            batch = self.exp.batch or 1
-            self.sessions[sender] = _Session(msg.run, {}, now, rows, -(-rows // batch), id_name=id_name,
-                                             owner=peer_key, classes=classes)
-            self.log.info("prediction %s: %d rows from %s", msg.run, rows, body.get("role"))
-        return Message(wire.WELCOME, msg.run, msg.step, body={"stage": self.opts.stage, "next_step": 1})
+
+    def _pass_hello_on(self, msg: Message, rows: int, id_name: str | None, classes: list[str] | None) -> None:
+        """A middle stage: say this prediction's hello (run ``msg.run``, its ``rows``, ID column and class
+        names) to the stage below; its refusal is this hello's, saying why (``ProtocolError``)."""
+        assert self.link is not None
+        own = handshake.hello(self.exp, self.opts.stage, self.opts.seed, self.stage.output_shape, msg.run,
+                              [0], 0, 1, relayed=msg.body.get("parts"))
+        own.body.update(purpose="predict", rows=rows, **({"id_column": id_name} if id_name else {}),
+                        **({"class_names": classes} if classes is not None else {}))
+        try:
+            self.link.handshake(own)
+        except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
+            raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
 
     def _predict(self, session: _Session, msg: Message) -> Message:
         if session.done:
@@ -832,19 +632,10 @@ class PredictionServer:
             if missing or extra or have != rows:
                 raise ProtocolError(ErrorCode.STEP, f"bye of {chunks} chunks and {rows} rows, but this stage holds "
                                                     f"{have} rows (missing chunks {missing}, extra {extra})")
-            self.written = self._write_chunks(chunks, session.chunks, session.ids, session.scores, session.id_name,
-                                              session.classes)
+            self.written = self.file.write_chunks(chunks, session.chunks, session.ids, session.scores,
+                                                  session.id_name, session.classes)
         session.done = True
         return Message(wire.BYE, msg.run, msg.step, body={"rows": rows})
-
-    def _write_chunks(self, chunks: int, predictions: Mapping[int, np.ndarray], ids: Mapping[int, list[str]],
-                      scores: Mapping[int, np.ndarray], id_name: str | None, classes: list[str] | None = None) -> int:
-        """Write the predictions of chunks 1..``chunks`` in order, with their rows' IDs and scores where kept
-        (``_write``; ``classes``: the data owner's class names when the labels travel); returns the rows
-        written."""
-        numbers = range(1, chunks + 1)
-        return self._write(np.concatenate([np.atleast_1d(predictions[n]) for n in numbers]), id_name,
-                           [k for n in numbers for k in ids.get(n, [])], _joined(scores, numbers), classes)
 
     def _bye_party(self, session: _Session, msg: Message, envelope: Any, chunks: int, rows: int) -> Message | None:
         """A feature party's bye: kept (its latest envelope) until every party's is in and every chunk
@@ -863,173 +654,13 @@ class PredictionServer:
         if any(bye.body.get("chunks") != chunks for _, (_, bye) in byes) or len(self.predictions) != chunks:
             raise ProtocolError(ErrorCode.STEP, f"the parties' byes disagree on the chunks, or chunks are missing "
                                                 f"({len(self.predictions)} of {chunks} combined)")
-        self.written = self._write_chunks(chunks, self.predictions, self.prediction_ids, self.scores,
-                                          session.id_name)
+        self.written = self.file.write_chunks(chunks, self.predictions, self.prediction_ids, self.scores,
+                                              session.id_name)
         for s, (bye_envelope, bye) in byes:
             s.done = True
             if bye_envelope is not None and s is not session:
                 self.ready.append((bye_envelope, Message(wire.BYE, bye.run, bye.step, body={"rows": rows})))
         return reply
-
-    def _write(self, predictions: np.ndarray, id_name: str | None = None, ids: list[str] | None = None,
-               scores: np.ndarray | None = None, travelled: list[str] | None = None) -> int:
-        """Write the predictions to ``output`` (``.npy``, or ``.csv`` whose first column is the rows' IDs,
-        headed ``id_name``, both as ``text_cell`` writes them, or without IDs ``row``, the row's number from
-        0), and their ``scores`` when
-        given (CSV columns ``score_K``; beside an ``.npy``, ``NAME.scores.npy``); returns rows. Class ids
-        are written as the class names: the label owner's own, or those that ``travelled`` in the hello."""
-        assert self.output is not None
-        classes = self.classes if travelled is None else travelled
-        if classes is not None:
-            predictions = self._named(predictions, classes)
-        if self.output.suffix == ".npy":
-            if scores is not None:
-                self._put(scores_path(self.output), lambda f: np.save(f, scores, allow_pickle=False))
-            try:
-                self._put(self.output, lambda f: np.save(f, predictions, allow_pickle=False))
-            except OutputWriteError:
-                if scores is not None and not self.overwrite:     # written by this prediction: no half pair left
-                    scores_path(self.output).unlink(missing_ok=True)
-                raise
-        else:
-            table = predictions.reshape(len(predictions), -1)
-            columns = ["prediction"] if table.shape[1] == 1 else [f"prediction_{i}" for i in range(table.shape[1])]
-            fmt = "%d" if predictions.dtype.kind == "i" else "%s" if predictions.dtype.kind == "U" else "%.9g"
-            cells = [[text_cell(v) if isinstance(v, str) else fmt % v for v in row] for row in table.tolist()]
-            if scores is not None:
-                columns += ([f"score_{text_cell(c)}" for c in classes]
-                            if classes is not None and len(classes) == scores.shape[1]
-                            else [f"score_{i}" for i in range(scores.shape[1])])
-                cells = [row + ["%.9g" % v for v in values] for row, values in zip(cells, scores)]
-            keys = ([text_cell(key) for key in ids] if id_name is not None and ids is not None
-                    else [str(i) for i in range(len(table))])
-            out = io.StringIO()
-            writer = csv.writer(out, lineterminator="\n")
-            writer.writerow([text_cell(id_name) if id_name is not None else "row", *columns])
-            writer.writerows([key, *row] for key, row in zip(keys, cells))
-            text = out.getvalue().encode()
-            self._put(self.output, lambda f: f.write(text))
-        self.log.info("wrote %d predictions to %s", len(predictions), self.output)
-        return len(predictions)
-
-    def _put(self, path: Path, write: Callable[[Any], object]) -> None:
-        """Write ``path`` whole through ``write(file)``, never seen half written (``write_atomic``); unless
-        ``overwrite``, a file that is there already (written since this stage checked at its start) is left as
-        it is. Raises ``OutputWriteError`` naming ``path``: the prediction fails, its senders are told."""
-        with writing(path, "the predictions to"):
-            if self.overwrite:
-                write_atomic(path, write)
-                return
-            whole = write_atomic(path.with_name(f".{path.name}.{os.getpid()}.whole"), write)
-            try:
-                _place_new(whole, path)
-            finally:
-                whole.unlink(missing_ok=True)
-
-    @staticmethod
-    def _named(predictions: np.ndarray, classes: list[str]) -> np.ndarray:
-        """Class ids as the class names (a text array); ``ConfigError`` for an id without one (a model with
-        more outputs than the training labels had classes)."""
-        ids = np.asarray(predictions)
-        if ids.dtype.kind not in "iu" or (len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < len(classes)):
-            raise ConfigError(f"the predictions are not class ids 0 to {len(classes) - 1}, the classes "
-                              f"{classes[:12]} the labels named")
-        return np.array(classes, dtype=str)[ids]
-
-
-class OwnRows:
-    """An active label owner's own feature columns of the rows a prediction takes (its ``--input``, or its
-    held-out rows), matched to each chunk the parties send: by the rows' IDs when they carry them (the
-    label owner's rows need the same ID column, in any order), else by position (the same row count)."""
-
-    def __init__(self, rows: NewRows, batch: int) -> None:
-        self.rows, self.batch = rows, batch
-        self.index: dict[str, int] | None = None
-        if rows.ids is not None:
-            self.index = {key: i for i, key in enumerate(rows.ids)}
-            if len(self.index) != len(rows.ids):
-                raise ConfigError(f"the label owner's own rows repeat an ID of column {rows.id_name!r}: each row "
-                                  f"needs its own to be matched with the parties' rows")
-
-    def check(self, rows: int, id_name: str | None) -> None:
-        """Refuse (``mismatch``) a hello whose rows these cannot be matched with: IDs of another column (or
-        none where the parties send IDs), or, without IDs, another row count."""
-        if id_name is not None and (self.index is None or id_name != self.rows.id_name):
-            own = "no IDs" if self.index is None else f"IDs of column {self.rows.id_name!r}"
-            raise ProtocolError(ErrorCode.MISMATCH, f"the parties send the IDs of column {id_name!r}; the label "
-                                                    f"owner's own rows have {own}: give it an --input with the "
-                                                    f"same ID column")
-        if id_name is None and rows != len(self.rows.features):
-            raise ProtocolError(ErrorCode.MISMATCH, f"the parties announce {rows} rows without IDs; the label "
-                                                    f"owner holds {len(self.rows.features)} own rows, matched by "
-                                                    f"position: give every side the same rows (or IDs)")
-
-    def chunk(self, number: int, ids: list[str] | None, count: int) -> np.ndarray:
-        """The own columns of chunk ``number``'s ``count`` rows: by their ``ids``, else by position."""
-        if ids is None:
-            start = (number - 1) * self.batch
-            return self.rows.features[start:start + count]
-        assert self.index is not None            # ``check`` refused IDs the own rows do not have
-        missing = next((key for key in ids if key not in self.index), None)
-        if missing is not None:
-            raise ProtocolError(ErrorCode.MISMATCH, f"chunk {number}: row ID {wire.show(missing)} is not among the "
-                                                    f"label owner's own rows (column {self.rows.id_name!r}): the "
-                                                    f"parties' --input files and its own are not aligned")
-        return self.rows.features[[self.index[key] for key in ids]]
-
-
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")    # a spreadsheet takes a cell beginning so for a formula
-
-
-def text_cell(text: str) -> str:
-    """``text`` (a row's ID, the ID column's name) as a CSV cell that stays text: every control or other
-    non-printable character written as its Python escape (``\\x1b``, ``\\t``, ``\\n``, ``\\u202e``), so
-    none reaches a terminal, and a cell beginning with ``= + - @``, a tab or a carriage return (after
-    spaces) prefixed with a single quote, so a spreadsheet shows it rather than evaluating it."""
-    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    return "'" + escaped if text.lstrip(" ").startswith(FORMULA_STARTS) else escaped
-
-
-def _place_new(whole: Path, path: Path) -> None:
-    """Put the written file ``whole`` at ``path``, which must not exist: a hard link, which is atomic and
-    refused when ``path`` is there; where the file system has no hard links, a rename once ``path`` is
-    found absent. ``OutputWriteError`` when ``path`` is there (another process wrote it meanwhile)."""
-    try:
-        os.link(whole, path)
-        return
-    except FileExistsError:
-        pass
-    except OSError:                           # no hard links here (some network or FAT file systems)
-        if not (path.exists() or path.is_symlink()):
-            os.replace(whole, path)
-            return
-    raise OutputWriteError(f"cannot write the predictions to {path}: the file appeared while this prediction ran "
-                           f"(another process wrote it); it is left as it is")
-
-
-def check_output(output: Path, output_scores: bool, overwrite: bool) -> None:
-    """Refuse (``ConfigError``), before anything is served, an ``output`` that cannot be written: its folder
-    missing, a folder of that name, or a file already there (another prediction's, say: ``NAME.scores.npy``
-    too with ``output_scores`` and ``.npy``) unless ``overwrite`` (``--force``)."""
-    if not output.parent.is_dir():
-        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
-    paths = [output, scores_path(output)] if output_scores and output.suffix == ".npy" else [output]
-    for path in paths:
-        if path.is_dir():
-            raise ConfigError(f"--output {output}: {path} is a folder; give a file name")
-        if (path.exists() or path.is_symlink()) and not overwrite:
-            raise ConfigError(f"--output {output}: {path} exists (another prediction's file?); give another name, "
-                              f"or --force to overwrite it")
-
-
-def scores_path(output: Path) -> Path:
-    """Where an ``.npy`` output's scores go: ``NAME.scores.npy`` beside ``NAME.npy``."""
-    return output.with_name(f"{output.stem}.scores.npy")
-
-
-def _joined(scores: Mapping[int, np.ndarray], numbers: range) -> np.ndarray | None:
-    """The chunks' scores in chunk order; None without scores."""
-    return np.concatenate([scores[n] for n in numbers]) if scores else None
 
 
 @one_compute_thread()
@@ -1047,6 +678,30 @@ def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_fra
     return bool(held) or told
 
 
+def _check_serving(opts: StageOptions, output: Path | None, last: bool, output_scores: bool, own_rows: bool,
+                   overwrite: bool) -> None:
+    """Refuse (``ConfigError``) what ``serve_predictions`` is asked for, before anything is served, when this
+    stage cannot do it: not its role; an ``output`` or ``output_scores`` on a middle stage (not ``last``); no
+    ``.csv`` or ``.npy`` output on the last; one that cannot be written (``check_output``); ``own_rows``
+    given, or missing, when the label owner does not have, or has, its own bottom."""
+    exp = opts.experiment
+    exp.check_role(opts.stage, binds=True, connects=not last)
+    if output_scores and not last:
+        raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
+                          "predictions and their scores")
+    if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
+        raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
+                          f"{f', not {output}' if output is not None else ''}")
+    if not last and output is not None:
+        raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
+    if output is not None:
+        check_output(output, output_scores, overwrite)
+    if own_rows != (last and exp.own_bottom):
+        raise ConfigError(f"stage {opts.stage!r}: own rows are for a label owner with its own 'bottom', which "
+                          f"needs them" if own_rows else
+                          f"stage {opts.stage!r} has its own 'bottom': give it its own columns of the rows")
+
+
 def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: StopFlag,
                       connect: str | None = None, ready_file: Path | None = None,
                       ctx: zmq.Context | None = None, output_scores: bool = False,
@@ -1058,22 +713,8 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
     file) already there unless ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own
     ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
-    exp.check_role(opts.stage, binds=True, connects=connect is not None)
     last = connect is None
-    if output_scores and not last:
-        raise ConfigError("--output-scores is for the label owner (the last stage), which alone computes the "
-                          "predictions and their scores")
-    if last and (output is None or output.suffix not in OUTPUT_SUFFIXES):
-        raise ConfigError(f"the label owner writes the predictions: give --output FILE.csv or FILE.npy"
-                          f"{f', not {output}' if output is not None else ''}")
-    if not last and output is not None:
-        raise ConfigError("--output is for the label owner (the last stage), which alone sees the predictions")
-    if output is not None:
-        check_output(output, output_scores, overwrite)
-    if (own_rows is not None) != (last and exp.own_bottom):
-        raise ConfigError(f"stage {opts.stage!r}: own rows are for a label owner with its own 'bottom', which "
-                          f"needs them" if own_rows is not None else
-                          f"stage {opts.stage!r} has its own 'bottom': give it its own columns of the rows")
+    _check_serving(opts, output, last, output_scores, own_rows is not None, overwrite)
     ctx = ctx or zmq.Context.instance()
     link = DownstreamLink(opts.link, connect, stop.check, ctx, opts.downstream_security, None) if connect else None
     logic = PredictionServer(opts, output, link, output_scores, own_rows, overwrite)
