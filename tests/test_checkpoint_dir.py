@@ -223,3 +223,56 @@ def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
     assert reference.returncode == 0, reference.stderr
     assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
     assert read_json(tmp_path / "more.json")["steps"] == 120
+
+
+
+class _KilledAfterTheFinishedCheckpoint(BaseException):
+    """What a kill -9 right after a stage's checkpoint marked finished leaves: that file, and nothing later."""
+
+
+@pytest.mark.parametrize("victim", ["f", "g"])
+def test_a_stage_killed_right_after_its_finished_checkpoint_has_written_its_save_file(tmp_path, monkeypatch, victim):
+    """A rerun with --resume finds such a run finished and writes nothing: --save must already be on disk."""
+    import threading
+
+    import numpy as np
+    import zmq
+
+    from conftest import free_tcp_endpoint
+    from distgrad.api import _options
+    from distgrad.run.driver import drive_first_stage
+    from distgrad.run.options import StopFlag
+    from distgrad.run.serving import serve
+    from distgrad.run.stage_state import StageState
+
+    save = StageState.save
+
+    def save_then_die(self, *args, finished=False, **kwargs):
+        save(self, *args, finished=finished, **kwargs)
+        if finished and self.opts.stage == victim:
+            self.write_failed = True        # killed: no exit save follows
+            raise _KilledAfterTheFinishedCheckpoint
+
+    def start(name, **more):
+        opts = _options("seed-reverse", name, name == "f", checkpoint_dir=tmp_path / "ckpt", steps=40,
+                        save_path=tmp_path / f"{name}.npz", peer_deadline_s=10.0, **more)
+        ctx = zmq.Context()
+        try:
+            return (drive_first_stage(opts, endpoint, StopFlag(), ctx) if name == "f"
+                    else serve(opts, endpoint, StopFlag(), ctx=ctx))
+        finally:
+            ctx.destroy(linger=0)
+
+    endpoint = free_tcp_endpoint()
+    monkeypatch.setattr(StageState, "save", save_then_die)
+    survivor = threading.Thread(target=start, args=("g" if victim == "f" else "f",), daemon=True)
+    survivor.start()
+    with pytest.raises(_KilledAfterTheFinishedCheckpoint):
+        start(victim)
+    survivor.join(30)
+    assert not survivor.is_alive()
+    monkeypatch.setattr(StageState, "save", save)
+    again = start(victim, resume=True)
+    assert again["status"] == "finished" and again["steps"] == 40
+    with np.load(tmp_path / f"{victim}.npz") as npz:
+        assert {name: npz[name].tolist() for name in npz.files} == again["params"][victim]
