@@ -276,3 +276,62 @@ def test_a_stage_killed_right_after_its_finished_checkpoint_has_written_its_save
     assert again["status"] == "finished" and again["steps"] == 40
     with np.load(tmp_path / f"{victim}.npz") as npz:
         assert {name: npz[name].tolist() for name in npz.files} == again["params"][victim]
+
+
+def test_a_stop_flag_told_to_stop_with_its_parent_is_set_once_the_parent_is_gone(monkeypatch):
+    """``distgrad run``'s stages watch their launcher (``StopFlag.stop_with_parent``): when it dies, even by
+    SIGKILL, the orphan's parent changes and the stage stops as on SIGTERM (checkpoint, exit 143)."""
+    import threading
+
+    from distgrad.errors import Interrupted
+    from distgrad.run import options
+    from distgrad.run.options import StopFlag
+
+    parent = [os.getppid()]
+    monkeypatch.setattr(options.os, "getppid", lambda: parent[0])
+    monkeypatch.setattr(options, "PARENT_POLL_S", 0.001)
+    stop = StopFlag().stop_with_parent(parent[0])
+    stop.check()                                # the parent lives: no stop
+    parent[0] = 1                               # the launcher died: the orphan went to init
+    watcher = next(t for t in threading.enumerate() if t.name == "distgrad-parent-watch")
+    watcher.join(10)
+    assert not watcher.is_alive() and stop.signum == signal.SIGTERM
+    with pytest.raises(Interrupted):
+        stop.check()
+
+
+def _live(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not yet exited (a zombie has: its stat state is Z)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.slow       # the watch itself: test_a_stop_flag_told_to_stop_with_its_parent_is_set_once_the_parent_is_gone
+def test_distgrad_run_killed_9_stops_its_stages_and_a_rerun_with_resume_ends_bitwise(tmp_path):
+    """A launcher killed -9 takes its stages down with it (each saving a checkpoint), so the same command with
+    --resume at once holds their checkpoint directory and continues the run bitwise."""
+    import time
+
+    ck = tmp_path / "ckpt"
+    args = ["run", "tanh-regression", "--steps", "6000", "--checkpoint-dir", ck, "--checkpoint-every", "100",
+            "--resume", "--summary", tmp_path / "run.json"]
+    with StageProcess(args, tmp_path / "launcher.log", distgrad=True) as launcher:
+        deadline = time.monotonic() + 60
+        while not list(ck.glob("f-*-000000200.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pids = [int((ck / f".{name}.lock").read_text()) for name in ("f", "g")]
+        launcher.signal(signal.SIGKILL)
+        assert launcher.wait(10) == -signal.SIGKILL, "the run ended before the kill"
+    deadline = time.monotonic() + 20
+    while any(_live(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_live(pid) for pid in pids), "a stage outlived its launcher"
+    again = run_launcher(args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed run" in again.stdout + again.stderr
+    reference = run_main(["run", "tanh-regression", "--in-process", "--steps", "6000", "--summary",
+                          tmp_path / "ref.json"])
+    assert reference.returncode == 0, reference.stderr
+    assert read_json(tmp_path / "run.json")["params"] == read_json(tmp_path / "ref.json")["params"]

@@ -122,8 +122,12 @@ class _Child:
                  bar: "_BarLine | None" = None) -> None:
         self.name, self.bar = name, bar
         self.reason = ""       # the stage's own error, as its last words logged it (``cli``: "ERROR distgrad: ...")
+        from distgrad.run.options import PARENT_PID_ENV
+
+        # The stage stops (checkpoint, exit 143) if this launcher dies, even by SIGKILL (``stop_with_parent``).
+        env = dict(pinned_env(), **{PARENT_PID_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
+                                     stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1)
         self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
         self._thread.start()
 
