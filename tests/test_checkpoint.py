@@ -279,6 +279,25 @@ def test_a_run_never_prunes_or_overwrites_another_runs_checkpoints(tmp_path):
     np.testing.assert_array_equal(ckpt.arrays["param/w"], _arrays(-50)["param/w"])   # not overwritten
 
 
+@pytest.mark.parametrize("stage", ["data owner", "a/b", "../up", "f\u00e9", "f\n"])
+def test_any_stage_name_keeps_its_files_inside_the_directory_found_and_pruned(tmp_path, stage):
+    """A stage file may name a stage with any characters: its checkpoints and lock are still inside
+    the directory, found on resume, pruned to the newest, and apart from every other stage's."""
+    directory = tmp_path / "d" / "ckpt"
+    with checkpoint.lock_stage(directory, stage):
+        with pytest.raises(ConfigError, match="is in use"):
+            checkpoint.lock_stage(directory, stage)
+        checkpoint.lock_stage(directory, "f").release()
+        store, other = CheckpointStore(directory, stage, "fp"), CheckpointStore(directory, "f", "fp")
+        other.save("run", 0, _arrays(-1), {})
+        for step in range(0, 60, 10):
+            store.save("run", step, _arrays(step), {})
+    assert store.steps("run") == [30, 40, 50] and store.latest().step == 50
+    assert store.latest().stage == stage and other.steps("run") == [0]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.parent != directory) == []
+    assert len([p for p in directory.iterdir() if p.name.endswith(".ckpt")]) == 4
+
+
 def test_resume_takes_the_run_written_last_whatever_the_steps_of_others(tmp_path):
     store = _store(tmp_path)
     for step in (800, 900, 1000):
