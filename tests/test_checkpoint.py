@@ -340,6 +340,20 @@ def test_a_second_process_of_a_stage_cannot_lock_its_directory(tmp_path):
     checkpoint.lock_stage(directory, "f").release()               # free again once released
 
 
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_lock_path_that_is_no_regular_file_is_refused_and_nothing_is_written_through_it(tmp_path, kind):
+    """``DIR/.f.lock`` as a symlink (say, to another run's checkpoint), a directory or a FIFO: exit 2 naming it,
+    and the file it points to keeps every byte (the pid was once written through the link)."""
+    directory, other = tmp_path / "ckpt", tmp_path / "another-runs.ckpt"
+    other.write_bytes(b"another run's checkpoint")
+    directory.mkdir()
+    lock = directory / ".f.lock"
+    {"symlink": lambda: lock.symlink_to(other), "directory": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    with pytest.raises(ConfigError, match=r"\.f\.lock is not a regular file"):
+        checkpoint.lock_stage(directory, "f")
+    assert other.read_bytes() == b"another run's checkpoint"
+
+
 def test_the_lock_removes_only_this_stages_leftover_temporary_files(tmp_path):
     directory = tmp_path / "ckpt"
     directory.mkdir()

@@ -277,9 +277,15 @@ def lock_stage(directory: Path, stage: str) -> StageLock:
         if not os.access(directory, os.W_OK | os.X_OK):     # a read-only mount says so here, even to root
             raise OSError(errno.EROFS if _read_only(directory) else errno.EACCES,
                           os.strerror(errno.EROFS if _read_only(directory) else errno.EACCES))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a symlink, nor waiting on a FIFO: the pid written below must not land in another file.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            raise _not_a_lock(directory, path) from e
         raise ConfigError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock(directory, path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -299,6 +305,13 @@ def lock_stage(directory: Path, stage: str) -> StageLock:
     lock = StageLock(directory, stage, fd)
     _remove_stale_temporaries(directory, stage)
     return lock
+
+
+def _not_a_lock(directory: Path, path: Path) -> ConfigError:
+    """The refusal of a lock path that is no regular file (a symlink, a directory, a FIFO), left as it is."""
+    return ConfigError(f"--checkpoint-dir {directory}: {path} is not a regular file (a symlink, directory or "
+                       f"FIFO?), so it cannot be the stage's lock and nothing was written through it. Remove it, "
+                       f"or give another directory")
 
 
 def _read_only(directory: Path) -> bool:
