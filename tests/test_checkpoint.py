@@ -412,3 +412,26 @@ def test_checkpoints_past_a_billion_steps_are_found_and_pruned(tmp_path: Path) -
     assert len(list(tmp_path.glob("*.ckpt"))) == checkpoint.KEEP_LAST
     newest = checkpoint.load(sorted(tmp_path.glob("*12345678902.ckpt"))[0])
     assert newest.step == 12_345_678_902
+
+
+def test_a_defended_stage_with_any_name_keeps_its_release_records_inside_the_directory(tmp_path):
+    """The files of a stage's releases (``.STAGE.released``, ``.STAGE.lifetime.json``) are named with the same
+    token as its checkpoints and lock: a label owner named with a slash writes them inside the directory."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+
+    source = (Path(checkpoint.__file__).parent.parent / "experiments" / "digits-budget.toml").read_text()
+    assert source.count('name = "g"') == 1
+    text = source.replace('name = "g"', 'name = "label/owner"').replace(
+        '"../datasets/digits.npz"', repr(str(Path(checkpoint.__file__).parent.parent / "datasets" / "digits.npz")))
+    (tmp_path / "exp.toml").write_text(text)
+    exp = load_experiment(tmp_path / "exp.toml")
+    directory = tmp_path / "d" / "ckpt"
+    checkpoint.lock_stage(directory, "label/owner").release()       # the stage process's first act
+    state = StageState(StageOptions(exp, "label/owner", exp.seed, checkpoint_dir=directory, steps=10))
+    assert state.releases.released_file is not None and state.releases.lifetime is not None
+    state.begin("run")
+    state.releases.ledger.release(1, "gradient", "digest", np.arange(4))
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != directory and p.name != "exp.toml"]
+    assert outside == [] and state.releases.released_file.parent == directory
+    assert state.releases.released_file.read_text().count('"step": 1') == 1
