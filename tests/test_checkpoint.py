@@ -435,3 +435,24 @@ def test_a_defended_stage_with_any_name_keeps_its_release_records_inside_the_dir
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != directory and p.name != "exp.toml"]
     assert outside == [] and state.releases.released_file.parent == directory
     assert state.releases.released_file.read_text().count('"step": 1') == 1
+
+
+def test_resume_says_once_that_a_new_run_starts_when_no_checkpoint_file_can_be_used(tmp_path, caplog):
+    """--resume over files of the stage that are all torn (or of other settings): each is skipped with its
+    reason, and the stage says that a new run starts at step 0 and that the files stay."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+
+    exp = load_experiment("tanh-regression")
+    directory = tmp_path / "ckpt"
+    state = StageState(StageOptions(exp, "f", exp.seed, checkpoint_dir=directory, resume=True))
+    assert not state.resume_latest() and "a new run starts" not in caplog.text     # a first start: nothing said
+    directory.mkdir()
+    torn = directory / "f-abc-000000010.ckpt"
+    torn.write_bytes(checkpoint.MAGIC + b"\x00\x00")
+    with caplog.at_level("WARNING"):
+        assert not state.resume_latest()
+    assert "skipping checkpoint" in caplog.text
+    assert (f"none of the 1 checkpoint file(s) of stage f in {directory} can be resumed" in caplog.text
+            and "a new run starts at step 0" in caplog.text)
+    assert torn.read_bytes() == checkpoint.MAGIC + b"\x00\x00"
