@@ -335,3 +335,22 @@ def test_distgrad_run_killed_9_stops_its_stages_and_a_rerun_with_resume_ends_bit
                           tmp_path / "ref.json"])
     assert reference.returncode == 0, reference.stderr
     assert read_json(tmp_path / "run.json")["params"] == read_json(tmp_path / "ref.json")["params"]
+
+
+def test_a_run_finished_on_one_stage_only_is_refused_by_resume_at_once(tmp_path):
+    """g stopped after the run's last reply and before its final checkpoint (its checkpoint of the last step
+    is missing): f's side of the run is finished and g's is not. ``distgrad run --resume`` says so before
+    starting anything, instead of f doing nothing while g waits out its --peer-deadline for it."""
+    from distgrad.api import drive_stage, serve_stage
+
+    ck = tmp_path / "ckpt"
+    with serve_stage("seed-reverse", checkpoint_dir=ck, steps=30, checkpoint_every=10) as g:
+        run = drive_stage("seed-reverse", g.endpoint, checkpoint_dir=ck, steps=30, checkpoint_every=10)["run_id"]
+        g.wait(30)
+    (ck / f"g-{run}-000000030.ckpt").unlink()
+    files = _ckpts(ck)
+    again = run_main(["run", "seed-reverse", "--steps", "30", "--checkpoint-dir", ck, "--checkpoint-every", "10",
+                      "--resume", "--peer-deadline", "2"])
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"run {run} is finished on f but not on g (newest checkpoint of the run: g step 20)" in again.stderr
+    assert "Start without --resume for a new run" in again.stderr and _ckpts(ck) == files

@@ -447,12 +447,18 @@ def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
     return ckpt.meta.get("finished") is True and (ckpt.step >= opts.total_steps or stopped)
 
 
-def finished_run(opts: StageOptions) -> Checkpoint | None:
-    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+def resumed_checkpoint(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the checkpoint this stage would resume (its newest of the run saved last), finished
+    or not; None without one."""
     if not opts.resume or opts.checkpoint_dir is None:
         return None
     meta = start_meta(opts)
-    ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+    return CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+
+
+def finished_run(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+    ckpt = resumed_checkpoint(opts)
     return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
 
 
