@@ -420,10 +420,9 @@ def test_a_defended_stage_with_any_name_keeps_its_release_records_inside_the_dir
     from distgrad.run.options import StageOptions
     from distgrad.run.stage_state import StageState
 
-    source = (Path(checkpoint.__file__).parent.parent / "experiments" / "digits-budget.toml").read_text()
-    assert source.count('name = "g"') == 1
-    text = source.replace('name = "g"', 'name = "label/owner"').replace(
-        '"../datasets/digits.npz"', repr(str(Path(checkpoint.__file__).parent.parent / "datasets" / "digits.npz")))
+    source = (Path(checkpoint.__file__).parent.parent / "experiments" / "tanh-regression.toml").read_text()
+    assert source.count('name = "g"') == 1 and source.endswith('loss = "mean_squared_error"\n')
+    text = source.replace('name = "g"', 'name = "label/owner"') + "clip_noise = { max_norm = 0.05, sigma = 1.0 }\n"
     (tmp_path / "exp.toml").write_text(text)
     exp = load_experiment(tmp_path / "exp.toml")
     directory = tmp_path / "d" / "ckpt"
