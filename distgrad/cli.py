@@ -464,7 +464,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     drive until the run ends."""
     from distgrad.run.driver import drive_first_stage
     from distgrad.run.launcher import check_data
-    from distgrad.run.options import StopFlag, check_outputs
+    from distgrad.run.options import PARENT_PID_ENV, StopFlag, check_outputs
     from distgrad.run.serving import serve
 
     exp = _load_experiment(args)
@@ -489,6 +489,9 @@ def _run_stage(args: argparse.Namespace) -> int:
         opts.security = upstream if serving else downstream
         opts.downstream_security = downstream
         stop = StopFlag().install()
+        parent = os.environ.get(PARENT_PID_ENV, "")
+        if parent.isdigit():            # a stage of ``distgrad run`` stops when its launcher dies
+            stop.stop_with_parent(int(parent))
         if serving:
             serve(opts, args.bind, stop, args.connect, args.keep_serving, args.ready_file, ctx)
         else:

@@ -279,6 +279,25 @@ def test_a_run_never_prunes_or_overwrites_another_runs_checkpoints(tmp_path):
     np.testing.assert_array_equal(ckpt.arrays["param/w"], _arrays(-50)["param/w"])   # not overwritten
 
 
+@pytest.mark.parametrize("stage", ["data owner", "a/b", "../up", "f\u00e9", "f\n"])
+def test_any_stage_name_keeps_its_files_inside_the_directory_found_and_pruned(tmp_path, stage):
+    """A stage file may name a stage with any characters: its checkpoints and lock are still inside
+    the directory, found on resume, pruned to the newest, and apart from every other stage's."""
+    directory = tmp_path / "d" / "ckpt"
+    with checkpoint.lock_stage(directory, stage):
+        with pytest.raises(ConfigError, match="is in use"):
+            checkpoint.lock_stage(directory, stage)
+        checkpoint.lock_stage(directory, "f").release()
+        store, other = CheckpointStore(directory, stage, "fp"), CheckpointStore(directory, "f", "fp")
+        other.save("run", 0, _arrays(-1), {})
+        for step in range(0, 60, 10):
+            store.save("run", step, _arrays(step), {})
+    assert store.steps("run") == [30, 40, 50] and store.latest().step == 50
+    assert store.latest().stage == stage and other.steps("run") == [0]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.parent != directory) == []
+    assert len([p for p in directory.iterdir() if p.name.endswith(".ckpt")]) == 4
+
+
 def test_resume_takes_the_run_written_last_whatever_the_steps_of_others(tmp_path):
     store = _store(tmp_path)
     for step in (800, 900, 1000):
@@ -319,6 +338,20 @@ def test_a_second_process_of_a_stage_cannot_lock_its_directory(tmp_path):
         checkpoint.lock_stage(directory, "g").release()           # another stage: its own lock
         checkpoint.lock_stage(directory, "f@1").release()
     checkpoint.lock_stage(directory, "f").release()               # free again once released
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_lock_path_that_is_no_regular_file_is_refused_and_nothing_is_written_through_it(tmp_path, kind):
+    """``DIR/.f.lock`` as a symlink (say, to another run's checkpoint), a directory or a FIFO: exit 2 naming it,
+    and the file it points to keeps every byte (the pid was once written through the link)."""
+    directory, other = tmp_path / "ckpt", tmp_path / "another-runs.ckpt"
+    other.write_bytes(b"another run's checkpoint")
+    directory.mkdir()
+    lock = directory / ".f.lock"
+    {"symlink": lambda: lock.symlink_to(other), "directory": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    with pytest.raises(ConfigError, match=r"\.f\.lock is not a regular file"):
+        checkpoint.lock_stage(directory, "f")
+    assert other.read_bytes() == b"another run's checkpoint"
 
 
 def test_the_lock_removes_only_this_stages_leftover_temporary_files(tmp_path):
@@ -379,3 +412,46 @@ def test_checkpoints_past_a_billion_steps_are_found_and_pruned(tmp_path: Path) -
     assert len(list(tmp_path.glob("*.ckpt"))) == checkpoint.KEEP_LAST
     newest = checkpoint.load(sorted(tmp_path.glob("*12345678902.ckpt"))[0])
     assert newest.step == 12_345_678_902
+
+
+def test_a_defended_stage_with_any_name_keeps_its_release_records_inside_the_directory(tmp_path):
+    """The files of a stage's releases (``.STAGE.released``, ``.STAGE.lifetime.json``) are named with the same
+    token as its checkpoints and lock: a label owner named with a slash writes them inside the directory."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+
+    source = (Path(checkpoint.__file__).parent.parent / "experiments" / "tanh-regression.toml").read_text()
+    assert source.count('name = "g"') == 1 and source.endswith('loss = "mean_squared_error"\n')
+    text = source.replace('name = "g"', 'name = "label/owner"') + "clip_noise = { max_norm = 0.05, sigma = 1.0 }\n"
+    (tmp_path / "exp.toml").write_text(text)
+    exp = load_experiment(tmp_path / "exp.toml")
+    directory = tmp_path / "d" / "ckpt"
+    checkpoint.lock_stage(directory, "label/owner").release()       # the stage process's first act
+    state = StageState(StageOptions(exp, "label/owner", exp.seed, checkpoint_dir=directory, steps=10))
+    assert state.releases.released_file is not None and state.releases.lifetime is not None
+    state.begin("run")
+    state.releases.ledger.release(1, "gradient", "digest", np.arange(4))
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != directory and p.name != "exp.toml"]
+    assert outside == [] and state.releases.released_file.parent == directory
+    assert state.releases.released_file.read_text().count('"step": 1') == 1
+
+
+def test_resume_says_once_that_a_new_run_starts_when_no_checkpoint_file_can_be_used(tmp_path, caplog):
+    """--resume over files of the stage that are all torn (or of other settings): each is skipped with its
+    reason, and the stage says that a new run starts at step 0 and that the files stay."""
+    from distgrad.run.options import StageOptions
+    from distgrad.run.stage_state import StageState
+
+    exp = load_experiment("tanh-regression")
+    directory = tmp_path / "ckpt"
+    state = StageState(StageOptions(exp, "f", exp.seed, checkpoint_dir=directory, resume=True))
+    assert not state.resume_latest() and "a new run starts" not in caplog.text     # a first start: nothing said
+    directory.mkdir()
+    torn = directory / "f-abc-000000010.ckpt"
+    torn.write_bytes(checkpoint.MAGIC + b"\x00\x00")
+    with caplog.at_level("WARNING"):
+        assert not state.resume_latest()
+    assert "skipping checkpoint" in caplog.text
+    assert (f"none of the 1 checkpoint file(s) of stage f in {directory} can be resumed" in caplog.text
+            and "a new run starts at step 0" in caplog.text)
+    assert torn.read_bytes() == checkpoint.MAGIC + b"\x00\x00"

@@ -223,3 +223,134 @@ def test_a_finished_run_resumed_with_more_steps_continues_bitwise(tmp_path):
     assert reference.returncode == 0, reference.stderr
     assert read_json(tmp_path / "more.json")["params"] == read_json(tmp_path / "ref.json")["params"]
     assert read_json(tmp_path / "more.json")["steps"] == 120
+
+
+
+class _KilledAfterTheFinishedCheckpoint(BaseException):
+    """What a kill -9 right after a stage's checkpoint marked finished leaves: that file, and nothing later."""
+
+
+@pytest.mark.parametrize("victim", ["f", "g"])
+def test_a_stage_killed_right_after_its_finished_checkpoint_has_written_its_save_file(tmp_path, monkeypatch, victim):
+    """A rerun with --resume finds such a run finished and writes nothing: --save must already be on disk."""
+    import threading
+
+    import numpy as np
+    import zmq
+
+    from conftest import free_tcp_endpoint
+    from distgrad.api import _options
+    from distgrad.run.driver import drive_first_stage
+    from distgrad.run.options import StopFlag
+    from distgrad.run.serving import serve
+    from distgrad.run.stage_state import StageState
+
+    save = StageState.save
+
+    def save_then_die(self, *args, finished=False, **kwargs):
+        save(self, *args, finished=finished, **kwargs)
+        if finished and self.opts.stage == victim:
+            self.write_failed = True        # killed: no exit save follows
+            raise _KilledAfterTheFinishedCheckpoint
+
+    def start(name, **more):
+        opts = _options("seed-reverse", name, name == "f", checkpoint_dir=tmp_path / "ckpt", steps=40,
+                        save_path=tmp_path / f"{name}.npz", peer_deadline_s=10.0, **more)
+        ctx = zmq.Context()
+        try:
+            return (drive_first_stage(opts, endpoint, StopFlag(), ctx) if name == "f"
+                    else serve(opts, endpoint, StopFlag(), ctx=ctx))
+        finally:
+            ctx.destroy(linger=0)
+
+    endpoint = free_tcp_endpoint()
+    monkeypatch.setattr(StageState, "save", save_then_die)
+    survivor = threading.Thread(target=start, args=("g" if victim == "f" else "f",), daemon=True)
+    survivor.start()
+    with pytest.raises(_KilledAfterTheFinishedCheckpoint):
+        start(victim)
+    survivor.join(30)
+    assert not survivor.is_alive()
+    monkeypatch.setattr(StageState, "save", save)
+    again = start(victim, resume=True)
+    assert again["status"] == "finished" and again["steps"] == 40
+    with np.load(tmp_path / f"{victim}.npz") as npz:
+        assert {name: npz[name].tolist() for name in npz.files} == again["params"][victim]
+
+
+def test_a_stop_flag_told_to_stop_with_its_parent_is_set_once_the_parent_is_gone(monkeypatch):
+    """``distgrad run``'s stages watch their launcher (``StopFlag.stop_with_parent``): when it dies, even by
+    SIGKILL, the orphan's parent changes and the stage stops as on SIGTERM (checkpoint, exit 143)."""
+    import threading
+
+    from distgrad.errors import Interrupted
+    from distgrad.run import options
+    from distgrad.run.options import StopFlag
+
+    parent = [os.getppid()]
+    monkeypatch.setattr(options.os, "getppid", lambda: parent[0])
+    monkeypatch.setattr(options, "PARENT_POLL_S", 0.001)
+    stop = StopFlag().stop_with_parent(parent[0])
+    stop.check()                                # the parent lives: no stop
+    parent[0] = 1                               # the launcher died: the orphan went to init
+    watcher = next(t for t in threading.enumerate() if t.name == "distgrad-parent-watch")
+    watcher.join(10)
+    assert not watcher.is_alive() and stop.signum == signal.SIGTERM
+    with pytest.raises(Interrupted):
+        stop.check()
+
+
+def _live(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not yet exited (a zombie has: its stat state is Z)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.slow       # the watch itself: test_a_stop_flag_told_to_stop_with_its_parent_is_set_once_the_parent_is_gone
+def test_distgrad_run_killed_9_stops_its_stages_and_a_rerun_with_resume_ends_bitwise(tmp_path):
+    """A launcher killed -9 takes its stages down with it (each saving a checkpoint), so the same command with
+    --resume at once holds their checkpoint directory and continues the run bitwise."""
+    import time
+
+    ck = tmp_path / "ckpt"
+    args = ["run", "tanh-regression", "--steps", "6000", "--checkpoint-dir", ck, "--checkpoint-every", "100",
+            "--resume", "--summary", tmp_path / "run.json"]
+    with StageProcess(args, tmp_path / "launcher.log", distgrad=True) as launcher:
+        deadline = time.monotonic() + 60
+        while not list(ck.glob("f-*-000000200.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pids = [int((ck / f".{name}.lock").read_text()) for name in ("f", "g")]
+        launcher.signal(signal.SIGKILL)
+        assert launcher.wait(10) == -signal.SIGKILL, "the run ended before the kill"
+    deadline = time.monotonic() + 20
+    while any(_live(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_live(pid) for pid in pids), "a stage outlived its launcher"
+    again = run_launcher(args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed run" in again.stdout + again.stderr
+    reference = run_main(["run", "tanh-regression", "--in-process", "--steps", "6000", "--summary",
+                          tmp_path / "ref.json"])
+    assert reference.returncode == 0, reference.stderr
+    assert read_json(tmp_path / "run.json")["params"] == read_json(tmp_path / "ref.json")["params"]
+
+
+def test_a_run_finished_on_one_stage_only_is_refused_by_resume_at_once(tmp_path):
+    """g stopped after the run's last reply and before its final checkpoint (its checkpoint of the last step
+    is missing): f's side of the run is finished and g's is not. ``distgrad run --resume`` says so before
+    starting anything, instead of f doing nothing while g waits out its --peer-deadline for it."""
+    from distgrad.api import drive_stage, serve_stage
+
+    ck = tmp_path / "ckpt"
+    with serve_stage("seed-reverse", checkpoint_dir=ck, steps=30, checkpoint_every=10) as g:
+        run = drive_stage("seed-reverse", g.endpoint, checkpoint_dir=ck, steps=30, checkpoint_every=10)["run_id"]
+        g.wait(30)
+    (ck / f"g-{run}-000000030.ckpt").unlink()
+    files = _ckpts(ck)
+    again = run_main(["run", "seed-reverse", "--steps", "30", "--checkpoint-dir", ck, "--checkpoint-every", "10",
+                      "--resume", "--peer-deadline", "2"])
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"run {run} is finished on f but not on g (newest checkpoint of the run: g step 20)" in again.stderr
+    assert "Start without --resume for a new run" in again.stderr and _ckpts(ck) == files

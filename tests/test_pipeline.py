@@ -165,3 +165,20 @@ def test_accumulator_sums_in_order_and_passes_a_single_batch_through():
     np.testing.assert_array_equal(acc.take(np.float32(0.5))["w"], expected)
     with pytest.raises(ValueError, match="out of order"):
         acc.add(parts[1], 1, 3)
+
+
+def test_a_resume_with_another_micro_batch_count_is_refused_and_changes_no_file(tmp_path):
+    """A step's gradient is summed over its micro-batches: a run resumed with another --micro-batches would
+    equal no single run, so the driving stage refuses it (as another staleness), naming both counts."""
+    from distgrad.api import drive_stage, serve_stage
+    from distgrad.errors import ConfigError
+
+    ck = tmp_path / "ckpt"
+    with serve_stage("tanh-regression", checkpoint_dir=ck, steps=20) as g:
+        drive_stage("tanh-regression", g.endpoint, checkpoint_dir=ck, steps=20, micro_batches=2)
+        g.wait(30)
+    files = {p.name: p.read_bytes() for p in ck.iterdir()}
+    with pytest.raises(ConfigError, match="written with --micro-batches 2, and this run asks for 4"):
+        drive_stage("tanh-regression", free_tcp_endpoint(), checkpoint_dir=ck, steps=40, micro_batches=4,
+                    resume=True, peer_deadline_s=1.0)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == files

@@ -124,8 +124,10 @@ class _Driver(DriverSteps):
         if self.validation and self.state.final_test is None:
             self.evaluate(final=True)   # the test rows, once: the kept model's (resumed: done before)
         self.link.exchange(Message(wire.BYE, self.state.run_id, stage.step + 1, body={"steps": stage.step}))
-        self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
+        # --save first: a stage killed between the two, rerun with --resume, finds the run finished and writes
+        # nothing, so its parameters must be on disk before the checkpoint that says so.
         self.state.save_parameters()
+        self.state.save(final_loss=self.loss, finished=True)   # a rerun with --resume: nothing to do
 
     def _summary(self, started: float) -> dict[str, Any]:
         """The summary of a completed run that started at ``started`` (``time.perf_counter``)."""

@@ -95,7 +95,7 @@ class DriverState:
         # Checkpointed with the stage, so that a resumed run neither evaluates (and releases) a step again
         # nor loses the entries before the kill.
         self.state.extra_meta = lambda: {"evaluations": self.evaluations, **self._staleness_meta(),
-                                         **self._loss_fields()}
+                                         "micro_batches": self.opts.micro_batches, **self._loss_fields()}
         # Work done while a reply is awaited (``_while_waiting``): the next step's batch, fetched ahead
         # (step, batch), and the applied steps not yet reported (``_after_step`` queues them for ``_report``).
         self.next_batch: tuple[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] | None = None
@@ -152,12 +152,13 @@ class DriverState:
     def _start(self) -> None:
         """A new run with a fresh id, or (``--resume``) the run of the latest checkpoint, with what it kept:
         its evaluations, whether the loss was withheld, where early stopping ended it. Raises
-        ``ConfigError`` when that checkpoint was written with another staleness."""
+        ``ConfigError`` when that checkpoint was written with another staleness or micro-batch count."""
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
             state.begin(uuid.uuid4().hex)
             return
         self._check_resumed_staleness()
+        self._check_resumed_micro_batches()
         state.open_trace(append=True)
         self.loss_withheld = state.resumed_meta.get("training_loss") == wire.LOSS_WITHHELD
         saved = state.resumed_meta.get("evaluations", [])
@@ -234,6 +235,18 @@ class DriverState:
         """``training_loss``: ``wire.LOSS_WITHHELD`` once a reply came without a loss (the summary's
         ``final_loss`` is then null), else nothing."""
         return {"training_loss": wire.LOSS_WITHHELD} if self.loss_withheld else {}
+
+    def _check_resumed_micro_batches(self) -> None:
+        """Raise ``ConfigError`` when the checkpoint just resumed was written with another ``--micro-batches``:
+        a step's gradient is summed over its micro-batches, so a run that changed M part way would equal no
+        single run (checkpoints from before M was recorded are taken as they are)."""
+        saved = self.state.resumed_meta.get("micro_batches")
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved != self.opts.micro_batches:
+            raise ConfigError(f"stage {self.opts.instance}: the checkpoint of step {self.state.resumed_step} was "
+                              f"written with --micro-batches {saved}, and this run asks for "
+                              f"{self.opts.micro_batches}: the steps before and after it would be summed over "
+                              f"different micro-batches, which no single run does. Resume with --micro-batches "
+                              f"{saved}, or start a new run (without --resume)")
 
     def _check_resumed_staleness(self) -> None:
         """Raise ``ConfigError`` when the checkpoint just resumed was written with another staleness: its

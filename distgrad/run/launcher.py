@@ -122,8 +122,12 @@ class _Child:
                  bar: "_BarLine | None" = None) -> None:
         self.name, self.bar = name, bar
         self.reason = ""       # the stage's own error, as its last words logged it (``cli``: "ERROR distgrad: ...")
+        from distgrad.run.options import PARENT_PID_ENV
+
+        # The stage stops (checkpoint, exit 143) if this launcher dies, even by SIGKILL (``stop_with_parent``).
+        env = dict(pinned_env(), **{PARENT_PID_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=pinned_env(), text=True, bufsize=1)
+                                     stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1)
         self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
         self._thread.start()
 
@@ -539,7 +543,7 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     checkpoints would resume a finished run, the merged summary of its final checkpoints; else None."""
     from distgrad.run.options import StageOptions
     from distgrad.stage.stage import parameters_file
-    from distgrad.run.stage_state import finished_run, nothing_to_do
+    from distgrad.run.stage_state import is_finished, nothing_to_do, resumed_checkpoint
 
     flags = list(stage_flags)
     if "--resume" not in flags or "--checkpoint-dir" not in flags[:-1]:
@@ -556,8 +560,10 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
         opts = StageOptions(exp, name, exp.seed if seed is None else seed, overrides, steps, checkpoint_dir=directory,
                             resume=True, client=client,
                             load_path=parameters_file(load_dir, instance, exp, name) if load_dir else None)
-        finished.append((opts, finished_run(opts)))
-    for opts, ckpt in finished:
+        ckpt = resumed_checkpoint(opts)
+        finished.append((opts, ckpt if ckpt is not None and is_finished(ckpt, opts) else None, ckpt))
+    _check_ended_alike(finished)
+    for opts, ckpt, _ in finished:
         if ckpt is None:
             return None
         summaries.append(nothing_to_do(opts, ckpt))
@@ -570,6 +576,24 @@ def _finished(exp: Any, clients: Sequence[int | None], steps: int | None, seed: 
     summary.update(mode="finished earlier", final_loss=None if "training_loss" in summary
                    else losses[0] if losses else float("nan"))
     return summary
+
+
+def _check_ended_alike(stages: Sequence[tuple[Any, Any, Any]]) -> None:
+    """``ConfigError`` when a run that ``--resume`` would take up is finished on some stages and not on others
+    (``stages``: each one's options, its finished checkpoint or None, the checkpoint it would resume or None):
+    a stage stopped after the run's last reply and before its final checkpoint. The finished ones would do
+    nothing and the others wait out ``--peer-deadline`` for them, so it is said at once."""
+    done = {opts.instance: ckpt for opts, ckpt, _ in stages if ckpt is not None}
+    open_ = {opts.instance: ckpt for opts, finished, ckpt in stages if finished is None and ckpt is not None
+             and any(ckpt.run == other.run for other in done.values())}
+    if done and open_:
+        run = next(iter(open_.values())).run
+        raise ConfigError(
+            f"--resume: run {run} is finished on {', '.join(sorted(done))} but not on {', '.join(sorted(open_))} "
+            f"(newest checkpoint of the run: " + ", ".join(f"{name} step {c.step}" for name, c in sorted(open_.items()))
+            + "): a stage was stopped after the run's last reply and before its final checkpoint, so the run "
+            "cannot end again from these checkpoints. Start without --resume for a new run (the run's files stay "
+            "in --checkpoint-dir)")
 
 
 def _curve_flags(directory: Path, exp: Any, processes: Sequence[tuple[str, str]]) -> dict[str, list[str]]:

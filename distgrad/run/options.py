@@ -10,6 +10,8 @@ import errno
 import math
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Any, Callable, Mapping, Sequence
@@ -28,6 +30,8 @@ DEFAULT_LIVENESS_S = 10.0          # a client silent this long is reported lost 
 DEFAULT_PEER_DEADLINE_S = 60.0     # how long a stage waits for a lost peer to come back
 SCHEDULES = ("gpipe", "1f1b")      # gpipe: every micro-batch in flight; 1f1b: --in-flight of them
 DEFAULT_IN_FLIGHT = 2              # 1f1b: micro-batches in flight unless --in-flight says otherwise
+PARENT_PID_ENV = "DISTGRAD_PARENT_PID"   # set by ``distgrad run`` for its stage processes: the launcher's pid
+PARENT_POLL_S = 0.2                # how often a stage of ``distgrad run`` checks that its launcher is alive
 
 
 def check_wait(name: str, value: Any) -> float:
@@ -117,6 +121,21 @@ class StopFlag:
     def check(self) -> None:
         if self.signum is not None:
             raise Interrupted(self.signum)
+
+    def stop_with_parent(self, parent_pid: int) -> "StopFlag":
+        """Be set as by SIGTERM once process ``parent_pid`` is no longer this process's parent: it died (even
+        by SIGKILL) and this orphan was handed to another. A daemon thread checks every ``PARENT_POLL_S``;
+        the stage then stops as on SIGTERM (a checkpoint, exit 143) instead of running on unseen, holding
+        its checkpoint directory's lock against the launcher's rerun."""
+        def watch() -> None:
+            while self.signum is None:
+                if os.getppid() != parent_pid:
+                    self.signum = signal.SIGTERM
+                    return
+                time.sleep(PARENT_POLL_S)
+
+        threading.Thread(target=watch, name="distgrad-parent-watch", daemon=True).start()
+        return self
 
 
 @dataclass

@@ -23,7 +23,7 @@ from distgrad.jsontext import json_text
 from distgrad.privacy.releases import (COUNTS, HELD_OUT, HELD_OUT_AHEAD, HELD_OUT_STREAM, LABEL_RUNS_SUFFIX,
                                       LIFETIME_SUFFIX, LabelRuns, Lifetime, Release, fresh_secret)
 from distgrad.run.options import StageOptions
-from distgrad.stage.checkpoint import Checkpoint
+from distgrad.stage.checkpoint import Checkpoint, stage_token
 from distgrad.stage.stage import Stage, batch_mixing_of
 from distgrad.wire.wirecodec import GRADIENT, Senders
 
@@ -51,7 +51,7 @@ class ReleaseRecords:
         label_dp = exp.has_stage(opts.stage) and exp.spec(opts.stage).defenses.label_dp is not None
         self.secret = (self.ledger.key if self.ledger is not None else exp.run_secret(opts.stage)
                        if label_dp else None)
-        self.released_file = (opts.checkpoint_dir / f".{opts.instance}.released"
+        self.released_file = (opts.checkpoint_dir / f".{stage_token(opts.instance)}.released"
                               if opts.checkpoint_dir is not None and self.ledger is not None else None)
         if self.ledger is not None and self.released_file is not None:
             self.ledger.on_release = self._append_release
@@ -59,14 +59,14 @@ class ReleaseRecords:
         # memory across the runs of this process, and in DIR/.INSTANCE.lifetime.json with a checkpoint directory.
         # (A ledger kept only to refuse a step computed again on other input, RR-with-prior's, noises nothing.)
         noised = self.defense is not None and self.defense.defenses.on_rows
-        self.lifetime = (Lifetime(opts.checkpoint_dir / f".{opts.instance}{LIFETIME_SUFFIX}"
+        self.lifetime = (Lifetime(opts.checkpoint_dir / f".{stage_token(opts.instance)}{LIFETIME_SUFFIX}"
                                   if opts.checkpoint_dir is not None else None) if noised else None)
         if self.ledger is not None and self.lifetime is not None:
             self.ledger.on_count = self._count_lifetime
             self.ledger.earlier_source = self.lifetime.source
         # The runs whose randomized labels (label_dp) crossed: each run draws its own, so a label's epsilons add
         # up over the runs this stage serves; kept as the release counts are (``LabelRuns``).
-        self.label_runs = (LabelRuns(opts.checkpoint_dir / f".{opts.instance}{LABEL_RUNS_SUFFIX}"
+        self.label_runs = (LabelRuns(opts.checkpoint_dir / f".{stage_token(opts.instance)}{LABEL_RUNS_SUFFIX}"
                                      if opts.checkpoint_dir is not None else None)
                            if label_dp and label_owner_sends_gradients(exp, opts.stage) else None)
         if self.label_runs is not None:

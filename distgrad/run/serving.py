@@ -406,9 +406,9 @@ class ServingStage(RoundMachine):
         if not self.closing:
             return None
         self.closing = False
-        # a rerun with --resume has nothing to do
-        self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
+        # --save before the checkpoint marked finished, after which a rerun with --resume writes nothing
         self.state.save_parameters()
+        self.state.save(self.topology.checkpoint_step(), final_loss=self.loss, finished=True)
         done = self.topology.checkpoint_step()      # several clients: the rounds, not the updates
         self.metering.finish(self.stage.step if done is None else done)
         self.finished = self.close_run("completed")

@@ -23,7 +23,7 @@ from distgrad.run.metering import checkpointed_fields
 from distgrad.run.options import StageOptions
 from distgrad.run.release_records import ReleaseRecords
 from distgrad.run.run_verdicts import RunVerdicts
-from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage
+from distgrad.stage.checkpoint import Checkpoint, CheckpointStore, StageLock, lock_stage, steps_on_disk
 from distgrad.stage.engine import StepEngine, crossed_direction, crossed_names
 from distgrad.stage.history import ParameterHistory
 from distgrad.stage.records import TraceWriter, kept_test_fields, scores_text, to_lists, write_json, write_preparation
@@ -349,6 +349,7 @@ class StageState:
         none, or when that run is finished (a serving stage then waits for a new run)."""
         ckpt = self.store.latest() if self.store is not None else None
         if ckpt is None:
+            self._say_nothing_resumed()
             return False
         if is_finished(ckpt, self.opts):
             self.log.info("run %s finished at step %d; not resuming it", ckpt.run, ckpt.step)
@@ -360,6 +361,17 @@ class StageState:
                               if name.startswith(EXTRA_PREFIX)}
         self.log.info("resumed run %s at step %d from %s", ckpt.run, ckpt.step, ckpt.path)
         return True
+
+    def _say_nothing_resumed(self) -> None:
+        """``--resume`` found checkpoint files of this stage but none it can use (torn, corrupt, of another
+        experiment or settings: each was logged with why): say once that a new run starts, and that they stay."""
+        store = self.store
+        found = steps_on_disk(store.directory, store.stage) if store is not None else []
+        if store is not None and found:
+            self.log.warning("--resume: none of the %d checkpoint file(s) of stage %s in %s can be resumed (each "
+                             "is named above with why); a new run starts at step 0, and those files are left as "
+                             "they are. To resume, restore an intact checkpoint of this experiment, --seed and "
+                             "--init there", len(found), self.opts.instance, store.directory)
 
     def _load(self, ckpt: Checkpoint) -> None:
         """The live state back to ``ckpt``'s; ``ConfigError`` for a checkpoint that does not fit this stage
@@ -435,12 +447,18 @@ def is_finished(ckpt: Checkpoint, opts: StageOptions) -> bool:
     return ckpt.meta.get("finished") is True and (ckpt.step >= opts.total_steps or stopped)
 
 
-def finished_run(opts: StageOptions) -> Checkpoint | None:
-    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+def resumed_checkpoint(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the checkpoint this stage would resume (its newest of the run saved last), finished
+    or not; None without one."""
     if not opts.resume or opts.checkpoint_dir is None:
         return None
     meta = start_meta(opts)
-    ckpt = CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+    return CheckpointStore(opts.checkpoint_dir, opts.instance, opts.experiment.fingerprint, meta).latest()
+
+
+def finished_run(opts: StageOptions) -> Checkpoint | None:
+    """With ``--resume``: the final checkpoint of the run this stage would resume, if that run is finished."""
+    ckpt = resumed_checkpoint(opts)
     return ckpt if ckpt is not None and is_finished(ckpt, opts) else None
 
 

@@ -45,7 +45,9 @@ MAGIC = b"DGCKPT1\n"
 KEEP_LAST = 3                      # checkpoints kept per stage and run (at least two must survive a torn write)
 HEADER_MAX_BYTES = 1 << 20
 RUN_TOKEN_MAX = 64                 # a longer run id, or one with other characters, is named by its hash
-_STAGE = r"(?P<stage>[A-Za-z0-9_.@-]+)"                                      # f@2: client 2 of stage f
+_PLAIN_STAGE = r"[A-Za-z0-9_.@-]+"          # a stage named with these characters is itself in file names
+# f@2: client 2 of stage f; ~HASH: a stage whose name has other characters (``stage_token``)
+_STAGE = rf"(?P<stage>{_PLAIN_STAGE}|~[0-9a-f]{{32}})"
 _NAME = re.compile(rf"^{_STAGE}-(?P<run>[A-Za-z0-9]{{1,{RUN_TOKEN_MAX}}})-(?P<step>\d{{9,}})\.ckpt$")
 _OLD_NAME = re.compile(rf"^{_STAGE}-(?P<step>\d{{9}})\.ckpt$")            # before run ids were in names
 _TMP = re.compile(r"^\.(?P<name>.+\.ckpt)\.(?P<pid>\d+)\.tmp$")              # a save's temporary file
@@ -87,8 +89,17 @@ def run_token(run: str) -> str:
     return "h" + hashlib.sha256(run.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def stage_token(stage: str) -> str:
+    """The stage as it appears in file names (its checkpoints, its lock): itself when made of letters, digits
+    and ``_.@-``, else ``~`` and a hash of it, so that a stage file's name with a space, a slash or other
+    characters neither leaves the directory nor makes files that are never found again (resumed, pruned)."""
+    if re.fullmatch(_PLAIN_STAGE, stage):
+        return stage
+    return "~" + hashlib.sha256(stage.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def _path(directory: Path, stage: str, run: str, step: int) -> Path:
-    return directory / f"{stage}-{run_token(run)}-{step:09d}.ckpt"
+    return directory / f"{stage_token(stage)}-{run_token(run)}-{step:09d}.ckpt"
 
 
 def _parse(name: str) -> tuple[str, str | None, int] | None:
@@ -214,9 +225,10 @@ def _files(directory: Path, stage: str) -> list[tuple[int, str | None]]:
     if not directory.is_dir():
         return []
     found = []
+    token = stage_token(stage)
     for entry in directory.iterdir():
         parsed = _parse(entry.name)
-        if parsed is not None and parsed[0] == stage:
+        if parsed is not None and parsed[0] == token:
             found.append((parsed[2], parsed[1]))
     return sorted(found, key=lambda item: (item[0], item[1] or ""))
 
@@ -234,7 +246,8 @@ class StageLock:
     """
 
     def __init__(self, directory: Path, stage: str, fd: int) -> None:
-        self.directory, self.stage, self.path, self._fd = directory, stage, directory / f".{stage}.lock", fd
+        self.directory, self.stage, self._fd = directory, stage, fd
+        self.path = directory / f".{stage_token(stage)}.lock"
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -258,15 +271,21 @@ def lock_stage(directory: Path, stage: str) -> StageLock:
     """
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--checkpoint-dir {directory} exists and is not a directory")
-    path = directory / f".{stage}.lock"
+    path = directory / f".{stage_token(stage)}.lock"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK):     # a read-only mount says so here, even to root
             raise OSError(errno.EROFS if _read_only(directory) else errno.EACCES,
                           os.strerror(errno.EROFS if _read_only(directory) else errno.EACCES))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a symlink, nor waiting on a FIFO: the pid written below must not land in another file.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            raise _not_a_lock(directory, path) from e
         raise ConfigError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock(directory, path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -288,6 +307,13 @@ def lock_stage(directory: Path, stage: str) -> StageLock:
     return lock
 
 
+def _not_a_lock(directory: Path, path: Path) -> ConfigError:
+    """The refusal of a lock path that is no regular file (a symlink, a directory, a FIFO), left as it is."""
+    return ConfigError(f"--checkpoint-dir {directory}: {path} is not a regular file (a symlink, directory or "
+                       f"FIFO?), so it cannot be the stage's lock and nothing was written through it. Remove it, "
+                       f"or give another directory")
+
+
 def _read_only(directory: Path) -> bool:
     return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
 
@@ -306,7 +332,7 @@ def _remove_stale_temporaries(directory: Path, stage: str) -> None:
     for entry in directory.iterdir():
         match = _TMP.match(entry.name)
         parsed = _parse(match["name"]) if match else None
-        if parsed is not None and parsed[0] == stage:
+        if parsed is not None and parsed[0] == stage_token(stage):
             log.info("removing %s, left by a crash of stage %s", entry, stage)
             entry.unlink(missing_ok=True)
 
@@ -335,8 +361,9 @@ class CheckpointStore:
         for step, token in _files(self.directory, self.stage):
             if token is not None and wanted is not None and token != wanted:
                 continue                    # another run's file: not even read
-            path = (self.directory / f"{self.stage}-{step:09d}.ckpt" if token is None
-                    else self.directory / f"{self.stage}-{token}-{step:09d}.ckpt")
+            name = stage_token(self.stage)
+            path = (self.directory / f"{name}-{step:09d}.ckpt" if token is None
+                    else self.directory / f"{name}-{token}-{step:09d}.ckpt")
             try:
                 ckpt = load(path)
             except CheckpointError as e:
