@@ -213,3 +213,15 @@ def test_a_load_file_that_is_no_archive_is_named_for_what_it_is_never_a_pickle(t
             Stage.from_experiment(exp, "g").load_parameters(tmp_path / name)
         assert what in str(info.value) and "--save writes" in str(info.value)
         assert "pickle" not in str(info.value), info.value
+
+
+@pytest.mark.parametrize("name", ["data owner", "../up", "a/b", "f@0", "f"])
+def test_a_parameters_file_stays_inside_its_folder_whatever_the_stage_is_called(tmp_path, name):
+    """``--save DIR`` / ``--load DIR``: a stage file may name its stage anything; its parameters file is a file
+    directly in DIR (plain names as they are: ``DIR/f.npz``, ``DIR/f@0.npz``)."""
+    from distgrad.stage.stage import parameters_file
+    exp = load_experiment("seed-reverse")
+    path = parameters_file(tmp_path, name, exp, "f")
+    assert path.parent == tmp_path and path.suffix == ".npz"
+    if name in ("f", "f@0"):
+        assert path.name == f"{name}.npz"

@@ -29,6 +29,7 @@ from distgrad.model.optim import Optimizer
 from distgrad.model.schedules import Plateau
 from distgrad.privacy.defenses import nopeek_gradient
 from distgrad.privacy.labeldp import TrainingLabels
+from distgrad.stage.checkpoint import stage_token
 from distgrad.stage.records import write_atomic
 from distgrad.wire.messages import all_finite
 from distgrad.wire.wirecodec import ACTIVATION, GRADIENT, Expected, WireTensor
@@ -211,8 +212,9 @@ def make_save_dir(directory: str | Path | None) -> None:
 
 def parameters_file(directory: str | Path, instance: str, exp: Experiment, stage: str) -> Path:
     """Where ``distgrad run --save DIR`` keeps a stage's parameters: ``DIR/INSTANCE.npz``, or ``.pt`` (a
-    torch ``state_dict``) for a torch stage."""
-    return Path(directory) / f"{instance}{'.pt' if exp.spec(stage).framework == 'torch' else '.npz'}"
+    torch ``state_dict``) for a torch stage. ``INSTANCE`` as in file names (``checkpoint.stage_token``): a
+    stage name with a slash or other characters stays inside ``DIR``."""
+    return Path(directory) / f"{stage_token(instance)}{'.pt' if exp.spec(stage).framework == 'torch' else '.npz'}"
 
 
 def read_parameters_npz(path: str | Path) -> dict[str, np.ndarray]:
