@@ -320,6 +320,9 @@ class PredictionServer:
         self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
         self.written = 0
         self.aborted = False                                 # a notice was passed on below (close with linger)
+        # Vertical: why the parties' rows of a chunk were found not to be the same rows (None: they were each
+        # time). Such a prediction cannot complete: ``serve_predictions`` ends it at once and tells every party.
+        self.unaligned: str | None = None
 
     @property
     def session(self) -> _Session | None:
@@ -327,7 +330,10 @@ class PredictionServer:
         return self.sessions.get(self.upstream)
 
     def finished(self) -> bool:
-        """Every sender's prediction is complete (written, or passed on)."""
+        """Every sender's prediction is complete (written, or passed on). Raises ``ProtocolError`` (``mismatch``,
+        ``unaligned``) once vertical parties' rows were found not to be the same rows: it never will be."""
+        if self.unaligned is not None:      # the refused sender has its refusal; ending tells every other party
+            raise ProtocolError(ErrorCode.MISMATCH, self.unaligned)
         return bool(self.sessions) and len(self.sessions) == len(self.row_shapes) and all(
             session.done for session in self.sessions.values())
 
@@ -532,9 +538,11 @@ class PredictionServer:
                     session.ids[msg.step] = ids
                 try:
                     self._combine(msg.step, sender)
-                except ProtocolError:                     # refused: this chunk is not kept
+                except ProtocolError as e:                # refused: this chunk is not kept
                     session.chunks.pop(msg.step, None)
                     session.ids.pop(msg.step, None)
+                    if e.code == ErrorCode.MISMATCH and self.unaligned is None:
+                        self.unaligned = unaligned_text(msg.step, sender)
                     raise
             return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
         y, _ = self.stage.forward(activation, training=False)
@@ -663,6 +671,15 @@ class PredictionServer:
         return reply
 
 
+def unaligned_text(number: int, sender: str) -> str:
+    """Why a vertical prediction ends when party ``sender``'s chunk ``number`` was refused because its rows are
+    not the other parties' (or the label owner's own rows lack one of them). It goes to every party, so it
+    names no row ID: the refused party's own refusal names its own ID, the label owner's log both sides'."""
+    return (f"chunk {number}: party {sender}'s rows are not the rows the other parties sent there (or not among "
+            f"the label owner's own rows): the parties' --input files are not aligned (the same IDs in the same "
+            f"order: distgrad align); a prediction needs every party's rows of each chunk, so it ends here")
+
+
 @one_compute_thread()
 def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_frame: int, wait: bool) -> bool:
     """This stage gave up (``why``): answer the held byes with the notice, then (``wait``) for at most
@@ -708,10 +725,11 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                       own_rows: NewRows | None = None, overwrite: bool = False) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
-    ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage, or for an ``output`` (or its scores
-    file) already there unless ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own
-    ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
+    ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``ProtocolError``
+    at once when vertical parties' rows differ (``finished``); ``Interrupted`` on a signal; ``ConfigError`` for
+    ``output_scores`` on a middle stage, or for an ``output`` (or its scores file) already there unless
+    ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own ``bottom`` takes its own
+    columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
     last = connect is None
     _check_serving(opts, output, last, output_scores, own_rows is not None, overwrite)
