@@ -11,7 +11,8 @@ run uses, so the two always agree).
 
 Two parties (``f`` the features, ``g`` the labels) by default; vertical parties (``aggregate = "concat"``)
 when the columns are shared out (``'a:c1,c2' 'b:c3'``) or when each party gives its own CSV (joined on a
-common ID column: the rows of the IDs every file holds, in the label owner's order).
+common ID column: the rows of the IDs every file holds, in ascending ID text, the order ``distgrad align``
+writes them in, so that the printed align commands give every party the same rows in the same order).
 """
 
 from __future__ import annotations
@@ -160,12 +161,15 @@ def _label_table(tables: Sequence[Table], label: str) -> Table:
 
 
 def _aligned(tables: Sequence[Table], label_table: Table, id_column: str, notes: list[str]) -> dict[int, dict[str, list[str]]]:
-    """For each table (by position), its rows by ID, restricted to the IDs every table holds; the IDs in the
-    label owner's file order are the keys' order of every map."""
+    """For each table (by position), its rows by ID, restricted to the IDs every table holds; the IDs in
+    ascending text order (Python's string order) are the keys' order of every map: the agreed order of
+    ``distgrad align`` (``align.write_aligned``), so that where the parties align their own files instead
+    (the printed commands), each gets these rows in this order, the same training rows and so the same
+    categories and input width the model was sized to."""
     present = {row[label_table.header.index(id_column)] for row in label_table.rows}
     for table in tables:
         present &= set(table.column(id_column))
-    order = [i for i in label_table.column(id_column) if i in present]
+    order = sorted(present)
     if len(order) < COMMON_ROWS_MIN:
         raise ConfigError(f"the files hold only {len(order)} common IDs in column {id_column!r}: at least "
                           f"{COMMON_ROWS_MIN} are needed to train")
@@ -453,7 +457,9 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
                     f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
                     f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
-    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework))
+    # rows of the label owner's file whose label is missing: its own align input must leave them out
+    unlabelled = len(read_table(label_table.path).rows) - len(label_table.rows) if len(csvs) > 1 else 0
+    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework, (label, unlabelled)))
 
 
 def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None, seed: int,
@@ -619,7 +625,8 @@ def _interface(plan: Sequence[Party], stages: dict[str, dict[str, Any]], vertica
     return table
 
 
-def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str) -> list[str]:
+def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str,
+              unlabelled: tuple[str, int] = ("", 0)) -> list[str]:
     """The commands to train (one machine, then one host per party), predict and, with one CSV per party
     (``raw``), align the rows privately where each party keeps its file on its host. Each party's parameters
     file is named as ``distgrad run --save`` names it (``stage.parameters_file``): ``NAME.npz`` for numpy
@@ -647,8 +654,12 @@ def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: 
     if raw:
         lines += ["# init joined the files on this machine; where each party keeps its CSV on its own host, each "
                   "aligns it with the others' by ID instead, privately, into the file its stage file reads (the "
-                  "label owner coordinates; with CURVE keys, each other party adds --party-keys DIR)",
-                  f"distgrad align {owner.table.path} --id-column {id_name} --out "
+                  "label owner coordinates; with CURVE keys, each other party adds --party-keys DIR)"]
+        label, count = unlabelled
+        if count:
+            lines.append(f"# first remove from {owner.table.path} its {count} row{'s' if count > 1 else ''} whose "
+                         f"label {label!r} is missing (init left them out; a run refuses a missing label)")
+        lines += [f"distgrad align {owner.table.path} --id-column {id_name} --out "
                   f"{paths[-1].with_suffix('.csv')} --bind tcp://0.0.0.0:5557 --parties {len(plan)}"]
         for party, path in zip(feature_parties, paths):
             lines.append(f"distgrad align {party.table.path} --id-column {id_name} "
