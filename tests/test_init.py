@@ -225,8 +225,8 @@ def test_init_regression_for_a_label_of_many_numbers(tmp_path: Path):
 
 
 def test_init_one_csv_per_party_joins_them_on_the_common_id(tmp_path: Path):
-    """Three files with different rows: the parties' files hold the IDs every file holds, in the label
-    owner's order; the label owner's other columns are its own features ('bottom'); the align commands are
+    """Three files with different rows: the parties' files hold the IDs every file holds, in ascending ID
+    text (distgrad align's order); the label owner's other columns are its own features ('bottom'); the align commands are
     printed."""
     source = _read_csv(write_penguins(tmp_path / "penguins.csv"))
     header, body = source[0], source[1:]
