@@ -320,9 +320,7 @@ class PredictionServer:
         self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
         self.written = 0
         self.aborted = False                                 # a notice was passed on below (close with linger)
-        # Vertical: why the parties' rows of a chunk were found not to be the same rows (None: they were each
-        # time). Such a prediction cannot complete: ``serve_predictions`` ends it at once and tells every party.
-        self.unaligned: str | None = None
+        self.unaligned: str | None = None       # vertical: why the parties' rows differ (``finished`` ends it)
 
     @property
     def session(self) -> _Session | None:
@@ -450,8 +448,6 @@ class PredictionServer:
         names = body.get("class_names")
         classes = None if names is None else check_class_names(
             names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
-        if self.own is not None:
-            self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
             if self.link is not None:
                 self._pass_hello_on(msg, rows, id_name, classes)
@@ -484,23 +480,6 @@ class PredictionServer:
                                                     f"them: give it --output FILE.csv")
         return rows, id_name
 
-    def _check_parties_agree(self, sender: str, rows: int, id_name: str | None) -> None:
-        """Refuse (``mismatch``) a hello of party ``sender`` whose ``rows`` or ID column differ from another
-        party's prediction here. A refusal names the sender's own row count and ID column only: a party learns
-        neither of another party's --input (this stage's log has both)."""
-        for other, theirs in self.sessions.items():
-            if other != sender and theirs.rows != rows:
-                self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
-                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, not as many as "
-                                                        f"party {other}: every party predicts the same rows (its "
-                                                        f"--input files aligned, distgrad align)")
-            if other != sender and theirs.id_name != id_name:
-                self.log.warning("party %s sends the IDs of column %s, party %s of column %s", sender,
-                                 wire.show(id_name), other, wire.show(theirs.id_name))
-                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
-                                                        f"{wire.show(id_name)}, party {other} not of that column: "
-                                                        f"every party keeps the ID column, or none")
-
     def _pass_hello_on(self, msg: Message, rows: int, id_name: str | None, classes: list[str] | None) -> None:
         """A middle stage: say this prediction's hello (run ``msg.run``, its ``rows``, ID column and class
         names) to the stage below; its refusal is this hello's, saying why (``ProtocolError``)."""
@@ -513,6 +492,33 @@ class PredictionServer:
             self.link.handshake(own)
         except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
             raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
+
+    def _check_parties_agree(self, sender: str, rows: int, id_name: str | None) -> None:
+        """Refuse (``mismatch``) a hello of party ``sender`` whose ``rows`` or ID column differ from another party's,
+        or do not fit the label owner's own rows, naming the sender's own only; vertical: ``unaligned`` then ends
+        the prediction, so no party tries one guess of another's --input after another (the log has both)."""
+        try:
+            for other, theirs in self.sessions.items():
+                if other != sender and theirs.rows != rows:
+                    self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
+                    raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, not as many as "
+                                                            f"party {other}: every party predicts the same rows "
+                                                            f"(its --input files aligned, distgrad align)")
+                if other != sender and theirs.id_name != id_name:
+                    self.log.warning("party %s sends the IDs of column %s, party %s of column %s", sender,
+                                     wire.show(id_name), other, wire.show(theirs.id_name))
+                    raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
+                                                            f"{wire.show(id_name)}, party {other} not of that "
+                                                            f"column: every party keeps the ID column, or none")
+            if self.own is not None:
+                self.own.check(rows, id_name)
+        except ProtocolError:
+            if self.vertical and self.unaligned is None:
+                self.unaligned = (f"party {sender}'s hello announces other rows than the other parties' (another "
+                                  f"row count or ID column, or rows the label owner's own do not fit): the parties' "
+                                  f"--input files are not aligned (the same IDs in the same order: distgrad "
+                                  f"align); a prediction needs every party's rows, so it ends here")
+            raise
 
     def _predict(self, session: _Session, msg: Message) -> Message:
         if session.done:
