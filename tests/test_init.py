@@ -296,6 +296,30 @@ def test_the_printed_align_commands_give_the_rows_init_wrote_and_its_model_fits_
     assert run.returncode == 0, run.stderr
 
 
+def test_ids_written_otherwise_in_another_file_are_named_where_the_join_leaves_them_out(tmp_path: Path):
+    """The join compares IDs as exact text ('7' is not '0007', nor ' 7', nor an accent written as a separate
+    mark): where IDs match another file's only once spaces, Unicode form or a number's form are set aside,
+    the refusal (too few common IDs) or the note of rows left out says how many and shows the first pair."""
+    def write(name: str, rows: list[list[str]]) -> Path:
+        with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(rows)
+        return tmp_path / name
+
+    bank = write("bank.csv", [["person", "income"], *([str(i), str(i * 3 % 7)] for i in range(1, 41))])
+    owner = write("labels.csv", [["person", "bought"], *([f"{i:04d}", str(i % 2)] for i in range(1, 41))])
+    result = run_main(["init", bank, owner, "--label", "bought", "--out", tmp_path / "a"])
+    assert result.returncode == 2 and "only 0 common IDs" in result.stderr, result.stderr
+    assert f"40 IDs of {bank} match one of {owner} only when spaces, Unicode form or a number's form are set " \
+           f"aside (the first '1' and '0001')" in result.stderr, result.stderr
+    owner = write("labels.csv", [["person", "bought"], *([str(i), str(i % 2)] for i in range(1, 39)),
+                                 [" 39", "1"], ["Jose\u0301", "0"]])
+    write("bank.csv", [["person", "income"], *([str(i), str(i * 3 % 7)] for i in range(1, 40)), ["Jos\u00e9", "2"]])
+    result = run_main(["init", bank, owner, "--label", "bought", "--out", tmp_path / "b"])
+    assert result.returncode == 0, result.stderr
+    assert f"2 IDs of {bank} match one of {owner} only when" in result.stdout, result.stdout
+    assert "'39' and ' 39'" in result.stdout or "'Jos\u00e9' and 'Jose\u0301'" in result.stdout, result.stdout
+
+
 @pytest.mark.slow
 def test_init_torch_stages_train_in_process_as_over_processes(tmp_path: Path):
     """--framework torch: every stage file builds its layers in PyTorch; the prepared rows train alike in one

@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -172,16 +173,41 @@ def _aligned(tables: Sequence[Table], label_table: Table, id_column: str, notes:
     order = sorted(present)
     if len(order) < COMMON_ROWS_MIN:
         raise ConfigError(f"the files hold only {len(order)} common IDs in column {id_column!r}: at least "
-                          f"{COMMON_ROWS_MIN} are needed to train")
+                          f"{COMMON_ROWS_MIN} are needed to train{_near_misses(tables, id_column, present)}")
     dropped = {str(t.path): len(t.rows) - len(order) for t in tables if len(t.rows) != len(order)}
     if dropped:
         notes.append(f"joined on {id_column!r}: {len(order)} IDs are in every file; left out {dropped} rows "
-                     f"(rows whose ID another file lacks)")
+                     f"(rows whose ID another file lacks){_near_misses(tables, id_column, present)}")
     out = {}
     for k, table in enumerate(tables):
         by_id = {row[table.header.index(id_column)]: row for row in table.rows}
         out[k] = {i: by_id[i] for i in order}
     return out
+
+
+def _loose_id(key: str) -> str:
+    """``key`` with what another file may write otherwise set aside: spaces around it, its Unicode form, and
+    for a number its form (``'007'``, ``'7.0'`` and ``'7'`` alike)."""
+    key = unicodedata.normalize("NFC", key.strip())
+    value = number(key)
+    return key if value is None else repr(value)
+
+
+def _near_misses(tables: Sequence[Table], id_column: str, present: set[str]) -> str:
+    """A hint for IDs that are in no other file exactly but are there once spaces, Unicode form and a
+    number's form are set aside (``_loose_id``; e.g. ``'007'`` here, ``'7'`` there), else "": the join, as
+    ``distgrad align``, compares IDs as exact text."""
+    columns = [[key for key in t.column(id_column) if key not in present] for t in tables]
+    loose = [{_loose_id(key): key for key in keys} for keys in columns]
+    for k, mine in enumerate(loose):
+        for j, theirs in enumerate(loose[k + 1:], start=k + 1):
+            near = [(mine[key], theirs[key]) for key in mine if key in theirs]
+            if near:
+                return (f"; {len(near)} ID{'s' if len(near) > 1 else ''} of {tables[k].path} match one of "
+                        f"{tables[j].path} only when spaces, Unicode form or a number's form are set aside (the "
+                        f"first {near[0][0]!r} and {near[0][1]!r}): IDs are compared as exact text, so write them "
+                        f"alike in every file")
+    return ""
 
 
 def _drop_missing_labels(table: Table, label: str, notes: list[str]) -> Table:
