@@ -71,6 +71,7 @@ import os
 import secrets
 import tempfile
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, cast
@@ -154,7 +155,9 @@ def read_table(path: Path, id_column: str) -> Table:
     IDs are compared as exact text (case and spaces count). Blank lines are
     skipped. Raises ``ConfigError`` naming the file (and the line) for an
     unreadable or empty file, a missing ID column, a row of another width, an
-    empty ID, an ID that appears twice, or more than ``MAX_IDS`` rows.
+    empty ID, an ID that appears twice, or more than ``MAX_IDS`` rows. IDs
+    that would silently fail to match another party's spelling of them
+    (``inexact_ids``) are logged as a warning, naming the first one's line.
     """
     path = Path(path)
     try:
@@ -196,7 +199,29 @@ def read_table(path: Path, id_column: str) -> Table:
         raise ConfigError(f"{path} is not a readable CSV file: {e}") from e
     if not rows:
         raise ConfigError(f"{path} has a header but no rows: there is nothing to align")
-    return Table(path, header, rows, index)
+    table = Table(path, header, rows, index)
+    for warning in inexact_ids(table, first_line):
+        log.warning("%s", warning)
+    return table
+
+
+def inexact_ids(table: Table, lines: dict[str, int]) -> list[str]:
+    """Why some of ``table``'s IDs may not match the same IDs as another party writes them, one line per
+    kind (``lines``: each ID's line in the file): spaces around an ID, and text not in Unicode NFC form (an
+    accent as a separate mark: it looks the same as the composed letter but is other text). Nothing is
+    changed: IDs are compared as exact text, so ``' 7'`` never matches ``'7'``."""
+    checks = (("have spaces around them", lambda key: key != key.strip()),
+              ("are not in Unicode NFC form (an accent as a separate mark)",
+               lambda key: unicodedata.normalize("NFC", key) != key))
+    found = []
+    for what, odd in checks:
+        odd_ids = [key for key in table.ids if odd(key)]
+        if odd_ids:
+            found.append(f"{table.path}: {len(odd_ids)} of {len(table.rows)} IDs {what}, the first "
+                         f"{ascii(odd_ids[0][:64])} on line {lines[odd_ids[0]]}; IDs are compared as exact text, so "
+                         f"they match only another party's IDs spelt exactly alike: clean them in every party's "
+                         f"file the same way before aligning")
+    return found
 
 
 def write_aligned(table: Table, rows: Sequence[int], out: Path) -> None:

@@ -170,6 +170,28 @@ def test_read_table_refuses_bad_files(tmp_path):
     assert al.read_table(path, "id").ids == ["1", "2"]
 
 
+def test_ids_that_match_only_an_identical_spelling_are_named_and_kept_as_they_are(tmp_path, caplog):
+    """IDs are exact text, so ' 7' never matches another party's '7', nor 'Jose' + a combining accent its
+    'José': the party is warned (how many, the first one and its line), its IDs unchanged; clean IDs, none."""
+    import logging
+    import unicodedata
+    path = tmp_path / "p.csv"
+    decomposed = unicodedata.normalize("NFD", "José")
+    path.write_text(f"id,b\n1,2\n 7,3\n8 ,4\n{decomposed},5\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="distgrad.align"):
+        table = al.read_table(path, "id")
+    assert table.ids == ["1", " 7", "8 ", decomposed]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert "2 of 4 IDs have spaces around them, the first ' 7' on line 3" in warned[0]
+    assert "1 of 4 IDs are not in Unicode NFC form" in warned[1] and "'Jose\\u0301' on line 5" in warned[1]
+    caplog.clear()
+    path.write_text("id,b\n1,2\nJosé,3\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="distgrad.align"):
+        al.read_table(path, "id")
+    assert not caplog.records
+
+
 def test_usage_errors_exit_2_before_anything_connects(tmp_path):
     good = tmp_path / "a.csv"
     good.write_text("id,x\n1,2\n")

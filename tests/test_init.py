@@ -225,8 +225,8 @@ def test_init_regression_for_a_label_of_many_numbers(tmp_path: Path):
 
 
 def test_init_one_csv_per_party_joins_them_on_the_common_id(tmp_path: Path):
-    """Three files with different rows: the parties' files hold the IDs every file holds, in the label
-    owner's order; the label owner's other columns are its own features ('bottom'); the align commands are
+    """Three files with different rows: the parties' files hold the IDs every file holds, in ascending ID
+    text (distgrad align's order); the label owner's other columns are its own features ('bottom'); the align commands are
     printed."""
     source = _read_csv(write_penguins(tmp_path / "penguins.csv"))
     header, body = source[0], source[1:]
@@ -255,6 +255,69 @@ def test_init_one_csv_per_party_joins_them_on_the_common_id(tmp_path: Path):
     assert "distgrad align" in result.stdout and "--parties 3" in result.stdout
     assert run_main(["run", *[out / n / f"{n}.toml" for n in ("left", "right", "owner")], "--in-process",
                      "--steps", "5"]).returncode == 0
+
+
+def test_the_printed_align_commands_give_the_rows_init_wrote_and_its_model_fits_them(tmp_path: Path):
+    """Where each party aligns its own CSV (the printed `distgrad align` commands) instead of init's join, every
+    party gets the rows init wrote, in the same order: so the same training rows, the same categories and the
+    input width init sized the model to (in the label owner's order, a rare category moved between training
+    and held-out rows and the run refused the aligned files: `takes (batch, 5), got (24, 4)`). The label
+    owner's rows whose label is missing, which init leaves out, are named before the commands."""
+    import random
+    from distgrad.align import read_table, write_aligned
+    rng = random.Random(3)
+    ids = [str(i) for i in range(1, 121)]
+    rng.shuffle(ids)
+    with open(tmp_path / "bank.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["person", "city", "income"],
+                                 *([i, "rare" if k == 0 else rng.choice("xyz"), rng.random()] for k, i in enumerate(ids))])
+    labelled = [[i, rng.randint(0, 1)] for i in ids]
+    with open(tmp_path / "labels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["person", "bought"], *labelled, ["121", ""], ["122", ""]])   # two unlabelled
+    with open(tmp_path / "bank.csv", "a", newline="") as f:
+        csv.writer(f).writerows([["121", "x", 0.5], ["122", "y", 0.25]])
+    out = tmp_path / "p"
+    result = run_main(["init", tmp_path / "bank.csv", tmp_path / "labels.csv", "--label", "bought", "--out", out])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    first_align = next(k for k, line in enumerate(lines) if line.startswith("distgrad align"))
+    assert lines[first_align - 1] == (f"# first remove from {tmp_path / 'labels.csv'} its 2 rows whose label "
+                                      f"'bought' is missing (init left them out; a run refuses a missing label)")
+    with open(tmp_path / "labels.csv", "w", newline="") as f:        # as the line says
+        csv.writer(f).writerows([["person", "bought"], *labelled])
+    tables = {name: read_table(tmp_path / f"{name}.csv", "person") for name in ("bank", "labels")}
+    common = set(tables["bank"].ids) & set(tables["labels"].ids)
+    aligned = {name: tmp_path / f"{name}.aligned.csv" for name in tables}
+    for name, table in tables.items():          # what each party's distgrad align writes
+        write_aligned(table, [k for k, key in enumerate(table.ids) if key in common], aligned[name])
+        assert [r[0] for r in _read_csv(aligned[name])[1:]] == [r[0] for r in _read_csv(out / name / f"{name}.csv")[1:]]
+        (out / name / f"{name}.csv").write_bytes(aligned[name].read_bytes())
+    run = run_main(["run", out / "bank" / "bank.toml", out / "labels" / "labels.toml", "--in-process", "--steps", "3"])
+    assert run.returncode == 0, run.stderr
+
+
+def test_ids_written_otherwise_in_another_file_are_named_where_the_join_leaves_them_out(tmp_path: Path):
+    """The join compares IDs as exact text ('7' is not '0007', nor ' 7', nor an accent written as a separate
+    mark): where IDs match another file's only once spaces, Unicode form or a number's form are set aside,
+    the refusal (too few common IDs) or the note of rows left out says how many and shows the first pair."""
+    def write(name: str, rows: list[list[str]]) -> Path:
+        with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(rows)
+        return tmp_path / name
+
+    bank = write("bank.csv", [["person", "income"], *([str(i), str(i * 3 % 7)] for i in range(1, 41))])
+    owner = write("labels.csv", [["person", "bought"], *([f"{i:04d}", str(i % 2)] for i in range(1, 41))])
+    result = run_main(["init", bank, owner, "--label", "bought", "--out", tmp_path / "a"])
+    assert result.returncode == 2 and "only 0 common IDs" in result.stderr, result.stderr
+    assert f"40 IDs of {bank} match one of {owner} only when spaces, Unicode form or a number's form are set " \
+           f"aside (the first '1' and '0001')" in result.stderr, result.stderr
+    owner = write("labels.csv", [["person", "bought"], *([str(i), str(i % 2)] for i in range(1, 39)),
+                                 [" 39", "1"], ["Jose\u0301", "0"]])
+    write("bank.csv", [["person", "income"], *([str(i), str(i * 3 % 7)] for i in range(1, 40)), ["Jos\u00e9", "2"]])
+    result = run_main(["init", bank, owner, "--label", "bought", "--out", tmp_path / "b"])
+    assert result.returncode == 0, result.stderr
+    assert f"2 IDs of {bank} match one of {owner} only when" in result.stdout, result.stdout
+    assert "'39' and ' 39'" in result.stdout or "'Jos\u00e9' and 'Jose\u0301'" in result.stdout, result.stdout
 
 
 @pytest.mark.slow

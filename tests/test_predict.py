@@ -341,6 +341,9 @@ def test_a_vertical_partys_refused_hello_or_chunk_names_none_of_another_partys_r
         server.handle(hello("right", 43, "person"), 0.0)
     assert "secret_column" not in str(info.value)
     server.handle(hello("right", 43, "secret_column"), 0.0)       # the same rows: accepted
+    # The first refusal says why the prediction ends (serve_predictions ends it), naming neither party's rows.
+    assert server.unaligned is not None and "right's hello announces other rows" in server.unaligned
+    assert "31" not in server.unaligned and "43" not in server.unaligned and "secret" not in server.unaligned
 
 def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     """Each feature party sends its rows' IDs: the label owner refuses a chunk whose IDs are not the other
@@ -379,6 +382,68 @@ def test_vertical_parties_whose_rows_have_other_ids_are_refused(tmp_path: Path):
     with pytest.raises(ProtocolError, match=r"party left's row 1 of the chunk \(ID 'x-left-only'\)") as info:
         server.handle(chunk("left", ["x-left-only", "d"]), 0.2)
     assert "x-right-only" not in str(info.value) and server.sessions["left"].chunks == {}
+
+
+@pytest.mark.integration(reason="the label owner and the parties in threads, over tcp")
+# Slow: the same ending after a refused hello; by default the ids case covers the ending and
+# test_a_vertical_partys_refused_hello_or_chunk_names_none_of_another_partys_rows the refused hello's unaligned.
+@pytest.mark.parametrize("differ", ["ids", pytest.param("rows", marks=pytest.mark.slow)])
+def test_a_vertical_prediction_of_unaligned_rows_ends_at_once_and_every_party_is_told_why(tmp_path: Path, differ):
+    """Feature parties whose --input rows are not the same rows (IDs that differ at one row, or another row
+    count) cannot complete a prediction: the party refused (its chunk, or its hello) gets ``mismatch`` naming
+    its own ID or count only, and the label owner ends the prediction at once (``mismatch``, no file written)
+    and tells the other party why, naming nothing of either party's rows, instead of waiting out its deadline
+    for rows that will never match (then blaming the refused party's silence) while the other party's bye
+    waits for no reason it is given; so no party can try one guess of another's IDs or count after another."""
+    import threading
+    from distgrad.errors import PeerRejected
+    from distgrad.run.options import StopFlag
+    from distgrad.run.predict import NewRows, send_predictions, serve_predictions
+    exp = load_experiment("digits-halves")
+    ready, output, outcomes = tmp_path / "g.ready", tmp_path / "out.csv", {}
+
+    def label_owner() -> None:
+        try:
+            serve_predictions(StageOptions(exp, "g", exp.seed, peer_deadline_s=30, liveness_s=1.0),
+                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            outcomes["g"] = e
+
+    def party(name: str, ids: list[str]) -> None:
+        rows = NewRows(exp.build_data(stage=name).test_features()[:len(ids)], ids, "person")
+        try:
+            send_predictions(StageOptions(exp, name, exp.seed, timeout_s=5, liveness_s=1.0, peer_deadline_s=30),
+                             ready.read_text(), rows, StopFlag())
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
+            outcomes[name] = e
+
+    threads = [threading.Thread(target=label_owner, daemon=True)]
+    threads[0].start()
+    for _ in range(1500):                   # at most 30 s for the label owner to bind
+        if ready.exists() or not threads[0].is_alive():
+            break
+        threads[0].join(0.02)
+    assert ready.exists(), outcomes
+    ids = {"left": ["p1", "p2", "left-only-3", "p4", "p5"], "right": ["p1", "p2", "right-only-3", "p4", "p5"]}
+    if differ == "rows":
+        ids = {"left": [f"p{k}" for k in range(1, 6)], "right": [f"p{k}" for k in range(1, 8)]}
+    threads += [threading.Thread(target=party, args=(name, ids[name]), daemon=True) for name in ids]
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), outcomes
+    refused = [name for name in ids if getattr(outcomes.get(name), "code", None) == ErrorCode.MISMATCH]
+    assert len(refused) == 1, outcomes      # the party whose chunk (or hello) came last
+    told = "right" if refused == ["left"] else "left"
+    own = f"(ID '{refused[0]}-only-3')" if differ == "ids" else f"announces {len(ids[refused[0]])} rows"
+    assert own in str(outcomes[refused[0]])
+    assert isinstance(outcomes[told], PeerRejected) and outcomes[told].code == ErrorCode.ABORTED, outcomes
+    assert isinstance(outcomes["g"], ProtocolError) and outcomes["g"].code == ErrorCode.MISMATCH, outcomes
+    for text in (str(outcomes[told]), str(outcomes["g"])):
+        assert "not aligned" in text and f"party {refused[0]}'s" in text and "-only-3" not in text, text
+        assert str(len(ids[told])) not in text and str(len(ids[refused[0]])) not in text, text
+    assert not output.exists()
 
 
 @pytest.mark.integration(reason="the label owner serves in a thread, over tcp")

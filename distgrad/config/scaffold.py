@@ -11,7 +11,8 @@ run uses, so the two always agree).
 
 Two parties (``f`` the features, ``g`` the labels) by default; vertical parties (``aggregate = "concat"``)
 when the columns are shared out (``'a:c1,c2' 'b:c3'``) or when each party gives its own CSV (joined on a
-common ID column: the rows of the IDs every file holds, in the label owner's order).
+common ID column: the rows of the IDs every file holds, in ascending ID text, the order ``distgrad align``
+writes them in, so that the printed align commands give every party the same rows in the same order).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -160,24 +162,52 @@ def _label_table(tables: Sequence[Table], label: str) -> Table:
 
 
 def _aligned(tables: Sequence[Table], label_table: Table, id_column: str, notes: list[str]) -> dict[int, dict[str, list[str]]]:
-    """For each table (by position), its rows by ID, restricted to the IDs every table holds; the IDs in the
-    label owner's file order are the keys' order of every map."""
+    """For each table (by position), its rows by ID, restricted to the IDs every table holds; the IDs in
+    ascending text order (Python's string order) are the keys' order of every map: the agreed order of
+    ``distgrad align`` (``align.write_aligned``), so that where the parties align their own files instead
+    (the printed commands), each gets these rows in this order, the same training rows and so the same
+    categories and input width the model was sized to."""
     present = {row[label_table.header.index(id_column)] for row in label_table.rows}
     for table in tables:
         present &= set(table.column(id_column))
-    order = [i for i in label_table.column(id_column) if i in present]
+    order = sorted(present)
     if len(order) < COMMON_ROWS_MIN:
         raise ConfigError(f"the files hold only {len(order)} common IDs in column {id_column!r}: at least "
-                          f"{COMMON_ROWS_MIN} are needed to train")
+                          f"{COMMON_ROWS_MIN} are needed to train{_near_misses(tables, id_column, present)}")
     dropped = {str(t.path): len(t.rows) - len(order) for t in tables if len(t.rows) != len(order)}
     if dropped:
         notes.append(f"joined on {id_column!r}: {len(order)} IDs are in every file; left out {dropped} rows "
-                     f"(rows whose ID another file lacks)")
+                     f"(rows whose ID another file lacks){_near_misses(tables, id_column, present)}")
     out = {}
     for k, table in enumerate(tables):
         by_id = {row[table.header.index(id_column)]: row for row in table.rows}
         out[k] = {i: by_id[i] for i in order}
     return out
+
+
+def _loose_id(key: str) -> str:
+    """``key`` with what another file may write otherwise set aside: spaces around it, its Unicode form, and
+    for a number its form (``'007'``, ``'7.0'`` and ``'7'`` alike)."""
+    key = unicodedata.normalize("NFC", key.strip())
+    value = number(key)
+    return key if value is None else repr(value)
+
+
+def _near_misses(tables: Sequence[Table], id_column: str, present: set[str]) -> str:
+    """A hint for IDs that are in no other file exactly but are there once spaces, Unicode form and a
+    number's form are set aside (``_loose_id``; e.g. ``'007'`` here, ``'7'`` there), else "": the join, as
+    ``distgrad align``, compares IDs as exact text."""
+    columns = [[key for key in t.column(id_column) if key not in present] for t in tables]
+    loose = [{_loose_id(key): key for key in keys} for keys in columns]
+    for k, mine in enumerate(loose):
+        for j, theirs in enumerate(loose[k + 1:], start=k + 1):
+            near = [(mine[key], theirs[key]) for key in mine if key in theirs]
+            if near:
+                return (f"; {len(near)} ID{'s' if len(near) > 1 else ''} of {tables[k].path} match one of "
+                        f"{tables[j].path} only when spaces, Unicode form or a number's form are set aside (the "
+                        f"first {near[0][0]!r} and {near[0][1]!r}): IDs are compared as exact text, so write them "
+                        f"alike in every file")
+    return ""
 
 
 def _drop_missing_labels(table: Table, label: str, notes: list[str]) -> Table:
@@ -453,7 +483,9 @@ def init_parties(csvs: Sequence[Path], label: str, out_dir: Path, *, parties: Se
     notes.insert(0, f"{len(ids)} rows; {'classification of ' + str(len(classes)) + ' classes' if classify else 'regression'}"
                     f"; parties {[p.name for p in plan]} (label owner {plan[-1].name}); input width after one-hot "
                     f"{ {p.name: widths[p.name] for p in plan if p.columns} }; batch {batch}, {epochs} epochs")
-    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework))
+    # rows of the label owner's file whose label is missing: its own align input must leave them out
+    unlabelled = len(read_table(label_table.path).rows) - len(label_table.rows) if len(csvs) > 1 else 0
+    return InitResult(paths, notes, _commands(paths, plan, len(csvs) > 1, id_name, framework, (label, unlabelled)))
 
 
 def _planned_rows(csvs: Sequence[Path], label: str, parties: Sequence[str], id_column: str | None, seed: int,
@@ -619,7 +651,8 @@ def _interface(plan: Sequence[Party], stages: dict[str, dict[str, Any]], vertica
     return table
 
 
-def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str) -> list[str]:
+def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: str, framework: str,
+              unlabelled: tuple[str, int] = ("", 0)) -> list[str]:
     """The commands to train (one machine, then one host per party), predict and, with one CSV per party
     (``raw``), align the rows privately where each party keeps its file on its host. Each party's parameters
     file is named as ``distgrad run --save`` names it (``stage.parameters_file``): ``NAME.npz`` for numpy
@@ -647,8 +680,12 @@ def _commands(paths: Sequence[Path], plan: Sequence[Party], raw: bool, id_name: 
     if raw:
         lines += ["# init joined the files on this machine; where each party keeps its CSV on its own host, each "
                   "aligns it with the others' by ID instead, privately, into the file its stage file reads (the "
-                  "label owner coordinates; with CURVE keys, each other party adds --party-keys DIR)",
-                  f"distgrad align {owner.table.path} --id-column {id_name} --out "
+                  "label owner coordinates; with CURVE keys, each other party adds --party-keys DIR)"]
+        label, count = unlabelled
+        if count:
+            lines.append(f"# first remove from {owner.table.path} its {count} row{'s' if count > 1 else ''} whose "
+                         f"label {label!r} is missing (init left them out; a run refuses a missing label)")
+        lines += [f"distgrad align {owner.table.path} --id-column {id_name} --out "
                   f"{paths[-1].with_suffix('.csv')} --bind tcp://0.0.0.0:5557 --parties {len(plan)}"]
         for party, path in zip(feature_parties, paths):
             lines.append(f"distgrad align {party.table.path} --id-column {id_name} "

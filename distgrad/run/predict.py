@@ -320,6 +320,7 @@ class PredictionServer:
         self.prediction_ids: dict[int, list[str]] = {}      # vertical: chunk -> its rows' IDs
         self.written = 0
         self.aborted = False                                 # a notice was passed on below (close with linger)
+        self.unaligned: str | None = None       # vertical: why the parties' rows differ (``finished`` ends it)
 
     @property
     def session(self) -> _Session | None:
@@ -327,7 +328,10 @@ class PredictionServer:
         return self.sessions.get(self.upstream)
 
     def finished(self) -> bool:
-        """Every sender's prediction is complete (written, or passed on)."""
+        """Every sender's prediction is complete (written, or passed on). Raises ``ProtocolError`` (``mismatch``,
+        ``unaligned``) once vertical parties' rows were found not to be the same rows: it never will be."""
+        if self.unaligned is not None:      # the refused sender has its refusal; ending tells every other party
+            raise ProtocolError(ErrorCode.MISMATCH, self.unaligned)
         return bool(self.sessions) and len(self.sessions) == len(self.row_shapes) and all(
             session.done for session in self.sessions.values())
 
@@ -444,8 +448,6 @@ class PredictionServer:
         names = body.get("class_names")
         classes = None if names is None else check_class_names(
             names, self.exp.labels_travel, tuple(self.stage.output_shape[1:]) if self.link is None else None)
-        if self.own is not None:
-            self.own.check(rows, id_name)
         if session is None or session.run != msg.run:
             if self.link is not None:
                 self._pass_hello_on(msg, rows, id_name, classes)
@@ -478,23 +480,6 @@ class PredictionServer:
                                                     f"them: give it --output FILE.csv")
         return rows, id_name
 
-    def _check_parties_agree(self, sender: str, rows: int, id_name: str | None) -> None:
-        """Refuse (``mismatch``) a hello of party ``sender`` whose ``rows`` or ID column differ from another
-        party's prediction here. A refusal names the sender's own row count and ID column only: a party learns
-        neither of another party's --input (this stage's log has both)."""
-        for other, theirs in self.sessions.items():
-            if other != sender and theirs.rows != rows:
-                self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
-                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, not as many as "
-                                                        f"party {other}: every party predicts the same rows (its "
-                                                        f"--input files aligned, distgrad align)")
-            if other != sender and theirs.id_name != id_name:
-                self.log.warning("party %s sends the IDs of column %s, party %s of column %s", sender,
-                                 wire.show(id_name), other, wire.show(theirs.id_name))
-                raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
-                                                        f"{wire.show(id_name)}, party {other} not of that column: "
-                                                        f"every party keeps the ID column, or none")
-
     def _pass_hello_on(self, msg: Message, rows: int, id_name: str | None, classes: list[str] | None) -> None:
         """A middle stage: say this prediction's hello (run ``msg.run``, its ``rows``, ID column and class
         names) to the stage below; its refusal is this hello's, saying why (``ProtocolError``)."""
@@ -507,6 +492,33 @@ class PredictionServer:
             self.link.handshake(own)
         except PeerRejected as e:   # refused below (its IDs, its class names, ...): refused here, saying why
             raise ProtocolError(e.code, f"the stage below refused this prediction: {e.peer_message}") from e
+
+    def _check_parties_agree(self, sender: str, rows: int, id_name: str | None) -> None:
+        """Refuse (``mismatch``) a hello of party ``sender`` whose ``rows`` or ID column differ from another party's,
+        or do not fit the label owner's own rows, naming the sender's own only; vertical: ``unaligned`` then ends
+        the prediction, so no party tries one guess of another's --input after another (the log has both)."""
+        try:
+            for other, theirs in self.sessions.items():
+                if other != sender and theirs.rows != rows:
+                    self.log.warning("party %s announces %d rows, party %s %d", sender, rows, other, theirs.rows)
+                    raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} announces {rows} rows, not as many as "
+                                                            f"party {other}: every party predicts the same rows "
+                                                            f"(its --input files aligned, distgrad align)")
+                if other != sender and theirs.id_name != id_name:
+                    self.log.warning("party %s sends the IDs of column %s, party %s of column %s", sender,
+                                     wire.show(id_name), other, wire.show(theirs.id_name))
+                    raise ProtocolError(ErrorCode.MISMATCH, f"party {sender} sends the IDs of column "
+                                                            f"{wire.show(id_name)}, party {other} not of that "
+                                                            f"column: every party keeps the ID column, or none")
+            if self.own is not None:
+                self.own.check(rows, id_name)
+        except ProtocolError:
+            if self.vertical and self.unaligned is None:
+                self.unaligned = (f"party {sender}'s hello announces other rows than the other parties' (another "
+                                  f"row count or ID column, or rows the label owner's own do not fit): the parties' "
+                                  f"--input files are not aligned (the same IDs in the same order: distgrad "
+                                  f"align); a prediction needs every party's rows, so it ends here")
+            raise
 
     def _predict(self, session: _Session, msg: Message) -> Message:
         if session.done:
@@ -532,9 +544,11 @@ class PredictionServer:
                     session.ids[msg.step] = ids
                 try:
                     self._combine(msg.step, sender)
-                except ProtocolError:                     # refused: this chunk is not kept
+                except ProtocolError as e:                # refused: this chunk is not kept
                     session.chunks.pop(msg.step, None)
                     session.ids.pop(msg.step, None)
+                    if e.code == ErrorCode.MISMATCH and self.unaligned is None:
+                        self.unaligned = unaligned_text(msg.step, sender)
                     raise
             return Message(wire.PREDICTED, msg.run, msg.step, body={"rows": rows})
         y, _ = self.stage.forward(activation, training=False)
@@ -663,6 +677,15 @@ class PredictionServer:
         return reply
 
 
+def unaligned_text(number: int, sender: str) -> str:
+    """Why a vertical prediction ends when party ``sender``'s chunk ``number`` was refused because its rows are
+    not the other parties' (or the label owner's own rows lack one of them). It goes to every party, so it
+    names no row ID: the refused party's own refusal names its own ID, the label owner's log both sides'."""
+    return (f"chunk {number}: party {sender}'s rows are not the rows the other parties sent there (or not among "
+            f"the label owner's own rows): the parties' --input files are not aligned (the same IDs in the same "
+            f"order: distgrad align); a prediction needs every party's rows of each chunk, so it ends here")
+
+
 @one_compute_thread()
 def _tell_the_senders(server: Server, logic: PredictionServer, why: str, max_frame: int, wait: bool) -> bool:
     """This stage gave up (``why``): answer the held byes with the notice, then (``wait``) for at most
@@ -708,10 +731,11 @@ def serve_predictions(opts: StageOptions, bind: str, output: Path | None, stop: 
                       own_rows: NewRows | None = None, overwrite: bool = False) -> int:
     """The label owner's (or a middle stage's) side: serve one prediction on ``bind`` and return its row count
     once written (passed on); ``output_scores``: the label owner writes the rows' scores too. Raises
-    ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``Interrupted``
-    on a signal; ``ConfigError`` for ``output_scores`` on a middle stage, or for an ``output`` (or its scores
-    file) already there unless ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own
-    ``bottom`` takes its own columns of the predicted rows from them (``OwnRows``; required then)."""
+    ``PeerTimeout`` when no sender comes, or it falls silent, for ``opts.peer_deadline_s``; ``ProtocolError``
+    at once when vertical parties' rows differ (``finished``); ``Interrupted`` on a signal; ``ConfigError`` for
+    ``output_scores`` on a middle stage, or for an ``output`` (or its scores file) already there unless
+    ``overwrite`` (``check_output``). ``own_rows``: a label owner with its own ``bottom`` takes its own
+    columns of the predicted rows from them (``OwnRows``; required then)."""
     exp = opts.experiment
     last = connect is None
     _check_serving(opts, output, last, output_scores, own_rows is not None, overwrite)
