@@ -143,3 +143,26 @@ def test_through_a_delayed_link_auto_keeps_steps_in_flight_and_equals_the_in_pro
     assert summary["params"]["f"] == reference["params"]["f"]
     assert read_json(tmp_path / "g.json")["params"]["g"] == reference["params"]["g"]
     assert summary["final_loss"] == reference["final_loss"]
+
+
+def test_the_evaluation_after_the_measured_step_scores_what_staleness_s_scores(tmp_path, start_server, monkeypatch):  # noqa: F811
+    """Step 1 runs in lockstep to measure the link; with S chosen, the forwards of steps 2..S+1 go down
+    before step 1's evaluation does, so the stage below scores it after its step min(1+S, steps), as with
+    ``--staleness S``. The driving stage runs here, its choice pinned to S = 2 (timing is not the point)."""
+    monkeypatch.setattr(LinkProbe, "choose", lambda self: 2)
+    flags = ["--steps", "4", "--eval-every", "1"]
+    g, endpoint = start_server("digits", "--summary", tmp_path / "g.json", "--steps", "4")
+    result = run_main(["stage", "f", "--experiment", "digits", "--connect", endpoint, "--staleness", "auto",
+                       "--summary", tmp_path / "f.json", *flags])
+    assert result.returncode == 0, result.stderr
+    assert g.wait() == 0, g.output
+    summary = read_json(tmp_path / "f.json")
+    assert summary["staleness"] == 2
+    reference = tmp_path / "reference.json"
+    assert run_main(["run", "digits", "--in-process", "--staleness", "2", "--summary", reference,
+                     *flags]).returncode == 0
+    expected = read_json(reference)
+    assert [e["step"] for e in summary["evaluations"]] == [1, 2, 3, 4]
+    assert summary["evaluations"] == expected["evaluations"]
+    assert summary["params"]["f"] == expected["params"]["f"]
+    assert read_json(tmp_path / "g.json")["params"]["g"] == expected["params"]["g"]

@@ -208,7 +208,7 @@ class DriverSteps(DriverRecords):
         """``--staleness auto``: this stage's compute timed (``time_compute``), the fastest ping, then step 1 in
         lockstep, as every S computes it (its forward, as those of steps 2..S+1, uses the initial parameters), its wait timed;
         then S from ``choose_staleness``, and hello again so that the stage below keeps the replies of S + 1
-        steps (run/autostaleness.py)."""
+        steps, and the forwards of steps 2..S+1 sent (run/autostaleness.py)."""
         stage = self.state.stage
         f_compute = time_compute(stage, self._batch(stage.step + 1)[0], self.opts.micro_batches)
         ping = self._ping_s()
@@ -231,6 +231,11 @@ class DriverSteps(DriverRecords):
                       probe.bytes_up, self.staleness)
         if self.staleness:
             self.handshake()
+            # As with --staleness S, steps 2..S+1 (their forwards use the initial parameters) are in flight
+            # before anything else goes down, so that the stage below answers step 1's evaluation with its
+            # parameters after step min(1+S, steps), as that run's does.
+            for step in range(2, min(1 + self.staleness, self.steps) + 1):
+                self._send_in_flight(step)
 
     def _ping_s(self) -> float:
         """The fastest of ``PINGS`` round trips of a ping to the stage below (which answers it at once)."""
