@@ -231,10 +231,11 @@ class DriverSteps(DriverRecords):
                       probe.bytes_up, self.staleness)
         if self.staleness:
             self.handshake()
-            # As with --staleness S, steps 2..S+1 (their forwards use the initial parameters) are in flight
-            # before anything else goes down, so that the stage below answers step 1's evaluation with its
-            # parameters after step min(1+S, steps), as that run's does.
-            for step in range(2, min(1 + self.staleness, self.steps) + 1):
+            # As with --staleness S, the S steps after the one applied (2..S+1: their forwards use the initial
+            # parameters) are in flight before anything else goes down, so that the stage below answers step
+            # 1's evaluation with its parameters after step min(1+S, steps), as that run's does.
+            done = self.state.stage.step
+            for step in range(done + 1, min(done + self.staleness, self.steps) + 1):
                 self._send_in_flight(step)
 
     def _ping_s(self) -> float:
