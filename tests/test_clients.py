@@ -209,6 +209,13 @@ def test_a_client_index_out_of_range_in_a_hello_is_refused(tmp_path, start_serve
                 client.request(hello_message(exp, "r1", client=bad, micro_batches=1), 5.0)
         ping = client.request(wire.Message(wire.PING, "", 0), 5.0)
         assert ping.body["phase"] == "joining"
+        # A client naming another client's run id is refused (messages find their client by run id: it would
+        # take client 0's turns and replies), and client 0 stays the only one taking part.
+        assert client.request(hello_message(exp, "r1", client=0, micro_batches=1), 5.0).type == wire.WELCOME
+        with pytest.raises(PeerRejected, match="run 'r1' is client 0's; client 1 needs a run id of its own"):
+            client.request(hello_message(exp, "r1", client=1, micro_batches=1), 5.0)
+        ping = client.request(wire.Message(wire.PING, "", 0), 5.0)
+        assert (ping.body["phase"], ping.body["clients_active"]) == ("joining", 1)
     finally:
         client.close(linger_ms=0)
 

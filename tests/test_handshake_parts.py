@@ -24,6 +24,7 @@ from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode
 
 from conftest import hello_message, run_cli
+from handshake import only_reply
 
 
 def _variant(name: str, change) -> tuple:
@@ -188,3 +189,23 @@ def test_stages_given_other_codecs_by_flag_say_so_on_both_sides(start_server):
               "on the interface: a value no flag set comes from f's built-in experiment 'tanh-regression' and g's "
               "built-in experiment 'tanh-regression')")
     assert needle in result.stderr and needle in g.output
+
+
+def test_a_hello_naming_another_partys_run_id_is_refused_and_changes_nothing():
+    # The vertical twin of test_clients.py::test_a_client_index_out_of_range_in_a_hello_is_refused's run id
+    # check: a party's messages are found by run id, so a second party may not take the first's.
+    exp = load_experiment("vertical-classify")
+    last = exp.stage_names[-1]
+    server = ServingStage(StageOptions(exp, last, exp.seed))
+    first, second = exp.stage_names[:2]
+
+    def hello(role: str, run: str) -> wire.Message:
+        shape = Stage.from_experiment(exp, role).output_shape
+        return hello_message(exp, run, role=role, activation={"shape": list(shape), "dtype": "float32"})
+
+    assert only_reply(server.handle([b"a"], hello(first, "r1"), 0.0)).type == wire.WELCOME
+    with pytest.raises(ProtocolError, match=f"run 'r1' is party {first}'s; party {second} needs a run id") as info:
+        server.handle([b"b"], hello(second, "r1"), 0.0)
+    assert info.value.code == ErrorCode.RUN
+    assert [p.run for p in server.run.peers][:2] == ["r1", ""]
+    assert only_reply(server.handle([b"b"], hello(second, "r2"), 0.0)).type == wire.WELCOME

@@ -210,9 +210,16 @@ class Topology(abc.ABC):
         check_lockstep(staleness)
 
     def check_owner(self, peer: Peer, msg: Message, peer_key: str) -> None:
-        """With CURVE a peer is the key it first said hello with."""
+        """With CURVE a peer is the key it first said hello with; and a hello may not name the run id of
+        another peer (another client or party) of this stage: messages find their peer by run id
+        (``peer_of``), so that hello would take the other's turns, replies and scores. ``ProtocolError``
+        (code ``run``), before anything changes."""
         if peer.owner and peer_key != peer.owner:
             raise ProtocolError(ErrorCode.RUN, f"{self.name(peer)} said hello with another client key before")
+        other = next((p for p in self.run.peers if p is not peer and p.run == msg.run), None)
+        if other is not None:
+            raise ProtocolError(ErrorCode.RUN, f"run {msg.run!r} is {self.name(other)}'s; {self.name(peer)} needs "
+                                               f"a run id of its own")
 
     @abc.abstractmethod
     def join(self, peer: Peer, msg: Message, mbs: int, eval_every: int, peer_key: str, now: float) -> Join:
