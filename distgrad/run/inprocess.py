@@ -25,11 +25,12 @@ from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_fl
                                       privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_held_out, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
+from distgrad.errors import OutputWriteError
 from distgrad.privacy.releases import fresh_secret
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Guarding, Metering, PeerMeters, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS, LABELS
-from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, ending_fields, evaluation_entry,
                                     evaluation_fields, kept_test_fields, loss_text, scores_text, to_lists,
                                     write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
@@ -560,6 +561,7 @@ class _Reference:
         self.spec = exp.spec(exp.stage_names[-1])
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
+        self.applied_steps = 0          # the steps every stage has applied so far
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
         # With a validation split: every stage's kept model (keep_best's copy of its parameters and forward state
@@ -591,6 +593,7 @@ class _Reference:
             else:
                 self.loss = _step(self.engines, step, data.features(step), _labelled(exp, data, labels, step)[0],
                                   self.micro_batches)
+            self.applied_steps = step
             yield step
 
     def train(self) -> None:
@@ -669,6 +672,26 @@ class _Reference:
             write_json(summary_path, summary)
         return summary
 
+    def write_ended(self, summary_path: str | Path | None, error: BaseException) -> None:
+        """The summary of a run that ended on ``error`` before its last step, written to ``summary_path`` (when
+        given): the steps every stage applied, the last one's loss, the evaluations taken and the parameters,
+        with ``status`` and ``error`` (``records.ending_fields``); no privacy figures (the run did not end
+        as planned). Best effort: ``error`` is what the run ends with, so a write that fails is only logged."""
+        if summary_path is None:
+            return
+        summary = {
+            "experiment": self.exp.name, "steps": self.applied_steps, "seed": self.seed,
+            "micro_batches": self.micro_batches,
+            "final_loss": float(self.loss) if self.loss is not None and self.applied_steps else None,
+            "elapsed_s": time.perf_counter() - self.started, "cpu_s": time.process_time() - self.cpu_started,
+            "mode": "in-process", **({"evaluations": self.evaluations} if self.holds_out else {}),
+            **ending_fields(error), "params": {s.name: to_lists(s.params) for s in self.stages},
+        }
+        try:
+            write_json(summary_path, summary)
+        except OutputWriteError as e:
+            log.error("the summary of the run that ended could not be written: %s", e)
+
     def summary(self) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds)."""
         exp, steps, evaluations = self.exp, self.steps, self.evaluations
@@ -745,8 +768,12 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                                     noise_secret, privacy_meter)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
-        run.train()
-        run.evaluate_test()
+        try:
+            run.train()
+            run.evaluate_test()
+        except BaseException as e:      # a non-finite step, a signal: the summary still says how it ended
+            run.write_ended(summary_path, e)
+            raise
     return run.finish(summary_path)
 
 

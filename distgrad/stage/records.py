@@ -18,7 +18,7 @@ import numpy as np
 
 from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
-from distgrad.errors import ConfigError, OutputWriteError, StageError
+from distgrad.errors import ConfigError, Interrupted, OutputWriteError, PeerTimeout, StageError
 from distgrad.wire.messages import LOSS_WITHHELD
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
@@ -371,6 +371,29 @@ def merge_traces(paths: Sequence[str | Path], out: str | Path,
             if "loss" in line:
                 entry["loss"] = line["loss"]
     _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)), "the trace")
+
+
+def ending_fields(error: BaseException) -> dict[str, Any]:
+    """The summary fields of a run that ended on ``error`` instead of completing: ``status`` (``"stopped"`` by
+    a signal, ``"lost"`` when a peer stayed silent past its deadline, else ``"failed"``) and ``error``, the
+    message the command ended with."""
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        status = "stopped"
+    elif isinstance(error, PeerTimeout):
+        status = "lost"
+    else:
+        status = "failed"
+    return {"status": status, "error": str(error) or type(error).__name__}
+
+
+def ended_summary(parts: Sequence[Mapping[str, Any]], experiment: str, error: BaseException,
+                  **run: Any) -> dict[str, Any]:
+    """The summary of a run of several processes that ended on ``error``: the summaries the processes wrote
+    before they ended (``parts``, the driving stage's first; any may be missing) merged as a completed run's
+    are (``merge_summaries``), with the whole run's ``status`` and ``error`` (``ending_fields``) and ``run``
+    (e.g. ``mode``) over them; ``params`` are those of the processes that wrote one."""
+    merged = merge_summaries(parts)
+    return {"experiment": experiment, **merged, **run, **ending_fields(error)}
 
 
 CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "evaluations")   # and every test_ score
