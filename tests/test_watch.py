@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -258,3 +259,40 @@ def test_plot_draws_non_finite_figures_written_as_text_and_a_meter_figure_withou
                        '{"step": 2, "loss": 0.4, "wall_s": 0.03, "label_recovery": 0.25}\n')
     assert run_main(["plot", metrics, "--out", tmp_path / "loss.png"]).returncode == 0
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_metrics_and_trace_lines_reach_the_file_as_each_is_written(tmp_path):
+    """A stage killed (SIGKILL) leaves in its metrics and trace files the line of every step it recorded, each
+    whole: each line is handed to the system as it is written, none held in a buffer until close."""
+    import numpy as np
+
+    from distgrad.run.progress import MetricsWriter
+    from distgrad.stage.records import TraceWriter
+
+    metrics, trace = MetricsWriter(tmp_path / "m.jsonl"), TraceWriter(tmp_path / "t.jsonl")
+    try:
+        for step in (1, 2, 3):
+            metrics.write({"step": step, "loss": 0.5, "wall_s": 0.01 * step})
+            trace.write(step, 0.5, {"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)})
+        for path in (tmp_path / "m.jsonl", tmp_path / "t.jsonl"):     # read as a killed writer leaves them
+            lines = path.read_text().splitlines()
+            assert [json.loads(line)["step"] for line in lines] == [1, 2, 3], path
+    finally:
+        metrics.close()
+        trace.close()
+
+
+def test_plot_draws_a_metrics_file_whose_last_line_a_killed_stage_cut_short(tmp_path):
+    """The last line cut short (no line end, not JSON) is left out with a warning; the steps before it are
+    drawn. A whole line that is not JSON is still refused (test above)."""
+    pytest.importorskip("matplotlib")
+    from distgrad.plot import read_metrics
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(GOOD_METRICS_LINE + '{"step": 2, "loss": 0.4, "wall_s": 0.02}\n{"step": 3, "lo')
+    assert [record["step"] for record in read_metrics(path)] == [1, 2]
+    result = run_main(["plot", path, "--out", tmp_path / "loss.png"])
+    assert result.returncode == 0 and "line 3 is cut short" in result.stderr, result.stderr
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    path.write_text(GOOD_METRICS_LINE.rstrip("\n"))          # one whole line without its line end is read
+    assert [record["step"] for record in read_metrics(path)] == [1]

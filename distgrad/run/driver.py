@@ -154,7 +154,9 @@ class _Driver(DriverSteps):
             return
         try:
             self.state.summary(ending_fields(error)["status"], started, self.loss, error=str(error),
-                               micro_batches=self.opts.micro_batches, **self._meter_fields(), **self._loss_fields())
+                               micro_batches=self.opts.micro_batches,
+                               **({"evaluations": self.evaluations} if self.holds_out else {}),
+                               **self._meter_fields(), **self._loss_fields())
         except Exception as e:     # noqa: BLE001 - the run's own error is the one to raise
             self.log.error("the summary of the run that ended could not be written: %s", e)
 

@@ -120,7 +120,8 @@ class MetricsWriter:
         if path is not None:
             with writing(path, "the metrics"):
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(path, "w", encoding="utf-8")
+                # a line at a time: a stage killed (SIGKILL) leaves the line of every step it recorded, and whole
+                self._file = open(path, "w", encoding="utf-8", buffering=1)
 
     @property
     def enabled(self) -> bool:

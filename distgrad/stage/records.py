@@ -201,7 +201,8 @@ class TraceWriter:
         if self.path is not None:
             with writing(self.path, "the trace"):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+                # a line at a time: a stage killed (SIGKILL) leaves every traced step's line, and whole
+                self._file = open(self.path, "a" if append else "w", encoding="utf-8", buffering=1)
 
     def flush(self) -> None:
         """Make every line written so far durable (called before a checkpoint is saved)."""
@@ -223,7 +224,7 @@ class TraceWriter:
             kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
             text = "".join(json_text(line, separators=(",", ":")) + "\n" for line in kept).encode("utf-8")
             write_atomic(self.path, lambda f: f.write(text))     # a crash keeps the old file
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
 
     @property
     def enabled(self) -> bool:
