@@ -154,3 +154,37 @@ def test_a_summary_to_a_device_or_fifo_is_written_into_it_never_replaced(tmp_pat
         os.close(reader)
     from distgrad.run.launcher import stage_metrics_path
     assert stage_metrics_path(fifo, "g") == fifo            # no m.g.jsonl made beside a device
+
+
+def test_a_merged_trace_or_metrics_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``distgrad run`` writes the merged --trace / --metrics under a temporary name and renames it into
+    place: a failure (or a kill) mid-write leaves the file that was there, never a half-written one; and the
+    files of a run that ended on an error (``cut_short``) are merged without a last line a kill cut short."""
+    from distgrad.stage import records
+
+    part = tmp_path / "f.trace.jsonl"
+    part.write_text('{"step":1,"grads":{},"params":{"w":[1.0]}}\n{"step":2,"grads":{},"params":{"w":[2.0]}}\n')
+    out = tmp_path / "t.jsonl"
+    out.write_text("the file of another run\n")
+    real, calls = records.json_text, []
+
+    def failing(obj, **options):
+        calls.append(obj)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(obj, **options)
+
+    monkeypatch.setattr(records, "json_text", failing)
+    with pytest.raises(records.OutputWriteError, match="No space left on device"):
+        records.merge_traces([part], out)
+    monkeypatch.undo()
+    assert out.read_text() == "the file of another run\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "f.trace.jsonl", "t.jsonl"]
+    with part.open("a") as f:
+        f.write('{"step":3,"gra')                      # a process killed mid-line
+    with pytest.raises(records.StageError, match="is not JSON lines"):
+        records.merge_traces([part], out)
+    records.merge_traces([part], out, cut_short=True)
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [1, 2]
+    records.merge_metrics([part], out, [0], cut_short=True)
+    assert [json.loads(line)["client"] for line in out.read_text().splitlines()] == [0, 0]

@@ -487,9 +487,9 @@ def _collect_ended(plan: LaunchPlan, transport: str, summary_path: str | Path | 
         if summary_path is not None:
             write_json(summary_path, ended_summary(parts, exp.name, error, mode=mode, transport=transport))
         if trace_path is not None and written:
-            merge_traces([p.trace for p in written], trace_path, [p.client for p in written])
+            merge_traces([p.trace for p in written], trace_path, [p.client for p in written], cut_short=True)
         if exp.federated and metrics_path is not None and metrics:
-            merge_metrics([path for path, _ in metrics], metrics_path, [k for _, k in metrics])
+            merge_metrics([path for path, _ in metrics], metrics_path, [k for _, k in metrics], cut_short=True)
     except (DistgradError, OSError) as e:
         log.error("the files of the run that ended could not all be written: %s", e)
 

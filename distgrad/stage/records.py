@@ -303,10 +303,12 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _read_part(path: str | Path, what: str) -> list[dict[str, Any]]:
-    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one."""
+def _read_part(path: str | Path, what: str, cut_short: bool = False) -> list[dict[str, Any]]:
+    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one. With
+    ``cut_short`` (the files of a run that ended on an error: a process may have been killed mid-line), a
+    line that does not parse is left out."""
     try:
-        return read_trace(path)
+        return read_trace(path, tolerate_torn=cut_short)
     except FileNotFoundError as e:
         raise StageError(f"no {what} file {path}: the stage that should have written it wrote none") from e
     except json.JSONDecodeError as e:
@@ -328,38 +330,44 @@ def _by_step_and_client(key: tuple[int, int | None]) -> tuple[int, int]:
 def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]], what: str) -> None:
     """Raises ``OutputWriteError`` naming ``out``."""
     out = Path(out)
+
+    def write(f: IO[bytes]) -> None:
+        for line in lines:
+            f.write((json_text(line, separators=(",", ":")) + "\n").encode("utf-8"))
+
     with writing(out, what):
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
+        write_atomic(out, write)        # never seen half written, another run's file kept on a failure
 
 
-def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:
+def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int],
+                  cut_short: bool = False) -> None:
     """Join the clients' metrics files (``paths[k]`` is client ``clients[k]``'s) into ``out``:
     each line gains ``"client": K``, sorted by step then client. Raises ``StageError`` for a
-    missing or unreadable file."""
+    missing or unreadable file (``cut_short``: see ``_read_part``)."""
     merged = []
     for path, client in zip(paths, clients, strict=True):
-        for line in _read_part(path, "metrics"):
+        for line in _read_part(path, "metrics", cut_short):
             merged.append({**line, "client": _client_of(line, client, path)})
     merged.sort(key=lambda line: (line["step"], line["client"]))
     _write_lines(out, merged, "the metrics")
 
 
 def merge_traces(paths: Sequence[str | Path], out: str | Path,
-                 clients: Sequence[int | None] | None = None) -> None:
+                 clients: Sequence[int | None] | None = None, cut_short: bool = False) -> None:
     """Join per-process traces on (step, client): one line per step with every stage's values.
 
     ``clients[k]`` is the client whose lines ``paths[k]`` holds (None: lines of no client, or
     lines that say theirs in a ``client`` key, as the serving stage of several clients writes).
     Two stages or a chain give one line per step, as each stage's; several clients give one line
     per (step, client) with ``client``, that client's values and the serving stage's after its
-    turn. Sorted by step then client. Raises ``StageError`` for a missing file.
+    turn. Sorted by step then client. Raises ``StageError`` for a missing file (``cut_short``: see
+    ``_read_part``).
     """
     clients = [None] * len(paths) if clients is None else clients
     merged: dict[tuple[int, int | None], dict[str, Any]] = {}
     for path, client in zip(paths, clients, strict=True):
-        for line in _read_part(path, "trace"):
+        for line in _read_part(path, "trace", cut_short):
             who = _client_of(line, client, path)
             entry = merged.get((line["step"], who))
             if entry is None:
