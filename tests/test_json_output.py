@@ -188,3 +188,22 @@ def test_a_merged_trace_or_metrics_file_is_written_whole_or_not_at_all(tmp_path,
     assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [1, 2]
     records.merge_metrics([part], out, [0], cut_short=True)
     assert [json.loads(line)["client"] for line in out.read_text().splitlines()] == [0, 0]
+
+
+def test_the_summary_of_a_run_of_several_clients_that_failed_keeps_each_client_s_figures_in_clients():
+    """As a completed run's (``merge_client_summaries``): no client's loss at the top level, each client's
+    own in ``clients``, ``steps`` the rounds, and the run's ``status`` and ``error`` over the stages' own."""
+    from distgrad.errors import Interrupted
+    from distgrad.stage.records import ended_summary
+
+    clients = {k: {"experiment": "e", "stage": f"f@{k}", "run_id": f"r{k}", "steps": 3 + k, "final_loss": 0.5 + k,
+                   "status": "failed", "cpu_s": 0.1, "params": {f"f@{k}": {"w": [k]}}} for k in (0, 2)}
+    serving = {"experiment": "e", "stage": "g", "steps": 9, "rounds": 3, "status": "completed", "cpu_s": 0.2,
+               "final_loss": 0.25, "params": {"g": {"v": [1.0]}}}
+    summary = ended_summary([*clients.values(), serving], "e", Interrupted(15), clients,
+                            mode="4-process")
+    assert summary["status"] == "stopped" and summary["error"] == "stopped by signal 15"
+    assert "final_loss" not in summary and "run_id" not in summary and summary["steps"] == 3
+    assert [(c["client"], c["final_loss"], c["steps"]) for c in summary["clients"]] == [(0, 0.5, 3), (2, 2.5, 5)]
+    assert summary["cpu_s"] == {"f@0": 0.1, "f@2": 0.1, "g": 0.2} and sorted(summary["params"]) == ["f@0", "f@2", "g"]
+    json.loads(json_text(summary))

@@ -474,18 +474,21 @@ def _collect_ended(plan: LaunchPlan, transport: str, summary_path: str | Path | 
     the command ends with."""
     exp, processes = plan.exp, plan.processes
     mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
-    parts = []
+    parts, clients = [], {}
     for process in processes:
         try:
             parts.append(read_json(process.summary))
         except (OSError, ValueError):       # none written (the process was killed, or failed before it)
             continue
+        if exp.federated and process.client is not None:
+            clients[process.client] = parts[-1]
     written = [p for p in processes if p.trace.is_file()]
     metrics = [(plan.metrics[p.label], k) for k, p in enumerate(plan.drivers)
                if p.label in plan.metrics and Path(plan.metrics[p.label]).is_file()]
     try:
         if summary_path is not None:
-            write_json(summary_path, ended_summary(parts, exp.name, error, mode=mode, transport=transport))
+            write_json(summary_path, ended_summary(parts, exp.name, error, clients if exp.federated else None,
+                                                      mode=mode, transport=transport))
         if trace_path is not None and written:
             merge_traces([p.trace for p in written], trace_path, [p.client for p in written], cut_short=True)
         if exp.federated and metrics_path is not None and metrics:

@@ -396,13 +396,26 @@ def ending_fields(error: BaseException) -> dict[str, Any]:
 
 
 def ended_summary(parts: Sequence[Mapping[str, Any]], experiment: str, error: BaseException,
-                  **run: Any) -> dict[str, Any]:
+                  clients: Mapping[int, Mapping[str, Any]] | None = None, **run: Any) -> dict[str, Any]:
     """The summary of a run of several processes that ended on ``error``: the summaries the processes wrote
     before they ended (``parts``, the driving stage's first; any may be missing) merged as a completed run's
     are (``merge_summaries``), with the whole run's ``status`` and ``error`` (``ending_fields``) and ``run``
-    (e.g. ``mode``) over them; ``params`` are those of the processes that wrote one."""
+    (e.g. ``mode``) over them; ``params`` are those of the processes that wrote one. With several clients
+    (``clients``: the summaries of those that wrote one, by client), each client's own figures
+    (``CLIENT_SUMMARY_FIELDS``, its scores) are in ``clients``, one entry per client that wrote one, as
+    ``merge_client_summaries`` puts them, and not at the top level."""
     merged = merge_summaries(parts)
+    if clients is not None:
+        merged = {key: value for key, value in merged.items() if not _client_field(key)}
+        merged["clients"] = [{"client": k, **{key: value for key, value in summary.items() if _client_field(key)}}
+                             for k, summary in sorted(clients.items())]
+        # the rounds the serving stage completed, as a completed run's summary says them
+        merged["steps"] = merged.get("rounds", max((e.get("steps", 0) for e in merged["clients"]), default=0))
     return {"experiment": experiment, **merged, **run, **ending_fields(error)}
+
+
+def _client_field(key: str) -> bool:
+    return key in CLIENT_SUMMARY_FIELDS or key.startswith(("test_", "validation_"))
 
 
 CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "evaluations")   # and every test_ score
