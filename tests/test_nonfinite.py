@@ -154,6 +154,7 @@ def test_allow_nonfinite_trains_through_a_nan_label(tmp_path):
     exp = load_experiment(_nan_labels_experiment(tmp_path, allow_nonfinite=True))
     summary = train_in_process(exp)
     assert np.isnan(summary["final_loss"])
+    assert summary["status"] == "completed"     # a run in one process says how it ended, as one in processes
 
 
 def _server(exp) -> ServingStage:

@@ -706,6 +706,7 @@ class _Reference:
             "elapsed_s": time.perf_counter() - self.started,
             "cpu_s": time.process_time() - self.cpu_started,
             "mode": "in-process",
+            "status": "completed",      # as a run in processes says it (one that ends early: ``write_ended``)
             **evaluation_fields(self.evaluation),
             **({"evaluations": evaluations} if self.holds_out else {}),
             **self.verdicts.summary(),
