@@ -641,7 +641,8 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
         check_tensorboard()
     if args.privacy_meter:
         check_meter_flag(exp)
-    check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)])
+    check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)],
+                  [("an experiment or stage file", path) for path in args.experiment])
     if in_process:
         _say_wire_flags_unused(args)
     else:
@@ -1069,6 +1070,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     """``distgrad audit``: the step range and output checked, the trace attacked, the figures printed (and written)."""
     from distgrad.run.auditing import DEFAULT_MAX_TRACE_BYTES, audit_text, run_audit
+    from distgrad.run.options import check_not_read
     from distgrad.stage.records import write_json
 
     try:
@@ -1078,6 +1080,7 @@ def _audit(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be FIRST:LAST (whole numbers, either may be left out), got {args.steps!r}")
     if args.json is not None and args.json.is_dir():
         raise ConfigError(f"--json {args.json} is a directory: name the file to write")
+    check_not_read([("--json", args.json)], [("the trace", args.trace), ("the experiment", args.experiment)])
     max_bytes = DEFAULT_MAX_TRACE_BYTES if args.max_trace_bytes is None else args.max_trace_bytes
     report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp,
                        args.micro_batches, args.run_steps, max_bytes, args.window)
