@@ -256,8 +256,12 @@ def plot_metrics(path: Path, out: Path) -> Path:
 
     A metrics file of several clients (lines with ``client``) gets one line per client. ``ConfigError`` for an
     ``out`` whose suffix names no image format matplotlib writes (``.png``, ``.svg``, ``.pdf``, ...; no suffix: a
-    PNG, written to ``out`` as named), or that cannot be written.
+    PNG, written to ``out`` as named), that names ``path``, or that cannot be written. ``out`` is written whole
+    or not at all (``records.write_atomic``): a failure or a kill while drawing keeps the file that was there.
     """
+    from distgrad.run.options import check_not_read
+    from distgrad.stage.records import write_atomic
+
     records = read_metrics(path)
     import matplotlib.pyplot as plt
 
@@ -268,9 +272,11 @@ def plot_metrics(path: Path, out: Path) -> Path:
         if suffix and suffix not in formats:
             raise ConfigError(f"--out {out}: {suffix!r} is no image format matplotlib writes; use .png (or one of "
                               f"{', '.join(sorted(formats))})")
+        check_not_read([("--out", out)], [("the metrics file", path)])
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(out, dpi=100, format=suffix or "png")      # exactly ``out``, no suffix added
+            # exactly ``out``, no suffix added; under a temporary name first, so never seen half drawn
+            write_atomic(out, lambda f: fig.savefig(f, dpi=100, format=suffix or "png"))
         except OSError as e:
             raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from e
     finally:

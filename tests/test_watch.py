@@ -296,3 +296,35 @@ def test_plot_draws_a_metrics_file_whose_last_line_a_killed_stage_cut_short(tmp_
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
     path.write_text(GOOD_METRICS_LINE.rstrip("\n"))          # one whole line without its line end is read
     assert [record["step"] for record in read_metrics(path)] == [1]
+
+
+def test_plot_writes_its_image_whole_or_not_at_all_and_never_over_the_metrics(tmp_path, monkeypatch):
+    """A failure while drawing (here: the disk full mid-write) keeps the image that was there, with no
+    temporary file left; --out naming the metrics file itself is refused, the metrics kept."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from distgrad.errors import ConfigError
+    from distgrad.plot import plot_metrics
+
+    metrics, out = tmp_path / "m", tmp_path / "loss.png"
+    metrics.write_text(GOOD_METRICS_LINE)
+    out.write_bytes(b"the image of another run")
+
+    def full(self, target, **options):
+        if isinstance(target, Path):                 # drawn straight into the file named
+            with open(target, "wb") as f:
+                f.write(b"\x89PNG half")
+        else:
+            target.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        plot_metrics(metrics, out)
+    monkeypatch.undo()
+    assert out.read_bytes() == b"the image of another run" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss.png", "m"]
+    with pytest.raises(ConfigError, match="is the metrics file this command reads"):
+        plot_metrics(metrics, metrics)
+    assert metrics.read_text() == GOOD_METRICS_LINE
