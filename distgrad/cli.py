@@ -670,13 +670,14 @@ def _train_here(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
     """``distgrad run --in-process`` (or a one-stage experiment): every stage in this process; its summary."""
     from distgrad.config.parse import parse_init_overrides
     from distgrad.run.inprocess import train_in_process
+    from distgrad.run.options import StopFlag
     from distgrad.stage.records import parse_trace_params
 
     return train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                             args.summary, args.trace, args.micro_batches,
                             parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
                             save_dir=args.save, load_dir=args.load, staleness=args.staleness,
-                            privacy_meter=args.privacy_meter)
+                            privacy_meter=args.privacy_meter, check_stop=StopFlag().install().check)
 
 
 def _launch(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:

@@ -297,3 +297,22 @@ def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeyp
     (_, reply), = server.handle([b"peer1"], Message(wire.FORWARD, "run1", 1, tensors={"activation": y1}), 0.0)
     server.settle()
     assert reply.type == wire.BACKWARD and server.stage.step == 1
+
+
+def test_a_run_in_one_process_stopped_by_a_signal_writes_a_summary_saying_so(tmp_path):
+    """``distgrad run --in-process`` checks for SIGINT/SIGTERM between steps (``check_stop``): the run ends
+    there with ``Interrupted`` and its summary says ``stopped``, the steps applied and their parameters."""
+    from distgrad.errors import Interrupted
+
+    exp, done = load_experiment("seed-reverse"), []
+
+    def stop_after_three() -> None:
+        done.append(1)
+        if len(done) == 3:
+            raise Interrupted(15)
+
+    with pytest.raises(Interrupted):
+        train_in_process(exp, steps=10, summary_path=tmp_path / "s.json", check_stop=stop_after_three)
+    summary = read_json(tmp_path / "s.json")
+    assert (summary["status"], summary["steps"], summary["error"]) == ("stopped", 3, "stopped by signal 15")
+    assert summary["params"] == train_in_process(exp, steps=3)["params"]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AbstractSet, Any, Iterator, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -562,6 +562,7 @@ class _Reference:
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
         self.applied_steps = 0          # the steps every stage has applied so far
+        self.check_stop: Callable[[], None] = lambda: None     # raises to end the run between steps
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
         # With a validation split: every stage's kept model (keep_best's copy of its parameters and forward state
@@ -603,6 +604,7 @@ class _Reference:
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         for step in self.applied():
             self.lines.flush(upto=step)
+            self.check_stop()               # a signal between steps: Interrupted, the run's summary says so
             if step % log_every == 0 or step == self.steps:
                 log.info("step %d/%d loss %s", step, self.steps, loss_text(self.loss))
             if self.holds_out and evaluation_due(step, self.steps, self.eval_every) and self.evaluate(step):
@@ -728,7 +730,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                      trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
                      eval_every: int | None = None, save_dir: str | Path | None = None,
                      load_dir: str | Path | None = None, staleness: int | None = None,
-                     privacy_meter: bool = False, noise_secret: int | None = None) -> dict[str, Any]:
+                     privacy_meter: bool = False, noise_secret: int | None = None,
+                     check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -757,6 +760,9 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``noise_secret``: for tests and for reproducing one run of stage processes only: the secret every
     defense draws its noise and its randomized labels (``label_dp``) from (``privacy.releases.fresh_secret``;
     None: a fresh one, as each stage process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
+    ``check_stop`` (one data owner) is called after each step and may raise (``StopFlag.check``: ``Interrupted``
+    on SIGINT/SIGTERM) to end the run there; a run that ends on an error writes ``summary_path`` all the same,
+    saying how it ended (``_Reference.write_ended``).
     """
     steps, seed, eval_every, staleness = _checked_settings(exp, steps, seed, micro_batches, init, eval_every, staleness,
                                                            privacy_meter, trace_params, trace_every, trace_path)
@@ -769,6 +775,8 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                                     noise_secret, privacy_meter)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
+        if check_stop is not None:
+            run.check_stop = check_stop
         try:
             run.train()
             run.evaluate_test()
