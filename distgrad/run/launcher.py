@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
@@ -210,6 +210,7 @@ class LaunchPlan:
     exp: Any
     processes: list[PlannedProcess]
     metrics: dict[str, Path]        # process label -> the metrics file it writes
+    boards: dict[str, Path] = field(default_factory=dict)   # process label -> its TensorBoard folder
 
     @property
     def drivers(self) -> list[PlannedProcess]:
@@ -346,8 +347,26 @@ def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path
 
     beside = [(f"--metrics of process {label} ({path.name}, beside --metrics)", path)
               for label, path in plan.metrics.items() if metrics_path is None or path != Path(metrics_path)]
-    check_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
-                            *beside])
+    outputs = [("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path), *beside]
+    check_outputs(outputs)
+    _check_boards(plan.boards, outputs)
+
+
+def _check_boards(boards: Mapping[str, Path], outputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """``ConfigError`` when a process's ``--tensorboard`` folder (``boards``) could not be made: it, or a folder
+    above it, is a file (``--tensorboard FILE``), or it is one of the files of ``outputs`` (``--tensorboard tb
+    --summary tb/g``): the run would end with that stage's failure, or with its summary lost."""
+    for label, folder in boards.items():
+        above = folder
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise ConfigError(f"--tensorboard {folder.parent if above != folder else folder}: "
+                              f"{above} is a file, not a folder (process {label} writes its event files in {folder})")
+        for what, path in outputs:
+            if path is not None and Path(path).resolve() == folder.resolve():
+                raise ConfigError(f"{what} {path} is the folder --tensorboard gives process {label}'s event files; "
+                                  f"name another file")
 
 
 def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
@@ -414,7 +433,7 @@ def plan_processes(exp: Any, experiment: str | Path | Sequence[str | Path], tmp:
         bind = None if driving else ("tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{label}.sock")
         planned.append(PlannedProcess(label, stage, _stage_source(exp, stage, experiment), client, flags, summary,
                                       trace_file, bind, None if driving else tmp / f"{label}.ready", shown))
-    return LaunchPlan(exp, planned, metrics)
+    return LaunchPlan(exp, planned, metrics, boards)
 
 
 def _start_and_watch(plan: LaunchPlan, out: IO[str], check_stop: Callable[[], None], progress_bar: bool) -> None:
