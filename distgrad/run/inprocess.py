@@ -518,6 +518,9 @@ class _Reference:
     ``summary`` is what ``train_in_process`` returns (``finish``: both, and the summary written). The settings
     are checked by the caller."""
 
+    applied_steps = 0                                   # the steps every stage has applied so far
+    check_stop: Callable[[], None] | None = None        # may raise to end the run between steps
+
     def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                  files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
                  privacy_meter: bool, noise_secret: int | None = None) -> None:
@@ -561,8 +564,6 @@ class _Reference:
         self.spec = exp.spec(exp.stage_names[-1])
         self.selection, self.verdicts = Selection(self.spec.keep_best, self.spec.early_stopping), Verdicts()
         self.loss: float | None = None
-        self.applied_steps = 0          # the steps every stage has applied so far
-        self.check_stop: Callable[[], None] = lambda: None     # raises to end the run between steps
         self.evaluation: dict[str, Any] | None = None
         self.evaluations: list[dict[str, Any]] = []
         # With a validation split: every stage's kept model (keep_best's copy of its parameters and forward state
@@ -604,7 +605,8 @@ class _Reference:
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         for step in self.applied():
             self.lines.flush(upto=step)
-            self.check_stop()               # a signal between steps: Interrupted, the run's summary says so
+            if self.check_stop is not None:
+                self.check_stop()           # a signal between steps: Interrupted, the run's summary says so
             if step % log_every == 0 or step == self.steps:
                 log.info("step %d/%d loss %s", step, self.steps, loss_text(self.loss))
             if self.holds_out and evaluation_due(step, self.steps, self.eval_every) and self.evaluate(step):
@@ -727,9 +729,8 @@ class _Reference:
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
-                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
-                     eval_every: int | None = None, save_dir: str | Path | None = None,
-                     load_dir: str | Path | None = None, staleness: int | None = None,
+                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1, eval_every: int | None = None,
+                     save_dir: str | Path | None = None, load_dir: str | Path | None = None, staleness: int | None = None,
                      privacy_meter: bool = False, noise_secret: int | None = None,
                      check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
@@ -760,9 +761,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``noise_secret``: for tests and for reproducing one run of stage processes only: the secret every
     defense draws its noise and its randomized labels (``label_dp``) from (``privacy.releases.fresh_secret``;
     None: a fresh one, as each stage process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
-    ``check_stop`` (one data owner) is called after each step and may raise (``StopFlag.check``: ``Interrupted``
-    on SIGINT/SIGTERM) to end the run there; a run that ends on an error writes ``summary_path`` all the same,
-    saying how it ended (``_Reference.write_ended``).
+    ``check_stop``: called after each step, may raise to end the run; the summary then says how (``write_ended``).
     """
     steps, seed, eval_every, staleness = _checked_settings(exp, steps, seed, micro_batches, init, eval_every, staleness,
                                                            privacy_meter, trace_params, trace_every, trace_path)
@@ -775,15 +774,20 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
                                     noise_secret, privacy_meter)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
-        if check_stop is not None:
-            run.check_stop = check_stop
-        try:
-            run.train()
-            run.evaluate_test()
-        except BaseException as e:      # a non-finite step, a signal: the summary still says how it ended
-            run.write_ended(summary_path, e)
-            raise
+        _train_to_end(run, summary_path, check_stop)
     return run.finish(summary_path)
+
+
+def _train_to_end(run: _Reference, summary_path: str | Path | None, check_stop: Callable[[], None] | None) -> None:
+    """``run`` trained and its test rows scored; on an error (a non-finite step, ``check_stop`` raising on a
+    signal) its summary says how it ended (``write_ended``) before the error is raised."""
+    run.check_stop = check_stop
+    try:
+        run.train()
+        run.evaluate_test()
+    except BaseException as e:
+        run.write_ended(summary_path, e)
+        raise
 
 
 def _checked_settings(exp: Experiment, steps: int | None, seed: int | None, micro_batches: int,
