@@ -316,3 +316,15 @@ def test_a_run_in_one_process_stopped_by_a_signal_writes_a_summary_saying_so(tmp
     summary = read_json(tmp_path / "s.json")
     assert (summary["status"], summary["steps"], summary["error"]) == ("stopped", 3, "stopped by signal 15")
     assert summary["params"] == train_in_process(exp, steps=3)["params"]
+
+
+def test_a_run_of_several_clients_in_one_process_that_fails_writes_a_summary_saying_so(tmp_path):
+    """--in-process with several clients: a non-finite step ends the run with a summary saying ``failed``, the
+    rounds completed, each client's last loss in ``clients`` and every process's parameters."""
+    with pytest.raises(StageError):
+        train_in_process(load_experiment("digits-clients"), steps=5, summary_path=tmp_path / "s.json",
+                         init={"g1.W": 1e30})
+    summary = read_json(tmp_path / "s.json")
+    assert summary["status"] == "failed" and "non-finite" in summary["error"], summary["error"]
+    assert summary["steps"] < 5 and [c["client"] for c in summary["clients"]] == [0, 1, 2]
+    assert sorted(summary["params"]) == ["f@0", "f@1", "f@2", "g"] and "final_loss" not in summary

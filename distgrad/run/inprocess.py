@@ -414,7 +414,7 @@ class _Federation:
     def summary(self, micro_batches: int, started: float, cpu_started: float) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds), timed from ``started``
         (``time.perf_counter``) and ``cpu_started`` (``time.process_time``)."""
-        exp, steps, (first_name, last_name) = self.exp, self.steps, self.names
+        exp, steps = self.exp, self.steps
         return {
             "experiment": exp.name, "steps": steps, "seed": self.seed, "micro_batches": micro_batches,
             "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
@@ -424,9 +424,14 @@ class _Federation:
                              held_out=_ledgers([self.pairs[0][0]]),      # every client evaluates as often
                              mixing=batch_mixing_of([self.last_engine.stage])),
             **owners_fields(self.owned, self.peer_meters),
-            "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(self.clients)},
-                       last_name: to_lists(self.last.params)},
+            "params": self.params(),
         }
+
+    def params(self) -> dict[str, Any]:
+        """Every client's first stage's parameters (``f@K``) and the last stage's, for the summary."""
+        first_name, last_name = self.names
+        return {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(self.clients)},
+                last_name: to_lists(self.last.params)}
 
 
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
@@ -443,19 +448,42 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     """
     run = _Federation(exp, steps, seed, init, lines, files, eval_every, noise_secret, privacy_meter)
     started, cpu_started = time.perf_counter(), time.process_time()
-    for step in range(1, steps + 1):
-        run.step(step, micro_batches)
-        lines.flush()
-        if evaluation_due(step, steps, eval_every):
-            run.evaluate(step)
-        if step % max(1, steps // 10) == 0 or step == steps:
-            log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in run.losses))
-    run.evaluate_test()
+    done = 0
+    try:
+        for step in range(1, steps + 1):
+            run.step(step, micro_batches)
+            done = step
+            lines.flush()
+            if evaluation_due(step, steps, eval_every):
+                run.evaluate(step)
+            if step % max(1, steps // 10) == 0 or step == steps:
+                log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in run.losses))
+        run.evaluate_test()
+    except BaseException as e:      # the summary still says how the run ended (as ``_Reference.write_ended``)
+        write_ended(summary_path, {
+            "experiment": exp.name, "steps": done, "seed": seed, "micro_batches": micro_batches,
+            "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "mode": "in-process", "clients": [{"client": c, "steps": done, "final_loss": loss if done else None}
+                                              for c, loss in enumerate(run.losses)],
+            "params": run.params()}, e)
+        raise
     run.save()
     summary = run.summary(micro_batches, started, cpu_started)
     if summary_path is not None:
         write_json(summary_path, summary)
     return summary
+
+
+def write_ended(summary_path: str | Path | None, summary: dict[str, Any], error: BaseException) -> None:
+    """``summary`` of a run that ended on ``error``, with its ``status`` and ``error`` (``records.ending_fields``),
+    written to ``summary_path`` when given. Best effort: ``error`` is what the run ends with, so a write that
+    fails is only logged."""
+    if summary_path is None:
+        return
+    try:
+        write_json(summary_path, {**summary, **ending_fields(error)})
+    except OutputWriteError as e:
+        log.error("the summary of the run that ended could not be written: %s", e)
 
 
 def _holds_out(stage: str, data: Any, eval_every: int) -> bool:
@@ -681,20 +709,14 @@ class _Reference:
         given): the steps every stage applied, the last one's loss, the evaluations taken and the parameters,
         with ``status`` and ``error`` (``records.ending_fields``); no privacy figures (the run did not end
         as planned). Best effort: ``error`` is what the run ends with, so a write that fails is only logged."""
-        if summary_path is None:
-            return
-        summary = {
+        write_ended(summary_path, {
             "experiment": self.exp.name, "steps": self.applied_steps, "seed": self.seed,
             "micro_batches": self.micro_batches,
             "final_loss": float(self.loss) if self.loss is not None and self.applied_steps else None,
             "elapsed_s": time.perf_counter() - self.started, "cpu_s": time.process_time() - self.cpu_started,
             "mode": "in-process", **({"evaluations": self.evaluations} if self.holds_out else {}),
-            **ending_fields(error), "params": {s.name: to_lists(s.params) for s in self.stages},
-        }
-        try:
-            write_json(summary_path, summary)
-        except OutputWriteError as e:
-            log.error("the summary of the run that ended could not be written: %s", e)
+            "params": {s.name: to_lists(s.params) for s in self.stages},
+        }, error)
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds)."""
