@@ -328,3 +328,18 @@ def test_a_run_of_several_clients_in_one_process_that_fails_writes_a_summary_say
     assert summary["status"] == "failed" and "non-finite" in summary["error"], summary["error"]
     assert summary["steps"] < 5 and [c["client"] for c in summary["clients"]] == [0, 1, 2]
     assert sorted(summary["params"]) == ["f@0", "f@1", "f@2", "g"] and "final_loss" not in summary
+
+
+def test_a_run_of_several_clients_in_one_process_stops_on_a_signal_between_rounds(tmp_path):
+    """``check_stop`` is called after each round too (the CLI's SIGTERM handler would otherwise only set a flag
+    nobody reads): the run ends there, its summary saying ``stopped`` after those rounds."""
+    from distgrad.errors import Interrupted
+
+    def stop() -> None:
+        raise Interrupted(15)
+
+    with pytest.raises(Interrupted):
+        train_in_process(load_experiment("digits-clients"), steps=50, summary_path=tmp_path / "s.json",
+                         check_stop=stop)
+    summary = read_json(tmp_path / "s.json")
+    assert (summary["status"], summary["steps"]) == ("stopped", 1)

@@ -437,7 +437,7 @@ class _Federation:
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
                      files: _ParameterFiles, eval_every: int, noise_secret: int | None = None,
-                     privacy_meter: bool = False) -> dict[str, Any]:
+                     privacy_meter: bool = False, check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -454,6 +454,8 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
             run.step(step, micro_batches)
             done = step
             lines.flush()
+            if check_stop is not None:
+                check_stop()            # a signal between rounds: the run ends here, its summary says so
             if evaluation_due(step, steps, eval_every):
                 run.evaluate(step)
             if step % max(1, steps // 10) == 0 or step == steps:
@@ -793,7 +795,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         lines = _TraceLines(trace)
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every,
-                                    noise_secret, privacy_meter)
+                                    noise_secret, privacy_meter, check_stop)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
         _train_to_end(run, summary_path, check_stop)
