@@ -328,3 +328,23 @@ def test_plot_writes_its_image_whole_or_not_at_all_and_never_over_the_metrics(tm
     with pytest.raises(ConfigError, match="is the metrics file this command reads"):
         plot_metrics(metrics, metrics)
     assert metrics.read_text() == GOOD_METRICS_LINE
+
+
+def test_a_resumed_stage_keeps_the_metrics_lines_of_the_steps_its_checkpoint_holds(tmp_path):
+    """``--resume`` opened the metrics file anew, losing the lines of every step before the restart: it now keeps
+    them, up to the step it resumes (a line cut short by the kill and the lines of steps rolled back go)."""
+    from distgrad.run.progress import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 0.5, "wall_s": 0.1}) + "\n" for s in (1, 2, 3, 4))
+                    + '{"step": 5, "lo')
+    writer = MetricsWriter(path, append=True)
+    writer.rollback(3)
+    writer.write({"step": 4, "loss": 0.25, "wall_s": 0.2})
+    writer.close()
+    assert [(line["step"], line["loss"]) for line in map(json.loads, path.read_text().splitlines())] == [
+        (1, 0.5), (2, 0.5), (3, 0.5), (4, 0.25)]
+    writer = MetricsWriter(path, append=True)     # --resume that finds no checkpoint: a new run, an empty file
+    writer.rollback(0)
+    writer.close()
+    assert path.read_text() == ""

@@ -255,8 +255,16 @@ class TraceWriter:
             self._warned = True
             log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
                         "--trace-params NAME,... and --trace-every K make it smaller", self.path, len(text) / 1e6)
-        with writing(self.path, "the trace"):
-            self._file.write(text)
+        try:
+            with writing(self.path, "the trace"):
+                self._file.write(text)
+        except OutputWriteError:        # disk full: closed now, what it could not take dropped (close is quiet)
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass                    # the same failure, said once by the raise below
+            raise
 
     def close(self) -> None:
         """Raises ``OutputWriteError`` when the last lines cannot be written; the file is closed all the same."""
