@@ -641,7 +641,8 @@ def _check_run(exp: Experiment, args: argparse.Namespace, in_process: bool) -> N
         check_tensorboard()
     if args.privacy_meter:
         check_meter_flag(exp)
-    check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)])
+    check_outputs([("--summary", args.summary), ("--trace", args.trace), ("--metrics", args.metrics)],
+                  [("an experiment or stage file", path) for path in args.experiment])
     if in_process:
         _say_wire_flags_unused(args)
     else:
@@ -669,13 +670,14 @@ def _train_here(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
     """``distgrad run --in-process`` (or a one-stage experiment): every stage in this process; its summary."""
     from distgrad.config.parse import parse_init_overrides
     from distgrad.run.inprocess import train_in_process
+    from distgrad.run.options import StopFlag
     from distgrad.stage.records import parse_trace_params
 
     return train_in_process(exp, args.steps, args.seed, parse_init_overrides(args.init),
                             args.summary, args.trace, args.micro_batches,
                             parse_trace_params(args.trace_params), args.trace_every, args.eval_every,
                             save_dir=args.save, load_dir=args.load, staleness=args.staleness,
-                            privacy_meter=args.privacy_meter)
+                            privacy_meter=args.privacy_meter, check_stop=StopFlag().install().check)
 
 
 def _launch(exp: Experiment, args: argparse.Namespace) -> dict[str, Any]:
@@ -1069,6 +1071,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     """``distgrad audit``: the step range and output checked, the trace attacked, the figures printed (and written)."""
     from distgrad.run.auditing import DEFAULT_MAX_TRACE_BYTES, audit_text, run_audit
+    from distgrad.run.options import check_not_read
     from distgrad.stage.records import write_json
 
     try:
@@ -1078,6 +1081,7 @@ def _audit(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be FIRST:LAST (whole numbers, either may be left out), got {args.steps!r}")
     if args.json is not None and args.json.is_dir():
         raise ConfigError(f"--json {args.json} is a directory: name the file to write")
+    check_not_read([("--json", args.json)], [("the trace", args.trace), ("the experiment", args.experiment)])
     max_bytes = DEFAULT_MAX_TRACE_BYTES if args.max_trace_bytes is None else args.max_trace_bytes
     report = run_audit(args.experiment, args.trace, args.seed, first, last, args.public_fraction, args.mlp,
                        args.micro_batches, args.run_steps, max_bytes, args.window)

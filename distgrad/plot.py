@@ -26,12 +26,15 @@ from distgrad.wire.messages import LOSS_WITHHELD
 SMOOTH_STEPS = 20        # throughput is averaged over this many steps
 MAX_LINE_BYTES = 16 * 2 ** 20     # the longest metrics line read (a line is a few hundred bytes to a few KiB)
 
+log = logging.getLogger("distgrad")
+
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics file (one JSON object a line, as ``--metrics`` writes). Raises
     ``ConfigError`` naming the file (and the line) when it is missing, no regular file (a directory, a
     device such as ``/dev/zero``, a pipe: never read without bound), empty, or holds a line that is not a
-    metrics record: not JSON, nested too deeply, over ``MAX_LINE_BYTES``, or not an object whose ``step``
+    metrics record (but a last line cut short, with no line end: a killed writer's, skipped with a warning):
+    not JSON, nested too deeply, over ``MAX_LINE_BYTES``, or not an object whose ``step``
     is a whole number, ``wall_s`` a finite number, ``client`` (if any) a whole number and every figure
     drawn (``figure_keys``) a number, ``null`` or a non-finite figure's text (``"nan"``, ``"inf"``)."""
     try:
@@ -43,13 +46,27 @@ def read_metrics(path: Path) -> list[dict]:
                 where = f"metrics file {path} line {number}"
                 if len(text) > MAX_LINE_BYTES:
                     raise ConfigError(f"{where} is over {MAX_LINE_BYTES} bytes: no metrics line is that long")
-                if text.strip():
-                    records.append(_record(parse_json(text, where), where))
+                if not text.strip():
+                    continue
+                if not text.endswith(b"\n") and not _parses(text):
+                    # the last line, cut short: the stage writing it was killed mid-write; the steps before it stand
+                    log.warning("%s is cut short (its writer was stopped while writing it): drawn without it", where)
+                    continue
+                records.append(_record(parse_json(text, where), where))
     except OSError as e:
         raise ConfigError(f"cannot read metrics file {path}: {e.strerror or e}") from e
     if not records:
         raise ConfigError(f"{path} holds no distgrad metrics lines (write one with --metrics)")
     return records
+
+
+def _parses(text: bytes) -> bool:
+    """Whether ``text`` is one JSON value (``parse_json`` then says what else is wrong with it)."""
+    try:
+        parse_json(text, "")
+    except ConfigError:
+        return False
+    return True
 
 
 def _is_number(value: Any) -> bool:
@@ -239,8 +256,12 @@ def plot_metrics(path: Path, out: Path) -> Path:
 
     A metrics file of several clients (lines with ``client``) gets one line per client. ``ConfigError`` for an
     ``out`` whose suffix names no image format matplotlib writes (``.png``, ``.svg``, ``.pdf``, ...; no suffix: a
-    PNG, written to ``out`` as named), or that cannot be written.
+    PNG, written to ``out`` as named), that names ``path``, or that cannot be written. ``out`` is written whole
+    or not at all (``records.write_atomic``): a failure or a kill while drawing keeps the file that was there.
     """
+    from distgrad.run.options import check_not_read
+    from distgrad.stage.records import write_atomic
+
     records = read_metrics(path)
     import matplotlib.pyplot as plt
 
@@ -251,9 +272,11 @@ def plot_metrics(path: Path, out: Path) -> Path:
         if suffix and suffix not in formats:
             raise ConfigError(f"--out {out}: {suffix!r} is no image format matplotlib writes; use .png (or one of "
                               f"{', '.join(sorted(formats))})")
+        check_not_read([("--out", out)], [("the metrics file", path)])
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(out, dpi=100, format=suffix or "png")      # exactly ``out``, no suffix added
+            # exactly ``out``, no suffix added; under a temporary name first, so never seen half drawn
+            write_atomic(out, lambda f: fig.savefig(f, dpi=100, format=suffix or "png"))
         except OSError as e:
             raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from e
     finally:

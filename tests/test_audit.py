@@ -389,3 +389,21 @@ def test_a_run_given_more_steps_than_the_experiment_is_audited_with_run_steps(tm
     assert run_main(["audit", "digits", shifted]).returncode == 2
     result = run_main(["audit", "digits", shifted, "--run-steps", "900", "--steps", "1:3"])
     assert result.returncode == 0, result.stderr
+
+
+def test_an_output_naming_a_file_the_command_reads_is_refused_and_the_file_kept(tmp_path):
+    """``audit --json TRACE`` would write the report over the trace it attacks, ``run --summary EXP.toml``
+    the summary over the experiment: each exits 2 naming the file before anything runs, the file unchanged."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"step": 1}\n')
+    result = run_main(["audit", "seed-reverse", trace, "--json", trace])
+    assert result.returncode == 2 and f"--json {trace} is the trace this command reads" in result.stderr, result.stderr
+    assert trace.read_text() == '{"step": 1}\n'
+    experiment = tmp_path / "exp.toml"
+    experiment.write_text((BUILTIN_DIR / "seed-reverse.toml").read_text())
+    before = experiment.read_text()
+    for flag in ("--summary", "--trace"):
+        result = run_main(["run", experiment, "--in-process", "--steps", "2", flag, experiment])
+        assert result.returncode == 2 and f"{flag} {experiment} is an experiment or stage file" in result.stderr, \
+            result.stderr
+        assert experiment.read_text() == before

@@ -154,3 +154,56 @@ def test_a_summary_to_a_device_or_fifo_is_written_into_it_never_replaced(tmp_pat
         os.close(reader)
     from distgrad.run.launcher import stage_metrics_path
     assert stage_metrics_path(fifo, "g") == fifo            # no m.g.jsonl made beside a device
+
+
+def test_a_merged_trace_or_metrics_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``distgrad run`` writes the merged --trace / --metrics under a temporary name and renames it into
+    place: a failure (or a kill) mid-write leaves the file that was there, never a half-written one; and the
+    files of a run that ended on an error (``cut_short``) are merged without a last line a kill cut short."""
+    from distgrad.stage import records
+
+    part = tmp_path / "f.trace.jsonl"
+    part.write_text('{"step":1,"grads":{},"params":{"w":[1.0]}}\n{"step":2,"grads":{},"params":{"w":[2.0]}}\n')
+    out = tmp_path / "t.jsonl"
+    out.write_text("the file of another run\n")
+    real, calls = records.json_text, []
+
+    def failing(obj, **options):
+        calls.append(obj)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(obj, **options)
+
+    monkeypatch.setattr(records, "json_text", failing)
+    with pytest.raises(records.OutputWriteError, match="No space left on device"):
+        records.merge_traces([part], out)
+    monkeypatch.undo()
+    assert out.read_text() == "the file of another run\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "f.trace.jsonl", "t.jsonl"]
+    with part.open("a") as f:
+        f.write('{"step":3,"gra')                      # a process killed mid-line
+    with pytest.raises(records.StageError, match="is not JSON lines"):
+        records.merge_traces([part], out)
+    records.merge_traces([part], out, cut_short=True)
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [1, 2]
+    records.merge_metrics([part], out, [0], cut_short=True)
+    assert [json.loads(line)["client"] for line in out.read_text().splitlines()] == [0, 0]
+
+
+def test_the_summary_of_a_run_of_several_clients_that_failed_keeps_each_client_s_figures_in_clients():
+    """As a completed run's (``merge_client_summaries``): no client's loss at the top level, each client's
+    own in ``clients``, ``steps`` the rounds, and the run's ``status`` and ``error`` over the stages' own."""
+    from distgrad.errors import Interrupted
+    from distgrad.stage.records import ended_summary
+
+    clients = {k: {"experiment": "e", "stage": f"f@{k}", "run_id": f"r{k}", "steps": 3 + k, "final_loss": 0.5 + k,
+                   "status": "failed", "cpu_s": 0.1, "params": {f"f@{k}": {"w": [k]}}} for k in (0, 2)}
+    serving = {"experiment": "e", "stage": "g", "steps": 9, "rounds": 3, "status": "completed", "cpu_s": 0.2,
+               "final_loss": 0.25, "params": {"g": {"v": [1.0]}}}
+    summary = ended_summary([*clients.values(), serving], "e", Interrupted(15), clients,
+                            mode="4-process")
+    assert summary["status"] == "stopped" and summary["error"] == "stopped by signal 15"
+    assert "final_loss" not in summary and "run_id" not in summary and summary["steps"] == 3
+    assert [(c["client"], c["final_loss"], c["steps"]) for c in summary["clients"]] == [(0, 0.5, 3), (2, 2.5, 5)]
+    assert summary["cpu_s"] == {"f@0": 0.1, "f@2": 0.1, "g": 0.2} and sorted(summary["params"]) == ["f@0", "f@2", "g"]
+    json.loads(json_text(summary))

@@ -346,6 +346,7 @@ class _TwoStages(StageGroup):
         self.args = {name: [name, f"--{role}", endpoint, "--summary", tmp_path / f"{name}.json", "--save",
                             tmp_path / "saved" / f"{name}.npz", "--trace", tmp_path / f"{name}.jsonl", *common]
                      for name, role in (("g", "bind"), ("f", "connect"))}
+        self.args["f"] += ["--metrics", tmp_path / "f.metrics.jsonl"]
 
 
 @pytest.mark.parametrize("killed", ["g", pytest.param("f", marks=pytest.mark.slow)])
@@ -370,3 +371,6 @@ def test_kill_9_of_either_stage_keeps_the_verdicts(tmp_path, stage_group, killed
         assert (summary["steps"], summary["best_step"], summary["stopped_early"]) == (STOPPED, BEST, STOPPED), name
         assert summary["params"][name] == reference["params"][name], name
     assert _same_arrays(_saved(tmp_path / "saved"), _saved(tmp_path / "ref"))
+    # the data owner's metrics: each step's line once, the steps before the kill kept by the resumed stage and
+    # the lines of the steps redone after a rollback replaced (as its trace's)
+    assert [line["step"] for line in read_lines(tmp_path / "f.metrics.jsonl")] == list(range(1, STOPPED + 1))

@@ -22,6 +22,7 @@ from distgrad.config.parse import load_experiment, parse_experiment
 from distgrad.stage.engine import StepEngine
 from distgrad.run.inprocess import _step, train_in_process
 from distgrad.run.serving import PeerStatus, ServingStage
+from distgrad.stage.records import read_trace
 from distgrad.stage.stage import Stage
 from distgrad.wire.messages import ErrorCode, Message
 
@@ -76,11 +77,23 @@ def _checkpoint_steps(directory: Path, stage: str) -> list[int]:
     return steps_on_disk(directory, stage)
 
 
+def _assert_failed_summary(path: Path, step: int, stages: tuple[str, ...]) -> None:
+    """The summary a run that failed at ``step`` leaves: valid JSON saying it failed and why, the steps applied,
+    the last applied step's loss, and every stage's parameters as that step left them."""
+    summary = read_json(path)
+    assert summary["status"] == "failed" and summary["steps"] == step - 1, summary
+    assert f"non-finite loss at step {step}" in summary["error"]
+    assert summary["final_loss"] is None if step == 1 else np.isfinite(summary["final_loss"])
+    assert sorted(summary["params"]) == sorted(stages)
+    assert all(np.isfinite(v).all() for params in summary["params"].values() for v in params.values())
+
+
 def test_nan_label_in_process_exits_1_naming_stage_step_and_tensor(tmp_path):
-    result = run_main(["run", _nan_labels_experiment(tmp_path), "--in-process"])
+    result = run_main(["run", _nan_labels_experiment(tmp_path), "--in-process", "--summary", tmp_path / "s.json"])
     assert result.returncode == 1, result.stderr
     step = _nan_step(result.stderr)
     assert step >= 1 and "Traceback" not in result.stderr
+    _assert_failed_summary(tmp_path / "s.json", step, ("f", "g"))
 
 
 def test_nan_label_python_api_raises_naming_the_stage_and_the_step(tmp_path):
@@ -93,10 +106,14 @@ def test_nan_label_over_processes_leaves_g_untouched_and_exits_1(tmp_path):
     """distgrad run: g logs the failure, f reports it (not 'refused'), no NaN checkpoint, exit 1."""
     ckpt = tmp_path / "ckpt"
     result = run_launcher(["run", _nan_labels_experiment(tmp_path), "--checkpoint-dir", ckpt, "--checkpoint-every",
-                           "1", "--peer-deadline", "5"])
+                           "1", "--peer-deadline", "5", "--summary", tmp_path / "s.json",
+                           "--trace", tmp_path / "t.jsonl"])
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     step = _nan_step(out)
+    _assert_failed_summary(tmp_path / "s.json", step, ("f", "g"))
+    traced = [line["step"] for line in read_trace(tmp_path / "t.jsonl")]
+    assert traced == list(range(1, step))           # every applied step, merged from both stages
     assert re.search(r"\[g\].*ERROR.*stage g: non-finite loss at step", out), out
     assert re.search(r"\[f\].*ERROR.*stage g: non-finite loss at step", out), out
     assert "refused" not in out and "peer replied with error" not in out
@@ -110,13 +127,15 @@ def test_nan_label_by_hand_both_stages_exit_1_and_g_keeps_its_parameters(tmp_pat
     with StageProcess(["g", *common, "--bind", "tcp://127.0.0.1:*", "--ready-file", ready,
                        "--summary", tmp_path / "g.json"], tmp_path / "g.log") as g:
         endpoint = wait_for_file(ready, g)
-        with StageProcess(["f", *common, "--connect", endpoint], tmp_path / "f.log") as f:
+        with StageProcess(["f", *common, "--connect", endpoint, "--summary", tmp_path / "f.json"],
+                          tmp_path / "f.log") as f:
             assert f.wait(30) == 1, f.output
             assert g.wait(30) == 1, g.output
             step = _nan_step(g.output)
             assert _nan_step(f.output) == step and "refused" not in f.output
     summary = read_json(tmp_path / "g.json")
     assert summary["status"] == "failed" and summary["steps"] == step - 1
+    _assert_failed_summary(tmp_path / "f.json", step, ("f",))      # the driving stage's own too
     assert all(np.isfinite(v).all() for v in summary["params"]["g"].values())
     assert _checkpoint_steps(ckpt, "g")[-1] == step - 1
 
@@ -135,6 +154,7 @@ def test_allow_nonfinite_trains_through_a_nan_label(tmp_path):
     exp = load_experiment(_nan_labels_experiment(tmp_path, allow_nonfinite=True))
     summary = train_in_process(exp)
     assert np.isnan(summary["final_loss"])
+    assert summary["status"] == "completed"     # a run in one process says how it ended, as one in processes
 
 
 def _server(exp) -> ServingStage:
@@ -277,3 +297,49 @@ def test_several_clients_server_drops_the_client_whose_step_is_nonfinite(monkeyp
     (_, reply), = server.handle([b"peer1"], Message(wire.FORWARD, "run1", 1, tensors={"activation": y1}), 0.0)
     server.settle()
     assert reply.type == wire.BACKWARD and server.stage.step == 1
+
+
+def test_a_run_in_one_process_stopped_by_a_signal_writes_a_summary_saying_so(tmp_path):
+    """``distgrad run --in-process`` checks for SIGINT/SIGTERM between steps (``check_stop``): the run ends
+    there with ``Interrupted`` and its summary says ``stopped``, the steps applied and their parameters."""
+    from distgrad.errors import Interrupted
+
+    exp, done = load_experiment("seed-reverse"), []
+
+    def stop_after_three() -> None:
+        done.append(1)
+        if len(done) == 3:
+            raise Interrupted(15)
+
+    with pytest.raises(Interrupted):
+        train_in_process(exp, steps=10, summary_path=tmp_path / "s.json", check_stop=stop_after_three)
+    summary = read_json(tmp_path / "s.json")
+    assert (summary["status"], summary["steps"], summary["error"]) == ("stopped", 3, "stopped by signal 15")
+    assert summary["params"] == train_in_process(exp, steps=3)["params"]
+
+
+def test_a_run_of_several_clients_in_one_process_that_fails_writes_a_summary_saying_so(tmp_path):
+    """--in-process with several clients: a non-finite step ends the run with a summary saying ``failed``, the
+    rounds completed, each client's last loss in ``clients`` and every process's parameters."""
+    with pytest.raises(StageError):
+        train_in_process(load_experiment("digits-clients"), steps=5, summary_path=tmp_path / "s.json",
+                         init={"g1.W": 1e30})
+    summary = read_json(tmp_path / "s.json")
+    assert summary["status"] == "failed" and "non-finite" in summary["error"], summary["error"]
+    assert summary["steps"] < 5 and [c["client"] for c in summary["clients"]] == [0, 1, 2]
+    assert sorted(summary["params"]) == ["f@0", "f@1", "f@2", "g"] and "final_loss" not in summary
+
+
+def test_a_run_of_several_clients_in_one_process_stops_on_a_signal_between_rounds(tmp_path):
+    """``check_stop`` is called after each round too (the CLI's SIGTERM handler would otherwise only set a flag
+    nobody reads): the run ends there, its summary saying ``stopped`` after those rounds."""
+    from distgrad.errors import Interrupted
+
+    def stop() -> None:
+        raise Interrupted(15)
+
+    with pytest.raises(Interrupted):
+        train_in_process(load_experiment("digits-clients"), steps=50, summary_path=tmp_path / "s.json",
+                         check_stop=stop)
+    summary = read_json(tmp_path / "s.json")
+    assert (summary["status"], summary["steps"]) == ("stopped", 1)

@@ -59,3 +59,20 @@ def test_the_privacy_meter_of_an_experiment_without_batches_is_refused_not_ignor
     result = run_main(["run", "seed-reverse", "--privacy-meter", "--steps", "2", *mode])
     assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
     assert "'privacy_meter' (or --privacy-meter) scores a batch of rows" in result.stderr
+
+
+def test_a_tensorboard_folder_that_is_a_file_or_an_output_is_refused_before_any_stage_starts(tmp_path):
+    """``--tensorboard FILE`` failed the label owner as it started ('Not a directory'), and ``--tensorboard tb
+    --summary tb/g`` lost the summary of a finished run (tb/g is g's event folder): each exits 2 before any
+    stage starts, naming the folder; the file is kept."""
+    pytest.importorskip("tensorboardX")
+    afile = tmp_path / "afile"
+    afile.write_text("kept\n")
+    result = run_launcher(["run", "seed-reverse", "--steps", "2", "--tensorboard", afile])
+    assert result.returncode == EXIT_USAGE and f"{afile} is a file, not a folder" in result.stderr, result.stderr
+    assert afile.read_text() == "kept\n" and "[g]" not in result.stdout + result.stderr
+    board = tmp_path / "tb"
+    result = run_launcher(["run", "seed-reverse", "--steps", "2", "--tensorboard", board, "--summary", board / "g"])
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert f"--summary {board / 'g'} is the folder --tensorboard gives process g's event files" in result.stderr
+    assert not board.exists()

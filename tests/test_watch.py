@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -258,3 +259,92 @@ def test_plot_draws_non_finite_figures_written_as_text_and_a_meter_figure_withou
                        '{"step": 2, "loss": 0.4, "wall_s": 0.03, "label_recovery": 0.25}\n')
     assert run_main(["plot", metrics, "--out", tmp_path / "loss.png"]).returncode == 0
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_metrics_and_trace_lines_reach_the_file_as_each_is_written(tmp_path):
+    """A stage killed (SIGKILL) leaves in its metrics and trace files the line of every step it recorded, each
+    whole: each line is handed to the system as it is written, none held in a buffer until close."""
+    import numpy as np
+
+    from distgrad.run.progress import MetricsWriter
+    from distgrad.stage.records import TraceWriter
+
+    metrics, trace = MetricsWriter(tmp_path / "m.jsonl"), TraceWriter(tmp_path / "t.jsonl")
+    try:
+        for step in (1, 2, 3):
+            metrics.write({"step": step, "loss": 0.5, "wall_s": 0.01 * step})
+            trace.write(step, 0.5, {"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)})
+        for path in (tmp_path / "m.jsonl", tmp_path / "t.jsonl"):     # read as a killed writer leaves them
+            lines = path.read_text().splitlines()
+            assert [json.loads(line)["step"] for line in lines] == [1, 2, 3], path
+    finally:
+        metrics.close()
+        trace.close()
+
+
+def test_plot_draws_a_metrics_file_whose_last_line_a_killed_stage_cut_short(tmp_path):
+    """The last line cut short (no line end, not JSON) is left out with a warning; the steps before it are
+    drawn. A whole line that is not JSON is still refused (test above)."""
+    pytest.importorskip("matplotlib")
+    from distgrad.plot import read_metrics
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(GOOD_METRICS_LINE + '{"step": 2, "loss": 0.4, "wall_s": 0.02}\n{"step": 3, "lo')
+    assert [record["step"] for record in read_metrics(path)] == [1, 2]
+    result = run_main(["plot", path, "--out", tmp_path / "loss.png"])
+    assert result.returncode == 0 and "line 3 is cut short" in result.stderr, result.stderr
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    path.write_text(GOOD_METRICS_LINE.rstrip("\n"))          # one whole line without its line end is read
+    assert [record["step"] for record in read_metrics(path)] == [1]
+
+
+def test_plot_writes_its_image_whole_or_not_at_all_and_never_over_the_metrics(tmp_path, monkeypatch):
+    """A failure while drawing (here: the disk full mid-write) keeps the image that was there, with no
+    temporary file left; --out naming the metrics file itself is refused, the metrics kept."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from distgrad.errors import ConfigError
+    from distgrad.plot import plot_metrics
+
+    metrics, out = tmp_path / "m", tmp_path / "loss.png"
+    metrics.write_text(GOOD_METRICS_LINE)
+    out.write_bytes(b"the image of another run")
+
+    def full(self, target, **options):
+        if isinstance(target, Path):                 # drawn straight into the file named
+            with open(target, "wb") as f:
+                f.write(b"\x89PNG half")
+        else:
+            target.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        plot_metrics(metrics, out)
+    monkeypatch.undo()
+    assert out.read_bytes() == b"the image of another run" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss.png", "m"]
+    with pytest.raises(ConfigError, match="is the metrics file this command reads"):
+        plot_metrics(metrics, metrics)
+    assert metrics.read_text() == GOOD_METRICS_LINE
+
+
+def test_a_resumed_stage_keeps_the_metrics_lines_of_the_steps_its_checkpoint_holds(tmp_path):
+    """``--resume`` opened the metrics file anew, losing the lines of every step before the restart: it now keeps
+    them, up to the step it resumes (a line cut short by the kill and the lines of steps rolled back go)."""
+    from distgrad.run.progress import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 0.5, "wall_s": 0.1}) + "\n" for s in (1, 2, 3, 4))
+                    + '{"step": 5, "lo')
+    writer = MetricsWriter(path, append=True)
+    writer.rollback(3)
+    writer.write({"step": 4, "loss": 0.25, "wall_s": 0.2})
+    writer.close()
+    assert [(line["step"], line["loss"]) for line in map(json.loads, path.read_text().splitlines())] == [
+        (1, 0.5), (2, 0.5), (3, 0.5), (4, 0.25)]
+    writer = MetricsWriter(path, append=True)     # --resume that finds no checkpoint: a new run, an empty file
+    writer.rollback(0)
+    writer.close()
+    assert path.read_text() == ""

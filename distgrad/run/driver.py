@@ -18,6 +18,7 @@ report), ``driver_steps.DriverSteps`` (the step engines) and ``_Driver``
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -31,7 +32,7 @@ from distgrad.run.metering import by_owner
 from distgrad.run.options import PROGRESS_UPDATES, StageOptions, StopFlag
 from distgrad.run.protocol import shake_hands_again
 from distgrad.run.stage_state import finished_run, lock_checkpoint_dir, nothing_to_do
-from distgrad.stage.records import best_evaluation_fields, evaluation_fields
+from distgrad.stage.records import best_evaluation_fields, ending_fields, evaluation_fields
 from distgrad.stage.stage import Stage
 from distgrad.threads import one_compute_thread
 from distgrad.wire import messages as wire
@@ -52,9 +53,10 @@ class _Driver(DriverSteps):
         state = self.state
         self._start()
         started = time.perf_counter()
-        told = False
+        told = ended = False
         try:
             self._run()
+            ended = True
         except Interrupted:
             state.save()            # between steps the state is consistent: a restart continues here
             raise
@@ -79,6 +81,8 @@ class _Driver(DriverSteps):
         finally:
             try:
                 self._report()
+                if not ended:
+                    self._ended_summary(started, sys.exc_info()[1])
             finally:
                 state.close()
                 self.link.close(linger_ms=NOTICE_LINGER_MS if told else None)
@@ -141,6 +145,20 @@ class _Driver(DriverSteps):
                                   **({"evaluations": self.evaluations} if self.holds_out else {}),
                                   **best_evaluation_fields(self.evaluations, self.state.verdicts.best_step),
                                   **self._meter_fields(), **self._loss_fields())
+
+    def _ended_summary(self, started: float, error: BaseException | None) -> None:
+        """A run that ends on ``error`` still writes its summary (``--summary``): the steps applied, their last
+        loss and the parameters, with ``status`` and ``error`` (``records.ending_fields``). Best effort: the
+        error is what the stage ends with, so a summary that cannot be written is only logged."""
+        if error is None or self.opts.summary_path is None:
+            return
+        try:
+            self.state.summary(ending_fields(error)["status"], started, self.loss, error=str(error),
+                               micro_batches=self.opts.micro_batches,
+                               **({"evaluations": self.evaluations} if self.holds_out else {}),
+                               **self._meter_fields(), **self._loss_fields())
+        except Exception as e:     # noqa: BLE001 - the run's own error is the one to raise
+            self.log.error("the summary of the run that ended could not be written: %s", e)
 
     def _meter_fields(self) -> dict[str, Any]:
         """The summary's fields of this data owner's meter and guard; in a run of several data owners

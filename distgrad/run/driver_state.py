@@ -25,7 +25,7 @@ from distgrad.run import handshake
 from distgrad.run.autostaleness import LinkProbe
 from distgrad.run.metering import Guarding, Metering, step_rows
 from distgrad.run.options import StageOptions, StopFlag
-from distgrad.run.progress import Progress, step_writers
+from distgrad.run.progress import MetricsWriter, Progress, step_writers
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.stage_state import StageState
 from distgrad.stage.stage import backward_specs
@@ -70,7 +70,8 @@ class DriverState:
         self.reply_specs = backward_specs(self.state.stage, opts.micro_batches, exp.codecs[GRADIENT])
         self.below = exp.downstream(opts.stage)         # the stage replying, named in errors about its replies
         self.traffic = Traffic()
-        self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir)   # metrics file, TensorBoard
+        # metrics file, TensorBoard; with --resume the metrics lines stay until _start knows which steps stand
+        self.writers = step_writers(opts.metrics_path, opts.tensorboard_dir, append=opts.resume)
         self.progress = Progress(opts.progress, self.steps)
         self.eval_every = opts.evaluate_every
         self.holds_out = len(self.data.test_rows) > 0
@@ -156,16 +157,25 @@ class DriverState:
         state = self.state
         if not (self.opts.resume and state.resume_latest()):
             state.begin(uuid.uuid4().hex)
+            self._keep_metrics(0)
             return
         self._check_resumed_staleness()
         self._check_resumed_micro_batches()
         state.open_trace(append=True)
+        self._keep_metrics(state.stage.step)
         self.loss_withheld = state.resumed_meta.get("training_loss") == wire.LOSS_WITHHELD
         saved = state.resumed_meta.get("evaluations", [])
         self.evaluations = [dict(e) for e in saved if isinstance(e, dict) and isinstance(e.get("step"), int)
                             and e["step"] <= state.stage.step] if isinstance(saved, list) else []
         if state.verdicts.stopped_at:       # early stopping ended the run there before the kill
             self.steps = min(self.steps, state.verdicts.stopped_at)
+
+    def _keep_metrics(self, step: int) -> None:
+        """The metrics file (kept by ``--resume``) holds the lines of the steps up to ``step`` only: those the
+        resumed checkpoint holds (0: a new run, an empty file)."""
+        for writer in self.writers:
+            if isinstance(writer, MetricsWriter):
+                writer.rollback(step)
 
     def _leaked(self, step: int, figures: dict[str, float]) -> None:
         """A window of the privacy meter closed after ``step``: its figures go with that step's record."""
@@ -192,6 +202,7 @@ class DriverState:
         self.in_flight, self.pending = {}, {}      # steps in flight are sent again from the common step
         if common in held:
             self.state.rollback(common)
+            self._keep_metrics(common)                      # as the trace: the lines of steps redone go
             self.state.history.rewind(self.state.stage)     # as before the first of them
         else:
             # Dropped by the serving stage of several clients: go on from here at its next step.

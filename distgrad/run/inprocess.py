@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AbstractSet, Any, Iterator, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,11 +25,12 @@ from distgrad.config.defended import (attach_dp_sgd, budget_text, check_meter_fl
                                       privacy_budget, row_defense)
 from distgrad.config.experiment import Experiment, check_held_out, check_run_settings, client_stage_name
 from distgrad.model.nn import Grads
+from distgrad.errors import OutputWriteError
 from distgrad.privacy.releases import fresh_secret
 from distgrad.run.protocol import evaluation_due
 from distgrad.run.metering import Guarding, Metering, PeerMeters, by_owner, step_rows
 from distgrad.privacy.meter import INPUTS, LABELS
-from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, evaluation_entry,
+from distgrad.stage.records import (TraceWriter, best_evaluation_fields, check_trace_filter, ending_fields, evaluation_entry,
                                     evaluation_fields, kept_test_fields, loss_text, scores_text, to_lists,
                                     write_json, write_preparation)
 from distgrad.stage.selection import Selection, Verdicts
@@ -413,7 +414,7 @@ class _Federation:
     def summary(self, micro_batches: int, started: float, cpu_started: float) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds), timed from ``started``
         (``time.perf_counter``) and ``cpu_started`` (``time.process_time``)."""
-        exp, steps, (first_name, last_name) = self.exp, self.steps, self.names
+        exp, steps = self.exp, self.steps
         return {
             "experiment": exp.name, "steps": steps, "seed": self.seed, "micro_batches": micro_batches,
             "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
@@ -423,15 +424,20 @@ class _Federation:
                              held_out=_ledgers([self.pairs[0][0]]),      # every client evaluates as often
                              mixing=batch_mixing_of([self.last_engine.stage])),
             **owners_fields(self.owned, self.peer_meters),
-            "params": {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(self.clients)},
-                       last_name: to_lists(self.last.params)},
+            "params": self.params(),
         }
+
+    def params(self) -> dict[str, Any]:
+        """Every client's first stage's parameters (``f@K``) and the last stage's, for the summary."""
+        first_name, last_name = self.names
+        return {**{client_stage_name(first_name, c): to_lists(s.params) for c, s in enumerate(self.clients)},
+                last_name: to_lists(self.last.params)}
 
 
 def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                      summary_path: str | Path | None, micro_batches: int, lines: _TraceLines,
                      files: _ParameterFiles, eval_every: int, noise_secret: int | None = None,
-                     privacy_meter: bool = False) -> dict[str, Any]:
+                     privacy_meter: bool = False, check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
     """Several data owners against one serving stage, in the order the serving stage applies them.
 
     Every step, client 0, 1, ... in turn: its forward, the serving stage's
@@ -442,19 +448,44 @@ def _train_federated(exp: Experiment, steps: int, seed: int, init: Mapping[str, 
     """
     run = _Federation(exp, steps, seed, init, lines, files, eval_every, noise_secret, privacy_meter)
     started, cpu_started = time.perf_counter(), time.process_time()
-    for step in range(1, steps + 1):
-        run.step(step, micro_batches)
-        lines.flush()
-        if evaluation_due(step, steps, eval_every):
-            run.evaluate(step)
-        if step % max(1, steps // 10) == 0 or step == steps:
-            log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in run.losses))
-    run.evaluate_test()
+    done = 0
+    try:
+        for step in range(1, steps + 1):
+            run.step(step, micro_batches)
+            done = step
+            lines.flush()
+            if check_stop is not None:
+                check_stop()            # a signal between rounds: the run ends here, its summary says so
+            if evaluation_due(step, steps, eval_every):
+                run.evaluate(step)
+            if step % max(1, steps // 10) == 0 or step == steps:
+                log.info("step %d/%d losses %s", step, steps, " ".join(loss_text(loss) for loss in run.losses))
+        run.evaluate_test()
+    except BaseException as e:      # the summary still says how the run ended (as ``_Reference.write_ended``)
+        write_ended(summary_path, {
+            "experiment": exp.name, "steps": done, "seed": seed, "micro_batches": micro_batches,
+            "elapsed_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "mode": "in-process", "clients": [{"client": c, "steps": done, "final_loss": loss if done else None}
+                                              for c, loss in enumerate(run.losses)],
+            "params": run.params()}, e)
+        raise
     run.save()
     summary = run.summary(micro_batches, started, cpu_started)
     if summary_path is not None:
         write_json(summary_path, summary)
     return summary
+
+
+def write_ended(summary_path: str | Path | None, summary: dict[str, Any], error: BaseException) -> None:
+    """``summary`` of a run that ended on ``error``, with its ``status`` and ``error`` (``records.ending_fields``),
+    written to ``summary_path`` when given. Best effort: ``error`` is what the run ends with, so a write that
+    fails is only logged."""
+    if summary_path is None:
+        return
+    try:
+        write_json(summary_path, {**summary, **ending_fields(error)})
+    except OutputWriteError as e:
+        log.error("the summary of the run that ended could not be written: %s", e)
 
 
 def _holds_out(stage: str, data: Any, eval_every: int) -> bool:
@@ -516,6 +547,9 @@ class _Reference:
     (``applied``) and scores the held-out rows when due (``evaluate``), ``save`` writes the parameters,
     ``summary`` is what ``train_in_process`` returns (``finish``: both, and the summary written). The settings
     are checked by the caller."""
+
+    applied_steps = 0                                   # the steps every stage has applied so far
+    check_stop: Callable[[], None] | None = None        # may raise to end the run between steps
 
     def __init__(self, exp: Experiment, steps: int, seed: int, init: Mapping[str, float] | None,
                  files: _ParameterFiles, lines: _TraceLines, micro_batches: int, staleness: int, eval_every: int,
@@ -591,6 +625,7 @@ class _Reference:
             else:
                 self.loss = _step(self.engines, step, data.features(step), _labelled(exp, data, labels, step)[0],
                                   self.micro_batches)
+            self.applied_steps = step
             yield step
 
     def train(self) -> None:
@@ -600,6 +635,8 @@ class _Reference:
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         for step in self.applied():
             self.lines.flush(upto=step)
+            if self.check_stop is not None:
+                self.check_stop()           # a signal between steps: Interrupted, the run's summary says so
             if step % log_every == 0 or step == self.steps:
                 log.info("step %d/%d loss %s", step, self.steps, loss_text(self.loss))
             if self.holds_out and evaluation_due(step, self.steps, self.eval_every) and self.evaluate(step):
@@ -669,6 +706,20 @@ class _Reference:
             write_json(summary_path, summary)
         return summary
 
+    def write_ended(self, summary_path: str | Path | None, error: BaseException) -> None:
+        """The summary of a run that ended on ``error`` before its last step, written to ``summary_path`` (when
+        given): the steps every stage applied, the last one's loss, the evaluations taken and the parameters,
+        with ``status`` and ``error`` (``records.ending_fields``); no privacy figures (the run did not end
+        as planned). Best effort: ``error`` is what the run ends with, so a write that fails is only logged."""
+        write_ended(summary_path, {
+            "experiment": self.exp.name, "steps": self.applied_steps, "seed": self.seed,
+            "micro_batches": self.micro_batches,
+            "final_loss": float(self.loss) if self.loss is not None and self.applied_steps else None,
+            "elapsed_s": time.perf_counter() - self.started, "cpu_s": time.process_time() - self.cpu_started,
+            "mode": "in-process", **({"evaluations": self.evaluations} if self.holds_out else {}),
+            "params": {s.name: to_lists(s.params) for s in self.stages},
+        }, error)
+
     def summary(self) -> dict[str, Any]:
         """The run's summary (``train_in_process`` says what it holds)."""
         exp, steps, evaluations = self.exp, self.steps, self.evaluations
@@ -683,6 +734,7 @@ class _Reference:
             "elapsed_s": time.perf_counter() - self.started,
             "cpu_s": time.process_time() - self.cpu_started,
             "mode": "in-process",
+            "status": "completed",      # as a run in processes says it (one that ends early: ``write_ended``)
             **evaluation_fields(self.evaluation),
             **({"evaluations": evaluations} if self.holds_out else {}),
             **self.verdicts.summary(),
@@ -701,10 +753,10 @@ class _Reference:
 def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None = None,
                      init: Mapping[str, float] | None = None, summary_path: str | Path | None = None,
                      trace_path: str | Path | None = None, micro_batches: int = 1,
-                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1,
-                     eval_every: int | None = None, save_dir: str | Path | None = None,
-                     load_dir: str | Path | None = None, staleness: int | None = None,
-                     privacy_meter: bool = False, noise_secret: int | None = None) -> dict[str, Any]:
+                     trace_params: AbstractSet[str] | None = None, trace_every: int = 1, eval_every: int | None = None,
+                     save_dir: str | Path | None = None, load_dir: str | Path | None = None, staleness: int | None = None,
+                     privacy_meter: bool = False, noise_secret: int | None = None,
+                     check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train every stage of ``exp`` in this process and return the summary dict.
 
     With ``micro_batches`` M, each batch is split into M equal micro-batches
@@ -733,6 +785,7 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
     ``noise_secret``: for tests and for reproducing one run of stage processes only: the secret every
     defense draws its noise and its randomized labels (``label_dp``) from (``privacy.releases.fresh_secret``;
     None: a fresh one, as each stage process draws for each run, or ``DISTGRAD_NOISE_SECRET`` when set).
+    ``check_stop``: called after each step, may raise to end the run; the summary then says how (``write_ended``).
     """
     steps, seed, eval_every, staleness = _checked_settings(exp, steps, seed, micro_batches, init, eval_every, staleness,
                                                            privacy_meter, trace_params, trace_every, trace_path)
@@ -742,12 +795,23 @@ def train_in_process(exp: Experiment, steps: int | None = None, seed: int | None
         lines = _TraceLines(trace)
         if exp.federated:
             return _train_federated(exp, steps, seed, init, summary_path, micro_batches, lines, files, eval_every,
-                                    noise_secret, privacy_meter)
+                                    noise_secret, privacy_meter, check_stop)
         run = _Reference(exp, steps, seed, init, files, lines, micro_batches, staleness, eval_every, privacy_meter,
                          noise_secret)
+        _train_to_end(run, summary_path, check_stop)
+    return run.finish(summary_path)
+
+
+def _train_to_end(run: _Reference, summary_path: str | Path | None, check_stop: Callable[[], None] | None) -> None:
+    """``run`` trained and its test rows scored; on an error (a non-finite step, ``check_stop`` raising on a
+    signal) its summary says how it ended (``write_ended``) before the error is raised."""
+    run.check_stop = check_stop
+    try:
         run.train()
         run.evaluate_test()
-    return run.finish(summary_path)
+    except BaseException as e:
+        run.write_ended(summary_path, e)
+        raise
 
 
 def _checked_settings(exp: Experiment, steps: int | None, seed: int | None, micro_batches: int,

@@ -12,6 +12,7 @@ nothing is left behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,11 +20,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from distgrad.errors import ConfigError, InputGuardStop, StageError
+from distgrad.errors import ConfigError, DistgradError, InputGuardStop, StageError
 from distgrad.config.defended import check_meter_flag, metered
 from distgrad.config.experiment import check_run_settings, client_stage_name
 from distgrad.config.horizons import each_warning_once
@@ -31,8 +32,10 @@ from distgrad.config.parse import load_experiment, parse_init_overrides
 from distgrad.wire.keys import keygen
 from distgrad.run.progress import PROGRESS_PREFIX, render_bar
 from distgrad.threads import pin_blas_threads
-from distgrad.stage.records import (is_special, merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
+from distgrad.stage.records import (ended_summary, is_special, merge_client_summaries, merge_metrics, merge_summaries, merge_traces, read_json,
                                     write_json)
+
+log = logging.getLogger("distgrad")
 
 READY_TIMEOUT_S = 30.0      # how long the serving stage may take to bind
 GUARD_EXIT = 5              # a stage's exit code when its input_guard stopped it (distgrad.cli)
@@ -207,6 +210,7 @@ class LaunchPlan:
     exp: Any
     processes: list[PlannedProcess]
     metrics: dict[str, Path]        # process label -> the metrics file it writes
+    boards: dict[str, Path] = field(default_factory=dict)   # process label -> its TensorBoard folder
 
     @property
     def drivers(self) -> list[PlannedProcess]:
@@ -326,7 +330,11 @@ def _launch(plan: LaunchPlan, out: IO[str], check_stop: Callable[[], None], prog
     """Run ``plan``: its output files checked (``_check_outputs``), its processes started and watched to their
     end (``_start_and_watch``), and the merged summary returned (``_collect``)."""
     _check_outputs(plan, summary_path, trace_path, metrics_path)
-    _start_and_watch(plan, out, check_stop, progress_bar)
+    try:
+        _start_and_watch(plan, out, check_stop, progress_bar)
+    except BaseException as e:      # a stage failed, a peer was lost, a signal: the files still say so
+        _collect_ended(plan, transport, summary_path, trace_path, metrics_path, e)
+        raise
     return _collect(plan, transport, summary_path, trace_path, metrics_path)
 
 
@@ -339,8 +347,26 @@ def _check_outputs(plan: LaunchPlan, summary_path: str | Path | None, trace_path
 
     beside = [(f"--metrics of process {label} ({path.name}, beside --metrics)", path)
               for label, path in plan.metrics.items() if metrics_path is None or path != Path(metrics_path)]
-    check_outputs([("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path),
-                            *beside])
+    outputs = [("--summary", summary_path), ("--trace", trace_path), ("--metrics", metrics_path), *beside]
+    check_outputs(outputs)
+    _check_boards(plan.boards, outputs)
+
+
+def _check_boards(boards: Mapping[str, Path], outputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """``ConfigError`` when a process's ``--tensorboard`` folder (``boards``) could not be made: it, or a folder
+    above it, is a file (``--tensorboard FILE``), or it is one of the files of ``outputs`` (``--tensorboard tb
+    --summary tb/g``): the run would end with that stage's failure, or with its summary lost."""
+    for label, folder in boards.items():
+        above = folder
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise ConfigError(f"--tensorboard {folder.parent if above != folder else folder}: "
+                              f"{above} is a file, not a folder (process {label} writes its event files in {folder})")
+        for what, path in outputs:
+            if path is not None and Path(path).resolve() == folder.resolve():
+                raise ConfigError(f"{what} {path} is the folder --tensorboard gives process {label}'s event files; "
+                                  f"name another file")
 
 
 def _check_launch(exp: Any, steps: int | None, seed: int | None, init: str | None, privacy_meter: bool,
@@ -407,7 +433,7 @@ def plan_processes(exp: Any, experiment: str | Path | Sequence[str | Path], tmp:
         bind = None if driving else ("tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{label}.sock")
         planned.append(PlannedProcess(label, stage, _stage_source(exp, stage, experiment), client, flags, summary,
                                       trace_file, bind, None if driving else tmp / f"{label}.ready", shown))
-    return LaunchPlan(exp, planned, metrics)
+    return LaunchPlan(exp, planned, metrics, boards)
 
 
 def _start_and_watch(plan: LaunchPlan, out: IO[str], check_stop: Callable[[], None], progress_bar: bool) -> None:
@@ -456,6 +482,38 @@ def _collect(plan: LaunchPlan, transport: str, summary_path: str | Path | None, 
     if exp.federated and metrics_path is not None:
         merge_metrics([plan.metrics[p.label] for p in plan.drivers], metrics_path, list(range(exp.clients.count)))
     return summary
+
+
+def _collect_ended(plan: LaunchPlan, transport: str, summary_path: str | Path | None,
+                   trace_path: str | Path | None, metrics_path: str | Path | None, error: BaseException) -> None:
+    """After a run ended on ``error`` (every process stopped): ``summary_path`` gets a summary saying how it
+    ended (``records.ended_summary``: ``status``, ``error``, and the figures of the processes that wrote a
+    summary), and ``trace_path`` and, with several clients, ``metrics_path`` the lines the processes wrote
+    (those that wrote a file). Best effort: a file that cannot be written is logged, and ``error`` is what
+    the command ends with."""
+    exp, processes = plan.exp, plan.processes
+    mode = "two-process" if len(processes) == 2 else f"{len(processes)}-process"
+    parts, clients = [], {}
+    for process in processes:
+        try:
+            parts.append(read_json(process.summary))
+        except (OSError, ValueError):       # none written (the process was killed, or failed before it)
+            continue
+        if exp.federated and process.client is not None:
+            clients[process.client] = parts[-1]
+    written = [p for p in processes if p.trace.is_file()]
+    metrics = [(plan.metrics[p.label], k) for k, p in enumerate(plan.drivers)
+               if p.label in plan.metrics and Path(plan.metrics[p.label]).is_file()]
+    try:
+        if summary_path is not None:
+            write_json(summary_path, ended_summary(parts, exp.name, error, clients if exp.federated else None,
+                                                      mode=mode, transport=transport))
+        if trace_path is not None and written:
+            merge_traces([p.trace for p in written], trace_path, [p.client for p in written], cut_short=True)
+        if exp.federated and metrics_path is not None and metrics:
+            merge_metrics([path for path, _ in metrics], metrics_path, [k for _, k in metrics], cut_short=True)
+    except (DistgradError, OSError) as e:
+        log.error("the files of the run that ended could not all be written: %s", e)
 
 
 def stage_metrics_path(metrics_path: Path, name: str) -> Path:

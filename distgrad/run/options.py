@@ -47,10 +47,14 @@ def check_wait(name: str, value: Any) -> float:
     return value
 
 
-def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
+def check_outputs(outputs: Sequence[tuple[str, str | Path | None]],
+                  inputs: Sequence[tuple[str, str | Path]] = ()) -> None:
     """``ConfigError``, before anything runs, for ``outputs`` (what writes it, e.g. ``--summary``, and its path;
     None: not written) that could not all be written: two of them one file (each would overwrite the other, one
-    would be lost), a path that is a folder, or one whose folder cannot be made or written (a file in its way)."""
+    would be lost), one of them a file the command reads (``inputs``: what it is, e.g. ``the trace``, and its
+    path; writing it would destroy it), a path that is a folder, or one whose folder cannot be made or written
+    (a file in its way)."""
+    check_not_read(outputs, inputs)
     seen: dict[Path, str] = {}
     for what, path in outputs:
         if path is None:
@@ -65,6 +69,17 @@ def check_outputs(outputs: Sequence[tuple[str, str | Path | None]]) -> None:
     for what, path in outputs:
         if path is not None:
             _check_writable(what, Path(path))
+
+
+def check_not_read(outputs: Sequence[tuple[str, str | Path | None]], inputs: Sequence[tuple[str, str | Path]]) -> None:
+    """``ConfigError`` when one of ``outputs`` (``check_outputs``) is one of the files the command reads
+    (``inputs``: what it is, e.g. ``the trace``, and its path): writing it would destroy it."""
+    for what, path in outputs:
+        for read, source in inputs:
+            if path is not None and Path(path).is_file() and Path(source).is_file() \
+                    and os.path.samefile(path, source):
+                raise ConfigError(f"{what} {path} is {read} this command reads: writing it would destroy it; "
+                                  f"name another file")
 
 
 def _check_writable(what: str, path: Path) -> None:

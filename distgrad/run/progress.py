@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
 from distgrad.jsontext import json_text
-from distgrad.errors import ConfigError
+from distgrad.errors import ConfigError, OutputWriteError
 from distgrad.privacy.meter import METER_FIGURES
 from distgrad.stage.engine import StepRecord
-from distgrad.stage.records import writing
+from distgrad.stage.records import is_special, read_trace, write_atomic, writing
 from distgrad.wire.messages import LOSS_WITHHELD
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
@@ -113,23 +113,49 @@ class MetricsWriter:
     wait times (seconds), and the held-out ``test_loss``, ``test_accuracy`` and the label owner's other
     ``test_NAME`` scores on the lines of the steps that evaluated (a serving stage's lines: ``StageRecords``)."""
 
-    def __init__(self, path: Path | None) -> None:
-        """Raises ``OutputWriteError`` naming ``path`` when it cannot be written (as do ``write`` and ``close``)."""
+    def __init__(self, path: Path | None, append: bool = False) -> None:
+        """Raises ``OutputWriteError`` naming ``path`` when it cannot be written (as do ``write`` and ``close``).
+        ``append`` (a stage started with ``--resume``) keeps the lines there until ``rollback`` says which stand."""
         self._file: IO[str] | None = None
         self.path = path
         if path is not None:
             with writing(path, "the metrics"):
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(path, "w", encoding="utf-8")
+                # a line at a time: a stage killed (SIGKILL) leaves the line of every step it recorded, and whole
+                self._file = open(path, "a" if append else "w", encoding="utf-8", buffering=1)
+
+    def rollback(self, step: int) -> None:
+        """Keep only the lines of steps up to ``step`` (a resumed run's: the steps its checkpoint holds; 0: a new
+        run), and a line cut short by a kill dropped; the file is replaced whole (``write_atomic``)."""
+        if self._file is None or self.path is None or is_special(self.path):
+            return
+        file, self._file = self._file, None
+        with writing(self.path, "the metrics"):
+            file.close()
+            kept = [line for line in read_trace(self.path, tolerate_torn=True)
+                    if isinstance(line, dict) and isinstance(line.get("step"), int) and line["step"] <= step]
+            text = "".join(json_text(line, separators=(",", ":")) + "\n" for line in kept).encode("utf-8")
+            write_atomic(self.path, lambda f: f.write(text))
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
 
     @property
     def enabled(self) -> bool:
         return self._file is not None
 
     def write(self, record: dict[str, Any]) -> None:
+        """One line; ``OutputWriteError`` when it cannot be written (disk full), after which the file is closed
+        (what it could not take is dropped, so ``close`` does not fail again)."""
         if self._file is not None:
-            with writing(self.path, "the metrics"):
-                self._file.write(json_text(record, separators=(",", ":")) + "\n")
+            try:
+                with writing(self.path, "the metrics"):
+                    self._file.write(json_text(record, separators=(",", ":")) + "\n")
+            except OutputWriteError:
+                file, self._file = self._file, None
+                try:
+                    file.close()
+                except OSError:
+                    pass            # the same failure, said once by the raise below
+                raise
 
     def close(self) -> None:
         file, self._file = self._file, None
@@ -208,10 +234,11 @@ class TensorBoardWriter:
             self._writer = None
 
 
-def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None) -> list[MetricsWriter | TensorBoardWriter]:
-    """Where each step's record goes: a metrics file, TensorBoard events, both or neither (only those
-    asked for). Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
-    writers: list[MetricsWriter | TensorBoardWriter] = [MetricsWriter(metrics_path)]
+def step_writers(metrics_path: Path | None, tensorboard_dir: Path | None,
+                 append: bool = False) -> list[MetricsWriter | TensorBoardWriter]:
+    """Where each step's record goes: a metrics file (``append``: ``MetricsWriter``'s), TensorBoard events,
+    both or neither (only those asked for). Raises ``ConfigError`` for ``tensorboard_dir`` without tensorboardX."""
+    writers: list[MetricsWriter | TensorBoardWriter] = [MetricsWriter(metrics_path, append)]
     try:
         writers.append(TensorBoardWriter(tensorboard_dir))
     except ConfigError:

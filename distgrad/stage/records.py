@@ -18,7 +18,7 @@ import numpy as np
 
 from distgrad.config.prepare import Preparation, preparation_path, preparation_text
 from distgrad.jsontext import json_text
-from distgrad.errors import ConfigError, OutputWriteError, StageError
+from distgrad.errors import ConfigError, Interrupted, OutputWriteError, PeerTimeout, StageError
 from distgrad.wire.messages import LOSS_WITHHELD
 
 TRACE_WARN_BYTES = 1 << 20      # a trace line larger than this gets one warning naming the filters
@@ -201,7 +201,8 @@ class TraceWriter:
         if self.path is not None:
             with writing(self.path, "the trace"):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+                # a line at a time: a stage killed (SIGKILL) leaves every traced step's line, and whole
+                self._file = open(self.path, "a" if append else "w", encoding="utf-8", buffering=1)
 
     def flush(self) -> None:
         """Make every line written so far durable (called before a checkpoint is saved)."""
@@ -223,7 +224,7 @@ class TraceWriter:
             kept = [line for line in read_trace(self.path, tolerate_torn=True) if line["step"] <= step]
             text = "".join(json_text(line, separators=(",", ":")) + "\n" for line in kept).encode("utf-8")
             write_atomic(self.path, lambda f: f.write(text))     # a crash keeps the old file
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
 
     @property
     def enabled(self) -> bool:
@@ -254,8 +255,16 @@ class TraceWriter:
             self._warned = True
             log.warning("the trace %s takes %.1f MB a step (every parameter and gradient as JSON); "
                         "--trace-params NAME,... and --trace-every K make it smaller", self.path, len(text) / 1e6)
-        with writing(self.path, "the trace"):
-            self._file.write(text)
+        try:
+            with writing(self.path, "the trace"):
+                self._file.write(text)
+        except OutputWriteError:        # disk full: closed now, what it could not take dropped (close is quiet)
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass                    # the same failure, said once by the raise below
+            raise
 
     def close(self) -> None:
         """Raises ``OutputWriteError`` when the last lines cannot be written; the file is closed all the same."""
@@ -302,10 +311,12 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _read_part(path: str | Path, what: str) -> list[dict[str, Any]]:
-    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one."""
+def _read_part(path: str | Path, what: str, cut_short: bool = False) -> list[dict[str, Any]]:
+    """The lines of one process's metrics or trace file; raises ``StageError`` naming a missing one. With
+    ``cut_short`` (the files of a run that ended on an error: a process may have been killed mid-line), a
+    line that does not parse is left out."""
     try:
-        return read_trace(path)
+        return read_trace(path, tolerate_torn=cut_short)
     except FileNotFoundError as e:
         raise StageError(f"no {what} file {path}: the stage that should have written it wrote none") from e
     except json.JSONDecodeError as e:
@@ -327,38 +338,44 @@ def _by_step_and_client(key: tuple[int, int | None]) -> tuple[int, int]:
 def _write_lines(out: str | Path, lines: Iterable[Mapping[str, Any]], what: str) -> None:
     """Raises ``OutputWriteError`` naming ``out``."""
     out = Path(out)
+
+    def write(f: IO[bytes]) -> None:
+        for line in lines:
+            f.write((json_text(line, separators=(",", ":")) + "\n").encode("utf-8"))
+
     with writing(out, what):
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            f.writelines(json_text(line, separators=(",", ":")) + "\n" for line in lines)
+        write_atomic(out, write)        # never seen half written, another run's file kept on a failure
 
 
-def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int]) -> None:
+def merge_metrics(paths: Sequence[str | Path], out: str | Path, clients: Sequence[int],
+                  cut_short: bool = False) -> None:
     """Join the clients' metrics files (``paths[k]`` is client ``clients[k]``'s) into ``out``:
     each line gains ``"client": K``, sorted by step then client. Raises ``StageError`` for a
-    missing or unreadable file."""
+    missing or unreadable file (``cut_short``: see ``_read_part``)."""
     merged = []
     for path, client in zip(paths, clients, strict=True):
-        for line in _read_part(path, "metrics"):
+        for line in _read_part(path, "metrics", cut_short):
             merged.append({**line, "client": _client_of(line, client, path)})
     merged.sort(key=lambda line: (line["step"], line["client"]))
     _write_lines(out, merged, "the metrics")
 
 
 def merge_traces(paths: Sequence[str | Path], out: str | Path,
-                 clients: Sequence[int | None] | None = None) -> None:
+                 clients: Sequence[int | None] | None = None, cut_short: bool = False) -> None:
     """Join per-process traces on (step, client): one line per step with every stage's values.
 
     ``clients[k]`` is the client whose lines ``paths[k]`` holds (None: lines of no client, or
     lines that say theirs in a ``client`` key, as the serving stage of several clients writes).
     Two stages or a chain give one line per step, as each stage's; several clients give one line
     per (step, client) with ``client``, that client's values and the serving stage's after its
-    turn. Sorted by step then client. Raises ``StageError`` for a missing file.
+    turn. Sorted by step then client. Raises ``StageError`` for a missing file (``cut_short``: see
+    ``_read_part``).
     """
     clients = [None] * len(paths) if clients is None else clients
     merged: dict[tuple[int, int | None], dict[str, Any]] = {}
     for path, client in zip(paths, clients, strict=True):
-        for line in _read_part(path, "trace"):
+        for line in _read_part(path, "trace", cut_short):
             who = _client_of(line, client, path)
             entry = merged.get((line["step"], who))
             if entry is None:
@@ -371,6 +388,42 @@ def merge_traces(paths: Sequence[str | Path], out: str | Path,
             if "loss" in line:
                 entry["loss"] = line["loss"]
     _write_lines(out, (merged[key] for key in sorted(merged, key=_by_step_and_client)), "the trace")
+
+
+def ending_fields(error: BaseException) -> dict[str, Any]:
+    """The summary fields of a run that ended on ``error`` instead of completing: ``status`` (``"stopped"`` by
+    a signal, ``"lost"`` when a peer stayed silent past its deadline, else ``"failed"``) and ``error``, the
+    message the command ended with."""
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        status = "stopped"
+    elif isinstance(error, PeerTimeout):
+        status = "lost"
+    else:
+        status = "failed"
+    return {"status": status, "error": str(error) or type(error).__name__}
+
+
+def ended_summary(parts: Sequence[Mapping[str, Any]], experiment: str, error: BaseException,
+                  clients: Mapping[int, Mapping[str, Any]] | None = None, **run: Any) -> dict[str, Any]:
+    """The summary of a run of several processes that ended on ``error``: the summaries the processes wrote
+    before they ended (``parts``, the driving stage's first; any may be missing) merged as a completed run's
+    are (``merge_summaries``), with the whole run's ``status`` and ``error`` (``ending_fields``) and ``run``
+    (e.g. ``mode``) over them; ``params`` are those of the processes that wrote one. With several clients
+    (``clients``: the summaries of those that wrote one, by client), each client's own figures
+    (``CLIENT_SUMMARY_FIELDS``, its scores) are in ``clients``, one entry per client that wrote one, as
+    ``merge_client_summaries`` puts them, and not at the top level."""
+    merged = merge_summaries(parts)
+    if clients is not None:
+        merged = {key: value for key, value in merged.items() if not _client_field(key)}
+        merged["clients"] = [{"client": k, **{key: value for key, value in summary.items() if _client_field(key)}}
+                             for k, summary in sorted(clients.items())]
+        # the rounds the serving stage completed, as a completed run's summary says them
+        merged["steps"] = merged.get("rounds", max((e.get("steps", 0) for e in merged["clients"]), default=0))
+    return {"experiment": experiment, **merged, **run, **ending_fields(error)}
+
+
+def _client_field(key: str) -> bool:
+    return key in CLIENT_SUMMARY_FIELDS or key.startswith(("test_", "validation_"))
 
 
 CLIENT_SUMMARY_FIELDS = ("run_id", "steps", "final_loss", "status", "evaluations")   # and every test_ score
