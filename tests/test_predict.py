@@ -4,7 +4,9 @@ label owner only; nothing but an acknowledgement travels back to the data owner.
 from __future__ import annotations
 
 import csv
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -29,6 +31,27 @@ def trained(tmp_path_factory) -> Path:
                            "--steps", "150", "--save", root / "halves", "--summary", root / "summary.json"])
     assert result.returncode == 0, result.stderr
     return root
+
+def _serving_in_thread(serve: Callable[[], Any], ready: Path) -> tuple[threading.Thread, list[BaseException]]:
+    """``serve`` (a label owner's ``serve_predictions``) in a daemon thread, returned once it is bound (its
+    ``ready`` file written; at most 30 s), with the list that gets what it raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve()
+        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted by the caller
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for _ in range(1500):
+        if ready.exists() or not thread.is_alive():
+            break
+        thread.join(0.02)
+    assert ready.exists(), raised
+    return thread, raised
+
 
 
 def _expected(root: Path, rows: np.ndarray) -> np.ndarray:
@@ -451,27 +474,15 @@ def test_a_vertical_prediction_a_party_never_joins_ends_naming_it_and_the_waitin
     """The label owner waits for every feature party's rows: one that never comes (or stops sending) is named
     after --peer-deadline, and a party whose bye waits for it is answered with that reason at once (it was
     left to wait out its own deadline and end on "no reply"). The label owner in a thread, over tcp."""
-    import threading
     from distgrad.errors import PeerRejected, PeerTimeout
     from distgrad.run.options import StopFlag
     from distgrad.run.predict import NewRows, send_predictions, serve_predictions
     exp = load_experiment("digits-halves")
     ready, output, raised = tmp_path / "g.ready", tmp_path / "out.npy", []
 
-    def label_owner() -> None:
-        try:
-            serve_predictions(StageOptions(exp, "g", exp.seed, peer_deadline_s=1.5, liveness_s=1.0),
-                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
-        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
-            raised.append(e)
-
-    thread = threading.Thread(target=label_owner, daemon=True)
-    thread.start()
-    for _ in range(1500):                   # at most 30 s for the label owner to bind
-        if ready.exists() or not thread.is_alive():
-            break
-        thread.join(0.02)
-    assert ready.exists(), raised
+    thread, raised = _serving_in_thread(
+        lambda: serve_predictions(StageOptions(exp, "g", exp.seed, peer_deadline_s=1.5, liveness_s=1.0),
+                                  "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready), ready)
     rows = NewRows(exp.build_data(stage="left").test_features()[:5])
     with pytest.raises(PeerRejected, match=r"party right has not joined \(no hello accepted\) for 1\.5 s") as info:
         send_predictions(StageOptions(exp, "left", exp.seed, timeout_s=0.5, liveness_s=1.0, peer_deadline_s=15),
@@ -727,19 +738,11 @@ def test_a_data_owner_that_fails_after_its_hello_stops_the_label_owner_naming_it
     """The data owner's stage fails on its second chunk (after its hello was accepted): it tells the label
     owner, naming its run, and the label owner stops at once (PredictionAborted) rather than waiting out its
     60 s deadline. The label owner in a thread, over tcp."""
-    import threading
     from distgrad.errors import StageError
     from distgrad.run.options import StopFlag
     from distgrad.run.predict import NewRows, PredictionAborted, send_predictions, serve_predictions
     exp = load_experiment("digits")
     ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
-
-    def label_owner() -> None:
-        try:
-            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False), "tcp://127.0.0.1:*", output,
-                              StopFlag(), ready_file=ready)
-        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
-            raised.append(e)
 
     def failing_stage() -> Stage:
         stage, forward, calls = Stage.from_experiment(exp, "f"), None, []
@@ -752,13 +755,9 @@ def test_a_data_owner_that_fails_after_its_hello_stops_the_label_owner_naming_it
         forward, stage.forward = stage.forward, fails_second      # type: ignore[method-assign]
         return stage
 
-    thread = threading.Thread(target=label_owner, daemon=True)
-    thread.start()
-    for _ in range(1500):                   # at most 30 s for the label owner to bind
-        if ready.exists() or not thread.is_alive():
-            break
-        thread.join(0.02)
-    assert ready.exists(), raised
+    thread, raised = _serving_in_thread(
+        lambda: serve_predictions(StageOptions(exp, "g", exp.seed, trains=False),
+                                  "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready), ready)
     with pytest.raises(StageError, match="second chunk"):
         send_predictions(StageOptions(exp, "f", exp.seed, trains=False, stage_factory=failing_stage),
                          ready.read_text(), NewRows(np.ones((40, 64), np.float32)), StopFlag())
@@ -814,7 +813,6 @@ def test_a_data_owner_whose_load_file_is_damaged_tells_the_label_owner(tmp_path:
     """A damaged --load fails the data owner's options, before it reads a row: it tells the label owner all
     the same, which stops at once naming it rather than waiting out its deadline. The label owner in a
     thread, over tcp; the data owner through the CLI in this process."""
-    import threading
     from distgrad.run.options import StopFlag
     from distgrad.run.predict import PredictionAborted, serve_predictions
     exp = load_experiment("digits")
@@ -822,20 +820,9 @@ def test_a_data_owner_whose_load_file_is_damaged_tells_the_label_owner(tmp_path:
     (tmp_path / "damaged.npz").write_bytes((tmp_path / "f.npz").read_bytes()[:1000])
     ready, output, raised = tmp_path / "g.ready", tmp_path / "out.csv", []
 
-    def label_owner() -> None:
-        try:
-            serve_predictions(StageOptions(exp, "g", exp.seed, trains=False, peer_deadline_s=60),
-                              "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready)
-        except BaseException as e:        # noqa: BLE001 - the thread's outcome, asserted below
-            raised.append(e)
-
-    thread = threading.Thread(target=label_owner, daemon=True)
-    thread.start()
-    for _ in range(1500):                   # at most 30 s for the label owner to bind
-        if ready.exists() or not thread.is_alive():
-            break
-        thread.join(0.02)
-    assert ready.exists(), raised
+    thread, raised = _serving_in_thread(
+        lambda: serve_predictions(StageOptions(exp, "g", exp.seed, trains=False, peer_deadline_s=60),
+                                  "tcp://127.0.0.1:*", output, StopFlag(), ready_file=ready), ready)
     result = run_main(["predict", "digits", "--stage", "f", "--load", tmp_path / "damaged.npz", "--connect",
                        ready.read_text()])
     assert result.returncode == 2 and "damaged.npz" in result.stderr, result.stderr

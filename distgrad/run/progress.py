@@ -21,7 +21,7 @@ from distgrad.jsontext import json_text
 from distgrad.errors import ConfigError, OutputWriteError
 from distgrad.privacy.meter import METER_FIGURES
 from distgrad.stage.engine import StepRecord
-from distgrad.stage.records import is_special, read_trace, write_atomic, writing
+from distgrad.stage.records import close_after_failure, is_special, read_trace, write_atomic, writing
 from distgrad.wire.messages import LOSS_WITHHELD
 
 REDRAW_S = 0.1           # shortest time between two redraws of the bar
@@ -151,10 +151,7 @@ class MetricsWriter:
                     self._file.write(json_text(record, separators=(",", ":")) + "\n")
             except OutputWriteError:
                 file, self._file = self._file, None
-                try:
-                    file.close()
-                except OSError:
-                    pass            # the same failure, said once by the raise below
+                close_after_failure(file)
                 raise
 
     def close(self) -> None:

@@ -181,6 +181,15 @@ def parse_trace_params(text: str | None) -> frozenset[str] | None:
     return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
+def close_after_failure(file: IO[str]) -> None:
+    """Close ``file`` after a write to it failed (``OutputWriteError``: disk full): what it could not take is
+    dropped, and the same failure is not raised a second time (the caller raises the first)."""
+    try:
+        file.close()
+    except OSError:
+        pass
+
+
 class TraceWriter:
     """Writes one JSON line per traced step; a no-op when ``path`` is None.
 
@@ -260,10 +269,7 @@ class TraceWriter:
                 self._file.write(text)
         except OutputWriteError:        # disk full: closed now, what it could not take dropped (close is quiet)
             file, self._file = self._file, None
-            try:
-                file.close()
-            except OSError:
-                pass                    # the same failure, said once by the raise below
+            close_after_failure(file)
             raise
 
     def close(self) -> None:
